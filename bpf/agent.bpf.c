@@ -1,0 +1,469 @@
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+/*
+ * The real-server agent: tc ingress + tc egress on the server's interface and
+ * a tracepoint on TCP state changes. See "Real-server agent walk (tc)" in
+ * docs/architecture.md.
+ *
+ * Packet access goes through bpf_skb_load_bytes/bpf_skb_store_bytes rather
+ * than direct packet pointers: at tc the headers of a non-linear skb need not
+ * sit in the linear area, and the copies are a few dozen bytes.
+ */
+#include <linux/bpf.h>
+#include <linux/if_ether.h>
+#include <linux/in.h>
+#include <linux/ip.h>
+#include <linux/pkt_cls.h>
+#include <linux/tcp.h>
+#include <bpf/bpf_endian.h>
+#include <bpf/bpf_helpers.h>
+
+#include "inband/agent_maps.h"
+#include "inband/agent_skb.h"
+#include "inband/wire.h"
+
+/* GPL: bpf_fib_lookup is a GPL-only helper. */
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, INBAND_AGENT_MAX_SERVICES);
+	__type(key, __be16);
+	__type(value, struct inband_service);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} services SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, INBAND_AGENT_MAX_BALANCERS);
+	__type(key, __be32);
+	__type(value, __u8);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} balancers SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, INBAND_AGENT_FLOW_TABLE_SIZE);
+	__type(key, struct inband_conn_key);
+	__type(value, struct inband_dsr_flow);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dsr_flows SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, INBAND_AGENT_MAX_SERVICES);
+	__type(key, __u16);
+	__type(value, __s64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} active_conns SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, INBAND_AGENT_MAX_SERVICES);
+	__type(key, __u16);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} score_override SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, INBAND_AGENT_COUNTER_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agent_stats SEC(".maps");
+
+static __always_inline void count(__u32 counter)
+{
+	__u64 *v = bpf_map_lookup_elem(&agent_stats, &counter);
+
+	if (v)
+		*v += 1;
+}
+
+static __always_inline int malformed(void)
+{
+	count(INBAND_AGENT_MALFORMED);
+	return TC_ACT_OK;
+}
+
+/*
+ * Removes the inband option that starts right after the fixed header. The
+ * new checksum is computed before the packet is touched so that a failure
+ * leaves it exactly as it arrived.
+ */
+static __always_inline int strip_option(struct __sk_buff *skb, const struct iphdr *iph,
+					 const __u32 *opt, __u32 opt_len)
+{
+	struct iphdr new_hdr = *iph;
+	__s64 check;
+
+	new_hdr.ihl -= opt_len / 4;
+	new_hdr.tot_len = bpf_htons(bpf_ntohs(iph->tot_len) - opt_len);
+	check = ipv4_check_after(iph, &new_hdr, opt, opt_len, NULL, 0);
+	if (check < 0 || bpf_skb_adjust_room(skb, -(__s32)opt_len, BPF_ADJ_ROOM_NET, 0)) {
+		count(INBAND_AGENT_ADJUST_FAILED);
+		return TC_ACT_OK;
+	}
+	ipv4_store_header(skb, &new_hdr, (__u16)check);
+	return TC_ACT_OK;
+}
+
+SEC("tc")
+int agent_ingress(struct __sk_buff *skb)
+{
+	struct inband_dsr_flow *flow;
+	struct inband_conn_key key;
+	struct iphdr iph;
+	__u32 opt[2] = {};
+	__be16 ports[2];
+	__be16 h_proto;
+	__u32 hlen, tot;
+	__u8 *o = (__u8 *)opt;
+
+	if (bpf_skb_load_bytes(skb, offsetof(struct ethhdr, h_proto), &h_proto, sizeof(h_proto)) ||
+	    h_proto != bpf_htons(ETH_P_IP))
+		return TC_ACT_OK;
+	if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN, &iph, sizeof(iph)))
+		return malformed();
+	hlen = iph.ihl * 4;
+	tot = bpf_ntohs(iph.tot_len);
+	if (iph.version != 4 || hlen < INBAND_IPV4_MIN_HDR || tot < hlen ||
+	    INBAND_ETH_HLEN + tot > skb->len)
+		return malformed();
+	if (hlen == INBAND_IPV4_MIN_HDR)
+		return TC_ACT_OK;
+	/* The balancer sets DF; a fragment is nobody's inband packet, and later
+	 * fragments have no ports to check the service against. */
+	if (iph.frag_off & bpf_htons(IP_MF | IP_OFFSET))
+		return TC_ACT_OK;
+
+	if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + INBAND_IPV4_MIN_HDR, o, 2))
+		return malformed();
+	if (o[0] == IPOPT_END || o[0] == IPOPT_NOOP)
+		return TC_ACT_OK;
+	if (o[1] < 2 || o[1] > hlen - INBAND_IPV4_MIN_HDR)
+		return malformed();
+	if (o[0] == INBAND_OPT_CLIENT_TUPLE) {
+		if (o[1] != INBAND_OPT_CLIENT_TUPLE_LEN)
+			return malformed();
+	} else if (o[0] == INBAND_OPT_SCORE_REQUEST) {
+		if (o[1] != INBAND_OPT_SCORE_REQUEST_LEN)
+			return malformed();
+	} else {
+		return TC_ACT_OK;
+	}
+	if (iph.protocol != IPPROTO_TCP)
+		return TC_ACT_OK;
+	if (tot < hlen + sizeof(struct tcphdr) ||
+	    bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + hlen, ports, sizeof(ports)))
+		return malformed();
+
+	if (!bpf_map_lookup_elem(&services, &ports[1]))
+		return TC_ACT_OK;
+	/* Anyone can put a 155 on a packet; only a balancer's may steer where
+	 * this server sends its responses. */
+	if (!bpf_map_lookup_elem(&balancers, &iph.saddr)) {
+		count(INBAND_AGENT_UNTRUSTED_OPTION);
+		return TC_ACT_OK;
+	}
+
+	key.peer_addr = iph.saddr;
+	key.peer_port = ports[0];
+	key.local_port = ports[1];
+	if (o[0] == INBAND_OPT_CLIENT_TUPLE) {
+		struct inband_dsr_flow val = {};
+
+		if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + INBAND_IPV4_MIN_HDR, opt,
+				       INBAND_OPT_CLIENT_TUPLE_LEN))
+			return malformed();
+		__builtin_memcpy(&val.client_addr, o + 2, sizeof(val.client_addr));
+		__builtin_memcpy(&val.client_port, o + 6, sizeof(val.client_port));
+		if (!bpf_map_update_elem(&dsr_flows, &key, &val, BPF_ANY))
+			count(INBAND_AGENT_TUPLES_STORED);
+		return strip_option(skb, &iph, opt, INBAND_OPT_CLIENT_TUPLE_LEN);
+	}
+
+	if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + INBAND_IPV4_MIN_HDR, opt,
+			       INBAND_OPT_SCORE_REQUEST_LEN))
+		return malformed();
+	count(INBAND_AGENT_PROBES_SEEN);
+	flow = bpf_map_lookup_elem(&dsr_flows, &key);
+	if (flow) {
+		flow->score_requested = 1;
+	} else {
+		/* A connection the agent holds no tuple for (e.g. it started
+		 * after the SYN) still answers: its responses stay on the
+		 * balancer path, which is where the 125 has to go anyway. */
+		struct inband_dsr_flow val = { .score_requested = 1 };
+
+		bpf_map_update_elem(&dsr_flows, &key, &val, BPF_NOEXIST);
+	}
+	return strip_option(skb, &iph, opt, INBAND_OPT_SCORE_REQUEST_LEN);
+}
+
+/* Local port in host order: the key of active_conns and score_override. */
+static __always_inline __u16 current_score(__u16 port)
+{
+	__u32 *override = bpf_map_lookup_elem(&score_override, &port);
+	__s64 *active;
+
+	if (override)
+		return *override > 0xffff ? 0xffff : *override;
+	active = bpf_map_lookup_elem(&active_conns, &port);
+	if (!active || *active < 0)
+		return 0;
+	return *active > 0xffff ? 0xffff : *active;
+}
+
+static __always_inline int add_score(struct __sk_buff *skb, const struct iphdr *iph,
+				     struct inband_dsr_flow *flow, __u16 port)
+{
+	struct iphdr new_hdr = *iph;
+	__u32 opt = 0;
+	__s64 check;
+
+	/* No room left in a 60-byte header: the flag stays set and a later
+	 * packet of the connection answers instead. */
+	if (iph->ihl + INBAND_OPT_SCORE_LEN / 4 > INBAND_IPV4_MAX_HDR / 4) {
+		count(INBAND_AGENT_ADJUST_FAILED);
+		return TC_ACT_OK;
+	}
+	inband_encode_score((__u8 *)&opt, current_score(port));
+	new_hdr.ihl += INBAND_OPT_SCORE_LEN / 4;
+	new_hdr.tot_len = bpf_htons(bpf_ntohs(iph->tot_len) + INBAND_OPT_SCORE_LEN);
+	check = ipv4_check_after(iph, &new_hdr, NULL, 0, &opt, INBAND_OPT_SCORE_LEN);
+	if (check < 0 || bpf_skb_adjust_room(skb, INBAND_OPT_SCORE_LEN, BPF_ADJ_ROOM_NET, 0)) {
+		count(INBAND_AGENT_ADJUST_FAILED);
+		return TC_ACT_OK;
+	}
+	bpf_skb_store_bytes(skb, INBAND_ETH_HLEN + INBAND_IPV4_MIN_HDR, &opt, sizeof(opt),
+			    BPF_F_RECOMPUTE_CSUM);
+	ipv4_store_header(skb, &new_hdr, (__u16)check);
+	flow->score_requested = 0;
+	count(INBAND_AGENT_SCORES_SENT);
+	return TC_ACT_OK;
+}
+
+/*
+ * Lowers the MSS a SYN-ACK announces so that the client's full-sized segments
+ * still fit the path MTU once the balancer adds an option to them.
+ */
+static __always_inline void clamp_mss(struct __sk_buff *skb, __u32 l4_off, __u32 tcp_hlen)
+{
+	/* 8 bytes of slack past the 40 option bytes: the verifier cannot relate
+	 * i to opt_len, so reads at i + 3 are bounded by the array instead. */
+	__u8 opts[48] = {};
+	__u32 opt_len = tcp_hlen - sizeof(struct tcphdr);
+	__u32 i = 0;
+
+	if (tcp_hlen <= sizeof(struct tcphdr) || opt_len > 40)
+		return;
+	if (bpf_skb_load_bytes(skb, l4_off + sizeof(struct tcphdr), opts, opt_len))
+		return;
+	/* Every step advances i by at least one byte of at most 40. */
+	for (int n = 0; n < 40; n++) {
+		__u8 kind, len;
+
+		if (i >= opt_len || i >= 40)
+			return;
+		kind = opts[i];
+		if (kind == TCPOPT_EOL)
+			return;
+		if (kind == TCPOPT_NOP) {
+			i++;
+			continue;
+		}
+		if (i + 1 >= opt_len)
+			return;
+		len = opts[i + 1];
+		if (len < 2 || i + len > opt_len)
+			return;
+		if (kind == TCPOPT_MSS && len == TCPOLEN_MSS) {
+			__u16 mss = (__u16)opts[i + 2] << 8 | opts[i + 3];
+			__be16 old_be = bpf_htons(mss), new_be;
+
+			if (mss <= INBAND_OPT_MAX_LEN)
+				return;
+			new_be = bpf_htons(mss - INBAND_OPT_MAX_LEN);
+			bpf_skb_store_bytes(skb, l4_off + sizeof(struct tcphdr) + i + 2, &new_be,
+					    sizeof(new_be), 0);
+			bpf_l4_csum_replace(skb, l4_off + offsetof(struct tcphdr, check), old_be,
+					    new_be, sizeof(new_be));
+			count(INBAND_AGENT_MSS_CLAMPED);
+			return;
+		}
+		i += len;
+	}
+}
+
+static __always_inline int dsr(struct __sk_buff *skb, const struct iphdr *iph, __u32 hlen,
+			       const struct inband_service *svc,
+			       const struct inband_dsr_flow *flow, const __be16 *ports)
+{
+	struct bpf_fib_lookup fib = {};
+	__u32 l4_off = INBAND_ETH_HLEN + hlen;
+	__be32 old_addrs[2] = { iph->saddr, iph->daddr };
+	__be32 new_addrs[2] = { svc->vip_addr, flow->client_addr };
+	__be16 old_ports[2] = { ports[0], ports[1] };
+	__be16 new_ports[2] = { svc->vip_port, flow->client_port };
+	__s64 addr_diff, port_diff;
+	__u8 tcp_doff_flags[2];
+	long rc;
+
+	fib.family = INBAND_AF_INET;
+	fib.l4_protocol = IPPROTO_TCP;
+	fib.sport = svc->vip_port;
+	fib.dport = flow->client_port;
+	fib.tos = iph->tos;
+	/* tot_len = 0 makes the helper check the skb against the MTU itself,
+	 * which accepts GSO packets; the IPv4 total length of a GSO packet
+	 * exceeds any MTU and would send all bulk data via the balancer. */
+	fib.tot_len = 0;
+	fib.ifindex = skb->ifindex;
+	fib.ipv4_src = svc->vip_addr;
+	fib.ipv4_dst = flow->client_addr;
+	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), BPF_FIB_LOOKUP_OUTPUT);
+	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH) {
+		count(INBAND_AGENT_NO_ROUTE);
+		return TC_ACT_OK;
+	}
+	if (bpf_skb_load_bytes(skb, l4_off + 12, tcp_doff_flags, sizeof(tcp_doff_flags)))
+		return TC_ACT_OK;
+
+	addr_diff = bpf_csum_diff(old_addrs, sizeof(old_addrs), new_addrs, sizeof(new_addrs), 0);
+	port_diff = bpf_csum_diff((__be32 *)old_ports, sizeof(old_ports), (__be32 *)new_ports,
+				  sizeof(new_ports), 0);
+	if (addr_diff < 0 || port_diff < 0)
+		return TC_ACT_OK;
+	/* Addresses are in the pseudo-header: BPF_F_PSEUDO_HDR keeps the
+	 * partial checksum of a CHECKSUM_PARTIAL (GSO) skb right, where the
+	 * ports are summed later by the device and must not be added now. */
+	bpf_l4_csum_replace(skb, l4_off + offsetof(struct tcphdr, check), 0, addr_diff,
+			    BPF_F_PSEUDO_HDR);
+	bpf_l4_csum_replace(skb, l4_off + offsetof(struct tcphdr, check), 0, port_diff, 0);
+	bpf_l3_csum_replace(skb, INBAND_ETH_HLEN + offsetof(struct iphdr, check), 0, addr_diff, 0);
+	bpf_skb_store_bytes(skb, INBAND_ETH_HLEN + offsetof(struct iphdr, saddr), new_addrs,
+			    sizeof(new_addrs), 0);
+	bpf_skb_store_bytes(skb, l4_off, new_ports, sizeof(new_ports), 0);
+
+	if ((tcp_doff_flags[1] & (INBAND_TCP_SYN | INBAND_TCP_ACK)) == (INBAND_TCP_SYN | INBAND_TCP_ACK))
+		clamp_mss(skb, l4_off, (tcp_doff_flags[0] >> 4) * 4);
+	count(INBAND_AGENT_DSR_REWRITES);
+
+	if (rc == BPF_FIB_LKUP_RET_NO_NEIGH) {
+		struct bpf_redir_neigh nh = {
+			.nh_family = INBAND_AF_INET,
+			.ipv4_nh = fib.ipv4_dst, /* the gateway, or the client if on-link */
+		};
+
+		return bpf_redirect_neigh(fib.ifindex, &nh, sizeof(nh), 0);
+	}
+	bpf_skb_store_bytes(skb, offsetof(struct ethhdr, h_dest), fib.dmac, ETH_ALEN, 0);
+	bpf_skb_store_bytes(skb, offsetof(struct ethhdr, h_source), fib.smac, ETH_ALEN, 0);
+	/* BPF_FIB_LOOKUP_OUTPUT with ifindex = this device only matches routes
+	 * through this device, so fib.ifindex is the device the packet already
+	 * leaves by: passing it on avoids a bpf_redirect to ourselves, which
+	 * would run the egress qdisc and this program a second time. */
+	return TC_ACT_OK;
+}
+
+SEC("tc")
+int agent_egress(struct __sk_buff *skb)
+{
+	struct inband_service *svc;
+	struct inband_dsr_flow *flow;
+	struct inband_conn_key key;
+	struct iphdr iph;
+	__be16 ports[2];
+	__be16 h_proto;
+	__u32 hlen;
+
+	if (bpf_skb_load_bytes(skb, offsetof(struct ethhdr, h_proto), &h_proto, sizeof(h_proto)) ||
+	    h_proto != bpf_htons(ETH_P_IP))
+		return TC_ACT_OK;
+	if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN, &iph, sizeof(iph)))
+		return TC_ACT_OK;
+	hlen = iph.ihl * 4;
+	if (iph.version != 4 || hlen < INBAND_IPV4_MIN_HDR || iph.protocol != IPPROTO_TCP ||
+	    (iph.frag_off & bpf_htons(IP_MF | IP_OFFSET)))
+		return TC_ACT_OK;
+	if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + hlen, ports, sizeof(ports)))
+		return TC_ACT_OK;
+
+	svc = bpf_map_lookup_elem(&services, &ports[0]);
+	if (!svc)
+		return TC_ACT_OK;
+	key.peer_addr = iph.daddr;
+	key.peer_port = ports[1];
+	key.local_port = ports[0];
+	flow = bpf_map_lookup_elem(&dsr_flows, &key);
+	if (!flow)
+		return TC_ACT_OK;
+	if (flow->score_requested)
+		return add_score(skb, &iph, flow, bpf_ntohs(ports[0]));
+	if (!flow->client_addr)
+		return TC_ACT_OK;
+	return dsr(skb, &iph, hlen, svc, flow, ports);
+}
+
+/*
+ * The tracepoint record, declared here instead of taken from a generated
+ * vmlinux.h: the rest of this file builds on UAPI headers, which clash with
+ * vmlinux.h, and checking in a kernel-specific dump of every kernel type for
+ * one 72-byte record is not worth it. preserve_access_index makes libbpf
+ * relocate each field against the running kernel's BTF (the name matches
+ * the kernel's struct), so a kernel that lays the record out differently
+ * still works. Layout from
+ * /sys/kernel/tracing/events/sock/inet_sock_set_state/format.
+ */
+struct trace_event_raw_inet_sock_set_state {
+	__u64 common; /* common_type/flags/preempt_count/pid: not readable */
+	const void *skaddr;
+	int oldstate;
+	int newstate;
+	__u16 sport; /* host order */
+	__u16 dport; /* host order */
+	__u16 family;
+	__u16 protocol;
+	__u8 saddr[4];
+	__u8 daddr[4];
+	__u8 saddr_v6[16];
+	__u8 daddr_v6[16];
+} __attribute__((preserve_access_index));
+
+static __always_inline int is_active(int state)
+{
+	return state == INBAND_TCP_SYN_RECV || state == INBAND_TCP_ESTABLISHED ||
+	       state == INBAND_TCP_CLOSE_WAIT;
+}
+
+SEC("tracepoint/sock/inet_sock_set_state")
+int agent_sock_state(struct trace_event_raw_inet_sock_set_state *ctx)
+{
+	struct inband_conn_key key;
+	__u16 port;
+	__s64 *active;
+	int newstate, delta;
+
+	if (ctx->protocol != IPPROTO_TCP || ctx->family != INBAND_AF_INET)
+		return 0;
+	port = ctx->sport;
+	/* The control plane creates an entry per served port: everything else
+	 * (the host's own client connections, other services) is skipped. */
+	active = bpf_map_lookup_elem(&active_conns, &port);
+	if (!active)
+		return 0;
+	newstate = ctx->newstate;
+	delta = is_active(newstate) - is_active(ctx->oldstate);
+	if (delta)
+		__sync_fetch_and_add(active, delta);
+
+	if (newstate == INBAND_TCP_CLOSE || newstate == INBAND_TCP_TIME_WAIT) {
+		__builtin_memcpy(&key.peer_addr, ctx->daddr, sizeof(key.peer_addr));
+		key.peer_port = bpf_htons(ctx->dport);
+		key.local_port = bpf_htons(port);
+		if (!bpf_map_delete_elem(&dsr_flows, &key))
+			count(INBAND_AGENT_FLOWS_CLOSED);
+	}
+	return 0;
+}

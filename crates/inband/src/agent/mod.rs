@@ -1,0 +1,3 @@
+//! The real-server agent's control plane: `inband agent`.
+
+pub mod maps;

@@ -1,0 +1,136 @@
+//! Typed access to BPF maps by their `Pod` key and value types, for the
+//! daemons (through the skeleton's maps) and for `inband status` (through
+//! pinned paths, with no daemon running).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use libbpf_rs::{MapCore, MapFlags, MapHandle};
+
+use crate::pod::Pod;
+
+pub fn get<K: Pod, V: Pod>(map: &dyn MapCore, key: &K) -> Result<Option<V>> {
+    Ok(map.lookup(key.as_bytes(), MapFlags::ANY).with_context(|| lookup_err(map))?.map(|b| V::from_bytes(&b)))
+}
+
+pub fn put<K: Pod, V: Pod>(map: &dyn MapCore, key: &K, value: &V) -> Result<()> {
+    map.update(key.as_bytes(), value.as_bytes(), MapFlags::ANY)
+        .with_context(|| format!("updating map {}", map.name().to_string_lossy()))
+}
+
+/// Deletes `key`; a key that is already gone is not an error.
+pub fn delete<K: Pod>(map: &dyn MapCore, key: &K) -> Result<()> {
+    match map.delete(key.as_bytes()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == libbpf_rs::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("deleting from map {}", map.name().to_string_lossy())),
+    }
+}
+
+/// Every CPU's value of a per-CPU map entry.
+pub fn get_percpu<K: Pod, V: Pod>(map: &dyn MapCore, key: &K) -> Result<Vec<V>> {
+    Ok(map
+        .lookup_percpu(key.as_bytes(), MapFlags::ANY)
+        .with_context(|| lookup_err(map))?
+        .unwrap_or_default()
+        .iter()
+        .map(|b| V::from_bytes(b))
+        .collect())
+}
+
+/// All (key, value) pairs of a hash map. Entries deleted during the walk are
+/// skipped, as the kernel may evict LRU entries at any time.
+pub fn entries<K: Pod, V: Pod>(map: &dyn MapCore) -> Result<Vec<(K, V)>> {
+    let mut out = Vec::new();
+    for k in map.keys() {
+        if let Some(v) = map.lookup(&k, MapFlags::ANY).with_context(|| lookup_err(map))? {
+            out.push((K::from_bytes(&k), V::from_bytes(&v)));
+        }
+    }
+    Ok(out)
+}
+
+pub fn count(map: &dyn MapCore) -> usize {
+    map.keys().count()
+}
+
+fn lookup_err(map: &dyn MapCore) -> String {
+    format!("reading map {}", map.name().to_string_lossy())
+}
+
+/// A directory of maps pinned by one loaded program instance.
+pub struct PinDir(pub PathBuf);
+
+impl PinDir {
+    pub fn path(&self, map: &str) -> PathBuf {
+        self.0.join(map)
+    }
+
+    pub fn open(&self, map: &str) -> Result<MapHandle> {
+        let p = self.path(map);
+        MapHandle::from_pinned_path(&p).with_context(|| format!("opening pinned map {}", p.display()))
+    }
+
+    pub fn exists(&self) -> bool {
+        self.0.is_dir()
+    }
+}
+
+/// Where this network namespace's pins live. bpffs is shared by every
+/// namespace of the host, so components in different network namespaces
+/// (a testbed puts a balancer and several agents on one machine) must not
+/// share paths: inside a named namespace (`ip netns add NAME`) the pins go
+/// under `netns/NAME/`.
+pub fn pin_root() -> PathBuf {
+    let base = PathBuf::from("/sys/fs/bpf/inband");
+    match current_netns_name() {
+        Some(name) => base.join("netns").join(name),
+        None => base,
+    }
+}
+
+/// The name under /run/netns of the network namespace this process is in.
+pub fn current_netns_name() -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let me = std::fs::metadata("/proc/self/ns/net").ok()?;
+    std::fs::read_dir("/run/netns").ok()?.filter_map(|e| e.ok()).find_map(|e| {
+        let m = std::fs::metadata(e.path()).ok()?;
+        (m.ino() == me.ino() && m.dev() == me.dev()).then(|| e.file_name().to_string_lossy().into_owned())
+    })
+}
+
+/// Refuses to go on without bpffs, which pinning needs.
+pub fn require_bpffs() -> Result<()> {
+    let mounts = std::fs::read_to_string("/proc/mounts").context("reading /proc/mounts")?;
+    if mounts.lines().any(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        f.len() > 2 && f[1] == "/sys/fs/bpf" && f[2] == "bpf"
+    }) {
+        Ok(())
+    } else {
+        anyhow::bail!(
+            "bpffs is not mounted at /sys/fs/bpf: run `mount -t bpf bpf /sys/fs/bpf` (as root) and retry. \
+             Under `ip netns exec` (which mounts a private /sys) use `nsenter --net=/run/netns/NAME` instead, \
+             so the pins are visible to later commands"
+        )
+    }
+}
+
+pub fn remove_pin_dir(dir: &Path) -> Result<()> {
+    if dir.is_dir() {
+        for e in std::fs::read_dir(dir)? {
+            std::fs::remove_file(e?.path())?;
+        }
+        std::fs::remove_dir(dir).with_context(|| format!("removing {}", dir.display()))?;
+    }
+    // Empty parents (inband/lb, inband/netns/NAME, ...) go too, so a clean
+    // detach leaves /sys/fs/bpf as it was.
+    let mut parent = dir.parent();
+    while let Some(p) = parent {
+        if p == Path::new("/sys/fs/bpf") || std::fs::remove_dir(p).is_err() {
+            break;
+        }
+        parent = p.parent();
+    }
+    Ok(())
+}

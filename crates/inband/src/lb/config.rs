@@ -1,0 +1,241 @@
+//! `lb.toml`: parsing and every check that must pass before the balancer
+//! touches the kernel (see docs/configuration.md).
+
+use std::collections::HashSet;
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use super::maps::{Mode, Policy, MAX_BACKENDS, MAX_BACKENDS_PER_VIP, MAX_VIPS};
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum XdpMode {
+    /// Native (driver) mode if the interface supports it, else generic.
+    #[default]
+    Auto,
+    Native,
+    Generic,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LbConfig {
+    pub interface: String,
+    pub address: Ipv4Addr,
+    #[serde(default)]
+    pub xdp_mode: XdpMode,
+    #[serde(default = "default_control_socket")]
+    pub control_socket: PathBuf,
+    #[serde(default)]
+    pub metrics: Option<std::net::SocketAddr>,
+    #[serde(default, rename = "vip")]
+    pub vips: Vec<VipConfig>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct VipConfig {
+    pub address: Ipv4Addr,
+    pub port: u16,
+    pub mode: Mode,
+    #[serde(default = "default_policy")]
+    pub policy: Policy,
+    #[serde(default = "default_probe_interval")]
+    pub probe_interval: u32,
+    #[serde(default = "default_score_max_age_ms")]
+    pub score_max_age_ms: u64,
+    #[serde(default = "default_poll_interval_ms")]
+    pub poll_interval_ms: u64,
+    #[serde(default = "default_poll_port")]
+    pub poll_port: u16,
+    #[serde(default, rename = "backend")]
+    pub backends: Vec<BackendConfig>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct BackendConfig {
+    pub address: Ipv4Addr,
+    pub port: u16,
+    #[serde(default)]
+    pub drain: bool,
+}
+
+pub fn default_control_socket() -> PathBuf {
+    PathBuf::from("/run/inband/lb.sock")
+}
+fn default_policy() -> Policy {
+    Policy::LeastScore
+}
+fn default_probe_interval() -> u32 {
+    100
+}
+fn default_score_max_age_ms() -> u64 {
+    2000
+}
+fn default_poll_interval_ms() -> u64 {
+    100
+}
+pub fn default_poll_port() -> u16 {
+    9137
+}
+
+impl VipConfig {
+    pub fn endpoint(&self) -> SocketAddrV4 {
+        SocketAddrV4::new(self.address, self.port)
+    }
+
+    /// The policy the data path runs: the round-robin modes ignore `policy`.
+    pub fn effective_policy(&self) -> Policy {
+        match self.mode {
+            Mode::Passthrough | Mode::DsrRr => Policy::RoundRobin,
+            Mode::DsrPolling | Mode::DsrDynamic => self.policy,
+        }
+    }
+
+    /// Checks that need no kernel: limits and duplicates within the VIP.
+    pub fn validate(&self) -> Result<()> {
+        let ep = self.endpoint();
+        if self.port == 0 {
+            bail!("vip {ep}: port 0 is not a service port");
+        }
+        if self.mode == Mode::DsrDynamic && self.probe_interval == 0 {
+            bail!("vip {ep}: mode dsr-dynamic needs probe_interval >= 1 (every n-th packet asks for the score)");
+        }
+        if self.mode == Mode::DsrPolling && self.poll_interval_ms == 0 {
+            bail!("vip {ep}: mode dsr-polling needs poll_interval_ms >= 1");
+        }
+        if self.backends.len() > MAX_BACKENDS_PER_VIP as usize {
+            bail!("vip {ep}: {} backends, at most {MAX_BACKENDS_PER_VIP} per VIP", self.backends.len());
+        }
+        let mut seen = HashSet::new();
+        for b in &self.backends {
+            let be = SocketAddrV4::new(b.address, b.port);
+            if b.port == 0 {
+                bail!("vip {ep}: backend {be} has port 0");
+            }
+            if !seen.insert(be) {
+                bail!("vip {ep}: backend {be} is listed twice; remove the duplicate");
+            }
+        }
+        Ok(())
+    }
+}
+
+impl LbConfig {
+    pub fn load(path: &Path) -> Result<LbConfig> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        Self::parse(&text).with_context(|| format!("in {}", path.display()))
+    }
+
+    pub fn parse(text: &str) -> Result<LbConfig> {
+        let cfg: LbConfig = toml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks that need no kernel state: run by `parse`.
+    pub fn validate(&self) -> Result<()> {
+        if self.vips.len() > MAX_VIPS as usize {
+            bail!("{} VIPs configured, at most {MAX_VIPS}", self.vips.len());
+        }
+        let mut seen = HashSet::new();
+        let mut backends = 0;
+        for v in &self.vips {
+            v.validate()?;
+            if !seen.insert(v.endpoint()) {
+                bail!("vip {} is listed twice", v.endpoint());
+            }
+            backends += v.backends.len();
+        }
+        if backends > MAX_BACKENDS as usize {
+            bail!("{backends} backends in all, at most {MAX_BACKENDS}");
+        }
+        Ok(())
+    }
+
+    /// Checks against this host: run before anything is attached.
+    pub fn check_host(&self) -> Result<()> {
+        crate::netif::ifindex(&self.interface)?;
+        let locals = crate::netif::local_ipv4()?;
+        if !locals.iter().any(|(ifn, a)| *a == self.address && *ifn == self.interface) {
+            bail!(
+                "address {} is not configured on interface {}: set `address` to this host's address there (see `ip -4 addr show {}`)",
+                self.address,
+                self.interface,
+                self.interface
+            );
+        }
+        for v in &self.vips {
+            if !locals.iter().any(|(_, a)| *a == v.address) {
+                bail!(
+                    "vip {} is not a local address of this host, so nobody answers ARP for it: add it, e.g. `ip addr add {}/32 dev lo`",
+                    v.endpoint(),
+                    v.address
+                );
+            }
+        }
+        crate::bpfmap::require_bpffs()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+interface = "eth0"
+address = "10.77.0.2"
+[[vip]]
+address = "10.77.0.100"
+port = 80
+mode = "dsr-dynamic"
+[[vip.backend]]
+address = "10.77.0.21"
+port = 8080
+[[vip.backend]]
+address = "10.77.0.22"
+port = 8080
+"#;
+
+    fn err(text: &str) -> String {
+        format!("{:#}", LbConfig::parse(text).unwrap_err())
+    }
+
+    #[test]
+    fn parses_defaults() {
+        let c = LbConfig::parse(GOOD).unwrap();
+        assert_eq!(c.vips[0].mode, Mode::DsrDynamic);
+        assert_eq!(c.vips[0].policy, Policy::LeastScore);
+        assert_eq!(c.vips[0].probe_interval, 100);
+        assert_eq!(c.vips[0].backends.len(), 2);
+        assert_eq!(c.xdp_mode, XdpMode::Auto);
+        assert_eq!(c.control_socket, PathBuf::from("/run/inband/lb.sock"));
+    }
+
+    #[test]
+    fn refuses_unknown_mode_duplicates_and_typos() {
+        assert!(err(&GOOD.replace("dsr-dynamic", "dsr-magic")).contains("unknown variant `dsr-magic`"));
+        let dup = GOOD.replace("10.77.0.22", "10.77.0.21");
+        assert!(err(&dup).contains("backend 10.77.0.21:8080 is listed twice"));
+        assert!(err(&GOOD.replace("interface =", "interfce =")).contains("unknown field `interfce`"));
+        let zero = GOOD.replace("port = 80\n", "port = 80\nprobe_interval = 0\n");
+        assert!(err(&zero).contains("probe_interval >= 1"));
+    }
+
+    #[test]
+    fn round_robin_modes_ignore_policy() {
+        let c = LbConfig::parse(&GOOD.replace("dsr-dynamic", "dsr-rr")).unwrap();
+        assert_eq!(c.vips[0].effective_policy(), Policy::RoundRobin);
+    }
+
+    #[test]
+    fn host_check_names_the_missing_interface() {
+        let c = LbConfig::parse(&GOOD.replace("eth0", "nosuchif0")).unwrap();
+        let e = format!("{:#}", c.check_host().unwrap_err());
+        assert!(e.contains("interface \"nosuchif0\" does not exist"), "{e}");
+    }
+}

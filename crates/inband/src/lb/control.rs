@@ -1,0 +1,218 @@
+//! Run-time changes to a running balancer over a unix socket: one JSON
+//! request per line, one JSON reply per line. `inband lb ctl ...` is the
+//! client. Every change is validated like the config file and applied to the
+//! maps without touching flows, so established connections are unaffected.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddrV4;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+
+use super::config::{BackendConfig, LbConfig};
+use super::maps::{Mode, Policy};
+use super::tables::{self, LbMaps};
+
+#[derive(Clone, Debug, Serialize, Deserialize, clap::Subcommand)]
+#[serde(tag = "cmd", rename_all = "kebab-case")]
+pub enum ControlRequest {
+    /// Add a backend to a VIP (new connections may go to it at once).
+    AddBackend {
+        #[arg(long)]
+        vip: SocketAddrV4,
+        #[arg(long)]
+        backend: SocketAddrV4,
+    },
+    /// Remove a backend: no new connections; its established ones continue.
+    RemoveBackend {
+        #[arg(long)]
+        vip: SocketAddrV4,
+        #[arg(long)]
+        backend: SocketAddrV4,
+    },
+    /// Drain a backend: keeps its connections, gets no new ones.
+    DrainBackend {
+        #[arg(long)]
+        vip: SocketAddrV4,
+        #[arg(long)]
+        backend: SocketAddrV4,
+    },
+    /// Put a drained backend back in service.
+    UndrainBackend {
+        #[arg(long)]
+        vip: SocketAddrV4,
+        #[arg(long)]
+        backend: SocketAddrV4,
+    },
+    /// Switch a VIP's mode (passthrough, dsr-rr, dsr-polling, dsr-dynamic).
+    SetMode {
+        #[arg(long)]
+        vip: SocketAddrV4,
+        #[arg(long, value_parser = parse_mode)]
+        mode: Mode,
+    },
+    /// Set a VIP's selection policy (least-score, power-of-two, round-robin).
+    SetPolicy {
+        #[arg(long)]
+        vip: SocketAddrV4,
+        #[arg(long, value_parser = parse_policy)]
+        policy: Policy,
+    },
+    /// Ask for the score on every n-th packet to a backend.
+    SetProbeInterval {
+        #[arg(long)]
+        vip: SocketAddrV4,
+        #[arg(long)]
+        n: u32,
+    },
+    /// Re-read the config file the daemon was started with and apply it.
+    Reload,
+}
+
+fn parse_mode(s: &str) -> Result<Mode, String> {
+    serde_json::from_value(serde_json::Value::String(s.into())).map_err(|_| {
+        format!("unknown mode {s:?}: expected passthrough, dsr-rr, dsr-polling or dsr-dynamic")
+    })
+}
+fn parse_policy(s: &str) -> Result<Policy, String> {
+    serde_json::from_value(serde_json::Value::String(s.into()))
+        .map_err(|_| format!("unknown policy {s:?}: expected least-score, power-of-two or round-robin"))
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ControlReply {
+    pub ok: bool,
+    pub message: String,
+}
+
+/// The new config after `req`, validated; the caller applies it.
+pub fn change(cfg: &LbConfig, req: &ControlRequest, config_path: &Path) -> Result<LbConfig> {
+    let mut next = cfg.clone();
+    let vip_mut = |next: &mut LbConfig, vip: &SocketAddrV4| -> Result<usize> {
+        next.vips.iter().position(|v| v.endpoint() == *vip).ok_or_else(|| anyhow::anyhow!("no VIP {vip} is configured"))
+    };
+    let backend_pos = |next: &LbConfig, vi: usize, be: &SocketAddrV4| {
+        next.vips[vi].backends.iter().position(|b| b.address == *be.ip() && b.port == be.port())
+    };
+    match req {
+        ControlRequest::AddBackend { vip, backend } => {
+            let vi = vip_mut(&mut next, vip)?;
+            if backend_pos(&next, vi, backend).is_some() {
+                bail!("backend {backend} is already in VIP {vip}");
+            }
+            next.vips[vi].backends.push(BackendConfig { address: *backend.ip(), port: backend.port(), drain: false });
+        }
+        ControlRequest::RemoveBackend { vip, backend } => {
+            let vi = vip_mut(&mut next, vip)?;
+            let bi = backend_pos(&next, vi, backend).ok_or_else(|| anyhow::anyhow!("backend {backend} is not in VIP {vip}"))?;
+            next.vips[vi].backends.remove(bi);
+        }
+        ControlRequest::DrainBackend { vip, backend } | ControlRequest::UndrainBackend { vip, backend } => {
+            let vi = vip_mut(&mut next, vip)?;
+            let bi = backend_pos(&next, vi, backend).ok_or_else(|| anyhow::anyhow!("backend {backend} is not in VIP {vip}"))?;
+            next.vips[vi].backends[bi].drain = matches!(req, ControlRequest::DrainBackend { .. });
+        }
+        ControlRequest::SetMode { vip, mode } => {
+            let vi = vip_mut(&mut next, vip)?;
+            next.vips[vi].mode = *mode;
+        }
+        ControlRequest::SetPolicy { vip, policy } => {
+            let vi = vip_mut(&mut next, vip)?;
+            next.vips[vi].policy = *policy;
+        }
+        ControlRequest::SetProbeInterval { vip, n } => {
+            let vi = vip_mut(&mut next, vip)?;
+            next.vips[vi].probe_interval = *n;
+        }
+        ControlRequest::Reload => {
+            let fresh = LbConfig::load(config_path)?;
+            if fresh.interface != cfg.interface || fresh.address != cfg.address {
+                bail!("reload cannot change `interface` or `address`: restart `inband lb` for that");
+            }
+            fresh.check_host()?;
+            next = fresh;
+        }
+    }
+    next.validate()?;
+    Ok(next)
+}
+
+/// Serves the control socket until `stop` is set.
+pub fn serve(
+    path: &Path,
+    maps: &LbMaps,
+    cfg: &Arc<Mutex<LbConfig>>,
+    config_path: &Path,
+    stop: &AtomicBool,
+) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            bail!("{} is in use: another `inband lb` is running", path.display());
+        }
+        std::fs::remove_file(path)?;
+    }
+    let listener = UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    listener.set_nonblocking(true)?;
+    while !stop.load(Ordering::Relaxed) {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                if let Err(e) = handle(stream, maps, cfg, config_path) {
+                    warn!(error = %format!("{e:#}"), "control connection failed");
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let _ = std::fs::remove_file(path);
+    Ok(())
+}
+
+fn handle(stream: UnixStream, maps: &LbMaps, cfg: &Arc<Mutex<LbConfig>>, config_path: &Path) -> Result<()> {
+    stream.set_nonblocking(false)?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut writer = stream.try_clone()?;
+    let mut line = String::new();
+    // A request is one short line; a peer sending more is cut off.
+    BufReader::new(std::io::Read::take(stream, 64 * 1024)).read_line(&mut line)?;
+    let reply = match serde_json::from_str::<ControlRequest>(line.trim()) {
+        Err(e) => ControlReply { ok: false, message: format!("bad request: {e}") },
+        Ok(req) => {
+            let mut guard = cfg.lock().unwrap();
+            match change(&guard, &req, config_path).and_then(|next| {
+                tables::apply(maps, &next.vips)?;
+                Ok(next)
+            }) {
+                Ok(next) => {
+                    *guard = next;
+                    info!(request = ?req, "applied");
+                    ControlReply { ok: true, message: "applied".into() }
+                }
+                Err(e) => ControlReply { ok: false, message: format!("{e:#}") },
+            }
+        }
+    };
+    writeln!(writer, "{}", serde_json::to_string(&reply)?)?;
+    Ok(())
+}
+
+/// Client side: sends one request and returns the reply.
+pub fn send(socket: &PathBuf, req: &ControlRequest) -> Result<ControlReply> {
+    let mut s = UnixStream::connect(socket).with_context(|| {
+        format!("connecting to {} (is `inband lb` running? set --socket if it uses another path)", socket.display())
+    })?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    writeln!(s, "{}", serde_json::to_string(req)?)?;
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line)?;
+    serde_json::from_str(&line).with_context(|| format!("bad reply from the balancer: {line:?}"))
+}

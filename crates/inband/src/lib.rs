@@ -1,0 +1,11 @@
+//! inband: an eBPF load balancer with Direct Server Return and in-band load
+//! feedback. The binary (`src/main.rs`) is a thin CLI over these modules.
+
+pub mod agent;
+pub mod bpf;
+pub mod bpfmap;
+pub mod lb;
+pub mod netif;
+pub mod packet;
+pub mod pod;
+pub mod wire;

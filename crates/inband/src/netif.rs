@@ -1,0 +1,69 @@
+//! Facts about this host's interfaces and addresses, read through libc so
+//! configuration can be checked before anything is attached.
+
+use std::ffi::{CStr, CString};
+use std::net::Ipv4Addr;
+
+use anyhow::{bail, Result};
+
+/// The interface's index, or an error naming the interface.
+pub fn ifindex(name: &str) -> Result<u32> {
+    let c = CString::new(name)?;
+    // SAFETY: c is a valid NUL-terminated string.
+    let idx = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    if idx == 0 {
+        bail!("interface {name:?} does not exist on this host (see `ip link`)");
+    }
+    Ok(idx)
+}
+
+/// Every IPv4 address of this host (in this network namespace) with its interface.
+pub fn local_ipv4() -> Result<Vec<(String, Ipv4Addr)>> {
+    let mut out = Vec::new();
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills head; freed below.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        bail!("getifaddrs: {}", std::io::Error::last_os_error());
+    }
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: cur walks the list getifaddrs returned.
+        let ifa = unsafe { &*cur };
+        if !ifa.ifa_addr.is_null() && i32::from(unsafe { (*ifa.ifa_addr).sa_family }) == libc::AF_INET {
+            // SAFETY: family is AF_INET, so the address is a sockaddr_in.
+            let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+            let name = unsafe { CStr::from_ptr(ifa.ifa_name) }.to_string_lossy().into_owned();
+            out.push((name, Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))));
+        }
+        cur = ifa.ifa_next;
+    }
+    // SAFETY: head came from getifaddrs.
+    unsafe { libc::freeifaddrs(head) };
+    Ok(out)
+}
+
+pub fn is_local(addr: Ipv4Addr) -> Result<bool> {
+    Ok(local_ipv4()?.iter().any(|(_, a)| *a == addr))
+}
+
+/// The interface's MAC address.
+pub fn mac_of(name: &str) -> Result<[u8; 6]> {
+    let text = std::fs::read_to_string(format!("/sys/class/net/{name}/address"))?;
+    parse_mac(text.trim())
+}
+
+pub fn parse_mac(s: &str) -> Result<[u8; 6]> {
+    let parts: Vec<&str> = s.split(':').collect();
+    if parts.len() != 6 {
+        bail!("not a MAC address: {s:?}");
+    }
+    let mut mac = [0u8; 6];
+    for (m, p) in mac.iter_mut().zip(parts) {
+        *m = u8::from_str_radix(p, 16).map_err(|_| anyhow::anyhow!("not a MAC address: {s:?}"))?;
+    }
+    Ok(mac)
+}
+
+pub fn format_mac(mac: &[u8; 6]) -> String {
+    mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
+}

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Installs and prepares everything inband needs on a fresh Debian 12 machine.
+# Idempotent: each step checks before it acts. Run as root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '== %s\n' "$*" >&2; }
+
+APT_PACKAGES=(
+  clang llvm libelf-dev zlib1g-dev pkg-config make gcc libbpf-dev linux-libc-dev bpftool
+  iproute2 iputils-ping netcat-openbsd tcpdump ethtool
+  nftables haproxy wrk python3-venv
+)
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  log "apt: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if ! command -v cargo >/dev/null; then
+  [ -x "$HOME/.cargo/bin/cargo" ] && export PATH="$HOME/.cargo/bin:$PATH"
+fi
+command -v cargo >/dev/null || { echo "cargo (Rust stable) is required: install it with rustup" >&2; exit 1; }
+
+# bpffs for pinned maps; tracefs for the agent's tracepoint.
+mountpoint -q /sys/fs/bpf || mount -t bpf bpf /sys/fs/bpf
+mountpoint -q /sys/kernel/tracing || mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null || true
+
+# Python for the benchmark drivers, pinned in bench/requirements.txt.
+if [ -f bench/requirements.txt ]; then
+  if [ ! -x .venv/bin/python ]; then
+    log "python: creating .venv"
+    python3 -m venv .venv
+  fi
+  if ! cmp -s bench/requirements.txt .venv/.installed-requirements 2>/dev/null; then
+    log "python: installing bench/requirements.txt"
+    .venv/bin/pip install -q --disable-pip-version-check -r bench/requirements.txt
+    cp bench/requirements.txt .venv/.installed-requirements
+  fi
+fi
+
+log "building inband"
+cargo build -q -p inband --bin inband
