@@ -92,7 +92,7 @@ static __always_inline int malformed(void)
  * leaves it exactly as it arrived.
  */
 static __always_inline int strip_option(struct __sk_buff *skb, const struct iphdr *iph,
-					 const __u32 *opt, __u32 opt_len)
+					 __u32 *opt, __u32 opt_len)
 {
 	struct iphdr new_hdr = *iph;
 	__s64 check;
@@ -134,7 +134,7 @@ int agent_ingress(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	/* The balancer sets DF; a fragment is nobody's inband packet, and later
 	 * fragments have no ports to check the service against. */
-	if (iph.frag_off & bpf_htons(IP_MF | IP_OFFSET))
+	if (iph.frag_off & bpf_htons(INBAND_IP_MF | INBAND_IP_OFFSET))
 		return TC_ACT_OK;
 
 	if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + INBAND_IPV4_MIN_HDR, o, 2))
@@ -267,9 +267,9 @@ static __always_inline void clamp_mss(struct __sk_buff *skb, __u32 l4_off, __u32
 		if (i >= opt_len || i >= 40)
 			return;
 		kind = opts[i];
-		if (kind == TCPOPT_EOL)
+		if (kind == INBAND_TCPOPT_EOL)
 			return;
-		if (kind == TCPOPT_NOP) {
+		if (kind == INBAND_TCPOPT_NOP) {
 			i++;
 			continue;
 		}
@@ -278,7 +278,7 @@ static __always_inline void clamp_mss(struct __sk_buff *skb, __u32 l4_off, __u32
 		len = opts[i + 1];
 		if (len < 2 || i + len > opt_len)
 			return;
-		if (kind == TCPOPT_MSS && len == TCPOLEN_MSS) {
+		if (kind == INBAND_TCPOPT_MSS && len == INBAND_TCPOLEN_MSS) {
 			__u16 mss = (__u16)opts[i + 2] << 8 | opts[i + 3];
 			__be16 old_be = bpf_htons(mss), new_be;
 
@@ -385,7 +385,7 @@ int agent_egress(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	hlen = iph.ihl * 4;
 	if (iph.version != 4 || hlen < INBAND_IPV4_MIN_HDR || iph.protocol != IPPROTO_TCP ||
-	    (iph.frag_off & bpf_htons(IP_MF | IP_OFFSET)))
+	    (iph.frag_off & bpf_htons(INBAND_IP_MF | INBAND_IP_OFFSET)))
 		return TC_ACT_OK;
 	if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + hlen, ports, sizeof(ports)))
 		return TC_ACT_OK;
