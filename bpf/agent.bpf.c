@@ -19,6 +19,7 @@
 
 #include "inband/agent_maps.h"
 #include "inband/agent_skb.h"
+#include "inband/csum.h"
 #include "inband/wire.h"
 
 /* GPL: bpf_fib_lookup is a GPL-only helper. */
@@ -87,24 +88,26 @@ static __always_inline int malformed(void)
 }
 
 /*
- * Removes the inband option that starts right after the fixed header. The
- * new checksum is computed before the packet is touched so that a failure
- * leaves it exactly as it arrived.
+ * Removes the inband option (4 or 8 bytes, in `opt`) that starts right after
+ * the fixed header.
  */
 static __always_inline int strip_option(struct __sk_buff *skb, const struct iphdr *iph,
-					 __u32 *opt, __u32 opt_len)
+					 const __u32 *opt, __u32 opt_len)
 {
 	struct iphdr new_hdr = *iph;
-	__s64 check;
+	__u32 acc = csum_start(iph->check);
 
 	new_hdr.ihl -= opt_len / 4;
 	new_hdr.tot_len = bpf_htons(bpf_ntohs(iph->tot_len) - opt_len);
-	check = ipv4_check_after(iph, &new_hdr, opt, opt_len, NULL, 0);
-	if (check < 0 || bpf_skb_adjust_room(skb, -(__s32)opt_len, BPF_ADJ_ROOM_NET, 0)) {
+	acc = csum_replace32(acc, ipv4_word0(iph), ipv4_word0(&new_hdr));
+	acc = csum_replace32(acc, opt[0], 0);
+	if (opt_len == 2 * sizeof(opt[0]))
+		acc = csum_replace32(acc, opt[1], 0);
+	if (bpf_skb_adjust_room(skb, -(__s32)opt_len, BPF_ADJ_ROOM_NET, 0)) {
 		count(INBAND_AGENT_ADJUST_FAILED);
 		return TC_ACT_OK;
 	}
-	ipv4_store_header(skb, &new_hdr, (__u16)check);
+	ipv4_store_header(skb, &new_hdr, csum_finish(acc));
 	return TC_ACT_OK;
 }
 
@@ -219,8 +222,7 @@ static __always_inline int add_score(struct __sk_buff *skb, const struct iphdr *
 				     struct inband_dsr_flow *flow, __u16 port)
 {
 	struct iphdr new_hdr = *iph;
-	__u32 opt = 0;
-	__s64 check;
+	__u32 opt = 0, acc;
 
 	/* No room left in a 60-byte header: the flag stays set and a later
 	 * packet of the connection answers instead. */
@@ -231,69 +233,97 @@ static __always_inline int add_score(struct __sk_buff *skb, const struct iphdr *
 	inband_encode_score((__u8 *)&opt, current_score(port));
 	new_hdr.ihl += INBAND_OPT_SCORE_LEN / 4;
 	new_hdr.tot_len = bpf_htons(bpf_ntohs(iph->tot_len) + INBAND_OPT_SCORE_LEN);
-	check = ipv4_check_after(iph, &new_hdr, NULL, 0, &opt, INBAND_OPT_SCORE_LEN);
-	if (check < 0 || bpf_skb_adjust_room(skb, INBAND_OPT_SCORE_LEN, BPF_ADJ_ROOM_NET, 0)) {
+	acc = csum_start(iph->check);
+	acc = csum_replace32(acc, ipv4_word0(iph), ipv4_word0(&new_hdr));
+	acc = csum_replace32(acc, 0, opt);
+	if (bpf_skb_adjust_room(skb, INBAND_OPT_SCORE_LEN, BPF_ADJ_ROOM_NET, 0)) {
 		count(INBAND_AGENT_ADJUST_FAILED);
 		return TC_ACT_OK;
 	}
 	bpf_skb_store_bytes(skb, INBAND_ETH_HLEN + INBAND_IPV4_MIN_HDR, &opt, sizeof(opt),
 			    BPF_F_RECOMPUTE_CSUM);
-	ipv4_store_header(skb, &new_hdr, (__u16)check);
+	ipv4_store_header(skb, &new_hdr, csum_finish(acc));
 	flow->score_requested = 0;
 	count(INBAND_AGENT_SCORES_SENT);
 	return TC_ACT_OK;
 }
 
+/* State of the TCP options walk; bpf_loop hands it to each step. */
+struct mss_walk {
+	/* 40 option bytes + slack: the verifier bounds i but cannot relate it
+	 * to opt_len, so reads up to i + 3 are bounded by the array. */
+	__u8 opts[48];
+	__u32 opt_len;
+	__u32 i;
+	int found; /* opts[i] is an MSS option */
+};
+
+static long mss_walk_step(__u64 n, void *ctx)
+{
+	struct mss_walk *w = ctx;
+	__u32 i = w->i;
+	__u8 kind, len;
+
+	if (i >= w->opt_len || i >= 40)
+		return 1;
+	kind = w->opts[i];
+	if (kind == INBAND_TCPOPT_EOL)
+		return 1;
+	if (kind == INBAND_TCPOPT_NOP) {
+		w->i = i + 1;
+		return 0;
+	}
+	if (i + 1 >= w->opt_len)
+		return 1;
+	len = w->opts[i + 1];
+	if (len < 2 || i + len > w->opt_len)
+		return 1;
+	if (kind == INBAND_TCPOPT_MSS && len == INBAND_TCPOLEN_MSS) {
+		w->found = 1;
+		return 1;
+	}
+	w->i = i + len;
+	return 0;
+}
+
 /*
  * Lowers the MSS a SYN-ACK announces so that the client's full-sized segments
- * still fit the path MTU once the balancer adds an option to them.
+ * still fit the path MTU once the balancer adds an option to them. The walk
+ * runs under bpf_loop: as a plain loop its data-dependent index gives the
+ * verifier a state per option layout and takes seconds to load.
  */
 static __always_inline void clamp_mss(struct __sk_buff *skb, __u32 l4_off, __u32 tcp_hlen)
 {
-	/* 8 bytes of slack past the 40 option bytes: the verifier cannot relate
-	 * i to opt_len, so reads at i + 3 are bounded by the array instead. */
-	__u8 opts[48] = {};
-	__u32 opt_len = tcp_hlen - sizeof(struct tcphdr);
-	__u32 i = 0;
+	struct mss_walk w = {};
+	__u32 opt_len, i;
+	__u16 mss;
+	__be16 old_be, new_be;
 
-	if (tcp_hlen <= sizeof(struct tcphdr) || opt_len > 40)
+	if (tcp_hlen <= sizeof(struct tcphdr))
 		return;
-	if (bpf_skb_load_bytes(skb, l4_off + sizeof(struct tcphdr), opts, opt_len))
+	opt_len = tcp_hlen - sizeof(struct tcphdr);
+	/* Keeps clang from merging the two range checks into one the
+	 * verifier cannot use to bound the load size. */
+	barrier_var(opt_len);
+	if (opt_len > 40)
 		return;
-	/* Every step advances i by at least one byte of at most 40. */
-	for (int n = 0; n < 40; n++) {
-		__u8 kind, len;
-
-		if (i >= opt_len || i >= 40)
-			return;
-		kind = opts[i];
-		if (kind == INBAND_TCPOPT_EOL)
-			return;
-		if (kind == INBAND_TCPOPT_NOP) {
-			i++;
-			continue;
-		}
-		if (i + 1 >= opt_len)
-			return;
-		len = opts[i + 1];
-		if (len < 2 || i + len > opt_len)
-			return;
-		if (kind == INBAND_TCPOPT_MSS && len == INBAND_TCPOLEN_MSS) {
-			__u16 mss = (__u16)opts[i + 2] << 8 | opts[i + 3];
-			__be16 old_be = bpf_htons(mss), new_be;
-
-			if (mss <= INBAND_OPT_MAX_LEN)
-				return;
-			new_be = bpf_htons(mss - INBAND_OPT_MAX_LEN);
-			bpf_skb_store_bytes(skb, l4_off + sizeof(struct tcphdr) + i + 2, &new_be,
-					    sizeof(new_be), 0);
-			bpf_l4_csum_replace(skb, l4_off + offsetof(struct tcphdr, check), old_be,
-					    new_be, sizeof(new_be));
-			count(INBAND_AGENT_MSS_CLAMPED);
-			return;
-		}
-		i += len;
-	}
+	if (bpf_skb_load_bytes(skb, l4_off + sizeof(struct tcphdr), w.opts, opt_len))
+		return;
+	w.opt_len = opt_len;
+	/* Every step consumes at least one of at most 40 bytes. */
+	bpf_loop(40, mss_walk_step, &w, 0);
+	i = w.i;
+	if (!w.found || i >= 40)
+		return;
+	mss = (__u16)w.opts[i + 2] << 8 | w.opts[i + 3];
+	if (mss <= INBAND_OPT_MAX_LEN)
+		return;
+	old_be = bpf_htons(mss);
+	new_be = bpf_htons(mss - INBAND_OPT_MAX_LEN);
+	bpf_skb_store_bytes(skb, l4_off + sizeof(struct tcphdr) + i + 2, &new_be, sizeof(new_be), 0);
+	bpf_l4_csum_replace(skb, l4_off + offsetof(struct tcphdr, check), old_be, new_be,
+			    sizeof(new_be));
+	count(INBAND_AGENT_MSS_CLAMPED);
 }
 
 static __always_inline int dsr(struct __sk_buff *skb, const struct iphdr *iph, __u32 hlen,
@@ -323,7 +353,14 @@ static __always_inline int dsr(struct __sk_buff *skb, const struct iphdr *iph, _
 	fib.ipv4_src = svc->vip_addr;
 	fib.ipv4_dst = flow->client_addr;
 	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), BPF_FIB_LOOKUP_OUTPUT);
-	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH) {
+	/* The helper answers only for a device with IPv4 forwarding on (output
+	 * lookups too), and servers rarely forward. Rather than make operators
+	 * turn on forwarding, FWD_DISABLED hands the rewritten packet to
+	 * bpf_redirect_neigh without a next hop: the kernel then does the route
+	 * and neighbour lookup itself. Any other refusal keeps the connection
+	 * working through the balancer's NAT. */
+	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH &&
+	    rc != BPF_FIB_LKUP_RET_FWD_DISABLED) {
 		count(INBAND_AGENT_NO_ROUTE);
 		return TC_ACT_OK;
 	}
@@ -350,6 +387,8 @@ static __always_inline int dsr(struct __sk_buff *skb, const struct iphdr *iph, _
 		clamp_mss(skb, l4_off, (tcp_doff_flags[0] >> 4) * 4);
 	count(INBAND_AGENT_DSR_REWRITES);
 
+	if (rc == BPF_FIB_LKUP_RET_FWD_DISABLED)
+		return bpf_redirect_neigh(skb->ifindex, NULL, 0, 0);
 	if (rc == BPF_FIB_LKUP_RET_NO_NEIGH) {
 		struct bpf_redir_neigh nh = {
 			.nh_family = INBAND_AF_INET,

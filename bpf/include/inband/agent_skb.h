@@ -36,38 +36,21 @@ enum {
 	INBAND_TCP_CLOSE_WAIT = 8,
 };
 
-/*
- * The IPv4 header checksum after the first word (version/IHL, TOS, total
- * length) changes from `old` to `new` and option words are removed or added
- * (RFC 1624: HC' = ~(~HC + ~m + m')). Sums run over raw network-order memory
- * so the result is stored as is. Negative on helper error.
- */
-static __always_inline __s64 ipv4_check_after(const struct iphdr *old, const struct iphdr *new_hdr,
-					      __u32 *removed, __u32 removed_len, __u32 *added,
-					      __u32 added_len)
+/* Version/IHL, TOS and total length: the header word an option change
+ * rewrites, as it sits in memory (see csum.h). */
+static __always_inline __u32 ipv4_word0(const struct iphdr *hdr)
 {
-	__u32 w_old, w_new;
-	__s64 sum;
+	__u32 w;
 
-	__builtin_memcpy(&w_old, old, sizeof(w_old));
-	__builtin_memcpy(&w_new, new_hdr, sizeof(w_new));
-	sum = bpf_csum_diff(removed, removed_len, added, added_len, (__u16)~old->check);
-	if (sum < 0)
-		return sum;
-	sum = bpf_csum_diff(&w_old, sizeof(w_old), &w_new, sizeof(w_new), (__u32)sum);
-	if (sum < 0)
-		return sum;
-	sum = (sum & 0xffff) + ((sum >> 16) & 0xffff);
-	sum = (sum & 0xffff) + (sum >> 16);
-	return (__u16)~sum;
+	__builtin_memcpy(&w, hdr, sizeof(w));
+	return w;
 }
 
 /*
- * Writes the first header word and the checksum computed by
- * ipv4_check_after. BPF_F_RECOMPUTE_CSUM keeps skb->csum of a
- * CHECKSUM_COMPLETE skb in step with the bytes changed here; together with
- * bpf_skb_adjust_room's own update the header again sums to zero, so the
- * stack's receive checksum stays valid.
+ * Writes the first header word and the header checksum.
+ * BPF_F_RECOMPUTE_CSUM keeps skb->csum of a CHECKSUM_COMPLETE skb in step
+ * with the bytes changed here; together with bpf_skb_adjust_room's own update
+ * the header again sums to zero, so the stack's receive checksum stays valid.
  */
 static __always_inline void ipv4_store_header(struct __sk_buff *skb, const struct iphdr *hdr,
 					      __u16 check)

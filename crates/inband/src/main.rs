@@ -19,11 +19,8 @@ struct Cli {
 enum Command {
     /// Run the balancer (XDP) with a config file, or manage a running one.
     Lb(LbArgs),
-    /// Run the real-server agent (tc) or talk to a running one.
-    Agent {
-        #[command(subcommand)]
-        command: inband::agent::AgentCommand,
-    },
+    /// Run the real-server agent (tc) with a config file, or talk to a running one.
+    Agent(AgentArgs),
     /// Show VIPs, backends, scores and counters of the balancer(s) on this host.
     Status {
         /// Only this interface (default: every interface with a balancer).
@@ -31,13 +28,6 @@ enum Command {
         interface: Option<String>,
         #[arg(long)]
         json: bool,
-    },
-    /// An HTTP server of limited capacity, for tests and benchmarks.
-    Serve(inband::workload::ServeArgs),
-    /// Network-namespace testbeds.
-    Testbed {
-        #[command(subcommand)]
-        command: inband::testbed::TestbedCommand,
     },
 }
 
@@ -49,6 +39,16 @@ struct LbArgs {
     config: Option<PathBuf>,
     #[command(subcommand)]
     command: Option<LbCommand>,
+}
+
+#[derive(clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
+struct AgentArgs {
+    /// Run the agent with this config (same as `inband agent run --config`).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Option<inband::agent::AgentCommand>,
 }
 
 #[derive(Subcommand)]
@@ -98,10 +98,12 @@ fn run(cli: Cli) -> Result<()> {
             }
             _ => anyhow::bail!("`inband lb` needs --config FILE, or a subcommand (detach, ctl); see --help"),
         },
-        Command::Agent { command } => inband::agent::run(command),
+        Command::Agent(args) => match (args.config, args.command) {
+            (Some(config), None) => inband::agent::run(inband::agent::AgentCommand::Run { config }),
+            (None, Some(command)) => inband::agent::run(command),
+            _ => anyhow::bail!("`inband agent` needs --config FILE, or a subcommand; see --help"),
+        },
         Command::Status { interface, json } => status(interface, json),
-        Command::Serve(args) => inband::workload::run(args),
-        Command::Testbed { command } => inband::testbed::run(command),
     }
 }
 

@@ -1,0 +1,295 @@
+//! Loading the agent program, pinning its maps, attaching it to the
+//! interface (tc ingress + egress on a clsact qdisc, tracepoint) — and the
+//! clean-up that removes all of it again.
+//!
+//! Lifetime: unlike the balancer, the agent does not leave its data path
+//! behind when it stops. The tracepoint that counts connections lives only
+//! as long as the process (it is a perf-event fd), so tc programs left
+//! attached would keep answering 124s with a count nobody maintains. A clean
+//! stop therefore detaches both tc filters, removes the clsact qdisc if the
+//! agent created it, and unpins every map: nothing is left. Responses of
+//! connections that were using DSR then simply go back through the balancer,
+//! which NATs them like pass-through traffic (docs/architecture.md).
+//!
+//! The maps are still pinned while the agent runs, for `inband agent status`
+//! and for the one case where state must survive: after a crash (SIGKILL,
+//! OOM) the tc filters stay attached with their pinned maps, and the next
+//! agent reuses those maps — so client tuples of live DSR connections
+//! survive — and replaces the filters in place (same handle and priority).
+
+use std::fs::File;
+use std::mem::MaybeUninit;
+use std::os::fd::AsFd;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use libbpf_rs::libbpf_sys;
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::{Link, OpenObject, TcHook, TcHookBuilder, TC_EGRESS, TC_INGRESS};
+use tracing::{info, warn};
+
+use crate::bpf::agent::{AgentSkel, AgentSkelBuilder};
+use crate::bpfmap::{remove_pin_dir, PinDir};
+
+/// Handle and priority of the agent's tc filters. Fixed, so a restarted agent
+/// replaces the filters of a crashed one instead of stacking a second pair,
+/// and chosen away from 1 and from the kernel's automatic priorities (49152
+/// downwards) so that they do not collide with filters other tools add.
+pub const TC_HANDLE: u32 = 0x1b0;
+pub const TC_PRIORITY: u32 = 0x1b0;
+
+/// Agents of this network namespace, one directory per interface.
+pub fn pin_parent() -> PathBuf {
+    crate::bpfmap::pin_root().join("agent")
+}
+
+pub fn pin_dir(interface: &str) -> PinDir {
+    PinDir(pin_parent().join(interface))
+}
+
+/// Run-time state outside bpffs, which holds only BPF objects: the lock that
+/// keeps two agents off one interface, and the record that the agent
+/// created the clsact qdisc (so that it removes it, and only then). It sits
+/// under /run, which is emptied on reboot together with every qdisc.
+pub fn state_dir(interface: &str) -> PathBuf {
+    let root = crate::bpfmap::pin_root();
+    let rel = root.strip_prefix("/sys/fs/bpf").unwrap_or(&root);
+    Path::new("/run").join(rel).join("agent").join(interface)
+}
+
+const QDISC_MARKER: &str = "clsact-created";
+
+/// Held while an agent runs on the interface.
+pub struct InterfaceLock {
+    _file: File,
+}
+
+/// Takes the interface for this process, or says who has it.
+pub fn lock_interface(interface: &str) -> Result<InterfaceLock> {
+    let dir = state_dir(interface);
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = dir.join("lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    // SAFETY: flock on an fd we own.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let holder = std::fs::read_to_string(&path).unwrap_or_default();
+        bail!(
+            "another inband agent is running on {interface} (pid {}): stop it first",
+            holder.split_whitespace().next().unwrap_or("unknown")
+        );
+    }
+    file.set_len(0)?;
+    std::io::Write::write_all(&mut &file, format!("{}\n", std::process::id()).as_bytes())?;
+    Ok(InterfaceLock { _file: file })
+}
+
+/// Whether an agent process holds the interface right now.
+pub fn interface_locked(interface: &str) -> bool {
+    let Ok(file) = File::open(state_dir(interface).join("lock")) else { return false };
+    // SAFETY: flock on an fd we own; a lock we get is released when `file` closes.
+    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) != 0 }
+}
+
+/// The loaded and attached agent. `detach` undoes everything.
+pub struct Attachment<'obj> {
+    pub interface: String,
+    pub pins: PinDir,
+    /// Whether the maps came from an earlier agent that did not stop cleanly.
+    pub reused_pins: bool,
+    skel: AgentSkel<'obj>,
+    ifindex: i32,
+    tracepoint: Option<Link>,
+}
+
+/// Loads the program with its maps pinned under `pin_dir(interface)` (reusing
+/// maps pinned there by a crashed agent), then attaches ingress, egress and
+/// the tracepoint, in that order. If any step fails, everything this call
+/// attached or pinned is removed again before the error is returned.
+pub fn attach<'obj>(storage: &'obj mut MaybeUninit<OpenObject>, interface: &str) -> Result<Attachment<'obj>> {
+    let ifindex = crate::netif::ifindex(interface)? as i32;
+    let pins = pin_dir(interface);
+    let reused_pins = pins.exists();
+    std::fs::create_dir_all(&pins.0).with_context(|| format!("creating {}", pins.0.display()))?;
+    let skel = match load(storage, &pins) {
+        Ok(s) => s,
+        Err(e) => {
+            if !reused_pins {
+                let _ = remove_pin_dir(&pins.0);
+            }
+            return Err(e);
+        }
+    };
+    if reused_pins {
+        warn!(
+            interface,
+            pins = %pins.0.display(),
+            "reusing maps pinned by an earlier agent that did not stop cleanly (client tuples of its DSR connections are kept)"
+        );
+    }
+    let mut a = Attachment { interface: interface.to_string(), pins, reused_pins, skel, ifindex, tracepoint: None };
+    if let Err(e) = a.attach_all() {
+        let undo = cleanup(interface, ifindex);
+        return Err(match undo {
+            Ok(()) => {
+                e.context(format!("attaching the agent to {interface} failed; everything attached so far was removed"))
+            }
+            Err(u) => e.context(format!(
+                "attaching the agent to {interface} failed, and undoing it failed too ({u:#}): run \
+                 `inband agent detach --interface {interface}`"
+            )),
+        });
+    }
+    info!(interface, pins = %a.pins.0.display(), "agent attached (tc ingress + egress, tracepoint)");
+    Ok(a)
+}
+
+fn load<'obj>(storage: &'obj mut MaybeUninit<OpenObject>, pins: &PinDir) -> Result<AgentSkel<'obj>> {
+    let mut open = AgentSkelBuilder::default().open(storage).context("opening the agent BPF object")?;
+    for mut map in open.open_object_mut().maps_mut() {
+        let name = map.name().to_string_lossy().into_owned();
+        if name.starts_with('.') {
+            continue; // .rodata/.bss: per instance, never shared
+        }
+        map.set_pin_path(pins.path(&name)).with_context(|| format!("pin path for {name}"))?;
+    }
+    open.load().context(
+        "loading the agent program (the kernel verifier refused it, or maps pinned by an incompatible \
+         version exist: run `inband agent detach --interface IF` and retry)",
+    )
+}
+
+impl Attachment<'_> {
+    fn attach_all(&mut self) -> Result<()> {
+        let created =
+            create_clsact(self.ifindex).with_context(|| format!("creating a clsact qdisc on {}", self.interface))?;
+        if created {
+            let marker = state_dir(&self.interface).join(QDISC_MARKER);
+            std::fs::write(&marker, b"").with_context(|| format!("writing {}", marker.display()))?;
+        }
+        for (point, fd, name) in [
+            (TC_INGRESS, self.skel.progs.agent_ingress.as_fd(), "ingress"),
+            (TC_EGRESS, self.skel.progs.agent_egress.as_fd(), "egress"),
+        ] {
+            let mut hook = hook(fd, self.ifindex, point);
+            hook.replace(true);
+            hook.attach().with_context(|| format!("attaching the tc {name} program to {}", self.interface))?;
+        }
+        let link = self.skel.progs.agent_sock_state.attach().context(
+            "attaching the tracepoint sock/inet_sock_set_state (needs tracefs: `mount -t tracefs tracefs /sys/kernel/tracing`)",
+        )?;
+        self.tracepoint = Some(link);
+        Ok(())
+    }
+
+    /// Detaches everything and removes the pins (see the module comment).
+    pub fn detach(self) -> Result<()> {
+        let Attachment { interface, ifindex, tracepoint, skel, .. } = self;
+        // tc first: the tracepoint must keep counting as long as a program
+        // may still put the count in a 125.
+        let result = cleanup(&interface, ifindex);
+        drop(tracepoint);
+        drop(skel);
+        result?;
+        info!(interface = %interface, "agent detached: tc filters, qdisc and pinned maps removed");
+        Ok(())
+    }
+}
+
+fn hook(fd: std::os::fd::BorrowedFd<'_>, ifindex: i32, point: libbpf_rs::TcAttachPoint) -> TcHook {
+    let mut b = TcHookBuilder::new(fd);
+    b.ifindex(ifindex).handle(TC_HANDLE).priority(TC_PRIORITY);
+    b.hook(point)
+}
+
+/// Creates the clsact qdisc; false if the interface had one already (someone
+/// else's, or a crashed agent's that left its marker).
+fn create_clsact(ifindex: i32) -> Result<bool> {
+    let mut h = libbpf_sys::bpf_tc_hook {
+        sz: std::mem::size_of::<libbpf_sys::bpf_tc_hook>() as _,
+        ifindex,
+        attach_point: libbpf_sys::BPF_TC_INGRESS,
+        ..Default::default()
+    };
+    // SAFETY: h is a valid, sized bpf_tc_hook.
+    let err = unsafe { libbpf_sys::bpf_tc_hook_create(&mut h) };
+    match -err {
+        0 => Ok(true),
+        libc::EEXIST => Ok(false),
+        e => Err(std::io::Error::from_raw_os_error(e).into()),
+    }
+}
+
+/// Removes every trace of the agent from `interface`: its two tc filters,
+/// the clsact qdisc if the agent created it, the pinned maps and the state
+/// directory. Idempotent; what is already gone is skipped.
+fn cleanup(interface: &str, ifindex: i32) -> Result<()> {
+    let mut errors = Vec::new();
+    // Detaching goes by ifindex, handle and priority; libbpf only wants some
+    // fd to build its handle, which it does not use for detach.
+    let devnull = File::open("/dev/null")?;
+    for (point, name) in [(TC_INGRESS, "ingress"), (TC_EGRESS, "egress")] {
+        match hook(devnull.as_fd(), ifindex, point).detach() {
+            Ok(()) => {}
+            // No such filter, or no clsact qdisc at all (EINVAL).
+            Err(e) if matches!(e.kind(), libbpf_rs::ErrorKind::NotFound | libbpf_rs::ErrorKind::InvalidInput) => {}
+            Err(e) => errors.push(format!("detaching the tc {name} filter: {e}")),
+        }
+    }
+    let state = state_dir(interface);
+    if state.join(QDISC_MARKER).exists() {
+        let mut h = TcHook::new(devnull.as_fd());
+        h.ifindex(ifindex).attach_point(TC_INGRESS | TC_EGRESS);
+        match h.destroy() {
+            Ok(()) => {}
+            Err(e) if matches!(e.kind(), libbpf_rs::ErrorKind::NotFound | libbpf_rs::ErrorKind::InvalidInput) => {}
+            Err(e) => errors.push(format!("removing the clsact qdisc: {e}")),
+        }
+        let _ = std::fs::remove_file(state.join(QDISC_MARKER));
+    }
+    if let Err(e) = remove_pin_dir(&pin_dir(interface).0) {
+        errors.push(format!("removing the pinned maps: {e:#}"));
+    }
+    // The lock file goes with the directory; a holder keeps its open fd.
+    let _ = std::fs::remove_file(state.join("lock"));
+    remove_run_dirs(&state);
+    if !errors.is_empty() {
+        bail!("{}", errors.join("; "));
+    }
+    Ok(())
+}
+
+/// Removes `dir` and its empty parents up to /run.
+fn remove_run_dirs(dir: &Path) {
+    let mut cur = Some(dir);
+    while let Some(p) = cur {
+        if p == Path::new("/run") || std::fs::remove_dir(p).is_err() {
+            break;
+        }
+        cur = p.parent();
+    }
+}
+
+/// `inband agent detach`: the clean-up of a clean stop, for an agent that
+/// did not get to do it (killed, crashed).
+pub fn detach(interface: &str) -> Result<()> {
+    let ifindex = crate::netif::ifindex(interface)? as i32;
+    if interface_locked(interface) {
+        bail!("an inband agent is running on {interface}: stop it (SIGINT/SIGTERM) and it detaches itself");
+    }
+    let had_pins = pin_dir(interface).exists();
+    let had_state = state_dir(interface).exists();
+    cleanup(interface, ifindex)?;
+    if !had_pins && !had_state {
+        info!(interface, "no agent state found; removed the agent's tc filters if any were attached");
+    } else {
+        info!(interface, "agent detached: tc filters, qdisc and pinned maps removed");
+    }
+    Ok(())
+}

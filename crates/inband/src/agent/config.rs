@@ -1,0 +1,186 @@
+//! `agent.toml`: parsing and every check that must pass before the agent
+//! touches the kernel (see docs/configuration.md, section `inband agent`).
+
+use std::collections::HashSet;
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Deserializer, Serialize};
+
+/// Where the score the agent reports comes from (docs/agent.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ScoreSource {
+    /// Active TCP connections per service port, counted by the BPF tracepoint.
+    #[default]
+    Connections,
+    /// Runnable tasks per CPU ×100, written by the agent every 100 ms.
+    Cpu,
+    /// Whatever the application sets through the score socket.
+    App,
+}
+
+impl ScoreSource {
+    pub fn name(self) -> &'static str {
+        match self {
+            ScoreSource::Connections => "connections",
+            ScoreSource::Cpu => "cpu",
+            ScoreSource::App => "app",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentConfig {
+    pub interface: String,
+    pub balancers: Vec<Ipv4Addr>,
+    #[serde(default)]
+    pub score: ScoreSource,
+    #[serde(default = "default_score_socket")]
+    pub score_socket: PathBuf,
+    /// Group allowed to use the score socket (mode 0660); without it only
+    /// root may (mode 0600).
+    #[serde(default)]
+    pub score_socket_group: Option<String>,
+    #[serde(default = "default_poll_port")]
+    pub poll_port: u16,
+    #[serde(default, rename = "service")]
+    pub services: Vec<ServiceConfig>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceConfig {
+    pub port: u16,
+    #[serde(deserialize_with = "vip_endpoint")]
+    pub vip: SocketAddrV4,
+}
+
+/// The limits of the BPF maps (bpf/include/inband/agent_maps.h).
+pub const MAX_SERVICES: usize = 64;
+pub const MAX_BALANCERS: usize = 16;
+
+pub fn default_score_socket() -> PathBuf {
+    PathBuf::from("/run/inband/agent.sock")
+}
+pub fn default_poll_port() -> u16 {
+    9137
+}
+
+fn vip_endpoint<'de, D: Deserializer<'de>>(d: D) -> Result<SocketAddrV4, D::Error> {
+    let s = String::deserialize(d)?;
+    s.parse().map_err(|_| {
+        serde::de::Error::custom(format!(
+            "vip {s:?} is not an IPv4 address:port (write it as the clients see it, e.g. \"10.77.0.100:80\")"
+        ))
+    })
+}
+
+impl AgentConfig {
+    pub fn load(path: &Path) -> Result<AgentConfig> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        Self::parse(&text).with_context(|| format!("in {}", path.display()))
+    }
+
+    pub fn parse(text: &str) -> Result<AgentConfig> {
+        let cfg: AgentConfig = toml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks that need no kernel state: run by `parse`.
+    pub fn validate(&self) -> Result<()> {
+        if self.interface.is_empty() {
+            bail!("interface is empty: name the interface the server's traffic uses (see `ip link`)");
+        }
+        if self.balancers.is_empty() {
+            bail!(
+                "balancers is empty: list the address every balancer sends from (its lb.toml `address`); \
+                 options 155/124 from any other host are ignored"
+            );
+        }
+        if self.balancers.len() > MAX_BALANCERS {
+            bail!("{} balancers listed, at most {MAX_BALANCERS}", self.balancers.len());
+        }
+        let mut seen = HashSet::new();
+        for b in &self.balancers {
+            if b.is_unspecified() {
+                bail!("balancer 0.0.0.0 is not an address a balancer can send from");
+            }
+            if !seen.insert(*b) {
+                bail!("balancer {b} is listed twice; remove the duplicate");
+            }
+        }
+        if self.services.is_empty() {
+            bail!("no [[service]]: add one per local port the application listens on, with the VIP clients connect to");
+        }
+        if self.services.len() > MAX_SERVICES {
+            bail!("{} services configured, at most {MAX_SERVICES}", self.services.len());
+        }
+        let mut ports = HashSet::new();
+        for s in &self.services {
+            if s.port == 0 {
+                bail!("service port 0 is not a port an application listens on (vip {})", s.vip);
+            }
+            if !ports.insert(s.port) {
+                bail!("service port {} is listed twice; each local port maps to one VIP", s.port);
+            }
+            if s.vip.port() == 0 {
+                bail!("service {}: vip {} has port 0", s.port, s.vip);
+            }
+            if s.vip.ip().is_unspecified() {
+                bail!(
+                    "service {}: vip {} has address 0.0.0.0; DSR responses need the VIP as their source",
+                    s.port,
+                    s.vip
+                );
+            }
+        }
+        if self.score_socket.as_os_str().is_empty() {
+            bail!("score_socket is empty: give a path, e.g. /run/inband/agent.sock");
+        }
+        Ok(())
+    }
+
+    /// Checks against this host: run before anything is attached.
+    pub fn check_host(&self) -> Result<()> {
+        crate::netif::ifindex(&self.interface)?;
+        if let Some(g) = &self.score_socket_group {
+            group_id(g)?;
+        }
+        crate::bpfmap::require_bpffs()?;
+        require_tracefs()
+    }
+
+    pub fn service_ports(&self) -> Vec<u16> {
+        self.services.iter().map(|s| s.port).collect()
+    }
+}
+
+/// The gid of a group name, or an error naming it.
+pub fn group_id(name: &str) -> Result<libc::gid_t> {
+    let c = std::ffi::CString::new(name)?;
+    // SAFETY: c is NUL-terminated; getgrnam's result is read before any
+    // other call could reuse its static buffer.
+    let gr = unsafe { libc::getgrnam(c.as_ptr()) };
+    if gr.is_null() {
+        bail!("score_socket_group {name:?} is not a group on this host (see /etc/group)");
+    }
+    // SAFETY: non-null result of getgrnam.
+    Ok(unsafe { (*gr).gr_gid })
+}
+
+/// The connection-counting tracepoint is attached through its tracefs id, so
+/// tracefs must be reachable (it is not mounted on every machine).
+fn require_tracefs() -> Result<()> {
+    const EVENT: &str = "events/sock/inet_sock_set_state/id";
+    if ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"].iter().any(|d| Path::new(d).join(EVENT).exists()) {
+        return Ok(());
+    }
+    bail!(
+        "tracefs is not mounted, so the connection-counting tracepoint cannot be attached: run \
+         `mount -t tracefs tracefs /sys/kernel/tracing` (as root) and retry"
+    )
+}

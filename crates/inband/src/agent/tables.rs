@@ -1,0 +1,216 @@
+//! The agent's maps as the control plane uses them: handles, the score the
+//! egress program would put in a 125 right now, configuration writes, and
+//! snapshots for `status` and the score socket's `get`.
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use anyhow::{Context, Result};
+use libbpf_rs::{MapHandle, MapType};
+use serde::Serialize;
+
+use super::config::{ScoreSource, ServiceConfig, MAX_BALANCERS, MAX_SERVICES};
+use super::maps::{AgentCounter, ConnKey, DsrFlow, Service};
+use crate::bpfmap::{self, PinDir};
+use crate::pod::{addr_of, be_addr, be_port, port_of};
+
+/// Size of `dsr_flows` (INBAND_AGENT_FLOW_TABLE_SIZE).
+pub const FLOW_TABLE_SIZE: u32 = 262_144;
+/// What a 125 option can carry.
+pub const SCORE_MAX: u32 = 0xffff;
+
+/// Handles on the agent's maps.
+pub struct AgentMaps {
+    pub services: MapHandle,
+    pub balancers: MapHandle,
+    pub dsr_flows: MapHandle,
+    pub active_conns: MapHandle,
+    pub score_override: MapHandle,
+    pub agent_stats: MapHandle,
+}
+
+impl AgentMaps {
+    /// The maps a running agent pinned in `dir`.
+    pub fn open(dir: &PinDir) -> Result<AgentMaps> {
+        Ok(AgentMaps {
+            services: dir.open("services")?,
+            balancers: dir.open("balancers")?,
+            dsr_flows: dir.open("dsr_flows")?,
+            active_conns: dir.open("active_conns")?,
+            score_override: dir.open("score_override")?,
+            agent_stats: dir.open("agent_stats")?,
+        })
+    }
+
+    /// Fresh maps of the same types and sizes as bpf/agent.bpf.c's, attached
+    /// to no program: for exercising the control plane (score socket, poll
+    /// responder) without an interface.
+    pub fn create_detached() -> Result<AgentMaps> {
+        let opts = libbpf_rs::libbpf_sys::bpf_map_create_opts {
+            sz: std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_map_create_opts>() as _,
+            ..Default::default()
+        };
+        let make = |ty, name: &str, key: usize, value: usize, max: u32| {
+            MapHandle::create(ty, Some(name), key as u32, value as u32, max, &opts)
+                .with_context(|| format!("creating map {name}"))
+        };
+        Ok(AgentMaps {
+            services: make(MapType::Hash, "services", 2, 8, MAX_SERVICES as u32)?,
+            balancers: make(MapType::Hash, "balancers", 4, 1, MAX_BALANCERS as u32)?,
+            dsr_flows: make(MapType::LruHash, "dsr_flows", 8, 8, FLOW_TABLE_SIZE)?,
+            active_conns: make(MapType::Hash, "active_conns", 2, 8, MAX_SERVICES as u32)?,
+            score_override: make(MapType::Hash, "score_override", 2, 4, MAX_SERVICES as u32)?,
+            agent_stats: make(MapType::PercpuArray, "agent_stats", 4, 8, AgentCounter::ALL.len() as u32)?,
+        })
+    }
+
+    /// Makes `services` and `balancers` hold exactly the configuration.
+    pub fn apply(&self, services: &[ServiceConfig], balancers: &[Ipv4Addr]) -> Result<()> {
+        let wanted: HashSet<u16> = services.iter().map(|s| be_port(s.port)).collect();
+        for s in services {
+            let v = Service { vip_addr: be_addr(*s.vip.ip()), vip_port: be_port(s.vip.port()), pad: 0 };
+            bpfmap::put(&self.services, &be_port(s.port), &v)?;
+        }
+        for (k, _) in bpfmap::entries::<u16, Service>(&self.services)? {
+            if !wanted.contains(&k) {
+                bpfmap::delete(&self.services, &k)?;
+            }
+        }
+        let wanted: HashSet<u32> = balancers.iter().map(|b| be_addr(*b)).collect();
+        for b in &wanted {
+            bpfmap::put(&self.balancers, b, &1u8)?;
+        }
+        for (k, _) in bpfmap::entries::<u32, u8>(&self.balancers)? {
+            if !wanted.contains(&k) {
+                bpfmap::delete(&self.balancers, &k)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn active(&self, port: u16) -> Result<Option<i64>> {
+        bpfmap::get(&self.active_conns, &port)
+    }
+
+    pub fn override_of(&self, port: u16) -> Result<Option<u32>> {
+        bpfmap::get(&self.score_override, &port)
+    }
+
+    pub fn set_override(&self, port: u16, score: u32) -> Result<()> {
+        bpfmap::put(&self.score_override, &port, &score)
+    }
+
+    pub fn clear_override(&self, port: u16) -> Result<()> {
+        bpfmap::delete(&self.score_override, &port)
+    }
+
+    /// The score a 125 for `port` would carry now.
+    pub fn score(&self, port: u16) -> Result<u32> {
+        Ok(score_from(self.override_of(port)?, self.active(port)?))
+    }
+
+    /// A counter summed over CPUs.
+    pub fn counter(&self, c: AgentCounter) -> Result<u64> {
+        Ok(bpfmap::get_percpu::<u32, u64>(&self.agent_stats, &(c as u32))?.iter().sum())
+    }
+
+    /// Everything `status` and the score socket's `get` report.
+    pub fn snapshot(&self, interface: &str, score_source: Option<ScoreSource>) -> Result<AgentSnapshot> {
+        let mut ports = BTreeMap::new();
+        for (k, svc) in bpfmap::entries::<u16, Service>(&self.services)? {
+            let port = port_of(k);
+            let active = self.active(port)?;
+            let score_override = self.override_of(port)?;
+            ports.insert(
+                port,
+                PortStatus {
+                    vip: SocketAddrV4::new(addr_of(svc.vip_addr), port_of(svc.vip_port)),
+                    active_connections: active.unwrap_or(0),
+                    score_override,
+                    score: score_from(score_override, active),
+                },
+            );
+        }
+        let mut balancers: Vec<Ipv4Addr> =
+            bpfmap::entries::<u32, u8>(&self.balancers)?.into_iter().map(|(k, _)| addr_of(k)).collect();
+        balancers.sort();
+        let mut counters = BTreeMap::new();
+        for c in AgentCounter::ALL {
+            counters.insert(c.name(), self.counter(c)?);
+        }
+        let flows = bpfmap::entries::<ConnKey, DsrFlow>(&self.dsr_flows)?;
+        Ok(AgentSnapshot {
+            interface: interface.to_string(),
+            score_source,
+            balancers,
+            ports,
+            dsr_flows: flows.len(),
+            dsr_flows_with_tuple: flows.iter().filter(|(_, f)| f.client_addr != 0).count(),
+            counters,
+        })
+    }
+}
+
+/// The egress program's score (bpf/agent.bpf.c `current_score`): the
+/// override if one is set, else the active connections; negative counts are
+/// 0 and everything saturates at what a 125 carries.
+pub fn score_from(score_override: Option<u32>, active: Option<i64>) -> u32 {
+    match (score_override, active) {
+        (Some(o), _) => o.min(SCORE_MAX),
+        (None, Some(a)) => a.clamp(0, i64::from(SCORE_MAX)) as u32,
+        (None, None) => 0,
+    }
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct PortStatus {
+    pub vip: SocketAddrV4,
+    pub active_connections: i64,
+    pub score_override: Option<u32>,
+    /// What a 125 (and a poll reply) for this port carries now.
+    pub score: u32,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct AgentSnapshot {
+    pub interface: String,
+    /// Known to the running agent only (`get`), not to `status`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub score_source: Option<ScoreSource>,
+    pub balancers: Vec<Ipv4Addr>,
+    /// Local port → its state (JSON object keys are the port numbers).
+    pub ports: BTreeMap<u16, PortStatus>,
+    /// Entries in `dsr_flows`: connections told apart by their balancer tuple.
+    pub dsr_flows: usize,
+    /// Of those, the ones holding a client tuple (the rest only await a score).
+    pub dsr_flows_with_tuple: usize,
+    pub counters: BTreeMap<&'static str, u64>,
+}
+
+impl AgentSnapshot {
+    pub fn render_table(&self) -> String {
+        use std::fmt::Write;
+        let mut s = String::new();
+        let balancers: Vec<String> = self.balancers.iter().map(|b| b.to_string()).collect();
+        let _ = writeln!(s, "agent on {}  (balancers: {})", self.interface, balancers.join(", "));
+        if let Some(src) = self.score_source {
+            let _ = writeln!(s, "score source: {}", src.name());
+        }
+        let _ = writeln!(s, "{:>6}  {:<21}  {:>8}  {:>8}  {:>6}", "port", "vip", "active", "override", "score");
+        for (port, p) in &self.ports {
+            let o = p.score_override.map(|o| o.to_string()).unwrap_or_else(|| "-".into());
+            let _ = writeln!(
+                s,
+                "{port:>6}  {:<21}  {:>8}  {o:>8}  {:>6}",
+                p.vip.to_string(),
+                p.active_connections,
+                p.score
+            );
+        }
+        let _ = writeln!(s, "dsr_flows: {} ({} with a client tuple)", self.dsr_flows, self.dsr_flows_with_tuple);
+        for (name, v) in &self.counters {
+            let _ = writeln!(s, "  {name:<18} {v}");
+        }
+        s
+    }
+}

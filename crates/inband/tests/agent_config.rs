@@ -1,0 +1,829 @@
+//! The agent's control plane: config validation, the poll protocol and its
+//! responder, the score socket, /proc/net/tcp seeding, the CPU score, and
+//! (as root, with the BPF program) a full run against a veth in a network
+//! namespace.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use inband::agent::config::{AgentConfig, ScoreSource, ServiceConfig};
+use inband::agent::cpu::{parse_proc_stat, RunQueue};
+use inband::agent::daemon::seed_active;
+use inband::agent::poll_proto;
+use inband::agent::poll_responder;
+use inband::agent::proc_tcp::{self, TcpState};
+use inband::agent::score_socket::{self, ScoreApi};
+use inband::agent::tables::AgentMaps;
+use inband::bpfmap;
+
+// ---------------------------------------------------------------- config
+
+const GOOD: &str = r#"
+interface = "eth0"
+balancers = ["10.77.0.2"]
+
+[[service]]
+port = 8080
+vip = "10.77.0.100:80"
+
+[[service]]
+port = 8081
+vip = "10.77.0.100:81"
+"#;
+
+fn config_err(text: &str) -> String {
+    format!("{:#}", AgentConfig::parse(text).unwrap_err())
+}
+
+#[test]
+fn config_defaults() {
+    let c = AgentConfig::parse(GOOD).unwrap();
+    assert_eq!(c.interface, "eth0");
+    assert_eq!(c.balancers, vec![Ipv4Addr::new(10, 77, 0, 2)]);
+    assert_eq!(c.score, ScoreSource::Connections);
+    assert_eq!(c.score_socket, PathBuf::from("/run/inband/agent.sock"));
+    assert_eq!(c.score_socket_group, None);
+    assert_eq!(c.poll_port, 9137);
+    assert_eq!(
+        c.services,
+        vec![
+            ServiceConfig { port: 8080, vip: "10.77.0.100:80".parse().unwrap() },
+            ServiceConfig { port: 8081, vip: "10.77.0.100:81".parse().unwrap() },
+        ]
+    );
+    let c = AgentConfig::parse(&GOOD.replace("interface", "score = \"cpu\"\npoll_port = 0\ninterface")).unwrap();
+    assert_eq!(c.score, ScoreSource::Cpu);
+    assert_eq!(c.poll_port, 0);
+}
+
+#[test]
+fn config_unknown_key() {
+    let e = config_err(&GOOD.replace("balancers =", "balancer ="));
+    assert!(e.contains("unknown field `balancer`"), "{e}");
+    let e = config_err(&GOOD.replace("vip = \"10.77.0.100:81\"", "vip = \"10.77.0.100:81\"\nweight = 2"));
+    assert!(e.contains("unknown field `weight`"), "{e}");
+    let e = config_err(&GOOD.replace("interface", "score = \"memory\"\ninterface"));
+    assert!(e.contains("unknown variant `memory`"), "{e}");
+}
+
+#[test]
+fn config_duplicate_port() {
+    let e = config_err(&GOOD.replace("port = 8081", "port = 8080"));
+    assert!(e.contains("service port 8080 is listed twice"), "{e}");
+}
+
+#[test]
+fn config_zero_ports() {
+    let e = config_err(&GOOD.replace("port = 8081", "port = 0"));
+    assert!(e.contains("service port 0"), "{e}");
+    let e = config_err(&GOOD.replace("10.77.0.100:81", "10.77.0.100:0"));
+    assert!(e.contains("vip 10.77.0.100:0 has port 0"), "{e}");
+}
+
+#[test]
+fn config_bad_vip() {
+    let e = config_err(&GOOD.replace("10.77.0.100:81", "10.77.0.300:81"));
+    assert!(e.contains("vip \"10.77.0.300:81\" is not an IPv4 address:port"), "{e}");
+    let e = config_err(&GOOD.replace("10.77.0.100:81", "10.77.0.100"));
+    assert!(e.contains("vip \"10.77.0.100\" is not an IPv4 address:port"), "{e}");
+}
+
+#[test]
+fn config_empty_balancers_and_services() {
+    let e = config_err(&GOOD.replace("[\"10.77.0.2\"]", "[]"));
+    assert!(e.contains("balancers is empty"), "{e}");
+    let e = config_err(&GOOD.replace("[\"10.77.0.2\"]", "[\"10.77.0.2\", \"10.77.0.2\"]"));
+    assert!(e.contains("balancer 10.77.0.2 is listed twice"), "{e}");
+    let e = config_err("interface = \"eth0\"\nbalancers = [\"10.77.0.2\"]\n");
+    assert!(e.contains("no [[service]]"), "{e}");
+    let e = config_err(&GOOD.replace("balancers = [\"10.77.0.2\"]\n", ""));
+    assert!(e.contains("missing field `balancers`"), "{e}");
+}
+
+#[test]
+fn config_missing_interface() {
+    let c = AgentConfig::parse(&GOOD.replace("eth0", "nosuchif0")).unwrap();
+    let e = format!("{:#}", c.check_host().unwrap_err());
+    assert!(e.contains("interface \"nosuchif0\" does not exist"), "{e}");
+    let c = AgentConfig::parse(
+        &GOOD.replace("eth0", "lo").replace("interface", "score_socket_group = \"no-such-group-x\"\ninterface"),
+    )
+    .unwrap();
+    let e = format!("{:#}", c.check_host().unwrap_err());
+    assert!(e.contains("score_socket_group \"no-such-group-x\" is not a group"), "{e}");
+}
+
+// ---------------------------------------------------------------- poll protocol
+
+#[test]
+fn poll_protocol_round_trip() {
+    assert_eq!(poll_proto::encode_request(8080), *b"IBP1\x1f\x90");
+    assert_eq!(poll_proto::decode_request(b"IBP1\x1f\x90"), Some(8080));
+    assert_eq!(poll_proto::encode_reply(8080, 0x0102_0304), *b"IBR1\x1f\x90\x01\x02\x03\x04");
+    assert_eq!(poll_proto::decode_reply(b"IBR1\x1f\x90\x01\x02\x03\x04"), Some((8080, 0x0102_0304)));
+    for port in [1u16, 80, 65535] {
+        for score in [0u32, 1, 65535, u32::MAX] {
+            assert_eq!(poll_proto::decode_request(&poll_proto::encode_request(port)), Some(port));
+            assert_eq!(poll_proto::decode_reply(&poll_proto::encode_reply(port, score)), Some((port, score)));
+        }
+    }
+}
+
+#[test]
+fn poll_protocol_rejects_bad_messages() {
+    assert_eq!(poll_proto::decode_request(b""), None);
+    assert_eq!(poll_proto::decode_request(b"IBP1\x1f"), None);
+    assert_eq!(poll_proto::decode_request(b"IBP1\x1f\x90\x00"), None);
+    assert_eq!(poll_proto::decode_request(b"IBP2\x1f\x90"), None);
+    assert_eq!(poll_proto::decode_request(b"ibp1\x1f\x90"), None);
+    // A reply is not a request and the other way round.
+    assert_eq!(poll_proto::decode_request(&poll_proto::encode_reply(8080, 1)), None);
+    assert_eq!(poll_proto::decode_reply(&poll_proto::encode_request(8080)), None);
+    assert_eq!(poll_proto::decode_reply(b"IBR1\x1f\x90\x01\x02\x03"), None);
+    assert_eq!(poll_proto::decode_reply(b"IBR1\x1f\x90\x01\x02\x03\x04\x05"), None);
+    assert_eq!(poll_proto::decode_reply(b"XBR1\x1f\x90\x01\x02\x03\x04"), None);
+}
+
+fn services(ports: &[(u16, &str)]) -> Vec<ServiceConfig> {
+    ports.iter().map(|(p, v)| ServiceConfig { port: *p, vip: v.parse().unwrap() }).collect()
+}
+
+fn detached_maps() -> AgentMaps {
+    let maps = AgentMaps::create_detached().expect("creating BPF maps (run the tests as root)");
+    maps.apply(&services(&[(8080, "10.77.0.100:80"), (8081, "10.77.0.100:81")]), &[Ipv4Addr::LOCALHOST]).unwrap();
+    maps
+}
+
+/// Sends `req` from `from` to `to` and returns the reply with its source, or
+/// None if nothing came back within 300 ms.
+fn poll(from: &UdpSocket, to: SocketAddrV4, req: &[u8]) -> Option<(Vec<u8>, SocketAddrV4)> {
+    from.send_to(req, to).unwrap();
+    from.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+    let mut buf = [0u8; 64];
+    match from.recv_from(&mut buf) {
+        Ok((n, std::net::SocketAddr::V4(src))) => Some((buf[..n].to_vec(), src)),
+        Ok(_) => panic!("IPv6 reply"),
+        Err(_) => None,
+    }
+}
+
+#[test]
+fn poll_responder_answers_like_the_egress_program() {
+    let maps = detached_maps();
+    bpfmap::put(&maps.active_conns, &8080u16, &5i64).unwrap();
+    bpfmap::put(&maps.active_conns, &8081u16, &-3i64).unwrap();
+    // Bound to the wildcard address like the agent's socket.
+    let sock = UdpSocket::bind("0.0.0.0:0").unwrap();
+    let port = sock.local_addr().unwrap().port();
+    let stop = Arc::new(AtomicBool::new(false));
+    let server = {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            poll_responder::serve(&sock, &maps, &[8080, 8081], &[Ipv4Addr::LOCALHOST], &stop).unwrap();
+            maps
+        })
+    };
+    let balancer = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let to = SocketAddrV4::new(Ipv4Addr::LOCALHOST, port);
+
+    let (reply, src) = poll(&balancer, to, &poll_proto::encode_request(8080)).expect("a reply");
+    assert_eq!(reply, poll_proto::encode_reply(8080, 5));
+    assert_eq!(src, to);
+    // Negative counts (a socket closed that was never counted) read as 0.
+    let (reply, _) = poll(&balancer, to, &poll_proto::encode_request(8081)).expect("a reply");
+    assert_eq!(reply, poll_proto::encode_reply(8081, 0));
+
+    // The reply comes from the address the request was sent to, even when
+    // routing would pick another one (here 127.0.0.1).
+    let other = SocketAddrV4::new(Ipv4Addr::new(127, 0, 0, 3), port);
+    let (reply, src) = poll(&balancer, other, &poll_proto::encode_request(8080)).expect("a reply");
+    assert_eq!(reply, poll_proto::encode_reply(8080, 5));
+    assert_eq!(src, other);
+
+    // Ignored: bad magic, wrong length, a reply, an unserved port, a sender
+    // that is not a balancer.
+    assert_eq!(poll(&balancer, to, b"IBX1\x1f\x90"), None);
+    assert_eq!(poll(&balancer, to, b"IBP1\x1f\x90\x00"), None);
+    assert_eq!(poll(&balancer, to, b"IBP1\x1f"), None);
+    assert_eq!(poll(&balancer, to, &poll_proto::encode_reply(8080, 1)), None);
+    assert_eq!(poll(&balancer, to, &poll_proto::encode_request(9090)), None);
+    let stranger = UdpSocket::bind("127.0.0.2:0").unwrap();
+    assert_eq!(poll(&stranger, to, &poll_proto::encode_request(8080)), None);
+
+    // Still serving after all that; the override wins and saturates.
+    stop.store(true, Ordering::Relaxed);
+    let maps = server.join().unwrap();
+    maps.set_override(8080, 70_000).unwrap();
+    maps.set_override(8081, 12).unwrap();
+    bpfmap::put(&maps.active_conns, &8081u16, &100_000i64).unwrap();
+    let sock = UdpSocket::bind("0.0.0.0:0").unwrap();
+    let to = SocketAddrV4::new(Ipv4Addr::LOCALHOST, sock.local_addr().unwrap().port());
+    let stop = Arc::new(AtomicBool::new(false));
+    let server = {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            poll_responder::serve(&sock, &maps, &[8080, 8081], &[Ipv4Addr::LOCALHOST], &stop).unwrap()
+        })
+    };
+    assert_eq!(
+        poll(&balancer, to, &poll_proto::encode_request(8080)).unwrap().0,
+        poll_proto::encode_reply(8080, 65535)
+    );
+    assert_eq!(poll(&balancer, to, &poll_proto::encode_request(8081)).unwrap().0, poll_proto::encode_reply(8081, 12));
+    stop.store(true, Ordering::Relaxed);
+    server.join().unwrap();
+}
+
+// ---------------------------------------------------------------- score socket
+
+struct ScoreServer {
+    path: PathBuf,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    api: Arc<ScoreApi>,
+    _dir: tempfile::TempDir,
+}
+
+impl ScoreServer {
+    fn start(source: ScoreSource) -> ScoreServer {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let listener = score_socket::bind(&path, None).unwrap();
+        let api =
+            Arc::new(ScoreApi { maps: detached_maps(), interface: "test0".into(), ports: vec![8080, 8081], source });
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (api, stop) = (Arc::clone(&api), Arc::clone(&stop));
+            std::thread::spawn(move || score_socket::serve(listener, api, stop).unwrap())
+        };
+        ScoreServer { path, stop, thread: Some(thread), api, _dir: dir }
+    }
+}
+
+impl Drop for ScoreServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// One connection, several commands: the protocol is line by line.
+struct Session {
+    writer: UnixStream,
+    reader: BufReader<UnixStream>,
+}
+
+impl Session {
+    fn open(path: &Path) -> Session {
+        let s = UnixStream::connect(path).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        Session { writer: s.try_clone().unwrap(), reader: BufReader::new(s) }
+    }
+    fn cmd(&mut self, line: &str) -> String {
+        writeln!(self.writer, "{line}").unwrap();
+        let mut reply = String::new();
+        self.reader.read_line(&mut reply).unwrap();
+        assert!(reply.ends_with('\n'), "reply {reply:?} is not a whole line");
+        reply.trim_end().to_string()
+    }
+    fn get(&mut self) -> serde_json::Value {
+        let r = self.cmd("get");
+        serde_json::from_str(&r).unwrap_or_else(|e| panic!("get returned {r:?}: {e}"))
+    }
+}
+
+fn overrides(maps: &AgentMaps) -> BTreeMap<u16, u32> {
+    bpfmap::entries::<u16, u32>(&maps.score_override).unwrap().into_iter().collect()
+}
+
+#[test]
+fn score_socket_set_get_clear() {
+    let srv = ScoreServer::start(ScoreSource::App);
+    bpfmap::put(&srv.api.maps.active_conns, &8080u16, &3i64).unwrap();
+    bpfmap::put(&srv.api.maps.active_conns, &8081u16, &9i64).unwrap();
+    let mut s = Session::open(&srv.path);
+
+    let g = s.get();
+    assert_eq!(g["score_source"], "app");
+    assert_eq!(g["interface"], "test0");
+    assert_eq!(g["ports"]["8080"]["active_connections"], 3);
+    assert_eq!(g["ports"]["8080"]["score"], 3);
+    assert_eq!(g["ports"]["8080"]["score_override"], serde_json::Value::Null);
+    assert_eq!(g["ports"]["8080"]["vip"], "10.77.0.100:80");
+    assert_eq!(g["ports"]["8081"]["score"], 9);
+    assert_eq!(g["balancers"], serde_json::json!(["127.0.0.1"]));
+    assert_eq!(g["dsr_flows"], 0);
+    assert_eq!(g["counters"]["scores_sent"], 0);
+    assert_eq!(g["counters"].as_object().unwrap().len(), 10);
+
+    assert_eq!(s.cmd("set 8080 42"), "ok");
+    assert_eq!(overrides(&srv.api.maps), BTreeMap::from([(8080, 42)]));
+    let g = s.get();
+    assert_eq!(g["ports"]["8080"]["score"], 42);
+    assert_eq!(g["ports"]["8080"]["score_override"], 42);
+    assert_eq!(g["ports"]["8080"]["active_connections"], 3);
+    assert_eq!(g["ports"]["8081"]["score"], 9);
+
+    assert_eq!(s.cmd("set * 7"), "ok");
+    assert_eq!(overrides(&srv.api.maps), BTreeMap::from([(8080, 7), (8081, 7)]));
+    assert_eq!(s.cmd("  set   8081   65535  "), "ok");
+    assert_eq!(overrides(&srv.api.maps), BTreeMap::from([(8080, 7), (8081, 65535)]));
+    assert_eq!(s.cmd("clear 8080"), "ok");
+    assert_eq!(overrides(&srv.api.maps), BTreeMap::from([(8081, 65535)]));
+    assert_eq!(s.get()["ports"]["8080"]["score"], 3);
+    assert_eq!(s.cmd("clear *"), "ok");
+    assert!(overrides(&srv.api.maps).is_empty());
+    // Clearing what is not set is fine.
+    assert_eq!(s.cmd("clear 8081"), "ok");
+
+    // The CLI's client: one command per connection.
+    assert_eq!(score_socket::request(&srv.path, "set 8081 5").unwrap(), "ok");
+    assert_eq!(overrides(&srv.api.maps), BTreeMap::from([(8081, 5)]));
+}
+
+#[test]
+fn score_socket_bad_commands_get_an_error_line() {
+    let srv = ScoreServer::start(ScoreSource::App);
+    let mut s = Session::open(&srv.path);
+    let cases = [
+        ("bogus", "error: unknown command \"bogus\""),
+        ("set 8080", "error: unknown command \"set 8080\""),
+        ("set 8080 1 2", "error: unknown command \"set 8080 1 2\""),
+        ("", "error: empty command"),
+        ("set 9999 1", "error: port 9999 is not a service of this agent (services: 8080, 8081)"),
+        ("set http 1", "error: \"http\" is not a port number or `*`"),
+        ("set 8080 65536", "error: score \"65536\" is not a number from 0 to 65535"),
+        ("set 8080 -1", "error: score \"-1\" is not a number from 0 to 65535"),
+        ("clear 70000", "error: \"70000\" is not a port number or `*`"),
+        ("GET", "error: unknown command \"GET\""),
+    ];
+    for (cmd, want) in cases {
+        let got = s.cmd(cmd);
+        assert!(got.starts_with(want), "{cmd:?} -> {got:?}, wanted {want:?}...");
+    }
+    assert!(overrides(&srv.api.maps).is_empty(), "a refused command changed the maps");
+    // Non-UTF-8 input is refused too, and the connection still works.
+    s.writer.write_all(b"set \xff\xfe 1\n").unwrap();
+    let mut reply = String::new();
+    s.reader.read_line(&mut reply).unwrap();
+    assert_eq!(reply, "error: the command is not UTF-8 text\n");
+    assert_eq!(s.cmd("set 8080 1"), "ok");
+    // An over-long line ends the connection with an error, not the server.
+    let mut long = Session::open(&srv.path);
+    long.writer.write_all(&vec![b'x'; 10_000]).unwrap();
+    let mut reply = String::new();
+    long.reader.read_line(&mut reply).unwrap();
+    assert_eq!(reply, "error: line longer than 4096 bytes; closing\n");
+    assert_eq!(Session::open(&srv.path).cmd("set 8081 2"), "ok");
+    assert_eq!(overrides(&srv.api.maps), BTreeMap::from([(8080, 1), (8081, 2)]));
+}
+
+#[test]
+fn score_socket_refuses_set_when_the_agent_writes_the_score() {
+    let srv = ScoreServer::start(ScoreSource::Cpu);
+    let mut s = Session::open(&srv.path);
+    let r = s.cmd("set 8080 5");
+    assert!(r.starts_with("error: `set` is not available with score = \"cpu\""), "{r}");
+    let r = s.cmd("clear *");
+    assert!(r.starts_with("error: `clear` is not available with score = \"cpu\""), "{r}");
+    assert_eq!(s.get()["score_source"], "cpu");
+    assert!(overrides(&srv.api.maps).is_empty());
+}
+
+#[test]
+fn score_socket_refuses_to_take_a_live_socket() {
+    let srv = ScoreServer::start(ScoreSource::App);
+    let e = format!("{:#}", score_socket::bind(&srv.path, None).unwrap_err());
+    assert!(e.contains("is in use by another inband agent"), "{e}");
+    // A stale socket file (no listener) is replaced.
+    let dir = tempfile::tempdir().unwrap();
+    let stale = dir.path().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    assert!(stale.exists());
+    let l = score_socket::bind(&stale, None).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&stale).unwrap().permissions().mode() & 0o777, 0o600);
+    drop(l);
+}
+
+// ---------------------------------------------------------------- /proc/net/tcp
+
+const PROC_NET_TCP: &str = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1001 1 0000000000000000 100 0 0 10 0
+   1: 0200630A:1F90 0100630A:D431 01 00000000:00000000 00:00000000 00000000     0        0 1002 1 0000000000000000 20 4 30 10 -1
+   2: 0200630A:1F90 0100630A:D432 01 00000000:00000000 00:00000000 00000000     0        0 1003 1 0000000000000000 20 4 30 10 -1
+   3: 0200630A:1F90 0100630A:D433 08 00000000:00000000 00:00000000 00000000     0        0 1004 1 0000000000000000 20 4 30 10 -1
+   4: 0200630A:1F90 0100630A:D434 03 00000000:00000000 01:00000064 00000000     0        0 0 2 0000000000000000 20 4 30 10 -1
+   5: 0200630A:1F90 0100630A:D435 03 00000000:00000000 01:00000064 00000000     0        0 0 0 0000000000000000
+   6: 0200630A:1F90 0100630A:D436 06 00000000:00000000 03:00001770 00000000     0        0 0 3 0000000000000000
+   7: 0200630A:1F90 0100630A:D437 09 00000000:00000001 01:00000014 00000000     0        0 0 2 0000000000000000 20 4 30 10 -1
+   8: 0200630A:1F91 0100630A:D438 01 00000000:00000000 00:00000000 00000000     0        0 1005 1 0000000000000000 20 4 30 10 -1
+   9: 0100630A:D439 0200630A:1F90 01 00000000:00000000 00:00000000 00000000     0        0 1006 1 0000000000000000 20 4 30 10 -1
+  10: 00000000:1F91 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1007 1 0000000000000000 100 0 0 10 0
+  11: 0200630A:1F91 0100630A:D43A 04 00000000:00000000 00:00000000 00000000     0        0 0 1 0000000000000000 20 4 30 10 -1
+";
+
+#[test]
+fn proc_net_tcp_counts() {
+    let socks = proc_tcp::parse(PROC_NET_TCP).unwrap();
+    assert_eq!(socks.len(), 12);
+    // Only the handshake-pending request (refcount 0, SYN_RECV) is a request.
+    let requests: Vec<usize> = socks.iter().enumerate().filter(|(_, s)| s.request).map(|(i, _)| i).collect();
+    assert_eq!(requests, vec![5]);
+    let counts = proc_tcp::count_by_port_state(&socks);
+    let want = BTreeMap::from([
+        ((8080, TcpState::Established), 2),
+        ((8080, TcpState::SynRecv), 1),
+        ((8080, TcpState::TimeWait), 1),
+        ((8080, TcpState::CloseWait), 1),
+        ((8080, TcpState::LastAck), 1),
+        ((8080, TcpState::Listen), 1),
+        ((8081, TcpState::Established), 1),
+        ((8081, TcpState::FinWait1), 1),
+        ((8081, TcpState::Listen), 1),
+        ((0xD439, TcpState::Established), 1),
+    ]);
+    assert_eq!(counts, want);
+    // Active = SYN_RECV (full sockets) + ESTABLISHED + CLOSE_WAIT.
+    assert_eq!(proc_tcp::active_on_port(&socks, 8080), 4);
+    assert_eq!(proc_tcp::active_on_port(&socks, 8081), 1);
+    assert_eq!(proc_tcp::active_on_port(&socks, 0xD439), 1);
+    assert_eq!(proc_tcp::active_on_port(&socks, 9999), 0);
+}
+
+#[test]
+fn proc_net_tcp_malformed_line_is_named() {
+    let bad = format!("{PROC_NET_TCP}  12: 0200630A 0100630A:D43A 01 0 0 0 0 0 0 1\n");
+    let e = format!("{:#}", proc_tcp::parse(&bad).unwrap_err());
+    assert!(e.contains("/proc/net/tcp line 14") && e.contains("has no port"), "{e}");
+    let bad = PROC_NET_TCP.replace(
+        " 0A 00000000:00000000 00:00000000 00000000     0        0 1007",
+        " 0F 00000000:00000000 00:00000000 00000000     0        0 1007",
+    );
+    let e = format!("{:#}", proc_tcp::parse(&bad).unwrap_err());
+    assert!(e.contains("unknown state 15"), "{e}");
+}
+
+#[test]
+fn seeding_compensates_transitions_during_the_scan() {
+    let maps = detached_maps();
+    // A stale value from an earlier agent is replaced.
+    bpfmap::put(&maps.active_conns, &8080u16, &99i64).unwrap();
+    let socks = proc_tcp::parse(PROC_NET_TCP).unwrap();
+    assert_eq!(seed_active(&maps, 8080, || Ok(socks.clone())).unwrap(), 4);
+    assert_eq!(maps.active(8080).unwrap(), Some(4));
+
+    // The first scan races a connection that opens (the tracepoint adds 1
+    // while /proc is read): it is retried, and the connection is counted once.
+    let calls = std::cell::Cell::new(0);
+    let n = seed_active(&maps, 8081, || {
+        calls.set(calls.get() + 1);
+        if calls.get() == 1 {
+            let v = maps.active(8081).unwrap().unwrap();
+            bpfmap::put(&maps.active_conns, &8081u16, &(v + 1)).unwrap();
+        }
+        // 8081 has 1 active socket in the sample, plus the new one.
+        let mut s = socks.clone();
+        s.push(proc_tcp::TcpSocket { local_port: 8081, state: TcpState::Established, request: false });
+        Ok(s)
+    })
+    .unwrap();
+    assert_eq!(calls.get(), 2);
+    assert_eq!(n, 2);
+    assert_eq!(maps.active(8081).unwrap(), Some(2));
+}
+
+// ---------------------------------------------------------------- cpu score
+
+#[test]
+fn cpu_score_from_proc_stat() {
+    let text = "cpu  10 0 10 100 0 0 0 0 0 0\ncpu0 5 0 5 50 0 0 0 0 0 0\ncpu1 5 0 5 50 0 0 0 0 0 0\n\
+                intr 0\nctxt 1\nbtime 1\nprocesses 10\nprocs_running 3\nprocs_blocked 0\n";
+    assert_eq!(parse_proc_stat(text).unwrap(), (3, 2));
+    assert!(format!("{:#}", parse_proc_stat("cpu0 1\n").unwrap_err()).contains("no procs_running"));
+    let mut rq = RunQueue::default();
+    // The sampler itself is one of procs_running: 3 → 2 runnable on 2 CPUs.
+    assert_eq!(rq.push(3, 2), 100);
+    assert_eq!(rq.push(1, 2), 50); // (2 + 0) / 2 samples / 2 CPUs
+    assert_eq!(rq.push(0, 2), 33); // nothing below the sampler itself; 2/3/2 = 0.333
+    assert_eq!(rq.push(9, 2), 125); // (2 + 0 + 0 + 8) / 4 / 2
+    assert_eq!(rq.push(1, 2), 100); // (2 + 0 + 0 + 8 + 0) / 5 / 2
+                                    // The window is 5 samples: the first (2) drops out.
+    assert_eq!(rq.push(1, 2), 80); // (0 + 0 + 8 + 0 + 0) / 5 / 2
+}
+
+// ---------------------------------------------------------------- the agent on a veth
+
+/// A network namespace with a veth pair inside (eth0 10.99.0.2, peer0
+/// 10.99.0.1), deleted on drop together with an agent still running in it.
+struct Netns {
+    name: String,
+    agent: Option<Child>,
+}
+
+impl Netns {
+    fn new(name: String) -> Netns {
+        // A namespace of the same name can only be left over from a killed run.
+        let _ = Command::new("ip").args(["netns", "del", &name]).stderr(Stdio::null()).status();
+        let ns = Netns { name, agent: None };
+        for args in [
+            vec!["netns", "add", &ns.name],
+            vec!["-n", &ns.name, "link", "add", "eth0", "type", "veth", "peer", "name", "peer0"],
+            vec!["-n", &ns.name, "addr", "add", "10.99.0.2/24", "dev", "eth0"],
+            vec!["-n", &ns.name, "addr", "add", "10.99.0.1/24", "dev", "peer0"],
+            vec!["-n", &ns.name, "link", "set", "eth0", "up"],
+            vec!["-n", &ns.name, "link", "set", "peer0", "up"],
+            vec!["-n", &ns.name, "link", "set", "lo", "up"],
+        ] {
+            let st = Command::new("ip").args(&args).status().unwrap();
+            assert!(st.success(), "ip {args:?} failed");
+        }
+        ns
+    }
+
+    fn run(&self, prog: &str, args: &[&str]) -> std::process::Output {
+        Command::new("nsenter").arg(format!("--net=/run/netns/{}", self.name)).arg(prog).args(args).output().unwrap()
+    }
+
+    fn tc(&self, args: &[&str]) -> String {
+        let out = Command::new("ip").args(["netns", "exec", &self.name, "tc"]).args(args).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Runs `f` on a thread inside the namespace; sockets it creates stay
+    /// in the namespace wherever they are used afterwards.
+    fn within<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let path = format!("/run/netns/{}", self.name);
+        std::thread::spawn(move || {
+            let ns = std::fs::File::open(path).unwrap();
+            use std::os::fd::AsRawFd;
+            // SAFETY: setns on a valid namespace fd; affects this thread only.
+            assert_eq!(unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) }, 0, "setns");
+            f()
+        })
+        .join()
+        .unwrap()
+    }
+
+    fn pins(&self) -> PathBuf {
+        PathBuf::from(format!("/sys/fs/bpf/inband/netns/{}/agent/eth0", self.name))
+    }
+
+    fn start_agent(&mut self, config: &Path, log: &Path) {
+        let child = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", self.name))
+            .arg(env!("CARGO_BIN_EXE_inband"))
+            .args(["agent", "run", "--config"])
+            .arg(config)
+            .env("INBAND_LOG", "debug")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(log).unwrap())
+            .spawn()
+            .unwrap();
+        self.agent = Some(child);
+    }
+
+    /// SIGTERM (or SIGKILL) to the agent; returns whether it exited 0.
+    fn stop_agent(&mut self, signal: i32) -> bool {
+        let mut child = self.agent.take().expect("agent running");
+        // SAFETY: signalling our own child by its pid.
+        unsafe { libc::kill(child.id() as i32, signal) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                return st.success();
+            }
+            assert!(Instant::now() < deadline, "agent did not exit");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.agent.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if self.pins().exists() {
+            let _ = self.run(env!("CARGO_BIN_EXE_inband"), &["agent", "detach", "--interface", "eth0"]);
+        }
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).status();
+    }
+}
+
+fn root_with_bpf() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root");
+        return false;
+    }
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+    if !mounts.lines().any(|l| l.split_whitespace().nth(1) == Some("/sys/fs/bpf")) {
+        assert!(Command::new("mount").args(["-t", "bpf", "bpf", "/sys/fs/bpf"]).status().unwrap().success());
+    }
+    if !Path::new("/sys/kernel/tracing/events").exists() {
+        let _ = Command::new("mount").args(["-t", "tracefs", "tracefs", "/sys/kernel/tracing"]).status();
+    }
+    true
+}
+
+fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn agent_config(dir: &Path, socket: &Path) -> PathBuf {
+    let path = dir.join("agent.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "interface = \"eth0\"\nbalancers = [\"10.99.0.1\"]\nscore_socket = \"{}\"\npoll_port = 9137\n\n\
+             [[service]]\nport = 8080\nvip = \"10.77.0.100:80\"\n",
+            socket.display()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn active_8080(socket: &Path) -> Option<i64> {
+    let r = score_socket::request(socket, "get").ok()?;
+    let v: serde_json::Value = serde_json::from_str(&r).ok()?;
+    v["ports"]["8080"]["active_connections"].as_i64()
+}
+
+const MAP_NAMES: [&str; 6] = ["active_conns", "agent_stats", "balancers", "dsr_flows", "score_override", "services"];
+
+fn pinned(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+#[test]
+fn agent_attaches_counts_and_cleans_up() {
+    if !root_with_bpf() {
+        return;
+    }
+    let mut ns = Netns::new(format!("ibt-ag-{}", std::process::id()));
+    let tmp = tempfile::tempdir().unwrap();
+    let socket = tmp.path().join("agent.sock");
+    let config = agent_config(tmp.path(), &socket);
+    let log = tmp.path().join("agent.log");
+
+    // Three connections to the service exist before the agent starts: the
+    // seed must find them in /proc/net/tcp.
+    let (listener, mut conns) = ns.within(|| {
+        let l = std::net::TcpListener::bind("10.99.0.2:8080").unwrap();
+        let mut conns = Vec::new();
+        for _ in 0..3 {
+            let c = std::net::TcpStream::connect("10.99.0.2:8080").unwrap();
+            let (s, _) = l.accept().unwrap();
+            conns.push((c, s));
+        }
+        (l, conns)
+    });
+
+    ns.start_agent(&config, &log);
+    let seeded = wait_for("the score socket", || active_8080(&socket));
+    let logtext = || std::fs::read_to_string(&log).unwrap_or_default();
+    assert_eq!(seeded, 3, "seeded count; log:\n{}", logtext());
+
+    let ingress = ns.tc(&["filter", "show", "dev", "eth0", "ingress"]);
+    let egress = ns.tc(&["filter", "show", "dev", "eth0", "egress"]);
+    assert!(ingress.contains("agent_ingress") && ingress.contains("handle 0x1b0"), "{ingress}");
+    assert!(egress.contains("agent_egress") && egress.contains("handle 0x1b0"), "{egress}");
+    assert!(ns.tc(&["qdisc", "show", "dev", "eth0"]).contains("clsact"));
+    assert_eq!(pinned(&ns.pins()), MAP_NAMES);
+
+    // The tracepoint follows new connections and closes from here on.
+    let extra = ns.within(move || {
+        let c = std::net::TcpStream::connect("10.99.0.2:8080").unwrap();
+        let (s, _) = listener.accept().unwrap();
+        (c, s)
+    });
+    wait_for("4 active connections", || (active_8080(&socket) == Some(4)).then_some(()));
+    // Client closes: the server side is in CLOSE_WAIT, still active.
+    let (c, s) = conns.pop().unwrap();
+    drop(c);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(active_8080(&socket), Some(4));
+    drop(s);
+    wait_for("3 active connections", || (active_8080(&socket) == Some(3)).then_some(()));
+    drop(extra);
+    wait_for("2 active connections", || (active_8080(&socket) == Some(2)).then_some(()));
+
+    // `status` reads the pins.
+    let out = ns.run(env!("CARGO_BIN_EXE_inband"), &["agent", "status", "--interface", "eth0", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let st: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(st["ports"]["8080"]["active_connections"], 2);
+    assert_eq!(st["ports"]["8080"]["vip"], "10.77.0.100:80");
+    assert_eq!(st["balancers"], serde_json::json!(["10.99.0.1"]));
+
+    // An application score wins over the count, in the poll reply too.
+    let out = Command::new(env!("CARGO_BIN_EXE_inband"))
+        .args(["agent", "score", "set", "17", "--port", "8080", "--socket"])
+        .arg(&socket)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let replies = ns.within(|| {
+        let b = UdpSocket::bind("10.99.0.1:0").unwrap();
+        let to = SocketAddrV4::new(Ipv4Addr::new(10, 99, 0, 2), 9137);
+        let good = poll(&b, to, &poll_proto::encode_request(8080));
+        let bad = poll(&b, to, b"IBP1\x1f\x90\x00");
+        let stranger = UdpSocket::bind("10.99.0.2:0").unwrap();
+        let untrusted = poll(&stranger, to, &poll_proto::encode_request(8080));
+        (good, bad, untrusted)
+    });
+    let (reply, src) = replies.0.expect("poll reply");
+    assert_eq!(reply, poll_proto::encode_reply(8080, 17));
+    assert_eq!(src, SocketAddrV4::new(Ipv4Addr::new(10, 99, 0, 2), 9137));
+    assert_eq!(replies.1, None);
+    assert_eq!(replies.2, None);
+
+    // A second agent on the same interface is refused before it attaches.
+    let out = ns.run(env!("CARGO_BIN_EXE_inband"), &["agent", "run", "--config", config.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("another inband agent is running on eth0"));
+
+    assert!(ns.stop_agent(libc::SIGTERM), "agent exit status; log:\n{}", logtext());
+    let ingress = ns.tc(&["filter", "show", "dev", "eth0", "ingress"]);
+    let egress = ns.tc(&["filter", "show", "dev", "eth0", "egress"]);
+    assert!(!ingress.contains("agent_ingress"), "{ingress}");
+    assert!(!egress.contains("agent_egress"), "{egress}");
+    assert!(
+        !ns.tc(&["qdisc", "show", "dev", "eth0"]).contains("clsact"),
+        "the agent created clsact and must remove it"
+    );
+    assert!(!ns.pins().exists(), "pins left: {:?}", pinned(&ns.pins()));
+    assert!(!Path::new(&format!("/run/inband/netns/{}/agent/eth0", ns.name)).exists());
+    assert!(!socket.exists());
+    drop(conns);
+}
+
+#[test]
+fn agent_after_a_crash_reuses_state_and_detach_cleans_up() {
+    if !root_with_bpf() {
+        return;
+    }
+    let mut ns = Netns::new(format!("ibt-ag-{}-k", std::process::id()));
+    // A clsact that exists before the agent is someone else's: it stays.
+    ns.tc(&["qdisc", "add", "dev", "eth0", "clsact"]);
+    assert!(ns.tc(&["qdisc", "show", "dev", "eth0"]).contains("clsact"));
+    let tmp = tempfile::tempdir().unwrap();
+    let socket = tmp.path().join("agent.sock");
+    let config = agent_config(tmp.path(), &socket);
+    let log = tmp.path().join("agent.log");
+
+    ns.start_agent(&config, &log);
+    wait_for("the score socket", || active_8080(&socket));
+    assert_eq!(score_socket::request(&socket, "set 8080 5").unwrap(), "ok");
+    assert!(!ns.stop_agent(libc::SIGKILL));
+    // Killed: filters and pins stay (connections keep their DSR path).
+    assert!(ns.tc(&["filter", "show", "dev", "eth0", "ingress"]).contains("agent_ingress"));
+    assert_eq!(pinned(&ns.pins()), MAP_NAMES);
+
+    // The next agent takes the maps over and replaces the filters in place.
+    ns.start_agent(&config, &log);
+    wait_for("the restarted agent", || active_8080(&socket));
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("reusing maps pinned by an earlier agent"), "{text}");
+    let ingress = ns.tc(&["filter", "show", "dev", "eth0", "ingress"]);
+    assert_eq!(ingress.matches("agent_ingress").count(), 2, "one filter (name shown twice per line): {ingress}");
+    // score = "connections": the override of the dead agent is not kept.
+    let g: serde_json::Value = serde_json::from_str(&score_socket::request(&socket, "get").unwrap()).unwrap();
+    assert_eq!(g["ports"]["8080"]["score_override"], serde_json::Value::Null);
+
+    // `detach` refuses while an agent runs; after a kill it cleans up.
+    let out = ns.run(env!("CARGO_BIN_EXE_inband"), &["agent", "detach", "--interface", "eth0"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("an inband agent is running on eth0"));
+    assert!(!ns.stop_agent(libc::SIGKILL));
+    let out = ns.run(env!("CARGO_BIN_EXE_inband"), &["agent", "detach", "--interface", "eth0"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!ns.tc(&["filter", "show", "dev", "eth0", "ingress"]).contains("agent_ingress"));
+    assert!(!ns.tc(&["filter", "show", "dev", "eth0", "egress"]).contains("agent_egress"));
+    assert!(!ns.pins().exists());
+    // Not created by the agent: left in place.
+    assert!(ns.tc(&["qdisc", "show", "dev", "eth0"]).contains("clsact"));
+}
