@@ -438,7 +438,12 @@ int agent_egress(struct __sk_buff *skb)
 	flow = bpf_map_lookup_elem(&dsr_flows, &key);
 	if (!flow)
 		return TC_ACT_OK;
-	if (flow->score_requested)
+	/* The score rides on a packet that is one segment on the wire: on a
+	 * GSO burst every segment would copy the option and return through
+	 * the balancer, turning one score into dozens of full-size packets off
+	 * the direct path. The burst goes direct; the next small packet (an
+	 * ACK, the FIN, the last segment) carries the score. */
+	if (flow->score_requested && skb->gso_segs <= 1)
 		return add_score(skb, &iph, flow, bpf_ntohs(ports[0]));
 	if (!flow->client_addr)
 		return TC_ACT_OK;

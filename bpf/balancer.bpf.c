@@ -188,7 +188,7 @@ static long ip_option_step(__u32 index, void *arg)
 	struct opt_walk *w = arg;
 	__u32 off = w->off;
 
-	if (off >= w->len || off >= TCP_MAX_OPT_LEN)
+	if (off >= w->len || off >= sizeof(w->buf))
 		return 1;
 	__u8 kind = w->buf[off];
 
@@ -198,7 +198,7 @@ static long ip_option_step(__u32 index, void *arg)
 		w->off = off + 1;
 		return 0;
 	}
-	if (off + 2 > w->len || off + 1 >= TCP_MAX_OPT_LEN) {
+	if (off + 2 > w->len || off + 1 >= sizeof(w->buf)) {
 		w->found |= OPT_MALFORMED;
 		return 1;
 	}
@@ -247,7 +247,7 @@ static long tcp_option_step(__u32 index, void *arg)
 	struct opt_walk *w = arg;
 	__u32 off = w->off;
 
-	if (off >= w->len || off >= TCP_MAX_OPT_LEN)
+	if (off >= w->len || off >= sizeof(w->buf))
 		return 1;
 	__u8 kind = w->buf[off];
 
@@ -257,7 +257,7 @@ static long tcp_option_step(__u32 index, void *arg)
 		w->off = off + 1;
 		return 0;
 	}
-	if (off + 2 > w->len || off + 1 >= TCP_MAX_OPT_LEN)
+	if (off + 2 > w->len || off + 1 >= sizeof(w->buf))
 		return 1;
 	__u8 len = w->buf[off + 1];
 
@@ -329,29 +329,41 @@ static __always_inline __u32 mix32(__u32 h)
 struct pick {
 	__u64 now;
 	__u64 max_age_ns;
-	__u64 best_score;
+	__u64 best_score; /* lowest effective score among fresh backends */
+	__u64 best_stale; /* lowest assigned_since among stale backends */
+	__u64 min_reported; /* lowest reported score among fresh backends */
 	__u32 vid;
 	__u32 count; /* valid slots, <= INBAND_MAX_BACKENDS_PER_VIP */
 	__u32 start; /* round-robin: first slot to try */
 	__u32 seen; /* ACTIVE slots met so far (least-score: ties of best_score) */
-	__u32 id; /* chosen backend id */
+	__u32 seen_stale; /* least-score: ties of best_stale */
+	__u32 id; /* chosen backend id (least-score: best fresh) */
+	__u32 stale_id; /* least-score: best stale */
 	__u32 other; /* power-of-two: the second sampled id */
 	__u32 slot; /* round-robin: the chosen slot */
 	__u32 found;
+	__u32 found_stale;
 };
 
-static __always_inline __u64 effective_score(__u32 id, const struct pick *p)
+/*
+ * A backend's effective score is its reported score plus the connections
+ * assigned to it since that report. A backend with no fresh score (never
+ * reported, or older than the VIP's max age) is ranked as if it had
+ * reported the lowest fresh score, plus what it was assigned since its last
+ * report: a new backend gets connections at once (so it gets probed and
+ * reports), while one whose agent went silent attracts fewer and fewer as
+ * its assigned count grows, instead of keeping a stale low score forever.
+ */
+static __always_inline struct inband_backend_score *score_of(__u32 id, const struct pick *p, int *fresh)
 {
 	struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &id);
 
-	if (!s)
-		return ~0ULL;
-	__u64 eff = (__u64)s->score + s->assigned_since;
-	__u64 updated = s->updated_ns;
+	if (s) {
+		__u64 updated = s->updated_ns;
 
-	if (!updated || (p->now > updated && p->now - updated > p->max_age_ns))
-		eff += INBAND_STALE_PENALTY;
-	return eff;
+		*fresh = updated && !(p->now > updated && p->now - updated > p->max_age_ns);
+	}
+	return s;
 }
 
 /* Backend id in `slot` of VIP `vid` if that backend may take a new connection. */
@@ -392,27 +404,65 @@ static long round_robin_step(__u32 i, void *arg)
 static long least_score_step(__u32 slot, void *arg)
 {
 	struct pick *p = arg;
+	struct inband_backend_score *s;
+	int fresh = 0;
 	__u32 id;
 
 	if (slot >= p->count)
 		return 1;
 	if (!active_slot(p->vid, slot, &id))
 		return 0;
-	__u64 eff = effective_score(id, p);
+	s = score_of(id, p, &fresh);
+	if (!s)
+		return 0;
+	if (fresh) {
+		__u64 eff = (__u64)s->score + s->assigned_since;
 
-	if (!p->found || eff < p->best_score) {
-		p->best_score = eff;
-		p->id = id;
-		p->seen = 1;
-		p->found = 1;
-	} else if (eff == p->best_score) {
-		/* Reservoir sampling: each of k tied backends is kept with
-		 * probability 1/k in a single pass. */
-		p->seen++;
-		if (bpf_get_prandom_u32() % p->seen == 0)
+		if (!p->found || s->score < p->min_reported)
+			p->min_reported = s->score;
+		if (!p->found || eff < p->best_score) {
+			p->best_score = eff;
 			p->id = id;
+			p->seen = 1;
+			p->found = 1;
+		} else if (eff == p->best_score) {
+			/* Reservoir sampling: each of k tied backends is kept
+			 * with probability 1/k in a single pass. */
+			p->seen++;
+			if (bpf_get_prandom_u32() % p->seen == 0)
+				p->id = id;
+		}
+	} else {
+		__u64 assigned = s->assigned_since;
+
+		if (!p->found_stale || assigned < p->best_stale) {
+			p->best_stale = assigned;
+			p->stale_id = id;
+			p->seen_stale = 1;
+			p->found_stale = 1;
+		} else if (assigned == p->best_stale) {
+			p->seen_stale++;
+			if (bpf_get_prandom_u32() % p->seen_stale == 0)
+				p->stale_id = id;
+		}
 	}
 	return 0;
+}
+
+/* Least-score's final choice between the best fresh and the best stale
+ * backend (see above); equal ranks are a coin toss. */
+static __always_inline void least_score_decide(struct pick *p)
+{
+	if (!p->found_stale)
+		return;
+	if (p->found) {
+		__u64 stale_eff = p->min_reported + p->best_stale;
+
+		if (stale_eff > p->best_score || (stale_eff == p->best_score && (bpf_get_prandom_u32() & 1)))
+			return;
+	}
+	p->id = p->stale_id;
+	p->found = 1;
 }
 
 /* Reservoir sampling of size two: a uniformly random pair of distinct ACTIVE
@@ -442,6 +492,22 @@ static long two_choices_step(__u32 slot, void *arg)
 	return 0;
 }
 
+/* Power-of-two: the same ranking as least-score over the two samples; a
+ * stale sample is ranked at the fresh one's reported score. */
+static __always_inline int second_is_better(const struct pick *p)
+{
+	int fresh_a = 0, fresh_b = 0;
+	struct inband_backend_score *a = score_of(p->id, p, &fresh_a);
+	struct inband_backend_score *b = score_of(p->other, p, &fresh_b);
+	__u64 ea, eb;
+
+	if (!a || !b)
+		return !a && b;
+	ea = (__u64)a->assigned_since + (fresh_a ? a->score : (fresh_b ? b->score : 0));
+	eb = (__u64)b->assigned_since + (fresh_b ? b->score : (fresh_a ? a->score : 0));
+	return eb < ea || (eb == ea && (bpf_get_prandom_u32() & 1));
+}
+
 /* Picks a backend id for a new connection to `vip`; 0 if no slot is ACTIVE. */
 static __always_inline int select_backend(const struct inband_vip *vip, __u32 *id_out)
 {
@@ -461,15 +527,13 @@ static __always_inline int select_backend(const struct inband_vip *vip, __u32 *i
 	if (by_score && vip->policy == INBAND_POLICY_LEAST_SCORE) {
 		p.now = bpf_ktime_get_ns();
 		bpf_loop(INBAND_MAX_BACKENDS_PER_VIP, least_score_step, &p, 0);
+		least_score_decide(&p);
 	} else if (by_score && vip->policy == INBAND_POLICY_POWER_OF_TWO) {
 		bpf_loop(INBAND_MAX_BACKENDS_PER_VIP, two_choices_step, &p, 0);
 		p.found = p.seen > 0;
 		if (p.seen > 1) {
 			p.now = bpf_ktime_get_ns();
-			__u64 a = effective_score(p.id, &p);
-			__u64 b = effective_score(p.other, &p);
-
-			if (b < a || (b == a && (bpf_get_prandom_u32() & 1)))
+			if (second_is_better(&p))
 				p.id = p.other;
 		}
 	} else {

@@ -85,8 +85,7 @@ struct inband_backend_score {
 	__u64 updated_ns; /* bpf_ktime_get_ns() clock; 0 = never */
 };
 
-/* Stale scores rank behind every fresh one. */
-#define INBAND_STALE_PENALTY 0x10000u
+
 
 struct inband_lb_config {
 	__be32 self_addr; /* balancer address: source of packets to backends */

@@ -795,6 +795,18 @@ fn agent_after_a_crash_reuses_state_and_detach_cleans_up() {
     let config = agent_config(tmp.path(), &socket);
     let log = tmp.path().join("agent.log");
 
+    // Refused before attaching anything: the poll port is taken.
+    let squatter = ns.within(|| UdpSocket::bind("0.0.0.0:9137").unwrap());
+    let out = ns.run(env!("CARGO_BIN_EXE_inband"), &["agent", "run", "--config", config.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("binding UDP port 9137 for poll requests"), "{err}");
+    drop(squatter);
+    assert!(!ns.tc(&["filter", "show", "dev", "eth0", "ingress"]).contains("agent_ingress"));
+    assert!(!ns.pins().exists());
+    assert!(!socket.exists());
+    assert!(!Path::new(&format!("/run/inband/netns/{}", ns.name)).exists(), "lock directory left behind");
+
     ns.start_agent(&config, &log);
     wait_for("the score socket", || active_8080(&socket));
     assert_eq!(score_socket::request(&socket, "set 8080 5").unwrap(), "ok");

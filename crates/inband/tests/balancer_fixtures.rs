@@ -137,7 +137,7 @@ impl Fixture {
         // a test's fixture lives to the end of the test.
         let storage: &'static mut MaybeUninit<OpenObject> = Box::leak(Box::new(MaybeUninit::uninit()));
         let mut open = BalancerSkelBuilder::default().open(storage).expect("open balancer skeleton");
-        for mut map in open.open_object_mut().maps_mut() {
+        for map in open.open_object_mut().maps_mut() {
             // LIBBPF_PIN_BY_NAME would pin under /sys/fs/bpf (and reuse what
             // a running balancer pinned there): a test owns private maps.
             // SAFETY: a NULL path clears the pin path; the map is valid.
@@ -233,7 +233,11 @@ impl Fixture {
     }
 
     fn set_score(&self, b: &B, score: u32, updated_ns: u64) {
-        put(&self.skel.maps.scores, &b.id, &BackendScore { score, assigned_since: 0, updated_ns });
+        self.set_score_assigned(b, score, 0, updated_ns);
+    }
+
+    fn set_score_assigned(&self, b: &B, score: u32, assigned_since: u32, updated_ns: u64) {
+        put(&self.skel.maps.scores, &b.id, &BackendScore { score, assigned_since, updated_ns });
     }
 
     fn backend_stats(&self, b: &B) -> BackendStats {
@@ -791,25 +795,33 @@ fn least_score_breaks_ties_at_random() {
 }
 
 #[test]
-fn stale_or_missing_scores_rank_behind_fresh_ones() {
+fn stale_or_missing_scores_rank_as_the_best_fresh_report_plus_assignments() {
     let fx = Fixture::lb_with(Mode::DsrDynamic, Policy::LeastScore, 2);
     let (b0, b1) = (backend(0), backend(1));
     let now = ktime_ns();
-    // b0 looks idle but was measured 5 s ago (max age 1 s).
-    fx.set_score(&b0, 0, now - 5_000_000_000);
+    let old = now - 5_000_000_000; // max age is 1 s
+    // A stale low score does not count: b0 ranks at b1's 500 + its 10 assignments.
+    fx.set_score_assigned(&b0, 0, 10, old);
     fx.set_score(&b1, 500, now);
     assert_eq!(fx.pick(client(1)), b1.id);
-    // Never measured counts as stale too.
-    fx.set_score(&b0, 0, 0);
-    fx.set_score(&b1, 500, now);
-    assert_eq!(fx.pick(client(2)), b1.id);
-    // Among stale scores the lower still wins.
-    fx.set_score(&b0, 3, now - 5_000_000_000);
-    fx.set_score(&b1, 2, now - 5_000_000_000);
+    // A backend that never reported gets connections (so it gets probed):
+    // it ranks at the best fresh report (5) + 0 < b1's 5 + 3 assigned.
+    fx.set_score_assigned(&b0, 0, 0, 0);
+    fx.set_score_assigned(&b1, 5, 3, now);
+    assert_eq!(fx.pick(client(2)), b0.id);
+    // Among stale backends the one assigned fewer connections wins.
+    fx.set_score_assigned(&b0, 1, 2, old);
+    fx.set_score_assigned(&b1, 900, 1, old);
     assert_eq!(fx.pick(client(3)), b1.id);
-    fx.set_score(&b0, 2, now - 5_000_000_000);
-    fx.set_score(&b1, 3, now - 5_000_000_000);
-    assert_eq!(fx.pick(client(4)), b0.id);
+    // A backend whose agent went silent attracts fewer and fewer: with b1
+    // reporting before every connection, b0 gets at most the first one.
+    fx.set_score_assigned(&b0, 0, 0, old);
+    let mut to_b0 = 0;
+    for n in 10..30 {
+        fx.set_score(&b1, 1, ktime_ns());
+        to_b0 += u32::from(fx.pick(client(n)) == b0.id);
+    }
+    assert!(to_b0 <= 1, "silent backend got {to_b0} of 20");
 }
 
 #[test]

@@ -63,6 +63,17 @@ const QDISC_MARKER: &str = "clsact-created";
 /// Held while an agent runs on the interface.
 pub struct InterfaceLock {
     _file: File,
+    dir: PathBuf,
+}
+
+impl InterfaceLock {
+    /// Gives the interface up when the agent stops before attaching: the
+    /// lock file goes, and the state directory if nothing else is in it
+    /// (a crashed agent's qdisc marker stays, as the qdisc does).
+    pub fn release(self) {
+        let _ = std::fs::remove_file(self.dir.join("lock"));
+        remove_run_dirs(&self.dir);
+    }
 }
 
 /// Takes the interface for this process, or says who has it.
@@ -87,7 +98,7 @@ pub fn lock_interface(interface: &str) -> Result<InterfaceLock> {
     }
     file.set_len(0)?;
     std::io::Write::write_all(&mut &file, format!("{}\n", std::process::id()).as_bytes())?;
-    Ok(InterfaceLock { _file: file })
+    Ok(InterfaceLock { _file: file, dir })
 }
 
 /// Whether an agent process holds the interface right now.
@@ -101,8 +112,6 @@ pub fn interface_locked(interface: &str) -> bool {
 pub struct Attachment<'obj> {
     pub interface: String,
     pub pins: PinDir,
-    /// Whether the maps came from an earlier agent that did not stop cleanly.
-    pub reused_pins: bool,
     skel: AgentSkel<'obj>,
     ifindex: i32,
     tracepoint: Option<Link>,
@@ -110,8 +119,11 @@ pub struct Attachment<'obj> {
 
 /// Loads the program with its maps pinned under `pin_dir(interface)` (reusing
 /// maps pinned there by a crashed agent), then attaches ingress, egress and
-/// the tracepoint, in that order. If any step fails, everything this call
-/// attached or pinned is removed again before the error is returned.
+/// the tracepoint, in that order. If loading fails, maps this call pinned
+/// are removed; if attaching fails, everything of the agent on the interface
+/// is (`cleanup`), a crashed agent's reused maps included: no process would
+/// maintain them, and without the filters their connections fall back to
+/// the balancer path anyway.
 pub fn attach<'obj>(storage: &'obj mut MaybeUninit<OpenObject>, interface: &str) -> Result<Attachment<'obj>> {
     let ifindex = crate::netif::ifindex(interface)? as i32;
     let pins = pin_dir(interface);
@@ -133,7 +145,7 @@ pub fn attach<'obj>(storage: &'obj mut MaybeUninit<OpenObject>, interface: &str)
             "reusing maps pinned by an earlier agent that did not stop cleanly (client tuples of its DSR connections are kept)"
         );
     }
-    let mut a = Attachment { interface: interface.to_string(), pins, reused_pins, skel, ifindex, tracepoint: None };
+    let mut a = Attachment { interface: interface.to_string(), pins, skel, ifindex, tracepoint: None };
     if let Err(e) = a.attach_all() {
         let undo = cleanup(interface, ifindex);
         return Err(match undo {

@@ -35,12 +35,23 @@ pub fn run(config_path: &Path) -> Result<()> {
     signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&stop))?;
     // Everything that can be refused by the host without side effects on the
     // data path is claimed before anything is attached.
-    let listener = score_socket::bind(&cfg.score_socket, group)?;
-    let poll_sock = match cfg.poll_port {
-        0 => None,
-        p => Some(UdpSocket::bind(("0.0.0.0", p)).with_context(|| {
-            format!("binding UDP port {p} for poll requests (another process uses it? set poll_port, or 0 to disable)")
-        })?),
+    let claimed = (|| -> Result<_> {
+        let poll_sock = match cfg.poll_port {
+            0 => None,
+            p => Some(UdpSocket::bind(("0.0.0.0", p)).with_context(|| {
+                format!(
+                    "binding UDP port {p} for poll requests (another process uses it? set poll_port, or 0 to disable)"
+                )
+            })?),
+        };
+        Ok((score_socket::bind(&cfg.score_socket, group)?, poll_sock))
+    })();
+    let (listener, poll_sock) = match claimed {
+        Ok(c) => c,
+        Err(e) => {
+            lock.release();
+            return Err(e);
+        }
     };
 
     let mut storage = MaybeUninit::uninit();
@@ -48,10 +59,11 @@ pub fn run(config_path: &Path) -> Result<()> {
         Ok(a) => a,
         Err(e) => {
             let _ = std::fs::remove_file(&cfg.score_socket);
+            lock.release();
             return Err(e);
         }
     };
-    let result = configure(&cfg, &attached.pins, attached.reused_pins)
+    let result = configure(&cfg, &attached.pins)
         .context("configuring the agent maps")
         .and_then(|maps| serve(&cfg, maps, &attached.pins, listener, poll_sock, stop));
     let _ = std::fs::remove_file(&cfg.score_socket);
@@ -91,7 +103,7 @@ fn libbpf_log(level: libbpf_rs::PrintLevel, msg: String) {
 }
 
 /// Fills the maps from the config and seeds the connection counts.
-fn configure(cfg: &AgentConfig, pins: &bpfmap::PinDir, reused: bool) -> Result<AgentMaps> {
+fn configure(cfg: &AgentConfig, pins: &bpfmap::PinDir) -> Result<AgentMaps> {
     let maps = AgentMaps::open(pins)?;
     maps.apply(&cfg.services, &cfg.balancers)?;
     let ports: HashSet<u16> = cfg.service_ports().into_iter().collect();
@@ -110,9 +122,6 @@ fn configure(cfg: &AgentConfig, pins: &bpfmap::PinDir, reused: bool) -> Result<A
     for port in cfg.service_ports() {
         let n = seed_active(&maps, port, proc_tcp::read)?;
         info!(port, active = n, "connection count seeded from /proc/net/tcp");
-    }
-    if reused {
-        info!("maps of the earlier agent reused: existing DSR tuples keep working");
     }
     Ok(maps)
 }

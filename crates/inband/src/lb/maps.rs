@@ -9,7 +9,6 @@ pub const MAX_BACKENDS: u32 = 1024;
 
 pub const BACKEND_ACTIVE: u16 = 1;
 pub const BACKEND_DRAINING: u16 = 2;
-pub const STALE_PENALTY: u32 = 0x10000;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
