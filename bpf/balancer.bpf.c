@@ -746,10 +746,14 @@ static __always_inline int client_to_backend(struct xdp_md *ctx, struct ethhdr *
 			bpf_map_delete_elem(&nat_back, &nk);
 			return drop(INBAND_DROP_FLOW_TABLE_FULL);
 		}
-		struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &id);
+		/* Only the score modes rank by it; counting in the round-robin
+		 * modes would leave a stale backlog after a switch to them. */
+		if (vip->mode == INBAND_MODE_DSR_POLLING || vip->mode == INBAND_MODE_DSR_DYNAMIC) {
+			struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &id);
 
-		if (s)
-			__sync_fetch_and_add(&s->assigned_since, 1);
+			if (s)
+				__sync_fetch_and_add(&s->assigned_since, 1);
+		}
 		new_conn = 1;
 	}
 	if (!be || mac_is_zero(be->mac))

@@ -152,6 +152,15 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig]) -> Result<()> {
                 bpfmap::put(&maps.vips, &key, &Vip { backend_count: slots.len() as u16, ..e.vip })?;
             }
         }
+        if existing.is_some_and(|e| e.vip.mode != new.mode) {
+            // Connections counted under the old mode say nothing about load
+            // under the new one.
+            for id in &slots {
+                let mut sc: BackendScore = bpfmap::get(&maps.scores, id)?.unwrap_or_default();
+                sc.assigned_since = 0;
+                bpfmap::put(&maps.scores, id, &sc)?;
+            }
+        }
         for (slot, id) in slots.iter().enumerate() {
             bpfmap::put(&maps.vip_backends, &(vid * MAX_BACKENDS_PER_VIP + slot as u32), id)?;
         }
