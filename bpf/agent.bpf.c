@@ -15,6 +15,7 @@
 #include <linux/pkt_cls.h>
 #include <linux/tcp.h>
 #include <bpf/bpf_endian.h>
+#include <bpf/bpf_core_read.h>
 #include <bpf/bpf_helpers.h>
 
 #include "inband/agent_maps.h"
@@ -475,6 +476,34 @@ struct trace_event_raw_inet_sock_set_state {
 	__u8 daddr_v6[16];
 } __attribute__((preserve_access_index));
 
+/* Just the fields on the way from a socket to its network namespace's
+ * inode, relocated by name against the kernel's BTF like the record above. */
+struct ns_common {
+	unsigned int inum;
+} __attribute__((preserve_access_index));
+
+struct net {
+	struct ns_common ns;
+} __attribute__((preserve_access_index));
+
+typedef struct {
+	struct net *net;
+} possible_net_t;
+
+struct sock_common {
+	possible_net_t skc_net;
+} __attribute__((preserve_access_index));
+
+struct sock {
+	struct sock_common __sk_common;
+} __attribute__((preserve_access_index));
+
+/* The agent's network namespace (inode), set by the control plane at load.
+ * A tracepoint sees every namespace of the host: on a machine with several
+ * servers in namespaces (a testbed, containers) each agent must count only
+ * its own sockets. 0 = count every namespace. */
+const volatile __u32 agent_netns_ino = 0;
+
 static __always_inline int is_active(int state)
 {
 	return state == INBAND_TCP_SYN_RECV || state == INBAND_TCP_ESTABLISHED ||
@@ -491,6 +520,12 @@ int agent_sock_state(struct trace_event_raw_inet_sock_set_state *ctx)
 
 	if (ctx->protocol != IPPROTO_TCP || ctx->family != INBAND_AF_INET)
 		return 0;
+	if (agent_netns_ino) {
+		const struct sock *sk = ctx->skaddr;
+
+		if (BPF_CORE_READ(sk, __sk_common.skc_net.net, ns.inum) != agent_netns_ino)
+			return 0;
+	}
 	port = ctx->sport;
 	/* The control plane creates an entry per served port: everything else
 	 * (the host's own client connections, other services) is skipped. */

@@ -77,8 +77,10 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } nat_back SEC(".maps");
 
+/* Shared, not per-CPU: operators expect strict rotation, and one atomic add
+ * per new connection is cheap next to the rest of the SYN path. */
 struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, INBAND_MAX_VIPS);
 	__type(key, __u32);
 	__type(value, __u32);
@@ -542,10 +544,10 @@ static __always_inline int select_backend(const struct inband_vip *vip, __u32 *i
 
 		if (!cursor)
 			return 0;
-		p.start = *cursor;
+		/* Each new connection takes the next ticket; inactive slots are
+		 * skipped from there. */
+		p.start = __sync_fetch_and_add(cursor, 1);
 		bpf_loop(INBAND_MAX_BACKENDS_PER_VIP, round_robin_step, &p, 0);
-		if (p.found)
-			*cursor = p.slot + 1;
 	}
 	*id_out = p.id;
 	return p.found;

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use libbpf_cargo::SkeletonBuilder;
 
-const PROGRAMS: &[&str] = &["balancer", "agent", "bounce"];
+const PROGRAMS: &[&str] = &["balancer", "agent", "bounce", "veth_peer"];
 
 fn main() {
     let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").unwrap());
@@ -23,6 +23,9 @@ fn main() {
             .clang_args([
                 format!("-I{}", bpf_dir.join("include").display()),
                 multiarch.clone(),
+                // v3: atomic fetch-and-add with a result (round-robin
+                // tickets), 32-bit jumps; every kernel with bpf_loop has it.
+                "-mcpu=v3".to_string(),
                 "-Wall".to_string(),
                 "-Werror".to_string(),
             ])

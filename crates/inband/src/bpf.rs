@@ -12,3 +12,7 @@ pub mod agent {
 pub mod bounce {
     include!(concat!(env!("OUT_DIR"), "/bounce.skel.rs"));
 }
+#[allow(clippy::all, dead_code, unused_imports)]
+pub mod veth_peer {
+    include!(concat!(env!("OUT_DIR"), "/veth_peer.skel.rs"));
+}

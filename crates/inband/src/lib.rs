@@ -8,4 +8,6 @@ pub mod lb;
 pub mod netif;
 pub mod packet;
 pub mod pod;
+pub mod testbed;
 pub mod wire;
+pub mod workload;

@@ -21,6 +21,15 @@ enum Command {
     Lb(LbArgs),
     /// Run the real-server agent (tc) with a config file, or talk to a running one.
     Agent(AgentArgs),
+    /// An HTTP server of limited capacity, for tests and benchmarks.
+    // A later flag wins, so scripts can append per-server overrides to defaults.
+    #[command(args_override_self = true)]
+    Serve(inband::workload::ServeArgs),
+    /// Network-namespace testbeds.
+    Testbed {
+        #[command(subcommand)]
+        command: inband::testbed::TestbedCommand,
+    },
     /// Show VIPs, backends, scores and counters of the balancer(s) on this host.
     Status {
         /// Only this interface (default: every interface with a balancer).
@@ -104,6 +113,8 @@ fn run(cli: Cli) -> Result<()> {
             _ => anyhow::bail!("`inband agent` needs --config FILE, or a subcommand; see --help"),
         },
         Command::Status { interface, json } => status(interface, json),
+        Command::Serve(args) => inband::workload::run(args),
+        Command::Testbed { command } => inband::testbed::run(command),
     }
 }
 

@@ -736,9 +736,11 @@ fn round_robin_spreads_in_slot_order_skipping_inactive_slots() {
     let (b0, b1, b2) = (backend(0).id, backend(1).id, backend(2).id);
     assert_eq!(ids, vec![b0, b1, b2, b0, b1, b2]);
 
+    // Tickets 6.. continue the rotation; a draining slot's turn passes to
+    // the next ACTIVE slot.
     fx.set_flags(&backend(1), BACKEND_DRAINING);
-    let ids: Vec<u32> = (7..=10).map(|n| fx.pick(client(n))).collect();
-    assert_eq!(ids, vec![b0, b2, b0, b2]);
+    let ids: Vec<u32> = (7..=12).map(|n| fx.pick(client(n))).collect();
+    assert_eq!(ids, vec![b0, b2, b2, b0, b2, b2]);
 }
 
 #[test]

@@ -166,10 +166,15 @@ fn load<'obj>(storage: &'obj mut MaybeUninit<OpenObject>, pins: &PinDir) -> Resu
     let mut open = AgentSkelBuilder::default().open(storage).context("opening the agent BPF object")?;
     for mut map in open.open_object_mut().maps_mut() {
         let name = map.name().to_string_lossy().into_owned();
-        if name.starts_with('.') {
-            continue; // .rodata/.bss: per instance, never shared
+        if name.contains('.') {
+            continue; // <obj>.rodata/.bss: per instance, never shared
         }
         map.set_pin_path(pins.path(&name)).with_context(|| format!("pin path for {name}"))?;
+    }
+    // The tracepoint sees every namespace; it must count only ours.
+    let netns = std::fs::metadata("/proc/self/ns/net").context("reading /proc/self/ns/net")?;
+    if let Some(ro) = open.maps.rodata_data.as_mut() {
+        ro.agent_netns_ino = std::os::unix::fs::MetadataExt::ino(&netns) as u32;
     }
     open.load().context(
         "loading the agent program (the kernel verifier refused it, or maps pinned by an incompatible \

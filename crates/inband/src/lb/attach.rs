@@ -54,8 +54,8 @@ fn load_and_attach_inner(interface: &str, ifindex: i32, mode: XdpMode, dir: &Pin
     let mut open = BalancerSkelBuilder::default().open(&mut storage).context("opening the balancer BPF object")?;
     for mut map in open.open_object_mut().maps_mut() {
         let name = map.name().to_string_lossy().into_owned();
-        if name.starts_with('.') {
-            continue; // .rodata/.bss: per instance, never shared
+        if name.contains('.') {
+            continue; // <obj>.rodata/.bss: per instance, never shared
         }
         map.set_pin_path(dir.path(&name)).with_context(|| format!("pin path for {name}"))?;
     }

@@ -190,6 +190,8 @@ fn handle(stream: UnixStream, maps: &LbMaps, cfg: &Arc<Mutex<LbConfig>>, config_
             let mut guard = cfg.lock().unwrap();
             match change(&guard, &req, config_path).and_then(|next| {
                 tables::apply(maps, &next.vips)?;
+                // New backends' next hops now, not at the next periodic pass.
+                super::neighbour::refresh(maps, &next.interface)?;
                 Ok(next)
             }) {
                 Ok(next) => {

@@ -121,7 +121,12 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig]) -> Result<()> {
             let ep = SocketAddrV4::new(b.address, b.port);
             let id = match old.get(&ep) {
                 Some(id) => *id,
-                None => allocator.take()?,
+                None => match allocator.tombstone(ep)? {
+                    // Back after a removal: same id, so its MAC, score and
+                    // counters carry on.
+                    Some(id) => id,
+                    None => allocator.take()?,
+                },
             };
             let mut entry: Backend = bpfmap::get(&maps.backends, &id)?.unwrap_or_default();
             if backend_endpoint(&entry) != ep {
@@ -205,6 +210,17 @@ impl<'a> IdAllocator<'a> {
             }
         }
         Ok(IdAllocator { maps, free, reclaimed: false })
+    }
+
+    /// A removed backend (flags 0) with this endpoint, if one is kept.
+    fn tombstone(&mut self, ep: SocketAddrV4) -> Result<Option<u32>> {
+        for id in 0..MAX_BACKENDS {
+            let b: Backend = bpfmap::get(&self.maps.backends, &id)?.unwrap_or_default();
+            if b.flags == 0 && b.addr != 0 && backend_endpoint(&b) == ep {
+                return Ok(Some(id));
+            }
+        }
+        Ok(None)
     }
 
     fn take(&mut self) -> Result<u32> {
