@@ -1,0 +1,58 @@
+//! The namespace testbed itself: what `up` builds and that teardown leaves
+//! nothing, also when the test panics.
+
+use inband::testbed::{Testbed, TestbedSpec};
+
+fn spec(tag: &str) -> TestbedSpec {
+    TestbedSpec { name: format!("t{}{tag}", std::process::id() % 100000), clients: 1, servers: 2, subnet: 78 }
+}
+
+fn netns_names() -> String {
+    String::from_utf8_lossy(&std::process::Command::new("ip").args(["netns", "list"]).output().unwrap().stdout).to_string()
+}
+
+#[test]
+fn builds_hosts_on_a_bridge_and_tears_down() {
+    let s = spec("a");
+    let name = s.name.clone();
+    let tb = Testbed::up(s).unwrap();
+    let listed = netns_names();
+    for node in ["sw", "lb", "c1", "s1", "s2"] {
+        assert!(listed.contains(&format!("{name}-{node}")), "{node} missing in {listed}");
+    }
+    assert_eq!(tb.addr("lb").to_string(), "10.78.0.2");
+    assert_eq!(tb.addr("s2").to_string(), "10.78.0.22");
+    // The client reaches the servers and the VIP (local on the balancer) over the bridge.
+    for dst in [tb.addr("s1"), tb.addr("s2"), tb.vip()] {
+        let out = tb.exec("c1", &["ping", "-c", "1", "-W", "2", &dst.to_string()]).unwrap();
+        assert!(out.status.success(), "ping {dst}: {}", String::from_utf8_lossy(&out.stdout));
+    }
+    let lo = tb.exec("lb", &["ip", "-4", "addr", "show", "dev", "lo"]).unwrap();
+    assert!(String::from_utf8_lossy(&lo.stdout).contains("10.78.0.100/32"));
+    // The balancer's bridge port runs the pass program XDP_TX needs.
+    let port = std::process::Command::new("ip").args(["-n", &format!("{name}-sw"), "link", "show", "p-lb"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&port.stdout).contains("prog/xdp"));
+    tb.down().unwrap();
+    assert!(!netns_names().contains(&name));
+}
+
+#[test]
+fn a_panicking_test_still_cleans_up() {
+    let s = spec("b");
+    let name = s.name.clone();
+    let r = std::panic::catch_unwind(|| {
+        let mut tb = Testbed::up(s).unwrap();
+        tb.spawn("s1", &["sleep", "30"]).unwrap();
+        panic!("test failure");
+    });
+    assert!(r.is_err());
+    assert!(!netns_names().contains(&name), "namespaces left after a panic");
+}
+
+#[test]
+fn refuses_bad_names() {
+    for bad in ["", "UPPER", "with-dash", "waytoolongname"] {
+        let e = Testbed::up(TestbedSpec { name: bad.into(), ..spec("c") }).unwrap_err();
+        assert!(format!("{e:#}").contains("use 1-8 characters"), "{bad}: {e:#}");
+    }
+}
