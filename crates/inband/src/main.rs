@@ -25,6 +25,11 @@ enum Command {
     // A later flag wins, so scripts can append per-server overrides to defaults.
     #[command(args_override_self = true)]
     Serve(inband::workload::ServeArgs),
+    /// Benchmarks that print tables with ratios.
+    Bench {
+        #[command(subcommand)]
+        command: inband::bench::BenchCommand,
+    },
     /// Network-namespace testbeds.
     Testbed {
         #[command(subcommand)]
@@ -114,6 +119,7 @@ fn run(cli: Cli) -> Result<()> {
         },
         Command::Status { interface, json } => status(interface, json),
         Command::Serve(args) => inband::workload::run(args),
+        Command::Bench { command } => inband::bench::run(command),
         Command::Testbed { command } => inband::testbed::run(command),
     }
 }
