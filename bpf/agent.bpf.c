@@ -66,6 +66,29 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } score_override SEC(".maps");
 
+/* Score source "requests": connections with a request in flight (client
+ * bytes arrived, no response byte sent since), per served port (host
+ * order), and the per-connection flag behind the count. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, INBAND_AGENT_MAX_SERVICES);
+	__type(key, __u16);
+	__type(value, __s64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} inflight SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, INBAND_AGENT_FLOW_TABLE_SIZE);
+	__type(key, struct inband_conn_key);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} inflight_conns SEC(".maps");
+
+/* Set by the control plane at load when the score source is "requests":
+ * only then do data packets pay for the per-connection bookkeeping. */
+const volatile __u8 score_requests = 0;
+
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, INBAND_AGENT_COUNTER_MAX);
@@ -112,6 +135,47 @@ static __always_inline int strip_option(struct __sk_buff *skb, const struct iphd
 	return TC_ACT_OK;
 }
 
+/*
+ * Request-in-flight accounting for the "requests" score: a connection is
+ * busy from the first client payload byte until the server's first payload
+ * byte after it. Pipelined requests on one connection count once; a
+ * request's body arriving while the response streams does not re-arm it.
+ */
+static __always_inline void track_request(struct __sk_buff *skb, const struct iphdr *iph, __u32 hlen,
+					  const __be16 *ports, int from_client)
+{
+	struct inband_conn_key key;
+	__u8 doff;
+	__u16 port;
+	__s64 *count;
+	__u32 *busy;
+
+	if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + hlen + 12, &doff, 1))
+		return;
+	if (bpf_ntohs(iph->tot_len) <= hlen + (doff >> 4) * 4)
+		return; /* no payload: ACKs, SYNs, FINs do not change it */
+	key.peer_addr = from_client ? iph->saddr : iph->daddr;
+	key.peer_port = from_client ? ports[0] : ports[1];
+	key.local_port = from_client ? ports[1] : ports[0];
+	port = bpf_ntohs(key.local_port);
+	count = bpf_map_lookup_elem(&inflight, &port);
+	if (!count)
+		return;
+	busy = bpf_map_lookup_elem(&inflight_conns, &key);
+	if (from_client) {
+		if (!busy) {
+			__u32 one = 1;
+
+			if (!bpf_map_update_elem(&inflight_conns, &key, &one, BPF_NOEXIST))
+				__sync_fetch_and_add(count, 1);
+		} else if (__sync_val_compare_and_swap(busy, 0, 1) == 0) {
+			__sync_fetch_and_add(count, 1);
+		}
+	} else if (busy && __sync_val_compare_and_swap(busy, 1, 0) == 1) {
+		__sync_fetch_and_add(count, -1);
+	}
+}
+
 SEC("tc")
 int agent_ingress(struct __sk_buff *skb)
 {
@@ -134,6 +198,10 @@ int agent_ingress(struct __sk_buff *skb)
 	if (iph.version != 4 || hlen < INBAND_IPV4_MIN_HDR || tot < hlen ||
 	    INBAND_ETH_HLEN + tot > skb->len)
 		return malformed();
+	if (score_requests && iph.protocol == IPPROTO_TCP &&
+	    !(iph.frag_off & bpf_htons(INBAND_IP_MF | INBAND_IP_OFFSET)) &&
+	    !bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + hlen, ports, sizeof(ports)))
+		track_request(skb, &iph, hlen, ports, 1);
 	if (hlen == INBAND_IPV4_MIN_HDR)
 		return TC_ACT_OK;
 	/* The balancer sets DF; a fragment is nobody's inband packet, and later
@@ -213,7 +281,7 @@ static __always_inline __u16 current_score(__u16 port)
 
 	if (override)
 		return *override > 0xffff ? 0xffff : *override;
-	active = bpf_map_lookup_elem(&active_conns, &port);
+	active = bpf_map_lookup_elem(score_requests ? (void *)&inflight : (void *)&active_conns, &port);
 	if (!active || *active < 0)
 		return 0;
 	return *active > 0xffff ? 0xffff : *active;
@@ -433,6 +501,8 @@ int agent_egress(struct __sk_buff *skb)
 	svc = bpf_map_lookup_elem(&services, &ports[0]);
 	if (!svc)
 		return TC_ACT_OK;
+	if (score_requests)
+		track_request(skb, &iph, hlen, ports, 0);
 	key.peer_addr = iph.daddr;
 	key.peer_port = ports[1];
 	key.local_port = ports[0];
@@ -543,6 +613,15 @@ int agent_sock_state(struct trace_event_raw_inet_sock_set_state *ctx)
 		key.local_port = bpf_htons(port);
 		if (!bpf_map_delete_elem(&dsr_flows, &key))
 			count(INBAND_AGENT_FLOWS_CLOSED);
+		if (score_requests) {
+			__u32 *busy = bpf_map_lookup_elem(&inflight_conns, &key);
+			__s64 *n = bpf_map_lookup_elem(&inflight, &port);
+
+			/* A connection that ends mid-request stops counting. */
+			if (busy && n && __sync_val_compare_and_swap(busy, 1, 0) == 1)
+				__sync_fetch_and_add(n, -1);
+			bpf_map_delete_elem(&inflight_conns, &key);
+		}
 	}
 	return 0;
 }

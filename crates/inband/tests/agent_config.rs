@@ -668,7 +668,7 @@ fn active_8080(socket: &Path) -> Option<i64> {
     v["ports"]["8080"]["active_connections"].as_i64()
 }
 
-const MAP_NAMES: [&str; 6] = ["active_conns", "agent_stats", "balancers", "dsr_flows", "score_override", "services"];
+const MAP_NAMES: [&str; 8] = ["active_conns", "agent_stats", "balancers", "dsr_flows", "inflight", "inflight_conns", "score_override", "services"];
 
 fn pinned(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(dir)

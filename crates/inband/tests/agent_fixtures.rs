@@ -18,6 +18,7 @@ use inband::agent::maps::{AgentCounter, ConnKey, DsrFlow, Service};
 use inband::bpf::agent::{AgentSkel, AgentSkelBuilder};
 use inband::packet::{mss_option, parse, Mac, PacketBuilder, ETH_HLEN, TCP_ACK, TCP_PSH, TCP_SYN};
 use inband::pod::{be_addr, be_port, Pod};
+use inband::wire::InbandOption;
 use libbpf_rs::libbpf_sys;
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{AsRawLibbpf, MapCore, MapFlags, MapMut, OpenObject, ProgramInput, ProgramMut};
@@ -68,20 +69,18 @@ fn tuple_flow(client: Ipv4Addr) -> DsrFlow {
 /// Opens and loads the agent with pinning switched off, so a test run leaves
 /// nothing under /sys/fs/bpf and never reuses a running agent's maps.
 fn load(obj: &mut MaybeUninit<OpenObject>) -> AgentSkel<'_> {
+    load_with(obj, false)
+}
+
+/// `requests`: the "requests" score source's per-packet accounting on.
+fn load_with(obj: &mut MaybeUninit<OpenObject>, requests: bool) -> AgentSkel<'_> {
     let mut open = AgentSkelBuilder::default().open(obj).expect("open agent skeleton");
-    let maps = &mut open.maps;
-    for map in [
-        &mut maps.services,
-        &mut maps.balancers,
-        &mut maps.dsr_flows,
-        &mut maps.active_conns,
-        &mut maps.score_override,
-        &mut maps.agent_stats,
-    ] {
+    for map in open.open_object_mut().maps_mut() {
         // SAFETY: a valid open map; a NULL path is libbpf's "do not pin".
         let rc = unsafe { libbpf_sys::bpf_map__set_pin_path(map.as_libbpf_object().as_ptr(), std::ptr::null()) };
         assert_eq!(rc, 0);
     }
+    open.maps.rodata_data.as_mut().expect("rodata").score_requests = u8::from(requests);
     open.load().expect("load agent (verifier)")
 }
 
@@ -687,4 +686,46 @@ fn egress_dsr_with_forwarding_off_lets_the_kernel_route() {
     assert!(p.checksums_ok);
     assert_eq!(p.mss(), Some(1452));
     assert_counters(&skel, &[(AgentCounter::DsrRewrites, 1), (AgentCounter::MssClamped, 1)]);
+}
+
+#[test]
+fn requests_score_counts_connections_with_a_request_in_flight() {
+    let mut obj = MaybeUninit::uninit();
+    let skel = load_with(&mut obj, true);
+    configure(&skel);
+    put(&skel.maps.inflight, &LOCAL_PORT, &0i64);
+    let inflight = |skel: &AgentSkel| get::<_, i64>(&skel.maps.inflight, &LOCAL_PORT).unwrap();
+    let request = || PacketBuilder::tcp(lb(), server()).flags(TCP_ACK | TCP_PSH).payload(b"GET / HTTP/1.1\r\n\r\n".to_vec());
+    let ack = PacketBuilder::tcp(lb(), server()).flags(TCP_ACK).build();
+    let response = || PacketBuilder::tcp(server(), lb()).flags(TCP_ACK | TCP_PSH).payload(vec![b'r'; 100]);
+
+    // A bare ACK is not a request; request bytes make the connection busy, once.
+    let (ret, out) = run(&skel.progs.agent_ingress, &ack, None);
+    assert_eq!((ret, out), (TC_ACT_OK, ack.clone()));
+    assert_eq!(inflight(&skel), 0);
+    for _ in 0..2 {
+        let input = request().build();
+        let (ret, out) = run(&skel.progs.agent_ingress, &input, None);
+        assert_eq!((ret, out), (TC_ACT_OK, input), "accounting never changes the packet");
+    }
+    assert_eq!(inflight(&skel), 1);
+    // A second connection with a request in flight.
+    let other = PacketBuilder::tcp(SocketAddrV4::new(LB, SNAT_PORT + 1), server()).flags(TCP_ACK).payload(b"GET".to_vec());
+    run(&skel.progs.agent_ingress, &other.build(), None);
+    assert_eq!(inflight(&skel), 2);
+
+    // A score asked on the first connection reports 2 in-flight requests.
+    put(&skel.maps.dsr_flows, &conn_key(), &DsrFlow { score_requested: 1, ..Default::default() });
+    let (ret, out) = run(&skel.progs.agent_egress, &PacketBuilder::tcp(server(), lb()).flags(TCP_ACK).build(), None);
+    assert_eq!(ret, TC_ACT_OK);
+    assert_eq!(parse(&out).unwrap().ip_options, InbandOption::Score(2).encode());
+    // Its response's first byte ends the first request; more bytes change nothing.
+    for _ in 0..2 {
+        run(&skel.progs.agent_egress, &response().build(), None);
+    }
+    assert_eq!(inflight(&skel), 1);
+    // A port that is not counted (no entry) is left alone.
+    let unserved = PacketBuilder::tcp(lb(), SocketAddrV4::new(SERVER, 9999)).flags(TCP_ACK).payload(b"x".to_vec()).build();
+    run(&skel.progs.agent_ingress, &unserved, None);
+    assert_eq!(inflight(&skel), 1);
 }

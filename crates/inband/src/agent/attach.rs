@@ -124,12 +124,18 @@ pub struct Attachment<'obj> {
 /// is (`cleanup`), a crashed agent's reused maps included: no process would
 /// maintain them, and without the filters their connections fall back to
 /// the balancer path anyway.
-pub fn attach<'obj>(storage: &'obj mut MaybeUninit<OpenObject>, interface: &str) -> Result<Attachment<'obj>> {
+/// `count_requests` turns on the per-packet request accounting the
+/// "requests" score needs (off, data packets skip it).
+pub fn attach<'obj>(
+    storage: &'obj mut MaybeUninit<OpenObject>,
+    interface: &str,
+    count_requests: bool,
+) -> Result<Attachment<'obj>> {
     let ifindex = crate::netif::ifindex(interface)? as i32;
     let pins = pin_dir(interface);
     let reused_pins = pins.exists();
     std::fs::create_dir_all(&pins.0).with_context(|| format!("creating {}", pins.0.display()))?;
-    let skel = match load(storage, &pins) {
+    let skel = match load(storage, &pins, count_requests) {
         Ok(s) => s,
         Err(e) => {
             if !reused_pins {
@@ -162,7 +168,7 @@ pub fn attach<'obj>(storage: &'obj mut MaybeUninit<OpenObject>, interface: &str)
     Ok(a)
 }
 
-fn load<'obj>(storage: &'obj mut MaybeUninit<OpenObject>, pins: &PinDir) -> Result<AgentSkel<'obj>> {
+fn load<'obj>(storage: &'obj mut MaybeUninit<OpenObject>, pins: &PinDir, count_requests: bool) -> Result<AgentSkel<'obj>> {
     let mut open = AgentSkelBuilder::default().open(storage).context("opening the agent BPF object")?;
     for mut map in open.open_object_mut().maps_mut() {
         let name = map.name().to_string_lossy().into_owned();
@@ -175,6 +181,7 @@ fn load<'obj>(storage: &'obj mut MaybeUninit<OpenObject>, pins: &PinDir) -> Resu
     let netns = std::fs::metadata("/proc/self/ns/net").context("reading /proc/self/ns/net")?;
     if let Some(ro) = open.maps.rodata_data.as_mut() {
         ro.agent_netns_ino = std::os::unix::fs::MetadataExt::ino(&netns) as u32;
+        ro.score_requests = u8::from(count_requests);
     }
     open.load().context(
         "loading the agent program (the kernel verifier refused it, or maps pinned by an incompatible \

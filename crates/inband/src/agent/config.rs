@@ -19,6 +19,9 @@ pub enum ScoreSource {
     Cpu,
     /// Whatever the application sets through the score socket.
     App,
+    /// Connections with a request in flight (client bytes in, no response
+    /// byte out since), counted by the tc programs per service port.
+    Requests,
 }
 
 impl ScoreSource {
@@ -27,6 +30,7 @@ impl ScoreSource {
             ScoreSource::Connections => "connections",
             ScoreSource::Cpu => "cpu",
             ScoreSource::App => "app",
+            ScoreSource::Requests => "requests",
         }
     }
 }

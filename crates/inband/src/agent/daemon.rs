@@ -55,7 +55,7 @@ pub fn run(config_path: &Path) -> Result<()> {
     };
 
     let mut storage = MaybeUninit::uninit();
-    let attached = match attach::attach(&mut storage, &cfg.interface) {
+    let attached = match attach::attach(&mut storage, &cfg.interface, cfg.score == ScoreSource::Requests) {
         Ok(a) => a,
         Err(e) => {
             let _ = std::fs::remove_file(&cfg.score_socket);
@@ -117,6 +117,17 @@ fn configure(cfg: &AgentConfig, pins: &bpfmap::PinDir) -> Result<AgentMaps> {
     for (port, _) in bpfmap::entries::<u16, i64>(&maps.active_conns)? {
         if !ports.contains(&port) {
             bpfmap::delete(&maps.active_conns, &port)?;
+        }
+    }
+    // The in-flight counts exist only for the "requests" source (their
+    // entries are what the data path looks for); they start at 0, as a
+    // request already in flight cannot be told from an idle connection.
+    for (port, _) in bpfmap::entries::<u16, i64>(&maps.inflight)? {
+        bpfmap::delete(&maps.inflight, &port)?;
+    }
+    if cfg.score == ScoreSource::Requests {
+        for port in cfg.service_ports() {
+            bpfmap::put(&maps.inflight, &port, &0i64)?;
         }
     }
     for port in cfg.service_ports() {

@@ -26,6 +26,7 @@ pub struct AgentMaps {
     pub dsr_flows: MapHandle,
     pub active_conns: MapHandle,
     pub score_override: MapHandle,
+    pub inflight: MapHandle,
     pub agent_stats: MapHandle,
 }
 
@@ -38,6 +39,7 @@ impl AgentMaps {
             dsr_flows: dir.open("dsr_flows")?,
             active_conns: dir.open("active_conns")?,
             score_override: dir.open("score_override")?,
+            inflight: dir.open("inflight")?,
             agent_stats: dir.open("agent_stats")?,
         })
     }
@@ -60,6 +62,7 @@ impl AgentMaps {
             dsr_flows: make(MapType::LruHash, "dsr_flows", 8, 8, FLOW_TABLE_SIZE)?,
             active_conns: make(MapType::Hash, "active_conns", 2, 8, MAX_SERVICES as u32)?,
             score_override: make(MapType::Hash, "score_override", 2, 4, MAX_SERVICES as u32)?,
+            inflight: make(MapType::Hash, "inflight", 2, 8, MAX_SERVICES as u32)?,
             agent_stats: make(MapType::PercpuArray, "agent_stats", 4, 8, AgentCounter::ALL.len() as u32)?,
         })
     }
@@ -104,9 +107,15 @@ impl AgentMaps {
         bpfmap::delete(&self.score_override, &port)
     }
 
-    /// The score a 125 for `port` would carry now.
+    /// The score a 125 for `port` would carry now: as the egress program
+    /// computes it, the in-flight count standing in for connections when
+    /// the "requests" source keeps one.
     pub fn score(&self, port: u16) -> Result<u32> {
-        Ok(score_from(self.override_of(port)?, self.active(port)?))
+        let load = match bpfmap::get::<u16, i64>(&self.inflight, &port)? {
+            Some(n) => Some(n),
+            None => self.active(port)?,
+        };
+        Ok(score_from(self.override_of(port)?, load))
     }
 
     /// A counter summed over CPUs.
