@@ -384,6 +384,16 @@ fn changes_and_restart_keep_established_connections() {
     // Drained: new connections have nowhere to go (counted as no_backend).
     assert!(http_get(&c, vip(&c.tb), "/", true).is_err());
     assert!(c.status()[0]["drops"]["no_backend"].as_u64().unwrap() >= 1);
+    // An explicit detach removes the program and every pin.
+    c.stop_lb();
+    run_ok(&c.tb, "lb", &[BIN, "lb", "detach", "--interface", "eth0"]);
+    let link = run_ok(&c.tb, "lb", &["ip", "link", "show", "dev", "eth0"]);
+    assert!(!String::from_utf8_lossy(&link.stdout).contains("xdp"), "XDP still attached");
+    let pins = std::path::PathBuf::from(format!("/sys/fs/bpf/inband/netns/{}/lb", c.tb.netns("lb")));
+    assert!(!pins.exists(), "{} left behind", pins.display());
+    let out = in_ns(&c.tb, "lb", &[BIN, "status"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no balancer on this host"));
 }
 
 #[test]
