@@ -1,0 +1,142 @@
+"""Configuration of everything the driver runs besides its own load: the
+inband balancer and agents, the peers (HAProxy, nftables DNAT), and the
+TBF qdisc that models the balancer's limited link. Pure functions: text in,
+text out, so they are unit-tested without a testbed."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from ipaddress import IPv4Address
+
+
+@dataclass(frozen=True)
+class Backend:
+    address: str
+    port: int
+
+
+def _check_ip(a: str) -> str:
+    return str(IPv4Address(a))
+
+
+def lb_toml(
+    *,
+    address: str,
+    vip: str,
+    vip_port: int,
+    backends: list[Backend],
+    mode: str,
+    control_socket: str,
+    policy: str = "least-score",
+    probe_interval: int = 100,
+    poll_interval_ms: int = 100,
+    score_max_age_ms: int = 2000,
+    interface: str = "eth0",
+) -> str:
+    """`inband lb` config for one VIP in one mode (docs/configuration.md)."""
+    lines = [
+        f'interface = "{interface}"',
+        f'address = "{_check_ip(address)}"',
+        f'control_socket = "{control_socket}"',
+        "",
+        "[[vip]]",
+        f'address = "{_check_ip(vip)}"',
+        f"port = {int(vip_port)}",
+        f'mode = "{mode}"',
+        f'policy = "{policy}"',
+        f"probe_interval = {int(probe_interval)}",
+        f"score_max_age_ms = {int(score_max_age_ms)}",
+        f"poll_interval_ms = {int(poll_interval_ms)}",
+    ]
+    for b in backends:
+        lines += ["", "[[vip.backend]]", f'address = "{_check_ip(b.address)}"', f"port = {int(b.port)}"]
+    return "\n".join(lines) + "\n"
+
+
+def agent_toml(*, balancer: str, vip: str, vip_port: int, service_port: int, score_socket: str, interface: str = "eth0") -> str:
+    """`inband agent` config: one service, the one balancer trusted."""
+    return (
+        f'interface = "{interface}"\n'
+        f'balancers = ["{_check_ip(balancer)}"]\n'
+        f'score_socket = "{score_socket}"\n'
+        "\n[[service]]\n"
+        f"port = {int(service_port)}\n"
+        f'vip = "{_check_ip(vip)}:{int(vip_port)}"\n'
+    )
+
+
+def haproxy_cfg(*, vip: str, vip_port: int, backends: list[Backend], balance: str, timeout_s: int) -> str:
+    """HAProxy in TCP mode (an L4 proxy like inband, not an HTTP one), no
+    health checks so it sends no packets of its own: its `leastconn` uses
+    only the connection counts it sees itself."""
+    if balance not in ("roundrobin", "leastconn"):
+        raise ValueError(f"unsupported balance {balance!r}")
+    lines = [
+        "global",
+        "    maxconn 4096",
+        "",
+        "defaults",
+        "    mode tcp",
+        "    timeout connect 5s",
+        f"    timeout client {int(timeout_s)}s",
+        f"    timeout server {int(timeout_s)}s",
+        "",
+        "frontend vip",
+        f"    bind {_check_ip(vip)}:{int(vip_port)}",
+        "    default_backend servers",
+        "",
+        "backend servers",
+        f"    balance {balance}",
+    ]
+    for i, b in enumerate(backends, 1):
+        lines.append(f"    server s{i} {_check_ip(b.address)}:{int(b.port)}")
+    return "\n".join(lines) + "\n"
+
+
+NFT_TABLE = "inband_bench"
+
+
+def nft_ruleset(*, vip: str, vip_port: int, backends: list[Backend]) -> str:
+    """Kernel NAT balancing as kube-proxy's nftables mode does it: DNAT the
+    first packet of each connection to `numgen inc mod N` (round-robin;
+    conntrack keeps the rest of the connection), masquerade so replies come
+    back through the balancer."""
+    ports = {b.port for b in backends}
+    if len(ports) != 1:
+        raise ValueError("nftables numgen DNAT here needs one port for all backends")
+    port = ports.pop()
+    mapping = ", ".join(f"{i} : {_check_ip(b.address)}" for i, b in enumerate(backends))
+    addrs = ", ".join(_check_ip(b.address) for b in backends)
+    return (
+        f"table ip {NFT_TABLE} {{\n"
+        "  chain prerouting {\n"
+        "    type nat hook prerouting priority dstnat; policy accept;\n"
+        f"    ip daddr {_check_ip(vip)} tcp dport {int(vip_port)} "
+        f"dnat to numgen inc mod {len(backends)} map {{ {mapping} }} : {int(port)}\n"
+        "  }\n"
+        "  chain postrouting {\n"
+        "    type nat hook postrouting priority srcnat; policy accept;\n"
+        f"    ip daddr {{ {addrs} }} tcp dport {int(port)} masquerade\n"
+        "  }\n"
+        "}\n"
+    )
+
+
+def tbf_args(dev: str, rate_mbit: float, burst_kb: int, latency_ms: int) -> list[str]:
+    """`tc` arguments that shape what a port sends. The rate is in kbit so
+    that fractional Mbit/s values are exact."""
+    return [
+        "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+        "rate", f"{int(round(rate_mbit * 1000))}kbit",
+        "burst", f"{int(burst_kb)}kb",
+        "latency", f"{int(latency_ms)}ms",
+    ]  # fmt: skip
+
+
+def parse_tbf_stats(tc_json: str) -> dict:
+    """bytes/packets/drops of the root TBF from `tc -s -j qdisc show dev X`."""
+    for q in json.loads(tc_json):
+        if q.get("kind") == "tbf" and q.get("root"):
+            return {"bytes": int(q["bytes"]), "packets": int(q["packets"]), "drops": int(q["drops"])}
+    raise ValueError("no root tbf qdisc in tc output")

@@ -1,0 +1,76 @@
+"""End to end: the paper driver's tiny profile on a real namespace testbed,
+every configuration (inband's four modes, HAProxy, nftables)."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.paper import BY_KEY
+
+REPO = Path(__file__).resolve().parents[2]
+INBAND = REPO / "target" / "debug" / "inband"
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates network namespaces and attaches XDP/tc programs")
+
+
+def namespaces(prefix: str) -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0].startswith(prefix)]
+
+
+def test_tiny_profile_end_to_end(tmp_path):
+    name = f"pt{os.getpid() % 10000}"
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "bench.paper", "--profile", "tiny", "--out", str(out), "--name", name]
+    try:
+        cp = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    finally:
+        left = namespaces(f"{name}-")
+        if left:  # the driver failed to clean up: do it, then fail below
+            subprocess.run([str(INBAND), "testbed", "down", "--name", name], capture_output=True, timeout=60)
+    assert cp.returncode == 0, f"driver failed ({cp.returncode}):\n{cp.stdout[-4000:]}\n{cp.stderr[-4000:]}"
+    assert left == [], f"namespaces left behind: {left}"
+
+    # CSV: one row per configuration, in order, every one with traffic.
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert [r["key"] for r in rows] == list(BY_KEY)
+    for r in rows:
+        assert int(r["requests"]) > 0, r
+        assert float(r["rps"]) > 0, r
+        assert int(r["failures"]) < int(r["requests"]), r
+        assert 0 < float(r["median_ms"]) <= float(r["p99_ms"]) <= float(r["max_ms"]), r
+        assert int(r["lb_in_bytes"]) > 0, r  # every configuration sent traffic through the shaped port
+
+    # In-band feedback sends no packet of its own; polling does.
+    by = {r["key"]: r for r in rows}
+    assert int(by["dsr-dynamic"]["extra_packets"]) == 0
+    assert int(by["dsr-polling"]["extra_packets"]) > 0
+    for k in ("passthrough", "dsr-rr", "haproxy-roundrobin", "nftables-numgen"):
+        assert int(by[k]["extra_packets"]) == 0 and int(by[k]["extra_bytes"]) == 0, by[k]
+
+    # The Markdown table has the paper's columns and one well-formed row per configuration.
+    md = (out / "results.md").read_text().splitlines()
+    i = md.index("| Configuration | Median | Average | RPS | 90% | 95% | 98% | 99% | Requests | Failures |")
+    assert md[i + 1] == "|" + "|".join(["---"] * 10) + "|"
+    table = md[i + 2 : i + 2 + len(BY_KEY)]
+    assert [line.split(" | ")[0].lstrip("| ") for line in table] == [c.label for c in BY_KEY.values()]
+    for line in table:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert len(cells) == 10, line
+        assert float(cells[3]) > 0, line
+        assert cells[1].endswith(("ms", " s")) and cells[2].endswith(" ms"), line
+
+    # The same table on stdout.
+    assert "| Configuration | Median | Average | RPS |" in cp.stdout
+
+    for png in ("fig3_rps.png", "fig4_ccdf.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    facts = (out / "command.txt").read_text()
+    for key in ("command:", "nproc:", "kernel:", "memory:", "locust: locust 2.33.2", "haproxy:"):
+        assert key in facts, facts
