@@ -82,11 +82,15 @@ impl PinDir {
 /// share paths: inside a named namespace (`ip netns add NAME`) the pins go
 /// under `netns/NAME/`.
 pub fn pin_root() -> PathBuf {
-    let base = PathBuf::from("/sys/fs/bpf/inband");
     match current_netns_name() {
-        Some(name) => base.join("netns").join(name),
-        None => base,
+        Some(name) => pin_root_of(&name),
+        None => PathBuf::from("/sys/fs/bpf/inband"),
     }
+}
+
+/// The pin root of the named network namespace `name`.
+pub fn pin_root_of(name: &str) -> PathBuf {
+    PathBuf::from("/sys/fs/bpf/inband/netns").join(name)
 }
 
 /// The name under /run/netns of the network namespace this process is in.

@@ -39,7 +39,17 @@ struct Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
+        // SIGTERM first: agents and the balancer clean up after themselves
+        // on a normal stop; whatever does not stop in time is killed.
         for c in self.lb.iter_mut().chain(self.others.iter_mut()) {
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for c in self.lb.iter_mut().chain(self.others.iter_mut()) {
+            while c.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
             let _ = c.kill();
             let _ = c.wait();
         }

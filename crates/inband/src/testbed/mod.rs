@@ -202,6 +202,15 @@ pub fn teardown(name: &str) -> Result<()> {
             if let Err(e) = netns::delete(ns) {
                 first_err.get_or_insert(e);
             }
+            // Pins outlive the namespace (bpffs is the host's); a component
+            // that was killed, not stopped, left its maps there.
+            let pins = crate::bpfmap::pin_root_of(ns);
+            if pins.exists() {
+                if let Err(e) = std::fs::remove_dir_all(&pins) {
+                    first_err.get_or_insert(anyhow::anyhow!("removing {}: {e}", pins.display()));
+                }
+                let _ = crate::bpfmap::remove_pin_dir(&pins);
+            }
         }
     }
     let _ = std::fs::remove_file(state_path(name));
