@@ -436,6 +436,7 @@ class Bench:
             overhead=overhead(c, status, before, after),
             locust=report.read_locust_aggregated(d / "locust_stats.csv"),
             shares=shares,
+            at_balancer=report.backends_at_balancer(status),
         )
         s = res.summary()
         self.log(f"{c.key}: {s.requests} requests, {s.rps:.2f} req/s, median {report.fmt_time(s.median_ms)}, {s.failures} failures")

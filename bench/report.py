@@ -76,6 +76,8 @@ class RunResult:
     overhead: Overhead
     locust: dict = field(default_factory=dict)  # Locust's "Aggregated" row
     shares: dict = field(default_factory=dict)  # backend -> requests it served (its own counter)
+    # backend "addr:port" -> the balancer's view (inband modes only), from `inband status --json`
+    at_balancer: dict = field(default_factory=dict)
 
     def summary(self) -> Summary:
         return summarize(self.requests, *self.window)
@@ -301,6 +303,46 @@ def shares_table(results: list[RunResult], backend_labels: dict) -> str:
     return _md(headers, rows)
 
 
+def backends_at_balancer(status) -> dict:
+    """Per-backend counters of the balancer's first VIP from `inband status --json`."""
+    if not status:
+        return {}
+    out = {}
+    for b in status[0]["vips"][0]["backends"]:
+        st = b["stats"]
+        out[b["backend"]] = {
+            "connections": st["new_conns"],
+            "bytes_back_through_lb": st["return_bytes"],
+            "probes": st["probes_sent"],
+            "scores": st["scores_received"],
+            "last_score": b["score"],
+        }
+    return out
+
+
+def balancer_view_table(results: list[RunResult]) -> str:
+    """What the balancer saw per backend: connections it placed, response
+    bytes that came back through it (all of them in pass-through, only score
+    carriers in DSR), score requests sent and scores received."""
+    headers = ["Configuration", "Backend", "Connections", "Bytes back through balancer", "Probes (124)", "Scores (125)", "Last score"]
+    rows = []
+    for r in results:
+        for backend, v in sorted(r.at_balancer.items()):
+            last = v["last_score"]
+            rows.append(
+                [
+                    r.label,
+                    backend,
+                    str(v["connections"]),
+                    str(v["bytes_back_through_lb"]),
+                    str(v["probes"]),
+                    str(v["scores"]),
+                    "–" if last is None else str(last),
+                ]
+            )
+    return _md(headers, rows)
+
+
 def paper_table() -> str:
     headers = ["Configuration (paper)", "Median", "Average", "RPS", "90%", "95%", "98%", "99%"]
     rows = [[name, med, avg, f"{rps:.2f}", p90, p95, p98, p99] for name, _k, med, avg, rps, p90, p95, p98, p99 in PAPER_TABLE3]
@@ -409,6 +451,8 @@ def markdown(results: list[RunResult], backend_labels: dict, preamble: str = "")
         overhead_table(results) + "\n",
         "## Share of requests per backend\n",
         shares_table(results, backend_labels) + "\n",
+        "## Per backend, as the balancer saw it (inband modes)\n",
+        balancer_view_table(results) + "\n",
         "## The paper's Table 3 (their testbed; for the shape only)\n",
         paper_table() + "\n",
     ]

@@ -190,3 +190,40 @@ def test_plots_write_pngs(tmp_path):
 def test_moving_average():
     assert plots.moving_average([1, 2, 3, 4], 2) == [1.0, 1.5, 2.5, 3.5]
     assert plots.moving_average([], 3) == []
+
+
+def test_balancer_view_lists_each_backend_from_inband_status():
+    status = [
+        {
+            "vips": [
+                {
+                    "backends": [
+                        {
+                            "backend": "10.77.0.22:8080",
+                            "score": None,
+                            "stats": {"new_conns": 5, "return_bytes": 0, "probes_sent": 0, "scores_received": 0},
+                        },
+                        {
+                            "backend": "10.77.0.21:8080",
+                            "score": 3,
+                            "stats": {"new_conns": 7, "return_bytes": 480, "probes_sent": 9, "scores_received": 8},
+                        },
+                    ]
+                }
+            ]
+        }
+    ]
+    view = report.backends_at_balancer(status)
+    assert view["10.77.0.21:8080"] == {
+        "connections": 7,
+        "bytes_back_through_lb": 480,
+        "probes": 9,
+        "scores": 8,
+        "last_score": 3,
+    }
+    assert report.backends_at_balancer(None) == {}
+    r = report.RunResult(key="dsr-dynamic", label="Dynamic", window=(0.0, 1.0), requests=[], overhead=report.Overhead("x"))
+    r.at_balancer = view
+    lines = report.balancer_view_table([r]).splitlines()
+    assert lines[2] == "| Dynamic | 10.77.0.21:8080 | 7 | 480 | 9 | 8 | 3 |"
+    assert lines[3] == "| Dynamic | 10.77.0.22:8080 | 5 | 0 | 0 | 0 | – |"
