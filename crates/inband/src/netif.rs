@@ -42,16 +42,6 @@ pub fn local_ipv4() -> Result<Vec<(String, Ipv4Addr)>> {
     Ok(out)
 }
 
-pub fn is_local(addr: Ipv4Addr) -> Result<bool> {
-    Ok(local_ipv4()?.iter().any(|(_, a)| *a == addr))
-}
-
-/// The interface's MAC address.
-pub fn mac_of(name: &str) -> Result<[u8; 6]> {
-    let text = std::fs::read_to_string(format!("/sys/class/net/{name}/address"))?;
-    parse_mac(text.trim())
-}
-
 pub fn parse_mac(s: &str) -> Result<[u8; 6]> {
     let parts: Vec<&str> = s.split(':').collect();
     if parts.len() != 6 {
