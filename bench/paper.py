@@ -694,6 +694,12 @@ def write_outputs(bench: Bench, results, failed, out: Path, command: str, elapse
     print(report.table3(results))
     print()
     print(report.ratios(results))
+    print()
+    print(report.overhead_table(results))
+    print()
+    print(report.shares_table(results, bench.backend_labels()))
+    print()
+    print(report.balancer_view_table(results))
     print(f"\nresults in {out}: results.md, results.csv, rps_timeseries.csv, fig3_rps.png, fig4_ccdf.png, command.txt")
 
 
