@@ -19,3 +19,14 @@ fn every_path_runs_with_its_verdict_and_a_ratio_to_the_floor() {
     assert_eq!(table.lines().count(), 2 + rows.len());
     assert!(table.contains("| established (client -> backend) | dsr-dynamic | XDP_TX |"));
 }
+
+#[test]
+fn flood_accounts_for_every_syn() {
+    let s = inband::bench::dataplane::table_scale(3000, 2).expect("flood");
+    assert_eq!(s.forwarded + s.dropped, 3000);
+    let dropped_by_reason: u64 = s.drops_by_reason.iter().map(|(_, n)| n).sum();
+    assert_eq!(dropped_by_reason, u64::from(s.dropped));
+    // Far below the table size nothing is evicted: every forwarded SYN has its flow.
+    assert_eq!(s.flows_in_table, s.forwarded as usize);
+    assert!(s.oldest_1000_kept >= 990 && s.new_conns_per_s_one_core > 0.0, "{s:?}");
+}

@@ -35,7 +35,9 @@ const LB: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 2);
 const VIP: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 100), 80);
 const CLIENT: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(192, 168, 1, 1), 40000);
 const BACKENDS: u8 = 3;
-const PAYLOAD: usize = 64; // a small request segment: per-packet cost dominates
+const PAYLOAD: usize = 64;
+/// Mirrors INBAND_FLOW_TABLE_SIZE in balancer_maps.h.
+const INBAND_FLOW_TABLE_SIZE: u32 = 262_144; // a small request segment: per-packet cost dominates
 
 #[derive(Debug, Serialize)]
 pub struct Row {
@@ -52,6 +54,10 @@ fn backend(i: u8) -> SocketAddrV4 {
 }
 
 fn load(storage: &mut MaybeUninit<OpenObject>) -> Result<BalancerSkel<'_>> {
+    load_with(storage, BACKENDS)
+}
+
+fn load_with(storage: &mut MaybeUninit<OpenObject>, backends: u8) -> Result<BalancerSkel<'_>> {
     let mut open = BalancerSkelBuilder::default().open(storage)?;
     for map in open.open_object_mut().maps_mut() {
         // A private instance: nothing pinned, nothing shared with a running balancer.
@@ -60,7 +66,7 @@ fn load(storage: &mut MaybeUninit<OpenObject>) -> Result<BalancerSkel<'_>> {
     }
     let skel = open.load().context("loading the balancer program")?;
     put(&skel.maps.lb_config, &0u32, &LbConfig { self_addr: be_addr(LB), flags: 0 })?;
-    for i in 0..BACKENDS {
+    for i in 0..backends {
         let b = backend(i);
         let id = u32::from(i);
         let entry = Backend { addr: be_addr(*b.ip()), port: be_port(b.port()), mac: [2, 0, 0, 0, 1, i], flags: BACKEND_ACTIVE, pad: 0 };
@@ -72,11 +78,15 @@ fn load(storage: &mut MaybeUninit<OpenObject>) -> Result<BalancerSkel<'_>> {
 }
 
 fn set_vip(skel: &BalancerSkel, mode: Mode, probe_interval: u32) -> Result<()> {
+    set_vip_with(skel, mode, probe_interval, BACKENDS)
+}
+
+fn set_vip_with(skel: &BalancerSkel, mode: Mode, probe_interval: u32, backends: u8) -> Result<()> {
     let vip = Vip {
         id: 0,
         mode: mode as u8,
         policy: Policy::LeastScore as u8,
-        backend_count: u16::from(BACKENDS),
+        backend_count: u16::from(backends),
         probe_interval,
         pad: 0,
         score_max_age_ns: 3_600_000_000_000,
@@ -194,6 +204,85 @@ pub fn measure(samples: u32) -> Result<Vec<Row>> {
         .collect())
 }
 
+/// What a flood of new connections does to the connection table.
+#[derive(Debug, Serialize)]
+pub struct TableScale {
+    pub syns: u32,
+    pub backends: u8,
+    pub table_size: u32,
+    pub forwarded: u32,
+    pub dropped: u32,
+    pub drops_by_reason: Vec<(&'static str, u64)>,
+    pub flows_in_table: usize,
+    /// Of the first 1000 connections, how many still have their flow entry.
+    pub oldest_1000_kept: u32,
+    /// Of the last 1000 connections, how many have their flow entry.
+    pub newest_1000_kept: u32,
+    pub new_conns_per_s_one_core: f64,
+}
+
+fn flood_client(i: u32) -> SocketAddrV4 {
+    SocketAddrV4::new(Ipv4Addr::from(0x0a80_0000 | (i >> 6)), 1024 + (i & 63) as u16)
+}
+
+/// Pushes `syns` distinct SYNs through a private instance (dsr-rr over
+/// `backends` backends) and reports what the tables did: the LRU evicts the
+/// least recently used flows, SNAT ports run out per backend.
+pub fn table_scale(syns: u32, backends: u8) -> Result<TableScale> {
+    let mut storage = MaybeUninit::uninit();
+    let skel = load_with(&mut storage, backends)?;
+    set_vip_with(&skel, Mode::DsrRr, 0, backends)?;
+    let prog = &skel.progs.balancer;
+    let (mut forwarded, mut dropped, mut ns) = (0u32, 0u32, 0f64);
+    for i in 0..syns {
+        let (v, t) = run_once(prog, &PacketBuilder::tcp(flood_client(i), VIP).syn(1460).build())?;
+        ns += t;
+        if v == XDP_TX {
+            forwarded += 1;
+        } else {
+            dropped += 1;
+        }
+    }
+    let has_flow = |i: u32| -> Result<bool> {
+        let c = flood_client(i);
+        let key = FlowKey {
+            client_addr: be_addr(*c.ip()),
+            vip_addr: be_addr(*VIP.ip()),
+            client_port: be_port(c.port()),
+            vip_port: be_port(VIP.port()),
+            proto: 6,
+            pad: [0; 3],
+        };
+        Ok(get::<FlowKey, Flow>(&skel.maps.flows, &key)?.is_some())
+    };
+    let count_kept = |range: std::ops::Range<u32>| -> Result<u32> {
+        let mut n = 0;
+        for i in range {
+            n += u32::from(has_flow(i)?);
+        }
+        Ok(n)
+    };
+    let mut drops_by_reason = Vec::new();
+    for r in DropReason::ALL {
+        let n: u64 = crate::bpfmap::get_percpu::<u32, u64>(&skel.maps.drops, &(r as u32))?.iter().sum();
+        if n > 0 {
+            drops_by_reason.push((r.name(), n));
+        }
+    }
+    Ok(TableScale {
+        syns,
+        backends,
+        table_size: INBAND_FLOW_TABLE_SIZE,
+        forwarded,
+        dropped,
+        drops_by_reason,
+        flows_in_table: crate::bpfmap::count(&skel.maps.flows),
+        oldest_1000_kept: count_kept(0..1000.min(syns))?,
+        newest_1000_kept: count_kept(syns.saturating_sub(1000)..syns)?,
+        new_conns_per_s_one_core: if ns > 0.0 { f64::from(syns) * 1e9 / ns } else { 0.0 },
+    })
+}
+
 pub fn render(rows: &[Row]) -> String {
     use std::fmt::Write;
     let mut o = String::new();
@@ -207,4 +296,23 @@ pub fn render(rows: &[Row]) -> String {
         );
     }
     o
+}
+
+pub fn render_scale(s: &TableScale) -> String {
+    let drops: Vec<String> = s.drops_by_reason.iter().map(|(r, n)| format!("{r} {n}")).collect();
+    format!(
+        "| new connections pushed | backends | flow table | forwarded | dropped (by reason) | flows in table | oldest 1000 kept | newest 1000 kept | new conns/s, 1 core |\n\
+         |---:|---:|---:|---:|---|---:|---:|---:|---:|\n\
+         | {} | {} | {} | {} | {} ({}) | {} | {} | {} | {:.0} |\n",
+        s.syns,
+        s.backends,
+        s.table_size,
+        s.forwarded,
+        s.dropped,
+        if drops.is_empty() { "none".to_string() } else { drops.join(", ") },
+        s.flows_in_table,
+        s.oldest_1000_kept,
+        s.newest_1000_kept,
+        s.new_conns_per_s_one_core
+    )
 }

@@ -14,17 +14,28 @@ pub enum BenchCommand {
         samples: u32,
         #[arg(long)]
         json: bool,
+        /// Also flood the connection table with this many new connections
+        /// (0 = skip) and report evictions and drops.
+        #[arg(long, default_value_t = 0)]
+        flood: u32,
+        /// Backends in the flood (SNAT ports are 31,744 per backend).
+        #[arg(long, default_value_t = 16)]
+        flood_backends: u8,
     },
 }
 
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
-        BenchCommand::Dataplane { samples, json } => {
+        BenchCommand::Dataplane { samples, json, flood, flood_backends } => {
             let rows = dataplane::measure(samples)?;
+            let scale = if flood > 0 { Some(dataplane::table_scale(flood, flood_backends)?) } else { None };
             if json {
-                println!("{}", serde_json::to_string_pretty(&rows)?);
+                println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "paths": rows, "flood": scale }))?);
             } else {
                 print!("{}", dataplane::render(&rows));
+                if let Some(s) = scale {
+                    print!("\n{}", dataplane::render_scale(&s));
+                }
             }
             Ok(())
         }
