@@ -24,7 +24,7 @@
  * host's own connections to the same backend. */
 #define INBAND_SNAT_PORT_MIN 1024
 #define INBAND_SNAT_PORT_MAX 32767
-#define INBAND_SNAT_TRIES 4
+#define INBAND_SNAT_TRIES 16
 
 enum inband_mode {
 	INBAND_MODE_PASSTHROUGH = 0, /* NAT both ways, no options */
