@@ -696,10 +696,12 @@ static __always_inline int client_to_backend(struct xdp_md *ctx, struct ethhdr *
 	if (existing) {
 		f = *existing;
 		be = bpf_map_lookup_elem(&backends, &f.backend_id);
-		/* A SYN on the tuple of a connection whose backend was removed is a
-		 * new connection (port reuse) and is balanced afresh; draining
-		 * backends keep even retransmitted SYNs of their flows. */
-		if (syn && (!be || !(be->flags & (INBAND_BACKEND_ACTIVE | INBAND_BACKEND_DRAINING))))
+		/* A SYN with another sequence number than the flow's is a new
+		 * connection reusing the client port (clients do, within minutes)
+		 * and is balanced afresh, as is a SYN on the tuple of a removed
+		 * backend; draining backends keep retransmitted SYNs of their flows. */
+		if (syn && (f.syn_seq != tcp->seq ||
+			    !be || !(be->flags & (INBAND_BACKEND_ACTIVE | INBAND_BACKEND_DRAINING))))
 			existing = NULL;
 	}
 	if (!existing) {
@@ -742,6 +744,7 @@ static __always_inline int client_to_backend(struct xdp_md *ctx, struct ethhdr *
 			.backend_id = id,
 			.vip_id = vip->id,
 			.mode = vip->mode,
+			.syn_seq = tcp->seq,
 		};
 		__builtin_memcpy(f.client_mac, eth->h_source, ETH_ALEN);
 		if (bpf_map_update_elem(&flows, &fk, &f, BPF_ANY)) {

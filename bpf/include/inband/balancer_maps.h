@@ -110,6 +110,9 @@ struct inband_flow {
 	__u8 client_mac[6]; /* L2 source the client's packets came from: return next hop */
 	__u8 mode; /* the VIP's mode when the flow started */
 	__u8 pad;
+	/* The SYN's sequence number: a SYN with another one on the same tuple
+	 * is a new connection reusing the client port, not a retransmission. */
+	__be32 syn_seq;
 };
 
 struct inband_nat_key {

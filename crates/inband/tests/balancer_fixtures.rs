@@ -279,6 +279,12 @@ impl Fixture {
         self.connect(c).0.id
     }
 
+    /// Sends `frame` (must be forwarded) and returns the client's flow after it.
+    fn flow_after(&self, frame: &[u8], c: SocketAddrV4) -> Flow {
+        self.tx(frame);
+        self.flow(c).expect("flow")
+    }
+
     /// Runs `frame` and asserts it is dropped, counted under `reason` only.
     #[track_caller]
     fn assert_dropped(&self, frame: &[u8], reason: DropReason) {
@@ -420,6 +426,7 @@ fn passthrough_syn_is_natted_without_option_or_clamp() {
             client_mac: CLIENT_MAC,
             mode: Mode::Passthrough as u8,
             pad: 0,
+            syn_seq: s.seq.to_be(),
         }
     );
     assert_eq!(
@@ -1103,4 +1110,20 @@ fn bounce_swaps_macs_and_transmits() {
     want[0..6].copy_from_slice(&frame[6..12]);
     want[6..12].copy_from_slice(&frame[0..6]);
     assert_eq!(res.data.unwrap().to_vec(), want);
+}
+
+#[test]
+fn a_new_syn_reusing_the_client_port_is_balanced_again() {
+    let fx = Fixture::lb_with(Mode::DsrRr, Policy::RoundRobin, 2);
+    let c = client(7);
+    let first = fx.flow_after(&syn(c).seq_no(1000).build(), c);
+    // The same SYN again is a retransmission: same flow, counted once.
+    assert_eq!(fx.flow_after(&syn(c).seq_no(1000).build(), c).backend_id, first.backend_id);
+    // Another sequence number on the same tuple is a new connection: the
+    // next round-robin turn, the other backend.
+    let second = fx.flow_after(&syn(c).seq_no(900_000).build(), c);
+    assert_ne!(second.backend_id, first.backend_id);
+    assert_eq!(second.syn_seq, 900_000u32.to_be());
+    let conns: u64 = [backend(0), backend(1)].iter().map(|b| fx.backend_stats(b).new_conns).sum();
+    assert_eq!(conns, 2);
 }

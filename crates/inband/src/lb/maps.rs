@@ -124,6 +124,7 @@ pub struct Flow {
     pub client_mac: [u8; 6],
     pub mode: u8,
     pub pad: u8,
+    pub syn_seq: u32,
 }
 
 #[repr(C)]
@@ -251,7 +252,7 @@ mod tests {
         assert_eq!(size_of::<BackendScore>(), 16);
         assert_eq!(size_of::<LbConfig>(), 8);
         assert_eq!(size_of::<FlowKey>(), 16);
-        assert_eq!(size_of::<Flow>(), 24);
+        assert_eq!(size_of::<Flow>(), 28);
         assert_eq!(size_of::<NatKey>(), 12);
         assert_eq!(size_of::<NatBack>(), 28);
         assert_eq!(size_of::<BackendStats>(), 56);
