@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use libbpf_cargo::SkeletonBuilder;
 
-const PROGRAMS: &[&str] = &["balancer", "agent", "bounce", "veth_peer"];
+const PROGRAMS: &[&str] = &["balancer", "agent", "bounce", "veth_peer", "loadgen"];
 
 fn main() {
     let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").unwrap());

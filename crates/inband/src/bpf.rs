@@ -16,3 +16,7 @@ pub mod bounce {
 pub mod veth_peer {
     include!(concat!(env!("OUT_DIR"), "/veth_peer.skel.rs"));
 }
+#[allow(clippy::all, dead_code, unused_imports)]
+pub mod loadgen {
+    include!(concat!(env!("OUT_DIR"), "/loadgen.skel.rs"));
+}

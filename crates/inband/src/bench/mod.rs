@@ -1,6 +1,7 @@
 //! `inband bench ...`: measurements that print tables with ratios.
 
 pub mod dataplane;
+pub mod load;
 
 use anyhow::Result;
 
@@ -22,6 +23,19 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 16)]
         flood_backends: u8,
     },
+    /// Send a pre-built TCP frame out of an interface as fast as XDP live
+    /// frames allow (the forwarding benchmark's generator); prints JSON.
+    Blast(load::BlastArgs),
+    /// Count (and drop, or pass) TCP packets to a port in XDP until
+    /// SIGTERM; prints JSON.
+    Sink(load::SinkArgs),
+    /// TCP connections sending small writes with TCP_NODELAY; prints JSON.
+    Stream(load::StreamArgs),
+    /// A TCP server that reads and discards whatever it is sent.
+    Discard {
+        #[arg(long)]
+        listen: std::net::SocketAddrV4,
+    },
 }
 
 pub fn run(cmd: BenchCommand) -> Result<()> {
@@ -39,5 +53,9 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
             }
             Ok(())
         }
+        BenchCommand::Blast(a) => Ok(println!("{}", serde_json::to_string(&load::blast(&a)?)?)),
+        BenchCommand::Sink(a) => load::sink(&a),
+        BenchCommand::Stream(a) => Ok(println!("{}", serde_json::to_string(&load::stream(&a)?)?)),
+        BenchCommand::Discard { listen } => load::discard(listen),
     }
 }

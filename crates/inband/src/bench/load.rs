@@ -1,0 +1,297 @@
+//! Load generators and receivers for the forwarding benchmark
+//! (`bench/forwarding.py`), each run inside one testbed namespace:
+//!
+//! - `blast`: a pre-built TCP frame sent out of an interface with
+//!   BPF_PROG_TEST_RUN in live-frame mode (the `tx` program returns
+//!   XDP_TX), so the generator costs a fraction of what any forwarder
+//!   under test costs: no socket, no stack, no copy per packet.
+//! - `sink`: counts TCP packets to a port in XDP at the receiver, and drops
+//!   them (raw load) or passes them to a real server.
+//! - `stream` / `discard`: real TCP connections carrying small writes with
+//!   TCP_NODELAY, for proxies (HAProxy) that only forward what a socket
+//!   hands them.
+//!
+//! Every loop is bounded by a packet/message count and by time.
+
+use std::io::{Read, Write};
+use std::mem::MaybeUninit;
+use std::net::{SocketAddrV4, TcpListener, TcpStream};
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::{libbpf_sys, MapCore, MapFlags, Xdp, XdpFlags};
+use serde::Serialize;
+
+use crate::bpf::loadgen::LoadgenSkelBuilder;
+use crate::packet::{PacketBuilder, TCP_ACK, TCP_PSH};
+
+const BPF_F_TEST_XDP_LIVE_FRAMES: u32 = 1 << 1;
+/// Frames per BPF_PROG_TEST_RUN call: short enough that the time bound is
+/// checked every few tens of milliseconds even on a slow path.
+const CHUNK: u32 = 16_384;
+
+#[derive(clap::Args, Debug)]
+pub struct BlastArgs {
+    #[arg(long, default_value = "eth0")]
+    pub interface: String,
+    /// Destination MAC: the next hop (balancer or server) on the segment.
+    #[arg(long)]
+    pub dst_mac: String,
+    #[arg(long)]
+    pub src: SocketAddrV4,
+    #[arg(long)]
+    pub dst: SocketAddrV4,
+    /// TCP payload bytes; 10 makes a 64-byte Ethernet frame (no FCS).
+    #[arg(long, default_value_t = 10)]
+    pub payload: usize,
+    /// Stop after this many frames.
+    #[arg(long, default_value_t = 10_000_000)]
+    pub packets: u64,
+    /// Stop after this long, whichever comes first.
+    #[arg(long, default_value_t = 3.0)]
+    pub seconds: f64,
+    /// Send a SYN for the tuple first (a balancer needs a flow entry before
+    /// it forwards established packets), then wait this many ms.
+    #[arg(long)]
+    pub syn_first_ms: Option<u64>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct BlastResult {
+    pub sent: u64,
+    pub seconds: f64,
+    pub frame_bytes: usize,
+}
+
+/// The interface's MAC in this network namespace (sysfs would show the
+/// mount namespace's, which `nsenter --net` does not change).
+fn mac_of(interface: &str) -> Result<[u8; 6]> {
+    // SAFETY: a plain socket for the ioctl, closed below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0) };
+    if fd < 0 {
+        bail!("socket: {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: ifreq is plain data; the name is copied in bounded below.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in req.ifr_name.iter_mut().zip(interface.bytes().take(libc::IFNAMSIZ - 1)) {
+        *d = s as libc::c_char;
+    }
+    // SAFETY: SIOCGIFHWADDR fills req.ifr_ifru with a sockaddr.
+    let rc = unsafe { libc::ioctl(fd, libc::SIOCGIFHWADDR, &mut req) };
+    let err = std::io::Error::last_os_error();
+    // SAFETY: fd is ours.
+    unsafe { libc::close(fd) };
+    if rc != 0 {
+        bail!("reading the MAC of {interface}: {err}");
+    }
+    // SAFETY: the ioctl succeeded, so ifru_hwaddr holds the address.
+    let sa = unsafe { req.ifr_ifru.ifru_hwaddr };
+    Ok(std::array::from_fn(|i| sa.sa_data[i] as u8))
+}
+
+/// Runs the `tx` program `repeat` times on `frame` as live frames
+/// received on `ifindex`; each run transmits the frame out of it.
+fn live_tx(prog_fd: i32, ifindex: u32, frame: &[u8], repeat: u32) -> Result<()> {
+    // struct xdp_md: data, data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex.
+    let ctx: [u32; 6] = [0, frame.len() as u32, 0, ifindex, 0, 0];
+    let mut opts = libbpf_sys::bpf_test_run_opts {
+        sz: std::mem::size_of::<libbpf_sys::bpf_test_run_opts>() as _,
+        data_in: frame.as_ptr().cast(),
+        data_size_in: frame.len() as u32,
+        ctx_in: ctx.as_ptr().cast(),
+        ctx_size_in: std::mem::size_of_val(&ctx) as u32,
+        repeat: repeat as i32,
+        flags: BPF_F_TEST_XDP_LIVE_FRAMES,
+        ..Default::default()
+    };
+    // SAFETY: every pointer in opts refers to a live buffer of the stated size.
+    let rc = unsafe { libbpf_sys::bpf_prog_test_run_opts(prog_fd, &mut opts) };
+    if rc != 0 {
+        bail!("BPF_PROG_TEST_RUN (live frames): {}", std::io::Error::from_raw_os_error(-rc));
+    }
+    Ok(())
+}
+
+/// Sends `count` copies of `frame` (bounded by `deadline` from `start`);
+/// returns how many went out.
+fn send_frames(ifindex: u32, frame: &[u8], count: u64, start: Instant, deadline: Duration) -> Result<u64> {
+    // The program rewrites whole 8-byte words; the frame is padded to them
+    // (Ethernet trailer bytes, outside the IP packet's total length).
+    let mut padded = frame.to_vec();
+    padded.resize(frame.len().div_ceil(8) * 8, 0);
+    let words = padded.len() / 8;
+    if words > 32 {
+        bail!("frames up to 256 bytes");
+    }
+    let mut storage = MaybeUninit::uninit();
+    let mut open = LoadgenSkelBuilder::default().open(&mut storage)?;
+    if let Some(ro) = open.maps.rodata_data.as_mut() {
+        for (i, w) in padded.chunks_exact(8).enumerate() {
+            ro.tx_frame[i] = u64::from_ne_bytes(w.try_into().unwrap());
+        }
+        ro.tx_words = words as u32;
+    }
+    let skel = open.load().context("loading the load generator")?;
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&skel.progs.tx.as_fd());
+    let mut sent = 0u64;
+    while sent < count && start.elapsed() < deadline {
+        let n = CHUNK.min((count - sent) as u32);
+        live_tx(fd, ifindex, &padded, n)?;
+        sent += u64::from(n);
+    }
+    Ok(sent)
+}
+
+pub fn blast(a: &BlastArgs) -> Result<BlastResult> {
+    let ifindex = crate::netif::ifindex(&a.interface)?;
+    let src_mac = mac_of(&a.interface)?;
+    let dst_mac = crate::netif::parse_mac(&a.dst_mac)?;
+    let base = PacketBuilder::tcp(a.src, a.dst).macs(src_mac, dst_mac);
+    if let Some(ms) = a.syn_first_ms {
+        send_frames(ifindex, &base.clone().seq_no(999).syn(1460).build(), 1, Instant::now(), Duration::from_secs(1))?;
+        std::thread::sleep(Duration::from_millis(ms));
+    }
+    let frame = base.flags(TCP_ACK | TCP_PSH).payload(vec![b'x'; a.payload]).build();
+    let start = Instant::now();
+    let sent = send_frames(ifindex, &frame, a.packets, start, Duration::from_secs_f64(a.seconds))?;
+    Ok(BlastResult { sent, seconds: start.elapsed().as_secs_f64(), frame_bytes: frame.len() })
+}
+
+#[derive(clap::Args, Debug)]
+pub struct SinkArgs {
+    #[arg(long, default_value = "eth0")]
+    pub interface: String,
+    /// Count TCP packets to this port.
+    #[arg(long)]
+    pub port: u16,
+    /// Pass counted packets on to the stack (a real server is listening)
+    /// instead of dropping them.
+    #[arg(long)]
+    pub pass: bool,
+    /// Detach and report after this long even without a signal.
+    #[arg(long, default_value_t = 600)]
+    pub max_seconds: u64,
+}
+
+#[derive(Debug, Serialize, Default)]
+pub struct SinkResult {
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+/// Attaches the counter, prints `attached`, and on SIGTERM/SIGINT (or
+/// after `max_seconds`) detaches and prints the counts as JSON.
+pub fn sink(a: &SinkArgs) -> Result<()> {
+    let ifindex = crate::netif::ifindex(&a.interface)? as i32;
+    let mut storage = MaybeUninit::uninit();
+    let mut open = LoadgenSkelBuilder::default().open(&mut storage)?;
+    if let Some(ro) = open.maps.rodata_data.as_mut() {
+        ro.sink_port = a.port;
+        ro.sink_drop = u8::from(!a.pass);
+    }
+    let skel = open.load().context("loading the sink")?;
+    let xdp = Xdp::new(skel.progs.sink.as_fd());
+    xdp.attach(ifindex, XdpFlags::DRV_MODE).with_context(|| format!("attaching the sink to {}", a.interface))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register(sig, Arc::clone(&stop))?;
+    }
+    println!("attached");
+    std::io::stdout().flush()?;
+    let start = Instant::now();
+    while !stop.load(Ordering::Relaxed) && start.elapsed() < Duration::from_secs(a.max_seconds) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let detached = xdp.detach(ifindex, XdpFlags::DRV_MODE);
+    let mut r = SinkResult::default();
+    let per_cpu = skel.maps.sink_counts.lookup_percpu(&0u32.to_ne_bytes(), MapFlags::ANY)?.unwrap_or_default();
+    for v in per_cpu {
+        let f = |i: usize| u64::from_ne_bytes(v[i * 8..i * 8 + 8].try_into().unwrap());
+        r.packets += f(0);
+        r.bytes += f(1);
+    }
+    println!("{}", serde_json::to_string(&r)?);
+    detached.with_context(|| format!("detaching the sink from {}", a.interface))
+}
+
+#[derive(clap::Args, Debug)]
+pub struct StreamArgs {
+    #[arg(long)]
+    pub connect: SocketAddrV4,
+    #[arg(long, default_value_t = 2)]
+    pub connections: usize,
+    /// Bytes per write, sent at once (TCP_NODELAY); writes share a segment
+    /// only when the connection is backed up.
+    #[arg(long, default_value_t = 64)]
+    pub message: usize,
+    #[arg(long, default_value_t = 50_000_000)]
+    pub max_messages: u64,
+    #[arg(long, default_value_t = 3.0)]
+    pub seconds: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct StreamResult {
+    pub messages: u64,
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
+pub fn stream(a: &StreamArgs) -> Result<StreamResult> {
+    let sent = Arc::new(AtomicU64::new(0));
+    let deadline = Duration::from_secs_f64(a.seconds);
+    let mut conns = Vec::new();
+    for _ in 0..a.connections.max(1) {
+        let s = TcpStream::connect_timeout(&a.connect.into(), Duration::from_secs(5))
+            .with_context(|| format!("connecting to {}", a.connect))?;
+        s.set_nodelay(true)?;
+        s.set_write_timeout(Some(Duration::from_secs(2)))?;
+        conns.push(s);
+    }
+    let start = Instant::now();
+    let threads: Vec<_> = conns
+        .into_iter()
+        .map(|mut s| {
+            let sent = Arc::clone(&sent);
+            let (msg, max) = (vec![b'x'; a.message], a.max_messages);
+            std::thread::spawn(move || -> Result<u64> {
+                // Claims messages in batches so the shared counter is not
+                // the bottleneck; checks the clock once per batch.
+                const BATCH: u64 = 256;
+                let mut written = 0;
+                while start.elapsed() < deadline && sent.fetch_add(BATCH, Ordering::Relaxed) < max {
+                    for _ in 0..BATCH {
+                        s.write_all(&msg)?;
+                    }
+                    written += BATCH;
+                }
+                Ok(written)
+            })
+        })
+        .collect();
+    let mut messages = 0;
+    for t in threads {
+        messages += t.join().map_err(|_| anyhow::anyhow!("a stream thread panicked"))??;
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    Ok(StreamResult { messages, bytes: messages * a.message as u64, seconds })
+}
+
+/// Accepts connections and reads everything they send until they close.
+pub fn discard(listen: SocketAddrV4) -> Result<()> {
+    let l = TcpListener::bind(listen).with_context(|| format!("listening on {listen}"))?;
+    println!("listening");
+    std::io::stdout().flush()?;
+    for s in l.incoming() {
+        let mut s = s?;
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 1 << 16];
+            while matches!(s.read(&mut buf), Ok(n) if n > 0) {}
+        });
+    }
+    Ok(())
+}
