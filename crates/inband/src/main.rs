@@ -30,6 +30,11 @@ enum Command {
         #[command(subcommand)]
         command: inband::bench::BenchCommand,
     },
+    /// HTTP/1.1 reverse proxy with a durable cache (see docs/proxy.md).
+    Proxy {
+        #[arg(long)]
+        config: PathBuf,
+    },
     /// Network-namespace testbeds.
     Testbed {
         #[command(subcommand)]
@@ -121,6 +126,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Serve(args) => inband::workload::run(args),
         Command::Bench { command } => inband::bench::run(command),
         Command::Testbed { command } => inband::testbed::run(command),
+        Command::Proxy { config } => inband_proxy::run(&config),
     }
 }
 

@@ -1,0 +1,277 @@
+//! `proxy.toml`: parsed with serde (unknown keys refused), then checked as a
+//! whole so every mistake is reported before the proxy listens.
+
+use std::collections::HashSet;
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Address the proxy accepts clients on.
+    pub listen: String,
+    /// Prometheus text endpoint (`GET /metrics`); none when absent.
+    #[serde(default)]
+    pub metrics_listen: Option<String>,
+    /// Backend addresses, `IP:port`.
+    pub backends: Vec<String>,
+    #[serde(default)]
+    pub policy: PolicyKind,
+    /// What consistent hashing hashes: `path`, `client` or `header:NAME`.
+    #[serde(default = "default_hash_key")]
+    pub hash_key: String,
+    /// Largest request head (request line + headers) accepted; more is 431.
+    /// hyper's minimum is 8192.
+    #[serde(default = "default_max_header_bytes")]
+    pub max_header_bytes: usize,
+    /// Largest request body accepted; more is 413.
+    #[serde(default = "default_max_body_bytes")]
+    pub max_body_bytes: u64,
+    #[serde(default = "default_connect_timeout_ms")]
+    pub connect_timeout_ms: u64,
+    /// Time from sending a request to a backend until its response head; 504 after.
+    #[serde(default = "default_backend_timeout_ms")]
+    pub backend_timeout_ms: u64,
+    /// Extra attempts on other backends for an idempotent request whose
+    /// connection failed.
+    #[serde(default = "default_retries")]
+    pub retries: u32,
+    /// How long shutdown waits for in-flight requests.
+    #[serde(default = "default_shutdown_timeout_ms")]
+    pub shutdown_timeout_ms: u64,
+    /// Clients allowed to send `PURGE`.
+    #[serde(default = "default_purge_allow")]
+    pub purge_allow: Vec<IpAddr>,
+    /// Active health checks; none when absent.
+    #[serde(default)]
+    pub health: Option<HealthConfig>,
+    #[serde(default)]
+    pub passive: PassiveConfig,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PolicyKind {
+    #[default]
+    RoundRobin,
+    LeastRequest,
+    ConsistentHash,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HealthConfig {
+    #[serde(default = "default_health_path")]
+    pub path: String,
+    #[serde(default = "default_health_interval_ms")]
+    pub interval_ms: u64,
+    #[serde(default = "default_health_timeout_ms")]
+    pub timeout_ms: u64,
+    /// Consecutive failed checks that eject a backend.
+    #[serde(default = "default_unhealthy_after")]
+    pub unhealthy_after: u32,
+    /// Consecutive passed checks that readmit it.
+    #[serde(default = "default_healthy_after")]
+    pub healthy_after: u32,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PassiveConfig {
+    /// Consecutive connection failures, timeouts or 5xx that eject a
+    /// backend; 0 turns passive ejection off.
+    #[serde(default = "default_passive_failures")]
+    pub failures: u32,
+    #[serde(default = "default_passive_cooldown_ms")]
+    pub cooldown_ms: u64,
+}
+
+impl Default for PassiveConfig {
+    fn default() -> Self {
+        PassiveConfig { failures: default_passive_failures(), cooldown_ms: default_passive_cooldown_ms() }
+    }
+}
+
+fn default_hash_key() -> String {
+    "path".into()
+}
+fn default_max_header_bytes() -> usize {
+    16 * 1024
+}
+fn default_max_body_bytes() -> u64 {
+    8 << 20
+}
+fn default_connect_timeout_ms() -> u64 {
+    1000
+}
+fn default_backend_timeout_ms() -> u64 {
+    30_000
+}
+fn default_retries() -> u32 {
+    2
+}
+fn default_shutdown_timeout_ms() -> u64 {
+    10_000
+}
+fn default_purge_allow() -> Vec<IpAddr> {
+    vec![IpAddr::from([127, 0, 0, 1]), IpAddr::from(std::net::Ipv6Addr::LOCALHOST)]
+}
+fn default_health_path() -> String {
+    "/".into()
+}
+fn default_health_interval_ms() -> u64 {
+    2000
+}
+fn default_health_timeout_ms() -> u64 {
+    1000
+}
+fn default_unhealthy_after() -> u32 {
+    3
+}
+fn default_healthy_after() -> u32 {
+    2
+}
+fn default_passive_failures() -> u32 {
+    5
+}
+fn default_passive_cooldown_ms() -> u64 {
+    10_000
+}
+
+/// What consistent hashing hashes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HashKey {
+    Path,
+    ClientAddr,
+    /// A request header; requests without it hash the client address.
+    Header(http::HeaderName),
+}
+
+/// A config that passed every check, with addresses parsed.
+#[derive(Clone, Debug)]
+pub struct Checked {
+    pub raw: Config,
+    pub listen: SocketAddr,
+    pub metrics_listen: Option<SocketAddr>,
+    pub backends: Vec<SocketAddr>,
+    pub hash_key: HashKey,
+}
+
+impl Checked {
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.raw.connect_timeout_ms)
+    }
+    pub fn backend_timeout(&self) -> Duration {
+        Duration::from_millis(self.raw.backend_timeout_ms)
+    }
+    pub fn shutdown_timeout(&self) -> Duration {
+        Duration::from_millis(self.raw.shutdown_timeout_ms)
+    }
+}
+
+pub fn load(path: &Path) -> Result<Checked> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    parse(&text).with_context(|| format!("in {}", path.display()))
+}
+
+pub fn parse(text: &str) -> Result<Checked> {
+    let raw: Config = toml::from_str(text)?;
+    check(raw)
+}
+
+fn socket_addr(what: &str, s: &str) -> Result<SocketAddr> {
+    // No DNS: a name could resolve differently at every restart, and a
+    // pool member should be one fixed address.
+    s.parse().with_context(|| format!("{what} {s:?} is not IP:port (e.g. 127.0.0.1:8080 or [::1]:8080); host names are not resolved"))
+}
+
+pub fn check(raw: Config) -> Result<Checked> {
+    let mut problems = Vec::new();
+    let mut note = |r: Result<()>| {
+        if let Err(e) = r {
+            problems.push(format!("{e:#}"));
+        }
+    };
+    let listen = socket_addr("listen", &raw.listen);
+    let metrics_listen = raw.metrics_listen.as_deref().map(|m| socket_addr("metrics_listen", m)).transpose();
+    let mut backends = Vec::new();
+    if raw.backends.is_empty() {
+        note(Err(anyhow::anyhow!("backends is empty: list at least one backend, e.g. backends = [\"127.0.0.1:8081\"]")));
+    }
+    let mut seen = HashSet::new();
+    for b in &raw.backends {
+        match socket_addr("backend", b) {
+            Ok(a) if !seen.insert(a) => note(Err(anyhow::anyhow!("backend {b:?} is listed twice: remove the duplicate"))),
+            Ok(a) => backends.push(a),
+            Err(e) => note(Err(e)),
+        }
+    }
+    let hash_key = match raw.hash_key.as_str() {
+        "path" => Some(HashKey::Path),
+        "client" => Some(HashKey::ClientAddr),
+        k => match k.strip_prefix("header:").map(|h| http::HeaderName::from_bytes(h.as_bytes())) {
+            Some(Ok(h)) => Some(HashKey::Header(h)),
+            _ => {
+                note(Err(anyhow::anyhow!("hash_key {k:?}: use \"path\", \"client\" or \"header:NAME\"")));
+                None
+            }
+        },
+    };
+    if raw.max_header_bytes < 8192 {
+        note(Err(anyhow::anyhow!("max_header_bytes {} is below 8192, the smallest buffer hyper accepts", raw.max_header_bytes)));
+    }
+    for (name, v) in [("connect_timeout_ms", raw.connect_timeout_ms), ("backend_timeout_ms", raw.backend_timeout_ms)] {
+        if v == 0 {
+            note(Err(anyhow::anyhow!("{name} must be above 0")));
+        }
+    }
+    if let Some(h) = &raw.health {
+        if !h.path.starts_with('/') {
+            note(Err(anyhow::anyhow!("health.path {:?} must start with /", h.path)));
+        }
+        if h.interval_ms == 0 || h.timeout_ms == 0 || h.unhealthy_after == 0 || h.healthy_after == 0 {
+            note(Err(anyhow::anyhow!("health: interval_ms, timeout_ms, unhealthy_after and healthy_after must be above 0")));
+        }
+    }
+    let listen = listen.map_err(|e| problems.push(format!("{e:#}"))).ok();
+    let metrics_listen = metrics_listen.map_err(|e| problems.push(format!("{e:#}"))).ok().flatten();
+    if !problems.is_empty() {
+        bail!("invalid proxy config:\n  - {}", problems.join("\n  - "));
+    }
+    Ok(Checked { listen: listen.unwrap(), metrics_listen, backends, hash_key: hash_key.unwrap(), raw })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = parse("listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]").unwrap();
+        assert_eq!(c.raw.policy, PolicyKind::RoundRobin);
+        assert_eq!(c.hash_key, HashKey::Path);
+        assert_eq!(c.raw.retries, 2);
+    }
+
+    #[test]
+    fn refuses_with_a_message_per_problem() {
+        let e = parse("listen = \"nowhere\"\nbackends = [\"127.0.0.1:1\", \"127.0.0.1:1\", \"x:80\"]\nhash_key = \"cookie\"")
+            .unwrap_err();
+        let msg = format!("{e:#}");
+        for want in ["listen \"nowhere\"", "listed twice", "backend \"x:80\"", "hash_key \"cookie\""] {
+            assert!(msg.contains(want), "{want:?} missing in {msg}");
+        }
+    }
+
+    #[test]
+    fn refuses_unknown_keys_and_empty_pools() {
+        let e = parse("listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\nretry = 3").unwrap_err();
+        assert!(format!("{e:#}").contains("unknown field `retry`"), "{e:#}");
+        let e = parse("listen = \"127.0.0.1:0\"\nbackends = []").unwrap_err();
+        assert!(format!("{e:#}").contains("backends is empty"), "{e:#}");
+    }
+}

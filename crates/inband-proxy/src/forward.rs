@@ -1,0 +1,138 @@
+//! Sending a request to a backend: choice by policy, forwarding headers,
+//! the backend timeout, bounded retries and passive health bookkeeping.
+
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::header::{HeaderMap, HeaderName, HeaderValue};
+use http::{request, Method, Request, Response};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+
+use crate::config::HashKey;
+use crate::metrics::Refusal;
+use crate::Shared;
+
+pub type BackendClient = Client<HttpConnector, Full<Bytes>>;
+
+/// RFC 9110 §7.6.1: connection-specific fields a proxy must not forward,
+/// plus whatever the Connection header names.
+const HOP_BY_HOP: [&str; 8] =
+    ["connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade"];
+
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .collect();
+    for h in named {
+        headers.remove(h);
+    }
+    for h in HOP_BY_HOP {
+        headers.remove(h);
+    }
+}
+
+/// X-Forwarded-For (appended to any the client sent), X-Forwarded-Proto and
+/// RFC 7239 Forwarded.
+pub fn add_forwarding(headers: &mut HeaderMap, client: SocketAddr) {
+    let ip = client.ip();
+    let xff = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
+        Some(prev) => format!("{prev}, {ip}"),
+        None => ip.to_string(),
+    };
+    let node = if ip.is_ipv6() { format!("\"[{ip}]\"") } else { ip.to_string() };
+    let mut fwd = format!("for={node};proto=http");
+    if let Some(host) = headers.get(http::header::HOST).and_then(|h| h.to_str().ok()) {
+        fwd.push_str(&format!(";host=\"{host}\""));
+    }
+    let fwd = match headers.get(http::header::FORWARDED).and_then(|v| v.to_str().ok()) {
+        Some(prev) => format!("{prev}, {fwd}"),
+        None => fwd,
+    };
+    for (name, value) in [("x-forwarded-for", xff), ("forwarded", fwd)] {
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            headers.insert(name, v);
+        }
+    }
+    headers.entry("x-forwarded-proto").or_insert(HeaderValue::from_static("http"));
+}
+
+fn idempotent(m: &Method) -> bool {
+    matches!(*m, Method::GET | Method::HEAD | Method::PUT | Method::DELETE | Method::OPTIONS)
+}
+
+pub fn hash_key(key: &HashKey, parts: &request::Parts, client: SocketAddr) -> Vec<u8> {
+    match key {
+        HashKey::Path => parts.uri.path().as_bytes().to_vec(),
+        HashKey::ClientAddr => client.ip().to_string().into_bytes(),
+        HashKey::Header(h) => match parts.headers.get(h) {
+            Some(v) => v.as_bytes().to_vec(),
+            None => client.ip().to_string().into_bytes(),
+        },
+    }
+}
+
+/// Sends `parts` + `body` (headers already prepared) to a backend and
+/// returns its response head and streaming body. Idempotent requests whose
+/// connection fails go to another backend, up to `retries` more times.
+pub async fn send(shared: &Shared, parts: &request::Parts, body: Bytes, key: &[u8]) -> Result<Response<Incoming>, Refusal> {
+    let backends = &shared.backends;
+    let mut tried = vec![false; backends.len()];
+    let attempts = if idempotent(&parts.method) { 1 + shared.cfg.raw.retries } else { 1 };
+    let mut last = Refusal::NoHealthyBackend;
+    for _ in 0..attempts {
+        let now = Instant::now();
+        let Some(i) = shared.policy.pick(backends, |i| !tried[i] && backends[i].is_healthy(now), key) else { break };
+        tried[i] = true;
+        let b = &backends[i];
+        let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+        let mut req = Request::new(Full::new(body.clone()));
+        *req.method_mut() = parts.method.clone();
+        *req.uri_mut() = format!("http://{}{}", b.name, path).parse().expect("an address and a parsed path form a URI");
+        *req.headers_mut() = parts.headers.clone();
+        shared.metrics.origin_request(&b.name);
+        let _in_flight = b.start_request();
+        let passive = &shared.cfg.raw.passive;
+        match tokio::time::timeout(shared.cfg.backend_timeout(), shared.client.request(req)).await {
+            Ok(Ok(mut resp)) => {
+                if resp.status().is_server_error() {
+                    note_ejection(b.record_failure(passive, Instant::now()), &b.name, "5xx");
+                } else {
+                    b.record_success();
+                }
+                strip_hop_by_hop(resp.headers_mut());
+                return Ok(resp);
+            }
+            Ok(Err(e)) => {
+                note_ejection(b.record_failure(passive, Instant::now()), &b.name, "connection failure");
+                tracing::debug!(backend = %b.name, error = %e, "backend request failed");
+                last = Refusal::BackendDown;
+                // A request that reached the backend may have had effects;
+                // only a failed connect is known not to have.
+                if !e.is_connect() {
+                    break;
+                }
+            }
+            Err(_) => {
+                note_ejection(b.record_failure(passive, Instant::now()), &b.name, "timeout");
+                // Waiting the timeout again on another backend doubles the
+                // client's wait for what is most likely an overloaded pool.
+                return Err(Refusal::BackendTimeout);
+            }
+        }
+    }
+    Err(last)
+}
+
+fn note_ejection(ejected: bool, backend: &str, why: &str) {
+    if ejected {
+        tracing::warn!(backend, why, "backend ejected (passive)");
+    }
+}

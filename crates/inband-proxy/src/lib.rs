@@ -1,0 +1,128 @@
+//! `inband proxy`: an HTTP/1.1 reverse proxy in front of a backend pool
+//! (round-robin, least-request, consistent hashing), with active and
+//! passive health checking, bounded retries, a Prometheus endpoint and
+//! graceful shutdown. See docs/proxy.md.
+
+mod backend;
+pub mod config;
+mod forward;
+mod health;
+mod metrics;
+mod policy;
+mod server;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use backend::Backend;
+use config::Checked;
+use forward::BackendClient;
+use metrics::Metrics;
+use policy::Policy;
+
+/// What every request handler shares.
+pub(crate) struct Shared {
+    cfg: Checked,
+    backends: Vec<Arc<Backend>>,
+    policy: Policy,
+    client: BackendClient,
+    metrics: Metrics,
+}
+
+impl Shared {
+    fn render_metrics(&self) -> String {
+        let now = Instant::now();
+        for b in &self.backends {
+            self.metrics.set_backend_up(&b.name, b.is_healthy(now));
+        }
+        self.metrics.render()
+    }
+}
+
+/// A running proxy.
+pub struct Proxy {
+    /// Where clients connect (the bound address, so port 0 works).
+    pub addr: SocketAddr,
+    pub metrics_addr: Option<SocketAddr>,
+    stop: watch::Sender<bool>,
+    server: JoinHandle<()>,
+    background: Vec<JoinHandle<()>>,
+}
+
+impl Proxy {
+    /// Binds the listeners and starts serving; returns once both accept.
+    pub async fn start(cfg: Checked) -> Result<Proxy> {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(cfg.connect_timeout()));
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build(connector);
+        let listener = TcpListener::bind(cfg.listen).await.with_context(|| format!("listening on {}", cfg.listen))?;
+        let addr = listener.local_addr()?;
+        let metrics_listener = match cfg.metrics_listen {
+            Some(m) => Some(TcpListener::bind(m).await.with_context(|| format!("listening on {m} (metrics)"))?),
+            None => None,
+        };
+        let metrics_addr = metrics_listener.as_ref().map(|l| l.local_addr()).transpose()?;
+        let shared = Arc::new(Shared {
+            backends: cfg.backends.iter().map(|&a| Arc::new(Backend::new(a))).collect(),
+            policy: Policy::new(cfg.raw.policy),
+            client,
+            metrics: Metrics::new(),
+            cfg,
+        });
+        let mut background = Vec::new();
+        if let Some(h) = &shared.cfg.raw.health {
+            for b in &shared.backends {
+                background.push(health::spawn(h.clone(), shared.client.clone(), b.clone()));
+            }
+        }
+        if let Some(l) = metrics_listener {
+            background.push(tokio::spawn(server::serve_metrics(shared.clone(), l)));
+        }
+        let (stop, stop_rx) = watch::channel(false);
+        tracing::info!(%addr, backends = shared.backends.len(), policy = ?shared.cfg.raw.policy, "proxy listening");
+        let server = tokio::spawn(server::serve(shared, listener, stop_rx));
+        Ok(Proxy { addr, metrics_addr, stop, server, background })
+    }
+
+    /// Stops accepting, waits for in-flight requests (bounded by
+    /// `shutdown_timeout_ms`), then stops health checks and metrics.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        let _ = self.server.await;
+        for t in self.background {
+            t.abort();
+        }
+        tracing::info!("proxy stopped");
+    }
+}
+
+/// `inband proxy --config FILE`: runs until SIGTERM or SIGINT.
+pub fn run(config: &Path) -> Result<()> {
+    let cfg = config::load(config)?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async {
+        let proxy = Proxy::start(cfg).await?;
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: finishing in-flight requests"),
+            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: finishing in-flight requests"),
+        }
+        proxy.shutdown().await;
+        Ok(())
+    })
+}

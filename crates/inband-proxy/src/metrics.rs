@@ -1,0 +1,117 @@
+//! The Prometheus text endpoint's registry (prometheus-client).
+
+use std::time::Duration;
+
+use http::StatusCode;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(&'static str, String)>;
+
+/// Requests the proxy answered itself, by why.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// Malformed request line or headers (400, written by hyper).
+    BadRequest,
+    /// Request head over `max_header_bytes` (431, written by hyper).
+    HeadersTooLarge,
+    /// Body over `max_body_bytes` (413).
+    BodyTooLarge,
+    /// No backend is healthy (503).
+    NoHealthyBackend,
+    /// Every attempt failed to connect or broke off (502).
+    BackendDown,
+    /// No response head within `backend_timeout_ms` (504).
+    BackendTimeout,
+}
+
+impl Refusal {
+    pub fn label(self) -> &'static str {
+        match self {
+            Refusal::BadRequest => "bad_request",
+            Refusal::HeadersTooLarge => "headers_too_large",
+            Refusal::BodyTooLarge => "body_too_large",
+            Refusal::NoHealthyBackend => "no_healthy_backend",
+            Refusal::BackendDown => "backend_down",
+            Refusal::BackendTimeout => "backend_timeout",
+        }
+    }
+
+    pub fn status(self) -> StatusCode {
+        match self {
+            Refusal::BadRequest => StatusCode::BAD_REQUEST,
+            Refusal::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            Refusal::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Refusal::NoHealthyBackend => StatusCode::SERVICE_UNAVAILABLE,
+            Refusal::BackendDown => StatusCode::BAD_GATEWAY,
+            Refusal::BackendTimeout => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+}
+
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<Labels, Counter>,
+    refusals: Family<Labels, Counter>,
+    origin_requests: Family<Labels, Counter>,
+    pub request_bytes: Counter,
+    pub response_bytes: Counter,
+    latency: Histogram,
+    backend_up: Family<Labels, Gauge>,
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("inband_proxy");
+        let requests = Family::<Labels, Counter>::default();
+        let refusals = Family::<Labels, Counter>::default();
+        let origin_requests = Family::<Labels, Counter>::default();
+        let request_bytes = Counter::default();
+        let response_bytes = Counter::default();
+        // 0.5 ms .. ~16 s: a cache hit on loopback to a slow origin.
+        let latency = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
+        let backend_up = Family::<Labels, Gauge>::default();
+        registry.register("requests", "Responses to clients by status class", requests.clone());
+        registry.register("refusals", "Requests answered by the proxy itself, by reason", refusals.clone());
+        registry.register("origin_requests", "Requests sent to backends (every attempt and check excluded)", origin_requests.clone());
+        registry.register("request_body_bytes", "Request body bytes received from clients", request_bytes.clone());
+        registry.register("response_body_bytes", "Response body bytes sent to clients", response_bytes.clone());
+        registry.register("request_duration_seconds", "Time from request head to response head", latency.clone());
+        registry.register("backend_up", "1 when the backend takes new requests (checks and passive ejection)", backend_up.clone());
+        Metrics { registry, requests, refusals, origin_requests, request_bytes, response_bytes, latency, backend_up }
+    }
+
+    pub fn response(&self, status: StatusCode, took: Duration) {
+        let class = format!("{}xx", status.as_u16() / 100);
+        self.requests.get_or_create(&vec![("class", class)]).inc();
+        self.latency.observe(took.as_secs_f64());
+    }
+
+    /// A 400 or 431 hyper wrote before the request reached the proxy.
+    pub fn refused_by_parser(&self, r: Refusal) {
+        self.requests.get_or_create(&vec![("class", "4xx".to_string())]).inc();
+        self.refusal(r);
+    }
+
+    pub fn refusal(&self, r: Refusal) {
+        self.refusals.get_or_create(&vec![("reason", r.label().to_string())]).inc();
+    }
+
+    pub fn origin_request(&self, backend: &str) {
+        self.origin_requests.get_or_create(&vec![("backend", backend.to_string())]).inc();
+    }
+
+    pub fn set_backend_up(&self, backend: &str, up: bool) {
+        self.backend_up.get_or_create(&vec![("backend", backend.to_string())]).set(up as i64);
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        encode(&mut out, &self.registry).expect("writing to a String does not fail");
+        out
+    }
+}

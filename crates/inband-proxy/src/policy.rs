@@ -1,0 +1,108 @@
+//! Which backend gets a request: round-robin, least-request (power of two
+//! choices) or consistent hashing.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use rand::Rng;
+
+use crate::backend::Backend;
+use crate::config::PolicyKind;
+
+pub struct Policy {
+    kind: PolicyKind,
+    next: AtomicUsize,
+}
+
+impl Policy {
+    pub fn new(kind: PolicyKind) -> Policy {
+        Policy { kind, next: AtomicUsize::new(0) }
+    }
+
+    /// Index of the chosen backend among those `eligible` says yes to, or
+    /// `None` when there is none. `key` is the consistent-hash key.
+    pub fn pick(&self, backends: &[std::sync::Arc<Backend>], eligible: impl Fn(usize) -> bool, key: &[u8]) -> Option<usize> {
+        let n = backends.len();
+        match self.kind {
+            PolicyKind::RoundRobin => {
+                // The counter walks every backend, skipping ineligible ones,
+                // so the split stays even whatever the health of the others.
+                let start = self.next.fetch_add(1, Ordering::Relaxed);
+                (0..n).map(|i| (start + i) % n).find(|&i| eligible(i))
+            }
+            PolicyKind::LeastRequest => {
+                let candidates: Vec<usize> = (0..n).filter(|&i| eligible(i)).collect();
+                match candidates.len() {
+                    0 => None,
+                    1 => Some(candidates[0]),
+                    c => {
+                        let mut rng = rand::thread_rng();
+                        let a = rng.gen_range(0..c);
+                        let b = (a + rng.gen_range(1..c)) % c;
+                        let (a, b) = (candidates[a], candidates[b]);
+                        Some(if backends[b].in_flight() < backends[a].in_flight() { b } else { a })
+                    }
+                }
+            }
+            // Rendezvous (highest-random-weight) hashing rather than a ring:
+            // when a backend is ejected only its own keys move, with no ring
+            // to rebuild on every health change, and O(backends) per request
+            // is nothing for pools of tens. Hashed with xxh3, which is
+            // stable across builds and hosts (std's hasher is not promised to be).
+            PolicyKind::ConsistentHash => (0..n)
+                .filter(|&i| eligible(i))
+                .max_by_key(|&i| xxhash_rust::xxh3::xxh3_64_with_seed(key, backend_seed(&backends[i]))),
+        }
+    }
+}
+
+fn backend_seed(b: &Backend) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(b.name.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn pool(n: u16) -> Vec<Arc<Backend>> {
+        (0..n).map(|i| Arc::new(Backend::new(([127, 0, 0, 1], 9000 + i).into()))).collect()
+    }
+
+    #[test]
+    fn round_robin_skips_ineligible_and_stays_even() {
+        let b = pool(3);
+        let p = Policy::new(PolicyKind::RoundRobin);
+        let mut counts = [0; 3];
+        for _ in 0..300 {
+            counts[p.pick(&b, |i| i != 1, b"").unwrap()] += 1;
+        }
+        assert_eq!(counts[1], 0);
+        assert!(counts[0] >= 100 && counts[2] >= 100, "{counts:?}");
+    }
+
+    #[test]
+    fn consistent_hash_moves_only_the_ejected_backends_keys() {
+        let b = pool(5);
+        let p = Policy::new(PolicyKind::ConsistentHash);
+        let keys: Vec<String> = (0..1000).map(|k| format!("/k{k}")).collect();
+        let before: Vec<usize> = keys.iter().map(|k| p.pick(&b, |_| true, k.as_bytes()).unwrap()).collect();
+        let after: Vec<usize> = keys.iter().map(|k| p.pick(&b, |i| i != 2, k.as_bytes()).unwrap()).collect();
+        for (x, y) in before.iter().zip(&after) {
+            if *x != 2 {
+                assert_eq!(x, y);
+            }
+        }
+        let on_two = before.iter().filter(|&&x| x == 2).count();
+        assert!((100..300).contains(&on_two), "{on_two} of 1000 keys on one of 5 backends");
+    }
+
+    #[test]
+    fn least_request_prefers_fewer_in_flight() {
+        let b = pool(2);
+        let _busy = b[0].start_request();
+        let p = Policy::new(PolicyKind::LeastRequest);
+        for _ in 0..50 {
+            assert_eq!(p.pick(&b, |_| true, b""), Some(1));
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! Accepting clients, the per-request handler, and the metrics endpoint.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Request, Response, StatusCode};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::forward;
+use crate::metrics::Refusal;
+use crate::Shared;
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub type ProxyBody = BoxBody<Bytes, BoxError>;
+
+/// A slow client gets this long to send its request head, so idle or
+/// trickling connections cannot hold the proxy open forever.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub fn full(body: impl Into<Bytes>) -> ProxyBody {
+    Full::new(body.into()).map_err(|never| match never {}).boxed()
+}
+
+pub fn refusal_response(r: Refusal) -> Response<ProxyBody> {
+    let text = match r {
+        Refusal::BadRequest => "bad request\n",
+        Refusal::HeadersTooLarge => "request headers too large\n",
+        Refusal::BodyTooLarge => "request body too large\n",
+        Refusal::NoHealthyBackend => "no healthy backend\n",
+        Refusal::BackendDown => "backend unreachable\n",
+        Refusal::BackendTimeout => "backend timed out\n",
+    };
+    let mut resp = Response::new(full(text));
+    *resp.status_mut() = r.status();
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+    if r == Refusal::BodyTooLarge {
+        // The unread rest of the body would be taken for the next request.
+        resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    resp
+}
+
+/// Accepts until `stop` fires, then lets in-flight requests finish for up
+/// to the shutdown timeout.
+pub async fn serve(shared: Arc<Shared>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
+    let graceful = GracefulShutdown::new();
+    let mut builder = http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .max_buf_size(shared.cfg.raw.max_header_bytes);
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = stop.wait_for(|s| *s) => break,
+        };
+        let (stream, peer) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                // Out of descriptors and the like: back off, don't spin.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let s = shared.clone();
+        let service = service_fn(move |req| handle(s.clone(), req, peer));
+        let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
+        let s = shared.clone();
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                let refusal = if e.is_parse_too_large() {
+                    Some(Refusal::HeadersTooLarge)
+                } else if e.is_parse() {
+                    Some(Refusal::BadRequest)
+                } else {
+                    None
+                };
+                match refusal {
+                    Some(r) => {
+                        s.metrics.refused_by_parser(r);
+                        tracing::info!(target: "inband_proxy::access", client = %peer, status = r.status().as_u16(), error = %e, "refused");
+                    }
+                    None => tracing::debug!(client = %peer, error = %e, "connection ended with an error"),
+                }
+            }
+        });
+    }
+    drop(listener);
+    let timeout = shared.cfg.shutdown_timeout();
+    if tokio::time::timeout(timeout, graceful.shutdown()).await.is_err() {
+        tracing::warn!(?timeout, "shutdown timeout: closing connections with requests still in flight");
+    }
+}
+
+async fn handle(shared: Arc<Shared>, req: Request<Incoming>, peer: SocketAddr) -> Result<Response<ProxyBody>, Infallible> {
+    let start = Instant::now();
+    let method = req.method().clone();
+    let uri = req.uri().clone();
+    let resp = respond(&shared, req, peer).await;
+    let took = start.elapsed();
+    shared.metrics.response(resp.status(), took);
+    tracing::info!(
+        target: "inband_proxy::access",
+        client = %peer, %method, %uri, status = resp.status().as_u16(), ms = took.as_secs_f64() * 1e3
+    );
+    let counter = shared.metrics.response_bytes.clone();
+    Ok(resp.map(|b| {
+        b.map_frame(move |f| {
+            if let Some(d) = f.data_ref() {
+                counter.inc_by(d.len() as u64);
+            }
+            f
+        })
+        .boxed()
+    }))
+}
+
+async fn respond(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+    let limit = shared.cfg.raw.max_body_bytes;
+    let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return refuse(shared, Refusal::BodyTooLarge);
+    }
+    let (mut parts, body) = req.into_parts();
+    // Buffered so a retry can resend it; the limit bounds the memory.
+    let body = match Limited::new(body, limit as usize).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => return refuse(shared, Refusal::BodyTooLarge),
+        Err(_) => return refuse(shared, Refusal::BadRequest),
+    };
+    shared.metrics.request_bytes.inc_by(body.len() as u64);
+    forward::strip_hop_by_hop(&mut parts.headers);
+    forward::add_forwarding(&mut parts.headers, peer);
+    let key = forward::hash_key(&shared.cfg.hash_key, &parts, peer);
+    match forward::send(shared, &parts, body, &key).await {
+        Ok(resp) => resp.map(|b| b.map_err(BoxError::from).boxed()),
+        Err(r) => refuse(shared, r),
+    }
+}
+
+fn refuse(shared: &Shared, r: Refusal) -> Response<ProxyBody> {
+    shared.metrics.refusal(r);
+    refusal_response(r)
+}
+
+/// `GET /metrics` in Prometheus text format; anything else is 404.
+pub async fn serve_metrics(shared: Arc<Shared>, listener: TcpListener) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else { continue };
+        let s = shared.clone();
+        let service = service_fn(move |req: Request<Incoming>| {
+            let s = s.clone();
+            async move {
+                let resp = if req.uri().path() == "/metrics" {
+                    let mut r = Response::new(full(s.render_metrics()));
+                    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
+                    r
+                } else {
+                    let mut r = Response::new(full("see /metrics\n"));
+                    *r.status_mut() = StatusCode::NOT_FOUND;
+                    r
+                };
+                Ok::<_, Infallible>(resp)
+            }
+        });
+        tokio::spawn(http1::Builder::new().serve_connection(TokioIo::new(stream), service));
+    }
+}

@@ -1,0 +1,102 @@
+//! Every refusal the proxy makes, its status code, and its counter.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+fn refusals(m: &str, reason: &str) -> f64 {
+    sample(m, &format!("inband_proxy_refusals_total{{reason=\"{reason}\"}}"))
+}
+
+#[tokio::test]
+async fn malformed_request_line_is_400() {
+    let o = Origin::start(|_| ok("x")).await;
+    let p = start_proxy(&[o.addr], "").await;
+    let out = raw(p.addr, b"NOT A REQUEST LINE AT ALL\r\n\r\n").await;
+    assert!(out.starts_with("HTTP/1.1 400"), "{out:?}");
+    let out = raw(p.addr, b"GET /x HTTP/1.1\r\nbad header line\r\n\r\n").await;
+    assert!(out.starts_with("HTTP/1.1 400"), "{out:?}");
+    assert_eq!(o.hits(), 0);
+    let m = metrics(&p).await;
+    assert_eq!(refusals(&m, "bad_request"), 2.0, "{m}");
+    // Still serving after garbage.
+    assert_eq!(get(p.addr, "/").await.status, 200);
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn oversize_headers_are_431() {
+    let o = Origin::start(|_| ok("x")).await;
+    let p = start_proxy(&[o.addr], "max_header_bytes = 8192").await;
+    let big = "a".repeat(20_000);
+    let out = raw(p.addr, format!("GET / HTTP/1.1\r\nhost: x\r\nx-big: {big}\r\n\r\n").as_bytes()).await;
+    assert!(out.starts_with("HTTP/1.1 431"), "{out:?}");
+    assert_eq!(o.hits(), 0);
+    assert_eq!(refusals(&metrics(&p).await, "headers_too_large"), 1.0);
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn body_over_the_limit_is_413_declared_or_chunked() {
+    let o = Origin::start(|_| ok("x")).await;
+    let p = start_proxy(&[o.addr], "max_body_bytes = 1000").await;
+    assert_eq!(send(p.addr, "POST", "/", &[], &[b'x'; 1000]).await.status, 200);
+    assert_eq!(send(p.addr, "POST", "/", &[], &[b'x'; 1001]).await.status, 413);
+    let chunk = "y".repeat(600);
+    let req = format!("POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n258\r\n{chunk}\r\n258\r\n{chunk}\r\n0\r\n\r\n");
+    let out = raw(p.addr, req.as_bytes()).await;
+    assert!(out.starts_with("HTTP/1.1 413"), "{out:?}");
+    assert_eq!(o.hits(), 1);
+    assert_eq!(refusals(&metrics(&p).await, "body_too_large"), 2.0);
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn backend_down_after_retries_is_502() {
+    let (d1, d2) = (dead_addr().await, dead_addr().await);
+    let p = start_proxy(&[d1, d2], "retries = 1\n[passive]\nfailures = 0").await;
+    let r = get(p.addr, "/").await;
+    assert_eq!((r.status, r.body.as_str()), (502, "backend unreachable\n"));
+    let m = metrics(&p).await;
+    assert_eq!(refusals(&m, "backend_down"), 1.0);
+    // The first try and one retry, one per backend.
+    assert_eq!(sample(&m, &format!("inband_proxy_origin_requests_total{{backend=\"{d1}\"}}")), 1.0, "{m}");
+    assert_eq!(sample(&m, &format!("inband_proxy_origin_requests_total{{backend=\"{d2}\"}}")), 1.0, "{m}");
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn no_healthy_backend_is_503() {
+    let o = Origin::start(|s| if s.path == "/health" { ok("no").status(500) } else { ok("x") }).await;
+    let p = start_proxy(&[o.addr], "[health]\npath = \"/health\"\ninterval_ms = 20\nunhealthy_after = 1").await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let r = get(p.addr, "/").await;
+    assert_eq!((r.status, r.body.as_str()), (503, "no healthy backend\n"));
+    assert_eq!(o.hits(), 0);
+    assert_eq!(refusals(&metrics(&p).await, "no_healthy_backend"), 1.0);
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn passively_ejected_pool_is_503() {
+    let dead = dead_addr().await;
+    let p = start_proxy(&[dead], "retries = 0\n[passive]\nfailures = 1\ncooldown_ms = 60000").await;
+    assert_eq!(get(p.addr, "/").await.status, 502);
+    assert_eq!(get(p.addr, "/").await.status, 503);
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn backend_timeout_is_504() {
+    let o = Origin::start(|_| ok("late").delay(Duration::from_secs(3))).await;
+    let p = start_proxy(&[o.addr], "backend_timeout_ms = 200").await;
+    let t = std::time::Instant::now();
+    let r = get(p.addr, "/").await;
+    assert_eq!((r.status, r.body.as_str()), (504, "backend timed out\n"));
+    assert!(t.elapsed() < Duration::from_secs(2));
+    assert_eq!(o.hits(), 1, "a timed-out request is not retried");
+    assert_eq!(refusals(&metrics(&p).await, "backend_timeout"), 1.0);
+    p.shutdown().await;
+}

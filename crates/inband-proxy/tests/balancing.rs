@@ -1,0 +1,179 @@
+//! Policies, retries, health checking, forwarding headers and graceful
+//! shutdown, through a real proxy to real origins on loopback.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+
+async fn origins(n: usize) -> Vec<Origin> {
+    let mut v = Vec::new();
+    for i in 0..n {
+        v.push(Origin::start(move |_| ok(&format!("origin{i}"))).await);
+    }
+    v
+}
+
+#[tokio::test]
+async fn round_robin_splits_evenly() {
+    let o = origins(3).await;
+    let p = start_proxy(&o.iter().map(|o| o.addr).collect::<Vec<_>>(), "").await;
+    for _ in 0..30 {
+        assert_eq!(get(p.addr, "/").await.status, 200);
+    }
+    assert_eq!(o.iter().map(|o| o.hits()).collect::<Vec<_>>(), vec![10, 10, 10]);
+    let m = metrics(&p).await;
+    assert_eq!(sample(&m, "inband_proxy_requests_total{class=\"2xx\"}"), 30.0, "{m}");
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn consistent_hash_keeps_a_key_on_one_backend() {
+    let o = origins(3).await;
+    let p = start_proxy(&o.iter().map(|o| o.addr).collect::<Vec<_>>(), "policy = \"consistent-hash\"\nhash_key = \"header:x-user\"").await;
+    let mut owner: HashMap<String, String> = HashMap::new();
+    for round in 0..3 {
+        for u in 0..20 {
+            let user = format!("user{u}");
+            let r = send(p.addr, "GET", &format!("/r{round}"), &[("x-user", &user)], b"").await;
+            assert_eq!(r.status, 200);
+            let prev = owner.entry(user.clone()).or_insert(r.body.clone());
+            assert_eq!(*prev, r.body, "{user} moved between backends");
+        }
+    }
+    let used: std::collections::HashSet<&String> = owner.values().collect();
+    assert!(used.len() >= 2, "20 users all hashed to one backend: {owner:?}");
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn least_request_prefers_the_idle_backend() {
+    let slow = |s: &Seen| if s.path == "/slow" { ok("slow").delay(Duration::from_millis(1500)) } else { ok("fast") };
+    let (a, b) = (Origin::start(slow).await, Origin::start(slow).await);
+    let p = start_proxy(&[a.addr, b.addr], "policy = \"least-request\"").await;
+    let addr = p.addr;
+    let pending = tokio::spawn(async move { get(addr, "/slow").await });
+    while a.hits() + b.hits() == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let busy_is_a = a.hits() == 1;
+    for _ in 0..20 {
+        assert_eq!(get(p.addr, "/fast").await.status, 200);
+    }
+    let (busy, idle) = if busy_is_a { (&a, &b) } else { (&b, &a) };
+    assert_eq!((busy.hits(), idle.hits()), (1, 20), "every request went to the backend without one in flight");
+    assert_eq!(pending.await.unwrap().body, "slow");
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn idempotent_requests_retry_on_connection_refused_others_do_not() {
+    let live = Origin::start(|_| ok("live")).await;
+    let dead = dead_addr().await;
+    // Passive ejection off: every request meets the dead backend in turn.
+    let p = start_proxy(&[dead, live.addr], "[passive]\nfailures = 0").await;
+    for _ in 0..6 {
+        let r = get(p.addr, "/").await;
+        assert_eq!((r.status, r.body.as_str()), (200, "live"));
+    }
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        statuses.push(send(p.addr, "POST", "/", &[], b"x").await.status);
+    }
+    statuses.sort();
+    assert_eq!(statuses, vec![200, 200, 502, 502]);
+    assert_eq!(live.hits(), 8);
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn health_checks_eject_and_readmit() {
+    let up = Arc::new(AtomicBool::new(true));
+    let u = up.clone();
+    let a = Origin::start(move |s| {
+        if s.path == "/health" && !u.load(Ordering::SeqCst) {
+            ok("down").status(503)
+        } else {
+            ok("a")
+        }
+    })
+    .await;
+    let b = Origin::start(|_| ok("b")).await;
+    let extra = "[health]\npath = \"/health\"\ninterval_ms = 30\ntimeout_ms = 200\nunhealthy_after = 2\nhealthy_after = 3";
+    let p = start_proxy(&[a.addr, b.addr], extra).await;
+    up.store(false, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for _ in 0..10 {
+        assert_eq!(get(p.addr, "/").await.body, "b");
+    }
+    assert_eq!(a.hits(), 0);
+    let m = metrics(&p).await;
+    assert_eq!(sample(&m, &format!("inband_proxy_backend_up{{backend=\"{}\"}}", a.addr)), 0.0, "{m}");
+    up.store(true, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    for _ in 0..10 {
+        get(p.addr, "/").await;
+    }
+    assert_eq!((a.hits(), b.hits()), (5, 15));
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn passive_ejection_on_5xx_for_a_cooldown() {
+    let a = Origin::start(|_| ok("broken").status(500)).await;
+    let b = Origin::start(|_| ok("b")).await;
+    let p = start_proxy(&[a.addr, b.addr], "[passive]\nfailures = 2\ncooldown_ms = 500").await;
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        statuses.push(get(p.addr, "/").await.status);
+    }
+    // a, b, a (second failure: ejected), b
+    assert_eq!(statuses, vec![500, 200, 500, 200]);
+    for _ in 0..10 {
+        assert_eq!(get(p.addr, "/").await.status, 200);
+    }
+    assert_eq!(a.hits(), 2);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    for _ in 0..4 {
+        get(p.addr, "/").await;
+    }
+    assert!(a.hits() > 2, "backend readmitted after the cool-down");
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn origin_sees_forwarding_headers_and_no_hop_by_hop() {
+    let o = Origin::start(|_| ok("x")).await;
+    let p = start_proxy(&[o.addr], "").await;
+    let r = send(p.addr, "GET", "/a?b=c", &[("x-forwarded-for", "203.0.113.9"), ("connection", "x-secret"), ("x-secret", "1")], b"").await;
+    assert_eq!(r.status, 200);
+    let seen = &o.seen()[0];
+    assert_eq!(seen.path, "/a?b=c");
+    assert_eq!(seen.headers["x-forwarded-for"], "203.0.113.9, 127.0.0.1");
+    assert_eq!(seen.headers["x-forwarded-proto"], "http");
+    let fwd = seen.headers["forwarded"].to_str().unwrap();
+    assert!(fwd.starts_with("for=127.0.0.1;proto=http;host="), "{fwd}");
+    assert!(!seen.headers.contains_key("x-secret"), "a header named by Connection is hop-by-hop");
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn graceful_shutdown_finishes_the_slow_request_in_flight() {
+    let o = Origin::start(|_| ok("finished").delay(Duration::from_millis(700))).await;
+    let p = start_proxy(&[o.addr], "").await;
+    let addr = p.addr;
+    let pending = tokio::spawn(async move { get(addr, "/slow").await });
+    while o.hits() == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let t = std::time::Instant::now();
+    p.shutdown().await;
+    assert!(t.elapsed() >= Duration::from_millis(400), "shutdown waited for the request");
+    let r = pending.await.unwrap();
+    assert_eq!((r.status, r.body.as_str()), (200, "finished"));
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "no longer accepting");
+}
