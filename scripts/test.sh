@@ -10,8 +10,8 @@ export PATH="$HOME/.cargo/bin:$PATH"
 echo "== C: wire format vectors"
 make -s -C tests/c
 
-echo "== Rust: unit, fixture and integration tests"
-cargo test -p inband --no-fail-fast
+echo "== Rust: unit, fixture and integration tests of every crate"
+cargo test --workspace --no-fail-fast
 
 if [ -d bench/tests ]; then
   echo "== Python: benchmark driver"
