@@ -183,19 +183,12 @@ pub struct SinkResult {
     pub bytes: u64,
 }
 
-/// Attaches the counter, prints `attached`, and on SIGTERM/SIGINT (or
-/// after `max_seconds`) detaches and prints the counts as JSON.
-pub fn sink(a: &SinkArgs) -> Result<()> {
-    let ifindex = crate::netif::ifindex(&a.interface)? as i32;
-    let mut storage = MaybeUninit::uninit();
-    let mut open = LoadgenSkelBuilder::default().open(&mut storage)?;
-    if let Some(ro) = open.maps.rodata_data.as_mut() {
-        ro.sink_port = a.port;
-        ro.sink_drop = u8::from(!a.pass);
-    }
-    let skel = open.load().context("loading the sink")?;
-    let xdp = Xdp::new(skel.progs.sink.as_fd());
-    xdp.attach(ifindex, XdpFlags::DRV_MODE).with_context(|| format!("attaching the sink to {}", a.interface))?;
+/// Attaches `prog` to `interface` (native XDP), prints `attached`, and
+/// detaches on SIGTERM/SIGINT or after `max_seconds`.
+fn attach_until_signal(prog: &libbpf_rs::Program, interface: &str, max_seconds: u64) -> Result<()> {
+    let ifindex = crate::netif::ifindex(interface)? as i32;
+    let xdp = Xdp::new(prog.as_fd());
+    xdp.attach(ifindex, XdpFlags::DRV_MODE).with_context(|| format!("attaching XDP to {interface}"))?;
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         signal_hook::flag::register(sig, Arc::clone(&stop))?;
@@ -203,10 +196,22 @@ pub fn sink(a: &SinkArgs) -> Result<()> {
     println!("attached");
     std::io::stdout().flush()?;
     let start = Instant::now();
-    while !stop.load(Ordering::Relaxed) && start.elapsed() < Duration::from_secs(a.max_seconds) {
+    while !stop.load(Ordering::Relaxed) && start.elapsed() < Duration::from_secs(max_seconds) {
         std::thread::sleep(Duration::from_millis(20));
     }
-    let detached = xdp.detach(ifindex, XdpFlags::DRV_MODE);
+    xdp.detach(ifindex, XdpFlags::DRV_MODE).with_context(|| format!("detaching XDP from {interface}"))
+}
+
+/// The counter, attached until a signal; then prints the counts as JSON.
+pub fn sink(a: &SinkArgs) -> Result<()> {
+    let mut storage = MaybeUninit::uninit();
+    let mut open = LoadgenSkelBuilder::default().open(&mut storage)?;
+    if let Some(ro) = open.maps.rodata_data.as_mut() {
+        ro.sink_port = a.port;
+        ro.sink_drop = u8::from(!a.pass);
+    }
+    let skel = open.load().context("loading the sink")?;
+    attach_until_signal(&skel.progs.sink, &a.interface, a.max_seconds)?;
     let mut r = SinkResult::default();
     let per_cpu = skel.maps.sink_counts.lookup_percpu(&0u32.to_ne_bytes(), MapFlags::ANY)?.unwrap_or_default();
     for v in per_cpu {
@@ -215,7 +220,15 @@ pub fn sink(a: &SinkArgs) -> Result<()> {
         r.bytes += f(1);
     }
     println!("{}", serde_json::to_string(&r)?);
-    detached.with_context(|| format!("detaching the sink from {}", a.interface))
+    Ok(())
+}
+
+/// The bounce floor (swap MACs, XDP_TX) attached until a signal: the
+/// least any XDP forwarder does, as a forwarding path of its own.
+pub fn bounce(interface: &str, max_seconds: u64) -> Result<()> {
+    let mut storage = MaybeUninit::uninit();
+    let skel = crate::bpf::bounce::BounceSkelBuilder::default().open(&mut storage)?.load()?;
+    attach_until_signal(&skel.progs.bounce, interface, max_seconds)
 }
 
 #[derive(clap::Args, Debug)]

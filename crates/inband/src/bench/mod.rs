@@ -29,6 +29,13 @@ pub enum BenchCommand {
     /// Count (and drop, or pass) TCP packets to a port in XDP until
     /// SIGTERM; prints JSON.
     Sink(load::SinkArgs),
+    /// Attach the bounce floor (swap MACs, XDP_TX) until SIGTERM.
+    Bounce {
+        #[arg(long, default_value = "eth0")]
+        interface: String,
+        #[arg(long, default_value_t = 600)]
+        max_seconds: u64,
+    },
     /// TCP connections sending small writes with TCP_NODELAY; prints JSON.
     Stream(load::StreamArgs),
     /// A TCP server that reads and discards whatever it is sent.
@@ -55,6 +62,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         }
         BenchCommand::Blast(a) => Ok(println!("{}", serde_json::to_string(&load::blast(&a)?)?)),
         BenchCommand::Sink(a) => load::sink(&a),
+        BenchCommand::Bounce { interface, max_seconds } => load::bounce(&interface, max_seconds),
         BenchCommand::Stream(a) => Ok(println!("{}", serde_json::to_string(&load::stream(&a)?)?)),
         BenchCommand::Discard { listen } => load::discard(listen),
     }

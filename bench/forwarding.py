@@ -1,0 +1,993 @@
+"""Data-plane speed and efficiency against the peers, in one run on one
+namespace testbed (issue 5, parts 2-4):
+
+    python -m bench.forwarding --out results/fwd
+
+1. Forwarding rate of small TCP packets: raw 64-byte frames (XDP live-frame
+   generator, XDP counter-and-drop at the server) through inband (native
+   XDP), nftables DNAT and straight to the server; and 64-byte writes over
+   real TCP connections (HAProxy only forwards what its sockets read)
+   through all of them and HAProxy in TCP mode.
+2. DSR's point: CPU per GB of HTTP response (1 KB, 46 KB, 1 MB) for DSR,
+   pass-through and HAProxy, against the direct path.
+3. Feedback freshness: time from a server's score change to the balancer's
+   map holding it, in-band (probe every n-th packet) and by polling.
+
+Prints Markdown tables with ratios, writes results.md, results.json and
+forwarding.png. Testbed `fwd`: client c1, balancer lb, server s1. Every
+process, XDP program, nftables table and namespace is removed on exit,
+Ctrl-C and SIGTERM included. See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import random
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import struct
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import peers, report
+from .paper import Testbed, tool_version
+from .peers import Backend
+from .procs import Fatal, Procs, ns_argv, run, wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+VIP_PORT = 80
+SINK_PORT = 9000  # raw frames and TCP streams
+HTTP_PORT = 8080  # `inband serve` and the agent's service
+SIZES = {"1 KB": 1024, "46 KB": 47104, "1 MB": 1048576}
+# The hairpin: a veth pair client <-> balancer of its own (see setup_hairpin).
+HAIRPIN_DEV = "gen0"
+HAIRPIN_LB = "10.79.0.2"
+HAIRPIN_CLIENT = "10.79.0.11"
+HAIRPIN_BACKEND = "10.79.0.21"
+
+
+@dataclass(frozen=True)
+class Profile:
+    seconds: float  # per forwarding measurement (round)
+    rounds: int  # raw-frame rounds per path; the median is kept
+    http_seconds: int  # per wrk run (wrk counts whole seconds)
+    trials: int  # score changes per freshness setting
+    probe_intervals: tuple
+    poll_intervals_ms: tuple
+
+
+PROFILES = {
+    "quick": Profile(2.0, 3, 3, 15, (10, 100, 1000), (10, 100)),
+    # The test: every table filled, nothing measured well.
+    "tiny": Profile(0.5, 1, 1, 2, (10,), (10,)),
+}
+
+
+class Interrupted(BaseException):
+    """SIGTERM/SIGHUP, handled like Ctrl-C."""
+
+
+# ------------------------------------------------------------------ counters
+
+
+def cpu_busy_s() -> float:
+    """Busy CPU seconds of the whole machine (user, nice, system, irq,
+    softirq) from /proc/stat: in a namespace testbed the kernel's work for
+    one namespace cannot be told apart from another's, so costs are taken
+    as machine-wide deltas and compared with the direct path's."""
+    f = open("/proc/stat").readline().split()
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in f[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of a process (all its threads)."""
+    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_SYS_BPF = {"x86_64": 321, "aarch64": 280}.get(platform.machine())
+_BPF_MAP_LOOKUP_ELEM, _BPF_OBJ_GET, _BPF_ENABLE_STATS = 1, 7, 32
+
+
+def _bpf(cmd: int, attr: bytes) -> int:
+    buf = ctypes.create_string_buffer(attr, len(attr))
+    r = _libc.syscall(_SYS_BPF, cmd, buf, len(attr))
+    if r < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"bpf({cmd}): {os.strerror(e)}")
+    return r
+
+
+def enable_bpf_stats() -> int:
+    """BPF_ENABLE_STATS: run time and count of every program while the
+    returned fd is open (closed on exit however the driver ends, so the
+    machine's setting is never left changed)."""
+    return _bpf(_BPF_ENABLE_STATS, struct.pack("I", 0))
+
+
+class PinnedMap:
+    """Lookups in a pinned BPF map without spawning a process per read."""
+
+    def __init__(self, path: Path):
+        self._path = ctypes.create_string_buffer(str(path).encode())
+        self.fd = _bpf(_BPF_OBJ_GET, struct.pack("QII", ctypes.addressof(self._path), 0, 0))
+
+    def lookup(self, key: bytes, value_size: int) -> bytes:
+        k = ctypes.create_string_buffer(key, len(key))
+        v = ctypes.create_string_buffer(value_size)
+        _bpf(_BPF_MAP_LOOKUP_ELEM, struct.pack("IIQQQ", self.fd, 0, ctypes.addressof(k), ctypes.addressof(v), 0))
+        return v.raw
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def xdp_prog_stats(netns: str, dev: str) -> tuple[int, int]:
+    """(run_time_ns, run_cnt) of the XDP program on `dev`."""
+    link = json.loads(run(netns, ["ip", "-j", "link", "show", dev]).stdout)[0]
+    prog_id = link["xdp"]["prog"]["id"]
+    prog = json.loads(run(None, ["bpftool", "-j", "prog", "show", "id", str(prog_id)]).stdout)
+    return int(prog.get("run_time_ns", 0)), int(prog.get("run_cnt", 0))
+
+
+# ------------------------------------------------------------------ results
+
+
+@dataclass
+class Fwd:
+    """One forwarding measurement."""
+
+    load: str  # hairpin | switch (raw frames) | stream (TCP connections)
+    path: str  # direct | bounce | inband | inband-pt | nftables | haproxy
+    label: str
+    units: int  # frames received at the sink (raw) / 64-byte writes delivered to the server (stream)
+    sent: int
+    seconds: float
+    server_packets: int
+    machine_cpu_s: float
+    own_cpu_s: float = 0.0  # stream only: HAProxy's process CPU time, inband's XDP program run time
+    round_rates: list = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.units / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def cpu_s_per_m(self) -> float:
+        return self.machine_cpu_s / self.units * 1e6 if self.units else 0.0
+
+
+@dataclass
+class Http:
+    """One wrk run for the CPU-per-GB table."""
+
+    size: str
+    path: str
+    label: str
+    requests: int
+    bytes: int
+    errors: int
+    seconds: float
+    machine_cpu_s: float
+    prog_ns: int = 0
+    prog_runs: int = 0
+    proc_cpu_s: float = 0.0
+
+    @property
+    def gb(self) -> float:
+        return self.bytes / 1e9
+
+
+@dataclass
+class Fresh:
+    mechanism: str  # in-band | polling
+    interval: str  # "n = 100" | "100 ms"
+    delays_ms: list = field(default_factory=list)
+    timeouts: int = 0
+    load_rps: float = 0.0
+
+
+FWD_LABELS = {
+    "direct": "direct (no balancer)",
+    "inband": "inband, native XDP (dsr-dynamic, n = 100)",
+    "inband-pt": "inband, native XDP (passthrough)",
+    "nftables": "nftables DNAT + masquerade",
+    "haproxy": "HAProxy 2.6, mode tcp",
+}
+HAIRPIN_LABELS = {
+    "direct": "none: frames end at the balancer's interface (generator + sink)",
+    "bounce": "bounce floor (swap MACs, XDP_TX)",
+    "inband": "inband, native XDP (dsr-dynamic, n = 100)",
+    "nftables": "nftables DNAT + masquerade",
+}
+HTTP_LABELS = {
+    "direct": "direct (no balancer)",
+    "dsr": "inband DSR (dsr-rr)",
+    "passthrough": "inband pass-through",
+    "haproxy": "HAProxy 2.6, mode tcp",
+}
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}×" if b else "–"
+
+
+def fwd_table(rows: list[Fwd], load: str) -> str:
+    """Raw frames (one CPU does all the work inline, so a path's cost per
+    packet is 1/rate, and what a forwarder adds is 1/rate − 1/rate of the
+    direct path) or TCP streams (several processes: only CPU counters)."""
+    rows = [r for r in rows if r.load == load]
+    by = {r.path: r for r in rows}
+    direct = by.get("direct")
+    inband = by.get("inband") or by.get("inband-pt")
+    raw = load != "stream"
+    unit = "frames" if raw else "64 B writes"
+
+    def added(r: Fwd) -> float | None:
+        """s per M packets the path adds to the direct path, from rates."""
+        if not (raw and direct and r is not direct and r.rate and direct.rate):
+            return None
+        return (1 / r.rate - 1 / direct.rate) * 1e6
+
+    head = (
+        f"| path | {unit} sent | {unit} delivered | M{'pps' if raw else ' writes/s'} | ÷ direct | inband ÷ this "
+        + ("| forwarding cost over direct, CPU s per M (from rate) | ÷ inband's " if raw else "")
+        + "| machine CPU s per M | over direct | balancer's own CPU s per M | rounds (M/s) |\n"
+        + "|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if raw else "") + "---:|---:|---:|---|\n"
+    )
+    out = []
+    for r in rows:
+        over = r.cpu_s_per_m - direct.cpu_s_per_m if direct and r is not direct else None
+        own = f"{r.own_cpu_s / r.units * 1e6:.3f}" if r.own_cpu_s else "–"
+        line = (
+            f"| {r.label} | {r.sent:,} | {r.units:,} | {r.rate / 1e6:.3f} | {_ratio(r.rate, direct.rate) if direct else '–'} "
+            f"| {_ratio(inband.rate, r.rate) if inband else '–'} "
+        )
+        if raw:
+            a, ai = added(r), added(inband) if inband else None
+            line += f"| {'–' if a is None else f'{a:.3f}'} | {_ratio(a, ai) if a is not None and ai else '–'} "
+        line += (
+            f"| {r.cpu_s_per_m:.3f} | {'–' if over is None else f'{over:.3f}'} | {own} "
+            f"| {' / '.join(f'{x / 1e6:.3f}' for x in r.round_rates) or '–'} |"
+        )
+        out.append(line)
+    return head + "\n".join(out) + "\n"
+
+
+def http_table(rows: list[Http]) -> str:
+    head = (
+        "| response | path | requests | GB | req/s | machine CPU s/GB | over direct, s/GB | balancer's own CPU s/GB | ÷ DSR (own) | balancer packets per request |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    )
+    out = []
+    for size in dict.fromkeys(r.size for r in rows):
+        group = [r for r in rows if r.size == size]
+        by = {r.path: r for r in group}
+        direct = by.get("direct")
+
+        def own(r: Http) -> float | None:
+            if r.path in ("dsr", "passthrough"):
+                return r.prog_ns / 1e9 / r.gb if r.gb else None
+            if r.path == "haproxy":
+                return r.proc_cpu_s / r.gb if r.gb else None
+            return None
+
+        dsr_own = own(by["dsr"]) if "dsr" in by else None
+        for r in group:
+            m = r.machine_cpu_s / r.gb if r.gb else 0.0
+            over = m - direct.machine_cpu_s / direct.gb if direct and r is not direct and direct.gb else None
+            o = own(r)
+            out.append(
+                f"| {size} | {r.label} | {r.requests:,} | {r.gb:.3f} | {r.requests / r.seconds:,.0f} | {m:.2f} "
+                f"| {'–' if over is None else f'{over:.2f}'} | {'–' if o is None else f'{o:.3f}'} "
+                f"| {_ratio(o, dsr_own) if o is not None and dsr_own else '–'} "
+                f"| {f'{r.prog_runs / r.requests:.1f}' if r.prog_runs and r.requests else '–'} |"
+            )
+    return head + "\n".join(out) + "\n"
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest rank, as the paper driver's tables (report.percentile)."""
+    return report.percentile(sorted(values), q * 100)
+
+
+def fresh_table(rows: list[Fresh]) -> str:
+    head = "| mechanism | interval | changes seen | median ms | p90 ms | max ms | not seen in time | request load (req/s) |\n|---|---|---:|---:|---:|---:|---:|---:|\n"
+    out = []
+    for r in rows:
+        d = r.delays_ms
+        stats = (
+            f"{statistics.median(d):.2f} | {percentile(d, 0.9):.2f} | {max(d):.2f}" if d else "– | – | –"
+        )
+        out.append(f"| {r.mechanism} | {r.interval} | {len(d)} | {stats} | {r.timeouts} | {r.load_rps:,.0f} |")
+    return head + "\n".join(out) + "\n"
+
+
+# ------------------------------------------------------------------ the run
+
+
+WRK_LUA = """
+local delay_ms = tonumber(os.getenv("INBAND_WRK_DELAY_MS") or "0")
+if delay_ms > 0 then
+  function delay() return delay_ms end
+end
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("INBAND requests=%d bytes=%d errors=%d\\n", summary.requests, summary.bytes,
+    e.connect + e.read + e.write + e.status + e.timeout))
+end
+"""
+
+
+def parse_wrk(text: str) -> dict:
+    for line in text.splitlines():
+        if line.startswith("INBAND "):
+            return {k: int(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
+    raise ValueError(f"no summary in wrk output: {text[-500:]}")
+
+
+# Ethernet + IPv4 + TCP with timestamps: what a data segment carries
+# besides its payload.
+SEGMENT_OVERHEAD = 14 + 20 + 32
+
+
+def delivered_writes(sink: dict, message: int = 64) -> int:
+    """64-byte writes that reached the server, from the sink's count of
+    frames and bytes: a proxy regroups writes into other segments, so
+    neither segments nor the client's own count compare across paths."""
+    return max(0, sink["bytes"] - sink["packets"] * SEGMENT_OVERHEAD) // message
+
+
+class Bench:
+    def __init__(self, args, profile: Profile, out: Path):
+        self.args = args
+        self.p = profile
+        self.out = out
+        self.inband = Path(args.inband)
+        self.tb = Testbed(self.inband, args.name)
+        self.procs = Procs()
+        self.tb_is_up = False
+        self.sock_dir = Path("/run/inband/bench") / args.name
+        self.agent = None
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    def ns(self, node: str) -> str:
+        return self.tb.netns(node)
+
+    def mac(self, node: str) -> str:
+        return json.loads(run(self.ns(node), ["ip", "-j", "link", "show", "eth0"]).stdout)[0]["address"]
+
+    def setup(self) -> None:
+        self.sock_dir.mkdir(parents=True, exist_ok=True)
+        self.log(f"testbed {self.tb.name}: up (client, balancer, 1 server)")
+        self.tb_is_up = True
+        self.tb.up(1)
+        cfg = self.out / "run" / "agent-s1.toml"
+        cfg.parent.mkdir(parents=True, exist_ok=True)
+        cfg.write_text(
+            peers.agent_toml(
+                balancer=self.tb.addr("lb"), vip=self.tb.vip, vip_port=VIP_PORT, service_port=HTTP_PORT,
+                score_socket=str(self.sock_dir / "agent.sock"),
+            )
+        )  # fmt: skip
+        log = self.out / "logs" / "agent-s1.log"
+        self.agent = self.procs.spawn("agent", self.ns("s1"), [str(self.inband), "agent", "--config", str(cfg)], log)
+        wait_until(
+            "the agent to attach",
+            lambda: alive(self.agent, "agent", log) and "agent_egress" in run(self.ns("s1"), ["tc", "filter", "show", "dev", "eth0", "egress"]).stdout,
+            30,
+        )
+        run(self.ns("lb"), ["ping", "-c", "1", "-W", "2", self.tb.addr("s1")], check=False)
+
+    def teardown(self) -> None:
+        self.procs.stop_all()
+        if self.tb_is_up:
+            lb = self.ns("lb")
+            run(lb, ["nft", "delete", "table", "ip", peers.NFT_TABLE], check=False)
+            self.log(f"testbed {self.tb.name}: down")
+            self.tb.down()
+            self.tb_is_up = False
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
+
+    # --- balancers
+
+    def start(
+        self, kind: str, backend_port: int, tag: str, mode: str = "dsr-dynamic", probe: int = 100, poll_ms: int = 100, hairpin: bool = False
+    ):
+        """Starts the balancer `kind` (inband | nftables | haproxy | bounce |
+        direct) for VIP:80 → s1:backend_port (or, on the hairpin, the
+        generator's side); returns what `stop` needs."""
+        d = self.out / tag
+        d.mkdir(parents=True, exist_ok=True)
+        lb = self.ns("lb")
+        dev = HAIRPIN_DEV if hairpin else "eth0"
+        backends = [Backend(HAIRPIN_BACKEND if hairpin else self.tb.addr("s1"), backend_port)]
+        if kind == "bounce":
+            log = d / "bounce.log"
+            proc = self.procs.spawn("bounce", lb, [str(self.inband), "bench", "bounce", "--interface", dev, "--max-seconds", "120"], log)
+            wait_until("the bounce program", lambda: alive(proc, "bounce", log) and "attached" in log.read_text(), 20)
+            return (kind, proc, dev)
+        if kind == "inband":
+            sock = self.sock_dir / "lb.sock"
+            cfg = d / "lb.toml"
+            cfg.write_text(
+                peers.lb_toml(
+                    address=HAIRPIN_LB if hairpin else self.tb.addr("lb"), vip=self.tb.vip, vip_port=VIP_PORT, backends=backends,
+                    mode=mode, control_socket=str(sock), probe_interval=probe, poll_interval_ms=poll_ms, interface=dev,
+                )
+            )  # fmt: skip
+            log = d / "lb.log"
+            proc = self.procs.spawn("inband lb", lb, [str(self.inband), "lb", "--config", str(cfg)], log)
+            wait_until(
+                "the balancer to resolve the backend's MAC",
+                lambda: alive(proc, "inband lb", log)
+                and all(b["mac"] != "00:00:00:00:00:00" for b in self.lb_status()[0]["vips"][0]["backends"]),
+                30,
+            )
+            return (kind, proc, dev)
+        if kind == "haproxy":
+            cfg = d / "haproxy.cfg"
+            cfg.write_text(peers.haproxy_cfg(vip=self.tb.vip, vip_port=VIP_PORT, backends=backends, balance="roundrobin", timeout_s=30))
+            log = d / "haproxy.log"
+            proc = self.procs.spawn("haproxy", lb, ["haproxy", "-f", str(cfg), "-db"], log)
+            wait_until(
+                "haproxy to listen", lambda: alive(proc, "haproxy", log) and f"{self.tb.vip}:{VIP_PORT}" in run(lb, ["ss", "-Hltn"]).stdout, 20
+            )
+            return (kind, proc, dev)
+        if kind == "nftables":
+            run(lb, ["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+            text = peers.nft_ruleset(vip=self.tb.vip, vip_port=VIP_PORT, backends=backends)
+            (d / "nftables.nft").write_text(text)
+            run(lb, ["nft", "-f", "-"], input=text)
+            # The raw generator sends mid-connection segments with no
+            # handshake; conntrack picks them up (tcp_loose, the default)
+            # and must not refuse the repeated sequence numbers as out of
+            # window. (The sysctl exists once the ruleset loaded conntrack.)
+            run(lb, ["sysctl", "-q", "-w", "net.netfilter.nf_conntrack_tcp_be_liberal=1"])
+            if hairpin:
+                # XDP frames from the generator enter a veth only with NAPI
+                # on, which an XDP program turns on for inband and bounce
+                # and GRO for the kernel's path.
+                run(lb, ["ethtool", "-K", dev, "gro", "on"])
+            return (kind, None, dev)
+        return (kind, None, dev)
+
+    def stop(self, handle) -> None:
+        kind, proc, dev = handle
+        lb = self.ns("lb")
+        if proc is not None:
+            self.procs.stop(proc)
+        if kind == "inband":
+            run(lb, [str(self.inband), "lb", "detach", "--interface", dev, "--force"], check=False)
+        if kind == "nftables":
+            run(lb, ["nft", "delete", "table", "ip", peers.NFT_TABLE], check=False)
+            run(lb, ["sysctl", "-q", "-w", "net.ipv4.ip_forward=0"], check=False)
+            run(lb, ["ethtool", "-K", dev, "gro", "off"], check=False)
+
+    def lb_status(self):
+        cp = run(self.ns("lb"), [str(self.inband), "status", "--json"], check=False)
+        return json.loads(cp.stdout) if cp.returncode == 0 else None
+
+    # --- forwarding rate
+
+    def sink(self, tag: str, passing: bool, node: str = "s1", dev: str = "eth0", port: int = SINK_PORT):
+        argv = [str(self.inband), "bench", "sink", "--interface", dev, "--port", str(port), "--max-seconds", "120"] + (["--pass"] if passing else [])
+        log = self.out / tag / "sink.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.unlink(missing_ok=True)
+        proc = self.procs.spawn("sink", self.ns(node), argv, log)
+        wait_until("the sink to attach", lambda: alive(proc, "sink", log) and "attached" in log.read_text(), 20)
+        return proc, log
+
+    def sink_result(self, proc, log) -> dict:
+        self.procs.stop(proc, grace_s=10)
+        return json.loads(log.read_text().strip().splitlines()[-1])
+
+    def forward_switch(self, path: str) -> Fwd:
+        tag = f"fwd-switch-{path}"
+        handle = self.start(path, SINK_PORT, tag)
+        try:
+            if path == "direct":
+                dst, mac = f"{self.tb.addr('s1')}:{SINK_PORT}", self.mac("s1")
+            else:
+                dst, mac = f"{self.tb.vip}:{VIP_PORT}", self.mac("lb")
+            argv = [
+                str(self.inband), "bench", "blast", "--dst-mac", mac, "--src", f"{self.tb.addr('c1')}:40000", "--dst", dst,
+                "--seconds", f"{self.p.seconds:g}", "--packets", "20000000",
+            ]  # fmt: skip
+            if path == "inband":
+                argv += ["--syn-first-ms", "50"]
+            # The generator's frames leave c1 with XDP_TX; a veth accepts
+            # XDP frames only when its peer has NAPI enabled, which GRO
+            # turns on. Only for raw frames: GRO would merge a real TCP
+            # stream's segments on the bridge.
+            run(self.tb.switch_netns, ["ethtool", "-K", self.tb.switch_port("c1"), "gro", "on"])
+            return self.rounds("switch", path, FWD_LABELS[path], (self.ns("c1"), argv), lambda: self.sink(tag, passing=False))
+        finally:
+            run(self.tb.switch_netns, ["ethtool", "-K", self.tb.switch_port("c1"), "gro", "off"], check=False)
+            self.stop(handle)
+
+    def setup_hairpin(self) -> None:
+        """A second veth pair straight from the client to the balancer:
+        the generator's frames reach the forwarder as XDP frames, and what
+        it sends back out of the same interface lands in the sink on the
+        generator's side. No bridge, no receiving host: the forwarder is
+        the only work besides generating and counting."""
+        c1, lb = self.ns("c1"), self.ns("lb")
+        run(None, ["ip", "link", "add", HAIRPIN_DEV, "netns", c1, "type", "veth", "peer", "name", HAIRPIN_DEV, "netns", lb])
+        for ns in (c1, lb):
+            run(ns, ["ip", "link", "set", HAIRPIN_DEV, "up"])
+        run(lb, ["ip", "addr", "add", f"{HAIRPIN_LB}/24", "dev", HAIRPIN_DEV])
+        gen_mac = json.loads(run(c1, ["ip", "-j", "link", "show", HAIRPIN_DEV]).stdout)[0]["address"]
+        # The backend is the generator's side: its MAC is where forwarded
+        # frames go, whatever the address.
+        run(lb, ["ip", "neigh", "replace", HAIRPIN_BACKEND, "lladdr", gen_mac, "dev", HAIRPIN_DEV, "nud", "permanent"])
+        for conf in ("all", HAIRPIN_DEV):
+            run(lb, ["sysctl", "-q", "-w", f"net.ipv4.conf.{conf}.rp_filter=0"])
+            run(lb, ["sysctl", "-q", "-w", f"net.ipv4.conf.{conf}.send_redirects=0"])
+
+    def forward_hairpin(self, path: str) -> Fwd:
+        tag = f"fwd-hairpin-{path}"
+        handle = self.start(path, SINK_PORT, tag, hairpin=True)
+        perf_data = self.out / tag / "perf.data"
+        try:
+            # The frames are for VIP:80; forwarders send them on to port
+            # 9000, bounce reflects them as they are, direct ends them at
+            # the balancer's interface.
+            def sink_at():
+                if path == "direct":
+                    return self.sink(tag, passing=False, node="lb", dev=HAIRPIN_DEV, port=VIP_PORT)
+                return self.sink(tag, passing=False, node="c1", dev=HAIRPIN_DEV, port=VIP_PORT if path == "bounce" else SINK_PORT)
+
+            lb_mac = json.loads(run(self.ns("lb"), ["ip", "-j", "link", "show", HAIRPIN_DEV]).stdout)[0]["address"]
+            argv = [
+                str(self.inband), "bench", "blast", "--interface", HAIRPIN_DEV, "--dst-mac", lb_mac, "--src", f"{HAIRPIN_CLIENT}:40000",
+                "--dst", f"{self.tb.vip}:{VIP_PORT}", "--seconds", f"{self.p.seconds:g}", "--packets", "50000000",
+            ]  # fmt: skip
+            if path == "inband":
+                argv += ["--syn-first-ms", "50"]
+            if self.args.perf:
+                # Only the generator's process: the forwarder and the sink
+                # run in its context (softirq on its CPU), other engineers'
+                # processes do not.
+                cmd = (None, ["perf", "record", "-q", "-e", "cpu-clock", "-g", "-o", str(perf_data), "--", *ns_argv(self.ns("c1"), argv)])
+            else:
+                cmd = (self.ns("c1"), argv)
+            r = self.rounds("hairpin", path, HAIRPIN_LABELS[path], cmd, sink_at)
+        finally:
+            self.stop(handle)
+        if self.args.perf:
+            self.perf_report(perf_data, tag)
+        return r
+
+    def rounds(self, load: str, path: str, label: str, cmd: tuple, sink_at) -> Fwd:
+        """The blast `profile.rounds` times, each counted by a fresh sink;
+        the round with the median rate is kept (the machine is shared, so
+        single rounds can be hit by someone else's burst)."""
+        results = []
+        for _ in range(self.p.rounds):
+            sink, slog = sink_at()
+            cpu0 = cpu_busy_s()
+            cp = run(*cmd, timeout=self.p.seconds + 30)
+            cpu1 = cpu_busy_s()
+            time.sleep(0.05)  # the last frames are still on their way
+            got = self.sink_result(sink, slog)
+            b = json.loads(cp.stdout)
+            results.append(Fwd(load, path, label, got["packets"], b["sent"], b["seconds"], got["packets"], cpu1 - cpu0))
+        results.sort(key=lambda f: f.rate)
+        kept = results[len(results) // 2]
+        kept.round_rates = [f.rate for f in results]
+        return kept
+
+    def perf_report(self, data: Path, tag: str) -> None:
+        """Top symbols of a cpu-clock profile (this VM has no hardware
+        counters) into perf-<tag>.txt."""
+        cp = run(
+            None,
+            ["perf", "report", "-i", str(data), "--stdio", "--no-children", "--sort", "symbol", "-g", "none", "--percent-limit", "1.5"],
+            timeout=120, check=False,
+        )  # fmt: skip
+        (self.out / f"perf-{tag}.txt").write_text(cp.stdout)
+        data.unlink(missing_ok=True)
+
+    def forward_stream(self, path: str) -> Fwd:
+        tag = f"fwd-stream-{path}"
+        kind = {"inband-pt": "inband"}.get(path, path)
+        handle = self.start(kind, SINK_PORT, tag, mode="passthrough")
+        server = stats = None
+        try:
+            server = self.procs.spawn(
+                "discard", self.ns("s1"), [str(self.inband), "bench", "discard", "--listen", f"0.0.0.0:{SINK_PORT}"], self.out / tag / "discard.log"
+            )
+            wait_until("the discard server", lambda: alive(server, "discard", self.out / tag / "discard.log") and "listening" in (self.out / tag / "discard.log").read_text(), 20)
+            sink, slog = self.sink(tag, passing=True)
+            dst = f"{self.tb.addr('s1')}:{SINK_PORT}" if path == "direct" else f"{self.tb.vip}:{VIP_PORT}"
+            argv = [str(self.inband), "bench", "stream", "--connect", dst, "--connections", "2", "--seconds", f"{self.p.seconds:g}"]
+            # The client bounds these rates, so program run times (which
+            # slow every XDP program, the sink's too) can be counted here.
+            stats = enable_bpf_stats()
+            prog0 = xdp_prog_stats(self.ns("lb"), "eth0") if kind == "inband" else (0, 0)
+            hp = handle[1].pid if kind == "haproxy" else None
+            h0 = proc_cpu_s(hp) if hp else 0.0
+            cpu0 = cpu_busy_s()
+            cp = run(self.ns("c1"), argv, timeout=self.p.seconds + 30)
+            cpu1 = cpu_busy_s()
+            h1 = proc_cpu_s(hp) if hp else 0.0
+            prog1 = xdp_prog_stats(self.ns("lb"), "eth0") if kind == "inband" else (0, 0)
+            time.sleep(0.05)
+            got = self.sink_result(sink, slog)
+        finally:
+            if stats is not None:
+                os.close(stats)
+            if server is not None:
+                self.procs.stop(server)
+            self.stop(handle)
+        s = json.loads(cp.stdout)
+        return Fwd(
+            "stream", path, FWD_LABELS[path], delivered_writes(got), s["messages"], s["seconds"], got["packets"], cpu1 - cpu0,
+            own_cpu_s=(h1 - h0) + (prog1[0] - prog0[0]) / 1e9,
+        )  # fmt: skip
+
+    # --- CPU per GB
+
+    def serve(self, tag: str, body: int):
+        log = self.out / tag / "serve.log"
+        argv = [
+            str(self.inband), "serve", "--listen", f"0.0.0.0:{HTTP_PORT}", "--workers", "16", "--service-ms", "0",
+            "--service-dist", "constant", "--body-bytes", str(body), "--keep-alive",
+        ]  # fmt: skip
+        proc = self.procs.spawn("serve", self.ns("s1"), argv, log)
+        wait_until(
+            "the server", lambda: alive(proc, "serve", log) and f":{HTTP_PORT}" in run(self.ns("s1"), ["ss", "-Hltn"]).stdout, 20
+        )
+        return proc
+
+    def wrk(self, url: str, seconds: int, connections: int, tag: str, delay_ms: int = 0, background: bool = False):
+        lua = self.out / "run" / "wrk.lua"
+        lua.write_text(WRK_LUA)
+        argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "5s", "-s", str(lua), url]
+        env = dict(os.environ, INBAND_WRK_DELAY_MS=str(delay_ms))
+        if background:
+            return self.procs.spawn("wrk", self.ns("c1"), argv, self.out / tag / "wrk.log", env=env)
+        cp = subprocess_run_env(self.ns("c1"), argv, env, timeout=seconds + 30)
+        return parse_wrk(cp)
+
+    def http_cost(self, size: str, path: str) -> Http:
+        tag = f"http-{path}-{SIZES[size]}"
+        kind = {"dsr": "inband", "passthrough": "inband"}.get(path, path)
+        handle = self.start(kind, HTTP_PORT, tag, mode="dsr-rr" if path == "dsr" else "passthrough")
+        server = self.serve(tag, SIZES[size])
+        stats = None
+        try:
+            url = f"http://{self.tb.addr('s1')}:{HTTP_PORT}/" if path == "direct" else f"http://{self.tb.vip}:{VIP_PORT}/"
+            # Program run times cost two clock reads per program run (a
+            # third of a forwarded packet's cost in this VM), so they are
+            # counted only here, for every path alike, never while a
+            # forwarding rate is measured.
+            stats = enable_bpf_stats()
+            prog0 = xdp_prog_stats(self.ns("lb"), "eth0") if kind == "inband" else (0, 0)
+            hp = handle[1].pid if kind == "haproxy" else None
+            h0 = proc_cpu_s(hp) if hp else 0.0
+            cpu0, t0 = cpu_busy_s(), time.monotonic()
+            w = self.wrk(url, self.p.http_seconds, 4, tag)
+            cpu1, t1 = cpu_busy_s(), time.monotonic()
+            h1 = proc_cpu_s(hp) if hp else 0.0
+            prog1 = xdp_prog_stats(self.ns("lb"), "eth0") if kind == "inband" else (0, 0)
+        finally:
+            if stats is not None:
+                os.close(stats)
+            self.procs.stop(server)
+            self.stop(handle)
+        return Http(
+            size, path, HTTP_LABELS[path], w["requests"], w["bytes"], w["errors"], t1 - t0, cpu1 - cpu0,
+            prog_ns=prog1[0] - prog0[0], prog_runs=prog1[1] - prog0[1], proc_cpu_s=h1 - h0,
+        )  # fmt: skip
+
+    # --- freshness
+
+    def set_score(self, score: int) -> int:
+        """Sets s1's score through the agent's socket; returns the
+        CLOCK_MONOTONIC ns just before the request left."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(2)
+            s.connect(str(self.sock_dir / "agent.sock"))
+            t = time.monotonic_ns()
+            s.sendall(f"set {HTTP_PORT} {score}\n".encode())
+            reply = s.recv(256).decode().strip()
+        if not reply.startswith("ok"):
+            raise RuntimeError(f"agent refused the score: {reply}")
+        return t
+
+    def freshness(self, mechanism: str, interval: int) -> Fresh:
+        tag = f"fresh-{mechanism}-{interval}"
+        mode = "dsr-dynamic" if mechanism == "in-band" else "dsr-polling"
+        handle = self.start("inband", HTTP_PORT, tag, mode=mode, probe=interval if mechanism == "in-band" else 100, poll_ms=interval)
+        server = self.serve(tag, 1024)
+        res = Fresh(mechanism, f"n = {interval}" if mechanism == "in-band" else f"{interval} ms")
+        wrk = None
+        scores = None
+        try:
+            backend_id = self.lb_status()[0]["vips"][0]["backends"][0]["id"]
+            scores = PinnedMap(Path("/sys/fs/bpf/inband/netns") / self.ns("lb") / "lb" / "eth0" / "scores")
+            # The longest a change can take is about a poll interval, or n
+            # packets at the load's rate; the bound is generous for both.
+            limit_s = 2.0 + interval / 1000 * 3
+            budget_s = self.p.trials * (limit_s + 0.1) + 5
+            # Steady request load: 4 keep-alive connections, 1 ms pause
+            # between a response and the next request on each.
+            wrk = self.wrk(f"http://{self.tb.vip}:{VIP_PORT}/", int(budget_s) + 1, 4, tag, delay_ms=1, background=True)
+            time.sleep(0.5)
+            served0, t_load0 = server_served(self), time.monotonic()
+            for trial in range(self.p.trials):
+                score = 1000 + trial  # every trial is a change
+                time.sleep(random.uniform(0.02, 0.1))  # off any poll phase
+                t0 = self.set_score(score)
+                deadline = time.monotonic() + limit_s
+                seen = None
+                while time.monotonic() < deadline:
+                    v = scores.lookup(struct.pack("I", backend_id), 16)
+                    got, _assigned, updated = struct.unpack("IIQ", v)
+                    if got == score:
+                        seen = updated
+                        break
+                    time.sleep(0.0005)
+                if seen is None:
+                    res.timeouts += 1
+                else:
+                    res.delays_ms.append(max(0, seen - t0) / 1e6)
+            res.load_rps = (server_served(self) - served0) / (time.monotonic() - t_load0)
+        finally:
+            if scores is not None:
+                scores.close()
+            if wrk is not None:
+                self.procs.stop(wrk)
+            self.procs.stop(server)
+            self.stop(handle)
+            run(self.ns("s1"), [str(self.inband), "agent", "score", "clear", "--port", str(HTTP_PORT), "--socket", str(self.sock_dir / "agent.sock")], check=False)
+        return res
+
+
+def server_served(bench: Bench) -> int:
+    code = f"import urllib.request;print(urllib.request.urlopen('http://{bench.tb.addr('s1')}:{HTTP_PORT}/stats',timeout=3).read().decode())"
+    return int(json.loads(run(bench.ns("c1"), [sys.executable, "-c", code]).stdout)["served"])
+
+
+def subprocess_run_env(netns: str, argv: list[str], env: dict, timeout: float) -> str:
+    import subprocess
+
+    cp = subprocess.run(ns_argv(netns, argv), capture_output=True, text=True, timeout=timeout, env=env)
+    if cp.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed with {cp.returncode}: {cp.stderr.strip()}")
+    return cp.stdout
+
+
+class ProcessDied(Fatal):
+    pass
+
+
+def alive(proc, what: str, log: Path) -> bool:
+    if proc.poll() is None:
+        return True
+    tail = log.read_text(errors="replace").strip().splitlines()[-5:] if log.exists() else []
+    raise ProcessDied(f"{what} exited with status {proc.returncode}: " + " / ".join(tail))
+
+
+# ------------------------------------------------------------------ output
+
+
+def plot(fwd: list[Fwd], http: list[Http], fresh: list[Fresh], path: Path) -> None:
+    """One panel per part that has results."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [p for p, rows in (("fwd", fwd), ("http", http), ("fresh", fresh)) if rows]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.8), squeeze=False)
+    ax = dict(zip(panels, axes[0]))
+    if "fwd" in ax:
+        a = ax["fwd"]
+        groups = (("hairpin", "64 B frames, hairpin (Mpps)"), ("switch", "64 B frames, via the switch (Mpps)"), ("stream", "64 B writes, TCP (M/s)"))
+        names = list(dict.fromkeys(r.path for r in fwd))
+        for i, (load, label) in enumerate(groups):
+            rows = [r for r in fwd if r.load == load]
+            if rows:
+                a.bar([names.index(r.path) + (i - 1) * 0.27 for r in rows], [r.rate / 1e6 for r in rows], width=0.27, label=label)
+        a.set_xticks(range(len(names)), names, rotation=20)
+        a.set_ylabel("million per second (2 shared cores)")
+        a.set_title("Forwarding rate, small TCP packets")
+        a.legend(fontsize=8)
+    if "http" in ax:
+        a = ax["http"]
+        for p in HTTP_LABELS:
+            rows = [r for r in http if r.path == p and r.gb]
+            if rows:
+                a.plot([r.size for r in rows], [r.machine_cpu_s / r.gb for r in rows], marker="o", label=HTTP_LABELS[p])
+        a.set_yscale("log")
+        a.set_ylabel("machine CPU s per GB of response")
+        a.set_title("CPU per GB of response")
+        a.legend(fontsize=8)
+    if "fresh" in ax:
+        a = ax["fresh"]
+        xs = range(len(fresh))
+        a.bar(xs, [statistics.median(r.delays_ms) if r.delays_ms else 0 for r in fresh], label="median")
+        a.scatter(xs, [percentile(r.delays_ms, 0.9) if r.delays_ms else 0 for r in fresh], color="black", zorder=3, label="p90")
+        a.set_xticks(xs, [f"{r.mechanism}\n{r.interval}" for r in fresh], fontsize=8)
+        a.set_yscale("log")
+        a.set_ylabel("ms from score change to balancer map")
+        a.set_title("Feedback freshness")
+        a.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(fwd, http, fresh, preamble: str) -> str:
+    parts = [preamble]
+    if any(r.load == "hairpin" for r in fwd):
+        parts += ["## Forwarding rate: 64-byte TCP frames, one-armed hairpin (the forwarder is the work)\n", fwd_table(fwd, "hairpin")]
+    if any(r.load == "switch" for r in fwd):
+        parts += ["## Forwarding rate: 64-byte TCP frames, client → switch → balancer → switch → server\n", fwd_table(fwd, "switch")]
+    if any(r.load == "stream" for r in fwd):
+        parts += ["## Forwarding rate: 64-byte writes on TCP connections (TCP_NODELAY)\n", fwd_table(fwd, "stream")]
+    if http:
+        parts += ["## CPU per GB of response (wrk, keep-alive)\n", http_table(http)]
+    if fresh:
+        parts += ["## Feedback freshness (score change → balancer map)\n", fresh_table(fresh)]
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------------ main
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m bench.forwarding", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="results directory (created)")
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="quick")
+    ap.add_argument("--parts", default="forwarding,cost,freshness", help="comma-separated subset of forwarding, cost, freshness")
+    ap.add_argument("--name", default="fwd", help="testbed name (namespaces NAME-lb, NAME-c1, NAME-s1, NAME-sw)")
+    ap.add_argument("--inband", default=str(REPO / "target" / "debug" / "inband"))
+    ap.add_argument("--perf", action="store_true", help="profile the hairpin runs with perf (cpu-clock), perf-*.txt in --out")
+    args = ap.parse_args(argv)
+    bad = set(args.parts.split(",")) - {"forwarding", "cost", "freshness"}
+    if bad:
+        ap.error(f"unknown part(s): {', '.join(sorted(bad))}")
+    return args
+
+
+def preflight(args) -> list[str]:
+    problems = []
+    if os.geteuid() != 0:
+        problems.append("must run as root (namespaces, XDP, nftables)")
+    if not Path(args.inband).is_file():
+        problems.append(f"{args.inband} is missing: run scripts/setup.sh")
+    for tool in ("haproxy", "nft", "wrk", "bpftool"):
+        if not shutil.which(tool):
+            problems.append(f"{tool} is not installed: run scripts/setup.sh")
+    if _SYS_BPF is None:
+        problems.append(f"unsupported architecture {platform.machine()}")
+    if (Path("/run/inband/testbed") / f"{args.name}.json").exists():
+        problems.append(f"a testbed named {args.name!r} exists already: `{args.inband} testbed down --name {args.name}` or pick another --name")
+    return problems
+
+
+def _raise_interrupted(signum, _frame):
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    problems = preflight(args)
+    if problems:
+        for p in problems:
+            print(f"error: {p}", file=sys.stderr)
+        return 2
+    profile = PROFILES[args.profile]
+    parts = args.parts.split(",")
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    command = shlex.join([sys.executable, "-m", "bench.forwarding", *(argv if argv is not None else sys.argv[1:])])
+    bench = Bench(args, profile, out)
+    started = time.time()
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, _raise_interrupted)
+    fwd: list[Fwd] = []
+    http: list[Http] = []
+    fresh: list[Fresh] = []
+    failed: list[str] = []
+    interrupted = None
+
+    def attempt(what: str, fn, sink: list) -> None:
+        try:
+            sink.append(fn())
+        except (Interrupted, KeyboardInterrupt):
+            raise
+        except Exception as e:  # noqa: BLE001 - one failure must not hide the other measurements
+            traceback.print_exc()
+            failed.append(f"{what}: {e.__class__.__name__}: {e}")
+            bench.log(f"{what}: FAILED: {e}")
+
+    try:
+        bench.setup()
+        if "forwarding" in parts:
+            bench.setup_hairpin()
+            for path in HAIRPIN_LABELS:
+                bench.log(f"forwarding, raw frames on the hairpin: {path}")
+                attempt(f"hairpin {path}", lambda path=path: bench.forward_hairpin(path), fwd)
+            for path in ("direct", "inband", "nftables"):
+                bench.log(f"forwarding, raw frames via the switch: {path}")
+                attempt(f"switch {path}", lambda path=path: bench.forward_switch(path), fwd)
+            for path in ("direct", "inband-pt", "nftables", "haproxy"):
+                bench.log(f"forwarding, TCP stream: {path}")
+                attempt(f"stream {path}", lambda path=path: bench.forward_stream(path), fwd)
+        if "cost" in parts:
+            for size in SIZES:
+                for path in HTTP_LABELS:
+                    bench.log(f"CPU per GB, {size}: {path}")
+                    attempt(f"http {size} {path}", lambda size=size, path=path: bench.http_cost(size, path), http)
+        if "freshness" in parts:
+            for n in profile.probe_intervals:
+                bench.log(f"freshness: in-band, n = {n}")
+                attempt(f"freshness n={n}", lambda n=n: bench.freshness("in-band", n), fresh)
+            for ms in profile.poll_intervals_ms:
+                bench.log(f"freshness: polling every {ms} ms")
+                attempt(f"freshness poll {ms} ms", lambda ms=ms: bench.freshness("polling", ms), fresh)
+    except (Interrupted, KeyboardInterrupt) as e:
+        interrupted = str(e) or "SIGINT"
+    except Exception as e:  # noqa: BLE001 - set-up failed: report, tear down
+        traceback.print_exc()
+        failed.append(f"setup: {e.__class__.__name__}: {e}")
+    finally:
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)
+        bench.teardown()
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_DFL)
+
+    elapsed = time.time() - started
+    others = "none seen"
+    preamble = (
+        "# Data-plane speed and efficiency\n\n"
+        f"Command: `{command}`  \n"
+        f"Started {time.strftime('%Y-%m-%d %H:%M:%S %z', time.localtime(started))}, wall time {elapsed:.0f} s, "
+        f"{os.cpu_count()} CPUs **shared by everything**: generator, bridge, balancer, server (and anything else running: {others}). "
+        "Rates are what the whole testbed sustains; compare ratios measured in this run.  \n"
+        f"kernel {platform.release()}; {tool_version(['haproxy', '-v'])}; {tool_version(['nft', '--version'])}; {tool_version(['wrk', '-v'])}\n"
+    )
+    if failed:
+        preamble += "\n**Failed:** " + "; ".join(failed) + "\n"
+    if interrupted:
+        preamble += f"\n**Interrupted** ({interrupted}).\n"
+    md = markdown(fwd, http, fresh, preamble)
+    (out / "results.md").write_text(md)
+    (out / "results.json").write_text(
+        json.dumps({"forwarding": [asdict(r) for r in fwd], "cost": [asdict(r) for r in http], "freshness": [asdict(r) for r in fresh]}, indent=2)
+    )
+    if fwd or http or fresh:
+        plot(fwd, http, fresh, out / "forwarding.png")
+    print()
+    print(md)
+    print(f"results in {out}: results.md, results.json, forwarding.png")
+    for f in failed:
+        print(f"error: {f}", file=sys.stderr)
+    if interrupted:
+        print(f"interrupted ({interrupted}); everything torn down", file=sys.stderr)
+    return 130 if interrupted else (1 if failed else 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""The forwarding benchmark: its tables from known numbers, and its tiny
+profile end to end on a real namespace testbed, so it cannot silently rot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import forwarding as fw
+
+REPO = Path(__file__).resolve().parents[2]
+INBAND = REPO / "target" / "debug" / "inband"
+
+
+def cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def table_rows(md: str, header_start: str) -> list[list[str]]:
+    lines = md.splitlines()
+    i = next(n for n, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[i + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(cells(line))
+    return rows
+
+
+def test_hairpin_table_ratios_and_costs_from_rates():
+    rows = [
+        fw.Fwd("hairpin", "direct", "direct", 1_000_000, 1_000_000, 1.0, 1_000_000, 1.0),
+        fw.Fwd("hairpin", "inband", "inband", 500_000, 500_000, 1.0, 500_000, 1.0),
+        fw.Fwd("hairpin", "nftables", "nft", 100_000, 100_000, 1.0, 100_000, 1.0),
+    ]
+    t = table_rows(fw.fwd_table(rows, "hairpin"), "| path |")
+    assert [r[0] for r in t] == ["direct", "inband", "nft"]
+    # Mpps, ÷ direct, inband ÷ this
+    assert t[1][3:6] == ["0.500", "0.50×", "1.00×"]
+    assert t[2][3:6] == ["0.100", "0.10×", "5.00×"]
+    # What a path adds to the direct path's 1 µs: inband 1 µs, nftables 9 µs.
+    assert t[1][6:8] == ["1.000", "1.00×"]
+    assert t[2][6:8] == ["9.000", "9.00×"]
+    assert t[0][6] == "–"
+
+
+def test_stream_table_counts_the_proxy_process():
+    rows = [
+        fw.Fwd("stream", "direct", "direct", 200_000, 200_000, 2.0, 1000, 2.0),
+        fw.Fwd("stream", "haproxy", "haproxy", 100_000, 100_000, 2.0, 1000, 2.0, own_cpu_s=0.5),
+    ]
+    t = table_rows(fw.fwd_table(rows, "stream"), "| path |")
+    assert t[1][3:5] == ["0.050", "0.50×"]
+    assert t[1][8] == "5.000"  # 0.5 s for 0.1 M writes
+
+
+def test_delivered_writes_from_sink_bytes():
+    # 10 segments of 4 writes each: 10 × (66 + 256) bytes on the wire.
+    assert fw.delivered_writes({"packets": 10, "bytes": 10 * (fw.SEGMENT_OVERHEAD + 256)}) == 40
+
+
+def test_http_table_per_gb_and_against_dsr():
+    rows = [
+        fw.Http("1 MB", "direct", "direct", 1000, 2_000_000_000, 0, 1.0, 4.0),
+        fw.Http("1 MB", "dsr", "dsr", 1000, 2_000_000_000, 0, 1.0, 4.2, prog_ns=20_000_000, prog_runs=10_000),
+        fw.Http("1 MB", "haproxy", "haproxy", 1000, 2_000_000_000, 0, 1.0, 6.0, proc_cpu_s=1.0),
+    ]
+    t = table_rows(fw.http_table(rows), "| response |")
+    assert t[0][5] == "2.00" and t[0][6] == "–"
+    assert t[1][5:10] == ["2.10", "0.10", "0.010", "1.00×", "10.0"]
+    assert t[2][5:9] == ["3.00", "1.00", "0.500", "50.00×"]
+
+
+def test_fresh_table_and_percentile():
+    assert fw.percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 0.9) == 9
+    t = table_rows(fw.fresh_table([fw.Fresh("in-band", "n = 10", [1.0, 2.0, 3.0], 1, 500.0)]), "| mechanism |")
+    assert t[0] == ["in-band", "n = 10", "3", "2.00", "3.00", "3.00", "1", "500"]
+
+
+def test_parse_wrk_summary():
+    assert fw.parse_wrk("Running 1s test\nINBAND requests=12 bytes=3456 errors=0\n") == {"requests": 12, "bytes": 3456, "errors": 0}
+
+
+def namespaces(prefix: str) -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0].startswith(prefix)]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates network namespaces and attaches XDP programs")
+def test_tiny_profile_end_to_end(tmp_path):
+    name = f"ft{os.getpid() % 10000}"
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "bench.forwarding", "--profile", "tiny", "--out", str(out), "--name", name]
+    try:
+        cp = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    finally:
+        left = namespaces(f"{name}-")
+        if left:
+            subprocess.run([str(INBAND), "testbed", "down", "--name", name], capture_output=True, timeout=60)
+    assert cp.returncode == 0, f"driver failed ({cp.returncode}):\n{cp.stdout[-4000:]}\n{cp.stderr[-4000:]}"
+    assert left == [], f"namespaces left behind: {left}"
+    assert not any(Path("/sys/fs/bpf/inband/netns").glob(f"{name}-*")), "pins left behind"
+
+    res = json.loads((out / "results.json").read_text())
+    fwd = {(r["load"], r["path"]): r for r in res["forwarding"]}
+    expected = [("hairpin", p) for p in ("direct", "bounce", "inband", "nftables")]
+    expected += [("switch", p) for p in ("direct", "inband", "nftables")]
+    expected += [("stream", p) for p in ("direct", "inband-pt", "nftables", "haproxy")]
+    assert sorted(fwd) == sorted(expected)
+    for key, r in fwd.items():
+        assert r["units"] > 0 and r["seconds"] > 0, key
+        if key[0] != "stream":  # raw frames: (almost) every one arrives
+            assert r["units"] >= 0.9 * r["sent"], key
+    assert fwd[("stream", "haproxy")]["own_cpu_s"] > 0
+    assert fwd[("stream", "inband-pt")]["own_cpu_s"] > 0  # the XDP program's run time
+
+    cost = res["cost"]
+    assert sorted({(r["size"], r["path"]) for r in cost}) == sorted((s, p) for s in fw.SIZES for p in fw.HTTP_LABELS)
+    for r in cost:
+        assert r["requests"] > 0 and r["bytes"] >= r["requests"] * fw.SIZES[r["size"]], r
+    for r in cost:
+        if r["path"] in ("dsr", "passthrough"):
+            assert r["prog_ns"] > 0 and r["prog_runs"] > 0, r
+    # DSR: responses bypass the balancer, so it sees fewer packets per request.
+    by = {(r["size"], r["path"]): r for r in cost}
+    for s in fw.SIZES:
+        dsr, pt = by[(s, "dsr")], by[(s, "passthrough")]
+        assert dsr["prog_runs"] / dsr["requests"] < pt["prog_runs"] / pt["requests"], s
+
+    fresh = res["freshness"]
+    assert [(f["mechanism"], f["interval"]) for f in fresh] == [("in-band", "n = 10"), ("polling", "10 ms")]
+    for f in fresh:
+        assert f["delays_ms"] and f["load_rps"] > 0, f
+
+    md = (out / "results.md").read_text()
+    for heading in ("one-armed hairpin", "switch → balancer", "64-byte writes", "CPU per GB", "Feedback freshness"):
+        assert heading in md, heading
+    # Ratios computed for every non-direct raw path, in every ratio column.
+    raw_tables = [b for b in md.split("\n\n") if b.startswith("| path | frames sent")]
+    assert len(raw_tables) == 2
+    for block in raw_tables:
+        for row in table_rows(block, "| path |"):
+            if not row[0].startswith(("direct", "none")):
+                assert row[4].endswith("×") and row[5].endswith("×") and row[7].endswith("×"), row
+    assert "| path | frames sent" in cp.stdout
+    assert (out / "forwarding.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
