@@ -9,7 +9,7 @@ log() { printf '== %s\n' "$*" >&2; }
 APT_PACKAGES=(
   clang llvm libelf-dev zlib1g-dev pkg-config make gcc libbpf-dev linux-libc-dev bpftool
   iproute2 iputils-ping netcat-openbsd tcpdump ethtool curl util-linux
-  nftables haproxy wrk python3-venv
+  nftables haproxy wrk python3-venv linux-perf
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
