@@ -59,7 +59,7 @@ HAIRPIN_BACKEND = "10.79.0.21"
 @dataclass(frozen=True)
 class Profile:
     seconds: float  # per forwarding measurement (round)
-    rounds: int  # raw-frame rounds per path; the median is kept
+    rounds: int  # forwarding rounds per path; the median is kept
     http_seconds: int  # per wrk run (wrk counts whole seconds)
     trials: int  # score changes per freshness setting
     probe_intervals: tuple
@@ -197,6 +197,7 @@ class Fresh:
     delays_ms: list = field(default_factory=list)
     timeouts: int = 0
     load_rps: float = 0.0
+    backend_pps: float = 0.0  # packets the balancer forwarded to the server: what probes count
 
 
 FWD_LABELS = {
@@ -304,14 +305,17 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def fresh_table(rows: list[Fresh]) -> str:
-    head = "| mechanism | interval | changes seen | median ms | p90 ms | max ms | not seen in time | request load (req/s) |\n|---|---|---:|---:|---:|---:|---:|---:|\n"
+    head = (
+        "| mechanism | interval | changes seen | median ms | p90 ms | max ms | not seen in time | request load (req/s) | packets/s to the server |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|\n"
+    )
     out = []
     for r in rows:
         d = r.delays_ms
         stats = (
             f"{statistics.median(d):.2f} | {percentile(d, 0.9):.2f} | {max(d):.2f}" if d else "– | – | –"
         )
-        out.append(f"| {r.mechanism} | {r.interval} | {len(d)} | {stats} | {r.timeouts} | {r.load_rps:,.0f} |")
+        out.append(f"| {r.mechanism} | {r.interval} | {len(d)} | {stats} | {r.timeouts} | {r.load_rps:,.0f} | {r.backend_pps:,.0f} |")
     return head + "\n".join(out) + "\n"
 
 
@@ -338,6 +342,20 @@ def parse_wrk(text: str) -> dict:
     raise ValueError(f"no summary in wrk output: {text[-500:]}")
 
 
+def others_running() -> set[str]:
+    """Other engineers' benchmarks and builds on this shared machine."""
+    import subprocess
+
+    cp = subprocess.run(["pgrep", "-a", "-f", "bench.paper|cargo|rustc"], capture_output=True, text=True)
+    seen = set()
+    for line in cp.stdout.splitlines():
+        argv = line.split()[1:]
+        for name in ("bench.paper", "cargo", "rustc"):
+            if any(name in a for a in argv[:3]):
+                seen.add(name)
+    return seen
+
+
 # Ethernet + IPv4 + TCP with timestamps: what a data segment carries
 # besides its payload.
 SEGMENT_OVERHEAD = 14 + 20 + 32
@@ -361,9 +379,11 @@ class Bench:
         self.tb_is_up = False
         self.sock_dir = Path("/run/inband/bench") / args.name
         self.agent = None
+        self.others: set[str] = set()  # other benchmarks and builds seen while measuring
 
     def log(self, msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+        self.others |= others_running()
 
     def ns(self, node: str) -> str:
         return self.tb.netns(node)
@@ -478,6 +498,10 @@ class Bench:
             run(lb, ["sysctl", "-q", "-w", "net.ipv4.ip_forward=0"], check=False)
             run(lb, ["ethtool", "-K", dev, "gro", "off"], check=False)
 
+    def backend_packets(self) -> int:
+        """Client packets the balancer has forwarded to the (one) backend."""
+        return int(self.lb_status()[0]["vips"][0]["backends"][0]["stats"]["packets"])
+
     def lb_status(self):
         cp = run(self.ns("lb"), [str(self.inband), "status", "--json"], check=False)
         return json.loads(cp.stdout) if cp.returncode == 0 else None
@@ -516,7 +540,7 @@ class Bench:
             # turns on. Only for raw frames: GRO would merge a real TCP
             # stream's segments on the bridge.
             run(self.tb.switch_netns, ["ethtool", "-K", self.tb.switch_port("c1"), "gro", "on"])
-            return self.rounds("switch", path, FWD_LABELS[path], (self.ns("c1"), argv), lambda: self.sink(tag, passing=False))
+            return self.blast_rounds("switch", path, FWD_LABELS[path], (self.ns("c1"), argv), lambda: self.sink(tag, passing=False))
         finally:
             run(self.tb.switch_netns, ["ethtool", "-K", self.tb.switch_port("c1"), "gro", "off"], check=False)
             self.stop(handle)
@@ -567,19 +591,17 @@ class Bench:
                 cmd = (None, ["perf", "record", "-q", "-e", "cpu-clock", "-g", "-o", str(perf_data), "--", *ns_argv(self.ns("c1"), argv)])
             else:
                 cmd = (self.ns("c1"), argv)
-            r = self.rounds("hairpin", path, HAIRPIN_LABELS[path], cmd, sink_at)
+            r = self.blast_rounds("hairpin", path, HAIRPIN_LABELS[path], cmd, sink_at)
         finally:
             self.stop(handle)
         if self.args.perf:
             self.perf_report(perf_data, tag)
         return r
 
-    def rounds(self, load: str, path: str, label: str, cmd: tuple, sink_at) -> Fwd:
-        """The blast `profile.rounds` times, each counted by a fresh sink;
-        the round with the median rate is kept (the machine is shared, so
-        single rounds can be hit by someone else's burst)."""
-        results = []
-        for _ in range(self.p.rounds):
+    def blast_rounds(self, load: str, path: str, label: str, cmd: tuple, sink_at) -> Fwd:
+        """The generator `cmd`, counted by a fresh sink each round."""
+
+        def once() -> Fwd:
             sink, slog = sink_at()
             cpu0 = cpu_busy_s()
             cp = run(*cmd, timeout=self.p.seconds + 30)
@@ -587,8 +609,15 @@ class Bench:
             time.sleep(0.05)  # the last frames are still on their way
             got = self.sink_result(sink, slog)
             b = json.loads(cp.stdout)
-            results.append(Fwd(load, path, label, got["packets"], b["sent"], b["seconds"], got["packets"], cpu1 - cpu0))
-        results.sort(key=lambda f: f.rate)
+            return Fwd(load, path, label, got["packets"], b["sent"], b["seconds"], got["packets"], cpu1 - cpu0)
+
+        return self.median_of_rounds(once)
+
+    def median_of_rounds(self, once) -> Fwd:
+        """`once()` `profile.rounds` times; the round with the median rate
+        is kept (the machine is shared, so a single round can be hit by
+        someone else's burst)."""
+        results = sorted((once() for _ in range(self.p.rounds)), key=lambda f: f.rate)
         kept = results[len(results) // 2]
         kept.round_rates = [f.rate for f in results]
         return kept
@@ -608,39 +637,45 @@ class Bench:
         tag = f"fwd-stream-{path}"
         kind = {"inband-pt": "inband"}.get(path, path)
         handle = self.start(kind, SINK_PORT, tag, mode="passthrough")
-        server = stats = None
+        server = None
         try:
             server = self.procs.spawn(
                 "discard", self.ns("s1"), [str(self.inband), "bench", "discard", "--listen", f"0.0.0.0:{SINK_PORT}"], self.out / tag / "discard.log"
             )
             wait_until("the discard server", lambda: alive(server, "discard", self.out / tag / "discard.log") and "listening" in (self.out / tag / "discard.log").read_text(), 20)
-            sink, slog = self.sink(tag, passing=True)
             dst = f"{self.tb.addr('s1')}:{SINK_PORT}" if path == "direct" else f"{self.tb.vip}:{VIP_PORT}"
             argv = [str(self.inband), "bench", "stream", "--connect", dst, "--connections", "2", "--seconds", f"{self.p.seconds:g}"]
-            # The client bounds these rates, so program run times (which
-            # slow every XDP program, the sink's too) can be counted here.
-            stats = enable_bpf_stats()
-            prog0 = xdp_prog_stats(self.ns("lb"), "eth0") if kind == "inband" else (0, 0)
             hp = handle[1].pid if kind == "haproxy" else None
-            h0 = proc_cpu_s(hp) if hp else 0.0
-            cpu0 = cpu_busy_s()
-            cp = run(self.ns("c1"), argv, timeout=self.p.seconds + 30)
-            cpu1 = cpu_busy_s()
-            h1 = proc_cpu_s(hp) if hp else 0.0
-            prog1 = xdp_prog_stats(self.ns("lb"), "eth0") if kind == "inband" else (0, 0)
-            time.sleep(0.05)
-            got = self.sink_result(sink, slog)
+
+            def once() -> Fwd:
+                sink, slog = self.sink(tag, passing=True)
+                # The client bounds these rates, so program run times
+                # (which slow every XDP program, the sink's too) can be
+                # counted here.
+                stats = enable_bpf_stats()
+                try:
+                    prog0 = xdp_prog_stats(self.ns("lb"), "eth0") if kind == "inband" else (0, 0)
+                    h0 = proc_cpu_s(hp) if hp else 0.0
+                    cpu0 = cpu_busy_s()
+                    cp = run(self.ns("c1"), argv, timeout=self.p.seconds + 30)
+                    cpu1 = cpu_busy_s()
+                    h1 = proc_cpu_s(hp) if hp else 0.0
+                    prog1 = xdp_prog_stats(self.ns("lb"), "eth0") if kind == "inband" else (0, 0)
+                finally:
+                    os.close(stats)
+                time.sleep(0.05)
+                got = self.sink_result(sink, slog)
+                s = json.loads(cp.stdout)
+                return Fwd(
+                    "stream", path, FWD_LABELS[path], delivered_writes(got), s["messages"], s["seconds"], got["packets"], cpu1 - cpu0,
+                    own_cpu_s=(h1 - h0) + (prog1[0] - prog0[0]) / 1e9,
+                )  # fmt: skip
+
+            return self.median_of_rounds(once)
         finally:
-            if stats is not None:
-                os.close(stats)
             if server is not None:
                 self.procs.stop(server)
             self.stop(handle)
-        s = json.loads(cp.stdout)
-        return Fwd(
-            "stream", path, FWD_LABELS[path], delivered_writes(got), s["messages"], s["seconds"], got["packets"], cpu1 - cpu0,
-            own_cpu_s=(h1 - h0) + (prog1[0] - prog0[0]) / 1e9,
-        )  # fmt: skip
 
     # --- CPU per GB
 
@@ -699,17 +734,21 @@ class Bench:
 
     # --- freshness
 
-    def set_score(self, score: int) -> int:
-        """Sets s1's score through the agent's socket; returns the
-        CLOCK_MONOTONIC ns just before the request left."""
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(2)
-            s.connect(str(self.sock_dir / "agent.sock"))
-            t = time.monotonic_ns()
-            s.sendall(f"set {HTTP_PORT} {score}\n".encode())
-            reply = s.recv(256).decode().strip()
-        if not reply.startswith("ok"):
-            raise RuntimeError(f"agent refused the score: {reply}")
+    def set_score(self, conn: socket.socket, score: int) -> int:
+        """Sets s1's score on an open connection to the agent's socket (as
+        an application that reports its load would: a new connection waits
+        for the agent's accept loop, up to 20 ms); returns the
+        CLOCK_MONOTONIC ns just before the command left."""
+        t = time.monotonic_ns()
+        conn.sendall(f"set {HTTP_PORT} {score}\n".encode())
+        reply = b""
+        while not reply.endswith(b"\n"):
+            chunk = conn.recv(256)
+            if not chunk:
+                raise RuntimeError("the agent closed the score socket")
+            reply += chunk
+        if not reply.startswith(b"ok"):
+            raise RuntimeError(f"agent refused the score: {reply.decode().strip()}")
         return t
 
     def freshness(self, mechanism: str, interval: int) -> Fresh:
@@ -718,9 +757,11 @@ class Bench:
         handle = self.start("inband", HTTP_PORT, tag, mode=mode, probe=interval if mechanism == "in-band" else 100, poll_ms=interval)
         server = self.serve(tag, 1024)
         res = Fresh(mechanism, f"n = {interval}" if mechanism == "in-band" else f"{interval} ms")
-        wrk = None
-        scores = None
+        wrk = scores = conn = None
         try:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.settimeout(5)
+            conn.connect(str(self.sock_dir / "agent.sock"))
             backend_id = self.lb_status()[0]["vips"][0]["backends"][0]["id"]
             scores = PinnedMap(Path("/sys/fs/bpf/inband/netns") / self.ns("lb") / "lb" / "eth0" / "scores")
             # The longest a change can take is about a poll interval, or n
@@ -731,11 +772,11 @@ class Bench:
             # between a response and the next request on each.
             wrk = self.wrk(f"http://{self.tb.vip}:{VIP_PORT}/", int(budget_s) + 1, 4, tag, delay_ms=1, background=True)
             time.sleep(0.5)
-            served0, t_load0 = server_served(self), time.monotonic()
+            served0, pkts0, t_load0 = server_served(self), self.backend_packets(), time.monotonic()
             for trial in range(self.p.trials):
                 score = 1000 + trial  # every trial is a change
                 time.sleep(random.uniform(0.02, 0.1))  # off any poll phase
-                t0 = self.set_score(score)
+                t0 = self.set_score(conn, score)
                 deadline = time.monotonic() + limit_s
                 seen = None
                 while time.monotonic() < deadline:
@@ -749,8 +790,12 @@ class Bench:
                     res.timeouts += 1
                 else:
                     res.delays_ms.append(max(0, seen - t0) / 1e6)
-            res.load_rps = (server_served(self) - served0) / (time.monotonic() - t_load0)
+            elapsed = time.monotonic() - t_load0
+            res.load_rps = (server_served(self) - served0) / elapsed
+            res.backend_pps = (self.backend_packets() - pkts0) / elapsed
         finally:
+            if conn is not None:
+                conn.close()
             if scores is not None:
                 scores.close()
             if wrk is not None:
@@ -878,6 +923,8 @@ def preflight(args) -> list[str]:
     for tool in ("haproxy", "nft", "wrk", "bpftool"):
         if not shutil.which(tool):
             problems.append(f"{tool} is not installed: run scripts/setup.sh")
+    if args.perf and not shutil.which("perf"):
+        problems.append("perf is not installed (linux-perf): run scripts/setup.sh")
     if _SYS_BPF is None:
         problems.append(f"unsupported architecture {platform.machine()}")
     if (Path("/run/inband/testbed") / f"{args.name}.json").exists():
@@ -959,12 +1006,12 @@ def main(argv=None) -> int:
             signal.signal(s, signal.SIG_DFL)
 
     elapsed = time.time() - started
-    others = "none seen"
+    others = ", ".join(sorted(bench.others)) or "none seen"
     preamble = (
         "# Data-plane speed and efficiency\n\n"
         f"Command: `{command}`  \n"
         f"Started {time.strftime('%Y-%m-%d %H:%M:%S %z', time.localtime(started))}, wall time {elapsed:.0f} s, "
-        f"{os.cpu_count()} CPUs **shared by everything**: generator, bridge, balancer, server (and anything else running: {others}). "
+        f"{os.cpu_count()} CPUs **shared by everything**: generator, bridge, balancer, server (other work seen running during the measurements: {others}). "
         "Rates are what the whole testbed sustains; compare ratios measured in this run.  \n"
         f"kernel {platform.release()}; {tool_version(['haproxy', '-v'])}; {tool_version(['nft', '--version'])}; {tool_version(['wrk', '-v'])}\n"
     )

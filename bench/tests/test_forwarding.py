@@ -78,8 +78,8 @@ def test_http_table_per_gb_and_against_dsr():
 
 def test_fresh_table_and_percentile():
     assert fw.percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 0.9) == 9
-    t = table_rows(fw.fresh_table([fw.Fresh("in-band", "n = 10", [1.0, 2.0, 3.0], 1, 500.0)]), "| mechanism |")
-    assert t[0] == ["in-band", "n = 10", "3", "2.00", "3.00", "3.00", "1", "500"]
+    t = table_rows(fw.fresh_table([fw.Fresh("in-band", "n = 10", [1.0, 2.0, 3.0], 1, 500.0, 1500.0)]), "| mechanism |")
+    assert t[0] == ["in-band", "n = 10", "3", "2.00", "3.00", "3.00", "1", "500", "1,500"]
 
 
 def test_parse_wrk_summary():
@@ -135,7 +135,7 @@ def test_tiny_profile_end_to_end(tmp_path):
     fresh = res["freshness"]
     assert [(f["mechanism"], f["interval"]) for f in fresh] == [("in-band", "n = 10"), ("polling", "10 ms")]
     for f in fresh:
-        assert f["delays_ms"] and f["load_rps"] > 0, f
+        assert f["delays_ms"] and f["load_rps"] > 0 and f["backend_pps"] > 0, f
 
     md = (out / "results.md").read_text()
     for heading in ("one-armed hairpin", "switch → balancer", "64-byte writes", "CPU per GB", "Feedback freshness"):
