@@ -71,7 +71,7 @@ async fn backend_down_after_retries_is_502() {
 async fn no_healthy_backend_is_503() {
     let o = Origin::start(|s| if s.path == "/health" { ok("no").status(500) } else { ok("x") }).await;
     let p = start_proxy(&[o.addr], "[health]\npath = \"/health\"\ninterval_ms = 20\nunhealthy_after = 1").await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    wait_for_sample(&p, &format!("inband_proxy_backend_up{{backend=\"{}\"}}", o.addr), 0.0).await;
     let r = get(p.addr, "/").await;
     assert_eq!((r.status, r.body.as_str()), (503, "no healthy backend\n"));
     assert_eq!(o.hits(), 0);

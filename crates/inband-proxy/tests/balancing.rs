@@ -105,16 +105,16 @@ async fn health_checks_eject_and_readmit() {
     let b = Origin::start(|_| ok("b")).await;
     let extra = "[health]\npath = \"/health\"\ninterval_ms = 30\ntimeout_ms = 200\nunhealthy_after = 2\nhealthy_after = 3";
     let p = start_proxy(&[a.addr, b.addr], extra).await;
+    let series = format!("inband_proxy_backend_up{{backend=\"{}\"}}", a.addr);
+    wait_for_sample(&p, &series, 1.0).await;
     up.store(false, Ordering::SeqCst);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    wait_for_sample(&p, &series, 0.0).await;
     for _ in 0..10 {
         assert_eq!(get(p.addr, "/").await.body, "b");
     }
     assert_eq!(a.hits(), 0);
-    let m = metrics(&p).await;
-    assert_eq!(sample(&m, &format!("inband_proxy_backend_up{{backend=\"{}\"}}", a.addr)), 0.0, "{m}");
     up.store(true, Ordering::SeqCst);
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    wait_for_sample(&p, &series, 1.0).await;
     for _ in 0..10 {
         get(p.addr, "/").await;
     }

@@ -175,6 +175,19 @@ pub async fn metrics(p: &Proxy) -> String {
     get(p.metrics_addr.unwrap(), "/metrics").await.body
 }
 
+/// Polls the metrics until `series` reads `want`; panics after 5 s.
+pub async fn wait_for_sample(p: &Proxy, series: &str, want: f64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let m = metrics(p).await;
+        if sample(&m, series) == want {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "{series} never reached {want}:\n{m}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// The value of one sample line in Prometheus text, 0 if absent.
 pub fn sample(text: &str, series: &str) -> f64 {
     text.lines()
