@@ -10,6 +10,7 @@ APT_PACKAGES=(
   clang llvm libelf-dev zlib1g-dev pkg-config make gcc libbpf-dev linux-libc-dev bpftool
   iproute2 iputils-ping netcat-openbsd tcpdump ethtool curl util-linux
   nftables haproxy wrk python3-venv linux-perf
+  librocksdb-dev  # inband-cache links it instead of building RocksDB (.cargo/config.toml)
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

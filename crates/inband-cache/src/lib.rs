@@ -1,0 +1,192 @@
+//! Storage for inband's HTTP cache: one [`Store`] trait, four backends
+//! (LMDB, RocksDB, in-memory, file-per-key) chosen by [`Config`].
+//!
+//! Every backend stores the same self-checking record (see `record.rs`):
+//! key, [`Meta`], an opaque header blob owned by the HTTP layer (response
+//! headers, a serialized cache policy) and the body, under a CRC-32 (crc32fast)
+//! checksum that is verified on every read. A record that fails the check is
+//! counted, deleted and reported as a miss, never returned.
+//!
+//! The size bound and eviction live in one generic layer ([`cache::Cache`])
+//! above the backends, so every backend evicts the same way and the bound
+//! holds across restarts: the in-memory index is rebuilt at open from
+//! metadata only (a small meta table for LMDB/RocksDB, `stat` for files),
+//! never from values.
+
+mod cache;
+mod files;
+mod index;
+mod lmdb;
+mod memory;
+mod record;
+mod rocks;
+
+#[cfg(test)]
+mod tests;
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
+
+pub use cache::{Backend, Cache, ScanItem};
+
+/// Which backend holds the entries.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// LMDB (heed): B+tree in a memory map, readers never block.
+    #[default]
+    Lmdb,
+    /// RocksDB (Debian's librocksdb): LSM tree with a write-ahead log.
+    Rocksdb,
+    /// A concurrent hash map; lost on restart.
+    Memory,
+    /// One file per key under hashed subdirectories, like nginx's proxy_cache.
+    Files,
+}
+
+impl BackendKind {
+    pub const ALL: [BackendKind; 4] = [BackendKind::Lmdb, BackendKind::Rocksdb, BackendKind::Memory, BackendKind::Files];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Lmdb => "lmdb",
+            BackendKind::Rocksdb => "rocksdb",
+            BackendKind::Memory => "memory",
+            BackendKind::Files => "files",
+        }
+    }
+
+    pub fn durable(self) -> bool {
+        self != BackendKind::Memory
+    }
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match BackendKind::ALL.into_iter().find(|k| k.name() == s) {
+            Some(k) => Ok(k),
+            None => bail!("unknown cache backend {s:?} (lmdb, rocksdb, memory, files)"),
+        }
+    }
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// `[cache]` in the proxy's configuration.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub backend: BackendKind,
+    /// Directory of the store; required for every backend but `memory`.
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+    /// Bound on the sum of record sizes (key + metadata + header + body +
+    /// 40 bytes framing). Store overhead (B-tree pages, LSM space
+    /// amplification, filesystem blocks) comes on top.
+    #[serde(default = "default_capacity")]
+    pub capacity_bytes: u64,
+    /// fsync every write before it is acknowledged. Without it (the default)
+    /// writes survive a crash of the process (kill -9) but the last ones may
+    /// be lost on power loss until [`Store::flush`] runs.
+    #[serde(default)]
+    pub fsync: bool,
+}
+
+fn default_capacity() -> u64 {
+    1 << 30
+}
+
+impl Config {
+    pub fn new(backend: BackendKind, path: Option<PathBuf>, capacity_bytes: u64) -> Config {
+        Config { backend, path, capacity_bytes, fsync: false }
+    }
+}
+
+/// What the store knows about an entry without reading its value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Meta {
+    /// Unix milliseconds, set by the caller (the HTTP layer's response time).
+    pub stored_at_ms: u64,
+    /// Unix milliseconds after which the entry is stale; `u64::MAX` = never.
+    /// The store does not drop stale entries (stale-while-revalidate needs
+    /// them); eviction takes them first.
+    pub expires_at_ms: u64,
+    /// Bytes charged against the capacity: the encoded record's length.
+    pub size: u64,
+}
+
+/// A stored entry as returned by [`Store::get`], checksum verified.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub meta: Meta,
+    /// Opaque to the store: the HTTP layer's response head and policy.
+    pub header: Vec<u8>,
+    pub body: Vec<u8>,
+}
+
+/// Counters a metrics endpoint exports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Stats {
+    pub entries: u64,
+    pub size_bytes: u64,
+    pub capacity_bytes: u64,
+    /// Records that failed their checksum (or framing) and were deleted.
+    pub corrupt: u64,
+    pub evictions: u64,
+}
+
+/// The storage the HTTP cache keeps entries in.
+///
+/// Writes are atomic per entry: a reader sees the old record or the new one,
+/// and after a crash the store holds one of them, never a mix. Durability
+/// against power loss follows [`Config::fsync`]; [`Store::flush`] forces
+/// everything written so far to stable storage (the proxy calls it
+/// periodically and on shutdown).
+pub trait Store: Send + Sync {
+    fn kind(&self) -> BackendKind;
+    /// The entry, or `None` on a miss. A corrupt record counts in
+    /// [`Stats::corrupt`], is deleted and reads as a miss.
+    fn get(&self, key: &[u8]) -> Result<Option<Entry>>;
+    /// Stores (or replaces) an entry, then evicts until the store is within
+    /// its capacity. Fails if the record alone exceeds the capacity.
+    fn put(&self, key: &[u8], stored_at_ms: u64, expires_at_ms: u64, header: &[u8], body: &[u8]) -> Result<Meta>;
+    /// Whether the key was present.
+    fn delete(&self, key: &[u8]) -> Result<bool>;
+    /// From the in-memory index, no I/O. May be true for an entry whose
+    /// record a later `get` finds corrupt.
+    fn contains(&self, key: &[u8]) -> bool;
+    /// Every key with its metadata, without reading bodies (a meta table for
+    /// LMDB/RocksDB; a short read of each file's head for `files`).
+    fn for_each_meta(&self, f: &mut dyn FnMut(&[u8], &Meta)) -> Result<()>;
+    fn len(&self) -> u64;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Sum of [`Meta::size`] over all entries.
+    fn size_bytes(&self) -> u64;
+    /// Forces every acknowledged write to stable storage.
+    fn flush(&self) -> Result<()>;
+    fn stats(&self) -> Stats;
+}
+
+/// Opens (or creates) the store `config` describes.
+pub fn open(config: &Config) -> Result<Box<dyn Store>> {
+    let path = || match &config.path {
+        Some(p) => Ok(p.clone()),
+        None => Err(anyhow::anyhow!("cache backend {} needs a path", config.backend)),
+    };
+    Ok(match config.backend {
+        BackendKind::Lmdb => Box::new(Cache::open(lmdb::Lmdb::open(&path()?, config)?, config)?),
+        BackendKind::Rocksdb => Box::new(Cache::open(rocks::Rocks::open(&path()?, config)?, config)?),
+        BackendKind::Memory => Box::new(Cache::open(memory::Memory::default(), config)?),
+        BackendKind::Files => Box::new(Cache::open(files::Files::open(&path()?, config)?, config)?),
+    })
+}

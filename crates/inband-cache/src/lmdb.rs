@@ -1,0 +1,113 @@
+//! LMDB backend (heed): two named databases in one environment, `data`
+//! (id → record) and `meta` (id → meta record with the key), written in one
+//! transaction so they never disagree. Startup reads only `meta`.
+//!
+//! Without `fsync` the environment runs with MDB_NOSYNC: commits reach the
+//! OS page cache (so kill -9 loses nothing) and `flush` fsyncs. LMDB's
+//! copy-on-write pages and its two meta pages make every commit atomic.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use heed::types::Bytes;
+use heed::{Database, Env, EnvFlags, EnvOpenOptions};
+
+use crate::cache::{Backend, ScanItem};
+use crate::record;
+use crate::{BackendKind, Config, Meta};
+
+pub(crate) struct Lmdb {
+    env: Env,
+    data: Database<Bytes, Bytes>,
+    meta: Database<Bytes, Bytes>,
+}
+
+impl Lmdb {
+    pub(crate) fn open(dir: &Path, config: &Config) -> Result<Lmdb> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        // The map is address space, not memory or disk; LMDB cannot grow it
+        // while open, so leave room for the free pages copy-on-write holds
+        // while readers are active.
+        let map_size = (config.capacity_bytes.saturating_mul(2) + (256 << 20)).next_multiple_of(1 << 20);
+        let mut flags = EnvFlags::NO_READ_AHEAD;
+        if !config.fsync {
+            flags |= EnvFlags::NO_SYNC;
+        }
+        let mut options = EnvOpenOptions::new();
+        options.map_size(map_size as usize).max_dbs(2);
+        // SAFETY: the directory holds only this store and is opened once per
+        // process (NO_SYNC is "unsafe" only in that it trades durability on
+        // power loss, which `flush` restores).
+        let env = unsafe { options.flags(flags).open(dir) }.with_context(|| format!("opening LMDB at {}", dir.display()))?;
+        let mut txn = env.write_txn()?;
+        let data = env.create_database(&mut txn, Some("data"))?;
+        let meta = env.create_database(&mut txn, Some("meta"))?;
+        txn.commit()?;
+        // Reader slots of a killed process stay taken until cleared.
+        env.clear_stale_readers()?;
+        Ok(Lmdb { env, data, meta })
+    }
+}
+
+impl Drop for Lmdb {
+    // heed keeps every opened environment in a global registry until told
+    // otherwise; without this a reopen in the same process (tests, or a
+    // config reload) would get the old handle or an error.
+    fn drop(&mut self) {
+        self.env.clone().prepare_for_closing();
+    }
+}
+
+impl Backend for Lmdb {
+    const KIND: BackendKind = BackendKind::Lmdb;
+
+    fn get(&self, id: u128) -> Result<Option<Vec<u8>>> {
+        let txn = self.env.read_txn()?;
+        Ok(self.data.get(&txn, &id.to_be_bytes())?.map(<[u8]>::to_vec))
+    }
+
+    fn put(&self, id: u128, rec: &[u8], meta: &[u8]) -> Result<()> {
+        let k = id.to_be_bytes();
+        let mut txn = self.env.write_txn()?;
+        self.data.put(&mut txn, &k, rec)?;
+        self.meta.put(&mut txn, &k, meta)?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    fn remove(&self, id: u128) -> Result<bool> {
+        let k = id.to_be_bytes();
+        let mut txn = self.env.write_txn()?;
+        let had = self.data.delete(&mut txn, &k)?;
+        self.meta.delete(&mut txn, &k)?;
+        txn.commit()?;
+        Ok(had)
+    }
+
+    fn scan(&self, f: &mut dyn FnMut(u128, Option<ScanItem>)) -> Result<()> {
+        let txn = self.env.read_txn()?;
+        for kv in self.meta.iter(&txn)? {
+            let (k, v) = kv?;
+            let Ok(k) = <[u8; 16]>::try_from(k) else { continue };
+            let item = record::decode_meta(v)
+                .map(|(_, m)| ScanItem { size: m.size, expires_at_ms: m.expires_at_ms, order: m.stored_at_ms });
+            f(u128::from_be_bytes(k), item);
+        }
+        Ok(())
+    }
+
+    fn for_each_meta(&self, f: &mut dyn FnMut(&[u8], &Meta)) -> Result<()> {
+        let txn = self.env.read_txn()?;
+        for kv in self.meta.iter(&txn)? {
+            if let Some((key, m)) = record::decode_meta(kv?.1) {
+                f(key, &m);
+            }
+        }
+        Ok(())
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.env.force_sync()?;
+        Ok(())
+    }
+}
