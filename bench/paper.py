@@ -17,6 +17,7 @@ down on exit, Ctrl-C and SIGTERM included. See docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -80,8 +81,11 @@ class Profile:
 PROFILES = {
     # The paper: 150 users, 10 minutes, 0.5 s to a few s per request.
     "full": Profile("full", 150, 150, 600, 1000.0, "lognormal", 32, 1.0, 120.0, 46 * 1024),
-    # Same shape in one minute per configuration (the README's demo).
-    "quick": Profile("quick", 150, 150, 60, 1000.0, "lognormal", 32, 1.0, 60.0, 46 * 1024),
+    # The same servers four times faster, one minute per configuration (the
+    # README's demo): 4x the requests per minute keeps run-to-run noise below
+    # the differences measured, and load now changes faster than a 1 s poll
+    # (docs/benchmarks.md: "Two regimes").
+    "quick": Profile("quick", 150, 150, 60, 1000.0, "lognormal", 32, 0.25, 60.0, 46 * 1024),
     # Seconds per configuration, for the end-to-end test: checks that
     # everything runs, not what wins.
     "tiny": Profile("tiny", 20, 20, 5, 1000.0, "lognormal", 8, 0.1, 20.0, 46 * 1024),
@@ -95,12 +99,19 @@ class Configuration:
     kind: str  # inband | haproxy | nftables
     mode: str | None = None
     balance: str | None = None
+    # dsr-polling only: overrides --poll-interval-ms for this row.
+    poll_interval_ms: int | None = None
 
 
 CONFIGURATIONS = (
     Configuration("passthrough", "Pass through (inband, round-robin, no DSR)", "inband", mode="passthrough"),
     Configuration("dsr-rr", "DSR round-robin (inband)", "inband", mode="dsr-rr"),
-    Configuration("dsr-polling", "DSR request busyness (inband, UDP polling)", "inband", mode="dsr-polling"),
+    Configuration("dsr-polling", "DSR request busyness (inband, UDP polling, default interval)", "inband", mode="dsr-polling"),
+    # The same baseline polled 10x as often: shows what freshness costs when
+    # it is bought with packets instead of carried in-band.
+    Configuration(
+        "dsr-polling-100ms", "DSR request busyness (inband, UDP polling every 100 ms)", "inband", mode="dsr-polling", poll_interval_ms=100
+    ),
     Configuration("dsr-dynamic", "Dynamic DSR (inband, in-band scores)", "inband", mode="dsr-dynamic"),
     Configuration("haproxy-roundrobin", "HAProxy 2.6 TCP roundrobin", "haproxy", balance="roundrobin"),
     Configuration("haproxy-leastconn", "HAProxy 2.6 TCP leastconn", "haproxy", balance="leastconn"),
@@ -334,7 +345,7 @@ class Bench:
                     mode=c.mode,
                     control_socket=str(sock),
                     probe_interval=self.args.probe_interval,
-                    poll_interval_ms=self.args.poll_interval_ms,
+                    poll_interval_ms=c.poll_interval_ms or self.args.poll_interval_ms,
                 )
             )
             log = cfg_dir / "lb.log"
@@ -561,14 +572,19 @@ def parse_args(argv):
     ap.add_argument("--configs", default=",".join(BY_KEY), help=f"comma-separated subset of: {', '.join(BY_KEY)}")
     ap.add_argument("--name", default="paper", help="testbed name (namespaces NAME-lb, NAME-c1, ...)")
     ap.add_argument("--inband", default=str(REPO / "target" / "debug" / "inband"), help="the inband binary")
-    ap.add_argument("--tbf-rate-mbit", type=float, default=10.0, help="balancer link rate (traffic into the balancer)")
-    ap.add_argument("--tbf-burst-kb", type=int, default=16)
+    ap.add_argument(
+        "--tbf-rate-mbit", type=float, help="balancer link rate (traffic into the balancer); default 10 Mbit/s ÷ the time scale"
+    )
+    ap.add_argument("--tbf-burst-kb", type=int, help="default 16 KB ÷ the time scale")
     ap.add_argument("--tbf-latency-ms", type=int, default=100, help="TBF queue, as the longest a packet may wait")
     ap.add_argument("--probe-interval", type=int, default=100, help="dsr-dynamic: score request on every n-th packet")
-    ap.add_argument("--poll-interval-ms", type=int, default=100, help="dsr-polling: how often each agent is asked")
+    ap.add_argument(
+        "--poll-interval-ms", type=int, default=1000, help="dsr-polling: how often each agent is asked (the balancer's default; dsr-polling-100ms keeps 100)"
+    )
     ap.add_argument("--users", type=int, help="override the profile's user count")
     ap.add_argument("--spawn-rate", type=int, help="override the profile's spawn rate")
     ap.add_argument("--duration", type=int, help="override the profile's seconds per configuration")
+    ap.add_argument("--time-scale", type=float, help="override the profile's server-side time scale (0.25: four times faster service)")
     args = ap.parse_args(argv)
     unknown = [k for k in args.configs.split(",") if k not in BY_KEY]
     if unknown:
@@ -610,6 +626,15 @@ def main(argv=None) -> int:
             print(f"error: {p}", file=sys.stderr)
         return 2
     profile = PROFILES[args.profile]
+    if args.time_scale:
+        profile = dataclasses.replace(profile, time_scale=args.time_scale)
+    # Faster servers get a proportionally faster balancer link, so that the
+    # balancer's capacity relative to the servers' stays what it is at
+    # time scale 1 (pass-through bound below round-robin, as in the paper).
+    if args.tbf_rate_mbit is None:
+        args.tbf_rate_mbit = 10.0 / profile.time_scale
+    if args.tbf_burst_kb is None:
+        args.tbf_burst_kb = round(16 / profile.time_scale)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     configs = [BY_KEY[k] for k in args.configs.split(",")]
@@ -674,7 +699,8 @@ def write_outputs(bench: Bench, results, failed, out: Path, command: str, elapse
         f"Servers: {p.workers} workers each, service time {p.service_dist} with mean {p.service_ms:g} ms × time scale {p.time_scale:g} ÷ speed; {spec}; "
         f"{p.body_bytes} byte responses.  \n"
         f"Balancer link (traffic into the balancer): TBF {a.tbf_rate_mbit:g} Mbit/s, burst {a.tbf_burst_kb} KB, latency {a.tbf_latency_ms} ms.  \n"
-        f"dsr-dynamic probes every {a.probe_interval}th packet per backend; dsr-polling polls every {a.poll_interval_ms} ms.  \n"
+        f"dsr-dynamic probes every {a.probe_interval}th packet per backend; dsr-polling polls every {a.poll_interval_ms} ms, "
+        f"dsr-polling-100ms every {BY_KEY['dsr-polling-100ms'].poll_interval_ms} ms.  \n"
         f"Servers started {min(bench.slowdown_offsets, default=0):.1f}–{max(bench.slowdown_offsets, default=0):.1f} s before the load "
         "(their slowdown windows count from their start).  \n"
         f"Total wall time {elapsed_s:.0f} s. Machine and versions: command.txt.\n"

@@ -17,6 +17,7 @@ STYLE = {
     "passthrough": dict(color="tab:blue"),
     "dsr-rr": dict(color="tab:green"),
     "dsr-polling": dict(color="tab:red"),
+    "dsr-polling-100ms": dict(color="tab:pink"),
     "dsr-dynamic": dict(color="black", linewidth=2),
     "haproxy-roundrobin": dict(color="tab:orange", linestyle="--"),
     "haproxy-leastconn": dict(color="tab:purple", linestyle="--"),

@@ -1,5 +1,6 @@
 """End to end: the paper driver's tiny profile on a real namespace testbed,
-every configuration (inband's four modes, HAProxy, nftables)."""
+every configuration (inband's four modes and the 100 ms poller, HAProxy,
+nftables)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ def test_tiny_profile_end_to_end(tmp_path):
     by = {r["key"]: r for r in rows}
     assert int(by["dsr-dynamic"]["extra_packets"]) == 0
     assert int(by["dsr-polling"]["extra_packets"]) > 0
+    # Ten times the poll rate costs (about) ten times the packets.
+    assert int(by["dsr-polling-100ms"]["extra_packets"]) > 5 * int(by["dsr-polling"]["extra_packets"]), by
     for k in ("passthrough", "dsr-rr", "haproxy-roundrobin", "nftables-numgen"):
         assert int(by[k]["extra_packets"]) == 0 and int(by[k]["extra_bytes"]) == 0, by[k]
 

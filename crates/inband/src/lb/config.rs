@@ -76,8 +76,11 @@ fn default_probe_interval() -> u32 {
 fn default_score_max_age_ms() -> u64 {
     2000
 }
+// One poll a second per backend: already twice as often as HAProxy's
+// agent-check default (2 s), and polling traffic grows with backends ×
+// balancers. In-band feedback needs no such trade (docs/decisions.md).
 fn default_poll_interval_ms() -> u64 {
-    100
+    1000
 }
 pub fn default_poll_port() -> u16 {
     9137
@@ -211,6 +214,7 @@ port = 8080
         assert_eq!(c.vips[0].mode, Mode::DsrDynamic);
         assert_eq!(c.vips[0].policy, Policy::LeastScore);
         assert_eq!(c.vips[0].probe_interval, 100);
+        assert_eq!(c.vips[0].poll_interval_ms, 1000);
         assert_eq!(c.vips[0].backends.len(), 2);
         assert_eq!(c.xdp_mode, XdpMode::Auto);
         assert_eq!(c.control_socket, PathBuf::from("/run/inband/lb.sock"));
