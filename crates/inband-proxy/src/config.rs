@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -51,6 +51,9 @@ pub struct Config {
     pub health: Option<HealthConfig>,
     #[serde(default)]
     pub passive: PassiveConfig,
+    /// The response cache; none when absent.
+    #[serde(default)]
+    pub cache: Option<CacheConfig>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
@@ -93,6 +96,32 @@ pub struct PassiveConfig {
 impl Default for PassiveConfig {
     fn default() -> Self {
         PassiveConfig { failures: default_passive_failures(), cooldown_ms: default_passive_cooldown_ms() }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CacheConfig {
+    #[serde(default)]
+    pub backend: inband_cache::BackendKind,
+    /// Directory of the store; required for every backend but `memory`.
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+    #[serde(default = "default_cache_capacity")]
+    pub capacity_bytes: u64,
+    /// Responses with a larger body are passed through, not stored.
+    #[serde(default = "default_max_object_bytes")]
+    pub max_object_bytes: u64,
+    /// fsync every write (see inband-cache); off by default.
+    #[serde(default)]
+    pub fsync: bool,
+}
+
+impl CacheConfig {
+    pub fn store_config(&self) -> inband_cache::Config {
+        let mut c = inband_cache::Config::new(self.backend, self.path.clone(), self.capacity_bytes);
+        c.fsync = self.fsync;
+        c
     }
 }
 
@@ -140,6 +169,12 @@ fn default_passive_failures() -> u32 {
 }
 fn default_passive_cooldown_ms() -> u64 {
     10_000
+}
+fn default_cache_capacity() -> u64 {
+    1 << 30
+}
+fn default_max_object_bytes() -> u64 {
+    8 << 20
 }
 
 /// What consistent hashing hashes.
@@ -237,6 +272,14 @@ pub fn check(raw: Config) -> Result<Checked> {
             note(Err(anyhow::anyhow!("health: interval_ms, timeout_ms, unhealthy_after and healthy_after must be above 0")));
         }
     }
+    if let Some(c) = &raw.cache {
+        if c.backend.durable() && c.path.is_none() {
+            note(Err(anyhow::anyhow!("cache.backend {} needs cache.path (a directory)", c.backend)));
+        }
+        if c.max_object_bytes >= c.capacity_bytes {
+            note(Err(anyhow::anyhow!("cache.max_object_bytes must be below cache.capacity_bytes")));
+        }
+    }
     let listen = listen.map_err(|e| problems.push(format!("{e:#}"))).ok();
     let metrics_listen = metrics_listen.map_err(|e| problems.push(format!("{e:#}"))).ok().flatten();
     if !problems.is_empty() {
@@ -255,6 +298,7 @@ mod tests {
         assert_eq!(c.raw.policy, PolicyKind::RoundRobin);
         assert_eq!(c.hash_key, HashKey::Path);
         assert_eq!(c.raw.retries, 2);
+        assert!(c.raw.cache.is_none());
     }
 
     #[test]
@@ -273,5 +317,11 @@ mod tests {
         assert!(format!("{e:#}").contains("unknown field `retry`"), "{e:#}");
         let e = parse("listen = \"127.0.0.1:0\"\nbackends = []").unwrap_err();
         assert!(format!("{e:#}").contains("backends is empty"), "{e:#}");
+    }
+
+    #[test]
+    fn durable_cache_needs_a_path() {
+        let e = parse("listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\n[cache]\nbackend = \"lmdb\"").unwrap_err();
+        assert!(format!("{e:#}").contains("needs cache.path"), "{e:#}");
     }
 }

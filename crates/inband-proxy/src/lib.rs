@@ -1,9 +1,11 @@
 //! `inband proxy`: an HTTP/1.1 reverse proxy in front of a backend pool
 //! (round-robin, least-request, consistent hashing), with active and
-//! passive health checking, bounded retries, a Prometheus endpoint and
-//! graceful shutdown. See docs/proxy.md.
+//! passive health checking, bounded retries, an HTTP cache kept in a
+//! durable store (inband-cache), a Prometheus endpoint and graceful
+//! shutdown. See docs/proxy.md.
 
 mod backend;
+mod cache_layer;
 pub mod config;
 mod forward;
 mod health;
@@ -37,6 +39,7 @@ pub(crate) struct Shared {
     policy: Policy,
     client: BackendClient,
     metrics: Metrics,
+    cache: Option<cache_layer::HttpCache>,
 }
 
 impl Shared {
@@ -44,6 +47,9 @@ impl Shared {
         let now = Instant::now();
         for b in &self.backends {
             self.metrics.set_backend_up(&b.name, b.is_healthy(now));
+        }
+        if let Some(c) = &self.cache {
+            self.metrics.set_cache_store(&c.stats());
         }
         self.metrics.render()
     }
@@ -56,6 +62,7 @@ pub struct Proxy {
     pub metrics_addr: Option<SocketAddr>,
     stop: watch::Sender<bool>,
     server: JoinHandle<()>,
+    shared: Arc<Shared>,
     background: Vec<JoinHandle<()>>,
 }
 
@@ -70,6 +77,9 @@ impl Proxy {
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(connector);
+        // The store opens before the listener binds, so a proxy that
+        // accepts has its cache: the first request after a restart can hit.
+        let cache = cfg.raw.cache.as_ref().map(cache_layer::HttpCache::open).transpose().context("opening the cache")?;
         let listener = TcpListener::bind(cfg.listen).await.with_context(|| format!("listening on {}", cfg.listen))?;
         let addr = listener.local_addr()?;
         let metrics_listener = match cfg.metrics_listen {
@@ -82,6 +92,7 @@ impl Proxy {
             policy: Policy::new(cfg.raw.policy),
             client,
             metrics: Metrics::new(),
+            cache,
             cfg,
         });
         let mut background = Vec::new();
@@ -90,13 +101,16 @@ impl Proxy {
                 background.push(health::spawn(h.clone(), shared.client.clone(), b.clone()));
             }
         }
+        if shared.cache.is_some() {
+            background.push(tokio::spawn(flush_periodically(shared.clone())));
+        }
         if let Some(l) = metrics_listener {
             background.push(tokio::spawn(server::serve_metrics(shared.clone(), l)));
         }
         let (stop, stop_rx) = watch::channel(false);
         tracing::info!(%addr, backends = shared.backends.len(), policy = ?shared.cfg.raw.policy, "proxy listening");
-        let server = tokio::spawn(server::serve(shared, listener, stop_rx));
-        Ok(Proxy { addr, metrics_addr, stop, server, background })
+        let server = tokio::spawn(server::serve(shared.clone(), listener, stop_rx));
+        Ok(Proxy { addr, metrics_addr, stop, server, shared, background })
     }
 
     /// Stops accepting, waits for in-flight requests (bounded by
@@ -107,7 +121,22 @@ impl Proxy {
         for t in self.background {
             t.abort();
         }
+        if let Some(c) = &self.shared.cache {
+            c.flush().await;
+        }
         tracing::info!("proxy stopped");
+    }
+}
+
+/// Writes acknowledged cache entries to stable storage every second, so
+/// power loss costs at most a second of entries (kill -9 costs none).
+async fn flush_periodically(shared: Arc<Shared>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        if let Some(c) = &shared.cache {
+            c.flush().await;
+        }
     }
 }
 

@@ -10,6 +10,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+use crate::cache_layer::Outcome;
+
 type Labels = Vec<(&'static str, String)>;
 
 /// Requests the proxy answered itself, by why.
@@ -62,6 +64,8 @@ pub struct Metrics {
     pub response_bytes: Counter,
     latency: Histogram,
     backend_up: Family<Labels, Gauge>,
+    cache: Family<Labels, Counter>,
+    cache_store: Family<Labels, Gauge>,
 }
 
 impl Metrics {
@@ -77,12 +81,20 @@ impl Metrics {
         let backend_up = Family::<Labels, Gauge>::default();
         registry.register("requests", "Responses to clients by status class", requests.clone());
         registry.register("refusals", "Requests answered by the proxy itself, by reason", refusals.clone());
-        registry.register("origin_requests", "Requests sent to backends (every attempt and check excluded)", origin_requests.clone());
+        registry.register("origin_requests", "Requests sent to backends, every attempt counted, health checks not", origin_requests.clone());
         registry.register("request_body_bytes", "Request body bytes received from clients", request_bytes.clone());
         registry.register("response_body_bytes", "Response body bytes sent to clients", response_bytes.clone());
         registry.register("request_duration_seconds", "Time from request head to response head", latency.clone());
         registry.register("backend_up", "1 when the backend takes new requests (checks and passive ejection)", backend_up.clone());
-        Metrics { registry, requests, refusals, origin_requests, request_bytes, response_bytes, latency, backend_up }
+        let cache = Family::<Labels, Counter>::default();
+        let cache_store = Family::<Labels, Gauge>::default();
+        registry.register("cache", "GET requests through the cache by outcome", cache.clone());
+        registry.register("cache_store", "The cache store: entries, bytes, capacity_bytes, corrupt, evictions", cache_store.clone());
+        // Every outcome exported from the start, so a rate() sees its 0.
+        for o in Outcome::ALL {
+            let _ = cache.get_or_create(&vec![("result", o.label().to_string())]);
+        }
+        Metrics { registry, requests, refusals, origin_requests, request_bytes, response_bytes, latency, backend_up, cache, cache_store }
     }
 
     pub fn response(&self, status: StatusCode, took: Duration) {
@@ -107,6 +119,22 @@ impl Metrics {
 
     pub fn set_backend_up(&self, backend: &str, up: bool) {
         self.backend_up.get_or_create(&vec![("backend", backend.to_string())]).set(up as i64);
+    }
+
+    pub fn cache(&self, o: Outcome) {
+        self.cache.get_or_create(&vec![("result", o.label().to_string())]).inc();
+    }
+
+    pub fn set_cache_store(&self, s: &inband_cache::Stats) {
+        for (what, v) in [
+            ("entries", s.entries),
+            ("bytes", s.size_bytes),
+            ("capacity_bytes", s.capacity_bytes),
+            ("corrupt", s.corrupt),
+            ("evictions", s.evictions),
+        ] {
+            self.cache_store.get_or_create(&vec![("what", what.to_string())]).set(v as i64);
+        }
     }
 
     pub fn render(&self) -> String {

@@ -17,7 +17,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::forward;
+use crate::{cache_layer, forward};
 use crate::metrics::Refusal;
 use crate::Shared;
 
@@ -128,7 +128,7 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>, peer: SocketAddr) -
     }))
 }
 
-async fn respond(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
     let limit = shared.cfg.raw.max_body_bytes;
     let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit) {
@@ -142,12 +142,48 @@ async fn respond(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) -> R
         Err(_) => return refuse(shared, Refusal::BadRequest),
     };
     shared.metrics.request_bytes.inc_by(body.len() as u64);
+    if parts.method.as_str() == "PURGE" {
+        return purge(shared, &parts, peer).await;
+    }
     forward::strip_hop_by_hop(&mut parts.headers);
     forward::add_forwarding(&mut parts.headers, peer);
     let key = forward::hash_key(&shared.cfg.hash_key, &parts, peer);
-    match forward::send(shared, &parts, body, &key).await {
-        Ok(resp) => resp.map(|b| b.map_err(BoxError::from).boxed()),
-        Err(r) => refuse(shared, r),
+    let result = match &shared.cache {
+        Some(cache) if cache_layer::applies(&parts) => cache_layer::serve(shared, cache, parts, &key).await,
+        _ => {
+            let sent = forward::send(shared, &parts, body, &key).await;
+            if let (Some(cache), Ok(resp)) = (&shared.cache, &sent) {
+                let ok = resp.status().is_success() || resp.status().is_redirection();
+                if ok && cache_layer::invalidates(&parts.method) {
+                    if let Err(e) = cache.purge(&parts).await {
+                        tracing::warn!(error = %e, "cache invalidation failed");
+                    }
+                }
+            }
+            sent.map(|resp| resp.map(|b| b.map_err(BoxError::from).boxed()))
+        }
+    };
+    result.unwrap_or_else(|r| refuse(shared, r))
+}
+
+/// `PURGE /path` (with the Host of the cached URL) from an allowed client
+/// deletes that URL's entry and all its variants.
+async fn purge(shared: &Shared, parts: &http::request::Parts, peer: SocketAddr) -> Response<ProxyBody> {
+    let text = |status: StatusCode, t: String| {
+        let mut r = Response::new(full(t));
+        *r.status_mut() = status;
+        r
+    };
+    if !shared.cfg.raw.purge_allow.contains(&peer.ip()) {
+        return text(StatusCode::FORBIDDEN, format!("PURGE not allowed from {}\n", peer.ip()));
+    }
+    let Some(cache) = &shared.cache else {
+        return text(StatusCode::NOT_FOUND, "no cache configured\n".into());
+    };
+    match cache.purge(parts).await {
+        Ok(0) => text(StatusCode::NOT_FOUND, "not cached\n".into()),
+        Ok(n) => text(StatusCode::OK, format!("purged {n} entries\n")),
+        Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("purge failed: {e:#}\n")),
     }
 }
 

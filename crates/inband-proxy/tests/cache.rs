@@ -1,0 +1,313 @@
+//! HTTP cache semantics through the proxy: what is stored, expiry, Vary,
+//! 304 revalidation, coalescing, purge, invalidation and restart durability.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use inband_proxy::Proxy;
+
+const HOST: &str = "cache.test";
+
+/// An origin whose answers depend on the path; bodies carry a serial
+/// number so a cached body is told apart from a fresh one.
+async fn origin() -> Origin {
+    let n = Arc::new(AtomicUsize::new(0));
+    Origin::start(move |s| {
+        let i = n.fetch_add(1, Ordering::SeqCst);
+        let path = s.path.split('?').next().unwrap();
+        let body = format!("{path} #{i}");
+        match path {
+            "/max-age" | "/purge-me" | "/durable" => ok(&body).header("cache-control", "max-age=60"),
+            "/s-maxage" => ok(&body).header("cache-control", "max-age=0, s-maxage=60"),
+            "/expires" => ok(&body).header("expires", httpdate(Duration::from_secs(60))),
+            "/no-store" => ok(&body).header("cache-control", "no-store, max-age=60"),
+            "/private" => ok(&body).header("cache-control", "private, max-age=60"),
+            "/no-cache" => ok(&body).header("cache-control", "no-cache, max-age=60"),
+            "/cookie" => ok(&body).header("cache-control", "max-age=60").header("set-cookie", "session=secret"),
+            "/short" => ok(&body).header("cache-control", "max-age=1"),
+            "/swr" => ok(&body).header("cache-control", "max-age=1, stale-while-revalidate=30").delay(Duration::from_millis(300)),
+            "/vary" => {
+                let lang = s.headers.get("accept-language").map_or("none", |v| v.to_str().unwrap());
+                ok(&format!("{lang} #{i}")).header("cache-control", "max-age=60").header("vary", "Accept-Language")
+            }
+            "/etag" => {
+                if s.headers.get("if-none-match").is_some_and(|v| v == "\"v1\"") {
+                    ok("").status(304).header("etag", "\"v1\"").header("cache-control", "max-age=1")
+                } else {
+                    ok(&body).header("etag", "\"v1\"").header("cache-control", "max-age=1")
+                }
+            }
+            "/slow" => ok(&body).header("cache-control", "max-age=60").delay(Duration::from_millis(300)),
+            "/big" => ok(&"x".repeat(5000)).header("cache-control", "max-age=60"),
+            _ => ok(&body),
+        }
+    })
+    .await
+}
+
+fn httpdate(from_now: Duration) -> String {
+    // RFC 7231 IMF-fixdate, formatted by hand to keep a date crate out of
+    // the tests: the origin needs exactly one Expires value.
+    let t = std::time::SystemTime::now() + from_now;
+    let secs = t.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let (days, rem) = (secs / 86400, secs % 86400);
+    let (h, m, s) = (rem / 3600, rem % 3600 / 60, rem % 60);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719468;
+    let era = z.div_euclid(146097);
+    let doe = z - era * 146097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let mo = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + if mo <= 2 { 1 } else { 0 };
+    let wd = ["Thu", "Fri", "Sat", "Sun", "Mon", "Tue", "Wed"][(days % 7) as usize];
+    let mon = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"][mo as usize - 1];
+    format!("{wd}, {d:02} {mon} {y} {h:02}:{m:02}:{s:02} GMT")
+}
+
+fn cache_section(backend: &str, dir: &std::path::Path) -> String {
+    format!(
+        "[cache]\nbackend = \"{backend}\"\npath = \"{}\"\ncapacity_bytes = 16777216\nmax_object_bytes = 4096",
+        dir.display()
+    )
+}
+
+async fn cget(p: &Proxy, path: &str) -> Reply2 {
+    send(p.addr, "GET", path, &[("host", HOST)], b"").await
+}
+
+fn x_cache(r: &Reply2) -> &str {
+    r.headers.get("x-cache").map_or("-", |v| v.to_str().unwrap())
+}
+
+#[tokio::test]
+async fn stores_what_the_rules_allow_and_nothing_else() {
+    let o = origin().await;
+    let dir = tempfile::tempdir().unwrap();
+    let p = start_proxy(&[o.addr], &cache_section("lmdb", dir.path())).await;
+    for (path, stored) in [
+        ("/max-age", true),
+        ("/s-maxage", true),
+        ("/expires", true),
+        ("/no-store", false),
+        ("/private", false),
+        ("/no-cache", false),
+        ("/cookie", false),
+        ("/plain", false),
+    ] {
+        let before = o.hits();
+        let first = cget(&p, path).await;
+        let second = cget(&p, path).await;
+        assert_eq!((first.status, second.status), (200, 200), "{path}");
+        assert_eq!(x_cache(&first), "MISS", "{path}");
+        if stored {
+            assert_eq!(second.body, first.body, "{path} served from the cache");
+            assert_eq!(x_cache(&second), "HIT", "{path}");
+            assert!(second.headers.contains_key("age"), "{path}: a hit carries Age");
+            assert_eq!(o.hits(), before + 1, "{path}");
+        } else {
+            assert_ne!(second.body, first.body, "{path} must not be served from the cache");
+            assert_eq!(o.hits(), before + 2, "{path}");
+        }
+    }
+    let m = metrics(&p).await;
+    assert_eq!(sample(&m, "inband_proxy_cache_total{result=\"hit\"}"), 3.0, "{m}");
+    assert_eq!(sample(&m, "inband_proxy_cache_total{result=\"miss\"}"), 13.0, "{m}");
+    assert_eq!(sample(&m, "inband_proxy_cache_store{what=\"entries\"}"), 3.0, "{m}");
+    assert!(sample(&m, "inband_proxy_cache_store{what=\"bytes\"}") > 0.0, "{m}");
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn max_age_expires() {
+    let o = origin().await;
+    let dir = tempfile::tempdir().unwrap();
+    let p = start_proxy(&[o.addr], &cache_section("lmdb", dir.path())).await;
+    let a = cget(&p, "/short").await;
+    assert_eq!(cget(&p, "/short").await.body, a.body);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let b = cget(&p, "/short").await;
+    assert_ne!(b.body, a.body, "expired entry not served");
+    assert_eq!(x_cache(&b), "UPDATED");
+    assert_eq!(o.hits(), 2);
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn stale_while_revalidate_serves_stale_and_refreshes_in_the_background() {
+    let o = origin().await;
+    let dir = tempfile::tempdir().unwrap();
+    let p = start_proxy(&[o.addr], &cache_section("lmdb", dir.path())).await;
+    let a = cget(&p, "/swr").await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let t = std::time::Instant::now();
+    let b = cget(&p, "/swr").await;
+    assert_eq!((b.body.as_str(), x_cache(&b)), (a.body.as_str(), "STALE"));
+    assert!(t.elapsed() < Duration::from_millis(250), "served without waiting for the 300 ms origin");
+    assert!(b.headers["age"].to_str().unwrap().parse::<u64>().unwrap() >= 1);
+    // Stale answers go on until the background fetch (300 ms at the
+    // origin) has stored the new response; none of them asks the origin.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let c = loop {
+        let c = cget(&p, "/swr").await;
+        if x_cache(&c) != "STALE" {
+            break c;
+        }
+        assert!(std::time::Instant::now() < deadline, "the entry was never refreshed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!((c.body.as_str(), x_cache(&c)), ("/swr #1", "HIT"));
+    assert_eq!(o.hits(), 2);
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn vary_keeps_one_entry_per_header_value() {
+    let o = origin().await;
+    let dir = tempfile::tempdir().unwrap();
+    let p = start_proxy(&[o.addr], &cache_section("lmdb", dir.path())).await;
+    async fn lang(p: &Proxy, l: &str) -> Reply2 {
+        send(p.addr, "GET", "/vary", &[("host", HOST), ("accept-language", l)], b"").await
+    }
+    let en = lang(&p, "en").await;
+    let de = lang(&p, "de").await;
+    assert!(en.body.starts_with("en #") && de.body.starts_with("de #"), "{} / {}", en.body, de.body);
+    assert_eq!(lang(&p, "en").await.body, en.body);
+    assert_eq!(lang(&p, "de").await.body, de.body);
+    assert_eq!(o.hits(), 2);
+    // Purging the URL takes every variant.
+    let r = send(p.addr, "PURGE", "/vary", &[("host", HOST)], b"").await;
+    assert_eq!((r.status, r.body.as_str()), (200, "purged 3 entries\n"));
+    assert_ne!(lang(&p, "en").await.body, en.body);
+    assert_eq!(o.hits(), 3);
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn stale_entry_revalidates_with_304() {
+    let o = origin().await;
+    let dir = tempfile::tempdir().unwrap();
+    let p = start_proxy(&[o.addr], &cache_section("lmdb", dir.path())).await;
+    let first = cget(&p, "/etag").await;
+    assert_eq!(first.body, "/etag #0");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let second = cget(&p, "/etag").await;
+    assert_eq!((second.status, second.body.as_str(), x_cache(&second)), (200, "/etag #0", "REVALIDATED"));
+    let seen = o.seen();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[1].headers["if-none-match"], "\"v1\"", "origin asked conditionally");
+    // The 304 refreshed the entry: fresh again for its max-age.
+    let third = cget(&p, "/etag").await;
+    assert_eq!((third.body.as_str(), x_cache(&third)), ("/etag #0", "HIT"));
+    assert_eq!(o.hits(), 2);
+    let m = metrics(&p).await;
+    assert_eq!(sample(&m, "inband_proxy_cache_total{result=\"revalidated\"}"), 1.0, "{m}");
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn concurrent_misses_make_one_origin_request() {
+    let o = origin().await;
+    let dir = tempfile::tempdir().unwrap();
+    let p = start_proxy(&[o.addr], &cache_section("lmdb", dir.path())).await;
+    let addr = p.addr;
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..50 {
+        tasks.spawn(async move { send(addr, "GET", "/slow", &[("host", HOST)], b"").await });
+    }
+    let mut bodies = Vec::new();
+    while let Some(r) = tasks.join_next().await {
+        let r = r.unwrap();
+        assert_eq!(r.status, 200);
+        bodies.push(r.body);
+    }
+    assert_eq!(bodies.len(), 50);
+    assert!(bodies.iter().all(|b| b == "/slow #0"), "{bodies:?}");
+    assert_eq!(o.hits(), 1, "one origin request for 50 concurrent misses");
+    let m = metrics(&p).await;
+    let served: f64 = ["hit", "miss", "coalesced"].iter().map(|r| sample(&m, &format!("inband_proxy_cache_total{{result=\"{r}\"}}"))).sum();
+    assert_eq!(served, 50.0, "{m}");
+    assert_eq!(sample(&m, "inband_proxy_cache_total{result=\"miss\"}"), 1.0, "{m}");
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn purge_and_unsafe_methods_invalidate() {
+    let o = origin().await;
+    let dir = tempfile::tempdir().unwrap();
+    let p = start_proxy(&[o.addr], &cache_section("lmdb", dir.path())).await;
+    let a = cget(&p, "/purge-me").await;
+    assert_eq!(cget(&p, "/purge-me").await.body, a.body);
+    let r = send(p.addr, "PURGE", "/purge-me", &[("host", HOST)], b"").await;
+    assert_eq!((r.status, r.body.as_str()), (200, "purged 1 entries\n"));
+    assert_eq!(send(p.addr, "PURGE", "/purge-me", &[("host", HOST)], b"").await.status, 404);
+    let b = cget(&p, "/purge-me").await;
+    assert_ne!(b.body, a.body);
+    assert_eq!(cget(&p, "/purge-me").await.body, b.body);
+    // A successful POST to the URL drops it too.
+    assert_eq!(send(p.addr, "POST", "/purge-me", &[("host", HOST)], b"new").await.status, 200);
+    let c = cget(&p, "/purge-me").await;
+    assert_ne!(c.body, b.body);
+    assert_eq!(o.hits(), 4);
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn purge_from_a_client_not_allowed_is_403() {
+    let o = origin().await;
+    let dir = tempfile::tempdir().unwrap();
+    let extra = format!("purge_allow = [\"127.0.0.2\"]\n{}", cache_section("lmdb", dir.path()));
+    let p = start_proxy(&[o.addr], &extra).await;
+    let a = cget(&p, "/purge-me").await;
+    assert_eq!(send(p.addr, "PURGE", "/purge-me", &[("host", HOST)], b"").await.status, 403);
+    assert_eq!(cget(&p, "/purge-me").await.body, a.body);
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn large_objects_pass_through_unstored() {
+    let o = origin().await;
+    let dir = tempfile::tempdir().unwrap();
+    let p = start_proxy(&[o.addr], &cache_section("lmdb", dir.path())).await;
+    for _ in 0..2 {
+        let r = cget(&p, "/big").await;
+        assert_eq!((r.status, r.body.len()), (200, 5000));
+    }
+    assert_eq!(o.hits(), 2);
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn restart_serves_the_stored_entries_from_the_first_request() {
+    let o = origin().await;
+    let dir = tempfile::tempdir().unwrap();
+    let p = start_proxy(&[o.addr], &cache_section("lmdb", dir.path())).await;
+    let a = cget(&p, "/durable").await;
+    assert_eq!(x_cache(&a), "MISS");
+    p.shutdown().await;
+    let p = start_proxy(&[o.addr], &cache_section("lmdb", dir.path())).await;
+    let b = cget(&p, "/durable").await;
+    assert_eq!((b.body.as_str(), x_cache(&b)), (a.body.as_str(), "HIT"));
+    assert_eq!(o.hits(), 1, "no origin request after the restart");
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn every_store_backend_serves_hits() {
+    for backend in ["lmdb", "rocksdb", "memory", "files"] {
+        let o = origin().await;
+        let dir = tempfile::tempdir().unwrap();
+        let p = start_proxy(&[o.addr], &cache_section(backend, dir.path())).await;
+        let a = cget(&p, "/max-age").await;
+        let b = cget(&p, "/max-age").await;
+        assert_eq!((b.body.as_str(), x_cache(&b)), (a.body.as_str(), "HIT"), "{backend}");
+        assert_eq!(o.hits(), 1, "{backend}");
+        p.shutdown().await;
+    }
+}
