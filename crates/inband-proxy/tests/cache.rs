@@ -43,6 +43,7 @@ async fn origin() -> Origin {
             }
             "/slow" => ok(&body).header("cache-control", "max-age=60").delay(Duration::from_millis(300)),
             "/big" => ok(&"x".repeat(5000)).header("cache-control", "max-age=60"),
+            p if p.starts_with("/e/") => ok(&format!("{p} {}", "x".repeat(2000))).header("cache-control", "max-age=60"),
             _ => ok(&body),
         }
     })
@@ -280,6 +281,26 @@ async fn large_objects_pass_through_unstored() {
         assert_eq!((r.status, r.body.len()), (200, 5000));
     }
     assert_eq!(o.hits(), 2);
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_size_bound_holds_by_eviction() {
+    let o = origin().await;
+    let dir = tempfile::tempdir().unwrap();
+    let extra = format!("[cache]\nbackend = \"lmdb\"\npath = \"{}\"\ncapacity_bytes = 65536\nmax_object_bytes = 4096", dir.path().display());
+    let p = start_proxy(&[o.addr], &extra).await;
+    for i in 0..100 {
+        assert_eq!(cget(&p, &format!("/e/{i}")).await.status, 200);
+    }
+    let m = metrics(&p).await;
+    let bytes = sample(&m, "inband_proxy_cache_store{what=\"bytes\"}");
+    let entries = sample(&m, "inband_proxy_cache_store{what=\"entries\"}");
+    assert!(bytes > 0.0 && bytes <= 65536.0, "{m}");
+    assert!(entries < 100.0 && sample(&m, "inband_proxy_cache_store{what=\"evictions\"}") > 0.0, "{m}");
+    // The newest entry survived the evictions.
+    assert_eq!(x_cache(&cget(&p, "/e/99").await), "HIT");
+    assert_eq!(o.hits(), 100);
     p.shutdown().await;
 }
 
