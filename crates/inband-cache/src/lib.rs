@@ -13,6 +13,7 @@
 //! metadata only (a small meta table for LMDB/RocksDB, `stat` for files),
 //! never from values.
 
+pub mod bench;
 mod cache;
 mod files;
 mod index;

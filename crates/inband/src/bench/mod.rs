@@ -23,6 +23,9 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 16)]
         flood_backends: u8,
     },
+    /// Storage micro-benchmark of the HTTP cache's backends (LMDB, RocksDB,
+    /// memory, files): read/update mixes over zipfian keys, 10 KiB values.
+    Cache(inband_cache::bench::CacheArgs),
     /// Send a pre-built TCP frame out of an interface as fast as XDP live
     /// frames allow (the forwarding benchmark's generator); prints JSON.
     Blast(load::BlastArgs),
@@ -60,6 +63,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
             }
             Ok(())
         }
+        BenchCommand::Cache(a) => inband_cache::bench::main(a, &["bench", "cache"]),
         BenchCommand::Blast(a) => Ok(println!("{}", serde_json::to_string(&load::blast(&a)?)?)),
         BenchCommand::Sink(a) => load::sink(&a),
         BenchCommand::Bounce { interface, max_seconds } => load::bounce(&interface, max_seconds),
