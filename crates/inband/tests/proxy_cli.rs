@@ -1,0 +1,200 @@
+//! `inband proxy` as a process, on loopback: SIGTERM finishes the request
+//! in flight and exits 0; `kill -9` in the middle of cache writes leaves a
+//! cache that serves only intact entries after a restart.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// Kills the proxy if a test fails before it stops it.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// An origin on a thread: `/k/N` is cacheable with a body derived from N,
+/// `/slow` takes 800 ms and is not cacheable. Counts requests.
+struct Origin {
+    addr: SocketAddr,
+    hits: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for Origin {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+fn body_for(i: usize) -> String {
+    format!("key {i} {}", char::from(b'a' + (i % 26) as u8).to_string().repeat(8000))
+}
+
+fn origin() -> Origin {
+    let server = tiny_http::Server::http("127.0.0.1:0").unwrap();
+    let addr = server.server_addr().to_ip().unwrap();
+    let hits = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let (h, s) = (hits.clone(), stop.clone());
+    thread::spawn(move || {
+        while !s.load(Ordering::SeqCst) {
+            let Ok(Some(req)) = server.recv_timeout(Duration::from_millis(50)) else { continue };
+            h.fetch_add(1, Ordering::SeqCst);
+            thread::spawn(move || {
+                let url = req.url().to_string();
+                let header = |k: &str, v: &str| tiny_http::Header::from_bytes(k.as_bytes(), v.as_bytes()).unwrap();
+                let resp = if url == "/slow" {
+                    thread::sleep(Duration::from_millis(800));
+                    tiny_http::Response::from_string("slow done").with_header(header("cache-control", "no-store"))
+                } else {
+                    let i: usize = url.trim_start_matches("/k/").parse().unwrap_or(0);
+                    tiny_http::Response::from_string(body_for(i)).with_header(header("cache-control", "max-age=600"))
+                };
+                let _ = req.respond(resp);
+            });
+        }
+    });
+    Origin { addr, hits, stop }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn start(config: &Path, addr: SocketAddr) -> Proc {
+    let child = Command::new(env!("CARGO_BIN_EXE_inband"))
+        .args(["proxy", "--config"])
+        .arg(config)
+        .env("INBAND_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let p = Proc(child);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(addr).is_err() {
+        assert!(Instant::now() < deadline, "proxy did not start listening");
+        thread::sleep(Duration::from_millis(20));
+    }
+    p
+}
+
+/// (status, x-cache, body) of one GET on its own connection.
+fn get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String, String)> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: cli.test\r\nConnection: close\r\n\r\n").as_bytes())?;
+    let mut out = Vec::new();
+    s.read_to_end(&mut out)?;
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").ok_or(std::io::ErrorKind::UnexpectedEof)?;
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let x_cache = head
+        .lines()
+        .find_map(|l| l.to_ascii_lowercase().strip_prefix("x-cache: ").map(str::to_string))
+        .unwrap_or_default();
+    Ok((status, x_cache, body.to_string()))
+}
+
+fn write_config(dir: &Path, addr: SocketAddr, origin: SocketAddr) -> std::path::PathBuf {
+    let cfg = dir.join("proxy.toml");
+    let cache = dir.join("cache");
+    std::fs::write(
+        &cfg,
+        format!(
+            "listen = \"{addr}\"\nbackends = [\"{origin}\"]\n[cache]\nbackend = \"lmdb\"\npath = \"{}\"\ncapacity_bytes = 67108864\n",
+            cache.display()
+        ),
+    )
+    .unwrap();
+    cfg
+}
+
+#[test]
+fn sigterm_finishes_the_request_in_flight_and_exits_0() {
+    let o = origin();
+    let dir = tempfile::tempdir().unwrap();
+    let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let cfg = write_config(dir.path(), addr, o.addr);
+    let mut p = start(&cfg, addr);
+    let pending = thread::spawn(move || get(addr, "/slow"));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while o.hits.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "request never reached the origin");
+        thread::sleep(Duration::from_millis(10));
+    }
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(unsafe { libc::kill(p.0.id() as i32, libc::SIGTERM) }, 0);
+    let (status, _, body) = pending.join().unwrap().unwrap();
+    assert_eq!((status, body.as_str()), (200, "slow done"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let code = loop {
+        if let Some(st) = p.0.try_wait().unwrap() {
+            break st.code();
+        }
+        assert!(Instant::now() < deadline, "proxy did not exit after SIGTERM");
+        thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(code, Some(0));
+    assert!(TcpStream::connect(addr).is_err(), "no longer listening");
+}
+
+#[test]
+fn kill_9_during_cache_writes_then_restart_serves_only_intact_entries() {
+    const KEYS: usize = 300;
+    let o = origin();
+    let dir = tempfile::tempdir().unwrap();
+    let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let cfg = write_config(dir.path(), addr, o.addr);
+    let mut p = start(&cfg, addr);
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = (0..2)
+        .map(|t| {
+            let stop = stop.clone();
+            thread::spawn(move || {
+                let mut i = t;
+                while !stop.load(Ordering::SeqCst) && i < KEYS {
+                    let _ = get(addr, &format!("/k/{i}"));
+                    i += 2;
+                }
+            })
+        })
+        .collect();
+    // Let writes get going, then kill without warning mid-stream.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while o.hits.load(Ordering::SeqCst) < 40 {
+        assert!(Instant::now() < deadline, "no traffic reached the origin");
+        thread::sleep(Duration::from_millis(5));
+    }
+    p.0.kill().unwrap();
+    p.0.wait().unwrap();
+    stop.store(true, Ordering::SeqCst);
+    for w in writers {
+        w.join().unwrap();
+    }
+    let before = o.hits.load(Ordering::SeqCst);
+    let _p = start(&cfg, addr);
+    let mut hits = 0;
+    let mut misses = 0;
+    for i in 0..KEYS {
+        let (status, x_cache, body) = get(addr, &format!("/k/{i}")).unwrap();
+        assert_eq!(status, 200, "/k/{i}");
+        assert!(body == body_for(i), "/k/{i} served a wrong body ({x_cache})");
+        match x_cache.as_str() {
+            "hit" => hits += 1,
+            "miss" => misses += 1,
+            other => panic!("/k/{i}: x-cache {other:?}"),
+        }
+    }
+    assert!(hits >= 30, "only {hits} entries survived the kill");
+    assert_eq!(o.hits.load(Ordering::SeqCst) - before, misses, "every miss, and only misses, went to the origin");
+}
