@@ -226,9 +226,12 @@ def _ratio(a: float, b: float) -> str:
 
 
 def fwd_table(rows: list[Fwd], load: str) -> str:
-    """Raw frames (one CPU does all the work inline, so a path's cost per
-    packet is 1/rate, and what a forwarder adds is 1/rate − 1/rate of the
-    direct path) or TCP streams (several processes: only CPU counters)."""
+    """Raw frames: one CPU does all the work inline (generator, forwarder,
+    sink), so a path costs 1/rate per packet and a forwarder adds
+    1/rate − 1/rate of the direct path. TCP streams: several processes, so
+    only what is the balancer's own (HAProxy's process time, inband's XDP
+    program time). Machine-wide CPU counters are in results.json only: the
+    machine is shared, and other work lands in them."""
     rows = [r for r in rows if r.load == load]
     by = {r.path: r for r in rows}
     direct = by.get("direct")
@@ -244,56 +247,51 @@ def fwd_table(rows: list[Fwd], load: str) -> str:
 
     head = (
         f"| path | {unit} sent | {unit} delivered | M{'pps' if raw else ' writes/s'} | ÷ direct | inband ÷ this "
-        + ("| forwarding cost over direct, CPU s per M (from rate) | ÷ inband's " if raw else "")
-        + "| machine CPU s per M | over direct | balancer's own CPU s per M | rounds (M/s) |\n"
-        + "|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if raw else "") + "---:|---:|---:|---|\n"
+        + ("| CPU s per M over direct (from rate) | ÷ inband's " if raw else "| balancer's own CPU s per M | ÷ inband's ")
+        + "| rounds (M/s) |\n|---|---:|---:|---:|---:|---:|---:|---:|---|\n"
     )
     out = []
     for r in rows:
-        over = r.cpu_s_per_m - direct.cpu_s_per_m if direct and r is not direct else None
-        own = f"{r.own_cpu_s / r.units * 1e6:.3f}" if r.own_cpu_s else "–"
-        line = (
+        cost = added(r) if raw else (r.own_cpu_s / r.units * 1e6 if r.own_cpu_s and r.units else None)
+        ref = (added(inband) if raw else (inband.own_cpu_s / inband.units * 1e6 if inband.own_cpu_s else None)) if inband else None
+        out.append(
             f"| {r.label} | {r.sent:,} | {r.units:,} | {r.rate / 1e6:.3f} | {_ratio(r.rate, direct.rate) if direct else '–'} "
-            f"| {_ratio(inband.rate, r.rate) if inband else '–'} "
-        )
-        if raw:
-            a, ai = added(r), added(inband) if inband else None
-            line += f"| {'–' if a is None else f'{a:.3f}'} | {_ratio(a, ai) if a is not None and ai else '–'} "
-        line += (
-            f"| {r.cpu_s_per_m:.3f} | {'–' if over is None else f'{over:.3f}'} | {own} "
+            f"| {_ratio(inband.rate, r.rate) if inband else '–'} | {'–' if cost is None else f'{cost:.3f}'} "
+            f"| {_ratio(cost, ref) if cost is not None and ref else '–'} "
             f"| {' / '.join(f'{x / 1e6:.3f}' for x in r.round_rates) or '–'} |"
         )
-        out.append(line)
     return head + "\n".join(out) + "\n"
+
+
+def http_own_cpu(r: Http) -> float | None:
+    """The balancer's own CPU seconds per GB of response: inband's XDP
+    program run time, HAProxy's process time (user + system)."""
+    if not r.gb:
+        return None
+    if r.path in ("dsr", "passthrough"):
+        return r.prog_ns / 1e9 / r.gb
+    if r.path == "haproxy":
+        return r.proc_cpu_s / r.gb
+    return None
 
 
 def http_table(rows: list[Http]) -> str:
     head = (
-        "| response | path | requests | GB | req/s | machine CPU s/GB | over direct, s/GB | balancer's own CPU s/GB | ÷ DSR (own) | balancer packets per request |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "| response | path | requests | GB | req/s | balancer's own CPU s/GB | ÷ DSR | balancer's own CPU µs/request | packets through the balancer per request |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     out = []
     for size in dict.fromkeys(r.size for r in rows):
         group = [r for r in rows if r.size == size]
         by = {r.path: r for r in group}
-        direct = by.get("direct")
-
-        def own(r: Http) -> float | None:
-            if r.path in ("dsr", "passthrough"):
-                return r.prog_ns / 1e9 / r.gb if r.gb else None
-            if r.path == "haproxy":
-                return r.proc_cpu_s / r.gb if r.gb else None
-            return None
-
-        dsr_own = own(by["dsr"]) if "dsr" in by else None
+        dsr_own = http_own_cpu(by["dsr"]) if "dsr" in by else None
         for r in group:
-            m = r.machine_cpu_s / r.gb if r.gb else 0.0
-            over = m - direct.machine_cpu_s / direct.gb if direct and r is not direct and direct.gb else None
-            o = own(r)
+            o = http_own_cpu(r)
+            per_req = o * r.gb / r.requests * 1e6 if o is not None and r.requests else None
             out.append(
-                f"| {size} | {r.label} | {r.requests:,} | {r.gb:.3f} | {r.requests / r.seconds:,.0f} | {m:.2f} "
-                f"| {'–' if over is None else f'{over:.2f}'} | {'–' if o is None else f'{o:.3f}'} "
-                f"| {_ratio(o, dsr_own) if o is not None and dsr_own else '–'} "
+                f"| {size} | {r.label} | {r.requests:,} | {r.gb:.3f} | {r.requests / r.seconds:,.0f} "
+                f"| {'–' if o is None else f'{o:.3f}'} | {_ratio(o, dsr_own) if o is not None and dsr_own else '–'} "
+                f"| {'–' if per_req is None else f'{per_req:.2f}'} "
                 f"| {f'{r.prog_runs / r.requests:.1f}' if r.prog_runs and r.requests else '–'} |"
             )
     return head + "\n".join(out) + "\n"
@@ -859,11 +857,11 @@ def plot(fwd: list[Fwd], http: list[Http], fresh: list[Fresh], path: Path) -> No
     if "http" in ax:
         a = ax["http"]
         for p in HTTP_LABELS:
-            rows = [r for r in http if r.path == p and r.gb]
+            rows = [r for r in http if r.path == p and http_own_cpu(r)]
             if rows:
-                a.plot([r.size for r in rows], [r.machine_cpu_s / r.gb for r in rows], marker="o", label=HTTP_LABELS[p])
+                a.plot([r.size for r in rows], [http_own_cpu(r) for r in rows], marker="o", label=HTTP_LABELS[p])
         a.set_yscale("log")
-        a.set_ylabel("machine CPU s per GB of response")
+        a.set_ylabel("balancer's own CPU s per GB of response")
         a.set_title("CPU per GB of response")
         a.legend(fontsize=8)
     if "fresh" in ax:

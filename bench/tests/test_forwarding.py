@@ -49,14 +49,16 @@ def test_hairpin_table_ratios_and_costs_from_rates():
     assert t[0][6] == "–"
 
 
-def test_stream_table_counts_the_proxy_process():
+def test_stream_table_counts_the_balancers_own_cpu():
     rows = [
         fw.Fwd("stream", "direct", "direct", 200_000, 200_000, 2.0, 1000, 2.0),
+        fw.Fwd("stream", "inband-pt", "inband", 100_000, 100_000, 2.0, 1000, 2.0, own_cpu_s=0.05),
         fw.Fwd("stream", "haproxy", "haproxy", 100_000, 100_000, 2.0, 1000, 2.0, own_cpu_s=0.5),
     ]
     t = table_rows(fw.fwd_table(rows, "stream"), "| path |")
-    assert t[1][3:5] == ["0.050", "0.50×"]
-    assert t[1][8] == "5.000"  # 0.5 s for 0.1 M writes
+    assert t[2][3:5] == ["0.050", "0.50×"]
+    assert t[2][6:8] == ["5.000", "10.00×"]  # 0.5 s for 0.1 M writes, 10× inband's
+    assert t[0][6] == "–"
 
 
 def test_delivered_writes_from_sink_bytes():
@@ -71,9 +73,9 @@ def test_http_table_per_gb_and_against_dsr():
         fw.Http("1 MB", "haproxy", "haproxy", 1000, 2_000_000_000, 0, 1.0, 6.0, proc_cpu_s=1.0),
     ]
     t = table_rows(fw.http_table(rows), "| response |")
-    assert t[0][5] == "2.00" and t[0][6] == "–"
-    assert t[1][5:10] == ["2.10", "0.10", "0.010", "1.00×", "10.0"]
-    assert t[2][5:9] == ["3.00", "1.00", "0.500", "50.00×"]
+    assert t[0][5:] == ["–", "–", "–", "–"]
+    assert t[1][5:] == ["0.010", "1.00×", "20.00", "10.0"]
+    assert t[2][5:8] == ["0.500", "50.00×", "1000.00"]
 
 
 def test_fresh_table_and_percentile():
@@ -147,5 +149,13 @@ def test_tiny_profile_end_to_end(tmp_path):
         for row in table_rows(block, "| path |"):
             if not row[0].startswith(("direct", "none")):
                 assert row[4].endswith("×") and row[5].endswith("×") and row[7].endswith("×"), row
+    # The balancer's own CPU, and its ratio to inband's, for inband and HAProxy.
+    stream = next(b for b in md.split("\n\n") if b.startswith("| path | 64 B writes sent"))
+    own = {row[0]: row for row in table_rows(stream, "| path |")}
+    for label in (fw.FWD_LABELS["inband-pt"], fw.FWD_LABELS["haproxy"]):
+        assert float(own[label][6]) > 0 and own[label][7].endswith("×"), own[label]
+    for row in table_rows(md, "| response |"):
+        if row[1] != fw.HTTP_LABELS["direct"]:
+            assert float(row[5]) > 0 and row[6].endswith("×"), row
     assert "| path | frames sent" in cp.stdout
     assert (out / "forwarding.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
