@@ -12,7 +12,8 @@ use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -55,11 +56,13 @@ pub fn refusal_response(r: Refusal) -> Response<ProxyBody> {
 /// to the shutdown timeout.
 pub async fn serve(shared: Arc<Shared>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
     let graceful = GracefulShutdown::new();
-    let mut builder = http1::Builder::new();
-    builder
-        .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT)
-        .max_buf_size(shared.cfg.raw.max_header_bytes);
+    // HTTP/1.1, and HTTP/2 with prior knowledge (h2c) on the same port:
+    // hyper-util tells them apart by the connection preface.
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    let max_head = shared.cfg.raw.max_header_bytes;
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT).max_buf_size(max_head);
+    builder.http2().timer(TokioTimer::new()).max_header_list_size(max_head as u32);
+    let builder = Arc::new(builder);
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
@@ -77,13 +80,14 @@ pub async fn serve(shared: Arc<Shared>, listener: TcpListener, mut stop: watch::
         let _ = stream.set_nodelay(true);
         let s = shared.clone();
         let service = service_fn(move |req| handle(s.clone(), req, peer));
-        let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
-        let s = shared.clone();
+        let (s, builder, watcher) = (shared.clone(), builder.clone(), graceful.watcher());
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                let refusal = if e.is_parse_too_large() {
+            let conn = builder.serve_connection(TokioIo::new(stream), service);
+            if let Err(e) = watcher.watch(conn).await {
+                let parse = e.downcast_ref::<hyper::Error>();
+                let refusal = if parse.is_some_and(|e| e.is_parse_too_large()) {
                     Some(Refusal::HeadersTooLarge)
-                } else if e.is_parse() {
+                } else if parse.is_some_and(|e| e.is_parse()) {
                     Some(Refusal::BadRequest)
                 } else {
                     None
@@ -135,6 +139,19 @@ async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr)
         return refuse(shared, Refusal::BodyTooLarge);
     }
     let (mut parts, body) = req.into_parts();
+    // HTTP/2 (and an absolute-form HTTP/1.1 request line) carry the host in
+    // the URI: move it to Host so the backend, the cache key and the stored
+    // policy see one form whatever the client spoke.
+    if let Some(authority) = parts.uri.authority() {
+        if !parts.headers.contains_key(header::HOST) {
+            if let Ok(v) = HeaderValue::from_str(authority.as_str()) {
+                parts.headers.insert(header::HOST, v);
+            }
+        }
+        if let Some(pq) = parts.uri.path_and_query() {
+            parts.uri = pq.as_str().parse().expect("a path-and-query is a URI");
+        }
+    }
     // Buffered so a retry can resend it; the limit bounds the memory.
     let body = match Limited::new(body, limit as usize).collect().await {
         Ok(b) => b.to_bytes(),

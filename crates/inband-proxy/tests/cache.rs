@@ -332,3 +332,30 @@ async fn every_store_backend_serves_hits() {
         p.shutdown().await;
     }
 }
+
+#[tokio::test]
+async fn http2_clients_share_the_cache_with_http1_clients() {
+    use http_body_util::{BodyExt, Full};
+    let o = origin().await;
+    let dir = tempfile::tempdir().unwrap();
+    let p = start_proxy(&[o.addr], &cache_section("memory", dir.path())).await;
+    let a = cget(&p, "/max-age").await;
+    let h2: hyper_util::client::legacy::Client<_, Full<bytes::Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).http2_only(true).build_http();
+    for path in ["/max-age", "/plain"] {
+        let req = http::Request::get(format!("http://{}{path}", p.addr)).header("host", HOST).body(Full::default()).unwrap();
+        let resp = tokio::time::timeout(Duration::from_secs(10), h2.request(req)).await.unwrap().unwrap();
+        assert_eq!((resp.status().as_u16(), resp.version()), (200, http::Version::HTTP_2), "{path}");
+        let x = resp.headers().get("x-cache").map(|v| v.to_str().unwrap().to_string());
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        if path == "/max-age" {
+            assert_eq!((body, x.as_deref()), (bytes::Bytes::from(a.body.clone()), Some("HIT")));
+        } else {
+            assert!(body.starts_with(b"/plain #"));
+        }
+    }
+    let seen = o.seen();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[1].headers["host"], HOST, "the backend sees the client's host over HTTP/1.1");
+    p.shutdown().await;
+}
