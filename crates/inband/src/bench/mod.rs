@@ -64,10 +64,16 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
             Ok(())
         }
         BenchCommand::Cache(a) => inband_cache::bench::main(a, &["bench", "cache"]),
-        BenchCommand::Blast(a) => Ok(println!("{}", serde_json::to_string(&load::blast(&a)?)?)),
+        BenchCommand::Blast(a) => {
+            println!("{}", serde_json::to_string(&load::blast(&a)?)?);
+            Ok(())
+        }
         BenchCommand::Sink(a) => load::sink(&a),
         BenchCommand::Bounce { interface, max_seconds } => load::bounce(&interface, max_seconds),
-        BenchCommand::Stream(a) => Ok(println!("{}", serde_json::to_string(&load::stream(&a)?)?)),
+        BenchCommand::Stream(a) => {
+            println!("{}", serde_json::to_string(&load::stream(&a)?)?);
+            Ok(())
+        }
         BenchCommand::Discard { listen } => load::discard(listen),
     }
 }
