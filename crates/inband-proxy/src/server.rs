@@ -116,9 +116,10 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>, peer: SocketAddr) -
     let resp = respond(&shared, req, peer).await;
     let took = start.elapsed();
     shared.metrics.response(resp.status(), took);
+    let cache = resp.headers().get("x-cache").and_then(|v| v.to_str().ok()).unwrap_or("-");
     tracing::info!(
         target: "inband_proxy::access",
-        client = %peer, %method, %uri, status = resp.status().as_u16(), ms = took.as_secs_f64() * 1e3
+        client = %peer, %method, %uri, status = resp.status().as_u16(), cache, ms = took.as_secs_f64() * 1e3
     );
     let counter = shared.metrics.response_bytes.clone();
     Ok(resp.map(|b| {
