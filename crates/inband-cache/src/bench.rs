@@ -50,6 +50,9 @@ pub struct CacheArgs {
     quick: bool,
     #[arg(long)]
     json: bool,
+    /// Also write the JSON report here (for bench/cache_plot.py).
+    #[arg(long)]
+    save: Option<PathBuf>,
     /// Internal: `load` or `run:<update %>:<threads>` for one backend.
     #[arg(long, hide = true)]
     child: Option<String>,
@@ -339,8 +342,11 @@ pub fn main(a: CacheArgs, argv: &[&str]) -> Result<()> {
         println!("{}", serde_json::to_string(&row)?);
         return Ok(());
     }
-    let json = a.json;
+    let (json, save) = (a.json, a.save.clone());
     let report = measure(a, argv)?;
+    if let Some(p) = save {
+        std::fs::write(&p, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", p.display()))?;
+    }
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
