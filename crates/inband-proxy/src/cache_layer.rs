@@ -44,6 +44,10 @@ struct Stored {
     /// Unix ms until which a stale entry may be served while it is
     /// revalidated (`stale-while-revalidate`); 0 for never.
     swr_until_ms: u64,
+    /// Unix ms until which a stale entry may be served when the origin
+    /// fails (`stale-if-error`); 0 for never.
+    #[serde(default)]
+    sie_until_ms: u64,
     /// The response head as the origin sent it, for serving it stale: the
     /// library builds a head only for a fresh entry.
     status: u16,
@@ -57,8 +61,9 @@ pub enum Outcome {
     Hit,
     /// Nothing usable stored; origin asked.
     Miss,
-    /// A stale entry served at once under `stale-while-revalidate`,
-    /// revalidated in the background.
+    /// A stale entry served: at once under `stale-while-revalidate`
+    /// (revalidated in the background), or under `stale-if-error` because
+    /// the origin failed.
     Stale,
     /// A stale entry the origin replaced with a new response.
     Updated,
@@ -113,6 +118,7 @@ struct Found {
     policy: CachePolicy,
     body: Bytes,
     swr_until_ms: u64,
+    sie_until_ms: u64,
     status: u16,
     headers: Vec<(String, Vec<u8>)>,
 }
@@ -133,10 +139,10 @@ impl Found {
     }
 }
 
-/// `stale-while-revalidate=N` of a response's Cache-Control, in seconds.
-/// http-cache-semantics parses Cache-Control but does not act on or expose
-/// this directive, so this one is read here.
-fn stale_while_revalidate(headers: &HeaderMap) -> Option<u64> {
+/// `stale-while-revalidate=N` or `stale-if-error=N` (RFC 5861) of a
+/// response's Cache-Control, in seconds. http-cache-semantics parses
+/// Cache-Control but neither acts on nor exposes these, so they are read here.
+fn stale_directive(headers: &HeaderMap, directive: &str) -> Option<u64> {
     headers
         .get_all(header::CACHE_CONTROL)
         .iter()
@@ -144,7 +150,7 @@ fn stale_while_revalidate(headers: &HeaderMap) -> Option<u64> {
         .flat_map(|v| v.split(','))
         .find_map(|d| {
             let (name, value) = d.trim().split_once('=')?;
-            name.trim().eq_ignore_ascii_case("stale-while-revalidate").then(|| value.trim().trim_matches('"').parse().ok())?
+            name.trim().eq_ignore_ascii_case(directive).then(|| value.trim().trim_matches('"').parse().ok())?
         })
 }
 
@@ -301,7 +307,14 @@ impl HttpCache {
         match head {
             Head::Response(st) => {
                 let st = *st;
-                Some(Found { policy: st.policy, body, swr_until_ms: st.swr_until_ms, status: st.status, headers: st.headers })
+                Some(Found {
+                    policy: st.policy,
+                    body,
+                    swr_until_ms: st.swr_until_ms,
+                    sie_until_ms: st.sie_until_ms,
+                    status: st.status,
+                    headers: st.headers,
+                })
             }
             Head::Vary(_) => None,
         }
@@ -316,10 +329,12 @@ impl HttpCache {
         let vary = vary_names(&resp.headers);
         let persisted = CachePolicy::new_options(&persisted_request(parts, vary.as_deref()), resp, now, options());
         let fresh_until = now + policy.time_to_live(now);
-        let swr_until_ms = stale_while_revalidate(&resp.headers).map_or(0, |s| unix_ms(fresh_until + Duration::from_secs(s)));
+        let until = |d| stale_directive(&resp.headers, d).map_or(0, |s| unix_ms(fresh_until + Duration::from_secs(s)));
+        let (swr_until_ms, sie_until_ms) = (until("stale-while-revalidate"), until("stale-if-error"));
         let stored = Stored {
             policy: persisted,
             swr_until_ms,
+            sie_until_ms,
             status: resp.status.as_u16(),
             headers: resp.headers.iter().map(|(k, v)| (k.to_string(), v.as_bytes().to_vec())).collect(),
         };
@@ -437,7 +452,26 @@ pub async fn serve(shared: &Arc<Shared>, cache: &HttpCache, parts: request::Part
                 revalidate_in_background(shared.clone(), parts, found, request, key.to_vec());
                 return Ok(resp);
             }
-            BeforeRequest::Stale { request, matches: true } => return revalidate(shared, cache, &parts, found, request, key).await,
+            BeforeRequest::Stale { request, matches: true } => {
+                let fallback = (unix_ms(now) < found.sie_until_ms).then(|| (found.stale_head(), found.body.clone()));
+                let result = revalidate(shared, cache, &parts, found, request, key).await;
+                let failed = match &result {
+                    Ok(resp) => resp.status().is_server_error(),
+                    Err(_) => true,
+                };
+                return match fallback {
+                    Some((head, body)) if failed => {
+                        shared.metrics.cache(Outcome::Stale);
+                        Ok(cached(head, body, Outcome::Stale))
+                    }
+                    _ => {
+                        if failed {
+                            shared.metrics.cache(Outcome::Updated);
+                        }
+                        result
+                    }
+                };
+            }
             // Stored for another variant than this request's: a miss.
             BeforeRequest::Stale { matches: false, .. } => {}
         }
@@ -539,6 +573,11 @@ async fn revalidate(
     key: &[u8],
 ) -> Result<Response<ProxyBody>, Refusal> {
     let resp = forward::send(shared, &conditional, Bytes::new(), key).await?;
+    if resp.status().is_server_error() {
+        // Not stored and not counted here: the caller may answer with the
+        // stale entry instead (stale-if-error).
+        return Ok(resp.map(|b| b.map_err(BoxError::from).boxed()));
+    }
     if resp.status() != StatusCode::NOT_MODIFIED {
         return keep(shared, cache, parts, resp, None, Outcome::Updated).await;
     }

@@ -18,6 +18,7 @@ async fn origin() -> Origin {
     let n = Arc::new(AtomicUsize::new(0));
     Origin::start(move |s| {
         let i = n.fetch_add(1, Ordering::SeqCst);
+        let first = !s.headers.contains_key("x-origin-fails");
         let path = s.path.split('?').next().unwrap();
         let body = format!("{path} #{i}");
         match path {
@@ -29,6 +30,9 @@ async fn origin() -> Origin {
             "/no-cache" => ok(&body).header("cache-control", "no-cache, max-age=60"),
             "/cookie" => ok(&body).header("cache-control", "max-age=60").header("set-cookie", "session=secret"),
             "/short" => ok(&body).header("cache-control", "max-age=1"),
+            "/sie" | "/sie-none" if !first => ok("origin failure").status(503),
+            "/sie" => ok(&body).header("cache-control", "max-age=1, stale-if-error=60"),
+            "/sie-none" => ok(&body).header("cache-control", "max-age=1"),
             "/swr" => ok(&body).header("cache-control", "max-age=1, stale-while-revalidate=30").delay(Duration::from_millis(300)),
             "/vary" => {
                 let lang = s.headers.get("accept-language").map_or("none", |v| v.to_str().unwrap());
@@ -165,6 +169,27 @@ async fn stale_while_revalidate_serves_stale_and_refreshes_in_the_background() {
     };
     assert_eq!((c.body.as_str(), x_cache(&c)), ("/swr #1", "HIT"));
     assert_eq!(o.hits(), 2);
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn stale_if_error_serves_the_stale_entry_when_the_origin_fails() {
+    let o = origin().await;
+    let dir = tempfile::tempdir().unwrap();
+    let p = start_proxy(&[o.addr], &cache_section("lmdb", dir.path())).await;
+    let failing = |path| send(p.addr, "GET", path, &[("host", HOST), ("x-origin-fails", "1")], b"");
+    let a = cget(&p, "/sie").await;
+    let none = cget(&p, "/sie-none").await;
+    assert_eq!((a.status, none.status), (200, 200));
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let b = failing("/sie").await;
+    assert_eq!((b.status, b.body.as_str(), x_cache(&b)), (200, a.body.as_str(), "STALE"));
+    let c = failing("/sie-none").await;
+    assert_eq!((c.status, c.body.as_str()), (503, "origin failure"), "no stale-if-error: the error goes through");
+    assert_eq!(o.hits(), 4);
+    let m = metrics(&p).await;
+    assert_eq!(sample(&m, "inband_proxy_cache_total{result=\"stale\"}"), 1.0, "{m}");
+    assert_eq!(sample(&m, "inband_proxy_cache_total{result=\"updated\"}"), 1.0, "{m}");
     p.shutdown().await;
 }
 
