@@ -437,8 +437,42 @@ fn fresh_head(policy: &CachePolicy, parts: &request::Parts) -> Option<response::
 }
 
 /// Answers a GET through the cache. `parts` carries the forwarding
-/// headers already; `key` is the balancing hash key.
+/// headers already; `key` is the balancing hash key. A client's own
+/// conditional request is answered 304 when the 200 it would get matches.
 pub async fn serve(shared: &Arc<Shared>, cache: &HttpCache, parts: request::Parts, key: &[u8]) -> Result<Response<ProxyBody>, Refusal> {
+    let conditional = [header::IF_NONE_MATCH, header::IF_MODIFIED_SINCE].iter().any(|h| parts.headers.contains_key(h));
+    let req_headers = conditional.then(|| parts.headers.clone());
+    let resp = lookup_or_fetch(shared, cache, parts, key).await?;
+    match req_headers {
+        Some(req) if resp.status() == StatusCode::OK && not_modified(&req, resp.headers()) => {
+            let (mut head, _) = resp.into_parts();
+            head.status = StatusCode::NOT_MODIFIED;
+            head.headers.remove(header::CONTENT_LENGTH);
+            Ok(Response::from_parts(head, full(Bytes::new())))
+        }
+        _ => Ok(resp),
+    }
+}
+
+/// RFC 9110 §13.1.2-3: If-None-Match (weak comparison, `*` matches any)
+/// decides when present; otherwise If-Modified-Since against Last-Modified.
+/// The caching library only writes conditional requests toward the origin,
+/// so evaluating a client's is written here.
+fn not_modified(req: &HeaderMap, resp: &HeaderMap) -> bool {
+    let text = |m: &HeaderMap, h| m.get(h).and_then(|v: &HeaderValue| v.to_str().ok()).map(str::to_string);
+    if let Some(inm) = text(req, header::IF_NONE_MATCH) {
+        let Some(etag) = text(resp, header::ETAG) else { return false };
+        let opaque = |t: &str| t.trim().trim_start_matches("W/").to_string();
+        return inm.split(',').any(|t| t.trim() == "*" || opaque(t) == opaque(&etag));
+    }
+    let date = |m: &HeaderMap, h| text(m, h).and_then(|d| httpdate::parse_http_date(&d).ok());
+    match (date(req, header::IF_MODIFIED_SINCE), date(resp, header::LAST_MODIFIED)) {
+        (Some(since), Some(modified)) => modified <= since,
+        _ => false,
+    }
+}
+
+async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, parts: request::Parts, key: &[u8]) -> Result<Response<ProxyBody>, Refusal> {
     if let Some(found) = cache.lookup(&parts).await {
         let now = SystemTime::now();
         match found.policy.before_request(&parts, now) {

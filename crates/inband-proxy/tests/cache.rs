@@ -46,6 +46,10 @@ async fn origin() -> Origin {
                 }
             }
             "/slow" => ok(&body).header("cache-control", "max-age=60").delay(Duration::from_millis(300)),
+            "/validators" => ok(&body)
+                .header("cache-control", "max-age=60")
+                .header("etag", "W/\"v9\"")
+                .header("last-modified", "Tue, 01 Jul 2025 10:00:00 GMT"),
             "/big" => ok(&"x".repeat(5000)).header("cache-control", "max-age=60"),
             p if p.starts_with("/e/") => ok(&format!("{p} {}", "x".repeat(2000))).header("cache-control", "max-age=60"),
             _ => ok(&body),
@@ -190,6 +194,32 @@ async fn stale_if_error_serves_the_stale_entry_when_the_origin_fails() {
     let m = metrics(&p).await;
     assert_eq!(sample(&m, "inband_proxy_cache_total{result=\"stale\"}"), 1.0, "{m}");
     assert_eq!(sample(&m, "inband_proxy_cache_total{result=\"updated\"}"), 1.0, "{m}");
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn client_conditional_requests_get_304_from_the_cache() {
+    let o = origin().await;
+    let dir = tempfile::tempdir().unwrap();
+    let p = start_proxy(&[o.addr], &cache_section("lmdb", dir.path())).await;
+    let a = cget(&p, "/validators").await;
+    for (h, v, want) in [
+        ("if-none-match", "\"v9\"", 304),
+        ("if-none-match", "\"other\", W/\"v9\"", 304),
+        ("if-none-match", "*", 304),
+        ("if-none-match", "\"v8\"", 200),
+        ("if-modified-since", "Wed, 02 Jul 2025 10:00:00 GMT", 304),
+        ("if-modified-since", "Mon, 30 Jun 2025 10:00:00 GMT", 200),
+    ] {
+        let r = send(p.addr, "GET", "/validators", &[("host", HOST), (h, v)], b"").await;
+        assert_eq!(r.status, want, "{h}: {v}");
+        if want == 304 {
+            assert_eq!((r.body.as_str(), r.headers["etag"].to_str().unwrap()), ("", "W/\"v9\""), "{h}: {v}");
+        } else {
+            assert_eq!(r.body, a.body);
+        }
+    }
+    assert_eq!(o.hits(), 1, "all answered from the cache");
     p.shutdown().await;
 }
 
