@@ -6,6 +6,7 @@
 
 mod backend;
 mod cache_layer;
+mod cache_store;
 pub mod config;
 mod forward;
 mod health;
@@ -39,7 +40,7 @@ pub(crate) struct Shared {
     policy: Policy,
     client: BackendClient,
     metrics: Metrics,
-    cache: Option<cache_layer::HttpCache>,
+    cache: Option<cache_store::HttpCache>,
 }
 
 impl Shared {
@@ -79,7 +80,7 @@ impl Proxy {
             .build(connector);
         // The store opens before the listener binds, so a proxy that
         // accepts has its cache: the first request after a restart can hit.
-        let cache = cfg.raw.cache.as_ref().map(cache_layer::HttpCache::open).transpose().context("opening the cache")?;
+        let cache = cfg.raw.cache.as_ref().map(cache_store::HttpCache::open).transpose().context("opening the cache")?;
         let listener = TcpListener::bind(cfg.listen).await.with_context(|| format!("listening on {}", cfg.listen))?;
         let addr = listener.local_addr()?;
         let metrics_listener = match cfg.metrics_listen {

@@ -1,0 +1,400 @@
+//! Cache entries in an `inband-cache` [`Store`]: keys, the stored record,
+//! reads and writes on the blocking pool, purge, and the coalescing table.
+//!
+//! Keys: `GET <host><path?query>` holds either a response or, when the
+//! response has `Vary`, a marker naming the varied request headers; each
+//! variant then lives under the base key + `\n` + those headers' values.
+//! A response is found with one or two reads, and a purge finds the
+//! variants by prefix.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Result;
+use bytes::{Bytes, BytesMut};
+use http::{header, request, response, HeaderMap, HeaderValue, Response, StatusCode};
+use http_body_util::BodyExt;
+use http_cache_semantics::{CacheOptions, CachePolicy};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use inband_cache::Store;
+use serde::{Deserialize, Serialize};
+use tokio::sync::broadcast;
+
+use crate::config::CacheConfig;
+use crate::server::{BoxError, ProxyBody};
+
+/// What the header blob of a stored record holds.
+#[derive(Serialize, Deserialize)]
+enum Head {
+    /// A response: the policy carries status, headers and timing.
+    Response(Box<Stored>),
+    /// The response at this URL varies on these request headers.
+    Vary(Vec<String>),
+}
+
+#[derive(Serialize, Deserialize)]
+struct Stored {
+    policy: CachePolicy,
+    /// Unix ms until which a stale entry may be served while it is
+    /// revalidated (`stale-while-revalidate`); 0 for never.
+    swr_until_ms: u64,
+    /// Unix ms until which a stale entry may be served when the origin
+    /// fails (`stale-if-error`); 0 for never.
+    #[serde(default)]
+    sie_until_ms: u64,
+    /// The response head as the origin sent it, for serving it stale: the
+    /// library builds a head only for a fresh entry.
+    status: u16,
+    headers: Vec<(String, Vec<u8>)>,
+}
+
+/// A storable response fetched once, handed to every coalesced waiter.
+pub(crate) struct Fetched {
+    pub(crate) policy: CachePolicy,
+    pub(crate) body: Bytes,
+}
+
+type Waiters = broadcast::Sender<Option<Arc<Fetched>>>;
+
+pub struct HttpCache {
+    store: Arc<dyn Store>,
+    max_object_bytes: u64,
+    inflight: Mutex<HashMap<Vec<u8>, Waiters>>,
+}
+
+/// A stored response found for a request.
+pub(crate) struct Found {
+    pub(crate) policy: CachePolicy,
+    pub(crate) body: Bytes,
+    pub(crate) swr_until_ms: u64,
+    pub(crate) sie_until_ms: u64,
+    status: u16,
+    headers: Vec<(String, Vec<u8>)>,
+}
+
+impl Found {
+    /// The stored response as it is now, stale: Age says how stale.
+    pub(crate) fn stale_head(&self) -> response::Parts {
+        let mut resp = Response::new(());
+        *resp.status_mut() = StatusCode::from_u16(self.status).unwrap_or(StatusCode::OK);
+        for (k, v) in &self.headers {
+            if let (Ok(k), Ok(v)) = (http::HeaderName::from_bytes(k.as_bytes()), HeaderValue::from_bytes(v)) {
+                resp.headers_mut().append(k, v);
+            }
+        }
+        let age = self.policy.age(SystemTime::now()).as_secs();
+        resp.headers_mut().insert(header::AGE, HeaderValue::from(age));
+        resp.into_parts().0
+    }
+}
+
+/// `stale-while-revalidate=N` or `stale-if-error=N` (RFC 5861) of a
+/// response's Cache-Control, in seconds. http-cache-semantics parses
+/// Cache-Control but neither acts on nor exposes these, so they are read here.
+fn stale_directive(headers: &HeaderMap, directive: &str) -> Option<u64> {
+    headers
+        .get_all(header::CACHE_CONTROL)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .find_map(|d| {
+            let (name, value) = d.trim().split_once('=')?;
+            name.trim().eq_ignore_ascii_case(directive).then(|| value.trim().trim_matches('"').parse().ok())?
+        })
+}
+
+/// The one request fetching a key; dropping it (done or cancelled)
+/// releases the key so no waiter waits on a fetch that will not come.
+pub(crate) struct Leader<'a> {
+    cache: &'a HttpCache,
+    key: Vec<u8>,
+    tx: Waiters,
+}
+
+impl Leader<'_> {
+    pub(crate) fn finish(self, result: Option<Arc<Fetched>>) {
+        self.cache.inflight.lock().unwrap().remove(&self.key);
+        let _ = self.tx.send(result);
+    }
+}
+
+impl Drop for Leader<'_> {
+    fn drop(&mut self) {
+        self.cache.inflight.lock().unwrap().remove(&self.key);
+    }
+}
+
+pub(crate) enum Turn<'a> {
+    Lead(Leader<'a>),
+    Wait(broadcast::Receiver<Option<Arc<Fetched>>>),
+}
+
+pub(crate) fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+pub(crate) fn options() -> CacheOptions {
+    // A proxy is a shared cache: `private` is not stored, `s-maxage` wins.
+    CacheOptions { shared: true, ..Default::default() }
+}
+
+pub(crate) fn base_key(parts: &request::Parts) -> Vec<u8> {
+    let host = parts.headers.get(header::HOST).map_or(&b""[..], |h| h.as_bytes());
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let mut k = b"GET ".to_vec();
+    k.extend_from_slice(host);
+    k.extend_from_slice(path.as_bytes());
+    k
+}
+
+fn variant_key(base: &[u8], names: &[String], headers: &HeaderMap) -> Vec<u8> {
+    let mut k = base.to_vec();
+    k.push(b'\n');
+    for n in names {
+        k.extend_from_slice(n.as_bytes());
+        k.push(b'=');
+        let values: Vec<&[u8]> = headers.get_all(n.as_str()).iter().map(|v| v.as_bytes()).collect();
+        k.extend_from_slice(&values.join(&b","[..]));
+        k.push(b'\n');
+    }
+    k
+}
+
+/// `Vary`'s header names, lower-cased and sorted; `None` without Vary.
+fn vary_names(headers: &HeaderMap) -> Option<Vec<String>> {
+    let mut names: Vec<String> = headers
+        .get_all(header::VARY)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|n| n.trim().to_ascii_lowercase())
+        .filter(|n| !n.is_empty())
+        .collect();
+    names.sort();
+    names.dedup();
+    (!names.is_empty()).then_some(names)
+}
+
+/// The request as the stored policy keeps it: only what matching a later
+/// request needs (Host, the Vary'd headers), so cookies and credentials of
+/// the first client never reach the disk. Storability was decided on the
+/// full request before this.
+fn persisted_request(parts: &request::Parts, vary: Option<&[String]>) -> request::Parts {
+    let mut req = http::Request::new(());
+    *req.method_mut() = parts.method.clone();
+    *req.uri_mut() = parts.uri.clone();
+    let (mut p, ()) = req.into_parts();
+    let keep = |n: &str| n == "host" || vary.is_some_and(|v| v.iter().any(|x| x == n));
+    for (name, value) in &parts.headers {
+        if keep(name.as_str()) {
+            p.headers.append(name, value.clone());
+        }
+    }
+    p
+}
+
+pub(crate) enum Buffered {
+    Whole(Bytes),
+    /// Over `max_object_bytes`: what was read, then the rest, streamed.
+    TooLarge(ProxyBody),
+    Broken,
+}
+
+impl HttpCache {
+    pub fn open(cfg: &CacheConfig) -> Result<HttpCache> {
+        let store: Arc<dyn Store> = Arc::from(inband_cache::open(&cfg.store_config())?);
+        tracing::info!(backend = %cfg.backend, entries = store.len(), bytes = store.size_bytes(), "cache opened");
+        Ok(HttpCache { store, max_object_bytes: cfg.max_object_bytes, inflight: Mutex::new(HashMap::new()) })
+    }
+
+    pub fn stats(&self) -> inband_cache::Stats {
+        self.store.stats()
+    }
+
+    /// Store I/O runs on the blocking pool: an LMDB or RocksDB write can
+    /// wait on the disk, and a file read always does.
+    async fn blocking<T: Send + 'static>(&self, f: impl FnOnce(&dyn Store) -> Result<T> + Send + 'static) -> Result<T> {
+        let store = self.store.clone();
+        tokio::task::spawn_blocking(move || f(&*store)).await?
+    }
+
+    pub async fn flush(&self) {
+        if let Err(e) = self.blocking(|s| s.flush()).await {
+            tracing::warn!(error = %e, "cache flush failed");
+        }
+    }
+
+    async fn get(&self, key: Vec<u8>) -> Option<(Head, Bytes)> {
+        let entry = match self.blocking(move |s| s.get(&key)).await {
+            Ok(e) => e?,
+            Err(e) => {
+                tracing::warn!(error = %e, "cache read failed");
+                return None;
+            }
+        };
+        Some((serde_json::from_slice(&entry.header).ok()?, entry.body.into()))
+    }
+
+    /// The stored response for this request, following a Vary marker.
+    pub(crate) async fn lookup(&self, parts: &request::Parts) -> Option<Found> {
+        let base = base_key(parts);
+        let (head, body) = match self.get(base.clone()).await? {
+            (Head::Vary(names), _) => self.get(variant_key(&base, &names, &parts.headers)).await?,
+            found => found,
+        };
+        match head {
+            Head::Response(st) => {
+                let st = *st;
+                Some(Found {
+                    policy: st.policy,
+                    body,
+                    swr_until_ms: st.swr_until_ms,
+                    sie_until_ms: st.sie_until_ms,
+                    status: st.status,
+                    headers: st.headers,
+                })
+            }
+            Head::Vary(_) => None,
+        }
+    }
+
+    /// Stores a response (and the Vary marker it needs). A failure is
+    /// logged: a response not stored is only a later miss.
+    pub(crate) async fn put(&self, parts: &request::Parts, resp: &response::Parts, policy: &CachePolicy, body: Bytes) {
+        let now = SystemTime::now();
+
+        let base = base_key(parts);
+        let vary = vary_names(&resp.headers);
+        let persisted = CachePolicy::new_options(&persisted_request(parts, vary.as_deref()), resp, now, options());
+        let fresh_until = now + policy.time_to_live(now);
+        let until = |d| stale_directive(&resp.headers, d).map_or(0, |s| unix_ms(fresh_until + Duration::from_secs(s)));
+        let (swr_until_ms, sie_until_ms) = (until("stale-while-revalidate"), until("stale-if-error"));
+        let stored = Stored {
+            policy: persisted,
+            swr_until_ms,
+            sie_until_ms,
+            status: resp.status.as_u16(),
+            headers: resp.headers.iter().map(|(k, v)| (k.to_string(), v.as_bytes().to_vec())).collect(),
+        };
+        let mut writes = Vec::new();
+        let key = match vary {
+            Some(names) => {
+                let key = variant_key(&base, &names, &parts.headers);
+                writes.push((base, Head::Vary(names), Bytes::new()));
+                key
+            }
+            None => base,
+        };
+        writes.push((key, Head::Response(Box::new(stored)), body));
+        let stored_at = unix_ms(now);
+        let expires = unix_ms(fresh_until);
+        let r = self
+            .blocking(move |s| {
+                for (k, head, b) in writes {
+                    s.put(&k, stored_at, expires, &serde_json::to_vec(&head)?, &b)?;
+                }
+                Ok(())
+            })
+            .await;
+        if let Err(e) = r {
+            tracing::warn!(error = %e, "cache write failed");
+        }
+    }
+
+    /// Deletes the entry for this URL and all its variants; returns how
+    /// many records went.
+    pub async fn purge(&self, parts: &request::Parts) -> Result<u64> {
+        let base = base_key(parts);
+        self.blocking(move |s| {
+            let mut prefix = base.clone();
+            prefix.push(b'\n');
+            let mut victims = vec![base];
+            s.for_each_meta(&mut |k, _| {
+                if k.starts_with(&prefix) {
+                    victims.push(k.to_vec());
+                }
+            })?;
+            let mut n = 0;
+            for k in victims {
+                n += s.delete(&k)? as u64;
+            }
+            Ok(n)
+        })
+        .await
+    }
+
+    /// Become the one request that fetches `key`, or wait for the one that is.
+    pub(crate) fn join(&self, key: &[u8]) -> Turn<'_> {
+        let mut inflight = self.inflight.lock().unwrap();
+        if let Some(tx) = inflight.get(key) {
+            return Turn::Wait(tx.subscribe());
+        }
+        let (tx, _) = broadcast::channel(1);
+        inflight.insert(key.to_vec(), tx.clone());
+        Turn::Lead(Leader { cache: self, key: key.to_vec(), tx })
+    }
+
+    /// Reads a body that may be stored, up to `max_object_bytes`.
+    pub(crate) async fn buffer(&self, mut body: Incoming) -> Buffered {
+        let mut buf = BytesMut::new();
+        while let Some(frame) = body.frame().await {
+            let Ok(frame) = frame else { return Buffered::Broken };
+            if let Ok(data) = frame.into_data() {
+                buf.extend_from_slice(&data);
+                if buf.len() as u64 > self.max_object_bytes {
+                    return Buffered::TooLarge(Replay { prefix: Some(buf.freeze()), rest: body }.boxed());
+                }
+            }
+        }
+        Buffered::Whole(buf.freeze())
+    }
+
+    /// Whether a response goes into the store at all: storable by the
+    /// rules, fresh for a while, and not declared too large. One that is
+    /// stale on arrival (no-cache, max-age=0, Set-Cookie without public)
+    /// would only cost a write and a revalidation.
+    pub(crate) fn worth_storing(&self, policy: &CachePolicy, resp: &response::Parts) -> bool {
+        let declared = resp.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        policy.is_storable()
+            && policy.time_to_live(SystemTime::now()) > Duration::ZERO
+            && declared.is_none_or(|n| n <= self.max_object_bytes)
+    }
+}
+
+/// Bytes already read, then the rest of the origin's body. http-body-util
+/// has no concatenation of two bodies, so this small one is written here.
+struct Replay {
+    prefix: Option<Bytes>,
+    rest: Incoming,
+}
+
+impl Body for Replay {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(p) = self.prefix.take() {
+            return Poll::Ready(Some(Ok(Frame::data(p))));
+        }
+        Pin::new(&mut self.rest).poll_frame(cx).map_err(BoxError::from)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let mut h = self.rest.size_hint();
+        if let Some(p) = &self.prefix {
+            let n = p.len() as u64;
+            h.set_lower(h.lower() + n);
+            if let Some(u) = h.upper() {
+                h.set_upper(u + n);
+            }
+        }
+        h
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.prefix.is_none() && self.rest.is_end_stream()
+    }
+}
