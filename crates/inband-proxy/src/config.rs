@@ -31,6 +31,9 @@ pub struct Config {
     /// Largest request body accepted; more is 413.
     #[serde(default = "default_max_body_bytes")]
     pub max_body_bytes: u64,
+    /// Time a client has to send its whole request body; 408 after.
+    #[serde(default = "default_client_body_timeout_ms")]
+    pub client_body_timeout_ms: u64,
     #[serde(default = "default_connect_timeout_ms")]
     pub connect_timeout_ms: u64,
     /// Time from sending a request to a backend until its response head; 504 after.
@@ -134,6 +137,9 @@ fn default_max_header_bytes() -> usize {
 fn default_max_body_bytes() -> u64 {
     8 << 20
 }
+fn default_client_body_timeout_ms() -> u64 {
+    30_000
+}
 fn default_connect_timeout_ms() -> u64 {
     1000
 }
@@ -200,6 +206,9 @@ impl Checked {
     pub fn connect_timeout(&self) -> Duration {
         Duration::from_millis(self.raw.connect_timeout_ms)
     }
+    pub fn client_body_timeout(&self) -> Duration {
+        Duration::from_millis(self.raw.client_body_timeout_ms)
+    }
     pub fn backend_timeout(&self) -> Duration {
         Duration::from_millis(self.raw.backend_timeout_ms)
     }
@@ -259,7 +268,11 @@ pub fn check(raw: Config) -> Result<Checked> {
     if raw.max_header_bytes < 8192 {
         note(Err(anyhow::anyhow!("max_header_bytes {} is below 8192, the smallest buffer hyper accepts", raw.max_header_bytes)));
     }
-    for (name, v) in [("connect_timeout_ms", raw.connect_timeout_ms), ("backend_timeout_ms", raw.backend_timeout_ms)] {
+    for (name, v) in [
+        ("client_body_timeout_ms", raw.client_body_timeout_ms),
+        ("connect_timeout_ms", raw.connect_timeout_ms),
+        ("backend_timeout_ms", raw.backend_timeout_ms),
+    ] {
         if v == 0 {
             note(Err(anyhow::anyhow!("{name} must be above 0")));
         }

@@ -23,6 +23,8 @@ pub enum Refusal {
     HeadersTooLarge,
     /// Body over `max_body_bytes` (413).
     BodyTooLarge,
+    /// Body not complete within `client_body_timeout_ms` (408).
+    BodyTimeout,
     /// No backend is healthy (503).
     NoHealthyBackend,
     /// Every attempt failed to connect or broke off (502).
@@ -37,6 +39,7 @@ impl Refusal {
             Refusal::BadRequest => "bad_request",
             Refusal::HeadersTooLarge => "headers_too_large",
             Refusal::BodyTooLarge => "body_too_large",
+            Refusal::BodyTimeout => "body_timeout",
             Refusal::NoHealthyBackend => "no_healthy_backend",
             Refusal::BackendDown => "backend_down",
             Refusal::BackendTimeout => "backend_timeout",
@@ -48,6 +51,7 @@ impl Refusal {
             Refusal::BadRequest => StatusCode::BAD_REQUEST,
             Refusal::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             Refusal::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Refusal::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Refusal::NoHealthyBackend => StatusCode::SERVICE_UNAVAILABLE,
             Refusal::BackendDown => StatusCode::BAD_GATEWAY,
             Refusal::BackendTimeout => StatusCode::GATEWAY_TIMEOUT,

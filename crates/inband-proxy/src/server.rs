@@ -38,6 +38,7 @@ pub fn refusal_response(r: Refusal) -> Response<ProxyBody> {
         Refusal::BadRequest => "bad request\n",
         Refusal::HeadersTooLarge => "request headers too large\n",
         Refusal::BodyTooLarge => "request body too large\n",
+        Refusal::BodyTimeout => "request body too slow\n",
         Refusal::NoHealthyBackend => "no healthy backend\n",
         Refusal::BackendDown => "backend unreachable\n",
         Refusal::BackendTimeout => "backend timed out\n",
@@ -45,7 +46,7 @@ pub fn refusal_response(r: Refusal) -> Response<ProxyBody> {
     let mut resp = Response::new(full(text));
     *resp.status_mut() = r.status();
     resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
-    if r == Refusal::BodyTooLarge {
+    if matches!(r, Refusal::BodyTooLarge | Refusal::BodyTimeout) {
         // The unread rest of the body would be taken for the next request.
         resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
@@ -154,10 +155,12 @@ async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr)
         }
     }
     // Buffered so a retry can resend it; the limit bounds the memory.
-    let body = match Limited::new(body, limit as usize).collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => return refuse(shared, Refusal::BodyTooLarge),
-        Err(_) => return refuse(shared, Refusal::BadRequest),
+    let read = tokio::time::timeout(shared.cfg.client_body_timeout(), Limited::new(body, limit as usize).collect());
+    let body = match read.await {
+        Ok(Ok(b)) => b.to_bytes(),
+        Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => return refuse(shared, Refusal::BodyTooLarge),
+        Ok(Err(_)) => return refuse(shared, Refusal::BadRequest),
+        Err(_) => return refuse(shared, Refusal::BodyTimeout),
     };
     shared.metrics.request_bytes.inc_by(body.len() as u64);
     if parts.method.as_str() == "PURGE" {

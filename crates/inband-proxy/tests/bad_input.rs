@@ -54,6 +54,19 @@ async fn body_over_the_limit_is_413_declared_or_chunked() {
 }
 
 #[tokio::test]
+async fn a_body_that_never_completes_is_408() {
+    let o = Origin::start(|_| ok("x")).await;
+    let p = start_proxy(&[o.addr], "client_body_timeout_ms = 200").await;
+    let t = std::time::Instant::now();
+    let out = raw(p.addr, b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\nonly ten b").await;
+    assert!(out.starts_with("HTTP/1.1 408"), "{out:?}");
+    assert!(t.elapsed() < Duration::from_secs(3), "answered by the timeout, not by the test's read limit");
+    assert_eq!(o.hits(), 0);
+    assert_eq!(refusals(&metrics(&p).await, "body_timeout"), 1.0);
+    p.shutdown().await;
+}
+
+#[tokio::test]
 async fn backend_down_after_retries_is_502() {
     let (d1, d2) = (dead_addr().await, dead_addr().await);
     let p = start_proxy(&[d1, d2], "retries = 1\n[passive]\nfailures = 0").await;
