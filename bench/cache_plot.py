@@ -36,7 +36,7 @@ def plot(report: dict, out: Path) -> None:
             ax.set_ylabel(label)
             ax.set_title(f"{t} thread{'s' if t > 1 else ''}")
             ax.grid(axis="y", alpha=0.3)
-    axes[0][0].legend()
+    axes[0][0].legend(fontsize="small", ncols=2)
     fig.suptitle(
         f"inband-cache backends: {report['records']:,} records × {report['value_bytes']} B, zipf {report['zipf']}"
     )

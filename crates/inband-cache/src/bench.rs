@@ -53,7 +53,8 @@ pub struct CacheArgs {
     /// Also write the JSON report here (for bench/cache_plot.py).
     #[arg(long)]
     save: Option<PathBuf>,
-    /// Internal: `load` or `run:<update %>:<threads>` for one backend.
+    /// Internal: `load`, `reopen-cold` or `run:<update %>:<threads>` for
+    /// one backend.
     #[arg(long, hide = true)]
     child: Option<String>,
     #[arg(long, hide = true)]
@@ -86,8 +87,12 @@ pub struct Row {
 pub struct Fill {
     pub backend: BackendKind,
     pub load_s: f64,
-    /// Median open time of the full store over the run children.
+    /// Median open time of the full store over the run children (the
+    /// store's files in the page cache: a process restart).
     pub reopen_ms: f64,
+    /// Open time after the store's file pages were dropped from the page
+    /// cache (close to a reboot; directory and inode caches stay warm).
+    pub reopen_cold_ms: f64,
     pub disk_mib: f64,
 }
 
@@ -233,6 +238,22 @@ fn run_child(a: &CacheArgs, kind: BackendKind, path: &Path, update_pct: u32, thr
     })
 }
 
+/// Drops the page-cache pages of every file under `dir` (only these
+/// files: dropping all caches would disturb everything else running).
+fn drop_cached_pages(dir: &Path) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        if e.file_type()?.is_dir() {
+            drop_cached_pages(&e.path())?;
+        } else {
+            let f = std::fs::File::open(e.path())?;
+            unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        }
+    }
+    Ok(())
+}
+
 /// Bytes the store occupies on disk (allocated blocks, not file lengths).
 fn disk_bytes(dir: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
@@ -281,11 +302,12 @@ pub fn measure(mut a: CacheArgs, argv: &[&str]) -> Result<Report> {
     let mut fills = Vec::new();
     for &kind in &a.backends {
         let dir = tempfile::Builder::new().prefix(&format!("inband-bench-cache-{kind}-")).tempdir_in(&parent)?;
-        let mut load_s = 0.0;
+        let (mut load_s, mut reopen_cold_ms) = (0.0, 0.0);
         if kind.durable() {
             let t = Instant::now();
             spawn_child(&a, argv, kind, dir.path(), "load")?;
             load_s = t.elapsed().as_secs_f64();
+            reopen_cold_ms = spawn_child(&a, argv, kind, dir.path(), "reopen-cold")?.parse()?;
         }
         let disk_mib = disk_bytes(dir.path()) as f64 / (1 << 20) as f64;
         let mut opens = Vec::new();
@@ -299,7 +321,7 @@ pub fn measure(mut a: CacheArgs, argv: &[&str]) -> Result<Report> {
             }
         }
         let reopen_ms = if kind.durable() { median(opens) } else { 0.0 };
-        fills.push(Fill { backend: kind, load_s, reopen_ms, disk_mib });
+        fills.push(Fill { backend: kind, load_s, reopen_ms, reopen_cold_ms, disk_mib });
     }
     Ok(Report { records: a.records, value_bytes: a.value_bytes, seconds: a.seconds, zipf: a.zipf, rows, fills })
 }
@@ -319,10 +341,10 @@ pub fn render(r: &Report) -> String {
             row.backend, row.workload, row.threads, row.ops_per_s, ratio, row.p50_us, row.p99_us, row.cpu_us_per_op, row.peak_rss_mib
         );
     }
-    s += "\n| backend | load s | reopen full store ms | on disk MiB |\n|---|---:|---:|---:|\n";
+    s += "\n| backend | load s | reopen full store ms | same, file pages not cached | on disk MiB |\n|---|---:|---:|---:|---:|\n";
     for f in &r.fills {
-        let reopen = if f.backend.durable() { format!("{:.1}", f.reopen_ms) } else { "– (not durable)".into() };
-        s += &format!("| {} | {:.1} | {} | {:.0} |\n", f.backend, f.load_s, reopen, f.disk_mib);
+        let ms = |v: f64| if f.backend.durable() { format!("{v:.1}") } else { "– (not durable)".into() };
+        s += &format!("| {} | {:.1} | {} | {} | {:.0} |\n", f.backend, f.load_s, ms(f.reopen_ms), ms(f.reopen_cold_ms), f.disk_mib);
     }
     s
 }
@@ -335,6 +357,17 @@ pub fn main(a: CacheArgs, argv: &[&str]) -> Result<()> {
         if child == "load" {
             let store = crate::open(&config(&a, kind, &path))?;
             return load(store.as_ref(), a.records, &Values::new(a.value_bytes));
+        }
+        if child == "reopen-cold" {
+            drop_cached_pages(&path)?;
+            let t = Instant::now();
+            let store = crate::open(&config(&a, kind, &path))?;
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            if store.len() != a.records {
+                bail!("{kind}: reopened store holds {} records, expected {}", store.len(), a.records);
+            }
+            println!("{ms}");
+            return Ok(());
         }
         let spec = child.strip_prefix("run:").context("unknown --child")?;
         let (pct, threads) = spec.split_once(':').context("--child run:<update %>:<threads>")?;
