@@ -91,9 +91,14 @@ fn fresh_head(policy: &CachePolicy, parts: &request::Parts) -> Option<response::
 /// Answers a GET through the cache. `parts` carries the forwarding
 /// headers already; `key` is the balancing hash key. A client's own
 /// conditional request is answered 304 when the 200 it would get matches.
-pub async fn serve(shared: &Arc<Shared>, cache: &HttpCache, parts: request::Parts, key: &[u8]) -> Result<Response<ProxyBody>, Refusal> {
+pub async fn serve(shared: &Arc<Shared>, cache: &HttpCache, mut parts: request::Parts, key: &[u8]) -> Result<Response<ProxyBody>, Refusal> {
     let conditional = [header::IF_NONE_MATCH, header::IF_MODIFIED_SINCE].iter().any(|h| parts.headers.contains_key(h));
     let req_headers = conditional.then(|| parts.headers.clone());
+    // The origin is asked for the whole response, which can be stored:
+    // passing the client's validators on would get a 304 the cache cannot
+    // keep, and a browser revalidating would never fill the cache.
+    parts.headers.remove(header::IF_NONE_MATCH);
+    parts.headers.remove(header::IF_MODIFIED_SINCE);
     let resp = lookup_or_fetch(shared, cache, parts, key).await?;
     match req_headers {
         Some(req) if resp.status() == StatusCode::OK && not_modified(&req, resp.headers()) => {
@@ -230,7 +235,11 @@ async fn keep(
             }
             Ok(cached(head, bytes, outcome))
         }
-        Buffered::TooLarge(body) => Ok(Response::from_parts(head, body)),
+        Buffered::TooLarge(body) => {
+            let mut resp = Response::from_parts(head, body);
+            resp.headers_mut().insert("x-cache", outcome.header());
+            Ok(resp)
+        }
         Buffered::Broken => Err(Refusal::BackendDown),
     }
 }

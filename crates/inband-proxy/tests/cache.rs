@@ -202,7 +202,13 @@ async fn client_conditional_requests_get_304_from_the_cache() {
     let o = origin().await;
     let dir = tempfile::tempdir().unwrap();
     let p = start_proxy(&[o.addr], &cache_section("lmdb", dir.path())).await;
+    // A conditional first request still fills the cache: the origin is
+    // asked without the client's validators.
+    let first = send(p.addr, "GET", "/validators", &[("host", HOST), ("if-none-match", "W/\"v9\"")], b"").await;
+    assert_eq!((first.status, x_cache(&first)), (304, "MISS"));
+    assert!(!o.seen()[0].headers.contains_key("if-none-match"));
     let a = cget(&p, "/validators").await;
+    assert_eq!(x_cache(&a), "HIT");
     for (h, v, want) in [
         ("if-none-match", "\"v9\"", 304),
         ("if-none-match", "\"other\", W/\"v9\"", 304),
