@@ -79,6 +79,9 @@ pub async fn serve(shared: Arc<Shared>, listener: TcpListener, mut stop: watch::
             }
         };
         let _ = stream.set_nodelay(true);
+        // On a dual-stack listener IPv4 clients appear as ::ffff:a.b.c.d;
+        // purge_allow, X-Forwarded-For and hashing want a.b.c.d.
+        let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
         let s = shared.clone();
         let service = service_fn(move |req| handle(s.clone(), req, peer));
         let (s, builder, watcher) = (shared.clone(), builder.clone(), graceful.watcher());
