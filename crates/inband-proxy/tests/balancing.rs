@@ -86,7 +86,14 @@ async fn idempotent_requests_retry_on_connection_refused_others_do_not() {
     }
     statuses.sort();
     assert_eq!(statuses, vec![200, 200, 502, 502]);
-    assert_eq!(live.hits(), 8);
+    // A PUT is retried with its body.
+    for _ in 0..2 {
+        assert_eq!(send(p.addr, "PUT", "/doc", &[], b"payload").await.status, 200);
+    }
+    assert_eq!(live.hits(), 10);
+    let puts: Vec<_> = live.seen().into_iter().filter(|s| s.method == "PUT").collect();
+    assert_eq!(puts.len(), 2);
+    assert!(puts.iter().all(|s| s.body == "payload"), "{puts:?}");
     p.shutdown().await;
 }
 

@@ -22,7 +22,8 @@ async fn origin() -> Origin {
         let path = s.path.split('?').next().unwrap();
         let body = format!("{path} #{i}");
         match path {
-            "/max-age" | "/purge-me" | "/durable" => ok(&body).header("cache-control", "max-age=60"),
+            "/public-auth" => ok(&body).header("cache-control", "public, max-age=60"),
+            "/max-age" | "/auth" | "/range" | "/head" | "/purge-me" | "/durable" => ok(&body).header("cache-control", "max-age=60"),
             "/s-maxage" => ok(&body).header("cache-control", "max-age=0, s-maxage=60"),
             "/expires" => ok(&body).header("expires", httpdate(Duration::from_secs(60))),
             "/no-store" => ok(&body).header("cache-control", "no-store, max-age=60"),
@@ -130,6 +131,27 @@ async fn stores_what_the_rules_allow_and_nothing_else() {
     assert_eq!(sample(&m, "inband_proxy_cache_total{result=\"miss\"}"), 13.0, "{m}");
     assert_eq!(sample(&m, "inband_proxy_cache_store{what=\"entries\"}"), 3.0, "{m}");
     assert!(sample(&m, "inband_proxy_cache_store{what=\"bytes\"}") > 0.0, "{m}");
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn authorization_range_and_head_are_kept_out_of_the_cache() {
+    let o = origin().await;
+    let dir = tempfile::tempdir().unwrap();
+    let p = start_proxy(&[o.addr], &cache_section("lmdb", dir.path())).await;
+    let auth = |path| send(p.addr, "GET", path, &[("host", HOST), ("authorization", "Bearer x")], b"");
+    // A shared cache stores an authorized response only when it says public.
+    let a = auth("/auth").await;
+    assert_ne!(auth("/auth").await.body, a.body);
+    let b = auth("/public-auth").await;
+    assert_eq!(auth("/public-auth").await.body, b.body);
+    // Range requests and HEAD go to the origin and store nothing.
+    let r = send(p.addr, "GET", "/range", &[("host", HOST), ("range", "bytes=0-3")], b"").await;
+    assert_eq!(x_cache(&r), "-");
+    assert_eq!(x_cache(&cget(&p, "/range").await), "MISS");
+    assert_eq!(send(p.addr, "HEAD", "/head", &[("host", HOST)], b"").await.status, 200);
+    assert_eq!(x_cache(&cget(&p, "/head").await), "MISS");
+    assert_eq!(o.hits(), 7);
     p.shutdown().await;
 }
 

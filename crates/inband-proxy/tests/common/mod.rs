@@ -56,6 +56,7 @@ pub struct Seen {
     pub method: String,
     pub path: String,
     pub headers: HeaderMap,
+    pub body: Bytes,
 }
 
 type Handler = Arc<dyn Fn(&Seen) -> Reply + Send + Sync>;
@@ -91,8 +92,8 @@ impl Origin {
                     let (handler, hits, seen) = (handler.clone(), hits.clone(), seen.clone());
                     async move {
                         let (parts, body) = req.into_parts();
-                        let _ = body.collect().await;
-                        let s = Seen { method: parts.method.to_string(), path: parts.uri.to_string(), headers: parts.headers };
+                        let body = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+                        let s = Seen { method: parts.method.to_string(), path: parts.uri.to_string(), headers: parts.headers, body };
                         if s.path != "/health" {
                             hits.fetch_add(1, Ordering::SeqCst);
                             seen.lock().unwrap().push(s.clone());
