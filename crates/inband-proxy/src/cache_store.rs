@@ -326,6 +326,20 @@ impl HttpCache {
         .await
     }
 
+    /// Drops the URL's entries after a successful unsafe request. Cheaper
+    /// than [`HttpCache::purge`] on the common path: only a URL whose base
+    /// record is a Vary marker needs the scan for its variants.
+    pub async fn invalidate(&self, parts: &request::Parts) -> Result<()> {
+        let base = base_key(parts);
+        let b = base.clone();
+        let varies = self.blocking(move |s| Ok(s.get(&b)?.map(|e| matches!(serde_json::from_slice(&e.header), Ok(Head::Vary(_)))))).await?;
+        match varies {
+            Some(true) => self.purge(parts).await.map(drop),
+            Some(false) => self.blocking(move |s| s.delete(&base).map(drop)).await,
+            None => Ok(()),
+        }
+    }
+
     /// Become the one request that fetches `key`, or wait for the one that is.
     pub(crate) fn join(&self, key: &[u8]) -> Turn<'_> {
         let mut inflight = self.inflight.lock().unwrap();

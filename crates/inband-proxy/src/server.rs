@@ -179,7 +179,7 @@ async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr)
             if let (Some(cache), Ok(resp)) = (&shared.cache, &sent) {
                 let ok = resp.status().is_success() || resp.status().is_redirection();
                 if ok && cache_layer::invalidates(&parts.method) {
-                    if let Err(e) = cache.purge(&parts).await {
+                    if let Err(e) = cache.invalidate(&parts).await {
                         tracing::warn!(error = %e, "cache invalidation failed");
                     }
                 }

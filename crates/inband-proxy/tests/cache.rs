@@ -92,6 +92,10 @@ async fn cget(p: &Proxy, path: &str) -> Reply2 {
     send(p.addr, "GET", path, &[("host", HOST)], b"").await
 }
 
+async fn lang(p: &Proxy, l: &str) -> Reply2 {
+    send(p.addr, "GET", "/vary", &[("host", HOST), ("accept-language", l)], b"").await
+}
+
 fn x_cache(r: &Reply2) -> &str {
     r.headers.get("x-cache").map_or("-", |v| v.to_str().unwrap())
 }
@@ -256,9 +260,6 @@ async fn vary_keeps_one_entry_per_header_value() {
     let o = origin().await;
     let dir = tempfile::tempdir().unwrap();
     let p = start_proxy(&[o.addr], &cache_section("lmdb", dir.path())).await;
-    async fn lang(p: &Proxy, l: &str) -> Reply2 {
-        send(p.addr, "GET", "/vary", &[("host", HOST), ("accept-language", l)], b"").await
-    }
     let en = lang(&p, "en").await;
     let de = lang(&p, "de").await;
     assert!(en.body.starts_with("en #") && de.body.starts_with("de #"), "{} / {}", en.body, de.body);
@@ -339,6 +340,13 @@ async fn purge_and_unsafe_methods_invalidate() {
     let c = cget(&p, "/purge-me").await;
     assert_ne!(c.body, b.body);
     assert_eq!(o.hits(), 4);
+    // A DELETE drops every variant of a Vary'd URL.
+    let (en, de) = (lang(&p, "en").await, lang(&p, "de").await);
+    assert_eq!((lang(&p, "en").await.body, lang(&p, "de").await.body), (en.body.clone(), de.body.clone()));
+    assert_eq!(send(p.addr, "DELETE", "/vary", &[("host", HOST)], b"").await.status, 200);
+    assert_ne!(lang(&p, "en").await.body, en.body);
+    assert_ne!(lang(&p, "de").await.body, de.body);
+    assert_eq!(o.hits(), 9);
     p.shutdown().await;
 }
 
