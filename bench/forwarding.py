@@ -845,11 +845,14 @@ def plot(fwd: list[Fwd], http: list[Http], fresh: list[Fresh], path: Path) -> No
     if "fwd" in ax:
         a = ax["fwd"]
         groups = (("hairpin", "64 B frames, hairpin (Mpps)"), ("switch", "64 B frames, via the switch (Mpps)"), ("stream", "64 B writes, TCP (M/s)"))
-        names = list(dict.fromkeys(r.path for r in fwd))
+        # inband's pass-through (streams) shares inband's place.
+        place = {"inband-pt": "inband"}
+        names = list(dict.fromkeys(place.get(r.path, r.path) for r in fwd))
         for i, (load, label) in enumerate(groups):
             rows = [r for r in fwd if r.load == load]
             if rows:
-                a.bar([names.index(r.path) + (i - 1) * 0.27 for r in rows], [r.rate / 1e6 for r in rows], width=0.27, label=label)
+                xs = [names.index(place.get(r.path, r.path)) + (i - 1) * 0.27 for r in rows]
+                a.bar(xs, [r.rate / 1e6 for r in rows], width=0.27, label=label)
         a.set_xticks(range(len(names)), names, rotation=20)
         a.set_ylabel("million per second (2 shared cores)")
         a.set_title("Forwarding rate, small TCP packets")
