@@ -4,10 +4,12 @@ namespace testbed (issue 5, parts 2-4):
     python -m bench.forwarding --out results/fwd
 
 1. Forwarding rate of small TCP packets: raw 64-byte frames (XDP live-frame
-   generator, XDP counter-and-drop at the server) through inband (native
-   XDP), nftables DNAT and straight to the server; and 64-byte writes over
-   real TCP connections (HAProxy only forwards what its sockets read)
-   through all of them and HAProxy in TCP mode.
+   generator, XDP counter-and-drop at the receiver) through inband (native
+   XDP), nftables DNAT, the bounce floor and no forwarder at all, on a
+   one-armed hairpin and through the testbed's switch to a server; and
+   64-byte writes over real TCP connections (HAProxy only forwards what
+   its sockets read) through inband, nftables, HAProxy in TCP mode and
+   straight to the server.
 2. DSR's point: CPU per GB of HTTP response (1 KB, 46 KB, 1 MB) for DSR,
    pass-through and HAProxy, against the direct path.
 3. Feedback freshness: time from a server's score change to the balancer's
@@ -33,6 +35,7 @@ import signal
 import socket
 import statistics
 import struct
+import subprocess
 import sys
 import time
 import traceback
@@ -40,9 +43,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import peers, report
-from .paper import Testbed, tool_version
+from .paper import Testbed, alive, tool_version
 from .peers import Backend
-from .procs import Fatal, Procs, ns_argv, run, wait_until
+from .procs import Procs, ns_argv, run, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 VIP_PORT = 80
@@ -164,9 +167,6 @@ class Fwd:
     def rate(self) -> float:
         return self.units / self.seconds if self.seconds > 0 else 0.0
 
-    @property
-    def cpu_s_per_m(self) -> float:
-        return self.machine_cpu_s / self.units * 1e6 if self.units else 0.0
 
 
 @dataclass
@@ -277,8 +277,8 @@ def http_own_cpu(r: Http) -> float | None:
 
 def http_table(rows: list[Http]) -> str:
     head = (
-        "| response | path | requests | GB | req/s | balancer's own CPU s/GB | ÷ DSR | balancer's own CPU µs/request | packets through the balancer per request |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|\n"
+        "| response | path | requests | GB | req/s | balancer's own CPU s/GB | ÷ DSR | balancer's own CPU µs/request | packets through the balancer per request | wrk errors |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     out = []
     for size in dict.fromkeys(r.size for r in rows):
@@ -292,7 +292,7 @@ def http_table(rows: list[Http]) -> str:
                 f"| {size} | {r.label} | {r.requests:,} | {r.gb:.3f} | {r.requests / r.seconds:,.0f} "
                 f"| {'–' if o is None else f'{o:.3f}'} | {_ratio(o, dsr_own) if o is not None and dsr_own else '–'} "
                 f"| {'–' if per_req is None else f'{per_req:.2f}'} "
-                f"| {f'{r.prog_runs / r.requests:.1f}' if r.prog_runs and r.requests else '–'} |"
+                f"| {f'{r.prog_runs / r.requests:.1f}' if r.prog_runs and r.requests else '–'} | {r.errors} |"
             )
     return head + "\n".join(out) + "\n"
 
@@ -342,8 +342,6 @@ def parse_wrk(text: str) -> dict:
 
 def others_running() -> set[str]:
     """Other engineers' benchmarks and builds on this shared machine."""
-    import subprocess
-
     cp = subprocess.run(["pgrep", "-a", "-f", "bench.paper|cargo|rustc"], capture_output=True, text=True)
     seen = set()
     for line in cp.stdout.splitlines():
@@ -810,23 +808,10 @@ def server_served(bench: Bench) -> int:
 
 
 def subprocess_run_env(netns: str, argv: list[str], env: dict, timeout: float) -> str:
-    import subprocess
-
     cp = subprocess.run(ns_argv(netns, argv), capture_output=True, text=True, timeout=timeout, env=env)
     if cp.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed with {cp.returncode}: {cp.stderr.strip()}")
     return cp.stdout
-
-
-class ProcessDied(Fatal):
-    pass
-
-
-def alive(proc, what: str, log: Path) -> bool:
-    if proc.poll() is None:
-        return True
-    tail = log.read_text(errors="replace").strip().splitlines()[-5:] if log.exists() else []
-    raise ProcessDied(f"{what} exited with status {proc.returncode}: " + " / ".join(tail))
 
 
 # ------------------------------------------------------------------ output

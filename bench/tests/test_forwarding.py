@@ -73,8 +73,8 @@ def test_http_table_per_gb_and_against_dsr():
         fw.Http("1 MB", "haproxy", "haproxy", 1000, 2_000_000_000, 0, 1.0, 6.0, proc_cpu_s=1.0),
     ]
     t = table_rows(fw.http_table(rows), "| response |")
-    assert t[0][5:] == ["–", "–", "–", "–"]
-    assert t[1][5:] == ["0.010", "1.00×", "20.00", "10.0"]
+    assert t[0][5:] == ["–", "–", "–", "–", "0"]
+    assert t[1][5:] == ["0.010", "1.00×", "20.00", "10.0", "0"]
     assert t[2][5:8] == ["0.500", "50.00×", "1000.00"]
 
 
