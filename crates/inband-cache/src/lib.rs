@@ -165,7 +165,9 @@ pub trait Store: Send + Sync {
     /// record a later `get` finds corrupt.
     fn contains(&self, key: &[u8]) -> bool;
     /// Every key with its metadata, without reading bodies (a meta table for
-    /// LMDB/RocksDB; a short read of each file's head for `files`).
+    /// LMDB/RocksDB; a short read of each file's head for `files`). `f`
+    /// runs inside the backend's iteration (a read transaction, a map
+    /// shard's lock) and must not call back into the store; collect first.
     fn for_each_meta(&self, f: &mut dyn FnMut(&[u8], &Meta)) -> Result<()>;
     fn len(&self) -> u64;
     fn is_empty(&self) -> bool {
