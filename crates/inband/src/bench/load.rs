@@ -2,9 +2,11 @@
 //! (`bench/forwarding.py`), each run inside one testbed namespace:
 //!
 //! - `blast`: a pre-built TCP frame sent out of an interface with
-//!   BPF_PROG_TEST_RUN in live-frame mode (the `tx` program returns
-//!   XDP_TX), so the generator costs a fraction of what any forwarder
-//!   under test costs: no socket, no stack, no copy per packet.
+//!   BPF_PROG_TEST_RUN in live-frame mode (the `tx` program writes it and
+//!   returns XDP_TX): no socket, no stack and no syscall per packet. On a
+//!   veth it is still not free (about 2 µs per frame with the sink on
+//!   this project's VM), which is why the benchmark reports what each
+//!   forwarder adds to it.
 //! - `sink`: counts TCP packets to a port in XDP at the receiver, and drops
 //!   them (raw load) or passes them to a real server.
 //! - `stream` / `discard`: real TCP connections carrying small writes with
