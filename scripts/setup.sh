@@ -11,7 +11,13 @@ APT_PACKAGES=(
   iproute2 iputils-ping netcat-openbsd tcpdump ethtool curl util-linux
   nftables haproxy wrk python3-venv linux-perf
   librocksdb-dev  # inband-cache links it instead of building RocksDB (.cargo/config.toml)
+  nginx varnish  # peers of `inband proxy` in bench/proxy.py, run only with the benchmark's own configs
 )
+# The peers' Debian services must never run: they would listen on :80 and
+# :6081 and take CPU from the benchmarks. No policy-rc.d keeps postinst from
+# starting them (one that exists, e.g. Docker's, is left alone); systemd
+# units are disabled and stopped below.
+SERVICES=(nginx varnish varnishncsa)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
@@ -20,7 +26,17 @@ if ((${#missing[@]})); then
   log "apt: installing ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
+  policy=/usr/sbin/policy-rc.d
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod +x "$policy"
+    trap 'rm -f "$policy"' EXIT
+  fi
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+if [ -d /run/systemd/system ]; then
+  for s in "${SERVICES[@]}"; do
+    systemctl disable -q --now "$s" 2>/dev/null || true
+  done
 fi
 
 if ! command -v cargo >/dev/null; then
