@@ -140,3 +140,88 @@ def parse_tbf_stats(tc_json: str) -> dict:
         if q.get("kind") == "tbf" and q.get("root"):
             return {"bytes": int(q["bytes"]), "packets": int(q["packets"]), "drops": int(q["drops"])}
     raise ValueError("no root tbf qdisc in tc output")
+
+
+# ------------------------------------------------- L7 caches (bench/proxy.py)
+
+
+def proxy_toml(*, listen: str, origin: str, backend: str, path: str | None, capacity_bytes: int) -> str:
+    """`inband proxy` with its cache (docs/proxy.md), nothing else that the
+    peers do not do either: no health checks, one backend."""
+    if backend not in ("lmdb", "rocksdb", "memory", "files"):
+        raise ValueError(f"unknown cache backend {backend!r}")
+    if (path is None) != (backend == "memory"):
+        raise ValueError("a path is needed for a durable backend and only for one")
+    lines = [
+        f'listen = "{listen}"',
+        f'backends = ["{origin}"]',
+        "",
+        "[cache]",
+        f'backend = "{backend}"',
+    ]
+    if path is not None:
+        lines.append(f'path = "{path}"')
+    lines.append(f"capacity_bytes = {int(capacity_bytes)}")
+    return "\n".join(lines) + "\n"
+
+
+def nginx_conf(*, listen: str, origin: str, prefix: str, max_size_bytes: int, workers: int, as_root: bool) -> str:
+    """nginx `proxy_cache` as a reverse-proxy cache is usually set up: one
+    worker per core, levels=1:2 files, `proxy_cache_lock` (coalescing, as
+    inband does), keep-alive to the origin. Every path nginx writes is under
+    `prefix`, so the packaged instance and /var are never touched."""
+    user = "user root;\n" if as_root else ""  # workers must write the cache the master created
+    return f"""\
+{user}worker_processes {int(workers)};
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    sendfile on;
+    tcp_nopush on;
+    keepalive_requests 1000000;
+    client_body_temp_path {prefix}/client_body;
+    proxy_temp_path {prefix}/proxy_temp;
+    fastcgi_temp_path {prefix}/fastcgi;
+    uwsgi_temp_path {prefix}/uwsgi;
+    scgi_temp_path {prefix}/scgi;
+    proxy_cache_path {prefix}/cache levels=1:2 keys_zone=bench:64m max_size={int(max_size_bytes)} inactive=1d use_temp_path=off;
+    upstream origin {{
+        server {origin};
+        keepalive 32;
+    }}
+    server {{
+        listen {listen};
+        location / {{
+            proxy_pass http://origin;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_cache bench;
+            proxy_cache_lock on;
+            add_header X-Cache $upstream_cache_status;
+        }}
+    }}
+}}
+"""
+
+
+def varnish_vcl(*, origin_host: str, origin_port: int) -> str:
+    """Varnish's built-in VCL does the caching (Cache-Control max-age);
+    this only names the origin and marks hits like the others do."""
+    return f"""\
+vcl 4.1;
+
+backend origin {{
+    .host = "{_check_ip(origin_host)}";
+    .port = "{int(origin_port)}";
+}}
+
+sub vcl_deliver {{
+    if (obj.hits > 0) {{
+        set resp.http.X-Cache = "HIT";
+    }} else {{
+        set resp.http.X-Cache = "MISS";
+    }}
+}}
+"""

@@ -1,0 +1,762 @@
+"""L7 proxy caches end to end (issue 4, benchmarks 2 and 3), in one run:
+
+    python -m bench.proxy --out results/proxy
+
+`inband proxy` with each cache backend (LMDB, RocksDB, memory, files),
+nginx `proxy_cache` and Varnish (malloc storage), all in front of one
+origin (bench/origin.py: every path a fixed-size object, cacheable for an
+hour; it counts the requests that reach it) on 127.0.0.1.
+
+1. Hits: every cache is filled (each object once) and warmed, then wrk
+   requests zipfian-distributed paths from each system in turn, for a few
+   interleaved rounds: req/s, p50/p99 latency, CPU of the system's
+   processes, with ratios to nginx and Varnish.
+2. Restart: each system is stopped and started again on the same cache
+   directory, and the same workload is replayed from its first response
+   for a few seconds: origin requests and hit ratio in that window.
+
+Prints Markdown tables, writes results.md, results.json, results.csv,
+restart_timeline.csv, proxy.png and command.txt into --out. Every process
+is stopped and every temporary directory removed at the end, on Ctrl-C and
+SIGTERM too. See docs/benchmarks.md ("L7 proxy cache").
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import http.client
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import peers
+from .origin import STATS_PATH
+from .paper import tool_version
+from .procs import Fatal, Procs, run, wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+CAPACITY = 1 << 30  # every cache's size bound, far above the data set: nothing is evicted
+
+
+@dataclass(frozen=True)
+class System:
+    key: str
+    label: str
+    durable: bool
+
+
+SYSTEMS = [
+    System("inband-lmdb", "inband LMDB", True),
+    System("inband-rocksdb", "inband RocksDB", True),
+    System("inband-memory", "inband memory", False),
+    System("inband-files", "inband files", True),
+    System("nginx", "nginx proxy_cache", True),
+    System("varnish", "Varnish (malloc)", False),
+]
+BY_KEY = {s.key: s for s in SYSTEMS}
+
+
+@dataclass(frozen=True)
+class Profile:
+    objects: int
+    object_bytes: int
+    zipf: float
+    rounds: int  # interleaved measurement rounds per system; medians reported
+    measure_s: int  # per round (wrk counts whole seconds)
+    warm_s: int
+    window_s: int  # after a restart
+    connections: int
+
+
+PROFILES = {
+    "default": Profile(objects=5000, object_bytes=10240, zipf=0.99, rounds=3, measure_s=5, warm_s=2, window_s=5, connections=8),
+    # The test: every table filled, nothing measured well.
+    "quick": Profile(objects=200, object_bytes=10240, zipf=0.99, rounds=1, measure_s=1, warm_s=1, window_s=1, connections=4),
+}
+
+
+class Interrupted(BaseException):
+    """SIGTERM/SIGHUP, handled like Ctrl-C."""
+
+
+# ------------------------------------------------------------------ wrk
+
+# Paths /obj/1 .. /obj/N, rank 1 the most popular, zipfian with exponent s;
+# a fixed seed, so every system gets the same sequence.
+WRK_LUA = r"""
+local n = tonumber(os.getenv("BENCH_OBJECTS"))
+local s = tonumber(os.getenv("BENCH_ZIPF"))
+local cdf = {}
+
+function init(args)
+  local total = 0
+  for k = 1, n do
+    total = total + 1 / k ^ s
+    cdf[k] = total
+  end
+  for k = 1, n do cdf[k] = cdf[k] / total end
+  math.randomseed(tonumber(os.getenv("BENCH_SEED")))
+end
+
+function request()
+  local u = math.random()
+  local lo, hi = 1, n
+  while lo < hi do
+    local mid = math.floor((lo + hi) / 2)
+    if cdf[mid] < u then lo = mid + 1 else hi = mid end
+  end
+  return wrk.format("GET", "/obj/" .. lo)
+end
+
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("BENCH requests=%d bytes=%d errors=%d status_errors=%d p50_us=%d p99_us=%d duration_us=%d\n",
+    summary.requests, summary.bytes, e.connect + e.read + e.write + e.timeout, e.status,
+    latency:percentile(50), latency:percentile(99), summary.duration))
+end
+"""
+
+
+def parse_wrk(text: str) -> dict:
+    for line in text.splitlines():
+        if line.startswith("BENCH "):
+            return {k: int(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
+    raise ValueError(f"no summary in wrk output: {text[-500:]}")
+
+
+# ------------------------------------------------------------------ counters
+
+
+def session_cpu_s(sid: int) -> float:
+    """utime + stime of every process in a session: nginx's master and
+    workers, Varnish's manager and child, inband's one process."""
+    total = 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            f = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(f[3]) == sid:  # field 6, session id
+            total += int(f[11]) + int(f[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def others_running() -> set[str]:
+    """Other engineers' benchmarks and builds on this shared machine."""
+    cp = subprocess.run(["pgrep", "-a", "-f", "bench.paper|bench.forwarding|bench cache|cargo|rustc"], capture_output=True, text=True)
+    seen = set()
+    for line in cp.stdout.splitlines():
+        cmd = line.split(None, 1)[1] if " " in line else ""
+        for name in ("bench.paper", "bench.forwarding", "bench cache", "cargo", "rustc"):
+            if name in cmd:
+                seen.add(name)
+    return seen
+
+
+def wait_quiet(max_s: float, log) -> str:
+    """Waits until no build and no forwarding benchmark runs for a few
+    seconds in a row (at most `max_s`); says what it found."""
+    pattern = "bench.forwarding|cargo|rustc"
+    if max_s <= 0:
+        return "not waited for (--wait-quiet 0)"
+    deadline = time.monotonic() + max_s
+    quiet_since = None
+    announced = False
+    while True:
+        busy = subprocess.run(["pgrep", "-f", pattern], capture_output=True).returncode == 0
+        now = time.monotonic()
+        if not busy:
+            quiet_since = quiet_since or now
+            if now - quiet_since >= 5:
+                return f"no build or forwarding benchmark running for 5 s (`pgrep -f '{pattern}'`)"
+        else:
+            quiet_since = None
+            if not announced:
+                log(f"waiting (at most {max_s:.0f} s) until `pgrep -f '{pattern}'` is empty")
+                announced = True
+        if now >= deadline:
+            return f"still busy after {max_s:.0f} s"
+        time.sleep(1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def listening(port: int) -> bool:
+    return f"{HOST}:{port} " in run(None, ["ss", "-Hltn"]).stdout
+
+
+def http_get(port: int, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    c = http.client.HTTPConnection(HOST, port, timeout=timeout)
+    try:
+        c.request("GET", path)
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        c.close()
+
+
+# ------------------------------------------------------------------ results
+
+
+@dataclass
+class Hits:
+    key: str
+    label: str
+    rounds: list = field(default_factory=list)  # wrk summaries, each with cpu_s and origin
+    fill_s: float = 0.0
+    fill_origin: int = 0
+    warm_origin: int = 0
+
+    def _median(self, f) -> float:
+        return statistics.median(f(r) for r in self.rounds) if self.rounds else 0.0
+
+    @property
+    def rps(self) -> float:
+        return self._median(lambda r: r["requests"] / (r["duration_us"] / 1e6))
+
+    @property
+    def p50_ms(self) -> float:
+        return self._median(lambda r: r["p50_us"] / 1000)
+
+    @property
+    def p99_ms(self) -> float:
+        return self._median(lambda r: r["p99_us"] / 1000)
+
+    @property
+    def cores(self) -> float:
+        secs = sum(r["duration_us"] for r in self.rounds) / 1e6
+        return sum(r["cpu_s"] for r in self.rounds) / secs if secs else 0.0
+
+    @property
+    def cpu_us_per_req(self) -> float:
+        n = sum(r["requests"] for r in self.rounds)
+        return sum(r["cpu_s"] for r in self.rounds) / n * 1e6 if n else 0.0
+
+    @property
+    def origin(self) -> int:
+        return sum(r["origin"] for r in self.rounds)
+
+    @property
+    def errors(self) -> int:
+        return sum(r["errors"] + r["status_errors"] for r in self.rounds)
+
+
+@dataclass
+class Restart:
+    key: str
+    label: str
+    durable: bool
+    ready_s: float
+    requests: int
+    errors: int
+    origin: int
+    window_s: float
+    timeline: list = field(default_factory=list)  # (seconds since first response possible, origin requests so far)
+
+    @property
+    def hit_ratio(self) -> float:
+        return max(0.0, 1 - self.origin / self.requests) if self.requests else 0.0
+
+
+# ------------------------------------------------------------------ tables
+
+
+def _md(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" if i else "---" for i in range(len(headers))) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _times(a: float, b: float | None) -> str:
+    return f"{a / b:.2f}×" if b else "–"
+
+
+def hits_table(rows: list[Hits]) -> str:
+    ref = {r.key: r for r in rows if r.rounds}
+    ng, va = ref.get("nginx"), ref.get("varnish")
+    out = []
+    for r in rows:
+        if not r.rounds:
+            out.append([r.label] + ["failed"] + ["–"] * 10)
+            continue
+        out.append([
+            r.label, f"{r.rps:,.0f}", _times(r.rps, ng and ng.rps), _times(r.rps, va and va.rps),
+            f"{r.p50_ms:.2f}", f"{r.p99_ms:.2f}", f"{r.cores:.2f}", f"{r.cpu_us_per_req:.1f}",
+            _times(r.cpu_us_per_req, ng and ng.cpu_us_per_req), _times(r.cpu_us_per_req, va and va.cpu_us_per_req),
+            str(r.origin), str(r.errors),
+        ])  # fmt: skip
+    headers = [
+        "system", "req/s", "÷ nginx", "÷ Varnish", "p50 ms", "p99 ms", "CPU (cores)", "CPU µs/req",
+        "CPU ÷ nginx", "CPU ÷ Varnish", "origin requests", "errors",
+    ]  # fmt: skip
+    return _md(headers, out)
+
+
+def restart_table(rows: list[Restart], window_s: int, objects: int) -> str:
+    out = [
+        [
+            r.label, "yes" if r.durable else "no", f"{r.ready_s * 1000:.0f}", f"{r.requests:,}", f"{r.origin:,}",
+            f"{r.hit_ratio * 100:.1f} %", f"{r.origin / objects * 100:.1f} %", str(r.errors),
+        ]  # fmt: skip
+        for r in rows
+    ]
+    headers = [
+        "system", "cache kept on disk", "restart → first response ms", f"requests in first {window_s} s",
+        f"origin requests in first {window_s} s", "hit ratio", "origin requests ÷ objects", "errors",
+    ]  # fmt: skip
+    return _md(headers, out)
+
+
+def markdown(hits: list[Hits], restarts: list[Restart], p: Profile, preamble: str) -> str:
+    parts = [preamble]
+    if hits:
+        parts += [
+            f"\n## Hits: {p.objects:,} objects of {p.object_bytes:,} bytes, zipf {p.zipf}, wrk 1 thread × {p.connections} connections, "
+            f"median of {p.rounds} × {p.measure_s} s\n",
+            hits_table(hits),
+            "\nCPU is the system's own processes (utime + stime); origin requests while measured should be 0 (every cache was filled).\n",
+        ]
+    if restarts:
+        parts += [f"\n## Restart: the same workload for {p.window_s} s from the first response after a restart\n", restart_table(restarts, p.window_s, p.objects)]
+    return "".join(parts)
+
+
+def write_csv(hits: list[Hits], restarts: list[Restart], path: Path) -> None:
+    rest = {r.key: r for r in restarts}
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["key", "label", "rps", "p50_ms", "p99_ms", "cpu_cores", "cpu_us_per_req", "origin_while_measured", "errors",
+                    "restart_ready_ms", "restart_requests", "restart_origin", "restart_hit_ratio"])  # fmt: skip
+        for h in hits:
+            r = rest.get(h.key)
+            w.writerow([
+                h.key, h.label, f"{h.rps:.1f}", f"{h.p50_ms:.3f}", f"{h.p99_ms:.3f}", f"{h.cores:.3f}", f"{h.cpu_us_per_req:.2f}", h.origin, h.errors,
+                f"{r.ready_s * 1000:.1f}" if r else "", r.requests if r else "", r.origin if r else "", f"{r.hit_ratio:.4f}" if r else "",
+            ])  # fmt: skip
+
+
+def write_timeline(restarts: list[Restart], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["key", "seconds", "origin_requests"])
+        for r in restarts:
+            for t, n in r.timeline:
+                w.writerow([r.key, f"{t:.3f}", n])
+
+
+def plot(hits: list[Hits], restarts: list[Restart], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a server; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    done = [h for h in hits if h.rounds]
+    labels = [h.label.replace(" ", "\n", 1) for h in done]
+    ax = axes[0]
+    bars = ax.bar(labels, [h.rps for h in done], color="tab:blue")
+    for b, h in zip(bars, done):
+        ax.annotate(f"p99 {h.p99_ms:.1f} ms", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.set_title("cache hits: requests/s")
+    ax.tick_params(axis="x", labelsize=8)
+    ax = axes[1]
+    ax.bar(labels, [h.cpu_us_per_req for h in done], color="tab:orange")
+    ax.set_title("CPU µs per request (the system's processes)")
+    ax.tick_params(axis="x", labelsize=8)
+    ax = axes[2]
+    for r in restarts:
+        if r.timeline:
+            # Durable caches lie on top of each other at 0: dashed, totals in the legend.
+            ax.step([t for t, _ in r.timeline], [n for _, n in r.timeline], where="post", linestyle="--" if r.durable else "-", label=f"{r.label} ({r.origin:,})")
+    ax.set_title("after a restart: origin requests so far")
+    ax.set_xlabel("seconds since the first response")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ the run
+
+
+class Bench:
+    def __init__(self, args, profile: Profile, out: Path):
+        self.args = args
+        self.p = profile
+        self.out = out
+        self.inband = Path(args.inband).resolve()  # the systems run in the temp dir
+        self.procs = Procs()
+        self.tmp = Path(tempfile.mkdtemp(prefix="inband-bench-proxy-"))
+        self.origin_port = free_port()
+        self.ports = {s.key: free_port() for s in SYSTEMS}
+        self.running: dict[str, subprocess.Popen] = {}
+        self.others: set[str] = set()
+        self.lua = self.tmp / "zipf.lua"
+        self.lua.write_text(WRK_LUA)
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    def note_others(self) -> None:
+        self.others |= others_running()
+
+    # --- processes
+
+    def start_origin(self) -> None:
+        argv = [sys.executable, "-m", "bench.origin", "--listen", f"{HOST}:{self.origin_port}", "--object-bytes", str(self.p.object_bytes)]
+        log = self.out / "logs" / "origin.log"
+        proc = self.procs.spawn("origin", None, argv, log, cwd=REPO)
+        wait_until("the origin", lambda: self._alive(proc, "origin", log) and self.origin_count() >= 0, 20)
+
+    def origin_count(self) -> int:
+        status, body = http_get(self.origin_port, STATS_PATH)
+        if status != 200:
+            raise RuntimeError(f"origin stats: {status}")
+        return json.loads(body)["requests"]
+
+    def _alive(self, proc, what: str, log: Path) -> bool:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
+            raise Fatal(f"{what} exited with {proc.returncode}: {tail}")
+        return True
+
+    def config(self, s: System) -> list[str]:
+        """Writes the system's config (once; a restart reuses it) and returns its argv."""
+        cfg_dir = self.out / "configs"
+        cfg_dir.mkdir(parents=True, exist_ok=True)
+        state = self.tmp / s.key
+        state.mkdir(exist_ok=True)
+        listen = f"{HOST}:{self.ports[s.key]}"
+        origin = f"{HOST}:{self.origin_port}"
+        if s.key.startswith("inband-"):
+            backend = s.key.removeprefix("inband-")
+            cfg = cfg_dir / f"{s.key}.toml"
+            cfg.write_text(peers.proxy_toml(listen=listen, origin=origin, backend=backend, path=None if backend == "memory" else str(state / "cache"), capacity_bytes=CAPACITY))
+            return [str(self.inband), "proxy", "--config", str(cfg)]
+        if s.key == "nginx":
+            cfg = cfg_dir / "nginx.conf"
+            cfg.write_text(peers.nginx_conf(listen=listen, origin=origin, prefix=str(state), max_size_bytes=CAPACITY, workers=os.cpu_count() or 1, as_root=os.geteuid() == 0))
+            return ["nginx", "-c", str(cfg), "-p", str(state), "-e", str(state / "error.log"), "-g", "daemon off;"]
+        vcl = cfg_dir / "varnish.vcl"
+        vcl.write_text(peers.varnish_vcl(origin_host=HOST, origin_port=self.origin_port))
+        # -j none: no privilege separation (the packaged users' jail is for
+        # the service); -T none: no management port; -n: state in our temp dir.
+        return ["varnishd", "-F", "-a", listen, "-f", str(vcl), "-s", f"malloc,{CAPACITY}", "-n", str(state / "varnish"), "-T", "none", "-j", "none"]
+
+    def start(self, s: System) -> float:
+        """Starts the system; returns the seconds until it answered through
+        to the origin (a request the origin does not count)."""
+        argv = self.config(s)
+        env = dict(os.environ, INBAND_LOG="warn")  # no access log: the peers keep none either
+        log = self.out / "logs" / f"{s.key}.log"
+        t0 = time.monotonic()
+        proc = self.procs.spawn(s.key, None, argv, log, env=env, cwd=self.tmp)
+        self.running[s.key] = proc
+        port = self.ports[s.key]
+        wait_until(f"{s.label} to answer", lambda: self._alive(proc, s.label, log) and http_get(port, STATS_PATH, 2.0)[0] == 200, 60, 0.01)
+        return time.monotonic() - t0
+
+    def stop(self, s: System) -> None:
+        proc = self.running.pop(s.key)
+        self.procs.stop(proc, grace_s=15)
+        # Bounded: a system that keeps its port after its process is gone
+        # must not meet its successor there.
+        wait_until(f"{s.label} to release its port", lambda: not listening(self.ports[s.key]), 15)
+
+    # --- load
+
+    def wrk(self, s: System, seconds: int) -> dict:
+        argv = ["wrk", "-t1", f"-c{self.p.connections}", f"-d{seconds}s", "--timeout", "5s", "-s", str(self.lua), f"http://{HOST}:{self.ports[s.key]}/"]
+        env = dict(os.environ, BENCH_OBJECTS=str(self.p.objects), BENCH_ZIPF=str(self.p.zipf), BENCH_SEED="4")
+        cp = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=seconds + 30)
+        if cp.returncode != 0:
+            raise RuntimeError(f"wrk failed ({cp.returncode}): {cp.stderr.strip()[-500:]}")
+        return parse_wrk(cp.stdout)
+
+    def fill(self, s: System) -> float:
+        """Each object once, over a few keep-alive connections; every
+        response checked for its size."""
+        port = self.ports[s.key]
+        workers = 4
+        errors: list[str] = []
+
+        def worker(i: int) -> None:
+            c = http.client.HTTPConnection(HOST, port, timeout=10)
+            try:
+                for k in range(1 + i, self.p.objects + 1, workers):
+                    c.request("GET", f"/obj/{k}")
+                    r = c.getresponse()
+                    body = r.read()
+                    if r.status != 200 or len(body) != self.p.object_bytes:
+                        errors.append(f"/obj/{k}: {r.status}, {len(body)} bytes")
+                        return
+            except Exception as e:  # noqa: BLE001 - reported by the caller
+                errors.append(f"{e.__class__.__name__}: {e}")
+            finally:
+                c.close()
+
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        if any(t.is_alive() for t in threads):
+            raise RuntimeError(f"filling {s.label} took over 120 s")
+        if errors:
+            raise RuntimeError(f"filling {s.label}: {errors[0]}")
+        return time.monotonic() - t0
+
+    def measure(self, s: System, h: Hits) -> None:
+        sid = self.running[s.key].pid  # its own session: the leader's pid
+        o0, c0 = self.origin_count(), session_cpu_s(sid)
+        w = self.wrk(s, self.p.measure_s)
+        w["cpu_s"] = session_cpu_s(sid) - c0
+        w["origin"] = self.origin_count() - o0
+        self.note_others()
+        h.rounds.append(w)
+
+    def restart(self, s: System) -> Restart:
+        self.stop(s)
+        ready_s = self.start(s)
+        o0 = self.origin_count()
+        timeline = [(0.0, 0)]
+        stop = threading.Event()
+
+        def sample() -> None:
+            t0 = time.monotonic()
+            while not stop.wait(0.1):
+                try:
+                    timeline.append((time.monotonic() - t0, self.origin_count() - o0))
+                except Exception:  # noqa: BLE001 - a missed sample leaves a gap, nothing more
+                    pass
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            w = self.wrk(s, self.p.window_s)
+        finally:
+            stop.set()
+            sampler.join(timeout=5)
+        origin = self.origin_count() - o0
+        timeline.append((w["duration_us"] / 1e6, origin))
+        self.note_others()
+        return Restart(s.key, s.label, s.durable, ready_s, w["requests"], w["errors"] + w["status_errors"], origin, w["duration_us"] / 1e6, timeline)
+
+    def teardown(self) -> list[int]:
+        """Stops everything; returns the ports still listening (none, unless
+        something escaped)."""
+        self.procs.stop_all()
+        self.running.clear()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        ports = [self.origin_port, *self.ports.values()]
+        return [p for p in ports if listening(p)]
+
+
+# ------------------------------------------------------------------ main
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m bench.proxy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="results directory (created)")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes and 1-s runs: the test's profile")
+    ap.add_argument("--systems", default=",".join(BY_KEY), help="comma-separated subset of " + ", ".join(BY_KEY))
+    ap.add_argument("--objects", type=int, help="number of distinct objects (default 5000)")
+    ap.add_argument("--object-bytes", type=int, help="size of every object (default 10240)")
+    ap.add_argument("--seconds", type=int, help="per measurement round (default 5)")
+    ap.add_argument("--rounds", type=int, help="interleaved rounds per system (default 3)")
+    ap.add_argument("--window", type=int, help="seconds replayed after a restart (default 5)")
+    ap.add_argument("--connections", type=int, help="wrk connections (default 8, one thread)")
+    ap.add_argument("--wait-quiet", type=float, default=600, help="seconds to wait at most for builds and bench.forwarding to end before measuring (0: do not wait)")
+    ap.add_argument("--inband", default=str(REPO / "target" / "debug" / "inband"))
+    args = ap.parse_args(argv)
+    bad = set(args.systems.split(",")) - set(BY_KEY)
+    if bad:
+        ap.error(f"unknown system(s): {', '.join(sorted(bad))}")
+    return args
+
+
+def profile_of(args) -> Profile:
+    p = PROFILES["quick" if args.quick else "default"]
+    over = {
+        "objects": args.objects, "object_bytes": args.object_bytes, "measure_s": args.seconds, "rounds": args.rounds,
+        "window_s": args.window, "connections": args.connections,
+    }  # fmt: skip
+    return Profile(**{**asdict(p), **{k: v for k, v in over.items() if v is not None}})
+
+
+def preflight(args, systems: list[System]) -> list[str]:
+    problems = []
+    if any(s.key.startswith("inband-") for s in systems) and not Path(args.inband).is_file():
+        problems.append(f"{args.inband} is missing: run scripts/setup.sh")
+    need = {"wrk"} | ({"nginx"} if "nginx" in {s.key for s in systems} else set()) | ({"varnishd"} if "varnish" in {s.key for s in systems} else set())
+    for tool in sorted(need):
+        if not shutil.which(tool):
+            problems.append(f"{tool} is not installed: run scripts/setup.sh")
+    return problems
+
+
+def versions(inband: Path) -> str:
+    rows = [
+        ("nproc", str(os.cpu_count())),
+        ("kernel", platform.release()),
+        ("os", tool_version(["sh", "-c", ". /etc/os-release && echo $PRETTY_NAME"])),
+        ("inband", f"{tool_version([str(inband), '--version'])} ({inband})"),
+        ("nginx", tool_version(["nginx", "-v"])),
+        ("varnish", tool_version(["varnishd", "-V"])),
+        ("wrk", tool_version(["wrk", "-v"])),
+        ("python", platform.python_version()),
+    ]
+    return "\n".join(f"{k}: {v}" for k, v in rows) + "\n"
+
+
+def _raise_interrupted(signum, _frame):
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    systems = [BY_KEY[k] for k in args.systems.split(",")]
+    problems = preflight(args, systems)
+    if problems:
+        for p in problems:
+            print(f"error: {p}", file=sys.stderr)
+        return 2
+    profile = profile_of(args)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    command = shlex.join([sys.executable, "-m", "bench.proxy", *(argv if argv is not None else sys.argv[1:])])
+    started = time.time()
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, _raise_interrupted)
+    bench = None
+    hits = {s.key: Hits(s.key, s.label) for s in systems}
+    restarts: list[Restart] = []
+    failed: list[str] = []
+    interrupted = None
+    quiet = "not checked"
+    leftover: list[int] = []
+
+    def attempt(s: System, what: str, fn):
+        try:
+            return fn()
+        except (Interrupted, KeyboardInterrupt):
+            raise
+        except Exception as e:  # noqa: BLE001 - one system's failure must not hide the others
+            traceback.print_exc()
+            failed.append(f"{s.label} {what}: {e.__class__.__name__}: {e}")
+            bench.log(f"{s.label} {what}: FAILED: {e}")
+            return None
+
+    try:
+        bench = Bench(args, profile, out)
+        quiet = wait_quiet(args.wait_quiet, bench.log)
+        bench.note_others()
+        bench.start_origin()
+        alive = []
+        for s in systems:
+            bench.log(f"{s.label}: start, fill {profile.objects} objects, warm up {profile.warm_s} s")
+
+            def fill_and_warm(s=s):
+                bench.start(s)
+                o0 = bench.origin_count()
+                hits[s.key].fill_s = bench.fill(s)
+                o1 = bench.origin_count()
+                bench.wrk(s, profile.warm_s)
+                hits[s.key].fill_origin, hits[s.key].warm_origin = o1 - o0, bench.origin_count() - o1
+                return True
+
+            if attempt(s, "fill", fill_and_warm):
+                alive.append(s)
+        for rnd in range(profile.rounds):
+            for s in alive:
+                bench.log(f"hits, round {rnd + 1}/{profile.rounds}: {s.label}")
+                attempt(s, "hits", lambda s=s: bench.measure(s, hits[s.key]))
+        for s in alive:
+            bench.log(f"restart: {s.label}")
+            r = attempt(s, "restart", lambda s=s: bench.restart(s))
+            if r:
+                restarts.append(r)
+    except (Interrupted, KeyboardInterrupt) as e:
+        interrupted = str(e) or "SIGINT"
+    except Exception as e:  # noqa: BLE001 - set-up failed: report, tear down
+        traceback.print_exc()
+        failed.append(f"setup: {e.__class__.__name__}: {e}")
+    finally:
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)
+        if bench is not None:
+            leftover = bench.teardown()
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_DFL)
+    if leftover:
+        failed.append(f"still listening after teardown: ports {leftover}")
+
+    elapsed = time.time() - started
+    others = ", ".join(sorted(bench.others)) if bench and bench.others else "none seen"
+    facts = versions(Path(args.inband))
+    preamble = (
+        "# L7 proxy cache: inband proxy vs nginx proxy_cache vs Varnish\n\n"
+        f"Command: `{command}`  \n"
+        f"Started {time.strftime('%Y-%m-%d %H:%M:%S %z', time.localtime(started))}, wall time {elapsed:.0f} s. "
+        f"{os.cpu_count()} CPUs **shared by** wrk (1 thread), the system under test, the origin (Python, idle once the caches are filled), "
+        f"the driver and the other systems (started, idle); before measuring: {quiet}; other work seen during the run: {others}.  \n"
+        + "; ".join(line for line in facts.splitlines() if line.split(":")[0] in ("inband", "nginx", "varnish", "wrk", "kernel"))
+        + "\n"
+    )
+    if failed:
+        preamble += "\n**Failed:** " + "; ".join(failed) + "\n"
+    if interrupted:
+        preamble += f"\n**Interrupted** ({interrupted}).\n"
+    hit_rows = [hits[s.key] for s in systems]
+    md = markdown(hit_rows, restarts, profile, preamble)
+    (out / "results.md").write_text(md)
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "profile": asdict(profile),
+                "hits": [{**asdict(h), "rps": h.rps, "p50_ms": h.p50_ms, "p99_ms": h.p99_ms, "cpu_us_per_req": h.cpu_us_per_req} for h in hit_rows],
+                "restart": [{**asdict(r), "hit_ratio": r.hit_ratio} for r in restarts],
+                "failed": failed,
+            },
+            indent=2,
+        )
+    )
+    write_csv(hit_rows, restarts, out / "results.csv")
+    write_timeline(restarts, out / "restart_timeline.csv")
+    (out / "command.txt").write_text(f"command: {command}\nstarted: {time.strftime('%Y-%m-%d %H:%M:%S %z', time.localtime(started))}\n{facts}")
+    if any(h.rounds for h in hit_rows) or restarts:
+        plot(hit_rows, restarts, out / "proxy.png")
+    print()
+    print(md)
+    print(f"results in {out}: results.md, results.json, results.csv, restart_timeline.csv, proxy.png, command.txt")
+    for f in failed:
+        print(f"error: {f}", file=sys.stderr)
+    if interrupted:
+        print(f"interrupted ({interrupted}); everything stopped", file=sys.stderr)
+    return 130 if interrupted else (1 if failed else 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

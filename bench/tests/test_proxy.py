@@ -1,0 +1,110 @@
+"""The L7 cache benchmark: its configurations checked by nginx and Varnish
+themselves, its tables from known numbers, and its quick profile end to end
+on loopback, so it cannot silently rot."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from bench import peers
+from bench import proxy as px
+
+REPO = Path(__file__).resolve().parents[2]
+INBAND = REPO / "target" / "debug" / "inband"
+
+
+def cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def table(md: str, header_start: str) -> dict[str, list[str]]:
+    lines = md.splitlines()
+    i = next(n for n, line in enumerate(lines) if line.startswith(header_start))
+    rows = {}
+    for line in lines[i + 2 :]:
+        if not line.startswith("|"):
+            break
+        c = cells(line)
+        rows[c[0]] = c
+    return rows
+
+
+def number(cell: str) -> float:
+    return float(cell.replace(",", "").rstrip("×% "))
+
+
+def test_proxy_toml_memory_has_no_path_durable_needs_one():
+    t = tomllib.loads(peers.proxy_toml(listen="127.0.0.1:1", origin="127.0.0.1:2", backend="memory", path=None, capacity_bytes=10))
+    assert t == {"listen": "127.0.0.1:1", "backends": ["127.0.0.1:2"], "cache": {"backend": "memory", "capacity_bytes": 10}}
+    t = tomllib.loads(peers.proxy_toml(listen="127.0.0.1:1", origin="127.0.0.1:2", backend="lmdb", path="/x", capacity_bytes=10))
+    assert t["cache"]["path"] == "/x"
+    with pytest.raises(ValueError):
+        peers.proxy_toml(listen="127.0.0.1:1", origin="127.0.0.1:2", backend="files", path=None, capacity_bytes=10)
+
+
+@pytest.mark.skipif(not shutil.which("nginx"), reason="nginx is not installed")
+def test_nginx_conf_passes_nginx_t(tmp_path):
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(peers.nginx_conf(listen="127.0.0.1:1", origin="127.0.0.1:2", prefix=str(tmp_path), max_size_bytes=1 << 20, workers=2, as_root=os.geteuid() == 0))
+    cp = subprocess.run(["nginx", "-t", "-c", str(conf), "-p", str(tmp_path), "-e", str(tmp_path / "error.log")], capture_output=True, text=True, timeout=30)
+    assert cp.returncode == 0, cp.stderr
+
+
+@pytest.mark.skipif(not shutil.which("varnishd"), reason="varnish is not installed")
+def test_varnish_vcl_compiles(tmp_path):
+    vcl = tmp_path / "v.vcl"
+    vcl.write_text(peers.varnish_vcl(origin_host="127.0.0.1", origin_port=2))
+    cp = subprocess.run(["varnishd", "-C", "-f", str(vcl), "-n", str(tmp_path / "v"), "-j", "none"], capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 0, cp.stderr
+
+
+def test_tables_ratios_from_known_numbers():
+    def hits(key, requests, cpu_s):
+        h = px.Hits(key, px.BY_KEY[key].label)
+        h.rounds = [{"requests": requests, "duration_us": 1_000_000, "p50_us": 100, "p99_us": 1000, "cpu_s": cpu_s, "origin": 0, "errors": 0, "status_errors": 0}]
+        return h
+
+    t = table(px.hits_table([hits("inband-lmdb", 10_000, 0.5), hits("nginx", 20_000, 0.5), hits("varnish", 40_000, 1.0)]), "| system |")
+    # req/s, ÷ nginx, ÷ Varnish; CPU µs/req 50 vs 25 and 25
+    assert t["inband LMDB"][1:4] == ["10,000", "0.50×", "0.25×"]
+    assert t["inband LMDB"][7:10] == ["50.0", "2.00×", "2.00×"]
+    r = px.Restart("varnish", "Varnish (malloc)", False, 0.5, 1000, 0, 250, 5.0)
+    t = table(px.restart_table([r], 5, 500), "| system |")
+    assert t["Varnish (malloc)"][4:7] == ["250", "75.0 %", "50.0 %"]
+
+
+@pytest.mark.skipif(not (shutil.which("nginx") and shutil.which("varnishd") and shutil.which("wrk") and INBAND.is_file()), reason="needs nginx, varnish, wrk and target/debug/inband (scripts/setup.sh)")
+def test_quick_run_end_to_end(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "bench.proxy", "--quick", "--wait-quiet", "0", "--out", str(out), "--inband", str(INBAND)]
+    cp = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert cp.returncode == 0, f"driver failed ({cp.returncode}):\n{cp.stdout[-4000:]}\n{cp.stderr[-4000:]}"
+    md = (out / "results.md").read_text()
+    assert md in cp.stdout
+
+    hits = table(md, "| system | req/s |")
+    assert list(hits) == [s.label for s in px.SYSTEMS]
+    for label, row in hits.items():
+        assert number(row[1]) > 0, row
+        assert number(row[10]) == 0 and number(row[11]) == 0, row  # every cache filled, no errors
+
+    rs = table(md, "| system | cache kept on disk |")
+    origin = {label: number(row[4]) for label, row in rs.items()}
+    assert origin["inband memory"] > 0 and origin["Varnish (malloc)"] > 0, origin
+    assert origin["inband LMDB"] < origin["inband memory"] and origin["inband LMDB"] < origin["Varnish (malloc)"], origin
+
+    assert (out / "proxy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    facts = (out / "command.txt").read_text()
+    for key in ("command:", "nginx: nginx version: nginx/", "varnish: varnishd (varnish-", "wrk:"):
+        assert key in facts, facts
+    # Nothing left running (the driver itself fails when a port is still
+    # listening): the systems' command lines name --out or the driver's temp dir.
+    left = subprocess.run(["pgrep", "-af", f"{out}|inband-bench-proxy-"], capture_output=True, text=True).stdout
+    assert left == "", left
