@@ -34,7 +34,10 @@ impl Lmdb {
             flags |= EnvFlags::NO_SYNC;
         }
         let mut options = EnvOpenOptions::new();
-        options.map_size(map_size as usize).max_dbs(2);
+        // A reader slot stays bound to each thread that ever read (LMDB's
+        // thread-local read transactions); the proxy reads from a blocking
+        // pool of up to 512 threads, beyond LMDB's default of 126 slots.
+        options.map_size(map_size as usize).max_dbs(2).max_readers(1024);
         // SAFETY: the directory holds only this store and is opened once per
         // process (NO_SYNC is "unsafe" only in that it trades durability on
         // power loss, which `flush` restores).

@@ -188,6 +188,42 @@ conformance! {
 }
 
 #[test]
+fn config_names_and_defaults() {
+    let c: Config = serde_json::from_str(r#"{"path": "/var/cache/inband"}"#).unwrap();
+    assert_eq!((c.backend, c.capacity_bytes, c.fsync), (BackendKind::Lmdb, 1 << 30, false));
+    for kind in BackendKind::ALL {
+        let c: Config = serde_json::from_str(&format!(r#"{{"backend": "{kind}"}}"#)).unwrap();
+        assert_eq!(c.backend, kind);
+        assert_eq!(kind.name().parse::<BackendKind>().unwrap(), kind);
+    }
+    assert!(serde_json::from_str::<Config>(r#"{"backend": "leveldb"}"#).is_err());
+    assert!(serde_json::from_str::<Config>(r#"{"capacity": 1}"#).is_err(), "unknown field refused");
+    assert!(open(&Config::new(BackendKind::Lmdb, None, 1 << 20)).is_err(), "durable backend needs a path");
+}
+
+/// More threads than LMDB's default reader table, each reading once.
+#[test]
+fn lmdb_serves_many_reader_threads() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(BackendKind::Lmdb, dir.path(), 1 << 20);
+    s.put(b"k", 1, FAR, b"", b"v").unwrap();
+    let barrier = std::sync::Barrier::new(200);
+    let ok = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|sc| {
+        for _ in 0..200 {
+            sc.spawn(|| {
+                if matches!(s.get(b"k"), Ok(Some(e)) if e.body == b"v") {
+                    ok.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                // Keep every thread (and its reader slot) alive at once.
+                barrier.wait();
+            });
+        }
+    });
+    assert_eq!(ok.into_inner(), 200);
+}
+
+#[test]
 fn memory_forgets_on_reopen() {
     let s = store(BackendKind::Memory, Path::new("/nonexistent"), 1 << 20);
     s.put(b"k", 1, FAR, b"", b"v").unwrap();
