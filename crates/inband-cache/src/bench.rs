@@ -26,10 +26,11 @@ use serde::{Deserialize, Serialize};
 
 #[derive(clap::Args, Clone)]
 pub struct CacheArgs {
-    /// Records per store. The default (10 KiB values: ~1 GB) is far larger
-    /// than the CPU caches and is the "1 GB store" for reopen time.
+    /// Records per store. The default (~1 GB with 10 KiB values) is far
+    /// larger than the CPU caches, and the size the startup target is set for.
     #[arg(long, default_value_t = 100_000)]
     records: u64,
+    /// Body bytes per record.
     #[arg(long, default_value_t = 10 * 1024)]
     value_bytes: usize,
     /// Seconds per backend × workload × thread count.
@@ -48,6 +49,7 @@ pub struct CacheArgs {
     /// A tiny run for tests: 2,000 records, 0.2 s per cell.
     #[arg(long)]
     quick: bool,
+    /// Print the report as JSON instead of Markdown tables.
     #[arg(long)]
     json: bool,
     /// Also write the JSON report here (for bench/cache_plot.py).
