@@ -208,6 +208,7 @@ FWD_LABELS = {
     "haproxy": "HAProxy 2.6, mode tcp",
 }
 HAIRPIN_LABELS = {
+    "generator": "generator alone (frames made and dropped, nothing sent)",
     "direct": "none: frames end at the balancer's interface (generator + sink)",
     "bounce": "bounce floor (swap MACs, XDP_TX)",
     "inband": "inband, native XDP (dsr-dynamic, n = 100)",
@@ -257,7 +258,7 @@ def fwd_table(rows: list[Fwd], load: str) -> str:
         out.append(
             f"| {r.label} | {r.sent:,} | {r.units:,} | {r.rate / 1e6:.3f} | {_ratio(r.rate, direct.rate) if direct else '–'} "
             f"| {_ratio(inband.rate, r.rate) if inband else '–'} | {'–' if cost is None else f'{cost:.3f}'} "
-            f"| {_ratio(cost, ref) if cost is not None and ref else '–'} "
+            f"| {_ratio(cost, ref) if cost is not None and cost > 0 and ref and ref > 0 else '–'} "
             f"| {' / '.join(f'{x / 1e6:.3f}' for x in r.round_rates) or '–'} |"
         )
     return head + "\n".join(out) + "\n"
@@ -567,8 +568,10 @@ class Bench:
         try:
             # The frames are for VIP:80; forwarders send them on to port
             # 9000, bounce reflects them as they are, direct ends them at
-            # the balancer's interface.
+            # the balancer's interface, the generator alone never sends them.
             def sink_at():
+                if path == "generator":
+                    return None
                 if path == "direct":
                     return self.sink(tag, passing=False, node="lb", dev=HAIRPIN_DEV, port=VIP_PORT)
                 return self.sink(tag, passing=False, node="c1", dev=HAIRPIN_DEV, port=VIP_PORT if path == "bounce" else SINK_PORT)
@@ -580,6 +583,8 @@ class Bench:
             ]  # fmt: skip
             if path == "inband":
                 argv += ["--syn-first-ms", "50"]
+            if path == "generator":
+                argv += ["--drop"]
             if self.args.perf:
                 # Only the generator's process: the forwarder and the sink
                 # run in its context (softirq on its CPU), other engineers'
@@ -595,16 +600,19 @@ class Bench:
         return r
 
     def blast_rounds(self, load: str, path: str, label: str, cmd: tuple, sink_at) -> Fwd:
-        """The generator `cmd`, counted by a fresh sink each round."""
+        """The generator `cmd`, counted by a fresh sink each round (`sink_at`
+        returns None where there is nothing to count)."""
 
         def once() -> Fwd:
-            sink, slog = sink_at()
+            counter = sink_at()
             cpu0 = cpu_busy_s()
             cp = run(*cmd, timeout=self.p.seconds + 30)
             cpu1 = cpu_busy_s()
-            time.sleep(0.05)  # the last frames are still on their way
-            got = self.sink_result(sink, slog)
             b = json.loads(cp.stdout)
+            if counter is None:  # nothing to count: the generator alone
+                return Fwd(load, path, label, b["sent"], b["sent"], b["seconds"], 0, cpu1 - cpu0)
+            time.sleep(0.05)  # the last frames are still on their way
+            got = self.sink_result(*counter)
             return Fwd(load, path, label, got["packets"], b["sent"], b["seconds"], got["packets"], cpu1 - cpu0)
 
         return self.median_of_rounds(once)

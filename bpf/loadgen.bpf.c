@@ -3,12 +3,13 @@
  * Load-generation helpers for the forwarding benchmark (`inband bench`).
  *
  * `tx` writes a pre-built frame (`tx_frame`) over the packet and returns
- * XDP_TX: run through BPF_PROG_TEST_RUN with BPF_F_TEST_XDP_LIVE_FRAMES it
- * transmits the frame out of an interface millions of times a second,
- * with no socket or stack in the way. The copy is needed because live
- * frames reuse their pages without resetting the data, and a forwarder
- * that rewrites the packet in place (nftables' NAT does) would otherwise
- * see its own rewrite come back.
+ * `tx_verdict`: XDP_TX, or XDP_DROP to time the generator alone. Run
+ * through BPF_PROG_TEST_RUN with BPF_F_TEST_XDP_LIVE_FRAMES it transmits
+ * the frame out of an interface many times a second with no socket or
+ * stack in the way. The copy is needed because live frames reuse their
+ * pages without resetting the data, and a forwarder that rewrites the
+ * packet in place (nftables' NAT does) would otherwise see its own
+ * rewrite come back.
  *
  * `sink` counts IPv4 TCP packets to one port at a receiver and drops them
  * (raw load, so the receiver's stack is never the bottleneck) or passes
@@ -27,6 +28,7 @@
 
 const volatile __u64 tx_frame[TX_MAX_WORDS] = {};
 const volatile __u32 tx_words = 0; /* frame length / 8 (frames are padded to it) */
+const volatile __u32 tx_verdict = XDP_TX;
 const volatile __u16 sink_port = 0; /* host order */
 const volatile __u8 sink_drop = 0;
 
@@ -81,7 +83,7 @@ int tx(struct xdp_md *ctx)
 			return XDP_ABORTED;
 		w[i] = tx_frame[i];
 	}
-	return XDP_TX;
+	return tx_verdict;
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

@@ -49,6 +49,18 @@ def test_hairpin_table_ratios_and_costs_from_rates():
     assert t[0][6] == "–"
 
 
+def test_no_cost_ratio_against_a_negative_cost():
+    # Noise can make a cheap path look faster than the direct one.
+    rows = [
+        fw.Fwd("hairpin", "direct", "direct", 1_000_000, 1_000_000, 1.0, 1_000_000, 1.0),
+        fw.Fwd("hairpin", "inband", "inband", 1_010_000, 1_010_000, 1.0, 1_010_000, 1.0),
+        fw.Fwd("hairpin", "nftables", "nft", 500_000, 500_000, 1.0, 500_000, 1.0),
+    ]
+    t = table_rows(fw.fwd_table(rows, "hairpin"), "| path |")
+    assert t[1][6] == "-0.010" and t[1][7] == "–"
+    assert t[2][6] == "1.000" and t[2][7] == "–"
+
+
 def test_stream_table_counts_the_balancers_own_cpu():
     rows = [
         fw.Fwd("stream", "direct", "direct", 200_000, 200_000, 2.0, 1000, 2.0),
@@ -110,7 +122,7 @@ def test_tiny_profile_end_to_end(tmp_path):
 
     res = json.loads((out / "results.json").read_text())
     fwd = {(r["load"], r["path"]): r for r in res["forwarding"]}
-    expected = [("hairpin", p) for p in ("direct", "bounce", "inband", "nftables")]
+    expected = [("hairpin", p) for p in ("generator", "direct", "bounce", "inband", "nftables")]
     expected += [("switch", p) for p in ("direct", "inband", "nftables")]
     expected += [("stream", p) for p in ("direct", "inband-pt", "nftables", "haproxy")]
     assert sorted(fwd) == sorted(expected)
@@ -151,7 +163,8 @@ def test_tiny_profile_end_to_end(tmp_path):
     for block in raw_tables:
         for row in table_rows(block, "| path |"):
             if not row[0].startswith(("direct", "none")):
-                assert row[4].endswith("×") and row[5].endswith("×") and row[7].endswith("×"), row
+                assert row[4].endswith("×") and row[5].endswith("×"), row
+                float(row[6])  # the cost over direct is computed (its ratio only when both costs are positive)
     # The balancer's own CPU, and its ratio to inband's, for inband and HAProxy.
     stream = next(b for b in md.split("\n\n") if b.startswith("| path | 64 B writes sent"))
     own = {row[0]: row for row in table_rows(stream, "| path |")}

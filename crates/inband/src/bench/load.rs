@@ -32,6 +32,8 @@ use crate::bpf::loadgen::LoadgenSkelBuilder;
 use crate::packet::{PacketBuilder, TCP_ACK, TCP_PSH};
 
 const BPF_F_TEST_XDP_LIVE_FRAMES: u32 = 1 << 1;
+const XDP_DROP: u32 = 1;
+const XDP_TX: u32 = 3;
 /// Frames per BPF_PROG_TEST_RUN call: short enough that the time bound is
 /// checked every few tens of milliseconds even on a slow path.
 const CHUNK: u32 = 16_384;
@@ -60,6 +62,9 @@ pub struct BlastArgs {
     /// it forwards established packets), then wait this many ms.
     #[arg(long)]
     pub syn_first_ms: Option<u64>,
+    /// Drop each frame instead of sending it: what generating costs alone.
+    #[arg(long)]
+    pub drop: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -118,9 +123,9 @@ fn live_tx(prog_fd: i32, ifindex: u32, frame: &[u8], repeat: u32) -> Result<()> 
     Ok(())
 }
 
-/// Sends `count` copies of `frame` (bounded by `deadline` from `start`);
-/// returns how many went out.
-fn send_frames(ifindex: u32, frame: &[u8], count: u64, start: Instant, deadline: Duration) -> Result<u64> {
+/// Sends (or, with `--drop`, only makes) `count` copies of `frame`, bounded
+/// by `deadline` from `start`; returns how many.
+fn send_frames(a: &BlastArgs, ifindex: u32, frame: &[u8], count: u64, start: Instant, deadline: Duration) -> Result<u64> {
     // The program rewrites whole 8-byte words; the frame is padded to them
     // (Ethernet trailer bytes, outside the IP packet's total length).
     let mut padded = frame.to_vec();
@@ -136,6 +141,7 @@ fn send_frames(ifindex: u32, frame: &[u8], count: u64, start: Instant, deadline:
             ro.tx_frame[i] = u64::from_ne_bytes(w.try_into().unwrap());
         }
         ro.tx_words = words as u32;
+        ro.tx_verdict = if a.drop { XDP_DROP } else { XDP_TX };
     }
     let skel = open.load().context("loading the load generator")?;
     let fd = std::os::fd::AsRawFd::as_raw_fd(&skel.progs.tx.as_fd());
@@ -154,12 +160,12 @@ pub fn blast(a: &BlastArgs) -> Result<BlastResult> {
     let dst_mac = crate::netif::parse_mac(&a.dst_mac)?;
     let base = PacketBuilder::tcp(a.src, a.dst).macs(src_mac, dst_mac);
     if let Some(ms) = a.syn_first_ms {
-        send_frames(ifindex, &base.clone().seq_no(999).syn(1460).build(), 1, Instant::now(), Duration::from_secs(1))?;
+        send_frames(a, ifindex, &base.clone().seq_no(999).syn(1460).build(), 1, Instant::now(), Duration::from_secs(1))?;
         std::thread::sleep(Duration::from_millis(ms));
     }
     let frame = base.flags(TCP_ACK | TCP_PSH).payload(vec![b'x'; a.payload]).build();
     let start = Instant::now();
-    let sent = send_frames(ifindex, &frame, a.packets, start, Duration::from_secs_f64(a.seconds))?;
+    let sent = send_frames(a, ifindex, &frame, a.packets, start, Duration::from_secs_f64(a.seconds))?;
     Ok(BlastResult { sent, seconds: start.elapsed().as_secs_f64(), frame_bytes: frame.len() })
 }
 
