@@ -204,23 +204,31 @@ fn config_names_and_defaults() {
 /// More threads than LMDB's default reader table, each reading once.
 #[test]
 fn lmdb_serves_many_reader_threads() {
+    const READERS: usize = 200;
     let dir = tempfile::tempdir().unwrap();
     let s = store(BackendKind::Lmdb, dir.path(), 1 << 20);
     s.put(b"k", 1, FAR, b"", b"v").unwrap();
-    let barrier = std::sync::Barrier::new(200);
     let ok = std::sync::atomic::AtomicUsize::new(0);
+    // Bounded, not a Barrier: a reader that fails (or a thread that cannot
+    // be spawned) must fail the test, not leave the others waiting forever.
+    let deadline = Instant::now() + Duration::from_secs(10);
     std::thread::scope(|sc| {
-        for _ in 0..200 {
-            sc.spawn(|| {
-                if matches!(s.get(b"k"), Ok(Some(e)) if e.body == b"v") {
-                    ok.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                }
-                // Keep every thread (and its reader slot) alive at once.
-                barrier.wait();
-            });
+        for _ in 0..READERS {
+            std::thread::Builder::new()
+                .stack_size(256 << 10)
+                .spawn_scoped(sc, || {
+                    if matches!(s.get(b"k"), Ok(Some(e)) if e.body == b"v") {
+                        ok.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    }
+                    // Keep every thread (and its reader slot) alive until all have read.
+                    while ok.load(std::sync::atomic::Ordering::SeqCst) < READERS && Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_millis(2));
+                    }
+                })
+                .expect("spawning a reader thread");
         }
     });
-    assert_eq!(ok.into_inner(), 200);
+    assert_eq!(ok.into_inner(), READERS);
 }
 
 #[test]
