@@ -161,6 +161,7 @@ class Fwd:
     server_packets: int
     machine_cpu_s: float
     own_cpu_s: float = 0.0  # stream only: HAProxy's process CPU time, inband's XDP program run time
+    thread_ns_per_packet: float = 0.0  # hairpin only: the balancer interface's NAPI thread, per delivered packet
     round_rates: list = field(default_factory=list)
 
     @property
@@ -229,7 +230,10 @@ def _ratio(a: float, b: float) -> str:
 def fwd_table(rows: list[Fwd], load: str) -> str:
     """Raw frames: one CPU does all the work inline (generator, forwarder,
     sink), so a path costs 1/rate per packet and a forwarder adds
-    1/rate − 1/rate of the direct path. TCP streams: several processes, so
+    1/rate − 1/rate of the direct path. On the hairpin, also the CPU time
+    per packet of the balancer interface's receive thread alone (see
+    Bench.napi_thread_cost), and the rate one core doing only that would
+    reach. TCP streams: several processes, so
     only what is the balancer's own (HAProxy's process time, inband's XDP
     program time). Machine-wide CPU counters are in results.json only: the
     machine is shared, and other work lands in them."""
@@ -246,10 +250,15 @@ def fwd_table(rows: list[Fwd], load: str) -> str:
             return None
         return (1 / r.rate - 1 / direct.rate) * 1e6
 
+    threaded = any(r.thread_ns_per_packet for r in rows)
+
     head = (
         f"| path | {unit} sent | {unit} delivered | M{'pps' if raw else ' writes/s'} | ÷ direct | inband ÷ this "
         + ("| CPU s per M over direct (from rate) | ÷ inband's " if raw else "| balancer's own CPU s per M | ÷ inband's ")
-        + "| rounds (M/s) |\n|---|---:|---:|---:|---:|---:|---:|---:|---|\n"
+        + ("| receive thread CPU ns/packet | one core, Mpps | inband ÷ this " if threaded else "")
+        + "| rounds (M/s) |\n|---|---:|---:|---:|---:|---:|---:|---:|"
+        + ("---:|---:|---:|" if threaded else "")
+        + "---|\n"
     )
     out = []
     for r in rows:
@@ -259,8 +268,13 @@ def fwd_table(rows: list[Fwd], load: str) -> str:
             f"| {r.label} | {r.sent:,} | {r.units:,} | {r.rate / 1e6:.3f} | {_ratio(r.rate, direct.rate) if direct else '–'} "
             f"| {_ratio(inband.rate, r.rate) if inband else '–'} | {'–' if cost is None else f'{cost:.3f}'} "
             f"| {_ratio(cost, ref) if cost is not None and cost > 0 and ref and ref > 0 else '–'} "
-            f"| {' / '.join(f'{x / 1e6:.3f}' for x in r.round_rates) or '–'} |"
         )
+        if threaded:
+            t, ti = r.thread_ns_per_packet, inband.thread_ns_per_packet if inband else 0
+            out[-1] += (
+                f"| {f'{t:.0f}' if t else '–'} | {f'{1000 / t:.2f}' if t else '–'} | {_ratio(t, ti) if t and ti else '–'} "
+            )
+        out[-1] += f"| {' / '.join(f'{x / 1e6:.3f}' for x in r.round_rates) or '–'} |"
     return head + "\n".join(out) + "\n"
 
 
@@ -593,11 +607,54 @@ class Bench:
             else:
                 cmd = (self.ns("c1"), argv)
             r = self.blast_rounds("hairpin", path, HAIRPIN_LABELS[path], cmd, sink_at)
+            if path != "generator":
+                r.thread_ns_per_packet = self.napi_thread_cost(argv, sink_at)
         finally:
             self.stop(handle)
         if self.args.perf:
             self.perf_report(perf_data, tag)
         return r
+
+    def napi_thread_cost(self, argv: list[str], sink_at) -> float:
+        """CPU ns per delivered packet of the balancer interface's receive
+        path alone: with threaded NAPI, everything lb:gen0 receives —
+        forwarder, XDP_TX or the kernel's forwarding, and the sink's poll it
+        schedules — runs in one kernel thread, pinned to the other CPU than
+        the generator, whose exact run time (schedstat) is then the
+        forwarder's cost, whatever else the machine runs. (Its rate means
+        little: the thread's wake-ups lag the generator and the veth ring
+        overflows.)"""
+        lb = self.ns("lb")
+        def threads() -> set[int]:
+            rows = (line.split(None, 1) for line in run(None, ["ps", "-eo", "pid=,comm="]).stdout.splitlines())
+            return {int(pid) for pid, comm in rows if comm.startswith(f"napi/{HAIRPIN_DEV}-")}
+
+        # The sink first: on the direct path it is what gives lb:gen0 its
+        # NAPI, which must exist to be threaded.
+        counter = sink_at()
+        try:
+            run(None, ["ip", "netns", "exec", lb, "sh", "-c", f"echo 1 > /sys/class/net/{HAIRPIN_DEV}/threaded"])
+            # Only lb:gen0 is ever threaded, so every such thread is its
+            # (one per NAPI instance; one left over from an earlier path
+            # stays idle and adds nothing).
+            kthreads = wait_until("the NAPI thread of the balancer's interface", threads, 5)
+            for k in kthreads:
+                run(None, ["taskset", "-p", "-c", "1", str(k)])
+
+            def ran_ns() -> int:
+                return sum(int(open(f"/proc/{k}/schedstat").read().split()[0]) for k in kthreads)
+
+            t0 = ran_ns()
+            run(self.ns("c1"), ["taskset", "-c", "0", *argv], timeout=self.p.seconds + 30)
+            time.sleep(0.05)
+            t1 = ran_ns()
+        finally:
+            # While the NAPI still exists (the sink below may be what keeps
+            # it): a device left threaded would thread the next path's
+            # inline measurement too.
+            run(None, ["ip", "netns", "exec", lb, "sh", "-c", f"echo 0 > /sys/class/net/{HAIRPIN_DEV}/threaded"], check=False)
+        got = self.sink_result(*counter)
+        return (t1 - t0) / got["packets"] if got["packets"] else 0.0
 
     def blast_rounds(self, load: str, path: str, label: str, cmd: tuple, sink_at) -> Fwd:
         """The generator `cmd`, counted by a fresh sink each round (`sink_at`

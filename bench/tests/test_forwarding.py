@@ -61,6 +61,19 @@ def test_no_cost_ratio_against_a_negative_cost():
     assert t[2][6] == "1.000" and t[2][7] == "–"
 
 
+def test_hairpin_receive_thread_columns():
+    rows = [
+        fw.Fwd("hairpin", "direct", "direct", 1_000_000, 1_000_000, 1.0, 1_000_000, 1.0, thread_ns_per_packet=100.0),
+        fw.Fwd("hairpin", "inband", "inband", 500_000, 500_000, 1.0, 500_000, 1.0, thread_ns_per_packet=400.0),
+        fw.Fwd("hairpin", "nftables", "nft", 100_000, 100_000, 1.0, 100_000, 1.0, thread_ns_per_packet=2000.0),
+    ]
+    t = table_rows(fw.fwd_table(rows, "hairpin"), "| path |")
+    # ns per packet, one core's rate (1000 / ns), inband's one-core rate ÷ this one's
+    assert t[0][8:11] == ["100", "10.00", "0.25×"]
+    assert t[1][8:11] == ["400", "2.50", "1.00×"]
+    assert t[2][8:11] == ["2000", "0.50", "5.00×"]
+
+
 def test_stream_table_counts_the_balancers_own_cpu():
     rows = [
         fw.Fwd("stream", "direct", "direct", 200_000, 200_000, 2.0, 1000, 2.0),
@@ -133,6 +146,8 @@ def test_tiny_profile_end_to_end(tmp_path):
             # the kernel's paths); a generator whose frames a forwarder
             # garbles delivers a small fraction.
             assert r["units"] >= 0.5 * r["sent"], key
+    for p in ("direct", "bounce", "inband", "nftables"):  # the receive thread's CPU per packet
+        assert fwd[("hairpin", p)]["thread_ns_per_packet"] > 0, p
     assert fwd[("stream", "haproxy")]["own_cpu_s"] > 0
     assert fwd[("stream", "inband-pt")]["own_cpu_s"] > 0  # the XDP program's run time
 
