@@ -158,42 +158,61 @@ def session_cpu_s(sid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def others_running() -> set[str]:
-    """Other engineers' benchmarks and builds on this shared machine."""
-    cp = subprocess.run(["pgrep", "-a", "-f", "bench.paper|bench.forwarding|bench cache|cargo|rustc"], capture_output=True, text=True)
+def other_work() -> set[str]:
+    """Other engineers' benchmarks and builds on this shared machine, by
+    program and arguments: `pgrep -f cargo` would also match any process
+    whose command line merely mentions ~/.cargo (e.g. in a PATH argument)."""
     seen = set()
-    for line in cp.stdout.splitlines():
-        cmd = line.split(None, 1)[1] if " " in line else ""
-        for name in ("bench.paper", "bench.forwarding", "bench cache", "cargo", "rustc"):
-            if name in cmd:
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            argv = [a.decode(errors="replace") for a in open(f"/proc/{d}/cmdline", "rb").read().split(b"\0") if a]
+        except OSError:
+            continue
+        if not argv:
+            continue
+        prog = os.path.basename(argv[0])
+        if prog in ("cargo", "rustc"):
+            seen.add(prog)
+        for name in ("bench.forwarding", "bench.paper"):
+            if name in argv[1:4]:
                 seen.add(name)
+        if prog == "inband" or prog.startswith("inband-"):
+            if argv[1:3] == ["bench", "cache"]:
+                seen.add("inband bench cache")
     return seen
 
 
-def wait_quiet(max_s: float, log) -> str:
-    """Waits until no build and no forwarding benchmark runs for a few
+# What the recorded measurement waits out: builds take both cores, the
+# forwarding benchmark saturates them. bench.paper is a light load and runs
+# for hours; it is only reported.
+BLOCKING = {"cargo", "rustc", "bench.forwarding"}
+
+
+def wait_quiet(max_s: float, log, hold_s: float = 5) -> str:
+    """Waits until no build and no forwarding benchmark runs for `hold_s`
     seconds in a row (at most `max_s`); says what it found."""
-    pattern = "bench.forwarding|cargo|rustc"
     if max_s <= 0:
         return "not waited for (--wait-quiet 0)"
     deadline = time.monotonic() + max_s
     quiet_since = None
     announced = False
     while True:
-        busy = subprocess.run(["pgrep", "-f", pattern], capture_output=True).returncode == 0
+        busy = other_work() & BLOCKING
         now = time.monotonic()
         if not busy:
             quiet_since = quiet_since or now
-            if now - quiet_since >= 5:
-                return f"no build or forwarding benchmark running for 5 s (`pgrep -f '{pattern}'`)"
+            if now - quiet_since >= hold_s:
+                return f"no {', '.join(sorted(BLOCKING))} running for {hold_s:.0f} s"
         else:
             quiet_since = None
             if not announced:
-                log(f"waiting (at most {max_s:.0f} s) until `pgrep -f '{pattern}'` is empty")
+                log(f"waiting (at most {max_s:.0f} s) for {', '.join(sorted(busy))} to end")
                 announced = True
         if now >= deadline:
-            return f"still busy after {max_s:.0f} s"
-        time.sleep(1)
+            return f"still running after {max_s:.0f} s: {', '.join(sorted(busy))}"
+        time.sleep(min(1.0, hold_s / 2))
 
 
 def free_port() -> int:
@@ -273,6 +292,7 @@ class Restart:
     origin: int
     window_s: float
     timeline: list = field(default_factory=list)  # (seconds since first response possible, origin requests so far)
+    others: list = field(default_factory=list)  # blocking work seen at the window's start or end
 
     @property
     def hit_ratio(self) -> float:
@@ -328,6 +348,14 @@ def restart_table(rows: list[Restart], window_s: int, objects: int) -> str:
     return _md(headers, out)
 
 
+def disturbed_note(runs: list[tuple[str, list]], what: str) -> str:
+    bad = [(label, others) for label, others in runs if others]
+    if not bad:
+        return f"No build or forwarding benchmark was running at the start or end of any of the {len(runs)} {what}.\n"
+    which = "; ".join(f"{label} ({', '.join(o)})" for label, o in bad)
+    return f"**{len(bad)} of {len(runs)} {what} had a build or the forwarding benchmark running at their start or end:** {which}.\n"
+
+
 def markdown(hits: list[Hits], restarts: list[Restart], p: Profile, preamble: str) -> str:
     parts = [preamble]
     if hits:
@@ -335,10 +363,15 @@ def markdown(hits: list[Hits], restarts: list[Restart], p: Profile, preamble: st
             f"\n## Hits: {p.objects:,} objects of {p.object_bytes:,} bytes, zipf {p.zipf}, wrk 1 thread × {p.connections} connections, "
             f"median of {p.rounds} × {p.measure_s} s\n",
             hits_table(hits),
-            "\nCPU is the system's own processes (utime + stime); origin requests while measured should be 0 (every cache was filled).\n",
+            "\nCPU is the system's own processes (utime + stime); origin requests while measured should be 0 (every cache was filled).  \n",
+            disturbed_note([(h.label, r["others"]) for h in hits for r in h.rounds], "rounds"),
         ]
     if restarts:
-        parts += [f"\n## Restart: the same workload for {p.window_s} s from the first response after a restart\n", restart_table(restarts, p.window_s, p.objects)]
+        parts += [
+            f"\n## Restart: the same workload for {p.window_s} s from the first response after a restart\n",
+            restart_table(restarts, p.window_s, p.objects),
+            "\n" + disturbed_note([(r.label, r.others) for r in restarts], "restart windows"),
+        ]
     return "".join(parts)
 
 
@@ -412,14 +445,28 @@ class Bench:
         self.ports = {s.key: free_port() for s in SYSTEMS}
         self.running: dict[str, subprocess.Popen] = {}
         self.others: set[str] = set()
+        self.wait_budget_s = args.wait_quiet  # for all waits of the run together
         self.lua = self.tmp / "zipf.lua"
         self.lua.write_text(WRK_LUA)
 
     def log(self, msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
-    def note_others(self) -> None:
-        self.others |= others_running()
+    def note_others(self) -> set[str]:
+        """Other work now; returns the part that disturbs a measurement."""
+        seen = other_work()
+        self.others |= seen
+        return seen & BLOCKING
+
+    def settle(self, hold_s: float = 2) -> str:
+        """Before each measurement: builds and the forwarding benchmark come
+        and go on this machine; wait them out while the budget lasts."""
+        if self.wait_budget_s <= 0:
+            return "not waited for"
+        t0 = time.monotonic()
+        found = wait_quiet(self.wait_budget_s, self.log, hold_s)
+        self.wait_budget_s -= time.monotonic() - t0
+        return found
 
     # --- processes
 
@@ -529,15 +576,19 @@ class Bench:
         return time.monotonic() - t0
 
     def measure(self, s: System, h: Hits) -> None:
+        self.settle()
         sid = self.running[s.key].pid  # its own session: the leader's pid
+        before = self.note_others()
         o0, c0 = self.origin_count(), session_cpu_s(sid)
         w = self.wrk(s, self.p.measure_s)
         w["cpu_s"] = session_cpu_s(sid) - c0
         w["origin"] = self.origin_count() - o0
-        self.note_others()
+        w["others"] = sorted(before | self.note_others())
         h.rounds.append(w)
 
     def restart(self, s: System) -> Restart:
+        self.settle()
+        before = self.note_others()
         self.stop(s)
         ready_s = self.start(s)
         o0 = self.origin_count()
@@ -561,8 +612,8 @@ class Bench:
             sampler.join(timeout=5)
         origin = self.origin_count() - o0
         timeline.append((w["duration_us"] / 1e6, origin))
-        self.note_others()
-        return Restart(s.key, s.label, s.durable, ready_s, w["requests"], w["errors"] + w["status_errors"], origin, w["duration_us"] / 1e6, timeline)
+        others = sorted(before | self.note_others())
+        return Restart(s.key, s.label, s.durable, ready_s, w["requests"], w["errors"] + w["status_errors"], origin, w["duration_us"] / 1e6, timeline, others)
 
     def teardown(self) -> list[int]:
         """Stops everything; returns the ports still listening (none, unless
@@ -588,7 +639,10 @@ def parse_args(argv):
     ap.add_argument("--rounds", type=int, help="interleaved rounds per system (default 3)")
     ap.add_argument("--window", type=int, help="seconds replayed after a restart (default 5)")
     ap.add_argument("--connections", type=int, help="wrk connections (default 8, one thread)")
-    ap.add_argument("--wait-quiet", type=float, default=600, help="seconds to wait at most for builds and bench.forwarding to end before measuring (0: do not wait)")
+    ap.add_argument(
+        "--wait-quiet", type=float, default=600,
+        help="seconds to wait at most, over the whole run, for builds and bench.forwarding to end before each measurement (0: do not wait)",
+    )  # fmt: skip
     ap.add_argument("--inband", default=str(REPO / "target" / "debug" / "inband"))
     args = ap.parse_args(argv)
     bad = set(args.systems.split(",")) - set(BY_KEY)
@@ -671,8 +725,7 @@ def main(argv=None) -> int:
 
     try:
         bench = Bench(args, profile, out)
-        quiet = wait_quiet(args.wait_quiet, bench.log)
-        bench.note_others()
+        quiet = bench.settle(hold_s=5)
         bench.start_origin()
         alive = []
         for s in systems:

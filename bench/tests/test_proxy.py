@@ -108,3 +108,9 @@ def test_quick_run_end_to_end(tmp_path):
     # listening): the systems' command lines name --out or the driver's temp dir.
     left = subprocess.run(["pgrep", "-af", f"{out}|inband-bench-proxy-"], capture_output=True, text=True).stdout
     assert left == "", left
+
+
+def test_disturbed_rounds_are_named():
+    assert px.disturbed_note([("a", []), ("b", [])], "rounds").startswith("No build")
+    note = px.disturbed_note([("a", []), ("nginx proxy_cache", ["bench.forwarding"])], "rounds")
+    assert "1 of 2 rounds" in note and "nginx proxy_cache (bench.forwarding)" in note
