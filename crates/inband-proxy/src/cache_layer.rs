@@ -78,6 +78,14 @@ pub fn invalidates(method: &Method) -> bool {
 fn cached(head: response::Parts, body: Bytes, outcome: Outcome) -> Response<ProxyBody> {
     let mut resp = Response::from_parts(head, full(body));
     resp.headers_mut().insert("x-cache", outcome.header());
+    // http-cache-semantics rewrites Date to now in RFC 2822 form
+    // ("… +0000"), which is not an HTTP-date: clients and caches after us
+    // would not parse it. Same instant, IMF-fixdate.
+    let bad_date = resp.headers().get(header::DATE).is_some_and(|d| d.to_str().map_or(true, |d| httpdate::parse_http_date(d).is_err()));
+    if bad_date {
+        let now = HeaderValue::from_str(&httpdate::fmt_http_date(SystemTime::now())).expect("an HTTP-date is a valid header value");
+        resp.headers_mut().insert(header::DATE, now);
+    }
     resp
 }
 

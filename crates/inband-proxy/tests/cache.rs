@@ -124,6 +124,8 @@ async fn stores_what_the_rules_allow_and_nothing_else() {
             assert_eq!(second.body, first.body, "{path} served from the cache");
             assert_eq!(x_cache(&second), "HIT", "{path}");
             assert!(second.headers.contains_key("age"), "{path}: a hit carries Age");
+            let date = second.headers.get("date").map(|d| d.to_str().unwrap().to_string()).unwrap_or_default();
+            assert!(httpdate::parse_http_date(&date).is_ok(), "{path}: a hit's Date is an HTTP-date: {date:?}");
             assert_eq!(o.hits(), before + 1, "{path}");
         } else {
             assert_ne!(second.body, first.body, "{path} must not be served from the cache");
