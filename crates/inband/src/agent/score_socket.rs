@@ -5,6 +5,7 @@
 
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
+use std::os::unix::io::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -157,12 +158,30 @@ pub fn serve(listener: UnixListener, api: Arc<ScoreApi>, stop: Arc<AtomicBool>) 
                 }));
                 threads.retain(|t| !t.is_finished());
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                wait_for_client(&listener, Duration::from_millis(200)).context("waiting on the score socket")?
+            }
             Err(e) => return Err(e).context("accepting on the score socket"),
         }
     }
     for t in threads {
         let _ = t.join();
+    }
+    Ok(())
+}
+
+/// Returns as soon as a client is waiting, or after `timeout` so that
+/// `stop` is still noticed. A sleep between non-blocking accepts instead
+/// delayed every one-shot `inband agent score set` by up to the sleep.
+fn wait_for_client(listener: &UnixListener, timeout: Duration) -> std::io::Result<()> {
+    let mut fd = libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd for the duration of the call.
+    let n = unsafe { libc::poll(&mut fd, 1, timeout.as_millis() as libc::c_int) };
+    if n < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
     }
     Ok(())
 }
