@@ -318,7 +318,7 @@ def hits_table(rows: list[Hits]) -> str:
     out = []
     for r in rows:
         if not r.rounds:
-            out.append([r.label] + ["failed"] + ["–"] * 10)
+            out.append([r.label] + ["not measured"] + ["–"] * 10)
             continue
         out.append([
             r.label, f"{r.rps:,.0f}", _times(r.rps, ng and ng.rps), _times(r.rps, va and va.rps),
@@ -350,6 +350,8 @@ def restart_table(rows: list[Restart], window_s: int, objects: int) -> str:
 
 def disturbed_note(runs: list[tuple[str, list]], what: str) -> str:
     bad = [(label, others) for label, others in runs if others]
+    if not runs:
+        return ""
     if not bad:
         return f"No build or forwarding benchmark was running at the start or end of any of the {len(runs)} {what}.\n"
     which = "; ".join(f"{label} ({', '.join(o)})" for label, o in bad)

@@ -112,5 +112,6 @@ def test_quick_run_end_to_end(tmp_path):
 
 def test_disturbed_rounds_are_named():
     assert px.disturbed_note([("a", []), ("b", [])], "rounds").startswith("No build")
+    assert px.disturbed_note([], "rounds") == ""
     note = px.disturbed_note([("a", []), ("nginx proxy_cache", ["bench.forwarding"])], "rounds")
     assert "1 of 2 rounds" in note and "nginx proxy_cache (bench.forwarding)" in note
