@@ -31,7 +31,6 @@ import platform
 import random
 import shlex
 import shutil
-import signal
 import socket
 import statistics
 import struct
@@ -45,7 +44,7 @@ from pathlib import Path
 from . import peers, report
 from .paper import Testbed, alive, tool_version
 from .peers import Backend
-from .procs import Procs, ns_argv, run, wait_until
+from .procs import Interrupted, Procs, ns_argv, run, stop_signals_interrupt, uninterruptible, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 VIP_PORT = 80
@@ -75,9 +74,6 @@ PROFILES = {
     "tiny": Profile(0.5, 1, 1, 2, (10,), (10,)),
 }
 
-
-class Interrupted(BaseException):
-    """SIGTERM/SIGHUP, handled like Ctrl-C."""
 
 
 # ------------------------------------------------------------------ counters
@@ -983,9 +979,6 @@ def preflight(args) -> list[str]:
     return problems
 
 
-def _raise_interrupted(signum, _frame):
-    raise Interrupted(signal.Signals(signum).name)
-
 
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -1001,8 +994,7 @@ def main(argv=None) -> int:
     command = shlex.join([sys.executable, "-m", "bench.forwarding", *(argv if argv is not None else sys.argv[1:])])
     bench = Bench(args, profile, out)
     started = time.time()
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, _raise_interrupted)
+    stop_signals_interrupt()
     fwd: list[Fwd] = []
     http: list[Http] = []
     fresh: list[Fresh] = []
@@ -1050,11 +1042,8 @@ def main(argv=None) -> int:
         traceback.print_exc()
         failed.append(f"setup: {e.__class__.__name__}: {e}")
     finally:
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, signal.SIG_IGN)
-        bench.teardown()
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, signal.SIG_DFL)
+        with uninterruptible():
+            bench.teardown()
 
     elapsed = time.time() - started
     others = ", ".join(sorted(bench.others)) or "none seen"

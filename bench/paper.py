@@ -23,7 +23,6 @@ import os
 import platform
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 
 from . import peers, plots, report
 from .peers import Backend
-from .procs import Fatal, Procs, run, wait_until
+from .procs import Fatal, Interrupted, Procs, run, stop_signals_interrupt, uninterruptible, wait_until
 from .report import Overhead, RunResult
 
 REPO = Path(__file__).resolve().parent.parent
@@ -119,10 +118,6 @@ CONFIGURATIONS = (
 )
 BY_KEY = {c.key: c for c in CONFIGURATIONS}
 
-
-class Interrupted(BaseException):
-    """SIGTERM/SIGHUP, handled like Ctrl-C: a BaseException, so that no
-    `except Exception` on the way swallows it."""
 
 
 # ------------------------------------------------------------------ testbed
@@ -614,9 +609,6 @@ def preflight(args) -> list[str]:
     return problems
 
 
-def _raise_interrupted(signum, _frame):
-    raise Interrupted(signal.Signals(signum).name)
-
 
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -645,8 +637,7 @@ def main(argv=None) -> int:
         f"command: {command}\ncwd: {os.getcwd()}\nstarted: {time.strftime('%Y-%m-%d %H:%M:%S %z')}\n" + machine_facts(Path(args.inband))
     )
 
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, _raise_interrupted)
+    stop_signals_interrupt()
     results: list[RunResult] = []
     failed: list[tuple[str, str]] = []
     interrupted = None
@@ -667,13 +658,8 @@ def main(argv=None) -> int:
         traceback.print_exc()
         failed.append(("setup", f"{e.__class__.__name__}: {e}"))
     finally:
-        # A second Ctrl-C must not cut the clean-up short; every step of
-        # it is bounded in time.
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, signal.SIG_IGN)
-        bench.teardown()
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, signal.SIG_DFL)
+        with uninterruptible():
+            bench.teardown()
 
     if interrupted:
         print(f"interrupted ({interrupted}); everything torn down", file=sys.stderr)

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -20,6 +21,38 @@ def _die_with_parent() -> None:
     # Runs in the child between fork and exec: if the driver is killed
     # outright (SIGKILL), its children must not keep loading the testbed.
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Interrupted(BaseException):
+    """SIGTERM/SIGHUP, handled like Ctrl-C: a BaseException, so that no
+    `except Exception` on the way swallows it."""
+
+
+def _raise_interrupted(signum, _frame):
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def stop_signals_interrupt() -> None:
+    """From here, SIGINT/SIGTERM/SIGHUP raise Interrupted in the driver, so
+    its `finally` tears everything down."""
+    for s in _STOP_SIGNALS:
+        signal.signal(s, _raise_interrupted)
+
+
+@contextmanager
+def uninterruptible():
+    """A second Ctrl-C must not cut the clean-up short (every step of it is
+    bounded in time); afterwards the signals act as usual again."""
+    for s in _STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        for s in _STOP_SIGNALS:
+            signal.signal(s, signal.SIG_DFL)
 
 
 def ns_argv(netns: str | None, argv: list[str]) -> list[str]:

@@ -31,7 +31,6 @@ import os
 import platform
 import shlex
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -46,7 +45,7 @@ from pathlib import Path
 from . import peers
 from .origin import STATS_PATH
 from .paper import tool_version
-from .procs import Fatal, Procs, run, wait_until
+from .procs import Fatal, Interrupted, Procs, run, stop_signals_interrupt, uninterruptible, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -89,9 +88,6 @@ PROFILES = {
     "quick": Profile(objects=200, object_bytes=10240, zipf=0.99, rounds=1, measure_s=1, warm_s=1, window_s=1, connections=4),
 }
 
-
-class Interrupted(BaseException):
-    """SIGTERM/SIGHUP, handled like Ctrl-C."""
 
 
 # ------------------------------------------------------------------ wrk
@@ -687,9 +683,6 @@ def versions(inband: Path) -> str:
     return "\n".join(f"{k}: {v}" for k, v in rows) + "\n"
 
 
-def _raise_interrupted(signum, _frame):
-    raise Interrupted(signal.Signals(signum).name)
-
 
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -704,8 +697,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = shlex.join([sys.executable, "-m", "bench.proxy", *(argv if argv is not None else sys.argv[1:])])
     started = time.time()
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, _raise_interrupted)
+    stop_signals_interrupt()
     bench = None
     hits = {s.key: Hits(s.key, s.label) for s in systems}
     restarts: list[Restart] = []
@@ -759,12 +751,9 @@ def main(argv=None) -> int:
         traceback.print_exc()
         failed.append(f"setup: {e.__class__.__name__}: {e}")
     finally:
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, signal.SIG_IGN)
-        if bench is not None:
-            leftover = bench.teardown()
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, signal.SIG_DFL)
+        with uninterruptible():
+            if bench is not None:
+                leftover = bench.teardown()
     if leftover:
         failed.append(f"still listening after teardown: ports {leftover}")
 
