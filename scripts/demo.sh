@@ -2,7 +2,7 @@
 # The main job: installs what is needed, builds, brings up a namespace
 # testbed (client, balancer, three heterogeneous servers), runs every mode
 # and the peers (HAProxy, nftables) under the same HTTP load (the quick
-# profile, ~1 minute each), prints the tables and tears everything down.
+# profile, 45 s each), prints the tables and tears everything down.
 # Results (table, CSV, plots, command) land in results/demo-<time>/.
 # Run as root. Extra arguments go to the driver (python -m bench.paper --help).
 set -euo pipefail
