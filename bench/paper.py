@@ -84,7 +84,7 @@ PROFILES = {
     # README's demo, under 15 minutes from a fresh clone including the
     # build): 4x the requests per second keeps run-to-run noise below the
     # differences measured, and load now changes faster than a 1 s poll
-    # (docs/benchmarks.md: "Two regimes").
+    # (docs/benchmarks.md, paper evaluation, "Reading it": two regimes).
     "quick": Profile("quick", 150, 150, 45, 1000.0, "lognormal", 32, 0.25, 60.0, 46 * 1024),
     # Seconds per configuration, for the end-to-end test: checks that
     # everything runs, not what wins.
