@@ -272,10 +272,19 @@ fn dsr_dynamic_follows_real_load() {
         let v: Value = serde_json::from_slice(&out.stdout).unwrap();
         v["ports"]["8080"]["active_connections"].as_i64() == Some(6)
     });
+    // Until its first score s1 ranks like the others. That score may take
+    // a few connections: a probe that lands on a connection's last packet
+    // has no response to ride on. So traffic flows until the balancer
+    // holds it, and only the connections after that are counted.
+    wait_for("s1's score at the balancer", || {
+        assert_eq!(get_vip(&c), (200, BODY));
+        c.backend(1)["score"].as_u64().is_some_and(|s| s >= 6)
+    });
+    let s1_before = c.backend(1)["stats"]["new_conns"].as_u64().unwrap();
     for _ in 0..15 {
         assert_eq!(get_vip(&c), (200, BODY));
     }
-    let (s1_score, s1_conns) = (c.backend(1)["score"].as_u64(), c.backend(1)["stats"]["new_conns"].as_u64().unwrap());
+    let (s1_score, s1_conns) = (c.backend(1)["score"].as_u64(), c.backend(1)["stats"]["new_conns"].as_u64().unwrap() - s1_before);
     let others: Vec<Option<u64>> = (2..=SERVERS).map(|i| c.backend(i)["score"].as_u64()).collect();
     let _ = hog.kill();
     let _ = hog.wait();
@@ -284,10 +293,11 @@ fn dsr_dynamic_follows_real_load() {
     for o in &others {
         assert!(o.unwrap_or(0) < s1_score, "idle servers report less than s1: {others:?} vs {s1_score}");
     }
-    // Until its first score s1 looks as good as the others; after it, it
-    // gets nothing while the others are idle (a fair share would be 5; a
-    // loaded CI machine may deliver the first score a connection late).
-    assert!(s1_conns <= 3, "s1 got {s1_conns} of 15 new connections while busy");
+    // A fair share would be 5. The idle servers' effective scores (score +
+    // connections since their last report) can pass s1's 6 only if one
+    // goes 6 connections without a score, which a probe every 4th packet
+    // makes rare: at most one stray connection.
+    assert!(s1_conns <= 1, "s1 got {s1_conns} of 15 new connections while its score said busy");
     // When the load goes away, the score follows.
     wait_for("s1's score back down", || {
         let _ = get_vip(&c);
