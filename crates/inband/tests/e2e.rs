@@ -262,7 +262,7 @@ fn dsr_dynamic_follows_real_load() {
     // balancer): its agent counts them, the balancer learns it in-band.
     let s1 = server(&c.tb, 1);
     let holder = format!(
-        "import socket, time\nconns = [socket.create_connection(('{}', {})) for _ in range(6)]\ntime.sleep(20)",
+        "import socket, time\nconns = [socket.create_connection(('{}', {})) for _ in range(6)]\ntime.sleep(60)",
         s1.ip(),
         s1.port()
     );
@@ -281,7 +281,7 @@ fn dsr_dynamic_follows_real_load() {
         c.backend(1)["score"].as_u64().is_some_and(|s| s >= 6)
     });
     let s1_before = c.backend(1)["stats"]["new_conns"].as_u64().unwrap();
-    for _ in 0..15 {
+    for _ in 0..30 {
         assert_eq!(get_vip(&c), (200, BODY));
     }
     let (s1_score, s1_conns) = (c.backend(1)["score"].as_u64(), c.backend(1)["stats"]["new_conns"].as_u64().unwrap() - s1_before);
@@ -293,11 +293,11 @@ fn dsr_dynamic_follows_real_load() {
     for o in &others {
         assert!(o.unwrap_or(0) < s1_score, "idle servers report less than s1: {others:?} vs {s1_score}");
     }
-    // A fair share would be 5. The idle servers' effective scores (score +
-    // connections since their last report) can pass s1's 6 only if one
-    // goes 6 connections without a score, which a probe every 4th packet
-    // makes rare: at most one stray connection.
-    assert!(s1_conns <= 1, "s1 got {s1_conns} of 15 new connections while its score said busy");
+    // A fair share would be 10. An idle server's estimate (its score +
+    // connections since its last report) passes s1's only while it goes
+    // several connections without a report (probe counters are per CPU), so
+    // s1 gets a stray connection now and then, far below a fair share.
+    assert!(s1_conns <= 5, "s1 got {s1_conns} of 30 new connections while its score said busy");
     // When the load goes away, the score follows.
     wait_for("s1's score back down", || {
         let _ = get_vip(&c);
