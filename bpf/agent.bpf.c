@@ -385,10 +385,10 @@ static __always_inline void clamp_mss(struct __sk_buff *skb, __u32 l4_off, __u32
 	if (!w.found || i >= 40)
 		return;
 	mss = (__u16)w.opts[i + 2] << 8 | w.opts[i + 3];
-	if (mss <= INBAND_OPT_MAX_LEN)
+	if (mss <= INBAND_OPT_DATA_MAX_LEN)
 		return;
 	old_be = bpf_htons(mss);
-	new_be = bpf_htons(mss - INBAND_OPT_MAX_LEN);
+	new_be = bpf_htons(mss - INBAND_OPT_DATA_MAX_LEN);
 	bpf_skb_store_bytes(skb, l4_off + sizeof(struct tcphdr) + i + 2, &new_be, sizeof(new_be), 0);
 	bpf_l4_csum_replace(skb, l4_off + offsetof(struct tcphdr, check), old_be, new_be,
 			    sizeof(new_be));

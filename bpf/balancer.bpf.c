@@ -1,12 +1,18 @@
 // SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
 /*
- * The balancer's XDP data path: the "Balancer packet walk" of
- * docs/architecture.md. Client packets to a VIP are full-NATed to a backend
- * (src = balancer, dst = backend) and may carry option 155 (client tuple, on
- * the SYN of DSR modes) or 124 (score request, every n-th packet in
- * dsr-dynamic). Backend packets to the balancer are NATed back to VIP ->
- * client; an option 125 on them is recorded in `scores` and stripped.
- * Anything else passes to the kernel untouched.
+ * The balancer: the XDP data path ("Balancer packet walk" in
+ * docs/architecture.md) and the sweeper that ages its flow tables ("Flow
+ * lifecycle"). Client packets to a VIP are full-NATed to a backend (src =
+ * balancer, dst = backend) and may carry option 155 (client tuple, on the
+ * SYN of DSR modes) or 124 (score request, in dsr-dynamic). Backend packets
+ * to the balancer are NATed back to VIP -> client; a 125 on them may
+ * update the backend's score and is stripped. ICMP errors about balanced
+ * connections go to whoever can act on them. Anything else passes to the
+ * kernel untouched.
+ *
+ * The parts live in bpf/include/inband/lb/: options.h (IPv4/TCP options),
+ * verify.h (checksums), select.h (backend choice), nat.h (SNAT ports),
+ * lifecycle.h (flow states and timeouts), score.h (124/125), icmp.h.
  */
 #include <linux/bpf.h>
 #include <linux/errno.h>
@@ -17,618 +23,45 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 
-#include "inband/wire.h"
-#include "inband/balancer_maps.h"
-#include "inband/csum.h"
+#include "inband/lb/common.h"
+#include "inband/lb/icmp.h"
+#include "inband/lb/lifecycle.h"
+#include "inband/lb/nat.h"
+#include "inband/lb/options.h"
+#include "inband/lb/score.h"
+#include "inband/lb/select.h"
+#include "inband/lb/verify.h"
 
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct inband_lb_config);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} lb_config SEC(".maps");
+/* What established() returns when the packet opens a new connection on the
+ * tuple instead (its flow ended): the caller balances it afresh. */
+#define REBALANCE (-1)
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, INBAND_MAX_VIPS);
-	__type(key, struct inband_vip_key);
-	__type(value, struct inband_vip);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} vips SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, INBAND_MAX_BACKENDS);
-	__type(key, __u32);
-	__type(value, struct inband_backend);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} backends SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, INBAND_MAX_VIPS * INBAND_MAX_BACKENDS_PER_VIP);
-	__type(key, __u32);
-	__type(value, __u32);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} vip_backends SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, INBAND_MAX_BACKENDS);
-	__type(key, __u32);
-	__type(value, struct inband_backend_score);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} scores SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, INBAND_FLOW_TABLE_SIZE);
-	__type(key, struct inband_flow_key);
-	__type(value, struct inband_flow);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} flows SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, INBAND_FLOW_TABLE_SIZE);
-	__type(key, struct inband_nat_key);
-	__type(value, struct inband_nat_back);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} nat_back SEC(".maps");
-
-/* Shared, not per-CPU: operators expect strict rotation, and one atomic add
- * per new connection is cheap next to the rest of the SYN path. */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, INBAND_MAX_VIPS);
-	__type(key, __u32);
-	__type(value, __u32);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} rr_cursor SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, INBAND_MAX_BACKENDS);
-	__type(key, __u32);
-	__type(value, __u32);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} probe_count SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, INBAND_MAX_BACKENDS);
-	__type(key, __u32);
-	__type(value, struct inband_backend_stats);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} backend_stats SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, INBAND_MAX_VIPS);
-	__type(key, __u32);
-	__type(value, struct inband_vip_stats);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} vip_stats SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, INBAND_DROP_MAX);
-	__type(key, __u32);
-	__type(value, __u64);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} drops SEC(".maps");
-
-/* Only the lb daemon writes it; it lives here so it is pinned with the rest
- * of this interface's state and `inband status` finds it in one place. */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct inband_control_stats);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} control_stats SEC(".maps");
-
-#define ETH_IP_HLEN (ETH_HLEN + INBAND_IPV4_MIN_HDR)
-#define IP_MAX_OPT_LEN (INBAND_IPV4_MAX_HDR - INBAND_IPV4_MIN_HDR)
-#define TCP_MIN_HDR 20
-#define TCP_MAX_OPT_LEN 40
-#define TCP_FLAG_SYN 0x02
-#define TCP_FLAG_ACK 0x10
-#define TCPOPT_EOL 0
-#define TCPOPT_NOP 1
-#define TCPOPT_MSS 2
-#define IP_FRAG_MASK 0x3fff /* MF flag + fragment offset */
-#define IP_OFFSET_MASK 0x1fff
-#define SNAT_PORT_RANGE (INBAND_SNAT_PORT_MAX - INBAND_SNAT_PORT_MIN + 1)
-
-static __always_inline int drop(__u32 reason)
-{
-	__u64 *count = bpf_map_lookup_elem(&drops, &reason);
-
-	if (count)
-		*count += 1; /* per-CPU slot: no other writer */
-	return XDP_DROP;
-}
-
-static __always_inline __u16 load16(const void *p)
-{
-	__u16 v;
-
-	__builtin_memcpy(&v, p, sizeof(v));
-	return v;
-}
-
-static __always_inline int mac_is_zero(const __u8 *m)
-{
-	return !(m[0] | m[1] | m[2] | m[3] | m[4] | m[5]);
-}
-
-/* What a walk over a packet's IPv4 options found. */
-#define OPT_MALFORMED 0x1 /* length 0/1, or an option overrunning the header */
-#define OPT_TUPLE_OR_REQUEST 0x2 /* 155 or 124 somewhere */
-#define OPT_SCORE 0x4 /* 125 somewhere */
-#define OPT_SCORE_STRIPPABLE 0x8 /* exactly one 125, well-formed, first: as the agent adds it */
-
-/*
- * Option walks run over a stack copy with bpf_loop: the callback is verified
- * once, where an open-coded loop over packet offsets multiplies verifier
- * states by every option layout and does not load. Both walks are off the
- * fast path (packets with IP options; SYNs).
- */
-struct opt_walk {
-	__u8 buf[TCP_MAX_OPT_LEN]; /* IP and TCP options are both at most 40 bytes */
-	__u32 len;
-	__u32 off;
-	__u32 found; /* OPT_* for IP options; offset of the MSS option + 1 for TCP */
-	__u32 scores_seen;
-};
-
-/* One option per call, a NOP being the shortest: len calls always suffice. */
-static long ip_option_step(__u32 index, void *arg)
-{
-	struct opt_walk *w = arg;
-	__u32 off = w->off;
-
-	if (off >= w->len || off >= sizeof(w->buf))
-		return 1;
-	__u8 kind = w->buf[off];
-
-	if (kind == IPOPT_END)
-		return 1;
-	if (kind == IPOPT_NOOP) {
-		w->off = off + 1;
-		return 0;
-	}
-	if (off + 2 > w->len || off + 1 >= sizeof(w->buf)) {
-		w->found |= OPT_MALFORMED;
-		return 1;
-	}
-	__u8 len = w->buf[off + 1];
-
-	if (len < 2 || off + len > w->len) {
-		w->found |= OPT_MALFORMED;
-		return 1;
-	}
-	if (kind == INBAND_OPT_CLIENT_TUPLE || kind == INBAND_OPT_SCORE_REQUEST) {
-		w->found |= OPT_TUPLE_OR_REQUEST;
-	} else if (kind == INBAND_OPT_SCORE) {
-		w->found |= OPT_SCORE;
-		w->scores_seen++;
-		if (off == 0 && len == INBAND_OPT_SCORE_LEN)
-			w->found |= OPT_SCORE_STRIPPABLE;
-	}
-	w->off = off + len;
-	return 0;
-}
-
-/*
- * Walks the options of the IPv4 header (hlen > 20 bytes, inside the packet).
- * A strippable 125's score (network order) is stored in *score_be.
- */
-static __always_inline __u32 scan_ip_options(struct xdp_md *ctx, __u32 hlen, __u16 *score_be)
-{
-	struct opt_walk w = {};
-	__u32 len = hlen - INBAND_IPV4_MIN_HDR;
-
-	if (len == 0 || len > IP_MAX_OPT_LEN)
-		return OPT_MALFORMED;
-	if (bpf_xdp_load_bytes(ctx, ETH_HLEN + INBAND_IPV4_MIN_HDR, w.buf, len))
-		return OPT_MALFORMED;
-	w.len = len;
-	bpf_loop(IP_MAX_OPT_LEN, ip_option_step, &w, 0);
-	if (w.scores_seen != 1)
-		w.found &= ~OPT_SCORE_STRIPPABLE;
-	if (w.found & OPT_SCORE_STRIPPABLE)
-		*score_be = load16(&w.buf[2]);
-	return w.found;
-}
-
-static long tcp_option_step(__u32 index, void *arg)
-{
-	struct opt_walk *w = arg;
-	__u32 off = w->off;
-
-	if (off >= w->len || off >= sizeof(w->buf))
-		return 1;
-	__u8 kind = w->buf[off];
-
-	if (kind == TCPOPT_EOL)
-		return 1;
-	if (kind == TCPOPT_NOP) {
-		w->off = off + 1;
-		return 0;
-	}
-	if (off + 2 > w->len || off + 1 >= sizeof(w->buf))
-		return 1;
-	__u8 len = w->buf[off + 1];
-
-	if (len < 2 || off + len > w->len)
-		return 1;
-	if (kind == TCPOPT_MSS && len == 4) {
-		w->found = off + 1;
-		return 1;
-	}
-	w->off = off + len;
-	return 0;
-}
-
-/*
- * Lowers the SYN's MSS option by INBAND_OPT_MAX_LEN so the server's segments
- * still fit the MTU once a 125 is added to them, and feeds the change into
- * the TCP checksum accumulator. `tcp` sits right after a 20-byte IPv4
- * header; its `optlen` bytes of options are inside the packet.
- */
-static __always_inline __u32 clamp_mss(struct xdp_md *ctx, struct tcphdr *tcp, __u32 optlen, void *data_end,
-				       __u32 acc)
-{
-	struct opt_walk w = {};
-
-	if (optlen == 0 || optlen > TCP_MAX_OPT_LEN)
-		return acc;
-	if (bpf_xdp_load_bytes(ctx, ETH_IP_HLEN + TCP_MIN_HDR, w.buf, optlen))
-		return acc;
-	w.len = optlen;
-	bpf_loop(TCP_MAX_OPT_LEN, tcp_option_step, &w, 0);
-	if (!w.found)
-		return acc;
-	/* found - 1 + 4 <= optlen <= 40: the mask only tells the verifier so. */
-	__u32 off = (w.found - 1) & 0x3f;
-	__u8 *field = (__u8 *)(tcp + 1) + off + 2;
-
-	if ((void *)(field + 2) > data_end)
-		return acc;
-	__u16 old = load16(field);
-	__u16 mss = bpf_ntohs(old);
-
-	if (mss <= INBAND_OPT_MAX_LEN)
-		return acc;
-	__u16 new = bpf_htons(mss - INBAND_OPT_MAX_LEN);
-
-	__builtin_memcpy(field, &new, sizeof(new));
-	/* The options start at an even offset (20) of the TCP header, so the
-	 * field's parity in the checksummed data is off's. */
-	if (off & 1)
-		return csum_replace16(acc, csum_swab16(old), csum_swab16(new));
-	return csum_replace16(acc, old, new);
-}
-
-static __always_inline __u32 mix32(__u32 h)
-{
-	h ^= h >> 16;
-	h *= 0x85ebca6b;
-	h ^= h >> 13;
-	h *= 0xc2b2ae35;
-	h ^= h >> 16;
-	return h;
-}
-
-/*
- * Backend selection walks the VIP's slots with bpf_loop for the same reason
- * as the option walks: one verification of the step instead of one per slot
- * and per outcome of every earlier slot. It runs on new connections only.
- */
-struct pick {
+/* The parsed packet, as every path needs it. */
+struct pkt {
+	struct ethhdr *eth;
+	struct iphdr *iph;
+	struct tcphdr *tcp;
+	__u32 hlen; /* IPv4 header */
+	__u32 tot_len; /* IPv4 total length */
+	__u32 frag; /* MF + offset bits */
+	__u64 len; /* frame length */
 	__u64 now;
-	__u64 max_age_ns;
-	__u64 best_score; /* lowest effective score among fresh backends */
-	__u64 best_stale; /* lowest assigned_since among stale backends */
-	__u64 min_reported; /* lowest reported score among fresh backends */
-	__u32 vid;
-	__u32 count; /* valid slots, <= INBAND_MAX_BACKENDS_PER_VIP */
-	__u32 start; /* round-robin: first slot to try */
-	__u32 seen; /* ACTIVE slots met so far (least-score: ties of best_score) */
-	__u32 seen_stale; /* least-score: ties of best_stale */
-	__u32 id; /* chosen backend id (least-score: best fresh) */
-	__u32 stale_id; /* least-score: best stale */
-	__u32 other; /* power-of-two: the second sampled id */
-	__u32 slot; /* round-robin: the chosen slot */
-	__u32 found;
-	__u32 found_stale;
+	__u8 flags; /* TCP flags (valid once the TCP header is checked) */
 };
 
-/*
- * A backend's effective score is its reported score plus the connections
- * assigned to it since that report. A backend with no fresh score (never
- * reported, or older than the VIP's max age) is ranked as if it had
- * reported the lowest fresh score, plus what it was assigned since its last
- * report: a new backend gets connections at once (so it gets probed and
- * reports), while one whose agent went silent attracts fewer and fewer as
- * its assigned count grows, instead of keeping a stale low score forever.
- */
-static __always_inline struct inband_backend_score *score_of(__u32 id, const struct pick *p, int *fresh)
+static __always_inline int tcp_header_ok(const struct pkt *p, void *data_end)
 {
-	struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &id);
+	struct tcphdr *tcp = p->tcp;
 
-	if (s) {
-		__u64 updated = s->updated_ns;
-
-		*fresh = updated && !(p->now > updated && p->now - updated > p->max_age_ns);
-	}
-	return s;
-}
-
-/* Backend id in `slot` of VIP `vid` if that backend may take a new connection. */
-static __always_inline int active_slot(__u32 vid, __u32 slot, __u32 *id_out)
-{
-	__u32 idx = vid * INBAND_MAX_BACKENDS_PER_VIP + slot;
-	__u32 *id = bpf_map_lookup_elem(&vip_backends, &idx);
-
-	if (!id)
+	if ((void *)(tcp + 1) > data_end || p->hlen + TCP_MIN_HDR > p->tot_len || tcp->doff < 5 ||
+	    p->hlen + tcp->doff * 4 > p->tot_len)
 		return 0;
-	__u32 bid = *id;
-	struct inband_backend *be = bpf_map_lookup_elem(&backends, &bid);
-
-	if (!be || !(be->flags & INBAND_BACKEND_ACTIVE))
-		return 0;
-	*id_out = bid;
 	return 1;
 }
 
-static long round_robin_step(__u32 i, void *arg)
+static __always_inline int is_syn(__u8 flags)
 {
-	struct pick *p = arg;
-	__u32 id;
-
-	if (i >= p->count)
-		return 1;
-	/* The cursor may point past a VIP that shrank since; % folds it back. */
-	__u32 slot = (p->start + i) % p->count;
-
-	if (!active_slot(p->vid, slot, &id))
-		return 0;
-	p->id = id;
-	p->slot = slot;
-	p->found = 1;
-	return 1;
-}
-
-static long least_score_step(__u32 slot, void *arg)
-{
-	struct pick *p = arg;
-	struct inband_backend_score *s;
-	int fresh = 0;
-	__u32 id;
-
-	if (slot >= p->count)
-		return 1;
-	if (!active_slot(p->vid, slot, &id))
-		return 0;
-	s = score_of(id, p, &fresh);
-	if (!s)
-		return 0;
-	if (fresh) {
-		__u64 eff = (__u64)s->score + s->assigned_since;
-
-		if (!p->found || s->score < p->min_reported)
-			p->min_reported = s->score;
-		if (!p->found || eff < p->best_score) {
-			p->best_score = eff;
-			p->id = id;
-			p->seen = 1;
-			p->found = 1;
-		} else if (eff == p->best_score) {
-			/* Reservoir sampling: each of k tied backends is kept
-			 * with probability 1/k in a single pass. */
-			p->seen++;
-			if (bpf_get_prandom_u32() % p->seen == 0)
-				p->id = id;
-		}
-	} else {
-		__u64 assigned = s->assigned_since;
-
-		if (!p->found_stale || assigned < p->best_stale) {
-			p->best_stale = assigned;
-			p->stale_id = id;
-			p->seen_stale = 1;
-			p->found_stale = 1;
-		} else if (assigned == p->best_stale) {
-			p->seen_stale++;
-			if (bpf_get_prandom_u32() % p->seen_stale == 0)
-				p->stale_id = id;
-		}
-	}
-	return 0;
-}
-
-/* Least-score's final choice between the best fresh and the best stale
- * backend (see above); equal ranks are a coin toss. */
-static __always_inline void least_score_decide(struct pick *p)
-{
-	if (!p->found_stale)
-		return;
-	if (p->found) {
-		__u64 stale_eff = p->min_reported + p->best_stale;
-
-		if (stale_eff > p->best_score || (stale_eff == p->best_score && (bpf_get_prandom_u32() & 1)))
-			return;
-	}
-	p->id = p->stale_id;
-	p->found = 1;
-}
-
-/* Reservoir sampling of size two: a uniformly random pair of distinct ACTIVE
- * slots, in one pass and without storing the candidates. */
-static long two_choices_step(__u32 slot, void *arg)
-{
-	struct pick *p = arg;
-	__u32 id;
-
-	if (slot >= p->count)
-		return 1;
-	if (!active_slot(p->vid, slot, &id))
-		return 0;
-	p->seen++;
-	if (p->seen == 1) {
-		p->id = id;
-	} else if (p->seen == 2) {
-		p->other = id;
-	} else {
-		__u32 r = bpf_get_prandom_u32() % p->seen;
-
-		if (r == 0)
-			p->id = id;
-		else if (r == 1)
-			p->other = id;
-	}
-	return 0;
-}
-
-/* Power-of-two: the same ranking as least-score over the two samples; a
- * stale sample is ranked at the fresh one's reported score. */
-static __always_inline int second_is_better(const struct pick *p)
-{
-	int fresh_a = 0, fresh_b = 0;
-	struct inband_backend_score *a = score_of(p->id, p, &fresh_a);
-	struct inband_backend_score *b = score_of(p->other, p, &fresh_b);
-	__u64 ea, eb;
-
-	if (!a || !b)
-		return !a && b;
-	ea = (__u64)a->assigned_since + (fresh_a ? a->score : (fresh_b ? b->score : 0));
-	eb = (__u64)b->assigned_since + (fresh_b ? b->score : (fresh_a ? a->score : 0));
-	return eb < ea || (eb == ea && (bpf_get_prandom_u32() & 1));
-}
-
-/* Picks a backend id for a new connection to `vip`; 0 if no slot is ACTIVE. */
-static __always_inline int select_backend(const struct inband_vip *vip, __u32 *id_out)
-{
-	struct pick p = {
-		.vid = vip->id,
-		.count = vip->backend_count,
-		.max_age_ns = vip->score_max_age_ns,
-	};
-
-	if (p.count > INBAND_MAX_BACKENDS_PER_VIP)
-		p.count = INBAND_MAX_BACKENDS_PER_VIP;
-	if (!p.count)
-		return 0;
-	/* passthrough and dsr-rr have no score feedback to rank by. */
-	int by_score = vip->mode != INBAND_MODE_PASSTHROUGH && vip->mode != INBAND_MODE_DSR_RR;
-
-	if (by_score && vip->policy == INBAND_POLICY_LEAST_SCORE) {
-		p.now = bpf_ktime_get_ns();
-		bpf_loop(INBAND_MAX_BACKENDS_PER_VIP, least_score_step, &p, 0);
-		least_score_decide(&p);
-	} else if (by_score && vip->policy == INBAND_POLICY_POWER_OF_TWO) {
-		bpf_loop(INBAND_MAX_BACKENDS_PER_VIP, two_choices_step, &p, 0);
-		p.found = p.seen > 0;
-		if (p.seen > 1) {
-			p.now = bpf_ktime_get_ns();
-			if (second_is_better(&p))
-				p.id = p.other;
-		}
-	} else {
-		__u32 vid = p.vid;
-		__u32 *cursor = bpf_map_lookup_elem(&rr_cursor, &vid);
-
-		if (!cursor)
-			return 0;
-		/* Each new connection takes the next ticket; inactive slots are
-		 * skipped from there. */
-		p.start = __sync_fetch_and_add(cursor, 1);
-		bpf_loop(INBAND_MAX_BACKENDS_PER_VIP, round_robin_step, &p, 0);
-	}
-	*id_out = p.id;
-	return p.found;
-}
-
-static __always_inline int same_client(const struct inband_nat_back *a, const struct inband_nat_back *b)
-{
-	return a->client_addr == b->client_addr && a->client_port == b->client_port &&
-	       a->vip_addr == b->vip_addr && a->vip_port == b->vip_port;
-}
-
-/*
- * Reserves a SNAT port toward the backend in `nk` for the connection in
- * `nb`: up to INBAND_SNAT_TRIES hash-derived candidates, so the same client
- * tuple lands on the same port again (a retransmitted SYN after a lost flow
- * entry keeps its server-side connection). Returns 0 or a drop reason.
- */
-static __always_inline int reserve_snat_port(const struct inband_flow_key *fk, struct inband_nat_key *nk,
-					     const struct inband_nat_back *nb)
-{
-	__u32 h = mix32(fk->client_addr ^ mix32(fk->vip_addr ^ (((__u32)fk->client_port << 16) | fk->vip_port)));
-
-	for (__u32 i = 0; i < INBAND_SNAT_TRIES; i++) {
-		__u32 port = INBAND_SNAT_PORT_MIN + mix32(h + i * 0x9e3779b9) % SNAT_PORT_RANGE;
-
-		nk->snat_port = bpf_htons((__u16)port);
-		struct inband_nat_back *cur = bpf_map_lookup_elem(&nat_back, nk);
-
-		if (cur) {
-			if (!same_client(cur, nb))
-				continue;
-			if (bpf_map_update_elem(&nat_back, nk, nb, BPF_ANY))
-				return INBAND_DROP_FLOW_TABLE_FULL;
-			return 0;
-		}
-		/* NOEXIST: another CPU may claim the same free port right now. */
-		long err = bpf_map_update_elem(&nat_back, nk, nb, BPF_NOEXIST);
-
-		if (!err)
-			return 0;
-		if (err != -EEXIST)
-			return INBAND_DROP_FLOW_TABLE_FULL;
-	}
-	return INBAND_DROP_SNAT_EXHAUSTED;
-}
-
-/*
- * Moves the Ethernet and IPv4 fixed header (already rewritten in place)
- * `optlen` bytes toward the front, writes the option into the gap and
- * finishes the IPv4 header around it.
- */
-static __always_inline int emit_with_option(struct xdp_md *ctx, const int optlen, __u32 tot_len, __be32 client_addr,
-					    __be16 client_port)
-{
-	if (bpf_xdp_adjust_head(ctx, -optlen))
-		return drop(INBAND_DROP_ADJUST_FAILED);
-	void *data = (void *)(long)ctx->data;
-	void *data_end = (void *)(long)ctx->data_end;
-
-	if (data + ETH_IP_HLEN + optlen > data_end)
-		return drop(INBAND_DROP_ADJUST_FAILED);
-	__u16 *dst = data;
-	__u16 *src = data + optlen;
-
-	/* Ascending 2-byte moves are safe: the source is ahead by >= 4 bytes. */
-#pragma unroll
-	for (int i = 0; i < ETH_IP_HLEN / 2; i++)
-		dst[i] = src[i];
-
-	struct iphdr *iph = data + ETH_HLEN;
-	__u8 *opt = data + ETH_IP_HLEN;
-
-	if (optlen == INBAND_OPT_CLIENT_TUPLE_LEN)
-		inband_encode_client_tuple(opt, client_addr, client_port);
-	else
-		inband_encode_score_request(opt);
-	iph->ihl = (INBAND_IPV4_MIN_HDR + optlen) / 4;
-	iph->tot_len = bpf_htons(tot_len + optlen);
-	iph->check = 0;
-	iph->check = csum_finish(csum_words(iph, (INBAND_IPV4_MIN_HDR + optlen) / 2));
-	return XDP_TX;
+	return (flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN;
 }
 
 static __always_inline void count_forward(__u32 backend_id, __u32 vip_id, __u64 bytes, int new_conn, int probe)
@@ -649,191 +82,370 @@ static __always_inline void count_forward(__u32 backend_id, __u32 vip_id, __u64 
 	}
 }
 
-/* Step 2 of the walk: a TCP packet whose (dst, dport) is a VIP. */
-static __always_inline int client_to_backend(struct xdp_md *ctx, struct ethhdr *eth, void *data_end,
-					     struct iphdr *iph, __u32 hlen, __u32 tot_len, int fragment,
-					     const struct inband_vip *vip, __be32 self_addr)
+/*
+ * Sends a client packet of flow `f` (copied by the caller, or live in a
+ * map when `live` is set: a probe records its nonce there) to the
+ * backend: NAT, TTL, MSS clamp on a SYN, and the option this packet
+ * carries, if any.
+ */
+static __always_inline int forward(struct xdp_md *ctx, const struct inband_lb_config *cfg,
+				   const struct inband_flow_key *fk, struct inband_flow *f, const struct inband_vip *vc,
+				   struct pkt *p, int new_conn)
 {
-	__u64 pkt_len = data_end - (void *)eth;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct iphdr *iph = p->iph;
+	struct tcphdr *tcp = p->tcp;
+	__u32 bid = f->backend_id;
+	struct inband_backend *be = bpf_map_lookup_elem(&backends, &bid);
+	int syn = is_syn(p->flags);
 
-	if (fragment)
-		return drop(INBAND_DROP_FRAGMENT);
-	if (hlen > INBAND_IPV4_MIN_HDR) {
-		__u16 unused;
-		__u32 found = scan_ip_options(ctx, hlen, &unused);
-
-		if (found & OPT_MALFORMED)
-			return drop(INBAND_DROP_MALFORMED_OPTION);
-		if (found & (OPT_TUPLE_OR_REQUEST | OPT_SCORE))
-			return drop(INBAND_DROP_UNEXPECTED_OPTION);
-		return drop(INBAND_DROP_IP_OPTIONS);
-	}
-
-	/* From here the IPv4 header is exactly 20 bytes. */
-	struct tcphdr *tcp = (void *)(iph + 1);
-
-	if ((void *)(tcp + 1) > data_end || tot_len < INBAND_IPV4_MIN_HDR + TCP_MIN_HDR)
-		return drop(INBAND_DROP_TRUNCATED_L4);
-	__u32 tcp_hlen = tcp->doff * 4;
-
-	if (tcp_hlen < TCP_MIN_HDR || INBAND_IPV4_MIN_HDR + tcp_hlen > tot_len)
-		return drop(INBAND_DROP_TRUNCATED_L4);
-	__u8 tcp_flags = ((__u8 *)tcp)[13];
-	int syn = (tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN;
-
-	struct inband_flow_key fk = {
-		.client_addr = iph->saddr,
-		.vip_addr = iph->daddr,
-		.client_port = tcp->source,
-		.vip_port = tcp->dest,
-		.proto = IPPROTO_TCP,
-	};
-	struct inband_flow *existing = bpf_map_lookup_elem(&flows, &fk);
-	struct inband_backend *be = NULL;
-	struct inband_flow f;
-	int new_conn = 0;
-
-	if (existing) {
-		f = *existing;
-		be = bpf_map_lookup_elem(&backends, &f.backend_id);
-		/* A SYN with another sequence number than the flow's is a new
-		 * connection reusing the client port (clients do, within minutes)
-		 * and is balanced afresh, as is a SYN on the tuple of a removed
-		 * backend; draining backends keep retransmitted SYNs of their flows. */
-		if (syn && (f.syn_seq != tcp->seq ||
-			    !be || !(be->flags & (INBAND_BACKEND_ACTIVE | INBAND_BACKEND_DRAINING))))
-			existing = NULL;
-	}
-	if (!existing) {
-		if (!syn)
-			return drop(INBAND_DROP_NO_FLOW);
-		__u32 id = 0;
-
-		if (!select_backend(vip, &id))
-			return drop(INBAND_DROP_NO_BACKEND);
-		be = bpf_map_lookup_elem(&backends, &id);
-		if (!be)
-			return drop(INBAND_DROP_NO_BACKEND);
-		/* No state until the next hop is known: the retransmitted SYN is
-		 * balanced again once the daemon has resolved it. */
-		if (mac_is_zero(be->mac))
-			return drop(INBAND_DROP_NO_ROUTE);
-
-		struct inband_nat_key nk = {
-			.backend_addr = be->addr,
-			.backend_port = be->port,
-			.proto = IPPROTO_TCP,
-		};
-		struct inband_nat_back nb = {
-			.client_addr = fk.client_addr,
-			.vip_addr = fk.vip_addr,
-			.client_port = fk.client_port,
-			.vip_port = fk.vip_port,
-			.backend_id = id,
-			.vip_id = vip->id,
-		};
-		__builtin_memcpy(nb.client_mac, eth->h_source, ETH_ALEN);
-		int reason = reserve_snat_port(&fk, &nk, &nb);
-
-		if (reason)
-			return drop(reason);
-		f = (struct inband_flow){
-			.backend_addr = be->addr,
-			.backend_port = be->port,
-			.snat_port = nk.snat_port,
-			.backend_id = id,
-			.vip_id = vip->id,
-			.mode = vip->mode,
-			.syn_seq = tcp->seq,
-		};
-		__builtin_memcpy(f.client_mac, eth->h_source, ETH_ALEN);
-		if (bpf_map_update_elem(&flows, &fk, &f, BPF_ANY)) {
-			bpf_map_delete_elem(&nat_back, &nk);
-			return drop(INBAND_DROP_FLOW_TABLE_FULL);
-		}
-		/* Only the score modes rank by it; counting in the round-robin
-		 * modes would leave a stale backlog after a switch to them. */
-		if (vip->mode == INBAND_MODE_DSR_POLLING || vip->mode == INBAND_MODE_DSR_DYNAMIC) {
-			struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &id);
-
-			if (s)
-				__sync_fetch_and_add(&s->assigned_since, 1);
-		}
-		new_conn = 1;
-	}
 	if (!be || mac_is_zero(be->mac))
 		return drop(INBAND_DROP_NO_ROUTE);
+	if (iph->ttl <= 1)
+		return drop(INBAND_DROP_TTL_EXCEEDED);
+	if ((void *)(tcp + 1) > data_end)
+		return drop(INBAND_DROP_TRUNCATED_L4);
+
 	/* L4: NAT rewrite (pseudo-header addresses and ports), MSS clamp. */
 	__u32 acc = csum_start(tcp->check);
 
-	acc = csum_replace32(acc, iph->saddr, self_addr);
-	acc = csum_replace32(acc, iph->daddr, f.backend_addr);
-	acc = csum_replace16(acc, tcp->source, f.snat_port);
-	acc = csum_replace16(acc, tcp->dest, f.backend_port);
-	if (syn && f.mode != INBAND_MODE_PASSTHROUGH)
-		acc = clamp_mss(ctx, tcp, tcp_hlen - TCP_MIN_HDR, data_end, acc);
-	tcp->source = f.snat_port;
-	tcp->dest = f.backend_port;
+	acc = csum_replace32(acc, iph->saddr, cfg->self_addr);
+	acc = csum_replace32(acc, iph->daddr, f->backend_addr);
+	acc = csum_replace16(acc, tcp->source, f->snat_port);
+	acc = csum_replace16(acc, tcp->dest, f->backend_port);
+	if (syn && f->mode != INBAND_MODE_PASSTHROUGH)
+		acc = clamp_mss(ctx, ETH_IP_HLEN, tcp->doff * 4 - TCP_MIN_HDR, acc);
+	/* clamp_mss may have re-read the packet: reload what the verifier forgot. */
+	data_end = (void *)(long)ctx->data_end;
+	tcp = (void *)(long)ctx->data + ETH_IP_HLEN;
+	iph = (void *)(long)ctx->data + ETH_HLEN;
+	if ((void *)(tcp + 1) > data_end)
+		return drop(INBAND_DROP_TRUNCATED_L4);
+	tcp->source = f->snat_port;
+	tcp->dest = f->backend_port;
 	tcp->check = csum_finish(acc);
 
 	/* Which option, if any, this packet carries. */
+	__u8 opt[INBAND_OPT_AUTH_CLIENT_TUPLE_LEN];
 	int optlen = 0, probe = 0;
+	struct inband_probe_state *ps = NULL;
 
 	if (syn) {
-		if (f.mode != INBAND_MODE_PASSTHROUGH)
-			optlen = INBAND_OPT_CLIENT_TUPLE_LEN;
-	} else if (f.mode == INBAND_MODE_DSR_DYNAMIC && vip->probe_interval) {
-		__u32 *sent = bpf_map_lookup_elem(&probe_count, &f.backend_id);
-
-		if (sent && ++*sent >= vip->probe_interval) {
-			*sent = 0;
-			optlen = INBAND_OPT_SCORE_REQUEST_LEN;
+		if (f->mode != INBAND_MODE_PASSTHROUGH) {
+			optlen = cfg->auth_mode == INBAND_AUTH_NONE ? INBAND_OPT_CLIENT_TUPLE_LEN
+								    : INBAND_OPT_AUTH_CLIENT_TUPLE_LEN;
+			if (p->tot_len + optlen > cfg->mtu) {
+				event(INBAND_EV_TUPLE_SKIPPED_MTU);
+				optlen = 0;
+			} else if (optlen == INBAND_OPT_CLIENT_TUPLE_LEN) {
+				inband_encode_client_tuple(opt, fk->client_addr, fk->client_port);
+			} else if (!build_auth_tuple(opt, cfg, fk, f, tcp->seq)) {
+				optlen = 0;
+			}
+		}
+	} else if ((ps = probe_due(f, vc, p->now))) {
+		optlen = cfg->auth_mode == INBAND_AUTH_NONE ? INBAND_OPT_SCORE_REQUEST_LEN
+							    : INBAND_OPT_AUTH_SCORE_REQUEST_LEN;
+		if (p->tot_len + optlen > cfg->mtu) {
+			/* The counter stays due: the next packet that fits asks. */
+			event(INBAND_EV_PROBE_DEFERRED_MTU);
+			optlen = 0;
+		} else if (optlen == INBAND_OPT_SCORE_REQUEST_LEN) {
+			inband_encode_score_request(opt);
+		} else if (!build_auth_request(opt, cfg, f)) {
+			optlen = 0;
+		}
+		if (optlen) {
+			f->flags |= INBAND_FLOW_PROBE_OUTSTANDING;
+			ps->count = 0;
+			ps->last_ns = p->now;
 			probe = 1;
 		}
 	}
 
 	/* L2: out of the one interface, toward the backend's next hop. */
+	struct ethhdr *eth = (void *)(long)ctx->data;
+
+	if ((void *)(eth + 1) > data_end || (void *)(iph + 1) > data_end)
+		return drop(INBAND_DROP_TRUNCATED_L4);
 	__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
 	__builtin_memcpy(eth->h_dest, be->mac, ETH_ALEN);
-	iph->saddr = self_addr;
-	iph->daddr = f.backend_addr;
+	iph->saddr = cfg->self_addr;
+	iph->daddr = f->backend_addr;
+	iph->ttl--;
 
 	int verdict = XDP_TX;
 
-	if (optlen == INBAND_OPT_CLIENT_TUPLE_LEN) {
-		verdict = emit_with_option(ctx, INBAND_OPT_CLIENT_TUPLE_LEN, tot_len, fk.client_addr, fk.client_port);
+	if (optlen == INBAND_OPT_AUTH_CLIENT_TUPLE_LEN) {
+		verdict = emit_with_option(ctx, INBAND_OPT_AUTH_CLIENT_TUPLE_LEN, opt, p->tot_len);
+	} else if (optlen == INBAND_OPT_AUTH_SCORE_REQUEST_LEN) {
+		verdict = emit_with_option(ctx, INBAND_OPT_AUTH_SCORE_REQUEST_LEN, opt, p->tot_len);
+	} else if (optlen == INBAND_OPT_CLIENT_TUPLE_LEN) {
+		verdict = emit_with_option(ctx, INBAND_OPT_CLIENT_TUPLE_LEN, opt, p->tot_len);
 	} else if (optlen == INBAND_OPT_SCORE_REQUEST_LEN) {
-		verdict = emit_with_option(ctx, INBAND_OPT_SCORE_REQUEST_LEN, tot_len, 0, 0);
+		verdict = emit_with_option(ctx, INBAND_OPT_SCORE_REQUEST_LEN, opt, p->tot_len);
 	} else {
 		iph->check = 0;
 		iph->check = csum_finish(csum_words(iph, INBAND_IPV4_MIN_HDR / 2));
 	}
 	if (verdict == XDP_TX)
-		count_forward(f.backend_id, f.vip_id, pkt_len, new_conn, probe);
+		count_forward(bid, f->vip_id, p->len, new_conn, probe);
 	return verdict;
 }
 
-/* Step 3 of the walk: a TCP packet to the balancer's own address. */
-static __always_inline int backend_to_client(struct xdp_md *ctx, struct ethhdr *eth, void *data_end,
-					     struct iphdr *iph, __u32 hlen, __u32 tot_len, int fragment,
-					     struct tcphdr *tcp)
+/* A SYN for a new connection: backend, SNAT port, handshake state. */
+static __always_inline int open_flow(struct xdp_md *ctx, const struct inband_lb_config *cfg,
+				     const struct inband_flow_key *fk, __u32 vid, const struct inband_vip *vc,
+				     struct pkt *p)
 {
-	void *data = eth;
-	__u64 pkt_len = data_end - data;
-	__u16 score_be = 0;
+	__u32 skip = 0, id = 0, slot = 0;
+	__be16 port = 0;
+	struct inband_backend *be = NULL;
 
+	if (!(vc->flags & INBAND_VIP_ACTIVE))
+		return drop(INBAND_DROP_VIP_DRAINING);
+	/* A backend without a free port is skipped for the next best; three
+	 * tries bound the work a SYN can cause. */
+	for (int attempt = 0; attempt < 3; attempt++) {
+		if (!select_backend(vc, vid, skip, p->now, &id, &slot))
+			return drop(attempt ? INBAND_DROP_SNAT_EXHAUSTED : INBAND_DROP_NO_BACKEND);
+		be = bpf_map_lookup_elem(&backends, &id);
+		if (!be)
+			return drop(INBAND_DROP_NO_BACKEND);
+		/* No state until the next hop is known: the retransmitted SYN
+		 * is balanced again once the daemon has resolved it. */
+		if (mac_is_zero(be->mac))
+			return drop(INBAND_DROP_NO_ROUTE);
+		struct inband_nat_key nk = { .backend_addr = be->addr, .backend_port = be->port, .proto = IPPROTO_TCP };
+
+		port = reserve_snat_port(cfg, fk, &nk, p->now);
+		if (port)
+			break;
+		event(INBAND_EV_BACKEND_FULL);
+		skip |= 1U << (slot & 31);
+	}
+	if (!port || !be)
+		return drop(INBAND_DROP_SNAT_EXHAUSTED);
+
+	struct inband_flow f = {
+		.backend_addr = be->addr,
+		.backend_port = be->port,
+		.snat_port = port,
+		.backend_id = (__u16)id,
+		.vip_id = (__u8)vid,
+		.mode = vc->mode,
+		.state = INBAND_FLOW_SYN_SENT,
+		.syn_seq = p->tcp->seq,
+		.last_seen_ns = p->now,
+	};
+	__builtin_memcpy(f.client_mac, p->eth->h_source, ETH_ALEN);
+	if (bpf_map_update_elem(&half_open, fk, &f, BPF_ANY))
+		return drop(INBAND_DROP_FLOW_TABLE_FULL);
+	/* Only the score modes rank by it; counting in the round-robin modes
+	 * would leave a stale backlog after a switch to them. */
+	if (score_mode(vc->mode)) {
+		struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &id);
+
+		if (s)
+			__sync_fetch_and_add(&s->opened, 1);
+	}
+	return forward(ctx, cfg, fk, &f, vc, p, 1);
+}
+
+/* Step 2 of the walk: a TCP packet whose (dst, dport) is a VIP, with no
+ * established flow. */
+static __always_inline int handshake(struct xdp_md *ctx, const struct inband_lb_config *cfg,
+				     const struct inband_flow_key *fk, __u32 vid, struct pkt *p)
+{
+	struct inband_vip *vc = bpf_map_lookup_elem(&vip_conf, &vid);
+	struct inband_flow *ho = bpf_map_lookup_elem(&half_open, fk);
+
+	if (!vc)
+		return drop(INBAND_DROP_NO_BACKEND);
+	if (ho && flow_expired(ho, p->now)) {
+		struct inband_flow dead = *ho;
+
+		half_open_end(fk, &dead);
+		event(INBAND_EV_FLOWS_EXPIRED);
+		ho = NULL;
+		if (!is_syn(p->flags))
+			return drop(INBAND_DROP_FLOW_EXPIRED);
+	}
+	if (is_syn(p->flags)) {
+		if (ho && ho->syn_seq == p->tcp->seq) {
+			/* A retransmitted SYN follows its handshake. */
+			flow_touch(ho, p->now);
+			struct inband_flow f = *ho;
+
+			return forward(ctx, cfg, fk, &f, vc, p, 0);
+		}
+		return open_flow(ctx, cfg, fk, vid, vc, p);
+	}
+	if (!ho)
+		return drop(INBAND_DROP_NO_FLOW);
+	if (p->flags & TCP_FLAG_RST) {
+		/* The client gives up the handshake: the backend hears it too. */
+		struct inband_flow f = *ho;
+
+		half_open_end(fk, &f);
+		return forward(ctx, cfg, fk, &f, vc, p, 0);
+	}
+	struct inband_flow *f = promote(fk, ho, p->now);
+
+	if (!f)
+		return XDP_DROP;
+	if (p->flags & TCP_FLAG_FIN)
+		flow_close(f, p->now);
+	return forward(ctx, cfg, fk, f, vc, p, 0);
+}
+
+/* A client packet of an established or closing flow. */
+static __always_inline int established(struct xdp_md *ctx, const struct inband_lb_config *cfg,
+				       const struct inband_flow_key *fk, struct inband_flow *f, struct pkt *p)
+{
+	__u32 vid = f->vip_id;
+	struct inband_vip *vc = bpf_map_lookup_elem(&vip_conf, &vid);
+	int syn = is_syn(p->flags);
+
+	if (!vc)
+		return drop(INBAND_DROP_NO_BACKEND);
+	if (flow_expired(f, p->now)) {
+		struct inband_flow dead = *f;
+
+		flow_end(fk, &dead);
+		event(INBAND_EV_FLOWS_EXPIRED);
+		if (!syn)
+			return drop(INBAND_DROP_FLOW_EXPIRED);
+		return REBALANCE;
+	}
+	if (syn && p->tcp->seq != f->syn_seq) {
+		/* A new connection on the tuple once this one is closing; on a
+		 * live one, a SYN the backend answers with a challenge ACK
+		 * (RFC 5961), as its stack would without us in between. */
+		if (f->state == INBAND_FLOW_CLOSING) {
+			struct inband_flow old = *f;
+
+			flow_end(fk, &old);
+			return REBALANCE;
+		}
+		event(INBAND_EV_SYN_ON_LIVE_FLOW);
+	}
+	if (p->flags & (TCP_FLAG_FIN | TCP_FLAG_RST))
+		flow_close(f, p->now);
+	flow_touch(f, p->now);
+	return forward(ctx, cfg, fk, f, vc, p, 0);
+}
+
+/* The 125 (`len` bytes, first option) of a backend packet on flow `f`:
+ * checksums, then whether it counts. 0 = forward, else a drop verdict. */
+static __always_inline int take_score(struct xdp_md *ctx, const struct inband_lb_config *cfg, struct inband_flow *f,
+				      struct pkt *p, const __u8 *opt, __u32 len)
+{
+	__u16 score = 0;
+
+	if (!ipv4_csum_ok(ctx, p->hlen) ||
+	    !tcp_csum_ok(ctx, ETH_HLEN + p->hlen, p->tot_len - p->hlen, p->iph->saddr, p->iph->daddr))
+		return drop(INBAND_DROP_BAD_CHECKSUM);
+	if (score_accepted(cfg, f, opt, len, &score)) {
+		__u32 bid = f->backend_id;
+		struct inband_backend_stats *bs = bpf_map_lookup_elem(&backend_stats, &bid);
+
+		record_score(f, score, p->now);
+		if (bs)
+			bs->scores_received++;
+	}
+	return 0;
+}
+
+/* Rewrites a backend packet of flow `fk`/`f` back to VIP -> client and
+ * sends it, without the first option when `strip` (its length) is set. */
+static __always_inline int return_to_client(struct xdp_md *ctx, const struct inband_flow_key *fk,
+					    const struct inband_flow *f, struct pkt *p, const int strip)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct ethhdr *eth = data;
+	struct iphdr *iph = data + ETH_HLEN;
+	struct tcphdr *tcp = data + ETH_HLEN + (p->hlen & 0x3c);
+
+	if ((void *)(tcp + 1) > data_end || (void *)(iph + 1) > data_end)
+		return drop(INBAND_DROP_TRUNCATED_L4);
+	/* L4: back to VIP:vport -> client:cport. */
+	__u32 acc = csum_start(tcp->check);
+
+	acc = csum_replace32(acc, iph->saddr, fk->vip_addr);
+	acc = csum_replace32(acc, iph->daddr, fk->client_addr);
+	acc = csum_replace16(acc, tcp->source, fk->vip_port);
+	acc = csum_replace16(acc, tcp->dest, fk->client_port);
+	tcp->source = fk->vip_port;
+	tcp->dest = fk->client_port;
+	tcp->check = csum_finish(acc);
+
+	/* L3: the header may carry other options (kept), so update incrementally. */
+	acc = csum_start(iph->check);
+	acc = csum_replace32(acc, iph->saddr, fk->vip_addr);
+	acc = csum_replace32(acc, iph->daddr, fk->client_addr);
+	acc = csum_replace16(acc, load16(&iph->ttl), load16(&iph->ttl) - bpf_htons(0x0100));
+	iph->ttl--;
+	iph->saddr = fk->vip_addr;
+	iph->daddr = fk->client_addr;
+	if (strip) {
+		__u8 *opt = (__u8 *)(iph + 1);
+
+		if ((void *)(opt + strip) > data_end)
+			return drop(INBAND_DROP_MALFORMED_OPTION);
+		__u16 old_first = load16(iph);
+		__be16 new_len = bpf_htons(p->tot_len - strip);
+
+		iph->ihl -= strip / 4;
+		acc = csum_replace16(acc, old_first, load16(iph));
+		acc = csum_replace16(acc, iph->tot_len, new_len);
+#pragma unroll
+		for (int i = 0; i < strip / 2; i++)
+			acc = csum_replace16(acc, load16(opt + 2 * i), 0);
+		iph->tot_len = new_len;
+	}
+	iph->check = csum_finish(acc);
+
+	/* L2: back to where the client's packets came from. */
+	__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
+	__builtin_memcpy(eth->h_dest, f->client_mac, ETH_ALEN);
+
+	__u32 bid = f->backend_id, vid = f->vip_id;
+	struct inband_backend_stats *bs = bpf_map_lookup_elem(&backend_stats, &bid);
+	struct inband_vip_stats *vs = bpf_map_lookup_elem(&vip_stats, &vid);
+
+	if (bs) {
+		bs->return_packets++;
+		bs->return_bytes += p->len;
+	}
+	if (vs) {
+		vs->return_packets++;
+		vs->return_bytes += p->len;
+	}
+	return strip ? strip_first_option(ctx, strip) : XDP_TX;
+}
+
+/* Step 3 of the walk: a TCP packet to the balancer's own address. */
+static __always_inline int backend_to_client(struct xdp_md *ctx, const struct inband_lb_config *cfg, struct pkt *p)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	struct iphdr *iph = p->iph;
+	struct tcphdr *tcp = p->tcp;
+	struct opt_walk w = {};
 	struct inband_nat_key nk = {
 		.backend_addr = iph->saddr,
 		.backend_port = tcp->source,
 		.snat_port = tcp->dest,
 		.proto = IPPROTO_TCP,
 	};
-	struct inband_nat_back *nb = bpf_map_lookup_elem(&nat_back, &nk);
+	struct inband_flow_key fk = {};
+	struct inband_flow *f = flow_by_port(&nk, &fk, p->now);
 
-	if (!nb) {
+	if (!f) {
 		/* The balancer host's own traffic; only inband options are ours to judge. */
-		if (hlen > INBAND_IPV4_MIN_HDR) {
-			__u32 found = scan_ip_options(ctx, hlen, &score_be);
+		if (p->hlen > INBAND_IPV4_MIN_HDR) {
+			__u32 found = scan_ip_options(ctx, p->hlen, &w);
 
 			if (found & OPT_SCORE)
 				return drop(INBAND_DROP_SCORE_NOT_OWNER);
@@ -842,115 +454,112 @@ static __always_inline int backend_to_client(struct xdp_md *ctx, struct ethhdr *
 		}
 		return XDP_PASS;
 	}
-	if (fragment)
+	if (p->frag & IP_FRAG_MASK)
 		return drop(INBAND_DROP_FRAGMENT);
-	if ((void *)(tcp + 1) > data_end || hlen + TCP_MIN_HDR > tot_len || tcp->doff < 5 ||
-	    hlen + tcp->doff * 4 > tot_len)
+	if (!tcp_header_ok(p, data_end))
 		return drop(INBAND_DROP_TRUNCATED_L4);
+	if (iph->ttl <= 1)
+		return drop(INBAND_DROP_TTL_EXCEEDED);
+	p->flags = ((__u8 *)tcp)[13];
 
-	int strip = 0;
+	__u32 strip = 0;
 
-	if (hlen > INBAND_IPV4_MIN_HDR) {
-		__u32 found = scan_ip_options(ctx, hlen, &score_be);
+	if (p->hlen > INBAND_IPV4_MIN_HDR) {
+		__u32 found = scan_ip_options(ctx, p->hlen, &w);
 
 		if (found & OPT_MALFORMED)
 			return drop(INBAND_DROP_MALFORMED_OPTION);
 		if (found & OPT_TUPLE_OR_REQUEST)
 			return drop(INBAND_DROP_SCORE_NOT_OWNER);
 		if (found & OPT_SCORE) {
-			/* A 125 anywhere but where the agent puts it is not ours to parse. */
+			/* A 125 anywhere but where an agent puts it is not ours to parse. */
 			if (!(found & OPT_SCORE_STRIPPABLE))
 				return drop(INBAND_DROP_MALFORMED_OPTION);
-			strip = 1;
+			strip = w.score_len;
+			int verdict = take_score(ctx, cfg, f, p, w.buf, strip);
+
+			if (verdict)
+				return verdict;
 		}
 	}
 
-	__u32 backend_id = nb->backend_id;
-	__u32 vip_id = nb->vip_id;
-	__be32 client_addr = nb->client_addr;
-	__be32 vip_addr = nb->vip_addr;
-	__be16 client_port = nb->client_port;
-	__be16 vip_port = nb->vip_port;
-	struct inband_backend_stats *bs = bpf_map_lookup_elem(&backend_stats, &backend_id);
+	int in_handshake = f->state == INBAND_FLOW_SYN_SENT;
 
-	if (strip) {
-		struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &backend_id);
+	if ((p->flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == (TCP_FLAG_SYN | TCP_FLAG_ACK) &&
+	    f->mode != INBAND_MODE_PASSTHROUGH) {
+		/* The client's segments get a 124 too: a SYN-ACK that came
+		 * this way (no agent, or the agent's fallback) is clamped like
+		 * the agent clamps the ones it sends direct. */
+		__u32 l4_off = ETH_HLEN + (p->hlen & 0x3c);
+		__u32 acc = csum_start(tcp->check);
 
-		if (s) {
-			/* Plain aligned stores: a racing SYN's assigned_since
-			 * increment is either counted against the new score or not,
-			 * both fine for a load estimate. */
-			s->score = bpf_ntohs(score_be);
-			s->updated_ns = bpf_ktime_get_ns();
-			s->assigned_since = 0;
-		}
-		if (bs)
-			bs->scores_received++;
+		acc = clamp_mss(ctx, l4_off, tcp->doff * 4 - TCP_MIN_HDR, acc);
+		tcp = (void *)(long)ctx->data + l4_off;
+		if ((void *)(tcp + 1) > (void *)(long)ctx->data_end)
+			return drop(INBAND_DROP_TRUNCATED_L4);
+		tcp->check = csum_finish(acc);
+	}
+	if (!in_handshake) {
+		if (p->flags & (TCP_FLAG_FIN | TCP_FLAG_RST))
+			flow_close(f, p->now);
+		flow_touch(f, p->now);
 	}
 
-	/* L4: back to VIP:vport -> client:cport. */
-	__u32 acc = csum_start(tcp->check);
+	struct inband_flow copy = *f;
 
-	acc = csum_replace32(acc, iph->saddr, vip_addr);
-	acc = csum_replace32(acc, iph->daddr, client_addr);
-	acc = csum_replace16(acc, tcp->source, vip_port);
-	acc = csum_replace16(acc, tcp->dest, client_port);
-	tcp->source = vip_port;
-	tcp->dest = client_port;
-	tcp->check = csum_finish(acc);
+	if (in_handshake && (p->flags & TCP_FLAG_RST))
+		half_open_end(&fk, &copy); /* the backend refused the connection */
+	if (strip == INBAND_OPT_AUTH_SCORE_LEN)
+		return return_to_client(ctx, &fk, &copy, p, INBAND_OPT_AUTH_SCORE_LEN);
+	if (strip == INBAND_OPT_SCORE_LEN)
+		return return_to_client(ctx, &fk, &copy, p, INBAND_OPT_SCORE_LEN);
+	return return_to_client(ctx, &fk, &copy, p, 0);
+}
 
-	/* L3: the header may carry other options (kept), so update incrementally. */
-	acc = csum_start(iph->check);
-	acc = csum_replace32(acc, iph->saddr, vip_addr);
-	acc = csum_replace32(acc, iph->daddr, client_addr);
-	iph->saddr = vip_addr;
-	iph->daddr = client_addr;
-	if (strip) {
-		__u8 *opt = (__u8 *)(iph + 1);
+/* 802.1Q/802.1ad-tagged frames: the VIPs live on the untagged network, so
+ * a tagged frame to a VIP or to the balancer is refused (counted), never
+ * balanced and sent on untagged; other tagged traffic is the kernel's. */
+static __always_inline int tagged_frame(struct xdp_md *ctx, const struct inband_lb_config *cfg)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct ethhdr *eth = data;
+	__u32 off = ETH_HLEN;
 
-		if ((void *)(opt + INBAND_OPT_SCORE_LEN) > data_end)
-			return drop(INBAND_DROP_MALFORMED_OPTION);
-		__u16 old_first = load16(iph);
-		__be16 new_len = bpf_htons(tot_len - INBAND_OPT_SCORE_LEN);
+	if ((void *)(eth + 1) > data_end)
+		return XDP_PASS;
+	__be16 proto = eth->h_proto;
 
-		iph->ihl -= INBAND_OPT_SCORE_LEN / 4;
-		acc = csum_replace16(acc, old_first, load16(iph));
-		acc = csum_replace16(acc, iph->tot_len, new_len);
-		acc = csum_replace16(acc, load16(opt), 0);
-		acc = csum_replace16(acc, load16(opt + 2), 0);
-		iph->tot_len = new_len;
-	}
-	iph->check = csum_finish(acc);
-
-	/* L2: back to where the client's packets came from. */
-	__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
-	__builtin_memcpy(eth->h_dest, nb->client_mac, ETH_ALEN);
-
-	if (bs) {
-		bs->return_packets++;
-		bs->return_bytes += pkt_len;
-	}
-	struct inband_vip_stats *vs = bpf_map_lookup_elem(&vip_stats, &vip_id);
-
-	if (vs) {
-		vs->return_packets++;
-		vs->return_bytes += pkt_len;
-	}
-
-	if (strip) {
-		if (data + ETH_IP_HLEN + INBAND_OPT_SCORE_LEN > data_end)
-			return drop(INBAND_DROP_ADJUST_FAILED);
-		__u16 *dst = data + INBAND_OPT_SCORE_LEN;
-		__u16 *src = data;
-
-		/* Descending 2-byte moves: the destination is ahead of the source. */
 #pragma unroll
-		for (int i = ETH_IP_HLEN / 2 - 1; i >= 0; i--)
-			dst[i] = src[i];
-		if (bpf_xdp_adjust_head(ctx, INBAND_OPT_SCORE_LEN))
-			return drop(INBAND_DROP_ADJUST_FAILED);
+	for (int i = 0; i < 2; i++) {
+		if (proto != bpf_htons(ETH_P_8021Q_) && proto != bpf_htons(ETH_P_8021AD_))
+			break;
+		__be16 *tag = data + off;
+
+		if ((void *)(tag + 2) > data_end)
+			return XDP_PASS;
+		proto = tag[1];
+		off += 4;
 	}
-	return XDP_TX;
+	if (proto != bpf_htons(ETH_P_IP))
+		return XDP_PASS;
+	struct iphdr *iph = data + (off & 0x1f);
+
+	if ((void *)(iph + 1) > data_end)
+		return XDP_PASS;
+	if (iph->daddr == cfg->self_addr)
+		return drop(INBAND_DROP_VLAN);
+	if (iph->protocol != IPPROTO_TCP || iph->ihl < 5)
+		return XDP_PASS;
+	__be16 *ports = (void *)iph + ((iph->ihl * 4) & 0x3c);
+
+	if ((void *)(ports + 2) > data_end)
+		return XDP_PASS;
+	struct inband_vip_key vk = { .addr = iph->daddr, .port = ports[1], .proto = IPPROTO_TCP };
+
+	if (bpf_map_lookup_elem(&vips, &vk))
+		return drop(INBAND_DROP_VLAN);
+	return XDP_PASS;
 }
 
 SEC("xdp")
@@ -959,56 +568,246 @@ int balancer(struct xdp_md *ctx)
 	void *data = (void *)(long)ctx->data;
 	void *data_end = (void *)(long)ctx->data_end;
 	struct ethhdr *eth = data;
+	struct inband_lb_config *cfg = config();
 
-	if ((void *)(eth + 1) > data_end || eth->h_proto != bpf_htons(ETH_P_IP))
+	if ((void *)(eth + 1) > data_end || !cfg)
+		return XDP_PASS;
+	if (eth->h_proto == bpf_htons(ETH_P_8021Q_) || eth->h_proto == bpf_htons(ETH_P_8021AD_))
+		return tagged_frame(ctx, cfg);
+	if (eth->h_proto != bpf_htons(ETH_P_IP))
 		return XDP_PASS;
 
 	struct iphdr *iph = (void *)(eth + 1);
 
 	if ((void *)(iph + 1) > data_end)
 		return drop(INBAND_DROP_MALFORMED_IP);
-	__u32 hlen = iph->ihl * 4;
-	__u32 tot_len = bpf_ntohs(iph->tot_len);
+	struct pkt p = {
+		.eth = eth,
+		.iph = iph,
+		.hlen = iph->ihl * 4,
+		.tot_len = bpf_ntohs(iph->tot_len),
+		.frag = bpf_ntohs(iph->frag_off),
+		.len = data_end - data,
+	};
 	__u32 avail = data_end - (void *)iph;
 
-	if (iph->version != 4 || hlen < INBAND_IPV4_MIN_HDR || hlen > avail || tot_len > avail || tot_len < hlen)
+	if (iph->version != 4 || p.hlen < INBAND_IPV4_MIN_HDR || p.hlen > avail || p.tot_len > avail ||
+	    p.tot_len < p.hlen)
 		return drop(INBAND_DROP_MALFORMED_IP);
+	if (iph->protocol == IPPROTO_ICMP) {
+		if (p.hlen != INBAND_IPV4_MIN_HDR || (p.frag & IP_FRAG_MASK))
+			return XDP_PASS;
+		return icmp_error(ctx, cfg, coarse_now());
+	}
 	if (iph->protocol != IPPROTO_TCP)
 		return XDP_PASS;
-
-	__u16 frag = bpf_ntohs(iph->frag_off);
-
 	/* A non-first fragment has no ports, so it cannot be matched to a VIP
 	 * (keyed by port); without its first fragment, which is dropped below,
 	 * the kernel's reassembly discards it. */
-	if (frag & IP_OFFSET_MASK)
+	if (p.frag & IP_OFFSET_MASK)
 		return XDP_PASS;
 
 	/* Both directions are identified by the ports; L4 shorter than that
 	 * cannot belong to any VIP or connection of ours. */
-	struct tcphdr *tcp = (void *)iph + hlen;
-
-	if ((void *)tcp + 4 > data_end || hlen + 4 > tot_len)
+	p.tcp = (void *)iph + p.hlen;
+	if ((void *)p.tcp + 4 > data_end || p.hlen + 4 > p.tot_len)
 		return XDP_PASS;
+	p.now = coarse_now();
 
-	/* An array lookup the verifier inlines: no cost worth avoiding. */
-	struct inband_lb_config *cfg = bpf_map_lookup_elem(&lb_config, &(__u32){ 0 });
+	if (iph->daddr == cfg->self_addr)
+		return backend_to_client(ctx, cfg, &p);
 
-	if (!cfg)
-		return XDP_PASS;
-	struct inband_vip_key vk = {
-		.addr = iph->daddr,
-		.port = tcp->dest,
+	struct inband_flow_key fk = {
+		.client_addr = iph->saddr,
+		.vip_addr = iph->daddr,
+		.client_port = p.tcp->source,
+		.vip_port = p.tcp->dest,
 		.proto = IPPROTO_TCP,
 	};
-	struct inband_vip *vip = bpf_map_lookup_elem(&vips, &vk);
+	struct inband_flow *f = bpf_map_lookup_elem(&flows, &fk);
+	struct inband_vip_key vk = { .addr = iph->daddr, .port = p.tcp->dest, .proto = IPPROTO_TCP };
+	__u32 *vid = NULL;
 
-	if (vip)
-		return client_to_backend(ctx, eth, data_end, iph, hlen, tot_len, frag & IP_FRAG_MASK, vip,
-					 cfg->self_addr);
-	if (iph->daddr == cfg->self_addr)
-		return backend_to_client(ctx, eth, data_end, iph, hlen, tot_len, frag & IP_FRAG_MASK, tcp);
-	return XDP_PASS;
+	if (!f) {
+		vid = bpf_map_lookup_elem(&vips, &vk);
+		if (!vid)
+			return XDP_PASS;
+	}
+	/* From here the packet belongs to a VIP. */
+	if (p.frag & IP_FRAG_MASK)
+		return drop(INBAND_DROP_FRAGMENT);
+	if (p.hlen > INBAND_IPV4_MIN_HDR) {
+		struct opt_walk w = {};
+		__u32 found = scan_ip_options(ctx, p.hlen, &w);
+
+		if (found & OPT_MALFORMED)
+			return drop(INBAND_DROP_MALFORMED_OPTION);
+		if (found & (OPT_TUPLE_OR_REQUEST | OPT_SCORE))
+			return drop(INBAND_DROP_UNEXPECTED_OPTION);
+		return drop(INBAND_DROP_IP_OPTIONS);
+	}
+	/* The IPv4 header is exactly 20 bytes from here on. */
+	if (!tcp_header_ok(&p, data_end))
+		return drop(INBAND_DROP_TRUNCATED_L4);
+	p.flags = ((__u8 *)p.tcp)[13];
+
+	if (f) {
+		int verdict = established(ctx, cfg, &fk, f, &p);
+
+		if (verdict != REBALANCE)
+			return verdict;
+		vid = bpf_map_lookup_elem(&vips, &vk);
+		if (!vid)
+			return drop(INBAND_DROP_NO_FLOW);
+	}
+	return handshake(ctx, cfg, &fk, *vid, &p);
+}
+
+/* ------------------------------------------------------------------ sweeper */
+
+/* The map argument of bpf_for_each_map_elem callbacks (unused here). */
+struct bpf_map;
+
+struct sweep_ctx {
+	__u64 now;
+	__u32 half; /* gauge half this pass writes */
+	__u32 pad;
+	__u64 half_open;
+	__u64 snat_entries;
+};
+
+/* What the daemon passes to a run (BPF_PROG_RUN's ctx_in). */
+struct sweep_args {
+	__u64 now; /* 0 = the current time; tests pass a time to sweep "later" */
+};
+
+static __always_inline void gauge_add(__u32 half, __u32 idx, int closing)
+{
+	__u32 i = half * INBAND_GAUGES + idx;
+	struct inband_flow_gauges *g = bpf_map_lookup_elem(&gauges, &i);
+
+	if (!g)
+		return;
+	if (closing)
+		g->closing++;
+	else
+		g->established++;
+}
+
+static long gauge_clear(__u32 i, void *arg)
+{
+	__u32 idx = *(__u32 *)arg * INBAND_GAUGES + i;
+	struct inband_flow_gauges *g = bpf_map_lookup_elem(&gauges, &idx);
+
+	if (g) {
+		g->established = 0;
+		g->closing = 0;
+	}
+	return 0;
+}
+
+static __always_inline int past(__u64 deadline, __u64 now)
+{
+	return deadline && (__s64)(now - deadline) > 0;
+}
+
+static long sweep_flow(struct bpf_map *map, struct inband_flow_key *key, struct inband_flow *f, struct sweep_ctx *c)
+{
+	__u32 vid = f->vip_id, bid = f->backend_id;
+	struct inband_vip *vc = bpf_map_lookup_elem(&vip_conf, &vid);
+	struct inband_backend *be = bpf_map_lookup_elem(&backends, &bid);
+	struct inband_flow copy = *f;
+
+	if (flow_expired(&copy, c->now)) {
+		flow_end(key, &copy);
+		event(INBAND_EV_FLOWS_EXPIRED);
+		return 0;
+	}
+	if ((be && !(be->flags & INBAND_BACKEND_ACTIVE) && past(be->drain_deadline_ns, c->now)) ||
+	    (vc && (vc->flags & INBAND_VIP_DRAINING) && past(vc->drain_deadline_ns, c->now))) {
+		flow_end(key, &copy);
+		event(INBAND_EV_DRAINED_FLOWS_ENDED);
+		return 0;
+	}
+	int closing = copy.state == INBAND_FLOW_CLOSING;
+
+	gauge_add(c->half, INBAND_GAUGE_TOTAL, closing);
+	if (vid < INBAND_MAX_VIPS)
+		gauge_add(c->half, INBAND_GAUGE_VIP0 + vid, closing);
+	if (bid < INBAND_MAX_BACKENDS)
+		gauge_add(c->half, INBAND_GAUGE_BACKEND0 + bid, closing);
+	return 0;
+}
+
+static long sweep_half_open(struct bpf_map *map, struct inband_flow_key *key, struct inband_flow *f,
+			    struct sweep_ctx *c)
+{
+	struct inband_flow copy = *f;
+
+	if (flow_expired(&copy, c->now)) {
+		half_open_end(key, &copy);
+		event(INBAND_EV_FLOWS_EXPIRED);
+		return 0;
+	}
+	c->half_open++;
+	return 0;
+}
+
+/* A reservation whose owner is not a live flow with this port is an orphan
+ * (its flow was evicted from the LRU, or ended in a way that left it). */
+static long sweep_snat(struct bpf_map *map, struct inband_nat_key *key, struct inband_snat_owner *o,
+		       struct sweep_ctx *c)
+{
+	struct inband_flow *f = bpf_map_lookup_elem(&flows, &o->flow);
+
+	if (!f || !flow_has_port(f, key)) {
+		bpf_map_delete_elem(&snat, key);
+		event(INBAND_EV_SNAT_ORPHANS_RECLAIMED);
+		return 0;
+	}
+	c->snat_entries++;
+	return 0;
+}
+
+static long sweep_hold(struct bpf_map *map, struct inband_nat_key *key, struct inband_snat_owner *o,
+		       struct sweep_ctx *c)
+{
+	struct inband_flow *f = bpf_map_lookup_elem(&half_open, &o->flow);
+
+	if (!f || !flow_has_port(f, key))
+		bpf_map_delete_elem(&half_open_ports, key);
+	return 0;
+}
+
+/*
+ * One pass over the flow tables, run by the lb daemon every second (and by
+ * tests): deletes dead flows with their SNAT reservations, orphaned
+ * reservations and port holds, and flows past a drain deadline; counts
+ * what is live into `gauges`. Correctness never waits for it (every path
+ * checks timeouts itself); it returns memory and keeps the gauges honest.
+ */
+SEC("syscall")
+int sweep(struct sweep_args *args)
+{
+	__u32 zero = 0;
+	struct inband_sweep_stats *st = bpf_map_lookup_elem(&sweep_stats, &zero);
+	__u64 start = bpf_ktime_get_ns();
+	struct sweep_ctx c = { .now = args->now ? args->now : start };
+
+	if (!st)
+		return 1;
+	c.half = (st->passes + 1) & 1;
+	bpf_loop(INBAND_GAUGES, gauge_clear, &c.half, 0);
+	bpf_for_each_map_elem(&flows, sweep_flow, &c, 0);
+	bpf_for_each_map_elem(&half_open, sweep_half_open, &c, 0);
+	bpf_for_each_map_elem(&snat, sweep_snat, &c, 0);
+	bpf_for_each_map_elem(&half_open_ports, sweep_hold, &c, 0);
+	st->half_open = c.half_open;
+	st->snat_entries = c.snat_entries;
+	st->last_ns = bpf_ktime_get_ns();
+	st->last_duration_ns = st->last_ns - start;
+	st->passes++; /* readers use half passes & 1, complete from here */
+	return 0;
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
 /*
- * Map keys and values of the real-server agent (bpf/agent.bpf.c), shared with
- * its control plane (crates/inband/src/agent/maps.rs).
+ * Map keys and values of the real-server agent (bpf/agent.bpf.c). The
+ * control plane's Rust types are generated from this header at build time
+ * (crates/inband/build.rs), so this is the only definition.
  */
 #ifndef INBAND_AGENT_MAPS_H
 #define INBAND_AGENT_MAPS_H
@@ -26,11 +27,23 @@ struct inband_conn_key {
 	__be16 local_port;
 };
 
+/* dsr_flows[conn]: created by an accepted 155, deleted when the socket
+ * closes (tracepoint) or by the LRU. */
 struct inband_dsr_flow {
 	__be32 client_addr;
 	__be16 client_port;
-	__u8 score_requested; /* set by a 124, cleared when the 125 is sent */
+	__u8 score_requested; /* set by an accepted 124, cleared when the 125 is sent */
+	__u8 probe_key; /* key id of that 124: the 125 is signed with it */
+	__be32 probe_nonce; /* nonce of that 124: the 125 echoes it */
+	__u32 pad;
+};
+
+/* agent_config[0], written by the control plane. */
+struct inband_agent_config {
+	__u8 auth_mode; /* enum inband_auth_mode (wire.h) */
 	__u8 pad;
+	__u16 mtu; /* L3 MTU of the interface: no 125 is added beyond it */
+	__u32 pad2;
 };
 
 /* Key for active_conns and score_override: local port, host order. */
@@ -46,7 +59,14 @@ enum inband_agent_counter {
 	INBAND_AGENT_ADJUST_FAILED = 7,
 	INBAND_AGENT_FLOWS_CLOSED = 8,
 	INBAND_AGENT_MSS_CLAMPED = 9,
-	INBAND_AGENT_COUNTER_MAX = 10,
+	INBAND_AGENT_AUTH_FAILED = 10, /* 155/124 whose MAC does not verify (or unknown key): dropped */
+	INBAND_AGENT_BAD_CHECKSUM = 11, /* 155 on a packet with a wrong IPv4 or TCP checksum: dropped */
+	INBAND_AGENT_NOT_SYN = 12, /* 155 on anything but a SYN: dropped */
+	INBAND_AGENT_TUPLE_IN_USE = 13, /* 155 for a tuple a live socket owns: not stored */
+	INBAND_AGENT_PROBE_UNKNOWN_FLOW = 14, /* 124 on a connection with no accepted 155: ignored */
+	INBAND_AGENT_WRONG_FORMAT = 15, /* option of the format not configured: dropped */
+	INBAND_AGENT_SCORE_DEFERRED_MTU = 16, /* a 125 would exceed the MTU: a later packet carries it */
+	INBAND_AGENT_COUNTER_MAX = 17,
 };
 
 #endif /* INBAND_AGENT_MAPS_H */

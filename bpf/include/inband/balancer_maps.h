@@ -1,12 +1,13 @@
 /* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
 /*
- * Map keys and values of the balancer program (bpf/balancer.bpf.c), shared
- * with its control plane. The Rust mirror is crates/inband/src/lb/maps.rs; a
- * test there checks every size against this header's sizeof()s
- * (tests/vectors/layout.txt is generated from it by the C vector test).
+ * Map keys and values of the balancer program (bpf/balancer.bpf.c). The
+ * control plane's Rust types are generated from this header at build time
+ * (crates/inband/build.rs, bindgen), so this is the only definition.
  *
  * Addresses and ports are kept in network order (as in the packet) so the
- * data path never byte-swaps; counters and ids are host order.
+ * data path never byte-swaps; counters, ids and times are host order.
+ * Which map holds what, and who creates and deletes each entry: the "Maps"
+ * and "Flow lifecycle" sections of docs/architecture.md.
  */
 #ifndef INBAND_BALANCER_MAPS_H
 #define INBAND_BALANCER_MAPS_H
@@ -17,7 +18,12 @@
 #define INBAND_MAX_BACKENDS_PER_VIP 32
 /* Backend ids are global, 0 .. INBAND_MAX_BACKENDS-1: they index scores and stats. */
 #define INBAND_MAX_BACKENDS 1024
+/* Default sizes; the control plane sets the real ones at load (lb.toml
+ * `flow_table_size`): half-open = 1/4, SNAT reservations = 2× (see
+ * "Flow lifecycle" in docs/architecture.md for why). */
 #define INBAND_FLOW_TABLE_SIZE 262144
+#define INBAND_HALF_OPEN_TABLE_SIZE 65536
+#define INBAND_SNAT_TABLE_SIZE 524288
 
 /* Source ports the balancer uses toward backends; kept below Linux's default
  * ephemeral range (32768-60999) so they never collide with the balancer
@@ -35,8 +41,8 @@ enum inband_mode {
 
 enum inband_policy {
 	INBAND_POLICY_ROUND_ROBIN = 0,
-	INBAND_POLICY_LEAST_SCORE = 1, /* lowest effective score, random among ties */
-	INBAND_POLICY_POWER_OF_TWO = 2, /* two random backends, lower effective score */
+	INBAND_POLICY_LEAST_SCORE = 1, /* lowest load estimate, random among ties */
+	INBAND_POLICY_POWER_OF_TWO = 2, /* two random backends, lower load estimate */
 };
 
 struct inband_vip_key {
@@ -46,52 +52,72 @@ struct inband_vip_key {
 	__u8 pad;
 };
 
+/* vips[key] = VIP id; the rest of the VIP lives in vip_conf[id], which the
+ * established path reads by the id a flow carries (an array, no hashing). */
+
+#define INBAND_VIP_ACTIVE 1 /* takes new connections */
+#define INBAND_VIP_DRAINING 2 /* removed: keeps its flows, refuses new connections */
+
 struct inband_vip {
-	__u32 id; /* 0 .. INBAND_MAX_VIPS-1: indexes vip_backends, vip_stats, rr */
+	__be32 addr;
+	__be16 port;
+	__u16 backend_count; /* slots [0, backend_count) of vip_backends are valid */
 	__u8 mode; /* enum inband_mode */
 	__u8 policy; /* enum inband_policy */
-	__u16 backend_count; /* slots [0, backend_count) of this VIP are valid */
+	__u16 flags; /* INBAND_VIP_* */
 	__u32 probe_interval; /* n: every n-th packet to a backend carries 124; 0 = never */
-	__u32 pad;
-	__u64 score_max_age_ns; /* older scores count as stale */
+	__u64 score_max_age_ns; /* older scores are stale: they decay (see select.h) */
+	__u64 syn_timeout_ns; /* half-open flows */
+	__u64 idle_timeout_ns; /* established flows without a packet */
+	__u64 closing_timeout_ns; /* after a FIN or RST */
+	__u64 drain_deadline_ns; /* DRAINING: flows still here then are ended; 0 = wait for them */
 };
 
 #define INBAND_BACKEND_ACTIVE 1 /* may receive new connections */
 #define INBAND_BACKEND_DRAINING 2 /* keeps its flows, gets no new ones */
+/* flags 0 = removed: keeps its flows until they end or drain_deadline_ns */
 
 /* backends[id]. The balancer forwards on the one interface it is attached
  * to (XDP_TX); `mac` is the backend's (or its gateway's) L2 address,
  * resolved by the lb daemon from the kernel's neighbour table, so the hot
  * path needs no route lookup and fixtures need no routes. An id is not
- * reused while the daemon runs, so flows to a removed backend keep their
- * next hop. All-zero mac = not resolved yet: drop `no_route`. */
+ * reused while flows name it. All-zero mac = not resolved yet: drop
+ * `no_route`. */
 struct inband_backend {
 	__be32 addr;
 	__be16 port;
 	__u8 mac[6];
 	__u16 flags;
 	__u16 pad;
+	__u32 pad2;
+	__u64 drain_deadline_ns; /* removed or draining: flows still here then are ended; 0 = wait */
 };
 
 /* vip_backends[vip id * INBAND_MAX_BACKENDS_PER_VIP + slot] = backend id. */
 
-/* Written by the data path (in-band 125) or by user space (polling). */
+/*
+ * The load estimate of a backend is built from its last report and what
+ * the balancer saw since (select.h): `opened` and `closed` are updated by
+ * the data path with atomic adds; a report (125, or a poll in dsr-polling)
+ * rewrites the whole entry.
+ */
 struct inband_backend_score {
-	__u32 score;
-	/* New connections given to this backend since `score` was measured: the
-	 * selection adds it so a burst of SYNs between two reports does not
-	 * all land on the one backend that looked idle. */
-	__u32 assigned_since;
-	__u64 updated_ns; /* bpf_ktime_get_ns() clock; 0 = never */
+	__u32 score; /* last reported score */
+	__u32 opened; /* connections given to this backend since the report */
+	__u32 closed; /* of its connections, those that ended (FIN/RST) since the report */
+	__u32 pad;
+	__u64 updated_ns; /* bpf_ktime_get_ns() of the report; 0 = never */
 };
-
-
 
 struct inband_lb_config {
 	__be32 self_addr; /* balancer address: source of packets to backends */
-	__u32 flags;
+	__u16 mtu; /* L3 MTU of the interface: no option is added beyond it */
+	__u8 auth_mode; /* enum inband_auth_mode (wire.h) */
+	__u8 sign_key; /* auth_keys id the balancer signs 155 and 124 with */
+	__u64 snat_key[2]; /* SipHash key of the SNAT port candidates, random per balancer */
 };
 
+/* The client side of a connection: key of `flows` and `half_open`. */
 struct inband_flow_key {
 	__be32 client_addr;
 	__be32 vip_addr;
@@ -101,20 +127,32 @@ struct inband_flow_key {
 	__u8 pad[3];
 };
 
+enum inband_flow_state {
+	INBAND_FLOW_SYN_SENT = 1, /* SYN forwarded, handshake not complete: in half_open */
+	INBAND_FLOW_ESTABLISHED = 2, /* the client's first non-SYN packet came: in flows */
+	INBAND_FLOW_CLOSING = 3, /* a FIN or RST was seen: short timeout, port preemptible */
+};
+
+#define INBAND_FLOW_PROBE_OUTSTANDING 1 /* a 124 was sent; its 125 has not come */
+
 struct inband_flow {
 	__be32 backend_addr;
 	__be16 backend_port;
 	__be16 snat_port;
-	__u32 backend_id;
-	__u32 vip_id;
-	__u8 client_mac[6]; /* L2 source the client's packets came from: return next hop */
+	__u16 backend_id;
+	__u8 vip_id;
 	__u8 mode; /* the VIP's mode when the flow started */
-	__u8 pad;
-	/* The SYN's sequence number: a SYN with another one on the same tuple
-	 * is a new connection reusing the client port, not a retransmission. */
+	__u32 state; /* enum inband_flow_state; transitions by compare-and-swap */
+	__u8 client_mac[6]; /* L2 source the client's packets came from: return next hop */
+	__u8 flags; /* INBAND_FLOW_* */
+	__u8 probe_key; /* key id the outstanding 124 was signed with */
+	/* The SYN's sequence number: a SYN with the same one is a retransmission. */
 	__be32 syn_seq;
+	__be32 probe_nonce; /* nonce of the outstanding 124 */
+	__u64 last_seen_ns; /* coarse clock, refreshed at most every INBAND_TOUCH_NS */
 };
 
+/* The server side of a connection: key of `snat` and `half_open_ports`. */
 struct inband_nat_key {
 	__be32 backend_addr;
 	__be16 backend_port;
@@ -123,15 +161,16 @@ struct inband_nat_key {
 	__u8 pad[3];
 };
 
-struct inband_nat_back {
-	__be32 client_addr;
-	__be32 vip_addr;
-	__be16 client_port;
-	__be16 vip_port;
-	__u32 backend_id;
-	__u32 vip_id;
-	__u8 client_mac[6];
-	__u8 pad[2];
+/* snat[server side] = the client side of the flow that owns the port. Only
+ * an entry whose owner is live in `flows` with this very port reserves it. */
+struct inband_snat_owner {
+	struct inband_flow_key flow;
+};
+
+struct inband_probe_state {
+	__u32 count; /* packets to this backend since the last 124 (this CPU) */
+	__u32 pad;
+	__u64 last_ns; /* when this CPU last sent it a 124 */
 };
 
 struct inband_backend_stats {
@@ -142,6 +181,7 @@ struct inband_backend_stats {
 	__u64 new_conns;
 	__u64 probes_sent;
 	__u64 scores_received;
+	__u64 closed_conns; /* FIN/RST seen */
 };
 
 struct inband_vip_stats {
@@ -150,6 +190,7 @@ struct inband_vip_stats {
 	__u64 return_packets;
 	__u64 return_bytes;
 	__u64 new_conns;
+	__u64 closed_conns;
 };
 
 /* Index into the drops per-CPU array; names in crates/inband/src/lb/maps.rs. */
@@ -162,12 +203,61 @@ enum inband_drop_reason {
 	INBAND_DROP_FLOW_TABLE_FULL = 5,
 	INBAND_DROP_SNAT_EXHAUSTED = 6,
 	INBAND_DROP_NO_FLOW = 7, /* non-SYN to a VIP with no connection entry */
-	INBAND_DROP_SCORE_NOT_OWNER = 8, /* 125 from a host that does not own the connection */
+	INBAND_DROP_SCORE_NOT_OWNER = 8, /* 155/124 from a backend, or 125 for no connection */
 	INBAND_DROP_NO_ROUTE = 9, /* backend's next-hop MAC not resolved yet */
 	INBAND_DROP_IP_OPTIONS = 10, /* client packet to a VIP already carrying options */
 	INBAND_DROP_ADJUST_FAILED = 11, /* bpf_xdp_adjust_head refused */
 	INBAND_DROP_UNEXPECTED_OPTION = 12, /* 155/124 arriving at the balancer from outside */
-	INBAND_DROP_MAX = 13,
+	INBAND_DROP_FLOW_EXPIRED = 13, /* a packet of a flow past its timeout */
+	INBAND_DROP_VIP_DRAINING = 14, /* a new connection to a VIP being removed */
+	INBAND_DROP_BAD_CHECKSUM = 15, /* a 125 on a packet whose IPv4 or TCP checksum is wrong */
+	INBAND_DROP_TTL_EXCEEDED = 16, /* TTL would reach 0 on the routed hop */
+	INBAND_DROP_VLAN = 17, /* an 802.1Q/802.1ad-tagged frame to a VIP */
+	INBAND_DROP_MAX = 18,
+};
+
+/* Things the data path did or refused that are not drops; per-CPU array,
+ * names in crates/inband/src/lb/maps.rs. */
+enum inband_event {
+	INBAND_EV_SCORE_UNSOLICITED = 0, /* 125 with no outstanding 124 on its flow: not recorded */
+	INBAND_EV_SCORE_BAD_MAC = 1, /* 125 whose MAC or nonce does not verify: not recorded */
+	INBAND_EV_SCORE_WRONG_FORMAT = 2, /* seed 125 under auth, or authenticated 125 without */
+	INBAND_EV_PROBE_DEFERRED_MTU = 3, /* a 124 would exceed the MTU: next packet asks */
+	INBAND_EV_TUPLE_SKIPPED_MTU = 4, /* a 155 would exceed the MTU: sent without it */
+	INBAND_EV_FLOWS_PROMOTED = 5, /* handshakes completed: half_open -> flows */
+	INBAND_EV_FLOWS_CLOSED = 6, /* first FIN/RST of a flow */
+	INBAND_EV_FLOWS_EXPIRED = 7, /* removed by the sweeper or found expired */
+	INBAND_EV_SNAT_PREEMPT_HALF_OPEN = 8, /* port taken over from an unfinished handshake */
+	INBAND_EV_SNAT_PREEMPT_CLOSING = 9, /* port taken over from a closing flow */
+	INBAND_EV_SNAT_ORPHANS_RECLAIMED = 10, /* reservation whose owner was gone, reused */
+	INBAND_EV_SYN_ON_LIVE_FLOW = 11, /* SYN with a new sequence number on a live flow: kept */
+	INBAND_EV_ICMP_TO_BACKEND = 12, /* ICMP error about a VIP flow sent to its backend */
+	INBAND_EV_ICMP_TO_CLIENT = 13, /* ICMP error about a NATed packet sent to its client */
+	INBAND_EV_BACKEND_FULL = 14, /* chosen backend had no free port: next choice taken */
+	INBAND_EV_DRAINED_FLOWS_ENDED = 15, /* flows ended by the sweeper at a drain deadline */
+	INBAND_EV_MAX = 16,
+};
+
+/* Written by the sweeper program at each pass (lifecycle.h), read by
+ * `inband status` and the metrics endpoint: no table walk on a scrape. */
+struct inband_flow_gauges {
+	__u64 established; /* live ESTABLISHED flows */
+	__u64 closing; /* live CLOSING flows */
+};
+
+/* gauges[0] = whole table (plus half_open count), [1 + vip id], [1 + 64 + backend id]. */
+#define INBAND_GAUGE_TOTAL 0
+#define INBAND_GAUGE_VIP0 1
+#define INBAND_GAUGE_BACKEND0 (1 + INBAND_MAX_VIPS)
+#define INBAND_GAUGES (1 + INBAND_MAX_VIPS + INBAND_MAX_BACKENDS)
+
+/* Written by the sweeper at the end of a pass. */
+struct inband_sweep_stats {
+	__u64 passes;
+	__u64 last_ns; /* bpf_ktime_get_ns() at the end of the last pass */
+	__u64 last_duration_ns;
+	__u64 half_open; /* half-open flows at the last pass */
+	__u64 snat_entries; /* SNAT reservations at the last pass */
 };
 
 /* Written by the lb daemon (out-of-band work), read by `inband status`. */

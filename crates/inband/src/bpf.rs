@@ -20,3 +20,11 @@ pub mod veth_peer {
 pub mod loadgen {
     include!(concat!(env!("OUT_DIR"), "/loadgen.skel.rs"));
 }
+
+/// Map keys and values, constants and enums of bpf/include/inband/ (the
+/// wire format, the MAC message, both programs' maps), generated from the
+/// C headers by build.rs. Layout tests comparing them with C come along.
+#[allow(non_camel_case_types, non_upper_case_globals, dead_code, clippy::all)]
+pub mod shared {
+    include!(concat!(env!("OUT_DIR"), "/shared.rs"));
+}

@@ -2,6 +2,7 @@
 //! feedback. The binary (`src/main.rs`) is a thin CLI over these modules.
 
 pub mod agent;
+pub mod auth;
 pub mod bench;
 pub mod bpf;
 pub mod bpfmap;

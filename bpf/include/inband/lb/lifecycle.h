@@ -1,0 +1,155 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/*
+ * The life of a flow ("Flow lifecycle" in docs/architecture.md):
+ *
+ *   SYN        -> half_open[client side] (SYN_SENT) + half_open_ports[server side]
+ *   1st non-SYN -> promoted: flows[client side] (ESTABLISHED) + snat[server side]
+ *   FIN or RST -> CLOSING (closing timeout from then on)
+ *   timeout    -> dead: found expired by a packet, a port search or the sweeper,
+ *                 and deleted together with its SNAT reservation
+ *
+ * Timeouts are per VIP (vip_conf); each state has its own. A dead flow is
+ * never used again: its packets are dropped (`flow_expired`) and its port
+ * is free. The sweeper (run by the lb daemon) deletes dead flows, orphaned
+ * reservations and flows past a drain deadline, and counts what is live.
+ */
+#ifndef INBAND_LB_LIFECYCLE_H
+#define INBAND_LB_LIFECYCLE_H
+
+#include "inband/lb/common.h"
+
+static __always_inline int same_flow_key(const struct inband_flow_key *a, const struct inband_flow_key *b)
+{
+	return a->client_addr == b->client_addr && a->vip_addr == b->vip_addr && a->client_port == b->client_port &&
+	       a->vip_port == b->vip_port && a->proto == b->proto;
+}
+
+static __always_inline struct inband_nat_key nat_key_of(const struct inband_flow *f)
+{
+	struct inband_nat_key nk = {
+		.backend_addr = f->backend_addr,
+		.backend_port = f->backend_port,
+		.snat_port = f->snat_port,
+		.proto = IPPROTO_TCP,
+	};
+	return nk;
+}
+
+/* The flow uses the server-side tuple `nk`. */
+static __always_inline int flow_has_port(const struct inband_flow *f, const struct inband_nat_key *nk)
+{
+	return f->backend_addr == nk->backend_addr && f->backend_port == nk->backend_port &&
+	       f->snat_port == nk->snat_port;
+}
+
+static __always_inline __u64 flow_timeout(const struct inband_flow *f, const struct inband_vip *vc)
+{
+	if (f->state == INBAND_FLOW_SYN_SENT)
+		return vc->syn_timeout_ns;
+	if (f->state == INBAND_FLOW_CLOSING)
+		return vc->closing_timeout_ns;
+	return vc->idle_timeout_ns;
+}
+
+/* Past its state's timeout at `now` (a flow whose VIP slot is gone counts
+ * as dead). */
+static __always_inline int flow_expired(const struct inband_flow *f, __u64 now)
+{
+	__u32 vid = f->vip_id;
+	struct inband_vip *vc = bpf_map_lookup_elem(&vip_conf, &vid);
+
+	if (!vc)
+		return 1;
+	return (__s64)(now - f->last_seen_ns) > (__s64)flow_timeout(f, vc);
+}
+
+static __always_inline void flow_touch(struct inband_flow *f, __u64 now)
+{
+	if ((__s64)(now - f->last_seen_ns) >= (__s64)INBAND_TOUCH_NS)
+		f->last_seen_ns = now;
+}
+
+static __always_inline int score_mode(__u8 mode)
+{
+	return mode == INBAND_MODE_DSR_POLLING || mode == INBAND_MODE_DSR_DYNAMIC;
+}
+
+/* Deletes an established flow and its SNAT reservation (if it owns it). */
+static __always_inline void flow_end(const struct inband_flow_key *fk, const struct inband_flow *f)
+{
+	struct inband_nat_key nk = nat_key_of(f);
+	struct inband_snat_owner *o = bpf_map_lookup_elem(&snat, &nk);
+
+	if (o && same_flow_key(&o->flow, fk))
+		bpf_map_delete_elem(&snat, &nk);
+	bpf_map_delete_elem(&flows, fk);
+}
+
+/* Deletes a handshake and its port hold (if it holds it). */
+static __always_inline void half_open_end(const struct inband_flow_key *fk, const struct inband_flow *f)
+{
+	struct inband_nat_key nk = nat_key_of(f);
+	struct inband_snat_owner *o = bpf_map_lookup_elem(&half_open_ports, &nk);
+
+	if (o && same_flow_key(&o->flow, fk))
+		bpf_map_delete_elem(&half_open_ports, &nk);
+	bpf_map_delete_elem(&half_open, fk);
+}
+
+/* The first FIN or RST of an established flow: closing timeout from now,
+ * and the backend's load estimate loses the connection. Counted once. */
+static __always_inline void flow_close(struct inband_flow *f, __u64 now)
+{
+	if (__sync_val_compare_and_swap(&f->state, INBAND_FLOW_ESTABLISHED, INBAND_FLOW_CLOSING) !=
+	    INBAND_FLOW_ESTABLISHED)
+		return;
+	f->last_seen_ns = now;
+	event(INBAND_EV_FLOWS_CLOSED);
+	__u32 bid = f->backend_id, vid = f->vip_id;
+
+	if (score_mode(f->mode)) {
+		struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &bid);
+
+		if (s)
+			__sync_fetch_and_add(&s->closed, 1);
+	}
+	struct inband_backend_stats *bs = bpf_map_lookup_elem(&backend_stats, &bid);
+	struct inband_vip_stats *vs = bpf_map_lookup_elem(&vip_stats, &vid);
+
+	if (bs)
+		bs->closed_conns++;
+	if (vs)
+		vs->closed_conns++;
+}
+
+/*
+ * The handshake of `fk` is complete (its first non-SYN packet): the flow
+ * moves to `flows` with its port reserved in `snat`. Returns the flow in
+ * `flows`, or NULL (counted) when it cannot be stored.
+ */
+static __always_inline struct inband_flow *promote(const struct inband_flow_key *fk, struct inband_flow *ho,
+						   __u64 now)
+{
+	struct inband_flow f = *ho;
+	struct inband_nat_key nk = nat_key_of(&f);
+	struct inband_snat_owner owner = { .flow = *fk };
+
+	f.state = INBAND_FLOW_ESTABLISHED;
+	f.last_seen_ns = now;
+	if (bpf_map_update_elem(&snat, &nk, &owner, BPF_ANY)) {
+		half_open_end(fk, &f);
+		drop(INBAND_DROP_FLOW_TABLE_FULL);
+		return NULL;
+	}
+	if (bpf_map_update_elem(&flows, fk, &f, BPF_ANY)) {
+		bpf_map_delete_elem(&snat, &nk);
+		half_open_end(fk, &f);
+		drop(INBAND_DROP_FLOW_TABLE_FULL);
+		return NULL;
+	}
+	half_open_end(fk, &f);
+	event(INBAND_EV_FLOWS_PROMOTED);
+	return bpf_map_lookup_elem(&flows, fk);
+}
+
+#endif /* INBAND_LB_LIFECYCLE_H */

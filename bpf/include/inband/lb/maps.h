@@ -1,0 +1,110 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/*
+ * The balancer's maps (types in inband/balancer_maps.h). Included once, by
+ * bpf/balancer.bpf.c. Every map is pinned by name under the interface's pin
+ * directory, so a restarted daemon takes over the running data path's
+ * state; the control plane sizes the flow tables at load (lb.toml
+ * `flow_table_size`), which is why pinned maps of another size are refused.
+ */
+#ifndef INBAND_LB_MAPS_H
+#define INBAND_LB_MAPS_H
+
+#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+
+#include "inband/auth.h"
+#include "inband/balancer_maps.h"
+
+#define INBAND_PINNED_ARRAY(name, type_, n)             \
+	struct {                                        \
+		__uint(type, BPF_MAP_TYPE_ARRAY);       \
+		__uint(max_entries, n);                 \
+		__type(key, __u32);                     \
+		__type(value, type_);                   \
+		__uint(pinning, LIBBPF_PIN_BY_NAME);    \
+	} name SEC(".maps")
+
+#define INBAND_PINNED_PERCPU(name, type_, n)              \
+	struct {                                          \
+		__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);  \
+		__uint(max_entries, n);                   \
+		__type(key, __u32);                       \
+		__type(value, type_);                     \
+		__uint(pinning, LIBBPF_PIN_BY_NAME);      \
+	} name SEC(".maps")
+
+INBAND_PINNED_ARRAY(lb_config, struct inband_lb_config, 1);
+INBAND_PINNED_ARRAY(auth_keys, struct inband_auth_key, INBAND_AUTH_MAX_KEYS);
+INBAND_PINNED_ARRAY(vip_conf, struct inband_vip, INBAND_MAX_VIPS);
+INBAND_PINNED_ARRAY(backends, struct inband_backend, INBAND_MAX_BACKENDS);
+INBAND_PINNED_ARRAY(vip_backends, __u32, INBAND_MAX_VIPS *INBAND_MAX_BACKENDS_PER_VIP);
+INBAND_PINNED_ARRAY(scores, struct inband_backend_score, INBAND_MAX_BACKENDS);
+/* Shared, not per-CPU: operators expect strict rotation, and one atomic add
+ * per new connection is cheap next to the rest of the SYN path. */
+INBAND_PINNED_ARRAY(rr_cursor, __u32, INBAND_MAX_VIPS);
+/* Two halves, written alternately by the sweeper (see lifecycle.h). */
+INBAND_PINNED_ARRAY(gauges, struct inband_flow_gauges, 2 * INBAND_GAUGES);
+INBAND_PINNED_ARRAY(sweep_stats, struct inband_sweep_stats, 1);
+/* Only the lb daemon writes it; it lives here so it is pinned with the rest
+ * of this interface's state and `inband status` finds it in one place. */
+INBAND_PINNED_ARRAY(control_stats, struct inband_control_stats, 1);
+
+INBAND_PINNED_PERCPU(probe_state, struct inband_probe_state, INBAND_MAX_BACKENDS);
+INBAND_PINNED_PERCPU(backend_stats, struct inband_backend_stats, INBAND_MAX_BACKENDS);
+INBAND_PINNED_PERCPU(vip_stats, struct inband_vip_stats, INBAND_MAX_VIPS);
+INBAND_PINNED_PERCPU(drops, __u64, INBAND_DROP_MAX);
+INBAND_PINNED_PERCPU(events, __u64, INBAND_EV_MAX);
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, INBAND_MAX_VIPS);
+	__type(key, struct inband_vip_key);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} vips SEC(".maps");
+
+/* Established and closing connections. LRU: when it is full the least
+ * recently used flow (the longest idle) is the one that goes. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, INBAND_FLOW_TABLE_SIZE);
+	__type(key, struct inband_flow_key);
+	__type(value, struct inband_flow);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} flows SEC(".maps");
+
+/* Handshakes in progress, apart from `flows` so that a SYN flood churns
+ * only this table and never evicts an established connection. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, INBAND_HALF_OPEN_TABLE_SIZE);
+	__type(key, struct inband_flow_key);
+	__type(value, struct inband_flow);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} half_open SEC(".maps");
+
+/* The SNAT port a handshake holds, server side -> client side: lets the
+ * SYN-ACK of a pass-through flow find its client and keeps two handshakes
+ * off one port. Evicted with its half-open flow, or on its own (then the
+ * hold is simply gone). */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, INBAND_HALF_OPEN_TABLE_SIZE);
+	__type(key, struct inband_nat_key);
+	__type(value, struct inband_snat_owner);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} half_open_ports SEC(".maps");
+
+/* SNAT reservations of established flows, server side -> client side. Not
+ * an LRU: a reservation is removed only when its owner is found gone
+ * (ended, expired, evicted from `flows`), so the port of a live flow is
+ * never handed to a second client. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, INBAND_SNAT_TABLE_SIZE);
+	__type(key, struct inband_nat_key);
+	__type(value, struct inband_snat_owner);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} snat SEC(".maps");
+
+#endif /* INBAND_LB_MAPS_H */

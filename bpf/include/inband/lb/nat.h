@@ -1,0 +1,133 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/*
+ * SNAT ports toward a backend.
+ *
+ * A new connection's candidates are INBAND_SNAT_TRIES ports derived from a
+ * SipHash of its client side under a key only this balancer knows, so an
+ * outsider cannot aim a connection at a chosen port, and the same client
+ * tuple gets the same port again (a client that reuses its port meets the
+ * server's TIME_WAIT with a sequence number it accepts).
+ *
+ * A candidate is free when no live flow owns it: no reservation in `snat`
+ * whose owner is live in `flows`, and no hold in `half_open_ports` by a
+ * live handshake. Reservations whose owner is gone are reclaimed on the
+ * way. With no free candidate the port of the longest-idle preemptible
+ * owner among them is taken: an unfinished handshake (a SYN flood is made
+ * of them) or a closing flow. An established flow's port is never taken.
+ */
+#ifndef INBAND_LB_NAT_H
+#define INBAND_LB_NAT_H
+
+#include "inband/lb/common.h"
+#include "inband/lb/lifecycle.h"
+
+#define VICTIM_HALF_OPEN 1
+#define VICTIM_CLOSING 2
+
+struct port_search {
+	struct inband_flow_key fk; /* the new connection */
+	struct inband_nat_key nk; /* backend filled in; snat_port per candidate */
+	__u64 hash;
+	__u64 now;
+	__u64 victim_seen; /* last_seen_ns of the preemption victim */
+	struct inband_flow_key victim; /* its client side */
+	__be16 port; /* chosen port, 0 = none yet */
+	__be16 victim_port;
+	__u32 victim_kind; /* VICTIM_*, 0 = none */
+};
+
+static __always_inline __be16 candidate(__u64 hash, __u32 i)
+{
+	__u32 h = mix32((__u32)hash + i * 0x9e3779b9) ^ (__u32)(hash >> 32);
+
+	return bpf_htons((__u16)(INBAND_SNAT_PORT_MIN + h % SNAT_PORT_RANGE));
+}
+
+static __always_inline void consider_victim(struct port_search *s, __u32 kind, const struct inband_flow_key *owner,
+					    __u64 last_seen)
+{
+	if (s->victim_kind && (__s64)(last_seen - s->victim_seen) >= 0)
+		return;
+	s->victim_kind = kind;
+	s->victim_seen = last_seen;
+	s->victim = *owner;
+	s->victim_port = s->nk.snat_port;
+}
+
+static long port_step(__u32 i, void *arg)
+{
+	struct port_search *s = arg;
+	struct inband_snat_owner *hold, *res;
+	struct inband_flow *owner;
+
+	s->nk.snat_port = candidate(s->hash, i);
+	hold = bpf_map_lookup_elem(&half_open_ports, &s->nk);
+	if (hold) {
+		if (same_flow_key(&hold->flow, &s->fk)) {
+			s->port = s->nk.snat_port; /* ours already: a new attempt of the same client */
+			return 1;
+		}
+		owner = bpf_map_lookup_elem(&half_open, &hold->flow);
+		if (owner && flow_has_port(owner, &s->nk) && !flow_expired(owner, s->now)) {
+			consider_victim(s, VICTIM_HALF_OPEN, &hold->flow, owner->last_seen_ns);
+			return 0;
+		}
+		bpf_map_delete_elem(&half_open_ports, &s->nk);
+	}
+	res = bpf_map_lookup_elem(&snat, &s->nk);
+	if (res) {
+		owner = bpf_map_lookup_elem(&flows, &res->flow);
+		if (owner && flow_has_port(owner, &s->nk)) {
+			if (!flow_expired(owner, s->now)) {
+				if (owner->state == INBAND_FLOW_CLOSING)
+					consider_victim(s, VICTIM_CLOSING, &res->flow, owner->last_seen_ns);
+				return 0;
+			}
+			bpf_map_delete_elem(&flows, &res->flow);
+			event(INBAND_EV_FLOWS_EXPIRED);
+		}
+		bpf_map_delete_elem(&snat, &s->nk);
+		event(INBAND_EV_SNAT_ORPHANS_RECLAIMED);
+	}
+	struct inband_snat_owner mine = { .flow = s->fk };
+
+	/* NOEXIST: another CPU may claim the same free port right now. */
+	if (bpf_map_update_elem(&half_open_ports, &s->nk, &mine, BPF_NOEXIST))
+		return 0;
+	s->port = s->nk.snat_port;
+	return 1;
+}
+
+/*
+ * Finds a port toward the backend in `nk` for the connection `fk` and
+ * holds it for the handshake (half_open_ports). Returns the port (network
+ * order) or 0 when every candidate belongs to a live established flow.
+ */
+static __always_inline __be16 reserve_snat_port(const struct inband_lb_config *cfg,
+						const struct inband_flow_key *fk, const struct inband_nat_key *nk,
+						__u64 now)
+{
+	struct port_search s = { .fk = *fk, .nk = *nk, .now = now };
+
+	s.hash = inband_siphash24_words(cfg->snat_key[0], cfg->snat_key[1], (const __u8 *)fk, 2);
+	bpf_loop(INBAND_SNAT_TRIES, port_step, &s, 0);
+	if (s.port || !s.victim_kind)
+		return s.port;
+
+	s.nk.snat_port = s.victim_port;
+	if (s.victim_kind == VICTIM_HALF_OPEN) {
+		bpf_map_delete_elem(&half_open, &s.victim);
+		event(INBAND_EV_SNAT_PREEMPT_HALF_OPEN);
+	} else {
+		bpf_map_delete_elem(&flows, &s.victim);
+		bpf_map_delete_elem(&snat, &s.nk);
+		event(INBAND_EV_SNAT_PREEMPT_CLOSING);
+	}
+	struct inband_snat_owner mine = { .flow = *fk };
+
+	if (bpf_map_update_elem(&half_open_ports, &s.nk, &mine, BPF_ANY))
+		return 0;
+	return s.victim_port;
+}
+
+#endif /* INBAND_LB_NAT_H */

@@ -1,0 +1,218 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/*
+ * Backend selection for new connections.
+ *
+ * The load estimate of a backend (least-score and power-of-two rank by it):
+ *
+ *     estimate = reported score (halved for every score_max_age it is old)
+ *                + connections given to it since the report
+ *                - of its connections, those that ended since the report
+ *
+ * The balancer sees every connection it opens and the client's FIN or RST
+ * that ends it, so between two reports the estimate follows the backend's
+ * connections by itself: an idle backend's estimate falls back as its
+ * connections end instead of growing with every connection it ever got,
+ * and a backend that went without a report (no traffic, hence no probe)
+ * is ranked by what is known rather than exiled. A report that is old
+ * decays (halved per max age), so a backend once reported busy is tried
+ * again soon after it stops being picked; the first packet it then gets
+ * carries a score request (score.h), so its next report is one round trip
+ * away. docs/decisions.md has the reasoning and the alternatives.
+ */
+#ifndef INBAND_LB_SELECT_H
+#define INBAND_LB_SELECT_H
+
+#include "inband/lb/common.h"
+
+static __always_inline __u64 load_estimate(const struct inband_backend_score *s, __u64 now, __u64 max_age_ns)
+{
+	__u64 base = s->score;
+	__u64 updated = s->updated_ns;
+
+	if (updated && max_age_ns && now > updated + max_age_ns) {
+		__u64 halvings = (now - updated) / max_age_ns;
+
+		base = halvings >= 32 ? 0 : base >> halvings;
+	}
+	base += s->opened;
+	return base > s->closed ? base - s->closed : 0;
+}
+
+/*
+ * Selection walks the VIP's slots with bpf_loop: one verification of the
+ * step instead of one per slot and per outcome of every earlier slot. It
+ * runs on new connections only.
+ */
+struct pick {
+	__u64 now;
+	__u64 max_age_ns;
+	__u64 best; /* least-score: lowest estimate so far */
+	__u32 vid;
+	__u32 count; /* valid slots, <= INBAND_MAX_BACKENDS_PER_VIP */
+	__u32 skip; /* slots excluded (bit per slot): backends found without a free port */
+	__u32 start; /* round-robin: first slot to try */
+	__u32 seen; /* candidates met so far (least-score: ties of best) */
+	__u32 id; /* chosen backend id */
+	__u32 slot; /* the chosen slot */
+	__u32 other; /* power-of-two: the second sampled id */
+	__u32 other_slot;
+	__u32 found;
+};
+
+/* Backend id in `slot` of VIP `vid` if that backend may take a new connection. */
+static __always_inline int active_slot(const struct pick *p, __u32 slot, __u32 *id_out)
+{
+	if (slot < 32 && (p->skip & (1U << slot)))
+		return 0;
+	__u32 idx = p->vid * INBAND_MAX_BACKENDS_PER_VIP + slot;
+	__u32 *id = bpf_map_lookup_elem(&vip_backends, &idx);
+
+	if (!id)
+		return 0;
+	__u32 bid = *id;
+	struct inband_backend *be = bpf_map_lookup_elem(&backends, &bid);
+
+	if (!be || !(be->flags & INBAND_BACKEND_ACTIVE))
+		return 0;
+	*id_out = bid;
+	return 1;
+}
+
+static __always_inline __u64 estimate_of(__u32 id, const struct pick *p)
+{
+	struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &id);
+
+	return s ? load_estimate(s, p->now, p->max_age_ns) : 0;
+}
+
+static long round_robin_step(__u32 i, void *arg)
+{
+	struct pick *p = arg;
+	__u32 id;
+
+	if (i >= p->count)
+		return 1;
+	/* The cursor may point past a VIP that shrank since; % folds it back. */
+	__u32 slot = (p->start + i) % p->count;
+
+	if (!active_slot(p, slot, &id))
+		return 0;
+	p->id = id;
+	p->slot = slot;
+	p->found = 1;
+	return 1;
+}
+
+static long least_score_step(__u32 slot, void *arg)
+{
+	struct pick *p = arg;
+	__u32 id;
+
+	if (slot >= p->count)
+		return 1;
+	if (!active_slot(p, slot, &id))
+		return 0;
+	__u64 est = estimate_of(id, p);
+
+	if (!p->found || est < p->best) {
+		p->best = est;
+		p->id = id;
+		p->slot = slot;
+		p->seen = 1;
+		p->found = 1;
+	} else if (est == p->best) {
+		/* Reservoir sampling: each of k tied backends is kept with
+		 * probability 1/k in a single pass. */
+		p->seen++;
+		if (bpf_get_prandom_u32() % p->seen == 0) {
+			p->id = id;
+			p->slot = slot;
+		}
+	}
+	return 0;
+}
+
+/* Reservoir sampling of size two: a uniformly random pair of distinct
+ * eligible slots, in one pass and without storing the candidates. */
+static long two_choices_step(__u32 slot, void *arg)
+{
+	struct pick *p = arg;
+	__u32 id;
+
+	if (slot >= p->count)
+		return 1;
+	if (!active_slot(p, slot, &id))
+		return 0;
+	p->seen++;
+	if (p->seen == 1) {
+		p->id = id;
+		p->slot = slot;
+	} else if (p->seen == 2) {
+		p->other = id;
+		p->other_slot = slot;
+	} else {
+		__u32 r = bpf_get_prandom_u32() % p->seen;
+
+		if (r == 0) {
+			p->id = id;
+			p->slot = slot;
+		} else if (r == 1) {
+			p->other = id;
+			p->other_slot = slot;
+		}
+	}
+	return 0;
+}
+
+/*
+ * Picks a backend for a new connection to `vip`, skipping the slots in
+ * `skip`; 0 if no slot is eligible. `*slot_out` is the chosen slot (for the
+ * caller to add to `skip` if the backend turns out to have no free port).
+ */
+static __always_inline int select_backend(const struct inband_vip *vip, __u32 vid, __u32 skip, __u64 now,
+					  __u32 *id_out, __u32 *slot_out)
+{
+	struct pick p = {
+		.vid = vid,
+		.count = vip->backend_count,
+		.max_age_ns = vip->score_max_age_ns,
+		.skip = skip,
+		.now = now,
+	};
+
+	if (p.count > INBAND_MAX_BACKENDS_PER_VIP)
+		p.count = INBAND_MAX_BACKENDS_PER_VIP;
+	if (!p.count || vid >= INBAND_MAX_VIPS)
+		return 0;
+	/* passthrough and dsr-rr have no score feedback to rank by. */
+	int by_score = vip->mode == INBAND_MODE_DSR_POLLING || vip->mode == INBAND_MODE_DSR_DYNAMIC;
+
+	if (by_score && vip->policy == INBAND_POLICY_LEAST_SCORE) {
+		bpf_loop(INBAND_MAX_BACKENDS_PER_VIP, least_score_step, &p, 0);
+	} else if (by_score && vip->policy == INBAND_POLICY_POWER_OF_TWO) {
+		bpf_loop(INBAND_MAX_BACKENDS_PER_VIP, two_choices_step, &p, 0);
+		p.found = p.seen > 0;
+		if (p.seen > 1) {
+			__u64 a = estimate_of(p.id, &p), b = estimate_of(p.other, &p);
+
+			if (b < a || (b == a && (bpf_get_prandom_u32() & 1))) {
+				p.id = p.other;
+				p.slot = p.other_slot;
+			}
+		}
+	} else {
+		__u32 *cursor = bpf_map_lookup_elem(&rr_cursor, &vid);
+
+		if (!cursor)
+			return 0;
+		/* Each new connection takes the next ticket; ineligible slots
+		 * are skipped from there. */
+		p.start = __sync_fetch_and_add(cursor, 1);
+		bpf_loop(INBAND_MAX_BACKENDS_PER_VIP, round_robin_step, &p, 0);
+	}
+	*id_out = p.id;
+	*slot_out = p.slot;
+	return p.found;
+}
+
+#endif /* INBAND_LB_SELECT_H */
