@@ -10,6 +10,7 @@ pub mod lb;
 pub mod netif;
 pub mod packet;
 pub mod pod;
+pub mod runlock;
 pub mod testbed;
 pub mod wire;
 pub mod workload;

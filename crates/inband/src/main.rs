@@ -40,13 +40,25 @@ enum Command {
         #[command(subcommand)]
         command: inband::testbed::TestbedCommand,
     },
-    /// Show VIPs, backends, scores and counters of the balancer(s) on this host.
+    /// Show VIPs, backends, flows, scores and counters of the balancer(s)
+    /// on this host.
     Status {
         /// Only this interface (default: every interface with a balancer).
         #[arg(long)]
         interface: Option<String>,
+        /// Only the balancers of this named network namespace (`host` for
+        /// the host's own). Default: from the host, every namespace; from
+        /// inside a named namespace, that namespace.
+        #[arg(long)]
+        netns: Option<String>,
         #[arg(long)]
         json: bool,
+    },
+    /// Write a new random key for authenticated options (mode 0600) to
+    /// give to the balancers and agents (docs/configuration.md).
+    Keygen {
+        #[arg(long)]
+        out: PathBuf,
     },
 }
 
@@ -122,7 +134,12 @@ fn run(cli: Cli) -> Result<()> {
             (None, Some(command)) => inband::agent::run(command),
             _ => anyhow::bail!("`inband agent` needs --config FILE, or a subcommand; see --help"),
         },
-        Command::Status { interface, json } => status(interface, json),
+        Command::Status { interface, netns, json } => status(interface, netns, json),
+        Command::Keygen { out } => {
+            inband::auth::keygen(&out)?;
+            println!("wrote a new key to {}: list it under [auth] keys on the balancer and every agent", out.display());
+            Ok(())
+        }
         Command::Serve(args) => inband::workload::run(args),
         Command::Bench { command } => inband::bench::run(command),
         Command::Testbed { command } => inband::testbed::run(command),
@@ -130,21 +147,26 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
-fn status(interface: Option<String>, json: bool) -> Result<()> {
-    let root = lb::attach::pin_parent();
-    let interfaces: Vec<String> = match interface {
-        Some(i) => vec![i],
-        None => std::fs::read_dir(&root)
-            .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
-            .unwrap_or_default(),
-    };
-    if interfaces.is_empty() {
-        anyhow::bail!("no balancer on this host ({} is empty): start one with `inband lb --config lb.toml`", root.display());
+fn status(interface: Option<String>, netns: Option<String>, json: bool) -> Result<()> {
+    let scope = netns.or_else(inband::bpfmap::current_netns_name);
+    let found: Vec<_> = lb::attach::discover()
+        .into_iter()
+        .filter(|b| scope.as_deref().map_or(true, |n| b.netns == n || (n == "host" && b.netns.is_empty())))
+        .filter(|b| interface.as_deref().map_or(true, |i| b.interface == i))
+        .collect();
+    if found.is_empty() {
+        anyhow::bail!(
+            "no balancer on this host{}{}: start one with `inband lb --config lb.toml`",
+            scope.map_or(String::new(), |n| format!(" in network namespace {n}")),
+            interface.map_or(String::new(), |i| format!(" on {i}"))
+        );
     }
     let mut snaps = Vec::new();
-    for i in interfaces {
-        let maps = lb::tables::LbMaps::open(&lb::attach::pin_dir(&i))?;
-        snaps.push(lb::snapshot::take(&i, &maps)?);
+    for b in found {
+        let maps = lb::tables::LbMaps::open(&b.pins)?;
+        let mut snap = lb::snapshot::take(&b.interface, &maps)?;
+        snap.netns = b.netns;
+        snaps.push(snap);
     }
     if json {
         println!("{}", serde_json::to_string_pretty(&snaps)?);

@@ -57,3 +57,32 @@ pub fn parse_mac(s: &str) -> Result<[u8; 6]> {
 pub fn format_mac(mac: &[u8; 6]) -> String {
     mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
 }
+
+/// The interface's L3 MTU, asked of this network namespace's kernel (not
+/// /sys/class/net: under `nsenter --net` that still shows the host's).
+pub fn mtu(name: &str) -> Result<u16> {
+    if name.len() >= libc::IFNAMSIZ {
+        bail!("interface name {name:?} is too long");
+    }
+    // SAFETY: a plain datagram socket, closed below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        bail!("socket: {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: ifreq is plain data; the name fits (checked above) and stays NUL-terminated.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in req.ifr_name.iter_mut().zip(name.bytes()) {
+        *d = s as libc::c_char;
+    }
+    // SAFETY: SIOCGIFMTU fills ifru_mtu of a valid ifreq.
+    let rc = unsafe { libc::ioctl(fd, libc::SIOCGIFMTU, &mut req) };
+    let err = std::io::Error::last_os_error();
+    // SAFETY: fd is ours.
+    unsafe { libc::close(fd) };
+    if rc != 0 {
+        bail!("reading the MTU of {name}: {err}");
+    }
+    // SAFETY: the kernel set the mtu member.
+    let mtu = unsafe { req.ifr_ifru.ifru_mtu };
+    Ok(mtu.clamp(0, i32::from(u16::MAX)) as u16)
+}

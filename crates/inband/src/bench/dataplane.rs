@@ -11,33 +11,38 @@
 //! times each run itself; the median of many runs is reported. Single runs
 //! carry the cold-cache cost of entering the program after a syscall, for
 //! the floor as much as for the balancer, so ratios are conservative.
+//!
+//! Also here: what floods and churn do to the flow tables (`table_scale`,
+//! `churn`) and what a sweep of a full table costs (`sweep_cost`).
 
 use std::mem::MaybeUninit;
 use std::net::{Ipv4Addr, SocketAddrV4};
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{libbpf_sys, AsRawLibbpf, OpenObject, ProgramInput};
+use libbpf_rs::ProgramInput;
 use serde::Serialize;
 
-use crate::bpf::balancer::{BalancerSkel, BalancerSkelBuilder};
 use crate::bpf::bounce::BounceSkelBuilder;
-use crate::bpfmap::{get, put};
+use crate::bpf::shared as c;
+use crate::bpfmap::{count, get, put};
 use crate::lb::maps::*;
+use crate::lb::private::{PrivateBalancer, XDP_PASS, XDP_TX};
 use crate::lb::tables::{ktime_ns, vip_key};
-use crate::packet::{PacketBuilder, TCP_ACK, TCP_PSH};
+use crate::packet::{PacketBuilder, TCP_ACK, TCP_FIN, TCP_PSH};
 use crate::pod::{be_addr, be_port};
-use crate::wire::InbandOption;
+use crate::wire::{Conn, InbandOption, Key};
 
-const XDP_PASS: u32 = 2;
-const XDP_TX: u32 = 3;
 const LB: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 2);
 const VIP: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 100), 80);
 const CLIENT: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(192, 168, 1, 1), 40000);
 const BACKENDS: u8 = 3;
+/// A small request segment: per-packet cost dominates.
 const PAYLOAD: usize = 64;
-/// Mirrors INBAND_FLOW_TABLE_SIZE in balancer_maps.h.
-const INBAND_FLOW_TABLE_SIZE: u32 = 262_144; // a small request segment: per-packet cost dominates
+const FLOW_TABLE_SIZE: u32 = c::INBAND_FLOW_TABLE_SIZE;
+const KEY: Key = Key(*b"inband-bench-key");
+const KEY_ID: u8 = 1;
 
 #[derive(Debug, Serialize)]
 pub struct Row {
@@ -53,69 +58,53 @@ fn backend(i: u8) -> SocketAddrV4 {
     SocketAddrV4::new(Ipv4Addr::new(10, 0, 1, i + 1), 8080)
 }
 
-fn load(storage: &mut MaybeUninit<OpenObject>) -> Result<BalancerSkel<'_>> {
-    load_with(storage, BACKENDS)
+fn lb_config(auth: u32) -> LbConfig {
+    LbConfig { self_addr: be_addr(LB), mtu: 1500, auth_mode: auth as u8, sign_key: KEY_ID, snat_key: [7, 11] }
 }
 
-fn load_with(storage: &mut MaybeUninit<OpenObject>, backends: u8) -> Result<BalancerSkel<'_>> {
-    let mut open = BalancerSkelBuilder::default().open(storage)?;
-    for map in open.open_object_mut().maps_mut() {
-        // A private instance: nothing pinned, nothing shared with a running balancer.
-        // SAFETY: a NULL path clears the pin path of a valid map.
-        unsafe { libbpf_sys::bpf_map__set_pin_path(map.as_libbpf_object().as_ptr(), std::ptr::null()) };
-    }
-    let skel = open.load().context("loading the balancer program")?;
-    put(&skel.maps.lb_config, &0u32, &LbConfig { self_addr: be_addr(LB), flags: 0 })?;
+/// A private balancer with `backends` ACTIVE backends (scores 0, 1, ...,
+/// fresh), the bench key, and one VIP in `mode`.
+fn load(storage: &mut MaybeUninit<libbpf_rs::OpenObject>, backends: u8, auth: u32) -> Result<PrivateBalancer<'_>> {
+    let lb = PrivateBalancer::load(storage, FLOW_TABLE_SIZE, &lb_config(auth))?;
+    crate::auth::write_keys(&lb.skel.maps.auth_keys, &[(KEY_ID, KEY)])?;
     for i in 0..backends {
         let b = backend(i);
-        let id = u32::from(i);
-        let entry = Backend { addr: be_addr(*b.ip()), port: be_port(b.port()), mac: [2, 0, 0, 0, 1, i], flags: BACKEND_ACTIVE, pad: 0 };
-        put(&skel.maps.backends, &id, &entry)?;
-        put(&skel.maps.vip_backends, &id, &id)?;
-        put(&skel.maps.scores, &id, &BackendScore { score: u32::from(i), assigned_since: 0, updated_ns: ktime_ns() })?;
+        let entry = Backend { addr: be_addr(*b.ip()), port: be_port(b.port()), mac: [2, 0, 0, 0, 1, i], flags: BACKEND_ACTIVE, ..Default::default() };
+        lb.set_backend(u32::from(i), &entry)?;
+        put(&lb.skel.maps.scores, &u32::from(i), &BackendScore { score: u32::from(i), updated_ns: ktime_ns(), ..Default::default() })?;
     }
-    Ok(skel)
+    set_vip(&lb, Mode::DsrDynamic, 0, backends)?;
+    Ok(lb)
 }
 
-fn set_vip(skel: &BalancerSkel, mode: Mode, probe_interval: u32) -> Result<()> {
-    set_vip_with(skel, mode, probe_interval, BACKENDS)
-}
-
-fn set_vip_with(skel: &BalancerSkel, mode: Mode, probe_interval: u32, backends: u8) -> Result<()> {
+fn set_vip(lb: &PrivateBalancer, mode: Mode, probe_interval: u32, backends: u8) -> Result<()> {
     let vip = Vip {
-        id: 0,
         mode: mode as u8,
         policy: Policy::LeastScore as u8,
-        backend_count: u16::from(backends),
+        flags: VIP_ACTIVE,
         probe_interval,
-        pad: 0,
+        // Long enough that nothing goes stale or expires while measured.
         score_max_age_ns: 3_600_000_000_000,
+        syn_timeout_ns: 5_000_000_000,
+        idle_timeout_ns: 900_000_000_000,
+        closing_timeout_ns: 10_000_000_000,
+        ..Default::default()
     };
-    put(&skel.maps.vips, &vip_key(VIP), &vip)
-}
-
-/// One run of `frame`: (verdict, ns the kernel measured).
-fn run_once(prog: &libbpf_rs::ProgramMut, frame: &[u8]) -> Result<(u32, f64)> {
-    let mut out = vec![0u8; frame.len() + 64];
-    let mut input = ProgramInput::default();
-    input.data_in = Some(frame);
-    input.data_out = Some(&mut out);
-    input.repeat = 1;
-    let o = prog.test_run(input).context("BPF_PROG_TEST_RUN")?;
-    Ok((o.return_value, o.duration.as_nanos() as f64))
+    let slots: Vec<u32> = (0..u32::from(backends)).collect();
+    lb.set_vip(0, vip_key(VIP), &vip, &slots)
 }
 
 /// Median ns over `samples` runs of `frame(i)`; fails if any run's verdict
 /// differs from the first (the path changed under the measurement).
-fn time(prog: &libbpf_rs::ProgramMut, samples: u32, frame: impl Fn(u32) -> Vec<u8>) -> Result<(u32, f64)> {
+fn time(lb: &PrivateBalancer, samples: u32, frame: impl Fn(u32) -> Vec<u8>) -> Result<(u32, f64)> {
     let mut ns = Vec::with_capacity(samples as usize);
     let mut verdict = None;
     for i in 0..samples.max(1) {
-        let (v, t) = run_once(prog, &frame(i))?;
-        if *verdict.get_or_insert(v) != v {
-            bail!("verdict changed from {} to {} during the measurement", verdict_name(verdict.unwrap()), verdict_name(v));
+        let r = lb.run(&frame(i))?;
+        if *verdict.get_or_insert(r.verdict) != r.verdict {
+            bail!("verdict changed from {} to {} during the measurement", verdict_name(verdict.unwrap()), verdict_name(r.verdict));
         }
-        ns.push(t);
+        ns.push(r.ns);
     }
     ns.sort_by(f64::total_cmp);
     Ok((verdict.unwrap_or(0), ns[ns.len() / 2]))
@@ -130,66 +119,108 @@ fn verdict_name(v: u32) -> &'static str {
     }
 }
 
-/// The flow a client's SYN created: (backend, SNAT port).
-fn flow_of(skel: &BalancerSkel, client: SocketAddrV4) -> Result<(SocketAddrV4, u16)> {
-    let key = FlowKey {
+fn flow_key(client: SocketAddrV4) -> FlowKey {
+    FlowKey {
         client_addr: be_addr(*client.ip()),
         vip_addr: be_addr(*VIP.ip()),
         client_port: be_port(client.port()),
         vip_port: be_port(VIP.port()),
         proto: 6,
         pad: [0; 3],
-    };
-    let f: Flow = get(&skel.maps.flows, &key)?.context("the SYN created no flow")?;
+    }
+}
+
+/// Opens `client`'s connection (SYN, then the handshake's ACK) and returns
+/// (backend, SNAT port).
+fn connect(lb: &PrivateBalancer, client: SocketAddrV4) -> Result<(SocketAddrV4, u16)> {
+    lb.run(&PacketBuilder::tcp(client, VIP).syn(1460).build())?;
+    lb.run(&PacketBuilder::tcp(client, VIP).flags(TCP_ACK).build())?;
+    let f: Flow = get(&lb.skel.maps.flows, &flow_key(client))?.context("the handshake created no flow")?;
     Ok((SocketAddrV4::new(crate::pod::addr_of(f.backend_addr), crate::pod::port_of(f.backend_port)), crate::pod::port_of(f.snat_port)))
 }
 
+fn syn_client(i: u32) -> SocketAddrV4 {
+    SocketAddrV4::new(Ipv4Addr::from(0xc0a8_0000 | (i >> 8 << 8) | 0x0100 | (i & 0xff)), 1024 + (i % 60000) as u16)
+}
+
+/// Marks `client`'s flow as having an outstanding 124 with `nonce`, as if
+/// the balancer had just sent one.
+fn expect_score(lb: &PrivateBalancer, client: SocketAddrV4, nonce: [u8; 4]) -> Result<()> {
+    let k = flow_key(client);
+    let mut f: Flow = get(&lb.skel.maps.flows, &k)?.context("no flow")?;
+    f.flags |= FLOW_PROBE_OUTSTANDING;
+    f.probe_nonce = u32::from_ne_bytes(nonce);
+    f.probe_key = KEY_ID;
+    put(&lb.skel.maps.flows, &k, &f)
+}
+
 pub fn measure(samples: u32) -> Result<Vec<Row>> {
-    let mut storage = MaybeUninit::uninit();
-    let skel = load(&mut storage)?;
-    let prog = &skel.progs.balancer;
-    let data = || PacketBuilder::tcp(CLIENT, VIP).flags(TCP_ACK | TCP_PSH).payload(vec![b'x'; PAYLOAD]).build();
     let mut rows: Vec<(&'static str, &'static str, u32, f64)> = Vec::new();
+    let data = || PacketBuilder::tcp(CLIENT, VIP).flags(TCP_ACK | TCP_PSH).payload(vec![b'x'; PAYLOAD]).build();
+    for auth in [c::INBAND_AUTH_SIPHASH, c::INBAND_AUTH_NONE] {
+        let mut storage = MaybeUninit::uninit();
+        let lb = load(&mut storage, BACKENDS, auth)?;
+        let new_conn = if auth == c::INBAND_AUTH_SIPHASH { "new connection (SYN: select, SNAT, 155 + MAC)" } else { "new connection (SYN: select, SNAT, seed 155)" };
+        // A distinct client per run, so every SYN is new.
+        let (v, ns) = time(&lb, samples.min(3000), |i| PacketBuilder::tcp(syn_client(i), VIP).syn(1460).build())?;
+        rows.push((new_conn, "dsr-dynamic", v, ns));
+        if auth == c::INBAND_AUTH_SIPHASH {
+            let (v, ns) = time(&lb, samples.min(3000), |i| PacketBuilder::tcp(syn_client(i), VIP).flags(TCP_ACK).build())?;
+            rows.push(("handshake done (first ACK: half-open -> flows)", "dsr-dynamic", v, ns));
+        }
+        let (backend, snat) = connect(&lb, CLIENT)?;
+        if auth == c::INBAND_AUTH_SIPHASH {
+            let (v, ns) = time(&lb, samples, |_| data())?;
+            rows.push(("established (client -> backend)", "dsr-dynamic", v, ns));
+        }
+        set_vip(&lb, Mode::DsrDynamic, 1, BACKENDS)?;
+        let request = if auth == c::INBAND_AUTH_SIPHASH { "established + score request (124 + MAC)" } else { "established + score request (seed 124)" };
+        let (v, ns) = time(&lb, samples, |_| data())?;
+        rows.push((request, "dsr-dynamic", v, ns));
+        set_vip(&lb, Mode::DsrDynamic, 0, BACKENDS)?;
 
-    // New connections: a distinct client per run, so every SYN is new. Few
-    // enough that SNAT port collisions stay negligible (each SYN tries 4
-    // hashed ports among 31744 per backend).
-    set_vip(&skel, Mode::DsrDynamic, 0)?;
-    let (v, ns) = time(prog, samples.min(3000), |i| {
-        let c = SocketAddrV4::new(Ipv4Addr::from(0xc0a8_0000 | (i >> 8 << 8) | 0x0100 | (i & 0xff)), 1024 + (i % 60000) as u16);
-        PacketBuilder::tcp(c, VIP).syn(1460).build()
-    })?;
-    rows.push(("new connection (SYN: select, 155, MSS clamp)", "dsr-dynamic", v, ns));
-
-    // Established, then probes, on one flow.
-    run_once(prog, &PacketBuilder::tcp(CLIENT, VIP).syn(1460).build())?;
-    let (backend, snat) = flow_of(&skel, CLIENT)?;
-    let (v, ns) = time(prog, samples, |_| data())?;
-    rows.push(("established (client -> backend)", "dsr-dynamic", v, ns));
-    set_vip(&skel, Mode::DsrDynamic, 1)?;
-    let (v, ns) = time(prog, samples, |_| data())?;
-    rows.push(("established + score request (124)", "dsr-dynamic", v, ns));
-    set_vip(&skel, Mode::Passthrough, 0)?;
-    let (v, ns) = time(prog, samples, |_| data())?;
-    rows.push(("established (client -> backend)", "passthrough", v, ns));
-
-    // Returns through the balancer.
-    let reply = move || PacketBuilder::tcp(backend, SocketAddrV4::new(LB, snat)).flags(TCP_ACK | TCP_PSH).payload(vec![b'y'; PAYLOAD]);
-    let (v, ns) = time(prog, samples, |_| reply().ip_options(InbandOption::Score(7).encode()).build())?;
-    rows.push(("score return (125: record, strip, NAT back)", "dsr-dynamic", v, ns));
-    let (v, ns) = time(prog, samples, |_| reply().build())?;
-    rows.push(("return (backend -> client, NAT back)", "passthrough", v, ns));
-    let other = PacketBuilder::tcp(CLIENT, SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 7), 22)).payload(vec![0; PAYLOAD]).build();
-    let (v, ns) = time(prog, samples, |_| other.clone())?;
-    rows.push(("not for a VIP (pass to the kernel)", "any", v, ns));
+        // Score returns: the flow expects a 125 before every run.
+        let conn = Conn { lb: SocketAddrV4::new(LB, snat), backend };
+        let nonce = [1, 2, 3, 4];
+        let opt = if auth == c::INBAND_AUTH_SIPHASH { InbandOption::auth_score(&KEY, KEY_ID, nonce, conn, 7) } else { InbandOption::Score(7) };
+        let reply = move || PacketBuilder::tcp(backend, SocketAddrV4::new(LB, snat)).flags(TCP_ACK | TCP_PSH).payload(vec![b'y'; PAYLOAD]);
+        let score = if auth == c::INBAND_AUTH_SIPHASH { "score return (125: checksums, MAC, record, strip)" } else { "score return (seed 125: checksums, record, strip)" };
+        let (v, ns) = time(&lb, samples, |_| {
+            expect_score(&lb, CLIENT, nonce).expect("flow");
+            reply().ip_options(opt.encode()).build()
+        })?;
+        rows.push((score, "dsr-dynamic", v, ns));
+        if auth == c::INBAND_AUTH_SIPHASH {
+            set_vip(&lb, Mode::Passthrough, 0, BACKENDS)?;
+            let (v, ns) = time(&lb, samples, |_| data())?;
+            rows.push(("established (client -> backend)", "passthrough", v, ns));
+            let (v, ns) = time(&lb, samples, |_| reply().build())?;
+            rows.push(("return (backend -> client, NAT back)", "passthrough", v, ns));
+            let other = PacketBuilder::tcp(CLIENT, SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 7), 22)).payload(vec![0; PAYLOAD]).build();
+            let (v, ns) = time(&lb, samples, |_| other.clone())?;
+            rows.push(("not for a VIP (pass to the kernel)", "any", v, ns));
+        }
+    }
 
     let mut bstorage = MaybeUninit::uninit();
     let bounce = BounceSkelBuilder::default().open(&mut bstorage)?.load()?;
-    let (v, floor) = time(&bounce.progs.bounce, samples, |_| data())?;
-    if v != XDP_TX || floor <= 0.0 {
-        bail!("the bounce floor did not run (verdict {v}, {floor} ns)");
+    let mut floor_ns = Vec::new();
+    for _ in 0..samples.max(1) {
+        let frame = data();
+        let mut out = vec![0u8; frame.len()];
+        let input = ProgramInput { data_in: Some(&frame), data_out: Some(&mut out), repeat: 1, ..Default::default() };
+        let o = bounce.progs.bounce.test_run(input)?;
+        if o.return_value != XDP_TX {
+            bail!("the bounce floor did not run (verdict {})", o.return_value);
+        }
+        floor_ns.push(o.duration.as_nanos() as f64);
     }
-    rows.push(("floor: bounce (swap MACs, XDP_TX)", "-", v, floor));
+    floor_ns.sort_by(f64::total_cmp);
+    let floor = floor_ns[floor_ns.len() / 2];
+    if floor <= 0.0 {
+        bail!("the bounce floor took no time");
+    }
+    rows.push(("floor: bounce (swap MACs, XDP_TX)", "-", XDP_TX, floor));
 
     Ok(rows
         .into_iter()
@@ -204,19 +235,22 @@ pub fn measure(samples: u32) -> Result<Vec<Row>> {
         .collect())
 }
 
-/// What a flood of new connections does to the connection table.
+/// What a flood of new connections that never complete does to the tables.
 #[derive(Debug, Serialize)]
 pub struct TableScale {
     pub syns: u32,
     pub backends: u8,
-    pub table_size: u32,
+    pub half_open_table: u32,
+    pub snat_ports: u32,
     pub forwarded: u32,
     pub dropped: u32,
     pub drops_by_reason: Vec<(&'static str, u64)>,
-    pub flows_in_table: usize,
-    /// Of the first 1000 connections, how many still have their flow entry.
+    pub half_open_in_table: usize,
+    pub established_in_table: usize,
+    pub half_open_ports_preempted: u64,
+    /// Of the first 1000 SYNs, how many still have their half-open entry.
     pub oldest_1000_kept: u32,
-    /// Of the last 1000 connections, how many have their flow entry.
+    /// Of the last 1000 SYNs, how many have their half-open entry.
     pub newest_1000_kept: u32,
     pub new_conns_per_s_one_core: f64,
 }
@@ -225,62 +259,141 @@ fn flood_client(i: u32) -> SocketAddrV4 {
     SocketAddrV4::new(Ipv4Addr::from(0x0a80_0000 | (i >> 6)), 1024 + (i & 63) as u16)
 }
 
-/// Pushes `syns` distinct SYNs through a private instance (dsr-rr over
-/// `backends` backends) and reports what the tables did: the LRU evicts the
-/// least recently used flows, SNAT ports run out per backend.
+fn drops_by_reason(lb: &PrivateBalancer) -> Result<Vec<(&'static str, u64)>> {
+    Ok(DROP_NAMES.iter().copied().zip(lb.drops()?).filter(|(_, n)| *n > 0).collect())
+}
+
+/// Pushes `syns` distinct SYNs that never complete through a private
+/// instance (dsr-rr over `backends` backends) and reports what the tables
+/// did: the half-open table keeps the newest handshakes, ports held by
+/// unfinished handshakes are taken over, established flows are untouched.
 pub fn table_scale(syns: u32, backends: u8) -> Result<TableScale> {
     let mut storage = MaybeUninit::uninit();
-    let skel = load_with(&mut storage, backends)?;
-    set_vip_with(&skel, Mode::DsrRr, 0, backends)?;
-    let prog = &skel.progs.balancer;
+    let lb = load(&mut storage, backends, c::INBAND_AUTH_SIPHASH)?;
+    set_vip(&lb, Mode::DsrRr, 0, backends)?;
     let (mut forwarded, mut dropped, mut ns) = (0u32, 0u32, 0f64);
     for i in 0..syns {
-        let (v, t) = run_once(prog, &PacketBuilder::tcp(flood_client(i), VIP).syn(1460).build())?;
-        ns += t;
-        if v == XDP_TX {
+        let r = lb.run(&PacketBuilder::tcp(flood_client(i), VIP).syn(1460).build())?;
+        ns += r.ns;
+        if r.verdict == XDP_TX {
             forwarded += 1;
         } else {
             dropped += 1;
         }
     }
-    let has_flow = |i: u32| -> Result<bool> {
-        let c = flood_client(i);
-        let key = FlowKey {
-            client_addr: be_addr(*c.ip()),
-            vip_addr: be_addr(*VIP.ip()),
-            client_port: be_port(c.port()),
-            vip_port: be_port(VIP.port()),
-            proto: 6,
-            pad: [0; 3],
-        };
-        Ok(get::<FlowKey, Flow>(&skel.maps.flows, &key)?.is_some())
-    };
-    let count_kept = |range: std::ops::Range<u32>| -> Result<u32> {
+    let kept = |range: std::ops::Range<u32>| -> Result<u32> {
         let mut n = 0;
         for i in range {
-            n += u32::from(has_flow(i)?);
+            n += u32::from(get::<FlowKey, Flow>(&lb.skel.maps.half_open, &flow_key(flood_client(i)))?.is_some());
         }
         Ok(n)
     };
-    let mut drops_by_reason = Vec::new();
-    for r in DropReason::ALL {
-        let n: u64 = crate::bpfmap::get_percpu::<u32, u64>(&skel.maps.drops, &(r as u32))?.iter().sum();
-        if n > 0 {
-            drops_by_reason.push((r.name(), n));
-        }
-    }
+    let events = lb.events()?;
     Ok(TableScale {
         syns,
         backends,
-        table_size: INBAND_FLOW_TABLE_SIZE,
+        half_open_table: crate::lb::attach::table_sizes(FLOW_TABLE_SIZE)[1].1,
+        snat_ports: u32::from(backends) * SNAT_PORTS,
         forwarded,
         dropped,
-        drops_by_reason,
-        flows_in_table: crate::bpfmap::count(&skel.maps.flows),
-        oldest_1000_kept: count_kept(0..1000.min(syns))?,
-        newest_1000_kept: count_kept(syns.saturating_sub(1000)..syns)?,
+        drops_by_reason: drops_by_reason(&lb)?,
+        half_open_in_table: count(&lb.skel.maps.half_open),
+        established_in_table: count(&lb.skel.maps.flows),
+        half_open_ports_preempted: events[event_index("snat_preempt_half_open")],
+        oldest_1000_kept: kept(0..1000.min(syns))?,
+        newest_1000_kept: kept(syns.saturating_sub(1000)..syns)?,
         new_conns_per_s_one_core: if ns > 0.0 { f64::from(syns) * 1e9 / ns } else { 0.0 },
     })
+}
+
+/// Many short connections through a private instance, each opened and
+/// properly closed (SYN, ACK, FIN, ACK), faster than their ports' closing
+/// timeout lets go of them.
+#[derive(Debug, Serialize)]
+pub struct Churn {
+    pub connections: u32,
+    pub backends: u8,
+    pub snat_ports: u32,
+    pub refused: u64,
+    pub drops_by_reason: Vec<(&'static str, u64)>,
+    pub closing_ports_reused: u64,
+    pub orphans_reclaimed: u64,
+    pub flows_in_table: usize,
+    pub connections_per_s_one_core: f64,
+    pub wall_s: f64,
+}
+
+pub fn churn(connections: u32, backends: u8) -> Result<Churn> {
+    let mut storage = MaybeUninit::uninit();
+    let lb = load(&mut storage, backends, c::INBAND_AUTH_SIPHASH)?;
+    set_vip(&lb, Mode::DsrDynamic, 0, backends)?;
+    let start = Instant::now();
+    let mut ns = 0f64;
+    let mut refused = 0u64;
+    for i in 0..connections {
+        // Distinct client tuples: 64 ports on each of many addresses.
+        let c = SocketAddrV4::new(Ipv4Addr::from(0x0b00_0000 | (i >> 6)), 20000 + (i & 63) as u16);
+        let steps = [
+            PacketBuilder::tcp(c, VIP).syn(1460).build(),
+            PacketBuilder::tcp(c, VIP).flags(TCP_ACK).build(),
+            PacketBuilder::tcp(c, VIP).flags(TCP_ACK | TCP_FIN).build(),
+            PacketBuilder::tcp(c, VIP).flags(TCP_ACK).build(),
+        ];
+        for (n, frame) in steps.iter().enumerate() {
+            let r = lb.run(frame)?;
+            ns += r.ns;
+            if r.verdict != XDP_TX {
+                refused += u64::from(n == 0);
+                break;
+            }
+        }
+    }
+    let events = lb.events()?;
+    Ok(Churn {
+        connections,
+        backends,
+        snat_ports: u32::from(backends) * SNAT_PORTS,
+        refused,
+        drops_by_reason: drops_by_reason(&lb)?,
+        closing_ports_reused: events[event_index("snat_preempt_closing")],
+        orphans_reclaimed: events[event_index("snat_orphans_reclaimed")],
+        flows_in_table: count(&lb.skel.maps.flows),
+        connections_per_s_one_core: if ns > 0.0 { f64::from(connections) * 1e9 / ns } else { 0.0 },
+        wall_s: start.elapsed().as_secs_f64(),
+    })
+}
+
+/// What one sweep of a table of `flows` established flows costs.
+#[derive(Debug, Serialize)]
+pub struct SweepCost {
+    pub flows: u32,
+    pub sweep_ms: f64,
+    pub ns_per_flow: f64,
+}
+
+pub fn sweep_cost(flows: u32) -> Result<SweepCost> {
+    let mut storage = MaybeUninit::uninit();
+    let lb = load(&mut storage, BACKENDS, c::INBAND_AUTH_SIPHASH)?;
+    let now = ktime_ns();
+    for i in 0..flows {
+        let k = flow_key(SocketAddrV4::new(Ipv4Addr::from(0x0c00_0000 | i), 5000));
+        let port = 1024 + (i % SNAT_PORTS) as u16;
+        let b = (i % u32::from(BACKENDS)) as u8;
+        let f = Flow {
+            backend_addr: be_addr(*backend(b).ip()),
+            backend_port: be_port(8080),
+            snat_port: be_port(port),
+            backend_id: u16::from(b),
+            state: FLOW_ESTABLISHED,
+            last_seen_ns: now,
+            ..Default::default()
+        };
+        put(&lb.skel.maps.flows, &k, &f)?;
+    }
+    lb.sweep(0)?;
+    let st: SweepStats = get(&lb.skel.maps.sweep_stats, &0u32)?.unwrap_or_default();
+    let ms = st.last_duration_ns as f64 / 1e6;
+    Ok(SweepCost { flows, sweep_ms: ms, ns_per_flow: st.last_duration_ns as f64 / f64::from(flows.max(1)) })
 }
 
 pub fn render(rows: &[Row]) -> String {
@@ -289,30 +402,61 @@ pub fn render(rows: &[Row]) -> String {
     let _ = writeln!(o, "| path | mode | verdict | ns/packet | Mpps (1 core) | × floor |");
     let _ = writeln!(o, "|---|---|---|---:|---:|---:|");
     for r in rows {
-        let _ = writeln!(
-            o,
-            "| {} | {} | {} | {:.1} | {:.2} | {:.2} |",
-            r.path, r.mode, r.verdict, r.ns_per_packet, r.mpps, r.ratio_to_floor
-        );
+        let _ = writeln!(o, "| {} | {} | {} | {:.1} | {:.2} | {:.2} |", r.path, r.mode, r.verdict, r.ns_per_packet, r.mpps, r.ratio_to_floor);
     }
     o
 }
 
+fn reasons(d: &[(&str, u64)]) -> String {
+    if d.is_empty() {
+        "none".to_string()
+    } else {
+        d.iter().map(|(r, n)| format!("{r} {n}")).collect::<Vec<_>>().join(", ")
+    }
+}
+
 pub fn render_scale(s: &TableScale) -> String {
-    let drops: Vec<String> = s.drops_by_reason.iter().map(|(r, n)| format!("{r} {n}")).collect();
     format!(
-        "| new connections pushed | backends | flow table | forwarded | dropped (by reason) | flows in table | oldest 1000 kept | newest 1000 kept | new conns/s, 1 core |\n\
-         |---:|---:|---:|---:|---|---:|---:|---:|---:|\n\
-         | {} | {} | {} | {} | {} ({}) | {} | {} | {} | {:.0} |\n",
+        "| SYNs, never completed | backends (SNAT ports) | half-open table | forwarded | dropped (by reason) | half-open kept | established | ports taken from older handshakes | oldest 1000 kept | newest 1000 kept | new conns/s, 1 core |\n\
+         |---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|\n\
+         | {} | {} ({}) | {} | {} | {} ({}) | {} | {} | {} | {} | {} | {:.0} |\n",
         s.syns,
         s.backends,
-        s.table_size,
+        s.snat_ports,
+        s.half_open_table,
         s.forwarded,
         s.dropped,
-        if drops.is_empty() { "none".to_string() } else { drops.join(", ") },
-        s.flows_in_table,
+        reasons(&s.drops_by_reason),
+        s.half_open_in_table,
+        s.established_in_table,
+        s.half_open_ports_preempted,
         s.oldest_1000_kept,
         s.newest_1000_kept,
         s.new_conns_per_s_one_core
+    )
+}
+
+pub fn render_churn(c: &Churn) -> String {
+    format!(
+        "| connections opened and closed | backends (SNAT ports) | refused (by reason) | ports reused from closing flows | orphaned reservations reclaimed | flows left in table | connections/s, 1 core | wall s |\n\
+         |---:|---:|---|---:|---:|---:|---:|---:|\n\
+         | {} | {} ({}) | {} ({}) | {} | {} | {} | {:.0} | {:.1} |\n",
+        c.connections,
+        c.backends,
+        c.snat_ports,
+        c.refused,
+        reasons(&c.drops_by_reason),
+        c.closing_ports_reused,
+        c.orphans_reclaimed,
+        c.flows_in_table,
+        c.connections_per_s_one_core,
+        c.wall_s
+    )
+}
+
+pub fn render_sweep(s: &SweepCost) -> String {
+    format!(
+        "| flows swept | one sweep, ms | ns per flow |\n|---:|---:|---:|\n| {} | {:.1} | {:.0} |\n",
+        s.flows, s.sweep_ms, s.ns_per_flow
     )
 }

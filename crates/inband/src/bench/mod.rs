@@ -15,13 +15,23 @@ pub enum BenchCommand {
         samples: u32,
         #[arg(long)]
         json: bool,
-        /// Also flood the connection table with this many new connections
-        /// (0 = skip) and report evictions and drops.
+        /// Also flood the tables with this many SYNs that never complete
+        /// (0 = skip) and report what was kept, taken over and dropped.
         #[arg(long, default_value_t = 0)]
         flood: u32,
         /// Backends in the flood (SNAT ports are 31,744 per backend).
         #[arg(long, default_value_t = 16)]
         flood_backends: u8,
+        /// Also open and properly close this many connections from distinct
+        /// client tuples (0 = skip) and report refusals.
+        #[arg(long, default_value_t = 0)]
+        churn: u32,
+        /// Backends in the churn run.
+        #[arg(long, default_value_t = 2)]
+        churn_backends: u8,
+        /// Also time one sweep of a table holding this many flows (0 = skip).
+        #[arg(long, default_value_t = 0)]
+        sweep: u32,
     },
     /// Storage micro-benchmark of the HTTP cache's backends (LMDB, RocksDB,
     /// memory, files): read/update mixes over zipfian keys, 10 KiB values.
@@ -50,15 +60,24 @@ pub enum BenchCommand {
 
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
-        BenchCommand::Dataplane { samples, json, flood, flood_backends } => {
+        BenchCommand::Dataplane { samples, json, flood, flood_backends, churn, churn_backends, sweep } => {
             let rows = dataplane::measure(samples)?;
             let scale = if flood > 0 { Some(dataplane::table_scale(flood, flood_backends)?) } else { None };
+            let churned = if churn > 0 { Some(dataplane::churn(churn, churn_backends)?) } else { None };
+            let swept = if sweep > 0 { Some(dataplane::sweep_cost(sweep)?) } else { None };
             if json {
-                println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "paths": rows, "flood": scale }))?);
+                let all = serde_json::json!({ "paths": rows, "flood": scale, "churn": churned, "sweep": swept });
+                println!("{}", serde_json::to_string_pretty(&all)?);
             } else {
                 print!("{}", dataplane::render(&rows));
                 if let Some(s) = scale {
                     print!("\n{}", dataplane::render_scale(&s));
+                }
+                if let Some(c) = churned {
+                    print!("\n{}", dataplane::render_churn(&c));
+                }
+                if let Some(s) = swept {
+                    print!("\n{}", dataplane::render_sweep(&s));
                 }
             }
             Ok(())

@@ -11,20 +11,71 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{Xdp, XdpFlags};
+use libbpf_rs::{OpenObject, Xdp, XdpFlags};
 use tracing::{info, warn};
 
 use super::config::XdpMode;
-use crate::bpf::balancer::BalancerSkelBuilder;
+use crate::bpf::balancer::{BalancerSkel, BalancerSkelBuilder};
 use crate::bpfmap::{remove_pin_dir, PinDir};
 
 /// Balancers of this network namespace, one directory per interface.
-pub fn pin_parent() -> PathBuf {
+fn pin_parent() -> PathBuf {
     crate::bpfmap::pin_root().join("lb")
 }
 
 pub fn pin_dir(interface: &str) -> PinDir {
     PinDir(pin_parent().join(interface))
+}
+
+/// A balancer found on this host: its namespace ("" = the host's), its
+/// interface and its pins.
+pub struct Found {
+    pub netns: String,
+    pub interface: String,
+    pub pins: PinDir,
+}
+
+/// Every balancer on the host, in every network namespace: bpffs is one per
+/// host, and pins of a named namespace live under inband/netns/NAME.
+pub fn discover() -> Vec<Found> {
+    let list = |dir: PathBuf, netns: String| -> Vec<Found> {
+        std::fs::read_dir(&dir)
+            .map(|d| {
+                d.filter_map(|e| e.ok())
+                    .map(|e| Found { netns: netns.clone(), interface: e.file_name().to_string_lossy().into_owned(), pins: PinDir(e.path()) })
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let root = std::path::Path::new("/sys/fs/bpf/inband");
+    let mut out = list(root.join("lb"), String::new());
+    if let Ok(d) = std::fs::read_dir(root.join("netns")) {
+        for e in d.filter_map(|e| e.ok()) {
+            out.extend(list(e.path().join("lb"), e.file_name().to_string_lossy().into_owned()));
+        }
+    }
+    out.sort_by(|a, b| (&a.netns, &a.interface).cmp(&(&b.netns, &b.interface)));
+    out
+}
+
+/// Where the lock of the balancer daemon on `interface` lives.
+pub fn run_dir(interface: &str) -> PathBuf {
+    crate::runlock::state_dir("lb", interface)
+}
+
+/// Sizes of the flow tables derived from `flow_table_size`
+/// (docs/architecture.md, "Flow lifecycle").
+pub fn table_sizes(flow_table_size: u32) -> [(&'static str, u32); 4] {
+    let half_open = (flow_table_size / 4).max(1024);
+    [("flows", flow_table_size), ("half_open", half_open), ("half_open_ports", half_open), ("snat", 2 * flow_table_size)]
+}
+
+/// Whether an XDP program is attached to `interface` (either mode).
+pub fn attached(interface: &str) -> Result<bool> {
+    let ifindex = crate::netif::ifindex(interface)? as i32;
+    let devnull = std::fs::File::open("/dev/null")?;
+    let xdp = Xdp::new(devnull.as_fd());
+    Ok([XdpFlags::DRV_MODE, XdpFlags::SKB_MODE].into_iter().any(|f| xdp.query_id(ifindex, f).map(|id| id != 0).unwrap_or(false)))
 }
 
 /// Which XDP mode ended up attached.
@@ -36,36 +87,62 @@ pub enum Attached {
 
 /// Loads the program (reusing maps already pinned for `interface`) and
 /// attaches it, replacing an earlier instance of itself. On failure nothing
-/// new stays attached; maps pinned by this call are removed again.
-pub fn load_and_attach(interface: &str, mode: XdpMode) -> Result<Attached> {
+/// new stays attached; maps pinned by this call are removed again. The
+/// loaded object is returned: its `sweep` program ages the pinned tables
+/// for as long as the daemon runs.
+pub fn load_and_attach<'obj>(
+    storage: &'obj mut MaybeUninit<OpenObject>,
+    interface: &str,
+    mode: XdpMode,
+    flow_table_size: u32,
+) -> Result<(BalancerSkel<'obj>, Attached)> {
     let ifindex = crate::netif::ifindex(interface)? as i32;
     let dir = pin_dir(interface);
     let fresh = !dir.exists();
     std::fs::create_dir_all(&dir.0).with_context(|| format!("creating {}", dir.0.display()))?;
-    let result = load_and_attach_inner(interface, ifindex, mode, &dir);
+    let result = load(storage, interface, &dir, flow_table_size).and_then(|skel| {
+        let attached = attach(&skel, interface, ifindex, mode)?;
+        info!(interface, mode = ?attached, pins = %dir.0.display(), "balancer attached");
+        Ok((skel, attached))
+    });
     if result.is_err() && fresh {
         let _ = remove_pin_dir(&dir.0);
     }
     result
 }
 
-fn load_and_attach_inner(interface: &str, ifindex: i32, mode: XdpMode, dir: &PinDir) -> Result<Attached> {
-    let mut storage = MaybeUninit::uninit();
-    let mut open = BalancerSkelBuilder::default().open(&mut storage).context("opening the balancer BPF object")?;
+fn load<'obj>(
+    storage: &'obj mut MaybeUninit<OpenObject>,
+    interface: &str,
+    dir: &PinDir,
+    flow_table_size: u32,
+) -> Result<BalancerSkel<'obj>> {
+    let mut open = BalancerSkelBuilder::default().open(storage).context("opening the balancer BPF object")?;
+    let sizes = table_sizes(flow_table_size);
     for mut map in open.open_object_mut().maps_mut() {
         let name = map.name().to_string_lossy().into_owned();
-        if name.contains('.') {
-            continue; // <obj>.rodata/.bss: per instance, never shared
+        // <obj>.rodata/.bss and the checksum scratch space: per instance.
+        if name.contains('.') || name == "csum_scratch" {
+            continue;
+        }
+        if let Some((_, n)) = sizes.iter().find(|(m, _)| *m == name) {
+            map.set_max_entries(*n).with_context(|| format!("sizing map {name}"))?;
         }
         map.set_pin_path(dir.path(&name)).with_context(|| format!("pin path for {name}"))?;
     }
-    let skel = open.load().context(
-        "loading the balancer program (the kernel verifier refused it, or pinned maps from an incompatible \
-         version exist: run `inband lb detach --interface IF` and retry)",
-    )?;
+    open.load().with_context(|| {
+        format!(
+            "loading the balancer program: the kernel verifier refused it, or maps pinned by another version \
+             or with another flow_table_size exist (flow tables cannot be resized under live flows): \
+             run `inband lb detach --interface {interface}` and retry"
+        )
+    })
+}
+
+fn attach(skel: &BalancerSkel, interface: &str, ifindex: i32, mode: XdpMode) -> Result<Attached> {
     let xdp = Xdp::new(skel.progs.balancer.as_fd());
     let try_mode = |flags: XdpFlags| xdp.attach(ifindex, flags);
-    let attached = match mode {
+    Ok(match mode {
         XdpMode::Native => {
             try_mode(XdpFlags::DRV_MODE).with_context(|| native_hint(interface))?;
             Attached::Native
@@ -82,9 +159,7 @@ fn load_and_attach_inner(interface: &str, ifindex: i32, mode: XdpMode, dir: &Pin
                 Attached::Generic
             }
         },
-    };
-    info!(interface, mode = ?attached, pins = %dir.0.display(), "balancer attached");
-    Ok(attached)
+    })
 }
 
 fn native_hint(interface: &str) -> String {
@@ -102,6 +177,12 @@ pub fn detach(interface: &str, force: bool) -> Result<()> {
     let devnull = std::fs::File::open("/dev/null")?;
     let xdp = Xdp::new(devnull.as_fd());
     let dir = pin_dir(interface);
+    if let Some(pid) = crate::runlock::holder(&run_dir(interface)) {
+        bail!(
+            "inband lb (pid {pid}) is running on {interface}: stop it first (SIGTERM; the data path stays up), \
+             then detach"
+        );
+    }
     if !dir.exists() && !force {
         bail!(
             "no inband balancer state for {interface} ({} is missing); if an XDP program is attached it is \

@@ -1,7 +1,9 @@
 //! Run-time changes to a running balancer over a unix socket: one JSON
 //! request per line, one JSON reply per line. `inband lb ctl ...` is the
 //! client. Every change is validated like the config file and applied to the
-//! maps without touching flows, so established connections are unaffected.
+//! maps without touching flows: a removed VIP or backend drains (new
+//! connections refused or sent elsewhere, established ones kept until they
+//! end or `drain_timeout_ms`).
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddrV4;
@@ -29,7 +31,8 @@ pub enum ControlRequest {
         #[arg(long)]
         backend: SocketAddrV4,
     },
-    /// Remove a backend: no new connections; its established ones continue.
+    /// Remove a backend: no new connections; its established ones continue
+    /// until they end (or `drain_timeout_ms`).
     RemoveBackend {
         #[arg(long)]
         vip: SocketAddrV4,
@@ -135,6 +138,14 @@ pub fn change(cfg: &LbConfig, req: &ControlRequest, config_path: &Path) -> Resul
             if fresh.interface != cfg.interface || fresh.address != cfg.address {
                 bail!("reload cannot change `interface` or `address`: restart `inband lb` for that");
             }
+            if fresh.flow_table_size != cfg.flow_table_size {
+                bail!(
+                    "reload cannot resize the flow tables under live flows (flow_table_size {} -> {}): \
+                     detach and restart `inband lb` for that",
+                    cfg.flow_table_size,
+                    fresh.flow_table_size
+                );
+            }
             fresh.check_host()?;
             next = fresh;
         }
@@ -189,7 +200,18 @@ fn handle(stream: UnixStream, maps: &LbMaps, cfg: &Arc<Mutex<LbConfig>>, config_
         Ok(req) => {
             let mut guard = cfg.lock().unwrap();
             match change(&guard, &req, config_path).and_then(|next| {
-                tables::apply(maps, &next.vips)?;
+                // Nothing to apply to if someone removed the program by hand.
+                if !super::attach::attached(&next.interface)? {
+                    bail!(
+                        "no XDP program is attached to {} any more (detached by hand?): restart `inband lb`",
+                        next.interface
+                    );
+                }
+                if matches!(req, ControlRequest::Reload) {
+                    // Key rotation: the new key set and signing key at once.
+                    super::daemon::write_config(maps, &next, &next.auth.load_keys()?)?;
+                }
+                tables::apply(maps, &next.vips, next.drain_timeout_ms)?;
                 // New backends' next hops now, not at the next periodic pass.
                 super::neighbour::refresh(maps, &next.interface)?;
                 Ok(next)

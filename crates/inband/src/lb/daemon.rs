@@ -1,13 +1,16 @@
 //! `inband lb --config lb.toml`: attach, configure, then keep the control
-//! plane running (neighbours, polling, control socket, metrics) until
-//! SIGINT/SIGTERM. Stopping the daemon leaves the data path attached and
-//! its maps pinned: traffic keeps flowing and the next daemon takes over.
-//! `inband lb detach` is the explicit full clean-up.
+//! plane running (neighbours, polling, control socket, metrics, the flow
+//! sweeper) until SIGINT/SIGTERM. Stopping the daemon leaves the data path
+//! attached and its maps pinned: traffic keeps flowing (flows still expire
+//! on their own, only memory is not returned until the next daemon sweeps)
+//! and the next daemon takes over. `inband lb detach` is the explicit full
+//! clean-up. One daemon per interface: a second is refused.
 
+use std::mem::MaybeUninit;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use tracing::{error, info, warn};
@@ -15,42 +18,67 @@ use tracing::{error, info, warn};
 use super::config::LbConfig;
 use super::maps::LbConfig as LbConfigMap;
 use super::tables::{self, LbMaps};
-use super::{attach, control, neighbour, polling, snapshot};
+use super::{attach, control, neighbour, polling, snapshot, sweep};
 use crate::bpfmap;
 use crate::pod::be_addr;
+use crate::runlock::RunLock;
+
+/// How often the sweeper ages the flow tables.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 pub fn run(config_path: &Path) -> Result<()> {
     let cfg = LbConfig::load(config_path)?;
     cfg.check_host()?;
+    let keys = cfg.auth.load_keys()?;
+    // Before anything touches the interface: a second daemon must not
+    // replace the program or rewrite the maps under the first.
+    let lock = RunLock::take(&attach::run_dir(&cfg.interface), &format!("inband lb on {}", cfg.interface))?;
     let dir = attach::pin_dir(&cfg.interface);
     let fresh = !dir.exists();
-    attach::load_and_attach(&cfg.interface, cfg.xdp_mode)?;
-    let configured = (|| -> Result<()> {
-        let maps = LbMaps::open(&dir)?;
-        bpfmap::put(&maps.lb_config, &0u32, &LbConfigMap { self_addr: be_addr(cfg.address), flags: 0 })?;
-        tables::apply(&maps, &cfg.vips)?;
-        neighbour::refresh(&maps, &cfg.interface)?;
-        Ok(())
-    })();
-    if let Err(e) = configured {
-        if fresh {
-            // Nothing of ours was here before: leave nothing behind.
-            let _ = attach::detach(&cfg.interface, true);
+    let mut storage = MaybeUninit::uninit();
+    let (skel, _) = match attach::load_and_attach(&mut storage, &cfg.interface, cfg.xdp_mode, cfg.flow_table_size) {
+        Ok(s) => s,
+        Err(e) => {
+            lock.release();
+            return Err(e);
         }
-        return Err(e.context("configuring the balancer maps"));
-    }
+    };
+    let configured = (|| -> Result<LbMaps> {
+        let maps = LbMaps::open(&dir)?;
+        write_config(&maps, &cfg, &keys)?;
+        tables::apply(&maps, &cfg.vips, cfg.drain_timeout_ms)?;
+        neighbour::refresh(&maps, &cfg.interface)?;
+        Ok(maps)
+    })();
+    let maps = match configured {
+        Ok(m) => m,
+        Err(e) => {
+            if fresh {
+                // Nothing of ours was here before: leave nothing behind.
+                drop(lock);
+                let _ = attach::detach(&cfg.interface, true);
+            }
+            return Err(e.context("configuring the balancer maps"));
+        }
+    };
 
     let stop = Arc::new(AtomicBool::new(false));
     signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&stop))?;
     signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&stop))?;
+    // Every writer of the configuration maps (control socket, neighbour
+    // resolver, reaper) holds this lock: one writer at a time.
     let shared = Arc::new(Mutex::new(cfg.clone()));
     let mut workers = Vec::new();
 
     workers.push(spawn("neighbours", &dir, &stop, {
-        let interface = cfg.interface.clone();
+        let shared = Arc::clone(&shared);
         move |maps, stop| {
             while !stop.load(Ordering::Relaxed) {
-                let unresolved = neighbour::refresh(&maps, &interface)?;
+                let unresolved = {
+                    let cfg = shared.lock().unwrap();
+                    refresh_mtu(&maps, &cfg.interface)?;
+                    neighbour::refresh(&maps, &cfg.interface)?
+                };
                 // Poll fast while a next hop is missing (a SYN is waiting on it).
                 std::thread::sleep(Duration::from_millis(if unresolved > 0 { 100 } else { 1000 }));
             }
@@ -89,10 +117,23 @@ pub fn run(config_path: &Path) -> Result<()> {
         }));
     }
     info!(interface = %cfg.interface, vips = cfg.vips.len(), "inband lb running");
+    let mut last_sweep = Instant::now() - SWEEP_EVERY;
     while !stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(100));
         if workers.iter().any(|w| w.is_finished()) {
             stop.store(true, Ordering::Relaxed);
+        }
+        if last_sweep.elapsed() >= SWEEP_EVERY {
+            last_sweep = Instant::now();
+            if let Err(e) = sweep::run(&skel.progs.sweep, 0).and_then(|()| {
+                let _guard = shared.lock().unwrap();
+                for vip in tables::reap(&maps)? {
+                    info!(%vip, "removed VIP drained: its last flow ended");
+                }
+                Ok(())
+            }) {
+                warn!(error = %format!("{e:#}"), "sweeping the flow tables failed");
+            }
         }
     }
     let mut failed = false;
@@ -102,11 +143,54 @@ pub fn run(config_path: &Path) -> Result<()> {
             failed = true;
         }
     }
+    drop(skel);
+    lock.release();
     info!("inband lb stopped; the data path stays attached (`inband lb detach --interface {}` removes it)", cfg.interface);
     if failed {
         anyhow::bail!("a control-plane task failed (see the log above)");
     }
     Ok(())
+}
+
+/// Writes `lb_config` and the auth keys from `cfg`. The SNAT key is made
+/// once per data path: a restarted daemon keeps the running one's.
+pub fn write_config(maps: &LbMaps, cfg: &LbConfig, keys: &[(u8, crate::wire::Key)]) -> Result<()> {
+    let old: LbConfigMap = bpfmap::get(&maps.lb_config, &0u32)?.unwrap_or_default();
+    let snat_key = if old.snat_key != [0, 0] { old.snat_key } else { random_key()? };
+    crate::auth::write_keys(&maps.auth_keys, keys)?;
+    let mtu = crate::netif::mtu(&cfg.interface)?;
+    bpfmap::put(
+        &maps.lb_config,
+        &0u32,
+        &LbConfigMap {
+            self_addr: be_addr(cfg.address),
+            mtu,
+            auth_mode: cfg.auth.mode.to_c(),
+            sign_key: cfg.auth.signing_key(),
+            snat_key,
+        },
+    )
+}
+
+/// Follows the interface's MTU: no option is added to a packet it would
+/// push past it.
+fn refresh_mtu(maps: &LbMaps, interface: &str) -> Result<()> {
+    let mut c: LbConfigMap = bpfmap::get(&maps.lb_config, &0u32)?.unwrap_or_default();
+    let mtu = crate::netif::mtu(interface)?;
+    if c.mtu != mtu {
+        info!(interface, old = c.mtu, new = mtu, "interface MTU changed");
+        c.mtu = mtu;
+        bpfmap::put(&maps.lb_config, &0u32, &c)?;
+    }
+    Ok(())
+}
+
+fn random_key() -> Result<[u64; 2]> {
+    let mut b = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
+        .context("reading /dev/urandom")?;
+    Ok([u64::from_le_bytes(b[..8].try_into().unwrap()), u64::from_le_bytes(b[8..].try_into().unwrap())])
 }
 
 fn spawn<F>(name: &'static str, dir: &bpfmap::PinDir, stop: &Arc<AtomicBool>, f: F) -> std::thread::JoinHandle<Result<()>>

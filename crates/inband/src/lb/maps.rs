@@ -1,32 +1,82 @@
-//! Rust mirrors of bpf/include/inband/balancer_maps.h. Field names match C;
-//! address/port fields hold network-order bytes (see `pod::be_addr`).
+//! The balancer's map types: the structs bindgen generates from
+//! bpf/include/inband/balancer_maps.h (crate::bpf::shared), under the names
+//! the control plane uses, plus the modes, policies and counter names that
+//! status and metrics print. Address/port fields hold network-order bytes
+//! (see `pod::be_addr`).
 
-use crate::pod::pod;
+use crate::bpf::shared as c;
 
-pub const MAX_VIPS: u32 = 64;
-pub const MAX_BACKENDS_PER_VIP: u32 = 32;
-pub const MAX_BACKENDS: u32 = 1024;
+pub const MAX_VIPS: u32 = c::INBAND_MAX_VIPS;
+pub const MAX_BACKENDS_PER_VIP: u32 = c::INBAND_MAX_BACKENDS_PER_VIP;
+pub const MAX_BACKENDS: u32 = c::INBAND_MAX_BACKENDS;
+pub const SNAT_PORTS: u32 = c::INBAND_SNAT_PORT_MAX - c::INBAND_SNAT_PORT_MIN + 1;
 
-pub const BACKEND_ACTIVE: u16 = 1;
-pub const BACKEND_DRAINING: u16 = 2;
+pub const BACKEND_ACTIVE: u16 = c::INBAND_BACKEND_ACTIVE as u16;
+pub const BACKEND_DRAINING: u16 = c::INBAND_BACKEND_DRAINING as u16;
+pub const VIP_ACTIVE: u16 = c::INBAND_VIP_ACTIVE as u16;
+pub const VIP_DRAINING: u16 = c::INBAND_VIP_DRAINING as u16;
+
+pub const FLOW_SYN_SENT: u32 = c::INBAND_FLOW_SYN_SENT;
+pub const FLOW_ESTABLISHED: u32 = c::INBAND_FLOW_ESTABLISHED;
+pub const FLOW_CLOSING: u32 = c::INBAND_FLOW_CLOSING;
+pub const FLOW_PROBE_OUTSTANDING: u8 = c::INBAND_FLOW_PROBE_OUTSTANDING as u8;
+
+pub const GAUGE_TOTAL: u32 = c::INBAND_GAUGE_TOTAL;
+pub const GAUGE_VIP0: u32 = c::INBAND_GAUGE_VIP0;
+pub const GAUGE_BACKEND0: u32 = c::INBAND_GAUGE_BACKEND0;
+pub const GAUGES: u32 = c::INBAND_GAUGES;
+
+pub type VipKey = c::inband_vip_key;
+pub type Vip = c::inband_vip;
+pub type Backend = c::inband_backend;
+pub type BackendScore = c::inband_backend_score;
+pub type LbConfig = c::inband_lb_config;
+pub type FlowKey = c::inband_flow_key;
+pub type Flow = c::inband_flow;
+pub type NatKey = c::inband_nat_key;
+pub type SnatOwner = c::inband_snat_owner;
+pub type ProbeState = c::inband_probe_state;
+pub type BackendStats = c::inband_backend_stats;
+pub type VipStats = c::inband_vip_stats;
+pub type FlowGauges = c::inband_flow_gauges;
+pub type SweepStats = c::inband_sweep_stats;
+pub type ControlStats = c::inband_control_stats;
+
+crate::pod::pod!(
+    VipKey,
+    Vip,
+    Backend,
+    BackendScore,
+    LbConfig,
+    FlowKey,
+    Flow,
+    NatKey,
+    SnatOwner,
+    ProbeState,
+    BackendStats,
+    VipStats,
+    FlowGauges,
+    SweepStats,
+    ControlStats
+);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 #[repr(u8)]
 pub enum Mode {
-    Passthrough = 0,
-    DsrRr = 1,
-    DsrPolling = 2,
-    DsrDynamic = 3,
+    Passthrough = c::INBAND_MODE_PASSTHROUGH as u8,
+    DsrRr = c::INBAND_MODE_DSR_RR as u8,
+    DsrPolling = c::INBAND_MODE_DSR_POLLING as u8,
+    DsrDynamic = c::INBAND_MODE_DSR_DYNAMIC as u8,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 #[repr(u8)]
 pub enum Policy {
-    RoundRobin = 0,
-    LeastScore = 1,
-    PowerOfTwo = 2,
+    RoundRobin = c::INBAND_POLICY_ROUND_ROBIN as u8,
+    LeastScore = c::INBAND_POLICY_LEAST_SCORE as u8,
+    PowerOfTwo = c::INBAND_POLICY_POWER_OF_TWO as u8,
 }
 
 impl Mode {
@@ -40,6 +90,10 @@ impl Mode {
             Mode::DsrPolling => "dsr-polling",
             Mode::DsrDynamic => "dsr-dynamic",
         }
+    }
+    /// The modes that rank backends by their scores.
+    pub fn scored(self) -> bool {
+        matches!(self, Mode::DsrPolling | Mode::DsrDynamic)
     }
 }
 
@@ -56,207 +110,71 @@ impl Policy {
     }
 }
 
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct VipKey {
-    pub addr: u32,
-    pub port: u16,
-    pub proto: u8,
-    pub pad: u8,
+/// Names of `enum inband_drop_reason`, by index, as status and metrics show them.
+pub const DROP_NAMES: [&str; c::INBAND_DROP_MAX as usize] = [
+    "malformed_ip",
+    "malformed_option",
+    "truncated_l4",
+    "fragment",
+    "no_backend",
+    "flow_table_full",
+    "snat_exhausted",
+    "no_flow",
+    "score_not_owner",
+    "no_route",
+    "ip_options",
+    "adjust_failed",
+    "unexpected_option",
+    "flow_expired",
+    "vip_draining",
+    "bad_checksum",
+    "ttl_exceeded",
+    "vlan",
+];
+
+/// Names of `enum inband_event`, by index.
+pub const EVENT_NAMES: [&str; c::INBAND_EV_MAX as usize] = [
+    "score_unsolicited",
+    "score_bad_mac",
+    "score_wrong_format",
+    "probe_deferred_mtu",
+    "tuple_skipped_mtu",
+    "flows_promoted",
+    "flows_closed",
+    "flows_expired",
+    "snat_preempt_half_open",
+    "snat_preempt_closing",
+    "snat_orphans_reclaimed",
+    "syn_on_live_flow",
+    "icmp_to_backend",
+    "icmp_to_client",
+    "backend_full",
+    "drained_flows_ended",
+];
+
+/// The index of a drop reason by name (tests and benchmarks look them up so).
+pub fn drop_index(name: &str) -> usize {
+    DROP_NAMES.iter().position(|n| *n == name).unwrap_or_else(|| panic!("no drop reason {name}"))
 }
 
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Vip {
-    pub id: u32,
-    pub mode: u8,
-    pub policy: u8,
-    pub backend_count: u16,
-    pub probe_interval: u32,
-    pub pad: u32,
-    pub score_max_age_ns: u64,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Backend {
-    pub addr: u32,
-    pub port: u16,
-    pub mac: [u8; 6],
-    pub flags: u16,
-    pub pad: u16,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct BackendScore {
-    pub score: u32,
-    pub assigned_since: u32,
-    pub updated_ns: u64,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct LbConfig {
-    pub self_addr: u32,
-    pub flags: u32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct FlowKey {
-    pub client_addr: u32,
-    pub vip_addr: u32,
-    pub client_port: u16,
-    pub vip_port: u16,
-    pub proto: u8,
-    pub pad: [u8; 3],
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Flow {
-    pub backend_addr: u32,
-    pub backend_port: u16,
-    pub snat_port: u16,
-    pub backend_id: u32,
-    pub vip_id: u32,
-    pub client_mac: [u8; 6],
-    pub mode: u8,
-    pub pad: u8,
-    pub syn_seq: u32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct NatKey {
-    pub backend_addr: u32,
-    pub backend_port: u16,
-    pub snat_port: u16,
-    pub proto: u8,
-    pub pad: [u8; 3],
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct NatBack {
-    pub client_addr: u32,
-    pub vip_addr: u32,
-    pub client_port: u16,
-    pub vip_port: u16,
-    pub backend_id: u32,
-    pub vip_id: u32,
-    pub client_mac: [u8; 6],
-    pub pad: [u8; 2],
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct BackendStats {
-    pub packets: u64,
-    pub bytes: u64,
-    pub return_packets: u64,
-    pub return_bytes: u64,
-    pub new_conns: u64,
-    pub probes_sent: u64,
-    pub scores_received: u64,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct VipStats {
-    pub packets: u64,
-    pub bytes: u64,
-    pub return_packets: u64,
-    pub return_bytes: u64,
-    pub new_conns: u64,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct ControlStats {
-    pub polls_sent: u64,
-    pub poll_replies: u64,
-    pub poll_bytes: u64,
-    pub poll_failures: u64,
-}
-
-pod!(VipKey, Vip, Backend, BackendScore, LbConfig, FlowKey, Flow, NatKey, NatBack, BackendStats, VipStats, ControlStats);
-
-/// Index into the `drops` map; names as `inband status` and metrics show them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u32)]
-pub enum DropReason {
-    MalformedIp = 0,
-    MalformedOption = 1,
-    TruncatedL4 = 2,
-    Fragment = 3,
-    NoBackend = 4,
-    FlowTableFull = 5,
-    SnatExhausted = 6,
-    NoFlow = 7,
-    ScoreNotOwner = 8,
-    NoRoute = 9,
-    IpOptions = 10,
-    AdjustFailed = 11,
-    UnexpectedOption = 12,
-}
-
-impl DropReason {
-    pub const ALL: [DropReason; 13] = [
-        DropReason::MalformedIp,
-        DropReason::MalformedOption,
-        DropReason::TruncatedL4,
-        DropReason::Fragment,
-        DropReason::NoBackend,
-        DropReason::FlowTableFull,
-        DropReason::SnatExhausted,
-        DropReason::NoFlow,
-        DropReason::ScoreNotOwner,
-        DropReason::NoRoute,
-        DropReason::IpOptions,
-        DropReason::AdjustFailed,
-        DropReason::UnexpectedOption,
-    ];
-    pub fn name(self) -> &'static str {
-        match self {
-            DropReason::MalformedIp => "malformed_ip",
-            DropReason::MalformedOption => "malformed_option",
-            DropReason::TruncatedL4 => "truncated_l4",
-            DropReason::Fragment => "fragment",
-            DropReason::NoBackend => "no_backend",
-            DropReason::FlowTableFull => "flow_table_full",
-            DropReason::SnatExhausted => "snat_exhausted",
-            DropReason::NoFlow => "no_flow",
-            DropReason::ScoreNotOwner => "score_not_owner",
-            DropReason::NoRoute => "no_route",
-            DropReason::IpOptions => "ip_options",
-            DropReason::AdjustFailed => "adjust_failed",
-            DropReason::UnexpectedOption => "unexpected_option",
-        }
-    }
+pub fn event_index(name: &str) -> usize {
+    EVENT_NAMES.iter().position(|n| *n == name).unwrap_or_else(|| panic!("no event {name}"))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::mem::size_of;
 
-    /// Sizes from balancer_maps.h (a padding mistake on either side shows here
-    /// before it shows as garbage in a map).
+    /// The names follow the C enums' order: a reason added in C without a
+    /// name here fails to compile (array length); one in the wrong place
+    /// fails here.
     #[test]
-    fn sizes_match_the_c_header() {
-        assert_eq!(size_of::<VipKey>(), 8);
-        assert_eq!(size_of::<Vip>(), 24);
-        assert_eq!(size_of::<Backend>(), 16);
-        assert_eq!(size_of::<BackendScore>(), 16);
-        assert_eq!(size_of::<LbConfig>(), 8);
-        assert_eq!(size_of::<FlowKey>(), 16);
-        assert_eq!(size_of::<Flow>(), 28);
-        assert_eq!(size_of::<NatKey>(), 12);
-        assert_eq!(size_of::<NatBack>(), 28);
-        assert_eq!(size_of::<BackendStats>(), 56);
-        assert_eq!(size_of::<VipStats>(), 40);
-        assert_eq!(size_of::<ControlStats>(), 32);
+    fn names_follow_the_c_enums() {
+        assert_eq!(drop_index("no_flow"), c::INBAND_DROP_NO_FLOW as usize);
+        assert_eq!(drop_index("vlan"), c::INBAND_DROP_VLAN as usize);
+        assert_eq!(drop_index("bad_checksum"), c::INBAND_DROP_BAD_CHECKSUM as usize);
+        assert_eq!(event_index("score_bad_mac"), c::INBAND_EV_SCORE_BAD_MAC as usize);
+        assert_eq!(event_index("drained_flows_ended"), c::INBAND_EV_DRAINED_FLOWS_ENDED as usize);
+        assert_eq!(event_index("icmp_to_client"), c::INBAND_EV_ICMP_TO_CLIENT as usize);
     }
 }

@@ -7,5 +7,7 @@ pub mod daemon;
 pub mod maps;
 pub mod neighbour;
 pub mod polling;
+pub mod private;
 pub mod snapshot;
+pub mod sweep;
 pub mod tables;

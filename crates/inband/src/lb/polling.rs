@@ -79,7 +79,7 @@ pub fn run(maps: &LbMaps, cfg: &Arc<Mutex<LbConfig>>, stop: &AtomicBool) -> Resu
             stats.poll_bytes += n as u64 + WIRE_OVERHEAD;
             let now = tables::ktime_ns();
             for id in ids.get(&SocketAddrV4::new(*from.ip(), port)).into_iter().flatten() {
-                bpfmap::put(&maps.scores, id, &BackendScore { score, assigned_since: 0, updated_ns: now })?;
+                bpfmap::put(&maps.scores, id, &BackendScore { score, updated_ns: now, ..Default::default() })?;
             }
         }
         stats.poll_failures += waiting.len() as u64;

@@ -1,6 +1,7 @@
 //! A point-in-time view of a balancer read from its pinned maps: what
 //! `inband status` prints and the metrics endpoint exports. Reading needs
-//! only the pins, not the daemon.
+//! only the pins, not the daemon, and never walks the flow tables: flow
+//! counts come from the gauges the sweeper writes each pass.
 
 use std::collections::BTreeMap;
 
@@ -15,21 +16,56 @@ use crate::pod::addr_of;
 #[derive(Debug, Serialize)]
 pub struct Snapshot {
     pub interface: String,
+    /// The network namespace the balancer runs in ("" = the host's).
+    pub netns: String,
     pub address: String,
-    pub flows: usize,
+    pub mtu: u16,
+    pub auth: &'static str,
+    /// Live established + closing flows at the last sweep.
+    pub flows: u64,
+    pub flow_table: FlowTable,
     pub vips: Vec<VipSnapshot>,
     pub drops: BTreeMap<&'static str, u64>,
-    pub control: ControlStats,
+    pub events: BTreeMap<&'static str, u64>,
+    pub control: Control,
+}
+
+#[derive(Debug, Serialize)]
+pub struct FlowTable {
+    pub established: u64,
+    pub closing: u64,
+    pub half_open: u64,
+    pub snat_reservations: u64,
+    pub sweeps: u64,
+    /// Milliseconds since the last sweep; `None` = never swept (no daemon
+    /// has run since the data path was attached).
+    pub last_sweep_ms_ago: Option<u64>,
+    pub last_sweep_duration_us: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Control {
+    pub polls_sent: u64,
+    pub poll_replies: u64,
+    pub poll_bytes: u64,
+    pub poll_failures: u64,
 }
 
 #[derive(Debug, Serialize)]
 pub struct VipSnapshot {
     pub vip: String,
+    pub state: &'static str,
+    /// Draining with a deadline: seconds until its remaining flows are ended.
+    pub drain_left_s: Option<u64>,
     pub mode: &'static str,
     pub policy: &'static str,
     pub probe_interval: u32,
     pub score_max_age_ms: u64,
-    pub stats: VipStats,
+    pub syn_timeout_ms: u64,
+    pub idle_timeout_s: u64,
+    pub closing_timeout_ms: u64,
+    pub flows: u64,
+    pub stats: Counters,
     pub backends: Vec<BackendSnapshot>,
 }
 
@@ -38,31 +74,64 @@ pub struct BackendSnapshot {
     pub id: u32,
     pub backend: String,
     pub state: &'static str,
+    pub drain_left_s: Option<u64>,
     pub mac: String,
     pub score: Option<u32>,
     /// Milliseconds since the score was measured; `None` = never.
     pub score_age_ms: Option<u64>,
     pub stale: bool,
-    pub assigned_since_score: u32,
-    pub stats: BackendStats,
+    pub opened_since_score: u32,
+    pub closed_since_score: u32,
+    /// What least-score and power-of-two rank by (select.h).
+    pub load_estimate: u64,
+    pub flows: u64,
+    pub stats: Counters,
 }
 
-fn add_backend(t: &mut BackendStats, v: &BackendStats) {
-    t.packets += v.packets;
-    t.bytes += v.bytes;
-    t.return_packets += v.return_packets;
-    t.return_bytes += v.return_bytes;
-    t.new_conns += v.new_conns;
-    t.probes_sent += v.probes_sent;
-    t.scores_received += v.scores_received;
+/// Named counters of a per-CPU stats struct, summed over CPUs.
+pub type Counters = BTreeMap<&'static str, u64>;
+
+fn backend_counters(s: &BackendStats) -> Counters {
+    Counters::from([
+        ("packets", s.packets),
+        ("bytes", s.bytes),
+        ("return_packets", s.return_packets),
+        ("return_bytes", s.return_bytes),
+        ("new_conns", s.new_conns),
+        ("closed_conns", s.closed_conns),
+        ("probes_sent", s.probes_sent),
+        ("scores_received", s.scores_received),
+    ])
 }
 
-fn add_vip(t: &mut VipStats, v: &VipStats) {
-    t.packets += v.packets;
-    t.bytes += v.bytes;
-    t.return_packets += v.return_packets;
-    t.return_bytes += v.return_bytes;
-    t.new_conns += v.new_conns;
+fn vip_counters(s: &VipStats) -> Counters {
+    Counters::from([
+        ("packets", s.packets),
+        ("bytes", s.bytes),
+        ("return_packets", s.return_packets),
+        ("return_bytes", s.return_bytes),
+        ("new_conns", s.new_conns),
+        ("closed_conns", s.closed_conns),
+    ])
+}
+
+/// The load estimate the data path ranks by: the report, halved for every
+/// max age it is old, plus connections opened minus ended since.
+pub fn load_estimate(s: &BackendScore, now: u64, max_age_ns: u64) -> u64 {
+    let mut base = u64::from(s.score);
+    if s.updated_ns != 0 && max_age_ns != 0 && now > s.updated_ns + max_age_ns {
+        let halvings = (now - s.updated_ns) / max_age_ns;
+        base = if halvings >= 32 { 0 } else { base >> halvings };
+    }
+    (base + u64::from(s.opened)).saturating_sub(u64::from(s.closed))
+}
+
+fn drain_left(deadline: u64, now: u64) -> Option<u64> {
+    (deadline != 0).then(|| deadline.saturating_sub(now) / 1_000_000_000)
+}
+
+fn live(g: FlowGauges) -> u64 {
+    g.established + g.closing
 }
 
 pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
@@ -74,6 +143,16 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
         for (id, b) in &v.slots {
             let s: BackendScore = bpfmap::get(&maps.scores, id)?.unwrap_or_default();
             let age = (s.updated_ns != 0).then(|| now.saturating_sub(s.updated_ns));
+            let stats = tables::sum_percpu(&maps.backend_stats, *id, |t: &mut BackendStats, x| {
+                t.packets += x.packets;
+                t.bytes += x.bytes;
+                t.return_packets += x.return_packets;
+                t.return_bytes += x.return_bytes;
+                t.new_conns += x.new_conns;
+                t.closed_conns += x.closed_conns;
+                t.probes_sent += x.probes_sent;
+                t.scores_received += x.scores_received;
+            })?;
             backends.push(BackendSnapshot {
                 id: *id,
                 backend: tables::backend_endpoint(b).to_string(),
@@ -82,36 +161,73 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
                     BACKEND_DRAINING => "draining",
                     _ => "removed",
                 },
+                drain_left_s: drain_left(b.drain_deadline_ns, now),
                 mac: crate::netif::format_mac(&b.mac),
                 score: age.map(|_| s.score),
                 score_age_ms: age.map(|a| a / 1_000_000),
                 stale: age.map_or(true, |a| a > v.vip.score_max_age_ns),
-                assigned_since_score: s.assigned_since,
-                stats: tables::sum_percpu(&maps.backend_stats, *id, add_backend)?,
+                opened_since_score: s.opened,
+                closed_since_score: s.closed,
+                load_estimate: load_estimate(&s, now, v.vip.score_max_age_ns),
+                flows: live(tables::gauge(maps, GAUGE_BACKEND0 + id)?),
+                stats: backend_counters(&stats),
             });
         }
+        let stats = tables::sum_percpu(&maps.vip_stats, v.id, |t: &mut VipStats, x| {
+            t.packets += x.packets;
+            t.bytes += x.bytes;
+            t.return_packets += x.return_packets;
+            t.return_bytes += x.return_bytes;
+            t.new_conns += x.new_conns;
+            t.closed_conns += x.closed_conns;
+        })?;
         vips.push(VipSnapshot {
             vip: v.endpoint.to_string(),
+            state: if v.draining() { "draining" } else { "active" },
+            drain_left_s: drain_left(v.vip.drain_deadline_ns, now),
             mode: Mode::from_u8(v.vip.mode).map_or("unknown", Mode::name),
             policy: Policy::from_u8(v.vip.policy).map_or("unknown", Policy::name),
             probe_interval: v.vip.probe_interval,
             score_max_age_ms: v.vip.score_max_age_ns / 1_000_000,
-            stats: tables::sum_percpu(&maps.vip_stats, v.vip.id, add_vip)?,
+            syn_timeout_ms: v.vip.syn_timeout_ns / 1_000_000,
+            idle_timeout_s: v.vip.idle_timeout_ns / 1_000_000_000,
+            closing_timeout_ms: v.vip.closing_timeout_ns / 1_000_000,
+            flows: live(tables::gauge(maps, GAUGE_VIP0 + v.id)?),
+            stats: vip_counters(&stats),
             backends,
         });
     }
-    let mut drops = BTreeMap::new();
-    for r in DropReason::ALL {
-        let per_cpu: Vec<u64> = bpfmap::get_percpu(&maps.drops, &(r as u32))?;
-        drops.insert(r.name(), per_cpu.iter().sum());
-    }
+    let named = |map, names: &'static [&'static str]| -> Result<BTreeMap<&'static str, u64>> {
+        Ok(names.iter().copied().zip(tables::counters(map, names.len())?).collect())
+    };
+    let total = tables::gauge(maps, GAUGE_TOTAL)?;
+    let sweep: SweepStats = bpfmap::get(&maps.sweep_stats, &0u32)?.unwrap_or_default();
+    let control: ControlStats = bpfmap::get(&maps.control_stats, &0u32)?.unwrap_or_default();
     Ok(Snapshot {
         interface: interface.to_string(),
+        netns: crate::bpfmap::current_netns_name().unwrap_or_default(),
         address: addr_of(cfg.self_addr).to_string(),
-        flows: bpfmap::count(&maps.flows),
+        mtu: cfg.mtu,
+        auth: if u32::from(cfg.auth_mode) == crate::bpf::shared::INBAND_AUTH_NONE { "none (seed options)" } else { "siphash" },
+        flows: live(total),
+        flow_table: FlowTable {
+            established: total.established,
+            closing: total.closing,
+            half_open: sweep.half_open,
+            snat_reservations: sweep.snat_entries,
+            sweeps: sweep.passes,
+            last_sweep_ms_ago: (sweep.passes > 0).then(|| now.saturating_sub(sweep.last_ns) / 1_000_000),
+            last_sweep_duration_us: sweep.last_duration_ns / 1000,
+        },
         vips,
-        drops,
-        control: bpfmap::get(&maps.control_stats, &0u32)?.unwrap_or_default(),
+        drops: named(&maps.drops, &DROP_NAMES)?,
+        events: named(&maps.events, &EVENT_NAMES)?,
+        control: Control {
+            polls_sent: control.polls_sent,
+            poll_replies: control.poll_replies,
+            poll_bytes: control.poll_bytes,
+            poll_failures: control.poll_failures,
+        },
     })
 }
 
@@ -119,34 +235,64 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
 pub fn render_table(s: &Snapshot) -> String {
     use std::fmt::Write;
     let mut o = String::new();
-    let _ = writeln!(o, "balancer on {} ({}), {} flows in table", s.interface, s.address, s.flows);
+    let t = &s.flow_table;
+    let ns = if s.netns.is_empty() { String::new() } else { format!(" in netns {}", s.netns) };
+    let _ = writeln!(o, "balancer on {}{ns} ({}, MTU {}, options: {})", s.interface, s.address, s.mtu, s.auth);
+    let _ = writeln!(
+        o,
+        "flows: {} established, {} closing, {} half-open, {} SNAT reservations; {}",
+        t.established,
+        t.closing,
+        t.half_open,
+        t.snat_reservations,
+        match t.last_sweep_ms_ago {
+            Some(ms) => format!("swept {ms} ms ago in {} us", t.last_sweep_duration_us),
+            None => "never swept (no daemon running?)".to_string(),
+        }
+    );
     for v in &s.vips {
+        let drain = v.drain_left_s.map_or(String::new(), |d| format!(" ({d} s left)"));
         let _ = writeln!(
             o,
-            "\nVIP {}  mode {}  policy {}  probe every {} pkts  score max age {} ms  conns {}  pkts in {} / back {}",
-            v.vip, v.mode, v.policy, v.probe_interval, v.score_max_age_ms, v.stats.new_conns, v.stats.packets, v.stats.return_packets
+            "\nVIP {}  {}{drain}  mode {}  policy {}  probe every {} pkts  score max age {} ms  timeouts syn {} ms / idle {} s / closing {} ms  flows {}  conns {}",
+            v.vip,
+            v.state,
+            v.mode,
+            v.policy,
+            v.probe_interval,
+            v.score_max_age_ms,
+            v.syn_timeout_ms,
+            v.idle_timeout_s,
+            v.closing_timeout_ms,
+            v.flows,
+            v.stats["new_conns"]
         );
         let _ = writeln!(
             o,
-            "  {:<4} {:<22} {:<9} {:>6} {:>9} {:>6} {:>8} {:>10} {:>12} {:>10} {:>8} {:>7}",
-            "id", "backend", "state", "score", "age ms", "stale", "conns", "pkts", "bytes", "back pkts", "probes", "scores"
+            "  {:<4} {:<22} {:<14} {:>6} {:>8} {:>5} {:>8} {:>6} {:>8} {:>10} {:>10} {:>7} {:>7}",
+            "id", "backend", "state", "score", "age ms", "stale", "estimate", "flows", "conns", "pkts", "back pkts", "probes", "scores"
         );
         for b in &v.backends {
+            let state = match b.drain_left_s {
+                Some(d) => format!("{} {d}s", b.state),
+                None => b.state.to_string(),
+            };
             let _ = writeln!(
                 o,
-                "  {:<4} {:<22} {:<9} {:>6} {:>9} {:>6} {:>8} {:>10} {:>12} {:>10} {:>8} {:>7}",
+                "  {:<4} {:<22} {:<14} {:>6} {:>8} {:>5} {:>8} {:>6} {:>8} {:>10} {:>10} {:>7} {:>7}",
                 b.id,
                 b.backend,
-                b.state,
+                state,
                 b.score.map_or("-".into(), |x| x.to_string()),
                 b.score_age_ms.map_or("-".into(), |x| x.to_string()),
                 if b.stale { "yes" } else { "no" },
-                b.stats.new_conns,
-                b.stats.packets,
-                b.stats.bytes,
-                b.stats.return_packets,
-                b.stats.probes_sent,
-                b.stats.scores_received
+                b.load_estimate,
+                b.flows,
+                b.stats["new_conns"],
+                b.stats["packets"],
+                b.stats["return_packets"],
+                b.stats["probes_sent"],
+                b.stats["scores_received"]
             );
         }
     }
@@ -156,8 +302,16 @@ pub fn render_table(s: &Snapshot) -> String {
         "\npolling: {} requests, {} replies, {} failures, {} bytes",
         c.polls_sent, c.poll_replies, c.poll_failures, c.poll_bytes
     );
-    let nonzero: Vec<String> = s.drops.iter().filter(|(_, n)| **n > 0).map(|(k, n)| format!("{k}={n}")).collect();
-    let _ = writeln!(o, "drops: {}", if nonzero.is_empty() { "none".into() } else { nonzero.join(" ") });
+    let nonzero = |m: &BTreeMap<&str, u64>| -> String {
+        let v: Vec<String> = m.iter().filter(|(_, n)| **n > 0).map(|(k, n)| format!("{k}={n}")).collect();
+        if v.is_empty() {
+            "none".into()
+        } else {
+            v.join(" ")
+        }
+    };
+    let _ = writeln!(o, "drops: {}", nonzero(&s.drops));
+    let _ = writeln!(o, "events: {}", nonzero(&s.events));
     o
 }
 
@@ -165,34 +319,56 @@ pub fn render_table(s: &Snapshot) -> String {
 pub fn render_prometheus(s: &Snapshot) -> String {
     use std::fmt::Write;
     let mut o = String::new();
-    let _ = writeln!(o, "# TYPE inband_flows gauge\ninband_flows{{interface=\"{}\"}} {}", s.interface, s.flows);
-    let vip_counters: [(&str, fn(&VipStats) -> u64); 5] = [
-        ("inband_vip_packets_total", |v| v.packets),
-        ("inband_vip_bytes_total", |v| v.bytes),
-        ("inband_vip_return_packets_total", |v| v.return_packets),
-        ("inband_vip_return_bytes_total", |v| v.return_bytes),
-        ("inband_vip_connections_total", |v| v.new_conns),
-    ];
-    for (name, f) in vip_counters {
-        let _ = writeln!(o, "# TYPE {name} counter");
+    let i = &s.interface;
+    let t = &s.flow_table;
+    let _ = writeln!(o, "# TYPE inband_flows gauge");
+    for (state, n) in [("established", t.established), ("closing", t.closing), ("half_open", t.half_open)] {
+        let _ = writeln!(o, "inband_flows{{interface=\"{i}\",state=\"{state}\"}} {n}");
+    }
+    let _ = writeln!(o, "# TYPE inband_snat_reservations gauge\ninband_snat_reservations{{interface=\"{i}\"}} {}", t.snat_reservations);
+    let _ = writeln!(o, "# TYPE inband_sweeps_total counter\ninband_sweeps_total{{interface=\"{i}\"}} {}", t.sweeps);
+    let _ = writeln!(
+        o,
+        "# TYPE inband_sweep_duration_seconds gauge\ninband_sweep_duration_seconds{{interface=\"{i}\"}} {}",
+        t.last_sweep_duration_us as f64 / 1e6
+    );
+    let _ = writeln!(o, "# TYPE inband_vip_flows gauge");
+    for v in &s.vips {
+        let _ = writeln!(o, "inband_vip_flows{{vip=\"{}\",state=\"{}\"}} {}", v.vip, v.state, v.flows);
+    }
+    for name in ["packets", "bytes", "return_packets", "return_bytes", "new_conns", "closed_conns"] {
+        let metric = format!("inband_vip_{}_total", name.replace("new_conns", "connections").replace("closed_conns", "closed_connections"));
+        let _ = writeln!(o, "# TYPE {metric} counter");
         for v in &s.vips {
-            let _ = writeln!(o, "{name}{{vip=\"{}\",mode=\"{}\"}} {}", v.vip, v.mode, f(&v.stats));
+            let _ = writeln!(o, "{metric}{{vip=\"{}\",mode=\"{}\"}} {}", v.vip, v.mode, v.stats[name]);
         }
     }
-    let be_counters: [(&str, fn(&BackendStats) -> u64); 7] = [
-        ("inband_backend_packets_total", |b| b.packets),
-        ("inband_backend_bytes_total", |b| b.bytes),
-        ("inband_backend_return_packets_total", |b| b.return_packets),
-        ("inband_backend_return_bytes_total", |b| b.return_bytes),
-        ("inband_backend_connections_total", |b| b.new_conns),
-        ("inband_backend_probes_total", |b| b.probes_sent),
-        ("inband_backend_scores_total", |b| b.scores_received),
-    ];
-    for (name, f) in be_counters {
-        let _ = writeln!(o, "# TYPE {name} counter");
+    for name in ["packets", "bytes", "return_packets", "return_bytes", "new_conns", "closed_conns", "probes_sent", "scores_received"] {
+        let metric = format!(
+            "inband_backend_{}_total",
+            match name {
+                "new_conns" => "connections",
+                "closed_conns" => "closed_connections",
+                "probes_sent" => "probes",
+                "scores_received" => "scores",
+                other => other,
+            }
+        );
+        let _ = writeln!(o, "# TYPE {metric} counter");
         for v in &s.vips {
             for b in &v.backends {
-                let _ = writeln!(o, "{name}{{vip=\"{}\",backend=\"{}\"}} {}", v.vip, b.backend, f(&b.stats));
+                let _ = writeln!(o, "{metric}{{vip=\"{}\",backend=\"{}\"}} {}", v.vip, b.backend, b.stats[name]);
+            }
+        }
+    }
+    for (metric, f) in [
+        ("inband_backend_flows", (|b: &BackendSnapshot| b.flows) as fn(&BackendSnapshot) -> u64),
+        ("inband_backend_load_estimate", |b| b.load_estimate),
+    ] {
+        let _ = writeln!(o, "# TYPE {metric} gauge");
+        for v in &s.vips {
+            for b in &v.backends {
+                let _ = writeln!(o, "{metric}{{vip=\"{}\",backend=\"{}\",state=\"{}\"}} {}", v.vip, b.backend, b.state, f(b));
             }
         }
     }
@@ -208,9 +384,32 @@ pub fn render_prometheus(s: &Snapshot) -> String {
     for (k, n) in &s.drops {
         let _ = writeln!(o, "inband_drops_total{{reason=\"{k}\"}} {n}");
     }
+    let _ = writeln!(o, "# TYPE inband_events_total counter");
+    for (k, n) in &s.events {
+        let _ = writeln!(o, "inband_events_total{{event=\"{k}\"}} {n}");
+    }
     let c = &s.control;
     let _ = writeln!(o, "# TYPE inband_poll_requests_total counter\ninband_poll_requests_total {}", c.polls_sent);
     let _ = writeln!(o, "# TYPE inband_poll_replies_total counter\ninband_poll_replies_total {}", c.poll_replies);
     let _ = writeln!(o, "# TYPE inband_poll_bytes_total counter\ninband_poll_bytes_total {}", c.poll_bytes);
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_estimate_decays_when_old_and_follows_connections() {
+        let s = BackendScore { score: 64, opened: 3, closed: 1, pad: 0, updated_ns: 1_000 };
+        let max_age = 1_000_000_000;
+        assert_eq!(load_estimate(&s, 1_000 + max_age, max_age), 66, "fresh: 64 + 3 - 1");
+        assert_eq!(load_estimate(&s, 1_001 + max_age, max_age), 32 + 2, "just past the max age: halved once");
+        assert_eq!(load_estimate(&s, 1_001 + 2 * max_age, max_age), 16 + 2, "two max ages old: halved twice");
+        assert_eq!(load_estimate(&s, 1_000 + 40 * max_age, max_age), 2, "a very old report counts for nothing");
+        let closed_more = BackendScore { closed: 100, ..s };
+        assert_eq!(load_estimate(&closed_more, 2_000, max_age), 0, "never below zero");
+        let never = BackendScore { score: 500, updated_ns: 0, opened: 2, ..Default::default() };
+        assert_eq!(load_estimate(&never, 99 * max_age, max_age), 502, "no report yet: not decayed (score is 0 in practice)");
+    }
 }

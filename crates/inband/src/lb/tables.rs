@@ -1,7 +1,9 @@
 //! The balancer's configuration as it lives in the (pinned) BPF maps: VIP
 //! ids, backend ids and slots. `apply` makes the maps match a config without
-//! touching flows, so established connections survive every change; `read`
-//! recovers the state after a daemon restart.
+//! touching flows: a removed VIP or backend drains (no new connections, its
+//! established ones kept until they end or the drain deadline); `reap`
+//! frees what has finished draining; `read` recovers the state after a
+//! daemon restart. Every writer holds the daemon's config lock.
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddrV4;
@@ -19,15 +21,21 @@ pub const IPPROTO_TCP: u8 = 6;
 /// Handles on the balancer's pinned maps.
 pub struct LbMaps {
     pub lb_config: MapHandle,
+    pub auth_keys: MapHandle,
     pub vips: MapHandle,
+    pub vip_conf: MapHandle,
     pub backends: MapHandle,
     pub vip_backends: MapHandle,
     pub scores: MapHandle,
     pub flows: MapHandle,
-    pub nat_back: MapHandle,
+    pub half_open: MapHandle,
+    pub snat: MapHandle,
     pub backend_stats: MapHandle,
     pub vip_stats: MapHandle,
     pub drops: MapHandle,
+    pub events: MapHandle,
+    pub gauges: MapHandle,
+    pub sweep_stats: MapHandle,
     pub control_stats: MapHandle,
 }
 
@@ -35,15 +43,21 @@ impl LbMaps {
     pub fn open(dir: &PinDir) -> Result<LbMaps> {
         Ok(LbMaps {
             lb_config: dir.open("lb_config")?,
+            auth_keys: dir.open("auth_keys")?,
             vips: dir.open("vips")?,
+            vip_conf: dir.open("vip_conf")?,
             backends: dir.open("backends")?,
             vip_backends: dir.open("vip_backends")?,
             scores: dir.open("scores")?,
             flows: dir.open("flows")?,
-            nat_back: dir.open("nat_back")?,
+            half_open: dir.open("half_open")?,
+            snat: dir.open("snat")?,
             backend_stats: dir.open("backend_stats")?,
             vip_stats: dir.open("vip_stats")?,
             drops: dir.open("drops")?,
+            events: dir.open("events")?,
+            gauges: dir.open("gauges")?,
+            sweep_stats: dir.open("sweep_stats")?,
             control_stats: dir.open("control_stats")?,
         })
     }
@@ -56,62 +70,71 @@ pub fn vip_key(ep: SocketAddrV4) -> VipKey {
 /// One VIP as found in the maps.
 #[derive(Clone, Debug)]
 pub struct VipEntry {
+    pub id: u32,
     pub endpoint: SocketAddrV4,
     pub vip: Vip,
     /// (backend id, backend) for slots [0, backend_count).
     pub slots: Vec<(u32, Backend)>,
 }
 
+impl VipEntry {
+    pub fn draining(&self) -> bool {
+        self.vip.flags & VIP_DRAINING != 0
+    }
+}
+
 pub fn backend_endpoint(b: &Backend) -> SocketAddrV4 {
     SocketAddrV4::new(addr_of(b.addr), port_of(b.port))
 }
 
-/// Reads every VIP with its backends, ordered by VIP id.
+/// Reads every VIP (draining ones included) with its backends, by id.
 pub fn read(maps: &LbMaps) -> Result<Vec<VipEntry>> {
     let mut out = Vec::new();
-    for (k, vip) in bpfmap::entries::<VipKey, Vip>(&maps.vips)? {
+    for (k, id) in bpfmap::entries::<VipKey, u32>(&maps.vips)? {
+        let vip: Vip = bpfmap::get(&maps.vip_conf, &id)?.unwrap_or_default();
         let mut slots = Vec::new();
         for slot in 0..u32::from(vip.backend_count).min(MAX_BACKENDS_PER_VIP) {
-            let id: u32 = bpfmap::get(&maps.vip_backends, &(vip.id * MAX_BACKENDS_PER_VIP + slot))?.unwrap_or(0);
-            let b: Backend = bpfmap::get(&maps.backends, &id)?.unwrap_or_default();
-            slots.push((id, b));
+            let bid: u32 = bpfmap::get(&maps.vip_backends, &(id * MAX_BACKENDS_PER_VIP + slot))?.unwrap_or(0);
+            let b: Backend = bpfmap::get(&maps.backends, &bid)?.unwrap_or_default();
+            slots.push((bid, b));
         }
-        out.push(VipEntry { endpoint: SocketAddrV4::new(addr_of(k.addr), port_of(k.port)), vip, slots });
+        out.push(VipEntry { id, endpoint: SocketAddrV4::new(addr_of(k.addr), port_of(k.port)), vip, slots });
     }
-    out.sort_by_key(|v| v.vip.id);
+    out.sort_by_key(|v| v.id);
     Ok(out)
 }
 
+/// When something removed now stops keeping its flows: `drain_timeout_ms`
+/// from now, or never (0).
+fn drain_deadline(now_ns: u64, drain_timeout_ms: u64) -> u64 {
+    if drain_timeout_ms == 0 {
+        0
+    } else {
+        now_ns + drain_timeout_ms.saturating_mul(1_000_000)
+    }
+}
+
 /// Makes the maps hold exactly `vips`. Backend ids of backends that stay are
-/// kept (their scores, stats and flows stay valid); removed backends keep
-/// their `backends` entry with flags 0 so flows still pinned to them find
-/// their next hop; new ids never reuse one that a flow may still name.
-pub fn apply(maps: &LbMaps, vips: &[VipConfig]) -> Result<()> {
+/// kept (their scores, stats and flows stay valid); removed backends and
+/// VIPs drain; new ids never reuse one that a flow may still name.
+pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64) -> Result<()> {
+    let now = ktime_ns();
     let current = read(maps)?;
-    let mut used_vip_ids: HashSet<u32> = HashSet::new();
-    let mut by_ep: HashMap<SocketAddrV4, &VipEntry> = HashMap::new();
-    for v in &current {
-        by_ep.insert(v.endpoint, v);
-    }
-    // Ids in use by a configured VIP, to allocate around them.
+    let by_ep: HashMap<SocketAddrV4, &VipEntry> = current.iter().map(|v| (v.endpoint, v)).collect();
+    let mut used_vip_ids: HashSet<u32> = current.iter().map(|v| v.id).collect();
     let mut live_ids: HashSet<u32> = HashSet::new();
-    for v in vips {
-        if let Some(e) = by_ep.get(&v.endpoint()) {
-            used_vip_ids.insert(e.vip.id);
-        }
-    }
     let mut allocator = IdAllocator::new(maps)?;
 
     for v in vips {
         let existing = by_ep.get(&v.endpoint()).copied();
         let vid = match existing {
-            Some(e) => e.vip.id,
+            Some(e) => e.id,
             None => match (0..MAX_VIPS).find(|i| !used_vip_ids.contains(i)) {
                 Some(i) => {
                     used_vip_ids.insert(i);
                     i
                 }
-                None => bail!("no free VIP id: at most {MAX_VIPS} VIPs"),
+                None => bail!("no free VIP id: at most {MAX_VIPS} VIPs, including removed ones still draining"),
             },
         };
         let old: HashMap<SocketAddrV4, u32> =
@@ -135,61 +158,101 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig]) -> Result<()> {
                 bpfmap::put(&maps.scores, &id, &BackendScore::default())?;
             }
             entry.flags = if b.drain { BACKEND_DRAINING } else { BACKEND_ACTIVE };
+            entry.drain_deadline_ns = 0;
             bpfmap::put(&maps.backends, &id, &entry)?;
             live_ids.insert(id);
             slots.push(id);
         }
         let key = vip_key(v.endpoint());
         let new = Vip {
-            id: vid,
+            addr: key.addr,
+            port: key.port,
+            backend_count: slots.len() as u16,
             mode: v.mode as u8,
             policy: v.effective_policy() as u8,
-            backend_count: slots.len() as u16,
+            flags: VIP_ACTIVE,
             probe_interval: v.probe_interval,
-            pad: 0,
             score_max_age_ns: v.score_max_age_ms.saturating_mul(1_000_000),
+            syn_timeout_ns: v.syn_timeout_ms.saturating_mul(1_000_000),
+            idle_timeout_ns: v.idle_timeout_s.saturating_mul(1_000_000_000),
+            closing_timeout_ns: v.closing_timeout_ms.saturating_mul(1_000_000),
+            drain_deadline_ns: 0,
         };
         // Shrink the count before rewriting slots and grow it after, so the
         // data path never reads a slot that is being rewritten as valid.
-        let old_count = existing.map(|e| e.vip.backend_count).unwrap_or(0);
         if let Some(e) = existing {
-            if usize::from(old_count) > slots.len() {
-                bpfmap::put(&maps.vips, &key, &Vip { backend_count: slots.len() as u16, ..e.vip })?;
+            if usize::from(e.vip.backend_count) > slots.len() {
+                bpfmap::put(&maps.vip_conf, &vid, &Vip { backend_count: slots.len() as u16, ..e.vip })?;
             }
-        }
-        if existing.is_some_and(|e| e.vip.mode != new.mode) {
-            // Connections counted under the old mode say nothing about load
-            // under the new one.
-            for id in &slots {
-                let mut sc: BackendScore = bpfmap::get(&maps.scores, id)?.unwrap_or_default();
-                sc.assigned_since = 0;
-                bpfmap::put(&maps.scores, id, &sc)?;
+            if e.vip.mode != new.mode {
+                // Connections counted under the old mode say nothing about
+                // load under the new one.
+                for id in &slots {
+                    let mut sc: BackendScore = bpfmap::get(&maps.scores, id)?.unwrap_or_default();
+                    sc.opened = 0;
+                    sc.closed = 0;
+                    bpfmap::put(&maps.scores, id, &sc)?;
+                }
             }
         }
         for (slot, id) in slots.iter().enumerate() {
             bpfmap::put(&maps.vip_backends, &(vid * MAX_BACKENDS_PER_VIP + slot as u32), id)?;
         }
-        bpfmap::put(&maps.vips, &key, &new)?;
+        bpfmap::put(&maps.vip_conf, &vid, &new)?;
+        bpfmap::put(&maps.vips, &key, &vid)?;
     }
 
+    // VIPs no longer configured drain: their key stays so that new
+    // connections are refused and counted (`vip_draining`), their flows go
+    // on until they end or the deadline; `reap` removes them afterwards.
     let wanted: HashSet<SocketAddrV4> = vips.iter().map(|v| v.endpoint()).collect();
     for e in &current {
-        if !wanted.contains(&e.endpoint) {
-            bpfmap::delete(&maps.vips, &vip_key(e.endpoint))?;
+        if !wanted.contains(&e.endpoint) && !e.draining() {
+            let v = Vip { flags: VIP_DRAINING, drain_deadline_ns: drain_deadline(now, drain_timeout_ms), ..e.vip };
+            bpfmap::put(&maps.vip_conf, &e.id, &v)?;
         }
     }
     // Backends no VIP lists any more become tombstones: no new connections,
-    // next hop kept for their flows.
+    // next hop kept for their flows until they end or the deadline.
     for e in &current {
         for (id, _) in &e.slots {
             if !live_ids.contains(id) {
                 let mut b: Backend = bpfmap::get(&maps.backends, id)?.unwrap_or_default();
-                b.flags = 0;
-                bpfmap::put(&maps.backends, id, &b)?;
+                if b.flags != 0 {
+                    b.flags = 0;
+                    b.drain_deadline_ns = drain_deadline(now, drain_timeout_ms);
+                    bpfmap::put(&maps.backends, id, &b)?;
+                }
             }
         }
     }
     Ok(())
+}
+
+/// The live flows (established + closing) the last sweep counted at gauge
+/// index `idx`.
+pub fn gauge(maps: &LbMaps, idx: u32) -> Result<FlowGauges> {
+    let st: SweepStats = bpfmap::get(&maps.sweep_stats, &0u32)?.unwrap_or_default();
+    let half = (st.passes & 1) as u32;
+    Ok(bpfmap::get(&maps.gauges, &(half * GAUGES + idx))?.unwrap_or_default())
+}
+
+fn live(g: &FlowGauges) -> u64 {
+    g.established + g.closing
+}
+
+/// Frees draining VIPs whose flows are gone (by the last sweep). Run after
+/// each sweep, under the config lock. Returns the VIPs freed.
+pub fn reap(maps: &LbMaps) -> Result<Vec<SocketAddrV4>> {
+    let mut freed = Vec::new();
+    for e in read(maps)? {
+        if e.draining() && live(&gauge(maps, GAUGE_VIP0 + e.id)?) == 0 {
+            bpfmap::delete(&maps.vips, &vip_key(e.endpoint))?;
+            bpfmap::put(&maps.vip_conf, &e.id, &Vip::default())?;
+            freed.push(e.endpoint);
+        }
+    }
+    Ok(freed)
 }
 
 /// Hands out backend ids: first never-used ones, then tombstones that no
@@ -226,17 +289,17 @@ impl<'a> IdAllocator<'a> {
     fn take(&mut self) -> Result<u32> {
         if self.free.is_empty() && !self.reclaimed {
             self.reclaimed = true;
-            let referenced: HashSet<u32> =
-                bpfmap::entries::<FlowKey, Flow>(&self.maps.flows)?.into_iter().map(|(_, f)| f.backend_id).collect();
             for id in (0..MAX_BACKENDS).rev() {
                 let b: Backend = bpfmap::get(&self.maps.backends, &id)?.unwrap_or_default();
-                if b.flags == 0 && !referenced.contains(&id) {
+                if b.flags == 0 && live(&gauge(self.maps, GAUGE_BACKEND0 + id)?) == 0 {
                     bpfmap::put(&self.maps.backends, &id, &Backend::default())?;
                     self.free.push(id);
                 }
             }
         }
-        self.free.pop().ok_or_else(|| anyhow::anyhow!("no free backend id: at most {MAX_BACKENDS} backends"))
+        self.free
+            .pop()
+            .ok_or_else(|| anyhow::anyhow!("no free backend id: at most {MAX_BACKENDS} backends, including removed ones still draining"))
     }
 }
 
@@ -254,4 +317,9 @@ pub fn sum_percpu<V: crate::pod::Pod>(map: &dyn MapCore, key: u32, add: impl Fn(
         add(&mut total, &v);
     }
     Ok(total)
+}
+
+/// The sum over CPUs of every counter in a per-CPU array of u64 (drops, events).
+pub fn counters(map: &dyn MapCore, n: usize) -> Result<Vec<u64>> {
+    (0..n as u32).map(|i| Ok(bpfmap::get_percpu::<u32, u64>(map, &i)?.iter().sum())).collect()
 }
