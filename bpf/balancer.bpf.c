@@ -45,7 +45,7 @@ struct pkt {
 	__u32 tot_len; /* IPv4 total length */
 	__u32 frag; /* MF + offset bits */
 	__u64 len; /* frame length */
-	__u64 now;
+	__u64 now; /* coarse clock, read only on the paths that need it */
 	__u8 flags; /* TCP flags (valid once the TCP header is checked) */
 };
 
@@ -83,10 +83,10 @@ static __always_inline void count_forward(__u32 backend_id, __u32 vip_id, __u64 
 }
 
 /*
- * Sends a client packet of flow `f` (copied by the caller, or live in a
- * map when `live` is set: a probe records its nonce there) to the
- * backend: NAT, TTL, MSS clamp on a SYN, and the option this packet
- * carries, if any.
+ * Sends a client packet of flow `f` (a copy, or the entry in `flows`: a
+ * probe records its nonce there) to the backend: NAT, TTL, MSS clamp on a
+ * SYN, and the option this packet carries, if any. `vc` is the flow's VIP
+ * (only dsr-dynamic flows need it: NULL otherwise).
  */
 static __always_inline int forward(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 				   const struct inband_flow_key *fk, struct inband_flow *f, const struct inband_vip *vc,
@@ -128,7 +128,7 @@ static __always_inline int forward(struct xdp_md *ctx, const struct inband_lb_co
 	/* Which option, if any, this packet carries. */
 	__u8 opt[INBAND_OPT_AUTH_CLIENT_TUPLE_LEN];
 	int optlen = 0, probe = 0;
-	struct inband_probe_state *ps = NULL;
+	__u32 *probe_count = NULL;
 
 	if (syn) {
 		if (f->mode != INBAND_MODE_PASSTHROUGH) {
@@ -143,7 +143,7 @@ static __always_inline int forward(struct xdp_md *ctx, const struct inband_lb_co
 				optlen = 0;
 			}
 		}
-	} else if ((ps = probe_due(f, vc, p->now))) {
+	} else if (f->mode == INBAND_MODE_DSR_DYNAMIC && vc && (probe_count = probe_wanted(f, vc))) {
 		optlen = cfg->auth_mode == INBAND_AUTH_NONE ? INBAND_OPT_SCORE_REQUEST_LEN
 							    : INBAND_OPT_AUTH_SCORE_REQUEST_LEN;
 		if (p->tot_len + optlen > cfg->mtu) {
@@ -157,8 +157,7 @@ static __always_inline int forward(struct xdp_md *ctx, const struct inband_lb_co
 		}
 		if (optlen) {
 			f->flags |= INBAND_FLOW_PROBE_OUTSTANDING;
-			ps->count = 0;
-			ps->last_ns = p->now;
+			probe_sent(probe_count, bid);
 			probe = 1;
 		}
 	}
@@ -170,6 +169,13 @@ static __always_inline int forward(struct xdp_md *ctx, const struct inband_lb_co
 		return drop(INBAND_DROP_TRUNCATED_L4);
 	__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
 	__builtin_memcpy(eth->h_dest, be->mac, ETH_ALEN);
+	/* L3: incrementally (three words change) unless an option is added,
+	 * which rebuilds the header anyway. */
+	__u32 l3 = csum_start(iph->check);
+
+	l3 = csum_replace32(l3, iph->saddr, cfg->self_addr);
+	l3 = csum_replace32(l3, iph->daddr, f->backend_addr);
+	l3 = csum_replace16(l3, load16(&iph->ttl), load16(&iph->ttl) - bpf_htons(0x0100));
 	iph->saddr = cfg->self_addr;
 	iph->daddr = f->backend_addr;
 	iph->ttl--;
@@ -185,8 +191,7 @@ static __always_inline int forward(struct xdp_md *ctx, const struct inband_lb_co
 	} else if (optlen == INBAND_OPT_SCORE_REQUEST_LEN) {
 		verdict = emit_with_option(ctx, INBAND_OPT_SCORE_REQUEST_LEN, opt, p->tot_len);
 	} else {
-		iph->check = 0;
-		iph->check = csum_finish(csum_words(iph, INBAND_IPV4_MIN_HDR / 2));
+		iph->check = csum_finish(l3);
 	}
 	if (verdict == XDP_TX)
 		count_forward(bid, f->vip_id, p->len, new_conn, probe);
@@ -262,6 +267,7 @@ static __always_inline int handshake(struct xdp_md *ctx, const struct inband_lb_
 
 	if (!vc)
 		return drop(INBAND_DROP_NO_BACKEND);
+	p->now = coarse_now();
 	if (ho && flow_expired(ho, p->now)) {
 		struct inband_flow dead = *ho;
 
@@ -274,7 +280,7 @@ static __always_inline int handshake(struct xdp_md *ctx, const struct inband_lb_
 	if (is_syn(p->flags)) {
 		if (ho && ho->syn_seq == p->tcp->seq) {
 			/* A retransmitted SYN follows its handshake. */
-			flow_touch(ho, p->now);
+			ho->last_seen_ns = p->now;
 			struct inband_flow f = *ho;
 
 			return forward(ctx, cfg, fk, &f, vc, p, 0);
@@ -295,30 +301,23 @@ static __always_inline int handshake(struct xdp_md *ctx, const struct inband_lb_
 	if (!f)
 		return XDP_DROP;
 	if (p->flags & TCP_FLAG_FIN)
-		flow_close(f, p->now);
+		flow_close(f);
 	return forward(ctx, cfg, fk, f, vc, p, 0);
 }
 
-/* A client packet of an established or closing flow. */
+/* A client packet of an established or closing flow: the hot path. No
+ * clock, one hash lookup (the caller's). */
 static __always_inline int established(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 				       const struct inband_flow_key *fk, struct inband_flow *f, struct pkt *p)
 {
-	__u32 vid = f->vip_id;
-	struct inband_vip *vc = bpf_map_lookup_elem(&vip_conf, &vid);
-	int syn = is_syn(p->flags);
+	struct inband_vip *vc = NULL;
 
-	if (!vc)
-		return drop(INBAND_DROP_NO_BACKEND);
-	if (flow_expired(f, p->now)) {
-		struct inband_flow dead = *f;
+	if (f->mode == INBAND_MODE_DSR_DYNAMIC) {
+		__u32 vid = f->vip_id;
 
-		flow_end(fk, &dead);
-		event(INBAND_EV_FLOWS_EXPIRED);
-		if (!syn)
-			return drop(INBAND_DROP_FLOW_EXPIRED);
-		return REBALANCE;
+		vc = bpf_map_lookup_elem(&vip_conf, &vid);
 	}
-	if (syn && p->tcp->seq != f->syn_seq) {
+	if (is_syn(p->flags) && p->tcp->seq != f->syn_seq) {
 		/* A new connection on the tuple once this one is closing; on a
 		 * live one, a SYN the backend answers with a challenge ACK
 		 * (RFC 5961), as its stack would without us in between. */
@@ -331,8 +330,8 @@ static __always_inline int established(struct xdp_md *ctx, const struct inband_l
 		event(INBAND_EV_SYN_ON_LIVE_FLOW);
 	}
 	if (p->flags & (TCP_FLAG_FIN | TCP_FLAG_RST))
-		flow_close(f, p->now);
-	flow_touch(f, p->now);
+		flow_close(f);
+	flow_touch(f);
 	return forward(ctx, cfg, fk, f, vc, p, 0);
 }
 
@@ -350,7 +349,7 @@ static __always_inline int take_score(struct xdp_md *ctx, const struct inband_lb
 		__u32 bid = f->backend_id;
 		struct inband_backend_stats *bs = bpf_map_lookup_elem(&backend_stats, &bid);
 
-		record_score(f, score, p->now);
+		record_score(f, score, coarse_now());
 		if (bs)
 			bs->scores_received++;
 	}
@@ -440,7 +439,7 @@ static __always_inline int backend_to_client(struct xdp_md *ctx, const struct in
 		.proto = IPPROTO_TCP,
 	};
 	struct inband_flow_key fk = {};
-	struct inband_flow *f = flow_by_port(&nk, &fk, p->now);
+	struct inband_flow *f = flow_by_port(&nk, &fk);
 
 	if (!f) {
 		/* The balancer host's own traffic; only inband options are ours to judge. */
@@ -501,8 +500,8 @@ static __always_inline int backend_to_client(struct xdp_md *ctx, const struct in
 	}
 	if (!in_handshake) {
 		if (p->flags & (TCP_FLAG_FIN | TCP_FLAG_RST))
-			flow_close(f, p->now);
-		flow_touch(f, p->now);
+			flow_close(f);
+		flow_touch(f);
 	}
 
 	struct inband_flow copy = *f;
@@ -597,7 +596,7 @@ int balancer(struct xdp_md *ctx)
 	if (iph->protocol == IPPROTO_ICMP) {
 		if (p.hlen != INBAND_IPV4_MIN_HDR || (p.frag & IP_FRAG_MASK))
 			return XDP_PASS;
-		return icmp_error(ctx, cfg, coarse_now());
+		return icmp_error(ctx, cfg);
 	}
 	if (iph->protocol != IPPROTO_TCP)
 		return XDP_PASS;
@@ -612,7 +611,6 @@ int balancer(struct xdp_md *ctx)
 	p.tcp = (void *)iph + p.hlen;
 	if ((void *)p.tcp + 4 > data_end || p.hlen + 4 > p.tot_len)
 		return XDP_PASS;
-	p.now = coarse_now();
 
 	if (iph->daddr == cfg->self_addr)
 		return backend_to_client(ctx, cfg, &p);
@@ -625,10 +623,11 @@ int balancer(struct xdp_md *ctx)
 		.proto = IPPROTO_TCP,
 	};
 	struct inband_flow *f = bpf_map_lookup_elem(&flows, &fk);
-	struct inband_vip_key vk = { .addr = iph->daddr, .port = p.tcp->dest, .proto = IPPROTO_TCP };
 	__u32 *vid = NULL;
 
 	if (!f) {
+		struct inband_vip_key vk = { .addr = iph->daddr, .port = p.tcp->dest, .proto = IPPROTO_TCP };
+
 		vid = bpf_map_lookup_elem(&vips, &vk);
 		if (!vid)
 			return XDP_PASS;
@@ -656,6 +655,8 @@ int balancer(struct xdp_md *ctx)
 
 		if (verdict != REBALANCE)
 			return verdict;
+		struct inband_vip_key vk = { .addr = fk.vip_addr, .port = fk.vip_port, .proto = IPPROTO_TCP };
+
 		vid = bpf_map_lookup_elem(&vips, &vk);
 		if (!vid)
 			return drop(INBAND_DROP_NO_FLOW);
@@ -716,6 +717,12 @@ static long sweep_flow(struct bpf_map *map, struct inband_flow_key *key, struct 
 	__u32 vid = f->vip_id, bid = f->backend_id;
 	struct inband_vip *vc = bpf_map_lookup_elem(&vip_conf, &vid);
 	struct inband_backend *be = bpf_map_lookup_elem(&backends, &bid);
+
+	if (f->seen) {
+		/* A packet since the last pass: idle from now on at most. */
+		f->seen = 0;
+		f->last_seen_ns = c->now;
+	}
 	struct inband_flow copy = *f;
 
 	if (flow_expired(&copy, c->now)) {
@@ -779,12 +786,37 @@ static long sweep_hold(struct bpf_map *map, struct inband_nat_key *key, struct i
 	return 0;
 }
 
+/* Asks for a score on the next packet to each backend of a dsr-dynamic
+ * VIP whose score is older than half the VIP's max age (or that never
+ * reported): so a quiet backend's next report is one round trip away. */
+static long mark_probes_due(__u32 i, struct sweep_ctx *c)
+{
+	__u32 vid = i / INBAND_MAX_BACKENDS_PER_VIP, slot = i % INBAND_MAX_BACKENDS_PER_VIP;
+	struct inband_vip *vc = bpf_map_lookup_elem(&vip_conf, &vid);
+
+	if (!vc || vc->mode != INBAND_MODE_DSR_DYNAMIC || slot >= vc->backend_count)
+		return 0;
+	__u32 *bid = bpf_map_lookup_elem(&vip_backends, &i);
+
+	if (!bid)
+		return 0;
+	__u32 id = *bid;
+	struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &id);
+	__u32 *due = bpf_map_lookup_elem(&probe_due, &id);
+
+	if (s && due && (!s->updated_ns || (__s64)(c->now - s->updated_ns) >= (__s64)(vc->score_max_age_ns / 2)))
+		*due = 1;
+	return 0;
+}
+
 /*
  * One pass over the flow tables, run by the lb daemon every second (and by
- * tests): deletes dead flows with their SNAT reservations, orphaned
- * reservations and port holds, and flows past a drain deadline; counts
- * what is live into `gauges`. Correctness never waits for it (every path
- * checks timeouts itself); it returns memory and keeps the gauges honest.
+ * tests): ages established flows (their `seen` byte), deletes dead flows
+ * with their SNAT reservations, orphaned reservations and port holds, and
+ * flows past a drain deadline; counts what is live into `gauges`; marks
+ * backends whose score is getting old. Without it flows do not age (the
+ * LRU still bounds them) and ports are reclaimed only by a port search
+ * that finds them unseen and past their timeout.
  */
 SEC("syscall")
 int sweep(struct sweep_args *args)
@@ -802,6 +834,7 @@ int sweep(struct sweep_args *args)
 	bpf_for_each_map_elem(&half_open, sweep_half_open, &c, 0);
 	bpf_for_each_map_elem(&snat, sweep_snat, &c, 0);
 	bpf_for_each_map_elem(&half_open_ports, sweep_hold, &c, 0);
+	bpf_loop(INBAND_MAX_VIPS * INBAND_MAX_BACKENDS_PER_VIP, mark_probes_due, &c, 0);
 	st->half_open = c.half_open;
 	st->snat_entries = c.snat_entries;
 	st->last_ns = bpf_ktime_get_ns();

@@ -135,6 +135,12 @@ enum inband_flow_state {
 
 #define INBAND_FLOW_PROBE_OUTSTANDING 1 /* a 124 was sent; its 125 has not come */
 
+/*
+ * Established flows are aged without a clock read per packet: a packet sets
+ * `seen`; each sweep turns a set `seen` into `last_seen_ns` = the sweep's
+ * time and clears it, and ends flows whose `last_seen_ns` is older than
+ * their timeout (lifecycle.h). Half-open flows are stamped directly.
+ */
 struct inband_flow {
 	__be32 backend_addr;
 	__be16 backend_port;
@@ -149,7 +155,9 @@ struct inband_flow {
 	/* The SYN's sequence number: a SYN with the same one is a retransmission. */
 	__be32 syn_seq;
 	__be32 probe_nonce; /* nonce of the outstanding 124 */
-	__u64 last_seen_ns; /* coarse clock, refreshed at most every INBAND_TOUCH_NS */
+	__u64 last_seen_ns; /* CLOCK_MONOTONIC: last sweep that found it seen, or the handshake's time */
+	__u8 seen; /* a packet came since the last sweep (own byte: written without atomics) */
+	__u8 pad[7];
 };
 
 /* The server side of a connection: key of `snat` and `half_open_ports`. */
@@ -165,12 +173,6 @@ struct inband_nat_key {
  * an entry whose owner is live in `flows` with this very port reserves it. */
 struct inband_snat_owner {
 	struct inband_flow_key flow;
-};
-
-struct inband_probe_state {
-	__u32 count; /* packets to this backend since the last 124 (this CPU) */
-	__u32 pad;
-	__u64 last_ns; /* when this CPU last sent it a 124 */
 };
 
 struct inband_backend_stats {

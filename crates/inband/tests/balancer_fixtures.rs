@@ -5,8 +5,8 @@
 //! the program (nothing pinned) and fills the maps directly, then asserts
 //! the verdict, the exact output bytes, the map state and the counters.
 //!
-//! Needs root (loading BPF). probe_state and rr_cursor are read back per
-//! CPU, so every fixture pins its test thread to one CPU. Time is moved by
+//! Needs root (loading BPF). probe_count is read back per CPU, so every
+//! fixture pins its test thread to one CPU. Time is moved by
 //! writing timestamps into the past, never by sleeping.
 
 use std::mem::MaybeUninit;
@@ -121,7 +121,7 @@ fn returned(p: &PacketBuilder, c: SocketAddrV4, ip_options: Vec<u8>) -> Vec<u8> 
     e.build()
 }
 
-/// Keeps the per-CPU maps the program reads back (probe_state) on one CPU
+/// Keeps the per-CPU maps the program reads back (probe_count) on one CPU
 /// across the test's runs.
 fn pin_thread_to_cpu0() {
     // SAFETY: a zeroed cpu_set_t is valid; pid 0 is the calling thread.
@@ -213,9 +213,11 @@ impl Fixture {
         fx
     }
 
+    /// A backend as the control plane adds it: its first packet asks for a score.
     fn set_backend(&self, b: &B, flags: u16) {
         let entry = Backend { addr: be_addr(*b.addr.ip()), port: be_port(b.addr.port()), mac: b.mac, flags, ..Default::default() };
         self.lb.set_backend(b.id, &entry).unwrap();
+        put(&self.lb.skel.maps.probe_due, &b.id, &1u32);
     }
 
     fn set_flags(&self, b: &B, flags: u16) {
@@ -349,10 +351,12 @@ impl Fixture {
         assert_eq!(self.drops(), before);
     }
 
-    /// Marks the flow of `c` as if its last packet came `ago_ns` ago.
+    /// Marks the flow of `c` as if its last packet came `ago_ns` ago (and
+    /// no sweep has seen one since).
     fn age(&self, c: SocketAddrV4, ago_ns: u64) {
         if let Some(mut f) = self.flow(c) {
             f.last_seen_ns = ktime_ns() - ago_ns;
+            f.seen = 0;
             self.put_flow(c, &f);
         } else {
             let mut f = self.half_open(c).expect("a flow to age");
@@ -680,32 +684,41 @@ fn fin_and_rst_move_a_flow_to_closing_counted_once() {
 }
 
 #[test]
-fn an_idle_flow_expires_and_its_port_is_free_again() {
+fn packets_keep_a_flow_alive_and_the_sweeper_ends_an_idle_one() {
     let fx = Fixture::lb_with(Mode::DsrRr, Policy::RoundRobin, 1);
     let (b, c) = (backend(0), client(1));
     let (_, snat) = fx.connect(c);
-    fx.age(c, IDLE_TIMEOUT - 10 * SEC);
-    fx.tx(&data(c).build()); // still inside the timeout: refreshed
-    assert!(ktime_ns() - fx.flow(c).unwrap().last_seen_ns < 5 * SEC);
+    // The packet path marks the flow seen; the sweeper turns that into a
+    // timestamp and keeps the flow.
     fx.age(c, IDLE_TIMEOUT + SEC);
-    fx.assert_dropped(&data(c).build(), "flow_expired");
+    fx.tx(&data(c).build());
+    assert_eq!(fx.flow(c).unwrap().seen, 1);
+    fx.lb.sweep(0).unwrap();
+    let f = fx.flow(c).expect("a flow with a packet since the last sweep lives");
+    assert!(f.seen == 0 && ktime_ns() - f.last_seen_ns < 5 * SEC);
+    // Idle past the timeout: the next sweep ends it and frees its port.
+    fx.age(c, IDLE_TIMEOUT + SEC);
+    fx.lb.sweep(0).unwrap();
     assert_eq!((fx.flow(c), fx.snat_owner(&b, snat)), (None, None));
     assert_eq!(fx.event("flows_expired"), 1);
+    fx.assert_dropped(&data(c).build(), "no_flow");
     // A new connection from the same client tuple gets the same port again.
     let (_, again) = fx.connect(c);
     assert_eq!(again, snat);
 }
 
 #[test]
-fn a_closing_flow_expires_after_the_closing_timeout() {
+fn a_closing_flow_ends_after_the_closing_timeout() {
     let fx = Fixture::lb_with(Mode::DsrRr, Policy::RoundRobin, 1);
     let c = client(1);
     fx.connect(c);
     fx.tx(&data(c).flags(TCP_ACK | TCP_FIN).build());
     fx.age(c, CLOSING_TIMEOUT - 2 * SEC);
-    fx.tx(&ack(c).build());
+    fx.lb.sweep(0).unwrap();
+    assert!(fx.flow(c).is_some(), "inside the closing timeout");
     fx.age(c, CLOSING_TIMEOUT + SEC);
-    fx.assert_dropped(&ack(c).build(), "flow_expired");
+    fx.lb.sweep(0).unwrap();
+    assert_eq!(fx.flow(c), None);
 }
 
 #[test]
@@ -980,24 +993,27 @@ fn dsr_dynamic_adds_an_authenticated_score_request_on_every_nth_packet() {
 }
 
 #[test]
-fn a_backend_not_asked_for_half_a_max_age_is_asked_on_its_next_packet() {
+fn a_backend_whose_score_gets_old_is_asked_on_its_next_packet() {
     let fx = Fixture::lb_with(Mode::DsrDynamic, Policy::LeastScore, 1);
     fx.update_vip(|v| v.probe_interval = 1000);
     let (b, c) = (backend(0), client(1));
-    let (_, snat) = fx.connect(c); // the first packet on this CPU asks at once
-    let asked = fx.backend_stats(&b).probes_sent;
-    assert_eq!(asked, 1);
+    let (_, snat) = fx.connect(c); // a new backend's first packet asks at once
+    assert_eq!(fx.backend_stats(&b).probes_sent, 1);
     let d = data(c);
     assert_eq!(fx.tx(&d.build()), forwarded(&d, &b, snat, vec![]), "just asked: not again");
-    // Half the VIP's score max age (1 s) later on this CPU: asked again,
+    // A fresh score: the sweeper asks for nothing.
+    fx.set_score(&b, 3, ktime_ns());
+    fx.lb.sweep(0).unwrap();
+    assert_eq!(fx.tx(&d.build()), forwarded(&d, &b, snat, vec![]));
+    // Older than half the VIP's max age (1 s): the next packet asks,
     // whatever the packet count, so a quiet backend's next report is one
-    // round trip away.
-    let ps = ProbeState { count: 5, pad: 0, last_ns: ktime_ns() - SEC / 2 - 10_000_000 };
-    let ncpu = libbpf_rs::num_possible_cpus().unwrap();
-    let vals: Vec<Vec<u8>> = (0..ncpu).map(|_| ps.as_bytes().to_vec()).collect();
-    fx.lb.skel.maps.probe_state.update_percpu(&b.id.to_ne_bytes(), &vals, MapFlags::ANY).unwrap();
+    // round trip away; the one after does not.
+    fx.set_score(&b, 3, ktime_ns() - SEC / 2 - 50_000_000);
+    fx.lb.sweep(0).unwrap();
     let out = fx.tx(&d.build());
     expect_request(&fx, &out, c, &b, snat);
+    assert_eq!(fx.tx(&d.build()), forwarded(&d, &b, snat, vec![]));
+    assert_eq!(fx.backend_stats(&b).probes_sent, 2);
 }
 
 #[test]

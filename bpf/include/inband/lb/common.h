@@ -29,11 +29,6 @@
 #define ETH_P_8021Q_ 0x8100
 #define ETH_P_8021AD_ 0x88a8
 
-/* A flow's last_seen_ns is refreshed at most this often: timeouts are
- * seconds long, and writing the entry on every packet would bounce its
- * cache line between CPUs. */
-#define INBAND_TOUCH_NS 1000000000ULL
-
 static __always_inline int drop(__u32 reason)
 {
 	__u64 *count = bpf_map_lookup_elem(&drops, &reason);

@@ -49,16 +49,18 @@ static __always_inline struct inband_flow *any_flow(const struct inband_flow_key
 	return f ? f : bpf_map_lookup_elem(&half_open, fk);
 }
 
-/* The live flow that owns the server-side tuple `nk`, and its client side. */
-static __always_inline struct inband_flow *flow_by_port(const struct inband_nat_key *nk, struct inband_flow_key *fk,
-							__u64 now)
+/* The flow that owns the server-side tuple `nk` (its reservation, or its
+ * hold during the handshake), and its client side. A flow past its timeout
+ * that the sweeper has not ended yet still counts: ageing is the
+ * sweeper's, as on the client side. */
+static __always_inline struct inband_flow *flow_by_port(const struct inband_nat_key *nk, struct inband_flow_key *fk)
 {
 	struct inband_snat_owner *o = bpf_map_lookup_elem(&snat, nk);
 	struct inband_flow *f;
 
 	if (o) {
 		f = bpf_map_lookup_elem(&flows, &o->flow);
-		if (f && flow_has_port(f, nk) && !flow_expired(f, now)) {
+		if (f && flow_has_port(f, nk)) {
 			*fk = o->flow;
 			return f;
 		}
@@ -66,7 +68,7 @@ static __always_inline struct inband_flow *flow_by_port(const struct inband_nat_
 	o = bpf_map_lookup_elem(&half_open_ports, nk);
 	if (o) {
 		f = bpf_map_lookup_elem(&half_open, &o->flow);
-		if (f && flow_has_port(f, nk) && !flow_expired(f, now)) {
+		if (f && flow_has_port(f, nk)) {
 			*fk = o->flow;
 			return f;
 		}
@@ -78,7 +80,7 @@ static __always_inline struct inband_flow *flow_by_port(const struct inband_nat_
  * An ICMP error (outer header without options, checked by the caller) to
  * `self_addr` or to a VIP. XDP_PASS when it is about nothing of ours.
  */
-static __always_inline int icmp_error(struct xdp_md *ctx, const struct inband_lb_config *cfg, __u64 now)
+static __always_inline int icmp_error(struct xdp_md *ctx, const struct inband_lb_config *cfg)
 {
 	void *data = (void *)(long)ctx->data;
 	void *data_end = (void *)(long)ctx->data_end;
@@ -143,7 +145,7 @@ static __always_inline int icmp_error(struct xdp_md *ctx, const struct inband_lb
 
 		if (inner->saddr != cfg->self_addr)
 			return XDP_PASS;
-		f = flow_by_port(&nk, &fk, now);
+		f = flow_by_port(&nk, &fk);
 		if (!f)
 			return XDP_PASS;
 		/* As the client sent it: client:cport -> VIP:vport. */

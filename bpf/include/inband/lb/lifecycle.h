@@ -5,13 +5,14 @@
  *   SYN        -> half_open[client side] (SYN_SENT) + half_open_ports[server side]
  *   1st non-SYN -> promoted: flows[client side] (ESTABLISHED) + snat[server side]
  *   FIN or RST -> CLOSING (closing timeout from then on)
- *   timeout    -> dead: found expired by a packet, a port search or the sweeper,
- *                 and deleted together with its SNAT reservation
+ *   timeout    -> dead: ended by the sweeper, or by a port search that needs
+ *                 its port, together with its SNAT reservation
  *
- * Timeouts are per VIP (vip_conf); each state has its own. A dead flow is
- * never used again: its packets are dropped (`flow_expired`) and its port
- * is free. The sweeper (run by the lb daemon) deletes dead flows, orphaned
- * reservations and flows past a drain deadline, and counts what is live.
+ * Timeouts are per VIP (vip_conf); each state has its own. Established
+ * flows are aged by the sweeper through their `seen` byte, so the packet
+ * path reads no clock: a flow is idle since the last sweep that found it
+ * unseen. A handshake is stamped with the time of its SYN and checked on
+ * its packets (those paths are not the hot one).
  */
 #ifndef INBAND_LB_LIFECYCLE_H
 #define INBAND_LB_LIFECYCLE_H
@@ -51,22 +52,27 @@ static __always_inline __u64 flow_timeout(const struct inband_flow *f, const str
 	return vc->idle_timeout_ns;
 }
 
-/* Past its state's timeout at `now` (a flow whose VIP slot is gone counts
- * as dead). */
+/* Past its state's timeout at `now`. A flow seen since the last sweep is
+ * alive whatever its stamp says (with no daemon sweeping, flows then do
+ * not age: the LRU still bounds them). */
 static __always_inline int flow_expired(const struct inband_flow *f, __u64 now)
 {
 	__u32 vid = f->vip_id;
 	struct inband_vip *vc = bpf_map_lookup_elem(&vip_conf, &vid);
 
+	if (f->seen)
+		return 0;
 	if (!vc)
 		return 1;
 	return (__s64)(now - f->last_seen_ns) > (__s64)flow_timeout(f, vc);
 }
 
-static __always_inline void flow_touch(struct inband_flow *f, __u64 now)
+/* A packet of the flow: one byte, written only when it changes, so a busy
+ * flow's entry is not dirtied on every packet. */
+static __always_inline void flow_touch(struct inband_flow *f)
 {
-	if ((__s64)(now - f->last_seen_ns) >= (__s64)INBAND_TOUCH_NS)
-		f->last_seen_ns = now;
+	if (!f->seen)
+		f->seen = 1;
 }
 
 static __always_inline int score_mode(__u8 mode)
@@ -96,14 +102,14 @@ static __always_inline void half_open_end(const struct inband_flow_key *fk, cons
 	bpf_map_delete_elem(&half_open, fk);
 }
 
-/* The first FIN or RST of an established flow: closing timeout from now,
- * and the backend's load estimate loses the connection. Counted once. */
-static __always_inline void flow_close(struct inband_flow *f, __u64 now)
+/* The first FIN or RST of an established flow: the closing timeout from
+ * the next sweep on, and the backend's load estimate loses the connection.
+ * Counted once. */
+static __always_inline void flow_close(struct inband_flow *f)
 {
 	if (__sync_val_compare_and_swap(&f->state, INBAND_FLOW_ESTABLISHED, INBAND_FLOW_CLOSING) !=
 	    INBAND_FLOW_ESTABLISHED)
 		return;
-	f->last_seen_ns = now;
 	event(INBAND_EV_FLOWS_CLOSED);
 	__u32 bid = f->backend_id, vid = f->vip_id;
 
@@ -136,6 +142,7 @@ static __always_inline struct inband_flow *promote(const struct inband_flow_key 
 
 	f.state = INBAND_FLOW_ESTABLISHED;
 	f.last_seen_ns = now;
+	f.seen = 1;
 	if (bpf_map_update_elem(&snat, &nk, &owner, BPF_ANY)) {
 		half_open_end(fk, &f);
 		drop(INBAND_DROP_FLOW_TABLE_FULL);

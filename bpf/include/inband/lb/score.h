@@ -17,26 +17,34 @@
 #include "inband/lb/common.h"
 
 /*
- * Whether this packet toward the flow's backend should carry a 124: every
- * probe_interval-th packet to the backend on this CPU, and at least every
- * half score_max_age while the backend gets packets at all, so under light
- * load its first packet after a quiet spell asks (select.h relies on it).
+ * Whether this packet toward a dsr-dynamic flow's backend should carry a
+ * 124: every probe_interval-th packet to the backend on this CPU, and the
+ * first packet after the sweeper found the backend's score older than half
+ * its max age (probe_due), so under light load a quiet backend's first
+ * packet asks (select.h relies on it). Returns the CPU's counter to reset
+ * once the 124 is really added.
  */
-static __always_inline struct inband_probe_state *probe_due(const struct inband_flow *f,
-							    const struct inband_vip *vc, __u64 now)
+static __always_inline __u32 *probe_wanted(const struct inband_flow *f, const struct inband_vip *vc)
 {
 	__u32 id = f->backend_id;
-	struct inband_probe_state *ps;
+	__u32 *count = bpf_map_lookup_elem(&probe_count, &id);
+	__u32 *due = bpf_map_lookup_elem(&probe_due, &id);
 
-	if (f->mode != INBAND_MODE_DSR_DYNAMIC || !vc->probe_interval)
+	if (!count || !due || !vc->probe_interval)
 		return NULL;
-	ps = bpf_map_lookup_elem(&probe_state, &id);
-	if (!ps)
-		return NULL;
-	ps->count++;
-	if (ps->count >= vc->probe_interval || (__s64)(now - ps->last_ns) >= (__s64)(vc->score_max_age_ns / 2))
-		return ps;
+	*count += 1;
+	if (*count >= vc->probe_interval || *due)
+		return count;
 	return NULL;
+}
+
+static __always_inline void probe_sent(__u32 *count, __u32 backend_id)
+{
+	__u32 *due = bpf_map_lookup_elem(&probe_due, &backend_id);
+
+	*count = 0;
+	if (due && *due)
+		*due = 0;
 }
 
 static __always_inline struct inband_auth_key *signing_key(const struct inband_lb_config *cfg)

@@ -35,7 +35,6 @@ pub type FlowKey = c::inband_flow_key;
 pub type Flow = c::inband_flow;
 pub type NatKey = c::inband_nat_key;
 pub type SnatOwner = c::inband_snat_owner;
-pub type ProbeState = c::inband_probe_state;
 pub type BackendStats = c::inband_backend_stats;
 pub type VipStats = c::inband_vip_stats;
 pub type FlowGauges = c::inband_flow_gauges;
@@ -52,7 +51,6 @@ crate::pod::pod!(
     Flow,
     NatKey,
     SnatOwner,
-    ProbeState,
     BackendStats,
     VipStats,
     FlowGauges,

@@ -27,6 +27,7 @@ pub struct LbMaps {
     pub backends: MapHandle,
     pub vip_backends: MapHandle,
     pub scores: MapHandle,
+    pub probe_due: MapHandle,
     pub flows: MapHandle,
     pub half_open: MapHandle,
     pub snat: MapHandle,
@@ -49,6 +50,7 @@ impl LbMaps {
             backends: dir.open("backends")?,
             vip_backends: dir.open("vip_backends")?,
             scores: dir.open("scores")?,
+            probe_due: dir.open("probe_due")?,
             flows: dir.open("flows")?,
             half_open: dir.open("half_open")?,
             snat: dir.open("snat")?,
@@ -153,9 +155,11 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64) -> Result
             };
             let mut entry: Backend = bpfmap::get(&maps.backends, &id)?.unwrap_or_default();
             if backend_endpoint(&entry) != ep {
-                // A fresh id: no MAC yet (the neighbour resolver fills it) and no stale score.
+                // A fresh id: no MAC yet (the neighbour resolver fills it),
+                // no stale score, and its first packet asks for one.
                 entry = Backend { addr: be_addr(b.address), port: be_port(b.port), ..Default::default() };
                 bpfmap::put(&maps.scores, &id, &BackendScore::default())?;
+                bpfmap::put(&maps.probe_due, &id, &1u32)?;
             }
             entry.flags = if b.drain { BACKEND_DRAINING } else { BACKEND_ACTIVE };
             entry.drain_deadline_ns = 0;
