@@ -11,6 +11,10 @@
  * packet in place (nftables' NAT does) would otherwise see its own
  * rewrite come back.
  *
+ * With `tx_spoof` set, each copy gets a random source address (inside
+ * tx_spoof_net/tx_spoof_mask), source port and sequence number, checksums
+ * fixed: a SYN flood from random sources, at the rate of the loop above.
+ *
  * `sink` counts IPv4 TCP packets to one port at a receiver and drops them
  * (raw load, so the receiver's stack is never the bottleneck) or passes
  * them on (a real server behind). Everything else passes, so ARP and ping
@@ -24,6 +28,8 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 
+#include "inband/csum.h"
+
 #define TX_MAX_WORDS 32
 
 const volatile __u64 tx_frame[TX_MAX_WORDS] = {};
@@ -31,6 +37,9 @@ const volatile __u32 tx_words = 0; /* frame length / 8 (frames are padded to it)
 const volatile __u32 tx_verdict = XDP_TX;
 const volatile __u16 sink_port = 0; /* host order */
 const volatile __u8 sink_drop = 0;
+const volatile __u8 tx_spoof = 0;
+const volatile __be32 tx_spoof_net = 0;
+const volatile __be32 tx_spoof_mask = 0; /* bits of the source address that vary */
 
 struct sink_count {
 	__u64 packets;
@@ -82,6 +91,29 @@ int tx(struct xdp_md *ctx)
 		if ((void *)(w + i + 1) > data_end)
 			return XDP_ABORTED;
 		w[i] = tx_frame[i];
+	}
+	if (tx_spoof) {
+		struct iphdr *ip = data + sizeof(struct ethhdr);
+		struct tcphdr *tcp = (void *)(ip + 1);
+
+		if ((void *)(tcp + 1) > data_end)
+			return XDP_ABORTED;
+		__be32 saddr = tx_spoof_net | (bpf_get_prandom_u32() & tx_spoof_mask);
+		__u32 r = bpf_get_prandom_u32();
+		__be16 sport = (__be16)(r | 0x0400); /* no port below 1024 */
+		__be32 seq = bpf_get_prandom_u32();
+		__u32 acc = csum_start(ip->check);
+
+		acc = csum_replace32(acc, ip->saddr, saddr);
+		ip->check = csum_finish(acc);
+		acc = csum_start(tcp->check);
+		acc = csum_replace32(acc, ip->saddr, saddr);
+		acc = csum_replace16(acc, tcp->source, sport);
+		acc = csum_replace32(acc, tcp->seq, seq);
+		tcp->check = csum_finish(acc);
+		ip->saddr = saddr;
+		tcp->source = sport;
+		tcp->seq = seq;
 	}
 	return tx_verdict;
 }

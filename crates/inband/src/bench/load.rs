@@ -65,6 +65,38 @@ pub struct BlastArgs {
     /// Drop each frame instead of sending it: what generating costs alone.
     #[arg(long)]
     pub drop: bool,
+    /// Send SYNs from random sources instead (a SYN flood): each copy gets
+    /// a random source address in this network, source port and sequence
+    /// number; `--src` only gives the first frame's.
+    #[arg(long)]
+    pub spoof_from: Option<crate::bench::load::Net>,
+}
+
+/// An IPv4 network `a.b.c.d/len`.
+#[derive(Clone, Copy, Debug)]
+pub struct Net {
+    pub addr: std::net::Ipv4Addr,
+    pub len: u8,
+}
+
+impl std::str::FromStr for Net {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Net, String> {
+        let (a, l) = s.split_once('/').ok_or_else(|| format!("{s:?}: expected ADDRESS/LENGTH"))?;
+        let len: u8 = l.parse().map_err(|_| format!("{s:?}: bad prefix length"))?;
+        if len > 32 {
+            return Err(format!("{s:?}: prefix length above 32"));
+        }
+        Ok(Net { addr: a.parse().map_err(|_| format!("{s:?}: bad address"))?, len })
+    }
+}
+
+impl Net {
+    /// (network, variable bits) as network-order words.
+    fn spoof_words(&self) -> (u32, u32) {
+        let mask = if self.len == 0 { 0 } else { u32::MAX << (32 - u32::from(self.len)) };
+        ((u32::from(self.addr) & mask).to_be(), (!mask).to_be())
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -142,6 +174,12 @@ fn send_frames(a: &BlastArgs, ifindex: u32, frame: &[u8], count: u64, start: Ins
         }
         ro.tx_words = words as u32;
         ro.tx_verdict = if a.drop { XDP_DROP } else { XDP_TX };
+        if let Some(net) = a.spoof_from {
+            let (net, mask) = net.spoof_words();
+            ro.tx_spoof = 1;
+            ro.tx_spoof_net = net;
+            ro.tx_spoof_mask = mask;
+        }
     }
     let skel = open.load().context("loading the load generator")?;
     let fd = std::os::fd::AsRawFd::as_raw_fd(&skel.progs.tx.as_fd());
@@ -163,7 +201,11 @@ pub fn blast(a: &BlastArgs) -> Result<BlastResult> {
         send_frames(a, ifindex, &base.clone().seq_no(999).syn(1460).build(), 1, Instant::now(), Duration::from_secs(1))?;
         std::thread::sleep(Duration::from_millis(ms));
     }
-    let frame = base.flags(TCP_ACK | TCP_PSH).payload(vec![b'x'; a.payload]).build();
+    let frame = if a.spoof_from.is_some() {
+        base.syn(1460).build()
+    } else {
+        base.flags(TCP_ACK | TCP_PSH).payload(vec![b'x'; a.payload]).build()
+    };
     let start = Instant::now();
     let sent = send_frames(a, ifindex, &frame, a.packets, start, Duration::from_secs_f64(a.seconds))?;
     Ok(BlastResult { sent, seconds: start.elapsed().as_secs_f64(), frame_bytes: frame.len() })

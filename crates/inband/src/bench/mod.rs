@@ -1,5 +1,6 @@
 //! `inband bench ...`: measurements that print tables with ratios.
 
+pub mod churn;
 pub mod dataplane;
 pub mod load;
 
@@ -49,6 +50,9 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 600)]
         max_seconds: u64,
     },
+    /// Many short HTTP connections from distinct client tuples, each
+    /// opened, answered and closed; prints JSON.
+    Churn(churn::ChurnArgs),
     /// TCP connections sending small writes with TCP_NODELAY; prints JSON.
     Stream(load::StreamArgs),
     /// A TCP server that reads and discards whatever it is sent.
@@ -94,5 +98,9 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
             Ok(())
         }
         BenchCommand::Discard { listen } => load::discard(listen),
+        BenchCommand::Churn(a) => {
+            println!("{}", serde_json::to_string(&churn::run(&a)?)?);
+            Ok(())
+        }
     }
 }

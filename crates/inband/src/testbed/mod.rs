@@ -17,17 +17,25 @@ pub use netns::in_netns;
 
 /// What to build. Addresses: 10.<subnet>.0.0/24, balancer .2, VIP .100 (on
 /// the balancer's lo), clients .10+i, servers .20+i.
+///
+/// With `client_link_mtu`, the clients sit behind a router `r1` instead
+/// (10.<subnet>.0.3 on the bridge; clients 10.<subnet>.1.10+i, each on its
+/// own link), and r1 sends to them with that MTU while the clients' own
+/// interfaces keep 1500: a smaller link somewhere on the clients' path, so
+/// full-size packets toward them make r1 answer "fragmentation needed".
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct TestbedSpec {
     pub name: String,
     pub clients: usize,
     pub servers: usize,
     pub subnet: u8,
+    #[serde(default)]
+    pub client_link_mtu: Option<u32>,
 }
 
 impl Default for TestbedSpec {
     fn default() -> Self {
-        TestbedSpec { name: "ib".into(), clients: 1, servers: 3, subnet: 77 }
+        TestbedSpec { name: "ib".into(), clients: 1, servers: 3, subnet: 77, client_link_mtu: None }
     }
 }
 
@@ -75,9 +83,14 @@ impl Testbed {
         }
         teardown(&spec.name)?;
         let base = |host: u8| Ipv4Addr::new(10, spec.subnet, 0, host);
+        let routed = spec.client_link_mtu.is_some();
         let mut nodes = vec![Node { node: "lb".into(), netns: String::new(), address: base(2), bridge_port: String::new() }];
+        if routed {
+            nodes.push(Node { node: "r1".into(), netns: String::new(), address: base(3), bridge_port: String::new() });
+        }
         for i in 1..=spec.clients {
-            nodes.push(Node { node: format!("c{i}"), netns: String::new(), address: base(10 + i as u8), bridge_port: String::new() });
+            let address = if routed { Ipv4Addr::new(10, spec.subnet, 1, 10 + i as u8) } else { base(10 + i as u8) };
+            nodes.push(Node { node: format!("c{i}"), netns: String::new(), address, bridge_port: String::new() });
         }
         for i in 1..=spec.servers {
             nodes.push(Node { node: format!("s{i}"), netns: String::new(), address: base(20 + i as u8), bridge_port: String::new() });
@@ -97,8 +110,13 @@ impl Testbed {
         netns::ip(&["netns", "add", sw])?;
         netns::ip(&["-n", sw, "link", "add", "br0", "type", "bridge"])?;
         netns::ip(&["-n", sw, "link", "set", "br0", "up"])?;
+        let routed = self.spec.client_link_mtu.is_some();
         for n in &self.nodes {
             netns::ip(&["netns", "add", &n.netns])?;
+            if routed && n.node.starts_with('c') {
+                self.link_to_router(n)?;
+                continue;
+            }
             netns::ip(&["link", "add", "eth0", "netns", &n.netns, "type", "veth", "peer", "name", &n.bridge_port, "netns", sw])?;
             netns::ip(&["-n", sw, "link", "set", &n.bridge_port, "master", "br0", "up"])?;
             netns::ip(&["-n", &n.netns, "link", "set", "lo", "up"])?;
@@ -112,12 +130,40 @@ impl Testbed {
                 netns::run(netns::in_netns(&n.netns, &["ethtool", "-K", "eth0", "tx", "off"]).stdout(Stdio::null()))?;
             }
         }
+        if routed {
+            let r1 = self.node("r1")?;
+            netns::run(netns::in_netns(&r1.netns, &["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"]).stdout(Stdio::null()))?;
+            let clients = format!("10.{}.1.0/24", self.spec.subnet);
+            for n in self.nodes.iter().filter(|n| n.node == "lb" || n.node.starts_with('s')) {
+                netns::ip(&["-n", &n.netns, "route", "add", &clients, "via", &r1.address.to_string()])?;
+            }
+        }
         let lb = self.node("lb")?;
         netns::ip(&["-n", &lb.netns, "addr", "add", &format!("{}/32", self.vip), "dev", "lo"])?;
         // XDP_TX on a veth delivers into the peer only when the peer runs an
         // XDP program too (it needs the peer's NAPI ring): the balancer's
         // bridge port gets one that passes everything.
         peer::attach_pass(sw, &lb.bridge_port)?;
+        Ok(())
+    }
+
+    /// A client's own link to the router: r1 sends to it with the spec's
+    /// MTU, the client keeps 1500 (see `TestbedSpec`).
+    fn link_to_router(&self, n: &Node) -> Result<()> {
+        let r1 = self.node("r1")?;
+        let mtu = self.spec.client_link_mtu.unwrap_or(1500).to_string();
+        let gw = format!("10.{}.1.1", self.spec.subnet);
+        netns::ip(&["link", "add", "eth0", "netns", &n.netns, "type", "veth", "peer", "name", &n.node, "netns", &r1.netns])?;
+        netns::ip(&["-n", &n.netns, "link", "set", "lo", "up"])?;
+        netns::ip(&["-n", &n.netns, "addr", "add", &format!("{}/24", n.address), "dev", "eth0"])?;
+        netns::ip(&["-n", &n.netns, "link", "set", "eth0", "up"])?;
+        netns::ip(&["-n", &n.netns, "route", "add", "default", "via", &gw])?;
+        netns::run(netns::in_netns(&n.netns, &["ethtool", "-K", "eth0", "tx", "off"]).stdout(Stdio::null()))?;
+        // One router address for every client link (a /32 route per client).
+        netns::ip(&["-n", &r1.netns, "addr", "add", &format!("{gw}/32"), "dev", &n.node])?;
+        netns::ip(&["-n", &r1.netns, "link", "set", &n.node, "mtu", &mtu, "up"])?;
+        netns::ip(&["-n", &r1.netns, "route", "add", &format!("{}/32", n.address), "dev", &n.node])?;
+        netns::run(netns::in_netns(&r1.netns, &["ethtool", "-K", &n.node, "tx", "off"]).stdout(Stdio::null()))?;
         Ok(())
     }
 
@@ -198,7 +244,7 @@ pub fn teardown(name: &str) -> Result<()> {
     let mut first_err = None;
     for line in String::from_utf8_lossy(&out.stdout).lines() {
         let ns = line.split_whitespace().next().unwrap_or("");
-        if ns.strip_prefix(&prefix).is_some_and(|rest| rest == "sw" || rest == "lb" || is_host(rest)) {
+        if ns.strip_prefix(&prefix).is_some_and(|rest| rest == "sw" || rest == "lb" || rest == "r1" || is_host(rest)) {
             if let Err(e) = netns::delete(ns) {
                 first_err.get_or_insert(e);
             }
@@ -235,6 +281,9 @@ pub enum TestbedCommand {
         /// Second octet of the 10.X.0.0/24 subnet.
         #[arg(long, default_value_t = 77)]
         subnet: u8,
+        /// Put the clients behind a router that sends to them with this MTU.
+        #[arg(long)]
+        client_link_mtu: Option<u32>,
     },
     /// Kill every process in the testbed's namespaces and delete them.
     Down {
@@ -259,8 +308,8 @@ pub enum TestbedCommand {
 
 pub fn run(cmd: TestbedCommand) -> Result<()> {
     match cmd {
-        TestbedCommand::Up { name, clients, servers, subnet } => {
-            let tb = Testbed::up(TestbedSpec { name: name.clone(), clients, servers, subnet })?.keep();
+        TestbedCommand::Up { name, clients, servers, subnet, client_link_mtu } => {
+            let tb = Testbed::up(TestbedSpec { name: name.clone(), clients, servers, subnet, client_link_mtu })?.keep();
             let json = serde_json::to_string_pretty(&tb)?;
             std::fs::create_dir_all("/run/inband/testbed")?;
             std::fs::write(state_path(&name), &json)?;
