@@ -17,6 +17,38 @@ pub fn ifindex(name: &str) -> Result<u32> {
     Ok(idx)
 }
 
+/// The interface's MTU, asked of the kernel through a socket of this
+/// process's network namespace. /sys/class/net would answer for the
+/// namespace sysfs was mounted in, which under `nsenter --net` (how the
+/// testbed runs servers) is another one.
+pub fn mtu(name: &str) -> Result<u32> {
+    // SAFETY: socket() has no memory preconditions; the fd is closed below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        bail!("socket for reading the MTU of {name}: {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: an all-zero ifreq is valid.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    if name.len() >= req.ifr_name.len() {
+        // SAFETY: fd came from socket() above.
+        unsafe { libc::close(fd) };
+        bail!("interface name {name:?} is too long");
+    }
+    for (d, s) in req.ifr_name.iter_mut().zip(name.bytes()) {
+        *d = s as libc::c_char;
+    }
+    // SAFETY: req is a NUL-terminated ifreq the kernel fills in.
+    let rc = unsafe { libc::ioctl(fd, libc::SIOCGIFMTU, &mut req) };
+    let err = std::io::Error::last_os_error();
+    // SAFETY: as above.
+    unsafe { libc::close(fd) };
+    if rc != 0 {
+        bail!("reading the MTU of interface {name:?}: {err}");
+    }
+    // SAFETY: SIOCGIFMTU filled the ifru_mtu member.
+    Ok(unsafe { req.ifr_ifru.ifru_mtu } as u32)
+}
+
 /// Every IPv4 address of this host (in this network namespace) with its interface.
 pub fn local_ipv4() -> Result<Vec<(String, Ipv4Addr)>> {
     let mut out = Vec::new();
