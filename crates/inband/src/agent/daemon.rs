@@ -27,9 +27,9 @@ use crate::bpfmap;
 pub fn run(config_path: &Path) -> Result<()> {
     libbpf_rs::set_print(Some((libbpf_rs::PrintLevel::Info, libbpf_log)));
     let cfg = AgentConfig::load(config_path)?;
+    let keys = cfg.load_keys().with_context(|| format!("in {}", config_path.display()))?;
     cfg.check_host()?;
-    let data_path = DataPathSettings::from_config(&cfg, settings::read_mtu(&cfg.interface)?)
-        .with_context(|| format!("in {}", config_path.display()))?;
+    let data_path = DataPathSettings::new(cfg.auth.mode, keys, settings::read_mtu(&cfg.interface)?);
     let group = cfg.score_socket_group.as_deref().map(config::group_id).transpose()?;
     let lock = attach::lock_interface(&cfg.interface)?;
     // From here on a signal must not kill the process half-way through
@@ -220,11 +220,11 @@ impl Control<'_> {
     /// that does not load leaves everything as it was.
     fn reload(&mut self, maps: &AgentMaps) {
         let loaded = AgentConfig::load(self.config_path).and_then(|new| {
-            let data_path = DataPathSettings::from_config(&new, settings::read_mtu(&self.cfg.interface)?)
-                .with_context(|| format!("in {}", self.config_path.display()))?;
-            Ok((new, data_path))
+            let keys = new.load_keys().with_context(|| format!("in {}", self.config_path.display()))?;
+            let mtu = settings::read_mtu(&self.cfg.interface)?;
+            Ok((DataPathSettings::new(new.auth.mode, keys, mtu), new))
         });
-        let (new, data_path) = match loaded {
+        let (data_path, new) = match loaded {
             Ok(l) => l,
             Err(e) => {
                 error!(error = %format!("{e:#}"), "SIGHUP: config not reloaded; the running settings stay");

@@ -42,11 +42,9 @@ pub fn read_mtu(interface: &str) -> Result<u16> {
 }
 
 impl DataPathSettings {
-    /// The settings `cfg` asks for, its key files read.
-    pub fn from_config(cfg: &AgentConfig, mtu: u16) -> Result<DataPathSettings> {
-        let mut keys = cfg.load_keys()?;
+    pub fn new(mode: AuthMode, mut keys: Vec<(u8, Key)>, mtu: u16) -> DataPathSettings {
         keys.sort_by_key(|(id, _)| *id);
-        Ok(DataPathSettings { mode: cfg.auth.mode, keys, mtu })
+        DataPathSettings { mode, keys, mtu }
     }
 
     /// Writes what differs from `previous` (everything without one). Keys
