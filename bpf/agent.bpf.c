@@ -18,92 +18,17 @@
 #include <bpf/bpf_core_read.h>
 #include <bpf/bpf_helpers.h>
 
-#include "inband/agent_maps.h"
+#include "inband/agent/maps.h"
+#include "inband/agent/options.h"
+#include "inband/agent/trust.h"
+#include "inband/agent/verify.h"
 #include "inband/agent_skb.h"
+#include "inband/auth.h"
 #include "inband/csum.h"
 #include "inband/wire.h"
 
 /* GPL: bpf_fib_lookup is a GPL-only helper. */
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
-
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, INBAND_AGENT_MAX_SERVICES);
-	__type(key, __be16);
-	__type(value, struct inband_service);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} services SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, INBAND_AGENT_MAX_BALANCERS);
-	__type(key, __be32);
-	__type(value, __u8);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} balancers SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, INBAND_AGENT_FLOW_TABLE_SIZE);
-	__type(key, struct inband_conn_key);
-	__type(value, struct inband_dsr_flow);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} dsr_flows SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, INBAND_AGENT_MAX_SERVICES);
-	__type(key, __u16);
-	__type(value, __s64);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} active_conns SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, INBAND_AGENT_MAX_SERVICES);
-	__type(key, __u16);
-	__type(value, __u32);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} score_override SEC(".maps");
-
-/* Score source "requests": connections with a request in flight (client
- * bytes arrived, no response byte sent since), per served port (host
- * order), and the per-connection flag behind the count. */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, INBAND_AGENT_MAX_SERVICES);
-	__type(key, __u16);
-	__type(value, __s64);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} inflight SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, INBAND_AGENT_FLOW_TABLE_SIZE);
-	__type(key, struct inband_conn_key);
-	__type(value, __u32);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} inflight_conns SEC(".maps");
-
-/* Set by the control plane at load when the score source is "requests":
- * only then do data packets pay for the per-connection bookkeeping. */
-const volatile __u8 score_requests = 0;
-
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, INBAND_AGENT_COUNTER_MAX);
-	__type(key, __u32);
-	__type(value, __u64);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} agent_stats SEC(".maps");
-
-static __always_inline void count(__u32 counter)
-{
-	__u64 *v = bpf_map_lookup_elem(&agent_stats, &counter);
-
-	if (v)
-		*v += 1;
-}
 
 static __always_inline int malformed(void)
 {
@@ -111,28 +36,12 @@ static __always_inline int malformed(void)
 	return TC_ACT_OK;
 }
 
-/*
- * Removes the inband option (4 or 8 bytes, in `opt`) that starts right after
- * the fixed header.
- */
-static __always_inline int strip_option(struct __sk_buff *skb, const struct iphdr *iph,
-					 const __u32 *opt, __u32 opt_len)
+/* For packets with an option from a balancer's address that no balancer of
+ * this deployment sends: forged, or corrupt on the way. */
+static __always_inline int drop(__u32 counter)
 {
-	struct iphdr new_hdr = *iph;
-	__u32 acc = csum_start(iph->check);
-
-	new_hdr.ihl -= opt_len / 4;
-	new_hdr.tot_len = bpf_htons(bpf_ntohs(iph->tot_len) - opt_len);
-	acc = csum_replace32(acc, ipv4_word0(iph), ipv4_word0(&new_hdr));
-	acc = csum_replace32(acc, opt[0], 0);
-	if (opt_len == 2 * sizeof(opt[0]))
-		acc = csum_replace32(acc, opt[1], 0);
-	if (bpf_skb_adjust_room(skb, -(__s32)opt_len, BPF_ADJ_ROOM_NET, 0)) {
-		count(INBAND_AGENT_ADJUST_FAILED);
-		return TC_ACT_OK;
-	}
-	ipv4_store_header(skb, &new_hdr, csum_finish(acc));
-	return TC_ACT_OK;
+	count(counter);
+	return TC_ACT_SHOT;
 }
 
 /*
@@ -176,16 +85,97 @@ static __always_inline void track_request(struct __sk_buff *skb, const struct ip
 	}
 }
 
+/*
+ * A 155 from a balancer, in the configured format (`opt`, `len` bytes),
+ * on the TCP segment at `l4_off`. Stored only from a SYN whose checksums
+ * verify and, authenticated, whose MAC does; never over a live socket's
+ * connection.
+ */
+static __always_inline int take_client_tuple(struct __sk_buff *skb, const struct iphdr *iph, __u32 l4_off,
+					     const __be16 *ports, const __u32 *opt, __u32 len, __u8 auth_mode)
+{
+	const __u8 *o = (const __u8 *)opt;
+	struct inband_conn_key key = { .peer_addr = iph->saddr, .peer_port = ports[0], .local_port = ports[1] };
+	struct inband_dsr_flow val = {};
+	__u8 flags;
+	__be32 seq;
+
+	if (bpf_skb_load_bytes(skb, l4_off + 4, &seq, sizeof(seq)) ||
+	    bpf_skb_load_bytes(skb, l4_off + 13, &flags, sizeof(flags)))
+		return malformed();
+	/* A client tuple starts a connection: on any other packet it could
+	 * only redirect one that exists. */
+	if ((flags & (INBAND_TCP_SYN | INBAND_TCP_ACK)) != INBAND_TCP_SYN)
+		return drop(INBAND_AGENT_NOT_SYN);
+	if (!ipv4_csum_ok(skb, iph->ihl * 4) ||
+	    !tcp_csum_ok(skb, l4_off, bpf_ntohs(iph->tot_len) - iph->ihl * 4, iph->saddr, iph->daddr))
+		return drop(INBAND_AGENT_BAD_CHECKSUM);
+	if (auth_mode == INBAND_AUTH_NONE) {
+		__builtin_memcpy(&val.client_addr, o + 2, sizeof(val.client_addr));
+		__builtin_memcpy(&val.client_port, o + 6, sizeof(val.client_port));
+	} else {
+		if (!tuple_mac_ok(iph, ports, seq, o))
+			return drop(INBAND_AGENT_AUTH_FAILED);
+		__builtin_memcpy(&val.client_addr, o + INBAND_AUTH_TUPLE_ADDR_OFF, sizeof(val.client_addr));
+		__builtin_memcpy(&val.client_port, o + INBAND_AUTH_TUPLE_PORT_OFF, sizeof(val.client_port));
+	}
+	/* The SYN itself still reaches the stack, which answers it with a
+	 * challenge ACK. */
+	if (tuple_owned_by_live_socket(skb, iph, ports)) {
+		count(INBAND_AGENT_TUPLE_IN_USE);
+		return strip_option(skb, iph, opt, len);
+	}
+	if (!bpf_map_update_elem(&dsr_flows, &key, &val, BPF_ANY))
+		count(INBAND_AGENT_TUPLES_STORED);
+	return strip_option(skb, iph, opt, len);
+}
+
+/*
+ * A 124 from a balancer, in the configured format. It asks for a score on
+ * a connection whose 155 was accepted; its key and nonce are kept for the
+ * 125 that answers it.
+ */
+static __always_inline int take_score_request(struct __sk_buff *skb, const struct iphdr *iph,
+					      const __be16 *ports, const __u32 *opt, __u32 len, __u8 auth_mode)
+{
+	const __u8 *o = (const __u8 *)opt;
+	struct inband_conn_key key = { .peer_addr = iph->saddr, .peer_port = ports[0], .local_port = ports[1] };
+	struct inband_dsr_flow *flow;
+	__be32 nonce = 0;
+	__u8 key_id = 0;
+
+	if (auth_mode != INBAND_AUTH_NONE) {
+		if (!request_mac_ok(iph, ports, o))
+			return drop(INBAND_AGENT_AUTH_FAILED);
+		key_id = o[INBAND_AUTH_REQUEST_KEY_OFF];
+		__builtin_memcpy(&nonce, o + INBAND_AUTH_REQUEST_NONCE_OFF, sizeof(nonce));
+	}
+	flow = bpf_map_lookup_elem(&dsr_flows, &key);
+	/* No entry is created: entries exist only for accepted 155s, so
+	 * packets from a balancer's address cannot fill the table. */
+	if (!flow || !flow->client_addr) {
+		count(INBAND_AGENT_PROBE_UNKNOWN_FLOW);
+		return strip_option(skb, iph, opt, len);
+	}
+	/* Key and nonce before the flag: egress on another CPU reads them
+	 * once it sees the flag. A torn pair from two racing 124s only makes
+	 * the balancer refuse one 125. */
+	flow->probe_key = key_id;
+	flow->probe_nonce = nonce;
+	flow->score_requested = 1;
+	count(INBAND_AGENT_PROBES_SEEN);
+	return strip_option(skb, iph, opt, len);
+}
+
 SEC("tc")
 int agent_ingress(struct __sk_buff *skb)
 {
-	struct inband_dsr_flow *flow;
-	struct inband_conn_key key;
+	const struct inband_agent_config *cfg;
 	struct iphdr iph;
-	__u32 opt[2] = {};
+	__u32 opt[OPT_MAX_WORDS] = {};
 	__be16 ports[2];
 	__be16 h_proto;
-	__u32 hlen, tot;
+	__u32 hlen, tot, len;
 	__u8 *o = (__u8 *)opt;
 
 	if (bpf_skb_load_bytes(skb, offsetof(struct ethhdr, h_proto), &h_proto, sizeof(h_proto)) ||
@@ -215,15 +205,8 @@ int agent_ingress(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	if (o[1] < 2 || o[1] > hlen - INBAND_IPV4_MIN_HDR)
 		return malformed();
-	if (o[0] == INBAND_OPT_CLIENT_TUPLE) {
-		if (o[1] != INBAND_OPT_CLIENT_TUPLE_LEN)
-			return malformed();
-	} else if (o[0] == INBAND_OPT_SCORE_REQUEST) {
-		if (o[1] != INBAND_OPT_SCORE_REQUEST_LEN)
-			return malformed();
-	} else {
+	if (o[0] != INBAND_OPT_CLIENT_TUPLE && o[0] != INBAND_OPT_SCORE_REQUEST)
 		return TC_ACT_OK;
-	}
 	if (iph.protocol != IPPROTO_TCP)
 		return TC_ACT_OK;
 	if (tot < hlen + sizeof(struct tcphdr) ||
@@ -238,39 +221,23 @@ int agent_ingress(struct __sk_buff *skb)
 		count(INBAND_AGENT_UNTRUSTED_OPTION);
 		return TC_ACT_OK;
 	}
-
-	key.peer_addr = iph.saddr;
-	key.peer_port = ports[0];
-	key.local_port = ports[1];
-	if (o[0] == INBAND_OPT_CLIENT_TUPLE) {
-		struct inband_dsr_flow val = {};
-
-		if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + INBAND_IPV4_MIN_HDR, opt,
-				       INBAND_OPT_CLIENT_TUPLE_LEN))
-			return malformed();
-		__builtin_memcpy(&val.client_addr, o + 2, sizeof(val.client_addr));
-		__builtin_memcpy(&val.client_port, o + 6, sizeof(val.client_port));
-		if (!bpf_map_update_elem(&dsr_flows, &key, &val, BPF_ANY))
-			count(INBAND_AGENT_TUPLES_STORED);
-		return strip_option(skb, &iph, opt, INBAND_OPT_CLIENT_TUPLE_LEN);
-	}
-
-	if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + INBAND_IPV4_MIN_HDR, opt,
-			       INBAND_OPT_SCORE_REQUEST_LEN))
+	cfg = agent_cfg();
+	if (!cfg)
+		return TC_ACT_OK;
+	/* A balancer of this deployment sends only the configured format:
+	 * anything else from its address is forged (or a balancer configured
+	 * differently, which is found by this counter). */
+	len = o[1];
+	if (len != configured_len(o[0], cfg->auth_mode))
+		return drop(INBAND_AGENT_WRONG_FORMAT);
+	barrier_var(len);
+	if (len > sizeof(opt))
 		return malformed();
-	count(INBAND_AGENT_PROBES_SEEN);
-	flow = bpf_map_lookup_elem(&dsr_flows, &key);
-	if (flow) {
-		flow->score_requested = 1;
-	} else {
-		/* A connection the agent holds no tuple for (e.g. it started
-		 * after the SYN) still answers: its responses stay on the
-		 * balancer path, which is where the 125 has to go anyway. */
-		struct inband_dsr_flow val = { .score_requested = 1 };
-
-		bpf_map_update_elem(&dsr_flows, &key, &val, BPF_NOEXIST);
-	}
-	return strip_option(skb, &iph, opt, INBAND_OPT_SCORE_REQUEST_LEN);
+	if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + INBAND_IPV4_MIN_HDR, opt, len))
+		return malformed();
+	if (o[0] == INBAND_OPT_CLIENT_TUPLE)
+		return take_client_tuple(skb, &iph, INBAND_ETH_HLEN + hlen, ports, opt, len, cfg->auth_mode);
+	return take_score_request(skb, &iph, ports, opt, len, cfg->auth_mode);
 }
 
 /* Local port in host order: the key of active_conns and score_override. */
@@ -287,112 +254,69 @@ static __always_inline __u16 current_score(__u16 port)
 	return *active > 0xffff ? 0xffff : *active;
 }
 
-static __always_inline int add_score(struct __sk_buff *skb, const struct iphdr *iph,
-				     struct inband_dsr_flow *flow, __u16 port)
+/*
+ * The authenticated 125 answering the flow's 124: signed with that 124's
+ * key and nonce over the connection as the balancer sees it (it is the
+ * destination). Returns 0 if the key is gone (removed by a rotation since
+ * the 124 arrived).
+ */
+static __noinline int sign_score(__u32 *opt, const struct iphdr *iph, const __be16 *ports,
+				 const struct inband_dsr_flow *flow, __u16 score)
 {
-	struct iphdr new_hdr = *iph;
-	__u32 opt = 0, acc;
+	const struct inband_auth_key *key = auth_key(flow->probe_key);
+	struct inband_mac_msg m;
 
-	/* No room left in a 60-byte header: the flag stays set and a later
-	 * packet of the connection answers instead. */
-	if (iph->ihl + INBAND_OPT_SCORE_LEN / 4 > INBAND_IPV4_MAX_HDR / 4) {
-		count(INBAND_AGENT_ADJUST_FAILED);
-		return TC_ACT_OK;
-	}
-	inband_encode_score((__u8 *)&opt, current_score(port));
-	new_hdr.ihl += INBAND_OPT_SCORE_LEN / 4;
-	new_hdr.tot_len = bpf_htons(bpf_ntohs(iph->tot_len) + INBAND_OPT_SCORE_LEN);
-	acc = csum_start(iph->check);
-	acc = csum_replace32(acc, ipv4_word0(iph), ipv4_word0(&new_hdr));
-	acc = csum_replace32(acc, 0, opt);
-	if (bpf_skb_adjust_room(skb, INBAND_OPT_SCORE_LEN, BPF_ADJ_ROOM_NET, 0)) {
-		count(INBAND_AGENT_ADJUST_FAILED);
-		return TC_ACT_OK;
-	}
-	bpf_skb_store_bytes(skb, INBAND_ETH_HLEN + INBAND_IPV4_MIN_HDR, &opt, sizeof(opt),
-			    BPF_F_RECOMPUTE_CSUM);
-	ipv4_store_header(skb, &new_hdr, csum_finish(acc));
-	flow->score_requested = 0;
-	count(INBAND_AGENT_SCORES_SENT);
-	return TC_ACT_OK;
-}
-
-/* State of the TCP options walk; bpf_loop hands it to each step. */
-struct mss_walk {
-	/* 40 option bytes + slack: the verifier bounds i but cannot relate it
-	 * to opt_len, so reads up to i + 3 are bounded by the array. */
-	__u8 opts[48];
-	__u32 opt_len;
-	__u32 i;
-	int found; /* opts[i] is an MSS option */
-};
-
-static long mss_walk_step(__u64 n, void *ctx)
-{
-	struct mss_walk *w = ctx;
-	__u32 i = w->i;
-	__u8 kind, len;
-
-	if (i >= w->opt_len || i >= 40)
-		return 1;
-	kind = w->opts[i];
-	if (kind == INBAND_TCPOPT_EOL)
-		return 1;
-	if (kind == INBAND_TCPOPT_NOP) {
-		w->i = i + 1;
+	if (!key)
 		return 0;
-	}
-	if (i + 1 >= w->opt_len)
-		return 1;
-	len = w->opts[i + 1];
-	if (len < 2 || i + len > w->opt_len)
-		return 1;
-	if (kind == INBAND_TCPOPT_MSS && len == INBAND_TCPOLEN_MSS) {
-		w->found = 1;
-		return 1;
-	}
-	w->i = i + len;
-	return 0;
+	inband_mac_msg_init(&m, INBAND_OPT_SCORE, flow->probe_key, flow->probe_nonce, iph->daddr, ports[1],
+			    iph->saddr, ports[0]);
+	m.score = bpf_htons(score);
+	inband_encode_auth_score((__u8 *)opt, score, flow->probe_nonce, inband_mac(key, &m));
+	return 1;
 }
 
 /*
- * Lowers the MSS a SYN-ACK announces so that the client's full-sized segments
- * still fit the path MTU once the balancer adds an option to them. The walk
- * runs under bpf_loop: as a plain loop its data-dependent index gives the
- * verifier a state per option layout and takes seconds to load.
+ * Adds the 125 the flow owes. Returns 1 if it did; otherwise the flag stays
+ * set (a later packet answers) unless the answer cannot be signed at all.
  */
-static __always_inline void clamp_mss(struct __sk_buff *skb, __u32 l4_off, __u32 tcp_hlen)
+static __always_inline int add_score(struct __sk_buff *skb, const struct iphdr *iph, const __be16 *ports,
+				     struct inband_dsr_flow *flow)
 {
-	struct mss_walk w = {};
-	__u32 opt_len, i;
-	__u16 mss;
-	__be16 old_be, new_be;
+	const struct inband_agent_config *cfg = agent_cfg();
+	__u32 opt[INBAND_OPT_AUTH_SCORE_LEN / 4] = {};
+	__u32 len;
+	__u16 score;
 
-	if (tcp_hlen <= sizeof(struct tcphdr))
-		return;
-	opt_len = tcp_hlen - sizeof(struct tcphdr);
-	/* Keeps clang from merging the two range checks into one the
-	 * verifier cannot use to bound the load size. */
-	barrier_var(opt_len);
-	if (opt_len > 40)
-		return;
-	if (bpf_skb_load_bytes(skb, l4_off + sizeof(struct tcphdr), w.opts, opt_len))
-		return;
-	w.opt_len = opt_len;
-	/* Every step consumes at least one of at most 40 bytes. */
-	bpf_loop(40, mss_walk_step, &w, 0);
-	i = w.i;
-	if (!w.found || i >= 40)
-		return;
-	mss = (__u16)w.opts[i + 2] << 8 | w.opts[i + 3];
-	if (mss <= INBAND_OPT_DATA_MAX_LEN)
-		return;
-	old_be = bpf_htons(mss);
-	new_be = bpf_htons(mss - INBAND_OPT_DATA_MAX_LEN);
-	bpf_skb_store_bytes(skb, l4_off + sizeof(struct tcphdr) + i + 2, &new_be, sizeof(new_be), 0);
-	bpf_l4_csum_replace(skb, l4_off + offsetof(struct tcphdr, check), old_be, new_be,
-			    sizeof(new_be));
-	count(INBAND_AGENT_MSS_CLAMPED);
+	if (!cfg)
+		return 0;
+	len = cfg->auth_mode == INBAND_AUTH_NONE ? INBAND_OPT_SCORE_LEN : INBAND_OPT_AUTH_SCORE_LEN;
+	/* No room left in a 60-byte header. */
+	if (iph->ihl * 4 + len > INBAND_IPV4_MAX_HDR) {
+		count(INBAND_AGENT_ADJUST_FAILED);
+		return 0;
+	}
+	/* The packet would leave bigger than the interface sends: dropped
+	 * by the stack or fragmented, and fragments never reach a balancer
+	 * as a 125. */
+	if (bpf_ntohs(iph->tot_len) + len > cfg->mtu) {
+		count(INBAND_AGENT_SCORE_DEFERRED_MTU);
+		return 0;
+	}
+	score = current_score(bpf_ntohs(ports[0]));
+	if (cfg->auth_mode == INBAND_AUTH_NONE) {
+		inband_encode_score((__u8 *)opt, score);
+	} else if (!sign_score(opt, iph, ports, flow, score)) {
+		flow->score_requested = 0;
+		count(INBAND_AGENT_AUTH_FAILED);
+		return 0;
+	}
+	if (insert_option(skb, iph, opt, len)) {
+		count(INBAND_AGENT_ADJUST_FAILED);
+		return 0;
+	}
+	flow->score_requested = 0;
+	count(INBAND_AGENT_SCORES_SENT);
+	return 1;
 }
 
 static __always_inline int dsr(struct __sk_buff *skb, const struct iphdr *iph, __u32 hlen,
@@ -513,9 +437,10 @@ int agent_egress(struct __sk_buff *skb)
 	 * GSO burst every segment would copy the option and return through
 	 * the balancer, turning one score into dozens of full-size packets off
 	 * the direct path. The burst goes direct; the next small packet (an
-	 * ACK, the FIN, the last segment) carries the score. */
-	if (flow->score_requested && skb->gso_segs <= 1)
-		return add_score(skb, &iph, flow, bpf_ntohs(ports[0]));
+	 * ACK, the FIN, the last segment) carries the score. A packet that
+	 * cannot carry it goes on as if no score were asked. */
+	if (flow->score_requested && skb->gso_segs <= 1 && add_score(skb, &iph, ports, flow))
+		return TC_ACT_OK;
 	if (!flow->client_addr)
 		return TC_ACT_OK;
 	return dsr(skb, &iph, hlen, svc, flow, ports);

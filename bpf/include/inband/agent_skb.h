@@ -27,13 +27,15 @@
 #define INBAND_TCPOLEN_MSS 4
 
 /* Kernel TCP states (include/net/tcp_states.h), as the inet_sock_set_state
- * tracepoint reports them. */
+ * tracepoint and struct bpf_sock report them. */
 enum {
 	INBAND_TCP_ESTABLISHED = 1,
 	INBAND_TCP_SYN_RECV = 3,
 	INBAND_TCP_TIME_WAIT = 6,
 	INBAND_TCP_CLOSE = 7,
 	INBAND_TCP_CLOSE_WAIT = 8,
+	INBAND_TCP_LISTEN = 10,
+	INBAND_TCP_NEW_SYN_RECV = 12, /* a request socket: handshake not complete */
 };
 
 /* Version/IHL, TOS and total length: the header word an option change

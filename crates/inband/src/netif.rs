@@ -17,6 +17,41 @@ pub fn ifindex(name: &str) -> Result<u32> {
     Ok(idx)
 }
 
+/// The interface's MTU as the data paths use it, asked of the kernel
+/// through a socket of this process's network namespace. /sys/class/net
+/// would answer for the namespace sysfs was mounted in, which under
+/// `nsenter --net` (how the testbed runs servers) is another one. An IPv4
+/// packet is at most 65535 bytes whatever the interface allows (loopback's
+/// MTU is 65536).
+pub fn mtu(name: &str) -> Result<u16> {
+    // SAFETY: socket() has no memory preconditions; the fd is closed below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        bail!("socket for reading the MTU of {name}: {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: an all-zero ifreq is valid.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    if name.len() >= req.ifr_name.len() {
+        // SAFETY: fd came from socket() above.
+        unsafe { libc::close(fd) };
+        bail!("interface name {name:?} is too long");
+    }
+    for (d, s) in req.ifr_name.iter_mut().zip(name.bytes()) {
+        *d = s as libc::c_char;
+    }
+    // SAFETY: req is a NUL-terminated ifreq the kernel fills in.
+    let rc = unsafe { libc::ioctl(fd, libc::SIOCGIFMTU, &mut req) };
+    let err = std::io::Error::last_os_error();
+    // SAFETY: as above.
+    unsafe { libc::close(fd) };
+    if rc != 0 {
+        bail!("reading the MTU of interface {name:?}: {err}");
+    }
+    // SAFETY: SIOCGIFMTU filled the ifru_mtu member.
+    let mtu = unsafe { req.ifr_ifru.ifru_mtu };
+    Ok(mtu.clamp(0, i32::from(u16::MAX)) as u16)
+}
+
 /// Every IPv4 address of this host (in this network namespace) with its interface.
 pub fn local_ipv4() -> Result<Vec<(String, Ipv4Addr)>> {
     let mut out = Vec::new();
@@ -58,31 +93,12 @@ pub fn format_mac(mac: &[u8; 6]) -> String {
     mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
 }
 
-/// The interface's L3 MTU, asked of this network namespace's kernel (not
-/// /sys/class/net: under `nsenter --net` that still shows the host's).
-pub fn mtu(name: &str) -> Result<u16> {
-    if name.len() >= libc::IFNAMSIZ {
-        bail!("interface name {name:?} is too long");
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_mtu_fits_an_ipv4_length() {
+        // Loopback's MTU is 65536: one more than an IPv4 packet can be.
+        assert_eq!(super::mtu("lo").unwrap(), 65535);
+        assert!(super::mtu("no-such-if0").is_err());
     }
-    // SAFETY: a plain datagram socket, closed below.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        bail!("socket: {}", std::io::Error::last_os_error());
-    }
-    // SAFETY: ifreq is plain data; the name fits (checked above) and stays NUL-terminated.
-    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (d, s) in req.ifr_name.iter_mut().zip(name.bytes()) {
-        *d = s as libc::c_char;
-    }
-    // SAFETY: SIOCGIFMTU fills ifru_mtu of a valid ifreq.
-    let rc = unsafe { libc::ioctl(fd, libc::SIOCGIFMTU, &mut req) };
-    let err = std::io::Error::last_os_error();
-    // SAFETY: fd is ours.
-    unsafe { libc::close(fd) };
-    if rc != 0 {
-        bail!("reading the MTU of {name}: {err}");
-    }
-    // SAFETY: the kernel set the mtu member.
-    let mtu = unsafe { req.ifr_ifru.ifru_mtu };
-    Ok(mtu.clamp(0, i32::from(u16::MAX)) as u16)
 }

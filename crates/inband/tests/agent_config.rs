@@ -1,11 +1,13 @@
-//! The agent's control plane: config validation, the poll protocol and its
-//! responder, the score socket, /proc/net/tcp seeding, the CPU score, and
-//! (as root, with the BPF program) a full run against a veth in a network
-//! namespace.
+//! The agent's control plane: config validation (with `[auth]` and its key
+//! files), the poll protocol and its responder, the score socket,
+//! /proc/net/tcp seeding, the CPU score, and (as root, with the BPF program)
+//! full runs against a veth in a network namespace, SIGHUP key rotation
+//! included. The tests are always run as root: one that is not fails.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -16,11 +18,13 @@ use std::time::{Duration, Instant};
 use inband::agent::config::{AgentConfig, ScoreSource, ServiceConfig};
 use inband::agent::cpu::{parse_proc_stat, RunQueue};
 use inband::agent::daemon::seed_active;
+use inband::agent::maps::{AuthKey, ConnKey, DataPathConfig, DsrFlow};
 use inband::agent::poll_proto;
 use inband::agent::poll_responder;
 use inband::agent::proc_tcp::{self, TcpState};
 use inband::agent::score_socket::{self, ScoreApi};
 use inband::agent::tables::AgentMaps;
+use inband::auth::{AuthMode, KeyRef};
 use inband::bpfmap;
 
 // ---------------------------------------------------------------- config
@@ -36,6 +40,9 @@ vip = "10.77.0.100:80"
 [[service]]
 port = 8081
 vip = "10.77.0.100:81"
+
+[auth]
+keys = [{ id = 1, file = "/etc/inband/auth-1.key" }]
 "#;
 
 fn config_err(text: &str) -> String {
@@ -58,9 +65,85 @@ fn config_defaults() {
             ServiceConfig { port: 8081, vip: "10.77.0.100:81".parse().unwrap() },
         ]
     );
+    assert_eq!(c.auth.mode, AuthMode::Siphash);
+    assert_eq!(c.auth.keys, vec![KeyRef { id: 1, file: PathBuf::from("/etc/inband/auth-1.key") }]);
     let c = AgentConfig::parse(&GOOD.replace("interface", "score = \"cpu\"\npoll_port = 0\ninterface")).unwrap();
     assert_eq!(c.score, ScoreSource::Cpu);
     assert_eq!(c.poll_port, 0);
+}
+
+/// GOOD with its `[auth]` section replaced by `auth` (TOML lines, or "").
+fn with_auth(auth: &str) -> String {
+    let base = &GOOD[..GOOD.find("[auth]").unwrap()];
+    if auth.is_empty() {
+        base.to_string()
+    } else {
+        format!("{base}[auth]\n{auth}\n")
+    }
+}
+
+#[test]
+fn config_auth_section() {
+    // Authenticated options are the default, so a config without keys is
+    // refused, saying how to make one.
+    let e = config_err(&with_auth(""));
+    assert!(e.contains("[auth]") && e.contains("no auth key configured") && e.contains("inband keygen"), "{e}");
+    let e = config_err(&with_auth("mode = \"siphash\""));
+    assert!(e.contains("inband keygen"), "{e}");
+    let c = AgentConfig::parse(&with_auth("mode = \"none\"")).unwrap();
+    assert_eq!(c.auth.mode, AuthMode::None);
+    let e = config_err(&with_auth("mode = \"none\"\nkeys = [{ id = 1, file = \"/k\" }]"));
+    assert!(e.contains("unauthenticated"), "{e}");
+    let e = config_err(&with_auth("keys = [{ id = 1, file = \"/k\" }]\nsign_with = 1"));
+    assert!(e.contains("sign_with is a balancer setting"), "{e}");
+    let e = config_err(&with_auth("keys = [{ id = 0, file = \"/k\" }]"));
+    assert!(e.contains("key id 0 is reserved"), "{e}");
+    let e = config_err(&with_auth("keys = [{ id = 2, file = \"/a\" }, { id = 2, file = \"/b\" }]"));
+    assert!(e.contains("auth key id 2 is listed twice"), "{e}");
+    let e = config_err(&with_auth("mode = \"md5\""));
+    assert!(e.contains("unknown variant `md5`"), "{e}");
+    let e = config_err(&with_auth("keys = [{ id = 1, path = \"/k\" }]"));
+    assert!(e.contains("unknown field `path`"), "{e}");
+}
+
+#[test]
+fn config_auth_key_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("auth-1.key");
+    inband::auth::keygen(&good).unwrap();
+    let cfg = |file: &Path| {
+        AgentConfig::parse(&with_auth(&format!("keys = [{{ id = 1, file = \"{}\" }}]", file.display()))).unwrap()
+    };
+    let keys = cfg(&good).load_keys().unwrap();
+    assert_eq!(keys, vec![(1, inband::auth::read_key(&good).unwrap())]);
+
+    let missing = dir.path().join("auth-2.key");
+    let e = format!("{:#}", cfg(&missing).load_keys().unwrap_err());
+    assert!(e.contains(&missing.display().to_string()) && e.contains("inband keygen --out"), "{e}");
+
+    let open = dir.path().join("open.key");
+    std::fs::copy(&good, &open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let e = format!("{:#}", cfg(&open).load_keys().unwrap_err());
+    assert!(e.contains("readable by group or others") && e.contains(&format!("chmod 600 {}", open.display())), "{e}");
+
+    // The agent refuses to start on them, before it looks at the host.
+    for (file, want) in [(&missing, "inband keygen"), (&open, "chmod 600")] {
+        let config = dir.path().join("agent.toml");
+        std::fs::write(&config, toml_text(&cfg(file))).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_inband"))
+            .args(["agent", "run", "--config"])
+            .arg(&config)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want) && err.contains("agent.toml"), "{err}");
+    }
+}
+
+fn toml_text(cfg: &AgentConfig) -> String {
+    toml::to_string(cfg).unwrap()
 }
 
 #[test]
@@ -323,7 +406,10 @@ fn score_socket_set_get_clear() {
     assert_eq!(g["balancers"], serde_json::json!(["127.0.0.1"]));
     assert_eq!(g["dsr_flows"], 0);
     assert_eq!(g["counters"]["scores_sent"], 0);
-    assert_eq!(g["counters"].as_object().unwrap().len(), 10);
+    assert_eq!(g["counters"].as_object().unwrap().len(), 17);
+    assert_eq!(g["counters"]["tuple_in_use"], 0);
+    // Maps fresh from the kernel: the authenticated format, no key yet.
+    assert_eq!(g["auth"], serde_json::json!({ "mode": "siphash", "key_ids": [] }));
 
     assert_eq!(s.cmd("set 8080 42"), "ok");
     assert_eq!(overrides(&srv.api.maps), BTreeMap::from([(8080, 42)]));
@@ -621,12 +707,15 @@ impl Drop for Netns {
     }
 }
 
-fn root_with_bpf() -> bool {
+/// The agent runs need root, bpffs and tracefs; the test command always
+/// runs as root, so anything else is a failure to report, not a skip.
+fn require_root_with_bpf() {
     // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: needs root");
-        return false;
-    }
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "this test loads BPF programs and creates network namespaces: run the tests as root (e.g. `sudo -E cargo test`)"
+    );
     let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
     if !mounts.lines().any(|l| l.split_whitespace().nth(1) == Some("/sys/fs/bpf")) {
         assert!(Command::new("mount").args(["-t", "bpf", "bpf", "/sys/fs/bpf"]).status().unwrap().success());
@@ -634,7 +723,6 @@ fn root_with_bpf() -> bool {
     if !Path::new("/sys/kernel/tracing/events").exists() {
         let _ = Command::new("mount").args(["-t", "tracefs", "tracefs", "/sys/kernel/tracing"]).status();
     }
-    true
 }
 
 fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
@@ -648,18 +736,29 @@ fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
     }
 }
 
-fn agent_config(dir: &Path, socket: &Path) -> PathBuf {
+/// An agent.toml for the namespace's eth0, authenticating with the key
+/// files `keys` (id, file).
+fn agent_config(dir: &Path, socket: &Path, keys: &[(u8, &Path)]) -> PathBuf {
     let path = dir.join("agent.toml");
+    let keys: Vec<String> = keys.iter().map(|(id, f)| format!("{{ id = {id}, file = \"{}\" }}", f.display())).collect();
     std::fs::write(
         &path,
         format!(
             "interface = \"eth0\"\nbalancers = [\"10.99.0.1\"]\nscore_socket = \"{}\"\npoll_port = 9137\n\n\
-             [[service]]\nport = 8080\nvip = \"10.77.0.100:80\"\n",
-            socket.display()
+             [[service]]\nport = 8080\nvip = \"10.77.0.100:80\"\n\n[auth]\nkeys = [{}]\n",
+            socket.display(),
+            keys.join(", ")
         ),
     )
     .unwrap();
     path
+}
+
+/// A fresh key file in `dir`.
+fn key_file(dir: &Path, name: &str) -> PathBuf {
+    let p = dir.join(name);
+    inband::auth::keygen(&p).unwrap();
+    p
 }
 
 fn active_8080(socket: &Path) -> Option<i64> {
@@ -668,7 +767,18 @@ fn active_8080(socket: &Path) -> Option<i64> {
     v["ports"]["8080"]["active_connections"].as_i64()
 }
 
-const MAP_NAMES: [&str; 8] = ["active_conns", "agent_stats", "balancers", "dsr_flows", "inflight", "inflight_conns", "score_override", "services"];
+const MAP_NAMES: [&str; 10] = [
+    "active_conns",
+    "agent_config",
+    "agent_stats",
+    "auth_keys",
+    "balancers",
+    "dsr_flows",
+    "inflight",
+    "inflight_conns",
+    "score_override",
+    "services",
+];
 
 fn pinned(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(dir)
@@ -680,13 +790,11 @@ fn pinned(dir: &Path) -> Vec<String> {
 
 #[test]
 fn agent_attaches_counts_and_cleans_up() {
-    if !root_with_bpf() {
-        return;
-    }
+    require_root_with_bpf();
     let mut ns = Netns::new(format!("ibt-ag-{}", std::process::id()));
     let tmp = tempfile::tempdir().unwrap();
     let socket = tmp.path().join("agent.sock");
-    let config = agent_config(tmp.path(), &socket);
+    let config = agent_config(tmp.path(), &socket, &[(1, &key_file(tmp.path(), "auth-1.key"))]);
     let log = tmp.path().join("agent.log");
 
     // Three connections to the service exist before the agent starts: the
@@ -738,6 +846,12 @@ fn agent_attaches_counts_and_cleans_up() {
     assert_eq!(st["ports"]["8080"]["active_connections"], 2);
     assert_eq!(st["ports"]["8080"]["vip"], "10.77.0.100:80");
     assert_eq!(st["balancers"], serde_json::json!(["10.99.0.1"]));
+    assert_eq!(st["auth"], serde_json::json!({ "mode": "siphash", "key_ids": [1] }));
+    assert_eq!(st["mtu"], 1500);
+    let table = ns.run(env!("CARGO_BIN_EXE_inband"), &["agent", "status", "--interface", "eth0"]);
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(table.contains("auth: siphash  key ids: 1  mtu: 1500"), "{table}");
+    assert!(table.contains("tuple_in_use") && table.contains("score_deferred_mtu"), "{table}");
 
     // An application score wins over the count, in the poll reply too.
     let out = Command::new(env!("CARGO_BIN_EXE_inband"))
@@ -783,16 +897,14 @@ fn agent_attaches_counts_and_cleans_up() {
 
 #[test]
 fn agent_after_a_crash_reuses_state_and_detach_cleans_up() {
-    if !root_with_bpf() {
-        return;
-    }
+    require_root_with_bpf();
     let mut ns = Netns::new(format!("ibt-ag-{}-k", std::process::id()));
     // A clsact that exists before the agent is someone else's: it stays.
     ns.tc(&["qdisc", "add", "dev", "eth0", "clsact"]);
     assert!(ns.tc(&["qdisc", "show", "dev", "eth0"]).contains("clsact"));
     let tmp = tempfile::tempdir().unwrap();
     let socket = tmp.path().join("agent.sock");
-    let config = agent_config(tmp.path(), &socket);
+    let config = agent_config(tmp.path(), &socket, &[(1, &key_file(tmp.path(), "auth-1.key"))]);
     let log = tmp.path().join("agent.log");
 
     // Refused before attaching anything: the poll port is taken.
@@ -838,4 +950,101 @@ fn agent_after_a_crash_reuses_state_and_detach_cleans_up() {
     assert!(!ns.pins().exists());
     // Not created by the agent: left in place.
     assert!(ns.tc(&["qdisc", "show", "dev", "eth0"]).contains("clsact"));
+}
+
+/// The pinned `auth_keys` of the agent in `ns`: id -> key halves, valid ones only.
+fn pinned_keys(ns: &Netns) -> BTreeMap<u8, (u64, u64)> {
+    let maps = AgentMaps::open(&bpfmap::PinDir(ns.pins())).unwrap();
+    (0..256u32)
+        .filter_map(|id| {
+            let k: AuthKey = bpfmap::get(&maps.auth_keys, &id).unwrap()?;
+            (k.valid != 0).then_some((id as u8, (k.k0, k.k1)))
+        })
+        .collect()
+}
+
+fn pinned_data_path(ns: &Netns) -> DataPathConfig {
+    let maps = AgentMaps::open(&bpfmap::PinDir(ns.pins())).unwrap();
+    bpfmap::get(&maps.agent_config, &0u32).unwrap().unwrap()
+}
+
+#[test]
+fn agent_sighup_rotates_keys_without_detaching() {
+    require_root_with_bpf();
+    let mut ns = Netns::new(format!("ibt-ag-{}-h", std::process::id()));
+    let tmp = tempfile::tempdir().unwrap();
+    let socket = tmp.path().join("agent.sock");
+    let log = tmp.path().join("agent.log");
+    let logtext = || std::fs::read_to_string(&log).unwrap_or_default();
+    let (k1, k2) = (key_file(tmp.path(), "auth-1.key"), key_file(tmp.path(), "auth-2.key"));
+    let halves = |p: &Path| inband::auth::read_key(p).unwrap().halves();
+    let config = agent_config(tmp.path(), &socket, &[(1, &k1)]);
+    ns.start_agent(&config, &log);
+    wait_for("the score socket", || active_8080(&socket));
+    assert_eq!(pinned_keys(&ns), BTreeMap::from([(1, halves(&k1))]));
+    assert_eq!(pinned_data_path(&ns).auth_mode, AuthMode::Siphash.to_c());
+    // A connection's client tuple, which a rotation must not drop.
+    let maps = AgentMaps::open(&bpfmap::PinDir(ns.pins())).unwrap();
+    let conn = ConnKey {
+        peer_addr: u32::from_ne_bytes([10, 99, 0, 1]),
+        peer_port: 2000u16.to_be(),
+        local_port: 8080u16.to_be(),
+    };
+    let flow = DsrFlow {
+        client_addr: u32::from_ne_bytes([198, 51, 100, 7]),
+        client_port: 40000u16.to_be(),
+        ..Default::default()
+    };
+    bpfmap::put(&maps.dsr_flows, &conn, &flow).unwrap();
+    let hup = |ns: &Netns| {
+        // SAFETY: signalling our own child (nsenter execs the agent) by pid.
+        unsafe { libc::kill(ns.agent.as_ref().unwrap().id() as i32, libc::SIGHUP) };
+    };
+    let running = |ns: &mut Netns| ns.agent.as_mut().unwrap().try_wait().unwrap().is_none();
+
+    // Step 1 of a rotation: the new key next to the old one.
+    agent_config(tmp.path(), &socket, &[(1, &k1), (2, &k2)]);
+    hup(&ns);
+    wait_for("both keys", || (pinned_keys(&ns).len() == 2).then_some(()));
+    assert_eq!(pinned_keys(&ns), BTreeMap::from([(1, halves(&k1)), (2, halves(&k2))]));
+    wait_for("the reload logged", || logtext().contains("key ids added: 2").then_some(()));
+    assert!(running(&mut ns), "the agent keeps running; log:\n{}", logtext());
+    assert_eq!(bpfmap::get::<ConnKey, DsrFlow>(&maps.dsr_flows, &conn).unwrap(), Some(flow), "flows kept");
+    assert!(ns.tc(&["filter", "show", "dev", "eth0", "ingress"]).contains("agent_ingress"), "still attached");
+    let g: serde_json::Value = serde_json::from_str(&score_socket::request(&socket, "get").unwrap()).unwrap();
+    assert_eq!(g["auth"], serde_json::json!({ "mode": "siphash", "key_ids": [1, 2] }));
+    assert!(!logtext().contains(&format!("{:016x}", halves(&k2).0)), "key bytes never logged");
+
+    // A config that does not load (a key file gone) changes nothing.
+    std::fs::remove_file(&k1).unwrap();
+    hup(&ns);
+    wait_for("the refusal logged", || logtext().contains("config not reloaded").then_some(()));
+    assert_eq!(pinned_keys(&ns).len(), 2);
+    assert!(running(&mut ns));
+
+    // Step 2: the old key goes; settings SIGHUP does not apply are named.
+    let text = std::fs::read_to_string(agent_config(tmp.path(), &socket, &[(2, &k2)])).unwrap();
+    std::fs::write(&config, text.replace("poll_port = 9137", "poll_port = 9138")).unwrap();
+    hup(&ns);
+    wait_for("the old key removed", || (pinned_keys(&ns) == BTreeMap::from([(2, halves(&k2))])).then_some(()));
+    wait_for("the warning", || logtext().contains("restart the agent").then_some(()));
+    assert!(logtext().contains("poll_port"), "{}", logtext());
+
+    // The seed format, and back: the mode follows too.
+    std::fs::write(&config, format!("{}[auth]\nmode = \"none\"\n", &text[..text.find("[auth]").unwrap()])).unwrap();
+    hup(&ns);
+    wait_for("mode none", || (pinned_data_path(&ns).auth_mode == AuthMode::None.to_c()).then_some(()));
+    assert!(pinned_keys(&ns).is_empty(), "{}", logtext());
+    assert!(logtext().contains("auth mode siphash -> none"), "{}", logtext());
+
+    // The interface MTU is followed without a signal.
+    assert_eq!(pinned_data_path(&ns).mtu, 1500);
+    let st = Command::new("ip").args(["-n", &ns.name, "link", "set", "eth0", "mtu", "1400"]).status().unwrap();
+    assert!(st.success());
+    wait_for("the new MTU", || (pinned_data_path(&ns).mtu == 1400).then_some(()));
+    assert!(logtext().contains("mtu 1500 -> 1400"), "{}", logtext());
+
+    assert!(running(&mut ns));
+    assert!(ns.stop_agent(libc::SIGTERM), "log:\n{}", logtext());
+    assert!(!ns.pins().exists());
 }

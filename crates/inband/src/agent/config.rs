@@ -8,6 +8,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Deserializer, Serialize};
 
+use crate::auth::AuthConfig;
+use crate::wire::Key;
+
 /// Where the score the agent reports comes from (docs/agent.md).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -52,6 +55,10 @@ pub struct AgentConfig {
     pub poll_port: u16,
     #[serde(default, rename = "service")]
     pub services: Vec<ServiceConfig>,
+    /// The option format and the keys that authenticate 155/124 and sign
+    /// 125 (shared with the balancers).
+    #[serde(default)]
+    pub auth: AuthConfig,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -145,7 +152,13 @@ impl AgentConfig {
         if self.score_socket.as_os_str().is_empty() {
             bail!("score_socket is empty: give a path, e.g. /run/inband/agent.sock");
         }
-        Ok(())
+        self.auth.validate(false).context("[auth]")
+    }
+
+    /// Reads the key files `[auth]` names: run before anything is attached,
+    /// and again on SIGHUP.
+    pub fn load_keys(&self) -> Result<Vec<(u8, Key)>> {
+        self.auth.load_keys().context("[auth]")
     }
 
     /// Checks against this host: run before anything is attached.

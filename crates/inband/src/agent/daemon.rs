@@ -1,6 +1,7 @@
 //! `inband agent run --config agent.toml`: check, attach, configure, seed
 //! the connection counts, then serve the score socket, the poll responder
 //! and (with `score = "cpu"`) the CPU score until SIGINT/SIGTERM, and detach.
+//! Meanwhile SIGHUP re-reads `[auth]` and the interface MTU is followed.
 
 use std::collections::HashSet;
 use std::mem::MaybeUninit;
@@ -8,7 +9,7 @@ use std::net::UdpSocket;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use tracing::{debug, error, info, warn};
@@ -19,20 +20,26 @@ use super::cpu::{self, RunQueue};
 use super::poll_responder;
 use super::proc_tcp;
 use super::score_socket::{self, ScoreApi};
+use super::settings::{self, DataPathSettings};
 use super::tables::AgentMaps;
 use crate::bpfmap;
 
 pub fn run(config_path: &Path) -> Result<()> {
     libbpf_rs::set_print(Some((libbpf_rs::PrintLevel::Info, libbpf_log)));
     let cfg = AgentConfig::load(config_path)?;
+    let keys = cfg.load_keys().with_context(|| format!("in {}", config_path.display()))?;
     cfg.check_host()?;
+    let data_path = DataPathSettings::new(cfg.auth.mode, keys, crate::netif::mtu(&cfg.interface)?);
     let group = cfg.score_socket_group.as_deref().map(config::group_id).transpose()?;
     let lock = attach::lock_interface(&cfg.interface)?;
     // From here on a signal must not kill the process half-way through
-    // attaching: it only asks the serve loop to stop, which detaches.
+    // attaching: it only asks the serve loop to stop, which detaches (or,
+    // SIGHUP, to reload).
     let stop = Arc::new(AtomicBool::new(false));
     signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&stop))?;
     signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&stop))?;
+    let reload = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGHUP, Arc::clone(&reload))?;
     // Everything that can be refused by the host without side effects on the
     // data path is claimed before anything is attached.
     let claimed = (|| -> Result<_> {
@@ -63,9 +70,10 @@ pub fn run(config_path: &Path) -> Result<()> {
             return Err(e);
         }
     };
-    let result = configure(&cfg, &attached.pins)
-        .context("configuring the agent maps")
-        .and_then(|maps| serve(&cfg, maps, &attached.pins, listener, poll_sock, stop));
+    let result = configure(&cfg, &data_path, &attached.pins).context("configuring the agent maps").and_then(|maps| {
+        let control = Control { config_path, cfg: &cfg, data_path, reload };
+        serve(control, maps, &attached.pins, listener, poll_sock, stop)
+    });
     let _ = std::fs::remove_file(&cfg.score_socket);
     let detached = attached.detach();
     drop(lock);
@@ -102,9 +110,18 @@ fn libbpf_log(level: libbpf_rs::PrintLevel, msg: String) {
     }
 }
 
-/// Fills the maps from the config and seeds the connection counts.
-fn configure(cfg: &AgentConfig, pins: &bpfmap::PinDir) -> Result<AgentMaps> {
+/// Fills the maps from the config and seeds the connection counts. The
+/// format and keys go in before the services: until a port is served the
+/// programs leave its packets alone, and from then on they check its options.
+fn configure(cfg: &AgentConfig, data_path: &DataPathSettings, pins: &bpfmap::PinDir) -> Result<AgentMaps> {
     let maps = AgentMaps::open(pins)?;
+    data_path.apply(&maps, None)?;
+    info!(
+        auth = settings::mode_name(data_path.mode),
+        key_ids = ?data_path.status().key_ids,
+        mtu = data_path.mtu,
+        "option format and keys loaded"
+    );
     maps.apply(&cfg.services, &cfg.balancers)?;
     let ports: HashSet<u16> = cfg.service_ports().into_iter().collect();
     // Overrides left by a crashed agent: the application's (`app`) are its
@@ -184,14 +201,87 @@ pub fn seed_active(
     Ok(now + offset)
 }
 
+/// How often the interface MTU is read again.
+const MTU_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The main loop's own state: what it rewrites on SIGHUP and MTU changes.
+struct Control<'a> {
+    config_path: &'a Path,
+    /// The config the agent started with: services, balancers and the
+    /// rest only take effect on a restart.
+    cfg: &'a AgentConfig,
+    data_path: DataPathSettings,
+    reload: Arc<AtomicBool>,
+}
+
+impl Control<'_> {
+    /// SIGHUP: re-reads the config file and applies `[auth]` (format and
+    /// keys) and the MTU to the running programs, flows untouched. A config
+    /// that does not load leaves everything as it was.
+    fn reload(&mut self, maps: &AgentMaps) {
+        let loaded = AgentConfig::load(self.config_path).and_then(|new| {
+            let keys = new.load_keys().with_context(|| format!("in {}", self.config_path.display()))?;
+            let mtu = crate::netif::mtu(&self.cfg.interface)?;
+            Ok((DataPathSettings::new(new.auth.mode, keys, mtu), new))
+        });
+        let (data_path, new) = match loaded {
+            Ok(l) => l,
+            Err(e) => {
+                error!(error = %format!("{e:#}"), "SIGHUP: config not reloaded; the running settings stay");
+                return;
+            }
+        };
+        match settings::restart_only_changes(self.cfg, &new) {
+            Ok(ignored) if !ignored.is_empty() => warn!(
+                settings = %ignored.join(", "),
+                "SIGHUP applies [auth] only: restart the agent for the other changed settings"
+            ),
+            Ok(_) => {}
+            Err(e) => warn!(error = %format!("{e:#}"), "SIGHUP: comparing the configs failed"),
+        }
+        self.apply(maps, data_path, "SIGHUP");
+    }
+
+    /// Follows the interface's MTU, which an operator may change at any time.
+    fn refresh_mtu(&mut self, maps: &AgentMaps) {
+        match crate::netif::mtu(&self.cfg.interface) {
+            Ok(mtu) if mtu != self.data_path.mtu => {
+                let data_path = DataPathSettings { mtu, ..self.data_path.clone() };
+                self.apply(maps, data_path, "interface MTU changed");
+            }
+            Ok(_) => {}
+            Err(e) => warn!(error = %format!("{e:#}"), "reading the interface MTU failed; keeping the last one"),
+        }
+    }
+
+    fn apply(&mut self, maps: &AgentMaps, new: DataPathSettings, why: &str) {
+        let changes = self.data_path.changes(&new);
+        if changes.is_empty() {
+            info!("{why}: nothing to change");
+            return;
+        }
+        match new.apply(maps, Some(&self.data_path)) {
+            Ok(()) => {
+                info!(changes = %changes.join("; "), "{why}: applied");
+                self.data_path = new;
+            }
+            // The maps may hold part of it: the next attempt writes
+            // everything that differs from what was last applied in full.
+            Err(e) => error!(error = %format!("{e:#}"), "{why}: applying the settings failed"),
+        }
+    }
+}
+
 fn serve(
-    cfg: &AgentConfig,
+    mut control: Control,
     maps: AgentMaps,
     pins: &bpfmap::PinDir,
     listener: std::os::unix::net::UnixListener,
     poll_sock: Option<UdpSocket>,
     stop: Arc<AtomicBool>,
 ) -> Result<()> {
+    let cfg = control.cfg;
+    let control_maps = AgentMaps::open(pins)?;
     let ports = cfg.service_ports();
     let mut workers: Vec<(&str, std::thread::JoinHandle<Result<()>>)> = Vec::new();
 
@@ -241,10 +331,18 @@ fn serve(
         socket = %cfg.score_socket.display(),
         "inband agent running"
     );
+    let mut mtu_checked = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(100));
         if workers.iter().any(|(_, w)| w.is_finished()) {
             stop.store(true, Ordering::Relaxed);
+        }
+        if control.reload.swap(false, Ordering::Relaxed) {
+            control.reload(&control_maps);
+        }
+        if mtu_checked.elapsed() >= MTU_INTERVAL {
+            control.refresh_mtu(&control_maps);
+            mtu_checked = Instant::now();
         }
     }
     let mut failed = Vec::new();

@@ -9,6 +9,7 @@ pub mod poll_proto;
 pub mod poll_responder;
 pub mod proc_tcp;
 pub mod score_socket;
+pub mod settings;
 pub mod tables;
 
 use std::path::PathBuf;

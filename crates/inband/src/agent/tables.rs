@@ -3,6 +3,7 @@
 //! snapshots for `status` and the score socket's `get`.
 
 use std::collections::{BTreeMap, HashSet};
+use std::mem::size_of;
 use std::net::{Ipv4Addr, SocketAddrV4};
 
 use anyhow::{Context, Result};
@@ -10,12 +11,14 @@ use libbpf_rs::{MapHandle, MapType};
 use serde::Serialize;
 
 use super::config::{ScoreSource, ServiceConfig, MAX_BALANCERS, MAX_SERVICES};
-use super::maps::{AgentCounter, ConnKey, DsrFlow, Service};
+use super::maps::{AgentCounter, AuthKey, ConnKey, DataPathConfig, DsrFlow, Service, COUNTER_MAX};
+use super::settings::{self, AuthStatus};
+use crate::bpf::shared as c;
 use crate::bpfmap::{self, PinDir};
 use crate::pod::{addr_of, be_addr, be_port, port_of};
 
-/// Size of `dsr_flows` (INBAND_AGENT_FLOW_TABLE_SIZE).
-pub const FLOW_TABLE_SIZE: u32 = 262_144;
+/// Size of `dsr_flows`.
+pub const FLOW_TABLE_SIZE: u32 = c::INBAND_AGENT_FLOW_TABLE_SIZE;
 /// What a 125 option can carry.
 pub const SCORE_MAX: u32 = 0xffff;
 
@@ -27,6 +30,8 @@ pub struct AgentMaps {
     pub active_conns: MapHandle,
     pub score_override: MapHandle,
     pub inflight: MapHandle,
+    pub agent_config: MapHandle,
+    pub auth_keys: MapHandle,
     pub agent_stats: MapHandle,
 }
 
@@ -40,6 +45,8 @@ impl AgentMaps {
             active_conns: dir.open("active_conns")?,
             score_override: dir.open("score_override")?,
             inflight: dir.open("inflight")?,
+            agent_config: dir.open("agent_config")?,
+            auth_keys: dir.open("auth_keys")?,
             agent_stats: dir.open("agent_stats")?,
         })
     }
@@ -57,13 +64,21 @@ impl AgentMaps {
                 .with_context(|| format!("creating map {name}"))
         };
         Ok(AgentMaps {
-            services: make(MapType::Hash, "services", 2, 8, MAX_SERVICES as u32)?,
+            services: make(MapType::Hash, "services", 2, size_of::<Service>(), MAX_SERVICES as u32)?,
             balancers: make(MapType::Hash, "balancers", 4, 1, MAX_BALANCERS as u32)?,
-            dsr_flows: make(MapType::LruHash, "dsr_flows", 8, 8, FLOW_TABLE_SIZE)?,
+            dsr_flows: make(
+                MapType::LruHash,
+                "dsr_flows",
+                size_of::<ConnKey>(),
+                size_of::<DsrFlow>(),
+                FLOW_TABLE_SIZE,
+            )?,
             active_conns: make(MapType::Hash, "active_conns", 2, 8, MAX_SERVICES as u32)?,
             score_override: make(MapType::Hash, "score_override", 2, 4, MAX_SERVICES as u32)?,
             inflight: make(MapType::Hash, "inflight", 2, 8, MAX_SERVICES as u32)?,
-            agent_stats: make(MapType::PercpuArray, "agent_stats", 4, 8, AgentCounter::ALL.len() as u32)?,
+            agent_config: make(MapType::Array, "agent_config", 4, size_of::<DataPathConfig>(), 1)?,
+            auth_keys: make(MapType::Array, "auth_keys", 4, size_of::<AuthKey>(), c::INBAND_AUTH_MAX_KEYS)?,
+            agent_stats: make(MapType::PercpuArray, "agent_stats", 4, 8, COUNTER_MAX as u32)?,
         })
     }
 
@@ -123,6 +138,17 @@ impl AgentMaps {
         Ok(bpfmap::get_percpu::<u32, u64>(&self.agent_stats, &(c as u32))?.iter().sum())
     }
 
+    /// The ids `auth_keys` holds a valid key for.
+    pub fn auth_key_ids(&self) -> Result<Vec<u8>> {
+        let mut ids = Vec::new();
+        for id in 0..c::INBAND_AUTH_MAX_KEYS {
+            if bpfmap::get::<u32, AuthKey>(&self.auth_keys, &id)?.is_some_and(|k| k.valid != 0) {
+                ids.push(id as u8);
+            }
+        }
+        Ok(ids)
+    }
+
     /// Everything `status` and the score socket's `get` report.
     pub fn snapshot(&self, interface: &str, score_source: Option<ScoreSource>) -> Result<AgentSnapshot> {
         let mut ports = BTreeMap::new();
@@ -147,14 +173,15 @@ impl AgentMaps {
         for c in AgentCounter::ALL {
             counters.insert(c.name(), self.counter(c)?);
         }
-        let flows = bpfmap::entries::<ConnKey, DsrFlow>(&self.dsr_flows)?;
+        let config: DataPathConfig = bpfmap::get(&self.agent_config, &0u32)?.unwrap_or_default();
         Ok(AgentSnapshot {
             interface: interface.to_string(),
             score_source,
             balancers,
+            auth: AuthStatus { mode: settings::mode_of(config.auth_mode), key_ids: self.auth_key_ids()? },
+            mtu: config.mtu,
             ports,
-            dsr_flows: flows.len(),
-            dsr_flows_with_tuple: flows.iter().filter(|(_, f)| f.client_addr != 0).count(),
+            dsr_flows: bpfmap::count(&self.dsr_flows),
             counters,
         })
     }
@@ -187,12 +214,15 @@ pub struct AgentSnapshot {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub score_source: Option<ScoreSource>,
     pub balancers: Vec<Ipv4Addr>,
+    /// The option format and the ids of the keys loaded (never the keys).
+    pub auth: AuthStatus,
+    /// The MTU no 125 makes a packet exceed.
+    pub mtu: u16,
     /// Local port → its state (JSON object keys are the port numbers).
     pub ports: BTreeMap<u16, PortStatus>,
-    /// Entries in `dsr_flows`: connections told apart by their balancer tuple.
+    /// Entries in `dsr_flows`: connections whose client tuple (155) was
+    /// accepted, told apart by their balancer tuple.
     pub dsr_flows: usize,
-    /// Of those, the ones holding a client tuple (the rest only await a score).
-    pub dsr_flows_with_tuple: usize,
     pub counters: BTreeMap<&'static str, u64>,
 }
 
@@ -205,6 +235,9 @@ impl AgentSnapshot {
         if let Some(src) = self.score_source {
             let _ = writeln!(s, "score source: {}", src.name());
         }
+        let ids: Vec<String> = self.auth.key_ids.iter().map(|id| id.to_string()).collect();
+        let ids = if ids.is_empty() { "none".to_string() } else { ids.join(", ") };
+        let _ = writeln!(s, "auth: {}  key ids: {ids}  mtu: {}", settings::mode_name(self.auth.mode), self.mtu);
         let _ = writeln!(s, "{:>6}  {:<21}  {:>8}  {:>8}  {:>6}", "port", "vip", "active", "override", "score");
         for (port, p) in &self.ports {
             let o = p.score_override.map(|o| o.to_string()).unwrap_or_else(|| "-".into());
@@ -216,7 +249,7 @@ impl AgentSnapshot {
                 p.score
             );
         }
-        let _ = writeln!(s, "dsr_flows: {} ({} with a client tuple)", self.dsr_flows, self.dsr_flows_with_tuple);
+        let _ = writeln!(s, "dsr_flows: {} (connections with a client tuple)", self.dsr_flows);
         for (name, v) in &self.counters {
             let _ = writeln!(s, "  {name:<18} {v}");
         }

@@ -1,0 +1,160 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * IPv4 and TCP option edits of the real-server agent: removing the
+ * balancer's option on ingress, inserting a 125 on egress, and clamping the
+ * MSS a SYN-ACK announces. Options sit right after the fixed IPv4 header.
+ */
+#ifndef INBAND_AGENT_OPTIONS_H
+#define INBAND_AGENT_OPTIONS_H
+
+#include <linux/bpf.h>
+#include <linux/ip.h>
+#include <linux/pkt_cls.h>
+#include <linux/tcp.h>
+#include <bpf/bpf_endian.h>
+#include <bpf/bpf_helpers.h>
+
+#include "inband/agent/maps.h"
+#include "inband/agent_skb.h"
+#include "inband/csum.h"
+#include "inband/wire.h"
+
+/* The largest inband option, in 32-bit words. */
+#define OPT_MAX_WORDS (INBAND_OPT_AUTH_CLIENT_TUPLE_LEN / 4)
+
+/*
+ * Removes the option (`opt_len` bytes, a multiple of 4, copied in `opt`)
+ * that starts right after the fixed header. The header checksum is updated
+ * incrementally, so a header that arrived corrupt stays corrupt for the
+ * stack to discard.
+ */
+static __always_inline int strip_option(struct __sk_buff *skb, const struct iphdr *iph,
+					 const __u32 *opt, __u32 opt_len)
+{
+	struct iphdr new_hdr = *iph;
+	__u32 acc = csum_start(iph->check);
+
+	new_hdr.ihl -= opt_len / 4;
+	new_hdr.tot_len = bpf_htons(bpf_ntohs(iph->tot_len) - opt_len);
+	acc = csum_replace32(acc, ipv4_word0(iph), ipv4_word0(&new_hdr));
+#pragma unroll
+	for (int i = 0; i < OPT_MAX_WORDS; i++)
+		if (i * 4 < opt_len)
+			acc = csum_replace32(acc, opt[i], 0);
+	if (bpf_skb_adjust_room(skb, -(__s32)opt_len, BPF_ADJ_ROOM_NET, 0)) {
+		count(INBAND_AGENT_ADJUST_FAILED);
+		return TC_ACT_OK;
+	}
+	ipv4_store_header(skb, &new_hdr, csum_finish(acc));
+	return TC_ACT_OK;
+}
+
+/*
+ * Inserts the option `opt` (`opt_len` bytes: 4 or 16) right after the fixed
+ * header. Returns 0 on success.
+ */
+static __always_inline int insert_option(struct __sk_buff *skb, const struct iphdr *iph, const __u32 *opt,
+					 __u32 opt_len)
+{
+	struct iphdr new_hdr = *iph;
+	__u32 acc = csum_start(iph->check);
+
+	new_hdr.ihl += opt_len / 4;
+	new_hdr.tot_len = bpf_htons(bpf_ntohs(iph->tot_len) + opt_len);
+	acc = csum_replace32(acc, ipv4_word0(iph), ipv4_word0(&new_hdr));
+#pragma unroll
+	for (int i = 0; i < INBAND_OPT_AUTH_SCORE_LEN / 4; i++)
+		if (i * 4 < opt_len)
+			acc = csum_replace32(acc, 0, opt[i]);
+	if (bpf_skb_adjust_room(skb, opt_len, BPF_ADJ_ROOM_NET, 0))
+		return -1;
+	/* Two constant sizes: the verifier bounds the store by them. */
+	if (opt_len == INBAND_OPT_AUTH_SCORE_LEN)
+		bpf_skb_store_bytes(skb, INBAND_ETH_HLEN + INBAND_IPV4_MIN_HDR, opt, INBAND_OPT_AUTH_SCORE_LEN,
+				    BPF_F_RECOMPUTE_CSUM);
+	else
+		bpf_skb_store_bytes(skb, INBAND_ETH_HLEN + INBAND_IPV4_MIN_HDR, opt, INBAND_OPT_SCORE_LEN,
+				    BPF_F_RECOMPUTE_CSUM);
+	ipv4_store_header(skb, &new_hdr, csum_finish(acc));
+	return 0;
+}
+
+/* State of the TCP options walk; bpf_loop hands it to each step. */
+struct mss_walk {
+	/* 40 option bytes + slack: the verifier bounds i but cannot relate it
+	 * to opt_len, so reads up to i + 3 are bounded by the array. */
+	__u8 opts[48];
+	__u32 opt_len;
+	__u32 i;
+	int found; /* opts[i] is an MSS option */
+};
+
+static long mss_walk_step(__u64 n, void *ctx)
+{
+	struct mss_walk *w = ctx;
+	__u32 i = w->i;
+	__u8 kind, len;
+
+	if (i >= w->opt_len || i >= 40)
+		return 1;
+	kind = w->opts[i];
+	if (kind == INBAND_TCPOPT_EOL)
+		return 1;
+	if (kind == INBAND_TCPOPT_NOP) {
+		w->i = i + 1;
+		return 0;
+	}
+	if (i + 1 >= w->opt_len)
+		return 1;
+	len = w->opts[i + 1];
+	if (len < 2 || i + len > w->opt_len)
+		return 1;
+	if (kind == INBAND_TCPOPT_MSS && len == INBAND_TCPOLEN_MSS) {
+		w->found = 1;
+		return 1;
+	}
+	w->i = i + len;
+	return 0;
+}
+
+/*
+ * Lowers the MSS a SYN-ACK announces so that the client's full-sized segments
+ * still fit the path MTU once the balancer adds an option to them. The walk
+ * runs under bpf_loop: as a plain loop its data-dependent index gives the
+ * verifier a state per option layout and takes seconds to load.
+ */
+static __always_inline void clamp_mss(struct __sk_buff *skb, __u32 l4_off, __u32 tcp_hlen)
+{
+	struct mss_walk w = {};
+	__u32 opt_len, i;
+	__u16 mss;
+	__be16 old_be, new_be;
+
+	if (tcp_hlen <= sizeof(struct tcphdr))
+		return;
+	opt_len = tcp_hlen - sizeof(struct tcphdr);
+	/* Keeps clang from merging the two range checks into one the
+	 * verifier cannot use to bound the load size. */
+	barrier_var(opt_len);
+	if (opt_len > 40)
+		return;
+	if (bpf_skb_load_bytes(skb, l4_off + sizeof(struct tcphdr), w.opts, opt_len))
+		return;
+	w.opt_len = opt_len;
+	/* Every step consumes at least one of at most 40 bytes. */
+	bpf_loop(40, mss_walk_step, &w, 0);
+	i = w.i;
+	if (!w.found || i >= 40)
+		return;
+	mss = (__u16)w.opts[i + 2] << 8 | w.opts[i + 3];
+	if (mss <= INBAND_OPT_DATA_MAX_LEN)
+		return;
+	old_be = bpf_htons(mss);
+	new_be = bpf_htons(mss - INBAND_OPT_DATA_MAX_LEN);
+	bpf_skb_store_bytes(skb, l4_off + sizeof(struct tcphdr) + i + 2, &new_be, sizeof(new_be), 0);
+	bpf_l4_csum_replace(skb, l4_off + offsetof(struct tcphdr, check), old_be, new_be,
+			    sizeof(new_be));
+	count(INBAND_AGENT_MSS_CLAMPED);
+}
+
+#endif /* INBAND_AGENT_OPTIONS_H */
