@@ -75,6 +75,7 @@ impl Cluster {
         let dir = std::env::temp_dir().join(format!("inband-e2e-{name}"));
         std::fs::create_dir_all(&dir).unwrap();
         let mut c = Cluster { tb, dir, lb: None, others: Vec::new() };
+        inband::auth::keygen(&c.key()).unwrap();
         let lb_addr = c.tb.addr("lb");
         for i in 1..=SERVERS {
             let node = format!("s{i}");
@@ -82,8 +83,9 @@ impl Cluster {
             std::fs::write(
                 &cfg,
                 format!(
-                    "interface = \"eth0\"\nbalancers = [\"{lb_addr}\"]\nscore_socket = \"{}\"\n\n[[service]]\nport = 8080\nvip = \"{}\"\n",
+                    "interface = \"eth0\"\nbalancers = [\"{lb_addr}\"]\nscore_socket = \"{}\"\n\n{}\n[[service]]\nport = 8080\nvip = \"{}\"\n",
                     c.dir.join(format!("agent-{node}.sock")).display(),
+                    c.auth(),
                     vip(&c.tb)
                 ),
             )
@@ -116,6 +118,15 @@ impl Cluster {
         wait_for("balancer control socket", || self.ctl_ok(&["set-probe-interval", "--vip", &vip(&self.tb).to_string(), "--n", &self.probe_n().to_string()]));
         // The first SYN waits for the backends' MACs: make sure they are known.
         wait_for("backend MACs", || self.status()[0]["vips"][0]["backends"].as_array().unwrap().iter().all(|b| b["mac"] != "00:00:00:00:00:00"));
+    }
+
+    /// The key the balancer and every agent share.
+    fn key(&self) -> PathBuf {
+        self.dir.join("auth.key")
+    }
+
+    fn auth(&self) -> String {
+        format!("[auth]\nkeys = [{{ id = 1, file = \"{}\" }}]\n", self.key().display())
     }
 
     fn probe_n(&self) -> u32 {
@@ -154,9 +165,10 @@ impl Cluster {
 
 fn lb_config(c: &Cluster, mode: &str, servers: &[usize]) -> String {
     let mut s = format!(
-        "interface = \"eth0\"\naddress = \"{}\"\ncontrol_socket = \"{}\"\n\n[[vip]]\naddress = \"{}\"\nport = 80\nmode = \"{mode}\"\nprobe_interval = 4\npoll_interval_ms = 50\n",
+        "interface = \"eth0\"\naddress = \"{}\"\ncontrol_socket = \"{}\"\n\n{}\n[[vip]]\naddress = \"{}\"\nport = 80\nmode = \"{mode}\"\nprobe_interval = 4\npoll_interval_ms = 50\n",
         c.tb.addr("lb"),
         c.dir.join("lb.sock").display(),
+        c.auth(),
         c.tb.vip()
     );
     for i in servers {
