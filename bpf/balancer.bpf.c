@@ -786,9 +786,12 @@ static long sweep_hold(struct bpf_map *map, struct inband_nat_key *key, struct i
 	return 0;
 }
 
-/* Asks for a score on the next packet to each backend of a dsr-dynamic
- * VIP whose score is older than half the VIP's max age (or that never
- * reported): so a quiet backend's next report is one round trip away. */
+/* For each backend of a dsr-dynamic VIP: a score older than half the
+ * VIP's max age (or none yet) → its next packet asks for one; a score
+ * older than the max age (stale: the backend is not being picked) → also
+ * an exploration ticket, one new connection whatever its estimate
+ * (select.h). Both bits are cleared by what uses them, so a backend gets
+ * at most one exploration per pass while stale. */
 static long mark_probes_due(__u32 i, struct sweep_ctx *c)
 {
 	__u32 vid = i / INBAND_MAX_BACKENDS_PER_VIP, slot = i % INBAND_MAX_BACKENDS_PER_VIP;
@@ -804,8 +807,14 @@ static long mark_probes_due(__u32 i, struct sweep_ctx *c)
 	struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &id);
 	__u32 *due = bpf_map_lookup_elem(&probe_due, &id);
 
-	if (s && due && (!s->updated_ns || (__s64)(c->now - s->updated_ns) >= (__s64)(vc->score_max_age_ns / 2)))
-		*due = 1;
+	if (!s || !due)
+		return 0;
+	__s64 age = s->updated_ns ? (__s64)(c->now - s->updated_ns) : -1;
+
+	if (age < 0 || age >= (__s64)(vc->score_max_age_ns / 2))
+		__sync_fetch_and_or(due, INBAND_PROBE_DUE);
+	if (age >= (__s64)vc->score_max_age_ns)
+		__sync_fetch_and_or(due, INBAND_EXPLORE);
 	return 0;
 }
 

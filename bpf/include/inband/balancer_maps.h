@@ -95,6 +95,10 @@ struct inband_backend {
 
 /* vip_backends[vip id * INBAND_MAX_BACKENDS_PER_VIP + slot] = backend id. */
 
+/* probe_due[backend id] bits. */
+#define INBAND_PROBE_DUE 1 /* its next packet asks for a score (report older than max age / 2) */
+#define INBAND_EXPLORE 2 /* its report is stale: one new connection may go to it regardless */
+
 /*
  * The load estimate of a backend is built from its last report and what
  * the balancer saw since (select.h): `opened` and `closed` are updated by

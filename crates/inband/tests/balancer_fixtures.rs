@@ -217,7 +217,7 @@ impl Fixture {
     fn set_backend(&self, b: &B, flags: u16) {
         let entry = Backend { addr: be_addr(*b.addr.ip()), port: be_port(b.addr.port()), mac: b.mac, flags, ..Default::default() };
         self.lb.set_backend(b.id, &entry).unwrap();
-        put(&self.lb.skel.maps.probe_due, &b.id, &1u32);
+        put(&self.lb.skel.maps.probe_due, &b.id, &PROBE_DUE);
     }
 
     fn set_flags(&self, b: &B, flags: u16) {
@@ -1487,6 +1487,30 @@ fn the_estimate_never_exiles_a_backend() {
         fx.set_score_full(&busy, 61, 0, 0, ktime_ns() - 6 * SEC - SEC / 2);
         fx.set_score_full(&quiet, 3, 8, 0, ktime_ns());
         assert_eq!(fx.pick(client(100)), busy.id, "{}: 61 >> 6 = 0 < 3 + 8", policy.name());
+    }
+}
+
+#[test]
+fn a_stale_backend_gets_one_exploratory_connection_per_sweep() {
+    for policy in [Policy::LeastScore, Policy::PowerOfTwo] {
+        let fx = Fixture::lb_with(Mode::DsrDynamic, policy, 2);
+        let (busy, idle) = (backend(0), backend(1));
+        // busy reported 1000 three max ages ago (1 s here): 1000 >> 3 = 125,
+        // still far above idle's fresh 0 plus the connections it gets here;
+        // nothing but exploration sends busy anything.
+        fx.set_score(&busy, 1000, ktime_ns() - 3 * SEC - SEC / 2);
+        fx.set_score(&idle, 0, ktime_ns());
+        let picks = |from: u8| -> Vec<u32> { (from..from + 10).map(|n| fx.pick(client(n))).collect() };
+        assert!(!picks(1).contains(&busy.id), "{}: no ticket, no connection", policy.name());
+        fx.lb.sweep(0).unwrap();
+        let after = picks(20);
+        assert_eq!(after[0], busy.id, "{}: the next connection explores the stale backend", policy.name());
+        assert!(!after[1..].contains(&busy.id), "{}: one ticket, one connection: {after:?}", policy.name());
+        assert_eq!(get::<u32, u32>(&fx.lb.skel.maps.probe_due, &busy.id), Some(PROBE_DUE), "its first packet will ask");
+        // A fresh report: no ticket at the next pass.
+        fx.set_score(&busy, 1000, ktime_ns());
+        fx.lb.sweep(0).unwrap();
+        assert!(!picks(40).contains(&busy.id), "{}", policy.name());
     }
 }
 

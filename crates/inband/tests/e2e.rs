@@ -1,217 +1,20 @@
 //! Integration tests on a network-namespace testbed with real HTTP traffic:
 //! one client, the balancer, three real servers running `inband serve` and
-//! `inband agent`. Each test brings up its own testbed (named after the
-//! process and test) and tears it down even when it fails.
+//! `inband agent` (tests/cluster): the modes, run-time changes, restarts.
 
 use std::io::{Read, Write};
-use std::net::SocketAddrV4;
-use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use inband::testbed::{Testbed, TestbedSpec};
 use serde_json::Value;
 
-const BIN: &str = env!("CARGO_BIN_EXE_inband");
+mod cluster;
+use cluster::*;
+
 const SERVERS: usize = 3;
-const BODY: usize = 46 * 1024;
-
-/// Runs `cmd` in the node's network namespace only (the mount namespace
-/// stays shared, so bpffs pins are visible to every command).
-fn in_ns(tb: &Testbed, node: &str, cmd: &[&str]) -> Command {
-    let mut c = tb.command(node, cmd);
-    c.env("INBAND_LOG", "warn");
-    c
-}
-
-fn run_ok(tb: &Testbed, node: &str, cmd: &[&str]) -> Output {
-    let out = in_ns(tb, node, cmd).output().expect("spawn");
-    assert!(out.status.success(), "{cmd:?} in {node} failed: {}", String::from_utf8_lossy(&out.stderr));
-    out
-}
-
-struct Cluster {
-    tb: Testbed,
-    dir: PathBuf,
-    lb: Option<Child>,
-    others: Vec<Child>,
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        // SIGTERM first: agents and the balancer clean up after themselves
-        // on a normal stop; whatever does not stop in time is killed.
-        for c in self.lb.iter_mut().chain(self.others.iter_mut()) {
-            // SAFETY: kill(2) on our own child's pid.
-            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-        }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        for c in self.lb.iter_mut().chain(self.others.iter_mut()) {
-            while c.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        let _ = in_ns(&self.tb, "lb", &[BIN, "lb", "detach", "--interface", "eth0", "--force"]).output();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn vip(tb: &Testbed) -> SocketAddrV4 {
-    SocketAddrV4::new(tb.vip(), 80)
-}
-
-fn server(tb: &Testbed, i: usize) -> SocketAddrV4 {
-    SocketAddrV4::new(tb.addr(&format!("s{i}")), 8080)
-}
-
-impl Cluster {
-    /// `serve_args[i]` are extra `inband serve` flags for server i+1.
-    fn up(test: &str, mode: &str, serve_args: &[&[&str]]) -> Cluster {
-        let name = format!("e{}{}", std::process::id() % 10000, test);
-        let tb = Testbed::up(TestbedSpec { name: name.clone(), clients: 1, servers: SERVERS, ..Default::default() })
-            .expect("testbed up");
-        let dir = std::env::temp_dir().join(format!("inband-e2e-{name}"));
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut c = Cluster { tb, dir, lb: None, others: Vec::new() };
-        inband::auth::keygen(&c.key()).unwrap();
-        let lb_addr = c.tb.addr("lb");
-        for i in 1..=SERVERS {
-            let node = format!("s{i}");
-            let cfg = c.dir.join(format!("agent-{node}.toml"));
-            std::fs::write(
-                &cfg,
-                format!(
-                    "interface = \"eth0\"\nbalancers = [\"{lb_addr}\"]\nscore_socket = \"{}\"\n\n{}\n[[service]]\nport = 8080\nvip = \"{}\"\n",
-                    c.dir.join(format!("agent-{node}.sock")).display(),
-                    c.auth(),
-                    vip(&c.tb)
-                ),
-            )
-            .unwrap();
-            let mut serve = vec![BIN, "serve", "--listen", "0.0.0.0:8080", "--service-ms", "20", "--service-dist", "constant"];
-            serve.extend_from_slice(serve_args.get(i - 1).copied().unwrap_or(&[]));
-            let s = in_ns(&c.tb, &node, &serve).stdout(Stdio::null()).spawn().unwrap();
-            c.others.push(s);
-            let a = in_ns(&c.tb, &node, &[BIN, "agent", "--config", cfg.to_str().unwrap()]).spawn().unwrap();
-            c.others.push(a);
-        }
-        std::fs::write(c.dir.join("lb.toml"), lb_config(&c, mode, &[1, 2, 3])).unwrap();
-        c.start_lb();
-        for i in 1..=SERVERS {
-            wait_for(&format!("agent on s{i}"), || {
-                in_ns(&c.tb, &format!("s{i}"), &["tc", "filter", "show", "dev", "eth0", "egress"])
-                    .output()
-                    .map(|o| String::from_utf8_lossy(&o.stdout).contains("agent_egress"))
-                    .unwrap_or(false)
-            });
-            wait_for(&format!("server on s{i}"), || http_get(&c, server(&c.tb, i), "/stats", false).is_ok());
-        }
-        c
-    }
-
-    fn start_lb(&mut self) {
-        let cfg = self.dir.join("lb.toml");
-        let child = in_ns(&self.tb, "lb", &[BIN, "lb", "--config", cfg.to_str().unwrap()]).spawn().unwrap();
-        self.lb = Some(child);
-        wait_for("balancer control socket", || self.ctl_ok(&["set-probe-interval", "--vip", &vip(&self.tb).to_string(), "--n", &self.probe_n().to_string()]));
-        // The first SYN waits for the backends' MACs: make sure they are known.
-        wait_for("backend MACs", || self.status()[0]["vips"][0]["backends"].as_array().unwrap().iter().all(|b| b["mac"] != "00:00:00:00:00:00"));
-    }
-
-    /// The key the balancer and every agent share.
-    fn key(&self) -> PathBuf {
-        self.dir.join("auth.key")
-    }
-
-    fn auth(&self) -> String {
-        format!("[auth]\nkeys = [{{ id = 1, file = \"{}\" }}]\n", self.key().display())
-    }
-
-    fn probe_n(&self) -> u32 {
-        std::fs::read_to_string(self.dir.join("lb.toml")).unwrap().lines().find_map(|l| l.strip_prefix("probe_interval = ")).map_or(100, |n| n.parse().unwrap())
-    }
-
-    fn stop_lb(&mut self) {
-        if let Some(mut c) = self.lb.take() {
-            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-            let _ = c.wait();
-        }
-    }
-
-    fn ctl(&self, args: &[&str]) -> Output {
-        let sock = self.dir.join("lb.sock");
-        let mut cmd = vec![BIN, "lb", "ctl", "--socket", sock.to_str().unwrap()];
-        cmd.extend_from_slice(args);
-        in_ns(&self.tb, "lb", &cmd).output().unwrap()
-    }
-
-    fn ctl_ok(&self, args: &[&str]) -> bool {
-        self.ctl(args).status.success()
-    }
-
-    fn status(&self) -> Value {
-        serde_json::from_slice(&run_ok(&self.tb, "lb", &[BIN, "status", "--json"]).stdout).unwrap()
-    }
-
-    /// Per-backend counters keyed by "addr:port".
-    fn backend(&self, i: usize) -> Value {
-        let s = self.status();
-        let want = server(&self.tb, i).to_string();
-        s[0]["vips"][0]["backends"].as_array().unwrap().iter().find(|b| b["backend"] == want.as_str()).cloned().unwrap_or(Value::Null)
-    }
-}
-
-fn lb_config(c: &Cluster, mode: &str, servers: &[usize]) -> String {
-    let mut s = format!(
-        "interface = \"eth0\"\naddress = \"{}\"\ncontrol_socket = \"{}\"\n\n{}\n[[vip]]\naddress = \"{}\"\nport = 80\nmode = \"{mode}\"\nprobe_interval = 4\npoll_interval_ms = 50\n",
-        c.tb.addr("lb"),
-        c.dir.join("lb.sock").display(),
-        c.auth(),
-        c.tb.vip()
-    );
-    for i in servers {
-        s += &format!("\n[[vip.backend]]\naddress = \"{}\"\nport = 8080\n", server(&c.tb, *i).ip());
-    }
-    s
-}
-
-fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while Instant::now() < deadline {
-        if ok() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!("timed out waiting for {what}");
-}
-
-/// One HTTP/1.1 GET with curl, from the client (or from the balancer's
-/// namespace, which reaches servers directly); returns (status, body length).
-fn http_get(c: &Cluster, to: SocketAddrV4, path: &str, from_client: bool) -> Result<(u16, usize), String> {
-    let node = if from_client { "c1" } else { "lb" };
-    let url = format!("http://{to}{path}");
-    let out = in_ns(&c.tb, node, &["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{size_download}", "--max-time", "5", &url])
-        .output()
-        .map_err(|e| e.to_string())?;
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    let mut it = text.split_whitespace();
-    let code: u16 = it.next().and_then(|s| s.parse().ok()).ok_or(format!("curl {url}: {text:?}"))?;
-    let size: usize = it.next().and_then(|s| s.parse().ok()).unwrap_or(0);
-    if code == 0 {
-        return Err(format!("curl {url}: no response"));
-    }
-    Ok((code, size))
-}
-
-fn get_vip(c: &Cluster) -> (u16, usize) {
-    http_get(c, vip(&c.tb), "/", true).expect("GET via the VIP")
-}
 
 fn sum(c: &Cluster, field: &str) -> u64 {
-    (1..=SERVERS).map(|i| c.backend(i)["stats"][field].as_u64().unwrap_or(0)).sum()
+    c.sum(field)
 }
 
 #[test]
@@ -458,7 +261,7 @@ fn bad_config_is_refused_before_attaching() {
     let c = Cluster::up("bc", "dsr-rr", &[]);
     let bad = c.dir.join("bad.toml");
     // VIP that is not local to the balancer.
-    std::fs::write(&bad, lb_config(&c, "dsr-rr", &[1]).replace(&c.tb.vip().to_string(), "10.77.9.9")).unwrap();
+    std::fs::write(&bad, c.lb_config(&[1]).replace(&c.tb.vip().to_string(), "10.77.9.9")).unwrap();
     let out = in_ns(&c.tb, "lb", &[BIN, "lb", "--config", bad.to_str().unwrap()]).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("is not a local address"), "{}", String::from_utf8_lossy(&out.stderr));

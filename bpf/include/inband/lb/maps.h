@@ -52,9 +52,9 @@ INBAND_PINNED_ARRAY(control_stats, struct inband_control_stats, 1);
 /* Packets to each backend since its last 124, per CPU: no atomic on the
  * hot path. */
 INBAND_PINNED_PERCPU(probe_count, __u32, INBAND_MAX_BACKENDS);
-/* 1 = the backend's score is older than half its max age (or it never
- * reported): its next packet asks. Set by the sweeper and by the control
- * plane for a new backend, cleared by the packet that asks. */
+/* INBAND_PROBE_DUE | INBAND_EXPLORE bits per backend (select.h, score.h):
+ * set by the sweeper (and PROBE_DUE by the control plane for a new
+ * backend), each cleared by the packet or the connection that uses it. */
 INBAND_PINNED_ARRAY(probe_due, __u32, INBAND_MAX_BACKENDS);
 INBAND_PINNED_PERCPU(backend_stats, struct inband_backend_stats, INBAND_MAX_BACKENDS);
 INBAND_PINNED_PERCPU(vip_stats, struct inband_vip_stats, INBAND_MAX_VIPS);

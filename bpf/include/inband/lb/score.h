@@ -33,7 +33,7 @@ static __always_inline __u32 *probe_wanted(const struct inband_flow *f, const st
 	if (!count || !due || !vc->probe_interval)
 		return NULL;
 	*count += 1;
-	if (*count >= vc->probe_interval || *due)
+	if (*count >= vc->probe_interval || (*due & INBAND_PROBE_DUE))
 		return count;
 	return NULL;
 }
@@ -43,8 +43,8 @@ static __always_inline void probe_sent(__u32 *count, __u32 backend_id)
 	__u32 *due = bpf_map_lookup_elem(&probe_due, &backend_id);
 
 	*count = 0;
-	if (due && *due)
-		*due = 0;
+	if (due && (*due & INBAND_PROBE_DUE))
+		__sync_fetch_and_and(due, ~INBAND_PROBE_DUE);
 }
 
 static __always_inline struct inband_auth_key *signing_key(const struct inband_lb_config *cfg)

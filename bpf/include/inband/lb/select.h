@@ -14,10 +14,15 @@
  * connections end instead of growing with every connection it ever got,
  * and a backend that went without a report (no traffic, hence no probe)
  * is ranked by what is known rather than exiled. A report that is old
- * decays (halved per max age), so a backend once reported busy is tried
- * again soon after it stops being picked; the first packet it then gets
- * carries a score request (score.h), so its next report is one round trip
- * away. docs/decisions.md has the reasoning and the alternatives.
+ * decays (halved per max age). And a backend whose report is stale (older
+ * than the VIP's max age: not picked, so not asked) is explored: at each
+ * pass (every second) the sweeper gives it a ticket, and the next new
+ * connection to the VIP takes it there whatever the estimates say; that
+ * connection's first packet asks for a score (score.h), so a backend once
+ * reported busy is back in the ranking a round trip after it was
+ * explored. The cost: at most one connection a second per stale backend
+ * (a backend that answers is stale again only a max age later).
+ * docs/decisions.md has the reasoning and the alternatives.
  */
 #ifndef INBAND_LB_SELECT_H
 #define INBAND_LB_SELECT_H
@@ -57,6 +62,7 @@ struct pick {
 	__u32 other; /* power-of-two: the second sampled id */
 	__u32 other_slot;
 	__u32 found;
+	__u32 explored; /* the pick is an exploration ticket */
 };
 
 /* Backend id in `slot` of VIP `vid` if that backend may take a new connection. */
@@ -76,6 +82,14 @@ static __always_inline int active_slot(const struct pick *p, __u32 slot, __u32 *
 		return 0;
 	*id_out = bid;
 	return 1;
+}
+
+/* Takes `id`'s exploration ticket if it has one (one CPU wins it). */
+static __always_inline int explore(__u32 id)
+{
+	__u32 *due = bpf_map_lookup_elem(&probe_due, &id);
+
+	return due && (*due & INBAND_EXPLORE) && (__sync_fetch_and_and(due, ~INBAND_EXPLORE) & INBAND_EXPLORE);
 }
 
 static __always_inline __u64 estimate_of(__u32 id, const struct pick *p)
@@ -112,6 +126,13 @@ static long least_score_step(__u32 slot, void *arg)
 		return 1;
 	if (!active_slot(p, slot, &id))
 		return 0;
+	if (explore(id)) {
+		p->id = id;
+		p->slot = slot;
+		p->found = 1;
+		p->explored = 1;
+		return 1;
+	}
 	__u64 est = estimate_of(id, p);
 
 	if (!p->found || est < p->best) {
@@ -143,6 +164,13 @@ static long two_choices_step(__u32 slot, void *arg)
 		return 1;
 	if (!active_slot(p, slot, &id))
 		return 0;
+	if (explore(id)) {
+		p->id = id;
+		p->slot = slot;
+		p->explored = 1;
+		p->seen = 1;
+		return 1;
+	}
 	p->seen++;
 	if (p->seen == 1) {
 		p->id = id;
@@ -192,7 +220,7 @@ static __always_inline int select_backend(const struct inband_vip *vip, __u32 vi
 	} else if (by_score && vip->policy == INBAND_POLICY_POWER_OF_TWO) {
 		bpf_loop(INBAND_MAX_BACKENDS_PER_VIP, two_choices_step, &p, 0);
 		p.found = p.seen > 0;
-		if (p.seen > 1) {
+		if (p.seen > 1 && !p.explored) {
 			__u64 a = estimate_of(p.id, &p), b = estimate_of(p.other, &p);
 
 			if (b < a || (b == a && (bpf_get_prandom_u32() & 1))) {

@@ -159,7 +159,7 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64) -> Result
                 // no stale score, and its first packet asks for one.
                 entry = Backend { addr: be_addr(b.address), port: be_port(b.port), ..Default::default() };
                 bpfmap::put(&maps.scores, &id, &BackendScore::default())?;
-                bpfmap::put(&maps.probe_due, &id, &1u32)?;
+                bpfmap::put(&maps.probe_due, &id, &PROBE_DUE)?;
             }
             entry.flags = if b.drain { BACKEND_DRAINING } else { BACKEND_ACTIVE };
             entry.drain_deadline_ns = 0;

@@ -1,0 +1,151 @@
+//! dsr-dynamic in every load regime, with real HTTP through a namespace
+//! testbed (tests/cluster): light load (one request at a time, the regime
+//! that starved a backend for good before), skew (idle connections held on
+//! one server), heavy load (many clients, one slow server). Each asserts
+//! how new connections were shared, for both load-aware policies.
+
+use std::time::Duration;
+
+mod cluster;
+use cluster::*;
+
+/// `n` sequential requests through the VIP; all must succeed.
+fn sequential(c: &Cluster, n: usize) {
+    for i in 0..n {
+        assert_eq!(get_vip(c), (200, BODY), "request {i}");
+    }
+}
+
+fn since(after: &[u64], before: &[u64]) -> Vec<u64> {
+    after.iter().zip(before).map(|(a, b)| a - b).collect()
+}
+
+fn light_load(policy: &str) {
+    let c = Cluster::with(Spec::new(&format!("ll{}", &policy[..1]), "dsr-dynamic").vip(&format!("policy = \"{policy}\"")));
+    // A fresh balancer, one request at a time: the first ones settle the
+    // scores, the rest must keep every server in service.
+    sequential(&c, 30);
+    let before = c.conns();
+    sequential(&c, 90);
+    let got = since(&c.conns(), &before);
+    assert_eq!(got.iter().sum::<u64>(), 90);
+    // A fair share is 30; the old rule gave splits like 8/92.
+    for (i, n) in got.iter().enumerate() {
+        assert!(*n >= 15, "{policy}: server {} got {n} of the last 90 sequential requests: {got:?}", i + 1);
+    }
+}
+
+#[test]
+fn light_load_keeps_every_server_in_service_least_score() {
+    light_load("least-score");
+}
+
+#[test]
+fn light_load_keeps_every_server_in_service_power_of_two() {
+    light_load("power-of-two");
+}
+
+/// Opens `n` idle connections straight to server 1 (not through the
+/// balancer): its agent counts them; returns the holder process.
+fn hold_on_s1(c: &Cluster, n: usize) -> std::process::Child {
+    let s1 = server(&c.tb, 1);
+    let holder = format!(
+        "import socket, time\nconns = [socket.create_connection(('{}', {})) for _ in range({n})]\nprint('held', flush=True)\ntime.sleep(120)",
+        s1.ip(),
+        s1.port()
+    );
+    let child = in_ns(&c.tb, "lb", &["python3", "-c", &holder]).stdout(std::process::Stdio::piped()).spawn().unwrap();
+    wait_for(&format!("{n} connections on s1"), || {
+        let out = run_ok(&c.tb, "s1", &[BIN, "agent", "status", "--interface", "eth0", "--json"]);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["ports"]["8080"]["active_connections"].as_i64() == Some(n as i64)
+    });
+    child
+}
+
+fn skew(policy: &str) {
+    let c = Cluster::with(Spec::new(&format!("sk{}", &policy[..1]), "dsr-dynamic").vip(&format!("policy = \"{policy}\"")));
+    let mut hog = hold_on_s1(&c, 60);
+    // s1's score reaches the balancer on its next connection (the first
+    // packet to a backend never asked asks). Until then it ranks like the
+    // others.
+    wait_for("s1's score at the balancer", || {
+        assert_eq!(get_vip(&c), (200, BODY));
+        c.backend(1)["score"].as_u64().is_some_and(|s| s >= 60)
+    });
+    let before = c.conns();
+    sequential(&c, 40);
+    let got = since(&c.conns(), &before);
+    // Before the fix, 100 of 100 new connections went to the busy s1.
+    assert!(got[0] <= 3, "{policy}: busy s1 got {} of 40: {got:?}", got[0]);
+    assert!(got[1] >= 10 && got[2] >= 10, "{policy}: the idle servers share the rest: {got:?}");
+    // The load goes away: s1 is not exiled. Its old report decays and its
+    // next connection asks for a new one.
+    let _ = hog.kill();
+    let _ = hog.wait();
+    std::thread::sleep(Duration::from_millis(500));
+    let before = c.conns();
+    for _ in 0..60 {
+        assert_eq!(get_vip(&c), (200, BODY));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let got = since(&c.conns(), &before);
+    assert!(got[0] >= 8, "{policy}: s1 idle again got {} of the next 60: {got:?}", got[0]);
+}
+
+#[test]
+fn skew_sends_new_connections_away_from_the_busy_server_least_score() {
+    skew("least-score");
+}
+
+#[test]
+fn skew_sends_new_connections_away_from_the_busy_server_power_of_two() {
+    skew("power-of-two");
+}
+
+fn heavy(policy: &str) {
+    // s1 is slow (one worker, 200 ms a request), s2 and s3 fast: with 12
+    // clients hammering, s1's connections pile up and in-band scores must
+    // steer new connections to the others — without starving anyone.
+    let c = Cluster::with(
+        Spec::new(&format!("hv{}", &policy[..1]), "dsr-dynamic")
+            .vip(&format!("policy = \"{policy}\""))
+            .serve(1, &["--workers", "1", "--service-ms", "200"])
+            .serve(2, &["--workers", "4"])
+            .serve(3, &["--workers", "4"]),
+    );
+    let before = c.conns();
+    let vip_url = format!("http://{}/", vip(&c.tb));
+    let clients: Vec<_> = (0..12)
+        .map(|_| {
+            let cmd = in_ns(&c.tb, "c1", &["sh", "-c", &format!(
+                "ok=0; for i in $(seq 15); do curl -s -o /dev/null -w '%{{http_code}}\\n' --max-time 10 {vip_url} | grep -q 200 && ok=$((ok+1)); done; echo $ok"
+            )]);
+            let mut cmd = cmd;
+            cmd.stdout(std::process::Stdio::piped()).spawn().unwrap()
+        })
+        .collect();
+    let mut ok = 0;
+    for child in clients {
+        let out = child.wait_with_output().unwrap();
+        ok += String::from_utf8_lossy(&out.stdout).trim().parse::<u32>().unwrap_or(0);
+    }
+    assert_eq!(ok, 180, "{policy}: every request answered");
+    let got = since(&c.conns(), &before);
+    assert_eq!(got.iter().sum::<u64>(), 180);
+    for (i, n) in got.iter().enumerate() {
+        assert!(*n > 0, "{policy}: server {} got nothing: {got:?}", i + 1);
+    }
+    assert!(got[0] < got[1] && got[0] < got[2], "{policy}: the slow s1 gets the fewest: {got:?}");
+    assert!(c.sum("scores_received") > 10, "scores came in-band");
+}
+
+#[test]
+fn heavy_load_favours_the_fast_servers_least_score() {
+    heavy("least-score");
+}
+
+#[test]
+fn heavy_load_favours_the_fast_servers_power_of_two() {
+    heavy("power-of-two");
+}
