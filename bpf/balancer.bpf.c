@@ -156,7 +156,7 @@ static __always_inline int forward(struct xdp_md *ctx, const struct inband_lb_co
 			optlen = 0;
 		}
 		if (optlen) {
-			f->flags |= INBAND_FLOW_PROBE_OUTSTANDING;
+			f->flags = (f->flags & ~INBAND_FLOW_PROBE_OLD) | INBAND_FLOW_PROBE_OUTSTANDING;
 			probe_sent(probe_count, bid);
 			probe = 1;
 		}
@@ -723,6 +723,12 @@ static long sweep_flow(struct bpf_map *map, struct inband_flow_key *key, struct 
 		f->seen = 0;
 		f->last_seen_ns = c->now;
 	}
+	/* A score request unanswered for a whole pass (its answer lost, or no
+	 * response to carry it) is given up, so the flow may ask again. */
+	if (f->flags & INBAND_FLOW_PROBE_OLD)
+		f->flags &= ~(INBAND_FLOW_PROBE_OUTSTANDING | INBAND_FLOW_PROBE_OLD);
+	else if (f->flags & INBAND_FLOW_PROBE_OUTSTANDING)
+		f->flags |= INBAND_FLOW_PROBE_OLD;
 	struct inband_flow copy = *f;
 
 	if (flow_expired(&copy, c->now)) {

@@ -138,6 +138,7 @@ enum inband_flow_state {
 };
 
 #define INBAND_FLOW_PROBE_OUTSTANDING 1 /* a 124 was sent; its 125 has not come */
+#define INBAND_FLOW_PROBE_OLD 2 /* ... and a sweep has passed since: the next one gives up on it */
 
 /*
  * Established flows are aged without a clock read per packet: a packet sets

@@ -351,6 +351,13 @@ impl Fixture {
         assert_eq!(self.drops(), before);
     }
 
+    /// As if the 125 answering `c`'s outstanding 124 had come.
+    fn answered(&self, c: SocketAddrV4) {
+        let mut f = self.flow(c).expect("a flow");
+        f.flags &= !(FLOW_PROBE_OUTSTANDING | c::INBAND_FLOW_PROBE_OLD as u8);
+        self.put_flow(c, &f);
+    }
+
     /// Marks the flow of `c` as if its last packet came `ago_ns` ago (and
     /// no sweep has seen one since).
     fn age(&self, c: SocketAddrV4, ago_ns: u64) {
@@ -522,7 +529,8 @@ fn seed_mode_sends_the_papers_plain_options() {
     let mut clamped = s.clone();
     clamped.tcp_options = mss_option(SYN_MSS - 16).to_vec();
     assert_eq!(out, forwarded(&clamped, &b, snat, InbandOption::ClientTuple(c).encode()));
-    fx.tx(&ack(c).build());
+    fx.tx(&ack(c).build()); // asks: a backend never asked before
+    fx.answered(c);
     let d = data(c);
     assert_eq!(fx.tx(&d.build()), forwarded(&d, &b, snat, InbandOption::ScoreRequest.encode()));
 }
@@ -970,6 +978,7 @@ fn dsr_dynamic_adds_an_authenticated_score_request_on_every_nth_packet() {
     });
     let c = client(1);
     let (b, snat) = fx.connect(c);
+    fx.answered(c);
     let d = data(c);
     let mut nonces = Vec::new();
     for n in 1..=7 {
@@ -979,6 +988,7 @@ fn dsr_dynamic_adds_an_authenticated_score_request_on_every_nth_packet() {
         let want = if n % 3 == 0 {
             let opt = expect_request(&fx, &out, c, &b, snat);
             nonces.push(fx.flow(c).unwrap().probe_nonce);
+            fx.answered(c);
             opt
         } else {
             vec![]
@@ -999,6 +1009,7 @@ fn a_backend_whose_score_gets_old_is_asked_on_its_next_packet() {
     let (b, c) = (backend(0), client(1));
     let (_, snat) = fx.connect(c); // a new backend's first packet asks at once
     assert_eq!(fx.backend_stats(&b).probes_sent, 1);
+    fx.answered(c);
     let d = data(c);
     assert_eq!(fx.tx(&d.build()), forwarded(&d, &b, snat, vec![]), "just asked: not again");
     // A fresh score: the sweeper asks for nothing.
@@ -1025,6 +1036,7 @@ fn a_probe_that_would_exceed_the_mtu_waits_for_a_packet_it_fits() {
     });
     let c = client(1);
     let (b, snat) = fx.connect(c);
+    fx.answered(c);
     let full = data(c).payload(vec![b'x'; 1460]); // 1500 bytes of IPv4: nothing fits on top
     fx.config(|cfg| cfg.mtu = 1500);
     assert_eq!(fx.tx(&full.build()), forwarded(&full, &b, snat, vec![]));
@@ -1040,6 +1052,32 @@ fn a_probe_that_would_exceed_the_mtu_waits_for_a_packet_it_fits() {
     let out = fx.tx(&s.build());
     assert_eq!(parse(&out).unwrap().ip_options, Vec::<u8>::new());
     assert_eq!(fx.event("tuple_skipped_mtu"), 1);
+}
+
+#[test]
+fn a_flow_has_one_score_request_outstanding_at_a_time() {
+    let fx = Fixture::lb_with(Mode::DsrDynamic, Policy::LeastScore, 1);
+    fx.update_vip(|v| {
+        v.probe_interval = 1;
+        v.score_max_age_ns = 3600 * SEC;
+    });
+    let (c1, c2) = (client(1), client(2));
+    let (b, snat1) = fx.connect(c1); // asks (outstanding on c1)
+    let d1 = data(c1);
+    // Due, but c1's request is unanswered: a second one would replace its
+    // nonce while the first answer may be on its way.
+    assert_eq!(fx.tx(&d1.build()), forwarded(&d1, &b, snat1, vec![]));
+    // Another flow to the backend asks instead.
+    let (_, snat2) = fx.open(c2);
+    let out = fx.tx(&ack(c2).build());
+    expect_request(&fx, &out, c2, &b, snat2);
+    // The sweeper gives up on a request unanswered for a whole pass: after
+    // two passes c1 may ask again.
+    fx.lb.sweep(0).unwrap();
+    assert_eq!(fx.tx(&d1.build()), forwarded(&d1, &b, snat1, vec![]), "one pass: still outstanding");
+    fx.lb.sweep(0).unwrap();
+    let out = fx.tx(&d1.build());
+    expect_request(&fx, &out, c1, &b, snat1);
 }
 
 #[test]

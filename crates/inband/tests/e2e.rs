@@ -211,8 +211,8 @@ fn changes_and_restart_keep_established_connections() {
     c.start_lb();
     assert!(conn.request(), "after a daemon restart");
     // Which server holds the connection? Remove all the others, then it.
-    let flows_before = c.status()[0]["flows"].as_u64().unwrap();
-    assert!(flows_before >= 1);
+    // The sweeper counts live flows every second.
+    wait_for("the connection counted", || c.status()[0]["flows"].as_u64() >= Some(1));
     for i in 1..=SERVERS {
         assert!(c.ctl_ok(&["drain-backend", "--vip", &v, "--backend", &server(&c.tb, i).to_string()]));
     }

@@ -33,6 +33,11 @@ static __always_inline __u32 *probe_wanted(const struct inband_flow *f, const st
 	if (!count || !due || !vc->probe_interval)
 		return NULL;
 	*count += 1;
+	/* One request per flow at a time: a second would replace the nonce
+	 * while the first one's answer may be on its way. The count stays
+	 * due, so the next packet of another flow to the backend asks. */
+	if (f->flags & INBAND_FLOW_PROBE_OUTSTANDING)
+		return NULL;
 	if (*count >= vc->probe_interval || (*due & INBAND_PROBE_DUE))
 		return count;
 	return NULL;
@@ -143,7 +148,7 @@ static __always_inline void record_score(struct inband_flow *f, __u16 score, __u
 		s->closed = 0;
 		s->updated_ns = now;
 	}
-	f->flags &= ~INBAND_FLOW_PROBE_OUTSTANDING;
+	f->flags &= ~(INBAND_FLOW_PROBE_OUTSTANDING | INBAND_FLOW_PROBE_OLD);
 }
 
 #endif /* INBAND_LB_SCORE_H */
