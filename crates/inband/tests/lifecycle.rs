@@ -27,6 +27,7 @@ fn churn(c: &Cluster, sources: &[String], connections: u64) -> Value {
 
 #[test]
 fn more_connections_than_ports_opened_and_closed_are_refused_none() {
+    let _alone = heavy();
     // Two backends have 2 x 31,744 SNAT ports; 70,000 connections from as
     // many distinct client tuples (four client addresses), each closed
     // properly, must all get through: ports of ended flows are reused.

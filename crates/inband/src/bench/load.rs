@@ -58,6 +58,9 @@ pub struct BlastArgs {
     /// Stop after this long, whichever comes first.
     #[arg(long, default_value_t = 3.0)]
     pub seconds: f64,
+    /// Frames per second at most (default: as fast as the path takes them).
+    #[arg(long)]
+    pub rate: Option<u64>,
     /// Send a SYN for the tuple first (a balancer needs a flow entry before
     /// it forwards established packets), then wait this many ms.
     #[arg(long)]
@@ -183,11 +186,20 @@ fn send_frames(a: &BlastArgs, ifindex: u32, frame: &[u8], count: u64, start: Ins
     }
     let skel = open.load().context("loading the load generator")?;
     let fd = std::os::fd::AsRawFd::as_raw_fd(&skel.progs.tx.as_fd());
+    // Paced: a chunk every 100 ms (each run sets up a page pool, so small
+    // chunks would cap the rate far below what the path takes).
+    let chunk = a.rate.map_or(CHUNK, |r| (r / 10).clamp(1, u64::from(CHUNK)) as u32);
     let mut sent = 0u64;
     while sent < count && start.elapsed() < deadline {
-        let n = CHUNK.min((count - sent) as u32);
+        let n = chunk.min((count - sent) as u32);
         live_tx(fd, ifindex, &padded, n)?;
         sent += u64::from(n);
+        if let Some(rate) = a.rate {
+            let due = Duration::from_secs_f64(sent as f64 / rate as f64);
+            if let Some(wait) = due.checked_sub(start.elapsed()) {
+                std::thread::sleep(wait);
+            }
+        }
     }
     Ok(sent)
 }

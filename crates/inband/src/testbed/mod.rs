@@ -167,6 +167,12 @@ impl Testbed {
         Ok(())
     }
 
+    /// Lets `node` send frames with XDP_TX (a generator's live frames):
+    /// its bridge port gets the pass program, as the balancer's has.
+    pub fn enable_xdp_tx(&self, node: &str) -> Result<()> {
+        peer::attach_pass(&self.switch, &self.node(node)?.bridge_port)
+    }
+
     pub fn node(&self, node: &str) -> Result<&Node> {
         self.nodes.iter().find(|n| n.node == node).ok_or_else(|| anyhow::anyhow!("testbed {} has no node {node:?}", self.spec.name))
     }

@@ -16,6 +16,14 @@ use inband::testbed::{Testbed, TestbedSpec};
 use serde_json::Value;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_inband");
+
+/// Held by tests that load the machine on purpose (floods, churn): the
+/// other tests of their binary wait, so that what they measure is theirs.
+pub static HEAVY: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+pub fn heavy() -> std::sync::MutexGuard<'static, ()> {
+    HEAVY.lock().unwrap_or_else(|e| e.into_inner())
+}
 pub const BODY: usize = 46 * 1024;
 
 /// Runs `cmd` in the node's network namespace only (the mount namespace

@@ -1,0 +1,214 @@
+//! The trust model under attack, with real traffic through a namespace
+//! testbed (tests/cluster): a SYN flood from random sources while a
+//! legitimate client keeps working, and forged options 155/124/125 claiming
+//! to come from the balancer and from a backend, sent by an attacker on the
+//! same network while a real download runs.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use inband::packet::{Mac, PacketBuilder, TCP_ACK, TCP_PSH};
+use inband::wire::{Conn, InbandOption, Key};
+use serde_json::Value;
+
+mod cluster;
+use cluster::*;
+
+/// What `inband bench sink` counted (its last line; the first says it attached).
+fn sink_result(child: std::process::Child) -> Value {
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    serde_json::from_str(text.lines().last().unwrap_or("")).unwrap_or_else(|e| panic!("sink said {text:?}: {e}"))
+}
+
+/// The MAC of `node`'s eth0.
+fn mac(c: &Cluster, node: &str) -> Mac {
+    let out = run_ok(&c.tb, node, &["ip", "-j", "link", "show", "eth0"]);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    inband::netif::parse_mac(v[0]["address"].as_str().unwrap()).unwrap()
+}
+
+/// Sends raw Ethernet frames out of `node`'s eth0 (AF_PACKET), from a
+/// thread moved into its network namespace.
+fn inject(c: &Cluster, node: &str, frames: Vec<Vec<u8>>) {
+    let ns = std::fs::File::open(format!("/run/netns/{}", c.tb.netns(node))).unwrap();
+    std::thread::spawn(move || {
+        use std::os::fd::AsRawFd;
+        // SAFETY: setns on this thread only; socket/bind/send on buffers we own.
+        unsafe {
+            assert_eq!(libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET), 0);
+            let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0);
+            assert!(fd >= 0);
+            let ifindex = inband::netif::ifindex("eth0").unwrap() as i32;
+            let mut sll: libc::sockaddr_ll = std::mem::zeroed();
+            sll.sll_family = libc::AF_PACKET as u16;
+            sll.sll_ifindex = ifindex;
+            let len = std::mem::size_of::<libc::sockaddr_ll>() as u32;
+            assert_eq!(libc::bind(fd, (&sll as *const libc::sockaddr_ll).cast(), len), 0);
+            for f in frames {
+                // A full socket buffer is a reason to wait, not to lose frames.
+                while libc::send(fd, f.as_ptr().cast(), f.len(), 0) < 0 {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            }
+            libc::close(fd);
+        }
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn a_syn_flood_from_random_sources_does_not_stop_a_legitimate_client() {
+    let _alone = heavy();
+    let c = Cluster::with(Spec::new("syn", "dsr-dynamic").servers(2).clients(2));
+    c.tb.enable_xdp_tx("c2").unwrap();
+    let lb_mac = inband::netif::format_mac(&mac(&c, "lb"));
+    let target = vip(&c.tb).to_string();
+    // 250,000 SYNs from random sources in 198.18.0.0/15 (RFC 2544's
+    // benchmark range) at 10,000 a second, bounded by count and time. The
+    // generator, balancer, bridge and servers share two cores here, so the
+    // rate is what leaves room for the legitimate client's packets at all;
+    // the highest-rate flood is the benchmark's (docs/benchmarks.md).
+    let flood = in_ns(
+        &c.tb,
+        "c2",
+        &[BIN, "bench", "blast", "--dst-mac", &lb_mac, "--src", "198.18.0.1:1234", "--dst", &target, "--spoof-from", "198.18.0.0/15", "--packets", "250000", "--seconds", "40", "--rate", "10000"],
+    )
+    .stdout(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let (mut ok, mut failed) = (0u32, 0u32);
+    let started = Instant::now();
+    let mut flood = Some(flood);
+    let mut sent = 0u64;
+    while let Some(f) = flood.as_mut() {
+        if f.try_wait().unwrap().is_some() {
+            let out = flood.take().unwrap().wait_with_output().unwrap();
+            let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+            sent = r["sent"].as_u64().unwrap();
+            break;
+        }
+        match http_get(&c, vip(&c.tb), "/", true) {
+            Ok((200, BODY)) => ok += 1,
+            other => {
+                eprintln!("during the flood, after {:?}: {other:?}", started.elapsed());
+                failed += 1;
+            }
+        }
+    }
+    assert!(sent >= 200_000, "the flood sent {sent} SYNs");
+    assert!(ok + failed >= 20, "only {} requests during the flood", ok + failed);
+    assert!(failed * 100 <= ok + failed, "{failed} of {} requests failed during a {sent}-SYN flood", ok + failed);
+    // Afterwards nothing fails, with no operator action.
+    for i in 0..20 {
+        assert_eq!(get_vip(&c), (200, BODY), "request {i} after the flood");
+    }
+    let st = c.status();
+    for reason in ["snat_exhausted", "flow_table_full", "no_backend"] {
+        assert_eq!(st[0]["drops"][reason], 0, "{reason}: {}", st[0]["drops"]);
+    }
+    // The flood was balanced like any SYNs (each backend answers it with
+    // its own SYN cookies), not refused, and took no established state.
+    let balanced = c.sum("new_conns");
+    assert!(balanced >= sent * 9 / 10, "{balanced} of {sent} flood SYNs balanced; drops {}", st[0]["drops"]);
+    assert_eq!(st[0]["events"]["flows_promoted"].as_u64(), Some(u64::from(ok) + 20 + (c.sum("new_conns") - balanced)));
+    eprintln!("flood of {sent} SYNs in {:?}: {ok} ok, {failed} failed; drops {} events {}", started.elapsed(), st[0]["drops"], st[0]["events"]);
+}
+
+/// The agent's stored client tuples on `node`: (balancer port, client).
+fn agent_tuples(c: &Cluster, node: &str) -> Vec<(u16, SocketAddrV4)> {
+    use inband::agent::maps::{ConnKey, DsrFlow};
+    let pins = format!("/sys/fs/bpf/inband/netns/{}/agent/eth0", c.tb.netns(node));
+    let map = libbpf_rs::MapHandle::from_pinned_path(format!("{pins}/dsr_flows")).unwrap();
+    inband::bpfmap::entries::<ConnKey, DsrFlow>(&map)
+        .unwrap()
+        .into_iter()
+        .map(|(k, v)| {
+            (inband::pod::port_of(k.peer_port), SocketAddrV4::new(inband::pod::addr_of(v.client_addr), inband::pod::port_of(v.client_port)))
+        })
+        .collect()
+}
+
+#[test]
+fn forged_options_change_nothing_and_reflect_nothing() {
+    // c1 downloads through the VIP; c2 attacks; c3 is the victim whose
+    // address the forged options name.
+    let c = Cluster::with(
+        Spec::new("frg", "dsr-dynamic").servers(1).clients(3).every_server(&["--service-ms", "1", "--body-bytes", "4000000"]),
+    );
+    let victim = SocketAddrV4::new(c.tb.addr("c3"), 4444);
+    let sink = in_ns(&c.tb, "c3", &[BIN, "bench", "sink", "--port", "4444", "--max-seconds", "120"]).stdout(Stdio::piped()).spawn().unwrap();
+    let url = format!("http://{}/", vip(&c.tb));
+    let dl = in_ns(&c.tb, "c1", &["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{size_download}", "--max-time", "60", "--limit-rate", "800K", &url])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for("the download's tuple at the agent", || !agent_tuples(&c, "s1").is_empty());
+    let legit = agent_tuples(&c, "s1");
+    let (lb, s1) = (c.tb.addr("lb"), server(&c.tb, 1));
+    let (attacker, lb_mac, s1_mac) = (mac(&c, "c2"), mac(&c, "lb"), mac(&c, "s1"));
+    let wrong = Key(*b"not-the-real-key");
+    let mut frames = Vec::new();
+    for port in 1024..=32767u16 {
+        let from_lb = SocketAddrV4::new(lb, port);
+        let conn = Conn { lb: from_lb, backend: s1 };
+        // To the server, claiming the balancer: a client tuple naming the
+        // victim on a SYN (reflection) and on an ACK (hijack of a live
+        // connection), under a key the attacker made up; a score request.
+        let syn = PacketBuilder::tcp(from_lb, s1).macs(attacker, s1_mac).syn(1460).seq_no(u32::from(port));
+        frames.push(syn.clone().ip_options(InbandOption::auth_client_tuple(&wrong, 1, u32::from(port), conn, victim).encode()).build());
+        let ack = PacketBuilder::tcp(from_lb, s1).macs(attacker, s1_mac).flags(TCP_ACK);
+        frames.push(ack.clone().ip_options(InbandOption::auth_client_tuple(&wrong, 1, 1000, conn, victim).encode()).build());
+        frames.push(ack.ip_options(InbandOption::auth_score_request(&wrong, 1, [1, 2, 3, 4], conn).encode()).build());
+        // To the balancer, claiming the server: a score of 4242 on every port.
+        let score = InbandOption::auth_score(&wrong, 1, [1, 2, 3, 4], conn, 4242).encode();
+        frames.push(PacketBuilder::tcp(s1, from_lb).macs(attacker, lb_mac).flags(TCP_ACK | TCP_PSH).payload(b"x".to_vec()).ip_options(score).build());
+    }
+    // And the seed's plain options, which this deployment does not accept.
+    let seed_syn = PacketBuilder::tcp(SocketAddrV4::new(lb, 2000), s1).macs(attacker, s1_mac).syn(1460);
+    frames.push(seed_syn.ip_options(InbandOption::ClientTuple(victim).encode()).build());
+    inject(&c, "c2", frames);
+
+    let got = dl.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&got.stdout), "200 4000000", "the download finished whole");
+    // The server sent nothing to the victim (no SYN-ACK, no redirected data).
+    let r = sink_result(sink);
+    assert_eq!(r["packets"], 0, "packets reached the victim: {r}");
+    // The agent's tuples: the legitimate one untouched, none names the victim.
+    let now = agent_tuples(&c, "s1");
+    assert!(now.iter().all(|(_, cl)| *cl != victim), "{now:?}");
+    for t in &legit {
+        assert!(now.contains(t) || now.is_empty(), "legitimate tuple {t:?} changed: {now:?}");
+    }
+    let agent: Value = serde_json::from_slice(&run_ok(&c.tb, "s1", &[BIN, "agent", "status", "--interface", "eth0", "--json"]).stdout).unwrap();
+    let counters = &agent["counters"];
+    assert!(counters["auth_failed"].as_u64().unwrap() >= 31_000, "{counters}");
+    assert!(counters["not_syn"].as_u64().unwrap() >= 31_000, "{counters}");
+    assert!(counters["wrong_format"].as_u64().unwrap() >= 1, "{counters}");
+    // The balancer: no score of 4242 was ever taken.
+    let st = c.status();
+    assert_ne!(c.backend(1)["score"].as_u64(), Some(4242));
+    let refused = st[0]["events"]["score_bad_mac"].as_u64().unwrap() + st[0]["events"]["score_unsolicited"].as_u64().unwrap();
+    assert!(refused + st[0]["drops"]["score_not_owner"].as_u64().unwrap() >= 31_000, "{}", st[0]);
+    eprintln!("agent counters {counters}\nbalancer drops {} events {}", st[0]["drops"], st[0]["events"]);
+}
+
+#[test]
+fn the_victim_address_is_real() {
+    // The forged-options test asserts that nothing reaches c3's sink: make
+    // sure the sink does see what is really sent to it, or that assertion
+    // could never fail.
+    let c = Cluster::with(Spec::new("snk", "dsr-rr").servers(1).clients(3));
+    let sink = in_ns(&c.tb, "c3", &[BIN, "bench", "sink", "--port", "4444", "--max-seconds", "60"]).stdout(Stdio::piped()).spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let (c2, c3) = (mac(&c, "c2"), mac(&c, "c3"));
+    let to_victim = PacketBuilder::tcp(SocketAddrV4::new(Ipv4Addr::new(10, 77, 0, 12), 999), SocketAddrV4::new(c.tb.addr("c3"), 4444)).macs(c2, c3);
+    inject(&c, "c2", vec![to_victim.build(); 5]);
+    std::thread::sleep(Duration::from_millis(300));
+    let r = sink_result(sink);
+    assert_eq!(r["packets"], 5, "{r}");
+}
