@@ -27,12 +27,11 @@ fn churn(c: &Cluster, sources: &[String], connections: u64) -> Value {
 
 #[test]
 fn more_connections_than_ports_opened_and_closed_are_refused_none() {
-    let _alone = heavy();
     // Two backends have 2 x 31,744 SNAT ports; 70,000 connections from as
     // many distinct client tuples (four client addresses), each closed
     // properly, must all get through: ports of ended flows are reused.
     let c = Cluster::with(
-        Spec::new("chn", "dsr-dynamic").servers(2).every_server(&["--keep-alive", "--service-ms", "0", "--workers", "64", "--body-bytes", "512"]),
+        Spec::new("chn", "dsr-dynamic").servers(2).heavy().every_server(&["--keep-alive", "--service-ms", "0", "--workers", "64", "--body-bytes", "512"]),
     );
     let sources: Vec<String> = (50..54).map(|h| format!("10.77.0.{h}")).collect();
     for s in &sources {

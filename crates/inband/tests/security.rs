@@ -63,8 +63,7 @@ fn inject(c: &Cluster, node: &str, frames: Vec<Vec<u8>>) {
 
 #[test]
 fn a_syn_flood_from_random_sources_does_not_stop_a_legitimate_client() {
-    let _alone = heavy();
-    let c = Cluster::with(Spec::new("syn", "dsr-dynamic").servers(2).clients(2));
+    let c = Cluster::with(Spec::new("syn", "dsr-dynamic").servers(2).clients(2).heavy());
     c.tb.enable_xdp_tx("c2").unwrap();
     let lb_mac = inband::netif::format_mac(&mac(&c, "lb"));
     let target = vip(&c.tb).to_string();

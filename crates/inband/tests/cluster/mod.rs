@@ -17,12 +17,15 @@ use serde_json::Value;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_inband");
 
-/// Held by tests that load the machine on purpose (floods, churn): the
-/// other tests of their binary wait, so that what they measure is theirs.
-pub static HEAVY: std::sync::Mutex<()> = std::sync::Mutex::new(());
+/// A cluster of a test that loads the machine on purpose (floods, churn)
+/// holds this exclusively, every other cluster of its test binary shares
+/// it: the heavy test runs alone, so what it measures is its own and its
+/// load does not make the others time out.
+static MACHINE: std::sync::RwLock<()> = std::sync::RwLock::new(());
 
-pub fn heavy() -> std::sync::MutexGuard<'static, ()> {
-    HEAVY.lock().unwrap_or_else(|e| e.into_inner())
+enum Share {
+    Shared(std::sync::RwLockReadGuard<'static, ()>),
+    Alone(std::sync::RwLockWriteGuard<'static, ()>),
 }
 pub const BODY: usize = 46 * 1024;
 
@@ -52,11 +55,27 @@ pub struct Spec<'a> {
     pub vip_lines: Vec<String>,
     pub lb_lines: Vec<String>,
     pub client_link_mtu: Option<u32>,
+    pub heavy: bool,
 }
 
 impl<'a> Spec<'a> {
     pub fn new(test: &'a str, mode: &'a str) -> Spec<'a> {
-        Spec { test, mode, clients: 1, servers: 3, serve_args: Vec::new(), vip_lines: Vec::new(), lb_lines: Vec::new(), client_link_mtu: None }
+        Spec {
+            test,
+            mode,
+            clients: 1,
+            servers: 3,
+            serve_args: Vec::new(),
+            vip_lines: Vec::new(),
+            lb_lines: Vec::new(),
+            client_link_mtu: None,
+            heavy: false,
+        }
+    }
+    /// The test loads the machine: it runs alone (see `MACHINE`).
+    pub fn heavy(mut self) -> Self {
+        self.heavy = true;
+        self
     }
     pub fn servers(mut self, n: usize) -> Self {
         self.servers = n;
@@ -102,6 +121,7 @@ pub struct Cluster {
     mode: String,
     vip_lines: Vec<String>,
     lb_lines: Vec<String>,
+    _share: Share,
 }
 
 impl Drop for Cluster {
@@ -145,6 +165,11 @@ impl Cluster {
     }
 
     pub fn with(spec: Spec) -> Cluster {
+        let share = if spec.heavy {
+            Share::Alone(MACHINE.write().unwrap_or_else(|e| e.into_inner()))
+        } else {
+            Share::Shared(MACHINE.read().unwrap_or_else(|e| e.into_inner()))
+        };
         let name = format!("e{}{}", std::process::id() % 10000, spec.test);
         let tb = Testbed::up(TestbedSpec {
             name: name.clone(),
@@ -165,6 +190,7 @@ impl Cluster {
             mode: spec.mode.to_string(),
             vip_lines: spec.vip_lines,
             lb_lines: spec.lb_lines,
+            _share: share,
         };
         inband::auth::keygen(&c.key()).unwrap();
         for i in 1..=spec.servers {
