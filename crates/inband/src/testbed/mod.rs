@@ -301,6 +301,14 @@ pub enum TestbedCommand {
         #[arg(long, default_value = "ib")]
         name: String,
     },
+    /// Let a node send with XDP_TX (a generator such as `inband bench
+    /// blast`): its bridge port gets the pass program the balancer's has.
+    XdpTx {
+        #[arg(long, default_value = "ib")]
+        name: String,
+        #[arg(long)]
+        node: String,
+    },
     /// Run a command in one node's network namespace.
     Exec {
         #[arg(long, default_value = "ib")]
@@ -310,6 +318,13 @@ pub enum TestbedCommand {
         #[arg(trailing_var_arg = true, required = true)]
         argv: Vec<String>,
     },
+}
+
+/// The testbed `up` left running (never torn down when dropped).
+fn load_state(name: &str) -> Result<Testbed> {
+    let p = state_path(name);
+    let json = std::fs::read_to_string(&p).with_context(|| format!("no testbed {name} ({} missing)", p.display()))?;
+    Ok(serde_json::from_str::<Testbed>(&json)?.keep())
 }
 
 pub fn run(cmd: TestbedCommand) -> Result<()> {
@@ -324,17 +339,12 @@ pub fn run(cmd: TestbedCommand) -> Result<()> {
         }
         TestbedCommand::Down { name } => teardown(&name),
         TestbedCommand::Show { name } => {
-            let p = state_path(&name);
-            let json = std::fs::read_to_string(&p).with_context(|| format!("no testbed {name} ({} missing)", p.display()))?;
-            println!("{json}");
+            println!("{}", serde_json::to_string_pretty(&load_state(&name)?)?);
             Ok(())
         }
+        TestbedCommand::XdpTx { name, node } => load_state(&name)?.enable_xdp_tx(&node),
         TestbedCommand::Exec { name, node, argv } => {
-            let p = state_path(&name);
-            let tb: Testbed = serde_json::from_str(
-                &std::fs::read_to_string(&p).with_context(|| format!("no testbed {name} ({} missing)", p.display()))?,
-            )?;
-            let tb = tb.keep();
+            let tb = load_state(&name)?;
             let args: Vec<&str> = argv.iter().map(String::as_str).collect();
             let status = tb.command(&node, &args).status()?;
             std::process::exit(status.code().unwrap_or(1));
