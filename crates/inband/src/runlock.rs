@@ -26,8 +26,9 @@ pub struct RunLock {
 }
 
 impl RunLock {
-    /// Takes the lock in `dir`, or fails naming the process that has it.
-    pub fn take(dir: &Path, what: &str) -> Result<RunLock> {
+    /// Takes the lock in `dir`, or fails with `taken` and the pid of the
+    /// process that has it.
+    pub fn take(dir: &Path, taken: &str) -> Result<RunLock> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let path = dir.join("lock");
         let file = std::fs::OpenOptions::new()
@@ -39,7 +40,7 @@ impl RunLock {
             .with_context(|| format!("opening {}", path.display()))?;
         // SAFETY: flock on an fd we own.
         if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            anyhow::bail!("{what} is already running here (pid {}): stop it first", holder(dir).unwrap_or_else(|| "unknown".into()));
+            anyhow::bail!("{taken} (pid {}): stop it first", holder(dir).unwrap_or_else(|| "unknown".into()));
         }
         file.set_len(0)?;
         std::io::Write::write_all(&mut &file, format!("{}\n", std::process::id()).as_bytes())?;
@@ -88,9 +89,9 @@ mod tests {
     fn a_second_holder_is_refused_with_the_first_ones_pid() {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path().join("lb").join("eth9");
-        let first = RunLock::take(&d, "inband lb").unwrap();
+        let first = RunLock::take(&d, "inband lb is already running").unwrap();
         assert_eq!(holder(&d), Some(std::process::id().to_string()));
-        let e = RunLock::take(&d, "inband lb").err().unwrap().to_string();
+        let e = RunLock::take(&d, "inband lb is already running").err().unwrap().to_string();
         assert!(e.contains(&format!("pid {}", std::process::id())), "{e}");
         first.release();
         assert_eq!(holder(&d), None);

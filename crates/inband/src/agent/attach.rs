@@ -20,8 +20,7 @@
 use std::fs::File;
 use std::mem::MaybeUninit;
 use std::os::fd::AsFd;
-use std::os::unix::io::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use libbpf_rs::libbpf_sys;
@@ -31,6 +30,7 @@ use tracing::{info, warn};
 
 use crate::bpf::agent::{AgentSkel, AgentSkelBuilder};
 use crate::bpfmap::{remove_pin_dir, PinDir};
+use crate::runlock::{self, RunLock};
 
 /// Handle and priority of the agent's tc filters. Fixed, so a restarted agent
 /// replaces the filters of a crashed one instead of stacking a second pair,
@@ -49,63 +49,26 @@ pub fn pin_dir(interface: &str) -> PinDir {
 }
 
 /// Run-time state outside bpffs, which holds only BPF objects: the lock that
-/// keeps two agents off one interface, and the record that the agent
-/// created the clsact qdisc (so that it removes it, and only then). It sits
-/// under /run, which is emptied on reboot together with every qdisc.
+/// keeps two agents off one interface (crate::runlock), and the record that
+/// the agent created the clsact qdisc (so that it removes it, and only
+/// then). It sits under /run, which is emptied on reboot together with
+/// every qdisc.
 pub fn state_dir(interface: &str) -> PathBuf {
-    let root = crate::bpfmap::pin_root();
-    let rel = root.strip_prefix("/sys/fs/bpf").unwrap_or(&root);
-    Path::new("/run").join(rel).join("agent").join(interface)
+    runlock::state_dir("agent", interface)
 }
 
 const QDISC_MARKER: &str = "clsact-created";
 
-/// Held while an agent runs on the interface.
-pub struct InterfaceLock {
-    _file: File,
-    dir: PathBuf,
-}
-
-impl InterfaceLock {
-    /// Gives the interface up when the agent stops before attaching: the
-    /// lock file goes, and the state directory if nothing else is in it
-    /// (a crashed agent's qdisc marker stays, as the qdisc does).
-    pub fn release(self) {
-        let _ = std::fs::remove_file(self.dir.join("lock"));
-        remove_run_dirs(&self.dir);
-    }
-}
-
-/// Takes the interface for this process, or says who has it.
-pub fn lock_interface(interface: &str) -> Result<InterfaceLock> {
-    let dir = state_dir(interface);
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let path = dir.join("lock");
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .read(true)
-        .write(true)
-        .open(&path)
-        .with_context(|| format!("opening {}", path.display()))?;
-    // SAFETY: flock on an fd we own.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        let holder = std::fs::read_to_string(&path).unwrap_or_default();
-        bail!(
-            "another inband agent is running on {interface} (pid {}): stop it first",
-            holder.split_whitespace().next().unwrap_or("unknown")
-        );
-    }
-    file.set_len(0)?;
-    std::io::Write::write_all(&mut &file, format!("{}\n", std::process::id()).as_bytes())?;
-    Ok(InterfaceLock { _file: file, dir })
+/// Takes the interface for this process, or says who has it. Released
+/// when the agent stops before attaching (`RunLock::release`: a crashed
+/// agent's qdisc marker stays, as the qdisc does).
+pub fn lock_interface(interface: &str) -> Result<RunLock> {
+    RunLock::take(&state_dir(interface), &format!("another inband agent is running on {interface}"))
 }
 
 /// Whether an agent process holds the interface right now.
 pub fn interface_locked(interface: &str) -> bool {
-    let Ok(file) = File::open(state_dir(interface).join("lock")) else { return false };
-    // SAFETY: flock on an fd we own; a lock we get is released when `file` closes.
-    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) != 0 }
+    runlock::holder(&state_dir(interface)).is_some()
 }
 
 /// The loaded and attached agent. `detach` undoes everything.
@@ -282,23 +245,13 @@ fn cleanup(interface: &str, ifindex: i32) -> Result<()> {
     }
     // The lock file goes with the directory; a holder keeps its open fd.
     let _ = std::fs::remove_file(state.join("lock"));
-    remove_run_dirs(&state);
+    runlock::remove_run_dirs(&state);
     if !errors.is_empty() {
         bail!("{}", errors.join("; "));
     }
     Ok(())
 }
 
-/// Removes `dir` and its empty parents up to /run.
-fn remove_run_dirs(dir: &Path) {
-    let mut cur = Some(dir);
-    while let Some(p) = cur {
-        if p == Path::new("/run") || std::fs::remove_dir(p).is_err() {
-            break;
-        }
-        cur = p.parent();
-    }
-}
 
 /// `inband agent detach`: the clean-up of a clean stop, for an agent that
 /// did not get to do it (killed, crashed).

@@ -32,7 +32,7 @@ pub fn run(config_path: &Path) -> Result<()> {
     let keys = cfg.auth.load_keys()?;
     // Before anything touches the interface: a second daemon must not
     // replace the program or rewrite the maps under the first.
-    let lock = RunLock::take(&attach::run_dir(&cfg.interface), &format!("inband lb on {}", cfg.interface))?;
+    let lock = RunLock::take(&attach::run_dir(&cfg.interface), &format!("inband lb is already running on {}", cfg.interface))?;
     let dir = attach::pin_dir(&cfg.interface);
     let fresh = !dir.exists();
     let mut storage = MaybeUninit::uninit();
