@@ -79,4 +79,31 @@ static inline __attribute__((always_inline)) __u16 csum_swab16(__u16 v)
 	return (__u16)((v << 8) | (v >> 8));
 }
 
+/*
+ * Whether a TCP segment of `l4_len` bytes between `saddr` and `daddr`
+ * checks out, given the 32-bit partial sum of its bytes (bpf_csum_diff's
+ * result over the whole segment, checksum field included). Pseudo-header
+ * words are added in memory order like everything here.
+ */
+static inline __attribute__((always_inline)) __u16 csum_be16(__u16 v)
+{
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+	return __builtin_bswap16(v);
+#else
+	return v;
+#endif
+}
+
+static inline __attribute__((always_inline)) int csum_tcp_ok(__u32 partial, __be32 saddr, __be32 daddr,
+							   __u32 l4_len)
+{
+	__u64 acc = partial;
+
+	acc += (saddr >> 16) + (saddr & 0xffff) + (daddr >> 16) + (daddr & 0xffff);
+	acc += csum_be16(6 /* IPPROTO_TCP */) + csum_be16((__u16)l4_len);
+	acc = (acc & 0xffffffff) + (acc >> 32);
+	acc = (acc & 0xffffffff) + (acc >> 32);
+	return csum_fold((__u32)acc) == 0xffff;
+}
+
 #endif /* INBAND_CSUM_H */

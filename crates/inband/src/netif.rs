@@ -17,39 +17,50 @@ pub fn ifindex(name: &str) -> Result<u32> {
     Ok(idx)
 }
 
-/// The interface's MTU as the data paths use it, asked of the kernel
-/// through a socket of this process's network namespace. /sys/class/net
-/// would answer for the namespace sysfs was mounted in, which under
-/// `nsenter --net` (how the testbed runs servers) is another one. An IPv4
-/// packet is at most 65535 bytes whatever the interface allows (loopback's
-/// MTU is 65536).
-pub fn mtu(name: &str) -> Result<u16> {
-    // SAFETY: socket() has no memory preconditions; the fd is closed below.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        bail!("socket for reading the MTU of {name}: {}", std::io::Error::last_os_error());
-    }
+/// Asks this network namespace's kernel about an interface: `request` is
+/// a SIOCGIF* ioctl that fills in an ifreq. Not /sys/class/net: that answers
+/// for the namespace sysfs was mounted in, which under `nsenter --net` (how
+/// the testbed runs hosts) is another one.
+fn ifreq(name: &str, request: libc::c_ulong, what: &str) -> Result<libc::ifreq> {
     // SAFETY: an all-zero ifreq is valid.
     let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
     if name.len() >= req.ifr_name.len() {
-        // SAFETY: fd came from socket() above.
-        unsafe { libc::close(fd) };
         bail!("interface name {name:?} is too long");
     }
     for (d, s) in req.ifr_name.iter_mut().zip(name.bytes()) {
         *d = s as libc::c_char;
     }
+    // SAFETY: socket() has no memory preconditions; the fd is closed below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        bail!("socket for reading the {what} of {name}: {}", std::io::Error::last_os_error());
+    }
     // SAFETY: req is a NUL-terminated ifreq the kernel fills in.
-    let rc = unsafe { libc::ioctl(fd, libc::SIOCGIFMTU, &mut req) };
+    let rc = unsafe { libc::ioctl(fd, request, &mut req) };
     let err = std::io::Error::last_os_error();
-    // SAFETY: as above.
+    // SAFETY: fd came from socket() above.
     unsafe { libc::close(fd) };
     if rc != 0 {
-        bail!("reading the MTU of interface {name:?}: {err}");
+        bail!("reading the {what} of interface {name:?}: {err}");
     }
+    Ok(req)
+}
+
+/// The interface's MTU as the data paths use it. An IPv4 packet is at most
+/// 65535 bytes whatever the interface allows (loopback's MTU is 65536).
+pub fn mtu(name: &str) -> Result<u16> {
+    let req = ifreq(name, libc::SIOCGIFMTU, "MTU")?;
     // SAFETY: SIOCGIFMTU filled the ifru_mtu member.
     let mtu = unsafe { req.ifr_ifru.ifru_mtu };
     Ok(mtu.clamp(0, i32::from(u16::MAX)) as u16)
+}
+
+/// The interface's MAC address.
+pub fn mac(name: &str) -> Result<[u8; 6]> {
+    let req = ifreq(name, libc::SIOCGIFHWADDR, "MAC")?;
+    // SAFETY: SIOCGIFHWADDR filled ifru_hwaddr with a sockaddr.
+    let sa = unsafe { req.ifr_ifru.ifru_hwaddr };
+    Ok(std::array::from_fn(|i| sa.sa_data[i] as u8))
 }
 
 /// Every IPv4 address of this host (in this network namespace) with its interface.

@@ -373,15 +373,7 @@ impl Fixture {
     }
 
     fn vip_stats(&self) -> VipStats {
-        let mut t = VipStats::default();
-        for s in inband::bpfmap::get_percpu::<u32, VipStats>(&self.lb.skel.maps.vip_stats, &VIP_ID).unwrap() {
-            t.packets += s.packets;
-            t.new_conns += s.new_conns;
-            t.return_packets += s.return_packets;
-            t.return_bytes += s.return_bytes;
-            t.closed_conns += s.closed_conns;
-        }
-        t
+        self.lb.vip_stats(VIP_ID).unwrap()
     }
 
     fn gauge(&self, idx: u32) -> FlowGauges {

@@ -12,93 +12,34 @@
 
 #include "inband/agent_maps.h"
 #include "inband/auth.h"
+#include "inband/pinned.h"
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, INBAND_AGENT_MAX_SERVICES);
-	__type(key, __be16);
-	__type(value, struct inband_service);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} services SEC(".maps");
+INBAND_PINNED(services, BPF_MAP_TYPE_HASH, __be16, struct inband_service, INBAND_AGENT_MAX_SERVICES);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, INBAND_AGENT_MAX_BALANCERS);
-	__type(key, __be32);
-	__type(value, __u8);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} balancers SEC(".maps");
+INBAND_PINNED(balancers, BPF_MAP_TYPE_HASH, __be32, __u8, INBAND_AGENT_MAX_BALANCERS);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, INBAND_AGENT_FLOW_TABLE_SIZE);
-	__type(key, struct inband_conn_key);
-	__type(value, struct inband_dsr_flow);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} dsr_flows SEC(".maps");
+INBAND_PINNED(dsr_flows, BPF_MAP_TYPE_LRU_HASH, struct inband_conn_key, struct inband_dsr_flow, INBAND_AGENT_FLOW_TABLE_SIZE);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, INBAND_AGENT_MAX_SERVICES);
-	__type(key, __u16);
-	__type(value, __s64);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} active_conns SEC(".maps");
+INBAND_PINNED(active_conns, BPF_MAP_TYPE_HASH, __u16, __s64, INBAND_AGENT_MAX_SERVICES);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, INBAND_AGENT_MAX_SERVICES);
-	__type(key, __u16);
-	__type(value, __u32);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} score_override SEC(".maps");
+INBAND_PINNED(score_override, BPF_MAP_TYPE_HASH, __u16, __u32, INBAND_AGENT_MAX_SERVICES);
 
 /* Score source "requests": connections with a request in flight (client
  * bytes arrived, no response byte sent since), per served port (host
  * order), and the per-connection flag behind the count. */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, INBAND_AGENT_MAX_SERVICES);
-	__type(key, __u16);
-	__type(value, __s64);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} inflight SEC(".maps");
+INBAND_PINNED(inflight, BPF_MAP_TYPE_HASH, __u16, __s64, INBAND_AGENT_MAX_SERVICES);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, INBAND_AGENT_FLOW_TABLE_SIZE);
-	__type(key, struct inband_conn_key);
-	__type(value, __u32);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} inflight_conns SEC(".maps");
+INBAND_PINNED(inflight_conns, BPF_MAP_TYPE_LRU_HASH, struct inband_conn_key, __u32, INBAND_AGENT_FLOW_TABLE_SIZE);
 
 /* The option format and the interface MTU. An array, not load-time
  * constants: SIGHUP and MTU changes rewrite it under a running program. */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct inband_agent_config);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} agent_config SEC(".maps");
+INBAND_PINNED(agent_config, BPF_MAP_TYPE_ARRAY, __u32, struct inband_agent_config, 1);
 
 /* Indexed by the key id an option names; ids absent from the config have
  * valid = 0, so rotation is a rewrite of single entries. */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, INBAND_AUTH_MAX_KEYS);
-	__type(key, __u32);
-	__type(value, struct inband_auth_key);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} auth_keys SEC(".maps");
+INBAND_PINNED(auth_keys, BPF_MAP_TYPE_ARRAY, __u32, struct inband_auth_key, INBAND_AUTH_MAX_KEYS);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, INBAND_AGENT_COUNTER_MAX);
-	__type(key, __u32);
-	__type(value, __u64);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} agent_stats SEC(".maps");
+INBAND_PINNED(agent_stats, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, __u64, INBAND_AGENT_COUNTER_MAX);
 
 /* Set by the control plane at load when the score source is "requests":
  * only then do data packets pay for the per-connection bookkeeping. */

@@ -14,24 +14,10 @@
 
 #include "inband/auth.h"
 #include "inband/balancer_maps.h"
+#include "inband/pinned.h"
 
-#define INBAND_PINNED_ARRAY(name, type_, n)             \
-	struct {                                        \
-		__uint(type, BPF_MAP_TYPE_ARRAY);       \
-		__uint(max_entries, n);                 \
-		__type(key, __u32);                     \
-		__type(value, type_);                   \
-		__uint(pinning, LIBBPF_PIN_BY_NAME);    \
-	} name SEC(".maps")
-
-#define INBAND_PINNED_PERCPU(name, type_, n)              \
-	struct {                                          \
-		__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);  \
-		__uint(max_entries, n);                   \
-		__type(key, __u32);                       \
-		__type(value, type_);                     \
-		__uint(pinning, LIBBPF_PIN_BY_NAME);      \
-	} name SEC(".maps")
+#define INBAND_PINNED_ARRAY(name, type_, n) INBAND_PINNED(name, BPF_MAP_TYPE_ARRAY, __u32, type_, n)
+#define INBAND_PINNED_PERCPU(name, type_, n) INBAND_PINNED(name, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, type_, n)
 
 INBAND_PINNED_ARRAY(lb_config, struct inband_lb_config, 1);
 INBAND_PINNED_ARRAY(auth_keys, struct inband_auth_key, INBAND_AUTH_MAX_KEYS);
@@ -61,56 +47,26 @@ INBAND_PINNED_PERCPU(vip_stats, struct inband_vip_stats, INBAND_MAX_VIPS);
 INBAND_PINNED_PERCPU(drops, __u64, INBAND_DROP_MAX);
 INBAND_PINNED_PERCPU(events, __u64, INBAND_EV_MAX);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, INBAND_MAX_VIPS);
-	__type(key, struct inband_vip_key);
-	__type(value, __u32);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} vips SEC(".maps");
+INBAND_PINNED(vips, BPF_MAP_TYPE_HASH, struct inband_vip_key, __u32, INBAND_MAX_VIPS);
 
 /* Established and closing connections. LRU: when it is full the least
  * recently used flow (the longest idle) is the one that goes. */
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, INBAND_FLOW_TABLE_SIZE);
-	__type(key, struct inband_flow_key);
-	__type(value, struct inband_flow);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} flows SEC(".maps");
+INBAND_PINNED(flows, BPF_MAP_TYPE_LRU_HASH, struct inband_flow_key, struct inband_flow, INBAND_FLOW_TABLE_SIZE);
 
 /* Handshakes in progress, apart from `flows` so that a SYN flood churns
  * only this table and never evicts an established connection. */
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, INBAND_HALF_OPEN_TABLE_SIZE);
-	__type(key, struct inband_flow_key);
-	__type(value, struct inband_flow);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} half_open SEC(".maps");
+INBAND_PINNED(half_open, BPF_MAP_TYPE_LRU_HASH, struct inband_flow_key, struct inband_flow, INBAND_HALF_OPEN_TABLE_SIZE);
 
 /* The SNAT port a handshake holds, server side -> client side: lets the
  * SYN-ACK of a pass-through flow find its client and keeps two handshakes
  * off one port. Evicted with its half-open flow, or on its own (then the
  * hold is simply gone). */
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, INBAND_HALF_OPEN_TABLE_SIZE);
-	__type(key, struct inband_nat_key);
-	__type(value, struct inband_snat_owner);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} half_open_ports SEC(".maps");
+INBAND_PINNED(half_open_ports, BPF_MAP_TYPE_LRU_HASH, struct inband_nat_key, struct inband_snat_owner, INBAND_HALF_OPEN_TABLE_SIZE);
 
 /* SNAT reservations of established flows, server side -> client side. Not
  * an LRU: a reservation is removed only when its owner is found gone
  * (ended, expired, evicted from `flows`), so the port of a live flow is
  * never handed to a second client. */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, INBAND_SNAT_TABLE_SIZE);
-	__type(key, struct inband_nat_key);
-	__type(value, struct inband_snat_owner);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} snat SEC(".maps");
+INBAND_PINNED(snat, BPF_MAP_TYPE_HASH, struct inband_nat_key, struct inband_snat_owner, INBAND_SNAT_TABLE_SIZE);
 
 #endif /* INBAND_LB_MAPS_H */

@@ -84,12 +84,20 @@ static __always_inline int active_slot(const struct pick *p, __u32 slot, __u32 *
 	return 1;
 }
 
-/* Takes `id`'s exploration ticket if it has one (one CPU wins it). */
-static __always_inline int explore(__u32 id)
+/* Takes `id`'s exploration ticket if it has one (one CPU wins it): then
+ * `id` in `slot` is the pick and the walk stops. */
+static __always_inline int explore(struct pick *p, __u32 id, __u32 slot)
 {
 	__u32 *due = bpf_map_lookup_elem(&probe_due, &id);
 
-	return due && (*due & INBAND_EXPLORE) && (__sync_fetch_and_and(due, ~INBAND_EXPLORE) & INBAND_EXPLORE);
+	if (!due || !(*due & INBAND_EXPLORE) || !(__sync_fetch_and_and(due, ~INBAND_EXPLORE) & INBAND_EXPLORE))
+		return 0;
+	p->id = id;
+	p->slot = slot;
+	p->found = 1;
+	p->seen = 1;
+	p->explored = 1;
+	return 1;
 }
 
 static __always_inline __u64 estimate_of(__u32 id, const struct pick *p)
@@ -126,13 +134,8 @@ static long least_score_step(__u32 slot, void *arg)
 		return 1;
 	if (!active_slot(p, slot, &id))
 		return 0;
-	if (explore(id)) {
-		p->id = id;
-		p->slot = slot;
-		p->found = 1;
-		p->explored = 1;
+	if (explore(p, id, slot))
 		return 1;
-	}
 	__u64 est = estimate_of(id, p);
 
 	if (!p->found || est < p->best) {
@@ -164,13 +167,8 @@ static long two_choices_step(__u32 slot, void *arg)
 		return 1;
 	if (!active_slot(p, slot, &id))
 		return 0;
-	if (explore(id)) {
-		p->id = id;
-		p->slot = slot;
-		p->explored = 1;
-		p->seen = 1;
+	if (explore(p, id, slot))
 		return 1;
-	}
 	p->seen++;
 	if (p->seen == 1) {
 		p->id = id;

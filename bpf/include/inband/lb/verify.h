@@ -92,14 +92,7 @@ static __always_inline int tcp_csum_ok(struct xdp_md *ctx, __u32 l4_off, __u32 l
 	bpf_loop(0x10000 / CSUM_CHUNK, csum_step, &w, 0);
 	if (w.sum < 0 || w.left)
 		return 0;
-	/* Pseudo-header words, in memory order like the rest (csum.h). */
-	__u64 acc = (__u32)w.sum;
-
-	acc += (saddr >> 16) + (saddr & 0xffff) + (daddr >> 16) + (daddr & 0xffff);
-	acc += bpf_htons(IPPROTO_TCP) + bpf_htons((__u16)l4_len);
-	acc = (acc & 0xffffffff) + (acc >> 32);
-	acc = (acc & 0xffffffff) + (acc >> 32);
-	return csum_fold((__u32)acc) == 0xffff;
+	return csum_tcp_ok((__u32)w.sum, saddr, daddr, l4_len);
 }
 
 #endif /* INBAND_LB_VERIFY_H */

@@ -109,32 +109,6 @@ pub struct BlastResult {
     pub frame_bytes: usize,
 }
 
-/// The interface's MAC in this network namespace (sysfs would show the
-/// mount namespace's, which `nsenter --net` does not change).
-fn mac_of(interface: &str) -> Result<[u8; 6]> {
-    // SAFETY: a plain socket for the ioctl, closed below.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0) };
-    if fd < 0 {
-        bail!("socket: {}", std::io::Error::last_os_error());
-    }
-    // SAFETY: ifreq is plain data; the name is copied in bounded below.
-    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (d, s) in req.ifr_name.iter_mut().zip(interface.bytes().take(libc::IFNAMSIZ - 1)) {
-        *d = s as libc::c_char;
-    }
-    // SAFETY: SIOCGIFHWADDR fills req.ifr_ifru with a sockaddr.
-    let rc = unsafe { libc::ioctl(fd, libc::SIOCGIFHWADDR, &mut req) };
-    let err = std::io::Error::last_os_error();
-    // SAFETY: fd is ours.
-    unsafe { libc::close(fd) };
-    if rc != 0 {
-        bail!("reading the MAC of {interface}: {err}");
-    }
-    // SAFETY: the ioctl succeeded, so ifru_hwaddr holds the address.
-    let sa = unsafe { req.ifr_ifru.ifru_hwaddr };
-    Ok(std::array::from_fn(|i| sa.sa_data[i] as u8))
-}
-
 /// Runs the `tx` program `repeat` times on `frame` as live frames
 /// received on `ifindex`; each run transmits the frame out of it.
 fn live_tx(prog_fd: i32, ifindex: u32, frame: &[u8], repeat: u32) -> Result<()> {
@@ -206,7 +180,7 @@ fn send_frames(a: &BlastArgs, ifindex: u32, frame: &[u8], count: u64, start: Ins
 
 pub fn blast(a: &BlastArgs) -> Result<BlastResult> {
     let ifindex = crate::netif::ifindex(&a.interface)?;
-    let src_mac = mac_of(&a.interface)?;
+    let src_mac = crate::netif::mac(&a.interface)?;
     let dst_mac = crate::netif::parse_mac(&a.dst_mac)?;
     let base = PacketBuilder::tcp(a.src, a.dst).macs(src_mac, dst_mac);
     if let Some(ms) = a.syn_first_ms {

@@ -60,6 +60,28 @@ crate::pod::pod!(
     ControlStats
 );
 
+/// Adds one CPU's backend counters to a total.
+pub fn add_backend_stats(t: &mut BackendStats, x: &BackendStats) {
+    t.packets += x.packets;
+    t.bytes += x.bytes;
+    t.return_packets += x.return_packets;
+    t.return_bytes += x.return_bytes;
+    t.new_conns += x.new_conns;
+    t.closed_conns += x.closed_conns;
+    t.probes_sent += x.probes_sent;
+    t.scores_received += x.scores_received;
+}
+
+/// Adds one CPU's VIP counters to a total.
+pub fn add_vip_stats(t: &mut VipStats, x: &VipStats) {
+    t.packets += x.packets;
+    t.bytes += x.bytes;
+    t.return_packets += x.return_packets;
+    t.return_bytes += x.return_bytes;
+    t.new_conns += x.new_conns;
+    t.closed_conns += x.closed_conns;
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 #[repr(u8)]

@@ -11,7 +11,7 @@ use libbpf_rs::{libbpf_sys, AsRawLibbpf, OpenObject, ProgramInput};
 
 use super::maps::*;
 use crate::bpf::balancer::{BalancerSkel, BalancerSkelBuilder};
-use crate::bpfmap::{get, get_percpu, put};
+use crate::bpfmap::{get, put};
 
 pub const XDP_DROP: u32 = 1;
 pub const XDP_PASS: u32 = 2;
@@ -95,17 +95,10 @@ impl<'obj> PrivateBalancer<'obj> {
     }
 
     pub fn backend_stats(&self, id: u32) -> Result<BackendStats> {
-        let mut t = BackendStats::default();
-        for s in get_percpu::<u32, BackendStats>(&self.skel.maps.backend_stats, &id)? {
-            t.packets += s.packets;
-            t.bytes += s.bytes;
-            t.return_packets += s.return_packets;
-            t.return_bytes += s.return_bytes;
-            t.new_conns += s.new_conns;
-            t.probes_sent += s.probes_sent;
-            t.scores_received += s.scores_received;
-            t.closed_conns += s.closed_conns;
-        }
-        Ok(t)
+        super::tables::sum_percpu(&self.skel.maps.backend_stats, id, add_backend_stats)
+    }
+
+    pub fn vip_stats(&self, id: u32) -> Result<VipStats> {
+        super::tables::sum_percpu(&self.skel.maps.vip_stats, id, add_vip_stats)
     }
 }

@@ -143,16 +143,7 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
         for (id, b) in &v.slots {
             let s: BackendScore = bpfmap::get(&maps.scores, id)?.unwrap_or_default();
             let age = (s.updated_ns != 0).then(|| now.saturating_sub(s.updated_ns));
-            let stats = tables::sum_percpu(&maps.backend_stats, *id, |t: &mut BackendStats, x| {
-                t.packets += x.packets;
-                t.bytes += x.bytes;
-                t.return_packets += x.return_packets;
-                t.return_bytes += x.return_bytes;
-                t.new_conns += x.new_conns;
-                t.closed_conns += x.closed_conns;
-                t.probes_sent += x.probes_sent;
-                t.scores_received += x.scores_received;
-            })?;
+            let stats = tables::sum_percpu(&maps.backend_stats, *id, add_backend_stats)?;
             backends.push(BackendSnapshot {
                 id: *id,
                 backend: tables::backend_endpoint(b).to_string(),
@@ -173,14 +164,7 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
                 stats: backend_counters(&stats),
             });
         }
-        let stats = tables::sum_percpu(&maps.vip_stats, v.id, |t: &mut VipStats, x| {
-            t.packets += x.packets;
-            t.bytes += x.bytes;
-            t.return_packets += x.return_packets;
-            t.return_bytes += x.return_bytes;
-            t.new_conns += x.new_conns;
-            t.closed_conns += x.closed_conns;
-        })?;
+        let stats = tables::sum_percpu(&maps.vip_stats, v.id, add_vip_stats)?;
         vips.push(VipSnapshot {
             vip: v.endpoint.to_string(),
             state: if v.draining() { "draining" } else { "active" },
