@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import peers, report
-from .paper import Testbed, alive, tool_version
+from .paper import Testbed, alive, new_auth_key, tool_version
 from .peers import Backend
 from .procs import Interrupted, Procs, ns_argv, run, stop_signals_interrupt, uninterruptible, wait_until
 
@@ -386,6 +386,7 @@ class Bench:
         self.tb_is_up = False
         self.sock_dir = Path("/run/inband/bench") / args.name
         self.agent = None
+        self.auth_key: Path | None = None
         self.others: set[str] = set()  # other benchmarks and builds seen while measuring
 
     def log(self, msg: str) -> None:
@@ -405,10 +406,11 @@ class Bench:
         self.tb.up(1)
         cfg = self.out / "run" / "agent-s1.toml"
         cfg.parent.mkdir(parents=True, exist_ok=True)
+        self.auth_key = new_auth_key(self.inband, cfg.parent)
         cfg.write_text(
             peers.agent_toml(
                 balancer=self.tb.addr("lb"), vip=self.tb.vip, vip_port=VIP_PORT, service_port=HTTP_PORT,
-                score_socket=str(self.sock_dir / "agent.sock"),
+                score_socket=str(self.sock_dir / "agent.sock"), auth_key=str(self.auth_key),
             )
         )  # fmt: skip
         log = self.out / "logs" / "agent-s1.log"
@@ -454,7 +456,8 @@ class Bench:
             cfg.write_text(
                 peers.lb_toml(
                     address=HAIRPIN_LB if hairpin else self.tb.addr("lb"), vip=self.tb.vip, vip_port=VIP_PORT, backends=backends,
-                    mode=mode, control_socket=str(sock), probe_interval=probe, poll_interval_ms=poll_ms, interface=dev,
+                    mode=mode, control_socket=str(sock), auth_key=str(self.auth_key), probe_interval=probe, poll_interval_ms=poll_ms,
+                    interface=dev,
                 )
             )  # fmt: skip
             log = d / "lb.log"
@@ -1052,7 +1055,8 @@ def main(argv=None) -> int:
         f"Command: `{command}`  \n"
         f"Started {time.strftime('%Y-%m-%d %H:%M:%S %z', time.localtime(started))}, wall time {elapsed:.0f} s, "
         f"{os.cpu_count()} CPUs **shared by everything**: generator, bridge, balancer, server (other work seen running during the measurements: {others}). "
-        "Rates are what the whole testbed sustains; compare ratios measured in this run.  \n"
+        "Rates are what the whole testbed sustains; compare ratios measured in this run. "
+        "inband's in-band options are authenticated (SipHash, a key made for the run).  \n"
         f"kernel {platform.release()}; {tool_version(['haproxy', '-v'])}; {tool_version(['nft', '--version'])}; {tool_version(['wrk', '-v'])}\n"
     )
     if failed:

@@ -199,7 +199,8 @@ class Bench:
         self.inband = Path(args.inband)
         self.tb = Testbed(self.inband, args.name)
         self.procs = Procs()
-        self.run_dir = out / "run"  # the agents' configs
+        self.run_dir = out / "run"  # the agents' configs and the run's auth key
+        self.auth_key: Path | None = None  # None: the seed paper's plain options (--auth none)
         # Unix sockets: a short path of their own (sun_path holds 108 bytes,
         # and --out may be long).
         self.sock_dir = Path("/run/inband/bench") / args.name
@@ -227,6 +228,8 @@ class Bench:
     def setup(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.sock_dir.mkdir(parents=True, exist_ok=True)
+        if self.args.auth == "siphash":
+            self.auth_key = new_auth_key(self.inband, self.run_dir)
         self.log(f"testbed {self.tb.name}: up (1 client, balancer, {len(SERVERS)} servers)")
         self.tb_is_up = True  # from here on, tear-down must run even if `up` fails half-way
         self.tb.up(len(SERVERS))
@@ -246,6 +249,7 @@ class Bench:
                     vip_port=VIP_PORT,
                     service_port=SERVICE_PORT,
                     score_socket=str(self.sock_dir / f"agent-{node}.sock"),
+                    auth_key=str(self.auth_key) if self.auth_key else None,
                 )
             )
             log = self.out / "logs" / f"agent-{node}.log"
@@ -340,6 +344,7 @@ class Bench:
                     backends=self.backends,
                     mode=c.mode,
                     control_socket=str(sock),
+                    auth_key=str(self.auth_key) if self.auth_key else None,
                     probe_interval=self.args.probe_interval,
                     poll_interval_ms=c.poll_interval_ms or self.args.poll_interval_ms,
                 )
@@ -440,7 +445,7 @@ class Bench:
             label=c.label,
             window=window,
             requests=requests,
-            overhead=overhead(c, status, before, after),
+            overhead=overhead(c, status, before, after, authenticated=self.auth_key is not None),
             locust=report.read_locust_aggregated(d / "locust_stats.csv"),
             shares=shares,
             at_balancer=report.backends_at_balancer(status),
@@ -492,7 +497,25 @@ class Bench:
         shutil.rmtree(self.sock_dir, ignore_errors=True)
 
 
-def overhead(c: Configuration, status, before: dict, after: dict) -> Overhead:
+def new_auth_key(inband: Path, run_dir: Path) -> Path:
+    """A key of its own for this run's balancer and agents. `inband keygen`
+    never overwrites one, and the directory may hold an earlier run's."""
+    key = run_dir / "auth.key"
+    key.unlink(missing_ok=True)
+    run(None, [str(inband), "keygen", "--out", str(key)])
+    return key
+
+
+def option_bytes(authenticated: bool) -> int:
+    """What one 124 (score request) or one 125 (score) adds to a packet,
+    as bpf/include/inband/wire.h defines them: INBAND_OPT_AUTH_SCORE_REQUEST_LEN
+    and INBAND_OPT_AUTH_SCORE_LEN (kind, length, key id or score, nonce,
+    MAC) with a key; the seed's INBAND_OPT_SCORE_REQUEST_LEN and
+    INBAND_OPT_SCORE_LEN without."""
+    return 16 if authenticated else 4
+
+
+def overhead(c: Configuration, status, before: dict, after: dict, *, authenticated: bool) -> Overhead:
     o = Overhead(
         mechanism={
             "passthrough": "none",
@@ -512,9 +535,9 @@ def overhead(c: Configuration, status, before: dict, after: dict) -> Overhead:
         o.probes = sum(b["stats"]["probes_sent"] for b in bes)
         o.scores = sum(b["stats"]["scores_received"] for b in bes)
         # Polling: each request and reply is a packet of its own. In-band:
-        # no packet of its own, 4 option bytes per probe and per score.
+        # no packet of its own, one option per probe and per score.
         o.extra_packets = int(ctl["polls_sent"]) + int(ctl["poll_replies"])
-        o.extra_bytes = int(ctl["poll_bytes"]) + 4 * (o.probes + o.scores)
+        o.extra_bytes = int(ctl["poll_bytes"]) + option_bytes(authenticated) * (o.probes + o.scores)
     return o
 
 
@@ -576,6 +599,12 @@ def parse_args(argv):
     ap.add_argument("--probe-interval", type=int, default=100, help="dsr-dynamic: score request on every n-th packet")
     ap.add_argument(
         "--poll-interval-ms", type=int, default=1000, help="dsr-polling: how often each agent is asked (the balancer's default; dsr-polling-100ms keeps 100)"
+    )
+    ap.add_argument(
+        "--auth",
+        choices=("siphash", "none"),
+        default="siphash",
+        help="in-band options: authenticated with a key made for the run (16-byte 124/125), or the seed paper's plain ones (4 bytes)",
     )
     ap.add_argument("--users", type=int, help="override the profile's user count")
     ap.add_argument("--spawn-rate", type=int, help="override the profile's spawn rate")
@@ -678,6 +707,9 @@ def write_outputs(bench: Bench, results, failed, out: Path, command: str, elapse
         + (f" ({s.slowdown[2]:g}× slower from {s.slowdown[0]:.0%} to {s.slowdown[0] + s.slowdown[1]:.0%} of the run)" if s.slowdown else "")
         for i, s in enumerate(SERVERS, 1)
     )
+    options = (
+        "authenticated options (SipHash, a key made for the run)" if bench.auth_key else "the seed paper's unauthenticated options"
+    ) + f", {option_bytes(bench.auth_key is not None)} bytes per probe and per score"
     preamble = (
         f"# Paper evaluation, profile `{p.name}`\n\n"
         f"Command: `{command}`  \n"
@@ -686,7 +718,7 @@ def write_outputs(bench: Bench, results, failed, out: Path, command: str, elapse
         f"Servers: {p.workers} workers each, service time {p.service_dist} with mean {p.service_ms:g} ms × time scale {p.time_scale:g} ÷ speed; {spec}; "
         f"{p.body_bytes} byte responses.  \n"
         f"Balancer link (traffic into the balancer): TBF {a.tbf_rate_mbit:g} Mbit/s, burst {a.tbf_burst_kb} KB, latency {a.tbf_latency_ms} ms.  \n"
-        f"dsr-dynamic probes every {a.probe_interval}th packet per backend; dsr-polling polls every {a.poll_interval_ms} ms, "
+        f"dsr-dynamic probes every {a.probe_interval}th packet per backend with {options}; dsr-polling polls every {a.poll_interval_ms} ms, "
         f"dsr-polling-100ms every {BY_KEY['dsr-polling-100ms'].poll_interval_ms} ms.  \n"
         f"Servers started {min(bench.slowdown_offsets, default=0):.1f}–{max(bench.slowdown_offsets, default=0):.1f} s before the load "
         "(their slowdown windows count from their start).  \n"

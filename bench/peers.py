@@ -28,17 +28,22 @@ def lb_toml(
     backends: list[Backend],
     mode: str,
     control_socket: str,
+    auth_key: str | None,
     policy: str = "least-score",
     probe_interval: int = 100,
     poll_interval_ms: int = 100,
     score_max_age_ms: int = 2000,
     interface: str = "eth0",
 ) -> str:
-    """`inband lb` config for one VIP in one mode (docs/configuration.md)."""
+    """`inband lb` config for one VIP in one mode (docs/configuration.md).
+    `auth_key`: the key file shared with the agents, or None for the seed
+    paper's unauthenticated options."""
     lines = [
         f'interface = "{interface}"',
         f'address = "{_check_ip(address)}"',
         f'control_socket = "{control_socket}"',
+        "",
+        *_auth_lines(auth_key, balancer=True),
         "",
         "[[vip]]",
         f'address = "{_check_ip(vip)}"',
@@ -54,16 +59,35 @@ def lb_toml(
     return "\n".join(lines) + "\n"
 
 
-def agent_toml(*, balancer: str, vip: str, vip_port: int, service_port: int, score_socket: str, interface: str = "eth0") -> str:
-    """`inband agent` config: one service, the one balancer trusted."""
-    return (
-        f'interface = "{interface}"\n'
-        f'balancers = ["{_check_ip(balancer)}"]\n'
-        f'score_socket = "{score_socket}"\n'
-        "\n[[service]]\n"
-        f"port = {int(service_port)}\n"
-        f'vip = "{_check_ip(vip)}:{int(vip_port)}"\n'
-    )
+def agent_toml(
+    *, balancer: str, vip: str, vip_port: int, service_port: int, score_socket: str, auth_key: str | None, interface: str = "eth0"
+) -> str:
+    """`inband agent` config: one service, the one balancer trusted, and
+    the balancer's key (`auth_key`, as in `lb_toml`)."""
+    lines = [
+        f'interface = "{interface}"',
+        f'balancers = ["{_check_ip(balancer)}"]',
+        f'score_socket = "{score_socket}"',
+        "",
+        *_auth_lines(auth_key, balancer=False),
+        "",
+        "[[service]]",
+        f"port = {int(service_port)}",
+        f'vip = "{_check_ip(vip)}:{int(vip_port)}"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _auth_lines(key_file: str | None, *, balancer: bool) -> list[str]:
+    """`[auth]` with a run's one key as id 1. Only the balancer names the
+    key it signs with: an agent answers each 124 with that 124's key and
+    refuses `sign_with`."""
+    if key_file is None:
+        return ["[auth]", 'mode = "none"']
+    lines = ["[auth]", 'mode = "siphash"', f'keys = [{{ id = 1, file = "{key_file}" }}]']
+    if balancer:
+        lines.append("sign_with = 1")
+    return lines
 
 
 def haproxy_cfg(*, vip: str, vip_port: int, backends: list[Backend], balance: str, timeout_s: int) -> str:

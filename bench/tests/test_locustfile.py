@@ -14,6 +14,7 @@ from bench import report
 
 REPO = Path(__file__).resolve().parents[2]
 BODY = b"x" * 47104
+RUN_S = 2
 
 
 def test_locustfile_logs_every_request(tmp_path):
@@ -50,14 +51,19 @@ def test_locustfile_logs_every_request(tmp_path):
         }
         cp = subprocess.run(
             [sys.executable, "-m", "locust", "-f", str(REPO / "bench" / "locustfile.py"), "--headless", "--only-summary",
-             "-u", "3", "-r", "3", "-t", "2s", "--host", f"http://127.0.0.1:{srv.server_port}", "--loglevel", "WARNING"],
+             "-u", "3", "-r", "3", "-t", f"{RUN_S}s", "--host", f"http://127.0.0.1:{srv.server_port}", "--loglevel", "WARNING"],
             capture_output=True, text=True, timeout=60, env=env,
         )  # fmt: skip
     finally:
         srv.shutdown()
     assert (tmp_path / "window.json").exists(), cp.stderr[-2000:]
     t0, t1 = report.read_window(tmp_path / "window.json")
-    assert 1.0 < t1 - t0 < 3.5
+    # No lower bound: Locust arms -t on gevent's cached loop clock, from
+    # before its start-up, so a loaded machine charges start-up to the
+    # limit and the window comes out shorter than -t. It ends at the limit,
+    # later only by the timer firing late and the users being stopped
+    # before t1 is taken: 2 s of slack covers both on a busy 2-core machine.
+    assert t1 - t0 < RUN_S + 2.0
     reqs = report.read_requests(tmp_path / "requests.csv")
     assert len(reqs) >= 10
     assert {(p, c, pad) for p, c, pad in seen} == {("/", "close", 900)}
@@ -68,5 +74,9 @@ def test_locustfile_logs_every_request(tmp_path):
     assert completed[200] - 3 <= len(ok) <= completed[200]
     assert len(failed) >= completed[503] - 3 and completed[503] > 0
     assert all(r.length == len(BODY) for r in ok)
-    assert all(r.rt_ms > 0 and t0 <= r.start <= t1 + 0.01 for r in reqs)
+    assert all(r.rt_ms > 0 for r in reqs)
+    # The window brackets every request logged (test_stop fires after the
+    # users are stopped), so the report drops none of them. 10 ms: an end
+    # is time.time() plus a perf_counter interval, t1 time.time() alone.
+    assert report.in_window(reqs, t0, t1 + 0.01) == reqs
     assert json.loads((tmp_path / "window.json").read_text()).keys() == {"t0", "t1"}

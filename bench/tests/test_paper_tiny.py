@@ -5,6 +5,7 @@ nftables)."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -56,6 +57,13 @@ def test_tiny_profile_end_to_end(tmp_path):
     assert int(by["dsr-polling-100ms"]["extra_packets"]) > 5 * int(by["dsr-polling"]["extra_packets"]), by
     for k in ("passthrough", "dsr-rr", "haproxy-roundrobin", "nftables-numgen"):
         assert int(by[k]["extra_packets"]) == 0 and int(by[k]["extra_bytes"]) == 0, by[k]
+
+    # By default the options are authenticated and the agents hold the
+    # balancer's key: scores signed with any other would be dropped.
+    dynamic = by["dsr-dynamic"]
+    assert json.loads((out / "dsr-dynamic" / "lb-status.json").read_text())[0]["auth"] == "siphash"
+    assert int(dynamic["scores"]) > 0, dynamic
+    assert int(dynamic["extra_bytes"]) == 16 * (int(dynamic["probes"]) + int(dynamic["scores"])), dynamic
 
     # The Markdown table has the paper's columns and one well-formed row per configuration.
     md = (out / "results.md").read_text().splitlines()

@@ -17,16 +17,34 @@ from bench.peers import Backend
 BACKENDS = [Backend("10.77.0.21", 8080), Backend("10.77.0.22", 8080), Backend("10.77.0.23", 8080)]
 
 
-def test_lb_toml_is_valid_toml_with_every_field():
-    text = peers.lb_toml(
+LB_HEAD = 'interface = "eth0"\naddress = "10.77.0.2"\ncontrol_socket = "/tmp/x/lb.sock"\n\n'
+LB_VIP = (
+    '[[vip]]\naddress = "10.77.0.100"\nport = 80\nmode = "dsr-dynamic"\npolicy = "least-score"\n'
+    "probe_interval = 50\nscore_max_age_ms = 2000\npoll_interval_ms = 200\n"
+    + "".join(f'\n[[vip.backend]]\naddress = "{b.address}"\nport = 8080\n' for b in BACKENDS)
+)
+
+
+def lb(auth_key):
+    return peers.lb_toml(
         address="10.77.0.2", vip="10.77.0.100", vip_port=80, backends=BACKENDS, mode="dsr-dynamic",
-        control_socket="/tmp/x/lb.sock", probe_interval=50, poll_interval_ms=200,
+        control_socket="/tmp/x/lb.sock", auth_key=auth_key, probe_interval=50, poll_interval_ms=200,
     )  # fmt: skip
+
+
+def test_lb_toml_with_a_key_exact():
+    text = lb("/tmp/x/auth.key")
+    assert text == (
+        LB_HEAD
+        + '[auth]\nmode = "siphash"\nkeys = [{ id = 1, file = "/tmp/x/auth.key" }]\nsign_with = 1\n\n'
+        + LB_VIP
+    )
     cfg = tomllib.loads(text)
     assert cfg == {
         "interface": "eth0",
         "address": "10.77.0.2",
         "control_socket": "/tmp/x/lb.sock",
+        "auth": {"mode": "siphash", "keys": [{"id": 1, "file": "/tmp/x/auth.key"}], "sign_with": 1},
         "vip": [
             {
                 "address": "10.77.0.100",
@@ -42,21 +60,50 @@ def test_lb_toml_is_valid_toml_with_every_field():
     }
 
 
+def test_lb_toml_without_a_key_sends_seed_options():
+    text = lb(None)
+    assert text == LB_HEAD + '[auth]\nmode = "none"\n\n' + LB_VIP
+    assert tomllib.loads(text)["auth"] == {"mode": "none"}
+
+
 def test_lb_toml_rejects_bad_address():
     with pytest.raises(ValueError):
-        peers.lb_toml(address="10.77.0", vip="10.77.0.100", vip_port=80, backends=BACKENDS, mode="dsr-rr", control_socket="s")
+        peers.lb_toml(
+            address="10.77.0", vip="10.77.0.100", vip_port=80, backends=BACKENDS, mode="dsr-rr", control_socket="s", auth_key=None
+        )
 
 
-def test_agent_toml():
-    cfg = tomllib.loads(
+def test_lb_toml_needs_an_auth_decision():
+    with pytest.raises(TypeError):
+        peers.lb_toml(address="10.77.0.2", vip="10.77.0.100", vip_port=80, backends=BACKENDS, mode="dsr-rr", control_socket="s")
+    with pytest.raises(TypeError):
         peers.agent_toml(balancer="10.77.0.2", vip="10.77.0.100", vip_port=80, service_port=8080, score_socket="/tmp/a.sock")
+
+
+def agent(auth_key):
+    return peers.agent_toml(
+        balancer="10.77.0.2", vip="10.77.0.100", vip_port=80, service_port=8080, score_socket="/tmp/a.sock", auth_key=auth_key
     )
-    assert cfg == {
+
+
+AGENT_HEAD = 'interface = "eth0"\nbalancers = ["10.77.0.2"]\nscore_socket = "/tmp/a.sock"\n\n'
+AGENT_SERVICE = '[[service]]\nport = 8080\nvip = "10.77.0.100:80"\n'
+
+
+def test_agent_toml_with_a_key_exact():
+    text = agent("/tmp/x/auth.key")
+    assert text == AGENT_HEAD + '[auth]\nmode = "siphash"\nkeys = [{ id = 1, file = "/tmp/x/auth.key" }]\n\n' + AGENT_SERVICE
+    assert tomllib.loads(text) == {
         "interface": "eth0",
         "balancers": ["10.77.0.2"],
         "score_socket": "/tmp/a.sock",
+        "auth": {"mode": "siphash", "keys": [{"id": 1, "file": "/tmp/x/auth.key"}]},
         "service": [{"port": 8080, "vip": "10.77.0.100:80"}],
     }
+
+
+def test_agent_toml_without_a_key_exact():
+    assert agent(None) == AGENT_HEAD + '[auth]\nmode = "none"\n\n' + AGENT_SERVICE
 
 
 def test_haproxy_cfg_exact():

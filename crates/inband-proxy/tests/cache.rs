@@ -186,7 +186,9 @@ async fn stale_while_revalidate_serves_stale_and_refreshes_in_the_background() {
     let t = std::time::Instant::now();
     let b = cget(&p, "/swr").await;
     assert_eq!((b.body.as_str(), x_cache(&b)), (a.body.as_str(), "STALE"));
-    assert!(t.elapsed() < Duration::from_millis(800), "served without waiting for the 1 s origin");
+    // Waiting for the origin takes at least its 1 s; below that, 900 ms
+    // leaves a stale answer from the cache room on a loaded machine.
+    assert!(t.elapsed() < Duration::from_millis(900), "served without waiting for the 1 s origin");
     assert!(b.headers["age"].to_str().unwrap().parse::<u64>().unwrap() >= 1);
     // Stale answers go on until the background fetch (1 s at the origin)
     // has stored the new response; none of them asks the origin.

@@ -86,7 +86,7 @@ fn capacity_limits_concurrency_in_arrival_order() {
 
 #[test]
 fn full_queue_answers_503_at_once() {
-    let s = server(&["--workers", "1", "--queue", "0", "--service-ms", "500"]);
+    let s = server(&["--workers", "1", "--queue", "0", "--service-ms", "1000"]);
     let addr = s.local_addr();
     let busy = std::thread::spawn(move || get(addr).0);
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -95,7 +95,9 @@ fn full_queue_answers_503_at_once() {
     }
     let t = Instant::now();
     assert_eq!(get(addr).0, 503);
-    assert!(t.elapsed() < Duration::from_millis(300), "503 without waiting");
+    // A 503 that waited for the worker would come after the rest of its
+    // 1 s request; 600 ms leaves room for a loaded machine below that.
+    assert!(t.elapsed() < Duration::from_millis(600), "503 without waiting");
     assert_eq!(busy.join().unwrap(), 200);
     assert_eq!(s.stats().rejected, 1);
 }
@@ -108,10 +110,14 @@ fn speed_and_time_scale_change_service_time() {
         assert_eq!(get(s.local_addr()).0, 200);
         t.elapsed()
     };
-    let slow = timed(&["--service-ms", "100", "--speed", "0.5"]);
-    let fast = timed(&["--service-ms", "100", "--time-scale", "0.5"]);
-    assert!(slow >= Duration::from_millis(190) && slow < Duration::from_millis(400), "{slow:?}");
-    assert!(fast >= Duration::from_millis(45) && fast < Duration::from_millis(150), "{fast:?}");
+    // Half speed doubles 500 ms and a time scale of 0.5 halves 1000 ms, so
+    // that an ignored flag (500 ms, 1000 ms) or one applied the wrong way
+    // round (250 ms, 2000 ms) or twice (2000 ms, 250 ms) falls outside the
+    // bounds, with hundreds of ms of room above the 1000 and 500 expected.
+    let slow = timed(&["--service-ms", "500", "--speed", "0.5"]);
+    let fast = timed(&["--service-ms", "1000", "--time-scale", "0.5"]);
+    assert!(slow >= Duration::from_millis(990) && slow < Duration::from_millis(1800), "{slow:?}");
+    assert!(fast >= Duration::from_millis(495) && fast < Duration::from_millis(900), "{fast:?}");
 }
 
 #[test]
@@ -135,14 +141,19 @@ fn keep_alive_only_when_enabled_and_asked() {
 
 #[test]
 fn stats_endpoint_is_not_queued() {
-    let s = server(&["--workers", "1", "--service-ms", "400"]);
+    let s = server(&["--workers", "1", "--service-ms", "1000"]);
     let addr = s.local_addr();
     let busy = std::thread::spawn(move || get(addr).0);
-    std::thread::sleep(Duration::from_millis(50));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while s.stats().in_service == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let t = Instant::now();
     let (status, _, body) = raw(addr, b"GET /stats HTTP/1.1\r\nHost: t\r\n\r\n");
     assert_eq!(status, 200);
-    assert!(t.elapsed() < Duration::from_millis(200));
+    // Queued behind the worker, /stats would wait out the rest of the 1 s
+    // request; 600 ms leaves room for a loaded machine below that.
+    assert!(t.elapsed() < Duration::from_millis(600));
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(v["in_service"], 1);
     assert_eq!(busy.join().unwrap(), 200);
