@@ -60,27 +60,29 @@ crate::pod::pod!(
     ControlStats
 );
 
-/// Adds one CPU's backend counters to a total.
-pub fn add_backend_stats(t: &mut BackendStats, x: &BackendStats) {
-    t.packets += x.packets;
-    t.bytes += x.bytes;
-    t.return_packets += x.return_packets;
-    t.return_bytes += x.return_bytes;
-    t.new_conns += x.new_conns;
-    t.closed_conns += x.closed_conns;
-    t.probes_sent += x.probes_sent;
-    t.scores_received += x.scores_received;
+/// A per-CPU counter struct: summed over CPUs, printed by field name.
+pub trait Counted: crate::pod::Pod {
+    fn add(&mut self, other: &Self);
+    fn named(&self) -> Vec<(&'static str, u64)>;
 }
 
-/// Adds one CPU's VIP counters to a total.
-pub fn add_vip_stats(t: &mut VipStats, x: &VipStats) {
-    t.packets += x.packets;
-    t.bytes += x.bytes;
-    t.return_packets += x.return_packets;
-    t.return_bytes += x.return_bytes;
-    t.new_conns += x.new_conns;
-    t.closed_conns += x.closed_conns;
+/// One list of fields per struct gives both the sum and the names, so a
+/// counter added in C shows up in status and metrics once it is listed here.
+macro_rules! counted {
+    ($ty:ty: $($field:ident),+ $(,)?) => {
+        impl Counted for $ty {
+            fn add(&mut self, x: &Self) {
+                $(self.$field += x.$field;)+
+            }
+            fn named(&self) -> Vec<(&'static str, u64)> {
+                vec![$((stringify!($field), self.$field)),+]
+            }
+        }
+    };
 }
+
+counted!(BackendStats: packets, bytes, return_packets, return_bytes, new_conns, closed_conns, probes_sent, scores_received);
+counted!(VipStats: packets, bytes, return_packets, return_bytes, new_conns, closed_conns);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]

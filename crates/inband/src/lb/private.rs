@@ -95,10 +95,10 @@ impl<'obj> PrivateBalancer<'obj> {
     }
 
     pub fn backend_stats(&self, id: u32) -> Result<BackendStats> {
-        super::tables::sum_percpu(&self.skel.maps.backend_stats, id, add_backend_stats)
+        super::tables::sum_percpu(&self.skel.maps.backend_stats, id)
     }
 
     pub fn vip_stats(&self, id: u32) -> Result<VipStats> {
-        super::tables::sum_percpu(&self.skel.maps.vip_stats, id, add_vip_stats)
+        super::tables::sum_percpu(&self.skel.maps.vip_stats, id)
     }
 }

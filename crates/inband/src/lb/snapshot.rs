@@ -91,30 +91,6 @@ pub struct BackendSnapshot {
 /// Named counters of a per-CPU stats struct, summed over CPUs.
 pub type Counters = BTreeMap<&'static str, u64>;
 
-fn backend_counters(s: &BackendStats) -> Counters {
-    Counters::from([
-        ("packets", s.packets),
-        ("bytes", s.bytes),
-        ("return_packets", s.return_packets),
-        ("return_bytes", s.return_bytes),
-        ("new_conns", s.new_conns),
-        ("closed_conns", s.closed_conns),
-        ("probes_sent", s.probes_sent),
-        ("scores_received", s.scores_received),
-    ])
-}
-
-fn vip_counters(s: &VipStats) -> Counters {
-    Counters::from([
-        ("packets", s.packets),
-        ("bytes", s.bytes),
-        ("return_packets", s.return_packets),
-        ("return_bytes", s.return_bytes),
-        ("new_conns", s.new_conns),
-        ("closed_conns", s.closed_conns),
-    ])
-}
-
 /// The load estimate the data path ranks by: the report, halved for every
 /// max age it is old, plus connections opened minus ended since.
 pub fn load_estimate(s: &BackendScore, now: u64, max_age_ns: u64) -> u64 {
@@ -143,7 +119,7 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
         for (id, b) in &v.slots {
             let s: BackendScore = bpfmap::get(&maps.scores, id)?.unwrap_or_default();
             let age = (s.updated_ns != 0).then(|| now.saturating_sub(s.updated_ns));
-            let stats = tables::sum_percpu(&maps.backend_stats, *id, add_backend_stats)?;
+            let stats = tables::sum_percpu::<BackendStats>(&maps.backend_stats, *id)?;
             backends.push(BackendSnapshot {
                 id: *id,
                 backend: tables::backend_endpoint(b).to_string(),
@@ -161,10 +137,10 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
                 closed_since_score: s.closed,
                 load_estimate: load_estimate(&s, now, v.vip.score_max_age_ns),
                 flows: live(tables::gauge(maps, GAUGE_BACKEND0 + id)?),
-                stats: backend_counters(&stats),
+                stats: stats.named().into_iter().collect(),
             });
         }
-        let stats = tables::sum_percpu(&maps.vip_stats, v.id, add_vip_stats)?;
+        let stats = tables::sum_percpu::<VipStats>(&maps.vip_stats, v.id)?;
         vips.push(VipSnapshot {
             vip: v.endpoint.to_string(),
             state: if v.draining() { "draining" } else { "active" },
@@ -177,7 +153,7 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
             idle_timeout_s: v.vip.idle_timeout_ns / 1_000_000_000,
             closing_timeout_ms: v.vip.closing_timeout_ns / 1_000_000,
             flows: live(tables::gauge(maps, GAUGE_VIP0 + v.id)?),
-            stats: vip_counters(&stats),
+            stats: stats.named().into_iter().collect(),
             backends,
         });
     }

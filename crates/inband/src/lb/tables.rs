@@ -315,10 +315,10 @@ pub fn ktime_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-pub fn sum_percpu<V: crate::pod::Pod>(map: &dyn MapCore, key: u32, add: impl Fn(&mut V, &V)) -> Result<V> {
+pub fn sum_percpu<V: super::maps::Counted>(map: &dyn MapCore, key: u32) -> Result<V> {
     let mut total = V::default();
     for v in bpfmap::get_percpu::<u32, V>(map, &key)? {
-        add(&mut total, &v);
+        total.add(&v);
     }
     Ok(total)
 }
