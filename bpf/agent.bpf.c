@@ -131,6 +131,36 @@ static __always_inline int take_client_tuple(struct __sk_buff *skb, const struct
 }
 
 /*
+ * A SYN from a balancer that carries no 155 opens a connection whose
+ * responses go back through the balancer (a pass-through VIP, the balancer
+ * host's own connection). A tuple stored for an earlier handshake on the
+ * same ports that never became a socket (a SYN flood's: nothing deletes
+ * those until the LRU does) would send them to that handshake's client, so
+ * it is forgotten; a live socket's tuple is not, whoever sent the SYN.
+ * Returns TC_ACT_OK: the packet goes on unchanged.
+ */
+static __always_inline int forget_unfinished_handshake(struct __sk_buff *skb, const struct iphdr *iph, __u32 hlen)
+{
+	struct inband_conn_key key = { .peer_addr = iph->saddr };
+	__be16 ports[2];
+	__u8 flags;
+
+	if (iph->protocol != IPPROTO_TCP ||
+	    bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + hlen + 13, &flags, sizeof(flags)) ||
+	    (flags & (INBAND_TCP_SYN | INBAND_TCP_ACK)) != INBAND_TCP_SYN ||
+	    bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + hlen, ports, sizeof(ports)))
+		return TC_ACT_OK;
+	key.peer_port = ports[0];
+	key.local_port = ports[1];
+	/* Entries are keyed by a balancer's address: no other sender finds one. */
+	if (!bpf_map_lookup_elem(&dsr_flows, &key) || tuple_owned_by_live_socket(skb, iph, ports))
+		return TC_ACT_OK;
+	if (!bpf_map_delete_elem(&dsr_flows, &key))
+		count(INBAND_AGENT_STALE_TUPLES_FORGOTTEN);
+	return TC_ACT_OK;
+}
+
+/*
  * A 124 from a balancer, in the configured format. It asks for a score on
  * a connection whose 155 was accepted; its key and nonce are kept for the
  * 125 that answers it.
@@ -192,21 +222,21 @@ int agent_ingress(struct __sk_buff *skb)
 	    !(iph.frag_off & bpf_htons(INBAND_IP_MF | INBAND_IP_OFFSET)) &&
 	    !bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + hlen, ports, sizeof(ports)))
 		track_request(skb, &iph, hlen, ports, 1);
-	if (hlen == INBAND_IPV4_MIN_HDR)
-		return TC_ACT_OK;
 	/* The balancer sets DF; a fragment is nobody's inband packet, and later
 	 * fragments have no ports to check the service against. */
 	if (iph.frag_off & bpf_htons(INBAND_IP_MF | INBAND_IP_OFFSET))
 		return TC_ACT_OK;
+	if (hlen == INBAND_IPV4_MIN_HDR)
+		return forget_unfinished_handshake(skb, &iph, hlen);
 
 	if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + INBAND_IPV4_MIN_HDR, o, 2))
 		return malformed();
 	if (o[0] == IPOPT_END || o[0] == IPOPT_NOOP)
-		return TC_ACT_OK;
+		return forget_unfinished_handshake(skb, &iph, hlen);
 	if (o[1] < 2 || o[1] > hlen - INBAND_IPV4_MIN_HDR)
 		return malformed();
 	if (o[0] != INBAND_OPT_CLIENT_TUPLE && o[0] != INBAND_OPT_SCORE_REQUEST)
-		return TC_ACT_OK;
+		return forget_unfinished_handshake(skb, &iph, hlen);
 	if (iph.protocol != IPPROTO_TCP)
 		return TC_ACT_OK;
 	if (tot < hlen + sizeof(struct tcphdr) ||

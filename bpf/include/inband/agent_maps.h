@@ -28,7 +28,8 @@ struct inband_conn_key {
 };
 
 /* dsr_flows[conn]: created by an accepted 155, deleted when the socket
- * closes (tracepoint) or by the LRU. */
+ * closes (tracepoint), when a balancer's SYN without 155 reuses the ports
+ * of a handshake that never became a socket, or by the LRU. */
 struct inband_dsr_flow {
 	__be32 client_addr;
 	__be16 client_port;
@@ -66,7 +67,8 @@ enum inband_agent_counter {
 	INBAND_AGENT_PROBE_UNKNOWN_FLOW = 14, /* 124 on a connection with no accepted 155: ignored */
 	INBAND_AGENT_WRONG_FORMAT = 15, /* option of the format not configured: dropped */
 	INBAND_AGENT_SCORE_DEFERRED_MTU = 16, /* a 125 would exceed the MTU: a later packet carries it */
-	INBAND_AGENT_COUNTER_MAX = 17,
+	INBAND_AGENT_STALE_TUPLES_FORGOTTEN = 17, /* a balancer's SYN without 155 over an unfinished handshake's tuple */
+	INBAND_AGENT_COUNTER_MAX = 18,
 };
 
 #endif /* INBAND_AGENT_MAPS_H */

@@ -1295,6 +1295,63 @@ fn ingress_replayed_authenticated_155_cannot_take_over_a_live_connection() {
     drop(live);
 }
 
+#[test]
+fn ingress_syn_without_155_forgets_an_unfinished_handshake_tuple() {
+    // A SYN flood through the balancer leaves tuples of handshakes that
+    // never became sockets. A later connection from the balancer's address
+    // without a 155 (pass-through VIP, the balancer host's own) must not
+    // send its SYN-ACK to the flood's spoofed source.
+    let mut obj = MaybeUninit::uninit();
+    let skel = load(&mut obj);
+    configure(&skel);
+    let flooded = tuple_flow(VICTIM);
+    put(&skel.maps.dsr_flows, &conn_key(), &flooded);
+
+    // Packets that leave the entry alone: not a SYN, not from a balancer,
+    // a SYN-ACK.
+    let stranger = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 66), SNAT_PORT);
+    for (name, p) in [
+        ("ACK from the balancer", PacketBuilder::tcp(lb(), server()).flags(TCP_ACK)),
+        ("data from the balancer", request()),
+        ("SYN-ACK from the balancer", PacketBuilder::tcp(lb(), server()).flags(TCP_SYN | TCP_ACK)),
+        ("SYN from a stranger on the same ports", PacketBuilder::tcp(stranger, server()).syn(1452)),
+    ] {
+        let frame = p.build();
+        ingress(&skel, &frame, TC_ACT_OK, Some(&frame), name);
+    }
+    assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &conn_key()), Some(flooded), "kept");
+    assert_counters(&skel, &[]);
+
+    // A balancer's SYN without a 155, with no IP options or with options
+    // that are not inband's: passed on unchanged, the stale tuple gone.
+    let other_option = vec![0x88, 4, 0xab, 0xcd];
+    for (i, p) in [syn(), syn().ip_options(other_option)].into_iter().enumerate() {
+        put(&skel.maps.dsr_flows, &conn_key(), &flooded);
+        let frame = p.build();
+        ingress(&skel, &frame, TC_ACT_OK, Some(&frame), "passed unchanged");
+        assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &conn_key()), None, "forgotten");
+        assert_counters(&skel, &[(AgentCounter::StaleTuplesForgotten, i as u64 + 1)]);
+    }
+}
+
+#[test]
+fn ingress_syn_without_155_keeps_a_live_connections_tuple() {
+    // Anyone can send a SYN from the balancer's address: over a live
+    // connection it must not cost that connection its DSR path.
+    let ns = TestNetns::enter("nosyn");
+    ns.ip(&["link", "set", "lo", "up"]);
+    let mut obj = MaybeUninit::uninit();
+    let skel = load(&mut obj);
+    configure(&skel);
+    let live = LiveConn::open(&skel);
+    put(&skel.maps.dsr_flows, &live.key(), &tuple_flow(CLIENT));
+    let frame = live.syn().build();
+    ingress(&skel, &frame, TC_ACT_OK, Some(&frame), "passed: the stack answers with a challenge ACK");
+    assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &live.key()), Some(tuple_flow(CLIENT)));
+    assert_counters(&skel, &[]);
+    drop(live);
+}
+
 fn bpf_delete(skel: &AgentSkel, key: &ConnKey) {
     skel.maps.dsr_flows.delete(key.as_bytes()).expect("map delete");
 }

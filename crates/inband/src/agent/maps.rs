@@ -36,6 +36,7 @@ pub enum AgentCounter {
     ProbeUnknownFlow = c::INBAND_AGENT_PROBE_UNKNOWN_FLOW,
     WrongFormat = c::INBAND_AGENT_WRONG_FORMAT,
     ScoreDeferredMtu = c::INBAND_AGENT_SCORE_DEFERRED_MTU,
+    StaleTuplesForgotten = c::INBAND_AGENT_STALE_TUPLES_FORGOTTEN,
 }
 
 /// Entries of `agent_stats`.
@@ -63,6 +64,7 @@ impl AgentCounter {
         (AgentCounter::ProbeUnknownFlow, "probe_unknown_flow"),
         (AgentCounter::WrongFormat, "wrong_format"),
         (AgentCounter::ScoreDeferredMtu, "score_deferred_mtu"),
+        (AgentCounter::StaleTuplesForgotten, "stale_tuples_forgotten"),
     ];
 
     pub const ALL: [AgentCounter; COUNTER_MAX] = {
