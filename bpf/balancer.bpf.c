@@ -279,9 +279,12 @@ static __always_inline int handshake(struct xdp_md *ctx, const struct inband_lb_
 	}
 	if (is_syn(p->flags)) {
 		if (ho && ho->syn_seq == p->tcp->seq) {
-			/* A retransmitted SYN follows its handshake. */
+			/* A retransmitted SYN follows its handshake, and makes
+			 * its port hold young again (the age port searches rank). */
 			ho->last_seen_ns = p->now;
 			struct inband_flow f = *ho;
+
+			refresh_hold(fk, &f, p->now);
 
 			return forward(ctx, cfg, fk, &f, vc, p, 0);
 		}
@@ -782,10 +785,10 @@ static long sweep_snat(struct bpf_map *map, struct inband_nat_key *key, struct i
 	return 0;
 }
 
-static long sweep_hold(struct bpf_map *map, struct inband_nat_key *key, struct inband_snat_owner *o,
+static long sweep_hold(struct bpf_map *map, struct inband_nat_key *key, struct inband_port_hold *h,
 		       struct sweep_ctx *c)
 {
-	struct inband_flow *f = bpf_map_lookup_elem(&half_open, &o->flow);
+	struct inband_flow *f = bpf_map_lookup_elem(&half_open, &h->flow);
 
 	if (!f || !flow_has_port(f, key))
 		bpf_map_delete_elem(&half_open_ports, key);

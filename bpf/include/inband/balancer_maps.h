@@ -31,6 +31,10 @@
 #define INBAND_SNAT_PORT_MIN 1024
 #define INBAND_SNAT_PORT_MAX 32767
 #define INBAND_SNAT_TRIES 16
+/* A port search stops once it has seen this many preemptible owners (it
+ * takes the oldest of them): under a SYN flood every candidate is a
+ * handshake's, and examining all 16 cost more than the rest of the SYN. */
+#define INBAND_SNAT_VICTIMS 4
 
 enum inband_mode {
 	INBAND_MODE_PASSTHROUGH = 0, /* NAT both ways, no options */
@@ -178,6 +182,15 @@ struct inband_nat_key {
  * an entry whose owner is live in `flows` with this very port reserves it. */
 struct inband_snat_owner {
 	struct inband_flow_key flow;
+};
+
+/* half_open_ports[server side] = the handshake holding the port, and when
+ * it last sent a SYN: a port search ranks holds by age without looking up
+ * their handshakes. Only a hold whose owner is live in `half_open` with
+ * this very port holds it. */
+struct inband_port_hold {
+	struct inband_flow_key flow;
+	__u64 since_ns; /* CLOCK_MONOTONIC: the owner's last SYN */
 };
 
 struct inband_backend_stats {

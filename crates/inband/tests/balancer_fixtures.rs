@@ -283,7 +283,7 @@ impl Fixture {
         get::<NatKey, SnatOwner>(&self.lb.skel.maps.snat, &nat_key(b, snat_port)).map(|o| o.flow)
     }
     fn hold_owner(&self, b: &B, snat_port: u16) -> Option<FlowKey> {
-        get::<NatKey, SnatOwner>(&self.lb.skel.maps.half_open_ports, &nat_key(b, snat_port)).map(|o| o.flow)
+        get::<NatKey, PortHold>(&self.lb.skel.maps.half_open_ports, &nat_key(b, snat_port)).map(|h| h.flow)
     }
 
     fn score(&self, b: &B) -> BackendScore {
@@ -867,7 +867,7 @@ fn occupy(fx: &Fixture, b: &B, port: u16, owner: SocketAddrV4, state: u32, last_
     };
     if state == FLOW_SYN_SENT {
         put(&fx.lb.skel.maps.half_open, &flow_key(owner), &f);
-        put(&fx.lb.skel.maps.half_open_ports, &nat_key(b, port), &SnatOwner { flow: flow_key(owner) });
+        put(&fx.lb.skel.maps.half_open_ports, &nat_key(b, port), &PortHold { flow: flow_key(owner), since_ns: last_seen_ns });
     } else {
         fx.put_flow(owner, &f);
         put(&fx.lb.skel.maps.snat, &nat_key(b, port), &SnatOwner { flow: flow_key(owner) });
@@ -903,7 +903,7 @@ fn a_live_flows_port_is_never_handed_out_but_a_dead_ones_is() {
     // A flow that only looks stale in the other table keeps its port: a
     // hold naming a different owner is not a reservation of this port.
     let taken = candidates(client(2))[0];
-    put(&fx.lb.skel.maps.half_open_ports, &nat_key(&b, taken), &SnatOwner { flow: flow_key(client(99)) });
+    put(&fx.lb.skel.maps.half_open_ports, &nat_key(&b, taken), &PortHold { flow: flow_key(client(99)), since_ns: ktime_ns() });
     fx.assert_dropped(&syn(client(2)).build(), "snat_exhausted");
     assert_eq!(fx.snat_owner(&b, taken), Some(flow_key(owner_of(taken))));
 }
@@ -931,6 +931,70 @@ fn ports_of_unfinished_handshakes_and_closing_flows_are_taken_oldest_first() {
     assert_eq!(closing + half, 50);
     assert!(closing >= 45, "the older closing flows go first: {closing} closing, {half} handshakes");
     assert_eq!(fx.drops().iter().sum::<u64>(), 0);
+}
+
+#[test]
+fn a_port_search_takes_the_oldest_of_its_first_four_preemptible_candidates() {
+    // The flood regime: every port is held by a handshake. The search looks
+    // at candidates until it has met INBAND_SNAT_VICTIMS (4) held ones and
+    // takes the oldest of those, ranked by the age the hold carries; an
+    // older hold further down the list is not looked at (the cost bound).
+    let fx = Fixture::lb_with(Mode::Passthrough, Policy::RoundRobin, 1);
+    let b = backend(0);
+    let now = ktime_ns();
+    let c = client(1);
+    let cand = candidates(c);
+    for port in 1024..=32767u16 {
+        occupy(&fx, &b, port, owner_of(port), FLOW_SYN_SENT, now - SEC / 10);
+    }
+    // Among the first four, the third is the oldest; the sixth is older still.
+    occupy(&fx, &b, cand[2], owner_of(cand[2]), FLOW_SYN_SENT, now - SEC);
+    occupy(&fx, &b, cand[5], owner_of(cand[5]), FLOW_SYN_SENT, now - 2 * SEC);
+    let (_, port) = fx.open(c);
+    assert_eq!(port, cand[2]);
+    assert_eq!(fx.half_open(owner_of(cand[2])), None, "the preempted handshake is ended");
+    assert!(fx.half_open(owner_of(cand[5])).is_some(), "beyond the fourth candidate: untouched");
+    assert_eq!(fx.event("snat_preempt_half_open"), 1);
+    assert_eq!(fx.hold_owner(&b, cand[2]), Some(flow_key(c)));
+}
+
+#[test]
+fn a_hold_whose_handshake_is_gone_is_taken_without_ending_anything() {
+    let fx = Fixture::lb_with(Mode::Passthrough, Policy::RoundRobin, 1);
+    let b = backend(0);
+    let now = ktime_ns();
+    let c = client(1);
+    let cand = candidates(c);
+    for port in 1024..=32767u16 {
+        occupy(&fx, &b, port, owner_of(port), FLOW_SYN_SENT, now - SEC / 10);
+    }
+    // The oldest hold among c's first candidates names a handshake that now
+    // holds another port (it was retried): taking this one must not end it.
+    let retried = owner_of(cand[1]);
+    occupy(&fx, &b, cand[1], retried, FLOW_SYN_SENT, now - SEC);
+    let elsewhere = Flow { snat_port: be_port(cand[9]), ..fx.half_open(retried).unwrap() };
+    put(&fx.lb.skel.maps.half_open, &flow_key(retried), &elsewhere);
+    let (_, port) = fx.open(c);
+    assert_eq!(port, cand[1]);
+    assert_eq!(fx.half_open(retried), Some(elsewhere), "the other handshake lives on");
+    assert_eq!(fx.event("snat_preempt_half_open"), 0);
+    assert_eq!(fx.hold_owner(&b, cand[1]), Some(flow_key(c)));
+}
+
+#[test]
+fn a_retransmitted_syn_makes_its_hold_young_again() {
+    let fx = Fixture::lb_with(Mode::Passthrough, Policy::RoundRobin, 1);
+    let c = client(1);
+    let (b, port) = fx.open(c);
+    let key = nat_key(&b, port);
+    let mut hold: PortHold = get(&fx.lb.skel.maps.half_open_ports, &key).unwrap();
+    hold.since_ns -= 3 * SEC;
+    put(&fx.lb.skel.maps.half_open_ports, &key, &hold);
+    let before = ktime_ns();
+    fx.tx(&syn(c).build());
+    let now: PortHold = get(&fx.lb.skel.maps.half_open_ports, &key).unwrap();
+    assert_eq!(now.flow, flow_key(c));
+    assert!(now.since_ns + SEC >= before, "hold age {} ns after the retransmission", before - now.since_ns);
 }
 
 #[test]

@@ -65,11 +65,12 @@ static __always_inline struct inband_flow *flow_by_port(const struct inband_nat_
 			return f;
 		}
 	}
-	o = bpf_map_lookup_elem(&half_open_ports, nk);
-	if (o) {
-		f = bpf_map_lookup_elem(&half_open, &o->flow);
+	struct inband_port_hold *h = bpf_map_lookup_elem(&half_open_ports, nk);
+
+	if (h) {
+		f = bpf_map_lookup_elem(&half_open, &h->flow);
 		if (f && flow_has_port(f, nk)) {
-			*fk = o->flow;
+			*fk = h->flow;
 			return f;
 		}
 	}

@@ -95,11 +95,21 @@ static __always_inline void flow_end(const struct inband_flow_key *fk, const str
 static __always_inline void half_open_end(const struct inband_flow_key *fk, const struct inband_flow *f)
 {
 	struct inband_nat_key nk = nat_key_of(f);
-	struct inband_snat_owner *o = bpf_map_lookup_elem(&half_open_ports, &nk);
+	struct inband_port_hold *h = bpf_map_lookup_elem(&half_open_ports, &nk);
 
-	if (o && same_flow_key(&o->flow, fk))
+	if (h && same_flow_key(&h->flow, fk))
 		bpf_map_delete_elem(&half_open_ports, &nk);
 	bpf_map_delete_elem(&half_open, fk);
+}
+
+/* A handshake's SYN again: its hold ages from now. */
+static __always_inline void refresh_hold(const struct inband_flow_key *fk, const struct inband_flow *f, __u64 now)
+{
+	struct inband_nat_key nk = nat_key_of(f);
+	struct inband_port_hold *h = bpf_map_lookup_elem(&half_open_ports, &nk);
+
+	if (h && same_flow_key(&h->flow, fk))
+		h->since_ns = now;
 }
 
 /* The first FIN or RST of an established flow: the closing timeout from

@@ -61,7 +61,7 @@ INBAND_PINNED(half_open, BPF_MAP_TYPE_LRU_HASH, struct inband_flow_key, struct i
  * SYN-ACK of a pass-through flow find its client and keeps two handshakes
  * off one port. Evicted with its half-open flow, or on its own (then the
  * hold is simply gone). */
-INBAND_PINNED(half_open_ports, BPF_MAP_TYPE_LRU_HASH, struct inband_nat_key, struct inband_snat_owner, INBAND_HALF_OPEN_TABLE_SIZE);
+INBAND_PINNED(half_open_ports, BPF_MAP_TYPE_LRU_HASH, struct inband_nat_key, struct inband_port_hold, INBAND_HALF_OPEN_TABLE_SIZE);
 
 /* SNAT reservations of established flows, server side -> client side. Not
  * an LRU: a reservation is removed only when its owner is found gone

@@ -9,11 +9,18 @@
  * server's TIME_WAIT with a sequence number it accepts).
  *
  * A candidate is free when no live flow owns it: no reservation in `snat`
- * whose owner is live in `flows`, and no hold in `half_open_ports` by a
- * live handshake. Reservations whose owner is gone are reclaimed on the
- * way. With no free candidate the port of the longest-idle preemptible
- * owner among them is taken: an unfinished handshake (a SYN flood is made
- * of them) or a closing flow. An established flow's port is never taken.
+ * whose owner is live in `flows`, and no hold in `half_open_ports`.
+ * Reservations whose owner is gone are reclaimed on the way. A held port
+ * and a closing flow's are preemptible: the search stops at the first free
+ * candidate, or once it has seen INBAND_SNAT_VICTIMS preemptible ones, and
+ * then takes the longest-idle of those — an unfinished handshake (a SYN
+ * flood is made of them) or a closing flow. An established flow's port is
+ * never taken.
+ *
+ * Holds are ranked by the age they carry, not by their handshake's entry:
+ * under a flood every candidate is held, and one lookup per candidate
+ * instead of two halves the cache misses that dominate a SYN's cost. Only
+ * the port finally taken is checked against its handshake.
  */
 #ifndef INBAND_LB_NAT_H
 #define INBAND_LB_NAT_H
@@ -29,11 +36,12 @@ struct port_search {
 	struct inband_nat_key nk; /* backend filled in; snat_port per candidate */
 	__u64 hash;
 	__u64 now;
-	__u64 victim_seen; /* last_seen_ns of the preemption victim */
+	__u64 victim_seen; /* last activity of the preemption victim */
 	struct inband_flow_key victim; /* its client side */
 	__be16 port; /* chosen port, 0 = none yet */
 	__be16 victim_port;
-	__u32 victim_kind; /* VICTIM_*, 0 = none */
+	__u16 victim_kind; /* VICTIM_*, 0 = none */
+	__u16 victims; /* preemptible candidates seen */
 };
 
 static __always_inline __be16 candidate(__u64 hash, __u32 i)
@@ -43,36 +51,36 @@ static __always_inline __be16 candidate(__u64 hash, __u32 i)
 	return bpf_htons((__u16)(INBAND_SNAT_PORT_MIN + h % SNAT_PORT_RANGE));
 }
 
-static __always_inline void consider_victim(struct port_search *s, __u32 kind, const struct inband_flow_key *owner,
+/* Returns 1 when enough preemptible candidates were seen to stop. */
+static __always_inline long consider_victim(struct port_search *s, __u16 kind, const struct inband_flow_key *owner,
 					    __u64 last_seen)
 {
-	if (s->victim_kind && (__s64)(last_seen - s->victim_seen) >= 0)
-		return;
-	s->victim_kind = kind;
-	s->victim_seen = last_seen;
-	s->victim = *owner;
-	s->victim_port = s->nk.snat_port;
+	if (!s->victim_kind || (__s64)(last_seen - s->victim_seen) < 0) {
+		s->victim_kind = kind;
+		s->victim_seen = last_seen;
+		s->victim = *owner;
+		s->victim_port = s->nk.snat_port;
+	}
+	return ++s->victims >= INBAND_SNAT_VICTIMS;
 }
 
 static long port_step(__u32 i, void *arg)
 {
 	struct port_search *s = arg;
-	struct inband_snat_owner *hold, *res;
+	struct inband_port_hold *hold;
+	struct inband_snat_owner *res;
 	struct inband_flow *owner;
 
 	s->nk.snat_port = candidate(s->hash, i);
 	hold = bpf_map_lookup_elem(&half_open_ports, &s->nk);
 	if (hold) {
 		if (same_flow_key(&hold->flow, &s->fk)) {
-			s->port = s->nk.snat_port; /* ours already: a new attempt of the same client */
+			/* Ours already: a new attempt of the same client. */
+			hold->since_ns = s->now;
+			s->port = s->nk.snat_port;
 			return 1;
 		}
-		owner = bpf_map_lookup_elem(&half_open, &hold->flow);
-		if (owner && flow_has_port(owner, &s->nk) && !flow_expired(owner, s->now)) {
-			consider_victim(s, VICTIM_HALF_OPEN, &hold->flow, owner->last_seen_ns);
-			return 0;
-		}
-		bpf_map_delete_elem(&half_open_ports, &s->nk);
+		return consider_victim(s, VICTIM_HALF_OPEN, &hold->flow, hold->since_ns);
 	}
 	res = bpf_map_lookup_elem(&snat, &s->nk);
 	if (res) {
@@ -80,7 +88,7 @@ static long port_step(__u32 i, void *arg)
 		if (owner && flow_has_port(owner, &s->nk)) {
 			if (!flow_expired(owner, s->now)) {
 				if (owner->state == INBAND_FLOW_CLOSING)
-					consider_victim(s, VICTIM_CLOSING, &res->flow, owner->last_seen_ns);
+					return consider_victim(s, VICTIM_CLOSING, &res->flow, owner->last_seen_ns);
 				return 0;
 			}
 			bpf_map_delete_elem(&flows, &res->flow);
@@ -89,12 +97,47 @@ static long port_step(__u32 i, void *arg)
 		bpf_map_delete_elem(&snat, &s->nk);
 		event(INBAND_EV_SNAT_ORPHANS_RECLAIMED);
 	}
-	struct inband_snat_owner mine = { .flow = s->fk };
+	struct inband_port_hold mine = { .flow = s->fk, .since_ns = s->now };
 
 	/* NOEXIST: another CPU may claim the same free port right now. */
 	if (bpf_map_update_elem(&half_open_ports, &s->nk, &mine, BPF_NOEXIST))
 		return 0;
 	s->port = s->nk.snat_port;
+	return 1;
+}
+
+/*
+ * Frees the port of the search's victim. A handshake is ended if it still
+ * holds the port; a hold whose handshake is gone (evicted, promoted, timed
+ * out before the sweeper saw it) is only a stale hold, and is taken unless,
+ * against every invariant, a live flow has reserved the port meanwhile.
+ * Returns 0 when the port cannot be taken.
+ */
+static __always_inline int free_victim_port(const struct port_search *s)
+{
+	if (s->victim_kind == VICTIM_CLOSING) {
+		bpf_map_delete_elem(&flows, &s->victim);
+		bpf_map_delete_elem(&snat, &s->nk);
+		event(INBAND_EV_SNAT_PREEMPT_CLOSING);
+		return 1;
+	}
+	struct inband_flow *owner = bpf_map_lookup_elem(&half_open, &s->victim);
+
+	if (owner && flow_has_port(owner, &s->nk)) {
+		bpf_map_delete_elem(&half_open, &s->victim);
+		event(INBAND_EV_SNAT_PREEMPT_HALF_OPEN);
+		return 1;
+	}
+	struct inband_snat_owner *res = bpf_map_lookup_elem(&snat, &s->nk);
+
+	if (res) {
+		struct inband_flow *f = bpf_map_lookup_elem(&flows, &res->flow);
+
+		if (f && flow_has_port(f, &s->nk)) {
+			bpf_map_delete_elem(&half_open_ports, &s->nk);
+			return 0;
+		}
+	}
 	return 1;
 }
 
@@ -115,15 +158,9 @@ static __always_inline __be16 reserve_snat_port(const struct inband_lb_config *c
 		return s.port;
 
 	s.nk.snat_port = s.victim_port;
-	if (s.victim_kind == VICTIM_HALF_OPEN) {
-		bpf_map_delete_elem(&half_open, &s.victim);
-		event(INBAND_EV_SNAT_PREEMPT_HALF_OPEN);
-	} else {
-		bpf_map_delete_elem(&flows, &s.victim);
-		bpf_map_delete_elem(&snat, &s.nk);
-		event(INBAND_EV_SNAT_PREEMPT_CLOSING);
-	}
-	struct inband_snat_owner mine = { .flow = *fk };
+	if (!free_victim_port(&s))
+		return 0;
+	struct inband_port_hold mine = { .flow = *fk, .since_ns = now };
 
 	if (bpf_map_update_elem(&half_open_ports, &s.nk, &mine, BPF_ANY))
 		return 0;

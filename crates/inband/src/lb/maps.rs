@@ -37,6 +37,7 @@ pub type FlowKey = c::inband_flow_key;
 pub type Flow = c::inband_flow;
 pub type NatKey = c::inband_nat_key;
 pub type SnatOwner = c::inband_snat_owner;
+pub type PortHold = c::inband_port_hold;
 pub type BackendStats = c::inband_backend_stats;
 pub type VipStats = c::inband_vip_stats;
 pub type FlowGauges = c::inband_flow_gauges;
@@ -53,6 +54,7 @@ crate::pod::pod!(
     Flow,
     NatKey,
     SnatOwner,
+    PortHold,
     BackendStats,
     VipStats,
     FlowGauges,
