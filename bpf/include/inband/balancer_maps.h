@@ -31,10 +31,13 @@
 #define INBAND_SNAT_PORT_MIN 1024
 #define INBAND_SNAT_PORT_MAX 32767
 #define INBAND_SNAT_TRIES 16
-/* A port search stops once it has seen this many preemptible owners (it
- * takes the oldest of them): under a SYN flood every candidate is a
- * handshake's, and examining all 16 cost more than the rest of the SYN. */
-#define INBAND_SNAT_VICTIMS 4
+/* A port search stops once it has seen this many ports held by handshakes
+ * and takes the oldest preemptible one seen: under a SYN flood every
+ * candidate is a handshake's, and examining all 16 cost more than the rest
+ * of the SYN. Closing flows do not stop it: under churn a free port is
+ * usually further down the list, and a closing flow's port taken early
+ * may still meet its connection's last packets at the server. */
+#define INBAND_SNAT_HOLDS_SEEN 4
 
 enum inband_mode {
 	INBAND_MODE_PASSTHROUGH = 0, /* NAT both ways, no options */

@@ -936,7 +936,7 @@ fn ports_of_unfinished_handshakes_and_closing_flows_are_taken_oldest_first() {
 #[test]
 fn a_port_search_takes_the_oldest_of_its_first_four_preemptible_candidates() {
     // The flood regime: every port is held by a handshake. The search looks
-    // at candidates until it has met INBAND_SNAT_VICTIMS (4) held ones and
+    // at candidates until it has met INBAND_SNAT_HOLDS_SEEN (4) held ones and
     // takes the oldest of those, ranked by the age the hold carries; an
     // older hold further down the list is not looked at (the cost bound).
     let fx = Fixture::lb_with(Mode::Passthrough, Policy::RoundRobin, 1);

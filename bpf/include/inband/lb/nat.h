@@ -12,10 +12,10 @@
  * whose owner is live in `flows`, and no hold in `half_open_ports`.
  * Reservations whose owner is gone are reclaimed on the way. A held port
  * and a closing flow's are preemptible: the search stops at the first free
- * candidate, or once it has seen INBAND_SNAT_VICTIMS preemptible ones, and
- * then takes the longest-idle of those — an unfinished handshake (a SYN
- * flood is made of them) or a closing flow. An established flow's port is
- * never taken.
+ * candidate, or once it has seen INBAND_SNAT_HOLDS_SEEN held ones, and
+ * then takes the longest-idle preemptible one seen — an unfinished
+ * handshake (a SYN flood is made of them) or a closing flow. An
+ * established flow's port is never taken.
  *
  * Holds are ranked by the age they carry, not by their handshake's entry:
  * under a flood every candidate is held, and one lookup per candidate
@@ -41,7 +41,7 @@ struct port_search {
 	__be16 port; /* chosen port, 0 = none yet */
 	__be16 victim_port;
 	__u16 victim_kind; /* VICTIM_*, 0 = none */
-	__u16 victims; /* preemptible candidates seen */
+	__u16 holds; /* candidates held by handshakes */
 };
 
 static __always_inline __be16 candidate(__u64 hash, __u32 i)
@@ -51,17 +51,15 @@ static __always_inline __be16 candidate(__u64 hash, __u32 i)
 	return bpf_htons((__u16)(INBAND_SNAT_PORT_MIN + h % SNAT_PORT_RANGE));
 }
 
-/* Returns 1 when enough preemptible candidates were seen to stop. */
-static __always_inline long consider_victim(struct port_search *s, __u16 kind, const struct inband_flow_key *owner,
+static __always_inline void consider_victim(struct port_search *s, __u16 kind, const struct inband_flow_key *owner,
 					    __u64 last_seen)
 {
-	if (!s->victim_kind || (__s64)(last_seen - s->victim_seen) < 0) {
-		s->victim_kind = kind;
-		s->victim_seen = last_seen;
-		s->victim = *owner;
-		s->victim_port = s->nk.snat_port;
-	}
-	return ++s->victims >= INBAND_SNAT_VICTIMS;
+	if (s->victim_kind && (__s64)(last_seen - s->victim_seen) >= 0)
+		return;
+	s->victim_kind = kind;
+	s->victim_seen = last_seen;
+	s->victim = *owner;
+	s->victim_port = s->nk.snat_port;
 }
 
 static long port_step(__u32 i, void *arg)
@@ -80,7 +78,8 @@ static long port_step(__u32 i, void *arg)
 			s->port = s->nk.snat_port;
 			return 1;
 		}
-		return consider_victim(s, VICTIM_HALF_OPEN, &hold->flow, hold->since_ns);
+		consider_victim(s, VICTIM_HALF_OPEN, &hold->flow, hold->since_ns);
+		return ++s->holds >= INBAND_SNAT_HOLDS_SEEN;
 	}
 	res = bpf_map_lookup_elem(&snat, &s->nk);
 	if (res) {
@@ -88,7 +87,7 @@ static long port_step(__u32 i, void *arg)
 		if (owner && flow_has_port(owner, &s->nk)) {
 			if (!flow_expired(owner, s->now)) {
 				if (owner->state == INBAND_FLOW_CLOSING)
-					return consider_victim(s, VICTIM_CLOSING, &res->flow, owner->last_seen_ns);
+					consider_victim(s, VICTIM_CLOSING, &res->flow, owner->last_seen_ns);
 				return 0;
 			}
 			bpf_map_delete_elem(&flows, &res->flow);
