@@ -906,6 +906,16 @@ fn a_live_flows_port_is_never_handed_out_but_a_dead_ones_is() {
     put(&fx.lb.skel.maps.half_open_ports, &nat_key(&b, taken), &PortHold { flow: flow_key(client(99)), since_ns: ktime_ns() });
     fx.assert_dropped(&syn(client(2)).build(), "snat_exhausted");
     assert_eq!(fx.snat_owner(&b, taken), Some(flow_key(owner_of(taken))));
+    // A flow past its timeout that no sweep has ended yet: the search ends
+    // it and takes its port, counted as an expiry, not as an orphan.
+    let c3 = client(3);
+    let stale = candidates(c3)[2];
+    occupy(&fx, &b, stale, owner_of(stale), FLOW_CLOSING, now - CLOSING_TIMEOUT - SEC);
+    let expired = fx.event("flows_expired");
+    let (_, port) = fx.open(c3);
+    assert_eq!(port, stale);
+    assert_eq!(fx.flow(owner_of(stale)), None);
+    assert_eq!((fx.event("flows_expired"), fx.event("snat_orphans_reclaimed")), (expired + 1, 1));
 }
 
 #[test]

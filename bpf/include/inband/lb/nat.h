@@ -92,9 +92,10 @@ static long port_step(__u32 i, void *arg)
 			}
 			bpf_map_delete_elem(&flows, &res->flow);
 			event(INBAND_EV_FLOWS_EXPIRED);
+		} else {
+			event(INBAND_EV_SNAT_ORPHANS_RECLAIMED);
 		}
 		bpf_map_delete_elem(&snat, &s->nk);
-		event(INBAND_EV_SNAT_ORPHANS_RECLAIMED);
 	}
 	struct inband_port_hold mine = { .flow = s->fk, .since_ns = s->now };
 
@@ -106,11 +107,12 @@ static long port_step(__u32 i, void *arg)
 }
 
 /*
- * Frees the port of the search's victim. A handshake is ended if it still
- * holds the port; a hold whose handshake is gone (evicted, promoted, timed
- * out before the sweeper saw it) is only a stale hold, and is taken unless,
- * against every invariant, a live flow has reserved the port meanwhile.
- * Returns 0 when the port cannot be taken.
+ * Frees the port of the search's victim: no hold and no reservation left
+ * on it. A handshake is ended if it still holds the port; a hold whose
+ * handshake is gone (evicted, promoted, timed out before the sweeper saw
+ * it) is only a stale hold, and is removed unless, against every
+ * invariant, a live flow has reserved the port meanwhile. Returns 0 when
+ * the port cannot be taken.
  */
 static __always_inline int free_victim_port(const struct port_search *s)
 {
@@ -124,6 +126,7 @@ static __always_inline int free_victim_port(const struct port_search *s)
 
 	if (owner && flow_has_port(owner, &s->nk)) {
 		bpf_map_delete_elem(&half_open, &s->victim);
+		bpf_map_delete_elem(&half_open_ports, &s->nk);
 		event(INBAND_EV_SNAT_PREEMPT_HALF_OPEN);
 		return 1;
 	}
@@ -132,11 +135,10 @@ static __always_inline int free_victim_port(const struct port_search *s)
 	if (res) {
 		struct inband_flow *f = bpf_map_lookup_elem(&flows, &res->flow);
 
-		if (f && flow_has_port(f, &s->nk)) {
-			bpf_map_delete_elem(&half_open_ports, &s->nk);
+		if (f && flow_has_port(f, &s->nk))
 			return 0;
-		}
 	}
+	bpf_map_delete_elem(&half_open_ports, &s->nk);
 	return 1;
 }
 
@@ -161,7 +163,10 @@ static __always_inline __be16 reserve_snat_port(const struct inband_lb_config *c
 		return 0;
 	struct inband_port_hold mine = { .flow = *fk, .since_ns = now };
 
-	if (bpf_map_update_elem(&half_open_ports, &s.nk, &mine, BPF_ANY))
+	/* NOEXIST: another CPU's SYN may have picked the same victim; one of
+	 * them gets the port, the other none (its caller tries another
+	 * backend). Replacing the hold in place would give it to both. */
+	if (bpf_map_update_elem(&half_open_ports, &s.nk, &mine, BPF_NOEXIST))
 		return 0;
 	return s.victim_port;
 }
