@@ -37,14 +37,14 @@ import struct
 import subprocess
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import peers, report
 from .paper import Testbed, alive, new_auth_key, tool_version
 from .peers import Backend
-from .procs import Interrupted, Procs, ns_argv, run, stop_signals_interrupt, uninterruptible, wait_until
+from .outcome import Outcome
+from .procs import Procs, ns_argv, run, stop_signals_interrupt, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 VIP_PORT = 80
@@ -1001,52 +1001,33 @@ def main(argv=None) -> int:
     fwd: list[Fwd] = []
     http: list[Http] = []
     fresh: list[Fresh] = []
-    failed: list[str] = []
-    interrupted = None
+    outcome = Outcome(bench.log)
 
-    def attempt(what: str, fn, sink: list) -> None:
-        try:
-            sink.append(fn())
-        except (Interrupted, KeyboardInterrupt):
-            raise
-        except Exception as e:  # noqa: BLE001 - one failure must not hide the other measurements
-            traceback.print_exc()
-            failed.append(f"{what}: {e.__class__.__name__}: {e}")
-            bench.log(f"{what}: FAILED: {e}")
-
-    try:
+    with outcome.torn_down_after(bench.teardown):
         bench.setup()
         if "forwarding" in parts:
             bench.setup_hairpin()
             for path in HAIRPIN_LABELS:
                 bench.log(f"forwarding, raw frames on the hairpin: {path}")
-                attempt(f"hairpin {path}", lambda path=path: bench.forward_hairpin(path), fwd)
+                outcome.attempt(f"hairpin {path}", lambda path=path: bench.forward_hairpin(path), fwd)
             for path in ("direct", "inband", "nftables"):
                 bench.log(f"forwarding, raw frames via the switch: {path}")
-                attempt(f"switch {path}", lambda path=path: bench.forward_switch(path), fwd)
+                outcome.attempt(f"switch {path}", lambda path=path: bench.forward_switch(path), fwd)
             for path in ("direct", "inband-pt", "nftables", "haproxy"):
                 bench.log(f"forwarding, TCP stream: {path}")
-                attempt(f"stream {path}", lambda path=path: bench.forward_stream(path), fwd)
+                outcome.attempt(f"stream {path}", lambda path=path: bench.forward_stream(path), fwd)
         if "cost" in parts:
             for size in SIZES:
                 for path in HTTP_LABELS:
                     bench.log(f"CPU per GB, {size}: {path}")
-                    attempt(f"http {size} {path}", lambda size=size, path=path: bench.http_cost(size, path), http)
+                    outcome.attempt(f"http {size} {path}", lambda size=size, path=path: bench.http_cost(size, path), http)
         if "freshness" in parts:
             for n in profile.probe_intervals:
                 bench.log(f"freshness: in-band, n = {n}")
-                attempt(f"freshness n={n}", lambda n=n: bench.freshness("in-band", n), fresh)
+                outcome.attempt(f"freshness n={n}", lambda n=n: bench.freshness("in-band", n), fresh)
             for ms in profile.poll_intervals_ms:
                 bench.log(f"freshness: polling every {ms} ms")
-                attempt(f"freshness poll {ms} ms", lambda ms=ms: bench.freshness("polling", ms), fresh)
-    except (Interrupted, KeyboardInterrupt) as e:
-        interrupted = str(e) or "SIGINT"
-    except Exception as e:  # noqa: BLE001 - set-up failed: report, tear down
-        traceback.print_exc()
-        failed.append(f"setup: {e.__class__.__name__}: {e}")
-    finally:
-        with uninterruptible():
-            bench.teardown()
+                outcome.attempt(f"freshness poll {ms} ms", lambda ms=ms: bench.freshness("polling", ms), fresh)
 
     elapsed = time.time() - started
     others = ", ".join(sorted(bench.others)) or "none seen"
@@ -1059,10 +1040,7 @@ def main(argv=None) -> int:
         "inband's in-band options are authenticated (SipHash, a key made for the run).  \n"
         f"kernel {platform.release()}; {tool_version(['haproxy', '-v'])}; {tool_version(['nft', '--version'])}; {tool_version(['wrk', '-v'])}\n"
     )
-    if failed:
-        preamble += "\n**Failed:** " + "; ".join(failed) + "\n"
-    if interrupted:
-        preamble += f"\n**Interrupted** ({interrupted}).\n"
+    preamble += outcome.markdown()
     md = markdown(fwd, http, fresh, preamble)
     (out / "results.md").write_text(md)
     (out / "results.json").write_text(
@@ -1073,11 +1051,7 @@ def main(argv=None) -> int:
     print()
     print(md)
     print(f"results in {out}: results.md, results.json, forwarding.png")
-    for f in failed:
-        print(f"error: {f}", file=sys.stderr)
-    if interrupted:
-        print(f"interrupted ({interrupted}); everything torn down", file=sys.stderr)
-    return 130 if interrupted else (1 if failed else 0)
+    return outcome.exit_code()
 
 
 if __name__ == "__main__":

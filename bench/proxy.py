@@ -38,14 +38,14 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import peers
 from .origin import STATS_PATH
 from .paper import tool_version
-from .procs import Fatal, Interrupted, Procs, run, stop_signals_interrupt, uninterruptible, wait_until
+from .outcome import Outcome
+from .procs import Fatal, Procs, run, stop_signals_interrupt, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -701,23 +701,16 @@ def main(argv=None) -> int:
     bench = None
     hits = {s.key: Hits(s.key, s.label) for s in systems}
     restarts: list[Restart] = []
-    failed: list[str] = []
-    interrupted = None
     quiet = "not checked"
     leftover: list[int] = []
+    outcome = Outcome(lambda line: bench.log(line) if bench else print(line))
 
-    def attempt(s: System, what: str, fn):
-        try:
-            return fn()
-        except (Interrupted, KeyboardInterrupt):
-            raise
-        except Exception as e:  # noqa: BLE001 - one system's failure must not hide the others
-            traceback.print_exc()
-            failed.append(f"{s.label} {what}: {e.__class__.__name__}: {e}")
-            bench.log(f"{s.label} {what}: FAILED: {e}")
-            return None
+    def teardown() -> None:
+        nonlocal leftover
+        if bench is not None:
+            leftover = bench.teardown()
 
-    try:
+    with outcome.torn_down_after(teardown):
         bench = Bench(args, profile, out)
         quiet = bench.settle(hold_s=5)
         bench.start_origin()
@@ -734,28 +727,17 @@ def main(argv=None) -> int:
                 hits[s.key].fill_origin, hits[s.key].warm_origin = o1 - o0, bench.origin_count() - o1
                 return True
 
-            if attempt(s, "fill", fill_and_warm):
+            if outcome.attempt(f"{s.label} fill", fill_and_warm):
                 alive.append(s)
         for rnd in range(profile.rounds):
             for s in alive:
                 bench.log(f"hits, round {rnd + 1}/{profile.rounds}: {s.label}")
-                attempt(s, "hits", lambda s=s: bench.measure(s, hits[s.key]))
+                outcome.attempt(f"{s.label} hits", lambda s=s: bench.measure(s, hits[s.key]))
         for s in alive:
             bench.log(f"restart: {s.label}")
-            r = attempt(s, "restart", lambda s=s: bench.restart(s))
-            if r:
-                restarts.append(r)
-    except (Interrupted, KeyboardInterrupt) as e:
-        interrupted = str(e) or "SIGINT"
-    except Exception as e:  # noqa: BLE001 - set-up failed: report, tear down
-        traceback.print_exc()
-        failed.append(f"setup: {e.__class__.__name__}: {e}")
-    finally:
-        with uninterruptible():
-            if bench is not None:
-                leftover = bench.teardown()
+            outcome.attempt(f"{s.label} restart", lambda s=s: bench.restart(s), restarts)
     if leftover:
-        failed.append(f"still listening after teardown: ports {leftover}")
+        outcome.failed.append(f"still listening after teardown: ports {leftover}")
 
     elapsed = time.time() - started
     others = ", ".join(sorted(bench.others)) if bench and bench.others else "none seen"
@@ -769,10 +751,7 @@ def main(argv=None) -> int:
         + "; ".join(line for line in facts.splitlines() if line.split(":")[0] in ("inband", "nginx", "varnish", "wrk", "kernel"))
         + "\n"
     )
-    if failed:
-        preamble += "\n**Failed:** " + "; ".join(failed) + "\n"
-    if interrupted:
-        preamble += f"\n**Interrupted** ({interrupted}).\n"
+    preamble += outcome.markdown()
     hit_rows = [hits[s.key] for s in systems]
     md = markdown(hit_rows, restarts, profile, preamble)
     (out / "results.md").write_text(md)
@@ -782,7 +761,7 @@ def main(argv=None) -> int:
                 "profile": asdict(profile),
                 "hits": [{**asdict(h), "rps": h.rps, "p50_ms": h.p50_ms, "p99_ms": h.p99_ms, "cpu_us_per_req": h.cpu_us_per_req} for h in hit_rows],
                 "restart": [{**asdict(r), "hit_ratio": r.hit_ratio} for r in restarts],
-                "failed": failed,
+                "failed": outcome.failed,
             },
             indent=2,
         )
@@ -795,11 +774,7 @@ def main(argv=None) -> int:
     print()
     print(md)
     print(f"results in {out}: results.md, results.json, results.csv, restart_timeline.csv, proxy.png, command.txt")
-    for f in failed:
-        print(f"error: {f}", file=sys.stderr)
-    if interrupted:
-        print(f"interrupted ({interrupted}); everything stopped", file=sys.stderr)
-    return 130 if interrupted else (1 if failed else 0)
+    return outcome.exit_code()
 
 
 if __name__ == "__main__":

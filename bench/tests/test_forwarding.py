@@ -5,31 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from bench import forwarding as fw
-
-REPO = Path(__file__).resolve().parents[2]
-INBAND = REPO / "target" / "debug" / "inband"
-
-
-def cells(line: str) -> list[str]:
-    return [c.strip() for c in line.strip().strip("|").split("|")]
-
-
-def table_rows(md: str, header_start: str) -> list[list[str]]:
-    lines = md.splitlines()
-    i = next(n for n, line in enumerate(lines) if line.startswith(header_start))
-    rows = []
-    for line in lines[i + 2 :]:
-        if not line.startswith("|"):
-            break
-        rows.append(cells(line))
-    return rows
+from driver_runs import run_tiny, table_rows
 
 
 def test_hairpin_table_ratios_and_costs_from_rates():
@@ -113,23 +95,11 @@ def test_parse_wrk_summary():
     assert fw.parse_wrk("Running 1s test\nINBAND requests=12 bytes=3456 errors=0\n") == {"requests": 12, "bytes": 3456, "errors": 0}
 
 
-def namespaces(prefix: str) -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    return [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0].startswith(prefix)]
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates network namespaces and attaches XDP programs")
 def test_tiny_profile_end_to_end(tmp_path):
     name = f"ft{os.getpid() % 10000}"
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "bench.forwarding", "--profile", "tiny", "--out", str(out), "--name", name]
-    try:
-        cp = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    finally:
-        left = namespaces(f"{name}-")
-        if left:
-            subprocess.run([str(INBAND), "testbed", "down", "--name", name], capture_output=True, timeout=60)
-    assert cp.returncode == 0, f"driver failed ({cp.returncode}):\n{cp.stdout[-4000:]}\n{cp.stderr[-4000:]}"
+    cp, left = run_tiny("bench.forwarding", name, out, 300)
     assert left == [], f"namespaces left behind: {left}"
     assert not any(Path("/sys/fs/bpf/inband/netns").glob(f"{name}-*")), "pins left behind"
 

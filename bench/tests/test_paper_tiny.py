@@ -7,36 +7,20 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from bench.paper import BY_KEY
+from driver_runs import run_tiny
 
-REPO = Path(__file__).resolve().parents[2]
-INBAND = REPO / "target" / "debug" / "inband"
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates network namespaces and attaches XDP/tc programs")
-
-
-def namespaces(prefix: str) -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    return [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0].startswith(prefix)]
 
 
 def test_tiny_profile_end_to_end(tmp_path):
     name = f"pt{os.getpid() % 10000}"
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "bench.paper", "--profile", "tiny", "--out", str(out), "--name", name]
-    try:
-        cp = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
-    finally:
-        left = namespaces(f"{name}-")
-        if left:  # the driver failed to clean up: do it, then fail below
-            subprocess.run([str(INBAND), "testbed", "down", "--name", name], capture_output=True, timeout=60)
-    assert cp.returncode == 0, f"driver failed ({cp.returncode}):\n{cp.stdout[-4000:]}\n{cp.stderr[-4000:]}"
+    cp, left = run_tiny("bench.paper", name, out, 240)
     assert left == [], f"namespaces left behind: {left}"
 
     # CSV: one row per configuration, in order, every one with traffic.

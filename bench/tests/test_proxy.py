@@ -9,31 +9,16 @@ import shutil
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
 import pytest
 
 from bench import peers
 from bench import proxy as px
-
-REPO = Path(__file__).resolve().parents[2]
-INBAND = REPO / "target" / "debug" / "inband"
-
-
-def cells(line: str) -> list[str]:
-    return [c.strip() for c in line.strip().strip("|").split("|")]
+from driver_runs import INBAND, REPO, table_rows
 
 
 def table(md: str, header_start: str) -> dict[str, list[str]]:
-    lines = md.splitlines()
-    i = next(n for n, line in enumerate(lines) if line.startswith(header_start))
-    rows = {}
-    for line in lines[i + 2 :]:
-        if not line.startswith("|"):
-            break
-        c = cells(line)
-        rows[c[0]] = c
-    return rows
+    return {c[0]: c for c in table_rows(md, header_start)}
 
 
 def number(cell: str) -> float:
