@@ -406,8 +406,9 @@ fn score_socket_set_get_clear() {
     assert_eq!(g["balancers"], serde_json::json!(["127.0.0.1"]));
     assert_eq!(g["dsr_flows"], 0);
     assert_eq!(g["counters"]["scores_sent"], 0);
-    assert_eq!(g["counters"].as_object().unwrap().len(), 17);
+    assert_eq!(g["counters"].as_object().unwrap().len(), 18);
     assert_eq!(g["counters"]["tuple_in_use"], 0);
+    assert_eq!(g["counters"]["stale_tuples_forgotten"], 0);
     // Maps fresh from the kernel: the authenticated format, no key yet.
     assert_eq!(g["auth"], serde_json::json!({ "mode": "siphash", "key_ids": [] }));
 
