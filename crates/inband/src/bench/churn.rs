@@ -52,6 +52,9 @@ pub struct ChurnResult {
     pub failed: u64,
     /// Failures by what went wrong.
     pub errors: BTreeMap<String, u64>,
+    /// The first failures, with their client tuple and start time (s from
+    /// the run's start), to find them in a capture.
+    pub first_failures: Vec<Failure>,
     /// Connections that took longer than 900 ms (a SYN retransmission).
     pub slower_than_900ms: u64,
     pub p50_ms: f64,
@@ -61,6 +64,14 @@ pub struct ChurnResult {
     pub per_second: f64,
 }
 
+#[derive(Debug, Serialize)]
+pub struct Failure {
+    pub source: String,
+    pub at_s: f64,
+    pub error: String,
+}
+
+const FIRST_FAILURES: usize = 20;
 const FIRST_PORT: u16 = 10_000;
 const PORTS_PER_SOURCE: u64 = 55_000;
 
@@ -70,7 +81,7 @@ pub fn run(a: &ChurnArgs) -> Result<ChurnResult> {
     }
     let next = Arc::new(AtomicU64::new(0));
     let times = Arc::new(Mutex::new(Vec::with_capacity(a.connections as usize)));
-    let errors: Arc<Mutex<BTreeMap<String, u64>>> = Arc::default();
+    let errors: Arc<Mutex<(BTreeMap<String, u64>, Vec<Failure>)>> = Arc::default();
     let start = Instant::now();
     let deadline = Duration::from_secs_f64(a.seconds);
     let threads: Vec<_> = (0..a.concurrency.max(1))
@@ -86,7 +97,14 @@ pub fn run(a: &ChurnArgs) -> Result<ChurnResult> {
                 let t = Instant::now();
                 match one(&a, src) {
                     Ok(()) => times.lock().unwrap().push(t.elapsed()),
-                    Err(e) => *errors.lock().unwrap().entry(e).or_default() += 1,
+                    Err(e) => {
+                        let mut errors = errors.lock().unwrap();
+                        if errors.1.len() < FIRST_FAILURES {
+                            let at_s = (t - start).as_secs_f64();
+                            errors.1.push(Failure { source: src.to_string(), at_s, error: e.clone() });
+                        }
+                        *errors.0.entry(e).or_default() += 1;
+                    }
                 }
             })
         })
@@ -96,7 +114,7 @@ pub fn run(a: &ChurnArgs) -> Result<ChurnResult> {
     }
     let mut times = Arc::try_unwrap(times).unwrap().into_inner().unwrap();
     times.sort();
-    let errors = Arc::try_unwrap(errors).unwrap().into_inner().unwrap();
+    let (errors, first_failures) = Arc::try_unwrap(errors).unwrap().into_inner().unwrap();
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     let pct = |p: f64| times.get(((times.len() as f64 * p) as usize).min(times.len().saturating_sub(1))).map_or(0.0, |d| ms(*d));
     let failed: u64 = errors.values().sum();
@@ -106,6 +124,7 @@ pub fn run(a: &ChurnArgs) -> Result<ChurnResult> {
         ok: times.len() as u64,
         failed,
         errors,
+        first_failures,
         slower_than_900ms: times.iter().filter(|d| **d > Duration::from_millis(900)).count() as u64,
         p50_ms: pct(0.5),
         p99_ms: pct(0.99),
