@@ -97,7 +97,7 @@ def proc_cpu_s(pid: int) -> float:
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _SYS_BPF = {"x86_64": 321, "aarch64": 280}.get(platform.machine())
-_BPF_MAP_LOOKUP_ELEM, _BPF_OBJ_GET, _BPF_ENABLE_STATS = 1, 7, 32
+_BPF_MAP_LOOKUP_ELEM, _BPF_OBJ_GET, _BPF_OBJ_GET_INFO_BY_FD, _BPF_ENABLE_STATS = 1, 7, 15, 32
 
 
 def _bpf(cmd: int, attr: bytes) -> int:
@@ -122,8 +122,16 @@ class PinnedMap:
     def __init__(self, path: Path):
         self._path = ctypes.create_string_buffer(str(path).encode())
         self.fd = _bpf(_BPF_OBJ_GET, struct.pack("QII", ctypes.addressof(self._path), 0, 0))
+        # struct bpf_map_info: type, id, key_size, value_size, ...
+        info = ctypes.create_string_buffer(80)
+        _bpf(_BPF_OBJ_GET_INFO_BY_FD, struct.pack("IIQ", self.fd, len(info), ctypes.addressof(info)))
+        self.value_size = struct.unpack_from("I", info.raw, 12)[0]
 
     def lookup(self, key: bytes, value_size: int) -> bytes:
+        # The kernel writes the map's whole value: a caller expecting another
+        # layout would read garbage, and a smaller buffer would be overrun.
+        if value_size != self.value_size:
+            raise RuntimeError(f"{self._path.value.decode()}: values are {self.value_size} bytes, not {value_size}: the layout changed")
         k = ctypes.create_string_buffer(key, len(key))
         v = ctypes.create_string_buffer(value_size)
         _bpf(_BPF_MAP_LOOKUP_ELEM, struct.pack("IIQQQ", self.fd, 0, ctypes.addressof(k), ctypes.addressof(v), 0))
@@ -840,8 +848,9 @@ class Bench:
                 deadline = time.monotonic() + limit_s
                 seen = None
                 while time.monotonic() < deadline:
-                    v = scores.lookup(struct.pack("I", backend_id), 16)
-                    got, _assigned, updated = struct.unpack("IIQ", v)
+                    # struct inband_backend_score (bpf/include/inband/balancer_maps.h)
+                    v = scores.lookup(struct.pack("I", backend_id), 24)
+                    got, _opened, _closed, _pad, updated = struct.unpack("IIIIQ", v)
                     if got == score:
                         seen = updated
                         break
