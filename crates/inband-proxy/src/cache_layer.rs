@@ -12,6 +12,7 @@ use http_body_util::BodyExt;
 use http_cache_semantics::{AfterResponse, BeforeRequest, CachePolicy};
 use hyper::body::Incoming;
 
+use crate::cache_control;
 use crate::cache_store::{base_key, options, unix_ms, Buffered, Fetched, Found, HttpCache, Leader, Turn};
 use crate::metrics::Refusal;
 use crate::server::{full, BoxError, ProxyBody};
@@ -34,11 +35,14 @@ pub enum Outcome {
     Revalidated,
     /// Served the result of a concurrent request's origin fetch.
     Coalesced,
+    /// A stale entry the origin failed to revalidate, with no
+    /// `stale-if-error` allowance: the origin's error was passed on.
+    Error,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 6] =
-        [Outcome::Hit, Outcome::Miss, Outcome::Stale, Outcome::Updated, Outcome::Revalidated, Outcome::Coalesced];
+    pub const ALL: [Outcome; 7] =
+        [Outcome::Hit, Outcome::Miss, Outcome::Stale, Outcome::Updated, Outcome::Revalidated, Outcome::Coalesced, Outcome::Error];
 
     pub fn label(self) -> &'static str {
         match self {
@@ -48,6 +52,7 @@ impl Outcome {
             Outcome::Updated => "updated",
             Outcome::Revalidated => "revalidated",
             Outcome::Coalesced => "coalesced",
+            Outcome::Error => "error",
         }
     }
 
@@ -58,7 +63,15 @@ impl Outcome {
             Outcome::Stale => "STALE",
             Outcome::Updated => "UPDATED",
             Outcome::Revalidated => "REVALIDATED",
+            Outcome::Error => "ERROR",
         })
+    }
+
+    /// Marks a response: `X-Cache` for the client, the outcome itself for
+    /// the access log.
+    fn mark<B>(self, resp: &mut Response<B>) {
+        resp.headers_mut().insert("x-cache", self.header());
+        resp.extensions_mut().insert(self);
     }
 }
 
@@ -77,7 +90,7 @@ pub fn invalidates(method: &Method) -> bool {
 
 fn cached(head: response::Parts, body: Bytes, outcome: Outcome) -> Response<ProxyBody> {
     let mut resp = Response::from_parts(head, full(body));
-    resp.headers_mut().insert("x-cache", outcome.header());
+    outcome.mark(&mut resp);
     // http-cache-semantics rewrites Date to now in RFC 2822 form
     // ("… +0000"), which is not an HTTP-date: clients and caches after us
     // would not parse it. Same instant, IMF-fixdate.
@@ -138,6 +151,18 @@ fn not_modified(req: &HeaderMap, resp: &HeaderMap) -> bool {
 }
 
 async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, parts: request::Parts, key: &[u8]) -> Result<Response<ProxyBody>, Refusal> {
+    // RFC 9111 §5.2.1.7: a stored response (fresh, or within the request's
+    // max-stale, as the library decides) or 504, never the origin.
+    if cache_control::directive(&parts.headers, "only-if-cached").is_some() {
+        let found = cache.lookup(&parts).await;
+        return match found.as_ref().and_then(|f| fresh_head(&f.policy, &parts)) {
+            Some(head) => {
+                shared.metrics.cache(Outcome::Hit);
+                Ok(cached(head, found.expect("a head came from it").body, Outcome::Hit))
+            }
+            None => Err(Refusal::NotCached),
+        };
+    }
     if let Some(found) = cache.lookup(&parts).await {
         let now = SystemTime::now();
         match found.policy.before_request(&parts, now) {
@@ -163,12 +188,14 @@ async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, parts: request
                         shared.metrics.cache(Outcome::Stale);
                         Ok(cached(head, body, Outcome::Stale))
                     }
-                    _ => {
-                        if failed {
-                            shared.metrics.cache(Outcome::Updated);
-                        }
-                        result
+                    _ if failed => {
+                        shared.metrics.cache(Outcome::Error);
+                        result.map(|mut r| {
+                            Outcome::Error.mark(&mut r);
+                            r
+                        })
                     }
+                    _ => result,
                 };
             }
             // Stored for another variant than this request's: a miss.
@@ -232,20 +259,22 @@ async fn keep(
     if !cache.worth_storing(&policy, &head) {
         drop(leader);
         let mut resp = Response::from_parts(head, body.map_err(BoxError::from).boxed());
-        resp.headers_mut().insert("x-cache", outcome.header());
+        outcome.mark(&mut resp);
         return Ok(resp);
     }
     match cache.buffer(body).await {
         Buffered::Whole(bytes) => {
-            cache.put(parts, &head, &policy, bytes.clone()).await;
+            // Waiters are served from the policy as stored: without the
+            // leader's Set-Cookie and request headers.
+            let stored = cache.put(parts, &head, &policy, bytes.clone()).await;
             if let Some(l) = leader {
-                l.finish(Some(Arc::new(Fetched { policy, body: bytes.clone() })));
+                l.finish(Some(Arc::new(Fetched { policy: stored, body: bytes.clone() })));
             }
             Ok(cached(head, bytes, outcome))
         }
         Buffered::TooLarge(body) => {
             let mut resp = Response::from_parts(head, body);
-            resp.headers_mut().insert("x-cache", outcome.header());
+            outcome.mark(&mut resp);
             Ok(resp)
         }
         Buffered::Broken => Err(Refusal::BackendDown),

@@ -23,7 +23,8 @@ use inband_cache::Store;
 use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
 
-use crate::config::CacheConfig;
+use crate::cache_control;
+use crate::config::{CacheConfig, SetCookie};
 use crate::server::{BoxError, ProxyBody};
 
 /// What the header blob of a stored record holds.
@@ -62,6 +63,7 @@ type Waiters = broadcast::Sender<Option<Arc<Fetched>>>;
 pub struct HttpCache {
     store: Arc<dyn Store>,
     max_object_bytes: u64,
+    set_cookie: SetCookie,
     inflight: Mutex<HashMap<Vec<u8>, Waiters>>,
 }
 
@@ -92,18 +94,10 @@ impl Found {
 }
 
 /// `stale-while-revalidate=N` or `stale-if-error=N` (RFC 5861) of a
-/// response's Cache-Control, in seconds. http-cache-semantics parses
-/// Cache-Control but neither acts on nor exposes these, so they are read here.
+/// response's Cache-Control, in seconds: http-cache-semantics parses
+/// Cache-Control but neither acts on nor exposes these.
 fn stale_directive(headers: &HeaderMap, directive: &str) -> Option<u64> {
-    headers
-        .get_all(header::CACHE_CONTROL)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .find_map(|d| {
-            let (name, value) = d.trim().split_once('=')?;
-            name.trim().eq_ignore_ascii_case(directive).then(|| value.trim().trim_matches('"').parse().ok())?
-        })
+    cache_control::directive(headers, directive)??.parse().ok()
 }
 
 /// The one request fetching a key; dropping it (done or cancelled)
@@ -116,14 +110,24 @@ pub(crate) struct Leader<'a> {
 
 impl Leader<'_> {
     pub(crate) fn finish(self, result: Option<Arc<Fetched>>) {
-        self.cache.inflight.lock().unwrap().remove(&self.key);
+        self.release();
         let _ = self.tx.send(result);
+    }
+
+    /// Removes the key's entry only while it is still this leader's: once
+    /// released, a newer request may lead the same key, and `finish`
+    /// followed by `drop` must not remove that one.
+    fn release(&self) {
+        let mut inflight = self.cache.inflight.lock().unwrap();
+        if inflight.get(&self.key).is_some_and(|tx| tx.same_channel(&self.tx)) {
+            inflight.remove(&self.key);
+        }
     }
 }
 
 impl Drop for Leader<'_> {
     fn drop(&mut self) {
-        self.cache.inflight.lock().unwrap().remove(&self.key);
+        self.release();
     }
 }
 
@@ -207,7 +211,7 @@ impl HttpCache {
     pub fn open(cfg: &CacheConfig) -> Result<HttpCache> {
         let store: Arc<dyn Store> = Arc::from(inband_cache::open(&cfg.store_config())?);
         tracing::info!(backend = %cfg.backend, entries = store.len(), bytes = store.size_bytes(), "cache opened");
-        Ok(HttpCache { store, max_object_bytes: cfg.max_object_bytes, inflight: Mutex::new(HashMap::new()) })
+        Ok(HttpCache { store, max_object_bytes: cfg.max_object_bytes, set_cookie: cfg.set_cookie, inflight: Mutex::new(HashMap::new()) })
     }
 
     pub fn stats(&self) -> inband_cache::Stats {
@@ -261,10 +265,25 @@ impl HttpCache {
         }
     }
 
-    /// Stores a response (and the Vary marker it needs). A failure is
+    /// Stores a response (and the Vary marker it needs) and returns the
+    /// policy as stored, the one to serve other clients from. A failure is
     /// logged: a response not stored is only a later miss.
-    pub(crate) async fn put(&self, parts: &request::Parts, resp: &response::Parts, policy: &CachePolicy, body: Bytes) {
+    pub(crate) async fn put(&self, parts: &request::Parts, resp: &response::Parts, policy: &CachePolicy, body: Bytes) -> CachePolicy {
         let now = SystemTime::now();
+        // One client's cookie is never replayed to another: whatever the
+        // mode, a stored head has no Set-Cookie (a 304's merge could add one).
+        let stripped;
+        let resp = if resp.headers.contains_key(header::SET_COOKIE) {
+            let mut r = Response::new(());
+            *r.status_mut() = resp.status;
+            *r.version_mut() = resp.version;
+            *r.headers_mut() = resp.headers.clone();
+            r.headers_mut().remove(header::SET_COOKIE);
+            stripped = r.into_parts().0;
+            &stripped
+        } else {
+            resp
+        };
 
         let base = base_key(parts);
         let vary = vary_names(&resp.headers);
@@ -273,7 +292,7 @@ impl HttpCache {
         let until = |d| stale_directive(&resp.headers, d).map_or(0, |s| unix_ms(fresh_until + Duration::from_secs(s)));
         let (swr_until_ms, sie_until_ms) = (until("stale-while-revalidate"), until("stale-if-error"));
         let stored = Stored {
-            policy: persisted,
+            policy: persisted.clone(),
             swr_until_ms,
             sie_until_ms,
             status: resp.status.as_u16(),
@@ -302,12 +321,14 @@ impl HttpCache {
         if let Err(e) = r {
             tracing::warn!(error = %e, "cache write failed");
         }
+        persisted
     }
 
     /// Deletes the entry for this URL and all its variants; returns how
-    /// many records went.
+    /// many responses went (a Vary marker is not one).
     pub async fn purge(&self, parts: &request::Parts) -> Result<u64> {
         let base = base_key(parts);
+        let marker = matches!(self.get(base.clone()).await, Some((Head::Vary(_), _)));
         self.blocking(move |s| {
             let mut prefix = base.clone();
             prefix.push(b'\n');
@@ -321,7 +342,7 @@ impl HttpCache {
             for k in victims {
                 n += s.delete(&k)? as u64;
             }
-            Ok(n)
+            Ok(n.saturating_sub(marker as u64))
         })
         .await
     }
@@ -367,12 +388,14 @@ impl HttpCache {
     }
 
     /// Whether a response goes into the store at all: storable by the
-    /// rules, fresh for a while, and not declared too large. One that is
-    /// stale on arrival (no-cache, max-age=0, Set-Cookie without public)
+    /// rules, fresh for a while, not declared too large, and without
+    /// Set-Cookie unless `set_cookie = "strip"`. One that is stale on arrival (no-cache, max-age=0, Set-Cookie without public)
     /// would only cost a write and a revalidation.
     pub(crate) fn worth_storing(&self, policy: &CachePolicy, resp: &response::Parts) -> bool {
         let declared = resp.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-        policy.is_storable()
+        let cookie = resp.headers.contains_key(header::SET_COOKIE);
+        !(cookie && self.set_cookie == SetCookie::Skip)
+            && policy.is_storable()
             && policy.time_to_live(SystemTime::now()) > Duration::ZERO
             && declared.is_none_or(|n| n <= self.max_object_bytes)
     }
@@ -410,5 +433,24 @@ impl Body for Replay {
 
     fn is_end_stream(&self) -> bool {
         self.prefix.is_none() && self.rest.is_end_stream()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_released_leader_never_removes_its_successor() {
+        let cfg: CacheConfig = toml::from_str("backend = \"memory\"").unwrap();
+        let cache = HttpCache::open(&cfg).unwrap();
+        let Turn::Lead(first) = cache.join(b"k") else { panic!("the first request leads") };
+        first.release();
+        let Turn::Lead(second) = cache.join(b"k") else { panic!("a released key is free to lead") };
+        // `finish` releases and then drops: the drop must leave `second`.
+        drop(first);
+        assert!(matches!(cache.join(b"k"), Turn::Wait(_)), "the second leader was removed by the first");
+        second.finish(None);
+        assert!(matches!(cache.join(b"k"), Turn::Lead(_)));
     }
 }

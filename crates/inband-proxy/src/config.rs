@@ -34,6 +34,22 @@ pub struct Config {
     /// Time a client has to send its whole request body; 408 after.
     #[serde(default = "default_client_body_timeout_ms")]
     pub client_body_timeout_ms: u64,
+    /// Time from accept (or from a later request's first byte) to a whole
+    /// request head: 408 and close after, or a silent close when nothing
+    /// came at all.
+    #[serde(default = "default_client_header_timeout_ms")]
+    pub client_header_timeout_ms: u64,
+    /// How long a keep-alive connection may wait for its next request.
+    #[serde(default = "default_idle_timeout_ms")]
+    pub idle_timeout_ms: u64,
+    /// How long a response write may wait for a client that does not read.
+    #[serde(default = "default_send_timeout_ms")]
+    pub send_timeout_ms: u64,
+    /// Client connections open at once; more wait in the listen backlog.
+    /// 0: from the open-files limit, (limit − 64) / 2, as each client may
+    /// need a backend connection too.
+    #[serde(default)]
+    pub max_connections: usize,
     #[serde(default = "default_connect_timeout_ms")]
     pub connect_timeout_ms: u64,
     /// Time from sending a request to a backend until its response head; 504 after.
@@ -118,6 +134,19 @@ pub struct CacheConfig {
     /// fsync every write (see inband-cache); off by default.
     #[serde(default)]
     pub fsync: bool,
+    /// Responses with Set-Cookie: `skip` (the default) does not store
+    /// them, as nginx and Varnish do not; `strip` stores them without the
+    /// Set-Cookie header (the client that caused the fetch still gets it).
+    #[serde(default)]
+    pub set_cookie: SetCookie,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SetCookie {
+    #[default]
+    Skip,
+    Strip,
 }
 
 impl CacheConfig {
@@ -139,6 +168,15 @@ fn default_max_body_bytes() -> u64 {
 }
 fn default_client_body_timeout_ms() -> u64 {
     30_000
+}
+fn default_client_header_timeout_ms() -> u64 {
+    10_000
+}
+fn default_idle_timeout_ms() -> u64 {
+    60_000
+}
+fn default_send_timeout_ms() -> u64 {
+    60_000
 }
 fn default_connect_timeout_ms() -> u64 {
     1000
@@ -215,6 +253,13 @@ impl Checked {
     pub fn shutdown_timeout(&self) -> Duration {
         Duration::from_millis(self.raw.shutdown_timeout_ms)
     }
+    pub fn timeouts(&self) -> crate::conn::Timeouts {
+        crate::conn::Timeouts {
+            header: Duration::from_millis(self.raw.client_header_timeout_ms),
+            idle: Duration::from_millis(self.raw.idle_timeout_ms),
+            send: Duration::from_millis(self.raw.send_timeout_ms),
+        }
+    }
 }
 
 pub fn load(path: &Path) -> Result<Checked> {
@@ -223,8 +268,36 @@ pub fn load(path: &Path) -> Result<Checked> {
 }
 
 pub fn parse(text: &str) -> Result<Checked> {
-    let raw: Config = toml::from_str(text)?;
-    check(raw)
+    check(deserialize(text)?)
+}
+
+/// Syntax errors, unknown keys and wrong types, all of them: serde stops
+/// at the first, so each one's line is blanked and the text parsed again,
+/// up to a bound. A table header's error ends the search, since blanking
+/// it would file its keys under the table before and invent errors.
+fn deserialize(text: &str) -> Result<Config> {
+    const MAX_REPORTED: usize = 20;
+    let mut lines: Vec<&str> = text.lines().collect();
+    let mut problems = Vec::new();
+    loop {
+        let attempt = lines.join("\n");
+        let e = match toml::from_str::<Config>(&attempt) {
+            Ok(c) if problems.is_empty() => return Ok(c),
+            Ok(_) => break,
+            Err(e) => e,
+        };
+        let line = e.span().map(|s| attempt[..s.start].matches('\n').count());
+        let message = e.message().trim_end().to_string();
+        match line {
+            Some(l) => problems.push(format!("line {}: {message}", l + 1)),
+            None => problems.push(message),
+        }
+        match line {
+            Some(l) if problems.len() < MAX_REPORTED && !lines[l].trim_start().starts_with('[') && !lines[l].trim().is_empty() => lines[l] = "",
+            _ => break,
+        }
+    }
+    bail!("invalid proxy config:\n  - {}", problems.join("\n  - "))
 }
 
 fn socket_addr(what: &str, s: &str) -> Result<SocketAddr> {
@@ -270,6 +343,9 @@ pub fn check(raw: Config) -> Result<Checked> {
     }
     for (name, v) in [
         ("client_body_timeout_ms", raw.client_body_timeout_ms),
+        ("client_header_timeout_ms", raw.client_header_timeout_ms),
+        ("idle_timeout_ms", raw.idle_timeout_ms),
+        ("send_timeout_ms", raw.send_timeout_ms),
         ("connect_timeout_ms", raw.connect_timeout_ms),
         ("backend_timeout_ms", raw.backend_timeout_ms),
     ] {
@@ -330,6 +406,15 @@ mod tests {
         assert!(format!("{e:#}").contains("unknown field `retry`"), "{e:#}");
         let e = parse("listen = \"127.0.0.1:0\"\nbackends = []").unwrap_err();
         assert!(format!("{e:#}").contains("backends is empty"), "{e:#}");
+    }
+
+    #[test]
+    fn every_syntax_and_type_error_is_reported_at_once() {
+        let text = "listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\nretries = \"many\"\nbogus = 1\nidle_timeout_ms = = 3\n[cache]\nset_cookie = \"keep\"\n";
+        let msg = format!("{:#}", parse(text).unwrap_err());
+        for want in ["line 3:", "line 4: unknown field `bogus`", "line 5:", "line 7: unknown variant `keep`"] {
+            assert!(msg.contains(want), "{want:?} missing in {msg}");
+        }
     }
 
     #[test]

@@ -39,9 +39,16 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-/// X-Forwarded-For (appended to any the client sent), X-Forwarded-Proto and
-/// RFC 7239 Forwarded.
-pub fn add_forwarding(headers: &mut HeaderMap, client: SocketAddr) {
+/// X-Forwarded-For (appended to any the client sent), X-Forwarded-Proto,
+/// RFC 7239 Forwarded and RFC 9110 §7.6.3 Via (the protocol the client
+/// spoke, then our pseudonym).
+pub fn add_forwarding(headers: &mut HeaderMap, client: SocketAddr, version: http::Version) {
+    let via = match version {
+        http::Version::HTTP_10 => "1.0 inband",
+        http::Version::HTTP_2 => "2 inband",
+        _ => "1.1 inband",
+    };
+    headers.append(http::header::VIA, HeaderValue::from_static(via));
     let ip = client.ip();
     let xff = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
         Some(prev) => format!("{prev}, {ip}"),
@@ -108,6 +115,7 @@ pub async fn send(shared: &Shared, parts: &request::Parts, body: Bytes, key: &[u
                     b.record_success();
                 }
                 strip_hop_by_hop(resp.headers_mut());
+                crate::cache_control::normalize(resp.headers_mut());
                 return Ok(resp);
             }
             Ok(Err(e)) => {

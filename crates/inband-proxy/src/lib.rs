@@ -4,10 +4,13 @@
 //! durable store (inband-cache), a Prometheus endpoint and graceful
 //! shutdown. See docs/proxy.md.
 
+mod access;
 mod backend;
+mod cache_control;
 mod cache_layer;
 mod cache_store;
 pub mod config;
+mod conn;
 mod forward;
 mod health;
 mod metrics;
@@ -41,6 +44,7 @@ pub(crate) struct Shared {
     client: BackendClient,
     metrics: Metrics,
     cache: Option<cache_store::HttpCache>,
+    max_connections: usize,
 }
 
 impl Shared {
@@ -88,7 +92,12 @@ impl Proxy {
             None => None,
         };
         let metrics_addr = metrics_listener.as_ref().map(|l| l.local_addr()).transpose()?;
+        let max_connections = match cfg.raw.max_connections {
+            0 => (open_files_limit().saturating_sub(64) / 2).max(1) as usize,
+            n => n,
+        };
         let shared = Arc::new(Shared {
+            max_connections,
             backends: cfg.backends.iter().map(|&a| Arc::new(Backend::new(a))).collect(),
             policy: Policy::new(cfg.raw.policy),
             client,
@@ -109,7 +118,7 @@ impl Proxy {
             background.push(tokio::spawn(server::serve_metrics(shared.clone(), l)));
         }
         let (stop, stop_rx) = watch::channel(false);
-        tracing::info!(%addr, backends = shared.backends.len(), policy = ?shared.cfg.raw.policy, "proxy listening");
+        tracing::info!(%addr, backends = shared.backends.len(), policy = ?shared.cfg.raw.policy, max_connections, open_files = open_files_limit(), "proxy listening");
         let server = tokio::spawn(server::serve(shared.clone(), listener, stop_rx));
         Ok(Proxy { addr, metrics_addr, stop, server, shared, background })
     }
@@ -141,9 +150,36 @@ async fn flush_periodically(shared: Arc<Shared>) {
     }
 }
 
+/// The soft limit on open files.
+fn open_files_limit() -> u64 {
+    let mut l = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) } != 0 {
+        return 1024;
+    }
+    l.rlim_cur
+}
+
+/// A proxy holds two descriptors per client (its own and a backend's), and
+/// shells often start processes at a soft limit of 1024 with a far higher
+/// hard limit: take the hard one.
+fn raise_open_files_limit() {
+    let mut l = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit read and write the struct they are given.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) == 0 && l.rlim_cur < l.rlim_max {
+            l.rlim_cur = l.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &l) != 0 {
+                tracing::warn!(error = %std::io::Error::last_os_error(), "could not raise the open-files limit");
+            }
+        }
+    }
+}
+
 /// `inband proxy --config FILE`: runs until SIGTERM or SIGINT.
 pub fn run(config: &Path) -> Result<()> {
     let cfg = config::load(config)?;
+    raise_open_files_limit();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async {
         let proxy = Proxy::start(cfg).await?;

@@ -11,6 +11,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 use crate::cache_layer::Outcome;
+use crate::conn::Expiry;
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -19,6 +20,10 @@ type Labels = Vec<(&'static str, String)>;
 pub enum Refusal {
     /// Malformed request line or headers (400, written by hyper).
     BadRequest,
+    /// HTTP/1.1 without Host, or two Host headers (400).
+    BadHost,
+    /// `only-if-cached` and nothing stored to answer with (504).
+    NotCached,
     /// Request head over `max_header_bytes` (431, written by hyper).
     HeadersTooLarge,
     /// Body over `max_body_bytes` (413).
@@ -37,6 +42,8 @@ impl Refusal {
     pub fn label(self) -> &'static str {
         match self {
             Refusal::BadRequest => "bad_request",
+            Refusal::BadHost => "bad_host",
+            Refusal::NotCached => "only_if_cached",
             Refusal::HeadersTooLarge => "headers_too_large",
             Refusal::BodyTooLarge => "body_too_large",
             Refusal::BodyTimeout => "body_timeout",
@@ -48,7 +55,8 @@ impl Refusal {
 
     pub fn status(self) -> StatusCode {
         match self {
-            Refusal::BadRequest => StatusCode::BAD_REQUEST,
+            Refusal::BadRequest | Refusal::BadHost => StatusCode::BAD_REQUEST,
+            Refusal::NotCached => StatusCode::GATEWAY_TIMEOUT,
             Refusal::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             Refusal::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Refusal::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
@@ -70,6 +78,9 @@ pub struct Metrics {
     backend_up: Family<Labels, Gauge>,
     cache: Family<Labels, Counter>,
     cache_store: Family<Labels, Gauge>,
+    pub connections: Gauge,
+    accept_errors: Counter,
+    connection_timeouts: Family<Labels, Counter>,
 }
 
 impl Metrics {
@@ -88,17 +99,52 @@ impl Metrics {
         registry.register("origin_requests", "Requests sent to backends, every attempt counted, health checks not", origin_requests.clone());
         registry.register("request_body_bytes", "Request body bytes received from clients", request_bytes.clone());
         registry.register("response_body_bytes", "Response body bytes sent to clients", response_bytes.clone());
-        registry.register("request_duration_seconds", "Time from request head to response head", latency.clone());
+        registry.register("request_duration_seconds", "Time from request head to response head (the access log has the time to the last byte too)", latency.clone());
         registry.register("backend_up", "1 when the backend takes new requests (checks and passive ejection)", backend_up.clone());
         let cache = Family::<Labels, Counter>::default();
         let cache_store = Family::<Labels, Gauge>::default();
         registry.register("cache", "GET requests through the cache by outcome", cache.clone());
         registry.register("cache_store", "The cache store: entries, bytes, capacity_bytes, corrupt, evictions", cache_store.clone());
+        let connections = Gauge::default();
+        let accept_errors = Counter::default();
+        let connection_timeouts = Family::<Labels, Counter>::default();
+        registry.register("connections", "Client connections open", connections.clone());
+        registry.register("accept_errors", "Failed accepts (out of file descriptors and the like), each followed by a backoff", accept_errors.clone());
+        registry.register("connection_timeouts", "Client connections closed by a timeout: header, idle or send", connection_timeouts.clone());
+        for e in [Expiry::Header, Expiry::Idle, Expiry::Send] {
+            let _ = connection_timeouts.get_or_create(&vec![("kind", e.label().to_string())]);
+        }
         // Every outcome exported from the start, so a rate() sees its 0.
         for o in Outcome::ALL {
             let _ = cache.get_or_create(&vec![("result", o.label().to_string())]);
         }
-        Metrics { registry, requests, refusals, origin_requests, request_bytes, response_bytes, latency, backend_up, cache, cache_store }
+        Metrics {
+            registry,
+            requests,
+            refusals,
+            origin_requests,
+            request_bytes,
+            response_bytes,
+            latency,
+            backend_up,
+            cache,
+            cache_store,
+            connections,
+            accept_errors,
+            connection_timeouts,
+        }
+    }
+
+    pub fn accept_error(&self) {
+        self.accept_errors.inc();
+    }
+
+    /// A header timeout with bytes sent got a 408: it counts as a response.
+    pub fn connection_timeout(&self, e: Expiry) {
+        self.connection_timeouts.get_or_create(&vec![("kind", e.label().to_string())]).inc();
+        if e == Expiry::Header {
+            self.requests.get_or_create(&vec![("class", "4xx".to_string())]).inc();
+        }
     }
 
     pub fn response(&self, status: StatusCode, took: Duration) {

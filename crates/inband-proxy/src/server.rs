@@ -15,19 +15,15 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, Semaphore};
 
-use crate::{cache_layer, forward};
+use crate::conn::{self, State};
 use crate::metrics::Refusal;
-use crate::Shared;
+use crate::{access, cache_control, cache_layer, forward, Shared};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type ProxyBody = BoxBody<Bytes, BoxError>;
-
-/// A slow client gets this long to send its request head, so idle or
-/// trickling connections cannot hold the proxy open forever.
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub fn full(body: impl Into<Bytes>) -> ProxyBody {
     Full::new(body.into()).map_err(|never| match never {}).boxed()
@@ -36,6 +32,8 @@ pub fn full(body: impl Into<Bytes>) -> ProxyBody {
 pub fn refusal_response(r: Refusal) -> Response<ProxyBody> {
     let text = match r {
         Refusal::BadRequest => "bad request\n",
+        Refusal::BadHost => "a request needs exactly one Host header\n",
+        Refusal::NotCached => "not cached (only-if-cached)\n",
         Refusal::HeadersTooLarge => "request headers too large\n",
         Refusal::BodyTooLarge => "request body too large\n",
         Refusal::BodyTimeout => "request body too slow\n",
@@ -61,10 +59,19 @@ pub async fn serve(shared: Arc<Shared>, listener: TcpListener, mut stop: watch::
     // hyper-util tells them apart by the connection preface.
     let mut builder = auto::Builder::new(TokioExecutor::new());
     let max_head = shared.cfg.raw.max_header_bytes;
-    builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT).max_buf_size(max_head);
+    // The header timeout is conn.rs's, from accept and with a 408.
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(None).max_buf_size(max_head);
     builder.http2().timer(TokioTimer::new()).max_header_list_size(max_head as u32);
     let builder = Arc::new(builder);
+    let slots = Arc::new(Semaphore::new(shared.max_connections));
+    let mut backoff = Backoff::default();
     loop {
+        // At max_connections new clients wait in the listen backlog until
+        // a connection closes (the timeouts make sure one does).
+        let permit = tokio::select! {
+            p = slots.clone().acquire_owned() => p.expect("the semaphore is never closed"),
+            _ = stop.wait_for(|s| *s) => break,
+        };
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
             _ = stop.wait_for(|s| *s) => break,
@@ -72,38 +79,34 @@ pub async fn serve(shared: Arc<Shared>, listener: TcpListener, mut stop: watch::
         let (stream, peer) = match accepted {
             Ok(a) => a,
             Err(e) => {
-                // Out of descriptors and the like: back off, don't spin.
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                shared.metrics.accept_error();
+                backoff.wait(&e, "accept failed").await;
                 continue;
             }
         };
+        backoff.reset();
         let _ = stream.set_nodelay(true);
         // On a dual-stack listener IPv4 clients appear as ::ffff:a.b.c.d;
         // purge_allow, X-Forwarded-For and hashing want a.b.c.d.
         let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
+        let (io, sock, state) = conn::Io::new(stream);
         let s = shared.clone();
-        let service = service_fn(move |req| handle(s.clone(), req, peer));
+        let st = state.clone();
+        let service = service_fn(move |req| handle(s.clone(), req, peer, st.clone()));
         let (s, builder, watcher) = (shared.clone(), builder.clone(), graceful.watcher());
         tokio::spawn(async move {
-            let conn = builder.serve_connection(TokioIo::new(stream), service);
-            if let Err(e) = watcher.watch(conn).await {
-                let parse = e.downcast_ref::<hyper::Error>();
-                let refusal = if parse.is_some_and(|e| e.is_parse_too_large()) {
-                    Some(Refusal::HeadersTooLarge)
-                } else if parse.is_some_and(|e| e.is_parse()) {
-                    Some(Refusal::BadRequest)
-                } else {
-                    None
-                };
-                match refusal {
-                    Some(r) => {
-                        s.metrics.refused_by_parser(r);
-                        tracing::info!(target: "inband_proxy::access", client = %peer, status = r.status().as_u16(), error = %e, "refused");
-                    }
-                    None => tracing::debug!(client = %peer, error = %e, "connection ended with an error"),
+            let _permit = permit;
+            s.metrics.connections.inc();
+            let conn = watcher.watch(builder.serve_connection(TokioIo::new(io), service));
+            match conn::watch(conn, &sock, &state, s.cfg.timeouts()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => connection_error(&s, peer, e),
+                Err(expiry) => {
+                    s.metrics.connection_timeout(expiry);
+                    tracing::debug!(client = %peer, timeout = expiry.label(), "connection closed by a timeout");
                 }
             }
+            s.metrics.connections.dec();
         });
     }
     drop(listener);
@@ -113,28 +116,55 @@ pub async fn serve(shared: Arc<Shared>, listener: TcpListener, mut stop: watch::
     }
 }
 
-async fn handle(shared: Arc<Shared>, req: Request<Incoming>, peer: SocketAddr) -> Result<Response<ProxyBody>, Infallible> {
-    let start = Instant::now();
-    let method = req.method().clone();
-    let uri = req.uri().clone();
-    let resp = respond(&shared, req, peer).await;
-    let took = start.elapsed();
-    shared.metrics.response(resp.status(), took);
-    let cache = resp.headers().get("x-cache").and_then(|v| v.to_str().ok()).unwrap_or("-");
-    tracing::info!(
-        target: "inband_proxy::access",
-        client = %peer, %method, %uri, status = resp.status().as_u16(), cache, ms = took.as_secs_f64() * 1e3
-    );
+fn connection_error(s: &Shared, peer: SocketAddr, e: BoxError) {
+    let parse = e.downcast_ref::<hyper::Error>();
+    let refusal = if parse.is_some_and(|e| e.is_parse_too_large()) {
+        Some(Refusal::HeadersTooLarge)
+    } else if parse.is_some_and(|e| e.is_parse()) {
+        Some(Refusal::BadRequest)
+    } else {
+        None
+    };
+    match refusal {
+        Some(r) => {
+            s.metrics.refused_by_parser(r);
+            tracing::info!(target: "inband_proxy::access", client = %peer, status = r.status().as_u16(), error = %e, "refused");
+        }
+        None => tracing::debug!(client = %peer, error = %e, "connection ended with an error"),
+    }
+}
+
+/// Out of descriptors (EMFILE, ENFILE) or memory, accept fails at once
+/// every time it is called: waiting, doubling up to a second, keeps the
+/// loop from spinning while connections close.
+#[derive(Default)]
+struct Backoff {
+    delay_ms: u64,
+}
+
+impl Backoff {
+    async fn wait(&mut self, e: &std::io::Error, what: &str) {
+        self.delay_ms = (self.delay_ms * 2).clamp(10, 1000);
+        tracing::warn!(error = %e, retry_in_ms = self.delay_ms, "{what}");
+        tokio::time::sleep(Duration::from_millis(self.delay_ms)).await;
+    }
+
+    fn reset(&mut self) {
+        self.delay_ms = 0;
+    }
+}
+
+async fn handle(shared: Arc<Shared>, req: Request<Incoming>, peer: SocketAddr, conn: Arc<State>) -> Result<Response<ProxyBody>, Infallible> {
+    let guard = conn.begin_request();
+    let info = access::Request { client: peer, method: req.method().clone(), uri: req.uri().clone(), start: Instant::now() };
+    let mut resp = respond(&shared, req, peer).await;
+    shared.metrics.response(resp.status(), info.start.elapsed());
+    // RFC 9110 §7.6.3: the hop this response took through us.
+    resp.headers_mut().append(header::VIA, HeaderValue::from_static("1.1 inband"));
+    let cache = resp.extensions().get::<cache_layer::Outcome>().map_or("-", |o| o.label());
+    let status = resp.status().as_u16();
     let counter = shared.metrics.response_bytes.clone();
-    Ok(resp.map(|b| {
-        b.map_frame(move |f| {
-            if let Some(d) = f.data_ref() {
-                counter.inc_by(d.len() as u64);
-            }
-            f
-        })
-        .boxed()
-    }))
+    Ok(resp.map(|b| access::Tracked::new(b, info, status, cache, guard, counter).boxed()))
 }
 
 async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
@@ -144,6 +174,7 @@ async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr)
         return refuse(shared, Refusal::BodyTooLarge);
     }
     let (mut parts, body) = req.into_parts();
+    cache_control::normalize(&mut parts.headers);
     // HTTP/2 (and an absolute-form HTTP/1.1 request line) carry the host in
     // the URI: move it to Host so the backend, the cache key and the stored
     // policy see one form whatever the client spoke.
@@ -156,6 +187,13 @@ async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr)
         if let Some(pq) = parts.uri.path_and_query() {
             parts.uri = pq.as_str().parse().expect("a path-and-query is a URI");
         }
+    }
+    // RFC 9112 §3.2: an HTTP/1.1 request without Host, or any request with
+    // two, is 400 — forwarded, it would reach the backend with our choice
+    // of Host and be cached under it.
+    let hosts = parts.headers.get_all(header::HOST).iter().count();
+    if hosts > 1 || (hosts == 0 && parts.version != http::Version::HTTP_10) {
+        return refuse(shared, Refusal::BadHost);
     }
     // Buffered so a retry can resend it; the limit bounds the memory.
     let read = tokio::time::timeout(shared.cfg.client_body_timeout(), Limited::new(body, limit as usize).collect());
@@ -170,7 +208,7 @@ async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr)
         return purge(shared, &parts, peer).await;
     }
     forward::strip_hop_by_hop(&mut parts.headers);
-    forward::add_forwarding(&mut parts.headers, peer);
+    forward::add_forwarding(&mut parts.headers, peer, parts.version);
     let key = forward::hash_key(&shared.cfg.hash_key, &parts, peer);
     let result = match &shared.cache {
         Some(cache) if cache_layer::applies(&parts) => cache_layer::serve(shared, cache, parts, &key).await,
@@ -218,24 +256,37 @@ fn refuse(shared: &Shared, r: Refusal) -> Response<ProxyBody> {
 
 /// `GET /metrics` in Prometheus text format; anything else is 404.
 pub async fn serve_metrics(shared: Arc<Shared>, listener: TcpListener) {
+    let mut backoff = Backoff::default();
     loop {
-        let Ok((stream, _)) = listener.accept().await else { continue };
-        let s = shared.clone();
-        let service = service_fn(move |req: Request<Incoming>| {
-            let s = s.clone();
-            async move {
-                let resp = if req.uri().path() == "/metrics" {
-                    let mut r = Response::new(full(s.render_metrics()));
-                    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
-                    r
-                } else {
-                    let mut r = Response::new(full("see /metrics\n"));
-                    *r.status_mut() = StatusCode::NOT_FOUND;
-                    r
-                };
-                Ok::<_, Infallible>(resp)
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                backoff.wait(&e, "metrics accept failed").await;
+                continue;
             }
-        });
-        tokio::spawn(http1::Builder::new().serve_connection(TokioIo::new(stream), service));
+        };
+        backoff.reset();
+        tokio::spawn(serve_metrics_connection(shared.clone(), stream));
     }
+}
+
+async fn serve_metrics_connection(shared: Arc<Shared>, stream: TcpStream) {
+    let service = service_fn(move |req: Request<Incoming>| {
+        let s = shared.clone();
+        async move {
+            let resp = if req.uri().path() == "/metrics" {
+                let mut r = Response::new(full(s.render_metrics()));
+                r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
+                r
+            } else {
+                let mut r = Response::new(full("see /metrics\n"));
+                *r.status_mut() = StatusCode::NOT_FOUND;
+                r
+            };
+            Ok::<_, Infallible>(resp)
+        }
+    });
+    // A scraper that stalls must not hold a descriptor for ever.
+    let conn = http1::Builder::new().timer(TokioTimer::new()).header_read_timeout(Duration::from_secs(10)).serve_connection(TokioIo::new(stream), service);
+    let _ = tokio::time::timeout(Duration::from_secs(60), conn).await;
 }

@@ -113,3 +113,32 @@ async fn backend_timeout_is_504() {
     assert_eq!(refusals(&metrics(&p).await, "backend_timeout"), 1.0);
     p.shutdown().await;
 }
+
+#[tokio::test]
+async fn http11_without_host_or_with_two_is_400_and_http10_without_is_served() {
+    let o = Origin::start(|_| ok("x")).await;
+    let p = start_proxy(&[o.addr], "").await;
+    let out = raw(p.addr, b"GET / HTTP/1.1\r\nconnection: close\r\n\r\n").await;
+    assert!(out.starts_with("HTTP/1.1 400"), "{out:?}");
+    let out = raw(p.addr, b"GET / HTTP/1.1\r\nhost: a\r\nhost: b\r\nconnection: close\r\n\r\n").await;
+    assert!(out.starts_with("HTTP/1.1 400"), "{out:?}");
+    assert_eq!(o.hits(), 0);
+    let out = raw(p.addr, b"GET / HTTP/1.0\r\n\r\n").await;
+    assert!(out.starts_with("HTTP/1.0 200") || out.starts_with("HTTP/1.1 200"), "{out:?}");
+    assert_eq!(o.hits(), 1);
+    assert_eq!(refusals(&metrics(&p).await, "bad_host"), 2.0);
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn via_is_added_toward_the_backend_and_toward_the_client() {
+    let o = Origin::start(|_| ok("x").header("via", "1.1 origin-cdn")).await;
+    let p = start_proxy(&[o.addr], "").await;
+    let r = send(p.addr, "GET", "/", &[("via", "1.0 client-proxy")], b"").await;
+    let via: Vec<String> = r.headers.get_all("via").iter().map(|v| v.to_str().unwrap().to_string()).collect();
+    assert_eq!(via, ["1.1 origin-cdn", "1.1 inband"]);
+    let seen = o.seen();
+    let via: Vec<&str> = seen[0].headers.get_all("via").iter().map(|v| v.to_str().unwrap()).collect();
+    assert_eq!(via, ["1.0 client-proxy", "1.1 inband"]);
+    p.shutdown().await;
+}

@@ -30,6 +30,11 @@ async fn origin() -> Origin {
             "/private" => ok(&body).header("cache-control", "private, max-age=60"),
             "/no-cache" => ok(&body).header("cache-control", "no-cache, max-age=60"),
             "/cookie" => ok(&body).header("cache-control", "max-age=60").header("set-cookie", "session=secret"),
+            "/public-cookie" => ok(&body).header("cache-control", "public, max-age=60").header("set-cookie", format!("session={i}")),
+            "/Private" => ok(&body).header("cache-control", "Private, max-age=60"),
+            "/No-Store" => ok(&body).header("cache-control", "No-Store, max-age=60"),
+            "/MAX-AGE" => ok(&body).header("cache-control", "MAX-AGE=60"),
+            "/S-MAXAGE" => ok(&body).header("cache-control", "max-age=0, S-MaxAge=60"),
             "/short" => ok(&body).header("cache-control", "max-age=1"),
             "/sie" | "/sie-none" if !first => ok("origin failure").status(503),
             "/sie" => ok(&body).header("cache-control", "max-age=1, stale-if-error=60"),
@@ -223,7 +228,10 @@ async fn stale_if_error_serves_the_stale_entry_when_the_origin_fails() {
     assert_eq!(o.hits(), 4);
     let m = metrics(&p).await;
     assert_eq!(sample(&m, "inband_proxy_cache_total{result=\"stale\"}"), 1.0, "{m}");
-    assert_eq!(sample(&m, "inband_proxy_cache_total{result=\"updated\"}"), 1.0, "{m}");
+    // The 503 passed on is an error, not a stale entry the origin updated.
+    assert_eq!(sample(&m, "inband_proxy_cache_total{result=\"error\"}"), 1.0, "{m}");
+    assert_eq!(sample(&m, "inband_proxy_cache_total{result=\"updated\"}"), 0.0, "{m}");
+    assert_eq!(x_cache(&c), "ERROR");
     p.shutdown().await;
 }
 
@@ -272,7 +280,7 @@ async fn vary_keeps_one_entry_per_header_value() {
     assert_eq!(o.hits(), 2);
     // Purging the URL takes every variant.
     let r = send(p.addr, "PURGE", "/vary", &[("host", HOST)], b"").await;
-    assert_eq!((r.status, r.body.as_str()), (200, "purged 3 entries\n"));
+    assert_eq!((r.status, r.body.as_str()), (200, "purged 2 entries\n"), "two variants; the Vary marker is not counted");
     assert_ne!(lang(&p, "en").await.body, en.body);
     assert_eq!(o.hits(), 3);
     p.shutdown().await;
@@ -452,5 +460,66 @@ async fn http2_clients_share_the_cache_with_http1_clients() {
     let seen = o.seen();
     assert_eq!(seen.len(), 2);
     assert_eq!(seen[1].headers["host"], HOST, "the backend sees the client's host over HTTP/1.1");
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn cache_control_directives_are_read_in_any_letter_case() {
+    let o = origin().await;
+    let p = start_proxy(&[o.addr], "[cache]\nbackend = \"memory\"").await;
+    for (path, stored) in [("/Private", false), ("/No-Store", false), ("/MAX-AGE", true), ("/S-MAXAGE", true)] {
+        let before = o.hits();
+        let (a, b) = (cget(&p, path).await, cget(&p, path).await);
+        assert_eq!((a.status, b.status), (200, 200), "{path}");
+        assert_eq!(b.body == a.body, stored, "{path}: {} / {}", a.body, b.body);
+        assert_eq!(o.hits(), before + if stored { 1 } else { 2 }, "{path}");
+    }
+    // A client's NO-CACHE makes the cache ask the origin.
+    let before = o.hits();
+    let r = send(p.addr, "GET", "/MAX-AGE", &[("host", HOST), ("cache-control", "NO-CACHE")], b"").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(o.hits(), before + 1, "NO-CACHE went to the origin");
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn set_cookie_responses_are_not_stored_by_default() {
+    let o = origin().await;
+    let p = start_proxy(&[o.addr], "[cache]\nbackend = \"memory\"").await;
+    let (a, b) = (cget(&p, "/public-cookie").await, cget(&p, "/public-cookie").await);
+    let cookie = |r: &Reply2| r.headers.get("set-cookie").map(|v| v.to_str().unwrap().to_string());
+    assert_eq!(o.hits(), 2, "not stored");
+    assert_ne!(cookie(&a), cookie(&b), "each client gets its own cookie: {:?}", cookie(&a));
+    assert_eq!(sample(&metrics(&p).await, "inband_proxy_cache_store{what=\"entries\"}"), 0.0);
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn set_cookie_strip_stores_the_response_without_the_cookie() {
+    let o = origin().await;
+    let p = start_proxy(&[o.addr], "[cache]\nbackend = \"memory\"\nset_cookie = \"strip\"").await;
+    let a = cget(&p, "/public-cookie").await;
+    assert_eq!(a.headers.get("set-cookie").unwrap(), "session=0", "the client that caused the fetch gets its cookie");
+    let b = cget(&p, "/public-cookie").await;
+    assert_eq!((x_cache(&b), b.body.as_str()), ("HIT", a.body.as_str()));
+    assert!(!b.headers.contains_key("set-cookie"), "another client's cookie replayed: {:?}", b.headers);
+    assert_eq!(o.hits(), 1);
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn only_if_cached_is_504_on_a_miss_and_never_asks_the_origin() {
+    let o = origin().await;
+    let p = start_proxy(&[o.addr], "[cache]\nbackend = \"memory\"").await;
+    let oic = || send(p.addr, "GET", "/max-age", &[("host", HOST), ("cache-control", "Only-If-Cached")], b"");
+    let r = oic().await;
+    assert_eq!(r.status, 504);
+    assert_eq!(o.hits(), 0);
+    let filled = cget(&p, "/max-age").await;
+    let r = oic().await;
+    assert_eq!((r.status, x_cache(&r), r.body.as_str()), (200, "HIT", filled.body.as_str()));
+    assert_eq!(o.hits(), 1);
+    let m = metrics(&p).await;
+    assert_eq!(sample(&m, "inband_proxy_refusals_total{reason=\"only_if_cached\"}"), 1.0, "{m}");
     p.shutdown().await;
 }

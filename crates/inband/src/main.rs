@@ -107,6 +107,9 @@ fn main() {
             tracing_subscriber::EnvFilter::try_from_env("INBAND_LOG").unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        // Colour codes only for a person at a terminal: redirected to a
+        // file or a journal they are noise in every line (NO_COLOR honoured).
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()) && std::env::var_os("NO_COLOR").is_none())
         .init();
     if let Err(e) = run(Cli::parse()) {
         eprintln!("error: {e:#}");

@@ -1,8 +1,11 @@
 //! `inband proxy` as a process, on loopback: SIGTERM finishes the request
 //! in flight and exits 0; `kill -9` in the middle of cache writes leaves a
-//! cache that serves only intact entries after a restart.
+//! cache that serves only intact entries after a restart; out of file
+//! descriptors it backs off and recovers once idle clients time out; a bad
+//! config gets every error at once; logs to a file carry no colour codes.
 
 use std::io::{Read, Write};
+use std::os::unix::process::CommandExt;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -197,4 +200,88 @@ fn kill_9_during_cache_writes_then_restart_serves_only_intact_entries() {
     }
     assert!(hits >= 30, "only {hits} entries survived the kill");
     assert_eq!(o.hits.load(Ordering::SeqCst) - before, misses, "every miss, and only misses, went to the origin");
+}
+
+/// CPU seconds (user + system) a process has used so far.
+fn cpu_s(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat.rsplit_once(')').unwrap().1.split_whitespace().collect();
+    // utime and stime are fields 14 and 15; fields[0] is field 3.
+    let ticks: f64 = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
+    ticks / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
+}
+
+#[test]
+fn out_of_descriptors_it_backs_off_and_recovers_when_idle_clients_time_out() {
+    let o = origin();
+    let dir = tempfile::tempdir().unwrap();
+    let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let cfg = dir.path().join("proxy.toml");
+    // max_connections far above what 48 descriptors allow: the limit hit is
+    // the kernel's (EMFILE), not the proxy's own.
+    std::fs::write(
+        &cfg,
+        format!("listen = \"{addr}\"\nbackends = [\"{}\"]\nmax_connections = 1000\nclient_header_timeout_ms = 1500\n", o.addr),
+    )
+    .unwrap();
+    let log = dir.path().join("proxy.log");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_inband"));
+    cmd.args(["proxy", "--config"]).arg(&cfg).env("INBAND_LOG", "info").stdout(Stdio::null());
+    cmd.stderr(std::fs::File::create(&log).unwrap());
+    // SAFETY: only setrlimit between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            let l = libc::rlimit { rlim_cur: 48, rlim_max: 48 };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &l) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let p = Proc(cmd.spawn().unwrap());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while get(addr, "/k/1").is_err() {
+        assert!(Instant::now() < deadline, "proxy did not start serving");
+        thread::sleep(Duration::from_millis(20));
+    }
+    // Idle clients, more than the proxy has descriptors for.
+    let idle: Vec<TcpStream> = (0..60).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !std::fs::read_to_string(&log).unwrap().contains("accept failed") {
+        assert!(Instant::now() < deadline, "accept never failed: the test did not reach EMFILE");
+        thread::sleep(Duration::from_millis(20));
+    }
+    let c0 = cpu_s(p.0.id());
+    thread::sleep(Duration::from_millis(500));
+    let spent = cpu_s(p.0.id()) - c0;
+    assert!(spent < 0.2, "{spent:.2} CPU s in 0.5 s while out of descriptors: the accept loop spins");
+    // The header timeout closes the idle clients from accept; service resumes.
+    let t = Instant::now();
+    let (status, _, body) = get(addr, "/k/2").unwrap();
+    assert_eq!((status, body.as_str()), (200, body_for(2).as_str()));
+    assert!(t.elapsed() < Duration::from_secs(8), "recovered only after {:?}", t.elapsed());
+    drop(idle);
+    drop(p);
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("proxy listening"), "{text}");
+    // The access line of /k/2: time to head and to the last byte, all bytes sent.
+    let line = text.lines().find(|l| l.contains("uri=/k/2")).unwrap_or_else(|| panic!("no access line for /k/2:\n{text}"));
+    for want in ["status=200", "head_ms=", " ms=", &format!("bytes={}", body_for(2).len()), "complete=true"] {
+        assert!(line.contains(want), "{want:?} missing in {line}");
+    }
+    assert!(!text.contains('\x1b'), "colour codes in a log file:\n{text}");
+}
+
+#[test]
+fn a_bad_config_gets_every_error_in_one_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("proxy.toml");
+    std::fs::write(&cfg, "listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\nretries = -1\nidle_timeout = 5\n[cache]\nbackend = \"tape\"\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_inband")).args(["proxy", "--config"]).arg(&cfg).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    for want in ["line 3:", "line 4: unknown field `idle_timeout`", "line 6: unknown variant `tape`"] {
+        assert!(err.contains(want), "{want:?} missing in:\n{err}");
+    }
+    assert!(!err.contains('\x1b'), "{err}");
 }

@@ -1,0 +1,96 @@
+//! The response body as sent to the client: counts its bytes, ends the
+//! request for the connection's timeouts, and writes the access log line
+//! when the last byte has gone (or the client went away), with both the
+//! time to the response head and the time to the last byte.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::{Method, Uri};
+use hyper::body::{Body, Frame, SizeHint};
+use prometheus_client::metrics::counter::Counter;
+
+use crate::conn::RequestGuard;
+use crate::server::{BoxError, ProxyBody};
+
+pub struct Request {
+    pub client: SocketAddr,
+    pub method: Method,
+    pub uri: Uri,
+    pub start: Instant,
+}
+
+pub struct Tracked {
+    inner: ProxyBody,
+    log: Option<Line>,
+    counter: Counter,
+}
+
+struct Line {
+    req: Request,
+    status: u16,
+    cache: &'static str,
+    head_ms: f64,
+    bytes: u64,
+    _guard: RequestGuard,
+}
+
+impl Tracked {
+    pub fn new(inner: ProxyBody, req: Request, status: u16, cache: &'static str, guard: RequestGuard, counter: Counter) -> Tracked {
+        let head_ms = req.start.elapsed().as_secs_f64() * 1e3;
+        Tracked { inner, log: Some(Line { req, status, cache, head_ms, bytes: 0, _guard: guard }), counter }
+    }
+
+    fn finish(&mut self, complete: bool) {
+        if let Some(l) = self.log.take() {
+            tracing::info!(
+                target: "inband_proxy::access",
+                client = %l.req.client, method = %l.req.method, uri = %l.req.uri, status = l.status, cache = l.cache,
+                head_ms = l.head_ms, ms = l.req.start.elapsed().as_secs_f64() * 1e3, bytes = l.bytes, complete
+            );
+        }
+    }
+}
+
+impl Body for Tracked {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(f))) => {
+                if let Some(d) = f.data_ref() {
+                    let n = d.len() as u64;
+                    self.counter.inc_by(n);
+                    if let Some(l) = &mut self.log {
+                        l.bytes += n;
+                    }
+                }
+            }
+            Poll::Ready(None) => self.finish(true),
+            Poll::Ready(Some(Err(_))) => self.finish(false),
+            Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        // hyper drops an empty body (304, HEAD) without polling it.
+        let complete = self.inner.is_end_stream();
+        self.finish(complete);
+    }
+}

@@ -1,0 +1,247 @@
+//! One client connection's clocks: the timeouts hyper does not keep.
+//!
+//! hyper's HTTP/1 header timeout starts only once a request's first bytes
+//! are parsed (behind hyper-util's protocol sniffing, not at accept), it
+//! closes without a 408, and nothing bounds an idle keep-alive connection
+//! or a client that stops reading. So the socket is shared between hyper
+//! (through [`Io`]) and a watchdog in the connection's task, which knows
+//! from [`State`] whether a request is in progress and closes the
+//! connection when one of these runs out:
+//!
+//! - `client_header_timeout_ms`, from accept (or from the first byte of a
+//!   later request) to a complete request head: a 408 when some bytes came,
+//!   a silent close when none did;
+//! - `idle_timeout_ms`, between a finished response and the next request's
+//!   first byte on a keep-alive connection: a silent close;
+//! - `send_timeout_ms`, how long a response write may wait for the client
+//!   to read: the connection is closed.
+//!
+//! The request body keeps its own `client_body_timeout_ms` (server.rs).
+
+use std::io;
+use std::os::fd::AsRawFd;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::Notify;
+
+const NONE: u64 = u64::MAX;
+
+#[derive(Clone, Copy, Debug)]
+pub struct Timeouts {
+    pub header: Duration,
+    pub idle: Duration,
+    pub send: Duration,
+}
+
+/// Why the watchdog closed a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expiry {
+    /// No request head within the header timeout, some bytes of it sent.
+    Header,
+    /// Nothing sent: after accept (header timeout) or after a response
+    /// (idle timeout).
+    Idle,
+    /// A response write waited for the client longer than the send timeout.
+    Send,
+}
+
+impl Expiry {
+    pub fn label(self) -> &'static str {
+        match self {
+            Expiry::Header => "header",
+            Expiry::Idle => "idle",
+            Expiry::Send => "send",
+        }
+    }
+}
+
+/// What the watchdog reads. Times are milliseconds since `start`.
+pub struct State {
+    start: Instant,
+    /// Requests whose response has not finished (HTTP/2 runs several).
+    active: AtomicU32,
+    /// When `active` last fell to 0, or accept.
+    waiting_since: AtomicU64,
+    /// First byte read while `active` was 0; NONE before it.
+    first_byte: AtomicU64,
+    /// A response finished on this connection: waiting is keep-alive idling.
+    kept_alive: AtomicBool,
+    /// When a write found the socket full; NONE while writes go through.
+    write_blocked: AtomicU64,
+    /// The client opened with the HTTP/2 preface: no HTTP/1 408 for it.
+    http2: AtomicBool,
+    sniffed: AtomicBool,
+    /// Wakes the watchdog when a deadline may have moved earlier.
+    changed: Notify,
+}
+
+impl State {
+    fn new() -> State {
+        State {
+            start: Instant::now(),
+            active: AtomicU32::new(0),
+            waiting_since: AtomicU64::new(0),
+            first_byte: AtomicU64::new(NONE),
+            kept_alive: AtomicBool::new(false),
+            write_blocked: AtomicU64::new(NONE),
+            http2: AtomicBool::new(false),
+            sniffed: AtomicBool::new(false),
+            changed: Notify::new(),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64
+    }
+
+    /// A request head arrived; the guard ends it when its response has been
+    /// sent (or abandoned).
+    pub fn begin_request(self: &Arc<State>) -> RequestGuard {
+        self.active.fetch_add(1, Ordering::AcqRel);
+        self.changed.notify_one();
+        RequestGuard(self.clone())
+    }
+
+    /// When the watchdog must look again, and what expires then.
+    fn deadline(&self, t: &Timeouts) -> (u64, Expiry) {
+        let ms = |d: Duration| d.as_millis() as u64;
+        if self.active.load(Ordering::Acquire) > 0 {
+            return match self.write_blocked.load(Ordering::Acquire) {
+                NONE => (self.now() + ms(t.send), Expiry::Send), // look again later
+                since => (since.saturating_add(ms(t.send)), Expiry::Send),
+            };
+        }
+        match self.first_byte.load(Ordering::Acquire) {
+            NONE if self.kept_alive.load(Ordering::Acquire) => (self.waiting_since.load(Ordering::Acquire) + ms(t.idle), Expiry::Idle),
+            NONE => (self.waiting_since.load(Ordering::Acquire) + ms(t.header), Expiry::Idle),
+            first => {
+                // The first request's head is bounded from accept.
+                let from = if self.kept_alive.load(Ordering::Acquire) { first } else { 0 };
+                (from + ms(t.header), Expiry::Header)
+            }
+        }
+    }
+}
+
+/// Held while a request's response is being produced and sent.
+pub struct RequestGuard(Arc<State>);
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        let s = &self.0;
+        if s.active.fetch_sub(1, Ordering::AcqRel) == 1 {
+            s.first_byte.store(NONE, Ordering::Release);
+            s.waiting_since.store(s.now(), Ordering::Release);
+            s.kept_alive.store(true, Ordering::Release);
+            s.changed.notify_one();
+        }
+    }
+}
+
+/// The socket as hyper sees it. tokio's readiness API works on a shared
+/// `&TcpStream`, so the watchdog can still write a 408 on the same socket.
+pub struct Io {
+    sock: Arc<TcpStream>,
+    state: Arc<State>,
+}
+
+impl Io {
+    pub fn new(sock: TcpStream) -> (Io, Arc<TcpStream>, Arc<State>) {
+        let (sock, state) = (Arc::new(sock), Arc::new(State::new()));
+        (Io { sock: sock.clone(), state: state.clone() }, sock, state)
+    }
+}
+
+impl AsyncRead for Io {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        loop {
+            ready!(self.sock.poll_read_ready(cx))?;
+            match self.sock.try_read(buf.initialize_unfilled()) {
+                Ok(n) => {
+                    let s = &self.state;
+                    if n > 0 {
+                        if !s.sniffed.swap(true, Ordering::AcqRel) {
+                            s.http2.store(buf.initialize_unfilled()[..n].starts_with(b"PRI "), Ordering::Release);
+                        }
+                        if s.active.load(Ordering::Acquire) == 0 && s.first_byte.load(Ordering::Acquire) == NONE {
+                            s.first_byte.store(s.now(), Ordering::Release);
+                            s.changed.notify_one();
+                        }
+                    }
+                    buf.advance(n);
+                    return Poll::Ready(Ok(()));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+}
+
+impl AsyncWrite for Io {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+        loop {
+            if self.sock.poll_write_ready(cx).is_pending() {
+                let s = &self.state;
+                if s.write_blocked.load(Ordering::Acquire) == NONE {
+                    s.write_blocked.store(s.now(), Ordering::Release);
+                    s.changed.notify_one();
+                }
+                return Poll::Pending;
+            }
+            match self.sock.try_write(data) {
+                Ok(n) => {
+                    self.state.write_blocked.store(NONE, Ordering::Release);
+                    return Poll::Ready(Ok(n));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // SAFETY: shutdown(2) on a descriptor this Arc keeps open.
+        let r = unsafe { libc::shutdown(self.sock.as_raw_fd(), libc::SHUT_WR) };
+        Poll::Ready(if r == 0 { Ok(()) } else { Err(io::Error::last_os_error()) })
+    }
+}
+
+const REQUEST_TIMEOUT: &[u8] =
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\ncontent-length: 22\r\nconnection: close\r\n\r\nrequest head too slow\n";
+
+/// Runs `conn` until it ends or a timeout expires; returns its result, or
+/// the expiry that closed it (the future is dropped, which closes the socket).
+pub async fn watch<F: std::future::Future>(conn: F, sock: &TcpStream, state: &State, t: Timeouts) -> Result<F::Output, Expiry> {
+    tokio::pin!(conn);
+    loop {
+        let (at, expiry) = state.deadline(&t);
+        let wake = tokio::time::Instant::from_std(state.start + Duration::from_millis(at));
+        tokio::select! {
+            out = &mut conn => return Ok(out),
+            _ = tokio::time::sleep_until(wake) => {}
+            _ = state.changed.notified() => continue,
+        }
+        // Look again: the state may have moved on while we slept.
+        let (at, expiry_now) = state.deadline(&t);
+        if expiry_now != expiry || state.now() < at {
+            continue;
+        }
+        if expiry == Expiry::Header && !state.http2.load(Ordering::Acquire) {
+            // hyper is waiting for the rest of a head, so nothing else is
+            // writing; best effort, the socket closes right after.
+            let _ = sock.try_write(REQUEST_TIMEOUT);
+        }
+        return Err(expiry);
+    }
+}
