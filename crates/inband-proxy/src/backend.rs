@@ -14,13 +14,17 @@ pub struct Backend {
     in_flight: AtomicU64,
     /// Set by the active checker; true until a check says otherwise.
     checked_up: AtomicBool,
+    /// Every request asks whether a backend is ejected, so that answer is
+    /// an atomic (ms after `epoch`, 0 for not ejected); only failures,
+    /// which are rare, take the lock.
+    ejected_until_ms: AtomicU64,
+    epoch: Instant,
     passive: Mutex<Passive>,
 }
 
 #[derive(Default)]
 struct Passive {
     consecutive_failures: u32,
-    ejected_until: Option<Instant>,
 }
 
 /// Counts a request as in flight while it lives.
@@ -38,6 +42,8 @@ impl Backend {
             name: addr.to_string(),
             in_flight: AtomicU64::new(0),
             checked_up: AtomicBool::new(true),
+            ejected_until_ms: AtomicU64::new(0),
+            epoch: Instant::now(),
             passive: Mutex::new(Passive::default()),
         }
     }
@@ -54,7 +60,7 @@ impl Backend {
     /// Eligible for new requests: the active check passes and no passive
     /// ejection is running.
     pub fn is_healthy(&self, now: Instant) -> bool {
-        self.checked_up.load(Ordering::Relaxed) && self.passive.lock().unwrap().ejected_until.is_none_or(|t| now >= t)
+        self.checked_up.load(Ordering::Relaxed) && self.ms(now) >= self.ejected_until_ms.load(Ordering::Relaxed)
     }
 
     pub fn set_checked_up(&self, up: bool) {
@@ -75,7 +81,7 @@ impl Backend {
         p.consecutive_failures += 1;
         if p.consecutive_failures >= cfg.failures {
             p.consecutive_failures = 0;
-            p.ejected_until = Some(now + Duration::from_millis(cfg.cooldown_ms));
+            self.ejected_until_ms.store(self.ms(now + Duration::from_millis(cfg.cooldown_ms)), Ordering::Relaxed);
             return true;
         }
         false
@@ -84,5 +90,9 @@ impl Backend {
     pub fn record_success(&self) {
         let mut p = self.passive.lock().unwrap();
         p.consecutive_failures = 0;
+    }
+
+    fn ms(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.epoch).as_millis() as u64
     }
 }

@@ -30,18 +30,22 @@ impl Policy {
                 (0..n).map(|i| (start + i) % n).find(|&i| eligible(i))
             }
             PolicyKind::LeastRequest => {
-                let candidates: Vec<usize> = (0..n).filter(|&i| eligible(i)).collect();
-                match candidates.len() {
-                    0 => None,
-                    1 => Some(candidates[0]),
-                    c => {
-                        let mut rng = rand::thread_rng();
-                        let a = rng.gen_range(0..c);
-                        let b = (a + rng.gen_range(1..c)) % c;
-                        let (a, b) = (candidates[a], candidates[b]);
-                        Some(if backends[b].in_flight() < backends[a].in_flight() { b } else { a })
-                    }
+                // Two distinct random eligible backends, found by walking
+                // from two random starts: no list of candidates built per
+                // request, and a healthy pool (the usual case) takes one
+                // step per draw.
+                if n == 0 {
+                    return None;
                 }
+                let mut rng = rand::thread_rng();
+                let first = rng.gen_range(0..n);
+                let a = (0..n).map(|k| (first + k) % n).find(|&i| eligible(i))?;
+                let start = rng.gen_range(1..n.max(2));
+                let b = (0..n).map(|k| (a + start + k) % n).find(|&i| i != a && eligible(i));
+                Some(match b {
+                    Some(b) if backends[b].in_flight() < backends[a].in_flight() => b,
+                    _ => a,
+                })
             }
             // Rendezvous (highest-random-weight) hashing rather than a ring:
             // when a backend is ejected only its own keys move, with no ring
@@ -104,5 +108,19 @@ mod tests {
         for _ in 0..50 {
             assert_eq!(p.pick(&b, |_| true, b""), Some(1));
         }
+    }
+
+    #[test]
+    fn least_request_draws_among_eligible_only_and_uses_them_all() {
+        let b = pool(4);
+        let p = Policy::new(PolicyKind::LeastRequest);
+        let mut counts = [0; 4];
+        for _ in 0..400 {
+            counts[p.pick(&b, |i| i != 2, b"").unwrap()] += 1;
+        }
+        assert_eq!(counts[2], 0);
+        assert!(counts.iter().enumerate().all(|(i, &c)| i == 2 || c > 50), "{counts:?}");
+        assert_eq!(p.pick(&b, |_| false, b""), None);
+        assert_eq!(p.pick(&b, |i| i == 3, b""), Some(3));
     }
 }
