@@ -100,6 +100,13 @@ impl State {
         self.start.elapsed().as_millis() as u64
     }
 
+    fn note_write_blocked(&self) {
+        if self.write_blocked.load(Ordering::Acquire) == NONE {
+            self.write_blocked.store(self.now(), Ordering::Release);
+            self.changed.notify_one();
+        }
+    }
+
     /// A request head arrived; the guard ends it when its response has been
     /// sent (or abandoned).
     pub fn begin_request(self: &Arc<State>) -> RequestGuard {
@@ -188,14 +195,33 @@ impl AsyncWrite for Io {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
         loop {
             if self.sock.poll_write_ready(cx).is_pending() {
-                let s = &self.state;
-                if s.write_blocked.load(Ordering::Acquire) == NONE {
-                    s.write_blocked.store(s.now(), Ordering::Release);
-                    s.changed.notify_one();
-                }
+                self.state.note_write_blocked();
                 return Poll::Pending;
             }
             match self.sock.try_write(data) {
+                Ok(n) => {
+                    self.state.write_blocked.store(NONE, Ordering::Release);
+                    return Poll::Ready(Ok(n));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+
+    // hyper hands a response head and a body chunk over as one vectored
+    // write; without this it copies the body into its own buffer first.
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_write_vectored(self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
+        loop {
+            if self.sock.poll_write_ready(cx).is_pending() {
+                self.state.note_write_blocked();
+                return Poll::Pending;
+            }
+            match self.sock.try_write_vectored(bufs) {
                 Ok(n) => {
                     self.state.write_blocked.store(NONE, Ordering::Release);
                     return Poll::Ready(Ok(n));
