@@ -155,7 +155,7 @@ async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, parts: request
     // max-stale, as the library decides) or 504, never the origin.
     if cache_control::directive(&parts.headers, "only-if-cached").is_some() {
         let found = cache.lookup(&parts).await;
-        return match found.as_ref().and_then(|f| fresh_head(&f.policy, &parts)) {
+        return match found.as_ref().and_then(|f| fresh_head(f.policy(), &parts)) {
             Some(head) => {
                 shared.metrics.cache(Outcome::Hit);
                 Ok(cached(head, found.expect("a head came from it").body, Outcome::Hit))
@@ -165,19 +165,19 @@ async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, parts: request
     }
     if let Some(found) = cache.lookup(&parts).await {
         let now = SystemTime::now();
-        match found.policy.before_request(&parts, now) {
+        match found.policy().before_request(&parts, now) {
             BeforeRequest::Fresh(head) => {
                 shared.metrics.cache(Outcome::Hit);
                 return Ok(cached(head, found.body, Outcome::Hit));
             }
-            BeforeRequest::Stale { request, matches: true } if unix_ms(now) < found.swr_until_ms => {
+            BeforeRequest::Stale { request, matches: true } if unix_ms(now) < found.swr_until_ms() => {
                 shared.metrics.cache(Outcome::Stale);
                 let resp = cached(found.stale_head(), found.body.clone(), Outcome::Stale);
                 revalidate_in_background(shared.clone(), parts, found, request, key.to_vec());
                 return Ok(resp);
             }
             BeforeRequest::Stale { request, matches: true } => {
-                let fallback = (unix_ms(now) < found.sie_until_ms).then(|| (found.stale_head(), found.body.clone()));
+                let fallback = (unix_ms(now) < found.sie_until_ms()).then(|| (found.stale_head(), found.body.clone()));
                 let result = revalidate(shared, cache, &parts, found, request, key).await;
                 let failed = match &result {
                     Ok(resp) => resp.status().is_server_error(),
@@ -219,8 +219,8 @@ async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, parts: request
             // A leader that finished between our lookup and join has
             // stored its response already.
             if let Some(found) = cache.lookup(&parts).await {
-                if let Some(head) = fresh_head(&found.policy, &parts) {
-                    leader.finish(Some(Arc::new(Fetched { policy: found.policy, body: found.body.clone() })));
+                if let Some(head) = fresh_head(found.policy(), &parts) {
+                    leader.finish(Some(Arc::new(Fetched { policy: found.policy().clone(), body: found.body.clone() })));
                     shared.metrics.cache(Outcome::Hit);
                     return Ok(cached(head, found.body, Outcome::Hit));
                 }
@@ -314,7 +314,7 @@ async fn revalidate(
         return keep(shared, cache, parts, resp, None, Outcome::Updated).await;
     }
     let (head, _) = resp.into_parts();
-    match found.policy.after_response(parts, &head, SystemTime::now()) {
+    match found.policy().after_response(parts, &head, SystemTime::now()) {
         AfterResponse::NotModified(policy, merged) => {
             shared.metrics.cache(Outcome::Revalidated);
             cache.put(parts, &merged, &policy, found.body.clone()).await;

@@ -64,32 +64,81 @@ pub struct HttpCache {
     store: Arc<dyn Store>,
     max_object_bytes: u64,
     set_cookie: SetCookie,
+    inline_reads: bool,
+    memo: Memo,
     inflight: Mutex<HashMap<Vec<u8>, Waiters>>,
 }
 
 /// A stored response found for a request.
 pub(crate) struct Found {
-    pub(crate) policy: CachePolicy,
+    stored: Arc<Stored>,
     pub(crate) body: Bytes,
-    pub(crate) swr_until_ms: u64,
-    pub(crate) sie_until_ms: u64,
-    status: u16,
-    headers: Vec<(String, Vec<u8>)>,
 }
 
 impl Found {
+    pub(crate) fn policy(&self) -> &CachePolicy {
+        &self.stored.policy
+    }
+
+    pub(crate) fn swr_until_ms(&self) -> u64 {
+        self.stored.swr_until_ms
+    }
+
+    pub(crate) fn sie_until_ms(&self) -> u64 {
+        self.stored.sie_until_ms
+    }
+
     /// The stored response as it is now, stale: Age says how stale.
     pub(crate) fn stale_head(&self) -> response::Parts {
         let mut resp = Response::new(());
-        *resp.status_mut() = StatusCode::from_u16(self.status).unwrap_or(StatusCode::OK);
-        for (k, v) in &self.headers {
+        *resp.status_mut() = StatusCode::from_u16(self.stored.status).unwrap_or(StatusCode::OK);
+        for (k, v) in &self.stored.headers {
             if let (Ok(k), Ok(v)) = (http::HeaderName::from_bytes(k.as_bytes()), HeaderValue::from_bytes(v)) {
                 resp.headers_mut().append(k, v);
             }
         }
-        let age = self.policy.age(SystemTime::now()).as_secs();
+        let age = self.policy().age(SystemTime::now()).as_secs();
         resp.headers_mut().insert(header::AGE, HeaderValue::from(age));
         resp.into_parts().0
+    }
+}
+
+/// A record's header blob, decoded.
+#[derive(Clone)]
+enum Decoded {
+    Response(Arc<Stored>),
+    Vary(Arc<Vec<String>>),
+}
+
+/// Decoded header blobs by the 128-bit hash of their bytes. Decoding the
+/// JSON of a cache policy took a tenth of a hit's CPU; hot entries are
+/// read over and over with the same blob. Content-addressed, so an entry
+/// replaced in the store (another blob) can never be served from here.
+/// Bounded by clearing when full: simple, and a refill costs one decode
+/// per hot entry.
+#[derive(Default)]
+struct Memo {
+    map: Mutex<HashMap<u128, Decoded>>,
+}
+
+const MEMO_ENTRIES: usize = 4096;
+
+impl Memo {
+    fn decode(&self, blob: &[u8]) -> Option<Decoded> {
+        let id = xxhash_rust::xxh3::xxh3_128(blob);
+        if let Some(d) = self.map.lock().unwrap().get(&id) {
+            return Some(d.clone());
+        }
+        let d = match serde_json::from_slice(blob).ok()? {
+            Head::Response(st) => Decoded::Response(Arc::new(*st)),
+            Head::Vary(names) => Decoded::Vary(Arc::new(names)),
+        };
+        let mut map = self.map.lock().unwrap();
+        if map.len() >= MEMO_ENTRIES {
+            map.clear();
+        }
+        map.insert(id, d.clone());
+        Some(d)
     }
 }
 
@@ -211,7 +260,8 @@ impl HttpCache {
     pub fn open(cfg: &CacheConfig) -> Result<HttpCache> {
         let store: Arc<dyn Store> = Arc::from(inband_cache::open(&cfg.store_config())?);
         tracing::info!(backend = %cfg.backend, entries = store.len(), bytes = store.size_bytes(), "cache opened");
-        Ok(HttpCache { store, max_object_bytes: cfg.max_object_bytes, set_cookie: cfg.set_cookie, inflight: Mutex::new(HashMap::new()) })
+        let inline_reads = matches!(cfg.backend, inband_cache::BackendKind::Lmdb | inband_cache::BackendKind::Memory);
+        Ok(HttpCache { store, max_object_bytes: cfg.max_object_bytes, set_cookie: cfg.set_cookie, inline_reads, memo: Memo::default(), inflight: Mutex::new(HashMap::new()) })
     }
 
     pub fn stats(&self) -> inband_cache::Stats {
@@ -231,37 +281,38 @@ impl HttpCache {
         }
     }
 
-    async fn get(&self, key: Vec<u8>) -> Option<(Head, Bytes)> {
-        let entry = match self.blocking(move |s| s.get(&key)).await {
+    /// Reads that cannot wait on a disk (LMDB's mapped pages, memory) run
+    /// right here on the runtime thread: a hop to the blocking pool and
+    /// back costs more than the read (two thread wake-ups, half the CPU
+    /// of a hit when it was done for every read).
+    async fn read(&self, key: Vec<u8>) -> Result<Option<inband_cache::Entry>> {
+        if self.inline_reads {
+            return self.store.get(&key);
+        }
+        self.blocking(move |s| s.get(&key)).await
+    }
+
+    async fn get(&self, key: Vec<u8>) -> Option<(Decoded, Bytes)> {
+        let entry = match self.read(key).await {
             Ok(e) => e?,
             Err(e) => {
                 tracing::warn!(error = %e, "cache read failed");
                 return None;
             }
         };
-        Some((serde_json::from_slice(&entry.header).ok()?, entry.body.into()))
+        Some((self.memo.decode(&entry.header)?, entry.body.into()))
     }
 
     /// The stored response for this request, following a Vary marker.
     pub(crate) async fn lookup(&self, parts: &request::Parts) -> Option<Found> {
         let base = base_key(parts);
         let (head, body) = match self.get(base.clone()).await? {
-            (Head::Vary(names), _) => self.get(variant_key(&base, &names, &parts.headers)).await?,
+            (Decoded::Vary(names), _) => self.get(variant_key(&base, &names, &parts.headers)).await?,
             found => found,
         };
         match head {
-            Head::Response(st) => {
-                let st = *st;
-                Some(Found {
-                    policy: st.policy,
-                    body,
-                    swr_until_ms: st.swr_until_ms,
-                    sie_until_ms: st.sie_until_ms,
-                    status: st.status,
-                    headers: st.headers,
-                })
-            }
-            Head::Vary(_) => None,
+            Decoded::Response(stored) => Some(Found { stored, body }),
+            Decoded::Vary(_) => None,
         }
     }
 
@@ -328,7 +379,7 @@ impl HttpCache {
     /// many responses went (a Vary marker is not one).
     pub async fn purge(&self, parts: &request::Parts) -> Result<u64> {
         let base = base_key(parts);
-        let marker = matches!(self.get(base.clone()).await, Some((Head::Vary(_), _)));
+        let marker = matches!(self.get(base.clone()).await, Some((Decoded::Vary(_), _)));
         self.blocking(move |s| {
             let mut prefix = base.clone();
             prefix.push(b'\n');
