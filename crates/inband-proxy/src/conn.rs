@@ -62,8 +62,18 @@ impl Expiry {
 }
 
 /// What the watchdog reads. Times are milliseconds since `start`.
+///
+/// The watchdog sleeps until the earliest moment something can expire and
+/// then looks again, so it is woken early (`changed`) only when a deadline
+/// moves before the wake it armed: when a request starts and the send
+/// timeout is the shorter one, or when a response ends and the idle or
+/// header timeout is. A request's first byte or a full socket never wakes
+/// it, since the wake armed while waiting comes no later than a head
+/// could expire, and the one armed during a request no later than a send
+/// could: with the defaults a busy connection costs no extra wake-ups.
 pub struct State {
     start: Instant,
+    t: Timeouts,
     /// Requests whose response has not finished (HTTP/2 runs several).
     active: AtomicU32,
     /// When `active` last fell to 0, or accept.
@@ -77,14 +87,20 @@ pub struct State {
     /// The client opened with the HTTP/2 preface: no HTTP/1 408 for it.
     http2: AtomicBool,
     sniffed: AtomicBool,
-    /// Wakes the watchdog when a deadline may have moved earlier.
+    /// The watchdog's next wake.
+    armed: AtomicU64,
     changed: Notify,
 }
 
+fn ms(d: Duration) -> u64 {
+    d.as_millis() as u64
+}
+
 impl State {
-    fn new() -> State {
+    fn new(t: Timeouts) -> State {
         State {
             start: Instant::now(),
+            t,
             active: AtomicU32::new(0),
             waiting_since: AtomicU64::new(0),
             first_byte: AtomicU64::new(NONE),
@@ -92,6 +108,7 @@ impl State {
             write_blocked: AtomicU64::new(NONE),
             http2: AtomicBool::new(false),
             sniffed: AtomicBool::new(false),
+            armed: AtomicU64::new(NONE),
             changed: Notify::new(),
         }
     }
@@ -103,7 +120,6 @@ impl State {
     fn note_write_blocked(&self) {
         if self.write_blocked.load(Ordering::Acquire) == NONE {
             self.write_blocked.store(self.now(), Ordering::Release);
-            self.changed.notify_one();
         }
     }
 
@@ -111,28 +127,41 @@ impl State {
     /// sent (or abandoned).
     pub fn begin_request(self: &Arc<State>) -> RequestGuard {
         self.active.fetch_add(1, Ordering::AcqRel);
-        self.changed.notify_one();
+        if self.now() + ms(self.t.send) < self.armed.load(Ordering::Acquire) {
+            self.changed.notify_one();
+        }
         RequestGuard(self.clone())
     }
 
-    /// When the watchdog must look again, and what expires then.
-    fn deadline(&self, t: &Timeouts) -> (u64, Expiry) {
-        let ms = |d: Duration| d.as_millis() as u64;
+    /// What expires first if nothing changes, and when.
+    fn deadline(&self) -> (u64, Expiry) {
+        let t = &self.t;
         if self.active.load(Ordering::Acquire) > 0 {
             return match self.write_blocked.load(Ordering::Acquire) {
-                NONE => (self.now() + ms(t.send), Expiry::Send), // look again later
+                NONE => (self.now() + ms(t.send), Expiry::Send),
                 since => (since.saturating_add(ms(t.send)), Expiry::Send),
             };
         }
+        let since = self.waiting_since.load(Ordering::Acquire);
+        let kept_alive = self.kept_alive.load(Ordering::Acquire);
         match self.first_byte.load(Ordering::Acquire) {
-            NONE if self.kept_alive.load(Ordering::Acquire) => (self.waiting_since.load(Ordering::Acquire) + ms(t.idle), Expiry::Idle),
-            NONE => (self.waiting_since.load(Ordering::Acquire) + ms(t.header), Expiry::Idle),
-            first => {
-                // The first request's head is bounded from accept.
-                let from = if self.kept_alive.load(Ordering::Acquire) { first } else { 0 };
-                (from + ms(t.header), Expiry::Header)
-            }
+            NONE if kept_alive => (since + ms(t.idle), Expiry::Idle),
+            NONE => (since + ms(t.header), Expiry::Idle),
+            // The first request's head is bounded from accept.
+            _ if !kept_alive => (ms(t.header), Expiry::Header),
+            first => (first + ms(t.header), Expiry::Header),
         }
+    }
+
+    /// When the watchdog must look next: the deadline, or sooner while
+    /// idling on keep-alive, where a first byte may start a header clock
+    /// that runs out before the idle one.
+    fn wake_at(&self) -> u64 {
+        let (at, kind) = self.deadline();
+        if kind == Expiry::Idle && self.kept_alive.load(Ordering::Acquire) {
+            return at.min(self.waiting_since.load(Ordering::Acquire) + ms(self.t.header));
+        }
+        at
     }
 }
 
@@ -143,10 +172,13 @@ impl Drop for RequestGuard {
     fn drop(&mut self) {
         let s = &self.0;
         if s.active.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let now = s.now();
             s.first_byte.store(NONE, Ordering::Release);
-            s.waiting_since.store(s.now(), Ordering::Release);
+            s.waiting_since.store(now, Ordering::Release);
             s.kept_alive.store(true, Ordering::Release);
-            s.changed.notify_one();
+            if now + ms(s.t.idle.min(s.t.header)) < s.armed.load(Ordering::Acquire) {
+                s.changed.notify_one();
+            }
         }
     }
 }
@@ -159,8 +191,8 @@ pub struct Io {
 }
 
 impl Io {
-    pub fn new(sock: TcpStream) -> (Io, Arc<TcpStream>, Arc<State>) {
-        let (sock, state) = (Arc::new(sock), Arc::new(State::new()));
+    pub fn new(sock: TcpStream, t: Timeouts) -> (Io, Arc<TcpStream>, Arc<State>) {
+        let (sock, state) = (Arc::new(sock), Arc::new(State::new(t)));
         (Io { sock: sock.clone(), state: state.clone() }, sock, state)
     }
 }
@@ -178,7 +210,6 @@ impl AsyncRead for Io {
                         }
                         if s.active.load(Ordering::Acquire) == 0 && s.first_byte.load(Ordering::Acquire) == NONE {
                             s.first_byte.store(s.now(), Ordering::Release);
-                            s.changed.notify_one();
                         }
                     }
                     buf.advance(n);
@@ -248,19 +279,19 @@ const REQUEST_TIMEOUT: &[u8] =
 
 /// Runs `conn` until it ends or a timeout expires; returns its result, or
 /// the expiry that closed it (the future is dropped, which closes the socket).
-pub async fn watch<F: std::future::Future>(conn: F, sock: &TcpStream, state: &State, t: Timeouts) -> Result<F::Output, Expiry> {
+pub async fn watch<F: std::future::Future>(conn: F, sock: &TcpStream, state: &State) -> Result<F::Output, Expiry> {
     tokio::pin!(conn);
     loop {
-        let (at, expiry) = state.deadline(&t);
+        let at = state.wake_at();
+        state.armed.store(at, Ordering::Release);
         let wake = tokio::time::Instant::from_std(state.start + Duration::from_millis(at));
         tokio::select! {
             out = &mut conn => return Ok(out),
             _ = tokio::time::sleep_until(wake) => {}
             _ = state.changed.notified() => continue,
         }
-        // Look again: the state may have moved on while we slept.
-        let (at, expiry_now) = state.deadline(&t);
-        if expiry_now != expiry || state.now() < at {
+        let (at, expiry) = state.deadline();
+        if state.now() < at {
             continue;
         }
         if expiry == Expiry::Header && !state.http2.load(Ordering::Acquire) {

@@ -69,18 +69,20 @@ impl Refusal {
 
 pub struct Metrics {
     registry: Registry,
-    requests: Family<Labels, Counter>,
     refusals: Family<Labels, Counter>,
     origin_requests: Family<Labels, Counter>,
     pub request_bytes: Counter,
     pub response_bytes: Counter,
     latency: Histogram,
     backend_up: Family<Labels, Gauge>,
-    cache: Family<Labels, Counter>,
     cache_store: Family<Labels, Gauge>,
     pub connections: Gauge,
     accept_errors: Counter,
     connection_timeouts: Family<Labels, Counter>,
+    /// Handles into `requests` and `cache` for the per-request path: a
+    /// family lookup hashes a label set under a lock.
+    by_class: [Counter; 5],
+    by_outcome: [Counter; Outcome::ALL.len()],
 }
 
 impl Metrics {
@@ -115,23 +117,22 @@ impl Metrics {
             let _ = connection_timeouts.get_or_create(&vec![("kind", e.label().to_string())]);
         }
         // Every outcome exported from the start, so a rate() sees its 0.
-        for o in Outcome::ALL {
-            let _ = cache.get_or_create(&vec![("result", o.label().to_string())]);
-        }
+        let by_outcome = Outcome::ALL.map(|o| cache.get_or_create(&vec![("result", o.label().to_string())]).clone());
+        let by_class = [1, 2, 3, 4, 5].map(|c| requests.get_or_create(&vec![("class", format!("{c}xx"))]).clone());
         Metrics {
             registry,
-            requests,
             refusals,
             origin_requests,
             request_bytes,
             response_bytes,
             latency,
             backend_up,
-            cache,
             cache_store,
             connections,
             accept_errors,
             connection_timeouts,
+            by_class,
+            by_outcome,
         }
     }
 
@@ -143,19 +144,19 @@ impl Metrics {
     pub fn connection_timeout(&self, e: Expiry) {
         self.connection_timeouts.get_or_create(&vec![("kind", e.label().to_string())]).inc();
         if e == Expiry::Header {
-            self.requests.get_or_create(&vec![("class", "4xx".to_string())]).inc();
+            self.by_class[3].inc();
         }
     }
 
     pub fn response(&self, status: StatusCode, took: Duration) {
-        let class = format!("{}xx", status.as_u16() / 100);
-        self.requests.get_or_create(&vec![("class", class)]).inc();
+        let class = (status.as_u16() / 100).clamp(1, 5) as usize - 1;
+        self.by_class[class].inc();
         self.latency.observe(took.as_secs_f64());
     }
 
     /// A 400 or 431 hyper wrote before the request reached the proxy.
     pub fn refused_by_parser(&self, r: Refusal) {
-        self.requests.get_or_create(&vec![("class", "4xx".to_string())]).inc();
+        self.by_class[3].inc();
         self.refusal(r);
     }
 
@@ -172,7 +173,7 @@ impl Metrics {
     }
 
     pub fn cache(&self, o: Outcome) {
-        self.cache.get_or_create(&vec![("result", o.label().to_string())]).inc();
+        self.by_outcome[o as usize].inc();
     }
 
     pub fn set_cache_store(&self, s: &inband_cache::Stats) {

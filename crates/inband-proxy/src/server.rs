@@ -89,7 +89,7 @@ pub async fn serve(shared: Arc<Shared>, listener: TcpListener, mut stop: watch::
         // On a dual-stack listener IPv4 clients appear as ::ffff:a.b.c.d;
         // purge_allow, X-Forwarded-For and hashing want a.b.c.d.
         let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
-        let (io, sock, state) = conn::Io::new(stream);
+        let (io, sock, state) = conn::Io::new(stream, shared.cfg.timeouts());
         let s = shared.clone();
         let st = state.clone();
         let service = service_fn(move |req| handle(s.clone(), req, peer, st.clone()));
@@ -98,7 +98,7 @@ pub async fn serve(shared: Arc<Shared>, listener: TcpListener, mut stop: watch::
             let _permit = permit;
             s.metrics.connections.inc();
             let conn = watcher.watch(builder.serve_connection(TokioIo::new(io), service));
-            match conn::watch(conn, &sock, &state, s.cfg.timeouts()).await {
+            match conn::watch(conn, &sock, &state).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => connection_error(&s, peer, e),
                 Err(expiry) => {

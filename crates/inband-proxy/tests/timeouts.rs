@@ -106,3 +106,26 @@ async fn a_client_that_stops_reading_is_cut_at_the_send_timeout() {
     assert_eq!(sample(&metrics(&p).await, "inband_proxy_connections"), 0.0);
     p.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_slow_second_head_on_a_keep_alive_connection_gets_408_at_the_header_timeout() {
+    let o = Origin::start(|_| ok("hello")).await;
+    let p = start_proxy(&[o.addr], "client_header_timeout_ms = 400\nidle_timeout_ms = 20000").await;
+    let mut s = TcpStream::connect(p.addr).await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+    let mut buf = vec![0; 4096];
+    let mut got = String::new();
+    while !got.ends_with("hello") {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await.unwrap().unwrap();
+        assert!(n > 0, "closed before the response: {got:?}");
+        got.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    // Idle a while (well under the idle timeout), then start a head and stall.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    s.write_all(b"GET /second HTTP/1.1\r\n").await.unwrap();
+    let (out, took) = until_closed(&mut s).await;
+    assert!(out.starts_with("HTTP/1.1 408"), "{out:?}");
+    assert!(took >= Duration::from_millis(300) && took < Duration::from_secs(3), "{took:?}: the header timeout from the first byte");
+    assert_eq!(o.hits(), 1);
+    p.shutdown().await;
+}
