@@ -50,6 +50,9 @@ pub struct Config {
     /// need a backend connection too.
     #[serde(default)]
     pub max_connections: usize,
+    /// Threads serving clients, each with its own event loop; 0: one per CPU.
+    #[serde(default)]
+    pub workers: usize,
     #[serde(default = "default_connect_timeout_ms")]
     pub connect_timeout_ms: u64,
     /// Time from sending a request to a backend until its response head; 504 after.

@@ -16,7 +16,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::watch;
 
 use crate::conn::{self, State};
 use crate::metrics::Refusal;
@@ -63,7 +63,7 @@ pub async fn serve(shared: Arc<Shared>, listener: TcpListener, mut stop: watch::
     builder.http1().timer(TokioTimer::new()).header_read_timeout(None).max_buf_size(max_head);
     builder.http2().timer(TokioTimer::new()).max_header_list_size(max_head as u32);
     let builder = Arc::new(builder);
-    let slots = Arc::new(Semaphore::new(shared.max_connections));
+    let slots = shared.connection_slots.clone();
     let mut backoff = Backoff::default();
     loop {
         // At max_connections new clients wait in the listen backlog until
