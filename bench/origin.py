@@ -4,7 +4,8 @@ it, so origin requests are counted the same way for every system.
 
     python -m bench.origin --listen 127.0.0.1:18080 --object-bytes 10240
 
-`GET /__stats` (not counted) answers `{"requests": N}`.
+`GET /__stats` (not counted) answers `{"requests": N}`; `/pass/...` paths
+are `no-store` (counted), for measuring pass-through.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ def make_handler(size: int, max_age: int):
                 return
             with lock:
                 counts["requests"] += 1
+            if self.path.startswith("/pass/"):
+                # bench.proxy's misses: nothing may store it.
+                self._send(body_for(self.path, size), "application/octet-stream", "no-store")
+                return
             etag = '"' + hashlib.sha256(self.path.encode()).hexdigest()[:16] + '"'
             self._send(body_for(self.path, size), "application/octet-stream", f"public, max-age={max_age}", etag)
 

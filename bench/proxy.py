@@ -9,9 +9,12 @@ hour; it counts the requests that reach it) on 127.0.0.1.
 
 1. Hits: every cache is filled (each object once) and warmed, then wrk
    requests zipfian-distributed paths from each system in turn, for a few
-   interleaved rounds: req/s, p50/p99 latency, CPU of the system's
-   processes, with ratios to nginx and Varnish.
-2. Restart: each system is stopped and started again on the same cache
+   interleaved rounds, at each number of connections (8, 50, 500): req/s,
+   p50/p99 latency, CPU of the system's processes, with ratios to nginx
+   and Varnish.
+2. Misses: paths the origin marks `no-store`, so every request passes
+   through each system to the origin: req/s, latency, CPU per request.
+3. Restart: each system is stopped and started again on the same cache
    directory, and the same workload is replayed from its first response
    for a few seconds: origin requests and hit ratio in that window.
 
@@ -79,13 +82,14 @@ class Profile:
     measure_s: int  # per round (wrk counts whole seconds)
     warm_s: int
     window_s: int  # after a restart
-    connections: int
+    connections: tuple  # wrk connections, one hits measurement each
+    miss_s: int  # per round of pass-through requests
 
 
 PROFILES = {
-    "default": Profile(objects=5000, object_bytes=10240, zipf=0.99, rounds=3, measure_s=5, warm_s=2, window_s=5, connections=8),
+    "default": Profile(objects=5000, object_bytes=10240, zipf=0.99, rounds=3, measure_s=5, warm_s=2, window_s=5, connections=(8, 50, 500), miss_s=3),
     # The test: every table filled, nothing measured well.
-    "quick": Profile(objects=200, object_bytes=10240, zipf=0.99, rounds=1, measure_s=1, warm_s=1, window_s=1, connections=4),
+    "quick": Profile(objects=200, object_bytes=10240, zipf=0.99, rounds=1, measure_s=1, warm_s=1, window_s=1, connections=(4, 20), miss_s=1),
 }
 
 
@@ -109,7 +113,15 @@ function init(args)
   math.randomseed(tonumber(os.getenv("BENCH_SEED")))
 end
 
+local pass = os.getenv("BENCH_PASS") == "1"
+local sent = 0
+
 function request()
+  if pass then
+    -- Every request a path never asked before: a miss everywhere.
+    sent = sent + 1
+    return wrk.format("GET", "/pass/" .. math.random(1, 1000000000) .. "-" .. sent)
+  end
   local u = math.random()
   local lo, hi = 1, n
   while lo < hi do
@@ -238,6 +250,7 @@ def http_get(port: int, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
 class Hits:
     key: str
     label: str
+    conns: int = 0
     rounds: list = field(default_factory=list)  # wrk summaries, each with cpu_s and origin
     fill_s: float = 0.0
     fill_origin: int = 0
@@ -309,23 +322,43 @@ def _times(a: float, b: float | None) -> str:
 
 
 def hits_table(rows: list[Hits]) -> str:
-    ref = {r.key: r for r in rows if r.rounds}
-    ng, va = ref.get("nginx"), ref.get("varnish")
+    """One row per system and number of connections; ratios against nginx
+    and Varnish at the same number of connections."""
+    ref = {(r.key, r.conns): r for r in rows if r.rounds}
     out = []
     for r in rows:
         if not r.rounds:
-            out.append([r.label] + ["not measured"] + ["–"] * 10)
+            out.append([r.label, str(r.conns)] + ["not measured"] + ["–"] * 10)
             continue
+        ng, va = ref.get(("nginx", r.conns)), ref.get(("varnish", r.conns))
         out.append([
-            r.label, f"{r.rps:,.0f}", _times(r.rps, ng and ng.rps), _times(r.rps, va and va.rps),
+            r.label, str(r.conns), f"{r.rps:,.0f}", _times(r.rps, ng and ng.rps), _times(r.rps, va and va.rps),
             f"{r.p50_ms:.2f}", f"{r.p99_ms:.2f}", f"{r.cores:.2f}", f"{r.cpu_us_per_req:.1f}",
             _times(r.cpu_us_per_req, ng and ng.cpu_us_per_req), _times(r.cpu_us_per_req, va and va.cpu_us_per_req),
             str(r.origin), str(r.errors),
         ])  # fmt: skip
     headers = [
-        "system", "req/s", "÷ nginx", "÷ Varnish", "p50 ms", "p99 ms", "CPU (cores)", "CPU µs/req",
+        "system", "connections", "req/s", "÷ nginx", "÷ Varnish", "p50 ms", "p99 ms", "CPU (cores)", "CPU µs/req",
         "CPU ÷ nginx", "CPU ÷ Varnish", "origin requests", "errors",
     ]  # fmt: skip
+    return _md(headers, out)
+
+
+def misses_table(rows: list[Hits]) -> str:
+    """Pass-through: every request reaches the origin, so origin requests
+    ÷ requests should be 1 for everyone."""
+    ng = next((r for r in rows if r.key == "nginx" and r.rounds), None)
+    out = []
+    for r in rows:
+        if not r.rounds:
+            out.append([r.label, "not measured"] + ["–"] * 7)
+            continue
+        n = sum(x["requests"] for x in r.rounds)
+        out.append([
+            r.label, f"{r.rps:,.0f}", _times(r.rps, ng and ng.rps), f"{r.p50_ms:.2f}", f"{r.p99_ms:.2f}",
+            f"{r.cpu_us_per_req:.1f}", _times(r.cpu_us_per_req, ng and ng.cpu_us_per_req), f"{r.origin / n:.2f}" if n else "–", str(r.errors),
+        ])  # fmt: skip
+    headers = ["system", "req/s", "÷ nginx", "p50 ms", "p99 ms", "CPU µs/req", "CPU ÷ nginx", "origin requests ÷ requests", "errors"]
     return _md(headers, out)
 
 
@@ -354,15 +387,23 @@ def disturbed_note(runs: list[tuple[str, list]], what: str) -> str:
     return f"**{len(bad)} of {len(runs)} {what} had a build or the forwarding benchmark running at their start or end:** {which}.\n"
 
 
-def markdown(hits: list[Hits], restarts: list[Restart], p: Profile, preamble: str) -> str:
+def markdown(hits: list[Hits], misses: list[Hits], restarts: list[Restart], p: Profile, preamble: str) -> str:
     parts = [preamble]
     if hits:
+        conns = ", ".join(str(c) for c in p.connections)
         parts += [
-            f"\n## Hits: {p.objects:,} objects of {p.object_bytes:,} bytes, zipf {p.zipf}, wrk 1 thread × {p.connections} connections, "
+            f"\n## Hits: {p.objects:,} objects of {p.object_bytes:,} bytes, zipf {p.zipf}, wrk 1 thread × {conns} connections, "
             f"median of {p.rounds} × {p.measure_s} s\n",
             hits_table(hits),
             "\nCPU is the system's own processes (utime + stime); origin requests while measured should be 0 (every cache was filled).  \n",
             disturbed_note([(h.label, r["others"]) for h in hits for r in h.rounds], "rounds"),
+        ]
+    if misses:
+        parts += [
+            f"\n## Misses: `no-store` paths, every request through to the origin, wrk 1 thread × {p.connections[0]} connections, "
+            f"median of {p.rounds} × {p.miss_s} s\n",
+            misses_table(misses),
+            "\nThe origin is `bench/origin.py` (Python): it bounds every system's rate alike, so the CPU per request is the comparison.  \n",
         ]
     if restarts:
         parts += [
@@ -375,14 +416,15 @@ def markdown(hits: list[Hits], restarts: list[Restart], p: Profile, preamble: st
 
 def write_csv(hits: list[Hits], restarts: list[Restart], path: Path) -> None:
     rest = {r.key: r for r in restarts}
+    first = hits[0].conns if hits else 0
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["key", "label", "rps", "p50_ms", "p99_ms", "cpu_cores", "cpu_us_per_req", "origin_while_measured", "errors",
+        w.writerow(["key", "label", "connections", "rps", "p50_ms", "p99_ms", "cpu_cores", "cpu_us_per_req", "origin_while_measured", "errors",
                     "restart_ready_ms", "restart_requests", "restart_origin", "restart_hit_ratio"])  # fmt: skip
         for h in hits:
-            r = rest.get(h.key)
+            r = rest.get(h.key) if h.conns == first else None
             w.writerow([
-                h.key, h.label, f"{h.rps:.1f}", f"{h.p50_ms:.3f}", f"{h.p99_ms:.3f}", f"{h.cores:.3f}", f"{h.cpu_us_per_req:.2f}", h.origin, h.errors,
+                h.key, h.label, h.conns, f"{h.rps:.1f}", f"{h.p50_ms:.3f}", f"{h.p99_ms:.3f}", f"{h.cores:.3f}", f"{h.cpu_us_per_req:.2f}", h.origin, h.errors,
                 f"{r.ready_s * 1000:.1f}" if r else "", r.requests if r else "", r.origin if r else "", f"{r.hit_ratio:.4f}" if r else "",
             ])  # fmt: skip
 
@@ -403,13 +445,14 @@ def plot(hits: list[Hits], restarts: list[Restart], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    done = [h for h in hits if h.rounds]
+    # The first number of connections; the table has the others.
+    done = [h for h in hits if h.rounds and h.conns == hits[0].conns]
     labels = [h.label.replace(" ", "\n", 1) for h in done]
     ax = axes[0]
     bars = ax.bar(labels, [h.rps for h in done], color="tab:blue")
     for b, h in zip(bars, done):
         ax.annotate(f"p99 {h.p99_ms:.1f} ms", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
-    ax.set_title("cache hits: requests/s")
+    ax.set_title(f"cache hits: requests/s ({hits[0].conns if hits else 0} connections)")
     ax.tick_params(axis="x", labelsize=8)
     ax = axes[1]
     ax.bar(labels, [h.cpu_us_per_req for h in done], color="tab:orange")
@@ -531,9 +574,10 @@ class Bench:
 
     # --- load
 
-    def wrk(self, s: System, seconds: int) -> dict:
-        argv = ["wrk", "-t1", f"-c{self.p.connections}", f"-d{seconds}s", "--timeout", "5s", "-s", str(self.lua), f"http://{HOST}:{self.ports[s.key]}/"]
-        env = dict(os.environ, BENCH_OBJECTS=str(self.p.objects), BENCH_ZIPF=str(self.p.zipf), BENCH_SEED="4")
+    def wrk(self, s: System, seconds: int, conns: int | None = None, passthrough: bool = False) -> dict:
+        conns = conns or self.p.connections[0]
+        argv = ["wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "--timeout", "5s", "-s", str(self.lua), f"http://{HOST}:{self.ports[s.key]}/"]
+        env = dict(os.environ, BENCH_OBJECTS=str(self.p.objects), BENCH_ZIPF=str(self.p.zipf), BENCH_SEED="4", BENCH_PASS="1" if passthrough else "0")
         cp = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=seconds + 30)
         if cp.returncode != 0:
             raise RuntimeError(f"wrk failed ({cp.returncode}): {cp.stderr.strip()[-500:]}")
@@ -573,12 +617,12 @@ class Bench:
             raise RuntimeError(f"filling {s.label}: {errors[0]}")
         return time.monotonic() - t0
 
-    def measure(self, s: System, h: Hits) -> None:
+    def measure(self, s: System, h: Hits, passthrough: bool = False) -> None:
         self.settle()
         sid = self.running[s.key].pid  # its own session: the leader's pid
         before = self.note_others()
         o0, c0 = self.origin_count(), session_cpu_s(sid)
-        w = self.wrk(s, self.p.measure_s)
+        w = self.wrk(s, self.p.miss_s if passthrough else self.p.measure_s, h.conns, passthrough)
         w["cpu_s"] = session_cpu_s(sid) - c0
         w["origin"] = self.origin_count() - o0
         w["others"] = sorted(before | self.note_others())
@@ -636,7 +680,7 @@ def parse_args(argv):
     ap.add_argument("--seconds", type=int, help="per measurement round (default 5)")
     ap.add_argument("--rounds", type=int, help="interleaved rounds per system (default 3)")
     ap.add_argument("--window", type=int, help="seconds replayed after a restart (default 5)")
-    ap.add_argument("--connections", type=int, help="wrk connections (default 8, one thread)")
+    ap.add_argument("--connections", help="comma-separated wrk connection counts, one hits measurement each (default 8,50,500; one thread)")
     ap.add_argument(
         "--wait-quiet", type=float, default=600,
         help="seconds to wait at most, over the whole run, for builds and bench.forwarding to end before each measurement (0: do not wait)",
@@ -653,7 +697,7 @@ def profile_of(args) -> Profile:
     p = PROFILES["quick" if args.quick else "default"]
     over = {
         "objects": args.objects, "object_bytes": args.object_bytes, "measure_s": args.seconds, "rounds": args.rounds,
-        "window_s": args.window, "connections": args.connections,
+        "window_s": args.window, "connections": tuple(int(c) for c in args.connections.split(",")) if args.connections else None,
     }  # fmt: skip
     return Profile(**{**asdict(p), **{k: v for k, v in over.items() if v is not None}})
 
@@ -699,7 +743,8 @@ def main(argv=None) -> int:
     started = time.time()
     stop_signals_interrupt()
     bench = None
-    hits = {s.key: Hits(s.key, s.label) for s in systems}
+    hits = {(s.key, c): Hits(s.key, s.label, c) for c in profile.connections for s in systems}
+    misses = {s.key: Hits(s.key, s.label, profile.connections[0]) for s in systems}
     restarts: list[Restart] = []
     quiet = "not checked"
     leftover: list[int] = []
@@ -721,18 +766,23 @@ def main(argv=None) -> int:
             def fill_and_warm(s=s):
                 bench.start(s)
                 o0 = bench.origin_count()
-                hits[s.key].fill_s = bench.fill(s)
+                first = hits[(s.key, profile.connections[0])]
+                first.fill_s = bench.fill(s)
                 o1 = bench.origin_count()
                 bench.wrk(s, profile.warm_s)
-                hits[s.key].fill_origin, hits[s.key].warm_origin = o1 - o0, bench.origin_count() - o1
+                first.fill_origin, first.warm_origin = o1 - o0, bench.origin_count() - o1
                 return True
 
             if outcome.attempt(f"{s.label} fill", fill_and_warm):
                 alive.append(s)
         for rnd in range(profile.rounds):
+            for c in profile.connections:
+                for s in alive:
+                    bench.log(f"hits, round {rnd + 1}/{profile.rounds}, {c} connections: {s.label}")
+                    outcome.attempt(f"{s.label} hits ({c} connections)", lambda s=s, c=c: bench.measure(s, hits[(s.key, c)]))
             for s in alive:
-                bench.log(f"hits, round {rnd + 1}/{profile.rounds}: {s.label}")
-                outcome.attempt(f"{s.label} hits", lambda s=s: bench.measure(s, hits[s.key]))
+                bench.log(f"misses, round {rnd + 1}/{profile.rounds}: {s.label}")
+                outcome.attempt(f"{s.label} misses", lambda s=s: bench.measure(s, misses[s.key], passthrough=True))
         for s in alive:
             bench.log(f"restart: {s.label}")
             outcome.attempt(f"{s.label} restart", lambda s=s: bench.restart(s), restarts)
@@ -752,14 +802,16 @@ def main(argv=None) -> int:
         + "\n"
     )
     preamble += outcome.markdown()
-    hit_rows = [hits[s.key] for s in systems]
-    md = markdown(hit_rows, restarts, profile, preamble)
+    hit_rows = [hits[(s.key, c)] for c in profile.connections for s in systems]
+    miss_rows = [misses[s.key] for s in systems]
+    md = markdown(hit_rows, miss_rows, restarts, profile, preamble)
     (out / "results.md").write_text(md)
     (out / "results.json").write_text(
         json.dumps(
             {
                 "profile": asdict(profile),
                 "hits": [{**asdict(h), "rps": h.rps, "p50_ms": h.p50_ms, "p99_ms": h.p99_ms, "cpu_us_per_req": h.cpu_us_per_req} for h in hit_rows],
+                "misses": [{**asdict(h), "rps": h.rps, "p50_ms": h.p50_ms, "p99_ms": h.p99_ms, "cpu_us_per_req": h.cpu_us_per_req} for h in miss_rows],
                 "restart": [{**asdict(r), "hit_ratio": r.hit_ratio} for r in restarts],
                 "failed": outcome.failed,
             },

@@ -51,15 +51,21 @@ def test_varnish_vcl_compiles(tmp_path):
 
 
 def test_tables_ratios_from_known_numbers():
-    def hits(key, requests, cpu_s):
-        h = px.Hits(key, px.BY_KEY[key].label)
-        h.rounds = [{"requests": requests, "duration_us": 1_000_000, "p50_us": 100, "p99_us": 1000, "cpu_s": cpu_s, "origin": 0, "errors": 0, "status_errors": 0}]
+    def hits(key, requests, cpu_s, conns=8, origin=0):
+        h = px.Hits(key, px.BY_KEY[key].label, conns)
+        h.rounds = [{"requests": requests, "duration_us": 1_000_000, "p50_us": 100, "p99_us": 1000, "cpu_s": cpu_s, "origin": origin, "errors": 0, "status_errors": 0}]
         return h
 
-    t = table(px.hits_table([hits("inband-lmdb", 10_000, 0.5), hits("nginx", 20_000, 0.5), hits("varnish", 40_000, 1.0)]), "| system |")
-    # req/s, ÷ nginx, ÷ Varnish; CPU µs/req 50 vs 25 and 25
-    assert t["inband LMDB"][1:4] == ["10,000", "0.50×", "0.25×"]
-    assert t["inband LMDB"][7:10] == ["50.0", "2.00×", "2.00×"]
+    rows = [hits("inband-lmdb", 10_000, 0.5), hits("nginx", 20_000, 0.5), hits("varnish", 40_000, 1.0),
+            hits("inband-lmdb", 30_000, 0.5, 500), hits("nginx", 20_000, 0.5, 500)]  # fmt: skip
+    t = {(r[0], r[1]): r for r in table_rows(px.hits_table(rows), "| system |")}
+    # req/s, ÷ nginx, ÷ Varnish; CPU µs/req 50 vs 25 and 25 — each against its own connection count
+    assert t[("inband LMDB", "8")][2:5] == ["10,000", "0.50×", "0.25×"]
+    assert t[("inband LMDB", "8")][8:11] == ["50.0", "2.00×", "2.00×"]
+    assert t[("inband LMDB", "500")][2:5] == ["30,000", "1.50×", "–"]
+    m = table(px.misses_table([hits("inband-lmdb", 1000, 0.05, origin=1000), hits("nginx", 500, 0.05, origin=500)]), "| system |")
+    assert m["inband LMDB"][1:3] == ["1,000", "2.00×"]
+    assert m["inband LMDB"][5:8] == ["50.0", "0.50×", "1.00"]
     r = px.Restart("varnish", "Varnish (malloc)", False, 0.5, 1000, 0, 250, 5.0)
     t = table(px.restart_table([r], 5, 500), "| system |")
     assert t["Varnish (malloc)"][4:7] == ["250", "75.0 %", "50.0 %"]
@@ -74,11 +80,16 @@ def test_quick_run_end_to_end(tmp_path):
     md = (out / "results.md").read_text()
     assert md in cp.stdout
 
-    hits = table(md, "| system | req/s |")
-    assert list(hits) == [s.label for s in px.SYSTEMS]
-    for label, row in hits.items():
-        assert number(row[1]) > 0, row
-        assert number(row[10]) == 0 and number(row[11]) == 0, row  # every cache filled, no errors
+    hits = table_rows(md, "| system | connections |")
+    assert [(r[0], r[1]) for r in hits] == [(s.label, str(c)) for c in px.PROFILES["quick"].connections for s in px.SYSTEMS]
+    for row in hits:
+        assert number(row[2]) > 0, row
+        assert number(row[11]) == 0 and number(row[12]) == 0, row  # every cache filled, no errors
+    misses = table(md, "| system | req/s | ÷ nginx | p50 ms |")
+    assert list(misses) == [s.label for s in px.SYSTEMS]
+    for label, row in misses.items():
+        assert number(row[1]) > 0 and number(row[8]) == 0, row
+        assert number(row[7]) >= 0.99, row  # every miss reached the origin
 
     rs = table(md, "| system | cache kept on disk |")
     origin = {label: number(row[4]) for label, row in rs.items()}
