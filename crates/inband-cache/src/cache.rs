@@ -1,13 +1,14 @@
 //! The layer every backend shares: checksums, the size bound, eviction.
 
+use std::ops::Deref;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Result};
 
 use crate::index::Index;
-use crate::record::{self, Decoded};
+use crate::record::{self, Decoded, Raw};
 use crate::{BackendKind, Config, Entry, Meta, Stats, Store};
 
 /// What a backend reports per entry at open, without reading its value.
@@ -25,7 +26,12 @@ pub struct ScanItem {
 /// hash of their key. Each call is atomic on its own.
 pub trait Backend: Send + Sync + 'static {
     const KIND: BackendKind;
-    fn get(&self, id: u128) -> Result<Option<Vec<u8>>>;
+    /// Whether `get` and the chunks it hands out may wait on a disk.
+    const READS_BLOCK: bool;
+    /// The record, whole or as a prefix and chunks (see [`Raw`]). An error
+    /// the backend itself calls corruption (RocksDB's block checksums) is
+    /// `Ok(Some(Raw::Corrupt))`, so it is counted like a CRC failure.
+    fn get(&self, id: u128) -> Result<Option<Raw>>;
     /// `meta` is the meta-table value for backends that keep one.
     fn put(&self, id: u128, record: &[u8], meta: &[u8]) -> Result<()>;
     fn remove(&self, id: u128) -> Result<bool>;
@@ -40,7 +46,18 @@ pub trait Backend: Send + Sync + 'static {
 /// the index agree on its size; different keys proceed in parallel.
 const STRIPES: usize = 64;
 
-pub struct Cache<B> {
+/// The store: a handle on the shared state, so a body still streaming
+/// can report its record corrupt after `get` returned.
+pub struct Cache<B>(Arc<Inner<B>>);
+
+impl<B> Deref for Cache<B> {
+    type Target = Inner<B>;
+    fn deref(&self) -> &Inner<B> {
+        &self.0
+    }
+}
+
+pub struct Inner<B> {
     backend: B,
     index: RwLock<Index>,
     stripes: Vec<Mutex<()>>,
@@ -71,7 +88,7 @@ impl<B: Backend> Cache<B> {
         for &id in &unreadable {
             backend.remove(id)?;
         }
-        let cache = Cache {
+        let cache = Cache(Arc::new(Inner {
             backend,
             index: RwLock::new(index),
             stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
@@ -79,7 +96,7 @@ impl<B: Backend> Cache<B> {
             tick: AtomicU64::new(newest.max(now_ms()) + 1),
             corrupt: AtomicU64::new(unreadable.len() as u64),
             evictions: AtomicU64::new(0),
-        };
+        }));
         // The capacity may have shrunk since the last run.
         cache.evict_to_capacity()?;
         Ok(cache)
@@ -89,6 +106,19 @@ impl<B: Backend> Cache<B> {
     #[cfg(test)]
     pub(crate) fn backend(&self) -> &B {
         &self.backend
+    }
+}
+
+impl<B: Backend> Inner<B> {
+    /// A record failed its checksum or framing: counted once, deleted.
+    fn drop_corrupt(&self, id: u128) -> Result<()> {
+        self.corrupt.fetch_add(1, Ordering::Relaxed);
+        // A put racing in between may have replaced the bad record with a
+        // good one; deleting that too only costs a miss.
+        let _g = self.stripe(id);
+        self.backend.remove(id)?;
+        self.index.write().unwrap().remove(id);
+        Ok(())
     }
 
     fn stripe(&self, id: u128) -> std::sync::MutexGuard<'_, ()> {
@@ -123,22 +153,29 @@ impl<B: Backend> Store for Cache<B> {
         B::KIND
     }
 
+    fn reads_block(&self) -> bool {
+        B::READS_BLOCK
+    }
+
     fn get(&self, key: &[u8]) -> Result<Option<Entry>> {
         let id = record::id(key);
         let Some(raw) = self.backend.get(id)? else { return Ok(None) };
-        match record::decode(key, &raw) {
+        let inner = self.0.clone();
+        let on_corrupt = Box::new(move || {
+            // The stream reports the corruption to its reader; a failed
+            // delete has no one else to tell.
+            if let Err(e) = inner.drop_corrupt(id) {
+                tracing::warn!(error = %e, "deleting a corrupt cache record failed");
+            }
+        });
+        match record::decode(key, raw, on_corrupt) {
             Decoded::Hit(e) => {
                 self.index.read().unwrap().touch(id, self.next_tick());
                 Ok(Some(e))
             }
             Decoded::OtherKey => Ok(None),
             Decoded::Corrupt => {
-                self.corrupt.fetch_add(1, Ordering::Relaxed);
-                // A put racing in between may have replaced the bad record
-                // with a good one; deleting that too only costs a miss.
-                let _g = self.stripe(id);
-                self.backend.remove(id)?;
-                self.index.write().unwrap().remove(id);
+                self.drop_corrupt(id)?;
                 Ok(None)
             }
         }

@@ -17,9 +17,31 @@ use std::time::UNIX_EPOCH;
 
 use anyhow::{Context, Result};
 
+use bytes::Bytes;
+
 use crate::cache::{Backend, ScanItem};
-use crate::record;
-use crate::{BackendKind, Config, Meta};
+use crate::record::{self, Raw};
+use crate::{BackendKind, ChunkSource, Config, Meta, CHUNK_BYTES, STREAM_THRESHOLD};
+
+/// The rest of a record file, read from its open descriptor: a rename or
+/// delete of the path meanwhile does not change what it reads.
+struct FileChunks {
+    file: File,
+}
+
+impl ChunkSource for FileChunks {
+    fn next_chunk(&mut self) -> Result<Option<Bytes>> {
+        let mut buf = vec![0; CHUNK_BYTES];
+        let n = loop {
+            match self.file.read(&mut buf) {
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                r => break r?,
+            }
+        };
+        buf.truncate(n);
+        Ok((n > 0).then(|| buf.into()))
+    }
+}
 
 pub(crate) struct Files {
     data: PathBuf,
@@ -76,9 +98,27 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
 
 impl Backend for Files {
     const KIND: BackendKind = BackendKind::Files;
+    const READS_BLOCK: bool = true;
 
-    fn get(&self, id: u128) -> Result<Option<Vec<u8>>> {
-        Ok(not_found(fs::read(self.path(id)))?)
+    fn get(&self, id: u128) -> Result<Option<Raw>> {
+        let Some(mut file) = not_found(File::open(self.path(id)))? else { return Ok(None) };
+        let total = file.metadata()?.len();
+        if total <= STREAM_THRESHOLD + 64 * 1024 {
+            let mut rec = Vec::with_capacity(total as usize);
+            file.read_to_end(&mut rec)?;
+            return Ok(Some(Raw::Whole(rec.into())));
+        }
+        // The head says how long key and header are; they come with it.
+        let mut prefix = vec![0; record::HEAD];
+        if file.read_exact(&mut prefix).is_err() {
+            return Ok(Some(Raw::Corrupt));
+        }
+        let Some((_, k, h, _)) = record::head(&prefix, total) else { return Ok(Some(Raw::Corrupt)) };
+        prefix.resize(record::HEAD + k + h, 0);
+        if file.read_exact(&mut prefix[record::HEAD..]).is_err() {
+            return Ok(Some(Raw::Corrupt));
+        }
+        Ok(Some(Raw::Split { prefix: prefix.into(), total, rest: Box::new(FileChunks { file }) }))
     }
 
     fn put(&self, id: u128, rec: &[u8], _meta: &[u8]) -> Result<()> {

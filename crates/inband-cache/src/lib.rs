@@ -4,8 +4,11 @@
 //! Every backend stores the same self-checking record (see `record.rs`):
 //! key, [`Meta`], an opaque header blob owned by the HTTP layer (response
 //! headers, a serialized cache policy) and the body, under a CRC-32 (crc32fast)
-//! checksum that is verified on every read. A record that fails the check is
-//! counted, deleted and reported as a miss, never returned.
+//! checksum that is verified on every read: before `get` returns for bodies
+//! up to [`STREAM_THRESHOLD`], as the chunks go for larger ones, which are
+//! read [`CHUNK_BYTES`] at a time so a hit never holds a large object in
+//! memory. A record that fails the check is counted and deleted; `get`
+//! reports it as a miss, a stream as an error at its end.
 //!
 //! The size bound and eviction live in one generic layer ([`cache::Cache`])
 //! above the backends, so every backend evicts the same way and the bound
@@ -14,6 +17,7 @@
 //! never from values.
 
 pub mod bench;
+mod body;
 mod cache;
 mod files;
 mod index;
@@ -28,9 +32,12 @@ mod tests;
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
+use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
+pub use body::{BodyChunks, ChunkSource, EntryBody, CHUNK_BYTES, STREAM_THRESHOLD};
 pub use cache::{Backend, Cache, ScanItem};
+pub use record::Raw;
 
 /// Which backend holds the entries.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -124,13 +131,23 @@ pub struct Meta {
     pub size: u64,
 }
 
-/// A stored entry as returned by [`Store::get`], checksum verified.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A stored entry as returned by [`Store::get`]: head and header checked,
+/// the body checked already ([`EntryBody::Whole`]) or as it streams.
 pub struct Entry {
     pub meta: Meta,
+    /// The record's CRC-32: identifies this exact content, so a caller may
+    /// memoize what it decoded from `header`.
+    pub crc: u32,
     /// Opaque to the store: the HTTP layer's response head and policy.
-    pub header: Vec<u8>,
-    pub body: Vec<u8>,
+    pub header: Bytes,
+    pub body: EntryBody,
+}
+
+impl Entry {
+    /// The whole body in memory (a corrupt large body is an `Err`).
+    pub fn body_bytes(self) -> Result<Bytes> {
+        self.body.into_bytes()
+    }
 }
 
 /// Counters a metrics endpoint exports.
@@ -153,6 +170,10 @@ pub struct Stats {
 /// periodically and on shutdown).
 pub trait Store: Send + Sync {
     fn kind(&self) -> BackendKind;
+    /// Whether `get` and [`BodyChunks::next_chunk`] may wait on disk I/O
+    /// (files, RocksDB), or only touch memory and mapped pages (LMDB,
+    /// memory), so a caller may read on an event loop.
+    fn reads_block(&self) -> bool;
     /// The entry, or `None` on a miss. A corrupt record counts in
     /// [`Stats::corrupt`], is deleted and reads as a miss.
     fn get(&self, key: &[u8]) -> Result<Option<Entry>>;

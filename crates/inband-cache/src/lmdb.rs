@@ -10,11 +10,38 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use heed::types::Bytes;
-use heed::{Database, Env, EnvFlags, EnvOpenOptions};
+use heed::{Database, Env, EnvFlags, EnvOpenOptions, RoTxn};
 
 use crate::cache::{Backend, ScanItem};
-use crate::record;
-use crate::{BackendKind, Config, Meta};
+use crate::record::{self, Raw};
+use crate::{BackendKind, Config, Meta, STREAM_THRESHOLD};
+
+/// A value handed out without a copy: the read transaction that keeps its
+/// pages valid travels with it and ends when the last `Bytes` of it drops.
+/// Pages of that snapshot are not reused by writers until then, which is
+/// why the map leaves room (`map_size`) and why the proxy bounds how long
+/// a client may take to read a response (`send_timeout_ms`).
+struct Mapped {
+    _txn: RoTxn<'static>,
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: the pointer is into pages of the read-only snapshot `_txn` holds
+// (MDB_NOTLS, heed's `read-txn-no-tls`, makes the transaction itself
+// movable between threads); nothing writes through it.
+unsafe impl Send for Mapped {}
+
+impl AsRef<[u8]> for Mapped {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: see `Send`; valid for `len` bytes while `_txn` lives.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+/// Records up to this size are copied out and the transaction closed at
+/// once; larger ones are mapped (their body streams by slices).
+const COPY_BELOW: usize = STREAM_THRESHOLD as usize + 64 * 1024;
 
 pub(crate) struct Lmdb {
     env: Env,
@@ -34,10 +61,12 @@ impl Lmdb {
             flags |= EnvFlags::NO_SYNC;
         }
         let mut options = EnvOpenOptions::new();
-        // A reader slot stays bound to each thread that ever read (LMDB's
-        // thread-local read transactions); the proxy reads from a blocking
-        // pool of up to 512 threads, beyond LMDB's default of 126 slots.
-        options.map_size(map_size as usize).max_dbs(2).max_readers(1024);
+        // With MDB_NOTLS a reader slot is held by each open read
+        // transaction, not by each thread that ever read: the proxy's
+        // workers read briefly, and each large body streaming to a client
+        // keeps one, so the slots bound those streams (LMDB's default 126
+        // would be too few).
+        options.map_size(map_size as usize).max_dbs(2).max_readers(4096);
         // SAFETY: the directory holds only this store and is opened once per
         // process (NO_SYNC is "unsafe" only in that it trades durability on
         // power loss, which `flush` restores).
@@ -63,10 +92,16 @@ impl Drop for Lmdb {
 
 impl Backend for Lmdb {
     const KIND: BackendKind = BackendKind::Lmdb;
+    const READS_BLOCK: bool = false;
 
-    fn get(&self, id: u128) -> Result<Option<Vec<u8>>> {
-        let txn = self.env.read_txn()?;
-        Ok(self.data.get(&txn, &id.to_be_bytes())?.map(<[u8]>::to_vec))
+    fn get(&self, id: u128) -> Result<Option<Raw>> {
+        let txn = self.env.clone().static_read_txn()?;
+        let Some(v) = self.data.get(&txn, &id.to_be_bytes())? else { return Ok(None) };
+        if v.len() < COPY_BELOW {
+            return Ok(Some(Raw::Whole(bytes::Bytes::copy_from_slice(v))));
+        }
+        let (ptr, len) = (v.as_ptr(), v.len());
+        Ok(Some(Raw::Whole(bytes::Bytes::from_owner(Mapped { _txn: txn, ptr, len }))))
     }
 
     fn put(&self, id: u128, rec: &[u8], meta: &[u8]) -> Result<()> {

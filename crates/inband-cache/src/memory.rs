@@ -3,26 +3,29 @@
 //! measured doing the same work per operation.
 
 use anyhow::Result;
+use bytes::Bytes;
 use dashmap::DashMap;
 
 use crate::cache::{Backend, ScanItem};
-use crate::record;
+use crate::record::{self, Raw};
 use crate::{BackendKind, Meta};
 
+/// Records are `Bytes`, so a hit hands out a reference, not a copy.
 #[derive(Default)]
 pub(crate) struct Memory {
-    map: DashMap<u128, Vec<u8>>,
+    map: DashMap<u128, Bytes>,
 }
 
 impl Backend for Memory {
     const KIND: BackendKind = BackendKind::Memory;
+    const READS_BLOCK: bool = false;
 
-    fn get(&self, id: u128) -> Result<Option<Vec<u8>>> {
-        Ok(self.map.get(&id).map(|r| r.clone()))
+    fn get(&self, id: u128) -> Result<Option<Raw>> {
+        Ok(self.map.get(&id).map(|r| Raw::Whole(r.clone())))
     }
 
     fn put(&self, id: u128, rec: &[u8], _meta: &[u8]) -> Result<()> {
-        self.map.insert(id, rec.to_vec());
+        self.map.insert(id, Bytes::copy_from_slice(rec));
         Ok(())
     }
 

@@ -12,6 +12,9 @@
 //! because backends address records by a 128-bit hash of the key: a
 //! mismatch is a (vanishingly rare) collision and reads as a miss.
 
+use bytes::Bytes;
+
+use crate::body::{BodyChunks, ChunkSource, EntryBody, Slices, STREAM_THRESHOLD};
 use crate::{Entry, Meta};
 
 const MAGIC: &[u8; 4] = b"IBC1";
@@ -40,6 +43,17 @@ pub(crate) fn encode(key: &[u8], stored_at_ms: u64, expires_at_ms: u64, header: 
     r
 }
 
+/// A record as a backend hands it back.
+pub enum Raw {
+    /// The whole record in memory (or mapped).
+    Whole(Bytes),
+    /// Its first bytes — at least the head, key and header — then the rest
+    /// from `rest`, `total` bytes in all.
+    Split { prefix: Bytes, total: u64, rest: Box<dyn ChunkSource> },
+    /// The backend's own integrity check failed on it.
+    Corrupt,
+}
+
 pub(crate) enum Decoded {
     Hit(Entry),
     /// Intact record of another key with the same hash.
@@ -52,6 +66,14 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
 }
 fn u64_at(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
+}
+
+/// The record length its head claims, when it has one.
+pub(crate) fn claimed_len(b: &[u8]) -> Option<u64> {
+    if b.len() < HEAD || &b[..4] != MAGIC {
+        return None;
+    }
+    (HEAD as u64).checked_add(u32_at(b, 24) as u64)?.checked_add(u32_at(b, 28) as u64)?.checked_add(u64_at(b, 32))
 }
 
 /// Parsed head: (meta, key_len, header_len, body_len), lengths checked
@@ -68,17 +90,58 @@ pub(crate) fn head(b: &[u8], total: u64) -> Option<(Meta, usize, usize, u64)> {
     Some((meta, k as usize, h as usize, body))
 }
 
-pub(crate) fn decode(key: &[u8], b: &[u8]) -> Decoded {
-    let Some((meta, k, h, _)) = head(b, b.len() as u64) else { return Decoded::Corrupt };
-    if crc32fast::hash(&b[8..]) != u32_at(b, 4) {
+/// Checks and splits a record. A body up to STREAM_THRESHOLD is verified
+/// here; a larger one is verified as it streams, and `on_corrupt` runs if
+/// it fails then.
+pub(crate) fn decode(key: &[u8], raw: Raw, on_corrupt: Box<dyn FnOnce() + Send + Sync>) -> Decoded {
+    let (prefix, total, rest): (Bytes, u64, Box<dyn ChunkSource>) = match raw {
+        Raw::Corrupt => return Decoded::Corrupt,
+        Raw::Whole(b) => {
+            let total = b.len() as u64;
+            (b, total, Box::new(Slices(Bytes::new())))
+        }
+        Raw::Split { prefix, total, rest } => (prefix, total, rest),
+    };
+    let Some((meta, k, h, body_len)) = head(&prefix, total) else { return Decoded::Corrupt };
+    let body_at = HEAD + k + h;
+    if prefix.len() < body_at || prefix.len() as u64 > total {
         return Decoded::Corrupt;
     }
-    if &b[HEAD..HEAD + k] != key {
+    let expected = u32_at(&prefix, 4);
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&prefix[8..body_at]);
+    // The key is checked before a byte of the body is trusted or sent: a
+    // record of another key (a hash collision) is a miss, not corruption,
+    // but only once its own checksum vouches for the key it names.
+    let header = prefix.slice(HEAD + k..body_at);
+    let first = prefix.slice(body_at..);
+    let key_matches = &prefix[HEAD..HEAD + k] == key;
+    let mut chunks = BodyChunks::new(body_len, first, rest, crc, expected, on_corrupt);
+    if body_len > STREAM_THRESHOLD && key_matches {
+        return Decoded::Hit(Entry { meta, crc: expected, header, body: EntryBody::Chunks(chunks) });
+    }
+    // Small (or another key's): read to the end now, so the checksum is
+    // known before anything is returned. A failure here is reported by the
+    // return value; `on_corrupt` is the stream's way and must not run too.
+    chunks.forget_corrupt_hook();
+    let mut parts = Vec::new();
+    loop {
+        match chunks.next_chunk() {
+            Ok(Some(c)) => parts.push(c),
+            Ok(None) => break,
+            Err(_) => return Decoded::Corrupt,
+        }
+    }
+    if !key_matches {
         return Decoded::OtherKey;
     }
-    let header = b[HEAD + k..HEAD + k + h].to_vec();
-    let body = b[HEAD + k + h..].to_vec();
-    Decoded::Hit(Entry { meta, header, body })
+    // One part (every body from memory or a whole record) is a slice of the
+    // record: no copy.
+    let body = match parts.len() {
+        1 => parts.pop().expect("one part"),
+        _ => parts.concat().into(),
+    };
+    Decoded::Hit(Entry { meta, crc: expected, header, body: EntryBody::Whole(body) })
 }
 
 /// Meta-table value: `crc32 | stored_at | expires_at | size | key`.

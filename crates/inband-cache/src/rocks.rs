@@ -1,7 +1,17 @@
 //! RocksDB backend (Debian's librocksdb 7.8): one keyspace, records under
 //! `d` + id and meta records under `m` + id, so startup iterates the small
-//! `m` range only. Both keys go in one WriteBatch, which RocksDB applies
-//! atomically (one WAL record).
+//! `m` range only. Every key of a record goes in one WriteBatch, which
+//! RocksDB applies atomically (one WAL record).
+//!
+//! RocksDB reads a value whole, so a record whose body is over
+//! STREAM_THRESHOLD is split: `d` + id holds the record's head, key and
+//! header followed by an 8-byte generation, and the body lies in
+//! `c` + id + generation + index (big-endian u32), CHUNK_BYTES each. A
+//! read takes one chunk at a time; a record replaced or deleted while
+//! its body streams has a new generation (or none), so the stream ends
+//! in an error, never in another record's bytes. Every write of a record
+//! deletes the chunk range of its id first, so no chunk outlives its
+//! record.
 //!
 //! The WAL is always on: without `fsync` it is written to the OS (kill -9
 //! loses nothing) and `flush` syncs it; with `fsync` every batch is synced.
@@ -13,16 +23,66 @@
 
 use std::path::Path;
 
-use anyhow::{Context, Result};
-use rocksdb::{BlockBasedOptions, DBCompressionType, IteratorMode, Options, ReadOptions, WriteBatch, WriteOptions, DB};
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use bytes::Bytes;
+use rocksdb::{BlockBasedOptions, DBCompressionType, ErrorKind, IteratorMode, Options, ReadOptions, WriteBatch, WriteOptions, DB};
 
 use crate::cache::{Backend, ScanItem};
-use crate::record;
-use crate::{BackendKind, Config, Meta};
+use crate::record::{self, Raw};
+use crate::{BackendKind, ChunkSource, Config, Meta, CHUNK_BYTES, STREAM_THRESHOLD};
 
 pub(crate) struct Rocks {
-    db: DB,
+    db: Arc<DB>,
     fsync: bool,
+}
+
+fn chunk_key(id: u128, generation: u64, index: u32) -> [u8; 29] {
+    let mut k = [b'c'; 29];
+    k[1..17].copy_from_slice(&id.to_be_bytes());
+    k[17..25].copy_from_slice(&generation.to_be_bytes());
+    k[25..].copy_from_slice(&index.to_be_bytes());
+    k
+}
+
+/// Every chunk key of `id`, whatever its generation: [from, to).
+fn chunk_range(id: u128) -> ([u8; 17], [u8; 17]) {
+    let mut from = [b'c'; 17];
+    from[1..].copy_from_slice(&id.to_be_bytes());
+    let mut to = from;
+    // The id + 1 as a 128-bit big-endian number; the last id has no next,
+    // so its range ends at the next prefix letter.
+    match id.checked_add(1) {
+        Some(next) => to[1..].copy_from_slice(&next.to_be_bytes()),
+        None => to = [b'd'; 17],
+    }
+    (from, to)
+}
+
+struct RocksChunks {
+    db: Arc<DB>,
+    id: u128,
+    generation: u64,
+    next: u32,
+}
+
+impl ChunkSource for RocksChunks {
+    fn next_chunk(&mut self) -> Result<Option<Bytes>> {
+        let got = self.db.get_pinned(chunk_key(self.id, self.generation, self.next));
+        self.next += 1;
+        match got {
+            Ok(Some(v)) => Ok(Some(Bytes::copy_from_slice(&v))),
+            // Asked only while the body is incomplete: the record was
+            // replaced or deleted since its head was read. Not corruption.
+            Ok(None) => bail!("the cache entry was replaced while its body was read"),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+fn is_corruption(e: &rocksdb::Error) -> bool {
+    e.kind() == ErrorKind::Corruption
 }
 
 fn data_key(id: u128) -> [u8; 17] {
@@ -52,13 +112,21 @@ impl Rocks {
         table.set_bloom_filter(10.0, false);
         opts.set_block_based_table_factory(&table);
         let db = DB::open(&opts, dir).with_context(|| format!("opening RocksDB at {}", dir.display()))?;
-        Ok(Rocks { db, fsync: config.fsync })
+        Ok(Rocks { db: Arc::new(db), fsync: config.fsync })
     }
 
     fn write(&self, batch: WriteBatch) -> Result<()> {
         let mut wo = WriteOptions::default();
         wo.set_sync(self.fsync);
         self.db.write_opt(batch, &wo)?;
+        Ok(())
+    }
+
+    /// Moves everything written out of the memtable (and so out of the
+    /// WAL) into table and blob files: tests corrupt those.
+    #[cfg(test)]
+    pub(crate) fn flush_memtable(&self) -> Result<()> {
+        self.db.flush()?;
         Ok(())
     }
 
@@ -77,14 +145,50 @@ impl Rocks {
 
 impl Backend for Rocks {
     const KIND: BackendKind = BackendKind::Rocksdb;
+    const READS_BLOCK: bool = true;
 
-    fn get(&self, id: u128) -> Result<Option<Vec<u8>>> {
-        Ok(self.db.get_pinned(data_key(id))?.map(|v| v.to_vec()))
+    fn get(&self, id: u128) -> Result<Option<Raw>> {
+        let v = match self.db.get_pinned(data_key(id)) {
+            Ok(Some(v)) => v,
+            Ok(None) => return Ok(None),
+            // RocksDB's own block checksums failed: the same as ours.
+            Err(e) if is_corruption(&e) => return Ok(Some(Raw::Corrupt)),
+            Err(e) => return Err(e.into()),
+        };
+        let Some((_, k, h, _)) = record::claimed_len(&v).and_then(|total| record::head(&v, total)) else {
+            return Ok(Some(Raw::Corrupt));
+        };
+        let at = record::HEAD + k + h;
+        let total = record::claimed_len(&v).expect("checked above");
+        if v.len() as u64 == total {
+            return Ok(Some(Raw::Whole(Bytes::copy_from_slice(&v))));
+        }
+        if v.len() != at + 8 {
+            return Ok(Some(Raw::Corrupt));
+        }
+        let generation = u64::from_le_bytes(v[at..].try_into().expect("8 bytes"));
+        let rest = Box::new(RocksChunks { db: self.db.clone(), id, generation, next: 0 });
+        Ok(Some(Raw::Split { prefix: Bytes::copy_from_slice(&v[..at]), total, rest }))
     }
 
     fn put(&self, id: u128, rec: &[u8], meta: &[u8]) -> Result<()> {
         let mut batch = WriteBatch::default();
-        batch.put(data_key(id), rec);
+        let (from, to) = chunk_range(id);
+        batch.delete_range(from, to);
+        match record::head(rec, rec.len() as u64) {
+            Some((_, k, h, body)) if body > STREAM_THRESHOLD => {
+                let at = record::HEAD + k + h;
+                let generation: u64 = rand::random();
+                let mut first = rec[..at].to_vec();
+                first.extend_from_slice(&generation.to_le_bytes());
+                batch.put(data_key(id), first);
+                for (i, chunk) in rec[at..].chunks(CHUNK_BYTES).enumerate() {
+                    batch.put(chunk_key(id, generation, i as u32), chunk);
+                }
+            }
+            // Small, or not a record at all (tests plant torn ones): whole.
+            _ => batch.put(data_key(id), rec),
+        }
         batch.put(meta_key(id), meta);
         self.write(batch)
     }
@@ -95,6 +199,8 @@ impl Backend for Rocks {
         let mut batch = WriteBatch::default();
         batch.delete(data_key(id));
         batch.delete(meta_key(id));
+        let (from, to) = chunk_range(id);
+        batch.delete_range(from, to);
         self.write(batch)?;
         Ok(had)
     }

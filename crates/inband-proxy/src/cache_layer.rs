@@ -10,10 +10,11 @@ use bytes::Bytes;
 use http::{header, request, response, HeaderMap, HeaderValue, Method, Response, StatusCode};
 use http_body_util::BodyExt;
 use http_cache_semantics::{AfterResponse, BeforeRequest, CachePolicy};
+use inband_cache::EntryBody;
 use hyper::body::Incoming;
 
 use crate::cache_control;
-use crate::cache_store::{base_key, options, unix_ms, Buffered, Fetched, Found, HttpCache, Leader, Turn};
+use crate::cache_store::{base_key, options, unix_ms, Buffered, Fetched, Found, HttpCache, Leader, Stored, Turn};
 use crate::metrics::Refusal;
 use crate::server::{full, BoxError, ProxyBody};
 use crate::{forward, Shared};
@@ -88,8 +89,8 @@ pub fn invalidates(method: &Method) -> bool {
 }
 
 
-fn cached(head: response::Parts, body: Bytes, outcome: Outcome) -> Response<ProxyBody> {
-    let mut resp = Response::from_parts(head, full(body));
+fn cached(head: response::Parts, body: ProxyBody, outcome: Outcome) -> Response<ProxyBody> {
+    let mut resp = Response::from_parts(head, body);
     outcome.mark(&mut resp);
     // http-cache-semantics rewrites Date to now in RFC 2822 form
     // ("… +0000"), which is not an HTTP-date: clients and caches after us
@@ -155,30 +156,30 @@ async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, parts: request
     // max-stale, as the library decides) or 504, never the origin.
     if cache_control::directive(&parts.headers, "only-if-cached").is_some() {
         let found = cache.lookup(&parts).await;
-        return match found.as_ref().and_then(|f| fresh_head(f.policy(), &parts)) {
+        return match found.as_ref().and_then(|f| fresh_head(&f.stored.policy, &parts)) {
             Some(head) => {
                 shared.metrics.cache(Outcome::Hit);
-                Ok(cached(head, found.expect("a head came from it").body, Outcome::Hit))
+                Ok(cached(head, cache.response_body(found.expect("a head came from it").body), Outcome::Hit))
             }
             None => Err(Refusal::NotCached),
         };
     }
-    if let Some(found) = cache.lookup(&parts).await {
+    if let Some(Found { stored, body }) = cache.lookup(&parts).await {
         let now = SystemTime::now();
-        match found.policy().before_request(&parts, now) {
+        match stored.policy.before_request(&parts, now) {
             BeforeRequest::Fresh(head) => {
                 shared.metrics.cache(Outcome::Hit);
-                return Ok(cached(head, found.body, Outcome::Hit));
+                return Ok(cached(head, cache.response_body(body), Outcome::Hit));
             }
-            BeforeRequest::Stale { request, matches: true } if unix_ms(now) < found.swr_until_ms() => {
+            BeforeRequest::Stale { request, matches: true } if unix_ms(now) < stored.swr_until_ms => {
                 shared.metrics.cache(Outcome::Stale);
-                let resp = cached(found.stale_head(), found.body.clone(), Outcome::Stale);
-                revalidate_in_background(shared.clone(), parts, found, request, key.to_vec());
+                let resp = cached(stored.stale_head(), cache.response_body(body), Outcome::Stale);
+                revalidate_in_background(shared.clone(), parts, stored, request, key.to_vec());
                 return Ok(resp);
             }
             BeforeRequest::Stale { request, matches: true } => {
-                let fallback = (unix_ms(now) < found.sie_until_ms()).then(|| (found.stale_head(), found.body.clone()));
-                let result = revalidate(shared, cache, &parts, found, request, key).await;
+                let fallback = (unix_ms(now) < stored.sie_until_ms).then(|| (stored.stale_head(), body));
+                let result = revalidate(shared, cache, &parts, &stored, request, key).await;
                 let failed = match &result {
                     Ok(resp) => resp.status().is_server_error(),
                     Err(_) => true,
@@ -186,7 +187,7 @@ async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, parts: request
                 return match fallback {
                     Some((head, body)) if failed => {
                         shared.metrics.cache(Outcome::Stale);
-                        Ok(cached(head, body, Outcome::Stale))
+                        Ok(cached(head, cache.response_body(body), Outcome::Stale))
                     }
                     _ if failed => {
                         shared.metrics.cache(Outcome::Error);
@@ -208,7 +209,7 @@ async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, parts: request
             if let Ok(Some(f)) = rx.recv().await {
                 if let Some(head) = fresh_head(&f.policy, &parts) {
                     shared.metrics.cache(Outcome::Coalesced);
-                    return Ok(cached(head, f.body.clone(), Outcome::Coalesced));
+                    return Ok(cached(head, full(f.body.clone()), Outcome::Coalesced));
                 }
             }
             // The leader's response was not shareable (or not for this
@@ -218,11 +219,17 @@ async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, parts: request
         Turn::Lead(leader) => {
             // A leader that finished between our lookup and join has
             // stored its response already.
-            if let Some(found) = cache.lookup(&parts).await {
-                if let Some(head) = fresh_head(found.policy(), &parts) {
-                    leader.finish(Some(Arc::new(Fetched { policy: found.policy().clone(), body: found.body.clone() })));
+            if let Some(Found { stored, body }) = cache.lookup(&parts).await {
+                if let Some(head) = fresh_head(&stored.policy, &parts) {
+                    // Waiters share a body in memory; a large one each
+                    // streams from the store themselves.
+                    let shared_body = match &body {
+                        EntryBody::Whole(b) => Some(Arc::new(Fetched { policy: stored.policy.clone(), body: b.clone() })),
+                        EntryBody::Chunks(_) => None,
+                    };
+                    leader.finish(shared_body);
                     shared.metrics.cache(Outcome::Hit);
-                    return Ok(cached(head, found.body, Outcome::Hit));
+                    return Ok(cached(head, cache.response_body(body), Outcome::Hit));
                 }
             }
             fetch(shared, cache, &parts, key, Some(leader), Outcome::Miss).await
@@ -270,7 +277,7 @@ async fn keep(
             if let Some(l) = leader {
                 l.finish(Some(Arc::new(Fetched { policy: stored, body: bytes.clone() })));
             }
-            Ok(cached(head, bytes, outcome))
+            Ok(cached(head, full(bytes), outcome))
         }
         Buffered::TooLarge(body) => {
             let mut resp = Response::from_parts(head, body);
@@ -283,11 +290,11 @@ async fn keep(
 
 /// `stale-while-revalidate`: the client already has the stale entry; one
 /// background request per URL refreshes it.
-fn revalidate_in_background(shared: Arc<Shared>, parts: request::Parts, found: Found, conditional: request::Parts, key: Vec<u8>) {
+fn revalidate_in_background(shared: Arc<Shared>, parts: request::Parts, stored: Arc<Stored>, conditional: request::Parts, key: Vec<u8>) {
     tokio::spawn(async move {
         let Some(cache) = &shared.cache else { return };
         let Turn::Lead(leader) = cache.join(&base_key(&parts)) else { return };
-        if let Err(r) = revalidate(&shared, cache, &parts, found, conditional, &key).await {
+        if let Err(r) = revalidate(&shared, cache, &parts, &stored, conditional, &key).await {
             tracing::info!(reason = r.label(), "background revalidation failed; the stale entry stays");
         }
         leader.finish(None);
@@ -300,7 +307,7 @@ async fn revalidate(
     shared: &Shared,
     cache: &HttpCache,
     parts: &request::Parts,
-    found: Found,
+    stored: &Stored,
     conditional: request::Parts,
     key: &[u8],
 ) -> Result<Response<ProxyBody>, Refusal> {
@@ -314,12 +321,17 @@ async fn revalidate(
         return keep(shared, cache, parts, resp, None, Outcome::Updated).await;
     }
     let (head, _) = resp.into_parts();
-    match found.policy().after_response(parts, &head, SystemTime::now()) {
-        AfterResponse::NotModified(policy, merged) => {
-            shared.metrics.cache(Outcome::Revalidated);
-            cache.put(parts, &merged, &policy, found.body.clone()).await;
-            Ok(cached(merged, found.body, Outcome::Revalidated))
-        }
+    match stored.policy.after_response(parts, &head, SystemTime::now()) {
+        // The entry is rewritten with the refreshed head and its body, read
+        // again (the entry may have changed or gone since it was looked up).
+        AfterResponse::NotModified(policy, merged) => match cache.body_bytes(parts).await {
+            Some(body) => {
+                shared.metrics.cache(Outcome::Revalidated);
+                cache.put(parts, &merged, &policy, body.clone()).await;
+                Ok(cached(merged, full(body), Outcome::Revalidated))
+            }
+            None => fetch(shared, cache, parts, key, None, Outcome::Updated).await,
+        },
         // A 304 whose validators match nothing stored: the entry cannot be
         // trusted, so fetch it whole.
         AfterResponse::Modified(..) => fetch(shared, cache, parts, key, None, Outcome::Updated).await,

@@ -8,6 +8,7 @@
 //! variants by prefix.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -19,13 +20,13 @@ use http::{header, request, response, HeaderMap, HeaderValue, Response, StatusCo
 use http_body_util::BodyExt;
 use http_cache_semantics::{CacheOptions, CachePolicy};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use inband_cache::Store;
+use inband_cache::{BodyChunks, EntryBody, Store};
 use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
 
 use crate::cache_control;
 use crate::config::{CacheConfig, SetCookie};
-use crate::server::{BoxError, ProxyBody};
+use crate::server::{full, BoxError, ProxyBody};
 
 /// What the header blob of a stored record holds.
 #[derive(Serialize, Deserialize)]
@@ -37,15 +38,15 @@ enum Head {
 }
 
 #[derive(Serialize, Deserialize)]
-struct Stored {
-    policy: CachePolicy,
+pub(crate) struct Stored {
+    pub(crate) policy: CachePolicy,
     /// Unix ms until which a stale entry may be served while it is
     /// revalidated (`stale-while-revalidate`); 0 for never.
-    swr_until_ms: u64,
+    pub(crate) swr_until_ms: u64,
     /// Unix ms until which a stale entry may be served when the origin
     /// fails (`stale-if-error`); 0 for never.
     #[serde(default)]
-    sie_until_ms: u64,
+    pub(crate) sie_until_ms: u64,
     /// The response head as the origin sent it, for serving it stale: the
     /// library builds a head only for a fresh entry.
     status: u16,
@@ -71,33 +72,21 @@ pub struct HttpCache {
 
 /// A stored response found for a request.
 pub(crate) struct Found {
-    stored: Arc<Stored>,
-    pub(crate) body: Bytes,
+    pub(crate) stored: Arc<Stored>,
+    pub(crate) body: EntryBody,
 }
 
-impl Found {
-    pub(crate) fn policy(&self) -> &CachePolicy {
-        &self.stored.policy
-    }
-
-    pub(crate) fn swr_until_ms(&self) -> u64 {
-        self.stored.swr_until_ms
-    }
-
-    pub(crate) fn sie_until_ms(&self) -> u64 {
-        self.stored.sie_until_ms
-    }
-
+impl Stored {
     /// The stored response as it is now, stale: Age says how stale.
     pub(crate) fn stale_head(&self) -> response::Parts {
         let mut resp = Response::new(());
-        *resp.status_mut() = StatusCode::from_u16(self.stored.status).unwrap_or(StatusCode::OK);
-        for (k, v) in &self.stored.headers {
+        *resp.status_mut() = StatusCode::from_u16(self.status).unwrap_or(StatusCode::OK);
+        for (k, v) in &self.headers {
             if let (Ok(k), Ok(v)) = (http::HeaderName::from_bytes(k.as_bytes()), HeaderValue::from_bytes(v)) {
                 resp.headers_mut().append(k, v);
             }
         }
-        let age = self.policy().age(SystemTime::now()).as_secs();
+        let age = self.policy.age(SystemTime::now()).as_secs();
         resp.headers_mut().insert(header::AGE, HeaderValue::from(age));
         resp.into_parts().0
     }
@@ -110,22 +99,23 @@ enum Decoded {
     Vary(Arc<Vec<String>>),
 }
 
-/// Decoded header blobs by the 128-bit hash of their bytes. Decoding the
-/// JSON of a cache policy took a tenth of a hit's CPU; hot entries are
-/// read over and over with the same blob. Content-addressed, so an entry
-/// replaced in the store (another blob) can never be served from here.
-/// Bounded by clearing when full: simple, and a refill costs one decode
-/// per hot entry.
+/// Decoded header blobs, by which record they came from. Decoding the JSON
+/// of a cache policy took a tenth of a hit's CPU, and hot entries are read
+/// over and over. Keyed by the key's hash, the record's store time and its
+/// CRC (which covers the header): a record replaced in the store is
+/// another key here, so no invalidation is needed. Bounded by clearing
+/// when full: simple, and a refill costs one decode per hot entry.
 #[derive(Default)]
 struct Memo {
-    map: Mutex<HashMap<u128, Decoded>>,
+    map: Mutex<HashMap<(u128, u64, u32), Decoded>>,
 }
 
 const MEMO_ENTRIES: usize = 4096;
 
 impl Memo {
-    fn decode(&self, blob: &[u8]) -> Option<Decoded> {
-        let id = xxhash_rust::xxh3::xxh3_128(blob);
+    fn decode(&self, key: &[u8], entry: &inband_cache::Entry) -> Option<Decoded> {
+        let id = (xxhash_rust::xxh3::xxh3_128(key), entry.meta.stored_at_ms, entry.crc);
+        let blob = &entry.header;
         if let Some(d) = self.map.lock().unwrap().get(&id) {
             return Some(d.clone());
         }
@@ -260,7 +250,7 @@ impl HttpCache {
     pub fn open(cfg: &CacheConfig) -> Result<HttpCache> {
         let store: Arc<dyn Store> = Arc::from(inband_cache::open(&cfg.store_config())?);
         tracing::info!(backend = %cfg.backend, entries = store.len(), bytes = store.size_bytes(), "cache opened");
-        let inline_reads = matches!(cfg.backend, inband_cache::BackendKind::Lmdb | inband_cache::BackendKind::Memory);
+        let inline_reads = !store.reads_block();
         Ok(HttpCache { store, max_object_bytes: cfg.max_object_bytes, set_cookie: cfg.set_cookie, inline_reads, memo: Memo::default(), inflight: Mutex::new(HashMap::new()) })
     }
 
@@ -292,15 +282,37 @@ impl HttpCache {
         self.blocking(move |s| s.get(&key)).await
     }
 
-    async fn get(&self, key: Vec<u8>) -> Option<(Decoded, Bytes)> {
-        let entry = match self.read(key).await {
+    async fn get(&self, key: Vec<u8>) -> Option<(Decoded, EntryBody)> {
+        let entry = match self.read(key.clone()).await {
             Ok(e) => e?,
             Err(e) => {
                 tracing::warn!(error = %e, "cache read failed");
                 return None;
             }
         };
-        Some((self.memo.decode(&entry.header)?, entry.body.into()))
+        Some((self.memo.decode(&key, &entry)?, entry.body))
+    }
+
+    /// A stored body as a response body: whole, or chunk by chunk from the
+    /// store (on the blocking pool for stores whose reads can wait on a
+    /// disk), so a hit on a large object holds one chunk at a time.
+    pub(crate) fn response_body(&self, body: EntryBody) -> ProxyBody {
+        match body {
+            EntryBody::Whole(b) => full(b),
+            EntryBody::Chunks(c) => StoreBody { chunks: Some(c), pending: None, blocking: !self.inline_reads, done: false }.boxed(),
+        }
+    }
+
+    /// The whole stored body of this request's entry, read again: a 304
+    /// rewrites the entry, body included, and the client gets it.
+    pub(crate) async fn body_bytes(&self, parts: &request::Parts) -> Option<Bytes> {
+        let body = self.lookup(parts).await?.body;
+        let read = match body {
+            EntryBody::Whole(b) => return Some(b),
+            c if self.inline_reads => c.into_bytes(),
+            c => tokio::task::spawn_blocking(move || c.into_bytes()).await.map_err(anyhow::Error::from).and_then(|r| r),
+        };
+        read.map_err(|e| tracing::warn!(error = %e, "cache read failed")).ok()
     }
 
     /// The stored response for this request, following a Vary marker.
@@ -449,6 +461,72 @@ impl HttpCache {
             && policy.is_storable()
             && policy.time_to_live(SystemTime::now()) > Duration::ZERO
             && declared.is_none_or(|n| n <= self.max_object_bytes)
+    }
+}
+
+/// A large stored body, chunk by chunk.
+struct StoreBody {
+    /// Out while a blocking read of the next chunk runs.
+    chunks: Option<BodyChunks>,
+    pending: Option<tokio::task::JoinHandle<(BodyChunks, Result<Option<Bytes>>)>>,
+    blocking: bool,
+    done: bool,
+}
+
+impl Body for StoreBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        let next = if self.blocking {
+            if self.pending.is_none() {
+                let mut c = self.chunks.take().expect("chunks are here when no read is pending");
+                self.pending = Some(tokio::task::spawn_blocking(move || {
+                    let r = c.next_chunk();
+                    (c, r)
+                }));
+            }
+            let polled = Pin::new(self.pending.as_mut().expect("just set")).poll(cx);
+            let Poll::Ready(joined) = polled else { return Poll::Pending };
+            self.pending = None;
+            match joined {
+                Ok((c, r)) => {
+                    self.chunks = Some(c);
+                    r
+                }
+                Err(e) => Err(e.into()),
+            }
+        } else {
+            self.chunks.as_mut().expect("inline reads keep the chunks").next_chunk()
+        };
+        Poll::Ready(match next {
+            Ok(Some(b)) => Some(Ok(Frame::data(b))),
+            Ok(None) => {
+                self.done = true;
+                None
+            }
+            Err(e) => {
+                // The client sees a body cut short (its length was
+                // declared): never bytes that failed their checksum.
+                self.done = true;
+                tracing::warn!(error = %e, "stored body unreadable; response cut short");
+                Some(Err(e.into()))
+            }
+        })
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.chunks {
+            Some(c) if !self.done => SizeHint::with_exact(c.remaining()),
+            _ => SizeHint::default(),
+        }
     }
 }
 
