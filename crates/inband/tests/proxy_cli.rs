@@ -2,7 +2,8 @@
 //! in flight and exits 0; `kill -9` in the middle of cache writes leaves a
 //! cache that serves only intact entries after a restart; out of file
 //! descriptors it backs off and recovers once idle clients time out; a bad
-//! config gets every error at once; logs to a file carry no colour codes.
+//! config gets every error at once; logs to a file carry no colour codes;
+//! concurrent hits on a 100 MiB object do not hold it in memory.
 
 use std::io::{Read, Write};
 use std::os::unix::process::CommandExt;
@@ -42,6 +43,12 @@ fn body_for(i: usize) -> String {
     format!("key {i} {}", char::from(b'a' + (i % 26) as u8).to_string().repeat(8000))
 }
 
+const BIG: usize = 100 << 20;
+
+fn big_body() -> Vec<u8> {
+    (0..BIG).map(|i| (i % 251) as u8).collect()
+}
+
 fn origin() -> Origin {
     let server = tiny_http::Server::http("127.0.0.1:0").unwrap();
     let addr = server.server_addr().to_ip().unwrap();
@@ -55,7 +62,9 @@ fn origin() -> Origin {
             thread::spawn(move || {
                 let url = req.url().to_string();
                 let header = |k: &str, v: &str| tiny_http::Header::from_bytes(k.as_bytes(), v.as_bytes()).unwrap();
-                let resp = if url == "/slow" {
+                let resp = if url == "/big" {
+                    tiny_http::Response::from_data(big_body()).with_header(header("cache-control", "max-age=600"))
+                } else if url == "/slow" {
                     thread::sleep(Duration::from_millis(800));
                     tiny_http::Response::from_string("slow done").with_header(header("cache-control", "no-store"))
                 } else {
@@ -284,4 +293,95 @@ fn a_bad_config_gets_every_error_in_one_run() {
         assert!(err.contains(want), "{want:?} missing in:\n{err}");
     }
     assert!(!err.contains('\x1b'), "{err}");
+}
+
+/// The process's anonymous resident memory (heap, stacks), in bytes: what
+/// a copy of a body would grow. Mapped store pages are file-backed.
+fn rss_anon(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status.lines().find_map(|l| l.strip_prefix("RssAnon:")).unwrap().trim().trim_end_matches(" kB").trim().parse().unwrap();
+    kb * 1024
+}
+
+/// GET with the body read and checked without keeping it.
+fn get_big(addr: SocketAddr) -> (u16, String, usize) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    s.write_all(b"GET /big HTTP/1.1\r\nHost: cli.test\r\nConnection: close\r\n\r\n").unwrap();
+    let mut buf = vec![0; 1 << 16];
+    let mut head = Vec::new();
+    let mut at = 0usize;
+    loop {
+        let n = s.read(&mut buf).unwrap();
+        if n == 0 {
+            break;
+        }
+        let mut data = &buf[..n];
+        if at == 0 && !head.ends_with(b"\r\n\r\n") {
+            let split = (0..data.len()).find(|&i| [&head[..], &data[..=i]].concat().ends_with(b"\r\n\r\n"));
+            match split {
+                Some(i) => {
+                    head.extend_from_slice(&data[..=i]);
+                    data = &data[i + 1..];
+                }
+                None => {
+                    head.extend_from_slice(data);
+                    continue;
+                }
+            }
+        }
+        for (j, b) in data.iter().enumerate() {
+            assert_eq!(*b, ((at + j) % 251) as u8, "byte {} of the body", at + j);
+        }
+        at += data.len();
+    }
+    let head = String::from_utf8_lossy(&head).into_owned();
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let x_cache = head.lines().find_map(|l| l.to_ascii_lowercase().strip_prefix("x-cache: ").map(str::to_string)).unwrap_or_default();
+    (status, x_cache, at)
+}
+
+#[test]
+fn five_concurrent_hits_on_a_100_mib_object_do_not_hold_it_in_memory() {
+    let o = origin();
+    for backend in ["lmdb", "rocksdb", "files"] {
+        let dir = tempfile::tempdir().unwrap();
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let cfg = dir.path().join("proxy.toml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "listen = \"{addr}\"\nbackends = [\"{}\"]\n[cache]\nbackend = \"{backend}\"\npath = \"{}\"\ncapacity_bytes = 536870912\nmax_object_bytes = 134217728\n",
+                o.addr,
+                dir.path().join("cache").display()
+            ),
+        )
+        .unwrap();
+        let p = start(&cfg, addr);
+        assert_eq!(get_big(addr), (200, "miss".into(), BIG), "{backend}: the fill");
+        let before = rss_anon(p.0.id());
+        let done = Arc::new(AtomicBool::new(false));
+        let sampler = {
+            let (done, pid) = (done.clone(), p.0.id());
+            thread::spawn(move || {
+                let mut peak = 0;
+                while !done.load(Ordering::SeqCst) {
+                    peak = peak.max(rss_anon(pid));
+                    thread::sleep(Duration::from_millis(5));
+                }
+                peak
+            })
+        };
+        let clients: Vec<_> = (0..5).map(|_| thread::spawn(move || get_big(addr))).collect();
+        for c in clients {
+            assert_eq!(c.join().unwrap(), (200, "hit".into(), BIG), "{backend}");
+        }
+        done.store(true, Ordering::SeqCst);
+        let peak = sampler.join().unwrap();
+        let grew = peak.saturating_sub(before);
+        println!("{backend}: anonymous memory {} MiB before the hits, peak {} MiB during 5 concurrent hits of 100 MiB", before >> 20, peak >> 20);
+        // One object's worth would be 100 MiB, five 500: the bound is a
+        // few chunks per client plus allocator slack.
+        assert!(grew < 48 << 20, "{backend}: 5 hits of 100 MiB grew anonymous memory by {} MiB", grew >> 20);
+    }
 }
