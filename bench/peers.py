@@ -230,6 +230,37 @@ http {{
 """
 
 
+def nginx_static_conf(*, listen: str, root: str, prefix: str, workers: int, as_root: bool) -> str:
+    """nginx serving the objects as files, no proxy and no cache logic:
+    the most a server can do for these requests on this machine, with the
+    same load generator, so the caches can be read against it."""
+    user = "user root;\n" if as_root else ""
+    return f"""\
+{user}worker_processes {int(workers)};
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    sendfile on;
+    tcp_nopush on;
+    keepalive_requests 1000000;
+    open_file_cache max=10000 inactive=60s;
+    client_body_temp_path {prefix}/client_body;
+    proxy_temp_path {prefix}/proxy_temp;
+    fastcgi_temp_path {prefix}/fastcgi;
+    uwsgi_temp_path {prefix}/uwsgi;
+    scgi_temp_path {prefix}/scgi;
+    default_type application/octet-stream;
+    server {{
+        listen {listen};
+        root {root};
+        location = /__stats {{ return 200 "{{}}"; }}
+    }}
+}}
+"""
+
+
 def varnish_vcl(*, origin_host: str, origin_port: int) -> str:
     """Varnish's built-in VCL does the caching (Cache-Control max-age);
     this only names the origin and marks hits like the others do."""

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import peers
-from .origin import STATS_PATH
+from .origin import STATS_PATH, body_for
 from .paper import tool_version
 from .outcome import Outcome
 from .procs import Fatal, Procs, run, stop_signals_interrupt, wait_until
@@ -69,6 +69,8 @@ SYSTEMS = [
     System("inband-files", "inband files", True),
     System("nginx", "nginx proxy_cache", True),
     System("varnish", "Varnish (malloc)", False),
+    # Not a cache: the objects as files, served by nginx. The limit.
+    System("static", "limit: nginx static files", False),
 ]
 BY_KEY = {s.key: s for s in SYSTEMS}
 
@@ -328,17 +330,17 @@ def hits_table(rows: list[Hits]) -> str:
     out = []
     for r in rows:
         if not r.rounds:
-            out.append([r.label, str(r.conns)] + ["not measured"] + ["–"] * 10)
+            out.append([r.label, str(r.conns)] + ["not measured"] + ["–"] * 11)
             continue
-        ng, va = ref.get(("nginx", r.conns)), ref.get(("varnish", r.conns))
+        ng, va, lim = ref.get(("nginx", r.conns)), ref.get(("varnish", r.conns)), ref.get(("static", r.conns))
         out.append([
-            r.label, str(r.conns), f"{r.rps:,.0f}", _times(r.rps, ng and ng.rps), _times(r.rps, va and va.rps),
+            r.label, str(r.conns), f"{r.rps:,.0f}", _times(r.rps, ng and ng.rps), _times(r.rps, va and va.rps), _times(r.rps, lim and lim.rps),
             f"{r.p50_ms:.2f}", f"{r.p99_ms:.2f}", f"{r.cores:.2f}", f"{r.cpu_us_per_req:.1f}",
             _times(r.cpu_us_per_req, ng and ng.cpu_us_per_req), _times(r.cpu_us_per_req, va and va.cpu_us_per_req),
             str(r.origin), str(r.errors),
         ])  # fmt: skip
     headers = [
-        "system", "connections", "req/s", "÷ nginx", "÷ Varnish", "p50 ms", "p99 ms", "CPU (cores)", "CPU µs/req",
+        "system", "connections", "req/s", "÷ nginx", "÷ Varnish", "÷ limit", "p50 ms", "p99 ms", "CPU (cores)", "CPU µs/req",
         "CPU ÷ nginx", "CPU ÷ Varnish", "origin requests", "errors",
     ]  # fmt: skip
     return _md(headers, out)
@@ -546,6 +548,14 @@ class Bench:
             cfg = cfg_dir / "nginx.conf"
             cfg.write_text(peers.nginx_conf(listen=listen, origin=origin, prefix=str(state), max_size_bytes=CAPACITY, workers=os.cpu_count() or 1, as_root=os.geteuid() == 0))
             return ["nginx", "-c", str(cfg), "-p", str(state), "-e", str(state / "error.log"), "-g", "daemon off;"]
+        if s.key == "static":
+            root = state / "root"
+            (root / "obj").mkdir(parents=True, exist_ok=True)
+            for k in range(1, self.p.objects + 1):
+                (root / "obj" / str(k)).write_bytes(body_for(f"/obj/{k}", self.p.object_bytes))
+            cfg = cfg_dir / "nginx-static.conf"
+            cfg.write_text(peers.nginx_static_conf(listen=listen, root=str(root), prefix=str(state), workers=os.cpu_count() or 1, as_root=os.geteuid() == 0))
+            return ["nginx", "-c", str(cfg), "-p", str(state), "-e", str(state / "error.log"), "-g", "daemon off;"]
         vcl = cfg_dir / "varnish.vcl"
         vcl.write_text(peers.varnish_vcl(origin_host=HOST, origin_port=self.origin_port))
         # -j none: no privilege separation (the packaged users' jail is for
@@ -706,7 +716,7 @@ def preflight(args, systems: list[System]) -> list[str]:
     problems = []
     if any(s.key.startswith("inband-") for s in systems) and not Path(args.inband).is_file():
         problems.append(f"{args.inband} is missing: run scripts/setup.sh")
-    need = {"wrk"} | ({"nginx"} if "nginx" in {s.key for s in systems} else set()) | ({"varnishd"} if "varnish" in {s.key for s in systems} else set())
+    need = {"wrk"} | ({"nginx"} if {"nginx", "static"} & {s.key for s in systems} else set()) | ({"varnishd"} if "varnish" in {s.key for s in systems} else set())
     for tool in sorted(need):
         if not shutil.which(tool):
             problems.append(f"{tool} is not installed: run scripts/setup.sh")
@@ -780,10 +790,10 @@ def main(argv=None) -> int:
                 for s in alive:
                     bench.log(f"hits, round {rnd + 1}/{profile.rounds}, {c} connections: {s.label}")
                     outcome.attempt(f"{s.label} hits ({c} connections)", lambda s=s, c=c: bench.measure(s, hits[(s.key, c)]))
-            for s in alive:
+            for s in (s for s in alive if s.key != "static"):
                 bench.log(f"misses, round {rnd + 1}/{profile.rounds}: {s.label}")
                 outcome.attempt(f"{s.label} misses", lambda s=s: bench.measure(s, misses[s.key], passthrough=True))
-        for s in alive:
+        for s in (s for s in alive if s.key != "static"):
             bench.log(f"restart: {s.label}")
             outcome.attempt(f"{s.label} restart", lambda s=s: bench.restart(s), restarts)
     if leftover:
@@ -803,7 +813,7 @@ def main(argv=None) -> int:
     )
     preamble += outcome.markdown()
     hit_rows = [hits[(s.key, c)] for c in profile.connections for s in systems]
-    miss_rows = [misses[s.key] for s in systems]
+    miss_rows = [misses[s.key] for s in systems if s.key != "static"]
     md = markdown(hit_rows, miss_rows, restarts, profile, preamble)
     (out / "results.md").write_text(md)
     (out / "results.json").write_text(

@@ -40,6 +40,9 @@ def test_nginx_conf_passes_nginx_t(tmp_path):
     conf.write_text(peers.nginx_conf(listen="127.0.0.1:1", origin="127.0.0.1:2", prefix=str(tmp_path), max_size_bytes=1 << 20, workers=2, as_root=os.geteuid() == 0))
     cp = subprocess.run(["nginx", "-t", "-c", str(conf), "-p", str(tmp_path), "-e", str(tmp_path / "error.log")], capture_output=True, text=True, timeout=30)
     assert cp.returncode == 0, cp.stderr
+    conf.write_text(peers.nginx_static_conf(listen="127.0.0.1:1", root=str(tmp_path), prefix=str(tmp_path), workers=2, as_root=os.geteuid() == 0))
+    cp = subprocess.run(["nginx", "-t", "-c", str(conf), "-p", str(tmp_path), "-e", str(tmp_path / "error.log")], capture_output=True, text=True, timeout=30)
+    assert cp.returncode == 0, cp.stderr
 
 
 @pytest.mark.skipif(not shutil.which("varnishd"), reason="varnish is not installed")
@@ -56,13 +59,13 @@ def test_tables_ratios_from_known_numbers():
         h.rounds = [{"requests": requests, "duration_us": 1_000_000, "p50_us": 100, "p99_us": 1000, "cpu_s": cpu_s, "origin": origin, "errors": 0, "status_errors": 0}]
         return h
 
-    rows = [hits("inband-lmdb", 10_000, 0.5), hits("nginx", 20_000, 0.5), hits("varnish", 40_000, 1.0),
+    rows = [hits("inband-lmdb", 10_000, 0.5), hits("nginx", 20_000, 0.5), hits("varnish", 40_000, 1.0), hits("static", 50_000, 0.5),
             hits("inband-lmdb", 30_000, 0.5, 500), hits("nginx", 20_000, 0.5, 500)]  # fmt: skip
     t = {(r[0], r[1]): r for r in table_rows(px.hits_table(rows), "| system |")}
-    # req/s, ÷ nginx, ÷ Varnish; CPU µs/req 50 vs 25 and 25 — each against its own connection count
-    assert t[("inband LMDB", "8")][2:5] == ["10,000", "0.50×", "0.25×"]
-    assert t[("inband LMDB", "8")][8:11] == ["50.0", "2.00×", "2.00×"]
-    assert t[("inband LMDB", "500")][2:5] == ["30,000", "1.50×", "–"]
+    # req/s, ÷ nginx, ÷ Varnish, ÷ limit; CPU µs/req 50 vs 25 and 25 — each against its own connection count
+    assert t[("inband LMDB", "8")][2:6] == ["10,000", "0.50×", "0.25×", "0.20×"]
+    assert t[("inband LMDB", "8")][9:12] == ["50.0", "2.00×", "2.00×"]
+    assert t[("inband LMDB", "500")][2:6] == ["30,000", "1.50×", "–", "–"]
     m = table(px.misses_table([hits("inband-lmdb", 1000, 0.05, origin=1000), hits("nginx", 500, 0.05, origin=500)]), "| system |")
     assert m["inband LMDB"][1:3] == ["1,000", "2.00×"]
     assert m["inband LMDB"][5:8] == ["50.0", "0.50×", "1.00"]
@@ -84,9 +87,9 @@ def test_quick_run_end_to_end(tmp_path):
     assert [(r[0], r[1]) for r in hits] == [(s.label, str(c)) for c in px.PROFILES["quick"].connections for s in px.SYSTEMS]
     for row in hits:
         assert number(row[2]) > 0, row
-        assert number(row[11]) == 0 and number(row[12]) == 0, row  # every cache filled, no errors
+        assert number(row[12]) == 0 and number(row[13]) == 0, row  # every cache filled, no errors
     misses = table(md, "| system | req/s | ÷ nginx | p50 ms |")
-    assert list(misses) == [s.label for s in px.SYSTEMS]
+    assert list(misses) == [s.label for s in px.SYSTEMS if s.key != "static"]
     for label, row in misses.items():
         assert number(row[1]) > 0 and number(row[8]) == 0, row
         assert number(row[7]) >= 0.99, row  # every miss reached the origin
@@ -95,6 +98,7 @@ def test_quick_run_end_to_end(tmp_path):
     origin = {label: number(row[4]) for label, row in rs.items()}
     assert origin["inband memory"] > 0 and origin["Varnish (malloc)"] > 0, origin
     assert origin["inband LMDB"] < origin["inband memory"] and origin["inband LMDB"] < origin["Varnish (malloc)"], origin
+    assert "limit: nginx static files" not in origin, "the limit is not restarted"
 
     assert (out / "proxy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     facts = (out / "command.txt").read_text()
