@@ -18,6 +18,21 @@ use crate::Shared;
 
 pub type BackendClient = Client<HttpConnector, Full<Bytes>>;
 
+thread_local! {
+    /// The worker thread's own client: a pooled connection is driven by a
+    /// task on the runtime that opened it, so sharing one pool between
+    /// workers would wake another thread for every response.
+    static WORKER_CLIENT: std::cell::RefCell<Option<BackendClient>> = const { std::cell::RefCell::new(None) };
+}
+
+pub fn use_worker_client(c: BackendClient) {
+    WORKER_CLIENT.with(|w| *w.borrow_mut() = Some(c));
+}
+
+fn client(shared: &Shared) -> BackendClient {
+    WORKER_CLIENT.with(|w| w.borrow().clone()).unwrap_or_else(|| shared.client.clone())
+}
+
 /// RFC 9110 §7.6.1: connection-specific fields a proxy must not forward,
 /// plus whatever the Connection header names.
 const HOP_BY_HOP: [&str; 8] =
@@ -107,7 +122,7 @@ pub async fn send(shared: &Shared, parts: &request::Parts, body: Bytes, key: &[u
         shared.metrics.origin_request(&b.name);
         let _in_flight = b.start_request();
         let passive = &shared.cfg.raw.passive;
-        match tokio::time::timeout(shared.cfg.backend_timeout(), shared.client.request(req)).await {
+        match tokio::time::timeout(shared.cfg.backend_timeout(), client(shared).request(req)).await {
             Ok(Ok(mut resp)) => {
                 if resp.status().is_server_error() {
                     note_ejection(b.record_failure(passive, Instant::now()), &b.name, "5xx");

@@ -76,19 +76,12 @@ pub struct Proxy {
 impl Proxy {
     /// Binds the listeners and starts serving; returns once both accept.
     pub async fn start(cfg: Checked) -> Result<Proxy> {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(cfg.connect_timeout()));
-        connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new())
-            .timer(TokioTimer::new())
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .build(connector);
+        // For health checks and the acceptor's runtime; each worker has its own.
+        let client = backend_client(&cfg);
         // The store opens before the listener binds, so a proxy that
         // accepts has its cache: the first request after a restart can hit.
         let cache = cfg.raw.cache.as_ref().map(cache_store::HttpCache::open).transpose().context("opening the cache")?;
-        let listener = std::net::TcpListener::bind(cfg.listen).with_context(|| format!("listening on {}", cfg.listen))?;
-        listener.set_nonblocking(true)?;
+        let listener = TcpListener::bind(cfg.listen).await.with_context(|| format!("listening on {}", cfg.listen))?;
         let addr = listener.local_addr()?;
         let metrics_listener = match cfg.metrics_listen {
             Some(m) => Some(TcpListener::bind(m).await.with_context(|| format!("listening on {m} (metrics)"))?),
@@ -126,9 +119,14 @@ impl Proxy {
         }
         let (stop, stop_rx) = watch::channel(false);
         let mut servers = Vec::new();
+        let mut slots = Vec::new();
         for i in 0..workers {
-            servers.push(spawn_worker(i, shared.clone(), listener.try_clone()?, stop_rx.clone())?);
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            servers.push(spawn_worker(i, shared.clone(), rx, open.clone(), stop_rx.clone())?);
+            slots.push(server::WorkerSlot { tx, open });
         }
+        background.push(tokio::spawn(server::accept(shared.clone(), listener, slots, stop_rx)));
         tracing::info!(%addr, backends = shared.backends.len(), policy = ?shared.cfg.raw.policy, workers, max_connections, open_files = open_files_limit(), "proxy listening");
         Ok(Proxy { addr, metrics_addr, stop, servers, shared, background })
     }
@@ -150,31 +148,40 @@ impl Proxy {
     }
 }
 
-/// A worker: an OS thread with its own single-threaded runtime, accepting
-/// on a clone of the one listening socket, like nginx's worker processes.
-/// A connection lives on the worker that accepted it, so a request never
-/// hops between threads (no work stealing, no cross-thread wake-ups: a
-/// third of the CPU of a cache hit on tokio's multi-threaded runtime), and
-/// the kernel hands each new connection to whichever worker is waiting in
-/// accept, which balances them by load.
+/// A worker: an OS thread with its own single-threaded runtime serving
+/// the connections the acceptor gives it, like nginx's worker processes. A
+/// connection lives on its worker, so a request never hops between
+/// threads (no work stealing, no cross-thread wake-ups: a third of the CPU
+/// of a cache hit on tokio's multi-threaded runtime), and the worker has
+/// its own pool of backend connections for the same reason.
 fn spawn_worker(
     i: usize,
     shared: Arc<Shared>,
-    listener: std::net::TcpListener,
+    conns: tokio::sync::mpsc::UnboundedReceiver<server::Accepted>,
+    open: Arc<std::sync::atomic::AtomicUsize>,
     stop: watch::Receiver<bool>,
 ) -> Result<tokio::sync::oneshot::Receiver<()>> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let (done, finished) = tokio::sync::oneshot::channel();
     std::thread::Builder::new().name(format!("proxy-worker-{i}")).spawn(move || {
         rt.block_on(async move {
-            match TcpListener::from_std(listener) {
-                Ok(l) => server::serve(shared, l, stop).await,
-                Err(e) => tracing::error!(error = %e, worker = i, "worker could not register the listener"),
-            }
+            forward::use_worker_client(backend_client(&shared.cfg));
+            server::serve(shared, conns, open, stop).await
         });
         let _ = done.send(());
     })?;
     Ok(finished)
+}
+
+fn backend_client(cfg: &Checked) -> BackendClient {
+    let mut connector = HttpConnector::new();
+    connector.set_connect_timeout(Some(cfg.connect_timeout()));
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .pool_timer(TokioTimer::new())
+        .pool_idle_timeout(Duration::from_secs(60))
+        .build(connector)
 }
 
 /// Writes acknowledged cache entries to stable storage every second, so
