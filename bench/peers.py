@@ -189,10 +189,8 @@ def proxy_toml(*, listen: str, origin: str, backend: str, path: str | None, capa
     return "\n".join(lines) + "\n"
 
 
-def nginx_conf(*, listen: str, origin: str, prefix: str, max_size_bytes: int, workers: int, as_root: bool) -> str:
-    """nginx `proxy_cache` as a reverse-proxy cache is usually set up: one
-    worker per core, levels=1:2 files, `proxy_cache_lock` (coalescing, as
-    inband does), keep-alive to the origin. Every path nginx writes is under
+def _nginx_http_head(prefix: str, workers: int, as_root: bool) -> str:
+    """Up to the inside of `http {`: every path nginx writes under
     `prefix`, so the packaged instance and /var are never touched."""
     user = "user root;\n" if as_root else ""  # workers must write the cache the master created
     return f"""\
@@ -210,7 +208,15 @@ http {{
     fastcgi_temp_path {prefix}/fastcgi;
     uwsgi_temp_path {prefix}/uwsgi;
     scgi_temp_path {prefix}/scgi;
-    proxy_cache_path {prefix}/cache levels=1:2 keys_zone=bench:64m max_size={int(max_size_bytes)} inactive=1d use_temp_path=off;
+"""
+
+
+def nginx_conf(*, listen: str, origin: str, prefix: str, max_size_bytes: int, workers: int, as_root: bool) -> str:
+    """nginx `proxy_cache` as a reverse-proxy cache is usually set up: one
+    worker per core, levels=1:2 files, `proxy_cache_lock` (coalescing, as
+    inband does), keep-alive to the origin."""
+    return f"""\
+{_nginx_http_head(prefix, workers, as_root)}    proxy_cache_path {prefix}/cache levels=1:2 keys_zone=bench:64m max_size={int(max_size_bytes)} inactive=1d use_temp_path=off;
     upstream origin {{
         server {origin};
         keepalive 32;
@@ -234,23 +240,8 @@ def nginx_static_conf(*, listen: str, root: str, prefix: str, workers: int, as_r
     """nginx serving the objects as files, no proxy and no cache logic:
     the most a server can do for these requests on this machine, with the
     same load generator, so the caches can be read against it."""
-    user = "user root;\n" if as_root else ""
     return f"""\
-{user}worker_processes {int(workers)};
-pid {prefix}/nginx.pid;
-error_log {prefix}/error.log warn;
-events {{ worker_connections 1024; }}
-http {{
-    access_log off;
-    sendfile on;
-    tcp_nopush on;
-    keepalive_requests 1000000;
-    open_file_cache max=10000 inactive=60s;
-    client_body_temp_path {prefix}/client_body;
-    proxy_temp_path {prefix}/proxy_temp;
-    fastcgi_temp_path {prefix}/fastcgi;
-    uwsgi_temp_path {prefix}/uwsgi;
-    scgi_temp_path {prefix}/scgi;
+{_nginx_http_head(prefix, workers, as_root)}    open_file_cache max=10000 inactive=60s;
     default_type application/octet-stream;
     server {{
         listen {listen};

@@ -222,14 +222,15 @@ impl AsyncRead for Io {
     }
 }
 
-impl AsyncWrite for Io {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+impl Io {
+    /// A write when the socket takes it; a full socket starts the send clock.
+    fn poll_write_with(&self, cx: &mut Context<'_>, write: impl Fn(&TcpStream) -> io::Result<usize>) -> Poll<io::Result<usize>> {
         loop {
             if self.sock.poll_write_ready(cx).is_pending() {
                 self.state.note_write_blocked();
                 return Poll::Pending;
             }
-            match self.sock.try_write(data) {
+            match write(&self.sock) {
                 Ok(n) => {
                     self.state.write_blocked.store(NONE, Ordering::Release);
                     return Poll::Ready(Ok(n));
@@ -238,6 +239,12 @@ impl AsyncWrite for Io {
                 Err(e) => return Poll::Ready(Err(e)),
             }
         }
+    }
+}
+
+impl AsyncWrite for Io {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+        self.poll_write_with(cx, |s| s.try_write(data))
     }
 
     // hyper hands a response head and a body chunk over as one vectored
@@ -247,20 +254,7 @@ impl AsyncWrite for Io {
     }
 
     fn poll_write_vectored(self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
-        loop {
-            if self.sock.poll_write_ready(cx).is_pending() {
-                self.state.note_write_blocked();
-                return Poll::Pending;
-            }
-            match self.sock.try_write_vectored(bufs) {
-                Ok(n) => {
-                    self.state.write_blocked.store(NONE, Ordering::Release);
-                    return Poll::Ready(Ok(n));
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Poll::Ready(Err(e)),
-            }
-        }
+        self.poll_write_with(cx, |s| s.try_write_vectored(bufs))
     }
 
     fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {

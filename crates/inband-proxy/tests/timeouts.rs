@@ -23,6 +23,19 @@ async fn until_closed(s: &mut TcpStream) -> (String, Duration) {
     (String::from_utf8_lossy(&out).into_owned(), t.elapsed())
 }
 
+/// A GET on a kept-alive connection, read up to its body "hello".
+async fn one_request(s: &mut TcpStream) -> String {
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+    let mut buf = vec![0; 4096];
+    let mut got = String::new();
+    while !got.ends_with("hello") {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await.unwrap().unwrap();
+        assert!(n > 0, "closed before the response: {got:?}");
+        got.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    got
+}
+
 #[tokio::test]
 async fn a_connection_that_sends_nothing_is_closed_at_the_header_timeout() {
     let o = Origin::start(|_| ok("x")).await;
@@ -60,14 +73,7 @@ async fn a_keep_alive_connection_is_closed_after_the_idle_timeout() {
     let o = Origin::start(|_| ok("hello")).await;
     let p = start_proxy(&[o.addr], "client_header_timeout_ms = 5000\nidle_timeout_ms = 300").await;
     let mut s = TcpStream::connect(p.addr).await.unwrap();
-    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
-    let mut buf = vec![0; 4096];
-    let mut got = String::new();
-    while !got.ends_with("hello") {
-        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await.unwrap().unwrap();
-        assert!(n > 0, "closed before the response: {got:?}");
-        got.push_str(&String::from_utf8_lossy(&buf[..n]));
-    }
+    let got = one_request(&mut s).await;
     assert!(got.starts_with("HTTP/1.1 200"), "{got:?}");
     let (rest, took) = until_closed(&mut s).await;
     assert_eq!(rest, "");
@@ -112,14 +118,7 @@ async fn a_slow_second_head_on_a_keep_alive_connection_gets_408_at_the_header_ti
     let o = Origin::start(|_| ok("hello")).await;
     let p = start_proxy(&[o.addr], "client_header_timeout_ms = 400\nidle_timeout_ms = 20000").await;
     let mut s = TcpStream::connect(p.addr).await.unwrap();
-    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
-    let mut buf = vec![0; 4096];
-    let mut got = String::new();
-    while !got.ends_with("hello") {
-        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await.unwrap().unwrap();
-        assert!(n > 0, "closed before the response: {got:?}");
-        got.push_str(&String::from_utf8_lossy(&buf[..n]));
-    }
+    one_request(&mut s).await;
     // Idle a while (well under the idle timeout), then start a head and stall.
     tokio::time::sleep(Duration::from_millis(600)).await;
     s.write_all(b"GET /second HTTP/1.1\r\n").await.unwrap();
