@@ -51,6 +51,9 @@ VIP_PORT = 80
 SINK_PORT = 9000  # raw frames and TCP streams
 HTTP_PORT = 8080  # `inband serve` and the agent's service
 SIZES = {"1 KB": 1024, "46 KB": 47104, "1 MB": 1048576}
+# struct inband_backend_score (bpf/include/inband/balancer_maps.h): score,
+# opened, closed, interval, updated_ns, budget_ns, unanswered, changes.
+SCORE_VALUE = struct.Struct("IIIIQQII")
 # The hairpin: a veth pair client <-> balancer of its own (see setup_hairpin).
 HAIRPIN_DEV = "gen0"
 HAIRPIN_LB = "10.79.0.2"
@@ -66,13 +69,17 @@ class Profile:
     trials: int  # score changes per freshness setting
     probe_intervals: tuple
     poll_intervals_ms: tuple
+    adaptive: tuple  # (probe_interval, probe_interval_max, probe_budget) per row
 
 
 PROFILES = {
-    "quick": Profile(2.0, 3, 3, 15, (10, 100, 1000), (10, 100)),
+    "quick": Profile(2.0, 3, 3, 15, (10, 100, 1000), (10, 100), ((10, 1000, 0), (10, 1000, 20))),
     # The test: every table filled, nothing measured well.
-    "tiny": Profile(0.5, 1, 1, 2, (10,), (10,)),
+    "tiny": Profile(0.5, 1, 1, 2, (10,), (10,), ((10, 1000, 100),)),
 }
+# Score age samples per change, taken at random instants of the pause
+# before it: what a connection balanced then would have used.
+AGE_SAMPLES = 5
 
 
 
@@ -198,11 +205,14 @@ class Http:
 @dataclass
 class Fresh:
     mechanism: str  # in-band | polling
-    interval: str  # "n = 100" | "100 ms"
+    interval: str  # "n = 100" | "n = 10..1000, ≤ 100/s" | "100 ms"
     delays_ms: list = field(default_factory=list)
     timeouts: int = 0
     load_rps: float = 0.0
     backend_pps: float = 0.0  # packets the balancer forwarded to the server: what probes count
+    ages_ms: list = field(default_factory=list)  # the score's age at random instants
+    requests_per_s: float = 0.0  # score requests to the server: 124 options or poll packets
+    last_n: int = 0  # in-band: the backend's probe interval at the end
 
 
 FWD_LABELS = {
@@ -322,17 +332,24 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def fresh_table(rows: list[Fresh]) -> str:
+    """Change → map delays, the score's age at use, and what it cost in
+    score requests to the server, against the first row's cost."""
     head = (
-        "| mechanism | interval | changes seen | median ms | p90 ms | max ms | not seen in time | request load (req/s) | packets/s to the server |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|\n"
+        "| mechanism | interval | changes seen | median ms | p90 ms | max ms | not seen in time "
+        "| age at use, median ms | age at use, p90 ms | score requests/s to the server | ÷ first row's | n at the end "
+        "| request load (req/s) | packets/s to the server |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     out = []
+    ref = rows[0].requests_per_s if rows else 0.0
     for r in rows:
-        d = r.delays_ms
-        stats = (
-            f"{statistics.median(d):.2f} | {percentile(d, 0.9):.2f} | {max(d):.2f}" if d else "– | – | –"
+        d, a = r.delays_ms, r.ages_ms
+        stats = f"{statistics.median(d):.2f} | {percentile(d, 0.9):.2f} | {max(d):.2f}" if d else "– | – | –"
+        ages = f"{statistics.median(a):.2f} | {percentile(a, 0.9):.2f}" if a else "– | –"
+        out.append(
+            f"| {r.mechanism} | {r.interval} | {len(d)} | {stats} | {r.timeouts} | {ages} | {r.requests_per_s:,.1f} "
+            f"| {_ratio(r.requests_per_s, ref)} | {r.last_n or '–'} | {r.load_rps:,.0f} | {r.backend_pps:,.0f} |"
         )
-        out.append(f"| {r.mechanism} | {r.interval} | {len(d)} | {stats} | {r.timeouts} | {r.load_rps:,.0f} | {r.backend_pps:,.0f} |")
     return head + "\n".join(out) + "\n"
 
 
@@ -443,7 +460,16 @@ class Bench:
     # --- balancers
 
     def start(
-        self, kind: str, backend_port: int, tag: str, mode: str = "dsr-dynamic", probe: int = 100, poll_ms: int = 100, hairpin: bool = False
+        self,
+        kind: str,
+        backend_port: int,
+        tag: str,
+        mode: str = "dsr-dynamic",
+        probe: int = 100,
+        poll_ms: int = 100,
+        hairpin: bool = False,
+        probe_max: int | None = None,
+        budget: int = 0,
     ):
         """Starts the balancer `kind` (inband | nftables | haproxy | bounce |
         direct) for VIP:80 → s1:backend_port (or, on the hairpin, the
@@ -465,7 +491,7 @@ class Bench:
                 peers.lb_toml(
                     address=HAIRPIN_LB if hairpin else self.tb.addr("lb"), vip=self.tb.vip, vip_port=VIP_PORT, backends=backends,
                     mode=mode, control_socket=str(sock), auth_key=str(self.auth_key), probe_interval=probe, poll_interval_ms=poll_ms,
-                    interface=dev,
+                    interface=dev, probe_interval_max=probe_max, probe_budget=budget,
                 )
             )  # fmt: skip
             log = d / "lb.log"
@@ -515,6 +541,12 @@ class Bench:
             run(lb, ["nft", "delete", "table", "ip", peers.NFT_TABLE], check=False)
             run(lb, ["sysctl", "-q", "-w", "net.ipv4.ip_forward=0"], check=False)
             run(lb, ["ethtool", "-K", dev, "gro", "off"], check=False)
+
+    def score_requests(self) -> int:
+        """Score requests sent to the (one) backend: 124 options and poll
+        packets, whichever the mode sends."""
+        s = self.lb_status()[0]
+        return int(s["vips"][0]["backends"][0]["stats"]["probes_sent"]) + int(s["control"]["polls_sent"])
 
     def backend_packets(self) -> int:
         """Client packets the balancer has forwarded to the (one) backend."""
@@ -819,12 +851,20 @@ class Bench:
             raise RuntimeError(f"agent refused the score: {reply.decode().strip()}")
         return t
 
-    def freshness(self, mechanism: str, interval: int) -> Fresh:
-        tag = f"fresh-{mechanism}-{interval}"
-        mode = "dsr-dynamic" if mechanism == "in-band" else "dsr-polling"
-        handle = self.start("inband", HTTP_PORT, tag, mode=mode, probe=interval if mechanism == "in-band" else 100, poll_ms=interval)
+    def freshness(self, mechanism: str, interval: int, interval_max: int | None = None, budget: int = 0) -> Fresh:
+        """`interval`: n (in-band) or ms (polling); `interval_max` and
+        `budget`: the adaptive n's upper bound and its 124s per second."""
+        in_band = mechanism == "in-band"
+        tag = f"fresh-{mechanism}-{interval}" + (f"-{interval_max}-{budget}" if interval_max else "")
+        mode = "dsr-dynamic" if in_band else "dsr-polling"
+        handle = self.start(
+            "inband", HTTP_PORT, tag, mode=mode, probe=interval if in_band else 100, poll_ms=interval, probe_max=interval_max, budget=budget
+        )
         server = self.serve(tag, 1024)
-        res = Fresh(mechanism, f"n = {interval}" if mechanism == "in-band" else f"{interval} ms")
+        label = f"n = {interval}" if in_band else f"{interval} ms"
+        if interval_max:
+            label = f"n = {interval}..{interval_max} adaptive" + (f", ≤ {budget}/s" if budget else "")
+        res = Fresh(mechanism, label)
         wrk = scores = conn = None
         try:
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -834,23 +874,30 @@ class Bench:
             scores = PinnedMap(Path("/sys/fs/bpf/inband/netns") / self.ns("lb") / "lb" / "eth0" / "scores")
             # The longest a change can take is about a poll interval, or n
             # packets at the load's rate; the bound is generous for both.
-            limit_s = 2.0 + interval / 1000 * 3
+            limit_s = 2.0 + (interval_max or interval) / 1000 * 3
             budget_s = self.p.trials * (limit_s + 0.1) + 5
             # Steady request load: 4 keep-alive connections, 1 ms pause
             # between a response and the next request on each.
             wrk = self.wrk(f"http://{self.tb.vip}:{VIP_PORT}/", int(budget_s) + 1, 4, tag, delay_ms=1, background=True)
             time.sleep(0.5)
-            served0, pkts0, t_load0 = server_served(self), self.backend_packets(), time.monotonic()
+            served0, pkts0, asked0, t_load0 = server_served(self), self.backend_packets(), self.score_requests(), time.monotonic()
             for trial in range(self.p.trials):
-                score = 1000 + trial  # every trial is a change
-                time.sleep(random.uniform(0.02, 0.1))  # off any poll phase
+                # Every trial is a change, and a large one (1000 <-> 2000): the
+                # adaptive n takes a move of an eighth or less for noise.
+                score = 1000 * (1 + trial % 2) + trial
+                # 20-100 ms in all, off any poll phase.
+                for _ in range(AGE_SAMPLES):
+                    time.sleep(random.uniform(0.02, 0.1) / AGE_SAMPLES)
+                    now = time.monotonic_ns()
+                    updated = SCORE_VALUE.unpack(scores.lookup(struct.pack("I", backend_id), SCORE_VALUE.size))[4]
+                    if updated:
+                        res.ages_ms.append(max(0, now - updated) / 1e6)
                 t0 = self.set_score(conn, score)
                 deadline = time.monotonic() + limit_s
                 seen = None
                 while time.monotonic() < deadline:
-                    # struct inband_backend_score (bpf/include/inband/balancer_maps.h)
-                    v = scores.lookup(struct.pack("I", backend_id), 24)
-                    got, _opened, _closed, _pad, updated = struct.unpack("IIIIQ", v)
+                    v = scores.lookup(struct.pack("I", backend_id), SCORE_VALUE.size)
+                    got, _opened, _closed, _interval, updated, *_probe = SCORE_VALUE.unpack(v)
                     if got == score:
                         seen = updated
                         break
@@ -862,6 +909,9 @@ class Bench:
             elapsed = time.monotonic() - t_load0
             res.load_rps = (server_served(self) - served0) / elapsed
             res.backend_pps = (self.backend_packets() - pkts0) / elapsed
+            res.requests_per_s = (self.score_requests() - asked0) / elapsed
+            if in_band:
+                res.last_n = SCORE_VALUE.unpack(scores.lookup(struct.pack("I", backend_id), SCORE_VALUE.size))[3]
         finally:
             if conn is not None:
                 conn.close()
@@ -1034,6 +1084,11 @@ def main(argv=None) -> int:
             for n in profile.probe_intervals:
                 bench.log(f"freshness: in-band, n = {n}")
                 outcome.attempt(f"freshness n={n}", lambda n=n: bench.freshness("in-band", n), fresh)
+            for lo, hi, budget in profile.adaptive:
+                bench.log(f"freshness: in-band, adaptive n = {lo}..{hi}, budget {budget or 'none'}")
+                outcome.attempt(
+                    f"freshness n={lo}..{hi} budget {budget}", lambda lo=lo, hi=hi, budget=budget: bench.freshness("in-band", lo, hi, budget), fresh
+                )
             for ms in profile.poll_intervals_ms:
                 bench.log(f"freshness: polling every {ms} ms")
                 outcome.attempt(f"freshness poll {ms} ms", lambda ms=ms: bench.freshness("polling", ms), fresh)

@@ -1,11 +1,13 @@
 """Reproduces the paper's evaluation (Table 3, Fig. 3, Fig. 4) on a
-network-namespace testbed, with HAProxy and nftables beside inband's four
+network-namespace testbed, with HAProxy and nftables beside inband's five
 modes under the same load:
 
-    python -m bench.paper --profile quick --out results/quick-1
+    python -m bench.paper --profile quick --servers both --out results/quick-1
 
-One client (Locust), one balancer, three heterogeneous servers
-(`inband serve`, each with `inband agent`). Per configuration the servers
+One client (Locust), one balancer, and a server set (`inband serve`, each
+with `inband agent`): our three heterogeneous servers (`ours`), the paper's
+two identical ones (`paper`), or both one after the other (`both`: a
+results directory per set). Per configuration the servers
 are restarted (so each run sees the same slowdown schedule), the balancer
 under test is started, Locust runs headless for the profile's duration,
 counters are read, and the balancer is stopped and removed again. At the
@@ -45,22 +47,30 @@ SERVICE_PORT = 8080
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """One real server: relative speed and an optional slowdown window given
-    as fractions of the run (start, length) and a factor."""
+    """One real server: relative speed and slowdown windows, each given as
+    fractions of the run (start, length) and a factor."""
 
     speed: float
-    slowdown: tuple | None = None
+    slowdowns: tuple = ()
+
+    def describe(self) -> str:
+        return "".join(f", {f:g}× slower from {a:.0%} to {a + n:.0%} of the run" for a, n, f in self.slowdowns)
 
 
-# Heterogeneous on purpose: the paper's point is that load-aware placement
-# wins when servers differ and change; with identical servers round-robin
-# is already optimal. s1 is the fastest until it slows down 3x for the
-# middle third of the run, which a static weighting cannot anticipate.
-SERVERS = (
-    ServerSpec(1.0, (1 / 3, 1 / 3, 3.0)),
-    ServerSpec(0.6),
-    ServerSpec(0.35),
-)
+SERVER_SETS = {
+    # Heterogeneous on purpose: the paper's point is that load-aware
+    # placement wins when servers differ and change. s1 is the fastest until
+    # it slows down 3x for the middle third of the run, which a static
+    # weighting cannot anticipate.
+    "ours": (
+        ServerSpec(1.0, ((1 / 3, 1 / 3, 3.0),)),
+        ServerSpec(0.6),
+        ServerSpec(0.35),
+    ),
+    # The paper's testbed: two real servers of the same hardware (i7-9750H,
+    # "identical servers"); what varies is only each request's service time.
+    "paper": (ServerSpec(1.0), ServerSpec(1.0)),
+}
 
 
 @dataclass(frozen=True)
@@ -101,6 +111,10 @@ class Configuration:
     balance: str | None = None
     # dsr-polling only: overrides --poll-interval-ms for this row.
     poll_interval_ms: int | None = None
+    # dsr-dynamic only: overrides --probe-interval for this row; with a max,
+    # the adaptive n between the two.
+    probe_interval: int | None = None
+    probe_interval_max: int | None = None
 
 
 CONFIGURATIONS = (
@@ -112,12 +126,20 @@ CONFIGURATIONS = (
     Configuration(
         "dsr-polling-100ms", "DSR request busyness (inband, UDP polling every 100 ms)", "inband", mode="dsr-polling", poll_interval_ms=100
     ),
+    Configuration(
+        "dsr-query",
+        "DSR request busyness, as the paper's baseline: query before forwarding (inband dsr-query)",
+        "inband",
+        mode="dsr-query",
+    ),
     Configuration("dsr-dynamic", "Dynamic DSR (inband, in-band scores)", "inband", mode="dsr-dynamic"),
     Configuration("haproxy-roundrobin", "HAProxy 2.6 TCP roundrobin", "haproxy", balance="roundrobin"),
     Configuration("haproxy-leastconn", "HAProxy 2.6 TCP leastconn", "haproxy", balance="leastconn"),
     Configuration("nftables-numgen", "nftables DNAT numgen round-robin", "nftables"),
 )
 BY_KEY = {c.key: c for c in CONFIGURATIONS}
+# The configurations with a row in the paper's Table 3.
+PAPER_ROWS = tuple(key for _name, key, *_ in report.PAPER_TABLE3)
 
 
 
@@ -192,10 +214,11 @@ def http_get_json(netns: str, url: str, timeout_s: float = 3.0):
 
 
 class Bench:
-    def __init__(self, args, profile: Profile, out: Path):
+    def __init__(self, args, profile: Profile, out: Path, specs: tuple = SERVER_SETS["ours"]):
         self.args = args
         self.p = profile
         self.out = out
+        self.specs = specs
         self.inband = Path(args.inband)
         self.tb = Testbed(self.inband, args.name)
         self.procs = Procs()
@@ -216,12 +239,12 @@ class Bench:
 
     @property
     def backends(self) -> list[Backend]:
-        return [Backend(self.tb.addr(f"s{i}"), SERVICE_PORT) for i in range(1, len(SERVERS) + 1)]
+        return [Backend(self.tb.addr(f"s{i}"), SERVICE_PORT) for i in range(1, len(self.specs) + 1)]
 
     def backend_labels(self) -> dict:
         labels = {}
-        for i, spec in enumerate(SERVERS, 1):
-            extra = f", {spec.slowdown[2]:g}× slower mid-run" if spec.slowdown else ""
+        for i, spec in enumerate(self.specs, 1):
+            extra = "".join(f", {f:g}× slower {a:.0%}–{a + n:.0%}" for a, n, f in spec.slowdowns)
             labels[f"{self.tb.addr(f's{i}')}:{SERVICE_PORT}"] = f"s{i} (speed {spec.speed:g}{extra})"
         return labels
 
@@ -230,16 +253,16 @@ class Bench:
         self.sock_dir.mkdir(parents=True, exist_ok=True)
         if self.args.auth == "siphash":
             self.auth_key = new_auth_key(self.inband, self.run_dir)
-        self.log(f"testbed {self.tb.name}: up (1 client, balancer, {len(SERVERS)} servers)")
+        self.log(f"testbed {self.tb.name}: up (1 client, balancer, {len(self.specs)} servers)")
         self.tb_is_up = True  # from here on, tear-down must run even if `up` fails half-way
-        self.tb.up(len(SERVERS))
+        self.tb.up(len(self.specs))
         c1 = self.tb.netns("c1")
         # One TCP connection per request: let the client reuse ports in
         # TIME_WAIT so long runs cannot run out of them.
         run(c1, ["sysctl", "-q", "-w", "net.ipv4.tcp_tw_reuse=1"])
         self.apply_tbf()
         agents = []
-        for i in range(1, len(SERVERS) + 1):
+        for i in range(1, len(self.specs) + 1):
             node = f"s{i}"
             cfg = self.run_dir / f"agent-{node}.toml"
             cfg.write_text(
@@ -291,10 +314,9 @@ class Bench:
             "--time-scale", f"{p.time_scale:g}",
             "--body-bytes", str(p.body_bytes),
         ]  # fmt: skip
-        if spec.slowdown:
-            # Seconds since the server started, which is just before the
-            # load starts (the offset is measured and reported).
-            start_f, len_f, factor = spec.slowdown
+        # Seconds since the server started, which is just before the load
+        # starts (the offset is measured and reported).
+        for start_f, len_f, factor in spec.slowdowns:
             argv += ["--slowdown", f"{start_f * self.duration_s:g}:{len_f * self.duration_s:g}:{factor:g}"]
         return argv
 
@@ -302,12 +324,12 @@ class Bench:
         """Starts fresh servers; returns when they started (epoch s)."""
         self.stop_servers()
         started = time.time()
-        for i, spec in enumerate(SERVERS, 1):
+        for i, spec in enumerate(self.specs, 1):
             node = f"s{i}"
             self.servers.append(
                 self.procs.spawn(f"serve {node}", self.tb.netns(node), self.serve_argv(spec), cfg_dir / f"serve-{node}.log")
             )
-        for i in range(1, len(SERVERS) + 1):
+        for i in range(1, len(self.specs) + 1):
             url = f"http://{self.tb.addr(f's{i}')}:{SERVICE_PORT}/stats"
             wait_until(f"the server on s{i}", lambda url=url: http_get_json(self.tb.netns("lb"), url), 20)
         return started
@@ -315,7 +337,7 @@ class Bench:
     def server_stats(self) -> dict:
         """`/stats` of every server (served, rejected, ...), by backend."""
         out = {}
-        for i in range(1, len(SERVERS) + 1):
+        for i in range(1, len(self.specs) + 1):
             url = f"http://{self.tb.addr(f's{i}')}:{SERVICE_PORT}/stats"
             out[f"{self.tb.addr(f's{i}')}:{SERVICE_PORT}"] = http_get_json(self.tb.netns("lb"), url)
         return out
@@ -345,7 +367,8 @@ class Bench:
                     mode=c.mode,
                     control_socket=str(sock),
                     auth_key=str(self.auth_key) if self.auth_key else None,
-                    probe_interval=self.args.probe_interval,
+                    probe_interval=c.probe_interval or self.args.probe_interval,
+                    probe_interval_max=c.probe_interval_max,
                     poll_interval_ms=c.poll_interval_ms or self.args.poll_interval_ms,
                 )
             )
@@ -414,6 +437,7 @@ class Bench:
         d = self.out / c.key
         d.mkdir(parents=True, exist_ok=True)
         self.log(f"{c.key}: starting {c.kind} and the servers")
+        lb_started = time.time()
         proc = self.start_balancer(c, d)
         try:
             # Servers last, right before the load: their slowdown windows
@@ -424,13 +448,22 @@ class Bench:
             self.run_locust(d)
             after = self.tbf_stats()
             status = self.lb_status() if c.kind == "inband" else None
+            status_read = time.time()
             if status is not None:
                 (d / "lb-status.json").write_text(json.dumps(status, indent=2))
             sstats = self.server_stats()
             (d / "server-stats.json").write_text(json.dumps(sstats, indent=2))
             window = report.read_window(d / "window.json")
             (d / "meta.json").write_text(
-                json.dumps({"servers_started": served_from, "load_started": window[0], "offset_s": window[0] - served_from})
+                json.dumps(
+                    {
+                        "balancer_started": lb_started,
+                        "servers_started": served_from,
+                        "load_started": window[0],
+                        "offset_s": window[0] - served_from,
+                        "status_read": status_read,
+                    }
+                )
             )
             self.slowdown_offsets.append(window[0] - served_from)
             if proc is not None and proc.poll() is not None:
@@ -521,6 +554,7 @@ def overhead(c: Configuration, status, before: dict, after: dict, *, authenticat
             "passthrough": "none",
             "dsr-rr": "none",
             "dsr-polling": "UDP polls to every agent",
+            "dsr-query": "a UDP query round to every agent per batch of held SYNs",
             "dsr-dynamic": "IPv4 options on packets already sent",
             "roundrobin": "none",
             "leastconn": "own connection counts",
@@ -534,9 +568,11 @@ def overhead(c: Configuration, status, before: dict, after: dict, *, authenticat
         bes = status[0]["vips"][0]["backends"]
         o.probes = sum(b["stats"]["probes_sent"] for b in bes)
         o.scores = sum(b["stats"]["scores_received"] for b in bes)
-        # Polling: each request and reply is a packet of its own. In-band:
-        # no packet of its own, one option per probe and per score.
-        o.extra_packets = int(ctl["polls_sent"]) + int(ctl["poll_replies"])
+        # Polling and querying: each request and reply is a packet of its
+        # own. In-band: no packet of its own, one option per probe and per score.
+        o.polls = int(ctl["polls_sent"])
+        o.extra_packets = o.polls + int(ctl["poll_replies"])
+        o.queries, o.query_timeouts, o.query_mean_us = int(ctl["queries"]), int(ctl["query_timeouts"]), int(ctl["query_mean_us"])
         o.extra_bytes = int(ctl["poll_bytes"]) + option_bytes(authenticated) * (o.probes + o.scores)
     return o
 
@@ -589,6 +625,17 @@ def parse_args(argv):
     ap.add_argument("--profile", choices=sorted(PROFILES), default="quick")
     ap.add_argument("--out", required=True, help="results directory (created)")
     ap.add_argument("--configs", default=",".join(BY_KEY), help=f"comma-separated subset of: {', '.join(BY_KEY)}")
+    ap.add_argument(
+        "--servers",
+        choices=(*SERVER_SETS, "both"),
+        default="ours",
+        help="our three heterogeneous servers, the paper's two identical ones, or both (a results directory per set)",
+    )
+    ap.add_argument(
+        "--paper-configs",
+        default=",".join(PAPER_ROWS),
+        help="with --servers both: the configurations run on the paper's two servers (default: the rows of the paper's Table 3)",
+    )
     ap.add_argument("--name", default="paper", help="testbed name (namespaces NAME-lb, NAME-c1, ...)")
     ap.add_argument("--inband", default=str(REPO / "target" / "debug" / "inband"), help="the inband binary")
     ap.add_argument(
@@ -611,7 +658,7 @@ def parse_args(argv):
     ap.add_argument("--duration", type=int, help="override the profile's seconds per configuration")
     ap.add_argument("--time-scale", type=float, help="override the profile's server-side time scale (0.25: four times faster service)")
     args = ap.parse_args(argv)
-    unknown = [k for k in args.configs.split(",") if k not in BY_KEY]
+    unknown = [k for k in f"{args.configs},{args.paper_configs}".split(",") if k not in BY_KEY]
     if unknown:
         ap.error(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(BY_KEY)}")
     return args
@@ -640,13 +687,9 @@ def preflight(args) -> list[str]:
 
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    problems = preflight(args)
-    if problems:
-        for p in problems:
-            print(f"error: {p}", file=sys.stderr)
-        return 2
+def resolve_profile(args) -> Profile:
+    """The profile with the command line's overrides, and the balancer
+    link's defaults for its time scale filled into `args`."""
     profile = PROFILES[args.profile]
     if args.time_scale:
         profile = dataclasses.replace(profile, time_scale=args.time_scale)
@@ -657,17 +700,53 @@ def main(argv=None) -> int:
         args.tbf_rate_mbit = 10.0 / profile.time_scale
     if args.tbf_burst_kb is None:
         args.tbf_burst_kb = round(16 / profile.time_scale)
+    return profile
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    problems = preflight(args)
+    if problems:
+        for p in problems:
+            print(f"error: {p}", file=sys.stderr)
+        return 2
+    profile = resolve_profile(args)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     configs = [BY_KEY[k] for k in args.configs.split(",")]
-    bench = Bench(args, profile, out)
-    started = time.time()
+    # Both sets: the paper's identical servers only need the paper's rows
+    # (round-robin is already optimal there), which keeps the demo short.
+    paper_configs = [BY_KEY[k] for k in args.paper_configs.split(",")] if args.servers == "both" else configs
     command = shlex.join([sys.executable, "-m", "bench.paper", *(argv if argv is not None else sys.argv[1:])])
-    (out / "command.txt").write_text(
-        f"command: {command}\ncwd: {os.getcwd()}\nstarted: {time.strftime('%Y-%m-%d %H:%M:%S %z')}\n" + machine_facts(Path(args.inband))
-    )
-
+    facts = f"command: {command}\ncwd: {os.getcwd()}\nstarted: {time.strftime('%Y-%m-%d %H:%M:%S %z')}\n" + machine_facts(Path(args.inband))
+    (out / "command.txt").write_text(facts)
+    sets = list(SERVER_SETS) if args.servers == "both" else [args.servers]
     stop_signals_interrupt()
+    status = 0
+    for name in sets:
+        # One set: its results straight in --out; both: a directory each.
+        set_out = out / name if len(sets) > 1 else out
+        set_out.mkdir(parents=True, exist_ok=True)
+        if set_out != out:
+            (set_out / "command.txt").write_text(facts)
+        bench = Bench(args, profile, set_out, SERVER_SETS[name])
+        results, failed, interrupted, elapsed = run_configs(bench, paper_configs if name == "paper" else configs)
+        if interrupted:
+            print(f"interrupted ({interrupted}); everything torn down", file=sys.stderr)
+        if results:
+            write_outputs(bench, results, failed, set_out, command, elapsed, name)
+        for key, err in failed:
+            print(f"error: {name}: {key}: {err}", file=sys.stderr)
+        if interrupted:
+            return 130
+        status = status or (1 if failed or not results else 0)
+    return status
+
+
+def run_configs(bench: Bench, configs: list) -> tuple[list, list, str | None, float]:
+    """Every configuration on one testbed, torn down at the end however it
+    ends: (results, failures, what interrupted it or None, seconds)."""
+    started = time.time()
     results: list[RunResult] = []
     failed: list[tuple[str, str]] = []
     interrupted = None
@@ -690,28 +769,19 @@ def main(argv=None) -> int:
     finally:
         with uninterruptible():
             bench.teardown()
-
-    if interrupted:
-        print(f"interrupted ({interrupted}); everything torn down", file=sys.stderr)
-    if results:
-        write_outputs(bench, results, failed, out, command, time.time() - started)
-    for key, err in failed:
-        print(f"error: {key}: {err}", file=sys.stderr)
-    return 130 if interrupted else (1 if failed or not results else 0)
+        if interrupted is None:
+            stop_signals_interrupt()
+    return results, failed, interrupted, time.time() - started
 
 
-def write_outputs(bench: Bench, results, failed, out: Path, command: str, elapsed_s: float) -> None:
+def write_outputs(bench: Bench, results, failed, out: Path, command: str, elapsed_s: float, server_set: str) -> None:
     a, p = bench.args, bench.p
-    spec = ", ".join(
-        f"s{i} speed {s.speed:g}"
-        + (f" ({s.slowdown[2]:g}× slower from {s.slowdown[0]:.0%} to {s.slowdown[0] + s.slowdown[1]:.0%} of the run)" if s.slowdown else "")
-        for i, s in enumerate(SERVERS, 1)
-    )
+    spec = ", ".join(f"s{i} speed {s.speed:g}{s.describe()}" for i, s in enumerate(bench.specs, 1))
     options = (
         "authenticated options (SipHash, a key made for the run)" if bench.auth_key else "the seed paper's unauthenticated options"
     ) + f", {option_bytes(bench.auth_key is not None)} bytes per probe and per score"
     preamble = (
-        f"# Paper evaluation, profile `{p.name}`\n\n"
+        f"# Paper evaluation, profile `{p.name}`, servers `{server_set}`\n\n"
         f"Command: `{command}`  \n"
         f"{a.users or p.users} users, spawn rate {a.spawn_rate or min(p.spawn_rate, a.users or p.users)}/s, {bench.duration_s} s per configuration, "
         f"back-to-back GETs, one connection per request, no warm-up discarded.  \n"
@@ -719,7 +789,8 @@ def write_outputs(bench: Bench, results, failed, out: Path, command: str, elapse
         f"{p.body_bytes} byte responses.  \n"
         f"Balancer link (traffic into the balancer): TBF {a.tbf_rate_mbit:g} Mbit/s, burst {a.tbf_burst_kb} KB, latency {a.tbf_latency_ms} ms.  \n"
         f"dsr-dynamic probes every {a.probe_interval}th packet per backend with {options}; dsr-polling polls every {a.poll_interval_ms} ms, "
-        f"dsr-polling-100ms every {BY_KEY['dsr-polling-100ms'].poll_interval_ms} ms.  \n"
+        f"dsr-polling-100ms every {BY_KEY['dsr-polling-100ms'].poll_interval_ms} ms; dsr-query holds each new connection's SYN for a query round "
+        "(at most the balancer's default query_timeout_ms, 20 ms).  \n"
         f"Servers started {min(bench.slowdown_offsets, default=0):.1f}–{max(bench.slowdown_offsets, default=0):.1f} s before the load "
         "(their slowdown windows count from their start).  \n"
         f"Total wall time {elapsed_s:.0f} s. Machine and versions: command.txt.\n"
@@ -739,6 +810,8 @@ def write_outputs(bench: Bench, results, failed, out: Path, command: str, elapse
     print(report.table3(results))
     print()
     print(report.ratios(results))
+    print()
+    print(report.paper_ratios(results))
     print()
     print(report.overhead_table(results))
     print()

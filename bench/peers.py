@@ -31,13 +31,17 @@ def lb_toml(
     auth_key: str | None,
     policy: str = "least-score",
     probe_interval: int = 100,
+    probe_interval_max: int | None = None,
+    probe_budget: int = 0,
     poll_interval_ms: int = 100,
     score_max_age_ms: int = 2000,
     interface: str = "eth0",
 ) -> str:
     """`inband lb` config for one VIP in one mode (docs/configuration.md).
     `auth_key`: the key file shared with the agents, or None for the seed
-    paper's unauthenticated options."""
+    paper's unauthenticated options. `probe_interval_max` and
+    `probe_budget`: the adaptive n's upper bound and the 124s per second a
+    backend may get (both omitted: the balancer's fixed n, no budget)."""
     lines = [
         f'interface = "{interface}"',
         f'address = "{_check_ip(address)}"',
@@ -51,6 +55,8 @@ def lb_toml(
         f'mode = "{mode}"',
         f'policy = "{policy}"',
         f"probe_interval = {int(probe_interval)}",
+        *([f"probe_interval_max = {int(probe_interval_max)}"] if probe_interval_max is not None else []),
+        *([f"probe_budget = {int(probe_budget)}"] if probe_budget else []),
         f"score_max_age_ms = {int(score_max_age_ms)}",
         f"poll_interval_ms = {int(poll_interval_ms)}",
     ]

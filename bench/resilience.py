@@ -192,6 +192,7 @@ raise SystemExit(0 if err in (0, -2) else f"conntrack flush: error {err}")
 # ------------------------------------------------------------------ pure functions (unit-tested)
 
 MIN_AFTER = 10  # legitimate requests at least, after a flood
+LEGIT_TIMEOUT_S = 5  # one legitimate request's bound (connect + response)
 
 
 def read_samples(path: Path) -> list:
@@ -802,7 +803,7 @@ class Bench:
     # --- the flood
 
     def legit_argv(self, until: float, out: Path, limit: int) -> list[str]:
-        return [sys.executable, "-c", LEGIT_CLIENT, self.tb.vip, str(VIP_PORT), f"{until:.3f}", f"{self.p.pause_ms:g}", str(limit), "5", str(out)]
+        return [sys.executable, "-c", LEGIT_CLIENT, self.tb.vip, str(VIP_PORT), f"{until:.3f}", f"{self.p.pause_ms:g}", str(limit), str(LEGIT_TIMEOUT_S), str(out)]
 
     def legit_baseline(self, d: Path) -> list:
         out = d / "legit-baseline.json"
@@ -825,9 +826,15 @@ class Bench:
             before = self.counters(kind)
             samples_path = d / "legit-flood.json"
             # The client's own deadline is a bound; it is stopped (SIGTERM)
-            # once it has made its requests after the flood.
+            # once it has made its requests after the flood. It leaves room
+            # for MIN_AFTER requests that each fail at their timeout: a peer
+            # whose NAT ports the flood took (nftables' masquerade, until
+            # conntrack forgets the flood's unanswered entries) refuses that
+            # long, and how many SYNs the flood gets out depends on the
+            # machine.
+            until = time.monotonic() + p.flood_s + p.after_s + p.recovery_max_s + MIN_AFTER * (LEGIT_TIMEOUT_S + p.pause_ms / 1000) + 10
             client = self.procs.spawn(
-                "legitimate client", self.ns("c1"), self.legit_argv(time.monotonic() + p.flood_s + p.after_s + p.recovery_max_s + 30, samples_path, 1_000_000),
+                "legitimate client", self.ns("c1"), self.legit_argv(until, samples_path, 1_000_000),
                 d / "legit-flood.log",
             )  # fmt: skip
             time.sleep(0.5)

@@ -2,7 +2,7 @@
 /*
  * The real-server agent: tc ingress + tc egress on the server's interface and
  * a tracepoint on TCP state changes. See "Real-server agent walk (tc)" in
- * docs/architecture.md.
+ * docs/architecture.md. Both address families, TCP and UDP.
  *
  * Packet access goes through bpf_skb_load_bytes/bpf_skb_store_bytes rather
  * than direct packet pointers: at tc the headers of a non-linear skb need not
@@ -12,14 +12,17 @@
 #include <linux/if_ether.h>
 #include <linux/in.h>
 #include <linux/ip.h>
+#include <linux/ipv6.h>
 #include <linux/pkt_cls.h>
 #include <linux/tcp.h>
 #include <bpf/bpf_endian.h>
 #include <bpf/bpf_core_read.h>
 #include <bpf/bpf_helpers.h>
 
+#include "inband/agent/encap.h"
 #include "inband/agent/maps.h"
 #include "inband/agent/options.h"
+#include "inband/agent/packet.h"
 #include "inband/agent/trust.h"
 #include "inband/agent/verify.h"
 #include "inband/agent_skb.h"
@@ -29,6 +32,8 @@
 
 /* GPL: bpf_fib_lookup is a GPL-only helper. */
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+#define INBAND_AF_INET6 10
 
 static __always_inline int malformed(void)
 {
@@ -44,28 +49,43 @@ static __always_inline int drop(__u32 counter)
 	return TC_ACT_SHOT;
 }
 
-/*
- * Request-in-flight accounting for the "requests" score: a connection is
- * busy from the first client payload byte until the server's first payload
- * byte after it. Pipelined requests on one connection count once; a
- * request's body arriving while the response streams does not re-arm it.
- */
-static __always_inline void track_request(struct __sk_buff *skb, const struct iphdr *iph, __u32 hlen,
-					  const __be16 *ports, int from_client)
+/* The connection of a packet from (`from_peer`) or to a peer. */
+static __always_inline struct inband_conn_key conn_key(const struct apkt *a, int from_peer)
 {
-	struct inband_conn_key key;
+	struct inband_conn_key k = {
+		.peer_addr = from_peer ? a->saddr : a->daddr,
+		.peer_port = from_peer ? a->ports[0] : a->ports[1],
+		.local_port = from_peer ? a->ports[1] : a->ports[0],
+		.proto = a->proto,
+	};
+	return k;
+}
+
+static __always_inline struct inband_service *service_of(const struct apkt *a, __be16 local_port)
+{
+	struct inband_service_key k = { .port = local_port, .proto = a->proto, .family = a->family };
+
+	return bpf_map_lookup_elem(&services, &k);
+}
+
+/*
+ * Request-in-flight accounting for the "requests" score: a TCP connection
+ * is busy from the first client payload byte until the server's first
+ * payload byte after it. Pipelined requests on one connection count once;
+ * a request's body arriving while the response streams does not re-arm it.
+ */
+static __always_inline void track_request(struct __sk_buff *skb, const struct apkt *a, int from_client)
+{
+	struct inband_conn_key key = conn_key(a, from_client);
 	__u8 doff;
 	__u16 port;
 	__s64 *count;
 	__u32 *busy;
 
-	if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + hlen + 12, &doff, 1))
+	if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + a->hlen + 12, &doff, 1))
 		return;
-	if (bpf_ntohs(iph->tot_len) <= hlen + (doff >> 4) * 4)
+	if (a->tot_len <= a->hlen + (doff >> 4) * 4)
 		return; /* no payload: ACKs, SYNs, FINs do not change it */
-	key.peer_addr = from_client ? iph->saddr : iph->daddr;
-	key.peer_port = from_client ? ports[0] : ports[1];
-	key.local_port = from_client ? ports[1] : ports[0];
 	port = bpf_ntohs(key.local_port);
 	count = bpf_map_lookup_elem(&inflight, &port);
 	if (!count)
@@ -85,75 +105,140 @@ static __always_inline void track_request(struct __sk_buff *skb, const struct ip
 	}
 }
 
-/*
- * A 155 from a balancer, in the configured format (`opt`, `len` bytes),
- * on the TCP segment at `l4_off`. Stored only from a SYN whose checksums
- * verify and, authenticated, whose MAC does; never over a live socket's
- * connection.
- */
-static __always_inline int take_client_tuple(struct __sk_buff *skb, const struct iphdr *iph, __u32 l4_off,
-					     const __be16 *ports, const __u32 *opt, __u32 len, __u8 auth_mode)
+/* Takes the option off the packet: the IPv4 option after the fixed header,
+ * or the whole IPv6 Destination Options header. */
+static __always_inline int strip_inband(struct __sk_buff *skb, const struct apkt *a, const __u32 *opt, __u32 len)
 {
-	const __u8 *o = (const __u8 *)opt;
-	struct inband_conn_key key = { .peer_addr = iph->saddr, .peer_port = ports[0], .local_port = ports[1] };
-	struct inband_dsr_flow val = {};
-	__u8 flags;
-	__be32 seq;
+	if (a->family == 4)
+		return strip_option(skb, &a->ip4, opt, len);
+	return strip_doh(skb, a->opt_len, a->proto, a->tot_len);
+}
 
-	if (bpf_skb_load_bytes(skb, l4_off + 4, &seq, sizeof(seq)) ||
-	    bpf_skb_load_bytes(skb, l4_off + 13, &flags, sizeof(flags)))
-		return malformed();
-	/* A client tuple starts a connection: on any other packet it could
-	 * only redirect one that exists. */
-	if ((flags & (INBAND_TCP_SYN | INBAND_TCP_ACK)) != INBAND_TCP_SYN)
-		return drop(INBAND_AGENT_NOT_SYN);
-	if (!ipv4_csum_ok(skb, iph->ihl * 4) ||
-	    !tcp_csum_ok(skb, l4_off, bpf_ntohs(iph->tot_len) - iph->ihl * 4, iph->saddr, iph->daddr))
-		return drop(INBAND_AGENT_BAD_CHECKSUM);
-	if (auth_mode == INBAND_AUTH_NONE) {
-		__builtin_memcpy(&val.client_addr, o + 2, sizeof(val.client_addr));
-		__builtin_memcpy(&val.client_port, o + 6, sizeof(val.client_port));
-	} else {
-		if (!tuple_mac_ok(iph, ports, seq, o))
-			return drop(INBAND_AGENT_AUTH_FAILED);
-		__builtin_memcpy(&val.client_addr, o + INBAND_AUTH_TUPLE_ADDR_OFF, sizeof(val.client_addr));
-		__builtin_memcpy(&val.client_port, o + INBAND_AUTH_TUPLE_PORT_OFF, sizeof(val.client_port));
-	}
-	/* The SYN itself still reaches the stack, which answers it with a
-	 * challenge ACK. */
-	if (tuple_owned_by_live_socket(skb, iph, ports)) {
-		count(INBAND_AGENT_TUPLE_IN_USE);
-		return strip_option(skb, iph, opt, len);
-	}
-	if (!bpf_map_update_elem(&dsr_flows, &key, &val, BPF_ANY))
-		count(INBAND_AGENT_TUPLES_STORED);
-	return strip_option(skb, iph, opt, len);
+/* A UDP tuple last used longer ago than the configured idle timeout: its
+ * flow is over at the balancer too, and its port may be another client's
+ * now. */
+static __always_inline int udp_tuple_expired(const struct inband_dsr_flow *flow, __u64 now)
+{
+	const struct inband_agent_config *cfg = agent_cfg();
+
+	return cfg && cfg->udp_idle_timeout_s && now - flow->last_ns > cfg->udp_idle_timeout_s * 1000000000ULL;
 }
 
 /*
- * A SYN from a balancer that carries no 155 opens a connection whose
- * responses go back through the balancer (a pass-through VIP, the balancer
- * host's own connection). A tuple stored for an earlier handshake on the
- * same ports that never became a socket (a SYN flood's: nothing deletes
- * those until the LRU does) would send them to that handshake's client, so
- * it is forgotten; a live socket's tuple is not, whoever sent the SYN.
- * Returns TC_ACT_OK: the packet goes on unchanged.
+ * A 155 from a balancer, in the configured format (`opt`, `len` bytes),
+ * on the TCP segment or UDP datagram at a->hlen. Stored only from a packet
+ * whose checksums verify and, authenticated, whose MAC does; for TCP only
+ * from a SYN and never over a live socket's connection, for UDP only if
+ * its stamp is not older than what its balancer sent since.
  */
-static __always_inline int forget_unfinished_handshake(struct __sk_buff *skb, const struct iphdr *iph, __u32 hlen)
+static __always_inline int take_client_tuple(struct __sk_buff *skb, const struct apkt *a, struct inband_balancer *b,
+					     const __u32 *opt, __u32 len, __u8 auth_mode)
 {
-	struct inband_conn_key key = { .peer_addr = iph->saddr };
-	__be16 ports[2];
+	const __u8 *o = (const __u8 *)opt;
+	__u32 l4_off = INBAND_ETH_HLEN + a->hlen;
+	struct inband_conn_key key = conn_key(a, 1);
+	struct inband_dsr_flow val = {};
+	int udp = a->proto == INBAND_IPPROTO_UDP;
+	int alen = a->family == 4 ? 4 : 16;
+	__be32 nonce = 0;
+
+	if (udp) {
+		/* The stamp sits before the MAC (seed format: none). */
+		if (auth_mode != INBAND_AUTH_NONE)
+			__builtin_memcpy(&nonce, o + len - INBAND_OPT_MAC_LEN - 4, sizeof(nonce));
+	} else {
+		__u8 flags;
+
+		if (bpf_skb_load_bytes(skb, l4_off + 4, &nonce, sizeof(nonce)) ||
+		    bpf_skb_load_bytes(skb, l4_off + 13, &flags, sizeof(flags)))
+			return malformed();
+		/* A client tuple starts a connection: on any other packet it
+		 * could only redirect one that exists. */
+		if ((flags & (INBAND_TCP_SYN | INBAND_TCP_ACK)) != INBAND_TCP_SYN)
+			return drop(INBAND_AGENT_NOT_SYN);
+	}
+	if ((a->family == 4 && !ipv4_csum_ok(skb, a->hlen)) || !l4_csum_ok(skb, l4_off, a->tot_len - a->hlen, a))
+		return drop(INBAND_AGENT_BAD_CHECKSUM);
+	/* Seed: kind, len, address, port; authenticated: kind, len, key id, 0, address, port. */
+	__u32 at = auth_mode == INBAND_AUTH_NONE ? 2 : INBAND_AUTH_TUPLE_ADDR_OFF;
+
+	if (alen == 4) {
+		val.client_addr = inband_addr4(0);
+		__builtin_memcpy(&val.client_addr.w[3], o + (at & 0x7), 4);
+		__builtin_memcpy(&val.client_port, o + (at & 0x7) + 4, 2);
+	} else {
+		__builtin_memcpy(&val.client_addr, o + (at & 0x7), 16);
+		__builtin_memcpy(&val.client_port, o + (at & 0x7) + 16, 2);
+	}
+	if (auth_mode != INBAND_AUTH_NONE) {
+		struct agent_mac m;
+
+		mac_from_balancer(&m, a, INBAND_OPT_CLIENT_TUPLE, o[INBAND_AUTH_TUPLE_KEY_OFF], nonce);
+		m.client = val.client_addr;
+		m.client_port = val.client_port;
+		if (!mac_ok(&m, o + len - INBAND_OPT_MAC_LEN))
+			return drop(INBAND_AGENT_AUTH_FAILED);
+	}
+	if (udp) {
+		struct inband_dsr_flow *old = bpf_map_lookup_elem(&dsr_flows, &key);
+		__u32 stamp = bpf_ntohl(nonce);
+
+		if (auth_mode != INBAND_AUTH_NONE) {
+			if (!stamp_fresh(b, stamp, old)) {
+				count(INBAND_AGENT_STALE_STAMP);
+				return strip_inband(skb, a, opt, len);
+			}
+			if ((__s32)(stamp - b->stamp) > 0)
+				b->stamp = stamp;
+		}
+		val.stamp = nonce;
+		val.last_ns = bpf_ktime_get_coarse_ns();
+	} else if (tuple_owned_by_live_socket(skb, a)) {
+		/* The SYN itself still reaches the stack, which answers it with
+		 * a challenge ACK. */
+		count(INBAND_AGENT_TUPLE_IN_USE);
+		return strip_inband(skb, a, opt, len);
+	}
+	if (!bpf_map_update_elem(&dsr_flows, &key, &val, BPF_ANY))
+		count(INBAND_AGENT_TUPLES_STORED);
+	return strip_inband(skb, a, opt, len);
+}
+
+/*
+ * A packet from a balancer that carries no 155 or 124. A TCP SYN opens a
+ * connection whose responses go back through the balancer (a pass-through
+ * VIP, a retransmitted SYN, the balancer host's own connection): a tuple
+ * stored for an earlier handshake on the same ports that never became a
+ * socket (a SYN flood's: nothing deletes those until the LRU does) would
+ * send them to that handshake's client, so it is forgotten; a live
+ * socket's tuple is not, whoever sent the SYN. A UDP datagram keeps its
+ * tuple in use, or finds it expired. Returns TC_ACT_OK: the packet goes on
+ * unchanged.
+ */
+static __always_inline int plain_from_peer(struct __sk_buff *skb, const struct apkt *a)
+{
+	struct inband_conn_key key = conn_key(a, 1);
+	struct inband_dsr_flow *flow;
 	__u8 flags;
 
-	if (iph->protocol != IPPROTO_TCP ||
-	    bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + hlen + 13, &flags, sizeof(flags)) ||
-	    (flags & (INBAND_TCP_SYN | INBAND_TCP_ACK)) != INBAND_TCP_SYN ||
-	    bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + hlen, ports, sizeof(ports)))
-		return TC_ACT_OK;
-	key.peer_port = ports[0];
-	key.local_port = ports[1];
 	/* Entries are keyed by a balancer's address: no other sender finds one. */
-	if (!bpf_map_lookup_elem(&dsr_flows, &key) || tuple_owned_by_live_socket(skb, iph, ports))
+	flow = bpf_map_lookup_elem(&dsr_flows, &key);
+	if (!flow)
+		return TC_ACT_OK;
+	if (a->proto == INBAND_IPPROTO_UDP) {
+		__u64 now = bpf_ktime_get_coarse_ns();
+
+		if (udp_tuple_expired(flow, now)) {
+			if (!bpf_map_delete_elem(&dsr_flows, &key))
+				count(INBAND_AGENT_UDP_TUPLES_EXPIRED);
+		} else if (now - flow->last_ns > 1000000000ULL) {
+			/* To the second: a busy flow's entry is written once a second. */
+			flow->last_ns = now;
+		}
+		return TC_ACT_OK;
+	}
+	if (a->proto != IPPROTO_TCP || bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + a->hlen + 13, &flags, sizeof(flags)) ||
+	    (flags & (INBAND_TCP_SYN | INBAND_TCP_ACK)) != INBAND_TCP_SYN || tuple_owned_by_live_socket(skb, a))
 		return TC_ACT_OK;
 	if (!bpf_map_delete_elem(&dsr_flows, &key))
 		count(INBAND_AGENT_STALE_TUPLES_FORGOTTEN);
@@ -165,89 +250,192 @@ static __always_inline int forget_unfinished_handshake(struct __sk_buff *skb, co
  * a connection whose 155 was accepted; its key and nonce are kept for the
  * 125 that answers it.
  */
-static __always_inline int take_score_request(struct __sk_buff *skb, const struct iphdr *iph,
-					      const __be16 *ports, const __u32 *opt, __u32 len, __u8 auth_mode)
+static __always_inline int take_score_request(struct __sk_buff *skb, const struct apkt *a, const __u32 *opt,
+					      __u32 len, __u8 auth_mode, int wrapped)
 {
 	const __u8 *o = (const __u8 *)opt;
-	struct inband_conn_key key = { .peer_addr = iph->saddr, .peer_port = ports[0], .local_port = ports[1] };
+	struct inband_conn_key key = conn_key(a, 1);
 	struct inband_dsr_flow *flow;
 	__be32 nonce = 0;
 	__u8 key_id = 0;
 
 	if (auth_mode != INBAND_AUTH_NONE) {
-		if (!request_mac_ok(iph, ports, o))
-			return drop(INBAND_AGENT_AUTH_FAILED);
+		struct agent_mac m;
+
 		key_id = o[INBAND_AUTH_REQUEST_KEY_OFF];
 		__builtin_memcpy(&nonce, o + INBAND_AUTH_REQUEST_NONCE_OFF, sizeof(nonce));
+		mac_from_balancer(&m, a, INBAND_OPT_SCORE_REQUEST, key_id, nonce);
+		if (!mac_ok(&m, o + INBAND_AUTH_REQUEST_MAC_OFF))
+			return drop(INBAND_AGENT_AUTH_FAILED);
 	}
 	flow = bpf_map_lookup_elem(&dsr_flows, &key);
 	/* No entry is created: entries exist only for accepted 155s, so
 	 * packets from a balancer's address cannot fill the table. */
-	if (!flow || !flow->client_addr) {
+	if (!flow || inband_addr_is_zero(&flow->client_addr)) {
 		count(INBAND_AGENT_PROBE_UNKNOWN_FLOW);
-		return strip_option(skb, iph, opt, len);
+		return strip_inband(skb, a, opt, len);
 	}
 	/* Key and nonce before the flag: egress on another CPU reads them
 	 * once it sees the flag. A torn pair from two racing 124s only makes
 	 * the balancer refuse one 125. */
 	flow->probe_key = key_id;
 	flow->probe_nonce = nonce;
-	flow->score_requested = 1;
+	flow->score_requested = INBAND_SCORE_REQUESTED | (wrapped ? INBAND_SCORE_ENCAP : 0);
 	count(INBAND_AGENT_PROBES_SEEN);
-	return strip_option(skb, iph, opt, len);
+	return strip_inband(skb, a, opt, len);
+}
+
+/*
+ * The padding after the inband option in its Destination Options header
+ * (`pad` bytes at `at`) is exactly what inband_doh_wrap writes: one Pad1,
+ * or one PadN of zeros. Anything else there is another option, which
+ * stripping the header would hide from the stack (an unknown one whose
+ * action bits say discard), or a PadN Linux refuses (non-zero data).
+ */
+static __always_inline int doh_padding_ok(struct __sk_buff *skb, __u32 at, __u32 pad)
+{
+	__u8 p[8] = {};
+
+	if (!pad)
+		return 1;
+	barrier_var(pad);
+	if (pad > 7 || bpf_skb_load_bytes(skb, at, p, pad))
+		return 0;
+	if (pad == 1)
+		return p[0] == 0;
+	if (p[0] != 1 || p[1] != pad - 2)
+		return 0;
+	/* Bytes past `pad` stayed zero. */
+	return !(p[2] | p[3] | p[4] | p[5] | p[6] | p[7]);
+}
+
+/*
+ * Where the packet's inband option is and how long: IPv4, the first
+ * option of the header; IPv6, the data of the first option of its
+ * Destination Options header (type 0x1E), which must be the header's only
+ * option but padding. Loads it into `opt`. 0 = found; 1 = none (another
+ * option, or none at all); -1 = malformed.
+ */
+static __always_inline int find_option(struct __sk_buff *skb, const struct apkt *a, __u32 *opt, __u32 *len)
+{
+	__u8 *o = (__u8 *)opt;
+	__u32 at = INBAND_ETH_HLEN + (a->family == 4 ? INBAND_IPV4_MIN_HDR : INBAND_IPV6_HDR);
+	__u8 h[4];
+
+	if (!a->opt_len)
+		return 1;
+	if (a->family == 4) {
+		if (bpf_skb_load_bytes(skb, at, h, 2))
+			return -1;
+		if (h[0] == IPOPT_END || h[0] == IPOPT_NOOP)
+			return 1;
+		if (h[1] < 2 || h[1] > a->opt_len)
+			return -1;
+		*len = h[1];
+	} else {
+		if (a->opt_len < 8 || bpf_skb_load_bytes(skb, at, h, 4))
+			return -1;
+		if (h[2] != INBAND_OPT6_TYPE)
+			return 1;
+		/* The inband option is the header's only one: padding after it. */
+		if (h[3] < 2 || INBAND_DOH_LEN(h[3]) != a->opt_len)
+			return -1;
+		*len = h[3];
+		at += INBAND_DOH_PREFIX;
+	}
+	__u32 n = *len;
+
+	barrier_var(n);
+	if (n < 2 || n > OPT_MAX_WORDS * 4)
+		return -1;
+	if (bpf_skb_load_bytes(skb, at, o, n))
+		return -1;
+	if (o[1] != n)
+		return -1;
+	if (a->family == 6 && !doh_padding_ok(skb, at + n, a->opt_len - INBAND_DOH_PREFIX - n))
+		return -1;
+	return o[0] == INBAND_OPT_CLIENT_TUPLE || o[0] == INBAND_OPT_SCORE_REQUEST ? 0 : 1;
+}
+
+/*
+ * The transport header of a packet with an option is whole and agrees
+ * with the IP length: a TCP data offset of 20 bytes or more within the
+ * segment, a UDP length equal to the IP payload. The stack drops a
+ * segment whose data offset does not fit, and checks a datagram's
+ * checksum over its UDP length, not the IP payload the agent sums: on
+ * such a packet the agent's own checks would judge something other than
+ * what the stack accepts.
+ */
+static __always_inline int l4_header_ok(struct __sk_buff *skb, const struct apkt *a)
+{
+	__u32 l4_len = a->tot_len - a->hlen;
+
+	if (a->proto == IPPROTO_TCP) {
+		__u8 doff;
+
+		if (l4_len < sizeof(struct tcphdr) || bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + a->hlen + 12, &doff, 1))
+			return 0;
+		return (doff >> 4) >= 5 && (doff >> 4) * 4 <= l4_len;
+	}
+	__be16 ulen;
+
+	if (l4_len < 8 || bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + a->hlen + 4, &ulen, sizeof(ulen)))
+		return 0;
+	return bpf_ntohs(ulen) == l4_len;
 }
 
 SEC("tc")
 int agent_ingress(struct __sk_buff *skb)
 {
 	const struct inband_agent_config *cfg;
-	struct iphdr iph;
+	struct inband_balancer *b;
+	struct apkt a = {};
 	__u32 opt[OPT_MAX_WORDS] = {};
-	__be16 ports[2];
-	__be16 h_proto;
-	__u32 hlen, tot, len;
+	__u32 len = 0;
 	__u8 *o = (__u8 *)opt;
+	int wrapped = 0;
+	int rc = apkt_parse(skb, &a);
 
-	if (bpf_skb_load_bytes(skb, offsetof(struct ethhdr, h_proto), &h_proto, sizeof(h_proto)) ||
-	    h_proto != bpf_htons(ETH_P_IP))
+	/* Only what parsed as IP-in-IP is looked at again: one header read
+	 * per packet on the common path. */
+	if (!rc && a.family == 4 && a.proto == INBAND_IPPROTO_IPIP) {
+		wrapped = ipip_unwrap(skb);
+		if (wrapped < 0)
+			return TC_ACT_SHOT;
+		if (wrapped) {
+			__builtin_memset(&a, 0, sizeof(a));
+			rc = apkt_parse(skb, &a);
+		}
+	}
+
+	if (rc == -1)
 		return TC_ACT_OK;
-	if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN, &iph, sizeof(iph)))
+	if (rc == -2)
 		return malformed();
-	hlen = iph.ihl * 4;
-	tot = bpf_ntohs(iph.tot_len);
-	if (iph.version != 4 || hlen < INBAND_IPV4_MIN_HDR || tot < hlen ||
-	    INBAND_ETH_HLEN + tot > skb->len)
-		return malformed();
-	if (score_requests && iph.protocol == IPPROTO_TCP &&
-	    !(iph.frag_off & bpf_htons(INBAND_IP_MF | INBAND_IP_OFFSET)) &&
-	    !bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + hlen, ports, sizeof(ports)))
-		track_request(skb, &iph, hlen, ports, 1);
+	/* A balancer sends IPv6 with one Destination Options header at most:
+	 * anything else from its address may hide an option the agent does
+	 * not read, so it is counted; the stack judges it as it is. */
+	if (a.ext_unwalked && bpf_map_lookup_elem(&balancers, &a.saddr))
+		count(INBAND_AGENT_UNWALKED_EXT_HEADERS);
+	if (score_requests && a.proto == IPPROTO_TCP && !a.frag)
+		track_request(skb, &a, 1);
 	/* The balancer sets DF; a fragment is nobody's inband packet, and later
 	 * fragments have no ports to check the service against. */
-	if (iph.frag_off & bpf_htons(INBAND_IP_MF | INBAND_IP_OFFSET))
+	if (a.frag || !a.proto)
 		return TC_ACT_OK;
-	if (hlen == INBAND_IPV4_MIN_HDR)
-		return forget_unfinished_handshake(skb, &iph, hlen);
-
-	if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + INBAND_IPV4_MIN_HDR, o, 2))
+	rc = find_option(skb, &a, opt, &len);
+	if (rc < 0)
 		return malformed();
-	if (o[0] == IPOPT_END || o[0] == IPOPT_NOOP)
-		return forget_unfinished_handshake(skb, &iph, hlen);
-	if (o[1] < 2 || o[1] > hlen - INBAND_IPV4_MIN_HDR)
+	if (rc > 0)
+		return plain_from_peer(skb, &a);
+	if (!l4_header_ok(skb, &a))
 		return malformed();
-	if (o[0] != INBAND_OPT_CLIENT_TUPLE && o[0] != INBAND_OPT_SCORE_REQUEST)
-		return forget_unfinished_handshake(skb, &iph, hlen);
-	if (iph.protocol != IPPROTO_TCP)
-		return TC_ACT_OK;
-	if (tot < hlen + sizeof(struct tcphdr) ||
-	    bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + hlen, ports, sizeof(ports)))
-		return malformed();
-
-	if (!bpf_map_lookup_elem(&services, &ports[1]))
+	if (!service_of(&a, a.ports[1]))
 		return TC_ACT_OK;
 	/* Anyone can put a 155 on a packet; only a balancer's may steer where
 	 * this server sends its responses. */
-	if (!bpf_map_lookup_elem(&balancers, &iph.saddr)) {
+	b = bpf_map_lookup_elem(&balancers, &a.saddr);
+	if (!b) {
 		count(INBAND_AGENT_UNTRUSTED_OPTION);
 		return TC_ACT_OK;
 	}
@@ -257,17 +445,11 @@ int agent_ingress(struct __sk_buff *skb)
 	/* A balancer of this deployment sends only the configured format:
 	 * anything else from its address is forged (or a balancer configured
 	 * differently, which is found by this counter). */
-	len = o[1];
-	if (len != configured_len(o[0], cfg->auth_mode))
+	if (len != configured_len(o[0], cfg->auth_mode, &a))
 		return drop(INBAND_AGENT_WRONG_FORMAT);
-	barrier_var(len);
-	if (len > sizeof(opt))
-		return malformed();
-	if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + INBAND_IPV4_MIN_HDR, opt, len))
-		return malformed();
 	if (o[0] == INBAND_OPT_CLIENT_TUPLE)
-		return take_client_tuple(skb, &iph, INBAND_ETH_HLEN + hlen, ports, opt, len, cfg->auth_mode);
-	return take_score_request(skb, &iph, ports, opt, len, cfg->auth_mode);
+		return take_client_tuple(skb, &a, b, opt, len, cfg->auth_mode);
+	return take_score_request(skb, &a, opt, len, cfg->auth_mode, wrapped);
 }
 
 /* Local port in host order: the key of active_conns and score_override. */
@@ -285,98 +467,155 @@ static __always_inline __u16 current_score(__u16 port)
 }
 
 /*
- * The authenticated 125 answering the flow's 124: signed with that 124's
- * key and nonce over the connection as the balancer sees it (it is the
- * destination). Returns 0 if the key is gone (removed by a rotation since
- * the 124 arrived).
- */
-static __noinline int sign_score(__u32 *opt, const struct iphdr *iph, const __be16 *ports,
-				 const struct inband_dsr_flow *flow, __u16 score)
-{
-	const struct inband_auth_key *key = auth_key(flow->probe_key);
-	struct inband_mac_msg m;
-
-	if (!key)
-		return 0;
-	inband_mac_msg_init(&m, INBAND_OPT_SCORE, flow->probe_key, flow->probe_nonce, iph->daddr, ports[1],
-			    iph->saddr, ports[0]);
-	m.score = bpf_htons(score);
-	inband_encode_auth_score((__u8 *)opt, score, flow->probe_nonce, inband_mac(key, &m));
-	return 1;
-}
-
-/*
  * Adds the 125 the flow owes. Returns 1 if it did; otherwise the flag stays
  * set (a later packet answers) unless the answer cannot be signed at all.
  */
-static __always_inline int add_score(struct __sk_buff *skb, const struct iphdr *iph, const __be16 *ports,
-				     struct inband_dsr_flow *flow)
+static __always_inline int add_score(struct __sk_buff *skb, const struct apkt *a, struct inband_dsr_flow *flow)
 {
 	const struct inband_agent_config *cfg = agent_cfg();
-	__u32 opt[INBAND_OPT_AUTH_SCORE_LEN / 4] = {};
-	__u32 len;
+	/* The 125 at opt + INBAND_DOH_PREFIX; IPv6 wraps its header around it. */
+	__u32 opt[INBAND_DOH_LEN(INBAND_OPT_AUTH_SCORE_LEN) / 4] = {};
+	__u8 *o = (__u8 *)opt + INBAND_DOH_PREFIX;
+	__u32 len, added;
 	__u16 score;
+	int wrap = a->family == 4 && (flow->score_requested & INBAND_SCORE_ENCAP);
 
 	if (!cfg)
 		return 0;
 	len = cfg->auth_mode == INBAND_AUTH_NONE ? INBAND_OPT_SCORE_LEN : INBAND_OPT_AUTH_SCORE_LEN;
-	/* No room left in a 60-byte header. */
-	if (iph->ihl * 4 + len > INBAND_IPV4_MAX_HDR) {
+	added = a->family == 4 ? len + (wrap ? INBAND_IPIP_HLEN : 0) : INBAND_DOH_LEN(len);
+	/* IPv4: no room left in a 60-byte header; IPv6: headers already there. */
+	if ((a->family == 4 && a->hlen + len > INBAND_IPV4_MAX_HDR) || (a->family == 6 && a->opt_len)) {
 		count(INBAND_AGENT_ADJUST_FAILED);
 		return 0;
 	}
 	/* The packet would leave bigger than the interface sends: dropped
 	 * by the stack or fragmented, and fragments never reach a balancer
 	 * as a 125. */
-	if (bpf_ntohs(iph->tot_len) + len > cfg->mtu) {
+	if (a->tot_len + added > cfg->mtu) {
 		count(INBAND_AGENT_SCORE_DEFERRED_MTU);
 		return 0;
 	}
-	score = current_score(bpf_ntohs(ports[0]));
+	score = current_score(bpf_ntohs(a->ports[0]));
 	if (cfg->auth_mode == INBAND_AUTH_NONE) {
-		inband_encode_score((__u8 *)opt, score);
-	} else if (!sign_score(opt, iph, ports, flow, score)) {
-		flow->score_requested = 0;
-		count(INBAND_AGENT_AUTH_FAILED);
-		return 0;
+		inband_encode_score(o, score);
+	} else {
+		/* Signed with the 124's key and nonce over the connection as
+		 * the balancer sees it (it is the destination). */
+		const struct inband_auth_key *key = auth_key(flow->probe_key);
+		struct agent_mac m = {
+			.lb = a->daddr,
+			.backend = a->saddr,
+			.nonce = flow->probe_nonce,
+			.lb_port = a->ports[1],
+			.backend_port = a->ports[0],
+			.score = score,
+			.kind = INBAND_OPT_SCORE,
+			.key_id = flow->probe_key,
+			.proto = a->proto,
+		};
+
+		if (!key) {
+			/* The key was removed by a rotation since the 124. */
+			flow->score_requested = 0;
+			count(INBAND_AGENT_AUTH_FAILED);
+			return 0;
+		}
+		inband_encode_auth_score(o, score, flow->probe_nonce, agent_mac(key, &m));
 	}
-	if (insert_option(skb, iph, opt, len)) {
+	int failed;
+
+	if (a->family == 4) {
+		failed = insert_option(skb, &a->ip4, (__u32 *)o, len);
+	} else {
+		/* Constant lengths: the padding's loop unrolls. */
+		if (len == INBAND_OPT_AUTH_SCORE_LEN)
+			inband_doh_wrap((__u8 *)opt, a->proto, INBAND_OPT_AUTH_SCORE_LEN);
+		else
+			inband_doh_wrap((__u8 *)opt, a->proto, INBAND_OPT_SCORE_LEN);
+		failed = insert_doh(skb, opt, added, a->tot_len);
+	}
+	if (failed) {
 		count(INBAND_AGENT_ADJUST_FAILED);
 		return 0;
 	}
+	/* The option is in: a failed wrap still sends it, unwrapped. */
+	if (wrap && ipip_wrap(skb, a->tot_len + len))
+		count(INBAND_AGENT_ADJUST_FAILED);
 	flow->score_requested = 0;
 	count(INBAND_AGENT_SCORES_SENT);
 	return 1;
 }
 
-static __always_inline int dsr(struct __sk_buff *skb, const struct iphdr *iph, __u32 hlen,
-			       const struct inband_service *svc,
-			       const struct inband_dsr_flow *flow, const __be16 *ports)
+/*
+ * The checksum field of a UDP GSO burst holds the pseudo-header sum, not
+ * complemented, which segmentation completes for each datagram (adding the
+ * ports and payload it finds then). Linux 6.11+ hands a burst for a device
+ * without checksum offload to tc as CHECKSUM_NONE, and the csum helpers
+ * take that partial sum for a finished checksum: every datagram would
+ * leave with a wrong one. So it is updated here as what it is, for the
+ * addresses only, which is also what the helpers do for a CHECKSUM_PARTIAL
+ * burst.
+ */
+static __always_inline int gso_pseudo_csum_nat(struct __sk_buff *skb, __u32 check_off, const __be32 *old_addrs,
+					       const __be32 *new_addrs, int v4)
+{
+	__u16 sum;
+
+	if (bpf_skb_load_bytes(skb, check_off, &sum, sizeof(sum)))
+		return -1;
+	__u32 acc = sum;
+
+	for (int i = 0; i < 8; i++) {
+		/* IPv4 sums the last word of each address only. */
+		if (!v4 || i == 3 || i == 7)
+			acc = csum_replace32(acc, old_addrs[i], new_addrs[i]);
+	}
+	sum = csum_fold(acc);
+	return bpf_skb_store_bytes(skb, check_off, &sum, sizeof(sum), 0) ? -1 : 0;
+}
+
+/*
+ * Sends the response straight to the client: source = VIP, destination =
+ * the client tuple, checksums fixed, a SYN-ACK's MSS clamped, out through
+ * the route to the client. Any refusal of the route lookup keeps the
+ * connection working through the balancer's NAT.
+ */
+static __always_inline int dsr(struct __sk_buff *skb, const struct apkt *a, const struct inband_service *svc,
+			       const struct inband_dsr_flow *flow)
 {
 	struct bpf_fib_lookup fib = {};
-	__u32 l4_off = INBAND_ETH_HLEN + hlen;
-	__be32 old_addrs[2] = { iph->saddr, iph->daddr };
-	__be32 new_addrs[2] = { svc->vip_addr, flow->client_addr };
-	__be16 old_ports[2] = { ports[0], ports[1] };
+	__u32 l4_off = INBAND_ETH_HLEN + a->hlen;
+	int v4 = a->family == 4;
+	int udp = a->proto == INBAND_IPPROTO_UDP;
+	__u32 check_off = l4_off + (udp ? 6 : offsetof(struct tcphdr, check));
+	__be32 old_addrs[8], new_addrs[8];
+	__be16 old_ports[2] = { a->ports[0], a->ports[1] };
 	__be16 new_ports[2] = { svc->vip_port, flow->client_port };
 	__s64 addr_diff, port_diff;
-	__u8 tcp_doff_flags[2];
+	__u8 tcp_doff_flags[2] = {};
 	long rc;
 
-	fib.family = INBAND_AF_INET;
-	fib.l4_protocol = IPPROTO_TCP;
+	fib.l4_protocol = a->proto;
 	fib.sport = svc->vip_port;
 	fib.dport = flow->client_port;
-	fib.tos = iph->tos;
 	/* tot_len = 0 makes the helper check the skb against the MTU itself,
-	 * which accepts GSO packets; the IPv4 total length of a GSO packet
-	 * exceeds any MTU and would send all bulk data via the balancer. */
+	 * which accepts GSO packets; the IP length of a GSO packet exceeds any
+	 * MTU and would send all bulk data via the balancer. */
 	fib.tot_len = 0;
 	fib.ifindex = skb->ifindex;
-	fib.ipv4_src = svc->vip_addr;
-	fib.ipv4_dst = flow->client_addr;
+	if (v4) {
+		fib.family = INBAND_AF_INET;
+		fib.tos = a->tos;
+		fib.ipv4_src = svc->vip_addr.w[3];
+		fib.ipv4_dst = flow->client_addr.w[3];
+	} else {
+		fib.family = INBAND_AF_INET6;
+		__builtin_memcpy(fib.ipv6_src, &svc->vip_addr, 16);
+		__builtin_memcpy(fib.ipv6_dst, &flow->client_addr, 16);
+	}
 	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), BPF_FIB_LOOKUP_OUTPUT);
-	/* The helper answers only for a device with IPv4 forwarding on (output
+	/* The helper answers only for a device with forwarding on (output
 	 * lookups too), and servers rarely forward. Rather than make operators
 	 * turn on forwarding, FWD_DISABLED hands the rewritten packet to
 	 * bpf_redirect_neigh without a next hop: the kernel then does the route
@@ -387,37 +626,63 @@ static __always_inline int dsr(struct __sk_buff *skb, const struct iphdr *iph, _
 		count(INBAND_AGENT_NO_ROUTE);
 		return TC_ACT_OK;
 	}
-	if (bpf_skb_load_bytes(skb, l4_off + 12, tcp_doff_flags, sizeof(tcp_doff_flags)))
+	if (!udp && bpf_skb_load_bytes(skb, l4_off + 12, tcp_doff_flags, sizeof(tcp_doff_flags)))
 		return TC_ACT_OK;
 
-	addr_diff = bpf_csum_diff(old_addrs, sizeof(old_addrs), new_addrs, sizeof(new_addrs), 0);
-	port_diff = bpf_csum_diff((__be32 *)old_ports, sizeof(old_ports), (__be32 *)new_ports,
-				  sizeof(new_ports), 0);
+	__builtin_memcpy(old_addrs, &a->saddr, 16);
+	__builtin_memcpy(old_addrs + 4, &a->daddr, 16);
+	__builtin_memcpy(new_addrs, &svc->vip_addr, 16);
+	__builtin_memcpy(new_addrs + 4, &flow->client_addr, 16);
+	/* IPv4 sums the last word of each address only. */
+	if (v4) {
+		addr_diff = bpf_csum_diff(&old_addrs[3], 4, &new_addrs[3], 4, 0);
+		addr_diff = bpf_csum_diff(&old_addrs[7], 4, &new_addrs[7], 4, addr_diff);
+	} else {
+		addr_diff = bpf_csum_diff(old_addrs, sizeof(old_addrs), new_addrs, sizeof(new_addrs), 0);
+	}
+	port_diff = bpf_csum_diff((__be32 *)old_ports, sizeof(old_ports), (__be32 *)new_ports, sizeof(new_ports), 0);
 	if (addr_diff < 0 || port_diff < 0)
 		return TC_ACT_OK;
 	/* Addresses are in the pseudo-header: BPF_F_PSEUDO_HDR keeps the
 	 * partial checksum of a CHECKSUM_PARTIAL (GSO) skb right, where the
-	 * ports are summed later by the device and must not be added now. */
-	bpf_l4_csum_replace(skb, l4_off + offsetof(struct tcphdr, check), 0, addr_diff,
-			    BPF_F_PSEUDO_HDR);
-	bpf_l4_csum_replace(skb, l4_off + offsetof(struct tcphdr, check), 0, port_diff, 0);
-	bpf_l3_csum_replace(skb, INBAND_ETH_HLEN + offsetof(struct iphdr, check), 0, addr_diff, 0);
-	bpf_skb_store_bytes(skb, INBAND_ETH_HLEN + offsetof(struct iphdr, saddr), new_addrs,
-			    sizeof(new_addrs), 0);
+	 * ports are summed later by the device and must not be added now. A
+	 * UDP checksum of 0 (IPv4: none) stays 0 and a computed 0 goes out as
+	 * 0xffff (BPF_F_MARK_MANGLED_0). */
+	__u64 mangled = udp ? BPF_F_MARK_MANGLED_0 : 0;
+
+	if (udp && skb->gso_segs > 1) {
+		if (gso_pseudo_csum_nat(skb, check_off, old_addrs, new_addrs, v4))
+			return TC_ACT_OK;
+	} else {
+		bpf_l4_csum_replace(skb, check_off, 0, addr_diff, BPF_F_PSEUDO_HDR | mangled);
+		bpf_l4_csum_replace(skb, check_off, 0, port_diff, mangled);
+	}
+	if (v4) {
+		bpf_l3_csum_replace(skb, INBAND_ETH_HLEN + offsetof(struct iphdr, check), 0, addr_diff, 0);
+		bpf_skb_store_bytes(skb, INBAND_ETH_HLEN + offsetof(struct iphdr, saddr), &new_addrs[3], 4, 0);
+		bpf_skb_store_bytes(skb, INBAND_ETH_HLEN + offsetof(struct iphdr, daddr), &new_addrs[7], 4, 0);
+	} else {
+		bpf_skb_store_bytes(skb, INBAND_ETH_HLEN + offsetof(struct ipv6hdr, saddr), new_addrs, sizeof(new_addrs),
+				    0);
+	}
 	bpf_skb_store_bytes(skb, l4_off, new_ports, sizeof(new_ports), 0);
 
 	if ((tcp_doff_flags[1] & (INBAND_TCP_SYN | INBAND_TCP_ACK)) == (INBAND_TCP_SYN | INBAND_TCP_ACK))
-		clamp_mss(skb, l4_off, (tcp_doff_flags[0] >> 4) * 4);
+		clamp_mss(skb, l4_off, (tcp_doff_flags[0] >> 4) * 4, v4 ? INBAND_OPT_DATA_MAX_LEN : INBAND_OPT6_DATA_MAX_LEN);
 	count(INBAND_AGENT_DSR_REWRITES);
 
 	if (rc == BPF_FIB_LKUP_RET_FWD_DISABLED)
 		return bpf_redirect_neigh(skb->ifindex, NULL, 0, 0);
 	if (rc == BPF_FIB_LKUP_RET_NO_NEIGH) {
-		struct bpf_redir_neigh nh = {
-			.nh_family = INBAND_AF_INET,
-			.ipv4_nh = fib.ipv4_dst, /* the gateway, or the client if on-link */
-		};
+		struct bpf_redir_neigh nh = {};
 
+		if (v4) {
+			nh.nh_family = INBAND_AF_INET;
+			nh.ipv4_nh = fib.ipv4_dst; /* the gateway, or the client if on-link */
+		} else {
+			nh.nh_family = INBAND_AF_INET6;
+			__builtin_memcpy(nh.ipv6_nh, fib.ipv6_dst, 16);
+		}
 		return bpf_redirect_neigh(fib.ifindex, &nh, sizeof(nh), 0);
 	}
 	bpf_skb_store_bytes(skb, offsetof(struct ethhdr, h_dest), fib.dmac, ETH_ALEN, 0);
@@ -435,45 +700,35 @@ int agent_egress(struct __sk_buff *skb)
 	struct inband_service *svc;
 	struct inband_dsr_flow *flow;
 	struct inband_conn_key key;
-	struct iphdr iph;
-	__be16 ports[2];
-	__be16 h_proto;
-	__u32 hlen;
+	struct apkt a = {};
 
-	if (bpf_skb_load_bytes(skb, offsetof(struct ethhdr, h_proto), &h_proto, sizeof(h_proto)) ||
-	    h_proto != bpf_htons(ETH_P_IP))
+	if (apkt_parse(skb, &a) || a.frag || !a.proto)
 		return TC_ACT_OK;
-	if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN, &iph, sizeof(iph)))
-		return TC_ACT_OK;
-	hlen = iph.ihl * 4;
-	if (iph.version != 4 || hlen < INBAND_IPV4_MIN_HDR || iph.protocol != IPPROTO_TCP ||
-	    (iph.frag_off & bpf_htons(INBAND_IP_MF | INBAND_IP_OFFSET)))
-		return TC_ACT_OK;
-	if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + hlen, ports, sizeof(ports)))
-		return TC_ACT_OK;
-
-	svc = bpf_map_lookup_elem(&services, &ports[0]);
+	svc = service_of(&a, a.ports[0]);
 	if (!svc)
 		return TC_ACT_OK;
-	if (score_requests)
-		track_request(skb, &iph, hlen, ports, 0);
-	key.peer_addr = iph.daddr;
-	key.peer_port = ports[1];
-	key.local_port = ports[0];
+	if (score_requests && a.proto == IPPROTO_TCP)
+		track_request(skb, &a, 0);
+	key = conn_key(&a, 0);
 	flow = bpf_map_lookup_elem(&dsr_flows, &key);
 	if (!flow)
 		return TC_ACT_OK;
+	if (a.proto == INBAND_IPPROTO_UDP && udp_tuple_expired(flow, bpf_ktime_get_coarse_ns())) {
+		if (!bpf_map_delete_elem(&dsr_flows, &key))
+			count(INBAND_AGENT_UDP_TUPLES_EXPIRED);
+		return TC_ACT_OK;
+	}
 	/* The score rides on a packet that is one segment on the wire: on a
 	 * GSO burst every segment would copy the option and return through
 	 * the balancer, turning one score into dozens of full-size packets off
 	 * the direct path. The burst goes direct; the next small packet (an
 	 * ACK, the FIN, the last segment) carries the score. A packet that
 	 * cannot carry it goes on as if no score were asked. */
-	if (flow->score_requested && skb->gso_segs <= 1 && add_score(skb, &iph, ports, flow))
+	if (flow->score_requested && skb->gso_segs <= 1 && add_score(skb, &a, flow))
 		return TC_ACT_OK;
-	if (!flow->client_addr)
+	if (inband_addr_is_zero(&flow->client_addr))
 		return TC_ACT_OK;
-	return dsr(skb, &iph, hlen, svc, flow, ports);
+	return dsr(skb, &a, svc, flow);
 }
 
 /*
@@ -543,7 +798,7 @@ int agent_sock_state(struct trace_event_raw_inet_sock_set_state *ctx)
 	__s64 *active;
 	int newstate, delta;
 
-	if (ctx->protocol != IPPROTO_TCP || ctx->family != INBAND_AF_INET)
+	if (ctx->protocol != IPPROTO_TCP || (ctx->family != INBAND_AF_INET && ctx->family != INBAND_AF_INET6))
 		return 0;
 	if (agent_netns_ino) {
 		const struct sock *sk = ctx->skaddr;
@@ -563,9 +818,24 @@ int agent_sock_state(struct trace_event_raw_inet_sock_set_state *ctx)
 		__sync_fetch_and_add(active, delta);
 
 	if (newstate == INBAND_TCP_CLOSE || newstate == INBAND_TCP_TIME_WAIT) {
-		__builtin_memcpy(&key.peer_addr, ctx->daddr, sizeof(key.peer_addr));
+		/* An IPv6 socket's peer may be IPv4-mapped (a dual-stack socket
+		 * serving an IPv4 client): exactly how the maps hold IPv4. */
+		__builtin_memset(&key, 0, sizeof(key));
+		if (ctx->family == INBAND_AF_INET) {
+			__be32 peer;
+
+			__builtin_memcpy(&peer, ctx->daddr, sizeof(peer));
+			key.peer_addr = inband_addr4(peer);
+		} else {
+			/* Word by word: a tracepoint record is read at fixed offsets only. */
+			key.peer_addr.w[0] = *(__u32 *)&ctx->daddr_v6[0];
+			key.peer_addr.w[1] = *(__u32 *)&ctx->daddr_v6[4];
+			key.peer_addr.w[2] = *(__u32 *)&ctx->daddr_v6[8];
+			key.peer_addr.w[3] = *(__u32 *)&ctx->daddr_v6[12];
+		}
 		key.peer_port = bpf_htons(ctx->dport);
 		key.local_port = bpf_htons(port);
+		key.proto = IPPROTO_TCP;
 		if (!bpf_map_delete_elem(&dsr_flows, &key))
 			count(INBAND_AGENT_FLOWS_CLOSED);
 		if (score_requests) {

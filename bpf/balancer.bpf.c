@@ -2,32 +2,44 @@
 /*
  * The balancer: the XDP data path ("Balancer packet walk" in
  * docs/architecture.md) and the sweeper that ages its flow tables ("Flow
- * lifecycle"). Client packets to a VIP are full-NATed to a backend (src =
- * balancer, dst = backend) and may carry option 155 (client tuple, on the
- * SYN of DSR modes) or 124 (score request, in dsr-dynamic). Backend packets
- * to the balancer are NATed back to VIP -> client; a 125 on them may
- * update the backend's score and is stripped. ICMP errors about balanced
- * connections go to whoever can act on them. Anything else passes to the
- * kernel untouched.
+ * lifecycle"). Client packets to a VIP (IPv4 or IPv6, TCP or UDP) are
+ * full-NATed to a backend (src = balancer, dst = backend) and may carry
+ * option 155 (client tuple, on a connection's first packet in the DSR
+ * modes) or 124 (score request, in dsr-dynamic): as IPv4 options, or in an
+ * IPv6 Destination Options header. Backend packets to the balancer are
+ * NATed back to VIP -> client; a 125 on them may update the backend's
+ * score and is stripped. ICMP and ICMPv6 errors about balanced connections
+ * go to whoever can act on them. Anything else passes to the kernel
+ * untouched.
  *
- * The parts live in bpf/include/inband/lb/: options.h (IPv4/TCP options),
- * verify.h (checksums), select.h (backend choice), nat.h (SNAT ports),
- * lifecycle.h (flow states and timeouts), score.h (124/125), icmp.h.
+ * The parts live in bpf/include/inband/lb/: parse.h (both families),
+ * options.h (IPv4 and TCP options), dstopts.h (the IPv6 carrier),
+ * rewrite.h (NAT), verify.h (checksums), select.h (backend choice), nat.h
+ * (SNAT ports), lifecycle.h (flow states and timeouts), score.h (124/125
+ * and the adaptive probe), quic.h (routing by connection ID), query.h
+ * (dsr-query), icmp.h.
  */
 #include <linux/bpf.h>
 #include <linux/errno.h>
 #include <linux/if_ether.h>
 #include <linux/in.h>
 #include <linux/ip.h>
+#include <linux/ipv6.h>
 #include <linux/tcp.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 
 #include "inband/lb/common.h"
+#include "inband/lb/dstopts.h"
 #include "inband/lb/icmp.h"
 #include "inband/lb/lifecycle.h"
 #include "inband/lb/nat.h"
 #include "inband/lb/options.h"
+#include "inband/lb/parse.h"
+#include "inband/lb/query.h"
+#include "inband/lb/quic.h"
+#include "inband/ipip.h"
+#include "inband/lb/rewrite.h"
 #include "inband/lb/score.h"
 #include "inband/lb/select.h"
 #include "inband/lb/verify.h"
@@ -35,33 +47,30 @@
 /* What established() returns when the packet opens a new connection on the
  * tuple instead (its flow ended): the caller balances it afresh. */
 #define REBALANCE (-1)
+/* What handshake() returns when the packet is to be forwarded: on the flow
+ * copy in `flow_scratch`, or on its entry in `flows`. The walk forwards it,
+ * so handshake's frame and forward's are never on one call chain (512
+ * bytes of stack for the whole chain). */
+#define FWD_COPY (-2)
+#define FWD_FLOW (-3)
+/* ... or when it opens a new connection: the walk calls open_flow() (with
+ * p->named), for the same reason. */
+#define OPEN_FLOW (-4)
 
-/* The parsed packet, as every path needs it. */
-struct pkt {
-	struct ethhdr *eth;
-	struct iphdr *iph;
-	struct tcphdr *tcp;
-	__u32 hlen; /* IPv4 header */
-	__u32 tot_len; /* IPv4 total length */
-	__u32 frag; /* MF + offset bits */
-	__u64 len; /* frame length */
-	__u64 now; /* coarse clock, read only on the paths that need it */
-	__u8 flags; /* TCP flags (valid once the TCP header is checked) */
-};
+/* The flow a handshake forwards a packet on when it is not (yet) in
+ * `flows`: a new handshake, a retransmitted SYN's, one ending. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct inband_flow);
+} flow_scratch SEC(".maps");
 
-static __always_inline int tcp_header_ok(const struct pkt *p, void *data_end)
+static __always_inline struct inband_flow *scratch_flow(void)
 {
-	struct tcphdr *tcp = p->tcp;
+	__u32 zero = 0;
 
-	if ((void *)(tcp + 1) > data_end || p->hlen + TCP_MIN_HDR > p->tot_len || tcp->doff < 5 ||
-	    p->hlen + tcp->doff * 4 > p->tot_len)
-		return 0;
-	return 1;
-}
-
-static __always_inline int is_syn(__u8 flags)
-{
-	return (flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN;
+	return bpf_map_lookup_elem(&flow_scratch, &zero);
 }
 
 static __always_inline void count_forward(__u32 backend_id, __u32 vip_id, __u64 bytes, int new_conn, int probe)
@@ -83,145 +92,282 @@ static __always_inline void count_forward(__u32 backend_id, __u32 vip_id, __u64 
 }
 
 /*
+ * Puts the option at `opt + INBAND_DOH_PREFIX` (`optlen` bytes) on the
+ * packet, whose headers are rewritten already: into the IPv4 header, or in
+ * a Destination Options header after the IPv6 one. Every length is a
+ * constant in its branch, so each move and copy is too.
+ */
+static __always_inline int emit(struct xdp_md *ctx, const struct pkt *p, __u8 *opt, int optlen)
+{
+	__u8 *o = opt + INBAND_DOH_PREFIX;
+
+	if (p->family == 4) {
+		switch (optlen) {
+		case INBAND_OPT_SCORE_REQUEST_LEN:
+			return emit_with_option(ctx, INBAND_OPT_SCORE_REQUEST_LEN, o, p->tot_len);
+		case INBAND_OPT_CLIENT_TUPLE_LEN:
+			return emit_with_option(ctx, INBAND_OPT_CLIENT_TUPLE_LEN, o, p->tot_len);
+		case INBAND_OPT_AUTH_SCORE_REQUEST_LEN:
+			return emit_with_option(ctx, INBAND_OPT_AUTH_SCORE_REQUEST_LEN, o, p->tot_len);
+		case INBAND_OPT_AUTH_CLIENT_TUPLE_LEN:
+			return emit_with_option(ctx, INBAND_OPT_AUTH_CLIENT_TUPLE_LEN, o, p->tot_len);
+		case INBAND_OPT_AUTH_CLIENT_TUPLE_UDP_LEN:
+			return emit_with_option(ctx, INBAND_OPT_AUTH_CLIENT_TUPLE_UDP_LEN, o, p->tot_len);
+		}
+		return drop(INBAND_DROP_ADJUST_FAILED);
+	}
+	switch (optlen) {
+	case INBAND_OPT_SCORE_REQUEST_LEN:
+		inband_doh_wrap(opt, p->proto, INBAND_OPT_SCORE_REQUEST_LEN);
+		return emit_with_doh(ctx, INBAND_DOH_LEN(INBAND_OPT_SCORE_REQUEST_LEN), opt);
+	case INBAND_OPT_AUTH_SCORE_REQUEST_LEN:
+		inband_doh_wrap(opt, p->proto, INBAND_OPT_AUTH_SCORE_REQUEST_LEN);
+		return emit_with_doh(ctx, INBAND_DOH_LEN(INBAND_OPT_AUTH_SCORE_REQUEST_LEN), opt);
+	case INBAND_OPT6_CLIENT_TUPLE_LEN:
+		inband_doh_wrap(opt, p->proto, INBAND_OPT6_CLIENT_TUPLE_LEN);
+		return emit_with_doh(ctx, INBAND_DOH_LEN(INBAND_OPT6_CLIENT_TUPLE_LEN), opt);
+	case INBAND_OPT6_AUTH_CLIENT_TUPLE_LEN:
+		inband_doh_wrap(opt, p->proto, INBAND_OPT6_AUTH_CLIENT_TUPLE_LEN);
+		return emit_with_doh(ctx, INBAND_DOH_LEN(INBAND_OPT6_AUTH_CLIENT_TUPLE_LEN), opt);
+	case INBAND_OPT6_AUTH_CLIENT_TUPLE_UDP_LEN:
+		inband_doh_wrap(opt, p->proto, INBAND_OPT6_AUTH_CLIENT_TUPLE_UDP_LEN);
+		return emit_with_doh(ctx, INBAND_DOH_LEN(INBAND_OPT6_AUTH_CLIENT_TUPLE_UDP_LEN), opt);
+	}
+	return drop(INBAND_DROP_ADJUST_FAILED);
+}
+
+/* The header bytes an `optlen`-byte option adds to a packet of `p`'s
+ * family, the outer IP-in-IP header included toward an encap backend. */
+static __always_inline __u32 added_len(const struct pkt *p, __u32 optlen, int encap)
+{
+	return p->family == 4 ? optlen + (encap ? INBAND_IPIP_HLEN : 0) : INBAND_DOH_LEN(optlen);
+}
+
+/*
+ * Wraps the finished packet (Ethernet, then an IPv4 packet of `inner_len`
+ * bytes) in an outer IPv4 header for an encap backend (ipip.h): the
+ * Ethernet header moves to the new front, the outer header goes between.
+ */
+static __always_inline int encap_ipip(struct xdp_md *ctx, __u32 inner_len)
+{
+	int bad = open_gap(ctx, ETH_HLEN, INBAND_IPIP_HLEN);
+
+	if (bad)
+		return bad;
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+
+	if (data + ETH_HLEN + INBAND_IPIP_HLEN + INBAND_IPV4_MIN_HDR > data_end)
+		return drop(INBAND_DROP_ADJUST_FAILED);
+	inband_ipip_outer(data + ETH_HLEN, data + ETH_HLEN + INBAND_IPIP_HLEN, inner_len);
+	event(INBAND_EV_ENCAPSULATED);
+	return XDP_TX;
+}
+
+/*
+ * An IPv4 packet to the balancer's address that is IP-in-IP as an encap
+ * backend sends its 125 (ipip.h): unwrapped here, then walked as the
+ * packet it carries (which must still be a backend's, with a valid MAC, to
+ * count). 1 if it was unwrapped (the packet is to be parsed again), 0 if
+ * it is not inband's to unwrap (left to the kernel), -1 if unwrapping
+ * failed (counted; the packet is dropped).
+ */
+static __always_inline int decap_ipip(struct xdp_md *ctx)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct iphdr *outer = data + ETH_HLEN;
+	struct iphdr *inner = data + ETH_HLEN + INBAND_IPIP_HLEN;
+
+	if ((void *)(inner + 1) > data_end || !inband_ipip_ours(outer, inner))
+		return 0;
+	if (close_gap(ctx, ETH_HLEN, INBAND_IPIP_HLEN))
+		return -1;
+	event(INBAND_EV_DECAPSULATED);
+	return 1;
+}
+
+/*
  * Sends a client packet of flow `f` (a copy, or the entry in `flows`: a
  * probe records its nonce there) to the backend: NAT, TTL, MSS clamp on a
  * SYN, and the option this packet carries, if any. `vc` is the flow's VIP
- * (only dsr-dynamic flows need it: NULL otherwise).
+ * (only dsr-dynamic flows need it: NULL otherwise). p->first: the packet
+ * opens the connection (a new SYN, a UDP flow's first datagram), the one
+ * that carries the 155 in the DSR modes. The IP header is exactly 20 or
+ * 40 bytes (the caller dropped options and extension headers).
  */
-static __always_inline int forward(struct xdp_md *ctx, const struct inband_lb_config *cfg,
-				   const struct inband_flow_key *fk, struct inband_flow *f, const struct inband_vip *vc,
-				   struct pkt *p, int new_conn)
+__noinline int forward(struct xdp_md *ctx, const struct inband_lb_config *cfg, struct inband_flow *f,
+			      const struct inband_vip *vc, struct pkt *p)
 {
-	void *data_end = (void *)(long)ctx->data_end;
-	struct iphdr *iph = p->iph;
-	struct tcphdr *tcp = p->tcp;
+	if (!cfg || !f || !p)
+		return XDP_DROP;
+	const struct inband_flow_key *fk = &p->fk;
+	int first = p->first;
 	__u32 bid = f->backend_id;
 	struct inband_backend *be = bpf_map_lookup_elem(&backends, &bid);
-	int syn = is_syn(p->flags);
 
 	if (!be || mac_is_zero(be->mac))
 		return drop(INBAND_DROP_NO_ROUTE);
-	if (iph->ttl <= 1)
+	if (p->ttl <= 1)
 		return drop(INBAND_DROP_TTL_EXCEEDED);
-	if ((void *)(tcp + 1) > data_end)
+	int v4 = p->family == 4;
+	int tcp = p->proto == IPPROTO_TCP;
+	int syn = tcp && is_syn(p->flags);
+	int dsr = f->mode != INBAND_MODE_PASSTHROUGH;
+	int options = dsr && !(be->flags & INBAND_BACKEND_OPTIONS_LOST);
+	int encap = v4 && (be->flags & INBAND_BACKEND_ENCAP);
+	const struct inband_addr *self = self_addr(cfg, &f->backend_addr);
+	__u32 l3 = v4 ? INBAND_IPV4_MIN_HDR : INBAND_IPV6_HDR;
+	__u32 coff = l4_check_off(p->proto);
+	void *data_end = (void *)(long)ctx->data_end;
+	__u16 *check = l4_at(ctx, l3 + coff);
+
+	if ((void *)(check + 1) > data_end)
 		return drop(INBAND_DROP_TRUNCATED_L4);
 
 	/* L4: NAT rewrite (pseudo-header addresses and ports), MSS clamp. */
-	__u32 acc = csum_start(tcp->check);
+	__u16 old = *check;
+	__u32 acc = l4_csum_nat(old, p, self, f->snat_port, &f->backend_addr, f->backend_port);
 
-	acc = csum_replace32(acc, iph->saddr, cfg->self_addr);
-	acc = csum_replace32(acc, iph->daddr, f->backend_addr);
-	acc = csum_replace16(acc, tcp->source, f->snat_port);
-	acc = csum_replace16(acc, tcp->dest, f->backend_port);
-	if (syn && f->mode != INBAND_MODE_PASSTHROUGH)
-		acc = clamp_mss(ctx, ETH_IP_HLEN, tcp->doff * 4 - TCP_MIN_HDR, acc);
+	if (syn && dsr) {
+		struct tcphdr *tcp = l4_at(ctx, l3);
+
+		if ((void *)(tcp + 1) > data_end)
+			return drop(INBAND_DROP_TRUNCATED_L4);
+		acc = clamp_mss(ctx, ETH_HLEN + l3, tcp->doff * 4 - TCP_MIN_HDR, acc,
+				v4 ? INBAND_OPT_DATA_MAX_LEN + (encap ? INBAND_IPIP_HLEN : 0) : INBAND_OPT6_DATA_MAX_LEN);
+	}
 	/* clamp_mss may have re-read the packet: reload what the verifier forgot. */
 	data_end = (void *)(long)ctx->data_end;
-	tcp = (void *)(long)ctx->data + ETH_IP_HLEN;
-	iph = (void *)(long)ctx->data + ETH_HLEN;
-	if ((void *)(tcp + 1) > data_end)
-		return drop(INBAND_DROP_TRUNCATED_L4);
-	tcp->source = f->snat_port;
-	tcp->dest = f->backend_port;
-	tcp->check = csum_finish(acc);
+	__be16 *ports = l4_at(ctx, l3);
 
-	/* Which option, if any, this packet carries. */
-	__u8 opt[INBAND_OPT_AUTH_CLIENT_TUPLE_LEN];
+	check = l4_at(ctx, l3 + coff);
+	if ((void *)(ports + 2) > data_end || (void *)(check + 1) > data_end)
+		return drop(INBAND_DROP_TRUNCATED_L4);
+	ports[0] = f->snat_port;
+	ports[1] = f->backend_port;
+	*check = l4_csum_store(p->proto, p->family, old, acc);
+
+	/* Which option, if any, this packet carries: the option itself at
+	 * opt + INBAND_DOH_PREFIX, room for the IPv6 carrier in front. */
+	__u8 opt[DOH_MAX];
 	int optlen = 0, probe = 0;
 	__u32 *probe_count = NULL;
 
-	if (syn) {
-		if (f->mode != INBAND_MODE_PASSTHROUGH) {
-			optlen = cfg->auth_mode == INBAND_AUTH_NONE ? INBAND_OPT_CLIENT_TUPLE_LEN
-								    : INBAND_OPT_AUTH_CLIENT_TUPLE_LEN;
-			if (p->tot_len + optlen > cfg->mtu) {
-				event(INBAND_EV_TUPLE_SKIPPED_MTU);
-				optlen = 0;
-			} else if (optlen == INBAND_OPT_CLIENT_TUPLE_LEN) {
-				inband_encode_client_tuple(opt, fk->client_addr, fk->client_port);
-			} else if (!build_auth_tuple(opt, cfg, fk, f, tcp->seq)) {
-				optlen = 0;
-			}
-		}
-	} else if (f->mode == INBAND_MODE_DSR_DYNAMIC && vc && (probe_count = probe_wanted(f, vc))) {
-		optlen = cfg->auth_mode == INBAND_AUTH_NONE ? INBAND_OPT_SCORE_REQUEST_LEN
-							    : INBAND_OPT_AUTH_SCORE_REQUEST_LEN;
-		if (p->tot_len + optlen > cfg->mtu) {
+	if (first && options) {
+		if (p->tot_len + added_len(p, tuple_len(cfg, v4, p->proto), encap) > cfg->mtu)
+			event(INBAND_EV_TUPLE_SKIPPED_MTU);
+		else
+			optlen = build_tuple(opt + INBAND_DOH_PREFIX, cfg, fk, f, tcp ? p->seq : f->syn_seq);
+	} else if (syn) {
+		/* A retransmitted SYN goes without its 155: if the first was
+		 * lost to a path that drops packets with options, this one
+		 * opens the connection through the balancer instead. (A SYN on
+		 * a live flow goes without too: the agent refuses a tuple for a
+		 * live socket.) */
+		struct inband_backend_stats *bs = bpf_map_lookup_elem(&backend_stats, &bid);
+
+		if (bs && options && f->state == INBAND_FLOW_SYN_SENT)
+			bs->syn_retries++;
+	} else if (f->mode == INBAND_MODE_DSR_DYNAMIC && options && vc && (probe_count = probe_wanted(f, vc))) {
+		if (p->tot_len + added_len(p, request_len(cfg), encap) > cfg->mtu) {
 			/* The counter stays due: the next packet that fits asks. */
 			event(INBAND_EV_PROBE_DEFERRED_MTU);
-			optlen = 0;
-		} else if (optlen == INBAND_OPT_SCORE_REQUEST_LEN) {
-			inband_encode_score_request(opt);
-		} else if (!build_auth_request(opt, cfg, f)) {
-			optlen = 0;
-		}
-		if (optlen) {
+		} else if (probe_budget_ok(vc, bid) && (optlen = build_request(opt + INBAND_DOH_PREFIX, cfg, f))) {
 			f->flags = (f->flags & ~INBAND_FLOW_PROBE_OLD) | INBAND_FLOW_PROBE_OUTSTANDING;
 			probe_sent(probe_count, bid);
 			probe = 1;
 		}
 	}
 
-	/* L2: out of the one interface, toward the backend's next hop. */
-	struct ethhdr *eth = (void *)(long)ctx->data;
+	/* L2: out of the one interface, toward the backend's next hop. L3. */
+	void *data = (void *)(long)ctx->data;
+	struct ethhdr *eth = data;
 
-	if ((void *)(eth + 1) > data_end || (void *)(iph + 1) > data_end)
+	data_end = (void *)(long)ctx->data_end;
+	if (data + ETH_IP6_HLEN > data_end && !(v4 && data + ETH_IP_HLEN <= data_end))
+		return drop(INBAND_DROP_TRUNCATED_L4);
+	if ((void *)(eth + 1) > data_end)
 		return drop(INBAND_DROP_TRUNCATED_L4);
 	__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
 	__builtin_memcpy(eth->h_dest, be->mac, ETH_ALEN);
-	/* L3: incrementally (three words change) unless an option is added,
-	 * which rebuilds the header anyway. */
-	__u32 l3 = csum_start(iph->check);
+	if (v4) {
+		struct iphdr *iph = data + ETH_HLEN;
 
-	l3 = csum_replace32(l3, iph->saddr, cfg->self_addr);
-	l3 = csum_replace32(l3, iph->daddr, f->backend_addr);
-	l3 = csum_replace16(l3, load16(&iph->ttl), load16(&iph->ttl) - bpf_htons(0x0100));
-	iph->saddr = cfg->self_addr;
-	iph->daddr = f->backend_addr;
-	iph->ttl--;
-
-	int verdict = XDP_TX;
-
-	if (optlen == INBAND_OPT_AUTH_CLIENT_TUPLE_LEN) {
-		verdict = emit_with_option(ctx, INBAND_OPT_AUTH_CLIENT_TUPLE_LEN, opt, p->tot_len);
-	} else if (optlen == INBAND_OPT_AUTH_SCORE_REQUEST_LEN) {
-		verdict = emit_with_option(ctx, INBAND_OPT_AUTH_SCORE_REQUEST_LEN, opt, p->tot_len);
-	} else if (optlen == INBAND_OPT_CLIENT_TUPLE_LEN) {
-		verdict = emit_with_option(ctx, INBAND_OPT_CLIENT_TUPLE_LEN, opt, p->tot_len);
-	} else if (optlen == INBAND_OPT_SCORE_REQUEST_LEN) {
-		verdict = emit_with_option(ctx, INBAND_OPT_SCORE_REQUEST_LEN, opt, p->tot_len);
+		if ((void *)(iph + 1) > data_end)
+			return drop(INBAND_DROP_TRUNCATED_L4);
+		ip4_nat(iph, self->w[3], f->backend_addr.w[3]);
 	} else {
-		iph->check = csum_finish(l3);
+		struct ipv6hdr *ip6 = data + ETH_HLEN;
+
+		if ((void *)(ip6 + 1) > data_end)
+			return drop(INBAND_DROP_TRUNCATED_L4);
+		ip6_nat(ip6, self, &f->backend_addr);
 	}
+
+	int verdict = optlen ? emit(ctx, p, opt, optlen) : XDP_TX;
+
+	if (verdict == XDP_TX && optlen && encap)
+		verdict = encap_ipip(ctx, p->tot_len + optlen);
+
 	if (verdict == XDP_TX)
-		count_forward(bid, f->vip_id, p->len, new_conn, probe);
+		count_forward(bid, f->vip_id, p->len, first, probe);
 	return verdict;
 }
 
-/* A SYN for a new connection: backend, SNAT port, handshake state. */
-static __always_inline int open_flow(struct xdp_md *ctx, const struct inband_lb_config *cfg,
-				     const struct inband_flow_key *fk, __u32 vid, const struct inband_vip *vc,
-				     struct pkt *p)
+/* open_flow's choice of backend: one a QUIC connection ID named, packed
+ * as (slot << 16) | (id + 1); 0 = choose one. */
+#define NAMED(id, slot) (((slot) << 16) | ((id) + 1))
+
+/*
+ * A new connection (a SYN, a UDP flow's first datagram): backend, SNAT
+ * port, handshake state; FWD_COPY to forward the packet on it. `named`:
+ * see NAMED. Global (verified once): its selection and port search loops
+ * get stack of their own.
+ */
+__noinline int open_flow(struct xdp_md *ctx, const struct inband_lb_config *cfg, __u32 vid, struct pkt *p,
+			 __u32 named)
 {
+	if (!cfg || !p)
+		return XDP_DROP;
+	const struct inband_vip *vc = bpf_map_lookup_elem(&vip_conf, &vid);
+	const struct inband_flow_key *fk = &p->fk;
+	__u32 forced = named & 0xffff, forced_slot = named >> 16;
 	__u32 skip = 0, id = 0, slot = 0;
 	__be16 port = 0;
 	struct inband_backend *be = NULL;
 
-	if (!(vc->flags & INBAND_VIP_ACTIVE))
+	if (!vc)
+		return drop(INBAND_DROP_NO_BACKEND);
+
+	/* A connection a QUIC ID names exists already at its server: it
+	 * goes there even while the VIP drains. */
+	if (!forced && !(vc->flags & INBAND_VIP_ACTIVE))
 		return drop(INBAND_DROP_VIP_DRAINING);
 	/* A backend without a free port is skipped for the next best; three
-	 * tries bound the work a SYN can cause. */
+	 * tries bound the work a new connection can cause. */
 	for (int attempt = 0; attempt < 3; attempt++) {
-		if (!select_backend(vc, vid, skip, p->now, &id, &slot))
+		struct picked pick = {};
+
+		if (forced) {
+			if (attempt)
+				break;
+			id = forced - 1;
+			slot = forced_slot;
+		} else if (!select_backend(vc, vid, skip, &p->fk, &pick)) {
 			return drop(attempt ? INBAND_DROP_SNAT_EXHAUSTED : INBAND_DROP_NO_BACKEND);
+		} else {
+			id = pick.id;
+			slot = pick.slot;
+		}
 		be = bpf_map_lookup_elem(&backends, &id);
 		if (!be)
 			return drop(INBAND_DROP_NO_BACKEND);
-		/* No state until the next hop is known: the retransmitted SYN
-		 * is balanced again once the daemon has resolved it. */
+		/* No state until the next hop is known: the retransmitted
+		 * packet is balanced again once the daemon has resolved it. */
 		if (mac_is_zero(be->mac))
 			return drop(INBAND_DROP_NO_ROUTE);
-		struct inband_nat_key nk = { .backend_addr = be->addr, .backend_port = be->port, .proto = IPPROTO_TCP };
+		struct inband_nat_key nk = { .backend_addr = be->addr, .backend_port = be->port, .proto = fk->proto };
 
 		port = reserve_snat_port(cfg, fk, &nk, p->now);
 		if (port)
@@ -229,22 +375,28 @@ static __always_inline int open_flow(struct xdp_md *ctx, const struct inband_lb_
 		event(INBAND_EV_BACKEND_FULL);
 		skip |= 1U << (slot & 31);
 	}
-	if (!port || !be)
-		return drop(INBAND_DROP_SNAT_EXHAUSTED);
+	struct inband_flow *f = scratch_flow();
+	struct ethhdr *eth = (void *)(long)ctx->data;
 
-	struct inband_flow f = {
-		.backend_addr = be->addr,
-		.backend_port = be->port,
-		.snat_port = port,
-		.backend_id = (__u16)id,
-		.vip_id = (__u8)vid,
-		.mode = vc->mode,
-		.state = INBAND_FLOW_SYN_SENT,
-		.syn_seq = p->tcp->seq,
-		.last_seen_ns = p->now,
-	};
-	__builtin_memcpy(f.client_mac, p->eth->h_source, ETH_ALEN);
-	if (bpf_map_update_elem(&half_open, fk, &f, BPF_ANY))
+	if (!port || !be || !f)
+		return drop(INBAND_DROP_SNAT_EXHAUSTED);
+	if ((void *)(eth + 1) > (void *)(long)ctx->data_end)
+		return drop(INBAND_DROP_TRUNCATED_L4);
+	__builtin_memset(f, 0, sizeof(*f));
+	f->backend_addr = be->addr;
+	f->backend_port = be->port;
+	f->snat_port = port;
+	f->backend_id = (__u16)id;
+	f->vip_id = (__u8)vid;
+	f->mode = vc->mode;
+	f->state = INBAND_FLOW_SYN_SENT;
+	f->proto = fk->proto;
+	f->last_seen_ns = p->now;
+	/* TCP binds a 155 to its SYN's sequence number; UDP to the balancer's
+	 * clock (TAI, ms), which agents see grow from one flow to the next. */
+	f->syn_seq = fk->proto == IPPROTO_TCP ? p->seq : bpf_htonl((__u32)(bpf_ktime_get_tai_ns() / 1000000));
+	__builtin_memcpy(f->client_mac, eth->h_source, ETH_ALEN);
+	if (bpf_map_update_elem(&half_open, fk, f, BPF_ANY))
 		return drop(INBAND_DROP_FLOW_TABLE_FULL);
 	/* Only the score modes rank by it; counting in the round-robin modes
 	 * would leave a stale backlog after a switch to them. */
@@ -254,50 +406,85 @@ static __always_inline int open_flow(struct xdp_md *ctx, const struct inband_lb_
 		if (s)
 			__sync_fetch_and_add(&s->opened, 1);
 	}
-	return forward(ctx, cfg, fk, &f, vc, p, 1);
+	p->first = 1;
+	return FWD_COPY;
 }
 
-/* Step 2 of the walk: a TCP packet whose (dst, dport) is a VIP, with no
- * established flow. */
-static __always_inline int handshake(struct xdp_md *ctx, const struct inband_lb_config *cfg,
-				     const struct inband_flow_key *fk, __u32 vid, struct pkt *p)
+/* A UDP datagram to VIP `vid` with no established flow: the first opens
+ * one (a QUIC short header goes where its ID says), the second completes
+ * it. A flow that never sees a second datagram stays half-open until
+ * syn_timeout: its answers still find their way back through it. */
+static __always_inline int udp_handshake(struct xdp_md *ctx, const struct inband_lb_config *cfg, __u32 vid,
+					 const struct inband_vip *vc, struct inband_flow *ho, struct pkt *p)
 {
+	if (ho)
+		return promote(&p->fk, ho, p->now) ? FWD_FLOW : XDP_DROP;
+	__u32 id = 0, slot = 0, named = 0;
+
+	if (vc->flags & INBAND_VIP_QUIC) {
+		int found = quic_backend(ctx, p, vc, vid, &id, &slot);
+
+		if (found > 0) {
+			named = NAMED(id, slot);
+			event(INBAND_EV_QUIC_CID_ROUTED);
+		} else if (found == 0) {
+			event(INBAND_EV_QUIC_CID_UNKNOWN);
+		}
+	}
+	p->named = named;
+	return OPEN_FLOW;
+}
+
+/* Step 2 of the walk: a packet whose (dst, dport, proto) is a VIP, with no
+ * established flow. Returns a verdict, or FWD_COPY / FWD_FLOW / OPEN_FLOW. */
+__noinline int handshake(struct xdp_md *ctx, const struct inband_lb_config *cfg, __u32 vid, struct pkt *p)
+{
+	if (!cfg || !p)
+		return XDP_DROP;
+	const struct inband_flow_key *fk = &p->fk;
 	struct inband_vip *vc = bpf_map_lookup_elem(&vip_conf, &vid);
 	struct inband_flow *ho = bpf_map_lookup_elem(&half_open, fk);
+	struct inband_flow *copy = scratch_flow();
+	int syn = p->proto == IPPROTO_TCP && is_syn(p->flags);
 
-	if (!vc)
+	if (!vc || !copy)
 		return drop(INBAND_DROP_NO_BACKEND);
 	p->now = coarse_now();
 	if (ho && flow_expired(ho, p->now)) {
-		struct inband_flow dead = *ho;
-
-		half_open_end(fk, &dead);
+		*copy = *ho;
+		half_open_end(fk, copy);
 		event(INBAND_EV_FLOWS_EXPIRED);
 		ho = NULL;
-		if (!is_syn(p->flags))
+		/* A UDP datagram after that is a new flow's first. */
+		if (p->proto == IPPROTO_TCP && !syn)
 			return drop(INBAND_DROP_FLOW_EXPIRED);
 	}
-	if (is_syn(p->flags)) {
-		if (ho && ho->syn_seq == p->tcp->seq) {
+	if (p->proto == IPPROTO_UDP)
+		return udp_handshake(ctx, cfg, vid, vc, ho, p);
+	if (syn) {
+		if (ho && ho->syn_seq == p->seq) {
 			/* A retransmitted SYN follows its handshake, and makes
 			 * its port hold young again (the age port searches rank). */
 			ho->last_seen_ns = p->now;
-			struct inband_flow f = *ho;
-
-			refresh_hold(fk, &f, p->now);
-
-			return forward(ctx, cfg, fk, &f, vc, p, 0);
+			*copy = *ho;
+			refresh_hold(fk, copy, p->now);
+			return FWD_COPY;
 		}
-		return open_flow(ctx, cfg, fk, vid, vc, p);
+		if (vc->mode == INBAND_MODE_DSR_QUERY) {
+			int held = query_first(ctx, fk, vid, p);
+
+			if (held)
+				return held;
+		}
+		return OPEN_FLOW;
 	}
 	if (!ho)
 		return drop(INBAND_DROP_NO_FLOW);
 	if (p->flags & TCP_FLAG_RST) {
 		/* The client gives up the handshake: the backend hears it too. */
-		struct inband_flow f = *ho;
-
-		half_open_end(fk, &f);
-		return forward(ctx, cfg, fk, &f, vc, p, 0);
+		*copy = *ho;
+		half_open_end(fk, copy);
+		return FWD_COPY;
 	}
 	struct inband_flow *f = promote(fk, ho, p->now);
 
@@ -305,13 +492,13 @@ static __always_inline int handshake(struct xdp_md *ctx, const struct inband_lb_
 		return XDP_DROP;
 	if (p->flags & TCP_FLAG_FIN)
 		flow_close(f);
-	return forward(ctx, cfg, fk, f, vc, p, 0);
+	return FWD_FLOW;
 }
 
 /* A client packet of an established or closing flow: the hot path. No
  * clock, one hash lookup (the caller's). */
-static __always_inline int established(struct xdp_md *ctx, const struct inband_lb_config *cfg,
-				       const struct inband_flow_key *fk, struct inband_flow *f, struct pkt *p)
+static __always_inline int established(struct xdp_md *ctx, const struct inband_lb_config *cfg, struct inband_flow *f,
+				       struct pkt *p)
 {
 	struct inband_vip *vc = NULL;
 
@@ -320,33 +507,36 @@ static __always_inline int established(struct xdp_md *ctx, const struct inband_l
 
 		vc = bpf_map_lookup_elem(&vip_conf, &vid);
 	}
-	if (is_syn(p->flags) && p->tcp->seq != f->syn_seq) {
-		/* A new connection on the tuple once this one is closing; on a
-		 * live one, a SYN the backend answers with a challenge ACK
-		 * (RFC 5961), as its stack would without us in between. */
-		if (f->state == INBAND_FLOW_CLOSING) {
-			struct inband_flow old = *f;
+	if (p->proto == IPPROTO_TCP) {
+		if (is_syn(p->flags) && p->seq != f->syn_seq) {
+			/* A new connection on the tuple once this one is
+			 * closing; on a live one, a SYN the backend answers with
+			 * a challenge ACK (RFC 5961), as its stack would without
+			 * us in between. */
+			if (f->state == INBAND_FLOW_CLOSING) {
+				struct inband_flow old = *f;
 
-			flow_end(fk, &old);
-			return REBALANCE;
+				flow_end(&p->fk, &old);
+				return REBALANCE;
+			}
+			event(INBAND_EV_SYN_ON_LIVE_FLOW);
 		}
-		event(INBAND_EV_SYN_ON_LIVE_FLOW);
+		if (p->flags & (TCP_FLAG_FIN | TCP_FLAG_RST))
+			flow_close(f);
 	}
-	if (p->flags & (TCP_FLAG_FIN | TCP_FLAG_RST))
-		flow_close(f);
 	flow_touch(f);
-	return forward(ctx, cfg, fk, f, vc, p, 0);
+	return forward(ctx, cfg, f, vc, p);
 }
 
-/* The 125 (`len` bytes, first option) of a backend packet on flow `f`:
- * checksums, then whether it counts. 0 = forward, else a drop verdict. */
+/* The 125 (`len` bytes) of a backend packet on flow `f`: checksums, then
+ * whether it counts. 0 = forward, else a drop verdict. */
 static __always_inline int take_score(struct xdp_md *ctx, const struct inband_lb_config *cfg, struct inband_flow *f,
 				      struct pkt *p, const __u8 *opt, __u32 len)
 {
 	__u16 score = 0;
 
-	if (!ipv4_csum_ok(ctx, p->hlen) ||
-	    !tcp_csum_ok(ctx, ETH_HLEN + p->hlen, p->tot_len - p->hlen, p->iph->saddr, p->iph->daddr))
+	if ((p->family == 4 && !ipv4_csum_ok(ctx, p->hlen)) ||
+	    !l4_csum_ok(ctx, ETH_HLEN + p->hlen, p->tot_len - p->hlen, p))
 		return drop(INBAND_DROP_BAD_CHECKSUM);
 	if (score_accepted(cfg, f, opt, len, &score)) {
 		__u32 bid = f->backend_id;
@@ -359,55 +549,68 @@ static __always_inline int take_score(struct xdp_md *ctx, const struct inband_lb
 	return 0;
 }
 
-/* Rewrites a backend packet of flow `fk`/`f` back to VIP -> client and
- * sends it, without the first option when `strip` (its length) is set. */
-static __always_inline int return_to_client(struct xdp_md *ctx, const struct inband_flow_key *fk,
-					    const struct inband_flow *f, struct pkt *p, const int strip)
+/* Rewrites a backend packet of flow p->fk / `f` back to VIP -> client and
+ * sends it. IPv4: without the first option when `strip` (its length) is
+ * set; IPv6: its Destination Options header is gone already. */
+static __always_inline int rewrite_to_client(struct xdp_md *ctx, const struct inband_flow *f, struct pkt *p,
+					     const int strip)
 {
+	const struct inband_flow_key *fk = &p->fk;
 	void *data = (void *)(long)ctx->data;
 	void *data_end = (void *)(long)ctx->data_end;
 	struct ethhdr *eth = data;
-	struct iphdr *iph = data + ETH_HLEN;
-	struct tcphdr *tcp = data + ETH_HLEN + (p->hlen & 0x3c);
+	int v4 = p->family == 4;
+	__u32 l3 = v4 ? (p->hlen & 0x3c) : INBAND_IPV6_HDR;
+	__be16 *ports = l4_at(ctx, l3);
+	__u16 *check = l4_at(ctx, l3 + l4_check_off(p->proto));
 
-	if ((void *)(tcp + 1) > data_end || (void *)(iph + 1) > data_end)
+	if ((void *)(ports + 2) > data_end || (void *)(check + 1) > data_end || (void *)(eth + 1) > data_end)
 		return drop(INBAND_DROP_TRUNCATED_L4);
 	/* L4: back to VIP:vport -> client:cport. */
-	__u32 acc = csum_start(tcp->check);
+	__u16 old = *check;
+	__u32 acc = l4_csum_nat(old, p, &fk->vip_addr, fk->vip_port, &fk->client_addr, fk->client_port);
 
-	acc = csum_replace32(acc, iph->saddr, fk->vip_addr);
-	acc = csum_replace32(acc, iph->daddr, fk->client_addr);
-	acc = csum_replace16(acc, tcp->source, fk->vip_port);
-	acc = csum_replace16(acc, tcp->dest, fk->client_port);
-	tcp->source = fk->vip_port;
-	tcp->dest = fk->client_port;
-	tcp->check = csum_finish(acc);
+	ports[0] = fk->vip_port;
+	ports[1] = fk->client_port;
+	*check = l4_csum_store(p->proto, p->family, old, acc);
 
-	/* L3: the header may carry other options (kept), so update incrementally. */
-	acc = csum_start(iph->check);
-	acc = csum_replace32(acc, iph->saddr, fk->vip_addr);
-	acc = csum_replace32(acc, iph->daddr, fk->client_addr);
-	acc = csum_replace16(acc, load16(&iph->ttl), load16(&iph->ttl) - bpf_htons(0x0100));
-	iph->ttl--;
-	iph->saddr = fk->vip_addr;
-	iph->daddr = fk->client_addr;
-	if (strip) {
-		__u8 *opt = (__u8 *)(iph + 1);
+	if (v4) {
+		struct iphdr *iph = data + ETH_HLEN;
 
-		if ((void *)(opt + strip) > data_end)
-			return drop(INBAND_DROP_MALFORMED_OPTION);
-		__u16 old_first = load16(iph);
-		__be16 new_len = bpf_htons(p->tot_len - strip);
+		if ((void *)(iph + 1) > data_end)
+			return drop(INBAND_DROP_TRUNCATED_L4);
+		/* The header may carry other options (kept), so update incrementally. */
+		acc = csum_start(iph->check);
+		acc = csum_replace32(acc, iph->saddr, fk->vip_addr.w[3]);
+		acc = csum_replace32(acc, iph->daddr, fk->client_addr.w[3]);
+		acc = csum_replace16(acc, load16(&iph->ttl), load16(&iph->ttl) - bpf_htons(0x0100));
+		iph->ttl--;
+		iph->saddr = fk->vip_addr.w[3];
+		iph->daddr = fk->client_addr.w[3];
+		if (strip) {
+			__u8 *opt = (__u8 *)(iph + 1);
 
-		iph->ihl -= strip / 4;
-		acc = csum_replace16(acc, old_first, load16(iph));
-		acc = csum_replace16(acc, iph->tot_len, new_len);
+			if ((void *)(opt + strip) > data_end)
+				return drop(INBAND_DROP_MALFORMED_OPTION);
+			__u16 old_first = load16(iph);
+			__be16 new_len = bpf_htons(p->tot_len - strip);
+
+			iph->ihl -= strip / 4;
+			acc = csum_replace16(acc, old_first, load16(iph));
+			acc = csum_replace16(acc, iph->tot_len, new_len);
 #pragma unroll
-		for (int i = 0; i < strip / 2; i++)
-			acc = csum_replace16(acc, load16(opt + 2 * i), 0);
-		iph->tot_len = new_len;
+			for (int i = 0; i < strip / 2; i++)
+				acc = csum_replace16(acc, load16(opt + 2 * i), 0);
+			iph->tot_len = new_len;
+		}
+		iph->check = csum_finish(acc);
+	} else {
+		struct ipv6hdr *ip6 = data + ETH_HLEN;
+
+		if ((void *)(ip6 + 1) > data_end)
+			return drop(INBAND_DROP_TRUNCATED_L4);
+		ip6_nat(ip6, &fk->vip_addr, &fk->client_addr);
 	}
-	iph->check = csum_finish(acc);
 
 	/* L2: back to where the client's packets came from. */
 	__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
@@ -425,64 +628,112 @@ static __always_inline int return_to_client(struct xdp_md *ctx, const struct inb
 		vs->return_packets++;
 		vs->return_bytes += p->len;
 	}
-	return strip ? strip_first_option(ctx, strip) : XDP_TX;
+	return v4 && strip ? strip_first_option(ctx, strip) : XDP_TX;
 }
 
-/* Step 3 of the walk: a TCP packet to the balancer's own address. */
-static __always_inline int backend_to_client(struct xdp_md *ctx, const struct inband_lb_config *cfg, struct pkt *p)
+/* rewrite_to_client() for each length a 125 can have (a constant in each),
+ * global: the return path's frame would not fit next to it. */
+__noinline int return_to_client(struct xdp_md *ctx, const struct inband_flow *f, struct pkt *p, __u32 strip)
 {
-	void *data_end = (void *)(long)ctx->data_end;
-	struct iphdr *iph = p->iph;
-	struct tcphdr *tcp = p->tcp;
+	if (!f || !p)
+		return XDP_DROP;
+	if (strip == INBAND_OPT_AUTH_SCORE_LEN)
+		return rewrite_to_client(ctx, f, p, INBAND_OPT_AUTH_SCORE_LEN);
+	if (strip == INBAND_OPT_SCORE_LEN)
+		return rewrite_to_client(ctx, f, p, INBAND_OPT_SCORE_LEN);
+	return rewrite_to_client(ctx, f, p, 0);
+}
+
+/*
+ * The inband option on a packet, if any: OPT_* found in its IPv4 options,
+ * or in the Destination Options header an agent or a balancer puts first
+ * on IPv6 (`w` gets a 125). OPT_FOREIGN: IPv6 extension headers that are
+ * not exactly one inband header.
+ */
+#define OPT_FOREIGN 0x10
+
+static __always_inline __u32 backend_option(struct xdp_md *ctx, const struct pkt *p, struct opt_walk *w)
+{
+	if (p->family == 4)
+		return p->hlen > INBAND_IPV4_MIN_HDR ? scan_ip_options(ctx, p->hlen, w) : 0;
+	if (!p->ext)
+		return 0;
+	if (p->ext > 1 || !p->doh_len)
+		return OPT_FOREIGN;
+	__u32 found = read_doh(ctx, p->doh_len, w);
+
+	return found ? found : OPT_FOREIGN;
+}
+
+/* Step 3 of the walk: a packet to the balancer's own address. */
+__noinline int backend_to_client(struct xdp_md *ctx, const struct inband_lb_config *cfg, struct pkt *p)
+{
+	if (!cfg || !p)
+		return XDP_PASS;
 	struct opt_walk w = {};
 	struct inband_nat_key nk = {
-		.backend_addr = iph->saddr,
-		.backend_port = tcp->source,
-		.snat_port = tcp->dest,
-		.proto = IPPROTO_TCP,
+		.backend_addr = p->saddr,
+		.backend_port = p->sport,
+		.snat_port = p->dport,
+		.proto = p->proto,
 	};
-	struct inband_flow_key fk = {};
-	struct inband_flow *f = flow_by_port(&nk, &fk);
+	struct inband_flow *f = flow_by_port(&nk, &p->fk);
 
 	if (!f) {
 		/* The balancer host's own traffic; only inband options are ours to judge. */
-		if (p->hlen > INBAND_IPV4_MIN_HDR) {
-			__u32 found = scan_ip_options(ctx, p->hlen, &w);
+		__u32 found = backend_option(ctx, p, &w);
 
-			if (found & OPT_SCORE)
-				return drop(INBAND_DROP_SCORE_NOT_OWNER);
-			if (found & OPT_TUPLE_OR_REQUEST)
-				return drop(INBAND_DROP_UNEXPECTED_OPTION);
-		}
+		if (found & OPT_SCORE)
+			return drop(INBAND_DROP_SCORE_NOT_OWNER);
+		if (found & OPT_TUPLE_OR_REQUEST)
+			return drop(INBAND_DROP_UNEXPECTED_OPTION);
 		return XDP_PASS;
 	}
-	if (p->frag & IP_FRAG_MASK)
+	if (p->frag)
 		return drop(INBAND_DROP_FRAGMENT);
-	if (!tcp_header_ok(p, data_end))
+	if (p->proto == IPPROTO_TCP ? !tcp_header_ok(ctx, p) : !udp_header_ok(p))
 		return drop(INBAND_DROP_TRUNCATED_L4);
-	if (iph->ttl <= 1)
+	if (p->ttl <= 1)
 		return drop(INBAND_DROP_TTL_EXCEEDED);
-	p->flags = ((__u8 *)tcp)[13];
+	if (p->proto == IPPROTO_TCP) {
+		__u8 flags;
+
+		if (bpf_xdp_load_bytes(ctx, ETH_HLEN + p->hlen + 13, &flags, 1))
+			return drop(INBAND_DROP_TRUNCATED_L4);
+		p->flags = flags;
+	}
 
 	__u32 strip = 0;
+	__u32 found = backend_option(ctx, p, &w);
 
-	if (p->hlen > INBAND_IPV4_MIN_HDR) {
-		__u32 found = scan_ip_options(ctx, p->hlen, &w);
-
-		if (found & OPT_MALFORMED)
+	if (found & OPT_FOREIGN)
+		return drop(INBAND_DROP_IP_OPTIONS);
+	if (found & OPT_MALFORMED)
+		return drop(INBAND_DROP_MALFORMED_OPTION);
+	if (found & OPT_TUPLE_OR_REQUEST)
+		return drop(INBAND_DROP_SCORE_NOT_OWNER);
+	if (found & OPT_SCORE) {
+		/* A 125 anywhere but where an agent puts it is not ours to parse. */
+		if (!(found & OPT_SCORE_STRIPPABLE))
 			return drop(INBAND_DROP_MALFORMED_OPTION);
-		if (found & OPT_TUPLE_OR_REQUEST)
-			return drop(INBAND_DROP_SCORE_NOT_OWNER);
-		if (found & OPT_SCORE) {
-			/* A 125 anywhere but where an agent puts it is not ours to parse. */
-			if (!(found & OPT_SCORE_STRIPPABLE))
-				return drop(INBAND_DROP_MALFORMED_OPTION);
-			strip = w.score_len;
-			int verdict = take_score(ctx, cfg, f, p, w.buf, strip);
+		strip = w.score_len;
+		int verdict = take_score(ctx, cfg, f, p, w.buf, strip);
 
-			if (verdict)
-				return verdict;
-		}
+		if (verdict)
+			return verdict;
+	}
+	if (p->family == 6 && p->doh_len) {
+		/* The carrier goes first: from here the IPv6 header is 40 bytes. */
+		int gone = p->doh_len == INBAND_DOH_LEN(INBAND_OPT_SCORE_LEN)
+				   ? strip_doh(ctx, INBAND_DOH_LEN(INBAND_OPT_SCORE_LEN))
+				   : strip_doh(ctx, INBAND_DOH_LEN(INBAND_OPT_AUTH_SCORE_LEN));
+
+		if (gone)
+			return gone;
+		p->tot_len -= p->doh_len;
+		p->hlen = INBAND_IPV6_HDR;
+		p->len -= p->doh_len;
+		strip = 0;
 	}
 
 	int in_handshake = f->state == INBAND_FLOW_SYN_SENT;
@@ -493,9 +744,13 @@ static __always_inline int backend_to_client(struct xdp_md *ctx, const struct in
 		 * this way (no agent, or the agent's fallback) is clamped like
 		 * the agent clamps the ones it sends direct. */
 		__u32 l4_off = ETH_HLEN + (p->hlen & 0x3c);
-		__u32 acc = csum_start(tcp->check);
+		struct tcphdr *tcp = (void *)(long)ctx->data + l4_off;
 
-		acc = clamp_mss(ctx, l4_off, tcp->doff * 4 - TCP_MIN_HDR, acc);
+		if ((void *)(tcp + 1) > (void *)(long)ctx->data_end)
+			return drop(INBAND_DROP_TRUNCATED_L4);
+		__u32 acc = clamp_mss(ctx, l4_off, tcp->doff * 4 - TCP_MIN_HDR, csum_start(tcp->check),
+				      p->family == 4 ? INBAND_OPT_DATA_MAX_LEN : INBAND_OPT6_DATA_MAX_LEN);
+
 		tcp = (void *)(long)ctx->data + l4_off;
 		if ((void *)(tcp + 1) > (void *)(long)ctx->data_end)
 			return drop(INBAND_DROP_TRUNCATED_L4);
@@ -507,22 +762,40 @@ static __always_inline int backend_to_client(struct xdp_md *ctx, const struct in
 		flow_touch(f);
 	}
 
-	struct inband_flow copy = *f;
+	struct inband_flow *copy = scratch_flow();
 
+	if (!copy)
+		return XDP_DROP;
+	*copy = *f;
 	if (in_handshake && (p->flags & TCP_FLAG_RST))
-		half_open_end(&fk, &copy); /* the backend refused the connection */
-	if (strip == INBAND_OPT_AUTH_SCORE_LEN)
-		return return_to_client(ctx, &fk, &copy, p, INBAND_OPT_AUTH_SCORE_LEN);
-	if (strip == INBAND_OPT_SCORE_LEN)
-		return return_to_client(ctx, &fk, &copy, p, INBAND_OPT_SCORE_LEN);
-	return return_to_client(ctx, &fk, &copy, p, 0);
+		half_open_end(&p->fk, copy); /* the backend refused the connection */
+	return return_to_client(ctx, copy, p, strip);
+}
+
+/* A client packet to a VIP with IPv4 options or IPv6 extension headers:
+ * refused, and counted by what it carried. */
+__noinline int client_options(struct xdp_md *ctx, const struct pkt *p)
+{
+	struct opt_walk w = {};
+
+	if (!p)
+		return XDP_DROP;
+	__u32 found = backend_option(ctx, p, &w);
+
+	if (found & OPT_MALFORMED)
+		return drop(INBAND_DROP_MALFORMED_OPTION);
+	if (found & (OPT_TUPLE_OR_REQUEST | OPT_SCORE))
+		return drop(INBAND_DROP_UNEXPECTED_OPTION);
+	return drop(INBAND_DROP_IP_OPTIONS);
 }
 
 /* 802.1Q/802.1ad-tagged frames: the VIPs live on the untagged network, so
  * a tagged frame to a VIP or to the balancer is refused (counted), never
  * balanced and sent on untagged; other tagged traffic is the kernel's. */
-static __always_inline int tagged_frame(struct xdp_md *ctx, const struct inband_lb_config *cfg)
+__noinline int tagged_frame(struct xdp_md *ctx, const struct inband_lb_config *cfg)
 {
+	if (!cfg)
+		return XDP_PASS;
 	void *data = (void *)(long)ctx->data;
 	void *data_end = (void *)(long)ctx->data_end;
 	struct ethhdr *eth = data;
@@ -543,22 +816,35 @@ static __always_inline int tagged_frame(struct xdp_md *ctx, const struct inband_
 		proto = tag[1];
 		off += 4;
 	}
-	if (proto != bpf_htons(ETH_P_IP))
-		return XDP_PASS;
-	struct iphdr *iph = data + (off & 0x1f);
+	struct inband_vip_key vk = {};
+	__be16 *ports;
 
-	if ((void *)(iph + 1) > data_end)
+	if (proto == bpf_htons(ETH_P_IP)) {
+		struct iphdr *iph = data + (off & 0x1f);
+
+		if ((void *)(iph + 1) > data_end)
+			return XDP_PASS;
+		vk.addr = inband_addr4(iph->daddr);
+		vk.proto = iph->protocol;
+		if (iph->ihl < 5)
+			return XDP_PASS;
+		ports = (void *)iph + ((iph->ihl * 4) & 0x3c);
+	} else if (proto == bpf_htons(ETH_P_IPV6_)) {
+		struct ipv6hdr *ip6 = data + (off & 0x1f);
+
+		if ((void *)(ip6 + 1) > data_end)
+			return XDP_PASS;
+		__builtin_memcpy(&vk.addr, &ip6->daddr, 16);
+		vk.proto = ip6->nexthdr;
+		ports = (void *)(ip6 + 1);
+	} else {
 		return XDP_PASS;
-	if (iph->daddr == cfg->self_addr)
+	}
+	if (inband_addr_eq(&vk.addr, self_addr(cfg, &vk.addr)))
 		return drop(INBAND_DROP_VLAN);
-	if (iph->protocol != IPPROTO_TCP || iph->ihl < 5)
+	if ((vk.proto != IPPROTO_TCP && vk.proto != IPPROTO_UDP) || (void *)(ports + 2) > data_end)
 		return XDP_PASS;
-	__be16 *ports = (void *)iph + ((iph->ihl * 4) & 0x3c);
-
-	if ((void *)(ports + 2) > data_end)
-		return XDP_PASS;
-	struct inband_vip_key vk = { .addr = iph->daddr, .port = ports[1], .proto = IPPROTO_TCP };
-
+	vk.port = ports[1];
 	if (bpf_map_lookup_elem(&vips, &vk))
 		return drop(INBAND_DROP_VLAN);
 	return XDP_PASS;
@@ -576,95 +862,118 @@ int balancer(struct xdp_md *ctx)
 		return XDP_PASS;
 	if (eth->h_proto == bpf_htons(ETH_P_8021Q_) || eth->h_proto == bpf_htons(ETH_P_8021AD_))
 		return tagged_frame(ctx, cfg);
-	if (eth->h_proto != bpf_htons(ETH_P_IP))
+
+	__u32 zero = 0;
+	struct pkt *p = bpf_map_lookup_elem(&pkt_scratch, &zero);
+	int bad;
+
+	if (!p)
 		return XDP_PASS;
+	__builtin_memset(p, 0, sizeof(*p));
+	p->len = data_end - data;
 
-	struct iphdr *iph = (void *)(eth + 1);
+	if (eth->h_proto == bpf_htons(ETH_P_IP))
+		bad = parse4(ctx, p);
+	else if (eth->h_proto == bpf_htons(ETH_P_IPV6_))
+		bad = parse6(ctx, p);
+	else
+		return XDP_PASS;
+	if (bad)
+		return bad;
+	/* IP-in-IP from an encap backend to this balancer: walk what it carries. */
+	if (p->proto == INBAND_IPPROTO_IPIP && p->family == 4 && p->hlen == INBAND_IPV4_MIN_HDR &&
+	    inband_addr_eq(&p->daddr, &cfg->self4)) {
+		int unwrapped = decap_ipip(ctx);
 
-	if ((void *)(iph + 1) > data_end)
-		return drop(INBAND_DROP_MALFORMED_IP);
-	struct pkt p = {
-		.eth = eth,
-		.iph = iph,
-		.hlen = iph->ihl * 4,
-		.tot_len = bpf_ntohs(iph->tot_len),
-		.frag = bpf_ntohs(iph->frag_off),
-		.len = data_end - data,
-	};
-	__u32 avail = data_end - (void *)iph;
-
-	if (iph->version != 4 || p.hlen < INBAND_IPV4_MIN_HDR || p.hlen > avail || p.tot_len > avail ||
-	    p.tot_len < p.hlen)
-		return drop(INBAND_DROP_MALFORMED_IP);
-	if (iph->protocol == IPPROTO_ICMP) {
-		if (p.hlen != INBAND_IPV4_MIN_HDR || (p.frag & IP_FRAG_MASK))
-			return XDP_PASS;
-		return icmp_error(ctx, cfg);
+		if (unwrapped <= 0)
+			return unwrapped ? XDP_DROP : XDP_PASS;
+		data = (void *)(long)ctx->data;
+		data_end = (void *)(long)ctx->data_end;
+		__builtin_memset(p, 0, sizeof(*p));
+		p->len = data_end - data;
+		if ((bad = parse4(ctx, p)))
+			return bad;
 	}
-	if (iph->protocol != IPPROTO_TCP)
-		return XDP_PASS;
-	/* A non-first fragment has no ports, so it cannot be matched to a VIP
-	 * (keyed by port); without its first fragment, which is dropped below,
-	 * the kernel's reassembly discards it. */
-	if (p.frag & IP_OFFSET_MASK)
+	if (p->proto == IPPROTO_ICMP && p->family == 4) {
+		if (p->hlen != INBAND_IPV4_MIN_HDR || p->frag)
+			return XDP_PASS;
+		return icmp4_error(ctx, cfg, p);
+	}
+	if (p->proto == IP6_ICMP && p->family == 6) {
+		if (p->ext || p->frag)
+			return XDP_PASS;
+		return icmp6_error(ctx, cfg, p);
+	}
+	/* Both directions are identified by the ports: a packet without them
+	 * (a later fragment, a transport header cut short) cannot belong to
+	 * any VIP or connection of ours; without its first fragment, which is
+	 * dropped below, the kernel's reassembly discards a later one. */
+	if ((p->proto != IPPROTO_TCP && p->proto != IPPROTO_UDP) || !p->ports)
 		return XDP_PASS;
 
-	/* Both directions are identified by the ports; L4 shorter than that
-	 * cannot belong to any VIP or connection of ours. */
-	p.tcp = (void *)iph + p.hlen;
-	if ((void *)p.tcp + 4 > data_end || p.hlen + 4 > p.tot_len)
-		return XDP_PASS;
+	const struct inband_addr *self = self_addr(cfg, &p->daddr);
 
-	if (iph->daddr == cfg->self_addr)
-		return backend_to_client(ctx, cfg, &p);
+	/* To the balancer's own address: tested before anything is hashed. */
+	if (!inband_addr_is_zero(self) && inband_addr_eq(&p->daddr, self))
+		return backend_to_client(ctx, cfg, p);
 
-	struct inband_flow_key fk = {
-		.client_addr = iph->saddr,
-		.vip_addr = iph->daddr,
-		.client_port = p.tcp->source,
-		.vip_port = p.tcp->dest,
-		.proto = IPPROTO_TCP,
-	};
-	struct inband_flow *f = bpf_map_lookup_elem(&flows, &fk);
+	client_key(p);
+	struct inband_flow *f = bpf_map_lookup_elem(&flows, &p->fk);
 	__u32 *vid = NULL;
 
 	if (!f) {
-		struct inband_vip_key vk = { .addr = iph->daddr, .port = p.tcp->dest, .proto = IPPROTO_TCP };
+		struct inband_vip_key vk = { .addr = p->daddr, .port = p->dport, .proto = p->proto };
 
 		vid = bpf_map_lookup_elem(&vips, &vk);
 		if (!vid)
 			return XDP_PASS;
 	}
 	/* From here the packet belongs to a VIP. */
-	if (p.frag & IP_FRAG_MASK)
+	if (inband_addr_is_zero(self))
+		return drop(INBAND_DROP_FAMILY);
+	if (p->frag)
 		return drop(INBAND_DROP_FRAGMENT);
-	if (p.hlen > INBAND_IPV4_MIN_HDR) {
-		struct opt_walk w = {};
-		__u32 found = scan_ip_options(ctx, p.hlen, &w);
+	if ((p->family == 4 && p->hlen > INBAND_IPV4_MIN_HDR) || (p->family == 6 && p->ext))
+		return client_options(ctx, p);
+	/* The IP header is exactly 20 or 40 bytes from here on. */
+	if (p->proto == IPPROTO_TCP) {
+		if (!tcp_header_ok(ctx, p))
+			return drop(INBAND_DROP_TRUNCATED_L4);
+		struct tcphdr *tcp = l4_at(ctx, p->hlen & 0x3c);
 
-		if (found & OPT_MALFORMED)
-			return drop(INBAND_DROP_MALFORMED_OPTION);
-		if (found & (OPT_TUPLE_OR_REQUEST | OPT_SCORE))
-			return drop(INBAND_DROP_UNEXPECTED_OPTION);
-		return drop(INBAND_DROP_IP_OPTIONS);
-	}
-	/* The IPv4 header is exactly 20 bytes from here on. */
-	if (!tcp_header_ok(&p, data_end))
+		if ((void *)(tcp + 1) > (void *)(long)ctx->data_end)
+			return drop(INBAND_DROP_TRUNCATED_L4);
+		p->flags = ((__u8 *)tcp)[13];
+		p->seq = tcp->seq;
+	} else if (!udp_header_ok(p)) {
 		return drop(INBAND_DROP_TRUNCATED_L4);
-	p.flags = ((__u8 *)p.tcp)[13];
+	}
 
 	if (f) {
-		int verdict = established(ctx, cfg, &fk, f, &p);
+		int verdict = established(ctx, cfg, f, p);
 
 		if (verdict != REBALANCE)
 			return verdict;
-		struct inband_vip_key vk = { .addr = fk.vip_addr, .port = fk.vip_port, .proto = IPPROTO_TCP };
+		struct inband_vip_key vk = { .addr = p->fk.vip_addr, .port = p->fk.vip_port, .proto = p->fk.proto };
 
 		vid = bpf_map_lookup_elem(&vips, &vk);
 		if (!vid)
 			return drop(INBAND_DROP_NO_FLOW);
 	}
-	return handshake(ctx, cfg, &fk, *vid, &p);
+	__u32 id = *vid;
+	int verdict = handshake(ctx, cfg, id, p);
+
+	if (verdict == OPEN_FLOW)
+		verdict = open_flow(ctx, cfg, id, p, p->named);
+	if (verdict == FWD_COPY)
+		f = scratch_flow();
+	else if (verdict == FWD_FLOW)
+		f = bpf_map_lookup_elem(&flows, &p->fk);
+	else
+		return verdict;
+	if (!f)
+		return drop(INBAND_DROP_FLOW_TABLE_FULL);
+	return forward(ctx, cfg, f, bpf_map_lookup_elem(&vip_conf, &id), p);
 }
 
 /* ------------------------------------------------------------------ sweeper */
@@ -816,7 +1125,10 @@ static long mark_probes_due(__u32 i, struct sweep_ctx *c)
 	struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &id);
 	__u32 *due = bpf_map_lookup_elem(&probe_due, &id);
 
-	if (!s || !due)
+	struct inband_backend *be = bpf_map_lookup_elem(&backends, &id);
+
+	/* Options do not reach it: the daemon polls it instead. */
+	if (!s || !due || !be || (be->flags & INBAND_BACKEND_OPTIONS_LOST))
 		return 0;
 	__s64 age = s->updated_ns ? (__s64)(c->now - s->updated_ns) : -1;
 

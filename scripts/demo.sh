@@ -2,12 +2,14 @@
 # The main job: installs what is needed, builds, brings up a namespace
 # testbed (client, balancer, three heterogeneous servers), runs every mode
 # and the peers (HAProxy, nftables) under the same HTTP load (the quick
-# profile, 45 s each), prints the tables and tears everything down.
-# Results (table, CSV, plots, command) land in results/demo-<time>/.
+# profile, 45 s each), then the paper's setup (two identical servers) with
+# the paper's four rows, prints Table 3 beside the paper's ratios for both,
+# and tears everything down.
+# Results (table, CSV, plots, command) land in results/demo-<time>/{ours,paper}/.
 # Run as root. Extra arguments go to the driver (python -m bench.paper --help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 export PATH="$HOME/.cargo/bin:$PATH"
 out="results/demo-$(date +%Y%m%d-%H%M%S)"
-exec .venv/bin/python -m bench.paper --profile quick --out "$out" "$@"
+exec .venv/bin/python -m bench.paper --profile quick --servers both --out "$out" "$@"

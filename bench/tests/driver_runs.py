@@ -33,10 +33,12 @@ def namespaces(prefix: str) -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0].startswith(prefix)]
 
 
-def run_tiny(module: str, name: str, out: Path, timeout_s: float) -> tuple[subprocess.CompletedProcess, list[str]]:
-    """`python -m module --profile tiny` on testbed `name`: its completed
-    process and the namespaces it left behind (removed here)."""
-    cmd = [sys.executable, "-m", module, "--profile", "tiny", "--out", str(out), "--name", name]
+def run_tiny(
+    module: str, name: str, out: Path, timeout_s: float, extra: tuple = ()
+) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """`python -m module --profile tiny [extra...]` on testbed `name`: its
+    completed process and the namespaces it left behind (removed here)."""
+    cmd = [sys.executable, "-m", module, "--profile", "tiny", "--out", str(out), "--name", name, *extra]
     try:
         cp = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
     finally:

@@ -87,8 +87,15 @@ def test_http_table_per_gb_and_against_dsr():
 
 def test_fresh_table_and_percentile():
     assert fw.percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 0.9) == 9
-    t = table_rows(fw.fresh_table([fw.Fresh("in-band", "n = 10", [1.0, 2.0, 3.0], 1, 500.0, 1500.0)]), "| mechanism |")
-    assert t[0] == ["in-band", "n = 10", "3", "2.00", "3.00", "3.00", "1", "500", "1,500"]
+    rows = [
+        fw.Fresh("in-band", "n = 10", [1.0, 2.0, 3.0], 1, 500.0, 1500.0, [0.5, 1.5, 1.0], 150.0, 10),
+        fw.Fresh("in-band", "n = 10..1000 adaptive, ≤ 100/s", [4.0], 0, 500.0, 1500.0, [], 30.0, 640),
+        fw.Fresh("polling", "10 ms", [5.0], 0, 400.0, 1200.0, [5.0], 100.0),
+    ]
+    t = table_rows(fw.fresh_table(rows), "| mechanism |")
+    assert t[0] == ["in-band", "n = 10", "3", "2.00", "3.00", "3.00", "1", "1.00", "1.50", "150.0", "1.00×", "10", "500", "1,500"]
+    assert t[1][7:12] == ["–", "–", "30.0", "0.20×", "640"]
+    assert t[2][9:12] == ["100.0", "0.67×", "–"]
 
 
 def test_parse_wrk_summary():
@@ -135,9 +142,16 @@ def test_tiny_profile_end_to_end(tmp_path):
         assert dsr["prog_runs"] / dsr["requests"] < pt["prog_runs"] / pt["requests"], s
 
     fresh = res["freshness"]
-    assert [(f["mechanism"], f["interval"]) for f in fresh] == [("in-band", "n = 10"), ("polling", "10 ms")]
+    assert [(f["mechanism"], f["interval"]) for f in fresh] == [
+        ("in-band", "n = 10"),
+        ("in-band", "n = 10..1000 adaptive, ≤ 100/s"),
+        ("polling", "10 ms"),
+    ]
     for f in fresh:
         assert f["delays_ms"] and f["load_rps"] > 0 and f["backend_pps"] > 0, f
+        assert f["ages_ms"] and f["requests_per_s"] > 0, f
+    # The adaptive n stays within its bounds; the fixed one is the fixed n.
+    assert fresh[0]["last_n"] == 10 and 10 <= fresh[1]["last_n"] <= 1000, fresh
 
     md = (out / "results.md").read_text()
     for heading in ("one-armed hairpin", "switch → balancer", "64-byte writes", "CPU per GB", "Feedback freshness"):

@@ -1,6 +1,6 @@
 """End to end: the paper driver's tiny profile on a real namespace testbed,
-every configuration (inband's four modes and the 100 ms poller, HAProxy,
-nftables)."""
+every configuration (inband's five modes and the 100 ms poller, HAProxy,
+nftables) on our servers, and the paper's rows on the paper's two."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from bench.paper import BY_KEY
-from driver_runs import run_tiny
+from bench.paper import BY_KEY, PAPER_ROWS
+from driver_runs import run_tiny, table_rows
 
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates network namespaces and attaches XDP/tc programs")
@@ -33,10 +33,11 @@ def test_tiny_profile_end_to_end(tmp_path):
         assert 0 < float(r["median_ms"]) <= float(r["p99_ms"]) <= float(r["max_ms"]), r
         assert int(r["lb_in_bytes"]) > 0, r  # every configuration sent traffic through the shaped port
 
-    # In-band feedback sends no packet of its own; polling does.
+    # In-band feedback sends no packet of its own; polling and querying do.
     by = {r["key"]: r for r in rows}
     assert int(by["dsr-dynamic"]["extra_packets"]) == 0
     assert int(by["dsr-polling"]["extra_packets"]) > 0
+    assert int(by["dsr-query"]["extra_packets"]) > 0
     # Ten times the poll rate costs (about) ten times the packets.
     assert int(by["dsr-polling-100ms"]["extra_packets"]) > 5 * int(by["dsr-polling"]["extra_packets"]), by
     for k in ("passthrough", "dsr-rr", "haproxy-roundrobin", "nftables-numgen"):
@@ -69,3 +70,33 @@ def test_tiny_profile_end_to_end(tmp_path):
     facts = (out / "command.txt").read_text()
     for key in ("command:", "nproc:", "kernel:", "memory:", "locust: locust 2.33.2", "haproxy:"):
         assert key in facts, facts
+
+    # dsr-query held SYNs for its query rounds, and says so.
+    held = table_rows((out / "results.md").read_text(), "| Configuration | SYNs held |")
+    assert [r[0] for r in held] == [BY_KEY["dsr-query"].label]
+    assert int(held[0][1]) > 0, held
+
+
+def test_tiny_profile_on_the_papers_two_servers(tmp_path):
+    name = f"pp{os.getpid() % 10000}"
+    out = tmp_path / "out"
+    cp, left = run_tiny("bench.paper", name, out, 180, ("--servers", "paper", "--configs", ",".join((*PAPER_ROWS, "dsr-polling"))))
+    assert left == [], f"namespaces left behind: {left}"
+    md = (out / "results.md").read_text()
+    assert "servers `paper`" in md.splitlines()[0]
+
+    # Two backends, both used, in every configuration.
+    shares = table_rows(md, "| Configuration | s1 (speed 1) | s2 (speed 1) |")
+    assert len(shares) == len(PAPER_ROWS) + 1
+    for row in shares:
+        assert len(row) == 3 and all(int(c.split("(")[1].rstrip(")")) > 0 for c in row[1:]), row
+
+    # Our ratios beside the paper's for each row the paper has (not for
+    # dsr-polling), ours filled in since the query baseline ran.
+    ratios = table_rows(md, "| Configuration | paper's row | RPS ÷ dsr-query | paper |")
+    assert [r[1] for r in ratios] == ["Pass Through", "DSR Round-Robin", "DSR Request Busyness", "Dynamic DSR"]
+    dyn = ratios[3]
+    assert dyn[3] == "1.48×" and dyn[9] == "2.82×", dyn  # the paper's +47.6% and 2.8x
+    assert all(c.endswith("×") for c in dyn[2:]), dyn
+    assert ratios[2][2] == "1.00×", ratios[2]
+    assert "| Configuration | paper's row |" in cp.stdout

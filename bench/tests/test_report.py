@@ -144,6 +144,30 @@ def test_tables_and_ratios():
     assert "## Table 3, this run" in md and "65.45" in md
 
 
+def test_paper_ratios_beside_ours():
+    pt = _result("passthrough", "Pass through", [4000] * 20)  # 2 rps
+    q = _result("dsr-query", "Query", [2000] * 40)  # 4 rps
+    dyn = _result("dsr-dynamic", "Dynamic", [1000] * 60)  # 6 rps
+    pol = _result("dsr-polling", "Polling", [1000] * 60)  # no row of the paper's
+    lines = report.paper_ratios([pt, q, dyn, pol]).splitlines()
+    assert lines[0].startswith("| Configuration | paper's row | RPS ÷ dsr-query | paper | dsr-query avg ÷ avg | paper |")
+    assert len(lines) == 2 + 3
+    # Ours: 1.5x the query baseline's RPS, 2x its average and p99; the
+    # paper's 65.45 / 44.33 RPS, 1945 / 1611 ms average, 5 / 5.5 s p99.
+    assert lines[4] == "| Dynamic | Dynamic DSR | 1.50× | 1.48× | 2.00× | 1.21× | 2.00× | 0.91× | 3.00× | 2.82× | 4.00× | 3.22× | 4.00× | 4.91× |"
+    # Without the baseline in the run, only the paper's side of its ratios.
+    lines = report.paper_ratios([pt, dyn]).splitlines()
+    assert lines[3].startswith("| Dynamic | Dynamic DSR | – | 1.48× | – | 1.21× | – | 0.91× | 3.00× |")
+
+
+def test_query_table_lists_only_runs_that_held_syns():
+    q = _result("dsr-query", "Query", [10] * 3)
+    q.overhead.queries, q.overhead.query_timeouts, q.overhead.query_mean_us, q.overhead.extra_packets = 40, 2, 1500, 120
+    lines = report.query_table([q, _result("dsr-rr", "RR", [10] * 3)]).splitlines()
+    assert lines[2:] == ["| Query | 40 | 1.50 ms | 2 | 120 |"]
+    assert "## Held SYNs (dsr-query)" in report.markdown([q], {})
+
+
 def test_ratios_without_references_has_only_labels():
     r = report.ratios([_result("haproxy-roundrobin", "HAProxy", [5] * 3)]).splitlines()
     assert r[0] == "| Configuration |"

@@ -9,33 +9,58 @@
 
 #include <linux/types.h>
 
+#include "inband/addr.h"
+
 #define INBAND_AGENT_MAX_SERVICES 64
 #define INBAND_AGENT_MAX_BALANCERS 16
 #define INBAND_AGENT_FLOW_TABLE_SIZE 262144
 
-/* Key: the local port the server application listens on (network order). */
+/* services[key]: a local port the server application serves, per
+ * transport and family (one port can serve a TCP and a UDP VIP, or an
+ * IPv4 and an IPv6 one). */
+struct inband_service_key {
+	__be16 port; /* network order */
+	__u8 proto; /* IPPROTO_TCP or IPPROTO_UDP */
+	__u8 family; /* 4 or 6 */
+};
+
 struct inband_service {
-	__be32 vip_addr; /* what the client connected to: source of DSR responses */
+	struct inband_addr vip_addr; /* what the client connected to: source of DSR responses */
 	__be16 vip_port;
 	__u16 pad;
 };
 
 /* A connection as the server sees it: peer = the balancer's NAT address. */
 struct inband_conn_key {
-	__be32 peer_addr;
+	struct inband_addr peer_addr;
 	__be16 peer_port;
 	__be16 local_port;
+	__u8 proto;
+	__u8 pad[3];
 };
 
-/* dsr_flows[conn]: created by an accepted 155, deleted when the socket
- * closes (tracepoint), when a balancer's SYN without 155 reuses the ports
- * of a handshake that never became a socket, or by the LRU. */
+/* dsr_flows[conn]: created by an accepted 155; deleted when the socket
+ * closes (TCP, tracepoint), when a balancer's SYN without 155 reuses the
+ * ports of a handshake that never became a socket (TCP), when unused for
+ * `udp_idle_timeout` (UDP, found on the flow's next response), or by the
+ * LRU. */
+/* inband_dsr_flow.score_requested */
+#define INBAND_SCORE_REQUESTED 1
+#define INBAND_SCORE_ENCAP 2 /* the 124 came in IP-in-IP: the 125 goes back the same way */
+
 struct inband_dsr_flow {
-	__be32 client_addr;
+	struct inband_addr client_addr; /* all zero: no client tuple */
 	__be16 client_port;
-	__u8 score_requested; /* set by an accepted 124, cleared when the 125 is sent */
+	__u8 score_requested; /* INBAND_SCORE_* bits: set by an accepted 124, cleared when the 125 is sent */
 	__u8 probe_key; /* key id of that 124: the 125 is signed with it */
 	__be32 probe_nonce; /* nonce of that 124: the 125 echoes it */
+	__be32 stamp; /* UDP: the 155's nonce (balancer's clock, ms): the newest 155 wins */
+	__u64 last_ns; /* UDP: bpf_ktime_get_coarse_ns() of the last packet from the balancer, to the second */
+};
+
+/* balancers[address]: who may send 155/124 here. */
+struct inband_balancer {
+	__u32 stamp; /* the newest UDP 155 stamp accepted from it: older ones are replays */
 	__u32 pad;
 };
 
@@ -44,8 +69,12 @@ struct inband_agent_config {
 	__u8 auth_mode; /* enum inband_auth_mode (wire.h) */
 	__u8 pad;
 	__u16 mtu; /* L3 MTU of the interface: no 125 is added beyond it */
-	__u32 pad2;
+	__u32 udp_idle_timeout_s; /* a UDP client tuple unused this long is forgotten */
 };
+
+/* A UDP 155 whose stamp is more than this behind the newest one its
+ * balancer sent is a replay. */
+#define INBAND_UDP_STAMP_WINDOW_MS 5000
 
 /* Key for active_conns and score_override: local port, host order. */
 
@@ -55,7 +84,7 @@ enum inband_agent_counter {
 	INBAND_AGENT_SCORES_SENT = 2,
 	INBAND_AGENT_DSR_REWRITES = 3,
 	INBAND_AGENT_UNTRUSTED_OPTION = 4, /* 155/124 from a host that is not a balancer */
-	INBAND_AGENT_MALFORMED = 5, /* bad IPv4 header or option: passed on unchanged */
+	INBAND_AGENT_MALFORMED = 5, /* bad IP header, extension header, option or L4 header: passed on unchanged */
 	INBAND_AGENT_NO_ROUTE = 6, /* DSR rewrite had no route to the client: sent via balancer */
 	INBAND_AGENT_ADJUST_FAILED = 7,
 	INBAND_AGENT_FLOWS_CLOSED = 8,
@@ -68,7 +97,16 @@ enum inband_agent_counter {
 	INBAND_AGENT_WRONG_FORMAT = 15, /* option of the format not configured: dropped */
 	INBAND_AGENT_SCORE_DEFERRED_MTU = 16, /* a 125 would exceed the MTU: a later packet carries it */
 	INBAND_AGENT_STALE_TUPLES_FORGOTTEN = 17, /* a balancer's SYN without 155 over an unfinished handshake's tuple */
-	INBAND_AGENT_COUNTER_MAX = 18,
+	INBAND_AGENT_STALE_STAMP = 18, /* UDP 155 older than its balancer's newest, or than the tuple's: a replay */
+	INBAND_AGENT_UDP_TUPLES_EXPIRED = 19, /* UDP client tuples unused past udp_idle_timeout */
+	INBAND_AGENT_UNWALKED_EXT_HEADERS = 20, /* IPv6 from a balancer with extension headers other than one DOH first */
+	INBAND_AGENT_DECAPSULATED = 21, /* IP-in-IP from a balancer unwrapped (ipip.h) */
+	INBAND_AGENT_ENCAPSULATED = 22, /* 125s sent wrapped in IP-in-IP, as their 124 came */
+	/* Written by the daemon's poll responder, not by the programs: */
+	INBAND_AGENT_POLLS_ANSWERED = 23, /* out-of-band score polls answered */
+	INBAND_AGENT_POLLS_UNAUTHENTICATED = 24, /* polls with a bad MAC, an unknown key or the other [auth] format */
+	INBAND_AGENT_POLLS_REFUSED = 25, /* polls from a host not in `balancers`, or for a port not served */
+	INBAND_AGENT_COUNTER_MAX = 26,
 };
 
 #endif /* INBAND_AGENT_MAPS_H */

@@ -5,7 +5,9 @@
  * (crates/inband/build.rs, bindgen), so this is the only definition.
  *
  * Addresses and ports are kept in network order (as in the packet) so the
- * data path never byte-swaps; counters, ids and times are host order.
+ * data path never byte-swaps; counters, ids and times are host order. Every
+ * address is a `struct inband_addr`, so one table holds IPv4 and IPv6
+ * flows alike.
  * Which map holds what, and who creates and deletes each entry: the "Maps"
  * and "Flow lifecycle" sections of docs/architecture.md.
  */
@@ -13,6 +15,8 @@
 #define INBAND_BALANCER_MAPS_H
 
 #include <linux/types.h>
+
+#include "inband/addr.h"
 
 #define INBAND_MAX_VIPS 64
 #define INBAND_MAX_BACKENDS_PER_VIP 32
@@ -44,18 +48,32 @@ enum inband_mode {
 	INBAND_MODE_DSR_RR = 1, /* 155 on SYN, responses direct */
 	INBAND_MODE_DSR_POLLING = 2, /* as DSR, scores written by user space polling */
 	INBAND_MODE_DSR_DYNAMIC = 3, /* as DSR, every n-th packet carries 124 */
+	INBAND_MODE_DSR_QUERY = 4, /* as DSR, the backends are asked before each new connection */
 };
 
 enum inband_policy {
 	INBAND_POLICY_ROUND_ROBIN = 0,
 	INBAND_POLICY_LEAST_SCORE = 1, /* lowest load estimate, random among ties */
 	INBAND_POLICY_POWER_OF_TWO = 2, /* two random backends, lower load estimate */
+	INBAND_POLICY_MAGLEV = 3, /* weighted Maglev consistent hashing of the client side (select.h) */
 };
 
+/*
+ * Maglev: each VIP's lookup table is `maglev_size` (lb_config; a prime)
+ * entries of map `maglev` from VIP id * maglev_size, each a slot of the
+ * VIP, written by the control plane (crates/inband/src/lb/maglev.rs). A
+ * new connection's slot is entry SipHash-2-4(flow key) % maglev_size under
+ * this fixed key: the same on every balancer, so instances behind ECMP
+ * agree without sharing state.
+ */
+#define INBAND_MAGLEV_DEFAULT_SIZE 65537
+#define INBAND_MAGLEV_K0 0x6d2d646e61626e69ULL /* "inband-maglev-v1", little endian */
+#define INBAND_MAGLEV_K1 0x31762d76656c6761ULL
+
 struct inband_vip_key {
-	__be32 addr;
+	struct inband_addr addr;
 	__be16 port;
-	__u8 proto; /* IPPROTO_TCP */
+	__u8 proto; /* IPPROTO_TCP or IPPROTO_UDP */
 	__u8 pad;
 };
 
@@ -64,17 +82,26 @@ struct inband_vip_key {
 
 #define INBAND_VIP_ACTIVE 1 /* takes new connections */
 #define INBAND_VIP_DRAINING 2 /* removed: keeps its flows, refuses new connections */
+#define INBAND_VIP_QUIC 4 /* UDP VIP carrying QUIC: short headers route by connection ID */
 
 struct inband_vip {
-	__be32 addr;
+	struct inband_addr addr;
 	__be16 port;
 	__u16 backend_count; /* slots [0, backend_count) of vip_backends are valid */
 	__u8 mode; /* enum inband_mode */
 	__u8 policy; /* enum inband_policy */
 	__u16 flags; /* INBAND_VIP_* */
-	__u32 probe_interval; /* n: every n-th packet to a backend carries 124; 0 = never */
+	__u8 proto; /* IPPROTO_TCP or IPPROTO_UDP, as in its key */
+	__u8 pad[3];
+	/* dsr-dynamic: a backend is asked (124) every n-th packet, n between
+	 * these two (equal: a fixed n; 0: never); n adapts per backend to how
+	 * fast its score changes (score.h). */
+	__u32 probe_interval;
+	__u32 probe_interval_max;
+	/* At most this many 124s a second per backend, whatever n says; 0 = no bound. */
+	__u32 probe_budget;
 	__u64 score_max_age_ns; /* older scores are stale: they decay (see select.h) */
-	__u64 syn_timeout_ns; /* half-open flows */
+	__u64 syn_timeout_ns; /* half-open flows (UDP: until the client's second packet) */
 	__u64 idle_timeout_ns; /* established flows without a packet */
 	__u64 closing_timeout_ns; /* after a FIN or RST */
 	__u64 drain_deadline_ns; /* DRAINING: flows still here then are ended; 0 = wait for them */
@@ -83,6 +110,12 @@ struct inband_vip {
 #define INBAND_BACKEND_ACTIVE 1 /* may receive new connections */
 #define INBAND_BACKEND_DRAINING 2 /* keeps its flows, gets no new ones */
 /* flags 0 = removed: keeps its flows until they end or drain_deadline_ns */
+/* Options do not survive the path to it (found by the lb daemon): no option
+ * is sent to it, and the daemon polls it for scores instead. */
+#define INBAND_BACKEND_OPTIONS_LOST 4
+/* Packets with an inband option travel to it wrapped in IP-in-IP (ipip.h):
+ * its path strips or drops IPv4 options. Set by the control plane. */
+#define INBAND_BACKEND_ENCAP 8
 
 /* backends[id]. The balancer forwards on the one interface it is attached
  * to (XDP_TX); `mac` is the backend's (or its gateway's) L2 address,
@@ -91,12 +124,14 @@ struct inband_vip {
  * reused while flows name it. All-zero mac = not resolved yet: drop
  * `no_route`. */
 struct inband_backend {
-	__be32 addr;
+	struct inband_addr addr;
 	__be16 port;
 	__u8 mac[6];
 	__u16 flags;
-	__u16 pad;
-	__u32 pad2;
+	/* QUIC VIPs: the server id this backend writes into its connection
+	 * IDs (quic.h); 0 = none. */
+	__u16 quic_server_id;
+	__u32 pad;
 	__u64 drain_deadline_ns; /* removed or draining: flows still here then are ended; 0 = wait */
 };
 
@@ -109,29 +144,37 @@ struct inband_backend {
 /*
  * The load estimate of a backend is built from its last report and what
  * the balancer saw since (select.h): `opened` and `closed` are updated by
- * the data path with atomic adds; a report (125, or a poll in dsr-polling)
- * rewrites the whole entry.
+ * the data path with atomic adds; a report (125, or a poll) rewrites
+ * score, opened, closed and updated_ns. The rest is the in-band probe's
+ * state (score.h), which only the data path writes.
  */
 struct inband_backend_score {
 	__u32 score; /* last reported score */
 	__u32 opened; /* connections given to this backend since the report */
 	__u32 closed; /* of its connections, those that ended (FIN/RST) since the report */
-	__u32 pad;
+	__u32 interval; /* dsr-dynamic: packets between 124s now (adaptive); 0 = not set yet */
 	__u64 updated_ns; /* bpf_ktime_get_ns() of the report; 0 = never */
+	__u64 budget_ns; /* probe budget: the time until which its 124s are spent */
+	__u32 unanswered; /* 124s sent since the last 125 taken: the lb daemon's sign of lost options */
+	__u32 changes; /* 125s that moved the score beyond the tolerance (adaptive n shrank) */
 };
 
 struct inband_lb_config {
-	__be32 self_addr; /* balancer address: source of packets to backends */
+	/* Balancer addresses, the source of packets to backends: IPv4
+	 * (mapped) and IPv6; all zero = that family is not served. */
+	struct inband_addr self4;
+	struct inband_addr self6;
 	__u16 mtu; /* L3 MTU of the interface: no option is added beyond it */
 	__u8 auth_mode; /* enum inband_auth_mode (wire.h) */
 	__u8 sign_key; /* auth_keys id the balancer signs 155 and 124 with */
+	__u32 maglev_size; /* entries of each VIP's Maglev table (a prime; see above) */
 	__u64 snat_key[2]; /* SipHash key of the SNAT port candidates, random per balancer */
 };
 
 /* The client side of a connection: key of `flows` and `half_open`. */
 struct inband_flow_key {
-	__be32 client_addr;
-	__be32 vip_addr;
+	struct inband_addr client_addr;
+	struct inband_addr vip_addr;
 	__be16 client_port;
 	__be16 vip_port;
 	__u8 proto;
@@ -154,7 +197,7 @@ enum inband_flow_state {
  * their timeout (lifecycle.h). Half-open flows are stamped directly.
  */
 struct inband_flow {
-	__be32 backend_addr;
+	struct inband_addr backend_addr;
 	__be16 backend_port;
 	__be16 snat_port;
 	__u16 backend_id;
@@ -164,9 +207,12 @@ struct inband_flow {
 	__u8 client_mac[6]; /* L2 source the client's packets came from: return next hop */
 	__u8 flags; /* INBAND_FLOW_* */
 	__u8 probe_key; /* key id the outstanding 124 was signed with */
-	/* The SYN's sequence number: a SYN with the same one is a retransmission. */
+	/* TCP: the SYN's sequence number (a SYN with the same one is a
+	 * retransmission). UDP: the 155's nonce, the time of the first packet. */
 	__be32 syn_seq;
 	__be32 probe_nonce; /* nonce of the outstanding 124 */
+	__u8 proto; /* IPPROTO_TCP or IPPROTO_UDP */
+	__u8 pad0[3];
 	__u64 last_seen_ns; /* CLOCK_MONOTONIC: last sweep that found it seen, or the handshake's time */
 	__u8 seen; /* a packet came since the last sweep (own byte: written without atomics) */
 	__u8 pad[7];
@@ -174,7 +220,7 @@ struct inband_flow {
 
 /* The server side of a connection: key of `snat` and `half_open_ports`. */
 struct inband_nat_key {
-	__be32 backend_addr;
+	struct inband_addr backend_addr;
 	__be16 backend_port;
 	__be16 snat_port;
 	__u8 proto;
@@ -205,6 +251,7 @@ struct inband_backend_stats {
 	__u64 probes_sent;
 	__u64 scores_received;
 	__u64 closed_conns; /* FIN/RST seen */
+	__u64 syn_retries; /* retransmitted SYNs of handshakes whose SYN carried a 155 */
 };
 
 struct inband_vip_stats {
@@ -236,7 +283,9 @@ enum inband_drop_reason {
 	INBAND_DROP_BAD_CHECKSUM = 15, /* a 125 on a packet whose IPv4 or TCP checksum is wrong */
 	INBAND_DROP_TTL_EXCEEDED = 16, /* TTL would reach 0 on the routed hop */
 	INBAND_DROP_VLAN = 17, /* an 802.1Q/802.1ad-tagged frame to a VIP */
-	INBAND_DROP_MAX = 18,
+	INBAND_DROP_FAMILY = 18, /* a packet of a family the balancer has no address for */
+	INBAND_DROP_QUERY_PENDING = 19, /* dsr-query: a SYN handed to the daemon to ask the backends */
+	INBAND_DROP_MAX = 20,
 };
 
 /* Things the data path did or refused that are not drops; per-CPU array,
@@ -258,7 +307,16 @@ enum inband_event {
 	INBAND_EV_ICMP_TO_CLIENT = 13, /* ICMP error about a NATed packet sent to its client */
 	INBAND_EV_BACKEND_FULL = 14, /* chosen backend had no free port: next choice taken */
 	INBAND_EV_DRAINED_FLOWS_ENDED = 15, /* flows ended by the sweeper at a drain deadline */
-	INBAND_EV_MAX = 16,
+	INBAND_EV_QUIC_CID_ROUTED = 16, /* QUIC short header without a flow, sent to the server its CID names */
+	INBAND_EV_QUIC_CID_UNKNOWN = 17, /* ... naming no active backend: balanced as a new flow */
+	INBAND_EV_PROBE_BUDGET = 18, /* a 124 due but the backend's probe budget spent: later */
+	INBAND_EV_PROBE_FASTER = 19, /* a 125 moved the score: that backend's n halved */
+	INBAND_EV_QUERY_SKIPPED = 20, /* dsr-query: the daemon's queue full, balanced on the estimate */
+	INBAND_EV_QUERY_ANSWERED = 21, /* dsr-query: a held SYN balanced after its query */
+	INBAND_EV_IPV6_CHAIN_UNWALKED = 22, /* IPv6 with more extension headers than the walk takes: passed */
+	INBAND_EV_ENCAPSULATED = 23, /* packets with an option sent to an encap backend in IP-in-IP */
+	INBAND_EV_DECAPSULATED = 24, /* IP-in-IP from a backend unwrapped (its 125 inside) */
+	INBAND_EV_MAX = 25,
 };
 
 /* Written by the sweeper program at each pass (lifecycle.h), read by
@@ -289,6 +347,25 @@ struct inband_control_stats {
 	__u64 poll_replies;
 	__u64 poll_bytes; /* request + reply bytes on the wire, UDP payload + headers */
 	__u64 poll_failures;
+	__u64 poll_unauthenticated; /* replies with a bad MAC, an unknown key or the other [auth] format */
+	__u64 queries; /* dsr-query: SYNs the daemon asked the backends for */
+	__u64 query_timeouts; /* ... of which some backend did not answer in time */
+	__u64 query_ns; /* total time SYNs were held for their query */
+	__u64 options_lost; /* times a backend was found losing inband options (then polled) */
+	__u64 options_retried; /* times such a backend was given options again to see if its path healed */
+};
+
+/* dsr-query: a SYN the data path hands to the lb daemon (ring buffer
+ * `query_ring`), which asks the VIP's backends for their scores, writes
+ * them, marks the flow in `query_done` and runs the SYN through the
+ * program again. */
+#define INBAND_QUERY_FRAME_MAX 256
+struct inband_query_req {
+	struct inband_flow_key key; /* the connection, as query_done takes it */
+	__u32 vip_id;
+	__u32 len; /* bytes of `frame` used */
+	__u64 held_ns; /* bpf_ktime_get_ns() when the SYN was held */
+	__u8 frame[INBAND_QUERY_FRAME_MAX];
 };
 
 #endif /* INBAND_BALANCER_MAPS_H */

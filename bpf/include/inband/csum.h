@@ -17,6 +17,8 @@
 
 #include <linux/types.h>
 
+#include "inband/addr.h"
+
 static inline __attribute__((always_inline)) __u16 csum_fold(__u32 sum)
 {
 	sum = (sum & 0xffff) + (sum >> 16);
@@ -79,12 +81,7 @@ static inline __attribute__((always_inline)) __u16 csum_swab16(__u16 v)
 	return (__u16)((v << 8) | (v >> 8));
 }
 
-/*
- * Whether a TCP segment of `l4_len` bytes between `saddr` and `daddr`
- * checks out, given the 32-bit partial sum of its bytes (bpf_csum_diff's
- * result over the whole segment, checksum field included). Pseudo-header
- * words are added in memory order like everything here.
- */
+/* A 16-bit value as it sits in memory when written big-endian. */
 static inline __attribute__((always_inline)) __u16 csum_be16(__u16 v)
 {
 #if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
@@ -94,13 +91,28 @@ static inline __attribute__((always_inline)) __u16 csum_be16(__u16 v)
 #endif
 }
 
-static inline __attribute__((always_inline)) int csum_tcp_ok(__u32 partial, __be32 saddr, __be32 daddr,
-							   __u32 l4_len)
+/*
+ * Whether a TCP or UDP segment of `l4_len` bytes of `proto` between `saddr`
+ * and `daddr` checks out, given the 32-bit partial sum of its bytes
+ * (bpf_csum_diff's result over the whole segment, checksum field included).
+ * Pseudo-header words are added in memory order like everything here: an
+ * IPv4 pseudo-header has the addresses' last words (RFC 793), an IPv6 one
+ * all four and a 32-bit length (RFC 8200 8.1), which sum the same for
+ * lengths below 64 KiB.
+ */
+static inline __attribute__((always_inline)) int csum_l4_ok(__u32 partial, const struct inband_addr *saddr,
+							  const struct inband_addr *daddr, __u8 proto, __u32 l4_len)
 {
 	__u64 acc = partial;
 
-	acc += (saddr >> 16) + (saddr & 0xffff) + (daddr >> 16) + (daddr & 0xffff);
-	acc += csum_be16(6 /* IPPROTO_TCP */) + csum_be16((__u16)l4_len);
+#pragma unroll
+	for (int i = 0; i < 4; i++) {
+		if (i < 3 && inband_addr_is4(saddr))
+			continue;
+		acc += (saddr->w[i] >> 16) + (saddr->w[i] & 0xffff);
+		acc += (daddr->w[i] >> 16) + (daddr->w[i] & 0xffff);
+	}
+	acc += csum_be16(proto) + csum_be16((__u16)l4_len);
 	acc = (acc & 0xffffffff) + (acc >> 32);
 	acc = (acc & 0xffffffff) + (acc >> 32);
 	return csum_fold((__u32)acc) == 0xffff;

@@ -47,6 +47,14 @@
 #define INBAND_OPT_MAC_LEN 8
 
 /*
+ * UDP has no sequence number to bind a 155 to: its authenticated 155
+ * carries the balancer's clock in milliseconds instead (the stamp, which
+ * the MAC covers), and an agent keeps a tuple's newest:
+ * 155: kind, 24, key id, 0 | client addr (4) | client port (2), 0, 0 | stamp (4) | MAC (8)
+ */
+#define INBAND_OPT_AUTH_CLIENT_TUPLE_UDP_LEN 24
+
+/*
  * The largest option either side adds to a packet that can carry data (124
  * toward the server, 125 toward the balancer): what MSS clamping subtracts,
  * so that full-sized segments still fit the MTU with an option. 155 rides
@@ -57,6 +65,44 @@
 /* IPv4 header limits (RFC 791). */
 #define INBAND_IPV4_MIN_HDR 20
 #define INBAND_IPV4_MAX_HDR 60
+
+/*
+ * IPv6 (RFC 8200). The seed's three extension headers (protocol numbers
+ * 27-29) are assigned to other protocols, so the same option, byte for
+ * byte as in IPv4 (kind, length, body), rides instead as the data of one
+ * option in a Destination Options header (next header 60) placed right
+ * after the fixed header:
+ *
+ *   next header | hdr ext len | 0x1E | option data length | inband option | PadN/Pad1 to 8n
+ *
+ * 0x1E is an RFC 4727 experimental option type: its top two bits (00)
+ * tell a node that does not know it to skip it and still deliver the
+ * packet (a server without the agent answers through the balancer, as in
+ * IPv4), and its third bit (0) says it does not change en route.
+ * docs/decisions.md compares this with the seed's encoding.
+ *
+ * Only the 155 differs from IPv4: its client address has 16 bytes.
+ *   seed:          kind, 20, client addr (16), client port (2)
+ *   authenticated: kind, 32, key id, 0 | client addr (16) | client port (2), 0, 0 | MAC (8)
+ *   ... on UDP:    kind, 36, key id, 0 | client addr (16) | client port (2), 0, 0 | stamp (4) | MAC (8)
+ * 124 and 125 are the IPv4 options unchanged.
+ */
+#define INBAND_IPV6_HDR 40
+#define INBAND_IPPROTO_DSTOPTS 60
+#define INBAND_OPT6_TYPE 0x1E
+#define INBAND_OPT6_CLIENT_TUPLE_LEN 20
+#define INBAND_OPT6_AUTH_CLIENT_TUPLE_LEN 32
+#define INBAND_OPT6_AUTH_CLIENT_TUPLE_UDP_LEN 36
+/* Header bytes around the inband option: next header, length, type, data length. */
+#define INBAND_DOH_PREFIX 4
+/* The Destination Options header that carries an `optlen`-byte option. */
+#define INBAND_DOH_LEN(optlen) ((INBAND_DOH_PREFIX + (optlen) + 7) & ~7)
+/* The largest header a data-carrying packet gets (124 or 125, authenticated):
+ * what MSS clamping subtracts for IPv6. */
+#define INBAND_OPT6_DATA_MAX_LEN 24
+_Static_assert(INBAND_OPT6_DATA_MAX_LEN == INBAND_DOH_LEN(INBAND_OPT_AUTH_SCORE_REQUEST_LEN) &&
+		       INBAND_OPT6_DATA_MAX_LEN == INBAND_DOH_LEN(INBAND_OPT_AUTH_SCORE_LEN),
+	       "IPv6 MSS clamp covers the largest data-packet option");
 
 enum inband_auth_mode {
 	INBAND_AUTH_SIPHASH = 0, /* authenticated options (default) */
@@ -83,6 +129,45 @@ static inline void inband_encode_client_tuple(__u8 *out, __be32 addr, __be16 por
 	out[5] = a[3];
 	out[6] = p[0];
 	out[7] = p[1];
+}
+
+/* The seed-format IPv6 155; `addr` is 16 bytes in network order. */
+static inline void inband_encode_client_tuple6(__u8 *out, const __u8 *addr, __be16 port)
+{
+	const __u8 *p = (const __u8 *)&port;
+
+	out[0] = INBAND_OPT_CLIENT_TUPLE;
+	out[1] = INBAND_OPT6_CLIENT_TUPLE_LEN;
+	for (int i = 0; i < 16; i++)
+		out[2 + i] = addr[i];
+	out[18] = p[0];
+	out[19] = p[1];
+}
+
+/*
+ * Writes the Destination Options header around the `optlen`-byte option
+ * already at `out + INBAND_DOH_PREFIX`: its next header, its length, the
+ * option's type and data length, and the padding (one PadN, or a Pad1 for a
+ * single byte) up to INBAND_DOH_LEN(optlen).
+ */
+static inline void inband_doh_wrap(__u8 *out, __u8 next_header, __u32 optlen)
+{
+	__u32 total = INBAND_DOH_LEN(optlen);
+	__u32 pad = total - INBAND_DOH_PREFIX - optlen;
+	__u8 *p = out + INBAND_DOH_PREFIX + optlen;
+
+	out[0] = next_header;
+	out[1] = (__u8)(total / 8 - 1);
+	out[2] = INBAND_OPT6_TYPE;
+	out[3] = (__u8)optlen;
+	if (pad == 1) {
+		p[0] = 0; /* Pad1 */
+	} else if (pad > 1) {
+		p[0] = 1; /* PadN */
+		p[1] = (__u8)(pad - 2);
+		for (__u32 i = 2; i < pad && i < 8; i++)
+			p[i] = 0;
+	}
 }
 
 static inline void inband_encode_score_request(__u8 *out)

@@ -155,6 +155,25 @@ pub fn write_keys(map: &dyn MapCore, keys: &[(u8, Key)]) -> Result<()> {
     Ok(())
 }
 
+/// The keys a program's `auth_keys` map holds, as the out-of-band poll
+/// protocol uses them (`poll_proto::Keys`): None when `mode` (the
+/// program's `auth_mode`) is the unauthenticated one.
+pub fn read_keys(mode: u8, map: &dyn MapCore) -> Result<crate::agent::poll_proto::Keys> {
+    if u32::from(mode) == c::INBAND_AUTH_NONE {
+        return Ok(None);
+    }
+    let mut keys = Vec::new();
+    for id in 0..c::INBAND_AUTH_MAX_KEYS {
+        if let Some(k) = bpfmap::get::<u32, c::inband_auth_key>(map, &id)?.filter(|k| k.valid != 0) {
+            let mut key = [0u8; 16];
+            key[..8].copy_from_slice(&k.k0.to_le_bytes());
+            key[8..].copy_from_slice(&k.k1.to_le_bytes());
+            keys.push((id as u8, Key(key)));
+        }
+    }
+    Ok(Some(keys))
+}
+
 crate::pod::pod!(c::inband_auth_key);
 
 #[cfg(test)]

@@ -38,6 +38,18 @@ pub fn get_percpu<K: Pod, V: Pod>(map: &dyn MapCore, key: &K) -> Result<Vec<V>> 
         .collect())
 }
 
+/// Adds `delta` to a per-CPU u64 counter from user space (into CPU 0's
+/// slot, as the sum is what is read). Callers serialize their own writes:
+/// a read-modify-write of the whole entry.
+pub fn add_percpu<K: Pod>(map: &dyn MapCore, key: &K, delta: u64) -> Result<()> {
+    let mut values: Vec<u64> = get_percpu(map, key)?;
+    let Some(first) = values.first_mut() else { return Ok(()) };
+    *first += delta;
+    let bytes: Vec<Vec<u8>> = values.iter().map(|v| v.to_ne_bytes().to_vec()).collect();
+    map.update_percpu(key.as_bytes(), &bytes, MapFlags::ANY)
+        .with_context(|| format!("updating map {}", map.name().to_string_lossy()))
+}
+
 /// All (key, value) pairs of a hash map. Entries deleted during the walk are
 /// skipped, as the kernel may evict LRU entries at any time.
 pub fn entries<K: Pod, V: Pod>(map: &dyn MapCore) -> Result<Vec<(K, V)>> {

@@ -14,3 +14,4 @@ pub mod runlock;
 pub mod testbed;
 pub mod wire;
 pub mod workload;
+pub mod xdp_live;

@@ -25,6 +25,12 @@ enum Command {
     // A later flag wins, so scripts can append per-server overrides to defaults.
     #[command(args_override_self = true)]
     Serve(inband::workload::ServeArgs),
+    /// A QUIC server whose connection IDs name it, and a client that can
+    /// move its connection (docs/workload.md, "inband quic").
+    Quic {
+        #[command(subcommand)]
+        command: inband::workload::quic::QuicCommand,
+    },
     /// Benchmarks that print tables with ratios.
     Bench {
         #[command(subcommand)]
@@ -144,6 +150,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Serve(args) => inband::workload::run(args),
+        Command::Quic { command } => inband::workload::quic::run(command),
         Command::Bench { command } => inband::bench::run(command),
         Command::Testbed { command } => inband::testbed::run(command),
         Command::Proxy { config } => inband_proxy::run(&config),

@@ -2,7 +2,7 @@
 //! configuration can be checked before anything is attached.
 
 use std::ffi::{CStr, CString};
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 use anyhow::{bail, Result};
 
@@ -63,8 +63,8 @@ pub fn mac(name: &str) -> Result<[u8; 6]> {
     Ok(std::array::from_fn(|i| sa.sa_data[i] as u8))
 }
 
-/// Every IPv4 address of this host (in this network namespace) with its interface.
-pub fn local_ipv4() -> Result<Vec<(String, Ipv4Addr)>> {
+/// Every IPv4 and IPv6 address of this host (in this network namespace) with its interface.
+pub fn local_addrs() -> Result<Vec<(String, IpAddr)>> {
     let mut out = Vec::new();
     let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs fills head; freed below.
@@ -75,13 +75,25 @@ pub fn local_ipv4() -> Result<Vec<(String, Ipv4Addr)>> {
     while !cur.is_null() {
         // SAFETY: cur walks the list getifaddrs returned.
         let ifa = unsafe { &*cur };
-        if !ifa.ifa_addr.is_null() && i32::from(unsafe { (*ifa.ifa_addr).sa_family }) == libc::AF_INET {
-            // SAFETY: family is AF_INET, so the address is a sockaddr_in.
-            let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
-            let name = unsafe { CStr::from_ptr(ifa.ifa_name) }.to_string_lossy().into_owned();
-            out.push((name, Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))));
-        }
         cur = ifa.ifa_next;
+        if ifa.ifa_addr.is_null() {
+            continue;
+        }
+        // SAFETY: ifa_name is a C string of the list.
+        let name = || unsafe { CStr::from_ptr(ifa.ifa_name) }.to_string_lossy().into_owned();
+        match i32::from(unsafe { (*ifa.ifa_addr).sa_family }) {
+            libc::AF_INET => {
+                // SAFETY: family is AF_INET, so the address is a sockaddr_in.
+                let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+                out.push((name(), IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)))));
+            }
+            libc::AF_INET6 => {
+                // SAFETY: family is AF_INET6, so the address is a sockaddr_in6.
+                let sin6 = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
+                out.push((name(), IpAddr::V6(std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr))));
+            }
+            _ => {}
+        }
     }
     // SAFETY: head came from getifaddrs.
     unsafe { libc::freeifaddrs(head) };

@@ -1,15 +1,17 @@
-//! A small builder and parser for Ethernet/IPv4/TCP/UDP frames.
+//! A small builder and parser for Ethernet/IPv4-or-IPv6/TCP-or-UDP frames.
 //!
 //! Packet fixtures for BPF_PROG_TEST_RUN and the per-path benchmarks are built
 //! with it, so a fixture reads as "a SYN from C to the VIP with option 155"
 //! instead of hex. Written here rather than taken from a crate because the
 //! fixtures need byte-exact control over malformed headers (bad IHL, options
-//! that overrun, truncation), which packet crates refuse to produce.
+//! that overrun, extension headers that lie about their length, truncation),
+//! which packet crates refuse to produce.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 
 pub const ETH_HLEN: usize = 14;
 pub const IPV4_MIN_HLEN: usize = 20;
+pub const IPV6_HLEN: usize = 40;
 pub const TCP_MIN_HLEN: usize = 20;
 
 pub const TCP_FIN: u8 = 0x01;
@@ -20,6 +22,9 @@ pub const TCP_ACK: u8 = 0x10;
 
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
+pub const IPPROTO_DSTOPTS: u8 = 60;
+pub const IPPROTO_FRAGMENT: u8 = 44;
+pub const IPPROTO_HOPOPTS: u8 = 0;
 
 pub type Mac = [u8; 6];
 
@@ -44,28 +49,48 @@ pub fn checksum(chunks: &[&[u8]]) -> u16 {
     !(sum as u16)
 }
 
-fn pseudo_header(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, len: usize) -> [u8; 12] {
-    let mut p = [0u8; 12];
-    p[0..4].copy_from_slice(&src.octets());
-    p[4..8].copy_from_slice(&dst.octets());
-    p[9] = proto;
-    p[10..12].copy_from_slice(&(len as u16).to_be_bytes());
-    p
+/// The transport checksum's pseudo-header (RFC 793 for IPv4, RFC 8200 8.1
+/// for IPv6).
+fn pseudo_header(src: IpAddr, dst: IpAddr, proto: u8, len: usize) -> Vec<u8> {
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            let mut p = Vec::with_capacity(12);
+            p.extend_from_slice(&s.octets());
+            p.extend_from_slice(&d.octets());
+            p.extend_from_slice(&[0, proto]);
+            p.extend_from_slice(&(len as u16).to_be_bytes());
+            p
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            let mut p = Vec::with_capacity(40);
+            p.extend_from_slice(&s.octets());
+            p.extend_from_slice(&d.octets());
+            p.extend_from_slice(&(len as u32).to_be_bytes());
+            p.extend_from_slice(&[0, 0, 0, proto]);
+            p
+        }
+        _ => panic!("source {src} and destination {dst} are of different families"),
+    }
 }
 
-/// A TCP or UDP segment in an IPv4 packet in an Ethernet frame.
+/// A TCP or UDP segment in an IPv4 or IPv6 packet in an Ethernet frame.
 #[derive(Clone, Debug)]
 pub struct PacketBuilder {
     pub src_mac: Mac,
     pub dst_mac: Mac,
-    pub src: SocketAddrV4,
-    pub dst: SocketAddrV4,
+    pub src: SocketAddr,
+    pub dst: SocketAddr,
     pub proto: u8,
+    /// TTL (IPv4) or hop limit (IPv6).
     pub ttl: u8,
     pub ip_id: u16,
-    /// Flags + fragment offset field, host order (0x2000 = more fragments).
+    /// IPv4 flags + fragment offset field, host order (0x2000 = more fragments).
     pub frag: u16,
+    /// IPv4: the header's options. IPv6: the extension headers between the
+    /// fixed header and the transport, byte for byte (their own next-header
+    /// fields as given), the first of type `ext_first`.
     pub ip_options: Vec<u8>,
+    pub ext_first: u8,
     pub tcp_flags: u8,
     pub seq: u32,
     pub ack: u32,
@@ -75,17 +100,18 @@ pub struct PacketBuilder {
 }
 
 impl PacketBuilder {
-    pub fn tcp(src: SocketAddrV4, dst: SocketAddrV4) -> Self {
+    pub fn tcp(src: impl Into<SocketAddr>, dst: impl Into<SocketAddr>) -> Self {
         PacketBuilder {
             src_mac: [0x02, 0, 0, 0, 0, 0x01],
             dst_mac: [0x02, 0, 0, 0, 0, 0x02],
-            src,
-            dst,
+            src: src.into(),
+            dst: dst.into(),
             proto: IPPROTO_TCP,
             ttl: 64,
             ip_id: 0x1234,
             frag: 0x4000, // don't fragment
             ip_options: Vec::new(),
+            ext_first: IPPROTO_DSTOPTS,
             tcp_flags: TCP_ACK,
             seq: 1000,
             ack: 2000,
@@ -95,8 +121,12 @@ impl PacketBuilder {
         }
     }
 
-    pub fn udp(src: SocketAddrV4, dst: SocketAddrV4) -> Self {
+    pub fn udp(src: impl Into<SocketAddr>, dst: impl Into<SocketAddr>) -> Self {
         PacketBuilder { proto: IPPROTO_UDP, ..Self::tcp(src, dst) }
+    }
+
+    pub fn is_ipv4(&self) -> bool {
+        self.src.is_ipv4()
     }
 
     pub fn macs(mut self, src: Mac, dst: Mac) -> Self {
@@ -124,6 +154,22 @@ impl PacketBuilder {
         self.ip_options = opts;
         self
     }
+    /// IPv6: extension headers of first type `first`, raw.
+    pub fn ext_headers(mut self, first: u8, bytes: Vec<u8>) -> Self {
+        self.ext_first = first;
+        self.ip_options = bytes;
+        self
+    }
+    /// The inband option where its family carries it: an IPv4 option, or
+    /// an IPv6 Destination Options header around it (crate::wire::doh).
+    pub fn inband(self, option: &[u8]) -> Self {
+        if self.is_ipv4() {
+            self.ip_options(option.to_vec())
+        } else {
+            let proto = self.proto;
+            self.ext_headers(IPPROTO_DSTOPTS, crate::wire::doh(option, proto))
+        }
+    }
     pub fn tcp_options(mut self, opts: Vec<u8>) -> Self {
         self.tcp_options = opts;
         self
@@ -138,7 +184,7 @@ impl PacketBuilder {
     }
 
     fn l4(&self) -> Vec<u8> {
-        let (src, dst) = (*self.src.ip(), *self.dst.ip());
+        let (src, dst) = (self.src.ip(), self.dst.ip());
         let mut l4 = Vec::new();
         l4.extend_from_slice(&self.src.port().to_be_bytes());
         l4.extend_from_slice(&self.dst.port().to_be_bytes());
@@ -166,27 +212,45 @@ impl PacketBuilder {
         l4
     }
 
-    /// The IPv4 header (with options and a correct checksum) and L4 bytes.
+    /// The IP packet: IPv4 header (options, a correct checksum) or IPv6
+    /// header and extension headers, then the transport.
     pub fn build_ip(&self) -> Vec<u8> {
-        assert!(self.ip_options.len() % 4 == 0, "IP options must be padded to 4 bytes");
         let l4 = self.l4();
-        let hlen = IPV4_MIN_HLEN + self.ip_options.len();
-        let mut ip = Vec::with_capacity(hlen + l4.len());
-        ip.push(0x40 | (hlen / 4) as u8);
-        ip.push(0);
-        ip.extend_from_slice(&((hlen + l4.len()) as u16).to_be_bytes());
-        ip.extend_from_slice(&self.ip_id.to_be_bytes());
-        ip.extend_from_slice(&self.frag.to_be_bytes());
-        ip.push(self.ttl);
-        ip.push(self.proto);
-        ip.extend_from_slice(&[0, 0]);
-        ip.extend_from_slice(&self.src.ip().octets());
-        ip.extend_from_slice(&self.dst.ip().octets());
-        ip.extend_from_slice(&self.ip_options);
-        let sum = checksum(&[&ip]);
-        ip[10..12].copy_from_slice(&sum.to_be_bytes());
-        ip.extend_from_slice(&l4);
-        ip
+        match (self.src.ip(), self.dst.ip()) {
+            (IpAddr::V4(src), IpAddr::V4(dst)) => {
+                assert!(self.ip_options.len() % 4 == 0, "IP options must be padded to 4 bytes");
+                let hlen = IPV4_MIN_HLEN + self.ip_options.len();
+                let mut ip = Vec::with_capacity(hlen + l4.len());
+                ip.push(0x40 | (hlen / 4) as u8);
+                ip.push(0);
+                ip.extend_from_slice(&((hlen + l4.len()) as u16).to_be_bytes());
+                ip.extend_from_slice(&self.ip_id.to_be_bytes());
+                ip.extend_from_slice(&self.frag.to_be_bytes());
+                ip.push(self.ttl);
+                ip.push(self.proto);
+                ip.extend_from_slice(&[0, 0]);
+                ip.extend_from_slice(&src.octets());
+                ip.extend_from_slice(&dst.octets());
+                ip.extend_from_slice(&self.ip_options);
+                let sum = checksum(&[&ip]);
+                ip[10..12].copy_from_slice(&sum.to_be_bytes());
+                ip.extend_from_slice(&l4);
+                ip
+            }
+            (IpAddr::V6(src), IpAddr::V6(dst)) => {
+                let mut ip = Vec::with_capacity(IPV6_HLEN + self.ip_options.len() + l4.len());
+                ip.extend_from_slice(&[0x60, 0, 0, 0]);
+                ip.extend_from_slice(&((self.ip_options.len() + l4.len()) as u16).to_be_bytes());
+                ip.push(if self.ip_options.is_empty() { self.proto } else { self.ext_first });
+                ip.push(self.ttl);
+                ip.extend_from_slice(&src.octets());
+                ip.extend_from_slice(&dst.octets());
+                ip.extend_from_slice(&self.ip_options);
+                ip.extend_from_slice(&l4);
+                ip
+            }
+            _ => panic!("source {} and destination {} are of different families", self.src, self.dst),
+        }
     }
 
     /// The whole Ethernet frame.
@@ -194,7 +258,7 @@ impl PacketBuilder {
         let mut frame = Vec::new();
         frame.extend_from_slice(&self.dst_mac);
         frame.extend_from_slice(&self.src_mac);
-        frame.extend_from_slice(&0x0800u16.to_be_bytes());
+        frame.extend_from_slice(&(if self.is_ipv4() { 0x0800u16 } else { 0x86dd }).to_be_bytes());
         frame.extend_from_slice(&self.build_ip());
         frame
     }
@@ -210,14 +274,18 @@ pub fn mss_option(mss: u16) -> [u8; 4] {
 pub struct Parsed {
     pub src_mac: Mac,
     pub dst_mac: Mac,
-    pub src: SocketAddrV4,
-    pub dst: SocketAddrV4,
+    pub src: SocketAddr,
+    pub dst: SocketAddr,
     pub proto: u8,
+    /// IPv4 options, or IPv6 extension headers (raw).
     pub ip_options: Vec<u8>,
+    /// TTL or hop limit.
+    pub ttl: u8,
     pub tcp_flags: u8,
     pub tcp_options: Vec<u8>,
     pub payload: Vec<u8>,
-    /// IPv4 header checksum and L4 checksum both verify.
+    /// The IPv4 header checksum (IPv6 has none) and the transport checksum
+    /// both verify.
     pub checksums_ok: bool,
 }
 
@@ -239,20 +307,51 @@ impl Parsed {
     }
 }
 
-/// Parses an Ethernet/IPv4/TCP-or-UDP frame; `None` if it is not one.
+/// Parses an Ethernet/IPv4-or-IPv6/TCP-or-UDP frame; `None` if it is not
+/// one. IPv6 extension headers are walked by their lengths (any type but a
+/// fragment's).
 pub fn parse(frame: &[u8]) -> Option<Parsed> {
-    if frame.len() < ETH_HLEN + IPV4_MIN_HLEN || frame[12..14] != [0x08, 0x00] {
+    if frame.len() < ETH_HLEN + IPV4_MIN_HLEN {
         return None;
     }
     let ip = &frame[ETH_HLEN..];
-    let hlen = usize::from(ip[0] & 0x0f) * 4;
-    let total = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
-    if ip[0] >> 4 != 4 || hlen < IPV4_MIN_HLEN || total < hlen || total > ip.len() {
-        return None;
-    }
-    let src_ip = Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]);
-    let dst_ip = Ipv4Addr::new(ip[16], ip[17], ip[18], ip[19]);
-    let proto = ip[9];
+    let (src_ip, dst_ip, proto, hlen, total, ttl, options, ip_ok) = match frame[12..14] {
+        [0x08, 0x00] => {
+            let hlen = usize::from(ip[0] & 0x0f) * 4;
+            let total = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
+            if ip[0] >> 4 != 4 || hlen < IPV4_MIN_HLEN || total < hlen || total > ip.len() {
+                return None;
+            }
+            let s: [u8; 4] = ip[12..16].try_into().unwrap();
+            let d: [u8; 4] = ip[16..20].try_into().unwrap();
+            (IpAddr::from(s), IpAddr::from(d), ip[9], hlen, total, ip[8], ip[IPV4_MIN_HLEN..hlen].to_vec(), checksum(&[&ip[..hlen]]) == 0)
+        }
+        [0x86, 0xdd] => {
+            if ip.len() < IPV6_HLEN || ip[0] >> 4 != 6 {
+                return None;
+            }
+            let total = IPV6_HLEN + usize::from(u16::from_be_bytes([ip[4], ip[5]]));
+            if total > ip.len() {
+                return None;
+            }
+            let (mut nh, mut off) = (ip[6], IPV6_HLEN);
+            while matches!(nh, IPPROTO_HOPOPTS | 43 | IPPROTO_DSTOPTS) {
+                if off + 2 > total {
+                    return None;
+                }
+                let len = (usize::from(ip[off + 1]) + 1) * 8;
+                nh = ip[off];
+                off += len;
+            }
+            if off > total {
+                return None;
+            }
+            let s: [u8; 16] = ip[8..24].try_into().unwrap();
+            let d: [u8; 16] = ip[24..40].try_into().unwrap();
+            (IpAddr::from(s), IpAddr::from(d), nh, off, total, ip[7], ip[IPV6_HLEN..off].to_vec(), true)
+        }
+        _ => return None,
+    };
     let l4 = &ip[hlen..total];
     if l4.len() < 8 {
         return None;
@@ -271,15 +370,17 @@ pub fn parse(frame: &[u8]) -> Option<Parsed> {
     } else {
         (0, Vec::new(), l4[8..].to_vec())
     };
-    let l4_ok = checksum(&[&pseudo_header(src_ip, dst_ip, proto, l4.len()), l4]) == 0;
-    let ip_ok = checksum(&[&ip[..hlen]]) == 0;
+    // A UDP datagram over IPv4 may go without a checksum (0).
+    let no_udp_sum = proto == IPPROTO_UDP && src_ip.is_ipv4() && l4[6..8] == [0, 0];
+    let l4_ok = no_udp_sum || checksum(&[&pseudo_header(src_ip, dst_ip, proto, l4.len()), l4]) == 0;
     Some(Parsed {
         dst_mac: frame[0..6].try_into().unwrap(),
         src_mac: frame[6..12].try_into().unwrap(),
-        src: SocketAddrV4::new(src_ip, sport),
-        dst: SocketAddrV4::new(dst_ip, dport),
+        src: SocketAddr::new(src_ip, sport),
+        dst: SocketAddr::new(dst_ip, dport),
         proto,
-        ip_options: ip[IPV4_MIN_HLEN..hlen].to_vec(),
+        ip_options: options,
+        ttl,
         tcp_flags,
         tcp_options,
         payload,
@@ -293,8 +394,8 @@ mod tests {
 
     #[test]
     fn built_frames_parse_back_with_valid_checksums() {
-        let c: SocketAddrV4 = "10.0.0.1:40000".parse().unwrap();
-        let v: SocketAddrV4 = "10.0.0.100:80".parse().unwrap();
+        let c: SocketAddr = "10.0.0.1:40000".parse().unwrap();
+        let v: SocketAddr = "10.0.0.100:80".parse().unwrap();
         let f = PacketBuilder::tcp(c, v).syn(1460).ip_options(vec![124, 4, 0, 0]).payload(b"hi".to_vec()).build();
         let p = parse(&f).unwrap();
         assert!(p.checksums_ok);
@@ -310,10 +411,28 @@ mod tests {
 
     #[test]
     fn udp_checksum_verifies() {
-        let a: SocketAddrV4 = "10.0.0.1:5000".parse().unwrap();
-        let b: SocketAddrV4 = "10.0.0.2:53".parse().unwrap();
+        let a: SocketAddr = "10.0.0.1:5000".parse().unwrap();
+        let b: SocketAddr = "10.0.0.2:53".parse().unwrap();
         let p = parse(&PacketBuilder::udp(a, b).payload(vec![1, 2, 3]).build()).unwrap();
         assert!(p.checksums_ok);
         assert_eq!(p.payload, vec![1, 2, 3]);
+    }
+
+    /// IPv6 with a Destination Options header: the transport checksum
+    /// covers no extension header, and the parser walks past it.
+    #[test]
+    fn ipv6_frames_with_an_extension_header_parse_back() {
+        let c: SocketAddr = "[2001:db8::1]:40000".parse().unwrap();
+        let v: SocketAddr = "[2001:db8::100]:443".parse().unwrap();
+        for p in [PacketBuilder::tcp(c, v).syn(1440), PacketBuilder::udp(c, v).payload(vec![0x40; 30])] {
+            let plain = parse(&p.build()).unwrap();
+            let f = p.clone().inband(&[124, 4, 0, 0]).build();
+            assert_eq!(&f[12..14], &[0x86, 0xdd]);
+            let q = parse(&f).unwrap();
+            assert!(q.checksums_ok && plain.checksums_ok);
+            assert_eq!((q.src, q.dst, q.proto, q.ttl), (c, v, p.proto, 64));
+            assert_eq!(q.ip_options, crate::wire::doh(&[124, 4, 0, 0], p.proto));
+            assert_eq!(q.payload, plain.payload);
+        }
     }
 }

@@ -32,13 +32,39 @@ unsafe impl Pod for u16 {}
 unsafe impl Pod for u32 {}
 unsafe impl Pod for u64 {}
 unsafe impl Pod for i64 {}
+unsafe impl Pod for crate::bpf::shared::inband_addr {}
 
-/// An IPv4 address as the BPF maps hold it: network-order bytes in a u32.
+/// An IPv4 address as an IPv4 header holds it: network-order bytes in a u32.
 pub fn be_addr(ip: std::net::Ipv4Addr) -> u32 {
     u32::from_ne_bytes(ip.octets())
 }
 pub fn addr_of(be: u32) -> std::net::Ipv4Addr {
     std::net::Ipv4Addr::from(be.to_ne_bytes())
+}
+
+/// An address as every BPF map holds it (`struct inband_addr`,
+/// bpf/include/inband/addr.h): IPv6, or IPv4 mapped (::ffff:a.b.c.d).
+pub fn be_ip(ip: std::net::IpAddr) -> crate::bpf::shared::inband_addr {
+    let v6 = match ip {
+        std::net::IpAddr::V4(a) => a.to_ipv6_mapped(),
+        std::net::IpAddr::V6(a) => a,
+    };
+    let o = v6.octets();
+    let word = |i: usize| u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]]);
+    crate::bpf::shared::inband_addr { w: [word(0), word(1), word(2), word(3)] }
+}
+
+/// The address a map's `struct inband_addr` holds; IPv4-mapped is IPv4.
+pub fn ip_of(a: &crate::bpf::shared::inband_addr) -> std::net::IpAddr {
+    let mut o = [0u8; 16];
+    for (i, w) in a.w.iter().enumerate() {
+        o[4 * i..4 * i + 4].copy_from_slice(&w.to_ne_bytes());
+    }
+    let v6 = std::net::Ipv6Addr::from(o);
+    match v6.to_ipv4_mapped() {
+        Some(v4) => std::net::IpAddr::V4(v4),
+        None => std::net::IpAddr::V6(v6),
+    }
 }
 /// A port as the BPF maps hold it: network-order bytes in a u16.
 pub fn be_port(port: u16) -> u16 {

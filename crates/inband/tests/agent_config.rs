@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
-use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -16,9 +16,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use inband::agent::config::{AgentConfig, ScoreSource, ServiceConfig};
+use inband::lb::config::Protocol;
 use inband::agent::cpu::{parse_proc_stat, RunQueue};
 use inband::agent::daemon::seed_active;
-use inband::agent::maps::{AuthKey, ConnKey, DataPathConfig, DsrFlow};
+use inband::agent::maps::{AgentCounter, AuthKey, ConnKey, DataPathConfig, DsrFlow};
+use inband::agent::settings::DataPathSettings;
+use inband::wire::Key;
 use inband::agent::poll_proto;
 use inband::agent::poll_responder;
 use inband::agent::proc_tcp::{self, TcpState};
@@ -53,7 +56,7 @@ fn config_err(text: &str) -> String {
 fn config_defaults() {
     let c = AgentConfig::parse(GOOD).unwrap();
     assert_eq!(c.interface, "eth0");
-    assert_eq!(c.balancers, vec![Ipv4Addr::new(10, 77, 0, 2)]);
+    assert_eq!(c.balancers, vec![IpAddr::V4(Ipv4Addr::new(10, 77, 0, 2))]);
     assert_eq!(c.score, ScoreSource::Connections);
     assert_eq!(c.score_socket, PathBuf::from("/run/inband/agent.sock"));
     assert_eq!(c.score_socket_group, None);
@@ -61,8 +64,8 @@ fn config_defaults() {
     assert_eq!(
         c.services,
         vec![
-            ServiceConfig { port: 8080, vip: "10.77.0.100:80".parse().unwrap() },
-            ServiceConfig { port: 8081, vip: "10.77.0.100:81".parse().unwrap() },
+            ServiceConfig { port: 8080, vip: "10.77.0.100:80".parse().unwrap(), protocol: Protocol::Tcp },
+            ServiceConfig { port: 8081, vip: "10.77.0.100:81".parse().unwrap(), protocol: Protocol::Tcp },
         ]
     );
     assert_eq!(c.auth.mode, AuthMode::Siphash);
@@ -159,7 +162,12 @@ fn config_unknown_key() {
 #[test]
 fn config_duplicate_port() {
     let e = config_err(&GOOD.replace("port = 8081", "port = 8080"));
-    assert!(e.contains("service port 8080 is listed twice"), "{e}");
+    assert!(e.contains("service port 8080/tcp is listed twice for IPv4 VIPs"), "{e}");
+    // The same port may serve an IPv6 VIP, or a UDP one, beside it.
+    let both = GOOD.replace("port = 8081", "port = 8080").replace("10.77.0.100:81", "[fd00::100]:80");
+    assert_eq!(AgentConfig::parse(&both).unwrap().service_ports(), vec![8080]);
+    let udp = GOOD.replace("port = 8081", "port = 8080\nprotocol = \"udp\"");
+    assert!(AgentConfig::parse(&udp).is_ok());
 }
 
 #[test]
@@ -173,9 +181,11 @@ fn config_zero_ports() {
 #[test]
 fn config_bad_vip() {
     let e = config_err(&GOOD.replace("10.77.0.100:81", "10.77.0.300:81"));
-    assert!(e.contains("vip \"10.77.0.300:81\" is not an IPv4 address:port"), "{e}");
+    assert!(e.contains("vip \"10.77.0.300:81\" is not an address:port"), "{e}");
     let e = config_err(&GOOD.replace("10.77.0.100:81", "10.77.0.100"));
-    assert!(e.contains("vip \"10.77.0.100\" is not an IPv4 address:port"), "{e}");
+    assert!(e.contains("vip \"10.77.0.100\" is not an address:port"), "{e}");
+    let e = config_err(&GOOD.replace("10.77.0.100:81", "[ff02::1]:81"));
+    assert!(e.contains("is not a unicast address"), "{e}");
 }
 
 #[test]
@@ -204,43 +214,21 @@ fn config_missing_interface() {
 }
 
 // ---------------------------------------------------------------- poll protocol
-
-#[test]
-fn poll_protocol_round_trip() {
-    assert_eq!(poll_proto::encode_request(8080), *b"IBP1\x1f\x90");
-    assert_eq!(poll_proto::decode_request(b"IBP1\x1f\x90"), Some(8080));
-    assert_eq!(poll_proto::encode_reply(8080, 0x0102_0304), *b"IBR1\x1f\x90\x01\x02\x03\x04");
-    assert_eq!(poll_proto::decode_reply(b"IBR1\x1f\x90\x01\x02\x03\x04"), Some((8080, 0x0102_0304)));
-    for port in [1u16, 80, 65535] {
-        for score in [0u32, 1, 65535, u32::MAX] {
-            assert_eq!(poll_proto::decode_request(&poll_proto::encode_request(port)), Some(port));
-            assert_eq!(poll_proto::decode_reply(&poll_proto::encode_reply(port, score)), Some((port, score)));
-        }
-    }
-}
-
-#[test]
-fn poll_protocol_rejects_bad_messages() {
-    assert_eq!(poll_proto::decode_request(b""), None);
-    assert_eq!(poll_proto::decode_request(b"IBP1\x1f"), None);
-    assert_eq!(poll_proto::decode_request(b"IBP1\x1f\x90\x00"), None);
-    assert_eq!(poll_proto::decode_request(b"IBP2\x1f\x90"), None);
-    assert_eq!(poll_proto::decode_request(b"ibp1\x1f\x90"), None);
-    // A reply is not a request and the other way round.
-    assert_eq!(poll_proto::decode_request(&poll_proto::encode_reply(8080, 1)), None);
-    assert_eq!(poll_proto::decode_reply(&poll_proto::encode_request(8080)), None);
-    assert_eq!(poll_proto::decode_reply(b"IBR1\x1f\x90\x01\x02\x03"), None);
-    assert_eq!(poll_proto::decode_reply(b"IBR1\x1f\x90\x01\x02\x03\x04\x05"), None);
-    assert_eq!(poll_proto::decode_reply(b"XBR1\x1f\x90\x01\x02\x03\x04"), None);
-}
+// (message layouts and MACs: unit tests in src/agent/poll_proto.rs)
 
 fn services(ports: &[(u16, &str)]) -> Vec<ServiceConfig> {
-    ports.iter().map(|(p, v)| ServiceConfig { port: *p, vip: v.parse().unwrap() }).collect()
+    ports.iter().map(|(p, v)| ServiceConfig { port: *p, vip: v.parse().unwrap(), protocol: Protocol::Tcp }).collect()
 }
 
-fn detached_maps() -> AgentMaps {
+const POLL_KEY: Key = Key(*b"poll-test-key-01");
+
+/// Maps as an agent with `[auth]` `keys = [{ id = 1, .. }]` has them, or
+/// with `mode = "none"` if `unauthenticated`.
+fn detached_maps(unauthenticated: bool) -> AgentMaps {
     let maps = AgentMaps::create_detached().expect("creating BPF maps (run the tests as root)");
-    maps.apply(&services(&[(8080, "10.77.0.100:80"), (8081, "10.77.0.100:81")]), &[Ipv4Addr::LOCALHOST]).unwrap();
+    maps.apply(&services(&[(8080, "10.77.0.100:80"), (8081, "10.77.0.100:81")]), &[IpAddr::V4(Ipv4Addr::LOCALHOST)]).unwrap();
+    let (mode, keys) = if unauthenticated { (AuthMode::None, vec![]) } else { (AuthMode::Siphash, vec![(1, POLL_KEY)]) };
+    DataPathSettings::new(mode, keys, 1500, 120).apply(&maps, None).unwrap();
     maps
 }
 
@@ -257,71 +245,114 @@ fn poll(from: &UdpSocket, to: SocketAddrV4, req: &[u8]) -> Option<(Vec<u8>, Sock
     }
 }
 
-#[test]
-fn poll_responder_answers_like_the_egress_program() {
-    let maps = detached_maps();
-    bpfmap::put(&maps.active_conns, &8080u16, &5i64).unwrap();
-    bpfmap::put(&maps.active_conns, &8081u16, &-3i64).unwrap();
-    // Bound to the wildcard address like the agent's socket.
-    let sock = UdpSocket::bind("0.0.0.0:0").unwrap();
-    let port = sock.local_addr().unwrap().port();
-    let stop = Arc::new(AtomicBool::new(false));
-    let server = {
-        let stop = Arc::clone(&stop);
-        std::thread::spawn(move || {
-            poll_responder::serve(&sock, &maps, &[8080, 8081], &[Ipv4Addr::LOCALHOST], &stop).unwrap();
-            maps
-        })
-    };
-    let balancer = UdpSocket::bind("127.0.0.1:0").unwrap();
-    let to = SocketAddrV4::new(Ipv4Addr::LOCALHOST, port);
-
-    let (reply, src) = poll(&balancer, to, &poll_proto::encode_request(8080)).expect("a reply");
-    assert_eq!(reply, poll_proto::encode_reply(8080, 5));
-    assert_eq!(src, to);
-    // Negative counts (a socket closed that was never counted) read as 0.
-    let (reply, _) = poll(&balancer, to, &poll_proto::encode_request(8081)).expect("a reply");
-    assert_eq!(reply, poll_proto::encode_reply(8081, 0));
-
-    // The reply comes from the address the request was sent to, even when
-    // routing would pick another one (here 127.0.0.1).
-    let other = SocketAddrV4::new(Ipv4Addr::new(127, 0, 0, 3), port);
-    let (reply, src) = poll(&balancer, other, &poll_proto::encode_request(8080)).expect("a reply");
-    assert_eq!(reply, poll_proto::encode_reply(8080, 5));
-    assert_eq!(src, other);
-
-    // Ignored: bad magic, wrong length, a reply, an unserved port, a sender
-    // that is not a balancer.
-    assert_eq!(poll(&balancer, to, b"IBX1\x1f\x90"), None);
-    assert_eq!(poll(&balancer, to, b"IBP1\x1f\x90\x00"), None);
-    assert_eq!(poll(&balancer, to, b"IBP1\x1f"), None);
-    assert_eq!(poll(&balancer, to, &poll_proto::encode_reply(8080, 1)), None);
-    assert_eq!(poll(&balancer, to, &poll_proto::encode_request(9090)), None);
-    let stranger = UdpSocket::bind("127.0.0.2:0").unwrap();
-    assert_eq!(poll(&stranger, to, &poll_proto::encode_request(8080)), None);
-
-    // Still serving after all that; the override wins and saturates.
-    stop.store(true, Ordering::Relaxed);
-    let maps = server.join().unwrap();
-    maps.set_override(8080, 70_000).unwrap();
-    maps.set_override(8081, 12).unwrap();
-    bpfmap::put(&maps.active_conns, &8081u16, &100_000i64).unwrap();
+/// A responder on a wildcard socket (like the agent's) over `maps`, until
+/// the returned flag is set; the thread gives the maps back.
+fn responder(maps: AgentMaps) -> (SocketAddrV4, Arc<AtomicBool>, std::thread::JoinHandle<AgentMaps>) {
     let sock = UdpSocket::bind("0.0.0.0:0").unwrap();
     let to = SocketAddrV4::new(Ipv4Addr::LOCALHOST, sock.local_addr().unwrap().port());
     let stop = Arc::new(AtomicBool::new(false));
     let server = {
         let stop = Arc::clone(&stop);
         std::thread::spawn(move || {
-            poll_responder::serve(&sock, &maps, &[8080, 8081], &[Ipv4Addr::LOCALHOST], &stop).unwrap()
+            poll_responder::serve(&sock, &maps, &[8080, 8081], &[IpAddr::V4(Ipv4Addr::LOCALHOST)], &stop).unwrap();
+            maps
         })
     };
-    assert_eq!(
-        poll(&balancer, to, &poll_proto::encode_request(8080)).unwrap().0,
-        poll_proto::encode_reply(8080, 65535)
-    );
-    assert_eq!(poll(&balancer, to, &poll_proto::encode_request(8081)).unwrap().0, poll_proto::encode_reply(8081, 12));
+    (to, stop, server)
+}
+
+fn signed_request(port: u16, nonce: u64) -> Vec<u8> {
+    poll_proto::encode_request(port, Some((1, &POLL_KEY)), nonce)
+}
+
+/// The reply the agent must send to a signed request: same key, nonce echoed.
+fn signed_reply(port: u16, nonce: u64, score: u32) -> Vec<u8> {
+    let keys = Some(vec![(1, POLL_KEY)]);
+    poll_proto::encode_reply(&poll_proto::Request { port, key_id: 1, nonce }, score, &keys).unwrap()
+}
+
+#[test]
+fn poll_responder_answers_like_the_egress_program() {
+    let maps = detached_maps(false);
+    bpfmap::put(&maps.active_conns, &8080u16, &5i64).unwrap();
+    bpfmap::put(&maps.active_conns, &8081u16, &-3i64).unwrap();
+    let (to, stop, server) = responder(maps);
+    let balancer = UdpSocket::bind("127.0.0.1:0").unwrap();
+
+    let (reply, src) = poll(&balancer, to, &signed_request(8080, 11)).expect("a reply");
+    assert_eq!(reply, signed_reply(8080, 11, 5));
+    assert_eq!(src, to);
+    // Negative counts (a socket closed that was never counted) read as 0.
+    let (reply, _) = poll(&balancer, to, &signed_request(8081, 12)).expect("a reply");
+    assert_eq!(reply, signed_reply(8081, 12, 0));
+
+    // The reply comes from the address the request was sent to, even when
+    // routing would pick another one (here 127.0.0.1).
+    let other = SocketAddrV4::new(Ipv4Addr::new(127, 0, 0, 3), to.port());
+    let (reply, src) = poll(&balancer, other, &signed_request(8080, 13)).expect("a reply");
+    assert_eq!(reply, signed_reply(8080, 13, 5));
+    assert_eq!(src, other);
+
+    // Unanswered and not counted: noise (bad magic, wrong length, a reply).
+    assert_eq!(poll(&balancer, to, b"IBX1\x1f\x90"), None);
+    assert_eq!(poll(&balancer, to, b"IBP1\x1f\x90\x00"), None);
+    assert_eq!(poll(&balancer, to, &signed_reply(8080, 1, 1)), None);
+    // Unanswered, counted as unauthenticated: the plain format where keys
+    // are configured, another key, a forged MAC, a tampered port.
+    assert_eq!(poll(&balancer, to, b"IBP1\x1f\x90"), None);
+    assert_eq!(poll(&balancer, to, &poll_proto::encode_request(8080, Some((2, &POLL_KEY)), 1)), None);
+    assert_eq!(poll(&balancer, to, &poll_proto::encode_request(8080, Some((1, &Key(*b"not-the-pollkey!"))), 1)), None);
+    let mut tampered = signed_request(8080, 14);
+    tampered[5] ^= 1;
+    assert_eq!(poll(&balancer, to, &tampered), None);
+    // Unanswered, counted as refused: an unserved port, a sender that is
+    // not a balancer (even with a valid MAC: the key is not the only check).
+    assert_eq!(poll(&balancer, to, &signed_request(9090, 15)), None);
+    let stranger = UdpSocket::bind("127.0.0.2:0").unwrap();
+    assert_eq!(poll(&stranger, to, &signed_request(8080, 16)), None);
+
+    // Still serving after all that; the override wins and saturates.
     stop.store(true, Ordering::Relaxed);
-    server.join().unwrap();
+    let maps = server.join().unwrap();
+    assert_eq!(maps.counter(AgentCounter::PollsAnswered).unwrap(), 3);
+    assert_eq!(maps.counter(AgentCounter::PollsUnauthenticated).unwrap(), 4);
+    assert_eq!(maps.counter(AgentCounter::PollsRefused).unwrap(), 2);
+    maps.set_override(8080, 70_000).unwrap();
+    maps.set_override(8081, 12).unwrap();
+    bpfmap::put(&maps.active_conns, &8081u16, &100_000i64).unwrap();
+    let (to, stop, server) = responder(maps);
+    assert_eq!(poll(&balancer, to, &signed_request(8080, 21)).unwrap().0, signed_reply(8080, 21, 65535));
+    assert_eq!(poll(&balancer, to, &signed_request(8081, 22)).unwrap().0, signed_reply(8081, 22, 12));
+    stop.store(true, Ordering::Relaxed);
+    assert_eq!(server.join().unwrap().counter(AgentCounter::PollsAnswered).unwrap(), 5);
+}
+
+#[test]
+fn poll_responder_in_mode_none_speaks_the_seed_s_plain_format_only() {
+    let maps = detached_maps(true);
+    bpfmap::put(&maps.active_conns, &8080u16, &7i64).unwrap();
+    let (to, stop, server) = responder(maps);
+    let balancer = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let plain = poll_proto::encode_request(8080, None, 0);
+    assert_eq!(poll(&balancer, to, &plain).expect("a reply").0, b"IBR1\x1f\x90\x00\x00\x00\x07");
+    // A signed request to an agent without keys: the configs differ.
+    assert_eq!(poll(&balancer, to, &signed_request(8080, 1)), None);
+    stop.store(true, Ordering::Relaxed);
+    let maps = server.join().unwrap();
+    assert_eq!(maps.counter(AgentCounter::PollsAnswered).unwrap(), 1);
+    assert_eq!(maps.counter(AgentCounter::PollsUnauthenticated).unwrap(), 1);
+}
+
+#[test]
+fn poll_keys_follow_the_data_path_settings() {
+    let maps = detached_maps(false);
+    assert_eq!(maps.poll_keys().unwrap(), Some(vec![(1, POLL_KEY)]));
+    // A reload that rotates keys (as SIGHUP applies it) is what polls use next.
+    let rotated = DataPathSettings::new(AuthMode::Siphash, vec![(2, Key(*b"second-key-00002")), (1, POLL_KEY)], 1500, 120);
+    rotated.apply(&maps, None).unwrap();
+    assert_eq!(maps.poll_keys().unwrap(), Some(vec![(1, POLL_KEY), (2, Key(*b"second-key-00002"))]));
+    DataPathSettings::new(AuthMode::None, vec![], 1500, 120).apply(&maps, None).unwrap();
+    assert_eq!(maps.poll_keys().unwrap(), None);
 }
 
 // ---------------------------------------------------------------- score socket
@@ -340,7 +371,7 @@ impl ScoreServer {
         let path = dir.path().join("agent.sock");
         let listener = score_socket::bind(&path, None).unwrap();
         let api =
-            Arc::new(ScoreApi { maps: detached_maps(), interface: "test0".into(), ports: vec![8080, 8081], source });
+            Arc::new(ScoreApi { maps: detached_maps(false), interface: "test0".into(), ports: vec![8080, 8081], source });
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let (api, stop) = (Arc::clone(&api), Arc::clone(&stop));
@@ -401,16 +432,16 @@ fn score_socket_set_get_clear() {
     assert_eq!(g["ports"]["8080"]["active_connections"], 3);
     assert_eq!(g["ports"]["8080"]["score"], 3);
     assert_eq!(g["ports"]["8080"]["score_override"], serde_json::Value::Null);
-    assert_eq!(g["ports"]["8080"]["vip"], "10.77.0.100:80");
+    assert_eq!(g["ports"]["8080"]["vips"][0], "10.77.0.100:80");
     assert_eq!(g["ports"]["8081"]["score"], 9);
     assert_eq!(g["balancers"], serde_json::json!(["127.0.0.1"]));
     assert_eq!(g["dsr_flows"], 0);
     assert_eq!(g["counters"]["scores_sent"], 0);
-    assert_eq!(g["counters"].as_object().unwrap().len(), 18);
+    assert_eq!(g["counters"].as_object().unwrap().len(), 26);
     assert_eq!(g["counters"]["tuple_in_use"], 0);
     assert_eq!(g["counters"]["stale_tuples_forgotten"], 0);
-    // Maps fresh from the kernel: the authenticated format, no key yet.
-    assert_eq!(g["auth"], serde_json::json!({ "mode": "siphash", "key_ids": [] }));
+    // As detached_maps applied them: the authenticated format, key 1.
+    assert_eq!(g["auth"], serde_json::json!({ "mode": "siphash", "key_ids": [1] }));
 
     assert_eq!(s.cmd("set 8080 42"), "ok");
     assert_eq!(overrides(&srv.api.maps), BTreeMap::from([(8080, 42)]));
@@ -562,7 +593,7 @@ fn proc_net_tcp_malformed_line_is_named() {
 
 #[test]
 fn seeding_compensates_transitions_during_the_scan() {
-    let maps = detached_maps();
+    let maps = detached_maps(false);
     // A stale value from an earlier agent is replaced.
     bpfmap::put(&maps.active_conns, &8080u16, &99i64).unwrap();
     let socks = proc_tcp::parse(PROC_NET_TCP).unwrap();
@@ -795,7 +826,8 @@ fn agent_attaches_counts_and_cleans_up() {
     let mut ns = Netns::new(format!("ibt-ag-{}", std::process::id()));
     let tmp = tempfile::tempdir().unwrap();
     let socket = tmp.path().join("agent.sock");
-    let config = agent_config(tmp.path(), &socket, &[(1, &key_file(tmp.path(), "auth-1.key"))]);
+    let key = key_file(tmp.path(), "auth-1.key");
+    let config = agent_config(tmp.path(), &socket, &[(1, &key)]);
     let log = tmp.path().join("agent.log");
 
     // Three connections to the service exist before the agent starts: the
@@ -845,7 +877,7 @@ fn agent_attaches_counts_and_cleans_up() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let st: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(st["ports"]["8080"]["active_connections"], 2);
-    assert_eq!(st["ports"]["8080"]["vip"], "10.77.0.100:80");
+    assert_eq!(st["ports"]["8080"]["vips"][0], "10.77.0.100:80");
     assert_eq!(st["balancers"], serde_json::json!(["10.99.0.1"]));
     assert_eq!(st["auth"], serde_json::json!({ "mode": "siphash", "key_ids": [1] }));
     assert_eq!(st["mtu"], 1500);
@@ -861,17 +893,19 @@ fn agent_attaches_counts_and_cleans_up() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let replies = ns.within(|| {
+    let secret = inband::auth::read_key(&key).unwrap();
+    let replies = ns.within(move || {
         let b = UdpSocket::bind("10.99.0.1:0").unwrap();
         let to = SocketAddrV4::new(Ipv4Addr::new(10, 99, 0, 2), 9137);
-        let good = poll(&b, to, &poll_proto::encode_request(8080));
+        let good = poll(&b, to, &poll_proto::encode_request(8080, Some((1, &secret)), 77));
         let bad = poll(&b, to, b"IBP1\x1f\x90\x00");
         let stranger = UdpSocket::bind("10.99.0.2:0").unwrap();
-        let untrusted = poll(&stranger, to, &poll_proto::encode_request(8080));
+        let untrusted = poll(&stranger, to, &poll_proto::encode_request(8080, Some((1, &secret)), 78));
         (good, bad, untrusted)
     });
     let (reply, src) = replies.0.expect("poll reply");
-    assert_eq!(reply, poll_proto::encode_reply(8080, 17));
+    let keys = Some(vec![(1, secret)]);
+    assert_eq!(reply, poll_proto::encode_reply(&poll_proto::Request { port: 8080, key_id: 1, nonce: 77 }, 17, &keys).unwrap());
     assert_eq!(src, SocketAddrV4::new(Ipv4Addr::new(10, 99, 0, 2), 9137));
     assert_eq!(replies.1, None);
     assert_eq!(replies.2, None);
@@ -987,12 +1021,14 @@ fn agent_sighup_rotates_keys_without_detaching() {
     // A connection's client tuple, which a rotation must not drop.
     let maps = AgentMaps::open(&bpfmap::PinDir(ns.pins())).unwrap();
     let conn = ConnKey {
-        peer_addr: u32::from_ne_bytes([10, 99, 0, 1]),
+        peer_addr: inband::pod::be_ip(IpAddr::V4(Ipv4Addr::new(10, 99, 0, 1))),
         peer_port: 2000u16.to_be(),
         local_port: 8080u16.to_be(),
+        proto: 6,
+        pad: [0; 3],
     };
     let flow = DsrFlow {
-        client_addr: u32::from_ne_bytes([198, 51, 100, 7]),
+        client_addr: inband::pod::be_ip(IpAddr::V4(Ipv4Addr::new(198, 51, 100, 7))),
         client_port: 40000u16.to_be(),
         ..Default::default()
     };

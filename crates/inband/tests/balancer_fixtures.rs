@@ -10,81 +10,131 @@
 //! writing timestamps into the past, never by sleeping.
 
 use std::mem::MaybeUninit;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use inband::bpf::bounce::BounceSkelBuilder;
 use inband::bpf::shared as c;
 use inband::lb::maps::*;
 use inband::lb::private::{PrivateBalancer, XDP_DROP, XDP_PASS, XDP_TX};
 use inband::lb::tables::ktime_ns;
-use inband::packet::{checksum, mss_option, parse, Mac, PacketBuilder, IPPROTO_TCP, TCP_ACK, TCP_FIN, TCP_PSH, TCP_RST, TCP_SYN};
-use inband::pod::{be_addr, be_port, port_of, Pod};
-use inband::wire::{Conn, InbandOption, Key};
+use inband::packet::{
+    checksum, mss_option, parse, Mac, PacketBuilder, ETH_HLEN, IPPROTO_DSTOPTS, IPPROTO_FRAGMENT, IPPROTO_HOPOPTS, IPPROTO_TCP, IPPROTO_UDP,
+    TCP_ACK, TCP_FIN, TCP_PSH, TCP_RST, TCP_SYN,
+};
+use inband::pod::{be_ip, be_port, port_of, Pod};
+use inband::wire::{parse_doh, Conn, InbandOption, Key};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags, OpenObject, ProgramInput};
 
+mod frames;
+use frames::{cut6, ext, ipip, opts_header, routing, IPPROTO_ROUTING};
+
 const LB_ADDR: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 10);
+const LB6_ADDR: Ipv6Addr = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x10);
 /// The balancer interface's MAC: the destination of every frame it receives.
 const LB_MAC: Mac = [0x02, 0, 0, 0, 0, 0x0b];
 const CLIENT_MAC: Mac = [0x02, 0, 0, 0, 0, 0xc1];
 const VIP_ADDR: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 100);
+const VIP6_ADDR: Ipv6Addr = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x100);
 const VIP_PORT: u16 = 80;
 /// Not 0, so a program that confuses VIP ids with slots or indexes shows it.
 const VIP_ID: u32 = 3;
 const SYN_MSS: u16 = 1460;
 const MTU: u16 = 1500;
+/// A small prime table: the fixtures write it whole.
+const MAGLEV_SIZE: u32 = 251;
 const KEY: Key = Key(*b"fixture-key-0001");
 const KEY_ID: u8 = 7;
 const SEC: u64 = 1_000_000_000;
 /// The fixtures' per-VIP timeouts.
 const SYN_TIMEOUT: u64 = 5 * SEC;
-const IDLE_TIMEOUT: u64 = 900 * SEC;
+// Short enough that `age` can date a packet before it on a machine booted
+// minutes ago (a fresh CI machine): CLOCK_MONOTONIC starts at boot.
+const IDLE_TIMEOUT: u64 = 60 * SEC;
 const CLOSING_TIMEOUT: u64 = 10 * SEC;
 
-fn vip() -> SocketAddrV4 {
-    SocketAddrV4::new(VIP_ADDR, VIP_PORT)
+fn sa4(ip: Ipv4Addr, port: u16) -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(ip), port)
 }
-fn client(n: u8) -> SocketAddrV4 {
-    SocketAddrV4::new(Ipv4Addr::new(192, 168, 1, n), 40000 + u16::from(n))
+fn v4_of(a: SocketAddr) -> Ipv4Addr {
+    match a.ip() {
+        IpAddr::V4(a) => a,
+        IpAddr::V6(a) => panic!("{a} is not IPv4"),
+    }
+}
+fn vip() -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(VIP_ADDR), VIP_PORT)
+}
+fn vip6() -> SocketAddr {
+    SocketAddr::new(IpAddr::V6(VIP6_ADDR), VIP_PORT)
+}
+/// The VIP of `c`'s family.
+fn vip_for(c: SocketAddr) -> SocketAddr {
+    if c.is_ipv4() {
+        vip()
+    } else {
+        vip6()
+    }
+}
+fn lb_addr(v4: bool) -> IpAddr {
+    if v4 {
+        IpAddr::V4(LB_ADDR)
+    } else {
+        IpAddr::V6(LB6_ADDR)
+    }
+}
+fn client(n: u8) -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(Ipv4Addr::new(192, 168, 1, n)), 40000 + u16::from(n))
+}
+fn client6(n: u8) -> SocketAddr {
+    SocketAddr::new(IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 1, u16::from(n))), 40000 + u16::from(n))
 }
 
 /// Backend `i` of the test VIP. Ids are not slot numbers, on purpose.
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct B {
     id: u32,
-    addr: SocketAddrV4,
+    addr: SocketAddr,
     mac: Mac,
 }
 fn backend(i: u8) -> B {
     B {
         id: 10 + u32::from(i),
-        addr: SocketAddrV4::new(Ipv4Addr::new(10, 0, 1, i + 1), 8080 + u16::from(i)),
+        addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 1, i + 1)), 8080 + u16::from(i)),
         mac: [0x02, 0, 0, 0, 0x01, i + 1],
     }
 }
+/// Backend `i` of the IPv6 VIP (fixtures that use it make it the VIP's).
+fn backend6(i: u8) -> B {
+    B {
+        id: 40 + u32::from(i),
+        addr: SocketAddr::new(IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 1, 0, 0, 0, 0, u16::from(i) + 1)), 8080 + u16::from(i)),
+        mac: [0x02, 0, 0, 0, 0x06, i + 1],
+    }
+}
 
-/// A client's SYN to the VIP, as Linux sends it (MSS option first).
-fn syn(c: SocketAddrV4) -> PacketBuilder {
-    PacketBuilder::tcp(c, vip()).macs(CLIENT_MAC, LB_MAC).syn(SYN_MSS)
+/// A client's SYN to the VIP of its family, as Linux sends it (MSS option first).
+fn syn(c: SocketAddr) -> PacketBuilder {
+    PacketBuilder::tcp(c, vip_for(c)).macs(CLIENT_MAC, LB_MAC).syn(SYN_MSS)
 }
 /// The client's ACK that completes the handshake.
-fn ack(c: SocketAddrV4) -> PacketBuilder {
-    PacketBuilder::tcp(c, vip()).macs(CLIENT_MAC, LB_MAC).flags(TCP_ACK).seq_no(1001)
+fn ack(c: SocketAddr) -> PacketBuilder {
+    PacketBuilder::tcp(c, vip_for(c)).macs(CLIENT_MAC, LB_MAC).flags(TCP_ACK).seq_no(1001)
 }
 /// A client's data segment on an established connection.
-fn data(c: SocketAddrV4) -> PacketBuilder {
-    PacketBuilder::tcp(c, vip()).macs(CLIENT_MAC, LB_MAC).flags(TCP_ACK | TCP_PSH).seq_no(1001).payload(b"GET / HTTP/1.1\r\n\r\n")
+fn data(c: SocketAddr) -> PacketBuilder {
+    PacketBuilder::tcp(c, vip_for(c)).macs(CLIENT_MAC, LB_MAC).flags(TCP_ACK | TCP_PSH).seq_no(1001).payload(b"GET / HTTP/1.1\r\n\r\n")
 }
 /// A backend's segment back to the balancer's SNAT port.
 fn reply(b: &B, snat_port: u16) -> PacketBuilder {
-    PacketBuilder::tcp(b.addr, SocketAddrV4::new(LB_ADDR, snat_port))
+    PacketBuilder::tcp(b.addr, SocketAddr::new(lb_addr(b.addr.is_ipv4()), snat_port))
         .macs(b.mac, LB_MAC)
         .flags(TCP_ACK | TCP_PSH)
         .payload(b"HTTP/1.1 200 OK\r\n\r\n")
 }
 
 fn conn(b: &B, snat_port: u16) -> Conn {
-    Conn { lb: SocketAddrV4::new(LB_ADDR, snat_port), backend: b.addr }
+    Conn::tcp(SocketAddr::new(lb_addr(b.addr.is_ipv4()), snat_port), b.addr)
 }
 /// The authenticated 155 the balancer must put on `syn` toward `b`.
 fn tuple_option(syn: &PacketBuilder, b: &B, snat_port: u16) -> Vec<u8> {
@@ -95,7 +145,7 @@ fn tuple_option(syn: &PacketBuilder, b: &B, snat_port: u16) -> Vec<u8> {
 /// one hop older, with `ip_options`.
 fn forwarded(p: &PacketBuilder, b: &B, snat_port: u16, ip_options: Vec<u8>) -> Vec<u8> {
     let mut e = p.clone();
-    e.src = SocketAddrV4::new(LB_ADDR, snat_port);
+    e.src = SocketAddr::new(lb_addr(b.addr.is_ipv4()), snat_port);
     e.dst = b.addr;
     e.src_mac = LB_MAC;
     e.dst_mac = b.mac;
@@ -103,16 +153,27 @@ fn forwarded(p: &PacketBuilder, b: &B, snat_port: u16, ip_options: Vec<u8>) -> V
     e.ip_options = ip_options;
     e.build()
 }
-/// A SYN forwarded in a DSR mode: the MSS lowered by 16, option 155.
+/// ... with an inband option where its family carries it.
+fn forwarded_with(p: &PacketBuilder, b: &B, snat_port: u16, option: &[u8]) -> Vec<u8> {
+    let mut e = p.clone().inband(option);
+    e.src = SocketAddr::new(lb_addr(b.addr.is_ipv4()), snat_port);
+    e.dst = b.addr;
+    e.src_mac = LB_MAC;
+    e.dst_mac = b.mac;
+    e.ttl -= 1;
+    e.build()
+}
+/// A SYN forwarded in a DSR mode: the MSS lowered by 16 (IPv6: 24), option 155.
 fn forwarded_dsr_syn(p: &PacketBuilder, b: &B, snat_port: u16) -> Vec<u8> {
     let mut clamped = p.clone();
-    clamped.tcp_options = mss_option(SYN_MSS - 16).to_vec();
-    forwarded(&clamped, b, snat_port, tuple_option(p, b, snat_port))
+    let by = if p.is_ipv4() { 16 } else { 24 };
+    clamped.tcp_options = mss_option(SYN_MSS - by).to_vec();
+    forwarded_with(&clamped, b, snat_port, &tuple_option(p, b, snat_port))
 }
 /// What the balancer must send to the client for the backend packet `p`.
-fn returned(p: &PacketBuilder, c: SocketAddrV4, ip_options: Vec<u8>) -> Vec<u8> {
+fn returned(p: &PacketBuilder, c: SocketAddr, ip_options: Vec<u8>) -> Vec<u8> {
     let mut e = p.clone();
-    e.src = vip();
+    e.src = vip_for(c);
     e.dst = c;
     e.src_mac = LB_MAC;
     e.dst_mac = CLIENT_MAC;
@@ -142,31 +203,60 @@ fn del<K: Pod>(map: &dyn MapCore, k: &K) {
     map.delete(k.as_bytes()).expect("map delete");
 }
 
-fn vip_key() -> VipKey {
-    VipKey { addr: be_addr(VIP_ADDR), port: be_port(VIP_PORT), proto: IPPROTO_TCP, pad: 0 }
+/// The client side of `c`'s TCP connection to the VIP of its family.
+fn flow_key(c: SocketAddr) -> FlowKey {
+    flow_key_to(c, vip_for(c), IPPROTO_TCP)
 }
-fn flow_key(c: SocketAddrV4) -> FlowKey {
+fn flow_key_to(c: SocketAddr, vip: SocketAddr, proto: u8) -> FlowKey {
     FlowKey {
-        client_addr: be_addr(*c.ip()),
-        vip_addr: be_addr(VIP_ADDR),
+        client_addr: be_ip(c.ip()),
+        vip_addr: be_ip(vip.ip()),
         client_port: be_port(c.port()),
-        vip_port: be_port(VIP_PORT),
-        proto: IPPROTO_TCP,
+        vip_port: be_port(vip.port()),
+        proto,
         pad: [0; 3],
     }
 }
 fn nat_key(b: &B, snat_port: u16) -> NatKey {
+    nat_key_proto(b, snat_port, IPPROTO_TCP)
+}
+fn nat_key_proto(b: &B, snat_port: u16, proto: u8) -> NatKey {
     NatKey {
-        backend_addr: be_addr(*b.addr.ip()),
+        backend_addr: be_ip(b.addr.ip()),
         backend_port: be_port(b.addr.port()),
         snat_port: be_port(snat_port),
-        proto: IPPROTO_TCP,
+        proto,
         pad: [0; 3],
     }
 }
 
 struct Fixture {
     lb: PrivateBalancer<'static>,
+}
+
+/// What `Fixture::lb_vip` sets up.
+struct Spec {
+    mode: Mode,
+    policy: Policy,
+    n: u8,
+    auth: u32,
+    v6: bool,
+    proto: u8,
+    quic: bool,
+}
+
+impl Default for Spec {
+    fn default() -> Spec {
+        Spec {
+            mode: Mode::DsrRr,
+            policy: Policy::RoundRobin,
+            n: 1,
+            auth: c::INBAND_AUTH_SIPHASH,
+            v6: false,
+            proto: IPPROTO_TCP,
+            quic: false,
+        }
+    }
 }
 
 impl Fixture {
@@ -181,7 +271,15 @@ impl Fixture {
         // The skeleton borrows its object storage for as long as it lives;
         // a test's fixture lives to the end of the test.
         let storage: &'static mut MaybeUninit<OpenObject> = Box::leak(Box::new(MaybeUninit::uninit()));
-        let cfg = LbConfig { self_addr: be_addr(LB_ADDR), mtu: MTU, auth_mode: auth as u8, sign_key: KEY_ID, snat_key: [1, 2] };
+        let cfg = LbConfig {
+            self4: be_ip(LB_ADDR.into()),
+            self6: be_ip(LB6_ADDR.into()),
+            mtu: MTU,
+            auth_mode: auth as u8,
+            sign_key: KEY_ID,
+            maglev_size: MAGLEV_SIZE,
+            snat_key: [1, 2],
+        };
         let lb = PrivateBalancer::load(storage, 262_144, &cfg).expect("load balancer");
         inband::auth::write_keys(&lb.skel.maps.auth_keys, &[(KEY_ID, KEY)]).unwrap();
         Fixture { lb }
@@ -193,15 +291,22 @@ impl Fixture {
     }
 
     fn lb_auth(mode: Mode, policy: Policy, n: u8, auth: u32) -> Fixture {
-        let fx = Fixture::with_auth(auth);
-        let slots: Vec<u32> = (0..n).map(|i| backend(i).id).collect();
-        for i in 0..n {
-            fx.set_backend(&backend(i), BACKEND_ACTIVE);
+        Fixture::lb_vip(Spec { mode, policy, n, auth, ..Spec::default() })
+    }
+
+    /// One VIP as `spec` says (VIP_ID, slot i = backend i of its family).
+    fn lb_vip(spec: Spec) -> Fixture {
+        let fx = Fixture::with_auth(spec.auth);
+        let of = |i| if spec.v6 { backend6(i) } else { backend(i) };
+        let slots: Vec<u32> = (0..spec.n).map(|i| of(i).id).collect();
+        for i in 0..spec.n {
+            fx.set_backend(&of(i), BACKEND_ACTIVE);
         }
         let v = Vip {
-            mode: mode as u8,
-            policy: policy as u8,
-            flags: VIP_ACTIVE,
+            mode: spec.mode as u8,
+            policy: spec.policy as u8,
+            flags: VIP_ACTIVE | if spec.quic { VIP_QUIC } else { 0 },
+            proto: spec.proto,
             probe_interval: 0,
             score_max_age_ns: SEC,
             syn_timeout_ns: SYN_TIMEOUT,
@@ -209,13 +314,15 @@ impl Fixture {
             closing_timeout_ns: CLOSING_TIMEOUT,
             ..Default::default()
         };
-        fx.lb.set_vip(VIP_ID, vip_key(), &v, &slots).unwrap();
+        let vip = if spec.v6 { vip6() } else { vip() };
+        let key = VipKey { addr: be_ip(vip.ip()), port: be_port(vip.port()), proto: spec.proto, pad: 0 };
+        fx.lb.set_vip(VIP_ID, key, &v, &slots).unwrap();
         fx
     }
 
     /// A backend as the control plane adds it: its first packet asks for a score.
     fn set_backend(&self, b: &B, flags: u16) {
-        let entry = Backend { addr: be_addr(*b.addr.ip()), port: be_port(b.addr.port()), mac: b.mac, flags, ..Default::default() };
+        let entry = Backend { addr: be_ip(b.addr.ip()), port: be_port(b.addr.port()), mac: b.mac, flags, ..Default::default() };
         self.lb.set_backend(b.id, &entry).unwrap();
         put(&self.lb.skel.maps.probe_due, &b.id, &PROBE_DUE);
     }
@@ -264,13 +371,13 @@ impl Fixture {
         DROP_NAMES.iter().copied().zip(self.drops()).filter(|(_, n)| *n > 0).collect()
     }
 
-    fn flow(&self, c: SocketAddrV4) -> Option<Flow> {
+    fn flow(&self, c: SocketAddr) -> Option<Flow> {
         get(&self.lb.skel.maps.flows, &flow_key(c))
     }
-    fn half_open(&self, c: SocketAddrV4) -> Option<Flow> {
+    fn half_open(&self, c: SocketAddr) -> Option<Flow> {
         get(&self.lb.skel.maps.half_open, &flow_key(c))
     }
-    fn put_flow(&self, c: SocketAddrV4, f: &Flow) {
+    fn put_flow(&self, c: SocketAddr, f: &Flow) {
         put(&self.lb.skel.maps.flows, &flow_key(c), f);
     }
     fn flow_count(&self) -> usize {
@@ -293,7 +400,7 @@ impl Fixture {
         put(&self.lb.skel.maps.scores, &b.id, &BackendScore { score, updated_ns, ..Default::default() });
     }
     fn set_score_full(&self, b: &B, score: u32, opened: u32, closed: u32, updated_ns: u64) {
-        put(&self.lb.skel.maps.scores, &b.id, &BackendScore { score, opened, closed, pad: 0, updated_ns });
+        put(&self.lb.skel.maps.scores, &b.id, &BackendScore { score, opened, closed, updated_ns, ..Default::default() });
     }
 
     fn backend_stats(&self, b: &B) -> BackendStats {
@@ -302,12 +409,12 @@ impl Fixture {
 
     /// The backend `id` names.
     fn backend_of(&self, id: u32) -> B {
-        (0..MAX_BACKENDS_PER_VIP as u8).map(backend).find(|b| b.id == id).expect("known backend")
+        (0..MAX_BACKENDS_PER_VIP as u8).flat_map(|i| [backend(i), backend6(i)]).find(|b| b.id == id).expect("known backend")
     }
 
     /// Sends `c`'s SYN; returns (backend, SNAT port) of its handshake.
     #[track_caller]
-    fn open(&self, c: SocketAddrV4) -> (B, u16) {
+    fn open(&self, c: SocketAddr) -> (B, u16) {
         self.tx(&syn(c).build());
         let f = self.half_open(c).expect("half-open flow after SYN");
         (self.backend_of(u32::from(f.backend_id)), port_of(f.snat_port))
@@ -316,7 +423,7 @@ impl Fixture {
     /// Opens a connection from `c` (SYN, then the ACK that completes it)
     /// and returns (backend it went to, SNAT port).
     #[track_caller]
-    fn connect(&self, c: SocketAddrV4) -> (B, u16) {
+    fn connect(&self, c: SocketAddr) -> (B, u16) {
         let (b, port) = self.open(c);
         self.tx(&ack(c).build());
         assert!(self.flow(c).is_some(), "established flow after the handshake");
@@ -325,7 +432,7 @@ impl Fixture {
 
     /// The backend `c`'s SYN is sent to.
     #[track_caller]
-    fn pick(&self, c: SocketAddrV4) -> u32 {
+    fn pick(&self, c: SocketAddr) -> u32 {
         self.open(c).0.id
     }
 
@@ -352,7 +459,7 @@ impl Fixture {
     }
 
     /// As if the 125 answering `c`'s outstanding 124 had come.
-    fn answered(&self, c: SocketAddrV4) {
+    fn answered(&self, c: SocketAddr) {
         let mut f = self.flow(c).expect("a flow");
         f.flags &= !(FLOW_PROBE_OUTSTANDING | c::INBAND_FLOW_PROBE_OLD as u8);
         self.put_flow(c, &f);
@@ -360,14 +467,15 @@ impl Fixture {
 
     /// Marks the flow of `c` as if its last packet came `ago_ns` ago (and
     /// no sweep has seen one since).
-    fn age(&self, c: SocketAddrV4, ago_ns: u64) {
+    fn age(&self, c: SocketAddr, ago_ns: u64) {
+        let then = ktime_ns().checked_sub(ago_ns).expect("the machine has been up for less than the age asked for");
         if let Some(mut f) = self.flow(c) {
-            f.last_seen_ns = ktime_ns() - ago_ns;
+            f.last_seen_ns = then;
             f.seen = 0;
             self.put_flow(c, &f);
         } else {
             let mut f = self.half_open(c).expect("a flow to age");
-            f.last_seen_ns = ktime_ns() - ago_ns;
+            f.last_seen_ns = then;
             put(&self.lb.skel.maps.half_open, &flow_key(c), &f);
         }
     }
@@ -400,7 +508,7 @@ fn loading_pins_nothing_under_sys_fs_bpf() {
 // ------------------------------------------------------ not the balancer's
 
 #[test]
-fn non_ipv4_frames_pass_untouched() {
+fn non_ip_frames_pass_untouched() {
     let fx = Fixture::lb_with(Mode::DsrRr, Policy::RoundRobin, 1);
     // An ARP request for the VIP.
     let mut arp = Vec::new();
@@ -408,15 +516,15 @@ fn non_ipv4_frames_pass_untouched() {
     arp.extend_from_slice(&CLIENT_MAC);
     arp.extend_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0x00, 6, 4, 0, 1]);
     arp.extend_from_slice(&CLIENT_MAC);
-    arp.extend_from_slice(&client(1).ip().octets());
+    arp.extend_from_slice(&v4_of(client(1)).octets());
     arp.extend_from_slice(&[0; 6]);
     arp.extend_from_slice(&VIP_ADDR.octets());
     fx.assert_passed_untouched(&arp);
-    // An IPv6 frame whose bytes after the Ethernet header would parse as a
-    // TCP segment to the VIP if the EtherType were ignored.
-    let mut v6 = syn(client(1)).build();
-    v6[12..14].copy_from_slice(&[0x86, 0xdd]);
-    fx.assert_passed_untouched(&v6);
+    // A frame of another EtherType whose bytes after the Ethernet header
+    // would parse as a TCP segment to the VIP if the type were ignored.
+    let mut other = syn(client(1)).build();
+    other[12..14].copy_from_slice(&[0x88, 0xb5]);
+    fx.assert_passed_untouched(&other);
     assert_eq!(fx.half_open_count(), 0);
 }
 
@@ -424,15 +532,15 @@ fn non_ipv4_frames_pass_untouched() {
 fn non_vip_traffic_passes_untouched() {
     let fx = Fixture::lb_with(Mode::DsrDynamic, Policy::LeastScore, 2);
     let c = client(1);
-    let other_host = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 200), VIP_PORT);
-    let vip_other_port = SocketAddrV4::new(VIP_ADDR, 443);
+    let other_host = sa4(Ipv4Addr::new(10, 0, 0, 200), VIP_PORT);
+    let vip_other_port = sa4(VIP_ADDR, 443);
     // TCP to another address, TCP to the VIP address on another port, UDP to
     // the VIP's address and port, and TCP to the balancer itself that is no
     // connection of ours (its own ssh, say) — also with an IP option.
     fx.assert_passed_untouched(&PacketBuilder::tcp(c, other_host).macs(CLIENT_MAC, LB_MAC).syn(1460).build());
     fx.assert_passed_untouched(&PacketBuilder::tcp(c, vip_other_port).macs(CLIENT_MAC, LB_MAC).syn(1460).build());
     fx.assert_passed_untouched(&PacketBuilder::udp(c, vip()).macs(CLIENT_MAC, LB_MAC).payload(vec![1, 2, 3]).build());
-    let to_lb = PacketBuilder::tcp(c, SocketAddrV4::new(LB_ADDR, 22)).macs(CLIENT_MAC, LB_MAC);
+    let to_lb = PacketBuilder::tcp(c, sa4(LB_ADDR, 22)).macs(CLIENT_MAC, LB_MAC);
     fx.assert_passed_untouched(&to_lb.clone().build());
     fx.assert_passed_untouched(&to_lb.ip_options(vec![1, 1, 1, 1]).build());
     // A non-first fragment carries no ports, so it cannot be matched to a
@@ -458,7 +566,7 @@ fn passthrough_syn_is_natted_without_option_or_clamp_and_held_as_half_open() {
     assert_eq!(out, forwarded(&s, &b, snat, vec![]));
     assert_eq!(
         (f.backend_addr, f.backend_port, u32::from(f.backend_id), u32::from(f.vip_id), f.mode, f.state),
-        (be_addr(*b.addr.ip()), be_port(b.addr.port()), b.id, VIP_ID, Mode::Passthrough as u8, FLOW_SYN_SENT)
+        (be_ip(b.addr.ip()), be_port(b.addr.port()), b.id, VIP_ID, Mode::Passthrough as u8, FLOW_SYN_SENT)
     );
     assert_eq!((f.client_mac, f.syn_seq, f.flags), (CLIENT_MAC, s.seq.to_be(), 0));
     // The coarse clock ticks at most every few ms.
@@ -504,7 +612,7 @@ fn dsr_syn_carries_the_authenticated_client_tuple_and_a_clamped_mss() {
         assert_eq!(p.mss(), Some(SYN_MSS - 16));
         // The MAC binds the option to this SYN: another sequence number or
         // port would not verify.
-        let opt = InbandOption::decode(&p.ip_options).unwrap();
+        let opt = InbandOption::decode(&p.ip_options, false).unwrap();
         assert_ne!(opt, InbandOption::auth_client_tuple(&KEY, KEY_ID, s.seq + 1, conn(&b, snat), c));
         assert_ne!(opt, InbandOption::auth_client_tuple(&KEY, KEY_ID, s.seq, conn(&b, snat ^ 1), c));
     }
@@ -551,15 +659,25 @@ fn syn_without_mss_option_is_forwarded_unclamped() {
     assert_eq!(out, forwarded(&s, &b, snat, tuple_option(&s, &b, snat)));
 }
 
+/// A SYN forwarded in a DSR mode without its 155 (MSS still clamped).
+fn forwarded_plain_syn(p: &PacketBuilder, b: &B, snat_port: u16) -> Vec<u8> {
+    let mut clamped = p.clone();
+    clamped.tcp_options = mss_option(SYN_MSS - if p.is_ipv4() { 16 } else { 24 }).to_vec();
+    forwarded(&clamped, b, snat_port, vec![])
+}
+
 #[test]
-fn retransmitted_syn_follows_its_handshake_and_counts_once() {
+fn retransmitted_syn_follows_its_handshake_without_the_tuple_and_counts_once() {
     let fx = Fixture::lb_with(Mode::DsrRr, Policy::RoundRobin, 3);
     let c = client(1);
     let (b, snat) = fx.open(c);
+    // The retransmission goes without its 155: if a middlebox dropped the
+    // first SYN for its option, this one opens the connection (through
+    // the balancer rather than direct).
     let s = syn(c);
-    assert_eq!(fx.tx(&s.build()), forwarded_dsr_syn(&s, &b, snat));
+    assert_eq!(fx.tx(&s.build()), forwarded_plain_syn(&s, &b, snat));
     let st = fx.backend_stats(&b);
-    assert_eq!((st.new_conns, st.packets), (1, 2));
+    assert_eq!((st.new_conns, st.packets, st.syn_retries), (1, 2, 1));
     assert_eq!(fx.half_open_count(), 1);
 }
 
@@ -729,9 +847,11 @@ fn a_syn_does_not_rebalance_a_live_flow_but_does_a_closing_one() {
     // A SYN with another sequence number on a live connection (forged, or
     // a client that lost its state) goes to the same backend and port,
     // whose stack answers with a challenge ACK; nothing is re-balanced.
+    // It carries no 155: the agent would refuse one for a live socket.
     let forged = syn(c).seq_no(900_000);
-    assert_eq!(fx.tx(&forged.build()), forwarded_dsr_syn(&forged, &b, snat));
+    assert_eq!(fx.tx(&forged.build()), forwarded_plain_syn(&forged, &b, snat));
     assert_eq!(fx.event("syn_on_live_flow"), 1);
+    assert_eq!(fx.backend_stats(&b).syn_retries, 0, "not a handshake's retransmission");
     let f = fx.flow(c).unwrap();
     assert_eq!((u32::from(f.backend_id), f.state), (b.id, FLOW_ESTABLISHED));
     // Once the connection is closing, a new SYN on the tuple is a new
@@ -825,7 +945,7 @@ fn a_removed_vip_keeps_its_flows_and_refuses_new_connections() {
 /// The SNAT port candidates of client `c` under the fixtures' SNAT key
 /// ([1, 2]), as nat.h derives them: SipHash-2-4 of the client side, then
 /// one mixed port per try.
-fn candidates(c: SocketAddrV4) -> Vec<u16> {
+fn candidates(c: SocketAddr) -> Vec<u16> {
     let mut key = [0u8; 16];
     key[..8].copy_from_slice(&1u64.to_le_bytes());
     key[8..].copy_from_slice(&2u64.to_le_bytes());
@@ -854,14 +974,15 @@ fn snat_ports_come_from_a_keyed_hash() {
 }
 
 /// An established flow from `owner` that holds `port` toward `b`.
-fn occupy(fx: &Fixture, b: &B, port: u16, owner: SocketAddrV4, state: u32, last_seen_ns: u64) {
+fn occupy(fx: &Fixture, b: &B, port: u16, owner: SocketAddr, state: u32, last_seen_ns: u64) {
     let f = Flow {
-        backend_addr: be_addr(*b.addr.ip()),
+        backend_addr: be_ip(b.addr.ip()),
         backend_port: be_port(b.addr.port()),
         snat_port: be_port(port),
         backend_id: b.id as u16,
         vip_id: VIP_ID as u8,
         state,
+        proto: IPPROTO_TCP,
         last_seen_ns,
         ..Default::default()
     };
@@ -874,8 +995,8 @@ fn occupy(fx: &Fixture, b: &B, port: u16, owner: SocketAddrV4, state: u32, last_
     }
 }
 
-fn owner_of(port: u16) -> SocketAddrV4 {
-    SocketAddrV4::new(Ipv4Addr::new(172, 16, (port >> 8) as u8, port as u8), 5555)
+fn owner_of(port: u16) -> SocketAddr {
+    sa4(Ipv4Addr::new(172, 16, (port >> 8) as u8, port as u8), 5555)
 }
 
 #[test]
@@ -1026,7 +1147,7 @@ fn a_backend_without_free_ports_is_skipped_for_the_next() {
 /// The authenticated 124 the balancer put on `out` (which must carry one),
 /// checked against the nonce it recorded in `c`'s flow.
 #[track_caller]
-fn expect_request(fx: &Fixture, out: &[u8], c: SocketAddrV4, b: &B, snat: u16) -> Vec<u8> {
+fn expect_request(fx: &Fixture, out: &[u8], c: SocketAddr, b: &B, snat: u16) -> Vec<u8> {
     let f = fx.flow(c).unwrap();
     assert_eq!(f.flags & FLOW_PROBE_OUTSTANDING, FLOW_PROBE_OUTSTANDING);
     assert_eq!(f.probe_key, KEY_ID);
@@ -1188,7 +1309,7 @@ fn probe_interval_zero_never_probes() {
 
 /// A flow of `c` to `b` with an outstanding 124 of nonce `nonce`, as if the
 /// balancer had just sent it.
-fn outstanding(fx: &Fixture, c: SocketAddrV4, nonce: u32) {
+fn outstanding(fx: &Fixture, c: SocketAddr, nonce: u32) {
     let mut f = fx.flow(c).unwrap();
     f.flags |= FLOW_PROBE_OUTSTANDING;
     f.probe_nonce = nonce;
@@ -1335,13 +1456,13 @@ fn reply_with_foreign_options_is_forwarded_with_them() {
 fn inband_options_from_outside_to_the_balancer_are_dropped() {
     let fx = Fixture::lb_with(Mode::DsrDynamic, Policy::LeastScore, 1);
     let (b, snat) = fx.connect(client(1));
-    let stranger = B { addr: SocketAddrV4::new(Ipv4Addr::new(10, 0, 1, 66), 8080), ..b };
+    let stranger = B { addr: sa4(Ipv4Addr::new(10, 0, 1, 66), 8080), ..b };
     let score = InbandOption::auth_score(&KEY, KEY_ID, NONCE.to_ne_bytes(), conn(&b, snat), 0).encode();
     // A 125 for no connection: unknown host, or a backend naming a port that
     // is not its connection, or the right host from another source port.
     fx.assert_dropped(&reply(&stranger, snat).ip_options(score.clone()).build(), "score_not_owner");
     fx.assert_dropped(&reply(&b, snat ^ 1).ip_options(score.clone()).build(), "score_not_owner");
-    let other_port = B { addr: SocketAddrV4::new(*b.addr.ip(), 9999), ..b };
+    let other_port = B { addr: SocketAddr::new(b.addr.ip(), 9999), ..b };
     fx.assert_dropped(&reply(&other_port, snat).ip_options(score).build(), "score_not_owner");
     // 155/124 are ours to send, never to receive.
     fx.assert_dropped(&reply(&stranger, snat).ip_options(InbandOption::ScoreRequest.encode()).build(), "unexpected_option");
@@ -1429,8 +1550,8 @@ fn fragmentation_needed_for_a_dsr_response_goes_to_its_backend() {
     let out = fx.tx(&err);
     // The same error about the connection as the backend's stack knows it:
     // backend:port -> balancer:SNAT port, from the balancer to the backend.
-    let as_sent = PacketBuilder::tcp(b.addr, SocketAddrV4::new(LB_ADDR, snat)).flags(TCP_ACK).seq_no(777).payload(vec![0; 1400]);
-    let mut want = icmp_error(LB_ADDR, *b.addr.ip(), FRAG_NEEDED, 1280, &as_sent.build_ip(), 28);
+    let as_sent = PacketBuilder::tcp(b.addr, sa4(LB_ADDR, snat)).flags(TCP_ACK).seq_no(777).payload(vec![0; 1400]);
+    let mut want = icmp_error(LB_ADDR, v4_of(b.addr), FRAG_NEEDED, 1280, &as_sent.build_ip(), 28);
     want[0..6].copy_from_slice(&b.mac);
     want[6..12].copy_from_slice(&LB_MAC);
     want[14 + 8] = 63; // one hop
@@ -1448,7 +1569,7 @@ fn fragmentation_needed_for_a_natted_packet_goes_to_its_client_with_the_option_t
     let (b, snat) = fx.connect(c);
     // The balancer's packet toward the backend carried a 124 (16 bytes)
     // that the client never sent: the MTU the client must use is lower.
-    let natted = PacketBuilder::tcp(SocketAddrV4::new(LB_ADDR, snat), b.addr)
+    let natted = PacketBuilder::tcp(sa4(LB_ADDR, snat), b.addr)
         .flags(TCP_ACK)
         .seq_no(4242)
         .ip_options(InbandOption::auth_score_request(&KEY, KEY_ID, [1, 2, 3, 4], conn(&b, snat)).encode())
@@ -1457,11 +1578,11 @@ fn fragmentation_needed_for_a_natted_packet_goes_to_its_client_with_the_option_t
     let out = fx.tx(&err);
     let p = &out[14..];
     assert_eq!(&out[0..6], &CLIENT_MAC);
-    assert_eq!((&p[12..16], &p[16..20]), (&VIP_ADDR.octets()[..], &c.ip().octets()[..]));
+    assert_eq!((&p[12..16], &p[16..20]), (&VIP_ADDR.octets()[..], &v4_of(c).octets()[..]));
     let icmp = &p[20..];
     assert_eq!(u16::from_be_bytes([icmp[6], icmp[7]]), 1400 - 16);
     let inner = &icmp[8..];
-    assert_eq!((&inner[12..16], &inner[16..20]), (&c.ip().octets()[..], &VIP_ADDR.octets()[..]));
+    assert_eq!((&inner[12..16], &inner[16..20]), (&v4_of(c).octets()[..], &VIP_ADDR.octets()[..]));
     let ihl = usize::from(inner[0] & 0x0f) * 4;
     assert_eq!(&inner[ihl..ihl + 4], &[c.port().to_be_bytes(), VIP_PORT.to_be_bytes()].concat()[..]);
     assert_eq!(checksum(&[&inner[..ihl]]), 0, "inner IPv4 checksum");
@@ -1478,7 +1599,7 @@ fn icmp_about_nothing_of_ours_passes() {
     // own traffic, and a ping to the VIP.
     let unknown = PacketBuilder::tcp(vip(), client(2)).flags(TCP_ACK).payload(vec![0; 100]);
     fx.assert_passed_untouched(&icmp_error(ROUTER, VIP_ADDR, FRAG_NEEDED, 1280, &unknown.build_ip(), 8));
-    let own = PacketBuilder::tcp(SocketAddrV4::new(LB_ADDR, 50000), SocketAddrV4::new(ROUTER, 22)).payload(vec![0; 10]);
+    let own = PacketBuilder::tcp(sa4(LB_ADDR, 50000), sa4(ROUTER, 22)).payload(vec![0; 10]);
     fx.assert_passed_untouched(&icmp_error(ROUTER, LB_ADDR, (3, 1), 0, &own.build_ip(), 8));
     fx.assert_passed_untouched(&icmp_error(ROUTER, VIP_ADDR, (8, 0), 0, &unknown.build_ip(), 8));
 }
@@ -1565,7 +1686,7 @@ fn the_estimate_never_exiles_a_backend() {
         let fx = Fixture::lb_with(Mode::DsrDynamic, policy, 2);
         let mut per = [0u32; 2];
         for n in 1..=60u8 {
-            let c = SocketAddrV4::new(Ipv4Addr::new(192, 168, 5, n), 30000);
+            let c = sa4(Ipv4Addr::new(192, 168, 5, n), 30000);
             let (b, _) = fx.connect(c);
             per[(b.id - backend(0).id) as usize] += 1;
             fx.tx(&data(c).flags(TCP_ACK | TCP_FIN).build());
@@ -1708,7 +1829,7 @@ fn malformed_ipv4_headers_are_dropped_as_malformed_ip() {
     fx.assert_dropped(&below_header, "malformed_ip");
 
     // Not only toward a VIP: a broken header is broken for everyone.
-    let mut other = PacketBuilder::tcp(client(1), SocketAddrV4::new(LB_ADDR, 22)).build();
+    let mut other = PacketBuilder::tcp(client(1), sa4(LB_ADDR, 22)).build();
     other[14] = 0x43;
     fx.assert_dropped(&other, "malformed_ip");
     assert_eq!(fx.half_open_count(), 0);
@@ -1811,11 +1932,11 @@ fn tagged_frames_to_a_vip_are_refused_never_sent_on_untagged() {
     let mut qinq = tagged(&tagged(&syn(client(1)).build(), 100), 200);
     qinq[12..14].copy_from_slice(&[0x88, 0xa8]);
     fx.assert_dropped(&qinq, "vlan");
-    let to_lb = PacketBuilder::tcp(client(1), SocketAddrV4::new(LB_ADDR, 22)).build();
+    let to_lb = PacketBuilder::tcp(client(1), sa4(LB_ADDR, 22)).build();
     fx.assert_dropped(&tagged(&to_lb, 100), "vlan");
     assert_eq!(fx.half_open_count(), 0);
     // Tagged traffic for others is the kernel's VLAN devices' business.
-    let other = PacketBuilder::tcp(client(1), SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 200), 80)).build();
+    let other = PacketBuilder::tcp(client(1), sa4(Ipv4Addr::new(10, 0, 0, 200), 80)).build();
     fx.assert_passed_untouched(&tagged(&other, 100));
 }
 
@@ -1837,4 +1958,794 @@ fn bounce_swaps_macs_and_transmits() {
     want[0..6].copy_from_slice(&frame[6..12]);
     want[6..12].copy_from_slice(&frame[0..6]);
     assert_eq!(res.data.unwrap().to_vec(), want);
+}
+
+// ------------------------------------------------------------------ IPv6
+
+/// A backend's quic_server_id, as the control plane writes it.
+fn set_server_id(fx: &Fixture, b: &B, id: u16) {
+    let mut entry: Backend = get(&fx.lb.skel.maps.backends, &b.id).unwrap();
+    entry.quic_server_id = id;
+    put(&fx.lb.skel.maps.backends, &b.id, &entry);
+}
+
+fn dsr6() -> Fixture {
+    Fixture::lb_vip(Spec { v6: true, ..Spec::default() })
+}
+
+#[test]
+fn an_ipv6_syn_carries_its_tuple_in_a_destination_options_header_and_is_clamped_by_24() {
+    let fx = dsr6();
+    let (c, b) = (client6(1), backend6(0));
+    let s = syn(c);
+    let out = fx.tx(&s.build());
+    let snat = port_of(fx.half_open(c).expect("a handshake").snat_port);
+    assert_eq!(out, forwarded_dsr_syn(&s, &b, snat));
+    let p = parse(&out).unwrap();
+    assert!(p.checksums_ok);
+    assert_eq!((p.mss(), p.ttl), (Some(SYN_MSS - 24), 63));
+    let (next, opt) = parse_doh(&p.ip_options).unwrap();
+    assert_eq!((next, p.ip_options.len()), (IPPROTO_TCP, 40));
+    assert_eq!(InbandOption::decode(opt, true), Ok(InbandOption::auth_client_tuple(&KEY, KEY_ID, s.seq, conn(&b, snat), c)));
+    // The seed format: the 20-byte IPv6 155 in a 24-byte header.
+    let seed = Fixture::lb_vip(Spec { v6: true, auth: c::INBAND_AUTH_NONE, ..Spec::default() });
+    let carrier = parse(&seed.tx(&s.build())).unwrap().ip_options;
+    let (_, opt) = parse_doh(&carrier).unwrap();
+    assert_eq!(InbandOption::decode(opt, true), Ok(InbandOption::ClientTuple(c)));
+    assert_eq!(carrier.len(), 24, "the seed's 24 bytes");
+}
+
+#[test]
+fn ipv6_connections_are_translated_both_ways() {
+    let fx = Fixture::lb_vip(Spec { v6: true, mode: Mode::Passthrough, ..Spec::default() });
+    let c = client6(2);
+    let (b, snat) = fx.connect(c);
+    let d = data(c);
+    let out = fx.tx(&d.build());
+    assert_eq!(out, forwarded(&d, &b, snat, vec![]));
+    assert!(parse(&out).unwrap().checksums_ok);
+    let r = reply(&b, snat);
+    let back = fx.tx(&r.build());
+    assert_eq!(back, returned(&r, c, vec![]));
+    let p = parse(&back).unwrap();
+    assert!(p.checksums_ok);
+    assert_eq!((p.src, p.dst, p.ttl), (vip6(), c, 63));
+    // One table holds both families: an IPv4 client of a VIP with the
+    // same port is another flow altogether.
+    assert_eq!(fx.flow(client(2)), None);
+}
+
+#[test]
+fn ipv6_score_requests_and_scores_ride_destination_options_headers() {
+    let fx = Fixture::lb_vip(Spec { v6: true, mode: Mode::DsrDynamic, policy: Policy::LeastScore, ..Spec::default() });
+    fx.update_vip(|v| {
+        v.probe_interval = 1;
+        v.probe_interval_max = 1;
+    });
+    let c = client6(3);
+    let (b, snat) = fx.connect(c);
+    fx.answered(c);
+    let d = data(c);
+    let out = fx.tx(&d.build());
+    let f = fx.flow(c).unwrap();
+    assert_eq!(f.flags & FLOW_PROBE_OUTSTANDING, FLOW_PROBE_OUTSTANDING);
+    let nonce = f.probe_nonce.to_ne_bytes();
+    let request = InbandOption::auth_score_request(&KEY, KEY_ID, nonce, conn(&b, snat)).encode();
+    assert_eq!(out, forwarded_with(&d, &b, snat, &request));
+    assert_eq!(parse(&out).unwrap().ip_options.len(), 24);
+    // The agent's answer, in its own carrier: recorded, and the carrier
+    // is gone before the client sees the packet.
+    let score = InbandOption::auth_score(&KEY, KEY_ID, nonce, conn(&b, snat), 42).encode();
+    let r = reply(&b, snat);
+    let back = fx.tx(&r.clone().inband(&score).build());
+    assert_eq!(back, returned(&r, c, vec![]));
+    assert!(parse(&back).unwrap().checksums_ok);
+    assert_eq!((fx.score(&b).score, fx.backend_stats(&b).scores_received), (42, 1));
+    // A forged one (another key) changes nothing, and still goes through.
+    outstanding(&fx, c, u32::from_ne_bytes(nonce));
+    let forged = InbandOption::auth_score(&Key(*b"not-the-real-key"), KEY_ID, nonce, conn(&b, snat), 7).encode();
+    assert_eq!(fx.tx(&r.clone().inband(&forged).build()), returned(&r, c, vec![]));
+    assert_eq!((fx.score(&b).score, fx.event("score_bad_mac")), (42, 1));
+}
+
+/// An ICMPv6 error from `router` to `dst` quoting `inner` (an IPv6 packet).
+fn icmp6_error(router: Ipv6Addr, dst: Ipv6Addr, kind: (u8, u8), mtu: u32, inner: &[u8]) -> Vec<u8> {
+    let mut icmp = vec![kind.0, kind.1, 0, 0];
+    icmp.extend_from_slice(&mtu.to_be_bytes());
+    icmp.extend_from_slice(inner);
+    let sum = checksum(&[&icmp6_pseudo(router, dst, icmp.len()), &icmp]);
+    icmp[2..4].copy_from_slice(&sum.to_be_bytes());
+    let mut frame = Vec::new();
+    frame.extend_from_slice(&LB_MAC);
+    frame.extend_from_slice(&CLIENT_MAC);
+    frame.extend_from_slice(&[0x86, 0xdd, 0x60, 0, 0, 0]);
+    frame.extend_from_slice(&(icmp.len() as u16).to_be_bytes());
+    frame.extend_from_slice(&[58, 64]);
+    frame.extend_from_slice(&router.octets());
+    frame.extend_from_slice(&dst.octets());
+    frame.extend_from_slice(&icmp);
+    frame
+}
+
+fn icmp6_pseudo(src: Ipv6Addr, dst: Ipv6Addr, len: usize) -> Vec<u8> {
+    let mut p = Vec::new();
+    p.extend_from_slice(&src.octets());
+    p.extend_from_slice(&dst.octets());
+    p.extend_from_slice(&(len as u32).to_be_bytes());
+    p.extend_from_slice(&[0, 0, 0, 58]);
+    p
+}
+
+/// The outer addresses, ICMPv6 type and MTU of an ICMPv6 error frame, the
+/// quoted packet, and whether its checksum verifies.
+fn read_icmp6(frame: &[u8]) -> (Ipv6Addr, Ipv6Addr, u8, u32, Vec<u8>, bool) {
+    let ip = &frame[14..];
+    let src = Ipv6Addr::from(<[u8; 16]>::try_from(&ip[8..24]).unwrap());
+    let dst = Ipv6Addr::from(<[u8; 16]>::try_from(&ip[24..40]).unwrap());
+    let icmp = &ip[40..];
+    let ok = checksum(&[&icmp6_pseudo(src, dst, icmp.len()), icmp]) == 0;
+    (src, dst, icmp[0], u32::from_be_bytes(icmp[4..8].try_into().unwrap()), icmp[8..].to_vec(), ok)
+}
+
+const ROUTER6: Ipv6Addr = Ipv6Addr::new(0xfd00, 9, 9, 0, 0, 0, 0, 1);
+
+#[test]
+fn packet_too_big_for_an_ipv6_dsr_response_goes_to_its_backend() {
+    let fx = dsr6();
+    let c = client6(4);
+    let (b, snat) = fx.connect(c);
+    // The response as the backend sent it direct: VIP -> client.
+    let resp = PacketBuilder::tcp(vip6(), c).flags(TCP_ACK).payload(vec![0; 1400]).build_ip();
+    let out = fx.tx(&icmp6_error(ROUTER6, VIP6_ADDR, (2, 0), 1280, &resp));
+    let (src, dst, kind, mtu, inner, ok) = read_icmp6(&out);
+    assert!(ok, "ICMPv6 checksum");
+    assert_eq!((IpAddr::V6(src), IpAddr::V6(dst), kind, mtu), (lb_addr(false), b.addr.ip(), 2, 1280));
+    // The quote is now what the backend sent to the balancer's port.
+    let q = parse(&[&LB_MAC[..], &CLIENT_MAC[..], &[0x86, 0xdd], &inner].concat()).unwrap();
+    assert_eq!((q.src, q.dst), (b.addr, SocketAddr::new(lb_addr(false), snat)));
+    assert!(q.checksums_ok, "the quoted TCP checksum follows the rewrite");
+    assert_eq!(&out[0..6], &b.mac);
+    assert_eq!(fx.event("icmp_to_backend"), 1);
+}
+
+#[test]
+fn packet_too_big_for_an_ipv6_natted_packet_goes_to_its_client_lowered_by_the_header_added() {
+    let fx = Fixture::lb_vip(Spec { v6: true, mode: Mode::DsrDynamic, policy: Policy::LeastScore, ..Spec::default() });
+    fx.update_vip(|v| {
+        v.probe_interval = 1;
+        v.probe_interval_max = 1;
+    });
+    let c = client6(5);
+    fx.connect(c);
+    fx.answered(c);
+    // A data packet as the balancer sent it on: with a 124 in 24 bytes.
+    let sent = fx.tx(&data(c).payload(vec![0; 1200]).build());
+    let out = fx.tx(&icmp6_error(ROUTER6, LB6_ADDR, (2, 0), 1400, &sent[14..]));
+    let (src, dst, _, mtu, inner, ok) = read_icmp6(&out);
+    assert!(ok);
+    assert_eq!((IpAddr::V6(src), IpAddr::V6(dst), mtu), (vip6().ip(), c.ip(), 1400 - 24));
+    let q = parse(&[&LB_MAC[..], &CLIENT_MAC[..], &[0x86, 0xdd], &inner].concat()).unwrap();
+    assert_eq!((q.src, q.dst), (c, vip6()));
+    assert!(q.checksums_ok);
+    assert_eq!(&out[0..6], &CLIENT_MAC);
+    assert_eq!(fx.event("icmp_to_client"), 1);
+}
+
+#[test]
+fn ipv6_extension_headers_to_a_vip_are_refused_by_what_they_are() {
+    let fx = dsr6();
+    let c = client6(6);
+    let pad4 = [1, 4, 0, 0, 0, 0]; // PadN of 6 bytes
+    let hop = syn(c).ext_headers(IPPROTO_HOPOPTS, ext(IPPROTO_TCP, &pad4));
+    fx.assert_dropped(&hop.build(), "ip_options");
+    // Someone else's destination option, with the "discard if unknown" bits.
+    let foreign = syn(c).ext_headers(IPPROTO_DSTOPTS, ext(IPPROTO_TCP, &[0x5e, 4, 0, 0, 0, 0]));
+    fx.assert_dropped(&foreign.build(), "ip_options");
+    // Our own option from a client: refused as such.
+    let ours = syn(c).inband(&InbandOption::ScoreRequest.encode());
+    fx.assert_dropped(&ours.build(), "unexpected_option");
+    // A first fragment (more to come), and a header that runs past the packet.
+    let first = syn(c).ext_headers(IPPROTO_FRAGMENT, vec![IPPROTO_TCP, 0, 0, 1, 0, 0, 0, 9]);
+    fx.assert_dropped(&first.build(), "fragment");
+    let overrun = syn(c).ext_headers(IPPROTO_DSTOPTS, ext(IPPROTO_TCP, &pad4));
+    let mut f = overrun.build();
+    f[14 + 40 + 1] = 30; // claims 248 bytes
+    fx.assert_dropped(&f, "malformed_ip");
+    // A later fragment has no ports: the kernel's, untouched. So is a chain
+    // longer than the four headers the balancer walks.
+    let later = syn(c).ext_headers(IPPROTO_FRAGMENT, vec![IPPROTO_TCP, 0, 0, 8, 0, 0, 0, 9]);
+    fx.assert_passed_untouched(&later.build());
+    let mut chain = Vec::new();
+    for i in 0..5 {
+        chain.extend(ext(if i == 4 { IPPROTO_TCP } else { IPPROTO_DSTOPTS }, &pad4));
+    }
+    fx.assert_passed_untouched(&syn(c).ext_headers(IPPROTO_DSTOPTS, chain).build());
+    assert_eq!(fx.event("ipv6_chain_unwalked"), 1);
+    assert_eq!(fx.half_open_count(), 0);
+}
+
+#[test]
+fn ipv6_headers_from_a_backend_other_than_one_inband_header_are_refused() {
+    let fx = Fixture::lb_vip(Spec { v6: true, mode: Mode::DsrDynamic, policy: Policy::LeastScore, ..Spec::default() });
+    let c = client6(7);
+    let (b, snat) = fx.connect(c);
+    outstanding(&fx, c, NONCE);
+    let r = reply(&b, snat);
+    let score = InbandOption::auth_score(&KEY, KEY_ID, NONCE.to_ne_bytes(), conn(&b, snat), 9).encode();
+    // Not our option type: someone else's header, which we do not pass on.
+    fx.assert_dropped(&r.clone().ext_headers(IPPROTO_DSTOPTS, ext(IPPROTO_TCP, &[0x5e, 4, 0, 0, 0, 0])).build(), "ip_options");
+    // Ours, but the carrier's length and the option's disagree.
+    let mut h = inband::wire::doh(&score, IPPROTO_TCP);
+    h[3] = 14;
+    fx.assert_dropped(&r.clone().ext_headers(IPPROTO_DSTOPTS, h).build(), "malformed_option");
+    // Ours, with padding that is not padding.
+    let mut h = inband::wire::doh(&score, IPPROTO_TCP);
+    h[21] = 9;
+    fx.assert_dropped(&r.clone().ext_headers(IPPROTO_DSTOPTS, h).build(), "malformed_option");
+    // A 155 or a 124 from a backend.
+    fx.assert_dropped(&r.clone().inband(&InbandOption::ScoreRequest.encode()).build(), "score_not_owner");
+    // None of it recorded anything; the real one still counts.
+    assert_eq!(fx.score(&b).score, 0);
+    assert_eq!(fx.tx(&r.clone().inband(&score).build()), returned(&r, c, vec![]));
+    assert_eq!(fx.score(&b).score, 9);
+}
+
+/// Options of an unknown type with each value of the two high bits
+/// (RFC 8200 §4.2: 00 skip, 01 discard, 10 discard and send ICMP, 11 ditto
+/// unless multicast), and padding alone: none of it is inband's.
+const UNKNOWN_OPTIONS: [[u8; 6]; 5] =
+    [[0x1d, 4, 0, 0, 0, 0], [0x5d, 4, 0, 0, 0, 0], [0x9d, 4, 0, 0, 0, 0], [0xdd, 4, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]];
+
+#[test]
+fn ipv6_chains_unknown_options_and_padding_to_a_vip_are_refused_as_ip_options() {
+    let fx = dsr6();
+    let c = client6(9);
+    // RFC 8200 §4.1 order: Hop-by-Hop, Destination Options (for the
+    // Routing header's hops), Routing, Destination Options: four headers,
+    // as deep as the walk goes.
+    let rfc_order = [
+        opts_header(IPPROTO_DSTOPTS, &[]),
+        opts_header(IPPROTO_ROUTING, &[]),
+        routing(IPPROTO_DSTOPTS),
+        opts_header(IPPROTO_TCP, &[]),
+    ]
+    .concat();
+    fx.assert_dropped(&syn(c).ext_headers(IPPROTO_HOPOPTS, rfc_order).build(), "ip_options");
+    assert_eq!(fx.event("ipv6_chain_unwalked"), 0, "four headers are walked");
+    // Our own option, but behind other headers: not where a balancer puts it.
+    let request = inband::wire::doh(&InbandOption::ScoreRequest.encode(), IPPROTO_TCP);
+    let behind = [opts_header(IPPROTO_ROUTING, &[]), routing(IPPROTO_DSTOPTS), request.clone()].concat();
+    fx.assert_dropped(&syn(c).ext_headers(IPPROTO_HOPOPTS, behind).build(), "ip_options");
+    let before = [inband::wire::doh(&InbandOption::ScoreRequest.encode(), IPPROTO_ROUTING), routing(IPPROTO_TCP)].concat();
+    fx.assert_dropped(&syn(c).ext_headers(IPPROTO_DSTOPTS, before).build(), "ip_options");
+    fx.assert_dropped(&syn(c).ext_headers(IPPROTO_ROUTING, routing(IPPROTO_TCP)).build(), "ip_options");
+    for body in UNKNOWN_OPTIONS {
+        for first in [IPPROTO_DSTOPTS, IPPROTO_HOPOPTS] {
+            fx.assert_dropped(&syn(c).ext_headers(first, ext(IPPROTO_TCP, &body)).build(), "ip_options");
+        }
+    }
+    assert_eq!(fx.half_open_count(), 0);
+}
+
+#[test]
+fn ipv6_and_its_transport_cut_short_at_every_boundary_are_dropped() {
+    let fx = dsr6();
+    let c = client6(10);
+    let plain = syn(c).build();
+    let l4 = ETH_HLEN + 40;
+    // The fixed header cut, or its payload length 0 (a jumbogram's, never
+    // on Ethernet) or beyond the frame.
+    fx.assert_dropped(&plain[..l4 - 1], "malformed_ip");
+    let mut zero = plain.clone();
+    zero[ETH_HLEN + 4..ETH_HLEN + 6].copy_from_slice(&[0, 0]);
+    fx.assert_dropped(&zero, "malformed_ip");
+    let mut beyond = plain.clone();
+    beyond[ETH_HLEN + 5] += 1;
+    fx.assert_dropped(&beyond, "malformed_ip");
+    // An extension header ending inside its first 8 bytes, or by its
+    // length byte 8 bytes past the payload (40 bytes of 32).
+    let with_ext = syn(c).ext_headers(IPPROTO_DSTOPTS, opts_header(IPPROTO_TCP, &[])).build();
+    for at in [l4 + 1, l4 + 4, l4 + 7] {
+        fx.assert_dropped(&cut6(&with_ext, at), "malformed_ip");
+    }
+    let mut long = with_ext.clone();
+    long[l4 + 1] = 4;
+    fx.assert_dropped(&long, "malformed_ip");
+    // The TCP header cut (ports present, so it is the VIP's), or its data
+    // offset past the segment.
+    for at in [l4 + 4, l4 + 12, l4 + 19] {
+        fx.assert_dropped(&cut6(&plain, at), "truncated_l4");
+    }
+    let mut doff = plain.clone();
+    doff[l4 + 12] = 0xf0;
+    fx.assert_dropped(&doff, "truncated_l4");
+    // Ports cut: nothing to match a VIP by, the kernel's.
+    fx.assert_passed_untouched(&cut6(&plain, l4 + 3));
+    assert_eq!(fx.half_open_count(), 0);
+
+    // A UDP header cut after the ports.
+    let fx = Fixture::lb_vip(Spec { v6: true, proto: IPPROTO_UDP, ..Spec::default() });
+    let d = PacketBuilder::udp(c, vip6()).macs(CLIENT_MAC, LB_MAC).payload(b"q".to_vec()).build();
+    for at in [l4 + 4, l4 + 7] {
+        fx.assert_dropped(&cut6(&d, at), "truncated_l4");
+    }
+    fx.tx(&d);
+}
+
+#[test]
+fn ipv6_backend_headers_beyond_one_inband_header_or_cut_short_are_refused() {
+    let fx = Fixture::lb_vip(Spec { v6: true, mode: Mode::DsrDynamic, policy: Policy::LeastScore, ..Spec::default() });
+    let c = client6(11);
+    let (b, snat) = fx.connect(c);
+    outstanding(&fx, c, NONCE);
+    let r = reply(&b, snat);
+    let score = InbandOption::auth_score(&KEY, KEY_ID, NONCE.to_ne_bytes(), conn(&b, snat), 9).encode();
+    // The 125 where an agent puts it, but with a Routing header after or before it.
+    let after = [inband::wire::doh(&score, IPPROTO_ROUTING), routing(IPPROTO_TCP)].concat();
+    fx.assert_dropped(&r.clone().ext_headers(IPPROTO_DSTOPTS, after).build(), "ip_options");
+    let before = [routing(IPPROTO_DSTOPTS), inband::wire::doh(&score, IPPROTO_TCP)].concat();
+    fx.assert_dropped(&r.clone().ext_headers(IPPROTO_ROUTING, before).build(), "ip_options");
+    for body in UNKNOWN_OPTIONS {
+        fx.assert_dropped(&r.clone().ext_headers(IPPROTO_DSTOPTS, ext(IPPROTO_TCP, &body)).build(), "ip_options");
+    }
+    // The carrier's length byte past the packet, the carrier cut, the TCP header cut.
+    let whole = r.clone().inband(&score).build();
+    let mut long = whole.clone();
+    long[ETH_HLEN + 40 + 1] = 9;
+    fx.assert_dropped(&long, "malformed_ip");
+    fx.assert_dropped(&cut6(&whole, ETH_HLEN + 40 + 20), "malformed_ip");
+    fx.assert_dropped(&cut6(&whole, ETH_HLEN + 40 + 24 + 12), "truncated_l4");
+    assert_eq!(fx.score(&b).score, 0, "nothing recorded");
+    assert_eq!(fx.backend_stats(&b).return_packets, 0);
+}
+
+/// `a` as an IPv4-mapped IPv6 endpoint.
+fn mapped(a: SocketAddr) -> SocketAddr {
+    match a.ip() {
+        IpAddr::V4(v4) => SocketAddr::new(IpAddr::V6(v4.to_ipv6_mapped()), a.port()),
+        IpAddr::V6(_) => a,
+    }
+}
+
+#[test]
+fn ipv6_with_ipv4_mapped_addresses_never_passes_for_ipv4_traffic() {
+    let fx = Fixture::lb_with(Mode::DsrRr, Policy::RoundRobin, 1);
+    let c = client(12);
+    let (b, snat) = fx.connect(c);
+    let flow = fx.flow(c);
+    // The tables key IPv4 by its mapped form: these would reach c's flow,
+    // the balancer's own address, and the VIP.
+    let rst = PacketBuilder::tcp(mapped(c), mapped(vip())).macs(CLIENT_MAC, LB_MAC).flags(TCP_RST | TCP_ACK).seq_no(1001);
+    fx.assert_dropped(&rst.build(), "malformed_ip");
+    let to_lb = PacketBuilder::tcp(mapped(b.addr), mapped(sa4(LB_ADDR, snat))).macs(b.mac, LB_MAC).flags(TCP_ACK);
+    fx.assert_dropped(&to_lb.build(), "malformed_ip");
+    fx.assert_dropped(&syn(mapped(client(13))).build(), "malformed_ip");
+    assert_eq!(fx.flow(c), flow);
+    assert_eq!(fx.half_open_count(), 0);
+}
+
+#[test]
+fn a_family_without_a_balancer_address_is_refused_not_natted_from_nothing() {
+    let fx = dsr6();
+    fx.config(|c| c.self6 = Default::default());
+    fx.assert_dropped(&syn(client6(8)).build(), "family");
+    assert_eq!(fx.half_open_count(), 0);
+}
+
+#[test]
+fn tagged_ipv6_frames_to_a_vip_are_refused() {
+    let fx = dsr6();
+    fx.assert_dropped(&tagged(&syn(client6(9)).build(), 100), "vlan");
+    let to_lb = PacketBuilder::tcp(client6(9), SocketAddr::new(lb_addr(false), 22)).build();
+    fx.assert_dropped(&tagged(&to_lb, 100), "vlan");
+}
+
+// ------------------------------------------------------------ UDP, QUIC
+
+fn udp_vip() -> SocketAddr {
+    sa4(VIP_ADDR, 443)
+}
+fn udp_key(c: SocketAddr) -> FlowKey {
+    flow_key_to(c, udp_vip(), IPPROTO_UDP)
+}
+/// A datagram from `c` to the UDP VIP.
+fn datagram(c: SocketAddr, payload: &[u8]) -> PacketBuilder {
+    PacketBuilder::udp(c, udp_vip()).macs(CLIENT_MAC, LB_MAC).payload(payload.to_vec())
+}
+/// A QUIC short-header packet whose destination connection ID names `server_id`.
+fn short_header(c: SocketAddr, server_id: u16) -> PacketBuilder {
+    let mut p = vec![0x41, c::INBAND_QUIC_CID_FIRST as u8, (server_id >> 8) as u8, server_id as u8, 1, 2, 3, 4, 5];
+    p.extend_from_slice(&[0xab; 40]);
+    datagram(c, &p)
+}
+/// A QUIC Initial (long header), its connection IDs the client's.
+fn initial(c: SocketAddr) -> PacketBuilder {
+    let mut p = vec![0xc3, 0, 0, 0, 1, 8, 9, 9, 9, 9, 9, 9, 9, 9, 0];
+    p.resize(1200, 0);
+    datagram(c, &p)
+}
+
+fn udp_fixture(mode: Mode, n: u8, quic: bool) -> Fixture {
+    let fx = Fixture::lb_vip(Spec { mode, n, proto: IPPROTO_UDP, quic, ..Spec::default() });
+    // lb_vip keys the VIP by the TCP port: the UDP VIP listens on 443.
+    del(&fx.lb.skel.maps.vips, &VipKey { addr: be_ip(VIP_ADDR.into()), port: be_port(VIP_PORT), proto: IPPROTO_UDP, pad: 0 });
+    let key = VipKey { addr: be_ip(VIP_ADDR.into()), port: be_port(443), proto: IPPROTO_UDP, pad: 0 };
+    put(&fx.lb.skel.maps.vips, &key, &VIP_ID);
+    fx
+}
+
+#[test]
+fn a_udp_flow_opens_on_its_first_datagram_with_a_stamped_tuple_and_completes_on_its_second() {
+    let fx = udp_fixture(Mode::DsrRr, 1, false);
+    let (c, b) = (client(1), backend(0));
+    let first = datagram(c, b"hello");
+    let out = fx.tx(&first.build());
+    let ho = get::<FlowKey, Flow>(&fx.lb.skel.maps.half_open, &udp_key(c)).expect("a half-open UDP flow");
+    assert_eq!(ho.proto, IPPROTO_UDP);
+    let snat = port_of(ho.snat_port);
+    let p = parse(&out).unwrap();
+    assert!(p.checksums_ok);
+    assert_eq!((p.src, p.dst, p.proto), (SocketAddr::new(lb_addr(true), snat), b.addr, IPPROTO_UDP));
+    let Ok(InbandOption::AuthClientTuple { client, stamp: Some(stamp), .. }) = InbandOption::decode(&p.ip_options, false) else {
+        panic!("no stamped 155: {:?}", p.ip_options)
+    };
+    assert_eq!((client, p.ip_options.len()), (c, 24));
+    // The MAC covers the stamp and the UDP transport.
+    let want = InbandOption::auth_client_tuple(&KEY, KEY_ID, u32::from_be_bytes(stamp), Conn::udp(p.src, b.addr), c);
+    assert_eq!(InbandOption::decode(&p.ip_options, false), Ok(want));
+    // The stamp is the balancer's clock (TAI, ms): close to now.
+    let tai_ms = (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64 + 37_000) as u32;
+    assert!((tai_ms.wrapping_sub(u32::from_be_bytes(stamp)) as i32).abs() < 60_000, "stamp {stamp:?} vs {tai_ms}");
+    // The second datagram completes it: no option, a flow and a reservation.
+    let second = datagram(c, b"again");
+    let out = fx.tx(&second.build());
+    assert_eq!(parse(&out).unwrap().ip_options, Vec::<u8>::new());
+    assert!(get::<FlowKey, Flow>(&fx.lb.skel.maps.flows, &udp_key(c)).is_some());
+    assert_eq!(get::<NatKey, SnatOwner>(&fx.lb.skel.maps.snat, &nat_key_proto(&b, snat, IPPROTO_UDP)).map(|o| o.flow), Some(udp_key(c)));
+    // An answer that came back through the balancer finds its client.
+    let r = PacketBuilder::udp(b.addr, SocketAddr::new(lb_addr(true), snat)).macs(b.mac, LB_MAC).payload(b"reply".to_vec());
+    let back = parse(&fx.tx(&r.build())).unwrap();
+    assert!(back.checksums_ok);
+    assert_eq!((back.src, back.dst, back.payload.as_slice()), (udp_vip(), c, &b"reply"[..]));
+}
+
+#[test]
+fn a_udp_datagram_without_a_checksum_keeps_none() {
+    let fx = udp_fixture(Mode::Passthrough, 1, false);
+    let mut f = datagram(client(2), b"no checksum").build();
+    f[14 + 20 + 6..14 + 20 + 8].copy_from_slice(&[0, 0]);
+    let out = fx.tx(&f);
+    assert_eq!(&out[14 + 20 + 6..14 + 20 + 8], &[0, 0], "none before, none after");
+    assert!(parse(&out).unwrap().checksums_ok);
+}
+
+#[test]
+fn quic_short_headers_without_a_flow_go_to_the_server_their_id_names() {
+    let fx = udp_fixture(Mode::DsrRr, 3, true);
+    for i in 0..3 {
+        set_server_id(&fx, &backend(i), 11 + u16::from(i));
+    }
+    // A client that moved (no flow for its new tuple), on server 13's ID.
+    let moved = client(20);
+    fx.tx(&short_header(moved, 13).build());
+    let f = get::<FlowKey, Flow>(&fx.lb.skel.maps.half_open, &udp_key(moved)).expect("a flow");
+    assert_eq!(u32::from(f.backend_id), backend(2).id, "the server its ID names, not round robin's");
+    assert_eq!(fx.event("quic_cid_routed"), 1);
+    // An Initial (the client's own IDs) is balanced: round robin's first.
+    fx.tx(&initial(client(21)).build());
+    let f = get::<FlowKey, Flow>(&fx.lb.skel.maps.half_open, &udp_key(client(21))).unwrap();
+    assert_eq!(u32::from(f.backend_id), backend(0).id);
+    // An ID naming no server of the VIP: balanced too, and counted.
+    fx.tx(&short_header(client(22), 99).build());
+    assert_eq!(fx.event("quic_cid_unknown"), 1);
+    let f = get::<FlowKey, Flow>(&fx.lb.skel.maps.half_open, &udp_key(client(22))).unwrap();
+    assert_eq!(u32::from(f.backend_id), backend(1).id);
+    // A draining server still gets its connections; a removed one does not.
+    fx.set_flags(&backend(1), BACKEND_DRAINING);
+    fx.tx(&short_header(client(23), 12).build());
+    assert_eq!(get::<FlowKey, Flow>(&fx.lb.skel.maps.half_open, &udp_key(client(23))).map(|f| u32::from(f.backend_id)), Some(backend(1).id));
+    fx.set_flags(&backend(1), 0);
+    fx.tx(&short_header(client(24), 12).build());
+    assert_ne!(get::<FlowKey, Flow>(&fx.lb.skel.maps.half_open, &udp_key(client(24))).map(|f| u32::from(f.backend_id)), Some(backend(1).id));
+    assert_eq!(fx.event("quic_cid_unknown"), 2);
+}
+
+#[test]
+fn a_quic_id_routes_even_while_the_vip_drains() {
+    let fx = udp_fixture(Mode::DsrRr, 2, true);
+    set_server_id(&fx, &backend(1), 5);
+    fx.update_vip(|v| v.flags = VIP_DRAINING | VIP_QUIC);
+    fx.assert_dropped(&initial(client(30)).build(), "vip_draining");
+    fx.tx(&short_header(client(31), 5).build());
+    assert_eq!(get::<FlowKey, Flow>(&fx.lb.skel.maps.half_open, &udp_key(client(31))).map(|f| u32::from(f.backend_id)), Some(backend(1).id));
+}
+
+// --------------------------------------------------- adaptive probing
+
+/// Sends `c`'s flow a 125 of `score` for an outstanding request.
+fn score_back(fx: &Fixture, c: SocketAddr, b: &B, snat: u16, score: u16) {
+    outstanding(fx, c, NONCE);
+    let opt = InbandOption::auth_score(&KEY, KEY_ID, NONCE.to_ne_bytes(), conn(b, snat), score);
+    fx.tx(&reply(b, snat).ip_options(opt.encode()).build());
+}
+
+/// The adaptive rule (score.h adapt_interval), for the test to follow.
+fn next_interval(n: u32, lo: u32, hi: u32, moved: bool) -> u32 {
+    let n = if n < lo || n > hi { lo } else { n };
+    if moved {
+        (n / 2).max(lo)
+    } else {
+        (n + n / 4 + 1).min(hi)
+    }
+}
+
+#[test]
+fn the_probe_interval_shrinks_when_the_score_moves_and_grows_while_it_holds() {
+    let fx = Fixture::lb_with(Mode::DsrDynamic, Policy::LeastScore, 1);
+    fx.update_vip(|v| {
+        v.probe_interval = 4;
+        v.probe_interval_max = 64;
+        v.score_max_age_ns = 3600 * SEC;
+    });
+    let c = client(1);
+    let (b, snat) = fx.connect(c);
+    let mut n = 0;
+    // The first report has nothing to compare with: it grows. A move of
+    // more than an eighth (at least 1) halves n.
+    for (score, moved) in [(10, false), (10, false), (11, false), (12, false), (12, false), (40, true), (41, false), (2, true), (3, false)] {
+        score_back(&fx, c, &b, snat, score);
+        n = next_interval(n, 4, 64, moved);
+        assert_eq!(fx.score(&b).interval, n, "after a report of {score}");
+    }
+    assert_eq!((fx.score(&b).changes, fx.event("probe_faster")), (2, 2));
+    // The interval is what the data path asks by: every n-th packet.
+    let mut s = fx.score(&b);
+    s.interval = 5;
+    put(&fx.lb.skel.maps.scores, &b.id, &s);
+    put(&fx.lb.skel.maps.probe_due, &b.id, &0u32);
+    fx.answered(c);
+    let zeros = vec![0u32.to_ne_bytes().to_vec(); libbpf_rs::num_possible_cpus().unwrap()];
+    fx.lb.skel.maps.probe_count.update_percpu(&b.id.to_ne_bytes(), &zeros, MapFlags::ANY).unwrap();
+    let asked: Vec<bool> = (0..10).map(|_| {
+        let out = fx.tx(&data(c).build());
+        let has = !parse(&out).unwrap().ip_options.is_empty();
+        fx.answered(c);
+        has
+    }).collect();
+    assert_eq!(asked, [false, false, false, false, true, false, false, false, false, true]);
+}
+
+#[test]
+fn fixed_bounds_keep_the_seed_fixed_interval() {
+    let fx = Fixture::lb_with(Mode::DsrDynamic, Policy::LeastScore, 1);
+    fx.update_vip(|v| {
+        v.probe_interval = 100;
+        v.probe_interval_max = 100;
+    });
+    let c = client(2);
+    let (b, snat) = fx.connect(c);
+    for score in [1, 500, 2, 2] {
+        score_back(&fx, c, &b, snat, score);
+        assert_eq!(fx.score(&b).interval, 100);
+    }
+}
+
+#[test]
+fn the_probe_budget_bounds_score_requests_a_second() {
+    let fx = Fixture::lb_with(Mode::DsrDynamic, Policy::LeastScore, 1);
+    fx.update_vip(|v| {
+        v.probe_interval = 1;
+        v.probe_interval_max = 1;
+        v.probe_budget = 2; // one every 500 ms, a burst of five
+        v.score_max_age_ns = 3600 * SEC;
+    });
+    let c = client(3);
+    let (b, _) = fx.connect(c);
+    fx.answered(c);
+    let mut asked = 0;
+    for _ in 0..20 {
+        let out = fx.tx(&data(c).build());
+        asked += u32::from(!parse(&out).unwrap().ip_options.is_empty());
+        fx.answered(c);
+    }
+    // The handshake's ACK spent one already.
+    assert_eq!(asked + 1, 5, "a burst of five, then the budget");
+    assert!(fx.event("probe_budget") >= 15);
+    assert_eq!(fx.score(&b).unanswered, 5, "none of them answered");
+}
+
+#[test]
+fn a_backend_whose_path_loses_options_gets_none() {
+    let fx = Fixture::lb_with(Mode::DsrDynamic, Policy::LeastScore, 1);
+    fx.update_vip(|v| {
+        v.probe_interval = 1;
+        v.probe_interval_max = 1;
+    });
+    let b = backend(0);
+    fx.set_flags(&b, BACKEND_ACTIVE | BACKEND_OPTIONS_LOST);
+    let c = client(4);
+    let s = syn(c);
+    let out = fx.tx(&s.build());
+    let snat = port_of(fx.half_open(c).unwrap().snat_port);
+    assert_eq!(out, forwarded_plain_syn(&s, &b, snat), "no 155, MSS still clamped");
+    fx.tx(&ack(c).build());
+    let d = data(c);
+    assert_eq!(fx.tx(&d.build()), forwarded(&d, &b, snat, vec![]), "no 124");
+    assert_eq!(fx.backend_stats(&b).probes_sent, 0);
+    // The sweeper does not ask it either: it is polled instead.
+    put(&fx.lb.skel.maps.probe_due, &b.id, &0u32);
+    fx.lb.sweep(0).unwrap();
+    assert_eq!(get::<u32, u32>(&fx.lb.skel.maps.probe_due, &b.id), Some(0));
+}
+
+// ------------------------------------------------------------ dsr-query
+
+#[test]
+fn dsr_query_holds_a_syn_for_the_daemon_and_balances_it_once_answered() {
+    use std::sync::{Arc, Mutex};
+    let fx = Fixture::lb_with(Mode::DsrQuery, Policy::LeastScore, 2);
+    let c = client(1);
+    // No daemon has swept yet: nobody would answer, so nothing is held.
+    fx.tx(&syn(c).build());
+    assert_eq!(fx.event("query_skipped"), 1);
+    let c = client(2);
+    fx.lb.sweep(0).unwrap();
+    fx.assert_dropped(&syn(c).build(), "query_pending");
+    assert_eq!(fx.half_open(c), None);
+    let held: Arc<Mutex<Vec<QueryReq>>> = Arc::default();
+    let mut rb = libbpf_rs::RingBufferBuilder::new();
+    let sink = Arc::clone(&held);
+    rb.add(&fx.lb.skel.maps.query_ring, move |d: &[u8]| {
+        sink.lock().unwrap().push(QueryReq::from_bytes(d));
+        0
+    })
+    .unwrap();
+    rb.build().unwrap().consume().unwrap();
+    let held = held.lock().unwrap();
+    assert_eq!(held.len(), 1);
+    let syn_frame = syn(c).build();
+    assert_eq!((held[0].vip_id, &held[0].frame[..held[0].len as usize]), (VIP_ID, &syn_frame[..]));
+    assert_eq!(held[0].key, flow_key(c), "the key the daemon marks query_done with");
+    // The daemon asked; backend 1 is idle, backend 0 busy: the SYN, run
+    // again, goes to backend 1 on those fresh scores.
+    fx.set_score(&backend(0), 50, ktime_ns());
+    fx.set_score(&backend(1), 0, ktime_ns());
+    put(&fx.lb.skel.maps.query_done, &flow_key(c), &ktime_ns());
+    fx.tx(&syn_frame);
+    assert_eq!(fx.half_open(c).map(|f| u32::from(f.backend_id)), Some(backend(1).id));
+    assert_eq!(fx.event("query_answered"), 1);
+    assert_eq!(get::<FlowKey, u64>(&fx.lb.skel.maps.query_done, &flow_key(c)), None, "the answer is used once");
+    // Its retransmission follows the handshake without asking again.
+    fx.tx(&syn_frame);
+    assert_eq!(fx.drops()[drop_index("query_pending")], 1);
+}
+
+// ---------------------------------------------------------- IP-in-IP carrier
+
+#[test]
+fn options_to_an_encap_backend_travel_in_ipip_and_nothing_else_does() {
+    let fx = Fixture::lb_with(Mode::DsrDynamic, Policy::LeastScore, 1);
+    fx.update_vip(|v| {
+        v.probe_interval = 2;
+        v.score_max_age_ns = 3600 * SEC;
+    });
+    let (b, c) = (backend(0), client(7));
+    fx.set_flags(&b, BACKEND_ACTIVE | BACKEND_ENCAP);
+    let s = syn(c).seq_no(0x1234_5678);
+    let out = fx.tx(&s.build());
+    let snat = port_of(fx.half_open(c).unwrap().snat_port);
+    // The MSS leaves room for the outer header too: a data packet with a
+    // 124 or 125 still fits once wrapped.
+    let mut clamped = s.clone();
+    clamped.tcp_options = mss_option(SYN_MSS - 16 - 20).to_vec();
+    assert_eq!(out, ipip(&forwarded_with(&clamped, &b, snat, &tuple_option(&s, &b, snat))), "155 wrapped");
+    // The ACK asks for the score (the backend is new): wrapped too.
+    let a = ack(c);
+    let out = fx.tx(&a.build());
+    let inner = [&out[..ETH_HLEN], &out[ETH_HLEN + 20..]].concat();
+    let request = expect_request(&fx, &inner, c, &b, snat);
+    assert_eq!(out, ipip(&forwarded_with(&a, &b, snat, &request)), "124 wrapped");
+    // Without an option, a packet goes as it would to any backend.
+    let d = data(c);
+    assert_eq!(fx.tx(&d.build()), forwarded(&d, &b, snat, vec![]));
+    assert_eq!((fx.event("encapsulated"), fx.event("decapsulated")), (2, 0));
+}
+
+#[test]
+fn a_wrapped_125_is_unwrapped_checked_and_its_packet_sent_on_plain() {
+    let fx = Fixture::lb_with(Mode::DsrDynamic, Policy::LeastScore, 1);
+    let c = client(4);
+    let (b, snat) = fx.connect(c);
+    outstanding(&fx, c, NONCE);
+    let good = InbandOption::auth_score(&KEY, KEY_ID, NONCE.to_ne_bytes(), conn(&b, snat), 77);
+    let r = reply(&b, snat).ip_options(good.encode());
+    assert_eq!(fx.tx(&ipip(&r.build())), returned(&r, c, vec![]));
+    assert_eq!(fx.score(&b).score, 77);
+    assert_eq!(fx.event("decapsulated"), 1);
+    // The carrier vouches for nothing: a forged 125 inside is refused as
+    // it would be without it, and its packet still goes to the client.
+    outstanding(&fx, c, NONCE);
+    let forged = InbandOption::auth_score(&Key(*b"not-the-real-key"), KEY_ID, NONCE.to_ne_bytes(), conn(&b, snat), 1);
+    let r = reply(&b, snat).ip_options(forged.encode());
+    assert_eq!(fx.tx(&ipip(&r.build())), returned(&r, c, vec![]));
+    assert_eq!((fx.score(&b).score, fx.event("score_bad_mac"), fx.event("decapsulated")), (77, 1, 2));
+}
+
+#[test]
+fn ip_in_ip_that_is_not_inbands_passes_untouched() {
+    let fx = Fixture::lb_with(Mode::DsrDynamic, Policy::LeastScore, 1);
+    let c = client(4);
+    let (b, snat) = fx.connect(c);
+    let inner = reply(&b, snat).build();
+    // Outer source other than the inner one: the host's own tunnel.
+    let mut other = ipip(&inner);
+    other[ETH_HLEN + 12..ETH_HLEN + 16].copy_from_slice(&[192, 0, 2, 1]);
+    other[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&[0, 0]);
+    let check = inband::packet::checksum(&[&other[ETH_HLEN..ETH_HLEN + 20]]);
+    other[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&check.to_be_bytes());
+    assert_eq!(fx.run(&other), (XDP_PASS, other.clone()));
+    // An outer length that does not match what it carries.
+    let mut short = ipip(&inner);
+    short[ETH_HLEN + 3] -= 4;
+    assert_eq!(fx.run(&short), (XDP_PASS, short.clone()));
+    // Cut inside the inner header: the outer one lies about its length.
+    fx.assert_dropped(&ipip(&inner)[..ETH_HLEN + 30], "malformed_ip");
+    assert_eq!(fx.event("decapsulated"), 0);
+}
+
+// ---------------------------------------------------------- Maglev
+
+/// A dsr-rr VIP of 3 backends with policy maglev and its table written as
+/// the control plane writes it (weights `w`).
+fn maglev_fixture(w: [u32; 3]) -> (Fixture, Vec<u32>) {
+    let fx = Fixture::lb_vip(Spec { mode: Mode::DsrRr, policy: Policy::Maglev, n: 3, ..Spec::default() });
+    let named: Vec<(String, u32)> = (0..3).map(|i| (backend(i).addr.to_string(), w[i as usize])).collect();
+    let table = inband::lb::maglev::table(&named, MAGLEV_SIZE);
+    for (i, slot) in table.iter().enumerate() {
+        put(&fx.lb.skel.maps.maglev, &(VIP_ID * MAGLEV_SIZE + i as u32), slot);
+    }
+    (fx, table)
+}
+
+/// The slot the table gives client `c`'s connection (the data path's hash).
+fn maglev_slot(table: &[u32], c: SocketAddr) -> u32 {
+    table[(inband::lb::maglev::flow_hash(flow_key(c).as_bytes()) % u64::from(MAGLEV_SIZE)) as usize]
+}
+
+#[test]
+fn maglev_sends_each_client_where_the_table_says_on_any_balancer() {
+    let (a, table) = maglev_fixture([1, 1, 1]);
+    let (b, _) = maglev_fixture([1, 1, 1]);
+    let mut seen = [0; 3];
+    for n in 1..=60 {
+        let c = client(n);
+        let want = maglev_slot(&table, c);
+        assert_eq!(a.pick(c), backend(want as u8).id, "client {c}");
+        // Another instance with the same configuration agrees: no shared state.
+        assert_eq!(b.pick(c), backend(want as u8).id, "client {c} on a second balancer");
+        seen[want as usize] += 1;
+    }
+    assert!(seen.iter().all(|n| *n > 5), "spread over the backends: {seen:?}");
+}
+
+#[test]
+fn maglev_weights_and_an_ineligible_slot() {
+    // Weight 0: the table never names backend 2.
+    let (fx, table) = maglev_fixture([1, 1, 0]);
+    assert!(!table.contains(&2));
+    for n in 1..=30 {
+        assert_ne!(fx.pick(client(n)), backend(2).id);
+    }
+    // A draining backend's connections go to the next eligible slot, not
+    // all to one backend of the rest.
+    let (fx, table) = maglev_fixture([1, 1, 1]);
+    fx.set_flags(&backend(0), BACKEND_DRAINING);
+    for n in 1..=30 {
+        let c = client(n);
+        let want = match maglev_slot(&table, c) {
+            0 => 1,
+            s => s,
+        };
+        assert_eq!(fx.pick(c), backend(want as u8).id, "client {c}");
+    }
 }

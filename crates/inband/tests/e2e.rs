@@ -6,6 +6,8 @@ use std::io::{Read, Write};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
+use inband::lb::maps::FlowKey;
+use inband::pod::{be_ip, be_port, Pod};
 use serde_json::Value;
 
 mod cluster;
@@ -33,6 +35,46 @@ fn passthrough_carries_responses_through_the_balancer() {
     assert_eq!(c.status()[0]["control"]["polls_sent"], 0);
 }
 
+/// Every mode over IPv6, through the same servers as an IPv4 VIP: the
+/// options ride a Destination Options header, responses go direct in the
+/// DSR modes (the agent's IPv6 rewrite and route lookup), scores come back.
+#[test]
+fn ipv6_serves_http_in_every_mode() {
+    let c = Cluster::with(Spec::new("v6", "passthrough").ipv6());
+    let v6 = vip6(&c.tb).to_string();
+    let vip6_stats = |c: &Cluster, f: &str| -> u64 {
+        c.status()[0]["vips"][1]["backends"].as_array().unwrap().iter().map(|b| b["stats"][f].as_u64().unwrap()).sum()
+    };
+    let agent_counter = |c: &Cluster, name: &str| -> u64 {
+        (1..=SERVERS)
+            .map(|i| {
+                let out = run_ok(&c.tb, &format!("s{i}"), &[BIN, "agent", "status", "--interface", "eth0", "--json"]);
+                serde_json::from_slice::<Value>(&out.stdout).unwrap()["counters"][name].as_u64().unwrap()
+            })
+            .sum()
+    };
+    assert_eq!(c.status()[0]["vips"][1]["vip"], v6.as_str());
+    for _ in 0..3 {
+        assert_eq!(get_vip6(&c), (200, BODY));
+    }
+    assert_eq!(vip6_stats(&c, "new_conns"), 3);
+    assert!(vip6_stats(&c, "return_bytes") >= 3 * BODY as u64, "pass-through: responses through the balancer");
+    for mode in ["dsr-rr", "dsr-polling", "dsr-dynamic"] {
+        assert!(c.ctl_ok(&["set-mode", "--vip", &v6, "--mode", mode]), "{mode}");
+        let (bytes, rewrites) = (vip6_stats(&c, "return_bytes"), agent_counter(&c, "dsr_rewrites"));
+        for _ in 0..6 {
+            assert_eq!(get_vip6(&c), (200, BODY), "{mode}");
+        }
+        assert!(vip6_stats(&c, "return_bytes") - bytes < BODY as u64, "{mode}: responses went around the balancer: {}", c.status()[0]["vips"][1]);
+        assert!(agent_counter(&c, "dsr_rewrites") > rewrites, "{mode}: the agents rewrote IPv6 responses");
+    }
+    assert!(vip6_stats(&c, "scores_received") > 0, "in-band scores over IPv6");
+    assert!(c.status()[0]["control"]["poll_replies"].as_u64().unwrap() > 0, "polls answered over IPv6");
+    // The IPv4 VIP on the same servers is untouched by it all.
+    assert_eq!(get_vip(&c), (200, BODY));
+    assert_eq!(c.status()[0]["drops"].as_object().unwrap().values().map(|v| v.as_u64().unwrap()).sum::<u64>(), 0);
+}
+
 #[test]
 fn dsr_round_robin_sends_responses_around_the_balancer() {
     let c = Cluster::up("rr", "dsr-rr", &[]);
@@ -46,6 +88,51 @@ fn dsr_round_robin_sends_responses_around_the_balancer() {
     for i in 1..=SERVERS {
         assert_eq!(c.backend(i)["stats"]["new_conns"], 2, "server {i}");
     }
+}
+
+/// Maglev: a connection's backend is the one the table the control plane
+/// wrote gives its client side under the data path's hash (computed here
+/// from the configuration alone, as another balancer instance would), and
+/// a backend of weight 0 gets nothing.
+#[test]
+fn maglev_places_each_client_side_where_any_instance_would() {
+    let c = Cluster::with(Spec::new("mg", "dsr-rr").vip("policy = \"maglev\"").backend(3, "weight = 0"));
+    for _ in 0..20 {
+        assert_eq!(get_vip(&c), (200, BODY));
+    }
+    let conns = c.conns();
+    assert_eq!(conns[2], 0, "weight 0: {conns:?}");
+    assert!(conns[0] > 0 && conns[1] > 0, "both others used: {conns:?}");
+
+    let named: Vec<(String, u32)> = (1..=SERVERS).map(|i| (server(&c.tb, i).to_string(), u32::from(i != 3))).collect();
+    let table = inband::lb::maglev::table(&named, inband::lb::maglev::DEFAULT_SIZE);
+    let (client, vip) = (c.tb.addr("c1"), vip(&c.tb));
+    let mut servers = std::collections::HashSet::new();
+    for port in 40001..40009u16 {
+        let key = FlowKey {
+            client_addr: be_ip(client.into()),
+            vip_addr: be_ip((*vip.ip()).into()),
+            client_port: be_port(port),
+            vip_port: be_port(vip.port()),
+            proto: 6,
+            pad: [0; 3],
+        };
+        let want = table[(inband::lb::maglev::flow_hash(key.as_bytes()) % u64::from(inband::lb::maglev::DEFAULT_SIZE)) as usize] as usize;
+        let before = c.conns();
+        let script = format!(
+            "import socket\ns = socket.socket()\ns.bind(('0.0.0.0', {port}))\ns.settimeout(5)\n\
+             s.connect(('{}', {}))\ns.sendall(b'GET / HTTP/1.0\\r\\n\\r\\n')\nassert s.recv(64).startswith(b'HTTP/1.')\n",
+            vip.ip(),
+            vip.port()
+        );
+        run_ok(&c.tb, "c1", &["python3", "-c", &script]);
+        let got: Vec<u64> = c.conns().iter().zip(&before).map(|(a, b)| a - b).collect();
+        let mut expected = vec![0; SERVERS];
+        expected[want] = 1;
+        assert_eq!(got, expected, "source port {port}");
+        servers.insert(want);
+    }
+    assert_eq!(servers.len(), 2, "eight client sides over the two weighted servers: {servers:?}");
 }
 
 #[test]
@@ -68,6 +155,147 @@ fn dsr_polling_polls_and_dsr_dynamic_does_not() {
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(c.status()[0]["control"]["polls_sent"].as_u64().unwrap(), before, "dsr-dynamic must not poll");
     assert!(sum(&c, "scores_received") > 0, "in-band scores arrive with responses");
+}
+
+/// Holds `n` idle connections open on server `i`, made from the balancer's
+/// namespace (not through the VIP): its agent counts them as load.
+fn hold_connections(c: &Cluster, i: usize, n: usize) -> Child {
+    let s = server(&c.tb, i);
+    let holder = format!("import socket, time\nconns = [socket.create_connection(('{}', {})) for _ in range({n})]\ntime.sleep(60)", s.ip(), s.port());
+    let hog = in_ns(&c.tb, "lb", &["python3", "-c", &holder]).spawn().unwrap();
+    wait_for(&format!("{n} connections on s{i}"), || {
+        let out = run_ok(&c.tb, &format!("s{i}"), &[BIN, "agent", "status", "--interface", "eth0", "--json"]);
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["ports"]["8080"]["active_connections"].as_i64() == Some(n as i64)
+    });
+    hog
+}
+
+/// The paper's baseline: every new connection's SYN waits for the
+/// backends' answers, so even the first connection after a server got busy
+/// avoids it — at the cost of a query round per connection.
+#[test]
+fn dsr_query_asks_the_backends_before_each_new_connection() {
+    let c = Cluster::up("dq", "dsr-query", &[]);
+    let mut hog = hold_connections(&c, 1, 6);
+    let polls0 = c.status()[0]["control"]["polls_sent"].as_u64().unwrap();
+    for _ in 0..12 {
+        assert_eq!(get_vip(&c), (200, BODY));
+    }
+    let st = c.status();
+    let _ = hog.kill();
+    let _ = hog.wait();
+    let control = &st[0]["control"];
+    assert_eq!(control["queries"], 12, "one query per new connection: {control}");
+    assert_eq!(control["query_timeouts"], 0, "{control}");
+    assert!(control["polls_sent"].as_u64().unwrap() - polls0 >= 12 * SERVERS as u64, "every backend asked each time: {control}");
+    assert_eq!(st[0]["drops"]["query_pending"], 12, "each SYN held once");
+    assert_eq!(st[0]["events"]["query_answered"], 12);
+    assert_eq!(c.backend(1)["stats"]["new_conns"], 0, "s1 answered 6 each time, the others 0 or 1");
+    assert_eq!(sum(&c, "new_conns"), 12);
+    // Responses go around the balancer, but for a connection the design
+    // sends through it: one whose 155 the agent refused because the
+    // server still held a socket on its tuple (tuple_in_use), or whose
+    // SYN went again without it (syn_retries).
+    let fallback = c.agent_counter("tuple_in_use") + sum(&c, "syn_retries");
+    assert!(
+        sum(&c, "return_bytes") < (1 + fallback) * BODY as u64,
+        "responses went through the balancer: {} bytes, {fallback} fallbacks",
+        sum(&c, "return_bytes")
+    );
+}
+
+/// A path that drops packets with IP options (as many routers do) between
+/// the balancer and s1: the balancer notices that s1's score requests go
+/// unanswered while its traffic flows, stops sending it options, polls it
+/// instead, and every request is still served. It tries options again now
+/// and then: lost again while the path drops them, kept once it heals.
+#[test]
+fn a_backend_whose_path_drops_options_is_polled_and_still_served() {
+    let c = Cluster::with(Spec::new("ol", "dsr-dynamic").vip("policy = \"round-robin\"").lb("options_retry_s = 2"));
+    let s1 = server(&c.tb, 1).ip().to_string();
+    // On the switch: both directions of the path to s1.
+    let nft = |args: &[&str]| {
+        let out = std::process::Command::new("ip").args(["netns", "exec", &c.tb.switch, "nft"]).args(args).output().unwrap();
+        assert!(out.status.success(), "nft {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    nft(&["add", "table", "bridge", "path"]);
+    nft(&["add", "chain", "bridge", "path", "lossy", "{ type filter hook forward priority 0; }"]);
+    for dir in ["saddr", "daddr"] {
+        nft(&["add", "rule", "bridge", "path", "lossy", "ip", dir, &s1, "ip", "hdrlength", "!=", "5", "drop"]);
+    }
+    let control = |field: &str| c.status()[0]["control"][field].as_u64().unwrap();
+    // Requests until `done`, each served: a dropped SYN or data packet is
+    // retransmitted without options, so it costs time, never the request.
+    let serve_until = |what: &str, done: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !done() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}: {}", c.backend(1));
+            assert_eq!(get_vip(&c), (200, BODY), "{what}");
+        }
+    };
+    serve_until("s1 found losing options", &|| c.backend(1)["options_lost"] == true);
+    assert_eq!(control("options_lost"), 1);
+    for i in 2..=SERVERS {
+        assert_eq!(c.backend(i)["options_lost"], false, "s{i}'s path keeps options");
+    }
+    wait_for("s1 polled", || c.backend(1)["score_age_ms"].as_u64().is_some_and(|a| a < 1500));
+    let stat = |k: &str| c.backend(1)["stats"][k].as_u64().unwrap();
+    let (probes, conns, retries) = (stat("probes_sent"), stat("new_conns"), stat("syn_retries"));
+    for _ in 0..6 {
+        assert_eq!(get_vip(&c), (200, BODY));
+    }
+    assert_eq!(stat("syn_retries"), retries, "no SYN to s1 lost and sent again once it gets no options");
+    assert_eq!(c.backend(1)["stats"]["new_conns"].as_u64().unwrap() - conns, 2, "round-robin still gives s1 its share");
+    assert_eq!(c.backend(1)["stats"]["probes_sent"].as_u64().unwrap(), probes, "no score request to s1");
+    // Retried while the path still drops options: found again.
+    serve_until("a retry and a relapse", &|| control("options_retried") >= 1 && control("options_lost") >= 2);
+    // The path heals; the next retry keeps options.
+    nft(&["delete", "table", "bridge", "path"]);
+    let scores = c.backend(1)["stats"]["scores_received"].as_u64().unwrap();
+    serve_until("in-band scores from s1 again", &|| {
+        let b = c.backend(1);
+        b["options_lost"] == false && b["stats"]["scores_received"].as_u64().unwrap() > scores
+    });
+}
+
+/// The same lossy path, with s1 configured `encap = "ipip"`: its options
+/// travel inside IP-in-IP (no options in the outer header), so every SYN
+/// and score request gets through, in-band scores keep coming, and the
+/// backend is never found losing options. Without `encap` s1's SYNs are
+/// dropped and sent again (`syn_retries`).
+#[test]
+fn an_ipip_backend_keeps_in_band_scores_across_a_path_that_drops_options() {
+    let c = Cluster::with(Spec::new("oi", "dsr-dynamic").vip("policy = \"round-robin\"").backend(1, "encap = \"ipip\""));
+    let s1 = server(&c.tb, 1).ip().to_string();
+    let nft = |args: &[&str]| {
+        let out = std::process::Command::new("ip").args(["netns", "exec", &c.tb.switch, "nft"]).args(args).output().unwrap();
+        assert!(out.status.success(), "nft {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    nft(&["add", "table", "bridge", "path"]);
+    nft(&["add", "chain", "bridge", "path", "lossy", "{ type filter hook forward priority 0; }"]);
+    for dir in ["saddr", "daddr"] {
+        nft(&["add", "rule", "bridge", "path", "lossy", "ip", dir, &s1, "ip", "hdrlength", "!=", "5", "counter", "drop"]);
+    }
+    let scores = c.backend(1)["stats"]["scores_received"].as_u64().unwrap();
+    for _ in 0..30 {
+        assert_eq!(get_vip(&c), (200, BODY));
+    }
+    let b1 = c.backend(1);
+    // No SYN to s1 was lost to the path and sent again.
+    assert_eq!(b1["stats"]["syn_retries"], 0, "{b1}");
+    assert_eq!(b1["encap"], true);
+    assert_eq!(b1["options_lost"], false);
+    assert!(b1["stats"]["scores_received"].as_u64().unwrap() > scores, "in-band scores through the lossy path: {b1}");
+    assert!(c.event("encapsulated") >= 10 && c.event("decapsulated") >= 1, "{}", c.status()[0]["events"]);
+    let agent: Value = serde_json::from_slice(&run_ok(&c.tb, "s1", &[BIN, "agent", "status", "--interface", "eth0", "--json"]).stdout).unwrap();
+    let counters = &agent["counters"];
+    assert!(counters["decapsulated"].as_u64().unwrap() >= 10 && counters["encapsulated"].as_u64().unwrap() >= 1, "{counters}");
+    assert!(counters["dsr_rewrites"].as_u64().unwrap() > 0, "responses still go direct: {counters}");
+    // Nothing to or from s1 carried an option in the clear for the path to drop.
+    let rules = nft(&["list", "table", "bridge", "path"]);
+    assert_eq!(rules.matches("counter packets 0 bytes 0 drop").count(), 2, "{rules}");
 }
 
 #[test]

@@ -4,7 +4,7 @@
 //! to come from the balancer and from a backend, sent by an attacker on the
 //! same network while a real download runs.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -137,7 +137,7 @@ fn a_syn_flood_from_random_sources_does_not_stop_a_legitimate_client() {
 }
 
 /// The agent's stored client tuples on `node`: (balancer port, client).
-fn agent_tuples(c: &Cluster, node: &str) -> Vec<(u16, SocketAddrV4)> {
+fn agent_tuples(c: &Cluster, node: &str) -> Vec<(u16, SocketAddr)> {
     use inband::agent::maps::{ConnKey, DsrFlow};
     let pins = format!("/sys/fs/bpf/inband/netns/{}/agent/eth0", c.tb.netns(node));
     let map = libbpf_rs::MapHandle::from_pinned_path(format!("{pins}/dsr_flows")).unwrap();
@@ -145,7 +145,7 @@ fn agent_tuples(c: &Cluster, node: &str) -> Vec<(u16, SocketAddrV4)> {
         .unwrap()
         .into_iter()
         .map(|(k, v)| {
-            (inband::pod::port_of(k.peer_port), SocketAddrV4::new(inband::pod::addr_of(v.client_addr), inband::pod::port_of(v.client_port)))
+            (inband::pod::port_of(k.peer_port), SocketAddr::new(inband::pod::ip_of(&v.client_addr), inband::pod::port_of(v.client_port)))
         })
         .collect()
 }
@@ -157,7 +157,7 @@ fn forged_options_change_nothing_and_reflect_nothing() {
     let c = Cluster::with(
         Spec::new("frg", "dsr-dynamic").servers(1).clients(3).every_server(&["--service-ms", "1", "--body-bytes", "4000000"]),
     );
-    let victim = SocketAddrV4::new(c.tb.addr("c3"), 4444);
+    let victim = SocketAddr::from(SocketAddrV4::new(c.tb.addr("c3"), 4444));
     let sink = in_ns(&c.tb, "c3", &[BIN, "bench", "sink", "--port", "4444", "--max-seconds", "120"]).stdout(Stdio::piped()).spawn().unwrap();
     let url = format!("http://{}/", vip(&c.tb));
     let dl = in_ns(&c.tb, "c1", &["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{size_download}", "--max-time", "60", "--limit-rate", "800K", &url])
@@ -172,7 +172,7 @@ fn forged_options_change_nothing_and_reflect_nothing() {
     let mut frames = Vec::new();
     for port in 1024..=32767u16 {
         let from_lb = SocketAddrV4::new(lb, port);
-        let conn = Conn { lb: from_lb, backend: s1 };
+        let conn = Conn::tcp(from_lb, s1);
         // To the server, claiming the balancer: a client tuple naming the
         // victim on a SYN (reflection) and on an ACK (hijack of a live
         // connection), under a key the attacker made up; a score request.
@@ -228,4 +228,53 @@ fn the_victim_address_is_real() {
     std::thread::sleep(Duration::from_millis(300));
     let r = sink_result(sink);
     assert_eq!(r["packets"], 5, "{r}");
+}
+
+#[test]
+fn forged_poll_replies_and_requests_are_refused() {
+    // The VIP polls port 9999, where a forger on s1 answers every request:
+    // echoing its port, key id and nonce with a made-up MAC, and in the
+    // seed's plain format. The real agent stays on 9137.
+    let c = Cluster::with(Spec::new("fpo", "dsr-polling").servers(1).vip("poll_port = 9999"));
+    let forger = "import os, socket, time\n\
+                  s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+                  s.bind(('0.0.0.0', 9999))\n\
+                  s.settimeout(0.5)\n\
+                  end = time.time() + 60\n\
+                  while time.time() < end:\n\
+                  \x20   try:\n\
+                  \x20       b, a = s.recvfrom(64)\n\
+                  \x20   except socket.timeout:\n\
+                  \x20       continue\n\
+                  \x20   if len(b) == 24 and b[:4] == b'IBP2':\n\
+                  \x20       s.sendto(b'IBR2' + b[4:16] + bytes(4) + os.urandom(8), a)\n\
+                  \x20       s.sendto(b'IBR1' + b[4:6] + bytes(4), a)\n";
+    let mut forging = in_ns(&c.tb, "s1", &["python3", "-c", forger]).spawn().unwrap();
+    let control = |k: &str| c.status()[0]["control"][k].as_u64().unwrap();
+    wait_for("forged replies refused", || control("poll_unauthenticated") >= 6);
+    let _ = forging.kill();
+    let _ = forging.wait();
+    assert_eq!(control("poll_replies"), 0, "a forged reply was taken");
+    assert!(c.backend(1)["score"].is_null(), "a forged score was recorded: {}", c.backend(1));
+
+    // To the agent, from the balancer's own address: the plain format and a
+    // made-up MAC get no answer and are counted.
+    let s1 = *server(&c.tb, 1).ip();
+    let asker = format!(
+        "import os, socket\n\
+         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+         s.settimeout(0.3)\n\
+         for m in [b'IBP1\\x1f\\x90', b'IBP2\\x1f\\x90\\x01\\x00' + os.urandom(16)]:\n\
+         \x20   s.sendto(m, ('{s1}', 9137))\n\
+         \x20   try:\n\
+         \x20       s.recvfrom(64)\n\
+         \x20       print('reply')\n\
+         \x20   except socket.timeout:\n\
+         \x20       print('none')\n"
+    );
+    let out = run_ok(&c.tb, "lb", &["python3", "-c", &asker]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "none\nnone\n");
+    let agent: Value = serde_json::from_slice(&run_ok(&c.tb, "s1", &[BIN, "agent", "status", "--interface", "eth0", "--json"]).stdout).unwrap();
+    assert_eq!(agent["counters"]["polls_unauthenticated"], 2, "{}", agent["counters"]);
+    assert_eq!(agent["counters"]["polls_answered"], 0, "{}", agent["counters"]);
 }

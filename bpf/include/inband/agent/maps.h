@@ -14,9 +14,9 @@
 #include "inband/auth.h"
 #include "inband/pinned.h"
 
-INBAND_PINNED(services, BPF_MAP_TYPE_HASH, __be16, struct inband_service, INBAND_AGENT_MAX_SERVICES);
+INBAND_PINNED(services, BPF_MAP_TYPE_HASH, struct inband_service_key, struct inband_service, INBAND_AGENT_MAX_SERVICES);
 
-INBAND_PINNED(balancers, BPF_MAP_TYPE_HASH, __be32, __u8, INBAND_AGENT_MAX_BALANCERS);
+INBAND_PINNED(balancers, BPF_MAP_TYPE_HASH, struct inband_addr, struct inband_balancer, INBAND_AGENT_MAX_BALANCERS);
 
 INBAND_PINNED(dsr_flows, BPF_MAP_TYPE_LRU_HASH, struct inband_conn_key, struct inband_dsr_flow, INBAND_AGENT_FLOW_TABLE_SIZE);
 

@@ -1,10 +1,10 @@
 /* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
 /*
- * Software checksum verification of an IPv4/TCP packet at tc ingress, which
+ * Software checksum verification of a packet at tc ingress, which
  * runs before the kernel checks either checksum: a packet the stack would
  * discard as corrupt must not change what the agent stores (a 155 on it
- * would otherwise overwrite a client tuple and then vanish). Only SYNs with
- * a 155 pay for it.
+ * would otherwise overwrite a client tuple and then vanish). Only packets
+ * with a 155 pay for it.
  */
 #ifndef INBAND_AGENT_VERIFY_H
 #define INBAND_AGENT_VERIFY_H
@@ -14,6 +14,7 @@
 #include <bpf/bpf_endian.h>
 #include <bpf/bpf_helpers.h>
 
+#include "inband/agent/packet.h"
 #include "inband/agent_skb.h"
 #include "inband/csum.h"
 #include "inband/wire.h"
@@ -69,19 +70,27 @@ static __always_inline int ipv4_csum_ok(struct __sk_buff *skb, __u32 hlen)
 	return sum >= 0 && csum_fold((__u32)sum) == 0xffff;
 }
 
-/* The TCP segment (`l4_len` bytes at `l4_off`) with its pseudo-header sums
- * to zero. */
-static __always_inline int tcp_csum_ok(struct __sk_buff *skb, __u32 l4_off, __u32 l4_len, __be32 saddr,
-				       __be32 daddr)
+/* The transport segment (`l4_len` bytes at `l4_off`) of `a` with its
+ * pseudo-header (IPv4 or IPv6) sums to zero. A UDP datagram over IPv4
+ * without a checksum (0) has nothing to check. */
+static __always_inline int l4_csum_ok(struct __sk_buff *skb, __u32 l4_off, __u32 l4_len, const struct apkt *a)
 {
 	struct csum_walk w = { .skb = skb, .off = l4_off, .left = l4_len };
 
+	if (a->proto == INBAND_IPPROTO_UDP && a->family == 4) {
+		__be16 check;
+
+		if (bpf_skb_load_bytes(skb, l4_off + 6, &check, sizeof(check)))
+			return 0;
+		if (check == 0)
+			return 1;
+	}
 	if (l4_len > 0xffff)
 		return 0;
 	bpf_loop(0x10000 / CSUM_CHUNK, csum_step, &w, 0);
 	if (w.sum < 0 || w.left)
 		return 0;
-	return csum_tcp_ok((__u32)w.sum, saddr, daddr, l4_len);
+	return csum_l4_ok((__u32)w.sum, &a->saddr, &a->daddr, a->proto, l4_len);
 }
 
 #endif /* INBAND_AGENT_VERIFY_H */

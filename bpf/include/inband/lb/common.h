@@ -6,6 +6,7 @@
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
 #include <linux/ip.h>
+#include <linux/ipv6.h>
 #include <linux/tcp.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
@@ -13,6 +14,16 @@
 #include "inband/lb/maps.h"
 
 #define ETH_IP_HLEN (ETH_HLEN + INBAND_IPV4_MIN_HDR)
+#define ETH_IP6_HLEN (ETH_HLEN + INBAND_IPV6_HDR)
+#define ETH_P_IPV6_ 0x86DD
+#define UDP_HDR 8
+/* IPv6 next-header values (linux/in6.h has them behind libc guards). */
+#define IP6_HOPOPTS 0
+#define IP6_ROUTING 43
+#define IP6_FRAGMENT 44
+#define IP6_ICMP 58
+#define IP6_NONE 59
+#define IP6_DSTOPTS 60
 #define IP_MAX_OPT_LEN (INBAND_IPV4_MAX_HDR - INBAND_IPV4_MIN_HDR)
 #define TCP_MIN_HDR 20
 #define TCP_MAX_OPT_LEN 40
@@ -36,6 +47,52 @@ static __always_inline int drop(__u32 reason)
 	if (count)
 		*count += 1; /* per-CPU slot: no other writer */
 	return XDP_DROP;
+}
+
+/*
+ * Header room in XDP: the first `keep` bytes of the frame (Ethernet and
+ * the headers that stay in front) move `gap` bytes toward the front,
+ * opening a gap after them (open_gap: an option, a Destination Options
+ * header, an outer IP-in-IP header goes there), or back over the `gap`
+ * bytes after them (close_gap: taking one off). Both are constants at
+ * every call, so the 2-byte moves unroll to fixed offsets; the source is
+ * ahead of the destination in the direction of the copy, so no byte is
+ * overwritten before it is read. 0, or a drop verdict.
+ */
+static __always_inline int open_gap(struct xdp_md *ctx, const int keep, const int gap)
+{
+	if (bpf_xdp_adjust_head(ctx, -gap))
+		return drop(INBAND_DROP_ADJUST_FAILED);
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+
+	if (data + keep + gap > data_end)
+		return drop(INBAND_DROP_ADJUST_FAILED);
+	__u16 *dst = data;
+	__u16 *src = data + gap;
+
+#pragma unroll
+	for (int i = 0; i < keep / 2; i++)
+		dst[i] = src[i];
+	return 0;
+}
+
+static __always_inline int close_gap(struct xdp_md *ctx, const int keep, const int gap)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+
+	if (data + keep + gap > data_end)
+		return drop(INBAND_DROP_ADJUST_FAILED);
+	__u16 *dst = data + gap;
+	__u16 *src = data;
+
+#pragma unroll
+	for (int i = keep / 2 - 1; i >= 0; i--)
+		dst[i] = src[i];
+	if (bpf_xdp_adjust_head(ctx, gap))
+		return drop(INBAND_DROP_ADJUST_FAILED);
+	return 0;
 }
 
 static __always_inline void event(__u32 ev)
@@ -72,6 +129,13 @@ static __always_inline struct inband_lb_config *config(void)
 	__u32 zero = 0;
 
 	return bpf_map_lookup_elem(&lb_config, &zero);
+}
+
+/* The balancer's own address in the family of `a`. */
+static __always_inline const struct inband_addr *self_addr(const struct inband_lb_config *cfg,
+							    const struct inband_addr *a)
+{
+	return inband_addr_is4(a) ? &cfg->self4 : &cfg->self6;
 }
 
 /* CLOCK_MONOTONIC at tick resolution: flow timestamps need seconds, not ns. */

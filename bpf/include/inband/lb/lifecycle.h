@@ -21,8 +21,8 @@
 
 static __always_inline int same_flow_key(const struct inband_flow_key *a, const struct inband_flow_key *b)
 {
-	return a->client_addr == b->client_addr && a->vip_addr == b->vip_addr && a->client_port == b->client_port &&
-	       a->vip_port == b->vip_port && a->proto == b->proto;
+	return inband_addr_eq(&a->client_addr, &b->client_addr) && inband_addr_eq(&a->vip_addr, &b->vip_addr) &&
+	       a->client_port == b->client_port && a->vip_port == b->vip_port && a->proto == b->proto;
 }
 
 static __always_inline struct inband_nat_key nat_key_of(const struct inband_flow *f)
@@ -31,7 +31,7 @@ static __always_inline struct inband_nat_key nat_key_of(const struct inband_flow
 		.backend_addr = f->backend_addr,
 		.backend_port = f->backend_port,
 		.snat_port = f->snat_port,
-		.proto = IPPROTO_TCP,
+		.proto = f->proto,
 	};
 	return nk;
 }
@@ -39,8 +39,8 @@ static __always_inline struct inband_nat_key nat_key_of(const struct inband_flow
 /* The flow uses the server-side tuple `nk`. */
 static __always_inline int flow_has_port(const struct inband_flow *f, const struct inband_nat_key *nk)
 {
-	return f->backend_addr == nk->backend_addr && f->backend_port == nk->backend_port &&
-	       f->snat_port == nk->snat_port;
+	return inband_addr_eq(&f->backend_addr, &nk->backend_addr) && f->backend_port == nk->backend_port &&
+	       f->snat_port == nk->snat_port && f->proto == nk->proto;
 }
 
 static __always_inline __u64 flow_timeout(const struct inband_flow *f, const struct inband_vip *vc)
@@ -75,9 +75,10 @@ static __always_inline void flow_touch(struct inband_flow *f)
 		f->seen = 1;
 }
 
+/* The modes that rank backends by their scores. */
 static __always_inline int score_mode(__u8 mode)
 {
-	return mode == INBAND_MODE_DSR_POLLING || mode == INBAND_MODE_DSR_DYNAMIC;
+	return mode == INBAND_MODE_DSR_POLLING || mode == INBAND_MODE_DSR_DYNAMIC || mode == INBAND_MODE_DSR_QUERY;
 }
 
 /* Deletes an established flow and its SNAT reservation (if it owns it). */

@@ -48,6 +48,8 @@ INBAND_PINNED_PERCPU(drops, __u64, INBAND_DROP_MAX);
 INBAND_PINNED_PERCPU(events, __u64, INBAND_EV_MAX);
 
 INBAND_PINNED(vips, BPF_MAP_TYPE_HASH, struct inband_vip_key, __u32, INBAND_MAX_VIPS);
+/* Sized INBAND_MAX_VIPS * maglev_size when the program is loaded. */
+INBAND_PINNED_ARRAY(maglev, __u32, INBAND_MAX_VIPS *INBAND_MAGLEV_DEFAULT_SIZE);
 
 /* Established and closing connections. LRU: when it is full the least
  * recently used flow (the longest idle) is the one that goes. */
@@ -68,5 +70,15 @@ INBAND_PINNED(half_open_ports, BPF_MAP_TYPE_LRU_HASH, struct inband_nat_key, str
  * (ended, expired, evicted from `flows`), so the port of a live flow is
  * never handed to a second client. */
 INBAND_PINNED(snat, BPF_MAP_TYPE_HASH, struct inband_nat_key, struct inband_snat_owner, INBAND_SNAT_TABLE_SIZE);
+
+/* dsr-query (query.h): SYNs handed to the lb daemon, and the connections
+ * whose query it answered (their next SYN goes ahead). */
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 256 * 1024);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} query_ring SEC(".maps");
+
+INBAND_PINNED(query_done, BPF_MAP_TYPE_LRU_HASH, struct inband_flow_key, __u64, 16384);
 
 #endif /* INBAND_LB_MAPS_H */

@@ -28,6 +28,8 @@
 #include "inband/lb/common.h"
 #include "inband/lb/lifecycle.h"
 
+_Static_assert(sizeof(struct inband_flow_key) % 8 == 0, "the SNAT hash covers the whole client side");
+
 #define VICTIM_HALF_OPEN 1
 #define VICTIM_CLOSING 2
 
@@ -42,6 +44,20 @@ struct port_search {
 	__be16 victim_port;
 	__u16 victim_kind; /* VICTIM_*, 0 = none */
 	__u16 holds; /* candidates held by handshakes */
+};
+
+/* The search lives in a per-CPU slot rather than on the stack, which the
+ * rest of a new connection's path needs (XDP does not nest on a CPU);
+ * bpf_loop's callbacks reach it through a pointer on the stack. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct port_search);
+} search_scratch SEC(".maps");
+
+struct search_ref {
+	struct port_search *s;
 };
 
 static __always_inline __be16 candidate(__u64 hash, __u32 i)
@@ -64,7 +80,7 @@ static __always_inline void consider_victim(struct port_search *s, __u16 kind, c
 
 static long port_step(__u32 i, void *arg)
 {
-	struct port_search *s = arg;
+	struct port_search *s = ((struct search_ref *)arg)->s;
 	struct inband_port_hold *hold;
 	struct inband_snat_owner *res;
 	struct inband_flow *owner;
@@ -146,29 +162,39 @@ static __always_inline int free_victim_port(const struct port_search *s)
  * Finds a port toward the backend in `nk` for the connection `fk` and
  * holds it for the handshake (half_open_ports). Returns the port (network
  * order) or 0 when every candidate belongs to a live established flow.
+ * Global (verified once, not at each of its caller's attempts).
  */
-static __always_inline __be16 reserve_snat_port(const struct inband_lb_config *cfg,
-						const struct inband_flow_key *fk, const struct inband_nat_key *nk,
-						__u64 now)
+__noinline int reserve_snat_port(const struct inband_lb_config *cfg, const struct inband_flow_key *fk,
+				 const struct inband_nat_key *nk, __u64 now)
 {
-	struct port_search s = { .fk = *fk, .nk = *nk, .now = now };
+	__u32 zero = 0;
+	struct port_search *s = bpf_map_lookup_elem(&search_scratch, &zero);
 
-	s.hash = inband_siphash24_words(cfg->snat_key[0], cfg->snat_key[1], (const __u8 *)fk, 2);
-	bpf_loop(INBAND_SNAT_TRIES, port_step, &s, 0);
-	if (s.port || !s.victim_kind)
-		return s.port;
+	if (!s || !cfg || !fk || !nk)
+		return 0;
+	__builtin_memset(s, 0, sizeof(*s));
+	s->fk = *fk;
+	s->nk = *nk;
+	s->now = now;
+	s->hash = inband_siphash24_words(cfg->snat_key[0], cfg->snat_key[1], (const __u8 *)fk,
+					 sizeof(struct inband_flow_key) / 8);
+	struct search_ref ref = { .s = s };
 
-	s.nk.snat_port = s.victim_port;
-	if (!free_victim_port(&s))
+	bpf_loop(INBAND_SNAT_TRIES, port_step, &ref, 0);
+	if (s->port || !s->victim_kind)
+		return s->port;
+
+	s->nk.snat_port = s->victim_port;
+	if (!free_victim_port(s))
 		return 0;
 	struct inband_port_hold mine = { .flow = *fk, .since_ns = now };
 
 	/* NOEXIST: another CPU's SYN may have picked the same victim; one of
 	 * them gets the port, the other none (its caller tries another
 	 * backend). Replacing the hold in place would give it to both. */
-	if (bpf_map_update_elem(&half_open_ports, &s.nk, &mine, BPF_NOEXIST))
+	if (bpf_map_update_elem(&half_open_ports, &s->nk, &mine, BPF_NOEXIST))
 		return 0;
-	return s.victim_port;
+	return s->victim_port;
 }
 
 #endif /* INBAND_LB_NAT_H */

@@ -118,13 +118,15 @@ static long tcp_option_step(__u32 index, void *arg)
 }
 
 /*
- * Lowers the MSS option of a SYN or SYN-ACK by INBAND_OPT_DATA_MAX_LEN, so
- * that full-sized segments still fit the MTU once an option rides on them,
- * and feeds the change into the TCP checksum accumulator. The TCP header
- * starts `l4_off` bytes into the frame; its `optlen` bytes of options are
- * inside the packet.
+ * Lowers the MSS option of a SYN or SYN-ACK by `by` (the largest option a
+ * data packet of its family gets: INBAND_OPT_DATA_MAX_LEN for IPv4,
+ * INBAND_OPT6_DATA_MAX_LEN for IPv6), so that full-sized segments still fit
+ * the MTU once an option rides on them, and feeds the change into the TCP
+ * checksum accumulator. The TCP header starts `l4_off` bytes into the
+ * frame; its `optlen` bytes of options are inside the packet. Global
+ * (verified once, with a frame of its own): SYNs and SYN-ACKs only.
  */
-static __always_inline __u32 clamp_mss(struct xdp_md *ctx, __u32 l4_off, __u32 optlen, __u32 acc)
+__noinline __u32 clamp_mss(struct xdp_md *ctx, __u32 l4_off, __u32 optlen, __u32 acc, __u16 by)
 {
 	struct opt_walk w = {};
 
@@ -147,9 +149,9 @@ static __always_inline __u32 clamp_mss(struct xdp_md *ctx, __u32 l4_off, __u32 o
 	__u16 old = load16(field);
 	__u16 mss = bpf_ntohs(old);
 
-	if (mss <= INBAND_OPT_DATA_MAX_LEN)
+	if (mss <= by)
 		return acc;
-	__u16 new = bpf_htons(mss - INBAND_OPT_DATA_MAX_LEN);
+	__u16 new = bpf_htons(mss - by);
 
 	__builtin_memcpy(field, &new, sizeof(new));
 	/* The options start at an even offset (20) of the TCP header, so the
@@ -166,21 +168,15 @@ static __always_inline __u32 clamp_mss(struct xdp_md *ctx, __u32 l4_off, __u32 o
  */
 static __always_inline int emit_with_option(struct xdp_md *ctx, const int optlen, const __u8 *opt, __u32 tot_len)
 {
-	if (bpf_xdp_adjust_head(ctx, -optlen))
-		return drop(INBAND_DROP_ADJUST_FAILED);
+	int bad = open_gap(ctx, ETH_IP_HLEN, optlen);
+
+	if (bad)
+		return bad;
 	void *data = (void *)(long)ctx->data;
 	void *data_end = (void *)(long)ctx->data_end;
 
 	if (data + ETH_IP_HLEN + optlen > data_end)
 		return drop(INBAND_DROP_ADJUST_FAILED);
-	__u16 *dst = data;
-	__u16 *src = data + optlen;
-
-	/* Ascending 2-byte moves are safe: the source is ahead by >= 4 bytes. */
-#pragma unroll
-	for (int i = 0; i < ETH_IP_HLEN / 2; i++)
-		dst[i] = src[i];
-
 	struct iphdr *iph = data + ETH_HLEN;
 
 	__builtin_memcpy(data + ETH_IP_HLEN, opt, optlen);
@@ -199,21 +195,9 @@ static __always_inline int emit_with_option(struct xdp_md *ctx, const int optlen
  */
 static __always_inline int strip_first_option(struct xdp_md *ctx, const int optlen)
 {
-	void *data = (void *)(long)ctx->data;
-	void *data_end = (void *)(long)ctx->data_end;
+	int bad = close_gap(ctx, ETH_IP_HLEN, optlen);
 
-	if (data + ETH_IP_HLEN + optlen > data_end)
-		return drop(INBAND_DROP_ADJUST_FAILED);
-	__u16 *dst = data + optlen;
-	__u16 *src = data;
-
-	/* Descending 2-byte moves: the destination is ahead of the source. */
-#pragma unroll
-	for (int i = ETH_IP_HLEN / 2 - 1; i >= 0; i--)
-		dst[i] = src[i];
-	if (bpf_xdp_adjust_head(ctx, optlen))
-		return drop(INBAND_DROP_ADJUST_FAILED);
-	return XDP_TX;
+	return bad ? bad : XDP_TX;
 }
 
 #endif /* INBAND_LB_OPTIONS_H */

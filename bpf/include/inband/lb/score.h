@@ -18,19 +18,21 @@
 
 /*
  * Whether this packet toward a dsr-dynamic flow's backend should carry a
- * 124: every probe_interval-th packet to the backend on this CPU, and the
- * first packet after the sweeper found the backend's score older than half
- * its max age (probe_due), so under light load a quiet backend's first
- * packet asks (select.h relies on it). Returns the CPU's counter to reset
- * once the 124 is really added.
+ * 124: every n-th packet to the backend on this CPU, and the first packet
+ * after the sweeper found the backend's score older than half its max age
+ * (probe_due), so under light load a quiet backend's first packet asks
+ * (select.h relies on it). n is the backend's adaptive interval
+ * (adapt_interval), within the VIP's bounds. Returns the CPU's counter to
+ * reset once the 124 is really added.
  */
 static __always_inline __u32 *probe_wanted(const struct inband_flow *f, const struct inband_vip *vc)
 {
 	__u32 id = f->backend_id;
 	__u32 *count = bpf_map_lookup_elem(&probe_count, &id);
 	__u32 *due = bpf_map_lookup_elem(&probe_due, &id);
+	struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &id);
 
-	if (!count || !due || !vc->probe_interval)
+	if (!count || !due || !s || !vc->probe_interval)
 		return NULL;
 	*count += 1;
 	/* One request per flow at a time: a second would replace the nonce
@@ -38,18 +40,55 @@ static __always_inline __u32 *probe_wanted(const struct inband_flow *f, const st
 	 * due, so the next packet of another flow to the backend asks. */
 	if (f->flags & INBAND_FLOW_PROBE_OUTSTANDING)
 		return NULL;
-	if (*count >= vc->probe_interval || (*due & INBAND_PROBE_DUE))
+	__u32 n = s->interval;
+
+	if (n < vc->probe_interval || n > vc->probe_interval_max)
+		n = vc->probe_interval;
+	if (*count >= n || (*due & INBAND_PROBE_DUE))
 		return count;
 	return NULL;
+}
+
+/*
+ * The VIP's probe budget (124s per second per backend), as a generic cell
+ * rate: each 124 moves the backend's budget_ns one emission interval on
+ * from max(now, budget_ns); a 124 is allowed while budget_ns is less than
+ * four intervals ahead of now (a burst of four). Read with the coarse
+ * clock, and only when a 124 is due. Concurrent CPUs may both spend the
+ * same slot: the bound holds to within a packet per CPU.
+ */
+static __always_inline int probe_budget_ok(const struct inband_vip *vc, __u32 backend_id)
+{
+	struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &backend_id);
+
+	if (!vc->probe_budget)
+		return 1;
+	if (!s)
+		return 0;
+	__u64 now = coarse_now();
+	__u64 step = 1000000000ULL / vc->probe_budget;
+	__u64 tat = s->budget_ns;
+
+	if (tat < now)
+		tat = now;
+	if (tat > now + 4 * step) {
+		event(INBAND_EV_PROBE_BUDGET);
+		return 0;
+	}
+	s->budget_ns = tat + step;
+	return 1;
 }
 
 static __always_inline void probe_sent(__u32 *count, __u32 backend_id)
 {
 	__u32 *due = bpf_map_lookup_elem(&probe_due, &backend_id);
+	struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &backend_id);
 
 	*count = 0;
 	if (due && (*due & INBAND_PROBE_DUE))
 		__sync_fetch_and_and(due, ~INBAND_PROBE_DUE);
+	if (s)
+		__sync_fetch_and_add(&s->unanswered, 1);
 }
 
 static __always_inline struct inband_auth_key *signing_key(const struct inband_lb_config *cfg)
@@ -60,40 +99,151 @@ static __always_inline struct inband_auth_key *signing_key(const struct inband_l
 	return k && k->valid ? k : NULL;
 }
 
-/* The authenticated 155 for a SYN from `fk` with sequence number `seq`,
- * forwarded as `f`. 0 if there is no signing key (never, once configured). */
-static __noinline int build_auth_tuple(__u8 *out, const struct inband_lb_config *cfg,
-					    const struct inband_flow_key *fk, const struct inband_flow *f,
-					    __be32 seq)
+/* What a MAC is over besides the connection: BPF calls take five
+ * arguments at most. */
+struct mac_req {
+	const struct inband_auth_key *key;
+	__be32 nonce;
+	__u16 score; /* 125 only, host order */
+	__u8 kind;
+	__u8 key_id;
+};
+
+/* The MAC messages live in a per-CPU slot: the paths that sign are deep
+ * enough without 96 more bytes of stack. */
+struct mac_msgs {
+	struct inband_mac_msg6 v6;
+	struct inband_mac_msg v4;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct mac_msgs);
+} mac_scratch SEC(".maps");
+
+/*
+ * The MAC of an option on flow `f`, over its connection as the backend
+ * sees it (the balancer's address and SNAT port -> the backend): the IPv4
+ * or IPv6 message by the flow's family, the transport tag by its protocol.
+ * `fk`: the client side, for a 155; NULL otherwise.
+ */
+static __noinline __u64 flow_mac(const struct mac_req *r, const struct inband_lb_config *cfg,
+				 const struct inband_flow *f, const struct inband_flow_key *fk)
 {
+	const struct inband_addr *self = self_addr(cfg, &f->backend_addr);
+	__u32 zero = 0;
+	struct mac_msgs *ms = bpf_map_lookup_elem(&mac_scratch, &zero);
+
+	if (!ms)
+		return 0;
+	if (inband_addr_is4(&f->backend_addr)) {
+		struct inband_mac_msg *m = &ms->v4;
+
+		inband_mac_msg_init(m, r->kind, r->key_id, r->nonce, self->w[3], f->snat_port, f->backend_addr.w[3],
+				    f->backend_port);
+		m->tag[1] = inband_mac_tag(f->proto);
+		if (fk) {
+			m->client_addr = fk->client_addr.w[3];
+			m->client_port = fk->client_port;
+		}
+		m->score = bpf_htons(r->score);
+		return inband_mac(r->key, m);
+	}
+	struct inband_mac_msg6 *m = &ms->v6;
+
+	inband_mac_msg6_init(m, r->kind, r->key_id, r->nonce, (const __u8 *)self, f->snat_port,
+			     (const __u8 *)&f->backend_addr, f->backend_port);
+	m->tag[1] = inband_mac_tag(f->proto);
+	if (fk) {
+		__builtin_memcpy(m->client_addr, &fk->client_addr, 16);
+		m->client_port = fk->client_port;
+	}
+	m->score = bpf_htons(r->score);
+	return inband_mac6(r->key, m);
+}
+
+/*
+ * The 155 for the connection `fk` forwarded as `f`, in the configured
+ * format and the flow's family, bound to `nonce` (the SYN's sequence
+ * number; UDP: the flow's first packet's time). Returns its length, 0 if
+ * there is no signing key (never, once configured).
+ */
+static __noinline int build_tuple(__u8 *out, const struct inband_lb_config *cfg, const struct inband_flow_key *fk,
+				  const struct inband_flow *f, __be32 nonce)
+{
+	int v4 = inband_addr_is4(&fk->client_addr);
+
+	if (cfg->auth_mode == INBAND_AUTH_NONE) {
+		if (v4) {
+			inband_encode_client_tuple(out, fk->client_addr.w[3], fk->client_port);
+			return INBAND_OPT_CLIENT_TUPLE_LEN;
+		}
+		inband_encode_client_tuple6(out, (const __u8 *)&fk->client_addr, fk->client_port);
+		return INBAND_OPT6_CLIENT_TUPLE_LEN;
+	}
 	struct inband_auth_key *k = signing_key(cfg);
-	struct inband_mac_msg m;
 
 	if (!k)
 		return 0;
-	inband_mac_msg_init(&m, INBAND_OPT_CLIENT_TUPLE, cfg->sign_key, seq, cfg->self_addr, f->snat_port,
-			    f->backend_addr, f->backend_port);
-	m.client_addr = fk->client_addr;
-	m.client_port = fk->client_port;
-	inband_encode_auth_client_tuple(out, cfg->sign_key, fk->client_addr, fk->client_port, inband_mac(k, &m));
-	return 1;
+	struct mac_req r = { .key = k, .nonce = nonce, .kind = INBAND_OPT_CLIENT_TUPLE, .key_id = cfg->sign_key };
+	__u64 mac = flow_mac(&r, cfg, f, fk);
+	const void *a4 = &fk->client_addr.w[3], *a6 = &fk->client_addr;
+
+	/* UDP has no sequence number: the nonce (the flow's start, ms) rides
+	 * in the option as its stamp. */
+	if (f->proto == IPPROTO_UDP) {
+		if (v4) {
+			inband_encode_auth_client_tuple(out, cfg->sign_key, a4, 4, fk->client_port, 1, nonce, mac);
+			return INBAND_OPT_AUTH_CLIENT_TUPLE_UDP_LEN;
+		}
+		inband_encode_auth_client_tuple(out, cfg->sign_key, a6, 16, fk->client_port, 1, nonce, mac);
+		return INBAND_OPT6_AUTH_CLIENT_TUPLE_UDP_LEN;
+	}
+	if (v4) {
+		inband_encode_auth_client_tuple(out, cfg->sign_key, a4, 4, fk->client_port, 0, 0, mac);
+		return INBAND_OPT_AUTH_CLIENT_TUPLE_LEN;
+	}
+	inband_encode_auth_client_tuple(out, cfg->sign_key, a6, 16, fk->client_port, 0, 0, mac);
+	return INBAND_OPT6_AUTH_CLIENT_TUPLE_LEN;
 }
 
-/* The authenticated 124 for flow `f`; records its nonce and key in `f`. */
-static __noinline int build_auth_request(__u8 *out, const struct inband_lb_config *cfg, struct inband_flow *f)
+/* The length of the 155 build_tuple makes for a flow of this family and
+ * transport, before it is made (the MTU check needs it). */
+static __always_inline __u32 tuple_len(const struct inband_lb_config *cfg, int v4, __u8 proto)
 {
+	if (cfg->auth_mode == INBAND_AUTH_NONE)
+		return v4 ? INBAND_OPT_CLIENT_TUPLE_LEN : INBAND_OPT6_CLIENT_TUPLE_LEN;
+	if (proto == IPPROTO_UDP)
+		return v4 ? INBAND_OPT_AUTH_CLIENT_TUPLE_UDP_LEN : INBAND_OPT6_AUTH_CLIENT_TUPLE_UDP_LEN;
+	return v4 ? INBAND_OPT_AUTH_CLIENT_TUPLE_LEN : INBAND_OPT6_AUTH_CLIENT_TUPLE_LEN;
+}
+
+static __always_inline __u32 request_len(const struct inband_lb_config *cfg)
+{
+	return cfg->auth_mode == INBAND_AUTH_NONE ? INBAND_OPT_SCORE_REQUEST_LEN : INBAND_OPT_AUTH_SCORE_REQUEST_LEN;
+}
+
+/* The 124 for flow `f` in the configured format; records an authenticated
+ * one's nonce and key in `f`. Returns its length, 0 without a signing key. */
+static __noinline int build_request(__u8 *out, const struct inband_lb_config *cfg, struct inband_flow *f)
+{
+	if (cfg->auth_mode == INBAND_AUTH_NONE) {
+		inband_encode_score_request(out);
+		return INBAND_OPT_SCORE_REQUEST_LEN;
+	}
 	struct inband_auth_key *k = signing_key(cfg);
-	struct inband_mac_msg m;
 	__be32 nonce = bpf_get_prandom_u32();
 
 	if (!k)
 		return 0;
-	inband_mac_msg_init(&m, INBAND_OPT_SCORE_REQUEST, cfg->sign_key, nonce, cfg->self_addr, f->snat_port,
-			    f->backend_addr, f->backend_port);
-	inband_encode_auth_score_request(out, cfg->sign_key, nonce, inband_mac(k, &m));
+	struct mac_req r = { .key = k, .nonce = nonce, .kind = INBAND_OPT_SCORE_REQUEST, .key_id = cfg->sign_key };
+
+	inband_encode_auth_score_request(out, cfg->sign_key, nonce, flow_mac(&r, cfg, f, NULL));
 	f->probe_nonce = nonce;
 	f->probe_key = cfg->sign_key;
-	return 1;
+	return INBAND_OPT_AUTH_SCORE_REQUEST_LEN;
 }
 
 /*
@@ -101,7 +251,7 @@ static __noinline int build_auth_request(__u8 *out, const struct inband_lb_confi
  * the score (host order) if it is to be recorded; else counts why not.
  */
 static __noinline int score_accepted(const struct inband_lb_config *cfg, const struct inband_flow *f,
-					  const __u8 *opt, __u32 len, __u16 *score)
+				     const __u8 *opt, __u32 len, __u16 *score)
 {
 	if (cfg->auth_mode == INBAND_AUTH_NONE ? len != INBAND_OPT_SCORE_LEN : len != INBAND_OPT_AUTH_SCORE_LEN) {
 		event(INBAND_EV_SCORE_WRONG_FORMAT);
@@ -118,34 +268,69 @@ static __noinline int score_accepted(const struct inband_lb_config *cfg, const s
 	__be32 nonce = load32(opt + INBAND_AUTH_SCORE_NONCE_OFF);
 	__u32 kid = f->probe_key;
 	struct inband_auth_key *k = bpf_map_lookup_elem(&auth_keys, &kid);
-	struct inband_mac_msg m;
 
 	if (!k || !k->valid || nonce != f->probe_nonce) {
 		event(INBAND_EV_SCORE_BAD_MAC);
 		return 0;
 	}
-	inband_mac_msg_init(&m, INBAND_OPT_SCORE, f->probe_key, nonce, cfg->self_addr, f->snat_port, f->backend_addr,
-			    f->backend_port);
-	m.score = bpf_htons(*score);
-	if (inband_mac(k, &m) != inband_get_mac(opt + INBAND_AUTH_SCORE_MAC_OFF)) {
+	struct mac_req r = { .key = k, .nonce = nonce, .score = *score, .kind = INBAND_OPT_SCORE, .key_id = f->probe_key };
+
+	if (flow_mac(&r, cfg, f, NULL) != inband_get_mac(opt + INBAND_AUTH_SCORE_MAC_OFF)) {
 		event(INBAND_EV_SCORE_BAD_MAC);
 		return 0;
 	}
 	return 1;
 }
 
+/*
+ * The adaptive interval: a report that moved the score by more than an
+ * eighth (at least 1) halves the backend's n, down to the VIP's
+ * probe_interval; a report within that grows it by a quarter (+1), up to
+ * probe_interval_max. Freshness is bought where the score moves and
+ * packets are saved where it does not (docs/decisions.md). Equal bounds:
+ * a fixed n, as in the seed.
+ */
+static __always_inline void adapt_interval(struct inband_backend_score *s, const struct inband_vip *vc, __u16 score)
+{
+	__u32 lo = vc->probe_interval, hi = vc->probe_interval_max;
+	__u32 n = s->interval;
+
+	if (hi <= lo) {
+		s->interval = lo;
+		return;
+	}
+	if (n < lo || n > hi)
+		n = lo;
+	__u32 old = s->score;
+	__u32 delta = score > old ? score - old : old - score;
+	__u32 tolerance = old / 8 > 1 ? old / 8 : 1;
+
+	if (s->updated_ns && delta > tolerance) {
+		n = n / 2 > lo ? n / 2 : lo;
+		s->changes++;
+		event(INBAND_EV_PROBE_FASTER);
+	} else {
+		n = n + n / 4 + 1 < hi ? n + n / 4 + 1 : hi;
+	}
+	s->interval = n;
+}
+
 static __always_inline void record_score(struct inband_flow *f, __u16 score, __u64 now)
 {
-	__u32 bid = f->backend_id;
+	__u32 bid = f->backend_id, vid = f->vip_id;
 	struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &bid);
+	struct inband_vip *vc = bpf_map_lookup_elem(&vip_conf, &vid);
 
 	if (s) {
+		if (vc)
+			adapt_interval(s, vc, score);
 		/* Plain aligned stores: a racing SYN's `opened` increment is
 		 * either counted against the new score or not, both fine for a
 		 * load estimate. */
 		s->score = score;
 		s->opened = 0;
 		s->closed = 0;
+		s->unanswered = 0;
 		s->updated_ns = now;
 	}
 	f->flags &= ~(INBAND_FLOW_PROBE_OUTSTANDING | INBAND_FLOW_PROBE_OLD);

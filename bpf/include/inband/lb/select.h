@@ -27,7 +27,10 @@
 #ifndef INBAND_LB_SELECT_H
 #define INBAND_LB_SELECT_H
 
-#include "inband/lb/common.h"
+#include "inband/lb/lifecycle.h"
+#include "inband/siphash.h"
+
+_Static_assert(sizeof(struct inband_flow_key) % 8 == 0, "the Maglev hash reads the flow key in 8-byte words");
 
 static __always_inline __u64 load_estimate(const struct inband_backend_score *s, __u64 now, __u64 max_age_ns)
 {
@@ -63,6 +66,7 @@ struct pick {
 	__u32 other_slot;
 	__u32 found;
 	__u32 explored; /* the pick is an exploration ticket */
+	__u32 how; /* PICK_* */
 };
 
 /* Backend id in `slot` of VIP `vid` if that backend may take a new connection. */
@@ -107,7 +111,7 @@ static __always_inline __u64 estimate_of(__u32 id, const struct pick *p)
 	return s ? load_estimate(s, p->now, p->max_age_ns) : 0;
 }
 
-static long round_robin_step(__u32 i, void *arg)
+static __always_inline long round_robin_step(__u32 i, void *arg)
 {
 	struct pick *p = arg;
 	__u32 id;
@@ -125,7 +129,7 @@ static long round_robin_step(__u32 i, void *arg)
 	return 1;
 }
 
-static long least_score_step(__u32 slot, void *arg)
+static __always_inline long least_score_step(__u32 slot, void *arg)
 {
 	struct pick *p = arg;
 	__u32 id;
@@ -158,7 +162,7 @@ static long least_score_step(__u32 slot, void *arg)
 
 /* Reservoir sampling of size two: a uniformly random pair of distinct
  * eligible slots, in one pass and without storing the candidates. */
-static long two_choices_step(__u32 slot, void *arg)
+static __always_inline long two_choices_step(__u32 slot, void *arg)
 {
 	struct pick *p = arg;
 	__u32 id;
@@ -190,20 +194,66 @@ static long two_choices_step(__u32 slot, void *arg)
 	return 0;
 }
 
+#define PICK_ROUND_ROBIN 0
+#define PICK_LEAST_SCORE 1
+#define PICK_TWO_CHOICES 2
+
+/* One bpf_loop call site for every policy: the verifier inlines each call
+ * site with stack slots of its own, and a new connection's path needs the
+ * stack for other things. */
+static long pick_step(__u32 slot, void *arg)
+{
+	struct pick *p = arg;
+
+	if (p->how == PICK_LEAST_SCORE)
+		return least_score_step(slot, arg);
+	if (p->how == PICK_TWO_CHOICES)
+		return two_choices_step(slot, arg);
+	return round_robin_step(slot, arg);
+}
+
+/* The slot the VIP's Maglev table gives the connection `fk`
+ * (INBAND_MAX_BACKENDS_PER_VIP if there is no table). */
+static __always_inline __u32 maglev_slot(__u32 vid, const struct inband_flow_key *fk)
+{
+	__u32 zero = 0;
+	struct inband_lb_config *cfg = bpf_map_lookup_elem(&lb_config, &zero);
+
+	if (!cfg || !cfg->maglev_size)
+		return INBAND_MAX_BACKENDS_PER_VIP;
+	__u64 h = inband_siphash24_words(INBAND_MAGLEV_K0, INBAND_MAGLEV_K1, (const __u8 *)fk,
+					 sizeof(*fk) / 8);
+	__u32 idx = vid * cfg->maglev_size + (__u32)(h % cfg->maglev_size);
+	__u32 *slot = bpf_map_lookup_elem(&maglev, &idx);
+
+	return slot ? *slot : INBAND_MAX_BACKENDS_PER_VIP;
+}
+
+/* The choice select_backend() returns. */
+struct picked {
+	__u32 id;
+	__u32 slot;
+};
+
 /*
  * Picks a backend for a new connection to `vip`, skipping the slots in
- * `skip`; 0 if no slot is eligible. `*slot_out` is the chosen slot (for the
+ * `skip`; `fk` is its client side (Maglev hashes it); 0 if no slot is
+ * eligible. `out->slot` is the chosen slot (for the
  * caller to add to `skip` if the backend turns out to have no free port).
+ * Global (verified once, not at each of its caller's attempts).
  */
-static __always_inline int select_backend(const struct inband_vip *vip, __u32 vid, __u32 skip, __u64 now,
-					  __u32 *id_out, __u32 *slot_out)
+__noinline int select_backend(const struct inband_vip *vip, __u32 vid, __u32 skip, const struct inband_flow_key *fk,
+			  struct picked *out)
 {
+	if (!vip || !out || !fk)
+		return 0;
 	struct pick p = {
 		.vid = vid,
 		.count = vip->backend_count,
 		.max_age_ns = vip->score_max_age_ns,
 		.skip = skip,
-		.now = now,
+		/* The clock here, not the caller's: five arguments at most. */
+		.now = coarse_now(),
 	};
 
 	if (p.count > INBAND_MAX_BACKENDS_PER_VIP)
@@ -211,12 +261,36 @@ static __always_inline int select_backend(const struct inband_vip *vip, __u32 vi
 	if (!p.count || vid >= INBAND_MAX_VIPS)
 		return 0;
 	/* passthrough and dsr-rr have no score feedback to rank by. */
-	int by_score = vip->mode == INBAND_MODE_DSR_POLLING || vip->mode == INBAND_MODE_DSR_DYNAMIC;
+	int by_score = score_mode(vip->mode);
 
 	if (by_score && vip->policy == INBAND_POLICY_LEAST_SCORE) {
-		bpf_loop(INBAND_MAX_BACKENDS_PER_VIP, least_score_step, &p, 0);
+		p.how = PICK_LEAST_SCORE;
 	} else if (by_score && vip->policy == INBAND_POLICY_POWER_OF_TWO) {
-		bpf_loop(INBAND_MAX_BACKENDS_PER_VIP, two_choices_step, &p, 0);
+		p.how = PICK_TWO_CHOICES;
+	} else if (vip->policy == INBAND_POLICY_MAGLEV) {
+		__u32 slot = maglev_slot(vid, fk);
+		__u32 id;
+
+		if (slot < p.count && active_slot(&p, slot, &id)) {
+			out->id = id;
+			out->slot = slot;
+			return 1;
+		}
+		/* Its slot is not eligible (no table yet, a backend without a
+		 * free port, a change not yet written): the next eligible slot
+		 * after it, so such connections spread rather than pile up. */
+		p.start = slot + 1;
+	} else {
+		__u32 *cursor = bpf_map_lookup_elem(&rr_cursor, &vid);
+
+		if (!cursor)
+			return 0;
+		/* Each new connection takes the next ticket; ineligible slots
+		 * are skipped from there. */
+		p.start = __sync_fetch_and_add(cursor, 1);
+	}
+	bpf_loop(INBAND_MAX_BACKENDS_PER_VIP, pick_step, &p, 0);
+	if (p.how == PICK_TWO_CHOICES) {
 		p.found = p.seen > 0;
 		if (p.seen > 1 && !p.explored) {
 			__u64 a = estimate_of(p.id, &p), b = estimate_of(p.other, &p);
@@ -226,18 +300,9 @@ static __always_inline int select_backend(const struct inband_vip *vip, __u32 vi
 				p.slot = p.other_slot;
 			}
 		}
-	} else {
-		__u32 *cursor = bpf_map_lookup_elem(&rr_cursor, &vid);
-
-		if (!cursor)
-			return 0;
-		/* Each new connection takes the next ticket; ineligible slots
-		 * are skipped from there. */
-		p.start = __sync_fetch_and_add(cursor, 1);
-		bpf_loop(INBAND_MAX_BACKENDS_PER_VIP, round_robin_step, &p, 0);
 	}
-	*id_out = p.id;
-	*slot_out = p.slot;
+	out->id = p.id;
+	out->slot = p.slot;
 	return p.found;
 }
 

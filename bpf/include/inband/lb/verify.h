@@ -9,7 +9,7 @@
 #define INBAND_LB_VERIFY_H
 
 #include "inband/csum.h"
-#include "inband/lb/common.h"
+#include "inband/lb/parse.h"
 
 #define CSUM_CHUNK 256
 
@@ -76,15 +76,26 @@ static __always_inline int ipv4_csum_ok(struct xdp_md *ctx, __u32 hlen)
 	return sum >= 0 && csum_fold((__u32)sum) == 0xffff;
 }
 
-/* The TCP segment of `l4_len` bytes at `l4_off`, with the IPv4
- * pseudo-header of saddr/daddr, sums to zero. */
-static __always_inline int tcp_csum_ok(struct xdp_md *ctx, __u32 l4_off, __u32 l4_len, __be32 saddr,
-				       __be32 daddr)
+/* The transport segment of `l4_len` bytes at `l4_off` of packet `p` sums to
+ * zero with its pseudo-header (IPv4 or IPv6). A UDP datagram over IPv4
+ * without a checksum (0) has nothing to check. Global: a frame of its own. */
+__noinline int l4_csum_ok(struct xdp_md *ctx, __u32 l4_off, __u32 l4_len, const struct pkt *p)
 {
 	__u32 zero = 0;
+
+	if (!p)
+		return 0;
 	struct csum_chunk *chunk = bpf_map_lookup_elem(&csum_scratch, &zero);
 	struct csum_walk w = { .ctx = ctx, .off = l4_off, .left = l4_len };
 
+	if (p->proto == IPPROTO_UDP && p->family == 4) {
+		__be16 check;
+
+		if (bpf_xdp_load_bytes(ctx, l4_off + 6, &check, sizeof(check)))
+			return 0;
+		if (check == 0)
+			return 1;
+	}
 	if (l4_len > 0xffff || !chunk)
 		return 0;
 	w.buf = chunk->buf;
@@ -92,7 +103,7 @@ static __always_inline int tcp_csum_ok(struct xdp_md *ctx, __u32 l4_off, __u32 l
 	bpf_loop(0x10000 / CSUM_CHUNK, csum_step, &w, 0);
 	if (w.sum < 0 || w.left)
 		return 0;
-	return csum_tcp_ok((__u32)w.sum, saddr, daddr, l4_len);
+	return csum_l4_ok((__u32)w.sum, &p->saddr, &p->daddr, p->proto, l4_len);
 }
 
 #endif /* INBAND_LB_VERIFY_H */

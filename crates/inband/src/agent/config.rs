@@ -2,13 +2,14 @@
 //! touches the kernel (see docs/configuration.md, section `inband agent`).
 
 use std::collections::HashSet;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::auth::AuthConfig;
+use crate::lb::config::{unicast, Protocol};
 use crate::wire::Key;
 
 /// Where the score the agent reports comes from (docs/agent.md).
@@ -42,7 +43,9 @@ impl ScoreSource {
 #[serde(deny_unknown_fields)]
 pub struct AgentConfig {
     pub interface: String,
-    pub balancers: Vec<Ipv4Addr>,
+    /// Every address a balancer sends from (its lb.toml `address` and
+    /// `address6`).
+    pub balancers: Vec<IpAddr>,
     #[serde(default)]
     pub score: ScoreSource,
     #[serde(default = "default_score_socket")]
@@ -55,6 +58,12 @@ pub struct AgentConfig {
     pub poll_port: u16,
     #[serde(default, rename = "service")]
     pub services: Vec<ServiceConfig>,
+    /// A UDP client tuple unused this long is forgotten (its responses go
+    /// back through the balancer). Keep it below the balancers' UDP
+    /// idle_timeout_s (120 s by default): past that, the balancer may give
+    /// the flow's port to another client.
+    #[serde(default = "default_udp_idle_timeout_s")]
+    pub udp_idle_timeout_s: u32,
     /// The option format and the keys that authenticate 155/124 and sign
     /// 125 (shared with the balancers).
     #[serde(default)]
@@ -66,7 +75,9 @@ pub struct AgentConfig {
 pub struct ServiceConfig {
     pub port: u16,
     #[serde(deserialize_with = "vip_endpoint")]
-    pub vip: SocketAddrV4,
+    pub vip: SocketAddr,
+    #[serde(default)]
+    pub protocol: Protocol,
 }
 
 /// The limits of the BPF maps (bpf/include/inband/agent_maps.h).
@@ -79,12 +90,15 @@ pub fn default_score_socket() -> PathBuf {
 pub fn default_poll_port() -> u16 {
     9137
 }
+fn default_udp_idle_timeout_s() -> u32 {
+    110
+}
 
-fn vip_endpoint<'de, D: Deserializer<'de>>(d: D) -> Result<SocketAddrV4, D::Error> {
+fn vip_endpoint<'de, D: Deserializer<'de>>(d: D) -> Result<SocketAddr, D::Error> {
     let s = String::deserialize(d)?;
     s.parse().map_err(|_| {
         serde::de::Error::custom(format!(
-            "vip {s:?} is not an IPv4 address:port (write it as the clients see it, e.g. \"10.77.0.100:80\")"
+            "vip {s:?} is not an address:port (write it as the clients see it, e.g. \"10.77.0.100:80\" or \"[2001:db8::100]:443\")"
         ))
     })
 }
@@ -117,8 +131,8 @@ impl AgentConfig {
         }
         let mut seen = HashSet::new();
         for b in &self.balancers {
-            if b.is_unspecified() {
-                bail!("balancer 0.0.0.0 is not an address a balancer can send from");
+            if !unicast(*b) {
+                bail!("balancer {b} is not an address a balancer can send from");
             }
             if !seen.insert(*b) {
                 bail!("balancer {b} is listed twice; remove the duplicate");
@@ -135,19 +149,29 @@ impl AgentConfig {
             if s.port == 0 {
                 bail!("service port 0 is not a port an application listens on (vip {})", s.vip);
             }
-            if !ports.insert(s.port) {
-                bail!("service port {} is listed twice; each local port maps to one VIP", s.port);
+            // One VIP per local port, transport and family: a port may serve
+            // an IPv4 and an IPv6 VIP, or TCP and UDP ones.
+            if !ports.insert((s.port, s.protocol, s.vip.is_ipv4())) {
+                bail!(
+                    "service port {}/{} is listed twice for {} VIPs; each local port maps to one VIP per transport and family",
+                    s.port,
+                    s.protocol.name(),
+                    if s.vip.is_ipv4() { "IPv4" } else { "IPv6" }
+                );
             }
             if s.vip.port() == 0 {
                 bail!("service {}: vip {} has port 0", s.port, s.vip);
             }
-            if s.vip.ip().is_unspecified() {
+            if !unicast(s.vip.ip()) {
                 bail!(
-                    "service {}: vip {} has address 0.0.0.0; DSR responses need the VIP as their source",
+                    "service {}: vip {} is not a unicast address; DSR responses need the VIP as their source",
                     s.port,
                     s.vip
                 );
             }
+        }
+        if self.udp_idle_timeout_s == 0 {
+            bail!("udp_idle_timeout_s = 0 would forget every UDP client tuple at once: use 1 or more (default 110)");
         }
         if self.score_socket.as_os_str().is_empty() {
             bail!("score_socket is empty: give a path, e.g. /run/inband/agent.sock");
@@ -171,8 +195,12 @@ impl AgentConfig {
         require_tracefs()
     }
 
+    /// The distinct local ports served (a port serving several VIPs once).
     pub fn service_ports(&self) -> Vec<u16> {
-        self.services.iter().map(|s| s.port).collect()
+        let mut ports: Vec<u16> = self.services.iter().map(|s| s.port).collect();
+        ports.sort_unstable();
+        ports.dedup();
+        ports
     }
 }
 

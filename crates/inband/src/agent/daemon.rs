@@ -29,7 +29,7 @@ pub fn run(config_path: &Path) -> Result<()> {
     let cfg = AgentConfig::load(config_path)?;
     let keys = cfg.load_keys().with_context(|| format!("in {}", config_path.display()))?;
     cfg.check_host()?;
-    let data_path = DataPathSettings::new(cfg.auth.mode, keys, crate::netif::mtu(&cfg.interface)?);
+    let data_path = DataPathSettings::new(cfg.auth.mode, keys, crate::netif::mtu(&cfg.interface)?, cfg.udp_idle_timeout_s);
     let group = cfg.score_socket_group.as_deref().map(config::group_id).transpose()?;
     let lock = attach::lock_interface(&cfg.interface)?;
     // From here on a signal must not kill the process half-way through
@@ -44,12 +44,8 @@ pub fn run(config_path: &Path) -> Result<()> {
     // data path is claimed before anything is attached.
     let claimed = (|| -> Result<_> {
         let poll_sock = match cfg.poll_port {
-            0 => None,
-            p => Some(UdpSocket::bind(("0.0.0.0", p)).with_context(|| {
-                format!(
-                    "binding UDP port {p} for poll requests (another process uses it? set poll_port, or 0 to disable)"
-                )
-            })?),
+            0 => Vec::new(),
+            p => poll_responder::bind(p)?,
         };
         Ok((score_socket::bind(&cfg.score_socket, group)?, poll_sock))
     })();
@@ -222,7 +218,7 @@ impl Control<'_> {
         let loaded = AgentConfig::load(self.config_path).and_then(|new| {
             let keys = new.load_keys().with_context(|| format!("in {}", self.config_path.display()))?;
             let mtu = crate::netif::mtu(&self.cfg.interface)?;
-            Ok((DataPathSettings::new(new.auth.mode, keys, mtu), new))
+            Ok((DataPathSettings::new(new.auth.mode, keys, mtu, new.udp_idle_timeout_s), new))
         });
         let (data_path, new) = match loaded {
             Ok(l) => l,
@@ -277,7 +273,7 @@ fn serve(
     maps: AgentMaps,
     pins: &bpfmap::PinDir,
     listener: std::os::unix::net::UnixListener,
-    poll_sock: Option<UdpSocket>,
+    poll_sock: Vec<UdpSocket>,
     stop: Arc<AtomicBool>,
 ) -> Result<()> {
     let cfg = control.cfg;
@@ -293,11 +289,13 @@ fn serve(
             .name("score-socket".into())
             .spawn(move || score_socket::serve(listener, api, stop))?
     }));
-    if let Some(sock) = poll_sock {
+    if !poll_sock.is_empty() {
+        info!(port = cfg.poll_port, "answering score polls");
+    }
+    for sock in poll_sock {
         let maps = AgentMaps::open(pins)?;
         let stop = Arc::clone(&stop);
         let (ports, balancers) = (ports.clone(), cfg.balancers.clone());
-        info!(port = cfg.poll_port, "answering dsr-polling requests");
         workers.push((
             "poll responder",
             std::thread::Builder::new()

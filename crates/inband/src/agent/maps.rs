@@ -1,11 +1,13 @@
 //! The agent's map keys and values: the types bindgen generates from
 //! bpf/include/inband/agent_maps.h (build.rs), under the names the control
 //! plane uses, and a name for each data-path counter. Address/port fields
-//! hold network-order bytes (see `pod::be_addr`).
+//! hold network-order bytes (see `pod::be_ip`).
 
 use crate::bpf::shared as c;
 
 pub type Service = c::inband_service;
+pub type ServiceKey = c::inband_service_key;
+pub type Balancer = c::inband_balancer;
 pub type ConnKey = c::inband_conn_key;
 pub type DsrFlow = c::inband_dsr_flow;
 /// `agent_config[0]`: the option format and the interface MTU.
@@ -13,7 +15,7 @@ pub type DataPathConfig = c::inband_agent_config;
 /// `auth_keys[id]` (its Pod impl lives with the key handling in `crate::auth`).
 pub type AuthKey = c::inband_auth_key;
 
-crate::pod::pod!(Service, ConnKey, DsrFlow, DataPathConfig);
+crate::pod::pod!(Service, ServiceKey, Balancer, ConnKey, DsrFlow, DataPathConfig);
 
 /// The counters of `agent_stats`, indexed by `enum inband_agent_counter`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,6 +39,14 @@ pub enum AgentCounter {
     WrongFormat = c::INBAND_AGENT_WRONG_FORMAT,
     ScoreDeferredMtu = c::INBAND_AGENT_SCORE_DEFERRED_MTU,
     StaleTuplesForgotten = c::INBAND_AGENT_STALE_TUPLES_FORGOTTEN,
+    StaleStamp = c::INBAND_AGENT_STALE_STAMP,
+    UdpTuplesExpired = c::INBAND_AGENT_UDP_TUPLES_EXPIRED,
+    UnwalkedExtHeaders = c::INBAND_AGENT_UNWALKED_EXT_HEADERS,
+    Decapsulated = c::INBAND_AGENT_DECAPSULATED,
+    Encapsulated = c::INBAND_AGENT_ENCAPSULATED,
+    PollsAnswered = c::INBAND_AGENT_POLLS_ANSWERED,
+    PollsUnauthenticated = c::INBAND_AGENT_POLLS_UNAUTHENTICATED,
+    PollsRefused = c::INBAND_AGENT_POLLS_REFUSED,
 }
 
 /// Entries of `agent_stats`.
@@ -65,6 +75,14 @@ impl AgentCounter {
         (AgentCounter::WrongFormat, "wrong_format"),
         (AgentCounter::ScoreDeferredMtu, "score_deferred_mtu"),
         (AgentCounter::StaleTuplesForgotten, "stale_tuples_forgotten"),
+        (AgentCounter::StaleStamp, "stale_stamp"),
+        (AgentCounter::UdpTuplesExpired, "udp_tuples_expired"),
+        (AgentCounter::UnwalkedExtHeaders, "unwalked_ext_headers"),
+        (AgentCounter::Decapsulated, "decapsulated"),
+        (AgentCounter::Encapsulated, "encapsulated"),
+        (AgentCounter::PollsAnswered, "polls_answered"),
+        (AgentCounter::PollsUnauthenticated, "polls_unauthenticated"),
+        (AgentCounter::PollsRefused, "polls_refused"),
     ];
 
     pub const ALL: [AgentCounter; COUNTER_MAX] = {

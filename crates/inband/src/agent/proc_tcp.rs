@@ -1,4 +1,4 @@
-//! Reading /proc/net/tcp to seed `active_conns` with the connections that
+//! Reading /proc/net/tcp{,6} to seed `active_conns` with the connections that
 //! existed before the tracepoint was attached.
 
 use std::collections::BTreeMap;
@@ -61,7 +61,7 @@ pub struct TcpSocket {
     pub request: bool,
 }
 
-/// Parses the text of /proc/net/tcp (IPv4 only, like the tracepoint counts).
+/// Parses the text of /proc/net/tcp or /proc/net/tcp6.
 pub fn parse(text: &str) -> Result<Vec<TcpSocket>> {
     let mut out = Vec::new();
     for (n, line) in text.lines().enumerate().skip(1) {
@@ -102,8 +102,16 @@ pub fn active_on_port(sockets: &[TcpSocket], port: u16) -> i64 {
     sockets.iter().filter(|s| !s.request && s.local_port == port && s.state.is_active()).count() as i64
 }
 
+/// Every TCP socket of this network namespace, both families (an IPv6
+/// socket serving an IPv4 client is listed once, in tcp6).
 pub fn read() -> Result<Vec<TcpSocket>> {
     // /proc/self/net is this process's network namespace.
-    let text = std::fs::read_to_string("/proc/self/net/tcp").context("reading /proc/self/net/tcp")?;
-    parse(&text)
+    let mut out = parse(&std::fs::read_to_string("/proc/self/net/tcp").context("reading /proc/self/net/tcp")?)?;
+    match std::fs::read_to_string("/proc/self/net/tcp6") {
+        Ok(text) => out.extend(parse(&text)?),
+        // A kernel without IPv6 has no tcp6 and no IPv6 sockets.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).context("reading /proc/self/net/tcp6"),
+    }
+    Ok(out)
 }

@@ -21,6 +21,8 @@ pub struct DataPathSettings {
     pub keys: Vec<(u8, Key)>,
     /// What the egress program may grow a packet to with a 125.
     pub mtu: u16,
+    /// A UDP client tuple unused this long is forgotten.
+    pub udp_idle_timeout_s: u32,
 }
 
 /// What `status` shows of the settings: never key bytes.
@@ -31,9 +33,9 @@ pub struct AuthStatus {
 }
 
 impl DataPathSettings {
-    pub fn new(mode: AuthMode, mut keys: Vec<(u8, Key)>, mtu: u16) -> DataPathSettings {
+    pub fn new(mode: AuthMode, mut keys: Vec<(u8, Key)>, mtu: u16, udp_idle_timeout_s: u32) -> DataPathSettings {
         keys.sort_by_key(|(id, _)| *id);
-        DataPathSettings { mode, keys, mtu }
+        DataPathSettings { mode, keys, mtu, udp_idle_timeout_s }
     }
 
     /// Writes what differs from `previous` (everything without one). Keys
@@ -42,8 +44,13 @@ impl DataPathSettings {
         if previous.is_none_or(|p| p.keys != self.keys) {
             auth::write_keys(&maps.auth_keys, &self.keys).context("writing auth_keys")?;
         }
-        if previous.is_none_or(|p| p.mode != self.mode || p.mtu != self.mtu) {
-            let value = DataPathConfig { auth_mode: self.mode.to_c(), mtu: self.mtu, ..Default::default() };
+        if previous.is_none_or(|p| p.mode != self.mode || p.mtu != self.mtu || p.udp_idle_timeout_s != self.udp_idle_timeout_s) {
+            let value = DataPathConfig {
+                auth_mode: self.mode.to_c(),
+                mtu: self.mtu,
+                udp_idle_timeout_s: self.udp_idle_timeout_s,
+                ..Default::default()
+            };
             bpfmap::put(&maps.agent_config, &0u32, &value)?;
         }
         Ok(())
@@ -123,7 +130,7 @@ mod tests {
     use super::*;
 
     fn settings(mode: AuthMode, keys: &[(u8, u8)], mtu: u16) -> DataPathSettings {
-        DataPathSettings { mode, keys: keys.iter().map(|(id, b)| (*id, Key([*b; 16]))).collect(), mtu }
+        DataPathSettings { mode, keys: keys.iter().map(|(id, b)| (*id, Key([*b; 16]))).collect(), mtu, udp_idle_timeout_s: 110 }
     }
 
     #[test]

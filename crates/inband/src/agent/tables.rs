@@ -4,18 +4,19 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::mem::size_of;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 
 use anyhow::{Context, Result};
 use libbpf_rs::{MapHandle, MapType};
 use serde::Serialize;
 
 use super::config::{ScoreSource, ServiceConfig, MAX_BALANCERS, MAX_SERVICES};
-use super::maps::{AgentCounter, AuthKey, ConnKey, DataPathConfig, DsrFlow, Service, COUNTER_MAX};
+use super::maps::{AgentCounter, AuthKey, Balancer, ConnKey, DataPathConfig, DsrFlow, Service, ServiceKey, COUNTER_MAX};
 use super::settings::{self, AuthStatus};
 use crate::bpf::shared as c;
 use crate::bpfmap::{self, PinDir};
-use crate::pod::{addr_of, be_addr, be_port, port_of};
+use crate::lb::config::{vip_name, Protocol};
+use crate::pod::{be_ip, be_port, ip_of, port_of};
 
 /// Size of `dsr_flows`.
 pub const FLOW_TABLE_SIZE: u32 = c::INBAND_AGENT_FLOW_TABLE_SIZE;
@@ -64,8 +65,14 @@ impl AgentMaps {
                 .with_context(|| format!("creating map {name}"))
         };
         Ok(AgentMaps {
-            services: make(MapType::Hash, "services", 2, size_of::<Service>(), MAX_SERVICES as u32)?,
-            balancers: make(MapType::Hash, "balancers", 4, 1, MAX_BALANCERS as u32)?,
+            services: make(MapType::Hash, "services", size_of::<ServiceKey>(), size_of::<Service>(), MAX_SERVICES as u32)?,
+            balancers: make(
+                MapType::Hash,
+                "balancers",
+                size_of::<crate::lb::maps::Addr>(),
+                size_of::<Balancer>(),
+                MAX_BALANCERS as u32,
+            )?,
             dsr_flows: make(
                 MapType::LruHash,
                 "dsr_flows",
@@ -82,23 +89,27 @@ impl AgentMaps {
         })
     }
 
-    /// Makes `services` and `balancers` hold exactly the configuration.
-    pub fn apply(&self, services: &[ServiceConfig], balancers: &[Ipv4Addr]) -> Result<()> {
-        let wanted: HashSet<u16> = services.iter().map(|s| be_port(s.port)).collect();
+    /// Makes `services` and `balancers` hold exactly the configuration. A
+    /// balancer that stays keeps its newest UDP stamp (replays of its older
+    /// 155s stay refused).
+    pub fn apply(&self, services: &[ServiceConfig], balancers: &[IpAddr]) -> Result<()> {
+        let wanted: HashSet<ServiceKey> = services.iter().map(service_key).collect();
         for s in services {
-            let v = Service { vip_addr: be_addr(*s.vip.ip()), vip_port: be_port(s.vip.port()), pad: 0 };
-            bpfmap::put(&self.services, &be_port(s.port), &v)?;
+            let v = Service { vip_addr: be_ip(s.vip.ip()), vip_port: be_port(s.vip.port()), pad: 0 };
+            bpfmap::put(&self.services, &service_key(s), &v)?;
         }
-        for (k, _) in bpfmap::entries::<u16, Service>(&self.services)? {
+        for (k, _) in bpfmap::entries::<ServiceKey, Service>(&self.services)? {
             if !wanted.contains(&k) {
                 bpfmap::delete(&self.services, &k)?;
             }
         }
-        let wanted: HashSet<u32> = balancers.iter().map(|b| be_addr(*b)).collect();
+        let wanted: HashSet<crate::lb::maps::Addr> = balancers.iter().map(|b| be_ip(*b)).collect();
         for b in &wanted {
-            bpfmap::put(&self.balancers, b, &1u8)?;
+            if bpfmap::get::<_, Balancer>(&self.balancers, b)?.is_none() {
+                bpfmap::put(&self.balancers, b, &Balancer::default())?;
+            }
         }
-        for (k, _) in bpfmap::entries::<u32, u8>(&self.balancers)? {
+        for (k, _) in bpfmap::entries::<crate::lb::maps::Addr, Balancer>(&self.balancers)? {
             if !wanted.contains(&k) {
                 bpfmap::delete(&self.balancers, &k)?;
             }
@@ -138,6 +149,21 @@ impl AgentMaps {
         Ok(bpfmap::get_percpu::<u32, u64>(&self.agent_stats, &(c as u32))?.iter().sum())
     }
 
+    /// Counts `delta` events the daemon saw (the poll responder's); both
+    /// families' responders add through this lock.
+    pub fn count(&self, c: AgentCounter, delta: u64) -> Result<()> {
+        static ONE_WRITER: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _one = ONE_WRITER.lock().unwrap();
+        bpfmap::add_percpu(&self.agent_stats, &(c as u32), delta)
+    }
+
+    /// The keys polls are checked and answered with: the data path's own
+    /// (`[auth]`, as last applied).
+    pub fn poll_keys(&self) -> Result<crate::agent::poll_proto::Keys> {
+        let config: DataPathConfig = bpfmap::get(&self.agent_config, &0u32)?.unwrap_or_default();
+        crate::auth::read_keys(config.auth_mode, &self.auth_keys)
+    }
+
     /// The ids `auth_keys` holds a valid key for.
     pub fn auth_key_ids(&self) -> Result<Vec<u8>> {
         let mut ids = Vec::new();
@@ -151,23 +177,35 @@ impl AgentMaps {
 
     /// Everything `status` and the score socket's `get` report.
     pub fn snapshot(&self, interface: &str, score_source: Option<ScoreSource>) -> Result<AgentSnapshot> {
-        let mut ports = BTreeMap::new();
-        for (k, svc) in bpfmap::entries::<u16, Service>(&self.services)? {
-            let port = port_of(k);
+        let mut ports: BTreeMap<u16, PortStatus> = BTreeMap::new();
+        let mut services = bpfmap::entries::<ServiceKey, Service>(&self.services)?;
+        services.sort_by_key(|(k, _)| (port_of(k.port), k.proto, k.family));
+        for (k, svc) in services {
+            let port = port_of(k.port);
+            let vip = vip_name(
+                SocketAddr::new(ip_of(&svc.vip_addr), port_of(svc.vip_port)),
+                Protocol::from_number(k.proto).unwrap_or_default(),
+            );
+            if let Some(p) = ports.get_mut(&port) {
+                p.vips.push(vip);
+                continue;
+            }
             let active = self.active(port)?;
             let score_override = self.override_of(port)?;
             ports.insert(
                 port,
                 PortStatus {
-                    vip: SocketAddrV4::new(addr_of(svc.vip_addr), port_of(svc.vip_port)),
+                    vips: vec![vip],
                     active_connections: active.unwrap_or(0),
                     score_override,
                     score: score_from(score_override, active),
                 },
             );
         }
-        let mut balancers: Vec<Ipv4Addr> =
-            bpfmap::entries::<u32, u8>(&self.balancers)?.into_iter().map(|(k, _)| addr_of(k)).collect();
+        let mut balancers: Vec<IpAddr> = bpfmap::entries::<crate::lb::maps::Addr, Balancer>(&self.balancers)?
+            .into_iter()
+            .map(|(k, _)| ip_of(&k))
+            .collect();
         balancers.sort();
         let mut counters = BTreeMap::new();
         for c in AgentCounter::ALL {
@@ -198,9 +236,15 @@ pub fn score_from(score_override: Option<u32>, active: Option<i64>) -> u32 {
     }
 }
 
+/// The services map's key of a configured service.
+fn service_key(s: &ServiceConfig) -> ServiceKey {
+    ServiceKey { port: be_port(s.port), proto: s.protocol.number(), family: if s.vip.is_ipv4() { 4 } else { 6 } }
+}
+
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct PortStatus {
-    pub vip: SocketAddrV4,
+    /// The VIPs this port serves (one per transport and family).
+    pub vips: Vec<String>,
     pub active_connections: i64,
     pub score_override: Option<u32>,
     /// What a 125 (and a poll reply) for this port carries now.
@@ -213,7 +257,7 @@ pub struct AgentSnapshot {
     /// Known to the running agent only (`get`), not to `status`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub score_source: Option<ScoreSource>,
-    pub balancers: Vec<Ipv4Addr>,
+    pub balancers: Vec<IpAddr>,
     /// The option format and the ids of the keys loaded (never the keys).
     pub auth: AuthStatus,
     /// The MTU no 125 makes a packet exceed.
@@ -238,13 +282,13 @@ impl AgentSnapshot {
         let ids: Vec<String> = self.auth.key_ids.iter().map(|id| id.to_string()).collect();
         let ids = if ids.is_empty() { "none".to_string() } else { ids.join(", ") };
         let _ = writeln!(s, "auth: {}  key ids: {ids}  mtu: {}", settings::mode_name(self.auth.mode), self.mtu);
-        let _ = writeln!(s, "{:>6}  {:<21}  {:>8}  {:>8}  {:>6}", "port", "vip", "active", "override", "score");
+        let _ = writeln!(s, "{:>6}  {:<30}  {:>8}  {:>8}  {:>6}", "port", "vip", "active", "override", "score");
         for (port, p) in &self.ports {
             let o = p.score_override.map(|o| o.to_string()).unwrap_or_else(|| "-".into());
             let _ = writeln!(
                 s,
-                "{port:>6}  {:<21}  {:>8}  {o:>8}  {:>6}",
-                p.vip.to_string(),
+                "{port:>6}  {:<30}  {:>8}  {o:>8}  {:>6}",
+                p.vips.join(", "),
                 p.active_connections,
                 p.score
             );

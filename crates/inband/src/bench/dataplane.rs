@@ -16,7 +16,7 @@
 //! `churn`) and what a sweep of a full table costs (`sweep_cost`).
 
 use std::mem::MaybeUninit;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -27,26 +27,30 @@ use serde::Serialize;
 use crate::bpf::bounce::BounceSkelBuilder;
 use crate::bpf::shared as c;
 use crate::bpfmap::{count, get, put};
+use crate::lb::config::Protocol;
 use crate::lb::maps::*;
 use crate::lb::private::{PrivateBalancer, XDP_PASS, XDP_TX};
-use crate::lb::tables::{ktime_ns, vip_key};
-use crate::packet::{PacketBuilder, TCP_ACK, TCP_FIN, TCP_PSH};
-use crate::pod::{be_addr, be_port};
+use crate::lb::tables::{backend_endpoint, ktime_ns, vip_key};
+use crate::packet::{PacketBuilder, IPPROTO_TCP, TCP_ACK, TCP_FIN, TCP_PSH};
+use crate::pod::{be_ip, be_port, port_of};
 use crate::wire::{Conn, InbandOption, Key};
 
 const LB: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 2);
-const VIP: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 100), 80);
-const CLIENT: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(192, 168, 1, 1), 40000);
+const LB6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 2);
 const BACKENDS: u8 = 3;
 /// A small request segment: per-packet cost dominates.
 const PAYLOAD: usize = 64;
 const FLOW_TABLE_SIZE: u32 = c::INBAND_FLOW_TABLE_SIZE;
 const KEY: Key = Key(*b"inband-bench-key");
 const KEY_ID: u8 = 1;
+/// The server id the QUIC rows' first backend puts in its connection IDs.
+const QUIC_SERVER_ID: u16 = 7;
 
 #[derive(Debug, Serialize)]
 pub struct Row {
     pub path: &'static str,
+    /// IPv4, IPv6, or UDP (QUIC) over IPv4.
+    pub traffic: &'static str,
     pub mode: &'static str,
     pub verdict: &'static str,
     pub ns_per_packet: f64,
@@ -54,35 +58,127 @@ pub struct Row {
     pub ratio_to_floor: f64,
 }
 
-fn backend(i: u8) -> SocketAddrV4 {
-    SocketAddrV4::new(Ipv4Addr::new(10, 0, 1, i + 1), 8080)
+/// The addresses of one VIP's measurements: its family, transport, VIP id
+/// and backend ids.
+#[derive(Clone, Copy)]
+struct Plan {
+    vid: u32,
+    vip: SocketAddr,
+    proto: Protocol,
+    /// Backend ids first_id .. first_id + BACKENDS.
+    first_id: u32,
+}
+
+const TCP4: Plan = Plan { vid: 0, vip: SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 100)), 80), proto: Protocol::Tcp, first_id: 0 };
+const TCP6: Plan = Plan {
+    vid: 1,
+    vip: SocketAddr::new(IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x100)), 80),
+    proto: Protocol::Tcp,
+    first_id: 4,
+};
+const QUIC4: Plan =
+    Plan { vid: 2, vip: SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 100)), 443), proto: Protocol::Udp, first_id: 8 };
+
+impl Plan {
+    fn v4(&self) -> bool {
+        self.vip.is_ipv4()
+    }
+    fn lb(&self) -> IpAddr {
+        if self.v4() {
+            IpAddr::V4(LB)
+        } else {
+            IpAddr::V6(LB6)
+        }
+    }
+    fn backend(&self, i: u8) -> SocketAddr {
+        let port = if self.proto == Protocol::Udp { 8443 } else { 8080 };
+        if self.v4() {
+            SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 1, i + 1)), port)
+        } else {
+            SocketAddr::new(IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 1, 0, 0, 0, 0, u16::from(i) + 1)), port)
+        }
+    }
+    /// A distinct client per `i`.
+    fn client(&self, i: u32) -> SocketAddr {
+        let port = 1024 + (i % 60000) as u16;
+        if self.v4() {
+            SocketAddr::new(IpAddr::V4(Ipv4Addr::from(0xc0a8_0000 | (i >> 8 << 8) | 0x0100 | (i & 0xff))), port)
+        } else {
+            SocketAddr::new(IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, (i >> 16) as u16, i as u16)), port)
+        }
+    }
+    fn packet(&self, from: SocketAddr, to: SocketAddr) -> PacketBuilder {
+        match self.proto {
+            Protocol::Tcp => PacketBuilder::tcp(from, to),
+            Protocol::Udp => PacketBuilder::udp(from, to),
+        }
+    }
+    /// A 64-byte request segment (a QUIC short header naming the first
+    /// backend, for UDP).
+    fn data(&self, client: SocketAddr) -> Vec<u8> {
+        let mut payload = vec![b'x'; PAYLOAD];
+        if self.proto == Protocol::Udp {
+            payload[..4].copy_from_slice(&[0x40, c::INBAND_QUIC_CID_FIRST as u8, (QUIC_SERVER_ID >> 8) as u8, QUIC_SERVER_ID as u8]);
+        }
+        self.packet(client, self.vip).flags(TCP_ACK | TCP_PSH).payload(payload).build()
+    }
+    fn key(&self, client: SocketAddr) -> FlowKey {
+        FlowKey {
+            client_addr: be_ip(client.ip()),
+            vip_addr: be_ip(self.vip.ip()),
+            client_port: be_port(client.port()),
+            vip_port: be_port(self.vip.port()),
+            proto: self.proto.number(),
+            pad: [0; 3],
+        }
+    }
 }
 
 fn lb_config(auth: u32) -> LbConfig {
-    LbConfig { self_addr: be_addr(LB), mtu: 1500, auth_mode: auth as u8, sign_key: KEY_ID, snat_key: [7, 11] }
+    LbConfig {
+        self4: be_ip(IpAddr::V4(LB)),
+        self6: be_ip(IpAddr::V6(LB6)),
+        mtu: 1500,
+        auth_mode: auth as u8,
+        sign_key: KEY_ID,
+        maglev_size: 0,
+        snat_key: [7, 11],
+    }
 }
 
-/// A private balancer with `backends` ACTIVE backends (scores 0, 1, ...,
-/// fresh), the bench key, and one VIP in `mode`.
+/// A private balancer with the bench key and one VIP of each plan, each
+/// with `backends` ACTIVE backends (scores 0, 1, ..., fresh).
 fn load(storage: &mut MaybeUninit<libbpf_rs::OpenObject>, backends: u8, auth: u32) -> Result<PrivateBalancer<'_>> {
     let lb = PrivateBalancer::load(storage, FLOW_TABLE_SIZE, &lb_config(auth))?;
     crate::auth::write_keys(&lb.skel.maps.auth_keys, &[(KEY_ID, KEY)])?;
-    for i in 0..backends {
-        let b = backend(i);
-        let entry = Backend { addr: be_addr(*b.ip()), port: be_port(b.port()), mac: [2, 0, 0, 0, 1, i], flags: BACKEND_ACTIVE, ..Default::default() };
-        lb.set_backend(u32::from(i), &entry)?;
-        put(&lb.skel.maps.scores, &u32::from(i), &BackendScore { score: u32::from(i), updated_ns: ktime_ns(), ..Default::default() })?;
+    for plan in [TCP4, TCP6, QUIC4] {
+        for i in 0..backends {
+            let b = plan.backend(i);
+            let entry = Backend {
+                addr: be_ip(b.ip()),
+                port: be_port(b.port()),
+                mac: [2, 0, 0, 0, 1, i],
+                flags: BACKEND_ACTIVE,
+                quic_server_id: if i == 0 { QUIC_SERVER_ID } else { 0 },
+                ..Default::default()
+            };
+            let id = plan.first_id + u32::from(i);
+            lb.set_backend(id, &entry)?;
+            put(&lb.skel.maps.scores, &id, &BackendScore { score: u32::from(i), updated_ns: ktime_ns(), ..Default::default() })?;
+        }
+        set_vip(&lb, plan, Mode::DsrDynamic, 0, backends)?;
     }
-    set_vip(&lb, Mode::DsrDynamic, 0, backends)?;
     Ok(lb)
 }
 
-fn set_vip(lb: &PrivateBalancer, mode: Mode, probe_interval: u32, backends: u8) -> Result<()> {
+fn set_vip(lb: &PrivateBalancer, plan: Plan, mode: Mode, probe_interval: u32, backends: u8) -> Result<()> {
     let vip = Vip {
         mode: mode as u8,
         policy: Policy::LeastScore as u8,
-        flags: VIP_ACTIVE,
+        flags: VIP_ACTIVE | if plan.proto == Protocol::Udp { VIP_QUIC } else { 0 },
+        proto: plan.proto.number(),
         probe_interval,
+        probe_interval_max: probe_interval,
         // Long enough that nothing goes stale or expires while measured.
         score_max_age_ns: 3_600_000_000_000,
         syn_timeout_ns: 5_000_000_000,
@@ -90,8 +186,8 @@ fn set_vip(lb: &PrivateBalancer, mode: Mode, probe_interval: u32, backends: u8) 
         closing_timeout_ns: 10_000_000_000,
         ..Default::default()
     };
-    let slots: Vec<u32> = (0..u32::from(backends)).collect();
-    lb.set_vip(0, vip_key(VIP), &vip, &slots)
+    let slots: Vec<u32> = (0..u32::from(backends)).map(|i| plan.first_id + i).collect();
+    lb.set_vip(plan.vid, vip_key(plan.vip, plan.proto), &vip, &slots)
 }
 
 /// Median ns over `samples` runs of `frame(i)`; fails if any run's verdict
@@ -119,34 +215,21 @@ fn verdict_name(v: u32) -> &'static str {
     }
 }
 
-fn flow_key(client: SocketAddrV4) -> FlowKey {
-    FlowKey {
-        client_addr: be_addr(*client.ip()),
-        vip_addr: be_addr(*VIP.ip()),
-        client_port: be_port(client.port()),
-        vip_port: be_port(VIP.port()),
-        proto: 6,
-        pad: [0; 3],
-    }
-}
-
-/// Opens `client`'s connection (SYN, then the handshake's ACK) and returns
-/// (backend, SNAT port).
-fn connect(lb: &PrivateBalancer, client: SocketAddrV4) -> Result<(SocketAddrV4, u16)> {
-    lb.run(&PacketBuilder::tcp(client, VIP).syn(1460).build())?;
-    lb.run(&PacketBuilder::tcp(client, VIP).flags(TCP_ACK).build())?;
-    let f: Flow = get(&lb.skel.maps.flows, &flow_key(client))?.context("the handshake created no flow")?;
-    Ok((SocketAddrV4::new(crate::pod::addr_of(f.backend_addr), crate::pod::port_of(f.backend_port)), crate::pod::port_of(f.snat_port)))
-}
-
-fn syn_client(i: u32) -> SocketAddrV4 {
-    SocketAddrV4::new(Ipv4Addr::from(0xc0a8_0000 | (i >> 8 << 8) | 0x0100 | (i & 0xff)), 1024 + (i % 60000) as u16)
+/// Opens `client`'s connection (TCP: SYN, then the handshake's ACK; UDP:
+/// two datagrams) and returns (backend, SNAT port).
+fn connect(lb: &PrivateBalancer, plan: Plan, client: SocketAddr) -> Result<(SocketAddr, u16)> {
+    let first = plan.packet(client, plan.vip);
+    lb.run(&if plan.proto == Protocol::Tcp { first.syn(1440).build() } else { first.payload(vec![0xc0; 40]).build() })?;
+    lb.run(&plan.packet(client, plan.vip).flags(TCP_ACK).build())?;
+    let f: Flow = get(&lb.skel.maps.flows, &plan.key(client))?.context("the handshake created no flow")?;
+    let b = Backend { addr: f.backend_addr, port: f.backend_port, ..Default::default() };
+    Ok((backend_endpoint(&b), port_of(f.snat_port)))
 }
 
 /// Clears `client`'s outstanding 124, as if its 125 had come: a flow asks
 /// again only then.
-fn answered(lb: &PrivateBalancer, client: SocketAddrV4) -> Result<()> {
-    let k = flow_key(client);
+fn answered(lb: &PrivateBalancer, plan: Plan, client: SocketAddr) -> Result<()> {
+    let k = plan.key(client);
     let mut f: Flow = get(&lb.skel.maps.flows, &k)?.context("no flow")?;
     f.flags &= !(FLOW_PROBE_OUTSTANDING | c::INBAND_FLOW_PROBE_OLD as u8);
     put(&lb.skel.maps.flows, &k, &f)
@@ -154,8 +237,8 @@ fn answered(lb: &PrivateBalancer, client: SocketAddrV4) -> Result<()> {
 
 /// Marks `client`'s flow as having an outstanding 124 with `nonce`, as if
 /// the balancer had just sent one.
-fn expect_score(lb: &PrivateBalancer, client: SocketAddrV4, nonce: [u8; 4]) -> Result<()> {
-    let k = flow_key(client);
+fn expect_score(lb: &PrivateBalancer, plan: Plan, client: SocketAddr, nonce: [u8; 4]) -> Result<()> {
+    let k = plan.key(client);
     let mut f: Flow = get(&lb.skel.maps.flows, &k)?.context("no flow")?;
     f.flags |= FLOW_PROBE_OUTSTANDING;
     f.probe_nonce = u32::from_ne_bytes(nonce);
@@ -163,54 +246,97 @@ fn expect_score(lb: &PrivateBalancer, client: SocketAddrV4, nonce: [u8; 4]) -> R
     put(&lb.skel.maps.flows, &k, &f)
 }
 
+type Measured = (&'static str, &'static str, &'static str, u32, f64);
+
+/// The rows every family shares: a new connection, an established packet,
+/// one that asks for a score, and a score coming back.
+fn connection_rows(lb: &PrivateBalancer, plan: Plan, auth: u32, traffic: &'static str, samples: u32, rows: &mut Vec<Measured>) -> Result<()> {
+    let authed = auth == c::INBAND_AUTH_SIPHASH;
+    let client = plan.client(u32::MAX);
+    let first = |i| {
+        let p = plan.packet(plan.client(i), plan.vip);
+        if plan.proto == Protocol::Tcp {
+            p.syn(1440).build()
+        } else {
+            // A QUIC Initial: a long header (its ID the client's), padded.
+            p.payload(vec![0xc0; 1200]).build()
+        }
+    };
+    let new_conn = match (plan.proto, authed) {
+        (Protocol::Tcp, true) => "new connection (SYN: select, SNAT, 155 + MAC)",
+        (Protocol::Tcp, false) => "new connection (SYN: select, SNAT, seed 155)",
+        (Protocol::Udp, _) => "new flow (first datagram: select, SNAT, 155 + stamp + MAC)",
+    };
+    // A distinct client per run, so every first packet is new.
+    let (v, ns) = time(lb, samples.min(3000), first)?;
+    rows.push((new_conn, traffic, "dsr-dynamic", v, ns));
+    if authed {
+        let (v, ns) = time(lb, samples.min(3000), |i| plan.packet(plan.client(i), plan.vip).flags(TCP_ACK).build())?;
+        rows.push(("handshake done (second packet: half-open -> flows)", traffic, "dsr-dynamic", v, ns));
+    }
+    let (backend, snat) = connect(lb, plan, client)?;
+    if authed {
+        let (v, ns) = time(lb, samples, |_| plan.data(client))?;
+        rows.push(("established (client -> backend)", traffic, "dsr-dynamic", v, ns));
+    }
+    set_vip(lb, plan, Mode::DsrDynamic, 1, BACKENDS)?;
+    let request = if authed { "established + score request (124 + MAC)" } else { "established + score request (seed 124)" };
+    let (v, ns) = time(lb, samples, |_| {
+        answered(lb, plan, client).expect("flow");
+        plan.data(client)
+    })?;
+    rows.push((request, traffic, "dsr-dynamic", v, ns));
+    set_vip(lb, plan, Mode::DsrDynamic, 0, BACKENDS)?;
+
+    // Score returns: the flow expects a 125 before every run.
+    let lb_end = SocketAddr::new(plan.lb(), snat);
+    let conn = Conn { lb: lb_end, backend, udp: plan.proto == Protocol::Udp };
+    let nonce = [1, 2, 3, 4];
+    let opt = if authed { InbandOption::auth_score(&KEY, KEY_ID, nonce, conn, 7) } else { InbandOption::Score(7) };
+    let score = if authed { "score return (125: checksums, MAC, record, strip)" } else { "score return (seed 125: checksums, record, strip)" };
+    let (v, ns) = time(lb, samples, |_| {
+        expect_score(lb, plan, client, nonce).expect("flow");
+        plan.packet(backend, lb_end).flags(TCP_ACK | TCP_PSH).payload(vec![b'y'; PAYLOAD]).inband(&opt.encode()).build()
+    })?;
+    rows.push((score, traffic, "dsr-dynamic", v, ns));
+    Ok(())
+}
+
 pub fn measure(samples: u32) -> Result<Vec<Row>> {
-    let mut rows: Vec<(&'static str, &'static str, u32, f64)> = Vec::new();
-    let data = || PacketBuilder::tcp(CLIENT, VIP).flags(TCP_ACK | TCP_PSH).payload(vec![b'x'; PAYLOAD]).build();
+    let mut rows: Vec<Measured> = Vec::new();
     for auth in [c::INBAND_AUTH_SIPHASH, c::INBAND_AUTH_NONE] {
         let mut storage = MaybeUninit::uninit();
         let lb = load(&mut storage, BACKENDS, auth)?;
-        let new_conn = if auth == c::INBAND_AUTH_SIPHASH { "new connection (SYN: select, SNAT, 155 + MAC)" } else { "new connection (SYN: select, SNAT, seed 155)" };
-        // A distinct client per run, so every SYN is new.
-        let (v, ns) = time(&lb, samples.min(3000), |i| PacketBuilder::tcp(syn_client(i), VIP).syn(1460).build())?;
-        rows.push((new_conn, "dsr-dynamic", v, ns));
+        connection_rows(&lb, TCP4, auth, "IPv4", samples, &mut rows)?;
         if auth == c::INBAND_AUTH_SIPHASH {
-            let (v, ns) = time(&lb, samples.min(3000), |i| PacketBuilder::tcp(syn_client(i), VIP).flags(TCP_ACK).build())?;
-            rows.push(("handshake done (first ACK: half-open -> flows)", "dsr-dynamic", v, ns));
-        }
-        let (backend, snat) = connect(&lb, CLIENT)?;
-        if auth == c::INBAND_AUTH_SIPHASH {
-            let (v, ns) = time(&lb, samples, |_| data())?;
-            rows.push(("established (client -> backend)", "dsr-dynamic", v, ns));
-        }
-        set_vip(&lb, Mode::DsrDynamic, 1, BACKENDS)?;
-        let request = if auth == c::INBAND_AUTH_SIPHASH { "established + score request (124 + MAC)" } else { "established + score request (seed 124)" };
-        let (v, ns) = time(&lb, samples, |_| {
-            answered(&lb, CLIENT).expect("flow");
-            data()
-        })?;
-        rows.push((request, "dsr-dynamic", v, ns));
-        set_vip(&lb, Mode::DsrDynamic, 0, BACKENDS)?;
-
-        // Score returns: the flow expects a 125 before every run.
-        let conn = Conn { lb: SocketAddrV4::new(LB, snat), backend };
-        let nonce = [1, 2, 3, 4];
-        let opt = if auth == c::INBAND_AUTH_SIPHASH { InbandOption::auth_score(&KEY, KEY_ID, nonce, conn, 7) } else { InbandOption::Score(7) };
-        let reply = move || PacketBuilder::tcp(backend, SocketAddrV4::new(LB, snat)).flags(TCP_ACK | TCP_PSH).payload(vec![b'y'; PAYLOAD]);
-        let score = if auth == c::INBAND_AUTH_SIPHASH { "score return (125: checksums, MAC, record, strip)" } else { "score return (seed 125: checksums, record, strip)" };
-        let (v, ns) = time(&lb, samples, |_| {
-            expect_score(&lb, CLIENT, nonce).expect("flow");
-            reply().ip_options(opt.encode()).build()
-        })?;
-        rows.push((score, "dsr-dynamic", v, ns));
-        if auth == c::INBAND_AUTH_SIPHASH {
-            set_vip(&lb, Mode::Passthrough, 0, BACKENDS)?;
-            let (v, ns) = time(&lb, samples, |_| data())?;
-            rows.push(("established (client -> backend)", "passthrough", v, ns));
-            let (v, ns) = time(&lb, samples, |_| reply().build())?;
-            rows.push(("return (backend -> client, NAT back)", "passthrough", v, ns));
-            let other = PacketBuilder::tcp(CLIENT, SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 7), 22)).payload(vec![0; PAYLOAD]).build();
+            let client = TCP4.client(u32::MAX);
+            let reply = || TCP4.packet(TCP4.backend(0), SocketAddr::new(TCP4.lb(), 0)).flags(TCP_ACK | TCP_PSH);
+            set_vip(&lb, TCP4, Mode::Passthrough, 0, BACKENDS)?;
+            let (v, ns) = time(&lb, samples, |_| TCP4.data(client))?;
+            rows.push(("established (client -> backend)", "IPv4", "passthrough", v, ns));
+            let f: Flow = get(&lb.skel.maps.flows, &TCP4.key(client))?.context("no flow")?;
+            let back = Backend { addr: f.backend_addr, port: f.backend_port, ..Default::default() };
+            let (v, ns) = time(&lb, samples, |_| {
+                let mut r = reply();
+                r.src = backend_endpoint(&back);
+                r.dst.set_port(port_of(f.snat_port));
+                r.payload(vec![b'y'; PAYLOAD]).build()
+            })?;
+            rows.push(("return (backend -> client, NAT back)", "IPv4", "passthrough", v, ns));
+            let other = PacketBuilder::tcp(client, SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 7)), 22)).payload(vec![0; PAYLOAD]).build();
             let (v, ns) = time(&lb, samples, |_| other.clone())?;
-            rows.push(("not for a VIP (pass to the kernel)", "any", v, ns));
+            rows.push(("not for a VIP (pass to the kernel)", "any", "any", v, ns));
+
+            connection_rows(&lb, TCP6, auth, "IPv6", samples, &mut rows)?;
+            connection_rows(&lb, QUIC4, auth, "UDP (QUIC)", samples, &mut rows)?;
+            // A migrated QUIC client: a short header from a tuple with no
+            // flow, sent where its connection ID says.
+            let (v, ns) = time(&lb, samples.min(3000), |i| QUIC4.data(QUIC4.client(i + 100_000)))?;
+            rows.push(("short header, no flow (routed by connection ID)", "UDP (QUIC)", "dsr-dynamic", v, ns));
+            let routed = lb.events()?[event_index("quic_cid_routed")];
+            if routed < u64::from(samples.min(3000)) {
+                bail!("only {routed} short headers were routed by their connection ID");
+            }
         }
     }
 
@@ -218,7 +344,7 @@ pub fn measure(samples: u32) -> Result<Vec<Row>> {
     let bounce = BounceSkelBuilder::default().open(&mut bstorage)?.load()?;
     let mut floor_ns = Vec::new();
     for _ in 0..samples.max(1) {
-        let frame = data();
+        let frame = TCP4.data(TCP4.client(0));
         let mut out = vec![0u8; frame.len()];
         let input = ProgramInput { data_in: Some(&frame), data_out: Some(&mut out), repeat: 1, ..Default::default() };
         let o = bounce.progs.bounce.test_run(input)?;
@@ -232,12 +358,13 @@ pub fn measure(samples: u32) -> Result<Vec<Row>> {
     if floor <= 0.0 {
         bail!("the bounce floor took no time");
     }
-    rows.push(("floor: bounce (swap MACs, XDP_TX)", "-", XDP_TX, floor));
+    rows.push(("floor: bounce (swap MACs, XDP_TX)", "IPv4", "-", XDP_TX, floor));
 
     Ok(rows
         .into_iter()
-        .map(|(path, mode, v, ns)| Row {
+        .map(|(path, traffic, mode, v, ns)| Row {
             path,
+            traffic,
             mode,
             verdict: verdict_name(v),
             ns_per_packet: ns,
@@ -267,8 +394,8 @@ pub struct TableScale {
     pub new_conns_per_s_one_core: f64,
 }
 
-fn flood_client(i: u32) -> SocketAddrV4 {
-    SocketAddrV4::new(Ipv4Addr::from(0x0a80_0000 | (i >> 6)), 1024 + (i & 63) as u16)
+fn flood_client(i: u32) -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(Ipv4Addr::from(0x0a80_0000 | (i >> 6))), 1024 + (i & 63) as u16)
 }
 
 fn drops_by_reason(lb: &PrivateBalancer) -> Result<Vec<(&'static str, u64)>> {
@@ -282,10 +409,10 @@ fn drops_by_reason(lb: &PrivateBalancer) -> Result<Vec<(&'static str, u64)>> {
 pub fn table_scale(syns: u32, backends: u8) -> Result<TableScale> {
     let mut storage = MaybeUninit::uninit();
     let lb = load(&mut storage, backends, c::INBAND_AUTH_SIPHASH)?;
-    set_vip(&lb, Mode::DsrRr, 0, backends)?;
+    set_vip(&lb, TCP4, Mode::DsrRr, 0, backends)?;
     let (mut forwarded, mut dropped, mut ns) = (0u32, 0u32, 0f64);
     for i in 0..syns {
-        let r = lb.run(&PacketBuilder::tcp(flood_client(i), VIP).syn(1460).build())?;
+        let r = lb.run(&PacketBuilder::tcp(flood_client(i), TCP4.vip).syn(1460).build())?;
         ns += r.ns;
         if r.verdict == XDP_TX {
             forwarded += 1;
@@ -296,7 +423,7 @@ pub fn table_scale(syns: u32, backends: u8) -> Result<TableScale> {
     let kept = |range: std::ops::Range<u32>| -> Result<u32> {
         let mut n = 0;
         for i in range {
-            n += u32::from(get::<FlowKey, Flow>(&lb.skel.maps.half_open, &flow_key(flood_client(i)))?.is_some());
+            n += u32::from(get::<FlowKey, Flow>(&lb.skel.maps.half_open, &TCP4.key(flood_client(i)))?.is_some());
         }
         Ok(n)
     };
@@ -304,7 +431,7 @@ pub fn table_scale(syns: u32, backends: u8) -> Result<TableScale> {
     Ok(TableScale {
         syns,
         backends,
-        half_open_table: crate::lb::attach::table_sizes(FLOW_TABLE_SIZE)[1].1,
+        half_open_table: crate::lb::attach::table_sizes(FLOW_TABLE_SIZE, 0)[1].1,
         snat_ports: u32::from(backends) * SNAT_PORTS,
         forwarded,
         dropped,
@@ -338,18 +465,19 @@ pub struct Churn {
 pub fn churn(connections: u32, backends: u8) -> Result<Churn> {
     let mut storage = MaybeUninit::uninit();
     let lb = load(&mut storage, backends, c::INBAND_AUTH_SIPHASH)?;
-    set_vip(&lb, Mode::DsrDynamic, 0, backends)?;
+    set_vip(&lb, TCP4, Mode::DsrDynamic, 0, backends)?;
     let start = Instant::now();
+    let vip = TCP4.vip;
     let mut ns = 0f64;
     let mut refused = 0u64;
     for i in 0..connections {
         // Distinct client tuples: 64 ports on each of many addresses.
-        let c = SocketAddrV4::new(Ipv4Addr::from(0x0b00_0000 | (i >> 6)), 20000 + (i & 63) as u16);
+        let c = SocketAddr::new(IpAddr::V4(Ipv4Addr::from(0x0b00_0000 | (i >> 6))), 20000 + (i & 63) as u16);
         let steps = [
-            PacketBuilder::tcp(c, VIP).syn(1460).build(),
-            PacketBuilder::tcp(c, VIP).flags(TCP_ACK).build(),
-            PacketBuilder::tcp(c, VIP).flags(TCP_ACK | TCP_FIN).build(),
-            PacketBuilder::tcp(c, VIP).flags(TCP_ACK).build(),
+            PacketBuilder::tcp(c, vip).syn(1460).build(),
+            PacketBuilder::tcp(c, vip).flags(TCP_ACK).build(),
+            PacketBuilder::tcp(c, vip).flags(TCP_ACK | TCP_FIN).build(),
+            PacketBuilder::tcp(c, vip).flags(TCP_ACK).build(),
         ];
         for (n, frame) in steps.iter().enumerate() {
             let r = lb.run(frame)?;
@@ -388,12 +516,13 @@ pub fn sweep_cost(flows: u32) -> Result<SweepCost> {
     let lb = load(&mut storage, BACKENDS, c::INBAND_AUTH_SIPHASH)?;
     let now = ktime_ns();
     for i in 0..flows {
-        let k = flow_key(SocketAddrV4::new(Ipv4Addr::from(0x0c00_0000 | i), 5000));
+        let k = TCP4.key(SocketAddr::new(IpAddr::V4(Ipv4Addr::from(0x0c00_0000 | i)), 5000));
         let port = 1024 + (i % SNAT_PORTS) as u16;
         let b = (i % u32::from(BACKENDS)) as u8;
         let f = Flow {
-            backend_addr: be_addr(*backend(b).ip()),
+            backend_addr: be_ip(TCP4.backend(b).ip()),
             backend_port: be_port(8080),
+            proto: IPPROTO_TCP,
             snat_port: be_port(port),
             backend_id: u16::from(b),
             state: FLOW_ESTABLISHED,
@@ -411,10 +540,14 @@ pub fn sweep_cost(flows: u32) -> Result<SweepCost> {
 pub fn render(rows: &[Row]) -> String {
     use std::fmt::Write;
     let mut o = String::new();
-    let _ = writeln!(o, "| path | mode | verdict | ns/packet | Mpps (1 core) | × floor |");
-    let _ = writeln!(o, "|---|---|---|---:|---:|---:|");
+    let _ = writeln!(o, "| path | traffic | mode | verdict | ns/packet | Mpps (1 core) | × floor |");
+    let _ = writeln!(o, "|---|---|---|---|---:|---:|---:|");
     for r in rows {
-        let _ = writeln!(o, "| {} | {} | {} | {:.1} | {:.2} | {:.2} |", r.path, r.mode, r.verdict, r.ns_per_packet, r.mpps, r.ratio_to_floor);
+        let _ = writeln!(
+            o,
+            "| {} | {} | {} | {} | {:.1} | {:.2} | {:.2} |",
+            r.path, r.traffic, r.mode, r.verdict, r.ns_per_packet, r.mpps, r.ratio_to_floor
+        );
     }
     o
 }

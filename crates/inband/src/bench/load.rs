@@ -25,13 +25,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{libbpf_sys, MapCore, MapFlags, Xdp, XdpFlags};
+use libbpf_rs::{MapCore, MapFlags, Xdp, XdpFlags};
 use serde::Serialize;
 
 use crate::bpf::loadgen::LoadgenSkelBuilder;
 use crate::packet::{PacketBuilder, TCP_ACK, TCP_PSH};
 
-const BPF_F_TEST_XDP_LIVE_FRAMES: u32 = 1 << 1;
 const XDP_DROP: u32 = 1;
 const XDP_TX: u32 = 3;
 /// Frames per BPF_PROG_TEST_RUN call: short enough that the time bound is
@@ -109,29 +108,6 @@ pub struct BlastResult {
     pub frame_bytes: usize,
 }
 
-/// Runs the `tx` program `repeat` times on `frame` as live frames
-/// received on `ifindex`; each run transmits the frame out of it.
-fn live_tx(prog_fd: i32, ifindex: u32, frame: &[u8], repeat: u32) -> Result<()> {
-    // struct xdp_md: data, data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex.
-    let ctx: [u32; 6] = [0, frame.len() as u32, 0, ifindex, 0, 0];
-    let mut opts = libbpf_sys::bpf_test_run_opts {
-        sz: std::mem::size_of::<libbpf_sys::bpf_test_run_opts>() as _,
-        data_in: frame.as_ptr().cast(),
-        data_size_in: frame.len() as u32,
-        ctx_in: ctx.as_ptr().cast(),
-        ctx_size_in: std::mem::size_of_val(&ctx) as u32,
-        repeat: repeat as i32,
-        flags: BPF_F_TEST_XDP_LIVE_FRAMES,
-        ..Default::default()
-    };
-    // SAFETY: every pointer in opts refers to a live buffer of the stated size.
-    let rc = unsafe { libbpf_sys::bpf_prog_test_run_opts(prog_fd, &mut opts) };
-    if rc != 0 {
-        bail!("BPF_PROG_TEST_RUN (live frames): {}", std::io::Error::from_raw_os_error(-rc));
-    }
-    Ok(())
-}
-
 /// Sends (or, with `--drop`, only makes) `count` copies of `frame`, bounded
 /// by `deadline` from `start`; returns how many.
 fn send_frames(a: &BlastArgs, ifindex: u32, frame: &[u8], count: u64, start: Instant, deadline: Duration) -> Result<u64> {
@@ -159,14 +135,14 @@ fn send_frames(a: &BlastArgs, ifindex: u32, frame: &[u8], count: u64, start: Ins
         }
     }
     let skel = open.load().context("loading the load generator")?;
-    let fd = std::os::fd::AsRawFd::as_raw_fd(&skel.progs.tx.as_fd());
+    let fd = skel.progs.tx.as_fd();
     // Paced: a chunk every 100 ms (each run sets up a page pool, so small
     // chunks would cap the rate far below what the path takes).
     let chunk = a.rate.map_or(CHUNK, |r| (r / 10).clamp(1, u64::from(CHUNK)) as u32);
     let mut sent = 0u64;
     while sent < count && start.elapsed() < deadline {
         let n = chunk.min((count - sent) as u32);
-        live_tx(fd, ifindex, &padded, n)?;
+        crate::xdp_live::run(fd, ifindex, &padded, n)?;
         sent += u64::from(n);
         if let Some(rate) = a.rate {
             let due = Duration::from_secs_f64(sent as f64 / rate as f64);

@@ -15,6 +15,7 @@ use libbpf_rs::{OpenObject, Xdp, XdpFlags};
 use tracing::{info, warn};
 
 use super::config::XdpMode;
+use crate::bpf::shared as c;
 use crate::bpf::balancer::{BalancerSkel, BalancerSkelBuilder};
 use crate::bpfmap::{remove_pin_dir, PinDir};
 
@@ -65,9 +66,17 @@ pub fn run_dir(interface: &str) -> PathBuf {
 
 /// Sizes of the flow tables derived from `flow_table_size`
 /// (docs/architecture.md, "Flow lifecycle").
-pub fn table_sizes(flow_table_size: u32) -> [(&'static str, u32); 4] {
+/// and of the Maglev tables (`maglev_size` entries per VIP).
+pub fn table_sizes(flow_table_size: u32, maglev_size: u32) -> [(&'static str, u32); 5] {
     let half_open = (flow_table_size / 4).max(1024);
-    [("flows", flow_table_size), ("half_open", half_open), ("half_open_ports", half_open), ("snat", 2 * flow_table_size)]
+    [
+        ("flows", flow_table_size),
+        ("half_open", half_open),
+        ("half_open_ports", half_open),
+        ("snat", 2 * flow_table_size),
+        // 0: no Maglev table (private fixtures); a map needs an entry.
+        ("maglev", c::INBAND_MAX_VIPS * maglev_size.max(1)),
+    ]
 }
 
 /// Whether an XDP program is attached to `interface` (either mode).
@@ -95,12 +104,13 @@ pub fn load_and_attach<'obj>(
     interface: &str,
     mode: XdpMode,
     flow_table_size: u32,
+    maglev_size: u32,
 ) -> Result<(BalancerSkel<'obj>, Attached)> {
     let ifindex = crate::netif::ifindex(interface)? as i32;
     let dir = pin_dir(interface);
     let fresh = !dir.exists();
     std::fs::create_dir_all(&dir.0).with_context(|| format!("creating {}", dir.0.display()))?;
-    let result = load(storage, interface, &dir, flow_table_size).and_then(|skel| {
+    let result = load(storage, interface, &dir, flow_table_size, maglev_size).and_then(|skel| {
         let attached = attach(&skel, interface, ifindex, mode)?;
         info!(interface, mode = ?attached, pins = %dir.0.display(), "balancer attached");
         Ok((skel, attached))
@@ -116,9 +126,10 @@ fn load<'obj>(
     interface: &str,
     dir: &PinDir,
     flow_table_size: u32,
+    maglev_size: u32,
 ) -> Result<BalancerSkel<'obj>> {
     let mut open = BalancerSkelBuilder::default().open(storage).context("opening the balancer BPF object")?;
-    let sizes = table_sizes(flow_table_size);
+    let sizes = table_sizes(flow_table_size, maglev_size);
     for mut map in open.open_object_mut().maps_mut() {
         let name = map.name().to_string_lossy().into_owned();
         // <obj>.rodata/.bss and the checksum scratch space: per instance.
@@ -133,7 +144,7 @@ fn load<'obj>(
     open.load().with_context(|| {
         format!(
             "loading the balancer program: the kernel verifier refused it, or maps pinned by another version \
-             or with another flow_table_size exist (flow tables cannot be resized under live flows): \
+             or with another flow_table_size or maglev_table_size exist (tables cannot be resized under live flows): \
              run `inband lb detach --interface {interface}` and retry"
         )
     })

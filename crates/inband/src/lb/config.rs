@@ -2,7 +2,7 @@
 //! touches the kernel (see docs/configuration.md).
 
 use std::collections::HashSet;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -25,7 +25,13 @@ pub enum XdpMode {
 #[serde(deny_unknown_fields)]
 pub struct LbConfig {
     pub interface: String,
-    pub address: Ipv4Addr,
+    /// The balancer's IPv4 address on `interface`: the source of what it
+    /// sends to IPv4 backends. Needed for IPv4 VIPs.
+    #[serde(default)]
+    pub address: Option<Ipv4Addr>,
+    /// Its IPv6 address there, for IPv6 VIPs.
+    #[serde(default)]
+    pub address6: Option<Ipv6Addr>,
     #[serde(default)]
     pub xdp_mode: XdpMode,
     #[serde(default = "default_control_socket")]
@@ -41,22 +47,77 @@ pub struct LbConfig {
     /// until they end or go idle.
     #[serde(default)]
     pub drain_timeout_ms: u64,
+    /// A backend found losing inband options on its path is polled instead;
+    /// after this long it gets options again to see whether the path healed
+    /// (doubling while it has not, up to 20 times this).
+    #[serde(default = "default_options_retry_s")]
+    pub options_retry_s: u64,
+    /// Entries of each VIP's Maglev table (policy = "maglev"): a prime,
+    /// fixed while the data path stays attached.
+    #[serde(default = "default_maglev_table_size")]
+    pub maglev_table_size: u32,
     #[serde(default)]
     pub auth: AuthConfig,
     #[serde(default, rename = "vip")]
     pub vips: Vec<VipConfig>,
 }
 
+/// The transport a VIP balances.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    #[default]
+    Tcp,
+    Udp,
+}
+
+impl Protocol {
+    pub fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => 6,
+            Protocol::Udp => 17,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+        }
+    }
+    pub fn from_number(n: u8) -> Option<Protocol> {
+        [Protocol::Tcp, Protocol::Udp].into_iter().find(|p| p.number() == n)
+    }
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct VipConfig {
-    pub address: Ipv4Addr,
+    pub address: IpAddr,
     pub port: u16,
+    #[serde(default)]
+    pub protocol: Protocol,
+    /// A UDP VIP carrying QUIC: packets after the handshake are routed by
+    /// the server id in their connection ID (backends' `quic_server_id`).
+    #[serde(default)]
+    pub quic: bool,
     pub mode: Mode,
     #[serde(default = "default_policy")]
     pub policy: Policy,
+    /// dsr-dynamic: a backend is asked for its score every n-th packet;
+    /// this n, or the lower bound of the adaptive n.
     #[serde(default = "default_probe_interval")]
     pub probe_interval: u32,
+    /// The upper bound of the adaptive n (probes are spaced out while the
+    /// score holds still); absent or equal to probe_interval: a fixed n.
+    #[serde(default)]
+    pub probe_interval_max: Option<u32>,
+    /// At most this many score requests a second per backend; 0 = no bound.
+    #[serde(default)]
+    pub probe_budget: u32,
+    /// dsr-query: how long a SYN waits for the backends' answers before it
+    /// is balanced on what came.
+    #[serde(default = "default_query_timeout_ms")]
+    pub query_timeout_ms: u64,
     #[serde(default = "default_score_max_age_ms")]
     pub score_max_age_ms: u64,
     #[serde(default = "default_poll_interval_ms")]
@@ -66,9 +127,10 @@ pub struct VipConfig {
     /// A handshake the client does not complete in this time is forgotten.
     #[serde(default = "default_syn_timeout_ms")]
     pub syn_timeout_ms: u64,
-    /// An established connection without a packet for this long is ended.
-    #[serde(default = "default_idle_timeout_s")]
-    pub idle_timeout_s: u64,
+    /// An established connection without a packet for this long is ended
+    /// (default: 900 s for TCP, 120 s for UDP).
+    #[serde(default)]
+    pub idle_timeout_s: Option<u64>,
     /// After a FIN or RST, the flow and its port are kept this long.
     #[serde(default = "default_closing_timeout_ms")]
     pub closing_timeout_ms: u64,
@@ -79,10 +141,38 @@ pub struct VipConfig {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct BackendConfig {
-    pub address: Ipv4Addr,
+    pub address: IpAddr,
     pub port: u16,
     #[serde(default)]
     pub drain: bool,
+    /// QUIC VIPs: the server id this backend puts in its connection IDs
+    /// (1-65535, unique within the VIP).
+    #[serde(default)]
+    pub quic_server_id: Option<u16>,
+    /// How inband options travel to it: in the IP header (default), or,
+    /// for a path that strips or drops IPv4 options, inside IP-in-IP.
+    #[serde(default)]
+    pub encap: Encap,
+    /// policy = "maglev": its share of the VIP's table relative to the
+    /// other backends' (0: none; new connections only).
+    #[serde(default = "default_weight")]
+    pub weight: u32,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Encap {
+    #[default]
+    None,
+    /// Packets with an option are wrapped in an outer IPv4 header without
+    /// options (bpf/include/inband/ipip.h).
+    Ipip,
+}
+
+impl BackendConfig {
+    pub fn endpoint(&self) -> SocketAddr {
+        SocketAddr::new(self.address, self.port)
+    }
 }
 
 pub fn default_control_socket() -> PathBuf {
@@ -106,6 +196,17 @@ fn default_poll_interval_ms() -> u64 {
 pub fn default_poll_port() -> u16 {
     9137
 }
+// Long enough that a lossy path costs little (each retry risks a few
+// retransmissions), short enough that a healed path is used again soon.
+fn default_weight() -> u32 {
+    1
+}
+pub fn default_maglev_table_size() -> u32 {
+    crate::lb::maglev::DEFAULT_SIZE
+}
+fn default_options_retry_s() -> u64 {
+    30
+}
 pub fn default_flow_table_size() -> u32 {
     262_144
 }
@@ -118,8 +219,15 @@ fn default_syn_timeout_ms() -> u64 {
 // IPVS's established timeout. conntrack's 5 days keeps dead connections'
 // ports for days; cloud balancers cut idle connections at 4-10 minutes.
 // Applications with longer idle periods use TCP keepalive or raise this.
-fn default_idle_timeout_s() -> u64 {
-    900
+const TCP_IDLE_TIMEOUT_S: u64 = 900;
+// UDP has no close: a flow ends when it goes quiet. AWS NLB's UDP idle
+// timeout; QUIC's own idle timeout is shorter (quinn: 30 s) and a QUIC
+// connection that outlives it keeps its server through its connection ID.
+const UDP_IDLE_TIMEOUT_S: u64 = 120;
+// A query is two LAN round trips at most; beyond that the SYN is better
+// balanced on the estimate than held (the client retransmits at 1 s).
+fn default_query_timeout_ms() -> u64 {
+    20
 }
 // Retransmitted FINs and the last ACK come within seconds. A port whose
 // connection closed is preferred last for reuse anyway (nat.h).
@@ -134,11 +242,24 @@ pub const IDLE_TIMEOUT_S: std::ops::RangeInclusive<u64> = 10..=7 * 24 * 3600;
 pub const CLOSING_TIMEOUT_MS: std::ops::RangeInclusive<u64> = 1_000..=600_000;
 pub const FLOW_TABLE_SIZE: std::ops::RangeInclusive<u32> = 4_096..=16_777_216;
 pub const SCORE_MAX_AGE_MS: std::ops::RangeInclusive<u64> = 10..=3_600_000;
+pub const QUERY_TIMEOUT_MS: std::ops::RangeInclusive<u64> = 1..=1_000;
+pub const OPTIONS_RETRY_S: std::ops::RangeInclusive<u64> = 1..=3_600;
+pub const MAGLEV_TABLE_SIZE: std::ops::RangeInclusive<u64> = 251..=1_000_003;
+pub const WEIGHT_MAX: u32 = 65_535;
 
-/// An address that can be a unicast peer: not 0.0.0.0, broadcast,
-/// multicast or loopback.
-fn unicast(a: Ipv4Addr) -> bool {
-    !(a.is_unspecified() || a.is_broadcast() || a.is_multicast() || a.is_loopback())
+/// An address that can be a unicast peer: not unspecified, broadcast,
+/// multicast, loopback, or (IPv6) link-local or IPv4-mapped.
+pub fn unicast(a: IpAddr) -> bool {
+    match a {
+        IpAddr::V4(a) => !(a.is_unspecified() || a.is_broadcast() || a.is_multicast() || a.is_loopback()),
+        IpAddr::V6(a) => {
+            !(a.is_unspecified()
+                || a.is_multicast()
+                || a.is_loopback()
+                || a.segments()[0] & 0xffc0 == 0xfe80
+                || a.to_ipv4_mapped().is_some())
+        }
+    }
 }
 
 fn in_range<T: PartialOrd + std::fmt::Display>(what: &str, v: T, r: &std::ops::RangeInclusive<T>) -> Result<()> {
@@ -149,21 +270,39 @@ fn in_range<T: PartialOrd + std::fmt::Display>(what: &str, v: T, r: &std::ops::R
 }
 
 impl VipConfig {
-    pub fn endpoint(&self) -> SocketAddrV4 {
-        SocketAddrV4::new(self.address, self.port)
+    pub fn endpoint(&self) -> SocketAddr {
+        SocketAddr::new(self.address, self.port)
     }
 
-    /// The policy the data path runs: the round-robin modes ignore `policy`.
+    /// How it is named in messages and status: `[2001:db8::1]:443/udp`.
+    pub fn name(&self) -> String {
+        vip_name(self.endpoint(), self.protocol)
+    }
+
+    /// The policy the data path runs: the round-robin modes ignore a
+    /// score policy (they have no scores), not Maglev (it needs none).
     pub fn effective_policy(&self) -> Policy {
         match self.mode {
+            Mode::Passthrough | Mode::DsrRr if self.policy == Policy::Maglev => Policy::Maglev,
             Mode::Passthrough | Mode::DsrRr => Policy::RoundRobin,
-            Mode::DsrPolling | Mode::DsrDynamic => self.policy,
+            Mode::DsrPolling | Mode::DsrDynamic | Mode::DsrQuery => self.policy,
         }
+    }
+
+    pub fn idle_timeout_s(&self) -> u64 {
+        self.idle_timeout_s.unwrap_or(match self.protocol {
+            Protocol::Tcp => TCP_IDLE_TIMEOUT_S,
+            Protocol::Udp => UDP_IDLE_TIMEOUT_S,
+        })
+    }
+
+    pub fn probe_interval_max(&self) -> u32 {
+        self.probe_interval_max.unwrap_or(self.probe_interval)
     }
 
     /// Checks that need no kernel: limits and duplicates within the VIP.
     pub fn validate(&self) -> Result<()> {
-        let ep = self.endpoint();
+        let ep = self.name();
         if self.port == 0 {
             bail!("vip {ep}: port 0 is not a service port");
         }
@@ -172,28 +311,46 @@ impl VipConfig {
         }
         in_range(&format!("vip {ep}: score_max_age_ms"), self.score_max_age_ms, &SCORE_MAX_AGE_MS)?;
         in_range(&format!("vip {ep}: syn_timeout_ms"), self.syn_timeout_ms, &SYN_TIMEOUT_MS)?;
-        in_range(&format!("vip {ep}: idle_timeout_s"), self.idle_timeout_s, &IDLE_TIMEOUT_S)?;
+        in_range(&format!("vip {ep}: idle_timeout_s"), self.idle_timeout_s(), &IDLE_TIMEOUT_S)?;
         in_range(&format!("vip {ep}: closing_timeout_ms"), self.closing_timeout_ms, &CLOSING_TIMEOUT_MS)?;
+        in_range(&format!("vip {ep}: query_timeout_ms"), self.query_timeout_ms, &QUERY_TIMEOUT_MS)?;
         if self.poll_port == 0 {
             bail!("vip {ep}: poll_port 0 is not a port the agents can answer on (their default is 9137)");
         }
         if self.mode == Mode::DsrDynamic && self.probe_interval == 0 {
             bail!("vip {ep}: mode dsr-dynamic needs probe_interval >= 1 (every n-th packet asks for the score)");
         }
+        if self.probe_interval_max() < self.probe_interval {
+            bail!(
+                "vip {ep}: probe_interval_max = {} is below probe_interval = {}: the adaptive n runs between them",
+                self.probe_interval_max(),
+                self.probe_interval
+            );
+        }
         if self.mode == Mode::DsrPolling && self.poll_interval_ms == 0 {
             bail!("vip {ep}: mode dsr-polling needs poll_interval_ms >= 1");
+        }
+        if self.quic && self.protocol != Protocol::Udp {
+            bail!("vip {ep}: quic = true needs protocol = \"udp\" (QUIC runs over UDP)");
         }
         if self.backends.len() > MAX_BACKENDS_PER_VIP as usize {
             bail!("vip {ep}: {} backends, at most {MAX_BACKENDS_PER_VIP} per VIP", self.backends.len());
         }
         let mut seen = HashSet::new();
+        let mut ids = HashSet::new();
         for b in &self.backends {
-            let be = SocketAddrV4::new(b.address, b.port);
+            let be = b.endpoint();
             if b.port == 0 {
                 bail!("vip {ep}: backend {be} has port 0");
             }
             if !unicast(b.address) {
                 bail!("vip {ep}: backend {be} is not a unicast address");
+            }
+            if b.address.is_ipv4() != self.address.is_ipv4() {
+                bail!(
+                    "vip {ep}: backend {be} is of the other address family: a VIP's backends share its family \
+                     (the balancer translates addresses, not protocols)"
+                );
             }
             if b.address == self.address {
                 bail!("vip {ep}: backend {be} is the VIP itself");
@@ -201,8 +358,33 @@ impl VipConfig {
             if !seen.insert(be) {
                 bail!("vip {ep}: backend {be} is listed twice; remove the duplicate");
             }
+            if b.weight > WEIGHT_MAX {
+                bail!("vip {ep}: backend {be}: weight = {} is above {WEIGHT_MAX}", b.weight);
+            }
+            if b.encap == Encap::Ipip && b.address.is_ipv6() {
+                bail!(
+                    "vip {ep}: backend {be}: encap = \"ipip\" is for IPv4 backends (IPv6 options ride in a \
+                     destination options header, which has no such carrier yet): remove it"
+                );
+            }
+            match (b.quic_server_id, self.quic) {
+                (Some(0), _) => bail!("vip {ep}: backend {be}: quic_server_id 0 is not an id (use 1-65535)"),
+                (Some(id), true) if !ids.insert(id) => {
+                    bail!("vip {ep}: quic_server_id {id} is given to two backends; each needs its own")
+                }
+                (Some(_), false) => bail!("vip {ep}: backend {be} has a quic_server_id but the VIP is not quic = true"),
+                _ => {}
+            }
         }
         Ok(())
+    }
+}
+
+/// A VIP's name in messages and status: `10.0.0.100:80`, with `/udp` for UDP.
+pub fn vip_name(ep: SocketAddr, protocol: Protocol) -> String {
+    match protocol {
+        Protocol::Tcp => ep.to_string(),
+        Protocol::Udp => format!("{ep}/udp"),
     }
 }
 
@@ -223,26 +405,51 @@ impl LbConfig {
         if self.vips.len() > MAX_VIPS as usize {
             bail!("{} VIPs configured, at most {MAX_VIPS}", self.vips.len());
         }
-        if !unicast(self.address) {
-            bail!("address {} is not a unicast address: set it to this host's address on {}", self.address, self.interface);
+        if self.address.is_none() && self.address6.is_none() {
+            bail!(
+                "no balancer address: set `address` (IPv4) and/or `address6` (IPv6) to this host's address on {}",
+                self.interface
+            );
+        }
+        for a in self.addresses() {
+            if !unicast(a) {
+                bail!("address {a} is not a unicast address: set it to this host's address on {}", self.interface);
+            }
         }
         in_range("flow_table_size", self.flow_table_size, &FLOW_TABLE_SIZE)?;
+        in_range("options_retry_s", self.options_retry_s, &OPTIONS_RETRY_S)?;
+        in_range("maglev_table_size", u64::from(self.maglev_table_size), &MAGLEV_TABLE_SIZE)?;
+        if !crate::lb::maglev::is_prime(self.maglev_table_size) {
+            bail!(
+                "maglev_table_size = {} is not a prime: Maglev needs one (every backend's permutation must visit every entry); \
+                 65537 is the default, 251, 4099, 16381 and 1000003 are others",
+                self.maglev_table_size
+            );
+        }
         self.auth.validate(true).context("[auth]")?;
         let mut seen = HashSet::new();
         let mut backends = 0;
         for v in &self.vips {
             v.validate()?;
-            if v.address == self.address {
+            let Some(own) = self.address_for(v.address) else {
+                let (key, family) = if v.address.is_ipv4() { ("address", "IPv4") } else { ("address6", "IPv6") };
+                bail!(
+                    "vip {} is {family}, and the balancer has no {family} address: set `{key}` to its {family} address on {}",
+                    v.name(),
+                    self.interface
+                );
+            };
+            if v.address == own {
                 bail!(
                     "vip {} is the balancer's own address: backends answer that address, so give the VIP one of its own (e.g. on lo)",
-                    v.endpoint()
+                    v.name()
                 );
             }
-            if let Some(b) = v.backends.iter().find(|b| b.address == self.address) {
-                bail!("vip {}: backend {}:{} is the balancer itself", v.endpoint(), b.address, b.port);
+            if let Some(b) = v.backends.iter().find(|b| b.address == own) {
+                bail!("vip {}: backend {} is the balancer itself", v.name(), b.endpoint());
             }
-            if !seen.insert(v.endpoint()) {
-                bail!("vip {} is listed twice", v.endpoint());
+            if !seen.insert((v.endpoint(), v.protocol)) {
+                bail!("vip {} is listed twice", v.name());
             }
             backends += v.backends.len();
         }
@@ -252,23 +459,38 @@ impl LbConfig {
         Ok(())
     }
 
+    /// The balancer's addresses, IPv4 first.
+    pub fn addresses(&self) -> Vec<IpAddr> {
+        self.address.map(IpAddr::V4).into_iter().chain(self.address6.map(IpAddr::V6)).collect()
+    }
+
+    /// The balancer's address of `a`'s family, if it has one.
+    pub fn address_for(&self, a: IpAddr) -> Option<IpAddr> {
+        match a {
+            IpAddr::V4(_) => self.address.map(IpAddr::V4),
+            IpAddr::V6(_) => self.address6.map(IpAddr::V6),
+        }
+    }
+
     /// Checks against this host: run before anything is attached.
     pub fn check_host(&self) -> Result<()> {
         crate::netif::ifindex(&self.interface)?;
-        let locals = crate::netif::local_ipv4()?;
-        if !locals.iter().any(|(ifn, a)| *a == self.address && *ifn == self.interface) {
-            bail!(
-                "address {} is not configured on interface {}: set `address` to this host's address there (see `ip -4 addr show {}`)",
-                self.address,
-                self.interface,
-                self.interface
-            );
+        let locals = crate::netif::local_addrs()?;
+        for (a, key) in self.address.map(|a| (IpAddr::V4(a), "address")).into_iter().chain(self.address6.map(|a| (IpAddr::V6(a), "address6"))) {
+            if !locals.iter().any(|(ifn, l)| *l == a && *ifn == self.interface) {
+                bail!(
+                    "{key} {a} is not configured on interface {}: set `{key}` to this host's address there (see `ip addr show {}`)",
+                    self.interface,
+                    self.interface
+                );
+            }
         }
         for v in &self.vips {
             if !locals.iter().any(|(_, a)| *a == v.address) {
+                let prefix = if v.address.is_ipv4() { 32 } else { 128 };
                 bail!(
-                    "vip {} is not a local address of this host, so nobody answers ARP for it: add it, e.g. `ip addr add {}/32 dev lo`",
-                    v.endpoint(),
+                    "vip {} is not a local address of this host, so nobody answers ARP or neighbour discovery for it: add it, e.g. `ip addr add {}/{prefix} dev lo`",
+                    v.name(),
                     v.address
                 );
             }
@@ -309,7 +531,10 @@ port = 8080
         assert_eq!(c.vips[0].policy, Policy::LeastScore);
         assert_eq!(c.vips[0].probe_interval, 100);
         assert_eq!(c.vips[0].poll_interval_ms, 1000);
-        assert_eq!((c.vips[0].syn_timeout_ms, c.vips[0].idle_timeout_s, c.vips[0].closing_timeout_ms), (5_000, 900, 10_000));
+        assert_eq!((c.vips[0].syn_timeout_ms, c.vips[0].idle_timeout_s(), c.vips[0].closing_timeout_ms), (5_000, 900, 10_000));
+        assert_eq!((c.vips[0].protocol, c.vips[0].quic), (Protocol::Tcp, false));
+        assert_eq!((c.vips[0].probe_interval_max(), c.vips[0].probe_budget, c.vips[0].query_timeout_ms), (100, 0, 20));
+        assert_eq!((c.address, c.address6), (Some("10.77.0.2".parse().unwrap()), None));
         assert_eq!((c.flow_table_size, c.drain_timeout_ms), (262_144, 0));
         assert_eq!(c.vips[0].backends.len(), 2);
         assert_eq!(c.xdp_mode, XdpMode::Auto);
@@ -343,6 +568,101 @@ port = 8080
         assert!(err(&GOOD.replace("[auth]\nmode = \"none\"\n", "")).contains("no auth key configured"));
         let table = GOOD.replace("address = \"10.77.0.2\"\n", "address = \"10.77.0.2\"\nflow_table_size = 10\n");
         assert!(err(&table).contains("flow_table_size = 10 is out of range"));
+    }
+
+    const DUAL: &str = r#"
+interface = "eth0"
+address = "10.77.0.2"
+address6 = "fd00:77::2"
+[auth]
+mode = "none"
+[[vip]]
+address = "fd00:77::100"
+port = 80
+mode = "dsr-dynamic"
+probe_interval = 10
+probe_interval_max = 400
+probe_budget = 50
+[[vip.backend]]
+address = "fd00:77::21"
+port = 8080
+[[vip]]
+address = "10.77.0.100"
+port = 443
+protocol = "udp"
+quic = true
+mode = "dsr-dynamic"
+[[vip.backend]]
+address = "10.77.0.21"
+port = 8443
+quic_server_id = 1
+[[vip.backend]]
+address = "10.77.0.22"
+port = 8443
+quic_server_id = 2
+"#;
+
+    #[test]
+    fn takes_ipv6_and_quic_vips_with_their_defaults() {
+        let c = LbConfig::parse(DUAL).unwrap();
+        assert_eq!(c.addresses().len(), 2);
+        let (v6, quic) = (&c.vips[0], &c.vips[1]);
+        assert_eq!(v6.name(), "[fd00:77::100]:80");
+        assert_eq!((v6.probe_interval, v6.probe_interval_max(), v6.probe_budget), (10, 400, 50));
+        assert_eq!(c.address_for(v6.address), Some("fd00:77::2".parse().unwrap()));
+        assert_eq!(quic.name(), "10.77.0.100:443/udp");
+        assert_eq!((quic.protocol, quic.quic, quic.idle_timeout_s()), (Protocol::Udp, true, 120));
+        assert_eq!(quic.backends[1].quic_server_id, Some(2));
+        // A TCP and a UDP VIP on one address and port are two VIPs.
+        let both = DUAL.replace("port = 443\nprotocol = \"udp\"\nquic = true", "port = 80\nprotocol = \"udp\"");
+        let both = both.replace("quic_server_id = 1\n", "").replace("quic_server_id = 2\n", "").replace("10.77.0.100", "fd00:77::100");
+        let both = both.replace("10.77.0.21", "fd00:77::31").replace("10.77.0.22", "fd00:77::32");
+        assert_eq!(LbConfig::parse(&both).unwrap().vips.len(), 2);
+    }
+
+    #[test]
+    fn takes_maglev_with_weights_and_a_prime_table() {
+        let text = GOOD.replace("mode = \"dsr-dynamic\"", "mode = \"dsr-rr\"\npolicy = \"maglev\"").replace(
+            "address = \"10.77.0.22\"\nport = 8080",
+            "address = \"10.77.0.22\"\nport = 8080\nweight = 3",
+        );
+        let c = LbConfig::parse(&text).unwrap();
+        assert_eq!(c.maglev_table_size, 65537);
+        assert_eq!((c.vips[0].backends[0].weight, c.vips[0].backends[1].weight), (1, 3));
+        // Maglev needs no scores: the round-robin modes keep it.
+        assert_eq!(c.vips[0].effective_policy(), Policy::Maglev);
+        let size = |n: &str| text.replace("address = \"10.77.0.2\"\n", &format!("address = \"10.77.0.2\"\nmaglev_table_size = {n}\n"));
+        assert!(LbConfig::parse(&size("251")).is_ok());
+        assert!(err(&size("65536")).contains("not a prime"), "{}", err(&size("65536")));
+        assert!(err(&size("7")).contains("out of range"), "{}", err(&size("7")));
+        assert!(err(&text.replace("weight = 3", "weight = 70000")).contains("weight = 70000 is above 65535"));
+    }
+
+    #[test]
+    fn takes_ipip_for_ipv4_backends_only() {
+        let c = LbConfig::parse(&DUAL.replace("quic_server_id = 2\n", "quic_server_id = 2\nencap = \"ipip\"\n")).unwrap();
+        assert_eq!((c.vips[1].backends[0].encap, c.vips[1].backends[1].encap), (Encap::None, Encap::Ipip));
+        let v6 = DUAL.replace("address = \"fd00:77::21\"\nport = 8080\n", "address = \"fd00:77::21\"\nport = 8080\nencap = \"ipip\"\n");
+        assert!(err(&v6).contains("encap = \"ipip\" is for IPv4 backends"), "{}", err(&v6));
+        let typo = DUAL.replace("quic_server_id = 2\n", "quic_server_id = 2\nencap = \"gre\"\n");
+        assert!(err(&typo).contains("unknown variant `gre`"), "{}", err(&typo));
+    }
+
+    #[test]
+    fn refuses_mixed_families_and_bad_quic_settings() {
+        let no6 = DUAL.replace("address6 = \"fd00:77::2\"\n", "");
+        assert!(err(&no6).contains("the balancer has no IPv6 address: set `address6`"), "{}", err(&no6));
+        let none = DUAL.replace("address = \"10.77.0.2\"\naddress6 = \"fd00:77::2\"\n", "");
+        assert!(err(&none).contains("no balancer address"));
+        let mixed = DUAL.replace("fd00:77::21", "10.77.0.31");
+        assert!(err(&mixed).contains("is of the other address family"), "{}", err(&mixed));
+        assert!(err(&DUAL.replace("quic_server_id = 2", "quic_server_id = 1")).contains("quic_server_id 1 is given to two backends"));
+        assert!(err(&DUAL.replace("quic_server_id = 2", "quic_server_id = 0")).contains("quic_server_id 0 is not an id"));
+        assert!(err(&DUAL.replace("protocol = \"udp\"\n", "")).contains("quic = true needs protocol = \"udp\""));
+        assert!(err(&DUAL.replace("quic = true\n", "")).contains("has a quic_server_id but the VIP is not quic = true"));
+        assert!(err(&DUAL.replace("probe_interval_max = 400", "probe_interval_max = 5")).contains("probe_interval_max = 5 is below"));
+        assert!(err(&DUAL.replace("fd00:77::21", "fe80::21")).contains("not a unicast address"));
+        assert!(err(&DUAL.replace("fd00:77::21", "::ffff:10.77.0.21")).contains("not a unicast address"));
     }
 
     #[test]

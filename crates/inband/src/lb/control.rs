@@ -6,7 +6,7 @@
 //! end or `drain_timeout_ms`).
 
 use std::io::{BufRead, BufReader, Write};
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,7 +17,7 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use super::config::{BackendConfig, LbConfig};
+use super::config::{BackendConfig, Encap, LbConfig, Protocol};
 use super::maps::{Mode, Policy};
 use super::tables::{self, LbMaps};
 
@@ -27,50 +27,87 @@ pub enum ControlRequest {
     /// Add a backend to a VIP (new connections may go to it at once).
     AddBackend {
         #[arg(long)]
-        vip: SocketAddrV4,
+        vip: SocketAddr,
+        /// The VIP's transport (tcp or udp).
+        #[arg(long, value_parser = parse_protocol, default_value = "tcp")]
+        #[serde(default)]
+        protocol: Protocol,
         #[arg(long)]
-        backend: SocketAddrV4,
+        backend: SocketAddr,
+        /// QUIC VIPs: the server id the backend writes into its connection IDs.
+        #[arg(long)]
+        #[serde(default)]
+        quic_server_id: Option<u16>,
+        /// How options travel to it: none (in the IP header) or ipip
+        /// (wrapped, for a path that strips IPv4 options).
+        #[arg(long, value_parser = parse_encap, default_value = "none")]
+        #[serde(default)]
+        encap: Encap,
     },
     /// Remove a backend: no new connections; its established ones continue
     /// until they end (or `drain_timeout_ms`).
     RemoveBackend {
         #[arg(long)]
-        vip: SocketAddrV4,
+        vip: SocketAddr,
+        /// The VIP's transport (tcp or udp).
+        #[arg(long, value_parser = parse_protocol, default_value = "tcp")]
+        #[serde(default)]
+        protocol: Protocol,
         #[arg(long)]
-        backend: SocketAddrV4,
+        backend: SocketAddr,
     },
     /// Drain a backend: keeps its connections, gets no new ones.
     DrainBackend {
         #[arg(long)]
-        vip: SocketAddrV4,
+        vip: SocketAddr,
+        /// The VIP's transport (tcp or udp).
+        #[arg(long, value_parser = parse_protocol, default_value = "tcp")]
+        #[serde(default)]
+        protocol: Protocol,
         #[arg(long)]
-        backend: SocketAddrV4,
+        backend: SocketAddr,
     },
     /// Put a drained backend back in service.
     UndrainBackend {
         #[arg(long)]
-        vip: SocketAddrV4,
+        vip: SocketAddr,
+        /// The VIP's transport (tcp or udp).
+        #[arg(long, value_parser = parse_protocol, default_value = "tcp")]
+        #[serde(default)]
+        protocol: Protocol,
         #[arg(long)]
-        backend: SocketAddrV4,
+        backend: SocketAddr,
     },
-    /// Switch a VIP's mode (passthrough, dsr-rr, dsr-polling, dsr-dynamic).
+    /// Switch a VIP's mode (passthrough, dsr-rr, dsr-polling, dsr-dynamic, dsr-query).
     SetMode {
         #[arg(long)]
-        vip: SocketAddrV4,
+        vip: SocketAddr,
+        /// The VIP's transport (tcp or udp).
+        #[arg(long, value_parser = parse_protocol, default_value = "tcp")]
+        #[serde(default)]
+        protocol: Protocol,
         #[arg(long, value_parser = parse_mode)]
         mode: Mode,
     },
     /// Set a VIP's selection policy (least-score, power-of-two, round-robin).
     SetPolicy {
         #[arg(long)]
-        vip: SocketAddrV4,
+        vip: SocketAddr,
+        /// The VIP's transport (tcp or udp).
+        #[arg(long, value_parser = parse_protocol, default_value = "tcp")]
+        #[serde(default)]
+        protocol: Protocol,
         #[arg(long, value_parser = parse_policy)]
         policy: Policy,
     },
     /// Ask for the score on every n-th packet to a backend.
     SetProbeInterval {
         #[arg(long)]
-        vip: SocketAddrV4,
+        vip: SocketAddr,
+        /// The VIP's transport (tcp or udp).
+        #[arg(long, value_parser = parse_protocol, default_value = "tcp")]
+        #[serde(default)]
+        protocol: Protocol,
         #[arg(long)]
         n: u32,
     },
@@ -83,9 +120,16 @@ fn parse_mode(s: &str) -> Result<Mode, String> {
         format!("unknown mode {s:?}: expected passthrough, dsr-rr, dsr-polling or dsr-dynamic")
     })
 }
+fn parse_protocol(s: &str) -> Result<Protocol, String> {
+    serde_json::from_value(serde_json::Value::String(s.into()))
+        .map_err(|_| format!("unknown protocol {s:?}: expected tcp or udp"))
+}
+fn parse_encap(s: &str) -> Result<Encap, String> {
+    serde_json::from_value(serde_json::Value::String(s.into())).map_err(|_| format!("unknown encap {s:?}: expected none or ipip"))
+}
 fn parse_policy(s: &str) -> Result<Policy, String> {
     serde_json::from_value(serde_json::Value::String(s.into()))
-        .map_err(|_| format!("unknown policy {s:?}: expected least-score, power-of-two or round-robin"))
+        .map_err(|_| format!("unknown policy {s:?}: expected least-score, power-of-two, round-robin or maglev"))
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -97,46 +141,53 @@ pub struct ControlReply {
 /// The new config after `req`, validated; the caller applies it.
 pub fn change(cfg: &LbConfig, req: &ControlRequest, config_path: &Path) -> Result<LbConfig> {
     let mut next = cfg.clone();
-    let vip_mut = |next: &mut LbConfig, vip: &SocketAddrV4| -> Result<usize> {
-        next.vips.iter().position(|v| v.endpoint() == *vip).ok_or_else(|| anyhow::anyhow!("no VIP {vip} is configured"))
+    let vip_mut = |next: &mut LbConfig, vip: &SocketAddr, protocol: &Protocol| -> Result<usize> {
+        next.vips.iter().position(|v| v.endpoint() == *vip && v.protocol == *protocol).ok_or_else(|| {
+            anyhow::anyhow!("no VIP {} is configured", super::config::vip_name(*vip, *protocol))
+        })
     };
-    let backend_pos = |next: &LbConfig, vi: usize, be: &SocketAddrV4| {
-        next.vips[vi].backends.iter().position(|b| b.address == *be.ip() && b.port == be.port())
-    };
+    let backend_pos = |next: &LbConfig, vi: usize, be: &SocketAddr| next.vips[vi].backends.iter().position(|b| b.endpoint() == *be);
     match req {
-        ControlRequest::AddBackend { vip, backend } => {
-            let vi = vip_mut(&mut next, vip)?;
+        ControlRequest::AddBackend { vip, protocol, backend, quic_server_id, encap } => {
+            let vi = vip_mut(&mut next, vip, protocol)?;
             if backend_pos(&next, vi, backend).is_some() {
-                bail!("backend {backend} is already in VIP {vip}");
+                bail!("backend {backend} is already in VIP {}", next.vips[vi].name());
             }
-            next.vips[vi].backends.push(BackendConfig { address: *backend.ip(), port: backend.port(), drain: false });
+            next.vips[vi].backends.push(BackendConfig {
+                address: backend.ip(),
+                port: backend.port(),
+                drain: false,
+                quic_server_id: *quic_server_id,
+                encap: *encap,
+                weight: 1,
+            });
         }
-        ControlRequest::RemoveBackend { vip, backend } => {
-            let vi = vip_mut(&mut next, vip)?;
-            let bi = backend_pos(&next, vi, backend).ok_or_else(|| anyhow::anyhow!("backend {backend} is not in VIP {vip}"))?;
+        ControlRequest::RemoveBackend { vip, protocol, backend } => {
+            let vi = vip_mut(&mut next, vip, protocol)?;
+            let bi = backend_pos(&next, vi, backend).ok_or_else(|| anyhow::anyhow!("backend {backend} is not in VIP {}", next.vips[vi].name()))?;
             next.vips[vi].backends.remove(bi);
         }
-        ControlRequest::DrainBackend { vip, backend } | ControlRequest::UndrainBackend { vip, backend } => {
-            let vi = vip_mut(&mut next, vip)?;
-            let bi = backend_pos(&next, vi, backend).ok_or_else(|| anyhow::anyhow!("backend {backend} is not in VIP {vip}"))?;
+        ControlRequest::DrainBackend { vip, protocol, backend } | ControlRequest::UndrainBackend { vip, protocol, backend } => {
+            let vi = vip_mut(&mut next, vip, protocol)?;
+            let bi = backend_pos(&next, vi, backend).ok_or_else(|| anyhow::anyhow!("backend {backend} is not in VIP {}", next.vips[vi].name()))?;
             next.vips[vi].backends[bi].drain = matches!(req, ControlRequest::DrainBackend { .. });
         }
-        ControlRequest::SetMode { vip, mode } => {
-            let vi = vip_mut(&mut next, vip)?;
+        ControlRequest::SetMode { vip, protocol, mode } => {
+            let vi = vip_mut(&mut next, vip, protocol)?;
             next.vips[vi].mode = *mode;
         }
-        ControlRequest::SetPolicy { vip, policy } => {
-            let vi = vip_mut(&mut next, vip)?;
+        ControlRequest::SetPolicy { vip, protocol, policy } => {
+            let vi = vip_mut(&mut next, vip, protocol)?;
             next.vips[vi].policy = *policy;
         }
-        ControlRequest::SetProbeInterval { vip, n } => {
-            let vi = vip_mut(&mut next, vip)?;
+        ControlRequest::SetProbeInterval { vip, protocol, n } => {
+            let vi = vip_mut(&mut next, vip, protocol)?;
             next.vips[vi].probe_interval = *n;
         }
         ControlRequest::Reload => {
             let fresh = LbConfig::load(config_path)?;
-            if fresh.interface != cfg.interface || fresh.address != cfg.address {
-                bail!("reload cannot change `interface` or `address`: restart `inband lb` for that");
+            if fresh.interface != cfg.interface || fresh.address != cfg.address || fresh.address6 != cfg.address6 {
+                bail!("reload cannot change `interface`, `address` or `address6`: restart `inband lb` for that");
             }
             if fresh.flow_table_size != cfg.flow_table_size {
                 bail!(
@@ -144,6 +195,13 @@ pub fn change(cfg: &LbConfig, req: &ControlRequest, config_path: &Path) -> Resul
                      detach and restart `inband lb` for that",
                     cfg.flow_table_size,
                     fresh.flow_table_size
+                );
+            }
+            if fresh.maglev_table_size != cfg.maglev_table_size {
+                bail!(
+                    "reload cannot resize the Maglev tables (maglev_table_size {} -> {}): detach and restart `inband lb` for that",
+                    cfg.maglev_table_size,
+                    fresh.maglev_table_size
                 );
             }
             fresh.check_host()?;

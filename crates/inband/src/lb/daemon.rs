@@ -7,6 +7,7 @@
 //! clean-up. One daemon per interface: a second is refused.
 
 use std::mem::MaybeUninit;
+use std::os::fd::AsFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -18,9 +19,9 @@ use tracing::{error, info, warn};
 use super::config::LbConfig;
 use super::maps::LbConfig as LbConfigMap;
 use super::tables::{self, LbMaps};
-use super::{attach, control, neighbour, polling, snapshot, sweep};
+use super::{attach, control, neighbour, options_watch, polling, query, snapshot, sweep};
 use crate::bpfmap;
-use crate::pod::be_addr;
+use crate::pod::be_ip;
 use crate::runlock::RunLock;
 
 /// How often the sweeper ages the flow tables.
@@ -36,7 +37,7 @@ pub fn run(config_path: &Path) -> Result<()> {
     let dir = attach::pin_dir(&cfg.interface);
     let fresh = !dir.exists();
     let mut storage = MaybeUninit::uninit();
-    let (skel, _) = match attach::load_and_attach(&mut storage, &cfg.interface, cfg.xdp_mode, cfg.flow_table_size) {
+    let (skel, _) = match attach::load_and_attach(&mut storage, &cfg.interface, cfg.xdp_mode, cfg.flow_table_size, cfg.maglev_table_size) {
         Ok(s) => s,
         Err(e) => {
             lock.release();
@@ -89,6 +90,12 @@ pub fn run(config_path: &Path) -> Result<()> {
         let shared = Arc::clone(&shared);
         move |maps, stop| polling::run(&maps, &shared, &stop)
     }));
+    workers.push(spawn("query", &dir, &stop, {
+        let shared = Arc::clone(&shared);
+        let prog = skel.progs.balancer.as_fd().try_clone_to_owned().context("duplicating the balancer program's fd")?;
+        let interface = cfg.interface.clone();
+        move |maps, stop| query::run(&maps, prog, &interface, &shared, &stop)
+    }));
     workers.push(spawn("control", &dir, &stop, {
         let shared = Arc::clone(&shared);
         let socket = cfg.control_socket.clone();
@@ -118,6 +125,7 @@ pub fn run(config_path: &Path) -> Result<()> {
     }
     info!(interface = %cfg.interface, vips = cfg.vips.len(), "inband lb running");
     let mut last_sweep = Instant::now() - SWEEP_EVERY;
+    let mut options = options_watch::OptionsWatch::new(Duration::from_secs(cfg.options_retry_s));
     while !stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(100));
         if workers.iter().any(|w| w.is_finished()) {
@@ -130,7 +138,8 @@ pub fn run(config_path: &Path) -> Result<()> {
                 for vip in tables::reap(&maps)? {
                     info!(%vip, "removed VIP drained: its last flow ended");
                 }
-                Ok(())
+                let found = options.check(&maps, tables::ktime_ns())?;
+                polling::add_control_stats(&maps, &found)
             }) {
                 warn!(error = %format!("{e:#}"), "sweeping the flow tables failed");
             }
@@ -163,10 +172,13 @@ pub fn write_config(maps: &LbMaps, cfg: &LbConfig, keys: &[(u8, crate::wire::Key
         &maps.lb_config,
         &0u32,
         &LbConfigMap {
-            self_addr: be_addr(cfg.address),
+            // A family without an address stays all zero: not served.
+            self4: cfg.address.map(|a| be_ip(a.into())).unwrap_or_default(),
+            self6: cfg.address6.map(|a| be_ip(a.into())).unwrap_or_default(),
             mtu,
             auth_mode: cfg.auth.mode.to_c(),
             sign_key: cfg.auth.signing_key(),
+            maglev_size: cfg.maglev_table_size,
             snat_key,
         },
     )

@@ -15,6 +15,15 @@ pub const BACKEND_ACTIVE: u16 = c::INBAND_BACKEND_ACTIVE as u16;
 pub const BACKEND_DRAINING: u16 = c::INBAND_BACKEND_DRAINING as u16;
 pub const VIP_ACTIVE: u16 = c::INBAND_VIP_ACTIVE as u16;
 pub const VIP_DRAINING: u16 = c::INBAND_VIP_DRAINING as u16;
+pub const VIP_QUIC: u16 = c::INBAND_VIP_QUIC as u16;
+pub const BACKEND_OPTIONS_LOST: u16 = c::INBAND_BACKEND_OPTIONS_LOST as u16;
+pub const BACKEND_ENCAP: u16 = c::INBAND_BACKEND_ENCAP as u16;
+
+/// A removed backend (a tombstone kept for its flows): neither active nor
+/// draining, whatever the daemon found about its path.
+pub fn backend_removed(b: &Backend) -> bool {
+    b.flags & (BACKEND_ACTIVE | BACKEND_DRAINING) == 0
+}
 
 pub const FLOW_SYN_SENT: u32 = c::INBAND_FLOW_SYN_SENT;
 pub const FLOW_ESTABLISHED: u32 = c::INBAND_FLOW_ESTABLISHED;
@@ -43,6 +52,8 @@ pub type VipStats = c::inband_vip_stats;
 pub type FlowGauges = c::inband_flow_gauges;
 pub type SweepStats = c::inband_sweep_stats;
 pub type ControlStats = c::inband_control_stats;
+pub type QueryReq = c::inband_query_req;
+pub type Addr = c::inband_addr;
 
 crate::pod::pod!(
     VipKey,
@@ -59,7 +70,8 @@ crate::pod::pod!(
     VipStats,
     FlowGauges,
     SweepStats,
-    ControlStats
+    ControlStats,
+    QueryReq
 );
 
 /// A per-CPU counter struct: summed over CPUs, printed by field name.
@@ -83,7 +95,7 @@ macro_rules! counted {
     };
 }
 
-counted!(BackendStats: packets, bytes, return_packets, return_bytes, new_conns, closed_conns, probes_sent, scores_received);
+counted!(BackendStats: packets, bytes, return_packets, return_bytes, new_conns, closed_conns, probes_sent, scores_received, syn_retries);
 counted!(VipStats: packets, bytes, return_packets, return_bytes, new_conns, closed_conns);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -94,6 +106,7 @@ pub enum Mode {
     DsrRr = c::INBAND_MODE_DSR_RR as u8,
     DsrPolling = c::INBAND_MODE_DSR_POLLING as u8,
     DsrDynamic = c::INBAND_MODE_DSR_DYNAMIC as u8,
+    DsrQuery = c::INBAND_MODE_DSR_QUERY as u8,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -103,11 +116,12 @@ pub enum Policy {
     RoundRobin = c::INBAND_POLICY_ROUND_ROBIN as u8,
     LeastScore = c::INBAND_POLICY_LEAST_SCORE as u8,
     PowerOfTwo = c::INBAND_POLICY_POWER_OF_TWO as u8,
+    Maglev = c::INBAND_POLICY_MAGLEV as u8,
 }
 
 impl Mode {
     pub fn from_u8(v: u8) -> Option<Mode> {
-        [Mode::Passthrough, Mode::DsrRr, Mode::DsrPolling, Mode::DsrDynamic].into_iter().find(|m| *m as u8 == v)
+        [Mode::Passthrough, Mode::DsrRr, Mode::DsrPolling, Mode::DsrDynamic, Mode::DsrQuery].into_iter().find(|m| *m as u8 == v)
     }
     pub fn name(self) -> &'static str {
         match self {
@@ -115,23 +129,25 @@ impl Mode {
             Mode::DsrRr => "dsr-rr",
             Mode::DsrPolling => "dsr-polling",
             Mode::DsrDynamic => "dsr-dynamic",
+            Mode::DsrQuery => "dsr-query",
         }
     }
     /// The modes that rank backends by their scores.
     pub fn scored(self) -> bool {
-        matches!(self, Mode::DsrPolling | Mode::DsrDynamic)
+        matches!(self, Mode::DsrPolling | Mode::DsrDynamic | Mode::DsrQuery)
     }
 }
 
 impl Policy {
     pub fn from_u8(v: u8) -> Option<Policy> {
-        [Policy::RoundRobin, Policy::LeastScore, Policy::PowerOfTwo].into_iter().find(|p| *p as u8 == v)
+        [Policy::RoundRobin, Policy::LeastScore, Policy::PowerOfTwo, Policy::Maglev].into_iter().find(|p| *p as u8 == v)
     }
     pub fn name(self) -> &'static str {
         match self {
             Policy::RoundRobin => "round-robin",
             Policy::LeastScore => "least-score",
             Policy::PowerOfTwo => "power-of-two",
+            Policy::Maglev => "maglev",
         }
     }
 }
@@ -156,6 +172,8 @@ pub const DROP_NAMES: [&str; c::INBAND_DROP_MAX as usize] = [
     "bad_checksum",
     "ttl_exceeded",
     "vlan",
+    "family",
+    "query_pending",
 ];
 
 /// Names of `enum inband_event`, by index.
@@ -176,6 +194,15 @@ pub const EVENT_NAMES: [&str; c::INBAND_EV_MAX as usize] = [
     "icmp_to_client",
     "backend_full",
     "drained_flows_ended",
+    "quic_cid_routed",
+    "quic_cid_unknown",
+    "probe_budget",
+    "probe_faster",
+    "query_skipped",
+    "query_answered",
+    "ipv6_chain_unwalked",
+    "encapsulated",
+    "decapsulated",
 ];
 
 /// The index of a drop reason by name (tests and benchmarks look them up so).

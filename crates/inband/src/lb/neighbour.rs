@@ -1,70 +1,163 @@
-//! Keeps `backends[id].mac` equal to the next hop's MAC from the kernel's
-//! neighbour table, so the XDP path can forward without a route lookup.
-//! A backend on another subnet resolves to its gateway's MAC.
+//! Keeps `backends[id].mac` equal to the next hop's MAC, so the XDP path
+//! can forward without a route lookup. Both families through rtnetlink
+//! (netlink-packet-route): the route the kernel would take to the backend
+//! (RTM_GETROUTE, as `ip route get` asks) names the next hop — the backend
+//! itself, or its gateway — and the neighbour table (ARP or NDP,
+//! RTM_GETNEIGH) its MAC. A next hop not known yet is resolved by sending
+//! it one datagram; the next pass picks the answer up.
 
-use std::net::{Ipv4Addr, UdpSocket};
+use std::net::{IpAddr, UdpSocket};
 
-use anyhow::Result;
+use anyhow::{bail, Context, Result};
+use netlink_packet_core::{NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_DUMP, NLM_F_REQUEST};
+use netlink_packet_route::neighbour::{NeighbourAddress, NeighbourAttribute, NeighbourMessage, NeighbourState};
+use netlink_packet_route::route::{RouteAddress, RouteAttribute, RouteMessage};
+use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
+use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
 use tracing::{debug, info};
 
-use super::maps::{Backend, MAX_BACKENDS};
+use super::maps::{backend_removed, Addr, Backend, MAX_BACKENDS};
 use super::tables::LbMaps;
 use crate::bpfmap;
-use crate::pod::addr_of;
+use crate::pod::ip_of;
 
-/// The complete ARP entries of `interface` from /proc/net/arp.
-pub fn arp_table(text: &str, interface: &str) -> Vec<(Ipv4Addr, [u8; 6])> {
-    text.lines()
-        .skip(1)
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            // IP address, HW type, Flags, HW address, Mask, Device; 0x2 = complete.
-            if f.len() < 6 || f[5] != interface {
-                return None;
-            }
-            let flags = u32::from_str_radix(f[2].trim_start_matches("0x"), 16).ok()?;
-            if flags & 0x2 == 0 {
-                return None;
-            }
-            Some((f[0].parse().ok()?, crate::netif::parse_mac(f[3]).ok()?))
-        })
-        .collect()
+/// A route netlink socket of this network namespace.
+pub struct Rtnl {
+    socket: Socket,
+    seq: u32,
 }
 
-/// The gateway /proc/net/route names for `dst` on `interface`, if any
-/// (longest prefix wins); `None` = on-link.
-pub fn gateway_for(text: &str, interface: &str, dst: Ipv4Addr) -> Option<Ipv4Addr> {
-    let hex = |s: &str| u32::from_str_radix(s, 16).ok().map(|v| Ipv4Addr::from(v.to_le_bytes()));
-    let mut best: Option<(u32, Ipv4Addr)> = None;
-    for l in text.lines().skip(1) {
-        let f: Vec<&str> = l.split_whitespace().collect();
-        if f.len() < 8 || f[0] != interface {
-            continue;
-        }
-        let (Some(net), Some(gw), Some(mask)) = (hex(f[1]), hex(f[2]), hex(f[7])) else { continue };
-        let m = u32::from(mask);
-        if u32::from(dst) & m == u32::from(net) && best.map_or(true, |(bm, _)| m.count_ones() > bm) {
-            best = Some((m.count_ones(), gw));
+impl Rtnl {
+    pub fn new() -> Result<Rtnl> {
+        let mut socket = Socket::new(NETLINK_ROUTE).context("opening a route netlink socket")?;
+        socket.bind_auto().context("binding the route netlink socket")?;
+        socket.connect(&SocketAddr::new(0, 0)).context("connecting the route netlink socket")?;
+        Ok(Rtnl { socket, seq: 0 })
+    }
+
+    /// Sends one request and collects its answers: every message of a dump,
+    /// or the one reply.
+    fn ask(&mut self, msg: RouteNetlinkMessage, dump: bool) -> Result<Vec<RouteNetlinkMessage>> {
+        self.seq = self.seq.wrapping_add(1);
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST | if dump { NLM_F_DUMP } else { 0 };
+        header.sequence_number = self.seq;
+        let mut req = NetlinkMessage::new(header, NetlinkPayload::from(msg));
+        req.finalize();
+        let mut buf = vec![0; req.header.length as usize];
+        req.serialize(&mut buf);
+        self.socket.send(&buf, 0).context("sending a route netlink request")?;
+
+        let mut out = Vec::new();
+        let mut rx = vec![0u8; 64 * 1024];
+        loop {
+            let n = self.socket.recv(&mut &mut rx[..], 0).context("reading a route netlink reply")?;
+            let mut off = 0;
+            while off < n {
+                let reply = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&rx[off..n])
+                    .map_err(|e| anyhow::anyhow!("malformed route netlink reply: {e}"))?;
+                let len = reply.header.length as usize;
+                if reply.header.sequence_number == self.seq {
+                    match reply.payload {
+                        NetlinkPayload::Done(_) => return Ok(out),
+                        NetlinkPayload::Error(e) if e.code.is_some() => bail!("route netlink: {}", e.to_io()),
+                        NetlinkPayload::InnerMessage(m) => {
+                            out.push(m);
+                            if !dump {
+                                return Ok(out);
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                if len == 0 {
+                    break;
+                }
+                off += len;
+            }
         }
     }
-    best.and_then(|(_, gw)| (!gw.is_unspecified()).then_some(gw))
+
+    /// The complete neighbour entries (ARP and NDP) of interface `ifindex`.
+    pub fn neighbours(&mut self, ifindex: u32) -> Result<Vec<(IpAddr, [u8; 6])>> {
+        let mut out = Vec::new();
+        for m in self.ask(RouteNetlinkMessage::GetNeighbour(NeighbourMessage::default()), true)? {
+            let RouteNetlinkMessage::NewNeighbour(n) = m else { continue };
+            let complete = matches!(
+                n.header.state,
+                NeighbourState::Reachable
+                    | NeighbourState::Stale
+                    | NeighbourState::Delay
+                    | NeighbourState::Probe
+                    | NeighbourState::Permanent
+            );
+            if n.header.ifindex != ifindex || !complete {
+                continue;
+            }
+            let mut ip = None;
+            let mut mac = None;
+            for a in &n.attributes {
+                match a {
+                    NeighbourAttribute::Destination(NeighbourAddress::Inet(v4)) => ip = Some(IpAddr::V4(*v4)),
+                    NeighbourAttribute::Destination(NeighbourAddress::Inet6(v6)) => ip = Some(IpAddr::V6(*v6)),
+                    NeighbourAttribute::LinkLayerAddress(l) if l.len() == 6 => {
+                        mac = Some([l[0], l[1], l[2], l[3], l[4], l[5]]);
+                    }
+                    _ => {}
+                }
+            }
+            if let (Some(ip), Some(mac)) = (ip, mac) {
+                out.push((ip, mac));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The next hop toward `dst` as the kernel routes it: `dst` itself when
+    /// on-link, else its gateway; with the interface the route leaves by.
+    pub fn next_hop(&mut self, dst: IpAddr) -> Result<(IpAddr, u32)> {
+        let mut q = RouteMessage::default();
+        q.header.address_family = if dst.is_ipv4() { AddressFamily::Inet } else { AddressFamily::Inet6 };
+        q.header.destination_prefix_length = if dst.is_ipv4() { 32 } else { 128 };
+        q.attributes.push(RouteAttribute::Destination(RouteAddress::from(dst)));
+        let reply = self.ask(RouteNetlinkMessage::GetRoute(q), false)?;
+        let Some(RouteNetlinkMessage::NewRoute(r)) = reply.into_iter().next() else {
+            bail!("no route to {dst}");
+        };
+        let mut hop = dst;
+        let mut oif = 0;
+        for a in r.attributes {
+            match a {
+                RouteAttribute::Gateway(RouteAddress::Inet(g)) => hop = IpAddr::V4(g),
+                RouteAttribute::Gateway(RouteAddress::Inet6(g)) => hop = IpAddr::V6(g),
+                RouteAttribute::Oif(i) => oif = i,
+                _ => {}
+            }
+        }
+        Ok((hop, oif))
+    }
 }
 
 /// One pass: fills or corrects every backend's MAC; for next hops the
 /// kernel does not know yet, sends one datagram to the discard port so the
-/// kernel starts ARP (the next pass picks the answer up).
+/// kernel starts ARP or neighbour discovery. Returns how many are missing.
 pub fn refresh(maps: &LbMaps, interface: &str) -> Result<usize> {
-    let arp = std::fs::read_to_string("/proc/net/arp")?;
-    let routes = std::fs::read_to_string("/proc/net/route")?;
-    let table = arp_table(&arp, interface);
+    let ifindex = crate::netif::ifindex(interface)?;
+    let mut rtnl = Rtnl::new()?;
+    let table = rtnl.neighbours(ifindex)?;
     let mut unresolved = 0;
     for id in 0..MAX_BACKENDS {
         let mut b: Backend = bpfmap::get(&maps.backends, &id)?.unwrap_or_default();
-        if b.addr == 0 || b.flags == 0 && b.mac != [0; 6] {
+        if b.addr == Addr::default() || backend_removed(&b) && b.mac != [0; 6] {
             continue;
         }
-        let dst = addr_of(b.addr);
-        let hop = gateway_for(&routes, interface, dst).unwrap_or(dst);
+        let dst = ip_of(&b.addr);
+        let hop = match rtnl.next_hop(dst) {
+            Ok((hop, oif)) if oif == ifindex => hop,
+            // Routed out of another interface (or not at all): the XDP
+            // path, which only sends back out of its own, cannot reach it.
+            Ok(_) | Err(_) => dst,
+        };
         match table.iter().find(|(a, _)| *a == hop) {
             Some((_, mac)) if *mac != b.mac => {
                 info!(backend = %dst, next_hop = %hop, mac = %crate::netif::format_mac(mac), "backend next hop resolved");
@@ -75,7 +168,8 @@ pub fn refresh(maps: &LbMaps, interface: &str) -> Result<usize> {
             None => {
                 unresolved += 1;
                 debug!(backend = %dst, next_hop = %hop, "next hop unknown; asking the kernel to resolve it");
-                if let Ok(s) = UdpSocket::bind("0.0.0.0:0") {
+                let any = if hop.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
+                if let Ok(s) = UdpSocket::bind(any) {
                     let _ = s.send_to(b"", (hop, 9));
                 }
             }
@@ -88,25 +182,13 @@ pub fn refresh(maps: &LbMaps, interface: &str) -> Result<usize> {
 mod tests {
     use super::*;
 
+    /// The kernel's own answers for loopback, in any namespace: on-link
+    /// through `lo`, and a neighbour dump that parses.
     #[test]
-    fn reads_complete_arp_entries_of_the_interface_only() {
-        let text = "IP address       HW type     Flags       HW address            Mask     Device\n\
-                    10.77.0.21       0x1         0x2         aa:bb:cc:dd:ee:01     *        eth0\n\
-                    10.77.0.22       0x1         0x0         00:00:00:00:00:00     *        eth0\n\
-                    10.9.0.1         0x1         0x2         aa:bb:cc:dd:ee:02     *        eth1\n";
-        let t = arp_table(text, "eth0");
-        assert_eq!(t, vec![("10.77.0.21".parse().unwrap(), [0xaa, 0xbb, 0xcc, 0xdd, 0xee, 0x01])]);
-    }
-
-    #[test]
-    fn picks_longest_prefix_gateway() {
-        // Default via 10.77.0.1; 10.88.0.0/16 via 10.77.0.5; 10.77.0.0/24 on-link.
-        let text = "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\n\
-                    eth0\t00000000\t01004D0A\t0003\t0\t0\t0\t00000000\n\
-                    eth0\t0000580A\t05004D0A\t0003\t0\t0\t0\t0000FFFF\n\
-                    eth0\t00004D0A\t00000000\t0001\t0\t0\t0\t00FFFFFF\n";
-        assert_eq!(gateway_for(text, "eth0", "10.88.1.2".parse().unwrap()), Some("10.77.0.5".parse().unwrap()));
-        assert_eq!(gateway_for(text, "eth0", "10.77.0.21".parse().unwrap()), None);
-        assert_eq!(gateway_for(text, "eth0", "192.0.2.1".parse().unwrap()), Some("10.77.0.1".parse().unwrap()));
+    fn asks_the_kernel_for_routes_and_neighbours() {
+        let mut rtnl = Rtnl::new().unwrap();
+        let lo = crate::netif::ifindex("lo").unwrap();
+        assert_eq!(rtnl.next_hop("127.0.0.1".parse().unwrap()).unwrap(), ("127.0.0.1".parse().unwrap(), lo));
+        rtnl.neighbours(lo).unwrap();
     }
 }

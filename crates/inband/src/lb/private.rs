@@ -34,7 +34,7 @@ impl<'obj> PrivateBalancer<'obj> {
     /// sized from it as `inband lb` sizes them) and `config` in lb_config.
     pub fn load(storage: &'obj mut MaybeUninit<OpenObject>, flow_table_size: u32, config: &LbConfig) -> Result<Self> {
         let mut open = BalancerSkelBuilder::default().open(storage).context("opening the balancer BPF object")?;
-        let sizes = super::attach::table_sizes(flow_table_size);
+        let sizes = super::attach::table_sizes(flow_table_size, config.maglev_size);
         for mut map in open.open_object_mut().maps_mut() {
             // LIBBPF_PIN_BY_NAME would pin under /sys/fs/bpf (and reuse what
             // a running balancer pinned there).

@@ -11,7 +11,7 @@ use serde::Serialize;
 use super::maps::*;
 use super::tables::{self, LbMaps};
 use crate::bpfmap;
-use crate::pod::addr_of;
+use crate::pod::ip_of;
 
 #[derive(Debug, Serialize)]
 pub struct Snapshot {
@@ -49,6 +49,17 @@ pub struct Control {
     pub poll_replies: u64,
     pub poll_bytes: u64,
     pub poll_failures: u64,
+    /// Replies refused: bad MAC, unknown key, or the other `[auth]` format.
+    pub poll_unauthenticated: u64,
+    /// dsr-query: SYNs held for a query, queries that timed out, and the
+    /// mean time a SYN was held.
+    pub queries: u64,
+    pub query_timeouts: u64,
+    pub query_mean_us: u64,
+    /// Times a backend was found losing inband options (then polled), and
+    /// times such a backend was given options again to test its path.
+    pub options_lost: u64,
+    pub options_retried: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -57,9 +68,14 @@ pub struct VipSnapshot {
     pub state: &'static str,
     /// Draining with a deadline: seconds until its remaining flows are ended.
     pub drain_left_s: Option<u64>,
+    pub protocol: &'static str,
+    pub quic: bool,
     pub mode: &'static str,
     pub policy: &'static str,
     pub probe_interval: u32,
+    pub probe_interval_max: u32,
+    /// Score requests a second per backend at most; 0 = no bound.
+    pub probe_budget: u32,
     pub score_max_age_ms: u64,
     pub syn_timeout_ms: u64,
     pub idle_timeout_s: u64,
@@ -76,6 +92,16 @@ pub struct BackendSnapshot {
     pub state: &'static str,
     pub drain_left_s: Option<u64>,
     pub mac: String,
+    /// The path to it loses inband options (found by the daemon): no
+    /// option is sent to it, and it is polled for its score instead.
+    pub options_lost: bool,
+    /// Options travel to it inside IP-in-IP (`encap = "ipip"`).
+    pub encap: bool,
+    pub quic_server_id: Option<u16>,
+    /// dsr-dynamic: packets between score requests now (the adaptive n).
+    pub probe_interval_now: u32,
+    /// Score requests sent since the last score taken.
+    pub unanswered_probes: u32,
     pub score: Option<u32>,
     /// Milliseconds since the score was measured; `None` = never.
     pub score_age_ms: Option<u64>,
@@ -123,13 +149,20 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
             backends.push(BackendSnapshot {
                 id: *id,
                 backend: tables::backend_endpoint(b).to_string(),
-                state: match b.flags {
-                    BACKEND_ACTIVE => "active",
-                    BACKEND_DRAINING => "draining",
-                    _ => "removed",
+                state: if b.flags & BACKEND_ACTIVE != 0 {
+                    "active"
+                } else if b.flags & BACKEND_DRAINING != 0 {
+                    "draining"
+                } else {
+                    "removed"
                 },
                 drain_left_s: drain_left(b.drain_deadline_ns, now),
                 mac: crate::netif::format_mac(&b.mac),
+                options_lost: b.flags & BACKEND_OPTIONS_LOST != 0,
+                encap: b.flags & BACKEND_ENCAP != 0,
+                quic_server_id: (b.quic_server_id != 0).then_some(b.quic_server_id),
+                probe_interval_now: if s.interval != 0 { s.interval } else { v.vip.probe_interval },
+                unanswered_probes: s.unanswered,
                 score: age.map(|_| s.score),
                 score_age_ms: age.map(|a| a / 1_000_000),
                 stale: age.map_or(true, |a| a > v.vip.score_max_age_ns),
@@ -142,12 +175,16 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
         }
         let stats = tables::sum_percpu::<VipStats>(&maps.vip_stats, v.id)?;
         vips.push(VipSnapshot {
-            vip: v.endpoint.to_string(),
+            vip: v.name(),
             state: if v.draining() { "draining" } else { "active" },
             drain_left_s: drain_left(v.vip.drain_deadline_ns, now),
+            protocol: v.protocol.name(),
+            quic: v.vip.flags & VIP_QUIC != 0,
             mode: Mode::from_u8(v.vip.mode).map_or("unknown", Mode::name),
             policy: Policy::from_u8(v.vip.policy).map_or("unknown", Policy::name),
             probe_interval: v.vip.probe_interval,
+            probe_interval_max: v.vip.probe_interval_max,
+            probe_budget: v.vip.probe_budget,
             score_max_age_ms: v.vip.score_max_age_ns / 1_000_000,
             syn_timeout_ms: v.vip.syn_timeout_ns / 1_000_000,
             idle_timeout_s: v.vip.idle_timeout_ns / 1_000_000_000,
@@ -166,7 +203,12 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
     Ok(Snapshot {
         interface: interface.to_string(),
         netns: crate::bpfmap::current_netns_name().unwrap_or_default(),
-        address: addr_of(cfg.self_addr).to_string(),
+        address: [cfg.self4, cfg.self6]
+            .iter()
+            .filter(|a| **a != Addr::default())
+            .map(|a| ip_of(a).to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
         mtu: cfg.mtu,
         auth: if u32::from(cfg.auth_mode) == crate::bpf::shared::INBAND_AUTH_NONE { "none (seed options)" } else { "siphash" },
         flows: live(total),
@@ -187,6 +229,12 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
             poll_replies: control.poll_replies,
             poll_bytes: control.poll_bytes,
             poll_failures: control.poll_failures,
+            poll_unauthenticated: control.poll_unauthenticated,
+            queries: control.queries,
+            query_timeouts: control.query_timeouts,
+            query_mean_us: control.query_ns / control.queries.max(1) / 1000,
+            options_lost: control.options_lost,
+            options_retried: control.options_retried,
         },
     })
 }
@@ -214,12 +262,18 @@ pub fn render_table(s: &Snapshot) -> String {
         let drain = v.drain_left_s.map_or(String::new(), |d| format!(" ({d} s left)"));
         let _ = writeln!(
             o,
-            "\nVIP {}  {}{drain}  mode {}  policy {}  probe every {} pkts  score max age {} ms  timeouts syn {} ms / idle {} s / closing {} ms  flows {}  conns {}",
+            "\nVIP {}{}  {}{drain}  mode {}  policy {}  probe every {} pkts{}  score max age {} ms  timeouts syn {} ms / idle {} s / closing {} ms  flows {}  conns {}",
             v.vip,
+            if v.quic { " (QUIC)" } else { "" },
             v.state,
             v.mode,
             v.policy,
-            v.probe_interval,
+            if v.probe_interval_max > v.probe_interval {
+                format!("{}-{} (adaptive)", v.probe_interval, v.probe_interval_max)
+            } else {
+                v.probe_interval.to_string()
+            },
+            if v.probe_budget > 0 { format!(", at most {}/s", v.probe_budget) } else { String::new() },
             v.score_max_age_ms,
             v.syn_timeout_ms,
             v.idle_timeout_s,
@@ -229,19 +283,29 @@ pub fn render_table(s: &Snapshot) -> String {
         );
         let _ = writeln!(
             o,
-            "  {:<4} {:<22} {:<14} {:>6} {:>8} {:>5} {:>8} {:>6} {:>8} {:>10} {:>10} {:>7} {:>7}",
-            "id", "backend", "state", "score", "age ms", "stale", "estimate", "flows", "conns", "pkts", "back pkts", "probes", "scores"
+            "  {:<4} {:<30} {:<14} {:>6} {:>8} {:>5} {:>8} {:>6} {:>8} {:>10} {:>10} {:>7} {:>7} {:>6}",
+            "id", "backend", "state", "score", "age ms", "stale", "estimate", "flows", "conns", "pkts", "back pkts", "probes", "scores", "n now"
         );
         for b in &v.backends {
-            let state = match b.drain_left_s {
+            let mut state = match b.drain_left_s {
                 Some(d) => format!("{} {d}s", b.state),
                 None => b.state.to_string(),
             };
+            if b.options_lost {
+                state.push_str(" polled");
+            }
+            if b.encap {
+                state.push_str(" ipip");
+            }
+            let backend = match b.quic_server_id {
+                Some(id) => format!("{} #{id}", b.backend),
+                None => b.backend.clone(),
+            };
             let _ = writeln!(
                 o,
-                "  {:<4} {:<22} {:<14} {:>6} {:>8} {:>5} {:>8} {:>6} {:>8} {:>10} {:>10} {:>7} {:>7}",
+                "  {:<4} {:<30} {:<14} {:>6} {:>8} {:>5} {:>8} {:>6} {:>8} {:>10} {:>10} {:>7} {:>7} {:>6}",
                 b.id,
-                b.backend,
+                backend,
                 state,
                 b.score.map_or("-".into(), |x| x.to_string()),
                 b.score_age_ms.map_or("-".into(), |x| x.to_string()),
@@ -252,16 +316,26 @@ pub fn render_table(s: &Snapshot) -> String {
                 b.stats["packets"],
                 b.stats["return_packets"],
                 b.stats["probes_sent"],
-                b.stats["scores_received"]
+                b.stats["scores_received"],
+                b.probe_interval_now
             );
+        }
+        if v.backends.iter().any(|b| b.options_lost) {
+            let _ = writeln!(o, "  polled: options do not reach that backend (dropped or stripped on the path); its score is polled");
         }
     }
     let c = &s.control;
     let _ = writeln!(
         o,
-        "\npolling: {} requests, {} replies, {} failures, {} bytes",
-        c.polls_sent, c.poll_replies, c.poll_failures, c.poll_bytes
+        "\npolling: {} requests, {} replies, {} failures, {} bytes, {} replies that did not authenticate",
+        c.polls_sent, c.poll_replies, c.poll_failures, c.poll_bytes, c.poll_unauthenticated
     );
+    if c.queries > 0 {
+        let _ = writeln!(o, "queries (dsr-query): {} SYNs held, {} timed out, {} us held on average", c.queries, c.query_timeouts, c.query_mean_us);
+    }
+    if c.options_lost > 0 {
+        let _ = writeln!(o, "options lost on a backend's path: found {} times, options tried again {} times", c.options_lost, c.options_retried);
+    }
     let nonzero = |m: &BTreeMap<&str, u64>| -> String {
         let v: Vec<String> = m.iter().filter(|(_, n)| **n > 0).map(|(k, n)| format!("{k}={n}")).collect();
         if v.is_empty() {
@@ -303,7 +377,7 @@ pub fn render_prometheus(s: &Snapshot) -> String {
             let _ = writeln!(o, "{metric}{{vip=\"{}\",mode=\"{}\"}} {}", v.vip, v.mode, v.stats[name]);
         }
     }
-    for name in ["packets", "bytes", "return_packets", "return_bytes", "new_conns", "closed_conns", "probes_sent", "scores_received"] {
+    for name in ["packets", "bytes", "return_packets", "return_bytes", "new_conns", "closed_conns", "probes_sent", "scores_received", "syn_retries"] {
         let metric = format!(
             "inband_backend_{}_total",
             match name {
@@ -324,6 +398,9 @@ pub fn render_prometheus(s: &Snapshot) -> String {
     for (metric, f) in [
         ("inband_backend_flows", (|b: &BackendSnapshot| b.flows) as fn(&BackendSnapshot) -> u64),
         ("inband_backend_load_estimate", |b| b.load_estimate),
+        ("inband_backend_probe_interval", |b| u64::from(b.probe_interval_now)),
+        ("inband_backend_unanswered_probes", |b| u64::from(b.unanswered_probes)),
+        ("inband_backend_options_lost", |b| u64::from(b.options_lost)),
     ] {
         let _ = writeln!(o, "# TYPE {metric} gauge");
         for v in &s.vips {
@@ -351,7 +428,12 @@ pub fn render_prometheus(s: &Snapshot) -> String {
     let c = &s.control;
     let _ = writeln!(o, "# TYPE inband_poll_requests_total counter\ninband_poll_requests_total {}", c.polls_sent);
     let _ = writeln!(o, "# TYPE inband_poll_replies_total counter\ninband_poll_replies_total {}", c.poll_replies);
+    let _ = writeln!(o, "# TYPE inband_poll_unauthenticated_total counter\ninband_poll_unauthenticated_total {}", c.poll_unauthenticated);
     let _ = writeln!(o, "# TYPE inband_poll_bytes_total counter\ninband_poll_bytes_total {}", c.poll_bytes);
+    let _ = writeln!(o, "# TYPE inband_queries_total counter\ninband_queries_total {}", c.queries);
+    let _ = writeln!(o, "# TYPE inband_query_timeouts_total counter\ninband_query_timeouts_total {}", c.query_timeouts);
+    let _ = writeln!(o, "# TYPE inband_options_lost_total counter\ninband_options_lost_total {}", c.options_lost);
+    let _ = writeln!(o, "# TYPE inband_options_retried_total counter\ninband_options_retried_total {}", c.options_retried);
     o
 }
 
@@ -361,7 +443,7 @@ mod tests {
 
     #[test]
     fn the_estimate_decays_when_old_and_follows_connections() {
-        let s = BackendScore { score: 64, opened: 3, closed: 1, pad: 0, updated_ns: 1_000 };
+        let s = BackendScore { score: 64, opened: 3, closed: 1, updated_ns: 1_000, ..Default::default() };
         let max_age = 1_000_000_000;
         assert_eq!(load_estimate(&s, 1_000 + max_age, max_age), 66, "fresh: 64 + 3 - 1");
         assert_eq!(load_estimate(&s, 1_001 + max_age, max_age), 32 + 2, "just past the max age: halved once");

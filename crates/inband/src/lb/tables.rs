@@ -6,17 +6,15 @@
 //! daemon restart. Every writer holds the daemon's config lock.
 
 use std::collections::{HashMap, HashSet};
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 
 use anyhow::{bail, Result};
 use libbpf_rs::{MapCore, MapHandle};
 
-use super::config::VipConfig;
+use super::config::{Encap, Protocol, VipConfig};
 use super::maps::*;
 use crate::bpfmap::{self, PinDir};
-use crate::pod::{addr_of, be_addr, be_port, port_of};
-
-pub const IPPROTO_TCP: u8 = 6;
+use crate::pod::{be_ip, be_port, ip_of, port_of};
 
 /// Handles on the balancer's pinned maps.
 pub struct LbMaps {
@@ -38,6 +36,9 @@ pub struct LbMaps {
     pub gauges: MapHandle,
     pub sweep_stats: MapHandle,
     pub control_stats: MapHandle,
+    pub maglev: MapHandle,
+    pub query_ring: MapHandle,
+    pub query_done: MapHandle,
 }
 
 impl LbMaps {
@@ -61,19 +62,26 @@ impl LbMaps {
             gauges: dir.open("gauges")?,
             sweep_stats: dir.open("sweep_stats")?,
             control_stats: dir.open("control_stats")?,
+            maglev: dir.open("maglev")?,
+            query_ring: dir.open("query_ring")?,
+            query_done: dir.open("query_done")?,
         })
     }
 }
 
-pub fn vip_key(ep: SocketAddrV4) -> VipKey {
-    VipKey { addr: be_addr(*ep.ip()), port: be_port(ep.port()), proto: IPPROTO_TCP, pad: 0 }
+pub fn vip_key(ep: SocketAddr, protocol: Protocol) -> VipKey {
+    VipKey { addr: be_ip(ep.ip()), port: be_port(ep.port()), proto: protocol.number(), pad: 0 }
 }
+
+/// A VIP's identity: address, port and transport.
+pub type VipId = (SocketAddr, Protocol);
 
 /// One VIP as found in the maps.
 #[derive(Clone, Debug)]
 pub struct VipEntry {
     pub id: u32,
-    pub endpoint: SocketAddrV4,
+    pub endpoint: SocketAddr,
+    pub protocol: Protocol,
     pub vip: Vip,
     /// (backend id, backend) for slots [0, backend_count).
     pub slots: Vec<(u32, Backend)>,
@@ -83,10 +91,16 @@ impl VipEntry {
     pub fn draining(&self) -> bool {
         self.vip.flags & VIP_DRAINING != 0
     }
+    pub fn ident(&self) -> VipId {
+        (self.endpoint, self.protocol)
+    }
+    pub fn name(&self) -> String {
+        super::config::vip_name(self.endpoint, self.protocol)
+    }
 }
 
-pub fn backend_endpoint(b: &Backend) -> SocketAddrV4 {
-    SocketAddrV4::new(addr_of(b.addr), port_of(b.port))
+pub fn backend_endpoint(b: &Backend) -> SocketAddr {
+    SocketAddr::new(ip_of(&b.addr), port_of(b.port))
 }
 
 /// Reads every VIP (draining ones included) with its backends, by id.
@@ -100,7 +114,8 @@ pub fn read(maps: &LbMaps) -> Result<Vec<VipEntry>> {
             let b: Backend = bpfmap::get(&maps.backends, &bid)?.unwrap_or_default();
             slots.push((bid, b));
         }
-        out.push(VipEntry { id, endpoint: SocketAddrV4::new(addr_of(k.addr), port_of(k.port)), vip, slots });
+        let protocol = Protocol::from_number(k.proto).unwrap_or_default();
+        out.push(VipEntry { id, endpoint: SocketAddr::new(ip_of(&k.addr), port_of(k.port)), protocol, vip, slots });
     }
     out.sort_by_key(|v| v.id);
     Ok(out)
@@ -122,13 +137,13 @@ fn drain_deadline(now_ns: u64, drain_timeout_ms: u64) -> u64 {
 pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64) -> Result<()> {
     let now = ktime_ns();
     let current = read(maps)?;
-    let by_ep: HashMap<SocketAddrV4, &VipEntry> = current.iter().map(|v| (v.endpoint, v)).collect();
+    let by_ep: HashMap<VipId, &VipEntry> = current.iter().map(|v| (v.ident(), v)).collect();
     let mut used_vip_ids: HashSet<u32> = current.iter().map(|v| v.id).collect();
     let mut live_ids: HashSet<u32> = HashSet::new();
     let mut allocator = IdAllocator::new(maps)?;
 
     for v in vips {
-        let existing = by_ep.get(&v.endpoint()).copied();
+        let existing = by_ep.get(&(v.endpoint(), v.protocol)).copied();
         let vid = match existing {
             Some(e) => e.id,
             None => match (0..MAX_VIPS).find(|i| !used_vip_ids.contains(i)) {
@@ -139,11 +154,11 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64) -> Result
                 None => bail!("no free VIP id: at most {MAX_VIPS} VIPs, including removed ones still draining"),
             },
         };
-        let old: HashMap<SocketAddrV4, u32> =
+        let old: HashMap<SocketAddr, u32> =
             existing.map(|e| e.slots.iter().map(|(id, b)| (backend_endpoint(b), *id)).collect()).unwrap_or_default();
         let mut slots = Vec::new();
         for b in &v.backends {
-            let ep = SocketAddrV4::new(b.address, b.port);
+            let ep = b.endpoint();
             let id = match old.get(&ep) {
                 Some(id) => *id,
                 None => match allocator.tombstone(ep)? {
@@ -157,28 +172,36 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64) -> Result
             if backend_endpoint(&entry) != ep {
                 // A fresh id: no MAC yet (the neighbour resolver fills it),
                 // no stale score, and its first packet asks for one.
-                entry = Backend { addr: be_addr(b.address), port: be_port(b.port), ..Default::default() };
+                entry = Backend { addr: be_ip(b.address), port: be_port(b.port), ..Default::default() };
                 bpfmap::put(&maps.scores, &id, &BackendScore::default())?;
                 bpfmap::put(&maps.probe_due, &id, &PROBE_DUE)?;
             }
-            entry.flags = if b.drain { BACKEND_DRAINING } else { BACKEND_ACTIVE };
+            // OPTIONS_LOST is the daemon's finding about the path: kept.
+            entry.flags = (if b.drain { BACKEND_DRAINING } else { BACKEND_ACTIVE })
+                | (entry.flags & BACKEND_OPTIONS_LOST)
+                | if b.encap == Encap::Ipip { BACKEND_ENCAP } else { 0 };
             entry.drain_deadline_ns = 0;
+            entry.quic_server_id = b.quic_server_id.unwrap_or(0);
             bpfmap::put(&maps.backends, &id, &entry)?;
             live_ids.insert(id);
             slots.push(id);
         }
-        let key = vip_key(v.endpoint());
+        let key = vip_key(v.endpoint(), v.protocol);
         let new = Vip {
             addr: key.addr,
             port: key.port,
             backend_count: slots.len() as u16,
             mode: v.mode as u8,
             policy: v.effective_policy() as u8,
-            flags: VIP_ACTIVE,
+            flags: VIP_ACTIVE | if v.quic { VIP_QUIC } else { 0 },
+            proto: key.proto,
+            pad: [0; 3],
             probe_interval: v.probe_interval,
+            probe_interval_max: v.probe_interval_max(),
+            probe_budget: v.probe_budget,
             score_max_age_ns: v.score_max_age_ms.saturating_mul(1_000_000),
             syn_timeout_ns: v.syn_timeout_ms.saturating_mul(1_000_000),
-            idle_timeout_ns: v.idle_timeout_s.saturating_mul(1_000_000_000),
+            idle_timeout_ns: v.idle_timeout_s().saturating_mul(1_000_000_000),
             closing_timeout_ns: v.closing_timeout_ms.saturating_mul(1_000_000),
             drain_deadline_ns: 0,
         };
@@ -202,6 +225,10 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64) -> Result
         for (slot, id) in slots.iter().enumerate() {
             bpfmap::put(&maps.vip_backends, &(vid * MAX_BACKENDS_PER_VIP + slot as u32), id)?;
         }
+        // The table before the VIP says maglev: a pick finds it filled.
+        if v.effective_policy() == Policy::Maglev {
+            write_maglev(maps, vid, v)?;
+        }
         bpfmap::put(&maps.vip_conf, &vid, &new)?;
         bpfmap::put(&maps.vips, &key, &vid)?;
     }
@@ -209,9 +236,9 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64) -> Result
     // VIPs no longer configured drain: their key stays so that new
     // connections are refused and counted (`vip_draining`), their flows go
     // on until they end or the deadline; `reap` removes them afterwards.
-    let wanted: HashSet<SocketAddrV4> = vips.iter().map(|v| v.endpoint()).collect();
+    let wanted: HashSet<VipId> = vips.iter().map(|v| (v.endpoint(), v.protocol)).collect();
     for e in &current {
-        if !wanted.contains(&e.endpoint) && !e.draining() {
+        if !wanted.contains(&e.ident()) && !e.draining() {
             let v = Vip { flags: VIP_DRAINING, drain_deadline_ns: drain_deadline(now, drain_timeout_ms), ..e.vip };
             bpfmap::put(&maps.vip_conf, &e.id, &v)?;
         }
@@ -222,8 +249,9 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64) -> Result
         for (id, _) in &e.slots {
             if !live_ids.contains(id) {
                 let mut b: Backend = bpfmap::get(&maps.backends, id)?.unwrap_or_default();
-                if b.flags != 0 {
-                    b.flags = 0;
+                if !backend_removed(&b) {
+                    // Its flows keep their path's carrier and finding.
+                    b.flags &= BACKEND_OPTIONS_LOST | BACKEND_ENCAP;
                     b.drain_deadline_ns = drain_deadline(now, drain_timeout_ms);
                     bpfmap::put(&maps.backends, id, &b)?;
                 }
@@ -235,6 +263,26 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64) -> Result
 
 /// The live flows (established + closing) the last sweep counted at gauge
 /// index `idx`.
+/// Writes VIP `vid`'s Maglev table (maglev.rs) for its backends in slot
+/// order; a drained backend has weight 0 (no new connections).
+pub fn write_maglev(maps: &LbMaps, vid: u32, v: &VipConfig) -> Result<()> {
+    let size = bpfmap::get::<u32, LbConfig>(&maps.lb_config, &0u32)?.map_or(0, |c| c.maglev_size);
+    if size == 0 {
+        return Ok(());
+    }
+    let named: Vec<(String, u32)> =
+        v.backends.iter().map(|b| (b.endpoint().to_string(), if b.drain { 0 } else { b.weight })).collect();
+    let table = super::maglev::table(&named, size);
+    // No weight anywhere: every entry names no slot, and the data path
+    // falls back to the next eligible one.
+    let no_slot = MAX_BACKENDS_PER_VIP;
+    for i in 0..size {
+        let slot = table.get(i as usize).copied().unwrap_or(no_slot);
+        bpfmap::put(&maps.maglev, &(vid * size + i), &slot)?;
+    }
+    Ok(())
+}
+
 pub fn gauge(maps: &LbMaps, idx: u32) -> Result<FlowGauges> {
     let st: SweepStats = bpfmap::get(&maps.sweep_stats, &0u32)?.unwrap_or_default();
     let half = (st.passes & 1) as u32;
@@ -247,13 +295,13 @@ fn live(g: &FlowGauges) -> u64 {
 
 /// Frees draining VIPs whose flows are gone (by the last sweep). Run after
 /// each sweep, under the config lock. Returns the VIPs freed.
-pub fn reap(maps: &LbMaps) -> Result<Vec<SocketAddrV4>> {
+pub fn reap(maps: &LbMaps) -> Result<Vec<String>> {
     let mut freed = Vec::new();
     for e in read(maps)? {
         if e.draining() && live(&gauge(maps, GAUGE_VIP0 + e.id)?) == 0 {
-            bpfmap::delete(&maps.vips, &vip_key(e.endpoint))?;
+            bpfmap::delete(&maps.vips, &vip_key(e.endpoint, e.protocol))?;
             bpfmap::put(&maps.vip_conf, &e.id, &Vip::default())?;
-            freed.push(e.endpoint);
+            freed.push(e.name());
         }
     }
     Ok(freed)
@@ -280,10 +328,10 @@ impl<'a> IdAllocator<'a> {
     }
 
     /// A removed backend (flags 0) with this endpoint, if one is kept.
-    fn tombstone(&mut self, ep: SocketAddrV4) -> Result<Option<u32>> {
+    fn tombstone(&mut self, ep: SocketAddr) -> Result<Option<u32>> {
         for id in 0..MAX_BACKENDS {
             let b: Backend = bpfmap::get(&self.maps.backends, &id)?.unwrap_or_default();
-            if b.flags == 0 && b.addr != 0 && backend_endpoint(&b) == ep {
+            if backend_removed(&b) && b.addr != Addr::default() && backend_endpoint(&b) == ep {
                 return Ok(Some(id));
             }
         }
@@ -295,7 +343,7 @@ impl<'a> IdAllocator<'a> {
             self.reclaimed = true;
             for id in (0..MAX_BACKENDS).rev() {
                 let b: Backend = bpfmap::get(&self.maps.backends, &id)?.unwrap_or_default();
-                if b.flags == 0 && live(&gauge(self.maps, GAUGE_BACKEND0 + id)?) == 0 {
+                if backend_removed(&b) && live(&gauge(self.maps, GAUGE_BACKEND0 + id)?) == 0 {
                     bpfmap::put(&self.maps.backends, &id, &Backend::default())?;
                     self.free.push(id);
                 }

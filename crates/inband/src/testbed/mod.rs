@@ -6,7 +6,7 @@
 mod netns;
 mod peer;
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 
@@ -16,7 +16,9 @@ use serde::{Deserialize, Serialize};
 pub use netns::in_netns;
 
 /// What to build. Addresses: 10.<subnet>.0.0/24, balancer .2, VIP .100 (on
-/// the balancer's lo), clients .10+i, servers .20+i.
+/// the balancer's lo), clients .10+i, servers .20+i; and the same hosts in
+/// IPv6, fd00:<subnet>::/64 (the same numbers, written as hex groups: host
+/// .21 is ::21), VIP fd00:<subnet>::100.
 ///
 /// With `client_link_mtu`, the clients sit behind a router `r1` instead
 /// (10.<subnet>.0.3 on the bridge; clients 10.<subnet>.1.10+i, each on its
@@ -45,6 +47,7 @@ pub struct Node {
     pub node: String,
     pub netns: String,
     pub address: Ipv4Addr,
+    pub address6: Ipv6Addr,
     /// The veth peer on the bridge, in the switch namespace.
     pub bridge_port: String,
 }
@@ -55,6 +58,7 @@ pub struct Testbed {
     pub spec: TestbedSpec,
     pub switch: String,
     pub vip: Ipv4Addr,
+    pub vip6: Ipv6Addr,
     pub nodes: Vec<Node>,
     #[serde(skip)]
     children: Vec<Child>,
@@ -83,23 +87,36 @@ impl Testbed {
         }
         teardown(&spec.name)?;
         let base = |host: u8| Ipv4Addr::new(10, spec.subnet, 0, host);
+        // The IPv4 host number read as hex digits: .21 is ::21, .100 is ::100.
+        let hex = |n: u8| u16::from_str_radix(&n.to_string(), 16).unwrap_or(u16::from(n));
+        let base6 = |net: u16, host: u8| Ipv6Addr::new(0xfd00, hex(spec.subnet), net, 0, 0, 0, 0, hex(host));
+        let node = |name: String, address, address6| Node { node: name, netns: String::new(), address, address6, bridge_port: String::new() };
         let routed = spec.client_link_mtu.is_some();
-        let mut nodes = vec![Node { node: "lb".into(), netns: String::new(), address: base(2), bridge_port: String::new() }];
+        let mut nodes = vec![node("lb".into(), base(2), base6(0, 2))];
         if routed {
-            nodes.push(Node { node: "r1".into(), netns: String::new(), address: base(3), bridge_port: String::new() });
+            nodes.push(node("r1".into(), base(3), base6(0, 3)));
         }
         for i in 1..=spec.clients {
-            let address = if routed { Ipv4Addr::new(10, spec.subnet, 1, 10 + i as u8) } else { base(10 + i as u8) };
-            nodes.push(Node { node: format!("c{i}"), netns: String::new(), address, bridge_port: String::new() });
+            let h = 10 + i as u8;
+            let (a, a6) = if routed { (Ipv4Addr::new(10, spec.subnet, 1, h), base6(1, h)) } else { (base(h), base6(0, h)) };
+            nodes.push(node(format!("c{i}"), a, a6));
         }
         for i in 1..=spec.servers {
-            nodes.push(Node { node: format!("s{i}"), netns: String::new(), address: base(20 + i as u8), bridge_port: String::new() });
+            nodes.push(node(format!("s{i}"), base(20 + i as u8), base6(0, 20 + i as u8)));
         }
         for n in nodes.iter_mut() {
             n.netns = format!("{}-{}", spec.name, n.node);
             n.bridge_port = format!("p-{}", n.node);
         }
-        let tb = Testbed { switch: format!("{}-sw", spec.name), vip: base(100), spec, nodes, children: Vec::new(), keep: false };
+        let tb = Testbed {
+            switch: format!("{}-sw", spec.name),
+            vip: base(100),
+            vip6: base6(0, 100),
+            spec,
+            nodes,
+            children: Vec::new(),
+            keep: false,
+        };
         // From here on a failure drops `tb`, which removes what was made.
         tb.build().context("building the testbed")?;
         Ok(tb)
@@ -108,11 +125,17 @@ impl Testbed {
     fn build(&self) -> Result<()> {
         let sw = self.switch.as_str();
         netns::ip(&["netns", "add", sw])?;
-        netns::ip(&["-n", sw, "link", "add", "br0", "type", "bridge"])?;
+        // Without multicast snooping the bridge floods neighbour
+        // solicitations to every port: a host that has not yet told the
+        // bridge which solicited-node groups it listens to still hears them.
+        netns::ip(&["-n", sw, "link", "add", "br0", "type", "bridge", "mcast_snooping", "0"])?;
         netns::ip(&["-n", sw, "link", "set", "br0", "up"])?;
         let routed = self.spec.client_link_mtu.is_some();
         for n in &self.nodes {
             netns::ip(&["netns", "add", &n.netns])?;
+            // Interfaces made from here on skip duplicate address detection
+            // (link-local addresses too): usable at once, unique anyway.
+            netns::run(netns::in_netns(&n.netns, &["sysctl", "-q", "-w", "net.ipv6.conf.default.accept_dad=0"]).stdout(Stdio::null()))?;
             if routed && n.node.starts_with('c') {
                 self.link_to_router(n)?;
                 continue;
@@ -121,6 +144,7 @@ impl Testbed {
             netns::ip(&["-n", sw, "link", "set", &n.bridge_port, "master", "br0", "up"])?;
             netns::ip(&["-n", &n.netns, "link", "set", "lo", "up"])?;
             netns::ip(&["-n", &n.netns, "addr", "add", &format!("{}/24", n.address), "dev", "eth0"])?;
+            add_ipv6(&n.netns, "eth0", &format!("{}/64", n.address6))?;
             netns::ip(&["-n", &n.netns, "link", "set", "eth0", "up"])?;
             if n.node != "lb" {
                 // veth leaves TCP checksums partial when the sender offloads
@@ -133,13 +157,20 @@ impl Testbed {
         if routed {
             let r1 = self.node("r1")?;
             netns::run(netns::in_netns(&r1.netns, &["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"]).stdout(Stdio::null()))?;
+            netns::run(netns::in_netns(&r1.netns, &["sysctl", "-q", "-w", "net.ipv6.conf.all.forwarding=1"]).stdout(Stdio::null()))?;
             let clients = format!("10.{}.1.0/24", self.spec.subnet);
+            let clients6 = format!("fd00:{}:1::/64", self.spec.subnet);
             for n in self.nodes.iter().filter(|n| n.node == "lb" || n.node.starts_with('s')) {
                 netns::ip(&["-n", &n.netns, "route", "add", &clients, "via", &r1.address.to_string()])?;
+                netns::ip(&["-n", &n.netns, "-6", "route", "add", &clients6, "via", &r1.address6.to_string()])?;
             }
         }
         let lb = self.node("lb")?;
         netns::ip(&["-n", &lb.netns, "addr", "add", &format!("{}/32", self.vip), "dev", "lo"])?;
+        // IPv6 neighbour discovery answers only for the receiving
+        // interface's own addresses (ARP answers for any local one): an
+        // on-link IPv6 VIP sits on the balancer's interface.
+        add_ipv6(&lb.netns, "eth0", &format!("{}/128", self.vip6))?;
         // XDP_TX on a veth delivers into the peer only when the peer runs an
         // XDP program too (it needs the peer's NAPI ring): the balancer's
         // bridge port gets one that passes everything.
@@ -153,16 +184,21 @@ impl Testbed {
         let r1 = self.node("r1")?;
         let mtu = self.spec.client_link_mtu.unwrap_or(1500).to_string();
         let gw = format!("10.{}.1.1", self.spec.subnet);
+        let gw6 = format!("fd00:{}:1::1", self.spec.subnet);
         netns::ip(&["link", "add", "eth0", "netns", &n.netns, "type", "veth", "peer", "name", &n.node, "netns", &r1.netns])?;
         netns::ip(&["-n", &n.netns, "link", "set", "lo", "up"])?;
         netns::ip(&["-n", &n.netns, "addr", "add", &format!("{}/24", n.address), "dev", "eth0"])?;
+        add_ipv6(&n.netns, "eth0", &format!("{}/64", n.address6))?;
         netns::ip(&["-n", &n.netns, "link", "set", "eth0", "up"])?;
         netns::ip(&["-n", &n.netns, "route", "add", "default", "via", &gw])?;
+        netns::ip(&["-n", &n.netns, "-6", "route", "add", "default", "via", &gw6])?;
         netns::run(netns::in_netns(&n.netns, &["ethtool", "-K", "eth0", "tx", "off"]).stdout(Stdio::null()))?;
         // One router address for every client link (a /32 route per client).
         netns::ip(&["-n", &r1.netns, "addr", "add", &format!("{gw}/32"), "dev", &n.node])?;
+        add_ipv6(&r1.netns, &n.node, &format!("{gw6}/128"))?;
         netns::ip(&["-n", &r1.netns, "link", "set", &n.node, "mtu", &mtu, "up"])?;
         netns::ip(&["-n", &r1.netns, "route", "add", &format!("{}/32", n.address), "dev", &n.node])?;
+        netns::ip(&["-n", &r1.netns, "-6", "route", "add", &format!("{}/128", n.address6), "dev", &n.node])?;
         netns::run(netns::in_netns(&r1.netns, &["ethtool", "-K", &n.node, "tx", "off"]).stdout(Stdio::null()))?;
         Ok(())
     }
@@ -187,6 +223,14 @@ impl Testbed {
 
     pub fn vip(&self) -> Ipv4Addr {
         self.vip
+    }
+
+    pub fn addr6(&self, node: &str) -> Ipv6Addr {
+        self.node(node).map(|n| n.address6).unwrap_or(Ipv6Addr::UNSPECIFIED)
+    }
+
+    pub fn vip6(&self) -> Ipv6Addr {
+        self.vip6
     }
 
     /// A command to run in `node`'s network namespace.
@@ -236,6 +280,13 @@ impl Drop for Testbed {
             }
         }
     }
+}
+
+/// An IPv6 address usable at once: without duplicate address detection,
+/// which would hold it "tentative" for a second or more (every address
+/// here is unique by construction).
+fn add_ipv6(ns: &str, dev: &str, cidr: &str) -> Result<()> {
+    netns::ip(&["-n", ns, "-6", "addr", "add", cidr, "dev", dev, "nodad"]).map(|_| ())
 }
 
 fn state_path(name: &str) -> PathBuf {

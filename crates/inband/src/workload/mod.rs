@@ -1,8 +1,10 @@
 //! `inband serve`: an HTTP/1.1 server of limited capacity, used as the real
-//! server in tests and benchmarks (see docs/workload.md).
+//! server in tests and benchmarks (see docs/workload.md); `inband quic`: a
+//! QUIC server and client for UDP and QUIC VIPs (module `quic`).
 
 mod capacity;
 mod http;
+pub mod quic;
 
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, Ordering};

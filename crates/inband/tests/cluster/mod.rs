@@ -7,7 +7,7 @@
 //! namespaces.
 #![allow(dead_code)] // each test binary uses a part
 
-use std::net::SocketAddrV4;
+use std::net::{IpAddr, SocketAddr, SocketAddrV4};
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -54,8 +54,19 @@ pub struct Spec<'a> {
     pub serve_args: Vec<Vec<String>>,
     pub vip_lines: Vec<String>,
     pub lb_lines: Vec<String>,
+    /// (server, line): extra lines of that server's `[[vip.backend]]`.
+    pub backend_lines: Vec<(usize, String)>,
     pub client_link_mtu: Option<u32>,
     pub heavy: bool,
+    /// A second VIP, IPv6 (vips[1] in status), beside the IPv4 one, on the
+    /// same servers (listening dual-stack).
+    pub ipv6: bool,
+    /// Every VIP is UDP, and every server runs `inband quic serve` (server
+    /// id = its number) beside `inband serve`.
+    pub udp: bool,
+    /// The UDP VIPs route QUIC by connection ID (`quic = true`, backends'
+    /// `quic_server_id` = their number).
+    pub quic: bool,
 }
 
 impl<'a> Spec<'a> {
@@ -68,9 +79,26 @@ impl<'a> Spec<'a> {
             serve_args: Vec::new(),
             vip_lines: Vec::new(),
             lb_lines: Vec::new(),
+            backend_lines: Vec::new(),
             client_link_mtu: None,
             heavy: false,
+            ipv6: false,
+            udp: false,
+            quic: false,
         }
+    }
+    pub fn udp(mut self) -> Self {
+        self.udp = true;
+        self
+    }
+    pub fn quic(mut self) -> Self {
+        self.udp = true;
+        self.quic = true;
+        self
+    }
+    pub fn ipv6(mut self) -> Self {
+        self.ipv6 = true;
+        self
     }
     /// The test loads the machine: it runs alone (see `MACHINE`).
     pub fn heavy(mut self) -> Self {
@@ -106,6 +134,10 @@ impl<'a> Spec<'a> {
         self.lb_lines.push(line.to_string());
         self
     }
+    pub fn backend(mut self, server: usize, line: &str) -> Self {
+        self.backend_lines.push((server, line.to_string()));
+        self
+    }
     pub fn client_link_mtu(mut self, mtu: u32) -> Self {
         self.client_link_mtu = Some(mtu);
         self
@@ -121,6 +153,10 @@ pub struct Cluster {
     mode: String,
     vip_lines: Vec<String>,
     lb_lines: Vec<String>,
+    backend_lines: Vec<(usize, String)>,
+    ipv6: bool,
+    udp: bool,
+    quic: bool,
     _share: Share,
 }
 
@@ -151,6 +187,14 @@ pub fn vip(tb: &Testbed) -> SocketAddrV4 {
 
 pub fn server(tb: &Testbed, i: usize) -> SocketAddrV4 {
     SocketAddrV4::new(tb.addr(&format!("s{i}")), 8080)
+}
+
+pub fn vip6(tb: &Testbed) -> SocketAddr {
+    SocketAddr::new(tb.vip6().into(), 80)
+}
+
+pub fn server6(tb: &Testbed, i: usize) -> SocketAddr {
+    SocketAddr::new(tb.addr6(&format!("s{i}")).into(), 8080)
 }
 
 impl Cluster {
@@ -190,12 +234,27 @@ impl Cluster {
             mode: spec.mode.to_string(),
             vip_lines: spec.vip_lines,
             lb_lines: spec.lb_lines,
+            backend_lines: spec.backend_lines,
+            ipv6: spec.ipv6,
+            udp: spec.udp,
+            quic: spec.quic,
             _share: share,
         };
         inband::auth::keygen(&c.key()).unwrap();
+        if c.udp {
+            let (cert, key) = (c.quic_cert(), c.dir.join("quic.key"));
+            let out = Command::new(BIN)
+                .args(["quic", "cert", "--name", QUIC_NAME, "--cert", cert.to_str().unwrap(), "--key", key.to_str().unwrap()])
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "inband quic cert: {}", String::from_utf8_lossy(&out.stderr));
+        }
         for i in 1..=spec.servers {
             let extra: Vec<&str> = spec.serve_args.get(i - 1).map(|v| v.iter().map(String::as_str).collect()).unwrap_or_default();
             c.start_server(i, &extra);
+            if c.udp {
+                c.start_quic_server(i);
+            }
             c.start_agent(i);
         }
         let all: Vec<usize> = (1..=spec.servers).collect();
@@ -209,13 +268,43 @@ impl Cluster {
                     .unwrap_or(false)
             });
             wait_for(&format!("server on s{i}"), || http_get(&c, server(&c.tb, i), "/stats", false).is_ok());
+            if c.udp {
+                // Straight from the balancer's namespace, not through a VIP.
+                wait_for(&format!("QUIC server on s{i}"), || quic_get(&c, "lb", server(&c.tb, i).into(), &["--timeout-s", "1"]).ok);
+            }
         }
         c
     }
 
+    /// `inband quic serve` on server i, on the port `inband serve` has for
+    /// TCP, dual-stack like it.
+    pub fn start_quic_server(&mut self, i: usize) {
+        let (cert, key) = (self.quic_cert(), self.dir.join("quic.key"));
+        let (id, name) = (i.to_string(), format!("s{i}"));
+        let serve = [BIN, "quic", "serve", "--listen", "[::]:8080", "--server-id", &id, "--name", &name, "--cert", cert.to_str().unwrap(), "--key", key.to_str().unwrap()];
+        let s = in_ns(&self.tb, &name, &serve).stdout(Stdio::null()).spawn().unwrap();
+        self.others.push(s);
+    }
+
+    /// The certificate every QUIC server presents, made for QUIC_NAME.
+    pub fn quic_cert(&self) -> PathBuf {
+        self.dir.join("quic.crt")
+    }
+
+    /// The VIPs' transport, as `inband lb ctl --protocol` takes it.
+    pub fn protocol(&self) -> &'static str {
+        if self.udp {
+            "udp"
+        } else {
+            "tcp"
+        }
+    }
+
     pub fn start_server(&mut self, i: usize, extra: &[&str]) {
         let node = format!("s{i}");
-        let mut serve = vec![BIN, "serve", "--listen", "0.0.0.0:8080", "--service-ms", "20", "--service-dist", "constant"];
+        // Dual-stack for an IPv6 cluster: one socket serves both VIPs.
+        let listen = if self.ipv6 { "[::]:8080" } else { "0.0.0.0:8080" };
+        let mut serve = vec![BIN, "serve", "--listen", listen, "--service-ms", "20", "--service-dist", "constant"];
         serve.extend_from_slice(extra);
         let s = in_ns(&self.tb, &node, &serve).stdout(Stdio::null()).spawn().unwrap();
         self.others.push(s);
@@ -224,17 +313,19 @@ impl Cluster {
     fn start_agent(&mut self, i: usize) {
         let node = format!("s{i}");
         let cfg = self.dir.join(format!("agent-{node}.toml"));
-        std::fs::write(
-            &cfg,
-            format!(
-                "interface = \"eth0\"\nbalancers = [\"{}\"]\nscore_socket = \"{}\"\n\n{}\n[[service]]\nport = 8080\nvip = \"{}\"\n",
-                self.tb.addr("lb"),
-                self.agent_socket(i).display(),
-                self.auth(),
-                vip(&self.tb)
-            ),
-        )
-        .unwrap();
+        let mut text = format!(
+            "interface = \"eth0\"\nbalancers = [\"{}\", \"{}\"]\nscore_socket = \"{}\"\n\n{}\n[[service]]\nport = 8080\nvip = \"{}\"\nprotocol = \"{}\"\n",
+            self.tb.addr("lb"),
+            self.tb.addr6("lb"),
+            self.agent_socket(i).display(),
+            self.auth(),
+            vip(&self.tb),
+            self.protocol(),
+        );
+        if self.ipv6 {
+            text += &format!("\n[[service]]\nport = 8080\nvip = \"{}\"\nprotocol = \"{}\"\n", vip6(&self.tb), self.protocol());
+        }
+        std::fs::write(&cfg, text).unwrap();
         let a = in_ns(&self.tb, &node, &[BIN, "agent", "--config", cfg.to_str().unwrap()]).spawn().unwrap();
         self.others.push(a);
     }
@@ -244,18 +335,37 @@ impl Cluster {
     }
 
     pub fn lb_config(&self, servers: &[usize]) -> String {
+        let vip = |address: String| {
+            format!(
+                "\n[[vip]]\naddress = \"{address}\"\nport = 80\nprotocol = \"{}\"\nquic = {}\nmode = \"{}\"\nprobe_interval = 4\npoll_interval_ms = 50\n{}\n",
+                self.protocol(),
+                self.quic,
+                self.mode,
+                self.vip_lines.join("\n"),
+            )
+        };
+        let backend = |address: IpAddr, i: usize| {
+            let id = if self.quic { format!("quic_server_id = {i}\n") } else { String::new() };
+            let extra: String = self.backend_lines.iter().filter(|(b, _)| *b == i).map(|(_, l)| format!("{l}\n")).collect();
+            format!("\n[[vip.backend]]\naddress = \"{address}\"\nport = 8080\n{id}{extra}")
+        };
         let mut s = format!(
-            "interface = \"eth0\"\naddress = \"{}\"\ncontrol_socket = \"{}\"\n{}\n\n{}\n[[vip]]\naddress = \"{}\"\nport = 80\nmode = \"{}\"\nprobe_interval = 4\npoll_interval_ms = 50\n{}\n",
+            "interface = \"eth0\"\naddress = \"{}\"\naddress6 = \"{}\"\ncontrol_socket = \"{}\"\n{}\n\n{}\n",
             self.tb.addr("lb"),
+            self.tb.addr6("lb"),
             self.dir.join("lb.sock").display(),
             self.lb_lines.join("\n"),
             self.auth(),
-            self.tb.vip(),
-            self.mode,
-            self.vip_lines.join("\n"),
         );
+        s += &vip(self.tb.vip().to_string());
         for i in servers {
-            s += &format!("\n[[vip.backend]]\naddress = \"{}\"\nport = 8080\n", server(&self.tb, *i).ip());
+            s += &backend(IpAddr::V4(*server(&self.tb, *i).ip()), *i);
+        }
+        if self.ipv6 {
+            s += &vip(self.tb.vip6().to_string());
+            for i in servers {
+                s += &backend(server6(&self.tb, *i).ip(), *i);
+            }
         }
         s
     }
@@ -264,9 +374,15 @@ impl Cluster {
         let cfg = self.dir.join("lb.toml");
         let child = in_ns(&self.tb, "lb", &[BIN, "lb", "--config", cfg.to_str().unwrap()]).spawn().unwrap();
         self.lb = Some(child);
-        wait_for("balancer control socket", || self.ctl_ok(&["set-probe-interval", "--vip", &vip(&self.tb).to_string(), "--n", &self.probe_n().to_string()]));
+        wait_for("balancer control socket", || {
+            self.ctl_ok(&["set-probe-interval", "--vip", &vip(&self.tb).to_string(), "--protocol", self.protocol(), "--n", &self.probe_n().to_string()])
+        });
         // The first SYN waits for the backends' MACs: make sure they are known.
-        wait_for("backend MACs", || self.status()[0]["vips"][0]["backends"].as_array().unwrap().iter().all(|b| b["mac"] != "00:00:00:00:00:00"));
+        wait_for("backend MACs", || {
+            self.status()[0]["vips"].as_array().unwrap().iter().all(|v| {
+                v["backends"].as_array().unwrap().iter().all(|b| b["mac"] != "00:00:00:00:00:00")
+            })
+        });
     }
 
     /// The key the balancer and every agent share.
@@ -333,6 +449,16 @@ impl Cluster {
     pub fn event(&self, name: &str) -> u64 {
         self.status()[0]["events"][name].as_u64().unwrap()
     }
+
+    /// An agent counter (`inband agent status`), summed over the servers.
+    pub fn agent_counter(&self, name: &str) -> u64 {
+        (1..=self.servers)
+            .map(|i| {
+                let out = run_ok(&self.tb, &format!("s{i}"), &[BIN, "agent", "status", "--interface", "eth0", "--json"]);
+                serde_json::from_slice::<Value>(&out.stdout).unwrap()["counters"][name].as_u64().unwrap()
+            })
+            .sum()
+    }
 }
 
 pub fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
@@ -348,10 +474,11 @@ pub fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
 
 /// One HTTP/1.1 GET with curl, from the client (or from the balancer's
 /// namespace, which reaches servers directly); returns (status, body length).
-pub fn http_get(c: &Cluster, to: SocketAddrV4, path: &str, from_client: bool) -> Result<(u16, usize), String> {
+pub fn http_get(c: &Cluster, to: impl Into<SocketAddr>, path: &str, from_client: bool) -> Result<(u16, usize), String> {
     let node = if from_client { "c1" } else { "lb" };
-    let url = format!("http://{to}{path}");
-    let out = in_ns(&c.tb, node, &["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{size_download}", "--max-time", "5", &url])
+    let url = format!("http://{}{path}", to.into());
+    // -g: an IPv6 URL's brackets are the address's, not a glob.
+    let out = in_ns(&c.tb, node, &["curl", "-g", "-s", "-o", "/dev/null", "-w", "%{http_code} %{size_download}", "--max-time", "5", &url])
         .output()
         .map_err(|e| e.to_string())?;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
@@ -366,4 +493,46 @@ pub fn http_get(c: &Cluster, to: SocketAddrV4, path: &str, from_client: bool) ->
 
 pub fn get_vip(c: &Cluster) -> (u16, usize) {
     http_get(c, vip(&c.tb), "/", true).expect("GET via the VIP")
+}
+
+pub fn get_vip6(c: &Cluster) -> (u16, usize) {
+    http_get(c, vip6(&c.tb), "/", true).expect("GET via the IPv6 VIP")
+}
+
+/// The name the QUIC servers' certificate is made for.
+pub const QUIC_NAME: &str = "quic.inband.test";
+
+/// What one `inband quic get --json` printed.
+pub struct QuicRun {
+    pub ok: bool,
+    /// One object per answered request (`server_id`, `peer`, `local`, ...).
+    pub answers: Vec<Value>,
+    pub outcome: Value,
+    pub stderr: String,
+}
+
+impl QuicRun {
+    pub fn server_ids(&self) -> Vec<u64> {
+        self.answers.iter().map(|a| a["server_id"].as_u64().unwrap()).collect()
+    }
+}
+
+/// `inband quic get` from `node` to `to` with the cluster's certificate;
+/// `extra`: more flags (--requests, --migrate-after...).
+pub fn quic_get(c: &Cluster, node: &str, to: SocketAddr, extra: &[&str]) -> QuicRun {
+    let (to, cert) = (to.to_string(), c.quic_cert());
+    let mut cmd = vec![BIN, "quic", "get", "--json", "--connect", &to, "--cert", cert.to_str().unwrap(), "--server-name", QUIC_NAME];
+    cmd.extend_from_slice(extra);
+    let out = in_ns(&c.tb, node, &cmd).output().expect("spawn inband quic get");
+    let lines: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("inband quic get printed {l:?}: {e}")))
+        .collect();
+    let (outcome, answers): (Vec<Value>, Vec<Value>) = lines.into_iter().partition(|v| v.get("outcome").is_some());
+    QuicRun {
+        ok: out.status.success(),
+        answers,
+        outcome: outcome.into_iter().next().unwrap_or(Value::Null),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
 }
