@@ -223,6 +223,14 @@ impl Cluster {
             ..Default::default()
         })
         .expect("testbed up");
+        // A client's receive buffer grows to 6 MB by default, so a server
+        // would hand a whole test download to the kernel in milliseconds
+        // and close, however slowly curl reads (`--limit-rate`): a test
+        // that acts during a download would race it. 256 KB keeps the
+        // server sending at the reader's pace.
+        for i in 1..=spec.clients {
+            run_ok(&tb, &format!("c{i}"), &["sysctl", "-q", "-w", "net.ipv4.tcp_rmem=4096 131072 262144"]);
+        }
         let dir = std::env::temp_dir().join(format!("inband-e2e-{name}"));
         std::fs::create_dir_all(&dir).unwrap();
         let mut c = Cluster {
