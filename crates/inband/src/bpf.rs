@@ -17,6 +17,10 @@ pub mod veth_peer {
     include!(concat!(env!("OUT_DIR"), "/veth_peer.skel.rs"));
 }
 #[allow(clippy::all, dead_code, unused_imports)]
+pub mod shadow {
+    include!(concat!(env!("OUT_DIR"), "/shadow.skel.rs"));
+}
+#[allow(clippy::all, dead_code, unused_imports)]
 pub mod loadgen {
     include!(concat!(env!("OUT_DIR"), "/loadgen.skel.rs"));
 }

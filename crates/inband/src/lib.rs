@@ -11,6 +11,8 @@ pub mod netif;
 pub mod packet;
 pub mod pod;
 pub mod runlock;
+pub mod shadow;
+pub mod tc;
 pub mod testbed;
 pub mod wire;
 pub mod workload;

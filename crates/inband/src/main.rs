@@ -31,6 +31,12 @@ enum Command {
         #[command(subcommand)]
         command: inband::workload::quic::QuicCommand,
     },
+    /// Daisy chaining behind an ECMP router: the server program and the
+    /// router's shadow table (seed 002; docs/architecture.md).
+    Shadow {
+        #[command(subcommand)]
+        command: inband::shadow::ShadowCommand,
+    },
     /// Benchmarks that print tables with ratios.
     Bench {
         #[command(subcommand)]
@@ -151,6 +157,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Serve(args) => inband::workload::run(args),
         Command::Quic { command } => inband::workload::quic::run(command),
+        Command::Shadow { command } => inband::shadow::run(command),
         Command::Bench { command } => inband::bench::run(command),
         Command::Testbed { command } => inband::testbed::run(command),
         Command::Proxy { config } => inband_proxy::run(&config),

@@ -10,7 +10,6 @@
 //! only the routes and sockets the test made.
 
 use std::ffi::CString;
-use std::fs::File;
 use std::mem::MaybeUninit;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
@@ -32,6 +31,8 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{AsRawLibbpf, MapCore, MapFlags, MapMut, OpenObject, ProgramInput, ProgramMut};
 
 mod frames;
+mod own_netns;
+use own_netns::TestNetns;
 use frames::{cut6, ext, ipip, opts_header, routing, IPPROTO_ROUTING};
 
 const TC_ACT_OK: u32 = 0;
@@ -828,51 +829,6 @@ fn egress_leaves_other_traffic_untouched() {
 }
 
 // ---------------------------------------------------------------- egress: DSR
-
-/// A network namespace owned by one test, entered by the test's thread; the
-/// thread goes back and the namespace is deleted on drop, also on panic.
-struct TestNetns {
-    name: String,
-    orig: File,
-}
-
-fn setns(fd: &File) {
-    // SAFETY: a valid namespace fd; affects only the calling thread.
-    let rc = unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) };
-    assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
-}
-
-fn ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().expect("run ip");
-    assert!(out.status.success(), "ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
-}
-
-impl TestNetns {
-    fn enter(tag: &str) -> TestNetns {
-        let orig = File::open("/proc/thread-self/ns/net").unwrap();
-        let name = format!("ibt-agent-{}-{tag}", std::process::id());
-        let _ = Command::new("ip").args(["netns", "del", &name]).output();
-        ip(&["netns", "add", &name]);
-        // From here on the guard exists, so a failure below still cleans up.
-        let ns = TestNetns { name, orig };
-        setns(&File::open(format!("/run/netns/{}", ns.name)).unwrap());
-        ns
-    }
-
-    fn ip(&self, args: &[&str]) {
-        let mut all = vec!["-n", self.name.as_str()];
-        all.extend_from_slice(args);
-        ip(&all);
-    }
-}
-
-impl Drop for TestNetns {
-    fn drop(&mut self) {
-        // SAFETY: as in setns(); no assert here, this may run while unwinding.
-        unsafe { libc::setns(self.orig.as_raw_fd(), libc::CLONE_NEWNET) };
-        let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
-    }
-}
 
 /// The server side of a one-armed server: DEV with SERVER/24, CLIENT's
 /// network via a gateway whose MAC is known, CLIENT_NO_NEIGH's via one whose

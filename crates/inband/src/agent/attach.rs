@@ -23,9 +23,8 @@ use std::os::fd::AsFd;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use libbpf_rs::libbpf_sys;
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{Link, OpenObject, TcHook, TcHookBuilder, TC_EGRESS, TC_INGRESS};
+use libbpf_rs::{Link, OpenObject, TcHook, TC_EGRESS, TC_INGRESS};
 use tracing::{info, warn};
 
 use crate::bpf::agent::{AgentSkel, AgentSkelBuilder};
@@ -155,7 +154,7 @@ fn load<'obj>(storage: &'obj mut MaybeUninit<OpenObject>, pins: &PinDir, count_r
 impl Attachment<'_> {
     fn attach_all(&mut self) -> Result<()> {
         let created =
-            create_clsact(self.ifindex).with_context(|| format!("creating a clsact qdisc on {}", self.interface))?;
+            crate::tc::create_clsact(self.ifindex).with_context(|| format!("creating a clsact qdisc on {}", self.interface))?;
         if created {
             let marker = state_dir(&self.interface).join(QDISC_MARKER);
             std::fs::write(&marker, b"").with_context(|| format!("writing {}", marker.display()))?;
@@ -164,9 +163,9 @@ impl Attachment<'_> {
             (TC_INGRESS, self.skel.progs.agent_ingress.as_fd(), "ingress"),
             (TC_EGRESS, self.skel.progs.agent_egress.as_fd(), "egress"),
         ] {
-            let mut hook = hook(fd, self.ifindex, point);
-            hook.replace(true);
-            hook.attach().with_context(|| format!("attaching the tc {name} program to {}", self.interface))?;
+            slot(self.ifindex)
+                .attach(fd, point)
+                .with_context(|| format!("attaching the tc {name} program to {}", self.interface))?;
         }
         let link = self.skel.progs.agent_sock_state.attach().context(
             "attaching the tracepoint sock/inet_sock_set_state (needs tracefs: `mount -t tracefs tracefs /sys/kernel/tracing`)",
@@ -189,28 +188,8 @@ impl Attachment<'_> {
     }
 }
 
-fn hook(fd: std::os::fd::BorrowedFd<'_>, ifindex: i32, point: libbpf_rs::TcAttachPoint) -> TcHook {
-    let mut b = TcHookBuilder::new(fd);
-    b.ifindex(ifindex).handle(TC_HANDLE).priority(TC_PRIORITY);
-    b.hook(point)
-}
-
-/// Creates the clsact qdisc; false if the interface had one already (someone
-/// else's, or a crashed agent's that left its marker).
-fn create_clsact(ifindex: i32) -> Result<bool> {
-    let mut h = libbpf_sys::bpf_tc_hook {
-        sz: std::mem::size_of::<libbpf_sys::bpf_tc_hook>() as _,
-        ifindex,
-        attach_point: libbpf_sys::BPF_TC_INGRESS,
-        ..Default::default()
-    };
-    // SAFETY: h is a valid, sized bpf_tc_hook.
-    let err = unsafe { libbpf_sys::bpf_tc_hook_create(&mut h) };
-    match -err {
-        0 => Ok(true),
-        libc::EEXIST => Ok(false),
-        e => Err(std::io::Error::from_raw_os_error(e).into()),
-    }
+fn slot(ifindex: i32) -> crate::tc::Slot {
+    crate::tc::Slot { ifindex, handle: TC_HANDLE, priority: TC_PRIORITY }
 }
 
 /// Removes every trace of the agent from `interface`: its two tc filters,
@@ -218,24 +197,19 @@ fn create_clsact(ifindex: i32) -> Result<bool> {
 /// directory. Idempotent; what is already gone is skipped.
 fn cleanup(interface: &str, ifindex: i32) -> Result<()> {
     let mut errors = Vec::new();
-    // Detaching goes by ifindex, handle and priority; libbpf only wants some
-    // fd to build its handle, which it does not use for detach.
-    let devnull = File::open("/dev/null")?;
     for (point, name) in [(TC_INGRESS, "ingress"), (TC_EGRESS, "egress")] {
-        match hook(devnull.as_fd(), ifindex, point).detach() {
-            Ok(()) => {}
-            // No such filter, or no clsact qdisc at all (EINVAL).
-            Err(e) if matches!(e.kind(), libbpf_rs::ErrorKind::NotFound | libbpf_rs::ErrorKind::InvalidInput) => {}
-            Err(e) => errors.push(format!("detaching the tc {name} filter: {e}")),
+        if let Err(e) = slot(ifindex).detach(point) {
+            errors.push(format!("detaching the tc {name} filter: {e:#}"));
         }
     }
     let state = state_dir(interface);
     if state.join(QDISC_MARKER).exists() {
+        let devnull = File::open("/dev/null")?;
         let mut h = TcHook::new(devnull.as_fd());
         h.ifindex(ifindex).attach_point(TC_INGRESS | TC_EGRESS);
         match h.destroy() {
             Ok(()) => {}
-            Err(e) if matches!(e.kind(), libbpf_rs::ErrorKind::NotFound | libbpf_rs::ErrorKind::InvalidInput) => {}
+            Err(e) if crate::tc::is_absent(&e) => {}
             Err(e) => errors.push(format!("removing the clsact qdisc: {e}")),
         }
         let _ = std::fs::remove_file(state.join(QDISC_MARKER));

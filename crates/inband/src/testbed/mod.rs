@@ -3,7 +3,8 @@
 //! `eth0` on the bridge. Used by the demo, the benchmark drivers (through
 //! `inband testbed`) and the integration tests (through `Testbed`).
 
-mod netns;
+pub mod ecmp;
+pub mod netns;
 mod peer;
 
 use std::net::{Ipv4Addr, Ipv6Addr};
@@ -33,11 +34,15 @@ pub struct TestbedSpec {
     pub subnet: u8,
     #[serde(default)]
     pub client_link_mtu: Option<u32>,
+    /// Seed 002's layout instead (`ecmp.rs`): a router with a link to
+    /// every client and server, the VIP on every server, no balancer.
+    #[serde(default)]
+    pub ecmp: bool,
 }
 
 impl Default for TestbedSpec {
     fn default() -> Self {
-        TestbedSpec { name: "ib".into(), clients: 1, servers: 3, subnet: 77, client_link_mtu: None }
+        TestbedSpec { name: "ib".into(), clients: 1, servers: 3, subnet: 77, client_link_mtu: None, ecmp: false }
     }
 }
 
@@ -60,6 +65,9 @@ pub struct Testbed {
     pub vip: Ipv4Addr,
     pub vip6: Ipv6Addr,
     pub nodes: Vec<Node>,
+    /// ECMP testbeds: the router's config for `inband shadow route`.
+    #[serde(default)]
+    pub router_config: Option<PathBuf>,
     #[serde(skip)]
     children: Vec<Child>,
     /// Deserialized testbeds (the CLI's) never tear down on drop.
@@ -86,6 +94,26 @@ impl Testbed {
             bail!("testbed: 1..{MAX_HOSTS} clients and servers in all, at least one of each");
         }
         teardown(&spec.name)?;
+        if spec.ecmp {
+            let plan = ecmp::Plan { subnet: ecmp::hex(spec.subnet) };
+            let mut nodes = ecmp::nodes(spec.subnet, spec.clients, spec.servers);
+            for n in nodes.iter_mut() {
+                n.netns = format!("{}-{}", spec.name, n.node);
+            }
+            let mut tb = Testbed {
+                switch: String::new(),
+                vip: Ipv4Addr::UNSPECIFIED,
+                vip6: plan.vip(),
+                spec,
+                nodes,
+                router_config: None,
+                children: Vec::new(),
+                keep: false,
+            };
+            tb.router_config = Some(ecmp::router_config(&tb));
+            ecmp::build(&tb).context("building the ECMP testbed")?;
+            return Ok(tb);
+        }
         let base = |host: u8| Ipv4Addr::new(10, spec.subnet, 0, host);
         // The IPv4 host number read as hex digits: .21 is ::21, .100 is ::100.
         let hex = |n: u8| u16::from_str_radix(&n.to_string(), 16).unwrap_or(u16::from(n));
@@ -114,6 +142,7 @@ impl Testbed {
             vip6: base6(0, 100),
             spec,
             nodes,
+            router_config: None,
             children: Vec::new(),
             keep: false,
         };
@@ -317,6 +346,7 @@ pub fn teardown(name: &str) -> Result<()> {
         }
     }
     let _ = std::fs::remove_file(state_path(name));
+    let _ = std::fs::remove_file(state_path(name).with_extension("router.toml"));
     first_err.map_or(Ok(()), Err)
 }
 
@@ -341,6 +371,10 @@ pub enum TestbedCommand {
         /// Put the clients behind a router that sends to them with this MTU.
         #[arg(long)]
         client_link_mtu: Option<u32>,
+        /// Seed 002's layout: clients and servers on links of their own to
+        /// a router, the VIP on every server (IPv6, SRv6), no balancer.
+        #[arg(long, conflicts_with = "client_link_mtu")]
+        ecmp: bool,
     },
     /// Kill every process in the testbed's namespaces and delete them.
     Down {
@@ -380,8 +414,8 @@ fn load_state(name: &str) -> Result<Testbed> {
 
 pub fn run(cmd: TestbedCommand) -> Result<()> {
     match cmd {
-        TestbedCommand::Up { name, clients, servers, subnet, client_link_mtu } => {
-            let tb = Testbed::up(TestbedSpec { name: name.clone(), clients, servers, subnet, client_link_mtu })?.keep();
+        TestbedCommand::Up { name, clients, servers, subnet, client_link_mtu, ecmp } => {
+            let tb = Testbed::up(TestbedSpec { name: name.clone(), clients, servers, subnet, client_link_mtu, ecmp })?.keep();
             let json = serde_json::to_string_pretty(&tb)?;
             std::fs::create_dir_all("/run/inband/testbed")?;
             std::fs::write(state_path(&name), &json)?;

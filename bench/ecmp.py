@@ -1,0 +1,375 @@
+"""Seed 002's experiments on the ECMP testbed (`inband testbed up --ecmp`),
+plain ECMP against shadowing (`inband shadow`), in one run:
+
+    python -m bench.ecmp --out results/ecmp [--profile quick|full|tiny]
+
+1. flapping: closed-loop clients download files of 5 MB (and 10 MB in the
+   full profile) through the router while one random server leaves or
+   joins every T seconds (withdrawn, not stopped: it keeps serving what
+   it has, as in the seed); failed requests per flap interval.
+2. planned: 4 → 2 → 4 servers during a closed-loop download run.
+3. latency: round trips of a 1-byte echo over one TCP connection, without
+   the program, with it, and with every client packet chained.
+
+A request fails when curl does not get status 200 with the whole body
+(a reset, a time-out). The router sends to the client through a token
+bucket (tc tbf) so that downloads last seconds, as the seed's did on real
+links; a veth would otherwise finish 5 MB in milliseconds and no change
+would ever meet one. Prints Markdown tables and writes results.md,
+results.json, command.txt and flapping.png into --out. Every namespace
+and process it makes is removed on exit, Ctrl-C included. See
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .procs import Procs, ns_argv, run, stop_signals_interrupt, wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+SUBNET = 81
+
+
+@dataclass(frozen=True)
+class Profile:
+    servers: int
+    clients: int  # closed-loop download loops in flight
+    rate: str  # the router's token bucket toward the client (tc tbf): all downloads share it
+    sizes_mb: tuple  # file sizes
+    intervals_s: tuple  # flap intervals
+    run_s: float  # per (mode, size, interval)
+    planned_s: float  # the 4 → 2 → 4 run: a third at each step
+    echoes: int  # latency samples per case
+
+
+PROFILES = {
+    "full": Profile(4, 8, "160mbit", (5, 10), (1, 2, 5, 10), 30, 30, 20000),
+    "quick": Profile(4, 8, "160mbit", (5,), (1, 5), 20, 21, 5000),
+    # CI's smoke test: seconds, and flaps slower than a download, so that
+    # shadowing must lose nothing at all.
+    "tiny": Profile(4, 4, "200mbit", (2,), (2,), 6, 6, 500),
+}
+
+ECHO_SERVER = r"""
+import socket, sys
+s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 7)); s.listen(16)
+while True:
+    c, _ = s.accept()
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while (b := c.recv(1)):
+        c.sendall(b)
+    c.close()
+"""
+
+ECHO_CLIENT = r"""
+import json, socket, sys, time
+n = int(sys.argv[2])
+c = socket.create_connection((sys.argv[1], 7)); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+print(c.getsockname()[1], flush=True)
+sys.stdin.readline()  # the driver may move the route now
+out = []
+for _ in range(n):
+    t = time.perf_counter_ns(); c.sendall(b"x"); c.recv(1); out.append((time.perf_counter_ns() - t) / 1000)
+print(json.dumps(out))
+"""
+
+
+class Bed:
+    def __init__(self, inband: Path, profile: Profile, workdir: Path, name: str) -> None:
+        self.inband, self.p, self.dir, self.name = str(inband), profile, workdir, name
+        self.procs = Procs()
+        self.state: dict = {}
+
+    def ns(self, node: str) -> str:
+        return f"{self.name}-{node}"
+
+    def up(self) -> None:
+        run(None, [self.inband, "testbed", "up", "--ecmp", "--name", self.name, "--subnet", str(SUBNET),
+                   "--clients", "1", "--servers", str(self.p.servers)], timeout=120)
+        self.state = json.loads(Path(f"/run/inband/testbed/{self.name}.json").read_text())
+        run(self.ns("r1"), ["tc", "qdisc", "add", "dev", "c1", "root", "tbf", "rate", self.p.rate, "burst", "64kb", "latency", "400ms"])
+        self.servers = [f"s{i}" for i in range(1, self.p.servers + 1)]
+
+    def down(self) -> None:
+        self.procs.stop_all()
+        run(None, [self.inband, "testbed", "down", "--name", self.name], timeout=120, check=False)
+
+    @property
+    def vip(self) -> str:
+        return self.state["vip6"]
+
+    def serve(self, size_mb: int) -> None:
+        """(Re)starts the HTTP servers with `size_mb` bodies, and an echo
+        server, on every server."""
+        self.procs.stop_all()
+        for s in self.servers:
+            self.procs.spawn(f"serve-{s}", self.ns(s), [self.inband, "serve", "--listen", f"[{self.vip}]:80",
+                             "--service-ms", "0", "--body-bytes", str(size_mb * 1_000_000)], self.dir / f"{s}.log")
+            self.procs.spawn(f"echo-{s}", self.ns(s), [sys.executable, "-c", ECHO_SERVER, self.vip], self.dir / f"echo-{s}.log")
+
+    def route(self, up: list[str], plain: bool) -> None:
+        argv = [self.inband, "shadow", "route", "--config", self.state["router_config"], "--up", ",".join(up)]
+        run(self.ns("r1"), argv + (["--plain"] if plain else []))
+
+    def shadowing(self, on: bool) -> None:
+        for i, s in enumerate(self.servers, 1):
+            if on:
+                run(self.ns(s), [self.inband, "shadow", "attach", "--interface", "eth0",
+                                 "--sid", self.sid(i, "b"), "--direct-sid", self.sid(i, "d"),
+                                 "--shadow-sid", f"fd00:{SUBNET}:5f::5"])
+            else:
+                run(self.ns(s), [self.inband, "shadow", "detach", "--interface", "eth0"], check=False)
+
+    def sid(self, i: int, kind: str) -> str:
+        return f"fd00:{SUBNET}:{0x50 + i:x}::{kind}"
+
+    def chained_packets(self) -> int:
+        total = 0
+        for s in self.servers:
+            cp = run(self.ns(s), [self.inband, "shadow", "status", "--interface", "eth0", "--json"], check=False)
+            if cp.returncode == 0:
+                total += json.loads(cp.stdout)["chained"]["packets"]
+        return total
+
+    def chained(self) -> tuple[int, int]:
+        """(chained bytes, all bytes to the conditional SIDs) over the servers."""
+        chained = total = 0
+        for s in self.servers:
+            cp = run(self.ns(s), [self.inband, "shadow", "status", "--interface", "eth0", "--json"], check=False)
+            if cp.returncode != 0:
+                continue
+            c = json.loads(cp.stdout)
+            chained += c["chained"]["bytes"]
+            total += sum(c[k]["bytes"] for k in ("new_flow", "not_tcp", "local", "chained"))
+        return chained, total
+
+
+@dataclass
+class Loads:
+    ok: int = 0
+    failed: int = 0
+    durations: list | None = None
+
+    @property
+    def failed_pct(self) -> float:
+        n = self.ok + self.failed
+        return 100.0 * self.failed / n if n else 0.0
+
+
+def closed_loop(bed: Bed, size_mb: int, seconds: float, changes) -> Loads:
+    """`bed.p.clients` download loops for `seconds`; `changes(t)` runs on
+    the driver's thread meanwhile. Requests that start before the end are
+    all waited for."""
+    url = f"http://[{bed.vip}]/"
+    body = size_mb * 1_000_000
+    loads, lock, stop = Loads(durations=[]), threading.Lock(), threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            t = time.monotonic()
+            cp = subprocess.run(ns_argv(bed.ns("c1"), ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{size_download}",
+                                "--max-time", "60", url]), capture_output=True, text=True, timeout=90)
+            good = cp.returncode == 0 and cp.stdout == f"200 {body}"
+            with lock:
+                if good:
+                    loads.ok += 1
+                    loads.durations.append(time.monotonic() - t)
+                else:
+                    loads.failed += 1
+
+    threads = [threading.Thread(target=loop, daemon=True) for _ in range(bed.p.clients)]
+    for th in threads:
+        th.start()
+    t0 = time.monotonic()
+    try:
+        changes(t0, t0 + seconds)
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(timeout=120)
+    return loads
+
+
+def flapping(bed: Bed, plain: bool, interval_s: float, seconds: float, rng: random.Random):
+    def changes(t0, t1):
+        up = list(bed.servers)
+        n = 1
+        while time.monotonic() < t1:
+            time.sleep(max(0.0, t0 + n * interval_s - time.monotonic()))
+            n += 1
+            s = rng.choice(bed.servers)
+            if s in up and len(up) > 1:
+                up.remove(s)
+            elif s not in up:
+                up.append(s)
+                up.sort()
+            bed.route(up, plain)
+    return changes
+
+
+def planned(bed: Bed, plain: bool):
+    def changes(t0, t1):
+        third = (t1 - t0) / 3
+        time.sleep(third)
+        bed.route(bed.servers[: len(bed.servers) // 2], plain)
+        time.sleep(third)
+        bed.route(bed.servers, plain)
+        time.sleep(max(0.0, t1 - time.monotonic()))
+    return changes
+
+
+def echo_rtts(bed: Bed, move: bool) -> tuple[list[float], int]:
+    """Round trips (µs) over one connection, and the packets the servers
+    chained meanwhile; with `move`, the VIP's route goes off the
+    connection's server first, so every client packet is chained."""
+    p = subprocess.Popen(ns_argv(bed.ns("c1"), [sys.executable, "-c", ECHO_CLIENT, bed.vip, str(bed.p.echoes)]),
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(p.stdout.readline())
+        if move:
+            owner = next(s for s in bed.servers if f":{port}" in run(bed.ns(s), ["ss", "-Htn", "state", "established", "sport", "= :7"]).stdout)
+            bed.route([s for s in bed.servers if s != owner], plain=False)
+        before = bed.chained_packets()
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        out = json.loads(p.stdout.readline())
+        chained = bed.chained_packets() - before
+    finally:
+        p.kill()
+        p.wait()
+    if move:
+        bed.route(bed.servers, plain=False)
+    return out, chained
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--profile", choices=PROFILES, default="quick")
+    ap.add_argument("--inband", type=Path, default=REPO / "target/debug/inband")
+    ap.add_argument("--seed", type=int, default=2, help="the flapping schedule's random seed")
+    ap.add_argument("--name", default="ecmp", help="the testbed's name (namespaces NAME-r1, NAME-c1, NAME-s1...)")
+    args = ap.parse_args(argv)
+    p = PROFILES[args.profile]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "command.txt").write_text(" ".join(shlex.quote(a) for a in [sys.executable, "-m", "bench.ecmp", *(argv or sys.argv[1:])]) + "\n")
+    stop_signals_interrupt()
+    bed = Bed(args.inband, p, args.out, args.name)
+    rng = random.Random(args.seed)
+    results: dict = {"profile": asdict(p), "flapping": [], "planned": [], "latency": {}}
+    try:
+        bed.up()
+        for size in p.sizes_mb:
+            bed.serve(size)
+            wait_until("the servers", lambda: all(run(bed.ns(s), ["ss", "-Htln", "sport", "= :80"]).stdout for s in bed.servers), 15)
+            for interval in p.intervals_s:
+                for plain in (True, False):
+                    bed.shadowing(not plain)
+                    bed.route(bed.servers, plain)
+                    before = bed.chained()
+                    loads = closed_loop(bed, size, p.run_s, flapping(bed, plain, interval, p.run_s, rng))
+                    after = bed.chained()
+                    redirected = (after[0] - before[0]) / max(1, after[1] - before[1])
+                    results["flapping"].append({"size_mb": size, "interval_s": interval, "mode": "ECMP" if plain else "shadowing",
+                                                "ok": loads.ok, "failed": loads.failed, "failed_pct": loads.failed_pct,
+                                                "median_s": statistics.median(loads.durations) if loads.durations else None,
+                                                "redirected_pct": 100 * redirected})
+                    print(results["flapping"][-1], flush=True)
+        size = p.sizes_mb[0]
+        bed.serve(size)
+        wait_until("the servers", lambda: all(run(bed.ns(s), ["ss", "-Htln", "sport", "= :80"]).stdout for s in bed.servers), 15)
+        for plain in (True, False):
+            bed.shadowing(not plain)
+            bed.route(bed.servers, plain)
+            loads = closed_loop(bed, size, p.planned_s, planned(bed, plain))
+            results["planned"].append({"mode": "ECMP" if plain else "shadowing", "ok": loads.ok, "failed": loads.failed,
+                                       "failed_pct": loads.failed_pct})
+            print(results["planned"][-1], flush=True)
+        bed.shadowing(False)
+        bed.route(bed.servers, plain=True)
+        wait_until("the echo servers", lambda: all(run(bed.ns(s), ["ss", "-Htln", "sport", "= :7"]).stdout for s in bed.servers), 15)
+        results["latency"]["without the program"], _ = echo_rtts(bed, move=False)
+        bed.shadowing(True)
+        bed.route(bed.servers, plain=False)
+        results["latency"]["with the program"], _ = echo_rtts(bed, move=False)
+        results["latency"]["chained"], results["echoes_chained"] = echo_rtts(bed, move=True)
+    finally:
+        bed.down()
+    md = markdown(results)
+    print(md)
+    (args.out / "results.md").write_text(md)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    plot(results, args.out / "flapping.png")
+    return 0
+
+
+def markdown(r: dict) -> str:
+    lines = ["### Flapping servers: failed requests (seed: ECMP up to 42.5% at 5 MB, 77% at 10 MB; shadowing 0.08–0.7%)", "",
+             "| size | flap every | ECMP failed | shadowing failed | ECMP / shadowing | requests (ECMP, shadowing) | chained bytes (shadowing) |",
+             "|---|---|---|---|---|---|---|"]
+    by = {(x["size_mb"], x["interval_s"], x["mode"]): x for x in r["flapping"]}
+    for (size, interval, mode), x in sorted(by.items()):
+        if mode != "ECMP":
+            continue
+        s = by.get((size, interval, "shadowing"))
+        if not s:
+            continue
+        ratio = "∞" if s["failed_pct"] == 0 and x["failed_pct"] > 0 else ("–" if s["failed_pct"] == 0 else f"{x['failed_pct'] / s['failed_pct']:.1f}×")
+        lines.append(f"| {size} MB | {interval} s | {x['failed_pct']:.2f}% ({x['failed']}) | {s['failed_pct']:.2f}% ({s['failed']}) | {ratio} "
+                     f"| {x['ok'] + x['failed']}, {s['ok'] + s['failed']} | {s['redirected_pct']:.2f}% |")
+    lines += ["", "### Planned change 4 → 2 → 4 (seed: ECMP 9.8% failed, shadowing 0%)", "",
+              "| mode | requests | failed |", "|---|---|---|"]
+    for x in r["planned"]:
+        lines.append(f"| {x['mode']} | {x['ok'] + x['failed']} | {x['failed_pct']:.2f}% ({x['failed']}) |")
+    lat = r["latency"]
+    if lat:
+        base = statistics.median(lat["without the program"])
+        lines += ["", "### Echo round trip, 1 byte (seed: the program adds several µs, a chained packet 15–34 µs)", "",
+                  f"{len(lat['chained'])} echoes in the chained case; the servers chained {r.get('echoes_chained', 0)} packets meanwhile.", "",
+                  "| case | median µs | p99 µs | median − without |", "|---|---|---|---|"]
+        for case, xs in lat.items():
+            lines.append(f"| {case} | {statistics.median(xs):.1f} | {pct(xs, 0.99):.1f} | {statistics.median(xs) - base:+.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({x["size_mb"] for x in r["flapping"]})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 3.5), squeeze=False)
+    for ax, size in zip(axes[0], sizes):
+        for mode, style in (("ECMP", "o-"), ("shadowing", "s-")):
+            pts = sorted((x["interval_s"], x["failed_pct"]) for x in r["flapping"] if x["size_mb"] == size and x["mode"] == mode)
+            ax.plot([a for a, _ in pts], [b for _, b in pts], style, label=mode)
+        ax.set_title(f"{size} MB downloads")
+        ax.set_xlabel("server flap interval (s)")
+        ax.set_ylabel("failed requests (%)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

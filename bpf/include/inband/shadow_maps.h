@@ -1,0 +1,37 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/*
+ * Maps of the daisy-chaining program (bpf/shadow.bpf.c, seed 002's
+ * End.DT4.COND as End.DT6.COND). The Rust types are generated from this
+ * header (crates/inband/build.rs).
+ */
+#ifndef INBAND_SHADOW_MAPS_H
+#define INBAND_SHADOW_MAPS_H
+
+#include <linux/types.h>
+
+/* shadow_config[0], written by `inband shadow attach`. All zero: matches
+ * no packet (not configured yet). */
+struct inband_shadow_config {
+	__u8 cond_sid[16]; /* this server's conditional SID: packets to it are checked */
+	__u8 shadow_sid[16]; /* the router's SID for its shadow table: strays go there */
+	__u8 direct_sid[16]; /* this server's plain SID (chained packets): not read by the
+			      * program; kept so `status` and `detach` know it */
+};
+
+/* shadow_stats[counter]: per CPU, packets and bytes (of the outer packet). */
+enum inband_shadow_counter {
+	INBAND_SHADOW_OTHER = 0, /* not to the conditional SID: not ours to judge */
+	INBAND_SHADOW_NEW_FLOW, /* inner TCP SYN: a new connection, delivered */
+	INBAND_SHADOW_NOT_TCP, /* inner packet not TCP: delivered (no socket to ask) */
+	INBAND_SHADOW_LOCAL, /* a local socket (not a listener) has it: delivered */
+	INBAND_SHADOW_CHAINED, /* no local socket: sent to the shadow table */
+	INBAND_SHADOW_MALFORMED, /* to the SID but not one SRv6 hop with an inner IPv6: left to the kernel */
+	INBAND_SHADOW_COUNTERS,
+};
+
+struct inband_shadow_count {
+	__u64 packets;
+	__u64 bytes;
+};
+
+#endif /* INBAND_SHADOW_MAPS_H */

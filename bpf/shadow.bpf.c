@@ -1,0 +1,122 @@
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+/*
+ * Daisy chaining on a server behind an ECMP router (seed 002's
+ * End.DT4.COND, here End.DT6.COND): tc ingress on the server's interface
+ * toward the router. See "Scale-out behind ECMP" in docs/architecture.md.
+ *
+ * The router reaches each server through an SRv6 encapsulation to one of
+ * two SIDs of that server: the conditional SID for packets routed by the
+ * current next-hop set, and a plain End.DT6 SID for packets the router's
+ * shadow table (the previous next-hop set) forwards. A packet to the
+ * conditional SID is delivered (End.DT6 in the kernel) if its inner packet
+ * is a SYN, is not TCP, or belongs to a local socket; otherwise it is a
+ * stray of a connection another server owns, and this program readdresses
+ * the outer header to the router's shadow SID, so the kernel forwards it
+ * back and the router sends it on by the previous mapping. Chained packets
+ * arrive at the plain SID, which this program never redirects: a packet
+ * is chained at most once, so it cannot loop (the seed's End.DT4.COND
+ * could, after two changes within one connection).
+ *
+ * Everything not addressed to the conditional SID goes on untouched with
+ * TC_ACT_UNSPEC, so a filter after this one (the agent's) still sees it.
+ */
+#include <linux/bpf.h>
+#include <linux/if_ether.h>
+#include <linux/in.h>
+#include <linux/ipv6.h>
+#include <linux/pkt_cls.h>
+#include <linux/tcp.h>
+#include <bpf/bpf_endian.h>
+#include <bpf/bpf_helpers.h>
+
+#include "inband/pinned.h"
+#include "inband/shadow_maps.h"
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+#define IPV6_SRCRT_TYPE_SRH 4
+
+INBAND_PINNED(shadow_config, BPF_MAP_TYPE_ARRAY, __u32, struct inband_shadow_config, 1);
+INBAND_PINNED(shadow_stats, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, struct inband_shadow_count, INBAND_SHADOW_COUNTERS);
+
+static __always_inline int count(struct __sk_buff *skb, __u32 counter, int verdict)
+{
+	struct inband_shadow_count *c = bpf_map_lookup_elem(&shadow_stats, &counter);
+
+	if (c) {
+		c->packets++;
+		c->bytes += skb->len;
+	}
+	return verdict;
+}
+
+static __always_inline int same_addr(const __u8 *a, const __u8 *b)
+{
+	const __u64 *x = (const __u64 *)a, *y = (const __u64 *)b;
+
+	return x[0] == y[0] && x[1] == y[1];
+}
+
+/* A socket that owns the inner TCP packet's connection: an established
+ * (or handshaking, closing, time-wait) socket. A listener matches every
+ * client of its port, so it says nothing about this connection. */
+static __always_inline int owned_locally(struct __sk_buff *skb, const struct ipv6hdr *in, const struct tcphdr *tcp)
+{
+	struct bpf_sock_tuple t = {};
+	struct bpf_sock *sk;
+	int owned;
+
+	__builtin_memcpy(t.ipv6.saddr, &in->saddr, 16);
+	__builtin_memcpy(t.ipv6.daddr, &in->daddr, 16);
+	t.ipv6.sport = tcp->source;
+	t.ipv6.dport = tcp->dest;
+	sk = bpf_skc_lookup_tcp(skb, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
+	if (!sk)
+		return 0;
+	owned = sk->state != BPF_TCP_LISTEN;
+	bpf_sk_release(sk);
+	return owned;
+}
+
+SEC("tc")
+int shadow_ingress(struct __sk_buff *skb)
+{
+	const __u32 zero = 0;
+	struct inband_shadow_config *cfg = bpf_map_lookup_elem(&shadow_config, &zero);
+	struct ipv6hdr out, in;
+	struct tcphdr tcp;
+	__u8 rh[4]; /* next header, length, routing type, segments left */
+	__u32 off = ETH_HLEN;
+	__u8 nh;
+
+	if (!cfg || skb->protocol != bpf_htons(ETH_P_IPV6))
+		return count(skb, INBAND_SHADOW_OTHER, TC_ACT_UNSPEC);
+	if (bpf_skb_load_bytes(skb, off, &out, sizeof(out)) < 0 || !same_addr((__u8 *)&out.daddr, cfg->cond_sid))
+		return count(skb, INBAND_SHADOW_OTHER, TC_ACT_UNSPEC);
+	off += sizeof(out);
+	nh = out.nexthdr;
+	if (nh == IPPROTO_ROUTING) {
+		/* The router's encapsulation: one SRH whose last segment is
+		 * ours. With segments left, this is not the packet's end. */
+		if (bpf_skb_load_bytes(skb, off, rh, sizeof(rh)) < 0 || rh[2] != IPV6_SRCRT_TYPE_SRH || rh[3] != 0)
+			return count(skb, INBAND_SHADOW_MALFORMED, TC_ACT_UNSPEC);
+		nh = rh[0];
+		off += ((__u32)rh[1] + 1) * 8;
+	}
+	if (nh != IPPROTO_IPV6 || bpf_skb_load_bytes(skb, off, &in, sizeof(in)) < 0)
+		return count(skb, INBAND_SHADOW_MALFORMED, TC_ACT_UNSPEC);
+	if (in.nexthdr != IPPROTO_TCP)
+		return count(skb, INBAND_SHADOW_NOT_TCP, TC_ACT_UNSPEC);
+	if (bpf_skb_load_bytes(skb, off + sizeof(in), &tcp, sizeof(tcp)) < 0)
+		return count(skb, INBAND_SHADOW_MALFORMED, TC_ACT_UNSPEC);
+	if (tcp.syn && !tcp.ack)
+		return count(skb, INBAND_SHADOW_NEW_FLOW, TC_ACT_UNSPEC);
+	if (owned_locally(skb, &in, &tcp))
+		return count(skb, INBAND_SHADOW_LOCAL, TC_ACT_UNSPEC);
+	/* A stray: back to the router's shadow table. The outer header has
+	 * no checksum, and the kernel forwards the packet by its new
+	 * destination (the server forwards IPv6). */
+	if (bpf_skb_store_bytes(skb, ETH_HLEN + offsetof(struct ipv6hdr, daddr), cfg->shadow_sid, 16, 0) < 0)
+		return count(skb, INBAND_SHADOW_MALFORMED, TC_ACT_UNSPEC);
+	return count(skb, INBAND_SHADOW_CHAINED, TC_ACT_OK);
+}

@@ -1,0 +1,229 @@
+//! Seed 002 on the ECMP testbed (`inband testbed up --ecmp`): a router
+//! spreads a VIP over servers by ECMP; changing its next hops breaks the
+//! connections that land on another server, unless the shadow table keeps
+//! the previous set and the servers chain strays to it (`inband shadow`).
+//! Real TCP downloads, bytes checked; the same change with plain ECMP must
+//! break them, or the shadowed run would prove nothing.
+//!
+//! Needs root (namespaces, tc, bpffs).
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use inband::testbed::{Testbed, TestbedSpec};
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_inband");
+const BODY: usize = 4_000_000;
+
+fn run_ok(tb: &Testbed, node: &str, argv: &[&str]) -> Output {
+    let out = tb.exec(node, argv).unwrap();
+    assert!(out.status.success(), "{argv:?} in {node}: {}", String::from_utf8_lossy(&out.stderr));
+    out
+}
+
+/// The testbed with `servers` serving BODY bytes at the VIP, routed to all.
+fn up(tag: &str, subnet: u8, servers: usize, clients: usize) -> Testbed {
+    let name = format!("s{}{tag}", std::process::id() % 10000);
+    let mut tb = Testbed::up(TestbedSpec { name, clients, servers, subnet, ecmp: true, ..Default::default() }).expect("testbed");
+    let listen = SocketAddr::new(tb.vip6().into(), 80).to_string();
+    for i in 1..=servers {
+        tb.spawn(&format!("s{i}"), &[BIN, "serve", "--listen", &listen, "--service-ms", "1", "--body-bytes", &BODY.to_string()])
+            .unwrap();
+    }
+    for i in 1..=clients {
+        // The router sends to each client at 16 Mbit/s (a token bucket on
+        // its link): a download lasts seconds, paced by the network, as
+        // the seed's did on real links, whatever else the machine runs.
+        run_ok(&tb, "r1", &["tc", "qdisc", "add", "dev", &format!("c{i}"), "root", "tbf", "rate", "16mbit", "burst", "32kb", "latency", "400ms"]);
+    }
+    // Every server listening before any client connects: ECMP may send
+    // the first connection to any of them.
+    for i in 1..=servers {
+        wait_for("the servers to listen", || !run_ok(&tb, &format!("s{i}"), &["ss", "-Htln", "sport", "= :80"]).stdout.is_empty());
+    }
+    let all: Vec<String> = (1..=servers).map(|i| format!("s{i}")).collect();
+    route(&tb, &all, false);
+    wait_for("the VIP to answer", || get(&tb, "c1").is_ok());
+    tb
+}
+
+fn route(tb: &Testbed, up: &[String], plain: bool) {
+    let cfg = tb.router_config.clone().unwrap();
+    let mut argv = vec![BIN, "shadow", "route", "--config", cfg.to_str().unwrap(), "--up", ""];
+    let list = up.join(",");
+    *argv.last_mut().unwrap() = &list;
+    if plain {
+        argv.push("--plain");
+    }
+    run_ok(tb, "r1", &argv);
+}
+
+fn attach(tb: &Testbed, i: usize) {
+    let plan = inband::testbed::ecmp::Plan { subnet: inband::testbed::ecmp::hex(tb.spec.subnet) };
+    let (sid, direct, shadow) = (plan.sid(i).to_string(), plan.direct_sid(i).to_string(), plan.shadow_sid().to_string());
+    run_ok(tb, &format!("s{i}"), &[
+        BIN, "shadow", "attach", "--interface", "eth0", "--sid", &sid, "--direct-sid", &direct, "--shadow-sid", &shadow,
+    ]);
+}
+
+fn counters(tb: &Testbed, node: &str) -> Value {
+    serde_json::from_slice(&run_ok(tb, node, &[BIN, "shadow", "status", "--interface", "eth0", "--json"]).stdout).unwrap()
+}
+
+fn get(tb: &Testbed, client: &str) -> Result<String, String> {
+    let url = format!("http://[{}]/", tb.vip6());
+    let out = tb.exec(client, &["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{size_download}", "--max-time", "10", &url]).unwrap();
+    let got = String::from_utf8_lossy(&out.stdout).to_string();
+    if out.status.success() {
+        Ok(got)
+    } else {
+        Err(got)
+    }
+}
+
+fn download(tb: &Testbed, client: &str) -> Child {
+    let url = format!("http://[{}]/", tb.vip6());
+    tb.command(client, &["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code} %{size_download}", "--max-time", "40", &url])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap()
+}
+
+fn finish(dl: Child) -> String {
+    String::from_utf8_lossy(&dl.wait_with_output().unwrap().stdout).to_string()
+}
+
+fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while Instant::now() < deadline {
+        if ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// The local ports of `client`'s connections to the VIP in progress. The
+/// client's side is the one to ask: it stays established until the last
+/// byte, while a server that has written the whole body closes early and
+/// older connections linger in its closing states.
+fn client_ports(tb: &Testbed, client: &str) -> Vec<u16> {
+    let out = run_ok(tb, client, &["ss", "-Htn", "state", "established", "dport", "= :80"]);
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(2)?.rsplit(':').next()?.parse().ok())
+        .collect()
+}
+
+/// The server with a socket for the client port `port`.
+fn owner_of(tb: &Testbed, servers: usize, port: u16) -> Vec<usize> {
+    let dport = format!("= :{port}");
+    (1..=servers)
+        .filter(|i| {
+            let out = run_ok(tb, &format!("s{i}"), &["ss", "-Htn", "state", "connected", "sport", "= :80", "and", "dport", &dport]);
+            !out.stdout.is_empty()
+        })
+        .collect()
+}
+
+/// One download, and the VIP moved off its server in the middle of it.
+fn move_a_download(tb: &Testbed, plain: bool) -> String {
+    let dl = download(tb, "c1");
+    wait_for("the download's connection", || client_ports(tb, "c1").len() == 1);
+    let owners = owner_of(tb, 2, client_ports(tb, "c1")[0]);
+    assert_eq!(owners.len(), 1, "one server has the connection: {owners:?}");
+    let owner = owners[0];
+    let other = 3 - owner;
+    route(tb, &[format!("s{other}")], plain);
+    let got = finish(dl);
+    route(tb, &["s1".to_string(), "s2".to_string()], plain);
+    got
+}
+
+#[test]
+fn moving_the_vip_off_a_live_download_breaks_it_with_plain_ecmp_and_not_with_shadowing() {
+    let tb = up("mv", 79, 2, 1);
+    for i in 1..=2 {
+        attach(&tb, i);
+    }
+    // While the set stays as it is, connections are delivered, never chained.
+    for _ in 0..3 {
+        assert_eq!(get(&tb, "c1"), Ok(format!("200 {BODY}")));
+    }
+    let sum = |counter: &str| -> u64 { (1..=2).map(|i| counters(&tb, &format!("s{i}"))[counter]["packets"].as_u64().unwrap()).sum() };
+    assert_eq!(sum("chained"), 0, "{}", counters(&tb, "s1"));
+    assert_eq!(sum("new_flow"), 3, "each connection's SYN is a new flow");
+    assert!(sum("local") >= 3 * 4, "each connection's later packets found their socket: {}", sum("local"));
+    // The VIP moves off the download's server: its packets are chained
+    // back, and it completes.
+    let shadowed = move_a_download(&tb, false);
+    assert_eq!(shadowed, format!("200 {BODY}"), "the download finished whole");
+    assert!(sum("chained") >= 1, "no packet was chained: {}", counters(&tb, "s1"));
+    // Detached, nothing of the program is left...
+    for i in 1..=2 {
+        run_ok(&tb, &format!("s{i}"), &[BIN, "shadow", "detach", "--interface", "eth0"]);
+        let st = tb.exec(&format!("s{i}"), &[BIN, "shadow", "status", "--interface", "eth0"]).unwrap();
+        assert!(!st.status.success() && String::from_utf8_lossy(&st.stderr).contains("no shadow program"));
+    }
+    // ...and the same move with plain ECMP breaks the download: the
+    // client's packets reach the other server, which resets it.
+    let plain = move_a_download(&tb, true);
+    assert_ne!(plain, format!("200 {BODY}"), "plain ECMP kept the connection: the test would prove nothing");
+    assert_eq!(get(&tb, "c1"), Ok(format!("200 {BODY}")));
+}
+
+#[test]
+fn four_to_two_to_four_under_concurrent_downloads() {
+    // The seed's planned change: half the servers leave, then come back,
+    // while downloads run through both changes' neighbourhood.
+    let tb = up("424", 80, 4, 4);
+    for i in 1..=4 {
+        attach(&tb, i);
+    }
+    let all: Vec<String> = (1..=4).map(|i| format!("s{i}")).collect();
+    for (step, set) in [("4→2", &all[..2]), ("2→4", &all[..])] {
+        let dls: Vec<Child> = (0..8).map(|k| download(&tb, &format!("c{}", k % 4 + 1))).collect();
+        wait_for("the downloads' connections", || {
+            let v: Vec<usize> = (1..=4).map(|i| client_ports(&tb, &format!("c{i}")).len()).collect();
+            v.iter().sum::<usize>() == 8
+        });
+        route(&tb, set, false);
+        let results: Vec<String> = dls.into_iter().map(finish).collect();
+        assert!(results.iter().all(|r| *r == format!("200 {BODY}")), "{step}: {results:?}");
+    }
+    let chained: u64 = (1..=4).map(|i| counters(&tb, &format!("s{i}"))["chained"]["packets"].as_u64().unwrap()).sum();
+    assert!(chained >= 1, "8 downloads over 4 servers, half removed: some must have been chained");
+}
+
+#[test]
+fn the_router_controller_refuses_bad_configs_and_unknown_servers() {
+    let dir = std::env::temp_dir().join(format!("inband-shadow-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("router.toml");
+    let server = |name: &str, n: u8| {
+        format!("[[server]]\nname = \"{name}\"\nsid = \"fd00:5{n}::b\"\ndirect_sid = \"fd00:5{n}::d\"\nvia = \"fd00:{n}::2\"\ndev = \"r{n}\"\n")
+    };
+    let cases = [
+        (format!("vip = \"fd00::80\"\nshadow_sid = \"fd00:5f::5\"\nshadow_table = 254\n{}", server("s1", 1)), "shadow_table = 254"),
+        (format!("vip = \"fd00::80\"\nshadow_sid = \"fd00:5f::5\"\n{}{}", server("s1", 1), server("s1", 2)), "server \"s1\" twice"),
+        (format!("vip = \"fd00::80\"\nshadow_sid = \"fd00:51::b\"\n{}", server("s1", 1)), "used twice"),
+        ("vip = \"fd00::80\"\nshadow_sid = \"fd00:5f::5\"\n".to_string(), "missing field `server`"),
+        (format!("vip = \"10.0.0.1\"\nshadow_sid = \"fd00:5f::5\"\n{}", server("s1", 1)), "vip"),
+        (format!("vip = \"fd00::80\"\nshadow_sid = \"fd00:5f::5\"\nweight = 3\n{}", server("s1", 1)), "unknown field `weight`"),
+    ];
+    for (text, expect) in cases {
+        std::fs::write(&cfg, &text).unwrap();
+        let out = Command::new(BIN).args(["shadow", "route", "--config", cfg.to_str().unwrap(), "--up", "s1"]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(expect), "{text}\nwanted {expect:?} in: {err}");
+    }
+    std::fs::write(&cfg, format!("vip = \"fd00::80\"\nshadow_sid = \"fd00:5f::5\"\n{}", server("s1", 1))).unwrap();
+    let out = Command::new(BIN).args(["shadow", "route", "--config", cfg.to_str().unwrap(), "--up", "s9"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("no server \"s9\"") && err.contains("it has s1"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

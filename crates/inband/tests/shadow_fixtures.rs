@@ -1,0 +1,210 @@
+//! BPF_PROG_TEST_RUN fixtures for bpf/shadow.bpf.c (seed 002's
+//! conditional End.DT6): every branch on SRv6 frames built here, with the
+//! socket lookup answered by real sockets in a namespace of the test's own.
+//!
+//! Needs root (loading BPF, network namespaces).
+
+use std::mem::MaybeUninit;
+use std::net::{Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+
+use inband::bpf::shadow::{ShadowSkel, ShadowSkelBuilder};
+use inband::packet::{PacketBuilder, ETH_HLEN, IPPROTO_TCP, TCP_ACK, TCP_PSH, TCP_SYN};
+use inband::shadow::attach::{read_counters, Config, COUNTERS};
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::libbpf_sys;
+use libbpf_rs::{AsRawLibbpf, OpenObject, ProgramInput, ProgramMut};
+
+// Shared by the fixture crates; this one needs only part of it.
+#[allow(dead_code)]
+mod frames;
+mod own_netns;
+use frames::{ext, IPPROTO_ROUTING};
+use own_netns::TestNetns;
+
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_UNSPEC: u32 = u32::MAX; // -1
+const IPPROTO_IPV6: u8 = 41;
+
+const ROUTER: Ipv6Addr = Ipv6Addr::new(0xfd00, 1, 0, 0, 0, 0, 0, 1);
+const COND_SID: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x51, 0, 0, 0, 0, 0, 0xb);
+const DIRECT_SID: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x51, 0, 0, 0, 0, 0, 0xd);
+const SHADOW_SID: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x5f, 0, 0, 0, 0, 0, 5);
+const CLIENT: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xc, 0, 0, 0, 0, 0, 2);
+const VIP: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xffff, 0, 0, 0, 0, 0, 0x80);
+
+fn load(obj: &mut MaybeUninit<OpenObject>) -> ShadowSkel<'_> {
+    let mut open = ShadowSkelBuilder::default().open(obj).expect("open");
+    // Fixtures must not meet (or leave) pins of a running program.
+    for map in open.open_object_mut().maps_mut() {
+        // SAFETY: a valid open map; a NULL path is libbpf's "do not pin".
+        let rc = unsafe { libbpf_sys::bpf_map__set_pin_path(map.as_libbpf_object().as_ptr(), std::ptr::null()) };
+        assert_eq!(rc, 0);
+    }
+    let skel = open.load().expect("load shadow.bpf.o");
+    let cfg = Config { cond_sid: COND_SID.octets(), shadow_sid: SHADOW_SID.octets(), direct_sid: DIRECT_SID.octets() };
+    inband::bpfmap::put(&skel.maps.shadow_config, &0u32, &cfg).unwrap();
+    skel
+}
+
+fn run(prog: &ProgramMut, frame: &[u8]) -> (u32, Vec<u8>) {
+    let mut out = vec![0u8; 1600];
+    let input = ProgramInput { data_in: Some(frame), data_out: Some(&mut out), ..Default::default() };
+    let output = prog.test_run(input).expect("BPF_PROG_TEST_RUN");
+    let (ret, len) = (output.return_value, output.data.expect("output data").len());
+    out.truncate(len);
+    (ret, out)
+}
+
+/// `inner` (an IP packet) as the router sends it to `sid`: an outer IPv6
+/// header and, unless `reduced`, a one-segment SRH with `segments_left`.
+fn srv6(sid: Ipv6Addr, inner: &[u8], segments_left: u8, reduced: bool) -> Vec<u8> {
+    let srh = if reduced {
+        Vec::new()
+    } else {
+        // Routing type 4, segments left, last entry 0, flags, tag; the one segment.
+        let mut body = vec![4, segments_left, 0, 0, 0, 0];
+        body.extend_from_slice(&sid.octets());
+        ext(IPPROTO_IPV6, &body)
+    };
+    let mut f = vec![0x02, 0, 0, 0, 0, 0x51, 0x02, 0, 0, 0, 0, 0x01, 0x86, 0xdd];
+    f.extend_from_slice(&[0x60, 0, 0, 0]);
+    f.extend_from_slice(&((srh.len() + inner.len()) as u16).to_be_bytes());
+    f.push(if reduced { IPPROTO_IPV6 } else { IPPROTO_ROUTING });
+    f.push(64);
+    f.extend_from_slice(&ROUTER.octets());
+    f.extend_from_slice(&sid.octets());
+    f.extend_from_slice(&srh);
+    f.extend_from_slice(inner);
+    f
+}
+
+fn tcp(from: SocketAddr, to: SocketAddr, flags: u8) -> Vec<u8> {
+    PacketBuilder::tcp(from, to).flags(flags).payload(b"GET / HTTP/1.1\r\n".to_vec()).build_ip()
+}
+
+fn count(skel: &ShadowSkel, name: &str) -> (u64, u64) {
+    let all = read_counters(&skel.maps.shadow_stats).unwrap();
+    let c = all.iter().find(|(n, _)| *n == name).unwrap_or_else(|| panic!("no counter {name}")).1;
+    (c.packets, c.bytes)
+}
+
+/// The frame with its outer destination replaced: what a chained packet
+/// leaves as. Nothing else may change.
+fn readdressed(frame: &[u8], to: Ipv6Addr) -> Vec<u8> {
+    let mut f = frame.to_vec();
+    f[ETH_HLEN + 24..ETH_HLEN + 40].copy_from_slice(&to.octets());
+    f
+}
+
+#[test]
+fn new_flows_and_other_protocols_are_delivered_untouched() {
+    let mut obj = MaybeUninit::uninit();
+    let skel = load(&mut obj);
+    let (client, vip) = (SocketAddr::new(CLIENT.into(), 40000), SocketAddr::new(VIP.into(), 80));
+    let syn = srv6(COND_SID, &PacketBuilder::tcp(client, vip).syn(1440).build_ip(), 0, false);
+    assert_eq!(run(&skel.progs.shadow_ingress, &syn), (TC_ACT_UNSPEC, syn.clone()));
+    let udp = srv6(COND_SID, &PacketBuilder::udp(client, vip).payload(b"q".to_vec()).build_ip(), 0, false);
+    assert_eq!(run(&skel.progs.shadow_ingress, &udp), (TC_ACT_UNSPEC, udp.clone()));
+    assert_eq!(count(&skel, "new_flow"), (1, syn.len() as u64));
+    assert_eq!(count(&skel, "not_tcp"), (1, udp.len() as u64));
+    assert_eq!(count(&skel, "chained"), (0, 0));
+}
+
+#[test]
+fn packets_not_for_the_conditional_sid_are_not_judged() {
+    let mut obj = MaybeUninit::uninit();
+    let skel = load(&mut obj);
+    let (client, vip) = (SocketAddr::new(CLIENT.into(), 40000), SocketAddr::new(VIP.into(), 80));
+    let ack = tcp(client, vip, TCP_ACK);
+    // From the shadow table (the direct SID): delivered whatever it is, so
+    // a packet is chained at most once and never loops.
+    let direct = srv6(DIRECT_SID, &ack, 0, false);
+    // Plain traffic to the server, and IPv4.
+    let plain = PacketBuilder::tcp(client, vip).flags(TCP_ACK).build();
+    let v4 = PacketBuilder::tcp("10.0.0.1:1000".parse::<SocketAddr>().unwrap(), "10.0.0.2:80".parse::<SocketAddr>().unwrap())
+        .flags(TCP_ACK)
+        .build();
+    for f in [&direct, &plain, &v4] {
+        assert_eq!(run(&skel.progs.shadow_ingress, f), (TC_ACT_UNSPEC, f.clone()));
+    }
+    assert_eq!(count(&skel, "other").0, 3);
+    assert_eq!(count(&skel, "chained"), (0, 0));
+}
+
+#[test]
+fn a_stray_goes_to_the_shadow_sid_with_only_its_destination_changed() {
+    let _ns = TestNetns::enter("shstray");
+    let mut obj = MaybeUninit::uninit();
+    let skel = load(&mut obj);
+    let (client, vip) = (SocketAddr::new(CLIENT.into(), 40000), SocketAddr::new(VIP.into(), 80));
+    for frame in [
+        srv6(COND_SID, &tcp(client, vip, TCP_ACK | TCP_PSH), 0, false),
+        // The reduced encapsulation (no SRH) too.
+        srv6(COND_SID, &tcp(client, vip, TCP_ACK), 0, true),
+        // A SYN-ACK is no new flow: it is asked about like any other.
+        srv6(COND_SID, &tcp(client, vip, TCP_SYN | TCP_ACK), 0, false),
+    ] {
+        assert_eq!(run(&skel.progs.shadow_ingress, &frame), (TC_ACT_OK, readdressed(&frame, SHADOW_SID)));
+    }
+    assert_eq!(count(&skel, "chained").0, 3);
+}
+
+#[test]
+fn a_local_connection_is_delivered_and_a_listener_is_not_one() {
+    let ns = TestNetns::enter("shsock");
+    ns.ip(&["link", "set", "lo", "up"]);
+    let mut obj = MaybeUninit::uninit();
+    let skel = load(&mut obj);
+    let listener = TcpListener::bind((Ipv6Addr::LOCALHOST, 0)).unwrap();
+    let server = listener.local_addr().unwrap();
+    let conn = TcpStream::connect(server).unwrap();
+    let (accepted, _) = listener.accept().unwrap();
+    let client = conn.local_addr().unwrap();
+    // The connection's own packet: a local socket has it.
+    let own = srv6(COND_SID, &tcp(client, server, TCP_ACK), 0, false);
+    assert_eq!(run(&skel.progs.shadow_ingress, &own), (TC_ACT_UNSPEC, own.clone()));
+    assert_eq!(count(&skel, "local"), (1, own.len() as u64));
+    // Another client port of the same listening port: only the listener
+    // matches, which says nothing about this connection — chained.
+    let other = SocketAddr::new(client.ip(), client.port().wrapping_add(1).max(1024));
+    let stray = srv6(COND_SID, &tcp(other, server, TCP_ACK), 0, false);
+    assert_eq!(run(&skel.progs.shadow_ingress, &stray), (TC_ACT_OK, readdressed(&stray, SHADOW_SID)));
+    // A UDP socket on the port is no TCP connection either.
+    let udp = UdpSocket::bind(SocketAddr::new(Ipv6Addr::LOCALHOST.into(), 0)).unwrap();
+    let to_udp_port = srv6(COND_SID, &tcp(client, udp.local_addr().unwrap(), TCP_ACK), 0, false);
+    assert_eq!(run(&skel.progs.shadow_ingress, &to_udp_port).0, TC_ACT_OK);
+    // The server closes first: its time-wait socket still owns the tuple,
+    // so late packets of a closed connection stay here.
+    drop(accepted);
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    drop(conn);
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert_eq!(run(&skel.progs.shadow_ingress, &own).0, TC_ACT_UNSPEC, "time-wait (or closing) socket found");
+    assert_eq!(count(&skel, "chained").0, 2);
+}
+
+#[test]
+fn malformed_encapsulations_are_left_to_the_kernel() {
+    let mut obj = MaybeUninit::uninit();
+    let skel = load(&mut obj);
+    let (client, vip) = (SocketAddr::new(CLIENT.into(), 40000), SocketAddr::new(VIP.into(), 80));
+    let ack = tcp(client, vip, TCP_ACK);
+    let mut not_srh = srv6(COND_SID, &ack, 0, false);
+    not_srh[ETH_HLEN + 40 + 2] = 2; // routing type 2 (mobility), not segment routing
+    let mut tcp_outside = PacketBuilder::tcp(SocketAddr::new(ROUTER.into(), 1), SocketAddr::new(COND_SID.into(), 80)).flags(TCP_ACK).build();
+    tcp_outside[ETH_HLEN + 6] = IPPROTO_TCP;
+    let full = srv6(COND_SID, &ack, 0, false);
+    let cases = [
+        ("segments left", srv6(COND_SID, &ack, 1, false)),
+        ("not an SRH", not_srh),
+        ("no inner IPv6", tcp_outside),
+        ("inner header cut", full[..ETH_HLEN + 40 + 24 + 20].to_vec()),
+        ("TCP header cut", full[..ETH_HLEN + 40 + 24 + 40 + 10].to_vec()),
+    ];
+    for (what, f) in &cases {
+        assert_eq!(run(&skel.progs.shadow_ingress, f), (TC_ACT_UNSPEC, f.clone()), "{what}");
+    }
+    assert_eq!(count(&skel, "malformed").0, cases.len() as u64);
+    assert_eq!(count(&skel, "chained"), (0, 0));
+    assert_eq!(COUNTERS.len(), 6);
+}
