@@ -7,7 +7,7 @@
 
 use std::io::{Read, Write};
 use std::os::unix::process::CommandExt;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -78,26 +78,41 @@ fn origin() -> Origin {
     Origin { addr, hits, stop }
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-fn start(config: &Path, addr: SocketAddr) -> Proc {
+/// Starts `inband proxy` with its log in `log`; returns once it accepts,
+/// with the address it bound. Configs listen on port 0 (or, for a restart,
+/// on the address the first run reported), so no other test's listener can
+/// answer in its place.
+fn start(config: &Path, log: &Path) -> (Proc, SocketAddr) {
     let child = Command::new(env!("CARGO_BIN_EXE_inband"))
         .args(["proxy", "--config"])
         .arg(config)
-        .env("INBAND_LOG", "warn")
+        .env("INBAND_LOG", "info")
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap())
         .spawn()
         .unwrap();
-    let p = Proc(child);
+    let mut p = Proc(child);
+    let addr = listening(&mut p, log);
+    (p, addr)
+}
+
+/// The address the proxy reports in its log once it accepts.
+fn listening(p: &mut Proc, log: &Path) -> SocketAddr {
     let deadline = Instant::now() + Duration::from_secs(10);
-    while TcpStream::connect(addr).is_err() {
-        assert!(Instant::now() < deadline, "proxy did not start listening");
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        let addr = text.lines().filter(|l| l.contains("proxy listening")).find_map(|l| {
+            l.split_whitespace().find_map(|w| w.strip_prefix("addr=")).and_then(|a| a.parse::<SocketAddr>().ok())
+        });
+        if let Some(addr) = addr {
+            return addr;
+        }
+        if let Some(st) = p.0.try_wait().unwrap() {
+            panic!("proxy exited ({st}) before listening:\n{text}");
+        }
+        assert!(Instant::now() < deadline, "proxy did not start listening:\n{text}");
         thread::sleep(Duration::from_millis(20));
     }
-    p
 }
 
 /// (status, x-cache, body) of one GET on its own connection.
@@ -117,7 +132,7 @@ fn get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String, String)> {
     Ok((status, x_cache, body.to_string()))
 }
 
-fn write_config(dir: &Path, addr: SocketAddr, origin: SocketAddr) -> std::path::PathBuf {
+fn write_config(dir: &Path, addr: &str, origin: SocketAddr) -> std::path::PathBuf {
     let cfg = dir.join("proxy.toml");
     let cache = dir.join("cache");
     std::fs::write(
@@ -135,9 +150,8 @@ fn write_config(dir: &Path, addr: SocketAddr, origin: SocketAddr) -> std::path::
 fn sigterm_finishes_the_request_in_flight_and_exits_0() {
     let o = origin();
     let dir = tempfile::tempdir().unwrap();
-    let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-    let cfg = write_config(dir.path(), addr, o.addr);
-    let mut p = start(&cfg, addr);
+    let cfg = write_config(dir.path(), "127.0.0.1:0", o.addr);
+    let (mut p, addr) = start(&cfg, &dir.path().join("proxy.log"));
     let pending = thread::spawn(move || get(addr, "/slow"));
     let deadline = Instant::now() + Duration::from_secs(5);
     while o.hits.load(Ordering::SeqCst) == 0 {
@@ -165,9 +179,8 @@ fn kill_9_during_cache_writes_then_restart_serves_only_intact_entries() {
     const KEYS: usize = 300;
     let o = origin();
     let dir = tempfile::tempdir().unwrap();
-    let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-    let cfg = write_config(dir.path(), addr, o.addr);
-    let mut p = start(&cfg, addr);
+    let cfg = write_config(dir.path(), "127.0.0.1:0", o.addr);
+    let (mut p, addr) = start(&cfg, &dir.path().join("proxy.log"));
     let stop = Arc::new(AtomicBool::new(false));
     let writers: Vec<_> = (0..2)
         .map(|t| {
@@ -194,7 +207,9 @@ fn kill_9_during_cache_writes_then_restart_serves_only_intact_entries() {
         w.join().unwrap();
     }
     let before = o.hits.load(Ordering::SeqCst);
-    let _p = start(&cfg, addr);
+    let cfg = write_config(dir.path(), &addr.to_string(), o.addr);
+    let (_p, again) = start(&cfg, &dir.path().join("restart.log"));
+    assert_eq!(again, addr);
     let mut hits = 0;
     let mut misses = 0;
     for i in 0..KEYS {
@@ -224,13 +239,12 @@ fn cpu_s(pid: u32) -> f64 {
 fn out_of_descriptors_it_backs_off_and_recovers_when_idle_clients_time_out() {
     let o = origin();
     let dir = tempfile::tempdir().unwrap();
-    let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let cfg = dir.path().join("proxy.toml");
     // max_connections far above what 48 descriptors allow: the limit hit is
     // the kernel's (EMFILE), not the proxy's own.
     std::fs::write(
         &cfg,
-        format!("listen = \"{addr}\"\nbackends = [\"{}\"]\nmax_connections = 1000\nclient_header_timeout_ms = 1500\n", o.addr),
+        format!("listen = \"127.0.0.1:0\"\nbackends = [\"{}\"]\nmax_connections = 1000\nclient_header_timeout_ms = 1500\n", o.addr),
     )
     .unwrap();
     let log = dir.path().join("proxy.log");
@@ -247,12 +261,9 @@ fn out_of_descriptors_it_backs_off_and_recovers_when_idle_clients_time_out() {
             Ok(())
         });
     }
-    let p = Proc(cmd.spawn().unwrap());
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while get(addr, "/k/1").is_err() {
-        assert!(Instant::now() < deadline, "proxy did not start serving");
-        thread::sleep(Duration::from_millis(20));
-    }
+    let mut p = Proc(cmd.spawn().unwrap());
+    let addr = listening(&mut p, &log);
+    assert_eq!(get(addr, "/k/1").unwrap().0, 200);
     // Idle clients, more than the proxy has descriptors for.
     let idle: Vec<TcpStream> = (0..60).map(|_| TcpStream::connect(addr).unwrap()).collect();
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -304,15 +315,15 @@ fn rss_anon(pid: u32) -> u64 {
 }
 
 /// GET with the body read and checked without keeping it.
-fn get_big(addr: SocketAddr) -> (u16, String, usize) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    s.write_all(b"GET /big HTTP/1.1\r\nHost: cli.test\r\nConnection: close\r\n\r\n").unwrap();
+fn get_big(addr: SocketAddr) -> std::io::Result<(u16, String, usize)> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    s.write_all(b"GET /big HTTP/1.1\r\nHost: cli.test\r\nConnection: close\r\n\r\n")?;
     let mut buf = vec![0; 1 << 16];
     let mut head = Vec::new();
     let mut at = 0usize;
     loop {
-        let n = s.read(&mut buf).unwrap();
+        let n = s.read(&mut buf)?;
         if n == 0 {
             break;
         }
@@ -338,7 +349,7 @@ fn get_big(addr: SocketAddr) -> (u16, String, usize) {
     let head = String::from_utf8_lossy(&head).into_owned();
     let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
     let x_cache = head.lines().find_map(|l| l.to_ascii_lowercase().strip_prefix("x-cache: ").map(str::to_string)).unwrap_or_default();
-    (status, x_cache, at)
+    Ok((status, x_cache, at))
 }
 
 #[test]
@@ -346,19 +357,20 @@ fn five_concurrent_hits_on_a_100_mib_object_do_not_hold_it_in_memory() {
     let o = origin();
     for backend in ["lmdb", "rocksdb", "files"] {
         let dir = tempfile::tempdir().unwrap();
-        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let cfg = dir.path().join("proxy.toml");
         std::fs::write(
             &cfg,
             format!(
-                "listen = \"{addr}\"\nbackends = [\"{}\"]\n[cache]\nbackend = \"{backend}\"\npath = \"{}\"\ncapacity_bytes = 536870912\nmax_object_bytes = 134217728\n",
+                "listen = \"127.0.0.1:0\"\nbackends = [\"{}\"]\n[cache]\nbackend = \"{backend}\"\npath = \"{}\"\ncapacity_bytes = 536870912\nmax_object_bytes = 134217728\n",
                 o.addr,
                 dir.path().join("cache").display()
             ),
         )
         .unwrap();
-        let p = start(&cfg, addr);
-        assert_eq!(get_big(addr), (200, "miss".into(), BIG), "{backend}: the fill");
+        let log = dir.path().join("proxy.log");
+        let (p, addr) = start(&cfg, &log);
+        let fill = get_big(addr).unwrap_or_else(|e| panic!("{backend}: the fill: {e}; the proxy's log:\n{}", std::fs::read_to_string(&log).unwrap_or_default()));
+        assert_eq!(fill, (200, "miss".into(), BIG), "{backend}: the fill");
         let before = rss_anon(p.0.id());
         let done = Arc::new(AtomicBool::new(false));
         let sampler = {
@@ -374,7 +386,8 @@ fn five_concurrent_hits_on_a_100_mib_object_do_not_hold_it_in_memory() {
         };
         let clients: Vec<_> = (0..5).map(|_| thread::spawn(move || get_big(addr))).collect();
         for c in clients {
-            assert_eq!(c.join().unwrap(), (200, "hit".into(), BIG), "{backend}");
+            let hit = c.join().unwrap().unwrap_or_else(|e| panic!("{backend}: a hit: {e}; the proxy's log:\n{}", std::fs::read_to_string(&log).unwrap_or_default()));
+            assert_eq!(hit, (200, "hit".into(), BIG), "{backend}");
         }
         done.store(true, Ordering::SeqCst);
         let peak = sampler.join().unwrap();
