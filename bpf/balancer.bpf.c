@@ -57,6 +57,22 @@
  * p->named), for the same reason. */
 #define OPEN_FLOW (-4)
 
+/* ... or when the packet is to be chained to the router's shadow table
+ * (scale-out): the walk wraps it and sends it back. */
+#define CHAIN (-5)
+
+/* How a packet reached this instance through the ECMP router (p->via_sid). */
+#define VIA_COND_SID 1
+#define VIA_DIRECT_SID 2
+
+/* The SRv6 encapsulation the router adds (seg6 mode encap, one segment):
+ * an outer IPv6 header, and a Segment Routing Header of one segment, or
+ * none (encap.red). */
+#define SRV6_OUTER INBAND_IPV6_HDR
+#define SRV6_OUTER_SRH (INBAND_IPV6_HDR + 8 + 16)
+#define IP6_IN_IP6 41
+#define SRH_TYPE 4
+
 /* The flow a handshake forwards a packet on when it is not (yet) in
  * `flows`: a new handshake, a retransmitted SYN's, one ending. */
 struct {
@@ -185,6 +201,84 @@ static __always_inline int decap_ipip(struct xdp_md *ctx)
 		return -1;
 	event(INBAND_EV_DECAPSULATED);
 	return 1;
+}
+
+/*
+ * SRv6 from the ECMP router to one of this instance's SIDs (scale-out):
+ * the outer header (and its one-segment SRH) comes off and `p` is parsed
+ * again as the IPv6 packet inside, to be walked as if it had come
+ * straight, with p->via_sid saying how it came. 1 if it was unwrapped, 0
+ * if it is not ours (left to the kernel), -1 if it is dropped (counted).
+ * Not inlined: the walk's frame is at its limit.
+ */
+static __noinline int decap_srv6(struct xdp_md *ctx, const struct inband_lb_config *cfg, struct pkt *p)
+{
+	__u8 via;
+
+	if (!cfg || !p || inband_addr_is_zero(&cfg->cond_sid))
+		return 0;
+	if (inband_addr_eq(&p->daddr, &cfg->cond_sid))
+		via = VIA_COND_SID;
+	else if (inband_addr_eq(&p->daddr, &cfg->direct_sid))
+		via = VIA_DIRECT_SID;
+	else
+		return 0;
+	/* Only what the router sends is unwrapped: IPv6 inside, no
+	 * fragment, and either no extension header or one SRH whose only
+	 * segment is ours (segments left 0). Anything else to our SID has no
+	 * meaning here. */
+	if (p->proto != IP6_IN_IP6 || p->frag ||
+	    !(p->hlen == SRV6_OUTER || (p->hlen == SRV6_OUTER_SRH && p->ext == 1 && p->srh_type == SRH_TYPE && !p->srh_left))) {
+		drop(INBAND_DROP_SRV6_UNSUPPORTED);
+		return -1;
+	}
+	if (p->hlen == SRV6_OUTER ? close_gap(ctx, ETH_HLEN, SRV6_OUTER) : close_gap(ctx, ETH_HLEN, SRV6_OUTER_SRH))
+		return -1;
+	event(via == VIA_COND_SID ? INBAND_EV_SRV6_COND : INBAND_EV_SRV6_DIRECT);
+	__builtin_memset(p, 0, sizeof(*p));
+	p->len = (long)ctx->data_end - (long)ctx->data;
+	if (parse6(ctx, p))
+		return -1;
+	p->via_sid = via;
+	return 1;
+}
+
+/*
+ * Sends a TCP packet that has no connection here back to the router,
+ * wrapped in IPv6 to its shadow SID (no SRH: the router's End.DT6 takes a
+ * plain IPv6-in-IPv6 packet), which routes it by the previous next-hop
+ * set to the instance that had it. The router sent it to us, so its MAC
+ * is the frame's source. `p` describes the packet as it came (unwrapped).
+ */
+static __noinline int chain(struct xdp_md *ctx, const struct inband_lb_config *cfg, const struct pkt *p)
+{
+	if (!cfg || !p)
+		return XDP_DROP;
+	int bad = open_gap(ctx, ETH_HLEN, SRV6_OUTER);
+
+	if (bad)
+		return bad;
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct ethhdr *eth = data;
+	struct ipv6hdr *outer = data + ETH_HLEN;
+
+	if ((void *)(outer + 1) > data_end)
+		return drop(INBAND_DROP_ADJUST_FAILED);
+	__u8 mac[ETH_ALEN];
+
+	__builtin_memcpy(mac, eth->h_dest, ETH_ALEN);
+	__builtin_memcpy(eth->h_dest, eth->h_source, ETH_ALEN);
+	__builtin_memcpy(eth->h_source, mac, ETH_ALEN);
+	eth->h_proto = bpf_htons(ETH_P_IPV6_);
+	*(__be32 *)outer = bpf_htonl(0x60000000);
+	outer->payload_len = bpf_htons(p->tot_len);
+	outer->nexthdr = IP6_IN_IP6;
+	outer->hop_limit = 64;
+	__builtin_memcpy(&outer->saddr, &cfg->self6, 16);
+	__builtin_memcpy(&outer->daddr, &cfg->shadow_sid, 16);
+	event(INBAND_EV_CHAINED);
+	return XDP_TX;
 }
 
 /*
@@ -478,8 +572,13 @@ __noinline int handshake(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 		}
 		return OPEN_FLOW;
 	}
-	if (!ho)
-		return drop(INBAND_DROP_NO_FLOW);
+	if (!ho) {
+		/* Scale-out: the connection may live on the instance the
+		 * router's previous next-hop set sent it to. */
+		if (p->via_sid == VIA_COND_SID)
+			return CHAIN;
+		return drop(p->via_sid == VIA_DIRECT_SID ? INBAND_DROP_CHAINED_NO_FLOW : INBAND_DROP_NO_FLOW);
+	}
 	if (p->flags & TCP_FLAG_RST) {
 		/* The client gives up the handshake: the backend hears it too. */
 		*copy = *ho;
@@ -880,6 +979,15 @@ int balancer(struct xdp_md *ctx)
 		return XDP_PASS;
 	if (bad)
 		return bad;
+	/* SRv6 from the ECMP router: walk what it carries. */
+	if (p->family == 6) {
+		int unwrapped = decap_srv6(ctx, cfg, p);
+
+		if (unwrapped < 0)
+			return XDP_DROP;
+		data = (void *)(long)ctx->data;
+		data_end = (void *)(long)ctx->data_end;
+	}
 	/* IP-in-IP from an encap backend to this balancer: walk what it carries. */
 	if (p->proto == INBAND_IPPROTO_IPIP && p->family == 4 && p->hlen == INBAND_IPV4_MIN_HDR &&
 	    inband_addr_eq(&p->daddr, &cfg->self4)) {
@@ -963,6 +1071,8 @@ int balancer(struct xdp_md *ctx)
 	__u32 id = *vid;
 	int verdict = handshake(ctx, cfg, id, p);
 
+	if (verdict == CHAIN)
+		return chain(ctx, cfg, p);
 	if (verdict == OPEN_FLOW)
 		verdict = open_flow(ctx, cfg, id, p, p->named);
 	if (verdict == FWD_COPY)

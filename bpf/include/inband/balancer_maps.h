@@ -169,6 +169,15 @@ struct inband_lb_config {
 	__u8 sign_key; /* auth_keys id the balancer signs 155 and 124 with */
 	__u32 maglev_size; /* entries of each VIP's Maglev table (a prime; see above) */
 	__u64 snat_key[2]; /* SipHash key of the SNAT port candidates, random per balancer */
+	/* Scale-out behind an ECMP router (seed 002 one tier up; all zero =
+	 * off): the router reaches this instance in SRv6 at `cond_sid`; a TCP
+	 * packet that arrives so and belongs to no connection here is sent
+	 * back to the router's `shadow_sid` (its previous next-hop set), which
+	 * delivers it at the previous owner's `direct_sid`, where it is not
+	 * chained again. */
+	struct inband_addr cond_sid;
+	struct inband_addr direct_sid;
+	struct inband_addr shadow_sid;
 };
 
 /* The client side of a connection: key of `flows` and `half_open`. */
@@ -285,7 +294,9 @@ enum inband_drop_reason {
 	INBAND_DROP_VLAN = 17, /* an 802.1Q/802.1ad-tagged frame to a VIP */
 	INBAND_DROP_FAMILY = 18, /* a packet of a family the balancer has no address for */
 	INBAND_DROP_QUERY_PENDING = 19, /* dsr-query: a SYN handed to the daemon to ask the backends */
-	INBAND_DROP_MAX = 20,
+	INBAND_DROP_CHAINED_NO_FLOW = 20, /* chained here by another instance, and no connection here either */
+	INBAND_DROP_SRV6_UNSUPPORTED = 21, /* to our SID, but not one segment carrying IPv6: not unwrapped */
+	INBAND_DROP_MAX = 22,
 };
 
 /* Things the data path did or refused that are not drops; per-CPU array,
@@ -316,7 +327,10 @@ enum inband_event {
 	INBAND_EV_IPV6_CHAIN_UNWALKED = 22, /* IPv6 with more extension headers than the walk takes: passed */
 	INBAND_EV_ENCAPSULATED = 23, /* packets with an option sent to an encap backend in IP-in-IP */
 	INBAND_EV_DECAPSULATED = 24, /* IP-in-IP from a backend unwrapped (its 125 inside) */
-	INBAND_EV_MAX = 25,
+	INBAND_EV_SRV6_COND = 25, /* from the ECMP router to the conditional SID: unwrapped */
+	INBAND_EV_SRV6_DIRECT = 26, /* ... to the direct SID (chained by another instance): unwrapped */
+	INBAND_EV_CHAINED = 27, /* TCP without a connection here sent to the router's shadow table */
+	INBAND_EV_MAX = 28,
 };
 
 /* Written by the sweeper program at each pass (lifecycle.h), read by

@@ -27,7 +27,7 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags, OpenObject, ProgramInput};
 
 mod frames;
-use frames::{cut6, ext, ipip, opts_header, routing, IPPROTO_ROUTING};
+use frames::{cut6, ext, ipip, opts_header, routing, srv6, IPPROTO_IPV6, IPPROTO_ROUTING};
 
 const LB_ADDR: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 10);
 const LB6_ADDR: Ipv6Addr = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x10);
@@ -279,6 +279,7 @@ impl Fixture {
             sign_key: KEY_ID,
             maglev_size: MAGLEV_SIZE,
             snat_key: [1, 2],
+            ..Default::default()
         };
         let lb = PrivateBalancer::load(storage, 262_144, &cfg).expect("load balancer");
         inband::auth::write_keys(&lb.skel.maps.auth_keys, &[(KEY_ID, KEY)]).unwrap();
@@ -2748,4 +2749,129 @@ fn maglev_weights_and_an_ineligible_slot() {
         };
         assert_eq!(fx.pick(c), backend(want as u8).id, "client {c}");
     }
+}
+
+// ------------------------------------------------- scale-out behind ECMP
+
+const ROUTER_MAC: Mac = [0x02, 0, 0, 0, 0, 0x01];
+const COND_SID: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x51, 0, 0, 0, 0, 0, 0xb);
+const DIRECT_SID: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x51, 0, 0, 0, 0, 0, 0xd);
+const SHADOW_SID: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x5f, 0, 0, 0, 0, 0, 5);
+
+/// An IPv6 dsr-rr VIP on an instance with `[scale_out]`.
+fn scaled_out() -> Fixture {
+    let fx = Fixture::lb_vip(Spec { v6: true, mode: Mode::DsrRr, n: 2, ..Spec::default() });
+    fx.config(|c| {
+        c.cond_sid = be_ip(COND_SID.into());
+        c.direct_sid = be_ip(DIRECT_SID.into());
+        c.shadow_sid = be_ip(SHADOW_SID.into());
+    });
+    fx
+}
+
+/// The client packet `p` as the router delivers it to `sid`.
+fn via(sid: Ipv6Addr, p: &PacketBuilder) -> Vec<u8> {
+    srv6((ROUTER_MAC, LB_MAC), ROUTER6, sid, &p.build_ip(), 0, false)
+}
+
+#[test]
+fn srv6_to_an_instance_is_unwrapped_and_balanced_as_if_it_came_straight() {
+    let fx = scaled_out();
+    let c = client6(1);
+    let s = syn(c);
+    let out = fx.tx(&via(COND_SID, &s));
+    let f = fx.half_open(c).expect("a handshake");
+    let (b, snat) = (fx.backend_of(u32::from(f.backend_id)), port_of(f.snat_port));
+    assert_eq!(out, forwarded_dsr_syn(&s, &b, snat));
+    // The return next hop is the router, whose frame it was.
+    assert_eq!(f.client_mac, ROUTER_MAC);
+    let a = ack(c);
+    assert_eq!(fx.tx(&via(COND_SID, &a)), forwarded(&a, &b, snat, vec![]));
+    // encap.red (no SRH) is the same packet, and so is one chained to the
+    // direct SID by another instance's shadow table.
+    let d = data(c);
+    let plain = srv6((ROUTER_MAC, LB_MAC), ROUTER6, COND_SID, &d.build_ip(), 0, true);
+    assert_eq!(fx.tx(&plain), forwarded(&d, &b, snat, vec![]));
+    assert_eq!(fx.tx(&via(DIRECT_SID, &d)), forwarded(&d, &b, snat, vec![]));
+    assert_eq!((fx.event("srv6_cond"), fx.event("srv6_direct"), fx.event("chained")), (3, 1, 0));
+}
+
+#[test]
+fn a_tcp_packet_without_a_connection_here_is_chained_to_the_shadow_sid_once() {
+    let fx = scaled_out();
+    let c = client6(2);
+    for p in [data(c), ack(c), data(c).flags(TCP_RST)] {
+        let out = fx.tx(&via(COND_SID, &p));
+        // Back to the router, in plain IPv6-in-IPv6 from the instance's
+        // own address to the shadow SID; the packet inside untouched.
+        let inner = p.build_ip();
+        let mut want = ROUTER_MAC.to_vec();
+        want.extend_from_slice(&LB_MAC);
+        want.extend_from_slice(&[0x86, 0xdd, 0x60, 0, 0, 0]);
+        want.extend_from_slice(&(inner.len() as u16).to_be_bytes());
+        want.extend_from_slice(&[IPPROTO_IPV6, 64]);
+        want.extend_from_slice(&LB6_ADDR.octets());
+        want.extend_from_slice(&SHADOW_SID.octets());
+        want.extend_from_slice(&inner);
+        assert_eq!(out, want);
+    }
+    assert_eq!(fx.event("chained"), 3);
+    assert_eq!(fx.half_open_count() + fx.flow_count(), 0, "a stray opens nothing");
+    // From the direct SID it was chained already: it ends here.
+    fx.assert_dropped(&via(DIRECT_SID, &data(c)), "chained_no_flow");
+    // Without [scale_out] nothing is unwrapped, nothing chained.
+    let plain = Fixture::lb_vip(Spec { v6: true, mode: Mode::DsrRr, n: 2, ..Spec::default() });
+    plain.assert_passed_untouched(&via(COND_SID, &data(c)));
+    plain.assert_dropped(&data(c).build(), "no_flow");
+    assert_eq!(plain.event("chained"), 0);
+}
+
+#[test]
+fn a_handshake_split_across_instances_completes_on_the_one_that_saw_the_syn() {
+    // The router's next hops changed between the SYN and the ACK: the new
+    // instance chains the ACK, the old one gets it at its direct SID.
+    let (old, new) = (scaled_out(), scaled_out());
+    let c = client6(3);
+    old.tx(&via(COND_SID, &syn(c)));
+    let chained = new.tx(&via(COND_SID, &ack(c)));
+    assert_eq!(new.event("chained"), 1);
+    // What the router's shadow table makes of it: End.DT6 takes the outer
+    // header off, the route to the old instance puts an SRv6 one to its
+    // direct SID on.
+    let inner = &chained[ETH_HLEN + 40..];
+    let (b, snat) = {
+        let f = old.half_open(c).unwrap();
+        (old.backend_of(u32::from(f.backend_id)), port_of(f.snat_port))
+    };
+    let delivered = srv6((ROUTER_MAC, LB_MAC), ROUTER6, DIRECT_SID, inner, 0, false);
+    assert_eq!(old.tx(&delivered), forwarded(&ack(c), &b, snat, vec![]));
+    assert!(old.flow(c).is_some(), "the handshake completed where it began");
+    assert!(new.flow(c).is_none() && new.half_open(c).is_none());
+}
+
+#[test]
+fn srv6_to_our_sid_that_the_router_would_not_send_is_dropped() {
+    let fx = scaled_out();
+    let c = client6(4);
+    let d = data(c);
+    // A segment still to go: the packet is not at its end.
+    fx.assert_dropped(&srv6((ROUTER_MAC, LB_MAC), ROUTER6, COND_SID, &d.build_ip(), 1, false), "srv6_unsupported");
+    // IPv4 inside (next header 4).
+    let mut v4 = srv6((ROUTER_MAC, LB_MAC), ROUTER6, COND_SID, &data(client(4)).build_ip(), 0, true);
+    v4[ETH_HLEN + 6] = 4;
+    fx.assert_dropped(&v4, "srv6_unsupported");
+    // Another extension header before the SRH.
+    let mut chain = srv6((ROUTER_MAC, LB_MAC), ROUTER6, COND_SID, &d.build_ip(), 0, false);
+    let srh_at = ETH_HLEN + 40;
+    chain[ETH_HLEN + 6] = 0;
+    let mut hbh = opts_header(IPPROTO_ROUTING, &[]);
+    hbh.extend_from_slice(&chain[srh_at..]);
+    chain.truncate(srh_at);
+    chain.extend_from_slice(&hbh);
+    let payload = (chain.len() - ETH_HLEN - 40) as u16;
+    chain[ETH_HLEN + 4..ETH_HLEN + 6].copy_from_slice(&payload.to_be_bytes());
+    fx.assert_dropped(&chain, "srv6_unsupported");
+    // SRv6 to an address that is not one of our SIDs is the kernel's.
+    fx.assert_passed_untouched(&srv6((ROUTER_MAC, LB_MAC), ROUTER6, SHADOW_SID, &d.build_ip(), 0, false));
+    assert_eq!(fx.half_open_count() + fx.flow_count() + fx.event("chained") as usize, 0);
 }

@@ -18,12 +18,10 @@ use libbpf_rs::{AsRawLibbpf, OpenObject, ProgramInput, ProgramMut};
 #[allow(dead_code)]
 mod frames;
 mod own_netns;
-use frames::{ext, IPPROTO_ROUTING};
 use own_netns::TestNetns;
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_UNSPEC: u32 = u32::MAX; // -1
-const IPPROTO_IPV6: u8 = 41;
 
 const ROUTER: Ipv6Addr = Ipv6Addr::new(0xfd00, 1, 0, 0, 0, 0, 0, 1);
 const COND_SID: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x51, 0, 0, 0, 0, 0, 0xb);
@@ -57,25 +55,9 @@ fn run(prog: &ProgramMut, frame: &[u8]) -> (u32, Vec<u8>) {
 
 /// `inner` (an IP packet) as the router sends it to `sid`: an outer IPv6
 /// header and, unless `reduced`, a one-segment SRH with `segments_left`.
+/// What the router sends this server (frames from the router's MAC).
 fn srv6(sid: Ipv6Addr, inner: &[u8], segments_left: u8, reduced: bool) -> Vec<u8> {
-    let srh = if reduced {
-        Vec::new()
-    } else {
-        // Routing type 4, segments left, last entry 0, flags, tag; the one segment.
-        let mut body = vec![4, segments_left, 0, 0, 0, 0];
-        body.extend_from_slice(&sid.octets());
-        ext(IPPROTO_IPV6, &body)
-    };
-    let mut f = vec![0x02, 0, 0, 0, 0, 0x51, 0x02, 0, 0, 0, 0, 0x01, 0x86, 0xdd];
-    f.extend_from_slice(&[0x60, 0, 0, 0]);
-    f.extend_from_slice(&((srh.len() + inner.len()) as u16).to_be_bytes());
-    f.push(if reduced { IPPROTO_IPV6 } else { IPPROTO_ROUTING });
-    f.push(64);
-    f.extend_from_slice(&ROUTER.octets());
-    f.extend_from_slice(&sid.octets());
-    f.extend_from_slice(&srh);
-    f.extend_from_slice(inner);
-    f
+    frames::srv6(([0x02, 0, 0, 0, 0, 0x01], [0x02, 0, 0, 0, 0, 0x51]), ROUTER, sid, inner, segments_left, reduced)
 }
 
 fn tcp(from: SocketAddr, to: SocketAddr, flags: u8) -> Vec<u8> {

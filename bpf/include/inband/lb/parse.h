@@ -47,6 +47,9 @@ struct pkt {
 	__u8 ports; /* the transport header's first 4 bytes are in the packet */
 	__u8 first; /* toward a backend: the connection's first packet (a new SYN, a UDP flow's first) */
 	__u32 named; /* a new connection's backend a QUIC connection ID named (balancer.bpf.c NAMED) */
+	__u8 via_sid; /* SRv6 from the ECMP router: VIA_COND_SID, VIA_DIRECT_SID or 0 (balancer.bpf.c) */
+	__u8 srh_type; /* IPv6: routing type and segments left of a first Routing header */
+	__u8 srh_left;
 };
 
 /* The packet being handled lives in a per-CPU slot, not on the stack: the
@@ -154,6 +157,10 @@ static __always_inline int parse6(struct xdp_md *ctx, struct pkt *p)
 		}
 		if (i == 0 && nh == IP6_DSTOPTS)
 			p->doh_len = len;
+		if (i == 0 && nh == IP6_ROUTING) {
+			p->srh_type = h[2];
+			p->srh_left = h[3];
+		}
 		p->ext++;
 		off += len;
 		nh = h[0];

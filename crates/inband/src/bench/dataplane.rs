@@ -143,6 +143,7 @@ fn lb_config(auth: u32) -> LbConfig {
         sign_key: KEY_ID,
         maglev_size: 0,
         snat_key: [7, 11],
+        ..Default::default()
     }
 }
 

@@ -58,8 +58,27 @@ pub struct LbConfig {
     pub maglev_table_size: u32,
     #[serde(default)]
     pub auth: AuthConfig,
+    /// One of several instances behind an ECMP router (docs/architecture.md,
+    /// "Several balancers behind ECMP").
+    #[serde(default)]
+    pub scale_out: Option<ScaleOutConfig>,
     #[serde(default, rename = "vip")]
     pub vips: Vec<VipConfig>,
+}
+
+/// `[scale_out]`: the router reaches this instance by SRv6 (one segment),
+/// and a TCP packet of a connection this instance does not hold goes back
+/// to the router's shadow table, which knows the previous next-hop set.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScaleOutConfig {
+    /// The SID the router's ECMP route sends this instance's share to.
+    pub sid: Ipv6Addr,
+    /// The SID the router's shadow table sends chained packets to: they are
+    /// not chained again.
+    pub direct_sid: Ipv6Addr,
+    /// The router's SID that looks the VIP up in its shadow table.
+    pub shadow_sid: Ipv6Addr,
 }
 
 /// The transport a VIP balances.
@@ -427,6 +446,25 @@ impl LbConfig {
             );
         }
         self.auth.validate(true).context("[auth]")?;
+        if let Some(so) = &self.scale_out {
+            if self.address6.is_none() {
+                bail!("[scale_out]: chained packets leave in IPv6 from the balancer's own address: set `address6`");
+            }
+            let sids = [so.sid, so.direct_sid, so.shadow_sid];
+            if let Some(bad) = sids.iter().find(|s| !unicast(IpAddr::V6(**s))) {
+                bail!("[scale_out]: {bad} is not a unicast address a router can route to");
+            }
+            if sids[0] == sids[1] || sids[0] == sids[2] || sids[1] == sids[2] {
+                bail!("[scale_out]: sid, direct_sid and shadow_sid must be three different addresses (a chained packet must not be chained again)");
+            }
+            if let Some(v) = self.vips.iter().find(|v| v.address.is_ipv4()) {
+                bail!(
+                    "[scale_out]: vip {} is IPv4; chaining needs the router to look IPv4 up in its shadow table (End.DT4 into a VRF), \
+                     which inband's router controller does not set up: use IPv6 VIPs with [scale_out]",
+                    v.name()
+                );
+            }
+        }
         let mut seen = HashSet::new();
         let mut backends = 0;
         for v in &self.vips {
@@ -636,6 +674,23 @@ quic_server_id = 2
         assert!(err(&size("65536")).contains("not a prime"), "{}", err(&size("65536")));
         assert!(err(&size("7")).contains("out of range"), "{}", err(&size("7")));
         assert!(err(&text.replace("weight = 3", "weight = 70000")).contains("weight = 70000 is above 65535"));
+    }
+
+    #[test]
+    fn takes_scale_out_for_ipv6_vips_with_three_sids() {
+        let v6_only = DUAL.split("[[vip]]\naddress = \"10.77.0.100\"").next().unwrap().to_string();
+        let so = |sids: &str| v6_only.replace("[auth]", &format!("[scale_out]\n{sids}\n[auth]"));
+        let good = so("sid = \"fd00:51::b\"\ndirect_sid = \"fd00:51::d\"\nshadow_sid = \"fd00:5f::5\"");
+        let c = LbConfig::parse(&good).unwrap();
+        assert_eq!(c.scale_out.unwrap().shadow_sid, "fd00:5f::5".parse::<Ipv6Addr>().unwrap());
+        let same = so("sid = \"fd00:51::b\"\ndirect_sid = \"fd00:51::b\"\nshadow_sid = \"fd00:5f::5\"");
+        assert!(err(&same).contains("three different addresses"), "{}", err(&same));
+        let missing = so("sid = \"fd00:51::b\"\nshadow_sid = \"fd00:5f::5\"");
+        assert!(err(&missing).contains("missing field `direct_sid`"), "{}", err(&missing));
+        let multicast = good.replace("fd00:5f::5", "ff02::5");
+        assert!(err(&multicast).contains("ff02::5 is not a unicast address"), "{}", err(&multicast));
+        let with_v4 = DUAL.replace("[auth]", "[scale_out]\nsid = \"fd00:51::b\"\ndirect_sid = \"fd00:51::d\"\nshadow_sid = \"fd00:5f::5\"\n[auth]");
+        assert!(err(&with_v4).contains("vip 10.77.0.100:443/udp is IPv4"), "{}", err(&with_v4));
     }
 
     #[test]

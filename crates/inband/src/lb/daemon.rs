@@ -180,6 +180,9 @@ pub fn write_config(maps: &LbMaps, cfg: &LbConfig, keys: &[(u8, crate::wire::Key
             sign_key: cfg.auth.signing_key(),
             maglev_size: cfg.maglev_table_size,
             snat_key,
+            cond_sid: cfg.scale_out.as_ref().map(|s| be_ip(s.sid.into())).unwrap_or_default(),
+            direct_sid: cfg.scale_out.as_ref().map(|s| be_ip(s.direct_sid.into())).unwrap_or_default(),
+            shadow_sid: cfg.scale_out.as_ref().map(|s| be_ip(s.shadow_sid.into())).unwrap_or_default(),
         },
     )
 }

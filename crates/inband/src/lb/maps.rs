@@ -174,6 +174,8 @@ pub const DROP_NAMES: [&str; c::INBAND_DROP_MAX as usize] = [
     "vlan",
     "family",
     "query_pending",
+    "chained_no_flow",
+    "srv6_unsupported",
 ];
 
 /// Names of `enum inband_event`, by index.
@@ -203,6 +205,9 @@ pub const EVENT_NAMES: [&str; c::INBAND_EV_MAX as usize] = [
     "ipv6_chain_unwalked",
     "encapsulated",
     "decapsulated",
+    "srv6_cond",
+    "srv6_direct",
+    "chained",
 ];
 
 /// The index of a drop reason by name (tests and benchmarks look them up so).

@@ -2,9 +2,12 @@
 //! `inband::packet`: raw IPv6 extension headers (RFC 8200 §4) to build
 //! chains and malformed ones from, and frames cut short at a boundary.
 
+use std::net::Ipv6Addr;
+
 use inband::packet::{ETH_HLEN, IPV6_HLEN};
 
 pub const IPPROTO_ROUTING: u8 = 43;
+pub const IPPROTO_IPV6: u8 = 41;
 
 /// An extension header of the length-in-8-octet-units kind (Hop-by-Hop,
 /// Routing, Destination Options): next header `next`, its length, then
@@ -63,4 +66,31 @@ pub fn ipip(frame: &[u8]) -> Vec<u8> {
     let check = inband::packet::checksum(&[&outer]);
     outer[10..12].copy_from_slice(&check.to_be_bytes());
     [&frame[..ETH_HLEN], &outer, inner].concat()
+}
+
+/// The IPv6 packet `inner` (no Ethernet header) as an ECMP router sends it
+/// to `sid` with `ip -6 route ... encap seg6 mode encap segs SID`: an outer
+/// header from `router`, a Segment Routing Header of that one segment with
+/// `segments_left`, then `inner`; `reduced` (encap.red) leaves the SRH out.
+/// The frame goes from `macs.0` to `macs.1`.
+pub fn srv6(macs: ([u8; 6], [u8; 6]), router: Ipv6Addr, sid: Ipv6Addr, inner: &[u8], segments_left: u8, reduced: bool) -> Vec<u8> {
+    let srh = if reduced {
+        Vec::new()
+    } else {
+        // Routing type 4, segments left, last entry 0, flags, tag; the one segment.
+        let mut body = vec![4, segments_left, 0, 0, 0, 0];
+        body.extend_from_slice(&sid.octets());
+        ext(IPPROTO_IPV6, &body)
+    };
+    let mut f = macs.1.to_vec();
+    f.extend_from_slice(&macs.0);
+    f.extend_from_slice(&[0x86, 0xdd, 0x60, 0, 0, 0]);
+    f.extend_from_slice(&((srh.len() + inner.len()) as u16).to_be_bytes());
+    f.push(if reduced { IPPROTO_IPV6 } else { IPPROTO_ROUTING });
+    f.push(64);
+    f.extend_from_slice(&router.octets());
+    f.extend_from_slice(&sid.octets());
+    f.extend_from_slice(&srh);
+    f.extend_from_slice(inner);
+    f
 }
