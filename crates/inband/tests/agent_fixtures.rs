@@ -30,6 +30,8 @@ use libbpf_rs::libbpf_sys;
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{AsRawLibbpf, MapCore, MapFlags, MapMut, OpenObject, ProgramInput, ProgramMut};
 
+// Shared by the fixture crates; this one needs only part of it.
+#[allow(dead_code)]
 mod frames;
 mod own_netns;
 use own_netns::TestNetns;

@@ -4,7 +4,7 @@
 use inband::testbed::{Testbed, TestbedSpec};
 
 fn spec(tag: &str) -> TestbedSpec {
-    TestbedSpec { name: format!("t{}{tag}", std::process::id() % 100000), clients: 1, servers: 2, subnet: 78, client_link_mtu: None, ecmp: false }
+    TestbedSpec { name: format!("t{}{tag}", std::process::id() % 100000), clients: 1, servers: 2, subnet: 78, client_link_mtu: None, ecmp: false, balancers: 0 }
 }
 
 fn netns_names() -> String {

@@ -523,7 +523,9 @@ impl LbConfig {
                 );
             }
         }
-        for v in &self.vips {
+        // Behind an ECMP router the VIP's packets come to this instance's
+        // SIDs: nobody asks for the VIP's link-layer address.
+        for v in self.vips.iter().filter(|_| self.scale_out.is_none()) {
             if !locals.iter().any(|(_, a)| *a == v.address) {
                 let prefix = if v.address.is_ipv4() { 32 } else { 128 };
                 bail!(

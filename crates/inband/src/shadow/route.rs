@@ -118,14 +118,24 @@ pub fn apply(cfg: &RouterConfig, up: &[String], shadow: bool) -> Result<()> {
 }
 
 /// What the router needs whatever the set: forwarding, SRv6 accepted on
-/// the server links (strays come back on them), an L4 multipath hash (the
-/// default hashes addresses only: every connection of a client would go
-/// to one server), and its SID into the shadow table.
+/// the next hops' links (strays come back on them), a multipath hash of
+/// the 5-tuple read from the headers, and its SID into the shadow table.
+///
+/// The hash must be a function of the packet's 5-tuple alone, so that a
+/// stray looked up again in the shadow table picks the next hop the old
+/// route picked. The default (policy 0) hashes addresses only: every
+/// connection of a client would go to one next hop. Policy 1 (L4) takes
+/// a hash the packet already carries when there is one (skb->l4_hash):
+/// over a veth that is the sending socket's random txhash, which a stray
+/// re-sent by XDP no longer has, so the shadow lookup would pick another
+/// next hop. Policy 3 with the five fields always reads the headers.
 fn prepare(cfg: &RouterConfig) -> Result<()> {
     let mut sysctls = vec![
         ("net/ipv6/conf/all/forwarding".to_string(), "1"),
         ("net/ipv6/conf/all/seg6_enabled".to_string(), "1"),
-        ("net/ipv6/fib_multipath_hash_policy".to_string(), "1"),
+        ("net/ipv6/fib_multipath_hash_policy".to_string(), "3"),
+        // Source and destination address, protocol, source and destination port.
+        ("net/ipv6/fib_multipath_hash_fields".to_string(), "0x0037"),
     ];
     for s in &cfg.server {
         sysctls.push((format!("net/ipv6/conf/{}/seg6_enabled", s.dev), "1"));

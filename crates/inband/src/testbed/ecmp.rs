@@ -1,16 +1,20 @@
 //! The ECMP testbed (seed 002's setup, `TestbedSpec::ecmp`): a router `r1`
-//! with a link of its own to every client and every server, and the VIP
-//! on every server, reached through SRv6 (IPv6 only: this kernel has
-//! End.DT6 into a plain table, but End.DT4 only into a VRF device, which
-//! it lacks).
+//! with a link of its own to every client and every server, reached
+//! through SRv6 (IPv6 only: this kernel has End.DT6 into a plain table,
+//! but End.DT4 only into a VRF device, which it lacks). Its next hops for
+//! the VIP are the servers, each with the VIP, or with `balancers` > 0
+//! the balancer instances b1..bN (on links of their own to r1), each in
+//! front of every server.
 //!
 //! Addresses, for subnet X (written as hex digits, as in `TestbedSpec`):
 //! client i fd00:X:1::(10+i) behind r1's fd00:X:1::1; server i on the link
-//! fd00:X:2i::/64 (server ::2, router ::1), its SIDs fd00:X:5i::b
-//! (conditional) and fd00:X:5i::d (direct), both End.DT6 into the local
-//! table, where the VIP fd00:X::100 is; the router's shadow SID
-//! fd00:X:5f::5. The router's `router.toml` (for `inband shadow route`)
-//! lists the servers; no route to the VIP exists until that command runs.
+//! fd00:X:2i::/64 (server ::2, router ::1), balancer i on fd00:X:3i::/64
+//! likewise. Next hop i (server or balancer) has the SIDs fd00:X:5i::b
+//! (conditional) and fd00:X:5i::d (direct): on a server both are End.DT6
+//! into the local table, where the VIP fd00:X::100 is; a balancer's XDP
+//! program takes them itself. The router's shadow SID is fd00:X:5f::5.
+//! The router's `router.toml` (for `inband shadow route`) lists the next
+//! hops; no route to the VIP exists until that command runs.
 
 use std::net::Ipv6Addr;
 use std::process::Stdio;
@@ -23,6 +27,10 @@ use super::{add_ipv6, Node, Testbed};
 pub fn hex(n: u8) -> u16 {
     u16::from_str_radix(&n.to_string(), 16).unwrap_or(u16::from(n))
 }
+
+/// Next hops (and servers) an ECMP testbed numbers: SIDs fd00:X:51.. to
+/// fd00:X:5e, below the router's fd00:X:5f.
+pub const MAX_HOPS: usize = 14;
 
 pub struct Plan {
     pub subnet: u16,
@@ -41,8 +49,14 @@ impl Plan {
     pub fn server(&self, i: usize) -> Ipv6Addr {
         Ipv6Addr::new(0xfd00, self.subnet, self.server_net(i), 0, 0, 0, 0, 2)
     }
-    fn router_on(&self, i: usize) -> Ipv6Addr {
-        Ipv6Addr::new(0xfd00, self.subnet, self.server_net(i), 0, 0, 0, 0, 1)
+    pub fn balancer(&self, i: usize) -> Ipv6Addr {
+        Ipv6Addr::new(0xfd00, self.subnet, 0x30 + i as u16, 0, 0, 0, 0, 2)
+    }
+    /// The router's address on the link to `node` (s<i> or b<i>).
+    fn router_on(&self, node: &Node) -> Ipv6Addr {
+        let mut o = node.address6.segments();
+        o[7] = 1;
+        Ipv6Addr::from(o)
     }
     pub fn sid(&self, i: usize) -> Ipv6Addr {
         Ipv6Addr::new(0xfd00, self.subnet, 0x50 + i as u16, 0, 0, 0, 0, 0xb)
@@ -62,7 +76,8 @@ fn sysctl(ns: &str, kv: &str) -> Result<()> {
     netns::run(netns::in_netns(ns, &["sysctl", "-q", "-w", kv]).stdout(Stdio::null())).map(|_| ())
 }
 
-/// Builds what `Testbed::up` planned (`nodes`: r1, the clients, the servers).
+/// Builds what `Testbed::up` planned (`nodes`: r1, the clients, the
+/// servers, the balancers).
 pub fn build(tb: &Testbed) -> Result<()> {
     let plan = Plan { subnet: hex(tb.spec.subnet) };
     let r1 = tb.node("r1")?;
@@ -73,6 +88,8 @@ pub fn build(tb: &Testbed) -> Result<()> {
     }
     sysctl(&r1.netns, "net.ipv6.conf.all.forwarding=1")?;
     let (mut toml, gw) = (router_toml(&plan), plan.client_gw().to_string());
+    // The router's next hops for the VIP: the balancers if there are any.
+    let hop = if tb.spec.balancers > 0 { 'b' } else { 's' };
     for n in tb.nodes.iter().filter(|n| n.node != "r1") {
         let i: usize = n.node[1..].parse()?;
         let (local, peer) = ("eth0", n.node.as_str());
@@ -82,26 +99,34 @@ pub fn build(tb: &Testbed) -> Result<()> {
         // Software checksums, as a real wire demands (see `Testbed::build`).
         netns::run(netns::in_netns(&n.netns, &["ethtool", "-K", local, "tx", "off"]).stdout(Stdio::null()))?;
         netns::run(netns::in_netns(&r1.netns, &["ethtool", "-K", peer, "tx", "off"]).stdout(Stdio::null()))?;
+        add_ipv6(&n.netns, local, &format!("{}/64", n.address6))?;
         if n.node.starts_with('c') {
-            add_ipv6(&n.netns, local, &format!("{}/64", n.address6))?;
             netns::ip(&["-n", &n.netns, "-6", "route", "add", "default", "via", &gw])?;
             add_ipv6(&r1.netns, peer, &format!("{gw}/128"))?;
             netns::ip(&["-n", &r1.netns, "-6", "route", "add", &format!("{}/128", n.address6), "dev", peer])?;
             continue;
         }
-        add_ipv6(&n.netns, local, &format!("{}/64", n.address6))?;
-        add_ipv6(&r1.netns, peer, &format!("{}/64", plan.router_on(i)))?;
-        netns::ip(&["-n", &n.netns, "-6", "route", "add", "default", "via", &plan.router_on(i).to_string()])?;
-        add_ipv6(&n.netns, "lo", &format!("{}/128", plan.vip()))?;
-        // Both SIDs decapsulate into the local table, where the VIP is
-        // (what FRR's bgpd would install for an L3VPN; seed 002 §V).
-        sysctl(&n.netns, "net.ipv6.conf.all.seg6_enabled=1")?;
-        sysctl(&n.netns, &format!("net.ipv6.conf.{local}.seg6_enabled=1"))?;
-        for sid in [plan.sid(i), plan.direct_sid(i)] {
-            netns::ip(&[
-                "-n", &n.netns, "-6", "route", "add", &sid.to_string(), "encap", "seg6local", "action", "End.DT6", "table",
-                "local", "dev", local,
-            ])?;
+        add_ipv6(&r1.netns, peer, &format!("{}/64", plan.router_on(n)))?;
+        netns::ip(&["-n", &n.netns, "-6", "route", "add", "default", "via", &plan.router_on(n).to_string()])?;
+        if !n.node.starts_with(hop) {
+            continue;
+        }
+        if hop == 's' {
+            add_ipv6(&n.netns, "lo", &format!("{}/128", plan.vip()))?;
+            // Both SIDs decapsulate into the local table, where the VIP is
+            // (what FRR's bgpd would install for an L3VPN; seed 002 §V).
+            sysctl(&n.netns, "net.ipv6.conf.all.seg6_enabled=1")?;
+            sysctl(&n.netns, &format!("net.ipv6.conf.{local}.seg6_enabled=1"))?;
+            for sid in [plan.sid(i), plan.direct_sid(i)] {
+                netns::ip(&[
+                    "-n", &n.netns, "-6", "route", "add", &sid.to_string(), "encap", "seg6local", "action", "End.DT6", "table",
+                    "local", "dev", local,
+                ])?;
+            }
+        } else {
+            // The balancer answers with XDP_TX, which a veth delivers
+            // only into a peer that runs XDP.
+            super::peer::attach_pass(&r1.netns, peer)?;
         }
         netns::ip(&[
             "-n",
@@ -136,8 +161,8 @@ pub fn router_config(tb: &Testbed) -> std::path::PathBuf {
     super::state_path(&tb.spec.name).with_extension("router.toml")
 }
 
-/// The nodes of an ECMP testbed with `clients` and `servers`.
-pub fn nodes(subnet: u8, clients: usize, servers: usize) -> Vec<Node> {
+/// The nodes of an ECMP testbed with `clients`, `servers` and `balancers`.
+pub fn nodes(subnet: u8, clients: usize, servers: usize, balancers: usize) -> Vec<Node> {
     let plan = Plan { subnet: hex(subnet) };
     let node = |name: String, address6| Node {
         node: name,
@@ -149,5 +174,6 @@ pub fn nodes(subnet: u8, clients: usize, servers: usize) -> Vec<Node> {
     let mut v = vec![node("r1".into(), plan.client_gw())];
     v.extend((1..=clients).map(|i| node(format!("c{i}"), plan.client(i))));
     v.extend((1..=servers).map(|i| node(format!("s{i}"), plan.server(i))));
+    v.extend((1..=balancers).map(|i| node(format!("b{i}"), plan.balancer(i))));
     v
 }

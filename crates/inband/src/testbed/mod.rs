@@ -38,11 +38,15 @@ pub struct TestbedSpec {
     /// every client and server, the VIP on every server, no balancer.
     #[serde(default)]
     pub ecmp: bool,
+    /// With `ecmp`: this many `inband lb` hosts (b1..bN) as the router's
+    /// next hops, in front of the servers (docs/architecture.md).
+    #[serde(default)]
+    pub balancers: usize,
 }
 
 impl Default for TestbedSpec {
     fn default() -> Self {
-        TestbedSpec { name: "ib".into(), clients: 1, servers: 3, subnet: 77, client_link_mtu: None, ecmp: false }
+        TestbedSpec { name: "ib".into(), clients: 1, servers: 3, subnet: 77, client_link_mtu: None, ecmp: false, balancers: 0 }
     }
 }
 
@@ -93,10 +97,16 @@ impl Testbed {
         if spec.clients + spec.servers > MAX_HOSTS || spec.clients == 0 || spec.servers == 0 {
             bail!("testbed: 1..{MAX_HOSTS} clients and servers in all, at least one of each");
         }
+        if spec.balancers > 0 && !spec.ecmp {
+            bail!("testbed: balancers behind a router are an ECMP testbed's (--ecmp)");
+        }
+        if spec.ecmp && (spec.balancers.max(spec.servers) > ecmp::MAX_HOPS) {
+            bail!("testbed: an ECMP testbed has at most {} servers and {} balancers", ecmp::MAX_HOPS, ecmp::MAX_HOPS);
+        }
         teardown(&spec.name)?;
         if spec.ecmp {
             let plan = ecmp::Plan { subnet: ecmp::hex(spec.subnet) };
-            let mut nodes = ecmp::nodes(spec.subnet, spec.clients, spec.servers);
+            let mut nodes = ecmp::nodes(spec.subnet, spec.clients, spec.servers, spec.balancers);
             for n in nodes.iter_mut() {
                 n.netns = format!("{}-{}", spec.name, n.node);
             }
@@ -375,6 +385,10 @@ pub enum TestbedCommand {
         /// a router, the VIP on every server (IPv6, SRv6), no balancer.
         #[arg(long, conflicts_with = "client_link_mtu")]
         ecmp: bool,
+        /// With --ecmp: this many `inband lb` hosts (b1..bN) as the
+        /// router's next hops, in front of the servers.
+        #[arg(long, default_value_t = 0, requires = "ecmp")]
+        balancers: usize,
     },
     /// Kill every process in the testbed's namespaces and delete them.
     Down {
@@ -414,8 +428,8 @@ fn load_state(name: &str) -> Result<Testbed> {
 
 pub fn run(cmd: TestbedCommand) -> Result<()> {
     match cmd {
-        TestbedCommand::Up { name, clients, servers, subnet, client_link_mtu, ecmp } => {
-            let tb = Testbed::up(TestbedSpec { name: name.clone(), clients, servers, subnet, client_link_mtu, ecmp })?.keep();
+        TestbedCommand::Up { name, clients, servers, subnet, client_link_mtu, ecmp, balancers } => {
+            let tb = Testbed::up(TestbedSpec { name: name.clone(), clients, servers, subnet, client_link_mtu, ecmp, balancers })?.keep();
             let json = serde_json::to_string_pretty(&tb)?;
             std::fs::create_dir_all("/run/inband/testbed")?;
             std::fs::write(state_path(&name), &json)?;

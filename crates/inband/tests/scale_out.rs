@@ -1,0 +1,298 @@
+//! Several `inband lb` instances behind an ECMP router (issue 12): the
+//! router spreads an IPv6 VIP over the instances by SRv6; each instance
+//! balances its share over the same servers (dsr-dynamic, full NAT from
+//! its own address, responses straight to the client). Changing the
+//! router's next hops moves connections to instances that do not hold
+//! them; they chain such packets back to the router's shadow table, which
+//! delivers them to the instance that does. Real TCP downloads, every byte
+//! counted, while an instance is added, removed, restarted and killed -9;
+//! and the same change without the shadow table must break downloads, or
+//! the rest would prove nothing.
+//!
+//! Needs root (namespaces, XDP, tc, bpffs).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use inband::testbed::ecmp::{hex, Plan};
+use inband::testbed::{Testbed, TestbedSpec};
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_inband");
+const BODY: usize = 4_000_000;
+/// Concurrent downloads per step: with 16, the chance that a change of
+/// one next hop in three moves none of them is (2/3)^16, 0.15%.
+const DOWNLOADS: usize = 16;
+const SERVERS: usize = 2;
+
+fn run_ok(tb: &Testbed, node: &str, argv: &[&str]) -> Output {
+    let out = tb.exec(node, argv).unwrap();
+    assert!(out.status.success(), "{argv:?} in {node}: {}", String::from_utf8_lossy(&out.stderr));
+    out
+}
+
+fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while Instant::now() < deadline {
+        if ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// The testbed, its servers and agents, and one balancer process per
+/// instance (restartable); everything stops and detaches when dropped.
+struct Farm {
+    tb: Testbed,
+    dir: PathBuf,
+    lbs: Vec<Option<Child>>,
+}
+
+impl Drop for Farm {
+    fn drop(&mut self) {
+        for c in self.lbs.iter_mut().flatten() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        for i in 1..=self.lbs.len() {
+            let _ = self.tb.exec(&format!("b{i}"), &[BIN, "lb", "detach", "--interface", "eth0", "--force"]);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Farm {
+    fn up(tag: &str, subnet: u8, balancers: usize) -> Farm {
+        let name = format!("x{}{tag}", std::process::id() % 10000);
+        let spec = TestbedSpec { name: name.clone(), clients: 1, servers: SERVERS, subnet, ecmp: true, balancers, ..Default::default() };
+        let mut tb = Testbed::up(spec).expect("testbed");
+        let dir = std::env::temp_dir().join(format!("inband-scale-{name}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = dir.join("auth.key");
+        inband::auth::keygen(&key).unwrap();
+        let auth = format!("[auth]\nkeys = [{{ id = 1, file = \"{}\" }}]\n", key.display());
+        // The router sends to the client at 64 Mbit/s (a token bucket on
+        // its link): DOWNLOADS downloads of BODY take seconds, paced by the
+        // network whatever else the machine runs; the client's small
+        // receive buffer keeps each server sending at that pace.
+        run_ok(&tb, "r1", &["tc", "qdisc", "add", "dev", "c1", "root", "tbf", "rate", "64mbit", "burst", "64kb", "latency", "400ms"]);
+        run_ok(&tb, "c1", &["sysctl", "-q", "-w", "net.ipv4.tcp_rmem=4096 131072 262144"]);
+        let balancer_list: Vec<String> = (1..=balancers).map(|i| format!("\"{}\"", tb.addr6(&format!("b{i}")))).collect();
+        let vip = SocketAddr::new(tb.vip6().into(), 80);
+        for i in 1..=SERVERS {
+            let node = format!("s{i}");
+            tb.spawn(&node, &[BIN, "serve", "--listen", "[::]:8080", "--service-ms", "1", "--body-bytes", &BODY.to_string()]).unwrap();
+            let cfg = dir.join(format!("agent-{node}.toml"));
+            std::fs::write(
+                &cfg,
+                format!(
+                    "interface = \"eth0\"\nbalancers = [{}]\nscore_socket = \"{}\"\n\n{auth}\n[[service]]\nport = 8080\nvip = \"{vip}\"\n",
+                    balancer_list.join(", "),
+                    dir.join(format!("agent-{node}.sock")).display(),
+                ),
+            )
+            .unwrap();
+            tb.spawn(&node, &[BIN, "agent", "--config", cfg.to_str().unwrap()]).unwrap();
+        }
+        let plan = Plan { subnet: hex(subnet) };
+        for i in 1..=balancers {
+            let node = format!("b{i}");
+            let mut text = format!(
+                "interface = \"eth0\"\naddress6 = \"{}\"\ncontrol_socket = \"{}\"\n\n[scale_out]\nsid = \"{}\"\ndirect_sid = \"{}\"\nshadow_sid = \"{}\"\n\n{auth}\n[[vip]]\naddress = \"{}\"\nport = 80\nmode = \"dsr-dynamic\"\nprobe_interval = 4\n",
+                tb.addr6(&node),
+                dir.join(format!("lb-{node}.sock")).display(),
+                plan.sid(i),
+                plan.direct_sid(i),
+                plan.shadow_sid(),
+                tb.vip6(),
+            );
+            for s in 1..=SERVERS {
+                text += &format!("\n[[vip.backend]]\naddress = \"{}\"\nport = 8080\n", tb.addr6(&format!("s{s}")));
+            }
+            std::fs::write(dir.join(format!("lb-{node}.toml")), text).unwrap();
+        }
+        let mut farm = Farm { tb, dir, lbs: (0..balancers).map(|_| None).collect() };
+        for i in 1..=balancers {
+            farm.start_lb(i);
+        }
+        for i in 1..=SERVERS {
+            wait_for(&format!("the agent on s{i}"), || {
+                let out = run_ok(&farm.tb, &format!("s{i}"), &["tc", "filter", "show", "dev", "eth0", "egress"]);
+                String::from_utf8_lossy(&out.stdout).contains("agent_egress")
+            });
+            wait_for(&format!("the server on s{i}"), || !run_ok(&farm.tb, &format!("s{i}"), &["ss", "-Htln", "sport", "= :8080"]).stdout.is_empty());
+        }
+        farm
+    }
+
+    fn start_lb(&mut self, i: usize) {
+        let node = format!("b{i}");
+        let cfg = self.dir.join(format!("lb-{node}.toml"));
+        let child = self.tb.command(&node, &[BIN, "lb", "--config", cfg.to_str().unwrap()]).spawn().unwrap();
+        self.lbs[i - 1] = Some(child);
+        // The first SYN waits for the servers' next hop (the router): make
+        // sure the instance knows its MAC.
+        wait_for(&format!("{node} to resolve its backends"), || {
+            self.status(i)["vips"][0]["backends"].as_array().is_some_and(|b| b.len() == SERVERS && b.iter().all(|b| b["mac"] != "00:00:00:00:00:00"))
+        });
+    }
+
+    /// Stops instance `i`'s daemon: SIGTERM, or SIGKILL with `kill`. The
+    /// data path stays attached either way, as in production.
+    fn stop_lb(&mut self, i: usize, kill: bool) {
+        let mut c = self.lbs[i - 1].take().expect("a running instance");
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(c.id() as i32, if kill { libc::SIGKILL } else { libc::SIGTERM }) };
+        c.wait().unwrap();
+    }
+
+    fn status(&self, i: usize) -> Value {
+        let node = format!("b{i}");
+        let out = self.tb.exec(&node, &[BIN, "status", "--json", "--netns", &self.tb.netns(&node)]).unwrap();
+        let all: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        all.as_array().and_then(|a| a.first().cloned()).unwrap_or(Value::Null)
+    }
+
+    /// Every instance's non-zero drop and event counters, for a failure's message.
+    fn report(&self) -> String {
+        let mut out = String::new();
+        for i in 1..=self.lbs.len() {
+            let s = self.status(i);
+            let nonzero = |v: &Value| -> String {
+                v.as_object().map(|m| m.iter().filter(|(_, n)| n.as_u64() != Some(0)).map(|(k, n)| format!("{k}={n} ")).collect()).unwrap_or_default()
+            };
+            out += &format!("\nb{i}: drops {}| events {}", nonzero(&s["drops"]), nonzero(&s["events"]));
+        }
+        out
+    }
+
+    fn event(&self, i: usize, name: &str) -> u64 {
+        self.status(i)["events"][name].as_u64().unwrap_or(0)
+    }
+
+    fn drop_count(&self, i: usize, name: &str) -> u64 {
+        self.status(i)["drops"][name].as_u64().unwrap_or(0)
+    }
+
+    /// Points the router's VIP route at `up` (instance numbers), the
+    /// shadow table at the set before (unless `plain`).
+    fn route(&self, up: &[usize], plain: bool) {
+        let cfg = self.tb.router_config.clone().unwrap();
+        let list = up.iter().map(|i| format!("b{i}")).collect::<Vec<_>>().join(",");
+        let mut argv = vec![BIN, "shadow", "route", "--config", cfg.to_str().unwrap(), "--up", &list];
+        if plain {
+            argv.push("--plain");
+        }
+        run_ok(&self.tb, "r1", &argv);
+    }
+
+    fn downloads(&self) -> Vec<Child> {
+        let url = format!("http://[{}]/", self.tb.vip6());
+        (0..DOWNLOADS)
+            .map(|_| {
+                self.tb
+                    .command("c1", &["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code} %{size_download}", "--max-time", "20", &url])
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect()
+    }
+
+    /// How many of the client's connections to the VIP are established.
+    fn established(&self) -> usize {
+        let out = run_ok(&self.tb, "c1", &["ss", "-Htn", "state", "established", "dport", "= :80"]);
+        String::from_utf8_lossy(&out.stdout).lines().count()
+    }
+
+    /// Starts DOWNLOADS downloads, runs `change` once all are under way,
+    /// and returns how many completed with every byte.
+    fn across(&mut self, change: impl FnOnce(&mut Farm)) -> usize {
+        let dls = self.downloads();
+        wait_for("every download to start", || self.established() == DOWNLOADS);
+        change(self);
+        let want = format!("200 {BODY}");
+        dls.into_iter()
+            .map(|d| d.wait_with_output().unwrap())
+            .filter(|o| {
+                let got = String::from_utf8_lossy(&o.stdout);
+                if got != want {
+                    eprintln!("a download ended with {got:?}: {}", String::from_utf8_lossy(&o.stderr).trim());
+                }
+                got == want
+            })
+            .count()
+    }
+}
+
+fn total(farm: &Farm, n: usize, f: impl Fn(&Farm, usize) -> u64) -> u64 {
+    (1..=n).map(|i| f(farm, i)).sum()
+}
+
+#[test]
+fn instances_join_leave_restart_and_crash_under_load_without_breaking_a_download() {
+    let mut farm = Farm::up("a", 81, 3);
+    farm.route(&[1, 2], false);
+    wait_for("the VIP to answer", || {
+        let url = format!("http://[{}]/", farm.tb.vip6());
+        farm.tb.exec("c1", &["curl", "-s", "-o", "/dev/null", "--max-time", "3", &url]).map(|o| o.status.success()).unwrap_or(false)
+    });
+
+    // Joining: b3 takes a third of the hash space, connections included.
+    let ok = farm.across(|f| f.route(&[1, 2, 3], false));
+    assert_eq!(ok, DOWNLOADS, "downloads broken by b3 joining{}", farm.report());
+    assert!(farm.event(3, "chained") > 0, "no connection moved to b3: the step proved nothing");
+    assert!(farm.event(1, "srv6_direct") + farm.event(2, "srv6_direct") > 0, "chained packets never reached their owners");
+
+    // Leaving: b1 is withdrawn and keeps serving what it holds.
+    let before = total(&farm, 3, |f, i| f.event(i, "srv6_direct"));
+    let ok = farm.across(|f| f.route(&[2, 3], false));
+    assert_eq!(ok, DOWNLOADS, "downloads broken by b1 leaving{}", farm.report());
+    assert!(farm.event(1, "srv6_direct") > 0, "no connection of b1's moved away: the step proved nothing");
+    assert!(total(&farm, 3, |f, i| f.event(i, "srv6_direct")) > before);
+
+    // A daemon restarted (SIGTERM) and one killed -9 and started again:
+    // their data paths and flow tables stay.
+    let ok = farm.across(|f| {
+        f.stop_lb(2, false);
+        f.stop_lb(3, true);
+        std::thread::sleep(Duration::from_millis(500));
+        f.start_lb(2);
+        f.start_lb(3);
+    });
+    assert_eq!(ok, DOWNLOADS, "downloads broken by restarting b2 and killing b3{}", farm.report());
+
+    // Nothing found no owner along the way.
+    for i in 1..=3 {
+        assert_eq!(farm.drop_count(i, "chained_no_flow"), 0, "b{i} dropped chained packets");
+        assert_eq!(farm.drop_count(i, "srv6_unsupported"), 0, "b{i}");
+    }
+
+    // The same join without the shadow table breaks the moved connections:
+    // their packets reach an instance without them and, chained to a
+    // shadow SID with no table behind it, go nowhere.
+    farm.route(&[2, 3], true);
+    let ok = farm.across(|f| f.route(&[1, 2, 3], true));
+    assert!(ok < DOWNLOADS, "every download survived a plain ECMP change: the test cannot tell shadowing from luck");
+}
+
+/// The instances' configuration (`inband lb` refuses what cannot work).
+#[test]
+fn an_instance_config_without_an_ipv6_address_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg: &Path = &dir.path().join("lb.toml");
+    std::fs::write(
+        cfg,
+        "interface = \"eth0\"\naddress = \"10.0.0.2\"\n[scale_out]\nsid = \"fd00:51::b\"\ndirect_sid = \"fd00:51::d\"\nshadow_sid = \"fd00:5f::5\"\n[auth]\nmode = \"none\"\n",
+    )
+    .unwrap();
+    let out = Command::new(BIN).args(["lb", "--config"]).arg(cfg).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("[scale_out]: chained packets leave in IPv6 from the balancer's own address: set `address6`"), "{err}");
+}
