@@ -243,6 +243,10 @@ fn instances_join_leave_restart_and_crash_under_load_without_breaking_a_download
         farm.tb.exec("c1", &["curl", "-s", "-o", "/dev/null", "--max-time", "3", &url]).map(|o| o.status.success()).unwrap_or(false)
     });
 
+    let so = &farm.status(1)["scale_out"];
+    let plan = Plan { subnet: hex(81) };
+    assert_eq!((so["sid"].as_str(), so["shadow_sid"].as_str()), (Some(plan.sid(1).to_string().as_str()), Some(plan.shadow_sid().to_string().as_str())));
+
     // Joining: b3 takes a third of the hash space, connections included.
     let ok = farm.across(|f| f.route(&[1, 2, 3], false));
     assert_eq!(ok, DOWNLOADS, "downloads broken by b3 joining{}", farm.report());

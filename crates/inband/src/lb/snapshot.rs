@@ -21,6 +21,9 @@ pub struct Snapshot {
     pub address: String,
     pub mtu: u16,
     pub auth: &'static str,
+    /// `[scale_out]`: the SIDs the router reaches this instance at and
+    /// the one strays are chained to; None when it runs alone.
+    pub scale_out: Option<ScaleOut>,
     /// Live established + closing flows at the last sweep.
     pub flows: u64,
     pub flow_table: FlowTable,
@@ -28,6 +31,13 @@ pub struct Snapshot {
     pub drops: BTreeMap<&'static str, u64>,
     pub events: BTreeMap<&'static str, u64>,
     pub control: Control,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ScaleOut {
+    pub sid: String,
+    pub direct_sid: String,
+    pub shadow_sid: String,
 }
 
 #[derive(Debug, Serialize)]
@@ -211,6 +221,11 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
             .join(", "),
         mtu: cfg.mtu,
         auth: if u32::from(cfg.auth_mode) == crate::bpf::shared::INBAND_AUTH_NONE { "none (seed options)" } else { "siphash" },
+        scale_out: (cfg.cond_sid != Addr::default()).then(|| ScaleOut {
+            sid: ip_of(&cfg.cond_sid).to_string(),
+            direct_sid: ip_of(&cfg.direct_sid).to_string(),
+            shadow_sid: ip_of(&cfg.shadow_sid).to_string(),
+        }),
         flows: live(total),
         flow_table: FlowTable {
             established: total.established,
@@ -246,6 +261,9 @@ pub fn render_table(s: &Snapshot) -> String {
     let t = &s.flow_table;
     let ns = if s.netns.is_empty() { String::new() } else { format!(" in netns {}", s.netns) };
     let _ = writeln!(o, "balancer on {}{ns} ({}, MTU {}, options: {})", s.interface, s.address, s.mtu, s.auth);
+    if let Some(so) = &s.scale_out {
+        let _ = writeln!(o, "behind an ECMP router: reached at {} (chained packets at {}); strays chained to {}", so.sid, so.direct_sid, so.shadow_sid);
+    }
     let _ = writeln!(
         o,
         "flows: {} established, {} closing, {} half-open, {} SNAT reservations; {}",
