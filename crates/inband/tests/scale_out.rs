@@ -13,36 +13,22 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
 use inband::testbed::ecmp::{hex, Plan};
 use inband::testbed::{Testbed, TestbedSpec};
 use serde_json::Value;
 
-const BIN: &str = env!("CARGO_BIN_EXE_inband");
+mod cluster;
+use cluster::{run_ok, wait_for, BIN};
 const BODY: usize = 4_000_000;
 /// Concurrent downloads per step: with 16, the chance that a change of
 /// one next hop in three moves none of them is (2/3)^16, 0.15%.
 const DOWNLOADS: usize = 16;
 const SERVERS: usize = 2;
 
-fn run_ok(tb: &Testbed, node: &str, argv: &[&str]) -> Output {
-    let out = tb.exec(node, argv).unwrap();
-    assert!(out.status.success(), "{argv:?} in {node}: {}", String::from_utf8_lossy(&out.stderr));
-    out
-}
 
-fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while Instant::now() < deadline {
-        if ok() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!("timed out waiting for {what}");
-}
 
 /// The testbed, its servers and agents, and one balancer process per
 /// instance (restartable); everything stops and detaches when dropped.

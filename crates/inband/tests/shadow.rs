@@ -8,20 +8,15 @@
 //! Needs root (namespaces, tc, bpffs).
 
 use std::net::SocketAddr;
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Child, Command, Stdio};
 
 use inband::testbed::{Testbed, TestbedSpec};
 use serde_json::Value;
 
-const BIN: &str = env!("CARGO_BIN_EXE_inband");
+mod cluster;
+use cluster::{run_ok, wait_for, BIN};
 const BODY: usize = 4_000_000;
 
-fn run_ok(tb: &Testbed, node: &str, argv: &[&str]) -> Output {
-    let out = tb.exec(node, argv).unwrap();
-    assert!(out.status.success(), "{argv:?} in {node}: {}", String::from_utf8_lossy(&out.stderr));
-    out
-}
 
 /// The testbed with `servers` serving BODY bytes at the VIP, routed to all.
 fn up(tag: &str, subnet: u8, servers: usize, clients: usize) -> Testbed {
@@ -96,16 +91,6 @@ fn finish(dl: Child) -> String {
     String::from_utf8_lossy(&dl.wait_with_output().unwrap().stdout).to_string()
 }
 
-fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while Instant::now() < deadline {
-        if ok() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!("timed out waiting for {what}");
-}
 
 /// The local ports of `client`'s connections to the VIP in progress. The
 /// client's side is the one to ask: it stays established until the last
