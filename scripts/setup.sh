@@ -12,12 +12,13 @@ APT_PACKAGES=(
   nftables haproxy wrk python3-venv linux-perf
   librocksdb-dev  # inband-cache links it instead of building RocksDB (.cargo/config.toml)
   nginx varnish  # peers of `inband proxy` in bench/proxy.py, run only with the benchmark's own configs
+  bird2  # BGP between the ECMP testbed's router and the balancer instances, run with the testbed's own configs
 )
 # The peers' Debian services must never run: they would listen on :80 and
 # :6081 and take CPU from the benchmarks. No policy-rc.d keeps postinst from
 # starting them (one that exists, e.g. Docker's, is left alone); systemd
 # units are disabled and stopped below.
-SERVICES=(nginx varnish varnishncsa)
+SERVICES=(nginx varnish varnishncsa bird)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

@@ -7,7 +7,9 @@
 //! delivers them to the instance that does. Real TCP downloads, every byte
 //! counted, while an instance is added, removed, restarted and killed -9;
 //! and the same change without the shadow table must break downloads, or
-//! the rest would prove nothing.
+//! the rest would prove nothing. With BGP (BIRD on the router and on each
+//! instance), announcing and withdrawing the VIP is how an instance joins
+//! and leaves, and `inband shadow follow` makes each change.
 //!
 //! Needs root (namespaces, XDP, tc, bpffs).
 
@@ -16,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use inband::testbed::bgp;
 use inband::testbed::ecmp::{hex, Plan};
 use inband::testbed::{Testbed, TestbedSpec};
 use serde_json::Value;
@@ -52,9 +55,9 @@ impl Drop for Farm {
 }
 
 impl Farm {
-    fn up(tag: &str, subnet: u8, balancers: usize) -> Farm {
+    fn up(tag: &str, subnet: u8, balancers: usize, bgp: bool) -> Farm {
         let name = format!("x{}{tag}", std::process::id() % 10000);
-        let spec = TestbedSpec { name: name.clone(), clients: 1, servers: SERVERS, subnet, ecmp: true, balancers, ..Default::default() };
+        let spec = TestbedSpec { name: name.clone(), clients: 1, servers: SERVERS, subnet, ecmp: true, balancers, bgp, ..Default::default() };
         let mut tb = Testbed::up(spec).expect("testbed");
         let dir = std::env::temp_dir().join(format!("inband-scale-{name}"));
         std::fs::create_dir_all(&dir).unwrap();
@@ -176,6 +179,29 @@ impl Farm {
         run_ok(&self.tb, "r1", &argv);
     }
 
+    /// Instance `i`'s BIRD: `enable` or `disable` its announcement of the VIP.
+    fn announce(&self, i: usize, on: bool) {
+        let node = format!("b{i}");
+        let sock = bgp::socket(&self.tb, &node);
+        run_ok(&self.tb, &node, &["birdc", "-s", sock.to_str().unwrap(), if on { "enable" } else { "disable" }, "vip"]);
+    }
+
+    /// The gateways of the VIP's route in the router's `table` ("main" or a number).
+    fn hops(&self, table: &str) -> Vec<String> {
+        // A table the kernel has not made yet (no route in it) is an error: no hops.
+        let out = self.tb.exec("r1", &["ip", "-6", "-j", "route", "show", "table", table, &format!("{}/128", self.tb.vip6())]).unwrap();
+        let routes: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        let Some(r) = routes.get(0) else { return Vec::new() };
+        let hops = r["nexthops"].as_array().cloned().unwrap_or_else(|| vec![r.clone()]);
+        hops.iter().filter_map(|h| h["gateway"].as_str().map(str::to_string)).collect()
+    }
+
+    /// The VIP's current next hops, as instance numbers.
+    fn routed(&self) -> Vec<usize> {
+        let hops = self.hops("main");
+        (1..=self.lbs.len()).filter(|i| hops.contains(&self.tb.addr6(&format!("b{i}")).to_string())).collect()
+    }
+
     fn downloads(&self) -> Vec<Child> {
         let url = format!("http://[{}]/", self.tb.vip6());
         (0..DOWNLOADS)
@@ -222,7 +248,7 @@ fn total(farm: &Farm, n: usize, f: impl Fn(&Farm, usize) -> u64) -> u64 {
 
 #[test]
 fn instances_join_leave_restart_and_crash_under_load_without_breaking_a_download() {
-    let mut farm = Farm::up("a", 81, 3);
+    let mut farm = Farm::up("a", 81, 3, false);
     farm.route(&[1, 2], false);
     wait_for("the VIP to answer", || {
         let url = format!("http://[{}]/", farm.tb.vip6());
@@ -269,6 +295,38 @@ fn instances_join_leave_restart_and_crash_under_load_without_breaking_a_download
     farm.route(&[2, 3], true);
     let ok = farm.across(|f| f.route(&[1, 2, 3], true));
     assert!(ok < DOWNLOADS, "every download survived a plain ECMP change: the test cannot tell shadowing from luck");
+}
+
+#[test]
+fn instances_join_and_leave_by_bgp_without_breaking_a_download() {
+    let mut farm = Farm::up("g", 84, 3, true);
+    farm.announce(3, false);
+    wait_for("BGP to learn b1 and b2", || farm.hops(&bgp::LEARNED_TABLE.to_string()).len() == 2);
+    let cfg = farm.tb.router_config.clone().unwrap();
+    let table = bgp::LEARNED_TABLE.to_string();
+    farm.tb.spawn("r1", &[BIN, "shadow", "follow", "--config", cfg.to_str().unwrap(), "--table", &table]).unwrap();
+    wait_for("the VIP's route to follow BGP", || farm.routed() == [1, 2]);
+
+    // b3's BIRD announces the VIP: the router learns it, the follower
+    // adds it with the old set in the shadow table.
+    let ok = farm.across(|f| {
+        f.announce(3, true);
+        wait_for("b3 in the VIP's route", || f.routed() == [1, 2, 3]);
+    });
+    assert_eq!(ok, DOWNLOADS, "downloads broken by b3 announcing{}", farm.report());
+    assert!(farm.event(3, "chained") > 0, "no connection moved to b3: the step proved nothing");
+    assert_eq!(farm.hops("200").len(), 2, "the shadow table holds the set before");
+
+    // b1 withdraws, and keeps serving what it holds.
+    let ok = farm.across(|f| {
+        f.announce(1, false);
+        wait_for("b1 out of the VIP's route", || f.routed() == [2, 3]);
+    });
+    assert_eq!(ok, DOWNLOADS, "downloads broken by b1 withdrawing{}", farm.report());
+    assert!(farm.event(1, "srv6_direct") > 0, "no connection of b1's moved away: the step proved nothing");
+    for i in 1..=3 {
+        assert_eq!(farm.drop_count(i, "chained_no_flow"), 0, "b{i} dropped chained packets");
+    }
 }
 
 /// The instances' configuration (`inband lb` refuses what cannot work).

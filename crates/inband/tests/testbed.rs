@@ -4,7 +4,7 @@
 use inband::testbed::{Testbed, TestbedSpec};
 
 fn spec(tag: &str) -> TestbedSpec {
-    TestbedSpec { name: format!("t{}{tag}", std::process::id() % 100000), clients: 1, servers: 2, subnet: 78, client_link_mtu: None, ecmp: false, balancers: 0 }
+    TestbedSpec { name: format!("t{}{tag}", std::process::id() % 100000), clients: 1, servers: 2, subnet: 78, client_link_mtu: None, ecmp: false, balancers: 0, bgp: false }
 }
 
 fn netns_names() -> String {
@@ -55,4 +55,29 @@ fn refuses_bad_names() {
         let e = Testbed::up(TestbedSpec { name: bad.into(), ..spec("c") }).unwrap_err();
         assert!(format!("{e:#}").contains("use 1-8 characters"), "{bad}: {e:#}");
     }
+}
+
+#[test]
+fn an_ecmp_testbed_with_balancers_and_bgp_tears_down_every_namespace_and_daemon() {
+    let s = TestbedSpec { ecmp: true, balancers: 2, bgp: true, ..spec("d") };
+    let name = s.name.clone();
+    let tb = Testbed::up(s).unwrap();
+    let listed = netns_names();
+    for node in ["r1", "c1", "s1", "s2", "b1", "b2"] {
+        assert!(listed.contains(&format!("{name}-{node}")), "{node} missing in {listed}");
+    }
+    // The balancers' links run the pass program (their XDP_TX), the servers' do not.
+    let link = |dev: &str| String::from_utf8_lossy(&tb.exec("r1", &["ip", "link", "show", dev]).unwrap().stdout).to_string();
+    assert!(link("b1").contains("prog/xdp") && !link("s1").contains("prog/xdp"));
+    let bird = |ns: &str| std::process::Command::new("ip").args(["netns", "pids", ns]).output().unwrap().stdout;
+    assert!(!bird(&format!("{name}-b2")).is_empty(), "no BIRD in b2");
+    tb.down().unwrap();
+    assert!(!netns_names().contains(&name), "namespaces left: {}", netns_names());
+    let files: Vec<_> = std::fs::read_dir("/run/inband/testbed").unwrap().flatten().filter(|e| e.file_name().to_string_lossy().starts_with(&name)).collect();
+    assert!(files.is_empty(), "files left: {files:?}");
+    // Bad combinations are refused before anything is built.
+    let e = Testbed::up(TestbedSpec { bgp: true, ..spec("e") }).unwrap_err();
+    assert!(format!("{e:#}").contains("add --balancers N"), "{e:#}");
+    let e = Testbed::up(TestbedSpec { balancers: 2, ..spec("e") }).unwrap_err();
+    assert!(format!("{e:#}").contains("(--ecmp)"), "{e:#}");
 }

@@ -7,6 +7,7 @@
 //! docs/decisions.md.
 
 pub mod attach;
+pub mod follow;
 pub mod route;
 
 use std::net::Ipv6Addr;
@@ -60,6 +61,21 @@ pub enum ShadowCommand {
         #[arg(long)]
         plain: bool,
     },
+    /// On the router: keep the VIP's next hops equal to the ones the
+    /// routing daemon (BIRD, FRR) learns by BGP into `--table`, each change
+    /// made as `route` makes it. Runs until SIGINT/SIGTERM.
+    Follow {
+        #[arg(long)]
+        config: PathBuf,
+        /// The kernel table the routing daemon installs the VIP's learned
+        /// routes in (not the main table: there they would replace the
+        /// VIP's route without a shadow).
+        #[arg(long)]
+        table: u32,
+        /// How often the learned set is read.
+        #[arg(long, default_value_t = 100)]
+        interval_ms: u64,
+    },
 }
 
 pub fn run(cmd: ShadowCommand) -> Result<()> {
@@ -88,6 +104,19 @@ pub fn run(cmd: ShadowCommand) -> Result<()> {
             let cfg = route::RouterConfig::load(&config)?;
             let up: Vec<String> = up.into_iter().filter(|s| !s.is_empty()).collect();
             route::apply(&cfg, &up, !plain)
+        }
+        ShadowCommand::Follow { config, table, interval_ms } => {
+            let cfg = route::RouterConfig::load(&config)?;
+            if table == cfg.shadow_table || matches!(table, 0 | 253..=255) {
+                anyhow::bail!(
+                    "--table {table}: the routing daemon needs a table of its own, not the shadow table ({}) nor 0/253/254/255",
+                    cfg.shadow_table
+                );
+            }
+            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            signal_hook::flag::register(signal_hook::consts::SIGINT, std::sync::Arc::clone(&stop))?;
+            signal_hook::flag::register(signal_hook::consts::SIGTERM, std::sync::Arc::clone(&stop))?;
+            follow::follow(&cfg, table, std::time::Duration::from_millis(interval_ms.max(10)), &stop)
         }
     }
 }

@@ -98,6 +98,12 @@ pub fn apply(cfg: &RouterConfig, up: &[String], shadow: bool) -> Result<()> {
     let vip = cfg.vip.to_string();
     let table = cfg.shadow_table.to_string();
     let current = current_set(cfg)?;
+    // Writing an unchanged set would copy it over the shadow table, and
+    // the connections the previous change moved would lose their way back.
+    if shadow && current.iter().map(|s| &s.name).eq(up.iter().map(|s| &s.name)) {
+        info!(vip = %cfg.vip, "next hops unchanged");
+        return Ok(());
+    }
     if !shadow {
         remove_route(&["-6", "route", "del", &vip, "table", &table])?;
     } else if !current.is_empty() {

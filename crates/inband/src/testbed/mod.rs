@@ -3,6 +3,7 @@
 //! `eth0` on the bridge. Used by the demo, the benchmark drivers (through
 //! `inband testbed`) and the integration tests (through `Testbed`).
 
+pub mod bgp;
 pub mod ecmp;
 pub mod netns;
 mod peer;
@@ -42,11 +43,15 @@ pub struct TestbedSpec {
     /// next hops, in front of the servers (docs/architecture.md).
     #[serde(default)]
     pub balancers: usize,
+    /// With `balancers`: BIRD on the router and on each balancer host,
+    /// the VIP announced by BGP (`bgp.rs`).
+    #[serde(default)]
+    pub bgp: bool,
 }
 
 impl Default for TestbedSpec {
     fn default() -> Self {
-        TestbedSpec { name: "ib".into(), clients: 1, servers: 3, subnet: 77, client_link_mtu: None, ecmp: false, balancers: 0 }
+        TestbedSpec { name: "ib".into(), clients: 1, servers: 3, subnet: 77, client_link_mtu: None, ecmp: false, balancers: 0, bgp: false }
     }
 }
 
@@ -97,6 +102,9 @@ impl Testbed {
         if spec.clients + spec.servers > MAX_HOSTS || spec.clients == 0 || spec.servers == 0 {
             bail!("testbed: 1..{MAX_HOSTS} clients and servers in all, at least one of each");
         }
+        if spec.bgp && spec.balancers == 0 {
+            bail!("testbed: BGP runs between the router and balancer hosts: add --balancers N");
+        }
         if spec.balancers > 0 && !spec.ecmp {
             bail!("testbed: balancers behind a router are an ECMP testbed's (--ecmp)");
         }
@@ -122,6 +130,9 @@ impl Testbed {
             };
             tb.router_config = Some(ecmp::router_config(&tb));
             ecmp::build(&tb).context("building the ECMP testbed")?;
+            if tb.spec.bgp {
+                bgp::start(&tb).context("starting BGP")?;
+            }
             return Ok(tb);
         }
         let base = |host: u8| Ipv4Addr::new(10, spec.subnet, 0, host);
@@ -357,12 +368,13 @@ pub fn teardown(name: &str) -> Result<()> {
     }
     let _ = std::fs::remove_file(state_path(name));
     let _ = std::fs::remove_file(state_path(name).with_extension("router.toml"));
+    bgp::clean(name);
     first_err.map_or(Ok(()), Err)
 }
 
 fn is_host(rest: &str) -> bool {
     let (kind, num) = rest.split_at(1);
-    (kind == "c" || kind == "s") && !num.is_empty() && num.bytes().all(|b| b.is_ascii_digit())
+    (kind == "c" || kind == "s" || kind == "b") && !num.is_empty() && num.bytes().all(|b| b.is_ascii_digit())
 }
 
 #[derive(clap::Subcommand)]
@@ -389,6 +401,11 @@ pub enum TestbedCommand {
         /// router's next hops, in front of the servers.
         #[arg(long, default_value_t = 0, requires = "ecmp")]
         balancers: usize,
+        /// With --balancers: BIRD on the router and each balancer host,
+        /// the VIP announced by BGP into the router's table 100 (follow it
+        /// with `inband shadow follow --table 100`).
+        #[arg(long, requires = "balancers")]
+        bgp: bool,
     },
     /// Kill every process in the testbed's namespaces and delete them.
     Down {
@@ -428,8 +445,8 @@ fn load_state(name: &str) -> Result<Testbed> {
 
 pub fn run(cmd: TestbedCommand) -> Result<()> {
     match cmd {
-        TestbedCommand::Up { name, clients, servers, subnet, client_link_mtu, ecmp, balancers } => {
-            let tb = Testbed::up(TestbedSpec { name: name.clone(), clients, servers, subnet, client_link_mtu, ecmp, balancers })?.keep();
+        TestbedCommand::Up { name, clients, servers, subnet, client_link_mtu, ecmp, balancers, bgp } => {
+            let tb = Testbed::up(TestbedSpec { name: name.clone(), clients, servers, subnet, client_link_mtu, ecmp, balancers, bgp })?.keep();
             let json = serde_json::to_string_pretty(&tb)?;
             std::fs::create_dir_all("/run/inband/testbed")?;
             std::fs::write(state_path(&name), &json)?;
