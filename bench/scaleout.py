@@ -1,0 +1,350 @@
+"""Several `inband lb` instances behind an ECMP router (issue 12), in one run:
+
+    python -m bench.scaleout --out results/scaleout [--profile quick|tiny]
+
+On `inband testbed up --ecmp --balancers 4` (a router spreading an IPv6
+VIP over the instances by SRv6; every instance in front of the same
+servers, dsr-dynamic, each with `[scale_out]`):
+
+1. changes under load: closed-loop clients download files through the
+   router, and others send short requests (HEAD, a new connection each),
+   while, a third (or a quarter) of the run apart,
+   - instances: b3 joins (b1,b2 -> b1,b2,b3), then b1 leaves (-> b2,b3),
+     with the shadow table (inband) and without (plain ECMP);
+   - daemons: b2's daemon is restarted (SIGTERM), then b1's killed -9
+     and started again, on three instances and on a single balancer;
+   - backends: s1 drained and put back, s3 removed and added again, on
+     every routed instance, on three instances and on a single balancer.
+   A request fails unless curl gets status 200 with the whole body.
+2. throughput: short requests (1 KB files from nginx, wrk, persistent
+   connections) through 1, 2 and 4 instances, and straight to one server
+   (the limit: no balancer in the path), in the same run.
+
+The router sends to the client through a token bucket (tc tbf) in part
+1 so that downloads last seconds, as in bench.ecmp; part 2 runs without
+it. Prints Markdown tables and writes results.md, results.json,
+command.txt and throughput.png into --out. Every namespace, pin and
+process it makes is removed on exit, Ctrl-C included. See
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .ecmp import closed_loop
+from .peers import nginx_static_conf
+from .procs import Procs, ns_argv, run, stop_signals_interrupt, wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+SUBNET = 85
+BALANCERS = 4
+SERVERS = 3
+
+
+@dataclass(frozen=True)
+class Profile:
+    clients: int  # closed-loop download loops in flight
+    short_clients: int  # closed-loop short-request loops beside them
+    rate: str  # the router's token bucket toward the client in part 1
+    size_mb: int  # download size
+    run_s: float  # per (experiment, mode)
+    wrk_s: int  # per throughput row
+    wrk_connections: int
+
+
+PROFILES = {
+    "quick": Profile(8, 2, "160mbit", 5, 21, 10, 64),
+    # The test's: seconds; every change still meets downloads in flight.
+    "tiny": Profile(4, 1, "200mbit", 2, 9, 3, 16),
+}
+
+
+class Bed:
+    def __init__(self, inband: Path, profile: Profile, workdir: Path, name: str) -> None:
+        self.inband, self.p, self.dir, self.name = str(inband), profile, workdir, name
+        self.procs = Procs()
+        self.lbs: dict[int, object] = {}
+        self.serves: list = []
+        self.state: dict = {}
+
+    def ns(self, node: str) -> str:
+        return f"{self.name}-{node}"
+
+    @property
+    def vip(self) -> str:
+        return self.state["vip6"]
+
+    def addr(self, node: str) -> str:
+        return next(n["address6"] for n in self.state["nodes"] if n["node"] == node)
+
+    def sid(self, i: int, kind: str) -> str:
+        return f"fd00:{SUBNET}:{0x50 + i:x}::{kind}"
+
+    def up(self) -> None:
+        run(None, [self.inband, "testbed", "up", "--ecmp", "--name", self.name, "--subnet", str(SUBNET), "--clients", "1",
+                   "--servers", str(SERVERS), "--balancers", str(BALANCERS)], timeout=120)
+        self.state = json.loads(Path(f"/run/inband/testbed/{self.name}.json").read_text())
+        key = self.dir / "auth.key"
+        key.unlink(missing_ok=True)
+        run(None, [self.inband, "keygen", "--out", str(key)])
+        auth = f'[auth]\nkeys = [{{ id = 1, file = "{key}" }}]\n'
+        balancers = ", ".join(f'"{self.addr(f"b{i}")}"' for i in range(1, BALANCERS + 1))
+        for s in range(1, SERVERS + 1):
+            cfg = self.dir / f"agent-s{s}.toml"
+            cfg.write_text(f'interface = "eth0"\nbalancers = [{balancers}]\nscore_socket = "{self.dir}/agent-s{s}.sock"\n\n{auth}\n'
+                           f'[[service]]\nport = 8080\nvip = "[{self.vip}]:80"\n')
+            self.procs.spawn(f"agent-s{s}", self.ns(f"s{s}"), [self.inband, "agent", "--config", str(cfg)], self.dir / f"agent-s{s}.log")
+        for i in range(1, BALANCERS + 1):
+            text = (f'interface = "eth0"\naddress6 = "{self.addr(f"b{i}")}"\ncontrol_socket = "{self.socket(i)}"\n\n'
+                    f'[scale_out]\nsid = "{self.sid(i, "b")}"\ndirect_sid = "{self.sid(i, "d")}"\nshadow_sid = "fd00:{SUBNET}:5f::5"\n\n'
+                    f'{auth}\n[[vip]]\naddress = "{self.vip}"\nport = 80\nmode = "dsr-dynamic"\nprobe_interval = 8\n')
+            for s in range(1, SERVERS + 1):
+                text += f'\n[[vip.backend]]\naddress = "{self.addr(f"s{s}")}"\nport = 8080\n'
+            (self.dir / f"lb-b{i}.toml").write_text(text)
+            self.start_lb(i)
+
+    def down(self) -> None:
+        self.procs.stop_all()
+        for i in range(1, BALANCERS + 1):
+            run(self.ns(f"b{i}"), [self.inband, "lb", "detach", "--interface", "eth0", "--force"], check=False)
+        run(None, [self.inband, "testbed", "down", "--name", self.name], timeout=120, check=False)
+
+    def socket(self, i: int) -> Path:
+        return self.dir / f"lb-b{i}.sock"
+
+    def start_lb(self, i: int) -> None:
+        self.lbs[i] = self.procs.spawn(f"lb-b{i}", self.ns(f"b{i}"), [self.inband, "lb", "--config", str(self.dir / f"lb-b{i}.toml")],
+                                       self.dir / f"lb-b{i}.log")
+
+        def resolved():
+            st = self.status(i)
+            return st and all(b["mac"] != "00:00:00:00:00:00" for b in st["vips"][0]["backends"])
+        wait_until(f"b{i} to resolve its backends", resolved, 15)
+
+    def stop_lb(self, i: int, kill: bool) -> None:
+        p = self.lbs.pop(i)
+        if kill:
+            p.kill()
+            p.wait(timeout=5)
+            self.procs.stop(p)
+        else:
+            self.procs.stop(p)
+
+    def status(self, i: int) -> dict | None:
+        cp = run(self.ns(f"b{i}"), [self.inband, "status", "--json", "--netns", self.ns(f"b{i}")], check=False)
+        return json.loads(cp.stdout)[0] if cp.returncode == 0 else None
+
+    def counter(self, kind: str, name: str) -> int:
+        return sum((self.status(i) or {}).get(kind, {}).get(name, 0) for i in range(1, BALANCERS + 1))
+
+    def ctl(self, instances: list[int], *argv: str) -> None:
+        for i in instances:
+            run(None, [self.inband, "lb", "ctl", "--socket", str(self.socket(i)), *argv])
+
+    def serve(self, body_bytes: int) -> None:
+        """`inband serve` with `body_bytes` on every server."""
+        self.serve_with(lambda s: [self.inband, "serve", "--listen", "[::]:8080", "--service-ms", "0", "--body-bytes", str(body_bytes)])
+
+    def serve_static(self, body_bytes: int) -> None:
+        """nginx (one worker) with a file of `body_bytes` at /1k on every
+        server: the throughput rows measure the path, not a slow server."""
+        def argv(s: int) -> list[str]:
+            d = self.dir / f"nginx-s{s}"
+            (d / "root").mkdir(parents=True, exist_ok=True)
+            (d / "root" / "1k").write_bytes(b"x" * body_bytes)
+            cfg = d / "nginx.conf"
+            cfg.write_text(nginx_static_conf(listen="[::]:8080", root=str(d / "root"), prefix=str(d), workers=1, as_root=True))
+            return ["nginx", "-c", str(cfg), "-p", str(d), "-e", str(d / "error.log"), "-g", "daemon off;"]
+        self.serve_with(argv)
+
+    def serve_with(self, argv) -> None:
+        for p in self.serves:
+            self.procs.stop(p)
+        wait_until("the old servers to go", lambda: not any(run(self.ns(f"s{s}"), ["ss", "-Htln", "sport", "= :8080"]).stdout
+                                                             for s in range(1, SERVERS + 1)), 15)
+        self.serves = [self.procs.spawn(f"serve-s{s}", self.ns(f"s{s}"), argv(s), self.dir / f"serve-s{s}.log")
+                       for s in range(1, SERVERS + 1)]
+        wait_until("the servers", lambda: all(run(self.ns(f"s{s}"), ["ss", "-Htln", "sport", "= :8080"]).stdout
+                                                 for s in range(1, SERVERS + 1)), 15)
+
+    def route(self, up: list[int], plain: bool = False) -> None:
+        argv = [self.inband, "shadow", "route", "--config", self.state["router_config"], "--up", ",".join(f"b{i}" for i in up)]
+        run(self.ns("r1"), argv + (["--plain"] if plain else []))
+
+    def shaped(self, on: bool) -> None:
+        run(self.ns("r1"), ["tc", "qdisc", "del", "dev", "c1", "root"], check=False)
+        if on:
+            run(self.ns("r1"), ["tc", "qdisc", "add", "dev", "c1", "root", "tbf", "rate", self.p.rate, "burst", "64kb", "latency", "400ms"])
+
+
+def at_fractions(*steps):
+    """A `changes(t0, t1)` for closed_loop: step k runs at (k+1)/(n+1) of the run."""
+    def changes(t0, t1):
+        n = len(steps)
+        for k, step in enumerate(steps):
+            time.sleep(max(0.0, t0 + (t1 - t0) * (k + 1) / (n + 1) - time.monotonic()))
+            step()
+        time.sleep(max(0.0, t1 - time.monotonic()))
+    return changes
+
+
+class ShortRequests:
+    """`bed.p.short_clients` loops of HEAD requests, each on a new
+    connection (a handshake, a request, a close: the whole life of a
+    connection within a change's reach), for as long as the block runs."""
+
+    def __init__(self, bed: Bed) -> None:
+        self.bed, self.ok, self.failed = bed, 0, 0
+        self.lock, self.stop = threading.Lock(), threading.Event()
+        self.threads = [threading.Thread(target=self.loop, daemon=True) for _ in range(bed.p.short_clients)]
+
+    def loop(self) -> None:
+        argv = ns_argv(self.bed.ns("c1"), ["curl", "-sI", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "10",
+                                           f"http://[{self.bed.vip}]/"])
+        while not self.stop.is_set():
+            cp = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+            with self.lock:
+                if cp.returncode == 0 and cp.stdout == "200":
+                    self.ok += 1
+                else:
+                    self.failed += 1
+
+    def __enter__(self) -> "ShortRequests":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=60)
+
+
+def changes_under_load(bed: Bed) -> list[dict]:
+    backend = lambda s: f"[{bed.addr(f's{s}')}]:8080"  # noqa: E731
+    vip = f"[{bed.vip}]:80"
+    rows = []
+
+    def measure(experiment: str, mode: str, routed: list[int], plain: bool, *steps) -> None:
+        bed.route(routed, plain)
+        chained = bed.counter("events", "chained")
+        with ShortRequests(bed) as short:
+            loads = closed_loop(bed, bed.p.size_mb, bed.p.run_s, at_fractions(*steps))
+        rows.append({"experiment": experiment, "mode": mode, "ok": loads.ok, "failed": loads.failed, "failed_pct": loads.failed_pct,
+                     "short_ok": short.ok, "short_failed": short.failed,
+                     "chained_packets": bed.counter("events", "chained") - chained,
+                     "chained_no_flow": bed.counter("drops", "chained_no_flow")})
+        print(rows[-1], flush=True)
+
+    for plain, mode in ((True, "plain ECMP"), (False, "inband (shadow + chaining)")):
+        measure("b3 joins, then b1 leaves", mode, [1, 2], plain, lambda: bed.route([1, 2, 3], plain), lambda: bed.route([2, 3], plain))
+    for routed, mode in (([1, 2, 3], "3 instances"), ([1], "single balancer")):
+        first, second = routed[-1], routed[0]
+        measure("daemon restarted, then one killed -9", mode, routed,
+                False, lambda: (bed.stop_lb(first, False), bed.start_lb(first)), lambda: (bed.stop_lb(second, True), bed.start_lb(second)))
+        measure("backend drained and back, one removed and re-added", mode, routed, False,
+                lambda: bed.ctl(routed, "drain-backend", "--vip", vip, "--backend", backend(1)),
+                lambda: bed.ctl(routed, "undrain-backend", "--vip", vip, "--backend", backend(1)),
+                lambda: bed.ctl(routed, "remove-backend", "--vip", vip, "--backend", backend(3)),
+                lambda: bed.ctl(routed, "add-backend", "--vip", vip, "--backend", backend(3)))
+    return rows
+
+
+def wrk(bed: Bed, url: str) -> float:
+    cp = run(bed.ns("c1"), ["wrk", "-t2", f"-c{bed.p.wrk_connections}", f"-d{bed.p.wrk_s}s", url], timeout=bed.p.wrk_s + 60)
+    m = re.search(r"Requests/sec:\s+([\d.]+)", cp.stdout)
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)|Socket errors: .*", cp.stdout)
+    if not m:
+        raise RuntimeError(f"wrk printed no rate: {cp.stdout}")
+    if errors:
+        print(f"wrk against {url}: {errors.group(0)}", flush=True)
+    return float(m.group(1))
+
+
+def throughput(bed: Bed) -> list[dict]:
+    rows = [{"path": "straight to one server (no balancer)", "instances": 0, "rps": wrk(bed, f"http://[{bed.addr('s1')}]:8080/1k")}]
+    for k in (1, 2, 4):
+        bed.route(list(range(1, k + 1)))
+        rows.append({"path": f"{k} instance{'s' if k > 1 else ''}", "instances": k, "rps": wrk(bed, f"http://[{bed.vip}]/1k")})
+    for r in rows:
+        print(r, flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--profile", choices=PROFILES, default="quick")
+    ap.add_argument("--inband", type=Path, default=REPO / "target/debug/inband")
+    ap.add_argument("--name", default="scale", help="the testbed's name (namespaces NAME-r1, NAME-b1, ...)")
+    args = ap.parse_args(argv)
+    p = PROFILES[args.profile]
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "command.txt").write_text(" ".join(shlex.quote(a) for a in [sys.executable, "-m", "bench.scaleout", *(argv or sys.argv[1:])]) + "\n")
+    stop_signals_interrupt()
+    bed = Bed(args.inband, p, args.out, args.name)
+    results: dict = {"profile": asdict(p)}
+    try:
+        bed.up()
+        bed.shaped(True)
+        bed.serve(p.size_mb * 1_000_000)
+        results["changes"] = changes_under_load(bed)
+        bed.shaped(False)
+        bed.serve_static(1000)
+        results["throughput"] = throughput(bed)
+    finally:
+        bed.down()
+    md = markdown(results)
+    print(md)
+    (args.out / "results.md").write_text(md)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    plot(results, args.out / "throughput.png")
+    return 0
+
+
+def markdown(r: dict) -> str:
+    lines = ["### Changes under load: failed downloads (goal: 0 in every planned change)", "",
+             "| change | mode | downloads | failed | short requests | failed | chained packets | chained, no owner |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in r["changes"]:
+        lines.append(f"| {c['experiment']} | {c['mode']} | {c['ok'] + c['failed']} | {c['failed_pct']:.2f}% ({c['failed']}) | "
+                     f"{c['short_ok'] + c['short_failed']} | {c['short_failed']} | {c['chained_packets']} | {c['chained_no_flow']} |")
+    direct = next(t["rps"] for t in r["throughput"] if t["instances"] == 0)
+    one = next(t["rps"] for t in r["throughput"] if t["instances"] == 1)
+    lines += ["", "### Throughput: 1 KB requests, persistent connections (wrk)", "",
+              "| path | req/s | / straight to a server | / 1 instance |", "|---|---|---|---|"]
+    for t in r["throughput"]:
+        lines.append(f"| {t['path']} | {t['rps']:.0f} | {t['rps'] / direct:.2f}× | {t['rps'] / one:.2f}× |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = r["throughput"]
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.bar([t["path"].replace(" (no balancer)", "\n(no balancer)") for t in rows], [t["rps"] for t in rows], color=["#999"] + ["#2a7"] * (len(rows) - 1))
+    ax.set_ylabel("requests/s")
+    ax.set_title("1 KB requests through 1, 2, 4 inband instances (2 cores)")
+    ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
