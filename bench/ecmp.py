@@ -6,7 +6,9 @@ plain ECMP against shadowing (`inband shadow`), in one run:
 1. flapping: closed-loop clients download files of 5 MB (and 10 MB in the
    full profile) through the router while one random server leaves or
    joins every T seconds (withdrawn, not stopped: it keeps serving what
-   it has, as in the seed); failed requests per flap interval.
+   it has, as in the seed); failed requests per flap interval, with plain
+   ECMP, with the seed's one shadow table, and with the router keeping 2,
+   4 and 8 earlier sets (shadow generations).
 2. planned: 4 → 2 → 4 servers during a closed-loop download run.
 3. latency: round trips of a 1-byte echo over one TCP connection, without
    the program, with it, and with every client packet chained.
@@ -124,6 +126,12 @@ class Bed:
         argv = [self.inband, "shadow", "route", "--config", self.state["router_config"], "--up", ",".join(up)]
         run(self.ns("r1"), argv + (["--plain"] if plain else []))
 
+    def generations(self, n: int) -> None:
+        """The router keeps `n` earlier next-hop sets from its next change on."""
+        path = Path(self.state["router_config"])
+        lines = [line for line in path.read_text().splitlines() if not line.startswith("generations")]
+        path.write_text(f"generations = {n}\n" + "\n".join(lines) + "\n")
+
     def shadowing(self, on: bool) -> None:
         for i, s in enumerate(self.servers, 1):
             if on:
@@ -141,7 +149,8 @@ class Bed:
         for s in self.servers:
             cp = run(self.ns(s), [self.inband, "shadow", "status", "--interface", "eth0", "--json"], check=False)
             if cp.returncode == 0:
-                total += json.loads(cp.stdout)["chained"]["packets"]
+                c = json.loads(cp.stdout)
+                total += c["chained"]["packets"] + c["chained_named"]["packets"]
         return total
 
     def chained(self) -> tuple[int, int]:
@@ -152,8 +161,8 @@ class Bed:
             if cp.returncode != 0:
                 continue
             c = json.loads(cp.stdout)
-            chained += c["chained"]["bytes"]
-            total += sum(c[k]["bytes"] for k in ("new_flow", "not_tcp", "local", "chained"))
+            chained += c["chained"]["bytes"] + c["chained_named"]["bytes"]
+            total += sum(c[k]["bytes"] for k in ("new_flow", "not_tcp", "local", "chained", "chained_named"))
         return chained, total
 
 
@@ -201,6 +210,11 @@ def closed_loop(bed: Bed, size_mb: int, seconds: float, changes) -> Loads:
         for th in threads:
             th.join(timeout=120)
     return loads
+
+
+# (name, plain ECMP, shadow generations): the flapping experiment's modes.
+FLAP_MODES = (("ECMP", True, 1), ("shadowing", False, 1), ("shadowing, 2 generations", False, 2), ("shadowing, 4 generations", False, 4),
+              ("shadowing, 8 generations", False, 8))
 
 
 def flapping(bed: Bed, plain: bool, interval_s: float, seconds: float, rng: random.Random):
@@ -281,18 +295,20 @@ def main(argv=None) -> int:
             bed.serve(size)
             wait_until("the servers", lambda: all(run(bed.ns(s), ["ss", "-Htln", "sport", "= :80"]).stdout for s in bed.servers), 15)
             for interval in p.intervals_s:
-                for plain in (True, False):
+                for mode, plain, generations in FLAP_MODES:
                     bed.shadowing(not plain)
+                    bed.generations(generations)
                     bed.route(bed.servers, plain)
                     before = bed.chained()
                     loads = closed_loop(bed, size, p.run_s, flapping(bed, plain, interval, p.run_s, rng))
                     after = bed.chained()
                     redirected = (after[0] - before[0]) / max(1, after[1] - before[1])
-                    results["flapping"].append({"size_mb": size, "interval_s": interval, "mode": "ECMP" if plain else "shadowing",
+                    results["flapping"].append({"size_mb": size, "interval_s": interval, "mode": mode, "generations": generations,
                                                 "ok": loads.ok, "failed": loads.failed, "failed_pct": loads.failed_pct,
                                                 "median_s": statistics.median(loads.durations) if loads.durations else None,
                                                 "redirected_pct": 100 * redirected})
                     print(results["flapping"][-1], flush=True)
+        bed.generations(1)
         size = p.sizes_mb[0]
         bed.serve(size)
         wait_until("the servers", lambda: all(run(bed.ns(s), ["ss", "-Htln", "sport", "= :80"]).stdout for s in bed.servers), 15)
@@ -322,19 +338,23 @@ def main(argv=None) -> int:
 
 
 def markdown(r: dict) -> str:
+    shadowed = [m for m, plain, _ in FLAP_MODES if not plain]
     lines = ["### Flapping servers: failed requests (seed: ECMP up to 42.5% at 5 MB, 77% at 10 MB; shadowing 0.08–0.7%)", "",
-             "| size | flap every | ECMP failed | shadowing failed | ECMP / shadowing | requests (ECMP, shadowing) | chained bytes (shadowing) |",
-             "|---|---|---|---|---|---|---|"]
+             "\"shadowing\" is the seed's one shadow table; the others keep 2, 4 and 8 earlier sets. Ratio: ECMP's failures over the best shadowing's.", "",
+             "| size | flap every | ECMP failed | " + " | ".join(f"{m} failed" for m in shadowed) + " | ECMP / best | requests (ECMP, "
+             + ", ".join(m.removeprefix("shadowing, ") for m in shadowed) + ") | chained bytes (" + ", ".join(m.removeprefix("shadowing, ") for m in shadowed) + ") |",
+             "|" + "---|" * (5 + len(shadowed)) + "---|"]
     by = {(x["size_mb"], x["interval_s"], x["mode"]): x for x in r["flapping"]}
-    for (size, interval, mode), x in sorted(by.items()):
-        if mode != "ECMP":
+    for size, interval in sorted({(x["size_mb"], x["interval_s"]) for x in r["flapping"]}):
+        x = by.get((size, interval, "ECMP"))
+        sh = [by.get((size, interval, m)) for m in shadowed]
+        if not x or not all(sh):
             continue
-        s = by.get((size, interval, "shadowing"))
-        if not s:
-            continue
-        ratio = "∞" if s["failed_pct"] == 0 and x["failed_pct"] > 0 else ("–" if s["failed_pct"] == 0 else f"{x['failed_pct'] / s['failed_pct']:.1f}×")
-        lines.append(f"| {size} MB | {interval} s | {x['failed_pct']:.2f}% ({x['failed']}) | {s['failed_pct']:.2f}% ({s['failed']}) | {ratio} "
-                     f"| {x['ok'] + x['failed']}, {s['ok'] + s['failed']} | {s['redirected_pct']:.2f}% |")
+        best = min(y["failed_pct"] for y in sh)
+        ratio = "∞" if best == 0 and x["failed_pct"] > 0 else ("–" if best == 0 else f"{x['failed_pct'] / best:.1f}×")
+        cells = [f"{size} MB", f"{interval} s", f"{x['failed_pct']:.2f}% ({x['failed']})"] + [f"{y['failed_pct']:.2f}% ({y['failed']})" for y in sh]
+        cells += [ratio, ", ".join(str(y["ok"] + y["failed"]) for y in [x, *sh]), ", ".join(f"{y['redirected_pct']:.2f}%" for y in sh)]
+        lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "### Planned change 4 → 2 → 4 (seed: ECMP 9.8% failed, shadowing 0%)", "",
               "| mode | requests | failed |", "|---|---|---|"]
     for x in r["planned"]:
@@ -359,7 +379,7 @@ def plot(r: dict, path: Path) -> None:
     sizes = sorted({x["size_mb"] for x in r["flapping"]})
     fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 3.5), squeeze=False)
     for ax, size in zip(axes[0], sizes):
-        for mode, style in (("ECMP", "o-"), ("shadowing", "s-")):
+        for (mode, _, _), style in zip(FLAP_MODES, ("o-", "s-", "^-", "d-", "v-")):
             pts = sorted((x["interval_s"], x["failed_pct"]) for x in r["flapping"] if x["size_mb"] == size and x["mode"] == mode)
             ax.plot([a for a, _ in pts], [b for _, b in pts], style, label=mode)
         ax.set_title(f"{size} MB downloads")

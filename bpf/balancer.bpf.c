@@ -39,6 +39,7 @@
 #include "inband/lb/query.h"
 #include "inband/lb/quic.h"
 #include "inband/ipip.h"
+#include "inband/shadow_generations.h"
 #include "inband/lb/rewrite.h"
 #include "inband/lb/score.h"
 #include "inband/lb/select.h"
@@ -65,11 +66,12 @@
 #define VIA_COND_SID 1
 #define VIA_DIRECT_SID 2
 
-/* The SRv6 encapsulation the router adds (seg6 mode encap, one segment):
- * an outer IPv6 header, and a Segment Routing Header of one segment, or
- * none (encap.red). */
+/* The SRv6 encapsulation the router adds (seg6 mode encap): an outer
+ * IPv6 header, and a Segment Routing Header of one segment, or none
+ * (encap.red), or of two whose second names a later shadow generation. */
 #define SRV6_OUTER INBAND_IPV6_HDR
 #define SRV6_OUTER_SRH (INBAND_IPV6_HDR + 8 + 16)
+#define SRV6_OUTER_SRH2 (INBAND_IPV6_HDR + INBAND_SRH2_LEN)
 #define IP6_IN_IP6 41
 #define SRH_TYPE 4
 
@@ -213,7 +215,8 @@ static __always_inline int decap_ipip(struct xdp_md *ctx)
  */
 static __noinline int decap_srv6(struct xdp_md *ctx, const struct inband_lb_config *cfg, struct pkt *p)
 {
-	__u8 via;
+	__u8 via, next[16];
+	int generation = 0;
 
 	if (!cfg || !p || inband_addr_is_zero(&cfg->cond_sid))
 		return 0;
@@ -225,14 +228,26 @@ static __noinline int decap_srv6(struct xdp_md *ctx, const struct inband_lb_conf
 		return 0;
 	/* Only what the router sends is unwrapped: IPv6 inside, no
 	 * fragment, and either no extension header or one SRH whose only
-	 * segment is ours (segments left 0). Anything else to our SID has no
-	 * meaning here. */
-	if (p->proto != IP6_IN_IP6 || p->frag ||
-	    !(p->hlen == SRV6_OUTER || (p->hlen == SRV6_OUTER_SRH && p->ext == 1 && p->srh_type == SRH_TYPE && !p->srh_left))) {
-		drop(INBAND_DROP_SRV6_UNSUPPORTED);
-		return -1;
+	 * segment is ours (segments left 0), or, to the conditional SID,
+	 * one of two segments whose second is a shadow SID (segments left
+	 * 1: where a stray goes). Anything else to our SID has no meaning
+	 * here. */
+	if (p->proto != IP6_IN_IP6 || p->frag)
+		goto unsupported;
+	if (p->hlen == SRV6_OUTER_SRH2) {
+		if (via != VIA_COND_SID || p->ext != 1 || p->srh_type != SRH_TYPE || p->srh_left != 1 ||
+		    bpf_xdp_load_bytes(ctx, ETH_HLEN + INBAND_IPV6_HDR + INBAND_SRH2_NEXT_SEGMENT, next, sizeof(next)))
+			goto unsupported;
+		generation = inband_shadow_generation((const __u8 *)&cfg->shadow_sid, next);
+		if (generation < 0)
+			goto unsupported;
+	} else if (!(p->hlen == SRV6_OUTER || (p->hlen == SRV6_OUTER_SRH && p->ext == 1 && p->srh_type == SRH_TYPE && !p->srh_left))) {
+		goto unsupported;
 	}
-	if (p->hlen == SRV6_OUTER ? close_gap(ctx, ETH_HLEN, SRV6_OUTER) : close_gap(ctx, ETH_HLEN, SRV6_OUTER_SRH))
+	/* close_gap() takes constants (its copies unroll). */
+	if (p->hlen == SRV6_OUTER	   ? close_gap(ctx, ETH_HLEN, SRV6_OUTER)
+	    : p->hlen == SRV6_OUTER_SRH ? close_gap(ctx, ETH_HLEN, SRV6_OUTER_SRH)
+					: close_gap(ctx, ETH_HLEN, SRV6_OUTER_SRH2))
 		return -1;
 	event(via == VIA_COND_SID ? INBAND_EV_SRV6_COND : INBAND_EV_SRV6_DIRECT);
 	__builtin_memset(p, 0, sizeof(*p));
@@ -240,14 +255,19 @@ static __noinline int decap_srv6(struct xdp_md *ctx, const struct inband_lb_conf
 	if (parse6(ctx, p))
 		return -1;
 	p->via_sid = via;
+	p->chain_generation = generation;
 	return 1;
+unsupported:
+	drop(INBAND_DROP_SRV6_UNSUPPORTED);
+	return -1;
 }
 
 /*
  * Sends a TCP packet that has no connection here back to the router,
- * wrapped in IPv6 to its shadow SID (no SRH: the router's End.DT6 takes a
- * plain IPv6-in-IPv6 packet), which routes it by the previous next-hop
- * set to the instance that had it. The router sent it to us, so its MAC
+ * wrapped in IPv6 to a shadow SID (the generation the router named, or
+ * the first; no SRH: the router's End.DT6 takes a plain IPv6-in-IPv6
+ * packet), which routes it by that earlier next-hop set to the instance
+ * that had it. The router sent it to us, so its MAC
  * is the frame's source. `p` describes the packet as it came (unwrapped).
  */
 static __noinline int chain(struct xdp_md *ctx, const struct inband_lb_config *cfg, const struct pkt *p)
@@ -276,8 +296,8 @@ static __noinline int chain(struct xdp_md *ctx, const struct inband_lb_config *c
 	outer->nexthdr = IP6_IN_IP6;
 	outer->hop_limit = 64;
 	__builtin_memcpy(&outer->saddr, &cfg->self6, 16);
-	__builtin_memcpy(&outer->daddr, &cfg->shadow_sid, 16);
-	event(INBAND_EV_CHAINED);
+	inband_shadow_sid((__u8 *)&outer->daddr, (const __u8 *)&cfg->shadow_sid, p->chain_generation);
+	event(p->chain_generation ? INBAND_EV_CHAINED_NAMED : INBAND_EV_CHAINED);
 	return XDP_TX;
 }
 

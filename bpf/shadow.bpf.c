@@ -13,9 +13,16 @@
  * stray of a connection another server owns, and this program readdresses
  * the outer header to the router's shadow SID, so the kernel forwards it
  * back and the router sends it on by the previous mapping. Chained packets
- * arrive at the plain SID, which this program never redirects: a packet
- * is chained at most once, so it cannot loop (the seed's End.DT4.COND
- * could, after two changes within one connection).
+ * arrive at the plain SID, which this program never redirects, so a
+ * packet cannot loop (the seed's End.DT4.COND could, after two changes
+ * within one connection).
+ *
+ * With more than one shadow generation (shadow_generations.h), the router
+ * reaches the conditional SID of a server in an older set with an SRH of
+ * two segments: this SID, then the SID of the next older generation's
+ * table. A stray goes to that segment instead, and only the oldest
+ * generation's table sends to plain SIDs: a packet is chained at most
+ * once per generation.
  *
  * Everything not addressed to the conditional SID goes on untouched with
  * TC_ACT_UNSPEC, so a filter after this one (the agent's) still sees it.
@@ -30,6 +37,7 @@
 #include <bpf/bpf_helpers.h>
 
 #include "inband/pinned.h"
+#include "inband/shadow_generations.h"
 #include "inband/shadow_maps.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
@@ -78,6 +86,24 @@ static __always_inline int owned_locally(struct __sk_buff *skb, const struct ipv
 	return owned;
 }
 
+/* Segments left to 0 (at `left_at`, if the SRH had one left): the path
+ * ends here, or at the shadow SID just written as the destination. */
+static __always_inline int consume_segment(struct __sk_buff *skb, __u32 left_at)
+{
+	const __u8 none = 0;
+
+	return left_at ? bpf_skb_store_bytes(skb, left_at, &none, 1, 0) : 0;
+}
+
+/* Delivered here: the kernel's End.DT6 at the conditional SID takes the
+ * inner packet, but only with no segment left. */
+static __always_inline int deliver(struct __sk_buff *skb, __u32 left_at, __u32 counter)
+{
+	if (consume_segment(skb, left_at) < 0)
+		return count(skb, INBAND_SHADOW_MALFORMED, TC_ACT_UNSPEC);
+	return count(skb, counter, TC_ACT_UNSPEC);
+}
+
 SEC("tc")
 int shadow_ingress(struct __sk_buff *skb)
 {
@@ -86,7 +112,8 @@ int shadow_ingress(struct __sk_buff *skb)
 	struct ipv6hdr out, in;
 	struct tcphdr tcp;
 	__u8 rh[4]; /* next header, length, routing type, segments left */
-	__u32 off = ETH_HLEN;
+	__u8 next[16]; /* with segments left: the shadow SID the router named */
+	__u32 off = ETH_HLEN, left_at = 0;
 	__u8 nh;
 
 	if (!cfg || skb->protocol != bpf_htons(ETH_P_IPV6))
@@ -97,26 +124,35 @@ int shadow_ingress(struct __sk_buff *skb)
 	nh = out.nexthdr;
 	if (nh == IPPROTO_ROUTING) {
 		/* The router's encapsulation: one SRH whose last segment is
-		 * ours. With segments left, this is not the packet's end. */
-		if (bpf_skb_load_bytes(skb, off, rh, sizeof(rh)) < 0 || rh[2] != IPV6_SRCRT_TYPE_SRH || rh[3] != 0)
+		 * ours, or of two segments whose last is a shadow SID. */
+		if (bpf_skb_load_bytes(skb, off, rh, sizeof(rh)) < 0 || rh[2] != IPV6_SRCRT_TYPE_SRH || rh[3] > 1)
 			return count(skb, INBAND_SHADOW_MALFORMED, TC_ACT_UNSPEC);
+		if (rh[3]) {
+			if (((__u32)rh[1] + 1) * 8 != INBAND_SRH2_LEN ||
+			    bpf_skb_load_bytes(skb, off + INBAND_SRH2_NEXT_SEGMENT, next, sizeof(next)) < 0 ||
+			    inband_shadow_generation(cfg->shadow_sid, next) < 0)
+				return count(skb, INBAND_SHADOW_MALFORMED, TC_ACT_UNSPEC);
+			left_at = off + 3;
+		}
 		nh = rh[0];
 		off += ((__u32)rh[1] + 1) * 8;
 	}
 	if (nh != IPPROTO_IPV6 || bpf_skb_load_bytes(skb, off, &in, sizeof(in)) < 0)
 		return count(skb, INBAND_SHADOW_MALFORMED, TC_ACT_UNSPEC);
 	if (in.nexthdr != IPPROTO_TCP)
-		return count(skb, INBAND_SHADOW_NOT_TCP, TC_ACT_UNSPEC);
+		return deliver(skb, left_at, INBAND_SHADOW_NOT_TCP);
 	if (bpf_skb_load_bytes(skb, off + sizeof(in), &tcp, sizeof(tcp)) < 0)
 		return count(skb, INBAND_SHADOW_MALFORMED, TC_ACT_UNSPEC);
 	if (tcp.syn && !tcp.ack)
-		return count(skb, INBAND_SHADOW_NEW_FLOW, TC_ACT_UNSPEC);
+		return deliver(skb, left_at, INBAND_SHADOW_NEW_FLOW);
 	if (owned_locally(skb, &in, &tcp))
-		return count(skb, INBAND_SHADOW_LOCAL, TC_ACT_UNSPEC);
-	/* A stray: back to the router's shadow table. The outer header has
-	 * no checksum, and the kernel forwards the packet by its new
-	 * destination (the server forwards IPv6). */
-	if (bpf_skb_store_bytes(skb, ETH_HLEN + offsetof(struct ipv6hdr, daddr), cfg->shadow_sid, 16, 0) < 0)
+		return deliver(skb, left_at, INBAND_SHADOW_LOCAL);
+	/* A stray: back to the router's shadow table, the one it named or
+	 * the first. The outer header has no checksum, and the kernel
+	 * forwards the packet by its new destination (the server forwards
+	 * IPv6); the router's End.DT6 takes it with no segment left. */
+	if (bpf_skb_store_bytes(skb, ETH_HLEN + offsetof(struct ipv6hdr, daddr), left_at ? next : cfg->shadow_sid, 16, 0) < 0 ||
+	    consume_segment(skb, left_at) < 0)
 		return count(skb, INBAND_SHADOW_MALFORMED, TC_ACT_UNSPEC);
-	return count(skb, INBAND_SHADOW_CHAINED, TC_ACT_OK);
+	return count(skb, left_at ? INBAND_SHADOW_CHAINED_NAMED : INBAND_SHADOW_CHAINED, TC_ACT_OK);
 }

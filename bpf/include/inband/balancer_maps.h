@@ -329,8 +329,9 @@ enum inband_event {
 	INBAND_EV_DECAPSULATED = 24, /* IP-in-IP from a backend unwrapped (its 125 inside) */
 	INBAND_EV_SRV6_COND = 25, /* from the ECMP router to the conditional SID: unwrapped */
 	INBAND_EV_SRV6_DIRECT = 26, /* ... to the direct SID (chained by another instance): unwrapped */
-	INBAND_EV_CHAINED = 27, /* TCP without a connection here sent to the router's shadow table */
-	INBAND_EV_MAX = 28,
+	INBAND_EV_CHAINED = 27, /* TCP without a connection here sent to the router's (first) shadow table */
+	INBAND_EV_CHAINED_NAMED = 28, /* ... to the later shadow generation the router's SRH named */
+	INBAND_EV_MAX = 29,
 };
 
 /* Written by the sweeper program at each pass (lifecycle.h), read by

@@ -13,7 +13,8 @@
  * no packet (not configured yet). */
 struct inband_shadow_config {
 	__u8 cond_sid[16]; /* this server's conditional SID: packets to it are checked */
-	__u8 shadow_sid[16]; /* the router's SID for its shadow table: strays go there */
+	__u8 shadow_sid[16]; /* the router's SID for its (first) shadow table: strays go there
+			      * (shadow_generations.h: the later ones' SIDs follow from it) */
 	__u8 direct_sid[16]; /* this server's plain SID (chained packets): not read by the
 			      * program; kept so `status` and `detach` know it */
 };
@@ -24,8 +25,9 @@ enum inband_shadow_counter {
 	INBAND_SHADOW_NEW_FLOW, /* inner TCP SYN: a new connection, delivered */
 	INBAND_SHADOW_NOT_TCP, /* inner packet not TCP: delivered (no socket to ask) */
 	INBAND_SHADOW_LOCAL, /* a local socket (not a listener) has it: delivered */
-	INBAND_SHADOW_CHAINED, /* no local socket: sent to the shadow table */
-	INBAND_SHADOW_MALFORMED, /* to the SID but not one SRv6 hop with an inner IPv6: left to the kernel */
+	INBAND_SHADOW_CHAINED, /* no local socket: sent to the (first) shadow table */
+	INBAND_SHADOW_MALFORMED, /* to the SID but not an SRv6 hop the router sends with an inner IPv6: left to the kernel */
+	INBAND_SHADOW_CHAINED_NAMED, /* no local socket: sent to the shadow table the SRH named (a later generation) */
 	INBAND_SHADOW_COUNTERS,
 };
 

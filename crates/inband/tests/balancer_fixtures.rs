@@ -27,7 +27,7 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags, OpenObject, ProgramInput};
 
 mod frames;
-use frames::{cut6, ext, ipip, opts_header, routing, srv6, IPPROTO_IPV6, IPPROTO_ROUTING};
+use frames::{cut6, ext, ipip, opts_header, routing, srv6, srv6_then, IPPROTO_IPV6, IPPROTO_ROUTING};
 
 const LB_ADDR: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 10);
 const LB6_ADDR: Ipv6Addr = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x10);
@@ -2875,3 +2875,46 @@ fn srv6_to_our_sid_that_the_router_would_not_send_is_dropped() {
     fx.assert_passed_untouched(&srv6((ROUTER_MAC, LB_MAC), ROUTER6, SHADOW_SID, &d.build_ip(), 0, false));
     assert_eq!(fx.half_open_count() + fx.flow_count() + fx.event("chained") as usize, 0);
 }
+
+#[test]
+fn from_an_older_generation_a_stray_is_chained_to_the_generation_its_srh_names() {
+    let fx = scaled_out();
+    let c = client6(5);
+    let generation_3 = Ipv6Addr::new(0xfd00, 0x5f, 0, 0, 0, 0, 0, 7);
+    let d = data(c);
+    let out = fx.tx(&srv6_then((ROUTER_MAC, LB_MAC), ROUTER6, COND_SID, generation_3, &d.build_ip()));
+    // The whole SRv6 header came off; the chained copy is plain
+    // IPv6-in-IPv6 from the instance to that generation's SID.
+    let inner = d.build_ip();
+    let mut want = ROUTER_MAC.to_vec();
+    want.extend_from_slice(&LB_MAC);
+    want.extend_from_slice(&[0x86, 0xdd, 0x60, 0, 0, 0]);
+    want.extend_from_slice(&(inner.len() as u16).to_be_bytes());
+    want.extend_from_slice(&[IPPROTO_IPV6, 64]);
+    want.extend_from_slice(&LB6_ADDR.octets());
+    want.extend_from_slice(&generation_3.octets());
+    want.extend_from_slice(&inner);
+    assert_eq!(out, want);
+    assert_eq!((fx.event("chained"), fx.event("chained_named")), (0, 1));
+    // A connection this instance holds is balanced, whatever generation
+    // brought it.
+    let s = syn(c);
+    fx.tx(&srv6_then((ROUTER_MAC, LB_MAC), ROUTER6, COND_SID, generation_3, &s.build_ip()));
+    let f = fx.half_open(c).expect("a handshake");
+    let (b, snat) = (fx.backend_of(u32::from(f.backend_id)), port_of(f.snat_port));
+    let a = ack(c);
+    assert_eq!(fx.tx(&srv6_then((ROUTER_MAC, LB_MAC), ROUTER6, COND_SID, generation_3, &a.build_ip())), forwarded(&a, &b, snat, vec![]));
+    // Not one of the router's shadow SIDs (a ninth generation, the
+    // client): never relayed there. Nor two segments to the direct SID,
+    // which the router never sends.
+    let client_addr = match c.ip() {
+        IpAddr::V6(a) => a,
+        IpAddr::V4(_) => unreachable!(),
+    };
+    for next in [Ipv6Addr::new(0xfd00, 0x5f, 0, 0, 0, 0, 0, 0xd), client_addr] {
+        fx.assert_dropped(&srv6_then((ROUTER_MAC, LB_MAC), ROUTER6, COND_SID, next, &d.build_ip()), "srv6_unsupported");
+    }
+    fx.assert_dropped(&srv6_then((ROUTER_MAC, LB_MAC), ROUTER6, DIRECT_SID, generation_3, &d.build_ip()), "srv6_unsupported");
+    assert_eq!(fx.event("chained_named"), 1);
+}
+

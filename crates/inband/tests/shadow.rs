@@ -161,6 +161,61 @@ fn moving_the_vip_off_a_live_download_breaks_it_with_plain_ecmp_and_not_with_sha
     assert_eq!(get(&tb, "c1"), Ok(format!("200 {BODY}")));
 }
 
+/// The router keeps `generations` earlier sets from now on.
+fn keep_generations(tb: &Testbed, generations: u32) {
+    let path = tb.router_config.clone().unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    let text: String = text.lines().filter(|l| !l.starts_with("generations")).map(|l| format!("{l}\n")).collect();
+    std::fs::write(&path, format!("generations = {generations}\n{text}")).unwrap();
+}
+
+/// One download, and the VIP moved off its server twice in the middle of
+/// it: to the two others, then to one of them. Its packets then reach a
+/// server that never had it, whose first shadow generation (the two)
+/// does not have its server either: only the second one does.
+fn move_a_download_twice(tb: &Testbed) -> String {
+    let all: Vec<String> = (1..=3).map(|i| format!("s{i}")).collect();
+    route(tb, &all, false);
+    let dl = download(tb, "c1");
+    wait_for("the download's connection", || client_ports(tb, "c1").len() == 1);
+    let owners = owner_of(tb, 3, client_ports(tb, "c1")[0]);
+    assert_eq!(owners.len(), 1, "one server has the connection: {owners:?}");
+    let others: Vec<String> = (1..=3).filter(|i| *i != owners[0]).map(|i| format!("s{i}")).collect();
+    route(tb, &others, false);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    route(tb, &others[..1], false);
+    let got = finish(dl);
+    route(tb, &all, false);
+    got
+}
+
+#[test]
+fn two_changes_within_a_download_need_two_shadow_generations() {
+    let tb = up("gen", 82, 3, 1);
+    for i in 1..=3 {
+        attach(&tb, i);
+    }
+    let sum = |counter: &str| -> u64 { (1..=3).map(|i| counters(&tb, &format!("s{i}"))[counter]["packets"].as_u64().unwrap()).sum() };
+    // One generation (the seed's): the oldest set is gone when the
+    // download needs it, and a server that never had it resets it.
+    keep_generations(&tb, 1);
+    let one = move_a_download_twice(&tb);
+    assert_ne!(one, format!("200 {BODY}"), "one generation kept the connection: the test would prove nothing");
+    assert_eq!(sum("chained_named"), 0, "no route names a second generation");
+    // Two: chained twice, the second time to the table the SRH named.
+    keep_generations(&tb, 2);
+    let two = move_a_download_twice(&tb);
+    assert_eq!(two, format!("200 {BODY}"), "the download finished whole");
+    assert!(sum("chained_named") >= 1, "no packet went to the second generation: {}", counters(&tb, "s1"));
+    let table = |t: &str| String::from_utf8_lossy(&run_ok(&tb, "r1", &["ip", "-6", "route", "show", "table", t]).stdout).to_string();
+    // After the last change back to all three: the first generation is
+    // the set of one, to its conditional SID and then the second
+    // generation's SID; the second is the set of two, to direct SIDs.
+    let (first, second) = (table("200"), table("201"));
+    assert!(first.contains("segs 2 [ ") && !first.contains("nexthop"), "{first}");
+    assert!(second.contains("nexthop") && second.matches("segs 1 [ ").count() == 2, "{second}");
+}
+
 #[test]
 fn four_to_two_to_four_under_concurrent_downloads() {
     // The seed's planned change: half the servers leave, then come back,
@@ -199,6 +254,12 @@ fn the_router_controller_refuses_bad_configs_and_unknown_servers() {
         ("vip = \"fd00::80\"\nshadow_sid = \"fd00:5f::5\"\n".to_string(), "missing field `server`"),
         (format!("vip = \"10.0.0.1\"\nshadow_sid = \"fd00:5f::5\"\n{}", server("s1", 1)), "vip"),
         (format!("vip = \"fd00::80\"\nshadow_sid = \"fd00:5f::5\"\nweight = 3\n{}", server("s1", 1)), "unknown field `weight`"),
+        (format!("vip = \"fd00::80\"\nshadow_sid = \"fd00:5f::5\"\ngenerations = 9\n{}", server("s1", 1)), "generations = 9: keep 1 to 8"),
+        (format!("vip = \"fd00::80\"\nshadow_sid = \"fd00:5f::5\"\ngenerations = 0\n{}", server("s1", 1)), "generations = 0"),
+        // Generation 3's table would be 253 (the kernel's default table).
+        (format!("vip = \"fd00::80\"\nshadow_sid = \"fd00:5f::5\"\nshadow_table = 251\ngenerations = 3\n{}", server("s1", 1)), "tables 251–253"),
+        // Generation 2's SID would be the server's conditional SID.
+        (format!("vip = \"fd00::80\"\nshadow_sid = \"fd00:51::a\"\ngenerations = 2\n{}", server("s1", 1)), "used twice"),
     ];
     for (text, expect) in cases {
         std::fs::write(&cfg, &text).unwrap();

@@ -27,6 +27,11 @@ const ROUTER: Ipv6Addr = Ipv6Addr::new(0xfd00, 1, 0, 0, 0, 0, 0, 1);
 const COND_SID: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x51, 0, 0, 0, 0, 0, 0xb);
 const DIRECT_SID: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x51, 0, 0, 0, 0, 0, 0xd);
 const SHADOW_SID: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x5f, 0, 0, 0, 0, 0, 5);
+/// The shadow SIDs of generations 2, 8 and 9 (shadow_generations.h): the
+/// last one the program accepts, and the first it does not.
+const SHADOW_SID_2: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x5f, 0, 0, 0, 0, 0, 6);
+const SHADOW_SID_8: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x5f, 0, 0, 0, 0, 0, 0xc);
+const SHADOW_SID_9: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x5f, 0, 0, 0, 0, 0, 0xd);
 const CLIENT: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xc, 0, 0, 0, 0, 0, 2);
 const VIP: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xffff, 0, 0, 0, 0, 0, 0x80);
 
@@ -58,6 +63,19 @@ fn run(prog: &ProgramMut, frame: &[u8]) -> (u32, Vec<u8>) {
 /// What the router sends this server (frames from the router's MAC).
 fn srv6(sid: Ipv6Addr, inner: &[u8], segments_left: u8, reduced: bool) -> Vec<u8> {
     frames::srv6(([0x02, 0, 0, 0, 0, 0x01], [0x02, 0, 0, 0, 0, 0x51]), ROUTER, sid, inner, segments_left, reduced)
+}
+
+fn srv6_then(next: Ipv6Addr, inner: &[u8]) -> Vec<u8> {
+    frames::srv6_then(([0x02, 0, 0, 0, 0, 0x01], [0x02, 0, 0, 0, 0, 0x51]), ROUTER, COND_SID, next, inner)
+}
+
+/// The frame with no segment left in its two-segment SRH, and its outer
+/// destination `to` (None: kept).
+fn consumed(frame: &[u8], to: Option<Ipv6Addr>) -> Vec<u8> {
+    let mut f = to.map_or_else(|| frame.to_vec(), |to| readdressed(frame, to));
+    assert_eq!(f[ETH_HLEN + 40 + 3], 1);
+    f[ETH_HLEN + 40 + 3] = 0;
+    f
 }
 
 fn tcp(from: SocketAddr, to: SocketAddr, flags: u8) -> Vec<u8> {
@@ -188,5 +206,36 @@ fn malformed_encapsulations_are_left_to_the_kernel() {
     }
     assert_eq!(count(&skel, "malformed").0, cases.len() as u64);
     assert_eq!(count(&skel, "chained"), (0, 0));
-    assert_eq!(COUNTERS.len(), 6);
+    assert_eq!(COUNTERS.len(), 7);
+}
+
+#[test]
+fn from_an_older_generation_a_stray_goes_to_the_shadow_sid_its_srh_names() {
+    let _ns = TestNetns::enter("shgen");
+    let mut obj = MaybeUninit::uninit();
+    let skel = load(&mut obj);
+    let (client, vip) = (SocketAddr::new(CLIENT.into(), 40000), SocketAddr::new(VIP.into(), 80));
+    let ack = tcp(client, vip, TCP_ACK);
+    // No socket here: to the second segment, with none left (the router's
+    // End.DT6 takes no other), and nothing else changed.
+    for next in [SHADOW_SID_2, SHADOW_SID_8] {
+        let f = srv6_then(next, &ack);
+        assert_eq!(run(&skel.progs.shadow_ingress, &f), (TC_ACT_OK, consumed(&f, Some(next))));
+    }
+    assert_eq!(count(&skel, "chained_named").0, 2);
+    // Delivered here (a SYN, UDP): the path ends here, so no segment is
+    // left for the kernel's End.DT6 at the conditional SID.
+    let syn = srv6_then(SHADOW_SID_2, &PacketBuilder::tcp(client, vip).syn(1440).build_ip());
+    assert_eq!(run(&skel.progs.shadow_ingress, &syn), (TC_ACT_UNSPEC, consumed(&syn, None)));
+    let udp = srv6_then(SHADOW_SID_2, &PacketBuilder::udp(client, vip).payload(b"q".to_vec()).build_ip());
+    assert_eq!(run(&skel.progs.shadow_ingress, &udp), (TC_ACT_UNSPEC, consumed(&udp, None)));
+    // A second segment that is no shadow SID of the router's (a ninth
+    // generation, another address): not relayed, left to the kernel,
+    // which drops SRv6 at a SID with segments left.
+    for next in [SHADOW_SID_9, CLIENT] {
+        let f = srv6_then(next, &ack);
+        assert_eq!(run(&skel.progs.shadow_ingress, &f), (TC_ACT_UNSPEC, f.clone()), "{next}");
+    }
+    assert_eq!(count(&skel, "malformed").0, 2);
+    assert_eq!((count(&skel, "chained").0, count(&skel, "chained_named").0), (0, 2));
 }

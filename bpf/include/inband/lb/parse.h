@@ -50,6 +50,7 @@ struct pkt {
 	__u8 via_sid; /* SRv6 from the ECMP router: VIA_COND_SID, VIA_DIRECT_SID or 0 (balancer.bpf.c) */
 	__u8 srh_type; /* IPv6: routing type and segments left of a first Routing header */
 	__u8 srh_left;
+	__u8 chain_generation; /* the shadow generation a stray of via_sid goes to (shadow_generations.h) */
 };
 
 /* The packet being handled lives in a per-CPU slot, not on the stack: the

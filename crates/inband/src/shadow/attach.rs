@@ -33,7 +33,7 @@ const TC_PRIORITY: u32 = 0x1a0;
 
 /// Counter names, in the order of `enum inband_shadow_counter`.
 pub const COUNTERS: [&str; c::INBAND_SHADOW_COUNTERS as usize] =
-    ["other", "new_flow", "not_tcp", "local", "chained", "malformed"];
+    ["other", "new_flow", "not_tcp", "local", "chained", "malformed", "chained_named"];
 
 pub struct Sids {
     pub cond: Ipv6Addr,

@@ -107,10 +107,11 @@ pub fn run(cmd: ShadowCommand) -> Result<()> {
         }
         ShadowCommand::Follow { config, table, interval_ms } => {
             let cfg = route::RouterConfig::load(&config)?;
-            if table == cfg.shadow_table || matches!(table, 0 | 253..=255) {
+            if (0..cfg.generations).any(|k| cfg.generation(k).0 == table) || matches!(table, 0 | 253..=255) {
                 anyhow::bail!(
-                    "--table {table}: the routing daemon needs a table of its own, not the shadow table ({}) nor 0/253/254/255",
-                    cfg.shadow_table
+                    "--table {table}: the routing daemon needs a table of its own, not a shadow table ({}–{}) nor 0/253/254/255",
+                    cfg.shadow_table,
+                    cfg.generation(cfg.generations - 1).0
                 );
             }
             let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));

@@ -94,3 +94,25 @@ pub fn srv6(macs: ([u8; 6], [u8; 6]), router: Ipv6Addr, sid: Ipv6Addr, inner: &[
     f.extend_from_slice(inner);
     f
 }
+
+/// The IPv6 packet `inner` as an ECMP router sends it from a shadow table
+/// with an older generation behind it (`segs SID,NEXT`): an SRH of two
+/// segments, `sid` active and `next` (segment 0, the path's last) to go,
+/// segments left 1.
+pub fn srv6_then(macs: ([u8; 6], [u8; 6]), router: Ipv6Addr, sid: Ipv6Addr, next: Ipv6Addr, inner: &[u8]) -> Vec<u8> {
+    // Routing type 4, segments left 1, last entry 1, flags, tag; the segments last first.
+    let mut body = vec![4, 1, 1, 0, 0, 0];
+    body.extend_from_slice(&next.octets());
+    body.extend_from_slice(&sid.octets());
+    let srh = ext(IPPROTO_IPV6, &body);
+    let mut f = macs.1.to_vec();
+    f.extend_from_slice(&macs.0);
+    f.extend_from_slice(&[0x86, 0xdd, 0x60, 0, 0, 0]);
+    f.extend_from_slice(&((srh.len() + inner.len()) as u16).to_be_bytes());
+    f.extend_from_slice(&[IPPROTO_ROUTING, 64]);
+    f.extend_from_slice(&router.octets());
+    f.extend_from_slice(&sid.octets());
+    f.extend_from_slice(&srh);
+    f.extend_from_slice(inner);
+    f
+}
