@@ -42,6 +42,15 @@ def test_tables_put_ecmp_beside_shadowing_with_a_ratio():
     assert lat["with the program"][3] == "+2.0" and lat["chained"][3] == "+30.0" and lat["without the program"][2] == "50.0"
 
 
+def test_a_goal_run_tables_the_one_mode_it_ran():
+    r = {"flapping": [{"size_mb": 5, "interval_s": 1, "mode": "shadowing, 8 generations", "ok": 3800, "failed": 0, "failed_pct": 0.0,
+                       "redirected_pct": 5.0}], "planned": [], "latency": {}}
+    md = ecmp.markdown(r)
+    assert "| size | flap every | shadowing, 8 generations failed | ECMP / best | requests (8 generations) |" in md
+    assert table_rows(md, "| size | flap every |") == [["5 MB", "1 s", "0.00% (0)", "–", "3800", "5.00%"]]
+    assert ecmp.PROFILES["goal"].flap_modes == ("shadowing, 8 generations",)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates network namespaces and attaches tc programs")
 def test_tiny_profile_end_to_end(tmp_path):
     name = f"ec{os.getpid() % 10000}"

@@ -288,6 +288,19 @@ fn instances_join_leave_restart_and_crash_under_load_without_breaking_a_download
         assert_eq!(farm.drop_count(i, "chained_no_flow"), 0, "b{i} dropped chained packets");
         assert_eq!(farm.drop_count(i, "srv6_unsupported"), 0, "b{i}");
     }
+    // Load awareness kept working on every instance: each got in-band
+    // scores (125s, authenticated) for the backends it sent flows to, and
+    // none failed its MAC or format. (A 125 that answers a retransmitted
+    // 124, or arrives after its flow ended, is `score_unsolicited`:
+    // dropped, and expected when packets are retransmitted.)
+    for i in 1..=3 {
+        let st = farm.status(i);
+        let scored = st["vips"][0]["backends"].as_array().unwrap().iter().filter(|b| b["score"].is_u64()).count();
+        assert!(scored >= 1, "b{i} holds no in-band score: {}", st["vips"][0]["backends"]);
+        for e in ["score_bad_mac", "score_wrong_format"] {
+            assert_eq!(farm.event(i, e), 0, "b{i}: {e}{}", farm.report());
+        }
+    }
 
     // The same join without the shadow table breaks the moved connections:
     // their packets reach an instance without them and, chained to a
