@@ -1,7 +1,7 @@
 """Seed 002's experiments on the ECMP testbed (`inband testbed up --ecmp`),
 plain ECMP against shadowing (`inband shadow`), in one run:
 
-    python -m bench.ecmp --out results/ecmp [--profile quick|full|tiny]
+    python -m bench.ecmp --out results/ecmp [--profile quick|full|goal|tiny]
 
 1. flapping: closed-loop clients download files of 5 MB (and 10 MB in the
    full profile) through the router while one random server leaves or
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shlex
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .outputs import publish, record_command
 from .procs import Procs, ns_argv, run, stop_signals_interrupt, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -289,7 +289,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     p = PROFILES[args.profile]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "command.txt").write_text(" ".join(shlex.quote(a) for a in [sys.executable, "-m", "bench.ecmp", *(argv or sys.argv[1:])]) + "\n")
+    record_command(args.out, "bench.ecmp", argv)
     stop_signals_interrupt()
     bed = Bed(args.inband, p, args.out, args.name)
     rng = random.Random(args.seed)
@@ -334,10 +334,7 @@ def main(argv=None) -> int:
         results["latency"]["chained"], results["echoes_chained"] = echo_rtts(bed, move=True)
     finally:
         bed.down()
-    md = markdown(results)
-    print(md)
-    (args.out / "results.md").write_text(md)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    publish(args.out, markdown(results), results)
     plot(results, args.out / "flapping.png")
     return 0
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shlex
 import subprocess
 import sys
 import threading
@@ -43,6 +42,7 @@ from pathlib import Path
 
 from .ecmp import closed_loop
 from .peers import nginx_static_conf
+from .outputs import publish, record_command
 from .procs import Procs, ns_argv, run, stop_signals_interrupt, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -291,7 +291,7 @@ def main(argv=None) -> int:
     p = PROFILES[args.profile]
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "command.txt").write_text(" ".join(shlex.quote(a) for a in [sys.executable, "-m", "bench.scaleout", *(argv or sys.argv[1:])]) + "\n")
+    record_command(args.out, "bench.scaleout", argv)
     stop_signals_interrupt()
     bed = Bed(args.inband, p, args.out, args.name)
     results: dict = {"profile": asdict(p)}
@@ -305,10 +305,7 @@ def main(argv=None) -> int:
         results["throughput"] = throughput(bed)
     finally:
         bed.down()
-    md = markdown(results)
-    print(md)
-    (args.out / "results.md").write_text(md)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    publish(args.out, markdown(results), results)
     plot(results, args.out / "throughput.png")
     return 0
 

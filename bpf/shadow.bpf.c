@@ -66,8 +66,13 @@ static __always_inline int same_addr(const __u8 *a, const __u8 *b)
 }
 
 /* A socket that owns the inner TCP packet's connection: an established
- * (or handshaking, closing, time-wait) socket. A listener matches every
- * client of its port, so it says nothing about this connection. */
+ * (or handshaking, closing) socket. A listener matches every client of its
+ * port, so it says nothing about this connection. A time-wait socket has
+ * seen both FINs: of its connection only a retransmitted FIN (or a RST)
+ * can still come. Anything else with its tuple is a newer connection that
+ * reused the client's port and lives on another server; delivered here it
+ * would meet the time-wait socket and stall (bench.ecmp's 1-s flaps showed
+ * it: downloads frozen mid-body until curl gave up). */
 static __always_inline int owned_locally(struct __sk_buff *skb, const struct ipv6hdr *in, const struct tcphdr *tcp)
 {
 	struct bpf_sock_tuple t = {};
@@ -81,7 +86,7 @@ static __always_inline int owned_locally(struct __sk_buff *skb, const struct ipv
 	sk = bpf_skc_lookup_tcp(skb, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
 	if (!sk)
 		return 0;
-	owned = sk->state != BPF_TCP_LISTEN;
+	owned = sk->state != BPF_TCP_LISTEN && (sk->state != BPF_TCP_TIME_WAIT || tcp->fin || tcp->rst);
 	bpf_sk_release(sk);
 	return owned;
 }

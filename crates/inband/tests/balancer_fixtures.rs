@@ -2774,6 +2774,20 @@ fn via(sid: Ipv6Addr, p: &PacketBuilder) -> Vec<u8> {
     srv6((ROUTER_MAC, LB_MAC), ROUTER6, sid, &p.build_ip(), 0, false)
 }
 
+/// What an instance sends back to the router for a stray `inner`: plain
+/// IPv6-in-IPv6 from its own address to the shadow SID `to`.
+fn chained_to(to: Ipv6Addr, inner: &[u8]) -> Vec<u8> {
+    let mut f = ROUTER_MAC.to_vec();
+    f.extend_from_slice(&LB_MAC);
+    f.extend_from_slice(&[0x86, 0xdd, 0x60, 0, 0, 0]);
+    f.extend_from_slice(&(inner.len() as u16).to_be_bytes());
+    f.extend_from_slice(&[IPPROTO_IPV6, 64]);
+    f.extend_from_slice(&LB6_ADDR.octets());
+    f.extend_from_slice(&to.octets());
+    f.extend_from_slice(inner);
+    f
+}
+
 #[test]
 fn srv6_to_an_instance_is_unwrapped_and_balanced_as_if_it_came_straight() {
     let fx = scaled_out();
@@ -2801,19 +2815,9 @@ fn a_tcp_packet_without_a_connection_here_is_chained_to_the_shadow_sid_once() {
     let fx = scaled_out();
     let c = client6(2);
     for p in [data(c), ack(c), data(c).flags(TCP_RST)] {
-        let out = fx.tx(&via(COND_SID, &p));
         // Back to the router, in plain IPv6-in-IPv6 from the instance's
         // own address to the shadow SID; the packet inside untouched.
-        let inner = p.build_ip();
-        let mut want = ROUTER_MAC.to_vec();
-        want.extend_from_slice(&LB_MAC);
-        want.extend_from_slice(&[0x86, 0xdd, 0x60, 0, 0, 0]);
-        want.extend_from_slice(&(inner.len() as u16).to_be_bytes());
-        want.extend_from_slice(&[IPPROTO_IPV6, 64]);
-        want.extend_from_slice(&LB6_ADDR.octets());
-        want.extend_from_slice(&SHADOW_SID.octets());
-        want.extend_from_slice(&inner);
-        assert_eq!(out, want);
+        assert_eq!(fx.tx(&via(COND_SID, &p)), chained_to(SHADOW_SID, &p.build_ip()));
     }
     assert_eq!(fx.event("chained"), 3);
     assert_eq!(fx.half_open_count() + fx.flow_count(), 0, "a stray opens nothing");
@@ -2885,16 +2889,7 @@ fn from_an_older_generation_a_stray_is_chained_to_the_generation_its_srh_names()
     let out = fx.tx(&srv6_then((ROUTER_MAC, LB_MAC), ROUTER6, COND_SID, generation_3, &d.build_ip()));
     // The whole SRv6 header came off; the chained copy is plain
     // IPv6-in-IPv6 from the instance to that generation's SID.
-    let inner = d.build_ip();
-    let mut want = ROUTER_MAC.to_vec();
-    want.extend_from_slice(&LB_MAC);
-    want.extend_from_slice(&[0x86, 0xdd, 0x60, 0, 0, 0]);
-    want.extend_from_slice(&(inner.len() as u16).to_be_bytes());
-    want.extend_from_slice(&[IPPROTO_IPV6, 64]);
-    want.extend_from_slice(&LB6_ADDR.octets());
-    want.extend_from_slice(&generation_3.octets());
-    want.extend_from_slice(&inner);
-    assert_eq!(out, want);
+    assert_eq!(out, chained_to(generation_3, &d.build_ip()));
     assert_eq!((fx.event("chained"), fx.event("chained_named")), (0, 1));
     // A connection this instance holds is balanced, whatever generation
     // brought it.

@@ -8,7 +8,7 @@ use std::mem::MaybeUninit;
 use std::net::{Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 
 use inband::bpf::shadow::{ShadowSkel, ShadowSkelBuilder};
-use inband::packet::{PacketBuilder, ETH_HLEN, IPPROTO_TCP, TCP_ACK, TCP_PSH, TCP_SYN};
+use inband::packet::{PacketBuilder, ETH_HLEN, IPPROTO_TCP, TCP_ACK, TCP_FIN, TCP_PSH, TCP_RST, TCP_SYN};
 use inband::shadow::attach::{read_counters, Config, COUNTERS};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::libbpf_sys;
@@ -173,14 +173,24 @@ fn a_local_connection_is_delivered_and_a_listener_is_not_one() {
     let udp = UdpSocket::bind(SocketAddr::new(Ipv6Addr::LOCALHOST.into(), 0)).unwrap();
     let to_udp_port = srv6(COND_SID, &tcp(client, udp.local_addr().unwrap(), TCP_ACK), 0, false);
     assert_eq!(run(&skel.progs.shadow_ingress, &to_udp_port).0, TC_ACT_OK);
-    // The server closes first: its time-wait socket still owns the tuple,
-    // so late packets of a closed connection stay here.
+    // The server closes first: its time-wait socket owns a late FIN (or
+    // RST) of the closed connection, which stays here; any other packet
+    // with the tuple is a newer connection that reused the client's port
+    // on another server, and goes on.
     drop(accepted);
     std::thread::sleep(std::time::Duration::from_millis(50));
     drop(conn);
     std::thread::sleep(std::time::Duration::from_millis(100));
-    assert_eq!(run(&skel.progs.shadow_ingress, &own).0, TC_ACT_UNSPEC, "time-wait (or closing) socket found");
-    assert_eq!(count(&skel, "chained").0, 2);
+    // (A child started from this thread runs in its namespace.)
+    let tw = std::process::Command::new("ss").args(["-Htn", "state", "time-wait"]).output().unwrap();
+    let tw = String::from_utf8_lossy(&tw.stdout).to_string();
+    assert!(tw.contains(&format!(":{}", server.port())), "no time-wait socket: {tw}");
+    for flags in [TCP_FIN | TCP_ACK, TCP_RST] {
+        let late = srv6(COND_SID, &tcp(client, server, flags), 0, false);
+        assert_eq!(run(&skel.progs.shadow_ingress, &late).0, TC_ACT_UNSPEC, "a late FIN or RST: the time-wait socket's");
+    }
+    assert_eq!(run(&skel.progs.shadow_ingress, &own), (TC_ACT_OK, readdressed(&own, SHADOW_SID)), "a newer connection's ACK");
+    assert_eq!(count(&skel, "chained").0, 3);
 }
 
 #[test]
