@@ -207,7 +207,7 @@ static __always_inline int decap_ipip(struct xdp_md *ctx)
 
 /*
  * SRv6 from the ECMP router to one of this instance's SIDs (scale-out):
- * the outer header (and its one-segment SRH) comes off and `p` is parsed
+ * the outer header (and its SRH) comes off and `p` is parsed
  * again as the IPv6 packet inside, to be walked as if it had come
  * straight, with p->via_sid saying how it came. 1 if it was unwrapped, 0
  * if it is not ours (left to the kernel), -1 if it is dropped (counted).

@@ -172,9 +172,10 @@ struct inband_lb_config {
 	/* Scale-out behind an ECMP router (seed 002 one tier up; all zero =
 	 * off): the router reaches this instance in SRv6 at `cond_sid`; a TCP
 	 * packet that arrives so and belongs to no connection here is sent
-	 * back to the router's `shadow_sid` (its previous next-hop set), which
-	 * delivers it at the previous owner's `direct_sid`, where it is not
-	 * chained again. */
+	 * back to the router's `shadow_sid` (its previous next-hop set), or to
+	 * the later generation's SID the router's SRH names
+	 * (shadow_generations.h); the oldest generation delivers it at the
+	 * owner's `direct_sid`, where it is not chained again. */
 	struct inband_addr cond_sid;
 	struct inband_addr direct_sid;
 	struct inband_addr shadow_sid;
