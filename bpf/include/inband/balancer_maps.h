@@ -52,9 +52,9 @@ enum inband_mode {
 };
 
 enum inband_policy {
-	INBAND_POLICY_ROUND_ROBIN = 0,
-	INBAND_POLICY_LEAST_SCORE = 1, /* lowest load estimate, random among ties */
-	INBAND_POLICY_POWER_OF_TWO = 2, /* two random backends, lower load estimate */
+	INBAND_POLICY_ROUND_ROBIN = 0, /* slots in turn; INBAND_VIP_WEIGHTED: the Maglev table's entries in turn */
+	INBAND_POLICY_LEAST_SCORE = 1, /* lowest load estimate per weight, random among ties */
+	INBAND_POLICY_POWER_OF_TWO = 2, /* two random backends, lower load estimate per weight */
 	INBAND_POLICY_MAGLEV = 3, /* weighted Maglev consistent hashing of the client side (select.h) */
 };
 
@@ -83,6 +83,10 @@ struct inband_vip_key {
 #define INBAND_VIP_ACTIVE 1 /* takes new connections */
 #define INBAND_VIP_DRAINING 2 /* removed: keeps its flows, refuses new connections */
 #define INBAND_VIP_QUIC 4 /* UDP VIP carrying QUIC: short headers route by connection ID */
+/* Its active backends do not all have the same weight: round-robin walks
+ * its Maglev table, which holds each backend in proportion to its weight
+ * (select.h). Without it round-robin takes the slots in turn. */
+#define INBAND_VIP_WEIGHTED 8
 
 struct inband_vip {
 	struct inband_addr addr;
@@ -131,7 +135,12 @@ struct inband_backend {
 	/* QUIC VIPs: the server id this backend writes into its connection
 	 * IDs (quic.h); 0 = none. */
 	__u16 quic_server_id;
-	__u32 pad;
+	/* Relative capacity (lb.toml `weight`, at most 65535): every policy
+	 * gives it new connections in proportion (select.h). 0 counts as 1,
+	 * so an entry written without a weight is balanced as before
+	 * weights; the control plane never writes 0 for an ACTIVE backend (a
+	 * weight-0 backend is written DRAINING). */
+	__u32 weight;
 	__u64 drain_deadline_ns; /* removed or draining: flows still here then are ended; 0 = wait */
 };
 

@@ -2696,15 +2696,24 @@ fn ip_in_ip_that_is_not_inbands_passes_untouched() {
 
 // ---------------------------------------------------------- Maglev
 
+impl Fixture {
+    /// Writes the test VIP's Maglev table as the control plane writes it
+    /// for backends 0.. weighted `w`; returns it.
+    fn write_table(&self, w: &[u32]) -> Vec<u32> {
+        let named: Vec<(String, u32)> = w.iter().enumerate().map(|(i, w)| (backend(i as u8).addr.to_string(), *w)).collect();
+        let table = inband::lb::maglev::table(&named, MAGLEV_SIZE);
+        for (i, slot) in table.iter().enumerate() {
+            put(&self.lb.skel.maps.maglev, &(VIP_ID * MAGLEV_SIZE + i as u32), slot);
+        }
+        table
+    }
+}
+
 /// A dsr-rr VIP of 3 backends with policy maglev and its table written as
 /// the control plane writes it (weights `w`).
 fn maglev_fixture(w: [u32; 3]) -> (Fixture, Vec<u32>) {
     let fx = Fixture::lb_vip(Spec { mode: Mode::DsrRr, policy: Policy::Maglev, n: 3, ..Spec::default() });
-    let named: Vec<(String, u32)> = (0..3).map(|i| (backend(i).addr.to_string(), w[i as usize])).collect();
-    let table = inband::lb::maglev::table(&named, MAGLEV_SIZE);
-    for (i, slot) in table.iter().enumerate() {
-        put(&fx.lb.skel.maps.maglev, &(VIP_ID * MAGLEV_SIZE + i as u32), slot);
-    }
+    let table = fx.write_table(&w);
     (fx, table)
 }
 
@@ -2749,6 +2758,142 @@ fn maglev_weights_and_an_ineligible_slot() {
         };
         assert_eq!(fx.pick(c), backend(want as u8).id, "client {c}");
     }
+}
+
+// ---------------------------------------------------------- weights
+
+impl Fixture {
+    /// Writes weight `w[i]` into backend i's entry, as the control plane does.
+    fn set_weights(&self, w: &[u32]) {
+        for (i, w) in w.iter().enumerate() {
+            let b = backend(i as u8);
+            let mut entry: Backend = get(&self.lb.skel.maps.backends, &b.id).unwrap();
+            entry.weight = *w;
+            put(&self.lb.skel.maps.backends, &b.id, &entry);
+        }
+    }
+
+    /// Sends `c`'s SYN; returns where the balancer sent it (from the bytes).
+    #[track_caller]
+    fn sent_to(&self, c: SocketAddr) -> SocketAddr {
+        parse(&self.tx(&syn(c).build())).expect("a TCP frame").dst
+    }
+}
+
+/// A two-backend VIP of a scored mode: power-of-two always draws both, so
+/// it ranks them as least-score does. Reports do not age here.
+fn two_weighed(policy: Policy, w: [u32; 2]) -> Fixture {
+    let fx = Fixture::lb_with(Mode::DsrPolling, policy, 2);
+    fx.update_vip(|v| v.score_max_age_ns = 3600 * SEC);
+    fx.set_weights(&w);
+    fx
+}
+
+/// The backend index the SYN of client `n` goes to when the two backends
+/// report `est` (connections since the report reset).
+fn pick_with(fx: &Fixture, est: [u32; 2], n: u8) -> u32 {
+    let now = ktime_ns();
+    fx.set_score(&backend(0), est[0], now);
+    fx.set_score(&backend(1), est[1], now);
+    fx.pick(client(n)) - backend(0).id
+}
+
+#[test]
+fn least_score_and_power_of_two_rank_by_load_per_weight() {
+    for policy in [Policy::LeastScore, Policy::PowerOfTwo] {
+        let name = policy.name();
+        let fx = two_weighed(policy, [1, 4]);
+        for n in 1..=10 {
+            assert_eq!(pick_with(&fx, [1, 3], n), 1, "{name}: (3+1)/4 < (1+1)/1");
+            assert_eq!(pick_with(&fx, [1, 9], n + 10), 0, "{name}: (9+1)/4 > (1+1)/1: the weight is not all");
+        }
+        // Equal weights, whatever they are: the lower estimate, as before
+        // weights. 0 counts as 1.
+        for w in [[1, 1], [4, 4], [0, 1]] {
+            fx.set_weights(&w);
+            for n in 21..=30 {
+                assert_eq!(pick_with(&fx, [1, 3], n), 0, "{name}: weights {w:?}");
+                assert_eq!(pick_with(&fx, [3, 1], n + 10), 1, "{name}: weights {w:?}");
+            }
+        }
+        // (1+1)/1 = (3+1)/2: a tie, broken at random (all one way from a
+        // fair coin: 2^-39).
+        fx.set_weights(&[1, 2]);
+        let mut seen = [0u32; 2];
+        for n in 41..=80 {
+            seen[pick_with(&fx, [1, 3], n) as usize] += 1;
+        }
+        assert!(seen[0] > 0 && seen[1] > 0, "{name}: {seen:?}");
+    }
+}
+
+#[test]
+fn idle_backends_go_to_the_largest_weight_then_in_proportion() {
+    for policy in [Policy::LeastScore, Policy::PowerOfTwo] {
+        let name = policy.name();
+        let fx = two_weighed(policy, [1, 3]);
+        for n in 1..=10 {
+            assert_eq!(pick_with(&fx, [0, 0], n), 1, "{name}: (0+1)/3 < (0+1)/1, no tie");
+        }
+        // Left to count their connections from idle: each pick takes the
+        // lowest (o+1)/w and raises it by 1/w, so no backend's rank minus
+        // its step ever exceeds the other's rank: 3·o0 <= o1 + 1 and
+        // o1 <= 3·o0 + 3. With o0 + o1 = 40 only (10, 30) satisfies both.
+        pick_with(&fx, [0, 0], 11);
+        for n in 12..=50 {
+            fx.pick(client(n));
+        }
+        let (o0, o1) = (fx.score(&backend(0)).opened, fx.score(&backend(1)).opened);
+        assert_eq!((o0, o1), (10, 30), "{name}");
+    }
+}
+
+/// A dsr-rr round-robin VIP of backends weighted `w`, with its table and
+/// flag as the control plane writes them for weights that differ.
+fn weighted_round_robin(w: &[u32]) -> (Fixture, Vec<u32>) {
+    let fx = Fixture::lb_vip(Spec { mode: Mode::DsrRr, policy: Policy::RoundRobin, n: w.len() as u8, ..Spec::default() });
+    fx.set_weights(w);
+    let table = fx.write_table(w);
+    fx.update_vip(|v| v.flags |= VIP_WEIGHTED);
+    (fx, table)
+}
+
+#[test]
+fn weighted_round_robin_walks_the_maglev_table_in_turn() {
+    let (fx, table) = weighted_round_robin(&[1, 3]);
+    // Ticket k takes entry k: one turn of the table (251 SYNs) meets every
+    // entry once, so the split is the table's, which gives the weight-3
+    // backend three entries each time the weight-1 one gets one (maglev.rs):
+    // 251/4 = 62.75 for the light one, to one entry.
+    let sent: Vec<SocketAddr> = (1..=MAGLEV_SIZE).map(|n| fx.sent_to(client(n as u8))).collect();
+    let want: Vec<SocketAddr> = table.iter().map(|s| backend(*s as u8).addr).collect();
+    assert_eq!(sent, want, "ticket k goes where entry k says");
+    let light = sent.iter().filter(|a| **a == backend(0).addr).count();
+    assert!((62..=64).contains(&light), "{light} of 251 to the weight-1 backend");
+    // Interleaved, not in blocks: the weight-1 backend comes up in every
+    // stretch of 20 (a block of 3/4 of the table would go 188 without it).
+    assert!(sent.windows(20).all(|w| w.contains(&backend(0).addr)), "{sent:?}");
+
+    // An ineligible entry passes to the next eligible slot, as under Maglev.
+    let (fx, table) = weighted_round_robin(&[1, 3, 2]);
+    fx.set_flags(&backend(1), BACKEND_DRAINING);
+    for n in 1..=40u8 {
+        let want = match table[usize::from(n) - 1] {
+            1 => 2,
+            s => s,
+        };
+        assert_eq!(fx.sent_to(client(n)), backend(want as u8).addr, "ticket {}", n - 1);
+    }
+}
+
+#[test]
+fn round_robin_without_the_weighted_flag_takes_slots_in_turn_whatever_the_weights() {
+    let fx = Fixture::lb_with(Mode::DsrRr, Policy::RoundRobin, 2);
+    fx.set_weights(&[1, 3]);
+    fx.write_table(&[1, 3]);
+    let ids: Vec<u32> = (1..=6).map(|n| fx.pick(client(n))).collect();
+    let (b0, b1) = (backend(0).id, backend(1).id);
+    assert_eq!(ids, [b0, b1, b0, b1, b0, b1]);
 }
 
 // ------------------------------------------------- scale-out behind ECMP

@@ -23,6 +23,22 @@
  * explored. The cost: at most one connection a second per stale backend
  * (a backend that answers is stale again only a max age later).
  * docs/decisions.md has the reasoning and the alternatives.
+ *
+ * Weights (relative capacity, struct inband_backend): a backend of weight 4
+ * is as loaded as one of weight 1 when it holds four times the
+ * connections, so least-score and power-of-two rank by
+ *
+ *     (estimate + 1) / weight
+ *
+ * compared by cross-multiplication, (a + 1) * wb < (b + 1) * wa, without a
+ * division (estimates stay below 2^33 and weights below 2^16: the products
+ * fit in 64 bits). The + 1 is the connection about to be given (HAProxy's
+ * weighted leastconn ranks the same way): among idle backends the largest
+ * weight wins instead of all tying at 0. With equal weights both sides
+ * scale alike, so the ranking and the ties are those of the bare estimate.
+ * Round-robin cannot rank; on a VIP whose weights differ it walks the VIP's
+ * Maglev table in turn, which holds each backend in proportion to its
+ * weight, interleaved (maglev.rs).
  */
 #ifndef INBAND_LB_SELECT_H
 #define INBAND_LB_SELECT_H
@@ -54,7 +70,7 @@ static __always_inline __u64 load_estimate(const struct inband_backend_score *s,
 struct pick {
 	__u64 now;
 	__u64 max_age_ns;
-	__u64 best; /* least-score: lowest estimate so far */
+	__u64 best; /* least-score: the estimate of the lightest so far */
 	__u32 vid;
 	__u32 count; /* valid slots, <= INBAND_MAX_BACKENDS_PER_VIP */
 	__u32 skip; /* slots excluded (bit per slot): backends found without a free port */
@@ -62,30 +78,48 @@ struct pick {
 	__u32 seen; /* candidates met so far (least-score: ties of best) */
 	__u32 id; /* chosen backend id */
 	__u32 slot; /* the chosen slot */
+	__u32 weight; /* id's weight */
 	__u32 other; /* power-of-two: the second sampled id */
 	__u32 other_slot;
+	__u32 other_weight;
 	__u32 found;
 	__u32 explored; /* the pick is an exploration ticket */
 	__u32 how; /* PICK_* */
 };
 
-/* Backend id in `slot` of VIP `vid` if that backend may take a new connection. */
-static __always_inline int active_slot(const struct pick *p, __u32 slot, __u32 *id_out)
+/* The backend in `slot` of VIP `vid` (its id in `id_out`) if it may take a
+ * new connection, else NULL. */
+static __always_inline const struct inband_backend *active_slot(const struct pick *p, __u32 slot, __u32 *id_out)
 {
 	if (slot < 32 && (p->skip & (1U << slot)))
-		return 0;
+		return NULL;
 	__u32 idx = p->vid * INBAND_MAX_BACKENDS_PER_VIP + slot;
 	__u32 *id = bpf_map_lookup_elem(&vip_backends, &idx);
 
 	if (!id)
-		return 0;
+		return NULL;
 	__u32 bid = *id;
 	struct inband_backend *be = bpf_map_lookup_elem(&backends, &bid);
 
 	if (!be || !(be->flags & INBAND_BACKEND_ACTIVE))
-		return 0;
+		return NULL;
 	*id_out = bid;
-	return 1;
+	return be;
+}
+
+/* 0 counts as 1: entries written before weights existed keep their share. */
+static __always_inline __u32 weight_of(const struct inband_backend *be)
+{
+	return be->weight ? be->weight : 1;
+}
+
+/* The sign of (a + 1) / wa - (b + 1) / wb: which of two loads is lighter
+ * per unit of weight (see the top of this file). */
+static __always_inline int cmp_load(__u64 a, __u32 wa, __u64 b, __u32 wb)
+{
+	__u64 x = (a + 1) * wb, y = (b + 1) * wa;
+
+	return x < y ? -1 : x > y;
 }
 
 /* Takes `id`'s exploration ticket if it has one (one CPU wins it): then
@@ -101,6 +135,19 @@ static __always_inline int explore(struct pick *p, __u32 id, __u32 slot)
 	p->found = 1;
 	p->seen = 1;
 	p->explored = 1;
+	return 1;
+}
+
+/* Takes `slot` (where a Maglev table points) if it is eligible. */
+static __always_inline int take_slot(struct pick *p, __u32 slot)
+{
+	__u32 id;
+
+	if (slot >= p->count || !active_slot(p, slot, &id))
+		return 0;
+	p->id = id;
+	p->slot = slot;
+	p->found = 1;
 	return 1;
 }
 
@@ -132,23 +179,28 @@ static __always_inline long round_robin_step(__u32 i, void *arg)
 static __always_inline long least_score_step(__u32 slot, void *arg)
 {
 	struct pick *p = arg;
+	const struct inband_backend *be;
 	__u32 id;
 
 	if (slot >= p->count)
 		return 1;
-	if (!active_slot(p, slot, &id))
+	be = active_slot(p, slot, &id);
+	if (!be)
 		return 0;
 	if (explore(p, id, slot))
 		return 1;
 	__u64 est = estimate_of(id, p);
+	__u32 w = weight_of(be);
+	int cmp = p->found ? cmp_load(est, w, p->best, p->weight) : -1;
 
-	if (!p->found || est < p->best) {
+	if (cmp < 0) {
 		p->best = est;
+		p->weight = w;
 		p->id = id;
 		p->slot = slot;
 		p->seen = 1;
 		p->found = 1;
-	} else if (est == p->best) {
+	} else if (cmp == 0) {
 		/* Reservoir sampling: each of k tied backends is kept with
 		 * probability 1/k in a single pass. */
 		p->seen++;
@@ -165,31 +217,27 @@ static __always_inline long least_score_step(__u32 slot, void *arg)
 static __always_inline long two_choices_step(__u32 slot, void *arg)
 {
 	struct pick *p = arg;
+	const struct inband_backend *be;
 	__u32 id;
 
 	if (slot >= p->count)
 		return 1;
-	if (!active_slot(p, slot, &id))
+	be = active_slot(p, slot, &id);
+	if (!be)
 		return 0;
 	if (explore(p, id, slot))
 		return 1;
 	p->seen++;
-	if (p->seen == 1) {
+	__u32 r = p->seen <= 2 ? p->seen - 1 : bpf_get_prandom_u32() % p->seen;
+
+	if (r == 0) {
 		p->id = id;
 		p->slot = slot;
-	} else if (p->seen == 2) {
+		p->weight = weight_of(be);
+	} else if (r == 1) {
 		p->other = id;
 		p->other_slot = slot;
-	} else {
-		__u32 r = bpf_get_prandom_u32() % p->seen;
-
-		if (r == 0) {
-			p->id = id;
-			p->slot = slot;
-		} else if (r == 1) {
-			p->other = id;
-			p->other_slot = slot;
-		}
+		p->other_weight = weight_of(be);
 	}
 	return 0;
 }
@@ -212,21 +260,26 @@ static long pick_step(__u32 slot, void *arg)
 	return round_robin_step(slot, arg);
 }
 
-/* The slot the VIP's Maglev table gives the connection `fk`
+/* The slot in entry `i` (modulo its size) of VIP `vid`'s Maglev table
  * (INBAND_MAX_BACKENDS_PER_VIP if there is no table). */
-static __always_inline __u32 maglev_slot(__u32 vid, const struct inband_flow_key *fk)
+static __always_inline __u32 maglev_entry(__u32 vid, __u64 i)
 {
 	__u32 zero = 0;
 	struct inband_lb_config *cfg = bpf_map_lookup_elem(&lb_config, &zero);
 
 	if (!cfg || !cfg->maglev_size)
 		return INBAND_MAX_BACKENDS_PER_VIP;
-	__u64 h = inband_siphash24_words(INBAND_MAGLEV_K0, INBAND_MAGLEV_K1, (const __u8 *)fk,
-					 sizeof(*fk) / 8);
-	__u32 idx = vid * cfg->maglev_size + (__u32)(h % cfg->maglev_size);
+	__u32 idx = vid * cfg->maglev_size + (__u32)(i % cfg->maglev_size);
 	__u32 *slot = bpf_map_lookup_elem(&maglev, &idx);
 
 	return slot ? *slot : INBAND_MAX_BACKENDS_PER_VIP;
+}
+
+/* The slot the VIP's Maglev table gives the connection `fk`. */
+static __always_inline __u32 maglev_slot(__u32 vid, const struct inband_flow_key *fk)
+{
+	return maglev_entry(vid, inband_siphash24_words(INBAND_MAGLEV_K0, INBAND_MAGLEV_K1, (const __u8 *)fk,
+							sizeof(*fk) / 8));
 }
 
 /* The choice select_backend() returns. */
@@ -262,6 +315,7 @@ __noinline int select_backend(const struct inband_vip *vip, __u32 vid, __u32 ski
 		return 0;
 	/* passthrough and dsr-rr have no score feedback to rank by. */
 	int by_score = score_mode(vip->mode);
+	int taken = 0;
 
 	if (by_score && vip->policy == INBAND_POLICY_LEAST_SCORE) {
 		p.how = PICK_LEAST_SCORE;
@@ -269,16 +323,12 @@ __noinline int select_backend(const struct inband_vip *vip, __u32 vid, __u32 ski
 		p.how = PICK_TWO_CHOICES;
 	} else if (vip->policy == INBAND_POLICY_MAGLEV) {
 		__u32 slot = maglev_slot(vid, fk);
-		__u32 id;
 
-		if (slot < p.count && active_slot(&p, slot, &id)) {
-			out->id = id;
-			out->slot = slot;
-			return 1;
-		}
-		/* Its slot is not eligible (no table yet, a backend without a
-		 * free port, a change not yet written): the next eligible slot
-		 * after it, so such connections spread rather than pile up. */
+		/* If its slot is not eligible (no table yet, a backend without
+		 * a free port, a change not yet written), the walk takes the
+		 * next eligible slot after it: such connections spread rather
+		 * than pile up on one backend. */
+		taken = take_slot(&p, slot);
 		p.start = slot + 1;
 	} else {
 		__u32 *cursor = bpf_map_lookup_elem(&rr_cursor, &vid);
@@ -287,15 +337,27 @@ __noinline int select_backend(const struct inband_vip *vip, __u32 vid, __u32 ski
 			return 0;
 		/* Each new connection takes the next ticket; ineligible slots
 		 * are skipped from there. */
-		p.start = __sync_fetch_and_add(cursor, 1);
+		__u32 ticket = __sync_fetch_and_add(cursor, 1);
+
+		p.start = ticket;
+		if (vip->flags & INBAND_VIP_WEIGHTED) {
+			/* Consecutive tickets meet each backend as often as
+			 * the table holds it; an ineligible entry passes on
+			 * as under Maglev. */
+			__u32 slot = maglev_entry(vid, ticket);
+
+			taken = take_slot(&p, slot);
+			p.start = slot + 1;
+		}
 	}
-	bpf_loop(INBAND_MAX_BACKENDS_PER_VIP, pick_step, &p, 0);
+	if (!taken)
+		bpf_loop(INBAND_MAX_BACKENDS_PER_VIP, pick_step, &p, 0);
 	if (p.how == PICK_TWO_CHOICES) {
 		p.found = p.seen > 0;
 		if (p.seen > 1 && !p.explored) {
-			__u64 a = estimate_of(p.id, &p), b = estimate_of(p.other, &p);
+			int cmp = cmp_load(estimate_of(p.other, &p), p.other_weight, estimate_of(p.id, &p), p.weight);
 
-			if (b < a || (b == a && (bpf_get_prandom_u32() & 1))) {
+			if (cmp < 0 || (cmp == 0 && (bpf_get_prandom_u32() & 1))) {
 				p.id = p.other;
 				p.slot = p.other_slot;
 			}
