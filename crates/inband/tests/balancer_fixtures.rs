@@ -2896,6 +2896,83 @@ fn round_robin_without_the_weighted_flag_takes_slots_in_turn_whatever_the_weight
     assert_eq!(ids, [b0, b1, b0, b1, b0, b1]);
 }
 
+/// An lb.toml whose VIP is the test VIP with backends 0..3 weighted `w`.
+fn weighted_config(mode: &str, policy: &str, w: [u32; 3]) -> inband::lb::config::LbConfig {
+    let mut text = format!(
+        "interface = \"lo\"\naddress = \"{LB_ADDR}\"\nmaglev_table_size = {MAGLEV_SIZE}\n[auth]\nmode = \"none\"\n\
+         [[vip]]\naddress = \"{VIP_ADDR}\"\nport = {VIP_PORT}\nmode = \"{mode}\"\npolicy = \"{policy}\"\n"
+    );
+    for (i, w) in w.iter().enumerate() {
+        let b = backend(i as u8).addr;
+        text += &format!("[[vip.backend]]\naddress = \"{}\"\nport = {}\nweight = {w}\n", b.ip(), b.port());
+    }
+    inband::lb::config::LbConfig::parse(&text).unwrap()
+}
+
+/// Fills in the backends' MACs as the daemon's neighbour resolver would.
+fn resolve(fx: &Fixture, maps: &inband::lb::tables::LbMaps) {
+    for v in inband::lb::tables::read(maps).unwrap() {
+        for (id, mut entry) in v.slots {
+            let ep = inband::lb::tables::backend_endpoint(&entry);
+            entry.mac = (0..3).map(backend).find(|b| b.addr == ep).unwrap().mac;
+            put(&fx.lb.skel.maps.backends, &id, &entry);
+        }
+    }
+}
+
+#[test]
+fn the_control_plane_writes_weights_the_flag_and_the_table_and_weight_0_takes_nothing() {
+    use inband::lb::{control, tables};
+    let fx = Fixture::new();
+    let maps = fx.lb.maps().unwrap();
+    let mut cfg = weighted_config("dsr-rr", "round-robin", [1, 3, 0]);
+    tables::apply(&maps, &cfg.vips, 0).unwrap();
+    resolve(&fx, &maps);
+    let v = tables::read(&maps).unwrap().remove(0);
+    assert_ne!(v.vip.flags & VIP_WEIGHTED, 0, "weights 1 and 3 differ");
+    let written: Vec<(u32, u16)> = v.slots.iter().map(|(_, b)| (b.weight, b.flags)).collect();
+    assert_eq!(written, [(1, BACKEND_ACTIVE), (3, BACKEND_ACTIVE), (0, BACKEND_DRAINING)], "weight 0 is written drained");
+    let named: Vec<(String, u32)> = (0..3).map(|i| (backend(i).addr.to_string(), [1, 3, 0][i as usize])).collect();
+    let table = inband::lb::maglev::table(&named, MAGLEV_SIZE);
+    let ring: Vec<u32> = (0..MAGLEV_SIZE).map(|i| get(&fx.lb.skel.maps.maglev, &(v.id * MAGLEV_SIZE + i)).unwrap()).collect();
+    assert_eq!(ring, table, "a weighted round-robin VIP gets its table");
+    for n in 1..=40u8 {
+        assert_eq!(fx.sent_to(client(n)), backend(table[usize::from(n) - 1] as u8).addr);
+    }
+    let status = inband::lb::snapshot::take("lo", &maps).unwrap();
+    let shown: Vec<u32> = status.vips[0].backends.iter().map(|b| b.weight).collect();
+    assert_eq!((status.vips[0].weighted, shown), (true, vec![1, 3, 0]));
+    assert!(inband::lb::snapshot::render_table(&status).contains("policy round-robin (weighted)"));
+
+    // Weight 0 takes no new connection in any policy.
+    for (i, (mode, policy)) in [("dsr-polling", "least-score"), ("dsr-polling", "power-of-two"), ("dsr-rr", "maglev")].iter().enumerate() {
+        let cfg = weighted_config(mode, policy, [1, 3, 0]);
+        tables::apply(&maps, &cfg.vips, 0).unwrap();
+        let from = 50 + 30 * i as u8;
+        let sent: Vec<SocketAddr> = (from..from + 30).map(|n| fx.sent_to(client(n))).collect();
+        assert!(!sent.contains(&backend(2).addr), "{policy}: {sent:?}");
+    }
+
+    // set-weights through the control request: one apply, the flag gone
+    // with the differences, the weight-0 backend back in service.
+    let req = control::ControlRequest::SetWeights {
+        vip: vip(),
+        protocol: inband::lb::config::Protocol::Tcp,
+        weights: (0..3).map(|i| (backend(i).addr, 2)).collect(),
+    };
+    cfg = control::change(&cfg, &req, std::path::Path::new("/nonexistent")).unwrap();
+    tables::apply(&maps, &cfg.vips, 0).unwrap();
+    let v = tables::read(&maps).unwrap().remove(0);
+    assert_eq!(v.vip.flags & VIP_WEIGHTED, 0);
+    assert!(v.slots.iter().all(|(_, b)| b.weight == 2 && b.flags == BACKEND_ACTIVE));
+    let mut per = [0; 3];
+    for n in 200..230u8 {
+        let to = fx.sent_to(client(n));
+        per[(0..3).position(|i| backend(i).addr == to).unwrap()] += 1;
+    }
+    assert_eq!(per, [10, 10, 10], "plain round-robin again");
+}
+
 // ------------------------------------------------- scale-out behind ECMP
 
 const ROUTER_MAC: Mac = [0x02, 0, 0, 0, 0, 0x01];

@@ -172,8 +172,8 @@ pub struct BackendConfig {
     /// for a path that strips or drops IPv4 options, inside IP-in-IP.
     #[serde(default)]
     pub encap: Encap,
-    /// policy = "maglev": its share of the VIP's table relative to the
-    /// other backends' (0: none; new connections only).
+    /// Its capacity relative to the VIP's other backends: every policy
+    /// gives it new connections in proportion (0: none, as if drained).
     #[serde(default = "default_weight")]
     pub weight: u32,
 }
@@ -191,6 +191,11 @@ pub enum Encap {
 impl BackendConfig {
     pub fn endpoint(&self) -> SocketAddr {
         SocketAddr::new(self.address, self.port)
+    }
+
+    /// Whether new connections may go to it: not drained, and a weight.
+    pub fn takes_new(&self) -> bool {
+        !self.drain && self.weight > 0
     }
 }
 
@@ -215,14 +220,14 @@ fn default_poll_interval_ms() -> u64 {
 pub fn default_poll_port() -> u16 {
     9137
 }
-// Long enough that a lossy path costs little (each retry risks a few
-// retransmissions), short enough that a healed path is used again soon.
-fn default_weight() -> u32 {
+pub fn default_weight() -> u32 {
     1
 }
 pub fn default_maglev_table_size() -> u32 {
     crate::lb::maglev::DEFAULT_SIZE
 }
+// Long enough that a lossy path costs little (each retry risks a few
+// retransmissions), short enough that a healed path is used again soon.
 fn default_options_retry_s() -> u64 {
     30
 }

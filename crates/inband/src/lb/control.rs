@@ -17,7 +17,7 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use super::config::{BackendConfig, Encap, LbConfig, Protocol};
+use super::config::{default_weight, BackendConfig, Encap, LbConfig, Protocol};
 use super::maps::{Mode, Policy};
 use super::tables::{self, LbMaps};
 
@@ -43,6 +43,11 @@ pub enum ControlRequest {
         #[arg(long, value_parser = parse_encap, default_value = "none")]
         #[serde(default)]
         encap: Encap,
+        /// Its capacity relative to the VIP's other backends (0: no new
+        /// connections).
+        #[arg(long, default_value_t = default_weight())]
+        #[serde(default = "default_weight")]
+        weight: u32,
     },
     /// Remove a backend: no new connections; its established ones continue
     /// until they end (or `drain_timeout_ms`).
@@ -100,6 +105,20 @@ pub enum ControlRequest {
         #[arg(long, value_parser = parse_policy)]
         policy: Policy,
     },
+    /// Set backends' weights (their capacity relative to the VIP's other
+    /// backends; 0: no new connections), all at once; backends not named
+    /// keep theirs.
+    SetWeights {
+        #[arg(long)]
+        vip: SocketAddr,
+        /// The VIP's transport (tcp or udp).
+        #[arg(long, value_parser = parse_protocol, default_value = "tcp")]
+        #[serde(default)]
+        protocol: Protocol,
+        /// A backend and its weight, ADDR=W (repeat for more backends).
+        #[arg(long = "weight", value_name = "ADDR=W", value_parser = parse_weight, required = true)]
+        weights: Vec<(SocketAddr, u32)>,
+    },
     /// Ask for the score on every n-th packet to a backend.
     SetProbeInterval {
         #[arg(long)]
@@ -127,6 +146,12 @@ fn parse_protocol(s: &str) -> Result<Protocol, String> {
 fn parse_encap(s: &str) -> Result<Encap, String> {
     serde_json::from_value(serde_json::Value::String(s.into())).map_err(|_| format!("unknown encap {s:?}: expected none or ipip"))
 }
+fn parse_weight(s: &str) -> Result<(SocketAddr, u32), String> {
+    let (addr, w) = s.split_once('=').ok_or_else(|| format!("{s:?} is not ADDR=W (e.g. 10.0.1.2:8080=3)"))?;
+    let addr = addr.parse().map_err(|_| format!("{addr:?} is not a backend address and port"))?;
+    let w = w.parse().map_err(|_| format!("weight {w:?} of {addr} is not a number"))?;
+    Ok((addr, w))
+}
 fn parse_policy(s: &str) -> Result<Policy, String> {
     serde_json::from_value(serde_json::Value::String(s.into()))
         .map_err(|_| format!("unknown policy {s:?}: expected least-score, power-of-two, round-robin or maglev"))
@@ -148,7 +173,7 @@ pub fn change(cfg: &LbConfig, req: &ControlRequest, config_path: &Path) -> Resul
     };
     let backend_pos = |next: &LbConfig, vi: usize, be: &SocketAddr| next.vips[vi].backends.iter().position(|b| b.endpoint() == *be);
     match req {
-        ControlRequest::AddBackend { vip, protocol, backend, quic_server_id, encap } => {
+        ControlRequest::AddBackend { vip, protocol, backend, quic_server_id, encap, weight } => {
             let vi = vip_mut(&mut next, vip, protocol)?;
             if backend_pos(&next, vi, backend).is_some() {
                 bail!("backend {backend} is already in VIP {}", next.vips[vi].name());
@@ -159,7 +184,7 @@ pub fn change(cfg: &LbConfig, req: &ControlRequest, config_path: &Path) -> Resul
                 drain: false,
                 quic_server_id: *quic_server_id,
                 encap: *encap,
-                weight: 1,
+                weight: *weight,
             });
         }
         ControlRequest::RemoveBackend { vip, protocol, backend } => {
@@ -179,6 +204,20 @@ pub fn change(cfg: &LbConfig, req: &ControlRequest, config_path: &Path) -> Resul
         ControlRequest::SetPolicy { vip, protocol, policy } => {
             let vi = vip_mut(&mut next, vip, protocol)?;
             next.vips[vi].policy = *policy;
+        }
+        ControlRequest::SetWeights { vip, protocol, weights } => {
+            let vi = vip_mut(&mut next, vip, protocol)?;
+            if weights.is_empty() {
+                bail!("no weight given: name backends as ADDR=W");
+            }
+            let mut named = std::collections::HashSet::new();
+            for (backend, weight) in weights {
+                if !named.insert(backend) {
+                    bail!("backend {backend} is given two weights");
+                }
+                let bi = backend_pos(&next, vi, backend).ok_or_else(|| anyhow::anyhow!("backend {backend} is not in VIP {}", next.vips[vi].name()))?;
+                next.vips[vi].backends[bi].weight = *weight;
+            }
         }
         ControlRequest::SetProbeInterval { vip, protocol, n } => {
             let vi = vip_mut(&mut next, vip, protocol)?;
@@ -297,4 +336,106 @@ pub fn send(socket: &PathBuf, req: &ControlRequest) -> Result<ControlReply> {
     let mut line = String::new();
     BufReader::new(s).read_line(&mut line)?;
     serde_json::from_str(&line).with_context(|| format!("bad reply from the balancer: {line:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    const CFG: &str = r#"
+interface = "eth0"
+address = "10.0.0.10"
+[auth]
+mode = "none"
+[[vip]]
+address = "10.0.0.100"
+port = 80
+mode = "dsr-rr"
+policy = "round-robin"
+[[vip.backend]]
+address = "10.0.1.2"
+port = 8080
+[[vip.backend]]
+address = "10.0.1.3"
+port = 8080
+weight = 2
+[[vip.backend]]
+address = "10.0.1.4"
+port = 8080
+"#;
+
+    #[derive(Parser)]
+    struct Ctl {
+        #[command(subcommand)]
+        req: ControlRequest,
+    }
+
+    fn cfg() -> LbConfig {
+        LbConfig::parse(CFG).unwrap()
+    }
+    fn weights(c: &LbConfig) -> Vec<u32> {
+        c.vips[0].backends.iter().map(|b| b.weight).collect()
+    }
+    fn set(ws: &[(&str, u32)]) -> ControlRequest {
+        ControlRequest::SetWeights {
+            vip: "10.0.0.100:80".parse().unwrap(),
+            protocol: Protocol::Tcp,
+            weights: ws.iter().map(|(a, w)| (a.parse().unwrap(), *w)).collect(),
+        }
+    }
+    fn change_err(req: &ControlRequest) -> String {
+        format!("{:#}", change(&cfg(), req, Path::new("/nonexistent")).unwrap_err())
+    }
+
+    #[test]
+    fn set_weights_changes_the_named_backends_only() {
+        let next = change(&cfg(), &set(&[("10.0.1.2:8080", 3), ("10.0.1.4:8080", 0)]), Path::new("/nonexistent")).unwrap();
+        assert_eq!(weights(&next), [3, 2, 0]);
+        assert!(!next.vips[0].backends[2].drain, "weight 0 is not the drain flag: a new weight brings it back");
+    }
+
+    #[test]
+    fn set_weights_refuses_the_whole_request_for_one_bad_backend() {
+        // change() works on a copy: an error leaves the running config as it was.
+        let e = change_err(&set(&[("10.0.1.2:8080", 3), ("10.0.1.9:8080", 1)]));
+        assert!(e.contains("backend 10.0.1.9:8080 is not in VIP 10.0.0.100:80"), "{e}");
+        let e = change_err(&set(&[("10.0.1.3:8080", 70_000)]));
+        assert!(e.contains("backend 10.0.1.3:8080: weight = 70000 is above 65535"), "{e}");
+        let e = change_err(&set(&[("10.0.1.3:8080", 1), ("10.0.1.3:8080", 2)]));
+        assert!(e.contains("backend 10.0.1.3:8080 is given two weights"), "{e}");
+        assert!(change_err(&set(&[])).contains("no weight given"));
+    }
+
+    #[test]
+    fn set_weights_from_the_command_line_and_json_is_one_request() {
+        let cli = Ctl::try_parse_from([
+            "ctl", "set-weights", "--vip", "10.0.0.100:80", "--weight", "10.0.1.2:8080=3", "--weight", "10.0.1.3:8080=1",
+        ])
+        .unwrap();
+        let json: ControlRequest = serde_json::from_str(
+            r#"{"cmd":"set-weights","vip":"10.0.0.100:80","protocol":"tcp","weights":[["10.0.1.2:8080",3],["10.0.1.3:8080",1]]}"#,
+        )
+        .unwrap();
+        assert_eq!(serde_json::to_value(&cli.req).unwrap(), serde_json::to_value(&json).unwrap());
+        let next = change(&cfg(), &json, Path::new("/nonexistent")).unwrap();
+        assert_eq!(weights(&next), [3, 1, 1]);
+        for bad in ["10.0.1.2:8080", "10.0.1.2:8080=x", "10.0.1.2=3"] {
+            assert!(Ctl::try_parse_from(["ctl", "set-weights", "--vip", "10.0.0.100:80", "--weight", bad]).is_err(), "{bad}");
+        }
+        assert!(Ctl::try_parse_from(["ctl", "set-weights", "--vip", "10.0.0.100:80"]).is_err(), "at least one --weight");
+    }
+
+    #[test]
+    fn add_backend_takes_a_weight_defaulting_to_one() {
+        let add = |extra: &[&str]| {
+            let args = ["ctl", "add-backend", "--vip", "10.0.0.100:80", "--backend", "10.0.1.5:8080"];
+            let req = Ctl::try_parse_from(args.iter().chain(extra)).unwrap().req;
+            change(&cfg(), &req, Path::new("/nonexistent")).unwrap().vips[0].backends[3].weight
+        };
+        assert_eq!((add(&[]), add(&["--weight", "4"])), (1, 4));
+        let json: ControlRequest =
+            serde_json::from_str(r#"{"cmd":"add-backend","vip":"10.0.0.100:80","backend":"10.0.1.5:8080"}"#).unwrap();
+        assert!(matches!(json, ControlRequest::AddBackend { weight: 1, .. }));
+    }
 }

@@ -7,9 +7,10 @@ use std::mem::MaybeUninit;
 
 use anyhow::{Context, Result};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{libbpf_sys, AsRawLibbpf, OpenObject, ProgramInput};
+use libbpf_rs::{libbpf_sys, AsRawLibbpf, Map, MapHandle, OpenObject, ProgramInput};
 
 use super::maps::*;
+use super::tables::LbMaps;
 use crate::bpf::balancer::{BalancerSkel, BalancerSkelBuilder};
 use crate::bpfmap::{get, put};
 
@@ -63,6 +64,37 @@ impl<'obj> PrivateBalancer<'obj> {
         let v = Vip { addr: key.addr, port: key.port, backend_count: slots.len() as u16, ..*vip };
         put(&self.skel.maps.vip_conf, &id, &v)?;
         put(&self.skel.maps.vips, &key, &id)
+    }
+
+    /// Handles on its maps like those the daemon holds on a pinned
+    /// balancer's: the control plane's writers and readers (tables::apply,
+    /// snapshot::take) run on it.
+    pub fn maps(&self) -> Result<LbMaps> {
+        let h = |m: &Map| MapHandle::try_from(m).context("duplicating a map's fd");
+        let m = &self.skel.maps;
+        Ok(LbMaps {
+            lb_config: h(&m.lb_config)?,
+            auth_keys: h(&m.auth_keys)?,
+            vips: h(&m.vips)?,
+            vip_conf: h(&m.vip_conf)?,
+            backends: h(&m.backends)?,
+            vip_backends: h(&m.vip_backends)?,
+            scores: h(&m.scores)?,
+            probe_due: h(&m.probe_due)?,
+            flows: h(&m.flows)?,
+            half_open: h(&m.half_open)?,
+            snat: h(&m.snat)?,
+            backend_stats: h(&m.backend_stats)?,
+            vip_stats: h(&m.vip_stats)?,
+            drops: h(&m.drops)?,
+            events: h(&m.events)?,
+            gauges: h(&m.gauges)?,
+            sweep_stats: h(&m.sweep_stats)?,
+            control_stats: h(&m.control_stats)?,
+            maglev: h(&m.maglev)?,
+            query_ring: h(&m.query_ring)?,
+            query_done: h(&m.query_done)?,
+        })
     }
 
     pub fn vip(&self, id: u32) -> Result<Vip> {

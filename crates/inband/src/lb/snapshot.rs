@@ -82,6 +82,9 @@ pub struct VipSnapshot {
     pub quic: bool,
     pub mode: &'static str,
     pub policy: &'static str,
+    /// Its active backends' weights differ (round-robin then walks the
+    /// Maglev table).
+    pub weighted: bool,
     pub probe_interval: u32,
     pub probe_interval_max: u32,
     /// Score requests a second per backend at most; 0 = no bound.
@@ -101,6 +104,9 @@ pub struct BackendSnapshot {
     pub backend: String,
     pub state: &'static str,
     pub drain_left_s: Option<u64>,
+    /// Its capacity relative to the VIP's other backends (0: no new
+    /// connections; it shows as draining).
+    pub weight: u32,
     pub mac: String,
     /// The path to it loses inband options (found by the daemon): no
     /// option is sent to it, and it is polled for its score instead.
@@ -167,6 +173,7 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
                     "removed"
                 },
                 drain_left_s: drain_left(b.drain_deadline_ns, now),
+                weight: b.weight,
                 mac: crate::netif::format_mac(&b.mac),
                 options_lost: b.flags & BACKEND_OPTIONS_LOST != 0,
                 encap: b.flags & BACKEND_ENCAP != 0,
@@ -192,6 +199,7 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
             quic: v.vip.flags & VIP_QUIC != 0,
             mode: Mode::from_u8(v.vip.mode).map_or("unknown", Mode::name),
             policy: Policy::from_u8(v.vip.policy).map_or("unknown", Policy::name),
+            weighted: v.vip.flags & VIP_WEIGHTED != 0,
             probe_interval: v.vip.probe_interval,
             probe_interval_max: v.vip.probe_interval_max,
             probe_budget: v.vip.probe_budget,
@@ -280,12 +288,13 @@ pub fn render_table(s: &Snapshot) -> String {
         let drain = v.drain_left_s.map_or(String::new(), |d| format!(" ({d} s left)"));
         let _ = writeln!(
             o,
-            "\nVIP {}{}  {}{drain}  mode {}  policy {}  probe every {} pkts{}  score max age {} ms  timeouts syn {} ms / idle {} s / closing {} ms  flows {}  conns {}",
+            "\nVIP {}{}  {}{drain}  mode {}  policy {}{}  probe every {} pkts{}  score max age {} ms  timeouts syn {} ms / idle {} s / closing {} ms  flows {}  conns {}",
             v.vip,
             if v.quic { " (QUIC)" } else { "" },
             v.state,
             v.mode,
             v.policy,
+            if v.weighted { " (weighted)" } else { "" },
             if v.probe_interval_max > v.probe_interval {
                 format!("{}-{} (adaptive)", v.probe_interval, v.probe_interval_max)
             } else {
@@ -301,8 +310,8 @@ pub fn render_table(s: &Snapshot) -> String {
         );
         let _ = writeln!(
             o,
-            "  {:<4} {:<30} {:<14} {:>6} {:>8} {:>5} {:>8} {:>6} {:>8} {:>10} {:>10} {:>7} {:>7} {:>6}",
-            "id", "backend", "state", "score", "age ms", "stale", "estimate", "flows", "conns", "pkts", "back pkts", "probes", "scores", "n now"
+            "  {:<4} {:<30} {:<14} {:>6} {:>6} {:>8} {:>5} {:>8} {:>6} {:>8} {:>10} {:>10} {:>7} {:>7} {:>6}",
+            "id", "backend", "state", "weight", "score", "age ms", "stale", "estimate", "flows", "conns", "pkts", "back pkts", "probes", "scores", "n now"
         );
         for b in &v.backends {
             let mut state = match b.drain_left_s {
@@ -321,10 +330,11 @@ pub fn render_table(s: &Snapshot) -> String {
             };
             let _ = writeln!(
                 o,
-                "  {:<4} {:<30} {:<14} {:>6} {:>8} {:>5} {:>8} {:>6} {:>8} {:>10} {:>10} {:>7} {:>7} {:>6}",
+                "  {:<4} {:<30} {:<14} {:>6} {:>6} {:>8} {:>5} {:>8} {:>6} {:>8} {:>10} {:>10} {:>7} {:>7} {:>6}",
                 b.id,
                 backend,
                 state,
+                b.weight,
                 b.score.map_or("-".into(), |x| x.to_string()),
                 b.score_age_ms.map_or("-".into(), |x| x.to_string()),
                 if b.stale { "yes" } else { "no" },
@@ -416,6 +426,7 @@ pub fn render_prometheus(s: &Snapshot) -> String {
     for (metric, f) in [
         ("inband_backend_flows", (|b: &BackendSnapshot| b.flows) as fn(&BackendSnapshot) -> u64),
         ("inband_backend_load_estimate", |b| b.load_estimate),
+        ("inband_backend_weight", |b| u64::from(b.weight)),
         ("inband_backend_probe_interval", |b| u64::from(b.probe_interval_now)),
         ("inband_backend_unanswered_probes", |b| u64::from(b.unanswered_probes)),
         ("inband_backend_options_lost", |b| u64::from(b.options_lost)),

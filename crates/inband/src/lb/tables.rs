@@ -177,11 +177,13 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64) -> Result
                 bpfmap::put(&maps.probe_due, &id, &PROBE_DUE)?;
             }
             // OPTIONS_LOST is the daemon's finding about the path: kept.
-            entry.flags = (if b.drain { BACKEND_DRAINING } else { BACKEND_ACTIVE })
+            // Weight 0 is drained: its flows go on, no new ones come.
+            entry.flags = (if b.takes_new() { BACKEND_ACTIVE } else { BACKEND_DRAINING })
                 | (entry.flags & BACKEND_OPTIONS_LOST)
                 | if b.encap == Encap::Ipip { BACKEND_ENCAP } else { 0 };
             entry.drain_deadline_ns = 0;
             entry.quic_server_id = b.quic_server_id.unwrap_or(0);
+            entry.weight = b.weight;
             bpfmap::put(&maps.backends, &id, &entry)?;
             live_ids.insert(id);
             slots.push(id);
@@ -193,7 +195,7 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64) -> Result
             backend_count: slots.len() as u16,
             mode: v.mode as u8,
             policy: v.effective_policy() as u8,
-            flags: VIP_ACTIVE | if v.quic { VIP_QUIC } else { 0 },
+            flags: VIP_ACTIVE | if v.quic { VIP_QUIC } else { 0 } | if weighted(v) { VIP_WEIGHTED } else { 0 },
             proto: key.proto,
             pad: [0; 3],
             probe_interval: v.probe_interval,
@@ -225,8 +227,9 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64) -> Result
         for (slot, id) in slots.iter().enumerate() {
             bpfmap::put(&maps.vip_backends, &(vid * MAX_BACKENDS_PER_VIP + slot as u32), id)?;
         }
-        // The table before the VIP says maglev: a pick finds it filled.
-        if v.effective_policy() == Policy::Maglev {
+        // The table before the VIP says maglev or weighted: a pick finds it
+        // filled.
+        if uses_maglev_table(v) {
             write_maglev(maps, vid, v)?;
         }
         bpfmap::put(&maps.vip_conf, &vid, &new)?;
@@ -261,8 +264,24 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64) -> Result
     Ok(())
 }
 
-/// The live flows (established + closing) the last sweep counted at gauge
-/// index `idx`.
+/// Whether the backends that take new connections differ in weight: the VIP
+/// then says VIP_WEIGHTED (least-score and power-of-two weigh any VIP's
+/// backends; round-robin needs the table for it).
+fn weighted(v: &VipConfig) -> bool {
+    let mut weights = v.backends.iter().filter(|b| b.takes_new()).map(|b| b.weight);
+    weights.next().is_some_and(|first| weights.any(|w| w != first))
+}
+
+/// Whether the data path reads the VIP's Maglev table: policy maglev, and
+/// weighted round-robin, which walks it in turn.
+fn uses_maglev_table(v: &VipConfig) -> bool {
+    match v.effective_policy() {
+        Policy::Maglev => true,
+        Policy::RoundRobin => weighted(v),
+        Policy::LeastScore | Policy::PowerOfTwo => false,
+    }
+}
+
 /// Writes VIP `vid`'s Maglev table (maglev.rs) for its backends in slot
 /// order; a drained backend has weight 0 (no new connections).
 pub fn write_maglev(maps: &LbMaps, vid: u32, v: &VipConfig) -> Result<()> {
@@ -271,7 +290,7 @@ pub fn write_maglev(maps: &LbMaps, vid: u32, v: &VipConfig) -> Result<()> {
         return Ok(());
     }
     let named: Vec<(String, u32)> =
-        v.backends.iter().map(|b| (b.endpoint().to_string(), if b.drain { 0 } else { b.weight })).collect();
+        v.backends.iter().map(|b| (b.endpoint().to_string(), if b.takes_new() { b.weight } else { 0 })).collect();
     let table = super::maglev::table(&named, size);
     // No weight anywhere: every entry names no slot, and the data path
     // falls back to the next eligible one.
@@ -283,6 +302,8 @@ pub fn write_maglev(maps: &LbMaps, vid: u32, v: &VipConfig) -> Result<()> {
     Ok(())
 }
 
+/// The live flows (established + closing) the last sweep counted at gauge
+/// index `idx`.
 pub fn gauge(maps: &LbMaps, idx: u32) -> Result<FlowGauges> {
     let st: SweepStats = bpfmap::get(&maps.sweep_stats, &0u32)?.unwrap_or_default();
     let half = (st.passes & 1) as u32;
@@ -374,4 +395,44 @@ pub fn sum_percpu<V: super::maps::Counted>(map: &dyn MapCore, key: u32) -> Resul
 /// The sum over CPUs of every counter in a per-CPU array of u64 (drops, events).
 pub fn counters(map: &dyn MapCore, n: usize) -> Result<Vec<u64>> {
     (0..n as u32).map(|i| Ok(bpfmap::get_percpu::<u32, u64>(map, &i)?.iter().sum())).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lb::config::LbConfig;
+
+    /// A VIP of three backends with weights `w` (and drained as `drain`).
+    fn vip(mode: &str, policy: &str, w: [u32; 3], drain: [bool; 3]) -> VipConfig {
+        let mut text = format!(
+            "interface = \"eth0\"\naddress = \"10.0.0.10\"\n[auth]\nmode = \"none\"\n[[vip]]\naddress = \"10.0.0.100\"\nport = 80\nmode = \"{mode}\"\npolicy = \"{policy}\"\n"
+        );
+        for i in 0..3 {
+            text += &format!("[[vip.backend]]\naddress = \"10.0.1.{}\"\nport = 8080\nweight = {}\ndrain = {}\n", i + 2, w[i], drain[i]);
+        }
+        LbConfig::parse(&text).unwrap().vips.remove(0)
+    }
+
+    #[test]
+    fn a_vip_is_weighted_when_the_backends_taking_connections_differ() {
+        let rr = |w, d| weighted(&vip("dsr-rr", "round-robin", w, d));
+        assert!(!rr([1, 1, 1], [false; 3]));
+        assert!(!rr([5, 5, 5], [false; 3]), "equal weights are no weights");
+        assert!(rr([1, 3, 1], [false; 3]));
+        assert!(!rr([1, 3, 1], [false, true, false]), "a drained backend's weight does not count");
+        assert!(!rr([2, 0, 2], [false; 3]), "weight 0 takes nothing: it does not count");
+        assert!(!rr([0, 0, 0], [false; 3]));
+    }
+
+    #[test]
+    fn the_maglev_table_is_written_for_maglev_and_weighted_round_robin() {
+        let uses = |mode, policy, w| uses_maglev_table(&vip(mode, policy, w, [false; 3]));
+        assert!(uses("dsr-rr", "maglev", [1, 1, 1]));
+        assert!(uses("dsr-rr", "round-robin", [1, 2, 1]));
+        assert!(!uses("dsr-rr", "round-robin", [1, 1, 1]));
+        // passthrough and dsr-rr run a score policy as round-robin.
+        assert!(uses("passthrough", "least-score", [1, 2, 1]));
+        assert!(!uses("dsr-dynamic", "least-score", [1, 2, 1]), "least-score weighs without the table");
+        assert!(!uses("dsr-dynamic", "power-of-two", [1, 2, 1]));
+    }
 }
