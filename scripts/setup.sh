@@ -12,6 +12,7 @@ APT_PACKAGES=(
   nftables haproxy wrk python3-venv linux-perf
   librocksdb-dev  # inband-cache links it instead of building RocksDB (.cargo/config.toml)
   nginx varnish  # peers of `inband proxy` in bench/proxy.py, run only with the benchmark's own configs
+  cmake g++  # build HiGHS, the weights controller's ILP solver (highs-sys, once per target dir)
   bird2  # BGP between the ECMP testbed's router and the balancer instances, run with the testbed's own configs
 )
 # The peers' Debian services must never run: they would listen on :80 and

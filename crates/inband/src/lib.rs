@@ -14,6 +14,7 @@ pub mod runlock;
 pub mod shadow;
 pub mod tc;
 pub mod testbed;
+pub mod weights;
 pub mod wire;
 pub mod workload;
 pub mod xdp_live;

@@ -47,6 +47,9 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Learn each backend's capacity and set the balancer's weights
+    /// (KnapsackLB, docs/weights.md), or show a running controller.
+    Weights(WeightsArgs),
     /// Network-namespace testbeds.
     Testbed {
         #[command(subcommand)]
@@ -92,6 +95,16 @@ struct AgentArgs {
     config: Option<PathBuf>,
     #[command(subcommand)]
     command: Option<inband::agent::AgentCommand>,
+}
+
+#[derive(clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
+struct WeightsArgs {
+    /// Run the controller with this config (see docs/weights.md).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Option<inband::weights::WeightsCommand>,
 }
 
 #[derive(Subcommand)]
@@ -149,6 +162,11 @@ fn run(cli: Cli) -> Result<()> {
             (None, Some(command)) => inband::agent::run(command),
             _ => anyhow::bail!("`inband agent` needs --config FILE, or a subcommand; see --help"),
         },
+        Command::Weights(args) => match (args.config, args.command) {
+            (Some(config), None) => inband::weights::run_controller(&config),
+            (None, Some(command)) => inband::weights::run(command),
+            _ => anyhow::bail!("`inband weights` needs --config FILE, or a subcommand (status); see --help"),
+        },
         Command::Status { interface, netns, json } => status(interface, netns, json),
         Command::Keygen { out } => {
             inband::auth::keygen(&out)?;
@@ -190,6 +208,15 @@ fn status(interface: Option<String>, netns: Option<String>, json: bool) -> Resul
     } else {
         for s in &snaps {
             print!("{}", lb::snapshot::render_table(s));
+        }
+        // The weights controllers' view (curves, last solve) beside the
+        // balancers' (weights in force); `--json` readers use
+        // `inband weights status --json`.
+        for path in inband::weights::status_files() {
+            match inband::weights::status::read(&path) {
+                Ok(w) => print!("\n{}", inband::weights::status::render(&w)),
+                Err(e) => eprintln!("warning: {e:#}"),
+            }
         }
     }
     Ok(())

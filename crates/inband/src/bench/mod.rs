@@ -3,6 +3,7 @@
 pub mod churn;
 pub mod dataplane;
 pub mod load;
+pub mod openloop;
 
 use anyhow::Result;
 
@@ -53,6 +54,19 @@ pub enum BenchCommand {
     /// Many short HTTP connections from distinct client tuples, each
     /// opened, answered and closed; prints JSON.
     Churn(churn::ChurnArgs),
+    /// HTTP requests at a fixed rate on new connections (open loop, latency
+    /// from the scheduled send time); prints JSON.
+    Openloop(openloop::OpenLoopArgs),
+    /// Time the weights controller's integer program on synthetic curves
+    /// of 1/2/4/8-core backends at 80% load; prints JSON.
+    Ilp {
+        /// Backend counts, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "10,100,1000")]
+        backends: Vec<usize>,
+        /// Candidate weights per backend and step.
+        #[arg(long, default_value_t = 10)]
+        levels: u32,
+    },
     /// TCP connections sending small writes with TCP_NODELAY; prints JSON.
     Stream(load::StreamArgs),
     /// A TCP server that reads and discards whatever it is sent.
@@ -93,6 +107,25 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         }
         BenchCommand::Sink(a) => load::sink(&a),
         BenchCommand::Bounce { interface, max_seconds } => load::bounce(&interface, max_seconds),
+        BenchCommand::Openloop(a) => {
+            println!("{}", serde_json::to_string(&openloop::run(&a)?)?);
+            Ok(())
+        }
+        BenchCommand::Ilp { backends, levels } => {
+            let mut rows = Vec::new();
+            for n in backends {
+                anyhow::ensure!((2..=10_000).contains(&n), "--backends {n}: expected 2-10000");
+                let s = crate::weights::solve::solve(
+                    &crate::weights::solve::synthetic(n),
+                    levels,
+                    crate::weights::config::Objective::Mean,
+                    None,
+                )?;
+                rows.push(serde_json::json!({ "backends": n, "solve_ms": s.solve_ms, "steps": s.steps, "objective_ms": s.objective_ms }));
+            }
+            println!("{}", serde_json::to_string(&rows)?);
+            Ok(())
+        }
         BenchCommand::Stream(a) => {
             println!("{}", serde_json::to_string(&load::stream(&a)?)?);
             Ok(())

@@ -1,0 +1,274 @@
+//! How a backend's latency grows with its weight: the search for the
+//! weights to measure at (the seed's Algorithm 1, bracketed) and the
+//! degree-2 curve fitted to what was measured.
+
+use serde::{Deserialize, Serialize};
+
+/// One measurement: the weight the balancer applied during a round and the
+/// backend's mean probe latency then; `drop` if a probe failed or the
+/// latency reached `DROP_FACTOR` times the backend's unloaded latency.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Point {
+    pub weight: f64,
+    pub latency_ms: f64,
+    pub drop: bool,
+}
+
+/// The seed treats a latency of five times the unloaded one as a drop:
+/// backends this loaded are past their capacity.
+pub const DROP_FACTOR: f64 = 5.0;
+/// The search stops when the next step would be under 5% of the weight.
+const CONVERGED: f64 = 0.05;
+
+/// The state of one backend's search for its capacity.
+///
+/// The seed backs off "to the midpoint of the current and previous
+/// weight". Starting at 1/N, which is already past the capacity of a
+/// small backend among large ones (a 1-core backend among 1/2/4/8), that
+/// midpoint climbs back into overload after two drops in a row. Here the
+/// backoff bisects between the largest weight that did not drop (`good`)
+/// and the smallest that did (`bad`), and growth never passes `bad`: the
+/// same growth rule, a search that converges from either side.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Search {
+    pub good: f64,
+    pub bad: Option<f64>,
+    pub done: bool,
+}
+
+impl Search {
+    /// The weight to measure next after measuring `p` (`l0`: the latency at
+    /// weight 0); marks the search done when the step is under 5%.
+    pub fn next(&mut self, p: Point, l0: f64, alpha: f64) -> f64 {
+        let w = p.weight;
+        let dropped = p.drop || p.latency_ms >= DROP_FACTOR * l0;
+        let next = if dropped {
+            self.bad = Some(self.bad.map_or(w, |b| b.min(w)));
+            (self.good + w) / 2.0
+        } else {
+            self.good = self.good.max(w);
+            // No backend takes more than all the traffic.
+            let grown = (w + w * alpha * l0 / p.latency_ms.max(l0)).min(1.0);
+            match self.bad {
+                Some(b) if grown >= b => (w + b) / 2.0,
+                _ => grown,
+            }
+        };
+        if (next - w).abs() < CONVERGED * w.max(f64::EPSILON) {
+            self.done = true;
+        }
+        next
+    }
+}
+
+/// latency_ms(w) = c0 + c1·w + c2·w², made monotone by the caller's use of
+/// `latency` (never below its value at a smaller weight).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Curve {
+    pub c: [f64; 3],
+    /// The largest weight measured without a drop: the ILP's candidates
+    /// stay at or below it.
+    pub w_max: f64,
+}
+
+impl Curve {
+    fn raw(&self, w: f64) -> f64 {
+        self.c[0] + self.c[1] * w + self.c[2] * w * w
+    }
+
+    /// The fitted latency at `w`, forced monotone the seed's way: the
+    /// maximum of the polynomial over [0, w] (a parabola's maximum there
+    /// is at an end or nowhere inside, so two evaluations suffice unless
+    /// its vertex is a maximum inside, which c2 < 0 tells).
+    pub fn latency(&self, w: f64) -> f64 {
+        let w = w.max(0.0);
+        let mut best = self.raw(0.0).max(self.raw(w));
+        if self.c[2] < 0.0 {
+            let vertex = -self.c[1] / (2.0 * self.c[2]);
+            if vertex > 0.0 && vertex < w {
+                best = best.max(self.raw(vertex));
+            }
+        }
+        best
+    }
+
+    /// The weight at which the curve reaches `latency_ms` (bisection on
+    /// the monotone curve over [0, `limit`]); None if it never does there.
+    pub fn weight_at(&self, latency_ms: f64, limit: f64) -> Option<f64> {
+        if self.latency(limit) < latency_ms {
+            return None;
+        }
+        let (mut lo, mut hi) = (0.0, limit);
+        for _ in 0..60 {
+            let mid = (lo + hi) / 2.0;
+            if self.latency(mid) < latency_ms {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        Some(hi)
+    }
+
+    /// The curve after the backend's traffic (or its capacity) changed by
+    /// `delta`: what weight w cost before now costs at w·delta (the seed's
+    /// shift "to the left" for delta < 1).
+    pub fn shifted(&self, delta: f64) -> Curve {
+        Curve { c: [self.c[0], self.c[1] / delta, self.c[2] / (delta * delta)], w_max: self.w_max * delta }
+    }
+}
+
+/// Least-squares fit of degree 2 (fewer distinct weights: degree 1, then
+/// 0) to the points without a drop. Written here because three normal
+/// equations do not justify a linear-algebra dependency.
+pub fn fit(points: &[Point]) -> Option<Curve> {
+    let good: Vec<&Point> = points.iter().filter(|p| !p.drop && p.latency_ms.is_finite()).collect();
+    if good.is_empty() {
+        return None;
+    }
+    let w_max = good.iter().map(|p| p.weight).fold(0.0, f64::max);
+    let mut distinct: Vec<f64> = good.iter().map(|p| p.weight).collect();
+    distinct.sort_by(f64::total_cmp);
+    distinct.dedup_by(|a, b| (*a - *b).abs() < 1e-9);
+    let degree = (distinct.len() - 1).min(2);
+    // Normal equations A·c = b with A[i][j] = Σ x^(i+j), b[i] = Σ l·x^i,
+    // in x = w / w_max: among a thousand backends weights are ~1e-3 and
+    // Σ w⁴ would vanish below any pivot tolerance.
+    let scale = if w_max > 0.0 { w_max } else { 1.0 };
+    let n = degree + 1;
+    let mut a = [[0.0f64; 4]; 3];
+    for p in &good {
+        let x = p.weight / scale;
+        for i in 0..n {
+            for j in 0..n {
+                a[i][j] += x.powi((i + j) as i32);
+            }
+            a[i][3] += p.latency_ms * x.powi(i as i32);
+        }
+    }
+    let c = solve(&mut a, n)?;
+    Some(Curve { c: [c[0], c[1] / scale, c[2] / (scale * scale)], w_max })
+}
+
+/// Gaussian elimination with partial pivoting on the augmented n×(n+1)
+/// system held in `a` (n ≤ 3).
+fn solve(a: &mut [[f64; 4]; 3], n: usize) -> Option<[f64; 3]> {
+    for col in 0..n {
+        let pivot = (col..n).max_by(|&x, &y| a[x][col].abs().total_cmp(&a[y][col].abs()))?;
+        if a[pivot][col].abs() < 1e-12 {
+            return None;
+        }
+        a.swap(col, pivot);
+        for row in 0..n {
+            if row != col {
+                let f = a[row][col] / a[col][col];
+                for k in col..4 {
+                    a[row][k] -= f * a[col][k];
+                }
+            }
+        }
+    }
+    let mut c = [0.0; 3];
+    for i in 0..n {
+        c[i] = a[i][3] / a[i][i];
+    }
+    Some(c)
+}
+
+#[cfg(test)]
+pub mod tests {
+    use super::*;
+
+    /// A synthetic backend of `cores` capacity under `load` (in cores of
+    /// work at weight 1): an M/M/1-like latency that explodes at capacity.
+    pub fn latency_of(cores: f64, load: f64, w: f64) -> f64 {
+        let util = w * load / cores;
+        if util >= 0.95 {
+            f64::INFINITY
+        } else {
+            10.0 / (1.0 - util)
+        }
+    }
+
+    fn measure(cores: f64, load: f64, w: f64) -> Point {
+        let l = latency_of(cores, load, w);
+        Point { weight: w, latency_ms: l.min(1e6), drop: !l.is_finite() }
+    }
+
+    /// Runs the search from 1/n as the controller does and returns the
+    /// largest weight that did not drop.
+    fn search_capacity(cores: f64, load: f64, n: f64) -> (f64, usize) {
+        let mut s = Search::default();
+        let mut w = 1.0 / n;
+        let mut steps = 0;
+        while !s.done && steps < 50 {
+            w = s.next(measure(cores, load, w), 10.0, 1.0);
+            steps += 1;
+        }
+        (s.good, steps)
+    }
+
+    #[test]
+    fn the_search_converges_to_each_backends_capacity_in_few_steps() {
+        // Load of 9 cores over backends of 1, 2, 4 and 8 cores (60% of 15).
+        let found: Vec<(f64, usize)> = [1.0, 2.0, 4.0, 8.0].iter().map(|&c| search_capacity(c, 9.0, 4.0)).collect();
+        for (i, (good, steps)) in found.iter().enumerate() {
+            let cores = [1.0, 2.0, 4.0, 8.0][i];
+            // Latency reaches 5·l0 at utilisation 0.8.
+            let knee = 0.8 * cores / 9.0;
+            assert!(*good <= knee + 1e-9 && *good > 0.7 * knee, "{cores} cores: {good} vs knee {knee}");
+            assert!(*steps <= 12, "{cores} cores took {steps} steps");
+        }
+        // Capacity order survives: more cores, larger weight.
+        assert!(found.windows(2).all(|w| w[0].0 < w[1].0), "{found:?}");
+    }
+
+    #[test]
+    fn a_backend_started_past_its_capacity_backs_off_instead_of_climbing_back() {
+        // 1/4 of 9 cores on one core: every step until the bisection finds room.
+        let mut s = Search::default();
+        let mut w = 0.25;
+        for _ in 0..20 {
+            let p = measure(1.0, 9.0, w);
+            w = s.next(p, 10.0, 1.0);
+            assert!(s.bad.unwrap() <= 0.25);
+            if s.done {
+                break;
+            }
+        }
+        assert!(s.done && s.good > 0.0 && s.good < 0.8 / 9.0 + 1e-9, "{s:?}");
+    }
+
+    #[test]
+    fn the_fit_reproduces_a_quadratic_and_is_forced_monotone() {
+        let pts: Vec<Point> =
+            [0.0, 0.1, 0.2, 0.3].iter().map(|&w| Point { weight: w, latency_ms: 5.0 + 2.0 * w + 30.0 * w * w, drop: false }).collect();
+        let c = fit(&pts).unwrap();
+        assert!((c.c[0] - 5.0).abs() < 1e-6 && (c.c[1] - 2.0).abs() < 1e-6 && (c.c[2] - 30.0).abs() < 1e-6, "{c:?}");
+        assert_eq!(c.w_max, 0.3);
+        // A dip fitted from noise is flattened: never below the latency at 0.
+        let dip = Curve { c: [10.0, -20.0, 40.0], w_max: 1.0 };
+        assert_eq!(dip.latency(0.2), 10.0);
+        assert!(dip.latency(1.0) > dip.latency(0.9));
+        // Dropped points are not fitted; two distinct weights give a line.
+        let line = fit(&[
+            Point { weight: 0.0, latency_ms: 4.0, drop: false },
+            Point { weight: 0.5, latency_ms: 6.0, drop: false },
+            Point { weight: 0.9, latency_ms: 1e6, drop: true },
+        ])
+        .unwrap();
+        assert!((line.latency(0.25) - 5.0).abs() < 1e-9 && line.w_max == 0.5);
+        assert!(fit(&[Point { weight: 0.3, latency_ms: 1.0, drop: true }]).is_none());
+    }
+
+    #[test]
+    fn a_shifted_curve_costs_at_w_times_delta_what_it_cost_at_w() {
+        let c = Curve { c: [5.0, 2.0, 30.0], w_max: 0.4 };
+        let s = c.shifted(0.5);
+        assert!((s.latency(0.1) - c.latency(0.2)).abs() < 1e-9);
+        assert!((s.w_max - 0.2).abs() < 1e-12);
+        let w = c.weight_at(c.latency(0.3), 1.0).unwrap();
+        assert!((w - 0.3).abs() < 1e-6);
+        assert!(c.weight_at(1e9, 1.0).is_none());
+    }
+}
