@@ -35,7 +35,7 @@ fn load(c: &Cluster, to: &str, seconds: u32) -> Child {
 
 fn weights_toml(c: &Cluster, target: &str, status: &Path) -> String {
     let mut t = format!(
-        "probe_rate = 10\nround_ms = 1000\nmax_rounds = 16\nstatus_file = \"{}\"\n\n[target]\n{target}\n",
+        "probe_rate = 10\nround_ms = 1000\nmax_rounds = 24\nstatus_file = \"{}\"\n\n[target]\n{target}\n",
         status.display()
     );
     for i in 1..=3 {
@@ -59,6 +59,15 @@ fn learn(c: &mut Cluster, name: &str, target: &str) -> Value {
             // What was learned, for a failing assertion's reader.
             for d in s["decisions"].as_array().unwrap() {
                 eprintln!("{name}: {}", d["what"].as_str().unwrap_or_default());
+            }
+            for b in s["backends"].as_array().unwrap() {
+                let pts: Vec<String> = b["points"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|p| format!("{:.3}:{:.0}{}", p["weight"].as_f64().unwrap_or(0.0), p["latency_ms"].as_f64().unwrap_or(0.0), if p["drop"] == true { "!" } else { "" }))
+                    .collect();
+                eprintln!("{name}: {} l0 {} points {}", b["name"], b["l0_ms"], pts.join(" "));
             }
             return s;
         }

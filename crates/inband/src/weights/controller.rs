@@ -13,25 +13,33 @@ use tracing::{info, warn};
 use super::apply;
 use super::config::{Target, WeightsConfig};
 use super::learn::{self, Curve, Point, Search, DROP_FACTOR};
-use super::probe::{self, Failure};
+use super::probe::{self, Failure, Handshake};
+use super::shares::{self, Meter};
 use super::solve;
 use super::status::{self, BackendState, BackendStatus, Decision, Phase, SolveRecord, Status};
 
 /// The failure detector: this many TCP handshakes per backend every
-/// `HEALTH_EVERY` (the seed's 3 requests per 100 ms); a backend fails
-/// when all of one window's fail.
+/// `HEALTH_EVERY` (the seed's 3 requests per 100 ms). A backend fails when
+/// all of one window's are refused, or when none completes for
+/// `HEALTH_SILENT` windows: a busy server's full listen queue drops SYNs
+/// for moments, and is not a failure.
 const HEALTH_TRIES: usize = 3;
 const HEALTH_EVERY: Duration = Duration::from_millis(100);
+const HEALTH_SILENT: u32 = 10;
 /// A failed backend is back after this many good windows in a row (1 s):
 /// one lucky handshake does not undo a failure.
 const HEALTH_RECOVER: u32 = 10;
-/// This many failed latency probes in a row fail a backend whose TCP stack
-/// still answers (the application is gone).
+/// This many latency probes in a row refused or broken (a timeout or a 5xx
+/// is an overloaded server, not a failed one) fail a backend whose TCP
+/// stack still answers: the application is gone.
 const PROBES_FAILED: usize = 3;
 /// A latency change is a traffic change (all curves move together) when
 /// at least this share of the backends moved the same way.
 const TRAFFIC_SHARE: f64 = 0.75;
-/// One re-solve moves a curve by at most this factor either way.
+/// A dropped backend's queue counts as drained when its probes' median is
+/// within this factor of its unloaded latency.
+const DRAINED: f64 = 2.0;
+/// One re-solve shifts a curve along the weights by at most this factor either way.
 const SHIFT_BOUNDS: (f64, f64) = (0.25, 2.0);
 
 /// One latency probe: in flight while `outcome` is None.
@@ -81,8 +89,32 @@ impl Observed {
     fn probes_failing(&self) -> bool {
         let samples = self.samples.lock().unwrap();
         let done: Vec<&Sample> = samples.iter().rev().filter(|s| s.outcome.is_some()).take(PROBES_FAILED).collect();
-        done.len() == PROBES_FAILED && done.iter().all(|s| matches!(s.outcome, Some(Err(f)) if !matches!(f, Failure::Status(_))))
+        done.len() == PROBES_FAILED && done.iter().all(|s| matches!(s.outcome, Some(Err(Failure::Connect | Failure::Exchange))))
     }
+
+    /// The median of the probes answered in [from, to]: the unloaded
+    /// latency, which one stalled probe must not inflate.
+    fn median(&self, from: Instant, to: Instant) -> Option<f64> {
+        let samples = self.samples.lock().unwrap();
+        let mut ms: Vec<f64> = samples
+            .iter()
+            .filter(|s| s.sent >= from && s.sent <= to)
+            .filter_map(|s| match s.outcome {
+                Some(Ok(ms)) => Some(ms),
+                _ => None,
+            })
+            .collect();
+        ms.sort_by(f64::total_cmp);
+        (!ms.is_empty()).then(|| ms[ms.len() / 2])
+    }
+}
+
+/// One learning round's measurements, over its second half [mid, end]:
+/// per backend its probes' window and the share of new connections it got.
+struct Round {
+    mid: Instant,
+    end: Instant,
+    seen: Vec<(Option<Window>, f64)>,
 }
 
 /// Per backend: what the controller knows and decided.
@@ -92,8 +124,16 @@ struct Known {
     search: Search,
     target: f64,
     waited: u32,
+    /// It dropped: weight 0 until its probes are answered within
+    /// `DRAINED` × l₀ again, so that its next point measures the next
+    /// weight and not the queue the overload left (which, near capacity,
+    /// takes many rounds to drain and made every later weight look
+    /// overloaded).
+    draining: bool,
     curve: Option<Curve>,
     latency: Option<f64>,
+    /// The share of new connections it got over the last round or window.
+    share: Option<f64>,
     off: u32,
     failed: bool,
 }
@@ -108,6 +148,11 @@ pub struct Controller {
     phase: Phase,
     last_solve: Option<SolveRecord>,
     decisions: VecDeque<Decision>,
+    /// An inband target's per-backend connection counters (opened when
+    /// the balancer is found); HAProxy's follow the weights as asked.
+    meter: Option<Meter>,
+    /// The last solve failed: try again at the next check.
+    unsolved: bool,
     stop: Arc<AtomicBool>,
 }
 
@@ -123,8 +168,10 @@ impl Controller {
                     search: Search::default(),
                     target: 1.0 / n as f64,
                     waited: 0,
+                    draining: false,
                     curve: None,
                     latency: None,
+                    share: None,
                     off: 0,
                     failed: false,
                 })
@@ -134,6 +181,8 @@ impl Controller {
             phase: Phase::Learning,
             last_solve: None,
             decisions: VecDeque::new(),
+            meter: None,
+            unsolved: false,
             stop,
             cfg,
         }
@@ -150,8 +199,12 @@ impl Controller {
             self.phase = Phase::Steady;
         } else {
             self.learn().await?;
-            self.resolve("curves learned")?;
             self.phase = Phase::Steady;
+            if let Err(e) = self.resolve("curves learned") {
+                // The last round's weights stay; the next check retries.
+                self.decide(format!("no weights from the curves yet: {e:#}"));
+                self.unsolved = true;
+            }
         }
         self.publish();
         self.steady().await
@@ -181,6 +234,31 @@ impl Controller {
         self.decisions.push_back(Decision { unix_ms: status::unix_ms(), what });
     }
 
+    /// Every backend's new connections so far at an inband balancer; None
+    /// for HAProxy, or while the balancer is not found (then the weights
+    /// asked for stand in for the shares given).
+    fn counts(&mut self) -> Option<Vec<u64>> {
+        let Target::Inband { vip, protocol, .. } = &self.cfg.target else { return None };
+        if self.meter.is_none() {
+            match Meter::open(*vip, *protocol) {
+                Ok(m) => self.meter = Some(m),
+                Err(e) => {
+                    warn!("shares of new connections unknown, using the weights instead: {e:#}");
+                    return None;
+                }
+            }
+        }
+        let addrs: Vec<_> = self.cfg.backends.iter().map(|b| b.address).collect();
+        match self.meter.as_ref()?.counts(&addrs) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                warn!("reading the balancer's counters: {e:#}");
+                self.meter = None;
+                None
+            }
+        }
+    }
+
     /// Writes `weights` to the balancer; the old ones stay in force (and
     /// the error is a decision) if it refuses.
     fn set(&mut self, weights: Vec<f64>) -> Result<()> {
@@ -199,17 +277,23 @@ impl Controller {
     }
 
     /// One measurement round at `weights`: applies them, waits, and
-    /// returns each backend's window over the round's second half.
-    async fn round(&mut self, weights: Vec<f64>) -> Result<Option<Vec<Option<Window>>>> {
-        self.set(weights)?;
+    /// returns each backend's window over the round's second half with the
+    /// share of new connections it got then (the weight, if unknown).
+    async fn round(&mut self, weights: Vec<f64>) -> Result<Option<Round>> {
+        self.set(weights.clone())?;
         self.publish();
-        let start = Instant::now();
-        let round = Duration::from_millis(self.cfg.round_ms);
-        if !self.pause(round).await {
+        let half = Duration::from_millis(self.cfg.round_ms) / 2;
+        if !self.pause(half).await {
             return Ok(None);
         }
-        let mid = start + round / 2;
-        Ok(Some(self.observed.iter().map(|o| o.window(mid, Instant::now())).collect()))
+        let (mid, before) = (Instant::now(), self.counts());
+        if !self.pause(half).await {
+            return Ok(None);
+        }
+        let given = before.zip(self.counts()).and_then(|(b, a)| shares::between(&b, &a)).unwrap_or(weights);
+        let end = Instant::now();
+        let seen = self.observed.iter().zip(given).map(|(o, share)| (o.window(mid, end), share)).collect();
+        Ok(Some(Round { mid, end, seen }))
     }
 
     async fn learn(&mut self) -> Result<()> {
@@ -220,14 +304,16 @@ impl Controller {
         for chunk in (0..n).collect::<Vec<_>>().chunks(group) {
             let others = (n - chunk.len()) as f64;
             let w: Vec<f64> = (0..n).map(|i| if chunk.contains(&i) { 0.0 } else { 1.0 / others }).collect();
-            let Some(win) = self.round(w.clone()).await? else { return Ok(()) };
-            for i in 0..n {
-                match (win[i], chunk.contains(&i)) {
-                    (Some(m), true) if m.count > 0 => {
-                        self.known[i].l0 = Some(m.mean_ms);
-                        self.known[i].points.push(Point { weight: 0.0, latency_ms: m.mean_ms, drop: false });
+            let Some(round) = self.round(w).await? else { return Ok(()) };
+            for (i, &(m, share)) in round.seen.iter().enumerate() {
+                match (m, chunk.contains(&i)) {
+                    (Some(_), true) => {
+                        if let Some(l0) = self.observed[i].median(round.mid, round.end) {
+                            self.known[i].l0 = Some(l0);
+                            self.known[i].points.push(Point { weight: 0.0, latency_ms: l0, drop: false });
+                        }
                     }
-                    (Some(m), false) => self.record(i, w[i], m, false),
+                    (Some(m), false) => self.record(i, share, m, false),
                     _ => {}
                 }
             }
@@ -246,13 +332,24 @@ impl Controller {
             let wants: Vec<Want> = self
                 .known
                 .iter()
-                .map(|k| Want { target: k.target, searching: !(k.search.done || k.failed), waited: k.waited })
+                .map(|k| Want {
+                    target: if k.draining { 0.0 } else { k.target },
+                    searching: k.draining || !(k.search.done || k.failed),
+                    waited: k.waited,
+                })
                 .collect();
             let (w, got) = schedule(&wants, &self.weights);
-            let Some(win) = self.round(w.clone()).await? else { return Ok(()) };
-            for i in 0..n {
-                if let Some(m) = win[i] {
-                    self.record(i, w[i], m, got[i]);
+            let draining: Vec<bool> = self.known.iter().map(|k| k.draining).collect();
+            let Some(measured) = self.round(w.clone()).await? else { return Ok(()) };
+            for (i, &(m, share)) in measured.seen.iter().enumerate() {
+                if draining[i] {
+                    let l0 = self.known[i].l0.unwrap_or(f64::INFINITY);
+                    self.known[i].draining =
+                        !self.observed[i].median(measured.mid, measured.end).is_some_and(|l| l <= DRAINED * l0);
+                    continue;
+                }
+                if let Some(m) = m {
+                    self.record(i, share, m, got[i]);
                 }
                 self.known[i].waited = if got[i] { 0 } else { self.known[i].waited + 1 };
             }
@@ -261,7 +358,7 @@ impl Controller {
             self.decide(format!("learning round {round}: weights {}; still searching: {}", fmt_weights(&w), if left.is_empty() { "none".into() } else { left.join(", ") }));
         }
         for i in 0..n {
-            self.known[i].curve = learn::fit(&self.known[i].points);
+            self.known[i].curve = learn::fit(&self.known[i].points, self.known[i].l0);
             if self.known[i].curve.is_none() && !self.known[i].failed {
                 self.known[i].failed = true;
                 self.decide(format!("{}: no measurement without a drop: left out", self.cfg.backends[i].label()));
@@ -270,14 +367,16 @@ impl Controller {
         Ok(())
     }
 
-    /// Records a round's point for backend `i` at weight `w` and, if it
+    /// Records a round's point for backend `i` at share `w` and, if it
     /// got the weight its search asked for, takes the search's next step.
     fn record(&mut self, i: usize, w: f64, m: Window, search: bool) {
         let k = &mut self.known[i];
         let l0 = k.l0.unwrap_or(m.mean_ms);
         let p = Point { weight: w, latency_ms: m.mean_ms.min(1e6), drop: m.failed || m.mean_ms >= DROP_FACTOR * l0 };
+        k.draining |= p.drop;
         k.points.push(p);
         k.latency = Some(p.latency_ms);
+        k.share = Some(w);
         if search && !k.search.done && !k.failed {
             k.target = k.search.next(p, l0, self.cfg.alpha);
         }
@@ -286,6 +385,7 @@ impl Controller {
     fn resolve(&mut self, reason: &str) -> Result<()> {
         let curves: Vec<Option<Curve>> = self.known.iter().map(|k| if k.failed { None } else { k.curve }).collect();
         let solved = solve::solve(&curves, self.cfg.levels, self.cfg.objective, self.cfg.theta)?;
+        self.unsolved = false;
         self.last_solve = Some(SolveRecord {
             unix_ms: status::unix_ms(),
             reason: reason.to_string(),
@@ -312,6 +412,7 @@ impl Controller {
         let window = Duration::from_millis(self.cfg.window_ms);
         // Latency right after a change reflects the old weights' queues.
         let mut settled_at = Instant::now() + window;
+        let mut history: VecDeque<(Instant, Vec<u64>)> = VecDeque::new();
         loop {
             let tick = Instant::now() + check;
             while Instant::now() < tick {
@@ -330,10 +431,22 @@ impl Controller {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
             let now = Instant::now();
+            let given = self.counts().and_then(|c| {
+                history.push_back((now, c));
+                while history.len() > 1 && now.duration_since(history[1].0) >= window {
+                    history.pop_front();
+                }
+                shares::between(&history.front()?.1, &history.back()?.1)
+            });
+            if self.unsolved {
+                if let Err(e) = self.resolve("retrying a failed solve") {
+                    warn!("{e:#}");
+                }
+            }
             if now < settled_at {
                 continue;
             }
-            if let Some(reason) = self.drift(now - window, now) {
+            if let Some(reason) = self.drift(now - window, now, given) {
                 if let Err(e) = self.resolve(&reason) {
                     warn!("{e:#}");
                 }
@@ -364,16 +477,20 @@ impl Controller {
     }
 
     /// Compares each backend's latency over [from, to] with its curve at
-    /// its weight; after `confirm` checks off by more than `tolerance`,
-    /// shifts curves (all of them for a traffic change, one for a
-    /// capacity change) and returns the reason to re-solve.
-    fn drift(&mut self, from: Instant, to: Instant) -> Option<String> {
-        let mut moved: Vec<(usize, f64)> = Vec::new();
+    /// the share it was given then (`given`; its weight if unknown); after
+    /// `confirm` checks off by more than `tolerance`, shifts curves (all of
+    /// them for a traffic change, one for a capacity change) and returns
+    /// the reason to re-solve.
+    fn drift(&mut self, from: Instant, to: Instant, given: Option<Vec<f64>>) -> Option<String> {
+        // (backend, its curve adjusted to what was measured, the shift
+        // along the weights if that is how it was adjusted, slower?)
+        let mut moved: Vec<(usize, Curve, Option<f64>, bool)> = Vec::new();
         let mut live = 0usize;
         for i in 0..self.known.len() {
             let Some(win) = self.observed[i].window(from, to) else { continue };
-            let w = self.weights[i];
+            let w = given.as_ref().map_or(self.weights[i], |g| g[i]);
             let k = &mut self.known[i];
+            k.share = Some(w);
             let Some(curve) = k.curve.filter(|_| !k.failed) else { continue };
             if win.count < 3 {
                 continue;
@@ -387,38 +504,53 @@ impl Controller {
             }
             k.off += 1;
             if k.off >= self.cfg.confirm {
-                moved.push((i, shift_for(&curve, w, win.mean_ms)));
+                let (fixed, delta) = adjust(&curve, w, win.mean_ms);
+                moved.push((i, fixed, delta, win.mean_ms > expected));
             }
         }
         if moved.is_empty() {
             return None;
         }
-        let up = moved.iter().filter(|(_, d)| *d < 1.0).count();
-        let same_way = up.max(moved.len() - up);
-        if live >= 2 && same_way as f64 >= TRAFFIC_SHARE * live as f64 {
-            let mut deltas: Vec<f64> = moved.iter().map(|(_, d)| *d).collect();
-            deltas.sort_by(f64::total_cmp);
-            let delta = deltas[deltas.len() / 2];
-            for k in self.known.iter_mut() {
-                k.curve = k.curve.map(|c| c.shifted(delta));
-            }
-            let what = format!("traffic change: {} of {live} backends off their curves; every curve shifted by {delta:.3}", moved.len());
-            self.decide(what.clone());
-            return Some(what);
-        }
+        let slower = moved.iter().filter(|m| m.3).count();
+        let same_way = slower.max(moved.len() - slower);
+        let traffic = live >= 2 && same_way as f64 >= TRAFFIC_SHARE * live as f64;
         let mut names = Vec::new();
-        for (i, delta) in moved {
-            let w = self.weights[i];
+        for &(i, fixed, delta, _) in &moved {
+            let w = self.known[i].share.unwrap_or(self.weights[i]);
             let k = &mut self.known[i];
-            let before = k.curve.map(|c| c.latency(w)).unwrap_or(f64::NAN);
-            k.curve = k.curve.map(|c| c.shifted(delta));
+            let before = k.curve.map_or(f64::NAN, |c| c.latency(w));
+            k.curve = Some(fixed);
             let measured = k.latency.unwrap_or(f64::NAN);
             let label = self.cfg.backends[i].label();
-            self.decide(format!(
-                "capacity change of {label}: {measured:.2} ms measured vs {before:.2} ms on its curve at weight {w:.4}; \
-                 its curve shifted by {delta:.3}"
-            ));
+            let how = delta.map_or_else(|| format!("moved by {:+.2} ms", measured - before), |d| format!("shifted by {d:.3}"));
+            if !traffic {
+                self.decide(format!(
+                    "capacity change of {label}: {measured:.2} ms measured vs {before:.2} ms on its curve at share {w:.4}; its curve {how}"
+                ));
+            }
             names.push(label);
+        }
+        if traffic {
+            // The seed's traffic shift: the backends that have not moved
+            // yet move with the others (by the median shift).
+            let mut deltas: Vec<f64> = moved.iter().filter_map(|m| m.2).collect();
+            deltas.sort_by(f64::total_cmp);
+            let median = deltas.get(deltas.len() / 2).copied();
+            if let Some(d) = median {
+                for (i, k) in self.known.iter_mut().enumerate() {
+                    if !moved.iter().any(|m| m.0 == i) {
+                        k.curve = k.curve.map(|c| c.shifted(d));
+                    }
+                }
+            }
+            let what = format!(
+                "traffic change: {} of {live} backends off their curves, {}; the others' curves shifted by {}",
+                moved.len(),
+                if slower * 2 >= moved.len() { "slower" } else { "faster" },
+                median.map_or("nothing".into(), |d| format!("{d:.3}"))
+            );
+            self.decide(what.clone());
+            return Some(what);
         }
         Some(format!("capacity change of {}", names.join(", ")))
     }
@@ -447,6 +579,7 @@ impl Controller {
                 curve: k.curve.map(|c| c.c),
                 points: k.points.clone(),
                 latency_ms: k.latency,
+                share: k.share,
             })
             .collect();
         let s = Status {
@@ -473,16 +606,22 @@ fn fmt_weights(w: &[f64]) -> String {
     w.iter().map(|w| format!("{w:.3}")).collect::<Vec<_>>().join(" ")
 }
 
-/// How far a curve must shift for `latency` to be what it gives at `w`.
-fn shift_for(curve: &Curve, w: f64, latency: f64) -> f64 {
+/// `curve` adjusted so that it gives `latency` at share `w`, and the shift
+/// along the weights if that is how (the seed's: traffic or capacity
+/// moved the knee). A latency below the curve's floor, or one measured at
+/// no share, moves the curve up or down instead: the unloaded latency
+/// itself changed, and no shift along the weights reaches it.
+fn adjust(curve: &Curve, w: f64, latency: f64) -> (Curve, Option<f64>) {
+    const NO_SHARE: f64 = 1e-3;
     let limit = (8.0 * curve.w_max).max(8.0 * w).max(1.0);
-    let delta = match curve.weight_at(latency, limit) {
-        Some(w2) if w2 > 0.0 => w / w2,
-        // Faster than its curve's floor, or beyond anything it covers.
-        _ if latency < curve.latency(w) => SHIFT_BOUNDS.1,
-        _ => SHIFT_BOUNDS.0,
-    };
-    delta.clamp(SHIFT_BOUNDS.0, SHIFT_BOUNDS.1)
+    match curve.weight_at(latency, limit) {
+        Some(w2) if w2 > 0.0 && w > NO_SHARE => {
+            let d = (w / w2).clamp(SHIFT_BOUNDS.0, SHIFT_BOUNDS.1);
+            (curve.shifted(d), Some(d))
+        }
+        _ if w <= NO_SHARE || latency < curve.latency(w) => (curve.offset(latency - curve.latency(w)), None),
+        _ => (curve.shifted(SHIFT_BOUNDS.0), Some(SHIFT_BOUNDS.0)),
+    }
 }
 
 /// What one backend asks of a learning round.
@@ -557,24 +696,45 @@ async fn probe_loop(addr: std::net::SocketAddr, path: String, t: Timing, obs: Ar
 async fn health_loop(addr: std::net::SocketAddr, obs: Arc<Observed>, stop: Arc<AtomicBool>) {
     let mut tick = tokio::time::interval(HEALTH_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut good = HEALTH_RECOVER;
+    let mut health = Health::default();
     while !stop.load(Ordering::Relaxed) {
         tick.tick().await;
-        let tries = (0..HEALTH_TRIES).map(|_| probe::connects(addr, HEALTH_EVERY));
-        let ok = futures_any(tries).await;
-        good = if ok { good.saturating_add(1) } else { 0 };
-        obs.unhealthy.store(good < HEALTH_RECOVER, Ordering::Relaxed);
+        let tries: Vec<_> = (0..HEALTH_TRIES).map(|_| tokio::spawn(probe::handshake(addr, HEALTH_EVERY))).collect();
+        let mut window = Vec::with_capacity(HEALTH_TRIES);
+        for t in tries {
+            window.push(t.await.unwrap_or(Handshake::Silent));
+        }
+        obs.unhealthy.store(health.after(&window), Ordering::Relaxed);
     }
 }
 
-/// True if any of the handshakes succeeded (they run concurrently).
-async fn futures_any(tries: impl Iterator<Item = impl std::future::Future<Output = bool> + Send + 'static>) -> bool {
-    let handles: Vec<_> = tries.map(tokio::spawn).collect();
-    let mut any = false;
-    for h in handles {
-        any |= h.await.unwrap_or(false);
+/// The failure detector's memory across windows.
+#[derive(Debug)]
+struct Health {
+    failed: bool,
+    silent: u32,
+    good: u32,
+}
+
+impl Default for Health {
+    fn default() -> Self {
+        Health { failed: false, silent: 0, good: HEALTH_RECOVER }
     }
-    any
+}
+
+impl Health {
+    /// Takes one window's handshakes; true while the backend is failed.
+    fn after(&mut self, window: &[Handshake]) -> bool {
+        let any_done = window.contains(&Handshake::Done);
+        self.silent = if any_done { 0 } else { self.silent + 1 };
+        self.good = if any_done { self.good.saturating_add(1) } else { 0 };
+        if window.iter().all(|h| *h == Handshake::Refused) || self.silent >= HEALTH_SILENT {
+            self.failed = true;
+        } else if self.good >= HEALTH_RECOVER {
+            self.failed = false;
+        }
+        self.failed
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -620,7 +780,7 @@ mod tests {
 
     fn checks(c: &mut Controller, n: u32) -> Option<String> {
         let from = Instant::now() - Duration::from_secs(5);
-        (0..n).find_map(|_| c.drift(from, Instant::now()))
+        (0..n).find_map(|_| c.drift(from, Instant::now(), None))
     }
 
     #[test]
@@ -633,9 +793,11 @@ mod tests {
         let mut c = steady_with([30.0, 31.0, 29.0, 30.0]);
         assert_eq!(checks(&mut c, 2), None, "confirm = 3 checks");
         let why = checks(&mut c, 1).unwrap();
-        assert!(why.starts_with("traffic change: 4 of 4"), "{why}");
-        let shifted: Vec<f64> = c.known.iter().map(|k| k.curve.unwrap().w_max).collect();
-        assert!(shifted.iter().all(|w| (w - shifted[0]).abs() < 1e-12 && *w < 0.6), "{shifted:?}");
+        assert!(why.starts_with("traffic change: 4 of 4 backends off their curves, slower"), "{why}");
+        for (i, k) in c.known.iter().enumerate() {
+            let meant = [30.0, 31.0, 29.0, 30.0][i];
+            assert!((k.curve.unwrap().latency(0.25) - meant).abs() < 0.01 && k.curve.unwrap().w_max < 0.6, "{i}: {:?}", k.curve);
+        }
 
         // One backend slower: its capacity changed, only its curve moves,
         // so that it now predicts what was measured at its weight.
@@ -644,7 +806,7 @@ mod tests {
         assert_eq!(why, "capacity change of 10.0.1.3:80");
         assert!((c.known[2].curve.unwrap().latency(0.25) - 50.0).abs() < 0.01);
         assert_eq!(c.known[0].curve.unwrap().w_max, 0.6);
-        assert!(c.decisions.back().unwrap().what.contains("50.00 ms measured vs 16.25 ms"));
+        assert!(c.decisions.back().unwrap().what.contains("50.00 ms measured vs 16.25 ms on its curve at share 0.2500; its curve shifted by"));
     }
 
     #[test]
@@ -683,14 +845,46 @@ mod tests {
     }
 
     #[test]
-    fn a_curve_shifts_so_that_it_meets_the_measured_latency() {
+    fn a_curve_is_adjusted_so_that_it_meets_the_measured_latency() {
         let c = Curve { c: [10.0, 0.0, 100.0], w_max: 0.5 };
-        let d = shift_for(&c, 0.2, c.latency(0.3));
-        assert!((d - 0.2 / 0.3).abs() < 1e-6, "{d}");
-        assert!((c.shifted(d).latency(0.2) - c.latency(0.3)).abs() < 1e-6);
-        // Faster than its floor: the largest step up; far slower: the largest down.
-        assert_eq!(shift_for(&c, 0.2, 5.0), SHIFT_BOUNDS.1);
-        assert_eq!(shift_for(&c, 0.2, 1e9), SHIFT_BOUNDS.0);
+        let (fixed, d) = adjust(&c, 0.2, c.latency(0.3));
+        assert!((d.unwrap() - 0.2 / 0.3).abs() < 1e-6, "{d:?}");
+        assert!((fixed.latency(0.2) - c.latency(0.3)).abs() < 1e-6);
+        // Faster than its floor: the floor comes down, nothing shifts
+        // (shifting could never reach it: the loop of re-solves the quick
+        // benchmark showed).
+        let (fixed, d) = adjust(&c, 0.2, 5.0);
+        assert_eq!(d, None);
+        assert!((fixed.latency(0.2) - 5.0).abs() < 1e-9);
+        // At no share: its unloaded latency changed.
+        let (fixed, d) = adjust(&c, 0.0, 30.0);
+        assert_eq!((fixed.latency(0.0), d), (30.0, None));
+        // Far slower than anything the curve reaches: the largest step.
+        assert_eq!(adjust(&c, 0.2, 1e9).1, Some(SHIFT_BOUNDS.0));
+    }
+
+    #[test]
+    fn a_busy_backend_is_not_failed_a_refusing_one_is_at_once() {
+        use Handshake::*;
+        let mut h = Health::default();
+        // SYNs dropped by a full listen queue for 0.9 s: still in service.
+        for _ in 0..HEALTH_SILENT - 1 {
+            assert!(!h.after(&[Silent, Silent, Silent]));
+        }
+        assert!(!h.after(&[Silent, Done, Silent]));
+        // A whole second without a handshake: failed.
+        for _ in 0..HEALTH_SILENT - 1 {
+            h.after(&[Silent; 3]);
+        }
+        assert!(h.after(&[Silent; 3]));
+        // Back only after a second of good windows.
+        for _ in 0..HEALTH_RECOVER - 1 {
+            assert!(h.after(&[Done, Silent, Silent]));
+        }
+        assert!(!h.after(&[Done; 3]));
+        // Every handshake refused: failed in one window.
+        assert!(h.after(&[Refused; 3]));
+        assert!(h.after(&[Refused, Silent, Refused]), "still failed");
     }
 
     #[test]
@@ -707,6 +901,10 @@ mod tests {
         assert_eq!(w.count, 2);
         assert!(w.failed && w.mean_ms >= (10.0 + 500.0) / 2.0, "{w:?}");
         assert!(!obs.probes_failing(), "a 503 is an answer");
+        for _ in 0..3 {
+            obs.samples.lock().unwrap().push_back(Sample { sent: Instant::now(), outcome: Some(Err(Failure::Timeout)) });
+        }
+        assert!(!obs.probes_failing(), "timeouts are a busy server");
         for _ in 0..3 {
             obs.samples.lock().unwrap().push_back(Sample { sent: Instant::now(), outcome: Some(Err(Failure::Connect)) });
         }

@@ -93,9 +93,10 @@ impl Curve {
     }
 
     /// The weight at which the curve reaches `latency_ms` (bisection on
-    /// the monotone curve over [0, `limit`]); None if it never does there.
+    /// the monotone curve over [0, `limit`]); None if it never does there
+    /// (above it at `limit`, or below its floor).
     pub fn weight_at(&self, latency_ms: f64, limit: f64) -> Option<f64> {
-        if self.latency(limit) < latency_ms {
+        if self.latency(limit) < latency_ms || self.latency(0.0) > latency_ms {
             return None;
         }
         let (mut lo, mut hi) = (0.0, limit);
@@ -110,6 +111,12 @@ impl Curve {
         Some(hi)
     }
 
+    /// The curve moved by `ms` at every weight: what the unloaded latency
+    /// changed by (a shift along the weights cannot lower a floor).
+    pub fn offset(&self, ms: f64) -> Curve {
+        Curve { c: [self.c[0] + ms, self.c[1], self.c[2]], w_max: self.w_max }
+    }
+
     /// The curve after the backend's traffic (or its capacity) changed by
     /// `delta`: what weight w cost before now costs at w·delta (the seed's
     /// shift "to the left" for delta < 1).
@@ -118,61 +125,50 @@ impl Curve {
     }
 }
 
-/// Least-squares fit of degree 2 (fewer distinct weights: degree 1, then
-/// 0) to the points without a drop. Written here because three normal
-/// equations do not justify a linear-algebra dependency.
-pub fn fit(points: &[Point]) -> Option<Curve> {
+/// Least-squares fit of latency = l₀ + c1·w + c2·w² to the points without
+/// a drop, with the intercept pinned at the measured unloaded latency
+/// (`l0`; else the weight-0 points' mean, else the least latency seen) and
+/// c1, c2 ≥ 0: convex and monotone. A free degree-2 fit of the hockey
+/// stick that latency draws against load dips below l₀ in the middle,
+/// and forcing that monotone made the fit's intercept each backend's
+/// floor: backends were then ranked by the fit's error (a 1-worker server
+/// whose fitted floor came out lower than a 2-worker one's got the same
+/// weight). Two coefficients under two sign constraints are solved here
+/// in closed form; no linear-algebra dependency is worth that.
+pub fn fit(points: &[Point], l0: Option<f64>) -> Option<Curve> {
     let good: Vec<&Point> = points.iter().filter(|p| !p.drop && p.latency_ms.is_finite()).collect();
     if good.is_empty() {
         return None;
     }
+    let at_zero: Vec<f64> = good.iter().filter(|p| p.weight <= 0.0).map(|p| p.latency_ms).collect();
+    let floor = l0.or_else(|| (!at_zero.is_empty()).then(|| at_zero.iter().sum::<f64>() / at_zero.len() as f64));
+    let floor = floor.unwrap_or_else(|| good.iter().map(|p| p.latency_ms).fold(f64::INFINITY, f64::min));
     let w_max = good.iter().map(|p| p.weight).fold(0.0, f64::max);
-    let mut distinct: Vec<f64> = good.iter().map(|p| p.weight).collect();
-    distinct.sort_by(f64::total_cmp);
-    distinct.dedup_by(|a, b| (*a - *b).abs() < 1e-9);
-    let degree = (distinct.len() - 1).min(2);
-    // Normal equations A·c = b with A[i][j] = Σ x^(i+j), b[i] = Σ l·x^i,
-    // in x = w / w_max: among a thousand backends weights are ~1e-3 and
-    // Σ w⁴ would vanish below any pivot tolerance.
-    let scale = if w_max > 0.0 { w_max } else { 1.0 };
-    let n = degree + 1;
-    let mut a = [[0.0f64; 4]; 3];
-    for p in &good {
-        let x = p.weight / scale;
-        for i in 0..n {
-            for j in 0..n {
-                a[i][j] += x.powi((i + j) as i32);
-            }
-            a[i][3] += p.latency_ms * x.powi(i as i32);
+    if w_max <= 0.0 {
+        return Some(Curve { c: [floor, 0.0, 0.0], w_max: 0.0 });
+    }
+    // In x = w / w_max: among a thousand backends weights are ~1e-3 and
+    // Σ w⁴ would vanish below any tolerance.
+    let (mut s2, mut s3, mut s4, mut yx, mut yx2) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    let xy: Vec<(f64, f64)> = good.iter().map(|p| (p.weight / w_max, p.latency_ms - floor)).collect();
+    for &(x, y) in &xy {
+        s2 += x * x;
+        s3 += x * x * x;
+        s4 += x * x * x * x;
+        yx += y * x;
+        yx2 += y * x * x;
+    }
+    let sse = |a: f64, b: f64| xy.iter().map(|&(x, y)| (y - a * x - b * x * x).powi(2)).sum::<f64>();
+    let det = s2 * s4 - s3 * s3;
+    let mut options = vec![(0.0, 0.0), ((yx / s2).max(0.0), 0.0), (0.0, (yx2 / s4).max(0.0))];
+    if det.abs() > 1e-12 {
+        let (a, b) = ((yx * s4 - yx2 * s3) / det, (s2 * yx2 - s3 * yx) / det);
+        if a >= 0.0 && b >= 0.0 {
+            options.push((a, b));
         }
     }
-    let c = solve(&mut a, n)?;
-    Some(Curve { c: [c[0], c[1] / scale, c[2] / (scale * scale)], w_max })
-}
-
-/// Gaussian elimination with partial pivoting on the augmented n×(n+1)
-/// system held in `a` (n ≤ 3).
-fn solve(a: &mut [[f64; 4]; 3], n: usize) -> Option<[f64; 3]> {
-    for col in 0..n {
-        let pivot = (col..n).max_by(|&x, &y| a[x][col].abs().total_cmp(&a[y][col].abs()))?;
-        if a[pivot][col].abs() < 1e-12 {
-            return None;
-        }
-        a.swap(col, pivot);
-        for row in 0..n {
-            if row != col {
-                let f = a[row][col] / a[col][col];
-                for k in col..4 {
-                    a[row][k] -= f * a[col][k];
-                }
-            }
-        }
-    }
-    let mut c = [0.0; 3];
-    for i in 0..n {
-        c[i] = a[i][3] / a[i][i];
-    }
-    Some(c)
+    let (a, b) = options.into_iter().min_by(|p, q| sse(p.0, p.1).total_cmp(&sse(q.0, q.1)))?;
+    Some(Curve { c: [floor, a / w_max, b / (w_max * w_max)], w_max })
 }
 
 #[cfg(test)]
@@ -240,25 +236,37 @@ pub mod tests {
     }
 
     #[test]
-    fn the_fit_reproduces_a_quadratic_and_is_forced_monotone() {
+    fn the_fit_reproduces_a_convex_curve_and_never_dips_below_the_floor() {
         let pts: Vec<Point> =
             [0.0, 0.1, 0.2, 0.3].iter().map(|&w| Point { weight: w, latency_ms: 5.0 + 2.0 * w + 30.0 * w * w, drop: false }).collect();
-        let c = fit(&pts).unwrap();
-        assert!((c.c[0] - 5.0).abs() < 1e-6 && (c.c[1] - 2.0).abs() < 1e-6 && (c.c[2] - 30.0).abs() < 1e-6, "{c:?}");
+        let c = fit(&pts, Some(5.0)).unwrap();
+        assert!((c.c[0] - 5.0).abs() < 1e-9 && (c.c[1] - 2.0).abs() < 1e-6 && (c.c[2] - 30.0).abs() < 1e-6, "{c:?}");
         assert_eq!(c.w_max, 0.3);
-        // A dip fitted from noise is flattened: never below the latency at 0.
+        // A hockey stick (flat, then steep): pinned at the measured floor,
+        // never below it, rising at the end.
+        let stick: Vec<Point> = [(0.0, 22.0), (0.25, 22.0), (0.33, 24.0), (0.38, 25.0), (0.44, 30.0), (0.47, 53.0)]
+            .iter()
+            .map(|&(weight, latency_ms)| Point { weight, latency_ms, drop: false })
+            .collect();
+        let c = fit(&stick, Some(22.0)).unwrap();
+        assert!(c.c[1] >= 0.0 && c.c[2] >= 0.0, "{c:?}");
+        assert!((0..=47).all(|i| c.latency(i as f64 / 100.0) >= 22.0));
+        assert!(c.latency(0.47) > 35.0 && c.latency(0.2) < 26.0, "{c:?}");
+        // A dip given directly is still flattened by `latency`.
         let dip = Curve { c: [10.0, -20.0, 40.0], w_max: 1.0 };
         assert_eq!(dip.latency(0.2), 10.0);
-        assert!(dip.latency(1.0) > dip.latency(0.9));
-        // Dropped points are not fitted; two distinct weights give a line.
-        let line = fit(&[
-            Point { weight: 0.0, latency_ms: 4.0, drop: false },
-            Point { weight: 0.5, latency_ms: 6.0, drop: false },
-            Point { weight: 0.9, latency_ms: 1e6, drop: true },
-        ])
+        // Dropped points are not fitted; a line fits a line.
+        let line = fit(
+            &[
+                Point { weight: 0.0, latency_ms: 4.0, drop: false },
+                Point { weight: 0.5, latency_ms: 6.0, drop: false },
+                Point { weight: 0.9, latency_ms: 1e6, drop: true },
+            ],
+            None,
+        )
         .unwrap();
         assert!((line.latency(0.25) - 5.0).abs() < 1e-9 && line.w_max == 0.5);
-        assert!(fit(&[Point { weight: 0.3, latency_ms: 1.0, drop: true }]).is_none());
+        assert!(fit(&[Point { weight: 0.3, latency_ms: 1.0, drop: true }], None).is_none());
     }
 
     #[test]

@@ -9,6 +9,7 @@ pub mod config;
 mod controller;
 pub mod learn;
 mod probe;
+mod shares;
 pub mod solve;
 pub mod status;
 

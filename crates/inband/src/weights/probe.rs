@@ -54,8 +54,22 @@ async fn exchange(addr: SocketAddr, path: &str) -> Result<(), Failure> {
     Ok(())
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Handshake {
+    Done,
+    /// Refused, unreachable: the host or its port is gone.
+    Refused,
+    /// No answer in time: gone, or only too busy to accept (a full listen
+    /// queue drops SYNs); told apart by how long it lasts.
+    Silent,
+}
+
 /// A TCP handshake with `addr` within `timeout`: the failure detector's
 /// light request, which costs the server's application nothing.
-pub async fn connects(addr: SocketAddr, timeout: Duration) -> bool {
-    matches!(tokio::time::timeout(timeout, TcpStream::connect(addr)).await, Ok(Ok(_)))
+pub async fn handshake(addr: SocketAddr, timeout: Duration) -> Handshake {
+    match tokio::time::timeout(timeout, TcpStream::connect(addr)).await {
+        Ok(Ok(_)) => Handshake::Done,
+        Ok(Err(_)) => Handshake::Refused,
+        Err(_) => Handshake::Silent,
+    }
 }

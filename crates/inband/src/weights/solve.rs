@@ -100,13 +100,20 @@ fn step(curves: &[Option<Curve>], cands: &[Vec<f64>], objective: Objective, thet
     // breaks such ties towards the split that leaves every backend the
     // same headroom (Σ w²/w_max under Σ w = 1 is least at weights in
     // proportion to w_max) and changes no answer a real latency gap decides.
-    let floor = curves.iter().flatten().map(|c| c.latency(0.0)).fold(f64::INFINITY, f64::min);
-    let headroom = 0.01 * floor;
+    let floor = curves.iter().flatten().map(|c| c.latency(0.0)).filter(|l| l.is_finite() && *l > 0.0).fold(f64::INFINITY, f64::min);
+    let headroom = if floor.is_finite() { 0.01 * floor } else { 0.0 };
     let mut cost = Expression::from(0.0);
     let mut covered = Expression::from(0.0);
     for (d, c) in cands.iter().enumerate() {
         for (k, &w) in c.iter().enumerate() {
-            let (l, tie) = curves[d].map_or((0.0, 0.0), |cv| (cv.latency(w), headroom * w * w / cv.w_max));
+            let (l, tie) = match curves[d] {
+                Some(cv) if cv.w_max > 0.0 => (cv.latency(w), headroom * w * w / cv.w_max),
+                Some(cv) => (cv.latency(w), 0.0),
+                None => (0.0, 0.0),
+            };
+            if !(l.is_finite() && tie.is_finite()) {
+                return Err(anyhow!("backend {d}'s curve gives no finite latency at weight {w}: {:?}", curves[d]));
+            }
             cost += (match objective {
                 Objective::Mean => w * l,
                 Objective::Sum => l,
@@ -154,7 +161,7 @@ pub fn synthetic(n: usize) -> Vec<Option<Curve>> {
                 .iter()
                 .map(|&u| super::learn::Point { weight: u * c / load, latency_ms: 10.0 / (1.0 - u), drop: false })
                 .collect();
-            super::learn::fit(&pts)
+            super::learn::fit(&pts, Some(10.0))
         })
         .collect()
 }
@@ -215,6 +222,13 @@ mod tests {
     fn theta_bounds_the_spread() {
         let s = solve(&[curve(10.0, 10.0, 1.0), curve(10.0, 80.0, 1.0)], 10, Objective::Mean, Some(0.2)).unwrap();
         assert!((s.weights[0] - s.weights[1]).abs() <= 0.2 + 0.05, "{s:?}");
+    }
+
+    #[test]
+    fn a_curve_learned_only_at_weight_zero_gets_none() {
+        // Fitted from its unloaded latency alone: w_max = 0.
+        let s = solve(&[curve(10.0, 0.0, 0.0), curve(10.0, 100.0, 1.0)], 10, Objective::Mean, None).unwrap();
+        assert_eq!(s.weights, vec![0.0, 1.0]);
     }
 
     #[test]

@@ -51,7 +51,7 @@ pub struct BackendStatus {
     pub address: String,
     pub name: Option<String>,
     pub state: BackendState,
-    /// The share of new connections it is given (weights sum to 1).
+    /// The weight asked of the balancer (weights sum to 1).
     pub weight: f64,
     /// The integer written to the balancer.
     pub applied: u32,
@@ -62,6 +62,9 @@ pub struct BackendStatus {
     pub points: Vec<Point>,
     /// Its latest measured mean probe latency.
     pub latency_ms: Option<f64>,
+    /// The share of new connections it was given then (an inband
+    /// balancer's counters; the weight where they cannot be read).
+    pub share: Option<f64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -108,17 +111,18 @@ pub fn render(s: &Status) -> String {
         None => out += "  not solved yet\n",
     }
     out += &format!(
-        "  {:<24} {:<9} {:>7} {:>7} {:>8} {:>7} {:>10}  curve (ms = c0 + c1·w + c2·w²)\n",
-        "backend", "state", "weight", "applied", "l0 ms", "w_max", "latency ms"
+        "  {:<24} {:<9} {:>7} {:>7} {:>7} {:>8} {:>7} {:>10}  curve (ms = c0 + c1·w + c2·w²)\n",
+        "backend", "state", "weight", "applied", "share", "l0 ms", "w_max", "latency ms"
     );
     for b in &s.backends {
         let opt = |v: Option<f64>, p: usize| v.map_or("-".to_string(), |v| format!("{v:.p$}"));
         out += &format!(
-            "  {:<24} {:<9} {:>7.4} {:>7} {:>8} {:>7} {:>10}  {}\n",
+            "  {:<24} {:<9} {:>7.4} {:>7} {:>7} {:>8} {:>7} {:>10}  {}\n",
             b.name.clone().unwrap_or_else(|| b.address.clone()),
             format!("{:?}", b.state).to_lowercase(),
             b.weight,
             b.applied,
+            opt(b.share, 4),
             opt(b.l0_ms, 2),
             opt(b.w_max, 3),
             opt(b.latency_ms, 2),

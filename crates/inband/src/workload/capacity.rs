@@ -6,7 +6,8 @@
 //! must be measured is the balancer's choice, not CPU contention.
 
 use std::collections::VecDeque;
-use std::sync::{Condvar, Mutex};
+use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use rand::Rng;
@@ -83,8 +84,11 @@ impl Model {
 #[derive(Default)]
 struct State {
     in_service: usize,
-    waiting: VecDeque<u64>,
-    next_ticket: u64,
+    /// The requests waiting, in arrival order: a freed worker is handed to
+    /// the first directly. (One condition variable for all would wake every
+    /// waiter at each completion: with hundreds queued, that herd alone
+    /// took the testbed's CPU and slowed every other server.)
+    waiting: VecDeque<SyncSender<()>>,
 }
 
 /// Admission to the workers: FIFO, bounded.
@@ -92,7 +96,6 @@ pub struct Capacity {
     workers: usize,
     queue: usize,
     state: Mutex<State>,
-    freed: Condvar,
     pub started: Instant,
 }
 
@@ -101,14 +104,20 @@ pub struct Slot<'a>(&'a Capacity);
 
 impl Drop for Slot<'_> {
     fn drop(&mut self) {
-        self.0.state.lock().unwrap().in_service -= 1;
-        self.0.freed.notify_all();
+        let mut st = self.0.state.lock().unwrap();
+        // The worker goes to the next in line, or back to the pool.
+        while let Some(next) = st.waiting.pop_front() {
+            if next.send(()).is_ok() {
+                return;
+            }
+        }
+        st.in_service -= 1;
     }
 }
 
 impl Capacity {
     pub fn new(workers: usize, queue: usize) -> Capacity {
-        Capacity { workers: workers.max(1), queue, state: Mutex::new(State::default()), freed: Condvar::new(), started: Instant::now() }
+        Capacity { workers: workers.max(1), queue, state: Mutex::new(State::default()), started: Instant::now() }
     }
 
     /// Waits for a worker in arrival order; `None` when the queue is full.
@@ -121,17 +130,11 @@ impl Capacity {
         if st.waiting.len() >= self.queue {
             return None;
         }
-        let ticket = st.next_ticket;
-        st.next_ticket += 1;
-        st.waiting.push_back(ticket);
-        while !(st.in_service < self.workers && st.waiting.front() == Some(&ticket)) {
-            st = self.freed.wait(st).unwrap();
-        }
-        st.waiting.pop_front();
-        st.in_service += 1;
+        let (handover, turn) = sync_channel(1);
+        st.waiting.push_back(handover);
         drop(st);
-        // The next in line may fit too.
-        self.freed.notify_all();
+        // The worker is handed over still counted in service.
+        turn.recv().ok()?;
         Some(Slot(self))
     }
 
