@@ -158,8 +158,9 @@ class Testbed:
     def state_path(self) -> Path:
         return Path("/run/inband/testbed") / f"{self.name}.json"
 
-    def up(self, servers: int) -> None:
-        run(None, [str(self.inband), "testbed", "up", "--name", self.name, "--clients", "1", "--servers", str(servers)], timeout=120)
+    def up(self, servers: int, subnet: int | None = None) -> None:
+        argv = [str(self.inband), "testbed", "up", "--name", self.name, "--clients", "1", "--servers", str(servers)]
+        run(None, argv + (["--subnet", str(subnet)] if subnet is not None else []), timeout=120)
         self.state = json.loads(self.state_path.read_text())
 
     def down(self) -> None:

@@ -50,6 +50,10 @@ pub struct WeightsConfig {
     pub theta: Option<f64>,
     #[serde(default)]
     pub objective: Objective,
+    /// What a balancer that ranks backends by load (inband least-score or
+    /// power-of-two in a scored mode) is given as weights.
+    #[serde(default)]
+    pub load_aware: LoadAware,
     /// The seed's α: how fast a backend's weight grows while it has room.
     #[serde(default = "default_alpha")]
     pub alpha: f64,
@@ -70,6 +74,22 @@ pub enum Objective {
     Mean,
     /// Σ latency(w): the seed's objective, every backend counted alike.
     Sum,
+}
+
+/// The ILP answers which *fixed* split of the traffic has the least mean
+/// latency. A balancer that ranks backends by their load, as (estimate +
+/// 1) / weight, does not split by fixed shares: it needs each backend's
+/// capacity to compare loads with, and the learned w_max (the share at
+/// which a backend reaches its knee) is that capacity.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LoadAware {
+    /// Capacities for an inband VIP that ranks by score, the ILP's weights
+    /// otherwise (HAProxy included).
+    #[default]
+    Auto,
+    Capacity,
+    Ilp,
 }
 
 /// The balancer the weights are written to.
@@ -241,6 +261,8 @@ address = "10.0.1.3:8080"
         let c = WeightsConfig::parse(GOOD).unwrap();
         assert_eq!((c.probe_rate, c.levels, c.tolerance, c.alpha), (20, 10, 0.2, 1.0));
         assert_eq!(c.objective, Objective::Mean);
+        assert_eq!(c.load_aware, LoadAware::Auto);
+        assert_eq!(WeightsConfig::parse(&format!("load_aware = \"ilp\"\n{GOOD}")).unwrap().load_aware, LoadAware::Ilp);
         assert!(matches!(c.target, Target::Inband { protocol: Protocol::Tcp, .. }));
     }
 

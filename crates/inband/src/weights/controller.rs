@@ -4,111 +4,26 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use tracing::{info, warn};
 
 use super::apply;
-use super::config::{Target, WeightsConfig};
-use super::learn::{self, Curve, Point, Search, DROP_FACTOR};
-use super::probe::{self, Failure, Handshake};
+use super::config::{LoadAware, Target, WeightsConfig};
+use super::learn::{self, adjust, schedule, Curve, Point, Search, Want, DROP_FACTOR};
+use super::observe::{self, Observed, Window};
 use super::shares::{self, Meter};
 use super::solve;
 use super::status::{self, BackendState, BackendStatus, Decision, Phase, SolveRecord, Status};
 
-/// The failure detector: this many TCP handshakes per backend every
-/// `HEALTH_EVERY` (the seed's 3 requests per 100 ms). A backend fails when
-/// all of one window's are refused, or when none completes for
-/// `HEALTH_SILENT` windows: a busy server's full listen queue drops SYNs
-/// for moments, and is not a failure.
-const HEALTH_TRIES: usize = 3;
-const HEALTH_EVERY: Duration = Duration::from_millis(100);
-const HEALTH_SILENT: u32 = 10;
-/// A failed backend is back after this many good windows in a row (1 s):
-/// one lucky handshake does not undo a failure.
-const HEALTH_RECOVER: u32 = 10;
-/// This many latency probes in a row refused or broken (a timeout or a 5xx
-/// is an overloaded server, not a failed one) fail a backend whose TCP
-/// stack still answers: the application is gone.
-const PROBES_FAILED: usize = 3;
 /// A latency change is a traffic change (all curves move together) when
 /// at least this share of the backends moved the same way.
 const TRAFFIC_SHARE: f64 = 0.75;
 /// A dropped backend's queue counts as drained when its probes' median is
 /// within this factor of its unloaded latency.
 const DRAINED: f64 = 2.0;
-/// One re-solve shifts a curve along the weights by at most this factor either way.
-const SHIFT_BOUNDS: (f64, f64) = (0.25, 2.0);
-
-/// One latency probe: in flight while `outcome` is None.
-struct Sample {
-    sent: Instant,
-    outcome: Option<Result<f64, Failure>>,
-}
-
-/// What the probe and health tasks learn about one backend.
-#[derive(Default)]
-struct Observed {
-    samples: Mutex<VecDeque<Sample>>,
-    unhealthy: AtomicBool,
-}
-
-/// A window's view of one backend's probes.
-#[derive(Clone, Copy, Debug)]
-struct Window {
-    mean_ms: f64,
-    count: usize,
-    failed: bool,
-}
-
-impl Observed {
-    /// Probes sent in [from, to]; one still in flight counts with its age
-    /// so far, so a slow backend's unfinished probes do not leave only its
-    /// fast ones in the mean.
-    fn window(&self, from: Instant, to: Instant) -> Option<Window> {
-        let now = Instant::now();
-        let samples = self.samples.lock().unwrap();
-        let (mut sum, mut count, mut failed) = (0.0, 0usize, false);
-        for s in samples.iter().filter(|s| s.sent >= from && s.sent <= to) {
-            match s.outcome {
-                Some(Ok(ms)) => sum += ms,
-                Some(Err(_)) => failed = true,
-                None => sum += now.duration_since(s.sent).as_secs_f64() * 1e3,
-            }
-            if !matches!(s.outcome, Some(Err(_))) {
-                count += 1;
-            }
-        }
-        (count > 0 || failed).then(|| Window { mean_ms: if count > 0 { sum / count as f64 } else { f64::INFINITY }, count, failed })
-    }
-
-    /// The last `PROBES_FAILED` finished probes all failed without an
-    /// HTTP answer.
-    fn probes_failing(&self) -> bool {
-        let samples = self.samples.lock().unwrap();
-        let done: Vec<&Sample> = samples.iter().rev().filter(|s| s.outcome.is_some()).take(PROBES_FAILED).collect();
-        done.len() == PROBES_FAILED && done.iter().all(|s| matches!(s.outcome, Some(Err(Failure::Connect | Failure::Exchange))))
-    }
-
-    /// The median of the probes answered in [from, to]: the unloaded
-    /// latency, which one stalled probe must not inflate.
-    fn median(&self, from: Instant, to: Instant) -> Option<f64> {
-        let samples = self.samples.lock().unwrap();
-        let mut ms: Vec<f64> = samples
-            .iter()
-            .filter(|s| s.sent >= from && s.sent <= to)
-            .filter_map(|s| match s.outcome {
-                Some(Ok(ms)) => Some(ms),
-                _ => None,
-            })
-            .collect();
-        ms.sort_by(f64::total_cmp);
-        (!ms.is_empty()).then(|| ms[ms.len() / 2])
-    }
-}
-
 /// One learning round's measurements, over its second half [mid, end]:
 /// per backend its probes' window and the share of new connections it got.
 struct Round {
@@ -153,6 +68,8 @@ pub struct Controller {
     meter: Option<Meter>,
     /// The last solve failed: try again at the next check.
     unsolved: bool,
+    /// The weights in force are capacities (the VIP ranked by load then).
+    capacity_weights: bool,
     stop: Arc<AtomicBool>,
 }
 
@@ -183,6 +100,7 @@ impl Controller {
             decisions: VecDeque::new(),
             meter: None,
             unsolved: false,
+            capacity_weights: false,
             stop,
             cfg,
         }
@@ -190,8 +108,7 @@ impl Controller {
 
     pub async fn run(mut self) -> Result<()> {
         for (i, b) in self.cfg.backends.iter().enumerate() {
-            tokio::spawn(probe_loop(b.address, self.cfg.probe_path.clone(), self.cfg.clone_timing(), self.observed[i].clone(), self.stop.clone()));
-            tokio::spawn(health_loop(b.address, self.observed[i].clone(), self.stop.clone()));
+            self.observed[i] = observe::watch(b.address, &self.cfg, self.stop.clone());
         }
         if self.cfg.backends.len() == 1 {
             self.decide("one backend: it takes every connection, nothing to learn".into());
@@ -255,6 +172,21 @@ impl Controller {
                 warn!("reading the balancer's counters: {e:#}");
                 self.meter = None;
                 None
+            }
+        }
+    }
+
+    /// Whether the balancer is given capacities rather than the ILP's
+    /// weights (`load_aware`, config.rs).
+    fn load_aware(&mut self) -> bool {
+        match self.cfg.load_aware {
+            LoadAware::Capacity => true,
+            LoadAware::Ilp => false,
+            LoadAware::Auto => {
+                if self.meter.is_none() {
+                    self.counts();
+                }
+                self.meter.as_ref().is_some_and(|m| m.ranks_by_load().unwrap_or(false))
             }
         }
     }
@@ -386,6 +318,10 @@ impl Controller {
         let curves: Vec<Option<Curve>> = self.known.iter().map(|k| if k.failed { None } else { k.curve }).collect();
         let solved = solve::solve(&curves, self.cfg.levels, self.cfg.objective, self.cfg.theta)?;
         self.unsolved = false;
+        let by_capacity = self.load_aware();
+        self.capacity_weights = by_capacity;
+        let weights = if by_capacity { solve::capacities(&curves) } else { solved.weights.clone() };
+        let from = if by_capacity { "capacity" } else { "ilp" };
         self.last_solve = Some(SolveRecord {
             unix_ms: status::unix_ms(),
             reason: reason.to_string(),
@@ -393,13 +329,17 @@ impl Controller {
             steps: solved.steps,
             objective_ms: solved.objective_ms,
             fallback: solved.fallback.clone(),
+            weights_from: from.to_string(),
         });
-        let mut what = format!("solved ({reason}) in {:.1} ms: weights {}", solved.solve_ms, fmt_weights(&solved.weights));
+        let mut what = format!("solved ({reason}) in {:.1} ms: ILP weights {}", solved.solve_ms, fmt_weights(&solved.weights));
         if let Some(f) = &solved.fallback {
             what += &format!(" ({f})");
         }
+        if by_capacity {
+            what += &format!("; the VIP ranks by load: learned capacities written instead, {}", fmt_weights(&weights));
+        }
         self.decide(what);
-        let result = self.set(solved.weights);
+        let result = self.set(weights);
         for k in &mut self.known {
             k.off = 0;
         }
@@ -438,12 +378,22 @@ impl Controller {
                 }
                 shares::between(&history.front()?.1, &history.back()?.1)
             });
-            if self.unsolved {
-                if let Err(e) = self.resolve("retrying a failed solve") {
+            let policy_changed = !self.unsolved && self.load_aware() != self.capacity_weights;
+            if self.unsolved || policy_changed {
+                let why = if policy_changed { "the VIP's policy changed" } else { "retrying a failed solve" };
+                if let Err(e) = self.resolve(why) {
                     warn!("{e:#}");
                 }
             }
-            if now < settled_at {
+            // Under capacities (a VIP ranking by load) the scores answer
+            // traffic and capacity changes within a round trip; shifting
+            // curves on latency that the scores keep moving made a second
+            // feedback loop on the same signal, and the weights swung
+            // (bench.weights: 24% of requests refused at 80% load). Only
+            // health and the policy re-solve then.
+            if now < settled_at || self.capacity_weights {
+                self.observe_only(now - window, now, given);
+                self.publish();
                 continue;
             }
             if let Some(reason) = self.drift(now - window, now, given) {
@@ -555,6 +505,17 @@ impl Controller {
         Some(format!("capacity change of {}", names.join(", ")))
     }
 
+    /// The latency and share of each backend over [from, to], for status,
+    /// without judging them.
+    fn observe_only(&mut self, from: Instant, to: Instant, given: Option<Vec<f64>>) {
+        for (i, k) in self.known.iter_mut().enumerate() {
+            if let Some(win) = self.observed[i].window(from, to).filter(|w| w.count > 0) {
+                k.latency = Some(win.mean_ms);
+            }
+            k.share = given.as_ref().map(|g| g[i]).or(k.share);
+        }
+    }
+
     fn publish(&self) {
         let backends = self
             .cfg
@@ -606,156 +567,9 @@ fn fmt_weights(w: &[f64]) -> String {
     w.iter().map(|w| format!("{w:.3}")).collect::<Vec<_>>().join(" ")
 }
 
-/// `curve` adjusted so that it gives `latency` at share `w`, and the shift
-/// along the weights if that is how (the seed's: traffic or capacity
-/// moved the knee). A latency below the curve's floor, or one measured at
-/// no share, moves the curve up or down instead: the unloaded latency
-/// itself changed, and no shift along the weights reaches it.
-fn adjust(curve: &Curve, w: f64, latency: f64) -> (Curve, Option<f64>) {
-    const NO_SHARE: f64 = 1e-3;
-    let limit = (8.0 * curve.w_max).max(8.0 * w).max(1.0);
-    match curve.weight_at(latency, limit) {
-        Some(w2) if w2 > 0.0 && w > NO_SHARE => {
-            let d = (w / w2).clamp(SHIFT_BOUNDS.0, SHIFT_BOUNDS.1);
-            (curve.shifted(d), Some(d))
-        }
-        _ if w <= NO_SHARE || latency < curve.latency(w) => (curve.offset(latency - curve.latency(w)), None),
-        _ => (curve.shifted(SHIFT_BOUNDS.0), Some(SHIFT_BOUNDS.0)),
-    }
-}
-
-/// What one backend asks of a learning round.
-#[derive(Clone, Copy, Debug)]
-pub struct Want {
-    /// The next weight its search wants measured.
-    pub target: f64,
-    pub searching: bool,
-    /// Rounds since it last got its target.
-    pub waited: u32,
-}
-
-/// The weights of one learning round and which backends got their target
-/// (the seed's greedy scheduler): those backing off first (they are the
-/// overloaded ones, and shrinking always fits), then those growing, the
-/// longest-waiting first, each if its target still fits in a total of 1;
-/// the others share what is left by their current weights (nothing, if
-/// the scheduled ones need it all: the traffic has to go somewhere). A
-/// backend that did not get its target keeps it for a later round, so a
-/// large backend's search still reaches weights near 1.
-pub fn schedule(wants: &[Want], current: &[f64]) -> (Vec<f64>, Vec<bool>) {
-    let n = wants.len();
-    let mut order: Vec<usize> = (0..n).filter(|&i| wants[i].searching).collect();
-    order.sort_by_key(|&i| (wants[i].target >= current[i], std::cmp::Reverse(wants[i].waited), i));
-    let mut w = vec![0.0; n];
-    let mut got = vec![false; n];
-    let mut left = 1.0f64;
-    for i in order {
-        if wants[i].target <= left + 1e-12 {
-            w[i] = wants[i].target.min(left);
-            got[i] = true;
-            left -= w[i];
-        }
-    }
-    let rest: Vec<usize> = (0..n).filter(|&i| !got[i]).collect();
-    let held: f64 = rest.iter().map(|&i| current[i]).sum();
-    for &i in &rest {
-        w[i] = if held > 0.0 { left.max(0.0) * current[i] / held } else { left.max(0.0) / rest.len() as f64 };
-    }
-    let total: f64 = w.iter().sum();
-    // Everyone scheduled and less than 1 wanted: scaled up to 1.
-    let w = if total > 0.0 { w.iter().map(|x| x / total).collect() } else { vec![1.0 / n as f64; n] };
-    (w, got)
-}
-
-/// The seed's latency probes: `probe_rate` a second, each on its own
-/// schedule (a slow answer does not delay the next probe).
-async fn probe_loop(addr: std::net::SocketAddr, path: String, t: Timing, obs: Arc<Observed>, stop: Arc<AtomicBool>) {
-    let mut tick = tokio::time::interval(t.every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    while !stop.load(Ordering::Relaxed) {
-        tick.tick().await;
-        let sent = Instant::now();
-        {
-            let mut s = obs.samples.lock().unwrap();
-            while s.front().is_some_and(|x| sent.duration_since(x.sent) > t.keep) {
-                s.pop_front();
-            }
-            s.push_back(Sample { sent, outcome: None });
-        }
-        let (obs, path) = (obs.clone(), path.clone());
-        tokio::spawn(async move {
-            let r = probe::get(addr, &path, t.timeout).await.map(|d| d.as_secs_f64() * 1e3);
-            let mut s = obs.samples.lock().unwrap();
-            if let Some(x) = s.iter_mut().rev().find(|x| x.sent == sent) {
-                x.outcome = Some(r);
-            }
-        });
-    }
-}
-
-async fn health_loop(addr: std::net::SocketAddr, obs: Arc<Observed>, stop: Arc<AtomicBool>) {
-    let mut tick = tokio::time::interval(HEALTH_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut health = Health::default();
-    while !stop.load(Ordering::Relaxed) {
-        tick.tick().await;
-        let tries: Vec<_> = (0..HEALTH_TRIES).map(|_| tokio::spawn(probe::handshake(addr, HEALTH_EVERY))).collect();
-        let mut window = Vec::with_capacity(HEALTH_TRIES);
-        for t in tries {
-            window.push(t.await.unwrap_or(Handshake::Silent));
-        }
-        obs.unhealthy.store(health.after(&window), Ordering::Relaxed);
-    }
-}
-
-/// The failure detector's memory across windows.
-#[derive(Debug)]
-struct Health {
-    failed: bool,
-    silent: u32,
-    good: u32,
-}
-
-impl Default for Health {
-    fn default() -> Self {
-        Health { failed: false, silent: 0, good: HEALTH_RECOVER }
-    }
-}
-
-impl Health {
-    /// Takes one window's handshakes; true while the backend is failed.
-    fn after(&mut self, window: &[Handshake]) -> bool {
-        let any_done = window.contains(&Handshake::Done);
-        self.silent = if any_done { 0 } else { self.silent + 1 };
-        self.good = if any_done { self.good.saturating_add(1) } else { 0 };
-        if window.iter().all(|h| *h == Handshake::Refused) || self.silent >= HEALTH_SILENT {
-            self.failed = true;
-        } else if self.good >= HEALTH_RECOVER {
-            self.failed = false;
-        }
-        self.failed
-    }
-}
-
-#[derive(Clone, Copy)]
-pub struct Timing {
-    every: Duration,
-    timeout: Duration,
-    keep: Duration,
-}
-
-impl WeightsConfig {
-    fn clone_timing(&self) -> Timing {
-        Timing {
-            every: Duration::from_secs_f64(1.0 / f64::from(self.probe_rate)),
-            timeout: Duration::from_millis(self.probe_timeout_ms),
-            keep: Duration::from_millis(self.window_ms.max(self.round_ms) + self.probe_timeout_ms),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::observe::Sample;
     use super::*;
 
     /// A steady controller over four backends with the curve
@@ -820,94 +634,5 @@ mod tests {
         assert_eq!(solve::solve(&curves, 10, c.cfg.objective, None).unwrap().weights[1], 0.0);
         c.observed[1].unhealthy.store(false, Ordering::Relaxed);
         assert!(c.health_changed() && !c.known[1].failed);
-    }
-
-    fn wants(v: &[(f64, bool, u32)]) -> Vec<Want> {
-        v.iter().map(|&(target, searching, waited)| Want { target, searching, waited }).collect()
-    }
-
-    #[test]
-    fn a_round_backs_off_first_and_never_gives_out_more_than_everything() {
-        // Two backing off get their targets first; of the two growing,
-        // the one that waited longer gets its target, the other what is left.
-        let (w, got) = schedule(&wants(&[(0.125, true, 0), (0.125, true, 0), (0.475, true, 0), (0.5, true, 2)]), &[0.25; 4]);
-        assert_eq!(w, vec![0.125, 0.125, 0.25, 0.5]);
-        assert_eq!(got, vec![true, true, false, true]);
-        // Done backends share the rest by their weights...
-        let (w, _) = schedule(&wants(&[(0.2, true, 0), (0.9, false, 0), (0.9, false, 0)]), &[0.3, 0.2, 0.5]);
-        assert!((w[0] - 0.2).abs() < 1e-12 && (w[1] - 0.8 * 0.2 / 0.7).abs() < 1e-12, "{w:?}");
-        // ...and yield it all to a backend that grows into it.
-        let (w, got) = schedule(&wants(&[(0.9, false, 0), (0.9, false, 0), (1.0, true, 0)]), &[0.1, 0.1, 0.8]);
-        assert_eq!((w, got), (vec![0.0, 0.0, 1.0], vec![false, false, true]));
-        // Everything scheduled under 1: scaled up to 1.
-        let (w, _) = schedule(&wants(&[(0.1, true, 0), (0.3, true, 0)]), &[0.05, 0.05]);
-        assert!((w[0] - 0.25).abs() < 1e-12 && (w[1] - 0.75).abs() < 1e-12, "{w:?}");
-    }
-
-    #[test]
-    fn a_curve_is_adjusted_so_that_it_meets_the_measured_latency() {
-        let c = Curve { c: [10.0, 0.0, 100.0], w_max: 0.5 };
-        let (fixed, d) = adjust(&c, 0.2, c.latency(0.3));
-        assert!((d.unwrap() - 0.2 / 0.3).abs() < 1e-6, "{d:?}");
-        assert!((fixed.latency(0.2) - c.latency(0.3)).abs() < 1e-6);
-        // Faster than its floor: the floor comes down, nothing shifts
-        // (shifting could never reach it: the loop of re-solves the quick
-        // benchmark showed).
-        let (fixed, d) = adjust(&c, 0.2, 5.0);
-        assert_eq!(d, None);
-        assert!((fixed.latency(0.2) - 5.0).abs() < 1e-9);
-        // At no share: its unloaded latency changed.
-        let (fixed, d) = adjust(&c, 0.0, 30.0);
-        assert_eq!((fixed.latency(0.0), d), (30.0, None));
-        // Far slower than anything the curve reaches: the largest step.
-        assert_eq!(adjust(&c, 0.2, 1e9).1, Some(SHIFT_BOUNDS.0));
-    }
-
-    #[test]
-    fn a_busy_backend_is_not_failed_a_refusing_one_is_at_once() {
-        use Handshake::*;
-        let mut h = Health::default();
-        // SYNs dropped by a full listen queue for 0.9 s: still in service.
-        for _ in 0..HEALTH_SILENT - 1 {
-            assert!(!h.after(&[Silent, Silent, Silent]));
-        }
-        assert!(!h.after(&[Silent, Done, Silent]));
-        // A whole second without a handshake: failed.
-        for _ in 0..HEALTH_SILENT - 1 {
-            h.after(&[Silent; 3]);
-        }
-        assert!(h.after(&[Silent; 3]));
-        // Back only after a second of good windows.
-        for _ in 0..HEALTH_RECOVER - 1 {
-            assert!(h.after(&[Done, Silent, Silent]));
-        }
-        assert!(!h.after(&[Done; 3]));
-        // Every handshake refused: failed in one window.
-        assert!(h.after(&[Refused; 3]));
-        assert!(h.after(&[Refused, Silent, Refused]), "still failed");
-    }
-
-    #[test]
-    fn a_window_counts_unfinished_probes_by_their_age_and_notices_failures() {
-        let obs = Observed::default();
-        let t0 = Instant::now() - Duration::from_millis(500);
-        {
-            let mut s = obs.samples.lock().unwrap();
-            s.push_back(Sample { sent: t0, outcome: Some(Ok(10.0)) });
-            s.push_back(Sample { sent: t0, outcome: None });
-            s.push_back(Sample { sent: t0, outcome: Some(Err(Failure::Status(503))) });
-        }
-        let w = obs.window(t0, Instant::now()).unwrap();
-        assert_eq!(w.count, 2);
-        assert!(w.failed && w.mean_ms >= (10.0 + 500.0) / 2.0, "{w:?}");
-        assert!(!obs.probes_failing(), "a 503 is an answer");
-        for _ in 0..3 {
-            obs.samples.lock().unwrap().push_back(Sample { sent: Instant::now(), outcome: Some(Err(Failure::Timeout)) });
-        }
-        assert!(!obs.probes_failing(), "timeouts are a busy server");
-        for _ in 0..3 {
-            obs.samples.lock().unwrap().push_back(Sample { sent: Instant::now(), outcome: Some(Err(Failure::Connect)) });
-        }
-        assert!(obs.probes_failing());
     }
 }

@@ -171,6 +171,70 @@ pub fn fit(points: &[Point], l0: Option<f64>) -> Option<Curve> {
     Some(Curve { c: [floor, a / w_max, b / (w_max * w_max)], w_max })
 }
 
+/// One re-solve shifts a curve along the weights by at most this factor either way.
+pub const SHIFT_BOUNDS: (f64, f64) = (0.25, 2.0);
+
+/// `curve` adjusted so that it gives `latency` at share `w`, and the shift
+/// along the weights if that is how (the seed's: traffic or capacity
+/// moved the knee). A latency below the curve's floor, or one measured at
+/// no share, moves the curve up or down instead: the unloaded latency
+/// itself changed, and no shift along the weights reaches it.
+pub fn adjust(curve: &Curve, w: f64, latency: f64) -> (Curve, Option<f64>) {
+    const NO_SHARE: f64 = 1e-3;
+    let limit = (8.0 * curve.w_max).max(8.0 * w).max(1.0);
+    match curve.weight_at(latency, limit) {
+        Some(w2) if w2 > 0.0 && w > NO_SHARE => {
+            let d = (w / w2).clamp(SHIFT_BOUNDS.0, SHIFT_BOUNDS.1);
+            (curve.shifted(d), Some(d))
+        }
+        _ if w <= NO_SHARE || latency < curve.latency(w) => (curve.offset(latency - curve.latency(w)), None),
+        _ => (curve.shifted(SHIFT_BOUNDS.0), Some(SHIFT_BOUNDS.0)),
+    }
+}
+
+/// What one backend asks of a learning round.
+#[derive(Clone, Copy, Debug)]
+pub struct Want {
+    /// The next weight its search wants measured.
+    pub target: f64,
+    pub searching: bool,
+    /// Rounds since it last got its target.
+    pub waited: u32,
+}
+
+/// The weights of one learning round and which backends got their target
+/// (the seed's greedy scheduler): those backing off first (they are the
+/// overloaded ones, and shrinking always fits), then those growing, the
+/// longest-waiting first, each if its target still fits in a total of 1;
+/// the others share what is left by their current weights (nothing, if
+/// the scheduled ones need it all: the traffic has to go somewhere). A
+/// backend that did not get its target keeps it for a later round, so a
+/// large backend's search still reaches weights near 1.
+pub fn schedule(wants: &[Want], current: &[f64]) -> (Vec<f64>, Vec<bool>) {
+    let n = wants.len();
+    let mut order: Vec<usize> = (0..n).filter(|&i| wants[i].searching).collect();
+    order.sort_by_key(|&i| (wants[i].target >= current[i], std::cmp::Reverse(wants[i].waited), i));
+    let mut w = vec![0.0; n];
+    let mut got = vec![false; n];
+    let mut left = 1.0f64;
+    for i in order {
+        if wants[i].target <= left + 1e-12 {
+            w[i] = wants[i].target.min(left);
+            got[i] = true;
+            left -= w[i];
+        }
+    }
+    let rest: Vec<usize> = (0..n).filter(|&i| !got[i]).collect();
+    let held: f64 = rest.iter().map(|&i| current[i]).sum();
+    for &i in &rest {
+        w[i] = if held > 0.0 { left.max(0.0) * current[i] / held } else { left.max(0.0) / rest.len() as f64 };
+    }
+    let total: f64 = w.iter().sum();
+    // Everyone scheduled and less than 1 wanted: scaled up to 1.
+    let w = if total > 0.0 { w.iter().map(|x| x / total).collect() } else { vec![1.0 / n as f64; n] };
+    (w, got)
+}
+
 #[cfg(test)]
 pub mod tests {
     use super::*;
@@ -278,5 +342,46 @@ pub mod tests {
         let w = c.weight_at(c.latency(0.3), 1.0).unwrap();
         assert!((w - 0.3).abs() < 1e-6);
         assert!(c.weight_at(1e9, 1.0).is_none());
+    }
+
+    fn wants(v: &[(f64, bool, u32)]) -> Vec<Want> {
+        v.iter().map(|&(target, searching, waited)| Want { target, searching, waited }).collect()
+    }
+
+    #[test]
+    fn a_round_backs_off_first_and_never_gives_out_more_than_everything() {
+        // Two backing off get their targets first; of the two growing,
+        // the one that waited longer gets its target, the other what is left.
+        let (w, got) = schedule(&wants(&[(0.125, true, 0), (0.125, true, 0), (0.475, true, 0), (0.5, true, 2)]), &[0.25; 4]);
+        assert_eq!(w, vec![0.125, 0.125, 0.25, 0.5]);
+        assert_eq!(got, vec![true, true, false, true]);
+        // Done backends share the rest by their weights...
+        let (w, _) = schedule(&wants(&[(0.2, true, 0), (0.9, false, 0), (0.9, false, 0)]), &[0.3, 0.2, 0.5]);
+        assert!((w[0] - 0.2).abs() < 1e-12 && (w[1] - 0.8 * 0.2 / 0.7).abs() < 1e-12, "{w:?}");
+        // ...and yield it all to a backend that grows into it.
+        let (w, got) = schedule(&wants(&[(0.9, false, 0), (0.9, false, 0), (1.0, true, 0)]), &[0.1, 0.1, 0.8]);
+        assert_eq!((w, got), (vec![0.0, 0.0, 1.0], vec![false, false, true]));
+        // Everything scheduled under 1: scaled up to 1.
+        let (w, _) = schedule(&wants(&[(0.1, true, 0), (0.3, true, 0)]), &[0.05, 0.05]);
+        assert!((w[0] - 0.25).abs() < 1e-12 && (w[1] - 0.75).abs() < 1e-12, "{w:?}");
+    }
+
+    #[test]
+    fn a_curve_is_adjusted_so_that_it_meets_the_measured_latency() {
+        let c = Curve { c: [10.0, 0.0, 100.0], w_max: 0.5 };
+        let (fixed, d) = adjust(&c, 0.2, c.latency(0.3));
+        assert!((d.unwrap() - 0.2 / 0.3).abs() < 1e-6, "{d:?}");
+        assert!((fixed.latency(0.2) - c.latency(0.3)).abs() < 1e-6);
+        // Faster than its floor: the floor comes down, nothing shifts
+        // (shifting could never reach it: the loop of re-solves the quick
+        // benchmark showed).
+        let (fixed, d) = adjust(&c, 0.2, 5.0);
+        assert_eq!(d, None);
+        assert!((fixed.latency(0.2) - 5.0).abs() < 1e-9);
+        // At no share: its unloaded latency changed.
+        let (fixed, d) = adjust(&c, 0.0, 30.0);
+        assert_eq!((fixed.latency(0.0), d), (30.0, None));
+        // Far slower than anything the curve reaches: the largest step.
+        assert_eq!(adjust(&c, 0.2, 1e9).1, Some(SHIFT_BOUNDS.0));
     }
 }

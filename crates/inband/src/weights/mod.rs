@@ -8,6 +8,7 @@ mod apply;
 pub mod config;
 mod controller;
 pub mod learn;
+mod observe;
 mod probe;
 mod shares;
 pub mod solve;

@@ -35,6 +35,17 @@ impl Meter {
         Err(anyhow!("no balancer in this network namespace serves {vip}/{}", protocol.name()))
     }
 
+    /// Whether the VIP now ranks backends by their load (least-score or
+    /// power-of-two in a mode with scores).
+    pub fn ranks_by_load(&self) -> Result<bool> {
+        use crate::lb::maps::{Mode, Policy};
+        let vips = tables::read(&self.maps)?;
+        Ok(vips.iter().find(|v| v.endpoint == self.vip && v.protocol == self.protocol).is_some_and(|v| {
+            Mode::from_u8(v.vip.mode).is_some_and(Mode::scored)
+                && matches!(Policy::from_u8(v.vip.policy), Some(Policy::LeastScore | Policy::PowerOfTwo))
+        }))
+    }
+
     /// New connections given so far to each of `backends` (0 for one the
     /// VIP does not list).
     pub fn counts(&self, backends: &[SocketAddr]) -> Result<Vec<u64>> {

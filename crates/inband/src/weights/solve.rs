@@ -42,7 +42,7 @@ pub fn solve(curves: &[Option<Curve>], levels: u32, objective: Objective, theta:
     if capacity < 1.0 {
         // Every curve together does not cover the traffic: the program has
         // no answer, and the best known split is by measured capacity.
-        let weights = curves.iter().map(|c| c.map_or(0.0, |c| c.w_max / capacity)).collect();
+        let weights = capacities(curves);
         return Ok(Solved {
             weights,
             steps: 0,
@@ -83,6 +83,14 @@ pub fn solve(curves: &[Option<Curve>], levels: u32, objective: Objective, theta:
         objective_ms: value,
         fallback: None,
     })
+}
+
+/// The learned capacities (w_max) as weights summing to 1: what a
+/// balancer ranking backends by load per unit of weight needs
+/// (`LoadAware`, config.rs); 0 for a backend without a curve.
+pub fn capacities(curves: &[Option<Curve>]) -> Vec<f64> {
+    let total: f64 = curves.iter().flatten().map(|c| c.w_max).sum();
+    curves.iter().map(|c| c.map_or(0.0, |c| if total > 0.0 { c.w_max / total } else { 0.0 })).collect()
 }
 
 fn ms(since: Instant) -> f64 {
@@ -229,6 +237,12 @@ mod tests {
         // Fitted from its unloaded latency alone: w_max = 0.
         let s = solve(&[curve(10.0, 0.0, 0.0), curve(10.0, 100.0, 1.0)], 10, Objective::Mean, None).unwrap();
         assert_eq!(s.weights, vec![0.0, 1.0]);
+    }
+
+    #[test]
+    fn capacities_are_the_learned_knees_normalised() {
+        let w = capacities(&[curve(10.0, 1.0, 0.1), None, curve(10.0, 1.0, 0.3)]);
+        assert!((w[0] - 0.25).abs() < 1e-12 && w[1] == 0.0 && (w[2] - 0.75).abs() < 1e-12, "{w:?}");
     }
 
     #[test]

@@ -44,6 +44,9 @@ pub struct SolveRecord {
     pub steps: u32,
     pub objective_ms: f64,
     pub fallback: Option<String>,
+    /// "ilp": the program's weights; "capacity": the learned capacities
+    /// (w_max), for a balancer that ranks by load (`load_aware`).
+    pub weights_from: String,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -103,7 +106,10 @@ pub fn render(s: &Status) -> String {
     match &s.last_solve {
         Some(r) => {
             let ago = unix_ms().saturating_sub(r.unix_ms) as f64 / 1e3;
-            out += &format!("  last solve {ago:.1} s ago ({}), {:.1} ms, {} step(s)\n", r.reason, r.solve_ms, r.steps);
+            out += &format!(
+                "  last solve {ago:.1} s ago ({}), {:.1} ms, {} step(s); weights from {}\n",
+                r.reason, r.solve_ms, r.steps, r.weights_from
+            );
             if let Some(f) = &r.fallback {
                 out += &format!("  fallback: {f}\n");
             }
