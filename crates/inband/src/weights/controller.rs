@@ -24,6 +24,7 @@ const TRAFFIC_SHARE: f64 = 0.75;
 /// A dropped backend's queue counts as drained when its probes' median is
 /// within this factor of its unloaded latency.
 const DRAINED: f64 = 2.0;
+
 /// One learning round's measurements, over its second half [mid, end]:
 /// per backend its probes' window and the share of new connections it got.
 struct Round {
@@ -66,6 +67,8 @@ pub struct Controller {
     /// An inband target's per-backend connection counters (opened when
     /// the balancer is found); HAProxy's follow the weights as asked.
     meter: Option<Meter>,
+    /// The balancer's counters could not be found (said once).
+    meter_missing: bool,
     /// The last solve failed: try again at the next check.
     unsolved: bool,
     /// The weights in force are capacities (the VIP ranked by load then).
@@ -99,6 +102,7 @@ impl Controller {
             last_solve: None,
             decisions: VecDeque::new(),
             meter: None,
+            meter_missing: false,
             unsolved: false,
             capacity_weights: false,
             stop,
@@ -116,6 +120,12 @@ impl Controller {
             self.phase = Phase::Steady;
         } else {
             self.learn().await?;
+            if self.stopped() {
+                // Curves from half a learning are not worth a solve.
+                self.decide("stopped while learning: the balancer keeps the last round's weights".into());
+                self.publish();
+                return Ok(());
+            }
             self.phase = Phase::Steady;
             if let Err(e) = self.resolve("curves learned") {
                 // The last round's weights stay; the next check retries.
@@ -158,9 +168,15 @@ impl Controller {
         let Target::Inband { vip, protocol, .. } = &self.cfg.target else { return None };
         if self.meter.is_none() {
             match Meter::open(*vip, *protocol) {
-                Ok(m) => self.meter = Some(m),
+                Ok(m) => {
+                    self.meter = Some(m);
+                    self.meter_missing = false;
+                }
                 Err(e) => {
-                    warn!("shares of new connections unknown, using the weights instead: {e:#}");
+                    if !self.meter_missing {
+                        warn!("shares of new connections unknown, using the weights instead: {e:#}");
+                        self.meter_missing = true;
+                    }
                     return None;
                 }
             }
