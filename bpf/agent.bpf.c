@@ -732,32 +732,14 @@ int agent_egress(struct __sk_buff *skb)
 }
 
 /*
- * The tracepoint record, declared here instead of taken from a generated
- * vmlinux.h: the rest of this file builds on UAPI headers, which clash with
- * vmlinux.h, and checking in a kernel-specific dump of every kernel type for
- * one 72-byte record is not worth it. preserve_access_index makes libbpf
- * relocate each field against the running kernel's BTF (the name matches
- * the kernel's struct), so a kernel that lays the record out differently
- * still works. Layout from
- * /sys/kernel/tracing/events/sock/inet_sock_set_state/format.
+ * The socket fields connection counting reads, declared here instead of
+ * taken from a generated vmlinux.h: the rest of this file builds on UAPI
+ * headers, which clash with vmlinux.h, and checking in a kernel-specific
+ * dump of every kernel type for a dozen fields is not worth it.
+ * preserve_access_index makes libbpf relocate each field by name against
+ * the running kernel's BTF (through its anonymous unions), so a kernel that
+ * lays them out differently still works.
  */
-struct trace_event_raw_inet_sock_set_state {
-	__u64 common; /* common_type/flags/preempt_count/pid: not readable */
-	const void *skaddr;
-	int oldstate;
-	int newstate;
-	__u16 sport; /* host order */
-	__u16 dport; /* host order */
-	__u16 family;
-	__u16 protocol;
-	__u8 saddr[4];
-	__u8 daddr[4];
-	__u8 saddr_v6[16];
-	__u8 daddr_v6[16];
-} __attribute__((preserve_access_index));
-
-/* Just the fields on the way from a socket to its network namespace's
- * inode, relocated by name against the kernel's BTF like the record above. */
 struct ns_common {
 	unsigned int inum;
 } __attribute__((preserve_access_index));
@@ -771,11 +753,22 @@ typedef struct {
 } possible_net_t;
 
 struct sock_common {
+	__be32 skc_daddr;
+	__be16 skc_dport;
+	unsigned short skc_family;
 	possible_net_t skc_net;
+	struct in6_addr skc_v6_daddr;
 } __attribute__((preserve_access_index));
 
 struct sock {
 	struct sock_common __sk_common;
+	__u16 sk_protocol;
+} __attribute__((preserve_access_index));
+
+/* The local port: inet_sport, not skc_num, which the kernel zeroes when it
+ * unhashes a closing socket, before the change to CLOSE is traced. */
+struct inet_sock {
+	__be16 inet_sport;
 } __attribute__((preserve_access_index));
 
 /* The agent's network namespace (inode), set by the control plane at load.
@@ -784,69 +777,144 @@ struct sock {
  * its own sockets. 0 = count every namespace. */
 const volatile __u32 agent_netns_ino = 0;
 
+/* Active from the handshake until the client's FIN or RST arrives: the span
+ * in which the balancer counts the connection open (it counts `closed` at
+ * the client's FIN or RST, select.h). A score that counted otherwise would
+ * bias the estimate at every report: CLOSE_WAIT (the client closed, the
+ * application has not) counted connections the balancer had already
+ * closed, and leaving out FIN_WAIT (the server closed first, the client's
+ * FIN not yet in) dropped connections whose close the balancer was still
+ * to count. The busiest and the fastest-refusing backends looked idlest:
+ * a server answering 503 at once drew every new connection. */
 static __always_inline int is_active(int state)
 {
 	return state == INBAND_TCP_SYN_RECV || state == INBAND_TCP_ESTABLISHED ||
-	       state == INBAND_TCP_CLOSE_WAIT;
+	       state == INBAND_TCP_FIN_WAIT1 || state == INBAND_TCP_FIN_WAIT2;
 }
 
-SEC("tracepoint/sock/inet_sock_set_state")
-int agent_sock_state(struct trace_event_raw_inet_sock_set_state *ctx)
+/*
+ * Whether a socket is in `active_conns`, kept on the socket itself.
+ * Counting the deltas of state changes alone drifts: the kernel skips a
+ * tracing program that fires while the same program runs on that CPU (a
+ * softirq's state change interrupting a process's; bpftool shows them as
+ * recursion_misses), and each skipped change stayed in the count for good:
+ * a server taking 1,200 new connections a second drifted by one or two
+ * every 20 s, and to a 1-worker server among larger ones one phantom
+ * connection is its whole capacity. With the mark, a socket is
+ * counted by what it is, not by the changes seen: a missed change is made
+ * up at its next one, and a socket destroyed while counted is uncounted
+ * then. A socket without a mark is one from before the agent started (the
+ * /proc seed counted it) or one whose mark could not be allocated: its
+ * change counts as a delta, as before.
+ */
+enum {
+	INBAND_CONN_UNMARKED = 0,
+	INBAND_CONN_COUNTED = 1,
+	INBAND_CONN_UNCOUNTED = 2,
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, __u32);
+} conn_counted SEC(".maps");
+
+/* The active_conns entry of `sk` if it is a TCP socket of a served port in
+ * this agent's namespace, else NULL. */
+static __always_inline __s64 *served_count(const struct sock *sk, __u16 *port)
 {
-	struct inband_conn_key key;
-	__u16 port;
-	__s64 *active;
-	int newstate, delta;
+	unsigned short family = sk->__sk_common.skc_family;
 
-	if (ctx->protocol != IPPROTO_TCP || (ctx->family != INBAND_AF_INET && ctx->family != INBAND_AF_INET6))
-		return 0;
-	if (agent_netns_ino) {
-		const struct sock *sk = ctx->skaddr;
-
-		if (BPF_CORE_READ(sk, __sk_common.skc_net.net, ns.inum) != agent_netns_ino)
-			return 0;
-	}
-	port = ctx->sport;
+	if (sk->sk_protocol != IPPROTO_TCP || (family != INBAND_AF_INET && family != INBAND_AF_INET6))
+		return NULL;
+	if (agent_netns_ino && sk->__sk_common.skc_net.net->ns.inum != agent_netns_ino)
+		return NULL;
+	/* Read, not loaded: the field lies past struct sock, where the
+	 * verifier lets a BTF pointer to a sock load nothing. */
+	*port = bpf_ntohs(BPF_CORE_READ((const struct inet_sock *)sk, inet_sport));
 	/* The control plane creates an entry per served port: everything else
 	 * (the host's own client connections, other services) is skipped. */
-	active = bpf_map_lookup_elem(&active_conns, &port);
-	if (!active)
-		return 0;
-	newstate = ctx->newstate;
-	delta = is_active(newstate) - is_active(ctx->oldstate);
+	return bpf_map_lookup_elem(&active_conns, port);
+}
+
+/* Moves `sk`'s mark from `seen` to `to` and the count with it; one CPU
+ * wins a race for the same socket. */
+static __always_inline void recount(__s64 *active, __u32 *mark, __u32 seen, __u32 to, int delta)
+{
+	if (mark && __sync_val_compare_and_swap(mark, seen, to) != seen)
+		return;
 	if (delta)
 		__sync_fetch_and_add(active, delta);
+}
 
-	if (newstate == INBAND_TCP_CLOSE || newstate == INBAND_TCP_TIME_WAIT) {
-		/* An IPv6 socket's peer may be IPv4-mapped (a dual-stack socket
-		 * serving an IPv4 client): exactly how the maps hold IPv4. */
-		__builtin_memset(&key, 0, sizeof(key));
-		if (ctx->family == INBAND_AF_INET) {
-			__be32 peer;
+/* The socket's connection has ended: its client tuple and request state go. */
+static __always_inline void forget_connection(struct sock *sk, __u16 port)
+{
+	struct inband_conn_key key;
 
-			__builtin_memcpy(&peer, ctx->daddr, sizeof(peer));
-			key.peer_addr = inband_addr4(peer);
-		} else {
-			/* Word by word: a tracepoint record is read at fixed offsets only. */
-			key.peer_addr.w[0] = *(__u32 *)&ctx->daddr_v6[0];
-			key.peer_addr.w[1] = *(__u32 *)&ctx->daddr_v6[4];
-			key.peer_addr.w[2] = *(__u32 *)&ctx->daddr_v6[8];
-			key.peer_addr.w[3] = *(__u32 *)&ctx->daddr_v6[12];
-		}
-		key.peer_port = bpf_htons(ctx->dport);
-		key.local_port = bpf_htons(port);
-		key.proto = IPPROTO_TCP;
-		if (!bpf_map_delete_elem(&dsr_flows, &key))
-			count(INBAND_AGENT_FLOWS_CLOSED);
-		if (score_requests) {
-			__u32 *busy = bpf_map_lookup_elem(&inflight_conns, &key);
-			__s64 *n = bpf_map_lookup_elem(&inflight, &port);
+	/* An IPv6 socket's peer may be IPv4-mapped (a dual-stack socket
+	 * serving an IPv4 client): exactly how the maps hold IPv4. */
+	__builtin_memset(&key, 0, sizeof(key));
+	if (sk->__sk_common.skc_family == INBAND_AF_INET)
+		key.peer_addr = inband_addr4(sk->__sk_common.skc_daddr);
+	else
+		bpf_probe_read_kernel(&key.peer_addr, sizeof(key.peer_addr), &sk->__sk_common.skc_v6_daddr);
+	key.peer_port = sk->__sk_common.skc_dport;
+	key.local_port = bpf_htons(port);
+	key.proto = IPPROTO_TCP;
+	if (!bpf_map_delete_elem(&dsr_flows, &key))
+		count(INBAND_AGENT_FLOWS_CLOSED);
+	if (score_requests) {
+		__u32 *busy = bpf_map_lookup_elem(&inflight_conns, &key);
+		__s64 *n = bpf_map_lookup_elem(&inflight, &port);
 
-			/* A connection that ends mid-request stops counting. */
-			if (busy && n && __sync_val_compare_and_swap(busy, 1, 0) == 1)
-				__sync_fetch_and_add(n, -1);
-			bpf_map_delete_elem(&inflight_conns, &key);
-		}
+		/* A connection that ends mid-request stops counting. */
+		if (busy && n && __sync_val_compare_and_swap(busy, 1, 0) == 1)
+			__sync_fetch_and_add(n, -1);
+		bpf_map_delete_elem(&inflight_conns, &key);
 	}
+}
+
+SEC("tp_btf/inet_sock_set_state")
+int agent_sock_state(__u64 *ctx)
+{
+	struct sock *sk = (void *)ctx[0];
+	int oldstate = (int)ctx[1], newstate = (int)ctx[2];
+	__u16 port;
+	__s64 *active = served_count(sk, &port);
+
+	if (!active)
+		return 0;
+	int want = is_active(newstate);
+	__u32 *mark = bpf_sk_storage_get(&conn_counted, sk, 0, want ? BPF_SK_STORAGE_GET_F_CREATE : 0);
+	__u32 seen = mark ? *mark : INBAND_CONN_UNMARKED;
+	/* Unmarked: from before the agent (counted by the seed as its old
+	 * state says), or new and its first change missed (a socket leaving
+	 * SYN_RECV was created after the agent, which never counted it). */
+	int had = seen == INBAND_CONN_COUNTED ||
+		  (seen == INBAND_CONN_UNMARKED && oldstate != INBAND_TCP_SYN_RECV && is_active(oldstate));
+
+	recount(active, mark, seen, want ? INBAND_CONN_COUNTED : INBAND_CONN_UNCOUNTED, want - had);
+	if (newstate == INBAND_TCP_CLOSE || newstate == INBAND_TCP_TIME_WAIT)
+		forget_connection(sk, port);
+	return 0;
+}
+
+/* The last word on a socket: if it is still counted (the change that ended
+ * it was missed), it is uncounted now. */
+SEC("tp_btf/tcp_destroy_sock")
+int agent_sock_destroy(__u64 *ctx)
+{
+	struct sock *sk = (void *)ctx[0];
+	__u16 port;
+	__s64 *active = served_count(sk, &port);
+
+	if (!active)
+		return 0;
+	__u32 *mark = bpf_sk_storage_get(&conn_counted, sk, 0, 0);
+
+	if (mark && *mark == INBAND_CONN_COUNTED)
+		recount(active, mark, INBAND_CONN_COUNTED, INBAND_CONN_UNCOUNTED, -1);
 	return 0;
 }

@@ -383,7 +383,15 @@ __noinline int forward(struct xdp_md *ctx, const struct inband_lb_config *cfg, s
 
 		if (bs && options && f->state == INBAND_FLOW_SYN_SENT)
 			bs->syn_retries++;
-	} else if (f->mode == INBAND_MODE_DSR_DYNAMIC && options && vc && (probe_count = probe_wanted(f, vc))) {
+	} else if (f->mode == INBAND_MODE_DSR_DYNAMIC && options && vc && f->state != INBAND_FLOW_CLOSING &&
+		   (probe_count = probe_wanted(f, vc))) {
+		/* Not on a closing flow (its FIN or RST, or anything after):
+		 * the backend answers on its ACK of that FIN, before the FIN
+		 * ends the connection there, so the score counts a connection
+		 * whose close was counted here already; the report's reset
+		 * then kept it counted until the next report. An idle backend
+		 * looked busy for up to a max age, and a small one among large
+		 * ones got no connection in that time. */
 		if (p->tot_len + added_len(p, request_len(cfg), encap) > cfg->mtu) {
 			/* The counter stays due: the next packet that fits asks. */
 			event(INBAND_EV_PROBE_DEFERRED_MTU);

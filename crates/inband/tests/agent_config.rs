@@ -571,9 +571,10 @@ fn proc_net_tcp_counts() {
         ((0xD439, TcpState::Established), 1),
     ]);
     assert_eq!(counts, want);
-    // Active = SYN_RECV (full sockets) + ESTABLISHED + CLOSE_WAIT.
-    assert_eq!(proc_tcp::active_on_port(&socks, 8080), 4);
-    assert_eq!(proc_tcp::active_on_port(&socks, 8081), 1);
+    // Active = SYN_RECV (full sockets) + ESTABLISHED + FIN_WAIT1/2: until
+    // the client's FIN (CLOSE_WAIT and LAST_ACK are past it).
+    assert_eq!(proc_tcp::active_on_port(&socks, 8080), 3);
+    assert_eq!(proc_tcp::active_on_port(&socks, 8081), 2);
     assert_eq!(proc_tcp::active_on_port(&socks, 0xD439), 1);
     assert_eq!(proc_tcp::active_on_port(&socks, 9999), 0);
 }
@@ -597,8 +598,8 @@ fn seeding_compensates_transitions_during_the_scan() {
     // A stale value from an earlier agent is replaced.
     bpfmap::put(&maps.active_conns, &8080u16, &99i64).unwrap();
     let socks = proc_tcp::parse(PROC_NET_TCP).unwrap();
-    assert_eq!(seed_active(&maps, 8080, || Ok(socks.clone())).unwrap(), 4);
-    assert_eq!(maps.active(8080).unwrap(), Some(4));
+    assert_eq!(seed_active(&maps, 8080, || Ok(socks.clone())).unwrap(), 3);
+    assert_eq!(maps.active(8080).unwrap(), Some(3));
 
     // The first scan races a connection that opens (the tracepoint adds 1
     // while /proc is read): it is retried, and the connection is counted once.
@@ -609,15 +610,15 @@ fn seeding_compensates_transitions_during_the_scan() {
             let v = maps.active(8081).unwrap().unwrap();
             bpfmap::put(&maps.active_conns, &8081u16, &(v + 1)).unwrap();
         }
-        // 8081 has 1 active socket in the sample, plus the new one.
+        // 8081 has 2 active sockets in the sample, plus the new one.
         let mut s = socks.clone();
         s.push(proc_tcp::TcpSocket { local_port: 8081, state: TcpState::Established, request: false });
         Ok(s)
     })
     .unwrap();
     assert_eq!(calls.get(), 2);
-    assert_eq!(n, 2);
-    assert_eq!(maps.active(8081).unwrap(), Some(2));
+    assert_eq!(n, 3);
+    assert_eq!(maps.active(8081).unwrap(), Some(3));
 }
 
 // ---------------------------------------------------------------- cpu score
@@ -799,12 +800,13 @@ fn active_8080(socket: &Path) -> Option<i64> {
     v["ports"]["8080"]["active_connections"].as_i64()
 }
 
-const MAP_NAMES: [&str; 10] = [
+const MAP_NAMES: [&str; 11] = [
     "active_conns",
     "agent_config",
     "agent_stats",
     "auth_keys",
     "balancers",
+    "conn_counted",
     "dsr_flows",
     "inflight",
     "inflight_conns",
@@ -862,13 +864,15 @@ fn agent_attaches_counts_and_cleans_up() {
         (c, s)
     });
     wait_for("4 active connections", || (active_8080(&socket) == Some(4)).then_some(()));
-    // Client closes: the server side is in CLOSE_WAIT, still active.
+    // Client closes: its FIN ends the count (CLOSE_WAIT does not count),
+    // also for a connection older than the agent (counted by the seed,
+    // without a mark: its states' delta counts).
     let (c, s) = conns.pop().unwrap();
     drop(c);
-    std::thread::sleep(Duration::from_millis(200));
-    assert_eq!(active_8080(&socket), Some(4));
-    drop(s);
     wait_for("3 active connections", || (active_8080(&socket) == Some(3)).then_some(()));
+    drop(s);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(active_8080(&socket), Some(3), "its server side closing is not uncounted twice");
     drop(extra);
     wait_for("2 active connections", || (active_8080(&socket) == Some(2)).then_some(()));
 

@@ -1039,7 +1039,7 @@ fn tracepoint_counts_active_connections_and_closes_flows() {
     ns.ip(&["link", "set", "lo", "up"]);
     let mut obj = MaybeUninit::uninit();
     let skel = load(&mut obj);
-    let _link = skel.progs.agent_sock_state.attach().expect("attach tracepoint");
+    let _links = [skel.progs.agent_sock_state.attach().expect("attach tracepoint"), skel.progs.agent_sock_destroy.attach().expect("attach tracepoint")];
     // The tracepoint fires for every namespace: a port below the ephemeral
     // range that no other test serves keeps other hosts' sockets out.
     let port = 20_000 + (std::process::id() % 10_000) as u16;
@@ -1047,8 +1047,9 @@ fn tracepoint_counts_active_connections_and_closes_flows() {
     put(&skel.maps.active_conns, &port, &0i64);
     let active = |skel: &AgentSkel| get::<_, i64>(&skel.maps.active_conns, &port).unwrap();
 
-    // Graceful close, client first: the server's socket stays active in
-    // CLOSE_WAIT and stops counting when it closes too.
+    // Graceful close, client first: the client's FIN ends the count (the
+    // balancer counts the connection closed on that FIN too); CLOSE_WAIT
+    // does not count. The flow entry stays until the server closes.
     let client = TcpStream::connect(sa(Ipv4Addr::LOCALHOST, port)).unwrap();
     let (served, _) = listener.accept().unwrap();
     wait_for("1 active connection", || active(&skel) == 1);
@@ -1057,13 +1058,49 @@ fn tracepoint_counts_active_connections_and_closes_flows() {
     let unrelated = ConnKey { peer_port: be_port(1), ..key };
     put(&skel.maps.dsr_flows, &unrelated, &tuple_flow(CLIENT));
     drop(client);
-    std::thread::sleep(Duration::from_millis(100));
-    assert_eq!(active(&skel), 1, "CLOSE_WAIT still counts");
+    wait_for("0 active connections after the client's FIN", || active(&skel) == 0);
     assert!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &key).is_some());
     drop(served);
     wait_for("the flow entry deleted", || get::<_, DsrFlow>(&skel.maps.dsr_flows, &key).is_none());
-    wait_for("0 active connections", || active(&skel) == 0);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(active(&skel), 0, "LAST_ACK and CLOSE do not count it twice");
     assert!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &unrelated).is_some(), "only the closed connection's entry goes");
+
+    // Server first: FIN_WAIT still counts until the client's FIN arrives.
+    // (A server that closes its socket, not only its sending side, hands
+    // the connection to a timewait socket once its FIN is acknowledged:
+    // the kernel ends the socket there, and so does the count.)
+    let client = TcpStream::connect(sa(Ipv4Addr::LOCALHOST, port)).unwrap();
+    let (served, _) = listener.accept().unwrap();
+    wait_for("1 active connection", || active(&skel) == 1);
+    served.shutdown(std::net::Shutdown::Write).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(active(&skel), 1, "FIN_WAIT2 counts until the client's FIN");
+    drop(client);
+    wait_for("0 active connections after the client's FIN", || active(&skel) == 0);
+    drop(served);
+
+    // A socket counted before its change was missed is uncounted at its
+    // next change, not counted again: the count is the socket's mark, not
+    // a sum of deltas. (A missed change cannot be caused from here; what
+    // can be checked is that no sequence of changes counts a socket twice.)
+    let conns: Vec<(TcpStream, TcpStream)> = (0..20)
+        .map(|_| {
+            let c = TcpStream::connect(sa(Ipv4Addr::LOCALHOST, port)).unwrap();
+            (c, listener.accept().unwrap().0)
+        })
+        .collect();
+    wait_for("20 active connections", || active(&skel) == 20);
+    for (i, (c, s)) in conns.into_iter().enumerate() {
+        if i % 2 == 0 {
+            drop(c);
+            drop(s);
+        } else {
+            drop(s);
+            drop(c);
+        }
+    }
+    wait_for("0 active connections after 20 closes", || active(&skel) == 0);
 
     // Reset by the server: ESTABLISHED straight to CLOSE.
     let client = TcpStream::connect(sa(Ipv4Addr::LOCALHOST, port)).unwrap();

@@ -718,6 +718,30 @@ fn a_reset_during_the_handshake_ends_it() {
 }
 
 #[test]
+fn a_handshake_that_ends_unfinished_leaves_the_estimate() {
+    // Its SYN was counted as a connection (opened); the client's reset,
+    // the backend's, or a timeout ends it as a FIN would (closed).
+    let fx = Fixture::lb_with(Mode::DsrDynamic, Policy::LeastScore, 1);
+    let b = backend(0);
+    let (_, snat) = fx.open(client(1));
+    assert_eq!((fx.score(&b).opened, fx.score(&b).closed), (1, 0));
+    fx.tx(&ack(client(1)).flags(TCP_RST).build());
+    assert_eq!((fx.score(&b).opened, fx.score(&b).closed), (1, 1), "the client's reset");
+    let (_, snat2) = fx.open(client(2));
+    fx.tx(&reply(&b, snat2).flags(TCP_RST | TCP_ACK).payload(Vec::<u8>::new()).build());
+    assert_eq!((fx.score(&b).opened, fx.score(&b).closed), (2, 2), "the backend's reset");
+    fx.open(client(3));
+    fx.age(client(3), SYN_TIMEOUT + SEC);
+    fx.lb.sweep(0).unwrap();
+    assert_eq!((fx.score(&b).opened, fx.score(&b).closed), (3, 3), "a timeout");
+    assert_eq!(fx.half_open(client(3)), None);
+    // A completed handshake is not an abandoned one.
+    fx.connect(client(4));
+    assert_eq!((fx.score(&b).opened, fx.score(&b).closed), (4, 3));
+    assert_ne!(snat, 0);
+}
+
+#[test]
 fn an_unfinished_handshake_expires() {
     let fx = Fixture::lb_with(Mode::DsrRr, Policy::RoundRobin, 1);
     let c = client(1);
@@ -1345,6 +1369,31 @@ fn an_authenticated_score_is_recorded_stripped_and_translated_to_the_client() {
     // The same 125 again is a replay: no request outstanding any more.
     fx.tx(&r.build());
     assert_eq!((fx.score(&b).score, fx.event("score_unsolicited")), (4242, 1));
+}
+
+#[test]
+fn a_closing_flow_asks_no_score_and_its_answer_keeps_its_close() {
+    let fx = Fixture::lb_with(Mode::DsrDynamic, Policy::LeastScore, 1);
+    fx.update_vip(|v| v.probe_interval = 1);
+    let c = client(4);
+    let (b, snat) = fx.connect(c);
+    fx.answered(c);
+    // Due on every packet, but the FIN goes without a 124: the backend
+    // would answer on its ACK of that FIN, counting the connection.
+    let fin = data(c).flags(TCP_ACK | TCP_FIN).payload(Vec::<u8>::new());
+    assert_eq!(fx.tx(&fin.build()), forwarded(&fin, &b, snat, vec![]));
+    let last = ack(c);
+    assert_eq!(fx.tx(&last.build()), forwarded(&last, &b, snat, vec![]), "nor anything after it");
+    let probes = fx.backend_stats(&b).probes_sent;
+    // A 124 sent before the FIN, answered after it: the score counts the
+    // connection whose close was counted already, so the close is kept.
+    outstanding(&fx, c, NONCE);
+    let opt = InbandOption::auth_score(&KEY, KEY_ID, NONCE.to_ne_bytes(), conn(&b, snat), 1);
+    let r = reply(&b, snat).flags(TCP_ACK).payload(Vec::<u8>::new()).ip_options(opt.encode());
+    fx.tx(&r.build());
+    let s = fx.score(&b);
+    assert_eq!((s.score, s.opened, s.closed), (1, 0, 1));
+    assert_eq!(fx.backend_stats(&b).probes_sent, probes);
 }
 
 #[test]

@@ -92,7 +92,25 @@ static __always_inline void flow_end(const struct inband_flow_key *fk, const str
 	bpf_map_delete_elem(&flows, fk);
 }
 
-/* Deletes a handshake and its port hold (if it holds it). */
+/* A handshake that ends without completing (the client's RST, the
+ * backend's, a timeout, its port taken over) loses its backend the
+ * connection its SYN was counted as (`opened`), as a FIN would: else each
+ * such SYN stayed in the estimate until the next report. A SYN that meets
+ * the backend's TIME_WAIT of an earlier connection on the same SNAT port
+ * is answered with an ACK, the client resets and sends it again, and the
+ * balancer counts it twice: in the quick benchmark of issue 13, 6% of
+ * SYNs, enough to keep a 1-worker server looking busy for seconds. */
+static __always_inline void handshake_abandoned(const struct inband_flow *f)
+{
+	__u32 bid = f->backend_id;
+	struct inband_backend_score *s;
+
+	if (score_mode(f->mode) && (s = bpf_map_lookup_elem(&scores, &bid)))
+		__sync_fetch_and_add(&s->closed, 1);
+}
+
+/* Deletes a handshake and its port hold (if it holds it); one that did not
+ * complete (`f` still SYN_SENT) is abandoned, counted by whoever deletes it. */
 static __always_inline void half_open_end(const struct inband_flow_key *fk, const struct inband_flow *f)
 {
 	struct inband_nat_key nk = nat_key_of(f);
@@ -100,7 +118,8 @@ static __always_inline void half_open_end(const struct inband_flow_key *fk, cons
 
 	if (h && same_flow_key(&h->flow, fk))
 		bpf_map_delete_elem(&half_open_ports, &nk);
-	bpf_map_delete_elem(&half_open, fk);
+	if (!bpf_map_delete_elem(&half_open, fk) && f->state == INBAND_FLOW_SYN_SENT)
+		handshake_abandoned(f);
 }
 
 /* A handshake's SYN again: its hold ages from now. */

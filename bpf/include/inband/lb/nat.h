@@ -141,7 +141,10 @@ static __always_inline int free_victim_port(const struct port_search *s)
 	struct inband_flow *owner = bpf_map_lookup_elem(&half_open, &s->victim);
 
 	if (owner && flow_has_port(owner, &s->nk)) {
-		bpf_map_delete_elem(&half_open, &s->victim);
+		struct inband_flow victim = *owner;
+
+		if (!bpf_map_delete_elem(&half_open, &s->victim))
+			handshake_abandoned(&victim);
 		bpf_map_delete_elem(&half_open_ports, &s->nk);
 		event(INBAND_EV_SNAT_PREEMPT_HALF_OPEN);
 		return 1;

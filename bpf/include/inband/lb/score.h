@@ -329,7 +329,14 @@ static __always_inline void record_score(struct inband_flow *f, __u16 score, __u
 		 * load estimate. */
 		s->score = score;
 		s->opened = 0;
-		s->closed = 0;
+		/* A 125 on a closing flow rides the backend's answer to the
+		 * client's FIN (or its own FIN that crossed it), sent before
+		 * that FIN ended the connection there: the score still counts
+		 * the connection whose close was counted here already. Its
+		 * close is carried over, or it stayed counted until the next
+		 * report (at light load, seconds of an idle backend looking
+		 * busy). */
+		s->closed = f->state == INBAND_FLOW_CLOSING;
 		s->unanswered = 0;
 		s->updated_ns = now;
 	}

@@ -9,8 +9,11 @@
  *                - of its connections, those that ended since the report
  *
  * The balancer sees every connection it opens and the client's FIN or RST
- * that ends it, so between two reports the estimate follows the backend's
- * connections by itself: an idle backend's estimate falls back as its
+ * that ends it (or the handshake that ends unfinished, lifecycle.h), so
+ * between two reports the estimate follows the backend's connections by
+ * itself, as long as a report counts the same span of each connection
+ * (agent.bpf.c is_active, score.h record_score, and no 124 on a closing
+ * flow): an idle backend's estimate falls back as its
  * connections end instead of growing with every connection it ever got,
  * and a backend that went without a report (no traffic, hence no probe)
  * is ranked by what is known rather than exiled. A report that is old

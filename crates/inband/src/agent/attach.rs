@@ -1,10 +1,10 @@
 //! Loading the agent program, pinning its maps, attaching it to the
-//! interface (tc ingress + egress on a clsact qdisc, tracepoint) — and the
+//! interface (tc ingress + egress on a clsact qdisc, tracepoints) — and the
 //! clean-up that removes all of it again.
 //!
 //! Lifetime: unlike the balancer, the agent does not leave its data path
-//! behind when it stops. The tracepoint that counts connections lives only
-//! as long as the process (it is a perf-event fd), so tc programs left
+//! behind when it stops. The tracepoints that count connections live only
+//! as long as the process (their links are fds), so tc programs left
 //! attached would keep answering 124s with a count nobody maintains. A clean
 //! stop therefore detaches both tc filters, removes the clsact qdisc if the
 //! agent created it, and unpins every map: nothing is left. Responses of
@@ -76,12 +76,12 @@ pub struct Attachment<'obj> {
     pub pins: PinDir,
     skel: AgentSkel<'obj>,
     ifindex: i32,
-    tracepoint: Option<Link>,
+    tracepoints: Vec<Link>,
 }
 
 /// Loads the program with its maps pinned under `pin_dir(interface)` (reusing
 /// maps pinned there by a crashed agent), then attaches ingress, egress and
-/// the tracepoint, in that order. If loading fails, maps this call pinned
+/// the tracepoints, in that order. If loading fails, maps this call pinned
 /// are removed; if attaching fails, everything of the agent on the interface
 /// is (`cleanup`), a crashed agent's reused maps included: no process would
 /// maintain them, and without the filters their connections fall back to
@@ -113,7 +113,7 @@ pub fn attach<'obj>(
             "reusing maps pinned by an earlier agent that did not stop cleanly (client tuples of its DSR connections are kept)"
         );
     }
-    let mut a = Attachment { interface: interface.to_string(), pins, skel, ifindex, tracepoint: None };
+    let mut a = Attachment { interface: interface.to_string(), pins, skel, ifindex, tracepoints: Vec::new() };
     if let Err(e) = a.attach_all() {
         let undo = cleanup(interface, ifindex);
         return Err(match undo {
@@ -126,7 +126,7 @@ pub fn attach<'obj>(
             )),
         });
     }
-    info!(interface, pins = %a.pins.0.display(), "agent attached (tc ingress + egress, tracepoint)");
+    info!(interface, pins = %a.pins.0.display(), "agent attached (tc ingress + egress, tracepoints)");
     Ok(a)
 }
 
@@ -139,7 +139,7 @@ fn load<'obj>(storage: &'obj mut MaybeUninit<OpenObject>, pins: &PinDir, count_r
         }
         map.set_pin_path(pins.path(&name)).with_context(|| format!("pin path for {name}"))?;
     }
-    // The tracepoint sees every namespace; it must count only ours.
+    // The tracepoints see every namespace; they must count only ours.
     let netns = std::fs::metadata("/proc/self/ns/net").context("reading /proc/self/ns/net")?;
     if let Some(ro) = open.maps.rodata_data.as_mut() {
         ro.agent_netns_ino = std::os::unix::fs::MetadataExt::ino(&netns) as u32;
@@ -167,20 +167,25 @@ impl Attachment<'_> {
                 .attach(fd, point)
                 .with_context(|| format!("attaching the tc {name} program to {}", self.interface))?;
         }
-        let link = self.skel.progs.agent_sock_state.attach().context(
-            "attaching the tracepoint sock/inet_sock_set_state (needs tracefs: `mount -t tracefs tracefs /sys/kernel/tracing`)",
-        )?;
-        self.tracepoint = Some(link);
+        for (prog, point) in [
+            (&self.skel.progs.agent_sock_state, "sock/inet_sock_set_state"),
+            (&self.skel.progs.agent_sock_destroy, "tcp/tcp_destroy_sock"),
+        ] {
+            let link = prog.attach().with_context(|| {
+                format!("attaching to the tracepoint {point} (BTF-typed: needs /sys/kernel/btf/vmlinux, a kernel built with CONFIG_DEBUG_INFO_BTF)")
+            })?;
+            self.tracepoints.push(link);
+        }
         Ok(())
     }
 
     /// Detaches everything and removes the pins (see the module comment).
     pub fn detach(self) -> Result<()> {
-        let Attachment { interface, ifindex, tracepoint, skel, .. } = self;
-        // tc first: the tracepoint must keep counting as long as a program
+        let Attachment { interface, ifindex, tracepoints, skel, .. } = self;
+        // tc first: the tracepoints must keep counting as long as a program
         // may still put the count in a 125.
         let result = cleanup(&interface, ifindex);
-        drop(tracepoint);
+        drop(tracepoints);
         drop(skel);
         result?;
         info!(interface = %interface, "agent detached: tc filters, qdisc and pinned maps removed");

@@ -43,7 +43,7 @@ impl TcpState {
 
     /// The states the BPF tracepoint counts as active (docs/architecture.md).
     pub fn is_active(self) -> bool {
-        matches!(self, TcpState::SynRecv | TcpState::Established | TcpState::CloseWait)
+        matches!(self, TcpState::SynRecv | TcpState::Established | TcpState::FinWait1 | TcpState::FinWait2)
     }
 }
 

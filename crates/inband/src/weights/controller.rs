@@ -280,10 +280,17 @@ impl Controller {
             let wants: Vec<Want> = self
                 .known
                 .iter()
-                .map(|k| Want {
-                    target: if k.draining { 0.0 } else { k.target },
-                    searching: k.draining || !(k.search.done || k.failed),
-                    waited: k.waited,
+                .map(|k| {
+                    let safe = if k.failed { 0.0 } else { k.search.good };
+                    // Nothing dropped yet: the search is still finding out.
+                    let open = k.search.bad.is_none() && !k.search.done;
+                    Want {
+                        target: if k.draining { 0.0 } else { k.target },
+                        searching: k.draining || !(k.search.done || k.failed),
+                        waited: k.waited,
+                        ceiling: if k.failed || k.draining { 0.0 } else if open { 1.0 } else { safe },
+                        safe,
+                    }
                 })
                 .collect();
             let (w, got) = schedule(&wants, &self.weights);
