@@ -569,6 +569,14 @@ class Bed:
         for node in ("c1", "lb"):
             run(self.netns(node), ["sysctl", "-q", "-w", "net.ipv4.tcp_tw_reuse=1"])
             run(self.netns(node), ["sysctl", "-q", "-w", "net.ipv4.ip_local_port_range=1024 65000"])
+        if self.args.no_time_wait:
+            # The servers close first and keep each connection 60 s in
+            # TIME_WAIT; a balancer port that comes back within that time
+            # may be refused (docs/architecture.md, limits). Without
+            # TIME_WAIT every row meets fresh ports: what the balancing
+            # does apart from that.
+            for i in range(1, len(WORKERS) + 1):
+                run(self.netns(f"s{i}"), ["sysctl", "-q", "-w", "net.ipv4.tcp_max_tw_buckets=0"])
         if self.args.auth == "siphash":
             self.auth_key = new_auth_key(Path(self.inband), run_dir)
         agents = []
@@ -945,7 +953,8 @@ def setup_text(r: dict) -> str:
         + (f", extra settings {', '.join(cfg['weights_set'])}" if cfg.get("weights_set") else "")
         + f"; it runs beside the balancer (its namespace) and starts after the load.  ",
         f"dsr-dynamic asks for a score every {cfg['probe_interval']}th packet ({cfg['auth']} options); HAProxy 2.6 in TCP mode (an L4 "
-        "proxy, both directions through it), no health checks.",
+        "proxy, both directions through it), no health checks."
+        + (" Servers keep no TIME_WAIT (`net.ipv4.tcp_max_tw_buckets=0`), for every row." if cfg.get("no_time_wait") else ""),
     ]
     return "\n".join(lines) + "\n"
 
@@ -1223,6 +1232,9 @@ def parse_args(argv):
                     help="an extra top-level line for weights.toml, e.g. max_rounds=10 (repeatable)")
     ap.add_argument("--probe-interval", type=int, default=8, help="dsr-dynamic: a score request every n-th packet to a backend")
     ap.add_argument("--auth", choices=("siphash", "none"), default="siphash", help="in-band options authenticated with a run's key, or plain")
+    ap.add_argument("--no-time-wait", action="store_true",
+                    help="servers keep no TIME_WAIT (net.ipv4.tcp_max_tw_buckets=0 in their namespaces), for every row: "
+                         "shows the balancing without the SNAT ports' collisions with it")
     ap.add_argument("--no-transition", action="store_true", help="skip the capacity change")
     ap.add_argument("--no-ilp", action="store_true", help="skip the solver timing")
     args = ap.parse_args(argv)
@@ -1279,7 +1291,7 @@ def main(argv=None) -> int:
         f.write(f"started: {time.strftime('%Y-%m-%d %H:%M:%S %z')}\nnproc: {os.cpu_count()}\n"
                 f"inband: {tool_version([str(args.inband), '--version'])}\nhaproxy: {tool_version(['haproxy', '-v'])}\n")
     results: dict = {"profile": asdict(p), "command": command, "workers": list(WORKERS), "body_bytes": BODY_BYTES,
-                     "config": {"probe_rate": p.probe_rate, "round_ms": p.round_ms, "probe_interval": args.probe_interval,
+                     "config": {"probe_rate": p.probe_rate, "round_ms": p.round_ms, "probe_interval": args.probe_interval, "no_time_wait": args.no_time_wait,
                                 "auth": args.auth, "weights_set": args.weights_set},
                      "busy_beside": heavy_processes(), "runs": [], "transitions": [], "ilp": None, "failed": []}
     if results["busy_beside"]:
