@@ -33,6 +33,13 @@ fn light_load(policy: &str) {
     for (i, n) in got.iter().enumerate() {
         assert!(*n >= 15, "{policy}: server {} got {n} of the last 90 sequential requests: {got:?}", i + 1);
     }
+    // Idle again, every estimate is back at 0: a score taken on a closing
+    // connection once left each backend counted busy while idle.
+    std::thread::sleep(Duration::from_millis(300));
+    for i in 1..=got.len() {
+        let b = c.backend(i);
+        assert_eq!(b["load_estimate"], 0, "{policy}: server {i} looks busy while idle: {b}");
+    }
 }
 
 #[test]
