@@ -23,6 +23,7 @@
 #include "inband/agent/maps.h"
 #include "inband/agent/options.h"
 #include "inband/agent/packet.h"
+#include "inband/agent/time_wait.h"
 #include "inband/agent/trust.h"
 #include "inband/agent/verify.h"
 #include "inband/agent_skb.h"
@@ -193,14 +194,24 @@ static __always_inline int take_client_tuple(struct __sk_buff *skb, const struct
 		}
 		val.stamp = nonce;
 		val.last_ns = bpf_ktime_get_coarse_ns();
-	} else if (tuple_owned_by_live_socket(skb, a)) {
-		/* The SYN itself still reaches the stack, which answers it with
-		 * a challenge ACK. */
-		count(INBAND_AGENT_TUPLE_IN_USE);
-		return strip_inband(skb, a, opt, len);
+	} else {
+		struct tuple_owner owner = tuple_owner(skb, a);
+
+		if (owner_live(&owner)) {
+			/* The SYN itself still reaches the stack, which answers
+			 * it with a challenge ACK. */
+			count(INBAND_AGENT_TUPLE_IN_USE);
+			return strip_inband(skb, a, opt, len);
+		}
+		val.ts_shift = reopen_shift(skb, l4_off, &owner, bpf_map_lookup_elem(&dsr_flows, &key), &val);
 	}
-	if (!bpf_map_update_elem(&dsr_flows, &key, &val, BPF_ANY))
+	if (!bpf_map_update_elem(&dsr_flows, &key, &val, BPF_ANY)) {
 		count(INBAND_AGENT_TUPLES_STORED);
+		/* Only a stored shift is applied: the connection's later
+		 * segments find it in the flow. */
+		if (val.ts_shift)
+			ts_shift(skb, l4_off, TS_VAL, val.ts_shift);
+	}
 	return strip_inband(skb, a, opt, len);
 }
 
@@ -212,8 +223,9 @@ static __always_inline int take_client_tuple(struct __sk_buff *skb, const struct
  * socket (a SYN flood's: nothing deletes those until the LRU does) would
  * send them to that handshake's client, so it is forgotten; a live
  * socket's tuple is not, whoever sent the SYN. A UDP datagram keeps its
- * tuple in use, or finds it expired. Returns TC_ACT_OK: the packet goes on
- * unchanged.
+ * tuple in use, or finds it expired. A TCP segment of a connection that
+ * reopened a TIME_WAIT has its timestamp shifted (agent/time_wait.h).
+ * Returns TC_ACT_OK: the packet goes on.
  */
 static __always_inline int plain_from_peer(struct __sk_buff *skb, const struct apkt *a)
 {
@@ -237,11 +249,15 @@ static __always_inline int plain_from_peer(struct __sk_buff *skb, const struct a
 		}
 		return TC_ACT_OK;
 	}
-	if (a->proto != IPPROTO_TCP || bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + a->hlen + 13, &flags, sizeof(flags)) ||
-	    (flags & (INBAND_TCP_SYN | INBAND_TCP_ACK)) != INBAND_TCP_SYN || tuple_owned_by_live_socket(skb, a))
+	if (a->proto != IPPROTO_TCP || bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + a->hlen + 13, &flags, sizeof(flags)))
 		return TC_ACT_OK;
-	if (!bpf_map_delete_elem(&dsr_flows, &key))
-		count(INBAND_AGENT_STALE_TUPLES_FORGOTTEN);
+	if ((flags & (INBAND_TCP_SYN | INBAND_TCP_ACK)) == INBAND_TCP_SYN && !tuple_owned_by_live_socket(skb, a)) {
+		if (!bpf_map_delete_elem(&dsr_flows, &key))
+			count(INBAND_AGENT_STALE_TUPLES_FORGOTTEN);
+		return TC_ACT_OK;
+	}
+	if (flow->ts_shift)
+		ts_shift(skb, INBAND_ETH_HLEN + a->hlen, TS_VAL, flow->ts_shift);
 	return TC_ACT_OK;
 }
 
@@ -275,6 +291,8 @@ static __always_inline int take_score_request(struct __sk_buff *skb, const struc
 		count(INBAND_AGENT_PROBE_UNKNOWN_FLOW);
 		return strip_inband(skb, a, opt, len);
 	}
+	if (flow->ts_shift)
+		ts_shift(skb, INBAND_ETH_HLEN + a->hlen, TS_VAL, flow->ts_shift);
 	/* Key and nonce before the flag: egress on another CPU reads them
 	 * once it sees the flag. A torn pair from two racing 124s only makes
 	 * the balancer refuse one 125. */
@@ -718,6 +736,9 @@ int agent_egress(struct __sk_buff *skb)
 			count(INBAND_AGENT_UDP_TUPLES_EXPIRED);
 		return TC_ACT_OK;
 	}
+	/* Before the score: a 125 moves the transport header. */
+	if (a.proto == IPPROTO_TCP && flow->ts_shift)
+		ts_shift(skb, INBAND_ETH_HLEN + a.hlen, TS_ECR, -flow->ts_shift);
 	/* The score rides on a packet that is one segment on the wire: on a
 	 * GSO burst every segment would copy the option and return through
 	 * the balancer, turning one score into dozens of full-size packets off

@@ -55,6 +55,7 @@ struct inband_dsr_flow {
 	__u8 probe_key; /* key id of that 124: the 125 is signed with it */
 	__be32 probe_nonce; /* nonce of that 124: the 125 echoes it */
 	__be32 stamp; /* UDP: the 155's nonce (balancer's clock, ms): the newest 155 wins */
+	__u32 ts_shift; /* TCP: added to the client's TSvals, taken from TSecrs to it (agent/time_wait.h) */
 	__u64 last_ns; /* UDP: bpf_ktime_get_coarse_ns() of the last packet from the balancer, to the second */
 };
 
@@ -106,7 +107,8 @@ enum inband_agent_counter {
 	INBAND_AGENT_POLLS_ANSWERED = 23, /* out-of-band score polls answered */
 	INBAND_AGENT_POLLS_UNAUTHENTICATED = 24, /* polls with a bad MAC, an unknown key or the other [auth] format */
 	INBAND_AGENT_POLLS_REFUSED = 25, /* polls from a host not in `balancers`, or for a port not served */
-	INBAND_AGENT_COUNTER_MAX = 26,
+	INBAND_AGENT_TIME_WAIT_REOPENED = 26, /* SYNs whose timestamp was raised above a TIME_WAIT's (agent/time_wait.h) */
+	INBAND_AGENT_COUNTER_MAX = 27,
 };
 
 #endif /* INBAND_AGENT_MAPS_H */

@@ -25,6 +25,8 @@
 #define INBAND_TCPOPT_NOP 1
 #define INBAND_TCPOPT_MSS 2
 #define INBAND_TCPOLEN_MSS 4
+#define INBAND_TCPOPT_TIMESTAMP 8
+#define INBAND_TCPOLEN_TIMESTAMP 10
 
 /* Kernel TCP states (include/net/tcp_states.h), as the inet_sock_set_state
  * tracepoint and struct bpf_sock report them. */

@@ -437,7 +437,7 @@ fn score_socket_set_get_clear() {
     assert_eq!(g["balancers"], serde_json::json!(["127.0.0.1"]));
     assert_eq!(g["dsr_flows"], 0);
     assert_eq!(g["counters"]["scores_sent"], 0);
-    assert_eq!(g["counters"].as_object().unwrap().len(), 26);
+    assert_eq!(g["counters"].as_object().unwrap().len(), 27);
     assert_eq!(g["counters"]["tuple_in_use"], 0);
     assert_eq!(g["counters"]["stale_tuples_forgotten"], 0);
     // As detached_maps applied them: the authenticated format, key 1.

@@ -1267,24 +1267,43 @@ impl LiveConn {
     }
 }
 
-fn connect_from(local: Ipv4Addr, to: std::net::SocketAddr) -> TcpStream {
+/// A TCP connection from `local` (any port) to `to`, of either family.
+fn connect_from(local: impl Into<IpAddr>, to: SocketAddr) -> TcpStream {
+    fn sockaddr(a: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+        // SAFETY: an all-zero sockaddr_storage is valid; the family's
+        // struct is written into its start, which it is sized and aligned for.
+        unsafe {
+            let mut ss: libc::sockaddr_storage = std::mem::zeroed();
+            let len = match a {
+                SocketAddr::V4(a) => {
+                    let sin = &mut *(&mut ss as *mut libc::sockaddr_storage).cast::<libc::sockaddr_in>();
+                    sin.sin_family = libc::AF_INET as libc::sa_family_t;
+                    sin.sin_port = a.port().to_be();
+                    sin.sin_addr = libc::in_addr { s_addr: u32::from_ne_bytes(a.ip().octets()) };
+                    std::mem::size_of::<libc::sockaddr_in>()
+                }
+                SocketAddr::V6(a) => {
+                    let sin6 = &mut *(&mut ss as *mut libc::sockaddr_storage).cast::<libc::sockaddr_in6>();
+                    sin6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+                    sin6.sin6_port = a.port().to_be();
+                    sin6.sin6_addr = libc::in6_addr { s6_addr: a.ip().octets() };
+                    std::mem::size_of::<libc::sockaddr_in6>()
+                }
+            };
+            (ss, len as libc::socklen_t)
+        }
+    }
+    let local = SocketAddr::new(local.into(), 0);
+    let (me, me_len) = sockaddr(local);
+    let (peer, peer_len) = sockaddr(to);
+    let family = if local.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
     // SAFETY: plain socket calls on an fd this function owns until it is
     // handed to TcpStream.
     unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        let fd = libc::socket(family, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
         assert!(fd >= 0);
-        let sin = |a: Ipv4Addr, port: u16| libc::sockaddr_in {
-            sin_family: libc::AF_INET as libc::sa_family_t,
-            sin_port: port.to_be(),
-            sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(a.octets()) },
-            sin_zero: [0; 8],
-        };
-        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-        let me = sin(local, 0);
-        assert_eq!(libc::bind(fd, (&me as *const libc::sockaddr_in).cast(), len), 0);
-        let std::net::SocketAddr::V4(to) = to else { unreachable!() };
-        let peer = sin(*to.ip(), to.port());
-        assert_eq!(libc::connect(fd, (&peer as *const libc::sockaddr_in).cast(), len), 0);
+        assert_eq!(libc::bind(fd, (&me as *const libc::sockaddr_storage).cast(), me_len), 0);
+        assert_eq!(libc::connect(fd, (&peer as *const libc::sockaddr_storage).cast(), peer_len), 0);
         std::os::fd::FromRawFd::from_raw_fd(fd)
     }
 }
@@ -1403,6 +1422,168 @@ fn ingress_syn_without_155_keeps_a_live_connections_tuple() {
     assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &live.key()), Some(tuple_flow(CLIENT)));
     assert_counters(&skel, &[]);
     drop(live);
+}
+
+// ---------------------------------------------------------------- ingress: reopening a TIME_WAIT
+
+/// A Linux SYN's TCP options: MSS, SACK permitted, timestamps, window scale.
+fn syn_ts_options(tsval: u32) -> Vec<u8> {
+    let mut o = mss_option(1452).to_vec();
+    o.extend([4, 2, 8, 10]);
+    o.extend(tsval.to_be_bytes());
+    o.extend(0u32.to_be_bytes());
+    o.extend([1, 3, 3, 7]);
+    o
+}
+
+/// Any later segment's: NOP, NOP, timestamps.
+fn ts_options(tsval: u32, tsecr: u32) -> Vec<u8> {
+    let mut o = vec![1, 1, 8, 10];
+    o.extend(tsval.to_be_bytes());
+    o.extend(tsecr.to_be_bytes());
+    o
+}
+
+/// CLOCK_MONOTONIC in ms, mod 2^32: a client's TCP timestamp clock when
+/// timestamps have no random offset.
+fn monotonic_ms() -> u32 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid timespec to fill.
+    assert_eq!(unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) }, 0);
+    (ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000) as u32
+}
+
+/// Enters a namespace of its own for the test's thread in which clients'
+/// timestamps are the clock (no random offset), and leaves a connection
+/// from `lb` to a listener at `server` in TIME_WAIT on the server's side
+/// (the server closed first). Returns the namespace, the listener, the
+/// balancer-side address, and the window [t0, t1] in which the
+/// TIME_WAIT's last timestamp from its client was taken.
+fn time_wait_from(skel: &AgentSkel, ns: &TestNetns, lb: IpAddr, server: IpAddr) -> (TcpListener, SocketAddr, u32, u32) {
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns.name, "sysctl", "-qw", "net.ipv4.tcp_timestamps=2"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let t0 = monotonic_ms();
+    let listener = TcpListener::bind(SocketAddr::new(server, 0)).unwrap();
+    let mut balancer_side = connect_from(lb, listener.local_addr().unwrap());
+    let (served, _) = listener.accept().unwrap();
+    add_service(skel, listener.local_addr().unwrap().port(), 6, if lb.is_ipv4() { vip() } else { vip6() });
+    put(&skel.maps.balancers, &be_ip(lb), &Balancer::default());
+    drop(served);
+    use std::io::Read;
+    assert_eq!(balancer_side.read(&mut [0u8; 1]).unwrap(), 0, "the server's FIN");
+    let lb_addr = balancer_side.local_addr().unwrap();
+    drop(balancer_side);
+    std::thread::sleep(Duration::from_millis(50));
+    (listener, lb_addr, t0, monotonic_ms())
+}
+
+#[test]
+fn ingress_syn_over_a_time_wait_gets_a_newer_timestamp_for_its_whole_connection() {
+    let ns = TestNetns::enter("tw");
+    ns.ip(&["link", "set", "lo", "up"]);
+    let mut obj = MaybeUninit::uninit();
+    let skel = load(&mut obj);
+    configure_seed(&skel);
+
+    // A connection the server closes first: its socket stays in TIME_WAIT
+    // holding the client's last timestamp, taken between t0 and t1.
+    let (listener, lb, t0, t1) = time_wait_from(&skel, &ns, LIVE_LB.into(), LIVE_SERVER.into());
+    let srv = listener.local_addr().unwrap();
+    let key = conn_key_of(lb, srv.port(), 6);
+
+    // Another client's SYN on those ports, its clock far behind: raised
+    // just above the TIME_WAIT's last timestamp, and the shift kept.
+    let old = t0.wrapping_sub(100_000);
+    let syn = |tsval: u32| PacketBuilder::tcp(lb, srv).syn(1452).seq_no(77).tcp_options(syn_ts_options(tsval));
+    let frame = syn(old).ip_options(seed_tuple(client())).build();
+    let (ret, out) = run(&skel.progs.agent_ingress, &frame, None);
+    assert_eq!(ret, TC_ACT_OK);
+    let flow: DsrFlow = get(&skel.maps.dsr_flows, &key).expect("client tuple stored");
+    let shift = flow.ts_shift;
+    let raised = old.wrapping_add(shift);
+    assert!(
+        (raised.wrapping_sub(t0) as i32) > 0 && (raised.wrapping_sub(t1 + 1) as i32) <= 0,
+        "TSval {raised} just above the TIME_WAIT's, which was taken in [{t0}, {t1}]"
+    );
+    assert_frame(&out, &syn(raised).build(), "SYN: TSval raised, checksum updated, 155 stripped");
+    assert_eq!(flow, DsrFlow { ts_shift: shift, ..tuple_flow(CLIENT) });
+    assert_counters(&skel, &[(AgentCounter::TuplesStored, 1), (AgentCounter::TimeWaitReopened, 1)]);
+
+    // The same SYN again a second later (the SYN-ACK was lost): the same
+    // shift, not one computed anew from the TIME_WAIT.
+    let frame = syn(old + 1000).ip_options(seed_tuple(client())).build();
+    ingress(&skel, &frame, TC_ACT_OK, Some(&syn(raised + 1000).build()), "retransmitted SYN");
+    assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &key).unwrap().ts_shift, shift);
+
+    // Every later segment from the client is raised by it: plain ones and
+    // those carrying a 124.
+    let seg = |tsval: u32, tsecr: u32| {
+        PacketBuilder::tcp(lb, srv).seq_no(78).ack_no(5000).tcp_options(ts_options(tsval, tsecr)).payload(b"GET /".to_vec())
+    };
+    ingress(&skel, &seg(old + 1040, 7).build(), TC_ACT_OK, Some(&seg(raised + 1040, 7).build()), "data");
+    let frame = seg(old + 1050, 7).ip_options(InbandOption::ScoreRequest.encode()).build();
+    ingress(&skel, &frame, TC_ACT_OK, Some(&seg(raised + 1050, 7).build()), "124 stripped, TSval raised");
+
+    // Every segment to the client echoes its own clock again: the TSecr
+    // lowered (here on the 125 that answers the 124; no route to the
+    // client, so it goes back through the balancer).
+    let reply = |tsecr: u32| PacketBuilder::tcp(srv, lb).seq_no(5000).tcp_options(ts_options(9, tsecr)).payload(b"HTTP/1.1".to_vec());
+    let (ret, out) = run(&skel.progs.agent_egress, &reply(raised + 1050).build(), None);
+    assert_eq!(ret, TC_ACT_OK);
+    assert_frame(&out, &reply(old + 1050).ip_options(InbandOption::Score(0).encode()).build(), "TSecr lowered");
+    assert_counters(
+        &skel,
+        &[
+            (AgentCounter::TuplesStored, 2),
+            (AgentCounter::TimeWaitReopened, 1),
+            (AgentCounter::ProbesSeen, 1),
+            (AgentCounter::ScoresSent, 1),
+        ],
+    );
+
+    // Over a TIME_WAIT whose last timestamp is older, or with no
+    // timestamps at all, or with no TIME_WAIT: nothing to raise.
+    let newer = t1.wrapping_add(100_000);
+    for (what, p) in [
+        ("newer than the TIME_WAIT's", syn(newer)),
+        ("without timestamps", PacketBuilder::tcp(lb, srv).syn(1452).seq_no(77)),
+        ("no socket on the tuple", PacketBuilder::tcp(sa(LIVE_LB, 1), srv).syn(1452).seq_no(77).tcp_options(syn_ts_options(old))),
+    ] {
+        // The earlier connection's entry goes; the stranger's port has none.
+        let _ = skel.maps.dsr_flows.delete(conn_key_of(p.src, srv.port(), 6).as_bytes());
+        ingress(&skel, &p.clone().ip_options(seed_tuple(client())).build(), TC_ACT_OK, Some(&p.build()), what);
+        assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &conn_key_of(p.src, srv.port(), 6)), Some(tuple_flow(CLIENT)), "{what}");
+    }
+    assert_eq!(counters(&skel).iter().find(|(c, _)| *c == AgentCounter::TimeWaitReopened).unwrap().1, 1);
+}
+
+#[test]
+fn ipv6_syn_over_a_time_wait_gets_a_newer_timestamp_behind_its_options_header() {
+    // The 155 sits in a Destination Options header before the TCP header:
+    // the timestamp is found behind it, and the header then removed.
+    let ns = TestNetns::enter("tw6");
+    ns.ip(&["link", "set", "lo", "up"]);
+    for a in [LB6, SERVER6] {
+        ns.ip(&["-6", "addr", "add", &format!("{a}/128"), "dev", "lo", "nodad"]);
+    }
+    let mut obj = MaybeUninit::uninit();
+    let skel = load(&mut obj);
+    configure_seed(&skel);
+    let (listener, lb, t0, t1) = time_wait_from(&skel, &ns, LB6.into(), SERVER6.into());
+    let srv = listener.local_addr().unwrap();
+    let old = t0.wrapping_sub(100_000);
+    let syn = |tsval: u32| PacketBuilder::tcp(lb, srv).syn(1440).seq_no(77).tcp_options(syn_ts_options(tsval));
+    let (ret, out) = run(&skel.progs.agent_ingress, &syn(old).inband(&seed_tuple(client6())).build(), None);
+    assert_eq!(ret, TC_ACT_OK);
+    let flow: DsrFlow = get(&skel.maps.dsr_flows, &conn_key_of(lb, srv.port(), 6)).expect("client tuple stored");
+    let raised = old.wrapping_add(flow.ts_shift);
+    assert!((raised.wrapping_sub(t0) as i32) > 0 && (raised.wrapping_sub(t1 + 1) as i32) <= 0, "{raised} in [{t0}, {t1}]");
+    assert_frame(&out, &syn(raised).build(), "IPv6 SYN: TSval raised, header removed");
+    assert_eq!(flow.client_addr, be_ip(CLIENT6.into()));
+    assert_counters(&skel, &[(AgentCounter::TuplesStored, 1), (AgentCounter::TimeWaitReopened, 1)]);
 }
 
 fn bpf_delete(skel: &AgentSkel, key: &ConnKey) {

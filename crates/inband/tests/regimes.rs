@@ -156,3 +156,53 @@ fn heavy_load_favours_the_fast_servers_least_score() {
 fn heavy_load_favours_the_fast_servers_power_of_two() {
     heavy("power-of-two");
 }
+
+/// A counter of `node`'s TcpExt MIB (/proc/net/netstat in its namespace).
+fn tcp_ext(c: &Cluster, node: &str, name: &str) -> u64 {
+    let out = run_ok(&c.tb, node, &["cat", "/proc/net/netstat"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
+    let (names, values) = (lines.next().unwrap(), lines.next().unwrap());
+    let at = names.split_whitespace().position(|n| n == name).unwrap_or_else(|| panic!("no {name} in TcpExt"));
+    values.split_whitespace().nth(at).unwrap().parse().unwrap()
+}
+
+/// Many short connections from several clients to one server, which closes
+/// first and so keeps each connection in TIME_WAIT for 60 s, while the
+/// balancer forgets a closed flow's port after 1 s: its SNAT ports come
+/// back to the server while their TIME_WAIT lasts (about one connection in
+/// twenty here). Clients start each connection's timestamps at a random
+/// offset, so half of those SYNs are older than the TIME_WAIT's last
+/// timestamp and the server refuses them (PAWS): it answers with an ACK for
+/// the old connection, and the client must reset it and send the SYN
+/// again. The agent raises such a SYN's timestamp: not one is refused.
+#[test]
+fn snat_ports_that_meet_a_time_wait_reopen_it_at_once() {
+    let c = Cluster::with(
+        Spec::new("tw", "dsr-dynamic")
+            .servers(1)
+            .clients(3)
+            .serve(1, &["--workers", "64", "--service-ms", "1"])
+            .vip("closing_timeout_ms = 1000"),
+    );
+    let url = format!("http://{}/", vip(&c.tb));
+    let runs: Vec<_> = (1..=3)
+        .map(|i| {
+            in_ns(&c.tb, &format!("c{i}"), &[BIN, "bench", "openloop", "--url", &url, "--rate", "200", "--seconds", "6"])
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (i, run) in runs.into_iter().enumerate() {
+        let out = run.wait_with_output().unwrap();
+        assert!(out.status.success(), "client {}: {}", i + 1, String::from_utf8_lossy(&out.stderr));
+        let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!((&r["errors"], &r["ok"]), (&0.into(), &1200.into()), "client {}: {r}", i + 1);
+    }
+    let reopened = c.agent_counter("time_wait_reopened");
+    let refused = tcp_ext(&c, "s1", "PAWSTimewait");
+    // Without the agent's shift about as many were refused as it raises.
+    assert_eq!(refused, 0, "SYNs the server's TIME_WAITs refused ({reopened} raised)");
+    assert!(reopened > 10, "3,600 connections, ports forgotten after 1 s, 31,744 ports: only {reopened} SYNs met an older TIME_WAIT");
+}

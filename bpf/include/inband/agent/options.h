@@ -2,8 +2,8 @@
 /*
  * Option edits of the real-server agent: removing the balancer's option on
  * ingress, inserting a 125 on egress (right after the fixed IPv4 header, or
- * in a Destination Options header after the IPv6 one), and clamping the MSS
- * a SYN-ACK announces.
+ * in a Destination Options header after the IPv6 one), finding a TCP
+ * option, and clamping the MSS a SYN-ACK announces.
  */
 #ifndef INBAND_AGENT_OPTIONS_H
 #define INBAND_AGENT_OPTIONS_H
@@ -128,19 +128,22 @@ static __always_inline int insert_doh(struct __sk_buff *skb, const __u32 *doh, _
 	return 0;
 }
 
-/* State of the TCP options walk; bpf_loop hands it to each step. */
-struct mss_walk {
+/* State of a TCP options walk looking for one option; bpf_loop hands it
+ * to each step. */
+struct tcpopt_walk {
 	/* 40 option bytes + slack: the verifier bounds i but cannot relate it
-	 * to opt_len, so reads up to i + 3 are bounded by the array. */
-	__u8 opts[48];
+	 * to opt_len, so reads up to i + 9 are bounded by the array. */
+	__u8 opts[56];
 	__u32 opt_len;
 	__u32 i;
-	int found; /* opts[i] is an MSS option */
+	__u8 kind; /* the option looked for, and its length */
+	__u8 len;
+	int found; /* opts[i] is that option */
 };
 
-static long mss_walk_step(__u64 n, void *ctx)
+static long tcpopt_walk_step(__u64 n, void *ctx)
 {
-	struct mss_walk *w = ctx;
+	struct tcpopt_walk *w = ctx;
 	__u32 i = w->i;
 	__u8 kind, len;
 
@@ -158,7 +161,7 @@ static long mss_walk_step(__u64 n, void *ctx)
 	len = w->opts[i + 1];
 	if (len < 2 || i + len > w->opt_len)
 		return 1;
-	if (kind == INBAND_TCPOPT_MSS && len == INBAND_TCPOLEN_MSS) {
+	if (kind == w->kind && len == w->len) {
 		w->found = 1;
 		return 1;
 	}
@@ -167,34 +170,50 @@ static long mss_walk_step(__u64 n, void *ctx)
 }
 
 /*
- * Lowers the MSS a SYN-ACK announces by `by` (the largest option the
- * balancer adds to a data packet of its family) so that the client's
- * full-sized segments still fit the path MTU once it is added. The walk
- * runs under bpf_loop: as a plain loop its data-dependent index gives the
+ * Finds option `kind` of length `len` among the options of the TCP header
+ * at `l4_off` (`tcp_hlen` bytes long). Returns its offset from the start
+ * of the options (below 40, its bytes in w->opts), or -1. The walk runs
+ * under bpf_loop: as a plain loop its data-dependent index gives the
  * verifier a state per option layout and takes seconds to load.
  */
-static __always_inline void clamp_mss(struct __sk_buff *skb, __u32 l4_off, __u32 tcp_hlen, __u16 by)
+static __always_inline int tcpopt_find(struct __sk_buff *skb, __u32 l4_off, __u32 tcp_hlen, struct tcpopt_walk *w,
+				       __u8 kind, __u8 len)
 {
-	struct mss_walk w = {};
-	__u32 opt_len, i;
-	__u16 mss;
-	__be16 old_be, new_be;
+	__u32 opt_len;
 
 	if (tcp_hlen <= sizeof(struct tcphdr))
-		return;
+		return -1;
 	opt_len = tcp_hlen - sizeof(struct tcphdr);
 	/* Keeps clang from merging the two range checks into one the
 	 * verifier cannot use to bound the load size. */
 	barrier_var(opt_len);
 	if (opt_len > 40)
-		return;
-	if (bpf_skb_load_bytes(skb, l4_off + sizeof(struct tcphdr), w.opts, opt_len))
-		return;
-	w.opt_len = opt_len;
+		return -1;
+	if (bpf_skb_load_bytes(skb, l4_off + sizeof(struct tcphdr), w->opts, opt_len))
+		return -1;
+	w->opt_len = opt_len;
+	w->kind = kind;
+	w->len = len;
 	/* Every step consumes at least one of at most 40 bytes. */
-	bpf_loop(40, mss_walk_step, &w, 0);
-	i = w.i;
-	if (!w.found || i >= 40)
+	bpf_loop(40, tcpopt_walk_step, w, 0);
+	if (!w->found || w->i >= 40)
+		return -1;
+	return w->i;
+}
+
+/*
+ * Lowers the MSS a SYN-ACK announces by `by` (the largest option the
+ * balancer adds to a data packet of its family) so that the client's
+ * full-sized segments still fit the path MTU once it is added.
+ */
+static __always_inline void clamp_mss(struct __sk_buff *skb, __u32 l4_off, __u32 tcp_hlen, __u16 by)
+{
+	struct tcpopt_walk w = {};
+	int i = tcpopt_find(skb, l4_off, tcp_hlen, &w, INBAND_TCPOPT_MSS, INBAND_TCPOLEN_MSS);
+	__u16 mss;
+	__be16 old_be, new_be;
+
+	if (i < 0 || i >= 40)
 		return;
 	mss = (__u16)w.opts[i + 2] << 8 | w.opts[i + 3];
 	if (mss <= by)

@@ -4,7 +4,8 @@
  * state (docs/agent.md, "Trust model"): the configured format, the MACs of
  * the authenticated format, that a TCP client tuple does not take over a
  * connection a socket already owns, and that a UDP one is not older than
- * what its balancer sent since (a replay).
+ * what its balancer sent since (a replay). The owner of a tuple is also
+ * what tells a SYN that reopens a TIME_WAIT (time_wait.h).
  */
 #ifndef INBAND_AGENT_TRUST_H
 #define INBAND_AGENT_TRUST_H
@@ -102,20 +103,25 @@ static __always_inline int mac_ok(const struct agent_mac *m, const __u8 *mac)
 	return key && agent_mac(key, m) == inband_get_mac(mac);
 }
 
-/*
- * Whether a live socket of this network namespace owns the connection the
- * packet belongs to. Live: anything that is not a listener, a TIME_WAIT
- * socket (a new SYN may legitimately reopen its tuple), a request socket
- * (a handshake in progress, whose SYN may be retransmitted) or closed. A
- * SYN for a live socket's tuple starts no connection (the stack answers
- * with a challenge ACK), so a 155 on it could only redirect the responses
- * of the connection that does exist.
- */
-static __always_inline int tuple_owned_by_live_socket(struct __sk_buff *skb, const struct apkt *a)
+/* The one field the agent reads of a TIME_WAIT socket, relocated by name
+ * against the running kernel's BTF (see the socket fields in agent.bpf.c
+ * for why not vmlinux.h). */
+struct tcp_timewait_sock {
+	__u32 tw_ts_recent;
+} __attribute__((preserve_access_index));
+
+/* The socket of this network namespace that owns a packet's TCP tuple, as
+ * far as the agent needs it. */
+struct tuple_owner {
+	__u32 state; /* INBAND_TCP_*; INBAND_TCP_CLOSE: no socket */
+	__u32 ts_recent; /* TIME_WAIT: the last timestamp its peer sent; 0: none */
+};
+
+static __always_inline struct tuple_owner tuple_owner(struct __sk_buff *skb, const struct apkt *a)
 {
+	struct tuple_owner o = { .state = INBAND_TCP_CLOSE };
 	struct bpf_sock_tuple t = {};
 	struct bpf_sock *sk;
-	__u32 state;
 
 	if (a->family == 4) {
 		t.ipv4.saddr = a->saddr.w[3];
@@ -131,11 +137,37 @@ static __always_inline int tuple_owned_by_live_socket(struct __sk_buff *skb, con
 		sk = bpf_skc_lookup_tcp(skb, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
 	}
 	if (!sk)
-		return 0;
-	state = sk->state;
+		return o;
+	o.state = sk->state;
+	if (o.state == INBAND_TCP_TIME_WAIT) {
+		struct tcp_timewait_sock *tw = bpf_skc_to_tcp_timewait_sock(sk);
+
+		if (tw)
+			o.ts_recent = tw->tw_ts_recent;
+	}
 	bpf_sk_release(sk);
-	return state != INBAND_TCP_LISTEN && state != INBAND_TCP_TIME_WAIT && state != INBAND_TCP_NEW_SYN_RECV &&
-	       state != INBAND_TCP_CLOSE;
+	return o;
+}
+
+/*
+ * Whether the owner is live: anything that is not a listener, a TIME_WAIT
+ * socket (a new SYN may legitimately reopen its tuple), a request socket
+ * (a handshake in progress, whose SYN may be retransmitted) or closed. A
+ * SYN for a live socket's tuple starts no connection (the stack answers
+ * with a challenge ACK), so a 155 on it could only redirect the responses
+ * of the connection that does exist.
+ */
+static __always_inline int owner_live(const struct tuple_owner *o)
+{
+	return o->state != INBAND_TCP_LISTEN && o->state != INBAND_TCP_TIME_WAIT &&
+	       o->state != INBAND_TCP_NEW_SYN_RECV && o->state != INBAND_TCP_CLOSE;
+}
+
+static __always_inline int tuple_owned_by_live_socket(struct __sk_buff *skb, const struct apkt *a)
+{
+	struct tuple_owner o = tuple_owner(skb, a);
+
+	return owner_live(&o);
 }
 
 /*

@@ -6,7 +6,9 @@
  * SipHash of its client side under a key only this balancer knows, so an
  * outsider cannot aim a connection at a chosen port, and the same client
  * tuple gets the same port again (a client that reuses its port meets the
- * server's TIME_WAIT with a sequence number it accepts).
+ * server's TIME_WAIT with a sequence number it accepts; another client's
+ * SYN that meets one has its timestamp raised by the agent,
+ * agent/time_wait.h).
  *
  * A candidate is free when no live flow owns it: no reservation in `snat`
  * whose owner is live in `flows`, and no hold in `half_open_ports`.

@@ -47,6 +47,7 @@ pub enum AgentCounter {
     PollsAnswered = c::INBAND_AGENT_POLLS_ANSWERED,
     PollsUnauthenticated = c::INBAND_AGENT_POLLS_UNAUTHENTICATED,
     PollsRefused = c::INBAND_AGENT_POLLS_REFUSED,
+    TimeWaitReopened = c::INBAND_AGENT_TIME_WAIT_REOPENED,
 }
 
 /// Entries of `agent_stats`.
@@ -83,6 +84,7 @@ impl AgentCounter {
         (AgentCounter::PollsAnswered, "polls_answered"),
         (AgentCounter::PollsUnauthenticated, "polls_unauthenticated"),
         (AgentCounter::PollsRefused, "polls_refused"),
+        (AgentCounter::TimeWaitReopened, "time_wait_reopened"),
     ];
 
     pub const ALL: [AgentCounter; COUNTER_MAX] = {
