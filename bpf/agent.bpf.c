@@ -869,7 +869,8 @@ static __always_inline void recount(__s64 *active, __u32 *mark, __u32 seen, __u3
 		__sync_fetch_and_add(active, delta);
 }
 
-/* The socket's connection has ended: its client tuple and request state go. */
+/* The socket's connection has ended: its request state goes, and its client
+ * tuple with it unless its timestamps are translated (below). */
 static __always_inline void forget_connection(struct sock *sk, __u16 port)
 {
 	struct inband_conn_key key;
@@ -884,7 +885,16 @@ static __always_inline void forget_connection(struct sock *sk, __u16 port)
 	key.peer_port = sk->__sk_common.skc_dport;
 	key.local_port = bpf_htons(port);
 	key.proto = IPPROTO_TCP;
-	if (!bpf_map_delete_elem(&dsr_flows, &key))
+	struct inband_dsr_flow *flow = bpf_map_lookup_elem(&dsr_flows, &key);
+
+	/* A connection whose timestamps are translated still gets segments
+	 * after its socket is gone: its TIME_WAIT takes the client's last FIN
+	 * and ACKs, which must carry the same shift or be refused (PAWS).
+	 * Its entry stays until the next SYN on these ports replaces it (a
+	 * 155) or forgets it (none), or the LRU evicts it. */
+	if (flow && flow->ts_shift)
+		count(INBAND_AGENT_FLOWS_CLOSED);
+	else if (!bpf_map_delete_elem(&dsr_flows, &key))
 		count(INBAND_AGENT_FLOWS_CLOSED);
 	if (score_requests) {
 		__u32 *busy = bpf_map_lookup_elem(&inflight_conns, &key);

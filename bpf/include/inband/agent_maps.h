@@ -40,10 +40,11 @@ struct inband_conn_key {
 };
 
 /* dsr_flows[conn]: created by an accepted 155; deleted when the socket
- * closes (TCP, tracepoint), when a balancer's SYN without 155 reuses the
- * ports of a handshake that never became a socket (TCP), when unused for
- * `udp_idle_timeout` (UDP, found on the flow's next response), or by the
- * LRU. */
+ * closes (TCP, tracepoint; a connection with a ts_shift keeps it for its
+ * TIME_WAIT until the next SYN on its ports), when a balancer's SYN
+ * without 155 reuses the ports of a handshake that never became a socket
+ * (TCP), when unused for `udp_idle_timeout` (UDP, found on the flow's
+ * next response), or by the LRU. */
 /* inband_dsr_flow.score_requested */
 #define INBAND_SCORE_REQUESTED 1
 #define INBAND_SCORE_ENCAP 2 /* the 124 came in IP-in-IP: the 125 goes back the same way */

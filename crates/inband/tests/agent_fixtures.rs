@@ -1080,6 +1080,20 @@ fn tracepoint_counts_active_connections_and_closes_flows() {
     wait_for("0 active connections after the client's FIN", || active(&skel) == 0);
     drop(served);
 
+    // A connection whose timestamps are translated (it reopened a
+    // TIME_WAIT) keeps its entry past its socket: its own TIME_WAIT still
+    // takes the client's last segments, which need the same shift.
+    let client = TcpStream::connect(sa(Ipv4Addr::LOCALHOST, port)).unwrap();
+    let (served, _) = listener.accept().unwrap();
+    let key = conn_key_of(sa(Ipv4Addr::LOCALHOST, client.local_addr().unwrap().port()), port, 6);
+    let shifted = DsrFlow { ts_shift: 1000, ..tuple_flow(CLIENT) };
+    put(&skel.maps.dsr_flows, &key, &shifted);
+    drop(served);
+    drop(client);
+    let closed = |skel: &AgentSkel| counters(skel).iter().find(|(c, _)| *c == AgentCounter::FlowsClosed).unwrap().1;
+    wait_for("the socket closed", || closed(&skel) == 2);
+    assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &key), Some(shifted), "kept for its TIME_WAIT");
+
     // A socket counted before its change was missed is uncounted at its
     // next change, not counted again: the count is the socket's mark, not
     // a sum of deltas. (A missed change cannot be caused from here; what
@@ -1113,7 +1127,7 @@ fn tracepoint_counts_active_connections_and_closes_flows() {
     drop(listener);
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(active(&skel), 0);
-    assert_counters(&skel, &[(AgentCounter::FlowsClosed, 1)]);
+    assert_counters(&skel, &[(AgentCounter::FlowsClosed, 2)]);
 }
 
 #[test]
@@ -1512,12 +1526,6 @@ fn ingress_syn_over_a_time_wait_gets_a_newer_timestamp_for_its_whole_connection(
     assert_eq!(flow, DsrFlow { ts_shift: shift, ..tuple_flow(CLIENT) });
     assert_counters(&skel, &[(AgentCounter::TuplesStored, 1), (AgentCounter::TimeWaitReopened, 1)]);
 
-    // The same SYN again a second later (the SYN-ACK was lost): the same
-    // shift, not one computed anew from the TIME_WAIT.
-    let frame = syn(old + 1000).ip_options(seed_tuple(client())).build();
-    ingress(&skel, &frame, TC_ACT_OK, Some(&syn(raised + 1000).build()), "retransmitted SYN");
-    assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &key).unwrap().ts_shift, shift);
-
     // Every later segment from the client is raised by it: plain ones and
     // those carrying a 124.
     let seg = |tsval: u32, tsecr: u32| {
@@ -1536,13 +1544,24 @@ fn ingress_syn_over_a_time_wait_gets_a_newer_timestamp_for_its_whole_connection(
     assert_frame(&out, &reply(old + 1050).ip_options(InbandOption::Score(0).encode()).build(), "TSecr lowered");
     assert_counters(
         &skel,
-        &[
-            (AgentCounter::TuplesStored, 2),
-            (AgentCounter::TimeWaitReopened, 1),
-            (AgentCounter::ProbesSeen, 1),
-            (AgentCounter::ScoresSent, 1),
-        ],
+        &[(AgentCounter::TuplesStored, 1), (AgentCounter::TimeWaitReopened, 1), (AgentCounter::ProbesSeen, 1), (AgentCounter::ScoresSent, 1)],
     );
+
+    // Another SYN over the same TIME_WAIT, even from the same client tuple
+    // (the flow of the connection before is kept past its close): a new
+    // connection, its shift computed anew.
+    let frame = syn(old + 1000).ip_options(seed_tuple(client())).build();
+    ingress(&skel, &frame, TC_ACT_OK, Some(&syn(raised).build()), "a new connection over the TIME_WAIT");
+    assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &key).unwrap().ts_shift, shift.wrapping_sub(1000));
+
+    // A SYN sent again after its first one reopened the TIME_WAIT (none is
+    // left: here, ports no socket holds) keeps the shift its flow has.
+    let again = sa(LIVE_LB, 2);
+    let flow = DsrFlow { ts_shift: 777, ..tuple_flow(CLIENT) };
+    put(&skel.maps.dsr_flows, &conn_key_of(again, srv.port(), 6), &flow);
+    let p = |tsval: u32| PacketBuilder::tcp(again, srv).syn(1452).seq_no(77).tcp_options(syn_ts_options(tsval));
+    ingress(&skel, &p(old).ip_options(seed_tuple(client())).build(), TC_ACT_OK, Some(&p(old + 777).build()), "SYN again");
+    assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &conn_key_of(again, srv.port(), 6)), Some(flow));
 
     // Over a TIME_WAIT whose last timestamp is older, or with no
     // timestamps at all, or with no TIME_WAIT: nothing to raise.
@@ -1557,7 +1576,7 @@ fn ingress_syn_over_a_time_wait_gets_a_newer_timestamp_for_its_whole_connection(
         ingress(&skel, &p.clone().ip_options(seed_tuple(client())).build(), TC_ACT_OK, Some(&p.build()), what);
         assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &conn_key_of(p.src, srv.port(), 6)), Some(tuple_flow(CLIENT)), "{what}");
     }
-    assert_eq!(counters(&skel).iter().find(|(c, _)| *c == AgentCounter::TimeWaitReopened).unwrap().1, 1);
+    assert_eq!(counters(&skel).iter().find(|(c, _)| *c == AgentCounter::TimeWaitReopened).unwrap().1, 2);
 }
 
 #[test]

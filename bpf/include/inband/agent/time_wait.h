@@ -22,12 +22,12 @@
  * clock that started above the old connection's, the client sees its own
  * clock echoed, so both sides' PAWS checks and the client's RTT samples
  * hold. The shift is chosen only from the kernel's own TIME_WAIT socket,
- * on a SYN whose 155 was accepted: nobody else sets it.
+ * on a SYN whose 155 was accepted: nobody else sets it. It outlives the
+ * socket (agent.bpf.c, forget_connection): when the server closed first
+ * its TIME_WAIT still takes the client's FIN and last ACK, which need it.
  *
  * Not covered: a SYN without timestamps (the kernel then goes by sequence
- * numbers, which the agent does not translate), and the segments that
- * reach the server after its socket closed (the flow is gone; the
- * TIME_WAIT answers an old timestamp with an ACK, as it would anyway).
+ * numbers, which the agent does not translate).
  */
 #ifndef INBAND_AGENT_TIME_WAIT_H
 #define INBAND_AGENT_TIME_WAIT_H
@@ -87,12 +87,13 @@ static __always_inline void ts_shift(struct __sk_buff *skb, __u32 l4_off, __u32 
 }
 
 /*
- * The shift the SYN at `l4_off` (whose 155 gave `val`) needs: if `old` is
- * this connection's flow already (the same client tuple: a retransmitted
- * SYN, answered under the first one's shift), that flow's; over a
- * TIME_WAIT whose last timestamp is not older than the SYN's, what lifts
- * the SYN's just above it; else 0. The caller writes it once the flow
- * that keeps it is stored.
+ * The shift the SYN at `l4_off` (whose 155 gave `val`) needs. Over a
+ * TIME_WAIT whose last timestamp is not older than the SYN's: what lifts
+ * the SYN's just above it (a new connection, whatever flow the old one
+ * left). Otherwise, if `old` is this client tuple's flow already, that
+ * flow's: a retransmitted SYN whose first one reopened the TIME_WAIT and
+ * was answered under that shift. Else 0. The caller writes it once the
+ * flow that keeps it is stored.
  */
 static __always_inline __u32 reopen_shift(struct __sk_buff *skb, __u32 l4_off, const struct tuple_owner *owner,
 					  const struct inband_dsr_flow *old, const struct inband_dsr_flow *val)
@@ -100,9 +101,12 @@ static __always_inline __u32 reopen_shift(struct __sk_buff *skb, __u32 l4_off, c
 	__be32 tsval;
 	__u32 at;
 
-	if (old && old->client_port == val->client_port && inband_addr_eq(&old->client_addr, &val->client_addr))
-		return old->ts_shift;
-	if (owner->state != INBAND_TCP_TIME_WAIT || !owner->ts_recent || ts_field(skb, l4_off, TS_VAL, &at, &tsval))
+	if (owner->state != INBAND_TCP_TIME_WAIT) {
+		if (old && old->client_port == val->client_port && inband_addr_eq(&old->client_addr, &val->client_addr))
+			return old->ts_shift;
+		return 0;
+	}
+	if (!owner->ts_recent || ts_field(skb, l4_off, TS_VAL, &at, &tsval))
 		return 0;
 	/* The kernel reopens the tuple for a strictly newer TSval. */
 	if ((__s32)(bpf_ntohl(tsval) - owner->ts_recent) > 0)
