@@ -32,3 +32,7 @@ pub mod loadgen {
 pub mod shared {
     include!(concat!(env!("OUT_DIR"), "/shared.rs"));
 }
+#[allow(clippy::all, dead_code, unused_imports)]
+pub mod mesh {
+    include!(concat!(env!("OUT_DIR"), "/mesh.skel.rs"));
+}

@@ -7,6 +7,7 @@ pub mod bench;
 pub mod bpf;
 pub mod bpfmap;
 pub mod lb;
+pub mod mesh;
 pub mod netif;
 pub mod packet;
 pub mod pod;

@@ -42,6 +42,12 @@ enum Command {
         #[command(subcommand)]
         command: inband::bench::BenchCommand,
     },
+    /// Per-request HTTP/1.1 balancing in the kernel's socket layer for the
+    /// applications of a cgroup (see docs/mesh.md).
+    Mesh {
+        #[command(subcommand)]
+        command: inband::mesh::MeshCommand,
+    },
     /// HTTP/1.1 reverse proxy with a durable cache (see docs/proxy.md).
     Proxy {
         #[arg(long)]
@@ -178,6 +184,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Shadow { command } => inband::shadow::run(command),
         Command::Bench { command } => inband::bench::run(command),
         Command::Testbed { command } => inband::testbed::run(command),
+        Command::Mesh { command } => inband::mesh::main(command),
         Command::Proxy { config } => inband_proxy::run(&config),
     }
 }

@@ -1,0 +1,178 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/*
+ * Maps of the socket-layer L7 balancer (bpf/mesh.bpf.c, seed 001's XLB on
+ * a stock kernel). The Rust types are generated from this header
+ * (crates/inband/build.rs). docs/mesh.md tells how a request flows.
+ *
+ * Names: a "client" socket is the application's socket to a service
+ * address (redirected to the daemon's anchor listener at connect time); a
+ * "slot" is one pre-connected socket of the daemon's pool to one backend.
+ */
+#ifndef INBAND_MESH_MAPS_H
+#define INBAND_MESH_MAPS_H
+
+#include <linux/types.h>
+
+#define INBAND_MESH_MAX_SERVICES 256
+#define INBAND_MESH_MAX_ROUTES 8 /* per service, tried in order */
+#define INBAND_MESH_MAX_SPLITS 4 /* weighted clusters per route (canary) */
+#define INBAND_MESH_MAX_CLUSTER 16 /* backends per cluster */
+#define INBAND_MESH_MAX_BACKENDS 1024
+#define INBAND_MESH_MAX_POOL 256 /* slots per backend */
+#define INBAND_MESH_MAX_SLOTS 16384
+#define INBAND_MESH_PREFIX_MAX 64
+#define INBAND_MESH_HNAME_MAX 32
+#define INBAND_MESH_HVALUE_MAX 128
+#define INBAND_MESH_FNV_OFFSET 0xcbf29ce484222325ULL
+#define INBAND_MESH_FNV_PRIME 0x100000001b3ULL
+/* Request and response heads are parsed from the first this many bytes
+ * (power of two); a longer head goes to user space. */
+#define INBAND_MESH_HEAD_MAX 2048
+#define INBAND_MESH_MAX_CONNS 65536
+
+/* mesh_config[0]: where connections to a service address are sent. */
+struct inband_mesh_config {
+	__u32 anchor_ip4; /* network order */
+	__u32 anchor_port; /* network order, in the low 16 bits (as bpf_sock_addr.user_port) */
+};
+
+/* mesh_services: key. */
+struct inband_mesh_service_key {
+	__u32 ip4; /* network order */
+	__u32 port; /* network order, low 16 bits */
+};
+
+enum inband_mesh_policy {
+	INBAND_MESH_ROUND_ROBIN = 0,
+	INBAND_MESH_RANDOM,
+	INBAND_MESH_LEAST_REQUEST,
+};
+
+struct inband_mesh_split {
+	__u32 weight; /* 0: unused */
+	__u32 n_backends;
+	__u32 rr; /* round-robin ticket */
+	__u32 pad;
+	__u32 backends[INBAND_MESH_MAX_CLUSTER]; /* indexes into mesh_backends */
+};
+
+struct inband_mesh_route {
+	__u32 prefix_len; /* 0 matches every path */
+	__u32 hname_len; /* 0: no header to match */
+	__u32 hvalue_len;
+	__u32 policy; /* enum inband_mesh_policy */
+	__u32 total_weight;
+	__u32 timeout_ms; /* read by the daemon's watchdog */
+	/* The header to match, as FNV-1a 64 of its lower-cased name and of its
+	 * exact value (one hash per line walk, not a byte loop per route). */
+	__u64 hname_hash;
+	__u64 hvalue_hash;
+	char prefix[INBAND_MESH_PREFIX_MAX];
+	struct inband_mesh_split splits[INBAND_MESH_MAX_SPLITS];
+};
+
+/* mesh_services: value. */
+struct inband_mesh_service {
+	__u32 id; /* index of the service in the config, for counters and status */
+	__u32 n_routes;
+	struct inband_mesh_route routes[INBAND_MESH_MAX_ROUTES];
+};
+
+/* mesh_backends[i]: written by the daemon (address, pool), counted by the
+ * programs (in_flight, requests). Memory-mapped by the daemon, which
+ * updates the counters with atomics too (a response it relays). */
+struct inband_mesh_backend {
+	__u32 ip4; /* network order */
+	__u32 port; /* host order */
+	__u32 up; /* 0: no slot of it is claimed */
+	__u32 slot_base; /* its pool: mesh_slots[slot_base .. slot_base + pool) */
+	__u32 pool;
+	__u32 next_slot; /* where the next claim starts looking */
+	__s32 in_flight; /* requests sent and not yet answered (least-request) */
+	__u64 requests; /* sent through the kernel path */
+};
+
+enum inband_mesh_slot_state {
+	INBAND_MESH_SLOT_DOWN = 0, /* no socket, or the daemon is retiring it */
+	INBAND_MESH_SLOT_FREE, /* connected, in mesh_pool: may be claimed */
+	INBAND_MESH_SLOT_KERNEL, /* a request is in flight; its response goes by the kernel */
+	INBAND_MESH_SLOT_USER, /* its response goes to the daemon (framing not known to the parser) */
+};
+
+/* mesh_slots[i]: one pool socket. Claimed by the request program with an
+ * atomic FREE -> KERNEL; from then on only its owner writes it (the
+ * response program, or the daemon for a USER response), until it is FREE
+ * again. Memory-mapped by the daemon. */
+struct inband_mesh_slot {
+	__u32 state; /* enum inband_mesh_slot_state */
+	__u32 backend;
+	__u64 client_cookie; /* key of the client socket in mesh_clients */
+	__u32 client_ip4; /* network order: key of the client in mesh_conns */
+	__u32 client_port; /* host order */
+	__u32 head_request; /* the request was HEAD: its response has no body */
+	__u32 timeout_ms;
+	__u64 started_ns; /* bpf_ktime_get_ns() at the claim */
+	__u64 remaining; /* body bytes of the response still to come (kernel path) */
+	__u64 to_client; /* response bytes delivered to the client so far */
+	__u32 body_phase; /* the head was delivered; `remaining` counts down */
+	__u32 close_after; /* the backend said Connection: close: retire after */
+};
+
+/* mesh_conns, keyed by the client's address (what the daemon's accept sees
+ * as the peer). Created at the client's connect completion (sockops),
+ * deleted at its close; LRU-bounded. */
+struct inband_mesh_conn_key {
+	__u32 ip4; /* network order */
+	__u32 port; /* host order */
+};
+
+enum inband_mesh_conn_mode {
+	INBAND_MESH_CONN_KERNEL = 0, /* requests are parsed and redirected */
+	INBAND_MESH_CONN_USER, /* every byte goes to the anchor (fallback for the rest of its life) */
+};
+
+struct inband_mesh_conn {
+	__u32 service; /* inband_mesh_service.id */
+	__u32 vip4; /* the service address it connected to */
+	__u32 vport; /* network order, low 16 bits */
+	__u32 mode; /* enum inband_mesh_conn_mode */
+	__u32 last_slot; /* 1 + slot of its latest request (in flight while that slot
+			  * is KERNEL or USER for this cookie); 0: none */
+	__u32 fallback_reason; /* enum inband_mesh_counter of the fallback */
+	__u64 cookie;
+	__u64 requests; /* through the kernel path */
+};
+
+/* Socket storage of a client socket between connect and its completion. */
+struct inband_mesh_dst {
+	__u32 service;
+	__u32 vip4;
+	__u32 vport;
+	__u32 pad;
+};
+
+/* mesh_stats[counter], per CPU. */
+enum inband_mesh_counter {
+	INBAND_MESH_CONNECT_REDIRECTED = 0, /* connect() to a service address sent to the anchor */
+	INBAND_MESH_CONN_TRACKED, /* client connection established and in mesh_clients */
+	INBAND_MESH_CONN_TABLE_FULL, /* its mesh_conns entry could not be made: user space serves it */
+	INBAND_MESH_REQUEST_KERNEL, /* request redirected to a backend socket */
+	INBAND_MESH_RESPONSE_KERNEL, /* response delivered to the client by the kernel */
+	INBAND_MESH_FALLBACK_PIPELINED, /* more than one request at once: connection to user space */
+	INBAND_MESH_FALLBACK_UPGRADE, /* Upgrade, Expect, HTTP/2 preface, Connection: close */
+	INBAND_MESH_FALLBACK_CHUNKED, /* request body without Content-Length */
+	INBAND_MESH_FALLBACK_HEAD_TOO_BIG, /* request head longer than INBAND_MESH_HEAD_MAX */
+	INBAND_MESH_FALLBACK_PARTIAL_HEAD, /* head not complete in one send */
+	INBAND_MESH_FALLBACK_MALFORMED, /* not an HTTP/1.1 request line and headers */
+	INBAND_MESH_FALLBACK_NO_ROUTE, /* no route matched: user space answers 404 */
+	INBAND_MESH_FALLBACK_NO_SLOT, /* every slot of the chosen cluster busy or down */
+	INBAND_MESH_FALLBACK_BUSY, /* scratch buffer in use on this CPU (preempted parse) */
+	INBAND_MESH_RESPONSE_USER, /* response framing not known (chunked, close-delimited, 1xx, too long a head): to the daemon */
+	INBAND_MESH_RESPONSE_CLIENT_GONE, /* client socket closed: response dropped, slot kept */
+	INBAND_MESH_RESPONSE_UNEXPECTED, /* data on a slot with no request: to the daemon, which retires it */
+	INBAND_MESH_RESPONSE_EXCESS, /* bytes after the response's end: cut, the slot retired */
+	INBAND_MESH_CLIENT_GONE_IN_FLIGHT, /* client closed with its request at the backend: slot retired */
+	INBAND_MESH_COUNTERS,
+};
+
+#endif /* INBAND_MESH_MAPS_H */

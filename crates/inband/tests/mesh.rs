@@ -1,0 +1,874 @@
+//! `inband mesh` end to end: a network namespace with HTTP backends (threads
+//! of this test entered into it), a cgroup whose processes (curl, python)
+//! call a service address, and the daemon. Requests are counted at the
+//! backends and in the programs' maps: per-request balancing, routes and
+//! canary weights, least-request, every fallback completing, bad input,
+//! backends that die or hang, clients that leave mid-request, and no slot
+//! or socket left behind after churn.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddrV4, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use inband::bpfmap::PinDir;
+use inband::mesh::status::{self, Status};
+
+const VIP: &str = "10.96.0.10:80";
+
+fn enter_netns(netns: &str) {
+    let f = std::fs::File::open(format!("/run/netns/{netns}")).expect("netns");
+    // SAFETY: setns on this thread only, with a namespace fd we hold.
+    assert_eq!(
+        unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) },
+        0,
+        "setns"
+    );
+}
+
+/// An HTTP/1.1 keep-alive backend in the namespace. One named `slow` takes
+/// 100 ms for every request. Paths: `/chunked` answers chunked, `/die` sends part of a
+/// response and closes, `/hang` never answers, `/close` answers with
+/// Connection: close; anything else gets "NAME METHOD PATH BODYLEN".
+struct Backend {
+    addr: SocketAddrV4,
+    hits: Arc<AtomicUsize>,
+    conns: Arc<AtomicUsize>,
+    /// First bytes of requests it could not parse (an HTTP/2 preface).
+    unparsed: Arc<Mutex<Vec<Vec<u8>>>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+fn backend(netns: &str, name: &'static str, port: u16) -> Backend {
+    let hits = Arc::new(AtomicUsize::new(0));
+    let conns = Arc::new(AtomicUsize::new(0));
+    let unparsed = Arc::new(Mutex::new(Vec::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let (h, c, u, s) = (hits.clone(), conns.clone(), unparsed.clone(), stop.clone());
+    let netns = netns.to_string();
+    let (tx, rx) = std::sync::mpsc::channel();
+    thread::spawn(move || {
+        enter_netns(&netns);
+        let l = TcpListener::bind(("127.0.0.1", port)).unwrap();
+        l.set_nonblocking(true).unwrap();
+        tx.send(()).unwrap();
+        while !s.load(Ordering::SeqCst) {
+            match l.accept() {
+                Ok((conn, _)) => {
+                    c.fetch_add(1, Ordering::SeqCst);
+                    let (h, u, s) = (h.clone(), u.clone(), s.clone());
+                    thread::spawn(move || serve(conn, name, h, u, s));
+                }
+                Err(_) => thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(5))
+        .expect("backend listening");
+    Backend {
+        addr: SocketAddrV4::new([127, 0, 0, 1].into(), port),
+        hits,
+        conns,
+        unparsed,
+        stop,
+    }
+}
+
+fn serve(
+    mut conn: TcpStream,
+    name: &str,
+    hits: Arc<AtomicUsize>,
+    unparsed: Arc<Mutex<Vec<Vec<u8>>>>,
+    stop: Arc<AtomicBool>,
+) {
+    conn.set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let mut buf: Vec<u8> = Vec::new();
+    let mut chunk = [0u8; 16384];
+    loop {
+        // One request head.
+        let (head_len, method, path, length, chunked) = loop {
+            let mut headers = [httparse::EMPTY_HEADER; 64];
+            let mut req = httparse::Request::new(&mut headers);
+            match req.parse(&buf) {
+                Ok(httparse::Status::Complete(n)) => {
+                    let get = |k: &str| {
+                        req.headers
+                            .iter()
+                            .find(|h| h.name.eq_ignore_ascii_case(k))
+                            .map(|h| String::from_utf8_lossy(h.value).to_string())
+                    };
+                    let length = get("content-length")
+                        .and_then(|v| v.parse::<usize>().ok())
+                        .unwrap_or(0);
+                    let chunked = get("transfer-encoding").is_some();
+                    break (
+                        n,
+                        req.method.unwrap().to_string(),
+                        req.path.unwrap().to_string(),
+                        length,
+                        chunked,
+                    );
+                }
+                Ok(httparse::Status::Partial) => {}
+                Err(_) => {
+                    unparsed.lock().unwrap().push(buf.clone());
+                    let _ = conn.write_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+                    return;
+                }
+            }
+            match conn.read(&mut chunk) {
+                Ok(0) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                Err(_) if !stop.load(Ordering::SeqCst) => {}
+                Err(_) => return,
+            }
+        };
+        buf.drain(..head_len);
+        // Its body.
+        let body_len = if chunked {
+            let mut total = 0;
+            loop {
+                if let Ok(httparse::Status::Complete((n, size))) = httparse::parse_chunk_size(&buf)
+                {
+                    if buf.len() >= n + size as usize + 2 {
+                        total += size as usize;
+                        buf.drain(..n + size as usize + 2);
+                        if size == 0 {
+                            break total;
+                        }
+                        continue;
+                    }
+                }
+                match conn.read(&mut chunk) {
+                    Ok(0) => return,
+                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    Err(_) if stop.load(Ordering::SeqCst) => return,
+                    Err(_) => {}
+                }
+            }
+        } else {
+            while buf.len() < length {
+                match conn.read(&mut chunk) {
+                    Ok(0) => return,
+                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    Err(_) if stop.load(Ordering::SeqCst) => return,
+                    Err(_) => {}
+                }
+            }
+            buf.drain(..length);
+            length
+        };
+        hits.fetch_add(1, Ordering::SeqCst);
+        let reply = |conn: &mut TcpStream, extra: &str, body: &str| {
+            let b = if method == "HEAD" { "" } else { body };
+            let msg = format!(
+                "HTTP/1.1 200 OK\r\nx-backend: {name}\r\ncontent-length: {}\r\n{extra}\r\n{b}",
+                body.len()
+            );
+            conn.write_all(msg.as_bytes())
+        };
+        let body = format!("{name} {method} {path} {body_len}\n");
+        if name == "slow" {
+            thread::sleep(Duration::from_millis(100));
+        }
+        let ok = if path == "/chunked" {
+            let msg = format!(
+                "HTTP/1.1 200 OK\r\nx-backend: {name}\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n{:x}\r\n{body}\r\n0\r\n\r\n",
+                body.len()
+            );
+            conn.write_all(msg.as_bytes())
+        } else if path == "/die" {
+            let _ = conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n");
+            let _ = conn.write_all(&[b'x'; 1000]);
+            let _ = conn.shutdown(std::net::Shutdown::Both);
+            return;
+        } else if path == "/hang" {
+            let until = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < until && !stop.load(Ordering::SeqCst) {
+                thread::sleep(Duration::from_millis(20));
+            }
+            return;
+        } else if path == "/close" {
+            let _ = reply(&mut conn, "connection: close\r\n", &body);
+            return;
+        } else {
+            reply(&mut conn, "", &body)
+        };
+        if ok.is_err() {
+            return;
+        }
+    }
+}
+
+/// One namespace, one cgroup, backends, a daemon; all removed on drop.
+struct Mesh {
+    netns: String,
+    cgroup: PathBuf,
+    dir: tempfile::TempDir,
+    daemon: Option<Child>,
+    backends: Vec<Backend>,
+}
+
+impl Drop for Mesh {
+    fn drop(&mut self) {
+        if let Some(mut d) = self.daemon.take() {
+            // SAFETY: kill(2) on our child.
+            unsafe { libc::kill(d.id() as i32, libc::SIGTERM) };
+            let _ = d.wait();
+        }
+        self.backends.clear();
+        let _ = inband::testbed::netns::delete(&self.netns);
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.cgroup).is_ok() || !self.cgroup.exists() {
+                break;
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Mesh {
+    /// `services`: the TOML after the top-level keys; `{B0}`, `{B1}`...
+    /// stand for the backends' addresses.
+    fn start(tag: &str, names: &[&'static str], pool: u32, services: &str) -> Mesh {
+        inband::bpfmap::require_bpffs().expect("bpffs");
+        let netns = format!("imesh-{tag}");
+        let _ = inband::testbed::netns::delete(&netns);
+        inband::testbed::netns::ip(&["netns", "add", &netns]).unwrap();
+        inband::testbed::netns::ip(&["-n", &netns, "link", "set", "lo", "up"]).unwrap();
+        let cgroup = PathBuf::from(format!("/sys/fs/cgroup/unified/inband-test-mesh-{tag}"));
+        std::fs::create_dir_all(&cgroup).expect("cgroup v2 at /sys/fs/cgroup/unified");
+        let mut mesh = Mesh {
+            netns: netns.clone(),
+            cgroup,
+            dir: tempfile::tempdir().unwrap(),
+            daemon: None,
+            backends: Vec::new(),
+        };
+        let mut text = services.to_string();
+        for (i, n) in names.iter().enumerate() {
+            let b = backend(&netns, n, 9001 + i as u16);
+            text = text.replace(&format!("{{B{i}}}"), &b.addr.to_string());
+            mesh.backends.push(b);
+        }
+        let config = format!(
+            "cgroup = \"{}\"\npool = {pool}\nmetrics = \"127.0.0.1:9105\"\n{text}",
+            mesh.cgroup.display()
+        );
+        let path = mesh.dir.path().join("mesh.toml");
+        std::fs::write(&path, config).unwrap();
+        let log = std::fs::File::create(mesh.dir.path().join("daemon.log")).unwrap();
+        let daemon = inband::testbed::netns::in_netns(
+            &netns,
+            &[
+                env!("CARGO_BIN_EXE_inband"),
+                "mesh",
+                "run",
+                "--config",
+                path.to_str().unwrap(),
+            ],
+        )
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+        mesh.daemon = Some(daemon);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(st) = mesh.status() {
+                if st.backends.len() == names.len()
+                    && st.backends.iter().all(|b| b.up && b.free == pool)
+                {
+                    break;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "daemon not ready:\n{}",
+                mesh.log()
+            );
+            thread::sleep(Duration::from_millis(50));
+        }
+        mesh
+    }
+
+    fn pins(&self) -> PinDir {
+        PinDir(
+            inband::bpfmap::pin_root_of(&self.netns)
+                .join("mesh")
+                .join("default"),
+        )
+    }
+
+    fn status(&self) -> anyhow::Result<Status> {
+        status::read(&self.pins())
+    }
+
+    fn counter(&self, name: &str) -> u64 {
+        self.status()
+            .unwrap()
+            .counters
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap()
+            .1
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("daemon.log")).unwrap_or_default()
+    }
+
+    /// Runs argv in the cgroup and the namespace, bounded to 30 s.
+    fn client(&self, argv: &[&str]) -> Output {
+        let script = format!(
+            "echo $$ > {}/cgroup.procs && exec nsenter --net=/run/netns/{} timeout 30 \"$@\"",
+            self.cgroup.display(),
+            self.netns
+        );
+        Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .arg("sh")
+            .args(argv)
+            .output()
+            .unwrap()
+    }
+
+    fn python(&self, code: &str) -> String {
+        let out = self.client(&["python3", "-c", code]);
+        assert!(
+            out.status.success(),
+            "python failed: {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            self.log()
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn hits(&self) -> Vec<usize> {
+        self.backends
+            .iter()
+            .map(|b| b.hits.load(Ordering::SeqCst))
+            .collect()
+    }
+}
+
+fn curl_urls(paths: &[&str]) -> Vec<String> {
+    paths.iter().map(|p| format!("http://{VIP}{p}")).collect()
+}
+
+/// Counts, per backend name, the lines of output that start with it.
+fn by_backend(out: &str) -> HashMap<String, usize> {
+    let mut m = HashMap::new();
+    for line in out.lines() {
+        if let Some(name) = line.split_whitespace().next() {
+            *m.entry(name.to_string()).or_insert(0) += 1;
+        }
+    }
+    m
+}
+
+const TWO: &str =
+    "[[service]]\nname = \"web\"\naddress = \"10.96.0.10:80\"\nbackends = [\"{B0}\", \"{B1}\"]\n";
+
+#[test]
+fn requests_on_one_connection_are_balanced_per_request() {
+    let m = Mesh::start("rr", &["alpha", "beta"], 4, TWO);
+    let paths: Vec<String> = (0..20).map(|i| format!("/r{i}")).collect();
+    let urls = curl_urls(&paths.iter().map(String::as_str).collect::<Vec<_>>());
+    let mut argv = vec![
+        "curl",
+        "-sS",
+        "--fail",
+        "-w",
+        "%{remote_ip}:%{remote_port} %{num_connects}\\n",
+    ];
+    argv.extend(urls.iter().map(String::as_str));
+    let out = m.client(&argv);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    // Every response, in order, from alternating backends on one connection.
+    let bodies: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("alpha") || l.starts_with("beta"))
+        .collect();
+    assert_eq!(bodies.len(), 20, "{text}");
+    for (i, line) in bodies.iter().enumerate() {
+        assert!(line.ends_with(&format!("GET /r{i} 0")), "{line}");
+    }
+    assert_eq!(
+        by_backend(&bodies.join("\n")),
+        HashMap::from([("alpha".into(), 10), ("beta".into(), 10)])
+    );
+    // The application sees the service's address as its peer, one connect in all.
+    let connects: usize = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("10.96.0.10:80 "))
+        .map(|n| n.parse::<usize>().unwrap())
+        .sum();
+    assert_eq!(connects, 1, "{text}");
+    assert_eq!(m.hits(), vec![10, 10]);
+    assert_eq!(m.counter("connect_redirected"), 1);
+    assert_eq!(m.counter("request_kernel"), 20);
+    assert_eq!(m.counter("response_kernel"), 20);
+    let st = m.status().unwrap();
+    assert!(
+        st.backends
+            .iter()
+            .all(|b| b.in_flight == 0 && b.requests == 10 && b.free == 4),
+        "{st:?}"
+    );
+    // The pools' sockets carried them: no backend saw a connection beyond its pool.
+    assert!(m
+        .backends
+        .iter()
+        .all(|b| b.conns.load(Ordering::SeqCst) == 4));
+}
+
+#[test]
+fn routes_match_path_and_header_and_split_by_weight() {
+    let services = "[[service]]\nname = \"web\"\naddress = \"10.96.0.10:80\"\n\
+        [service.clusters]\nstable = [\"{B0}\"]\ncanary = [\"{B1}\"]\napi = [\"{B2}\"]\n\
+        [[service.route]]\npath_prefix = \"/api/\"\nclusters = { api = 1 }\n\
+        [[service.route]]\npath_prefix = \"/\"\nheader = { name = \"X-Canary\", value = \"yes\" }\nclusters = { canary = 1 }\n\
+        [[service.route]]\npath_prefix = \"/\"\nclusters = { stable = 80, canary = 20 }\n";
+    let m = Mesh::start("routes", &["stable", "canary", "api"], 4, services);
+    let code = format!(
+        "import http.client\n\
+         c = http.client.HTTPConnection('{}', 80)\n\
+         def get(p, h={{}}):\n  c.request('GET', p, headers=h); r = c.getresponse(); return r.read().decode().split()[0]\n\
+         print('api', {{get('/api/x%d' % i) for i in range(20)}})\n\
+         print('hdr', {{get('/x', {{'x-canary': 'yes'}}) for i in range(20)}})\n\
+         print('wrongvalue', {{get('/x', {{'X-CANARY': 'YES'}}) for i in range(5)}} <= {{'stable', 'canary'}})\n\
+         names = [get('/page%d' % i) for i in range(400)]\n\
+         print('split', names.count('stable'), names.count('canary'), names.count('api'))\n",
+        VIP.split(':').next().unwrap()
+    );
+    let out = m.python(&code);
+    assert!(out.contains("api {'api'}"), "{out}");
+    assert!(out.contains("hdr {'canary'}"), "{out}");
+    assert!(out.contains("wrongvalue True"), "{out}");
+    let split: Vec<usize> = out
+        .lines()
+        .find(|l| l.starts_with("split"))
+        .unwrap()
+        .split_whitespace()
+        .skip(1)
+        .map(|n| n.parse().unwrap())
+        .collect();
+    assert_eq!(split[2], 0, "{out}");
+    // 20% canary over 400: 80 expected; 50..110 is beyond 3.5 sigma.
+    assert!((50..=110).contains(&split[1]), "canary share {split:?}");
+    assert_eq!(m.counter("request_kernel"), 445);
+    assert_eq!(m.counter("fallback_no_route"), 0);
+}
+
+#[test]
+fn least_request_sends_less_to_a_slow_backend() {
+    let services =
+        "[[service]]\nname = \"web\"\naddress = \"10.96.0.10:80\"\npolicy = \"least-request\"\n\
+        backends = [\"{B0}\", \"{B1}\"]\n";
+    let m = Mesh::start("least", &["fast", "slow"], 8, services);
+    // 4 clients for 2 s: round-robin would give each backend half.
+    let code = format!(
+        "import http.client, threading, time\n\
+         out = []\n\
+         def run():\n  c = http.client.HTTPConnection('{}', 80)\n  end = time.time() + 2\n  while time.time() < end:\n    \
+         c.request('GET', '/x'); r = c.getresponse(); out.append(r.getheader('x-backend')); r.read()\n\
+         ts = [threading.Thread(target=run) for _ in range(4)]\n\
+         [t.start() for t in ts]; [t.join() for t in ts]\n\
+         print(out.count('fast'), out.count('slow'))\n",
+        VIP.split(':').next().unwrap()
+    );
+    let out = m.python(&code);
+    let n: Vec<usize> = out.split_whitespace().map(|x| x.parse().unwrap()).collect();
+    assert!(n[0] > 100, "{out}");
+    // At most one client waits on the slow one at a time: ~20 of ~2000.
+    assert!(n[1] * 20 < n[0], "slow got {} of {}", n[1], n[0] + n[1]);
+    assert_eq!(m.counter("request_kernel") as usize, n[0] + n[1]);
+}
+
+#[test]
+fn every_fallback_completes_correctly() {
+    let m = Mesh::start("fallback", &["alpha", "beta"], 4, TWO);
+    let host = VIP.split(':').next().unwrap();
+    // Pipelining: two requests in one send, answered in order.
+    let out = m.python(&format!(
+        "import socket\n\
+         s = socket.create_connection(('{host}', 80))\n\
+         s.sendall(b'GET /p1 HTTP/1.1\\r\\nHost: x\\r\\n\\r\\nGET /p2 HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n')\n\
+         data = b''\n\
+         while data.count(b'GET /p') < 2:\n  d = s.recv(65536)\n  assert d, data\n  data += d\n\
+         print(data.decode())\n"
+    ));
+    let p1 = out.find("GET /p1").expect(&out);
+    let p2 = out.find("GET /p2").expect(&out);
+    assert!(p1 < p2, "{out}");
+    assert_eq!(m.counter("fallback_pipelined"), 1);
+    // A chunked request body: handed over, the backend gets every byte.
+    let out = m.client(&[
+        "curl",
+        "-sS",
+        "-H",
+        "Transfer-Encoding: chunked",
+        "--data-binary",
+        "0123456789",
+        &format!("http://{VIP}/up"),
+    ]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("POST /up 10"),
+        "{out:?}"
+    );
+    assert_eq!(m.counter("fallback_chunked"), 1);
+    // Upgrade and Expect: handed over, answered.
+    let out = m.client(&[
+        "curl",
+        "-sS",
+        "-H",
+        "Upgrade: websocket",
+        "-H",
+        "Connection: Upgrade",
+        &format!("http://{VIP}/ws"),
+    ]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("GET /ws 0"),
+        "{out:?}"
+    );
+    let out = m.client(&[
+        "curl",
+        "-sS",
+        "-H",
+        "Expect: 100-continue",
+        "--data-binary",
+        "abc",
+        &format!("http://{VIP}/e"),
+    ]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("POST /e 3"),
+        "{out:?}"
+    );
+    // An HTTP/2 preface reaches a backend byte for byte.
+    let _ = m.client(&[
+        "curl",
+        "-sS",
+        "--http2-prior-knowledge",
+        "-m",
+        "3",
+        &format!("http://{VIP}/h2"),
+    ]);
+    let prefaces: usize = m
+        .backends
+        .iter()
+        .map(|b| {
+            b.unparsed
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|u| u.starts_with(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"))
+                .count()
+        })
+        .sum();
+    assert_eq!(prefaces, 1);
+    assert_eq!(m.counter("fallback_upgrade"), 3);
+    // A chunked response: relayed by the daemon, then the kernel path again.
+    let out = m.client(&[
+        "curl",
+        "-sS",
+        &format!("http://{VIP}/chunked"),
+        &format!("http://{VIP}/after"),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("GET /chunked 0") && text.contains("GET /after 0"),
+        "{text}"
+    );
+    assert_eq!(m.counter("response_user"), 1);
+    // HEAD: a response with Content-Length and no body.
+    let out = m.client(&[
+        "curl",
+        "-sS",
+        "-I",
+        &format!("http://{VIP}/h"),
+        &format!("http://{VIP}/h2nd"),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(text.matches("HTTP/1.1 200 OK").count(), 2, "{text}");
+    let st = m.status().unwrap();
+    assert!(
+        st.backends
+            .iter()
+            .all(|b| b.in_flight == 0 && b.kernel == 0 && b.user == 0),
+        "{st:?}"
+    );
+}
+
+#[test]
+fn bad_input_gets_an_answer_and_a_counter() {
+    let m = Mesh::start("bad", &["alpha", "beta"], 4, TWO);
+    let host = VIP.split(':').next().unwrap();
+    let send = |raw: &str| {
+        m.python(&format!(
+            "import socket\n\
+             s = socket.create_connection(('{host}', 80)); s.settimeout(5)\n\
+             s.sendall({raw})\n\
+             data = b''\n\
+             while b'\\r\\n\\r\\n' not in data:\n  d = s.recv(65536)\n  if not d: break\n  data += d\n\
+             print(data.split(b'\\r\\n')[0].decode())\n"
+        ))
+    };
+    // A header line without a colon: the daemon's parser answers 400.
+    assert_eq!(
+        send("b'GET / HTTP/1.1\\r\\nHost x\\r\\n\\r\\n'").trim(),
+        "HTTP/1.1 400 Bad Request"
+    );
+    assert_eq!(m.counter("fallback_malformed"), 1);
+    // Two different Content-Lengths (smuggling): refused.
+    assert_eq!(
+        send("b'POST / HTTP/1.1\\r\\nContent-Length: 1\\r\\nContent-Length: 2\\r\\n\\r\\nab'")
+            .trim(),
+        "HTTP/1.1 400 Bad Request"
+    );
+    assert_eq!(m.counter("fallback_malformed"), 2);
+    // A 4 KiB header: too long for the kernel parser, served by the daemon.
+    assert_eq!(
+        send(&format!(
+            "b'GET /big HTTP/1.1\\r\\nX-Big: {}\\r\\n\\r\\n'",
+            "a".repeat(4096)
+        ))
+        .trim(),
+        "HTTP/1.1 200 OK"
+    );
+    assert_eq!(m.counter("fallback_head_too_big"), 1);
+    // HTTP/1.0: handed over, answered.
+    assert_eq!(
+        send("b'GET /old HTTP/1.0\\r\\n\\r\\n'").trim(),
+        "HTTP/1.1 200 OK"
+    );
+    // A path no route takes: 404 from the daemon.
+    let only_api =
+        "[[service]]\nname = \"web\"\naddress = \"10.96.0.10:80\"\nbackends = [\"{B0}\"]\n\
+        [[service.route]]\npath_prefix = \"/api\"\n";
+    drop(m);
+    let m = Mesh::start("bad2", &["alpha"], 2, only_api);
+    let out = m.client(&[
+        "curl",
+        "-sS",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        &format!("http://{VIP}/other"),
+    ]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "404");
+    assert_eq!(m.counter("fallback_no_route"), 1);
+    assert_eq!(m.hits(), vec![0]);
+}
+
+#[test]
+fn a_backend_that_dies_or_hangs_gives_the_client_an_error_not_a_hang() {
+    let services =
+        "[[service]]\nname = \"web\"\naddress = \"10.96.0.10:80\"\nbackends = [\"{B0}\"]\n\
+        [[service.route]]\npath_prefix = \"/\"\ntimeout_ms = 500\n";
+    let m = Mesh::start("die", &["alpha"], 2, services);
+    // Dies mid-response: curl sees a short body (exit 18), quickly.
+    let t = Instant::now();
+    let out = m.client(&[
+        "curl",
+        "-sS",
+        "-o",
+        "/dev/null",
+        &format!("http://{VIP}/die"),
+    ]);
+    assert!(!out.status.success(), "{out:?}");
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    // Never answers: 504 at the route's timeout.
+    let t = Instant::now();
+    let out = m.client(&[
+        "curl",
+        "-sS",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        &format!("http://{VIP}/hang"),
+    ]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "504");
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    // The pool heals: later requests are served by the kernel path.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while m.status().unwrap().backends[0].free < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "pool not refilled: {:?}",
+            m.status().unwrap()
+        );
+        thread::sleep(Duration::from_millis(50));
+    }
+    let out = m.client(&["curl", "-sS", &format!("http://{VIP}/ok")]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("GET /ok 0"),
+        "{out:?}"
+    );
+    assert_eq!(m.status().unwrap().backends[0].in_flight, 0);
+}
+
+#[test]
+fn a_client_that_leaves_mid_request_frees_its_slot() {
+    let m = Mesh::start(
+        "leave",
+        &["alpha"],
+        2,
+        "[[service]]\nname = \"web\"\naddress = \"10.96.0.10:80\"\nbackends = [\"{B0}\"]\n",
+    );
+    let host = VIP.split(':').next().unwrap();
+    // Announces 100 bytes of body, sends 10, leaves.
+    m.python(&format!(
+        "import socket\n\
+         s = socket.create_connection(('{host}', 80))\n\
+         s.sendall(b'POST /half HTTP/1.1\\r\\nContent-Length: 100\\r\\n\\r\\n0123456789')\n\
+         s.close()\n"
+    ));
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let st = m.status().unwrap();
+        if m.counter("client_gone_in_flight") == 1
+            && st.backends[0].free == 2
+            && st.backends[0].in_flight == 0
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "slot not freed: {st:?}");
+        thread::sleep(Duration::from_millis(50));
+    }
+    // The half request never reached a handler; the next one is whole.
+    let out = m.client(&["curl", "-sS", &format!("http://{VIP}/next")]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("GET /next 0"),
+        "{out:?}"
+    );
+    assert_eq!(m.hits(), vec![1]);
+}
+
+#[test]
+fn churn_leaves_no_connection_slot_or_socket_behind() {
+    let m = Mesh::start("churn", &["alpha", "beta"], 4, TWO);
+    let daemon = m.daemon.as_ref().unwrap().id();
+    let fds = || {
+        std::fs::read_dir(format!("/proc/{daemon}/fd"))
+            .unwrap()
+            .count()
+    };
+    let before = fds();
+    // 300 connections of 3 requests, 8 at a time, some closing abruptly.
+    let out = m.python(&format!(
+        "import http.client, threading, socket\n\
+         ok = []\n\
+         def run(k):\n  for i in range(k, 300, 8):\n    c = http.client.HTTPConnection('{}', 80)\n    \
+         for j in range(3):\n      c.request('GET', '/c%d' % i); r = c.getresponse(); r.read(); ok.append(r.status)\n    \
+         if i % 3 == 0: c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b'\\x01\\0\\0\\0\\0\\0\\0\\0')\n    c.close()\n\
+         ts = [threading.Thread(target=run, args=(k,)) for k in range(8)]\n\
+         [t.start() for t in ts]; [t.join() for t in ts]\n\
+         print(len(ok), ok.count(200))\n",
+        VIP.split(':').next().unwrap()
+    ));
+    assert_eq!(out.trim(), "900 900");
+    assert_eq!(m.counter("connect_redirected"), 300);
+    assert_eq!(m.counter("request_kernel"), 900);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let conns = inband::bpfmap::count(&m.pins().open("mesh_conns").unwrap());
+        let st = m.status().unwrap();
+        let settled = st.backends.iter().all(|b| b.free == 4 && b.in_flight == 0)
+            && conns == 0
+            && fds() <= before + 2;
+        if settled {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "left behind: {conns} conns, {} fds (from {before}), {st:?}",
+            fds()
+        );
+        thread::sleep(Duration::from_millis(100));
+    }
+    // The pools' connections are the ones made at start.
+    assert!(m
+        .backends
+        .iter()
+        .all(|b| b.conns.load(Ordering::SeqCst) == 4));
+}
+
+#[test]
+fn status_and_metrics_show_services_backends_and_counters() {
+    let m = Mesh::start("status", &["alpha", "beta"], 3, TWO);
+    let out = m.client(&[
+        "curl",
+        "-sS",
+        &format!("http://{VIP}/a"),
+        &format!("http://{VIP}/b"),
+    ]);
+    assert!(out.status.success());
+    let out = inband::testbed::netns::in_netns(
+        &m.netns,
+        &[env!("CARGO_BIN_EXE_inband"), "mesh", "status", "--json"],
+    )
+    .output()
+    .unwrap();
+    let st: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(st["services"][0]["address"], "10.96.0.10:80");
+    assert_eq!(st["backends"][0]["requests"], 1);
+    assert_eq!(st["backends"][1]["pool"], 3);
+    let metrics = m.client(&["curl", "-sS", "http://127.0.0.1:9105/metrics"]);
+    let text = String::from_utf8_lossy(&metrics.stdout);
+    assert!(
+        text.contains("inband_mesh_request_kernel_total 2"),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "inband_mesh_pool_slots{{backend=\"{}\",state=\"free\"}} 3",
+            m.backends[0].addr
+        )),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_bad_config_is_refused_with_its_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.toml");
+    std::fs::write(&path, "cgroup = \"/nonexistent/cg\"\n[[service]]\nname = \"w\"\naddress = \"10.96.0.10:80\"\nbackends = [\"127.0.0.1:1\"]\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_inband"))
+        .args(["mesh", "run", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("opening the cgroup /nonexistent/cg"), "{err}");
+    std::fs::write(&path, "cgroup = \"/sys/fs/cgroup/unified\"\npool = 9999\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_inband"))
+        .args(["mesh", "run", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("pool = 9999: must be 1..=256"),
+        "{out:?}"
+    );
+}
