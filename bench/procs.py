@@ -112,6 +112,12 @@ class Procs:
             except Exception:  # noqa: BLE001 - tear-down goes on regardless
                 pass
 
+    def stop_except(self, keep: set[str]) -> None:
+        """Stops every process not named in `keep`, newest first."""
+        for name, p in reversed(list(self._running)):
+            if name not in keep:
+                self.stop(p)
+
     def running(self) -> list[str]:
         return [n for n, p in self._running if p.poll() is None]
 

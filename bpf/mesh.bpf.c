@@ -265,6 +265,8 @@ static long request_header(__u64 i, struct request_fields *f)
 		if (!IS_KEEP_ALIVE(h, vfrom, vto - vfrom))
 			f->upgrade = 1;
 	}
+	if (!svc->header_routes)
+		return 0;
 	__u64 name = fnv(h, start, colon, INBAND_MESH_HNAME_MAX, 1);
 	__u64 value = fnv(h, vfrom, vto, INBAND_MESH_HVALUE_MAX, 0);
 	for (__u32 r = 0; r < INBAND_MESH_MAX_ROUTES; r++) {

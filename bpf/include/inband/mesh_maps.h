@@ -75,6 +75,8 @@ struct inband_mesh_route {
 struct inband_mesh_service {
 	__u32 id; /* index of the service in the config, for counters and status */
 	__u32 n_routes;
+	__u32 header_routes; /* routes with a header match: 0 skips hashing header lines */
+	__u32 pad;
 	struct inband_mesh_route routes[INBAND_MESH_MAX_ROUTES];
 };
 

@@ -97,13 +97,10 @@ struct walk_ctx {
 };
 
 /* One byte of the walk: records the first line's spaces, each header
- * line's start, colon and end, and stops at the empty line. */
-static long walk_byte(__u64 i, struct walk_ctx *ctx)
+ * line's start, colon and end, and stops (1) at the empty line. */
+static __always_inline int walk_byte(struct head *h, __u32 p)
 {
-	struct head *h = bpf_map_lookup_elem(&mesh_scratch, &ctx->which);
-	__u32 p = i;
-
-	if (!h || p >= h->len)
+	if (p >= h->len)
 		return 1;
 	char c = head_at(h, p);
 	if (!h->first_done) {
@@ -150,12 +147,29 @@ static long walk_byte(__u64 i, struct walk_ctx *ctx)
 	return 0;
 }
 
+#define WALK_STRIDE 16
+
+/* WALK_STRIDE bytes per call: the call and the scratch lookup cost more
+ * than a byte's work, so they are paid once per stride. */
+static long walk_stride(__u64 i, struct walk_ctx *ctx)
+{
+	struct head *h = bpf_map_lookup_elem(&mesh_scratch, &ctx->which);
+
+	if (!h)
+		return 1;
+#pragma unroll
+	for (__u32 k = 0; k < WALK_STRIDE; k++)
+		if (walk_byte(h, i * WALK_STRIDE + k))
+			return 1;
+	return 0;
+}
+
 /* Walks h->buf[0 .. h->len). */
 static __always_inline void head_walk(struct head *h, __u32 which)
 {
 	struct walk_ctx ctx = { .which = which };
 
-	bpf_loop(INBAND_MESH_HEAD_MAX, walk_byte, &ctx, 0);
+	bpf_loop((h->len + WALK_STRIDE - 1) / WALK_STRIDE, walk_stride, &ctx, 0);
 }
 
 /* The helpers below that loop are global functions: the verifier checks

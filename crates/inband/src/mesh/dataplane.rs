@@ -175,6 +175,7 @@ impl Dataplane {
                 .unwrap() as u32;
             let routes = svc.effective_routes();
             value.n_routes = routes.len() as u32;
+            value.header_routes = routes.iter().filter(|r| r.header.is_some()).count() as u32;
             for (r, route) in routes.iter().enumerate() {
                 let rt = &mut value.routes[r];
                 rt.prefix_len = route.path_prefix.len() as u32;

@@ -1,0 +1,596 @@
+"""Socket-layer L7 balancing (issue 14, seed 001's XLB), in one run:
+
+    python -m bench.mesh --out results/mesh
+
+One client host (a network namespace) and two backend hosts (nginx, one
+worker, a 64-byte answer) behind veths. On the client host, in one cgroup,
+wrk (one thread, closed loop, HTTP/1.1 persistent connections, as the
+seed's Fortio) calls a service through, in turn:
+
+- direct: no balancer; half the connections to each backend (two wrk);
+- inband mesh: `inband mesh run`, no proxy in the data path;
+- HAProxy (http mode, one thread) as a per-host sidecar;
+- nginx (one worker, keep-alive upstream) as a per-host sidecar;
+- inband proxy (one worker, no cache) as a per-host sidecar.
+
+For 1 to 128 connections: req/s, p50/p99 latency, and CPU per request of
+the whole host (every process and the kernel's work on their behalf, from
+/proc/stat: the mesh's work runs in the client's, the backends' and
+kernel threads' time, so no per-process count would be fair), with the
+CPU each system adds over direct. Then the seed's chain: nine services,
+each an nginx hop that calls the next through the system, at 1 and 8
+connections. Then where the mesh's time goes: its two programs' run time
+per request (bpf_stats) against the CPU it adds over direct.
+
+Prints Markdown tables, writes results.md, results.json, mesh.png and
+command.txt into --out; removes its namespaces, cgroup and processes at
+the end, on Ctrl-C and SIGTERM too. See docs/benchmarks.md ("Socket-layer
+L7 balancing").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .outputs import publish, record_command
+from .paper import tool_version
+from .procs import Procs, ns_argv, run, stop_signals_interrupt, uninterruptible, wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+INBAND = REPO / "target" / "debug" / "inband"
+HOST_NS = "mb-host"
+BACKEND_NS = ["mb-b1", "mb-b2"]
+CGROUP = Path("/sys/fs/cgroup/unified/inband-bench-mesh")
+VIP = "10.96.0.10"
+BACKEND_PORT = 8080
+BODY = "x" * 63 + "\n"
+HOPS = 9
+
+SYSTEMS = {
+    "direct": "direct (no balancer)",
+    "mesh": "inband mesh",
+    "haproxy": "HAProxy sidecar",
+    "nginx": "nginx sidecar",
+    "proxy": "inband proxy sidecar",
+}
+SIDECAR_PORT = {"haproxy": 15100, "nginx": 15200, "proxy": 15300}
+
+
+@dataclass(frozen=True)
+class Profile:
+    conns: list[int]
+    seconds: int
+    chain_conns: list[int]
+    chain_seconds: int
+    systems: list[str]
+
+
+PROFILES = {
+    "default": Profile([1, 8, 32, 128], 5, [1, 8], 4, list(SYSTEMS)),
+    "quick": Profile([1, 32, 128], 3, [1], 3, list(SYSTEMS)),
+    "tiny": Profile([1, 8], 1, [1], 1, list(SYSTEMS)),
+}
+
+WRK_LUA = """
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("BENCH requests=%d errors=%d status_errors=%d p50_us=%d p99_us=%d duration_us=%d\\n",
+    summary.requests, e.connect + e.read + e.write + e.timeout, e.status,
+    latency:percentile(50), latency:percentile(99), summary.duration))
+end
+"""
+
+
+def backend_ip(i: int) -> str:
+    return f"10.77.{i + 1}.2"
+
+
+# ------------------------------------------------------------ configurations
+
+
+def nginx_backend_conf(prefix: str, listen: str) -> str:
+    return f"""\
+worker_processes 1;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    keepalive_requests 10000000;
+    server {{ listen {listen}; location / {{ return 200 "{BODY.strip()}\\n"; }} }}
+}}
+"""
+
+
+def nginx_sidecar_conf(prefix: str, fronts: list[tuple[int, list[str]]]) -> str:
+    """One worker, keep-alive to the upstreams: a sidecar set up for speed."""
+    blocks = []
+    for n, (port, upstreams) in enumerate(fronts):
+        servers = "".join(f"        server {u};\n" for u in upstreams)
+        blocks.append(
+            f"    upstream u{n} {{\n{servers}        keepalive 256;\n    }}\n"
+            f"    server {{\n        listen 127.0.0.1:{port};\n        location / {{\n"
+            f"            proxy_pass http://u{n};\n            proxy_http_version 1.1;\n"
+            f'            proxy_set_header Connection "";\n        }}\n    }}\n'
+        )
+    return f"""\
+worker_processes 1;
+pid {prefix}/sidecar.pid;
+error_log {prefix}/sidecar-error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    keepalive_requests 10000000;
+{''.join(blocks)}}}
+"""
+
+
+def haproxy_http_cfg(fronts: list[tuple[int, list[str]]]) -> str:
+    """http mode (it parses and balances each request, as the mesh does),
+    one thread, connections to the backends reused across requests."""
+    lines = [
+        "global",
+        "    maxconn 4000",
+        "    nbthread 1",
+        "defaults",
+        "    mode http",
+        "    timeout connect 2s",
+        "    timeout client 30s",
+        "    timeout server 30s",
+        "    http-reuse always",
+    ]
+    for n, (port, upstreams) in enumerate(fronts):
+        lines += [f"frontend f{n}", f"    bind 127.0.0.1:{port}", f"    default_backend b{n}", f"backend b{n}", "    balance roundrobin"]
+        lines += [f"    server s{k} {u}" for k, u in enumerate(upstreams)]
+    return "\n".join(lines) + "\n"
+
+
+def proxy_toml(listen: str, upstreams: list[str]) -> str:
+    ups = ", ".join(f'"{u}"' for u in upstreams)
+    return f'listen = "{listen}"\nbackends = [{ups}]\nworkers = 1\n'
+
+
+def mesh_toml(services: list[tuple[str, list[str]]], pool: int) -> str:
+    lines = [f'cgroup = "{CGROUP}"', f"pool = {pool}", 'name = "bench"', ""]
+    for n, (address, upstreams) in enumerate(services):
+        ups = ", ".join(f'"{u}"' for u in upstreams)
+        lines += ["[[service]]", f'name = "s{n}"', f'address = "{address}"', f"backends = [{ups}]", ""]
+    return "\n".join(lines)
+
+
+def hops_conf(prefix: str, system: str) -> str:
+    """Nine services, each an nginx server that calls the next (the last
+    answers): the seed's chain. Where each hop sends its call depends on
+    the system: straight to the next hop, to the next service's address
+    (the mesh), or to the sidecar's front for it."""
+    blocks = []
+    for k in range(HOPS):
+        port = 17000 + k
+        if k == HOPS - 1:
+            body = f'return 200 "{BODY.strip()}\\n";'
+        else:
+            nxt = {
+                "direct": f"127.0.0.1:{17000 + k + 1}",
+                "mesh": f"10.96.1.{k + 1}:80",
+                "haproxy": f"127.0.0.1:{16000 + k + 1}",
+                "nginx": f"127.0.0.1:{18000 + k + 1}",
+            }[system]
+            blocks.append(f"    upstream next{k} {{\n        server {nxt};\n        keepalive 32;\n    }}\n")
+            body = f'proxy_pass http://next{k}; proxy_http_version 1.1; proxy_set_header Connection "";'
+        blocks.append(f"    server {{ listen 127.0.0.1:{port}; location / {{ {body} }} }}\n")
+    return f"""\
+worker_processes 1;
+pid {prefix}/hops.pid;
+error_log {prefix}/hops-error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    keepalive_requests 10000000;
+{''.join(blocks)}}}
+"""
+
+
+def chain_entry(system: str) -> str:
+    return {"direct": "127.0.0.1:17000", "mesh": "10.96.1.0:80", "haproxy": "127.0.0.1:16000", "nginx": "127.0.0.1:18000"}[system]
+
+
+def chain_fronts(first_port: int) -> list[tuple[int, list[str]]]:
+    return [(first_port + k, [f"127.0.0.1:{17000 + k}"]) for k in range(HOPS)]
+
+
+# ------------------------------------------------------------ measurement
+
+
+def parse_wrk(text: str) -> dict:
+    for line in text.splitlines():
+        if line.startswith("BENCH "):
+            return {k: int(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
+    raise ValueError(f"no summary in wrk output: {text[-400:]}")
+
+
+def host_busy_s() -> float:
+    """Busy CPU time of the machine (every namespace shares it): user,
+    nice, system, irq, softirq and steal, in seconds."""
+    f = open("/proc/stat").readline().split()
+    busy = sum(int(f[i]) for i in (1, 2, 3, 6, 7, 8))
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def in_cgroup(argv: list[str]) -> list[str]:
+    """argv in the client cgroup and the client host's namespace."""
+    return ["sh", "-c", f'echo $$ > {CGROUP}/cgroup.procs && exec "$@"', "sh", *ns_argv(HOST_NS, argv)]
+
+
+@dataclass
+class Point:
+    system: str
+    conns: int
+    rps: float
+    p50_us: int
+    p99_us: int
+    errors: int
+    cpu_us: float  # whole host, per request
+    added_us: float | None = None  # over direct at the same connections
+
+
+@dataclass
+class Results:
+    profile: str
+    points: list[Point] = field(default_factory=list)
+    chain: list[Point] = field(default_factory=list)
+    breakdown: dict = field(default_factory=dict)
+    # The mesh's counters after each of its runs: its fallbacks and
+    # user-space relays, which should be none for this workload.
+    mesh_counters: dict = field(default_factory=dict)
+    versions: dict = field(default_factory=dict)
+
+
+class Bench:
+    def __init__(self, profile: Profile, work: Path) -> None:
+        self.p = profile
+        self.work = work
+        self.procs = Procs()
+        self.lua = work / "bench.lua"
+        self.lua.write_text(WRK_LUA)
+
+    # --- testbed
+
+    def setup(self) -> None:
+        self.teardown_testbed()
+        run(None, ["ip", "netns", "add", HOST_NS])
+        run(HOST_NS, ["ip", "link", "set", "lo", "up"])
+        for i, ns in enumerate(BACKEND_NS):
+            run(None, ["ip", "netns", "add", ns])
+            run(ns, ["ip", "link", "set", "lo", "up"])
+            run(None, ["ip", "link", "add", f"mbh{i}", "netns", HOST_NS, "type", "veth", "peer", "name", f"mbb{i}", "netns", ns])
+            run(HOST_NS, ["ip", "addr", "add", f"10.77.{i + 1}.1/24", "dev", f"mbh{i}"])
+            run(ns, ["ip", "addr", "add", f"{backend_ip(i)}/24", "dev", f"mbb{i}"])
+            run(HOST_NS, ["ip", "link", "set", f"mbh{i}", "up"])
+            run(ns, ["ip", "link", "set", f"mbb{i}", "up"])
+            d = self.work / ns
+            d.mkdir(exist_ok=True)
+            (d / "nginx.conf").write_text(nginx_backend_conf(str(d), f"0.0.0.0:{BACKEND_PORT}"))
+            self.procs.spawn(ns, ns, ["nginx", "-c", str(d / "nginx.conf"), "-g", "daemon off;"], d / "log")
+        CGROUP.mkdir(exist_ok=True)
+        for i in range(len(BACKEND_NS)):
+            wait_until(f"backend {i}", lambda i=i: self.curl(f"http://{backend_ip(i)}:{BACKEND_PORT}/") == BODY, 10)
+
+    def teardown_testbed(self) -> None:
+        for ns in [HOST_NS, *BACKEND_NS]:
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                subprocess.run(["kill", "-9", pid], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        if CGROUP.exists():
+            for pid in (CGROUP / "cgroup.procs").read_text().split():
+                subprocess.run(["kill", "-9", pid], capture_output=True)
+            for _ in range(50):
+                try:
+                    CGROUP.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+
+    def curl(self, url: str) -> str:
+        cp = subprocess.run(in_cgroup(["curl", "-sS", "-m", "3", url]), capture_output=True, text=True, timeout=10)
+        return cp.stdout
+
+    # --- systems
+
+    def start(self, system: str, fronts: list[tuple[int, list[str]]], services: list[tuple[str, list[str]]], pool: int) -> None:
+        d = self.work / system
+        d.mkdir(exist_ok=True)
+        if system == "haproxy":
+            (d / "haproxy.cfg").write_text(haproxy_http_cfg(fronts))
+            self.procs.spawn(system, HOST_NS, ["haproxy", "-db", "-f", str(d / "haproxy.cfg")], d / "log")
+        elif system == "nginx":
+            (d / "sidecar.conf").write_text(nginx_sidecar_conf(str(d), fronts))
+            self.procs.spawn(system, HOST_NS, ["nginx", "-c", str(d / "sidecar.conf"), "-g", "daemon off;"], d / "log")
+        elif system == "proxy":
+            for n, (port, ups) in enumerate(fronts):
+                (d / f"proxy{n}.toml").write_text(proxy_toml(f"127.0.0.1:{port}", ups))
+                self.procs.spawn(f"proxy{n}", HOST_NS, [str(INBAND), "proxy", "--config", str(d / f"proxy{n}.toml")], d / "log")
+        elif system == "mesh":
+            (d / "mesh.toml").write_text(mesh_toml(services, pool))
+            self.procs.spawn(system, HOST_NS, [str(INBAND), "mesh", "run", "--config", str(d / "mesh.toml")], d / "log")
+
+    def stop(self) -> None:
+        """Everything but the backends."""
+        self.procs.stop_except(set(BACKEND_NS))
+
+    def measure(self, system: str, urls: list[str], conns: int, seconds: int) -> Point:
+        """Closed-loop load for `seconds`; several urls split the connections
+        (direct's two backends)."""
+        split = [max(1, conns // len(urls))] * len(urls) if conns >= len(urls) else [conns]
+        urls = urls[: len(split)]
+        c0, t0 = host_busy_s(), time.monotonic()
+        procs = [
+            subprocess.Popen(
+                in_cgroup(["wrk", "-t1", f"-c{c}", f"-d{seconds}s", "--timeout", "5s", "-s", str(self.lua), u]),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for u, c in zip(urls, split)
+        ]
+        outs = [p.communicate(timeout=seconds + 30) for p in procs]
+        cpu = host_busy_s() - c0
+        elapsed = time.monotonic() - t0
+        ws = []
+        for p, (o, e) in zip(procs, outs):
+            if p.returncode != 0:
+                raise RuntimeError(f"wrk failed ({p.returncode}): {e.strip()[-400:]}")
+            ws.append(parse_wrk(o))
+        requests = sum(w["requests"] for w in ws)
+        duration = max(w["duration_us"] for w in ws) / 1e6 or elapsed
+        return Point(
+            system=system,
+            conns=conns,
+            rps=requests / duration,
+            p50_us=int(sum(w["p50_us"] for w in ws) / len(ws)),
+            p99_us=max(w["p99_us"] for w in ws),
+            errors=sum(w["errors"] + w["status_errors"] for w in ws),
+            cpu_us=cpu / max(requests, 1) * 1e6,
+        )
+
+    def settle(self) -> None:
+        time.sleep(0.5)
+
+    # --- runs
+
+    def balance(self, res: Results) -> None:
+        backends = [f"{backend_ip(i)}:{BACKEND_PORT}" for i in range(len(BACKEND_NS))]
+        pool = max(self.p.conns)
+        for system in self.p.systems:
+            port = SIDECAR_PORT.get(system)
+            self.start(system, [(port, backends)] if port else [], [(f"{VIP}:80", backends)], pool)
+            entry = {"direct": None, "mesh": f"{VIP}:80"}.get(system, f"127.0.0.1:{port}")
+            urls = [f"http://{b}/" for b in backends] if entry is None else [f"http://{entry}/"]
+            wait_until(f"{SYSTEMS[system]} to answer", lambda: self.curl(urls[0]) == BODY, 15)
+            if system == "mesh":
+                self.mesh_ready()
+            for conns in self.p.conns:
+                self.settle()
+                pt = self.measure(system, urls, conns, self.p.seconds)
+                res.points.append(pt)
+                print(f"  {SYSTEMS[system]:<24} c={conns:<4} {pt.rps:>9.0f} req/s  p99 {pt.p99_us} us  {pt.cpu_us:.1f} us CPU/req", flush=True)
+            if system == "mesh":
+                res.breakdown = self.breakdown(urls)
+                res.mesh_counters["balance"] = mesh_counters()
+            self.stop()
+        direct = {p.conns: p for p in res.points if p.system == "direct"}
+        for p in res.points:
+            if p.conns in direct:
+                p.added_us = p.cpu_us - direct[p.conns].cpu_us
+
+    def mesh_ready(self) -> None:
+        def ready() -> bool:
+            cp = run(HOST_NS, [str(INBAND), "mesh", "status", "--name", "bench", "--json"], check=False)
+            st = json.loads(cp.stdout) if cp.returncode == 0 else {}
+            return bool(st.get("backends")) and all(b["up"] and b["free"] == b["pool"] for b in st["backends"])
+
+        wait_until("the mesh's pools", ready, 15)
+
+    def breakdown(self, urls: list[str]) -> dict:
+        """The mesh's two programs' run time per request (bpf_stats) at the
+        middle connection count."""
+        conns = self.p.conns[len(self.p.conns) // 2]
+        subprocess.run(["sysctl", "-qw", "kernel.bpf_stats_enabled=1"], check=True)
+        try:
+            before = prog_stats()
+            pt = self.measure("mesh", urls, conns, self.p.seconds)
+            after = prog_stats()
+        finally:
+            subprocess.run(["sysctl", "-qw", "kernel.bpf_stats_enabled=0"], check=True)
+        requests = pt.rps * self.p.seconds
+        out = {"conns": conns, "rps": pt.rps, "cpu_us": pt.cpu_us}
+        for name in ("mesh_request", "mesh_response"):
+            ns = after.get(name, (0, 0))[0] - before.get(name, (0, 0))[0]
+            runs = after.get(name, (0, 0))[1] - before.get(name, (0, 0))[1]
+            out[name] = {"us_per_request": ns / 1e3 / max(requests, 1), "runs": runs}
+        return out
+
+    def chain(self, res: Results) -> None:
+        for system in [s for s in self.p.systems if s != "proxy"]:
+            d = self.work / f"chain-{system}"
+            d.mkdir(exist_ok=True)
+            services = [(f"10.96.1.{k}:80", [f"127.0.0.1:{17000 + k}"]) for k in range(HOPS)]
+            fronts = {"haproxy": chain_fronts(16000), "nginx": chain_fronts(18000)}.get(system, [])
+            self.start(system, fronts, services, max(self.p.chain_conns) * 2)
+            (d / "hops.conf").write_text(hops_conf(str(d), system))
+            # In the cgroup: the hops are the applications whose calls the mesh balances.
+            self.procs.spawn("hops", None, in_cgroup(["nginx", "-c", str(d / "hops.conf"), "-g", "daemon off;"]), d / "log")
+            url = f"http://{chain_entry(system)}/"
+            wait_until(f"the chain through {SYSTEMS[system]}", lambda: self.curl(url) == BODY, 15)
+            for conns in self.p.chain_conns:
+                self.settle()
+                pt = self.measure(system, [url], conns, self.p.chain_seconds)
+                res.chain.append(pt)
+                print(f"  chain {SYSTEMS[system]:<20} c={conns:<3} p50 {pt.p50_us} us  p99 {pt.p99_us} us", flush=True)
+            if system == "mesh":
+                res.mesh_counters["chain"] = mesh_counters()
+            self.stop()
+
+
+def mesh_counters() -> dict[str, int]:
+    cp = run(HOST_NS, [str(INBAND), "mesh", "status", "--name", "bench", "--json"], check=False)
+    return dict(json.loads(cp.stdout)["counters"]) if cp.returncode == 0 else {}
+
+
+def prog_stats() -> dict[str, tuple[int, int]]:
+    cp = subprocess.run(["bpftool", "-j", "prog", "show"], capture_output=True, text=True, check=True)
+    out = {}
+    for p in json.loads(cp.stdout):
+        if p.get("name") in ("mesh_request", "mesh_response"):
+            ns, n = out.get(p["name"], (0, 0))
+            out[p["name"]] = (ns + p.get("run_time_ns", 0), n + p.get("run_cnt", 0))
+    return out
+
+
+# ------------------------------------------------------------ report
+
+
+def report(res: Results) -> str:
+    md = [f"## Socket-layer L7 balancing: req/s, latency, CPU per request (profile {res.profile})", ""]
+    md.append("| system | connections | req/s | ×direct | ×best sidecar | p50 µs | p99 µs | errors | host CPU µs/req | added over direct µs/req |")
+    md.append("|---|---|---|---|---|---|---|---|---|---|")
+    by = {(p.system, p.conns): p for p in res.points}
+    conns = sorted({p.conns for p in res.points})
+    for c in conns:
+        sidecars = [by[(s, c)] for s in ("haproxy", "nginx", "proxy") if (s, c) in by]
+        best = max(sidecars, key=lambda p: p.rps) if sidecars else None
+        d = by.get(("direct", c))
+        for s in SYSTEMS:
+            p = by.get((s, c))
+            if not p:
+                continue
+            xd = f"{p.rps / d.rps:.2f}×" if d else "-"
+            xb = f"{p.rps / best.rps:.2f}×" if best else "-"
+            added = f"{p.added_us:.1f}" if p.added_us is not None else "-"
+            md.append(
+                f"| {SYSTEMS[s]} | {c} | {p.rps:,.0f} | {xd} | {xb} | {p.p50_us} | {p.p99_us} | {p.errors} | {p.cpu_us:.1f} | {added} |"
+            )
+    if res.chain:
+        md += ["", f"## Nine-service chain (profile {res.profile})", ""]
+        md.append("| system | connections | req/s | p50 µs | p99 µs | p50 vs best sidecar | errors |")
+        md.append("|---|---|---|---|---|---|---|")
+        cby = {(p.system, p.conns): p for p in res.chain}
+        for c in sorted({p.conns for p in res.chain}):
+            sides = [cby[(s, c)] for s in ("haproxy", "nginx") if (s, c) in cby]
+            best = min(sides, key=lambda p: p.p50_us) if sides else None
+            for s in SYSTEMS:
+                p = cby.get((s, c))
+                if not p:
+                    continue
+                vs = f"{(p.p50_us / best.p50_us - 1) * 100:+.0f}%" if best else "-"
+                md.append(f"| {SYSTEMS[s]} | {c} | {p.rps:,.0f} | {p.p50_us} | {p.p99_us} | {vs} | {p.errors} |")
+    b = res.breakdown
+    if b:
+        d = by.get(("direct", b["conns"]))
+        bpf = b["mesh_request"]["us_per_request"] + b["mesh_response"]["us_per_request"]
+        md += ["", f"## Where the mesh's time goes ({b['conns']} connections, bpf_stats on)", ""]
+        md.append("| part | µs per request |")
+        md.append("|---|---|")
+        md.append(f"| request program: parse, route, balance, claim a slot | {b['mesh_request']['us_per_request']:.2f} |")
+        md.append(f"| response program: frame, release, redirect | {b['mesh_response']['us_per_request']:.2f} |")
+        if d:
+            rest = b["cpu_us"] - d.cpu_us - bpf
+            md.append(f"| socket-layer redirection, psock queues and work items, pool sockets (added CPU − programs) | {rest:.2f} |")
+            md.append(f"| host CPU per request: mesh / direct | {b['cpu_us']:.1f} / {d.cpu_us:.1f} |")
+    for part, counters in res.mesh_counters.items():
+        moved = {k: v for k, v in counters.items() if v and (k.startswith("fallback_") or k == "response_user")}
+        md.append(
+            f"\nThe mesh in the {part} runs: {counters.get('request_kernel', 0):,} requests by the kernel path, "
+            + (", ".join(f"{k} {v:,}" for k, v in moved.items()) if moved else "none handed to the daemon")
+            + "."
+        )
+    md += ["", "Versions: " + "; ".join(f"{k} {v}" for k, v in res.versions.items()), ""]
+    return "\n".join(md) + "\n"
+
+
+def plot(res: Results, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for s, label in SYSTEMS.items():
+        pts = sorted((p for p in res.points if p.system == s), key=lambda p: p.conns)
+        if not pts:
+            continue
+        a.plot([p.conns for p in pts], [p.rps for p in pts], marker="o", label=label)
+        b.plot([p.conns for p in pts], [p.p99_us / 1000 for p in pts], marker="o", label=label)
+    for ax, t in ((a, "req/s"), (b, "p99 latency (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("connections")
+        ax.set_title(t)
+        ax.grid(alpha=0.3)
+    a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--profile", choices=list(PROFILES), default="default")
+    ap.add_argument("--systems", help="comma-separated subset of " + ",".join(SYSTEMS))
+    ap.add_argument("--parts", default="balance,chain", help="balance, chain, or both (comma-separated)")
+    args = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        print("run as root: it makes namespaces, a cgroup and loads BPF programs", file=sys.stderr)
+        return 2
+    if not INBAND.exists():
+        print(f"{INBAND} is missing: run `cargo build -p inband` first", file=sys.stderr)
+        return 2
+    if not Path("/sys/fs/cgroup/unified/cgroup.procs").exists():
+        print("no cgroup v2 at /sys/fs/cgroup/unified: the mesh attaches to a cgroup v2", file=sys.stderr)
+        return 2
+    profile = PROFILES[args.profile]
+    if args.systems:
+        chosen = args.systems.split(",")
+        unknown = [s for s in chosen if s not in SYSTEMS]
+        if unknown:
+            print(f"unknown systems {unknown}: choose from {','.join(SYSTEMS)}", file=sys.stderr)
+            return 2
+        profile = Profile(profile.conns, profile.seconds, profile.chain_conns, profile.chain_seconds, chosen)
+    args.out.mkdir(parents=True, exist_ok=True)
+    record_command(args.out, "bench.mesh", argv)
+    res = Results(profile=args.profile)
+    res.versions = {
+        "kernel": os.uname().release,
+        "wrk": tool_version(["wrk", "-v"]),
+        "haproxy": tool_version(["haproxy", "-v"]),
+        "nginx": tool_version(["nginx", "-v"]),
+    }
+    stop_signals_interrupt()
+    with tempfile.TemporaryDirectory(prefix="bench-mesh-") as tmp:
+        b = Bench(profile, Path(tmp))
+        try:
+            b.setup()
+            parts = args.parts.split(",")
+            if "balance" in parts:
+                b.balance(res)
+            if "chain" in parts:
+                b.chain(res)
+        finally:
+            with uninterruptible():
+                b.procs.stop_all()
+                b.teardown_testbed()
+    md = report(res)
+    publish(args.out, md, asdict(res))
+    plot(res, args.out / "mesh.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The socket-layer L7 benchmark: its peers' configurations checked by
+HAProxy and nginx themselves, the mesh's by inband, its report from known
+numbers, and its tiny profile end to end, so it cannot silently rot."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from bench import mesh as mb
+from driver_runs import INBAND, REPO, table_rows
+
+
+def test_peer_configs_pass_their_own_checks(tmp_path):
+    fronts = [(15100, ["10.77.1.2:8080", "10.77.2.2:8080"])]
+    if shutil.which("haproxy"):
+        cfg = tmp_path / "h.cfg"
+        cfg.write_text(mb.haproxy_http_cfg(fronts))
+        cp = subprocess.run(["haproxy", "-c", "-f", str(cfg)], capture_output=True, text=True)
+        assert cp.returncode == 0, cp.stdout + cp.stderr
+    if shutil.which("nginx"):
+        for name, text in [
+            ("sidecar.conf", mb.nginx_sidecar_conf(str(tmp_path), fronts)),
+            ("backend.conf", mb.nginx_backend_conf(str(tmp_path), "127.0.0.1:8080")),
+            *[(f"hops-{s}.conf", mb.hops_conf(str(tmp_path), s)) for s in ("direct", "mesh", "haproxy", "nginx")],
+        ]:
+            conf = tmp_path / name
+            conf.write_text(text)
+            cp = subprocess.run(["nginx", "-t", "-c", str(conf)], capture_output=True, text=True)
+            assert cp.returncode == 0, name + ": " + cp.stderr
+
+
+def test_mesh_and_proxy_configs_are_what_inband_reads():
+    t = tomllib.loads(mb.mesh_toml([("10.96.0.10:80", ["10.77.1.2:8080"])], 64))
+    assert t["pool"] == 64 and t["service"][0]["backends"] == ["10.77.1.2:8080"]
+    t = tomllib.loads(mb.proxy_toml("127.0.0.1:15300", ["a:1", "b:2"]))
+    assert t == {"listen": "127.0.0.1:15300", "backends": ["a:1", "b:2"], "workers": 1}
+
+
+def test_report_gives_ratios_to_direct_and_the_best_sidecar():
+    res = mb.Results(profile="x")
+    for system, rps, cpu in [("direct", 100.0, 10.0), ("mesh", 80.0, 14.0), ("haproxy", 40.0, 20.0), ("nginx", 50.0, 22.0)]:
+        res.points.append(mb.Point(system, 8, rps, 100, 200, 0, cpu, cpu - 10.0))
+    md = mb.report(res)
+    rows = {r[0]: r for r in table_rows(md, "| system | connections |")}
+    assert rows["inband mesh"][3] == "0.80×"
+    assert rows["inband mesh"][4] == "1.60×"
+    assert rows["inband mesh"][9] == "4.0"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not INBAND.exists(), reason="needs root and target/debug/inband")
+def test_tiny_profile_end_to_end(tmp_path):
+    cp = subprocess.run(
+        [sys.executable, "-m", "bench.mesh", "--out", str(tmp_path), "--profile", "tiny"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert cp.returncode == 0, cp.stdout[-2000:] + cp.stderr[-2000:]
+    md = (tmp_path / "results.md").read_text()
+    rows = table_rows(md, "| system | connections |")
+    assert {r[0] for r in rows} == set(mb.SYSTEMS.values())
+    for r in rows:
+        assert float(r[2].replace(",", "")) > 0, r
+        assert r[7] == "0", r  # no errors
+    chain = table_rows(md, "| system | connections | req/s | p50")
+    assert len(chain) == 4
+    assert "request program" in md
+    assert (tmp_path / "mesh.png").exists()
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "mb-" not in out
+    assert not mb.CGROUP.exists()
