@@ -196,6 +196,28 @@ fn status(interface: Option<String>, netns: Option<String>, json: bool) -> Resul
         .filter(|b| scope.as_deref().map_or(true, |n| b.netns == n || (n == "host" && b.netns.is_empty())))
         .filter(|b| interface.as_deref().map_or(true, |i| b.interface == i))
         .collect();
+    // Mesh daemons (docs/mesh.md) beside the balancers, in the text view;
+    // `--json` readers use `inband mesh status --json`.
+    let meshes: Vec<_> = if interface.is_none() && !json {
+        inband::mesh::status::discover()
+            .into_iter()
+            .filter(|(title, _)| scope.as_deref().map_or(true, |n| title.ends_with(&format!("(network namespace {n})"))))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let show_meshes = || {
+        for (title, pins) in &meshes {
+            match inband::mesh::status::read(pins) {
+                Ok(st) => print!("\n{}", inband::mesh::status::render(title, &st)),
+                Err(e) => eprintln!("warning: {e:#}"),
+            }
+        }
+    };
+    if found.is_empty() && !meshes.is_empty() {
+        show_meshes();
+        return Ok(());
+    }
     if found.is_empty() {
         anyhow::bail!(
             "no balancer on this host{}{}: start one with `inband lb --config lb.toml`",
@@ -225,6 +247,7 @@ fn status(interface: Option<String>, netns: Option<String>, json: bool) -> Resul
                 Err(e) => eprintln!("warning: {e:#}"),
             }
         }
+        show_meshes();
     }
     Ok(())
 }

@@ -835,6 +835,12 @@ fn status_and_metrics_show_services_backends_and_counters() {
     assert_eq!(st["services"][0]["address"], "10.96.0.10:80");
     assert_eq!(st["backends"][0]["requests"], 1);
     assert_eq!(st["backends"][1]["pool"], 3);
+    // `inband status` lists the mesh beside any balancer.
+    let out = Command::new(env!("CARGO_BIN_EXE_inband")).args(["status", "--netns", &m.netns]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(text.contains(&format!("inband mesh default (network namespace {})", m.netns)), "{text}");
+    assert!(text.contains("request_kernel           2"), "{text}");
     let metrics = m.client(&["curl", "-sS", "http://127.0.0.1:9105/metrics"]);
     let text = String::from_utf8_lossy(&metrics.stdout);
     assert!(
@@ -871,4 +877,44 @@ fn a_bad_config_is_refused_with_its_reason() {
         String::from_utf8_lossy(&out.stderr).contains("pool = 9999: must be 1..=256"),
         "{out:?}"
     );
+}
+
+#[test]
+fn sighup_reloads_weights_and_refuses_a_new_backend_set() {
+    let services = "[[service]]\nname = \"web\"\naddress = \"10.96.0.10:80\"\n\
+        [service.clusters]\nblue = [\"{B0}\"]\ngreen = [\"{B1}\"]\n\
+        [[service.route]]\nclusters = { blue = 1 }\n";
+    let m = Mesh::start("reload", &["blue", "green"], 2, services);
+    let run = |n: usize| {
+        let code = format!(
+            "import http.client\nc = http.client.HTTPConnection('{}', 80)\nfor i in range({n}):\n  \
+             c.request('GET', '/'); r = c.getresponse(); print(r.getheader('x-backend')); r.read()\n",
+            VIP.split(':').next().unwrap()
+        );
+        by_backend(&m.python(&code))
+    };
+    assert_eq!(run(20), HashMap::from([("blue".into(), 20)]));
+    // All to green, through SIGHUP.
+    let path = m.dir.path().join("mesh.toml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(&path, text.replace("clusters = { blue = 1 }", "clusters = { green = 1 }")).unwrap();
+    let pid = m.daemon.as_ref().unwrap().id() as i32;
+    // SAFETY: kill(2) on our child.
+    unsafe { libc::kill(pid, libc::SIGHUP) };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !m.log().contains("config reloaded") {
+        assert!(Instant::now() < deadline, "{}", m.log());
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(run(20), HashMap::from([("green".into(), 20)]));
+    // A backend the pools do not have: refused, the running config stays.
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(&path, text.replace(&m.backends[1].addr.to_string(), "127.0.0.1:9999")).unwrap();
+    unsafe { libc::kill(pid, libc::SIGHUP) };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !m.log().contains("config not reloaded") {
+        assert!(Instant::now() < deadline, "{}", m.log());
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(run(10), HashMap::from([("green".into(), 10)]));
 }

@@ -107,19 +107,56 @@ pub fn print(name: &str, json: bool) -> Result<()> {
     let st = read(&pin_dir(name))?;
     if json {
         println!("{}", serde_json::to_string_pretty(&st)?);
-        return Ok(());
+    } else {
+        print!("{}", render(&format!("inband mesh {name}"), &st));
     }
-    println!("services:");
+    Ok(())
+}
+
+/// Every running mesh daemon's pins on this host: (title, pins), the host's
+/// own namespace first, then each named one.
+pub fn discover() -> Vec<(String, PinDir)> {
+    let mut out = Vec::new();
+    let mut roots = vec![("host".to_string(), PathBuf::from("/sys/fs/bpf/inband"))];
+    if let Ok(rd) = std::fs::read_dir("/sys/fs/bpf/inband/netns") {
+        let mut named: Vec<_> = rd
+            .filter_map(|e| e.ok())
+            .map(|e| (e.file_name().to_string_lossy().into_owned(), e.path()))
+            .collect();
+        named.sort();
+        roots.extend(named);
+    }
+    for (netns, root) in roots {
+        let Ok(rd) = std::fs::read_dir(root.join("mesh")) else {
+            continue;
+        };
+        let mut names: Vec<_> = rd
+            .filter_map(|e| e.ok())
+            .map(|e| (e.file_name().to_string_lossy().into_owned(), e.path()))
+            .collect();
+        names.sort();
+        for (name, dir) in names {
+            out.push((
+                format!("inband mesh {name} (network namespace {netns})"),
+                PinDir(dir),
+            ));
+        }
+    }
+    out
+}
+
+pub fn render(title: &str, st: &Status) -> String {
+    let mut out = format!("{title}\nservices:\n");
     for s in &st.services {
-        println!("  {:<22} routes {}", s.address, s.routes);
+        out += &format!("  {:<22} routes {}\n", s.address, s.routes);
     }
-    println!(
-        "backends:{:>20} {:>4} {:>9} {:>10} {:>5} {:>5} {:>6} {:>5} {:>5}",
+    out += &format!(
+        "backends:{:>20} {:>4} {:>9} {:>10} {:>5} {:>5} {:>6} {:>5} {:>5}\n",
         "", "up", "in_flight", "requests", "pool", "free", "kernel", "user", "down"
     );
     for b in &st.backends {
-        println!(
-            "  {:<26} {:>4} {:>9} {:>10} {:>5} {:>5} {:>6} {:>5} {:>5}",
+        out += &format!(
+            "  {:<26} {:>4} {:>9} {:>10} {:>5} {:>5} {:>6} {:>5} {:>5}\n",
             b.address,
             if b.up { "yes" } else { "no" },
             b.in_flight,
@@ -131,11 +168,11 @@ pub fn print(name: &str, json: bool) -> Result<()> {
             b.down
         );
     }
-    println!("counters:");
+    out += "counters:\n";
     for (n, v) in &st.counters {
-        println!("  {n:<24} {v}");
+        out += &format!("  {n:<24} {v}\n");
     }
-    Ok(())
+    out
 }
 
 fn prometheus(st: &Status) -> String {
