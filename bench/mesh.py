@@ -71,10 +71,14 @@ class Profile:
     chain_conns: list[int]
     chain_seconds: int
     systems: list[str]
+    # Every system is measured once per round, rounds one after another,
+    # so a drift of the machine spreads over all of them; the tables give
+    # the mean of the rounds.
+    rounds: int = 1
 
 
 PROFILES = {
-    "default": Profile([1, 8, 32, 128], 5, [1, 8], 4, list(SYSTEMS)),
+    "default": Profile([1, 8, 32, 128], 5, [1, 8], 4, list(SYSTEMS), rounds=3),
     "quick": Profile([1, 32, 128], 3, [1], 3, list(SYSTEMS)),
     "tiny": Profile([1, 8], 1, [1], 1, list(SYSTEMS)),
 }
@@ -244,7 +248,8 @@ class Point:
 @dataclass
 class Results:
     profile: str
-    points: list[Point] = field(default_factory=list)
+    points: list[Point] = field(default_factory=list)  # the mean of the rounds
+    rounds: list[Point] = field(default_factory=list)  # every measurement
     chain: list[Point] = field(default_factory=list)
     breakdown: dict = field(default_factory=dict)
     # The mesh's counters after each of its runs: its fallbacks and
@@ -369,23 +374,29 @@ class Bench:
     def balance(self, res: Results) -> None:
         backends = [f"{backend_ip(i)}:{BACKEND_PORT}" for i in range(len(BACKEND_NS))]
         pool = max(self.p.conns)
-        for system in self.p.systems:
-            port = SIDECAR_PORT.get(system)
-            self.start(system, [(port, backends)] if port else [], [(f"{VIP}:80", backends)], pool)
-            entry = {"direct": None, "mesh": f"{VIP}:80"}.get(system, f"127.0.0.1:{port}")
-            urls = [f"http://{b}/" for b in backends] if entry is None else [f"http://{entry}/"]
-            wait_until(f"{SYSTEMS[system]} to answer", lambda: self.curl(urls[0]) == BODY, 15)
-            if system == "mesh":
-                self.mesh_ready()
-            for conns in self.p.conns:
-                self.settle()
-                pt = self.measure(system, urls, conns, self.p.seconds)
-                res.points.append(pt)
-                print(f"  {SYSTEMS[system]:<24} c={conns:<4} {pt.rps:>9.0f} req/s  p99 {pt.p99_us} us  {pt.cpu_us:.1f} us CPU/req", flush=True)
-            if system == "mesh":
-                res.breakdown = self.breakdown(urls)
-                res.mesh_counters["balance"] = mesh_counters()
-            self.stop()
+        for r in range(self.p.rounds):
+            for system in self.p.systems:
+                port = SIDECAR_PORT.get(system)
+                self.start(system, [(port, backends)] if port else [], [(f"{VIP}:80", backends)], pool)
+                entry = {"direct": None, "mesh": f"{VIP}:80"}.get(system, f"127.0.0.1:{port}")
+                urls = [f"http://{b}/" for b in backends] if entry is None else [f"http://{entry}/"]
+                wait_until(f"{SYSTEMS[system]} to answer", lambda: self.curl(urls[0]) == BODY, 15)
+                if system == "mesh":
+                    self.mesh_ready()
+                for conns in self.p.conns:
+                    self.settle()
+                    pt = self.measure(system, urls, conns, self.p.seconds)
+                    res.rounds.append(pt)
+                    print(
+                        f"  round {r + 1} {SYSTEMS[system]:<24} c={conns:<4} {pt.rps:>9.0f} req/s  p99 {pt.p99_us} us  "
+                        f"{pt.cpu_us:.1f} us CPU/req",
+                        flush=True,
+                    )
+                if system == "mesh" and r == 0:
+                    res.breakdown = self.breakdown(urls)
+                    res.mesh_counters["balance"] = mesh_counters()
+                self.stop()
+        res.points = mean_points(res.rounds)
         direct = {p.conns: p for p in res.points if p.system == "direct"}
         for p in res.points:
             if p.conns in direct:
@@ -440,6 +451,27 @@ class Bench:
             self.stop()
 
 
+def mean_points(rounds: list[Point]) -> list[Point]:
+    """One point per (system, connections): the mean of its rounds (errors summed)."""
+    keys = list(dict.fromkeys((p.system, p.conns) for p in rounds))
+    out = []
+    for system, conns in keys:
+        ps = [p for p in rounds if p.system == system and p.conns == conns]
+        n = len(ps)
+        out.append(
+            Point(
+                system=system,
+                conns=conns,
+                rps=sum(p.rps for p in ps) / n,
+                p50_us=round(sum(p.p50_us for p in ps) / n),
+                p99_us=round(sum(p.p99_us for p in ps) / n),
+                errors=sum(p.errors for p in ps),
+                cpu_us=sum(p.cpu_us for p in ps) / n,
+            )
+        )
+    return out
+
+
 def mesh_counters() -> dict[str, int]:
     cp = run(HOST_NS, [str(INBAND), "mesh", "status", "--name", "bench", "--json"], check=False)
     return dict(json.loads(cp.stdout)["counters"]) if cp.returncode == 0 else {}
@@ -459,7 +491,8 @@ def prog_stats() -> dict[str, tuple[int, int]]:
 
 
 def report(res: Results) -> str:
-    md = [f"## Socket-layer L7 balancing: req/s, latency, CPU per request (profile {res.profile})", ""]
+    rounds = max((sum(1 for q in res.rounds if (q.system, q.conns) == (p.system, p.conns)) for p in res.points), default=0) or 1
+    md = [f"## Socket-layer L7 balancing: req/s, latency, CPU per request (profile {res.profile}, mean of {rounds} rounds)", ""]
     md.append("| system | connections | req/s | ×direct | ×best sidecar | p50 µs | p99 µs | errors | host CPU µs/req | added over direct µs/req |")
     md.append("|---|---|---|---|---|---|---|---|---|---|")
     by = {(p.system, p.conns): p for p in res.points}
@@ -562,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             print(f"unknown systems {unknown}: choose from {','.join(SYSTEMS)}", file=sys.stderr)
             return 2
-        profile = Profile(profile.conns, profile.seconds, profile.chain_conns, profile.chain_seconds, chosen)
+        profile = Profile(profile.conns, profile.seconds, profile.chain_conns, profile.chain_seconds, chosen, profile.rounds)
     args.out.mkdir(parents=True, exist_ok=True)
     record_command(args.out, "bench.mesh", argv)
     res = Results(profile=args.profile)

@@ -212,6 +212,7 @@ struct request_fields {
 	__u32 upgrade; /* Upgrade, Expect, or a Connection other than keep-alive */
 	__u32 bad;
 	__u32 header_hits; /* bit r: route r's header matched */
+	__u32 header_routes; /* the service has routes with a header match */
 };
 
 /* FNV-1a 64 of buf[from .. to), lower-cased if `fold`; 0 if longer than
@@ -236,9 +237,8 @@ static long request_header(__u64 i, struct request_fields *f)
 {
 	__u32 which = SCRATCH_REQUEST;
 	struct head *h = bpf_map_lookup_elem(&mesh_scratch, &which);
-	struct inband_mesh_service *svc = bpf_map_lookup_elem(&mesh_services, &f->svc);
 
-	if (!h || !svc)
+	if (!h)
 		return 1;
 	__u32 n = i & (MAX_LINES - 1);
 	__u32 start = h->starts[n], colon = h->colons[n], end = h->ends[n];
@@ -265,8 +265,13 @@ static long request_header(__u64 i, struct request_fields *f)
 		if (!IS_KEEP_ALIVE(h, vfrom, vto - vfrom))
 			f->upgrade = 1;
 	}
-	if (!svc->header_routes)
+	if (!f->header_routes)
 		return 0;
+	/* Looked up here, not above: a hash lookup per line is the most this
+	 * callback costs, and most services have no header routes. */
+	struct inband_mesh_service *svc = bpf_map_lookup_elem(&mesh_services, &f->svc);
+	if (!svc)
+		return 1;
 	__u64 name = fnv(h, start, colon, INBAND_MESH_HNAME_MAX, 1);
 	__u64 value = fnv(h, vfrom, vto, INBAND_MESH_HVALUE_MAX, 0);
 	for (__u32 r = 0; r < INBAND_MESH_MAX_ROUTES; r++) {
@@ -440,6 +445,7 @@ int mesh_request(struct sk_msg_md *msg)
 		head_give(h);
 		return to_user(conn, reason);
 	}
+	f.header_routes = svc->header_routes;
 	bpf_loop(h->n_lines, request_header, &f, 0);
 	if (f.bad)
 		reason = INBAND_MESH_FALLBACK_MALFORMED;
