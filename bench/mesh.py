@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -255,12 +256,15 @@ class Results:
     # The mesh's counters after each of its runs: its fallbacks and
     # user-space relays, which should be none for this workload.
     mesh_counters: dict = field(default_factory=dict)
+    # µs per request by perf group, for direct, the mesh and HAProxy.
+    profiles: dict = field(default_factory=dict)
     versions: dict = field(default_factory=dict)
 
 
 class Bench:
-    def __init__(self, profile: Profile, work: Path) -> None:
+    def __init__(self, profile: Profile, work: Path, perf: bool = False) -> None:
         self.p = profile
+        self.perf = perf
         self.work = work
         self.procs = Procs()
         self.lua = work / "bench.lua"
@@ -395,12 +399,37 @@ class Bench:
                 if system == "mesh" and r == 0:
                     res.breakdown = self.breakdown(urls)
                     res.mesh_counters["balance"] = mesh_counters()
+                if self.perf and r == 0 and system in ("direct", "mesh", "haproxy"):
+                    res.profiles[system] = self.profile(system, urls)
                 self.stop()
         res.points = mean_points(res.rounds)
         direct = {p.conns: p for p in res.points if p.system == "direct"}
         for p in res.points:
             if p.conns in direct:
                 p.added_us = p.cpu_us - direct[p.conns].cpu_us
+
+    def profile(self, system: str, urls: list[str]) -> dict[str, float]:
+        """µs per request by perf group, at the middle connection count."""
+        conns = self.p.conns[len(self.p.conns) // 2]
+        data = self.work / f"perf-{system}.data"
+        rec = subprocess.Popen(
+            ["perf", "record", "-a", "-F", "1999", "-o", str(data), "--", "sleep", str(self.p.seconds)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        pt = self.measure(system, urls, conns, self.p.seconds)
+        rec.wait(timeout=60)
+        cp = subprocess.run(
+            ["perf", "report", "-i", str(data), "--stdio", "-n", "--no-children", "-g", "none", "--sort", "sym"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        data.unlink(missing_ok=True)
+        requests = pt.rps * self.p.seconds
+        out = {g: ns / 1e3 / max(requests, 1) for g, ns in parse_perf_report(cp.stdout).items() if g != "idle"}
+        out["conns"] = conns
+        return out
 
     def mesh_ready(self) -> None:
         def ready() -> bool:
@@ -449,6 +478,68 @@ class Bench:
             if system == "mesh":
                 res.mesh_counters["chain"] = mesh_counters()
             self.stop()
+
+
+# Where CPU time goes, by kernel symbol (first matching group wins): the
+# seed's breakdown (parsing, balancing, splicing, socket, kernel stack) as
+# far as symbol names tell it.
+PERF_GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    ("idle", ("pv_native_safe_halt", "default_idle", "cpu_idle", "do_idle", "native_safe_halt", "acpi_idle", "intel_idle")),
+    ("BPF programs and their helpers", ("bpf_", "__bpf", "htab_", "__htab", "array_map", "percpu_array", "jhash")),
+    (
+        "sockmap redirection: psock queues, work items",
+        ("sk_psock", "sk_msg", "tcp_bpf", "sock_map", "sock_hash", "skb_to_sgvec", "__skb_to_sgvec", "queue_delayed_work",
+         "__queue_work", "process_one_work", "worker_thread", "insert_work", "tcp_eat_skb", "tcp_read_skb", "sk_skb"),
+    ),
+    (
+        "scheduling and wake-ups",
+        ("finish_task_switch", "__schedule", "schedule", "try_to_wake_up", "ttwu", "_raw_spin_unlock_irq", "enqueue_",
+         "dequeue_", "pick_next", "update_curr", "update_load", "select_task_rq", "__wake_up", "autoremove_wake", "psi_",
+         "sched_", "set_next_entity", "put_prev", "raw_spin_rq", "wake_up", "prepare_task_switch", "__switch_to",
+         "switch_mm", "native_sched_clock", "read_tsc", "__raw_callee_save"),
+    ),
+    (
+        "TCP/IP stack and veth",
+        ("tcp", "__tcp", "ip_", "__ip", "inet", "__inet", "veth", "net_rx", "__netif", "netif", "napi", "__napi", "dev_",
+         "__dev", "skb_", "__skb", "kfree_skb", "__kfree_skb", "sk_", "__sk", "sock_", "__sock", "lock_sock",
+         "release_sock", "bbr", "nf_", "ipv4", "__alloc_skb", "alloc_skb", "consume_skb", "__local_bh", "do_softirq",
+         "__do_softirq", "process_backlog", "__release_sock", "security_sock", "eth_", "ktime_get", "__napi"),
+    ),
+    (
+        "system calls, epoll, copies",
+        ("do_syscall", "entry_SYSCALL", "syscall_", "__x64_sys", "ksys_", "do_epoll", "ep_", "__fget", "fdget", "fput",
+         "copy_", "_copy", "__check_object_size", "rw_verify", "vfs_", "new_sync", "__sys_", "exit_to_user_mode",
+         "import_", "iov_iter", "rep_movs", "memcpy", "memset", "clear_", "fsnotify", "__fsnotify", "security_file",
+         "apparmor", "aa_", "__fdget", "__x86_return", "entry_", "__rcu", "rcu_"),
+    ),
+]
+
+
+def perf_group(sym: str) -> str:
+    if sym.startswith("[.]"):
+        return "user space: load generator, backends, sidecar"
+    name = sym.removeprefix("[k] ").strip()
+    for group, prefixes in PERF_GROUPS:
+        if name.startswith(prefixes):
+            return group
+    return "other kernel"
+
+
+def parse_perf_report(text: str) -> dict[str, float]:
+    """Nanoseconds per group from `perf report --stdio -n --sort sym` of a
+    cpu-clock recording (its event count is in ns)."""
+    total_ns = 0.0
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("# Event count (approx.):"):
+            total_ns = float(line.split(":")[1])
+            continue
+        f = line.split(None, 2)
+        if len(f) == 3 and f[0].endswith("%") and not line.startswith("#"):
+            share = float(f[0].rstrip("%")) / 100
+            g = perf_group(f[2])
+            out[g] = out.get(g, 0.0) + share * total_ns
+    return out
 
 
 def mean_points(rounds: list[Point]) -> list[Point]:
@@ -538,6 +629,20 @@ def report(res: Results) -> str:
             rest = b["cpu_us"] - d.cpu_us - bpf
             md.append(f"| socket-layer redirection, psock queues and work items, pool sockets (added CPU − programs) | {rest:.2f} |")
             md.append(f"| host CPU per request: mesh / direct | {b['cpu_us']:.1f} / {d.cpu_us:.1f} |")
+    if res.profiles:
+        systems = [s for s in ("direct", "mesh", "haproxy") if s in res.profiles]
+        conns = next(iter(res.profiles.values()))["conns"]
+        groups = [g for g, _ in PERF_GROUPS if g != "idle"] + ["other kernel", "user space: load generator, backends, sidecar"]
+        md += ["", f"## Where every system's time goes ({conns} connections, perf, µs of CPU per request)", ""]
+        md.append("| part | " + " | ".join(SYSTEMS[s] for s in systems) + " |")
+        md.append("|---|" + "---|" * len(systems))
+        for g in groups:
+            md.append(f"| {g} | " + " | ".join(f"{res.profiles[s].get(g, 0.0):.2f}" for s in systems) + " |")
+        md.append(
+            "| total | "
+            + " | ".join(f"{sum(v for k, v in res.profiles[s].items() if k != 'conns'):.2f}" for s in systems)
+            + " |"
+        )
     for part, counters in res.mesh_counters.items():
         moved = {k: v for k, v in counters.items() if v and (k.startswith("fallback_") or k == "response_user")}
         md.append(
@@ -578,6 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", choices=list(PROFILES), default="default")
     ap.add_argument("--systems", help="comma-separated subset of " + ",".join(SYSTEMS))
     ap.add_argument("--parts", default="balance,chain", help="balance, chain, or both (comma-separated)")
+    ap.add_argument("--no-perf", action="store_true", help="skip the perf profiles of direct, the mesh and HAProxy")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("run as root: it makes namespaces, a cgroup and loads BPF programs", file=sys.stderr)
@@ -607,7 +713,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     stop_signals_interrupt()
     with tempfile.TemporaryDirectory(prefix="bench-mesh-") as tmp:
-        b = Bench(profile, Path(tmp))
+        perf = not args.no_perf and shutil.which("perf") is not None
+        b = Bench(profile, Path(tmp), perf=perf)
         try:
             b.setup()
             parts = args.parts.split(",")

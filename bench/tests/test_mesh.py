@@ -76,3 +76,15 @@ def test_tiny_profile_end_to_end(tmp_path):
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "mb-" not in out
     assert not mb.CGROUP.exists()
+
+
+def test_perf_symbols_fall_into_the_seeds_parts():
+    assert mb.perf_group("[k] bpf_prog_123_mesh_request") == "BPF programs and their helpers"
+    assert mb.perf_group("[k] sk_psock_backlog") == "sockmap redirection: psock queues, work items"
+    assert mb.perf_group("[k] sk_msg_recvmsg") == "sockmap redirection: psock queues, work items"
+    assert mb.perf_group("[k] tcp_sendmsg_locked") == "TCP/IP stack and veth"
+    assert mb.perf_group("[k] finish_task_switch.isra.0") == "scheduling and wake-ups"
+    assert mb.perf_group("[.] http_parser_execute") == "user space: load generator, backends, sidecar"
+    text = "# Event count (approx.): 1000000\n#\n    50.00%   10  [k] tcp_ack\n    25.00%   5  [k] pv_native_safe_halt\n    25.00%  5  [.] main\n"
+    got = mb.parse_perf_report(text)
+    assert got == {"TCP/IP stack and veth": 500000.0, "idle": 250000.0, "user space: load generator, backends, sidecar": 250000.0}

@@ -19,6 +19,7 @@ use tracing::{debug, warn};
 
 use super::config::{Route, Service};
 use super::daemon::{Client, Shared};
+use super::dataplane::Conn;
 
 const MAX_HEAD: usize = 64 * 1024;
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n";
@@ -47,15 +48,15 @@ pub async fn serve(sh: Rc<Shared>, listener: TcpListener) {
 }
 
 async fn connection(sh: Rc<Shared>, stream: TcpStream, peer: SocketAddrV4) {
-    match sh.dp.conn(peer) {
-        Ok(Some(_)) => {}
+    let accepted = match sh.dp.conn(peer) {
+        Ok(Some(c)) => c,
         _ => {
             // Not a connect to a service from the cgroup (someone dialled the
             // anchor itself, or the connection table was full).
             debug!(%peer, "anchor connection without a service: closed");
             return;
         }
-    }
+    };
     let fd = stream.as_raw_fd();
     let (mut rd, wr) = stream.into_split();
     let client = Rc::new(Client {
@@ -72,22 +73,23 @@ async fn connection(sh: Rc<Shared>, stream: TcpStream, peer: SocketAddrV4) {
     };
     if n > 0 && !client.rst.get() {
         first.truncate(n);
-        fallback(&sh, peer, &client, rd, first).await;
+        fallback(&sh, peer, accepted, &client, rd, first).await;
     }
     sh.clients.borrow_mut().remove(&peer);
 }
 
 /// The connection's bytes come to the daemon from now on.
+/// `accepted` is its mesh_conns entry at accept, for the service if the
+/// LRU has since evicted the entry (which is also why its bytes came here).
 async fn fallback(
     sh: &Rc<Shared>,
     peer: SocketAddrV4,
+    accepted: Conn,
     client: &Rc<Client>,
     mut rd: OwnedReadHalf,
     mut buf: Vec<u8>,
 ) {
-    let Ok(Some(conn)) = sh.dp.conn(peer) else {
-        return;
-    };
+    let conn = sh.dp.conn(peer).ok().flatten().unwrap_or(accepted);
     let svc_addr = SocketAddrV4::new(
         std::net::Ipv4Addr::from(u32::from_be(conn.vip4)),
         u16::from_be(conn.vport as u16),
