@@ -101,18 +101,22 @@ def backend_ip(i: int) -> str:
 # ------------------------------------------------------------ configurations
 
 
-def nginx_backend_conf(prefix: str, listen: str) -> str:
+def _nginx(prefix: str, name: str, connections: int, http_body: str) -> str:
+    """One worker, no logs, keep-alive without limit; files under prefix."""
     return f"""\
 worker_processes 1;
-pid {prefix}/nginx.pid;
-error_log {prefix}/error.log warn;
-events {{ worker_connections 4096; }}
+pid {prefix}/{name}.pid;
+error_log {prefix}/{name}-error.log warn;
+events {{ worker_connections {connections}; }}
 http {{
     access_log off;
     keepalive_requests 10000000;
-    server {{ listen {listen}; location / {{ return 200 "{BODY.strip()}\\n"; }} }}
-}}
+{http_body}}}
 """
+
+
+def nginx_backend_conf(prefix: str, listen: str) -> str:
+    return _nginx(prefix, "nginx", 4096, f'    server {{ listen {listen}; location / {{ return 200 "{BODY.strip()}\\n"; }} }}\n')
 
 
 def nginx_sidecar_conf(prefix: str, fronts: list[tuple[int, list[str]]]) -> str:
@@ -126,16 +130,7 @@ def nginx_sidecar_conf(prefix: str, fronts: list[tuple[int, list[str]]]) -> str:
             f"            proxy_pass http://u{n};\n            proxy_http_version 1.1;\n"
             f'            proxy_set_header Connection "";\n        }}\n    }}\n'
         )
-    return f"""\
-worker_processes 1;
-pid {prefix}/sidecar.pid;
-error_log {prefix}/sidecar-error.log warn;
-events {{ worker_connections 8192; }}
-http {{
-    access_log off;
-    keepalive_requests 10000000;
-{''.join(blocks)}}}
-"""
+    return _nginx(prefix, "sidecar", 8192, "".join(blocks))
 
 
 def haproxy_http_cfg(fronts: list[tuple[int, list[str]]]) -> str:
@@ -191,16 +186,7 @@ def hops_conf(prefix: str, system: str) -> str:
             blocks.append(f"    upstream next{k} {{\n        server {nxt};\n        keepalive 32;\n    }}\n")
             body = f'proxy_pass http://next{k}; proxy_http_version 1.1; proxy_set_header Connection "";'
         blocks.append(f"    server {{ listen 127.0.0.1:{port}; location / {{ {body} }} }}\n")
-    return f"""\
-worker_processes 1;
-pid {prefix}/hops.pid;
-error_log {prefix}/hops-error.log warn;
-events {{ worker_connections 4096; }}
-http {{
-    access_log off;
-    keepalive_requests 10000000;
-{''.join(blocks)}}}
-"""
+    return _nginx(prefix, "hops", 4096, "".join(blocks))
 
 
 def chain_entry(system: str) -> str:

@@ -207,10 +207,7 @@ int mesh_sockops(struct bpf_sock_ops *skops)
 
 struct request_fields {
 	struct inband_mesh_service_key svc;
-	__s64 content_length; /* -1: none */
-	__u32 chunked; /* any Transfer-Encoding */
-	__u32 upgrade; /* Upgrade, Expect, or a Connection other than keep-alive */
-	__u32 bad;
+	struct framing fr;
 	__u32 header_hits; /* bit r: route r's header matched */
 	__u32 header_routes; /* the service has routes with a header match */
 };
@@ -240,31 +237,9 @@ static long request_header(__u64 i, struct request_fields *f)
 
 	if (!h)
 		return 1;
-	__u32 n = i & (MAX_LINES - 1);
-	__u32 start = h->starts[n], colon = h->colons[n], end = h->ends[n];
-	/* No name, or white space before the colon (RFC 9112 §5.1: reject). */
-	if (colon <= start || head_at(h, colon - 1) == ' ' || head_at(h, colon - 1) == '\t') {
-		f->bad = 1;
+	__u32 start, nlen, vfrom, vto;
+	if (framing_line(h, i, &f->fr, &start, &nlen, &vfrom, &vto))
 		return 1;
-	}
-	__u32 nlen = colon - start, vfrom = colon + 1, vto = end;
-	trim(h, &vfrom, &vto);
-	if (IS_CONTENT_LENGTH(h, start, nlen)) {
-		__s64 v = decimal(h, vfrom, vto);
-		if (v < 0 || (f->content_length >= 0 && f->content_length != v)) {
-			f->bad = 1;
-			return 1;
-		}
-		f->content_length = v;
-	} else if (IS_TRANSFER_ENCODING(h, start, nlen)) {
-		f->chunked = 1;
-	} else if (IS_UPGRADE(h, start, nlen) ||
-		   IS_EXPECT(h, start, nlen)) {
-		f->upgrade = 1;
-	} else if (IS_CONNECTION(h, start, nlen)) {
-		if (!IS_KEEP_ALIVE(h, vfrom, vto - vfrom))
-			f->upgrade = 1;
-	}
 	if (!f->header_routes)
 		return 0;
 	/* Looked up here, not above: a hash lookup per line is the most this
@@ -272,7 +247,7 @@ static long request_header(__u64 i, struct request_fields *f)
 	struct inband_mesh_service *svc = bpf_map_lookup_elem(&mesh_services, &f->svc);
 	if (!svc)
 		return 1;
-	__u64 name = fnv(h, start, colon, INBAND_MESH_HNAME_MAX, 1);
+	__u64 name = fnv(h, start, start + nlen, INBAND_MESH_HNAME_MAX, 1);
 	__u64 value = fnv(h, vfrom, vto, INBAND_MESH_HVALUE_MAX, 0);
 	for (__u32 r = 0; r < INBAND_MESH_MAX_ROUTES; r++) {
 		if (r >= svc->n_routes)
@@ -391,7 +366,7 @@ SEC("sk_msg")
 int mesh_request(struct sk_msg_md *msg)
 {
 	struct inband_mesh_conn_key key = { .ip4 = msg->local_ip4, .port = msg->local_port };
-	struct request_fields f = { .content_length = -1 };
+	struct request_fields f = { .fr.content_length = -1 };
 	struct inband_mesh_conn *conn = bpf_map_lookup_elem(&mesh_conns, &key);
 	struct inband_mesh_service *svc;
 	struct head *h;
@@ -447,17 +422,17 @@ int mesh_request(struct sk_msg_md *msg)
 	}
 	f.header_routes = svc->header_routes;
 	bpf_loop(h->n_lines, request_header, &f, 0);
-	if (f.bad)
+	if (f.fr.bad)
 		reason = INBAND_MESH_FALLBACK_MALFORMED;
-	else if (f.chunked)
+	else if (f.fr.chunked)
 		reason = INBAND_MESH_FALLBACK_CHUNKED;
-	else if (f.upgrade)
+	else if (f.fr.upgrade || f.fr.not_keep_alive)
 		reason = INBAND_MESH_FALLBACK_UPGRADE;
 	if (reason) {
 		head_give(h);
 		return to_user(conn, reason);
 	}
-	__u64 total = h->head_len + (f.content_length > 0 ? f.content_length : 0);
+	__u64 total = h->head_len + (f.fr.content_length > 0 ? f.fr.content_length : 0);
 	if (total < size) {
 		head_give(h);
 		return to_user(conn, INBAND_MESH_FALLBACK_PIPELINED);
@@ -541,42 +516,16 @@ int mesh_request(struct sk_msg_md *msg)
 
 /* ---- responses ----------------------------------------------------------- */
 
-struct response_fields {
-	__s64 content_length;
-	__u32 chunked;
-	__u32 close;
-	__u32 bad;
-};
-
-static long response_header(__u64 i, struct response_fields *f)
+/* One header line of a response (bpf_loop callback). */
+static long response_header(__u64 i, struct framing *f)
 {
 	__u32 which = SCRATCH_RESPONSE;
 	struct head *h = bpf_map_lookup_elem(&mesh_scratch, &which);
+	__u32 start, nlen, vfrom, vto;
 
 	if (!h)
 		return 1;
-	__u32 n = i & (MAX_LINES - 1);
-	__u32 start = h->starts[n], colon = h->colons[n], end = h->ends[n];
-	if (colon <= start) {
-		f->bad = 1;
-		return 1;
-	}
-	__u32 nlen = colon - start, vfrom = colon + 1, vto = end;
-	trim(h, &vfrom, &vto);
-	if (IS_CONTENT_LENGTH(h, start, nlen)) {
-		__s64 v = decimal(h, vfrom, vto);
-		if (v < 0 || (f->content_length >= 0 && f->content_length != v)) {
-			f->bad = 1;
-			return 1;
-		}
-		f->content_length = v;
-	} else if (IS_TRANSFER_ENCODING(h, start, nlen)) {
-		f->chunked = 1;
-	} else if (IS_CONNECTION(h, start, nlen)) {
-		if (!IS_KEEP_ALIVE(h, vfrom, vto - vfrom))
-			f->close = 1;
-	}
-	return 0;
+	return framing_line(h, i, f, &start, &nlen, &vfrom, &vto);
 }
 
 /* The slot's request is answered: the client may send again, the slot
@@ -599,7 +548,7 @@ static __always_inline void release(struct inband_mesh_slot *s, __u32 retire)
  * length this program can follow (the daemon relays it). */
 static __always_inline __s64 response_body(struct head *h, __u32 head_request, __u32 *close)
 {
-	struct response_fields f = { .content_length = -1 };
+	struct framing f = { .content_length = -1 };
 
 	/* HTTP/1.1 SP 3DIGIT */
 	if (h->sp1 != 8 || head_at(h, 0) != 'H' || head_at(h, 5) != '1' || head_at(h, 6) != '.' ||
@@ -614,7 +563,7 @@ static __always_inline __s64 response_body(struct head *h, __u32 head_request, _
 	bpf_loop(h->n_lines, response_header, &f, 0);
 	if (f.bad)
 		return -1;
-	*close = f.close;
+	*close = f.not_keep_alive;
 	if (head_request || status == 204 || status == 304)
 		return 0;
 	if (f.chunked || f.content_length < 0)

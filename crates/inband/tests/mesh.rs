@@ -358,6 +358,19 @@ impl Mesh {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// curl in the cgroup; its output must contain `want`.
+    fn curl_expect(&self, args: &[&str], want: &str) {
+        let mut argv = vec!["curl", "-sS"];
+        argv.extend_from_slice(args);
+        let out = self.client(&argv);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains(want),
+            "curl {args:?}: {out:?}\n{}",
+            self.log()
+        );
+    }
+
     fn hits(&self) -> Vec<usize> {
         self.backends
             .iter()
@@ -523,46 +536,37 @@ fn every_fallback_completes_correctly() {
     assert!(p1 < p2, "{out}");
     assert_eq!(m.counter("fallback_pipelined"), 1);
     // A chunked request body: handed over, the backend gets every byte.
-    let out = m.client(&[
-        "curl",
-        "-sS",
-        "-H",
-        "Transfer-Encoding: chunked",
-        "--data-binary",
-        "0123456789",
-        &format!("http://{VIP}/up"),
-    ]);
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("POST /up 10"),
-        "{out:?}"
+    m.curl_expect(
+        &[
+            "-H",
+            "Transfer-Encoding: chunked",
+            "--data-binary",
+            "0123456789",
+            &format!("http://{VIP}/up"),
+        ],
+        "POST /up 10",
     );
     assert_eq!(m.counter("fallback_chunked"), 1);
     // Upgrade and Expect: handed over, answered.
-    let out = m.client(&[
-        "curl",
-        "-sS",
-        "-H",
-        "Upgrade: websocket",
-        "-H",
-        "Connection: Upgrade",
-        &format!("http://{VIP}/ws"),
-    ]);
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("GET /ws 0"),
-        "{out:?}"
+    m.curl_expect(
+        &[
+            "-H",
+            "Upgrade: websocket",
+            "-H",
+            "Connection: Upgrade",
+            &format!("http://{VIP}/ws"),
+        ],
+        "GET /ws 0",
     );
-    let out = m.client(&[
-        "curl",
-        "-sS",
-        "-H",
-        "Expect: 100-continue",
-        "--data-binary",
-        "abc",
-        &format!("http://{VIP}/e"),
-    ]);
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("POST /e 3"),
-        "{out:?}"
+    m.curl_expect(
+        &[
+            "-H",
+            "Expect: 100-continue",
+            "--data-binary",
+            "abc",
+            &format!("http://{VIP}/e"),
+        ],
+        "POST /e 3",
     );
     // An HTTP/2 preface reaches a backend byte for byte.
     let _ = m.client(&[
@@ -721,11 +725,7 @@ fn a_backend_that_dies_or_hangs_gives_the_client_an_error_not_a_hang() {
         );
         thread::sleep(Duration::from_millis(50));
     }
-    let out = m.client(&["curl", "-sS", &format!("http://{VIP}/ok")]);
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("GET /ok 0"),
-        "{out:?}"
-    );
+    m.curl_expect(&[&format!("http://{VIP}/ok")], "GET /ok 0");
     assert_eq!(m.status().unwrap().backends[0].in_flight, 0);
 }
 
@@ -758,11 +758,7 @@ fn a_client_that_leaves_mid_request_frees_its_slot() {
         thread::sleep(Duration::from_millis(50));
     }
     // The half request never reached a handler; the next one is whole.
-    let out = m.client(&["curl", "-sS", &format!("http://{VIP}/next")]);
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("GET /next 0"),
-        "{out:?}"
-    );
+    m.curl_expect(&[&format!("http://{VIP}/next")], "GET /next 0");
     assert_eq!(m.hits(), vec![1]);
 }
 
@@ -836,10 +832,19 @@ fn status_and_metrics_show_services_backends_and_counters() {
     assert_eq!(st["backends"][0]["requests"], 1);
     assert_eq!(st["backends"][1]["pool"], 3);
     // `inband status` lists the mesh beside any balancer.
-    let out = Command::new(env!("CARGO_BIN_EXE_inband")).args(["status", "--netns", &m.netns]).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_inband"))
+        .args(["status", "--netns", &m.netns])
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{out:?}");
-    assert!(text.contains(&format!("inband mesh default (network namespace {})", m.netns)), "{text}");
+    assert!(
+        text.contains(&format!(
+            "inband mesh default (network namespace {})",
+            m.netns
+        )),
+        "{text}"
+    );
     assert!(text.contains("request_kernel           2"), "{text}");
     let metrics = m.client(&["curl", "-sS", "http://127.0.0.1:9105/metrics"]);
     let text = String::from_utf8_lossy(&metrics.stdout);
@@ -897,7 +902,11 @@ fn sighup_reloads_weights_and_refuses_a_new_backend_set() {
     // All to green, through SIGHUP.
     let path = m.dir.path().join("mesh.toml");
     let text = std::fs::read_to_string(&path).unwrap();
-    std::fs::write(&path, text.replace("clusters = { blue = 1 }", "clusters = { green = 1 }")).unwrap();
+    std::fs::write(
+        &path,
+        text.replace("clusters = { blue = 1 }", "clusters = { green = 1 }"),
+    )
+    .unwrap();
     let pid = m.daemon.as_ref().unwrap().id() as i32;
     // SAFETY: kill(2) on our child.
     unsafe { libc::kill(pid, libc::SIGHUP) };
@@ -909,7 +918,11 @@ fn sighup_reloads_weights_and_refuses_a_new_backend_set() {
     assert_eq!(run(20), HashMap::from([("green".into(), 20)]));
     // A backend the pools do not have: refused, the running config stays.
     let text = std::fs::read_to_string(&path).unwrap();
-    std::fs::write(&path, text.replace(&m.backends[1].addr.to_string(), "127.0.0.1:9999")).unwrap();
+    std::fs::write(
+        &path,
+        text.replace(&m.backends[1].addr.to_string(), "127.0.0.1:9999"),
+    )
+    .unwrap();
     unsafe { libc::kill(pid, libc::SIGHUP) };
     let deadline = Instant::now() + Duration::from_secs(5);
     while !m.log().contains("config not reloaded") {

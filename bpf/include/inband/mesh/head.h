@@ -259,4 +259,49 @@ HEAD_FN __s64 decimal(const struct head *h, __u32 from, __u32 to)
 	return v;
 }
 
+/* What both directions read from their header lines to frame a message. */
+struct framing {
+	__s64 content_length; /* -1: none */
+	__u32 chunked; /* any Transfer-Encoding */
+	__u32 upgrade; /* Upgrade or Expect */
+	__u32 not_keep_alive; /* a Connection other than keep-alive */
+	__u32 bad;
+};
+
+/* Header line n: its name and trimmed value, and the framing it sets.
+ * Returns 1 (stop) if the line is malformed: no name, white space before
+ * the colon (RFC 9112 §5.1), or two Content-Lengths that differ. */
+static __always_inline int framing_line(const struct head *h, __u32 n, struct framing *f, __u32 *start, __u32 *nlen,
+					__u32 *vfrom, __u32 *vto)
+{
+	n &= MAX_LINES - 1;
+	__u32 colon = h->colons[n];
+
+	*start = h->starts[n];
+	if (colon <= *start || head_at(h, colon - 1) == ' ' || head_at(h, colon - 1) == '\t') {
+		f->bad = 1;
+		return 1;
+	}
+	*nlen = colon - *start;
+	*vfrom = colon + 1;
+	*vto = h->ends[n];
+	trim(h, vfrom, vto);
+	if (IS_CONTENT_LENGTH(h, *start, *nlen)) {
+		__s64 v = decimal(h, *vfrom, *vto);
+		if (v < 0 || (f->content_length >= 0 && f->content_length != v)) {
+			f->bad = 1;
+			return 1;
+		}
+		f->content_length = v;
+	} else if (IS_TRANSFER_ENCODING(h, *start, *nlen)) {
+		f->chunked = 1;
+	} else if (IS_UPGRADE(h, *start, *nlen) || IS_EXPECT(h, *start, *nlen)) {
+		f->upgrade = 1;
+	} else if (IS_CONNECTION(h, *start, *nlen)) {
+		if (!IS_KEEP_ALIVE(h, *vfrom, *vto - *vfrom))
+			f->not_keep_alive = 1;
+	}
+	return 0;
+}
+
 #endif /* INBAND_MESH_HEAD_H */
