@@ -18,7 +18,7 @@ the whole host (every process and the kernel's work on their behalf, from
 /proc/stat: the mesh's work runs in the client's, the backends' and
 kernel threads' time, so no per-process count would be fair), with the
 CPU each system adds over direct. Then the seed's chain: nine services,
-each an nginx hop that calls the next through the system, at 1 and 8
+each an nginx process that calls the next through the system, at 1 and 8
 connections. Then where the mesh's time goes: its two programs' run time
 per request (bpf_stats) against the CPU it adds over direct.
 
@@ -166,27 +166,27 @@ def mesh_toml(services: list[tuple[str, list[str]]], pool: int) -> str:
     return "\n".join(lines)
 
 
-def hops_conf(prefix: str, system: str) -> str:
-    """Nine services, each an nginx server that calls the next (the last
-    answers): the seed's chain. Where each hop sends its call depends on
-    the system: straight to the next hop, to the next service's address
-    (the mesh), or to the sidecar's front for it."""
+def hop_conf(prefix: str, system: str, k: int) -> str:
+    """Service k of the seed's nine-service chain: an nginx process of its
+    own (services are separate programs) that calls service k + 1, the
+    last one answering. Where it sends its call depends on the system:
+    straight to the next hop, to the next service's address (the mesh), or
+    to the sidecar's front for it."""
+    port = 17000 + k
     blocks = []
-    for k in range(HOPS):
-        port = 17000 + k
-        if k == HOPS - 1:
-            body = f'return 200 "{BODY.strip()}\\n";'
-        else:
-            nxt = {
-                "direct": f"127.0.0.1:{17000 + k + 1}",
-                "mesh": f"10.96.1.{k + 1}:80",
-                "haproxy": f"127.0.0.1:{16000 + k + 1}",
-                "nginx": f"127.0.0.1:{18000 + k + 1}",
-            }[system]
-            blocks.append(f"    upstream next{k} {{\n        server {nxt};\n        keepalive 32;\n    }}\n")
-            body = f'proxy_pass http://next{k}; proxy_http_version 1.1; proxy_set_header Connection "";'
-        blocks.append(f"    server {{ listen 127.0.0.1:{port}; location / {{ {body} }} }}\n")
-    return _nginx(prefix, "hops", 4096, "".join(blocks))
+    if k == HOPS - 1:
+        body = f'return 200 "{BODY.strip()}\\n";'
+    else:
+        nxt = {
+            "direct": f"127.0.0.1:{17000 + k + 1}",
+            "mesh": f"10.96.1.{k + 1}:80",
+            "haproxy": f"127.0.0.1:{16000 + k + 1}",
+            "nginx": f"127.0.0.1:{18000 + k + 1}",
+        }[system]
+        blocks.append(f"    upstream next {{\n        server {nxt};\n        keepalive 32;\n    }}\n")
+        body = 'proxy_pass http://next; proxy_http_version 1.1; proxy_set_header Connection "";'
+    blocks.append(f"    server {{ listen 127.0.0.1:{port}; location / {{ {body} }} }}\n")
+    return _nginx(prefix, f"hop{k}", 4096, "".join(blocks))
 
 
 def chain_entry(system: str) -> str:
@@ -451,9 +451,10 @@ class Bench:
             services = [(f"10.96.1.{k}:80", [f"127.0.0.1:{17000 + k}"]) for k in range(HOPS)]
             fronts = {"haproxy": chain_fronts(16000), "nginx": chain_fronts(18000)}.get(system, [])
             self.start(system, fronts, services, max(self.p.chain_conns) * 2)
-            (d / "hops.conf").write_text(hops_conf(str(d), system))
             # In the cgroup: the hops are the applications whose calls the mesh balances.
-            self.procs.spawn("hops", None, in_cgroup(["nginx", "-c", str(d / "hops.conf"), "-g", "daemon off;"]), d / "log")
+            for k in range(HOPS):
+                (d / f"hop{k}.conf").write_text(hop_conf(str(d), system, k))
+                self.procs.spawn(f"hop{k}", None, in_cgroup(["nginx", "-c", str(d / f"hop{k}.conf"), "-g", "daemon off;"]), d / "log")
             url = f"http://{chain_entry(system)}/"
             wait_until(f"the chain through {SYSTEMS[system]}", lambda: self.curl(url) == BODY, 15)
             for conns in self.p.chain_conns:

@@ -27,7 +27,7 @@ def test_peer_configs_pass_their_own_checks(tmp_path):
         for name, text in [
             ("sidecar.conf", mb.nginx_sidecar_conf(str(tmp_path), fronts)),
             ("backend.conf", mb.nginx_backend_conf(str(tmp_path), "127.0.0.1:8080")),
-            *[(f"hops-{s}.conf", mb.hops_conf(str(tmp_path), s)) for s in ("direct", "mesh", "haproxy", "nginx")],
+            *[(f"hop{k}-{s}.conf", mb.hop_conf(str(tmp_path), s, k)) for s in ("direct", "mesh", "haproxy", "nginx") for k in (0, 8)],
         ]:
             conf = tmp_path / name
             conf.write_text(text)
