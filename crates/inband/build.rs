@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use libbpf_cargo::SkeletonBuilder;
 
-const PROGRAMS: &[&str] = &["balancer", "agent", "bounce", "veth_peer", "loadgen", "shadow", "mesh"];
+const PROGRAMS: &[&str] = &["balancer", "agent", "bounce", "veth_peer", "loadgen", "shadow", "mesh", "mesh_head_probe"];
 /// The headers whose types and constants the control plane shares.
 const SHARED_HEADERS: &[&str] = &["addr.h", "quic.h", "wire.h", "auth.h", "balancer_maps.h", "agent_maps.h", "shadow_maps.h", "mesh_maps.h"];
 

@@ -177,4 +177,20 @@ enum inband_mesh_counter {
 	INBAND_MESH_COUNTERS,
 };
 
+/* What the head walk and the framing read from a message: written by
+ * bpf/mesh_head_probe.bpf.c, the test-run probe that gives the parser's
+ * byte-level fixtures (sk_msg and sk_skb programs have no test run). */
+struct inband_mesh_head_result {
+	__u32 head_len; /* through the empty line; 0: not within the window */
+	__u32 sp1, sp2; /* the first line's first two spaces */
+	__u32 first_end;
+	__u32 n_lines;
+	__u32 malformed; /* bare LF, a non-token byte in a name, too many lines */
+	__s64 content_length; /* -1: none */
+	__u32 chunked;
+	__u32 upgrade;
+	__u32 not_keep_alive;
+	__u32 bad; /* no name, white space before the colon, lengths that differ */
+};
+
 #endif /* INBAND_MESH_MAPS_H */

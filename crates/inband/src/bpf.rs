@@ -36,3 +36,7 @@ pub mod shared {
 pub mod mesh {
     include!(concat!(env!("OUT_DIR"), "/mesh.skel.rs"));
 }
+#[allow(clippy::all, dead_code, unused_imports)]
+pub mod mesh_head_probe {
+    include!(concat!(env!("OUT_DIR"), "/mesh_head_probe.skel.rs"));
+}
