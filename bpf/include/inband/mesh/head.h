@@ -85,9 +85,8 @@ static __always_inline char head_at(const struct head *h, __u32 i)
 /* Case folding for header names, without a branch (the verifier would
  * walk both sides for every byte of every loop). Exact for names: the walk
  * refuses control characters (a CR but at a line's end), space and DEL in
- * them, and the only other
- * bytes it moves ('@', '[', '\\', ']', '^', '_') land on no letter and
- * not on '-'. */
+ * them, and the only other bytes it moves ('@', '[', '\\', ']', '^', '_')
+ * land on no letter and not on '-'. */
 static __always_inline char lower(char c)
 {
 	return c | 0x20;
