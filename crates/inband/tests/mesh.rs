@@ -33,7 +33,8 @@ fn enter_netns(netns: &str) {
 }
 
 /// An HTTP/1.1 keep-alive backend in the namespace. One named `slow` takes
-/// 100 ms for every request. Paths: `/chunked` answers chunked, `/die` sends part of a
+/// 100 ms for every request. Paths: `/eof` answers with a body that ends
+/// with the connection, `/chunked` answers chunked, `/die` sends part of a
 /// response and closes, `/hang` never answers, `/close` answers with
 /// Connection: close; anything else gets "NAME METHOD PATH BODYLEN".
 struct Backend {
@@ -200,6 +201,12 @@ fn serve(
             while Instant::now() < until && !stop.load(Ordering::SeqCst) {
                 thread::sleep(Duration::from_millis(20));
             }
+            return;
+        } else if path == "/eof" {
+            // No length: the body ends with the connection.
+            let _ = conn.write_all(
+                format!("HTTP/1.1 200 OK\r\nx-backend: {name}\r\n\r\n{body}").as_bytes(),
+            );
             return;
         } else if path == "/close" {
             let _ = reply(&mut conn, "connection: close\r\n", &body);
@@ -604,6 +611,21 @@ fn every_fallback_completes_correctly() {
         "{text}"
     );
     assert_eq!(m.counter("response_user"), 1);
+    // Connection: close from the backend: delivered by the kernel path, the
+    // socket retired and replaced. A body that ends with the connection:
+    // relayed, and the client's connection closed to end it.
+    m.curl_expect(&[&format!("http://{VIP}/close")], "GET /close 0");
+    m.curl_expect(&[&format!("http://{VIP}/eof")], "GET /eof 0");
+    assert_eq!(m.counter("response_user"), 2);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !m.status().unwrap().backends.iter().all(|b| b.free == 4) {
+        assert!(
+            Instant::now() < deadline,
+            "pool not refilled: {:?}",
+            m.status().unwrap()
+        );
+        thread::sleep(Duration::from_millis(50));
+    }
     // HEAD: a response with Content-Length and no body.
     let out = m.client(&[
         "curl",
