@@ -481,8 +481,13 @@ int mesh_request(struct sk_msg_md *msg)
 		if (slot)
 			break;
 	}
-	if (!slot)
+	if (!slot) {
+		__u32 wanted = split->backends[first & (INBAND_MESH_MAX_CLUSTER - 1)];
+		struct inband_mesh_backend *wb = bpf_map_lookup_elem(&mesh_backends, &wanted);
+		if (wb)
+			__sync_fetch_and_add(&wb->no_slot, 1);
 		return to_user(conn, INBAND_MESH_FALLBACK_NO_SLOT);
+	}
 	slot -= 1;
 	struct inband_mesh_slot *s = bpf_map_lookup_elem(&mesh_slots, &slot);
 	struct inband_mesh_backend *be = bpf_map_lookup_elem(&mesh_backends, &backend);

@@ -91,6 +91,7 @@ struct inband_mesh_backend {
 	__u32 pool;
 	__u32 next_slot; /* where the next claim starts looking */
 	__s32 in_flight; /* requests sent and not yet answered (least-request) */
+	__u32 no_slot; /* requests that found no free slot with it as first choice: the daemon grows the pool */
 	__u64 requests; /* sent through the kernel path */
 };
 

@@ -953,3 +953,43 @@ fn sighup_reloads_weights_and_refuses_a_new_backend_set() {
     }
     assert_eq!(run(10), HashMap::from([("green".into(), 10)]));
 }
+
+#[test]
+fn a_busy_pool_grows_up_to_pool_max() {
+    let services = "pool_max = 4\n[[service]]\nname = \"web\"\naddress = \"10.96.0.10:80\"\nbackends = [\"{B0}\"]\n";
+    let m = Mesh::start("grow", &["slow"], 1, services);
+    // 4 clients at once on a backend that takes 100 ms: one socket is not enough.
+    let burst = || {
+        m.python(&format!(
+            "import http.client, threading\n\
+             ok = []\n\
+             def run():\n  c = http.client.HTTPConnection('{}', 80)\n  for i in range(6):\n    \
+             c.request('GET', '/g'); r = c.getresponse(); r.read(); ok.append(r.status)\n\
+             ts = [threading.Thread(target=run) for _ in range(4)]\n\
+             [t.start() for t in ts]; [t.join() for t in ts]\n\
+             print(len(ok), ok.count(200))\n",
+            VIP.split(':').next().unwrap()
+        ))
+    };
+    assert_eq!(burst().trim(), "24 24");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let b = &m.status().unwrap().backends[0];
+        if b.pool == 4 && b.free == 4 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "pool did not grow: {b:?}\n{}",
+            m.log()
+        );
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert!(m.log().contains("pool grown"), "{}", m.log());
+    // Grown, it takes the next burst without handing anything to the daemon.
+    let before = m.counter("fallback_no_slot");
+    let kernel = m.counter("request_kernel");
+    assert_eq!(burst().trim(), "24 24");
+    assert_eq!(m.counter("fallback_no_slot"), before);
+    assert_eq!(m.counter("request_kernel"), kernel + 24);
+}

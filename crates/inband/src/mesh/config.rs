@@ -23,10 +23,14 @@ pub struct Config {
     /// sent and where whatever the kernel path does not handle arrives.
     #[serde(default = "default_anchor")]
     pub anchor: SocketAddrV4,
-    /// Pre-connected sockets per backend: at most this many requests are in
-    /// flight to one backend through the kernel path.
+    /// Pre-connected sockets per backend at start: at most this many
+    /// requests are in flight to one backend through the kernel path.
     #[serde(default = "default_pool")]
     pub pool: u32,
+    /// What a backend's pool may grow to when all its sockets are busy.
+    /// Default: 4 × pool, within 256 and the 16,384 sockets of all
+    /// backends.
+    pub pool_max: Option<u32>,
     /// Prometheus metrics and the status JSON (`/metrics`, `/status`).
     pub metrics: Option<std::net::SocketAddr>,
     /// Names the pin directory (several daemons on one host need distinct names).
@@ -174,12 +178,13 @@ impl Config {
             s.check().with_context(|| format!("service {:?}", s.name))?;
         }
         let n = self.backends().len();
-        if n > c::INBAND_MESH_MAX_BACKENDS as usize
-            || n * self.pool as usize > c::INBAND_MESH_MAX_SLOTS as usize
-        {
+        let max = self.pool_max();
+        if max < self.pool || max > c::INBAND_MESH_MAX_POOL {
+            bail!("pool_max = {max}: must be pool ({})..={}", self.pool, c::INBAND_MESH_MAX_POOL);
+        }
+        if n > c::INBAND_MESH_MAX_BACKENDS as usize || n * max as usize > c::INBAND_MESH_MAX_SLOTS as usize {
             bail!(
-                "{n} distinct backends with pool = {}: at most {} backends and {} sockets in all",
-                self.pool,
+                "{n} distinct backends with pool_max = {max}: at most {} backends and {} sockets in all",
                 c::INBAND_MESH_MAX_BACKENDS,
                 c::INBAND_MESH_MAX_SLOTS
             );
@@ -187,8 +192,17 @@ impl Config {
         Ok(())
     }
 
+    /// The most sockets a backend's pool may have; each backend's slots are
+    /// [i × pool_max, (i + 1) × pool_max).
+    pub fn pool_max(&self) -> u32 {
+        self.pool_max.unwrap_or_else(|| {
+            let share = c::INBAND_MESH_MAX_SLOTS / (self.backends().len() as u32).max(1);
+            (self.pool * 4).min(c::INBAND_MESH_MAX_POOL).min(share).max(self.pool)
+        })
+    }
+
     /// Every distinct backend address, in first-seen order: its index is its
-    /// entry in mesh_backends, and its pool is slots [i * pool, (i + 1) * pool).
+    /// entry in mesh_backends.
     pub fn backends(&self) -> Vec<SocketAddrV4> {
         let mut out: Vec<SocketAddrV4> = Vec::new();
         for s in &self.services {
@@ -405,6 +419,16 @@ mod tests {
             Config::parse(&format!("{BASE}pool = 0\n")).unwrap_err()
         );
         assert!(err.contains("pool = 0"), "{err}");
+    }
+
+    #[test]
+    fn pool_max_defaults_to_four_pools_within_the_bounds() {
+        let svc = "[[service]]\nname = \"w\"\naddress = \"10.96.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n";
+        assert_eq!(Config::parse(&format!("{BASE}pool = 16\n{svc}")).unwrap().pool_max(), 64);
+        assert_eq!(Config::parse(&format!("{BASE}pool = 100\n{svc}")).unwrap().pool_max(), 256);
+        assert_eq!(Config::parse(&format!("{BASE}pool = 8\npool_max = 8\n{svc}")).unwrap().pool_max(), 8);
+        let err = format!("{:#}", Config::parse(&format!("{BASE}pool = 8\npool_max = 4\n{svc}")).unwrap_err());
+        assert!(err.contains("pool_max = 4: must be pool (8)..=256"), "{err}");
     }
 
     #[test]

@@ -25,6 +25,9 @@ pub struct Shared {
     pub clients: RefCell<HashMap<SocketAddrV4, Rc<Client>>>,
     pub health: Health,
     pub pool: super::pool::Pool,
+    /// mesh_backends' entries, by index.
+    pub backends: Vec<SocketAddrV4>,
+    pub pool_max: u32,
 }
 
 /// The daemon's end of a client's anchor connection: the way back to a
@@ -138,7 +141,7 @@ impl Health {
         if self.connected.borrow()[backend as usize] == 0 {
             dp.set_up(backend, false);
             // Once per slot's first attempt is enough noise.
-            if slot % dp.backend_snapshot(backend).pool.max(1) == 0 {
+            if slot == dp.backend_snapshot(backend).slot_base {
                 warn!(backend, "backend unreachable: {why}");
             }
         }
@@ -176,6 +179,7 @@ pub fn run(path: PathBuf) -> Result<()> {
         dp.install(&cfg)?;
         let backends = cfg.backends();
         let pool = cfg.pool;
+        let pool_max = cfg.pool_max();
         if let Some(addr) = cfg.metrics {
             super::status::serve_metrics(addr, dp.pins().0.clone())?;
         }
@@ -190,13 +194,15 @@ pub fn run(path: PathBuf) -> Result<()> {
         let sh = Rc::new(Shared {
             dp,
             health: Health::new(backends.len()),
-            pool: super::pool::Pool::new(backends.len() * pool as usize),
+            pool: super::pool::Pool::new(backends.len(), pool_max),
+            backends: backends.clone(),
+            pool_max,
             cfg: RefCell::new(cfg),
             clients: RefCell::new(HashMap::new()),
         });
         for (b, addr) in backends.iter().enumerate() {
             for k in 0..pool {
-                tokio::task::spawn_local(super::pool::run_slot(sh.clone(), b as u32, *addr, b as u32 * pool + k));
+                tokio::task::spawn_local(super::pool::run_slot(sh.clone(), b as u32, *addr, b as u32 * pool_max + k));
             }
         }
         tokio::task::spawn_local(super::anchor::serve(sh.clone(), listener));
@@ -242,11 +248,12 @@ fn reload(sh: &Shared, path: &PathBuf) {
         let old = sh.cfg.borrow();
         if new.backends() != old.backends()
             || new.pool != old.pool
+            || new.pool_max() != old.pool_max()
             || new.anchor != old.anchor
             || new.cgroup != old.cgroup
         {
             error!(
-                "config not reloaded: backends, pool, anchor and cgroup change only with a restart"
+                "config not reloaded: backends, pool, pool_max, anchor and cgroup change only with a restart"
             );
             return;
         }

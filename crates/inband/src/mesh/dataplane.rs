@@ -157,8 +157,9 @@ impl Dataplane {
             unsafe {
                 (*b).ip4 = be_addr(*addr.ip());
                 (*b).port = addr.port() as u32;
-                (*b).slot_base = i as u32 * cfg.pool;
-                (*b).pool = cfg.pool;
+                (*b).slot_base = i as u32 * cfg.pool_max();
+                // A pool grown under load keeps its size across a reload.
+                (*b).pool = (*b).pool.max(cfg.pool);
             }
         }
         for svc in &cfg.services {
@@ -213,6 +214,14 @@ impl Dataplane {
     /// daemon at their next request.
     pub fn remove_service(&self, addr: SocketAddrV4) {
         let _ = crate::bpfmap::delete(&self.skel.maps.mesh_services, &service_key(addr));
+    }
+
+    /// Lets claims use the first `n` slots of the backend's range (the
+    /// slots past the old size are DOWN until their sockets connect).
+    pub fn set_pool(&self, backend: u32, n: u32) {
+        // SAFETY: an aligned u32 inside the mapped array.
+        unsafe { AtomicU32::from_ptr(std::ptr::addr_of_mut!((*self.backend(backend)).pool)) }
+            .store(n, Ordering::Release);
     }
 
     /// Marks a backend up or down: a down backend's slots are never claimed.

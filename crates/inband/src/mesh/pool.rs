@@ -24,7 +24,7 @@ use std::time::Duration;
 use anyhow::Result;
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use super::daemon::Shared;
 use super::relay::{self, End};
@@ -35,17 +35,21 @@ const BACKOFF_MAX: Duration = Duration::from_secs(2);
 /// How often the watchdog looks at every slot.
 const TICK: Duration = Duration::from_millis(50);
 
-/// Wake-ups for the slot tasks, and each slot's socket for the watchdog.
+/// Wake-ups for the slot tasks, each slot's socket for the watchdog, and
+/// each backend's `no_slot` count at the last tick.
 pub struct Pool {
     wake: Vec<Notify>,
     fds: RefCell<Vec<RawFd>>,
+    no_slot_seen: RefCell<Vec<u32>>,
 }
 
 impl Pool {
-    pub fn new(slots: usize) -> Pool {
+    pub fn new(backends: usize, pool_max: u32) -> Pool {
+        let slots = backends * pool_max as usize;
         Pool {
             wake: (0..slots).map(|_| Notify::new()).collect(),
             fds: RefCell::new(vec![-1; slots]),
+            no_slot_seen: RefCell::new(vec![0; backends]),
         }
     }
 
@@ -177,11 +181,15 @@ async fn watch(sh: &Rc<Shared>, slot: u32, stream: &mut Option<std::net::TcpStre
 }
 
 /// Every TICK, names the slots whose request timed out, that the program
-/// retired, or whose connection ended.
+/// retired, or whose connection ended; and grows the pools of backends
+/// whose every socket is busy.
 pub async fn watchdog(sh: Rc<Shared>) {
     let mut tick = tokio::time::interval(TICK);
     loop {
         tick.tick().await;
+        for b in 0..sh.backends.len() as u32 {
+            grow_if_busy(&sh, b);
+        }
         let fds = sh.pool.fds.borrow().clone();
         for (slot, fd) in fds.into_iter().enumerate() {
             if fd < 0 {
@@ -201,6 +209,36 @@ pub async fn watchdog(sh: Rc<Shared>) {
             }
         }
     }
+}
+
+/// Grows a backend's pool, up to pool_max, when requests found none of its
+/// slots free since the last tick (by as many as found none, at least a
+/// quarter more), or when every slot carries a request now. A burst above
+/// the pool would otherwise send connections to the user-space path.
+fn grow_if_busy(sh: &Rc<Shared>, backend: u32) {
+    let be = sh.dp.backend_snapshot(backend);
+    let missed = {
+        let mut seen = sh.pool.no_slot_seen.borrow_mut();
+        let m = be.no_slot.wrapping_sub(seen[backend as usize]);
+        seen[backend as usize] = be.no_slot;
+        m
+    };
+    if be.pool >= sh.pool_max || be.up == 0 {
+        return;
+    }
+    let busy = (0..be.pool).all(|k| {
+        matches!(sh.dp.slot_snapshot(be.slot_base + k).state, c::INBAND_MESH_SLOT_KERNEL | c::INBAND_MESH_SLOT_USER)
+    });
+    if missed == 0 && !busy {
+        return;
+    }
+    let grown = (be.pool + (be.pool / 4).max(missed).max(1)).min(sh.pool_max);
+    let addr = sh.backends[backend as usize];
+    for k in be.pool..grown {
+        tokio::task::spawn_local(run_slot(sh.clone(), backend, addr, be.slot_base + k));
+    }
+    sh.dp.set_pool(backend, grown);
+    info!(%addr, from = be.pool, to = grown, missed, "pool grown: requests found every socket busy");
 }
 
 /// Wakes the slots the response program names in mesh_events.
