@@ -437,6 +437,10 @@ int mesh_request(struct sk_msg_md *msg)
 		head_give(h);
 		return to_user(conn, INBAND_MESH_FALLBACK_PIPELINED);
 	}
+	if (total > 0x7fffffff) {
+		head_give(h);
+		return to_user(conn, INBAND_MESH_FALLBACK_LARGE_BODY);
+	}
 	__u32 is_head = sp1 == 4 && head_at(h, 0) == 'H' && head_at(h, 1) == 'E' && head_at(h, 2) == 'A' &&
 			head_at(h, 3) == 'D';
 

@@ -175,6 +175,7 @@ enum inband_mesh_counter {
 	INBAND_MESH_RESPONSE_UNEXPECTED, /* data on a slot with no request: to the daemon, which retires it */
 	INBAND_MESH_RESPONSE_EXCESS, /* bytes after the response's end: cut, the slot retired */
 	INBAND_MESH_CLIENT_GONE_IN_FLIGHT, /* client closed with its request at the backend: slot retired */
+	INBAND_MESH_FALLBACK_LARGE_BODY, /* request body of 2 GiB or more (bpf_msg_apply_bytes takes 32 bits) */
 	INBAND_MESH_COUNTERS,
 };
 

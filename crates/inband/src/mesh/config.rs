@@ -180,9 +180,15 @@ impl Config {
         let n = self.backends().len();
         let max = self.pool_max();
         if max < self.pool || max > c::INBAND_MESH_MAX_POOL {
-            bail!("pool_max = {max}: must be pool ({})..={}", self.pool, c::INBAND_MESH_MAX_POOL);
+            bail!(
+                "pool_max = {max}: must be pool ({})..={}",
+                self.pool,
+                c::INBAND_MESH_MAX_POOL
+            );
         }
-        if n > c::INBAND_MESH_MAX_BACKENDS as usize || n * max as usize > c::INBAND_MESH_MAX_SLOTS as usize {
+        if n > c::INBAND_MESH_MAX_BACKENDS as usize
+            || n * max as usize > c::INBAND_MESH_MAX_SLOTS as usize
+        {
             bail!(
                 "{n} distinct backends with pool_max = {max}: at most {} backends and {} sockets in all",
                 c::INBAND_MESH_MAX_BACKENDS,
@@ -197,7 +203,10 @@ impl Config {
     pub fn pool_max(&self) -> u32 {
         self.pool_max.unwrap_or_else(|| {
             let share = c::INBAND_MESH_MAX_SLOTS / (self.backends().len() as u32).max(1);
-            (self.pool * 4).min(c::INBAND_MESH_MAX_POOL).min(share).max(self.pool)
+            (self.pool * 4)
+                .min(c::INBAND_MESH_MAX_POOL)
+                .min(share)
+                .max(self.pool)
         })
     }
 
@@ -423,12 +432,34 @@ mod tests {
 
     #[test]
     fn pool_max_defaults_to_four_pools_within_the_bounds() {
-        let svc = "[[service]]\nname = \"w\"\naddress = \"10.96.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n";
-        assert_eq!(Config::parse(&format!("{BASE}pool = 16\n{svc}")).unwrap().pool_max(), 64);
-        assert_eq!(Config::parse(&format!("{BASE}pool = 100\n{svc}")).unwrap().pool_max(), 256);
-        assert_eq!(Config::parse(&format!("{BASE}pool = 8\npool_max = 8\n{svc}")).unwrap().pool_max(), 8);
-        let err = format!("{:#}", Config::parse(&format!("{BASE}pool = 8\npool_max = 4\n{svc}")).unwrap_err());
-        assert!(err.contains("pool_max = 4: must be pool (8)..=256"), "{err}");
+        let svc =
+            "[[service]]\nname = \"w\"\naddress = \"10.96.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n";
+        assert_eq!(
+            Config::parse(&format!("{BASE}pool = 16\n{svc}"))
+                .unwrap()
+                .pool_max(),
+            64
+        );
+        assert_eq!(
+            Config::parse(&format!("{BASE}pool = 100\n{svc}"))
+                .unwrap()
+                .pool_max(),
+            256
+        );
+        assert_eq!(
+            Config::parse(&format!("{BASE}pool = 8\npool_max = 8\n{svc}"))
+                .unwrap()
+                .pool_max(),
+            8
+        );
+        let err = format!(
+            "{:#}",
+            Config::parse(&format!("{BASE}pool = 8\npool_max = 4\n{svc}")).unwrap_err()
+        );
+        assert!(
+            err.contains("pool_max = 4: must be pool (8)..=256"),
+            "{err}"
+        );
     }
 
     #[test]

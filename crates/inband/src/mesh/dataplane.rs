@@ -60,6 +60,7 @@ pub const COUNTERS: [&str; c::INBAND_MESH_COUNTERS as usize] = [
     "response_unexpected",
     "response_excess",
     "client_gone_in_flight",
+    "fallback_large_body",
 ];
 
 pub fn pin_dir(name: &str) -> PinDir {

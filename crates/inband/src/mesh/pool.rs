@@ -227,7 +227,10 @@ fn grow_if_busy(sh: &Rc<Shared>, backend: u32) {
         return;
     }
     let busy = (0..be.pool).all(|k| {
-        matches!(sh.dp.slot_snapshot(be.slot_base + k).state, c::INBAND_MESH_SLOT_KERNEL | c::INBAND_MESH_SLOT_USER)
+        matches!(
+            sh.dp.slot_snapshot(be.slot_base + k).state,
+            c::INBAND_MESH_SLOT_KERNEL | c::INBAND_MESH_SLOT_USER
+        )
     });
     if missed == 0 && !busy {
         return;
