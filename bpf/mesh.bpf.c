@@ -525,18 +525,6 @@ int mesh_request(struct sk_msg_md *msg)
 
 /* ---- responses ----------------------------------------------------------- */
 
-/* One header line of a response (bpf_loop callback). */
-static long response_header(__u64 i, struct framing *f)
-{
-	__u32 which = SCRATCH_RESPONSE;
-	struct head *h = bpf_map_lookup_elem(&mesh_scratch, &which);
-	__u32 start, nlen, vfrom, vto;
-
-	if (!h)
-		return 1;
-	return framing_line(h, i, f, &start, &nlen, &vfrom, &vto);
-}
-
 /* The slot's request is answered: the client may send again, the slot
  * takes the next request (or the daemon retires it). */
 static __always_inline void release(struct inband_mesh_slot *s, __u32 retire)
@@ -569,7 +557,7 @@ static __always_inline __s64 response_body(struct head *h, __u32 head_request, _
 	__u32 status = (c0 - '0') * 100 + (c1 - '0') * 10 + (c2 - '0');
 	if (status < 200)
 		return -1; /* 1xx: a second head follows */
-	bpf_loop(h->n_lines, response_header, &f, 0);
+	bpf_loop(h->n_lines, response_line, &f, 0);
 	if (f.bad)
 		return -1;
 	*close = f.not_keep_alive;

@@ -25,17 +25,6 @@ struct {
 	__type(value, struct inband_mesh_head_result);
 } mesh_head_result SEC(".maps");
 
-static long probe_line(__u64 i, struct framing *f)
-{
-	__u32 which = SCRATCH_RESPONSE;
-	struct head *h = bpf_map_lookup_elem(&mesh_scratch, &which);
-	__u32 start, nlen, vfrom, vto;
-
-	if (!h)
-		return 1;
-	return framing_line(h, i, f, &start, &nlen, &vfrom, &vto);
-}
-
 SEC("tc")
 int mesh_head_probe(struct __sk_buff *skb)
 {
@@ -59,7 +48,7 @@ int mesh_head_probe(struct __sk_buff *skb)
 	head_walk(h, SCRATCH_RESPONSE);
 	/* As both programs do: header lines only of a complete, sound head. */
 	if (!h->malformed && h->head_len)
-		bpf_loop(h->n_lines, probe_line, &f, 0);
+		bpf_loop(h->n_lines, response_line, &f, 0);
 	r->head_len = h->head_len;
 	r->sp1 = h->sp1;
 	r->sp2 = h->sp2;

@@ -220,6 +220,16 @@ fn serve(
     }
 }
 
+/// Polls `ok` every 50 ms for up to `secs` seconds; fails with `what` and
+/// `state()`.
+fn wait_until(what: &str, secs: u64, ok: impl Fn() -> bool, state: impl Fn() -> String) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !ok() {
+        assert!(Instant::now() < deadline, "not {what}: {}", state());
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// One namespace, one cgroup, backends, a daemon; all removed on drop.
 struct Mesh {
     netns: String,
@@ -293,22 +303,17 @@ impl Mesh {
         .spawn()
         .unwrap();
         mesh.daemon = Some(daemon);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(st) = mesh.status() {
-                if st.backends.len() == names.len()
-                    && st.backends.iter().all(|b| b.up && b.free == pool)
-                {
-                    break;
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "daemon not ready:\n{}",
-                mesh.log()
-            );
-            thread::sleep(Duration::from_millis(50));
-        }
+        wait_until(
+            "daemon ready",
+            10,
+            || {
+                mesh.status().is_ok_and(|st| {
+                    st.backends.len() == names.len()
+                        && st.backends.iter().all(|b| b.up && b.free == pool)
+                })
+            },
+            || mesh.log(),
+        );
         mesh
     }
 
@@ -363,6 +368,16 @@ impl Mesh {
             self.log()
         );
         String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Waits up to 5 s for the daemon's status to satisfy `ok`.
+    fn wait_for(&self, what: &str, ok: impl Fn(&Status) -> bool) {
+        wait_until(
+            what,
+            5,
+            || self.status().is_ok_and(|st| ok(&st)),
+            || format!("{:?}\n{}", self.status(), self.log()),
+        );
     }
 
     /// curl in the cgroup; its output must contain `want`.
@@ -617,15 +632,9 @@ fn every_fallback_completes_correctly() {
     m.curl_expect(&[&format!("http://{VIP}/close")], "GET /close 0");
     m.curl_expect(&[&format!("http://{VIP}/eof")], "GET /eof 0");
     assert_eq!(m.counter("response_user"), 2);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !m.status().unwrap().backends.iter().all(|b| b.free == 4) {
-        assert!(
-            Instant::now() < deadline,
-            "pool not refilled: {:?}",
-            m.status().unwrap()
-        );
-        thread::sleep(Duration::from_millis(50));
-    }
+    m.wait_for("pool refilled", |st| {
+        st.backends.iter().all(|b| b.free == 4)
+    });
     // HEAD: a response with Content-Length and no body.
     let out = m.client(&[
         "curl",
@@ -745,15 +754,7 @@ fn a_backend_that_dies_or_hangs_gives_the_client_an_error_not_a_hang() {
     assert_eq!(String::from_utf8_lossy(&out.stdout), "504");
     assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
     // The pool heals: later requests are served by the kernel path.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while m.status().unwrap().backends[0].free < 2 {
-        assert!(
-            Instant::now() < deadline,
-            "pool not refilled: {:?}",
-            m.status().unwrap()
-        );
-        thread::sleep(Duration::from_millis(50));
-    }
+    m.wait_for("pool refilled", |st| st.backends[0].free == 2);
     m.curl_expect(&[&format!("http://{VIP}/ok")], "GET /ok 0");
     assert_eq!(m.status().unwrap().backends[0].in_flight, 0);
 }
@@ -774,18 +775,13 @@ fn a_client_that_leaves_mid_request_frees_its_slot() {
          s.sendall(b'POST /half HTTP/1.1\\r\\nContent-Length: 100\\r\\n\\r\\n0123456789')\n\
          s.close()\n"
     ));
-    let deadline = Instant::now() + Duration::from_secs(3);
-    loop {
-        let st = m.status().unwrap();
-        if m.counter("client_gone_in_flight") == 1
+    m.wait_for("slot freed", |st| {
+        st.counters
+            .iter()
+            .any(|(n, v)| n == "client_gone_in_flight" && *v == 1)
             && st.backends[0].free == 2
             && st.backends[0].in_flight == 0
-        {
-            break;
-        }
-        assert!(Instant::now() < deadline, "slot not freed: {st:?}");
-        thread::sleep(Duration::from_millis(50));
-    }
+    });
     // The half request never reached a handler; the next one is whole.
     m.curl_expect(&[&format!("http://{VIP}/next")], "GET /next 0");
     assert_eq!(m.hits(), vec![1]);
@@ -816,23 +812,28 @@ fn churn_leaves_no_connection_slot_or_socket_behind() {
     assert_eq!(out.trim(), "900 900");
     assert_eq!(m.counter("connect_redirected"), 300);
     assert_eq!(m.counter("request_kernel"), 900);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let conns = inband::bpfmap::count(&m.pins().open("mesh_conns").unwrap());
-        let st = m.status().unwrap();
-        let settled = st.backends.iter().all(|b| b.free == 4 && b.in_flight == 0)
-            && conns == 0
-            && fds() <= before + 2;
-        if settled {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "left behind: {conns} conns, {} fds (from {before}), {st:?}",
-            fds()
-        );
-        thread::sleep(Duration::from_millis(100));
-    }
+    let conns = || inband::bpfmap::count(&m.pins().open("mesh_conns").unwrap());
+    wait_until(
+        "nothing left behind",
+        5,
+        || {
+            m.status()
+                .unwrap()
+                .backends
+                .iter()
+                .all(|b| b.free == 4 && b.in_flight == 0)
+                && conns() == 0
+                && fds() <= before + 2
+        },
+        || {
+            format!(
+                "{} conns, {} fds (from {before}), {:?}",
+                conns(),
+                fds(),
+                m.status().unwrap()
+            )
+        },
+    );
     // The pools' connections are the ones made at start.
     assert!(m
         .backends
@@ -939,11 +940,12 @@ fn sighup_reloads_weights_and_refuses_a_new_backend_set() {
     let pid = m.daemon.as_ref().unwrap().id() as i32;
     // SAFETY: kill(2) on our child.
     unsafe { libc::kill(pid, libc::SIGHUP) };
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !m.log().contains("config reloaded") {
-        assert!(Instant::now() < deadline, "{}", m.log());
-        thread::sleep(Duration::from_millis(50));
-    }
+    wait_until(
+        "config reloaded",
+        5,
+        || m.log().contains("config reloaded"),
+        || m.log(),
+    );
     assert_eq!(run(20), HashMap::from([("green".into(), 20)]));
     // A backend the pools do not have: refused, the running config stays.
     let text = std::fs::read_to_string(&path).unwrap();
@@ -953,11 +955,12 @@ fn sighup_reloads_weights_and_refuses_a_new_backend_set() {
     )
     .unwrap();
     unsafe { libc::kill(pid, libc::SIGHUP) };
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !m.log().contains("config not reloaded") {
-        assert!(Instant::now() < deadline, "{}", m.log());
-        thread::sleep(Duration::from_millis(50));
-    }
+    wait_until(
+        "reload refused",
+        5,
+        || m.log().contains("config not reloaded"),
+        || m.log(),
+    );
     assert_eq!(run(10), HashMap::from([("green".into(), 10)]));
 }
 
@@ -979,19 +982,9 @@ fn a_busy_pool_grows_up_to_pool_max() {
         ))
     };
     assert_eq!(burst().trim(), "24 24");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let b = &m.status().unwrap().backends[0];
-        if b.pool == 4 && b.free == 4 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "pool did not grow: {b:?}\n{}",
-            m.log()
-        );
-        thread::sleep(Duration::from_millis(50));
-    }
+    m.wait_for("pool grown to 4", |st| {
+        st.backends[0].pool == 4 && st.backends[0].free == 4
+    });
     assert!(m.log().contains("pool grown"), "{}", m.log());
     // Grown, it takes the next burst without handing anything to the daemon.
     let before = m.counter("fallback_no_slot");

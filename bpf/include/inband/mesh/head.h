@@ -310,4 +310,17 @@ static __always_inline int framing_line(const struct head *h, __u32 n, struct fr
 	return 0;
 }
 
+/* Header line i of the head in the response scratch buffer (a bpf_loop
+ * callback of the response program and the test probe). */
+static long response_line(__u64 i, struct framing *f)
+{
+	__u32 which = SCRATCH_RESPONSE;
+	struct head *h = bpf_map_lookup_elem(&mesh_scratch, &which);
+	__u32 start, nlen, vfrom, vto;
+
+	if (!h)
+		return 1;
+	return framing_line(h, i, f, &start, &nlen, &vfrom, &vto);
+}
+
 #endif /* INBAND_MESH_HEAD_H */
