@@ -68,6 +68,10 @@ struct inband_mesh_route {
 	__u64 hname_hash;
 	__u64 hvalue_hash;
 	char prefix[INBAND_MESH_PREFIX_MAX];
+	/* The header as configured, for status only (the program matches the
+	 * hashes): the map is the one place a running daemon's routes are read. */
+	char hname[INBAND_MESH_HNAME_MAX];
+	char hvalue[INBAND_MESH_HVALUE_MAX];
 	struct inband_mesh_split splits[INBAND_MESH_MAX_SPLITS];
 };
 

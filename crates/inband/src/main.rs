@@ -62,7 +62,7 @@ enum Command {
         command: inband::testbed::TestbedCommand,
     },
     /// Show VIPs, backends, flows, scores and counters of the balancer(s)
-    /// on this host.
+    /// on this host, and the mesh daemons' services, routes and pools.
     Status {
         /// Only this interface (default: every interface with a balancer).
         #[arg(long)]

@@ -512,6 +512,29 @@ fn routes_match_path_and_header_and_split_by_weight() {
     // 20% canary over 400: 80 expected; 50..110 is beyond 3.5 sigma.
     assert!((50..=110).contains(&split[1]), "canary share {split:?}");
     assert_eq!(m.counter("request_kernel"), 445);
+    // The routes as the maps hold them, in `inband mesh status`.
+    let out = inband::testbed::netns::in_netns(
+        &m.netns,
+        &[env!("CARGO_BIN_EXE_inband"), "mesh", "status"],
+    )
+    .output()
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let (b0, b1, b2) = (m.backends[0].addr, m.backends[1].addr, m.backends[2].addr);
+    assert!(
+        text.contains(&format!(
+            "    /api/ -> 1 × {b2} (round-robin, timeout 15000 ms)"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("    / [X-Canary: yes] -> 1 × {b1}")),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("    / -> 20 × {b1}, 80 × {b0}")),
+        "{text}"
+    );
     assert_eq!(m.counter("fallback_no_route"), 0);
 }
 
@@ -859,6 +882,19 @@ fn status_and_metrics_show_services_backends_and_counters() {
     .unwrap();
     let st: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(st["services"][0]["address"], "10.96.0.10:80");
+    let route = &st["services"][0]["routes"][0];
+    assert_eq!(route["path_prefix"], "/");
+    assert_eq!(route["policy"], "round-robin");
+    assert_eq!(
+        route["clusters"][0],
+        serde_json::json!([
+            1,
+            [
+                m.backends[0].addr.to_string(),
+                m.backends[1].addr.to_string()
+            ]
+        ])
+    );
     assert_eq!(st["backends"][0]["requests"], 1);
     assert_eq!(st["backends"][1]["pool"], 3);
     // `inband status` lists the mesh beside any balancer.

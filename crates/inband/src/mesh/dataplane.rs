@@ -189,6 +189,12 @@ impl Dataplane {
                     rt.hvalue_len = h.value.len() as u32;
                     rt.hname_hash = fnv(h.name.as_bytes(), true);
                     rt.hvalue_hash = fnv(h.value.as_bytes(), false);
+                    for (i, b) in h.name.bytes().enumerate() {
+                        rt.hname[i] = b as _;
+                    }
+                    for (i, b) in h.value.bytes().enumerate() {
+                        rt.hvalue[i] = b as _;
+                    }
                 }
                 rt.policy = route.policy.unwrap_or_default().as_c();
                 rt.timeout_ms = route.timeout_ms;

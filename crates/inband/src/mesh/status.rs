@@ -23,7 +23,18 @@ pub struct Status {
 #[derive(Debug, Serialize)]
 pub struct ServiceStatus {
     pub address: String,
-    pub routes: u32,
+    pub routes: Vec<RouteStatus>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct RouteStatus {
+    pub path_prefix: String,
+    /// `name: value`, if the route matches a header.
+    pub header: Option<String>,
+    pub policy: String,
+    pub timeout_ms: u32,
+    /// (weight, backend addresses) per cluster.
+    pub clusters: Vec<(u32, Vec<String>)>,
 }
 
 #[derive(Debug, Serialize)]
@@ -50,20 +61,64 @@ pub fn read(pins: &PinDir) -> Result<Status> {
         .map(|(n, v)| (n.to_string(), v))
         .collect();
     let services_map = pins.open("mesh_services")?;
-    let mut services: Vec<ServiceStatus> =
-        crate::bpfmap::entries::<ServiceKey, ServiceValue>(&services_map)?
-            .into_iter()
-            .map(|(k, v)| ServiceStatus {
-                address: format!(
-                    "{}:{}",
-                    std::net::Ipv4Addr::from(u32::from_be(k.ip4)),
-                    u16::from_be(k.port as u16)
-                ),
-                routes: v.n_routes,
-            })
-            .collect();
-    services.sort_by(|a, b| a.address.cmp(&b.address));
     let backends_map = pins.open("mesh_backends")?;
+    let address_of = |i: u32| -> Result<String> {
+        let b: Backend = crate::bpfmap::get(&backends_map, &i)?.unwrap_or_default();
+        Ok(backend_line(&b).0.to_string())
+    };
+    let mut services = Vec::new();
+    for (k, v) in crate::bpfmap::entries::<ServiceKey, ServiceValue>(&services_map)? {
+        let mut routes = Vec::new();
+        for rt in v.routes.iter().take(v.n_routes as usize) {
+            let text = |bytes: &[std::os::raw::c_char], n: u32| {
+                String::from_utf8_lossy(
+                    &bytes
+                        .iter()
+                        .take(n as usize)
+                        .map(|b| *b as u8)
+                        .collect::<Vec<u8>>(),
+                )
+                .into_owned()
+            };
+            let mut clusters = Vec::new();
+            for split in rt.splits.iter().filter(|s| s.weight > 0) {
+                let list = split
+                    .backends
+                    .iter()
+                    .take(split.n_backends as usize)
+                    .map(|i| address_of(*i))
+                    .collect::<Result<_>>()?;
+                clusters.push((split.weight, list));
+            }
+            routes.push(RouteStatus {
+                path_prefix: text(&rt.prefix, rt.prefix_len),
+                header: (rt.hname_len > 0).then(|| {
+                    format!(
+                        "{}: {}",
+                        text(&rt.hname, rt.hname_len),
+                        text(&rt.hvalue, rt.hvalue_len)
+                    )
+                }),
+                policy: match rt.policy {
+                    c::INBAND_MESH_RANDOM => "random",
+                    c::INBAND_MESH_LEAST_REQUEST => "least-request",
+                    _ => "round-robin",
+                }
+                .into(),
+                timeout_ms: rt.timeout_ms,
+                clusters,
+            });
+        }
+        services.push(ServiceStatus {
+            address: format!(
+                "{}:{}",
+                std::net::Ipv4Addr::from(u32::from_be(k.ip4)),
+                u16::from_be(k.port as u16)
+            ),
+            routes,
+        });
+    }
+    services.sort_by(|a, b| a.address.cmp(&b.address));
     let slots_map = pins.open("mesh_slots")?;
     let mut backends = Vec::new();
     for i in 0..c::INBAND_MESH_MAX_BACKENDS {
@@ -148,7 +203,25 @@ pub fn discover() -> Vec<(String, PinDir)> {
 pub fn render(title: &str, st: &Status) -> String {
     let mut out = format!("{title}\nservices:\n");
     for s in &st.services {
-        out += &format!("  {:<22} routes {}\n", s.address, s.routes);
+        out += &format!("  {}\n", s.address);
+        for r in &s.routes {
+            let header = r
+                .header
+                .as_ref()
+                .map_or(String::new(), |h| format!(" [{h}]"));
+            let clusters: Vec<String> = r
+                .clusters
+                .iter()
+                .map(|(w, list)| format!("{w} × {}", list.join(" ")))
+                .collect();
+            out += &format!(
+                "    {}{header} -> {} ({}, timeout {} ms)\n",
+                r.path_prefix,
+                clusters.join(", "),
+                r.policy,
+                r.timeout_ms
+            );
+        }
     }
     out += &format!(
         "backends:{:>20} {:>4} {:>9} {:>10} {:>5} {:>5} {:>6} {:>5} {:>5}\n",
