@@ -33,7 +33,7 @@ fn enter_netns(netns: &str) {
 }
 
 /// An HTTP/1.1 keep-alive backend in the namespace. One named `slow` takes
-/// 100 ms for every request. Paths: `/eof` answers with a body that ends
+/// 100 ms for every request; one named `sick` fails `/healthz` (503). Paths: `/eof` answers with a body that ends
 /// with the connection, `/chunked` answers chunked, `/die` sends part of a
 /// response and closes, `/hang` never answers, `/close` answers with
 /// Connection: close; anything else gets "NAME METHOD PATH BODYLEN".
@@ -202,6 +202,10 @@ fn serve(
                 thread::sleep(Duration::from_millis(20));
             }
             return;
+        } else if name == "sick" && path == "/healthz" {
+            let _ =
+                conn.write_all(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n");
+            Ok(())
         } else if path == "/eof" {
             // No length: the body ends with the connection.
             let _ = conn.write_all(
@@ -308,8 +312,7 @@ impl Mesh {
             10,
             || {
                 mesh.status().is_ok_and(|st| {
-                    st.backends.len() == names.len()
-                        && st.backends.iter().all(|b| b.up && b.free == pool)
+                    st.backends.len() == names.len() && st.backends.iter().all(|b| b.free == pool)
                 })
             },
             || mesh.log(),
@@ -1028,4 +1031,28 @@ fn a_busy_pool_grows_up_to_pool_max() {
     assert_eq!(burst().trim(), "24 24");
     assert_eq!(m.counter("fallback_no_slot"), before);
     assert_eq!(m.counter("request_kernel"), kernel + 24);
+}
+
+#[test]
+fn a_backend_failing_its_health_checks_gets_no_requests() {
+    let services = "[health]\npath = \"/healthz\"\ninterval_ms = 100\ntimeout_ms = 100\nunhealthy_after = 2\nhealthy_after = 1\n\
+        [[service]]\nname = \"web\"\naddress = \"10.96.0.10:80\"\nbackends = [\"{B0}\", \"{B1}\"]\n";
+    let m = Mesh::start("health", &["alpha", "sick"], 2, services);
+    m.wait_for("sick taken out", |st| {
+        st.backends[0].up && !st.backends[1].up
+    });
+    assert!(
+        m.log().contains("health checks fail (status 503)"),
+        "{}",
+        m.log()
+    );
+    let code = format!(
+        "import http.client\nc = http.client.HTTPConnection('{}', 80)\nfor i in range(20):\n  \
+         c.request('GET', '/h%d' % i); r = c.getresponse(); print(r.getheader('x-backend')); r.read()\n",
+        VIP.split(':').next().unwrap()
+    );
+    assert_eq!(
+        by_backend(&m.python(&code)),
+        HashMap::from([("alpha".into(), 20)])
+    );
 }

@@ -33,11 +33,44 @@ pub struct Config {
     pub pool_max: Option<u32>,
     /// Prometheus metrics and the status JSON (`/metrics`, `/status`).
     pub metrics: Option<std::net::SocketAddr>,
+    /// Active HTTP health checks of every backend, beside the pools' own
+    /// connect and TCP-state checks; none when absent.
+    pub health: Option<HealthCheck>,
     /// Names the pin directory (several daemons on one host need distinct names).
     #[serde(default = "default_name")]
     pub name: String,
     #[serde(rename = "service", default)]
     pub services: Vec<Service>,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct HealthCheck {
+    /// GET this path on every backend; a 2xx or 3xx is a pass.
+    pub path: String,
+    #[serde(default = "default_health_interval")]
+    pub interval_ms: u64,
+    #[serde(default = "default_health_timeout")]
+    pub timeout_ms: u64,
+    /// Consecutive failed checks that take a backend out.
+    #[serde(default = "default_unhealthy_after")]
+    pub unhealthy_after: u32,
+    /// Consecutive passed checks that bring it back.
+    #[serde(default = "default_healthy_after")]
+    pub healthy_after: u32,
+}
+
+fn default_health_interval() -> u64 {
+    1000
+}
+fn default_health_timeout() -> u64 {
+    1000
+}
+fn default_unhealthy_after() -> u32 {
+    3
+}
+fn default_healthy_after() -> u32 {
+    2
 }
 
 #[derive(Debug, Deserialize)]
@@ -156,6 +189,17 @@ impl Config {
                 .all(|ch| ch.is_ascii_alphanumeric() || ch == '-' || ch == '_')
         {
             bail!("name = {:?}: letters, digits, '-' and '_' only (it names a directory under /sys/fs/bpf)", self.name);
+        }
+        if let Some(h) = &self.health {
+            if !h.path.starts_with('/') || h.path.bytes().any(|b| b <= b' ' || b >= 0x7f) {
+                bail!("health.path = {:?}: a path starting with '/', without spaces or control characters", h.path);
+            }
+            if h.interval_ms < 100 || h.timeout_ms == 0 || h.timeout_ms > h.interval_ms {
+                bail!("health: interval_ms >= 100 and 0 < timeout_ms <= interval_ms");
+            }
+            if h.unhealthy_after == 0 || h.healthy_after == 0 {
+                bail!("health: unhealthy_after and healthy_after must be at least 1");
+            }
         }
         if self.anchor.port() == 0 {
             bail!("anchor = {}: needs a port", self.anchor);
@@ -428,6 +472,34 @@ mod tests {
             Config::parse(&format!("{BASE}pool = 0\n")).unwrap_err()
         );
         assert!(err.contains("pool = 0"), "{err}");
+    }
+
+    #[test]
+    fn health_checks_are_checked() {
+        let svc =
+            "[[service]]\nname = \"w\"\naddress = \"10.96.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n";
+        let cfg = Config::parse(&format!("{BASE}[health]\npath = \"/healthz\"\n{svc}")).unwrap();
+        assert_eq!(
+            cfg.health,
+            Some(HealthCheck {
+                path: "/healthz".into(),
+                interval_ms: 1000,
+                timeout_ms: 1000,
+                unhealthy_after: 3,
+                healthy_after: 2
+            })
+        );
+        for (h, needle) in [
+            ("path = \"healthz\"", "health.path"),
+            ("path = \"/\"\ninterval_ms = 10", "interval_ms >= 100"),
+            ("path = \"/\"\nunhealthy_after = 0", "at least 1"),
+        ] {
+            let err = format!(
+                "{:#}",
+                Config::parse(&format!("{BASE}[health]\n{h}\n{svc}")).unwrap_err()
+            );
+            assert!(err.contains(needle), "{h}: {err}");
+        }
     }
 
     #[test]

@@ -108,38 +108,50 @@ impl Shared {
     }
 }
 
-/// Connected slots per backend: a backend is up while it has one.
+/// A backend is up while it has a connected slot and, with active health
+/// checks, while they pass.
 pub struct Health {
     connected: RefCell<Vec<u32>>,
+    passing: RefCell<Vec<bool>>,
 }
 
 impl Health {
     fn new(n: usize) -> Health {
         Health {
             connected: RefCell::new(vec![0; n]),
+            passing: RefCell::new(vec![true; n]),
+        }
+    }
+
+    fn update(&self, dp: &Dataplane, backend: u32) {
+        let up = self.connected.borrow()[backend as usize] > 0
+            && self.passing.borrow()[backend as usize];
+        if up != (dp.backend_snapshot(backend).up != 0) {
+            dp.set_up(backend, up);
+            info!(backend, up, "backend state");
         }
     }
 
     pub fn connected(&self, dp: &Dataplane, backend: u32) {
-        let mut c = self.connected.borrow_mut();
-        c[backend as usize] += 1;
-        if c[backend as usize] == 1 {
-            dp.set_up(backend, true);
-            info!(backend, "backend up");
-        }
+        self.connected.borrow_mut()[backend as usize] += 1;
+        self.update(dp, backend);
     }
 
     pub fn disconnected(&self, dp: &Dataplane, backend: u32) {
         let mut c = self.connected.borrow_mut();
         c[backend as usize] = c[backend as usize].saturating_sub(1);
-        if c[backend as usize] == 0 {
-            dp.set_up(backend, false);
-        }
+        drop(c);
+        self.update(dp, backend);
+    }
+
+    pub fn checked(&self, dp: &Dataplane, backend: u32, passing: bool) {
+        self.passing.borrow_mut()[backend as usize] = passing;
+        self.update(dp, backend);
     }
 
     pub fn connect_failed(&self, dp: &Dataplane, backend: u32, slot: u32, why: &str) {
         if self.connected.borrow()[backend as usize] == 0 {
-            dp.set_up(backend, false);
+            self.update(dp, backend);
             // Once per slot's first attempt is enough noise.
             if slot == dp.backend_snapshot(backend).slot_base {
                 warn!(backend, "backend unreachable: {why}");
@@ -205,6 +217,11 @@ pub fn run(path: PathBuf) -> Result<()> {
                 tokio::task::spawn_local(super::pool::run_slot(sh.clone(), b as u32, *addr, b as u32 * pool_max + k));
             }
         }
+        if let Some(hc) = sh.cfg.borrow().health.clone() {
+            for (b, addr) in backends.iter().enumerate() {
+                tokio::task::spawn_local(super::health::check(sh.clone(), b as u32, *addr, hc.clone()));
+            }
+        }
         tokio::task::spawn_local(super::anchor::serve(sh.clone(), listener));
         tokio::task::spawn_local(super::pool::watchdog(sh.clone()));
         let events = sh.clone();
@@ -249,11 +266,12 @@ fn reload(sh: &Shared, path: &PathBuf) {
         if new.backends() != old.backends()
             || new.pool != old.pool
             || new.pool_max() != old.pool_max()
+            || new.health != old.health
             || new.anchor != old.anchor
             || new.cgroup != old.cgroup
         {
             error!(
-                "config not reloaded: backends, pool, pool_max, anchor and cgroup change only with a restart"
+                "config not reloaded: backends, pool, pool_max, health, anchor and cgroup change only with a restart"
             );
             return;
         }

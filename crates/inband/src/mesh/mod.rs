@@ -6,6 +6,7 @@ pub mod anchor;
 pub mod config;
 pub mod daemon;
 pub mod dataplane;
+pub mod health;
 pub mod pool;
 pub mod relay;
 pub mod status;
