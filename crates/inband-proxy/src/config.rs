@@ -87,7 +87,7 @@ pub enum PolicyKind {
     ConsistentHash,
 }
 
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HealthConfig {
     #[serde(default = "default_health_path")]

@@ -15,27 +15,46 @@ pub fn spawn(cfg: HealthConfig, client: BackendClient, backend: Arc<Backend>) ->
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_millis(cfg.interval_ms));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let (mut fails, mut passes) = (0u32, 0u32);
+        let mut verdicts = Verdicts::default();
         loop {
             tick.tick().await;
             let ok = check(&cfg, &client, &backend).await;
-            if ok {
-                fails = 0;
-                passes += 1;
-                if !backend.is_checked_up() && passes >= cfg.healthy_after {
+            match verdicts.record(&cfg, backend.is_checked_up(), ok) {
+                Some(true) => {
                     backend.set_checked_up(true);
-                    tracing::info!(backend = %backend.name, passes, "backend readmitted (health check)");
+                    tracing::info!(backend = %backend.name, "backend readmitted (health check)");
                 }
-            } else {
-                passes = 0;
-                fails += 1;
-                if backend.is_checked_up() && fails >= cfg.unhealthy_after {
+                Some(false) => {
                     backend.set_checked_up(false);
-                    tracing::warn!(backend = %backend.name, fails, "backend ejected (health check)");
+                    tracing::warn!(backend = %backend.name, "backend ejected (health check)");
                 }
+                None => {}
             }
         }
     })
+}
+
+/// Checks in a row against the thresholds, for the proxy's checks and
+/// `inband mesh`'s: a backend goes out after `unhealthy_after` failures in
+/// a row and comes back after `healthy_after` passes in a row.
+#[derive(Default)]
+pub struct Verdicts {
+    fails: u32,
+    passes: u32,
+}
+
+impl Verdicts {
+    /// Records one check of a backend that is now `up`; the new state when
+    /// it changes.
+    pub fn record(&mut self, cfg: &HealthConfig, up: bool, ok: bool) -> Option<bool> {
+        if ok {
+            (self.fails, self.passes) = (0, self.passes + 1);
+            (!up && self.passes >= cfg.healthy_after).then_some(true)
+        } else {
+            (self.fails, self.passes) = (self.fails + 1, 0);
+            (up && self.fails >= cfg.unhealthy_after).then_some(false)
+        }
+    }
 }
 
 /// Passes on a 2xx or 3xx within the timeout.

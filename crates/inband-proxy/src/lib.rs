@@ -12,7 +12,7 @@ mod cache_store;
 pub mod config;
 mod conn;
 mod forward;
-mod health;
+pub mod health;
 mod metrics;
 mod policy;
 mod server;

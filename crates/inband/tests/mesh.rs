@@ -206,6 +206,17 @@ fn serve(
             let _ =
                 conn.write_all(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n");
             Ok(())
+        } else if path == "/extra" {
+            // More than the response: a backend out of step, or forging.
+            let _ = conn.write_all(
+                b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhelloHTTP/1.1 200 OK\r\n\r\nforged",
+            );
+            Ok(())
+        } else if path == "/later" {
+            // Bytes nobody asked for, on the idle connection.
+            let _ = reply(&mut conn, "", &body);
+            thread::sleep(Duration::from_millis(200));
+            conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nforged")
         } else if path == "/eof" {
             // No length: the body ends with the connection.
             let _ = conn.write_all(
@@ -1055,4 +1066,90 @@ fn a_backend_failing_its_health_checks_gets_no_requests() {
         by_backend(&m.python(&code)),
         HashMap::from([("alpha".into(), 20)])
     );
+}
+
+#[test]
+fn bytes_a_backend_was_not_asked_for_never_reach_a_client() {
+    let m = Mesh::start("forged", &["alpha"], 1, "pool_max = 1\n[[service]]\nname = \"web\"\naddress = \"10.96.0.10:80\"\nbackends = [\"{B0}\"]\n");
+    // Past the response's end: cut there; the socket is retired.
+    let out = m.client(&[
+        "curl",
+        "-sS",
+        &format!("http://{VIP}/extra"),
+        &format!("http://{VIP}/next"),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.starts_with("hello") && !text.contains("forged"),
+        "{text}"
+    );
+    assert_eq!(m.counter("response_excess"), 1);
+    // On an idle pool socket: the daemon retires it.
+    m.wait_for("pool refilled", |st| st.backends[0].free == 1);
+    m.curl_expect(&[&format!("http://{VIP}/later")], "GET /later 0");
+    wait_until(
+        "unexpected bytes seen",
+        5,
+        || m.counter("response_unexpected") == 1,
+        || m.log(),
+    );
+    m.wait_for("pool refilled", |st| st.backends[0].free == 1);
+    let out = m.client(&["curl", "-sS", &format!("http://{VIP}/after")]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("GET /after 0") && !text.contains("forged"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_connection_whose_table_entry_was_evicted_is_still_served() {
+    let m = Mesh::start(
+        "evict",
+        &["alpha"],
+        2,
+        "[[service]]\nname = \"web\"\naddress = \"10.96.0.10:80\"\nbackends = [\"{B0}\"]\n",
+    );
+    let script = format!(
+        "import http.client, time\nc = http.client.HTTPConnection('{}', 80)\n\
+         c.request('GET', '/one'); r = c.getresponse(); print(r.read().decode().strip(), flush=True)\n\
+         time.sleep(1)\nc.request('GET', '/two'); r = c.getresponse(); print(r.read().decode().strip(), flush=True)\n",
+        VIP.split(':').next().unwrap()
+    );
+    let cmd = format!(
+        "echo $$ > {}/cgroup.procs && exec nsenter --net=/run/netns/{} timeout 30 python3 -c \"$0\"",
+        m.cgroup.display(),
+        m.netns
+    );
+    let child = Command::new("sh")
+        .arg("-c")
+        .arg(cmd)
+        .arg(script)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // As the LRU does when mesh_conns is full: the entry goes mid-connection.
+    wait_until(
+        "first request",
+        5,
+        || m.counter("request_kernel") == 1,
+        || m.log(),
+    );
+    let conns = m.pins().open("mesh_conns").unwrap();
+    let keys: Vec<Vec<u8>> = libbpf_rs::MapCore::keys(&conns).collect();
+    assert_eq!(keys.len(), 1);
+    for k in keys {
+        libbpf_rs::MapCore::delete(&conns, &k).unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        text.lines().collect::<Vec<_>>(),
+        ["alpha GET /one 0", "alpha GET /two 0"],
+        "{}",
+        m.log()
+    );
+    // The second went by the daemon, from the entry it kept at accept.
+    assert_eq!(m.counter("request_kernel"), 1);
+    assert_eq!(m.hits(), vec![2]);
 }

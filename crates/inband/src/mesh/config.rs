@@ -12,6 +12,8 @@ use serde::Deserialize;
 
 use crate::bpf::shared as c;
 
+pub use inband_proxy::config::HealthConfig as HealthCheck;
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
@@ -35,42 +37,13 @@ pub struct Config {
     pub metrics: Option<std::net::SocketAddr>,
     /// Active HTTP health checks of every backend, beside the pools' own
     /// connect and TCP-state checks; none when absent.
+    /// The same `[health]` table as `inband proxy`'s (docs/configuration.md).
     pub health: Option<HealthCheck>,
     /// Names the pin directory (several daemons on one host need distinct names).
     #[serde(default = "default_name")]
     pub name: String,
     #[serde(rename = "service", default)]
     pub services: Vec<Service>,
-}
-
-#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct HealthCheck {
-    /// GET this path on every backend; a 2xx or 3xx is a pass.
-    pub path: String,
-    #[serde(default = "default_health_interval")]
-    pub interval_ms: u64,
-    #[serde(default = "default_health_timeout")]
-    pub timeout_ms: u64,
-    /// Consecutive failed checks that take a backend out.
-    #[serde(default = "default_unhealthy_after")]
-    pub unhealthy_after: u32,
-    /// Consecutive passed checks that bring it back.
-    #[serde(default = "default_healthy_after")]
-    pub healthy_after: u32,
-}
-
-fn default_health_interval() -> u64 {
-    1000
-}
-fn default_health_timeout() -> u64 {
-    1000
-}
-fn default_unhealthy_after() -> u32 {
-    3
-}
-fn default_healthy_after() -> u32 {
-    2
 }
 
 #[derive(Debug, Deserialize)]
@@ -479,16 +452,9 @@ mod tests {
         let svc =
             "[[service]]\nname = \"w\"\naddress = \"10.96.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n";
         let cfg = Config::parse(&format!("{BASE}[health]\npath = \"/healthz\"\n{svc}")).unwrap();
-        assert_eq!(
-            cfg.health,
-            Some(HealthCheck {
-                path: "/healthz".into(),
-                interval_ms: 1000,
-                timeout_ms: 1000,
-                unhealthy_after: 3,
-                healthy_after: 2
-            })
-        );
+        let h = cfg.health.unwrap();
+        assert_eq!((h.path.as_str(), h.interval_ms, h.timeout_ms), ("/healthz", 2000, 1000));
+        assert_eq!((h.unhealthy_after, h.healthy_after), (3, 2));
         for (h, needle) in [
             ("path = \"healthz\"", "health.path"),
             ("path = \"/\"\ninterval_ms = 10", "interval_ms >= 100"),

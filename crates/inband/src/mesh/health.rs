@@ -13,39 +13,32 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tracing::{info, warn};
 
+use inband_proxy::health::Verdicts;
+
 use super::config::HealthCheck;
 use super::daemon::Shared;
 
 pub async fn check(sh: Rc<Shared>, backend: u32, addr: SocketAddrV4, hc: HealthCheck) {
     let mut tick = tokio::time::interval(Duration::from_millis(hc.interval_ms));
-    let (mut passing, mut fails, mut passes) = (true, 0u32, 0u32);
+    let (mut passing, mut verdicts) = (true, Verdicts::default());
     loop {
         tick.tick().await;
-        match tokio::time::timeout(Duration::from_millis(hc.timeout_ms), probe(addr, &hc.path))
-            .await
-        {
-            Ok(Ok(status)) if (200..400).contains(&status) => {
-                (fails, passes) = (0, passes + 1);
-                if !passing && passes >= hc.healthy_after {
-                    passing = true;
-                    info!(%addr, status, "health checks pass again: backend back in");
-                    sh.health.checked(&sh.dp, backend, true);
-                }
+        let outcome = tokio::time::timeout(Duration::from_millis(hc.timeout_ms), probe(addr, &hc.path)).await;
+        let ok = matches!(outcome, Ok(Ok(status)) if (200..400).contains(&status));
+        match verdicts.record(&hc, passing, ok) {
+            Some(true) => info!(%addr, "health checks pass again: backend back in"),
+            Some(false) => {
+                let why = match outcome {
+                    Ok(Ok(status)) => format!("status {status}"),
+                    Ok(Err(e)) => e.to_string(),
+                    Err(_) => format!("no answer in {} ms", hc.timeout_ms),
+                };
+                warn!(%addr, "health checks fail ({why}): backend taken out");
             }
-            outcome => {
-                (fails, passes) = (fails + 1, 0);
-                if passing && fails >= hc.unhealthy_after {
-                    passing = false;
-                    let why = match outcome {
-                        Ok(Ok(status)) => format!("status {status}"),
-                        Ok(Err(e)) => e.to_string(),
-                        Err(_) => format!("no answer in {} ms", hc.timeout_ms),
-                    };
-                    warn!(%addr, fails, "health checks fail ({why}): backend taken out");
-                    sh.health.checked(&sh.dp, backend, false);
-                }
-            }
+            None => continue,
         }
+        passing = !passing;
+        sh.health.checked(&sh.dp, backend, passing);
     }
 }
 
