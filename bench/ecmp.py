@@ -180,6 +180,10 @@ class Loads:
     ok: int = 0
     failed: int = 0
     durations: list | None = None
+    # Each failed download: when it ran (seconds from the start of the
+    # run, so it can be set against the changes), curl's exit code, what
+    # it got, and its local port (to find its flow in the balancers' logs).
+    failures: list | None = None
 
     @property
     def failed_pct(self) -> float:
@@ -193,25 +197,27 @@ def closed_loop(bed: Bed, size_mb: int, seconds: float, changes) -> Loads:
     all waited for."""
     url = f"http://[{bed.vip}]/"
     body = size_mb * 1_000_000
-    loads, lock, stop = Loads(durations=[]), threading.Lock(), threading.Event()
+    loads, lock, stop = Loads(durations=[], failures=[]), threading.Lock(), threading.Event()
+    t0 = time.monotonic()
 
     def loop():
         while not stop.is_set():
             t = time.monotonic()
-            cp = subprocess.run(ns_argv(bed.ns("c1"), ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{size_download}",
+            cp = subprocess.run(ns_argv(bed.ns("c1"), ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{size_download} %{local_port}",
                                 "--max-time", "60", url]), capture_output=True, text=True, timeout=90)
-            good = cp.returncode == 0 and cp.stdout == f"200 {body}"
+            got, _, port = cp.stdout.rpartition(" ")
             with lock:
-                if good:
+                if cp.returncode == 0 and got == f"200 {body}":
                     loads.ok += 1
                     loads.durations.append(time.monotonic() - t)
                 else:
                     loads.failed += 1
+                    loads.failures.append({"start_s": round(t - t0, 3), "end_s": round(time.monotonic() - t0, 3), "curl_exit": cp.returncode,
+                                           "got": got, "local_port": port})
 
     threads = [threading.Thread(target=loop, daemon=True) for _ in range(bed.p.clients)]
     for th in threads:
         th.start()
-    t0 = time.monotonic()
     try:
         changes(t0, t0 + seconds)
     finally:

@@ -46,7 +46,7 @@ def test_tiny_profile_end_to_end(tmp_path):
     for c in data["changes"]:
         assert c["ok"] + c["failed"] >= 4 and c["short_ok"] + c["short_failed"] >= 10, c
         if c["mode"] != "plain ECMP":
-            assert c["failed"] == 0 and c["short_failed"] == 0 and c["chained_no_flow"] == 0, c
+            assert c["failed"] == 0 and c["short_failed"] == 0 and c["chained_no_flow"] == 0, json.dumps(c)
     joins = {c["mode"]: c for c in data["changes"] if c["experiment"].startswith("b3 joins")}
     # Connections did move when b3 joined and b1 left: chaining carried them.
     assert joins["inband (shadow + chaining)"]["chained_packets"] > 0, joins

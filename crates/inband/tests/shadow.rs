@@ -212,8 +212,27 @@ fn two_changes_within_a_download_need_two_shadow_generations() {
     // the set of one, to its conditional SID and then the second
     // generation's SID; the second is the set of two, to direct SIDs.
     let (first, second) = (table("200"), table("201"));
-    assert!(first.contains("segs 2 [ ") && !first.contains("nexthop"), "{first}");
-    assert!(second.contains("nexthop") && second.matches("segs 1 [ ").count() == 2, "{second}");
+    assert_eq!((first.matches("nexthop ").count(), first.matches("segs 2 [ ").count()), (1, 1), "{first}");
+    assert_eq!((second.matches("nexthop ").count(), second.matches("segs 1 [ ").count()), (2, 2), "{second}");
+    // Each table's route points at a nexthop group, which a change
+    // replaces whole (a multipath route is rewritten a hop at a time).
+    for t in [&first, &second, &table("main")] {
+        assert!(t.contains(" nhid "), "{t}");
+    }
+    // An object in the VIP's id block that is not the VIP's (another
+    // VIP's hop, here one to a foreign SID) is refused, not overwritten.
+    let main = table("main");
+    let group: u32 = main.split_whitespace().skip_while(|w| *w != "nhid").nth(1).unwrap().parse().unwrap();
+    let hop = (group + 1).to_string();
+    let via = tb.addr6("s1").to_string();
+    run_ok(&tb, "r1", &["ip", "nexthop", "del", "id", &hop]);
+    run_ok(&tb, "r1", &["ip", "nexthop", "add", "id", &hop, "encap", "seg6", "mode", "encap", "segs", "fd00:99::1", "via", &via, "dev", "s1"]);
+    let cfg = tb.router_config.clone().unwrap();
+    let out = tb.exec("r1", &[BIN, "shadow", "route", "--config", cfg.to_str().unwrap(), "--up", "s1"]).unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains(&format!("nexthop object {hop} is someone else's")) && err.contains("nexthop_ids"), "{err}");
+    let segs = String::from_utf8_lossy(&run_ok(&tb, "r1", &["ip", "nexthop", "show", "id", &hop]).stdout).to_string();
+    assert!(segs.contains("fd00:99::1"), "the foreign object was overwritten: {segs}");
 }
 
 #[test]
