@@ -2,29 +2,26 @@
 //! the active check's verdict and the passive ejection window.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::config::PassiveConfig;
 
 pub struct Backend {
-    /// The address as a metrics label and URI authority, formatted once.
+    /// The address as a metrics label, formatted once.
     pub name: String,
+    /// The address as a request URI's authority, parsed once.
+    pub authority: http::uri::Authority,
     in_flight: AtomicU64,
     /// Set by the active checker; true until a check says otherwise.
     checked_up: AtomicBool,
     /// Every request asks whether a backend is ejected, so that answer is
-    /// an atomic (ms after `epoch`, 0 for not ejected); only failures,
-    /// which are rare, take the lock.
+    /// an atomic (ms after `epoch`, 0 for not ejected).
     ejected_until_ms: AtomicU64,
     epoch: Instant,
-    passive: Mutex<Passive>,
-}
-
-#[derive(Default)]
-struct Passive {
-    consecutive_failures: u32,
+    /// Every response updates this, from any worker: an atomic, not a lock
+    /// all workers would take in turn.
+    consecutive_failures: AtomicU32,
 }
 
 /// Counts a request as in flight while it lives.
@@ -38,13 +35,15 @@ impl Drop for InFlight<'_> {
 
 impl Backend {
     pub fn new(addr: SocketAddr) -> Backend {
+        let name = addr.to_string();
         Backend {
-            name: addr.to_string(),
+            authority: name.parse().expect("a socket address is a URI authority"),
+            name,
             in_flight: AtomicU64::new(0),
             checked_up: AtomicBool::new(true),
             ejected_until_ms: AtomicU64::new(0),
             epoch: Instant::now(),
-            passive: Mutex::new(Passive::default()),
+            consecutive_failures: AtomicU32::new(0),
         }
     }
 
@@ -77,10 +76,10 @@ impl Backend {
         if cfg.failures == 0 {
             return false;
         }
-        let mut p = self.passive.lock().unwrap();
-        p.consecutive_failures += 1;
-        if p.consecutive_failures >= cfg.failures {
-            p.consecutive_failures = 0;
+        let n = self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
+        // Of concurrent failures reaching the threshold, the one that
+        // resets the count ejects.
+        if n >= cfg.failures && self.consecutive_failures.compare_exchange(n, 0, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
             self.ejected_until_ms.store(self.ms(now + Duration::from_millis(cfg.cooldown_ms)), Ordering::Relaxed);
             return true;
         }
@@ -88,8 +87,11 @@ impl Backend {
     }
 
     pub fn record_success(&self) {
-        let mut p = self.passive.lock().unwrap();
-        p.consecutive_failures = 0;
+        // A load first: most responses find it 0 already, and a store
+        // would bounce the cache line between workers for nothing.
+        if self.consecutive_failures.load(Ordering::Relaxed) != 0 {
+            self.consecutive_failures.store(0, Ordering::Relaxed);
+        }
     }
 
     fn ms(&self, t: Instant) -> u64 {

@@ -53,6 +53,11 @@ pub struct Config {
     /// Threads serving clients, each with its own event loop; 0: one per CPU.
     #[serde(default)]
     pub workers: usize,
+    /// A new connection goes to the first worker that has fewer than this
+    /// many more open than the least loaded one and is less than half
+    /// busy; otherwise to the one with the fewest open. 0 spreads evenly.
+    #[serde(default = "default_pack_connections")]
+    pub pack_connections: usize,
     #[serde(default = "default_connect_timeout_ms")]
     pub connect_timeout_ms: u64,
     /// Time from sending a request to a backend until its response head; 504 after.
@@ -180,6 +185,9 @@ fn default_idle_timeout_ms() -> u64 {
 }
 fn default_send_timeout_ms() -> u64 {
     60_000
+}
+fn default_pack_connections() -> usize {
+    8
 }
 fn default_connect_timeout_ms() -> u64 {
     1000

@@ -5,8 +5,9 @@ use std::net::SocketAddr;
 use std::time::Instant;
 
 use bytes::Bytes;
-use http::header::{HeaderMap, HeaderName, HeaderValue};
-use http::{request, Method, Request, Response};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::{self, PathAndQuery};
+use http::{request, Method, Request, Response, Uri};
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -34,25 +35,39 @@ fn client(shared: &Shared) -> BackendClient {
 }
 
 /// RFC 9110 §7.6.1: connection-specific fields a proxy must not forward,
-/// plus whatever the Connection header names.
-const HOP_BY_HOP: [&str; 8] =
-    ["connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade"];
+/// plus whatever the Connection header names. Names, not strings: a
+/// string is parsed into a name on every lookup, on every request.
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
 
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(http::header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
-        .collect();
-    for h in named {
-        headers.remove(h);
+    if headers.contains_key(header::CONNECTION) {
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+            .collect();
+        for h in named {
+            headers.remove(h);
+        }
     }
-    for h in HOP_BY_HOP {
+    for h in &HOP_BY_HOP {
         headers.remove(h);
     }
 }
+
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
 /// X-Forwarded-For (appended to any the client sent), X-Forwarded-Proto,
 /// RFC 7239 Forwarded and RFC 9110 §7.6.3 Via (the protocol the client
@@ -63,27 +78,29 @@ pub fn add_forwarding(headers: &mut HeaderMap, client: SocketAddr, version: http
         http::Version::HTTP_2 => "2 inband",
         _ => "1.1 inband",
     };
-    headers.append(http::header::VIA, HeaderValue::from_static(via));
+    headers.append(header::VIA, HeaderValue::from_static(via));
     let ip = client.ip();
-    let xff = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
+    let xff = match headers.get(X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
         Some(prev) => format!("{prev}, {ip}"),
         None => ip.to_string(),
     };
     let node = if ip.is_ipv6() { format!("\"[{ip}]\"") } else { ip.to_string() };
     let mut fwd = format!("for={node};proto=http");
-    if let Some(host) = headers.get(http::header::HOST).and_then(|h| h.to_str().ok()) {
-        fwd.push_str(&format!(";host=\"{host}\""));
+    if let Some(host) = headers.get(header::HOST).and_then(|h| h.to_str().ok()) {
+        fwd.push_str(";host=\"");
+        fwd.push_str(host);
+        fwd.push('"');
     }
-    let fwd = match headers.get(http::header::FORWARDED).and_then(|v| v.to_str().ok()) {
+    let fwd = match headers.get(header::FORWARDED).and_then(|v| v.to_str().ok()) {
         Some(prev) => format!("{prev}, {fwd}"),
         None => fwd,
     };
-    for (name, value) in [("x-forwarded-for", xff), ("forwarded", fwd)] {
-        if let Ok(v) = HeaderValue::from_str(&value) {
+    for (name, value) in [(X_FORWARDED_FOR, xff), (header::FORWARDED, fwd)] {
+        if let Ok(v) = HeaderValue::try_from(value) {
             headers.insert(name, v);
         }
     }
-    headers.entry("x-forwarded-proto").or_insert(HeaderValue::from_static("http"));
+    headers.entry(X_FORWARDED_PROTO).or_insert(HeaderValue::from_static("http"));
 }
 
 fn idempotent(m: &Method) -> bool {
@@ -114,10 +131,17 @@ pub async fn send(shared: &Shared, parts: &request::Parts, body: Bytes, key: &[u
         let Some(i) = shared.policy.pick(backends, |i| !tried[i] && backends[i].is_healthy(now), key) else { break };
         tried[i] = true;
         let b = &backends[i];
-        let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+        let path = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
         let mut req = Request::new(Full::new(body.clone()));
         *req.method_mut() = parts.method.clone();
-        *req.uri_mut() = format!("http://{}{}", b.name, path).parse().expect("an address and a parsed path form a URI");
+        *req.uri_mut() = Uri::from_parts({
+            let mut u = uri::Parts::default();
+            u.scheme = Some(uri::Scheme::HTTP);
+            u.authority = Some(b.authority.clone());
+            u.path_and_query = Some(path);
+            u
+        })
+        .expect("a scheme, an authority and a path form a URI");
         *req.headers_mut() = parts.headers.clone();
         shared.metrics.origin_request(&b.name);
         let _in_flight = b.start_request();

@@ -19,6 +19,7 @@ mod server;
 
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -46,6 +47,8 @@ pub(crate) struct Shared {
     cache: Option<cache_store::HttpCache>,
     /// `max_connections` permits, shared by every worker.
     connection_slots: Arc<tokio::sync::Semaphore>,
+    /// One per worker thread, by index.
+    worker_loads: Vec<Arc<server::WorkerLoad>>,
 }
 
 impl Shared {
@@ -56,6 +59,9 @@ impl Shared {
         }
         if let Some(c) = &self.cache {
             self.metrics.set_cache_store(&c.stats());
+        }
+        for (i, l) in self.worker_loads.iter().enumerate() {
+            self.metrics.set_worker_load(i, l.open.load(Ordering::Relaxed), l.busy_permille.load(Ordering::Relaxed));
         }
         self.metrics.render()
     }
@@ -98,6 +104,7 @@ impl Proxy {
         };
         let shared = Arc::new(Shared {
             connection_slots: Arc::new(tokio::sync::Semaphore::new(max_connections)),
+            worker_loads: (0..workers).map(|_| Arc::default()).collect(),
             backends: cfg.backends.iter().map(|&a| Arc::new(Backend::new(a))).collect(),
             policy: Policy::new(cfg.raw.policy),
             client,
@@ -122,9 +129,9 @@ impl Proxy {
         let mut slots = Vec::new();
         for i in 0..workers {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-            servers.push(spawn_worker(i, shared.clone(), rx, open.clone(), stop_rx.clone())?);
-            slots.push(server::WorkerSlot { tx, open });
+            let load = shared.worker_loads[i].clone();
+            servers.push(spawn_worker(i, shared.clone(), rx, load.clone(), stop_rx.clone())?);
+            slots.push(server::WorkerSlot { tx, load });
         }
         background.push(tokio::spawn(server::accept(shared.clone(), listener, slots, stop_rx)));
         tracing::info!(%addr, backends = shared.backends.len(), policy = ?shared.cfg.raw.policy, workers, max_connections, open_files = open_files_limit(), "proxy listening");
@@ -158,7 +165,7 @@ fn spawn_worker(
     i: usize,
     shared: Arc<Shared>,
     conns: tokio::sync::mpsc::UnboundedReceiver<server::Accepted>,
-    open: Arc<std::sync::atomic::AtomicUsize>,
+    load: Arc<server::WorkerLoad>,
     stop: watch::Receiver<bool>,
 ) -> Result<tokio::sync::oneshot::Receiver<()>> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -166,7 +173,9 @@ fn spawn_worker(
     std::thread::Builder::new().name(format!("proxy-worker-{i}")).spawn(move || {
         rt.block_on(async move {
             forward::use_worker_client(backend_client(&shared.cfg));
-            server::serve(shared, conns, open, stop).await
+            // Dropped with the runtime when serving ends.
+            tokio::spawn(server::measure_busy(load.clone()));
+            server::serve(shared, conns, load, stop).await
         });
         let _ = done.send(());
     })?;

@@ -77,6 +77,8 @@ pub struct Metrics {
     backend_up: Family<Labels, Gauge>,
     cache_store: Family<Labels, Gauge>,
     pub connections: Gauge,
+    worker_connections: Family<Labels, Gauge>,
+    worker_busy: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     accept_errors: Counter,
     connection_timeouts: Family<Labels, Counter>,
     /// Handles into `requests` and `cache` for the per-request path: a
@@ -111,6 +113,10 @@ impl Metrics {
         let accept_errors = Counter::default();
         let connection_timeouts = Family::<Labels, Counter>::default();
         registry.register("connections", "Client connections open", connections.clone());
+        let worker_connections = Family::<Labels, Gauge>::default();
+        let worker_busy = Family::<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        registry.register("worker_connections", "Client connections open on each worker thread", worker_connections.clone());
+        registry.register("worker_busy_ratio", "Share of the last 100 ms each worker thread spent running tasks", worker_busy.clone());
         registry.register("accept_errors", "Failed accepts (out of file descriptors and the like), each followed by a backoff", accept_errors.clone());
         registry.register("connection_timeouts", "Client connections closed by a timeout: header, idle or send", connection_timeouts.clone());
         for e in [Expiry::Header, Expiry::Idle, Expiry::Send] {
@@ -129,6 +135,8 @@ impl Metrics {
             backend_up,
             cache_store,
             connections,
+            worker_connections,
+            worker_busy,
             accept_errors,
             connection_timeouts,
             by_class,
@@ -186,6 +194,12 @@ impl Metrics {
         ] {
             self.cache_store.get_or_create(&vec![("what", what.to_string())]).set(v as i64);
         }
+    }
+
+    pub fn set_worker_load(&self, worker: usize, open: usize, busy_permille: u32) {
+        let labels = vec![("worker", worker.to_string())];
+        self.worker_connections.get_or_create(&labels).set(open as i64);
+        self.worker_busy.get_or_create(&labels).set(f64::from(busy_permille) / 1000.0);
     }
 
     pub fn render(&self) -> String {
