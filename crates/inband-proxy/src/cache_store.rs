@@ -109,7 +109,7 @@ enum Decoded {
 /// and the stored head, grew the heap by 4 KiB each for the benchmark's
 /// objects: about 32 MiB when full). When full, an arbitrary eighth goes:
 /// clearing it all, as it first did, made a working set just over the
-/// bound decode again and again (5,000 objects over 4,096 entries: 6% of a
+/// bound decode again and again (5,000 objects over 4,096 entries: 4% of a
 /// hit's CPU in JSON decoding and freeing), while hot entries evicted at
 /// random come straight back.
 #[derive(Default)]
