@@ -580,6 +580,43 @@ impl Body for Replay {
 mod tests {
     use super::*;
 
+    fn vary_entry(names: &[&str], crc: u32) -> inband_cache::Entry {
+        let head = Head::Vary(names.iter().map(|n| n.to_string()).collect());
+        inband_cache::Entry {
+            meta: inband_cache::Meta { stored_at_ms: 1, expires_at_ms: u64::MAX, size: 0 },
+            crc,
+            header: serde_json::to_vec(&head).unwrap().into(),
+            body: EntryBody::Whole(Bytes::new()),
+        }
+    }
+
+    fn vary_names_of(d: Option<Decoded>) -> Vec<String> {
+        match d {
+            Some(Decoded::Vary(names)) => names.to_vec(),
+            _ => panic!("not a decoded Vary marker"),
+        }
+    }
+
+    #[test]
+    fn a_full_memo_drops_an_eighth_and_still_decodes_every_record_right() {
+        let memo = Memo::default();
+        let key = |i: usize| format!("GET m.test/{i}").into_bytes();
+        for i in 0..MEMO_ENTRIES + 100 {
+            assert_eq!(vary_names_of(memo.decode(&key(i), &vary_entry(&["accept"], i as u32))), ["accept"]);
+        }
+        let len = memo.map.lock().unwrap().len();
+        // Full at MEMO_ENTRIES: an eighth went, then the last inserts came in.
+        assert!(len <= MEMO_ENTRIES && len >= MEMO_ENTRIES - MEMO_ENTRIES / 8, "{len}");
+        // Every record decodes again, evicted or not.
+        for i in 0..MEMO_ENTRIES + 100 {
+            assert_eq!(vary_names_of(memo.decode(&key(i), &vary_entry(&["accept"], i as u32))), ["accept"], "record {i}");
+        }
+        assert!(memo.map.lock().unwrap().len() <= MEMO_ENTRIES);
+        // A record replaced under the same key (a new CRC) is decoded anew,
+        // never answered from the old one's memo.
+        assert_eq!(vary_names_of(memo.decode(&key(7), &vary_entry(&["accept-language"], 1 << 30))), ["accept-language"]);
+    }
+
     #[test]
     fn a_released_leader_never_removes_its_successor() {
         let cfg: CacheConfig = toml::from_str("backend = \"memory\"").unwrap();
