@@ -606,7 +606,7 @@ mod tests {
         }
         let len = memo.map.lock().unwrap().len();
         // Full at MEMO_ENTRIES: an eighth went, then the last inserts came in.
-        assert!(len <= MEMO_ENTRIES && len >= MEMO_ENTRIES - MEMO_ENTRIES / 8, "{len}");
+        assert!((MEMO_ENTRIES - MEMO_ENTRIES / 8..=MEMO_ENTRIES).contains(&len), "{len}");
         // Every record decodes again, evicted or not.
         for i in 0..MEMO_ENTRIES + 100 {
             assert_eq!(vary_names_of(memo.decode(&key(i), &vary_entry(&["accept"], i as u32))), ["accept"], "record {i}");
