@@ -10,7 +10,9 @@ servers, dsr-dynamic, each with `[scale_out]`):
    router, and others send short requests (HEAD, a new connection each),
    while, a third (or a quarter) of the run apart,
    - instances: b3 joins (b1,b2 -> b1,b2,b3), then b1 leaves (-> b2,b3),
-     with the shadow table (inband) and without (plain ECMP);
+     with the shadow table (inband) and without (plain ECMP), and with
+     inband again while the client reuses its ports within seconds (100
+     ports: a new connection meets the old one's closing flow);
    - daemons: b2's daemon is restarted (SIGTERM), then b1's killed -9
      and started again, on three instances and on a single balancer;
    - backends: s1 drained and put back, s3 removed and added again, on
@@ -49,6 +51,9 @@ REPO = Path(__file__).resolve().parent.parent
 SUBNET = 85
 BALANCERS = 4
 SERVERS = 3
+# A port comes back every few seconds at the tiny profile's connection rate,
+# well inside the balancer's closing timeout (10 s).
+REUSED_PORTS = 100
 
 
 @dataclass(frozen=True)
@@ -181,6 +186,14 @@ class Bed:
         argv = [self.inband, "shadow", "route", "--config", self.state["router_config"], "--up", ",".join(f"b{i}" for i in up)]
         run(self.ns("r1"), argv + (["--plain"] if plain else []))
 
+    def client_ports(self, ports: str | None) -> None:
+        """The client's ephemeral port range ("low high"); None puts back
+        the one it had."""
+        key = "net.ipv4.ip_local_port_range"
+        if ports and "ports" not in self.state:
+            self.state["ports"] = " ".join(run(self.ns("c1"), ["sysctl", "-n", key]).stdout.split())
+        run(self.ns("c1"), ["sysctl", "-qw", f"{key}={ports or self.state.pop('ports')}"])
+
     def shaped(self, on: bool) -> None:
         run(self.ns("r1"), ["tc", "qdisc", "del", "dev", "c1", "root"], check=False)
         if on:
@@ -239,17 +252,32 @@ def changes_under_load(bed: Bed) -> list[dict]:
     vip = f"[{bed.vip}]:80"
     rows = []
 
-    def measure(experiment: str, mode: str, routed: list[int], plain: bool, *steps) -> None:
-        bed.route(routed, plain)
-        chained, no_flow = bed.counter("events", "chained"), bed.counter("drops", "chained_no_flow")
-        steps_s: list = []
-        with ShortRequests(bed) as short:
-            loads = closed_loop(bed, bed.p.size_mb, bed.p.run_s, at_fractions(steps_s, *steps))
+    def measure(experiment: str, mode: str, routed: list[int], plain: bool, *steps, ports: str | None = None,
+                warm_on: list[int] | None = None) -> None:
+        """With `ports`, the client's port range for the row; `warm_on`, a
+        set the same load runs on first (a third of a row, not counted)."""
+        if ports:
+            bed.client_ports(ports)
+        try:
+            if warm_on:
+                bed.route(warm_on, plain)
+                with ShortRequests(bed):
+                    closed_loop(bed, bed.p.size_mb, bed.p.run_s / 3, at_fractions([]))
+            bed.route(routed, plain)
+            chained, no_flow = bed.counter("events", "chained"), bed.counter("drops", "chained_no_flow")
+            later = bed.counter("events", "later_connection")
+            steps_s: list = []
+            with ShortRequests(bed) as short:
+                loads = closed_loop(bed, bed.p.size_mb, bed.p.run_s, at_fractions(steps_s, *steps))
+        finally:
+            if ports:
+                bed.client_ports(None)
         rows.append({"experiment": experiment, "mode": mode, "ok": loads.ok, "failed": loads.failed, "failed_pct": loads.failed_pct,
                      "steps_s": steps_s, "failures": loads.failures,
                      "short_ok": short.ok, "short_failed": short.failed,
                      "chained_packets": bed.counter("events", "chained") - chained,
-                     "chained_no_flow": bed.counter("drops", "chained_no_flow") - no_flow})
+                     "chained_no_flow": bed.counter("drops", "chained_no_flow") - no_flow,
+                     "later_connection": bed.counter("events", "later_connection") - later})
         # A download plain ECMP broke ends at curl's timeout, but the
         # server's socket goes on retransmitting to the client for minutes,
         # and each retransmission draws a reset from the client. Those
@@ -266,6 +294,12 @@ def changes_under_load(bed: Bed) -> list[dict]:
 
     for plain, mode in ((True, "plain ECMP"), (False, "inband (shadow + chaining)")):
         measure("b3 joins, then b1 leaves", mode, [1, 2], plain, lambda: bed.route([1, 2, 3], plain), lambda: bed.route([2, 3], plain))
+    # The client reuses its ports within seconds (a busy client, or many
+    # behind one NAT): a connection whose packets move to another instance
+    # there meets the closing flow of an earlier one on its tuple. The
+    # warm-up leaves such flows on b2 and b3, as a row before would.
+    measure(f"b3 joins, then b1 leaves; the client reuses {REUSED_PORTS} ports", "inband (shadow + chaining)", [1, 2], False,
+            lambda: bed.route([1, 2, 3]), lambda: bed.route([2, 3]), ports=f"40000 {40000 + REUSED_PORTS - 1}", warm_on=[2, 3])
     for routed, mode in (([1, 2, 3], "3 instances"), ([1], "single balancer")):
         first, second = routed[-1], routed[0]
         measure("daemon restarted, then one killed -9", mode, routed,
@@ -330,11 +364,12 @@ def main(argv=None) -> int:
 
 def markdown(r: dict) -> str:
     lines = ["### Changes under load: failed downloads (goal: 0 in every planned change)", "",
-             "| change | mode | downloads | failed | short requests | failed | chained packets | chained, no owner |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| change | mode | downloads | failed | short requests | failed | chained packets | chained, no owner | later connection |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for c in r["changes"]:
         lines.append(f"| {c['experiment']} | {c['mode']} | {c['ok'] + c['failed']} | {c['failed_pct']:.2f}% ({c['failed']}) | "
-                     f"{c['short_ok'] + c['short_failed']} | {c['short_failed']} | {c['chained_packets']} | {c['chained_no_flow']} |")
+                     f"{c['short_ok'] + c['short_failed']} | {c['short_failed']} | {c['chained_packets']} | {c['chained_no_flow']} | "
+                     f"{c['later_connection']} |")
     direct = next(t["rps"] for t in r["throughput"] if t["instances"] == 0)
     one = next(t["rps"] for t in r["throughput"] if t["instances"] == 1)
     lines += ["", "### Throughput: 1 KB requests, persistent connections (wrk)", "",

@@ -62,6 +62,15 @@
  * (scale-out): the walk wraps it and sends it back. */
 #define CHAIN (-5)
 
+/* ... or when the packet belongs to a later connection on the flow's tuple
+ * (later_connection()): the caller handles it as if there were no flow. */
+#define LATER_CONNECTION (-6)
+
+/* How far past a finished client's FIN or RST a segment of the same
+ * connection can still start: that segment's payload and the FIN's one
+ * sequence number. */
+#define LATER_SEQ_MARGIN 65536
+
 /* How a packet reached this instance through the ECMP router (p->via_sid). */
 #define VIA_COND_SID 1
 #define VIA_DIRECT_SID 2
@@ -557,6 +566,28 @@ static __always_inline int udp_handshake(struct xdp_md *ctx, const struct inband
 	return OPEN_FLOW;
 }
 
+/* The client's FIN or RST: where its sequence space ends. */
+static __always_inline void client_finished(struct inband_flow *f, const struct pkt *p)
+{
+	f->client_end = p->seq;
+	f->client_done = 1;
+}
+
+/*
+ * A client segment past the end its FIN or RST set is a later connection on
+ * the same tuple: a client that reused its port while the old flow is still
+ * closing. Its SYN made no way here (a SYN on a closing flow re-balances),
+ * so behind ECMP it went to another instance, which owns it; sent to the old
+ * backend, it would meet a TIME-WAIT socket and the connection would hang.
+ * Serial-number arithmetic: a reused tuple's new sequence numbers run ahead
+ * of the old ones (RFC 6528's clock, what TIME-WAIT reuse relies on too). A
+ * flow the server closed is left alone: its client may still send.
+ */
+static __always_inline int later_connection(const struct inband_flow *f, const struct pkt *p)
+{
+	return f->client_done && (__s32)(bpf_ntohl(p->seq) - bpf_ntohl(f->client_end)) > LATER_SEQ_MARGIN;
+}
+
 /* Step 2 of the walk: a packet whose (dst, dport, proto) is a VIP, with no
  * established flow. Returns a verdict, or FWD_COPY / FWD_FLOW / OPEN_FLOW. */
 __noinline int handshake(struct xdp_md *ctx, const struct inband_lb_config *cfg, __u32 vid, struct pkt *p)
@@ -617,8 +648,10 @@ __noinline int handshake(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 
 	if (!f)
 		return XDP_DROP;
-	if (p->flags & TCP_FLAG_FIN)
+	if (p->flags & TCP_FLAG_FIN) {
 		flow_close(f);
+		client_finished(f, p);
+	}
 	return FWD_FLOW;
 }
 
@@ -647,9 +680,14 @@ static __always_inline int established(struct xdp_md *ctx, const struct inband_l
 				return REBALANCE;
 			}
 			event(INBAND_EV_SYN_ON_LIVE_FLOW);
+		} else if (later_connection(f, p)) {
+			event(INBAND_EV_LATER_CONNECTION);
+			return LATER_CONNECTION;
 		}
-		if (p->flags & (TCP_FLAG_FIN | TCP_FLAG_RST))
+		if (p->flags & (TCP_FLAG_FIN | TCP_FLAG_RST)) {
 			flow_close(f);
+			client_finished(f, p);
+		}
 	}
 	flow_touch(f);
 	return forward(ctx, cfg, f, vc, p);
@@ -1088,7 +1126,7 @@ int balancer(struct xdp_md *ctx)
 	if (f) {
 		int verdict = established(ctx, cfg, f, p);
 
-		if (verdict != REBALANCE)
+		if (verdict != REBALANCE && verdict != LATER_CONNECTION)
 			return verdict;
 		struct inband_vip_key vk = { .addr = p->fk.vip_addr, .port = p->fk.vip_port, .proto = p->fk.proto };
 

@@ -1,6 +1,6 @@
 """The scale-out driver: its tables from known numbers, and its tiny
-profile end to end (every planned change with inband loses nothing; the
-namespaces gone afterwards)."""
+profile end to end (every planned change with inband loses nothing, a
+client reusing its ports included; the namespaces gone afterwards)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ def test_tables_give_failures_and_throughput_ratios():
     r = {
         "changes": [
             {"experiment": "b3 joins, then b1 leaves", "mode": "plain ECMP", "ok": 30, "failed": 10, "failed_pct": 25.0,
-             "short_ok": 90, "short_failed": 3, "chained_packets": 500, "chained_no_flow": 0},
+             "short_ok": 90, "short_failed": 3, "chained_packets": 500, "chained_no_flow": 0, "later_connection": 0},
             {"experiment": "b3 joins, then b1 leaves", "mode": "inband (shadow + chaining)", "ok": 40, "failed": 0, "failed_pct": 0.0,
-             "short_ok": 95, "short_failed": 0, "chained_packets": 900, "chained_no_flow": 0},
+             "short_ok": 95, "short_failed": 0, "chained_packets": 900, "chained_no_flow": 0, "later_connection": 1200},
         ],
         "throughput": [
             {"path": "straight to one server (no balancer)", "instances": 0, "rps": 10000.0},
@@ -29,8 +29,8 @@ def test_tables_give_failures_and_throughput_ratios():
     }
     md = scaleout.markdown(r)
     rows = table_rows(md, "| change | mode |")
-    assert rows[0] == ["b3 joins, then b1 leaves", "plain ECMP", "40", "25.00% (10)", "93", "3", "500", "0"]
-    assert rows[1][3] == "0.00% (0)"
+    assert rows[0] == ["b3 joins, then b1 leaves", "plain ECMP", "40", "25.00% (10)", "93", "3", "500", "0", "0"]
+    assert rows[1][3] == "0.00% (0)" and rows[1][8] == "1200"
     tp = {t[0]: t for t in table_rows(md, "| path | req/s |")}
     assert tp["2 instances"][1:] == ["6000", "0.60×", "1.20×"]
     assert tp["straight to one server (no balancer)"][2] == "1.00×"
@@ -47,9 +47,13 @@ def test_tiny_profile_end_to_end(tmp_path):
         assert c["ok"] + c["failed"] >= 4 and c["short_ok"] + c["short_failed"] >= 10, c
         if c["mode"] != "plain ECMP":
             assert c["failed"] == 0 and c["short_failed"] == 0 and c["chained_no_flow"] == 0, json.dumps(c)
-    joins = {c["mode"]: c for c in data["changes"] if c["experiment"].startswith("b3 joins")}
+    joins = {(c["experiment"], c["mode"]): c for c in data["changes"] if c["experiment"].startswith("b3 joins")}
     # Connections did move when b3 joined and b1 left: chaining carried them.
-    assert joins["inband (shadow + chaining)"]["chained_packets"] > 0, joins
+    assert joins[("b3 joins, then b1 leaves", "inband (shadow + chaining)")]["chained_packets"] > 0, joins
+    # With the client's ports reused, later connections did meet closing
+    # flows on other instances (the regime happened) and none was lost.
+    reused = joins[(f"b3 joins, then b1 leaves; the client reuses {scaleout.REUSED_PORTS} ports", "inband (shadow + chaining)")]
+    assert reused["later_connection"] > 0 and reused["failed"] == 0, reused
     tp = {t["instances"]: t["rps"] for t in data["throughput"]}
     assert set(tp) == {0, 1, 2, 4} and min(tp.values()) > 100, tp
     assert (out / "throughput.png").stat().st_size > 1000

@@ -234,7 +234,9 @@ struct inband_flow {
 	__u8 pad0[3];
 	__u64 last_seen_ns; /* CLOCK_MONOTONIC: last sweep that found it seen, or the handshake's time */
 	__u8 seen; /* a packet came since the last sweep (own byte: written without atomics) */
-	__u8 pad[7];
+	__u8 client_done; /* TCP: the client sent its FIN or RST (own byte, as `seen`) */
+	__u8 pad[2];
+	__be32 client_end; /* ... and that segment's sequence number */
 };
 
 /* The server side of a connection: key of `snat` and `half_open_ports`. */
@@ -341,7 +343,8 @@ enum inband_event {
 	INBAND_EV_SRV6_DIRECT = 26, /* ... to the direct SID (chained by another instance): unwrapped */
 	INBAND_EV_CHAINED = 27, /* TCP without a connection here sent to the router's (first) shadow table */
 	INBAND_EV_CHAINED_NAMED = 28, /* ... to the later shadow generation the router's SRH named */
-	INBAND_EV_MAX = 29,
+	INBAND_EV_LATER_CONNECTION = 29, /* past a finished client's sequence space: handled as no flow */
+	INBAND_EV_MAX = 30,
 };
 
 /* Written by the sweeper program at each pass (lifecycle.h), read by

@@ -3125,6 +3125,55 @@ fn a_handshake_split_across_instances_completes_on_the_one_that_saw_the_syn() {
 }
 
 #[test]
+fn a_later_connection_on_a_closing_tuple_is_chained_not_sent_to_the_old_backend() {
+    // A client reused its port while this instance still holds the old
+    // connection's closing flow; the new SYN reached another instance
+    // (the router's set changed). The new connection's packets that the
+    // router sends here must take the shadow path to that instance, not
+    // the old backend's TIME-WAIT socket (bench.scaleout hung downloads so).
+    let fx = scaled_out();
+    let c = client6(6);
+    let (b, snat) = fx.connect(c);
+    // The FIN near the top of the sequence space: the test crosses the wrap.
+    let fin_seq = 0xffff_ff00u32;
+    let fin = data(c).flags(TCP_ACK | TCP_FIN).seq_no(fin_seq);
+    assert_eq!(fx.tx(&via(COND_SID, &fin)), forwarded(&fin, &b, snat, vec![]));
+    // The old connection's own late segments still go to its backend: the
+    // last ACK (one past the FIN), a retransmitted FIN, and data retransmitted
+    // from before it.
+    for p in [ack(c).seq_no(fin_seq.wrapping_add(1)), fin.clone(), data(c).seq_no(fin_seq - 3000)] {
+        assert_eq!(fx.tx(&via(COND_SID, &p)), forwarded(&p, &b, snat, vec![]));
+    }
+    // The later connection's ACK: its sequence numbers run ahead (Linux: by
+    // the ISN clock, 1 per 64 ns since the old connection began).
+    let later = ack(c).seq_no(fin_seq.wrapping_add(5_000_000));
+    assert_eq!(fx.tx(&via(COND_SID, &later)), chained_to(SHADOW_SID, &later.build_ip()));
+    assert_eq!((fx.event("later_connection"), fx.event("chained")), (1, 1));
+    // Chained here by the router, it ends here like any packet without a flow.
+    fx.assert_dropped(&via(DIRECT_SID, &later), "chained_no_flow");
+    // The old flow is neither ended nor kept alive by it.
+    let f = fx.flow(c).expect("the old connection's closing flow stays");
+    assert_eq!((u32::from(f.backend_id), f.state, port_of(f.snat_port)), (b.id, FLOW_CLOSING, snat));
+    assert_eq!(fx.snat_owner(&b, snat), Some(flow_key(c)));
+    // Without [scale_out] nothing else can own it: dropped, not forwarded.
+    let single = Fixture::lb_vip(Spec { v6: true, mode: Mode::DsrRr, n: 2, ..Spec::default() });
+    let (b1, snat1) = single.connect(c);
+    single.tx(&data(c).flags(TCP_ACK | TCP_RST).seq_no(7000).build());
+    single.assert_dropped(&data(c).seq_no(7000 + 70_000).build(), "no_flow");
+    let p = data(c).seq_no(7000 + 60_000);
+    assert_eq!(single.tx(&p.build()), forwarded(&p, &b1, snat1, vec![]), "within a segment of the RST: the old connection's");
+    // A flow the server closed: its client may still send, so nothing is
+    // taken for a later connection.
+    let other = client6(7);
+    let (b2, snat2) = single.connect(other);
+    single.tx(&reply(&b2, snat2).flags(TCP_ACK | TCP_FIN).build());
+    assert_eq!(single.flow(other).unwrap().state, FLOW_CLOSING);
+    let more = data(other).seq_no(1001 + 5_000_000);
+    assert_eq!(single.tx(&more.build()), forwarded(&more, &b2, snat2, vec![]));
+    assert_eq!(single.event("later_connection"), 1);
+}
+
+#[test]
 fn srv6_to_our_sid_that_the_router_would_not_send_is_dropped() {
     let fx = scaled_out();
     let c = client6(4);

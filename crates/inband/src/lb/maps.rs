@@ -210,6 +210,7 @@ pub const EVENT_NAMES: [&str; c::INBAND_EV_MAX as usize] = [
     "srv6_direct",
     "chained",
     "chained_named",
+    "later_connection",
 ];
 
 /// The index of a drop reason by name (tests and benchmarks look them up so).
