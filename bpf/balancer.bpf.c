@@ -40,6 +40,7 @@
 #include "inband/lb/quic.h"
 #include "inband/ipip.h"
 #include "inband/shadow_generations.h"
+#include "inband/lb/reset.h"
 #include "inband/lb/rewrite.h"
 #include "inband/lb/score.h"
 #include "inband/lb/select.h"
@@ -98,6 +99,22 @@ static __always_inline struct inband_flow *scratch_flow(void)
 	__u32 zero = 0;
 
 	return bpf_map_lookup_elem(&flow_scratch, &zero);
+}
+
+/* How a backend's handshakes end, for the lb daemon's passive health
+ * checks (health.rs). */
+#define HS_RETRIED 0
+#define HS_REFUSED 1
+static __always_inline void count_handshake(__u32 backend_id, int how)
+{
+	struct inband_backend_stats *bs = bpf_map_lookup_elem(&backend_stats, &backend_id);
+
+	if (!bs)
+		return;
+	if (how == HS_REFUSED)
+		bs->handshakes_refused++;
+	else
+		bs->handshakes_retried++;
 }
 
 static __always_inline void count_forward(__u32 backend_id, __u32 vip_id, __u64 bytes, int new_conn, int probe)
@@ -311,6 +328,38 @@ static __noinline int chain(struct xdp_md *ctx, const struct inband_lb_config *c
 }
 
 /*
+ * A client packet of a flow whose backend its health checks took down: on a
+ * VIP with on_down = "reset" the flow ends and the client gets a RST (it
+ * reconnects, and its new connection goes to a backend that is up). 0:
+ * the flow goes on to the backend as before.
+ */
+static __always_inline int down_backend(struct xdp_md *ctx, struct inband_flow *f, struct pkt *p)
+{
+	__u32 vid = f->vip_id, bid = f->backend_id;
+	struct inband_vip *vc = bpf_map_lookup_elem(&vip_conf, &vid);
+
+	if (!vc || !(vc->flags & INBAND_VIP_RESET_DOWN))
+		return 0;
+	struct inband_flow *copy = scratch_flow();
+
+	if (!copy)
+		return XDP_DROP;
+	*copy = *f;
+	if (copy->state == INBAND_FLOW_SYN_SENT) {
+		half_open_end(&p->fk, copy);
+	} else {
+		flow_close(f);
+		flow_end(&p->fk, copy);
+	}
+	struct inband_backend_stats *bs = bpf_map_lookup_elem(&backend_stats, &bid);
+
+	if (bs)
+		bs->flows_reset++;
+	event(INBAND_EV_RESET_BACKEND_DOWN);
+	return reply_rst(ctx, p);
+}
+
+/*
  * Sends a client packet of flow `f` (a copy, or the entry in `flows`: a
  * probe records its nonce there) to the backend: NAT, TTL, MSS clamp on a
  * SYN, and the option this packet carries, if any. `vc` is the flow's VIP
@@ -331,6 +380,12 @@ __noinline int forward(struct xdp_md *ctx, const struct inband_lb_config *cfg, s
 
 	if (!be || mac_is_zero(be->mac))
 		return drop(INBAND_DROP_NO_ROUTE);
+	if ((be->flags & INBAND_BACKEND_DOWN) && p->proto == IPPROTO_TCP && !first) {
+		int refused = down_backend(ctx, f, p);
+
+		if (refused)
+			return refused;
+	}
 	if (p->ttl <= 1)
 		return drop(INBAND_DROP_TTL_EXCEEDED);
 	int v4 = p->family == 4;
@@ -486,7 +541,13 @@ __noinline int open_flow(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 			id = forced - 1;
 			slot = forced_slot;
 		} else if (!select_backend(vc, vid, skip, &p->fk, &pick)) {
-			return drop(attempt ? INBAND_DROP_SNAT_EXHAUSTED : INBAND_DROP_NO_BACKEND);
+			if (attempt)
+				return drop(INBAND_DROP_SNAT_EXHAUSTED);
+			if ((vc->flags & INBAND_VIP_REFUSE_EMPTY) && p->proto == IPPROTO_TCP) {
+				event(INBAND_EV_RESET_NO_BACKEND);
+				return reply_rst(ctx, p);
+			}
+			return drop(INBAND_DROP_NO_BACKEND);
 		} else {
 			id = pick.id;
 			slot = pick.slot;
@@ -619,6 +680,7 @@ __noinline int handshake(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 			/* A retransmitted SYN follows its handshake, and makes
 			 * its port hold young again (the age port searches rank). */
 			ho->last_seen_ns = p->now;
+			count_handshake(ho->backend_id, HS_RETRIED);
 			*copy = *ho;
 			refresh_hold(fk, copy, p->now);
 			return FWD_COPY;
@@ -932,8 +994,10 @@ __noinline int backend_to_client(struct xdp_md *ctx, const struct inband_lb_conf
 	if (!copy)
 		return XDP_DROP;
 	*copy = *f;
-	if (in_handshake && (p->flags & TCP_FLAG_RST))
+	if (in_handshake && (p->flags & TCP_FLAG_RST)) {
 		half_open_end(&p->fk, copy); /* the backend refused the connection */
+		count_handshake(copy->backend_id, HS_REFUSED);
+	}
 	return return_to_client(ctx, copy, p, strip);
 }
 

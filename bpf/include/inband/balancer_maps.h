@@ -87,6 +87,14 @@ struct inband_vip_key {
  * its Maglev table, which holds each backend in proportion to its weight
  * (select.h). Without it round-robin takes the slots in turn. */
 #define INBAND_VIP_WEIGHTED 8
+/* Health (crates/inband/src/lb/health.rs): a client packet of a flow whose
+ * backend is DOWN is answered with a RST and the flow ended (lb.toml
+ * `on_down = "reset"`); without it such flows go on. */
+#define INBAND_VIP_RESET_DOWN 16
+/* A TCP SYN that finds no backend to take it is answered with a RST
+ * (`all_down = "refuse"`, and with every backend down the control plane
+ * marks them so); without it the SYN is dropped (`no_backend`). */
+#define INBAND_VIP_REFUSE_EMPTY 32
 
 struct inband_vip {
 	struct inband_addr addr;
@@ -120,6 +128,11 @@ struct inband_vip {
 /* Packets with an inband option travel to it wrapped in IP-in-IP (ipip.h):
  * its path strips or drops IPv4 options. Set by the control plane. */
 #define INBAND_BACKEND_ENCAP 8
+/* Its health checks fail (or the data path saw it refuse handshakes): no
+ * new connections in any policy, whatever its configured state. Written
+ * only by the lb daemon's health checker; ACTIVE/DRAINING stay the
+ * configuration's. */
+#define INBAND_BACKEND_DOWN 16
 
 /* backends[id]. The balancer forwards on the one interface it is attached
  * to (XDP_TX); `mac` is the backend's (or its gateway's) L2 address,
@@ -273,6 +286,11 @@ struct inband_backend_stats {
 	__u64 scores_received;
 	__u64 closed_conns; /* FIN/RST seen */
 	__u64 syn_retries; /* retransmitted SYNs of handshakes whose SYN carried a 155 */
+	/* Passive health (lb daemon, health.rs): how its handshakes ended. */
+	__u64 handshakes_completed; /* the client's first non-SYN segment came */
+	__u64 handshakes_refused; /* the backend answered the SYN with a RST */
+	__u64 handshakes_retried; /* a SYN sent again: its first went unanswered */
+	__u64 flows_reset; /* client packets of its flows answered with a RST while it was DOWN (on_down = reset) */
 };
 
 struct inband_vip_stats {
@@ -344,7 +362,9 @@ enum inband_event {
 	INBAND_EV_CHAINED = 27, /* TCP without a connection here sent to the router's (first) shadow table */
 	INBAND_EV_CHAINED_NAMED = 28, /* ... to the later shadow generation the router's SRH named */
 	INBAND_EV_LATER_CONNECTION = 29, /* past a finished client's sequence space: handled as no flow */
-	INBAND_EV_MAX = 30,
+	INBAND_EV_RESET_NO_BACKEND = 30, /* a SYN no backend could take, answered with a RST (refusing VIP) */
+	INBAND_EV_RESET_BACKEND_DOWN = 31, /* a packet of a DOWN backend's flow answered with a RST (on_down = reset) */
+	INBAND_EV_MAX = 32,
 };
 
 /* Written by the sweeper program at each pass (lifecycle.h), read by
@@ -367,6 +387,44 @@ struct inband_sweep_stats {
 	__u64 last_duration_ns;
 	__u64 half_open; /* half-open flows at the last pass */
 	__u64 snat_entries; /* SNAT reservations at the last pass */
+};
+
+/* Why a backend's health is what it is (backend_health.reason); names in
+ * crates/inband/src/lb/maps.rs. */
+enum inband_health_reason {
+	INBAND_HEALTH_UNCHECKED = 0, /* no check has finished yet: taken as up */
+	INBAND_HEALTH_PASSING = 1,
+	INBAND_HEALTH_REFUSED = 2, /* connection refused (RST to the check's SYN) */
+	INBAND_HEALTH_TIMEOUT = 3, /* no connection or no answer within timeout_ms */
+	INBAND_HEALTH_UNREACHABLE = 4, /* no route or no neighbour (EHOSTUNREACH, ENETUNREACH) */
+	INBAND_HEALTH_BAD_STATUS = 5, /* HTTP: a status outside `expect` (last_status) */
+	INBAND_HEALTH_MALFORMED = 6, /* HTTP: what came back is not an HTTP response */
+	INBAND_HEALTH_CLOSED = 7, /* HTTP: the connection closed before a status line */
+	INBAND_HEALTH_ERROR = 8, /* any other socket error */
+	INBAND_HEALTH_PASSIVE_REFUSED = 9, /* the data path saw it refuse handshakes (RST to SYNs) */
+	INBAND_HEALTH_PASSIVE_UNANSWERED = 10, /* the data path saw its SYNs go unanswered */
+	INBAND_HEALTH_NOT_CHECKED = 11, /* checks off for its VIP (`health.check = "none"`) */
+	INBAND_HEALTH_REASON_MAX = 12,
+};
+
+#define INBAND_HEALTH_UP 1
+#define INBAND_HEALTH_DOWN 2
+
+/* backend_health[backend id]: the lb daemon's health checker writes it
+ * (the data path reads only INBAND_BACKEND_DOWN in `backends`), `inband
+ * status` and the metrics read it; pinned, so a restarted daemon carries
+ * the state on. */
+struct inband_backend_health {
+	__u8 state; /* INBAND_HEALTH_UP or _DOWN; 0 = never checked (taken as up) */
+	__u8 reason; /* enum inband_health_reason of the last verdict */
+	__u16 last_status; /* HTTP checks: the last status code seen, 0 = none */
+	__u32 in_a_row; /* checks in a row agreeing with `reason` (rise/fall count) */
+	__u64 since_ms; /* CLOCK_REALTIME (ms) of the last change of state */
+	__u64 checks_passed;
+	__u64 checks_failed;
+	__u64 transitions; /* changes of state (up <-> down) */
+	__u64 passive_ejections; /* downs caused by what the data path saw */
+	__u64 last_check_ms; /* CLOCK_REALTIME (ms) of the last finished check */
 };
 
 /* Written by the lb daemon (out-of-band work), read by `inband status`. */

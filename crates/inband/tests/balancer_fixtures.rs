@@ -3233,3 +3233,131 @@ fn from_an_older_generation_a_stray_is_chained_to_the_generation_its_srh_names()
     assert_eq!(fx.event("chained_named"), 1);
 }
 
+
+// ---------------------------------------------------------- health
+
+/// The RST the balancer must send back for the client packet `p`: from the
+/// VIP, no options or payload, TTL 64; seq = p's ACK, or for a packet
+/// without ACK (a SYN) seq 0 and RST+ACK of everything p occupied.
+fn rst_for(p: &PacketBuilder) -> Vec<u8> {
+    let mut r = PacketBuilder::tcp(p.dst, p.src).macs(LB_MAC, CLIENT_MAC);
+    r.ttl = 64;
+    r.ip_id = 0;
+    r.window = 0;
+    if p.tcp_flags & TCP_ACK != 0 {
+        r = r.flags(TCP_RST).seq_no(p.ack).ack_no(0);
+    } else {
+        let occupied = p.payload.len() as u32 + u32::from(p.tcp_flags & TCP_SYN != 0) + u32::from(p.tcp_flags & TCP_FIN != 0);
+        r = r.flags(TCP_RST | TCP_ACK).seq_no(0).ack_no(p.seq.wrapping_add(occupied));
+    }
+    r.build()
+}
+
+#[test]
+fn a_down_backend_gets_no_new_connection_in_any_policy() {
+    for (mode, policy) in [
+        (Mode::DsrRr, Policy::RoundRobin),
+        (Mode::Passthrough, Policy::RoundRobin),
+        (Mode::DsrRr, Policy::Maglev),
+        (Mode::DsrDynamic, Policy::LeastScore),
+        (Mode::DsrDynamic, Policy::PowerOfTwo),
+    ] {
+        let fx = Fixture::lb_with(mode, policy, 3);
+        let table = (policy == Policy::Maglev).then(|| fx.write_table(&[1, 1, 1]));
+        let down = backend(1);
+        // The least-connections black hole: a refusing backend looks idle.
+        fx.set_score(&backend(0), 50, ktime_ns());
+        fx.set_score(&down, 0, ktime_ns());
+        fx.set_score(&backend(2), 50, ktime_ns());
+        fx.set_flags(&down, BACKEND_ACTIVE | BACKEND_DOWN);
+        let mut got = [0u32; 3];
+        for n in 1..=45 {
+            let c = client(n);
+            let id = fx.pick(c);
+            assert_ne!(id, down.id, "{mode:?}/{policy:?}: client {c} sent to the down backend");
+            got[(id - backend(0).id) as usize] += 1;
+            if let Some(t) = &table {
+                // Only the down backend's entries move: the rest keep theirs.
+                let want = maglev_slot(t, c);
+                if want != 1 {
+                    assert_eq!(id, backend(want as u8).id, "{policy:?}: client {c} moved off its own backend");
+                }
+            }
+        }
+        assert!(got[0] > 5 && got[2] > 5, "{mode:?}/{policy:?}: the others share the connections: {got:?}");
+        assert_eq!(fx.named_drops(), vec![], "{mode:?}/{policy:?}");
+        // Back up: it takes connections again.
+        fx.set_flags(&down, BACKEND_ACTIVE);
+        assert!((100..=145).any(|n| fx.pick(client(n)) == down.id), "{mode:?}/{policy:?}: back in the rotation");
+    }
+}
+
+#[test]
+fn a_refusing_vip_answers_a_syn_no_backend_can_take_with_a_rst() {
+    for v6 in [false, true] {
+        let fx = Fixture::lb_vip(Spec { n: 2, v6, ..Spec::default() });
+        let of = |i| if v6 { backend6(i) } else { backend(i) };
+        let c = if v6 { client6(1) } else { client(1) };
+        fx.set_flags(&of(0), BACKEND_ACTIVE | BACKEND_DOWN);
+        fx.set_flags(&of(1), BACKEND_ACTIVE | BACKEND_DOWN);
+        // Without the flag: dropped, as before.
+        fx.assert_dropped(&syn(c).build(), "no_backend");
+        fx.update_vip(|v| v.flags |= VIP_REFUSE_EMPTY);
+        let s = syn(c);
+        assert_eq!(fx.tx(&s.build()), rst_for(&s), "v6 {v6}");
+        assert_eq!(fx.event("reset_no_backend"), 1);
+        assert_eq!(fx.half_open_count(), 0, "no state for a refused SYN");
+        // A SYN with data (TFO) is acknowledged whole.
+        let tfo = syn(c).payload(b"GET /");
+        assert_eq!(fx.tx(&tfo.build()), rst_for(&tfo));
+        // One backend back: connections go to it again.
+        fx.set_flags(&of(1), BACKEND_ACTIVE);
+        assert_eq!(fx.pick(c), of(1).id);
+    }
+}
+
+#[test]
+fn flows_of_a_down_backend_are_reset_only_when_the_vip_says_so() {
+    let fx = Fixture::lb_with(Mode::DsrRr, Policy::RoundRobin, 2);
+    let c = client(1);
+    let (b, snat) = fx.connect(c);
+    fx.set_flags(&b, BACKEND_ACTIVE | BACKEND_DOWN);
+    // on_down = keep (no VIP flag): the flow goes on to its backend.
+    let d = data(c);
+    assert_eq!(fx.tx(&d.build()), forwarded(&d, &b, snat, vec![]));
+    assert!(fx.flow(c).is_some());
+    // on_down = reset: the next packet gets a RST and the flow ends.
+    fx.update_vip(|v| v.flags |= VIP_RESET_DOWN);
+    assert_eq!(fx.tx(&d.build()), rst_for(&d));
+    assert!(fx.flow(c).is_none(), "the flow ends with the reset");
+    assert_eq!(fx.snat_owner(&b, snat), None, "and its port is free");
+    assert_eq!(fx.event("reset_backend_down"), 1);
+    assert_eq!(fx.backend_stats(&b).flows_reset, 1);
+    assert_eq!(fx.backend_stats(&b).closed_conns, 1, "counted closed once");
+    // A flow of a backend that is up is untouched on the same VIP.
+    let (other, snat2) = fx.connect(client(2));
+    assert_ne!(other.id, b.id);
+    let d2 = data(client(2));
+    assert_eq!(fx.tx(&d2.build()), forwarded(&d2, &other, snat2, vec![]));
+}
+
+#[test]
+fn handshakes_are_counted_by_how_they_end_for_passive_health() {
+    for mode in [Mode::Passthrough, Mode::DsrRr] {
+        let fx = Fixture::lb_with(mode, Policy::RoundRobin, 1);
+        let b = backend(0);
+        // Completed.
+        fx.connect(client(1));
+        // Retried: the same SYN again, twice.
+        fx.open(client(2));
+        fx.tx(&syn(client(2)).build());
+        fx.tx(&syn(client(2)).build());
+        // Refused: the backend answers a SYN with a RST (back through the balancer).
+        let (_, snat3) = fx.open(client(3));
+        let rst = PacketBuilder::tcp(b.addr, SocketAddr::new(lb_addr(true), snat3)).macs(b.mac, LB_MAC).flags(TCP_RST | TCP_ACK);
+        fx.tx(&rst.build());
+        let st = fx.backend_stats(&b);
+        assert_eq!((st.handshakes_completed, st.handshakes_retried, st.handshakes_refused), (1, 2, 1), "{mode:?}");
+        assert!(fx.half_open(client(3)).is_none(), "the refused handshake ended");
+    }
+}

@@ -186,6 +186,11 @@ static __always_inline struct inband_flow *promote(const struct inband_flow_key 
 	}
 	half_open_end(fk, &f);
 	event(INBAND_EV_FLOWS_PROMOTED);
+	__u32 bid = f.backend_id;
+	struct inband_backend_stats *bs = bpf_map_lookup_elem(&backend_stats, &bid);
+
+	if (bs)
+		bs->handshakes_completed++;
 	return bpf_map_lookup_elem(&flows, fk);
 }
 

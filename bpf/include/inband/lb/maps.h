@@ -34,6 +34,10 @@ INBAND_PINNED_ARRAY(sweep_stats, struct inband_sweep_stats, 1);
 /* Only the lb daemon writes it; it lives here so it is pinned with the rest
  * of this interface's state and `inband status` finds it in one place. */
 INBAND_PINNED_ARRAY(control_stats, struct inband_control_stats, 1);
+/* Only the lb daemon's health checker writes it (the data path reads the
+ * verdict as INBAND_BACKEND_DOWN in `backends`); pinned for `inband status`
+ * and for a restarted daemon to carry the state on. */
+INBAND_PINNED_ARRAY(backend_health, struct inband_backend_health, INBAND_MAX_BACKENDS);
 
 /* Packets to each backend since its last 124, per CPU: no atomic on the
  * hot path. */

@@ -91,7 +91,9 @@ struct pick {
 };
 
 /* The backend in `slot` of VIP `vid` (its id in `id_out`) if it may take a
- * new connection, else NULL. */
+ * new connection (active, and not taken down by its health checks), else
+ * NULL. Every policy asks this, so a down backend's Maglev entries fall to
+ * the next eligible slot: the least disruption of the table. */
 static __always_inline const struct inband_backend *active_slot(const struct pick *p, __u32 slot, __u32 *id_out)
 {
 	if (slot < 32 && (p->skip & (1U << slot)))
@@ -104,7 +106,7 @@ static __always_inline const struct inband_backend *active_slot(const struct pic
 	__u32 bid = *id;
 	struct inband_backend *be = bpf_map_lookup_elem(&backends, &bid);
 
-	if (!be || !(be->flags & INBAND_BACKEND_ACTIVE))
+	if (!be || (be->flags & (INBAND_BACKEND_ACTIVE | INBAND_BACKEND_DOWN)) != INBAND_BACKEND_ACTIVE)
 		return NULL;
 	*id_out = bid;
 	return be;

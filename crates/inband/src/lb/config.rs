@@ -153,8 +153,160 @@ pub struct VipConfig {
     /// After a FIN or RST, the flow and its port are kept this long.
     #[serde(default = "default_closing_timeout_ms")]
     pub closing_timeout_ms: u64,
+    /// How its backends are checked, and what a down backend means for
+    /// its flows and for the VIP (`[vip.health]`, docs/configuration.md).
+    #[serde(default)]
+    pub health: HealthConfig,
     #[serde(default, rename = "backend")]
     pub backends: Vec<BackendConfig>,
+}
+
+/// `[vip.health]`: active checks of each backend by the lb daemon
+/// (crates/inband/src/lb/health.rs), passive detection from what the data
+/// path sees of its handshakes, and what being down means.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct HealthConfig {
+    /// `tcp` (a connection is accepted), `http` (a GET answers with an
+    /// expected status) or `none`; absent: tcp for TCP VIPs, none for UDP.
+    #[serde(default)]
+    pub check: Option<CheckKind>,
+    /// The port checked; absent: the backend's own.
+    #[serde(default)]
+    pub port: Option<u16>,
+    /// http: the path asked for.
+    #[serde(default = "default_health_path")]
+    pub path: String,
+    /// http: the Host header; absent: the backend's address and port.
+    #[serde(default)]
+    pub host: Option<String>,
+    /// http: the statuses that pass; absent: 200-399.
+    #[serde(default)]
+    pub expect: Option<Vec<u16>>,
+    /// Between two checks of a backend whose state is settled.
+    #[serde(default = "default_health_interval_ms")]
+    pub interval_ms: u64,
+    /// Between checks while a backend's results disagree with its state
+    /// (HAProxy's fastinter): a change is confirmed within rise or fall of these.
+    #[serde(default = "default_health_fast_interval_ms")]
+    pub fast_interval_ms: u64,
+    /// A check that has not connected (tcp) or seen a status line (http)
+    /// by then fails.
+    #[serde(default = "default_health_timeout_ms")]
+    pub timeout_ms: u64,
+    /// Passes in a row that bring a down backend back.
+    #[serde(default = "default_rise")]
+    pub rise: u32,
+    /// Failures in a row that take a backend down.
+    #[serde(default = "default_fall")]
+    pub fall: u32,
+    /// Each interval varies by up to this percentage, so a balancer's checks
+    /// do not arrive at all backends (or from all balancers) at once.
+    #[serde(default = "default_jitter_pct")]
+    pub jitter_pct: u32,
+    /// Handshakes the data path saw the backend refuse (a RST to the SYN)
+    /// or leave unanswered (the SYN sent again), with none completed in
+    /// between, that take it down until its active checks pass `rise`
+    /// times; 0 = no passive detection.
+    #[serde(default = "default_passive_fall")]
+    pub passive_fall: u32,
+    /// What a down backend's established flows do.
+    #[serde(default)]
+    pub on_down: OnDown,
+    /// What new connections do when every backend of the VIP is down.
+    #[serde(default)]
+    pub all_down: AllDown,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        toml::from_str("").expect("every field has a default")
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CheckKind {
+    Tcp,
+    Http,
+    None,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OnDown {
+    /// They go on: a backend that stopped answering checks may still serve
+    /// the connections it has (a check path that broke, a full accept queue).
+    #[default]
+    Keep,
+    /// The client's next packet is answered with a RST from the VIP and the
+    /// flow ends: clients reconnect at once, to a backend that is up.
+    Reset,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AllDown {
+    /// Every backend takes connections again as if none were down (Envoy's
+    /// panic mode): when the checks themselves are what broke, service goes on.
+    #[default]
+    FailOpen,
+    /// A TCP SYN is answered with a RST from the VIP (UDP is dropped, counted
+    /// `no_backend`): clients learn at once instead of retrying into silence.
+    Refuse,
+}
+
+impl HealthConfig {
+    /// The check that runs for a VIP of `protocol`.
+    pub fn kind(&self, protocol: Protocol) -> CheckKind {
+        self.check.unwrap_or(match protocol {
+            Protocol::Tcp => CheckKind::Tcp,
+            Protocol::Udp => CheckKind::None,
+        })
+    }
+
+    fn validate(&self, ep: &str, protocol: Protocol) -> Result<()> {
+        in_range(&format!("vip {ep}: health.interval_ms"), self.interval_ms, &HEALTH_INTERVAL_MS)?;
+        in_range(&format!("vip {ep}: health.fast_interval_ms"), self.fast_interval_ms, &HEALTH_INTERVAL_MS)?;
+        in_range(&format!("vip {ep}: health.timeout_ms"), self.timeout_ms, &HEALTH_TIMEOUT_MS)?;
+        in_range(&format!("vip {ep}: health.rise"), self.rise, &HEALTH_IN_A_ROW)?;
+        in_range(&format!("vip {ep}: health.fall"), self.fall, &HEALTH_IN_A_ROW)?;
+        in_range(&format!("vip {ep}: health.jitter_pct"), self.jitter_pct, &(0..=50))?;
+        if self.passive_fall > *HEALTH_IN_A_ROW.end() {
+            bail!("vip {ep}: health.passive_fall = {} is above {}", self.passive_fall, HEALTH_IN_A_ROW.end());
+        }
+        if self.port == Some(0) {
+            bail!("vip {ep}: health.port 0 is not a port to check");
+        }
+        let kind = self.kind(protocol);
+        if kind == CheckKind::Http {
+            if !self.path.starts_with('/') || self.path.bytes().any(|b| b <= b' ' || b == 0x7f) {
+                bail!("vip {ep}: health.path {:?} must start with / and hold no spaces or control characters", self.path);
+            }
+            if let Some(h) = &self.host {
+                if h.is_empty() || h.bytes().any(|b| b <= b' ' || b == 0x7f) {
+                    bail!("vip {ep}: health.host {h:?} is not a host name");
+                }
+            }
+            if let Some(codes) = &self.expect {
+                if codes.is_empty() {
+                    bail!("vip {ep}: health.expect is empty: no answer could pass");
+                }
+                if let Some(c) = codes.iter().find(|c| !(100..=599).contains(*c)) {
+                    bail!("vip {ep}: health.expect holds {c}, which is not an HTTP status (100-599)");
+                }
+            }
+        } else if self.host.is_some() || self.expect.is_some() {
+            bail!("vip {ep}: health.host and health.expect are for check = \"http\"");
+        }
+        if protocol == Protocol::Udp && kind != CheckKind::None && self.port.is_none() {
+            bail!(
+                "vip {ep}: a UDP VIP's backends are checked over TCP: set health.port to a TCP port they serve \
+                 (or check = \"none\")"
+            );
+        }
+        Ok(())
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -220,6 +372,37 @@ fn default_poll_interval_ms() -> u64 {
 pub fn default_poll_port() -> u16 {
     9137
 }
+fn default_health_path() -> String {
+    "/".into()
+}
+// With fast_interval_ms and fall = 2, a backend whose application stops
+// (its port refuses) is out within interval + fast interval (0.6 s), one
+// whose host goes silent within interval + 2 timeouts + fast interval
+// (2.6 s): the targets of issue 27 at 20 new connections a second. Four
+// connections a second per backend per balancer.
+fn default_health_interval_ms() -> u64 {
+    500
+}
+fn default_health_fast_interval_ms() -> u64 {
+    100
+}
+// Above a LAN round trip by far; a lost SYN (retransmitted at 1 s) fails a
+// check, which one more confirms before anything changes (fall = 2).
+fn default_health_timeout_ms() -> u64 {
+    1000
+}
+fn default_rise() -> u32 {
+    2
+}
+fn default_fall() -> u32 {
+    2
+}
+fn default_jitter_pct() -> u32 {
+    10
+}
+fn default_passive_fall() -> u32 {
+    3
+}
 pub fn default_weight() -> u32 {
     1
 }
@@ -270,6 +453,9 @@ pub const QUERY_TIMEOUT_MS: std::ops::RangeInclusive<u64> = 1..=1_000;
 pub const OPTIONS_RETRY_S: std::ops::RangeInclusive<u64> = 1..=3_600;
 pub const MAGLEV_TABLE_SIZE: std::ops::RangeInclusive<u64> = 251..=1_000_003;
 pub const WEIGHT_MAX: u32 = 65_535;
+pub const HEALTH_INTERVAL_MS: std::ops::RangeInclusive<u64> = 50..=600_000;
+pub const HEALTH_TIMEOUT_MS: std::ops::RangeInclusive<u64> = 10..=60_000;
+pub const HEALTH_IN_A_ROW: std::ops::RangeInclusive<u32> = 1..=100;
 
 /// An address that can be a unicast peer: not unspecified, broadcast,
 /// multicast, loopback, or (IPv6) link-local or IPv4-mapped.
@@ -354,6 +540,7 @@ impl VipConfig {
         if self.mode == Mode::DsrPolling && self.poll_interval_ms == 0 {
             bail!("vip {ep}: mode dsr-polling needs poll_interval_ms >= 1");
         }
+        self.health.validate(&ep, self.protocol)?;
         if self.quic && self.protocol != Protocol::Udp {
             bail!("vip {ep}: quic = true needs protocol = \"udp\" (QUIC runs over UDP)");
         }

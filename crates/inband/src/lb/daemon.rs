@@ -19,7 +19,7 @@ use tracing::{error, info, warn};
 use super::config::LbConfig;
 use super::maps::LbConfig as LbConfigMap;
 use super::tables::{self, LbMaps};
-use super::{attach, control, neighbour, options_watch, polling, query, snapshot, sweep};
+use super::{attach, control, health, neighbour, options_watch, polling, query, snapshot, sweep};
 use crate::bpfmap;
 use crate::pod::be_ip;
 use crate::runlock::RunLock;
@@ -89,6 +89,10 @@ pub fn run(config_path: &Path) -> Result<()> {
     workers.push(spawn("polling", &dir, &stop, {
         let shared = Arc::clone(&shared);
         move |maps, stop| polling::run(&maps, &shared, &stop)
+    }));
+    workers.push(spawn("health", &dir, &stop, {
+        let shared = Arc::clone(&shared);
+        move |maps, stop| health::run(&maps, &shared, &stop)
     }));
     workers.push(spawn("query", &dir, &stop, {
         let shared = Arc::clone(&shared);

@@ -19,6 +19,11 @@ pub const VIP_QUIC: u16 = c::INBAND_VIP_QUIC as u16;
 pub const VIP_WEIGHTED: u16 = c::INBAND_VIP_WEIGHTED as u16;
 pub const BACKEND_OPTIONS_LOST: u16 = c::INBAND_BACKEND_OPTIONS_LOST as u16;
 pub const BACKEND_ENCAP: u16 = c::INBAND_BACKEND_ENCAP as u16;
+pub const BACKEND_DOWN: u16 = c::INBAND_BACKEND_DOWN as u16;
+pub const VIP_RESET_DOWN: u16 = c::INBAND_VIP_RESET_DOWN as u16;
+pub const VIP_REFUSE_EMPTY: u16 = c::INBAND_VIP_REFUSE_EMPTY as u16;
+pub const HEALTH_UP: u8 = c::INBAND_HEALTH_UP as u8;
+pub const HEALTH_DOWN: u8 = c::INBAND_HEALTH_DOWN as u8;
 
 /// A removed backend (a tombstone kept for its flows): neither active nor
 /// draining, whatever the daemon found about its path.
@@ -53,6 +58,7 @@ pub type VipStats = c::inband_vip_stats;
 pub type FlowGauges = c::inband_flow_gauges;
 pub type SweepStats = c::inband_sweep_stats;
 pub type ControlStats = c::inband_control_stats;
+pub type BackendHealth = c::inband_backend_health;
 pub type QueryReq = c::inband_query_req;
 pub type Addr = c::inband_addr;
 
@@ -72,6 +78,7 @@ crate::pod::pod!(
     FlowGauges,
     SweepStats,
     ControlStats,
+    BackendHealth,
     QueryReq
 );
 
@@ -96,7 +103,21 @@ macro_rules! counted {
     };
 }
 
-counted!(BackendStats: packets, bytes, return_packets, return_bytes, new_conns, closed_conns, probes_sent, scores_received, syn_retries);
+counted!(
+    BackendStats: packets,
+    bytes,
+    return_packets,
+    return_bytes,
+    new_conns,
+    closed_conns,
+    probes_sent,
+    scores_received,
+    syn_retries,
+    handshakes_completed,
+    handshakes_refused,
+    handshakes_retried,
+    flows_reset
+);
 counted!(VipStats: packets, bytes, return_packets, return_bytes, new_conns, closed_conns);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -211,7 +232,29 @@ pub const EVENT_NAMES: [&str; c::INBAND_EV_MAX as usize] = [
     "chained",
     "chained_named",
     "later_connection",
+    "reset_no_backend",
+    "reset_backend_down",
 ];
+
+/// Names of `enum inband_health_reason`, by index, as status and metrics show them.
+pub const HEALTH_REASON_NAMES: [&str; c::INBAND_HEALTH_REASON_MAX as usize] = [
+    "unchecked",
+    "passing",
+    "refused",
+    "timeout",
+    "unreachable",
+    "bad_status",
+    "malformed",
+    "closed",
+    "error",
+    "passive_refused",
+    "passive_unanswered",
+    "not_checked",
+];
+
+pub fn health_reason_name(r: u8) -> &'static str {
+    HEALTH_REASON_NAMES.get(usize::from(r)).copied().unwrap_or("unknown")
+}
 
 /// The index of a drop reason by name (tests and benchmarks look them up so).
 pub fn drop_index(name: &str) -> usize {
@@ -237,5 +280,8 @@ mod tests {
         assert_eq!(event_index("score_bad_mac"), c::INBAND_EV_SCORE_BAD_MAC as usize);
         assert_eq!(event_index("drained_flows_ended"), c::INBAND_EV_DRAINED_FLOWS_ENDED as usize);
         assert_eq!(event_index("icmp_to_client"), c::INBAND_EV_ICMP_TO_CLIENT as usize);
+        assert_eq!(event_index("reset_backend_down"), c::INBAND_EV_RESET_BACKEND_DOWN as usize);
+        assert_eq!(HEALTH_REASON_NAMES[c::INBAND_HEALTH_PASSIVE_REFUSED as usize], "passive_refused");
+        assert_eq!(HEALTH_REASON_NAMES[c::INBAND_HEALTH_NOT_CHECKED as usize], "not_checked");
     }
 }

@@ -4,6 +4,7 @@ pub mod attach;
 pub mod config;
 pub mod control;
 pub mod daemon;
+pub mod health;
 pub mod maglev;
 pub mod maps;
 pub mod neighbour;

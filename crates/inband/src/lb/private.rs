@@ -91,6 +91,7 @@ impl<'obj> PrivateBalancer<'obj> {
             gauges: h(&m.gauges)?,
             sweep_stats: h(&m.sweep_stats)?,
             control_stats: h(&m.control_stats)?,
+            backend_health: h(&m.backend_health)?,
             maglev: h(&m.maglev)?,
             query_ring: h(&m.query_ring)?,
             query_done: h(&m.query_done)?,

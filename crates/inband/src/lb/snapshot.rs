@@ -93,6 +93,10 @@ pub struct VipSnapshot {
     pub syn_timeout_ms: u64,
     pub idle_timeout_s: u64,
     pub closing_timeout_ms: u64,
+    /// `[vip.health]`: flows of a down backend are reset (else kept), and
+    /// a SYN no backend can take is refused with a RST (else dropped).
+    pub on_down: &'static str,
+    pub all_down: &'static str,
     pub flows: u64,
     pub stats: Counters,
     pub backends: Vec<BackendSnapshot>,
@@ -127,7 +131,54 @@ pub struct BackendSnapshot {
     /// What least-score and power-of-two rank by (select.h).
     pub load_estimate: u64,
     pub flows: u64,
+    pub health: HealthView,
     pub stats: Counters,
+}
+
+/// A backend's health as the lb daemon's checker last judged it.
+#[derive(Debug, Serialize)]
+pub struct HealthView {
+    /// "up", "down", or "unchecked" (no verdict yet, or checks off: taken as up).
+    pub state: &'static str,
+    /// Why (health.rs): passing, refused, timeout, bad_status, passive_refused, ...
+    pub reason: &'static str,
+    /// Down, but taking connections: every backend of its VIP is down and
+    /// the VIP fails open.
+    pub failing_open: bool,
+    /// Unix time (ms) of the last change of state; 0 = none yet.
+    pub since_ms: u64,
+    /// Seconds since then.
+    pub for_s: Option<u64>,
+    /// The HTTP status the last check saw, if any.
+    pub last_status: Option<u16>,
+    pub in_a_row: u32,
+    pub checks_passed: u64,
+    pub checks_failed: u64,
+    pub transitions: u64,
+    pub passive_ejections: u64,
+}
+
+impl HealthView {
+    fn of(h: &BackendHealth, flags: u16, now_ms: u64) -> HealthView {
+        let state = match h.state {
+            HEALTH_UP => "up",
+            HEALTH_DOWN => "down",
+            _ => "unchecked",
+        };
+        HealthView {
+            state,
+            reason: health_reason_name(h.reason),
+            failing_open: h.state == HEALTH_DOWN && flags & BACKEND_DOWN == 0 && flags & BACKEND_ACTIVE != 0,
+            since_ms: h.since_ms,
+            for_s: (h.since_ms != 0).then(|| now_ms.saturating_sub(h.since_ms) / 1000),
+            last_status: (h.last_status != 0).then_some(h.last_status),
+            in_a_row: h.in_a_row,
+            checks_passed: h.checks_passed,
+            checks_failed: h.checks_failed,
+            transitions: h.transitions,
+            passive_ejections: h.passive_ejections,
+        }
+    }
 }
 
 /// Named counters of a per-CPU stats struct, summed over CPUs.
@@ -154,6 +205,7 @@ fn live(g: FlowGauges) -> u64 {
 
 pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
     let now = tables::ktime_ns();
+    let wall_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
     let cfg: LbConfig = bpfmap::get(&maps.lb_config, &0u32)?.unwrap_or_default();
     let mut vips = Vec::new();
     for v in tables::read(maps)? {
@@ -162,6 +214,7 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
             let s: BackendScore = bpfmap::get(&maps.scores, id)?.unwrap_or_default();
             let age = (s.updated_ns != 0).then(|| now.saturating_sub(s.updated_ns));
             let stats = tables::sum_percpu::<BackendStats>(&maps.backend_stats, *id)?;
+            let health: BackendHealth = bpfmap::get(&maps.backend_health, id)?.unwrap_or_default();
             backends.push(BackendSnapshot {
                 id: *id,
                 backend: tables::backend_endpoint(b).to_string(),
@@ -187,6 +240,7 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
                 closed_since_score: s.closed,
                 load_estimate: load_estimate(&s, now, v.vip.score_max_age_ns),
                 flows: live(tables::gauge(maps, GAUGE_BACKEND0 + id)?),
+                health: HealthView::of(&health, b.flags, wall_ms),
                 stats: stats.named().into_iter().collect(),
             });
         }
@@ -207,6 +261,8 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
             syn_timeout_ms: v.vip.syn_timeout_ns / 1_000_000,
             idle_timeout_s: v.vip.idle_timeout_ns / 1_000_000_000,
             closing_timeout_ms: v.vip.closing_timeout_ns / 1_000_000,
+            on_down: if v.vip.flags & VIP_RESET_DOWN != 0 { "reset" } else { "keep" },
+            all_down: if v.vip.flags & VIP_REFUSE_EMPTY != 0 { "refuse" } else { "fail-open" },
             flows: live(tables::gauge(maps, GAUGE_VIP0 + v.id)?),
             stats: stats.named().into_iter().collect(),
             backends,
@@ -288,7 +344,7 @@ pub fn render_table(s: &Snapshot) -> String {
         let drain = v.drain_left_s.map_or(String::new(), |d| format!(" ({d} s left)"));
         let _ = writeln!(
             o,
-            "\nVIP {}{}  {}{drain}  mode {}  policy {}{}  probe every {} pkts{}  score max age {} ms  timeouts syn {} ms / idle {} s / closing {} ms  flows {}  conns {}",
+            "\nVIP {}{}  {}{drain}  mode {}  policy {}{}  probe every {} pkts{}  score max age {} ms  timeouts syn {} ms / idle {} s / closing {} ms  down backends: flows {}, all down {}  flows {}  conns {}",
             v.vip,
             if v.quic { " (QUIC)" } else { "" },
             v.state,
@@ -305,13 +361,15 @@ pub fn render_table(s: &Snapshot) -> String {
             v.syn_timeout_ms,
             v.idle_timeout_s,
             v.closing_timeout_ms,
+            v.on_down,
+            v.all_down,
             v.flows,
             v.stats["new_conns"]
         );
         let _ = writeln!(
             o,
-            "  {:<4} {:<30} {:<14} {:>6} {:>6} {:>8} {:>5} {:>8} {:>6} {:>8} {:>10} {:>10} {:>7} {:>7} {:>6}",
-            "id", "backend", "state", "weight", "score", "age ms", "stale", "estimate", "flows", "conns", "pkts", "back pkts", "probes", "scores", "n now"
+            "  {:<4} {:<30} {:<14} {:<32} {:>6} {:>6} {:>8} {:>5} {:>8} {:>6} {:>8} {:>10} {:>10} {:>7} {:>7} {:>6}",
+            "id", "backend", "state", "health", "weight", "score", "age ms", "stale", "estimate", "flows", "conns", "pkts", "back pkts", "probes", "scores", "n now"
         );
         for b in &v.backends {
             let mut state = match b.drain_left_s {
@@ -328,12 +386,24 @@ pub fn render_table(s: &Snapshot) -> String {
                 Some(id) => format!("{} #{id}", b.backend),
                 None => b.backend.clone(),
             };
+            let h = &b.health;
+            let mut health = format!("{} ({})", h.state, h.reason);
+            if let Some(st) = h.last_status {
+                health.push_str(&format!(" {st}"));
+            }
+            if let Some(s) = h.for_s {
+                health.push_str(&format!(" {s}s"));
+            }
+            if h.failing_open {
+                health.push_str(" open");
+            }
             let _ = writeln!(
                 o,
-                "  {:<4} {:<30} {:<14} {:>6} {:>6} {:>8} {:>5} {:>8} {:>6} {:>8} {:>10} {:>10} {:>7} {:>7} {:>6}",
+                "  {:<4} {:<30} {:<14} {:<32} {:>6} {:>6} {:>8} {:>5} {:>8} {:>6} {:>8} {:>10} {:>10} {:>7} {:>7} {:>6}",
                 b.id,
                 backend,
                 state,
+                health,
                 b.weight,
                 b.score.map_or("-".into(), |x| x.to_string()),
                 b.score_age_ms.map_or("-".into(), |x| x.to_string()),
@@ -347,6 +417,9 @@ pub fn render_table(s: &Snapshot) -> String {
                 b.stats["scores_received"],
                 b.probe_interval_now
             );
+        }
+        if v.backends.iter().any(|b| b.health.failing_open) {
+            let _ = writeln!(o, "  open: every backend is down and the VIP fails open: all take connections as if up");
         }
         if v.backends.iter().any(|b| b.options_lost) {
             let _ = writeln!(o, "  polled: options do not reach that backend (dropped or stripped on the path); its score is polled");
@@ -405,7 +478,21 @@ pub fn render_prometheus(s: &Snapshot) -> String {
             let _ = writeln!(o, "{metric}{{vip=\"{}\",mode=\"{}\"}} {}", v.vip, v.mode, v.stats[name]);
         }
     }
-    for name in ["packets", "bytes", "return_packets", "return_bytes", "new_conns", "closed_conns", "probes_sent", "scores_received", "syn_retries"] {
+    for name in [
+        "packets",
+        "bytes",
+        "return_packets",
+        "return_bytes",
+        "new_conns",
+        "closed_conns",
+        "probes_sent",
+        "scores_received",
+        "syn_retries",
+        "handshakes_completed",
+        "handshakes_refused",
+        "handshakes_retried",
+        "flows_reset",
+    ] {
         let metric = format!(
             "inband_backend_{}_total",
             match name {
@@ -436,6 +523,36 @@ pub fn render_prometheus(s: &Snapshot) -> String {
             for b in &v.backends {
                 let _ = writeln!(o, "{metric}{{vip=\"{}\",backend=\"{}\",state=\"{}\"}} {}", v.vip, b.backend, b.state, f(b));
             }
+        }
+    }
+    let _ = writeln!(o, "# HELP inband_backend_up 1 while the backend takes new connections by its health checks (down backends of a VIP that fails open included)");
+    let _ = writeln!(o, "# TYPE inband_backend_up gauge");
+    for v in &s.vips {
+        for b in &v.backends {
+            let up = b.health.state != "down" || b.health.failing_open;
+            let _ = writeln!(o, "inband_backend_up{{vip=\"{}\",backend=\"{}\",reason=\"{}\"}} {}", v.vip, b.backend, b.health.reason, u8::from(up));
+        }
+    }
+    for (metric, what, f) in [
+        ("inband_backend_health_checks_total", "passed", (|h: &HealthView| h.checks_passed) as fn(&HealthView) -> u64),
+        ("inband_backend_health_checks_total", "failed", |h| h.checks_failed),
+        ("inband_backend_health_transitions_total", "", |h| h.transitions),
+        ("inband_backend_passive_ejections_total", "", |h| h.passive_ejections),
+    ] {
+        if what != "failed" {
+            let _ = writeln!(o, "# TYPE {metric} counter");
+        }
+        for v in &s.vips {
+            for b in &v.backends {
+                let result = if what.is_empty() { String::new() } else { format!(",result=\"{what}\"") };
+                let _ = writeln!(o, "{metric}{{vip=\"{}\",backend=\"{}\"{result}}} {}", v.vip, b.backend, f(&b.health));
+            }
+        }
+    }
+    let _ = writeln!(o, "# TYPE inband_backend_health_since_seconds gauge");
+    for v in &s.vips {
+        for b in &v.backends {
+            let _ = writeln!(o, "inband_backend_health_since_seconds{{vip=\"{}\",backend=\"{}\"}} {}", v.vip, b.backend, b.health.since_ms as f64 / 1e3);
         }
     }
     let _ = writeln!(o, "# TYPE inband_backend_score gauge");

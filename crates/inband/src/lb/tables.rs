@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use anyhow::{bail, Result};
 use libbpf_rs::{MapCore, MapHandle};
 
-use super::config::{Encap, Protocol, VipConfig};
+use super::config::{AllDown, Encap, OnDown, Protocol, VipConfig};
 use super::maps::*;
 use crate::bpfmap::{self, PinDir};
 use crate::pod::{be_ip, be_port, ip_of, port_of};
@@ -36,6 +36,7 @@ pub struct LbMaps {
     pub gauges: MapHandle,
     pub sweep_stats: MapHandle,
     pub control_stats: MapHandle,
+    pub backend_health: MapHandle,
     pub maglev: MapHandle,
     pub query_ring: MapHandle,
     pub query_done: MapHandle,
@@ -62,6 +63,7 @@ impl LbMaps {
             gauges: dir.open("gauges")?,
             sweep_stats: dir.open("sweep_stats")?,
             control_stats: dir.open("control_stats")?,
+            backend_health: dir.open("backend_health")?,
             maglev: dir.open("maglev")?,
             query_ring: dir.open("query_ring")?,
             query_done: dir.open("query_done")?,
@@ -176,10 +178,11 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64) -> Result
                 bpfmap::put(&maps.scores, &id, &BackendScore::default())?;
                 bpfmap::put(&maps.probe_due, &id, &PROBE_DUE)?;
             }
-            // OPTIONS_LOST is the daemon's finding about the path: kept.
+            // OPTIONS_LOST and DOWN are the daemon's findings about the
+            // path and the backend (health.rs owns DOWN): kept.
             // Weight 0 is drained: its flows go on, no new ones come.
             entry.flags = (if b.takes_new() { BACKEND_ACTIVE } else { BACKEND_DRAINING })
-                | (entry.flags & BACKEND_OPTIONS_LOST)
+                | (entry.flags & (BACKEND_OPTIONS_LOST | BACKEND_DOWN))
                 | if b.encap == Encap::Ipip { BACKEND_ENCAP } else { 0 };
             entry.drain_deadline_ns = 0;
             entry.quic_server_id = b.quic_server_id.unwrap_or(0);
@@ -195,7 +198,11 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64) -> Result
             backend_count: slots.len() as u16,
             mode: v.mode as u8,
             policy: v.effective_policy() as u8,
-            flags: VIP_ACTIVE | if v.quic { VIP_QUIC } else { 0 } | if weighted(v) { VIP_WEIGHTED } else { 0 },
+            flags: VIP_ACTIVE
+                | if v.quic { VIP_QUIC } else { 0 }
+                | if weighted(v) { VIP_WEIGHTED } else { 0 }
+                | if v.health.on_down == OnDown::Reset { VIP_RESET_DOWN } else { 0 }
+                | if v.health.all_down == AllDown::Refuse { VIP_REFUSE_EMPTY } else { 0 },
             proto: key.proto,
             pad: [0; 3],
             probe_interval: v.probe_interval,

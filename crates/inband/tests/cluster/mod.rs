@@ -150,6 +150,9 @@ pub struct Cluster {
     pub lb: Option<Child>,
     pub others: Vec<Child>,
     pub servers: usize,
+    /// Server i's `inband serve` is others[server_at[i - 1]], with its
+    /// flags (a stopped server restarts with them).
+    server_at: Vec<(usize, Vec<String>)>,
     mode: String,
     vip_lines: Vec<String>,
     lb_lines: Vec<String>,
@@ -239,6 +242,7 @@ impl Cluster {
             lb: None,
             others: Vec::new(),
             servers: spec.servers,
+            server_at: Vec::new(),
             mode: spec.mode.to_string(),
             vip_lines: spec.vip_lines,
             lb_lines: spec.lb_lines,
@@ -315,7 +319,45 @@ impl Cluster {
         let mut serve = vec![BIN, "serve", "--listen", listen, "--service-ms", "20", "--service-dist", "constant"];
         serve.extend_from_slice(extra);
         let s = in_ns(&self.tb, &node, &serve).stdout(Stdio::null()).spawn().unwrap();
+        let at = (self.others.len(), extra.iter().map(|a| a.to_string()).collect());
+        if self.server_at.len() < i {
+            self.server_at.resize(i, (usize::MAX, Vec::new()));
+        }
+        self.server_at[i - 1] = at;
         self.others.push(s);
+    }
+
+    /// Kills server i's application (SIGKILL: no goodbye); its host and
+    /// agent stay, so its port refuses connections.
+    pub fn kill_server(&mut self, i: usize) {
+        let c = &mut self.others[self.server_at[i - 1].0];
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+
+    /// Starts server i's application again, with the flags it had, and
+    /// waits until it answers.
+    pub fn restart_server(&mut self, i: usize) {
+        let (at, extra) = self.server_at[i - 1].clone();
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        self.start_server(i, &extra);
+        // The new child took a new slot; the old one is reaped already.
+        let new = self.others.pop().unwrap();
+        self.others[at] = new;
+        self.server_at[i - 1].0 = at;
+        wait_for(&format!("server on s{i} again"), || http_get(self, server(&self.tb, i), "/stats", false).is_ok());
+    }
+
+    /// Server i's host drops every packet that reaches it (`on`), as a host
+    /// that hangs or loses its link would; `off` brings it back.
+    pub fn silence(&self, i: usize, on: bool) {
+        let node = format!("s{i}");
+        if on {
+            run_ok(&self.tb, &node, &["nft", "add table inet silence"]);
+            run_ok(&self.tb, &node, &["nft", "add chain inet silence in { type filter hook input priority -300 ; policy drop ; }"]);
+        } else {
+            run_ok(&self.tb, &node, &["nft", "delete table inet silence"]);
+        }
     }
 
     fn start_agent(&mut self, i: usize) {

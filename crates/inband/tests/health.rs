@@ -1,0 +1,229 @@
+//! Health checks of `inband lb` on a namespace testbed (tests/cluster):
+//! backends broken on purpose — the application killed, the host silenced
+//! — get no new connections in any mode or policy, come back when they
+//! recover, and what down means for flows and for an all-down VIP is what
+//! `[vip.health]` says.
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+mod cluster;
+use cluster::*;
+
+/// Backend i's entry in the status of VIP `v` (0 = IPv4).
+fn backend(c: &Cluster, v: usize, i: usize) -> Value {
+    let want = if v == 0 { server(&c.tb, i).to_string() } else { server6(&c.tb, i).to_string() };
+    let s = c.status();
+    s[0]["vips"][v]["backends"].as_array().unwrap().iter().find(|b| b["backend"] == want.as_str()).cloned().unwrap()
+}
+
+/// Waits (at most `within`) until backend i of VIP `v` shows `state`;
+/// returns how long it took.
+fn wait_health(c: &Cluster, v: usize, i: usize, state: &str, within: Duration) -> Duration {
+    let t0 = Instant::now();
+    loop {
+        let b = backend(c, v, i);
+        if b["health"]["state"] == state {
+            return t0.elapsed();
+        }
+        assert!(t0.elapsed() < within, "backend s{i} not {state} within {within:?}: {}", b["health"]);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `n` GETs through the VIP of family `v`; every one must succeed.
+fn all_served(c: &Cluster, v: usize, n: usize, what: &str) {
+    for k in 0..n {
+        let r = if v == 0 { http_get(c, vip(&c.tb), "/", true) } else { http_get(c, vip6(&c.tb), "/", true) };
+        assert_eq!(r, Ok((200, BODY)), "{what}: request {k}");
+    }
+}
+
+fn new_conns(c: &Cluster, v: usize, i: usize) -> u64 {
+    backend(c, v, i)["stats"]["new_conns"].as_u64().unwrap()
+}
+
+/// A killed application and a silenced host are taken out in every mode
+/// and policy, IPv4 and IPv6: after detection every request succeeds and
+/// the dead backend's connection count stands still; once it recovers it
+/// is back within rise checks and gets connections again.
+#[test]
+fn a_dead_backend_gets_no_new_connections_in_any_mode_or_policy() {
+    let mut c = Cluster::with(Spec::new("hdead", "dsr-rr").servers(2).ipv6().lb("metrics = \"127.0.0.1:9100\""));
+    let (v4, v6) = (vip(&c.tb).to_string(), vip6(&c.tb).to_string());
+    for (mode, policy) in [
+        ("dsr-rr", "round-robin"),
+        ("dsr-rr", "maglev"),
+        ("passthrough", "round-robin"),
+        ("dsr-polling", "least-score"),
+        ("dsr-dynamic", "least-score"),
+        ("dsr-dynamic", "power-of-two"),
+    ] {
+        for vip in [&v4, &v6] {
+            assert!(c.ctl_ok(&["set-mode", "--vip", vip, "--mode", mode]), "{mode}");
+            assert!(c.ctl_ok(&["set-policy", "--vip", vip, "--policy", policy]), "{policy}");
+        }
+        let what = format!("{mode}/{policy}");
+        c.kill_server(2);
+        let took = wait_health(&c, 0, 2, "down", Duration::from_secs(2));
+        assert!(took < Duration::from_millis(1500), "{what}: a refusing port is found within interval + fast interval: {took:?}");
+        assert_eq!(backend(&c, 0, 2)["health"]["reason"], "refused", "{what}");
+        wait_health(&c, 1, 2, "down", Duration::from_secs(2));
+        let before = (new_conns(&c, 0, 2), new_conns(&c, 1, 2));
+        all_served(&c, 0, 12, &what);
+        all_served(&c, 1, 6, &what);
+        assert_eq!((new_conns(&c, 0, 2), new_conns(&c, 1, 2)), before, "{what}: the dead backend got connections");
+        c.restart_server(2);
+        let took = wait_health(&c, 0, 2, "up", Duration::from_secs(3));
+        assert!(took < Duration::from_secs(2), "{what}: back within rise checks: {took:?}");
+        wait_health(&c, 1, 2, "up", Duration::from_secs(3));
+        let before = new_conns(&c, 0, 2);
+        all_served(&c, 0, 12, &what);
+        assert!(new_conns(&c, 0, 2) > before, "{what}: the recovered backend gets connections again");
+    }
+    // A silent host: its checks time out.
+    c.silence(2, true);
+    let took = wait_health(&c, 0, 2, "down", Duration::from_secs(4));
+    assert!(took < Duration::from_secs(3), "a silent host is found within interval + 2 timeouts: {took:?}");
+    assert_eq!(backend(&c, 0, 2)["health"]["reason"], "timeout");
+    let before = new_conns(&c, 0, 2);
+    all_served(&c, 0, 8, "silent host");
+    assert_eq!(new_conns(&c, 0, 2), before, "the silent host got connections");
+    c.silence(2, false);
+    wait_health(&c, 0, 2, "up", Duration::from_secs(4));
+    let h = &backend(&c, 0, 2)["health"];
+    assert!(h["transitions"].as_u64().unwrap() >= 14, "every down and up counted: {h}");
+    let metrics = metrics(&c);
+    assert!(metrics.contains(&format!("inband_backend_up{{vip=\"{v4}\",backend=\"{}\",reason=\"passing\"}} 1", server(&c.tb, 2))), "{metrics}");
+}
+
+fn metrics(c: &Cluster) -> String {
+    let out = run_ok(&c.tb, "lb", &["curl", "-s", "http://127.0.0.1:9100/metrics"]);
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// HTTP checks: a status outside `expect` takes the backend down with that
+/// status as the reason; the Host and path are the configured ones.
+#[test]
+fn http_checks_judge_by_status() {
+    let c = Cluster::with(
+        Spec::new("hhttp", "dsr-rr")
+            .servers(2)
+            .vip("[vip.health]\ncheck = \"http\"\npath = \"/stats\"\nexpect = [200]"),
+    );
+    wait_health(&c, 0, 1, "up", Duration::from_secs(3));
+    assert_eq!(backend(&c, 0, 1)["health"]["last_status"], 200);
+    // Only 204 passes now: both go down with the status they answered.
+    let cfg = c.dir.join("lb.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap().replace("expect = [200]", "expect = [204]");
+    std::fs::write(&cfg, text).unwrap();
+    assert!(c.ctl_ok(&["reload"]), "reload: {}", String::from_utf8_lossy(&c.ctl(&["reload"]).stderr));
+    for i in 1..=2 {
+        wait_health(&c, 0, i, "down", Duration::from_secs(3));
+        let h = backend(&c, 0, i)["health"].clone();
+        assert_eq!((h["reason"].as_str(), h["last_status"].as_u64()), (Some("bad_status"), Some(200)), "{h}");
+        assert_eq!(backend(&c, 0, i)["health"]["failing_open"], true, "both down: the VIP fails open by default");
+    }
+    // Failing open: connections still go to them.
+    assert_eq!(http_get(&c, vip(&c.tb), "/", true), Ok((200, BODY)));
+}
+
+/// `all_down = "refuse"`: with every backend down a SYN is answered with a
+/// RST at once (curl: connection refused in milliseconds, not a timeout).
+#[test]
+fn a_vip_with_every_backend_down_refuses_with_a_reset() {
+    let mut c = Cluster::with(Spec::new("hrefuse", "dsr-dynamic").servers(2).vip("[vip.health]\nall_down = \"refuse\""));
+    c.kill_server(1);
+    c.kill_server(2);
+    wait_health(&c, 0, 1, "down", Duration::from_secs(2));
+    wait_health(&c, 0, 2, "down", Duration::from_secs(2));
+    let t0 = Instant::now();
+    let out = in_ns(&c.tb, "c1", &["curl", "-s", "-o", "/dev/null", "--max-time", "5", &format!("http://{}/", vip(&c.tb))]).output().unwrap();
+    assert_eq!(out.status.code(), Some(7), "curl: couldn't connect (refused)");
+    assert!(t0.elapsed() < Duration::from_millis(900), "refused at once, not after SYN retries: {:?}", t0.elapsed());
+    assert!(c.event("reset_no_backend") >= 1);
+    assert_eq!(c.drop_count("no_backend"), 0, "refused, not dropped");
+    c.restart_server(1);
+    wait_health(&c, 0, 1, "up", Duration::from_secs(3));
+    all_served(&c, 0, 4, "one back");
+}
+
+/// `on_down = "reset"`: a keep-alive connection to a backend whose host
+/// went silent gets a RST from the VIP at its next request, at once, and
+/// the client reconnects to a backend that is up; with the default (keep)
+/// that request would wait on the silent host.
+#[test]
+fn flows_of_a_down_backend_are_reset_when_configured() {
+    let c = Cluster::with(Spec::new("hreset", "dsr-rr").servers(2).every_server(&["--keep-alive"]).vip("[vip.health]\non_down = \"reset\""));
+    // One keep-alive connection: a request, then (at our word) another.
+    let script = format!(
+        "import socket,sys,time\n\
+         s=socket.create_connection(('{}',80)); s.settimeout(8)\n\
+         def req():\n\
+         \x20 s.sendall(b'GET / HTTP/1.1\\r\\nHost: v\\r\\n\\r\\n'); b=b''\n\
+         \x20 while b'\\r\\n\\r\\n' not in b: b+=s.recv(65536) or sys.exit('closed')\n\
+         \x20 h,_,body=b.partition(b'\\r\\n\\r\\n'); n=int([l.split(b':')[1] for l in h.split(b'\\r\\n') if l.lower().startswith(b'content-length')][0])\n\
+         \x20 while len(body)<n: body+=s.recv(65536) or sys.exit('closed')\n\
+         req(); print('first', flush=True); sys.stdin.readline(); t=time.time()\n\
+         try:\n\
+         \x20 req(); print('served', time.time()-t)\n\
+         except ConnectionResetError: print('reset', time.time()-t)\n\
+         except socket.timeout: print('timeout', time.time()-t)\n",
+        vip(&c.tb).ip()
+    );
+    let mut client = in_ns(&c.tb, "c1", &["python3", "-c", &script]).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let mut out = std::io::BufReader::new(client.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    assert_eq!(line.trim(), "first");
+    // The server holding it goes silent.
+    wait_for("the sweeper's flow count", || (1..=2).any(|i| c.backend(i)["flows"].as_u64() == Some(1)));
+    let held = (1..=2).find(|i| c.backend(*i)["flows"].as_u64() == Some(1)).unwrap();
+    c.silence(held, true);
+    wait_health(&c, 0, held, "down", Duration::from_secs(4));
+    std::io::Write::write_all(client.stdin.as_mut().unwrap(), b"go\n").unwrap();
+    line.clear();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    let _ = client.wait();
+    let mut it = line.split_whitespace();
+    assert_eq!(it.next(), Some("reset"), "{line}");
+    let secs: f64 = it.next().unwrap().parse().unwrap();
+    assert!(secs < 0.5, "reset at once: {secs} s");
+    assert_eq!(c.event("reset_backend_down"), 1);
+    assert_eq!(c.backend(held)["stats"]["flows_reset"], 1);
+    // The client's next connection goes to the other server.
+    all_served(&c, 0, 4, "after the reset");
+    c.silence(held, false);
+}
+
+/// Passive detection: SYNs to a silent host sent again by clients take it
+/// down before its active checks would (checks slowed down on purpose);
+/// then its checks must pass `rise` times to bring it back.
+#[test]
+fn unanswered_handshakes_take_a_backend_down_passively() {
+    let c = Cluster::with(
+        Spec::new("hpassive", "dsr-rr")
+            .servers(2)
+            .vip("[vip.health]\ninterval_ms = 20000\nfast_interval_ms = 20000\ntimeout_ms = 15000\npassive_fall = 2"),
+    );
+    wait_health(&c, 0, 2, "up", Duration::from_secs(3));
+    c.silence(2, true);
+    // Round-robin: half of these go to the silent host and retry their SYN.
+    let url = format!("http://{}/", vip(&c.tb));
+    let clients: Vec<_> = (0..4)
+        .map(|_| in_ns(&c.tb, "c1", &["curl", "-s", "-o", "/dev/null", "--max-time", "8", &url]).spawn().unwrap())
+        .collect();
+    let took = wait_health(&c, 0, 2, "down", Duration::from_secs(6));
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    let h = backend(&c, 0, 2)["health"].clone();
+    assert_eq!(h["reason"], "passive_unanswered", "{h}");
+    assert_eq!(h["passive_ejections"], 1, "{h}");
+    assert!(backend(&c, 0, 2)["stats"]["handshakes_retried"].as_u64().unwrap() >= 2);
+    for mut cl in clients {
+        let _ = cl.kill();
+        let _ = cl.wait();
+    }
+    c.silence(2, false);
+}
