@@ -51,7 +51,7 @@ fn new_conns(c: &Cluster, v: usize, i: usize) -> u64 {
 /// is back within rise checks and gets connections again.
 #[test]
 fn a_dead_backend_gets_no_new_connections_in_any_mode_or_policy() {
-    let mut c = Cluster::with(Spec::new("hdead", "dsr-rr").servers(2).ipv6().lb("metrics = \"127.0.0.1:9100\""));
+    let mut c = Cluster::with(Spec::new("hd", "dsr-rr").servers(2).ipv6().lb("metrics = \"127.0.0.1:9100\""));
     let (v4, v6) = (vip(&c.tb).to_string(), vip6(&c.tb).to_string());
     for (mode, policy) in [
         ("dsr-rr", "round-robin"),
@@ -109,7 +109,7 @@ fn metrics(c: &Cluster) -> String {
 #[test]
 fn http_checks_judge_by_status() {
     let c = Cluster::with(
-        Spec::new("hhttp", "dsr-rr")
+        Spec::new("hh", "dsr-rr")
             .servers(2)
             .vip("[vip.health]\ncheck = \"http\"\npath = \"/stats\"\nexpect = [200]"),
     );
@@ -134,7 +134,7 @@ fn http_checks_judge_by_status() {
 /// RST at once (curl: connection refused in milliseconds, not a timeout).
 #[test]
 fn a_vip_with_every_backend_down_refuses_with_a_reset() {
-    let mut c = Cluster::with(Spec::new("hrefuse", "dsr-dynamic").servers(2).vip("[vip.health]\nall_down = \"refuse\""));
+    let mut c = Cluster::with(Spec::new("hr", "dsr-dynamic").servers(2).vip("[vip.health]\nall_down = \"refuse\""));
     c.kill_server(1);
     c.kill_server(2);
     wait_health(&c, 0, 1, "down", Duration::from_secs(2));
@@ -156,7 +156,7 @@ fn a_vip_with_every_backend_down_refuses_with_a_reset() {
 /// that request would wait on the silent host.
 #[test]
 fn flows_of_a_down_backend_are_reset_when_configured() {
-    let c = Cluster::with(Spec::new("hreset", "dsr-rr").servers(2).every_server(&["--keep-alive"]).vip("[vip.health]\non_down = \"reset\""));
+    let c = Cluster::with(Spec::new("hz", "dsr-rr").servers(2).every_server(&["--keep-alive"]).vip("[vip.health]\non_down = \"reset\""));
     // One keep-alive connection: a request, then (at our word) another.
     let script = format!(
         "import socket,sys,time\n\
@@ -204,7 +204,7 @@ fn flows_of_a_down_backend_are_reset_when_configured() {
 #[test]
 fn unanswered_handshakes_take_a_backend_down_passively() {
     let c = Cluster::with(
-        Spec::new("hpassive", "dsr-rr")
+        Spec::new("hp", "dsr-rr")
             .servers(2)
             .vip("[vip.health]\ninterval_ms = 20000\nfast_interval_ms = 20000\ntimeout_ms = 15000\npassive_fall = 2"),
     );
