@@ -114,8 +114,8 @@ impl Proxy {
         });
         let mut background = Vec::new();
         if let Some(h) = &shared.cfg.raw.health {
-            for b in &shared.backends {
-                background.push(health::spawn(h.clone(), shared.client.clone(), b.clone()));
+            for (b, addr) in shared.backends.iter().zip(&shared.cfg.backends) {
+                background.push(health::spawn(h.clone(), b.clone(), *addr));
             }
         }
         if shared.cache.is_some() {
