@@ -39,7 +39,10 @@ fn main() {
             .unwrap_or_else(|e| panic!("building {}: {e:#}", src.display()));
     }
     shared_types(&include, &multiarch, &out.join("shared.rs"));
-    println!("cargo:rerun-if-changed={}", bpf_dir.display());
+    // Relative to the package root, not the absolute path: a build directory
+    // kept outside the clone (scripts/setup.sh) then watches the bpf/ of
+    // whichever clone builds, not the one that built first.
+    println!("cargo:rerun-if-changed=../../bpf");
 }
 
 fn shared_types(include: &Path, multiarch: &str, out: &Path) {

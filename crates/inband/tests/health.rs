@@ -227,3 +227,28 @@ fn unanswered_handshakes_take_a_backend_down_passively() {
     }
     c.silence(2, false);
 }
+
+/// A backend at an address nobody answers for (no neighbour: the check's
+/// SYN finds no MAC) is down with a reason, gets nothing, and breaks
+/// nothing: the daemon, the other backends and status go on.
+#[test]
+fn a_backend_nobody_answers_for_is_down_with_a_reason() {
+    let c = Cluster::with(Spec::new("hu", "dsr-dynamic").servers(2));
+    let o = c.tb.addr("s1").octets();
+    let ghost = format!("{}.{}.{}.250:8080", o[0], o[1], o[2]);
+    let out = c.ctl(&["add-backend", "--vip", &vip(&c.tb).to_string(), "--backend", &ghost]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let t0 = Instant::now();
+    let h = loop {
+        let s = c.status();
+        let b = s[0]["vips"][0]["backends"].as_array().unwrap().iter().find(|b| b["backend"] == ghost.as_str()).cloned().unwrap();
+        if b["health"]["state"] == "down" {
+            break b["health"].clone();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "not down: {b}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(["timeout", "unreachable"].contains(&h["reason"].as_str().unwrap()), "{h}");
+    all_served(&c, 0, 10, "beside a backend nobody answers for");
+    assert_eq!(c.drop_count("no_route"), 0, "no SYN went to it");
+}

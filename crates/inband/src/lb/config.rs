@@ -774,6 +774,31 @@ port = 8080
     }
 
     #[test]
+    fn health_defaults_and_refusals() {
+        let h = LbConfig::parse(GOOD).unwrap().vips[0].health.clone();
+        assert_eq!(h.kind(Protocol::Tcp), CheckKind::Tcp, "TCP VIPs are checked by default");
+        assert_eq!(h.kind(Protocol::Udp), CheckKind::None, "UDP VIPs are not, unless told how");
+        assert_eq!((h.interval_ms, h.fast_interval_ms, h.timeout_ms, h.rise, h.fall), (500, 100, 1000, 2, 2));
+        assert_eq!((h.on_down, h.all_down, h.passive_fall), (OnDown::Keep, AllDown::FailOpen, 3));
+        let health = |lines: &str| GOOD.replacen("[[vip.backend]]", &format!("[vip.health]\n{lines}\n[[vip.backend]]"), 1);
+        let ok = LbConfig::parse(&health("check = \"http\"\npath = \"/healthz\"\nexpect = [200, 204]\nhost = \"svc\"\non_down = \"reset\"\nall_down = \"refuse\"")).unwrap();
+        let h = &ok.vips[0].health;
+        assert_eq!((h.kind(Protocol::Tcp), h.expect.clone(), h.on_down, h.all_down), (CheckKind::Http, Some(vec![200, 204]), OnDown::Reset, AllDown::Refuse));
+        assert!(err(&health("interval_ms = 10")).contains("health.interval_ms = 10 is out of range"));
+        assert!(err(&health("fall = 0")).contains("health.fall = 0 is out of range"));
+        assert!(err(&health("check = \"http\"\npath = \"healthz\"")).contains("must start with /"));
+        assert!(err(&health("check = \"http\"\npath = \"/a b\"")).contains("must start with /"));
+        assert!(err(&health("check = \"http\"\nexpect = []")).contains("health.expect is empty"));
+        assert!(err(&health("check = \"http\"\nexpect = [99]")).contains("not an HTTP status"));
+        assert!(err(&health("expect = [200]")).contains("are for check = \"http\""));
+        assert!(err(&health("port = 0")).contains("health.port 0"));
+        assert!(err(&health("on_down = \"drop\"")).contains("unknown variant `drop`"));
+        assert!(err(&health("checks = \"tcp\"")).contains("unknown field `checks`"));
+        let udp = health("check = \"tcp\"").replace("port = 80\n", "port = 80\nprotocol = \"udp\"\n");
+        assert!(err(&udp).contains("set health.port"));
+    }
+
+    #[test]
     fn refuses_unknown_mode_duplicates_and_typos() {
         assert!(err(&GOOD.replace("dsr-dynamic", "dsr-magic")).contains("unknown variant `dsr-magic`"));
         let dup = GOOD.replace("10.77.0.22", "10.77.0.21");
