@@ -211,6 +211,7 @@ pub const EVENT_NAMES: [&str; c::INBAND_EV_MAX as usize] = [
     "chained",
     "chained_named",
     "later_connection",
+    "out_of_window",
 ];
 
 /// The index of a drop reason by name (tests and benchmarks look them up so).
@@ -237,5 +238,6 @@ mod tests {
         assert_eq!(event_index("score_bad_mac"), c::INBAND_EV_SCORE_BAD_MAC as usize);
         assert_eq!(event_index("drained_flows_ended"), c::INBAND_EV_DRAINED_FLOWS_ENDED as usize);
         assert_eq!(event_index("icmp_to_client"), c::INBAND_EV_ICMP_TO_CLIENT as usize);
+        assert_eq!(event_index("out_of_window"), c::INBAND_EV_OUT_OF_WINDOW as usize);
     }
 }
