@@ -234,10 +234,10 @@ struct inband_flow {
 	__u8 pad0[3];
 	__u64 last_seen_ns; /* CLOCK_MONOTONIC: last sweep that found it seen, or the handshake's time */
 	__u8 seen; /* a packet came since the last sweep (own byte: written without atomics) */
-	__u8 client_done; /* TCP: the client sent its FIN or RST (own byte, as `seen`) */
+	__u8 client_done; /* TCP: the client sent its FIN or RST, in its window (own byte, as `seen`) */
 	__u8 pad[2];
 	/* TCP: where the client's sequence space is, the bound a FIN or RST
-	 * must fall near to count (lifecycle.h, seq_window): the SYN's number,
+	 * must fall near to count (lifecycle.h, seq_in_window): the SYN's number,
 	 * then recorded again each time the client's segments have moved past
 	 * it by more than a step; once client_done, its FIN's or RST's. */
 	__be32 client_seq;
