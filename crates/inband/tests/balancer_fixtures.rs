@@ -957,6 +957,18 @@ fn a_fin_or_rst_outside_the_clients_window_is_forwarded_and_changes_nothing() {
 }
 
 #[test]
+fn the_window_holds_for_ipv6_flows_too() {
+    let fx = Fixture::lb_vip(Spec { v6: true, mode: Mode::DsrRr, n: 2, ..Spec::default() });
+    let c = client6(1);
+    let (b, snat) = fx.connect(c);
+    let guess = client_end(c, TCP_RST, ISN.wrapping_add(0x2000_0000));
+    assert_eq!(fx.tx(&guess.build()), forwarded(&guess, &b, snat, vec![]));
+    assert_eq!((fx.flow(c).unwrap().state, fx.event("out_of_window")), (FLOW_ESTABLISHED, 1));
+    fx.tx(&client_end(c, TCP_RST, ISN + 1).build());
+    assert_eq!((fx.flow(c).unwrap().state, fx.event("flows_closed")), (FLOW_CLOSING, 1));
+}
+
+#[test]
 fn a_fin_or_rst_at_either_edge_of_the_window_closes_the_flow() {
     for flags in [TCP_ACK | TCP_FIN, TCP_RST] {
         for seq in [ISN.wrapping_sub(BEHIND), ISN + AHEAD] {
