@@ -292,13 +292,23 @@ fn lb_flow(c: &Cluster, client: SocketAddrV4) -> Option<inband::lb::maps::Flow> 
 }
 
 #[test]
-fn guessed_resets_and_a_syn_do_not_cut_a_download() {
-    // Issue 27: knowing only the client's address and port, an attacker's
-    // RST moved the flow to closing, its SYN was balanced afresh to another
-    // server, and the client's next ACK drew a reset there. c1 downloads
-    // 3 MB through a dsr-rr VIP of three servers (a re-balanced SYN goes
-    // elsewhere); c2, on the same bridge, sends as c1.
-    let c = Cluster::with(Spec::new("rst", "dsr-rr").servers(3).clients(2).every_server(&["--service-ms", "1", "--body-bytes", "3000000"]));
+fn guessed_resets_and_a_syn_do_not_cut_a_dsr_download() {
+    guessed_resets_and_a_syn_against_a_download("rst", "dsr-rr");
+}
+
+#[test]
+fn guessed_resets_and_a_syn_do_not_cut_a_passthrough_download() {
+    // The backend's segments pass here too: its own FIN must still count.
+    guessed_resets_and_a_syn_against_a_download("rsp", "passthrough");
+}
+
+/// Issue 27: knowing only the client's address and port, an attacker's RST
+/// moved the flow to closing, its SYN was balanced afresh to another
+/// server, and the client's next ACK drew a reset there. c1 downloads 3 MB
+/// through a VIP of three round-robin servers (a re-balanced SYN goes
+/// elsewhere); c2, on the same bridge, sends as c1.
+fn guessed_resets_and_a_syn_against_a_download(test: &str, mode: &str) {
+    let c = Cluster::with(Spec::new(test, mode).servers(3).clients(2).every_server(&["--service-ms", "1", "--body-bytes", "3000000"]));
     // A reader at about 1 MB/s from a known port (curl's --limit-rate does
     // not hold the pace here), so the attack lands mid-download.
     let port = 40404;
@@ -342,17 +352,33 @@ fn guessed_resets_and_a_syn_do_not_cut_a_download() {
         frames.push(forged.clone().flags(flags).seq_no(seq).build());
     }
     let guesses = frames.len() as u64;
-    // Then the SYN that re-balanced the tuple.
-    frames.push(forged.clone().syn(1460).seq_no(at.wrapping_add(0x8000_0000)).build());
-    inject(&c, "c2", frames);
+    // Paced: a burst overflows the balancer's veth queue (its frames are
+    // dropped there, unseen).
+    for burst in frames.chunks(32) {
+        inject(&c, "c2", burst.to_vec());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Then the SYN that re-balanced the tuple, until the balancer has seen one.
+    let syn = forged.clone().syn(1460).seq_no(at.wrapping_add(0x8000_0000)).build();
+    for _ in 0..20 {
+        inject(&c, "c2", vec![syn.clone()]);
+        if c.event("syn_on_live_flow") >= 1 {
+            break;
+        }
+    }
     assert!(dl.try_wait().unwrap().is_none(), "the download ended before the attack was over: it proves nothing");
 
     let got = dl.wait_with_output().unwrap();
     assert_eq!(String::from_utf8_lossy(&got.stdout).trim(), "200 3000000", "the download finished whole");
+    // The client's own FIN, when it closes, is in its window.
+    wait_for("the client's FIN to close the flow", || c.event("flows_closed") == 1);
     let st = c.status();
     let events = &st[0]["events"];
-    assert_eq!(events["out_of_window"].as_u64(), Some(guesses), "every guess refused: {events}");
-    assert_eq!(events["syn_on_live_flow"].as_u64(), Some(1), "{events}");
+    // Every guess that reached the balancer refused (a frame can still be
+    // lost on the way under load), nothing real.
+    let refused = events["out_of_window"].as_u64().unwrap();
+    assert!(refused <= guesses && refused >= guesses * 9 / 10, "{refused} of {guesses} guesses refused: {events}");
+    assert!(events["syn_on_live_flow"].as_u64() >= Some(1), "the forged SYN never came: {events}");
     assert_eq!(c.sum("new_conns"), 1, "the forged SYN was balanced as a new connection");
-    eprintln!("balancer events {events}");
+    eprintln!("{mode}: balancer events {events}");
 }
