@@ -335,9 +335,11 @@ fn guessed_resets_and_a_syn_against_a_download(test: &str, mode: &str) {
     let mut dl = in_ns(&c.tb, "c1", &["python3", "-c", &reader]).stdout(Stdio::piped()).spawn().unwrap();
     let client = SocketAddrV4::new(c.tb.addr("c1"), port);
     wait_for("the download's flow", || lb_flow(&c, client).is_some_and(|f| f.state == inband::lb::maps::FLOW_ESTABLISHED));
-    // Where the client's numbers are (its request sent: no upload moves
-    // them): the attacker's guesses cover the sequence space, 1 MiB apart,
-    // save the 8 MiB around it, where a blind guess lands once in 500.
+    // Where the client's numbers are (its request sent, they stay): the
+    // guesses cover the sequence space 1 MiB apart, save the 8 MiB around
+    // them, which holds the balancer's window (a guess there is the one
+    // in 13,000 that wins) and the backend's receive window (where its own
+    // RFC 5961 check, not the balancer's, would be under test).
     let at = u32::from_be(lb_flow(&c, client).unwrap().client_seq);
     let (attacker, lb_mac) = (mac(&c, "c2"), mac(&c, "lb"));
     let forged = PacketBuilder::tcp(client, vip(&c.tb)).macs(attacker, lb_mac);
