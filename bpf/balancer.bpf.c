@@ -587,6 +587,8 @@ __noinline int open_flow(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 	/* TCP binds a 155 to its SYN's sequence number; UDP to the balancer's
 	 * clock (TAI, ms), which agents see grow from one flow to the next. */
 	f->syn_seq = fk->proto == IPPROTO_TCP ? p->seq : bpf_htonl((__u32)(bpf_ktime_get_tai_ns() / 1000000));
+	if (fk->proto == IPPROTO_TCP)
+		f->client_seq = p->seq;
 	__builtin_memcpy(f->client_mac, eth->h_source, ETH_ALEN);
 	if (bpf_map_update_elem(&half_open, fk, f, BPF_ANY))
 		return drop(INBAND_DROP_FLOW_TABLE_FULL);
@@ -630,8 +632,23 @@ static __always_inline int udp_handshake(struct xdp_md *ctx, const struct inband
 /* The client's FIN or RST: where its sequence space ends. */
 static __always_inline void client_finished(struct inband_flow *f, const struct pkt *p)
 {
-	f->client_end = p->seq;
+	f->client_seq = p->seq;
 	f->client_done = 1;
+}
+
+/* A client's FIN or RST on flow `f`: it ends the client's side only inside
+ * the client's sequence window (lifecycle.h); outside it (a guess at the
+ * tuple, or a segment of some other connection) it is still forwarded, the
+ * backend's stack judging it as it would without us (RFC 5961), and the
+ * flow is left as it was. */
+static __always_inline void client_end(struct inband_flow *f, const struct pkt *p)
+{
+	if (!seq_in_window(f, p->seq)) {
+		event(INBAND_EV_OUT_OF_WINDOW);
+		return;
+	}
+	flow_close(f);
+	client_finished(f, p);
 }
 
 /*
@@ -646,7 +663,7 @@ static __always_inline void client_finished(struct inband_flow *f, const struct 
  */
 static __always_inline int later_connection(const struct inband_flow *f, const struct pkt *p)
 {
-	return f->client_done && (__s32)(bpf_ntohl(p->seq) - bpf_ntohl(f->client_end)) > LATER_SEQ_MARGIN;
+	return f->client_done && seq_after(p->seq, f->client_seq) > LATER_SEQ_MARGIN;
 }
 
 /* Step 2 of the walk: a packet whose (dst, dport, proto) is a VIP, with no
@@ -701,19 +718,21 @@ __noinline int handshake(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 		return drop(p->via_sid == VIA_DIRECT_SID ? INBAND_DROP_CHAINED_NO_FLOW : INBAND_DROP_NO_FLOW);
 	}
 	if (p->flags & TCP_FLAG_RST) {
-		/* The client gives up the handshake: the backend hears it too. */
+		/* The client gives up the handshake (its RST acknowledges the
+		 * SYN-ACK, one past its SYN): the backend hears it too. */
 		*copy = *ho;
-		half_open_end(fk, copy);
+		if (seq_in_window(ho, p->seq))
+			half_open_end(fk, copy);
+		else
+			event(INBAND_EV_OUT_OF_WINDOW);
 		return FWD_COPY;
 	}
 	struct inband_flow *f = promote(fk, ho, p->now);
 
 	if (!f)
 		return XDP_DROP;
-	if (p->flags & TCP_FLAG_FIN) {
-		flow_close(f);
-		client_finished(f, p);
-	}
+	if (p->flags & TCP_FLAG_FIN)
+		client_end(f, p);
 	return FWD_FLOW;
 }
 
@@ -730,7 +749,9 @@ static __always_inline int established(struct xdp_md *ctx, const struct inband_l
 		vc = bpf_map_lookup_elem(&vip_conf, &vid);
 	}
 	if (p->proto == IPPROTO_TCP) {
-		if (is_syn(p->flags) && p->seq != f->syn_seq) {
+		int syn = is_syn(p->flags);
+
+		if (syn && p->seq != f->syn_seq) {
 			/* A new connection on the tuple once this one is
 			 * closing; on a live one, a SYN the backend answers with
 			 * a challenge ACK (RFC 5961), as its stack would without
@@ -746,10 +767,10 @@ static __always_inline int established(struct xdp_md *ctx, const struct inband_l
 			event(INBAND_EV_LATER_CONNECTION);
 			return LATER_CONNECTION;
 		}
-		if (p->flags & (TCP_FLAG_FIN | TCP_FLAG_RST)) {
-			flow_close(f);
-			client_finished(f, p);
-		}
+		if (p->flags & (TCP_FLAG_FIN | TCP_FLAG_RST))
+			client_end(f, p);
+		else if (!syn && !f->client_done)
+			seq_advance(f, p->seq);
 	}
 	flow_touch(f);
 	return forward(ctx, cfg, f, vc, p);
@@ -923,11 +944,13 @@ __noinline int backend_to_client(struct xdp_md *ctx, const struct inband_lb_conf
 	if (p->ttl <= 1)
 		return drop(INBAND_DROP_TTL_EXCEEDED);
 	if (p->proto == IPPROTO_TCP) {
-		__u8 flags;
+		/* The acknowledgement number, data offset and flags. */
+		__u8 b[6];
 
-		if (bpf_xdp_load_bytes(ctx, ETH_HLEN + p->hlen + 13, &flags, 1))
+		if (bpf_xdp_load_bytes(ctx, ETH_HLEN + p->hlen + 8, b, sizeof(b)))
 			return drop(INBAND_DROP_TRUNCATED_L4);
-		p->flags = flags;
+		__builtin_memcpy(&p->ack, b, 4);
+		p->flags = b[5];
 	}
 
 	__u32 strip = 0;
@@ -983,8 +1006,21 @@ __noinline int backend_to_client(struct xdp_md *ctx, const struct inband_lb_conf
 			return drop(INBAND_DROP_TRUNCATED_L4);
 		tcp->check = csum_finish(acc);
 	}
+	int ends = 0;
+
+	if (p->flags & (TCP_FLAG_FIN | TCP_FLAG_RST)) {
+		/* The backend can only acknowledge what the client sent: its FIN
+		 * or RST counts when it acknowledges a number in the client's
+		 * window (a refusal acknowledges the SYN; Linux sets ACK on
+		 * every FIN and on the RST of a socket it aborts). Else, like a
+		 * client's out of the window, it is forwarded and changes
+		 * nothing here. */
+		ends = (p->flags & TCP_FLAG_ACK) && seq_in_window(f, p->ack);
+		if (!ends)
+			event(INBAND_EV_OUT_OF_WINDOW);
+	}
 	if (!in_handshake) {
-		if (p->flags & (TCP_FLAG_FIN | TCP_FLAG_RST))
+		if (ends)
 			flow_close(f);
 		flow_touch(f);
 	}
@@ -994,7 +1030,7 @@ __noinline int backend_to_client(struct xdp_md *ctx, const struct inband_lb_conf
 	if (!copy)
 		return XDP_DROP;
 	*copy = *f;
-	if (in_handshake && (p->flags & TCP_FLAG_RST)) {
+	if (in_handshake && ends && (p->flags & TCP_FLAG_RST)) {
 		half_open_end(&p->fk, copy); /* the backend refused the connection */
 		count_handshake(copy->backend_id, HS_REFUSED);
 	}

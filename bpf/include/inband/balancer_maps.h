@@ -247,9 +247,13 @@ struct inband_flow {
 	__u8 pad0[3];
 	__u64 last_seen_ns; /* CLOCK_MONOTONIC: last sweep that found it seen, or the handshake's time */
 	__u8 seen; /* a packet came since the last sweep (own byte: written without atomics) */
-	__u8 client_done; /* TCP: the client sent its FIN or RST (own byte, as `seen`) */
+	__u8 client_done; /* TCP: the client sent its FIN or RST, in its window (own byte, as `seen`) */
 	__u8 pad[2];
-	__be32 client_end; /* ... and that segment's sequence number */
+	/* TCP: where the client's sequence space is, the bound a FIN or RST
+	 * must fall near to count (lifecycle.h, seq_in_window): the SYN's number,
+	 * then recorded again each time the client's segments have moved past
+	 * it by more than a step; once client_done, its FIN's or RST's. */
+	__be32 client_seq;
 };
 
 /* The server side of a connection: key of `snat` and `half_open_ports`. */
@@ -362,9 +366,10 @@ enum inband_event {
 	INBAND_EV_CHAINED = 27, /* TCP without a connection here sent to the router's (first) shadow table */
 	INBAND_EV_CHAINED_NAMED = 28, /* ... to the later shadow generation the router's SRH named */
 	INBAND_EV_LATER_CONNECTION = 29, /* past a finished client's sequence space: handled as no flow */
-	INBAND_EV_RESET_NO_BACKEND = 30, /* a SYN no backend could take, answered with a RST (refusing VIP) */
-	INBAND_EV_RESET_BACKEND_DOWN = 31, /* a packet of a DOWN backend's flow answered with a RST (on_down = reset) */
-	INBAND_EV_MAX = 32,
+	INBAND_EV_OUT_OF_WINDOW = 30, /* a FIN or RST far from its sender's sequence space: forwarded, flow unchanged */
+	INBAND_EV_RESET_NO_BACKEND = 31, /* a SYN no backend could take, answered with a RST (refusing VIP) */
+	INBAND_EV_RESET_BACKEND_DOWN = 32, /* a packet of a DOWN backend's flow answered with a RST (on_down = reset) */
+	INBAND_EV_MAX = 33,
 };
 
 /* Written by the sweeper program at each pass (lifecycle.h), read by

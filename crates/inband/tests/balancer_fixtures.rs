@@ -431,6 +431,16 @@ impl Fixture {
         (b, port)
     }
 
+    /// As `connect`, the client's initial sequence number `isn`.
+    #[track_caller]
+    fn connect_at(&self, c: SocketAddr, isn: u32) -> (B, u16) {
+        self.tx(&syn(c).seq_no(isn).build());
+        let f = self.half_open(c).expect("half-open flow after SYN");
+        self.tx(&ack(c).seq_no(isn.wrapping_add(1)).build());
+        assert!(self.flow(c).is_some(), "established flow after the handshake");
+        (self.backend_of(u32::from(f.backend_id)), port_of(f.snat_port))
+    }
+
     /// The backend `c`'s SYN is sent to.
     #[track_caller]
     fn pick(&self, c: SocketAddr) -> u32 {
@@ -887,6 +897,191 @@ fn a_syn_does_not_rebalance_a_live_flow_but_does_a_closing_one() {
     assert_ne!(u32::from(b2.backend_id), b.id);
     assert_eq!(fx.flow(c), None, "the closing flow made way");
     assert_eq!(fx.snat_owner(&b, snat), None, "with its reservation");
+}
+
+// ------------------------------------------------------- sequence window
+
+/// The client's sequence window (lifecycle.h): a FIN or RST counts from
+/// BEHIND before to AHEAD after the number the flow recorded, which moves
+/// once the client is more than STEP past it.
+const STEP: u32 = 1 << 16;
+const AHEAD: u32 = 1 << 18;
+const BEHIND: u32 = 1 << 16;
+/// The initial sequence number of `syn()`.
+const ISN: u32 = 1000;
+
+/// A client's bare FIN or RST (`flags`) at `seq`.
+fn client_end(c: SocketAddr, flags: u8, seq: u32) -> PacketBuilder {
+    data(c).flags(flags).seq_no(seq).payload(Vec::<u8>::new())
+}
+
+#[test]
+fn a_fin_or_rst_outside_the_clients_window_is_forwarded_and_changes_nothing() {
+    for mode in [Mode::Passthrough, Mode::DsrPolling] {
+        for flags in [TCP_ACK | TCP_FIN, TCP_RST, TCP_ACK | TCP_RST] {
+            let what = format!("{} flags {flags:#x}", mode.name());
+            let fx = Fixture::lb_with(mode, Policy::RoundRobin, 2);
+            let c = client(1);
+            let (b, snat) = fx.connect(c);
+            // One past each edge (below: across the wrap to 0xfffe_....),
+            // and the far side of the sequence space.
+            let guesses = [ISN + AHEAD + 1, ISN.wrapping_sub(BEHIND + 1), ISN.wrapping_add(0x8000_0000)];
+            for seq in guesses {
+                let p = client_end(c, flags, seq);
+                // Forwarded as it came: the backend's stack judges it (RFC 5961).
+                assert_eq!(fx.tx(&p.build()), forwarded(&p, &b, snat, vec![]), "{what}");
+            }
+            let f = fx.flow(c).unwrap();
+            assert_eq!((f.state, f.client_done, u32::from_be(f.client_seq)), (FLOW_ESTABLISHED, 0, ISN), "{what}");
+            assert_eq!((fx.event("out_of_window"), fx.event("flows_closed")), (3, 0), "{what}");
+            assert_eq!((fx.backend_stats(&b).closed_conns, fx.vip_stats().closed_conns), (0, 0), "{what}");
+            if mode == Mode::DsrPolling {
+                let s = fx.score(&b);
+                assert_eq!((s.opened, s.closed), (1, 0), "{what}: the estimate keeps the live connection");
+            }
+            // The attack of issue 27 went on with a SYN: on a live flow it
+            // goes to the same backend (its stack answers with a challenge
+            // ACK); nothing is re-balanced, round robin's next pick unused.
+            fx.tx(&syn(c).seq_no(ISN.wrapping_add(0x4000_0000)).build());
+            assert_eq!(fx.half_open(c), None, "{what}");
+            let f = fx.flow(c).unwrap();
+            assert_eq!((u32::from(f.backend_id), port_of(f.snat_port), f.state), (b.id, snat, FLOW_ESTABLISHED), "{what}");
+            let d = data(c);
+            assert_eq!(fx.tx(&d.build()), forwarded(&d, &b, snat, vec![]), "{what}: the client's next segment");
+            assert_eq!(fx.pick(client(2)), backend(1).id, "{what}: round robin's next pick was still due");
+            // The client's own FIN, in its window, still ends it.
+            fx.tx(&client_end(c, TCP_ACK | TCP_FIN, ISN + 1 + d.payload.len() as u32).build());
+            assert_eq!((fx.flow(c).unwrap().state, fx.event("flows_closed")), (FLOW_CLOSING, 1), "{what}");
+        }
+    }
+}
+
+#[test]
+fn the_window_holds_for_ipv6_flows_too() {
+    let fx = Fixture::lb_vip(Spec { v6: true, mode: Mode::DsrRr, n: 2, ..Spec::default() });
+    let c = client6(1);
+    let (b, snat) = fx.connect(c);
+    let guess = client_end(c, TCP_RST, ISN.wrapping_add(0x2000_0000));
+    assert_eq!(fx.tx(&guess.build()), forwarded(&guess, &b, snat, vec![]));
+    assert_eq!((fx.flow(c).unwrap().state, fx.event("out_of_window")), (FLOW_ESTABLISHED, 1));
+    fx.tx(&client_end(c, TCP_RST, ISN + 1).build());
+    assert_eq!((fx.flow(c).unwrap().state, fx.event("flows_closed")), (FLOW_CLOSING, 1));
+}
+
+#[test]
+fn a_fin_or_rst_at_either_edge_of_the_window_closes_the_flow() {
+    for flags in [TCP_ACK | TCP_FIN, TCP_RST] {
+        for seq in [ISN.wrapping_sub(BEHIND), ISN + AHEAD] {
+            let fx = Fixture::lb_with(Mode::DsrPolling, Policy::RoundRobin, 1);
+            let c = client(1);
+            let (b, snat) = fx.connect(c);
+            let p = client_end(c, flags, seq);
+            assert_eq!(fx.tx(&p.build()), forwarded(&p, &b, snat, vec![]));
+            let f = fx.flow(c).unwrap();
+            assert_eq!((f.state, f.client_done, u32::from_be(f.client_seq)), (FLOW_CLOSING, 1, seq), "flags {flags:#x} seq {seq:#x}");
+            assert_eq!((fx.event("flows_closed"), fx.event("out_of_window")), (1, 0));
+            assert_eq!((fx.score(&b).closed, fx.backend_stats(&b).closed_conns), (1, 1));
+        }
+    }
+}
+
+#[test]
+fn the_window_follows_the_client_a_step_at_a_time_across_the_wrap() {
+    let fx = Fixture::lb_with(Mode::DsrRr, Policy::RoundRobin, 1);
+    let c = client(3);
+    // Near the top of the sequence space: the upload below crosses 2^32.
+    let isn = 0xfffe_8000u32;
+    let (b, snat) = fx.connect_at(c, isn);
+    let recorded = |fx: &Fixture| u32::from_be(fx.flow(c).unwrap().client_seq);
+    assert_eq!(recorded(&fx), isn, "the SYN's number");
+    // Within a step of the record: nothing written.
+    let seg = |seq: u32| data(c).seq_no(seq);
+    fx.tx(&seg(isn.wrapping_add(STEP)).build());
+    assert_eq!(recorded(&fx), isn);
+    // Past a step: recorded; segment after segment, past the wrap.
+    let mut at = isn;
+    for _ in 0..4 {
+        at = at.wrapping_add(STEP + 1000);
+        let p = seg(at);
+        assert_eq!(fx.tx(&p.build()), forwarded(&p, &b, snat, vec![]));
+        assert_eq!(recorded(&fx), at);
+    }
+    assert!(at < isn, "the record wrapped: {at:#x}");
+    // Retransmissions behind it do not move it back; a segment beyond the
+    // window (forged, or of another connection) does not carry it there:
+    // it is forwarded and the window stays.
+    fx.tx(&seg(at.wrapping_sub(100_000)).build());
+    let far = seg(at.wrapping_add(AHEAD + 1));
+    assert_eq!(fx.tx(&far.build()), forwarded(&far, &b, snat, vec![]));
+    assert_eq!(recorded(&fx), at);
+    // So a RST where that segment pointed is out of the window, whichever
+    // side of the wrap; one inside it counts.
+    for seq in [at.wrapping_add(AHEAD + 2), at.wrapping_sub(BEHIND + 1), isn] {
+        fx.tx(&client_end(c, TCP_RST, seq).build());
+    }
+    assert_eq!((fx.flow(c).unwrap().state, fx.event("out_of_window")), (FLOW_ESTABLISHED, 3));
+    fx.tx(&client_end(c, TCP_RST, at.wrapping_add(1000)).build());
+    assert_eq!(fx.flow(c).unwrap().state, FLOW_CLOSING);
+}
+
+#[test]
+fn a_reset_during_the_handshake_counts_only_next_to_its_syn() {
+    let fx = Fixture::lb_with(Mode::DsrPolling, Policy::RoundRobin, 2);
+    let c = client(1);
+    let (b, snat) = fx.open(c);
+    // A guess: forwarded on the handshake, which stays (no `closed` for
+    // its backend, its retransmitted SYN still follows it).
+    let guess = ack(c).flags(TCP_RST).seq_no(ISN.wrapping_add(0x1234_5678));
+    assert_eq!(fx.tx(&guess.build()), forwarded(&guess, &b, snat, vec![]));
+    assert_eq!(fx.event("out_of_window"), 1);
+    assert_eq!(fx.hold_owner(&b, snat), Some(flow_key(c)));
+    assert_eq!((fx.score(&b).opened, fx.score(&b).closed), (1, 0));
+    fx.tx(&syn(c).build());
+    let f = fx.half_open(c).expect("the handshake stays");
+    assert_eq!((u32::from(f.backend_id), port_of(f.snat_port)), (b.id, snat));
+    assert_eq!(fx.backend_stats(&b).new_conns, 1, "not balanced again");
+    // The client's own RST (one past its SYN, as Linux answers a SYN-ACK it
+    // no longer wants) ends it.
+    fx.tx(&ack(c).flags(TCP_RST).build());
+    assert_eq!((fx.half_open(c), fx.hold_owner(&b, snat)), (None, None));
+    assert_eq!((fx.score(&b).opened, fx.score(&b).closed), (1, 1));
+}
+
+#[test]
+fn a_backends_fin_or_rst_counts_only_if_it_acknowledges_what_the_client_sent() {
+    let fx = Fixture::lb_with(Mode::Passthrough, Policy::RoundRobin, 1);
+    let c = client(1);
+    let (b, snat) = fx.connect(c);
+    // Claiming the backend (its address, port and the SNAT port): an ACK
+    // far from the client's numbers, or none at all.
+    let far = ISN.wrapping_add(0x7000_0000);
+    for p in [
+        reply(&b, snat).flags(TCP_ACK | TCP_RST).ack_no(far),
+        reply(&b, snat).flags(TCP_ACK | TCP_FIN).ack_no(far),
+        reply(&b, snat).flags(TCP_RST).ack_no(ISN + 1),
+        reply(&b, snat).flags(TCP_ACK | TCP_RST).ack_no(ISN + AHEAD + 1),
+    ] {
+        // Still sent on to the client, whose stack judges it.
+        assert_eq!(fx.tx(&p.build()), returned(&p, c, vec![]));
+    }
+    let f = fx.flow(c).unwrap();
+    assert_eq!((f.state, fx.event("out_of_window"), fx.event("flows_closed")), (FLOW_ESTABLISHED, 4, 0));
+    // The backend's own FIN acknowledges the client's request.
+    let fin = reply(&b, snat).flags(TCP_ACK | TCP_FIN).ack_no(ISN + 1 + 18);
+    assert_eq!(fx.tx(&fin.build()), returned(&fin, c, vec![]));
+    assert_eq!((fx.flow(c).unwrap().state, fx.event("flows_closed")), (FLOW_CLOSING, 1));
+
+    // A refusal during the handshake acknowledges the SYN; a RST that
+    // does not leaves the handshake be.
+    let c2 = client(2);
+    let (b2, snat2) = fx.open(c2);
+    let guess = reply(&b2, snat2).flags(TCP_ACK | TCP_RST).ack_no(far).payload(Vec::<u8>::new());
+    fx.tx(&guess.build());
+    assert!(fx.half_open(c2).is_some(), "a guessed refusal ends nothing");
+    let refused = reply(&b2, snat2).flags(TCP_ACK | TCP_RST).ack_no(ISN + 1).payload(Vec::<u8>::new());
+    assert_eq!(fx.tx(&refused.build()), returned(&refused, c2, vec![]));
+    assert_eq!(fx.half_open(c2), None);
+    assert_eq!(fx.event("out_of_window"), 5);
 }
 
 #[test]
@@ -3133,9 +3328,9 @@ fn a_later_connection_on_a_closing_tuple_is_chained_not_sent_to_the_old_backend(
     // the old backend's TIME-WAIT socket (bench.scaleout hung downloads so).
     let fx = scaled_out();
     let c = client6(6);
-    let (b, snat) = fx.connect(c);
     // The FIN near the top of the sequence space: the test crosses the wrap.
     let fin_seq = 0xffff_ff00u32;
+    let (b, snat) = fx.connect_at(c, fin_seq - 20_000);
     let fin = data(c).flags(TCP_ACK | TCP_FIN).seq_no(fin_seq);
     assert_eq!(fx.tx(&via(COND_SID, &fin)), forwarded(&fin, &b, snat, vec![]));
     // The old connection's own late segments still go to its backend: the

@@ -2,13 +2,14 @@
 //! testbed (tests/cluster): a SYN flood from random sources while a
 //! legitimate client keeps working, and forged options 155/124/125 claiming
 //! to come from the balancer and from a backend, sent by an attacker on the
-//! same network while a real download runs.
+//! same network while a real download runs; guessed RSTs, FINs and a SYN
+//! in a client's name against its download.
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use inband::packet::{Mac, PacketBuilder, TCP_ACK, TCP_PSH};
+use inband::packet::{Mac, PacketBuilder, TCP_ACK, TCP_FIN, TCP_PSH, TCP_RST};
 use inband::wire::{Conn, InbandOption, Key};
 use serde_json::Value;
 
@@ -277,4 +278,109 @@ fn forged_poll_replies_and_requests_are_refused() {
     let agent: Value = serde_json::from_slice(&run_ok(&c.tb, "s1", &[BIN, "agent", "status", "--interface", "eth0", "--json"]).stdout).unwrap();
     assert_eq!(agent["counters"]["polls_unauthenticated"], 2, "{}", agent["counters"]);
     assert_eq!(agent["counters"]["polls_answered"], 0, "{}", agent["counters"]);
+}
+
+/// The pinned `flows` entry of `client` at the balancer.
+fn lb_flow(c: &Cluster, client: SocketAddrV4) -> Option<inband::lb::maps::Flow> {
+    use inband::lb::maps::{Flow, FlowKey};
+    let pin = format!("/sys/fs/bpf/inband/netns/{}/lb/eth0/flows", c.tb.netns("lb"));
+    let map = libbpf_rs::MapHandle::from_pinned_path(pin).unwrap();
+    inband::bpfmap::entries::<FlowKey, Flow>(&map).unwrap().into_iter().find_map(|(k, f)| {
+        (inband::pod::ip_of(&k.client_addr) == std::net::IpAddr::V4(*client.ip()) && inband::pod::port_of(k.client_port) == client.port())
+            .then_some(f)
+    })
+}
+
+#[test]
+fn guessed_resets_and_a_syn_do_not_cut_a_dsr_download() {
+    guessed_resets_and_a_syn_against_a_download("rst", "dsr-rr");
+}
+
+#[test]
+fn guessed_resets_and_a_syn_do_not_cut_a_passthrough_download() {
+    // The backend's segments pass here too: its own FIN must still count.
+    guessed_resets_and_a_syn_against_a_download("rsp", "passthrough");
+}
+
+/// Issue 27: knowing only the client's address and port, an attacker's RST
+/// moved the flow to closing, its SYN was balanced afresh to another
+/// server, and the client's next ACK drew a reset there. c1 downloads 3 MB
+/// through a VIP of three round-robin servers (a re-balanced SYN goes
+/// elsewhere); c2, on the same bridge, sends as c1.
+fn guessed_resets_and_a_syn_against_a_download(test: &str, mode: &str) {
+    let c = Cluster::with(Spec::new(test, mode).servers(3).clients(2).every_server(&["--service-ms", "1", "--body-bytes", "3000000"]));
+    // A reader at about 1 MB/s from a known port (curl's --limit-rate does
+    // not hold the pace here), so the attack lands mid-download.
+    let port = 40404;
+    let reader = format!(
+        "import socket, time\n\
+         s = socket.create_connection(('{vip}', {vport}), timeout=30, source_address=('0.0.0.0', {port}))\n\
+         s.sendall(b'GET / HTTP/1.1\\r\\nHost: vip\\r\\n\\r\\n')\n\
+         got = b''\n\
+         while b'\\r\\n\\r\\n' not in got:\n\
+         \x20   got += s.recv(4096)\n\
+         head, body = got.split(b'\\r\\n\\r\\n', 1)\n\
+         want = int([l.split(b':')[1] for l in head.split(b'\\r\\n') if l.lower().startswith(b'content-length')][0])\n\
+         n = len(body)\n\
+         while n < want:\n\
+         \x20   b = s.recv(8192)\n\
+         \x20   if not b:\n\
+         \x20       break\n\
+         \x20   n += len(b)\n\
+         \x20   time.sleep(0.008)\n\
+         print(head.split()[1].decode(), n)\n",
+        vip = vip(&c.tb).ip(),
+        vport = vip(&c.tb).port(),
+    );
+    let mut dl = in_ns(&c.tb, "c1", &["python3", "-c", &reader]).stdout(Stdio::piped()).spawn().unwrap();
+    let client = SocketAddrV4::new(c.tb.addr("c1"), port);
+    wait_for("the download's flow", || lb_flow(&c, client).is_some_and(|f| f.state == inband::lb::maps::FLOW_ESTABLISHED));
+    // Where the client's numbers are (its request sent, they stay): the
+    // guesses cover the sequence space 1 MiB apart, save the 8 MiB around
+    // them, which holds the balancer's window (a guess there is the one
+    // in 13,000 that wins) and the backend's receive window (where its own
+    // RFC 5961 check, not the balancer's, would be under test).
+    let at = u32::from_be(lb_flow(&c, client).unwrap().client_seq);
+    let (attacker, lb_mac) = (mac(&c, "c2"), mac(&c, "lb"));
+    let forged = PacketBuilder::tcp(client, vip(&c.tb)).macs(attacker, lb_mac);
+    let mut frames = Vec::new();
+    for k in 4..4092u32 {
+        let seq = at.wrapping_add(k << 20);
+        let flags = match k % 3 {
+            0 => TCP_RST,
+            1 => TCP_RST | TCP_ACK,
+            _ => TCP_FIN | TCP_ACK,
+        };
+        frames.push(forged.clone().flags(flags).seq_no(seq).build());
+    }
+    let guesses = frames.len() as u64;
+    // Paced: a burst overflows the balancer's veth queue (its frames are
+    // dropped there, unseen).
+    for burst in frames.chunks(32) {
+        inject(&c, "c2", burst.to_vec());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Then the SYN that re-balanced the tuple, until the balancer has seen one.
+    let syn = forged.clone().syn(1460).seq_no(at.wrapping_add(0x8000_0000)).build();
+    for _ in 0..20 {
+        inject(&c, "c2", vec![syn.clone()]);
+        if c.event("syn_on_live_flow") >= 1 {
+            break;
+        }
+    }
+    assert!(dl.try_wait().unwrap().is_none(), "the download ended before the attack was over: it proves nothing");
+
+    let got = dl.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&got.stdout).trim(), "200 3000000", "the download finished whole");
+    // The client's own FIN, when it closes, is in its window.
+    wait_for("the client's FIN to close the flow", || c.event("flows_closed") == 1);
+    let st = c.status();
+    let events = &st[0]["events"];
+    // Every guess that reached the balancer refused (a frame can still be
+    // lost on the way under load), nothing real.
+    let refused = events["out_of_window"].as_u64().unwrap();
+    assert!(refused <= guesses && refused >= guesses * 9 / 10, "{refused} of {guesses} guesses refused: {events}");
+    assert!(events["syn_on_live_flow"].as_u64() >= Some(1), "the forged SYN never came: {events}");
+    assert_eq!(c.sum("new_conns"), 1, "the forged SYN was balanced as a new connection");
+    eprintln!("{mode}: balancer events {events}");
 }

@@ -36,6 +36,7 @@ struct pkt {
 	__u32 tot_len; /* IP packet bytes by its header */
 	__u32 doh_len; /* IPv6: length of the first extension header if it is Destination Options */
 	__be32 seq; /* TCP sequence number (valid once the TCP header is checked) */
+	__be32 ack; /* TCP acknowledgement number: read on the return path only */
 	__be16 sport;
 	__be16 dport;
 	__u8 family; /* 4 or 6 */

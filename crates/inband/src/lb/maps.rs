@@ -232,6 +232,7 @@ pub const EVENT_NAMES: [&str; c::INBAND_EV_MAX as usize] = [
     "chained",
     "chained_named",
     "later_connection",
+    "out_of_window",
     "reset_no_backend",
     "reset_backend_down",
 ];
@@ -280,6 +281,7 @@ mod tests {
         assert_eq!(event_index("score_bad_mac"), c::INBAND_EV_SCORE_BAD_MAC as usize);
         assert_eq!(event_index("drained_flows_ended"), c::INBAND_EV_DRAINED_FLOWS_ENDED as usize);
         assert_eq!(event_index("icmp_to_client"), c::INBAND_EV_ICMP_TO_CLIENT as usize);
+        assert_eq!(event_index("out_of_window"), c::INBAND_EV_OUT_OF_WINDOW as usize);
         assert_eq!(event_index("reset_backend_down"), c::INBAND_EV_RESET_BACKEND_DOWN as usize);
         assert_eq!(HEALTH_REASON_NAMES[c::INBAND_HEALTH_PASSIVE_REFUSED as usize], "passive_refused");
         assert_eq!(HEALTH_REASON_NAMES[c::INBAND_HEALTH_NOT_CHECKED as usize], "not_checked");
