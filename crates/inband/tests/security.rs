@@ -278,3 +278,40 @@ fn forged_poll_replies_and_requests_are_refused() {
     assert_eq!(agent["counters"]["polls_unauthenticated"], 2, "{}", agent["counters"]);
     assert_eq!(agent["counters"]["polls_answered"], 0, "{}", agent["counters"]);
 }
+
+/// The getpeername programs answer only for their agent's network
+/// namespace. A socket elsewhere on the host (another container; here the
+/// balancer's namespace) whose peer and local port are those of a live DSR
+/// connection's flow keeps the peer the kernel gave it, in accept() and
+/// getpeername() alike.
+#[test]
+fn client_address_stays_in_its_namespace() {
+    use std::io::BufRead;
+    let mut c = Cluster::with(Spec::new("pns", "dsr-rr").servers(1));
+    let hold = format!(
+        "import socket, time\ns = socket.create_connection(('{}', 80))\nprint(s.getsockname()[1], flush=True)\ntime.sleep(30)\n",
+        c.tb.vip()
+    );
+    let mut holder = in_ns(&c.tb, "c1", &["python3", "-c", &hold]).stdout(Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(holder.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    c.others.push(holder);
+    let client = SocketAddr::from(SocketAddrV4::new(c.tb.addr("c1"), line.trim().parse().unwrap()));
+    let mut snat = 0;
+    wait_for("the held connection's flow on s1", || {
+        snat = agent_tuples(&c, "s1").iter().find(|(_, cl)| *cl == client).map_or(0, |(p, _)| *p);
+        snat != 0
+    });
+    // The server's own accept() of it is answered with the client.
+    wait_for("the server's accept()", || c.agent_counter("client_address_shown") == 1);
+    let lb = c.tb.addr("lb");
+    let probe = format!(
+        "import socket\nl = socket.socket()\nl.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+         l.bind(('0.0.0.0', 8080))\nl.listen()\nc = socket.socket()\nc.bind(('{lb}', {snat}))\nc.connect(('{lb}', 8080))\n\
+         a, peer = l.accept()\nprint('%s:%d %s:%d' % (peer + a.getpeername()))\n"
+    );
+    let out = run_ok(&c.tb, "lb", &["python3", "-c", &probe]);
+    let want = format!("{lb}:{snat} {lb}:{snat}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), want, "the flow of {client} answered for another namespace");
+    assert_eq!(c.agent_counter("client_address_shown"), 1, "nothing answered outside s1");
+}
