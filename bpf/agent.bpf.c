@@ -973,10 +973,13 @@ const volatile __u64 agent_netns_cookie = 0;
  * socket already closed. A flow is deleted when its socket reaches CLOSE,
  * and another connection may have stored one on the same ports since (an
  * accept() returns a connection reset while it waited in the backlog): a
- * closed socket gets the balancer's address, never that one. While the
- * socket lives its flow is its own, since a 155 for ports a live socket
- * owns is not stored (trust.h). Only a balancer's address can have a
- * flow, so the peer needs no check against `balancers`. */
+ * closed socket gets the balancer's address, never that one. Such a
+ * socket's local port (skc_num) reads 0 already, since the kernel
+ * releases the port of an accepted socket as it closes, and no flow has
+ * port 0; the state test holds whatever the port reads. While the socket
+ * lives its flow is its own, since a 155 for ports a live socket owns is
+ * not stored (trust.h). Only a balancer's address can have a flow, so the
+ * peer needs no check against `balancers`. */
 static __always_inline const struct inband_dsr_flow *peer_flow(struct bpf_sock_addr *ctx,
 							       const struct inband_addr *peer)
 {
