@@ -236,9 +236,16 @@ impl Attachment<'_> {
 /// The cookie of this process's network namespace, as
 /// bpf_get_netns_cookie() gives it to the cgroup programs.
 fn netns_cookie() -> Result<u64> {
-    let sock = std::net::UdpSocket::bind("127.0.0.1:0")
-        .or_else(|_| std::net::UdpSocket::bind("[::1]:0"))
-        .context("opening a socket to read the network namespace's cookie")?;
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // Any socket of the namespace carries its cookie; an unbound one needs
+    // no address (a namespace's loopback may be down).
+    // SAFETY: socket(2) with constant arguments; the result is checked.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error()).context("opening a socket to read the network namespace's cookie");
+    }
+    // SAFETY: fd is a new socket that nothing else owns.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
     let mut cookie = 0u64;
     let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
     // SAFETY: getsockopt writes at most `len` bytes into `cookie`.
@@ -246,7 +253,8 @@ fn netns_cookie() -> Result<u64> {
         libc::getsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_NETNS_COOKIE, (&raw mut cookie).cast(), &mut len)
     };
     if rc != 0 {
-        return Err(std::io::Error::last_os_error()).context("reading the network namespace's cookie (SO_NETNS_COOKIE, Linux 5.14)");
+        return Err(std::io::Error::last_os_error())
+            .context("reading the network namespace's cookie (SO_NETNS_COOKIE, Linux 5.14 or later)");
     }
     Ok(cookie)
 }

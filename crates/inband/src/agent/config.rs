@@ -274,7 +274,6 @@ fn cgroup2_mount() -> Option<PathBuf> {
 }
 
 fn is_cgroup2(path: &Path) -> bool {
-    const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
     let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
         return false;
     };
@@ -282,7 +281,7 @@ fn is_cgroup2(path: &Path) -> bool {
     // SAFETY: c is NUL-terminated and st is written by statfs before it is read.
     let ok = unsafe { libc::statfs(c.as_ptr(), st.as_mut_ptr()) } == 0;
     // SAFETY: statfs succeeded, so st is initialised.
-    ok && unsafe { st.assume_init() }.f_type as i64 == CGROUP2_SUPER_MAGIC
+    ok && unsafe { st.assume_init() }.f_type == libc::CGROUP2_SUPER_MAGIC
 }
 
 
