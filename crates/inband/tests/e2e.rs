@@ -570,6 +570,10 @@ fn nginx_logs_the_client_in_every_dsr_mode() {
             assert_eq!(peer, *client, "{path}: nginx saw {peer}, the client was {client}");
         }
     }
+    // The dual-stack socket's getpeername6 answered IPv4 clients (mapped).
+    let s2 = std::fs::read_to_string(c.nginx_log(2)).unwrap();
+    let client4 = format!("::ffff:{} ", c.tb.addr("c1"));
+    assert!(s2.lines().any(|l| l.starts_with(&client4) && !l.contains(" /passthrough/")), "s2 logged:\n{s2}");
     let dsr_requests = sent.iter().filter(|s| s.2 != "passthrough").count() as u64;
     assert_eq!(c.agent_counter("client_address_shown"), dsr_requests);
 }
