@@ -951,14 +951,14 @@ int agent_sock_destroy(__u64 *ctx)
 }
 
 /*
- * The client's address for the server application (`client_address`,
- * docs/agent.md "What the application sees"). With full NAT the server's
- * socket is connected to the balancer's SNAT address; getpeername() and
- * accept() (the kernel runs the same hook for both, through inet_getname)
- * then answer with the client the 155 named, from the flow the ingress
- * program stored after checking the option. Nothing else changes: the
- * socket, its packets and everything that reads them keep the balancer's
- * address.
+ * The client's address for the server application (`client_address`;
+ * docs/agent.md, "The client's address in the application"). With full
+ * NAT the server's socket is connected to the balancer's SNAT address;
+ * getpeername() and accept() (the kernel runs the same hook for both,
+ * through inet_getname) then answer with the client the 155 named, from
+ * the flow the ingress program stored after checking the option. Nothing
+ * else changes: the socket, its packets and everything that reads them
+ * keep the balancer's address.
  */
 
 /* The agent's network namespace (cookie), set by the control plane at

@@ -66,7 +66,7 @@ pub struct AgentConfig {
     pub udp_idle_timeout_s: u32,
     /// The server application sees the client, not the balancer, in
     /// accept() and getpeername() of its DSR connections (docs/agent.md,
-    /// "What the application sees").
+    /// "The client's address in the application").
     #[serde(default = "default_client_address")]
     pub client_address: bool,
     /// The cgroup v2 directory whose processes see it; none: the root of
