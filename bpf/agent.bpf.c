@@ -949,3 +949,91 @@ int agent_sock_destroy(__u64 *ctx)
 		recount(active, mark, INBAND_CONN_COUNTED, INBAND_CONN_UNCOUNTED, -1);
 	return 0;
 }
+
+/*
+ * The client's address for the server application (`client_address`;
+ * docs/agent.md, "The client's address in the application"). With full
+ * NAT the server's socket is connected to the balancer's SNAT address;
+ * getpeername() and accept() (the kernel runs the same hook for both,
+ * through inet_getname) then answer with the client the 155 named, from
+ * the flow the ingress program stored after checking the option. Nothing
+ * else changes: the socket, its packets and everything that reads them
+ * keep the balancer's address.
+ */
+
+/* The agent's network namespace (cookie), set by the control plane at
+ * load. A cgroup holds processes of every namespace, and another agent's
+ * namespace may hold a socket with the same ports toward the same
+ * balancer: only this agent's flows may answer for this namespace's
+ * sockets. */
+const volatile __u64 agent_netns_cookie = 0;
+
+/* The client tuple of the socket whose peer is `peer`:`ctx->user_port`,
+ * or NULL: not a TCP socket of this namespace, no flow for it, or a
+ * socket already closed. A flow is deleted when its socket reaches CLOSE,
+ * and another connection may have stored one on the same ports since (an
+ * accept() returns a connection reset while it waited in the backlog): a
+ * closed socket gets the balancer's address, never that one. Such a
+ * socket's local port (skc_num) reads 0 already, since the kernel
+ * releases the port of an accepted socket as it closes, and no flow has
+ * port 0; the state test holds whatever the port reads. While the socket
+ * lives its flow is its own, since a 155 for ports a live socket owns is
+ * not stored (trust.h). Only a balancer's address can have a flow, so the
+ * peer needs no check against `balancers`. */
+static __always_inline const struct inband_dsr_flow *peer_flow(struct bpf_sock_addr *ctx,
+							       const struct inband_addr *peer)
+{
+	struct bpf_sock *sk = ctx->sk;
+
+	if (ctx->protocol != IPPROTO_TCP || !sk || sk->state == INBAND_TCP_CLOSE)
+		return NULL;
+	if (bpf_get_netns_cookie(ctx) != agent_netns_cookie)
+		return NULL;
+	struct inband_conn_key key = {
+		.peer_addr = *peer,
+		.peer_port = (__be16)ctx->user_port,
+		.local_port = bpf_htons((__u16)sk->src_port),
+		.proto = IPPROTO_TCP,
+	};
+	const struct inband_dsr_flow *flow = bpf_map_lookup_elem(&dsr_flows, &key);
+
+	if (!flow || inband_addr_is_zero(&flow->client_addr))
+		return NULL;
+	return flow;
+}
+
+SEC("cgroup/getpeername4")
+int agent_peer4(struct bpf_sock_addr *ctx)
+{
+	struct inband_addr peer = inband_addr4(ctx->user_ip4);
+	const struct inband_dsr_flow *flow = peer_flow(ctx, &peer);
+
+	/* A VIP's backends share its family (lb config), so an IPv4 socket's
+	 * client is IPv4; the test only keeps a corrupt flow out. */
+	if (flow && inband_addr_is4(&flow->client_addr)) {
+		ctx->user_ip4 = flow->client_addr.w[3];
+		ctx->user_port = flow->client_port;
+		count(INBAND_AGENT_CLIENT_ADDRESS_SHOWN);
+	}
+	return 1;
+}
+
+/* IPv6 sockets, dual-stack ones serving IPv4 clients included: their peer
+ * is IPv4-mapped, which is how the flows hold IPv4, so the client comes
+ * out IPv4-mapped as well. */
+SEC("cgroup/getpeername6")
+int agent_peer6(struct bpf_sock_addr *ctx)
+{
+	struct inband_addr peer = { .w = { ctx->user_ip6[0], ctx->user_ip6[1], ctx->user_ip6[2], ctx->user_ip6[3] } };
+	const struct inband_dsr_flow *flow = peer_flow(ctx, &peer);
+
+	if (flow) {
+		ctx->user_ip6[0] = flow->client_addr.w[0];
+		ctx->user_ip6[1] = flow->client_addr.w[1];
+		ctx->user_ip6[2] = flow->client_addr.w[2];
+		ctx->user_ip6[3] = flow->client_addr.w[3];
+		ctx->user_port = flow->client_port;
+		count(INBAND_AGENT_CLIENT_ADDRESS_SHOWN);
+	}
+	return 1;
+}

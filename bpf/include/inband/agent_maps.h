@@ -109,7 +109,8 @@ enum inband_agent_counter {
 	INBAND_AGENT_POLLS_UNAUTHENTICATED = 24, /* polls with a bad MAC, an unknown key or the other [auth] format */
 	INBAND_AGENT_POLLS_REFUSED = 25, /* polls from a host not in `balancers`, or for a port not served */
 	INBAND_AGENT_TIME_WAIT_REOPENED = 26, /* SYNs whose timestamp was raised above a TIME_WAIT's (agent/time_wait.h) */
-	INBAND_AGENT_COUNTER_MAX = 27,
+	INBAND_AGENT_CLIENT_ADDRESS_SHOWN = 27, /* accept()/getpeername() answered with the client, not the balancer */
+	INBAND_AGENT_COUNTER_MAX = 28,
 };
 
 #endif /* INBAND_AGENT_MAPS_H */

@@ -61,6 +61,8 @@ fn config_defaults() {
     assert_eq!(c.score_socket, PathBuf::from("/run/inband/agent.sock"));
     assert_eq!(c.score_socket_group, None);
     assert_eq!(c.poll_port, 9137);
+    assert!(c.client_address);
+    assert_eq!(c.client_address_cgroup, None);
     assert_eq!(
         c.services,
         vec![
@@ -211,6 +213,25 @@ fn config_missing_interface() {
     .unwrap();
     let e = format!("{:#}", c.check_host().unwrap_err());
     assert!(e.contains("score_socket_group \"no-such-group-x\" is not a group"), "{e}");
+}
+
+/// `client_address_cgroup` must be a cgroup v2 directory (the root of the
+/// hierarchy when not given), and means nothing without `client_address`.
+#[test]
+fn config_client_address_cgroup() {
+    let with = |lines: &str| GOOD.replace("eth0", "lo").replace("interface", &format!("{lines}\ninterface"));
+    let e = config_err(&with("client_address = false\nclient_address_cgroup = \"/sys/fs/cgroup/unified\""));
+    assert!(e.contains("client_address_cgroup is set but client_address = false"), "{e}");
+    let c = AgentConfig::parse(&with("client_address_cgroup = \"/tmp\"")).unwrap();
+    let e = format!("{:#}", c.client_address_cgroup().unwrap_err());
+    assert!(e.contains("client_address_cgroup /tmp is not a cgroup v2 directory"), "{e}");
+    let c = AgentConfig::parse(&with("client_address = false")).unwrap();
+    assert_eq!(c.client_address_cgroup().unwrap(), None);
+    // This machine's cgroup2 hierarchy, wherever it is mounted.
+    let c = AgentConfig::parse(&with("")).unwrap();
+    let root = c.client_address_cgroup().unwrap().expect("a cgroup2 mount");
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+    assert!(mounts.lines().any(|l| l.split(' ').nth(1) == root.to_str() && l.split(' ').nth(2) == Some("cgroup2")), "{root:?}");
 }
 
 // ---------------------------------------------------------------- poll protocol
@@ -437,7 +458,7 @@ fn score_socket_set_get_clear() {
     assert_eq!(g["balancers"], serde_json::json!(["127.0.0.1"]));
     assert_eq!(g["dsr_flows"], 0);
     assert_eq!(g["counters"]["scores_sent"], 0);
-    assert_eq!(g["counters"].as_object().unwrap().len(), 27);
+    assert_eq!(g["counters"].as_object().unwrap().len(), inband::agent::maps::COUNTER_MAX);
     assert_eq!(g["counters"]["tuple_in_use"], 0);
     assert_eq!(g["counters"]["stale_tuples_forgotten"], 0);
     // As detached_maps applied them: the authenticated format, key 1.

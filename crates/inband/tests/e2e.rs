@@ -2,7 +2,9 @@
 //! one client, the balancer, three real servers running `inband serve` and
 //! `inband agent` (tests/cluster): the modes, run-time changes, restarts.
 
+use std::collections::HashMap;
 use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
@@ -495,4 +497,101 @@ fn bad_config_is_refused_before_attaching() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("is not a local address"), "{}", String::from_utf8_lossy(&out.stderr));
     // The running balancer is untouched.
     assert_eq!(get_vip(&c), (200, BODY));
+}
+
+/// Every request nginx logged: its path and the peer nginx saw (from
+/// accept()), IPv4-mapped addresses as IPv4.
+fn nginx_peers(c: &Cluster) -> HashMap<String, SocketAddr> {
+    let mut seen = HashMap::new();
+    for i in 1..=c.servers {
+        for line in std::fs::read_to_string(c.nginx_log(i)).unwrap_or_default().lines() {
+            let [addr, port, path] = line.split(' ').collect::<Vec<_>>()[..] else { panic!("nginx logged {line:?}") };
+            let ip: IpAddr = addr.parse().unwrap_or_else(|e| panic!("nginx logged {line:?}: {e}"));
+            seen.insert(path.to_string(), SocketAddr::new(ip.to_canonical(), port.parse().unwrap()));
+        }
+    }
+    seen
+}
+
+/// One GET from the client to `to`; returns the client side of its
+/// connection (curl's local address and port).
+fn get_as_client(c: &Cluster, to: SocketAddr, path: &str) -> SocketAddr {
+    let url = format!("http://{to}{path}");
+    let w = "%{http_code} %{local_ip} %{local_port}";
+    let out = run_ok(&c.tb, "c1", &["curl", "-g", "-s", "-o", "/dev/null", "-w", w, "--max-time", "5", &url]);
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let [code, ip, port] = text.split(' ').collect::<Vec<_>>()[..] else { panic!("curl {url}: {text:?}") };
+    assert_eq!(code, "200", "GET {url}");
+    SocketAddr::new(ip.parse().unwrap(), port.parse().unwrap())
+}
+
+/// The nginx log lines of `paths`, waited for: nginx logs a request just
+/// after sending its response.
+fn logged(c: &Cluster, paths: &[&String]) -> HashMap<String, SocketAddr> {
+    let mut seen = HashMap::new();
+    wait_for("nginx's access log", || {
+        seen = nginx_peers(c);
+        paths.iter().all(|p| seen.contains_key(p.as_str()))
+    });
+    seen
+}
+
+/// Stock nginx behind the balancer logs each request's client address and
+/// port (`$remote_addr`, `$remote_port`: what accept() returned) in every
+/// DSR mode, over IPv4 and IPv6, on separate and on dual-stack sockets;
+/// in passthrough, where no 155 names the client, it logs the balancer.
+#[test]
+fn nginx_logs_the_client_in_every_dsr_mode() {
+    let c = Cluster::with(Spec::new("ngx", "dsr-rr").servers(2).ipv6().nginx());
+    let vips = [SocketAddr::from(vip(&c.tb)), vip6(&c.tb)];
+    let balancer = [IpAddr::from(c.tb.addr("lb")), IpAddr::from(c.tb.addr6("lb"))];
+    let modes = ["dsr-rr", "dsr-dynamic", "dsr-polling", "dsr-query", "passthrough"];
+    let mut sent = Vec::new();
+    for mode in modes {
+        for v in vips {
+            assert!(c.ctl_ok(&["set-mode", "--vip", &v.to_string(), "--mode", mode]), "{mode}");
+        }
+        for (family, v) in vips.iter().enumerate() {
+            // Two per server, so each server's sockets of the family are seen.
+            for n in 0..4 {
+                let path = format!("/{mode}/{family}/{n}");
+                let client = get_as_client(&c, *v, &path);
+                sent.push((path, client, mode, family));
+            }
+        }
+    }
+    let seen = logged(&c, &sent.iter().map(|s| &s.0).collect::<Vec<_>>());
+    for (path, client, mode, family) in &sent {
+        let peer = seen[path];
+        if *mode == "passthrough" {
+            assert_eq!(peer.ip(), balancer[*family], "{path}: passthrough shows the balancer's address");
+            assert_ne!(peer.port(), client.port(), "{path}: and its SNAT port");
+        } else {
+            assert_eq!(peer, *client, "{path}: nginx saw {peer}, the client was {client}");
+        }
+    }
+    // The dual-stack socket's getpeername6 answered IPv4 clients (mapped).
+    let s2 = std::fs::read_to_string(c.nginx_log(2)).unwrap();
+    let client4 = format!("::ffff:{} ", c.tb.addr("c1"));
+    assert!(s2.lines().any(|l| l.starts_with(&client4) && !l.contains(" /passthrough/")), "s2 logged:\n{s2}");
+    let dsr_requests = sent.iter().filter(|s| s.2 != "passthrough").count() as u64;
+    assert_eq!(c.agent_counter("client_address_shown"), dsr_requests);
+}
+
+/// With `client_address = false` the same nginx logs the balancer's
+/// address and SNAT port although DSR works: the client in the log above
+/// is the agent's doing.
+#[test]
+fn without_client_address_nginx_logs_the_balancer() {
+    let c = Cluster::with(Spec::new("ngo", "dsr-rr").servers(1).nginx().agent("client_address = false"));
+    let paths: Vec<String> = (0..3).map(|n| format!("/off/{n}")).collect();
+    let clients: Vec<SocketAddr> = paths.iter().map(|p| get_as_client(&c, vip(&c.tb).into(), p)).collect();
+    let seen = logged(&c, &paths.iter().collect::<Vec<_>>());
+    for (path, client) in paths.iter().zip(&clients) {
+        let peer = seen[path];
+        assert_eq!(peer.ip(), IpAddr::from(c.tb.addr("lb")), "{path}");
+        assert_ne!(peer.port(), client.port(), "{path}");
+    }
+    assert!(c.agent_counter("dsr_rewrites") > 0, "the responses went direct");
+    assert_eq!(c.agent_counter("client_address_shown"), 0);
 }

@@ -280,6 +280,7 @@ fn forged_poll_replies_and_requests_are_refused() {
     assert_eq!(agent["counters"]["polls_answered"], 0, "{}", agent["counters"]);
 }
 
+<<<<<<< HEAD
 /// The pinned `flows` entry of `client` at the balancer.
 fn lb_flow(c: &Cluster, client: SocketAddrV4) -> Option<inband::lb::maps::Flow> {
     use inband::lb::maps::{Flow, FlowKey};
@@ -383,4 +384,102 @@ fn guessed_resets_and_a_syn_against_a_download(test: &str, mode: &str) {
     assert!(events["syn_on_live_flow"].as_u64() >= Some(1), "the forged SYN never came: {events}");
     assert_eq!(c.sum("new_conns"), 1, "the forged SYN was balanced as a new connection");
     eprintln!("{mode}: balancer events {events}");
+=======
+/// The getpeername programs answer only for their agent's network
+/// namespace. A socket elsewhere on the host (another container; here the
+/// balancer's namespace) whose peer and local port are those of a live DSR
+/// connection's flow keeps the peer the kernel gave it, in accept() and
+/// getpeername() alike.
+#[test]
+fn client_address_stays_in_its_namespace() {
+    use std::io::BufRead;
+    let mut c = Cluster::with(Spec::new("pns", "dsr-rr").servers(1));
+    let hold = format!(
+        "import socket, time\ns = socket.create_connection(('{}', 80))\nprint(s.getsockname()[1], flush=True)\ntime.sleep(30)\n",
+        c.tb.vip()
+    );
+    let mut holder = in_ns(&c.tb, "c1", &["python3", "-c", &hold]).stdout(Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(holder.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    c.others.push(holder);
+    let client = SocketAddr::from(SocketAddrV4::new(c.tb.addr("c1"), line.trim().parse().unwrap()));
+    let mut snat = 0;
+    wait_for("the held connection's flow on s1", || {
+        snat = agent_tuples(&c, "s1").iter().find(|(_, cl)| *cl == client).map_or(0, |(p, _)| *p);
+        snat != 0
+    });
+    // The server's own accept() of it is answered with the client.
+    wait_for("the server's accept()", || c.agent_counter("client_address_shown") == 1);
+    let lb = c.tb.addr("lb");
+    let probe = format!(
+        "import socket\nl = socket.socket()\nl.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+         l.bind(('0.0.0.0', 8080))\nl.listen()\nc = socket.socket()\nc.bind(('{lb}', {snat}))\nc.connect(('{lb}', 8080))\n\
+         a, peer = l.accept()\nprint('%s:%d %s:%d' % (peer + a.getpeername()))\n"
+    );
+    let out = run_ok(&c.tb, "lb", &["python3", "-c", &probe]);
+    let want = format!("{lb}:{snat} {lb}:{snat}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), want, "the flow of {client} answered for another namespace");
+    assert_eq!(c.agent_counter("client_address_shown"), 1, "nothing answered outside s1");
+}
+
+/// accept() returns a connection that was reset while it waited in the
+/// backlog, with its peer; its flow went when it closed, and a SYN with a
+/// valid 155 may have stored another client on the same ports since. The
+/// closed socket gets the balancer's address, not that client. (Two
+/// things hold it: the program's state test, and the kernel's releasing
+/// the local port of the closed socket, which then matches no flow.)
+#[test]
+fn a_connection_reset_in_the_backlog_is_not_given_a_later_client() {
+    use std::io::{BufRead, BufReader, Write};
+    let mut c = Cluster::with(Spec::new("rbl", "dsr-rr").servers(1));
+    // s1's `inband serve` (started first) makes way for a listener that
+    // accepts only when told.
+    let mut serve = c.others.remove(0);
+    let _ = serve.kill();
+    let _ = serve.wait();
+    let listen = "import socket, sys\nl = socket.socket()\nl.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+                  l.bind(('0.0.0.0', 8080))\nl.listen(16)\nprint('listening', flush=True)\nsys.stdin.readline()\n\
+                  l.settimeout(5)\na, peer = l.accept()\nprint('%s:%d' % peer, flush=True)\n";
+    let mut listener = in_ns(&c.tb, "s1", &["python3", "-c", listen]).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let mut server_out = BufReader::new(listener.stdout.take().unwrap());
+    let mut server_in = listener.stdin.take().unwrap();
+    let mut line = String::new();
+    server_out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "listening");
+    c.others.push(listener);
+
+    let connect = format!(
+        "import socket, struct, sys\ns = socket.create_connection(('{}', 80))\nprint(s.getsockname()[1], flush=True)\n\
+         sys.stdin.readline()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack('ii', 1, 0))\ns.close()\n",
+        c.tb.vip()
+    );
+    let mut client = in_ns(&c.tb, "c1", &["python3", "-c", &connect]).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    line.clear();
+    BufReader::new(client.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let first = SocketAddr::from(SocketAddrV4::new(c.tb.addr("c1"), line.trim().parse().unwrap()));
+    let mut snat = 0;
+    wait_for("the first connection's flow", || {
+        snat = agent_tuples(&c, "s1").iter().find(|(_, cl)| *cl == first).map_or(0, |(p, _)| *p);
+        snat != 0
+    });
+    // The client resets it; the server has not accepted it yet.
+    writeln!(client.stdin.take().unwrap()).unwrap();
+    assert!(client.wait().unwrap().success());
+    wait_for("its flow deleted with the socket", || agent_tuples(&c, "s1").iter().all(|(_, cl)| *cl != first));
+
+    // A SYN on the same ports naming another client, signed with the
+    // deployment's key as a balancer would sign it.
+    let key = inband::auth::read_key(&c.key()).unwrap();
+    let (lb, s1) = (SocketAddrV4::new(c.tb.addr("lb"), snat), server(&c.tb, 1));
+    let later = SocketAddr::from(SocketAddrV4::new(c.tb.addr("c1"), 4444));
+    let option = InbandOption::auth_client_tuple(&key, 1, 7777, Conn::tcp(lb, s1), later).encode();
+    let syn = PacketBuilder::tcp(lb, s1).macs(mac(&c, "lb"), mac(&c, "s1")).syn(1460).seq_no(7777).ip_options(option).build();
+    inject(&c, "lb", vec![syn]);
+    wait_for("the later client's flow", || agent_tuples(&c, "s1").contains(&(snat, later)));
+
+    writeln!(server_in).unwrap();
+    line.clear();
+    server_out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), lb.to_string(), "accept() of the reset connection");
+>>>>>>> peeraddr
 }

@@ -11,6 +11,10 @@
 //! connections that were using DSR then simply go back through the balancer,
 //! which NATs them like pass-through traffic (docs/architecture.md).
 //!
+//! The getpeername programs (`client_address`) are attached to a cgroup by
+//! links this process holds, like the tracepoints: they go with it, and a
+//! crashed agent leaves none behind.
+//!
 //! The maps are still pinned while the agent runs, for `inband agent status`
 //! and for the one case where state must survive: after a crash (SIGKILL,
 //! OOM) the tc filters stay attached with their pinned maps, and the next
@@ -19,8 +23,8 @@
 
 use std::fs::File;
 use std::mem::MaybeUninit;
-use std::os::fd::AsFd;
-use std::path::PathBuf;
+use std::os::fd::{AsFd, AsRawFd};
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
@@ -77,6 +81,8 @@ pub struct Attachment<'obj> {
     skel: AgentSkel<'obj>,
     ifindex: i32,
     tracepoints: Vec<Link>,
+    client_address: Option<PathBuf>,
+    peer_links: Vec<Link>,
 }
 
 /// Loads the program with its maps pinned under `pin_dir(interface)` (reusing
@@ -87,11 +93,13 @@ pub struct Attachment<'obj> {
 /// maintain them, and without the filters their connections fall back to
 /// the balancer path anyway.
 /// `count_requests` turns on the per-packet request accounting the
-/// "requests" score needs (off, data packets skip it).
+/// "requests" score needs (off, data packets skip it); `client_address`
+/// names the cgroup whose processes see their DSR connections' clients.
 pub fn attach<'obj>(
     storage: &'obj mut MaybeUninit<OpenObject>,
     interface: &str,
     count_requests: bool,
+    client_address: Option<&Path>,
 ) -> Result<Attachment<'obj>> {
     let ifindex = crate::netif::ifindex(interface)? as i32;
     let pins = pin_dir(interface);
@@ -113,7 +121,15 @@ pub fn attach<'obj>(
             "reusing maps pinned by an earlier agent that did not stop cleanly (client tuples of its DSR connections are kept)"
         );
     }
-    let mut a = Attachment { interface: interface.to_string(), pins, skel, ifindex, tracepoints: Vec::new() };
+    let mut a = Attachment {
+        interface: interface.to_string(),
+        pins,
+        skel,
+        ifindex,
+        tracepoints: Vec::new(),
+        client_address: client_address.map(Path::to_path_buf),
+        peer_links: Vec::new(),
+    };
     if let Err(e) = a.attach_all() {
         let undo = cleanup(interface, ifindex);
         return Err(match undo {
@@ -126,7 +142,15 @@ pub fn attach<'obj>(
             )),
         });
     }
-    info!(interface, pins = %a.pins.0.display(), "agent attached (tc ingress + egress, tracepoints)");
+    match &a.client_address {
+        Some(cgroup) => info!(
+            interface,
+            pins = %a.pins.0.display(),
+            cgroup = %cgroup.display(),
+            "agent attached (tc ingress + egress, tracepoints, getpeername4/6 on the cgroup)"
+        ),
+        None => info!(interface, pins = %a.pins.0.display(), "agent attached (tc ingress + egress, tracepoints)"),
+    }
     Ok(a)
 }
 
@@ -139,10 +163,13 @@ fn load<'obj>(storage: &'obj mut MaybeUninit<OpenObject>, pins: &PinDir, count_r
         }
         map.set_pin_path(pins.path(&name)).with_context(|| format!("pin path for {name}"))?;
     }
-    // The tracepoints see every namespace; they must count only ours.
+    // The tracepoints and the cgroup programs see every namespace; they
+    // must act on ours only.
     let netns = std::fs::metadata("/proc/self/ns/net").context("reading /proc/self/ns/net")?;
+    let cookie = netns_cookie()?;
     if let Some(ro) = open.maps.rodata_data.as_mut() {
         ro.agent_netns_ino = std::os::unix::fs::MetadataExt::ino(&netns) as u32;
+        ro.agent_netns_cookie = cookie;
         ro.score_requests = u8::from(count_requests);
     }
     open.load().context(
@@ -176,12 +203,25 @@ impl Attachment<'_> {
             })?;
             self.tracepoints.push(link);
         }
+        if let Some(path) = &self.client_address {
+            let cgroup = File::open(path).with_context(|| format!("opening the cgroup {}", path.display()))?;
+            for (prog, what) in
+                [(&self.skel.progs.agent_peer4, "getpeername4"), (&self.skel.progs.agent_peer6, "getpeername6")]
+            {
+                let link = prog
+                    .attach_cgroup(cgroup.as_raw_fd())
+                    .with_context(|| format!("attaching the {what} program to the cgroup {}", path.display()))?;
+                self.peer_links.push(link);
+            }
+        }
         Ok(())
     }
 
     /// Detaches everything and removes the pins (see the module comment).
     pub fn detach(self) -> Result<()> {
-        let Attachment { interface, ifindex, tracepoints, skel, .. } = self;
+        let Attachment { interface, ifindex, tracepoints, skel, peer_links, .. } = self;
+        // Applications see the balancer's address again before the flows go.
+        drop(peer_links);
         // tc first: the tracepoints must keep counting as long as a program
         // may still put the count in a 125.
         let result = cleanup(&interface, ifindex);
@@ -191,6 +231,32 @@ impl Attachment<'_> {
         info!(interface = %interface, "agent detached: tc filters, qdisc and pinned maps removed");
         Ok(())
     }
+}
+
+/// The cookie of this process's network namespace, as
+/// bpf_get_netns_cookie() gives it to the cgroup programs.
+fn netns_cookie() -> Result<u64> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // Any socket of the namespace carries its cookie; an unbound one needs
+    // no address (a namespace's loopback may be down).
+    // SAFETY: socket(2) with constant arguments; the result is checked.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error()).context("opening a socket to read the network namespace's cookie");
+    }
+    // SAFETY: fd is a new socket that nothing else owns.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut cookie = 0u64;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cookie`.
+    let rc = unsafe {
+        libc::getsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_NETNS_COOKIE, (&raw mut cookie).cast(), &mut len)
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error())
+            .context("reading the network namespace's cookie (SO_NETNS_COOKIE, Linux 5.14 or later)");
+    }
+    Ok(cookie)
 }
 
 fn slot(ifindex: i32) -> crate::tc::Slot {

@@ -64,6 +64,15 @@ pub struct AgentConfig {
     /// the flow's port to another client.
     #[serde(default = "default_udp_idle_timeout_s")]
     pub udp_idle_timeout_s: u32,
+    /// The server application sees the client, not the balancer, in
+    /// accept() and getpeername() of its DSR connections (docs/agent.md,
+    /// "The client's address in the application").
+    #[serde(default = "default_client_address")]
+    pub client_address: bool,
+    /// The cgroup v2 directory whose processes see it; none: the root of
+    /// the cgroup2 hierarchy, every process of the host.
+    #[serde(default)]
+    pub client_address_cgroup: Option<PathBuf>,
     /// The option format and the keys that authenticate 155/124 and sign
     /// 125 (shared with the balancers).
     #[serde(default)]
@@ -92,6 +101,9 @@ pub fn default_poll_port() -> u16 {
 }
 fn default_udp_idle_timeout_s() -> u32 {
     110
+}
+fn default_client_address() -> bool {
+    true
 }
 
 fn vip_endpoint<'de, D: Deserializer<'de>>(d: D) -> Result<SocketAddr, D::Error> {
@@ -173,6 +185,9 @@ impl AgentConfig {
         if self.udp_idle_timeout_s == 0 {
             bail!("udp_idle_timeout_s = 0 would forget every UDP client tuple at once: use 1 or more (default 110)");
         }
+        if !self.client_address && self.client_address_cgroup.is_some() {
+            bail!("client_address_cgroup is set but client_address = false: remove one of them");
+        }
         if self.score_socket.as_os_str().is_empty() {
             bail!("score_socket is empty: give a path, e.g. /run/inband/agent.sock");
         }
@@ -192,7 +207,29 @@ impl AgentConfig {
             group_id(g)?;
         }
         crate::bpfmap::require_bpffs()?;
-        require_tracefs()
+        require_tracefs()?;
+        self.client_address_cgroup().map(|_| ())
+    }
+
+    /// The cgroup the getpeername programs attach to, if `client_address`.
+    pub fn client_address_cgroup(&self) -> Result<Option<PathBuf>> {
+        if !self.client_address {
+            return Ok(None);
+        }
+        let path = match &self.client_address_cgroup {
+            Some(p) => p.clone(),
+            None => cgroup2_mount().context(
+                    "client_address needs a cgroup v2 hierarchy and none is mounted: mount one (`mount -t cgroup2 none \
+                     /sys/fs/cgroup/unified`), name it in client_address_cgroup, or set client_address = false",
+            )?,
+        };
+        if !is_cgroup2(&path) {
+            bail!(
+                "client_address_cgroup {} is not a cgroup v2 directory (see `grep cgroup2 /proc/self/mounts`)",
+                path.display()
+            );
+        }
+        Ok(Some(path))
     }
 
     /// The distinct local ports served (a port serving several VIPs once).
@@ -203,6 +240,50 @@ impl AgentConfig {
         ports
     }
 }
+
+/// The mount point of the first cgroup2 file system, read with libc's
+/// mount table reader (it undoes the table's octal escapes).
+fn cgroup2_mount() -> Option<PathBuf> {
+    use std::ffi::{CStr, OsStr};
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: both arguments are NUL-terminated; a null result is checked.
+    let table = unsafe { libc::setmntent(c"/proc/self/mounts".as_ptr(), c"r".as_ptr()) };
+    if table.is_null() {
+        return None;
+    }
+    let mut entry = std::mem::MaybeUninit::<libc::mntent>::uninit();
+    let mut buf = vec![0 as libc::c_char; 4096];
+    let mut found = None;
+    loop {
+        // SAFETY: table is open; entry and buf outlive the call and the
+        // strings it points into buf, which are read before the next one.
+        let e = unsafe { libc::getmntent_r(table, entry.as_mut_ptr(), buf.as_mut_ptr(), buf.len() as libc::c_int) };
+        if e.is_null() {
+            break;
+        }
+        // SAFETY: a non-null result has NUL-terminated fields in buf.
+        let (fs, dir) = unsafe { (CStr::from_ptr((*e).mnt_type), CStr::from_ptr((*e).mnt_dir)) };
+        if fs.to_bytes() == b"cgroup2" {
+            found = Some(PathBuf::from(OsStr::from_bytes(dir.to_bytes())));
+            break;
+        }
+    }
+    // SAFETY: table came from setmntent and is closed once.
+    unsafe { libc::endmntent(table) };
+    found
+}
+
+fn is_cgroup2(path: &Path) -> bool {
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    let mut st = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: c is NUL-terminated and st is written by statfs before it is read.
+    let ok = unsafe { libc::statfs(c.as_ptr(), st.as_mut_ptr()) } == 0;
+    // SAFETY: statfs succeeded, so st is initialised.
+    ok && unsafe { st.assume_init() }.f_type == libc::CGROUP2_SUPER_MAGIC
+}
+
 
 /// The gid of a group name, or an error naming it.
 pub fn group_id(name: &str) -> Result<libc::gid_t> {

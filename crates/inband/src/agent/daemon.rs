@@ -29,6 +29,7 @@ pub fn run(config_path: &Path) -> Result<()> {
     let cfg = AgentConfig::load(config_path)?;
     let keys = cfg.load_keys().with_context(|| format!("in {}", config_path.display()))?;
     cfg.check_host()?;
+    let client_address = cfg.client_address_cgroup()?;
     let data_path = DataPathSettings::new(cfg.auth.mode, keys, crate::netif::mtu(&cfg.interface)?, cfg.udp_idle_timeout_s);
     let group = cfg.score_socket_group.as_deref().map(config::group_id).transpose()?;
     let lock = attach::lock_interface(&cfg.interface)?;
@@ -58,7 +59,7 @@ pub fn run(config_path: &Path) -> Result<()> {
     };
 
     let mut storage = MaybeUninit::uninit();
-    let attached = match attach::attach(&mut storage, &cfg.interface, cfg.score == ScoreSource::Requests) {
+    let attached = match attach::attach(&mut storage, &cfg.interface, cfg.score == ScoreSource::Requests, client_address.as_deref()) {
         Ok(a) => a,
         Err(e) => {
             let _ = std::fs::remove_file(&cfg.score_socket);

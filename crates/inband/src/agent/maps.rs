@@ -48,6 +48,7 @@ pub enum AgentCounter {
     PollsUnauthenticated = c::INBAND_AGENT_POLLS_UNAUTHENTICATED,
     PollsRefused = c::INBAND_AGENT_POLLS_REFUSED,
     TimeWaitReopened = c::INBAND_AGENT_TIME_WAIT_REOPENED,
+    ClientAddressShown = c::INBAND_AGENT_CLIENT_ADDRESS_SHOWN,
 }
 
 /// Entries of `agent_stats`.
@@ -85,6 +86,7 @@ impl AgentCounter {
         (AgentCounter::PollsUnauthenticated, "polls_unauthenticated"),
         (AgentCounter::PollsRefused, "polls_refused"),
         (AgentCounter::TimeWaitReopened, "time_wait_reopened"),
+        (AgentCounter::ClientAddressShown, "client_address_shown"),
     ];
 
     pub const ALL: [AgentCounter; COUNTER_MAX] = {

@@ -67,6 +67,10 @@ pub struct Spec<'a> {
     /// The UDP VIPs route QUIC by connection ID (`quic = true`, backends'
     /// `quic_server_id` = their number).
     pub quic: bool,
+    /// Every server runs stock nginx (`start_nginx`) instead of `inband serve`.
+    pub nginx: bool,
+    /// Extra top-level lines of every agent's agent.toml.
+    pub agent_lines: Vec<String>,
 }
 
 impl<'a> Spec<'a> {
@@ -85,7 +89,17 @@ impl<'a> Spec<'a> {
             ipv6: false,
             udp: false,
             quic: false,
+            nginx: false,
+            agent_lines: Vec::new(),
         }
+    }
+    pub fn nginx(mut self) -> Self {
+        self.nginx = true;
+        self
+    }
+    pub fn agent(mut self, line: &str) -> Self {
+        self.agent_lines.push(line.to_string());
+        self
     }
     pub fn udp(mut self) -> Self {
         self.udp = true;
@@ -160,6 +174,8 @@ pub struct Cluster {
     ipv6: bool,
     udp: bool,
     quic: bool,
+    nginx: bool,
+    agent_lines: Vec<String>,
     _share: Share,
 }
 
@@ -250,6 +266,8 @@ impl Cluster {
             ipv6: spec.ipv6,
             udp: spec.udp,
             quic: spec.quic,
+            nginx: spec.nginx,
+            agent_lines: spec.agent_lines,
             _share: share,
         };
         inband::auth::keygen(&c.key()).unwrap();
@@ -263,7 +281,11 @@ impl Cluster {
         }
         for i in 1..=spec.servers {
             let extra: Vec<&str> = spec.serve_args.get(i - 1).map(|v| v.iter().map(String::as_str).collect()).unwrap_or_default();
-            c.start_server(i, &extra);
+            if c.nginx {
+                c.start_nginx(i);
+            } else {
+                c.start_server(i, &extra);
+            }
             if c.udp {
                 c.start_quic_server(i);
             }
@@ -327,6 +349,7 @@ impl Cluster {
         self.others.push(s);
     }
 
+<<<<<<< HEAD
     /// Kills server i's application (SIGKILL: no goodbye); its host and
     /// agent stay, so its port refuses connections.
     pub fn kill_server(&mut self, i: usize) {
@@ -358,6 +381,40 @@ impl Cluster {
         } else {
             run_ok(&self.tb, &node, &["nft", "delete table inet silence"]);
         }
+=======
+    /// Stock nginx on server i, port 8080, logging `$remote_addr
+    /// $remote_port $request_uri` of every request to `nginx_log(i)` and
+    /// answering 200. With IPv6, odd servers listen on separate IPv4 and
+    /// IPv6 sockets and even ones on one dual-stack socket (IPv4 clients
+    /// on it are IPv4-mapped).
+    pub fn start_nginx(&mut self, i: usize) {
+        let dir = self.dir.join(format!("nginx-s{i}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let listen = match (self.ipv6, i % 2) {
+            (false, _) => "listen 0.0.0.0:8080;",
+            (true, 1) => "listen 0.0.0.0:8080; listen [::]:8080 ipv6only=on;",
+            (true, _) => "listen [::]:8080 ipv6only=off;",
+        };
+        let d = dir.display();
+        let conf = format!(
+            "daemon off;\nmaster_process on;\nworker_processes 1;\nuser root root;\npid {d}/nginx.pid;\n\
+             error_log {d}/error.log warn;\nevents {{ worker_connections 256; }}\nhttp {{\n\
+             log_format peer '$remote_addr $remote_port $request_uri';\naccess_log {d}/access.log peer;\n\
+             client_body_temp_path {d}/body;\nproxy_temp_path {d}/proxy;\nfastcgi_temp_path {d}/fastcgi;\n\
+             uwsgi_temp_path {d}/uwsgi;\nscgi_temp_path {d}/scgi;\n\
+             server {{ {listen} location / {{ return 200 \"ok\\n\"; }} }}\n}}\n"
+        );
+        let path = dir.join("nginx.conf");
+        std::fs::write(&path, conf).unwrap();
+        let err = dir.join("error.log");
+        let argv = ["/usr/sbin/nginx", "-p", dir.to_str().unwrap(), "-e", err.to_str().unwrap(), "-c", path.to_str().unwrap()];
+        let s = in_ns(&self.tb, &format!("s{i}"), &argv).stdout(Stdio::null()).spawn().unwrap();
+        self.others.push(s);
+    }
+
+    pub fn nginx_log(&self, i: usize) -> PathBuf {
+        self.dir.join(format!("nginx-s{i}")).join("access.log")
+>>>>>>> peeraddr
     }
 
     fn start_agent(&mut self, i: usize) {
@@ -375,6 +432,7 @@ impl Cluster {
         if self.ipv6 {
             text += &format!("\n[[service]]\nport = 8080\nvip = \"{}\"\nprotocol = \"{}\"\n", vip6(&self.tb), self.protocol());
         }
+        text = format!("{}\n{text}", self.agent_lines.join("\n"));
         std::fs::write(&cfg, text).unwrap();
         let a = in_ns(&self.tb, &node, &[BIN, "agent", "--config", cfg.to_str().unwrap()]).spawn().unwrap();
         self.others.push(a);
