@@ -280,7 +280,6 @@ fn forged_poll_replies_and_requests_are_refused() {
     assert_eq!(agent["counters"]["polls_answered"], 0, "{}", agent["counters"]);
 }
 
-<<<<<<< HEAD
 /// The pinned `flows` entry of `client` at the balancer.
 fn lb_flow(c: &Cluster, client: SocketAddrV4) -> Option<inband::lb::maps::Flow> {
     use inband::lb::maps::{Flow, FlowKey};
@@ -384,7 +383,8 @@ fn guessed_resets_and_a_syn_against_a_download(test: &str, mode: &str) {
     assert!(events["syn_on_live_flow"].as_u64() >= Some(1), "the forged SYN never came: {events}");
     assert_eq!(c.sum("new_conns"), 1, "the forged SYN was balanced as a new connection");
     eprintln!("{mode}: balancer events {events}");
-=======
+}
+
 /// The getpeername programs answer only for their agent's network
 /// namespace. A socket elsewhere on the host (another container; here the
 /// balancer's namespace) whose peer and local port are those of a live DSR
@@ -481,5 +481,4 @@ fn a_connection_reset_in_the_backlog_is_not_given_a_later_client() {
     line.clear();
     server_out.read_line(&mut line).unwrap();
     assert_eq!(line.trim(), lb.to_string(), "accept() of the reset connection");
->>>>>>> peeraddr
 }

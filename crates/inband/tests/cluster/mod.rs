@@ -349,7 +349,6 @@ impl Cluster {
         self.others.push(s);
     }
 
-<<<<<<< HEAD
     /// Kills server i's application (SIGKILL: no goodbye); its host and
     /// agent stay, so its port refuses connections.
     pub fn kill_server(&mut self, i: usize) {
@@ -381,7 +380,8 @@ impl Cluster {
         } else {
             run_ok(&self.tb, &node, &["nft", "delete table inet silence"]);
         }
-=======
+    }
+
     /// Stock nginx on server i, port 8080, logging `$remote_addr
     /// $remote_port $request_uri` of every request to `nginx_log(i)` and
     /// answering 200. With IPv6, odd servers listen on separate IPv4 and
@@ -414,7 +414,6 @@ impl Cluster {
 
     pub fn nginx_log(&self, i: usize) -> PathBuf {
         self.dir.join(format!("nginx-s{i}")).join("access.log")
->>>>>>> peeraddr
     }
 
     fn start_agent(&mut self, i: usize) {
