@@ -13,8 +13,8 @@ use http::{Method, Uri};
 use hyper::body::{Body, Frame, SizeHint};
 use prometheus_client::metrics::counter::Counter;
 
+use crate::body::{BoxError, ProxyBody};
 use crate::conn::RequestGuard;
-use crate::server::{BoxError, ProxyBody};
 
 pub struct Request {
     pub client: SocketAddr,

@@ -13,69 +13,12 @@ use http_cache_semantics::{AfterResponse, BeforeRequest, CachePolicy};
 use inband_cache::EntryBody;
 use hyper::body::Incoming;
 
+use crate::body::{full, BoxError, ProxyBody};
 use crate::cache_control;
+use crate::cache_outcome::Outcome;
 use crate::cache_store::{base_key, options, unix_ms, Buffered, Fetched, Found, HttpCache, Leader, Stored, Turn};
 use crate::metrics::Refusal;
-use crate::server::{full, BoxError, ProxyBody};
 use crate::{forward, Shared};
-
-/// How a request was served, for metrics and the `X-Cache` header.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Outcome {
-    /// Fresh entry served, origin not asked.
-    Hit,
-    /// Nothing usable stored; origin asked.
-    Miss,
-    /// A stale entry served: at once under `stale-while-revalidate`
-    /// (revalidated in the background), or under `stale-if-error` because
-    /// the origin failed.
-    Stale,
-    /// A stale entry the origin replaced with a new response.
-    Updated,
-    /// A stale entry the origin confirmed with 304.
-    Revalidated,
-    /// Served the result of a concurrent request's origin fetch.
-    Coalesced,
-    /// A stale entry the origin failed to revalidate, with no
-    /// `stale-if-error` allowance: the origin's error was passed on.
-    Error,
-}
-
-impl Outcome {
-    pub const ALL: [Outcome; 7] =
-        [Outcome::Hit, Outcome::Miss, Outcome::Stale, Outcome::Updated, Outcome::Revalidated, Outcome::Coalesced, Outcome::Error];
-
-    pub fn label(self) -> &'static str {
-        match self {
-            Outcome::Hit => "hit",
-            Outcome::Miss => "miss",
-            Outcome::Stale => "stale",
-            Outcome::Updated => "updated",
-            Outcome::Revalidated => "revalidated",
-            Outcome::Coalesced => "coalesced",
-            Outcome::Error => "error",
-        }
-    }
-
-    fn header(self) -> HeaderValue {
-        HeaderValue::from_static(match self {
-            Outcome::Hit | Outcome::Coalesced => "HIT",
-            Outcome::Miss => "MISS",
-            Outcome::Stale => "STALE",
-            Outcome::Updated => "UPDATED",
-            Outcome::Revalidated => "REVALIDATED",
-            Outcome::Error => "ERROR",
-        })
-    }
-
-    /// Marks a response: `X-Cache` for the client, the outcome itself for
-    /// the access log.
-    fn mark<B>(self, resp: &mut Response<B>) {
-        resp.headers_mut().insert("x-cache", self.header());
-        resp.extensions_mut().insert(self);
-    }
-}
-
 
 /// Whether the cache looks at this request at all. Range requests go to
 /// the origin: the library does not understand partial content.

@@ -24,9 +24,9 @@ use inband_cache::{BodyChunks, EntryBody, Store};
 use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
 
+use crate::body::{full, BoxError, ProxyBody};
 use crate::cache_control;
 use crate::config::{CacheConfig, SetCookie};
-use crate::server::{full, BoxError, ProxyBody};
 
 /// What the header blob of a stored record holds.
 #[derive(Serialize, Deserialize)]

@@ -6,8 +6,10 @@
 
 mod access;
 mod backend;
+mod body;
 mod cache_control;
 mod cache_layer;
+mod cache_outcome;
 mod cache_store;
 pub mod config;
 mod conn;

@@ -10,7 +10,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use crate::cache_layer::Outcome;
+use crate::cache_outcome::Outcome;
 use crate::conn::Expiry;
 
 type Labels = Vec<(&'static str, String)>;

@@ -6,10 +6,8 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use http::{header, HeaderValue, Request, Response, StatusCode};
-use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
@@ -19,16 +17,11 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
 
+use crate::body::{full, BoxError, ProxyBody};
+use crate::cache_outcome::Outcome;
 use crate::conn::{self, State};
 use crate::metrics::Refusal;
 use crate::{access, cache_control, cache_layer, forward, Shared};
-
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
-pub type ProxyBody = BoxBody<Bytes, BoxError>;
-
-pub fn full(body: impl Into<Bytes>) -> ProxyBody {
-    Full::new(body.into()).map_err(|never| match never {}).boxed()
-}
 
 pub fn refusal_response(r: Refusal) -> Response<ProxyBody> {
     let text = match r {
@@ -262,7 +255,7 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>, peer: SocketAddr, c
     shared.metrics.response(resp.status(), info.start.elapsed());
     // RFC 9110 §7.6.3: the hop this response took through us.
     resp.headers_mut().append(header::VIA, HeaderValue::from_static("1.1 inband"));
-    let cache = resp.extensions().get::<cache_layer::Outcome>().map_or("-", |o| o.label());
+    let cache = resp.extensions().get::<Outcome>().map_or("-", |o| o.label());
     let status = resp.status().as_u16();
     let counter = shared.metrics.response_bytes.clone();
     Ok(resp.map(|b| access::Tracked::new(b, info, status, cache, guard, counter).boxed()))
