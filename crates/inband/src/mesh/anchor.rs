@@ -18,7 +18,7 @@ use tokio::sync::Notify;
 use tracing::{debug, warn};
 
 use super::config::{Route, Service};
-use super::daemon::{Client, Shared};
+use super::state::{Client, MeshState};
 use super::dataplane::Conn;
 
 const MAX_HEAD: usize = 64 * 1024;
@@ -28,7 +28,7 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n";
 /// the client's queue: the daemon's first bytes must not overtake them.
 const HANDOVER_GRACE: Duration = Duration::from_millis(20);
 
-pub async fn serve(sh: Rc<Shared>, listener: TcpListener) {
+pub async fn serve(sh: Rc<MeshState>, listener: TcpListener) {
     let mut backoff = Duration::from_millis(10);
     loop {
         match listener.accept().await {
@@ -47,7 +47,7 @@ pub async fn serve(sh: Rc<Shared>, listener: TcpListener) {
     }
 }
 
-async fn connection(sh: Rc<Shared>, stream: TcpStream, peer: SocketAddrV4) {
+async fn connection(sh: Rc<MeshState>, stream: TcpStream, peer: SocketAddrV4) {
     let accepted = match sh.dp.conn(peer) {
         Ok(Some(c)) => c,
         _ => {
@@ -82,7 +82,7 @@ async fn connection(sh: Rc<Shared>, stream: TcpStream, peer: SocketAddrV4) {
 /// `accepted` is its mesh_conns entry at accept, for the service if the
 /// LRU has since evicted the entry (which is also why its bytes came here).
 async fn fallback(
-    sh: &Rc<Shared>,
+    sh: &Rc<MeshState>,
     peer: SocketAddrV4,
     accepted: Conn,
     client: &Rc<Client>,

@@ -9,6 +9,7 @@ pub mod dataplane;
 pub mod health;
 pub mod pool;
 pub mod relay;
+pub mod state;
 pub mod status;
 
 use std::path::PathBuf;

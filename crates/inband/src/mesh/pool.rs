@@ -14,7 +14,6 @@
 //! a new one connected. A backend with no connected slot is marked down, so
 //! requests go to the others of its cluster.
 
-use std::cell::RefCell;
 use std::net::SocketAddrV4;
 use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::rc::Rc;
@@ -23,10 +22,9 @@ use std::time::Duration;
 
 use anyhow::Result;
 use tokio::net::TcpStream;
-use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
-use super::daemon::Shared;
+use super::state::MeshState;
 use super::relay::{self, End};
 use crate::bpf::shared as c;
 
@@ -34,31 +32,6 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
 /// How often the watchdog looks at every slot.
 const TICK: Duration = Duration::from_millis(50);
-
-/// Wake-ups for the slot tasks, each slot's socket for the watchdog, and
-/// each backend's `no_slot` count at the last tick.
-pub struct Pool {
-    wake: Vec<Notify>,
-    fds: RefCell<Vec<RawFd>>,
-    no_slot_seen: RefCell<Vec<u32>>,
-}
-
-impl Pool {
-    pub fn new(backends: usize, pool_max: u32) -> Pool {
-        let slots = backends * pool_max as usize;
-        Pool {
-            wake: (0..slots).map(|_| Notify::new()).collect(),
-            fds: RefCell::new(vec![-1; slots]),
-            no_slot_seen: RefCell::new(vec![0; backends]),
-        }
-    }
-
-    pub fn wake(&self, slot: u32) {
-        if let Some(n) = self.wake.get(slot as usize) {
-            n.notify_one();
-        }
-    }
-}
 
 /// Why a pool socket was retired.
 #[derive(Debug)]
@@ -75,7 +48,7 @@ enum Retire {
     },
 }
 
-pub async fn run_slot(sh: Rc<Shared>, backend: u32, addr: SocketAddrV4, slot: u32) {
+pub async fn run_slot(sh: Rc<MeshState>, backend: u32, addr: SocketAddrV4, slot: u32) {
     let mut backoff = Duration::from_millis(50);
     loop {
         let failure = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
@@ -137,7 +110,7 @@ pub async fn run_slot(sh: Rc<Shared>, backend: u32, addr: SocketAddrV4, slot: u3
 
 /// Sleeps until the slot is named, then looks: returns when the socket
 /// must go.
-async fn watch(sh: &Rc<Shared>, slot: u32, stream: &mut Option<std::net::TcpStream>) -> Retire {
+async fn watch(sh: &Rc<MeshState>, slot: u32, stream: &mut Option<std::net::TcpStream>) -> Retire {
     loop {
         sh.pool.wake[slot as usize].notified().await;
         let Some(std) = stream.take() else {
@@ -183,7 +156,7 @@ async fn watch(sh: &Rc<Shared>, slot: u32, stream: &mut Option<std::net::TcpStre
 /// Every TICK, names the slots whose request timed out, that the program
 /// retired, or whose connection ended; and grows the pools of backends
 /// whose every socket is busy.
-pub async fn watchdog(sh: Rc<Shared>) {
+pub async fn watchdog(sh: Rc<MeshState>) {
     let mut tick = tokio::time::interval(TICK);
     loop {
         tick.tick().await;
@@ -215,7 +188,7 @@ pub async fn watchdog(sh: Rc<Shared>) {
 /// slots free since the last tick (by as many as found none, at least a
 /// quarter more), or when every slot carries a request now. A burst above
 /// the pool would otherwise send connections to the user-space path.
-fn grow_if_busy(sh: &Rc<Shared>, backend: u32) {
+fn grow_if_busy(sh: &Rc<MeshState>, backend: u32) {
     let be = sh.dp.backend_snapshot(backend);
     let missed = {
         let mut seen = sh.pool.no_slot_seen.borrow_mut();
@@ -245,7 +218,7 @@ fn grow_if_busy(sh: &Rc<Shared>, backend: u32) {
 }
 
 /// Wakes the slots the response program names in mesh_events.
-pub async fn events(sh: Rc<Shared>) -> Result<()> {
+pub async fn events(sh: Rc<MeshState>) -> Result<()> {
     let waker = sh.clone();
     let mut builder = libbpf_rs::RingBufferBuilder::new();
     builder.add(sh.dp.events(), move |data: &[u8]| {
@@ -313,7 +286,7 @@ fn peek(fd: RawFd) -> std::io::Result<usize> {
 
 /// Relays the response the program handed over; None when the slot can
 /// take the next request.
-async fn relay_one(sh: &Rc<Shared>, slot: u32, stream: &TcpStream) -> Option<Retire> {
+async fn relay_one(sh: &Rc<MeshState>, slot: u32, stream: &TcpStream) -> Option<Retire> {
     let s = sh.dp.slot_snapshot(slot);
     let client = sh.client(&s);
     let mut sent = 0;
