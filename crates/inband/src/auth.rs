@@ -34,6 +34,24 @@ impl AuthMode {
             AuthMode::None => c::INBAND_AUTH_NONE,
         }) as u8
     }
+
+    /// The mode a program's config holds: the programs treat every value
+    /// but INBAND_AUTH_NONE as the authenticated format.
+    pub fn from_c(v: u8) -> AuthMode {
+        if v == AuthMode::None.to_c() {
+            AuthMode::None
+        } else {
+            AuthMode::Siphash
+        }
+    }
+
+    /// Its name in `[auth] mode`.
+    pub fn name(self) -> &'static str {
+        match self {
+            AuthMode::Siphash => "siphash",
+            AuthMode::None => "none",
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -156,9 +174,9 @@ pub fn write_keys(map: &dyn MapCore, keys: &[(u8, Key)]) -> Result<()> {
 }
 
 /// The keys a program's `auth_keys` map holds, as the out-of-band poll
-/// protocol uses them (`poll_proto::Keys`): None when `mode` (the
+/// protocol uses them (`poll_wire::Keys`): None when `mode` (the
 /// program's `auth_mode`) is the unauthenticated one.
-pub fn read_keys(mode: u8, map: &dyn MapCore) -> Result<crate::agent::poll_proto::Keys> {
+pub fn read_keys(mode: u8, map: &dyn MapCore) -> Result<crate::poll_wire::Keys> {
     if u32::from(mode) == c::INBAND_AUTH_NONE {
         return Ok(None);
     }
@@ -179,6 +197,14 @@ crate::pod::pod!(c::inband_auth_key);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mode_round_trips_through_c_and_is_named_as_in_the_config() {
+        for m in [AuthMode::Siphash, AuthMode::None] {
+            assert_eq!(AuthMode::from_c(m.to_c()), m);
+            assert_eq!(serde_json::to_value(m).unwrap(), m.name());
+        }
+    }
 
     fn cfg(text: &str) -> AuthConfig {
         toml::from_str(text).unwrap()

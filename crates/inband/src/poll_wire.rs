@@ -1,8 +1,8 @@
-//! The out-of-band score protocol: one UDP datagram asks an agent for the
-//! score of one local port, one datagram answers. Used by `dsr-polling`,
+//! The out-of-band score protocol's messages: one UDP datagram asks an
+//! agent for the score of one local port, one datagram answers. Used by `dsr-polling`,
 //! `dsr-query` and the fallback for backends whose path loses options.
-//! Shared by the agent (the responder) and the balancer (`lb::polling`, the
-//! asker).
+//! Shared by the agent (the responder, `agent::poll_responder`) and the
+//! balancer (the asker, `lb::polling`).
 //!
 //! Two formats, chosen by `[auth] mode` exactly as for the in-band options:
 //!

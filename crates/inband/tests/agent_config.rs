@@ -16,13 +16,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use inband::agent::config::{AgentConfig, ScoreSource, ServiceConfig};
-use inband::lb::config::Protocol;
 use inband::agent::cpu::{parse_proc_stat, RunQueue};
 use inband::agent::daemon::seed_active;
 use inband::agent::maps::{AgentCounter, AuthKey, ConnKey, DataPathConfig, DsrFlow};
 use inband::agent::settings::DataPathSettings;
+use inband::net::Protocol;
+use inband::poll_wire;
 use inband::wire::Key;
-use inband::agent::poll_proto;
 use inband::agent::poll_responder;
 use inband::agent::proc_tcp::{self, TcpState};
 use inband::agent::score_socket::{self, ScoreApi};
@@ -235,7 +235,7 @@ fn config_client_address_cgroup() {
 }
 
 // ---------------------------------------------------------------- poll protocol
-// (message layouts and MACs: unit tests in src/agent/poll_proto.rs)
+// (message layouts and MACs: unit tests in src/poll_wire.rs)
 
 fn services(ports: &[(u16, &str)]) -> Vec<ServiceConfig> {
     ports.iter().map(|(p, v)| ServiceConfig { port: *p, vip: v.parse().unwrap(), protocol: Protocol::Tcp }).collect()
@@ -283,13 +283,13 @@ fn responder(maps: AgentMaps) -> (SocketAddrV4, Arc<AtomicBool>, std::thread::Jo
 }
 
 fn signed_request(port: u16, nonce: u64) -> Vec<u8> {
-    poll_proto::encode_request(port, Some((1, &POLL_KEY)), nonce)
+    poll_wire::encode_request(port, Some((1, &POLL_KEY)), nonce)
 }
 
 /// The reply the agent must send to a signed request: same key, nonce echoed.
 fn signed_reply(port: u16, nonce: u64, score: u32) -> Vec<u8> {
     let keys = Some(vec![(1, POLL_KEY)]);
-    poll_proto::encode_reply(&poll_proto::Request { port, key_id: 1, nonce }, score, &keys).unwrap()
+    poll_wire::encode_reply(&poll_wire::Request { port, key_id: 1, nonce }, score, &keys).unwrap()
 }
 
 #[test]
@@ -321,8 +321,8 @@ fn poll_responder_answers_like_the_egress_program() {
     // Unanswered, counted as unauthenticated: the plain format where keys
     // are configured, another key, a forged MAC, a tampered port.
     assert_eq!(poll(&balancer, to, b"IBP1\x1f\x90"), None);
-    assert_eq!(poll(&balancer, to, &poll_proto::encode_request(8080, Some((2, &POLL_KEY)), 1)), None);
-    assert_eq!(poll(&balancer, to, &poll_proto::encode_request(8080, Some((1, &Key(*b"not-the-pollkey!"))), 1)), None);
+    assert_eq!(poll(&balancer, to, &poll_wire::encode_request(8080, Some((2, &POLL_KEY)), 1)), None);
+    assert_eq!(poll(&balancer, to, &poll_wire::encode_request(8080, Some((1, &Key(*b"not-the-pollkey!"))), 1)), None);
     let mut tampered = signed_request(8080, 14);
     tampered[5] ^= 1;
     assert_eq!(poll(&balancer, to, &tampered), None);
@@ -354,7 +354,7 @@ fn poll_responder_in_mode_none_speaks_the_seed_s_plain_format_only() {
     bpfmap::put(&maps.active_conns, &8080u16, &7i64).unwrap();
     let (to, stop, server) = responder(maps);
     let balancer = UdpSocket::bind("127.0.0.1:0").unwrap();
-    let plain = poll_proto::encode_request(8080, None, 0);
+    let plain = poll_wire::encode_request(8080, None, 0);
     assert_eq!(poll(&balancer, to, &plain).expect("a reply").0, b"IBR1\x1f\x90\x00\x00\x00\x07");
     // A signed request to an agent without keys: the configs differ.
     assert_eq!(poll(&balancer, to, &signed_request(8080, 1)), None);
@@ -922,15 +922,15 @@ fn agent_attaches_counts_and_cleans_up() {
     let replies = ns.within(move || {
         let b = UdpSocket::bind("10.99.0.1:0").unwrap();
         let to = SocketAddrV4::new(Ipv4Addr::new(10, 99, 0, 2), 9137);
-        let good = poll(&b, to, &poll_proto::encode_request(8080, Some((1, &secret)), 77));
+        let good = poll(&b, to, &poll_wire::encode_request(8080, Some((1, &secret)), 77));
         let bad = poll(&b, to, b"IBP1\x1f\x90\x00");
         let stranger = UdpSocket::bind("10.99.0.2:0").unwrap();
-        let untrusted = poll(&stranger, to, &poll_proto::encode_request(8080, Some((1, &secret)), 78));
+        let untrusted = poll(&stranger, to, &poll_wire::encode_request(8080, Some((1, &secret)), 78));
         (good, bad, untrusted)
     });
     let (reply, src) = replies.0.expect("poll reply");
     let keys = Some(vec![(1, secret)]);
-    assert_eq!(reply, poll_proto::encode_reply(&poll_proto::Request { port: 8080, key_id: 1, nonce: 77 }, 17, &keys).unwrap());
+    assert_eq!(reply, poll_wire::encode_reply(&poll_wire::Request { port: 8080, key_id: 1, nonce: 77 }, 17, &keys).unwrap());
     assert_eq!(src, SocketAddrV4::new(Ipv4Addr::new(10, 99, 0, 2), 9137));
     assert_eq!(replies.1, None);
     assert_eq!(replies.2, None);

@@ -271,7 +271,7 @@ impl Fixture {
         // The skeleton borrows its object storage for as long as it lives;
         // a test's fixture lives to the end of the test.
         let storage: &'static mut MaybeUninit<OpenObject> = Box::leak(Box::new(MaybeUninit::uninit()));
-        let cfg = LbConfig {
+        let cfg = DataPathConfig {
             self4: be_ip(LB_ADDR.into()),
             self6: be_ip(LB6_ADDR.into()),
             mtu: MTU,
@@ -340,8 +340,8 @@ impl Fixture {
         put(&self.lb.skel.maps.vip_conf, &VIP_ID, &v);
     }
 
-    fn config(&self, change: impl FnOnce(&mut LbConfig)) {
-        let mut cfg: LbConfig = get(&self.lb.skel.maps.lb_config, &0u32).unwrap();
+    fn config(&self, change: impl FnOnce(&mut DataPathConfig)) {
+        let mut cfg: DataPathConfig = get(&self.lb.skel.maps.lb_config, &0u32).unwrap();
         change(&mut cfg);
         put(&self.lb.skel.maps.lb_config, &0u32, &cfg);
     }
@@ -3170,7 +3170,7 @@ fn the_control_plane_writes_weights_the_flag_and_the_table_and_weight_0_takes_no
     let fx = Fixture::new();
     let maps = fx.lb.maps().unwrap();
     let mut cfg = weighted_config("dsr-rr", "round-robin", [1, 3, 0]);
-    tables::apply(&maps, &cfg.vips, 0).unwrap();
+    tables::apply(&maps, &cfg.vips, 0, MAGLEV_SIZE).unwrap();
     resolve(&fx, &maps);
     let v = tables::read(&maps).unwrap().remove(0);
     assert_ne!(v.vip.flags & VIP_WEIGHTED, 0, "weights 1 and 3 differ");
@@ -3191,7 +3191,7 @@ fn the_control_plane_writes_weights_the_flag_and_the_table_and_weight_0_takes_no
     // Weight 0 takes no new connection in any policy.
     for (i, (mode, policy)) in [("dsr-polling", "least-score"), ("dsr-polling", "power-of-two"), ("dsr-rr", "maglev")].iter().enumerate() {
         let cfg = weighted_config(mode, policy, [1, 3, 0]);
-        tables::apply(&maps, &cfg.vips, 0).unwrap();
+        tables::apply(&maps, &cfg.vips, 0, MAGLEV_SIZE).unwrap();
         let from = 50 + 30 * i as u8;
         let sent: Vec<SocketAddr> = (from..from + 30).map(|n| fx.sent_to(client(n))).collect();
         assert!(!sent.contains(&backend(2).addr), "{policy}: {sent:?}");
@@ -3201,11 +3201,11 @@ fn the_control_plane_writes_weights_the_flag_and_the_table_and_weight_0_takes_no
     // with the differences, the weight-0 backend back in service.
     let req = control::ControlRequest::SetWeights {
         vip: vip(),
-        protocol: inband::lb::config::Protocol::Tcp,
+        protocol: inband::net::Protocol::Tcp,
         weights: (0..3).map(|i| (backend(i).addr, 2)).collect(),
     };
     cfg = control::change(&cfg, &req, std::path::Path::new("/nonexistent")).unwrap();
-    tables::apply(&maps, &cfg.vips, 0).unwrap();
+    tables::apply(&maps, &cfg.vips, 0, MAGLEV_SIZE).unwrap();
     let v = tables::read(&maps).unwrap().remove(0);
     assert_eq!(v.vip.flags & VIP_WEIGHTED, 0);
     assert!(v.slots.iter().all(|(_, b)| b.weight == 2 && b.flags == BACKEND_ACTIVE));

@@ -279,8 +279,8 @@ impl Mesh {
         inband::bpfmap::require_bpffs().expect("bpffs");
         let netns = format!("imesh-{tag}");
         let _ = inband::testbed::netns::delete(&netns);
-        inband::testbed::netns::ip(&["netns", "add", &netns]).unwrap();
-        inband::testbed::netns::ip(&["-n", &netns, "link", "set", "lo", "up"]).unwrap();
+        inband::command::ip(&["netns", "add", &netns]).unwrap();
+        inband::command::ip(&["-n", &netns, "link", "set", "lo", "up"]).unwrap();
         let cgroup = PathBuf::from(format!("/sys/fs/cgroup/unified/inband-test-mesh-{tag}"));
         std::fs::create_dir_all(&cgroup).expect("cgroup v2 at /sys/fs/cgroup/unified");
         let mut mesh = Mesh {

@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::auth::AuthConfig;
-use crate::lb::config::{unicast, Protocol};
+use crate::net::{unicast, Protocol};
 use crate::wire::Key;
 
 /// Where the score the agent reports comes from (docs/agent.md).

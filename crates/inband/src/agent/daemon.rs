@@ -114,7 +114,7 @@ fn configure(cfg: &AgentConfig, data_path: &DataPathSettings, pins: &bpfmap::Pin
     let maps = AgentMaps::open(pins)?;
     data_path.apply(&maps, None)?;
     info!(
-        auth = settings::mode_name(data_path.mode),
+        auth = data_path.mode.name(),
         key_ids = ?data_path.status().key_ids,
         mtu = data_path.mtu,
         "option format and keys loaded"

@@ -5,7 +5,6 @@ pub mod config;
 pub mod cpu;
 pub mod daemon;
 pub mod maps;
-pub mod poll_proto;
 pub mod poll_responder;
 pub mod proc_tcp;
 pub mod score_socket;

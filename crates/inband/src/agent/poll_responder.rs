@@ -1,5 +1,5 @@
 //! Answers the balancer's polls (`dsr-polling`, `dsr-query`, and backends
-//! whose path loses options; protocol in `poll_proto`) with the same score
+//! whose path loses options; protocol in `poll_wire`) with the same score
 //! a 125 would carry. One socket per family: IPv4, and IPv6 only.
 
 use std::collections::HashSet;
@@ -13,8 +13,8 @@ use anyhow::{Context, Result};
 use tracing::{debug, warn};
 
 use super::maps::AgentCounter;
-use super::poll_proto;
 use super::tables::AgentMaps;
+use crate::poll_wire;
 
 /// Distinct untrusted senders warned about; past this they are only logged
 /// at debug level, so a scan cannot flood the log.
@@ -63,7 +63,7 @@ const KEYS_REFRESH: Duration = Duration::from_secs(1);
 /// answer, like only they may send 155/124: the score tells how loaded this
 /// server is. With `[auth] mode = "siphash"` a request must also carry a
 /// MAC under one of the agent's keys, and the reply is signed with the
-/// same key (poll_proto). Requests that are malformed, forged, from
+/// same key (poll_wire). Requests that are malformed, forged, from
 /// elsewhere, or for a port this agent does not serve get no reply (the
 /// balancer counts a missing reply as a failed poll) and are counted in
 /// `agent_stats` (polls_unauthenticated, polls_refused).
@@ -78,7 +78,7 @@ pub fn serve(sock: &UdpSocket, maps: &AgentMaps, ports: &[u16], balancers: &[IpA
     let mut warned: HashSet<IpAddr> = HashSet::new();
     let mut keys = maps.poll_keys()?;
     let mut keys_read = Instant::now();
-    let mut buf = [0u8; poll_proto::MAX_LEN];
+    let mut buf = [0u8; poll_wire::MAX_LEN];
     while !stop.load(Ordering::Relaxed) {
         let (n, from, to) = match recv_with_dst(sock, v6, &mut buf) {
             Ok(r) => r,
@@ -91,7 +91,7 @@ pub fn serve(sock: &UdpSocket, maps: &AgentMaps, ports: &[u16], balancers: &[IpA
         }
         let outcome = answer(&buf[..n], from, &keys, ports, balancers, &mut warned);
         let counter = match outcome {
-            Ok(req) => match poll_proto::encode_reply(&req, maps.score(req.port)?, &keys) {
+            Ok(req) => match poll_wire::encode_reply(&req, maps.score(req.port)?, &keys) {
                 Some(reply) => {
                     if let Err(e) = send_from(sock, &reply, from, to) {
                         warn!(%from, error = %e, "sending a poll reply failed");
@@ -115,15 +115,15 @@ pub fn serve(sock: &UdpSocket, maps: &AgentMaps, ports: &[u16], balancers: &[IpA
 fn answer(
     buf: &[u8],
     from: SocketAddr,
-    keys: &poll_proto::Keys,
+    keys: &poll_wire::Keys,
     ports: &[u16],
     balancers: &[IpAddr],
     warned: &mut HashSet<IpAddr>,
-) -> Result<poll_proto::Request, Option<AgentCounter>> {
+) -> Result<poll_wire::Request, Option<AgentCounter>> {
     // The sender first: a stranger's datagram is refused without spending a
     // MAC on it.
     if !balancers.contains(&from.ip()) {
-        if !poll_proto::is_request(buf) {
+        if !poll_wire::is_request(buf) {
             return Err(None);
         }
         if warned.len() < WARN_LIMIT && warned.insert(from.ip()) {
@@ -133,9 +133,9 @@ fn answer(
         }
         return Err(Some(AgentCounter::PollsRefused));
     }
-    let req = match poll_proto::decode_request(buf, keys) {
+    let req = match poll_wire::decode_request(buf, keys) {
         Ok(r) => r,
-        Err(poll_proto::Refusal::NotOurs) => {
+        Err(poll_wire::Refusal::NotOurs) => {
             debug!(%from, len = buf.len(), "not a poll request: ignored");
             return Err(None);
         }

@@ -5,11 +5,10 @@
 //! of the interface changes.
 
 use anyhow::{Context, Result};
-use serde::Serialize;
 
 use super::config::AgentConfig;
 use super::maps::DataPathConfig;
-use super::tables::AgentMaps;
+use super::tables::{AgentMaps, AuthStatus};
 use crate::auth::{self, AuthMode};
 use crate::bpfmap;
 use crate::wire::Key;
@@ -23,13 +22,6 @@ pub struct DataPathSettings {
     pub mtu: u16,
     /// A UDP client tuple unused this long is forgotten.
     pub udp_idle_timeout_s: u32,
-}
-
-/// What `status` shows of the settings: never key bytes.
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
-pub struct AuthStatus {
-    pub mode: AuthMode,
-    pub key_ids: Vec<u8>,
 }
 
 impl DataPathSettings {
@@ -60,7 +52,7 @@ impl DataPathSettings {
     pub fn changes(&self, new: &DataPathSettings) -> Vec<String> {
         let mut out = Vec::new();
         if self.mode != new.mode {
-            out.push(format!("auth mode {} -> {}", mode_name(self.mode), mode_name(new.mode)));
+            out.push(format!("auth mode {} -> {}", self.mode.name(), new.mode.name()));
         }
         let old_ids: Vec<u8> = self.keys.iter().map(|(id, _)| *id).collect();
         let new_ids: Vec<u8> = new.keys.iter().map(|(id, _)| *id).collect();
@@ -85,23 +77,6 @@ impl DataPathSettings {
 
     pub fn status(&self) -> AuthStatus {
         AuthStatus { mode: self.mode, key_ids: self.keys.iter().map(|(id, _)| *id).collect() }
-    }
-}
-
-pub fn mode_name(mode: AuthMode) -> &'static str {
-    match mode {
-        AuthMode::Siphash => "siphash",
-        AuthMode::None => "none",
-    }
-}
-
-/// The mode `agent_config` holds: the programs treat every value but
-/// INBAND_AUTH_NONE as the authenticated format.
-pub fn mode_of(c: u8) -> AuthMode {
-    if c == AuthMode::None.to_c() {
-        AuthMode::None
-    } else {
-        AuthMode::Siphash
     }
 }
 
@@ -145,13 +120,6 @@ mod tests {
         let none = settings(AuthMode::None, &[], 1500);
         assert_eq!(old.changes(&none), ["auth mode siphash -> none", "key ids removed: 1, 2"]);
         assert!(old.changes(&new).iter().all(|c| !c.contains("aa") && !c.contains("cc")));
-    }
-
-    #[test]
-    fn mode_round_trips_through_c() {
-        for m in [AuthMode::Siphash, AuthMode::None] {
-            assert_eq!(mode_of(m.to_c()), m);
-        }
     }
 
     #[test]

@@ -12,10 +12,10 @@ use serde::Serialize;
 
 use super::config::{ScoreSource, ServiceConfig, MAX_BALANCERS, MAX_SERVICES};
 use super::maps::{AgentCounter, AuthKey, Balancer, ConnKey, DataPathConfig, DsrFlow, Service, ServiceKey, COUNTER_MAX};
-use super::settings::{self, AuthStatus};
+use crate::auth::AuthMode;
 use crate::bpf::shared as c;
 use crate::bpfmap::{self, PinDir};
-use crate::lb::config::{vip_name, Protocol};
+use crate::net::{vip_name, Protocol};
 use crate::pod::{be_ip, be_port, ip_of, port_of};
 
 /// Size of `dsr_flows`.
@@ -69,7 +69,7 @@ impl AgentMaps {
             balancers: make(
                 MapType::Hash,
                 "balancers",
-                size_of::<crate::lb::maps::Addr>(),
+                size_of::<c::inband_addr>(),
                 size_of::<Balancer>(),
                 MAX_BALANCERS as u32,
             )?,
@@ -103,13 +103,13 @@ impl AgentMaps {
                 bpfmap::delete(&self.services, &k)?;
             }
         }
-        let wanted: HashSet<crate::lb::maps::Addr> = balancers.iter().map(|b| be_ip(*b)).collect();
+        let wanted: HashSet<c::inband_addr> = balancers.iter().map(|b| be_ip(*b)).collect();
         for b in &wanted {
             if bpfmap::get::<_, Balancer>(&self.balancers, b)?.is_none() {
                 bpfmap::put(&self.balancers, b, &Balancer::default())?;
             }
         }
-        for (k, _) in bpfmap::entries::<crate::lb::maps::Addr, Balancer>(&self.balancers)? {
+        for (k, _) in bpfmap::entries::<c::inband_addr, Balancer>(&self.balancers)? {
             if !wanted.contains(&k) {
                 bpfmap::delete(&self.balancers, &k)?;
             }
@@ -159,7 +159,7 @@ impl AgentMaps {
 
     /// The keys polls are checked and answered with: the data path's own
     /// (`[auth]`, as last applied).
-    pub fn poll_keys(&self) -> Result<crate::agent::poll_proto::Keys> {
+    pub fn poll_keys(&self) -> Result<crate::poll_wire::Keys> {
         let config: DataPathConfig = bpfmap::get(&self.agent_config, &0u32)?.unwrap_or_default();
         crate::auth::read_keys(config.auth_mode, &self.auth_keys)
     }
@@ -202,7 +202,7 @@ impl AgentMaps {
                 },
             );
         }
-        let mut balancers: Vec<IpAddr> = bpfmap::entries::<crate::lb::maps::Addr, Balancer>(&self.balancers)?
+        let mut balancers: Vec<IpAddr> = bpfmap::entries::<c::inband_addr, Balancer>(&self.balancers)?
             .into_iter()
             .map(|(k, _)| ip_of(&k))
             .collect();
@@ -216,7 +216,7 @@ impl AgentMaps {
             interface: interface.to_string(),
             score_source,
             balancers,
-            auth: AuthStatus { mode: settings::mode_of(config.auth_mode), key_ids: self.auth_key_ids()? },
+            auth: AuthStatus { mode: AuthMode::from_c(config.auth_mode), key_ids: self.auth_key_ids()? },
             mtu: config.mtu,
             ports,
             dsr_flows: bpfmap::count(&self.dsr_flows),
@@ -270,6 +270,13 @@ pub struct AgentSnapshot {
     pub counters: BTreeMap<&'static str, u64>,
 }
 
+/// What `status` shows of the `[auth]` settings: never key bytes.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct AuthStatus {
+    pub mode: AuthMode,
+    pub key_ids: Vec<u8>,
+}
+
 impl AgentSnapshot {
     pub fn render_table(&self) -> String {
         use std::fmt::Write;
@@ -281,7 +288,7 @@ impl AgentSnapshot {
         }
         let ids: Vec<String> = self.auth.key_ids.iter().map(|id| id.to_string()).collect();
         let ids = if ids.is_empty() { "none".to_string() } else { ids.join(", ") };
-        let _ = writeln!(s, "auth: {}  key ids: {ids}  mtu: {}", settings::mode_name(self.auth.mode), self.mtu);
+        let _ = writeln!(s, "auth: {}  key ids: {ids}  mtu: {}", self.auth.mode.name(), self.mtu);
         let _ = writeln!(s, "{:>6}  {:<30}  {:>8}  {:>8}  {:>6}", "port", "vip", "active", "override", "score");
         for (port, p) in &self.ports {
             let o = p.score_override.map(|o| o.to_string()).unwrap_or_else(|| "-".into());

@@ -27,7 +27,7 @@ use serde::Serialize;
 use crate::bpf::bounce::BounceSkelBuilder;
 use crate::bpf::shared as c;
 use crate::bpfmap::{count, get, put};
-use crate::lb::config::Protocol;
+use crate::net::Protocol;
 use crate::lb::maps::*;
 use crate::lb::private::{PrivateBalancer, XDP_PASS, XDP_TX};
 use crate::lb::tables::{backend_endpoint, ktime_ns, vip_key};
@@ -134,8 +134,8 @@ impl Plan {
     }
 }
 
-fn lb_config(auth: u32) -> LbConfig {
-    LbConfig {
+fn lb_config(auth: u32) -> DataPathConfig {
+    DataPathConfig {
         self4: be_ip(IpAddr::V4(LB)),
         self6: be_ip(IpAddr::V6(LB6)),
         mtu: 1500,

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::maps::{Mode, Policy, MAX_BACKENDS, MAX_BACKENDS_PER_VIP, MAX_VIPS};
 use crate::auth::AuthConfig;
+use crate::net::{unicast, vip_name, Protocol};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -79,33 +80,6 @@ pub struct ScaleOutConfig {
     pub direct_sid: Ipv6Addr,
     /// The router's SID that looks the VIP up in its shadow table.
     pub shadow_sid: Ipv6Addr,
-}
-
-/// The transport a VIP balances.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Protocol {
-    #[default]
-    Tcp,
-    Udp,
-}
-
-impl Protocol {
-    pub fn number(self) -> u8 {
-        match self {
-            Protocol::Tcp => 6,
-            Protocol::Udp => 17,
-        }
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            Protocol::Tcp => "tcp",
-            Protocol::Udp => "udp",
-        }
-    }
-    pub fn from_number(n: u8) -> Option<Protocol> {
-        [Protocol::Tcp, Protocol::Udp].into_iter().find(|p| p.number() == n)
-    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -457,21 +431,6 @@ pub const HEALTH_INTERVAL_MS: std::ops::RangeInclusive<u64> = 50..=600_000;
 pub const HEALTH_TIMEOUT_MS: std::ops::RangeInclusive<u64> = 10..=60_000;
 pub const HEALTH_IN_A_ROW: std::ops::RangeInclusive<u32> = 1..=100;
 
-/// An address that can be a unicast peer: not unspecified, broadcast,
-/// multicast, loopback, or (IPv6) link-local or IPv4-mapped.
-pub fn unicast(a: IpAddr) -> bool {
-    match a {
-        IpAddr::V4(a) => !(a.is_unspecified() || a.is_broadcast() || a.is_multicast() || a.is_loopback()),
-        IpAddr::V6(a) => {
-            !(a.is_unspecified()
-                || a.is_multicast()
-                || a.is_loopback()
-                || a.segments()[0] & 0xffc0 == 0xfe80
-                || a.to_ipv4_mapped().is_some())
-        }
-    }
-}
-
 fn in_range<T: PartialOrd + std::fmt::Display>(what: &str, v: T, r: &std::ops::RangeInclusive<T>) -> Result<()> {
     if !r.contains(&v) {
         bail!("{what} = {v} is out of range: use {}..={}", r.start(), r.end());
@@ -588,14 +547,6 @@ impl VipConfig {
             }
         }
         Ok(())
-    }
-}
-
-/// A VIP's name in messages and status: `10.0.0.100:80`, with `/udp` for UDP.
-pub fn vip_name(ep: SocketAddr, protocol: Protocol) -> String {
-    match protocol {
-        Protocol::Tcp => ep.to_string(),
-        Protocol::Udp => format!("{ep}/udp"),
     }
 }
 

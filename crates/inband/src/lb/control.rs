@@ -17,9 +17,11 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use super::config::{default_weight, BackendConfig, Encap, LbConfig, Protocol};
+use super::config::{default_weight, BackendConfig, Encap, LbConfig};
+use super::apply;
 use super::maps::{Mode, Policy};
-use super::tables::{self, LbMaps};
+use super::tables::LbMaps;
+use crate::net::Protocol;
 
 #[derive(Clone, Debug, Serialize, Deserialize, clap::Subcommand)]
 #[serde(tag = "cmd", rename_all = "kebab-case")]
@@ -168,7 +170,7 @@ pub fn change(cfg: &LbConfig, req: &ControlRequest, config_path: &Path) -> Resul
     let mut next = cfg.clone();
     let vip_mut = |next: &mut LbConfig, vip: &SocketAddr, protocol: &Protocol| -> Result<usize> {
         next.vips.iter().position(|v| v.endpoint() == *vip && v.protocol == *protocol).ok_or_else(|| {
-            anyhow::anyhow!("no VIP {} is configured", super::config::vip_name(*vip, *protocol))
+            anyhow::anyhow!("no VIP {} is configured", crate::net::vip_name(*vip, *protocol))
         })
     };
     let backend_pos = |next: &LbConfig, vi: usize, be: &SocketAddr| next.vips[vi].backends.iter().position(|b| b.endpoint() == *be);
@@ -305,12 +307,10 @@ fn handle(stream: UnixStream, maps: &LbMaps, cfg: &Arc<Mutex<LbConfig>>, config_
                     );
                 }
                 if matches!(req, ControlRequest::Reload) {
-                    // Key rotation: the new key set and signing key at once.
-                    super::daemon::write_config(maps, &next, &next.auth.load_keys()?)?;
+                    apply::config_and_keys(maps, &next, &next.auth.load_keys()?)?;
+                } else {
+                    apply::config(maps, &next)?;
                 }
-                tables::apply(maps, &next.vips, next.drain_timeout_ms)?;
-                // New backends' next hops now, not at the next periodic pass.
-                super::neighbour::refresh(maps, &next.interface)?;
                 Ok(next)
             }) {
                 Ok(next) => {

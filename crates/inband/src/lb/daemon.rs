@@ -17,11 +17,9 @@ use anyhow::{Context, Result};
 use tracing::{error, info, warn};
 
 use super::config::LbConfig;
-use super::maps::LbConfig as LbConfigMap;
 use super::tables::{self, LbMaps};
-use super::{attach, control, health, neighbour, options_watch, polling, query, snapshot, sweep};
+use super::{apply, attach, control, health, options_watch, polling, query, snapshot, sweep};
 use crate::bpfmap;
-use crate::pod::be_ip;
 use crate::runlock::RunLock;
 
 /// How often the sweeper ages the flow tables.
@@ -46,9 +44,7 @@ pub fn run(config_path: &Path) -> Result<()> {
     };
     let configured = (|| -> Result<LbMaps> {
         let maps = LbMaps::open(&dir)?;
-        write_config(&maps, &cfg, &keys)?;
-        tables::apply(&maps, &cfg.vips, cfg.drain_timeout_ms)?;
-        neighbour::refresh(&maps, &cfg.interface)?;
+        apply::config_and_keys(&maps, &cfg, &keys)?;
         Ok(maps)
     })();
     let maps = match configured {
@@ -75,11 +71,7 @@ pub fn run(config_path: &Path) -> Result<()> {
         let shared = Arc::clone(&shared);
         move |maps, stop| {
             while !stop.load(Ordering::Relaxed) {
-                let unresolved = {
-                    let cfg = shared.lock().unwrap();
-                    refresh_mtu(&maps, &cfg.interface)?;
-                    neighbour::refresh(&maps, &cfg.interface)?
-                };
+                let unresolved = apply::interface(&maps, &shared.lock().unwrap().interface)?;
                 // Poll fast while a next hop is missing (a SYN is waiting on it).
                 std::thread::sleep(Duration::from_millis(if unresolved > 0 { 100 } else { 1000 }));
             }
@@ -163,53 +155,6 @@ pub fn run(config_path: &Path) -> Result<()> {
         anyhow::bail!("a control-plane task failed (see the log above)");
     }
     Ok(())
-}
-
-/// Writes `lb_config` and the auth keys from `cfg`. The SNAT key is made
-/// once per data path: a restarted daemon keeps the running one's.
-pub fn write_config(maps: &LbMaps, cfg: &LbConfig, keys: &[(u8, crate::wire::Key)]) -> Result<()> {
-    let old: LbConfigMap = bpfmap::get(&maps.lb_config, &0u32)?.unwrap_or_default();
-    let snat_key = if old.snat_key != [0, 0] { old.snat_key } else { random_key()? };
-    crate::auth::write_keys(&maps.auth_keys, keys)?;
-    let mtu = crate::netif::mtu(&cfg.interface)?;
-    bpfmap::put(
-        &maps.lb_config,
-        &0u32,
-        &LbConfigMap {
-            // A family without an address stays all zero: not served.
-            self4: cfg.address.map(|a| be_ip(a.into())).unwrap_or_default(),
-            self6: cfg.address6.map(|a| be_ip(a.into())).unwrap_or_default(),
-            mtu,
-            auth_mode: cfg.auth.mode.to_c(),
-            sign_key: cfg.auth.signing_key(),
-            maglev_size: cfg.maglev_table_size,
-            snat_key,
-            cond_sid: cfg.scale_out.as_ref().map(|s| be_ip(s.sid.into())).unwrap_or_default(),
-            direct_sid: cfg.scale_out.as_ref().map(|s| be_ip(s.direct_sid.into())).unwrap_or_default(),
-            shadow_sid: cfg.scale_out.as_ref().map(|s| be_ip(s.shadow_sid.into())).unwrap_or_default(),
-        },
-    )
-}
-
-/// Follows the interface's MTU: no option is added to a packet it would
-/// push past it.
-fn refresh_mtu(maps: &LbMaps, interface: &str) -> Result<()> {
-    let mut c: LbConfigMap = bpfmap::get(&maps.lb_config, &0u32)?.unwrap_or_default();
-    let mtu = crate::netif::mtu(interface)?;
-    if c.mtu != mtu {
-        info!(interface, old = c.mtu, new = mtu, "interface MTU changed");
-        c.mtu = mtu;
-        bpfmap::put(&maps.lb_config, &0u32, &c)?;
-    }
-    Ok(())
-}
-
-fn random_key() -> Result<[u64; 2]> {
-    let mut b = [0u8; 16];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
-        .context("reading /dev/urandom")?;
-    Ok([u64::from_le_bytes(b[..8].try_into().unwrap()), u64::from_le_bytes(b[8..].try_into().unwrap())])
 }
 
 fn spawn<F>(name: &'static str, dir: &bpfmap::PinDir, stop: &Arc<AtomicBool>, f: F) -> std::thread::JoinHandle<Result<()>>

@@ -47,7 +47,9 @@ pub type VipKey = c::inband_vip_key;
 pub type Vip = c::inband_vip;
 pub type Backend = c::inband_backend;
 pub type BackendScore = c::inband_backend_score;
-pub type LbConfig = c::inband_lb_config;
+/// `lb_config`: what the data path knows of the instance (addresses, MTU,
+/// auth, SIDs), as opposed to `config::LbConfig`, the file it comes from.
+pub type DataPathConfig = c::inband_lb_config;
 pub type FlowKey = c::inband_flow_key;
 pub type Flow = c::inband_flow;
 pub type NatKey = c::inband_nat_key;
@@ -67,7 +69,7 @@ crate::pod::pod!(
     Vip,
     Backend,
     BackendScore,
-    LbConfig,
+    DataPathConfig,
     FlowKey,
     Flow,
     NatKey,

@@ -1,5 +1,6 @@
 //! The balancer's control plane: `inband lb`.
 
+pub mod apply;
 pub mod attach;
 pub mod config;
 pub mod control;

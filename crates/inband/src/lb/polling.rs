@@ -20,7 +20,7 @@ use tracing::warn;
 use super::config::LbConfig;
 use super::maps::{BackendScore, ControlStats, Mode, BACKEND_OPTIONS_LOST};
 use super::tables::{self, LbMaps};
-use crate::agent::poll_proto;
+use crate::poll_wire;
 use crate::bpfmap;
 
 /// Ethernet + IP + UDP headers around each poll datagram.
@@ -125,8 +125,8 @@ pub fn record(maps: &LbMaps, id: u32, score: u32, now: u64) -> Result<()> {
 /// The keys polls are signed and checked with, and the signing key's id:
 /// the data path's own (`lb_config`, `auth_keys` as last written), so a
 /// SIGHUP's new `[auth]` applies to the next round.
-fn poll_keys(maps: &LbMaps) -> Result<(poll_proto::Keys, u8)> {
-    let cfg: super::maps::LbConfig = bpfmap::get(&maps.lb_config, &0u32)?.unwrap_or_default();
+fn poll_keys(maps: &LbMaps) -> Result<(poll_wire::Keys, u8)> {
+    let cfg: super::maps::DataPathConfig = bpfmap::get(&maps.lb_config, &0u32)?.unwrap_or_default();
     Ok((crate::auth::read_keys(cfg.auth_mode, &maps.auth_keys)?, cfg.sign_key))
 }
 
@@ -155,7 +155,7 @@ pub fn poll_round(
     for (&(backend, poll_port), ids) in targets {
         let to = SocketAddr::new(backend.ip(), poll_port);
         let nonce: u64 = rand::random();
-        match asker.send(to, &poll_proto::encode_request(backend.port(), sign, nonce)) {
+        match asker.send(to, &poll_wire::encode_request(backend.port(), sign, nonce)) {
             Ok(n) => {
                 stats.polls_sent += 1;
                 stats.poll_bytes += n as u64 + wire_overhead(&to);
@@ -167,12 +167,12 @@ pub fn poll_round(
             }
         }
     }
-    let mut buf = [0u8; poll_proto::MAX_LEN];
+    let mut buf = [0u8; poll_wire::MAX_LEN];
     while !waiting.is_empty() {
         let Some((n, from)) = asker.recv_until(start + wait, &mut buf) else { break };
-        let reply = match poll_proto::decode_reply(&buf[..n], &keys) {
+        let reply = match poll_wire::decode_reply(&buf[..n], &keys) {
             Ok(r) => r,
-            Err(poll_proto::Refusal::NotOurs) => continue,
+            Err(poll_wire::Refusal::NotOurs) => continue,
             Err(why) => {
                 stats.poll_unauthenticated += 1;
                 warn!(%from, ?why, "poll reply that does not authenticate: ignored (do the balancer's and the agent's [auth] match?)");

@@ -33,7 +33,7 @@ pub struct Run {
 impl<'obj> PrivateBalancer<'obj> {
     /// Loads the program with `flow_table_size` flows (the other tables
     /// sized from it as `inband lb` sizes them) and `config` in lb_config.
-    pub fn load(storage: &'obj mut MaybeUninit<OpenObject>, flow_table_size: u32, config: &LbConfig) -> Result<Self> {
+    pub fn load(storage: &'obj mut MaybeUninit<OpenObject>, flow_table_size: u32, config: &DataPathConfig) -> Result<Self> {
         let mut open = BalancerSkelBuilder::default().open(storage).context("opening the balancer BPF object")?;
         let sizes = super::attach::table_sizes(flow_table_size, config.maglev_size);
         for mut map in open.open_object_mut().maps_mut() {

@@ -206,7 +206,7 @@ fn live(g: FlowGauges) -> u64 {
 pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
     let now = tables::ktime_ns();
     let wall_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-    let cfg: LbConfig = bpfmap::get(&maps.lb_config, &0u32)?.unwrap_or_default();
+    let cfg: DataPathConfig = bpfmap::get(&maps.lb_config, &0u32)?.unwrap_or_default();
     let mut vips = Vec::new();
     for v in tables::read(maps)? {
         let mut backends = Vec::new();

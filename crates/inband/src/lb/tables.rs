@@ -11,9 +11,10 @@ use std::net::SocketAddr;
 use anyhow::{bail, Result};
 use libbpf_rs::{MapCore, MapHandle};
 
-use super::config::{AllDown, Encap, OnDown, Protocol, VipConfig};
+use super::config::{AllDown, Encap, OnDown, VipConfig};
 use super::maps::*;
 use crate::bpfmap::{self, PinDir};
+use crate::net::Protocol;
 use crate::pod::{be_ip, be_port, ip_of, port_of};
 
 /// Handles on the balancer's pinned maps.
@@ -97,7 +98,7 @@ impl VipEntry {
         (self.endpoint, self.protocol)
     }
     pub fn name(&self) -> String {
-        super::config::vip_name(self.endpoint, self.protocol)
+        crate::net::vip_name(self.endpoint, self.protocol)
     }
 }
 
@@ -136,7 +137,8 @@ fn drain_deadline(now_ns: u64, drain_timeout_ms: u64) -> u64 {
 /// Makes the maps hold exactly `vips`. Backend ids of backends that stay are
 /// kept (their scores, stats and flows stay valid); removed backends and
 /// VIPs drain; new ids never reuse one that a flow may still name.
-pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64) -> Result<()> {
+/// `maglev_size` is the size the Maglev tables were created with.
+pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64, maglev_size: u32) -> Result<()> {
     let now = ktime_ns();
     let current = read(maps)?;
     let by_ep: HashMap<VipId, &VipEntry> = current.iter().map(|v| (v.ident(), v)).collect();
@@ -237,7 +239,7 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64) -> Result
         // The table before the VIP says maglev or weighted: a pick finds it
         // filled.
         if uses_maglev_table(v) {
-            write_maglev(maps, vid, v)?;
+            write_maglev(maps, vid, v, maglev_size)?;
         }
         bpfmap::put(&maps.vip_conf, &vid, &new)?;
         bpfmap::put(&maps.vips, &key, &vid)?;
@@ -289,13 +291,10 @@ fn uses_maglev_table(v: &VipConfig) -> bool {
     }
 }
 
-/// Writes VIP `vid`'s Maglev table (maglev.rs) for its backends in slot
-/// order; a drained backend has weight 0 (no new connections).
-pub fn write_maglev(maps: &LbMaps, vid: u32, v: &VipConfig) -> Result<()> {
-    let size = bpfmap::get::<u32, LbConfig>(&maps.lb_config, &0u32)?.map_or(0, |c| c.maglev_size);
-    if size == 0 {
-        return Ok(());
-    }
+/// Writes VIP `vid`'s Maglev table (maglev.rs) of `size` entries for its
+/// backends in slot order; a drained backend has weight 0 (no new
+/// connections).
+fn write_maglev(maps: &LbMaps, vid: u32, v: &VipConfig, size: u32) -> Result<()> {
     let named: Vec<(String, u32)> =
         v.backends.iter().map(|b| (b.endpoint().to_string(), if b.takes_new() { b.weight } else { 0 })).collect();
     let table = super::maglev::table(&named, size);

@@ -21,7 +21,7 @@ use tracing::info;
 use crate::bpf::shadow::ShadowSkelBuilder;
 use crate::bpf::shared as c;
 use crate::bpfmap::{remove_pin_dir, PinDir};
-use crate::testbed::netns::ip;
+use crate::command::ip;
 
 pub type Config = c::inband_shadow_config;
 pub type Count = c::inband_shadow_count;

@@ -18,7 +18,7 @@ use anyhow::{Context, Result};
 use tracing::{info, warn};
 
 use super::route::{self, RouterConfig};
-use crate::testbed::netns::ip;
+use crate::command::ip;
 
 /// The next hops the routing daemon installed for the VIP in `table`, as
 /// config names in config order (the order the VIP's route lists them),

@@ -25,7 +25,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
 use tracing::info;
 
-use crate::testbed::netns::ip;
+use crate::command::ip;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -14,6 +14,7 @@ use std::process::Stdio;
 use anyhow::{Context, Result};
 
 use super::{netns, Node, Testbed};
+use crate::command;
 
 /// The router's kernel table for the routes BGP learns.
 pub const LEARNED_TABLE: u32 = 100;
@@ -73,7 +74,7 @@ pub fn start(tb: &Testbed) -> Result<()> {
         let conf = file(tb, &node, "conf");
         std::fs::write(&conf, text).with_context(|| format!("writing {}", conf.display()))?;
         let (conf, sock, pid) = (conf.display().to_string(), socket(tb, &node).display().to_string(), file(tb, &node, "pid").display().to_string());
-        netns::run(netns::in_netns(&tb.netns(&node), &["bird", "-c", &conf, "-s", &sock, "-P", &pid]).stdout(Stdio::null()))
+        command::run(netns::in_netns(&tb.netns(&node), &["bird", "-c", &conf, "-s", &sock, "-P", &pid]).stdout(Stdio::null()))
             .with_context(|| format!("starting BIRD in {node} (apt install bird2)"))?;
     }
     Ok(())

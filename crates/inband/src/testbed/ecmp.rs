@@ -22,6 +22,7 @@ use std::process::Stdio;
 use anyhow::Result;
 
 use super::netns;
+use crate::command;
 use super::{add_ipv6, Node, Testbed};
 
 pub fn hex(n: u8) -> u16 {
@@ -73,7 +74,7 @@ impl Plan {
 }
 
 fn sysctl(ns: &str, kv: &str) -> Result<()> {
-    netns::run(netns::in_netns(ns, &["sysctl", "-q", "-w", kv]).stdout(Stdio::null())).map(|_| ())
+    command::run(netns::in_netns(ns, &["sysctl", "-q", "-w", kv]).stdout(Stdio::null())).map(|_| ())
 }
 
 /// Builds what `Testbed::up` planned (`nodes`: r1, the clients, the
@@ -82,9 +83,9 @@ pub fn build(tb: &Testbed) -> Result<()> {
     let plan = Plan { subnet: hex(tb.spec.subnet) };
     let r1 = tb.node("r1")?;
     for n in &tb.nodes {
-        netns::ip(&["netns", "add", &n.netns])?;
+        command::ip(&["netns", "add", &n.netns])?;
         sysctl(&n.netns, "net.ipv6.conf.default.accept_dad=0")?;
-        netns::ip(&["-n", &n.netns, "link", "set", "lo", "up"])?;
+        command::ip(&["-n", &n.netns, "link", "set", "lo", "up"])?;
     }
     sysctl(&r1.netns, "net.ipv6.conf.all.forwarding=1")?;
     let (mut toml, gw) = (router_toml(&plan), plan.client_gw().to_string());
@@ -93,21 +94,21 @@ pub fn build(tb: &Testbed) -> Result<()> {
     for n in tb.nodes.iter().filter(|n| n.node != "r1") {
         let i: usize = n.node[1..].parse()?;
         let (local, peer) = ("eth0", n.node.as_str());
-        netns::ip(&["link", "add", local, "netns", &n.netns, "type", "veth", "peer", "name", peer, "netns", &r1.netns])?;
-        netns::ip(&["-n", &n.netns, "link", "set", local, "up"])?;
-        netns::ip(&["-n", &r1.netns, "link", "set", peer, "up"])?;
+        command::ip(&["link", "add", local, "netns", &n.netns, "type", "veth", "peer", "name", peer, "netns", &r1.netns])?;
+        command::ip(&["-n", &n.netns, "link", "set", local, "up"])?;
+        command::ip(&["-n", &r1.netns, "link", "set", peer, "up"])?;
         // Software checksums, as a real wire demands (see `Testbed::build`).
-        netns::run(netns::in_netns(&n.netns, &["ethtool", "-K", local, "tx", "off"]).stdout(Stdio::null()))?;
-        netns::run(netns::in_netns(&r1.netns, &["ethtool", "-K", peer, "tx", "off"]).stdout(Stdio::null()))?;
+        command::run(netns::in_netns(&n.netns, &["ethtool", "-K", local, "tx", "off"]).stdout(Stdio::null()))?;
+        command::run(netns::in_netns(&r1.netns, &["ethtool", "-K", peer, "tx", "off"]).stdout(Stdio::null()))?;
         add_ipv6(&n.netns, local, &format!("{}/64", n.address6))?;
         if n.node.starts_with('c') {
-            netns::ip(&["-n", &n.netns, "-6", "route", "add", "default", "via", &gw])?;
+            command::ip(&["-n", &n.netns, "-6", "route", "add", "default", "via", &gw])?;
             add_ipv6(&r1.netns, peer, &format!("{gw}/128"))?;
-            netns::ip(&["-n", &r1.netns, "-6", "route", "add", &format!("{}/128", n.address6), "dev", peer])?;
+            command::ip(&["-n", &r1.netns, "-6", "route", "add", &format!("{}/128", n.address6), "dev", peer])?;
             continue;
         }
         add_ipv6(&r1.netns, peer, &format!("{}/64", plan.router_on(n)))?;
-        netns::ip(&["-n", &n.netns, "-6", "route", "add", "default", "via", &plan.router_on(n).to_string()])?;
+        command::ip(&["-n", &n.netns, "-6", "route", "add", "default", "via", &plan.router_on(n).to_string()])?;
         if !n.node.starts_with(hop) {
             continue;
         }
@@ -118,7 +119,7 @@ pub fn build(tb: &Testbed) -> Result<()> {
             sysctl(&n.netns, "net.ipv6.conf.all.seg6_enabled=1")?;
             sysctl(&n.netns, &format!("net.ipv6.conf.{local}.seg6_enabled=1"))?;
             for sid in [plan.sid(i), plan.direct_sid(i)] {
-                netns::ip(&[
+                command::ip(&[
                     "-n", &n.netns, "-6", "route", "add", &sid.to_string(), "encap", "seg6local", "action", "End.DT6", "table",
                     "local", "dev", local,
                 ])?;
@@ -128,7 +129,7 @@ pub fn build(tb: &Testbed) -> Result<()> {
             // only into a peer that runs XDP.
             super::peer::attach_pass(&r1.netns, peer)?;
         }
-        netns::ip(&[
+        command::ip(&[
             "-n",
             &r1.netns,
             "-6",

@@ -15,6 +15,8 @@ use std::process::{Child, Command, Output, Stdio};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
+use crate::command;
+
 pub use netns::in_netns;
 
 /// What to build. Addresses: 10.<subnet>.0.0/24, balancer .2, VIP .100 (on
@@ -174,49 +176,49 @@ impl Testbed {
 
     fn build(&self) -> Result<()> {
         let sw = self.switch.as_str();
-        netns::ip(&["netns", "add", sw])?;
+        command::ip(&["netns", "add", sw])?;
         // Without multicast snooping the bridge floods neighbour
         // solicitations to every port: a host that has not yet told the
         // bridge which solicited-node groups it listens to still hears them.
-        netns::ip(&["-n", sw, "link", "add", "br0", "type", "bridge", "mcast_snooping", "0"])?;
-        netns::ip(&["-n", sw, "link", "set", "br0", "up"])?;
+        command::ip(&["-n", sw, "link", "add", "br0", "type", "bridge", "mcast_snooping", "0"])?;
+        command::ip(&["-n", sw, "link", "set", "br0", "up"])?;
         let routed = self.spec.client_link_mtu.is_some();
         for n in &self.nodes {
-            netns::ip(&["netns", "add", &n.netns])?;
+            command::ip(&["netns", "add", &n.netns])?;
             // Interfaces made from here on skip duplicate address detection
             // (link-local addresses too): usable at once, unique anyway.
-            netns::run(netns::in_netns(&n.netns, &["sysctl", "-q", "-w", "net.ipv6.conf.default.accept_dad=0"]).stdout(Stdio::null()))?;
+            command::run(netns::in_netns(&n.netns, &["sysctl", "-q", "-w", "net.ipv6.conf.default.accept_dad=0"]).stdout(Stdio::null()))?;
             if routed && n.node.starts_with('c') {
                 self.link_to_router(n)?;
                 continue;
             }
-            netns::ip(&["link", "add", "eth0", "netns", &n.netns, "type", "veth", "peer", "name", &n.bridge_port, "netns", sw])?;
-            netns::ip(&["-n", sw, "link", "set", &n.bridge_port, "master", "br0", "up"])?;
-            netns::ip(&["-n", &n.netns, "link", "set", "lo", "up"])?;
-            netns::ip(&["-n", &n.netns, "addr", "add", &format!("{}/24", n.address), "dev", "eth0"])?;
+            command::ip(&["link", "add", "eth0", "netns", &n.netns, "type", "veth", "peer", "name", &n.bridge_port, "netns", sw])?;
+            command::ip(&["-n", sw, "link", "set", &n.bridge_port, "master", "br0", "up"])?;
+            command::ip(&["-n", &n.netns, "link", "set", "lo", "up"])?;
+            command::ip(&["-n", &n.netns, "addr", "add", &format!("{}/24", n.address), "dev", "eth0"])?;
             add_ipv6(&n.netns, "eth0", &format!("{}/64", n.address6))?;
-            netns::ip(&["-n", &n.netns, "link", "set", "eth0", "up"])?;
+            command::ip(&["-n", &n.netns, "link", "set", "eth0", "up"])?;
             if n.node != "lb" {
                 // veth leaves TCP checksums partial when the sender offloads
                 // them, and a packet rewritten by XDP loses the "partial"
                 // mark; real NICs deliver complete checksums. Hosts here
                 // compute them in software, as a real wire would demand.
-                netns::run(netns::in_netns(&n.netns, &["ethtool", "-K", "eth0", "tx", "off"]).stdout(Stdio::null()))?;
+                command::run(netns::in_netns(&n.netns, &["ethtool", "-K", "eth0", "tx", "off"]).stdout(Stdio::null()))?;
             }
         }
         if routed {
             let r1 = self.node("r1")?;
-            netns::run(netns::in_netns(&r1.netns, &["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"]).stdout(Stdio::null()))?;
-            netns::run(netns::in_netns(&r1.netns, &["sysctl", "-q", "-w", "net.ipv6.conf.all.forwarding=1"]).stdout(Stdio::null()))?;
+            command::run(netns::in_netns(&r1.netns, &["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"]).stdout(Stdio::null()))?;
+            command::run(netns::in_netns(&r1.netns, &["sysctl", "-q", "-w", "net.ipv6.conf.all.forwarding=1"]).stdout(Stdio::null()))?;
             let clients = format!("10.{}.1.0/24", self.spec.subnet);
             let clients6 = format!("fd00:{}:1::/64", self.spec.subnet);
             for n in self.nodes.iter().filter(|n| n.node == "lb" || n.node.starts_with('s')) {
-                netns::ip(&["-n", &n.netns, "route", "add", &clients, "via", &r1.address.to_string()])?;
-                netns::ip(&["-n", &n.netns, "-6", "route", "add", &clients6, "via", &r1.address6.to_string()])?;
+                command::ip(&["-n", &n.netns, "route", "add", &clients, "via", &r1.address.to_string()])?;
+                command::ip(&["-n", &n.netns, "-6", "route", "add", &clients6, "via", &r1.address6.to_string()])?;
             }
         }
         let lb = self.node("lb")?;
-        netns::ip(&["-n", &lb.netns, "addr", "add", &format!("{}/32", self.vip), "dev", "lo"])?;
+        command::ip(&["-n", &lb.netns, "addr", "add", &format!("{}/32", self.vip), "dev", "lo"])?;
         // IPv6 neighbour discovery answers only for the receiving
         // interface's own addresses (ARP answers for any local one): an
         // on-link IPv6 VIP sits on the balancer's interface.
@@ -235,21 +237,21 @@ impl Testbed {
         let mtu = self.spec.client_link_mtu.unwrap_or(1500).to_string();
         let gw = format!("10.{}.1.1", self.spec.subnet);
         let gw6 = format!("fd00:{}:1::1", self.spec.subnet);
-        netns::ip(&["link", "add", "eth0", "netns", &n.netns, "type", "veth", "peer", "name", &n.node, "netns", &r1.netns])?;
-        netns::ip(&["-n", &n.netns, "link", "set", "lo", "up"])?;
-        netns::ip(&["-n", &n.netns, "addr", "add", &format!("{}/24", n.address), "dev", "eth0"])?;
+        command::ip(&["link", "add", "eth0", "netns", &n.netns, "type", "veth", "peer", "name", &n.node, "netns", &r1.netns])?;
+        command::ip(&["-n", &n.netns, "link", "set", "lo", "up"])?;
+        command::ip(&["-n", &n.netns, "addr", "add", &format!("{}/24", n.address), "dev", "eth0"])?;
         add_ipv6(&n.netns, "eth0", &format!("{}/64", n.address6))?;
-        netns::ip(&["-n", &n.netns, "link", "set", "eth0", "up"])?;
-        netns::ip(&["-n", &n.netns, "route", "add", "default", "via", &gw])?;
-        netns::ip(&["-n", &n.netns, "-6", "route", "add", "default", "via", &gw6])?;
-        netns::run(netns::in_netns(&n.netns, &["ethtool", "-K", "eth0", "tx", "off"]).stdout(Stdio::null()))?;
+        command::ip(&["-n", &n.netns, "link", "set", "eth0", "up"])?;
+        command::ip(&["-n", &n.netns, "route", "add", "default", "via", &gw])?;
+        command::ip(&["-n", &n.netns, "-6", "route", "add", "default", "via", &gw6])?;
+        command::run(netns::in_netns(&n.netns, &["ethtool", "-K", "eth0", "tx", "off"]).stdout(Stdio::null()))?;
         // One router address for every client link (a /32 route per client).
-        netns::ip(&["-n", &r1.netns, "addr", "add", &format!("{gw}/32"), "dev", &n.node])?;
+        command::ip(&["-n", &r1.netns, "addr", "add", &format!("{gw}/32"), "dev", &n.node])?;
         add_ipv6(&r1.netns, &n.node, &format!("{gw6}/128"))?;
-        netns::ip(&["-n", &r1.netns, "link", "set", &n.node, "mtu", &mtu, "up"])?;
-        netns::ip(&["-n", &r1.netns, "route", "add", &format!("{}/32", n.address), "dev", &n.node])?;
-        netns::ip(&["-n", &r1.netns, "-6", "route", "add", &format!("{}/128", n.address6), "dev", &n.node])?;
-        netns::run(netns::in_netns(&r1.netns, &["ethtool", "-K", &n.node, "tx", "off"]).stdout(Stdio::null()))?;
+        command::ip(&["-n", &r1.netns, "link", "set", &n.node, "mtu", &mtu, "up"])?;
+        command::ip(&["-n", &r1.netns, "route", "add", &format!("{}/32", n.address), "dev", &n.node])?;
+        command::ip(&["-n", &r1.netns, "-6", "route", "add", &format!("{}/128", n.address6), "dev", &n.node])?;
+        command::run(netns::in_netns(&r1.netns, &["ethtool", "-K", &n.node, "tx", "off"]).stdout(Stdio::null()))?;
         Ok(())
     }
 
@@ -336,7 +338,7 @@ impl Drop for Testbed {
 /// which would hold it "tentative" for a second or more (every address
 /// here is unique by construction).
 fn add_ipv6(ns: &str, dev: &str, cidr: &str) -> Result<()> {
-    netns::ip(&["-n", ns, "-6", "addr", "add", cidr, "dev", dev, "nodad"]).map(|_| ())
+    command::ip(&["-n", ns, "-6", "addr", "add", cidr, "dev", dev, "nodad"]).map(|_| ())
 }
 
 fn state_path(name: &str) -> PathBuf {
@@ -347,7 +349,7 @@ fn state_path(name: &str) -> PathBuf {
 /// fine if nothing exists.
 pub fn teardown(name: &str) -> Result<()> {
     let prefix = format!("{name}-");
-    let out = netns::ip(&["netns", "list"])?;
+    let out = command::ip(&["netns", "list"])?;
     let mut first_err = None;
     for line in String::from_utf8_lossy(&out.stdout).lines() {
         let ns = line.split_whitespace().next().unwrap_or("");

@@ -1,22 +1,11 @@
-//! Thin wrappers over iproute2 and nsenter for building testbeds.
+//! Network namespaces for building testbeds: commands inside one, and
+//! its removal.
 
-use std::process::{Command, Output};
+use std::process::Command;
 
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 
-/// Runs a command and fails with its command line and stderr.
-pub fn run(cmd: &mut Command) -> Result<Output> {
-    let line = format!("{cmd:?}");
-    let out = cmd.output().with_context(|| format!("running {line}"))?;
-    if !out.status.success() {
-        bail!("{line} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
-    }
-    Ok(out)
-}
-
-pub fn ip(args: &[&str]) -> Result<Output> {
-    run(Command::new("ip").args(args))
-}
+use crate::command::ip;
 
 /// A command in `netns`'s network namespace only. Not `ip netns exec`: that
 /// also mounts a private /sys, which hides bpffs and so every pinned map.

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 
 use anyhow::{anyhow, Result};
 
-use crate::lb::config::Protocol;
+use crate::net::Protocol;
 use crate::lb::maps::BackendStats;
 use crate::lb::tables::{self, LbMaps};
 
