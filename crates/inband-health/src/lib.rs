@@ -186,6 +186,42 @@ impl Verdicts {
     }
 }
 
+/// The `[health]` table of `inband proxy` and `inband mesh`: a GET of
+/// `path` on every backend each `interval_ms`, 2xx or 3xx passing. Each
+/// checks the bounds it needs when it loads its config.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpCheckConfig {
+    #[serde(default = "default_health_path")]
+    pub path: String,
+    #[serde(default = "default_health_interval_ms")]
+    pub interval_ms: u64,
+    #[serde(default = "default_health_timeout_ms")]
+    pub timeout_ms: u64,
+    /// Consecutive failed checks that eject a backend.
+    #[serde(default = "default_unhealthy_after")]
+    pub unhealthy_after: u32,
+    /// Consecutive passed checks that readmit it.
+    #[serde(default = "default_healthy_after")]
+    pub healthy_after: u32,
+}
+
+fn default_health_path() -> String {
+    "/".into()
+}
+fn default_health_interval_ms() -> u64 {
+    2000
+}
+fn default_health_timeout_ms() -> u64 {
+    1000
+}
+fn default_unhealthy_after() -> u32 {
+    3
+}
+fn default_healthy_after() -> u32 {
+    2
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use inband_health::HttpCheckConfig;
 use serde::Deserialize;
 
 #[derive(Clone, Debug, Deserialize)]
@@ -75,7 +76,7 @@ pub struct Config {
     pub purge_allow: Vec<IpAddr>,
     /// Active health checks; none when absent.
     #[serde(default)]
-    pub health: Option<HealthConfig>,
+    pub health: Option<HttpCheckConfig>,
     #[serde(default)]
     pub passive: PassiveConfig,
     /// The response cache; none when absent.
@@ -90,23 +91,6 @@ pub enum PolicyKind {
     RoundRobin,
     LeastRequest,
     ConsistentHash,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct HealthConfig {
-    #[serde(default = "default_health_path")]
-    pub path: String,
-    #[serde(default = "default_health_interval_ms")]
-    pub interval_ms: u64,
-    #[serde(default = "default_health_timeout_ms")]
-    pub timeout_ms: u64,
-    /// Consecutive failed checks that eject a backend.
-    #[serde(default = "default_unhealthy_after")]
-    pub unhealthy_after: u32,
-    /// Consecutive passed checks that readmit it.
-    #[serde(default = "default_healthy_after")]
-    pub healthy_after: u32,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -203,21 +187,6 @@ fn default_shutdown_timeout_ms() -> u64 {
 }
 fn default_purge_allow() -> Vec<IpAddr> {
     vec![IpAddr::from([127, 0, 0, 1]), IpAddr::from(std::net::Ipv6Addr::LOCALHOST)]
-}
-fn default_health_path() -> String {
-    "/".into()
-}
-fn default_health_interval_ms() -> u64 {
-    2000
-}
-fn default_health_timeout_ms() -> u64 {
-    1000
-}
-fn default_unhealthy_after() -> u32 {
-    3
-}
-fn default_healthy_after() -> u32 {
-    2
 }
 fn default_passive_failures() -> u32 {
     5

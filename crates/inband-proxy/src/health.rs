@@ -5,12 +5,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use inband_health::{Expect, Probe, Verdicts};
+use inband_health::{Expect, HttpCheckConfig, Probe, Verdicts};
 
 use crate::backend::Backend;
-use crate::config::HealthConfig;
 
-pub fn spawn(cfg: HealthConfig, backend: Arc<Backend>, addr: std::net::SocketAddr) -> tokio::task::JoinHandle<()> {
+pub fn spawn(cfg: HttpCheckConfig, backend: Arc<Backend>, addr: std::net::SocketAddr) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_millis(cfg.interval_ms));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

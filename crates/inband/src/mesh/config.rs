@@ -8,11 +8,10 @@ use std::net::SocketAddrV4;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use inband_health::HttpCheckConfig;
 use serde::Deserialize;
 
 use crate::bpf::shared as c;
-
-pub use inband_proxy::config::HealthConfig as HealthCheck;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -38,7 +37,7 @@ pub struct Config {
     /// Active HTTP health checks of every backend, beside the pools' own
     /// connect and TCP-state checks; none when absent.
     /// The same `[health]` table as `inband proxy`'s (docs/configuration.md).
-    pub health: Option<HealthCheck>,
+    pub health: Option<HttpCheckConfig>,
     /// Names the pin directory (several daemons on one host need distinct names).
     #[serde(default = "default_name")]
     pub name: String,

@@ -9,13 +9,12 @@ use std::net::SocketAddrV4;
 use std::rc::Rc;
 use std::time::Duration;
 
-use inband_health::{Expect, Probe, Verdicts};
+use inband_health::{Expect, HttpCheckConfig, Probe, Verdicts};
 use tracing::{info, warn};
 
-use super::config::HealthCheck;
 use super::state::MeshState;
 
-pub async fn check(sh: Rc<MeshState>, backend: u32, addr: SocketAddrV4, hc: HealthCheck) {
+pub async fn check(sh: Rc<MeshState>, backend: u32, addr: SocketAddrV4, hc: HttpCheckConfig) {
     let mut tick = tokio::time::interval(Duration::from_millis(hc.interval_ms));
     let probe = Probe::Http { path: hc.path.clone(), host: addr.to_string(), expect: Expect::SuccessOrRedirect };
     let timeout = Duration::from_millis(hc.timeout_ms);
