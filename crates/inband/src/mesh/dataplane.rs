@@ -25,7 +25,7 @@ use crate::pod::be_addr;
 pub type MeshConfig = c::inband_mesh_config;
 pub type ServiceKey = c::inband_mesh_service_key;
 pub type ServiceValue = c::inband_mesh_service;
-pub type Backend = c::inband_mesh_backend;
+pub type MeshBackend = c::inband_mesh_backend;
 pub type Slot = c::inband_mesh_slot;
 pub type ConnKey = c::inband_mesh_conn_key;
 pub type Conn = c::inband_mesh_conn;
@@ -33,7 +33,7 @@ crate::pod::pod!(
     MeshConfig,
     ServiceKey,
     ServiceValue,
-    Backend,
+    MeshBackend,
     Slot,
     ConnKey,
     Conn
@@ -70,7 +70,7 @@ pub fn pin_dir(name: &str) -> PinDir {
 pub struct Dataplane {
     skel: MeshSkel<'static>,
     _links: Vec<Link>,
-    backends: MmapArray<Backend>,
+    backends: MmapArray<MeshBackend>,
     slots: MmapArray<Slot>,
     pins: PinDir,
 }
@@ -238,7 +238,7 @@ impl Dataplane {
             .store(up as u32, Ordering::Release);
     }
 
-    pub fn backend_snapshot(&self, backend: u32) -> Backend {
+    pub fn backend_snapshot(&self, backend: u32) -> MeshBackend {
         // SAFETY: a plain copy; fields may be mid-update, which a snapshot tolerates.
         unsafe { std::ptr::read_volatile(self.backend(backend)) }
     }
@@ -323,7 +323,7 @@ impl Dataplane {
         &self.pins
     }
 
-    fn backend(&self, i: u32) -> *mut Backend {
+    fn backend(&self, i: u32) -> *mut MeshBackend {
         self.backends.at(i)
     }
 }
@@ -452,7 +452,7 @@ pub fn ktime_ns() -> u64 {
 }
 
 /// A backend's address, requests in flight and requests sent, for status.
-pub fn backend_line(b: &Backend) -> (SocketAddrV4, i32, u64) {
+pub fn backend_line(b: &MeshBackend) -> (SocketAddrV4, i32, u64) {
     let ip = std::net::Ipv4Addr::from(u32::from_be(b.ip4));
     (
         SocketAddrV4::new(ip, b.port as u16),

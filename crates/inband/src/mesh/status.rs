@@ -8,7 +8,7 @@ use anyhow::{bail, Result};
 use serde::Serialize;
 
 use super::dataplane::{
-    backend_line, pin_dir, read_counters, Backend, ServiceKey, ServiceValue, Slot,
+    backend_line, pin_dir, read_counters, MeshBackend, ServiceKey, ServiceValue, Slot,
 };
 use crate::bpf::shared as c;
 use crate::bpfmap::PinDir;
@@ -63,7 +63,7 @@ pub fn read(pins: &PinDir) -> Result<Status> {
     let services_map = pins.open("mesh_services")?;
     let backends_map = pins.open("mesh_backends")?;
     let address_of = |i: u32| -> Result<String> {
-        let b: Backend = crate::bpfmap::get(&backends_map, &i)?.unwrap_or_default();
+        let b: MeshBackend = crate::bpfmap::get(&backends_map, &i)?.unwrap_or_default();
         Ok(backend_line(&b).0.to_string())
     };
     let mut services = Vec::new();
@@ -122,7 +122,7 @@ pub fn read(pins: &PinDir) -> Result<Status> {
     let slots_map = pins.open("mesh_slots")?;
     let mut backends = Vec::new();
     for i in 0..c::INBAND_MESH_MAX_BACKENDS {
-        let Some(b) = crate::bpfmap::get::<u32, Backend>(&backends_map, &i)? else {
+        let Some(b) = crate::bpfmap::get::<u32, MeshBackend>(&backends_map, &i)? else {
             break;
         };
         if b.pool == 0 {

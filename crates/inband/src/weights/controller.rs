@@ -16,7 +16,7 @@ use super::learn::{self, adjust, schedule, Curve, Point, Search, Want, DROP_FACT
 use super::observe::{self, Observed, Window};
 use super::shares::{self, Meter};
 use super::solve;
-use super::status::{self, BackendState, BackendStatus, Decision, Phase, SolveRecord, Status};
+use super::status::{self, BackendState, BackendStatus, Decision, Phase, SolveRecord, ControllerStatus};
 
 /// A latency change is a traffic change (all curves move together) when
 /// at least this share of the backends moved the same way.
@@ -566,7 +566,7 @@ impl Controller {
                 share: k.share,
             })
             .collect();
-        let s = Status {
+        let s = ControllerStatus {
             phase: self.phase,
             target: describe(&self.cfg.target),
             last_solve: self.last_solve.clone(),

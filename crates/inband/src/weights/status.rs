@@ -25,7 +25,7 @@ pub enum BackendState {
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Status {
+pub struct ControllerStatus {
     pub phase: Phase,
     pub target: String,
     pub last_solve: Option<SolveRecord>,
@@ -82,7 +82,7 @@ pub fn unix_ms() -> u64 {
 
 /// Written to a temporary file and renamed over, so a reader never sees
 /// half a file.
-pub fn write(path: &Path, status: &Status) -> Result<()> {
+pub fn write(path: &Path, status: &ControllerStatus) -> Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
@@ -91,14 +91,14 @@ pub fn write(path: &Path, status: &Status) -> Result<()> {
     std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
 }
 
-pub fn read(path: &Path) -> Result<Status> {
+pub fn read(path: &Path) -> Result<ControllerStatus> {
     let text = std::fs::read(path).with_context(|| {
         format!("reading {} (is `inband weights` running with this status_file?)", path.display())
     })?;
     serde_json::from_slice(&text).with_context(|| format!("{} is not a weights controller's status", path.display()))
 }
 
-pub fn render(s: &Status) -> String {
+pub fn render(s: &ControllerStatus) -> String {
     let mut out = format!("weights controller for {}: {}\n", s.target, match s.phase {
         Phase::Learning => "learning",
         Phase::Steady => "steady",
