@@ -17,8 +17,8 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use super::config::{default_weight, BackendConfig, Encap, LbConfig};
 use super::apply;
+use super::config::{default_weight, BackendConfig, Encap, LbConfig};
 use super::maps::{Mode, Policy};
 use super::tables::LbMaps;
 use crate::net::Protocol;
