@@ -48,6 +48,10 @@ pub enum AgentCounter {
     PollsUnauthenticated = c::INBAND_AGENT_POLLS_UNAUTHENTICATED,
     PollsRefused = c::INBAND_AGENT_POLLS_REFUSED,
     TimeWaitReopened = c::INBAND_AGENT_TIME_WAIT_REOPENED,
+    ScoreCarriers = c::INBAND_AGENT_SCORE_CARRIERS,
+    ScoreDeferredNoRoom = c::INBAND_AGENT_SCORE_DEFERRED_NO_ROOM,
+    ScoreDeferredUdpBurst = c::INBAND_AGENT_SCORE_DEFERRED_UDP_BURST,
+    ScoreDeferredCarrierFailed = c::INBAND_AGENT_SCORE_DEFERRED_CARRIER_FAILED,
 }
 
 /// Entries of `agent_stats`.
@@ -85,6 +89,10 @@ impl AgentCounter {
         (AgentCounter::PollsUnauthenticated, "polls_unauthenticated"),
         (AgentCounter::PollsRefused, "polls_refused"),
         (AgentCounter::TimeWaitReopened, "time_wait_reopened"),
+        (AgentCounter::ScoreCarriers, "score_carriers"),
+        (AgentCounter::ScoreDeferredNoRoom, "score_deferred_no_room"),
+        (AgentCounter::ScoreDeferredUdpBurst, "score_deferred_udp_burst"),
+        (AgentCounter::ScoreDeferredCarrierFailed, "score_deferred_carrier_failed"),
     ];
 
     pub const ALL: [AgentCounter; COUNTER_MAX] = {
