@@ -566,24 +566,32 @@ static __always_inline int add_score(struct __sk_buff *skb, const struct apkt *a
 	return 1;
 }
 
-/* Set on this CPU while agent_egress hands a burst to bpf_clone_redirect:
- * the clone runs this program again before the helper returns, nested on
- * the same CPU (transmit runs with bottom halves off), and must go on as
- * if no score were asked. A mark on the skb would be readable, and
- * settable, by whatever else sees the packet (skb->mark is the
- * application's SO_MARK); this slot only the agent writes. */
+/* The carrier handshake on this CPU: answer_score sets CARRIER_WANTED
+ * around bpf_clone_redirect, whose clone runs this program again before
+ * the helper returns, nested on the same CPU (transmit runs with bottom
+ * halves off); that pass takes the request, becomes the carrier and says
+ * CARRIER_HANDLED (counted there, whatever came of it). A mark on the skb
+ * would be readable, and settable, by whatever else sees the packet
+ * (skb->mark is the application's SO_MARK); this slot only the agent
+ * writes. */
+enum {
+	CARRIER_NONE = 0,
+	CARRIER_WANTED = 1,
+	CARRIER_HANDLED = 2,
+};
+
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, 1);
 	__type(key, __u32);
 	__type(value, __u32);
-} resending SEC(".maps");
+} carrier_slot SEC(".maps");
 
-static __always_inline __u32 *resending_slot(void)
+static __always_inline __u32 *carrier_state(void)
 {
 	__u32 zero = 0;
 
-	return bpf_map_lookup_elem(&resending, &zero);
+	return bpf_map_lookup_elem(&carrier_slot, &zero);
 }
 
 /*
@@ -641,16 +649,58 @@ static __always_inline int trim_to_headers(struct __sk_buff *skb, const struct a
 }
 
 /*
+ * The TCP header length and data bytes of the segment, if its data offset
+ * is sane; 0 data otherwise.
+ */
+static __always_inline __u32 tcp_payload(struct __sk_buff *skb, const struct apkt *a, __u8 doff_flags[2],
+					 __u32 *tcp_hlen)
+{
+	if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + a->hlen + 12, doff_flags, 2))
+		return 0;
+	*tcp_hlen = (doff_flags[0] >> 4) * 4;
+	if (*tcp_hlen < sizeof(struct tcphdr) || a->hlen + *tcp_hlen >= a->tot_len)
+		return 0;
+	return a->tot_len - a->hlen - *tcp_hlen;
+}
+
+/*
+ * The clone answer_score asked for: cut to the segment's headers
+ * (trim_to_headers), it takes the 125 to the balancer, which forwards it
+ * to the client as a pure ACK. The original goes on with the data.
+ */
+static __always_inline int make_carrier(struct __sk_buff *skb, struct apkt *a, struct inband_dsr_flow *flow)
+{
+	const struct inband_agent_config *cfg = agent_cfg();
+	__u8 doff_flags[2] = {};
+	__u32 tcp_hlen = 0, payload, len;
+
+	if (!cfg || a->proto != IPPROTO_TCP)
+		return TC_ACT_SHOT;
+	payload = tcp_payload(skb, a, doff_flags, &tcp_hlen);
+	len = cfg->auth_mode == INBAND_AUTH_NONE ? INBAND_OPT_SCORE_LEN : INBAND_OPT_AUTH_SCORE_LEN;
+	if (!payload || trim_to_headers(skb, a, tcp_hlen, payload) || apkt_parse(skb, a)) {
+		count(INBAND_AGENT_SCORE_DEFERRED_CARRIER_FAILED);
+		return TC_ACT_SHOT;
+	}
+	/* Failing, add_score counts why and the flag stays (or, for a key
+	 * removed since, goes). */
+	if (!add_score(skb, a, flow, cfg, len, score_bytes(a, flow, len)))
+		return TC_ACT_SHOT;
+	count(INBAND_AGENT_SCORE_CARRIERS);
+	return TC_ACT_OK;
+}
+
+/*
  * Answers the 124 the flow has pending on this packet, if it can. A
  * packet that is one segment on the wire and fits the MTU with the 125
  * carries it toward the balancer. A TCP segment with data that cannot (a
  * GSO burst, whose every segment would copy the option back through the
- * balancer; a full-sized segment) is sent on from a clone, direct to the
- * client as if no score were asked, and this skb becomes the 125's
- * carrier: the segment's headers alone (trim_to_headers), the bytes of a
- * pure ACK toward the balancer, which takes the 125 and forwards the ACK
- * to the client. Returns the verdict for this packet, or -1: it goes on
- * unanswered and the flag stays for a later packet (counted by reason).
+ * balancer; a full-sized segment) gets a carrier: a clone of it, cut to
+ * its headers by the pass it runs (make_carrier), takes the 125 while
+ * this packet goes on as if no score were asked, direct to the client,
+ * keeping its socket's accounting. Returns the verdict for this packet,
+ * or -1: it goes on (answered by a carrier, or not and the flag stays for
+ * a later packet, counted by reason).
  */
 static __always_inline int answer_score(struct __sk_buff *skb, struct apkt *a, struct inband_dsr_flow *flow)
 {
@@ -670,19 +720,13 @@ static __always_inline int answer_score(struct __sk_buff *skb, struct apkt *a, s
 	 * fragments never reach a balancer as a 125. */
 	if (skb->gso_segs <= 1 && a->tot_len + added <= cfg->mtu)
 		return add_score(skb, a, flow, cfg, len, added) ? TC_ACT_OK : -1;
-	if (a->proto == IPPROTO_TCP) {
-		if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + a->hlen + 12, doff_flags, sizeof(doff_flags)))
-			return -1;
-		tcp_hlen = (doff_flags[0] >> 4) * 4;
-		if (tcp_hlen >= sizeof(struct tcphdr) && a->hlen + tcp_hlen < a->tot_len)
-			payload = a->tot_len - a->hlen - tcp_hlen;
-	}
 	/* A UDP burst's datagrams would each reach the application; a carrier
 	 * of no data would be one more, empty. */
 	if (a->proto != IPPROTO_TCP) {
 		count(skb->gso_segs > 1 ? INBAND_AGENT_SCORE_DEFERRED_UDP_BURST : INBAND_AGENT_SCORE_DEFERRED_MTU);
 		return -1;
 	}
+	payload = tcp_payload(skb, a, doff_flags, &tcp_hlen);
 	/* A handshake or reset segment stays whole; an ACK with data has a
 	 * carrier, whose headers fit wherever the segment's did. */
 	if (!payload || (doff_flags[1] & (INBAND_TCP_SYN | INBAND_TCP_RST | INBAND_TCP_ACK)) != INBAND_TCP_ACK ||
@@ -690,31 +734,20 @@ static __always_inline int answer_score(struct __sk_buff *skb, struct apkt *a, s
 		count(INBAND_AGENT_SCORE_DEFERRED_MTU);
 		return -1;
 	}
-	__u32 *resend = resending_slot();
+	__u32 *state = carrier_state();
 
-	if (!resend) {
+	if (!state) {
 		count(INBAND_AGENT_SCORE_DEFERRED_CARRIER_FAILED);
 		return -1;
 	}
-	*resend = 1;
-	long sent = bpf_clone_redirect(skb, skb->ifindex, 0);
-
-	*resend = 0;
-	/* Not sent, or maybe not: the segment goes on itself (a second copy
-	 * costs the client a duplicate, a lost one a retransmission). */
-	if (sent) {
+	*state = CARRIER_WANTED;
+	bpf_clone_redirect(skb, skb->ifindex, 0);
+	/* The clone never reached this program (refused before tc): the
+	 * request waits. Its verdict there is counted there. */
+	if (*state != CARRIER_HANDLED)
 		count(INBAND_AGENT_SCORE_DEFERRED_CARRIER_FAILED);
-		return -1;
-	}
-	/* The data is out: from here this skb is the carrier or nothing. */
-	if (trim_to_headers(skb, a, tcp_hlen, payload) || apkt_parse(skb, a)) {
-		count(INBAND_AGENT_SCORE_DEFERRED_CARRIER_FAILED);
-		return TC_ACT_SHOT;
-	}
-	if (!add_score(skb, a, flow, cfg, len, added))
-		return TC_ACT_SHOT;
-	count(INBAND_AGENT_SCORE_CARRIERS);
-	return TC_ACT_OK;
+	*state = CARRIER_NONE;
+	return -1;
 }
 
 /*
@@ -871,33 +904,37 @@ int agent_egress(struct __sk_buff *skb)
 	struct inband_dsr_flow *flow;
 	struct inband_conn_key key;
 	struct apkt a = {};
-	__u32 *resend = resending_slot();
-	/* The clone answer_score sends on: everything but the DSR rewrite was
-	 * done to it already, as the packet it was cloned from. */
-	int resent = resend && *resend;
+	__u32 *carrier;
+	int is_carrier;
 
-	if (resent)
-		*resend = 0;
 	if (apkt_parse(skb, &a) || a.frag || !a.proto)
 		return TC_ACT_OK;
 	svc = service_of(&a, a.ports[0]);
 	if (!svc)
 		return TC_ACT_OK;
-	if (score_requests && a.proto == IPPROTO_TCP && !resent)
+	/* The clone answer_score sent: everything but the carrier's own
+	 * edits was done to it already, as the packet it was cloned from. */
+	carrier = carrier_state();
+	is_carrier = carrier && *carrier == CARRIER_WANTED;
+	if (is_carrier)
+		*carrier = CARRIER_HANDLED;
+	if (score_requests && a.proto == IPPROTO_TCP && !is_carrier)
 		track_request(skb, &a, 0);
 	key = conn_key(&a, 0);
 	flow = bpf_map_lookup_elem(&dsr_flows, &key);
 	if (!flow)
-		return TC_ACT_OK;
+		return is_carrier ? TC_ACT_SHOT : TC_ACT_OK;
+	if (is_carrier)
+		return make_carrier(skb, &a, flow);
 	if (a.proto == INBAND_IPPROTO_UDP && udp_tuple_expired(flow, bpf_ktime_get_coarse_ns())) {
 		if (!bpf_map_delete_elem(&dsr_flows, &key))
 			count(INBAND_AGENT_UDP_TUPLES_EXPIRED);
 		return TC_ACT_OK;
 	}
 	/* Before the score: a 125 moves the transport header. */
-	if (a.proto == IPPROTO_TCP && flow->ts_shift && !resent)
+	if (a.proto == IPPROTO_TCP && flow->ts_shift)
 		ts_shift(skb, INBAND_ETH_HLEN + a.hlen, TS_ECR, -flow->ts_shift);
-	if (flow->score_requested && !resent) {
+	if (flow->score_requested) {
 		int verdict = answer_score(skb, &a, flow);
 
 		if (verdict >= 0)
