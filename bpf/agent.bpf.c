@@ -674,7 +674,8 @@ static __always_inline int make_carrier(struct __sk_buff *skb, struct apkt *a, s
 	__u8 doff_flags[2] = {};
 	__u32 tcp_hlen = 0, payload, len;
 
-	if (!cfg || a->proto != IPPROTO_TCP)
+	/* Another CPU may have answered since the clone was asked for. */
+	if (!cfg || a->proto != IPPROTO_TCP || !flow->score_requested)
 		return TC_ACT_SHOT;
 	payload = tcp_payload(skb, a, doff_flags, &tcp_hlen);
 	len = cfg->auth_mode == INBAND_AUTH_NONE ? INBAND_OPT_SCORE_LEN : INBAND_OPT_AUTH_SCORE_LEN;
