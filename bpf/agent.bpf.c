@@ -728,8 +728,8 @@ static __always_inline int answer_score(struct __sk_buff *skb, struct apkt *a, s
 		return -1;
 	}
 	payload = tcp_payload(skb, a, doff_flags, &tcp_hlen);
-	/* A handshake or reset segment stays whole; an ACK with data has a
-	 * carrier, whose headers fit wherever the segment's did. */
+	/* A handshake or reset segment stays whole; an ACK with data gets a
+	 * carrier if its headers and the 125 fit the MTU. */
 	if (!payload || (doff_flags[1] & (INBAND_TCP_SYN | INBAND_TCP_RST | INBAND_TCP_ACK)) != INBAND_TCP_ACK ||
 	    a->tot_len - payload + added > cfg->mtu) {
 		count(INBAND_AGENT_SCORE_DEFERRED_MTU);
