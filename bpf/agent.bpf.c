@@ -898,6 +898,22 @@ static __always_inline int dsr(struct __sk_buff *skb, const struct apkt *a, cons
 	return TC_ACT_OK;
 }
 
+/*
+ * A server's RST goes back through the balancer, not direct, like a packet
+ * of a connection without a tuple. There it ends the flow (in DSR the
+ * balancer sees no other sign that the server gave the connection up, and
+ * would count it open until it idled out), and a RST answering a SYN — the
+ * service is not listening — counts against the backend in the balancer's
+ * passive health checks. One small packet per connection at most: DSR's
+ * byte share does not notice it.
+ */
+static __always_inline int is_reset(struct __sk_buff *skb, const struct apkt *a)
+{
+	__u8 flags = 0;
+
+	return !bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + a->hlen + 13, &flags, sizeof(flags)) && (flags & INBAND_TCP_RST);
+}
+
 SEC("tc")
 int agent_egress(struct __sk_buff *skb)
 {
@@ -943,6 +959,10 @@ int agent_egress(struct __sk_buff *skb)
 	}
 	if (inband_addr_is_zero(&flow->client_addr))
 		return TC_ACT_OK;
+	if (a.proto == IPPROTO_TCP && is_reset(skb, &a)) {
+		count(INBAND_AGENT_RESETS_VIA_BALANCER);
+		return TC_ACT_OK;
+	}
 	return dsr(skb, &a, svc, flow);
 }
 

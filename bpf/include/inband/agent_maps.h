@@ -114,7 +114,8 @@ enum inband_agent_counter {
 	INBAND_AGENT_SCORE_DEFERRED_NO_ROOM = 29, /* a 125 not added: 60-byte IPv4 header full, or IPv6 extension headers */
 	INBAND_AGENT_SCORE_DEFERRED_UDP_BURST = 30, /* a 125 not added to a UDP GSO burst: datagrams get no carrier */
 	INBAND_AGENT_SCORE_DEFERRED_CARRIER_FAILED = 31, /* the burst's clone or its trim to headers refused */
-	INBAND_AGENT_COUNTER_MAX = 32,
+	INBAND_AGENT_RESETS_VIA_BALANCER = 32, /* a server's RST sent back through the balancer, not direct (agent walk) */
+	INBAND_AGENT_COUNTER_MAX = 33,
 };
 
 #endif /* INBAND_AGENT_MAPS_H */

@@ -21,7 +21,7 @@ use inband::auth::AuthMode;
 use inband::bpf::agent::{AgentSkel, AgentSkelBuilder};
 use inband::packet::{
     mss_option, parse, Mac, PacketBuilder, ETH_HLEN, IPPROTO_DSTOPTS, IPPROTO_FRAGMENT, IPPROTO_HOPOPTS, IPPROTO_TCP, TCP_ACK,
-    TCP_FIN, TCP_PSH, TCP_SYN,
+    TCP_FIN, TCP_PSH, TCP_RST, TCP_SYN,
 };
 use inband::lb::tables::ktime_ns;
 use inband::pod::{be_ip, be_port, Pod};
@@ -962,6 +962,30 @@ fn egress_dsr_without_route_goes_via_the_balancer() {
     assert_eq!(ret, TC_ACT_OK);
     assert_frame(&out, &input, "unchanged: the balancer NATs it back");
     assert_counters(&skel, &[(AgentCounter::NoRoute, 1)]);
+}
+
+/// A server's RST of a DSR connection goes back through the balancer
+/// unchanged (it ends the flow there, and a RST answering a SYN is the
+/// balancer's sign of a refused handshake); the connection's other segments
+/// still go direct.
+#[test]
+fn egress_sends_a_servers_reset_through_the_balancer() {
+    let ns = TestNetns::enter("rst");
+    let ifindex = server_routes(&ns, true);
+    let mut obj = MaybeUninit::uninit();
+    let skel = load(&mut obj);
+    configure(&skel);
+    put(&skel.maps.dsr_flows, &conn_key(), &tuple_flow(CLIENT));
+    let to_lb = |flags| PacketBuilder::tcp(server(), lb()).flags(flags).seq_no(77_000).ack_no(5001).macs(SERVER_MAC, [0x02, 0, 0, 0, 0xcc, 0x01]);
+    for flags in [TCP_RST | TCP_ACK, TCP_RST] {
+        let input = to_lb(flags).build();
+        let (ret, out) = run(&skel.progs.agent_egress, &input, Some(ifindex));
+        assert_eq!(ret, TC_ACT_OK);
+        assert_frame(&out, &input, "a reset leaves unchanged, toward the balancer");
+    }
+    assert_counters(&skel, &[(AgentCounter::ResetsViaBalancer, 2)]);
+    let (_, out) = run(&skel.progs.agent_egress, &to_lb(TCP_ACK).build(), Some(ifindex));
+    assert_eq!(parse(&out).unwrap().dst, sa(CLIENT, CLIENT_PORT), "an ACK of the same connection goes direct");
 }
 
 /// A UDP GSO burst (how quinn sends a QUIC server's answers) as it reaches

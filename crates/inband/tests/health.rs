@@ -256,3 +256,30 @@ fn a_backend_nobody_answers_for_is_down_with_a_reason() {
     all_served(&c, 0, 10, "beside a backend nobody answers for");
     assert_eq!(c.drop_count("no_route"), 0, "no SYN went to it");
 }
+
+/// In DSR too, a backend whose application is gone is taken down by the
+/// handshakes it refuses: its agent sends its RSTs back through the
+/// balancer, which sees them answer SYNs (active checks slowed on purpose).
+#[test]
+fn refused_handshakes_take_a_backend_down_passively_in_dsr() {
+    let mut c = Cluster::with(
+        Spec::new("hf", "dsr-dynamic")
+            .servers(2)
+            .vip("[vip.health]\ninterval_ms = 20000\nfast_interval_ms = 20000\npassive_fall = 2"),
+    );
+    c.ctl_ok(&["set-policy", "--vip", &vip(&c.tb).to_string(), "--policy", "round-robin"]);
+    wait_for("first checks", || backend(&c, 0, 2)["health"]["reason"] == "passing");
+    c.kill_server(2);
+    let t0 = Instant::now();
+    // Round-robin: every second connection meets the closed port.
+    for _ in 0..6 {
+        let _ = http_get(&c, vip(&c.tb), "/", true);
+    }
+    let took = wait_health(&c, 0, 2, "down", Duration::from_secs(3));
+    let h = backend(&c, 0, 2);
+    assert_eq!(h["health"]["reason"], "passive_refused", "{h}");
+    assert!(h["stats"]["handshakes_refused"].as_u64().unwrap() >= 2, "{h}");
+    assert!(c.agent_counter("resets_via_balancer") >= 2);
+    assert!(t0.elapsed() < Duration::from_secs(5), "down {took:?} after the requests, {:?} after the kill", t0.elapsed());
+    all_served(&c, 0, 6, "after the passive verdict");
+}

@@ -53,6 +53,7 @@ pub enum AgentCounter {
     ScoreDeferredNoRoom = c::INBAND_AGENT_SCORE_DEFERRED_NO_ROOM,
     ScoreDeferredUdpBurst = c::INBAND_AGENT_SCORE_DEFERRED_UDP_BURST,
     ScoreDeferredCarrierFailed = c::INBAND_AGENT_SCORE_DEFERRED_CARRIER_FAILED,
+    ResetsViaBalancer = c::INBAND_AGENT_RESETS_VIA_BALANCER,
 }
 
 /// Entries of `agent_stats`.
@@ -95,6 +96,7 @@ impl AgentCounter {
         (AgentCounter::ScoreDeferredNoRoom, "score_deferred_no_room"),
         (AgentCounter::ScoreDeferredUdpBurst, "score_deferred_udp_burst"),
         (AgentCounter::ScoreDeferredCarrierFailed, "score_deferred_carrier_failed"),
+        (AgentCounter::ResetsViaBalancer, "resets_via_balancer"),
     ];
 
     pub const ALL: [AgentCounter; COUNTER_MAX] = {
