@@ -63,6 +63,8 @@ def test_verdict_holds_the_issues_targets():
     assert health.verdict("flap", {**ok, "shortest_gap_ms": 250}, 180) == "met"
     assert health.verdict("flap", {**ok, "shortest_gap_ms": 175}, 180) == "met"  # within the timing's resolution
     assert health.verdict("flap", {**ok, "shortest_gap_ms": 120}, 180) == "missed: changes 120 ms apart < 180"
+    # A backend ejected again right after it came back flaps too.
+    assert health.verdict("host", {**ok, "shortest_gap_ms": 60}, 180) == "missed: changes 60 ms apart < 180"
 
 
 def test_fast_floor_is_rise_or_fall_fast_intervals_less_jitter():
@@ -89,8 +91,8 @@ def test_tables_give_every_row_with_ratios_against_haproxy():
     assert [r[:2] for r in t] == [["inband dsr-rr", "application down"], ["inband dsr-rr", "host down"],
                                   ["HAProxy", "application down"], ["HAProxy", "host down"]]  # fmt: skip
     assert t[0][3:8] == ["2", "2 refused", "10 → 200", "200", "0"]
-    assert t[0][11:] == ["0.50×", "0.50×", "met"]
-    assert t[1][11:13] == ["∞", "∞"] and t[3][3:6] == ["0", "–", "–"]
+    assert t[0][11:] == ["2 (900 ms)", "0.50×", "0.50×", "met"]
+    assert t[1][12:14] == ["∞", "∞"] and t[3][3:6] == ["0", "–", "–"]
     f = table_rows(md, "| balancer | toggles |")
     assert f[0] == ["inband dsr-rr", "6", "2", "2", "900", "180", "100", "5", "5 refused", "met"]
     assert f[1][2:5] == ["0", "0", "–"]
