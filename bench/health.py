@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import peers
@@ -61,8 +61,6 @@ SERVICE_PORT = 8080
 SERVERS = 2
 VICTIM = 2  # the server that fails
 CHECKS = HealthChecks()  # inband's defaults, HAProxy given the same
-# inband's default jitter_pct: a fast interval is at least 90 ms.
-JITTER_PCT = 10
 # HAProxy without `timeout check` bounds a whole check by `inter`
 # (configuration.txt, "timeout check"): 500 ms against inband's 1000 ms.
 HAPROXY_CHECK_TIMEOUT_MS = CHECKS.interval_ms
@@ -97,7 +95,7 @@ class Row:
         """The least time between two state changes that rise/fall allow:
         min(rise, fall) checks in a row, each at least a fast interval
         (less inband's jitter) after the one before."""
-        jitter = JITTER_PCT if self.kind == "inband" else 0
+        jitter = self.checks.jitter_pct if self.kind == "inband" else 0
         return min(self.checks.rise, self.checks.fall) * self.checks.fast_interval_ms * (100 - jitter) / 100
 
 
@@ -655,7 +653,7 @@ def main(argv=None) -> int:
         "machine": dict(line.split(": ", 1) for line in facts.splitlines() if ": " in line),
         "load_average": {"start": load_before, "end": load_after},
         "profile": {"name": args.profile, **asdict(p)},
-        "checks": {**asdict(CHECKS), "inband_jitter_pct": JITTER_PCT, "haproxy_check_timeout_ms": HAPROXY_CHECK_TIMEOUT_MS,
+        "checks": {**asdict(CHECKS), "haproxy_check_timeout_ms": HAPROXY_CHECK_TIMEOUT_MS,
                    "haproxy_timeout_connect_s": HAPROXY_CONNECT_TIMEOUT_S},
         "rows": rows,
         "failed": outcome.failed,
@@ -672,7 +670,7 @@ def main(argv=None) -> int:
         f"being confirmed, rise {CHECKS.rise}, fall {CHECKS.fall} (HAProxy: `check inter {CHECKS.interval_ms} fastinter "
         f"{CHECKS.fast_interval_ms} rise {CHECKS.rise} fall {CHECKS.fall}`, `timeout connect {HAPROXY_CONNECT_TIMEOUT_S}s`). "
         f"Check timeout: inband {CHECKS.timeout_ms} ms (its default); HAProxy bounds a check by `inter`, "
-        f"{HAPROXY_CHECK_TIMEOUT_MS} ms. inband's intervals vary by ±{JITTER_PCT}% (its default), HAProxy's do not. "
+        f"{HAPROXY_CHECK_TIMEOUT_MS} ms. inband's intervals vary by ±{CHECKS.jitter_pct}% (its default), HAProxy's do not. "
         "HAProxy retries a failed connection to a server 3 times (its default) before it gives up on the client's.\n"
     )
     md = markdown(rows, preamble) + outcome.markdown()

@@ -24,13 +24,15 @@ def _check_ip(a: str) -> str:
 class HealthChecks:
     """Active TCP connect checks with the same timings for inband
     (`[vip.health]`) and HAProxy (`check inter fastinter rise fall`). The
-    defaults are inband's (docs/configuration.md)."""
+    defaults are inband's (docs/configuration.md). `jitter_pct` is
+    inband's only: HAProxy's checks keep their interval."""
 
     interval_ms: int = 500
     fast_interval_ms: int = 100
     timeout_ms: int = 1000
     rise: int = 2
     fall: int = 2
+    jitter_pct: int = 10
 
     def toml_lines(self) -> list[str]:
         return [
@@ -41,6 +43,7 @@ class HealthChecks:
             f"timeout_ms = {int(self.timeout_ms)}",
             f"rise = {int(self.rise)}",
             f"fall = {int(self.fall)}",
+            f"jitter_pct = {int(self.jitter_pct)}",
         ]
 
     def haproxy_server_args(self) -> str:
