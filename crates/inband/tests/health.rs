@@ -99,6 +99,42 @@ fn a_dead_backend_gets_no_new_connections_in_any_mode_or_policy() {
     assert!(metrics.contains(&format!("inband_backend_up{{vip=\"{v4}\",backend=\"{}\",reason=\"passing\"}} 1", server(&c.tb, 2))), "{metrics}");
 }
 
+/// A down backend still sees the SYNs that clients of its earlier
+/// connections send again; they must not count against it once it is
+/// back: a silent host that recovers is up for good, not ejected again
+/// (passively) right after its checks brought it back.
+#[test]
+fn a_recovered_host_is_not_ejected_again_for_syns_sent_while_it_was_down() {
+    let c = Cluster::with(Spec::new("hq", "dsr-rr").servers(2));
+    wait_health(&c, 0, 2, "up", Duration::from_secs(3));
+    c.silence(2, true);
+    // Round-robin: half of these go to the silent host and send their SYN
+    // again at 1 s and 3 s.
+    let url = format!("http://{}/", vip(&c.tb));
+    let clients: Vec<_> = (0..8)
+        .map(|_| in_ns(&c.tb, "c1", &["curl", "-s", "-o", "/dev/null", "--max-time", "8", &url]).spawn().unwrap())
+        .collect();
+    wait_health(&c, 0, 2, "down", Duration::from_secs(4));
+    let retried = backend(&c, 0, 2)["stats"]["handshakes_retried"].as_u64().unwrap();
+    std::thread::sleep(Duration::from_millis(3500));
+    let down = backend(&c, 0, 2);
+    let retried_while_down = down["stats"]["handshakes_retried"].as_u64().unwrap() - retried;
+    assert!(retried_while_down >= 3, "SYNs sent again while it was down (passive_fall of them): {retried_while_down}");
+    for mut cl in clients {
+        let _ = cl.kill();
+        let _ = cl.wait();
+    }
+    c.silence(2, false);
+    wait_health(&c, 0, 2, "up", Duration::from_secs(4));
+    std::thread::sleep(Duration::from_millis(1000));
+    let h = backend(&c, 0, 2)["health"].clone();
+    assert_eq!(h["state"], "up", "{h}");
+    let (t0, t1) = (down["health"]["transitions"].as_u64().unwrap(), h["transitions"].as_u64().unwrap());
+    assert_eq!(t1, t0 + 1, "back up once, never down again: {h}");
+    assert_eq!(h["passive_ejections"], down["health"]["passive_ejections"], "{h}");
+    all_served(&c, 0, 4, "after the recovery");
+}
+
 fn metrics(c: &Cluster) -> String {
     let out = run_ok(&c.tb, "lb", &["curl", "-s", "http://127.0.0.1:9100/metrics"]);
     String::from_utf8(out.stdout).unwrap()
