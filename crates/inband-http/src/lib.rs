@@ -21,7 +21,7 @@ use hyper::body::Incoming;
 use hyper::header::{HeaderValue, ALLOW, CONTENT_TYPE};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper::{Method, Request, Response, StatusCode};
+use hyper::{Method, Request, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::encoding::{DescriptorEncoder, EncodeGaugeValue, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
@@ -29,6 +29,8 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use tokio::net::{TcpListener, TcpStream};
+
+pub use hyper::StatusCode;
 
 /// What Prometheus asks for first and prometheus-client writes.
 pub const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -185,8 +187,9 @@ fn respond(handler: &Handler, req: &Request<Incoming>) -> Response<Full<Bytes>> 
     resp
 }
 
-/// Waits after a failed accept (out of descriptors, mostly) so the loop
-/// does not spin, longer each time in a row.
+/// Out of descriptors (EMFILE, ENFILE) or memory, accept fails at once
+/// every time it is called: waiting, doubling up to a second, keeps an
+/// accept loop from spinning while connections close.
 #[derive(Default)]
 pub struct Backoff {
     delay_ms: u64,
