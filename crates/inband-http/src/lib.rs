@@ -113,6 +113,49 @@ pub fn gauge_value(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
+/// What a scraper needs of an exposition, for the tests of every endpoint:
+/// a `# HELP` then a `# TYPE` for every family, declared once; every
+/// sample inside the family before it and named as its type says
+/// (`_total` for a counter, `_bucket`/`_sum`/`_count` for a histogram), with
+/// a number for value; `# EOF` last. (openmetrics-parser 0.5 takes a family
+/// with no samples yet, which OpenMetrics allows, as part of the next one.)
+pub fn check_exposition(text: &str) -> Result<(), String> {
+    let body = text.strip_suffix("# EOF\n").ok_or("no # EOF at the end")?;
+    let mut seen = std::collections::HashSet::new();
+    let mut family: Option<(&str, &str)> = None;
+    let mut lines = body.lines();
+    while let Some(line) = lines.next() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, help) = rest.split_once(' ').ok_or_else(|| format!("HELP without text: {line}"))?;
+            if help.trim().is_empty() || !seen.insert(name) {
+                return Err(format!("empty or repeated HELP: {line}"));
+            }
+            let ty = lines.next().and_then(|l| l.strip_prefix("# TYPE ")).and_then(|t| t.strip_prefix(name)).and_then(|t| t.strip_prefix(' '));
+            let ty = ty.ok_or_else(|| format!("no # TYPE {name} right after its HELP"))?;
+            family = Some((name, ty));
+            continue;
+        }
+        if line.starts_with('#') {
+            return Err(format!("a comment outside HELP/TYPE/EOF: {line}"));
+        }
+        let (series, value) = line.rsplit_once(' ').ok_or_else(|| format!("no value: {line}"))?;
+        value.parse::<f64>().map_err(|_| format!("not a number: {line}"))?;
+        let name = series.split('{').next().unwrap_or(series);
+        let (fam, ty) = family.ok_or_else(|| format!("a sample before any TYPE: {line}"))?;
+        let suffixes: &[&str] = match ty {
+            "counter" => &["_total"],
+            "gauge" | "unknown" => &[""],
+            "histogram" => &["_bucket", "_sum", "_count"],
+            "info" => &["_info"],
+            other => return Err(format!("type {other} of {fam}")),
+        };
+        if !suffixes.iter().any(|s| name.strip_prefix(fam) == Some(s)) {
+            return Err(format!("{name} is not a sample of the {ty} {fam}: {line}"));
+        }
+    }
+    Ok(())
+}
+
 type Handler = Arc<dyn Fn(&str) -> Reply + Send + Sync>;
 
 /// Serves `GET`/`HEAD` on `listener` with `handler` (given the path) until
@@ -234,6 +277,24 @@ mod tests {
         }
     }
 
+    #[test]
+    fn the_check_refuses_what_a_scraper_would() {
+        let ok = "# HELP a_x X\n# TYPE a_x counter\na_x_total{k=\"v\"} 1\n# HELP a_e Empty\n# TYPE a_e gauge\n# HELP a_g G\n# TYPE a_g gauge\na_g 0.5\n# EOF\n";
+        assert_eq!(check_exposition(ok), Ok(()));
+        for (bad, why) in [
+            (ok.replace("# EOF\n", ""), "no EOF"),
+            (ok.replace("# HELP a_x X\n", ""), "no HELP"),
+            (ok.replace("# HELP a_x X\n# TYPE a_x counter\n", ""), "no TYPE"),
+            (ok.replace("a_x_total", "a_x"), "a counter without _total"),
+            (ok.replace("a_g 0.5", "a_x_total 1"), "a sample outside its family"),
+            (ok.replace("a_g 0.5", "a_g x"), "not a number"),
+            (ok.replace("# HELP a_g G", "# HELP a_x G"), "a family twice"),
+            ("a_x_total 1\n# EOF\n".to_string(), "the old lb and mesh text: no TYPE"),
+        ] {
+            assert!(check_exposition(&bad).is_err(), "{why} passed");
+        }
+    }
+
     #[tokio::test]
     async fn serves_paths_keeps_alive_and_refuses_other_methods() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -295,6 +356,7 @@ mod tests {
         }
         let mut r = Registry::with_prefix("x");
         r.register_collector(Box::new(Snap));
+        check_exposition(&encode(&r).unwrap()).unwrap();
         assert_eq!(
             encode(&r).unwrap(),
             "# HELP x_drops Packets dropped\n# TYPE x_drops counter\nx_drops_total{reason=\"bad\"} 3\nx_drops_total{reason=\"worse\"} 0\n\

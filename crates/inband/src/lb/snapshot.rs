@@ -631,7 +631,7 @@ mod tests {
             flows: 5,
             flow_table: FlowTable { established: 5, closing: 1, half_open: 2, snat_reservations: 0, sweeps: 9, last_sweep_ms_ago: Some(3), last_sweep_duration_us: 1500 },
             vips: vec![VipSnapshot {
-                vip: "10.0.0.1:80/tcp".into(),
+                vip: "10.0.0.1:80".into(),
                 state: "active",
                 drain_left_s: None,
                 protocol: "tcp",
@@ -668,6 +668,8 @@ mod tests {
     fn the_metrics_parse_with_help_and_type_and_keep_their_names() {
         use openmetrics_parser::OpenMetricsType::{Counter, Gauge};
         let text = inband_http::encode(&prometheus(snapshot())).unwrap();
+        inband_http::check_exposition(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        // A strict parser too (the fixture has no empty family, which it mistakes).
         let parsed = openmetrics_parser::openmetrics::parse_openmetrics(&text).unwrap_or_else(|e| panic!("{e:?}\n{text}"));
         for (name, family) in &parsed.families {
             assert!(!family.help.is_empty(), "{name} has no HELP:\n{text}");
@@ -693,21 +695,21 @@ mod tests {
             "inband_flows{interface=\"eth0\",state=\"established\"} 5",
             "inband_sweeps_total{interface=\"eth0\"} 9",
             "inband_sweep_duration_seconds{interface=\"eth0\"} 0.0015",
-            "inband_vip_flows{vip=\"10.0.0.1:80/tcp\",state=\"active\"} 6",
-            "inband_backend_connections_total{vip=\"10.0.0.1:80/tcp\",backend=\"10.0.1.2:80\"} 11",
-            "inband_backend_flows{vip=\"10.0.0.1:80/tcp\",backend=\"10.0.1.1:80\",state=\"active\"} 3",
-            "inband_backend_up{vip=\"10.0.0.1:80/tcp\",backend=\"10.0.1.1:80\",reason=\"passing\"} 1",
-            "inband_backend_up{vip=\"10.0.0.1:80/tcp\",backend=\"10.0.1.2:80\",reason=\"refused\"} 0",
-            "inband_backend_health_checks_total{vip=\"10.0.0.1:80/tcp\",backend=\"10.0.1.1:80\",result=\"failed\"} 2",
-            "inband_backend_health_since_seconds{vip=\"10.0.0.1:80/tcp\",backend=\"10.0.1.1:80\"} 1.5",
-            "inband_backend_score{vip=\"10.0.0.1:80/tcp\",backend=\"10.0.1.1:80\"} 77",
+            "inband_vip_flows{vip=\"10.0.0.1:80\",state=\"active\"} 6",
+            "inband_backend_connections_total{vip=\"10.0.0.1:80\",backend=\"10.0.1.2:80\"} 11",
+            "inband_backend_flows{vip=\"10.0.0.1:80\",backend=\"10.0.1.1:80\",state=\"active\"} 3",
+            "inband_backend_up{vip=\"10.0.0.1:80\",backend=\"10.0.1.1:80\",reason=\"passing\"} 1",
+            "inband_backend_up{vip=\"10.0.0.1:80\",backend=\"10.0.1.2:80\",reason=\"refused\"} 0",
+            "inband_backend_health_checks_total{vip=\"10.0.0.1:80\",backend=\"10.0.1.1:80\",result=\"failed\"} 2",
+            "inband_backend_health_since_seconds{vip=\"10.0.0.1:80\",backend=\"10.0.1.1:80\"} 1.5",
+            "inband_backend_score{vip=\"10.0.0.1:80\",backend=\"10.0.1.1:80\"} 77",
             "inband_drops_total{reason=\"no_backend\"} 4",
             "inband_poll_requests_total 4",
             "inband_poll_failures_total 1",
         ] {
             assert!(text.lines().any(|l| l == line), "no line {line}:\n{text}");
         }
-        assert!(!text.contains("inband_backend_score{vip=\"10.0.0.1:80/tcp\",backend=\"10.0.1.2:80\"}"), "no score before one is taken");
+        assert!(!text.contains("inband_backend_score{vip=\"10.0.0.1:80\",backend=\"10.0.1.2:80\"}"), "no score before one is taken");
     }
 
     #[test]

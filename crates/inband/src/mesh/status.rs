@@ -356,6 +356,8 @@ mod tests {
                 .collect(),
         };
         let text = inband_http::encode(&prometheus(st)).unwrap();
+        inband_http::check_exposition(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        // A strict parser too (the fixture has no empty family, which it mistakes).
         let parsed = openmetrics_parser::openmetrics::parse_openmetrics(&text)
             .unwrap_or_else(|e| panic!("{e:?}\n{text}"));
         assert_eq!(parsed.families.len(), COUNTERS.len() + 4, "{text}");
