@@ -289,7 +289,9 @@ mod tests {
             (ok.replace("a_g 0.5", "a_x_total 1"), "a sample outside its family"),
             (ok.replace("a_g 0.5", "a_g x"), "not a number"),
             (ok.replace("# HELP a_g G", "# HELP a_x G"), "a family twice"),
-            ("a_x_total 1\n# EOF\n".to_string(), "the old lb and mesh text: no TYPE"),
+            // What `inband mesh` and `inband lb` wrote before prometheus-client.
+            ("inband_mesh_request_kernel_total 2\n".to_string(), "no TYPE, no EOF"),
+            ("# TYPE inband_sweeps_total counter\ninband_sweeps_total{interface=\"eth0\"} 9\n# EOF\n".to_string(), "a TYPE without HELP"),
         ] {
             assert!(check_exposition(&bad).is_err(), "{why} passed");
         }
