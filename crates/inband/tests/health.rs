@@ -136,7 +136,11 @@ fn a_recovered_host_is_not_ejected_again_for_syns_sent_while_it_was_down() {
 }
 
 fn metrics(c: &Cluster) -> String {
-    let out = run_ok(&c.tb, "lb", &["curl", "-s", "http://127.0.0.1:9100/metrics"]);
+    scrape(c, "/metrics")
+}
+
+fn scrape(c: &Cluster, path: &str) -> String {
+    let out = run_ok(&c.tb, "lb", &["curl", "-s", &format!("http://127.0.0.1:9100{path}")]);
     String::from_utf8(out.stdout).unwrap()
 }
 
@@ -147,6 +151,7 @@ fn http_checks_judge_by_status() {
     let c = Cluster::with(
         Spec::new("hh", "dsr-rr")
             .servers(2)
+            .lb("metrics = \"127.0.0.1:9100\"")
             .vip("[vip.health]\ncheck = \"http\"\npath = \"/stats\"\nexpect = [200]"),
     );
     // The first checks may have met a server still starting (refused):
@@ -168,6 +173,21 @@ fn http_checks_judge_by_status() {
     }
     // Failing open: connections still go to them.
     assert_eq!(http_get(&c, vip(&c.tb), "/", true), Ok((200, BODY)));
+    // The endpoint says the same: OpenMetrics with a HELP and TYPE for
+    // every family, up (failing open) with the reason; /status is the JSON.
+    let text = metrics(&c);
+    inband_http::check_exposition(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    assert!(text.contains("# TYPE inband_backend_up gauge\n") && text.contains("# TYPE inband_backend_health_checks counter\n"), "{text}");
+    for i in 1..=2 {
+        let labels = format!("vip=\"{}\",backend=\"{}\"", vip(&c.tb), server(&c.tb, i));
+        assert!(text.contains(&format!("inband_backend_up{{{labels},reason=\"bad_status\"}} 1\n")), "{text}");
+        let failed = format!("inband_backend_health_checks_total{{{labels},result=\"failed\"}} ");
+        let n: u64 = text.lines().find_map(|l| l.strip_prefix(failed.as_str())).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("no {failed}in {text}"));
+        assert!(n >= 1, "the failed checks are counted: {text}");
+    }
+    let status: Value = serde_json::from_str(&scrape(&c, "/status")).unwrap();
+    assert_eq!(status["vips"][0]["backends"][0]["health"]["reason"], "bad_status", "{status}");
+    assert_eq!(scrape(&c, "/other"), "/metrics or /status\n");
 }
 
 /// `all_down = "refuse"`: with every backend down a SYN is answered with a
