@@ -20,6 +20,36 @@ def _check_ip(a: str) -> str:
     return str(IPv4Address(a))
 
 
+@dataclass(frozen=True)
+class HealthChecks:
+    """Active TCP connect checks with the same timings for inband
+    (`[vip.health]`) and HAProxy (`check inter fastinter rise fall`). The
+    defaults are inband's (docs/configuration.md). `jitter_pct` is
+    inband's only: HAProxy's checks keep their interval."""
+
+    interval_ms: int = 500
+    fast_interval_ms: int = 100
+    timeout_ms: int = 1000
+    rise: int = 2
+    fall: int = 2
+    jitter_pct: int = 10
+
+    def toml_lines(self) -> list[str]:
+        return [
+            "[vip.health]",
+            'check = "tcp"',
+            f"interval_ms = {int(self.interval_ms)}",
+            f"fast_interval_ms = {int(self.fast_interval_ms)}",
+            f"timeout_ms = {int(self.timeout_ms)}",
+            f"rise = {int(self.rise)}",
+            f"fall = {int(self.fall)}",
+            f"jitter_pct = {int(self.jitter_pct)}",
+        ]
+
+    def haproxy_server_args(self) -> str:
+        return f"check inter {int(self.interval_ms)} fastinter {int(self.fast_interval_ms)} rise {int(self.rise)} fall {int(self.fall)}"
+
+
 def lb_toml(
     *,
     address: str,
@@ -36,12 +66,14 @@ def lb_toml(
     poll_interval_ms: int = 100,
     score_max_age_ms: int = 2000,
     interface: str = "eth0",
+    health: HealthChecks | None = None,
 ) -> str:
     """`inband lb` config for one VIP in one mode (docs/configuration.md).
     `auth_key`: the key file shared with the agents, or None for the seed
     paper's unauthenticated options. `probe_interval_max` and
     `probe_budget`: the adaptive n's upper bound and the 124s per second a
-    backend may get (both omitted: the balancer's fixed n, no budget)."""
+    backend may get (both omitted: the balancer's fixed n, no budget).
+    `health`: the VIP's checks written out (omitted: the defaults)."""
     lines = [
         f'interface = "{interface}"',
         f'address = "{_check_ip(address)}"',
@@ -59,6 +91,7 @@ def lb_toml(
         *([f"probe_budget = {int(probe_budget)}"] if probe_budget else []),
         f"score_max_age_ms = {int(score_max_age_ms)}",
         f"poll_interval_ms = {int(poll_interval_ms)}",
+        *(["", *health.toml_lines()] if health is not None else []),
     ]
     for b in backends:
         lines += ["", "[[vip.backend]]", f'address = "{_check_ip(b.address)}"', f"port = {int(b.port)}"]
@@ -96,19 +129,33 @@ def _auth_lines(key_file: str | None, *, balancer: bool) -> list[str]:
     return lines
 
 
-def haproxy_cfg(*, vip: str, vip_port: int, backends: list[Backend], balance: str, timeout_s: int) -> str:
-    """HAProxy in TCP mode (an L4 proxy like inband, not an HTTP one), no
-    health checks so it sends no packets of its own: its `leastconn` uses
-    only the connection counts it sees itself."""
+def haproxy_cfg(
+    *,
+    vip: str,
+    vip_port: int,
+    backends: list[Backend],
+    balance: str,
+    timeout_s: int,
+    checks: HealthChecks | None = None,
+    connect_timeout_s: int = 5,
+    redispatch: bool = False,
+    stats_socket: str | None = None,
+) -> str:
+    """HAProxy in TCP mode (an L4 proxy like inband, not an HTTP one).
+    Without `checks` it sends no packets of its own: its `leastconn` uses
+    only the connection counts it sees itself. `redispatch`: a connection
+    whose server refused or timed out makes its last retry on another
+    server. `stats_socket`: the admin socket (`show stat`)."""
     if balance not in ("roundrobin", "leastconn"):
         raise ValueError(f"unsupported balance {balance!r}")
     lines = [
         "global",
         "    maxconn 4096",
+        *([f"    stats socket {stats_socket} mode 600 level admin"] if stats_socket else []),
         "",
         "defaults",
         "    mode tcp",
-        "    timeout connect 5s",
+        f"    timeout connect {int(connect_timeout_s)}s",
         f"    timeout client {int(timeout_s)}s",
         f"    timeout server {int(timeout_s)}s",
         "",
@@ -118,9 +165,11 @@ def haproxy_cfg(*, vip: str, vip_port: int, backends: list[Backend], balance: st
         "",
         "backend servers",
         f"    balance {balance}",
+        *(["    option redispatch"] if redispatch else []),
     ]
     for i, b in enumerate(backends, 1):
-        lines.append(f"    server s{i} {_check_ip(b.address)}:{int(b.port)}")
+        check = f" {checks.haproxy_server_args()}" if checks else ""
+        lines.append(f"    server s{i} {_check_ip(b.address)}:{int(b.port)}{check}")
     return "\n".join(lines) + "\n"
 
 

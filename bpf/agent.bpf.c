@@ -485,35 +485,36 @@ static __always_inline __u16 current_score(__u16 port)
 }
 
 /*
- * Adds the 125 the flow owes. Returns 1 if it did; otherwise the flag stays
+ * Bytes a 125 adds to a packet of this flow (`len`: the option's own): the
+ * option, in a Destination Options header of its own on IPv6, and the
+ * outer header when its 124 came wrapped. 0: this packet's header has no
+ * room (IPv4: 60 bytes reached; IPv6: extension headers already there),
+ * nor has any copy of it.
+ */
+static __always_inline __u32 score_bytes(const struct apkt *a, const struct inband_dsr_flow *flow, __u32 len)
+{
+	if (a->family == 4) {
+		if (a->hlen + len > INBAND_IPV4_MAX_HDR)
+			return 0;
+		return len + (flow->score_requested & INBAND_SCORE_ENCAP ? INBAND_IPIP_HLEN : 0);
+	}
+	return a->opt_len ? 0 : INBAND_DOH_LEN(len);
+}
+
+/*
+ * Adds the 125 the flow owes (`len` bytes, `added` with its headers; the
+ * caller checked the room). Returns 1 if it did; otherwise the flag stays
  * set (a later packet answers) unless the answer cannot be signed at all.
  */
-static __always_inline int add_score(struct __sk_buff *skb, const struct apkt *a, struct inband_dsr_flow *flow)
+static __always_inline int add_score(struct __sk_buff *skb, const struct apkt *a, struct inband_dsr_flow *flow,
+				     const struct inband_agent_config *cfg, __u32 len, __u32 added)
 {
-	const struct inband_agent_config *cfg = agent_cfg();
 	/* The 125 at opt + INBAND_DOH_PREFIX; IPv6 wraps its header around it. */
 	__u32 opt[INBAND_DOH_LEN(INBAND_OPT_AUTH_SCORE_LEN) / 4] = {};
 	__u8 *o = (__u8 *)opt + INBAND_DOH_PREFIX;
-	__u32 len, added;
 	__u16 score;
 	int wrap = a->family == 4 && (flow->score_requested & INBAND_SCORE_ENCAP);
 
-	if (!cfg)
-		return 0;
-	len = cfg->auth_mode == INBAND_AUTH_NONE ? INBAND_OPT_SCORE_LEN : INBAND_OPT_AUTH_SCORE_LEN;
-	added = a->family == 4 ? len + (wrap ? INBAND_IPIP_HLEN : 0) : INBAND_DOH_LEN(len);
-	/* IPv4: no room left in a 60-byte header; IPv6: headers already there. */
-	if ((a->family == 4 && a->hlen + len > INBAND_IPV4_MAX_HDR) || (a->family == 6 && a->opt_len)) {
-		count(INBAND_AGENT_ADJUST_FAILED);
-		return 0;
-	}
-	/* The packet would leave bigger than the interface sends: dropped
-	 * by the stack or fragmented, and fragments never reach a balancer
-	 * as a 125. */
-	if (a->tot_len + added > cfg->mtu) {
-		count(INBAND_AGENT_SCORE_DEFERRED_MTU);
-		return 0;
-	}
 	score = current_score(bpf_ntohs(a->ports[0]));
 	if (cfg->auth_mode == INBAND_AUTH_NONE) {
 		inband_encode_score(o, score);
@@ -563,6 +564,191 @@ static __always_inline int add_score(struct __sk_buff *skb, const struct apkt *a
 	flow->score_requested = 0;
 	count(INBAND_AGENT_SCORES_SENT);
 	return 1;
+}
+
+/* The carrier handshake on this CPU: answer_score sets CARRIER_WANTED
+ * around bpf_clone_redirect, whose clone runs this program again before
+ * the helper returns, nested on the same CPU (transmit runs with bottom
+ * halves off); that pass takes the request, becomes the carrier and says
+ * CARRIER_HANDLED (counted there, whatever came of it). A mark on the skb
+ * would be readable, and settable, by whatever else sees the packet
+ * (skb->mark is the application's SO_MARK); this slot only the agent
+ * writes. */
+enum {
+	CARRIER_NONE = 0,
+	CARRIER_WANTED = 1,
+	CARRIER_HANDLED = 2,
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+} carrier_slot SEC(".maps");
+
+static __always_inline __u32 *carrier_state(void)
+{
+	__u32 zero = 0;
+
+	return bpf_map_lookup_elem(&carrier_slot, &zero);
+}
+
+/*
+ * Turns the TCP segment at l4_off (`tcp_hlen` header bytes, `payload`
+ * after them) into its headers alone: an ACK at the sequence number after
+ * the data, with the segment's ACK number, window and options, and no
+ * FIN, PSH, URG or CWR (they belong to the data, which went on without
+ * it). A client takes a payload-less segment at or past what it received
+ * (and within its window) as a plain ACK. The checksum field of an
+ * outgoing TCP segment holds the pseudo-header sum, which the device or
+ * the stack completes over what the segment holds then (TCP hands tc
+ * CHECKSUM_PARTIAL segments): only its length changes here; flags and
+ * sequence number are summed later. Returns 0 on success.
+ */
+static __always_inline int trim_to_headers(struct __sk_buff *skb, const struct apkt *a, __u32 tcp_hlen, __u32 payload)
+{
+	__u32 l4_off = INBAND_ETH_HLEN + a->hlen;
+	__u32 check_off = l4_off + offsetof(struct tcphdr, check);
+	__be16 old_l4 = bpf_htons(a->tot_len - a->hlen), new_l4 = bpf_htons(tcp_hlen);
+	__u32 seq;
+	__u8 flags;
+	__u16 sum;
+
+	/* Linearises the skb and drops its GSO state: one copy of the
+	 * burst per answered 124. */
+	if (bpf_skb_change_tail(skb, l4_off + tcp_hlen, 0))
+		return -1;
+	if (bpf_skb_load_bytes(skb, l4_off + 4, &seq, sizeof(seq)) ||
+	    bpf_skb_load_bytes(skb, l4_off + 13, &flags, sizeof(flags)) ||
+	    bpf_skb_load_bytes(skb, check_off, &sum, sizeof(sum)))
+		return -1;
+	seq = bpf_htonl(bpf_ntohl(seq) + payload);
+	flags &= ~(INBAND_TCP_FIN | INBAND_TCP_PSH | INBAND_TCP_URG | INBAND_TCP_CWR);
+	sum = csum_fold(csum_replace16(sum, old_l4, new_l4));
+	if (a->family == 4) {
+		__be16 old_tot = bpf_htons(a->tot_len), new_tot = bpf_htons(a->tot_len - payload);
+
+		if (bpf_l3_csum_replace(skb, INBAND_ETH_HLEN + offsetof(struct iphdr, check), old_tot, new_tot,
+					sizeof(new_tot)) ||
+		    bpf_skb_store_bytes(skb, INBAND_ETH_HLEN + offsetof(struct iphdr, tot_len), &new_tot,
+					sizeof(new_tot), 0))
+			return -1;
+	} else {
+		__be16 plen = bpf_htons(a->tot_len - payload - INBAND_IPV6_HDR);
+
+		if (bpf_skb_store_bytes(skb, INBAND_ETH_HLEN + offsetof(struct ipv6hdr, payload_len), &plen,
+					sizeof(plen), 0))
+			return -1;
+	}
+	if (bpf_skb_store_bytes(skb, l4_off + 4, &seq, sizeof(seq), 0) ||
+	    bpf_skb_store_bytes(skb, l4_off + 13, &flags, sizeof(flags), 0) ||
+	    bpf_skb_store_bytes(skb, check_off, &sum, sizeof(sum), 0))
+		return -1;
+	return 0;
+}
+
+/*
+ * The TCP header length and data bytes of the segment, if its data offset
+ * is sane; 0 data otherwise.
+ */
+static __always_inline __u32 tcp_payload(struct __sk_buff *skb, const struct apkt *a, __u8 doff_flags[2],
+					 __u32 *tcp_hlen)
+{
+	if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + a->hlen + 12, doff_flags, 2))
+		return 0;
+	*tcp_hlen = (doff_flags[0] >> 4) * 4;
+	if (*tcp_hlen < sizeof(struct tcphdr) || a->hlen + *tcp_hlen >= a->tot_len)
+		return 0;
+	return a->tot_len - a->hlen - *tcp_hlen;
+}
+
+/*
+ * The clone answer_score asked for: cut to the segment's headers
+ * (trim_to_headers), it takes the 125 to the balancer, which forwards it
+ * to the client as a pure ACK. The original goes on with the data.
+ */
+static __always_inline int make_carrier(struct __sk_buff *skb, struct apkt *a, struct inband_dsr_flow *flow)
+{
+	const struct inband_agent_config *cfg = agent_cfg();
+	__u8 doff_flags[2] = {};
+	__u32 tcp_hlen = 0, payload, len;
+
+	/* Another CPU may have answered since the clone was asked for. */
+	if (!cfg || a->proto != IPPROTO_TCP || !flow->score_requested)
+		return TC_ACT_SHOT;
+	payload = tcp_payload(skb, a, doff_flags, &tcp_hlen);
+	len = cfg->auth_mode == INBAND_AUTH_NONE ? INBAND_OPT_SCORE_LEN : INBAND_OPT_AUTH_SCORE_LEN;
+	if (!payload || trim_to_headers(skb, a, tcp_hlen, payload) || apkt_parse(skb, a)) {
+		count(INBAND_AGENT_SCORE_DEFERRED_CARRIER_FAILED);
+		return TC_ACT_SHOT;
+	}
+	/* Failing, add_score counts why and the flag stays (or, for a key
+	 * removed since, goes). */
+	if (!add_score(skb, a, flow, cfg, len, score_bytes(a, flow, len)))
+		return TC_ACT_SHOT;
+	count(INBAND_AGENT_SCORE_CARRIERS);
+	return TC_ACT_OK;
+}
+
+/*
+ * Answers the 124 the flow has pending on this packet, if it can. A
+ * packet that is one segment on the wire and fits the MTU with the 125
+ * carries it toward the balancer. A TCP segment with data that cannot (a
+ * GSO burst, whose every segment would copy the option back through the
+ * balancer; a full-sized segment) gets a carrier: a clone of it, cut to
+ * its headers by the pass it runs (make_carrier), takes the 125 while
+ * this packet goes on as if no score were asked, direct to the client,
+ * keeping its socket's accounting. Returns the verdict for this packet,
+ * or -1: it goes on (answered by a carrier, or not and the flag stays for
+ * a later packet, counted by reason).
+ */
+static __always_inline int answer_score(struct __sk_buff *skb, struct apkt *a, struct inband_dsr_flow *flow)
+{
+	const struct inband_agent_config *cfg = agent_cfg();
+	__u32 len, added, tcp_hlen = 0, payload = 0;
+	__u8 doff_flags[2] = {};
+
+	if (!cfg)
+		return -1;
+	len = cfg->auth_mode == INBAND_AUTH_NONE ? INBAND_OPT_SCORE_LEN : INBAND_OPT_AUTH_SCORE_LEN;
+	added = score_bytes(a, flow, len);
+	if (!added) {
+		count(INBAND_AGENT_SCORE_DEFERRED_NO_ROOM);
+		return -1;
+	}
+	/* Over the MTU it would be dropped by the stack or fragmented, and
+	 * fragments never reach a balancer as a 125. */
+	if (skb->gso_segs <= 1 && a->tot_len + added <= cfg->mtu)
+		return add_score(skb, a, flow, cfg, len, added) ? TC_ACT_OK : -1;
+	/* A UDP burst's datagrams would each reach the application; a carrier
+	 * of no data would be one more, empty. */
+	if (a->proto != IPPROTO_TCP) {
+		count(skb->gso_segs > 1 ? INBAND_AGENT_SCORE_DEFERRED_UDP_BURST : INBAND_AGENT_SCORE_DEFERRED_MTU);
+		return -1;
+	}
+	payload = tcp_payload(skb, a, doff_flags, &tcp_hlen);
+	/* A handshake or reset segment stays whole; an ACK with data gets a
+	 * carrier if its headers and the 125 fit the MTU. */
+	if (!payload || (doff_flags[1] & (INBAND_TCP_SYN | INBAND_TCP_RST | INBAND_TCP_ACK)) != INBAND_TCP_ACK ||
+	    a->tot_len - payload + added > cfg->mtu) {
+		count(INBAND_AGENT_SCORE_DEFERRED_MTU);
+		return -1;
+	}
+	__u32 *state = carrier_state();
+
+	if (!state) {
+		count(INBAND_AGENT_SCORE_DEFERRED_CARRIER_FAILED);
+		return -1;
+	}
+	*state = CARRIER_WANTED;
+	bpf_clone_redirect(skb, skb->ifindex, 0);
+	/* The clone never reached this program (refused before tc): the
+	 * request waits. Its verdict there is counted there. */
+	if (*state != CARRIER_HANDLED)
+		count(INBAND_AGENT_SCORE_DEFERRED_CARRIER_FAILED);
+	*state = CARRIER_NONE;
+	return -1;
 }
 
 /*
@@ -712,6 +898,22 @@ static __always_inline int dsr(struct __sk_buff *skb, const struct apkt *a, cons
 	return TC_ACT_OK;
 }
 
+/*
+ * A server's RST goes back through the balancer, not direct, like a packet
+ * of a connection without a tuple. There it ends the flow (in DSR the
+ * balancer sees no other sign that the server gave the connection up, and
+ * would count it open until it idled out), and a RST answering a SYN — the
+ * service is not listening — counts against the backend in the balancer's
+ * passive health checks. One small packet per connection at most: DSR's
+ * byte share does not notice it.
+ */
+static __always_inline int is_reset(struct __sk_buff *skb, const struct apkt *a)
+{
+	__u8 flags = 0;
+
+	return !bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + a->hlen + 13, &flags, sizeof(flags)) && (flags & INBAND_TCP_RST);
+}
+
 SEC("tc")
 int agent_egress(struct __sk_buff *skb)
 {
@@ -719,18 +921,28 @@ int agent_egress(struct __sk_buff *skb)
 	struct inband_dsr_flow *flow;
 	struct inband_conn_key key;
 	struct apkt a = {};
+	__u32 *carrier;
+	int is_carrier;
 
 	if (apkt_parse(skb, &a) || a.frag || !a.proto)
 		return TC_ACT_OK;
 	svc = service_of(&a, a.ports[0]);
 	if (!svc)
 		return TC_ACT_OK;
-	if (score_requests && a.proto == IPPROTO_TCP)
+	/* The clone answer_score sent: everything but the carrier's own
+	 * edits was done to it already, as the packet it was cloned from. */
+	carrier = carrier_state();
+	is_carrier = carrier && *carrier == CARRIER_WANTED;
+	if (is_carrier)
+		*carrier = CARRIER_HANDLED;
+	if (score_requests && a.proto == IPPROTO_TCP && !is_carrier)
 		track_request(skb, &a, 0);
 	key = conn_key(&a, 0);
 	flow = bpf_map_lookup_elem(&dsr_flows, &key);
 	if (!flow)
-		return TC_ACT_OK;
+		return is_carrier ? TC_ACT_SHOT : TC_ACT_OK;
+	if (is_carrier)
+		return make_carrier(skb, &a, flow);
 	if (a.proto == INBAND_IPPROTO_UDP && udp_tuple_expired(flow, bpf_ktime_get_coarse_ns())) {
 		if (!bpf_map_delete_elem(&dsr_flows, &key))
 			count(INBAND_AGENT_UDP_TUPLES_EXPIRED);
@@ -739,16 +951,18 @@ int agent_egress(struct __sk_buff *skb)
 	/* Before the score: a 125 moves the transport header. */
 	if (a.proto == IPPROTO_TCP && flow->ts_shift)
 		ts_shift(skb, INBAND_ETH_HLEN + a.hlen, TS_ECR, -flow->ts_shift);
-	/* The score rides on a packet that is one segment on the wire: on a
-	 * GSO burst every segment would copy the option and return through
-	 * the balancer, turning one score into dozens of full-size packets off
-	 * the direct path. The burst goes direct; the next small packet (an
-	 * ACK, the FIN, the last segment) carries the score. A packet that
-	 * cannot carry it goes on as if no score were asked. */
-	if (flow->score_requested && skb->gso_segs <= 1 && add_score(skb, &a, flow))
-		return TC_ACT_OK;
+	if (flow->score_requested) {
+		int verdict = answer_score(skb, &a, flow);
+
+		if (verdict >= 0)
+			return verdict;
+	}
 	if (inband_addr_is_zero(&flow->client_addr))
 		return TC_ACT_OK;
+	if (a.proto == IPPROTO_TCP && is_reset(skb, &a)) {
+		count(INBAND_AGENT_RESETS_VIA_BALANCER);
+		return TC_ACT_OK;
+	}
 	return dsr(skb, &a, svc, flow);
 }
 

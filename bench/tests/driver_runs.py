@@ -34,11 +34,12 @@ def namespaces(prefix: str) -> list[str]:
 
 
 def run_tiny(
-    module: str, name: str, out: Path, timeout_s: float, extra: tuple = ()
+    module: str, name: str, out: Path, timeout_s: float, extra: tuple = (), profile: str = "tiny"
 ) -> tuple[subprocess.CompletedProcess, list[str]]:
-    """`python -m module --profile tiny [extra...]` on testbed `name`: its
-    completed process and the namespaces it left behind (removed here)."""
-    cmd = [sys.executable, "-m", module, "--profile", "tiny", "--out", str(out), "--name", name, *extra]
+    """`python -m module --profile tiny [extra...]` (or the driver's
+    smallest `profile` by another name) on testbed `name`: its completed
+    process and the namespaces it left behind (removed here)."""
+    cmd = [sys.executable, "-m", module, "--profile", profile, "--out", str(out), "--name", name, *extra]
     try:
         cp = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
     finally:

@@ -120,6 +120,38 @@ def test_haproxy_cfg_exact():
         peers.haproxy_cfg(vip="10.77.0.100", vip_port=80, backends=BACKENDS, balance="source", timeout_s=1)
 
 
+def test_lb_toml_with_health_checks_exact():
+    checks = peers.HealthChecks(interval_ms=500, fast_interval_ms=100, timeout_ms=700, rise=3, fall=2)
+    text = peers.lb_toml(
+        address="10.77.0.2", vip="10.77.0.100", vip_port=80, backends=BACKENDS[:1], mode="dsr-rr",
+        control_socket="/tmp/x/lb.sock", auth_key=None, health=checks,
+    )  # fmt: skip
+    assert (
+        'poll_interval_ms = 100\n\n[vip.health]\ncheck = "tcp"\ninterval_ms = 500\nfast_interval_ms = 100\n'
+        "timeout_ms = 700\nrise = 3\nfall = 2\njitter_pct = 10\n\n[[vip.backend]]\n"
+    ) in text
+    vip = tomllib.loads(text)["vip"][0]
+    assert vip["health"] == {
+        "check": "tcp", "interval_ms": 500, "fast_interval_ms": 100, "timeout_ms": 700, "rise": 3, "fall": 2, "jitter_pct": 10,
+    }  # fmt: skip
+    assert vip["backend"] == [{"address": "10.77.0.21", "port": 8080}]
+
+
+def test_haproxy_cfg_with_checks_exact():
+    text = peers.haproxy_cfg(
+        vip="10.77.0.100", vip_port=80, backends=BACKENDS[:2], balance="roundrobin", timeout_s=10,
+        checks=peers.HealthChecks(), connect_timeout_s=1, redispatch=True, stats_socket="/tmp/x/ha.sock",
+    )  # fmt: skip
+    assert text == (
+        "global\n    maxconn 4096\n    stats socket /tmp/x/ha.sock mode 600 level admin\n\n"
+        "defaults\n    mode tcp\n    timeout connect 1s\n    timeout client 10s\n    timeout server 10s\n\n"
+        "frontend vip\n    bind 10.77.0.100:80\n    default_backend servers\n\n"
+        "backend servers\n    balance roundrobin\n    option redispatch\n"
+        "    server s1 10.77.0.21:8080 check inter 500 fastinter 100 rise 2 fall 2\n"
+        "    server s2 10.77.0.22:8080 check inter 500 fastinter 100 rise 2 fall 2\n"
+    )
+
+
 @pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed (scripts/setup.sh installs it)")
 def test_haproxy_accepts_config(tmp_path):
     for balance in ("roundrobin", "leastconn"):
@@ -127,6 +159,11 @@ def test_haproxy_accepts_config(tmp_path):
         cfg.write_text(peers.haproxy_cfg(vip="10.77.0.100", vip_port=80, backends=BACKENDS, balance=balance, timeout_s=60))
         out = subprocess.run(["haproxy", "-c", "-f", str(cfg)], capture_output=True, text=True)
         assert out.returncode == 0, out.stdout + out.stderr
+    cfg = tmp_path / "checks.cfg"
+    cfg.write_text(peers.haproxy_cfg(vip="10.77.0.100", vip_port=80, backends=BACKENDS, balance="roundrobin", timeout_s=60,
+                                     checks=peers.HealthChecks(), connect_timeout_s=1, redispatch=True, stats_socket=str(tmp_path / "s")))
+    out = subprocess.run(["haproxy", "-c", "-f", str(cfg)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_nft_ruleset_exact():

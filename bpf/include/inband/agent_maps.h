@@ -97,7 +97,7 @@ enum inband_agent_counter {
 	INBAND_AGENT_TUPLE_IN_USE = 13, /* 155 for a tuple a live socket owns: not stored */
 	INBAND_AGENT_PROBE_UNKNOWN_FLOW = 14, /* 124 on a connection with no accepted 155: ignored */
 	INBAND_AGENT_WRONG_FORMAT = 15, /* option of the format not configured: dropped */
-	INBAND_AGENT_SCORE_DEFERRED_MTU = 16, /* a 125 would exceed the MTU: a later packet carries it */
+	INBAND_AGENT_SCORE_DEFERRED_MTU = 16, /* a 125 would exceed the MTU on a packet no carrier stands in for */
 	INBAND_AGENT_STALE_TUPLES_FORGOTTEN = 17, /* a balancer's SYN without 155 over an unfinished handshake's tuple */
 	INBAND_AGENT_STALE_STAMP = 18, /* UDP 155 older than its balancer's newest, or than the tuple's: a replay */
 	INBAND_AGENT_UDP_TUPLES_EXPIRED = 19, /* UDP client tuples unused past udp_idle_timeout */
@@ -110,7 +110,12 @@ enum inband_agent_counter {
 	INBAND_AGENT_POLLS_REFUSED = 25, /* polls from a host not in `balancers`, or for a port not served */
 	INBAND_AGENT_TIME_WAIT_REOPENED = 26, /* SYNs whose timestamp was raised above a TIME_WAIT's (agent/time_wait.h) */
 	INBAND_AGENT_CLIENT_ADDRESS_SHOWN = 27, /* accept()/getpeername() answered with the client, not the balancer */
-	INBAND_AGENT_COUNTER_MAX = 28,
+	INBAND_AGENT_SCORE_CARRIERS = 28, /* 125s sent on a header-only copy of a burst or full-sized segment (agent walk) */
+	INBAND_AGENT_SCORE_DEFERRED_NO_ROOM = 29, /* a 125 not added: 60-byte IPv4 header full, or IPv6 extension headers */
+	INBAND_AGENT_SCORE_DEFERRED_UDP_BURST = 30, /* a 125 not added to a UDP GSO burst: datagrams get no carrier */
+	INBAND_AGENT_SCORE_DEFERRED_CARRIER_FAILED = 31, /* the burst's clone or its trim to headers refused */
+	INBAND_AGENT_RESETS_VIA_BALANCER = 32, /* a server's RST sent back through the balancer, not direct (agent walk) */
+	INBAND_AGENT_COUNTER_MAX = 33,
 };
 
 #endif /* INBAND_AGENT_MAPS_H */

@@ -92,18 +92,16 @@ static inline __attribute__((always_inline)) __u16 csum_be16(__u16 v)
 }
 
 /*
- * Whether a TCP or UDP segment of `l4_len` bytes of `proto` between `saddr`
- * and `daddr` checks out, given the 32-bit partial sum of its bytes
- * (bpf_csum_diff's result over the whole segment, checksum field included).
- * Pseudo-header words are added in memory order like everything here: an
- * IPv4 pseudo-header has the addresses' last words (RFC 793), an IPv6 one
- * all four and a 32-bit length (RFC 8200 8.1), which sum the same for
- * lengths below 64 KiB.
+ * The sum of a TCP or UDP pseudo-header of `l4_len` bytes of `proto` between
+ * `saddr` and `daddr`, as 16-bit words in memory order like everything
+ * here: an IPv4 pseudo-header has the addresses' last words (RFC 793), an
+ * IPv6 one all four and a 32-bit length (RFC 8200 8.1), which sum the same
+ * for lengths below 64 KiB. At most 18 words: no carry is lost in 32 bits.
  */
-static inline __attribute__((always_inline)) int csum_l4_ok(__u32 partial, const struct inband_addr *saddr,
-							  const struct inband_addr *daddr, __u8 proto, __u32 l4_len)
+static inline __attribute__((always_inline)) __u32 csum_pseudo(const struct inband_addr *saddr,
+							     const struct inband_addr *daddr, __u8 proto, __u32 l4_len)
 {
-	__u64 acc = partial;
+	__u32 acc = 0;
 
 #pragma unroll
 	for (int i = 0; i < 4; i++) {
@@ -112,7 +110,19 @@ static inline __attribute__((always_inline)) int csum_l4_ok(__u32 partial, const
 		acc += (saddr->w[i] >> 16) + (saddr->w[i] & 0xffff);
 		acc += (daddr->w[i] >> 16) + (daddr->w[i] & 0xffff);
 	}
-	acc += csum_be16(proto) + csum_be16((__u16)l4_len);
+	return acc + csum_be16(proto) + csum_be16((__u16)l4_len);
+}
+
+/*
+ * Whether a TCP or UDP segment of `l4_len` bytes of `proto` between `saddr`
+ * and `daddr` checks out, given the 32-bit partial sum of its bytes
+ * (bpf_csum_diff's result over the whole segment, checksum field included).
+ */
+static inline __attribute__((always_inline)) int csum_l4_ok(__u32 partial, const struct inband_addr *saddr,
+							  const struct inband_addr *daddr, __u8 proto, __u32 l4_len)
+{
+	__u64 acc = (__u64)partial + csum_pseudo(saddr, daddr, proto, l4_len);
+
 	acc = (acc & 0xffffffff) + (acc >> 32);
 	acc = (acc & 0xffffffff) + (acc >> 32);
 	return csum_fold((__u32)acc) == 0xffff;

@@ -54,7 +54,11 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    fn render_metrics(&self) -> String {
+    /// `/metrics` on `metrics_listen`; anything else is 404.
+    fn metrics_reply(&self, path: &str) -> inband_http::Reply {
+        if path != "/metrics" {
+            return inband_http::Reply::text(inband_http::StatusCode::NOT_FOUND, "see /metrics\n");
+        }
         let now = Instant::now();
         for b in &self.backends {
             self.metrics.set_backend_up(&b.name, b.is_healthy(now));
@@ -65,7 +69,7 @@ impl Shared {
         for (i, l) in self.worker_loads.iter().enumerate() {
             self.metrics.set_worker_load(i, l.open.load(Ordering::Relaxed), l.busy_permille.load(Ordering::Relaxed));
         }
-        self.metrics.render()
+        inband_http::Reply::metrics(self.metrics.registry())
     }
 }
 
@@ -124,7 +128,8 @@ impl Proxy {
             background.push(tokio::spawn(flush_periodically(shared.clone())));
         }
         if let Some(l) = metrics_listener {
-            background.push(tokio::spawn(server::serve_metrics(shared.clone(), l)));
+            let shared = shared.clone();
+            background.push(tokio::spawn(inband_http::serve(l, move |path| shared.metrics_reply(path))));
         }
         let (stop, stop_rx) = watch::channel(false);
         let mut servers = Vec::new();

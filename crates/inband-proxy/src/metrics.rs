@@ -1,9 +1,9 @@
-//! The Prometheus text endpoint's registry (prometheus-client).
+//! The registry of the proxy's metrics endpoint (prometheus-client; served
+//! by inband-http).
 
 use std::time::Duration;
 
 use http::StatusCode;
-use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -202,9 +202,7 @@ impl Metrics {
         self.worker_busy.get_or_create(&labels).set(f64::from(busy_permille) / 1000.0);
     }
 
-    pub fn render(&self) -> String {
-        let mut out = String::new();
-        encode(&mut out, &self.registry).expect("writing to a String does not fail");
-        out
+    pub fn registry(&self) -> &Registry {
+        &self.registry
     }
 }

@@ -1,4 +1,4 @@
-//! Accepting clients, the per-request handler, and the metrics endpoint.
+//! Accepting clients and the per-request handler.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 use http::{header, HeaderValue, Request, Response, StatusCode};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
-use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -118,7 +117,7 @@ pub async fn accept(shared: Arc<Shared>, listener: TcpListener, workers: Vec<Wor
     let slots = shared.connection_slots.clone();
     let pack = shared.cfg.raw.pack_connections;
     let mut loads = Vec::with_capacity(workers.len());
-    let mut backoff = Backoff::default();
+    let mut backoff = inband_http::Backoff::default();
     loop {
         // At max_connections new clients wait in the listen backlog until
         // a connection closes (the timeouts make sure one does).
@@ -228,26 +227,6 @@ fn connection_error(s: &Shared, peer: SocketAddr, e: BoxError) {
     }
 }
 
-/// Out of descriptors (EMFILE, ENFILE) or memory, accept fails at once
-/// every time it is called: waiting, doubling up to a second, keeps the
-/// loop from spinning while connections close.
-#[derive(Default)]
-struct Backoff {
-    delay_ms: u64,
-}
-
-impl Backoff {
-    async fn wait(&mut self, e: &std::io::Error, what: &str) {
-        self.delay_ms = (self.delay_ms * 2).clamp(10, 1000);
-        tracing::warn!(error = %e, retry_in_ms = self.delay_ms, "{what}");
-        tokio::time::sleep(Duration::from_millis(self.delay_ms)).await;
-    }
-
-    fn reset(&mut self) {
-        self.delay_ms = 0;
-    }
-}
-
 async fn handle(shared: Arc<Shared>, req: Request<Incoming>, peer: SocketAddr, conn: Arc<State>) -> Result<Response<ProxyBody>, Infallible> {
     let guard = conn.begin_request();
     let info = access::Request { client: peer, method: req.method().clone(), uri: req.uri().clone(), start: Instant::now() };
@@ -346,43 +325,6 @@ async fn purge(shared: &Shared, parts: &http::request::Parts, peer: SocketAddr) 
 fn refuse(shared: &Shared, r: Refusal) -> Response<ProxyBody> {
     shared.metrics.refusal(r);
     refusal_response(r)
-}
-
-/// `GET /metrics` in Prometheus text format; anything else is 404.
-pub async fn serve_metrics(shared: Arc<Shared>, listener: TcpListener) {
-    let mut backoff = Backoff::default();
-    loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
-            Err(e) => {
-                backoff.wait(&e, "metrics accept failed").await;
-                continue;
-            }
-        };
-        backoff.reset();
-        tokio::spawn(serve_metrics_connection(shared.clone(), stream));
-    }
-}
-
-async fn serve_metrics_connection(shared: Arc<Shared>, stream: TcpStream) {
-    let service = service_fn(move |req: Request<Incoming>| {
-        let s = shared.clone();
-        async move {
-            let resp = if req.uri().path() == "/metrics" {
-                let mut r = Response::new(full(s.render_metrics()));
-                r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
-                r
-            } else {
-                let mut r = Response::new(full("see /metrics\n"));
-                *r.status_mut() = StatusCode::NOT_FOUND;
-                r
-            };
-            Ok::<_, Infallible>(resp)
-        }
-    });
-    // A scraper that stalls must not hold a descriptor for ever.
-    let conn = http1::Builder::new().timer(TokioTimer::new()).header_read_timeout(Duration::from_secs(10)).serve_connection(TokioIo::new(stream), service);
-    let _ = tokio::time::timeout(Duration::from_secs(60), conn).await;
 }
 
 #[cfg(test)]

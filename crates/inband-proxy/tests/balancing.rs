@@ -31,6 +31,33 @@ async fn round_robin_splits_evenly() {
     p.shutdown().await;
 }
 
+/// `/metrics` is OpenMetrics as prometheus-client writes it (a HELP and a
+/// TYPE for every family, `# EOF`), served with its content type by the
+/// shared endpoint server, which answers 404 elsewhere.
+#[tokio::test]
+async fn the_metrics_endpoint_serves_openmetrics_with_help_and_type() {
+    let o = origins(1).await;
+    let p = start_proxy(&[o[0].addr], "").await;
+    assert_eq!(get(p.addr, "/").await.status, 200);
+    let r = get(p.metrics_addr.unwrap(), "/metrics").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.headers["content-type"], "application/openmetrics-text; version=1.0.0; charset=utf-8");
+    inband_http::check_exposition(&r.body).unwrap_or_else(|e| panic!("{e}\n{}", r.body));
+    for (family, kind) in [
+        ("inband_proxy_requests", "counter"),
+        ("inband_proxy_origin_requests", "counter"),
+        ("inband_proxy_backend_up", "gauge"),
+        ("inband_proxy_connections", "gauge"),
+        ("inband_proxy_request_duration_seconds", "histogram"),
+    ] {
+        assert!(r.body.contains(&format!("# TYPE {family} {kind}\n")), "{family}:\n{}", r.body);
+    }
+    assert_eq!(sample(&r.body, "inband_proxy_requests_total{class=\"2xx\"}"), 1.0, "{}", r.body);
+    assert_eq!(sample(&r.body, &format!("inband_proxy_origin_requests_total{{backend=\"{}\"}}", o[0].addr)), 1.0, "{}", r.body);
+    assert_eq!(get(p.metrics_addr.unwrap(), "/other").await.status, 404);
+    p.shutdown().await;
+}
+
 #[tokio::test]
 async fn consistent_hash_keeps_a_key_on_one_backend() {
     let o = origins(3).await;

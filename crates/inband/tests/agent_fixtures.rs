@@ -21,7 +21,7 @@ use inband::auth::AuthMode;
 use inband::bpf::agent::{AgentSkel, AgentSkelBuilder};
 use inband::packet::{
     mss_option, parse, Mac, PacketBuilder, ETH_HLEN, IPPROTO_DSTOPTS, IPPROTO_FRAGMENT, IPPROTO_HOPOPTS, IPPROTO_TCP, TCP_ACK,
-    TCP_PSH, TCP_SYN,
+    TCP_FIN, TCP_PSH, TCP_RST, TCP_SYN,
 };
 use inband::lb::tables::ktime_ns;
 use inband::pod::{be_ip, be_port, Pod};
@@ -215,7 +215,7 @@ fn run_gso(prog: &ProgramMut, frame: &[u8], ifindex: Option<u32>, gso: Option<(u
     let (segs, size) = gso.unwrap_or((0, 0));
     set(std::mem::offset_of!(__sk_buff, gso_segs), segs);
     set(std::mem::offset_of!(__sk_buff, gso_size), size);
-    let mut out = vec![0u8; 1600];
+    let mut out = vec![0u8; 4096];
     let input = ProgramInput {
         data_in: Some(frame),
         data_out: Some(&mut out),
@@ -805,7 +805,7 @@ fn egress_without_room_for_the_option_keeps_the_request() {
     assert_eq!(ret, TC_ACT_OK);
     assert_frame(&out, &full, "no room");
     assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &conn_key()), Some(flow));
-    assert_counters(&skel, &[(AgentCounter::AdjustFailed, 1)]);
+    assert_counters(&skel, &[(AgentCounter::ScoreDeferredNoRoom, 1)]);
 }
 
 #[test]
@@ -962,6 +962,30 @@ fn egress_dsr_without_route_goes_via_the_balancer() {
     assert_eq!(ret, TC_ACT_OK);
     assert_frame(&out, &input, "unchanged: the balancer NATs it back");
     assert_counters(&skel, &[(AgentCounter::NoRoute, 1)]);
+}
+
+/// A server's RST of a DSR connection goes back through the balancer
+/// unchanged (it ends the flow there, and a RST answering a SYN is the
+/// balancer's sign of a refused handshake); the connection's other segments
+/// still go direct.
+#[test]
+fn egress_sends_a_servers_reset_through_the_balancer() {
+    let ns = TestNetns::enter("rst");
+    let ifindex = server_routes(&ns, true);
+    let mut obj = MaybeUninit::uninit();
+    let skel = load(&mut obj);
+    configure(&skel);
+    put(&skel.maps.dsr_flows, &conn_key(), &tuple_flow(CLIENT));
+    let to_lb = |flags| PacketBuilder::tcp(server(), lb()).flags(flags).seq_no(77_000).ack_no(5001).macs(SERVER_MAC, [0x02, 0, 0, 0, 0xcc, 0x01]);
+    for flags in [TCP_RST | TCP_ACK, TCP_RST] {
+        let input = to_lb(flags).build();
+        let (ret, out) = run(&skel.progs.agent_egress, &input, Some(ifindex));
+        assert_eq!(ret, TC_ACT_OK);
+        assert_frame(&out, &input, "a reset leaves unchanged, toward the balancer");
+    }
+    assert_counters(&skel, &[(AgentCounter::ResetsViaBalancer, 2)]);
+    let (_, out) = run(&skel.progs.agent_egress, &to_lb(TCP_ACK).build(), Some(ifindex));
+    assert_eq!(parse(&out).unwrap().dst, sa(CLIENT, CLIENT_PORT), "an ACK of the same connection goes direct");
 }
 
 /// A UDP GSO burst (how quinn sends a QUIC server's answers) as it reaches
@@ -1197,46 +1221,253 @@ fn requests_score_counts_connections_with_a_request_in_flight() {
     assert_eq!(inflight(&skel), 1);
 }
 
+// ---------------------------------------------------------------- egress: carriers of a 125
+
+/// A TCP segment as the stack hands it to tc (CHECKSUM_PARTIAL): its
+/// checksum field holds the pseudo-header sum over the segment's length,
+/// not complemented, for the device or segmentation to finish. IPv6: after
+/// a Destination Options header, if there is one.
+fn partial_sum(mut frame: Vec<u8>) -> Vec<u8> {
+    let ip = ETH_HLEN;
+    let (l4_off, l4_len, addrs) = if frame[12..14] == [0x08, 0x00] {
+        let ihl = usize::from(frame[ip] & 0xf) * 4;
+        let tot = usize::from(u16::from_be_bytes([frame[ip + 2], frame[ip + 3]]));
+        (ip + ihl, tot - ihl, frame[ip + 12..ip + 20].to_vec())
+    } else {
+        let ext = if frame[ip + 6] == IPPROTO_DSTOPTS { (usize::from(frame[ip + 41]) + 1) * 8 } else { 0 };
+        let plen = usize::from(u16::from_be_bytes([frame[ip + 4], frame[ip + 5]]));
+        (ip + 40 + ext, plen - ext, frame[ip + 8..ip + 40].to_vec())
+    };
+    let mut sum: u32 = addrs.chunks(2).map(|w| u32::from(u16::from_be_bytes([w[0], w[1]]))).sum::<u32>();
+    sum += u32::from(IPPROTO_TCP) + l4_len as u32;
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    frame[l4_off + 16..l4_off + 18].copy_from_slice(&(sum as u16).to_be_bytes());
+    frame
+}
+
+/// Timestamps, as Linux puts them on every segment of a connection.
+fn ts_option() -> Vec<u8> {
+    vec![1, 1, 8, 10, 0, 0, 0x30, 0x39, 0, 0, 0x10, 0x92]
+}
+
+/// The agent's egress program on DEV, as the daemon attaches it: a clone
+/// sent back to DEV by bpf_clone_redirect runs it again.
+fn attach_egress(skel: &AgentSkel, ifindex: u32) {
+    use std::os::fd::AsFd;
+    inband::tc::create_clsact(ifindex as i32).expect("clsact on DEV");
+    let slot = inband::tc::Slot { ifindex: ifindex as i32, handle: 1, priority: 1 };
+    slot.attach(skel.progs.agent_egress.as_fd(), libbpf_rs::TC_EGRESS).expect("attach egress to DEV");
+}
+
+/// Frames arriving at DEV's peer: what left DEV.
+struct Capture(std::os::fd::OwnedFd);
+
+impl Capture {
+    fn on_peer() -> Capture {
+        use std::os::fd::FromRawFd;
+        let all = (libc::ETH_P_ALL as u16).to_be();
+        // SAFETY: plain socket(2); the fd is owned from here.
+        let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, i32::from(all)) };
+        assert!(fd >= 0, "AF_PACKET socket: {}", std::io::Error::last_os_error());
+        // SAFETY: fd was just returned by socket(2).
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        let name = CString::new("ibt-s1").unwrap();
+        // SAFETY: zeroed sockaddr_ll is valid; fields set below.
+        let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        addr.sll_family = libc::AF_PACKET as u16;
+        addr.sll_protocol = all;
+        // SAFETY: a valid C string.
+        addr.sll_ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) } as i32;
+        assert_ne!(addr.sll_ifindex, 0);
+        // SAFETY: addr is a sockaddr_ll of the size passed.
+        let rc = unsafe {
+            libc::bind(fd.as_raw_fd(), &addr as *const _ as *const libc::sockaddr, std::mem::size_of::<libc::sockaddr_ll>() as u32)
+        };
+        assert_eq!(rc, 0, "bind: {}", std::io::Error::last_os_error());
+        let tv = libc::timeval { tv_sec: 0, tv_usec: 200_000 };
+        // SAFETY: tv is a timeval of the size passed.
+        unsafe {
+            libc::setsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVTIMEO, &tv as *const _ as *const libc::c_void, std::mem::size_of::<libc::timeval>() as u32)
+        };
+        Capture(fd)
+    }
+
+    /// The frames from `src` that arrived within a second.
+    fn from(&self, src: IpAddr) -> Vec<Vec<u8>> {
+        let mut got = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(1);
+        let mut buf = vec![0u8; 65536];
+        while Instant::now() < deadline {
+            // SAFETY: buf is writable for its length.
+            let n = unsafe { libc::recv(self.0.as_raw_fd(), buf.as_mut_ptr() as *mut libc::c_void, buf.len(), 0) };
+            if n <= 0 {
+                continue;
+            }
+            let frame = buf[..n as usize].to_vec();
+            if parse(&frame).is_some_and(|p| p.src.ip() == src) {
+                got.push(frame);
+            }
+        }
+        got
+    }
+}
+
+/// The frame with its TCP checksum field zeroed. The test run hands frames
+/// over as CHECKSUM_NONE, so the DSR rewrite updates a burst's
+/// pseudo-header sum as if it were a finished checksum, which the kernel's
+/// CHECKSUM_PARTIAL burst never is (egress_dsr_rewrites_data_... checks
+/// that rewrite byte for byte on a whole segment).
+fn without_tcp_check(mut frame: Vec<u8>) -> Vec<u8> {
+    let l4 = if frame[12..14] == [0x08, 0x00] { ETH_HLEN + usize::from(frame[ETH_HLEN] & 0xf) * 4 } else { ETH_HLEN + 40 };
+    frame[l4 + 16..l4 + 18].fill(0);
+    frame
+}
+
+/// A 124 pending while the server sends a burst of six segments (TSO and
+/// software GSO alike reach tc as one packet). The burst goes on direct,
+/// untouched by the score; a clone of it runs the program again and leaves
+/// DEV as the 125's carrier: the burst's headers alone, its sequence
+/// number past the data, ACK only, toward the balancer, with a
+/// pseudo-header sum of its own length. Both families; the carrier as it
+/// arrives at DEV's peer. Before carriers the burst
+/// left with no 125 and the request waited for the next small packet of
+/// the connection, which on a long keep-alive transfer can be seconds away.
+///
+/// The test run cannot make a GSO skb the kernel would transmit (it sets
+/// no GSO type: a clone of one is refused with EBADMSG), so the burst is
+/// given as `gso_segs` = 6 alone, which is what the program reads of it,
+/// and DEV takes 3 KB frames (the route lookup holds a packet that is not
+/// GSO to the device's MTU). A refused clone shows the fallback: the burst
+/// goes on direct and the request waits.
 #[test]
-fn egress_defers_a_125_that_would_exceed_the_mtu() {
+fn egress_answers_a_124_under_a_gso_burst_with_a_carrier_of_its_headers() {
+    let ns = TestNetns::enter("carrier");
+    let ifindex = server_routes6(&ns);
+    ns.ip(&["link", "set", DEV, "mtu", "9000"]);
+    let mut obj = MaybeUninit::uninit();
+    let skel = load(&mut obj);
+    configure6(&skel);
+    attach_egress(&skel, ifindex);
+    let capture = Capture::on_peer();
+    put(&skel.maps.active_conns, &LOCAL_PORT, &5i64);
+    let to_lb = (SERVER_MAC, [0x02, 0, 0, 0, 0xcc, 0x01]);
+    for (n, (server, lb, vip, conn, key, client)) in [
+        (server(), lb(), vip(), conn(), conn_key(), client()),
+        (server6(), lb6(), vip6(), conn6(), conn_key6(), client6()),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let nonce = [9, 8, 7, n as u8];
+        let flow = requested(tuple_flow(client.ip()), KEY_ID, nonce);
+        put(&skel.maps.dsr_flows, &key, &flow);
+        let segment = |src, dst, macs: (Mac, Mac), flags: u8, seq: u32, payload: Vec<u8>| {
+            PacketBuilder::tcp(src, dst).flags(flags).seq_no(seq).ack_no(777).tcp_options(ts_option()).payload(payload).macs(macs.0, macs.1)
+        };
+        let data = || vec![0x42; 6 * 500];
+        let flags = TCP_ACK | TCP_PSH | TCP_FIN;
+        let burst = partial_sum(segment(server, lb, to_lb, flags, 100_000, data()).build());
+        let (ret, out) = run_gso(&skel.progs.agent_egress, &burst, Some(ifindex), Some((6, 0)));
+        assert_eq!(ret, TC_ACT_OK, "{server}");
+        let want = segment(vip, client, (SERVER_MAC, GATEWAY_MAC), flags, 100_000, data()).build();
+        assert_frame(&without_tcp_check(out), &without_tcp_check(want), "the burst, DSR, whole");
+        assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &key), Some(DsrFlow { score_requested: 0, ..flow }), "answered");
+        let carriers = capture.from(server.ip());
+        assert_eq!(carriers.len(), 1, "{server}: one carrier left DEV");
+        let score = InbandOption::auth_score(&KEY, KEY_ID, nonce, conn, 5).encode();
+        let want = partial_sum(segment(server, lb, to_lb, TCP_ACK, 103_000, Vec::new()).inband(&score).build());
+        assert_frame(&carriers[0], &want, "the carrier: headers only, past the data, with the 125");
+        // The clone's pass made the carrier and sent nothing direct.
+        let n = n as u64 + 1;
+        assert_counters(
+            &skel,
+            &[(AgentCounter::ScoresSent, n), (AgentCounter::ScoreCarriers, n), (AgentCounter::DsrRewrites, n)],
+        );
+    }
+    // A clone the kernel refuses: the burst goes on itself, direct.
+    let flow = requested(tuple_flow(CLIENT), KEY_ID, [4, 4, 4, 4]);
+    put(&skel.maps.dsr_flows, &conn_key(), &flow);
+    let burst = partial_sum(PacketBuilder::tcp(server(), lb()).payload(vec![0x42; 3000]).macs(to_lb.0, to_lb.1).build());
+    let (ret, out) = run_gso(&skel.progs.agent_egress, &burst, Some(ifindex), Some((6, 500)));
+    assert_eq!(ret, TC_ACT_OK);
+    assert_eq!(parse(&out).unwrap().src, vip(), "direct");
+    assert_eq!(parse(&out).unwrap().payload.len(), 3000, "whole");
+    assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &conn_key()), Some(flow), "flag kept");
+    // A UDP burst gets no carrier: each datagram reaches the application,
+    // an empty one too. It goes direct and the request waits.
+    add_service(&skel, LOCAL_PORT, 17, vip());
+    let udp_key = conn_key_of(lb(), LOCAL_PORT, 17);
+    put(&skel.maps.dsr_flows, &udp_key, &flow);
+    let burst = PacketBuilder::udp(server(), lb()).payload(vec![0x5a; 1000]).macs(to_lb.0, to_lb.1).build();
+    let (ret, out) = run_gso(&skel.progs.agent_egress, &burst, Some(ifindex), Some((2, 500)));
+    assert_eq!(ret, TC_ACT_OK);
+    assert_eq!(parse(&out).unwrap().src, vip(), "direct");
+    assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &udp_key), Some(flow), "flag kept");
+    assert_counters(
+        &skel,
+        &[
+            (AgentCounter::ScoresSent, 2),
+            (AgentCounter::ScoreCarriers, 2),
+            (AgentCounter::DsrRewrites, 4),
+            (AgentCounter::ScoreDeferredCarrierFailed, 1),
+            (AgentCounter::ScoreDeferredUdpBurst, 1),
+        ],
+    );
+}
+
+/// A full-sized segment (no GSO) has no room for the 125 under the MTU:
+/// it goes direct, and a clone cut to its headers takes the 125 (the
+/// carrier, as it arrives at DEV's peer). A packet without
+/// data that would still exceed the MTU waits for a later one.
+#[test]
+fn egress_answers_a_124_under_a_full_sized_segment_with_a_carrier() {
     let ns = TestNetns::enter("mtu");
     let ifindex = server_routes(&ns, true);
     let mut obj = MaybeUninit::uninit();
     let skel = load(&mut obj);
     configure(&skel);
+    attach_egress(&skel, ifindex);
+    let capture = Capture::on_peer();
     put(&skel.maps.active_conns, &LOCAL_PORT, &5i64);
     let nonce = [7, 7, 7, 7];
     let flow = requested(tuple_flow(CLIENT), KEY_ID, nonce);
     put(&skel.maps.dsr_flows, &conn_key(), &flow);
-    let full = |src, dst, macs: (Mac, Mac)| {
-        PacketBuilder::tcp(src, dst).flags(TCP_ACK | TCP_PSH).payload(vec![0x42; 1460]).macs(macs.0, macs.1)
+    let full = |src, dst, macs: (Mac, Mac), flags: u8, seq: u32, len: usize| {
+        PacketBuilder::tcp(src, dst).flags(flags).seq_no(seq).payload(vec![0x42; len]).macs(macs.0, macs.1)
     };
     let to_lb = (SERVER_MAC, [0x02, 0, 0, 0, 0xcc, 0x01]);
-    let segment = full(server(), lb(), to_lb);
-    let ip_len = segment.build_ip().len() as u16; // 1500: exactly the MTU
-
-    // A full-sized segment has no room for 16 more bytes: it goes direct
-    // as if no score were asked, and the request waits.
-    let (ret, out) = run(&skel.progs.agent_egress, &segment.build(), Some(ifindex));
+    let segment = full(server(), lb(), to_lb, TCP_ACK | TCP_PSH, 5000, 1460);
+    assert_eq!(segment.build_ip().len(), usize::from(MTU), "exactly the MTU: no room for 16 more bytes");
+    let (ret, out) = run(&skel.progs.agent_egress, &partial_sum(segment.build()), Some(ifindex));
     assert_eq!(ret, TC_ACT_OK);
-    assert_frame(&out, &full(vip(), client(), (SERVER_MAC, GATEWAY_MAC)).build(), "DSR, no option");
+    let want = full(vip(), client(), (SERVER_MAC, GATEWAY_MAC), TCP_ACK | TCP_PSH, 5000, 1460).build();
+    assert_frame(&without_tcp_check(out), &without_tcp_check(want), "the data, DSR");
+    let carriers = capture.from(SERVER.into());
+    assert_eq!(carriers.len(), 1, "one carrier left DEV");
+    let score = InbandOption::auth_score(&KEY, KEY_ID, nonce, conn(), 5).encode();
+    let carrier = partial_sum(full(server(), lb(), to_lb, TCP_ACK, 5000 + 1460, 0).ip_options(score).build());
+    assert_frame(&carriers[0], &carrier, "the carrier toward the balancer");
+    assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &conn_key()), Some(DsrFlow { score_requested: 0, ..flow }));
+    assert_counters(&skel, &[(AgentCounter::ScoresSent, 1), (AgentCounter::ScoreCarriers, 1), (AgentCounter::DsrRewrites, 1)]);
+
+    // An MTU too small even for the headers and the 125: nothing to split
+    // off, so the packet goes direct and the request waits.
+    put(&skel.maps.dsr_flows, &conn_key(), &flow);
+    set_mode(&skel, AuthMode::Siphash, 40 + 16 - 1);
+    let (ret, out) = run(&skel.progs.agent_egress, &partial_sum(segment.build()), Some(ifindex));
+    assert_eq!(ret, TC_ACT_OK);
+    assert_eq!(parse(&out).unwrap().src, vip(), "direct, whole");
     assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &conn_key()), Some(flow), "flag kept");
-    assert_counters(&skel, &[(AgentCounter::ScoreDeferredMtu, 1), (AgentCounter::DsrRewrites, 1)]);
-
-    // The smaller packet that follows (an ACK) carries it. One that ends
-    // exactly at the MTU with the option still fits.
-    set_mode(&skel, AuthMode::Siphash, ip_len);
-    let ack = PacketBuilder::tcp(server(), lb()).flags(TCP_ACK).payload(vec![0x42; 1500 - 40 - 16]);
-    let (ret, out) = run(&skel.progs.agent_egress, &ack.build(), Some(ifindex));
-    assert_eq!(ret, TC_ACT_OK);
-    let want = ack.ip_options(InbandOption::auth_score(&KEY, KEY_ID, nonce, conn(), 5).encode()).build();
-    assert_frame(&out, &want, "125 toward the balancer");
-    assert_eq!(parse(&out).unwrap().payload.len() + 40 + 16, usize::from(ip_len));
-    let answered = DsrFlow { score_requested: 0, ..flow };
-    assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &conn_key()), Some(answered));
     assert_counters(
         &skel,
-        &[(AgentCounter::ScoreDeferredMtu, 1), (AgentCounter::DsrRewrites, 1), (AgentCounter::ScoresSent, 1)],
+        &[
+            (AgentCounter::ScoresSent, 1),
+            (AgentCounter::ScoreCarriers, 1),
+            (AgentCounter::DsrRewrites, 2),
+            (AgentCounter::ScoreDeferredMtu, 1),
+        ],
     );
 }
 
@@ -1720,13 +1951,15 @@ fn ipv6_egress_answers_in_a_destination_options_header_within_the_mtu() {
         assert_eq!(ret, TC_ACT_OK);
         out
     };
-    // 79 bytes of IPv6 packet and a 24-byte header: an MTU of 102 defers
-    // the answer, 103 takes it.
+    // 79 bytes of IPv6 packet and a 24-byte header: an MTU of 103 takes
+    // the answer. A packet without data (nothing to send on apart from a
+    // carrier) 1 byte over it defers the answer.
     let resp = response6().build();
     assert_eq!(resp.len() - ETH_HLEN, 79);
     put(&skel.maps.dsr_flows, &conn_key6(), &flow);
-    set_mode(&skel, AuthMode::Siphash, 102);
-    assert_frame(&egress(&skel, &resp), &resp, "deferred");
+    let ack = response6().flags(TCP_ACK).payload(Vec::new()).build();
+    set_mode(&skel, AuthMode::Siphash, 60 + 24 - 1);
+    assert_frame(&egress(&skel, &ack), &ack, "deferred");
     assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &conn_key6()), Some(flow), "flag kept");
     set_mode(&skel, AuthMode::Siphash, 103);
     let want = response6().inband(&InbandOption::auth_score(&KEY, KEY_ID, nonce, conn6(), 3).encode()).build();
@@ -1746,7 +1979,7 @@ fn ipv6_egress_answers_in_a_destination_options_header_within_the_mtu() {
     let own = response6().ext_headers(IPPROTO_DSTOPTS, opts_header(IPPROTO_TCP, &[])).build();
     assert_frame(&egress(&skel, &own), &own, "untouched");
     assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &conn_key6()), Some(pending));
-    assert_counters(&skel, &[(AgentCounter::ScoreDeferredMtu, 1), (AgentCounter::ScoresSent, 2), (AgentCounter::AdjustFailed, 1)]);
+    assert_counters(&skel, &[(AgentCounter::ScoreDeferredMtu, 1), (AgentCounter::ScoresSent, 2), (AgentCounter::ScoreDeferredNoRoom, 1)]);
 }
 
 /// `server_routes`, and for IPv6: DEV with SERVER6/64, CLIENT6's network

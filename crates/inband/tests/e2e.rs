@@ -595,3 +595,124 @@ fn without_client_address_nginx_logs_the_balancer() {
     assert!(c.agent_counter("dsr_rewrites") > 0, "the responses went direct");
     assert_eq!(c.agent_counter("client_address_shown"), 0);
 }
+
+/// Keep-alive GETs over one connection, each body read at a steady rate
+/// (bytes/s), as a client on a slower link would: argv = address, port,
+/// requests, rate. Prints status, body bytes and local port per response.
+/// (curl's --limit-rate let a whole 40 MB connection through in under a
+/// second here.)
+const PACED_CLIENT: &str = r#"
+import socket, sys, time
+addr, port, n, rate = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+s = socket.create_connection((addr, port), timeout=10)
+buf = b""
+for _ in range(n):
+    s.sendall(b"GET / HTTP/1.1\r\nHost: vip\r\n\r\n")
+    while b"\r\n\r\n" not in buf:
+        buf += s.recv(65536)
+    head, buf = buf.split(b"\r\n\r\n", 1)
+    lines = head.decode().split("\r\n")
+    length = int([l.split(":")[1] for l in lines if l.lower().startswith("content-length")][0])
+    got, t0 = len(buf), time.monotonic()
+    while got < length:
+        ahead = got / rate - (time.monotonic() - t0)
+        if ahead > 0:
+            time.sleep(ahead)
+        chunk = s.recv(min(65536, length - got))
+        if not chunk:
+            break
+        got += len(chunk)
+    buf = b""
+    print(lines[0].split()[1], got, s.getsockname()[1], flush=True)
+"#;
+
+/// Client processes stopped if the test ends before they do.
+struct Downloads(Vec<Child>);
+
+impl Drop for Downloads {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Multi-megabyte keep-alive downloads in dsr-dynamic, over the IPv4 and
+/// the IPv6 VIP, one of each per server (round-robin), each read at
+/// 2 MB/s: every response segment leaves the servers as a GSO burst.
+/// Scores keep arriving while they run: each second every backend's
+/// `scores_received` grows and its score, sampled then, is fresh (the 99th
+/// percentile of the ages under 100 ms); no backend is taken for a path
+/// that loses options; and the responses go around the balancer (at most
+/// 3% of their bytes through it: the carriers of the 125s). Before
+/// carriers a 124 on such a connection was answered by the next small
+/// packet, the end of a response or never: scores 230-485 ms old at the
+/// median and up to 1.9 s.
+#[test]
+fn scores_keep_arriving_during_multi_megabyte_keep_alive_downloads() {
+    const BODY: u64 = 6_000_000;
+    const PER_CONN: usize = 4;
+    const RATE: u64 = 2_000_000;
+    let body = BODY.to_string();
+    let c = Cluster::with(Spec::new("bk", "dsr-dynamic").ipv6().vip("policy = \"round-robin\"").every_server(&["--body-bytes", &body, "--keep-alive"]));
+    let vips = [SocketAddr::from(vip(&c.tb)), vip6(&c.tb)];
+    let backends = |s: &Value| -> Vec<Value> { (0..2).flat_map(|v| s[0]["vips"][v]["backends"].as_array().unwrap().clone()).collect() };
+    let returned = |c: &Cluster| -> u64 { backends(&c.status()).iter().map(|b| b["stats"]["return_bytes"].as_u64().unwrap()).sum() };
+    // Every client packet may ask (one 124 per flow at a time): the age
+    // is then bounded by how soon the answers come, not by the interval.
+    // A download's client sends few packets (an ACK per read of 64 KB).
+    for v in &vips {
+        assert!(c.ctl_ok(&["set-probe-interval", "--vip", &v.to_string(), "--n", "1"]));
+    }
+    let return_bytes = returned(&c);
+    let mut downloads = Downloads(
+        vips.iter()
+            .flat_map(|v| std::iter::repeat_n(*v, SERVERS))
+            .map(|v| {
+                let (ip, port, n, rate) = (v.ip().to_string(), v.port().to_string(), PER_CONN.to_string(), RATE.to_string());
+                let args = ["timeout", "60", "python3", "-c", PACED_CLIENT, &ip, &port, &n, &rate];
+                in_ns(&c.tb, "c1", &args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+            })
+            .collect(),
+    );
+    wait_for("a download on every backend", || backends(&c.status()).iter().all(|b| b["stats"]["new_conns"] == 1));
+    // Sampled once a second while every connection is busy with its
+    // responses (PER_CONN x BODY / RATE: 12 s).
+    let mut ages = Vec::new();
+    let mut last: Vec<u64> = backends(&c.status()).iter().map(|b| b["stats"]["scores_received"].as_u64().unwrap()).collect();
+    for second in 0..10 {
+        std::thread::sleep(Duration::from_secs(1));
+        for (i, b) in backends(&c.status()).iter().enumerate() {
+            let got = b["stats"]["scores_received"].as_u64().unwrap();
+            if got <= last[i] {
+                let agent = run_ok(&c.tb, &format!("s{}", i % SERVERS + 1), &[BIN, "agent", "status", "--interface", "eth0", "--json"]);
+                panic!("second {second}: no score from {} in the last second: {b}\nagent: {}", b["backend"], String::from_utf8_lossy(&agent.stdout));
+            }
+            last[i] = got;
+            ages.push(b["score_age_ms"].as_u64().unwrap_or(u64::MAX));
+            assert_eq!(b["options_lost"], false, "{b}");
+        }
+    }
+    ages.sort_unstable();
+    let (p99, median) = (ages[(ages.len() * 99).div_ceil(100) - 1], ages[ages.len() / 2]);
+    eprintln!("score ages (ms) during the downloads: median {median}, p99 {p99}, all {ages:?}");
+    let mut downloaded = 0;
+    for d in std::mem::take(&mut downloads.0) {
+        let out = d.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let lines: Vec<Vec<u64>> = text.lines().map(|l| l.split_whitespace().map(|f| f.parse().unwrap()).collect()).collect();
+        assert_eq!(lines.len(), PER_CONN, "{text} {}", String::from_utf8_lossy(&out.stderr));
+        for l in &lines {
+            assert_eq!((l[0], l[1]), (200, BODY), "{text}");
+            downloaded += l[1];
+        }
+        assert!(lines.iter().all(|l| l[2] == lines[0][2]), "one connection for all its responses: {text}");
+    }
+    assert!(p99 < 100, "scores during bulk transfers: p99 age {p99} ms (median {median})");
+    let through = returned(&c) - return_bytes;
+    eprintln!("{through} of {downloaded} response bytes came through the balancer");
+    assert!(through * 100 <= downloaded * 3, "{through} of {downloaded} response bytes came through the balancer");
+    assert_eq!(c.status()[0]["control"]["options_lost"], 0);
+    assert!(c.agent_counter("score_carriers") > 0, "the answers rode carriers");
+}

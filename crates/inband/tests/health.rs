@@ -99,8 +99,48 @@ fn a_dead_backend_gets_no_new_connections_in_any_mode_or_policy() {
     assert!(metrics.contains(&format!("inband_backend_up{{vip=\"{v4}\",backend=\"{}\",reason=\"passing\"}} 1", server(&c.tb, 2))), "{metrics}");
 }
 
+/// A down backend still sees the SYNs that clients of its earlier
+/// connections send again; they must not count against it once it is
+/// back: a silent host that recovers is up for good, not ejected again
+/// (passively) right after its checks brought it back.
+#[test]
+fn a_recovered_host_is_not_ejected_again_for_syns_sent_while_it_was_down() {
+    let c = Cluster::with(Spec::new("hq", "dsr-rr").servers(2));
+    wait_health(&c, 0, 2, "up", Duration::from_secs(3));
+    c.silence(2, true);
+    // Round-robin: half of these go to the silent host and send their SYN
+    // again at 1 s and 3 s.
+    let url = format!("http://{}/", vip(&c.tb));
+    let clients: Vec<_> = (0..8)
+        .map(|_| in_ns(&c.tb, "c1", &["curl", "-s", "-o", "/dev/null", "--max-time", "8", &url]).spawn().unwrap())
+        .collect();
+    wait_health(&c, 0, 2, "down", Duration::from_secs(4));
+    let retried = backend(&c, 0, 2)["stats"]["handshakes_retried"].as_u64().unwrap();
+    std::thread::sleep(Duration::from_millis(3500));
+    let down = backend(&c, 0, 2);
+    let retried_while_down = down["stats"]["handshakes_retried"].as_u64().unwrap() - retried;
+    assert!(retried_while_down >= 3, "SYNs sent again while it was down (passive_fall of them): {retried_while_down}");
+    for mut cl in clients {
+        let _ = cl.kill();
+        let _ = cl.wait();
+    }
+    c.silence(2, false);
+    wait_health(&c, 0, 2, "up", Duration::from_secs(4));
+    std::thread::sleep(Duration::from_millis(1000));
+    let h = backend(&c, 0, 2)["health"].clone();
+    assert_eq!(h["state"], "up", "{h}");
+    let (t0, t1) = (down["health"]["transitions"].as_u64().unwrap(), h["transitions"].as_u64().unwrap());
+    assert_eq!(t1, t0 + 1, "back up once, never down again: {h}");
+    assert_eq!(h["passive_ejections"], down["health"]["passive_ejections"], "{h}");
+    all_served(&c, 0, 4, "after the recovery");
+}
+
 fn metrics(c: &Cluster) -> String {
-    let out = run_ok(&c.tb, "lb", &["curl", "-s", "http://127.0.0.1:9100/metrics"]);
+    scrape(c, "/metrics")
+}
+
+fn scrape(c: &Cluster, path: &str) -> String {
+    let out = run_ok(&c.tb, "lb", &["curl", "-s", &format!("http://127.0.0.1:9100{path}")]);
     String::from_utf8(out.stdout).unwrap()
 }
 
@@ -111,6 +151,7 @@ fn http_checks_judge_by_status() {
     let c = Cluster::with(
         Spec::new("hh", "dsr-rr")
             .servers(2)
+            .lb("metrics = \"127.0.0.1:9100\"")
             .vip("[vip.health]\ncheck = \"http\"\npath = \"/stats\"\nexpect = [200]"),
     );
     // The first checks may have met a server still starting (refused):
@@ -132,6 +173,21 @@ fn http_checks_judge_by_status() {
     }
     // Failing open: connections still go to them.
     assert_eq!(http_get(&c, vip(&c.tb), "/", true), Ok((200, BODY)));
+    // The endpoint says the same: OpenMetrics with a HELP and TYPE for
+    // every family, up (failing open) with the reason; /status is the JSON.
+    let text = metrics(&c);
+    inband_http::check_exposition(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    assert!(text.contains("# TYPE inband_backend_up gauge\n") && text.contains("# TYPE inband_backend_health_checks counter\n"), "{text}");
+    for i in 1..=2 {
+        let labels = format!("vip=\"{}\",backend=\"{}\"", vip(&c.tb), server(&c.tb, i));
+        assert!(text.contains(&format!("inband_backend_up{{{labels},reason=\"bad_status\"}} 1\n")), "{text}");
+        let failed = format!("inband_backend_health_checks_total{{{labels},result=\"failed\"}} ");
+        let n: u64 = text.lines().find_map(|l| l.strip_prefix(failed.as_str())).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("no {failed}in {text}"));
+        assert!(n >= 1, "the failed checks are counted: {text}");
+    }
+    let status: Value = serde_json::from_str(&scrape(&c, "/status")).unwrap();
+    assert_eq!(status["vips"][0]["backends"][0]["health"]["reason"], "bad_status", "{status}");
+    assert_eq!(scrape(&c, "/other"), "/metrics or /status\n");
 }
 
 /// `all_down = "refuse"`: with every backend down a SYN is answered with a
@@ -255,4 +311,31 @@ fn a_backend_nobody_answers_for_is_down_with_a_reason() {
     assert!(["timeout", "unreachable"].contains(&h["reason"].as_str().unwrap()), "{h}");
     all_served(&c, 0, 10, "beside a backend nobody answers for");
     assert_eq!(c.drop_count("no_route"), 0, "no SYN went to it");
+}
+
+/// In DSR too, a backend whose application is gone is taken down by the
+/// handshakes it refuses: its agent sends its RSTs back through the
+/// balancer, which sees them answer SYNs (active checks slowed on purpose).
+#[test]
+fn refused_handshakes_take_a_backend_down_passively_in_dsr() {
+    let mut c = Cluster::with(
+        Spec::new("hf", "dsr-dynamic")
+            .servers(2)
+            .vip("[vip.health]\ninterval_ms = 20000\nfast_interval_ms = 20000\npassive_fall = 2"),
+    );
+    c.ctl_ok(&["set-policy", "--vip", &vip(&c.tb).to_string(), "--policy", "round-robin"]);
+    wait_for("first checks", || backend(&c, 0, 2)["health"]["reason"] == "passing");
+    c.kill_server(2);
+    let t0 = Instant::now();
+    // Round-robin: every second connection meets the closed port.
+    for _ in 0..6 {
+        let _ = http_get(&c, vip(&c.tb), "/", true);
+    }
+    let took = wait_health(&c, 0, 2, "down", Duration::from_secs(3));
+    let h = backend(&c, 0, 2);
+    assert_eq!(h["health"]["reason"], "passive_refused", "{h}");
+    assert!(h["stats"]["handshakes_refused"].as_u64().unwrap() >= 2, "{h}");
+    assert!(c.agent_counter("resets_via_balancer") >= 2);
+    assert!(t0.elapsed() < Duration::from_secs(5), "down {took:?} after the requests, {:?} after the kill", t0.elapsed());
+    all_served(&c, 0, 6, "after the passive verdict");
 }

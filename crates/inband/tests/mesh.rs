@@ -939,6 +939,16 @@ fn status_and_metrics_show_services_backends_and_counters() {
         )),
         "{text}"
     );
+    // OpenMetrics: a HELP and a TYPE for every family, `# EOF` at the end.
+    assert!(
+        text.contains("# TYPE inband_mesh_request_kernel counter\n")
+            && text.contains("# TYPE inband_mesh_pool_slots gauge\n"),
+        "{text}"
+    );
+    inband_http::check_exposition(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    let status = m.client(&["curl", "-sS", "http://127.0.0.1:9105/status"]);
+    let st: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(st["backends"][0]["requests"], 1, "{st}");
 }
 
 #[test]

@@ -26,17 +26,12 @@ impl Drop for Proc {
 }
 
 /// An origin on a thread: `/k/N` is cacheable with a body derived from N,
-/// `/slow` takes 800 ms and is not cacheable. Counts requests.
+/// `/slow` takes 800 ms and is not cacheable. Counts requests. Dropping it
+/// stops it.
 struct Origin {
     addr: SocketAddr,
     hits: Arc<AtomicUsize>,
-    stop: Arc<AtomicBool>,
-}
-
-impl Drop for Origin {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-    }
+    _stop: tokio::sync::oneshot::Sender<()>,
 }
 
 fn body_for(i: usize) -> String {
@@ -50,32 +45,50 @@ fn big_body() -> Vec<u8> {
 }
 
 fn origin() -> Origin {
-    let server = tiny_http::Server::http("127.0.0.1:0").unwrap();
-    let addr = server.server_addr().to_ip().unwrap();
+    use hyper::{body::Incoming, server::conn::http1, service::service_fn, Request, Response};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let addr = listener.local_addr().unwrap();
     let hits = Arc::new(AtomicUsize::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
-    let (h, s) = (hits.clone(), stop.clone());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let h = hits.clone();
+    let big = bytes::Bytes::from(big_body());
     thread::spawn(move || {
-        while !s.load(Ordering::SeqCst) {
-            let Ok(Some(req)) = server.recv_timeout(Duration::from_millis(50)) else { continue };
-            h.fetch_add(1, Ordering::SeqCst);
-            thread::spawn(move || {
-                let url = req.url().to_string();
-                let header = |k: &str, v: &str| tiny_http::Header::from_bytes(k.as_bytes(), v.as_bytes()).unwrap();
-                let resp = if url == "/big" {
-                    tiny_http::Response::from_data(big_body()).with_header(header("cache-control", "max-age=600"))
-                } else if url == "/slow" {
-                    thread::sleep(Duration::from_millis(800));
-                    tiny_http::Response::from_string("slow done").with_header(header("cache-control", "no-store"))
-                } else {
-                    let i: usize = url.trim_start_matches("/k/").parse().unwrap_or(0);
-                    tiny_http::Response::from_string(body_for(i)).with_header(header("cache-control", "max-age=600"))
-                };
-                let _ = req.respond(resp);
-            });
-        }
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            let serve = async {
+                loop {
+                    let Ok((stream, _)) = listener.accept().await else { continue };
+                    let (h, big) = (h.clone(), big.clone());
+                    let service = service_fn(move |req: Request<Incoming>| {
+                        h.fetch_add(1, Ordering::SeqCst);
+                        let big = big.clone();
+                        async move {
+                            let path = req.uri().path().to_string();
+                            let (body, cache) = if path == "/big" {
+                                (big, "max-age=600")
+                            } else if path == "/slow" {
+                                tokio::time::sleep(Duration::from_millis(800)).await;
+                                (bytes::Bytes::from("slow done"), "no-store")
+                            } else {
+                                let i: usize = path.trim_start_matches("/k/").parse().unwrap_or(0);
+                                (bytes::Bytes::from(body_for(i)), "max-age=600")
+                            };
+                            let resp = Response::builder().header("cache-control", cache).body(http_body_util::Full::new(body)).unwrap();
+                            Ok::<_, std::convert::Infallible>(resp)
+                        }
+                    });
+                    tokio::spawn(http1::Builder::new().serve_connection(hyper_util::rt::TokioIo::new(stream), service));
+                }
+            };
+            tokio::select! {
+                _ = serve => {}
+                _ = stopped => {}
+            }
+        });
     });
-    Origin { addr, hits, stop }
+    Origin { addr, hits, _stop: stop }
 }
 
 /// Starts `inband proxy` with its log in `log`; returns once it accepts,

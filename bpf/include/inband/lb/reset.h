@@ -27,17 +27,7 @@
 static __always_inline __u16 rst_tcp_csum(const struct tcphdr *tcp, const struct inband_addr *saddr,
 					  const struct inband_addr *daddr)
 {
-	__u32 acc = csum_words(tcp, 10);
-
-#pragma unroll
-	for (int i = 0; i < 4; i++) {
-		if (i < 3 && inband_addr_is4(saddr))
-			continue;
-		acc += (saddr->w[i] >> 16) + (saddr->w[i] & 0xffff);
-		acc += (daddr->w[i] >> 16) + (daddr->w[i] & 0xffff);
-	}
-	acc += csum_be16(IPPROTO_TCP) + csum_be16(sizeof(struct tcphdr));
-	return (__u16)~csum_fold(acc);
+	return (__u16)~csum_fold(csum_words(tcp, 10) + csum_pseudo(saddr, daddr, IPPROTO_TCP, sizeof(struct tcphdr)));
 }
 
 /* Turns the client's TCP packet described by `p` into the RST that answers

@@ -49,6 +49,11 @@ pub enum AgentCounter {
     PollsRefused = c::INBAND_AGENT_POLLS_REFUSED,
     TimeWaitReopened = c::INBAND_AGENT_TIME_WAIT_REOPENED,
     ClientAddressShown = c::INBAND_AGENT_CLIENT_ADDRESS_SHOWN,
+    ScoreCarriers = c::INBAND_AGENT_SCORE_CARRIERS,
+    ScoreDeferredNoRoom = c::INBAND_AGENT_SCORE_DEFERRED_NO_ROOM,
+    ScoreDeferredUdpBurst = c::INBAND_AGENT_SCORE_DEFERRED_UDP_BURST,
+    ScoreDeferredCarrierFailed = c::INBAND_AGENT_SCORE_DEFERRED_CARRIER_FAILED,
+    ResetsViaBalancer = c::INBAND_AGENT_RESETS_VIA_BALANCER,
 }
 
 /// Entries of `agent_stats`.
@@ -87,6 +92,11 @@ impl AgentCounter {
         (AgentCounter::PollsRefused, "polls_refused"),
         (AgentCounter::TimeWaitReopened, "time_wait_reopened"),
         (AgentCounter::ClientAddressShown, "client_address_shown"),
+        (AgentCounter::ScoreCarriers, "score_carriers"),
+        (AgentCounter::ScoreDeferredNoRoom, "score_deferred_no_room"),
+        (AgentCounter::ScoreDeferredUdpBurst, "score_deferred_udp_burst"),
+        (AgentCounter::ScoreDeferredCarrierFailed, "score_deferred_carrier_failed"),
+        (AgentCounter::ResetsViaBalancer, "resets_via_balancer"),
     ];
 
     pub const ALL: [AgentCounter; COUNTER_MAX] = {

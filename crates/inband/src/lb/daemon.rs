@@ -7,6 +7,7 @@
 //! clean-up. One daemon per interface: a second is refused.
 
 use std::mem::MaybeUninit;
+use std::net::SocketAddr;
 use std::os::fd::AsFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use inband_http::{Reply, StatusCode};
 use tracing::{error, info, warn};
 
 use super::config::LbConfig;
@@ -98,27 +100,10 @@ pub fn run(config_path: &Path) -> Result<()> {
         let config_path = config_path.to_path_buf();
         move |maps, stop| control::serve(&socket, &maps, &shared, &config_path, &stop)
     }));
-    if let Some(addr) = cfg.metrics {
-        let server = tiny_http::Server::http(addr).map_err(|e| anyhow::anyhow!("metrics endpoint {addr}: {e}"))?;
-        info!(%addr, "metrics at http://{addr}/metrics");
-        workers.push(spawn("metrics", &dir, &stop, {
-            let interface = cfg.interface.clone();
-            move |maps, stop| {
-                while !stop.load(Ordering::Relaxed) {
-                    let Some(req) = server.recv_timeout(Duration::from_millis(200))? else { continue };
-                    let resp = match req.url() {
-                        "/metrics" => match snapshot::take(&interface, &maps) {
-                            Ok(s) => tiny_http::Response::from_string(snapshot::render_prometheus(&s)),
-                            Err(e) => tiny_http::Response::from_string(format!("{e:#}")).with_status_code(500),
-                        },
-                        _ => tiny_http::Response::from_string("see /metrics\n").with_status_code(404),
-                    };
-                    let _ = req.respond(resp);
-                }
-                Ok(())
-            }
-        }));
-    }
+    let metrics = match cfg.metrics {
+        Some(addr) => Some(serve_metrics(addr, &dir, &cfg.interface, &stop)?),
+        None => None,
+    };
     info!(interface = %cfg.interface, vips = cfg.vips.len(), "inband lb running");
     let mut last_sweep = Instant::now() - SWEEP_EVERY;
     let mut options = options_watch::OptionsWatch::new(Duration::from_secs(cfg.options_retry_s));
@@ -148,6 +133,9 @@ pub fn run(config_path: &Path) -> Result<()> {
             failed = true;
         }
     }
+    if let Some(m) = metrics {
+        let _ = m.join();
+    }
     drop(skel);
     lock.release();
     info!("inband lb stopped; the data path stays attached (`inband lb detach --interface {}` removes it)", cfg.interface);
@@ -155,6 +143,33 @@ pub fn run(config_path: &Path) -> Result<()> {
         anyhow::bail!("a control-plane task failed (see the log above)");
     }
     Ok(())
+}
+
+/// `/metrics` (Prometheus) and `/status` (the JSON of `inband status
+/// --json`), read from the pins at each request, until `stop`.
+fn serve_metrics(addr: SocketAddr, dir: &bpfmap::PinDir, interface: &str, stop: &Arc<AtomicBool>) -> Result<std::thread::JoinHandle<()>> {
+    let maps = LbMaps::open(dir)?;
+    let interface = interface.to_string();
+    let stop = Arc::clone(stop);
+    let until = async move {
+        while !stop.load(Ordering::Relaxed) {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let handler = move |path: &str| {
+        let snapshot = match path {
+            "/metrics" | "/status" => snapshot::take(&interface, &maps),
+            _ => return Reply::text(StatusCode::NOT_FOUND, "/metrics or /status\n"),
+        };
+        match (path, snapshot) {
+            (_, Err(e)) => Reply::text(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}\n")),
+            ("/metrics", Ok(s)) => Reply::metrics(&snapshot::prometheus(s)),
+            (_, Ok(s)) => Reply::json(serde_json::to_string(&s).unwrap_or_default()),
+        }
+    };
+    let (addr, thread) = inband_http::spawn("metrics", addr, handler, until).with_context(|| format!("metrics endpoint {addr}"))?;
+    info!(%addr, "metrics at http://{addr}/metrics, status at http://{addr}/status");
+    Ok(thread)
 }
 
 fn spawn<F>(name: &'static str, dir: &bpfmap::PinDir, stop: &Arc<AtomicBool>, f: F) -> std::thread::JoinHandle<Result<()>>

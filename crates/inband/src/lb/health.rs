@@ -255,14 +255,17 @@ fn look_passive(maps: &LbMaps, id: u32, ch: &mut Checked) -> Result<bool> {
     let (completed, refused, retried) = (s.handshakes_completed, s.handshakes_refused, s.handshakes_retried);
     let (c0, r0, u0) = ch.seen;
     ch.seen = (completed, refused, retried);
-    if completed > c0 {
+    // Suspicion counts only while the backend takes connections: a down
+    // one still sees SYNs sent again on connections it had before, and
+    // counted, they would take it down again the moment it came back.
+    if completed > c0 || !ch.up.load(Ordering::Relaxed) {
         (ch.suspect_refused, ch.suspect_unanswered) = (0, 0);
         return Ok(false);
     }
     ch.suspect_refused += refused.saturating_sub(r0);
     ch.suspect_unanswered += retried.saturating_sub(u0);
     let fall = u64::from(ch.target.spec.passive_fall);
-    if fall == 0 || ch.suspect_refused + ch.suspect_unanswered < fall || !ch.up.load(Ordering::Relaxed) {
+    if fall == 0 || ch.suspect_refused + ch.suspect_unanswered < fall {
         return Ok(false);
     }
     let reason = if ch.suspect_refused >= ch.suspect_unanswered {

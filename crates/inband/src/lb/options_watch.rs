@@ -11,6 +11,20 @@
 //! (lb/polling.rs). Packets must be flowing for requests to go unanswered,
 //! so an idle backend is never flagged.
 //!
+//! Nor is one that sends its responses around the balancer, as soon. A
+//! path that loses options loses the 155s too, so the backend's
+//! connections answer through the balancer (and a path that strips options
+//! still delivers the packets it stripped): packets come back from it, none
+//! with a 125. A backend whose 155s arrived sends its responses direct and
+//! next to nothing comes back; if its answers are late (an agent without
+//! carriers on a bulk transfer: the 125 waits for a small packet, up to the
+//! end of a response), that is slowness, not loss. So the silence that
+//! flags a backend is `SILENCE` if at least `LOST_AFTER` packets came back
+//! from it through the balancer while it was suspected, else
+//! `SILENCE_DIRECT`: long enough for a multi-megabyte response to end,
+//! short enough that a path losing only the backend's options is still
+//! found.
+//!
 //! A path can heal, and only options can show it: after a backoff
 //! (`options_retry_s`) the flag is lifted and the backend watched again
 //! (`options_retried`); each time it is flagged again soon after, the
@@ -23,7 +37,7 @@ use std::time::Duration;
 use anyhow::Result;
 use tracing::{info, warn};
 
-use super::maps::{Backend, BackendScore, ControlStats, Mode, BACKEND_OPTIONS_LOST};
+use super::maps::{Backend, BackendScore, BackendStats, ControlStats, Mode, BACKEND_OPTIONS_LOST};
 use super::tables::{self, LbMaps};
 use crate::bpfmap;
 
@@ -33,6 +47,8 @@ pub const LOST_AFTER: u32 = 8;
 /// ... and no score taken for this long: several sweeps (each gives a
 /// stale backend's next packet a request).
 pub const SILENCE: Duration = Duration::from_secs(3);
+/// ... or this long, if its responses went around the balancer meanwhile.
+pub const SILENCE_DIRECT: Duration = Duration::from_secs(15);
 pub const BACKOFF_GROWTH: u32 = 20;
 
 #[derive(Clone, Copy, Debug)]
@@ -46,12 +62,31 @@ struct Flagged {
 
 pub struct OptionsWatch {
     flagged: HashMap<u32, Flagged>,
+    /// Packets that had come back from each watched backend through the
+    /// balancer (`return_packets`) when it was last not suspected.
+    returned_before: HashMap<u32, u64>,
     first: Duration,
+}
+
+/// Whether a backend's path looks like it loses options: `LOST_AFTER`
+/// requests unanswered and no score taken for `SILENCE`, or for
+/// `SILENCE_DIRECT` if fewer than `LOST_AFTER` packets (`returned`) came
+/// back from it through the balancer since it was last not suspected
+/// (module doc).
+fn looks_lost(s: &BackendScore, returned: u64, now: u64) -> bool {
+    let silence = if returned >= u64::from(LOST_AFTER) { SILENCE } else { SILENCE_DIRECT };
+    let silent = s.updated_ns == 0 || now.saturating_sub(s.updated_ns) > ns(silence);
+    s.unanswered >= LOST_AFTER && silent
+}
+
+/// Not suspected at all: the baseline of returned packets moves on.
+fn unsuspected(s: &BackendScore, now: u64) -> bool {
+    s.unanswered < LOST_AFTER || (s.updated_ns != 0 && now.saturating_sub(s.updated_ns) <= ns(SILENCE))
 }
 
 impl OptionsWatch {
     pub fn new(first_backoff: Duration) -> OptionsWatch {
-        OptionsWatch { flagged: HashMap::new(), first: first_backoff }
+        OptionsWatch { flagged: HashMap::new(), returned_before: HashMap::new(), first: first_backoff }
     }
 
     fn max_backoff(&self) -> Duration {
@@ -77,6 +112,7 @@ impl OptionsWatch {
         // next loss starts from the first backoff again.
         let forget_after = 2 * ns(self.max_backoff());
         self.flagged.retain(|id, f| watched.contains(id) && !(f.retry_at == 0 && now.saturating_sub(f.retried_at) > forget_after));
+        self.returned_before.retain(|id, _| watched.contains(id));
         Ok(stats)
     }
 
@@ -97,8 +133,13 @@ impl OptionsWatch {
             }
             return Ok(());
         }
-        let silent = s.updated_ns == 0 || now.saturating_sub(s.updated_ns) > ns(SILENCE);
-        if s.unanswered < LOST_AFTER || !silent {
+        let returned = tables::sum_percpu::<BackendStats>(&maps.backend_stats, id)?.return_packets;
+        let before = *self.returned_before.entry(id).or_insert(returned);
+        if unsuspected(&s, now) {
+            self.returned_before.insert(id, returned);
+            return Ok(());
+        }
+        if !looks_lost(&s, returned.saturating_sub(before), now) {
             return Ok(());
         }
         let (first, max) = (self.first, self.max_backoff());
@@ -115,6 +156,7 @@ impl OptionsWatch {
         warn!(
             backend = %ep,
             unanswered = s.unanswered,
+            returned_without_score = returned.saturating_sub(before),
             retry_in_s = f.backoff.as_secs(),
             "inband options do not come back from this backend: polling it instead, without options"
         );
@@ -136,4 +178,39 @@ fn set_lost(maps: &LbMaps, id: u32, lost: bool) -> Result<()> {
 
 fn ns(d: Duration) -> u64 {
     d.as_nanos() as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: u64 = 100_000_000_000;
+
+    fn score(unanswered: u32, age: Duration) -> BackendScore {
+        BackendScore { unanswered, updated_ns: NOW - ns(age), ..Default::default() }
+    }
+
+    #[test]
+    fn a_backend_answering_direct_gets_longer_to_answer_than_one_answering_through_the_balancer() {
+        let silent = score(LOST_AFTER * 4, SILENCE * 2);
+        // Responses through the balancer, not one 125: the path loses them.
+        assert!(looks_lost(&silent, u64::from(LOST_AFTER), NOW));
+        // Responses direct (its 155s arrived), answers late: a bulk sender.
+        assert!(!looks_lost(&silent, 0, NOW));
+        assert!(!looks_lost(&silent, u64::from(LOST_AFTER) - 1, NOW));
+        // ... until its silence outlasts any response.
+        assert!(looks_lost(&score(LOST_AFTER, SILENCE_DIRECT + Duration::from_secs(1)), 0, NOW));
+        // Never a score at all counts as silent.
+        assert!(looks_lost(&BackendScore { unanswered: LOST_AFTER, ..Default::default() }, 0, NOW));
+    }
+
+    #[test]
+    fn a_fresh_score_or_few_unanswered_requests_is_no_suspicion() {
+        assert!(unsuspected(&score(LOST_AFTER * 4, SILENCE / 2), NOW));
+        assert!(unsuspected(&score(LOST_AFTER - 1, SILENCE * 2), NOW));
+        assert!(!unsuspected(&score(LOST_AFTER, SILENCE * 2), NOW));
+        for s in [score(LOST_AFTER * 4, SILENCE / 2), score(LOST_AFTER - 1, SILENCE * 2)] {
+            assert!(!looks_lost(&s, 1000, NOW));
+        }
+    }
 }

@@ -450,142 +450,267 @@ pub fn render_table(s: &Snapshot) -> String {
     o
 }
 
-/// Prometheus text exposition of the same numbers.
-pub fn render_prometheus(s: &Snapshot) -> String {
-    use std::fmt::Write;
-    let mut o = String::new();
-    let i = &s.interface;
-    let t = &s.flow_table;
-    let _ = writeln!(o, "# TYPE inband_flows gauge");
-    for (state, n) in [("established", t.established), ("closing", t.closing), ("half_open", t.half_open)] {
-        let _ = writeln!(o, "inband_flows{{interface=\"{i}\",state=\"{state}\"}} {n}");
-    }
-    let _ = writeln!(o, "# TYPE inband_snat_reservations gauge\ninband_snat_reservations{{interface=\"{i}\"}} {}", t.snat_reservations);
-    let _ = writeln!(o, "# TYPE inband_sweeps_total counter\ninband_sweeps_total{{interface=\"{i}\"}} {}", t.sweeps);
-    let _ = writeln!(
-        o,
-        "# TYPE inband_sweep_duration_seconds gauge\ninband_sweep_duration_seconds{{interface=\"{i}\"}} {}",
-        t.last_sweep_duration_us as f64 / 1e6
-    );
-    let _ = writeln!(o, "# TYPE inband_vip_flows gauge");
-    for v in &s.vips {
-        let _ = writeln!(o, "inband_vip_flows{{vip=\"{}\",state=\"{}\"}} {}", v.vip, v.state, v.flows);
-    }
-    for name in ["packets", "bytes", "return_packets", "return_bytes", "new_conns", "closed_conns"] {
-        let metric = format!("inband_vip_{}_total", name.replace("new_conns", "connections").replace("closed_conns", "closed_connections"));
-        let _ = writeln!(o, "# TYPE {metric} counter");
-        for v in &s.vips {
-            let _ = writeln!(o, "{metric}{{vip=\"{}\",mode=\"{}\"}} {}", v.vip, v.mode, v.stats[name]);
+/// The same numbers for Prometheus (docs/configuration.md, "Metrics"): a
+/// registry made per scrape around one collector of the snapshot
+/// (prometheus-client's collector API). The numbers are the data path's,
+/// read from the pins when scraped, not counters this process increments:
+/// there is nothing for a long-lived registry to hold between scrapes.
+pub fn prometheus(s: Snapshot) -> prometheus_client::registry::Registry {
+    let mut r = prometheus_client::registry::Registry::with_prefix("inband");
+    r.register_collector(Box::new(Exposition(s)));
+    r
+}
+
+#[derive(Debug)]
+struct Exposition(Snapshot);
+
+/// The backend counters exported, by their stats field: (metric name, help).
+const BACKEND_COUNTERS: [(&str, &str, &str); 13] = [
+    ("packets", "backend_packets", "Client packets forwarded to the backend"),
+    ("bytes", "backend_bytes", "Client bytes forwarded to the backend"),
+    ("return_packets", "backend_return_packets", "Backend packets to clients through the balancer"),
+    ("return_bytes", "backend_return_bytes", "Backend bytes to clients through the balancer"),
+    ("new_conns", "backend_connections", "Connections given to the backend"),
+    ("closed_conns", "backend_closed_connections", "Connections of the backend seen ending (FIN or RST)"),
+    ("probes_sent", "backend_probes", "Score requests sent to the backend"),
+    ("scores_received", "backend_scores", "Scores taken from the backend's replies"),
+    ("syn_retries", "backend_syn_retries", "Retransmitted SYNs of handshakes whose SYN asked for a score"),
+    ("handshakes_completed", "backend_handshakes_completed", "Handshakes through the backend the client completed"),
+    ("handshakes_refused", "backend_handshakes_refused", "SYNs the backend answered with a RST"),
+    ("handshakes_retried", "backend_handshakes_retried", "SYNs to the backend sent again, the first unanswered"),
+    ("flows_reset", "backend_flows_reset", "Client packets answered with a RST while the backend was down (on_down = reset)"),
+];
+
+const VIP_COUNTERS: [(&str, &str, &str); 6] = [
+    ("packets", "vip_packets", "Client packets to the VIP"),
+    ("bytes", "vip_bytes", "Client bytes to the VIP"),
+    ("return_packets", "vip_return_packets", "Backend packets of the VIP's flows through the balancer"),
+    ("return_bytes", "vip_return_bytes", "Backend bytes of the VIP's flows through the balancer"),
+    ("new_conns", "vip_connections", "Connections to the VIP"),
+    ("closed_conns", "vip_closed_connections", "Connections to the VIP seen ending (FIN or RST)"),
+];
+
+impl prometheus_client::collector::Collector for Exposition {
+    fn encode(&self, encoder: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
+        use inband_http::gauge_value as g;
+        let s = &self.0;
+        let mut f = inband_http::Families(encoder);
+        let i = s.interface.as_str();
+        let t = &s.flow_table;
+        f.gauges(
+            "flows",
+            "Flows at the last sweep, by state",
+            [("established", t.established), ("closing", t.closing), ("half_open", t.half_open)].map(|(state, n)| ([("interface", i), ("state", state)], g(n))),
+        )?;
+        f.gauges("snat_reservations", "SNAT ports reserved at the last sweep", [([("interface", i)], g(t.snat_reservations))])?;
+        f.counters("sweeps", "Passes of the flow-table sweeper", [([("interface", i)], t.sweeps)])?;
+        f.gauges("sweep_duration_seconds", "How long the last sweep took", [([("interface", i)], t.last_sweep_duration_us as f64 / 1e6)])?;
+        f.gauges("vip_flows", "Live flows of the VIP", s.vips.iter().map(|v| ([("vip", v.vip.as_str()), ("state", v.state)], g(v.flows))))?;
+        for (field, name, help) in VIP_COUNTERS {
+            f.counters(name, help, s.vips.iter().map(|v| ([("vip", v.vip.as_str()), ("mode", v.mode)], v.stats[field])))?;
         }
-    }
-    for name in [
-        "packets",
-        "bytes",
-        "return_packets",
-        "return_bytes",
-        "new_conns",
-        "closed_conns",
-        "probes_sent",
-        "scores_received",
-        "syn_retries",
-        "handshakes_completed",
-        "handshakes_refused",
-        "handshakes_retried",
-        "flows_reset",
-    ] {
-        let metric = format!(
-            "inband_backend_{}_total",
-            match name {
-                "new_conns" => "connections",
-                "closed_conns" => "closed_connections",
-                "probes_sent" => "probes",
-                "scores_received" => "scores",
-                other => other,
-            }
-        );
-        let _ = writeln!(o, "# TYPE {metric} counter");
-        for v in &s.vips {
-            for b in &v.backends {
-                let _ = writeln!(o, "{metric}{{vip=\"{}\",backend=\"{}\"}} {}", v.vip, b.backend, b.stats[name]);
-            }
+        let backends = || s.vips.iter().flat_map(|v| v.backends.iter().map(move |b| (v.vip.as_str(), b)));
+        for (field, name, help) in BACKEND_COUNTERS {
+            f.counters(name, help, backends().map(|(v, b)| ([("vip", v), ("backend", b.backend.as_str())], b.stats[field])))?;
         }
-    }
-    for (metric, f) in [
-        ("inband_backend_flows", (|b: &BackendSnapshot| b.flows) as fn(&BackendSnapshot) -> u64),
-        ("inband_backend_load_estimate", |b| b.load_estimate),
-        ("inband_backend_weight", |b| u64::from(b.weight)),
-        ("inband_backend_probe_interval", |b| u64::from(b.probe_interval_now)),
-        ("inband_backend_unanswered_probes", |b| u64::from(b.unanswered_probes)),
-        ("inband_backend_options_lost", |b| u64::from(b.options_lost)),
-    ] {
-        let _ = writeln!(o, "# TYPE {metric} gauge");
-        for v in &s.vips {
-            for b in &v.backends {
-                let _ = writeln!(o, "{metric}{{vip=\"{}\",backend=\"{}\",state=\"{}\"}} {}", v.vip, b.backend, b.state, f(b));
-            }
+        for (name, help, value) in [
+            ("backend_flows", "Live flows of the backend", (|b: &BackendSnapshot| b.flows) as fn(&BackendSnapshot) -> u64),
+            ("backend_load_estimate", "What least-score and power-of-two rank the backend by", |b| b.load_estimate),
+            ("backend_weight", "The backend's capacity relative to its VIP's others (0: no new connections)", |b| u64::from(b.weight)),
+            ("backend_probe_interval", "Packets between score requests now (dsr-dynamic's adaptive n)", |b| u64::from(b.probe_interval_now)),
+            ("backend_unanswered_probes", "Score requests sent since the last score taken", |b| u64::from(b.unanswered_probes)),
+            ("backend_options_lost", "1 while the path to the backend loses inband options (its score is polled)", |b| u64::from(b.options_lost)),
+        ] {
+            f.gauges(name, help, backends().map(|(v, b)| ([("vip", v), ("backend", b.backend.as_str()), ("state", b.state)], g(value(b)))))?;
         }
+        f.gauges(
+            "backend_up",
+            "1 while the backend takes new connections by its health checks (down backends of a VIP that fails open included)",
+            backends().map(|(v, b)| {
+                let up = b.health.state != "down" || b.health.failing_open;
+                ([("vip", v), ("backend", b.backend.as_str()), ("reason", b.health.reason)], i64::from(up))
+            }),
+        )?;
+        f.counters(
+            "backend_health_checks",
+            "Health checks of the backend, by result",
+            backends().flat_map(|(v, b)| {
+                [("passed", b.health.checks_passed), ("failed", b.health.checks_failed)]
+                    .map(|(result, n)| ([("vip", v), ("backend", b.backend.as_str()), ("result", result)], n))
+            }),
+        )?;
+        f.counters("backend_health_transitions", "Changes of the backend's health state", backends().map(|(v, b)| ([("vip", v), ("backend", b.backend.as_str())], b.health.transitions)))?;
+        f.counters(
+            "backend_passive_ejections",
+            "Times the backend was taken down by the handshakes it refused or left unanswered",
+            backends().map(|(v, b)| ([("vip", v), ("backend", b.backend.as_str())], b.health.passive_ejections)),
+        )?;
+        f.gauges(
+            "backend_health_since_seconds",
+            "Unix time of the backend's last change of health state (0: none yet)",
+            backends().map(|(v, b)| ([("vip", v), ("backend", b.backend.as_str())], b.health.since_ms as f64 / 1e3)),
+        )?;
+        f.gauges(
+            "backend_score",
+            "The backend's last reported score (absent until one is taken)",
+            backends().filter_map(|(v, b)| Some(([("vip", v), ("backend", b.backend.as_str())], i64::from(b.score?)))),
+        )?;
+        f.counters("drops", "Packets the data path dropped, by reason", s.drops.iter().map(|(k, n)| ([("reason", *k)], *n)))?;
+        f.counters("events", "Data-path events, by kind", s.events.iter().map(|(k, n)| ([("event", *k)], *n)))?;
+        let c = &s.control;
+        f.counter("poll_requests", "Score polls sent (dsr-polling and backends losing options)", c.polls_sent)?;
+        f.counter("poll_replies", "Score polls answered", c.poll_replies)?;
+        f.counter("poll_unauthenticated", "Poll replies refused: bad MAC, unknown key, or the other [auth] format", c.poll_unauthenticated)?;
+        f.counter("poll_failures", "Score polls that got no reply in time or could not be sent", c.poll_failures)?;
+        f.counter("poll_bytes", "Bytes of polls and their replies on the wire", c.poll_bytes)?;
+        f.counter("queries", "SYNs held for a score query (dsr-query)", c.queries)?;
+        f.counter("query_timeouts", "Score queries that timed out", c.query_timeouts)?;
+        f.counter("options_lost", "Times a backend was found losing inband options", c.options_lost)?;
+        f.counter("options_retried", "Times a backend losing options was given options again to test its path", c.options_retried)
     }
-    let _ = writeln!(o, "# HELP inband_backend_up 1 while the backend takes new connections by its health checks (down backends of a VIP that fails open included)");
-    let _ = writeln!(o, "# TYPE inband_backend_up gauge");
-    for v in &s.vips {
-        for b in &v.backends {
-            let up = b.health.state != "down" || b.health.failing_open;
-            let _ = writeln!(o, "inband_backend_up{{vip=\"{}\",backend=\"{}\",reason=\"{}\"}} {}", v.vip, b.backend, b.health.reason, u8::from(up));
-        }
-    }
-    for (metric, what, f) in [
-        ("inband_backend_health_checks_total", "passed", (|h: &HealthView| h.checks_passed) as fn(&HealthView) -> u64),
-        ("inband_backend_health_checks_total", "failed", |h| h.checks_failed),
-        ("inband_backend_health_transitions_total", "", |h| h.transitions),
-        ("inband_backend_passive_ejections_total", "", |h| h.passive_ejections),
-    ] {
-        if what != "failed" {
-            let _ = writeln!(o, "# TYPE {metric} counter");
-        }
-        for v in &s.vips {
-            for b in &v.backends {
-                let result = if what.is_empty() { String::new() } else { format!(",result=\"{what}\"") };
-                let _ = writeln!(o, "{metric}{{vip=\"{}\",backend=\"{}\"{result}}} {}", v.vip, b.backend, f(&b.health));
-            }
-        }
-    }
-    let _ = writeln!(o, "# TYPE inband_backend_health_since_seconds gauge");
-    for v in &s.vips {
-        for b in &v.backends {
-            let _ = writeln!(o, "inband_backend_health_since_seconds{{vip=\"{}\",backend=\"{}\"}} {}", v.vip, b.backend, b.health.since_ms as f64 / 1e3);
-        }
-    }
-    let _ = writeln!(o, "# TYPE inband_backend_score gauge");
-    for v in &s.vips {
-        for b in &v.backends {
-            if let Some(score) = b.score {
-                let _ = writeln!(o, "inband_backend_score{{vip=\"{}\",backend=\"{}\"}} {score}", v.vip, b.backend);
-            }
-        }
-    }
-    let _ = writeln!(o, "# TYPE inband_drops_total counter");
-    for (k, n) in &s.drops {
-        let _ = writeln!(o, "inband_drops_total{{reason=\"{k}\"}} {n}");
-    }
-    let _ = writeln!(o, "# TYPE inband_events_total counter");
-    for (k, n) in &s.events {
-        let _ = writeln!(o, "inband_events_total{{event=\"{k}\"}} {n}");
-    }
-    let c = &s.control;
-    let _ = writeln!(o, "# TYPE inband_poll_requests_total counter\ninband_poll_requests_total {}", c.polls_sent);
-    let _ = writeln!(o, "# TYPE inband_poll_replies_total counter\ninband_poll_replies_total {}", c.poll_replies);
-    let _ = writeln!(o, "# TYPE inband_poll_unauthenticated_total counter\ninband_poll_unauthenticated_total {}", c.poll_unauthenticated);
-    let _ = writeln!(o, "# TYPE inband_poll_bytes_total counter\ninband_poll_bytes_total {}", c.poll_bytes);
-    let _ = writeln!(o, "# TYPE inband_queries_total counter\ninband_queries_total {}", c.queries);
-    let _ = writeln!(o, "# TYPE inband_query_timeouts_total counter\ninband_query_timeouts_total {}", c.query_timeouts);
-    let _ = writeln!(o, "# TYPE inband_options_lost_total counter\ninband_options_lost_total {}", c.options_lost);
-    let _ = writeln!(o, "# TYPE inband_options_retried_total counter\ninband_options_retried_total {}", c.options_retried);
-    o
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn backend(id: u32, addr: &str, score: Option<u32>, health: HealthView) -> BackendSnapshot {
+        let mut stats: Counters = BackendStats::default().named().into_iter().collect();
+        stats.insert("new_conns", 10 + u64::from(id));
+        BackendSnapshot {
+            id,
+            backend: addr.into(),
+            state: "active",
+            drain_left_s: None,
+            weight: 1,
+            mac: "02:00:00:00:00:01".into(),
+            options_lost: false,
+            encap: false,
+            quic_server_id: None,
+            probe_interval_now: 16,
+            unanswered_probes: 0,
+            score,
+            score_age_ms: score.map(|_| 5),
+            stale: score.is_none(),
+            opened_since_score: 0,
+            closed_since_score: 0,
+            load_estimate: 40,
+            flows: 3,
+            health,
+            stats,
+        }
+    }
+
+    fn health(state: &'static str, reason: &'static str, failing_open: bool) -> HealthView {
+        HealthView {
+            state,
+            reason,
+            failing_open,
+            since_ms: 1_500,
+            for_s: Some(1),
+            last_status: None,
+            in_a_row: 1,
+            checks_passed: 7,
+            checks_failed: 2,
+            transitions: 1,
+            passive_ejections: 0,
+        }
+    }
+
+    fn snapshot() -> Snapshot {
+        let zero = |names: &[&'static str]| names.iter().map(|n| (*n, 0)).collect::<BTreeMap<_, _>>();
+        let mut drops = zero(&DROP_NAMES);
+        drops.insert("no_backend", 4);
+        Snapshot {
+            interface: "eth0".into(),
+            netns: String::new(),
+            address: "10.0.0.2".into(),
+            mtu: 1500,
+            auth: "siphash",
+            scale_out: None,
+            flows: 5,
+            flow_table: FlowTable { established: 5, closing: 1, half_open: 2, snat_reservations: 0, sweeps: 9, last_sweep_ms_ago: Some(3), last_sweep_duration_us: 1500 },
+            vips: vec![VipSnapshot {
+                vip: "10.0.0.1:80".into(),
+                state: "active",
+                drain_left_s: None,
+                protocol: "tcp",
+                quic: false,
+                mode: "dsr-dynamic",
+                policy: "least-score",
+                weighted: false,
+                probe_interval: 16,
+                probe_interval_max: 16,
+                probe_budget: 0,
+                score_max_age_ms: 1000,
+                syn_timeout_ms: 3000,
+                idle_timeout_s: 300,
+                closing_timeout_ms: 10_000,
+                on_down: "keep",
+                all_down: "fail-open",
+                flows: 6,
+                stats: VipStats::default().named().into_iter().collect(),
+                backends: vec![
+                    backend(0, "10.0.1.1:80", Some(77), health("up", "passing", false)),
+                    backend(1, "10.0.1.2:80", None, health("down", "refused", false)),
+                ],
+            }],
+            drops,
+            events: zero(&EVENT_NAMES),
+            control: Control { polls_sent: 4, poll_replies: 3, poll_bytes: 600, poll_failures: 1, poll_unauthenticated: 0, queries: 0, query_timeouts: 0, query_mean_us: 0, options_lost: 0, options_retried: 0 },
+        }
+    }
+
+    /// The exposition parses as OpenMetrics (a TYPE before every sample, a
+    /// HELP for every family, counters as `_total`, `# EOF`), and keeps the
+    /// names and labels the tests, bench drivers and docs read.
+    #[test]
+    fn the_metrics_parse_with_help_and_type_and_keep_their_names() {
+        use openmetrics_parser::OpenMetricsType::{Counter, Gauge};
+        let text = inband_http::encode(&prometheus(snapshot())).unwrap();
+        inband_http::check_exposition(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        // A strict parser too (the fixture has no empty family, which it mistakes).
+        let parsed = openmetrics_parser::openmetrics::parse_openmetrics(&text).unwrap_or_else(|e| panic!("{e:?}\n{text}"));
+        for (name, family) in &parsed.families {
+            assert!(!family.help.is_empty(), "{name} has no HELP:\n{text}");
+        }
+        for (family, kind) in [
+            ("inband_flows", Gauge),
+            ("inband_sweeps", Counter),
+            ("inband_vip_connections", Counter),
+            ("inband_backend_connections", Counter),
+            ("inband_backend_handshakes_refused", Counter),
+            ("inband_backend_flows_reset", Counter),
+            ("inband_backend_up", Gauge),
+            ("inband_backend_health_checks", Counter),
+            ("inband_backend_health_transitions", Counter),
+            ("inband_backend_passive_ejections", Counter),
+            ("inband_backend_score", Gauge),
+            ("inband_drops", Counter),
+            ("inband_poll_requests", Counter),
+        ] {
+            assert_eq!(parsed.families.get(family).map(|f| f.family_type), Some(kind), "{family}:\n{text}");
+        }
+        for line in [
+            "inband_flows{interface=\"eth0\",state=\"established\"} 5",
+            "inband_sweeps_total{interface=\"eth0\"} 9",
+            "inband_sweep_duration_seconds{interface=\"eth0\"} 0.0015",
+            "inband_vip_flows{vip=\"10.0.0.1:80\",state=\"active\"} 6",
+            "inband_backend_connections_total{vip=\"10.0.0.1:80\",backend=\"10.0.1.2:80\"} 11",
+            "inband_backend_flows{vip=\"10.0.0.1:80\",backend=\"10.0.1.1:80\",state=\"active\"} 3",
+            "inband_backend_up{vip=\"10.0.0.1:80\",backend=\"10.0.1.1:80\",reason=\"passing\"} 1",
+            "inband_backend_up{vip=\"10.0.0.1:80\",backend=\"10.0.1.2:80\",reason=\"refused\"} 0",
+            "inband_backend_health_checks_total{vip=\"10.0.0.1:80\",backend=\"10.0.1.1:80\",result=\"failed\"} 2",
+            "inband_backend_health_since_seconds{vip=\"10.0.0.1:80\",backend=\"10.0.1.1:80\"} 1.5",
+            "inband_backend_score{vip=\"10.0.0.1:80\",backend=\"10.0.1.1:80\"} 77",
+            "inband_drops_total{reason=\"no_backend\"} 4",
+            "inband_poll_requests_total 4",
+            "inband_poll_failures_total 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no line {line}:\n{text}");
+        }
+        assert!(!text.contains("inband_backend_score{vip=\"10.0.0.1:80\",backend=\"10.0.1.2:80\"}"), "no score before one is taken");
+    }
 
     #[test]
     fn the_estimate_decays_when_old_and_follows_connections() {

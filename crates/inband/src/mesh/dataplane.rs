@@ -39,30 +39,30 @@ crate::pod::pod!(
     Conn
 );
 
-/// Counter names, in the order of `enum inband_mesh_counter`.
-pub const COUNTERS: [&str; c::INBAND_MESH_COUNTERS as usize] = [
-    "connect_redirected",
-    "conn_tracked",
-    "conn_table_full",
-    "request_kernel",
-    "response_kernel",
-    "fallback_pipelined",
-    "fallback_upgrade",
-    "fallback_chunked",
-    "fallback_head_too_big",
-    "fallback_partial_head",
-    "fallback_malformed",
-    "fallback_no_route",
-    "fallback_no_slot",
-    "fallback_busy",
-    "response_user",
-    "response_client_gone",
-    "response_unexpected",
-    "response_excess",
-    "client_gone_in_flight",
-    "fallback_large_body",
+/// Counter names and what they count, in the order of `enum
+/// inband_mesh_counter`.
+pub const COUNTERS: [(&str, &str); c::INBAND_MESH_COUNTERS as usize] = [
+    ("connect_redirected", "connect() calls to a service address sent to the anchor"),
+    ("conn_tracked", "Client connections established and tracked"),
+    ("conn_table_full", "Client connections not tracked (table full): user space serves them"),
+    ("request_kernel", "Requests redirected to a backend socket by the kernel"),
+    ("response_kernel", "Responses delivered to the client by the kernel"),
+    ("fallback_pipelined", "Connections to user space: more than one request at once"),
+    ("fallback_upgrade", "Connections to user space: Upgrade, Expect, HTTP/2 preface or Connection: close"),
+    ("fallback_chunked", "Connections to user space: a request body without Content-Length"),
+    ("fallback_head_too_big", "Connections to user space: a request head too long for the kernel parser"),
+    ("fallback_partial_head", "Connections to user space: a request head not complete in one send"),
+    ("fallback_malformed", "Connections to user space: not an HTTP/1.1 request line and headers"),
+    ("fallback_no_route", "Connections to user space: no route matched (answered 404)"),
+    ("fallback_no_slot", "Connections to user space: every slot of the chosen cluster busy or down"),
+    ("fallback_busy", "Connections to user space: the parser's scratch buffer was in use on the CPU"),
+    ("response_user", "Responses relayed by the daemon: framing the kernel does not follow"),
+    ("response_client_gone", "Responses dropped: the client had closed"),
+    ("response_unexpected", "Data on a slot with no request: the slot retired"),
+    ("response_excess", "Bytes after a response's end: cut, the slot retired"),
+    ("client_gone_in_flight", "Clients that closed with their request at a backend: the slot retired"),
+    ("fallback_large_body", "Connections to user space: a request body of 2 GiB or more"),
 ];
-
 pub fn pin_dir(name: &str) -> PinDir {
     PinDir(crate::bpfmap::pin_root().join("mesh").join(name))
 }
@@ -352,7 +352,7 @@ pub fn read_counters(map: &dyn MapCore) -> Result<Vec<(&'static str, u64)>> {
     COUNTERS
         .iter()
         .enumerate()
-        .map(|(i, name)| {
+        .map(|(i, (name, _))| {
             let per_cpu: Vec<u64> = crate::bpfmap::get_percpu(map, &(i as u32))?;
             Ok((*name, per_cpu.iter().sum()))
         })

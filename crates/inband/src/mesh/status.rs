@@ -4,11 +4,15 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
+use inband_http::{Families, Reply, StatusCode};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::DescriptorEncoder;
+use prometheus_client::registry::Registry;
 use serde::Serialize;
 
 use super::dataplane::{
-    backend_line, pin_dir, read_counters, MeshBackend, ServiceKey, ServiceValue, Slot,
+    backend_line, pin_dir, read_counters, MeshBackend, ServiceKey, ServiceValue, Slot, COUNTERS,
 };
 use crate::bpf::shared as c;
 use crate::bpfmap::PinDir;
@@ -248,58 +252,141 @@ pub fn render(title: &str, st: &Status) -> String {
     out
 }
 
-fn prometheus(st: &Status) -> String {
-    let mut out = String::new();
-    for (n, v) in &st.counters {
-        out.push_str(&format!("inband_mesh_{n}_total {v}\n"));
-    }
-    for b in &st.backends {
-        let l = format!("backend=\"{}\"", b.address);
-        out.push_str(&format!("inband_mesh_backend_up{{{l}}} {}\n", b.up as u8));
-        out.push_str(&format!(
-            "inband_mesh_backend_in_flight{{{l}}} {}\n",
-            b.in_flight
-        ));
-        out.push_str(&format!(
-            "inband_mesh_backend_requests_total{{{l}}} {}\n",
-            b.requests
-        ));
-        for (state, n) in [
-            ("free", b.free),
-            ("kernel", b.kernel),
-            ("user", b.user),
-            ("down", b.down),
-        ] {
-            out.push_str(&format!(
-                "inband_mesh_pool_slots{{{l},state=\"{state}\"}} {n}\n"
-            ));
-        }
-    }
-    out
+/// The same numbers for Prometheus: a registry made per scrape around one
+/// collector of the status (prometheus-client's collector API), since they
+/// are read from the pins when scraped, not counted by this process.
+pub fn prometheus(st: Status) -> Registry {
+    let mut r = Registry::with_prefix("inband_mesh");
+    r.register_collector(Box::new(Exposition(st)));
+    r
 }
 
-/// `/metrics` (Prometheus text) and `/status` (JSON), from the pins, on a
-/// thread of its own so a slow scraper never holds the daemon.
-pub fn serve_metrics(addr: SocketAddr, pins: PathBuf) -> Result<()> {
-    let server = tiny_http::Server::http(addr)
-        .map_err(|e| anyhow::anyhow!("metrics endpoint {addr}: {e}"))?;
-    std::thread::spawn(move || {
-        let pins = PinDir(pins);
-        for req in server.incoming_requests() {
-            let reply = match (req.url(), read(&pins)) {
-                ("/metrics", Ok(st)) => tiny_http::Response::from_string(prometheus(&st)),
-                ("/status", Ok(st)) => {
-                    tiny_http::Response::from_string(serde_json::to_string(&st).unwrap_or_default())
-                }
-                (_, Err(e)) => {
-                    tiny_http::Response::from_string(format!("{e:#}\n")).with_status_code(500)
-                }
-                _ => {
-                    tiny_http::Response::from_string("/metrics or /status\n").with_status_code(404)
-                }
-            };
-            let _ = req.respond(reply);
+#[derive(Debug)]
+struct Exposition(Status);
+
+impl Collector for Exposition {
+    fn encode(&self, encoder: DescriptorEncoder) -> std::fmt::Result {
+        let st = &self.0;
+        let mut f = Families(encoder);
+        // read() reads the counters in the order of COUNTERS.
+        for ((name, help), (_, v)) in COUNTERS.iter().zip(&st.counters) {
+            f.counter(name, help, *v)?;
         }
-    });
+        let label = |b: &BackendStatus| [("backend", b.address.clone())];
+        f.gauges(
+            "backend_up",
+            "1 while the backend passes its health checks",
+            st.backends.iter().map(|b| (label(b), i64::from(b.up))),
+        )?;
+        f.gauges(
+            "backend_in_flight",
+            "Requests at the backend now",
+            st.backends.iter().map(|b| (label(b), i64::from(b.in_flight))),
+        )?;
+        f.counters(
+            "backend_requests",
+            "Requests sent to the backend by the kernel",
+            st.backends.iter().map(|b| (label(b), b.requests)),
+        )?;
+        f.gauges(
+            "pool_slots",
+            "The backend's pooled connections by state: free, carrying a request by the kernel, relayed by the daemon, down",
+            st.backends.iter().flat_map(|b| {
+                [
+                    ("free", b.free),
+                    ("kernel", b.kernel),
+                    ("user", b.user),
+                    ("down", b.down),
+                ]
+                .map(|(state, n)| {
+                    (
+                        [("backend", b.address.clone()), ("state", state.to_string())],
+                        i64::from(n),
+                    )
+                })
+            }),
+        )
+    }
+}
+
+/// `/metrics` (Prometheus) and `/status` (JSON), from the pins, on a
+/// thread of its own: reading every slot must not hold the runtime that
+/// relays the mesh's requests. It ends with the process.
+pub fn serve_metrics(addr: SocketAddr, pins: PathBuf) -> Result<()> {
+    let pins = PinDir(pins);
+    let handler = move |path: &str| match (path, read(&pins)) {
+        ("/metrics", Ok(st)) => Reply::metrics(&prometheus(st)),
+        ("/status", Ok(st)) => Reply::json(serde_json::to_string(&st).unwrap_or_default()),
+        ("/metrics" | "/status", Err(e)) => {
+            Reply::text(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}\n"))
+        }
+        _ => Reply::text(StatusCode::NOT_FOUND, "/metrics or /status\n"),
+    };
+    inband_http::spawn("mesh-metrics", addr, handler, std::future::pending())
+        .with_context(|| format!("metrics endpoint {addr}"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The exposition parses as OpenMetrics (TYPE before every sample, HELP
+    /// for every family, `# EOF`) with the names tests and docs read.
+    #[test]
+    fn the_metrics_parse_with_help_and_type() {
+        use openmetrics_parser::OpenMetricsType::{Counter, Gauge};
+        let st = Status {
+            services: Vec::new(),
+            backends: vec![BackendStatus {
+                address: "127.0.0.1:8080".into(),
+                up: true,
+                in_flight: 1,
+                requests: 12,
+                pool: 4,
+                free: 3,
+                kernel: 1,
+                user: 0,
+                down: 0,
+            }],
+            counters: COUNTERS
+                .iter()
+                .enumerate()
+                .map(|(i, (n, _))| (n.to_string(), i as u64))
+                .collect(),
+        };
+        let text = inband_http::encode(&prometheus(st)).unwrap();
+        inband_http::check_exposition(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        // A strict parser too (the fixture has no empty family, which it mistakes).
+        let parsed = openmetrics_parser::openmetrics::parse_openmetrics(&text)
+            .unwrap_or_else(|e| panic!("{e:?}\n{text}"));
+        assert_eq!(parsed.families.len(), COUNTERS.len() + 4, "{text}");
+        for (name, family) in &parsed.families {
+            assert!(!family.help.is_empty(), "{name} has no HELP:\n{text}");
+        }
+        for (family, kind) in [
+            ("inband_mesh_request_kernel", Counter),
+            ("inband_mesh_fallback_large_body", Counter),
+            ("inband_mesh_backend_up", Gauge),
+            ("inband_mesh_backend_in_flight", Gauge),
+            ("inband_mesh_backend_requests", Counter),
+            ("inband_mesh_pool_slots", Gauge),
+        ] {
+            assert_eq!(
+                parsed.families.get(family).map(|f| f.family_type),
+                Some(kind),
+                "{family}:\n{text}"
+            );
+        }
+        for line in [
+            "inband_mesh_request_kernel_total 3",
+            "inband_mesh_fallback_large_body_total 19",
+            "inband_mesh_backend_up{backend=\"127.0.0.1:8080\"} 1",
+            "inband_mesh_backend_requests_total{backend=\"127.0.0.1:8080\"} 12",
+            "inband_mesh_pool_slots{backend=\"127.0.0.1:8080\",state=\"free\"} 3",
+            "inband_mesh_pool_slots{backend=\"127.0.0.1:8080\",state=\"kernel\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no line {line}:\n{text}");
+        }
+    }
 }
