@@ -821,12 +821,13 @@ fn active_8080(socket: &Path) -> Option<i64> {
     v["ports"]["8080"]["active_connections"].as_i64()
 }
 
-const MAP_NAMES: [&str; 11] = [
+const MAP_NAMES: [&str; 12] = [
     "active_conns",
     "agent_config",
     "agent_stats",
     "auth_keys",
     "balancers",
+    "carrier_slot",
     "conn_counted",
     "dsr_flows",
     "inflight",
