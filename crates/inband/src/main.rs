@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-use inband::lb;
+use inband_core::lb_control;
+use inband_lb as lb;
 
 #[derive(Parser)]
 #[command(name = "inband", version, about = "eBPF load balancer with Direct Server Return and in-band load feedback")]
@@ -24,29 +25,29 @@ enum Command {
     /// An HTTP server of limited capacity, for tests and benchmarks.
     // A later flag wins, so scripts can append per-server overrides to defaults.
     #[command(args_override_self = true)]
-    Serve(inband::workload::ServeArgs),
+    Serve(inband_testkit::workload::ServeArgs),
     /// A QUIC server whose connection IDs name it, and a client that can
     /// move its connection (docs/workload.md, "inband quic").
     Quic {
         #[command(subcommand)]
-        command: inband::workload::quic::QuicCommand,
+        command: inband_testkit::workload::quic::QuicCommand,
     },
     /// Daisy chaining behind an ECMP router: the server program and the
     /// router's shadow table (seed 002; docs/architecture.md).
     Shadow {
         #[command(subcommand)]
-        command: inband::shadow::ShadowCommand,
+        command: inband_shadow::ShadowCommand,
     },
     /// Benchmarks that print tables with ratios.
     Bench {
         #[command(subcommand)]
-        command: inband::bench::BenchCommand,
+        command: inband_testkit::bench::BenchCommand,
     },
     /// Per-request HTTP/1.1 balancing in the kernel's socket layer for the
     /// applications of a cgroup (see docs/mesh.md).
     Mesh {
         #[command(subcommand)]
-        command: inband::mesh::MeshCommand,
+        command: inband_mesh::MeshCommand,
     },
     /// HTTP/1.1 reverse proxy with a durable cache (see docs/proxy.md).
     Proxy {
@@ -59,7 +60,7 @@ enum Command {
     /// Network-namespace testbeds.
     Testbed {
         #[command(subcommand)]
-        command: inband::testbed::TestbedCommand,
+        command: inband_testkit::testbed::TestbedCommand,
     },
     /// Show VIPs, backends, flows, scores and counters of the balancer(s)
     /// on this host, and the mesh daemons' services, routes and pools.
@@ -100,7 +101,7 @@ struct AgentArgs {
     #[arg(long)]
     config: Option<PathBuf>,
     #[command(subcommand)]
-    command: Option<inband::agent::AgentCommand>,
+    command: Option<inband_agent::AgentCommand>,
 }
 
 #[derive(clap::Args)]
@@ -110,7 +111,7 @@ struct WeightsArgs {
     #[arg(long)]
     config: Option<PathBuf>,
     #[command(subcommand)]
-    command: Option<inband::weights::WeightsCommand>,
+    command: Option<inband_weights::WeightsCommand>,
 }
 
 #[derive(Subcommand)]
@@ -125,10 +126,10 @@ enum LbCommand {
     },
     /// Change a running balancer (backends, mode, probe interval, reload).
     Ctl {
-        #[arg(long, default_value_os_t = lb::config::default_control_socket())]
+        #[arg(long, default_value_os_t = lb_control::default_control_socket())]
         socket: PathBuf,
         #[command(subcommand)]
-        request: lb::control::ControlRequest,
+        request: lb_control::ControlRequest,
     },
 }
 
@@ -154,43 +155,46 @@ fn run(cli: Cli) -> Result<()> {
             (Some(config), None) => lb::daemon::run(&config),
             (None, Some(LbCommand::Detach { interface, force })) => lb::attach::detach(&interface, force),
             (None, Some(LbCommand::Ctl { socket, request })) => {
-                let reply = lb::control::send(&socket, &request)?;
+                let reply = lb_control::send(&socket, &request)?;
                 if !reply.ok {
                     anyhow::bail!("{}", reply.message);
                 }
-                println!("{}", reply.message);
+                match reply.counts {
+                    Some(c) => println!("{}", serde_json::to_string_pretty(&c)?),
+                    None => println!("{}", reply.message),
+                }
                 Ok(())
             }
             _ => anyhow::bail!("`inband lb` needs --config FILE, or a subcommand (detach, ctl); see --help"),
         },
         Command::Agent(args) => match (args.config, args.command) {
-            (Some(config), None) => inband::agent::run(inband::agent::AgentCommand::Run { config }),
-            (None, Some(command)) => inband::agent::run(command),
+            (Some(config), None) => inband_agent::run(inband_agent::AgentCommand::Run { config }),
+            (None, Some(command)) => inband_agent::run(command),
             _ => anyhow::bail!("`inband agent` needs --config FILE, or a subcommand; see --help"),
         },
         Command::Weights(args) => match (args.config, args.command) {
-            (Some(config), None) => inband::weights::run_controller(&config),
-            (None, Some(command)) => inband::weights::run(command),
+            (Some(config), None) => inband_weights::run_controller(&config),
+            (None, Some(command)) => inband_weights::run(command),
             _ => anyhow::bail!("`inband weights` needs --config FILE, or a subcommand (status); see --help"),
         },
         Command::Status { interface, netns, json } => status(interface, netns, json),
         Command::Keygen { out } => {
-            inband::auth::keygen(&out)?;
+            inband_core::auth::keygen(&out)?;
             println!("wrote a new key to {}: list it under [auth] keys on the balancer and every agent", out.display());
             Ok(())
         }
-        Command::Serve(args) => inband::workload::run(args),
-        Command::Quic { command } => inband::workload::quic::run(command),
-        Command::Shadow { command } => inband::shadow::run(command),
-        Command::Bench { command } => inband::bench::run(command),
-        Command::Testbed { command } => inband::testbed::run(command),
-        Command::Mesh { command } => inband::mesh::main(command),
+        Command::Serve(args) => inband_testkit::workload::run(args),
+        Command::Quic { command } => inband_testkit::workload::quic::run(command),
+        Command::Shadow { command } => inband_shadow::run(command),
+        Command::Bench { command } => inband_testkit::bench::run(command),
+        Command::Testbed { command } => inband_testkit::testbed::run(command),
+        Command::Mesh { command } => inband_mesh::main(command),
         Command::Proxy { config } => inband_proxy::run(&config),
     }
 }
 
 fn status(interface: Option<String>, netns: Option<String>, json: bool) -> Result<()> {
-    let scope = netns.or_else(inband::bpfmap::current_netns_name);
+    let scope = netns.or_else(inband_core::bpfmap::current_netns_name);
     let found: Vec<_> = lb::attach::discover()
         .into_iter()
         .filter(|b| scope.as_deref().map_or(true, |n| b.netns == n || (n == "host" && b.netns.is_empty())))
@@ -199,7 +203,7 @@ fn status(interface: Option<String>, netns: Option<String>, json: bool) -> Resul
     // Mesh daemons (docs/mesh.md) beside the balancers, in the text view;
     // `--json` readers use `inband mesh status --json`.
     let meshes: Vec<_> = if interface.is_none() && !json {
-        inband::mesh::status::discover()
+        inband_mesh::status::discover()
             .into_iter()
             .filter(|(title, _)| scope.as_deref().map_or(true, |n| title.ends_with(&format!("(network namespace {n})"))))
             .collect()
@@ -208,8 +212,8 @@ fn status(interface: Option<String>, netns: Option<String>, json: bool) -> Resul
     };
     let show_meshes = || {
         for (title, pins) in &meshes {
-            match inband::mesh::status::read(pins) {
-                Ok(st) => print!("\n{}", inband::mesh::status::render(title, &st)),
+            match inband_mesh::status::read(pins) {
+                Ok(st) => print!("\n{}", inband_mesh::status::render(title, &st)),
                 Err(e) => eprintln!("warning: {e:#}"),
             }
         }
@@ -241,9 +245,9 @@ fn status(interface: Option<String>, netns: Option<String>, json: bool) -> Resul
         // The weights controllers' view (curves, last solve) beside the
         // balancers' (weights in force); `--json` readers use
         // `inband weights status --json`.
-        for path in inband::weights::status_files() {
-            match inband::weights::status::read(&path) {
-                Ok(w) => print!("\n{}", inband::weights::status::render(&w)),
+        for path in inband_weights::status_files() {
+            match inband_weights::status::read(&path) {
+                Ok(w) => print!("\n{}", inband_weights::status::render(&w)),
                 Err(e) => eprintln!("warning: {e:#}"),
             }
         }

@@ -15,20 +15,20 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use inband::agent::config::{AgentConfig, ScoreSource, ServiceConfig};
-use inband::agent::cpu::{parse_proc_stat, RunQueue};
-use inband::agent::daemon::seed_active;
-use inband::agent::maps::{AgentCounter, AuthKey, ConnKey, DataPathConfig, DsrFlow};
-use inband::agent::settings::DataPathSettings;
-use inband::net::Protocol;
-use inband::poll_wire;
-use inband::wire::Key;
-use inband::agent::poll_responder;
-use inband::agent::proc_tcp::{self, TcpState};
-use inband::agent::score_socket::{self, ScoreApi};
-use inband::agent::tables::AgentMaps;
-use inband::auth::{AuthMode, KeyRef};
-use inband::bpfmap;
+use inband_agent::config::{AgentConfig, ScoreSource, ServiceConfig};
+use inband_agent::cpu::{parse_proc_stat, RunQueue};
+use inband_agent::daemon::seed_active;
+use inband_agent::maps::{AgentCounter, AuthKey, ConnKey, DataPathConfig, DsrFlow};
+use inband_agent::settings::DataPathSettings;
+use inband_core::net::Protocol;
+use inband_core::poll_wire;
+use inband_core::wire::Key;
+use inband_agent::poll_responder;
+use inband_agent::proc_tcp::{self, TcpState};
+use inband_agent::score_socket::{self, ScoreApi};
+use inband_agent::tables::AgentMaps;
+use inband_core::auth::{AuthMode, KeyRef};
+use inband_core::bpfmap;
 
 // ---------------------------------------------------------------- config
 
@@ -115,12 +115,12 @@ fn config_auth_section() {
 fn config_auth_key_files() {
     let dir = tempfile::tempdir().unwrap();
     let good = dir.path().join("auth-1.key");
-    inband::auth::keygen(&good).unwrap();
+    inband_core::auth::keygen(&good).unwrap();
     let cfg = |file: &Path| {
         AgentConfig::parse(&with_auth(&format!("keys = [{{ id = 1, file = \"{}\" }}]", file.display()))).unwrap()
     };
     let keys = cfg(&good).load_keys().unwrap();
-    assert_eq!(keys, vec![(1, inband::auth::read_key(&good).unwrap())]);
+    assert_eq!(keys, vec![(1, inband_core::auth::read_key(&good).unwrap())]);
 
     let missing = dir.path().join("auth-2.key");
     let e = format!("{:#}", cfg(&missing).load_keys().unwrap_err());
@@ -458,7 +458,7 @@ fn score_socket_set_get_clear() {
     assert_eq!(g["balancers"], serde_json::json!(["127.0.0.1"]));
     assert_eq!(g["dsr_flows"], 0);
     assert_eq!(g["counters"]["scores_sent"], 0);
-    assert_eq!(g["counters"].as_object().unwrap().len(), inband::agent::maps::COUNTER_MAX);
+    assert_eq!(g["counters"].as_object().unwrap().len(), inband_agent::maps::COUNTER_MAX);
     assert_eq!(g["counters"]["tuple_in_use"], 0);
     assert_eq!(g["counters"]["stale_tuples_forgotten"], 0);
     // As detached_maps applied them: the authenticated format, key 1.
@@ -811,7 +811,7 @@ fn agent_config(dir: &Path, socket: &Path, keys: &[(u8, &Path)]) -> PathBuf {
 /// A fresh key file in `dir`.
 fn key_file(dir: &Path, name: &str) -> PathBuf {
     let p = dir.join(name);
-    inband::auth::keygen(&p).unwrap();
+    inband_core::auth::keygen(&p).unwrap();
     p
 }
 
@@ -919,7 +919,7 @@ fn agent_attaches_counts_and_cleans_up() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let secret = inband::auth::read_key(&key).unwrap();
+    let secret = inband_core::auth::read_key(&key).unwrap();
     let replies = ns.within(move || {
         let b = UdpSocket::bind("10.99.0.1:0").unwrap();
         let to = SocketAddrV4::new(Ipv4Addr::new(10, 99, 0, 2), 9137);
@@ -1038,7 +1038,7 @@ fn agent_sighup_rotates_keys_without_detaching() {
     let log = tmp.path().join("agent.log");
     let logtext = || std::fs::read_to_string(&log).unwrap_or_default();
     let (k1, k2) = (key_file(tmp.path(), "auth-1.key"), key_file(tmp.path(), "auth-2.key"));
-    let halves = |p: &Path| inband::auth::read_key(p).unwrap().halves();
+    let halves = |p: &Path| inband_core::auth::read_key(p).unwrap().halves();
     let config = agent_config(tmp.path(), &socket, &[(1, &k1)]);
     ns.start_agent(&config, &log);
     wait_for("the score socket", || active_8080(&socket));
@@ -1047,14 +1047,14 @@ fn agent_sighup_rotates_keys_without_detaching() {
     // A connection's client tuple, which a rotation must not drop.
     let maps = AgentMaps::open(&bpfmap::PinDir(ns.pins())).unwrap();
     let conn = ConnKey {
-        peer_addr: inband::pod::be_ip(IpAddr::V4(Ipv4Addr::new(10, 99, 0, 1))),
+        peer_addr: inband_core::pod::be_ip(IpAddr::V4(Ipv4Addr::new(10, 99, 0, 1))),
         peer_port: 2000u16.to_be(),
         local_port: 8080u16.to_be(),
         proto: 6,
         pad: [0; 3],
     };
     let flow = DsrFlow {
-        client_addr: inband::pod::be_ip(IpAddr::V4(Ipv4Addr::new(198, 51, 100, 7))),
+        client_addr: inband_core::pod::be_ip(IpAddr::V4(Ipv4Addr::new(198, 51, 100, 7))),
         client_port: 40000u16.to_be(),
         ..Default::default()
     };

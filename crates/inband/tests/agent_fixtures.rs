@@ -1,6 +1,6 @@
 //! BPF_PROG_TEST_RUN fixtures for bpf/agent.bpf.c: every branch of the tc
-//! ingress and egress programs on frames built with `inband::packet` and
-//! options built with `inband::wire`, and the connection accounting of the
+//! ingress and egress programs on frames built with `inband_testkit::packet` and
+//! options built with `inband_core::wire`, and the connection accounting of the
 //! tracepoint on real loopback TCP.
 //!
 //! Needs root (loading BPF, network namespaces). Route-dependent cases
@@ -16,16 +16,16 @@ use std::os::fd::AsRawFd;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use inband::agent::maps::{AgentCounter, Balancer, ConnKey, DataPathConfig, DsrFlow, Service, ServiceKey};
-use inband::auth::AuthMode;
-use inband::bpf::agent::{AgentSkel, AgentSkelBuilder};
-use inband::packet::{
+use inband_agent::maps::{AgentCounter, Balancer, ConnKey, DataPathConfig, DsrFlow, Service, ServiceKey};
+use inband_core::auth::AuthMode;
+use inband_agent::bpf::agent::{AgentSkel, AgentSkelBuilder};
+use inband_testkit::packet::{
     mss_option, parse, Mac, PacketBuilder, ETH_HLEN, IPPROTO_DSTOPTS, IPPROTO_FRAGMENT, IPPROTO_HOPOPTS, IPPROTO_TCP, TCP_ACK,
     TCP_FIN, TCP_PSH, TCP_RST, TCP_SYN,
 };
-use inband::lb::tables::ktime_ns;
-use inband::pod::{be_ip, be_port, Pod};
-use inband::wire::{Conn, InbandOption, Key};
+use inband_lb::tables::ktime_ns;
+use inband_core::pod::{be_ip, be_port, Pod};
+use inband_core::wire::{Conn, InbandOption, Key};
 use libbpf_rs::libbpf_sys;
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{AsRawLibbpf, MapCore, MapFlags, MapMut, OpenObject, ProgramInput, ProgramMut};
@@ -173,7 +173,7 @@ fn set_mode(skel: &AgentSkel, mode: AuthMode, mtu: u16) {
 }
 
 fn set_keys(skel: &AgentSkel, keys: &[(u8, Key)]) {
-    inband::auth::write_keys(&skel.maps.auth_keys, keys).expect("writing auth_keys");
+    inband_core::auth::write_keys(&skel.maps.auth_keys, keys).expect("writing auth_keys");
 }
 
 fn counters(skel: &AgentSkel) -> Vec<(AgentCounter, u64)> {
@@ -208,7 +208,7 @@ fn run(prog: &ProgramMut, frame: &[u8], ifindex: Option<u32>) -> (u32, Vec<u8>) 
 /// As `run`; `gso`: the frame stands for a GSO burst of (gso_segs,
 /// gso_size). The test run hands every frame over as CHECKSUM_NONE.
 fn run_gso(prog: &ProgramMut, frame: &[u8], ifindex: Option<u32>, gso: Option<(u32, u32)>) -> (u32, Vec<u8>) {
-    use inband::bpf::agent::types::__sk_buff;
+    use inband_agent::bpf::agent::types::__sk_buff;
     let mut ctx = vec![0u8; std::mem::size_of::<__sk_buff>()];
     let mut set = |off: usize, v: u32| ctx[off..off + 4].copy_from_slice(&v.to_ne_bytes());
     set(std::mem::offset_of!(__sk_buff, ifindex), ifindex.unwrap_or(0));
@@ -753,7 +753,7 @@ fn authenticated_round_trip_155_124_125() {
     ingress(&skel, &request().ip_options(auth_request(nonce)).build(), TC_ACT_OK, Some(&request().build()), "124");
     let (ret, out) = run(&skel.progs.agent_egress, &response().build(), None);
     assert_eq!(ret, TC_ACT_OK);
-    // Exactly the 125 the balancer checks (crates/inband/src/wire.rs).
+    // Exactly the 125 the balancer checks (crates/inband-core/src/wire.rs).
     assert_frame(&out, &with_option(InbandOption::auth_score(&KEY, KEY_ID, nonce, conn(), 12)), "125");
     let answered = DsrFlow { score_requested: 0, ..requested(tuple_flow(CLIENT), KEY_ID, nonce) };
     assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &conn_key()), Some(answered));
@@ -1256,8 +1256,8 @@ fn ts_option() -> Vec<u8> {
 /// sent back to DEV by bpf_clone_redirect runs it again.
 fn attach_egress(skel: &AgentSkel, ifindex: u32) {
     use std::os::fd::AsFd;
-    inband::tc::create_clsact(ifindex as i32).expect("clsact on DEV");
-    let slot = inband::tc::Slot { ifindex: ifindex as i32, handle: 1, priority: 1 };
+    inband_core::tc::create_clsact(ifindex as i32).expect("clsact on DEV");
+    let slot = inband_core::tc::Slot { ifindex: ifindex as i32, handle: 1, priority: 1 };
     slot.attach(skel.progs.agent_egress.as_fd(), libbpf_rs::TC_EGRESS).expect("attach egress to DEV");
 }
 
@@ -1840,7 +1840,7 @@ fn bpf_delete(skel: &AgentSkel, key: &ConnKey) {
     skel.maps.dsr_flows.delete(key.as_bytes()).expect("map delete");
 }
 
-fn be_ip_v4(a: Ipv4Addr) -> inband::lb::maps::Addr {
+fn be_ip_v4(a: Ipv4Addr) -> inband_lb::maps::Addr {
     be_ip(a.into())
 }
 
@@ -2160,8 +2160,8 @@ fn ipv6_headers_that_are_not_one_inband_header_first_are_the_stacks_and_counted_
     configure6(&skel);
     put(&skel.maps.dsr_flows, &conn_key6(), &tuple_flow(VICTIM));
     let p = syn6();
-    let tuple = inband::wire::doh(&auth_tuple(&p, KEY_ID, &KEY, client6()), IPPROTO_TCP);
-    let tuple_then_routing = inband::wire::doh(&auth_tuple(&p, KEY_ID, &KEY, client6()), IPPROTO_ROUTING);
+    let tuple = inband_core::wire::doh(&auth_tuple(&p, KEY_ID, &KEY, client6()), IPPROTO_TCP);
+    let tuple_then_routing = inband_core::wire::doh(&auth_tuple(&p, KEY_ID, &KEY, client6()), IPPROTO_ROUTING);
     let hop = |next| opts_header(next, &[]);
     let five: Vec<u8> = (0..5).flat_map(|i| hop(if i == 4 { IPPROTO_TCP } else { IPPROTO_DSTOPTS })).collect();
     // The option behind other headers, or before a Routing header (RFC
@@ -2458,7 +2458,7 @@ fn a_wrapped_124_is_answered_by_a_wrapped_125() {
     let out = answer(&skel, flow);
     let want = ipip(&with_option(InbandOption::auth_score(&KEY, KEY_ID, nonce, conn(), 4)));
     assert_frame(&out, &want, "125 inside IP-in-IP");
-    assert_eq!(inband::packet::checksum(&[&out[ETH_HLEN..ETH_HLEN + 20]]), 0, "outer header checksum");
+    assert_eq!(inband_testkit::packet::checksum(&[&out[ETH_HLEN..ETH_HLEN + 20]]), 0, "outer header checksum");
     // A 124 that came plain is answered plain, on the same flow.
     ingress(&skel, &request().ip_options(auth_request(nonce)).build(), TC_ACT_OK, Some(&request().build()), "plain 124");
     let flow: DsrFlow = get(&skel.maps.dsr_flows, &conn_key()).unwrap();

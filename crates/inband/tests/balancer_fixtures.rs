@@ -1,7 +1,7 @@
 //! BPF_PROG_TEST_RUN fixtures for bpf/balancer.bpf.c (and the bounce floor):
 //! every branch of the "Balancer packet walk" and the "Flow lifecycle" in
-//! docs/architecture.md, on frames built with `inband::packet` and options
-//! built with `inband::wire`. Each test loads its own private instance of
+//! docs/architecture.md, on frames built with `inband_testkit::packet` and options
+//! built with `inband_core::wire`. Each test loads its own private instance of
 //! the program (nothing pinned) and fills the maps directly, then asserts
 //! the verdict, the exact output bytes, the map state and the counters.
 //!
@@ -12,17 +12,17 @@
 use std::mem::MaybeUninit;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
-use inband::bpf::bounce::BounceSkelBuilder;
-use inband::bpf::shared as c;
-use inband::lb::maps::*;
-use inband::lb::private::{PrivateBalancer, XDP_DROP, XDP_PASS, XDP_TX};
-use inband::lb::tables::ktime_ns;
-use inband::packet::{
+use inband_testkit::bpf::bounce::BounceSkelBuilder;
+use inband_core::shared as c;
+use inband_lb::maps::*;
+use inband_lb::private::{PrivateBalancer, XDP_DROP, XDP_PASS, XDP_TX};
+use inband_lb::tables::ktime_ns;
+use inband_testkit::packet::{
     checksum, mss_option, parse, Mac, PacketBuilder, ETH_HLEN, IPPROTO_DSTOPTS, IPPROTO_FRAGMENT, IPPROTO_HOPOPTS, IPPROTO_TCP, IPPROTO_UDP,
     TCP_ACK, TCP_FIN, TCP_PSH, TCP_RST, TCP_SYN,
 };
-use inband::pod::{be_ip, be_port, port_of, Pod};
-use inband::wire::{parse_doh, Conn, InbandOption, Key};
+use inband_core::pod::{be_ip, be_port, port_of, Pod};
+use inband_core::wire::{parse_doh, Conn, InbandOption, Key};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags, OpenObject, ProgramInput};
 
@@ -282,7 +282,7 @@ impl Fixture {
             ..Default::default()
         };
         let lb = PrivateBalancer::load(storage, 262_144, &cfg).expect("load balancer");
-        inband::auth::write_keys(&lb.skel.maps.auth_keys, &[(KEY_ID, KEY)]).unwrap();
+        inband_core::auth::write_keys(&lb.skel.maps.auth_keys, &[(KEY_ID, KEY)]).unwrap();
         Fixture { lb }
     }
 
@@ -2420,11 +2420,11 @@ fn ipv6_headers_from_a_backend_other_than_one_inband_header_are_refused() {
     // Not our option type: someone else's header, which we do not pass on.
     fx.assert_dropped(&r.clone().ext_headers(IPPROTO_DSTOPTS, ext(IPPROTO_TCP, &[0x5e, 4, 0, 0, 0, 0])).build(), "ip_options");
     // Ours, but the carrier's length and the option's disagree.
-    let mut h = inband::wire::doh(&score, IPPROTO_TCP);
+    let mut h = inband_core::wire::doh(&score, IPPROTO_TCP);
     h[3] = 14;
     fx.assert_dropped(&r.clone().ext_headers(IPPROTO_DSTOPTS, h).build(), "malformed_option");
     // Ours, with padding that is not padding.
-    let mut h = inband::wire::doh(&score, IPPROTO_TCP);
+    let mut h = inband_core::wire::doh(&score, IPPROTO_TCP);
     h[21] = 9;
     fx.assert_dropped(&r.clone().ext_headers(IPPROTO_DSTOPTS, h).build(), "malformed_option");
     // A 155 or a 124 from a backend.
@@ -2458,10 +2458,10 @@ fn ipv6_chains_unknown_options_and_padding_to_a_vip_are_refused_as_ip_options() 
     fx.assert_dropped(&syn(c).ext_headers(IPPROTO_HOPOPTS, rfc_order).build(), "ip_options");
     assert_eq!(fx.event("ipv6_chain_unwalked"), 0, "four headers are walked");
     // Our own option, but behind other headers: not where a balancer puts it.
-    let request = inband::wire::doh(&InbandOption::ScoreRequest.encode(), IPPROTO_TCP);
+    let request = inband_core::wire::doh(&InbandOption::ScoreRequest.encode(), IPPROTO_TCP);
     let behind = [opts_header(IPPROTO_ROUTING, &[]), routing(IPPROTO_DSTOPTS), request.clone()].concat();
     fx.assert_dropped(&syn(c).ext_headers(IPPROTO_HOPOPTS, behind).build(), "ip_options");
-    let before = [inband::wire::doh(&InbandOption::ScoreRequest.encode(), IPPROTO_ROUTING), routing(IPPROTO_TCP)].concat();
+    let before = [inband_core::wire::doh(&InbandOption::ScoreRequest.encode(), IPPROTO_ROUTING), routing(IPPROTO_TCP)].concat();
     fx.assert_dropped(&syn(c).ext_headers(IPPROTO_DSTOPTS, before).build(), "ip_options");
     fx.assert_dropped(&syn(c).ext_headers(IPPROTO_ROUTING, routing(IPPROTO_TCP)).build(), "ip_options");
     for body in UNKNOWN_OPTIONS {
@@ -2526,9 +2526,9 @@ fn ipv6_backend_headers_beyond_one_inband_header_or_cut_short_are_refused() {
     let r = reply(&b, snat);
     let score = InbandOption::auth_score(&KEY, KEY_ID, NONCE.to_ne_bytes(), conn(&b, snat), 9).encode();
     // The 125 where an agent puts it, but with a Routing header after or before it.
-    let after = [inband::wire::doh(&score, IPPROTO_ROUTING), routing(IPPROTO_TCP)].concat();
+    let after = [inband_core::wire::doh(&score, IPPROTO_ROUTING), routing(IPPROTO_TCP)].concat();
     fx.assert_dropped(&r.clone().ext_headers(IPPROTO_DSTOPTS, after).build(), "ip_options");
-    let before = [routing(IPPROTO_DSTOPTS), inband::wire::doh(&score, IPPROTO_TCP)].concat();
+    let before = [routing(IPPROTO_DSTOPTS), inband_core::wire::doh(&score, IPPROTO_TCP)].concat();
     fx.assert_dropped(&r.clone().ext_headers(IPPROTO_ROUTING, before).build(), "ip_options");
     for body in UNKNOWN_OPTIONS {
         fx.assert_dropped(&r.clone().ext_headers(IPPROTO_DSTOPTS, ext(IPPROTO_TCP, &body)).build(), "ip_options");
@@ -2926,7 +2926,7 @@ fn ip_in_ip_that_is_not_inbands_passes_untouched() {
     let mut other = ipip(&inner);
     other[ETH_HLEN + 12..ETH_HLEN + 16].copy_from_slice(&[192, 0, 2, 1]);
     other[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&[0, 0]);
-    let check = inband::packet::checksum(&[&other[ETH_HLEN..ETH_HLEN + 20]]);
+    let check = inband_testkit::packet::checksum(&[&other[ETH_HLEN..ETH_HLEN + 20]]);
     other[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&check.to_be_bytes());
     assert_eq!(fx.run(&other), (XDP_PASS, other.clone()));
     // An outer length that does not match what it carries.
@@ -2945,7 +2945,7 @@ impl Fixture {
     /// for backends 0.. weighted `w`; returns it.
     fn write_table(&self, w: &[u32]) -> Vec<u32> {
         let named: Vec<(String, u32)> = w.iter().enumerate().map(|(i, w)| (backend(i as u8).addr.to_string(), *w)).collect();
-        let table = inband::lb::maglev::table(&named, MAGLEV_SIZE);
+        let table = inband_lb::maglev::table(&named, MAGLEV_SIZE);
         for (i, slot) in table.iter().enumerate() {
             put(&self.lb.skel.maps.maglev, &(VIP_ID * MAGLEV_SIZE + i as u32), slot);
         }
@@ -2963,7 +2963,7 @@ fn maglev_fixture(w: [u32; 3]) -> (Fixture, Vec<u32>) {
 
 /// The slot the table gives client `c`'s connection (the data path's hash).
 fn maglev_slot(table: &[u32], c: SocketAddr) -> u32 {
-    table[(inband::lb::maglev::flow_hash(flow_key(c).as_bytes()) % u64::from(MAGLEV_SIZE)) as usize]
+    table[(inband_lb::maglev::flow_hash(flow_key(c).as_bytes()) % u64::from(MAGLEV_SIZE)) as usize]
 }
 
 #[test]
@@ -3141,7 +3141,7 @@ fn round_robin_without_the_weighted_flag_takes_slots_in_turn_whatever_the_weight
 }
 
 /// An lb.toml whose VIP is the test VIP with backends 0..3 weighted `w`.
-fn weighted_config(mode: &str, policy: &str, w: [u32; 3]) -> inband::lb::config::LbConfig {
+fn weighted_config(mode: &str, policy: &str, w: [u32; 3]) -> inband_lb::config::LbConfig {
     let mut text = format!(
         "interface = \"lo\"\naddress = \"{LB_ADDR}\"\nmaglev_table_size = {MAGLEV_SIZE}\n[auth]\nmode = \"none\"\n\
          [[vip]]\naddress = \"{VIP_ADDR}\"\nport = {VIP_PORT}\nmode = \"{mode}\"\npolicy = \"{policy}\"\n"
@@ -3150,14 +3150,14 @@ fn weighted_config(mode: &str, policy: &str, w: [u32; 3]) -> inband::lb::config:
         let b = backend(i as u8).addr;
         text += &format!("[[vip.backend]]\naddress = \"{}\"\nport = {}\nweight = {w}\n", b.ip(), b.port());
     }
-    inband::lb::config::LbConfig::parse(&text).unwrap()
+    inband_lb::config::LbConfig::parse(&text).unwrap()
 }
 
 /// Fills in the backends' MACs as the daemon's neighbour resolver would.
-fn resolve(fx: &Fixture, maps: &inband::lb::tables::LbMaps) {
-    for v in inband::lb::tables::read(maps).unwrap() {
+fn resolve(fx: &Fixture, maps: &inband_lb::tables::LbMaps) {
+    for v in inband_lb::tables::read(maps).unwrap() {
         for (id, mut entry) in v.slots {
-            let ep = inband::lb::tables::backend_endpoint(&entry);
+            let ep = inband_lb::tables::backend_endpoint(&entry);
             entry.mac = (0..3).map(backend).find(|b| b.addr == ep).unwrap().mac;
             put(&fx.lb.skel.maps.backends, &id, &entry);
         }
@@ -3166,7 +3166,7 @@ fn resolve(fx: &Fixture, maps: &inband::lb::tables::LbMaps) {
 
 #[test]
 fn the_control_plane_writes_weights_the_flag_and_the_table_and_weight_0_takes_nothing() {
-    use inband::lb::{control, tables};
+    use inband_lb::{control, tables};
     let fx = Fixture::new();
     let maps = fx.lb.maps().unwrap();
     let mut cfg = weighted_config("dsr-rr", "round-robin", [1, 3, 0]);
@@ -3177,16 +3177,16 @@ fn the_control_plane_writes_weights_the_flag_and_the_table_and_weight_0_takes_no
     let written: Vec<(u32, u16)> = v.slots.iter().map(|(_, b)| (b.weight, b.flags)).collect();
     assert_eq!(written, [(1, BACKEND_ACTIVE), (3, BACKEND_ACTIVE), (0, BACKEND_DRAINING)], "weight 0 is written drained");
     let named: Vec<(String, u32)> = (0..3).map(|i| (backend(i).addr.to_string(), [1, 3, 0][i as usize])).collect();
-    let table = inband::lb::maglev::table(&named, MAGLEV_SIZE);
+    let table = inband_lb::maglev::table(&named, MAGLEV_SIZE);
     let ring: Vec<u32> = (0..MAGLEV_SIZE).map(|i| get(&fx.lb.skel.maps.maglev, &(v.id * MAGLEV_SIZE + i)).unwrap()).collect();
     assert_eq!(ring, table, "a weighted round-robin VIP gets its table");
     for n in 1..=40u8 {
         assert_eq!(fx.sent_to(client(n)), backend(table[usize::from(n) - 1] as u8).addr);
     }
-    let status = inband::lb::snapshot::take("lo", &maps).unwrap();
+    let status = inband_lb::snapshot::take("lo", &maps).unwrap();
     let shown: Vec<u32> = status.vips[0].backends.iter().map(|b| b.weight).collect();
     assert_eq!((status.vips[0].weighted, shown), (true, vec![1, 3, 0]));
-    assert!(inband::lb::snapshot::render_table(&status).contains("policy round-robin (weighted)"));
+    assert!(inband_lb::snapshot::render_table(&status).contains("policy round-robin (weighted)"));
 
     // Weight 0 takes no new connection in any policy.
     for (i, (mode, policy)) in [("dsr-polling", "least-score"), ("dsr-polling", "power-of-two"), ("dsr-rr", "maglev")].iter().enumerate() {
@@ -3199,9 +3199,9 @@ fn the_control_plane_writes_weights_the_flag_and_the_table_and_weight_0_takes_no
 
     // set-weights through the control request: one apply, the flag gone
     // with the differences, the weight-0 backend back in service.
-    let req = control::ControlRequest::SetWeights {
+    let req = inband_core::lb_control::ControlRequest::SetWeights {
         vip: vip(),
-        protocol: inband::net::Protocol::Tcp,
+        protocol: inband_core::net::Protocol::Tcp,
         weights: (0..3).map(|i| (backend(i).addr, 2)).collect(),
     };
     cfg = control::change(&cfg, &req, std::path::Path::new("/nonexistent")).unwrap();

@@ -33,7 +33,7 @@ const ROWS: [(&str, &str, &str, &str); 23] = [
 
 #[test]
 fn every_path_runs_with_its_verdict_and_a_ratio_to_the_floor() {
-    let rows = inband::bench::dataplane::measure(200).expect("measure");
+    let rows = inband_testkit::bench::dataplane::measure(200).expect("measure");
     let got: Vec<(&str, &str, &str, &str)> = rows.iter().map(|r| (r.path, r.traffic, r.mode, r.verdict)).collect();
     assert_eq!(got, ROWS);
     let floor = rows.last().unwrap();
@@ -42,7 +42,7 @@ fn every_path_runs_with_its_verdict_and_a_ratio_to_the_floor() {
         assert!(r.ns_per_packet > 0.0, "{}: {}", r.path, r.ns_per_packet);
         assert!((r.ratio_to_floor - r.ns_per_packet / floor.ns_per_packet).abs() < 1e-9);
     }
-    let table = inband::bench::dataplane::render(&rows);
+    let table = inband_testkit::bench::dataplane::render(&rows);
     assert_eq!(table.lines().count(), 2 + rows.len());
     for (path, traffic, mode, verdict) in ROWS {
         assert!(table.contains(&format!("| {path} | {traffic} | {mode} | {verdict} |")), "{path} ({traffic}, {mode})");
@@ -54,7 +54,7 @@ fn a_flood_keeps_the_newest_handshakes_and_refuses_none() {
     // The case: 200,000 SYNs, three times the ports two backends
     // have. Every one is forwarded, taking over the ports of older
     // unfinished handshakes; the oldest are gone, the newest kept.
-    let s = inband::bench::dataplane::table_scale(200_000, 2).expect("flood");
+    let s = inband_testkit::bench::dataplane::table_scale(200_000, 2).expect("flood");
     assert_eq!((s.forwarded, s.dropped), (200_000, 0), "{s:?}");
     assert!(s.drops_by_reason.is_empty());
     assert_eq!(s.established_in_table, 0);
@@ -66,7 +66,7 @@ fn a_flood_keeps_the_newest_handshakes_and_refuses_none() {
 #[test]
 fn churn_past_the_port_space_refuses_nothing() {
     // Twice the ports two backends have, each connection opened and closed.
-    let c = inband::bench::dataplane::churn(130_000, 2).expect("churn");
+    let c = inband_testkit::bench::dataplane::churn(130_000, 2).expect("churn");
     assert_eq!(c.refused, 0, "{c:?}");
     assert!(c.drops_by_reason.is_empty(), "{c:?}");
     assert!(c.closing_ports_reused > 0, "ports of closed connections were reused: {c:?}");
@@ -74,6 +74,6 @@ fn churn_past_the_port_space_refuses_nothing() {
 
 #[test]
 fn a_sweep_visits_every_flow() {
-    let s = inband::bench::dataplane::sweep_cost(10_000).expect("sweep");
+    let s = inband_testkit::bench::dataplane::sweep_cost(10_000).expect("sweep");
     assert!(s.sweep_ms > 0.0 && s.ns_per_flow > 0.0, "{s:?}");
 }

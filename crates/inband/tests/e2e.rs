@@ -8,8 +8,8 @@ use std::net::{IpAddr, SocketAddr};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use inband::lb::maps::FlowKey;
-use inband::pod::{be_ip, be_port, Pod};
+use inband_lb::maps::FlowKey;
+use inband_core::pod::{be_ip, be_port, Pod};
 use serde_json::Value;
 
 mod cluster;
@@ -107,7 +107,7 @@ fn maglev_places_each_client_side_where_any_instance_would() {
     assert!(conns[0] > 0 && conns[1] > 0, "both others used: {conns:?}");
 
     let named: Vec<(String, u32)> = (1..=SERVERS).map(|i| (server(&c.tb, i).to_string(), u32::from(i != 3))).collect();
-    let table = inband::lb::maglev::table(&named, inband::lb::maglev::DEFAULT_SIZE);
+    let table = inband_lb::maglev::table(&named, inband_lb::maglev::DEFAULT_SIZE);
     let (client, vip) = (c.tb.addr("c1"), vip(&c.tb));
     let mut servers = std::collections::HashSet::new();
     for port in 40001..40009u16 {
@@ -119,7 +119,7 @@ fn maglev_places_each_client_side_where_any_instance_would() {
             proto: 6,
             pad: [0; 3],
         };
-        let want = table[(inband::lb::maglev::flow_hash(key.as_bytes()) % u64::from(inband::lb::maglev::DEFAULT_SIZE)) as usize] as usize;
+        let want = table[(inband_lb::maglev::flow_hash(key.as_bytes()) % u64::from(inband_lb::maglev::DEFAULT_SIZE)) as usize] as usize;
         let before = c.conns();
         let script = format!(
             "import socket\ns = socket.socket()\ns.bind(('0.0.0.0', {port}))\ns.settimeout(5)\n\

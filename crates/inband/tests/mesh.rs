@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use inband::bpfmap::PinDir;
-use inband::mesh::status::{self, Status};
+use inband_core::bpfmap::PinDir;
+use inband_mesh::status::{self, Status};
 
 const VIP: &str = "10.96.0.10:80";
 
@@ -262,7 +262,7 @@ impl Drop for Mesh {
             let _ = d.wait();
         }
         self.backends.clear();
-        let _ = inband::testbed::netns::delete(&self.netns);
+        let _ = inband_testkit::testbed::netns::delete(&self.netns);
         for _ in 0..50 {
             if std::fs::remove_dir(&self.cgroup).is_ok() || !self.cgroup.exists() {
                 break;
@@ -276,11 +276,11 @@ impl Mesh {
     /// `services`: the TOML after the top-level keys; `{B0}`, `{B1}`...
     /// stand for the backends' addresses.
     fn start(tag: &str, names: &[&'static str], pool: u32, services: &str) -> Mesh {
-        inband::bpfmap::require_bpffs().expect("bpffs");
+        inband_core::bpfmap::require_bpffs().expect("bpffs");
         let netns = format!("imesh-{tag}");
-        let _ = inband::testbed::netns::delete(&netns);
-        inband::command::ip(&["netns", "add", &netns]).unwrap();
-        inband::command::ip(&["-n", &netns, "link", "set", "lo", "up"]).unwrap();
+        let _ = inband_testkit::testbed::netns::delete(&netns);
+        inband_core::command::ip(&["netns", "add", &netns]).unwrap();
+        inband_core::command::ip(&["-n", &netns, "link", "set", "lo", "up"]).unwrap();
         let cgroup = PathBuf::from(format!("/sys/fs/cgroup/unified/inband-test-mesh-{tag}"));
         std::fs::create_dir_all(&cgroup).expect("cgroup v2 at /sys/fs/cgroup/unified");
         let mut mesh = Mesh {
@@ -303,7 +303,7 @@ impl Mesh {
         let path = mesh.dir.path().join("mesh.toml");
         std::fs::write(&path, config).unwrap();
         let log = std::fs::File::create(mesh.dir.path().join("daemon.log")).unwrap();
-        let daemon = inband::testbed::netns::in_netns(
+        let daemon = inband_testkit::testbed::netns::in_netns(
             &netns,
             &[
                 env!("CARGO_BIN_EXE_inband"),
@@ -333,7 +333,7 @@ impl Mesh {
 
     fn pins(&self) -> PinDir {
         PinDir(
-            inband::bpfmap::pin_root_of(&self.netns)
+            inband_core::bpfmap::pin_root_of(&self.netns)
                 .join("mesh")
                 .join("default"),
         )
@@ -527,7 +527,7 @@ fn routes_match_path_and_header_and_split_by_weight() {
     assert!((50..=110).contains(&split[1]), "canary share {split:?}");
     assert_eq!(m.counter("request_kernel"), 445);
     // The routes as the maps hold them, in `inband mesh status`.
-    let out = inband::testbed::netns::in_netns(
+    let out = inband_testkit::testbed::netns::in_netns(
         &m.netns,
         &[env!("CARGO_BIN_EXE_inband"), "mesh", "status"],
     )
@@ -849,7 +849,7 @@ fn churn_leaves_no_connection_slot_or_socket_behind() {
     assert_eq!(out.trim(), "900 900");
     assert_eq!(m.counter("connect_redirected"), 300);
     assert_eq!(m.counter("request_kernel"), 900);
-    let conns = || inband::bpfmap::count(&m.pins().open("mesh_conns").unwrap());
+    let conns = || inband_core::bpfmap::count(&m.pins().open("mesh_conns").unwrap());
     wait_until(
         "nothing left behind",
         5,
@@ -888,7 +888,7 @@ fn status_and_metrics_show_services_backends_and_counters() {
         &format!("http://{VIP}/b"),
     ]);
     assert!(out.status.success());
-    let out = inband::testbed::netns::in_netns(
+    let out = inband_testkit::testbed::netns::in_netns(
         &m.netns,
         &[env!("CARGO_BIN_EXE_inband"), "mesh", "status", "--json"],
     )

@@ -6,8 +6,8 @@
 
 use std::mem::MaybeUninit;
 
-use inband::bpf::mesh_head_probe::{MeshHeadProbeSkel, MeshHeadProbeSkelBuilder};
-use inband::bpf::shared::inband_mesh_head_result as HeadResult;
+use inband_mesh::bpf::mesh_head_probe::{MeshHeadProbeSkel, MeshHeadProbeSkelBuilder};
+use inband_core::shared::inband_mesh_head_result as HeadResult;
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags, OpenObject, ProgramInput};
 

@@ -11,7 +11,9 @@
 //! it: two folders whose files name each other both ways are a circle, and
 //! a child naming its parent's file (`lib.rs`, `mod.rs`: where its siblings
 //! meet, as Rust's visibility rules make it) is not. Crates themselves
-//! cannot import in a circle (cargo refuses it).
+//! cannot import in a circle (cargo refuses it), but the products must not
+//! lean on each other at all: each stands on `inband-core` alone, and the
+//! balancer's build links neither the ILP solver nor QUIC.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -378,4 +380,61 @@ fn the_reader_finds_a_circle_of_each_kind_of_import() {
     let test_only = "#[cfg(test)]\nmod tests { use crate::a::b::h; }\n#[cfg(test)]\nfn t() { crate::a::b::h(); }\n";
     write("c.rs", test_only);
     assert!(circle(lib, "", b_uses_c).is_empty(), "test code is left out");
+}
+
+/// The workspace crates' dependencies (normal and build, not dev) by name,
+/// from their manifests.
+fn workspace_dependencies() -> BTreeMap<String, BTreeSet<String>> {
+    let crates = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let mut out = BTreeMap::new();
+    for entry in std::fs::read_dir(crates).unwrap() {
+        let manifest = entry.unwrap().path().join("Cargo.toml");
+        let Ok(text) = std::fs::read_to_string(&manifest) else { continue };
+        let t: toml::Table = text.parse().unwrap();
+        let name = t["package"]["name"].as_str().unwrap().to_string();
+        let deps = ["dependencies", "build-dependencies"]
+            .iter()
+            .filter_map(|k| t.get(*k).and_then(|d| d.as_table()))
+            .flat_map(|d| d.keys().cloned())
+            .collect();
+        out.insert(name, deps);
+    }
+    out
+}
+
+/// Everything `name` links, following workspace crates down.
+fn closure(all: &BTreeMap<String, BTreeSet<String>>, name: &str) -> BTreeSet<String> {
+    let mut seen = BTreeSet::new();
+    let mut todo = vec![name.to_string()];
+    while let Some(n) = todo.pop() {
+        for d in all.get(&n).into_iter().flatten() {
+            if seen.insert(d.clone()) {
+                todo.push(d.clone());
+            }
+        }
+    }
+    seen
+}
+
+#[test]
+fn products_stand_on_the_core_alone() {
+    let all = workspace_dependencies();
+    let products = ["inband-lb", "inband-agent", "inband-mesh", "inband-shadow", "inband-weights", "inband-proxy"];
+    let above_products = ["inband", "inband-testkit"];
+    let mut wrong = Vec::new();
+    for p in products {
+        let deps = all.get(p).unwrap_or_else(|| panic!("{p} is not in the workspace"));
+        for d in deps.iter().filter(|d| products.contains(&d.as_str()) || above_products.contains(&d.as_str())) {
+            wrong.push(format!("{p} depends on {d}"));
+        }
+    }
+    for heavy in ["good_lp", "quinn", "quinn-proto", "rustls", "rocksdb", "heed"] {
+        if closure(&all, "inband-lb").contains(heavy) {
+            wrong.push(format!("inband-lb links {heavy}"));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    // The check sees what it looks for.
+    assert!(closure(&all, "inband-weights").contains("good_lp"));
+    assert!(closure(&all, "inband").contains("inband-core"));
 }

@@ -18,9 +18,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use inband::testbed::bgp;
-use inband::testbed::ecmp::{hex, Plan};
-use inband::testbed::{Testbed, TestbedSpec};
+use inband_testkit::testbed::bgp;
+use inband_testkit::testbed::ecmp::{hex, Plan};
+use inband_testkit::testbed::{Testbed, TestbedSpec};
 use serde_json::Value;
 
 mod cluster;
@@ -62,7 +62,7 @@ impl Farm {
         let dir = std::env::temp_dir().join(format!("inband-scale-{name}"));
         std::fs::create_dir_all(&dir).unwrap();
         let key = dir.join("auth.key");
-        inband::auth::keygen(&key).unwrap();
+        inband_core::auth::keygen(&key).unwrap();
         let auth = format!("[auth]\nkeys = [{{ id = 1, file = \"{}\" }}]\n", key.display());
         // The router sends to the client at 64 Mbit/s (a token bucket on
         // its link): DOWNLOADS downloads of BODY take seconds, paced by the

@@ -9,8 +9,8 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use inband::packet::{Mac, PacketBuilder, TCP_ACK, TCP_FIN, TCP_PSH, TCP_RST};
-use inband::wire::{Conn, InbandOption, Key};
+use inband_testkit::packet::{Mac, PacketBuilder, TCP_ACK, TCP_FIN, TCP_PSH, TCP_RST};
+use inband_core::wire::{Conn, InbandOption, Key};
 use serde_json::Value;
 
 mod cluster;
@@ -29,7 +29,7 @@ fn sink_result(child: std::process::Child) -> Value {
 fn mac(c: &Cluster, node: &str) -> Mac {
     let out = run_ok(&c.tb, node, &["ip", "-j", "link", "show", "eth0"]);
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    inband::netif::parse_mac(v[0]["address"].as_str().unwrap()).unwrap()
+    inband_core::netif::parse_mac(v[0]["address"].as_str().unwrap()).unwrap()
 }
 
 /// Sends raw Ethernet frames out of `node`'s eth0 (AF_PACKET), from a
@@ -43,7 +43,7 @@ fn inject(c: &Cluster, node: &str, frames: Vec<Vec<u8>>) {
             assert_eq!(libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET), 0);
             let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0);
             assert!(fd >= 0);
-            let ifindex = inband::netif::ifindex("eth0").unwrap() as i32;
+            let ifindex = inband_core::netif::ifindex("eth0").unwrap() as i32;
             let mut sll: libc::sockaddr_ll = std::mem::zeroed();
             sll.sll_family = libc::AF_PACKET as u16;
             sll.sll_ifindex = ifindex;
@@ -66,7 +66,7 @@ fn inject(c: &Cluster, node: &str, frames: Vec<Vec<u8>>) {
 fn a_syn_flood_from_random_sources_does_not_stop_a_legitimate_client() {
     let c = Cluster::with(Spec::new("syn", "dsr-dynamic").servers(2).clients(2).heavy());
     c.tb.enable_xdp_tx("c2").unwrap();
-    let lb_mac = inband::netif::format_mac(&mac(&c, "lb"));
+    let lb_mac = inband_core::netif::format_mac(&mac(&c, "lb"));
     let target = vip(&c.tb).to_string();
     // 250,000 SYNs from random sources in 198.18.0.0/15 (RFC 2544's
     // benchmark range) at 10,000 a second, bounded by count and time. The
@@ -139,14 +139,14 @@ fn a_syn_flood_from_random_sources_does_not_stop_a_legitimate_client() {
 
 /// The agent's stored client tuples on `node`: (balancer port, client).
 fn agent_tuples(c: &Cluster, node: &str) -> Vec<(u16, SocketAddr)> {
-    use inband::agent::maps::{ConnKey, DsrFlow};
+    use inband_agent::maps::{ConnKey, DsrFlow};
     let pins = format!("/sys/fs/bpf/inband/netns/{}/agent/eth0", c.tb.netns(node));
     let map = libbpf_rs::MapHandle::from_pinned_path(format!("{pins}/dsr_flows")).unwrap();
-    inband::bpfmap::entries::<ConnKey, DsrFlow>(&map)
+    inband_core::bpfmap::entries::<ConnKey, DsrFlow>(&map)
         .unwrap()
         .into_iter()
         .map(|(k, v)| {
-            (inband::pod::port_of(k.peer_port), SocketAddr::new(inband::pod::ip_of(&v.client_addr), inband::pod::port_of(v.client_port)))
+            (inband_core::pod::port_of(k.peer_port), SocketAddr::new(inband_core::pod::ip_of(&v.client_addr), inband_core::pod::port_of(v.client_port)))
         })
         .collect()
 }
@@ -281,12 +281,12 @@ fn forged_poll_replies_and_requests_are_refused() {
 }
 
 /// The pinned `flows` entry of `client` at the balancer.
-fn lb_flow(c: &Cluster, client: SocketAddrV4) -> Option<inband::lb::maps::Flow> {
-    use inband::lb::maps::{Flow, FlowKey};
+fn lb_flow(c: &Cluster, client: SocketAddrV4) -> Option<inband_lb::maps::Flow> {
+    use inband_lb::maps::{Flow, FlowKey};
     let pin = format!("/sys/fs/bpf/inband/netns/{}/lb/eth0/flows", c.tb.netns("lb"));
     let map = libbpf_rs::MapHandle::from_pinned_path(pin).unwrap();
-    inband::bpfmap::entries::<FlowKey, Flow>(&map).unwrap().into_iter().find_map(|(k, f)| {
-        (inband::pod::ip_of(&k.client_addr) == std::net::IpAddr::V4(*client.ip()) && inband::pod::port_of(k.client_port) == client.port())
+    inband_core::bpfmap::entries::<FlowKey, Flow>(&map).unwrap().into_iter().find_map(|(k, f)| {
+        (inband_core::pod::ip_of(&k.client_addr) == std::net::IpAddr::V4(*client.ip()) && inband_core::pod::port_of(k.client_port) == client.port())
             .then_some(f)
     })
 }
@@ -334,7 +334,7 @@ fn guessed_resets_and_a_syn_against_a_download(test: &str, mode: &str) {
     );
     let mut dl = in_ns(&c.tb, "c1", &["python3", "-c", &reader]).stdout(Stdio::piped()).spawn().unwrap();
     let client = SocketAddrV4::new(c.tb.addr("c1"), port);
-    wait_for("the download's flow", || lb_flow(&c, client).is_some_and(|f| f.state == inband::lb::maps::FLOW_ESTABLISHED));
+    wait_for("the download's flow", || lb_flow(&c, client).is_some_and(|f| f.state == inband_lb::maps::FLOW_ESTABLISHED));
     // Where the client's numbers are (its request sent, they stay): the
     // guesses cover the sequence space 1 MiB apart, save the 8 MiB around
     // them, which holds the balancer's window (a guess there is the one
@@ -470,7 +470,7 @@ fn a_connection_reset_in_the_backlog_is_not_given_a_later_client() {
 
     // A SYN on the same ports naming another client, signed with the
     // deployment's key as a balancer would sign it.
-    let key = inband::auth::read_key(&c.key()).unwrap();
+    let key = inband_core::auth::read_key(&c.key()).unwrap();
     let (lb, s1) = (SocketAddrV4::new(c.tb.addr("lb"), snat), server(&c.tb, 1));
     let later = SocketAddr::from(SocketAddrV4::new(c.tb.addr("c1"), 4444));
     let option = InbandOption::auth_client_tuple(&key, 1, 7777, Conn::tcp(lb, s1), later).encode();

@@ -10,7 +10,7 @@
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 
-use inband::testbed::{Testbed, TestbedSpec};
+use inband_testkit::testbed::{Testbed, TestbedSpec};
 use serde_json::Value;
 
 mod cluster;
@@ -56,7 +56,7 @@ fn route(tb: &Testbed, up: &[String], plain: bool) {
 }
 
 fn attach(tb: &Testbed, i: usize) {
-    let plan = inband::testbed::ecmp::Plan { subnet: inband::testbed::ecmp::hex(tb.spec.subnet) };
+    let plan = inband_testkit::testbed::ecmp::Plan { subnet: inband_testkit::testbed::ecmp::hex(tb.spec.subnet) };
     let (sid, direct, shadow) = (plan.sid(i).to_string(), plan.direct_sid(i).to_string(), plan.shadow_sid().to_string());
     run_ok(tb, &format!("s{i}"), &[
         BIN, "shadow", "attach", "--interface", "eth0", "--sid", &sid, "--direct-sid", &direct, "--shadow-sid", &shadow,

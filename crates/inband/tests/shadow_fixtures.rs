@@ -7,9 +7,9 @@
 use std::mem::MaybeUninit;
 use std::net::{Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 
-use inband::bpf::shadow::{ShadowSkel, ShadowSkelBuilder};
-use inband::packet::{PacketBuilder, ETH_HLEN, IPPROTO_TCP, TCP_ACK, TCP_FIN, TCP_PSH, TCP_RST, TCP_SYN};
-use inband::shadow::attach::{read_counters, Config, COUNTERS};
+use inband_shadow::bpf::shadow::{ShadowSkel, ShadowSkelBuilder};
+use inband_testkit::packet::{PacketBuilder, ETH_HLEN, IPPROTO_TCP, TCP_ACK, TCP_FIN, TCP_PSH, TCP_RST, TCP_SYN};
+use inband_shadow::attach::{read_counters, Config, COUNTERS};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::libbpf_sys;
 use libbpf_rs::{AsRawLibbpf, OpenObject, ProgramInput, ProgramMut};
@@ -45,7 +45,7 @@ fn load(obj: &mut MaybeUninit<OpenObject>) -> ShadowSkel<'_> {
     }
     let skel = open.load().expect("load shadow.bpf.o");
     let cfg = Config { cond_sid: COND_SID.octets(), shadow_sid: SHADOW_SID.octets(), direct_sid: DIRECT_SID.octets() };
-    inband::bpfmap::put(&skel.maps.shadow_config, &0u32, &cfg).unwrap();
+    inband_core::bpfmap::put(&skel.maps.shadow_config, &0u32, &cfg).unwrap();
     skel
 }
 

@@ -1,7 +1,7 @@
 //! The namespace testbed itself: what `up` builds and that teardown leaves
 //! nothing, also when the test panics.
 
-use inband::testbed::{Testbed, TestbedSpec};
+use inband_testkit::testbed::{Testbed, TestbedSpec};
 
 fn spec(tag: &str) -> TestbedSpec {
     TestbedSpec { name: format!("t{}{tag}", std::process::id() % 100000), clients: 1, servers: 2, subnet: 78, client_link_mtu: None, ecmp: false, balancers: 0, bgp: false }

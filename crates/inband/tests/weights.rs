@@ -174,7 +174,7 @@ fn the_weights_reach_haproxy_through_its_runtime_api() {
     let mut traffic = load(&c, &front, 60);
     let s = learn(&mut c, "haproxy", &format!("kind = \"haproxy\"\nsocket = \"{}\"\nbackend = \"servers\"", admin.display()));
     assert_capacity_order(&s);
-    let mut got = inband::weights::haproxy_weights(&admin, "servers").unwrap();
+    let mut got = inband_weights::haproxy_weights(&admin, "servers").unwrap();
     got.sort();
     let want: Vec<(String, u32)> =
         s["backends"].as_array().unwrap().iter().map(|b| (b["name"].as_str().unwrap().to_string(), b["applied"].as_u64().unwrap() as u32)).collect();

@@ -6,7 +6,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use inband::workload::{ServeArgs, Server};
+use inband_testkit::workload::{ServeArgs, Server};
 
 #[derive(Parser)]
 #[command(args_override_self = true)]

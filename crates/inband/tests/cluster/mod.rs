@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use inband::testbed::{Testbed, TestbedSpec};
+use inband_testkit::testbed::{Testbed, TestbedSpec};
 use serde_json::Value;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_inband");
@@ -270,7 +270,7 @@ impl Cluster {
             agent_lines: spec.agent_lines,
             _share: share,
         };
-        inband::auth::keygen(&c.key()).unwrap();
+        inband_core::auth::keygen(&c.key()).unwrap();
         if c.udp {
             let (cert, key) = (c.quic_cert(), c.dir.join("quic.key"));
             let out = Command::new(BIN)

@@ -1,10 +1,10 @@
 //! Frame pieces the balancer and agent fixtures both need beyond
-//! `inband::packet`: raw IPv6 extension headers (RFC 8200 §4) to build
+//! `inband_testkit::packet`: raw IPv6 extension headers (RFC 8200 §4) to build
 //! chains and malformed ones from, and frames cut short at a boundary.
 
 use std::net::Ipv6Addr;
 
-use inband::packet::{ETH_HLEN, IPV6_HLEN};
+use inband_testkit::packet::{ETH_HLEN, IPV6_HLEN};
 
 pub const IPPROTO_ROUTING: u8 = 43;
 pub const IPPROTO_IPV6: u8 = 41;
@@ -63,7 +63,7 @@ pub fn ipip(frame: &[u8]) -> Vec<u8> {
     outer[8] = 64;
     outer[9] = 4;
     outer[12..20].copy_from_slice(&inner[12..20]);
-    let check = inband::packet::checksum(&[&outer]);
+    let check = inband_testkit::packet::checksum(&[&outer]);
     outer[10..12].copy_from_slice(&check.to_be_bytes());
     [&frame[..ETH_HLEN], &outer, inner].concat()
 }

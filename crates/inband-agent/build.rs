@@ -1,0 +1,3 @@
+fn main() {
+    inband_bpf_build::skeletons(&["agent"]);
+}

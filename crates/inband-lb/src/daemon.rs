@@ -1,0 +1,191 @@
+//! `inband lb --config lb.toml`: attach, configure, then keep the control
+//! plane running (neighbours, polling, control socket, metrics, the flow
+//! sweeper) until SIGINT/SIGTERM. Stopping the daemon leaves the data path
+//! attached and its maps pinned: traffic keeps flowing (flows still expire
+//! on their own, only memory is not returned until the next daemon sweeps)
+//! and the next daemon takes over. `inband lb detach` is the explicit full
+//! clean-up. One daemon per interface: a second is refused.
+
+use std::mem::MaybeUninit;
+use std::net::SocketAddr;
+use std::os::fd::AsFd;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use inband_http::{Reply, StatusCode};
+use tracing::{error, info, warn};
+
+use super::config::LbConfig;
+use super::tables::{self, LbMaps};
+use super::{apply, attach, control, health, options_watch, polling, query, snapshot, sweep};
+use inband_core::bpfmap;
+use inband_core::runlock::RunLock;
+
+/// How often the sweeper ages the flow tables.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+pub fn run(config_path: &Path) -> Result<()> {
+    let cfg = LbConfig::load(config_path)?;
+    cfg.check_host()?;
+    let keys = cfg.auth.load_keys()?;
+    // Before anything touches the interface: a second daemon must not
+    // replace the program or rewrite the maps under the first.
+    let lock = RunLock::take(&attach::run_dir(&cfg.interface), &format!("inband lb is already running on {}", cfg.interface))?;
+    let dir = attach::pin_dir(&cfg.interface);
+    let fresh = !dir.exists();
+    let mut storage = MaybeUninit::uninit();
+    let (skel, _) = match attach::load_and_attach(&mut storage, &cfg.interface, cfg.xdp_mode, cfg.flow_table_size, cfg.maglev_table_size) {
+        Ok(s) => s,
+        Err(e) => {
+            lock.release();
+            return Err(e);
+        }
+    };
+    let configured = (|| -> Result<LbMaps> {
+        let maps = LbMaps::open(&dir)?;
+        apply::config_and_keys(&maps, &cfg, &keys)?;
+        Ok(maps)
+    })();
+    let maps = match configured {
+        Ok(m) => m,
+        Err(e) => {
+            if fresh {
+                // Nothing of ours was here before: leave nothing behind.
+                drop(lock);
+                let _ = attach::detach(&cfg.interface, true);
+            }
+            return Err(e.context("configuring the balancer maps"));
+        }
+    };
+
+    let stop = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&stop))?;
+    signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&stop))?;
+    // Every writer of the configuration maps (control socket, neighbour
+    // resolver, reaper) holds this lock: one writer at a time.
+    let shared = Arc::new(Mutex::new(cfg.clone()));
+    let mut workers = Vec::new();
+
+    workers.push(spawn("neighbours", &dir, &stop, {
+        let shared = Arc::clone(&shared);
+        move |maps, stop| {
+            while !stop.load(Ordering::Relaxed) {
+                let unresolved = apply::interface(&maps, &shared.lock().unwrap().interface)?;
+                // Poll fast while a next hop is missing (a SYN is waiting on it).
+                std::thread::sleep(Duration::from_millis(if unresolved > 0 { 100 } else { 1000 }));
+            }
+            Ok(())
+        }
+    }));
+    workers.push(spawn("polling", &dir, &stop, {
+        let shared = Arc::clone(&shared);
+        move |maps, stop| polling::run(&maps, &shared, &stop)
+    }));
+    workers.push(spawn("health", &dir, &stop, {
+        let shared = Arc::clone(&shared);
+        move |maps, stop| health::run(&maps, &shared, &stop)
+    }));
+    workers.push(spawn("query", &dir, &stop, {
+        let shared = Arc::clone(&shared);
+        let prog = skel.progs.balancer.as_fd().try_clone_to_owned().context("duplicating the balancer program's fd")?;
+        let interface = cfg.interface.clone();
+        move |maps, stop| query::run(&maps, prog, &interface, &shared, &stop)
+    }));
+    workers.push(spawn("control", &dir, &stop, {
+        let shared = Arc::clone(&shared);
+        let socket = cfg.control_socket.clone();
+        let config_path = config_path.to_path_buf();
+        move |maps, stop| control::serve(&socket, &maps, &shared, &config_path, &stop)
+    }));
+    let metrics = match cfg.metrics {
+        Some(addr) => Some(serve_metrics(addr, &dir, &cfg.interface, &stop)?),
+        None => None,
+    };
+    info!(interface = %cfg.interface, vips = cfg.vips.len(), "inband lb running");
+    let mut last_sweep = Instant::now() - SWEEP_EVERY;
+    let mut options = options_watch::OptionsWatch::new(Duration::from_secs(cfg.options_retry_s));
+    while !stop.load(Ordering::Relaxed) {
+        std::thread::sleep(Duration::from_millis(100));
+        if workers.iter().any(|w| w.is_finished()) {
+            stop.store(true, Ordering::Relaxed);
+        }
+        if last_sweep.elapsed() >= SWEEP_EVERY {
+            last_sweep = Instant::now();
+            if let Err(e) = sweep::run(&skel.progs.sweep, 0).and_then(|()| {
+                let _guard = shared.lock().unwrap();
+                for vip in tables::reap(&maps)? {
+                    info!(%vip, "removed VIP drained: its last flow ended");
+                }
+                let found = options.check(&maps, tables::ktime_ns())?;
+                polling::add_control_stats(&maps, &found)
+            }) {
+                warn!(error = %format!("{e:#}"), "sweeping the flow tables failed");
+            }
+        }
+    }
+    let mut failed = false;
+    for w in workers {
+        if let Ok(Err(e)) = w.join() {
+            error!(error = %format!("{e:#}"), "control-plane task failed");
+            failed = true;
+        }
+    }
+    if let Some(m) = metrics {
+        let _ = m.join();
+    }
+    drop(skel);
+    lock.release();
+    info!("inband lb stopped; the data path stays attached (`inband lb detach --interface {}` removes it)", cfg.interface);
+    if failed {
+        anyhow::bail!("a control-plane task failed (see the log above)");
+    }
+    Ok(())
+}
+
+/// `/metrics` (Prometheus) and `/status` (the JSON of `inband status
+/// --json`), read from the pins at each request, until `stop`.
+fn serve_metrics(addr: SocketAddr, dir: &bpfmap::PinDir, interface: &str, stop: &Arc<AtomicBool>) -> Result<std::thread::JoinHandle<()>> {
+    let maps = LbMaps::open(dir)?;
+    let interface = interface.to_string();
+    let stop = Arc::clone(stop);
+    let until = async move {
+        while !stop.load(Ordering::Relaxed) {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let handler = move |path: &str| {
+        let snapshot = match path {
+            "/metrics" | "/status" => snapshot::take(&interface, &maps),
+            _ => return Reply::text(StatusCode::NOT_FOUND, "/metrics or /status\n"),
+        };
+        match (path, snapshot) {
+            (_, Err(e)) => Reply::text(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}\n")),
+            ("/metrics", Ok(s)) => Reply::metrics(&snapshot::prometheus(s)),
+            (_, Ok(s)) => Reply::json(serde_json::to_string(&s).unwrap_or_default()),
+        }
+    };
+    let (addr, thread) = inband_http::spawn("metrics", addr, handler, until).with_context(|| format!("metrics endpoint {addr}"))?;
+    info!(%addr, "metrics at http://{addr}/metrics, status at http://{addr}/status");
+    Ok(thread)
+}
+
+fn spawn<F>(name: &'static str, dir: &bpfmap::PinDir, stop: &Arc<AtomicBool>, f: F) -> std::thread::JoinHandle<Result<()>>
+where
+    F: FnOnce(LbMaps, Arc<AtomicBool>) -> Result<()> + Send + 'static,
+{
+    let maps = LbMaps::open(dir);
+    let stop = Arc::clone(stop);
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            let result = maps.and_then(|m| f(m, stop)).with_context(|| format!("{name} task"));
+            if let Err(e) = &result {
+                warn!(task = name, error = %format!("{e:#}"), "stopped");
+            }
+            result
+        })
+        .expect("spawning a control-plane thread")
+}

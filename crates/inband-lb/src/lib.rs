@@ -1,0 +1,19 @@
+//! The balancer's control plane: `inband lb`.
+
+pub mod apply;
+pub mod attach;
+pub mod bpf;
+pub mod config;
+pub mod control;
+pub mod daemon;
+pub mod health;
+pub mod maglev;
+pub mod maps;
+pub mod neighbour;
+pub mod options_watch;
+pub mod polling;
+pub mod private;
+pub mod query;
+pub mod snapshot;
+pub mod sweep;
+pub mod tables;

@@ -1,0 +1,71 @@
+//! `inband shadow follow`: next hops that join and leave by BGP.
+//!
+//! In a fabric, the VIP's next hops announce it (each balancer instance,
+//! or each server, through its own BGP speaker) and the router's routing
+//! daemon installs what it learns. If the daemon wrote the VIP's route
+//! itself, every change would be plain ECMP. So the daemon installs the
+//! learned routes into a table of their own (BIRD's `kernel table N`,
+//! FRR's `table N`), and this loop carries each change of that set into
+//! the VIP's real route through [`route::apply`], which writes the shadow
+//! table first. The kernel's tables are the only state: a restarted loop
+//! compares the learned set with the route it finds and goes on.
+
+use std::net::Ipv6Addr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use tracing::{info, warn};
+
+use super::route::{self, RouterConfig};
+use inband_core::command::ip;
+
+/// The next hops the routing daemon installed for the VIP in `table`, as
+/// config names in config order (the order the VIP's route lists them),
+/// and the gateways no `[[server]]` has (announced by someone unknown).
+pub fn learned(cfg: &RouterConfig, table: u32) -> Result<(Vec<String>, Vec<Ipv6Addr>)> {
+    let out = match ip(&["-6", "-j", "route", "show", "table", &table.to_string(), &format!("{}/128", cfg.vip)]) {
+        Ok(out) => out,
+        // The kernel makes a table with its first route: none learned yet.
+        Err(e) if format!("{e:#}").contains("table does not exist") => return Ok((Vec::new(), Vec::new())),
+        Err(e) => return Err(e),
+    };
+    let routes: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).context("reading `ip -j route` output")?;
+    let Some(route) = routes.first() else { return Ok((Vec::new(), Vec::new())) };
+    let hops = match route["nexthops"].as_array() {
+        Some(h) => h.clone(),
+        None => vec![route.clone()],
+    };
+    let gateways: Vec<Ipv6Addr> = hops.iter().filter_map(|h| h["gateway"].as_str()?.parse().ok()).collect();
+    let names = cfg.server.iter().filter(|s| gateways.contains(&s.via)).map(|s| s.name.clone()).collect();
+    let unknown = gateways.into_iter().filter(|g| !cfg.server.iter().any(|s| s.via == *g)).collect();
+    Ok((names, unknown))
+}
+
+/// Follows `table` every `interval` until `stop`; each change of the
+/// learned set becomes one shadow-preserving change of the VIP's route.
+pub fn follow(cfg: &RouterConfig, table: u32, interval: Duration, stop: &AtomicBool) -> Result<()> {
+    info!(vip = %cfg.vip, table, "following the next hops the routing daemon learns");
+    let mut applied: Option<Vec<String>> = None;
+    let mut warned: Vec<Ipv6Addr> = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        match learned(cfg, table) {
+            Ok((names, unknown)) => {
+                for g in unknown.iter().filter(|g| !warned.contains(g)) {
+                    warn!(gateway = %g, table, "the VIP is announced from a next hop no [[server]] in the config has: ignored");
+                }
+                warned = unknown;
+                if applied.as_ref() != Some(&names) {
+                    match route::apply(cfg, &names, true) {
+                        Ok(()) => applied = Some(names),
+                        // Tried again on the next pass; the route stays as it was.
+                        Err(e) => warn!(error = %format!("{e:#}"), "changing the VIP's next hops failed"),
+                    }
+                }
+            }
+            Err(e) => warn!(error = %format!("{e:#}"), table, "reading the learned next hops failed"),
+        }
+        std::thread::sleep(interval);
+    }
+    Ok(())
+}

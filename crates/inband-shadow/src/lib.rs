@@ -1,0 +1,124 @@
+//! `inband shadow`: per-connection consistency for servers behind an ECMP
+//! router (seed 002, VRF-shadowing without VRF devices). The router keeps
+//! the previous next-hop set of the VIP in a shadow routing table
+//! (`route`); each server runs the conditional End.DT6 program, which sends
+//! packets of connections it does not have back to that table (`attach`).
+//! See "Scale-out behind ECMP" in docs/architecture.md and the choices in
+//! docs/decisions.md.
+
+pub mod attach;
+pub mod bpf;
+pub mod follow;
+pub mod route;
+
+use std::net::Ipv6Addr;
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Subcommand;
+
+#[derive(Subcommand)]
+pub enum ShadowCommand {
+    /// On a server: attach the conditional program to the interface
+    /// toward the router, whose two SIDs are End.DT6 routes already.
+    /// Stays attached after the command exits.
+    Attach {
+        #[arg(long)]
+        interface: String,
+        /// The SID the router's current next-hop set sends to: checked.
+        #[arg(long)]
+        sid: Ipv6Addr,
+        /// The SID the router's shadow table sends to: always delivered.
+        #[arg(long)]
+        direct_sid: Ipv6Addr,
+        /// The router's SID for its shadow table: where strays go.
+        #[arg(long)]
+        shadow_sid: Ipv6Addr,
+    },
+    /// On a server: remove the program and its pinned maps.
+    Detach {
+        #[arg(long)]
+        interface: String,
+    },
+    /// On a server: the program's counters (packets and bytes).
+    Status {
+        #[arg(long)]
+        interface: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// On the router: set the VIP's next hops to `--up`, after copying the
+    /// current ones into the shadow table.
+    Route {
+        /// The router's servers and VIP (docs/configuration.md, "inband shadow route").
+        #[arg(long)]
+        config: PathBuf,
+        /// The servers the VIP goes to from now on, by name, comma-separated
+        /// (empty: none).
+        #[arg(long, value_delimiter = ',', num_args = 0..)]
+        up: Vec<String>,
+        /// Plain ECMP, the baseline: change the routes without keeping the
+        /// previous set (and empty the shadow table).
+        #[arg(long)]
+        plain: bool,
+    },
+    /// On the router: keep the VIP's next hops equal to the ones the
+    /// routing daemon (BIRD, FRR) learns by BGP into `--table`, each change
+    /// made as `route` makes it. Runs until SIGINT/SIGTERM.
+    Follow {
+        #[arg(long)]
+        config: PathBuf,
+        /// The kernel table the routing daemon installs the VIP's learned
+        /// routes in (not the main table: there they would replace the
+        /// VIP's route without a shadow).
+        #[arg(long)]
+        table: u32,
+        /// How often the learned set is read.
+        #[arg(long, default_value_t = 100)]
+        interval_ms: u64,
+    },
+}
+
+pub fn run(cmd: ShadowCommand) -> Result<()> {
+    match cmd {
+        ShadowCommand::Attach { interface, sid, direct_sid, shadow_sid } => {
+            attach::attach(&interface, attach::Sids { cond: sid, direct: direct_sid, shadow: shadow_sid })
+        }
+        ShadowCommand::Detach { interface } => attach::detach(&interface),
+        ShadowCommand::Status { interface, json } => {
+            let counts = attach::counters(&interface)?;
+            if json {
+                let obj: serde_json::Map<String, serde_json::Value> = counts
+                    .iter()
+                    .map(|(name, c)| (name.to_string(), serde_json::json!({"packets": c.packets, "bytes": c.bytes})))
+                    .collect();
+                println!("{}", serde_json::Value::Object(obj));
+            } else {
+                println!("{:<10} {:>12} {:>14}", "counter", "packets", "bytes");
+                for (name, c) in counts {
+                    println!("{name:<10} {:>12} {:>14}", c.packets, c.bytes);
+                }
+            }
+            Ok(())
+        }
+        ShadowCommand::Route { config, up, plain } => {
+            let cfg = route::RouterConfig::load(&config)?;
+            let up: Vec<String> = up.into_iter().filter(|s| !s.is_empty()).collect();
+            route::apply(&cfg, &up, !plain)
+        }
+        ShadowCommand::Follow { config, table, interval_ms } => {
+            let cfg = route::RouterConfig::load(&config)?;
+            if (0..cfg.generations).any(|k| cfg.generation(k).0 == table) || matches!(table, 0 | 253..=255) {
+                anyhow::bail!(
+                    "--table {table}: the routing daemon needs a table of its own, not a shadow table ({}–{}) nor 0/253/254/255",
+                    cfg.shadow_table,
+                    cfg.generation(cfg.generations - 1).0
+                );
+            }
+            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            signal_hook::flag::register(signal_hook::consts::SIGINT, std::sync::Arc::clone(&stop))?;
+            signal_hook::flag::register(signal_hook::consts::SIGTERM, std::sync::Arc::clone(&stop))?;
+            follow::follow(&cfg, table, std::time::Duration::from_millis(interval_ms.max(10)), &stop)
+        }
+    }
+}
