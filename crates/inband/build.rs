@@ -11,7 +11,7 @@ use libbpf_cargo::SkeletonBuilder;
 
 const PROGRAMS: &[&str] = &["balancer", "agent", "bounce", "veth_peer", "loadgen", "shadow", "mesh", "mesh_head_probe"];
 /// The headers whose types and constants the control plane shares.
-const SHARED_HEADERS: &[&str] = &["addr.h", "quic.h", "wire.h", "auth.h", "balancer_maps.h", "agent_maps.h", "shadow_maps.h", "mesh_maps.h"];
+const SHARED_HEADERS: &[&str] = &["addr.h", "quic.h", "wire.h", "auth.h", "lb/consts.h", "lb/types.h", "agent/consts.h", "agent/types.h", "shadow/types.h", "mesh/consts.h", "mesh/types.h"];
 
 fn main() {
     let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").unwrap());
