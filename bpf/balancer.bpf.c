@@ -590,6 +590,7 @@ int balancer(struct xdp_md *ctx)
 	return forward(ctx, cfg, f, bpf_map_lookup_elem(&vip_conf, &id), p);
 }
 
+/* The object's second program: the sweeper (SEC("syscall")). */
 #include "inband/lb/sweep.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
