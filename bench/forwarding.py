@@ -51,7 +51,7 @@ VIP_PORT = 80
 SINK_PORT = 9000  # raw frames and TCP streams
 HTTP_PORT = 8080  # `inband serve` and the agent's service
 SIZES = {"1 KB": 1024, "46 KB": 47104, "1 MB": 1048576}
-# struct inband_backend_score (bpf/include/inband/balancer_maps.h): score,
+# struct inband_backend_score (bpf/include/inband/lb/types.h): score,
 # opened, closed, interval, updated_ns, budget_ns, unanswered, changes.
 SCORE_VALUE = struct.Struct("IIIIQQII")
 # The hairpin: a veth pair client <-> balancer of its own (see setup_hairpin).

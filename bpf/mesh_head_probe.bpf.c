@@ -11,8 +11,8 @@
 #include <linux/bpf.h>
 #include <bpf/bpf_helpers.h>
 
-#include "inband/mesh_maps.h"
 #include "inband/mesh/head.h"
+#include "inband/mesh/types.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 

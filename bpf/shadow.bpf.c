@@ -36,16 +36,13 @@
 #include <bpf/bpf_endian.h>
 #include <bpf/bpf_helpers.h>
 
-#include "inband/pinned.h"
+#include "inband/shadow/maps.h"
+#include "inband/shadow/types.h"
 #include "inband/shadow_generations.h"
-#include "inband/shadow_maps.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
 #define IPV6_SRCRT_TYPE_SRH 4
-
-INBAND_PINNED(shadow_config, BPF_MAP_TYPE_ARRAY, __u32, struct inband_shadow_config, 1);
-INBAND_PINNED(shadow_stats, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, struct inband_shadow_count, INBAND_SHADOW_COUNTERS);
 
 static __always_inline int count(struct __sk_buff *skb, __u32 counter, int verdict)
 {

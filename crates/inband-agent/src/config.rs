@@ -89,7 +89,7 @@ pub struct ServiceConfig {
     pub protocol: Protocol,
 }
 
-/// The limits of the BPF maps (bpf/include/inband/agent_maps.h).
+/// The limits of the BPF maps (bpf/include/inband/agent/consts.h).
 pub const MAX_SERVICES: usize = 64;
 pub const MAX_BALANCERS: usize = 16;
 

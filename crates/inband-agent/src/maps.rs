@@ -1,5 +1,5 @@
 //! The agent's map keys and values: the types bindgen generates from
-//! bpf/include/inband/agent_maps.h (build.rs), under the names the control
+//! bpf/include/inband/agent/{types,consts}.h (build.rs), under the names the control
 //! plane uses, and a name for each data-path counter. Address/port fields
 //! hold network-order bytes (see `pod::be_ip`).
 

@@ -1,5 +1,5 @@
 //! The balancer's map types: the structs bindgen generates from
-//! bpf/include/inband/balancer_maps.h (inband_core::shared), under the names
+//! bpf/include/inband/lb/{types,consts}.h (inband_core::shared), under the names
 //! the control plane uses, plus the modes, policies and counter names that
 //! status and metrics print. Address/port fields hold network-order bytes
 //! (see `pod::be_addr`).

@@ -1,4 +1,4 @@
-//! Running the balancer's `sweep` program (bpf/balancer.bpf.c): one pass
+//! Running the balancer's `sweep` program (bpf/include/inband/lb/sweep.h): one pass
 //! over the flow tables that deletes dead flows with their SNAT
 //! reservations, orphaned reservations and flows past a drain deadline, and
 //! refreshes the gauges `status` and the metrics read. The daemon runs it

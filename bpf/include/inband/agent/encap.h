@@ -14,7 +14,7 @@
 #include <bpf/bpf_helpers.h>
 
 #include "inband/agent/maps.h"
-#include "inband/agent_skb.h"
+#include "inband/agent/skb.h"
 #include "inband/ipip.h"
 
 /* bpf_skb_adjust_room flags (kernel 6.3+) that Debian's UAPI header

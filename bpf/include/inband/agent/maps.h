@@ -2,15 +2,15 @@
 /*
  * The maps of the real-server agent (bpf/agent.bpf.c), pinned by name under
  * the agent's pin directory (docs/architecture.md, "Maps"), and its load-time
- * constants. Keys and values are defined in inband/agent_maps.h.
+ * constants. Keys and values are defined in agent/types.h.
  */
-#ifndef INBAND_AGENT_MAPS_DEF_H
-#define INBAND_AGENT_MAPS_DEF_H
+#ifndef INBAND_AGENT_MAPS_H
+#define INBAND_AGENT_MAPS_H
 
 #include <linux/bpf.h>
 #include <bpf/bpf_helpers.h>
 
-#include "inband/agent_maps.h"
+#include "inband/agent/types.h"
 #include "inband/auth.h"
 #include "inband/pinned.h"
 
@@ -69,4 +69,4 @@ static __always_inline const struct inband_auth_key *auth_key(__u8 id)
 	return key && key->valid ? key : NULL;
 }
 
-#endif /* INBAND_AGENT_MAPS_DEF_H */
+#endif /* INBAND_AGENT_MAPS_H */

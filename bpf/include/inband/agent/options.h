@@ -18,7 +18,7 @@
 
 #include "inband/agent/maps.h"
 #include "inband/agent/packet.h"
-#include "inband/agent_skb.h"
+#include "inband/agent/skb.h"
 #include "inband/csum.h"
 #include "inband/wire.h"
 

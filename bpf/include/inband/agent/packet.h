@@ -19,7 +19,7 @@
 #include <bpf/bpf_helpers.h>
 
 #include "inband/addr.h"
-#include "inband/agent_skb.h"
+#include "inband/agent/skb.h"
 #include "inband/wire.h"
 
 #define INBAND_ETH_P_IPV6 0x86DD

@@ -39,8 +39,8 @@
 
 #include "inband/agent/maps.h"
 #include "inband/agent/options.h"
+#include "inband/agent/skb.h"
 #include "inband/agent/trust.h"
-#include "inband/agent_skb.h"
 
 /* Where TSval and TSecr sit in the timestamps option. */
 #define TS_VAL 2

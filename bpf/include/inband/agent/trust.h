@@ -16,7 +16,7 @@
 
 #include "inband/agent/maps.h"
 #include "inband/agent/packet.h"
-#include "inband/agent_skb.h"
+#include "inband/agent/skb.h"
 #include "inband/auth.h"
 #include "inband/wire.h"
 

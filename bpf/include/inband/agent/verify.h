@@ -15,7 +15,7 @@
 #include <bpf/bpf_helpers.h>
 
 #include "inband/agent/packet.h"
-#include "inband/agent_skb.h"
+#include "inband/agent/skb.h"
 #include "inband/csum.h"
 #include "inband/wire.h"
 

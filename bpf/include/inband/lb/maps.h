@@ -1,10 +1,13 @@
 /* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
 /*
- * The balancer's maps (types in inband/balancer_maps.h). Included once, by
- * bpf/balancer.bpf.c. Every map is pinned by name under the interface's pin
- * directory, so a restarted daemon takes over the running data path's
- * state; the control plane sizes the flow tables at load (lb.toml
- * `flow_table_size`), which is why pinned maps of another size are refused.
+ * The balancer's maps (keys and values in lb/types.h). Included once, by
+ * bpf/balancer.bpf.c. Every map here is pinned by name under the
+ * interface's pin directory, so a restarted daemon takes over the running
+ * data path's state; the control plane sizes the flow tables at load
+ * (lb.toml `flow_table_size`), which is why pinned maps of another size
+ * are refused. The per-CPU scratch maps, which hold no state between
+ * packets, are defined next to the code that uses them (parse.h, verify.h,
+ * nat.h, score.h, handshake.h).
  */
 #ifndef INBAND_LB_MAPS_H
 #define INBAND_LB_MAPS_H
@@ -13,7 +16,7 @@
 #include <bpf/bpf_helpers.h>
 
 #include "inband/auth.h"
-#include "inband/balancer_maps.h"
+#include "inband/lb/types.h"
 #include "inband/pinned.h"
 
 #define INBAND_PINNED_ARRAY(name, type_, n) INBAND_PINNED(name, BPF_MAP_TYPE_ARRAY, __u32, type_, n)

@@ -18,7 +18,7 @@
 #include <linux/bpf.h>
 #include <bpf/bpf_helpers.h>
 
-#include "inband/mesh_maps.h"
+#include "inband/mesh/types.h"
 
 #define HEAD_MASK (INBAND_MESH_HEAD_MAX - 1)
 #define MAX_LINES 64 /* header lines; more sends the message to user space */

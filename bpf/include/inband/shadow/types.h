@@ -1,11 +1,12 @@
 /* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
 /*
- * Maps of the daisy-chaining program (bpf/shadow.bpf.c, seed 002's
- * End.DT4.COND as End.DT6.COND). The Rust types are generated from this
- * header (crates/inband/build.rs).
+ * Map keys and values of the daisy-chaining program (bpf/shadow.bpf.c,
+ * seed 002's End.DT4.COND as End.DT6.COND). The Rust types are generated
+ * from this header (crates/inband/build.rs); the maps themselves are in
+ * maps.h. Its few constants live here: there is no consts.h.
  */
-#ifndef INBAND_SHADOW_MAPS_H
-#define INBAND_SHADOW_MAPS_H
+#ifndef INBAND_SHADOW_TYPES_H
+#define INBAND_SHADOW_TYPES_H
 
 #include <linux/types.h>
 
@@ -36,4 +37,4 @@ struct inband_shadow_count {
 	__u64 bytes;
 };
 
-#endif /* INBAND_SHADOW_MAPS_H */
+#endif /* INBAND_SHADOW_TYPES_H */

@@ -1,84 +1,22 @@
 /* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
 /*
- * Map keys and values of the real-server agent (bpf/agent.bpf.c). The
- * control plane's Rust types are generated from this header at build time
- * (crates/inband/build.rs), so this is the only definition.
+ * The agent's numbers that are not a map's layout: its limits, the replay
+ * window of UDP client tuples, and the indices of its counters
+ * (agent_stats; the daemon's poll responder writes some of them too).
+ * Apart from types.h for the same reason as lb/consts.h: what the control
+ * plane and the programs agree on by number reads as one list, and Rust
+ * gets it through bindgen (crates/inband/build.rs).
  */
-#ifndef INBAND_AGENT_MAPS_H
-#define INBAND_AGENT_MAPS_H
-
-#include <linux/types.h>
-
-#include "inband/addr.h"
+#ifndef INBAND_AGENT_CONSTS_H
+#define INBAND_AGENT_CONSTS_H
 
 #define INBAND_AGENT_MAX_SERVICES 64
 #define INBAND_AGENT_MAX_BALANCERS 16
 #define INBAND_AGENT_FLOW_TABLE_SIZE 262144
 
-/* services[key]: a local port the server application serves, per
- * transport and family (one port can serve a TCP and a UDP VIP, or an
- * IPv4 and an IPv6 one). */
-struct inband_service_key {
-	__be16 port; /* network order */
-	__u8 proto; /* IPPROTO_TCP or IPPROTO_UDP */
-	__u8 family; /* 4 or 6 */
-};
-
-struct inband_service {
-	struct inband_addr vip_addr; /* what the client connected to: source of DSR responses */
-	__be16 vip_port;
-	__u16 pad;
-};
-
-/* A connection as the server sees it: peer = the balancer's NAT address. */
-struct inband_conn_key {
-	struct inband_addr peer_addr;
-	__be16 peer_port;
-	__be16 local_port;
-	__u8 proto;
-	__u8 pad[3];
-};
-
-/* dsr_flows[conn]: created by an accepted 155; deleted when the socket
- * closes (TCP, tracepoint; a connection with a ts_shift keeps it for its
- * TIME_WAIT until the next SYN on its ports), when a balancer's SYN
- * without 155 reuses the ports of a handshake that never became a socket
- * (TCP), when unused for `udp_idle_timeout` (UDP, found on the flow's
- * next response), or by the LRU. */
-/* inband_dsr_flow.score_requested */
-#define INBAND_SCORE_REQUESTED 1
-#define INBAND_SCORE_ENCAP 2 /* the 124 came in IP-in-IP: the 125 goes back the same way */
-
-struct inband_dsr_flow {
-	struct inband_addr client_addr; /* all zero: no client tuple */
-	__be16 client_port;
-	__u8 score_requested; /* INBAND_SCORE_* bits: set by an accepted 124, cleared when the 125 is sent */
-	__u8 probe_key; /* key id of that 124: the 125 is signed with it */
-	__be32 probe_nonce; /* nonce of that 124: the 125 echoes it */
-	__be32 stamp; /* UDP: the 155's nonce (balancer's clock, ms): the newest 155 wins */
-	__u32 ts_shift; /* TCP: added to the client's TSvals, taken from TSecrs to it (agent/time_wait.h) */
-	__u64 last_ns; /* UDP: bpf_ktime_get_coarse_ns() of the last packet from the balancer, to the second */
-};
-
-/* balancers[address]: who may send 155/124 here. */
-struct inband_balancer {
-	__u32 stamp; /* the newest UDP 155 stamp accepted from it: older ones are replays */
-	__u32 pad;
-};
-
-/* agent_config[0], written by the control plane. */
-struct inband_agent_config {
-	__u8 auth_mode; /* enum inband_auth_mode (wire.h) */
-	__u8 pad;
-	__u16 mtu; /* L3 MTU of the interface: no 125 is added beyond it */
-	__u32 udp_idle_timeout_s; /* a UDP client tuple unused this long is forgotten */
-};
-
 /* A UDP 155 whose stamp is more than this behind the newest one its
  * balancer sent is a replay. */
 #define INBAND_UDP_STAMP_WINDOW_MS 5000
-
-/* Key for active_conns and score_override: local port, host order. */
 
 enum inband_agent_counter {
 	INBAND_AGENT_TUPLES_STORED = 0,
@@ -118,4 +56,4 @@ enum inband_agent_counter {
 	INBAND_AGENT_COUNTER_MAX = 33,
 };
 
-#endif /* INBAND_AGENT_MAPS_H */
+#endif /* INBAND_AGENT_CONSTS_H */

@@ -1,8 +1,10 @@
 /* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
 /*
- * Map keys and values of the balancer program (bpf/balancer.bpf.c). The
- * control plane's Rust types are generated from this header at build time
- * (crates/inband/build.rs, bindgen), so this is the only definition.
+ * Map keys and values of the balancer program (bpf/balancer.bpf.c), with
+ * the flag bits of their fields. The control plane's Rust types are
+ * generated from this header and consts.h at build time
+ * (crates/inband/build.rs, bindgen), so this is the only definition; the
+ * maps themselves are defined in maps.h.
  *
  * Addresses and ports are kept in network order (as in the packet) so the
  * data path never byte-swaps; counters, ids and times are host order. Every
@@ -11,64 +13,13 @@
  * Which map holds what, and who creates and deletes each entry: the "Maps"
  * and "Flow lifecycle" sections of docs/architecture.md.
  */
-#ifndef INBAND_BALANCER_MAPS_H
-#define INBAND_BALANCER_MAPS_H
+#ifndef INBAND_LB_TYPES_H
+#define INBAND_LB_TYPES_H
 
 #include <linux/types.h>
 
 #include "inband/addr.h"
-
-#define INBAND_MAX_VIPS 64
-#define INBAND_MAX_BACKENDS_PER_VIP 32
-/* Backend ids are global, 0 .. INBAND_MAX_BACKENDS-1: they index scores and stats. */
-#define INBAND_MAX_BACKENDS 1024
-/* Default sizes; the control plane sets the real ones at load (lb.toml
- * `flow_table_size`): half-open = 1/4, SNAT reservations = 2× (see
- * "Flow lifecycle" in docs/architecture.md for why). */
-#define INBAND_FLOW_TABLE_SIZE 262144
-#define INBAND_HALF_OPEN_TABLE_SIZE 65536
-#define INBAND_SNAT_TABLE_SIZE 524288
-
-/* Source ports the balancer uses toward backends; kept below Linux's default
- * ephemeral range (32768-60999) so they never collide with the balancer
- * host's own connections to the same backend. */
-#define INBAND_SNAT_PORT_MIN 1024
-#define INBAND_SNAT_PORT_MAX 32767
-#define INBAND_SNAT_TRIES 16
-/* A port search stops once it has seen this many ports held by handshakes
- * and takes the oldest preemptible one seen: under a SYN flood every
- * candidate is a handshake's, and examining all 16 cost more than the rest
- * of the SYN. Closing flows do not stop it: under churn a free port is
- * usually further down the list, and a closing flow's port taken early
- * may still meet its connection's last packets at the server. */
-#define INBAND_SNAT_HOLDS_SEEN 4
-
-enum inband_mode {
-	INBAND_MODE_PASSTHROUGH = 0, /* NAT both ways, no options */
-	INBAND_MODE_DSR_RR = 1, /* 155 on SYN, responses direct */
-	INBAND_MODE_DSR_POLLING = 2, /* as DSR, scores written by user space polling */
-	INBAND_MODE_DSR_DYNAMIC = 3, /* as DSR, every n-th packet carries 124 */
-	INBAND_MODE_DSR_QUERY = 4, /* as DSR, the backends are asked before each new connection */
-};
-
-enum inband_policy {
-	INBAND_POLICY_ROUND_ROBIN = 0, /* slots in turn; INBAND_VIP_WEIGHTED: the Maglev table's entries in turn */
-	INBAND_POLICY_LEAST_SCORE = 1, /* lowest load estimate per weight, random among ties */
-	INBAND_POLICY_POWER_OF_TWO = 2, /* two random backends, lower load estimate per weight */
-	INBAND_POLICY_MAGLEV = 3, /* weighted Maglev consistent hashing of the client side (select.h) */
-};
-
-/*
- * Maglev: each VIP's lookup table is `maglev_size` (lb_config; a prime)
- * entries of map `maglev` from VIP id * maglev_size, each a slot of the
- * VIP, written by the control plane (crates/inband/src/lb/maglev.rs). A
- * new connection's slot is entry SipHash-2-4(flow key) % maglev_size under
- * this fixed key: the same on every balancer, so instances behind ECMP
- * agree without sharing state.
- */
-#define INBAND_MAGLEV_DEFAULT_SIZE 65537
-#define INBAND_MAGLEV_K0 0x6d2d646e61626e69ULL /* "inband-maglev-v1", little endian */
-#define INBAND_MAGLEV_K1 0x31762d76656c6761ULL
+#include "inband/lb/consts.h"
 
 struct inband_vip_key {
 	struct inband_addr addr;
@@ -306,84 +257,12 @@ struct inband_vip_stats {
 	__u64 closed_conns;
 };
 
-/* Index into the drops per-CPU array; names in crates/inband/src/lb/maps.rs. */
-enum inband_drop_reason {
-	INBAND_DROP_MALFORMED_IP = 0, /* IHL < 5, header beyond packet, bad total length */
-	INBAND_DROP_MALFORMED_OPTION = 1, /* option length 0/1/overrunning */
-	INBAND_DROP_TRUNCATED_L4 = 2,
-	INBAND_DROP_FRAGMENT = 3,
-	INBAND_DROP_NO_BACKEND = 4,
-	INBAND_DROP_FLOW_TABLE_FULL = 5,
-	INBAND_DROP_SNAT_EXHAUSTED = 6,
-	INBAND_DROP_NO_FLOW = 7, /* non-SYN to a VIP with no connection entry */
-	INBAND_DROP_SCORE_NOT_OWNER = 8, /* 155/124 from a backend, or 125 for no connection */
-	INBAND_DROP_NO_ROUTE = 9, /* backend's next-hop MAC not resolved yet */
-	INBAND_DROP_IP_OPTIONS = 10, /* client packet to a VIP already carrying options */
-	INBAND_DROP_ADJUST_FAILED = 11, /* bpf_xdp_adjust_head refused */
-	INBAND_DROP_UNEXPECTED_OPTION = 12, /* 155/124 arriving at the balancer from outside */
-	INBAND_DROP_FLOW_EXPIRED = 13, /* a packet of a flow past its timeout */
-	INBAND_DROP_VIP_DRAINING = 14, /* a new connection to a VIP being removed */
-	INBAND_DROP_BAD_CHECKSUM = 15, /* a 125 on a packet whose IPv4 or TCP checksum is wrong */
-	INBAND_DROP_TTL_EXCEEDED = 16, /* TTL would reach 0 on the routed hop */
-	INBAND_DROP_VLAN = 17, /* an 802.1Q/802.1ad-tagged frame to a VIP */
-	INBAND_DROP_FAMILY = 18, /* a packet of a family the balancer has no address for */
-	INBAND_DROP_QUERY_PENDING = 19, /* dsr-query: a SYN handed to the daemon to ask the backends */
-	INBAND_DROP_CHAINED_NO_FLOW = 20, /* chained here by another instance, and no connection here either */
-	INBAND_DROP_SRV6_UNSUPPORTED = 21, /* to our SID, but not one segment carrying IPv6: not unwrapped */
-	INBAND_DROP_MAX = 22,
-};
-
-/* Things the data path did or refused that are not drops; per-CPU array,
- * names in crates/inband/src/lb/maps.rs. */
-enum inband_event {
-	INBAND_EV_SCORE_UNSOLICITED = 0, /* 125 with no outstanding 124 on its flow: not recorded */
-	INBAND_EV_SCORE_BAD_MAC = 1, /* 125 whose MAC or nonce does not verify: not recorded */
-	INBAND_EV_SCORE_WRONG_FORMAT = 2, /* seed 125 under auth, or authenticated 125 without */
-	INBAND_EV_PROBE_DEFERRED_MTU = 3, /* a 124 would exceed the MTU: next packet asks */
-	INBAND_EV_TUPLE_SKIPPED_MTU = 4, /* a 155 would exceed the MTU: sent without it */
-	INBAND_EV_FLOWS_PROMOTED = 5, /* handshakes completed: half_open -> flows */
-	INBAND_EV_FLOWS_CLOSED = 6, /* first FIN/RST of a flow */
-	INBAND_EV_FLOWS_EXPIRED = 7, /* removed by the sweeper or found expired */
-	INBAND_EV_SNAT_PREEMPT_HALF_OPEN = 8, /* port taken over from an unfinished handshake */
-	INBAND_EV_SNAT_PREEMPT_CLOSING = 9, /* port taken over from a closing flow */
-	INBAND_EV_SNAT_ORPHANS_RECLAIMED = 10, /* reservation whose owner was gone, reused */
-	INBAND_EV_SYN_ON_LIVE_FLOW = 11, /* SYN with a new sequence number on a live flow: kept */
-	INBAND_EV_ICMP_TO_BACKEND = 12, /* ICMP error about a VIP flow sent to its backend */
-	INBAND_EV_ICMP_TO_CLIENT = 13, /* ICMP error about a NATed packet sent to its client */
-	INBAND_EV_BACKEND_FULL = 14, /* chosen backend had no free port: next choice taken */
-	INBAND_EV_DRAINED_FLOWS_ENDED = 15, /* flows ended by the sweeper at a drain deadline */
-	INBAND_EV_QUIC_CID_ROUTED = 16, /* QUIC short header without a flow, sent to the server its CID names */
-	INBAND_EV_QUIC_CID_UNKNOWN = 17, /* ... naming no active backend: balanced as a new flow */
-	INBAND_EV_PROBE_BUDGET = 18, /* a 124 due but the backend's probe budget spent: later */
-	INBAND_EV_PROBE_FASTER = 19, /* a 125 moved the score: that backend's n halved */
-	INBAND_EV_QUERY_SKIPPED = 20, /* dsr-query: the daemon's queue full, balanced on the estimate */
-	INBAND_EV_QUERY_ANSWERED = 21, /* dsr-query: a held SYN balanced after its query */
-	INBAND_EV_IPV6_CHAIN_UNWALKED = 22, /* IPv6 with more extension headers than the walk takes: passed */
-	INBAND_EV_ENCAPSULATED = 23, /* packets with an option sent to an encap backend in IP-in-IP */
-	INBAND_EV_DECAPSULATED = 24, /* IP-in-IP from a backend unwrapped (its 125 inside) */
-	INBAND_EV_SRV6_COND = 25, /* from the ECMP router to the conditional SID: unwrapped */
-	INBAND_EV_SRV6_DIRECT = 26, /* ... to the direct SID (chained by another instance): unwrapped */
-	INBAND_EV_CHAINED = 27, /* TCP without a connection here sent to the router's (first) shadow table */
-	INBAND_EV_CHAINED_NAMED = 28, /* ... to the later shadow generation the router's SRH named */
-	INBAND_EV_LATER_CONNECTION = 29, /* past a finished client's sequence space: handled as no flow */
-	INBAND_EV_OUT_OF_WINDOW = 30, /* a FIN or RST far from its sender's sequence space: forwarded, flow unchanged */
-	INBAND_EV_RESET_NO_BACKEND = 31, /* a SYN no backend could take, answered with a RST (refusing VIP) */
-	INBAND_EV_RESET_BACKEND_DOWN = 32, /* a packet of a DOWN backend's flow answered with a RST (on_down = reset) */
-	INBAND_EV_MAX = 33,
-};
-
 /* Written by the sweeper program at each pass (lifecycle.h), read by
  * `inband status` and the metrics endpoint: no table walk on a scrape. */
 struct inband_flow_gauges {
 	__u64 established; /* live ESTABLISHED flows */
 	__u64 closing; /* live CLOSING flows */
 };
-
-/* gauges[0] = whole table (plus half_open count), [1 + vip id], [1 + 64 + backend id]. */
-#define INBAND_GAUGE_TOTAL 0
-#define INBAND_GAUGE_VIP0 1
-#define INBAND_GAUGE_BACKEND0 (1 + INBAND_MAX_VIPS)
-#define INBAND_GAUGES (1 + INBAND_MAX_VIPS + INBAND_MAX_BACKENDS)
 
 /* Written by the sweeper at the end of a pass. */
 struct inband_sweep_stats {
@@ -459,4 +338,4 @@ struct inband_query_req {
 	__u8 frame[INBAND_QUERY_FRAME_MAX];
 };
 
-#endif /* INBAND_BALANCER_MAPS_H */
+#endif /* INBAND_LB_TYPES_H */

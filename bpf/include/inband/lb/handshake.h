@@ -1,0 +1,224 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/*
+ * Step 2 of the walk: a client packet to a VIP with no established flow.
+ * The TCP handshake (a SYN, a retransmitted SYN, the client's first ACK or
+ * its RST), a UDP flow's first two datagrams, and how a client's FIN or RST
+ * ends its side of a flow (client_end) or starts a later connection on the
+ * tuple (later_connection), which established() uses too. The states and
+ * tables a flow moves through are lifecycle.h's; this is what moves it
+ * there. Apart from the walk because handshake() has a stack frame of its
+ * own (not inlined): it answers the walk with the verdicts below instead
+ * of calling forward() or open_flow() itself.
+ */
+#ifndef INBAND_LB_HANDSHAKE_H
+#define INBAND_LB_HANDSHAKE_H
+
+#include <linux/bpf.h>
+#include <linux/in.h>
+#include <bpf/bpf_helpers.h>
+
+#include "inband/lb/common.h"
+#include "inband/lb/lifecycle.h"
+#include "inband/lb/parse.h"
+#include "inband/lb/query.h"
+#include "inband/lb/quic.h"
+#include "inband/lb/scale_out.h"
+
+/* The walk's own verdicts, next to XDP_*: what established() and
+ * handshake() tell balancer() to do next. */
+/* What established() returns when the packet opens a new connection on the
+ * tuple instead (its flow ended): the caller balances it afresh. */
+#define REBALANCE (-1)
+/* What handshake() returns when the packet is to be forwarded: on the flow
+ * copy in `flow_scratch`, or on its entry in `flows`. The walk forwards it,
+ * so handshake's frame and forward's are never on one call chain (512
+ * bytes of stack for the whole chain). */
+#define FWD_COPY (-2)
+#define FWD_FLOW (-3)
+/* ... or when it opens a new connection: the walk calls open_flow() (with
+ * p->named), for the same reason. */
+#define OPEN_FLOW (-4)
+
+/* ... or when the packet is to be chained to the router's shadow table
+ * (scale-out): the walk wraps it and sends it back. */
+#define CHAIN (-5)
+
+/* ... or when the packet belongs to a later connection on the flow's tuple
+ * (later_connection()): the caller handles it as if there were no flow. */
+#define LATER_CONNECTION (-6)
+
+/* How far past a finished client's FIN or RST a segment of the same
+ * connection can still start: that segment's payload and the FIN's one
+ * sequence number. */
+#define LATER_SEQ_MARGIN 65536
+
+/* The flow a handshake forwards a packet on when it is not (yet) in
+ * `flows`: a new handshake, a retransmitted SYN's, one ending; forward(),
+ * open_flow() and the return path use it for their copies too. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct inband_flow);
+} flow_scratch SEC(".maps");
+
+static __always_inline struct inband_flow *scratch_flow(void)
+{
+	__u32 zero = 0;
+
+	return bpf_map_lookup_elem(&flow_scratch, &zero);
+}
+
+/* How a backend's handshakes end, for the lb daemon's passive health
+ * checks (health.rs). */
+#define HS_RETRIED 0
+#define HS_REFUSED 1
+static __always_inline void count_handshake(__u32 backend_id, int how)
+{
+	struct inband_backend_stats *bs = bpf_map_lookup_elem(&backend_stats, &backend_id);
+
+	if (!bs)
+		return;
+	if (how == HS_REFUSED)
+		bs->handshakes_refused++;
+	else
+		bs->handshakes_retried++;
+}
+
+/* open_flow's choice of backend: one a QUIC connection ID named, packed
+ * as (slot << 16) | (id + 1); 0 = choose one. */
+#define NAMED(id, slot) (((slot) << 16) | ((id) + 1))
+
+/* A UDP datagram to VIP `vid` with no established flow: the first opens
+ * one (a QUIC short header goes where its ID says), the second completes
+ * it. A flow that never sees a second datagram stays half-open until
+ * syn_timeout: its answers still find their way back through it. */
+static __always_inline int udp_handshake(struct xdp_md *ctx, const struct inband_lb_config *cfg, __u32 vid,
+					 const struct inband_vip *vc, struct inband_flow *ho, struct pkt *p)
+{
+	if (ho)
+		return promote(&p->fk, ho, p->now) ? FWD_FLOW : XDP_DROP;
+	__u32 id = 0, slot = 0, named = 0;
+
+	if (vc->flags & INBAND_VIP_QUIC) {
+		int found = quic_backend(ctx, p, vc, vid, &id, &slot);
+
+		if (found > 0) {
+			named = NAMED(id, slot);
+			event(INBAND_EV_QUIC_CID_ROUTED);
+		} else if (found == 0) {
+			event(INBAND_EV_QUIC_CID_UNKNOWN);
+		}
+	}
+	p->named = named;
+	return OPEN_FLOW;
+}
+
+/* The client's FIN or RST: where its sequence space ends. */
+static __always_inline void client_finished(struct inband_flow *f, const struct pkt *p)
+{
+	f->client_seq = p->seq;
+	f->client_done = 1;
+}
+
+/* A client's FIN or RST on flow `f`: it ends the client's side only inside
+ * the client's sequence window (lifecycle.h); outside it (a guess at the
+ * tuple, or a segment of some other connection) it is still forwarded, the
+ * backend's stack judging it as it would without us (RFC 5961), and the
+ * flow is left as it was. */
+static __always_inline void client_end(struct inband_flow *f, const struct pkt *p)
+{
+	if (!seq_in_window(f, p->seq)) {
+		event(INBAND_EV_OUT_OF_WINDOW);
+		return;
+	}
+	flow_close(f);
+	client_finished(f, p);
+}
+
+/*
+ * A client segment past the end its FIN or RST set is a later connection on
+ * the same tuple: a client that reused its port while the old flow is still
+ * closing. Its SYN made no way here (a SYN on a closing flow re-balances),
+ * so behind ECMP it went to another instance, which owns it; sent to the old
+ * backend, it would meet a TIME-WAIT socket and the connection would hang.
+ * Serial-number arithmetic: a reused tuple's new sequence numbers run ahead
+ * of the old ones (RFC 6528's clock, what TIME-WAIT reuse relies on too). A
+ * flow the server closed is left alone: its client may still send.
+ */
+static __always_inline int later_connection(const struct inband_flow *f, const struct pkt *p)
+{
+	return f->client_done && seq_after(p->seq, f->client_seq) > LATER_SEQ_MARGIN;
+}
+
+/* Step 2 of the walk: a packet whose (dst, dport, proto) is a VIP, with no
+ * established flow. Returns a verdict, or FWD_COPY / FWD_FLOW / OPEN_FLOW. */
+__noinline int handshake(struct xdp_md *ctx, const struct inband_lb_config *cfg, __u32 vid, struct pkt *p)
+{
+	if (!cfg || !p)
+		return XDP_DROP;
+	const struct inband_flow_key *fk = &p->fk;
+	struct inband_vip *vc = bpf_map_lookup_elem(&vip_conf, &vid);
+	struct inband_flow *ho = bpf_map_lookup_elem(&half_open, fk);
+	struct inband_flow *copy = scratch_flow();
+	int syn = p->proto == IPPROTO_TCP && is_syn(p->flags);
+
+	if (!vc || !copy)
+		return drop(INBAND_DROP_NO_BACKEND);
+	p->now = coarse_now();
+	if (ho && flow_expired(ho, p->now)) {
+		*copy = *ho;
+		half_open_end(fk, copy);
+		event(INBAND_EV_FLOWS_EXPIRED);
+		ho = NULL;
+		/* A UDP datagram after that is a new flow's first. */
+		if (p->proto == IPPROTO_TCP && !syn)
+			return drop(INBAND_DROP_FLOW_EXPIRED);
+	}
+	if (p->proto == IPPROTO_UDP)
+		return udp_handshake(ctx, cfg, vid, vc, ho, p);
+	if (syn) {
+		if (ho && ho->syn_seq == p->seq) {
+			/* A retransmitted SYN follows its handshake, and makes
+			 * its port hold young again (the age port searches rank). */
+			ho->last_seen_ns = p->now;
+			count_handshake(ho->backend_id, HS_RETRIED);
+			*copy = *ho;
+			refresh_hold(fk, copy, p->now);
+			return FWD_COPY;
+		}
+		if (vc->mode == INBAND_MODE_DSR_QUERY) {
+			int held = query_first(ctx, fk, vid, p);
+
+			if (held)
+				return held;
+		}
+		return OPEN_FLOW;
+	}
+	if (!ho) {
+		/* Scale-out: the connection may live on the instance the
+		 * router's previous next-hop set sent it to. */
+		if (p->via_sid == VIA_COND_SID)
+			return CHAIN;
+		return drop(p->via_sid == VIA_DIRECT_SID ? INBAND_DROP_CHAINED_NO_FLOW : INBAND_DROP_NO_FLOW);
+	}
+	if (p->flags & TCP_FLAG_RST) {
+		/* The client gives up the handshake (its RST acknowledges the
+		 * SYN-ACK, one past its SYN): the backend hears it too. */
+		*copy = *ho;
+		if (seq_in_window(ho, p->seq))
+			half_open_end(fk, copy);
+		else
+			event(INBAND_EV_OUT_OF_WINDOW);
+		return FWD_COPY;
+	}
+	struct inband_flow *f = promote(fk, ho, p->now);
+
+	if (!f)
+		return XDP_DROP;
+	if (p->flags & TCP_FLAG_FIN)
+		client_end(f, p);
+	return FWD_FLOW;
+}
+
+#endif /* INBAND_LB_HANDSHAKE_H */
