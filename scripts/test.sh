@@ -11,7 +11,7 @@ echo "== C: wire format vectors"
 make -s -C tests/c
 
 echo "== Rust: unit, fixture and integration tests of every crate"
-cargo test --workspace --no-fail-fast
+./scripts/rust-tests.sh
 
 if [ -d bench/tests ]; then
   echo "== Python: benchmark driver"

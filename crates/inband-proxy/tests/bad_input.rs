@@ -69,15 +69,15 @@ async fn a_body_that_never_completes_is_408() {
 
 #[tokio::test]
 async fn backend_down_after_retries_is_502() {
-    let (d1, d2) = (dead_addr().await, dead_addr().await);
-    let p = start_proxy(&[d1, d2], "retries = 1\n[passive]\nfailures = 0").await;
+    let (d1, d2) = (dead_addr(), dead_addr());
+    let p = start_proxy(&[d1.addr, d2.addr], "retries = 1\n[passive]\nfailures = 0").await;
     let r = get(p.addr, "/").await;
     assert_eq!((r.status, r.body.as_str()), (502, "backend unreachable\n"));
     let m = metrics(&p).await;
     assert_eq!(refusals(&m, "backend_down"), 1.0);
     // The first try and one retry, one per backend.
-    assert_eq!(sample(&m, &format!("inband_proxy_origin_requests_total{{backend=\"{d1}\"}}")), 1.0, "{m}");
-    assert_eq!(sample(&m, &format!("inband_proxy_origin_requests_total{{backend=\"{d2}\"}}")), 1.0, "{m}");
+    assert_eq!(sample(&m, &format!("inband_proxy_origin_requests_total{{backend=\"{}\"}}", d1.addr)), 1.0, "{m}");
+    assert_eq!(sample(&m, &format!("inband_proxy_origin_requests_total{{backend=\"{}\"}}", d2.addr)), 1.0, "{m}");
     p.shutdown().await;
 }
 
@@ -95,8 +95,8 @@ async fn no_healthy_backend_is_503() {
 
 #[tokio::test]
 async fn passively_ejected_pool_is_503() {
-    let dead = dead_addr().await;
-    let p = start_proxy(&[dead], "retries = 0\n[passive]\nfailures = 1\ncooldown_ms = 60000").await;
+    let dead = dead_addr();
+    let p = start_proxy(&[dead.addr], "retries = 0\n[passive]\nfailures = 1\ncooldown_ms = 60000").await;
     assert_eq!(get(p.addr, "/").await.status, 502);
     assert_eq!(get(p.addr, "/").await.status, 503);
     p.shutdown().await;

@@ -100,9 +100,9 @@ async fn least_request_prefers_the_idle_backend() {
 #[tokio::test]
 async fn idempotent_requests_retry_on_connection_refused_others_do_not() {
     let live = Origin::start(|_| ok("live")).await;
-    let dead = dead_addr().await;
+    let dead = dead_addr();
     // Passive ejection off: every request meets the dead backend in turn.
-    let p = start_proxy(&[dead, live.addr], "[passive]\nfailures = 0").await;
+    let p = start_proxy(&[dead.addr, live.addr], "[passive]\nfailures = 0").await;
     for _ in 0..6 {
         let r = get(p.addr, "/").await;
         assert_eq!((r.status, r.body.as_str()), (200, "live"));

@@ -124,10 +124,19 @@ impl Origin {
     }
 }
 
-/// An address nothing listens on (bound, then closed).
-pub async fn dead_addr() -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    l.local_addr().unwrap()
+/// An address that refuses connections for as long as it lives: bound but
+/// never listening, so no other socket of this or another test process
+/// can take the port (a port bound and then closed can be handed to the
+/// next `bind(0)`, and the "dead" backend would answer).
+pub struct Dead {
+    pub addr: SocketAddr,
+    _socket: tokio::net::TcpSocket,
+}
+
+pub fn dead_addr() -> Dead {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    Dead { addr: socket.local_addr().unwrap(), _socket: socket }
 }
 
 pub async fn start_proxy(backends: &[SocketAddr], extra: &str) -> Proxy {
