@@ -10,21 +10,18 @@ use std::net::SocketAddr;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use tracing::{info, warn};
+use tracing::warn;
 
-use super::apply;
+use super::balancer::Balancer;
 use super::config::{BackendConfig, LbConfig};
-use super::maps::{BackendStats, Mode, Policy};
-use super::tables::{self, LbMaps};
-use inband_core::lb_control::{ControlReply, ControlRequest, VipCounts};
+use inband_core::lb_control::{ControlReply, ControlRequest};
 use inband_core::net::Protocol;
 
 /// The new config after `req`, validated; the caller applies it.
-pub fn change(cfg: &LbConfig, req: &ControlRequest, config_path: &Path) -> Result<LbConfig> {
+pub fn next_config(cfg: &LbConfig, req: &ControlRequest, config_path: &Path) -> Result<LbConfig> {
     let mut next = cfg.clone();
     let vip_mut = |next: &mut LbConfig, vip: &SocketAddr, protocol: &Protocol| -> Result<usize> {
         next.vips.iter().position(|v| v.endpoint() == *vip && v.protocol == *protocol).ok_or_else(|| {
@@ -113,13 +110,7 @@ pub fn change(cfg: &LbConfig, req: &ControlRequest, config_path: &Path) -> Resul
 }
 
 /// Serves the control socket until `stop` is set.
-pub fn serve(
-    path: &Path,
-    maps: &LbMaps,
-    cfg: &Arc<Mutex<LbConfig>>,
-    config_path: &Path,
-    stop: &AtomicBool,
-) -> Result<()> {
+pub fn serve(path: &Path, balancer: &Balancer, stop: &AtomicBool) -> Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
@@ -134,7 +125,7 @@ pub fn serve(
     while !stop.load(Ordering::Relaxed) {
         match listener.accept() {
             Ok((stream, _)) => {
-                if let Err(e) = handle(stream, maps, cfg, config_path) {
+                if let Err(e) = handle(stream, balancer) {
                     warn!(error = %format!("{e:#}"), "control connection failed");
                 }
             }
@@ -146,24 +137,7 @@ pub fn serve(
     Ok(())
 }
 
-/// What a VIP's backends were given, from the data path's counters.
-fn counts(maps: &LbMaps, vip: SocketAddr, protocol: Protocol) -> Result<VipCounts> {
-    let vips = tables::read(maps)?;
-    let v = vips
-        .iter()
-        .find(|v| v.endpoint == vip && v.protocol == protocol)
-        .ok_or_else(|| anyhow::anyhow!("no VIP {} is configured", inband_core::net::vip_name(vip, protocol)))?;
-    let ranks_by_load = Mode::from_u8(v.vip.mode).is_some_and(Mode::scored)
-        && matches!(Policy::from_u8(v.vip.policy), Some(Policy::LeastScore | Policy::PowerOfTwo));
-    let new_conns = v
-        .slots
-        .iter()
-        .map(|(id, b)| Ok((tables::backend_endpoint(b), tables::sum_percpu::<BackendStats>(&maps.backend_stats, *id)?.new_conns)))
-        .collect::<Result<_>>()?;
-    Ok(VipCounts { ranks_by_load, new_conns })
-}
-
-fn handle(stream: UnixStream, maps: &LbMaps, cfg: &Arc<Mutex<LbConfig>>, config_path: &Path) -> Result<()> {
+fn handle(stream: UnixStream, balancer: &Balancer) -> Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
     let mut writer = stream.try_clone()?;
@@ -172,35 +146,7 @@ fn handle(stream: UnixStream, maps: &LbMaps, cfg: &Arc<Mutex<LbConfig>>, config_
     BufReader::new(std::io::Read::take(stream, 64 * 1024)).read_line(&mut line)?;
     let reply = match serde_json::from_str::<ControlRequest>(line.trim()) {
         Err(e) => ControlReply::refused(format!("bad request: {e}")),
-        Ok(ControlRequest::Counts { vip, protocol }) => match counts(maps, vip, protocol) {
-            Ok(c) => ControlReply { ok: true, message: String::new(), counts: Some(c) },
-            Err(e) => ControlReply::refused(format!("{e:#}")),
-        },
-        Ok(req) => {
-            let mut guard = cfg.lock().unwrap();
-            match change(&guard, &req, config_path).and_then(|next| {
-                // Nothing to apply to if someone removed the program by hand.
-                if !super::attach::attached(&next.interface)? {
-                    bail!(
-                        "no XDP program is attached to {} any more (detached by hand?): restart `inband lb`",
-                        next.interface
-                    );
-                }
-                if matches!(req, ControlRequest::Reload) {
-                    apply::config_and_keys(maps, &next, &next.auth.load_keys()?)?;
-                } else {
-                    apply::config(maps, &next)?;
-                }
-                Ok(next)
-            }) {
-                Ok(next) => {
-                    *guard = next;
-                    info!(request = ?req, "applied");
-                    ControlReply::applied()
-                }
-                Err(e) => ControlReply::refused(format!("{e:#}")),
-            }
-        }
+        Ok(req) => balancer.change(&req),
     };
     writeln!(writer, "{}", serde_json::to_string(&reply)?)?;
     Ok(())
@@ -253,12 +199,12 @@ port = 8080
         }
     }
     fn change_err(req: &ControlRequest) -> String {
-        format!("{:#}", change(&cfg(), req, Path::new("/nonexistent")).unwrap_err())
+        format!("{:#}", next_config(&cfg(), req, Path::new("/nonexistent")).unwrap_err())
     }
 
     #[test]
     fn set_weights_changes_the_named_backends_only() {
-        let next = change(&cfg(), &set(&[("10.0.1.2:8080", 3), ("10.0.1.4:8080", 0)]), Path::new("/nonexistent")).unwrap();
+        let next = next_config(&cfg(), &set(&[("10.0.1.2:8080", 3), ("10.0.1.4:8080", 0)]), Path::new("/nonexistent")).unwrap();
         assert_eq!(weights(&next), [3, 2, 0]);
         assert!(!next.vips[0].backends[2].drain, "weight 0 is not the drain flag: a new weight brings it back");
     }
@@ -286,7 +232,7 @@ port = 8080
         )
         .unwrap();
         assert_eq!(serde_json::to_value(&cli.req).unwrap(), serde_json::to_value(&json).unwrap());
-        let next = change(&cfg(), &json, Path::new("/nonexistent")).unwrap();
+        let next = next_config(&cfg(), &json, Path::new("/nonexistent")).unwrap();
         assert_eq!(weights(&next), [3, 1, 1]);
         for bad in ["10.0.1.2:8080", "10.0.1.2:8080=x", "10.0.1.2=3"] {
             assert!(Ctl::try_parse_from(["ctl", "set-weights", "--vip", "10.0.0.100:80", "--weight", bad]).is_err(), "{bad}");
@@ -299,7 +245,7 @@ port = 8080
         let add = |extra: &[&str]| {
             let args = ["ctl", "add-backend", "--vip", "10.0.0.100:80", "--backend", "10.0.1.5:8080"];
             let req = Ctl::try_parse_from(args.iter().chain(extra)).unwrap().req;
-            change(&cfg(), &req, Path::new("/nonexistent")).unwrap().vips[0].backends[3].weight
+            next_config(&cfg(), &req, Path::new("/nonexistent")).unwrap().vips[0].backends[3].weight
         };
         assert_eq!((add(&[]), add(&["--weight", "4"])), (1, 4));
         let json: ControlRequest =

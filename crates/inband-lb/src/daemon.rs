@@ -20,6 +20,7 @@ use tracing::{error, info, warn};
 
 use super::config::LbConfig;
 use super::tables::{self, LbMaps};
+use super::balancer::Balancer;
 use super::{apply, attach, control, health, options_watch, polling, query, snapshot, sweep};
 use inband_core::bpfmap;
 use inband_core::runlock::RunLock;
@@ -44,12 +45,15 @@ pub fn run(config_path: &Path) -> Result<()> {
             return Err(e);
         }
     };
-    let configured = (|| -> Result<LbMaps> {
-        let maps = LbMaps::open(&dir)?;
-        apply::config_and_keys(&maps, &cfg, &keys)?;
-        Ok(maps)
+    // Every writer of the configuration maps (control socket, neighbour
+    // resolver, reaper) holds this lock: one writer at a time.
+    let shared = Arc::new(Mutex::new(cfg.clone()));
+    let configured = (|| -> Result<Balancer> {
+        let balancer = Balancer::new(LbMaps::open(&dir)?, Arc::clone(&shared), config_path);
+        balancer.apply(&keys)?;
+        Ok(balancer)
     })();
-    let maps = match configured {
+    let balancer = match configured {
         Ok(m) => m,
         Err(e) => {
             if fresh {
@@ -64,9 +68,7 @@ pub fn run(config_path: &Path) -> Result<()> {
     let stop = Arc::new(AtomicBool::new(false));
     signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&stop))?;
     signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&stop))?;
-    // Every writer of the configuration maps (control socket, neighbour
-    // resolver, reaper) holds this lock: one writer at a time.
-    let shared = Arc::new(Mutex::new(cfg.clone()));
+    let maps = balancer.maps();
     let mut workers = Vec::new();
 
     workers.push(spawn("neighbours", &dir, &stop, {
@@ -98,10 +100,10 @@ pub fn run(config_path: &Path) -> Result<()> {
         let shared = Arc::clone(&shared);
         let socket = cfg.control_socket.clone();
         let config_path = config_path.to_path_buf();
-        move |maps, stop| control::serve(&socket, &maps, &shared, &config_path, &stop)
+        move |maps, stop| control::serve(&socket, &Balancer::new(maps, shared, &config_path), &stop)
     }));
     let metrics = match cfg.metrics {
-        Some(addr) => Some(serve_metrics(addr, &dir, &cfg.interface, &stop)?),
+        Some(addr) => Some(serve_metrics(addr, Balancer::new(LbMaps::open(&dir)?, Arc::clone(&shared), config_path), &stop)?),
         None => None,
     };
     info!(interface = %cfg.interface, vips = cfg.vips.len(), "inband lb running");
@@ -115,7 +117,7 @@ pub fn run(config_path: &Path) -> Result<()> {
         if last_sweep.elapsed() >= SWEEP_EVERY {
             last_sweep = Instant::now();
             if let Err(e) = sweep::run(&skel.progs.sweep, 0).and_then(|()| {
-                let _guard = shared.lock().unwrap();
+                let _guard = balancer.config();
                 for vip in tables::reap(&maps)? {
                     info!(%vip, "removed VIP drained: its last flow ended");
                 }
@@ -147,9 +149,7 @@ pub fn run(config_path: &Path) -> Result<()> {
 
 /// `/metrics` (Prometheus) and `/status` (the JSON of `inband status
 /// --json`), read from the pins at each request, until `stop`.
-fn serve_metrics(addr: SocketAddr, dir: &bpfmap::PinDir, interface: &str, stop: &Arc<AtomicBool>) -> Result<std::thread::JoinHandle<()>> {
-    let maps = LbMaps::open(dir)?;
-    let interface = interface.to_string();
+fn serve_metrics(addr: SocketAddr, balancer: Balancer, stop: &Arc<AtomicBool>) -> Result<std::thread::JoinHandle<()>> {
     let stop = Arc::clone(stop);
     let until = async move {
         while !stop.load(Ordering::Relaxed) {
@@ -158,7 +158,7 @@ fn serve_metrics(addr: SocketAddr, dir: &bpfmap::PinDir, interface: &str, stop: 
     };
     let handler = move |path: &str| {
         let snapshot = match path {
-            "/metrics" | "/status" => snapshot::take(&interface, &maps),
+            "/metrics" | "/status" => balancer.snapshot(),
             _ => return Reply::text(StatusCode::NOT_FOUND, "/metrics or /status\n"),
         };
         match (path, snapshot) {

@@ -2,6 +2,7 @@
 
 pub mod apply;
 pub mod attach;
+pub mod balancer;
 pub mod bpf;
 pub mod config;
 pub mod control;

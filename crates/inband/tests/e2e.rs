@@ -480,6 +480,23 @@ fn removed_backend_gets_no_new_connections() {
         assert_eq!(get_vip(&c), (200, BODY));
     }
     assert!(c.backend(2)["stats"]["new_conns"].as_u64().unwrap() >= 1);
+    // `counts` (what `inband weights` reads) gives the same counters as
+    // status, for every backend the VIP lists, and changes nothing.
+    let out = c.ctl(&["counts", "--vip", &v]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let counts: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let given: HashMap<String, u64> = counts["new_conns"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p[0].as_str().unwrap().to_string(), p[1].as_u64().unwrap()))
+        .collect();
+    let listed: Vec<String> = (1..=3).map(|i| server(&c.tb, i).to_string()).collect();
+    assert_eq!(given.len(), 3, "{counts}");
+    for (i, s) in listed.iter().enumerate() {
+        assert_eq!(Some(given[s]), c.backend(i + 1)["stats"]["new_conns"].as_u64(), "{s}: {counts}");
+    }
+    assert_eq!(counts["ranks_by_load"], false, "dsr-rr with round-robin ranks by nothing");
     // Bad run-time input is refused with a reason, nothing changes.
     let out = c.ctl(&["add-backend", "--vip", "10.1.1.1:80", "--backend", &s2]);
     assert!(!out.status.success());
