@@ -19,7 +19,7 @@ use tracing::{debug, warn};
 
 use super::config::{Route, Service};
 use super::state::{Client, MeshState};
-use super::dataplane::Conn;
+use super::programs::Conn;
 
 const MAX_HEAD: usize = 64 * 1024;
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n";

@@ -13,7 +13,7 @@ use anyhow::{Context, Result};
 use tracing::{error, info};
 
 use super::config::Config;
-use super::dataplane::Dataplane;
+use super::programs::Dataplane;
 use super::state::{Health, MeshState, Pool};
 
 /// Lets the process hold a pool socket per slot plus the client

@@ -244,9 +244,9 @@ pub async fn events(sh: Rc<MeshState>) -> Result<()> {
     }
 }
 
-fn timed_out(s: &super::dataplane::Slot) -> bool {
+fn timed_out(s: &super::programs::Slot) -> bool {
     s.timeout_ms != 0
-        && super::dataplane::ktime_ns().saturating_sub(s.started_ns)
+        && super::programs::ktime_ns().saturating_sub(s.started_ns)
             > s.timeout_ms as u64 * 1_000_000
 }
 
@@ -294,7 +294,7 @@ async fn relay_one(sh: &Rc<MeshState>, slot: u32, stream: &TcpStream) -> Option<
         Duration::from_secs(3600)
     } else {
         Duration::from_millis(s.timeout_ms as u64).saturating_sub(Duration::from_nanos(
-            super::dataplane::ktime_ns().saturating_sub(s.started_ns),
+            super::programs::ktime_ns().saturating_sub(s.started_ns),
         ))
     };
     let outcome = match &client {

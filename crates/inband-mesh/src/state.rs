@@ -15,7 +15,7 @@ use tokio::sync::Notify;
 use tracing::{info, warn};
 
 use super::config::Config;
-use super::dataplane::{Dataplane, Slot};
+use super::programs::{Dataplane, Slot};
 
 pub struct MeshState {
     pub dp: Dataplane,

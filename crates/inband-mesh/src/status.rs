@@ -11,7 +11,7 @@ use prometheus_client::encoding::DescriptorEncoder;
 use prometheus_client::registry::Registry;
 use serde::Serialize;
 
-use super::dataplane::{
+use super::programs::{
     backend_line, pin_dir, read_counters, MeshBackend, ServiceKey, ServiceValue, Slot, COUNTERS,
 };
 use inband_core::shared as c;

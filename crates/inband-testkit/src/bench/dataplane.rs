@@ -61,7 +61,7 @@ pub struct Row {
 /// The addresses of one VIP's measurements: its family, transport, VIP id
 /// and backend ids.
 #[derive(Clone, Copy)]
-struct Plan {
+struct VipPlan {
     vid: u32,
     vip: SocketAddr,
     proto: Protocol,
@@ -69,17 +69,17 @@ struct Plan {
     first_id: u32,
 }
 
-const TCP4: Plan = Plan { vid: 0, vip: SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 100)), 80), proto: Protocol::Tcp, first_id: 0 };
-const TCP6: Plan = Plan {
+const TCP4: VipPlan = VipPlan { vid: 0, vip: SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 100)), 80), proto: Protocol::Tcp, first_id: 0 };
+const TCP6: VipPlan = VipPlan {
     vid: 1,
     vip: SocketAddr::new(IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x100)), 80),
     proto: Protocol::Tcp,
     first_id: 4,
 };
-const QUIC4: Plan =
-    Plan { vid: 2, vip: SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 100)), 443), proto: Protocol::Udp, first_id: 8 };
+const QUIC4: VipPlan =
+    VipPlan { vid: 2, vip: SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 100)), 443), proto: Protocol::Udp, first_id: 8 };
 
-impl Plan {
+impl VipPlan {
     fn v4(&self) -> bool {
         self.vip.is_ipv4()
     }
@@ -172,7 +172,7 @@ fn load(storage: &mut MaybeUninit<libbpf_rs::OpenObject>, backends: u8, auth: u3
     Ok(lb)
 }
 
-fn set_vip(lb: &PrivateBalancer, plan: Plan, mode: Mode, probe_interval: u32, backends: u8) -> Result<()> {
+fn set_vip(lb: &PrivateBalancer, plan: VipPlan, mode: Mode, probe_interval: u32, backends: u8) -> Result<()> {
     let vip = Vip {
         mode: mode as u8,
         policy: Policy::LeastScore as u8,
@@ -218,7 +218,7 @@ fn verdict_name(v: u32) -> &'static str {
 
 /// Opens `client`'s connection (TCP: SYN, then the handshake's ACK; UDP:
 /// two datagrams) and returns (backend, SNAT port).
-fn connect(lb: &PrivateBalancer, plan: Plan, client: SocketAddr) -> Result<(SocketAddr, u16)> {
+fn connect(lb: &PrivateBalancer, plan: VipPlan, client: SocketAddr) -> Result<(SocketAddr, u16)> {
     let first = plan.packet(client, plan.vip);
     lb.run(&if plan.proto == Protocol::Tcp { first.syn(1440).build() } else { first.payload(vec![0xc0; 40]).build() })?;
     lb.run(&plan.packet(client, plan.vip).flags(TCP_ACK).build())?;
@@ -229,7 +229,7 @@ fn connect(lb: &PrivateBalancer, plan: Plan, client: SocketAddr) -> Result<(Sock
 
 /// Clears `client`'s outstanding 124, as if its 125 had come: a flow asks
 /// again only then.
-fn answered(lb: &PrivateBalancer, plan: Plan, client: SocketAddr) -> Result<()> {
+fn answered(lb: &PrivateBalancer, plan: VipPlan, client: SocketAddr) -> Result<()> {
     let k = plan.key(client);
     let mut f: Flow = get(&lb.skel.maps.flows, &k)?.context("no flow")?;
     f.flags &= !(FLOW_PROBE_OUTSTANDING | c::INBAND_FLOW_PROBE_OLD as u8);
@@ -238,7 +238,7 @@ fn answered(lb: &PrivateBalancer, plan: Plan, client: SocketAddr) -> Result<()> 
 
 /// Marks `client`'s flow as having an outstanding 124 with `nonce`, as if
 /// the balancer had just sent one.
-fn expect_score(lb: &PrivateBalancer, plan: Plan, client: SocketAddr, nonce: [u8; 4]) -> Result<()> {
+fn expect_score(lb: &PrivateBalancer, plan: VipPlan, client: SocketAddr, nonce: [u8; 4]) -> Result<()> {
     let k = plan.key(client);
     let mut f: Flow = get(&lb.skel.maps.flows, &k)?.context("no flow")?;
     f.flags |= FLOW_PROBE_OUTSTANDING;
@@ -251,7 +251,7 @@ type Measured = (&'static str, &'static str, &'static str, u32, f64);
 
 /// The rows every family shares: a new connection, an established packet,
 /// one that asks for a score, and a score coming back.
-fn connection_rows(lb: &PrivateBalancer, plan: Plan, auth: u32, traffic: &'static str, samples: u32, rows: &mut Vec<Measured>) -> Result<()> {
+fn connection_rows(lb: &PrivateBalancer, plan: VipPlan, auth: u32, traffic: &'static str, samples: u32, rows: &mut Vec<Measured>) -> Result<()> {
     let authed = auth == c::INBAND_AUTH_SIPHASH;
     let client = plan.client(u32::MAX);
     let first = |i| {

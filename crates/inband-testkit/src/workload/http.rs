@@ -79,13 +79,13 @@ pub fn accept_loop(listener: TcpListener, state: Arc<Shared>, stop: Arc<AtomicBo
     }
 }
 
-enum Parsed {
+enum RequestHead {
     Request { method: String, path: String, keep_alive: bool, consumed: usize },
     Incomplete,
     Bad(u16),
 }
 
-fn parse(buf: &[u8]) -> Parsed {
+fn parse(buf: &[u8]) -> RequestHead {
     let mut headers = [httparse::EMPTY_HEADER; 64];
     let mut req = httparse::Request::new(&mut headers);
     match req.parse(buf) {
@@ -102,19 +102,19 @@ fn parse(buf: &[u8]) -> Parsed {
             });
             if has_body {
                 // GET/HEAD bodies are not supported: refuse rather than misparse the stream.
-                return Parsed::Bad(400);
+                return RequestHead::Bad(400);
             }
-            Parsed::Request {
+            RequestHead::Request {
                 method: req.method.unwrap_or("").to_string(),
                 path: req.path.unwrap_or("/").to_string(),
                 keep_alive,
                 consumed,
             }
         }
-        Ok(httparse::Status::Partial) if buf.len() >= MAX_HEADER_BYTES => Parsed::Bad(431),
-        Ok(httparse::Status::Partial) => Parsed::Incomplete,
-        Err(httparse::Error::TooManyHeaders) => Parsed::Bad(431),
-        Err(_) => Parsed::Bad(400),
+        Ok(httparse::Status::Partial) if buf.len() >= MAX_HEADER_BYTES => RequestHead::Bad(431),
+        Ok(httparse::Status::Partial) => RequestHead::Incomplete,
+        Err(httparse::Error::TooManyHeaders) => RequestHead::Bad(431),
+        Err(_) => RequestHead::Bad(400),
     }
 }
 
@@ -127,12 +127,12 @@ fn serve_connection(mut stream: TcpStream, st: &Shared) -> std::io::Result<()> {
     loop {
         let (method, path, keep_alive, consumed) = loop {
             match parse(&buf) {
-                Parsed::Request { method, path, keep_alive, consumed } => break (method, path, keep_alive, consumed),
-                Parsed::Bad(code) => {
+                RequestHead::Request { method, path, keep_alive, consumed } => break (method, path, keep_alive, consumed),
+                RequestHead::Bad(code) => {
                     st.bad_requests.fetch_add(1, Ordering::Relaxed);
                     return respond(&mut stream, st, code, b"", false, false);
                 }
-                Parsed::Incomplete => {
+                RequestHead::Incomplete => {
                     let n = stream.read(&mut chunk)?;
                     if n == 0 {
                         return Ok(());
