@@ -383,9 +383,9 @@ fn is_host(rest: &str) -> bool {
 pub enum TestbedCommand {
     /// Build a testbed (replacing one of the same name) and leave it up.
     Up {
-        /// 1-8 characters of a-z and 0-9: the namespaces are named
-        /// NAME-NODE, and interface names built from them must fit Linux's
-        /// 15 characters.
+        /// 1-8 characters of a-z and 0-9; the namespaces are NAME-NODE
+        /// (NAME-lb, NAME-c1, NAME-s1, NAME-sw), so each testbed needs a
+        /// name of its own.
         #[arg(long, default_value = "ib")]
         name: String,
         #[arg(long, default_value_t = 1)]
