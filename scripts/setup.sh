@@ -9,6 +9,7 @@ log() { printf '== %s\n' "$*" >&2; }
 APT_PACKAGES=(
   clang llvm libelf-dev zlib1g-dev pkg-config make gcc libbpf-dev linux-libc-dev bpftool
   iproute2 iputils-ping netcat-openbsd tcpdump ethtool curl util-linux procps  # procps: sysctl in test and bench namespaces
+  jq  # scripts/rust-tests.sh reads cargo's list of test binaries
   nftables haproxy wrk python3-venv linux-perf
   librocksdb-dev  # inband-cache links it instead of building RocksDB (.cargo/config.toml)
   nginx varnish  # peers of `inband proxy` in bench/proxy.py, run only with the benchmark's own configs
