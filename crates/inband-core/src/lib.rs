@@ -12,6 +12,7 @@ pub mod net;
 pub mod netif;
 pub mod pod;
 pub mod poll_wire;
+pub mod prog_stats;
 pub mod runlock;
 pub mod shared;
 pub mod tc;

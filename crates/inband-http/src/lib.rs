@@ -23,7 +23,7 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
-use prometheus_client::encoding::{DescriptorEncoder, EncodeGaugeValue, EncodeLabelSet, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeCounterValue, EncodeGaugeValue, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
@@ -81,7 +81,7 @@ pub struct Families<'a>(pub DescriptorEncoder<'a>);
 
 impl Families<'_> {
     /// A counter family, `name` without `_total` (the encoder adds it).
-    pub fn counters<L: EncodeLabelSet>(&mut self, name: &str, help: &str, samples: impl IntoIterator<Item = (L, u64)>) -> std::fmt::Result {
+    pub fn counters<L: EncodeLabelSet, V: EncodeCounterValue>(&mut self, name: &str, help: &str, samples: impl IntoIterator<Item = (L, V)>) -> std::fmt::Result {
         let mut family = self.0.encode_descriptor(name, help, None, MetricType::Counter)?;
         for (labels, v) in samples {
             ConstCounter::new(v).encode(family.encode_family(&labels)?)?;

@@ -6,6 +6,7 @@
 //! `apply.rs` stays the only way a configuration reaches the maps.
 
 use std::net::SocketAddr;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -19,19 +20,29 @@ use super::tables::{self, LbMaps};
 use super::{apply, attach, control};
 use inband_core::lb_control::{ControlReply, ControlRequest, VipCounts};
 use inband_core::net::Protocol;
+use inband_core::prog_stats;
 use inband_core::wire::Key;
 
 pub struct Balancer {
     maps: LbMaps,
     config: Arc<Mutex<LbConfig>>,
     config_path: PathBuf,
+    /// Programs only the daemon holds (the sweeper is attached nowhere a
+    /// status command could find it), by name, for `snapshot`.
+    programs: Vec<(&'static str, OwnedFd)>,
 }
 
 impl Balancer {
     /// A handle on the data path behind `maps`, sharing the running
     /// configuration (and its lock) with the daemon's other workers.
     pub fn new(maps: LbMaps, config: Arc<Mutex<LbConfig>>, config_path: &Path) -> Balancer {
-        Balancer { maps, config, config_path: config_path.to_path_buf() }
+        Balancer { maps, config, config_path: config_path.to_path_buf(), programs: Vec::new() }
+    }
+
+    /// Also reports `fd`'s program in `snapshot`.
+    pub fn with_program(mut self, name: &'static str, fd: OwnedFd) -> Balancer {
+        self.programs.push((name, fd));
+        self
     }
 
     pub fn maps(&self) -> &LbMaps {
@@ -84,7 +95,11 @@ impl Balancer {
     /// Everything `inband status` shows, read from the maps now.
     pub fn snapshot(&self) -> Result<Snapshot> {
         let interface = self.config().interface.clone();
-        snapshot::take(&interface, &self.maps)
+        let mut s = snapshot::take(&interface, &self.maps)?;
+        for (name, fd) in &self.programs {
+            s.programs.push(prog_stats::of_fd(name, fd.as_fd())?);
+        }
+        Ok(s)
     }
 
     /// What a VIP's backends were given, from the data path's counters.

@@ -54,6 +54,11 @@ pub struct LbConfig {
     /// (doubling while it has not, up to 20 times this).
     #[serde(default = "default_options_retry_s")]
     pub options_retry_s: u64,
+    /// Have the kernel count the balancer's programs' runs and run time
+    /// while the daemon runs (`inband_bpf_program_*` metrics): two clock
+    /// reads per packet, so off by default.
+    #[serde(default)]
+    pub bpf_stats: bool,
     /// Entries of each VIP's Maglev table (policy = "maglev"): a prime,
     /// fixed while the data path stays attached.
     #[serde(default = "default_maglev_table_size")]

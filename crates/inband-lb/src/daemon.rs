@@ -102,8 +102,14 @@ pub fn run(config_path: &Path) -> Result<()> {
         let config_path = config_path.to_path_buf();
         move |maps, stop| control::serve(&socket, &Balancer::new(maps, shared, &config_path), &stop)
     }));
+    // Held until the daemon stops: the kernel counts while it is open.
+    let _bpf_stats = if cfg.bpf_stats { Some(inband_core::prog_stats::enable()?) } else { None };
     let metrics = match cfg.metrics {
-        Some(addr) => Some(serve_metrics(addr, Balancer::new(LbMaps::open(&dir)?, Arc::clone(&shared), config_path), &stop)?),
+        Some(addr) => {
+            let sweeper = skel.progs.sweep.as_fd().try_clone_to_owned().context("duplicating the sweeper's fd")?;
+            let b = Balancer::new(LbMaps::open(&dir)?, Arc::clone(&shared), config_path).with_program("sweep", sweeper);
+            Some(serve_metrics(addr, b, &stop)?)
+        }
         None => None,
     };
     info!(interface = %cfg.interface, vips = cfg.vips.len(), "inband lb running");

@@ -11,6 +11,7 @@ use serde::Serialize;
 use super::maps::*;
 use super::tables::{self, LbMaps};
 use inband_core::bpfmap;
+use inband_core::prog_stats::{self, ProgStats};
 use inband_core::pod::ip_of;
 
 #[derive(Debug, Serialize)]
@@ -31,6 +32,11 @@ pub struct Snapshot {
     pub drops: BTreeMap<&'static str, u64>,
     pub events: BTreeMap<&'static str, u64>,
     pub control: Control,
+    /// Whether the kernel counts programs' run time now (`bpf_stats`).
+    pub bpf_stats: bool,
+    /// The balancer's programs: the XDP program attached to the interface
+    /// (and, from the daemon, the sweeper), with the kernel's counts.
+    pub programs: Vec<ProgStats>,
 }
 
 #[derive(Debug, Serialize)]
@@ -315,7 +321,19 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
             options_lost: control.options_lost,
             options_retried: control.options_retried,
         },
+        bpf_stats: prog_stats::enabled(),
+        programs: attached_program(interface).into_iter().collect(),
     })
+}
+
+/// The XDP program on `interface` (the balancer's, as long as nobody
+/// replaced it by hand), if it can be read.
+fn attached_program(interface: &str) -> Option<ProgStats> {
+    let ifindex = inband_core::netif::ifindex(interface).ok()? as i32;
+    let mut id = 0u32;
+    // SAFETY: a plain query writing one u32.
+    let rc = unsafe { libbpf_rs::libbpf_sys::bpf_xdp_query_id(ifindex, 0, &mut id) };
+    (rc == 0 && id != 0).then(|| prog_stats::of_id("balancer", id).ok()).flatten()
 }
 
 /// The human view: one block per VIP, one row per backend.
@@ -555,6 +573,16 @@ impl prometheus_client::collector::Collector for Exposition {
             "The backend's last reported score (absent until one is taken)",
             backends().filter_map(|(v, b)| Some(([("vip", v), ("backend", b.backend.as_str())], i64::from(b.score?)))),
         )?;
+        f.counters(
+            "bpf_program_runs",
+            "Runs of the balancer's BPF programs, counted by the kernel while bpf_stats is on",
+            s.programs.iter().map(|p| ([("program", p.program.as_str())], p.runs)),
+        )?;
+        f.counters(
+            "bpf_program_run_seconds",
+            "Time spent in the balancer's BPF programs, counted by the kernel while bpf_stats is on",
+            s.programs.iter().map(|p| ([("program", p.program.as_str())], p.run_time_ns as f64 / 1e9)),
+        )?;
         f.counters("drops", "Packets the data path dropped, by reason", s.drops.iter().map(|(k, n)| ([("reason", *k)], *n)))?;
         f.counters("events", "Data-path events, by kind", s.events.iter().map(|(k, n)| ([("event", *k)], *n)))?;
         let c = &s.control;
@@ -658,6 +686,8 @@ mod tests {
             drops,
             events: zero(&EVENT_NAMES),
             control: Control { polls_sent: 4, poll_replies: 3, poll_bytes: 600, poll_failures: 1, poll_unauthenticated: 0, queries: 0, query_timeouts: 0, query_mean_us: 0, options_lost: 0, options_retried: 0 },
+            bpf_stats: true,
+            programs: vec![ProgStats { program: "balancer".into(), id: 7, runs: 1000, run_time_ns: 150_000 }],
         }
     }
 
@@ -688,6 +718,8 @@ mod tests {
             ("inband_backend_score", Gauge),
             ("inband_drops", Counter),
             ("inband_poll_requests", Counter),
+            ("inband_bpf_program_runs", Counter),
+            ("inband_bpf_program_run_seconds", Counter),
         ] {
             assert_eq!(parsed.families.get(family).map(|f| f.family_type), Some(kind), "{family}:\n{text}");
         }
