@@ -36,10 +36,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .outputs import publish, record_command
-from .procs import Procs, ns_argv, run, stop_signals_interrupt, wait_until
+from .lib import profiles
+from .lib.load import closed_loop
+from .lib.stats import percentile
+from .lib.results import REPO, Run, default_dir, provenance
+from .lib.results import write as write_results
+from .lib.procs import Procs, ns_argv, run, stop_signals_interrupt, wait_until
 
-REPO = Path(__file__).resolve().parent.parent
 SUBNET = 81
 
 
@@ -175,59 +178,6 @@ class Bed:
         return chained, total
 
 
-@dataclass
-class Loads:
-    ok: int = 0
-    failed: int = 0
-    durations: list | None = None
-    # Each failed download: when it ran (seconds from the start of the
-    # run, so it can be set against the changes), curl's exit code, what
-    # it got, and its local port (to find its flow in the balancers' logs).
-    failures: list | None = None
-
-    @property
-    def failed_pct(self) -> float:
-        n = self.ok + self.failed
-        return 100.0 * self.failed / n if n else 0.0
-
-
-def closed_loop(bed: Bed, size_mb: int, seconds: float, changes) -> Loads:
-    """`bed.p.clients` download loops for `seconds`; `changes(t)` runs on
-    the driver's thread meanwhile. Requests that start before the end are
-    all waited for."""
-    url = f"http://[{bed.vip}]/"
-    body = size_mb * 1_000_000
-    loads, lock, stop = Loads(durations=[], failures=[]), threading.Lock(), threading.Event()
-    t0 = time.monotonic()
-
-    def loop():
-        while not stop.is_set():
-            t = time.monotonic()
-            cp = subprocess.run(ns_argv(bed.ns("c1"), ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{size_download} %{local_port}",
-                                "--max-time", "60", url]), capture_output=True, text=True, timeout=90)
-            got, _, port = cp.stdout.rpartition(" ")
-            with lock:
-                if cp.returncode == 0 and got == f"200 {body}":
-                    loads.ok += 1
-                    loads.durations.append(time.monotonic() - t)
-                else:
-                    loads.failed += 1
-                    loads.failures.append({"start_s": round(t - t0, 3), "end_s": round(time.monotonic() - t0, 3), "curl_exit": cp.returncode,
-                                           "got": got, "local_port": port})
-
-    threads = [threading.Thread(target=loop, daemon=True) for _ in range(bed.p.clients)]
-    for th in threads:
-        th.start()
-    try:
-        changes(t0, t0 + seconds)
-    finally:
-        stop.set()
-        for th in threads:
-            th.join(timeout=120)
-    return loads
-
-
-
 def flapping(bed: Bed, plain: bool, interval_s: float, seconds: float, rng: random.Random):
     def changes(t0, t1):
         up = list(bed.servers)
@@ -280,14 +230,11 @@ def echo_rtts(bed: Bed, move: bool) -> tuple[list[float], int]:
     return out, chained
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True, help="the run's raw data: logs, figures (created)")
+    ap.add_argument("--results", type=Path, default=default_dir("ecmp"), help="results.json and results.md (default: the committed ones)")
     ap.add_argument("--profile", choices=PROFILES, default="quick")
     ap.add_argument("--inband", type=Path, default=REPO / "target/debug/inband")
     ap.add_argument("--seed", type=int, default=2, help="the flapping schedule's random seed")
@@ -295,7 +242,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     p = PROFILES[args.profile]
     args.out.mkdir(parents=True, exist_ok=True)
-    record_command(args.out, "bench.ecmp", argv)
+    run = Run("ecmp", "bench.ecmp", argv)
     stop_signals_interrupt()
     bed = Bed(args.inband, p, args.out, args.name)
     rng = random.Random(args.seed)
@@ -311,7 +258,7 @@ def main(argv=None) -> int:
                     bed.generations(generations)
                     bed.route(bed.servers, plain)
                     before = bed.chained()
-                    loads = closed_loop(bed, size, p.run_s, flapping(bed, plain, interval, p.run_s, rng))
+                    loads = closed_loop(bed.ns("c1"), bed.vip, p.clients, size, p.run_s, flapping(bed, plain, interval, p.run_s, rng))
                     after = bed.chained()
                     redirected = (after[0] - before[0]) / max(1, after[1] - before[1])
                     results["flapping"].append({"size_mb": size, "interval_s": interval, "mode": mode, "generations": generations,
@@ -326,7 +273,7 @@ def main(argv=None) -> int:
         for plain in (True, False):
             bed.shadowing(not plain)
             bed.route(bed.servers, plain)
-            loads = closed_loop(bed, size, p.planned_s, planned(bed, plain))
+            loads = closed_loop(bed.ns("c1"), bed.vip, p.clients, size, p.planned_s, planned(bed, plain))
             results["planned"].append({"mode": "ECMP" if plain else "shadowing", "ok": loads.ok, "failed": loads.failed,
                                        "failed_pct": loads.failed_pct})
             print(results["planned"][-1], flush=True)
@@ -340,9 +287,16 @@ def main(argv=None) -> int:
         results["latency"]["chained"], results["echoes_chained"] = echo_rtts(bed, move=True)
     finally:
         bed.down()
-    publish(args.out, markdown(results), results)
+    record = run.record(results, profile=profiles.as_json(args.profile, p), inband=Path(args.inband))
+    write_results(args.results, record, render(record))
     plot(results, args.out / "flapping.png")
     return 0
+
+
+def render(record: dict) -> str:
+    """The tables of a run, from its record alone (bench.docs renders the
+    committed one the same way)."""
+    return provenance(record) + "\n\n" + markdown(record["rows"])
 
 
 def markdown(r: dict) -> str:
@@ -378,7 +332,7 @@ def markdown(r: dict) -> str:
                   f"{len(lat['chained'])} echoes in the chained case; the servers chained {r.get('echoes_chained', 0)} packets meanwhile.", "",
                   "| case | median µs | p99 µs | median − without |", "|---|---|---|---|"]
         for case, xs in lat.items():
-            lines.append(f"| {case} | {statistics.median(xs):.1f} | {pct(xs, 0.99):.1f} | {statistics.median(xs) - base:+.1f} |")
+            lines.append(f"| {case} | {statistics.median(xs):.1f} | {percentile(xs, 99):.1f} | {statistics.median(xs) - base:+.1f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -40,13 +40,18 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import peers, report
-from .paper import Testbed, alive, new_auth_key, tool_version
-from .peers import Backend
-from .outcome import Outcome
-from .procs import Procs, ns_argv, run, stop_signals_interrupt, wait_until
+from .lib import peers, preflight, profiles
+from .lib.host import PinnedMap, cpu_busy_s, enable_bpf_stats, proc_cpu_s, xdp_prog_stats  # noqa: F401 - PinnedMap: the tests read maps
+from .lib.report import times as _ratio
+from .lib.results import REPO, Run, default_dir, provenance
+from .lib.results import write as write_results
+from .lib.stats import percentile as _percentile
+from .lib.testbed import Testbed, alive, new_auth_key
+from .lib.tools import parse_wrk as _parse_wrk
+from .lib.peers import Backend
+from .lib.outcome import Outcome
+from .lib.procs import Procs, ns_argv, run, stop_signals_interrupt, wait_until
 
-REPO = Path(__file__).resolve().parent.parent
 VIP_PORT = 80
 SINK_PORT = 9000  # raw frames and TCP streams
 HTTP_PORT = 8080  # `inband serve` and the agent's service
@@ -81,79 +86,6 @@ PROFILES = {
 # before it: what a connection balanced then would have used.
 AGE_SAMPLES = 5
 
-
-
-# ------------------------------------------------------------------ counters
-
-
-def cpu_busy_s() -> float:
-    """Busy CPU seconds of the whole machine (user, nice, system, irq,
-    softirq) from /proc/stat: in a namespace testbed the kernel's work for
-    one namespace cannot be told apart from another's, so costs are taken
-    as machine-wide deltas and compared with the direct path's."""
-    f = open("/proc/stat").readline().split()
-    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in f[1:8])
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-
-
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of a process (all its threads)."""
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_SYS_BPF = {"x86_64": 321, "aarch64": 280}.get(platform.machine())
-_BPF_MAP_LOOKUP_ELEM, _BPF_OBJ_GET, _BPF_OBJ_GET_INFO_BY_FD, _BPF_ENABLE_STATS = 1, 7, 15, 32
-
-
-def _bpf(cmd: int, attr: bytes) -> int:
-    buf = ctypes.create_string_buffer(attr, len(attr))
-    r = _libc.syscall(_SYS_BPF, cmd, buf, len(attr))
-    if r < 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"bpf({cmd}): {os.strerror(e)}")
-    return r
-
-
-def enable_bpf_stats() -> int:
-    """BPF_ENABLE_STATS: run time and count of every program while the
-    returned fd is open (closed on exit however the driver ends, so the
-    machine's setting is never left changed)."""
-    return _bpf(_BPF_ENABLE_STATS, struct.pack("I", 0))
-
-
-class PinnedMap:
-    """Lookups in a pinned BPF map without spawning a process per read."""
-
-    def __init__(self, path: Path):
-        self._path = ctypes.create_string_buffer(str(path).encode())
-        self.fd = _bpf(_BPF_OBJ_GET, struct.pack("QII", ctypes.addressof(self._path), 0, 0))
-        # struct bpf_map_info: type, id, key_size, value_size, ...
-        info = ctypes.create_string_buffer(80)
-        _bpf(_BPF_OBJ_GET_INFO_BY_FD, struct.pack("IIQ", self.fd, len(info), ctypes.addressof(info)))
-        self.value_size = struct.unpack_from("I", info.raw, 12)[0]
-
-    def lookup(self, key: bytes, value_size: int) -> bytes:
-        # The kernel writes the map's whole value: a caller expecting another
-        # layout would read garbage, and a smaller buffer would be overrun.
-        if value_size != self.value_size:
-            raise RuntimeError(f"{self._path.value.decode()}: values are {self.value_size} bytes, not {value_size}: the layout changed")
-        k = ctypes.create_string_buffer(key, len(key))
-        v = ctypes.create_string_buffer(value_size)
-        _bpf(_BPF_MAP_LOOKUP_ELEM, struct.pack("IIQQQ", self.fd, 0, ctypes.addressof(k), ctypes.addressof(v), 0))
-        return v.raw
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-def xdp_prog_stats(netns: str, dev: str) -> tuple[int, int]:
-    """(run_time_ns, run_cnt) of the XDP program on `dev`."""
-    link = json.loads(run(netns, ["ip", "-j", "link", "show", dev]).stdout)[0]
-    prog_id = link["xdp"]["prog"]["id"]
-    prog = json.loads(run(None, ["bpftool", "-j", "prog", "show", "id", str(prog_id)]).stdout)
-    return int(prog.get("run_time_ns", 0)), int(prog.get("run_cnt", 0))
 
 
 # ------------------------------------------------------------------ results
@@ -237,8 +169,6 @@ HTTP_LABELS = {
 }
 
 
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}×" if b else "–"
 
 
 def fwd_table(rows: list[Fwd], load: str) -> str:
@@ -327,8 +257,8 @@ def http_table(rows: list[Http]) -> str:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Nearest rank, as the paper driver's tables (report.percentile)."""
-    return report.percentile(sorted(values), q * 100)
+    """Nearest rank (q a fraction), as every table's."""
+    return _percentile(values, q * 100)
 
 
 def fresh_table(rows: list[Fresh]) -> str:
@@ -370,22 +300,9 @@ end
 
 
 def parse_wrk(text: str) -> dict:
-    for line in text.splitlines():
-        if line.startswith("INBAND "):
-            return {k: int(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
-    raise ValueError(f"no summary in wrk output: {text[-500:]}")
+    return _parse_wrk(text, "INBAND")
 
 
-def others_running() -> set[str]:
-    """Other engineers' benchmarks and builds on this shared machine."""
-    cp = subprocess.run(["pgrep", "-a", "-f", "bench.paper|cargo|rustc"], capture_output=True, text=True)
-    seen = set()
-    for line in cp.stdout.splitlines():
-        argv = line.split()[1:]
-        for name in ("bench.paper", "cargo", "rustc"):
-            if any(name in a for a in argv[:3]):
-                seen.add(name)
-    return seen
 
 
 # Ethernet + IPv4 + TCP with timestamps: what a data segment carries
@@ -416,7 +333,7 @@ class Bench:
 
     def log(self, msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-        self.others |= others_running()
+        self.others |= preflight.others_running()
 
     def ns(self, node: str) -> str:
         return self.tb.netns(node)
@@ -990,6 +907,27 @@ def plot(fwd: list[Fwd], http: list[Http], fresh: list[Fresh], path: Path) -> No
     plt.close(fig)
 
 
+TOOLS = {"haproxy": ["haproxy", "-v"], "nftables": ["nft", "--version"], "wrk": ["wrk", "-v"]}
+
+
+def render(record: dict) -> str:
+    """The tables of a run, from its record alone (bench.docs renders the
+    committed one the same way)."""
+    m, rows = record["machine"], record["rows"]
+    preamble = (
+        "# Data-plane speed and efficiency\n\n"
+        f"{provenance(record)}  \n"
+        f"The CPUs are **shared by everything**: generator, bridge, balancer, server (other work seen running during the measurements: "
+        f"{', '.join(record['others']) or 'none seen'}). "
+        "Rates are what the whole testbed sustains; compare ratios measured in this run. "
+        "inband's in-band options are authenticated (SipHash, a key made for the run).  \n"
+        f"{m.get('haproxy', '')}; {m.get('nftables', '')}; {m.get('wrk', '')}\n"
+    )
+    if record["failed"]:
+        preamble += "\n**Failed:** " + "; ".join(record["failed"]) + "\n"
+    return markdown([Fwd(**r) for r in rows["forwarding"]], [Http(**r) for r in rows["cost"]], [Fresh(**r) for r in rows["freshness"]], preamble)
+
+
 def markdown(fwd, http, fresh, preamble: str) -> str:
     parts = [preamble]
     if any(r.load == "hairpin" for r in fwd):
@@ -1010,7 +948,8 @@ def markdown(fwd, http, fresh, preamble: str) -> str:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m bench.forwarding", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="results directory (created)")
+    ap.add_argument("--out", required=True, help="the run's raw data: logs, figure (created)")
+    ap.add_argument("--results", default=str(default_dir("forwarding")), help="results.json and results.md (default: the committed ones)")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="quick")
     ap.add_argument("--parts", default="forwarding,cost,freshness", help="comma-separated subset of forwarding, cost, freshness")
     ap.add_argument("--name", default="fwd", help="testbed name (namespaces NAME-lb, NAME-c1, NAME-s1, NAME-sw)")
@@ -1023,39 +962,22 @@ def parse_args(argv):
     return args
 
 
-def preflight(args) -> list[str]:
-    problems = []
-    if os.geteuid() != 0:
-        problems.append("must run as root (namespaces, XDP, nftables)")
-    if not Path(args.inband).is_file():
-        problems.append(f"{args.inband} is missing: run scripts/setup.sh")
-    for tool in ("haproxy", "nft", "wrk", "bpftool"):
-        if not shutil.which(tool):
-            problems.append(f"{tool} is not installed: run scripts/setup.sh")
-    if args.perf and not shutil.which("perf"):
-        problems.append("perf is not installed (linux-perf): run scripts/setup.sh")
-    if _SYS_BPF is None:
-        problems.append(f"unsupported architecture {platform.machine()}")
-    if (Path("/run/inband/testbed") / f"{args.name}.json").exists():
-        problems.append(f"a testbed named {args.name!r} exists already: `{args.inband} testbed down --name {args.name}` or pick another --name")
-    return problems
-
+def problems(args) -> list[str]:
+    tools = ("haproxy", "nft", "wrk", "bpftool") + (("perf",) if args.perf else ())
+    return preflight.problems(inband=args.inband, tools=tools, testbed_name=args.name, bpf_stats=True)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    problems = preflight(args)
-    if problems:
-        for p in problems:
-            print(f"error: {p}", file=sys.stderr)
-        return 2
+    refused = preflight.refuse(problems(args))
+    if refused:
+        return refused
     profile = PROFILES[args.profile]
     parts = args.parts.split(",")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    command = shlex.join([sys.executable, "-m", "bench.forwarding", *(argv if argv is not None else sys.argv[1:])])
+    run = Run("forwarding", "bench.forwarding", argv)
     bench = Bench(args, profile, out)
-    started = time.time()
     stop_signals_interrupt()
     fwd: list[Fwd] = []
     http: list[Http] = []
@@ -1093,28 +1015,12 @@ def main(argv=None) -> int:
                 bench.log(f"freshness: polling every {ms} ms")
                 outcome.attempt(f"freshness poll {ms} ms", lambda ms=ms: bench.freshness("polling", ms), fresh)
 
-    elapsed = time.time() - started
-    others = ", ".join(sorted(bench.others)) or "none seen"
-    preamble = (
-        "# Data-plane speed and efficiency\n\n"
-        f"Command: `{command}`  \n"
-        f"Started {time.strftime('%Y-%m-%d %H:%M:%S %z', time.localtime(started))}, wall time {elapsed:.0f} s, "
-        f"{os.cpu_count()} CPUs **shared by everything**: generator, bridge, balancer, server (other work seen running during the measurements: {others}). "
-        "Rates are what the whole testbed sustains; compare ratios measured in this run. "
-        "inband's in-band options are authenticated (SipHash, a key made for the run).  \n"
-        f"kernel {platform.release()}; {tool_version(['haproxy', '-v'])}; {tool_version(['nft', '--version'])}; {tool_version(['wrk', '-v'])}\n"
-    )
-    preamble += outcome.markdown()
-    md = markdown(fwd, http, fresh, preamble)
-    (out / "results.md").write_text(md)
-    (out / "results.json").write_text(
-        json.dumps({"forwarding": [asdict(r) for r in fwd], "cost": [asdict(r) for r in http], "freshness": [asdict(r) for r in fresh]}, indent=2)
-    )
+    rows = {"forwarding": [asdict(r) for r in fwd], "cost": [asdict(r) for r in http], "freshness": [asdict(r) for r in fresh]}
+    record = run.record(rows, profile=profiles.as_json(args.profile, profile), inband=Path(args.inband), tools=TOOLS,
+                        others=sorted(bench.others), failed=outcome.failed)
+    write_results(Path(args.results), record, render(record))
     if fwd or http or fresh:
         plot(fwd, http, fresh, out / "forwarding.png")
-    print()
-    print(md)
-    print(f"results in {out}: results.md, results.json, forwarding.png")
     return outcome.exit_code()
 
 

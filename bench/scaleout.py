@@ -42,12 +42,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .ecmp import closed_loop
-from .peers import nginx_static_conf
-from .outputs import publish, record_command
-from .procs import Procs, ns_argv, run, stop_signals_interrupt, wait_until
+from .lib.peers import nginx_static_conf
+from .lib import profiles
+from .lib.load import closed_loop
+from .lib.results import REPO, Run, default_dir, provenance
+from .lib.results import write as write_results
+from .lib.procs import Procs, ns_argv, run, stop_signals_interrupt, wait_until
 
-REPO = Path(__file__).resolve().parent.parent
 SUBNET = 85
 BALANCERS = 4
 SERVERS = 3
@@ -262,13 +263,13 @@ def changes_under_load(bed: Bed) -> list[dict]:
             if warm_on:
                 bed.route(warm_on, plain)
                 with ShortRequests(bed):
-                    closed_loop(bed, bed.p.size_mb, bed.p.run_s / 3, at_fractions([]))
+                    closed_loop(bed.ns("c1"), bed.vip, bed.p.clients, bed.p.size_mb, bed.p.run_s / 3, at_fractions([]))
             bed.route(routed, plain)
             chained, no_flow = bed.counter("events", "chained"), bed.counter("drops", "chained_no_flow")
             later = bed.counter("events", "later_connection")
             steps_s: list = []
             with ShortRequests(bed) as short:
-                loads = closed_loop(bed, bed.p.size_mb, bed.p.run_s, at_fractions(steps_s, *steps))
+                loads = closed_loop(bed.ns("c1"), bed.vip, bed.p.clients, bed.p.size_mb, bed.p.run_s, at_fractions(steps_s, *steps))
         finally:
             if ports:
                 bed.client_ports(None)
@@ -335,7 +336,8 @@ def throughput(bed: Bed) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True, help="the run's raw data: logs, figures (created)")
+    ap.add_argument("--results", type=Path, default=default_dir("scaleout"), help="results.json and results.md (default: the committed ones)")
     ap.add_argument("--profile", choices=PROFILES, default="quick")
     ap.add_argument("--inband", type=Path, default=REPO / "target/debug/inband")
     ap.add_argument("--name", default="scale", help="the testbed's name (namespaces NAME-r1, NAME-b1, ...)")
@@ -343,7 +345,7 @@ def main(argv=None) -> int:
     p = PROFILES[args.profile]
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    record_command(args.out, "bench.scaleout", argv)
+    run = Run("scaleout", "bench.scaleout", argv)
     stop_signals_interrupt()
     bed = Bed(args.inband, p, args.out, args.name)
     results: dict = {"profile": asdict(p)}
@@ -357,9 +359,16 @@ def main(argv=None) -> int:
         results["throughput"] = throughput(bed)
     finally:
         bed.down()
-    publish(args.out, markdown(results), results)
+    record = run.record(results, profile=profiles.as_json(args.profile, p), inband=Path(args.inband))
+    write_results(args.results, record, render(record))
     plot(results, args.out / "throughput.png")
     return 0
+
+
+def render(record: dict) -> str:
+    """The tables of a run, from its record alone (bench.docs renders the
+    committed one the same way)."""
+    return provenance(record) + "\n\n" + markdown(record["rows"])
 
 
 def markdown(r: dict) -> str:

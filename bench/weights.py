@@ -52,13 +52,15 @@ import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from . import peers
-from .outputs import publish, record_command
-from .paper import Testbed, alive, http_get_json, new_auth_key, tool_version
-from .peers import Backend
-from .procs import Interrupted, Procs, run, stop_signals_interrupt, uninterruptible, wait_until
+from .lib import peers, preflight, profiles
+from .lib.host import busy_fraction, cpu_jiffies
+from .lib.results import REPO, Run, default_dir, provenance
+from .lib.results import write as write_results
+from .lib.testbed import Testbed, alive, http_get_json, new_auth_key
+from .lib.tools import parse_openloop
+from .lib.peers import Backend
+from .lib.procs import Interrupted, Procs, run, stop_signals_interrupt, uninterruptible, wait_until
 
-REPO = Path(__file__).resolve().parent.parent
 SUBNET = 87
 VIP_PORT = 80
 SERVICE_PORT = 8080
@@ -225,53 +227,9 @@ def parse_stat_sessions(csv_text: str, backend: str) -> dict:
     return out
 
 
-def parse_openloop(text: str) -> dict:
-    """The last JSON object with sent/ok/errors in a log (stderr may be mixed in)."""
-    dec = json.JSONDecoder()
-    found = None
-    i = text.find("{")
-    while i != -1:
-        try:
-            obj, end = dec.raw_decode(text, i)
-        except ValueError:
-            i = text.find("{", i + 1)
-            continue
-        if isinstance(obj, dict) and {"sent", "ok", "errors"} <= obj.keys():
-            found = obj
-        i = text.find("{", end)
-    if found is None:
-        raise ValueError("no open-loop result (a JSON object with sent, ok, errors) in the output")
-    return found
-
-
 def next_boundary(t0: float, slice_s: float, now: float) -> float:
     """The first slice start strictly after `now`."""
     return t0 + (math.floor((now - t0) / slice_s) + 1) * slice_s
-
-
-def cpu_sample() -> tuple[int, int]:
-    """(busy, total) jiffies over every CPU of the machine (all namespaces)."""
-    with open("/proc/stat") as f:
-        vals = [int(v) for v in f.readline().split()[1:9]]
-    return sum(vals) - vals[3] - vals[4], sum(vals)
-
-
-def busy_fraction(a: tuple[int, int], b: tuple[int, int]) -> float | None:
-    total = b[1] - a[1]
-    return (b[0] - a[0]) / total if total > 0 else None
-
-
-def heavy_processes() -> list[str]:
-    """Compilers and builds running beside the benchmark (they take the CPU it measures on)."""
-    names = []
-    for comm in Path("/proc").glob("[0-9]*/comm"):
-        try:
-            c = comm.read_text().strip()
-        except OSError:
-            continue
-        if c in ("rustc", "cargo", "cc1", "cc1plus", "ld", "clang", "stress", "stress-ng"):
-            names.append(c)
-    return sorted(set(names))
 
 
 def curve_latency(c, w: float) -> float:
@@ -824,10 +782,10 @@ class Bed:
             time.sleep(max(0.0, start_at - time.time()))
             t0 = time.time()
             ol = self.spawn_openloop(self.procs, rate, self.p.measure_s, d / "openloop.log")
-            cpu0, dec0 = cpu_sample(), self.decisions(row)
+            cpu0, dec0 = cpu_jiffies(), self.decisions(row)
             res["warmup_s"] = start_at - keeper.t0
             res["openloop"] = self.openloop_result(ol, self.p.measure_s, d / "openloop.log")
-            t1, cpu1, dec1 = time.time(), cpu_sample(), self.decisions(row)
+            t1, cpu1, dec1 = time.time(), cpu_jiffies(), self.decisions(row)
             keeper.join()
             keeper = None
             res["window"] = [t0, t1]
@@ -1076,6 +1034,12 @@ def ilp_table(ilp: list, runs: list) -> list[str]:
     return lines
 
 
+def render(record: dict) -> str:
+    """The tables of a run, from its record alone (bench.docs renders the
+    committed one the same way)."""
+    return provenance(record) + "\n\n" + markdown(record["rows"])
+
+
 def markdown(r: dict) -> str:
     runs = r.get("runs", [])
     lines = [f"# KnapsackLB weights with in-band scores, profile `{r['profile']['name']}`", "",
@@ -1216,7 +1180,8 @@ def plot_transition(r: dict, path: Path) -> bool:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m bench.weights", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True, help="results directory (created)")
+    ap.add_argument("--out", type=Path, required=True, help="the run's raw data: configs, logs, figures (created)")
+    ap.add_argument("--results", type=Path, default=default_dir("weights"), help="results.json and results.md (default: the committed ones)")
     ap.add_argument("--profile", choices=PROFILES, default="quick")
     ap.add_argument("--inband", type=Path, default=REPO / "target/debug/inband")
     ap.add_argument("--name", default="wts", help="testbed name (namespaces NAME-c1, NAME-lb, NAME-s1...)")
@@ -1262,38 +1227,25 @@ def parse_args(argv):
     return args, p
 
 
-def preflight(args, p: Profile) -> list[str]:
-    problems = []
-    if os.geteuid() != 0:
-        problems.append("must run as root (it creates network namespaces and attaches XDP/tc programs)")
-    if not Path(args.inband).is_file():
-        problems.append(f"{args.inband} is missing: build it (scripts/setup.sh)")
-    if any(BY_KEY[k].kind == "haproxy" for k in p.rows + p.transition_rows) and not shutil.which("haproxy"):
-        problems.append("haproxy is not installed: run scripts/setup.sh")
-    if (Path("/run/inband/testbed") / f"{args.name}.json").exists():
-        problems.append(f"a testbed named {args.name!r} exists already: `{args.inband} testbed down --name {args.name}` or pick another --name")
-    return problems
+def problems(args, p: Profile) -> list[str]:
+    haproxy = any(BY_KEY[k].kind == "haproxy" for k in p.rows + p.transition_rows)
+    return preflight.problems(inband=str(args.inband), tools=("haproxy",) if haproxy else (), testbed_name=args.name)
 
 
 def main(argv=None) -> int:
     args, p = parse_args(argv)
-    problems = preflight(args, p)
-    if problems:
-        for x in problems:
-            print(f"error: {x}", file=sys.stderr)
-        return 2
+    refused = preflight.refuse(problems(args, p))
+    if refused:
+        return refused
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     args.out = out
-    record_command(out, "bench.weights", argv)
-    command = (out / "command.txt").read_text().strip()
-    with open(out / "command.txt", "a") as f:
-        f.write(f"started: {time.strftime('%Y-%m-%d %H:%M:%S %z')}\nnproc: {os.cpu_count()}\n"
-                f"inband: {tool_version([str(args.inband), '--version'])}\nhaproxy: {tool_version(['haproxy', '-v'])}\n")
+    run = Run("weights", "bench.weights", argv)
+    command = run.command
     results: dict = {"profile": asdict(p), "command": command, "workers": list(WORKERS), "body_bytes": BODY_BYTES,
                      "config": {"probe_rate": p.probe_rate, "round_ms": p.round_ms, "probe_interval": args.probe_interval, "no_time_wait": args.no_time_wait,
                                 "auth": args.auth, "weights_set": args.weights_set},
-                     "busy_beside": heavy_processes(), "runs": [], "transitions": [], "ilp": None, "failed": []}
+                     "busy_beside": sorted(preflight.others_running()), "runs": [], "transitions": [], "ilp": None, "failed": []}
     if results["busy_beside"]:
         print(f"warning: running beside the benchmark: {', '.join(results['busy_beside'])} (they take the CPU it measures on)", file=sys.stderr)
     stop_signals_interrupt()
@@ -1339,7 +1291,8 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             results["failed"].append(("ilp", f"{e.__class__.__name__}: {e}"))
     results["elapsed_s"] = time.time() - started
-    publish(out, markdown(results), results)
+    record = run.record(results, profile=profiles.as_json(args.profile, p), inband=Path(args.inband), tools={"haproxy": ["haproxy", "-v"]})
+    write_results(args.results, record, render(record))
     made = [name for name, fn in (("curves.png", plot_curves), ("latency.png", plot_latency), ("transition.png", plot_transition))
             if fn(results, out / name)]
     with open(out / "command.txt", "a") as f:

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from bench.paper import BY_KEY, PAPER_ROWS
+from bench.lib.paperbed import BY_KEY, PAPER_ROWS
 from driver_runs import run_tiny, table_rows
 
 

@@ -12,7 +12,7 @@ import tomllib
 
 import pytest
 
-from bench import peers
+from bench.lib import peers
 from bench import proxy as px
 from driver_runs import INBAND, REPO, table_rows
 
@@ -77,7 +77,7 @@ def test_tables_ratios_from_known_numbers():
 @pytest.mark.skipif(not (shutil.which("nginx") and shutil.which("varnishd") and shutil.which("wrk") and INBAND.is_file()), reason="needs nginx, varnish, wrk and target/debug/inband (scripts/setup.sh)")
 def test_quick_run_end_to_end(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "bench.proxy", "--quick", "--wait-quiet", "0", "--out", str(out), "--inband", str(INBAND)]
+    cmd = [sys.executable, "-m", "bench.proxy", "--quick", "--wait-quiet", "0", "--out", str(out), "--results", str(out), "--inband", str(INBAND)]
     cp = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert cp.returncode == 0, f"driver failed ({cp.returncode}):\n{cp.stdout[-4000:]}\n{cp.stderr[-4000:]}"
     md = (out / "results.md").read_text()
