@@ -31,7 +31,6 @@ import random
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path

@@ -24,12 +24,9 @@ Ctrl-C and SIGTERM included. See docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
-import platform
 import random
-import shlex
 import shutil
 import socket
 import statistics
@@ -43,7 +40,7 @@ from pathlib import Path
 from .lib import peers, preflight, profiles
 from .lib.host import PinnedMap, cpu_busy_s, enable_bpf_stats, proc_cpu_s, xdp_prog_stats  # noqa: F401 - PinnedMap: the tests read maps
 from .lib.report import times as _ratio
-from .lib.results import REPO, Run, default_dir, provenance
+from .lib.results import REPO, Run, default_dir, provenance, revive
 from .lib.results import write as write_results
 from .lib.stats import percentile as _percentile
 from .lib.testbed import Testbed, alive, new_auth_key
@@ -925,7 +922,7 @@ def render(record: dict) -> str:
     )
     if record["failed"]:
         preamble += "\n**Failed:** " + "; ".join(record["failed"]) + "\n"
-    return markdown([Fwd(**r) for r in rows["forwarding"]], [Http(**r) for r in rows["cost"]], [Fresh(**r) for r in rows["freshness"]], preamble)
+    return markdown([revive(Fwd, r) for r in rows["forwarding"]], [revive(Http, r) for r in rows["cost"]], [revive(Fresh, r) for r in rows["freshness"]], preamble)
 
 
 def markdown(fwd, http, fresh, preamble: str) -> str:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -43,7 +42,7 @@ from pathlib import Path
 
 from .lib import preflight
 from .lib.host import cpu_busy_s
-from .lib.results import REPO, Run, default_dir, provenance
+from .lib.results import REPO, Run, default_dir, provenance, revive
 from .lib.results import write as write_results
 from .lib.tools import parse_wrk
 from .lib.procs import Procs, ns_argv, run, stop_signals_interrupt, uninterruptible, wait_until
@@ -564,8 +563,8 @@ def render(record: dict) -> str:
     committed one the same way)."""
     r = dict(record["rows"])
     for k in ("points", "rounds", "chain"):
-        r[k] = [Point(**x) for x in r[k]]
-    return provenance(record) + "\n\n" + report(Results(**r))
+        r[k] = [revive(Point, x) for x in r[k]]
+    return provenance(record) + "\n\n" + report(revive(Results, r))
 
 
 def report(res: Results) -> str:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from .lib import locust, paperbed, plots, preflight, results
 from .lib.locust import RunResult
+from .lib.procs import stop_signals_interrupt
 from .lib.paperbed import BY_KEY, PAPER_ROWS, SERVER_SETS, Bench, option_bytes, run_configs  # noqa: F401 - PAPER_ROWS: the tests' rows
 
 

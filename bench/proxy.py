@@ -31,7 +31,6 @@ import csv
 import http.client
 import json
 import os
-import platform
 import shutil
 import socket
 import statistics
@@ -48,7 +47,7 @@ from .lib.origin import STATS_PATH, body_for
 from .lib import preflight, profiles
 from .lib.host import session_cpu_s
 from .lib.report import table
-from .lib.results import REPO, Run, default_dir, provenance
+from .lib.results import REPO, Run, default_dir, provenance, revive
 from .lib.results import write as write_results
 from .lib.tools import parse_wrk
 from .lib.outcome import Outcome
@@ -347,6 +346,11 @@ def disturbed_note(runs: list[tuple[str, list]], what: str) -> str:
     return f"**{len(bad)} of {len(runs)} {what} had a build or the forwarding benchmark running at their start or end:** {which}.\n"
 
 
+def hits_json(h: Hits) -> dict:
+    """A row's rounds and, for whoever reads the JSON, their medians."""
+    return {**asdict(h), "rps": h.rps, "p50_ms": h.p50_ms, "p99_ms": h.p99_ms, "cpu_us_per_req": h.cpu_us_per_req}
+
+
 TOOLS = {"nginx": ["nginx", "-v"], "varnish": ["varnishd", "-V"], "wrk": ["wrk", "-v"]}
 
 
@@ -365,7 +369,7 @@ def render(record: dict) -> str:
     if record["failed"]:
         preamble += "\n**Failed:** " + "; ".join(record["failed"]) + "\n"
     p = Profile(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in record["profile"].items() if k != "name"})
-    return markdown([Hits(**h) for h in rows["hits"]], [Hits(**h) for h in rows["misses"]], [Restart(**r) for r in rows["restart"]], p, preamble)
+    return markdown([revive(Hits, h) for h in rows["hits"]], [revive(Hits, h) for h in rows["misses"]], [revive(Restart, r) for r in rows["restart"]], p, preamble)
 
 
 def markdown(hits: list[Hits], misses: list[Hits], restarts: list[Restart], p: Profile, preamble: str) -> str:
@@ -759,7 +763,8 @@ def main(argv=None) -> int:
 
     hit_rows = [hits[(s.key, c)] for c in profile.connections for s in systems]
     miss_rows = [misses[s.key] for s in systems if s.key != "static"]
-    rows = {"hits": [asdict(h) for h in hit_rows], "misses": [asdict(h) for h in miss_rows], "restart": [asdict(r) for r in restarts]}
+    rows = {"hits": [hits_json(h) for h in hit_rows], "misses": [hits_json(h) for h in miss_rows],
+            "restart": [{**asdict(r), "hit_ratio": r.hit_ratio} for r in restarts]}
     record = run.record(rows, profile=profiles.as_json("quick" if args.quick else "default", profile), inband=Path(args.inband), tools=TOOLS,
                         quiet=quiet, others=sorted(bench.others) if bench else [], failed=outcome.failed)
     write_results(args.results, record, render(record))

@@ -31,11 +31,7 @@ import argparse
 import json
 import math
 import os
-import platform
-import re
-import shlex
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -44,7 +40,7 @@ from pathlib import Path
 from .lib import peers, preflight, profiles
 from .lib.host import cpu_busy_s, enable_bpf_stats, proc_cpu_s, xdp_prog_stats
 from .lib.report import times as _ratio
-from .lib.results import REPO, Run, default_dir, provenance
+from .lib.results import REPO, Run, default_dir, provenance, revive
 from .lib.results import write as write_results
 from .lib.stats import percentile as _percentile
 from .lib.testbed import Testbed, alive, new_auth_key
@@ -908,6 +904,15 @@ class Bench:
 # ------------------------------------------------------------------ output
 
 
+def flood_json(r: Flood) -> dict:
+    d = asdict(r)
+    for k in ("baseline", "during", "after"):
+        leg = getattr(r, k)
+        d[k]["success_pct"] = leg.success_pct
+    d.update(rate=r.rate, cpu_per_s=r.cpu_per_s, us_per_syn=r.us_per_syn, own_per_s=r.own_per_s)
+    return d
+
+
 TOOLS = {"haproxy": ["haproxy", "-v"], "nftables": ["nft", "--version"]}
 
 
@@ -915,8 +920,8 @@ def render(record: dict) -> str:
     """The tables of a run, from its record alone (bench.docs renders the
     committed one the same way)."""
     p, m, rows = record["profile"], record["machine"], record["rows"]
-    floods = [Flood(**{**r, **{k: Legit(**r[k]) for k in ("baseline", "during", "after")}}) for r in rows["flood"]]
-    churns = [Churn(**r) for r in rows["churn"]]
+    floods = [revive(Flood, {**r, **{k: revive(Legit, r[k]) for k in ("baseline", "during", "after")}}) for r in rows["flood"]]
+    churns = [revive(Churn, r) for r in rows["churn"]]
     preamble = (
         "# SYN flood and connection churn against nftables and HAProxy\n\n"
         f"{provenance(record)}  \n"
@@ -1043,7 +1048,7 @@ def main(argv=None) -> int:
             for kind, n, server_closes in churn_plan(profile):
                 outcome.attempt(f"churn {kind}{' server-closes' if server_closes else ''}", lambda k=kind, n=n, s=server_closes: bench.churn(k, n, s), churns)
 
-    rows = {"flood": [asdict(r) for r in floods], "churn": [asdict(r) for r in churns]}
+    rows = {"flood": [flood_json(r) for r in floods], "churn": [asdict(r) for r in churns]}
     record = run.record(rows, profile=profiles.as_json(args.profile, profile), inband=bench.inband, tools=TOOLS,
                         others=sorted(bench.others), failed=outcome.failed)
     write_results(Path(args.results), record, render(record))

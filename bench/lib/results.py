@@ -8,6 +8,7 @@ same tables into docs/benchmarks.md."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -116,3 +117,10 @@ def write(out: Path, record: dict, md: str) -> None:
 
 def load(study: str, base: Path = RESULTS) -> dict:
     return json.loads((base / study / "results.json").read_text())
+
+
+def revive(cls, d: dict):
+    """A dataclass back from its record: the fields it has, not the derived
+    values written beside them for whoever reads the JSON."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})

@@ -140,7 +140,7 @@ def test_quick_profile_end_to_end(tmp_path):
     cp, left = run_tiny("bench.health", name, out, 400, profile="quick")
     assert left == [], f"namespaces left behind: {left}"
     data = json.loads((out / "results.json").read_text())
-    assert data["failed"] == [] and data["commit"] and data["machine"]["nproc"], data["failed"]
+    assert data["failed"] == [] and data["commit"] and data["machine"]["cores"], data["failed"]
     rows = {r["key"]: r for r in data["rows"]}
     assert list(rows) == list(health.PROFILES["quick"].rows)
     md = (out / "results.md").read_text()

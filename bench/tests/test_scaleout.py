@@ -42,7 +42,7 @@ def test_tiny_profile_end_to_end(tmp_path):
     out = tmp_path / "out"
     cp, left = run_tiny("bench.scaleout", name, out, 400)
     assert left == [], f"namespaces left behind: {left}"
-    data = json.loads((out / "results.json").read_text())
+    data = json.loads((out / "results.json").read_text())["rows"]
     for c in data["changes"]:
         assert c["ok"] + c["failed"] >= 4 and c["short_ok"] + c["short_failed"] >= 10, c
         if c["mode"] != "plain ECMP":
