@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import socket
 import statistics
 import struct
@@ -38,16 +37,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .lib import peers, preflight, profiles
-from .lib.host import PinnedMap, cpu_busy_s, enable_bpf_stats, proc_cpu_s, xdp_prog_stats  # noqa: F401 - PinnedMap: the tests read maps
+from .lib.host import PinnedMap, cpu_busy_s, enable_bpf_stats, others_running, proc_cpu_s, xdp_prog_stats
 from .lib.report import times as _ratio
 from .lib.results import REPO, Run, default_dir, provenance, revive
 from .lib.results import write as write_results
 from .lib.stats import percentile as _percentile
-from .lib.testbed import Testbed, alive, new_auth_key
+from .lib.testbed import TestbedRun, alive, new_auth_key
 from .lib.tools import parse_wrk as _parse_wrk
 from .lib.peers import Backend
 from .lib.outcome import Outcome
-from .lib.procs import Procs, ns_argv, run, stop_signals_interrupt, wait_until
+from .lib.procs import ns_argv, run, stop_signals_interrupt, wait_until
 
 VIP_PORT = 80
 SINK_PORT = 9000  # raw frames and TCP streams
@@ -314,62 +313,28 @@ def delivered_writes(sink: dict, message: int = 64) -> int:
     return max(0, sink["bytes"] - sink["packets"] * SEGMENT_OVERHEAD) // message
 
 
-class Bench:
+class Bench(TestbedRun):
+    watch_others = True  # other benchmarks and builds seen while measuring
+
     def __init__(self, args, profile: Profile, out: Path):
+        super().__init__(args.inband, args.name)
         self.args = args
         self.p = profile
         self.out = out
-        self.inband = Path(args.inband)
-        self.tb = Testbed(self.inband, args.name)
-        self.procs = Procs()
-        self.tb_is_up = False
-        self.sock_dir = Path("/run/inband/bench") / args.name
-        self.agent = None
-        self.auth_key: Path | None = None
-        self.others: set[str] = set()  # other benchmarks and builds seen while measuring
-
-    def log(self, msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-        self.others |= preflight.others_running()
-
-    def ns(self, node: str) -> str:
-        return self.tb.netns(node)
 
     def mac(self, node: str) -> str:
         return json.loads(run(self.ns(node), ["ip", "-j", "link", "show", "eth0"]).stdout)[0]["address"]
 
     def setup(self) -> None:
-        self.sock_dir.mkdir(parents=True, exist_ok=True)
-        self.log(f"testbed {self.tb.name}: up (client, balancer, 1 server)")
-        self.tb_is_up = True
-        self.tb.up(1)
-        cfg = self.out / "run" / "agent-s1.toml"
-        cfg.parent.mkdir(parents=True, exist_ok=True)
-        self.auth_key = new_auth_key(self.inband, cfg.parent)
-        cfg.write_text(
-            peers.agent_toml(
-                balancer=self.tb.addr("lb"), vip=self.tb.vip, vip_port=VIP_PORT, service_port=HTTP_PORT,
-                score_socket=str(self.sock_dir / "agent.sock"), auth_key=str(self.auth_key),
-            )
-        )  # fmt: skip
-        log = self.out / "logs" / "agent-s1.log"
-        self.agent = self.procs.spawn("agent", self.ns("s1"), [str(self.inband), "agent", "--config", str(cfg)], log)
-        wait_until(
-            "the agent to attach",
-            lambda: alive(self.agent, "agent", log) and "agent_egress" in run(self.ns("s1"), ["tc", "filter", "show", "dev", "eth0", "egress"]).stdout,
-            30,
-        )
+        run_dir = self.out / "run"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.bring_up(1)
+        self.auth_key = new_auth_key(self.inband, run_dir)
+        self.start_agents(["s1"], run_dir, self.out / "logs", HTTP_PORT)
         run(self.ns("lb"), ["ping", "-c", "1", "-W", "2", self.tb.addr("s1")], check=False)
 
-    def teardown(self) -> None:
-        self.procs.stop_all()
-        if self.tb_is_up:
-            lb = self.ns("lb")
-            run(lb, ["nft", "delete", "table", "ip", peers.NFT_TABLE], check=False)
-            self.log(f"testbed {self.tb.name}: down")
-            self.tb.down()
-            self.tb_is_up = False
-        shutil.rmtree(self.sock_dir, ignore_errors=True)
+    def before_down(self) -> None:
+        run(self.ns("lb"), ["nft", "delete", "table", "ip", peers.NFT_TABLE], check=False)
 
     # --- balancers
 
@@ -399,23 +364,10 @@ class Bench:
             wait_until("the bounce program", lambda: alive(proc, "bounce", log) and "attached" in log.read_text(), 20)
             return (kind, proc, dev)
         if kind == "inband":
-            sock = self.sock_dir / "lb.sock"
-            cfg = d / "lb.toml"
-            cfg.write_text(
-                peers.lb_toml(
-                    address=HAIRPIN_LB if hairpin else self.tb.addr("lb"), vip=self.tb.vip, vip_port=VIP_PORT, backends=backends,
-                    mode=mode, control_socket=str(sock), auth_key=str(self.auth_key), probe_interval=probe, poll_interval_ms=poll_ms,
-                    interface=dev, probe_interval_max=probe_max, probe_budget=budget,
-                )
+            proc = self.start_lb(
+                d, backends, address=HAIRPIN_LB if hairpin else None, resolve=not hairpin, mode=mode, probe_interval=probe, poll_interval_ms=poll_ms,
+                interface=dev, probe_interval_max=probe_max, probe_budget=budget,
             )  # fmt: skip
-            log = d / "lb.log"
-            proc = self.procs.spawn("inband lb", lb, [str(self.inband), "lb", "--config", str(cfg)], log)
-            wait_until(
-                "the balancer to resolve the backend's MAC",
-                lambda: alive(proc, "inband lb", log)
-                and all(b["mac"] != "00:00:00:00:00:00" for b in self.lb_status()[0]["vips"][0]["backends"]),
-                30,
-            )
             return (kind, proc, dev)
         if kind == "haproxy":
             cfg = d / "haproxy.cfg"
@@ -450,7 +402,7 @@ class Bench:
         if proc is not None:
             self.procs.stop(proc)
         if kind == "inband":
-            run(lb, [str(self.inband), "lb", "detach", "--interface", dev, "--force"], check=False)
+            self.detach_lb(dev)
         if kind == "nftables":
             run(lb, ["nft", "delete", "table", "ip", peers.NFT_TABLE], check=False)
             run(lb, ["sysctl", "-q", "-w", "net.ipv4.ip_forward=0"], check=False)
@@ -465,10 +417,6 @@ class Bench:
     def backend_packets(self) -> int:
         """Client packets the balancer has forwarded to the (one) backend."""
         return int(self.lb_status()[0]["vips"][0]["backends"][0]["stats"]["packets"])
-
-    def lb_status(self):
-        cp = run(self.ns("lb"), [str(self.inband), "status", "--json"], check=False)
-        return json.loads(cp.stdout) if cp.returncode == 0 else None
 
     # --- forwarding rate
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -50,10 +49,10 @@ from pathlib import Path
 from .lib import peers, preflight, profiles, results
 from .lib.outcome import Outcome
 from .lib.peers import Backend, HealthChecks
-from .lib.procs import Procs, run, stop_signals_interrupt, wait_until
+from .lib.procs import run, stop_signals_interrupt, wait_until
 from .lib.report import cell as _cell
 from .lib.report import times as _ratio
-from .lib.testbed import Testbed, alive, new_auth_key
+from .lib.testbed import TestbedRun, alive, new_auth_key
 
 VIP_PORT = 80
 SERVICE_PORT = 8080
@@ -318,22 +317,11 @@ class StateLog:
         self.thread.join(timeout=5)
 
 
-class Bench:
+class Bench(TestbedRun):
     def __init__(self, args, profile: Profile, work: Path) -> None:
+        super().__init__(args.inband, args.name)
         self.args, self.p, self.work = args, profile, work
-        self.inband = Path(args.inband)
-        self.tb = Testbed(self.inband, args.name)
-        self.procs = Procs()
-        self.tb_is_up = False
-        self.sock_dir = Path("/run/inband/bench") / args.name
-        self.auth_key: Path | None = None
         self.serves: dict[int, subprocess.Popen] = {}
-
-    def log(self, msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-    def ns(self, node: str) -> str:
-        return self.tb.netns(node)
 
     @property
     def backends(self) -> list[Backend]:
@@ -347,41 +335,17 @@ class Bench:
 
     def setup(self) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
-        self.sock_dir.mkdir(parents=True, exist_ok=True)
         self.auth_key = new_auth_key(self.inband, self.work)
-        self.log(f"testbed {self.tb.name}: up (client, balancer, {SERVERS} servers)")
-        self.tb_is_up = True
-        self.tb.up(SERVERS)
+        self.bring_up(SERVERS)
         # A new connection per request, 20 a second: reuse TIME_WAIT ports.
         run(self.ns("c1"), ["sysctl", "-q", "-w", "net.ipv4.tcp_tw_reuse=1"])
+        self.start_agents([f"s{i}" for i in range(1, SERVERS + 1)], self.work, self.work, SERVICE_PORT)
         for i in range(1, SERVERS + 1):
-            node = f"s{i}"
-            cfg = self.work / f"agent-{node}.toml"
-            cfg.write_text(
-                peers.agent_toml(
-                    balancer=self.tb.addr("lb"), vip=self.tb.vip, vip_port=VIP_PORT, service_port=SERVICE_PORT,
-                    score_socket=str(self.sock_dir / f"agent-{node}.sock"), auth_key=str(self.auth_key),
-                )
-            )  # fmt: skip
-            log = self.work / f"agent-{node}.log"
-            proc = self.procs.spawn(f"agent {node}", self.ns(node), [str(self.inband), "agent", "--config", str(cfg)], log)
-            wait_until(
-                f"the agent on {node} to attach",
-                lambda ns=self.ns(node), proc=proc, log=log, node=node: alive(proc, f"the agent on {node}", log)
-                and "agent_egress" in run(ns, ["tc", "filter", "show", "dev", "eth0", "egress"], check=False).stdout,
-                30,
-            )
             self.serve(i)
 
-    def teardown(self) -> None:
-        self.procs.stop_all()
-        if self.tb_is_up:
-            run(self.ns(f"s{VICTIM}"), ["nft", "delete", "table", "inet", SILENCE_TABLE], check=False)
-            run(self.ns("lb"), [str(self.inband), "lb", "detach", "--interface", "eth0", "--force"], check=False)
-            self.log(f"testbed {self.tb.name}: down")
-            self.tb.down()
-            self.tb_is_up = False
-        shutil.rmtree(self.sock_dir, ignore_errors=True)
+    def before_down(self) -> None:
+        run(self.ns(f"s{VICTIM}"), ["nft", "delete", "table", "inet", SILENCE_TABLE], check=False)
+        self.detach_lb()
 
     def listening(self, i: int) -> bool:
         return bool(run(self.ns(f"s{i}"), ["ss", "-Htln", "sport", f"= :{SERVICE_PORT}"]).stdout.strip())
@@ -418,25 +382,11 @@ class Bench:
     def start(self, row: Row, d: Path):
         lb = self.ns("lb")
         if row.kind == "inband":
-            for b in self.backends:
-                run(lb, ["ping", "-c", "1", "-W", "2", b.address], check=False)
-            sock = self.sock_dir / "lb.sock"
-            cfg = d / "lb.toml"
-            cfg.write_text(
-                peers.lb_toml(
-                    address=self.tb.addr("lb"), vip=self.tb.vip, vip_port=VIP_PORT, backends=self.backends, mode=row.mode,
-                    control_socket=str(sock), auth_key=str(self.auth_key), policy=row.policy, health=row.checks,
-                )
-            )  # fmt: skip
-            log = d / "lb.log"
-            proc = self.procs.spawn("inband lb", lb, [str(self.inband), "lb", "--config", str(cfg)], log)
-            wait_until("the balancer's control socket", lambda: alive(proc, "inband lb", log) and sock.exists() and self.lb_backends(), 30)
-            wait_until(
-                "the balancer to resolve every backend and find it up",
-                lambda: all(b["mac"] != "00:00:00:00:00:00" and b["health"]["state"] == "up" for b in self.lb_backends().values()),
-                30,
+            proc = self.start_lb(
+                d, self.backends, ready=lambda bs: all(b["mac"] != "00:00:00:00:00:00" and b["health"]["state"] == "up" for b in bs),
+                mode=row.mode, policy=row.policy, health=row.checks,
             )
-            return proc, log
+            return proc, d / "lb.log"
         cfg = d / "haproxy.cfg"
         cfg.write_text(
             peers.haproxy_cfg(
@@ -453,13 +403,13 @@ class Bench:
     def stop(self, row: Row, proc) -> None:
         self.procs.stop(proc)
         if row.kind == "inband":
-            run(self.ns("lb"), [str(self.inband), "lb", "detach", "--interface", "eth0", "--force"], check=False)
+            self.detach_lb()
 
-    def lb_backends(self) -> dict:
-        cp = run(self.ns("lb"), [str(self.inband), "status", "--json"], check=False)
-        if cp.returncode != 0:
-            return {}
-        return {b["backend"]: b for b in json.loads(cp.stdout)[0]["vips"][0]["backends"]}
+    def lb_backend(self, backend: str) -> dict:
+        for b in self.lb_backends():
+            if b["backend"] == backend:
+                return b
+        raise KeyError(f"the balancer does not report {backend}")
 
     def ha_servers(self) -> dict:
         """`show stat` of the backend's servers, by address."""
@@ -478,7 +428,7 @@ class Bench:
     def counter(self, row: Row) -> int:
         """inband's transitions for the victim; HAProxy's UP-to-DOWN count."""
         if row.kind == "inband":
-            return int(self.lb_backends()[self.victim]["health"]["transitions"])
+            return int(self.lb_backend(self.victim)["health"]["transitions"])
         return int(self.ha_servers()[self.victim]["chkdown"])
 
     def state_log(self, row: Row, log: Path) -> StateLog:
@@ -490,7 +440,7 @@ class Bench:
     def up_again(self, row: Row) -> None:
         """Waits until the balancer takes the victim as up again."""
         if row.kind == "inband":
-            wait_until("the victim to be up again", lambda: self.lb_backends()[self.victim]["health"]["state"] == "up", 20)
+            wait_until("the victim to be up again", lambda: self.lb_backend(self.victim)["health"]["state"] == "up", 20)
         else:
             wait_until("the victim to be up again", lambda: self.ha_servers()[self.victim]["status"] == "UP", 20)
 

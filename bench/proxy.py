@@ -45,7 +45,7 @@ from pathlib import Path
 from .lib import peers
 from .lib.origin import STATS_PATH, body_for
 from .lib import preflight, profiles
-from .lib.host import session_cpu_s
+from .lib.host import others_running, session_cpu_s
 from .lib.report import table
 from .lib.results import REPO, Run, default_dir, provenance, revive
 from .lib.results import write as write_results
@@ -166,7 +166,7 @@ def wait_quiet(max_s: float, log, hold_s: float = 5) -> str:
     quiet_since = None
     announced = False
     while True:
-        busy = preflight.others_running() & BLOCKING
+        busy = others_running() & BLOCKING
         now = time.monotonic()
         if not busy:
             quiet_since = quiet_since or now
@@ -480,7 +480,7 @@ class Bench:
 
     def note_others(self) -> set[str]:
         """Other work now; returns the part that disturbs a measurement."""
-        seen = preflight.others_running()
+        seen = others_running()
         self.others |= seen
         return seen & BLOCKING
 

@@ -31,22 +31,21 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .lib import peers, preflight, profiles
-from .lib.host import cpu_busy_s, enable_bpf_stats, proc_cpu_s, xdp_prog_stats
+from .lib.host import cpu_busy_s, enable_bpf_stats, others_running, proc_cpu_s, xdp_prog_stats
 from .lib.report import times as _ratio
 from .lib.results import REPO, Run, default_dir, provenance, revive
 from .lib.results import write as write_results
 from .lib.stats import percentile as _percentile
-from .lib.testbed import Testbed, alive, new_auth_key
+from .lib.testbed import TestbedRun, alive, new_auth_key
 from .lib.peers import Backend
 from .lib.outcome import Outcome
-from .lib.procs import Procs, run, stop_signals_interrupt, wait_until
+from .lib.procs import run, stop_signals_interrupt, wait_until
 
 VIP_PORT = 80
 HTTP_PORT = 8080
@@ -519,29 +518,18 @@ def churn_plan(p: Profile) -> list[tuple[str, int, bool]]:
 
 
 
-class Bench:
+class Bench(TestbedRun):
+    watch_others = True  # other benchmarks and builds seen while measuring
+
     def __init__(self, args, profile: Profile, out: Path):
+        super().__init__(args.inband, args.name)
         self.args = args
         self.p = profile
         self.out = out
-        self.inband = Path(args.inband)
-        self.tb = Testbed(self.inband, args.name)
-        self.procs = Procs()
-        self.tb_is_up = False
-        self.sock_dir = Path("/run/inband/bench") / args.name
-        self.auth_key: Path | None = None
         self.servers: list = []
         self.agents: list = []
         self.ip_forward: str | None = None
-        self.others: set[str] = set()
         self.churn_next_host = CHURN_FIRST_HOST
-
-    def log(self, msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-        self.others |= preflight.others_running()
-
-    def ns(self, node: str) -> str:
-        return self.tb.netns(node)
 
     def mac(self, node: str) -> str:
         # `ip`, not /sys/class/net: nsenter keeps the host's sysfs mount.
@@ -560,10 +548,7 @@ class Bench:
     def setup(self) -> None:
         run_dir = self.out / "run"
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.sock_dir.mkdir(parents=True, exist_ok=True)
-        self.log(f"testbed {self.tb.name}: up (client c1, attacker c2, balancer, {SERVERS} servers)")
-        self.tb_is_up = True  # from here on, tear-down must run even if `up` fails half-way
-        self.tb.up(SERVERS, clients=2)
+        self.bring_up(SERVERS, clients=2)  # c1 the client, c2 the attacker
         self.auth_key = new_auth_key(self.inband, run_dir)
         attacker = self.tb.addr("c2")
         for node in ["lb"] + [f"s{i}" for i in range(1, SERVERS + 1)]:
@@ -589,44 +574,18 @@ class Bench:
         for b in self.backends:
             run(self.ns("lb"), ["ping", "-c", "1", "-W", "2", b.address], check=False)
 
-    def teardown(self) -> None:
-        self.procs.stop_all()
-        if self.tb_is_up:
-            lb = self.ns("lb")
-            run(lb, ["nft", "delete", "table", "ip", peers.NFT_TABLE], check=False)
-            self.log(f"testbed {self.tb.name}: down")
-            self.tb.down()
-            self.tb_is_up = False
-        shutil.rmtree(self.sock_dir, ignore_errors=True)
+    def before_down(self) -> None:
+        run(self.ns("lb"), ["nft", "delete", "table", "ip", peers.NFT_TABLE], check=False)
 
     # --- balancers
 
-    def start_agents(self, d: Path) -> None:
+    def start_server_agents(self, d: Path) -> None:
         """An agent on every server, with empty maps. Only while inband is
         measured: a stopped agent removes its maps, and client tuples that
         a flood's SYNs left there (no socket ever closes them) must not
         meet the peers' connections, which come from the same balancer
         address and ports without a 155 (see docs/benchmarks.md)."""
-        for i in range(1, SERVERS + 1):
-            node = f"s{i}"
-            cfg = d / f"agent-{node}.toml"
-            cfg.write_text(
-                peers.agent_toml(
-                    balancer=self.tb.addr("lb"), vip=self.tb.vip, vip_port=VIP_PORT, service_port=HTTP_PORT,
-                    score_socket=str(self.sock_dir / f"agent-{node}.sock"), auth_key=str(self.auth_key),
-                )
-            )  # fmt: skip
-            log = d / f"agent-{node}.log"
-            self.agents.append((node, self.procs.spawn(f"agent {node}", self.ns(node), [str(self.inband), "agent", "--config", str(cfg)], log), log))
-        for node, proc, log in self.agents:
-            ns = self.ns(node)
-            wait_until(
-                f"the agent on {node} to attach",
-                lambda ns=ns, proc=proc, log=log, node=node: (
-                    alive(proc, f"the agent on {node}", log) and "agent_egress" in run(ns, ["tc", "filter", "show", "dev", "eth0", "egress"], check=False).stdout
-                ),
-                30,
-            )
+        self.agents = self.start_agents([f"s{i}" for i in range(1, SERVERS + 1)], d, d, HTTP_PORT)
 
     def stop_agents(self) -> None:
         for node, proc, _log in self.agents:
@@ -649,23 +608,8 @@ class Bench:
         d.mkdir(parents=True, exist_ok=True)
         lb = self.ns("lb")
         if kind == "inband":
-            self.start_agents(d)
-            sock = self.sock_dir / "lb.sock"
-            cfg = d / "lb.toml"
-            cfg.write_text(
-                peers.lb_toml(
-                    address=self.tb.addr("lb"), vip=self.tb.vip, vip_port=VIP_PORT, backends=self.backends, mode="dsr-dynamic",
-                    control_socket=str(sock), auth_key=str(self.auth_key),
-                )
-            )  # fmt: skip
-            log = d / "lb.log"
-            proc = started[1] = self.procs.spawn("inband lb", lb, [str(self.inband), "lb", "--config", str(cfg)], log)
-            wait_until("the balancer's control socket", lambda: alive(proc, "inband lb", log) and self.lb_status() is not None, 30)
-            wait_until(
-                "the balancer to resolve every backend's MAC",
-                lambda: alive(proc, "inband lb", log) and all(b["mac"] != "00:00:00:00:00:00" for b in self.lb_status()[0]["vips"][0]["backends"]),
-                30,
-            )
+            self.start_server_agents(d)
+            proc = started[1] = self.start_lb(d, self.backends, mode="dsr-dynamic")
             return (kind, proc)
         if kind == "haproxy":
             cfg = d / "haproxy.cfg"
@@ -690,8 +634,7 @@ class Bench:
         if proc is not None:
             self.procs.stop(proc)
         if kind == "inband":
-            # Stopping the daemon keeps XDP and the maps: detach removes both.
-            run(lb, [str(self.inband), "lb", "detach", "--interface", "eth0", "--force"], check=False)
+            self.detach_lb()
             self.stop_agents()
         if kind == "nftables":
             run(lb, ["nft", "delete", "table", "ip", peers.NFT_TABLE], check=False)
@@ -702,10 +645,6 @@ class Bench:
 
     def ct_flush(self, check: bool = True) -> None:
         run(self.ns("lb"), [sys.executable, "-c", CT_FLUSH], check=check)
-
-    def lb_status(self):
-        cp = run(self.ns("lb"), [str(self.inband), "status", "--json"], check=False)
-        return json.loads(cp.stdout) if cp.returncode == 0 else None
 
     # --- counters
 

@@ -52,10 +52,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .lib import peers, preflight, profiles
-from .lib.host import busy_fraction, cpu_jiffies
+from .lib.host import busy_fraction, cpu_jiffies, others_running
 from .lib.results import REPO, Run, default_dir, provenance
 from .lib.results import write as write_results
-from .lib.testbed import Testbed, alive, http_get_json, new_auth_key
+from .lib.testbed import TestbedRun, alive, http_get_json, new_auth_key
 from .lib.tools import parse_openloop
 from .lib.peers import Backend
 from .lib.procs import Interrupted, Procs, run, stop_signals_interrupt, uninterruptible, wait_until
@@ -479,53 +479,28 @@ class StatusPoller:
             self.stop.wait(self.every_s)
 
 
-class Bed:
+class Bed(TestbedRun):
     def __init__(self, args, profile: Profile, out: Path) -> None:
+        super().__init__(args.inband, args.name)
         self.args, self.p, self.out = args, profile, out
-        self.inband = str(args.inband)
-        self.name = args.name
-        self.procs = Procs()
-        self.tb = Testbed(args.inband, self.name)
-        self.is_up = False
         self.servers: list = []
-        self.auth_key: Path | None = None
-        # Unix sockets: a short path of their own (sun_path holds 108 bytes).
-        self.sock_dir = Path("/run/inband/bench") / self.name
         # Where `inband status` finds it (/run/inband/weights-NAME.json).
-        self.status_file = Path("/run/inband") / f"weights-{self.name}.json"
-
-    def log(self, msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-    # --- testbed
-
-    def netns(self, node: str) -> str:
-        return self.tb.netns(node)
-
-    def addr(self, node: str) -> str:
-        return self.tb.addr(node)
-
-    @property
-    def vip(self) -> str:
-        return self.tb.vip
+        self.status_file = Path("/run/inband") / f"weights-{args.name}.json"
 
     @property
     def backends(self) -> list[Backend]:
-        return [Backend(self.addr(f"s{i}"), SERVICE_PORT) for i in range(1, len(WORKERS) + 1)]
+        return [Backend(self.tb.addr(f"s{i}"), SERVICE_PORT) for i in range(1, len(WORKERS) + 1)]
 
     def up(self) -> None:
-        self.sock_dir.mkdir(parents=True, exist_ok=True)
         run_dir = self.out / "run"
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.log(f"testbed {self.name}: up (subnet 10.{SUBNET}.0.0/24, 1 client, balancer, {len(WORKERS)} servers)")
-        self.is_up = True  # tear-down runs even if `up` fails half-way
-        self.tb.up(len(WORKERS), subnet=SUBNET)
+        self.bring_up(len(WORKERS), subnet=SUBNET)
         # A new connection per request, hundreds per second: reuse ports in
         # TIME_WAIT and use the whole port range (client, and the balancer's
         # namespace, where HAProxy and the controller's probes connect from).
         for node in ("c1", "lb"):
-            run(self.netns(node), ["sysctl", "-q", "-w", "net.ipv4.tcp_tw_reuse=1"])
-            run(self.netns(node), ["sysctl", "-q", "-w", "net.ipv4.ip_local_port_range=1024 65000"])
+            run(self.ns(node), ["sysctl", "-q", "-w", "net.ipv4.tcp_tw_reuse=1"])
+            run(self.ns(node), ["sysctl", "-q", "-w", "net.ipv4.ip_local_port_range=1024 65000"])
         if self.args.no_time_wait:
             # The servers close first and keep each connection 60 s in
             # TIME_WAIT; a balancer port that comes back within that time
@@ -533,43 +508,23 @@ class Bed:
             # TIME_WAIT every row meets fresh ports: what the balancing
             # does apart from that.
             for i in range(1, len(WORKERS) + 1):
-                run(self.netns(f"s{i}"), ["sysctl", "-q", "-w", "net.ipv4.tcp_max_tw_buckets=0"])
+                run(self.ns(f"s{i}"), ["sysctl", "-q", "-w", "net.ipv4.tcp_max_tw_buckets=0"])
         if self.args.auth == "siphash":
             self.auth_key = new_auth_key(Path(self.inband), run_dir)
-        agents = []
-        for i in range(1, len(WORKERS) + 1):
-            node = f"s{i}"
-            cfg = run_dir / f"agent-{node}.toml"
-            cfg.write_text(peers.agent_toml(balancer=self.addr("lb"), vip=self.vip, vip_port=VIP_PORT, service_port=SERVICE_PORT,
-                                            score_socket=str(self.sock_dir / f"agent-{node}.sock"),
-                                            auth_key=str(self.auth_key) if self.auth_key else None))
-            log = self.out / "logs" / f"agent-{node}.log"
-            agents.append((node, self.procs.spawn(f"agent {node}", self.netns(node), [self.inband, "agent", "--config", str(cfg)], log), log))
-        for node, proc, log in agents:
-            ns = self.netns(node)
-            wait_until(f"the agent on {node} to attach",
-                       lambda ns=ns, proc=proc, log=log, node=node: (
-                           alive(proc, f"the agent on {node}", log)
-                           and "agent_egress" in run(ns, ["tc", "filter", "show", "dev", "eth0", "egress"], check=False).stdout), 30)
+        self.start_agents([f"s{i}" for i in range(1, len(WORKERS) + 1)], run_dir, self.out / "logs", SERVICE_PORT)
+
+    def before_down(self) -> None:
+        self.detach_lb()
 
     def teardown(self) -> None:
-        self.procs.stop_all()
+        super().teardown()
         self.servers = []
-        if self.is_up:
-            self.log(f"testbed {self.name}: down")
-            try:
-                run(self.netns("lb"), [self.inband, "lb", "detach", "--interface", "eth0", "--force"], check=False)
-            except Exception:  # noqa: BLE001 - the testbed goes anyway
-                pass
-            self.tb.down()
-            self.is_up = False
-        shutil.rmtree(self.sock_dir, ignore_errors=True)
         self.status_file.unlink(missing_ok=True)
 
     # --- servers
 
     def serve_argv(self, workers: int, slowdown: tuple | None) -> list[str]:
-        argv = [self.inband, "serve", "--listen", f"0.0.0.0:{SERVICE_PORT}", "--workers", str(workers),
+        argv = [str(self.inband), "serve", "--listen", f"0.0.0.0:{SERVICE_PORT}", "--workers", str(workers),
                 "--service-ms", f"{self.p.service_ms:g}", "--service-dist", "exponential", "--body-bytes", str(BODY_BYTES),
                 "--queue", str(self.p.queue)]
         if slowdown:
@@ -584,10 +539,10 @@ class Bed:
         for i, w in enumerate(WORKERS):
             node = f"s{i + 1}"
             argv = self.serve_argv(w, (slow or {}).get(i))
-            self.servers.append(self.procs.spawn(f"serve {node}", self.netns(node), argv, d / f"serve-{node}.log"))
+            self.servers.append(self.procs.spawn(f"serve {node}", self.ns(node), argv, d / f"serve-{node}.log"))
         for i in range(1, len(WORKERS) + 1):
-            url = f"http://{self.addr(f's{i}')}:{SERVICE_PORT}/stats"
-            wait_until(f"the server on s{i}", lambda url=url: http_get_json(self.netns("lb"), url), 20)
+            url = f"http://{self.tb.addr(f's{i}')}:{SERVICE_PORT}/stats"
+            wait_until(f"the server on s{i}", lambda url=url: http_get_json(self.ns("lb"), url), 20)
         return spawned, time.time()
 
     def stop_servers(self) -> None:
@@ -598,35 +553,20 @@ class Bed:
     # --- balancers
 
     @property
-    def lb_sock(self) -> Path:
-        return self.sock_dir / "lb.sock"
-
-    @property
     def haproxy_sock(self) -> Path:
         return self.sock_dir / "haproxy.sock"
 
     def start_balancer(self, row: Row, d: Path):
-        lb = self.netns("lb")
+        lb = self.ns("lb")
         if row.kind == "inband":
-            for b in self.backends:  # the balancer forwards to MACs from the neighbour table
-                run(lb, ["ping", "-c", "1", "-W", "2", b.address], check=False)
-            cfg = d / "lb.toml"
-            cfg.write_text(peers.lb_toml(address=self.addr("lb"), vip=self.vip, vip_port=VIP_PORT, backends=self.backends,
-                                         mode=row.learn_mode or row.mode, policy=row.learn_policy or row.policy,
-                                         control_socket=str(self.lb_sock),
-                                         auth_key=str(self.auth_key) if self.auth_key else None, probe_interval=self.args.probe_interval))
-            log = d / "lb.log"
-            proc = self.procs.spawn("inband lb", lb, [self.inband, "lb", "--config", str(cfg)], log)
-            wait_until("the balancer's control socket", lambda: alive(proc, "inband lb", log) and self.lb_sock.exists() and self.lb_status(), 30)
-            wait_until("the balancer to resolve every backend's MAC",
-                       lambda: all(b["mac"] != "00:00:00:00:00:00" for b in self.lb_status()["vips"][0]["backends"]), 30)
-            return proc
+            return self.start_lb(d, self.backends, mode=row.learn_mode or row.mode, policy=row.learn_policy or row.policy,
+                                 probe_interval=self.args.probe_interval)
         cfg = d / "haproxy.cfg"
         self.haproxy_sock.unlink(missing_ok=True)
-        cfg.write_text(haproxy_cfg(vip=self.vip, backends=self.backends, balance=row.balance, admin_socket=str(self.haproxy_sock)))
+        cfg.write_text(haproxy_cfg(vip=self.tb.vip, backends=self.backends, balance=row.balance, admin_socket=str(self.haproxy_sock)))
         log = d / "haproxy.log"
         proc = self.procs.spawn("haproxy", lb, ["haproxy", "-f", str(cfg), "-db"], log)
-        wait_until("haproxy to listen", lambda: alive(proc, "haproxy", log) and f"{self.vip}:{VIP_PORT}" in run(lb, ["ss", "-Hltn"]).stdout, 20)
+        wait_until("haproxy to listen", lambda: alive(proc, "haproxy", log) and f"{self.tb.vip}:{VIP_PORT}" in run(lb, ["ss", "-Hltn"]).stdout, 20)
         wait_until("haproxy's admin socket", lambda: self.haproxy_sock.exists(), 10)
         return proc
 
@@ -634,20 +574,14 @@ class Bed:
         if proc is not None:
             self.procs.stop(proc)
         if row.kind == "inband":
-            # Stopping the daemon keeps XDP and the maps: detach removes both.
-            run(self.netns("lb"), [self.inband, "lb", "detach", "--interface", "eth0", "--force"], check=False)
+            self.detach_lb()
 
     def switch(self, row: Row) -> None:
         """From the learning mode to the row's, keeping the learned weights."""
-        vip = f"{self.vip}:{VIP_PORT}"
+        vip = f"{self.tb.vip}:{VIP_PORT}"
         for what, value in (("set-mode", ["--mode", row.mode]), ("set-policy", ["--policy", row.policy])):
-            run(self.netns("lb"), [self.inband, "lb", "ctl", "--socket", str(self.lb_sock), what, "--vip", vip, *value])
+            run(self.ns("lb"), [str(self.inband), "lb", "ctl", "--socket", str(self.lb_sock), what, "--vip", vip, *value])
         self.log(f"{row.key}: learned under {row.learn_mode} {row.learn_policy}, now {row.mode} {row.policy}")
-
-    def lb_status(self) -> dict | None:
-        ns = self.netns("lb")
-        cp = run(ns, [self.inband, "status", "--json", "--netns", ns], check=False)
-        return json.loads(cp.stdout)[0] if cp.returncode == 0 else None
 
     def haproxy_command(self, command: str) -> str:
         with socket.socket(socket.AF_UNIX) as s:
@@ -660,7 +594,7 @@ class Bed:
         """New connections the balancer has sent to each server so far (s1..s4)."""
         try:
             if row.kind == "inband":
-                bes = {b["backend"]: b for b in self.lb_status()["vips"][0]["backends"]}
+                bes = {b["backend"]: b for b in self.lb_backends()}
                 return [int(bes[f"{b.address}:{b.port}"]["stats"]["new_conns"]) for b in self.backends]
             stot = parse_stat_sessions(self.haproxy_command("show stat"), HAPROXY_BACKEND)
             return [stot[f"s{i}"] for i in range(1, len(WORKERS) + 1)]
@@ -670,8 +604,7 @@ class Bed:
     def balancer_weights(self, row: Row) -> list | None:
         """The weights in force at the balancer, s1..s4 (None if it does not say)."""
         if row.kind == "inband":
-            st = self.lb_status()
-            bes = {b["backend"]: b for b in st["vips"][0]["backends"]} if st else {}
+            bes = {b["backend"]: b for b in self.lb_backends()}
             ws = [bes.get(f"{b.address}:{b.port}", {}).get("weight") for b in self.backends]
             return ws if all(w is not None for w in ws) else None
         if not row.weighted:
@@ -683,7 +616,7 @@ class Bed:
 
     def start_controller(self, row: Row, d: Path):
         if row.kind == "inband":
-            target = {"kind": "inband", "socket": str(self.lb_sock), "vip": f"{self.vip}:{VIP_PORT}"}
+            target = {"kind": "inband", "socket": str(self.lb_sock), "vip": f"{self.tb.vip}:{VIP_PORT}"}
         else:
             target = {"kind": "haproxy", "socket": str(self.haproxy_sock), "backend": HAPROXY_BACKEND}
         cfg = d / "weights.toml"
@@ -693,7 +626,7 @@ class Bed:
                                     extra=tuple(self.args.weights_set)))
         self.status_file.unlink(missing_ok=True)  # an earlier run's "steady" must not count
         log = d / "weights.log"
-        return self.procs.spawn("inband weights", self.netns("lb"), [self.inband, "weights", "--config", str(cfg)], log), log
+        return self.procs.spawn("inband weights", self.ns("lb"), [str(self.inband), "weights", "--config", str(cfg)], log), log
 
     def keep_status(self, d: Path) -> None:
         """The controller's last status file beside the run's logs (also when it died)."""
@@ -725,12 +658,12 @@ class Bed:
     # --- load
 
     def openloop_argv(self, rate: int, seconds: float) -> list[str]:
-        return [self.inband, "bench", "openloop", "--url", f"http://{self.vip}:{VIP_PORT}/", "--rate", str(rate),
+        return [str(self.inband), "bench", "openloop", "--url", f"http://{self.tb.vip}:{VIP_PORT}/", "--rate", str(rate),
                 "--seconds", f"{seconds:g}", "--timeout-ms", str(self.p.timeout_ms)]
 
     def spawn_openloop(self, procs: Procs, rate: int, seconds: float, log: Path):
         log.unlink(missing_ok=True)
-        return procs.spawn("openloop", self.netns("c1"), self.openloop_argv(rate, seconds), log)
+        return procs.spawn("openloop", self.ns("c1"), self.openloop_argv(rate, seconds), log)
 
     def openloop(self, rate: int, seconds: float, log: Path) -> dict:
         return self.openloop_result(self.spawn_openloop(self.procs, rate, seconds, log), seconds, log)
@@ -1244,7 +1177,7 @@ def main(argv=None) -> int:
     results: dict = {"profile": asdict(p), "command": command, "workers": list(WORKERS), "body_bytes": BODY_BYTES,
                      "config": {"probe_rate": p.probe_rate, "round_ms": p.round_ms, "probe_interval": args.probe_interval, "no_time_wait": args.no_time_wait,
                                 "auth": args.auth, "weights_set": args.weights_set},
-                     "busy_beside": sorted(preflight.others_running()), "runs": [], "transitions": [], "ilp": None, "failed": []}
+                     "busy_beside": sorted(others_running()), "runs": [], "transitions": [], "ilp": None, "failed": []}
     if results["busy_beside"]:
         print(f"warning: running beside the benchmark: {', '.join(results['busy_beside'])} (they take the CPU it measures on)", file=sys.stderr)
     stop_signals_interrupt()

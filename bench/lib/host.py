@@ -1,6 +1,8 @@
-"""CPU time of the machine and of processes, and BPF programs' own
-counters: in a namespace testbed every namespace shares the CPUs, so the
-drivers take costs as machine-wide deltas and compare them between paths."""
+"""CPU time of the machine and of processes, BPF programs' own counters,
+and what else runs: in a namespace testbed every namespace shares the
+CPUs, so the drivers take costs as machine-wide deltas, compare them
+between paths, and report the builds and benchmarks running beside them
+(on a 2-CPU machine they change the numbers)."""
 
 from __future__ import annotations
 
@@ -58,6 +60,39 @@ def session_cpu_s(sid: int) -> float:
         if int(f[3]) == sid:  # field 6, session id
             total += int(f[11]) + int(f[12])
     return total / os.sysconf("SC_CLK_TCK")
+
+
+
+BUILDS = {"cargo", "rustc", "cc1", "cc1plus", "ld", "clang"}
+STRESS = {"stress", "stress-ng"}
+
+
+def others_running() -> set[str]:
+    """Other benchmarks, tests and builds on this machine (not this process
+    and its parent), by program and arguments: a command line that merely
+    mentions ~/.cargo is not a build."""
+    me = {os.getpid(), os.getppid()}
+    seen = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) in me:
+            continue
+        try:
+            argv = [a.decode(errors="replace") for a in open(f"/proc/{d}/cmdline", "rb").read().split(b"\0") if a]
+        except OSError:
+            continue
+        if not argv:
+            continue
+        prog = os.path.basename(argv[0])
+        if prog in BUILDS or prog in STRESS:
+            seen.add(prog)
+        for a in argv[1:4]:
+            if a.startswith("bench.") and a != "bench.docs":
+                seen.add(a)
+            elif a == "pytest" or a.endswith("/pytest"):
+                seen.add("pytest")
+        if (prog == "inband" or prog.startswith("inband-")) and argv[1:2] == ["bench"] and len(argv) > 2:
+            seen.add(f"inband bench {argv[2]}")
+    return seen
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -26,7 +26,7 @@ from .peers import Backend
 from .procs import Interrupted, Procs, run, stop_signals_interrupt, uninterruptible, wait_until
 from . import results
 from .results import REPO
-from .testbed import Testbed, alive, http_get_json, new_auth_key
+from .testbed import TestbedRun, alive, http_get_json, new_auth_key
 
 VIP_PORT = 80
 SERVICE_PORT = 8080
@@ -136,27 +136,17 @@ PAPER_ROWS = tuple(key for _name, key, *_ in locust.PAPER_TABLE3)
 # ------------------------------------------------------------------ the run
 
 
-class Bench:
+class Bench(TestbedRun):
     def __init__(self, args, profile: Profile, out: Path, specs: tuple = SERVER_SETS["ours"]):
+        super().__init__(args.inband, args.name)
         self.args = args
         self.p = profile
         self.out = out
         self.specs = specs
-        self.inband = Path(args.inband)
-        self.tb = Testbed(self.inband, args.name)
-        self.procs = Procs()
         self.run_dir = out / "run"  # the agents' configs and the run's auth key
-        self.auth_key: Path | None = None  # None: the seed paper's plain options (--auth none)
-        # Unix sockets: a short path of their own (sun_path holds 108 bytes,
-        # and --out may be long).
-        self.sock_dir = Path("/run/inband/bench") / args.name
         self.servers: list = []  # Popen per server
         self.lb_ip_forward: str | None = None
-        self.tb_is_up = False
         self.slowdown_offsets: list[float] = []  # load start - server start, per configuration
-
-    def log(self, msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
     # --- set-up shared by every configuration
 
@@ -173,45 +163,14 @@ class Bench:
 
     def setup(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.sock_dir.mkdir(parents=True, exist_ok=True)
         if self.args.auth == "siphash":
             self.auth_key = new_auth_key(self.inband, self.run_dir)
-        self.log(f"testbed {self.tb.name}: up (1 client, balancer, {len(self.specs)} servers)")
-        self.tb_is_up = True  # from here on, tear-down must run even if `up` fails half-way
-        self.tb.up(len(self.specs))
-        c1 = self.tb.netns("c1")
+        self.bring_up(len(self.specs))
         # One TCP connection per request: let the client reuse ports in
         # TIME_WAIT so long runs cannot run out of them.
-        run(c1, ["sysctl", "-q", "-w", "net.ipv4.tcp_tw_reuse=1"])
+        run(self.ns("c1"), ["sysctl", "-q", "-w", "net.ipv4.tcp_tw_reuse=1"])
         self.apply_tbf()
-        agents = []
-        for i in range(1, len(self.specs) + 1):
-            node = f"s{i}"
-            cfg = self.run_dir / f"agent-{node}.toml"
-            cfg.write_text(
-                peers.agent_toml(
-                    balancer=self.tb.addr("lb"),
-                    vip=self.tb.vip,
-                    vip_port=VIP_PORT,
-                    service_port=SERVICE_PORT,
-                    score_socket=str(self.sock_dir / f"agent-{node}.sock"),
-                    auth_key=str(self.auth_key) if self.auth_key else None,
-                )
-            )
-            log = self.out / "logs" / f"agent-{node}.log"
-            agents.append(
-                (node, self.procs.spawn(f"agent {node}", self.tb.netns(node), [str(self.inband), "agent", "--config", str(cfg)], log), log)
-            )
-        for node, proc, log in agents:
-            ns = self.tb.netns(node)
-            wait_until(
-                f"the agent on {node} to attach",
-                lambda ns=ns, proc=proc, log=log, node=node: (
-                    alive(proc, f"the agent on {node}", log)
-                    and "agent_egress" in run(ns, ["tc", "filter", "show", "dev", "eth0", "egress"], check=False).stdout
-                ),
-                30,
-            )
+        self.start_agents([f"s{i}" for i in range(1, len(self.specs) + 1)], self.run_dir, self.out / "logs", SERVICE_PORT)
 
     def apply_tbf(self) -> None:
         a = self.args
@@ -275,39 +234,10 @@ class Bench:
     def start_balancer(self, c: Configuration, cfg_dir: Path):
         lb = self.tb.netns("lb")
         if c.kind == "inband":
-            # The balancer forwards to MACs from the kernel's neighbour
-            # table: make sure every backend has an entry before the first SYN.
-            for b in self.backends:
-                run(lb, ["ping", "-c", "1", "-W", "2", b.address], check=False)
-            sock = self.sock_dir / "lb.sock"
-            cfg = cfg_dir / "lb.toml"
-            cfg.write_text(
-                peers.lb_toml(
-                    address=self.tb.addr("lb"),
-                    vip=self.tb.vip,
-                    vip_port=VIP_PORT,
-                    backends=self.backends,
-                    mode=c.mode,
-                    control_socket=str(sock),
-                    auth_key=str(self.auth_key) if self.auth_key else None,
-                    probe_interval=c.probe_interval or self.args.probe_interval,
-                    probe_interval_max=c.probe_interval_max,
-                    poll_interval_ms=c.poll_interval_ms or self.args.poll_interval_ms,
-                )
-            )
-            log = cfg_dir / "lb.log"
-            proc = self.procs.spawn("inband lb", lb, [str(self.inband), "lb", "--config", str(cfg)], log)
-            wait_until(
-                "the balancer's control socket",
-                lambda: alive(proc, "inband lb", log) and sock.exists() and self.lb_status() is not None,
-                30,
-            )
-            wait_until(
-                "the balancer to resolve every backend's MAC",
-                lambda: all(b["mac"] != "00:00:00:00:00:00" for b in self.lb_status()[0]["vips"][0]["backends"]),
-                30,
-            )
-            return proc
+            return self.start_lb(
+                cfg_dir, self.backends, mode=c.mode, probe_interval=c.probe_interval or self.args.probe_interval,
+                probe_interval_max=c.probe_interval_max, poll_interval_ms=c.poll_interval_ms or self.args.poll_interval_ms,
+            )  # fmt: skip
         if c.kind == "haproxy":
             cfg = cfg_dir / "haproxy.cfg"
             cfg.write_text(
@@ -337,18 +267,12 @@ class Bench:
         if proc is not None:
             self.procs.stop(proc)
         if c.kind == "inband":
-            # Stopping the daemon keeps XDP and the maps (traffic keeps
-            # flowing): detach removes both, so the next run starts clean.
-            run(lb, [str(self.inband), "lb", "detach", "--interface", "eth0", "--force"], check=False)
+            self.detach_lb()
         if c.kind == "nftables":
             run(lb, ["nft", "delete", "table", "ip", peers.NFT_TABLE], check=False)
             if self.lb_ip_forward is not None:
                 run(lb, ["sysctl", "-q", "-w", f"net.ipv4.ip_forward={self.lb_ip_forward}"], check=False)
                 self.lb_ip_forward = None
-
-    def lb_status(self):
-        cp = run(self.tb.netns("lb"), [str(self.inband), "status", "--json"], check=False)
-        return json.loads(cp.stdout) if cp.returncode == 0 else None
 
     # --- one configuration
 
@@ -444,13 +368,8 @@ class Bench:
     # --- tear-down
 
     def teardown(self) -> None:
-        self.procs.stop_all()
+        super().teardown()
         self.servers = []
-        if self.tb_is_up:
-            self.log(f"testbed {self.tb.name}: down")
-            self.tb.down()
-            self.tb_is_up = False
-        shutil.rmtree(self.sock_dir, ignore_errors=True)
 
 
 def option_bytes(authenticated: bool) -> int:

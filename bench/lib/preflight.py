@@ -1,6 +1,4 @@
-"""The checks before a run, which every driver makes the same way, and what
-else runs on the machine (the drivers report it beside their numbers: a
-build on a 2-CPU machine changes them)."""
+"""The checks before a run, which every driver makes the same way."""
 
 from __future__ import annotations
 
@@ -45,35 +43,3 @@ def refuse(found: list[str]) -> int | None:
     for p in found:
         print(f"error: {p}", file=sys.stderr)
     return 2 if found else None
-
-
-BUILDS = {"cargo", "rustc", "cc1", "cc1plus", "ld", "clang"}
-STRESS = {"stress", "stress-ng"}
-
-
-def others_running() -> set[str]:
-    """Other benchmarks, tests and builds on this machine (not this process
-    and its parent), by program and arguments: a command line that merely
-    mentions ~/.cargo is not a build."""
-    me = {os.getpid(), os.getppid()}
-    seen = set()
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) in me:
-            continue
-        try:
-            argv = [a.decode(errors="replace") for a in open(f"/proc/{d}/cmdline", "rb").read().split(b"\0") if a]
-        except OSError:
-            continue
-        if not argv:
-            continue
-        prog = os.path.basename(argv[0])
-        if prog in BUILDS or prog in STRESS:
-            seen.add(prog)
-        for a in argv[1:4]:
-            if a.startswith("bench.") and a != "bench.docs":
-                seen.add(a)
-            elif a == "pytest" or a.endswith("/pytest"):
-                seen.add("pytest")
-        if (prog == "inband" or prog.startswith("inband-")) and argv[1:2] == ["bench"] and len(argv) > 2:
-            seen.add(f"inband bench {argv[2]}")
-    return seen

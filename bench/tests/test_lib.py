@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from bench.lib import preflight, profiles, results, stats, tools
+from bench.lib.host import others_running
 from bench.lib import report as rp
 from bench.lib.locust import Overhead, Request, RunResult
 from bench.lib.peers import Backend
@@ -67,7 +68,7 @@ def test_others_running_sees_a_benchmark_but_not_itself():
     try:
         seen = set()
         for _ in range(50):  # until the child has exec'd
-            seen = preflight.others_running()
+            seen = others_running()
             if "bench.somestudy" in seen:
                 break
             subprocess.run(["sleep", "0.05"])
@@ -75,7 +76,7 @@ def test_others_running_sees_a_benchmark_but_not_itself():
     finally:
         p.kill()
         p.wait()
-    assert "bench.somestudy" not in preflight.others_running()
+    assert "bench.somestudy" not in others_running()
 
 
 def test_profile_overrides():
