@@ -40,6 +40,7 @@ from .lib.load import closed_loop
 from .lib.stats import percentile
 from .lib.results import REPO, Run, default_dir, provenance
 from .lib.results import write as write_results
+from .lib.testbed import Testbed
 from .lib.procs import Procs, ns_argv, run, stop_signals_interrupt, wait_until
 
 SUBNET = 81
@@ -103,26 +104,24 @@ print(json.dumps(out))
 class Bed:
     def __init__(self, inband: Path, profile: Profile, workdir: Path, name: str) -> None:
         self.inband, self.p, self.dir, self.name = str(inband), profile, workdir, name
+        self.tb = Testbed(Path(inband), name)
         self.procs = Procs()
-        self.state: dict = {}
 
     def ns(self, node: str) -> str:
         return f"{self.name}-{node}"
 
     def up(self) -> None:
-        run(None, [self.inband, "testbed", "up", "--ecmp", "--name", self.name, "--subnet", str(SUBNET),
-                   "--clients", "1", "--servers", str(self.p.servers)], timeout=120)
-        self.state = json.loads(Path(f"/run/inband/testbed/{self.name}.json").read_text())
+        self.tb.up(self.p.servers, subnet=SUBNET, ecmp=True)
         run(self.ns("r1"), ["tc", "qdisc", "add", "dev", "c1", "root", "tbf", "rate", self.p.rate, "burst", "64kb", "latency", "400ms"])
         self.servers = [f"s{i}" for i in range(1, self.p.servers + 1)]
 
     def down(self) -> None:
         self.procs.stop_all()
-        run(None, [self.inband, "testbed", "down", "--name", self.name], timeout=120, check=False)
+        self.tb.down()
 
     @property
     def vip(self) -> str:
-        return self.state["vip6"]
+        return self.tb.vip6
 
     def serve(self, size_mb: int) -> None:
         """(Re)starts the HTTP servers with `size_mb` bodies, and an echo
@@ -134,12 +133,12 @@ class Bed:
             self.procs.spawn(f"echo-{s}", self.ns(s), [sys.executable, "-c", ECHO_SERVER, self.vip], self.dir / f"echo-{s}.log")
 
     def route(self, up: list[str], plain: bool) -> None:
-        argv = [self.inband, "shadow", "route", "--config", self.state["router_config"], "--up", ",".join(up)]
+        argv = [self.inband, "shadow", "route", "--config", self.tb.state["router_config"], "--up", ",".join(up)]
         run(self.ns("r1"), argv + (["--plain"] if plain else []))
 
     def generations(self, n: int) -> None:
         """The router keeps `n` earlier next-hop sets from its next change on."""
-        path = Path(self.state["router_config"])
+        path = Path(self.tb.state["router_config"])
         lines = [line for line in path.read_text().splitlines() if not line.startswith("generations")]
         path.write_text(f"generations = {n}\n" + "\n".join(lines) + "\n")
 

@@ -47,6 +47,7 @@ from .lib import profiles
 from .lib.load import closed_loop
 from .lib.results import REPO, Run, default_dir, provenance
 from .lib.results import write as write_results
+from .lib.testbed import Testbed, new_auth_key
 from .lib.procs import Procs, ns_argv, run, stop_signals_interrupt, wait_until
 
 SUBNET = 85
@@ -78,31 +79,28 @@ PROFILES = {
 class Bed:
     def __init__(self, inband: Path, profile: Profile, workdir: Path, name: str) -> None:
         self.inband, self.p, self.dir, self.name = str(inband), profile, workdir, name
+        self.tb = Testbed(Path(inband), name)
         self.procs = Procs()
         self.lbs: dict[int, object] = {}
         self.serves: list = []
-        self.state: dict = {}
+        self.saved_ports: str | None = None  # the client's port range before a row narrowed it
 
     def ns(self, node: str) -> str:
         return f"{self.name}-{node}"
 
     @property
     def vip(self) -> str:
-        return self.state["vip6"]
+        return self.tb.vip6
 
     def addr(self, node: str) -> str:
-        return next(n["address6"] for n in self.state["nodes"] if n["node"] == node)
+        return self.tb.addr6(node)
 
     def sid(self, i: int, kind: str) -> str:
         return f"fd00:{SUBNET}:{0x50 + i:x}::{kind}"
 
     def up(self) -> None:
-        run(None, [self.inband, "testbed", "up", "--ecmp", "--name", self.name, "--subnet", str(SUBNET), "--clients", "1",
-                   "--servers", str(SERVERS), "--balancers", str(BALANCERS)], timeout=120)
-        self.state = json.loads(Path(f"/run/inband/testbed/{self.name}.json").read_text())
-        key = self.dir / "auth.key"
-        key.unlink(missing_ok=True)
-        run(None, [self.inband, "keygen", "--out", str(key)])
+        self.tb.up(SERVERS, subnet=SUBNET, ecmp=True, balancers=BALANCERS)
+        key = new_auth_key(Path(self.inband), self.dir)
         auth = f'[auth]\nkeys = [{{ id = 1, file = "{key}" }}]\n'
         balancers = ", ".join(f'"{self.addr(f"b{i}")}"' for i in range(1, BALANCERS + 1))
         for s in range(1, SERVERS + 1):
@@ -123,7 +121,7 @@ class Bed:
         self.procs.stop_all()
         for i in range(1, BALANCERS + 1):
             run(self.ns(f"b{i}"), [self.inband, "lb", "detach", "--interface", "eth0", "--force"], check=False)
-        run(None, [self.inband, "testbed", "down", "--name", self.name], timeout=120, check=False)
+        self.tb.down()
 
     def socket(self, i: int) -> Path:
         return self.dir / f"lb-b{i}.sock"
@@ -184,16 +182,18 @@ class Bed:
                                                  for s in range(1, SERVERS + 1)), 15)
 
     def route(self, up: list[int], plain: bool = False) -> None:
-        argv = [self.inband, "shadow", "route", "--config", self.state["router_config"], "--up", ",".join(f"b{i}" for i in up)]
+        argv = [self.inband, "shadow", "route", "--config", self.tb.state["router_config"], "--up", ",".join(f"b{i}" for i in up)]
         run(self.ns("r1"), argv + (["--plain"] if plain else []))
 
     def client_ports(self, ports: str | None) -> None:
         """The client's ephemeral port range ("low high"); None puts back
         the one it had."""
         key = "net.ipv4.ip_local_port_range"
-        if ports and "ports" not in self.state:
-            self.state["ports"] = " ".join(run(self.ns("c1"), ["sysctl", "-n", key]).stdout.split())
-        run(self.ns("c1"), ["sysctl", "-qw", f"{key}={ports or self.state.pop('ports')}"])
+        if ports and self.saved_ports is None:
+            self.saved_ports = " ".join(run(self.ns("c1"), ["sysctl", "-n", key]).stdout.split())
+        run(self.ns("c1"), ["sysctl", "-qw", f"{key}={ports or self.saved_ports}"])
+        if not ports:
+            self.saved_ports = None
 
     def shaped(self, on: bool) -> None:
         run(self.ns("r1"), ["tc", "qdisc", "del", "dev", "c1", "root"], check=False)
