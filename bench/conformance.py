@@ -14,7 +14,8 @@ Whether a response came from the cache is told by the origin's count, not
 by a header, since the peers mark hits differently.
 
 Prints a Markdown table (one row per case, one column per system) and
-writes results.md and results.json into --out. Exit code 0 when every
+writes the record (results.json) and its table (results.md) into --results
+(default bench/results/conformance). Exit code 0 when every
 "must" case passes for inband; the peers' results are reported, not
 judged. Every process is stopped and every temporary directory removed at
 the end, on failures and Ctrl-C too. CI runs it against inband only

@@ -17,8 +17,10 @@ A request fails when curl does not get status 200 with the whole body
 (a reset, a time-out). The router sends to the client through a token
 bucket (tc tbf) so that downloads last seconds, as the seed's did on real
 links; a veth would otherwise finish 5 MB in milliseconds and no change
-would ever meet one. Prints Markdown tables and writes results.md,
-results.json, command.txt and flapping.png into --out. Every namespace
+would ever meet one. Prints Markdown tables and writes
+the record (results.json: commit, machine, load average, command, rows)
+and its tables (results.md) into --results (default bench/results/ecmp),
+flapping.png into --out. Every namespace
 and process it makes is removed on exit, Ctrl-C included. See
 docs/benchmarks.md.
 """

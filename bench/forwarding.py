@@ -15,8 +15,10 @@ namespace testbed (issue 5, parts 2-4):
 3. Feedback freshness: time from a server's score change to the balancer's
    map holding it, in-band (probe every n-th packet) and by polling.
 
-Prints Markdown tables with ratios, writes results.md, results.json and
-forwarding.png. Testbed `fwd`: client c1, balancer lb, server s1. Every
+Prints Markdown tables with ratios, writes
+the record (results.json: commit, machine, load average, command, rows)
+and its tables (results.md) into --results (default bench/results/forwarding),
+forwarding.png into --out. Testbed `fwd`: client c1, balancer lb, server s1. Every
 process, XDP program, nftables table and namespace is removed on exit,
 Ctrl-C and SIGTERM included. See docs/benchmarks.md.
 """

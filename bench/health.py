@@ -25,9 +25,10 @@ and dsr-dynamic (least-score), and HAProxy 2.6 (mode tcp, roundrobin)
 with its own checks at the same timings (`check inter 500 fastinter 100
 rise 2 fall 2`, `timeout connect 1s`). The full profile adds inband with
 HAProxy's effective check timeout (500 ms) and HAProxy with `option
-redispatch`. Prints the tables and writes results.md, results.json and
-command.txt into --out; configurations, logs and every request's record
-go to --work. Everything it starts is removed on exit, Ctrl-C included.
+redispatch`. Prints the tables and writes
+the record (results.json: commit, machine, load average, command, rows)
+and its tables (results.md) into --results (default bench/results/health),
+configurations, logs and every request's record into --out. Everything it starts is removed on exit, Ctrl-C included.
 See docs/benchmarks.md, "Health checks against HAProxy".
 """
 

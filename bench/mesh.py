@@ -22,8 +22,10 @@ each an nginx process that calls the next through the system, at 1 and 8
 connections. Then where the mesh's time goes: its two programs' run time
 per request (bpf_stats) against the CPU it adds over direct.
 
-Prints Markdown tables, writes results.md, results.json, mesh.png and
-command.txt into --out; removes its namespaces, cgroup and processes at
+Prints Markdown tables, writes
+the record (results.json: commit, machine, load average, command, rows)
+and its tables (results.md) into --results (default bench/results/mesh),
+mesh.png into --out; removes its namespaces, cgroup and processes at
 the end, on Ctrl-C and SIGTERM too. See docs/benchmarks.md ("Socket-layer
 L7 balancing").
 """

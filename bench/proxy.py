@@ -18,8 +18,10 @@ hour; it counts the requests that reach it) on 127.0.0.1.
    directory, and the same workload is replayed from its first response
    for a few seconds: origin requests and hit ratio in that window.
 
-Prints Markdown tables, writes results.md, results.json, results.csv,
-restart_timeline.csv, proxy.png and command.txt into --out. Every process
+Prints Markdown tables, writes
+the record (results.json: commit, machine, load average, command, rows)
+and its tables (results.md) into --results (default bench/results/proxy),
+results.csv, restart_timeline.csv and proxy.png into --out. Every process
 is stopped and every temporary directory removed at the end, on Ctrl-C and
 SIGTERM too. See docs/benchmarks.md ("L7 proxy cache").
 """

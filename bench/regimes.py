@@ -19,8 +19,9 @@ poller follows from the measured probes as always); packet counts are
 multiplied by B for the servers' view. Not modelled: that each balancer
 does not see the others' placements.
 
-Prints one table per regime and a summary; writes results.md and
-results.json. See docs/benchmarks.md, "Regimes".
+Prints one table per regime and a summary; writes
+the record (results.json: commit, machine, load average, command, rows)
+and its tables (results.md) into --results (default bench/results/regimes). See docs/benchmarks.md, "Regimes".
 """
 
 from __future__ import annotations

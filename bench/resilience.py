@@ -16,8 +16,10 @@
    inband again with the server closing first: refusals by error, slow
    connections, connections/s, and inband's drop counters and port reuse.
 
-Prints Markdown tables with ratios, writes results.md, results.json and
-command.txt into --out, and a directory per measurement with its configs,
+Prints Markdown tables with ratios, writes
+the record (results.json: commit, machine, load average, command, rows)
+and its tables (results.md) into --results (default bench/results/resilience),
+and into --out a directory per measurement with its configs,
 logs and raw samples. Testbed `res`: legitimate client c1, attacker c2,
 balancer lb, servers s1 and s2 (`inband serve`, each with `inband
 agent` while inband is measured). Every process, XDP program, nftables table, conntrack entry and

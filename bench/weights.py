@@ -27,7 +27,9 @@ server becomes 3x slower in the middle of a run, reported in 5-s windows
 with the time the controller took to re-solve. Last, the solver's time
 for 10 to 1,000 synthetic backends (`inband bench ilp`).
 
-Prints Markdown tables and writes results.md, results.json, command.txt,
+Prints Markdown tables and writes
+the record (results.json: commit, machine, load average, command, rows)
+and its tables (results.md) into --results (default bench/results/weights),
 curves.png (each backend's learned curve and the chosen weight),
 latency.png and transition.png into --out, with every process's log and
 config per run. Everything it starts is stopped and the testbed removed on
@@ -1227,9 +1229,7 @@ def main(argv=None) -> int:
     write_results(args.results, record, render(record))
     made = [name for name, fn in (("curves.png", plot_curves), ("latency.png", plot_latency), ("transition.png", plot_transition))
             if fn(results, out / name)]
-    with open(out / "command.txt", "a") as f:
-        f.write(f"finished: {time.strftime('%Y-%m-%d %H:%M:%S %z')} ({results['elapsed_s']:.0f} s)\n")
-    print(f"results in {out}: results.md, results.json, command.txt, {', '.join(made)}")
+    print(f"figures in {out}: {', '.join(made) or 'none'}")
     if interrupted:
         print(f"interrupted ({interrupted}); everything torn down", file=sys.stderr)
         return 130

@@ -27,10 +27,10 @@ class Loads:
         return 100.0 * self.failed / n if n else 0.0
 
 
-def closed_loop(netns: str, vip6: str, clients: int, size_mb: int, seconds: float, changes) -> Loads:
+def closed_loop(netns: str, vip6: str, clients: int, size_mb: int, seconds: float, changes, max_s: float = 60) -> Loads:
     """`clients` download loops (curl, from `netns`, of http://[vip6]/) for `seconds`; `changes(t)` runs on
     the driver's thread meanwhile. Requests that start before the end are
-    all waited for."""
+    all waited for, each at most `max_s` (then it counts as failed)."""
     url = f"http://[{vip6}]/"
     body = size_mb * 1_000_000
     loads, lock, stop = Loads(durations=[], failures=[]), threading.Lock(), threading.Event()
@@ -40,7 +40,7 @@ def closed_loop(netns: str, vip6: str, clients: int, size_mb: int, seconds: floa
         while not stop.is_set():
             t = time.monotonic()
             cp = subprocess.run(ns_argv(netns, ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{size_download} %{local_port}",
-                                "--max-time", "60", url]), capture_output=True, text=True, timeout=90)
+                                "--max-time", f"{max_s:g}", url]), capture_output=True, text=True, timeout=max_s + 30)
             got, _, port = cp.stdout.rpartition(" ")
             with lock:
                 if cp.returncode == 0 and got == f"200 {body}":
@@ -59,5 +59,5 @@ def closed_loop(netns: str, vip6: str, clients: int, size_mb: int, seconds: floa
     finally:
         stop.set()
         for th in threads:
-            th.join(timeout=120)
+            th.join(timeout=max_s + 60)
     return loads
