@@ -603,9 +603,9 @@ def main(argv=None) -> int:
         print(f"error: {args.inband} is missing: run scripts/setup.sh", file=sys.stderr)
         return 2
     stop_signals_interrupt()
-    run = Run("conformance", "bench.conformance", argv)
+    this_run = Run("conformance", "bench.conformance", argv)
     results = run_suite(systems, Path(args.inband).resolve())
-    record = run.record(results, inband=Path(args.inband), tools={"nginx": ["nginx", "-v"], "varnish": ["varnishd", "-V"]},
+    record = this_run.record(results, inband=Path(args.inband), tools={"nginx": ["nginx", "-v"], "varnish": ["varnishd", "-V"]},
                         cases=[c.id for c in CASES])
     write_results(args.results, record, render(record))
     failing = inband_must_failures(results) if "inband" in systems else []

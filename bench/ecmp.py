@@ -242,7 +242,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     p = PROFILES[args.profile]
     args.out.mkdir(parents=True, exist_ok=True)
-    run = Run("ecmp", "bench.ecmp", argv)
+    this_run = Run("ecmp", "bench.ecmp", argv)
     stop_signals_interrupt()
     bed = Bed(args.inband, p, args.out, args.name)
     rng = random.Random(args.seed)
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
         results["latency"]["chained"], results["echoes_chained"] = echo_rtts(bed, move=True)
     finally:
         bed.down()
-    record = run.record(results, profile=profiles.as_json(args.profile, p), inband=Path(args.inband))
+    record = this_run.record(results, profile=profiles.as_json(args.profile, p), inband=Path(args.inband))
     write_results(args.results, record, render(record))
     plot(results, args.out / "flapping.png")
     return 0

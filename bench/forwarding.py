@@ -733,7 +733,7 @@ class Bench(TestbedRun):
         try:
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             conn.settimeout(5)
-            conn.connect(str(self.sock_dir / "agent.sock"))
+            conn.connect(str(self.sock_dir / "agent-s1.sock"))
             backend_id = self.lb_status()[0]["vips"][0]["backends"][0]["id"]
             scores = PinnedMap(Path("/sys/fs/bpf/inband/netns") / self.ns("lb") / "lb" / "eth0" / "scores")
             # The longest a change can take is about a poll interval, or n
@@ -785,7 +785,7 @@ class Bench(TestbedRun):
                 self.procs.stop(wrk)
             self.procs.stop(server)
             self.stop(handle)
-            run(self.ns("s1"), [str(self.inband), "agent", "score", "clear", "--port", str(HTTP_PORT), "--socket", str(self.sock_dir / "agent.sock")], check=False)
+            run(self.ns("s1"), [str(self.inband), "agent", "score", "clear", "--port", str(HTTP_PORT), "--socket", str(self.sock_dir / "agent-s1.sock")], check=False)
         return res
 
 
@@ -923,7 +923,7 @@ def main(argv=None) -> int:
     parts = args.parts.split(",")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    run = Run("forwarding", "bench.forwarding", argv)
+    this_run = Run("forwarding", "bench.forwarding", argv)
     bench = Bench(args, profile, out)
     stop_signals_interrupt()
     fwd: list[Fwd] = []
@@ -963,7 +963,7 @@ def main(argv=None) -> int:
                 outcome.attempt(f"freshness poll {ms} ms", lambda ms=ms: bench.freshness("polling", ms), fresh)
 
     rows = {"forwarding": [asdict(r) for r in fwd], "cost": [asdict(r) for r in http], "freshness": [asdict(r) for r in fresh]}
-    record = run.record(rows, profile=profiles.as_json(args.profile, profile), inband=Path(args.inband), tools=TOOLS,
+    record = this_run.record(rows, profile=profiles.as_json(args.profile, profile), inband=Path(args.inband), tools=TOOLS,
                         others=sorted(bench.others), failed=outcome.failed)
     write_results(Path(args.results), record, render(record))
     if fwd or http or fresh:

@@ -548,7 +548,7 @@ def main(argv=None) -> int:
         return refused
     work = (args.out or Path(f"/tmp/inband-health-{args.name}")).resolve()
     bench = Bench(args, p, work)
-    run = results.Run("health", "bench.health", argv)
+    this_run = results.Run("health", "bench.health", argv)
     stop_signals_interrupt()
     outcome = Outcome(bench.log)
     rows: list[dict] = []
@@ -556,7 +556,7 @@ def main(argv=None) -> int:
         bench.setup()
         for k in keys:
             outcome.attempt(k, lambda k=k: bench.measure(BY_KEY[k], outcome), rows)
-    record = run.record(
+    record = this_run.record(
         rows, profile=profiles.as_json(args.profile, p), inband=bench.inband, tools=TOOLS,
         checks={**asdict(CHECKS), "haproxy_check_timeout_ms": HAPROXY_CHECK_TIMEOUT_MS, "haproxy_timeout_connect_s": HAPROXY_CONNECT_TIMEOUT_S},
         failed=outcome.failed,

@@ -685,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         profile = Profile(profile.conns, profile.seconds, profile.chain_conns, profile.chain_seconds, chosen, profile.rounds)
     args.out.mkdir(parents=True, exist_ok=True)
-    run = Run("mesh", "bench.mesh", argv)
+    this_run = Run("mesh", "bench.mesh", argv)
     res = Results(profile=args.profile)
     stop_signals_interrupt()
     with tempfile.TemporaryDirectory(prefix="bench-mesh-") as tmp:
@@ -702,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
             with uninterruptible():
                 b.procs.stop_all()
                 b.teardown_testbed()
-    record = run.record(asdict(res), profile={"name": args.profile, **asdict(profile)}, inband=INBAND, tools=TOOLS)
+    record = this_run.record(asdict(res), profile={"name": args.profile, **asdict(profile)}, inband=INBAND, tools=TOOLS)
     write_results(args.results, record, render(record))
     plot(res, args.out / "mesh.png")
     return 0

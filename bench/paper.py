@@ -100,12 +100,12 @@ def setup_text(bench: Bench, elapsed_s: float, server_set: str) -> str:
 def render(record: dict) -> str:
     """The tables of a run, from its record alone (bench.docs renders the
     committed one the same way)."""
-    parts = [f"{results.provenance(record)}\n"]
-    if record.get("failed"):
-        parts.append("**Failed:** " + "; ".join(record["failed"]) + "\n")
+    failed = "\n**Failed:** " + "; ".join(record["failed"]) + "\n" if record.get("failed") else ""
+    parts = []
     for name, d in record["sets"].items():
         ran = [RunResult.from_json(r) for r in record["rows"] if r["set"] == name]
-        preamble = f"# Paper evaluation, profile `{record['profile']['name']}`, servers `{name}`\n\n" + d["setup"]
+        preamble = (f"# Paper evaluation, profile `{record['profile']['name']}`, servers `{name}`\n\n"
+                    f"{results.provenance(record)}  \n" + d["setup"] + failed)
         parts.append(locust.markdown(ran, d["backend_labels"], preamble=preamble))
     return "\n".join(parts)
 

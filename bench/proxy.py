@@ -714,7 +714,7 @@ def main(argv=None) -> int:
     profile = profile_of(args)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    run = Run("proxy", "bench.proxy", argv)
+    this_run = Run("proxy", "bench.proxy", argv)
     stop_signals_interrupt()
     bench = None
     hits = {(s.key, c): Hits(s.key, s.label, c) for c in profile.connections for s in systems}
@@ -767,7 +767,7 @@ def main(argv=None) -> int:
     miss_rows = [misses[s.key] for s in systems if s.key != "static"]
     rows = {"hits": [hits_json(h) for h in hit_rows], "misses": [hits_json(h) for h in miss_rows],
             "restart": [{**asdict(r), "hit_ratio": r.hit_ratio} for r in restarts]}
-    record = run.record(rows, profile=profiles.as_json("quick" if args.quick else "default", profile), inband=Path(args.inband), tools=TOOLS,
+    record = this_run.record(rows, profile=profiles.as_json("quick" if args.quick else "default", profile), inband=Path(args.inband), tools=TOOLS,
                         quiet=quiet, others=sorted(bench.others) if bench else [], failed=outcome.failed)
     write_results(args.results, record, render(record))
     write_csv(hit_rows, restarts, out / "results.csv")

@@ -224,11 +224,16 @@ def regime_table(regime: Regime, rows: list[Row]) -> str:
     return table(headers, out)
 
 
-def verdict(rps_eq: float, p99_eq: float, rps_best: float, p99_best: float) -> str:
+def verdict(rps_eq: float | None, p99_eq: float | None, rps_best: float | None, p99_best: float | None) -> str:
+    """A ratio that could not be taken (None) wins nothing."""
+
+    def beats(rps, p99) -> bool:
+        return (rps is not None and rps >= WIN_RPS) or (p99 is not None and p99 <= WIN_P99)
+
     hits = []
-    if rps_eq >= WIN_RPS or p99_eq <= WIN_P99:
+    if beats(rps_eq, p99_eq):
         hits.append("beats the equal-budget poller")
-    if rps_best >= WIN_RPS or p99_best <= WIN_P99:
+    if beats(rps_best, p99_best):
         hits.append("beats the best poller")
     return "; ".join(hits) or f"no win by the bar (≥ {WIN_RPS}× RPS or ≤ {WIN_P99}× p99)"
 
@@ -253,9 +258,9 @@ def summary_table(by_regime: dict) -> str:
         by = {r.key: r for r in rows}
         d = by["dsr-dynamic"].s
 
-        def ratio(k: str, what: str) -> float:
+        def against(k: str, what: str) -> float | None:
             if k not in by:
-                return float("nan")
+                return None
             s = by[k].s
             return ratio(d.rps, s.rps) if what == "rps" else ratio(d.pct_ms[99], s.pct_ms[99])
 
@@ -265,14 +270,14 @@ def summary_table(by_regime: dict) -> str:
                 f"{d.rps:.1f}",
                 by["poll-equal"].interval if "poll-equal" in by else "–",
                 f"{budget_match(rows):.2f}" if "poll-equal" in by else "–",
-                fmt_ratio(ratio("poll-equal", "rps")),
-                fmt_ratio(ratio("poll-equal", "p99")),
-                fmt_ratio(ratio("poll-best", "rps")),
-                fmt_ratio(ratio("poll-best", "p99")),
-                fmt_ratio(ratio("dsr-query", "rps")),
-                fmt_ratio(ratio("dsr-query", "p99")),
-                fmt_ratio(ratio("dsr-rr", "rps")),
-                verdict(ratio("poll-equal", "rps"), ratio("poll-equal", "p99"), ratio("poll-best", "rps"), ratio("poll-best", "p99")),
+                fmt_ratio(against("poll-equal", "rps")),
+                fmt_ratio(against("poll-equal", "p99")),
+                fmt_ratio(against("poll-best", "rps")),
+                fmt_ratio(against("poll-best", "p99")),
+                fmt_ratio(against("dsr-query", "rps")),
+                fmt_ratio(against("dsr-query", "p99")),
+                fmt_ratio(against("dsr-rr", "rps")),
+                verdict(against("poll-equal", "rps"), against("poll-equal", "p99"), against("poll-best", "rps"), against("poll-best", "p99")),
             ]
         )
     return table(headers, out)
@@ -320,7 +325,7 @@ def main(argv=None) -> int:
     if refused:
         return refused
     pprofile = paperbed.resolve_profile(pa)
-    run = results.Run("regimes", "bench.regimes", argv)
+    this_run = results.Run("regimes", "bench.regimes", argv)
     regimes = [BY_KEY[k] for k in args.regime_keys]
     by_regime: dict[str, list[Row]] = {}
     failed: list[tuple[str, str]] = []
@@ -354,7 +359,7 @@ def main(argv=None) -> int:
 
     rows = [{"regime": key, "key": r.key, "label": r.label, "interval": r.interval, "lifetime_s": r.lifetime_s, "result": r.result.to_json()}
             for key, rs in by_regime.items() for r in rs]
-    record = run.record(rows, profile=profiles.as_json(args.profile, profile), inband=Path(args.inband), paper_profile=asdict(pprofile),
+    record = this_run.record(rows, profile=profiles.as_json(args.profile, profile), inband=Path(args.inband), paper_profile=asdict(pprofile),
                         regimes=args.regime_keys, failed=[f"{k}: {e}" for k, e in failed])
     results.write(args.results, record, render(record))
     for key, err in failed:

@@ -966,7 +966,7 @@ def main(argv=None) -> int:
     parts = args.parts.split(",")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    run = Run("resilience", "bench.resilience", argv)
+    this_run = Run("resilience", "bench.resilience", argv)
     bench = Bench(args, profile, out)
     stop_signals_interrupt()
     floods: list[Flood] = []
@@ -990,7 +990,7 @@ def main(argv=None) -> int:
                 outcome.attempt(f"churn {kind}{' server-closes' if server_closes else ''}", lambda k=kind, n=n, s=server_closes: bench.churn(k, n, s), churns)
 
     rows = {"flood": [flood_json(r) for r in floods], "churn": [asdict(r) for r in churns]}
-    record = run.record(rows, profile=profiles.as_json(args.profile, profile), inband=bench.inband, tools=TOOLS,
+    record = this_run.record(rows, profile=profiles.as_json(args.profile, profile), inband=bench.inband, tools=TOOLS,
                         others=sorted(bench.others), failed=outcome.failed)
     write_results(Path(args.results), record, render(record))
     return outcome.exit_code()

@@ -352,7 +352,7 @@ def main(argv=None) -> int:
     p = PROFILES[args.profile]
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    run = Run("scaleout", "bench.scaleout", argv)
+    this_run = Run("scaleout", "bench.scaleout", argv)
     stop_signals_interrupt()
     bed = Bed(args.inband, p, args.out, args.name)
     results: dict = {"profile": asdict(p)}
@@ -366,7 +366,7 @@ def main(argv=None) -> int:
         results["throughput"] = throughput(bed)
     finally:
         bed.down()
-    record = run.record(results, profile=profiles.as_json(args.profile, p), inband=Path(args.inband))
+    record = this_run.record(results, profile=profiles.as_json(args.profile, p), inband=Path(args.inband))
     write_results(args.results, record, render(record))
     plot(results, args.out / "throughput.png")
     return 0

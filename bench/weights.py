@@ -1174,8 +1174,8 @@ def main(argv=None) -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     args.out = out
-    run = Run("weights", "bench.weights", argv)
-    command = run.command
+    this_run = Run("weights", "bench.weights", argv)
+    command = this_run.command
     results: dict = {"profile": asdict(p), "command": command, "workers": list(WORKERS), "body_bytes": BODY_BYTES,
                      "config": {"probe_rate": p.probe_rate, "round_ms": p.round_ms, "probe_interval": args.probe_interval, "no_time_wait": args.no_time_wait,
                                 "auth": args.auth, "weights_set": args.weights_set},
@@ -1225,7 +1225,7 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             results["failed"].append(("ilp", f"{e.__class__.__name__}: {e}"))
     results["elapsed_s"] = time.time() - started
-    record = run.record(results, profile=profiles.as_json(args.profile, p), inband=Path(args.inband), tools={"haproxy": ["haproxy", "-v"]})
+    record = this_run.record(results, profile=profiles.as_json(args.profile, p), inband=Path(args.inband), tools={"haproxy": ["haproxy", "-v"]})
     write_results(args.results, record, render(record))
     made = [name for name, fn in (("curves.png", plot_curves), ("latency.png", plot_latency), ("transition.png", plot_transition))
             if fn(results, out / name)]

@@ -1,27 +1,32 @@
-"""The longest tests start first (measured on the 2-CPU machine: the
-drivers' end-to-end runs, seconds each), so that with several workers
-(pytest.ini) the last test to start is a short one."""
+"""The drivers' end-to-end runs, spread over the workers that pytest.ini
+starts: each in one of four groups of about the same length (seconds
+each took on the 2-CPU machine, beside one another), the longest group
+work first; the tests without a testbed fill in around them."""
 
 from __future__ import annotations
 
-SECONDS = {
-    "test_scaleout.py::test_tiny_profile_end_to_end": 154,
-    "test_weights.py::test_tiny_profile_end_to_end": 122,
-    "test_regimes.py::test_tiny_grid_end_to_end": 83,
-    "test_health.py::test_quick_profile_end_to_end": 78,
-    "test_paper_tiny.py::test_tiny_profile_end_to_end": 70,
-    "test_ecmp.py::test_tiny_profile_end_to_end": 47,
-    "test_forwarding.py::test_tiny_profile_end_to_end": 46,
-    "test_resilience.py::test_tiny_profile_end_to_end": 40,
-    "test_proxy.py::test_quick_run_end_to_end": 40,
-    "test_paper_tiny.py::test_tiny_profile_on_the_papers_two_servers": 37,
-    "test_mesh.py::test_tiny_profile_end_to_end": 34,
-    "test_conformance.py::test_inband_passes_every_case": 9,
-}
+import pytest
+
+GROUPS = (
+    # ~200 s each.
+    {"test_weights.py::test_tiny_profile_end_to_end": 119, "test_ecmp.py::test_tiny_profile_end_to_end": 47,
+     "test_mesh.py::test_tiny_profile_end_to_end": 35},
+    {"test_scaleout.py::test_tiny_profile_end_to_end": 105, "test_paper_tiny.py::test_tiny_profile_on_the_papers_two_servers": 54,
+     "test_proxy.py::test_quick_run_end_to_end": 39},
+    {"test_regimes.py::test_tiny_grid_end_to_end": 105, "test_forwarding.py::test_tiny_profile_end_to_end": 48,
+     "test_resilience.py::test_tiny_profile_end_to_end": 47},
+    {"test_paper_tiny.py::test_tiny_profile_end_to_end": 98, "test_health.py::test_quick_profile_end_to_end": 80,
+     "test_conformance.py::test_inband_passes_every_case": 9},
+)
+GROUP_OF = {test: g for g, tests in enumerate(GROUPS) for test in tests}
+SECONDS = {test: s for tests in GROUPS for test, s in tests.items()}
 
 
 def pytest_collection_modifyitems(config, items):
-    def key(item):
-        return -SECONDS.get(f"{item.path.name}::{item.name}", 0)
-
-    items.sort(key=key)  # stable: the rest keep their order
+    for item in items:
+        g = GROUP_OF.get(f"{item.path.name}::{item.name}")
+        if g is not None:
+            item.add_marker(pytest.mark.xdist_group(f"testbed{g}"))
+    # Grouped runs first (a worker takes a group whole), longest first.
+    items.sort(key=lambda item: (GROUP_OF.get(f"{item.path.name}::{item.name}", len(GROUPS)),
+                                 -SECONDS.get(f"{item.path.name}::{item.name}", 0)))
