@@ -690,12 +690,10 @@ def parse_args(argv):
 
 
 def profile_of(args) -> Profile:
-    p = PROFILES["quick" if args.quick else "default"]
-    over = {
-        "objects": args.objects, "object_bytes": args.object_bytes, "measure_s": args.seconds, "rounds": args.rounds,
-        "window_s": args.window, "connections": tuple(int(c) for c in args.connections.split(",")) if args.connections else None,
-    }  # fmt: skip
-    return Profile(**{**asdict(p), **{k: v for k, v in over.items() if v is not None}})
+    return profiles.choose(
+        PROFILES, "quick" if args.quick else "default", objects=args.objects, object_bytes=args.object_bytes, measure_s=args.seconds,
+        rounds=args.rounds, window_s=args.window, connections=tuple(int(c) for c in args.connections.split(",")) if args.connections else None,
+    )  # fmt: skip
 
 
 def problems(args, systems: list[System]) -> list[str]:

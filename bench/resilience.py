@@ -940,13 +940,8 @@ def parse_args(argv):
 
 
 def profile_of(args) -> Profile:
-    p = PROFILES[args.profile]
-    over = {
-        k: v
-        for k, v in (("churn", args.churn_connections), ("peer_churn", args.peer_connections), ("server_closes", args.server_closes_connections))
-        if v is not None
-    }
-    return Profile(**{**asdict(p), **over})
+    return profiles.choose(PROFILES, args.profile, churn=args.churn_connections, peer_churn=args.peer_connections,
+                           server_closes=args.server_closes_connections)
 
 
 def problems(args, profile: Profile) -> list[str]:

@@ -7,7 +7,6 @@ same configurations under other loads and poll intervals."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shlex
@@ -19,7 +18,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import locust, peers
+from . import locust, peers, profiles
 from . import preflight as checks
 from .locust import Overhead, RunResult
 from .peers import Backend
@@ -464,9 +463,7 @@ def problems(args) -> list[str]:
 def resolve_profile(args) -> Profile:
     """The profile with the command line's overrides, and the balancer
     link's defaults for its time scale filled into `args`."""
-    profile = PROFILES[args.profile]
-    if args.time_scale:
-        profile = dataclasses.replace(profile, time_scale=args.time_scale)
+    profile = profiles.choose(PROFILES, args.profile, time_scale=args.time_scale or None)
     # Faster servers get a proportionally faster balancer link, so that the
     # balancer's capacity relative to the servers' stays what it is at
     # time scale 1 (pass-through bound below round-robin, as in the paper).

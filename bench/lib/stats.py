@@ -22,8 +22,3 @@ def ratio(a: float | None, b: float | None) -> float | None:
         return None
     return a / b
 
-
-def spread(values) -> tuple[float, float] | None:
-    """(lowest, highest): what repeated rounds of one measurement span."""
-    xs = list(values)
-    return (min(xs), max(xs)) if xs else None
