@@ -37,7 +37,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .lib import profiles
+from .lib import preflight, profiles
 from .lib.load import closed_loop
 from .lib.stats import percentile
 from .lib.results import REPO, Run, default_dir, provenance
@@ -243,6 +243,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=2, help="the flapping schedule's random seed")
     ap.add_argument("--name", default="ecmp", help="the testbed's name (namespaces NAME-r1, NAME-c1, NAME-s1...)")
     args = ap.parse_args(argv)
+    refused = preflight.refuse(preflight.problems(inband=str(args.inband), tools=("curl", "tc", "ss"), testbed_name=args.name))
+    if refused:
+        return refused
     p = PROFILES[args.profile]
     args.out.mkdir(parents=True, exist_ok=True)
     this_run = Run("ecmp", "bench.ecmp", argv)

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .lib.peers import nginx_static_conf
-from .lib import profiles
+from .lib import preflight, profiles
 from .lib.load import closed_loop
 from .lib.results import REPO, Run, default_dir, provenance
 from .lib.results import write as write_results
@@ -349,6 +349,9 @@ def main(argv=None) -> int:
     ap.add_argument("--inband", type=Path, default=REPO / "target/debug/inband")
     ap.add_argument("--name", default="scale", help="the testbed's name (namespaces NAME-r1, NAME-b1, ...)")
     args = ap.parse_args(argv)
+    refused = preflight.refuse(preflight.problems(inband=str(args.inband), tools=("curl", "wrk", "nginx", "tc", "ss"), testbed_name=args.name))
+    if refused:
+        return refused
     p = PROFILES[args.profile]
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
