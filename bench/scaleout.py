@@ -55,9 +55,6 @@ from .lib.procs import Procs, ns_argv, run, stop_signals_interrupt, wait_until
 SUBNET = 85
 BALANCERS = 4
 SERVERS = 3
-# A port comes back every few seconds at the tiny profile's connection rate,
-# well inside the balancer's closing timeout (10 s).
-REUSED_PORTS = 100
 
 
 @dataclass(frozen=True)
@@ -72,12 +69,22 @@ class Profile:
     # A download that takes longer has failed: a connection that plain ECMP
     # moved hangs until then, and the row waits for it.
     download_max_s: float = 60
+    # The reused-ports row: the client's port range, and its download loops.
+    # A later connection meets an earlier one's closing flow only when a
+    # connection in flight at a change moves to the instance that closed
+    # its tuple within the closing timeout (10 s); by chance alone, with a
+    # few downloads in flight and ports the warm-up did not all use, a row
+    # on a busy machine saw none. Few enough ports that the warm-up uses
+    # each, and enough downloads that one is in flight on the instance
+    # that leaves, make it happen by construction.
+    reused_ports: int = 100
+    reused_clients: int | None = None  # default: `clients`
 
 
 PROFILES = {
     "quick": Profile(8, 2, "160mbit", 5, 21, 10, 64),
     # The test's: seconds; every change still meets downloads in flight.
-    "tiny": Profile(4, 1, "200mbit", 2, 9, 3, 16, download_max_s=10),
+    "tiny": Profile(4, 1, "200mbit", 2, 9, 3, 16, download_max_s=10, reused_ports=30, reused_clients=12),
 }
 
 
@@ -253,29 +260,35 @@ class ShortRequests:
             t.join(timeout=60)
 
 
+def reused_row(p: Profile) -> str:
+    return f"b3 joins, then b1 leaves; the client reuses {p.reused_ports} ports"
+
+
 def changes_under_load(bed: Bed) -> list[dict]:
     backend = lambda s: f"[{bed.addr(f's{s}')}]:8080"  # noqa: E731
     vip = f"[{bed.vip}]:80"
     rows = []
 
     def measure(experiment: str, mode: str, routed: list[int], plain: bool, *steps, ports: str | None = None,
-                warm_on: list[int] | None = None) -> None:
+                warm_on: list[int] | None = None, clients: int | None = None) -> None:
         """With `ports`, the client's port range for the row; `warm_on`, a
-        set the same load runs on first (a third of a row, not counted)."""
+        set the same load runs on first (a third of a row, not counted);
+        `clients`, download loops other than the profile's."""
+        clients = clients or bed.p.clients
         if ports:
             bed.client_ports(ports)
         try:
             if warm_on:
                 bed.route(warm_on, plain)
                 with ShortRequests(bed):
-                    closed_loop(bed.ns("c1"), bed.vip, bed.p.clients, bed.p.size_mb, bed.p.run_s / 3, at_fractions([]),
+                    closed_loop(bed.ns("c1"), bed.vip, clients, bed.p.size_mb, bed.p.run_s / 3, at_fractions([]),
                                 bed.p.download_max_s)
             bed.route(routed, plain)
             chained, no_flow = bed.counter("events", "chained"), bed.counter("drops", "chained_no_flow")
             later = bed.counter("events", "later_connection")
             steps_s: list = []
             with ShortRequests(bed) as short:
-                loads = closed_loop(bed.ns("c1"), bed.vip, bed.p.clients, bed.p.size_mb, bed.p.run_s, at_fractions(steps_s, *steps),
+                loads = closed_loop(bed.ns("c1"), bed.vip, clients, bed.p.size_mb, bed.p.run_s, at_fractions(steps_s, *steps),
                                     bed.p.download_max_s)
         finally:
             if ports:
@@ -306,8 +319,8 @@ def changes_under_load(bed: Bed) -> list[dict]:
     # behind one NAT): a connection whose packets move to another instance
     # there meets the closing flow of an earlier one on its tuple. The
     # warm-up leaves such flows on b2 and b3, as a row before would.
-    measure(f"b3 joins, then b1 leaves; the client reuses {REUSED_PORTS} ports", "inband (shadow + chaining)", [1, 2], False,
-            lambda: bed.route([1, 2, 3]), lambda: bed.route([2, 3]), ports=f"40000 {40000 + REUSED_PORTS - 1}", warm_on=[2, 3])
+    measure(reused_row(bed.p), "inband (shadow + chaining)", [1, 2], False, lambda: bed.route([1, 2, 3]), lambda: bed.route([2, 3]),
+            ports=f"40000 {40000 + bed.p.reused_ports - 1}", warm_on=[2, 3], clients=bed.p.reused_clients)
     for routed, mode in (([1, 2, 3], "3 instances"), ([1], "single balancer")):
         first, second = routed[-1], routed[0]
         measure("daemon restarted, then one killed -9", mode, routed,
