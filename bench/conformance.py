@@ -14,7 +14,8 @@ Whether a response came from the cache is told by the origin's count, not
 by a header, since the peers mark hits differently.
 
 Prints a Markdown table (one row per case, one column per system) and
-writes results.md and results.json into --out. Exit code 0 when every
+writes the record (results.json) and its table (results.md) into --results
+(default bench/results/conformance). Exit code 0 when every
 "must" case passes for inband; the peers' results are reported, not
 judged. Every process is stopped and every temporary directory removed at
 the end, on failures and Ctrl-C too. CI runs it against inband only
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import json
 import os
 import shutil
 import socket
@@ -39,10 +39,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 
-from . import peers
-from .procs import Fatal, Procs, stop_signals_interrupt, wait_until
+from .lib import peers
+from .lib.results import REPO, Run, default_dir, provenance
+from .lib.results import write as write_results
+from .lib.procs import Fatal, Procs, stop_signals_interrupt, wait_until
 
-REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 TIMEOUT_S = 5  # every socket operation of a case
 # After max-age=1: nginx keeps whole-second expiry times, so a response
@@ -554,6 +555,12 @@ def run_suite(systems: list[str], inband: Path, log=print) -> dict:
 # --------------------------------------------------------------- report
 
 
+def render(record: dict) -> str:
+    """The table of a run, from its record alone (bench.docs renders the
+    committed one the same way)."""
+    return f"# HTTP caching conformance\n\n{provenance(record)}\n\n" + markdown(record["rows"])
+
+
 def markdown(results: dict) -> str:
     keys = list(results)
     head = ["case", "kind", "RFC"] + [SYSTEMS[k] for k in keys]
@@ -582,7 +589,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.conformance", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--systems", default="inband,nginx,varnish", help="comma-separated subset of " + ", ".join(SYSTEMS))
     ap.add_argument("--inband", default=str(REPO / "target" / "debug" / "inband"))
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--results", type=Path, default=default_dir("conformance"), help="results.json and results.md (default: the committed ones)")
     args = ap.parse_args(argv)
     systems = args.systems.split(",")
     bad = [s for s in systems if s not in SYSTEMS]
@@ -596,14 +603,11 @@ def main(argv=None) -> int:
         print(f"error: {args.inband} is missing: run scripts/setup.sh", file=sys.stderr)
         return 2
     stop_signals_interrupt()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.strftime("%Y-%m-%d %H:%M:%S %z")
+    this_run = Run("conformance", "bench.conformance", argv)
     results = run_suite(systems, Path(args.inband).resolve())
-    md = f"# HTTP caching conformance\n\nStarted {started}.\n\n" + markdown(results)
-    (out / "results.md").write_text(md)
-    (out / "results.json").write_text(json.dumps({"started": started, "cases": [c.id for c in CASES], "results": results}, indent=2))
-    print(md)
+    record = this_run.record(results, inband=Path(args.inband), tools={"nginx": ["nginx", "-v"], "varnish": ["varnishd", "-V"]},
+                        cases=[c.id for c in CASES])
+    write_results(args.results, record, render(record))
     failing = inband_must_failures(results) if "inband" in systems else []
     if failing:
         print(f"inband fails must cases: {', '.join(failing)}", file=sys.stderr)

@@ -17,8 +17,10 @@ A request fails when curl does not get status 200 with the whole body
 (a reset, a time-out). The router sends to the client through a token
 bucket (tc tbf) so that downloads last seconds, as the seed's did on real
 links; a veth would otherwise finish 5 MB in milliseconds and no change
-would ever meet one. Prints Markdown tables and writes results.md,
-results.json, command.txt and flapping.png into --out. Every namespace
+would ever meet one. Prints Markdown tables and writes
+the record (results.json: commit, machine, load average, command, rows)
+and its tables (results.md) into --results (default bench/results/ecmp),
+flapping.png into --out. Every namespace
 and process it makes is removed on exit, Ctrl-C included. See
 docs/benchmarks.md.
 """
@@ -31,15 +33,18 @@ import random
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .outputs import publish, record_command
-from .procs import Procs, ns_argv, run, stop_signals_interrupt, wait_until
+from .lib import preflight, profiles
+from .lib.load import closed_loop
+from .lib.stats import percentile
+from .lib.results import REPO, Run, default_dir, provenance
+from .lib.results import write as write_results
+from .lib.testbed import Testbed
+from .lib.procs import Procs, ns_argv, run, stop_signals_interrupt, wait_until
 
-REPO = Path(__file__).resolve().parent.parent
 SUBNET = 81
 
 
@@ -59,6 +64,9 @@ class Profile:
     planned_s: float  # the 4 → 2 → 4 run: a third at each step
     echoes: int  # latency samples per case
     flap_modes: tuple = tuple(m for m, _, _ in FLAP_MODES)  # which of FLAP_MODES the flapping runs
+    # A download that takes longer has failed: a connection that plain ECMP
+    # moved hangs until then, and the run waits for it.
+    download_max_s: float = 60
 
 
 PROFILES = {
@@ -66,7 +74,7 @@ PROFILES = {
     "quick": Profile(4, 8, "160mbit", (5,), (1, 5), 20, 21, 5000),
     # CI's smoke test: seconds, and flaps slower than a download, so that
     # shadowing must lose nothing at all.
-    "tiny": Profile(4, 4, "200mbit", (2,), (2,), 6, 6, 500),
+    "tiny": Profile(4, 4, "200mbit", (2,), (2,), 6, 6, 500, download_max_s=10),
     # Issue 12's goal (under 0.08% failed at 1-s flaps) needs thousands of
     # requests to be seen: 15 minutes of the deepest shadowing alone.
     "goal": Profile(4, 8, "160mbit", (5,), (1,), 900, 21, 5000, ("shadowing, 8 generations",)),
@@ -101,26 +109,24 @@ print(json.dumps(out))
 class Bed:
     def __init__(self, inband: Path, profile: Profile, workdir: Path, name: str) -> None:
         self.inband, self.p, self.dir, self.name = str(inband), profile, workdir, name
+        self.tb = Testbed(Path(inband), name)
         self.procs = Procs()
-        self.state: dict = {}
 
     def ns(self, node: str) -> str:
         return f"{self.name}-{node}"
 
     def up(self) -> None:
-        run(None, [self.inband, "testbed", "up", "--ecmp", "--name", self.name, "--subnet", str(SUBNET),
-                   "--clients", "1", "--servers", str(self.p.servers)], timeout=120)
-        self.state = json.loads(Path(f"/run/inband/testbed/{self.name}.json").read_text())
+        self.tb.up(self.p.servers, subnet=SUBNET, ecmp=True)
         run(self.ns("r1"), ["tc", "qdisc", "add", "dev", "c1", "root", "tbf", "rate", self.p.rate, "burst", "64kb", "latency", "400ms"])
         self.servers = [f"s{i}" for i in range(1, self.p.servers + 1)]
 
     def down(self) -> None:
         self.procs.stop_all()
-        run(None, [self.inband, "testbed", "down", "--name", self.name], timeout=120, check=False)
+        self.tb.down()
 
     @property
     def vip(self) -> str:
-        return self.state["vip6"]
+        return self.tb.vip6
 
     def serve(self, size_mb: int) -> None:
         """(Re)starts the HTTP servers with `size_mb` bodies, and an echo
@@ -132,12 +138,12 @@ class Bed:
             self.procs.spawn(f"echo-{s}", self.ns(s), [sys.executable, "-c", ECHO_SERVER, self.vip], self.dir / f"echo-{s}.log")
 
     def route(self, up: list[str], plain: bool) -> None:
-        argv = [self.inband, "shadow", "route", "--config", self.state["router_config"], "--up", ",".join(up)]
+        argv = [self.inband, "shadow", "route", "--config", self.tb.state["router_config"], "--up", ",".join(up)]
         run(self.ns("r1"), argv + (["--plain"] if plain else []))
 
     def generations(self, n: int) -> None:
         """The router keeps `n` earlier next-hop sets from its next change on."""
-        path = Path(self.state["router_config"])
+        path = Path(self.tb.state["router_config"])
         lines = [line for line in path.read_text().splitlines() if not line.startswith("generations")]
         path.write_text(f"generations = {n}\n" + "\n".join(lines) + "\n")
 
@@ -173,59 +179,6 @@ class Bed:
             chained += c["chained"]["bytes"] + c["chained_named"]["bytes"]
             total += sum(c[k]["bytes"] for k in ("new_flow", "not_tcp", "local", "chained", "chained_named"))
         return chained, total
-
-
-@dataclass
-class Loads:
-    ok: int = 0
-    failed: int = 0
-    durations: list | None = None
-    # Each failed download: when it ran (seconds from the start of the
-    # run, so it can be set against the changes), curl's exit code, what
-    # it got, and its local port (to find its flow in the balancers' logs).
-    failures: list | None = None
-
-    @property
-    def failed_pct(self) -> float:
-        n = self.ok + self.failed
-        return 100.0 * self.failed / n if n else 0.0
-
-
-def closed_loop(bed: Bed, size_mb: int, seconds: float, changes) -> Loads:
-    """`bed.p.clients` download loops for `seconds`; `changes(t)` runs on
-    the driver's thread meanwhile. Requests that start before the end are
-    all waited for."""
-    url = f"http://[{bed.vip}]/"
-    body = size_mb * 1_000_000
-    loads, lock, stop = Loads(durations=[], failures=[]), threading.Lock(), threading.Event()
-    t0 = time.monotonic()
-
-    def loop():
-        while not stop.is_set():
-            t = time.monotonic()
-            cp = subprocess.run(ns_argv(bed.ns("c1"), ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{size_download} %{local_port}",
-                                "--max-time", "60", url]), capture_output=True, text=True, timeout=90)
-            got, _, port = cp.stdout.rpartition(" ")
-            with lock:
-                if cp.returncode == 0 and got == f"200 {body}":
-                    loads.ok += 1
-                    loads.durations.append(time.monotonic() - t)
-                else:
-                    loads.failed += 1
-                    loads.failures.append({"start_s": round(t - t0, 3), "end_s": round(time.monotonic() - t0, 3), "curl_exit": cp.returncode,
-                                           "got": got, "local_port": port})
-
-    threads = [threading.Thread(target=loop, daemon=True) for _ in range(bed.p.clients)]
-    for th in threads:
-        th.start()
-    try:
-        changes(t0, t0 + seconds)
-    finally:
-        stop.set()
-        for th in threads:
-            th.join(timeout=120)
-    return loads
-
 
 
 def flapping(bed: Bed, plain: bool, interval_s: float, seconds: float, rng: random.Random):
@@ -280,22 +233,22 @@ def echo_rtts(bed: Bed, move: bool) -> tuple[list[float], int]:
     return out, chained
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True, help="the run's raw data: logs, figures (created)")
+    ap.add_argument("--results", type=Path, default=default_dir("ecmp"), help="results.json and results.md (default: the committed ones)")
     ap.add_argument("--profile", choices=PROFILES, default="quick")
     ap.add_argument("--inband", type=Path, default=REPO / "target/debug/inband")
     ap.add_argument("--seed", type=int, default=2, help="the flapping schedule's random seed")
     ap.add_argument("--name", default="ecmp", help="the testbed's name (namespaces NAME-r1, NAME-c1, NAME-s1...)")
     args = ap.parse_args(argv)
+    refused = preflight.refuse(preflight.problems(inband=str(args.inband), tools=("curl", "tc", "ss"), testbed_name=args.name))
+    if refused:
+        return refused
     p = PROFILES[args.profile]
     args.out.mkdir(parents=True, exist_ok=True)
-    record_command(args.out, "bench.ecmp", argv)
+    this_run = Run("ecmp", "bench.ecmp", argv)
     stop_signals_interrupt()
     bed = Bed(args.inband, p, args.out, args.name)
     rng = random.Random(args.seed)
@@ -311,7 +264,8 @@ def main(argv=None) -> int:
                     bed.generations(generations)
                     bed.route(bed.servers, plain)
                     before = bed.chained()
-                    loads = closed_loop(bed, size, p.run_s, flapping(bed, plain, interval, p.run_s, rng))
+                    loads = closed_loop(bed.ns("c1"), bed.vip, p.clients, size, p.run_s, flapping(bed, plain, interval, p.run_s, rng),
+                                        p.download_max_s)
                     after = bed.chained()
                     redirected = (after[0] - before[0]) / max(1, after[1] - before[1])
                     results["flapping"].append({"size_mb": size, "interval_s": interval, "mode": mode, "generations": generations,
@@ -326,7 +280,7 @@ def main(argv=None) -> int:
         for plain in (True, False):
             bed.shadowing(not plain)
             bed.route(bed.servers, plain)
-            loads = closed_loop(bed, size, p.planned_s, planned(bed, plain))
+            loads = closed_loop(bed.ns("c1"), bed.vip, p.clients, size, p.planned_s, planned(bed, plain), p.download_max_s)
             results["planned"].append({"mode": "ECMP" if plain else "shadowing", "ok": loads.ok, "failed": loads.failed,
                                        "failed_pct": loads.failed_pct})
             print(results["planned"][-1], flush=True)
@@ -340,9 +294,16 @@ def main(argv=None) -> int:
         results["latency"]["chained"], results["echoes_chained"] = echo_rtts(bed, move=True)
     finally:
         bed.down()
-    publish(args.out, markdown(results), results)
+    record = this_run.record(results, profile=profiles.as_json(args.profile, p), inband=Path(args.inband))
+    write_results(args.results, record, render(record))
     plot(results, args.out / "flapping.png")
     return 0
+
+
+def render(record: dict) -> str:
+    """The tables of a run, from its record alone (bench.docs renders the
+    committed one the same way)."""
+    return provenance(record) + "\n\n" + markdown(record["rows"])
 
 
 def markdown(r: dict) -> str:
@@ -378,7 +339,7 @@ def markdown(r: dict) -> str:
                   f"{len(lat['chained'])} echoes in the chained case; the servers chained {r.get('echoes_chained', 0)} packets meanwhile.", "",
                   "| case | median µs | p99 µs | median − without |", "|---|---|---|---|"]
         for case, xs in lat.items():
-            lines.append(f"| {case} | {statistics.median(xs):.1f} | {pct(xs, 0.99):.1f} | {statistics.median(xs) - base:+.1f} |")
+            lines.append(f"| {case} | {statistics.median(xs):.1f} | {percentile(xs, 99):.1f} | {statistics.median(xs) - base:+.1f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -15,8 +15,10 @@ namespace testbed (issue 5, parts 2-4):
 3. Feedback freshness: time from a server's score change to the balancer's
    map holding it, in-band (probe every n-th packet) and by polling.
 
-Prints Markdown tables with ratios, writes results.md, results.json and
-forwarding.png. Testbed `fwd`: client c1, balancer lb, server s1. Every
+Prints Markdown tables with ratios, writes
+the record (results.json: commit, machine, load average, command, rows)
+and its tables (results.md) into --results (default bench/results/forwarding),
+forwarding.png into --out. Testbed `fwd`: client c1, balancer lb, server s1. Every
 process, XDP program, nftables table and namespace is removed on exit,
 Ctrl-C and SIGTERM included. See docs/benchmarks.md.
 """
@@ -24,13 +26,9 @@ Ctrl-C and SIGTERM included. See docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
-import platform
 import random
-import shlex
-import shutil
 import socket
 import statistics
 import struct
@@ -40,13 +38,18 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import peers, report
-from .paper import Testbed, alive, new_auth_key, tool_version
-from .peers import Backend
-from .outcome import Outcome
-from .procs import Procs, ns_argv, run, stop_signals_interrupt, wait_until
+from .lib import peers, preflight, profiles
+from .lib.host import PinnedMap, cpu_busy_s, enable_bpf_stats, others_running, proc_cpu_s, xdp_prog_stats
+from .lib.report import times as _ratio
+from .lib.results import REPO, Run, default_dir, provenance, revive
+from .lib.results import write as write_results
+from .lib.stats import percentile as _percentile
+from .lib.testbed import TestbedRun, alive, new_auth_key
+from .lib.tools import parse_wrk as _parse_wrk
+from .lib.peers import Backend
+from .lib.outcome import Outcome
+from .lib.procs import ns_argv, run, stop_signals_interrupt, wait_until
 
-REPO = Path(__file__).resolve().parent.parent
 VIP_PORT = 80
 SINK_PORT = 9000  # raw frames and TCP streams
 HTTP_PORT = 8080  # `inband serve` and the agent's service
@@ -81,79 +84,6 @@ PROFILES = {
 # before it: what a connection balanced then would have used.
 AGE_SAMPLES = 5
 
-
-
-# ------------------------------------------------------------------ counters
-
-
-def cpu_busy_s() -> float:
-    """Busy CPU seconds of the whole machine (user, nice, system, irq,
-    softirq) from /proc/stat: in a namespace testbed the kernel's work for
-    one namespace cannot be told apart from another's, so costs are taken
-    as machine-wide deltas and compared with the direct path's."""
-    f = open("/proc/stat").readline().split()
-    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in f[1:8])
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-
-
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of a process (all its threads)."""
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_SYS_BPF = {"x86_64": 321, "aarch64": 280}.get(platform.machine())
-_BPF_MAP_LOOKUP_ELEM, _BPF_OBJ_GET, _BPF_OBJ_GET_INFO_BY_FD, _BPF_ENABLE_STATS = 1, 7, 15, 32
-
-
-def _bpf(cmd: int, attr: bytes) -> int:
-    buf = ctypes.create_string_buffer(attr, len(attr))
-    r = _libc.syscall(_SYS_BPF, cmd, buf, len(attr))
-    if r < 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"bpf({cmd}): {os.strerror(e)}")
-    return r
-
-
-def enable_bpf_stats() -> int:
-    """BPF_ENABLE_STATS: run time and count of every program while the
-    returned fd is open (closed on exit however the driver ends, so the
-    machine's setting is never left changed)."""
-    return _bpf(_BPF_ENABLE_STATS, struct.pack("I", 0))
-
-
-class PinnedMap:
-    """Lookups in a pinned BPF map without spawning a process per read."""
-
-    def __init__(self, path: Path):
-        self._path = ctypes.create_string_buffer(str(path).encode())
-        self.fd = _bpf(_BPF_OBJ_GET, struct.pack("QII", ctypes.addressof(self._path), 0, 0))
-        # struct bpf_map_info: type, id, key_size, value_size, ...
-        info = ctypes.create_string_buffer(80)
-        _bpf(_BPF_OBJ_GET_INFO_BY_FD, struct.pack("IIQ", self.fd, len(info), ctypes.addressof(info)))
-        self.value_size = struct.unpack_from("I", info.raw, 12)[0]
-
-    def lookup(self, key: bytes, value_size: int) -> bytes:
-        # The kernel writes the map's whole value: a caller expecting another
-        # layout would read garbage, and a smaller buffer would be overrun.
-        if value_size != self.value_size:
-            raise RuntimeError(f"{self._path.value.decode()}: values are {self.value_size} bytes, not {value_size}: the layout changed")
-        k = ctypes.create_string_buffer(key, len(key))
-        v = ctypes.create_string_buffer(value_size)
-        _bpf(_BPF_MAP_LOOKUP_ELEM, struct.pack("IIQQQ", self.fd, 0, ctypes.addressof(k), ctypes.addressof(v), 0))
-        return v.raw
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-def xdp_prog_stats(netns: str, dev: str) -> tuple[int, int]:
-    """(run_time_ns, run_cnt) of the XDP program on `dev`."""
-    link = json.loads(run(netns, ["ip", "-j", "link", "show", dev]).stdout)[0]
-    prog_id = link["xdp"]["prog"]["id"]
-    prog = json.loads(run(None, ["bpftool", "-j", "prog", "show", "id", str(prog_id)]).stdout)
-    return int(prog.get("run_time_ns", 0)), int(prog.get("run_cnt", 0))
 
 
 # ------------------------------------------------------------------ results
@@ -237,8 +167,6 @@ HTTP_LABELS = {
 }
 
 
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}×" if b else "–"
 
 
 def fwd_table(rows: list[Fwd], load: str) -> str:
@@ -327,8 +255,8 @@ def http_table(rows: list[Http]) -> str:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Nearest rank, as the paper driver's tables (report.percentile)."""
-    return report.percentile(sorted(values), q * 100)
+    """Nearest rank (q a fraction), as every table's."""
+    return _percentile(values, q * 100)
 
 
 def fresh_table(rows: list[Fresh]) -> str:
@@ -370,22 +298,9 @@ end
 
 
 def parse_wrk(text: str) -> dict:
-    for line in text.splitlines():
-        if line.startswith("INBAND "):
-            return {k: int(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
-    raise ValueError(f"no summary in wrk output: {text[-500:]}")
+    return _parse_wrk(text, "INBAND")
 
 
-def others_running() -> set[str]:
-    """Other engineers' benchmarks and builds on this shared machine."""
-    cp = subprocess.run(["pgrep", "-a", "-f", "bench.paper|cargo|rustc"], capture_output=True, text=True)
-    seen = set()
-    for line in cp.stdout.splitlines():
-        argv = line.split()[1:]
-        for name in ("bench.paper", "cargo", "rustc"):
-            if any(name in a for a in argv[:3]):
-                seen.add(name)
-    return seen
 
 
 # Ethernet + IPv4 + TCP with timestamps: what a data segment carries
@@ -400,62 +315,28 @@ def delivered_writes(sink: dict, message: int = 64) -> int:
     return max(0, sink["bytes"] - sink["packets"] * SEGMENT_OVERHEAD) // message
 
 
-class Bench:
+class Bench(TestbedRun):
+    watch_others = True  # other benchmarks and builds seen while measuring
+
     def __init__(self, args, profile: Profile, out: Path):
+        super().__init__(args.inband, args.name)
         self.args = args
         self.p = profile
         self.out = out
-        self.inband = Path(args.inband)
-        self.tb = Testbed(self.inband, args.name)
-        self.procs = Procs()
-        self.tb_is_up = False
-        self.sock_dir = Path("/run/inband/bench") / args.name
-        self.agent = None
-        self.auth_key: Path | None = None
-        self.others: set[str] = set()  # other benchmarks and builds seen while measuring
-
-    def log(self, msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-        self.others |= others_running()
-
-    def ns(self, node: str) -> str:
-        return self.tb.netns(node)
 
     def mac(self, node: str) -> str:
         return json.loads(run(self.ns(node), ["ip", "-j", "link", "show", "eth0"]).stdout)[0]["address"]
 
     def setup(self) -> None:
-        self.sock_dir.mkdir(parents=True, exist_ok=True)
-        self.log(f"testbed {self.tb.name}: up (client, balancer, 1 server)")
-        self.tb_is_up = True
-        self.tb.up(1)
-        cfg = self.out / "run" / "agent-s1.toml"
-        cfg.parent.mkdir(parents=True, exist_ok=True)
-        self.auth_key = new_auth_key(self.inband, cfg.parent)
-        cfg.write_text(
-            peers.agent_toml(
-                balancer=self.tb.addr("lb"), vip=self.tb.vip, vip_port=VIP_PORT, service_port=HTTP_PORT,
-                score_socket=str(self.sock_dir / "agent.sock"), auth_key=str(self.auth_key),
-            )
-        )  # fmt: skip
-        log = self.out / "logs" / "agent-s1.log"
-        self.agent = self.procs.spawn("agent", self.ns("s1"), [str(self.inband), "agent", "--config", str(cfg)], log)
-        wait_until(
-            "the agent to attach",
-            lambda: alive(self.agent, "agent", log) and "agent_egress" in run(self.ns("s1"), ["tc", "filter", "show", "dev", "eth0", "egress"]).stdout,
-            30,
-        )
+        run_dir = self.out / "run"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.bring_up(1)
+        self.auth_key = new_auth_key(self.inband, run_dir)
+        self.start_agents(["s1"], run_dir, self.out / "logs", HTTP_PORT)
         run(self.ns("lb"), ["ping", "-c", "1", "-W", "2", self.tb.addr("s1")], check=False)
 
-    def teardown(self) -> None:
-        self.procs.stop_all()
-        if self.tb_is_up:
-            lb = self.ns("lb")
-            run(lb, ["nft", "delete", "table", "ip", peers.NFT_TABLE], check=False)
-            self.log(f"testbed {self.tb.name}: down")
-            self.tb.down()
-            self.tb_is_up = False
-        shutil.rmtree(self.sock_dir, ignore_errors=True)
+    def before_down(self) -> None:
+        run(self.ns("lb"), ["nft", "delete", "table", "ip", peers.NFT_TABLE], check=False)
 
     # --- balancers
 
@@ -485,23 +366,10 @@ class Bench:
             wait_until("the bounce program", lambda: alive(proc, "bounce", log) and "attached" in log.read_text(), 20)
             return (kind, proc, dev)
         if kind == "inband":
-            sock = self.sock_dir / "lb.sock"
-            cfg = d / "lb.toml"
-            cfg.write_text(
-                peers.lb_toml(
-                    address=HAIRPIN_LB if hairpin else self.tb.addr("lb"), vip=self.tb.vip, vip_port=VIP_PORT, backends=backends,
-                    mode=mode, control_socket=str(sock), auth_key=str(self.auth_key), probe_interval=probe, poll_interval_ms=poll_ms,
-                    interface=dev, probe_interval_max=probe_max, probe_budget=budget,
-                )
+            proc = self.start_lb(
+                d, backends, address=HAIRPIN_LB if hairpin else None, resolve=not hairpin, mode=mode, probe_interval=probe, poll_interval_ms=poll_ms,
+                interface=dev, probe_interval_max=probe_max, probe_budget=budget,
             )  # fmt: skip
-            log = d / "lb.log"
-            proc = self.procs.spawn("inband lb", lb, [str(self.inband), "lb", "--config", str(cfg)], log)
-            wait_until(
-                "the balancer to resolve the backend's MAC",
-                lambda: alive(proc, "inband lb", log)
-                and all(b["mac"] != "00:00:00:00:00:00" for b in self.lb_status()[0]["vips"][0]["backends"]),
-                30,
-            )
             return (kind, proc, dev)
         if kind == "haproxy":
             cfg = d / "haproxy.cfg"
@@ -536,7 +404,7 @@ class Bench:
         if proc is not None:
             self.procs.stop(proc)
         if kind == "inband":
-            run(lb, [str(self.inband), "lb", "detach", "--interface", dev, "--force"], check=False)
+            self.detach_lb(dev)
         if kind == "nftables":
             run(lb, ["nft", "delete", "table", "ip", peers.NFT_TABLE], check=False)
             run(lb, ["sysctl", "-q", "-w", "net.ipv4.ip_forward=0"], check=False)
@@ -551,10 +419,6 @@ class Bench:
     def backend_packets(self) -> int:
         """Client packets the balancer has forwarded to the (one) backend."""
         return int(self.lb_status()[0]["vips"][0]["backends"][0]["stats"]["packets"])
-
-    def lb_status(self):
-        cp = run(self.ns("lb"), [str(self.inband), "status", "--json"], check=False)
-        return json.loads(cp.stdout) if cp.returncode == 0 else None
 
     # --- forwarding rate
 
@@ -869,7 +733,7 @@ class Bench:
         try:
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             conn.settimeout(5)
-            conn.connect(str(self.sock_dir / "agent.sock"))
+            conn.connect(str(self.sock_dir / "agent-s1.sock"))
             backend_id = self.lb_status()[0]["vips"][0]["backends"][0]["id"]
             scores = PinnedMap(Path("/sys/fs/bpf/inband/netns") / self.ns("lb") / "lb" / "eth0" / "scores")
             # The longest a change can take is about a poll interval, or n
@@ -921,7 +785,7 @@ class Bench:
                 self.procs.stop(wrk)
             self.procs.stop(server)
             self.stop(handle)
-            run(self.ns("s1"), [str(self.inband), "agent", "score", "clear", "--port", str(HTTP_PORT), "--socket", str(self.sock_dir / "agent.sock")], check=False)
+            run(self.ns("s1"), [str(self.inband), "agent", "score", "clear", "--port", str(HTTP_PORT), "--socket", str(self.sock_dir / "agent-s1.sock")], check=False)
         return res
 
 
@@ -990,6 +854,27 @@ def plot(fwd: list[Fwd], http: list[Http], fresh: list[Fresh], path: Path) -> No
     plt.close(fig)
 
 
+TOOLS = {"haproxy": ["haproxy", "-v"], "nftables": ["nft", "--version"], "wrk": ["wrk", "-v"]}
+
+
+def render(record: dict) -> str:
+    """The tables of a run, from its record alone (bench.docs renders the
+    committed one the same way)."""
+    m, rows = record["machine"], record["rows"]
+    preamble = (
+        "# Data-plane speed and efficiency\n\n"
+        f"{provenance(record)}  \n"
+        f"The CPUs are **shared by everything**: generator, bridge, balancer, server (other work seen running during the measurements: "
+        f"{', '.join(record['others']) or 'none seen'}). "
+        "Rates are what the whole testbed sustains; compare ratios measured in this run. "
+        "inband's in-band options are authenticated (SipHash, a key made for the run).  \n"
+        f"{m.get('haproxy', '')}; {m.get('nftables', '')}; {m.get('wrk', '')}\n"
+    )
+    if record["failed"]:
+        preamble += "\n**Failed:** " + "; ".join(record["failed"]) + "\n"
+    return markdown([revive(Fwd, r) for r in rows["forwarding"]], [revive(Http, r) for r in rows["cost"]], [revive(Fresh, r) for r in rows["freshness"]], preamble)
+
+
 def markdown(fwd, http, fresh, preamble: str) -> str:
     parts = [preamble]
     if any(r.load == "hairpin" for r in fwd):
@@ -1010,7 +895,8 @@ def markdown(fwd, http, fresh, preamble: str) -> str:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m bench.forwarding", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="results directory (created)")
+    ap.add_argument("--out", required=True, help="the run's raw data: logs, figure (created)")
+    ap.add_argument("--results", default=str(default_dir("forwarding")), help="results.json and results.md (default: the committed ones)")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="quick")
     ap.add_argument("--parts", default="forwarding,cost,freshness", help="comma-separated subset of forwarding, cost, freshness")
     ap.add_argument("--name", default="fwd", help="testbed name (namespaces NAME-lb, NAME-c1, NAME-s1, NAME-sw)")
@@ -1023,39 +909,22 @@ def parse_args(argv):
     return args
 
 
-def preflight(args) -> list[str]:
-    problems = []
-    if os.geteuid() != 0:
-        problems.append("must run as root (namespaces, XDP, nftables)")
-    if not Path(args.inband).is_file():
-        problems.append(f"{args.inband} is missing: run scripts/setup.sh")
-    for tool in ("haproxy", "nft", "wrk", "bpftool"):
-        if not shutil.which(tool):
-            problems.append(f"{tool} is not installed: run scripts/setup.sh")
-    if args.perf and not shutil.which("perf"):
-        problems.append("perf is not installed (linux-perf): run scripts/setup.sh")
-    if _SYS_BPF is None:
-        problems.append(f"unsupported architecture {platform.machine()}")
-    if (Path("/run/inband/testbed") / f"{args.name}.json").exists():
-        problems.append(f"a testbed named {args.name!r} exists already: `{args.inband} testbed down --name {args.name}` or pick another --name")
-    return problems
-
+def problems(args) -> list[str]:
+    tools = ("haproxy", "nft", "wrk", "bpftool") + (("perf",) if args.perf else ())
+    return preflight.problems(inband=args.inband, tools=tools, testbed_name=args.name, bpf_stats=True)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    problems = preflight(args)
-    if problems:
-        for p in problems:
-            print(f"error: {p}", file=sys.stderr)
-        return 2
+    refused = preflight.refuse(problems(args))
+    if refused:
+        return refused
     profile = PROFILES[args.profile]
     parts = args.parts.split(",")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    command = shlex.join([sys.executable, "-m", "bench.forwarding", *(argv if argv is not None else sys.argv[1:])])
+    this_run = Run("forwarding", "bench.forwarding", argv)
     bench = Bench(args, profile, out)
-    started = time.time()
     stop_signals_interrupt()
     fwd: list[Fwd] = []
     http: list[Http] = []
@@ -1093,28 +962,12 @@ def main(argv=None) -> int:
                 bench.log(f"freshness: polling every {ms} ms")
                 outcome.attempt(f"freshness poll {ms} ms", lambda ms=ms: bench.freshness("polling", ms), fresh)
 
-    elapsed = time.time() - started
-    others = ", ".join(sorted(bench.others)) or "none seen"
-    preamble = (
-        "# Data-plane speed and efficiency\n\n"
-        f"Command: `{command}`  \n"
-        f"Started {time.strftime('%Y-%m-%d %H:%M:%S %z', time.localtime(started))}, wall time {elapsed:.0f} s, "
-        f"{os.cpu_count()} CPUs **shared by everything**: generator, bridge, balancer, server (other work seen running during the measurements: {others}). "
-        "Rates are what the whole testbed sustains; compare ratios measured in this run. "
-        "inband's in-band options are authenticated (SipHash, a key made for the run).  \n"
-        f"kernel {platform.release()}; {tool_version(['haproxy', '-v'])}; {tool_version(['nft', '--version'])}; {tool_version(['wrk', '-v'])}\n"
-    )
-    preamble += outcome.markdown()
-    md = markdown(fwd, http, fresh, preamble)
-    (out / "results.md").write_text(md)
-    (out / "results.json").write_text(
-        json.dumps({"forwarding": [asdict(r) for r in fwd], "cost": [asdict(r) for r in http], "freshness": [asdict(r) for r in fresh]}, indent=2)
-    )
+    rows = {"forwarding": [asdict(r) for r in fwd], "cost": [asdict(r) for r in http], "freshness": [asdict(r) for r in fresh]}
+    record = this_run.record(rows, profile=profiles.as_json(args.profile, profile), inband=Path(args.inband), tools=TOOLS,
+                        others=sorted(bench.others), failed=outcome.failed)
+    write_results(Path(args.results), record, render(record))
     if fwd or http or fresh:
         plot(fwd, http, fresh, out / "forwarding.png")
-    print()
-    print(md)
-    print(f"results in {out}: results.md, results.json, forwarding.png")
     return outcome.exit_code()
 
 

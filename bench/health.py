@@ -25,9 +25,10 @@ and dsr-dynamic (least-score), and HAProxy 2.6 (mode tcp, roundrobin)
 with its own checks at the same timings (`check inter 500 fastinter 100
 rise 2 fall 2`, `timeout connect 1s`). The full profile adds inband with
 HAProxy's effective check timeout (500 ms) and HAProxy with `option
-redispatch`. Prints the tables and writes results.md, results.json and
-command.txt into --out; configurations, logs and every request's record
-go to --work. Everything it starts is removed on exit, Ctrl-C included.
+redispatch`. Prints the tables and writes
+the record (results.json: commit, machine, load average, command, rows)
+and its tables (results.md) into --results (default bench/results/health),
+configurations, logs and every request's record into --out. Everything it starts is removed on exit, Ctrl-C included.
 See docs/benchmarks.md, "Health checks against HAProxy".
 """
 
@@ -35,10 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -49,13 +47,14 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import peers
-from .outcome import Outcome
-from .paper import Testbed, alive, machine_facts, new_auth_key
-from .peers import Backend, HealthChecks
-from .procs import Procs, run, stop_signals_interrupt, wait_until
+from .lib import peers, preflight, profiles, results
+from .lib.outcome import Outcome
+from .lib.peers import Backend, HealthChecks
+from .lib.procs import run, stop_signals_interrupt, wait_until
+from .lib.report import cell as _cell
+from .lib.report import times as _ratio
+from .lib.testbed import TestbedRun, alive, new_auth_key
 
-REPO = Path(__file__).resolve().parent.parent
 VIP_PORT = 80
 SERVICE_PORT = 8080
 SERVERS = 2
@@ -211,17 +210,6 @@ def verdict(scenario: str, s: dict, floor_ms: float | None = None) -> str:
     return "met" if not missed else "missed: " + "; ".join(missed)
 
 
-def _cell(v, unit: str = "") -> str:
-    return "–" if v is None else f"{v}{unit}"
-
-
-def _ratio(a, b) -> str:
-    if a is None or b is None:
-        return "–"
-    if b == 0:
-        return "–" if a == 0 else "∞"
-    return f"{a / b:.2f}×"
-
 
 def _changes(s: dict) -> str:
     return str(s["changes"]) + ("" if s["shortest_gap_ms"] is None else f" ({s['shortest_gap_ms']} ms)")
@@ -330,22 +318,11 @@ class StateLog:
         self.thread.join(timeout=5)
 
 
-class Bench:
+class Bench(TestbedRun):
     def __init__(self, args, profile: Profile, work: Path) -> None:
+        super().__init__(args.inband, args.name)
         self.args, self.p, self.work = args, profile, work
-        self.inband = Path(args.inband)
-        self.tb = Testbed(self.inband, args.name)
-        self.procs = Procs()
-        self.tb_is_up = False
-        self.sock_dir = Path("/run/inband/bench") / args.name
-        self.auth_key: Path | None = None
         self.serves: dict[int, subprocess.Popen] = {}
-
-    def log(self, msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-    def ns(self, node: str) -> str:
-        return self.tb.netns(node)
 
     @property
     def backends(self) -> list[Backend]:
@@ -359,41 +336,17 @@ class Bench:
 
     def setup(self) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
-        self.sock_dir.mkdir(parents=True, exist_ok=True)
         self.auth_key = new_auth_key(self.inband, self.work)
-        self.log(f"testbed {self.tb.name}: up (client, balancer, {SERVERS} servers)")
-        self.tb_is_up = True
-        self.tb.up(SERVERS)
+        self.bring_up(SERVERS)
         # A new connection per request, 20 a second: reuse TIME_WAIT ports.
         run(self.ns("c1"), ["sysctl", "-q", "-w", "net.ipv4.tcp_tw_reuse=1"])
+        self.start_agents([f"s{i}" for i in range(1, SERVERS + 1)], self.work, self.work, SERVICE_PORT)
         for i in range(1, SERVERS + 1):
-            node = f"s{i}"
-            cfg = self.work / f"agent-{node}.toml"
-            cfg.write_text(
-                peers.agent_toml(
-                    balancer=self.tb.addr("lb"), vip=self.tb.vip, vip_port=VIP_PORT, service_port=SERVICE_PORT,
-                    score_socket=str(self.sock_dir / f"agent-{node}.sock"), auth_key=str(self.auth_key),
-                )
-            )  # fmt: skip
-            log = self.work / f"agent-{node}.log"
-            proc = self.procs.spawn(f"agent {node}", self.ns(node), [str(self.inband), "agent", "--config", str(cfg)], log)
-            wait_until(
-                f"the agent on {node} to attach",
-                lambda ns=self.ns(node), proc=proc, log=log, node=node: alive(proc, f"the agent on {node}", log)
-                and "agent_egress" in run(ns, ["tc", "filter", "show", "dev", "eth0", "egress"], check=False).stdout,
-                30,
-            )
             self.serve(i)
 
-    def teardown(self) -> None:
-        self.procs.stop_all()
-        if self.tb_is_up:
-            run(self.ns(f"s{VICTIM}"), ["nft", "delete", "table", "inet", SILENCE_TABLE], check=False)
-            run(self.ns("lb"), [str(self.inband), "lb", "detach", "--interface", "eth0", "--force"], check=False)
-            self.log(f"testbed {self.tb.name}: down")
-            self.tb.down()
-            self.tb_is_up = False
-        shutil.rmtree(self.sock_dir, ignore_errors=True)
+    def before_down(self) -> None:
+        run(self.ns(f"s{VICTIM}"), ["nft", "delete", "table", "inet", SILENCE_TABLE], check=False)
+        self.detach_lb()
 
     def listening(self, i: int) -> bool:
         return bool(run(self.ns(f"s{i}"), ["ss", "-Htln", "sport", f"= :{SERVICE_PORT}"]).stdout.strip())
@@ -430,25 +383,11 @@ class Bench:
     def start(self, row: Row, d: Path):
         lb = self.ns("lb")
         if row.kind == "inband":
-            for b in self.backends:
-                run(lb, ["ping", "-c", "1", "-W", "2", b.address], check=False)
-            sock = self.sock_dir / "lb.sock"
-            cfg = d / "lb.toml"
-            cfg.write_text(
-                peers.lb_toml(
-                    address=self.tb.addr("lb"), vip=self.tb.vip, vip_port=VIP_PORT, backends=self.backends, mode=row.mode,
-                    control_socket=str(sock), auth_key=str(self.auth_key), policy=row.policy, health=row.checks,
-                )
-            )  # fmt: skip
-            log = d / "lb.log"
-            proc = self.procs.spawn("inband lb", lb, [str(self.inband), "lb", "--config", str(cfg)], log)
-            wait_until("the balancer's control socket", lambda: alive(proc, "inband lb", log) and sock.exists() and self.lb_backends(), 30)
-            wait_until(
-                "the balancer to resolve every backend and find it up",
-                lambda: all(b["mac"] != "00:00:00:00:00:00" and b["health"]["state"] == "up" for b in self.lb_backends().values()),
-                30,
+            proc = self.start_lb(
+                d, self.backends, ready=lambda bs: all(b["mac"] != "00:00:00:00:00:00" and b["health"]["state"] == "up" for b in bs),
+                mode=row.mode, policy=row.policy, health=row.checks,
             )
-            return proc, log
+            return proc, d / "lb.log"
         cfg = d / "haproxy.cfg"
         cfg.write_text(
             peers.haproxy_cfg(
@@ -465,13 +404,13 @@ class Bench:
     def stop(self, row: Row, proc) -> None:
         self.procs.stop(proc)
         if row.kind == "inband":
-            run(self.ns("lb"), [str(self.inband), "lb", "detach", "--interface", "eth0", "--force"], check=False)
+            self.detach_lb()
 
-    def lb_backends(self) -> dict:
-        cp = run(self.ns("lb"), [str(self.inband), "status", "--json"], check=False)
-        if cp.returncode != 0:
-            return {}
-        return {b["backend"]: b for b in json.loads(cp.stdout)[0]["vips"][0]["backends"]}
+    def lb_backend(self, backend: str) -> dict:
+        for b in self.lb_backends():
+            if b["backend"] == backend:
+                return b
+        raise KeyError(f"the balancer does not report {backend}")
 
     def ha_servers(self) -> dict:
         """`show stat` of the backend's servers, by address."""
@@ -490,7 +429,7 @@ class Bench:
     def counter(self, row: Row) -> int:
         """inband's transitions for the victim; HAProxy's UP-to-DOWN count."""
         if row.kind == "inband":
-            return int(self.lb_backends()[self.victim]["health"]["transitions"])
+            return int(self.lb_backend(self.victim)["health"]["transitions"])
         return int(self.ha_servers()[self.victim]["chkdown"])
 
     def state_log(self, row: Row, log: Path) -> StateLog:
@@ -502,7 +441,7 @@ class Bench:
     def up_again(self, row: Row) -> None:
         """Waits until the balancer takes the victim as up again."""
         if row.kind == "inband":
-            wait_until("the victim to be up again", lambda: self.lb_backends()[self.victim]["health"]["state"] == "up", 20)
+            wait_until("the victim to be up again", lambda: self.lb_backend(self.victim)["health"]["state"] == "up", 20)
         else:
             wait_until("the victim to be up again", lambda: self.ha_servers()[self.victim]["status"] == "UP", 20)
 
@@ -547,7 +486,7 @@ class Bench:
             gen = self.procs.spawn(
                 "load", self.ns("c1"),
                 [sys.executable, "-m", "bench.openloop", self.tb.vip, str(VIP_PORT), f"{p.rate:g}", f"{total:g}", f"{p.timeout_s:g}", str(out)],
-                d / f"{sc}-load.log", cwd=REPO,
+                d / f"{sc}-load.log", cwd=results.REPO,
             )  # fmt: skip
             try:
                 time.sleep(p.before_s)
@@ -590,33 +529,13 @@ class Bench:
 # ------------------------------------------------------------------ main
 
 
-def commit() -> str:
-    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout
-    return head + ("+uncommitted changes" if dirty.strip() else "")
-
-
-def preflight(args) -> list[str]:
-    problems = []
-    if os.geteuid() != 0:
-        problems.append("must run as root (it creates network namespaces and attaches XDP/tc programs)")
-    if not Path(args.inband).is_file():
-        problems.append(f"{args.inband} is missing: run scripts/setup.sh")
-    for tool in ("haproxy", "nft", "ss"):
-        if shutil.which(tool) is None:
-            problems.append(f"{tool} is not installed: run scripts/setup.sh")
-    if (Path("/run/inband/testbed") / f"{args.name}.json").exists():
-        problems.append(f"a testbed named {args.name!r} exists already: `{args.inband} testbed down --name {args.name}` or pick another --name")
-    return problems
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.health", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", choices=sorted(PROFILES), default="full")
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "health", help="results.md, results.json, command.txt")
-    ap.add_argument("--work", type=Path, help="configs, logs, every request's record (default /tmp/inband-health-NAME)")
+    ap.add_argument("--results", type=Path, default=results.default_dir("health"), help="results.json and results.md (default: the committed ones)")
+    ap.add_argument("--out", type=Path, help="configs, logs, every request's record (default /tmp/inband-health-NAME)")
     ap.add_argument("--name", default="hb", help="the testbed's name (namespaces NAME-lb, NAME-c1, ...)")
-    ap.add_argument("--inband", default=str(REPO / "target" / "debug" / "inband"))
+    ap.add_argument("--inband", default=str(results.REPO / "target" / "debug" / "inband"))
     ap.add_argument("--rows", help=f"comma-separated subset of: {', '.join(BY_KEY)} (default: the profile's)")
     args = ap.parse_args(argv)
     p = PROFILES[args.profile]
@@ -624,18 +543,12 @@ def main(argv=None) -> int:
     unknown = [k for k in keys if k not in BY_KEY]
     if unknown:
         ap.error(f"unknown row(s) {', '.join(unknown)}")
-    problems = preflight(args)
-    if problems:
-        for m in problems:
-            print(f"error: {m}", file=sys.stderr)
-        return 2
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    work = (args.work or Path(f"/tmp/inband-health-{args.name}")).resolve()
-    command = shlex.join(["python", "-m", "bench.health", *(argv if argv is not None else sys.argv[1:])])
+    refused = preflight.refuse(preflight.problems(inband=args.inband, tools=("haproxy", "nft", "ss"), testbed_name=args.name))
+    if refused:
+        return refused
+    work = (args.out or Path(f"/tmp/inband-health-{args.name}")).resolve()
     bench = Bench(args, p, work)
-    started = time.time()
-    load_before = os.getloadavg()
+    this_run = results.Run("health", "bench.health", argv)
     stop_signals_interrupt()
     outcome = Outcome(bench.log)
     rows: list[dict] = []
@@ -643,29 +556,29 @@ def main(argv=None) -> int:
         bench.setup()
         for k in keys:
             outcome.attempt(k, lambda k=k: bench.measure(BY_KEY[k], outcome), rows)
-    load_after = os.getloadavg()
-    facts = machine_facts(bench.inband)
-    results = {
-        "command": command,
-        "commit": commit(),
-        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-        "wall_s": round(time.time() - started),
-        "machine": dict(line.split(": ", 1) for line in facts.splitlines() if ": " in line),
-        "load_average": {"start": load_before, "end": load_after},
-        "profile": {"name": args.profile, **asdict(p)},
-        "checks": {**asdict(CHECKS), "haproxy_check_timeout_ms": HAPROXY_CHECK_TIMEOUT_MS,
-                   "haproxy_timeout_connect_s": HAPROXY_CONNECT_TIMEOUT_S},
-        "rows": rows,
-        "failed": outcome.failed,
-    }
+    record = this_run.record(
+        rows, profile=profiles.as_json(args.profile, p), inband=bench.inband, tools=TOOLS,
+        checks={**asdict(CHECKS), "haproxy_check_timeout_ms": HAPROXY_CHECK_TIMEOUT_MS, "haproxy_timeout_connect_s": HAPROXY_CONNECT_TIMEOUT_S},
+        failed=outcome.failed,
+    )
+    results.write(args.results, record, render(record) + outcome.markdown())
+    print(f"logs and requests in {work}")
+    return outcome.exit_code()
+
+
+TOOLS = {"haproxy": ["haproxy", "-v"], "nftables": ["nft", "--version"], "iproute2": ["ip", "-V"]}
+
+
+def render(record: dict) -> str:
+    """The tables of a run, from its record alone (bench.docs renders the
+    committed one the same way)."""
+    p = record["profile"]
     preamble = (
         "## Health checks against HAProxy\n\n"
-        f"Command: `{command}`, commit {results['commit'][:12]}, {results['started_utc']}, {results['wall_s']} s; "
-        f"{os.cpu_count()} CPUs shared by client, balancer and servers (load average {load_before[0]:.2f} at the start, "
-        f"{load_after[0]:.2f} at the end).  \n"
-        f"Load: {p.rate:g} new connections/s (open loop, one GET each, {p.timeout_s:g} s timeout) to two servers; server {VICTIM} "
-        f"fails at t0 for {p.app_down_s:g} s (application) or {p.host_down_s:g} s (host), with {p.before_s:g} s of load before "
-        f"and {p.after_s:g} s after; flapping: killed and started every {p.flap_every_s * 1000:g} ms for {p.flap_s:g} s.  \n"
+        f"{results.provenance(record)} Client, balancer and servers share the CPUs.  \n"
+        f"Load: {p['rate']:g} new connections/s (open loop, one GET each, {p['timeout_s']:g} s timeout) to two servers; server {VICTIM} "
+        f"fails at t0 for {p['app_down_s']:g} s (application) or {p['host_down_s']:g} s (host), with {p['before_s']:g} s of load before "
+        f"and {p['after_s']:g} s after; flapping: killed and started every {p['flap_every_s'] * 1000:g} ms for {p['flap_s']:g} s.  \n"
         f"Checks, the same for both: TCP connect every {CHECKS.interval_ms} ms, {CHECKS.fast_interval_ms} ms while a change is "
         f"being confirmed, rise {CHECKS.rise}, fall {CHECKS.fall} (HAProxy: `check inter {CHECKS.interval_ms} fastinter "
         f"{CHECKS.fast_interval_ms} rise {CHECKS.rise} fall {CHECKS.fall}`, `timeout connect {HAPROXY_CONNECT_TIMEOUT_S}s`). "
@@ -673,14 +586,7 @@ def main(argv=None) -> int:
         f"{HAPROXY_CHECK_TIMEOUT_MS} ms. inband's intervals vary by ±{CHECKS.jitter_pct}% (its default), HAProxy's do not. "
         "HAProxy retries a failed connection to a server 3 times (its default) before it gives up on the client's.\n"
     )
-    md = markdown(rows, preamble) + outcome.markdown()
-    print()
-    print(md)
-    (out / "results.md").write_text(md)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "command.txt").write_text(command + "\n")
-    print(f"results in {out}: results.md, results.json, command.txt; logs and requests in {work}")
-    return outcome.exit_code()
+    return markdown(record["rows"], preamble)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,10 @@ each an nginx process that calls the next through the system, at 1 and 8
 connections. Then where the mesh's time goes: its two programs' run time
 per request (bpf_stats) against the CPU it adds over direct.
 
-Prints Markdown tables, writes results.md, results.json, mesh.png and
-command.txt into --out; removes its namespaces, cgroup and processes at
+Prints Markdown tables, writes
+the record (results.json: commit, machine, load average, command, rows)
+and its tables (results.md) into --results (default bench/results/mesh),
+mesh.png into --out; removes its namespaces, cgroup and processes at
 the end, on Ctrl-C and SIGTERM too. See docs/benchmarks.md ("Socket-layer
 L7 balancing").
 """
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -41,11 +42,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .outputs import publish, record_command
-from .paper import tool_version
-from .procs import Procs, ns_argv, run, stop_signals_interrupt, uninterruptible, wait_until
+from .lib import preflight
+from .lib.host import cpu_busy_s
+from .lib.results import REPO, Run, default_dir, provenance, revive
+from .lib.results import write as write_results
+from .lib.tools import parse_wrk
+from .lib.procs import Procs, ns_argv, run, stop_signals_interrupt, uninterruptible, wait_until
 
-REPO = Path(__file__).resolve().parent.parent
 INBAND = REPO / "target" / "debug" / "inband"
 HOST_NS = "mb-host"
 BACKEND_NS = ["mb-b1", "mb-b2"]
@@ -200,19 +203,6 @@ def chain_fronts(first_port: int) -> list[tuple[int, list[str]]]:
 # ------------------------------------------------------------ measurement
 
 
-def parse_wrk(text: str) -> dict:
-    for line in text.splitlines():
-        if line.startswith("BENCH "):
-            return {k: int(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
-    raise ValueError(f"no summary in wrk output: {text[-400:]}")
-
-
-def host_busy_s() -> float:
-    """Busy CPU time of the machine (every namespace shares it): user,
-    nice, system, irq, softirq and steal, in seconds."""
-    f = open("/proc/stat").readline().split()
-    busy = sum(int(f[i]) for i in (1, 2, 3, 6, 7, 8))
-    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def in_cgroup(argv: list[str]) -> list[str]:
@@ -244,7 +234,6 @@ class Results:
     mesh_counters: dict = field(default_factory=dict)
     # µs per request by perf group, for direct, the mesh and HAProxy.
     profiles: dict = field(default_factory=dict)
-    versions: dict = field(default_factory=dict)
 
 
 class Bench:
@@ -326,7 +315,7 @@ class Bench:
         (direct's two backends)."""
         split = [max(1, conns // len(urls))] * len(urls) if conns >= len(urls) else [conns]
         urls = urls[: len(split)]
-        c0, t0 = host_busy_s(), time.monotonic()
+        c0, t0 = cpu_busy_s(), time.monotonic()
         procs = [
             subprocess.Popen(
                 in_cgroup(["wrk", "-t1", f"-c{c}", f"-d{seconds}s", "--timeout", "5s", "-s", str(self.lua), u]),
@@ -337,7 +326,7 @@ class Bench:
             for u, c in zip(urls, split)
         ]
         outs = [p.communicate(timeout=seconds + 30) for p in procs]
-        cpu = host_busy_s() - c0
+        cpu = cpu_busy_s() - c0
         elapsed = time.monotonic() - t0
         ws = []
         for p, (o, e) in zip(procs, outs):
@@ -568,6 +557,18 @@ def prog_stats() -> dict[str, tuple[int, int]]:
 # ------------------------------------------------------------ report
 
 
+TOOLS = {"wrk": ["wrk", "-v"], "haproxy": ["haproxy", "-v"], "nginx": ["nginx", "-v"]}
+
+
+def render(record: dict) -> str:
+    """The tables of a run, from its record alone (bench.docs renders the
+    committed one the same way)."""
+    r = dict(record["rows"])
+    for k in ("points", "rounds", "chain"):
+        r[k] = [revive(Point, x) for x in r[k]]
+    return provenance(record) + "\n\n" + report(revive(Results, r))
+
+
 def report(res: Results) -> str:
     rounds = max((sum(1 for q in res.rounds if (q.system, q.conns) == (p.system, p.conns)) for p in res.points), default=0) or 1
     md = [f"## Socket-layer L7 balancing: req/s, latency, CPU per request (profile {res.profile}, mean of {rounds} rounds)", ""]
@@ -634,7 +635,6 @@ def report(res: Results) -> str:
             + (", ".join(f"{k} {v:,}" for k, v in moved.items()) if moved else "none handed to the daemon")
             + "."
         )
-    md += ["", "Versions: " + "; ".join(f"{k} {v}" for k, v in res.versions.items()), ""]
     return "\n".join(md) + "\n"
 
 
@@ -663,18 +663,16 @@ def plot(res: Results, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True, help="the run's figure (created)")
+    ap.add_argument("--results", type=Path, default=default_dir("mesh"), help="results.json and results.md (default: the committed ones)")
     ap.add_argument("--profile", choices=list(PROFILES), default="default")
     ap.add_argument("--systems", help="comma-separated subset of " + ",".join(SYSTEMS))
     ap.add_argument("--parts", default="balance,chain", help="balance, chain, or both (comma-separated)")
     ap.add_argument("--no-perf", action="store_true", help="skip the perf profiles of direct, the mesh and HAProxy")
     args = ap.parse_args(argv)
-    if os.geteuid() != 0:
-        print("run as root: it makes namespaces, a cgroup and loads BPF programs", file=sys.stderr)
-        return 2
-    if not INBAND.exists():
-        print(f"{INBAND} is missing: run `cargo build -p inband` first", file=sys.stderr)
-        return 2
+    refused = preflight.refuse(preflight.problems(inband=str(INBAND), tools=("wrk", "haproxy", "nginx")))
+    if refused:
+        return refused
     if not Path("/sys/fs/cgroup/unified/cgroup.procs").exists():
         print("no cgroup v2 at /sys/fs/cgroup/unified: the mesh attaches to a cgroup v2", file=sys.stderr)
         return 2
@@ -687,14 +685,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         profile = Profile(profile.conns, profile.seconds, profile.chain_conns, profile.chain_seconds, chosen, profile.rounds)
     args.out.mkdir(parents=True, exist_ok=True)
-    record_command(args.out, "bench.mesh", argv)
+    this_run = Run("mesh", "bench.mesh", argv)
     res = Results(profile=args.profile)
-    res.versions = {
-        "kernel": os.uname().release,
-        "wrk": tool_version(["wrk", "-v"]),
-        "haproxy": tool_version(["haproxy", "-v"]),
-        "nginx": tool_version(["nginx", "-v"]),
-    }
     stop_signals_interrupt()
     with tempfile.TemporaryDirectory(prefix="bench-mesh-") as tmp:
         perf = not args.no_perf and shutil.which("perf") is not None
@@ -710,8 +702,8 @@ def main(argv: list[str] | None = None) -> int:
             with uninterruptible():
                 b.procs.stop_all()
                 b.teardown_testbed()
-    md = report(res)
-    publish(args.out, md, asdict(res))
+    record = this_run.record(asdict(res), profile={"name": args.profile, **asdict(profile)}, inband=INBAND, tools=TOOLS)
+    write_results(args.results, record, render(record))
     plot(res, args.out / "mesh.png")
     return 0
 

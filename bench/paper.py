@@ -12,778 +12,78 @@ are restarted (so each run sees the same slowdown schedule), the balancer
 under test is started, Locust runs headless for the profile's duration,
 counters are read, and the balancer is stopped and removed again. At the
 end: results.md (Table 3 and friends), results.csv, Fig. 3 and Fig. 4 as
-PNG, command.txt (command, versions, machine). Everything started is torn
+PNG, and the record of the run (commit, machine, load average, the rows)
+in --results (bench/results/paper): results.json and results.md. Everything started is torn
 down on exit, Ctrl-C and SIGTERM included. See docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import os
-import platform
-import shlex
-import shutil
-import subprocess
 import sys
-import time
-import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import peers, plots, report
-from .peers import Backend
-from .procs import Fatal, Interrupted, Procs, run, stop_signals_interrupt, uninterruptible, wait_until
-from .report import Overhead, RunResult
-
-REPO = Path(__file__).resolve().parent.parent
-VIP_PORT = 80
-SERVICE_PORT = 8080
-
-
-# ------------------------------------------------------------------ model
-
-
-@dataclass(frozen=True)
-class ServerSpec:
-    """One real server: relative speed and slowdown windows, each given as
-    fractions of the run (start, length) and a factor."""
-
-    speed: float
-    slowdowns: tuple = ()
-
-    def describe(self) -> str:
-        return "".join(f", {f:g}× slower from {a:.0%} to {a + n:.0%} of the run" for a, n, f in self.slowdowns)
-
-
-SERVER_SETS = {
-    # Heterogeneous on purpose: the paper's point is that load-aware
-    # placement wins when servers differ and change. s1 is the fastest until
-    # it slows down 3x for the middle third of the run, which a static
-    # weighting cannot anticipate.
-    "ours": (
-        ServerSpec(1.0, ((1 / 3, 1 / 3, 3.0),)),
-        ServerSpec(0.6),
-        ServerSpec(0.35),
-    ),
-    # The paper's testbed: two real servers of the same hardware (i7-9750H,
-    # "identical servers"); what varies is only each request's service time.
-    "paper": (ServerSpec(1.0), ServerSpec(1.0)),
-}
-
-
-@dataclass(frozen=True)
-class Profile:
-    name: str
-    users: int
-    spawn_rate: int
-    duration_s: int
-    service_ms: float  # mean service time of an idle server at speed 1
-    service_dist: str
-    workers: int  # requests one server processes concurrently
-    time_scale: float  # multiplies every server-side duration
-    timeout_s: float  # per request
-    body_bytes: int
-
-
-PROFILES = {
-    # The paper: 150 users, 10 minutes, 0.5 s to a few s per request.
-    "full": Profile("full", 150, 150, 600, 1000.0, "lognormal", 32, 1.0, 120.0, 46 * 1024),
-    # The same servers four times faster, 45 s per configuration (the
-    # README's demo, under 15 minutes from a fresh clone including the
-    # build): 4x the requests per second keeps run-to-run noise below the
-    # differences measured, and load now changes faster than a 1 s poll
-    # (docs/benchmarks.md, paper evaluation, "Reading it": two regimes).
-    "quick": Profile("quick", 150, 150, 45, 1000.0, "lognormal", 32, 0.25, 60.0, 46 * 1024),
-    # Seconds per configuration, for the end-to-end test: checks that
-    # everything runs, not what wins.
-    "tiny": Profile("tiny", 20, 20, 5, 1000.0, "lognormal", 8, 0.1, 20.0, 46 * 1024),
-}
-
-
-@dataclass(frozen=True)
-class Configuration:
-    key: str
-    label: str
-    kind: str  # inband | haproxy | nftables
-    mode: str | None = None
-    balance: str | None = None
-    # dsr-polling only: overrides --poll-interval-ms for this row.
-    poll_interval_ms: int | None = None
-    # dsr-dynamic only: overrides --probe-interval for this row; with a max,
-    # the adaptive n between the two.
-    probe_interval: int | None = None
-    probe_interval_max: int | None = None
-
-
-CONFIGURATIONS = (
-    Configuration("passthrough", "Pass through (inband, round-robin, no DSR)", "inband", mode="passthrough"),
-    Configuration("dsr-rr", "DSR round-robin (inband)", "inband", mode="dsr-rr"),
-    Configuration("dsr-polling", "DSR request busyness (inband, UDP polling, default interval)", "inband", mode="dsr-polling"),
-    # The same baseline polled 10x as often: shows what freshness costs when
-    # it is bought with packets instead of carried in-band.
-    Configuration(
-        "dsr-polling-100ms", "DSR request busyness (inband, UDP polling every 100 ms)", "inband", mode="dsr-polling", poll_interval_ms=100
-    ),
-    Configuration(
-        "dsr-query",
-        "DSR request busyness, as the paper's baseline: query before forwarding (inband dsr-query)",
-        "inband",
-        mode="dsr-query",
-    ),
-    Configuration("dsr-dynamic", "Dynamic DSR (inband, in-band scores)", "inband", mode="dsr-dynamic"),
-    Configuration("haproxy-roundrobin", "HAProxy 2.6 TCP roundrobin", "haproxy", balance="roundrobin"),
-    Configuration("haproxy-leastconn", "HAProxy 2.6 TCP leastconn", "haproxy", balance="leastconn"),
-    Configuration("nftables-numgen", "nftables DNAT numgen round-robin", "nftables"),
-)
-BY_KEY = {c.key: c for c in CONFIGURATIONS}
-# The configurations with a row in the paper's Table 3.
-PAPER_ROWS = tuple(key for _name, key, *_ in report.PAPER_TABLE3)
-
-
-
-# ------------------------------------------------------------------ testbed
-
-
-@dataclass
-class Testbed:
-    """An `inband testbed` and what its state file says about it."""
-
-    inband: Path
-    name: str
-    state: dict = field(default_factory=dict)
-
-    @property
-    def state_path(self) -> Path:
-        return Path("/run/inband/testbed") / f"{self.name}.json"
-
-    def up(self, servers: int, subnet: int | None = None) -> None:
-        argv = [str(self.inband), "testbed", "up", "--name", self.name, "--clients", "1", "--servers", str(servers)]
-        run(None, argv + (["--subnet", str(subnet)] if subnet is not None else []), timeout=120)
-        self.state = json.loads(self.state_path.read_text())
-
-    def down(self) -> None:
-        run(None, [str(self.inband), "testbed", "down", "--name", self.name], timeout=120, check=False)
-
-    def node(self, node: str) -> dict:
-        for n in self.state["nodes"]:
-            if n["node"] == node:
-                return n
-        raise KeyError(f"testbed {self.name} has no node {node}")
-
-    def netns(self, node: str) -> str:
-        return self.node(node)["netns"]
-
-    def addr(self, node: str) -> str:
-        return self.node(node)["address"]
-
-    @property
-    def vip(self) -> str:
-        return self.state["vip"]
-
-    @property
-    def switch_netns(self) -> str:
-        return self.state["switch"]
-
-    def switch_port(self, node: str) -> str:
-        """The bridge-side veth toward `node`, in the switch namespace."""
-        return self.node(node)["bridge_port"]
-
-
-# ------------------------------------------------------------------ the run
-
-
-class ProcessDied(Fatal):
-    pass
-
-
-def alive(proc, what: str, log: Path) -> bool:
-    """True while `proc` runs; raises (ending any wait at once) with the
-    end of its log when it has exited."""
-    if proc.poll() is None:
-        return True
-    tail = log.read_text(errors="replace").strip().splitlines()[-5:] if log.exists() else []
-    raise ProcessDied(f"{what} exited with status {proc.returncode}: " + " / ".join(tail))
-
-
-def http_get_json(netns: str, url: str, timeout_s: float = 3.0):
-    """GET from inside a namespace with this Python (no curl needed)."""
-    code = f"import json,sys,urllib.request;r=urllib.request.urlopen({url!r},timeout={timeout_s});sys.stdout.write(r.read().decode())"
-    cp = run(netns, [sys.executable, "-c", code], timeout=timeout_s + 5)
-    return json.loads(cp.stdout)
-
-
-class Bench:
-    def __init__(self, args, profile: Profile, out: Path, specs: tuple = SERVER_SETS["ours"]):
-        self.args = args
-        self.p = profile
-        self.out = out
-        self.specs = specs
-        self.inband = Path(args.inband)
-        self.tb = Testbed(self.inband, args.name)
-        self.procs = Procs()
-        self.run_dir = out / "run"  # the agents' configs and the run's auth key
-        self.auth_key: Path | None = None  # None: the seed paper's plain options (--auth none)
-        # Unix sockets: a short path of their own (sun_path holds 108 bytes,
-        # and --out may be long).
-        self.sock_dir = Path("/run/inband/bench") / args.name
-        self.servers: list = []  # Popen per server
-        self.lb_ip_forward: str | None = None
-        self.tb_is_up = False
-        self.slowdown_offsets: list[float] = []  # load start - server start, per configuration
-
-    def log(self, msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-    # --- set-up shared by every configuration
-
-    @property
-    def backends(self) -> list[Backend]:
-        return [Backend(self.tb.addr(f"s{i}"), SERVICE_PORT) for i in range(1, len(self.specs) + 1)]
-
-    def backend_labels(self) -> dict:
-        labels = {}
-        for i, spec in enumerate(self.specs, 1):
-            extra = "".join(f", {f:g}× slower {a:.0%}–{a + n:.0%}" for a, n, f in spec.slowdowns)
-            labels[f"{self.tb.addr(f's{i}')}:{SERVICE_PORT}"] = f"s{i} (speed {spec.speed:g}{extra})"
-        return labels
-
-    def setup(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.sock_dir.mkdir(parents=True, exist_ok=True)
-        if self.args.auth == "siphash":
-            self.auth_key = new_auth_key(self.inband, self.run_dir)
-        self.log(f"testbed {self.tb.name}: up (1 client, balancer, {len(self.specs)} servers)")
-        self.tb_is_up = True  # from here on, tear-down must run even if `up` fails half-way
-        self.tb.up(len(self.specs))
-        c1 = self.tb.netns("c1")
-        # One TCP connection per request: let the client reuse ports in
-        # TIME_WAIT so long runs cannot run out of them.
-        run(c1, ["sysctl", "-q", "-w", "net.ipv4.tcp_tw_reuse=1"])
-        self.apply_tbf()
-        agents = []
-        for i in range(1, len(self.specs) + 1):
-            node = f"s{i}"
-            cfg = self.run_dir / f"agent-{node}.toml"
-            cfg.write_text(
-                peers.agent_toml(
-                    balancer=self.tb.addr("lb"),
-                    vip=self.tb.vip,
-                    vip_port=VIP_PORT,
-                    service_port=SERVICE_PORT,
-                    score_socket=str(self.sock_dir / f"agent-{node}.sock"),
-                    auth_key=str(self.auth_key) if self.auth_key else None,
-                )
-            )
-            log = self.out / "logs" / f"agent-{node}.log"
-            agents.append(
-                (node, self.procs.spawn(f"agent {node}", self.tb.netns(node), [str(self.inband), "agent", "--config", str(cfg)], log), log)
-            )
-        for node, proc, log in agents:
-            ns = self.tb.netns(node)
-            wait_until(
-                f"the agent on {node} to attach",
-                lambda ns=ns, proc=proc, log=log, node=node: (
-                    alive(proc, f"the agent on {node}", log)
-                    and "agent_egress" in run(ns, ["tc", "filter", "show", "dev", "eth0", "egress"], check=False).stdout
-                ),
-                30,
-            )
-
-    def apply_tbf(self) -> None:
-        a = self.args
-        port = self.tb.switch_port("lb")
-        run(self.tb.switch_netns, peers.tbf_args(port, a.tbf_rate_mbit, a.tbf_burst_kb, a.tbf_latency_ms))
-        self.log(f"balancer link: TBF {a.tbf_rate_mbit:g} Mbit/s on {port} (switch side, toward the balancer)")
-
-    def tbf_stats(self) -> dict:
-        cp = run(self.tb.switch_netns, ["tc", "-s", "-j", "qdisc", "show", "dev", self.tb.switch_port("lb")])
-        return peers.parse_tbf_stats(cp.stdout)
-
-    # --- servers
-
-    def serve_argv(self, spec: ServerSpec) -> list[str]:
-        p = self.p
-        argv = [
-            str(self.inband), "serve",
-            "--listen", f"0.0.0.0:{SERVICE_PORT}",
-            "--workers", str(p.workers),
-            "--service-ms", f"{p.service_ms:g}",
-            "--service-dist", p.service_dist,
-            "--speed", f"{spec.speed:g}",
-            "--time-scale", f"{p.time_scale:g}",
-            "--body-bytes", str(p.body_bytes),
-        ]  # fmt: skip
-        # Seconds since the server started, which is just before the load
-        # starts (the offset is measured and reported).
-        for start_f, len_f, factor in spec.slowdowns:
-            argv += ["--slowdown", f"{start_f * self.duration_s:g}:{len_f * self.duration_s:g}:{factor:g}"]
-        return argv
-
-    def start_servers(self, cfg_dir: Path) -> float:
-        """Starts fresh servers; returns when they started (epoch s)."""
-        self.stop_servers()
-        started = time.time()
-        for i, spec in enumerate(self.specs, 1):
-            node = f"s{i}"
-            self.servers.append(
-                self.procs.spawn(f"serve {node}", self.tb.netns(node), self.serve_argv(spec), cfg_dir / f"serve-{node}.log")
-            )
-        for i in range(1, len(self.specs) + 1):
-            url = f"http://{self.tb.addr(f's{i}')}:{SERVICE_PORT}/stats"
-            wait_until(f"the server on s{i}", lambda url=url: http_get_json(self.tb.netns("lb"), url), 20)
-        return started
-
-    def server_stats(self) -> dict:
-        """`/stats` of every server (served, rejected, ...), by backend."""
-        out = {}
-        for i in range(1, len(self.specs) + 1):
-            url = f"http://{self.tb.addr(f's{i}')}:{SERVICE_PORT}/stats"
-            out[f"{self.tb.addr(f's{i}')}:{SERVICE_PORT}"] = http_get_json(self.tb.netns("lb"), url)
-        return out
-
-    def stop_servers(self) -> None:
-        for s in self.servers:
-            self.procs.stop(s)
-        self.servers = []
-
-    # --- balancers under test
-
-    def start_balancer(self, c: Configuration, cfg_dir: Path):
-        lb = self.tb.netns("lb")
-        if c.kind == "inband":
-            # The balancer forwards to MACs from the kernel's neighbour
-            # table: make sure every backend has an entry before the first SYN.
-            for b in self.backends:
-                run(lb, ["ping", "-c", "1", "-W", "2", b.address], check=False)
-            sock = self.sock_dir / "lb.sock"
-            cfg = cfg_dir / "lb.toml"
-            cfg.write_text(
-                peers.lb_toml(
-                    address=self.tb.addr("lb"),
-                    vip=self.tb.vip,
-                    vip_port=VIP_PORT,
-                    backends=self.backends,
-                    mode=c.mode,
-                    control_socket=str(sock),
-                    auth_key=str(self.auth_key) if self.auth_key else None,
-                    probe_interval=c.probe_interval or self.args.probe_interval,
-                    probe_interval_max=c.probe_interval_max,
-                    poll_interval_ms=c.poll_interval_ms or self.args.poll_interval_ms,
-                )
-            )
-            log = cfg_dir / "lb.log"
-            proc = self.procs.spawn("inband lb", lb, [str(self.inband), "lb", "--config", str(cfg)], log)
-            wait_until(
-                "the balancer's control socket",
-                lambda: alive(proc, "inband lb", log) and sock.exists() and self.lb_status() is not None,
-                30,
-            )
-            wait_until(
-                "the balancer to resolve every backend's MAC",
-                lambda: all(b["mac"] != "00:00:00:00:00:00" for b in self.lb_status()[0]["vips"][0]["backends"]),
-                30,
-            )
-            return proc
-        if c.kind == "haproxy":
-            cfg = cfg_dir / "haproxy.cfg"
-            cfg.write_text(
-                peers.haproxy_cfg(
-                    vip=self.tb.vip, vip_port=VIP_PORT, backends=self.backends, balance=c.balance, timeout_s=int(self.p.timeout_s) + 30
-                )
-            )
-            log = cfg_dir / "haproxy.log"
-            proc = self.procs.spawn("haproxy", lb, ["haproxy", "-f", str(cfg), "-db"], log)
-            wait_until(
-                "haproxy to listen",
-                lambda: alive(proc, "haproxy", log) and f"{self.tb.vip}:{VIP_PORT}" in run(lb, ["ss", "-Hltn"]).stdout,
-                20,
-            )
-            return proc
-        if c.kind == "nftables":
-            self.lb_ip_forward = run(lb, ["sysctl", "-n", "net.ipv4.ip_forward"]).stdout.strip()
-            run(lb, ["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
-            text = peers.nft_ruleset(vip=self.tb.vip, vip_port=VIP_PORT, backends=self.backends)
-            (cfg_dir / "nftables.nft").write_text(text)
-            run(lb, ["nft", "-f", "-"], input=text)
-            return None
-        raise ValueError(c.kind)
-
-    def stop_balancer(self, c: Configuration, proc) -> None:
-        lb = self.tb.netns("lb")
-        if proc is not None:
-            self.procs.stop(proc)
-        if c.kind == "inband":
-            # Stopping the daemon keeps XDP and the maps (traffic keeps
-            # flowing): detach removes both, so the next run starts clean.
-            run(lb, [str(self.inband), "lb", "detach", "--interface", "eth0", "--force"], check=False)
-        if c.kind == "nftables":
-            run(lb, ["nft", "delete", "table", "ip", peers.NFT_TABLE], check=False)
-            if self.lb_ip_forward is not None:
-                run(lb, ["sysctl", "-q", "-w", f"net.ipv4.ip_forward={self.lb_ip_forward}"], check=False)
-                self.lb_ip_forward = None
-
-    def lb_status(self):
-        cp = run(self.tb.netns("lb"), [str(self.inband), "status", "--json"], check=False)
-        return json.loads(cp.stdout) if cp.returncode == 0 else None
-
-    # --- one configuration
-
-    @property
-    def duration_s(self) -> int:
-        return self.args.duration or self.p.duration_s
-
-    def run_config(self, c: Configuration) -> RunResult:
-        d = self.out / c.key
-        d.mkdir(parents=True, exist_ok=True)
-        self.log(f"{c.key}: starting {c.kind} and the servers")
-        lb_started = time.time()
-        proc = self.start_balancer(c, d)
-        try:
-            # Servers last, right before the load: their slowdown windows
-            # count from their start.
-            served_from = self.start_servers(d)
-            before = self.tbf_stats()
-            self.log(f"{c.key}: {self.args.users or self.p.users} users for {self.duration_s} s")
-            self.run_locust(d)
-            after = self.tbf_stats()
-            status = self.lb_status() if c.kind == "inband" else None
-            status_read = time.time()
-            if status is not None:
-                (d / "lb-status.json").write_text(json.dumps(status, indent=2))
-            sstats = self.server_stats()
-            (d / "server-stats.json").write_text(json.dumps(sstats, indent=2))
-            window = report.read_window(d / "window.json")
-            (d / "meta.json").write_text(
-                json.dumps(
-                    {
-                        "balancer_started": lb_started,
-                        "servers_started": served_from,
-                        "load_started": window[0],
-                        "offset_s": window[0] - served_from,
-                        "status_read": status_read,
-                    }
-                )
-            )
-            self.slowdown_offsets.append(window[0] - served_from)
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"{c.kind} exited during the run (status {proc.returncode}); see {d}")
-        finally:
-            self.stop_balancer(c, proc)
-            self.stop_servers()
-        requests = report.read_requests(d / "requests.csv")
-        shares = {b: int(v["served"]) for b, v in sstats.items()}
-        res = RunResult(
-            key=c.key,
-            label=c.label,
-            window=window,
-            requests=requests,
-            overhead=overhead(c, status, before, after, authenticated=self.auth_key is not None),
-            locust=report.read_locust_aggregated(d / "locust_stats.csv"),
-            shares=shares,
-            at_balancer=report.backends_at_balancer(status),
-        )
-        s = res.summary()
-        self.log(f"{c.key}: {s.requests} requests, {s.rps:.2f} req/s, median {report.fmt_time(s.median_ms)}, {s.failures} failures")
-        return res
-
-    def run_locust(self, d: Path) -> None:
-        users = self.args.users or self.p.users
-        spawn = self.args.spawn_rate or min(self.p.spawn_rate, users)
-        env = dict(os.environ)
-        env.update(
-            INBAND_BENCH_REQUESTS=str(d / "requests.csv"),
-            INBAND_BENCH_WINDOW=str(d / "window.json"),
-            INBAND_BENCH_TIMEOUT_S=f"{self.p.timeout_s:g}",
-        )
-        argv = [
-            sys.executable, "-m", "locust",
-            "-f", str(REPO / "bench" / "locustfile.py"),
-            "--headless", "--only-summary",
-            "-u", str(users), "-r", str(spawn),
-            "-t", f"{self.duration_s}s",
-            "--host", f"http://{self.tb.vip}:{VIP_PORT}",
-            "--csv", str(d / "locust"), "--csv-full-history",
-            "--loglevel", "WARNING",
-        ]  # fmt: skip
-        (d / "locust-command.txt").write_text(shlex.join(argv) + "\n")
-        p = self.procs.spawn("locust", self.tb.netns("c1"), argv, d / "locust.log", env=env, cwd=REPO)
-        # Locust stops itself after -t; the bound covers a hung shutdown.
-        try:
-            p.wait(timeout=self.duration_s + 60)
-        except subprocess.TimeoutExpired:
-            self.procs.stop(p)
-            raise RuntimeError(f"locust did not finish within {self.duration_s + 60} s; see {d / 'locust.log'}") from None
-        self.procs.stop(p)
-        if not (d / "window.json").exists():
-            raise RuntimeError(f"locust ended (status {p.returncode}) without a measurement window; see {d / 'locust.log'}")
-
-    # --- tear-down
-
-    def teardown(self) -> None:
-        self.procs.stop_all()
-        self.servers = []
-        if self.tb_is_up:
-            self.log(f"testbed {self.tb.name}: down")
-            self.tb.down()
-            self.tb_is_up = False
-        shutil.rmtree(self.sock_dir, ignore_errors=True)
-
-
-def new_auth_key(inband: Path, run_dir: Path) -> Path:
-    """A key of its own for this run's balancer and agents. `inband keygen`
-    never overwrites one, and the directory may hold an earlier run's."""
-    key = run_dir / "auth.key"
-    key.unlink(missing_ok=True)
-    run(None, [str(inband), "keygen", "--out", str(key)])
-    return key
-
-
-def option_bytes(authenticated: bool) -> int:
-    """What one 124 (score request) or one 125 (score) adds to a packet,
-    as bpf/include/inband/wire.h defines them: INBAND_OPT_AUTH_SCORE_REQUEST_LEN
-    and INBAND_OPT_AUTH_SCORE_LEN (kind, length, key id or score, nonce,
-    MAC) with a key; the seed's INBAND_OPT_SCORE_REQUEST_LEN and
-    INBAND_OPT_SCORE_LEN without."""
-    return 16 if authenticated else 4
-
-
-def overhead(c: Configuration, status, before: dict, after: dict, *, authenticated: bool) -> Overhead:
-    o = Overhead(
-        mechanism={
-            "passthrough": "none",
-            "dsr-rr": "none",
-            "dsr-polling": "UDP polls to every agent",
-            "dsr-query": "a UDP query round to every agent per batch of held SYNs",
-            "dsr-dynamic": "IPv4 options on packets already sent",
-            "roundrobin": "none",
-            "leastconn": "own connection counts",
-        }.get(c.mode or c.balance or "", "none"),
-        lb_in_bytes=after["bytes"] - before["bytes"],
-        lb_in_packets=after["packets"] - before["packets"],
-        lb_in_drops=after["drops"] - before["drops"],
-    )
-    if status:
-        ctl = status[0]["control"]
-        bes = status[0]["vips"][0]["backends"]
-        o.probes = sum(b["stats"]["probes_sent"] for b in bes)
-        o.scores = sum(b["stats"]["scores_received"] for b in bes)
-        # Polling and querying: each request and reply is a packet of its
-        # own. In-band: no packet of its own, one option per probe and per score.
-        o.polls = int(ctl["polls_sent"])
-        o.extra_packets = o.polls + int(ctl["poll_replies"])
-        o.queries, o.query_timeouts, o.query_mean_us = int(ctl["queries"]), int(ctl["query_timeouts"]), int(ctl["query_mean_us"])
-        o.extra_bytes = int(ctl["poll_bytes"]) + option_bytes(authenticated) * (o.probes + o.scores)
-    return o
-
-
-# ------------------------------------------------------------------ facts
-
-
-def tool_version(argv: list[str]) -> str:
-    try:
-        cp = subprocess.run(argv, capture_output=True, text=True, timeout=10)
-        return (cp.stdout or cp.stderr).strip().splitlines()[0]
-    except Exception as e:  # noqa: BLE001 - a missing tool is a fact too
-        return f"unavailable ({e.__class__.__name__})"
-
-
-def machine_facts(inband: Path) -> str:
-    mem = "?"
-    cpu = "?"
-    try:
-        mem = next(line.split(":", 1)[1].strip() for line in open("/proc/meminfo") if line.startswith("MemTotal"))
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    import matplotlib
-
-    # Not `import locust` here: it monkey-patches the whole process for gevent.
-
-    rows = [
-        ("nproc", str(os.cpu_count())),
-        ("cpu", cpu),
-        ("memory", mem),
-        ("kernel", platform.release()),
-        ("os", tool_version(["sh", "-c", ". /etc/os-release && echo $PRETTY_NAME"])),
-        ("inband", tool_version([str(inband), "--version"])),
-        ("python", platform.python_version()),
-        ("locust", tool_version([sys.executable, "-m", "locust", "--version"])),
-        ("matplotlib", matplotlib.__version__),
-        ("haproxy", tool_version(["haproxy", "-v"])),
-        ("nftables", tool_version(["nft", "--version"])),
-        ("iproute2", tool_version(["ip", "-V"])),
-    ]
-    return "\n".join(f"{k}: {v}" for k, v in rows) + "\n"
-
-
-# ------------------------------------------------------------------ main
-
-
-def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m bench.paper", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", choices=sorted(PROFILES), default="quick")
-    ap.add_argument("--out", required=True, help="results directory (created)")
-    ap.add_argument("--configs", default=",".join(BY_KEY), help=f"comma-separated subset of: {', '.join(BY_KEY)}")
-    ap.add_argument(
-        "--servers",
-        choices=(*SERVER_SETS, "both"),
-        default="ours",
-        help="our three heterogeneous servers, the paper's two identical ones, or both (a results directory per set)",
-    )
-    ap.add_argument(
-        "--paper-configs",
-        default=",".join(PAPER_ROWS),
-        help="with --servers both: the configurations run on the paper's two servers (default: the rows of the paper's Table 3)",
-    )
-    ap.add_argument("--name", default="paper", help="testbed name (namespaces NAME-lb, NAME-c1, ...)")
-    ap.add_argument("--inband", default=str(REPO / "target" / "debug" / "inband"), help="the inband binary")
-    ap.add_argument(
-        "--tbf-rate-mbit", type=float, help="balancer link rate (traffic into the balancer); default 10 Mbit/s ÷ the time scale"
-    )
-    ap.add_argument("--tbf-burst-kb", type=int, help="default 16 KB ÷ the time scale")
-    ap.add_argument("--tbf-latency-ms", type=int, default=100, help="TBF queue, as the longest a packet may wait")
-    ap.add_argument("--probe-interval", type=int, default=100, help="dsr-dynamic: score request on every n-th packet")
-    ap.add_argument(
-        "--poll-interval-ms", type=int, default=1000, help="dsr-polling: how often each agent is asked (the balancer's default; dsr-polling-100ms keeps 100)"
-    )
-    ap.add_argument(
-        "--auth",
-        choices=("siphash", "none"),
-        default="siphash",
-        help="in-band options: authenticated with a key made for the run (16-byte 124/125), or the seed paper's plain ones (4 bytes)",
-    )
-    ap.add_argument("--users", type=int, help="override the profile's user count")
-    ap.add_argument("--spawn-rate", type=int, help="override the profile's spawn rate")
-    ap.add_argument("--duration", type=int, help="override the profile's seconds per configuration")
-    ap.add_argument("--time-scale", type=float, help="override the profile's server-side time scale (0.25: four times faster service)")
-    args = ap.parse_args(argv)
-    unknown = [k for k in f"{args.configs},{args.paper_configs}".split(",") if k not in BY_KEY]
-    if unknown:
-        ap.error(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(BY_KEY)}")
-    return args
-
-
-def preflight(args) -> list[str]:
-    problems = []
-    if os.geteuid() != 0:
-        problems.append("must run as root (it creates network namespaces and attaches XDP/tc programs)")
-    if not Path(args.inband).is_file():
-        problems.append(f"{args.inband} is missing: run scripts/setup.sh (it installs what is needed and builds inband)")
-    keys = args.configs.split(",")
-    if (
-        any(BY_KEY[k].kind == "haproxy" for k in keys)
-        and subprocess.run(["sh", "-c", "command -v haproxy"], capture_output=True).returncode
-    ):
-        problems.append("haproxy is not installed: run scripts/setup.sh")
-    if any(BY_KEY[k].kind == "nftables" for k in keys) and subprocess.run(["sh", "-c", "command -v nft"], capture_output=True).returncode:
-        problems.append("nft is not installed: run scripts/setup.sh")
-    state = Path("/run/inband/testbed") / f"{args.name}.json"
-    if state.exists():
-        problems.append(
-            f"a testbed named {args.name!r} exists already ({state}): remove it with `{args.inband} testbed down --name {args.name}` or pick another --name"
-        )
-    return problems
-
-
-
-def resolve_profile(args) -> Profile:
-    """The profile with the command line's overrides, and the balancer
-    link's defaults for its time scale filled into `args`."""
-    profile = PROFILES[args.profile]
-    if args.time_scale:
-        profile = dataclasses.replace(profile, time_scale=args.time_scale)
-    # Faster servers get a proportionally faster balancer link, so that the
-    # balancer's capacity relative to the servers' stays what it is at
-    # time scale 1 (pass-through bound below round-robin, as in the paper).
-    if args.tbf_rate_mbit is None:
-        args.tbf_rate_mbit = 10.0 / profile.time_scale
-    if args.tbf_burst_kb is None:
-        args.tbf_burst_kb = round(16 / profile.time_scale)
-    return profile
+from .lib import locust, paperbed, plots, preflight, results
+from .lib.locust import RunResult
+from .lib.procs import stop_signals_interrupt
+from .lib.paperbed import BY_KEY, PAPER_ROWS, SERVER_SETS, Bench, option_bytes, run_configs  # noqa: F401 - PAPER_ROWS: the tests' rows
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    problems = preflight(args)
-    if problems:
-        for p in problems:
-            print(f"error: {p}", file=sys.stderr)
-        return 2
-    profile = resolve_profile(args)
+    args = paperbed.parse_args(argv, __doc__)
+    refused = preflight.refuse(paperbed.problems(args))
+    if refused:
+        return refused
+    profile = paperbed.resolve_profile(args)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     configs = [BY_KEY[k] for k in args.configs.split(",")]
     # Both sets: the paper's identical servers only need the paper's rows
     # (round-robin is already optimal there), which keeps the demo short.
     paper_configs = [BY_KEY[k] for k in args.paper_configs.split(",")] if args.servers == "both" else configs
-    command = shlex.join([sys.executable, "-m", "bench.paper", *(argv if argv is not None else sys.argv[1:])])
-    facts = f"command: {command}\ncwd: {os.getcwd()}\nstarted: {time.strftime('%Y-%m-%d %H:%M:%S %z')}\n" + machine_facts(Path(args.inband))
-    (out / "command.txt").write_text(facts)
+    record_run = results.Run("paper", "bench.paper", argv)
     sets = list(SERVER_SETS) if args.servers == "both" else [args.servers]
     stop_signals_interrupt()
     status = 0
+    rows, described, failures = [], {}, []
     for name in sets:
-        # One set: its results straight in --out; both: a directory each.
+        # One set: its raw data straight in --out; both: a directory each.
         set_out = out / name if len(sets) > 1 else out
         set_out.mkdir(parents=True, exist_ok=True)
-        if set_out != out:
-            (set_out / "command.txt").write_text(facts)
         bench = Bench(args, profile, set_out, SERVER_SETS[name])
-        results, failed, interrupted, elapsed = run_configs(bench, paper_configs if name == "paper" else configs)
+        ran, failed, interrupted, elapsed = run_configs(bench, paper_configs if name == "paper" else configs)
         if interrupted:
             print(f"interrupted ({interrupted}); everything torn down", file=sys.stderr)
-        if results:
-            write_outputs(bench, results, failed, set_out, command, elapsed, name)
+        if ran:
+            write_raw(ran, set_out, profile.name, bench.duration_s)
+            rows += [{"set": name, **r.to_json()} for r in ran]
+            described[name] = {"setup": setup_text(bench, elapsed, name), "backend_labels": bench.backend_labels()}
+        failures += [f"{name}: {key}: {err}" for key, err in failed]
         for key, err in failed:
             print(f"error: {name}: {key}: {err}", file=sys.stderr)
         if interrupted:
             return 130
-        status = status or (1 if failed or not results else 0)
+        status = status or (1 if failed or not ran else 0)
+    if rows:
+        record = record_run.record(rows, profile={"name": profile.name, **dataclasses.asdict(profile)}, inband=Path(args.inband),
+                                   tools=TOOLS, sets=described, failed=failures)
+        results.write(Path(args.results), record, render(record))
     return status
 
 
-def run_configs(bench: Bench, configs: list) -> tuple[list, list, str | None, float]:
-    """Every configuration on one testbed, torn down at the end however it
-    ends: (results, failures, what interrupted it or None, seconds)."""
-    started = time.time()
-    results: list[RunResult] = []
-    failed: list[tuple[str, str]] = []
-    interrupted = None
-    try:
-        bench.setup()
-        for c in configs:
-            try:
-                results.append(bench.run_config(c))
-            except (Interrupted, KeyboardInterrupt):
-                raise
-            except Exception as e:  # noqa: BLE001 - one broken configuration must not hide the others
-                traceback.print_exc()
-                failed.append((c.key, f"{e.__class__.__name__}: {e}"))
-                bench.log(f"{c.key}: FAILED: {e}")
-    except (Interrupted, KeyboardInterrupt) as e:
-        interrupted = str(e) or "SIGINT"
-    except Exception as e:  # noqa: BLE001 - set-up failed: report, tear down
-        traceback.print_exc()
-        failed.append(("setup", f"{e.__class__.__name__}: {e}"))
-    finally:
-        with uninterruptible():
-            bench.teardown()
-        if interrupted is None:
-            stop_signals_interrupt()
-    return results, failed, interrupted, time.time() - started
+# What the versions of the peers and of the load generator are taken from.
+TOOLS = {"locust": [sys.executable, "-m", "locust", "--version"], "haproxy": ["haproxy", "-v"], "nftables": ["nft", "--version"],
+         "iproute2": ["ip", "-V"]}
 
 
-def write_outputs(bench: Bench, results, failed, out: Path, command: str, elapsed_s: float, server_set: str) -> None:
+def setup_text(bench: Bench, elapsed_s: float, server_set: str) -> str:
+    """What the run was, for the tables' preamble."""
     a, p = bench.args, bench.p
     spec = ", ".join(f"s{i} speed {s.speed:g}{s.describe()}" for i, s in enumerate(bench.specs, 1))
     options = (
         "authenticated options (SipHash, a key made for the run)" if bench.auth_key else "the seed paper's unauthenticated options"
     ) + f", {option_bytes(bench.auth_key is not None)} bytes per probe and per score"
-    preamble = (
-        f"# Paper evaluation, profile `{p.name}`, servers `{server_set}`\n\n"
-        f"Command: `{command}`  \n"
+    return (
         f"{a.users or p.users} users, spawn rate {a.spawn_rate or min(p.spawn_rate, a.users or p.users)}/s, {bench.duration_s} s per configuration, "
         f"back-to-back GETs, one connection per request, no warm-up discarded.  \n"
         f"Servers: {p.workers} workers each, service time {p.service_dist} with mean {p.service_ms:g} ms × time scale {p.time_scale:g} ÷ speed; {spec}; "
@@ -793,33 +93,31 @@ def write_outputs(bench: Bench, results, failed, out: Path, command: str, elapse
         f"dsr-polling-100ms every {BY_KEY['dsr-polling-100ms'].poll_interval_ms} ms; dsr-query holds each new connection's SYN for a query round "
         "(at most the balancer's default query_timeout_ms, 20 ms).  \n"
         f"Servers started {min(bench.slowdown_offsets, default=0):.1f}–{max(bench.slowdown_offsets, default=0):.1f} s before the load "
-        "(their slowdown windows count from their start).  \n"
-        f"Total wall time {elapsed_s:.0f} s. Machine and versions: command.txt.\n"
+        f"(their slowdown windows count from their start). Wall time of the set {elapsed_s:.0f} s.\n"
     )
-    if failed:
-        preamble += "\n**Failed:** " + "; ".join(f"{k}: {e}" for k, e in failed) + "\n"
-    md = report.markdown(results, bench.backend_labels(), preamble=preamble)
-    (out / "results.md").write_text(md)
-    report.write_csv(results, out / "results.csv")
-    report.write_timeseries_csv(results, out / "rps_timeseries.csv")
-    suffix = f" — {p.name}, {bench.duration_s} s"
-    plots.fig3_rps(results, out / "fig3_rps.png", title_suffix=suffix)
-    plots.fig4_ccdf(results, out / "fig4_ccdf.png", title_suffix=suffix)
-    with open(out / "command.txt", "a") as f:
-        f.write(f"finished: {time.strftime('%Y-%m-%d %H:%M:%S %z')} ({elapsed_s:.0f} s)\n")
-    print()
-    print(report.table3(results))
-    print()
-    print(report.ratios(results))
-    print()
-    print(report.paper_ratios(results))
-    print()
-    print(report.overhead_table(results))
-    print()
-    print(report.shares_table(results, bench.backend_labels()))
-    print()
-    print(report.balancer_view_table(results))
-    print(f"\nresults in {out}: results.md, results.csv, rps_timeseries.csv, fig3_rps.png, fig4_ccdf.png, command.txt")
+
+
+def render(record: dict) -> str:
+    """The tables of a run, from its record alone (bench.docs renders the
+    committed one the same way)."""
+    failed = "\n**Failed:** " + "; ".join(record["failed"]) + "\n" if record.get("failed") else ""
+    parts = []
+    for name, d in record["sets"].items():
+        ran = [RunResult.from_json(r) for r in record["rows"] if r["set"] == name]
+        preamble = (f"# Paper evaluation, profile `{record['profile']['name']}`, servers `{name}`\n\n"
+                    f"{results.provenance(record)}  \n" + d["setup"] + failed)
+        parts.append(locust.markdown(ran, d["backend_labels"], preamble=preamble))
+    return "\n".join(parts)
+
+
+def write_raw(ran: list, out: Path, profile: str, duration_s: int) -> None:
+    """What the tables do not hold: every configuration's results as CSV,
+    requests per second over time, Fig. 3 and Fig. 4."""
+    locust.write_csv(ran, out / "results.csv")
+    locust.write_timeseries_csv(ran, out / "rps_timeseries.csv")
+    suffix = f" — {profile}, {duration_s} s"
+    plots.fig3_rps(ran, out / "fig3_rps.png", title_suffix=suffix)
+    plots.fig4_ccdf(ran, out / "fig4_ccdf.png", title_suffix=suffix)
 
 
 if __name__ == "__main__":

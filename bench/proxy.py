@@ -18,8 +18,10 @@ hour; it counts the requests that reach it) on 127.0.0.1.
    directory, and the same workload is replayed from its first response
    for a few seconds: origin requests and hit ratio in that window.
 
-Prints Markdown tables, writes results.md, results.json, results.csv,
-restart_timeline.csv, proxy.png and command.txt into --out. Every process
+Prints Markdown tables, writes
+the record (results.json: commit, machine, load average, command, rows)
+and its tables (results.md) into --results (default bench/results/proxy),
+results.csv, restart_timeline.csv and proxy.png into --out. Every process
 is stopped and every temporary directory removed at the end, on Ctrl-C and
 SIGTERM too. See docs/benchmarks.md ("L7 proxy cache").
 """
@@ -31,8 +33,6 @@ import csv
 import http.client
 import json
 import os
-import platform
-import shlex
 import shutil
 import socket
 import statistics
@@ -44,13 +44,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import peers
-from .origin import STATS_PATH, body_for
-from .paper import tool_version
-from .outcome import Outcome
-from .procs import Fatal, Procs, run, stop_signals_interrupt, wait_until
+from .lib import peers
+from .lib.origin import STATS_PATH, body_for
+from .lib import preflight, profiles
+from .lib.host import others_running, session_cpu_s
+from .lib.report import table
+from .lib.results import REPO, Run, default_dir, provenance, revive
+from .lib.results import write as write_results
+from .lib.tools import parse_wrk
+from .lib.outcome import Outcome
+from .lib.procs import Fatal, Procs, run, stop_signals_interrupt, wait_until
 
-REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 CAPACITY = 1 << 30  # every cache's size bound, far above the data set: nothing is evicted
 
@@ -142,56 +146,11 @@ end
 """
 
 
-def parse_wrk(text: str) -> dict:
-    for line in text.splitlines():
-        if line.startswith("BENCH "):
-            return {k: int(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
-    raise ValueError(f"no summary in wrk output: {text[-500:]}")
-
-
 # ------------------------------------------------------------------ counters
 
 
-def session_cpu_s(sid: int) -> float:
-    """utime + stime of every process in a session: nginx's master and
-    workers, Varnish's manager and child, inband's one process."""
-    total = 0
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            f = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(f[3]) == sid:  # field 6, session id
-            total += int(f[11]) + int(f[12])
-    return total / os.sysconf("SC_CLK_TCK")
 
 
-def other_work() -> set[str]:
-    """Other engineers' benchmarks and builds on this shared machine, by
-    program and arguments: `pgrep -f cargo` would also match any process
-    whose command line merely mentions ~/.cargo (e.g. in a PATH argument)."""
-    seen = set()
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == os.getpid():
-            continue
-        try:
-            argv = [a.decode(errors="replace") for a in open(f"/proc/{d}/cmdline", "rb").read().split(b"\0") if a]
-        except OSError:
-            continue
-        if not argv:
-            continue
-        prog = os.path.basename(argv[0])
-        if prog in ("cargo", "rustc"):
-            seen.add(prog)
-        for name in ("bench.forwarding", "bench.paper"):
-            if name in argv[1:4]:
-                seen.add(name)
-        if prog == "inband" or prog.startswith("inband-"):
-            if argv[1:3] == ["bench", "cache"]:
-                seen.add("inband bench cache")
-    return seen
 
 
 # What the recorded measurement waits out: builds take both cores, the
@@ -209,7 +168,7 @@ def wait_quiet(max_s: float, log, hold_s: float = 5) -> str:
     quiet_since = None
     announced = False
     while True:
-        busy = other_work() & BLOCKING
+        busy = others_running() & BLOCKING
         now = time.monotonic()
         if not busy:
             quiet_since = quiet_since or now
@@ -313,10 +272,10 @@ class Restart:
 # ------------------------------------------------------------------ tables
 
 
-def _md(headers: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" if i else "---" for i in range(len(headers))) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    return table(headers, rows, numeric=True) + "\n"
 
 
 def _times(a: float, b: float | None) -> str:
@@ -343,7 +302,7 @@ def hits_table(rows: list[Hits]) -> str:
         "system", "connections", "req/s", "÷ nginx", "÷ Varnish", "÷ limit", "p50 ms", "p99 ms", "CPU (cores)", "CPU µs/req",
         "CPU ÷ nginx", "CPU ÷ Varnish", "origin requests", "errors",
     ]  # fmt: skip
-    return _md(headers, out)
+    return _table(headers, out)
 
 
 def misses_table(rows: list[Hits]) -> str:
@@ -361,7 +320,7 @@ def misses_table(rows: list[Hits]) -> str:
             f"{r.cpu_us_per_req:.1f}", _times(r.cpu_us_per_req, ng and ng.cpu_us_per_req), f"{r.origin / n:.2f}" if n else "–", str(r.errors),
         ])  # fmt: skip
     headers = ["system", "req/s", "÷ nginx", "p50 ms", "p99 ms", "CPU µs/req", "CPU ÷ nginx", "origin requests ÷ requests", "errors"]
-    return _md(headers, out)
+    return _table(headers, out)
 
 
 def restart_table(rows: list[Restart], window_s: int, objects: int) -> str:
@@ -376,7 +335,7 @@ def restart_table(rows: list[Restart], window_s: int, objects: int) -> str:
         "system", "cache kept on disk", "restart → first response ms", f"requests in first {window_s} s",
         f"origin requests in first {window_s} s", "hit ratio", "origin requests ÷ objects", "errors",
     ]  # fmt: skip
-    return _md(headers, out)
+    return _table(headers, out)
 
 
 def disturbed_note(runs: list[tuple[str, list]], what: str) -> str:
@@ -387,6 +346,32 @@ def disturbed_note(runs: list[tuple[str, list]], what: str) -> str:
         return f"No build or forwarding benchmark was running at the start or end of any of the {len(runs)} {what}.\n"
     which = "; ".join(f"{label} ({', '.join(o)})" for label, o in bad)
     return f"**{len(bad)} of {len(runs)} {what} had a build or the forwarding benchmark running at their start or end:** {which}.\n"
+
+
+def hits_json(h: Hits) -> dict:
+    """A row's rounds and, for whoever reads the JSON, their medians."""
+    return {**asdict(h), "rps": h.rps, "p50_ms": h.p50_ms, "p99_ms": h.p99_ms, "cpu_us_per_req": h.cpu_us_per_req}
+
+
+TOOLS = {"nginx": ["nginx", "-v"], "varnish": ["varnishd", "-V"], "wrk": ["wrk", "-v"]}
+
+
+def render(record: dict) -> str:
+    """The tables of a run, from its record alone (bench.docs renders the
+    committed one the same way)."""
+    rows, m = record["rows"], record["machine"]
+    others = ", ".join(record["others"]) or "none seen"
+    preamble = (
+        "# L7 proxy cache: inband proxy vs nginx proxy_cache vs Varnish\n\n"
+        f"{provenance(record)}  \n"
+        f"The CPUs are **shared by** wrk (1 thread), the system under test, the origin (Python, idle once the caches are filled), "
+        f"the driver and the other systems (started, idle); before measuring: {record['quiet']}; other work seen during the run: {others}.  \n"
+        + "; ".join(f"{k}: {m[k]}" for k in ("inband", "nginx", "varnish", "wrk") if k in m) + "\n"
+    )
+    if record["failed"]:
+        preamble += "\n**Failed:** " + "; ".join(record["failed"]) + "\n"
+    p = Profile(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in record["profile"].items() if k != "name"})
+    return markdown([revive(Hits, h) for h in rows["hits"]], [revive(Hits, h) for h in rows["misses"]], [revive(Restart, r) for r in rows["restart"]], p, preamble)
 
 
 def markdown(hits: list[Hits], misses: list[Hits], restarts: list[Restart], p: Profile, preamble: str) -> str:
@@ -405,7 +390,7 @@ def markdown(hits: list[Hits], misses: list[Hits], restarts: list[Restart], p: P
             f"\n## Misses: `no-store` paths, every request through to the origin, wrk 1 thread × {p.connections[0]} connections, "
             f"median of {p.rounds} × {p.miss_s} s\n",
             misses_table(misses),
-            "\nThe origin is `bench/origin.py` (Python): it bounds every system's rate alike, so the CPU per request is the comparison.  \n",
+            "\nThe origin is `bench/lib/origin.py` (Python): it bounds every system's rate alike, so the CPU per request is the comparison.  \n",
         ]
     if restarts:
         parts += [
@@ -497,7 +482,7 @@ class Bench:
 
     def note_others(self) -> set[str]:
         """Other work now; returns the part that disturbs a measurement."""
-        seen = other_work()
+        seen = others_running()
         self.others |= seen
         return seen & BLOCKING
 
@@ -514,7 +499,7 @@ class Bench:
     # --- processes
 
     def start_origin(self) -> None:
-        argv = [sys.executable, "-m", "bench.origin", "--listen", f"{HOST}:{self.origin_port}", "--object-bytes", str(self.p.object_bytes)]
+        argv = [sys.executable, "-m", "bench.lib.origin", "--listen", f"{HOST}:{self.origin_port}", "--object-bytes", str(self.p.object_bytes)]
         log = self.out / "logs" / "origin.log"
         proc = self.procs.spawn("origin", None, argv, log, cwd=REPO)
         wait_until("the origin", lambda: self._alive(proc, "origin", log) and self.origin_count() >= 0, 20)
@@ -682,7 +667,8 @@ class Bench:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m bench.proxy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="results directory (created)")
+    ap.add_argument("--out", required=True, help="the run's raw data: CSV, timeline, figure (created)")
+    ap.add_argument("--results", type=Path, default=default_dir("proxy"), help="results.json and results.md (default: the committed ones)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes and 1-s runs: the test's profile")
     ap.add_argument("--systems", default=",".join(BY_KEY), help="comma-separated subset of " + ", ".join(BY_KEY))
     ap.add_argument("--objects", type=int, help="number of distinct objects (default 5000)")
@@ -704,53 +690,29 @@ def parse_args(argv):
 
 
 def profile_of(args) -> Profile:
-    p = PROFILES["quick" if args.quick else "default"]
-    over = {
-        "objects": args.objects, "object_bytes": args.object_bytes, "measure_s": args.seconds, "rounds": args.rounds,
-        "window_s": args.window, "connections": tuple(int(c) for c in args.connections.split(",")) if args.connections else None,
-    }  # fmt: skip
-    return Profile(**{**asdict(p), **{k: v for k, v in over.items() if v is not None}})
+    return profiles.choose(
+        PROFILES, "quick" if args.quick else "default", objects=args.objects, object_bytes=args.object_bytes, measure_s=args.seconds,
+        rounds=args.rounds, window_s=args.window, connections=tuple(int(c) for c in args.connections.split(",")) if args.connections else None,
+    )  # fmt: skip
 
 
-def preflight(args, systems: list[System]) -> list[str]:
-    problems = []
-    if any(s.key.startswith("inband-") for s in systems) and not Path(args.inband).is_file():
-        problems.append(f"{args.inband} is missing: run scripts/setup.sh")
-    need = {"wrk"} | ({"nginx"} if {"nginx", "static"} & {s.key for s in systems} else set()) | ({"varnishd"} if "varnish" in {s.key for s in systems} else set())
-    for tool in sorted(need):
-        if not shutil.which(tool):
-            problems.append(f"{tool} is not installed: run scripts/setup.sh")
-    return problems
-
-
-def versions(inband: Path) -> str:
-    rows = [
-        ("nproc", str(os.cpu_count())),
-        ("kernel", platform.release()),
-        ("os", tool_version(["sh", "-c", ". /etc/os-release && echo $PRETTY_NAME"])),
-        ("inband", f"{tool_version([str(inband), '--version'])} ({inband})"),
-        ("nginx", tool_version(["nginx", "-v"])),
-        ("varnish", tool_version(["varnishd", "-V"])),
-        ("wrk", tool_version(["wrk", "-v"])),
-        ("python", platform.python_version()),
-    ]
-    return "\n".join(f"{k}: {v}" for k, v in rows) + "\n"
-
+def problems(args, systems: list[System]) -> list[str]:
+    keys = {s.key for s in systems}
+    need = {"wrk"} | ({"nginx"} if {"nginx", "static"} & keys else set()) | ({"varnishd"} if "varnish" in keys else set())
+    inband = args.inband if any(k.startswith("inband-") for k in keys) else None
+    return preflight.problems(inband=inband, tools=tuple(sorted(need)), root=False)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     systems = [BY_KEY[k] for k in args.systems.split(",")]
-    problems = preflight(args, systems)
-    if problems:
-        for p in problems:
-            print(f"error: {p}", file=sys.stderr)
-        return 2
+    refused = preflight.refuse(problems(args, systems))
+    if refused:
+        return refused
     profile = profile_of(args)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    command = shlex.join([sys.executable, "-m", "bench.proxy", *(argv if argv is not None else sys.argv[1:])])
-    started = time.time()
+    this_run = Run("proxy", "bench.proxy", argv)
     stop_signals_interrupt()
     bench = None
     hits = {(s.key, c): Hits(s.key, s.label, c) for c in profile.connections for s in systems}
@@ -799,43 +761,18 @@ def main(argv=None) -> int:
     if leftover:
         outcome.failed.append(f"still listening after teardown: ports {leftover}")
 
-    elapsed = time.time() - started
-    others = ", ".join(sorted(bench.others)) if bench and bench.others else "none seen"
-    facts = versions(Path(args.inband))
-    preamble = (
-        "# L7 proxy cache: inband proxy vs nginx proxy_cache vs Varnish\n\n"
-        f"Command: `{command}`  \n"
-        f"Started {time.strftime('%Y-%m-%d %H:%M:%S %z', time.localtime(started))}, wall time {elapsed:.0f} s. "
-        f"{os.cpu_count()} CPUs **shared by** wrk (1 thread), the system under test, the origin (Python, idle once the caches are filled), "
-        f"the driver and the other systems (started, idle); before measuring: {quiet}; other work seen during the run: {others}.  \n"
-        + "; ".join(line for line in facts.splitlines() if line.split(":")[0] in ("inband", "nginx", "varnish", "wrk", "kernel"))
-        + "\n"
-    )
-    preamble += outcome.markdown()
     hit_rows = [hits[(s.key, c)] for c in profile.connections for s in systems]
     miss_rows = [misses[s.key] for s in systems if s.key != "static"]
-    md = markdown(hit_rows, miss_rows, restarts, profile, preamble)
-    (out / "results.md").write_text(md)
-    (out / "results.json").write_text(
-        json.dumps(
-            {
-                "profile": asdict(profile),
-                "hits": [{**asdict(h), "rps": h.rps, "p50_ms": h.p50_ms, "p99_ms": h.p99_ms, "cpu_us_per_req": h.cpu_us_per_req} for h in hit_rows],
-                "misses": [{**asdict(h), "rps": h.rps, "p50_ms": h.p50_ms, "p99_ms": h.p99_ms, "cpu_us_per_req": h.cpu_us_per_req} for h in miss_rows],
-                "restart": [{**asdict(r), "hit_ratio": r.hit_ratio} for r in restarts],
-                "failed": outcome.failed,
-            },
-            indent=2,
-        )
-    )
+    rows = {"hits": [hits_json(h) for h in hit_rows], "misses": [hits_json(h) for h in miss_rows],
+            "restart": [{**asdict(r), "hit_ratio": r.hit_ratio} for r in restarts]}
+    record = this_run.record(rows, profile=profiles.as_json("quick" if args.quick else "default", profile), inband=Path(args.inband), tools=TOOLS,
+                        quiet=quiet, others=sorted(bench.others) if bench else [], failed=outcome.failed)
+    write_results(args.results, record, render(record))
     write_csv(hit_rows, restarts, out / "results.csv")
     write_timeline(restarts, out / "restart_timeline.csv")
-    (out / "command.txt").write_text(f"command: {command}\nstarted: {time.strftime('%Y-%m-%d %H:%M:%S %z', time.localtime(started))}\n{facts}")
     if any(h.rounds for h in hit_rows) or restarts:
         plot(hit_rows, restarts, out / "proxy.png")
-    print()
-    print(md)
-    print(f"results in {out}: results.md, results.json, results.csv, restart_timeline.csv, proxy.png, command.txt")
+    print(f"raw data in {out}: results.csv, restart_timeline.csv, proxy.png")
     return outcome.exit_code()
 
 

@@ -19,8 +19,9 @@ poller follows from the measured probes as always); packet counts are
 multiplied by B for the servers' view. Not modelled: that each balancer
 does not see the others' placements.
 
-Prints one table per regime and a summary; writes results.md and
-results.json. See docs/benchmarks.md, "Regimes".
+Prints one table per regime and a summary; writes
+the record (results.json: commit, machine, load average, command, rows)
+and its tables (results.md) into --results (default bench/results/regimes). See docs/benchmarks.md, "Regimes".
 """
 
 from __future__ import annotations
@@ -28,15 +29,16 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shlex
 import sys
-import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from . import paper, report
-from .paper import Bench, Configuration, ServerSpec
-from .procs import Interrupted, stop_signals_interrupt, uninterruptible
+from .lib import paperbed, preflight, profiles, results
+from .lib.locust import RunResult, Summary
+from .lib.paperbed import Bench, Configuration, ServerSpec
+from .lib.procs import Interrupted, stop_signals_interrupt, uninterruptible
+from .lib.report import fmt_ratio, fmt_time, table
+from .lib.stats import ratio
 
 BEST_POLL_MS = 10  # the freshness table's fastest poller (bench.forwarding)
 PROBE_N = 100  # the paper's n
@@ -117,11 +119,11 @@ class Row:
     key: str
     label: str
     interval: str
-    result: report.RunResult
+    result: RunResult
     lifetime_s: float  # balancer start to status read: the polls' period
 
     @property
-    def s(self) -> report.Summary:
+    def s(self) -> Summary:
         return self.result.summary()
 
     @property
@@ -161,15 +163,15 @@ def run_regime(bench: Bench, regime: Regime, profile: Profile, out: Path) -> lis
         "dsr-dynamic",
         "dsr-dynamic (in-band)",
         f"n = {n}..{hi} adaptive" if hi else f"n = {n}",
-        replace(paper.BY_KEY["dsr-dynamic"], probe_interval=n, probe_interval_max=hi),
+        replace(paperbed.BY_KEY["dsr-dynamic"], probe_interval=n, probe_interval_max=hi),
     )
     w = dyn.result.window
     eq_ms = equal_poll_ms(regime.servers, dyn.result.overhead.probes, w[1] - w[0])
-    polling = paper.BY_KEY["dsr-polling"]
+    polling = paperbed.BY_KEY["dsr-polling"]
     run("poll-equal", "dsr-polling, equal budget", f"{eq_ms} ms", replace(polling, poll_interval_ms=eq_ms))
     run("poll-best", "dsr-polling, best poller", f"{BEST_POLL_MS} ms", replace(polling, poll_interval_ms=BEST_POLL_MS))
-    run("dsr-query", "dsr-query (ask before forwarding)", "per SYN batch", paper.BY_KEY["dsr-query"])
-    run("dsr-rr", "DSR round-robin", "–", paper.BY_KEY["dsr-rr"])
+    run("dsr-query", "dsr-query (ask before forwarding)", "per SYN batch", paperbed.BY_KEY["dsr-query"])
+    run("dsr-rr", "DSR round-robin", "–", paperbed.BY_KEY["dsr-rr"])
     return rows
 
 
@@ -210,23 +212,28 @@ def regime_table(regime: Regime, rows: list[Row]) -> str:
                 r.label,
                 r.interval,
                 f"{s.rps:.1f}",
-                report.fmt_time(s.median_ms),
-                report.fmt_time(s.pct_ms[99]),
+                fmt_time(s.median_ms),
+                fmt_time(s.pct_ms[99]),
                 str(s.failures),
                 per(r.requests_to_servers),
                 per(o.extra_packets),
-                report.fmt_ratio(report._ratio(dyn.rps, s.rps)),
-                report.fmt_ratio(report._ratio(dyn.pct_ms[99], s.pct_ms[99])),
+                fmt_ratio(ratio(dyn.rps, s.rps)),
+                fmt_ratio(ratio(dyn.pct_ms[99], s.pct_ms[99])),
             ]
         )
-    return report._md(headers, out)
+    return table(headers, out)
 
 
-def verdict(rps_eq: float, p99_eq: float, rps_best: float, p99_best: float) -> str:
+def verdict(rps_eq: float | None, p99_eq: float | None, rps_best: float | None, p99_best: float | None) -> str:
+    """A ratio that could not be taken (None) wins nothing."""
+
+    def beats(rps, p99) -> bool:
+        return (rps is not None and rps >= WIN_RPS) or (p99 is not None and p99 <= WIN_P99)
+
     hits = []
-    if rps_eq >= WIN_RPS or p99_eq <= WIN_P99:
+    if beats(rps_eq, p99_eq):
         hits.append("beats the equal-budget poller")
-    if rps_best >= WIN_RPS or p99_best <= WIN_P99:
+    if beats(rps_best, p99_best):
         hits.append("beats the best poller")
     return "; ".join(hits) or f"no win by the bar (≥ {WIN_RPS}× RPS or ≤ {WIN_P99}× p99)"
 
@@ -251,11 +258,11 @@ def summary_table(by_regime: dict) -> str:
         by = {r.key: r for r in rows}
         d = by["dsr-dynamic"].s
 
-        def ratio(k: str, what: str) -> float:
+        def against(k: str, what: str) -> float | None:
             if k not in by:
-                return float("nan")
+                return None
             s = by[k].s
-            return report._ratio(d.rps, s.rps) if what == "rps" else report._ratio(d.pct_ms[99], s.pct_ms[99])
+            return ratio(d.rps, s.rps) if what == "rps" else ratio(d.pct_ms[99], s.pct_ms[99])
 
         out.append(
             [
@@ -263,17 +270,17 @@ def summary_table(by_regime: dict) -> str:
                 f"{d.rps:.1f}",
                 by["poll-equal"].interval if "poll-equal" in by else "–",
                 f"{budget_match(rows):.2f}" if "poll-equal" in by else "–",
-                report.fmt_ratio(ratio("poll-equal", "rps")),
-                report.fmt_ratio(ratio("poll-equal", "p99")),
-                report.fmt_ratio(ratio("poll-best", "rps")),
-                report.fmt_ratio(ratio("poll-best", "p99")),
-                report.fmt_ratio(ratio("dsr-query", "rps")),
-                report.fmt_ratio(ratio("dsr-query", "p99")),
-                report.fmt_ratio(ratio("dsr-rr", "rps")),
-                verdict(ratio("poll-equal", "rps"), ratio("poll-equal", "p99"), ratio("poll-best", "rps"), ratio("poll-best", "p99")),
+                fmt_ratio(against("poll-equal", "rps")),
+                fmt_ratio(against("poll-equal", "p99")),
+                fmt_ratio(against("poll-best", "rps")),
+                fmt_ratio(against("poll-best", "p99")),
+                fmt_ratio(against("dsr-query", "rps")),
+                fmt_ratio(against("dsr-query", "p99")),
+                fmt_ratio(against("dsr-rr", "rps")),
+                verdict(against("poll-equal", "rps"), against("poll-equal", "p99"), against("poll-best", "rps"), against("poll-best", "p99")),
             ]
         )
-    return report._md(headers, out)
+    return table(headers, out)
 
 
 # ------------------------------------------------------------------ main
@@ -281,11 +288,12 @@ def summary_table(by_regime: dict) -> str:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m bench.regimes", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="results directory (created)")
+    ap.add_argument("--out", required=True, help="the run's raw data: logs, every request (created)")
+    ap.add_argument("--results", type=Path, default=results.default_dir("regimes"), help="results.json and results.md (default: the committed ones)")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="quick")
     ap.add_argument("--regimes", help=f"comma-separated subset of: {', '.join(BY_KEY)} (default: the profile's)")
     ap.add_argument("--name", default="rg", help="testbed name (namespaces NAME-lb, NAME-c1, ...)")
-    ap.add_argument("--inband", default=str(paper.REPO / "target" / "debug" / "inband"))
+    ap.add_argument("--inband", default=str(results.REPO / "target" / "debug" / "inband"))
     ap.add_argument("--seed", type=int, default=1, help="the slowdown schedules")
     args = ap.parse_args(argv)
     keys = (args.regimes or ",".join(PROFILES[args.profile].regimes)).split(",")
@@ -299,7 +307,7 @@ def parse_args(argv):
 def paper_args(args, profile: Profile, out: Path):
     """bench.paper's own options for its Bench: its defaults, this run's
     testbed, duration and the paper profile's time scale."""
-    pa = paper.parse_args(
+    pa = paperbed.parse_args(
         ["--out", str(out), "--profile", profile.paper_profile, "--name", args.name, "--inband", args.inband, "--duration", str(profile.duration_s)]
     )
     pa.configs = "dsr-dynamic,dsr-polling,dsr-query,dsr-rr"
@@ -313,15 +321,11 @@ def main(argv=None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     pa = paper_args(args, profile, out)
-    problems = paper.preflight(pa)
-    if problems:
-        for p in problems:
-            print(f"error: {p}", file=sys.stderr)
-        return 2
-    pprofile = paper.resolve_profile(pa)
-    command = shlex.join([sys.executable, "-m", "bench.regimes", *(argv if argv is not None else sys.argv[1:])])
-    started = time.time()
-    (out / "command.txt").write_text(f"command: {command}\nstarted: {time.strftime('%Y-%m-%d %H:%M:%S %z')}\n" + paper.machine_facts(Path(args.inband)))
+    refused = preflight.refuse(paperbed.problems(pa))
+    if refused:
+        return refused
+    pprofile = paperbed.resolve_profile(pa)
+    this_run = results.Run("regimes", "bench.regimes", argv)
     regimes = [BY_KEY[k] for k in args.regime_keys]
     by_regime: dict[str, list[Row]] = {}
     failed: list[tuple[str, str]] = []
@@ -353,10 +357,11 @@ def main(argv=None) -> int:
         if interrupted:
             break
 
-    md = markdown(by_regime, regimes, failed, command, pprofile, profile, time.time() - started)
-    (out / "results.md").write_text(md)
-    (out / "results.json").write_text(json.dumps(results_json(by_regime), indent=2))
-    print(md)
+    rows = [{"regime": key, "key": r.key, "label": r.label, "interval": r.interval, "lifetime_s": r.lifetime_s, "result": r.result.to_json()}
+            for key, rs in by_regime.items() for r in rs]
+    record = this_run.record(rows, profile=profiles.as_json(args.profile, profile), inband=Path(args.inband), paper_profile=asdict(pprofile),
+                        regimes=args.regime_keys, failed=[f"{k}: {e}" for k, e in failed])
+    results.write(args.results, record, render(record))
     for key, err in failed:
         print(f"error: {key}: {err}", file=sys.stderr)
     if interrupted:
@@ -365,36 +370,26 @@ def main(argv=None) -> int:
     return 1 if failed or not by_regime else 0
 
 
-def results_json(by_regime: dict) -> dict:
-    out = {}
-    for key, rows in by_regime.items():
-        out[key] = []
-        for r in rows:
-            s, o = r.s, r.result.overhead
-            out[key].append(
-                {
-                    "key": r.key, "interval": r.interval, "requests": s.requests, "failures": s.failures, "rps": s.rps,
-                    "p50_ms": s.median_ms, "p99_ms": s.pct_ms[99], "probes": o.probes, "scores": o.scores, "polls": o.polls,
-                    "extra_packets": o.extra_packets, "queries": o.queries, "lifetime_s": r.lifetime_s, "shares": r.result.shares,
-                }
-            )  # fmt: skip
-    return out
-
-
-def markdown(by_regime: dict, regimes: list, failed: list, command: str, pprofile, profile: Profile, elapsed_s: float) -> str:
+def render(record: dict) -> str:
+    """The tables of a run, from its record alone (bench.docs renders the
+    committed one the same way)."""
+    profile, pp = Profile(**{k: v for k, v in record["profile"].items() if k != "name"}), record["paper_profile"]
+    by_regime: dict[str, list[Row]] = {}
+    for r in record["rows"]:
+        by_regime.setdefault(r["regime"], []).append(Row(r["key"], r["label"], r["interval"], RunResult.from_json(r["result"]), r["lifetime_s"]))
     parts = [
         "# Regimes: in-band feedback against asking\n",
-        f"Command: `{command}`  \n"
-        f"{profile.duration_s} s per run; identical servers, {pprofile.workers} workers each, {pprofile.service_dist} service with mean "
-        f"{pprofile.service_ms * pprofile.time_scale:g} ms; dsr-dynamic n = {PROBE_N} (unless the regime says otherwise) × balancers; best poller every {BEST_POLL_MS} ms; "
-        f"wall time {elapsed_s:.0f} s, 2 vCPUs shared by load generator, balancer and servers (and whatever else ran).  \n"
+        f"{results.provenance(record)}  \n"
+        f"{profile.duration_s} s per run; identical servers, {pp['workers']} workers each, {pp['service_dist']} service with mean "
+        f"{pp['service_ms'] * pp['time_scale']:g} ms; dsr-dynamic n = {PROBE_N} (unless the regime says otherwise) × balancers; "
+        f"best poller every {BEST_POLL_MS} ms; load generator, balancer and servers share the CPUs.  \n"
         "Ratios are dynamic ÷ the other: RPS > 1 and p99 < 1 favour dynamic. "
         "Budget match: the equal poller's poll requests per second of its balancer's life ÷ dynamic's score requests per second of load.\n",
     ]
-    if failed:
-        parts.append("**Failed:** " + "; ".join(f"{k}: {e}" for k, e in failed) + "\n")
+    if record["failed"]:
+        parts.append("**Failed:** " + "; ".join(record["failed"]) + "\n")
     parts += ["## Summary\n", summary_table(by_regime) + "\n"]
-    for regime in regimes:
+    for regime in (BY_KEY[k] for k in record["regimes"]):
         if regime.key in by_regime:
             parts += [f"## {regime.key}: {regime.what}, {users(regime, profile)} users\n", regime_table(regime, by_regime[regime.key]) + "\n"]
     return "\n".join(parts)

@@ -16,8 +16,10 @@
    inband again with the server closing first: refusals by error, slow
    connections, connections/s, and inband's drop counters and port reuse.
 
-Prints Markdown tables with ratios, writes results.md, results.json and
-command.txt into --out, and a directory per measurement with its configs,
+Prints Markdown tables with ratios, writes
+the record (results.json: commit, machine, load average, command, rows)
+and its tables (results.md) into --results (default bench/results/resilience),
+and into --out a directory per measurement with its configs,
 logs and raw samples. Testbed `res`: legitimate client c1, attacker c2,
 balancer lb, servers s1 and s2 (`inband serve`, each with `inband
 agent` while inband is measured). Every process, XDP program, nftables table, conntrack entry and
@@ -31,24 +33,22 @@ import argparse
 import json
 import math
 import os
-import platform
-import re
-import shlex
-import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import peers, report
-from .forwarding import _SYS_BPF, cpu_busy_s, enable_bpf_stats, proc_cpu_s, xdp_prog_stats
-from .paper import Testbed, alive, new_auth_key, tool_version
-from .peers import Backend
-from .outcome import Outcome
-from .procs import Procs, run, stop_signals_interrupt, wait_until
+from .lib import peers, preflight, profiles
+from .lib.host import cpu_busy_s, enable_bpf_stats, others_running, proc_cpu_s, xdp_prog_stats
+from .lib.report import times as _ratio
+from .lib.results import REPO, Run, default_dir, provenance, revive
+from .lib.results import write as write_results
+from .lib.stats import percentile as _percentile
+from .lib.testbed import TestbedRun, alive, new_auth_key
+from .lib.peers import Backend
+from .lib.outcome import Outcome
+from .lib.procs import run, stop_signals_interrupt, wait_until
 
-REPO = Path(__file__).resolve().parent.parent
 VIP_PORT = 80
 HTTP_PORT = 8080
 SERVERS = 2
@@ -209,10 +209,8 @@ def read_samples(path: Path) -> list:
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    """Nearest rank (report.percentile), None without values."""
-    if not values:
-        return None
-    return report.percentile(sorted(values), q)
+    """Nearest rank (q in percent), None without values."""
+    return _percentile(values, q)
 
 
 @dataclass
@@ -315,8 +313,6 @@ def parse_conntrack_stat(text: str) -> dict:
     return out
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}×" if a is not None and b else "–"
 
 
 def _f(v: float | None, fmt: str = ".1f", unit: str = "") -> str:
@@ -522,64 +518,20 @@ def churn_plan(p: Profile) -> list[tuple[str, int, bool]]:
 # ------------------------------------------------------------------ the run
 
 
-class ResTestbed(Testbed):
-    """paper.Testbed with the two clients this benchmark needs."""
-
-    def up_nodes(self, clients: int, servers: int) -> None:
-        run(None, [str(self.inband), "testbed", "up", "--name", self.name, "--clients", str(clients), "--servers", str(servers)], timeout=120)
-        self.state = json.loads(self.state_path.read_text())
 
 
-def others_seen() -> set[str]:
-    """Other engineers' benchmarks, tests and builds on this shared machine
-    (this run's own processes excluded)."""
-    cp = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True)
-    seen = set()
-    patterns = {
-        "bench.paper": "bench.paper",
-        "bench.forwarding": "bench.forwarding",
-        "bench.proxy": "bench.proxy",
-        "bench.resilience": "another bench.resilience",
-        "bench dataplane": "inband bench dataplane",
-        "bench cache": "inband bench cache",
-        "cargo": "cargo",
-        "rustc": "rustc",
-        "pytest": "pytest",
-    }
-    me = {os.getpid(), os.getppid()}
-    for line in cp.stdout.splitlines():
-        pid, _, args = line.strip().partition(" ")
-        if not pid.isdigit() or int(pid) in me:
-            continue
-        for pat, name in patterns.items():
-            if pat in args:
-                seen.add(name)
-    return seen
+class Bench(TestbedRun):
+    watch_others = True  # other benchmarks and builds seen while measuring
 
-
-class Bench:
     def __init__(self, args, profile: Profile, out: Path):
+        super().__init__(args.inband, args.name)
         self.args = args
         self.p = profile
         self.out = out
-        self.inband = Path(args.inband)
-        self.tb = ResTestbed(self.inband, args.name)
-        self.procs = Procs()
-        self.tb_is_up = False
-        self.sock_dir = Path("/run/inband/bench") / args.name
-        self.auth_key: Path | None = None
         self.servers: list = []
         self.agents: list = []
         self.ip_forward: str | None = None
-        self.others: set[str] = set()
         self.churn_next_host = CHURN_FIRST_HOST
-
-    def log(self, msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-        self.others |= others_seen()
-
-    def ns(self, node: str) -> str:
-        return self.tb.netns(node)
 
     def mac(self, node: str) -> str:
         # `ip`, not /sys/class/net: nsenter keeps the host's sysfs mount.
@@ -598,10 +550,7 @@ class Bench:
     def setup(self) -> None:
         run_dir = self.out / "run"
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.sock_dir.mkdir(parents=True, exist_ok=True)
-        self.log(f"testbed {self.tb.name}: up (client c1, attacker c2, balancer, {SERVERS} servers)")
-        self.tb_is_up = True  # from here on, tear-down must run even if `up` fails half-way
-        self.tb.up_nodes(2, SERVERS)
+        self.bring_up(SERVERS, clients=2)  # c1 the client, c2 the attacker
         self.auth_key = new_auth_key(self.inband, run_dir)
         attacker = self.tb.addr("c2")
         for node in ["lb"] + [f"s{i}" for i in range(1, SERVERS + 1)]:
@@ -627,44 +576,18 @@ class Bench:
         for b in self.backends:
             run(self.ns("lb"), ["ping", "-c", "1", "-W", "2", b.address], check=False)
 
-    def teardown(self) -> None:
-        self.procs.stop_all()
-        if self.tb_is_up:
-            lb = self.ns("lb")
-            run(lb, ["nft", "delete", "table", "ip", peers.NFT_TABLE], check=False)
-            self.log(f"testbed {self.tb.name}: down")
-            self.tb.down()
-            self.tb_is_up = False
-        shutil.rmtree(self.sock_dir, ignore_errors=True)
+    def before_down(self) -> None:
+        run(self.ns("lb"), ["nft", "delete", "table", "ip", peers.NFT_TABLE], check=False)
 
     # --- balancers
 
-    def start_agents(self, d: Path) -> None:
+    def start_server_agents(self, d: Path) -> None:
         """An agent on every server, with empty maps. Only while inband is
         measured: a stopped agent removes its maps, and client tuples that
         a flood's SYNs left there (no socket ever closes them) must not
         meet the peers' connections, which come from the same balancer
         address and ports without a 155 (see docs/benchmarks.md)."""
-        for i in range(1, SERVERS + 1):
-            node = f"s{i}"
-            cfg = d / f"agent-{node}.toml"
-            cfg.write_text(
-                peers.agent_toml(
-                    balancer=self.tb.addr("lb"), vip=self.tb.vip, vip_port=VIP_PORT, service_port=HTTP_PORT,
-                    score_socket=str(self.sock_dir / f"agent-{node}.sock"), auth_key=str(self.auth_key),
-                )
-            )  # fmt: skip
-            log = d / f"agent-{node}.log"
-            self.agents.append((node, self.procs.spawn(f"agent {node}", self.ns(node), [str(self.inband), "agent", "--config", str(cfg)], log), log))
-        for node, proc, log in self.agents:
-            ns = self.ns(node)
-            wait_until(
-                f"the agent on {node} to attach",
-                lambda ns=ns, proc=proc, log=log, node=node: (
-                    alive(proc, f"the agent on {node}", log) and "agent_egress" in run(ns, ["tc", "filter", "show", "dev", "eth0", "egress"], check=False).stdout
-                ),
-                30,
-            )
+        self.agents = self.start_agents([f"s{i}" for i in range(1, SERVERS + 1)], d, d, HTTP_PORT)
 
     def stop_agents(self) -> None:
         for node, proc, _log in self.agents:
@@ -687,23 +610,8 @@ class Bench:
         d.mkdir(parents=True, exist_ok=True)
         lb = self.ns("lb")
         if kind == "inband":
-            self.start_agents(d)
-            sock = self.sock_dir / "lb.sock"
-            cfg = d / "lb.toml"
-            cfg.write_text(
-                peers.lb_toml(
-                    address=self.tb.addr("lb"), vip=self.tb.vip, vip_port=VIP_PORT, backends=self.backends, mode="dsr-dynamic",
-                    control_socket=str(sock), auth_key=str(self.auth_key),
-                )
-            )  # fmt: skip
-            log = d / "lb.log"
-            proc = started[1] = self.procs.spawn("inband lb", lb, [str(self.inband), "lb", "--config", str(cfg)], log)
-            wait_until("the balancer's control socket", lambda: alive(proc, "inband lb", log) and self.lb_status() is not None, 30)
-            wait_until(
-                "the balancer to resolve every backend's MAC",
-                lambda: alive(proc, "inband lb", log) and all(b["mac"] != "00:00:00:00:00:00" for b in self.lb_status()[0]["vips"][0]["backends"]),
-                30,
-            )
+            self.start_server_agents(d)
+            proc = started[1] = self.start_lb(d, self.backends, mode="dsr-dynamic")
             return (kind, proc)
         if kind == "haproxy":
             cfg = d / "haproxy.cfg"
@@ -728,8 +636,7 @@ class Bench:
         if proc is not None:
             self.procs.stop(proc)
         if kind == "inband":
-            # Stopping the daemon keeps XDP and the maps: detach removes both.
-            run(lb, [str(self.inband), "lb", "detach", "--interface", "eth0", "--force"], check=False)
+            self.detach_lb()
             self.stop_agents()
         if kind == "nftables":
             run(lb, ["nft", "delete", "table", "ip", peers.NFT_TABLE], check=False)
@@ -740,10 +647,6 @@ class Bench:
 
     def ct_flush(self, check: bool = True) -> None:
         run(self.ns("lb"), [sys.executable, "-c", CT_FLUSH], check=check)
-
-    def lb_status(self):
-        cp = run(self.ns("lb"), [str(self.inband), "status", "--json"], check=False)
-        return json.loads(cp.stdout) if cp.returncode == 0 else None
 
     # --- counters
 
@@ -938,6 +841,10 @@ class Bench:
         return r
 
 
+
+# ------------------------------------------------------------------ output
+
+
 def flood_json(r: Flood) -> dict:
     d = asdict(r)
     for k in ("baseline", "during", "after"):
@@ -947,7 +854,32 @@ def flood_json(r: Flood) -> dict:
     return d
 
 
-# ------------------------------------------------------------------ output
+TOOLS = {"haproxy": ["haproxy", "-v"], "nftables": ["nft", "--version"]}
+
+
+def render(record: dict) -> str:
+    """The tables of a run, from its record alone (bench.docs renders the
+    committed one the same way)."""
+    p, m, rows = record["profile"], record["machine"], record["rows"]
+    floods = [revive(Flood, {**r, **{k: revive(Legit, r[k]) for k in ("baseline", "during", "after")}}) for r in rows["flood"]]
+    churns = [revive(Churn, r) for r in rows["churn"]]
+    preamble = (
+        "# SYN flood and connection churn against nftables and HAProxy\n\n"
+        f"{provenance(record)}  \n"
+        "The CPUs are **shared by everything**: attacker, legitimate client, bridge, balancer, servers "
+        f"(other work seen running: {', '.join(record['others']) or 'none seen'}). "
+        f"Profile {p['name']}: baseline {p['baseline_s']:g} s, flood {p['flood_s']:g} s, after {p['after_s']:g} s "
+        f"(followed up to {p['recovery_max_s']:g} s more until a request succeeds), "
+        f"{p['pause_ms']:g} ms between legitimate requests; churn {p['churn']:,} (inband), {p['peer_churn']:,} (peers), "
+        f"{p['server_closes']:,} (inband, server closes), {p['concurrency']} in flight.  \n"
+        f"{m.get('haproxy', '')}; {m.get('nftables', '')}; {m.get('inband', '')}\n"
+    )
+    for v in verdicts(floods, churns):
+        preamble += f"\n- {v}"
+    if record["failed"]:
+        preamble += "\n\n**Failed:** " + "; ".join(record["failed"])
+    preamble += "\n"
+    return markdown(floods, churns, preamble)
 
 
 def markdown(floods: list[Flood], churns: list[Churn], preamble: str) -> str:
@@ -991,7 +923,8 @@ def verdicts(floods: list[Flood], churns: list[Churn]) -> list[str]:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m bench.resilience", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="results directory (created)")
+    ap.add_argument("--out", required=True, help="the run's raw data: logs (created)")
+    ap.add_argument("--results", default=str(default_dir("resilience")), help="results.json and results.md (default: the committed ones)")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="quick")
     ap.add_argument("--parts", default="flood,churn", help="comma-separated subset of flood, churn")
     ap.add_argument("--name", default="res", help="testbed name (namespaces NAME-lb, NAME-c1, NAME-c2, NAME-s1, NAME-s2, NAME-sw)")
@@ -1007,30 +940,12 @@ def parse_args(argv):
 
 
 def profile_of(args) -> Profile:
-    p = PROFILES[args.profile]
-    over = {
-        k: v
-        for k, v in (("churn", args.churn_connections), ("peer_churn", args.peer_connections), ("server_closes", args.server_closes_connections))
-        if v is not None
-    }
-    return Profile(**{**asdict(p), **over})
+    return profiles.choose(PROFILES, args.profile, churn=args.churn_connections, peer_churn=args.peer_connections,
+                           server_closes=args.server_closes_connections)
 
 
-def preflight(args, profile: Profile) -> list[str]:
-    problems = []
-    if os.geteuid() != 0:
-        problems.append("must run as root (namespaces, XDP, nftables)")
-    if not Path(args.inband).is_file():
-        problems.append(f"{args.inband} is missing: run scripts/setup.sh")
-    for tool in ("haproxy", "nft", "bpftool"):
-        if not shutil.which(tool):
-            problems.append(f"{tool} is not installed: run scripts/setup.sh")
-    if _SYS_BPF is None:
-        problems.append(f"unsupported architecture {platform.machine()}")
-    if not re.fullmatch(r"[a-z0-9]{1,8}", args.name):
-        problems.append(f"testbed name {args.name!r}: use 1-8 characters of a-z and 0-9")
-    if (Path("/run/inband/testbed") / f"{args.name}.json").exists():
-        problems.append(f"a testbed named {args.name!r} exists already: `{args.inband} testbed down --name {args.name}` or pick another --name")
+def problems(args, profile: Profile) -> list[str]:
+    problems = preflight.problems(inband=args.inband, tools=("haproxy", "nft", "bpftool"), testbed_name=args.name, bpf_stats=True)
     need = sum(max(1, math.ceil(n / PORTS_PER_SOURCE)) for _, n, _ in churn_plan(profile))
     if CHURN_FIRST_HOST + need - 1 > CHURN_LAST_HOST:
         problems.append(f"the churn runs need {need} client addresses, more than the {CHURN_LAST_HOST - CHURN_FIRST_HOST + 1} set aside")
@@ -1040,18 +955,14 @@ def preflight(args, profile: Profile) -> list[str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     profile = profile_of(args)
-    problems = preflight(args, profile)
-    if problems:
-        for p in problems:
-            print(f"error: {p}", file=sys.stderr)
-        return 2
+    refused = preflight.refuse(problems(args, profile))
+    if refused:
+        return refused
     parts = args.parts.split(",")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    command = shlex.join([sys.executable, "-m", "bench.resilience", *(argv if argv is not None else sys.argv[1:])])
+    this_run = Run("resilience", "bench.resilience", argv)
     bench = Bench(args, profile, out)
-    started = time.time()
-    load_before = os.getloadavg()
     stop_signals_interrupt()
     floods: list[Flood] = []
     churns: list[Churn] = []
@@ -1073,38 +984,10 @@ def main(argv=None) -> int:
             for kind, n, server_closes in churn_plan(profile):
                 outcome.attempt(f"churn {kind}{' server-closes' if server_closes else ''}", lambda k=kind, n=n, s=server_closes: bench.churn(k, n, s), churns)
 
-    elapsed = time.time() - started
-    load_after = os.getloadavg()
-    others = ", ".join(sorted(bench.others)) or "none seen"
-    versions = (
-        f"kernel {platform.release()}; {tool_version(['haproxy', '-v'])}; {tool_version(['nft', '--version'])}; "
-        f"{tool_version([str(bench.inband), '--version'])}"
-    )
-    preamble = (
-        "# SYN flood and connection churn against nftables and HAProxy\n\n"
-        f"Command: `{command}`  \n"
-        f"Started {time.strftime('%Y-%m-%d %H:%M:%S %z', time.localtime(started))}, wall time {elapsed:.0f} s, "
-        f"{os.cpu_count()} CPUs **shared by everything**: attacker, legitimate client, bridge, balancer, servers "
-        f"(other work seen running: {others}; load average {load_before[0]:.2f} at the start, {load_after[0]:.2f} at the end). "
-        f"Profile {args.profile}: baseline {profile.baseline_s:g} s, flood {profile.flood_s:g} s, after {profile.after_s:g} s "
-        f"(followed up to {profile.recovery_max_s:g} s more until a request succeeds), "
-        f"{profile.pause_ms:g} ms between legitimate requests; churn {profile.churn:,} (inband), {profile.peer_churn:,} (peers), "
-        f"{profile.server_closes:,} (inband, server closes), {profile.concurrency} in flight.  \n"
-        f"{versions}\n"
-    )
-    for v in verdicts(floods, churns):
-        preamble += f"\n- {v}"
-    preamble += "\n" + outcome.markdown()
-    preamble += "\n"
-    md = markdown(floods, churns, preamble)
-    (out / "results.md").write_text(md)
-    (out / "results.json").write_text(
-        json.dumps({"profile": asdict(profile), "flood": [flood_json(r) for r in floods], "churn": [asdict(r) for r in churns]}, indent=2)
-    )
-    (out / "command.txt").write_text(f"{command}\n{versions}\nother work seen: {others}\n")
-    print()
-    print(md)
-    print(f"results in {out}: results.md, results.json, command.txt")
+    rows = {"flood": [flood_json(r) for r in floods], "churn": [asdict(r) for r in churns]}
+    record = this_run.record(rows, profile=profiles.as_json(args.profile, profile), inband=bench.inband, tools=TOOLS,
+                        others=sorted(bench.others), failed=outcome.failed)
+    write_results(Path(args.results), record, render(record))
     return outcome.exit_code()
 
 

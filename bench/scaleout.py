@@ -24,8 +24,10 @@ servers, dsr-dynamic, each with `[scale_out]`):
 
 The router sends to the client through a token bucket (tc tbf) in part
 1 so that downloads last seconds, as in bench.ecmp; part 2 runs without
-it. Prints Markdown tables and writes results.md, results.json,
-command.txt and throughput.png into --out. Every namespace, pin and
+it. Prints Markdown tables and writes
+the record (results.json: commit, machine, load average, command, rows)
+and its tables (results.md) into --results (default bench/results/scaleout),
+throughput.png into --out. Every namespace, pin and
 process it makes is removed on exit, Ctrl-C included. See
 docs/benchmarks.md.
 """
@@ -42,18 +44,17 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .ecmp import closed_loop
-from .peers import nginx_static_conf
-from .outputs import publish, record_command
-from .procs import Procs, ns_argv, run, stop_signals_interrupt, wait_until
+from .lib.peers import nginx_static_conf
+from .lib import preflight, profiles
+from .lib.load import closed_loop
+from .lib.results import REPO, Run, default_dir, provenance
+from .lib.results import write as write_results
+from .lib.testbed import Testbed, new_auth_key
+from .lib.procs import Procs, ns_argv, run, stop_signals_interrupt, wait_until
 
-REPO = Path(__file__).resolve().parent.parent
 SUBNET = 85
 BALANCERS = 4
 SERVERS = 3
-# A port comes back every few seconds at the tiny profile's connection rate,
-# well inside the balancer's closing timeout (10 s).
-REUSED_PORTS = 100
 
 
 @dataclass(frozen=True)
@@ -65,43 +66,53 @@ class Profile:
     run_s: float  # per (experiment, mode)
     wrk_s: int  # per throughput row
     wrk_connections: int
+    # A download that takes longer has failed: a connection that plain ECMP
+    # moved hangs until then, and the row waits for it.
+    download_max_s: float = 60
+    # The reused-ports row: the client's port range, and its download loops.
+    # A later connection meets an earlier one's closing flow only when a
+    # connection in flight at a change moves to the instance that closed
+    # its tuple within the closing timeout (10 s); by chance alone, with a
+    # few downloads in flight and ports the warm-up did not all use, a row
+    # on a busy machine saw none. Few enough ports that the warm-up uses
+    # each, and enough downloads that one is in flight on the instance
+    # that leaves, make it happen by construction.
+    reused_ports: int = 100
+    reused_clients: int | None = None  # default: `clients`
 
 
 PROFILES = {
     "quick": Profile(8, 2, "160mbit", 5, 21, 10, 64),
     # The test's: seconds; every change still meets downloads in flight.
-    "tiny": Profile(4, 1, "200mbit", 2, 9, 3, 16),
+    "tiny": Profile(4, 1, "200mbit", 2, 9, 3, 16, download_max_s=10, reused_ports=30, reused_clients=12),
 }
 
 
 class Bed:
     def __init__(self, inband: Path, profile: Profile, workdir: Path, name: str) -> None:
         self.inband, self.p, self.dir, self.name = str(inband), profile, workdir, name
+        self.tb = Testbed(Path(inband), name)
         self.procs = Procs()
         self.lbs: dict[int, object] = {}
         self.serves: list = []
-        self.state: dict = {}
+        self.saved_ports: str | None = None  # the client's port range before a row narrowed it
 
     def ns(self, node: str) -> str:
         return f"{self.name}-{node}"
 
     @property
     def vip(self) -> str:
-        return self.state["vip6"]
+        return self.tb.vip6
 
     def addr(self, node: str) -> str:
-        return next(n["address6"] for n in self.state["nodes"] if n["node"] == node)
+        return self.tb.addr6(node)
 
     def sid(self, i: int, kind: str) -> str:
         return f"fd00:{SUBNET}:{0x50 + i:x}::{kind}"
 
     def up(self) -> None:
-        run(None, [self.inband, "testbed", "up", "--ecmp", "--name", self.name, "--subnet", str(SUBNET), "--clients", "1",
-                   "--servers", str(SERVERS), "--balancers", str(BALANCERS)], timeout=120)
-        self.state = json.loads(Path(f"/run/inband/testbed/{self.name}.json").read_text())
-        key = self.dir / "auth.key"
-        key.unlink(missing_ok=True)
-        run(None, [self.inband, "keygen", "--out", str(key)])
+        self.tb.up(SERVERS, subnet=SUBNET, ecmp=True, balancers=BALANCERS)
+        key = new_auth_key(Path(self.inband), self.dir)
         auth = f'[auth]\nkeys = [{{ id = 1, file = "{key}" }}]\n'
         balancers = ", ".join(f'"{self.addr(f"b{i}")}"' for i in range(1, BALANCERS + 1))
         for s in range(1, SERVERS + 1):
@@ -122,7 +133,7 @@ class Bed:
         self.procs.stop_all()
         for i in range(1, BALANCERS + 1):
             run(self.ns(f"b{i}"), [self.inband, "lb", "detach", "--interface", "eth0", "--force"], check=False)
-        run(None, [self.inband, "testbed", "down", "--name", self.name], timeout=120, check=False)
+        self.tb.down()
 
     def socket(self, i: int) -> Path:
         return self.dir / f"lb-b{i}.sock"
@@ -183,16 +194,18 @@ class Bed:
                                                  for s in range(1, SERVERS + 1)), 15)
 
     def route(self, up: list[int], plain: bool = False) -> None:
-        argv = [self.inband, "shadow", "route", "--config", self.state["router_config"], "--up", ",".join(f"b{i}" for i in up)]
+        argv = [self.inband, "shadow", "route", "--config", self.tb.state["router_config"], "--up", ",".join(f"b{i}" for i in up)]
         run(self.ns("r1"), argv + (["--plain"] if plain else []))
 
     def client_ports(self, ports: str | None) -> None:
         """The client's ephemeral port range ("low high"); None puts back
         the one it had."""
         key = "net.ipv4.ip_local_port_range"
-        if ports and "ports" not in self.state:
-            self.state["ports"] = " ".join(run(self.ns("c1"), ["sysctl", "-n", key]).stdout.split())
-        run(self.ns("c1"), ["sysctl", "-qw", f"{key}={ports or self.state.pop('ports')}"])
+        if ports and self.saved_ports is None:
+            self.saved_ports = " ".join(run(self.ns("c1"), ["sysctl", "-n", key]).stdout.split())
+        run(self.ns("c1"), ["sysctl", "-qw", f"{key}={ports or self.saved_ports}"])
+        if not ports:
+            self.saved_ports = None
 
     def shaped(self, on: bool) -> None:
         run(self.ns("r1"), ["tc", "qdisc", "del", "dev", "c1", "root"], check=False)
@@ -247,28 +260,36 @@ class ShortRequests:
             t.join(timeout=60)
 
 
+def reused_row(p: Profile) -> str:
+    return f"b3 joins, then b1 leaves; the client reuses {p.reused_ports} ports"
+
+
 def changes_under_load(bed: Bed) -> list[dict]:
     backend = lambda s: f"[{bed.addr(f's{s}')}]:8080"  # noqa: E731
     vip = f"[{bed.vip}]:80"
     rows = []
 
     def measure(experiment: str, mode: str, routed: list[int], plain: bool, *steps, ports: str | None = None,
-                warm_on: list[int] | None = None) -> None:
+                warm_on: list[int] | None = None, clients: int | None = None) -> None:
         """With `ports`, the client's port range for the row; `warm_on`, a
-        set the same load runs on first (a third of a row, not counted)."""
+        set the same load runs on first (a third of a row, not counted);
+        `clients`, download loops other than the profile's."""
+        clients = clients or bed.p.clients
         if ports:
             bed.client_ports(ports)
         try:
             if warm_on:
                 bed.route(warm_on, plain)
                 with ShortRequests(bed):
-                    closed_loop(bed, bed.p.size_mb, bed.p.run_s / 3, at_fractions([]))
+                    closed_loop(bed.ns("c1"), bed.vip, clients, bed.p.size_mb, bed.p.run_s / 3, at_fractions([]),
+                                bed.p.download_max_s)
             bed.route(routed, plain)
             chained, no_flow = bed.counter("events", "chained"), bed.counter("drops", "chained_no_flow")
             later = bed.counter("events", "later_connection")
             steps_s: list = []
             with ShortRequests(bed) as short:
-                loads = closed_loop(bed, bed.p.size_mb, bed.p.run_s, at_fractions(steps_s, *steps))
+                loads = closed_loop(bed.ns("c1"), bed.vip, clients, bed.p.size_mb, bed.p.run_s, at_fractions(steps_s, *steps),
+                                    bed.p.download_max_s)
         finally:
             if ports:
                 bed.client_ports(None)
@@ -298,8 +319,8 @@ def changes_under_load(bed: Bed) -> list[dict]:
     # behind one NAT): a connection whose packets move to another instance
     # there meets the closing flow of an earlier one on its tuple. The
     # warm-up leaves such flows on b2 and b3, as a row before would.
-    measure(f"b3 joins, then b1 leaves; the client reuses {REUSED_PORTS} ports", "inband (shadow + chaining)", [1, 2], False,
-            lambda: bed.route([1, 2, 3]), lambda: bed.route([2, 3]), ports=f"40000 {40000 + REUSED_PORTS - 1}", warm_on=[2, 3])
+    measure(reused_row(bed.p), "inband (shadow + chaining)", [1, 2], False, lambda: bed.route([1, 2, 3]), lambda: bed.route([2, 3]),
+            ports=f"40000 {40000 + bed.p.reused_ports - 1}", warm_on=[2, 3], clients=bed.p.reused_clients)
     for routed, mode in (([1, 2, 3], "3 instances"), ([1], "single balancer")):
         first, second = routed[-1], routed[0]
         measure("daemon restarted, then one killed -9", mode, routed,
@@ -335,15 +356,19 @@ def throughput(bed: Bed) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True, help="the run's raw data: logs, figures (created)")
+    ap.add_argument("--results", type=Path, default=default_dir("scaleout"), help="results.json and results.md (default: the committed ones)")
     ap.add_argument("--profile", choices=PROFILES, default="quick")
     ap.add_argument("--inband", type=Path, default=REPO / "target/debug/inband")
     ap.add_argument("--name", default="scale", help="the testbed's name (namespaces NAME-r1, NAME-b1, ...)")
     args = ap.parse_args(argv)
+    refused = preflight.refuse(preflight.problems(inband=str(args.inband), tools=("curl", "wrk", "nginx", "tc", "ss"), testbed_name=args.name))
+    if refused:
+        return refused
     p = PROFILES[args.profile]
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    record_command(args.out, "bench.scaleout", argv)
+    this_run = Run("scaleout", "bench.scaleout", argv)
     stop_signals_interrupt()
     bed = Bed(args.inband, p, args.out, args.name)
     results: dict = {"profile": asdict(p)}
@@ -357,9 +382,16 @@ def main(argv=None) -> int:
         results["throughput"] = throughput(bed)
     finally:
         bed.down()
-    publish(args.out, markdown(results), results)
+    record = this_run.record(results, profile=profiles.as_json(args.profile, p), inband=Path(args.inband))
+    write_results(args.results, record, render(record))
     plot(results, args.out / "throughput.png")
     return 0
+
+
+def render(record: dict) -> str:
+    """The tables of a run, from its record alone (bench.docs renders the
+    committed one the same way)."""
+    return provenance(record) + "\n\n" + markdown(record["rows"])
 
 
 def markdown(r: dict) -> str:

@@ -27,7 +27,9 @@ server becomes 3x slower in the middle of a run, reported in 5-s windows
 with the time the controller took to re-solve. Last, the solver's time
 for 10 to 1,000 synthetic backends (`inband bench ilp`).
 
-Prints Markdown tables and writes results.md, results.json, command.txt,
+Prints Markdown tables and writes
+the record (results.json: commit, machine, load average, command, rows)
+and its tables (results.md) into --results (default bench/results/weights),
 curves.png (each backend's learned curve and the chosen weight),
 latency.png and transition.png into --out, with every process's log and
 config per run. Everything it starts is stopped and the testbed removed on
@@ -39,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import shutil
 import socket
@@ -52,13 +53,15 @@ import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from . import peers
-from .outputs import publish, record_command
-from .paper import Testbed, alive, http_get_json, new_auth_key, tool_version
-from .peers import Backend
-from .procs import Interrupted, Procs, run, stop_signals_interrupt, uninterruptible, wait_until
+from .lib import peers, preflight, profiles
+from .lib.host import busy_fraction, cpu_jiffies, others_running
+from .lib.results import REPO, Run, default_dir, provenance
+from .lib.results import write as write_results
+from .lib.testbed import TestbedRun, alive, http_get_json, new_auth_key
+from .lib.tools import parse_openloop
+from .lib.peers import Backend
+from .lib.procs import Interrupted, Procs, run, stop_signals_interrupt, uninterruptible, wait_until
 
-REPO = Path(__file__).resolve().parent.parent
 SUBNET = 87
 VIP_PORT = 80
 SERVICE_PORT = 8080
@@ -225,53 +228,9 @@ def parse_stat_sessions(csv_text: str, backend: str) -> dict:
     return out
 
 
-def parse_openloop(text: str) -> dict:
-    """The last JSON object with sent/ok/errors in a log (stderr may be mixed in)."""
-    dec = json.JSONDecoder()
-    found = None
-    i = text.find("{")
-    while i != -1:
-        try:
-            obj, end = dec.raw_decode(text, i)
-        except ValueError:
-            i = text.find("{", i + 1)
-            continue
-        if isinstance(obj, dict) and {"sent", "ok", "errors"} <= obj.keys():
-            found = obj
-        i = text.find("{", end)
-    if found is None:
-        raise ValueError("no open-loop result (a JSON object with sent, ok, errors) in the output")
-    return found
-
-
 def next_boundary(t0: float, slice_s: float, now: float) -> float:
     """The first slice start strictly after `now`."""
     return t0 + (math.floor((now - t0) / slice_s) + 1) * slice_s
-
-
-def cpu_sample() -> tuple[int, int]:
-    """(busy, total) jiffies over every CPU of the machine (all namespaces)."""
-    with open("/proc/stat") as f:
-        vals = [int(v) for v in f.readline().split()[1:9]]
-    return sum(vals) - vals[3] - vals[4], sum(vals)
-
-
-def busy_fraction(a: tuple[int, int], b: tuple[int, int]) -> float | None:
-    total = b[1] - a[1]
-    return (b[0] - a[0]) / total if total > 0 else None
-
-
-def heavy_processes() -> list[str]:
-    """Compilers and builds running beside the benchmark (they take the CPU it measures on)."""
-    names = []
-    for comm in Path("/proc").glob("[0-9]*/comm"):
-        try:
-            c = comm.read_text().strip()
-        except OSError:
-            continue
-        if c in ("rustc", "cargo", "cc1", "cc1plus", "ld", "clang", "stress", "stress-ng"):
-            names.append(c)
-    return sorted(set(names))
 
 
 def curve_latency(c, w: float) -> float:
@@ -522,53 +481,28 @@ class StatusPoller:
             self.stop.wait(self.every_s)
 
 
-class Bed:
+class Bed(TestbedRun):
     def __init__(self, args, profile: Profile, out: Path) -> None:
+        super().__init__(args.inband, args.name)
         self.args, self.p, self.out = args, profile, out
-        self.inband = str(args.inband)
-        self.name = args.name
-        self.procs = Procs()
-        self.tb = Testbed(args.inband, self.name)
-        self.is_up = False
         self.servers: list = []
-        self.auth_key: Path | None = None
-        # Unix sockets: a short path of their own (sun_path holds 108 bytes).
-        self.sock_dir = Path("/run/inband/bench") / self.name
         # Where `inband status` finds it (/run/inband/weights-NAME.json).
-        self.status_file = Path("/run/inband") / f"weights-{self.name}.json"
-
-    def log(self, msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-    # --- testbed
-
-    def netns(self, node: str) -> str:
-        return self.tb.netns(node)
-
-    def addr(self, node: str) -> str:
-        return self.tb.addr(node)
-
-    @property
-    def vip(self) -> str:
-        return self.tb.vip
+        self.status_file = Path("/run/inband") / f"weights-{args.name}.json"
 
     @property
     def backends(self) -> list[Backend]:
-        return [Backend(self.addr(f"s{i}"), SERVICE_PORT) for i in range(1, len(WORKERS) + 1)]
+        return [Backend(self.tb.addr(f"s{i}"), SERVICE_PORT) for i in range(1, len(WORKERS) + 1)]
 
     def up(self) -> None:
-        self.sock_dir.mkdir(parents=True, exist_ok=True)
         run_dir = self.out / "run"
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.log(f"testbed {self.name}: up (subnet 10.{SUBNET}.0.0/24, 1 client, balancer, {len(WORKERS)} servers)")
-        self.is_up = True  # tear-down runs even if `up` fails half-way
-        self.tb.up(len(WORKERS), subnet=SUBNET)
+        self.bring_up(len(WORKERS), subnet=SUBNET)
         # A new connection per request, hundreds per second: reuse ports in
         # TIME_WAIT and use the whole port range (client, and the balancer's
         # namespace, where HAProxy and the controller's probes connect from).
         for node in ("c1", "lb"):
-            run(self.netns(node), ["sysctl", "-q", "-w", "net.ipv4.tcp_tw_reuse=1"])
-            run(self.netns(node), ["sysctl", "-q", "-w", "net.ipv4.ip_local_port_range=1024 65000"])
+            run(self.ns(node), ["sysctl", "-q", "-w", "net.ipv4.tcp_tw_reuse=1"])
+            run(self.ns(node), ["sysctl", "-q", "-w", "net.ipv4.ip_local_port_range=1024 65000"])
         if self.args.no_time_wait:
             # The servers close first and keep each connection 60 s in
             # TIME_WAIT; a balancer port that comes back within that time
@@ -576,43 +510,23 @@ class Bed:
             # TIME_WAIT every row meets fresh ports: what the balancing
             # does apart from that.
             for i in range(1, len(WORKERS) + 1):
-                run(self.netns(f"s{i}"), ["sysctl", "-q", "-w", "net.ipv4.tcp_max_tw_buckets=0"])
+                run(self.ns(f"s{i}"), ["sysctl", "-q", "-w", "net.ipv4.tcp_max_tw_buckets=0"])
         if self.args.auth == "siphash":
             self.auth_key = new_auth_key(Path(self.inband), run_dir)
-        agents = []
-        for i in range(1, len(WORKERS) + 1):
-            node = f"s{i}"
-            cfg = run_dir / f"agent-{node}.toml"
-            cfg.write_text(peers.agent_toml(balancer=self.addr("lb"), vip=self.vip, vip_port=VIP_PORT, service_port=SERVICE_PORT,
-                                            score_socket=str(self.sock_dir / f"agent-{node}.sock"),
-                                            auth_key=str(self.auth_key) if self.auth_key else None))
-            log = self.out / "logs" / f"agent-{node}.log"
-            agents.append((node, self.procs.spawn(f"agent {node}", self.netns(node), [self.inband, "agent", "--config", str(cfg)], log), log))
-        for node, proc, log in agents:
-            ns = self.netns(node)
-            wait_until(f"the agent on {node} to attach",
-                       lambda ns=ns, proc=proc, log=log, node=node: (
-                           alive(proc, f"the agent on {node}", log)
-                           and "agent_egress" in run(ns, ["tc", "filter", "show", "dev", "eth0", "egress"], check=False).stdout), 30)
+        self.start_agents([f"s{i}" for i in range(1, len(WORKERS) + 1)], run_dir, self.out / "logs", SERVICE_PORT)
+
+    def before_down(self) -> None:
+        self.detach_lb()
 
     def teardown(self) -> None:
-        self.procs.stop_all()
+        super().teardown()
         self.servers = []
-        if self.is_up:
-            self.log(f"testbed {self.name}: down")
-            try:
-                run(self.netns("lb"), [self.inband, "lb", "detach", "--interface", "eth0", "--force"], check=False)
-            except Exception:  # noqa: BLE001 - the testbed goes anyway
-                pass
-            self.tb.down()
-            self.is_up = False
-        shutil.rmtree(self.sock_dir, ignore_errors=True)
         self.status_file.unlink(missing_ok=True)
 
     # --- servers
 
     def serve_argv(self, workers: int, slowdown: tuple | None) -> list[str]:
-        argv = [self.inband, "serve", "--listen", f"0.0.0.0:{SERVICE_PORT}", "--workers", str(workers),
+        argv = [str(self.inband), "serve", "--listen", f"0.0.0.0:{SERVICE_PORT}", "--workers", str(workers),
                 "--service-ms", f"{self.p.service_ms:g}", "--service-dist", "exponential", "--body-bytes", str(BODY_BYTES),
                 "--queue", str(self.p.queue)]
         if slowdown:
@@ -627,10 +541,10 @@ class Bed:
         for i, w in enumerate(WORKERS):
             node = f"s{i + 1}"
             argv = self.serve_argv(w, (slow or {}).get(i))
-            self.servers.append(self.procs.spawn(f"serve {node}", self.netns(node), argv, d / f"serve-{node}.log"))
+            self.servers.append(self.procs.spawn(f"serve {node}", self.ns(node), argv, d / f"serve-{node}.log"))
         for i in range(1, len(WORKERS) + 1):
-            url = f"http://{self.addr(f's{i}')}:{SERVICE_PORT}/stats"
-            wait_until(f"the server on s{i}", lambda url=url: http_get_json(self.netns("lb"), url), 20)
+            url = f"http://{self.tb.addr(f's{i}')}:{SERVICE_PORT}/stats"
+            wait_until(f"the server on s{i}", lambda url=url: http_get_json(self.ns("lb"), url), 20)
         return spawned, time.time()
 
     def stop_servers(self) -> None:
@@ -641,35 +555,20 @@ class Bed:
     # --- balancers
 
     @property
-    def lb_sock(self) -> Path:
-        return self.sock_dir / "lb.sock"
-
-    @property
     def haproxy_sock(self) -> Path:
         return self.sock_dir / "haproxy.sock"
 
     def start_balancer(self, row: Row, d: Path):
-        lb = self.netns("lb")
+        lb = self.ns("lb")
         if row.kind == "inband":
-            for b in self.backends:  # the balancer forwards to MACs from the neighbour table
-                run(lb, ["ping", "-c", "1", "-W", "2", b.address], check=False)
-            cfg = d / "lb.toml"
-            cfg.write_text(peers.lb_toml(address=self.addr("lb"), vip=self.vip, vip_port=VIP_PORT, backends=self.backends,
-                                         mode=row.learn_mode or row.mode, policy=row.learn_policy or row.policy,
-                                         control_socket=str(self.lb_sock),
-                                         auth_key=str(self.auth_key) if self.auth_key else None, probe_interval=self.args.probe_interval))
-            log = d / "lb.log"
-            proc = self.procs.spawn("inband lb", lb, [self.inband, "lb", "--config", str(cfg)], log)
-            wait_until("the balancer's control socket", lambda: alive(proc, "inband lb", log) and self.lb_sock.exists() and self.lb_status(), 30)
-            wait_until("the balancer to resolve every backend's MAC",
-                       lambda: all(b["mac"] != "00:00:00:00:00:00" for b in self.lb_status()["vips"][0]["backends"]), 30)
-            return proc
+            return self.start_lb(d, self.backends, mode=row.learn_mode or row.mode, policy=row.learn_policy or row.policy,
+                                 probe_interval=self.args.probe_interval)
         cfg = d / "haproxy.cfg"
         self.haproxy_sock.unlink(missing_ok=True)
-        cfg.write_text(haproxy_cfg(vip=self.vip, backends=self.backends, balance=row.balance, admin_socket=str(self.haproxy_sock)))
+        cfg.write_text(haproxy_cfg(vip=self.tb.vip, backends=self.backends, balance=row.balance, admin_socket=str(self.haproxy_sock)))
         log = d / "haproxy.log"
         proc = self.procs.spawn("haproxy", lb, ["haproxy", "-f", str(cfg), "-db"], log)
-        wait_until("haproxy to listen", lambda: alive(proc, "haproxy", log) and f"{self.vip}:{VIP_PORT}" in run(lb, ["ss", "-Hltn"]).stdout, 20)
+        wait_until("haproxy to listen", lambda: alive(proc, "haproxy", log) and f"{self.tb.vip}:{VIP_PORT}" in run(lb, ["ss", "-Hltn"]).stdout, 20)
         wait_until("haproxy's admin socket", lambda: self.haproxy_sock.exists(), 10)
         return proc
 
@@ -677,20 +576,14 @@ class Bed:
         if proc is not None:
             self.procs.stop(proc)
         if row.kind == "inband":
-            # Stopping the daemon keeps XDP and the maps: detach removes both.
-            run(self.netns("lb"), [self.inband, "lb", "detach", "--interface", "eth0", "--force"], check=False)
+            self.detach_lb()
 
     def switch(self, row: Row) -> None:
         """From the learning mode to the row's, keeping the learned weights."""
-        vip = f"{self.vip}:{VIP_PORT}"
+        vip = f"{self.tb.vip}:{VIP_PORT}"
         for what, value in (("set-mode", ["--mode", row.mode]), ("set-policy", ["--policy", row.policy])):
-            run(self.netns("lb"), [self.inband, "lb", "ctl", "--socket", str(self.lb_sock), what, "--vip", vip, *value])
+            run(self.ns("lb"), [str(self.inband), "lb", "ctl", "--socket", str(self.lb_sock), what, "--vip", vip, *value])
         self.log(f"{row.key}: learned under {row.learn_mode} {row.learn_policy}, now {row.mode} {row.policy}")
-
-    def lb_status(self) -> dict | None:
-        ns = self.netns("lb")
-        cp = run(ns, [self.inband, "status", "--json", "--netns", ns], check=False)
-        return json.loads(cp.stdout)[0] if cp.returncode == 0 else None
 
     def haproxy_command(self, command: str) -> str:
         with socket.socket(socket.AF_UNIX) as s:
@@ -703,7 +596,7 @@ class Bed:
         """New connections the balancer has sent to each server so far (s1..s4)."""
         try:
             if row.kind == "inband":
-                bes = {b["backend"]: b for b in self.lb_status()["vips"][0]["backends"]}
+                bes = {b["backend"]: b for b in self.lb_backends()}
                 return [int(bes[f"{b.address}:{b.port}"]["stats"]["new_conns"]) for b in self.backends]
             stot = parse_stat_sessions(self.haproxy_command("show stat"), HAPROXY_BACKEND)
             return [stot[f"s{i}"] for i in range(1, len(WORKERS) + 1)]
@@ -713,8 +606,7 @@ class Bed:
     def balancer_weights(self, row: Row) -> list | None:
         """The weights in force at the balancer, s1..s4 (None if it does not say)."""
         if row.kind == "inband":
-            st = self.lb_status()
-            bes = {b["backend"]: b for b in st["vips"][0]["backends"]} if st else {}
+            bes = {b["backend"]: b for b in self.lb_backends()}
             ws = [bes.get(f"{b.address}:{b.port}", {}).get("weight") for b in self.backends]
             return ws if all(w is not None for w in ws) else None
         if not row.weighted:
@@ -726,7 +618,7 @@ class Bed:
 
     def start_controller(self, row: Row, d: Path):
         if row.kind == "inband":
-            target = {"kind": "inband", "socket": str(self.lb_sock), "vip": f"{self.vip}:{VIP_PORT}"}
+            target = {"kind": "inband", "socket": str(self.lb_sock), "vip": f"{self.tb.vip}:{VIP_PORT}"}
         else:
             target = {"kind": "haproxy", "socket": str(self.haproxy_sock), "backend": HAPROXY_BACKEND}
         cfg = d / "weights.toml"
@@ -736,7 +628,7 @@ class Bed:
                                     extra=tuple(self.args.weights_set)))
         self.status_file.unlink(missing_ok=True)  # an earlier run's "steady" must not count
         log = d / "weights.log"
-        return self.procs.spawn("inband weights", self.netns("lb"), [self.inband, "weights", "--config", str(cfg)], log), log
+        return self.procs.spawn("inband weights", self.ns("lb"), [str(self.inband), "weights", "--config", str(cfg)], log), log
 
     def keep_status(self, d: Path) -> None:
         """The controller's last status file beside the run's logs (also when it died)."""
@@ -768,12 +660,12 @@ class Bed:
     # --- load
 
     def openloop_argv(self, rate: int, seconds: float) -> list[str]:
-        return [self.inband, "bench", "openloop", "--url", f"http://{self.vip}:{VIP_PORT}/", "--rate", str(rate),
+        return [str(self.inband), "bench", "openloop", "--url", f"http://{self.tb.vip}:{VIP_PORT}/", "--rate", str(rate),
                 "--seconds", f"{seconds:g}", "--timeout-ms", str(self.p.timeout_ms)]
 
     def spawn_openloop(self, procs: Procs, rate: int, seconds: float, log: Path):
         log.unlink(missing_ok=True)
-        return procs.spawn("openloop", self.netns("c1"), self.openloop_argv(rate, seconds), log)
+        return procs.spawn("openloop", self.ns("c1"), self.openloop_argv(rate, seconds), log)
 
     def openloop(self, rate: int, seconds: float, log: Path) -> dict:
         return self.openloop_result(self.spawn_openloop(self.procs, rate, seconds, log), seconds, log)
@@ -824,10 +716,10 @@ class Bed:
             time.sleep(max(0.0, start_at - time.time()))
             t0 = time.time()
             ol = self.spawn_openloop(self.procs, rate, self.p.measure_s, d / "openloop.log")
-            cpu0, dec0 = cpu_sample(), self.decisions(row)
+            cpu0, dec0 = cpu_jiffies(), self.decisions(row)
             res["warmup_s"] = start_at - keeper.t0
             res["openloop"] = self.openloop_result(ol, self.p.measure_s, d / "openloop.log")
-            t1, cpu1, dec1 = time.time(), cpu_sample(), self.decisions(row)
+            t1, cpu1, dec1 = time.time(), cpu_jiffies(), self.decisions(row)
             keeper.join()
             keeper = None
             res["window"] = [t0, t1]
@@ -1076,6 +968,12 @@ def ilp_table(ilp: list, runs: list) -> list[str]:
     return lines
 
 
+def render(record: dict) -> str:
+    """The tables of a run, from its record alone (bench.docs renders the
+    committed one the same way)."""
+    return provenance(record) + "\n\n" + markdown(record["rows"])
+
+
 def markdown(r: dict) -> str:
     runs = r.get("runs", [])
     lines = [f"# KnapsackLB weights with in-band scores, profile `{r['profile']['name']}`", "",
@@ -1216,7 +1114,8 @@ def plot_transition(r: dict, path: Path) -> bool:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m bench.weights", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True, help="results directory (created)")
+    ap.add_argument("--out", type=Path, required=True, help="the run's raw data: configs, logs, figures (created)")
+    ap.add_argument("--results", type=Path, default=default_dir("weights"), help="results.json and results.md (default: the committed ones)")
     ap.add_argument("--profile", choices=PROFILES, default="quick")
     ap.add_argument("--inband", type=Path, default=REPO / "target/debug/inband")
     ap.add_argument("--name", default="wts", help="testbed name (namespaces NAME-c1, NAME-lb, NAME-s1...)")
@@ -1262,38 +1161,25 @@ def parse_args(argv):
     return args, p
 
 
-def preflight(args, p: Profile) -> list[str]:
-    problems = []
-    if os.geteuid() != 0:
-        problems.append("must run as root (it creates network namespaces and attaches XDP/tc programs)")
-    if not Path(args.inband).is_file():
-        problems.append(f"{args.inband} is missing: build it (scripts/setup.sh)")
-    if any(BY_KEY[k].kind == "haproxy" for k in p.rows + p.transition_rows) and not shutil.which("haproxy"):
-        problems.append("haproxy is not installed: run scripts/setup.sh")
-    if (Path("/run/inband/testbed") / f"{args.name}.json").exists():
-        problems.append(f"a testbed named {args.name!r} exists already: `{args.inband} testbed down --name {args.name}` or pick another --name")
-    return problems
+def problems(args, p: Profile) -> list[str]:
+    haproxy = any(BY_KEY[k].kind == "haproxy" for k in p.rows + p.transition_rows)
+    return preflight.problems(inband=str(args.inband), tools=("haproxy",) if haproxy else (), testbed_name=args.name)
 
 
 def main(argv=None) -> int:
     args, p = parse_args(argv)
-    problems = preflight(args, p)
-    if problems:
-        for x in problems:
-            print(f"error: {x}", file=sys.stderr)
-        return 2
+    refused = preflight.refuse(problems(args, p))
+    if refused:
+        return refused
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     args.out = out
-    record_command(out, "bench.weights", argv)
-    command = (out / "command.txt").read_text().strip()
-    with open(out / "command.txt", "a") as f:
-        f.write(f"started: {time.strftime('%Y-%m-%d %H:%M:%S %z')}\nnproc: {os.cpu_count()}\n"
-                f"inband: {tool_version([str(args.inband), '--version'])}\nhaproxy: {tool_version(['haproxy', '-v'])}\n")
+    this_run = Run("weights", "bench.weights", argv)
+    command = this_run.command
     results: dict = {"profile": asdict(p), "command": command, "workers": list(WORKERS), "body_bytes": BODY_BYTES,
                      "config": {"probe_rate": p.probe_rate, "round_ms": p.round_ms, "probe_interval": args.probe_interval, "no_time_wait": args.no_time_wait,
                                 "auth": args.auth, "weights_set": args.weights_set},
-                     "busy_beside": heavy_processes(), "runs": [], "transitions": [], "ilp": None, "failed": []}
+                     "busy_beside": sorted(others_running()), "runs": [], "transitions": [], "ilp": None, "failed": []}
     if results["busy_beside"]:
         print(f"warning: running beside the benchmark: {', '.join(results['busy_beside'])} (they take the CPU it measures on)", file=sys.stderr)
     stop_signals_interrupt()
@@ -1339,12 +1225,11 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             results["failed"].append(("ilp", f"{e.__class__.__name__}: {e}"))
     results["elapsed_s"] = time.time() - started
-    publish(out, markdown(results), results)
+    record = this_run.record(results, profile=profiles.as_json(args.profile, p), inband=Path(args.inband), tools={"haproxy": ["haproxy", "-v"]})
+    write_results(args.results, record, render(record))
     made = [name for name, fn in (("curves.png", plot_curves), ("latency.png", plot_latency), ("transition.png", plot_transition))
             if fn(results, out / name)]
-    with open(out / "command.txt", "a") as f:
-        f.write(f"finished: {time.strftime('%Y-%m-%d %H:%M:%S %z')} ({results['elapsed_s']:.0f} s)\n")
-    print(f"results in {out}: results.md, results.json, command.txt, {', '.join(made)}")
+    print(f"figures in {out}: {', '.join(made) or 'none'}")
     if interrupted:
         print(f"interrupted ({interrupted}); everything torn down", file=sys.stderr)
         return 130

@@ -39,7 +39,7 @@ def run_tiny(
     """`python -m module --profile tiny [extra...]` (or the driver's
     smallest `profile` by another name) on testbed `name`: its completed
     process and the namespaces it left behind (removed here)."""
-    cmd = [sys.executable, "-m", module, "--profile", profile, "--out", str(out), "--name", name, *extra]
+    cmd = [sys.executable, "-m", module, "--profile", profile, "--out", str(out), "--results", str(out), "--name", name, *extra]
     try:
         cp = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
     finally:

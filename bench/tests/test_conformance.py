@@ -16,7 +16,7 @@ from driver_runs import INBAND, REPO
 
 @pytest.mark.skipif(not INBAND.is_file(), reason="needs target/debug/inband (scripts/setup.sh)")
 def test_inband_passes_every_case(tmp_path):
-    cmd = [sys.executable, "-m", "bench.conformance", "--systems", "inband", "--inband", str(INBAND), "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "bench.conformance", "--systems", "inband", "--inband", str(INBAND), "--results", str(tmp_path)]
     cp = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert cp.returncode == 0, f"{cp.stdout[-4000:]}\n{cp.stderr[-2000:]}"
     md = (tmp_path / "results.md").read_text()

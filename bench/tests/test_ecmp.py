@@ -57,7 +57,7 @@ def test_tiny_profile_end_to_end(tmp_path):
     out = tmp_path / "out"
     cp, left = run_tiny("bench.ecmp", name, out, 300)
     assert left == [], f"namespaces left behind: {left}"
-    data = json.loads((out / "results.json").read_text())
+    data = json.loads((out / "results.json").read_text())["rows"]
     flaps = {x["mode"]: x for x in data["flapping"]}
     # Flaps every 2 s, downloads of well under a second: no connection
     # sees two changes, so shadowing keeps every one.

@@ -110,7 +110,7 @@ def test_tiny_profile_end_to_end(tmp_path):
     assert left == [], f"namespaces left behind: {left}"
     assert not any(Path("/sys/fs/bpf/inband/netns").glob(f"{name}-*")), "pins left behind"
 
-    res = json.loads((out / "results.json").read_text())
+    res = json.loads((out / "results.json").read_text())["rows"]
     fwd = {(r["load"], r["path"]): r for r in res["forwarding"]}
     expected = [("hairpin", p) for p in ("generator", "direct", "bounce", "inband", "nftables")]
     expected += [("switch", p) for p in ("direct", "inband", "nftables")]

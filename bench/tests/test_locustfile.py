@@ -10,7 +10,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from bench import report
+from bench.lib import locust as report
 
 REPO = Path(__file__).resolve().parents[2]
 BODY = b"x" * 47104

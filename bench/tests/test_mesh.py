@@ -56,7 +56,7 @@ def test_report_gives_ratios_to_direct_and_the_best_sidecar():
 @pytest.mark.skipif(os.geteuid() != 0 or not INBAND.exists(), reason="needs root and target/debug/inband")
 def test_tiny_profile_end_to_end(tmp_path):
     cp = subprocess.run(
-        [sys.executable, "-m", "bench.mesh", "--out", str(tmp_path), "--profile", "tiny"],
+        [sys.executable, "-m", "bench.mesh", "--out", str(tmp_path), "--results", str(tmp_path), "--profile", "tiny"],
         cwd=REPO,
         capture_output=True,
         text=True,

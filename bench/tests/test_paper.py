@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import paper
+from bench.lib import paperbed as paper
+from bench.lib.testbed import new_auth_key
 
 REPO = Path(__file__).resolve().parents[2]
 INBAND = REPO / "target" / "debug" / "inband"
@@ -32,13 +33,13 @@ def test_in_band_bytes_follow_the_option_format(authenticated, per_option):
 
 @pytest.mark.skipif(not INBAND.is_file(), reason="needs target/debug/inband (cargo build)")
 def test_each_run_gets_a_new_private_key(tmp_path):
-    first = paper.new_auth_key(INBAND, tmp_path)
+    first = new_auth_key(INBAND, tmp_path)
     assert first == tmp_path / "auth.key"
     old = first.read_text()
     assert len(old.strip()) == 32 and all(c in string.hexdigits for c in old.strip())
     assert stat.S_IMODE(first.stat().st_mode) == 0o600
     # A second run into the same directory replaces the first run's key.
-    assert paper.new_auth_key(INBAND, tmp_path).read_text() != old
+    assert new_auth_key(INBAND, tmp_path).read_text() != old
 
 
 def test_auth_defaults_to_siphash():

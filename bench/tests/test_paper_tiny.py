@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from bench.paper import BY_KEY, PAPER_ROWS
+from bench.lib.paperbed import BY_KEY, PAPER_ROWS
 from driver_runs import run_tiny, table_rows
 
 
@@ -67,9 +67,11 @@ def test_tiny_profile_end_to_end(tmp_path):
 
     for png in ("fig3_rps.png", "fig4_ccdf.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    facts = (out / "command.txt").read_text()
-    for key in ("command:", "nproc:", "kernel:", "memory:", "locust: locust 2.33.2", "haproxy:"):
-        assert key in facts, facts
+    record = json.loads((out / "results.json").read_text())
+    assert record["command"].startswith("python -m bench.paper --profile tiny"), record["command"]
+    facts = record["machine"]
+    assert facts["cores"] and facts["kernel"] and facts["memory"] and facts["haproxy"].startswith("HAProxy version"), facts
+    assert facts["locust"].startswith("locust 2.33.2"), facts
 
     # dsr-query held SYNs for its query rounds, and says so.
     held = table_rows((out / "results.md").read_text(), "| Configuration | SYNs held |")

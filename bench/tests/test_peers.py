@@ -11,8 +11,8 @@ import uuid
 
 import pytest
 
-from bench import peers
-from bench.peers import Backend
+from bench.lib import peers
+from bench.lib.peers import Backend
 
 BACKENDS = [Backend("10.77.0.21", 8080), Backend("10.77.0.22", 8080), Backend("10.77.0.23", 8080)]
 

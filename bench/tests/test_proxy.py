@@ -7,12 +7,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import json
 import sys
 import tomllib
 
 import pytest
 
-from bench import peers
+from bench.lib import peers
 from bench import proxy as px
 from driver_runs import INBAND, REPO, table_rows
 
@@ -77,7 +78,7 @@ def test_tables_ratios_from_known_numbers():
 @pytest.mark.skipif(not (shutil.which("nginx") and shutil.which("varnishd") and shutil.which("wrk") and INBAND.is_file()), reason="needs nginx, varnish, wrk and target/debug/inband (scripts/setup.sh)")
 def test_quick_run_end_to_end(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "bench.proxy", "--quick", "--wait-quiet", "0", "--out", str(out), "--inband", str(INBAND)]
+    cmd = [sys.executable, "-m", "bench.proxy", "--quick", "--wait-quiet", "0", "--out", str(out), "--results", str(out), "--inband", str(INBAND)]
     cp = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert cp.returncode == 0, f"driver failed ({cp.returncode}):\n{cp.stdout[-4000:]}\n{cp.stderr[-4000:]}"
     md = (out / "results.md").read_text()
@@ -101,9 +102,8 @@ def test_quick_run_end_to_end(tmp_path):
     assert "limit: nginx static files" not in origin, "the limit is not restarted"
 
     assert (out / "proxy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    facts = (out / "command.txt").read_text()
-    for key in ("command:", "nginx: nginx version: nginx/", "varnish: varnishd (varnish-", "wrk:"):
-        assert key in facts, facts
+    facts = json.loads((out / "results.json").read_text())["machine"]
+    assert facts["nginx"].startswith("nginx version: nginx/") and facts["varnish"].startswith("varnishd (varnish-") and facts["wrk"], facts
     # Nothing left running (the driver itself fails when a port is still
     # listening): the systems' command lines name --out or the driver's temp dir.
     left = subprocess.run(["pgrep", "-af", f"{out}|inband-bench-proxy-"], capture_output=True, text=True).stdout

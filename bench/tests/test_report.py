@@ -8,8 +8,9 @@ import math
 
 import pytest
 
-from bench import plots, report
-from bench.report import Overhead, Request, RunResult
+from bench.lib import locust as report
+from bench.lib import plots, stats
+from bench.lib.locust import Overhead, Request, RunResult
 
 T0 = 1_700_000_000.0
 
@@ -23,14 +24,14 @@ def reqs(latencies_ms, *, start=T0, gap=0.01, ok=None):
 
 def test_percentile_nearest_rank():
     xs = list(range(1, 101))  # 1..100
-    assert report.percentile(xs, 50) == 50
-    assert report.percentile(xs, 90) == 90
-    assert report.percentile(xs, 99) == 99
-    assert report.percentile(xs, 99.9) == 100
-    assert report.percentile([7.0], 50) == 7.0
-    assert math.isnan(report.percentile([], 50))
+    assert stats.percentile(xs, 50) == 50
+    assert stats.percentile(xs, 90) == 90
+    assert stats.percentile(xs, 99) == 99
+    assert stats.percentile(xs, 99.9) == 100
+    assert stats.percentile([7.0], 50) == 7.0
+    assert stats.percentile([], 50) is None
     # 10 values: p95 -> rank ceil(9.5) = 10
-    assert report.percentile(list(range(10)), 95) == 9
+    assert stats.percentile(list(range(10)), 95) == 9
 
 
 def test_summarize_counts_window_and_failures():

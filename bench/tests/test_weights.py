@@ -238,7 +238,7 @@ def test_tiny_profile_end_to_end(tmp_path):
     out = tmp_path / "out"
     cp, left = run_tiny("bench.weights", name, out, 900)
     assert left == [], f"namespaces left behind: {left}"
-    data = json.loads((out / "results.json").read_text())
+    data = json.loads((out / "results.json").read_text())["rows"]
     assert data["failed"] == []
     runs = {r["row"]: r for r in data["runs"]}
     assert set(runs) == set(W.PROFILES["tiny"].rows)

@@ -2,7 +2,7 @@
 of a fixed size, cacheable for an hour, and the origin counts what reaches
 it, so origin requests are counted the same way for every system.
 
-    python -m bench.origin --listen 127.0.0.1:18080 --object-bytes 10240
+    python -m bench.lib.origin --listen 127.0.0.1:18080 --object-bytes 10240
 
 `GET /__stats` (not counted) answers `{"requests": N}`; `/pass/...` paths
 are `no-store` (counted), for measuring pass-through.
@@ -70,7 +70,7 @@ def make_handler(size: int, max_age: int):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.origin", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.lib.origin", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--listen", default="127.0.0.1:18080")
     ap.add_argument("--object-bytes", type=int, default=10240)
     ap.add_argument("--max-age", type=int, default=3600)

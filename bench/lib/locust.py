@@ -13,8 +13,11 @@ from __future__ import annotations
 import csv
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from .report import fmt_ratio, fmt_time, table
+from .stats import percentile, ratio
 
 PERCENTILES = (50, 90, 95, 98, 99, 99.9)
 
@@ -85,9 +88,25 @@ class RunResult:
     shares: dict = field(default_factory=dict)  # backend -> requests it served (its own counter)
     # backend "addr:port" -> the balancer's view (inband modes only), from `inband status --json`
     at_balancer: dict = field(default_factory=dict)
+    # A result read back from a results.json: its requests are not kept
+    # there, their summary is.
+    summarized: Summary | None = None
 
     def summary(self) -> Summary:
-        return summarize(self.requests, *self.window)
+        return self.summarized or summarize(self.requests, *self.window)
+
+    def to_json(self) -> dict:
+        s = asdict(self.summary())
+        s["pct_ms"] = {str(p): v for p, v in s["pct_ms"].items()}
+        return {"key": self.key, "label": self.label, "window": list(self.window), "summary": s,
+                "overhead": asdict(self.overhead), "locust": self.locust, "shares": self.shares, "at_balancer": self.at_balancer}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RunResult":
+        s = dict(d["summary"])
+        s["pct_ms"] = {float(p): v for p, v in s["pct_ms"].items()}
+        return cls(key=d["key"], label=d["label"], window=tuple(d["window"]), requests=[], overhead=Overhead(**d["overhead"]),
+                   locust=d["locust"], shares=d["shares"], at_balancer=d["at_balancer"], summarized=Summary(**s))
 
 
 def read_requests(path: Path) -> list[Request]:
@@ -112,13 +131,11 @@ def in_window(requests: list[Request], t0: float, t1: float) -> list[Request]:
     return [r for r in requests if r.start >= t0 and r.end <= t1]
 
 
-def percentile(sorted_ms: list[float], p: float) -> float:
-    """Nearest-rank percentile: the smallest value with at least p% of the
-    requests at or below it."""
-    if not sorted_ms:
-        return math.nan
-    rank = max(1, math.ceil(p / 100.0 * len(sorted_ms)))
-    return sorted_ms[rank - 1]
+
+def _nan_if_none(v):
+    # The summaries are arithmetic (ratios of them): NaN, not None, marks
+    # an empty window.
+    return math.nan if v is None else v
 
 
 def summarize(requests: list[Request], t0: float, t1: float) -> Summary:
@@ -132,10 +149,10 @@ def summarize(requests: list[Request], t0: float, t1: float) -> Summary:
     return Summary(
         requests=n,
         failures=sum(1 for r in rs if not r.ok),
-        median_ms=percentile(lat, 50),
+        median_ms=_nan_if_none(percentile(lat, 50)),
         avg_ms=(sum(lat) / n) if n else math.nan,
         rps=n / (t1 - t0),
-        pct_ms={p: percentile(lat, p) for p in PERCENTILES},
+        pct_ms={p: _nan_if_none(percentile(lat, p)) for p in PERCENTILES},
         max_ms=lat[-1] if lat else math.nan,
     )
 
@@ -183,33 +200,6 @@ def read_locust_history(history_csv: Path) -> list[dict]:
         return [r for r in csv.DictReader(f) if r.get("Name") == "Aggregated"]
 
 
-# ---------------------------------------------------------------- formatting
-
-
-def fmt_time(ms: float) -> str:
-    """Seconds with three significant digits from 1 s up, else milliseconds."""
-    if ms is None or (isinstance(ms, float) and math.isnan(ms)):
-        return "–"
-    if ms >= 1000:
-        s = ms / 1000.0
-        return f"{s:.3g} s" if s < 100 else f"{s:.0f} s"
-    return f"{ms:.0f} ms"
-
-
-def fmt_ratio(x: float) -> str:
-    return "–" if x is None or math.isnan(x) or math.isinf(x) else f"{x:.2f}×"
-
-
-def _md(headers: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def _ratio(a: float, b: float) -> float:
-    if b is None or a is None or b == 0 or math.isnan(a) or math.isnan(b):
-        return math.nan
-    return a / b
 
 
 def table3(results: list[RunResult]) -> str:
@@ -231,7 +221,7 @@ def table3(results: list[RunResult]) -> str:
                 str(s.failures),
             ]
         )
-    return _md(headers, rows)
+    return table(headers, rows)
 
 
 def ratios(results: list[RunResult], refs=("dsr-query", "dsr-polling", "passthrough")) -> str:
@@ -250,13 +240,13 @@ def ratios(results: list[RunResult], refs=("dsr-query", "dsr-polling", "passthro
         for k in present:
             ref = by_key[k]
             row += [
-                fmt_ratio(_ratio(s.rps, ref.rps)),
-                fmt_ratio(_ratio(ref.avg_ms, s.avg_ms)),
-                fmt_ratio(_ratio(ref.median_ms, s.median_ms)),
-                fmt_ratio(_ratio(ref.pct_ms[99], s.pct_ms[99])),
+                fmt_ratio(ratio(s.rps, ref.rps)),
+                fmt_ratio(ratio(ref.avg_ms, s.avg_ms)),
+                fmt_ratio(ratio(ref.median_ms, s.median_ms)),
+                fmt_ratio(ratio(ref.pct_ms[99], s.pct_ms[99])),
             ]
         rows.append(row)
-    return _md(headers, rows)
+    return table(headers, rows)
 
 
 def overhead_table(results: list[RunResult]) -> str:
@@ -290,7 +280,7 @@ def overhead_table(results: list[RunResult]) -> str:
                 f"{o.lb_in_bytes / n:.0f}" if n else "–",
             ]
         )
-    return _md(headers, rows)
+    return table(headers, rows)
 
 
 def shares_table(results: list[RunResult], backend_labels: dict) -> str:
@@ -307,7 +297,7 @@ def shares_table(results: list[RunResult], backend_labels: dict) -> str:
             c = r.shares.get(b, 0)
             row.append(f"{100.0 * c / total:.1f}% ({c})" if total else "–")
         rows.append(row)
-    return _md(headers, rows)
+    return table(headers, rows)
 
 
 def backends_at_balancer(status) -> dict:
@@ -347,7 +337,7 @@ def balancer_view_table(results: list[RunResult]) -> str:
                     "–" if last is None else str(last),
                 ]
             )
-    return _md(headers, rows)
+    return table(headers, rows)
 
 
 def _paper_ms(cell: str) -> float:
@@ -375,15 +365,15 @@ def paper_ratios(results: list[RunResult], base="dsr-query", floor="passthrough"
         for ref in (base, floor):
             o, (_n, ref_avg, ref_rps, ref_p99) = ours.get(ref), paper[ref]
             row += [
-                fmt_ratio(_ratio(s.rps, o.rps) if o else math.nan),
+                fmt_ratio(ratio(s.rps, o.rps) if o else math.nan),
                 fmt_ratio(rps / ref_rps),
-                fmt_ratio(_ratio(o.avg_ms, s.avg_ms) if o else math.nan),
+                fmt_ratio(ratio(o.avg_ms, s.avg_ms) if o else math.nan),
                 fmt_ratio(ref_avg / avg),
-                fmt_ratio(_ratio(o.pct_ms[99], s.pct_ms[99]) if o else math.nan),
+                fmt_ratio(ratio(o.pct_ms[99], s.pct_ms[99]) if o else math.nan),
                 fmt_ratio(ref_p99 / p99),
             ]
         rows.append(row)
-    return _md(headers, rows)
+    return table(headers, rows)
 
 
 def query_table(results: list[RunResult]) -> str:
@@ -395,13 +385,13 @@ def query_table(results: list[RunResult]) -> str:
         for r in results
         if r.overhead.queries
     ]
-    return _md(headers, rows)
+    return table(headers, rows)
 
 
 def paper_table() -> str:
     headers = ["Configuration (paper)", "Median", "Average", "RPS", "90%", "95%", "98%", "99%"]
     rows = [[name, med, avg, f"{rps:.2f}", p90, p95, p98, p99] for name, _k, med, avg, rps, p90, p95, p98, p99 in PAPER_TABLE3]
-    return _md(headers, rows)
+    return table(headers, rows)
 
 
 CSV_COLUMNS = [

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display on a server; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .report import RunResult, ccdf, in_window, rps_series  # noqa: E402
+from .locust import RunResult, ccdf, in_window, rps_series  # noqa: E402
 
 # The paper's colours for its four configurations; peers get their own.
 STYLE = {

@@ -1,0 +1,75 @@
+"""Regenerates the results tables in docs/benchmarks.md from the committed
+records under bench/results/<study>/results.json:
+
+    python -m bench.docs            # rewrite the generated sections
+    python -m bench.docs --check    # exit 1 if any differs (what the test runs)
+
+A generated section lies between `<!-- results:STUDY -->` and
+`<!-- /results:STUDY -->`; it holds exactly what the study's driver
+renders from its record (the same tables it printed when it ran), its
+headings moved two levels down to sit under the docs' own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from . import conformance, ecmp, forwarding, health, mesh, paper, proxy, regimes, resilience, scaleout, weights
+from .lib import results
+
+DOCS = results.REPO / "docs" / "benchmarks.md"
+
+# Each study's renderer: its record in, its tables out.
+RENDER = {
+    "conformance": conformance.render,
+    "ecmp": ecmp.render,
+    "forwarding": forwarding.render,
+    "health": health.render,
+    "mesh": mesh.render,
+    "paper": paper.render,
+    "proxy": proxy.render,
+    "regimes": regimes.render,
+    "resilience": resilience.render,
+    "scaleout": scaleout.render,
+    "weights": weights.render,
+}
+
+SECTION = re.compile(r"(<!-- results:([a-z]+) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
+
+
+def generated(study: str, base: Path = results.RESULTS) -> str:
+    md = RENDER[study](results.load(study, base))
+    # Two levels down, and no heading deeper than Markdown has.
+    md = re.sub(r"^(#{1,4}) ", lambda m: "#" * min(6, len(m.group(1)) + 2) + " ", md, flags=re.M)
+    return md.strip() + "\n"
+
+
+def regenerate(text: str, base: Path = results.RESULTS) -> str:
+    return SECTION.sub(lambda m: m.group(1) + generated(m.group(2), base) + m.group(4), text)
+
+
+def studies_in(text: str) -> list[str]:
+    return [m.group(2) for m in SECTION.finditer(text)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.docs", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 if a generated section differs")
+    args = ap.parse_args(argv)
+    text = DOCS.read_text()
+    new = regenerate(text)
+    if args.check:
+        if new != text:
+            print(f"{DOCS}: generated sections differ from bench/results; run `python -m bench.docs`", file=sys.stderr)
+            return 1
+        return 0
+    DOCS.write_text(new)
+    print(f"{DOCS}: {', '.join(studies_in(new))} regenerated")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""The checks before a run, which every driver makes the same way."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from . import testbed
+from .host import SYS_BPF
+
+
+def problems(*, inband: str | None = None, tools: tuple = (), testbed_name: str | None = None, root: bool = True,
+             bpf_stats: bool = False) -> list[str]:
+    """What stops the run before it starts; empty when nothing does.
+    `inband`: the binary the run needs; `tools`: programs it runs;
+    `testbed_name`: the testbed it creates (1 to 8 of a-z, 0-9: the
+    namespaces' and interfaces' names hold it); `bpf_stats`: it reads
+    programs' run time through the bpf syscall."""
+    out = []
+    if root and os.geteuid() != 0:
+        out.append("must run as root (it creates network namespaces and attaches XDP/tc programs)")
+    if inband is not None and not Path(inband).is_file():
+        out.append(f"{inband} is missing: run scripts/setup.sh (it installs what is needed and builds inband)")
+    for tool in tools:
+        if shutil.which(tool) is None:
+            out.append(f"{tool} is not installed: run scripts/setup.sh")
+    if bpf_stats and SYS_BPF is None:
+        out.append("the bpf syscall's number on this architecture is unknown")
+    if testbed_name is not None:
+        if not re.fullmatch(r"[a-z0-9]{1,8}", testbed_name):
+            out.append(f"testbed name {testbed_name!r}: use 1-8 characters of a-z and 0-9")
+        elif testbed.exists(testbed_name):
+            out.append(f"a testbed named {testbed_name!r} exists already: `{inband or 'inband'} testbed down --name {testbed_name}` "
+                       "or pick another --name")
+    return out
+
+
+def refuse(found: list[str]) -> int | None:
+    """Prints the problems; 2 (the drivers' exit code for it) if any."""
+    for p in found:
+        print(f"error: {p}", file=sys.stderr)
+    return 2 if found else None
