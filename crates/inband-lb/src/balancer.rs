@@ -13,11 +13,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use anyhow::{bail, Result};
 use tracing::info;
 
-use super::config::LbConfig;
+use super::config::{BackendConfig, LbConfig};
 use super::maps::{backend_removed, BackendStats, Mode, Policy};
 use super::snapshot::{self, Snapshot};
 use super::tables::{self, LbMaps};
-use super::{apply, attach, control};
+use super::{apply, attach};
 use inband_core::lb_control::{ControlReply, ControlRequest, VipCounts};
 use inband_core::net::Protocol;
 use inband_core::prog_stats;
@@ -71,7 +71,7 @@ impl Balancer {
             };
         }
         let mut guard = self.config();
-        match control::next_config(&guard, req, &self.config_path).and_then(|next| {
+        match next_config(&guard, req, &self.config_path).and_then(|next| {
             // Nothing to apply to if someone removed the program by hand.
             if !attach::attached(&next.interface)? {
                 bail!("no XDP program is attached to {} any more (detached by hand?): restart `inband lb`", next.interface);
@@ -120,4 +120,195 @@ impl Balancer {
             .collect::<Result<_>>()?;
         Ok(VipCounts { ranks_by_load, new_conns })
 }
+}
+
+/// The new config after `req`, validated; the caller applies it.
+pub fn next_config(cfg: &LbConfig, req: &ControlRequest, config_path: &Path) -> Result<LbConfig> {
+    let mut next = cfg.clone();
+    let vip_mut = |next: &mut LbConfig, vip: &SocketAddr, protocol: &Protocol| -> Result<usize> {
+        next.vips.iter().position(|v| v.endpoint() == *vip && v.protocol == *protocol).ok_or_else(|| {
+            anyhow::anyhow!("no VIP {} is configured", inband_core::net::vip_name(*vip, *protocol))
+        })
+    };
+    let backend_pos = |next: &LbConfig, vi: usize, be: &SocketAddr| next.vips[vi].backends.iter().position(|b| b.endpoint() == *be);
+    match req {
+        ControlRequest::AddBackend { vip, protocol, backend, quic_server_id, encap, weight } => {
+            let vi = vip_mut(&mut next, vip, protocol)?;
+            if backend_pos(&next, vi, backend).is_some() {
+                bail!("backend {backend} is already in VIP {}", next.vips[vi].name());
+            }
+            next.vips[vi].backends.push(BackendConfig {
+                address: backend.ip(),
+                port: backend.port(),
+                drain: false,
+                quic_server_id: *quic_server_id,
+                encap: *encap,
+                weight: *weight,
+            });
+        }
+        ControlRequest::RemoveBackend { vip, protocol, backend } => {
+            let vi = vip_mut(&mut next, vip, protocol)?;
+            let bi = backend_pos(&next, vi, backend).ok_or_else(|| anyhow::anyhow!("backend {backend} is not in VIP {}", next.vips[vi].name()))?;
+            next.vips[vi].backends.remove(bi);
+        }
+        ControlRequest::DrainBackend { vip, protocol, backend } | ControlRequest::UndrainBackend { vip, protocol, backend } => {
+            let vi = vip_mut(&mut next, vip, protocol)?;
+            let bi = backend_pos(&next, vi, backend).ok_or_else(|| anyhow::anyhow!("backend {backend} is not in VIP {}", next.vips[vi].name()))?;
+            next.vips[vi].backends[bi].drain = matches!(req, ControlRequest::DrainBackend { .. });
+        }
+        ControlRequest::SetMode { vip, protocol, mode } => {
+            let vi = vip_mut(&mut next, vip, protocol)?;
+            next.vips[vi].mode = *mode;
+        }
+        ControlRequest::SetPolicy { vip, protocol, policy } => {
+            let vi = vip_mut(&mut next, vip, protocol)?;
+            next.vips[vi].policy = *policy;
+        }
+        ControlRequest::SetWeights { vip, protocol, weights } => {
+            let vi = vip_mut(&mut next, vip, protocol)?;
+            if weights.is_empty() {
+                bail!("no weight given: name backends as ADDR=W");
+            }
+            let mut named = std::collections::HashSet::new();
+            for (backend, weight) in weights {
+                if !named.insert(backend) {
+                    bail!("backend {backend} is given two weights");
+                }
+                let bi = backend_pos(&next, vi, backend).ok_or_else(|| anyhow::anyhow!("backend {backend} is not in VIP {}", next.vips[vi].name()))?;
+                next.vips[vi].backends[bi].weight = *weight;
+            }
+        }
+        ControlRequest::SetProbeInterval { vip, protocol, n } => {
+            let vi = vip_mut(&mut next, vip, protocol)?;
+            next.vips[vi].probe_interval = *n;
+        }
+        ControlRequest::Counts { .. } => {}
+        ControlRequest::Reload => {
+            let fresh = LbConfig::load(config_path)?;
+            if fresh.interface != cfg.interface || fresh.address != cfg.address || fresh.address6 != cfg.address6 {
+                bail!("reload cannot change `interface`, `address` or `address6`: restart `inband lb` for that");
+            }
+            if fresh.flow_table_size != cfg.flow_table_size {
+                bail!(
+                    "reload cannot resize the flow tables under live flows (flow_table_size {} -> {}): \
+                     detach and restart `inband lb` for that",
+                    cfg.flow_table_size,
+                    fresh.flow_table_size
+                );
+            }
+            if fresh.maglev_table_size != cfg.maglev_table_size {
+                bail!(
+                    "reload cannot resize the Maglev tables (maglev_table_size {} -> {}): detach and restart `inband lb` for that",
+                    cfg.maglev_table_size,
+                    fresh.maglev_table_size
+                );
+            }
+            fresh.check_host()?;
+            next = fresh;
+        }
+    }
+    next.validate()?;
+    Ok(next)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    const CFG: &str = r#"
+interface = "eth0"
+address = "10.0.0.10"
+[auth]
+mode = "none"
+[[vip]]
+address = "10.0.0.100"
+port = 80
+mode = "dsr-rr"
+policy = "round-robin"
+[[vip.backend]]
+address = "10.0.1.2"
+port = 8080
+[[vip.backend]]
+address = "10.0.1.3"
+port = 8080
+weight = 2
+[[vip.backend]]
+address = "10.0.1.4"
+port = 8080
+"#;
+
+    #[derive(Parser)]
+    struct Ctl {
+        #[command(subcommand)]
+        req: ControlRequest,
+    }
+
+    fn cfg() -> LbConfig {
+        LbConfig::parse(CFG).unwrap()
+    }
+    fn weights(c: &LbConfig) -> Vec<u32> {
+        c.vips[0].backends.iter().map(|b| b.weight).collect()
+    }
+    fn set(ws: &[(&str, u32)]) -> ControlRequest {
+        ControlRequest::SetWeights {
+            vip: "10.0.0.100:80".parse().unwrap(),
+            protocol: Protocol::Tcp,
+            weights: ws.iter().map(|(a, w)| (a.parse().unwrap(), *w)).collect(),
+        }
+    }
+    fn change_err(req: &ControlRequest) -> String {
+        format!("{:#}", next_config(&cfg(), req, Path::new("/nonexistent")).unwrap_err())
+    }
+
+    #[test]
+    fn set_weights_changes_the_named_backends_only() {
+        let next = next_config(&cfg(), &set(&[("10.0.1.2:8080", 3), ("10.0.1.4:8080", 0)]), Path::new("/nonexistent")).unwrap();
+        assert_eq!(weights(&next), [3, 2, 0]);
+        assert!(!next.vips[0].backends[2].drain, "weight 0 is not the drain flag: a new weight brings it back");
+    }
+
+    #[test]
+    fn set_weights_refuses_the_whole_request_for_one_bad_backend() {
+        // change() works on a copy: an error leaves the running config as it was.
+        let e = change_err(&set(&[("10.0.1.2:8080", 3), ("10.0.1.9:8080", 1)]));
+        assert!(e.contains("backend 10.0.1.9:8080 is not in VIP 10.0.0.100:80"), "{e}");
+        let e = change_err(&set(&[("10.0.1.3:8080", 70_000)]));
+        assert!(e.contains("backend 10.0.1.3:8080: weight = 70000 is above 65535"), "{e}");
+        let e = change_err(&set(&[("10.0.1.3:8080", 1), ("10.0.1.3:8080", 2)]));
+        assert!(e.contains("backend 10.0.1.3:8080 is given two weights"), "{e}");
+        assert!(change_err(&set(&[])).contains("no weight given"));
+    }
+
+    #[test]
+    fn set_weights_from_the_command_line_and_json_is_one_request() {
+        let cli = Ctl::try_parse_from([
+            "ctl", "set-weights", "--vip", "10.0.0.100:80", "--weight", "10.0.1.2:8080=3", "--weight", "10.0.1.3:8080=1",
+        ])
+        .unwrap();
+        let json: ControlRequest = serde_json::from_str(
+            r#"{"cmd":"set-weights","vip":"10.0.0.100:80","protocol":"tcp","weights":[["10.0.1.2:8080",3],["10.0.1.3:8080",1]]}"#,
+        )
+        .unwrap();
+        assert_eq!(serde_json::to_value(&cli.req).unwrap(), serde_json::to_value(&json).unwrap());
+        let next = next_config(&cfg(), &json, Path::new("/nonexistent")).unwrap();
+        assert_eq!(weights(&next), [3, 1, 1]);
+        for bad in ["10.0.1.2:8080", "10.0.1.2:8080=x", "10.0.1.2=3"] {
+            assert!(Ctl::try_parse_from(["ctl", "set-weights", "--vip", "10.0.0.100:80", "--weight", bad]).is_err(), "{bad}");
+        }
+        assert!(Ctl::try_parse_from(["ctl", "set-weights", "--vip", "10.0.0.100:80"]).is_err(), "at least one --weight");
+    }
+
+    #[test]
+    fn add_backend_takes_a_weight_defaulting_to_one() {
+        let add = |extra: &[&str]| {
+            let args = ["ctl", "add-backend", "--vip", "10.0.0.100:80", "--backend", "10.0.1.5:8080"];
+            let req = Ctl::try_parse_from(args.iter().chain(extra)).unwrap().req;
+            next_config(&cfg(), &req, Path::new("/nonexistent")).unwrap().vips[0].backends[3].weight
+        };
+        assert_eq!((add(&[]), add(&["--weight", "4"])), (1, 4));
+        let json: ControlRequest =
+            serde_json::from_str(r#"{"cmd":"add-backend","vip":"10.0.0.100:80","backend":"10.0.1.5:8080"}"#).unwrap();
+        assert!(matches!(json, ControlRequest::AddBackend { weight: 1, .. }));
+    }
 }

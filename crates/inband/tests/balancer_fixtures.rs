@@ -3166,7 +3166,7 @@ fn resolve(fx: &Fixture, maps: &inband_lb::tables::LbMaps) {
 
 #[test]
 fn the_control_plane_writes_weights_the_flag_and_the_table_and_weight_0_takes_nothing() {
-    use inband_lb::{control, tables};
+    use inband_lb::{balancer, tables};
     let fx = Fixture::new();
     let maps = fx.lb.maps().unwrap();
     let mut cfg = weighted_config("dsr-rr", "round-robin", [1, 3, 0]);
@@ -3204,7 +3204,7 @@ fn the_control_plane_writes_weights_the_flag_and_the_table_and_weight_0_takes_no
         protocol: inband_core::net::Protocol::Tcp,
         weights: (0..3).map(|i| (backend(i).addr, 2)).collect(),
     };
-    cfg = control::next_config(&cfg, &req, std::path::Path::new("/nonexistent")).unwrap();
+    cfg = balancer::next_config(&cfg, &req, std::path::Path::new("/nonexistent")).unwrap();
     tables::apply(&maps, &cfg.vips, 0, MAGLEV_SIZE).unwrap();
     let v = tables::read(&maps).unwrap().remove(0);
     assert_eq!(v.vip.flags & VIP_WEIGHTED, 0);
