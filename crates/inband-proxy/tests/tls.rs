@@ -299,3 +299,18 @@ async fn bad_certificates_and_keys_are_refused_at_start_naming_the_file() {
     let e = config::parse(&format!("listen = \"127.0.0.1:0\"\nbackends = [\"{}\"]\n[tls]\nlisten = \"127.0.0.1:0\"\ncertificate = []\n", origin.addr)).unwrap_err();
     assert!(format!("{e:#}").contains("at least one [[tls.certificate]]"), "{e:#}");
 }
+
+#[tokio::test]
+async fn a_stalled_handshake_is_closed_by_the_header_timeout_without_a_cleartext_408() {
+    let origin = Origin::start(|_| ok("x")).await;
+    let ca = Ca::new();
+    let leaf = ca.leaf("a", "a.test", &["a.test"], false);
+    let p = start_proxy(&[origin.addr], &format!("client_header_timeout_ms = 300\n{}", tls_section(&[leaf]))).await;
+    // The header of a handshake record whose body never comes.
+    let started = std::time::Instant::now();
+    let out = raw(p.tls_addr.unwrap(), &[0x16, 0x03, 0x01, 0x02, 0x00, 0x01]).await;
+    assert!(started.elapsed() < Duration::from_secs(3), "closed after {:?}", started.elapsed());
+    assert!(!out.contains("408"), "{out:?}");
+    wait_for_sample(&p, "inband_proxy_connection_timeouts_total{kind=\"header\"}", 1.0).await;
+    p.shutdown().await;
+}
