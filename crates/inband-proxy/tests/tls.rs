@@ -141,8 +141,10 @@ async fn sni_picks_the_certificate_and_no_sni_gets_the_first() {
     let ca = Ca::new();
     let a = ca.leaf("a", "first.test", &["a.test", "www.a.test"], false);
     let b = ca.leaf("b", "second.test", &["*.b.test"], false);
-    let p = start_proxy(&[origin.addr], &tls_section(&[a, b])).await;
-    for (sni, want) in [("a.test", "first.test"), ("www.a.test", "first.test"), ("x.b.test", "second.test"), ("unknown.test", "first.test")] {
+    let c = ca.leaf("c", "third.test", &["c.test"], false);
+    let p = start_proxy(&[origin.addr], &tls_section(&[a, b, c])).await;
+    let cases = [("a.test", "first.test"), ("www.a.test", "first.test"), ("c.test", "third.test"), ("x.b.test", "second.test"), ("unknown.test", "first.test")];
+    for (sni, want) in cases {
         let out = s_client(&p, &["-servername", sni], b"").await;
         assert!(subject(&out).ends_with(&format!("CN = {want}")), "SNI {sni}: {}", subject(&out));
     }
