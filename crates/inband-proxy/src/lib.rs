@@ -161,6 +161,28 @@ impl Proxy {
         Ok(Proxy { addr, metrics_addr, tls_addr, stop, servers, shared, background })
     }
 
+    /// Returns at SIGTERM or SIGINT; reloads the TLS certificates at each
+    /// SIGHUP meanwhile.
+    pub async fn until_stopped(&self) -> Result<()> {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut hup = signal(SignalKind::hangup())?;
+        loop {
+            tokio::select! {
+                _ = term.recv() => tracing::info!("SIGTERM: finishing in-flight requests"),
+                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: finishing in-flight requests"),
+                _ = hup.recv() => {
+                    match self.reload_tls() {
+                        Ok(()) => tracing::info!("SIGHUP: TLS certificates reloaded"),
+                        Err(e) => tracing::error!("SIGHUP: TLS certificates not reloaded, the previous ones stay: {e:#}"),
+                    }
+                    continue;
+                }
+            }
+            return Ok(());
+        }
+    }
+
     /// Reads the TLS certificate files again (SIGHUP). New handshakes get
     /// the new certificates; open connections are not touched. On an
     /// error the certificates in use stay and the error names the file.
@@ -274,23 +296,7 @@ pub fn run(config: &Path) -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         let proxy = Proxy::start(cfg).await?;
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut term = signal(SignalKind::terminate())?;
-        let mut hup = signal(SignalKind::hangup())?;
-        loop {
-            tokio::select! {
-                _ = term.recv() => tracing::info!("SIGTERM: finishing in-flight requests"),
-                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: finishing in-flight requests"),
-                _ = hup.recv() => {
-                    match proxy.reload_tls() {
-                        Ok(()) => tracing::info!("SIGHUP: TLS certificates reloaded"),
-                        Err(e) => tracing::error!("SIGHUP: TLS certificates not reloaded, the previous ones stay: {e:#}"),
-                    }
-                    continue;
-                }
-            }
-            break;
-        }
+        proxy.until_stopped().await?;
         proxy.shutdown().await;
         Ok(())
     })

@@ -34,7 +34,7 @@ struct Certs {
 
 impl Certs {
     fn pick(&self, sni: Option<&str>) -> Arc<CertifiedKey> {
-        // rustls hands the SNI over lower-cased and without a trailing dot.
+        // rustls hands the SNI over lower-cased.
         let Some(name) = sni else { return self.default.clone() };
         if let Some(c) = self.exact.get(name) {
             return c.clone();

@@ -316,3 +316,35 @@ async fn a_stalled_handshake_is_closed_by_the_header_timeout_without_a_cleartext
     wait_for_sample(&p, "inband_proxy_connection_timeouts_total{kind=\"header\"}", 1.0).await;
     p.shutdown().await;
 }
+
+#[tokio::test]
+async fn sighup_reloads_the_certificates() {
+    // SIGHUP's default action ends the process: a handler is in place
+    // before the signal whatever the order below.
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).unwrap();
+    let origin = Origin::start(|_| ok("x")).await;
+    let ca = Ca::new();
+    let (cert, key) = ca.leaf("site", "old.test", &["a.test"], false);
+    let p = start_proxy(&[origin.addr], &tls_section(&[(cert.clone(), key.clone())])).await;
+    let (new_cert, new_key) = ca.leaf("next", "new.test", &["a.test"], false);
+    std::fs::copy(&new_cert, &cert).unwrap();
+    std::fs::copy(&new_key, &key).unwrap();
+    assert_ne!(served_cert(&connect(&p, &ca, "a.test").await), pem_der(&new_cert), "no reload without the signal");
+    let check = async {
+        // `biased` below: until_stopped has registered its handlers by now.
+        // SAFETY: kill(2) on this process with a signal that has handlers.
+        assert_eq!(unsafe { libc::kill(libc::getpid(), libc::SIGHUP) }, 0);
+        hup.recv().await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while served_cert(&connect(&p, &ca, "a.test").await) != pem_der(&new_cert) {
+            assert!(std::time::Instant::now() < deadline, "the certificate was not swapped");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::select! {
+        biased;
+        r = p.until_stopped() => panic!("stopped: {r:?}"),
+        _ = check => {}
+    }
+    p.shutdown().await;
+}
