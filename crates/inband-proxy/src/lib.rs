@@ -70,6 +70,11 @@ impl Shared {
         if let Some(c) = &self.cache {
             self.metrics.set_cache_store(&c.stats());
         }
+        if let Some(t) = &self.tls {
+            for (file, not_after) in t.expiries() {
+                self.metrics.set_tls_expiry(&file, not_after);
+            }
+        }
         for (i, l) in self.worker_loads.iter().enumerate() {
             self.metrics.set_worker_load(i, l.open.load(Ordering::Relaxed), l.busy_permille.load(Ordering::Relaxed));
         }

@@ -82,6 +82,7 @@ pub struct Metrics {
     accept_errors: Counter,
     tls_handshake_errors: Counter,
     tls_reloads: Family<Labels, Counter>,
+    tls_expiry: Family<Labels, Gauge>,
     connection_timeouts: Family<Labels, Counter>,
     /// Handles into `requests` and `cache` for the per-request path: a
     /// family lookup hashes a label set under a lock.
@@ -116,6 +117,8 @@ impl Metrics {
         let connection_timeouts = Family::<Labels, Counter>::default();
         let tls_handshake_errors = Counter::default();
         let tls_reloads = Family::<Labels, Counter>::default();
+        let tls_expiry = Family::<Labels, Gauge>::default();
+        registry.register("tls_certificate_expiry_timestamp_seconds", "notAfter of each certificate in use, by its file, in seconds since the epoch", tls_expiry.clone());
         registry.register("tls_handshake_errors", "TLS handshakes that failed (malformed records, no common version or cipher); those that ran out of time are connection_timeouts", tls_handshake_errors.clone());
         registry.register("tls_reloads", "Certificate reloads (SIGHUP) by result: ok, or failed and the previous certificates kept", tls_reloads.clone());
         registry.register("connections", "Client connections open", connections.clone());
@@ -146,6 +149,7 @@ impl Metrics {
             accept_errors,
             tls_handshake_errors,
             tls_reloads,
+            tls_expiry,
             connection_timeouts,
             by_class,
             by_outcome,
@@ -190,6 +194,10 @@ impl Metrics {
 
     pub fn origin_request(&self, backend: &str) {
         self.origin_requests.get_or_create(&vec![("backend", backend.to_string())]).inc();
+    }
+
+    pub fn set_tls_expiry(&self, cert_file: &str, not_after: u64) {
+        self.tls_expiry.get_or_create(&vec![("cert", cert_file.to_string())]).set(not_after as i64);
     }
 
     pub fn set_backend_up(&self, backend: &str, up: bool) {

@@ -30,6 +30,9 @@ struct Certs {
     /// `*.example.com` under `example.com`: one label deep, as RFC 6125 §6.4.3.
     wildcard: HashMap<String, Arc<CertifiedKey>>,
     default: Arc<CertifiedKey>,
+    /// Each certificate file and its leaf's notAfter (seconds since the
+    /// epoch), for the metrics.
+    expiries: Vec<(String, u64)>,
 }
 
 impl Certs {
@@ -85,6 +88,11 @@ impl Tls {
         Ok(Tls { acceptor: TlsAcceptor::from(Arc::new(server)), resolver, provider, files: cfg.certificate.clone() })
     }
 
+    /// Each certificate file in use and when its certificate expires.
+    pub fn expiries(&self) -> Vec<(String, u64)> {
+        self.resolver.0.read().unwrap_or_else(|e| e.into_inner()).expiries.clone()
+    }
+
     /// Reads the certificate files again and swaps them in whole; on any
     /// problem the ones in use stay. Handshakes already done keep theirs.
     pub fn reload(&self) -> Result<()> {
@@ -98,8 +106,11 @@ fn load_all(files: &[CertificateConfig], provider: &CryptoProvider, now: SystemT
     let mut exact = HashMap::new();
     let mut wildcard = HashMap::new();
     let mut default = None;
+    let mut expiries = Vec::new();
     for f in files {
-        let (key, names) = load(f, provider, now)?;
+        let (key, names, not_after) = load(f, provider, now)?;
+        let secs = not_after.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        expiries.push((f.cert.display().to_string(), secs));
         let key = Arc::new(key);
         default.get_or_insert_with(|| key.clone());
         // A name in two certificates goes to the one listed first.
@@ -111,11 +122,12 @@ fn load_all(files: &[CertificateConfig], provider: &CryptoProvider, now: SystemT
         }
     }
     let default = default.ok_or_else(|| anyhow!("tls: no [[tls.certificate]] configured"))?;
-    Ok(Certs { exact, wildcard, default })
+    Ok(Certs { exact, wildcard, default, expiries })
 }
 
-/// One certificate chain and its key, with the DNS names the leaf is for.
-fn load(f: &CertificateConfig, provider: &CryptoProvider, now: SystemTime) -> Result<(CertifiedKey, Vec<String>)> {
+/// One certificate chain and its key, with the DNS names the leaf is for
+/// and its notAfter.
+fn load(f: &CertificateConfig, provider: &CryptoProvider, now: SystemTime) -> Result<(CertifiedKey, Vec<String>, SystemTime)> {
     let (cert_file, key_file) = (f.cert.display(), f.key.display());
     readable(&f.cert)?;
     readable(&f.key)?;
@@ -125,7 +137,7 @@ fn load(f: &CertificateConfig, provider: &CryptoProvider, now: SystemTime) -> Re
     if chain.is_empty() {
         bail!("certificate file {cert_file}: no CERTIFICATE block in it");
     }
-    let mut names = Vec::new();
+    let (mut names, mut leaf_not_after) = (Vec::new(), now);
     for (i, der) in chain.iter().enumerate() {
         let which = if i == 0 { "the certificate".to_string() } else { format!("chain certificate {}", i + 1) };
         let cert = read_certificate(der).map_err(|e| anyhow!("certificate file {cert_file}: {which} does not parse as X.509: {e}"))?;
@@ -134,7 +146,7 @@ fn load(f: &CertificateConfig, provider: &CryptoProvider, now: SystemTime) -> Re
             bail!("certificate file {cert_file}: {which} expired on {date}");
         }
         if i == 0 {
-            names = cert.dns_names;
+            (names, leaf_not_after) = (cert.dns_names, cert.not_after);
         }
     }
     let key = PrivateKeyDer::from_pem_file(&f.key).map_err(|e| anyhow!("key file {key_file}: no PEM private key in it: {e}"))?;
@@ -142,7 +154,7 @@ fn load(f: &CertificateConfig, provider: &CryptoProvider, now: SystemTime) -> Re
         rustls::Error::InconsistentKeys(_) => anyhow!("key file {key_file} does not match the certificate in {cert_file}"),
         e => anyhow!("key file {key_file}: unusable private key: {e}"),
     })?;
-    Ok((key, names))
+    Ok((key, names, leaf_not_after))
 }
 
 /// "No such file" and "permission denied" as such, before a PEM error

@@ -243,6 +243,9 @@ async fn reload_swaps_certificates_and_keeps_connections_and_bad_files_keep_the_
     let m = metrics(&p).await;
     assert_eq!(sample(&m, "inband_proxy_tls_reloads_total{result=\"ok\"}"), 1.0, "{m}");
     assert_eq!(sample(&m, "inband_proxy_tls_reloads_total{result=\"failed\"}"), 1.0, "{m}");
+    // rcgen's default notAfter, 4096-01-01, from the certificate in use.
+    let expiry = format!("inband_proxy_tls_certificate_expiry_timestamp_seconds{{cert=\"{}\"}}", cert.display());
+    assert_eq!(sample(&m, &expiry), 67_090_118_400.0, "{m}");
     drop(sender);
     p.shutdown().await;
 }
