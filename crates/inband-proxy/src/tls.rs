@@ -18,8 +18,8 @@ use tokio_rustls::TlsAcceptor;
 
 use crate::config::{CertificateConfig, TlsConfig};
 
-/// Full handshakes' sessions kept for TLS 1.2 session-ID resumption (and
-/// TLS 1.3 clients that get no ticket): about 200 bytes each.
+/// Sessions kept for TLS 1.2 clients that resume by session ID rather
+/// than by ticket; the oldest go first.
 const SESSION_CACHE_ENTRIES: usize = 10_240;
 
 /// The certificates of one load: every name of every certificate, and the
@@ -82,8 +82,8 @@ impl Tls {
         server.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         server.session_storage = ServerSessionMemoryCache::new(SESSION_CACHE_ENTRIES);
         // Stateless tickets (TLS 1.2 and 1.3) under a key rustls rotates
-        // every 6 hours, keeping the previous one: resumption without
-        // server state across workers and reloads.
+        // every 6 hours, keeping the previous one: resumption that costs
+        // no memory per session and survives certificate reloads.
         server.ticketer = rustls::crypto::ring::Ticketer::new().context("TLS session ticket keys")?;
         Ok(Tls { acceptor: TlsAcceptor::from(Arc::new(server)), resolver, provider, files: cfg.certificate.clone() })
     }
