@@ -426,6 +426,20 @@ mod tests {
     }
 
     #[test]
+    fn tls_section_is_checked_with_the_rest() {
+        let c = parse("listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\n[tls]\nlisten = \"[::1]:8443\"\n[[tls.certificate]]\ncert = \"a.pem\"\nkey = \"a.key\"\n").unwrap();
+        assert_eq!(c.tls_listen, Some("[::1]:8443".parse().unwrap()));
+        assert_eq!(c.raw.tls.unwrap().certificate[0].key, PathBuf::from("a.key"));
+        let e = parse("listen = \"127.0.0.1:0\"\nbackends = []\n[tls]\nlisten = \"localhost:443\"\ncertificate = []\n").unwrap_err();
+        let msg = format!("{e:#}");
+        for want in ["backends is empty", "tls.listen \"localhost:443\"", "at least one [[tls.certificate]]"] {
+            assert!(msg.contains(want), "{want:?} missing in {msg}");
+        }
+        let e = parse("listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\n[tls]\nlisten = \"127.0.0.1:0\"\n[[tls.certificate]]\ncert = \"a.pem\"\n").unwrap_err();
+        assert!(format!("{e:#}").contains("missing field `key`"), "{e:#}");
+    }
+
+    #[test]
     fn durable_cache_needs_a_path() {
         let e = parse("listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\n[cache]\nbackend = \"lmdb\"").unwrap_err();
         assert!(format!("{e:#}").contains("needs cache.path"), "{e:#}");
