@@ -82,6 +82,28 @@ pub struct Config {
     /// The response cache; none when absent.
     #[serde(default)]
     pub cache: Option<CacheConfig>,
+    /// An HTTPS listener besides `listen`; none when absent.
+    #[serde(default)]
+    pub tls: Option<TlsConfig>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// Address of the TLS listener, `IP:port`.
+    pub listen: String,
+    /// Chosen by the name a client sends (SNI); the first is for clients
+    /// that send none or a name no certificate has.
+    pub certificate: Vec<CertificateConfig>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CertificateConfig {
+    /// PEM: the certificate, then any intermediates.
+    pub cert: PathBuf,
+    /// PEM: its private key (PKCS#8, PKCS#1 RSA or SEC1 EC).
+    pub key: PathBuf,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
@@ -216,6 +238,7 @@ pub struct Checked {
     pub raw: Config,
     pub listen: SocketAddr,
     pub metrics_listen: Option<SocketAddr>,
+    pub tls_listen: Option<SocketAddr>,
     pub backends: Vec<SocketAddr>,
     pub hash_key: HashKey,
 }
@@ -295,6 +318,10 @@ pub fn check(raw: Config) -> Result<Checked> {
     };
     let listen = socket_addr("listen", &raw.listen);
     let metrics_listen = raw.metrics_listen.as_deref().map(|m| socket_addr("metrics_listen", m)).transpose();
+    let tls_listen = raw.tls.as_ref().map(|t| socket_addr("tls.listen", &t.listen)).transpose();
+    if raw.tls.as_ref().is_some_and(|t| t.certificate.is_empty()) {
+        note(Err(anyhow::anyhow!("tls needs at least one [[tls.certificate]] with cert and key files")));
+    }
     let mut backends = Vec::new();
     if raw.backends.is_empty() {
         note(Err(anyhow::anyhow!("backends is empty: list at least one backend, e.g. backends = [\"127.0.0.1:8081\"]")));
@@ -351,10 +378,11 @@ pub fn check(raw: Config) -> Result<Checked> {
     }
     let listen = listen.map_err(|e| problems.push(format!("{e:#}"))).ok();
     let metrics_listen = metrics_listen.map_err(|e| problems.push(format!("{e:#}"))).ok().flatten();
+    let tls_listen = tls_listen.map_err(|e| problems.push(format!("{e:#}"))).ok().flatten();
     if !problems.is_empty() {
         bail!("invalid proxy config:\n  - {}", problems.join("\n  - "));
     }
-    Ok(Checked { listen: listen.unwrap(), metrics_listen, backends, hash_key: hash_key.unwrap(), raw })
+    Ok(Checked { listen: listen.unwrap(), metrics_listen, tls_listen, backends, hash_key: hash_key.unwrap(), raw })
 }
 
 #[cfg(test)]
@@ -395,6 +423,20 @@ mod tests {
         for want in ["line 3:", "line 4: unknown field `bogus`", "line 5:", "line 7: unknown variant `keep`"] {
             assert!(msg.contains(want), "{want:?} missing in {msg}");
         }
+    }
+
+    #[test]
+    fn tls_section_is_checked_with_the_rest() {
+        let c = parse("listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\n[tls]\nlisten = \"[::1]:8443\"\n[[tls.certificate]]\ncert = \"a.pem\"\nkey = \"a.key\"\n").unwrap();
+        assert_eq!(c.tls_listen, Some("[::1]:8443".parse().unwrap()));
+        assert_eq!(c.raw.tls.unwrap().certificate[0].key, PathBuf::from("a.key"));
+        let e = parse("listen = \"127.0.0.1:0\"\nbackends = []\n[tls]\nlisten = \"localhost:443\"\ncertificate = []\n").unwrap_err();
+        let msg = format!("{e:#}");
+        for want in ["backends is empty", "tls.listen \"localhost:443\"", "at least one [[tls.certificate]]"] {
+            assert!(msg.contains(want), "{want:?} missing in {msg}");
+        }
+        let e = parse("listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\n[tls]\nlisten = \"127.0.0.1:0\"\n[[tls.certificate]]\ncert = \"a.pem\"\n").unwrap_err();
+        assert!(format!("{e:#}").contains("missing field `key`"), "{e:#}");
     }
 
     #[test]

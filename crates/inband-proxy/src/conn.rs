@@ -86,6 +86,9 @@ pub struct State {
     write_blocked: AtomicU64,
     /// The client opened with the HTTP/2 preface: no HTTP/1 408 for it.
     http2: AtomicBool,
+    /// TLS runs over the socket: a plaintext 408 would be garbage to the
+    /// client, so an expired head is a silent close.
+    encrypted: bool,
     sniffed: AtomicBool,
     /// The watchdog's next wake.
     armed: AtomicU64,
@@ -97,7 +100,7 @@ fn ms(d: Duration) -> u64 {
 }
 
 impl State {
-    fn new(t: Timeouts) -> State {
+    fn new(t: Timeouts, encrypted: bool) -> State {
         State {
             start: Instant::now(),
             t,
@@ -107,6 +110,7 @@ impl State {
             kept_alive: AtomicBool::new(false),
             write_blocked: AtomicU64::new(NONE),
             http2: AtomicBool::new(false),
+            encrypted,
             sniffed: AtomicBool::new(false),
             armed: AtomicU64::new(NONE),
             changed: Notify::new(),
@@ -191,8 +195,10 @@ pub struct Io {
 }
 
 impl Io {
-    pub fn new(sock: TcpStream, t: Timeouts) -> (Io, Arc<TcpStream>, Arc<State>) {
-        let (sock, state) = (Arc::new(sock), Arc::new(State::new(t)));
+    /// `encrypted`: the caller runs TLS over it, and the clocks cover the
+    /// handshake as part of the first request's head.
+    pub fn new(sock: TcpStream, t: Timeouts, encrypted: bool) -> (Io, Arc<TcpStream>, Arc<State>) {
+        let (sock, state) = (Arc::new(sock), Arc::new(State::new(t, encrypted)));
         (Io { sock: sock.clone(), state: state.clone() }, sock, state)
     }
 }
@@ -288,7 +294,7 @@ pub async fn watch<F: std::future::Future>(conn: F, sock: &TcpStream, state: &St
         if state.now() < at {
             continue;
         }
-        if expiry == Expiry::Header && !state.http2.load(Ordering::Acquire) {
+        if expiry == Expiry::Header && !state.encrypted && !state.http2.load(Ordering::Acquire) {
             // hyper is waiting for the rest of a head, so nothing else is
             // writing; best effort, the socket closes right after.
             let _ = sock.try_write(REQUEST_TIMEOUT);

@@ -71,8 +71,9 @@ const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto
 
 /// X-Forwarded-For (appended to any the client sent), X-Forwarded-Proto,
 /// RFC 7239 Forwarded and RFC 9110 §7.6.3 Via (the protocol the client
-/// spoke, then our pseudonym).
-pub fn add_forwarding(headers: &mut HeaderMap, client: SocketAddr, version: http::Version) {
+/// spoke, then our pseudonym); `https` when the client came over TLS.
+pub fn add_forwarding(headers: &mut HeaderMap, client: SocketAddr, version: http::Version, https: bool) {
+    let proto = if https { "https" } else { "http" };
     let via = match version {
         http::Version::HTTP_10 => "1.0 inband",
         http::Version::HTTP_2 => "2 inband",
@@ -85,7 +86,7 @@ pub fn add_forwarding(headers: &mut HeaderMap, client: SocketAddr, version: http
         None => ip.to_string(),
     };
     let node = if ip.is_ipv6() { format!("\"[{ip}]\"") } else { ip.to_string() };
-    let mut fwd = format!("for={node};proto=http");
+    let mut fwd = format!("for={node};proto={proto}");
     if let Some(host) = headers.get(header::HOST).and_then(|h| h.to_str().ok()) {
         fwd.push_str(";host=\"");
         fwd.push_str(host);
@@ -100,7 +101,7 @@ pub fn add_forwarding(headers: &mut HeaderMap, client: SocketAddr, version: http
             headers.insert(name, v);
         }
     }
-    headers.entry(X_FORWARDED_PROTO).or_insert(HeaderValue::from_static("http"));
+    headers.entry(X_FORWARDED_PROTO).or_insert(HeaderValue::from_static(proto));
 }
 
 fn idempotent(m: &Method) -> bool {

@@ -1,4 +1,5 @@
-//! `inband proxy`: an HTTP/1.1 reverse proxy in front of a backend pool
+//! `inband proxy`: an HTTP/1.1 and HTTP/2 reverse proxy, plaintext and
+//! TLS, in front of a backend pool
 //! (round-robin, least-request, consistent hashing), with active and
 //! passive health checking, bounded retries, an HTTP cache kept in a
 //! durable store (inband-cache), a Prometheus endpoint and graceful
@@ -18,6 +19,7 @@ pub mod health;
 mod metrics;
 mod policy;
 mod server;
+mod tls;
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -51,6 +53,8 @@ pub(crate) struct Shared {
     connection_slots: Arc<tokio::sync::Semaphore>,
     /// One per worker thread, by index.
     worker_loads: Vec<Arc<server::WorkerLoad>>,
+    /// The TLS listener's certificates and settings.
+    tls: Option<tls::Tls>,
 }
 
 impl Shared {
@@ -66,6 +70,11 @@ impl Shared {
         if let Some(c) = &self.cache {
             self.metrics.set_cache_store(&c.stats());
         }
+        if let Some(t) = &self.tls {
+            for (file, not_after) in t.expiries() {
+                self.metrics.set_tls_expiry(&file, not_after);
+            }
+        }
         for (i, l) in self.worker_loads.iter().enumerate() {
             self.metrics.set_worker_load(i, l.open.load(Ordering::Relaxed), l.busy_permille.load(Ordering::Relaxed));
         }
@@ -78,6 +87,8 @@ pub struct Proxy {
     /// Where clients connect (the bound address, so port 0 works).
     pub addr: SocketAddr,
     pub metrics_addr: Option<SocketAddr>,
+    /// The TLS listener's bound address.
+    pub tls_addr: Option<SocketAddr>,
     stop: watch::Sender<bool>,
     /// One per worker thread, completed when it has stopped serving.
     servers: Vec<tokio::sync::oneshot::Receiver<()>>,
@@ -93,8 +104,14 @@ impl Proxy {
         // The store opens before the listener binds, so a proxy that
         // accepts has its cache: the first request after a restart can hit.
         let cache = cfg.raw.cache.as_ref().map(cache_store::HttpCache::open).transpose().context("opening the cache")?;
+        let tls = cfg.raw.tls.as_ref().map(tls::Tls::new).transpose().context("TLS")?;
         let listener = TcpListener::bind(cfg.listen).await.with_context(|| format!("listening on {}", cfg.listen))?;
         let addr = listener.local_addr()?;
+        let tls_listener = match cfg.tls_listen {
+            Some(t) => Some(TcpListener::bind(t).await.with_context(|| format!("listening on {t} (TLS)"))?),
+            None => None,
+        };
+        let tls_addr = tls_listener.as_ref().map(|l| l.local_addr()).transpose()?;
         let metrics_listener = match cfg.metrics_listen {
             Some(m) => Some(TcpListener::bind(m).await.with_context(|| format!("listening on {m} (metrics)"))?),
             None => None,
@@ -116,6 +133,7 @@ impl Proxy {
             client,
             metrics: Metrics::new(),
             cache,
+            tls,
             cfg,
         });
         let mut background = Vec::new();
@@ -140,9 +158,44 @@ impl Proxy {
             servers.push(spawn_worker(i, shared.clone(), rx, load.clone(), stop_rx.clone())?);
             slots.push(server::WorkerSlot { tx, load });
         }
-        background.push(tokio::spawn(server::accept(shared.clone(), listener, slots, stop_rx)));
-        tracing::info!(%addr, backends = shared.backends.len(), policy = ?shared.cfg.raw.policy, workers, max_connections, open_files = open_files_limit(), "proxy listening");
-        Ok(Proxy { addr, metrics_addr, stop, servers, shared, background })
+        if let Some(l) = tls_listener {
+            background.push(tokio::spawn(server::accept(shared.clone(), l, true, slots.clone(), stop_rx.clone())));
+        }
+        background.push(tokio::spawn(server::accept(shared.clone(), listener, false, slots, stop_rx)));
+        tracing::info!(%addr, tls = ?tls_addr, backends = shared.backends.len(), policy = ?shared.cfg.raw.policy, workers, max_connections, open_files = open_files_limit(), "proxy listening");
+        Ok(Proxy { addr, metrics_addr, tls_addr, stop, servers, shared, background })
+    }
+
+    /// Returns at SIGTERM or SIGINT; reloads the TLS certificates at each
+    /// SIGHUP meanwhile.
+    pub async fn until_stopped(&self) -> Result<()> {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut hup = signal(SignalKind::hangup())?;
+        loop {
+            tokio::select! {
+                _ = term.recv() => tracing::info!("SIGTERM: finishing in-flight requests"),
+                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: finishing in-flight requests"),
+                _ = hup.recv() => {
+                    match self.reload_tls() {
+                        Ok(()) => tracing::info!("SIGHUP: TLS certificates reloaded"),
+                        Err(e) => tracing::error!("SIGHUP: TLS certificates not reloaded, the previous ones stay: {e:#}"),
+                    }
+                    continue;
+                }
+            }
+            return Ok(());
+        }
+    }
+
+    /// Reads the TLS certificate files again (SIGHUP). New handshakes get
+    /// the new certificates; open connections are not touched. On an
+    /// error the certificates in use stay and the error names the file.
+    pub fn reload_tls(&self) -> Result<()> {
+        let Some(tls) = &self.shared.tls else { return Ok(()) };
+        let r = tls.reload();
+        self.shared.metrics.tls_reload(r.is_ok());
+        r
     }
 
     /// Stops accepting, waits for in-flight requests (bounded by
@@ -238,7 +291,8 @@ fn raise_open_files_limit() {
     }
 }
 
-/// `inband proxy --config FILE`: runs until SIGTERM or SIGINT.
+/// `inband proxy --config FILE`: runs until SIGTERM or SIGINT; SIGHUP
+/// reloads the TLS certificates.
 pub fn run(config: &Path) -> Result<()> {
     let cfg = config::load(config)?;
     raise_open_files_limit();
@@ -247,11 +301,7 @@ pub fn run(config: &Path) -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         let proxy = Proxy::start(cfg).await?;
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM: finishing in-flight requests"),
-            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: finishing in-flight requests"),
-        }
+        proxy.until_stopped().await?;
         proxy.shutdown().await;
         Ok(())
     })

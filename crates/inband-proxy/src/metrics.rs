@@ -80,6 +80,9 @@ pub struct Metrics {
     worker_connections: Family<Labels, Gauge>,
     worker_busy: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     accept_errors: Counter,
+    tls_handshake_errors: Counter,
+    tls_reloads: Family<Labels, Counter>,
+    tls_expiry: Family<Labels, Gauge>,
     connection_timeouts: Family<Labels, Counter>,
     /// Handles into `requests` and `cache` for the per-request path: a
     /// family lookup hashes a label set under a lock.
@@ -112,6 +115,12 @@ impl Metrics {
         let connections = Gauge::default();
         let accept_errors = Counter::default();
         let connection_timeouts = Family::<Labels, Counter>::default();
+        let tls_handshake_errors = Counter::default();
+        let tls_reloads = Family::<Labels, Counter>::default();
+        let tls_expiry = Family::<Labels, Gauge>::default();
+        registry.register("tls_certificate_expiry_timestamp_seconds", "notAfter of each certificate in use, by its file, in seconds since the epoch", tls_expiry.clone());
+        registry.register("tls_handshake_errors", "TLS handshakes that failed (malformed records, no common version or cipher); those that ran out of time are connection_timeouts", tls_handshake_errors.clone());
+        registry.register("tls_reloads", "Certificate reloads (SIGHUP) by result: ok, or failed and the previous certificates kept", tls_reloads.clone());
         registry.register("connections", "Client connections open", connections.clone());
         let worker_connections = Family::<Labels, Gauge>::default();
         let worker_busy = Family::<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
@@ -138,6 +147,9 @@ impl Metrics {
             worker_connections,
             worker_busy,
             accept_errors,
+            tls_handshake_errors,
+            tls_reloads,
+            tls_expiry,
             connection_timeouts,
             by_class,
             by_outcome,
@@ -146,6 +158,14 @@ impl Metrics {
 
     pub fn accept_error(&self) {
         self.accept_errors.inc();
+    }
+
+    pub fn tls_handshake_error(&self) {
+        self.tls_handshake_errors.inc();
+    }
+
+    pub fn tls_reload(&self, ok: bool) {
+        self.tls_reloads.get_or_create(&vec![("result", if ok { "ok" } else { "failed" }.to_string())]).inc();
     }
 
     /// A header timeout with bytes sent got a 408: it counts as a response.
@@ -174,6 +194,10 @@ impl Metrics {
 
     pub fn origin_request(&self, backend: &str) {
         self.origin_requests.get_or_create(&vec![("backend", backend.to_string())]).inc();
+    }
+
+    pub fn set_tls_expiry(&self, cert_file: &str, not_after: u64) {
+        self.tls_expiry.get_or_create(&vec![("cert", cert_file.to_string())]).set(not_after as i64);
     }
 
     pub fn set_backend_up(&self, backend: &str, up: bool) {

@@ -49,6 +49,8 @@ pub struct Accepted {
     stream: std::net::TcpStream,
     peer: SocketAddr,
     permit: OwnedSemaphorePermit,
+    /// From the TLS listener.
+    tls: bool,
 }
 
 /// A worker's load, kept by the worker, read by the acceptor and /metrics.
@@ -61,7 +63,8 @@ pub struct WorkerLoad {
     pub busy_permille: AtomicU32,
 }
 
-/// Where the acceptor sends a worker its connections.
+/// Where the acceptors send a worker its connections.
+#[derive(Clone)]
 pub struct WorkerSlot {
     pub tx: mpsc::UnboundedSender<Accepted>,
     pub load: Arc<WorkerLoad>,
@@ -109,11 +112,11 @@ pub async fn measure_busy(load: Arc<WorkerLoad>) {
 }
 
 /// Accepts until `stop` fires and hands each connection to a worker
-/// ([`choose_worker`]). Workers accepting on a shared socket themselves let
+/// ([`choose_worker`]); `tls` marks the TLS listener's. Workers accepting on a shared socket themselves let
 /// whichever was awake take a whole burst of connections, however many,
 /// while the other idled; one acceptor choosing costs a cross-thread
 /// wake-up per connection, not per request.
-pub async fn accept(shared: Arc<Shared>, listener: TcpListener, workers: Vec<WorkerSlot>, mut stop: watch::Receiver<bool>) {
+pub async fn accept(shared: Arc<Shared>, listener: TcpListener, tls: bool, workers: Vec<WorkerSlot>, mut stop: watch::Receiver<bool>) {
     let slots = shared.connection_slots.clone();
     let pack = shared.cfg.raw.pack_connections;
     let mut loads = Vec::with_capacity(workers.len());
@@ -147,7 +150,7 @@ pub async fn accept(shared: Arc<Shared>, listener: TcpListener, workers: Vec<Wor
         loads.extend(workers.iter().map(|w| (w.load.open.load(Ordering::Relaxed), w.load.busy_permille.load(Ordering::Relaxed))));
         let w = &workers[choose_worker(&loads, pack)];
         w.load.open.fetch_add(1, Ordering::Relaxed);
-        if w.tx.send(Accepted { stream, peer, permit }).is_err() {
+        if w.tx.send(Accepted { stream, peer, permit, tls }).is_err() {
             w.load.open.fetch_sub(1, Ordering::Relaxed);
         }
     }
@@ -167,7 +170,7 @@ pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accep
     builder.http2().timer(TokioTimer::new()).max_header_list_size(max_head as u32);
     let builder = Arc::new(builder);
     loop {
-        let Accepted { stream, peer, permit } = tokio::select! {
+        let Accepted { stream, peer, permit, tls } = tokio::select! {
             c = conns.recv() => match c {
                 Some(c) => c,
                 None => break,
@@ -182,15 +185,30 @@ pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accep
                 continue;
             }
         };
-        let (io, sock, state) = conn::Io::new(stream, shared.cfg.timeouts());
+        let (io, sock, state) = conn::Io::new(stream, shared.cfg.timeouts(), tls);
         let s = shared.clone();
         let st = state.clone();
-        let service = service_fn(move |req| handle(s.clone(), req, peer, st.clone()));
+        let service = service_fn(move |req| handle(s.clone(), req, peer, tls, st.clone()));
         let (s, builder, watcher, load) = (shared.clone(), builder.clone(), graceful.watcher(), load.clone());
         tokio::spawn(async move {
             let _permit = permit;
             s.metrics.connections.inc();
-            let conn = watcher.watch(builder.serve_connection(TokioIo::new(io), service));
+            // The handshake runs under the connection's clocks like a
+            // request head, and outside the graceful watcher, which needs
+            // a hyper connection: shutdown does not wait for handshakes.
+            let conn = async {
+                match s.tls.as_ref().filter(|_| tls) {
+                    None => watcher.watch(builder.serve_connection(TokioIo::new(io), service)).await,
+                    Some(t) => match t.acceptor.accept(io).await {
+                        Ok(io) => watcher.watch(builder.serve_connection(TokioIo::new(io), service)).await,
+                        Err(e) => {
+                            s.metrics.tls_handshake_error();
+                            tracing::debug!(client = %peer, error = %e, "TLS handshake failed");
+                            Ok(())
+                        }
+                    },
+                }
+            };
             match conn::watch(conn, &sock, &state).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => connection_error(&s, peer, e),
@@ -227,10 +245,10 @@ fn connection_error(s: &Shared, peer: SocketAddr, e: BoxError) {
     }
 }
 
-async fn handle(shared: Arc<Shared>, req: Request<Incoming>, peer: SocketAddr, conn: Arc<State>) -> Result<Response<ProxyBody>, Infallible> {
+async fn handle(shared: Arc<Shared>, req: Request<Incoming>, peer: SocketAddr, https: bool, conn: Arc<State>) -> Result<Response<ProxyBody>, Infallible> {
     let guard = conn.begin_request();
     let info = access::Request { client: peer, method: req.method().clone(), uri: req.uri().clone(), start: Instant::now() };
-    let mut resp = respond(&shared, req, peer).await;
+    let mut resp = respond(&shared, req, peer, https).await;
     shared.metrics.response(resp.status(), info.start.elapsed());
     // RFC 9110 §7.6.3: the hop this response took through us.
     resp.headers_mut().append(header::VIA, HeaderValue::from_static("1.1 inband"));
@@ -240,7 +258,7 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>, peer: SocketAddr, c
     Ok(resp.map(|b| access::Tracked::new(b, info, status, cache, guard, counter).boxed()))
 }
 
-async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr, https: bool) -> Response<ProxyBody> {
     let limit = shared.cfg.raw.max_body_bytes;
     let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit) {
@@ -281,7 +299,7 @@ async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr)
         return purge(shared, &parts, peer).await;
     }
     forward::strip_hop_by_hop(&mut parts.headers);
-    forward::add_forwarding(&mut parts.headers, peer, parts.version);
+    forward::add_forwarding(&mut parts.headers, peer, parts.version, https);
     let key = forward::hash_key(&shared.cfg.hash_key, &parts, peer);
     let result = match &shared.cache {
         Some(cache) if cache_layer::applies(&parts) => cache_layer::serve(shared, cache, parts, &key).await,
