@@ -70,6 +70,18 @@ cache=/var/cache/inband/target
 if [ ! -e target ]; then
   mkdir -p "$cache" && ln -s "$cache" target
 fi
+# A clone's own crates are rebuilt in every clone (their sources are new to
+# cargo), under artifact names of that clone: when the build directory last
+# served another clone, drop the workspace's artifacts, so it holds the
+# dependencies and one clone's build rather than one build per clone ever run.
+here=$(pwd -P)
+if [ "$(cat "$cache/.clone" 2>/dev/null)" != "$here" ]; then
+  for n in $( (sed -n 's/^name = "\(.*\)"/\1/p' crates/*/Cargo.toml; ls crates/*/tests/*.rs | xargs -n1 basename | sed 's/\.rs$//') | tr - _ | sort -u); do
+    rm -rf "$cache"/debug/deps/"$n"-* "$cache"/debug/deps/lib"$n"-* "$cache"/debug/incremental/"$n"-* \
+      "$cache"/debug/.fingerprint/"${n//_/-}"-* "$cache"/debug/build/"${n//_/-}"-*
+  done
+  echo "$here" >"$cache/.clone"
+fi
 
 log "building inband"
 cargo build -q -p inband --bin inband
