@@ -101,7 +101,9 @@ pub fn add_forwarding(headers: &mut HeaderMap, client: SocketAddr, version: http
             headers.insert(name, v);
         }
     }
-    headers.entry(X_FORWARDED_PROTO).or_insert(HeaderValue::from_static(proto));
+    // Only this hop knows how the client came: a client's own claim (a
+    // plaintext client saying `https`) would mislead the backend.
+    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
 }
 
 fn idempotent(m: &Method) -> bool {

@@ -183,13 +183,19 @@ async fn passive_ejection_on_5xx_for_a_cooldown() {
 async fn origin_sees_forwarding_headers_and_no_hop_by_hop() {
     let o = Origin::start(|_| ok("x")).await;
     let p = start_proxy(&[o.addr], "").await;
-    let hdrs = [("x-forwarded-for", "203.0.113.9"), ("connection", "x-secret"), ("x-secret", "1"), ("keep-alive", "timeout=5")];
+    let hdrs = [
+        ("x-forwarded-for", "203.0.113.9"),
+        ("x-forwarded-proto", "https"),
+        ("connection", "x-secret"),
+        ("x-secret", "1"),
+        ("keep-alive", "timeout=5"),
+    ];
     let r = send(p.addr, "GET", "/a?b=c", &hdrs, b"").await;
     assert_eq!(r.status, 200);
     let seen = &o.seen()[0];
     assert_eq!(seen.path, "/a?b=c");
     assert_eq!(seen.headers["x-forwarded-for"], "203.0.113.9, 127.0.0.1");
-    assert_eq!(seen.headers["x-forwarded-proto"], "http");
+    assert_eq!(seen.headers["x-forwarded-proto"], "http", "a plaintext client's claim of https is replaced");
     let fwd = seen.headers["forwarded"].to_str().unwrap();
     assert_eq!(fwd, format!("for=127.0.0.1;proto=http;host=\"{}\"", p.addr));
     assert!(!seen.headers.contains_key("x-secret"), "a header named by Connection is hop-by-hop");

@@ -49,7 +49,7 @@ enum Command {
         #[command(subcommand)]
         command: inband_mesh::MeshCommand,
     },
-    /// HTTP/1.1 reverse proxy with a durable cache (see docs/proxy.md).
+    /// HTTP/1.1 and HTTP/2 reverse proxy, TLS optional, with a durable cache (see docs/proxy.md).
     Proxy {
         #[arg(long)]
         config: PathBuf,
