@@ -85,6 +85,35 @@ pub struct Config {
     /// An HTTPS listener besides `listen`; none when absent.
     #[serde(default)]
     pub tls: Option<TlsConfig>,
+    /// Per client (an IPv4 address or an IPv6 /64).
+    #[serde(default)]
+    pub client_limits: ClientLimitsConfig,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientLimitsConfig {
+    /// Connections one client may hold open; more are closed at once.
+    /// Absent: an eighth of `max_connections`, so no one client can hold
+    /// the proxy; 0: no limit.
+    pub connections: Option<u32>,
+    /// Requests a second one client may send, on all its connections
+    /// together; more are answered 429. 0 (the default): no limit.
+    #[serde(default)]
+    pub requests_per_s: f64,
+    /// Requests a client may send at once above the rate; absent: one
+    /// second's worth.
+    pub burst: Option<f64>,
+}
+
+impl ClientLimitsConfig {
+    pub fn connections_for(&self, max_connections: usize) -> u32 {
+        self.connections.unwrap_or_else(|| u32::try_from(max_connections / 8).unwrap_or(u32::MAX).max(1))
+    }
+
+    pub fn burst(&self) -> f64 {
+        self.burst.unwrap_or(self.requests_per_s)
+    }
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -319,6 +348,13 @@ pub fn check(raw: Config) -> Result<Checked> {
     let listen = socket_addr("listen", &raw.listen);
     let metrics_listen = raw.metrics_listen.as_deref().map(|m| socket_addr("metrics_listen", m)).transpose();
     let tls_listen = raw.tls.as_ref().map(|t| socket_addr("tls.listen", &t.listen)).transpose();
+    let limits = &raw.client_limits;
+    if !(limits.requests_per_s.is_finite() && limits.requests_per_s >= 0.0) {
+        note(Err(anyhow::anyhow!("client_limits.requests_per_s = {} must be 0 (no limit) or more", limits.requests_per_s)));
+    }
+    if let Some(b) = limits.burst.filter(|b| !(b.is_finite() && *b >= 1.0)) {
+        note(Err(anyhow::anyhow!("client_limits.burst = {b} must be at least 1 (a client may always send one request)")));
+    }
     if raw.tls.as_ref().is_some_and(|t| t.certificate.is_empty()) {
         note(Err(anyhow::anyhow!("tls needs at least one [[tls.certificate]] with cert and key files")));
     }

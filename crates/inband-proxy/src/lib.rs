@@ -12,6 +12,7 @@ mod cache_control;
 mod cache_layer;
 mod cache_outcome;
 mod cache_store;
+mod client_limits;
 pub mod config;
 mod conn;
 mod forward;
@@ -55,6 +56,7 @@ pub(crate) struct Shared {
     worker_loads: Vec<Arc<server::WorkerLoad>>,
     /// The TLS listener's certificates and settings.
     tls: Option<tls::Tls>,
+    client_limits: Arc<client_limits::ClientLimits>,
 }
 
 impl Shared {
@@ -125,13 +127,20 @@ impl Proxy {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
         };
+        let metrics = Metrics::new();
         let shared = Arc::new(Shared {
             connection_slots: Arc::new(tokio::sync::Semaphore::new(max_connections)),
             worker_loads: (0..workers).map(|_| Arc::default()).collect(),
             backends: cfg.backends.iter().map(|&a| Arc::new(Backend::new(a))).collect(),
             policy: Policy::new(cfg.raw.policy),
             client,
-            metrics: Metrics::new(),
+            client_limits: Arc::new(client_limits::ClientLimits::new(
+                cfg.raw.client_limits.connections_for(max_connections),
+                cfg.raw.client_limits.requests_per_s,
+                cfg.raw.client_limits.burst(),
+                metrics.clients_untracked.clone(),
+            )),
+            metrics,
             cache,
             tls,
             cfg,

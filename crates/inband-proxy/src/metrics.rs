@@ -36,6 +36,8 @@ pub enum Refusal {
     BackendDown,
     /// No response head within `backend_timeout_ms` (504).
     BackendTimeout,
+    /// The client is over `[client_limits] requests_per_s` (429).
+    ClientRate,
 }
 
 impl Refusal {
@@ -50,6 +52,7 @@ impl Refusal {
             Refusal::NoHealthyBackend => "no_healthy_backend",
             Refusal::BackendDown => "backend_down",
             Refusal::BackendTimeout => "backend_timeout",
+            Refusal::ClientRate => "client_rate",
         }
     }
 
@@ -63,6 +66,7 @@ impl Refusal {
             Refusal::NoHealthyBackend => StatusCode::SERVICE_UNAVAILABLE,
             Refusal::BackendDown => StatusCode::BAD_GATEWAY,
             Refusal::BackendTimeout => StatusCode::GATEWAY_TIMEOUT,
+            Refusal::ClientRate => StatusCode::TOO_MANY_REQUESTS,
         }
     }
 }
@@ -80,6 +84,10 @@ pub struct Metrics {
     worker_connections: Family<Labels, Gauge>,
     worker_busy: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     accept_errors: Counter,
+    /// Connections closed at once: their client had `[client_limits]
+    /// connections` open already.
+    client_connections_refused: Counter,
+    pub clients_untracked: Counter,
     tls_handshake_errors: Counter,
     tls_reloads: Family<Labels, Counter>,
     tls_expiry: Family<Labels, Gauge>,
@@ -114,6 +122,8 @@ impl Metrics {
         registry.register("cache_store", "The cache store: entries, bytes, capacity_bytes, corrupt, evictions", cache_store.clone());
         let connections = Gauge::default();
         let accept_errors = Counter::default();
+        let client_connections_refused = Counter::default();
+        let clients_untracked = Counter::default();
         let connection_timeouts = Family::<Labels, Counter>::default();
         let tls_handshake_errors = Counter::default();
         let tls_reloads = Family::<Labels, Counter>::default();
@@ -127,6 +137,8 @@ impl Metrics {
         registry.register("worker_connections", "Client connections open on each worker thread", worker_connections.clone());
         registry.register("worker_busy_ratio", "Share of the last 100 ms each worker thread spent running tasks", worker_busy.clone());
         registry.register("accept_errors", "Failed accepts (out of file descriptors and the like), each followed by a backoff", accept_errors.clone());
+        registry.register("client_connections_refused", "Connections closed at once because their client held [client_limits] connections already", client_connections_refused.clone());
+        registry.register("clients_untracked", "New clients served without per-client limits because the client table was full", clients_untracked.clone());
         registry.register("connection_timeouts", "Client connections closed by a timeout: header, idle or send", connection_timeouts.clone());
         for e in [Expiry::Header, Expiry::Idle, Expiry::Send] {
             let _ = connection_timeouts.get_or_create(&vec![("kind", e.label().to_string())]);
@@ -147,6 +159,8 @@ impl Metrics {
             worker_connections,
             worker_busy,
             accept_errors,
+            client_connections_refused,
+            clients_untracked,
             tls_handshake_errors,
             tls_reloads,
             tls_expiry,
@@ -158,6 +172,10 @@ impl Metrics {
 
     pub fn accept_error(&self) {
         self.accept_errors.inc();
+    }
+
+    pub fn client_connection_refused(&self) {
+        self.client_connections_refused.inc();
     }
 
     pub fn tls_handshake_error(&self) {

@@ -18,6 +18,7 @@ use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
 
 use crate::body::{full, BoxError, ProxyBody};
 use crate::cache_outcome::Outcome;
+use crate::client_limits::{ClientSlot, Refused};
 use crate::conn::{self, State};
 use crate::metrics::Refusal;
 use crate::{access, cache_control, cache_layer, forward, Shared};
@@ -33,6 +34,7 @@ pub fn refusal_response(r: Refusal) -> Response<ProxyBody> {
         Refusal::NoHealthyBackend => "no healthy backend\n",
         Refusal::BackendDown => "backend unreachable\n",
         Refusal::BackendTimeout => "backend timed out\n",
+        Refusal::ClientRate => "too many requests from this client\n",
     };
     let mut resp = Response::new(full(text));
     *resp.status_mut() = r.status();
@@ -49,6 +51,7 @@ pub struct Accepted {
     stream: std::net::TcpStream,
     peer: SocketAddr,
     permit: OwnedSemaphorePermit,
+    client: ClientSlot,
     /// From the TLS listener.
     tls: bool,
 }
@@ -145,12 +148,20 @@ pub async fn accept(shared: Arc<Shared>, listener: TcpListener, tls: bool, worke
         // On a dual-stack listener IPv4 clients appear as ::ffff:a.b.c.d;
         // purge_allow, X-Forwarded-For and hashing want a.b.c.d.
         let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
+        let client = match shared.client_limits.open(peer.ip()) {
+            Ok(c) => c,
+            Err(Refused::Connections) => {
+                // Closed before a byte is read: the slot goes to the next.
+                shared.metrics.client_connection_refused();
+                continue;
+            }
+        };
         let Ok(stream) = stream.into_std() else { continue };
         loads.clear();
         loads.extend(workers.iter().map(|w| (w.load.open.load(Ordering::Relaxed), w.load.busy_permille.load(Ordering::Relaxed))));
         let w = &workers[choose_worker(&loads, pack)];
         w.load.open.fetch_add(1, Ordering::Relaxed);
-        if w.tx.send(Accepted { stream, peer, permit, tls }).is_err() {
+        if w.tx.send(Accepted { stream, peer, permit, client, tls }).is_err() {
             w.load.open.fetch_sub(1, Ordering::Relaxed);
         }
     }
@@ -170,7 +181,7 @@ pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accep
     builder.http2().timer(TokioTimer::new()).max_header_list_size(max_head as u32);
     let builder = Arc::new(builder);
     loop {
-        let Accepted { stream, peer, permit, tls } = tokio::select! {
+        let Accepted { stream, peer, permit, client, tls } = tokio::select! {
             c = conns.recv() => match c {
                 Some(c) => c,
                 None => break,
@@ -188,7 +199,8 @@ pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accep
         let (io, sock, state) = conn::Io::new(stream, shared.cfg.timeouts(), tls);
         let s = shared.clone();
         let st = state.clone();
-        let service = service_fn(move |req| handle(s.clone(), req, peer, tls, st.clone()));
+        let client = Arc::new(client);
+        let service = service_fn(move |req| handle(s.clone(), req, peer, tls, st.clone(), client.clone()));
         let (s, builder, watcher, load) = (shared.clone(), builder.clone(), graceful.watcher(), load.clone());
         tokio::spawn(async move {
             let _permit = permit;
@@ -245,10 +257,23 @@ fn connection_error(s: &Shared, peer: SocketAddr, e: BoxError) {
     }
 }
 
-async fn handle(shared: Arc<Shared>, req: Request<Incoming>, peer: SocketAddr, https: bool, conn: Arc<State>) -> Result<Response<ProxyBody>, Infallible> {
+async fn handle(
+    shared: Arc<Shared>,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+    https: bool,
+    conn: Arc<State>,
+    client: Arc<ClientSlot>,
+) -> Result<Response<ProxyBody>, Infallible> {
     let guard = conn.begin_request();
     let info = access::Request { client: peer, method: req.method().clone(), uri: req.uri().clone(), start: Instant::now() };
-    let mut resp = respond(&shared, req, peer, https).await;
+    let mut resp = if client.request() {
+        respond(&shared, req, peer, https).await
+    } else {
+        let mut r = refuse(&shared, Refusal::ClientRate);
+        r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        r
+    };
     shared.metrics.response(resp.status(), info.start.elapsed());
     // RFC 9110 §7.6.3: the hop this response took through us.
     resp.headers_mut().append(header::VIA, HeaderValue::from_static("1.1 inband"));
