@@ -3689,3 +3689,40 @@ fn a_thousand_vips_of_sixteen_backends_each_are_reachable() {
         assert_eq!(next, first, "VIP {v}: the connection's next packet");
     }
 }
+
+/// Above INBAND_SCAN_MAX backends weights still hold: the two choices are
+/// drawn from the Maglev table (in proportion to weight), so a backend of
+/// weight 40 among 39 of weight 1 takes about half the new connections
+/// (drawn uniformly it could take at most about 2 in 40). Maglev itself
+/// places each client side where the control plane's table says.
+#[test]
+fn a_large_weighted_vip_keeps_its_weights_and_a_large_maglev_vip_its_table() {
+    let n = SCAN_MAX + 8;
+    let vip_text = |mode: &str, policy: &str, w0: u32| {
+        let mut text = lb_toml_head()
+            + &format!("[[vip]]\naddress = \"{VIP_ADDR}\"\nport = {VIP_PORT}\nmode = \"{mode}\"\npolicy = \"{policy}\"\n");
+        for i in 0..n {
+            let (b, w) = (many(i), if i == 0 { w0 } else { 1 });
+            text += &format!("[[vip.backend]]\naddress = \"{}\"\nport = {}\nweight = {w}\n", b.ip(), b.port());
+        }
+        text
+    };
+    for policy in ["least-score", "power-of-two"] {
+        let fx = Fixture::new();
+        apply_large(&fx, &vip_text("dsr-polling", policy, 40));
+        let heavy = (0..400).filter(|c| fx.sent_to(client_n(*c)) == many(0)).count();
+        assert!((120..=280).contains(&heavy), "{policy}: weight 40 of 79 took {heavy} of 400");
+    }
+    let fx = Fixture::new();
+    let maps = apply_large(&fx, &vip_text("dsr-rr", "maglev", 1));
+    let named: Vec<(String, u32)> = (0..n).map(|i| (many(i).to_string(), 1)).collect();
+    let table = inband_lb::maglev::table(&named, MAGLEV_SIZE);
+    let v = inband_lb::tables::read(&maps).unwrap().remove(0);
+    let ring: Vec<u32> = (0..MAGLEV_SIZE).map(|i| get(&fx.lb.skel.maps.maglev, &(v.vip.maglev_table * MAGLEV_SIZE + i)).unwrap()).collect();
+    assert_eq!(ring, table);
+    for c in 0..200 {
+        let key = flow_key(client_n(c));
+        let want = table[(inband_lb::maglev::flow_hash(key.as_bytes()) % u64::from(MAGLEV_SIZE)) as usize];
+        assert_eq!(fx.sent_to(client_n(c)), many(want), "client {c}");
+    }
+}
