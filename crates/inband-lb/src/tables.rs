@@ -387,11 +387,9 @@ fn write_maglev(maps: &LbMaps, index: u32, v: &VipConfig, size: u32) -> Result<(
     // No weight anywhere: every entry names no slot, and the data path
     // falls back to the next eligible one.
     let no_slot = MAX_BACKENDS_PER_VIP;
-    for i in 0..size {
-        let slot = table.get(i as usize).copied().unwrap_or(no_slot);
-        bpfmap::put(&maps.maglev, &(index * size + i), &slot)?;
-    }
-    Ok(())
+    let keys: Vec<u32> = (0..size).map(|i| index * size + i).collect();
+    let slots: Vec<u32> = (0..size).map(|i| table.get(i as usize).copied().unwrap_or(no_slot)).collect();
+    bpfmap::put_batch(&maps.maglev, &keys, &slots)
 }
 
 /// The live flows (established + closing) the last sweep counted at gauge

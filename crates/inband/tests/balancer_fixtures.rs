@@ -3688,6 +3688,16 @@ fn a_thousand_vips_of_sixteen_backends_each_are_reachable() {
         let next = to(PacketBuilder::tcp(c, vip_n(v)).macs(CLIENT_MAC, LB_MAC).flags(TCP_ACK).seq_no(1001));
         assert_eq!(next, first, "VIP {v}: the connection's next packet");
     }
+    // Status at the limits: a lookup or a few per backend, no walk of
+    // anything larger (0.24 s in a debug build here).
+    let started = std::time::Instant::now();
+    let status = inband_lb::snapshot::take("lo", &maps).unwrap();
+    let shown: usize = status.vips.iter().map(|v| v.backends.len()).sum();
+    let text = inband_lb::snapshot::render_table(&status);
+    let took = started.elapsed();
+    assert_eq!(shown, MAX_BACKENDS as usize);
+    assert!(text.contains(&many(MAX_BACKENDS - 1).to_string()));
+    assert!(took < std::time::Duration::from_secs(5), "status of {shown} backends took {took:?}");
 }
 
 /// Above INBAND_SCAN_MAX backends weights still hold: the two choices are
