@@ -3736,3 +3736,35 @@ fn a_large_weighted_vip_keeps_its_weights_and_a_large_maglev_vip_its_table() {
         assert_eq!(fx.sent_to(client_n(c)), many(want), "client {c}");
     }
 }
+
+/// The sweeper's pass over backends whose score is getting old walks the
+/// slots of active dsr-dynamic VIPs, however large (and not the 4M slots
+/// there could be): after one pass every backend of a 4,096-backend VIP
+/// and of a VIP after it is due a probe, and none of a dsr-rr VIP's.
+#[test]
+fn one_sweep_marks_every_backend_of_large_dsr_dynamic_vips_due() {
+    let per = [MAX_BACKENDS_PER_VIP, 16, 16];
+    let mut text = lb_toml_head();
+    let mut first = 0;
+    for (v, (n, mode)) in per.iter().zip(["dsr-dynamic", "dsr-dynamic", "dsr-rr"]).enumerate() {
+        text += &format!("[[vip]]\naddress = \"10.100.0.{}\"\nport = 80\nmode = \"{mode}\"\n", v + 1);
+        for i in first..first + n {
+            text += &format!("[[vip.backend]]\naddress = \"{}\"\nport = 8080\n", many(i).ip());
+        }
+        first += n;
+    }
+    let fx = Fixture::new();
+    let maps = apply_large(&fx, &text);
+    let vips = inband_lb::tables::read(&maps).unwrap();
+    for v in &vips {
+        for (id, _) in &v.slots {
+            put(&fx.lb.skel.maps.probe_due, id, &0u32);
+        }
+    }
+    fx.lb.sweep(0).unwrap();
+    for v in &vips {
+        let dynamic = v.vip.mode == Mode::DsrDynamic as u8;
+        let due = v.slots.iter().filter(|(id, _)| get::<u32, u32>(&fx.lb.skel.maps.probe_due, id).unwrap() & PROBE_DUE != 0).count();
+        assert_eq!(due, if dynamic { v.slots.len() } else { 0 }, "VIP {} of {} backends", v.name(), v.slots.len());
+    }
+}
