@@ -48,6 +48,7 @@ pub const GAUGES: u32 = c::INBAND_GAUGES;
 pub type VipKey = c::inband_vip_key;
 pub type Vip = c::inband_vip;
 pub type VipEligible = c::inband_vip_eligible;
+pub type VipSlots = c::inband_vip_slots;
 pub type Backend = c::inband_backend;
 pub type BackendScore = c::inband_backend_score;
 /// `lb_config`: what the data path knows of the instance (addresses, MTU,

@@ -59,10 +59,9 @@ impl<'obj> PrivateBalancer<'obj> {
     /// key) and its backends' ids in slot order; its eligible set from the
     /// backends' flags as they are now.
     pub fn set_vip(&self, id: u32, key: VipKey, vip: &Vip, slots: &[u32]) -> Result<()> {
-        for (slot, bid) in slots.iter().enumerate() {
-            put(&self.skel.maps.vip_backends, &(id * MAX_BACKENDS_PER_VIP + slot as u32), bid)?;
-        }
-        let eligible_count = super::tables::write_eligible(&self.maps()?, id, slots)?;
+        let maps = self.maps()?;
+        super::tables::write_slots(&maps, id, slots)?;
+        let eligible_count = super::tables::write_eligible(&maps, id, slots)?;
         let v = Vip { addr: key.addr, port: key.port, backend_count: slots.len() as u16, eligible_count, ..*vip };
         put(&self.skel.maps.vip_conf, &id, &v)?;
         put(&self.skel.maps.vips, &key, &id)

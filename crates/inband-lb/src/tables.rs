@@ -114,8 +114,8 @@ pub fn read(maps: &LbMaps) -> Result<Vec<VipEntry>> {
     for (k, id) in bpfmap::entries::<VipKey, u32>(&maps.vips)? {
         let vip: Vip = bpfmap::get(&maps.vip_conf, &id)?.unwrap_or_default();
         let mut slots = Vec::new();
-        for slot in 0..u32::from(vip.backend_count).min(MAX_BACKENDS_PER_VIP) {
-            let bid: u32 = bpfmap::get(&maps.vip_backends, &(id * MAX_BACKENDS_PER_VIP + slot))?.unwrap_or(0);
+        let ids: VipSlots = bpfmap::get(&maps.vip_backends, &id)?.unwrap_or_default();
+        for bid in ids.backend.iter().take(usize::from(vip.backend_count)).map(|b| u32::from(*b)) {
             let b: Backend = bpfmap::get(&maps.backends, &bid)?.unwrap_or_default();
             slots.push((bid, b));
         }
@@ -239,9 +239,7 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64, maglev_si
                 }
             }
         }
-        for (slot, id) in slots.iter().enumerate() {
-            bpfmap::put(&maps.vip_backends, &(vid * MAX_BACKENDS_PER_VIP + slot as u32), id)?;
-        }
+        write_slots(maps, vid, &slots)?;
         // The table and the eligible set before the VIP says maglev or
         // weighted or counts them: a pick finds them filled.
         let mut new = new;
@@ -299,6 +297,15 @@ pub fn uses_maglev_table(v: &VipConfig) -> bool {
         Policy::RoundRobin => weighted(v),
         Policy::LeastScore | Policy::PowerOfTwo => weighted(v) && v.backends.len() > SCAN_MAX as usize,
     }
+}
+
+/// Writes VIP `vid`'s slots: backend ids in slot order, in one update.
+pub fn write_slots(maps: &LbMaps, vid: u32, slots: &[u32]) -> Result<()> {
+    let mut value = VipSlots::default();
+    for (to, id) in value.backend.iter_mut().zip(slots) {
+        *to = *id as u16;
+    }
+    bpfmap::put(&maps.vip_backends, &vid, &value)
 }
 
 /// Rewrites VIP `vid`'s dense set of eligible slots (vip_eligible) from the

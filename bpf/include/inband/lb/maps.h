@@ -26,7 +26,7 @@ INBAND_PINNED_ARRAY(lb_config, struct inband_lb_config, 1);
 INBAND_PINNED_ARRAY(auth_keys, struct inband_auth_key, INBAND_AUTH_MAX_KEYS);
 INBAND_PINNED_ARRAY(vip_conf, struct inband_vip, INBAND_MAX_VIPS);
 INBAND_PINNED_ARRAY(backends, struct inband_backend, INBAND_MAX_BACKENDS);
-INBAND_PINNED_ARRAY(vip_backends, __u32, INBAND_MAX_VIPS *INBAND_MAX_BACKENDS_PER_VIP);
+INBAND_PINNED_ARRAY(vip_backends, struct inband_vip_slots, INBAND_MAX_VIPS);
 /* Written by the control plane only (tables.rs, and health.rs when a
  * backend goes DOWN or comes back), under its config lock. */
 INBAND_PINNED_ARRAY(vip_eligible, struct inband_vip_eligible, INBAND_MAX_VIPS);

@@ -63,7 +63,8 @@
 _Static_assert(sizeof(struct inband_flow_key) % 8 == 0, "the Maglev hash reads the flow key in 8-byte words");
 _Static_assert(INBAND_SCAN_MAX <= 32, "a pick's retry mask is a bit per walked slot");
 _Static_assert((INBAND_MAX_BACKENDS_PER_VIP & (INBAND_MAX_BACKENDS_PER_VIP - 1)) == 0,
-	       "an eligible set's index is bounded by a mask");
+	       "a slot is bounded by a mask");
+_Static_assert(INBAND_MAX_BACKENDS <= 65536, "vip_backends holds backend ids in 16 bits");
 
 static __always_inline __u64 load_estimate(const struct inband_backend_score *s, __u64 now, __u64 max_age_ns)
 {
@@ -115,12 +116,12 @@ static __always_inline const struct inband_backend *active_slot(const struct pic
 {
 	if (slot < INBAND_SCAN_MAX && (p->skip & (1U << slot)))
 		return NULL;
-	__u32 idx = p->vid * INBAND_MAX_BACKENDS_PER_VIP + slot;
-	__u32 *id = bpf_map_lookup_elem(&vip_backends, &idx);
+	__u32 vid = p->vid;
+	const struct inband_vip_slots *slots = bpf_map_lookup_elem(&vip_backends, &vid);
 
-	if (!id)
+	if (!slots)
 		return NULL;
-	__u32 bid = *id;
+	__u32 bid = slots->backend[slot & (INBAND_MAX_BACKENDS_PER_VIP - 1)];
 	struct inband_backend *be = bpf_map_lookup_elem(&backends, &bid);
 
 	if (!be || (be->flags & (INBAND_BACKEND_ACTIVE | INBAND_BACKEND_DOWN)) != INBAND_BACKEND_ACTIVE)

@@ -170,12 +170,11 @@ static long mark_probes_due(__u32 i, struct probes_walk *w)
 		return 0;
 	}
 	w->slot++;
-	__u32 idx = vid * INBAND_MAX_BACKENDS_PER_VIP + slot;
-	__u32 *bid = bpf_map_lookup_elem(&vip_backends, &idx);
+	const struct inband_vip_slots *slots = bpf_map_lookup_elem(&vip_backends, &vid);
 
-	if (!bid)
+	if (!slots)
 		return 0;
-	__u32 id = *bid;
+	__u32 id = slots->backend[slot & (INBAND_MAX_BACKENDS_PER_VIP - 1)];
 	struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &id);
 	__u32 *due = bpf_map_lookup_elem(&probe_due, &id);
 

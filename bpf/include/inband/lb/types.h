@@ -50,7 +50,7 @@ struct inband_vip_key {
 struct inband_vip {
 	struct inband_addr addr;
 	__be16 port;
-	__u16 backend_count; /* slots [0, backend_count) of vip_backends are valid */
+	__u16 backend_count; /* slots [0, backend_count) of vip_backends[id] are valid */
 	__u8 mode; /* enum inband_mode */
 	__u8 policy; /* enum inband_policy */
 	__u16 flags; /* INBAND_VIP_* */
@@ -115,13 +115,17 @@ struct inband_backend {
 	__u64 drain_deadline_ns; /* removed or draining: flows still here then are ended; 0 = wait */
 };
 
-/* vip_backends[vip id * INBAND_MAX_BACKENDS_PER_VIP + slot] = backend id. */
+/* vip_backends[vip id].backend[slot] = backend id. One value per VIP, u16
+ * ids: 8 KiB a VIP where a u32 array entry per slot took 32 KiB (the kernel
+ * rounds array values to 8 bytes), and a VIP's slots are written in one
+ * update. */
+struct inband_vip_slots {
+	__u16 backend[INBAND_MAX_BACKENDS_PER_VIP];
+};
 
 /* vip_eligible[vip id]: entries [0, eligible_count) are its slots that may
  * take a new connection, the dense set a large VIP picks from (select.h).
- * One value per VIP, u16 slots: 8 KiB a VIP where an array of u32 per slot
- * would take 32 KiB (the kernel rounds array values to 8 bytes), and the
- * control plane rewrites a VIP's set in one update. */
+ * One value per VIP, as vip_backends. */
 struct inband_vip_eligible {
 	__u16 slot[INBAND_MAX_BACKENDS_PER_VIP];
 };
