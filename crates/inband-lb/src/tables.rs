@@ -308,6 +308,20 @@ pub fn write_slots(maps: &LbMaps, vid: u32, slots: &[u32]) -> Result<()> {
     bpfmap::put(&maps.vip_backends, &vid, &value)
 }
 
+/// Whether a VIP as written reads its Maglev table: what
+/// uses_maglev_table decided when it was written. A VIP that did not has no
+/// table, whatever its (zero) maglev_table says.
+fn reads_maglev_table(v: &Vip) -> bool {
+    let weighted = v.flags & VIP_WEIGHTED != 0;
+    if v.policy == Policy::Maglev as u8 {
+        true
+    } else if v.policy == Policy::RoundRobin as u8 {
+        weighted
+    } else {
+        weighted && u32::from(v.backend_count) > SCAN_MAX
+    }
+}
+
 /// Rewrites VIP `vid`'s dense set of eligible slots (vip_eligible) from the
 /// backends' flags: the slots whose backend is ACTIVE and not DOWN, in slot
 /// order. Returns their number, for vip_conf.eligible_count. A pick that
@@ -361,13 +375,13 @@ impl MaglevTables {
         let count = maps.maglev.info()?.info.max_entries / size.max(1);
         let reading: HashSet<VipId> = vips.iter().filter(|v| uses_maglev_table(v)).map(|v| (v.endpoint(), v.protocol)).collect();
         let mut of_vip = HashMap::new();
+        let mut taken = HashSet::new();
         for e in current {
-            let had = e.vip.policy == Policy::Maglev as u8 || e.vip.flags & VIP_WEIGHTED != 0;
-            if had && !e.draining() && reading.contains(&e.ident()) && e.vip.maglev_table < count {
-                of_vip.insert(e.id, e.vip.maglev_table);
+            let t = e.vip.maglev_table;
+            if reads_maglev_table(&e.vip) && !e.draining() && reading.contains(&e.ident()) && t < count && taken.insert(t) {
+                of_vip.insert(e.id, t);
             }
         }
-        let taken: HashSet<u32> = of_vip.values().copied().collect();
         let free = (0..count).rev().filter(|t| !taken.contains(t)).collect();
         Ok(MaglevTables { of_vip, free })
     }

@@ -3768,3 +3768,35 @@ fn one_sweep_marks_every_backend_of_large_dsr_dynamic_vips_due() {
         assert_eq!(due, if dynamic { v.slots.len() } else { 0 }, "VIP {} of {} backends", v.name(), v.slots.len());
     }
 }
+
+/// A VIP that starts reading a Maglev table (weighted least-score grown past
+/// INBAND_SCAN_MAX backends) gets a table of its own: not the one its zero
+/// `maglev_table` names, which another VIP holds.
+#[test]
+fn a_vip_that_starts_reading_a_maglev_table_gets_its_own() {
+    // The growing VIP first: it has the lower VIP id, so it is met first.
+    let config = |grown: u32| {
+        let mut text = lb_toml_head() + "[[vip]]\naddress = \"10.100.0.2\"\nport = 80\nmode = \"dsr-polling\"\npolicy = \"least-score\"\n";
+        for i in 0..grown {
+            text += &format!("[[vip.backend]]\naddress = \"{}\"\nport = 8080\nweight = {}\n", many(100 + i).ip(), 1 + i % 2);
+        }
+        text += "[[vip]]\naddress = \"10.100.0.1\"\nport = 80\nmode = \"dsr-rr\"\npolicy = \"maglev\"\n";
+        for i in 0..3 {
+            text += &format!("[[vip.backend]]\naddress = \"{}\"\nport = 8080\n", many(i).ip());
+        }
+        text
+    };
+    let fx = Fixture::new();
+    let maps = apply_large(&fx, &config(3));
+    let table_of = |maps: &inband_lb::tables::LbMaps, last: u8| {
+        let v = inband_lb::tables::read(maps).unwrap().into_iter().find(|v| v.endpoint.ip() == IpAddr::V4(Ipv4Addr::new(10, 100, 0, last))).unwrap();
+        v.vip.maglev_table
+    };
+    let maglev = table_of(&maps, 1);
+    let ring = |t: u32| (0..MAGLEV_SIZE).map(|i| get::<u32, u32>(&fx.lb.skel.maps.maglev, &(t * MAGLEV_SIZE + i)).unwrap()).collect::<Vec<_>>();
+    let before = ring(maglev);
+    let maps = apply_large(&fx, &config(SCAN_MAX + 8));
+    assert_eq!(table_of(&maps, 1), maglev, "the Maglev VIP keeps its table");
+    assert_ne!(table_of(&maps, 2), maglev, "the grown VIP gets another");
+    assert_eq!(ring(maglev), before, "the Maglev VIP's table is untouched");
+}
