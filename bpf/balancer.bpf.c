@@ -368,7 +368,7 @@ __noinline int open_flow(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 	f->backend_port = be->port;
 	f->snat_port = port;
 	f->backend_id = (__u16)id;
-	f->vip_id = (__u8)vid;
+	f->vip_id = (__u16)vid;
 	f->mode = vc->mode;
 	f->state = INBAND_FLOW_SYN_SENT;
 	f->proto = fk->proto;

@@ -18,6 +18,16 @@ pub fn put<K: Pod, V: Pod>(map: &dyn MapCore, key: &K, value: &V) -> Result<()> 
         .with_context(|| format!("updating map {}", map.name().to_string_lossy()))
 }
 
+/// Writes `keys[i]` → `values[i]` in one system call (a Maglev table is
+/// 65,537 entries: one call per entry took most of an apply).
+pub fn put_batch<K: Pod, V: Pod>(map: &dyn MapCore, keys: &[K], values: &[V]) -> Result<()> {
+    anyhow::ensure!(keys.len() == values.len() && !keys.is_empty(), "a batch needs as many keys as values, at least one");
+    let k: Vec<u8> = keys.iter().flat_map(|x| x.as_bytes().to_vec()).collect();
+    let v: Vec<u8> = values.iter().flat_map(|x| x.as_bytes().to_vec()).collect();
+    map.update_batch(&k, &v, keys.len() as u32, MapFlags::ANY, MapFlags::ANY)
+        .with_context(|| format!("updating map {} in a batch", map.name().to_string_lossy()))
+}
+
 /// Deletes `key`; a key that is already gone is not an error.
 pub fn delete<K: Pod>(map: &dyn MapCore, key: &K) -> Result<()> {
     match map.delete(key.as_bytes()) {

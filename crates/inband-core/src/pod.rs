@@ -44,6 +44,8 @@ pod!(
     // the balancer
     inband_vip_key,
     inband_vip,
+    inband_vip_eligible,
+    inband_vip_slots,
     inband_backend,
     inband_backend_score,
     inband_lb_config,

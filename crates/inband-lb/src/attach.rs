@@ -15,7 +15,6 @@ use libbpf_rs::{OpenObject, Xdp, XdpFlags};
 use tracing::{info, warn};
 
 use super::config::XdpMode;
-use inband_core::shared as c;
 use crate::bpf::balancer::{BalancerSkel, BalancerSkelBuilder};
 use inband_core::bpfmap::{remove_pin_dir, PinDir};
 
@@ -65,9 +64,10 @@ pub fn run_dir(interface: &str) -> PathBuf {
 }
 
 /// Sizes of the flow tables derived from `flow_table_size`
-/// (docs/architecture.md, "Flow lifecycle").
-/// and of the Maglev tables (`maglev_size` entries per VIP).
-pub fn table_sizes(flow_table_size: u32, maglev_size: u32) -> [(&'static str, u32); 5] {
+/// (docs/architecture.md, "Flow lifecycle"), and of the Maglev tables
+/// (`maglev_tables` of `maglev_size` entries, handed to the VIPs that read
+/// one: tables.rs).
+pub fn table_sizes(flow_table_size: u32, maglev_size: u32, maglev_tables: u32) -> [(&'static str, u32); 5] {
     let half_open = (flow_table_size / 4).max(1024);
     [
         ("flows", flow_table_size),
@@ -75,7 +75,7 @@ pub fn table_sizes(flow_table_size: u32, maglev_size: u32) -> [(&'static str, u3
         ("half_open_ports", half_open),
         ("snat", 2 * flow_table_size),
         // 0: no Maglev table (private fixtures); a map needs an entry.
-        ("maglev", c::INBAND_MAX_VIPS * maglev_size.max(1)),
+        ("maglev", maglev_tables.max(1) * maglev_size.max(1)),
     ]
 }
 
@@ -105,12 +105,13 @@ pub fn load_and_attach<'obj>(
     mode: XdpMode,
     flow_table_size: u32,
     maglev_size: u32,
+    maglev_tables: u32,
 ) -> Result<(BalancerSkel<'obj>, Attached)> {
     let ifindex = inband_core::netif::ifindex(interface)? as i32;
     let dir = pin_dir(interface);
     let fresh = !dir.exists();
     std::fs::create_dir_all(&dir.0).with_context(|| format!("creating {}", dir.0.display()))?;
-    let result = load(storage, interface, &dir, flow_table_size, maglev_size).and_then(|skel| {
+    let result = load(storage, interface, &dir, flow_table_size, maglev_size, maglev_tables).and_then(|skel| {
         let attached = attach(&skel, interface, ifindex, mode)?;
         info!(interface, mode = ?attached, pins = %dir.0.display(), "balancer attached");
         Ok((skel, attached))
@@ -127,9 +128,10 @@ fn load<'obj>(
     dir: &PinDir,
     flow_table_size: u32,
     maglev_size: u32,
+    maglev_tables: u32,
 ) -> Result<BalancerSkel<'obj>> {
     let mut open = BalancerSkelBuilder::default().open(storage).context("opening the balancer BPF object")?;
-    let sizes = table_sizes(flow_table_size, maglev_size);
+    let sizes = table_sizes(flow_table_size, maglev_size, maglev_tables);
     for mut map in open.open_object_mut().maps_mut() {
         let name = map.name().to_string_lossy().into_owned();
         // <obj>.rodata/.bss and the checksum scratch space: per instance.
@@ -144,7 +146,7 @@ fn load<'obj>(
     open.load().with_context(|| {
         format!(
             "loading the balancer program: the kernel verifier refused it, or maps pinned by another version \
-             or with another flow_table_size or maglev_table_size exist (tables cannot be resized under live flows): \
+             or with another flow_table_size, maglev_table_size or maglev_tables exist (tables cannot be resized under live flows): \
              run `inband lb detach --interface {interface}` and retry"
         )
     })

@@ -203,6 +203,13 @@ pub fn next_config(cfg: &LbConfig, req: &ControlRequest, config_path: &Path) -> 
                     fresh.maglev_table_size
                 );
             }
+            if fresh.maglev_tables != cfg.maglev_tables {
+                bail!(
+                    "reload cannot change the number of Maglev tables (maglev_tables {} -> {}): detach and restart `inband lb` for that",
+                    cfg.maglev_tables,
+                    fresh.maglev_tables
+                );
+            }
             fresh.check_host()?;
             next = fresh;
         }

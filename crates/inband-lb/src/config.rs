@@ -63,6 +63,11 @@ pub struct LbConfig {
     /// fixed while the data path stays attached.
     #[serde(default = "default_maglev_table_size")]
     pub maglev_table_size: u32,
+    /// How many Maglev tables the data path holds (memory: this ×
+    /// maglev_table_size × 4 bytes): at most this many VIPs may read one
+    /// (tables::uses_maglev_table). Fixed while the data path stays attached.
+    #[serde(default = "default_maglev_tables")]
+    pub maglev_tables: u32,
     #[serde(default)]
     pub auth: AuthConfig,
     /// One of several instances behind an ECMP router (docs/architecture.md,
@@ -371,6 +376,10 @@ fn default_jitter_pct() -> u32 {
 fn default_passive_fall() -> u32 {
     3
 }
+pub fn default_maglev_tables() -> u32 {
+    crate::maps::MAGLEV_DEFAULT_TABLES
+}
+
 pub fn default_maglev_table_size() -> u32 {
     crate::maglev::DEFAULT_SIZE
 }
@@ -572,6 +581,16 @@ impl LbConfig {
         in_range("flow_table_size", self.flow_table_size, &FLOW_TABLE_SIZE)?;
         in_range("options_retry_s", self.options_retry_s, &OPTIONS_RETRY_S)?;
         in_range("maglev_table_size", u64::from(self.maglev_table_size), &MAGLEV_TABLE_SIZE)?;
+        in_range("maglev_tables", self.maglev_tables, &(1..=MAX_VIPS))?;
+        let reading = self.vips.iter().filter(|v| crate::tables::uses_maglev_table(v)).count();
+        if reading > self.maglev_tables as usize {
+            bail!(
+                "{reading} VIPs read a Maglev table (maglev, weighted round-robin, weighted VIPs of more than {} backends), \
+                 at most maglev_tables = {}: raise maglev_tables (each table takes maglev_table_size × 4 bytes)",
+                crate::maps::SCAN_MAX,
+                self.maglev_tables
+            );
+        }
         if !crate::maglev::is_prime(self.maglev_table_size) {
             bail!(
                 "maglev_table_size = {} is not a prime: Maglev needs one (every backend's permutation must visit every entry); \
@@ -817,6 +836,46 @@ quic_server_id = 2
         let both = both.replace("quic_server_id = 1\n", "").replace("quic_server_id = 2\n", "").replace("10.77.0.100", "fd00:77::100");
         let both = both.replace("10.77.0.21", "fd00:77::31").replace("10.77.0.22", "fd00:77::32");
         assert_eq!(LbConfig::parse(&both).unwrap().vips.len(), 2);
+    }
+
+    /// `vips` VIPs of `per_vip` backends each (distinct addresses), policy
+    /// `policy`, backend 0 of each weighted `w0`.
+    fn sized(vips: u32, per_vip: u32, policy: &str, w0: u32) -> String {
+        let mut text = String::from("interface = \"eth0\"\naddress = \"10.77.0.2\"\n[auth]\nmode = \"none\"\n");
+        let mut b = 0u32;
+        for v in 0..vips {
+            text += &format!("[[vip]]\naddress = \"10.78.{}.{}\"\nport = 80\nmode = \"dsr-rr\"\npolicy = \"{policy}\"\n", v / 256, v % 256);
+            for j in 0..per_vip {
+                let w = if j == 0 { w0 } else { 1 };
+                text += &format!("[[vip.backend]]\naddress = \"10.{}.{}.{}\"\nport = 8080\nweight = {w}\n", 80 + b / 65536, (b / 256) % 256, b % 256);
+                b += 1;
+            }
+        }
+        text
+    }
+
+    #[test]
+    fn takes_the_limits_and_refuses_beyond_each_naming_it() {
+        assert_eq!((MAX_VIPS, MAX_BACKENDS_PER_VIP, MAX_BACKENDS), (1024, 4096, 16384));
+        LbConfig::parse(&sized(MAX_VIPS, 1, "round-robin", 1)).unwrap();
+        LbConfig::parse(&sized(4, MAX_BACKENDS_PER_VIP, "round-robin", 1)).unwrap();
+        let e = err(&sized(MAX_VIPS + 1, 1, "round-robin", 1));
+        assert!(e.contains("1025 VIPs configured, at most 1024"), "{e}");
+        let e = err(&sized(1, MAX_BACKENDS_PER_VIP + 1, "round-robin", 1));
+        assert!(e.contains("4097 backends, at most 4096 per VIP"), "{e}");
+        let e = err(&sized(5, MAX_BACKENDS_PER_VIP, "round-robin", 1));
+        assert!(e.contains("20480 backends in all, at most 16384"), "{e}");
+        // Maglev tables: one per VIP that reads one, at most maglev_tables.
+        LbConfig::parse(&sized(64, 1, "maglev", 1)).unwrap();
+        let e = err(&sized(65, 1, "maglev", 1));
+        assert!(e.contains("65 VIPs read a Maglev table") && e.contains("at most maglev_tables = 64"), "{e}");
+        let more = sized(65, 1, "maglev", 1).replace("[auth]", "maglev_tables = 65\n[auth]");
+        assert_eq!(LbConfig::parse(&more).unwrap().maglev_tables, 65);
+        // Weighted round-robin reads one too; unweighted round-robin does not.
+        let e = err(&sized(65, 2, "round-robin", 3));
+        assert!(e.contains("at most maglev_tables = 64"), "{e}");
+        let e = err(&GOOD.replace("[auth]", "maglev_tables = 1025\n[auth]"));
+        assert!(e.contains("maglev_tables = 1025 is out of range: use 1..=1024"), "{e}");
     }
 
     #[test]

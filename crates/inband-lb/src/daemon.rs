@@ -38,7 +38,7 @@ pub fn run(config_path: &Path) -> Result<()> {
     let dir = attach::pin_dir(&cfg.interface);
     let fresh = !dir.exists();
     let mut storage = MaybeUninit::uninit();
-    let (skel, _) = match attach::load_and_attach(&mut storage, &cfg.interface, cfg.xdp_mode, cfg.flow_table_size, cfg.maglev_table_size) {
+    let (skel, _) = match attach::load_and_attach(&mut storage, &cfg.interface, cfg.xdp_mode, cfg.flow_table_size, cfg.maglev_table_size, cfg.maglev_tables) {
         Ok(s) => s,
         Err(e) => {
             lock.release();

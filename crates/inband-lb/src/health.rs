@@ -298,6 +298,7 @@ fn look_passive(maps: &LbMaps, id: u32, ch: &mut Checked) -> Result<bool> {
 /// configuration maps.
 fn publish(maps: &LbMaps, shared: &Mutex<LbConfig>, checked: &HashMap<u32, Checked>, panicking: &mut HashSet<String>) -> Result<()> {
     let cfg = shared.lock().unwrap();
+    let mut changed = HashSet::new();
     for e in tables::read(maps)? {
         let Some(v) = cfg.vips.iter().find(|v| (v.endpoint(), v.protocol) == e.ident()) else { continue };
         let down = |id: &u32| checked.get(id).is_some_and(|ch| !ch.up.load(Ordering::Relaxed));
@@ -318,10 +319,12 @@ fn publish(maps: &LbMaps, shared: &Mutex<LbConfig>, checked: &HashMap<u32, Check
             if (b.flags & BACKEND_DOWN != 0) != want {
                 b.flags = if want { b.flags | BACKEND_DOWN } else { b.flags & !BACKEND_DOWN };
                 bpfmap::put(&maps.backends, id, &b)?;
+                changed.insert(*id);
             }
         }
     }
-    Ok(())
+    // Large VIPs pick from their eligible sets (select.h): DOWN leaves them.
+    tables::refresh_eligible(maps, &changed)
 }
 
 fn now_ms() -> u64 {

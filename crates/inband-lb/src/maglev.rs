@@ -1,7 +1,7 @@
 //! Weighted Maglev lookup tables (Eisenbud et al., NSDI '16, §3.4): for
 //! each VIP a table of `size` entries (a prime), each a slot of the VIP,
 //! which the data path indexes by a hash of the client side (select.h,
-//! `maglev_slot`). Every backend has its own permutation of the entries,
+//! `select_backend`). Every backend has its own permutation of the entries,
 //! from two hashes of its address and port; backends take turns claiming
 //! the next free entry of their permutation until the table is full. A
 //! backend change moves few entries: a removed backend's entries go to the

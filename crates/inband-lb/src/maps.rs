@@ -9,6 +9,8 @@ use inband_core::shared as c;
 pub const MAX_VIPS: u32 = c::INBAND_MAX_VIPS;
 pub const MAX_BACKENDS_PER_VIP: u32 = c::INBAND_MAX_BACKENDS_PER_VIP;
 pub const MAX_BACKENDS: u32 = c::INBAND_MAX_BACKENDS;
+pub const SCAN_MAX: u32 = c::INBAND_SCAN_MAX;
+pub const MAGLEV_DEFAULT_TABLES: u32 = c::INBAND_MAGLEV_DEFAULT_TABLES;
 pub const SNAT_PORTS: u32 = c::INBAND_SNAT_PORT_MAX - c::INBAND_SNAT_PORT_MIN + 1;
 
 pub const BACKEND_ACTIVE: u16 = c::INBAND_BACKEND_ACTIVE as u16;
@@ -45,6 +47,8 @@ pub const GAUGES: u32 = c::INBAND_GAUGES;
 
 pub type VipKey = c::inband_vip_key;
 pub type Vip = c::inband_vip;
+pub type VipEligible = c::inband_vip_eligible;
+pub type VipSlots = c::inband_vip_slots;
 pub type Backend = c::inband_backend;
 pub type BackendScore = c::inband_backend_score;
 /// `lb_config`: what the data path knows of the instance (addresses, MTU,

@@ -35,7 +35,7 @@ impl<'obj> PrivateBalancer<'obj> {
     /// sized from it as `inband lb` sizes them) and `config` in lb_config.
     pub fn load(storage: &'obj mut MaybeUninit<OpenObject>, flow_table_size: u32, config: &DataPathConfig) -> Result<Self> {
         let mut open = BalancerSkelBuilder::default().open(storage).context("opening the balancer BPF object")?;
-        let sizes = super::attach::table_sizes(flow_table_size, config.maglev_size);
+        let sizes = super::attach::table_sizes(flow_table_size, config.maglev_size, MAGLEV_DEFAULT_TABLES);
         for mut map in open.open_object_mut().maps_mut() {
             // LIBBPF_PIN_BY_NAME would pin under /sys/fs/bpf (and reuse what
             // a running balancer pinned there).
@@ -56,12 +56,13 @@ impl<'obj> PrivateBalancer<'obj> {
     }
 
     /// VIP `id` at `key` with its config (address and port taken from the
-    /// key) and its backends' ids in slot order.
+    /// key) and its backends' ids in slot order; its eligible set from the
+    /// backends' flags as they are now.
     pub fn set_vip(&self, id: u32, key: VipKey, vip: &Vip, slots: &[u32]) -> Result<()> {
-        for (slot, bid) in slots.iter().enumerate() {
-            put(&self.skel.maps.vip_backends, &(id * MAX_BACKENDS_PER_VIP + slot as u32), bid)?;
-        }
-        let v = Vip { addr: key.addr, port: key.port, backend_count: slots.len() as u16, ..*vip };
+        let maps = self.maps()?;
+        super::tables::write_slots(&maps, id, slots)?;
+        let eligible_count = super::tables::write_eligible(&maps, id, slots)?;
+        let v = Vip { addr: key.addr, port: key.port, backend_count: slots.len() as u16, eligible_count, ..*vip };
         put(&self.skel.maps.vip_conf, &id, &v)?;
         put(&self.skel.maps.vips, &key, &id)
     }
@@ -79,6 +80,7 @@ impl<'obj> PrivateBalancer<'obj> {
             vip_conf: h(&m.vip_conf)?,
             backends: h(&m.backends)?,
             vip_backends: h(&m.vip_backends)?,
+            vip_eligible: h(&m.vip_eligible)?,
             scores: h(&m.scores)?,
             probe_due: h(&m.probe_due)?,
             flows: h(&m.flows)?,

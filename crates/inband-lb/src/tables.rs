@@ -25,6 +25,7 @@ pub struct LbMaps {
     pub vip_conf: MapHandle,
     pub backends: MapHandle,
     pub vip_backends: MapHandle,
+    pub vip_eligible: MapHandle,
     pub scores: MapHandle,
     pub probe_due: MapHandle,
     pub flows: MapHandle,
@@ -52,6 +53,7 @@ impl LbMaps {
             vip_conf: dir.open("vip_conf")?,
             backends: dir.open("backends")?,
             vip_backends: dir.open("vip_backends")?,
+            vip_eligible: dir.open("vip_eligible")?,
             scores: dir.open("scores")?,
             probe_due: dir.open("probe_due")?,
             flows: dir.open("flows")?,
@@ -112,8 +114,8 @@ pub fn read(maps: &LbMaps) -> Result<Vec<VipEntry>> {
     for (k, id) in bpfmap::entries::<VipKey, u32>(&maps.vips)? {
         let vip: Vip = bpfmap::get(&maps.vip_conf, &id)?.unwrap_or_default();
         let mut slots = Vec::new();
-        for slot in 0..u32::from(vip.backend_count).min(MAX_BACKENDS_PER_VIP) {
-            let bid: u32 = bpfmap::get(&maps.vip_backends, &(id * MAX_BACKENDS_PER_VIP + slot))?.unwrap_or(0);
+        let ids: VipSlots = bpfmap::get(&maps.vip_backends, &id)?.unwrap_or_default();
+        for bid in ids.backend.iter().take(usize::from(vip.backend_count)).map(|b| u32::from(*b)) {
             let b: Backend = bpfmap::get(&maps.backends, &bid)?.unwrap_or_default();
             slots.push((bid, b));
         }
@@ -145,6 +147,7 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64, maglev_si
     let mut used_vip_ids: HashSet<u32> = current.iter().map(|v| v.id).collect();
     let mut live_ids: HashSet<u32> = HashSet::new();
     let mut allocator = IdAllocator::new(maps)?;
+    let mut tables = MaglevTables::new(maps, &current, vips, maglev_size)?;
 
     for v in vips {
         let existing = by_ep.get(&(v.endpoint(), v.protocol)).copied();
@@ -206,10 +209,13 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64, maglev_si
                 | if v.health.on_down == OnDown::Reset { VIP_RESET_DOWN } else { 0 }
                 | if v.health.all_down == AllDown::Refuse { VIP_REFUSE_EMPTY } else { 0 },
             proto: key.proto,
-            pad: [0; 3],
+            pad: 0,
+            eligible_count: 0,
             probe_interval: v.probe_interval,
             probe_interval_max: v.probe_interval_max(),
             probe_budget: v.probe_budget,
+            maglev_table: 0,
+            pad1: 0,
             score_max_age_ns: v.score_max_age_ms.saturating_mul(1_000_000),
             syn_timeout_ns: v.syn_timeout_ms.saturating_mul(1_000_000),
             idle_timeout_ns: v.idle_timeout_s().saturating_mul(1_000_000_000),
@@ -233,14 +239,15 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64, maglev_si
                 }
             }
         }
-        for (slot, id) in slots.iter().enumerate() {
-            bpfmap::put(&maps.vip_backends, &(vid * MAX_BACKENDS_PER_VIP + slot as u32), id)?;
-        }
-        // The table before the VIP says maglev or weighted: a pick finds it
-        // filled.
+        write_slots(maps, vid, &slots)?;
+        // The table and the eligible set before the VIP says maglev or
+        // weighted or counts them: a pick finds them filled.
+        let mut new = new;
         if uses_maglev_table(v) {
-            write_maglev(maps, vid, v, maglev_size)?;
+            new.maglev_table = tables.of(vid)?;
+            write_maglev(maps, new.maglev_table, v, maglev_size)?;
         }
+        new.eligible_count = write_eligible(maps, vid, &slots)?;
         bpfmap::put(&maps.vip_conf, &vid, &new)?;
         bpfmap::put(&maps.vips, &key, &vid)?;
     }
@@ -281,31 +288,129 @@ fn weighted(v: &VipConfig) -> bool {
     weights.next().is_some_and(|first| weights.any(|w| w != first))
 }
 
-/// Whether the data path reads the VIP's Maglev table: policy maglev, and
-/// weighted round-robin, which walks it in turn.
-fn uses_maglev_table(v: &VipConfig) -> bool {
+/// Whether the data path reads the VIP's Maglev table: policy maglev,
+/// weighted round-robin, which walks it in turn, and a weighted VIP too
+/// large to walk, whose two choices are drawn from it (select.h).
+pub fn uses_maglev_table(v: &VipConfig) -> bool {
     match v.effective_policy() {
         Policy::Maglev => true,
         Policy::RoundRobin => weighted(v),
-        Policy::LeastScore | Policy::PowerOfTwo => false,
+        Policy::LeastScore | Policy::PowerOfTwo => weighted(v) && v.backends.len() > SCAN_MAX as usize,
     }
 }
 
-/// Writes VIP `vid`'s Maglev table (maglev.rs) of `size` entries for its
+/// Writes VIP `vid`'s slots: backend ids in slot order, in one update.
+pub fn write_slots(maps: &LbMaps, vid: u32, slots: &[u32]) -> Result<()> {
+    let mut value = VipSlots::default();
+    for (to, id) in value.backend.iter_mut().zip(slots) {
+        *to = *id as u16;
+    }
+    bpfmap::put(&maps.vip_backends, &vid, &value)
+}
+
+/// Whether a VIP as written reads its Maglev table: what
+/// uses_maglev_table decided when it was written. A VIP that did not has no
+/// table, whatever its (zero) maglev_table says.
+fn reads_maglev_table(v: &Vip) -> bool {
+    let weighted = v.flags & VIP_WEIGHTED != 0;
+    if v.policy == Policy::Maglev as u8 {
+        true
+    } else if v.policy == Policy::RoundRobin as u8 {
+        weighted
+    } else {
+        weighted && u32::from(v.backend_count) > SCAN_MAX
+    }
+}
+
+/// Rewrites VIP `vid`'s dense set of eligible slots (vip_eligible) from the
+/// backends' flags: the slots whose backend is ACTIVE and not DOWN, in slot
+/// order. Returns their number, for vip_conf.eligible_count. A pick that
+/// meets the set half rewritten reads slots of the old set or the new one:
+/// it checks what it takes.
+pub fn write_eligible(maps: &LbMaps, vid: u32, slots: &[u32]) -> Result<u16> {
+    let mut set = VipEligible::default();
+    let mut n = 0;
+    for (slot, id) in slots.iter().enumerate().take(set.slot.len()) {
+        let b: Backend = bpfmap::get(&maps.backends, id)?.unwrap_or_default();
+        if b.flags & (BACKEND_ACTIVE | BACKEND_DOWN) == BACKEND_ACTIVE {
+            set.slot[n] = slot as u16;
+            n += 1;
+        }
+    }
+    bpfmap::put(&maps.vip_eligible, &vid, &set)?;
+    Ok(n as u16)
+}
+
+/// After backends' DOWN flags changed (health.rs): rewrites the eligible
+/// set of every VIP that lists one of `changed`, and its count. Under the
+/// config lock, as every writer.
+pub fn refresh_eligible(maps: &LbMaps, changed: &HashSet<u32>) -> Result<()> {
+    if changed.is_empty() {
+        return Ok(());
+    }
+    for e in read(maps)? {
+        if e.draining() || !e.slots.iter().any(|(id, _)| changed.contains(id)) {
+            continue;
+        }
+        let ids: Vec<u32> = e.slots.iter().map(|(id, _)| *id).collect();
+        let n = write_eligible(maps, e.id, &ids)?;
+        // Read again: only this field is ours to change.
+        let vip: Vip = bpfmap::get(&maps.vip_conf, &e.id)?.unwrap_or_default();
+        bpfmap::put(&maps.vip_conf, &e.id, &Vip { eligible_count: n, ..vip })?;
+    }
+    Ok(())
+}
+
+/// Hands the Maglev tables (as many as the map was created for: lb.toml
+/// `maglev_tables`) to the VIPs that read one. A VIP keeps its table from
+/// one apply to the next, so its connections keep their backends; tables
+/// of VIPs that no longer read one, or drain, are free again.
+struct MaglevTables {
+    of_vip: HashMap<u32, u32>,
+    free: Vec<u32>,
+}
+
+impl MaglevTables {
+    fn new(maps: &LbMaps, current: &[VipEntry], vips: &[VipConfig], size: u32) -> Result<Self> {
+        let count = maps.maglev.info()?.info.max_entries / size.max(1);
+        let reading: HashSet<VipId> = vips.iter().filter(|v| uses_maglev_table(v)).map(|v| (v.endpoint(), v.protocol)).collect();
+        let mut of_vip = HashMap::new();
+        let mut taken = HashSet::new();
+        for e in current {
+            let t = e.vip.maglev_table;
+            if reads_maglev_table(&e.vip) && !e.draining() && reading.contains(&e.ident()) && t < count && taken.insert(t) {
+                of_vip.insert(e.id, t);
+            }
+        }
+        let free = (0..count).rev().filter(|t| !taken.contains(t)).collect();
+        Ok(MaglevTables { of_vip, free })
+    }
+
+    fn of(&mut self, vid: u32) -> Result<u32> {
+        if let Some(t) = self.of_vip.get(&vid) {
+            return Ok(*t);
+        }
+        let t = self.free.pop().ok_or_else(|| {
+            anyhow::anyhow!("no free Maglev table: maglev_tables bounds the VIPs that read one (maglev, weighted round-robin, weighted VIPs of more than {SCAN_MAX} backends)")
+        })?;
+        self.of_vip.insert(vid, t);
+        Ok(t)
+    }
+}
+
+/// Writes Maglev table `index` (maglev.rs) of `size` entries for the VIP's
 /// backends in slot order; a drained backend has weight 0 (no new
 /// connections).
-fn write_maglev(maps: &LbMaps, vid: u32, v: &VipConfig, size: u32) -> Result<()> {
+fn write_maglev(maps: &LbMaps, index: u32, v: &VipConfig, size: u32) -> Result<()> {
     let named: Vec<(String, u32)> =
         v.backends.iter().map(|b| (b.endpoint().to_string(), if b.takes_new() { b.weight } else { 0 })).collect();
     let table = super::maglev::table(&named, size);
     // No weight anywhere: every entry names no slot, and the data path
     // falls back to the next eligible one.
     let no_slot = MAX_BACKENDS_PER_VIP;
-    for i in 0..size {
-        let slot = table.get(i as usize).copied().unwrap_or(no_slot);
-        bpfmap::put(&maps.maglev, &(vid * size + i), &slot)?;
-    }
-    Ok(())
+    let keys: Vec<u32> = (0..size).map(|i| index * size + i).collect();
+    let slots: Vec<u32> = (0..size).map(|i| table.get(i as usize).copied().unwrap_or(no_slot)).collect();
+    bpfmap::put_batch(&maps.maglev, &keys, &slots)
 }
 
 /// The live flows (established + closing) the last sweep counted at gauge
@@ -339,30 +444,31 @@ pub fn reap(maps: &LbMaps) -> Result<Vec<String>> {
 struct IdAllocator<'a> {
     maps: &'a LbMaps,
     free: Vec<u32>,
+    /// Removed backends (flags 0) kept for their flows, by endpoint: read
+    /// once, not once per new backend (16k lookups each).
+    tombstones: HashMap<SocketAddr, u32>,
     reclaimed: bool,
 }
 
 impl<'a> IdAllocator<'a> {
     fn new(maps: &'a LbMaps) -> Result<Self> {
         let mut free = Vec::new();
+        let mut tombstones = HashMap::new();
         for id in (0..MAX_BACKENDS).rev() {
             let b: Backend = bpfmap::get(&maps.backends, &id)?.unwrap_or_default();
             if b == Backend::default() {
                 free.push(id);
+            } else if backend_removed(&b) && b.addr != Addr::default() {
+                // Lowest id wins, as the scan in id order did.
+                tombstones.insert(backend_endpoint(&b), id);
             }
         }
-        Ok(IdAllocator { maps, free, reclaimed: false })
+        Ok(IdAllocator { maps, free, tombstones, reclaimed: false })
     }
 
     /// A removed backend (flags 0) with this endpoint, if one is kept.
     fn tombstone(&mut self, ep: SocketAddr) -> Result<Option<u32>> {
-        for id in 0..MAX_BACKENDS {
-            let b: Backend = bpfmap::get(&self.maps.backends, &id)?.unwrap_or_default();
-            if backend_removed(&b) && b.addr != Addr::default() && backend_endpoint(&b) == ep {
-                return Ok(Some(id));
-            }
-        }
-        Ok(None)
+        Ok(self.tombstones.remove(&ep))
     }
 
     fn take(&mut self) -> Result<u32> {
@@ -372,6 +478,7 @@ impl<'a> IdAllocator<'a> {
                 let b: Backend = bpfmap::get(&self.maps.backends, &id)?.unwrap_or_default();
                 if backend_removed(&b) && live(&gauge(self.maps, GAUGE_BACKEND0 + id)?) == 0 {
                     bpfmap::put(&self.maps.backends, &id, &Backend::default())?;
+                    self.tombstones.retain(|_, t| *t != id);
                     self.free.push(id);
                 }
             }

@@ -43,6 +43,9 @@ const SYN_MSS: u16 = 1460;
 const MTU: u16 = 1500;
 /// A small prime table: the fixtures write it whole.
 const MAGLEV_SIZE: u32 = 251;
+/// The Maglev table the fixtures hand their VIP: neither 0 nor VIP_ID, so a
+/// program that reads the table by VIP id shows it.
+const MAGLEV_TABLE: u32 = 5;
 const KEY: Key = Key(*b"fixture-key-0001");
 const KEY_ID: u8 = 7;
 const SEC: u64 = 1_000_000_000;
@@ -410,7 +413,7 @@ impl Fixture {
 
     /// The backend `id` names.
     fn backend_of(&self, id: u32) -> B {
-        (0..MAX_BACKENDS_PER_VIP as u8).flat_map(|i| [backend(i), backend6(i)]).find(|b| b.id == id).expect("known backend")
+        (0..SCAN_MAX as u8).flat_map(|i| [backend(i), backend6(i)]).find(|b| b.id == id).expect("known backend")
     }
 
     /// Sends `c`'s SYN; returns (backend, SNAT port) of its handshake.
@@ -1200,7 +1203,7 @@ fn occupy(fx: &Fixture, b: &B, port: u16, owner: SocketAddr, state: u32, last_se
         backend_port: be_port(b.addr.port()),
         snat_port: be_port(port),
         backend_id: b.id as u16,
-        vip_id: VIP_ID as u8,
+        vip_id: VIP_ID as u16,
         state,
         proto: IPPROTO_TCP,
         last_seen_ns,
@@ -2942,13 +2945,15 @@ fn ip_in_ip_that_is_not_inbands_passes_untouched() {
 
 impl Fixture {
     /// Writes the test VIP's Maglev table as the control plane writes it
-    /// for backends 0.. weighted `w`; returns it.
+    /// for backends 0.. weighted `w` (in table MAGLEV_TABLE, which the VIP
+    /// then names); returns it.
     fn write_table(&self, w: &[u32]) -> Vec<u32> {
         let named: Vec<(String, u32)> = w.iter().enumerate().map(|(i, w)| (backend(i as u8).addr.to_string(), *w)).collect();
         let table = inband_lb::maglev::table(&named, MAGLEV_SIZE);
         for (i, slot) in table.iter().enumerate() {
-            put(&self.lb.skel.maps.maglev, &(VIP_ID * MAGLEV_SIZE + i as u32), slot);
+            put(&self.lb.skel.maps.maglev, &(MAGLEV_TABLE * MAGLEV_SIZE + i as u32), slot);
         }
+        self.update_vip(|v| v.maglev_table = MAGLEV_TABLE);
         table
     }
 }
@@ -3178,7 +3183,7 @@ fn the_control_plane_writes_weights_the_flag_and_the_table_and_weight_0_takes_no
     assert_eq!(written, [(1, BACKEND_ACTIVE), (3, BACKEND_ACTIVE), (0, BACKEND_DRAINING)], "weight 0 is written drained");
     let named: Vec<(String, u32)> = (0..3).map(|i| (backend(i).addr.to_string(), [1, 3, 0][i as usize])).collect();
     let table = inband_lb::maglev::table(&named, MAGLEV_SIZE);
-    let ring: Vec<u32> = (0..MAGLEV_SIZE).map(|i| get(&fx.lb.skel.maps.maglev, &(v.id * MAGLEV_SIZE + i)).unwrap()).collect();
+    let ring: Vec<u32> = (0..MAGLEV_SIZE).map(|i| get(&fx.lb.skel.maps.maglev, &(v.vip.maglev_table * MAGLEV_SIZE + i)).unwrap()).collect();
     assert_eq!(ring, table, "a weighted round-robin VIP gets its table");
     for n in 1..=40u8 {
         assert_eq!(fx.sent_to(client(n)), backend(table[usize::from(n) - 1] as u8).addr);
@@ -3555,4 +3560,243 @@ fn handshakes_are_counted_by_how_they_end_for_passive_health() {
         assert_eq!((st.handshakes_completed, st.handshakes_retried, st.handshakes_refused), (1, 2, 1), "{mode:?}");
         assert!(fx.half_open(client(3)).is_none(), "the refused handshake ended");
     }
+}
+
+// ---------------------------------------------------------- scale
+
+/// Backend `i` of a large configuration: 10.2.(i / 256).(i % 256):8080.
+fn many(i: u32) -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 2, (i / 256) as u8, (i % 256) as u8)), 8080)
+}
+
+/// Client `n` of many: 192.168.(n / 250).(n % 250 + 1), a port of its own.
+fn client_n(n: u32) -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(Ipv4Addr::new(192, 168, (n / 250) as u8, (n % 250 + 1) as u8)), 20000 + (n % 40000) as u16)
+}
+
+/// Applies `text` (an lb.toml) through the control plane and resolves every
+/// backend's MAC as the neighbour resolver would; returns the maps.
+fn apply_large(fx: &Fixture, text: &str) -> inband_lb::tables::LbMaps {
+    let maps = fx.lb.maps().unwrap();
+    let cfg = inband_lb::config::LbConfig::parse(text).unwrap();
+    inband_lb::tables::apply(&maps, &cfg.vips, 0, MAGLEV_SIZE).unwrap();
+    for v in inband_lb::tables::read(&maps).unwrap() {
+        for (id, mut entry) in v.slots {
+            entry.mac = [0x02, 0, 0, 0x0b, (id >> 8) as u8, id as u8];
+            put(&fx.lb.skel.maps.backends, &id, &entry);
+        }
+    }
+    maps
+}
+
+fn lb_toml_head() -> String {
+    format!("interface = \"lo\"\naddress = \"{LB_ADDR}\"\nmaglev_table_size = {MAGLEV_SIZE}\n[auth]\nmode = \"none\"\n")
+}
+
+/// One VIP of MAX_BACKENDS_PER_VIP backends: every 5th drained, every
+/// 7th taken DOWN by the health checker (which rewrites the eligible set),
+/// every 13th DOWN in the backends map only (a verdict the eligible set
+/// has not caught up with yet). A new connection lands on an eligible
+/// backend in every policy, never on a DOWN or drained one, and the spread
+/// over two SYNs per entry of the eligible set is within a stated bound:
+/// round-robin gives each eligible backend two, or four after a stale
+/// entry; least-score and power-of-two (two random choices above
+/// INBAND_SCAN_MAX) at most the mean (rounded up, 3) + 3: the maximum of two
+/// choices is about ln ln n / ln 2 ≈ 3 above the mean at n = 4,096 (4 in all
+/// seen), one random choice would give about 9.
+#[test]
+fn a_vip_of_4096_backends_gives_new_connections_to_eligible_backends_in_bounded_spread() {
+    let n = MAX_BACKENDS_PER_VIP;
+    assert_eq!(n, 4096);
+    for (mode, policy) in [("dsr-rr", "round-robin"), ("dsr-polling", "least-score"), ("dsr-polling", "power-of-two")] {
+        let fx = Fixture::new();
+        let mut text = lb_toml_head()
+            + &format!("[[vip]]\naddress = \"{VIP_ADDR}\"\nport = {VIP_PORT}\nmode = \"{mode}\"\npolicy = \"{policy}\"\n");
+        for i in 0..n {
+            let b = many(i);
+            text += &format!("[[vip.backend]]\naddress = \"{}\"\nport = {}\ndrain = {}\n", b.ip(), b.port(), i % 5 == 0);
+        }
+        let maps = apply_large(&fx, &text);
+        let v = inband_lb::tables::read(&maps).unwrap().remove(0);
+        let id_of: std::collections::HashMap<SocketAddr, u32> =
+            v.slots.iter().map(|(id, b)| (inband_lb::tables::backend_endpoint(b), *id)).collect();
+        let set_down = |i: u32| {
+            let mut b: Backend = get(&fx.lb.skel.maps.backends, &id_of[&many(i)]).unwrap();
+            b.flags |= BACKEND_DOWN;
+            put(&fx.lb.skel.maps.backends, &id_of[&many(i)], &b);
+        };
+        (0..n).filter(|i| i % 7 == 0).for_each(set_down);
+        let checked_down = (0..n).filter(|i| i % 7 == 0).map(|i| id_of[&many(i)]).collect();
+        inband_lb::tables::refresh_eligible(&maps, &checked_down).unwrap();
+        (0..n).filter(|i| i % 13 == 0).for_each(set_down);
+        let eligible: Vec<u32> = (0..n).filter(|i| i % 5 != 0 && i % 7 != 0 && i % 13 != 0).collect();
+        let in_set = (0..n).filter(|i| i % 5 != 0 && i % 7 != 0).count();
+        assert_eq!(u32::from(fx.lb.vip(v.id).unwrap().eligible_count) as usize, in_set, "{policy}: the dense set");
+
+        // Two tickets per entry of the set: round-robin meets each twice.
+        let syns = 2 * in_set as u32;
+        let mean = syns.div_ceil(eligible.len() as u32);
+        let mut per: std::collections::HashMap<SocketAddr, u32> = std::collections::HashMap::new();
+        for c in 0..syns {
+            *per.entry(fx.sent_to(client_n(c))).or_default() += 1;
+        }
+        let allowed: std::collections::HashSet<SocketAddr> = eligible.iter().map(|i| many(*i)).collect();
+        let wrong: Vec<&SocketAddr> = per.keys().filter(|a| !allowed.contains(*a)).collect();
+        assert!(wrong.is_empty(), "{policy}: new connections on DOWN or drained backends: {wrong:?}");
+        assert_eq!(per.values().sum::<u32>(), syns);
+        let max = *per.values().max().unwrap();
+        if policy == "round-robin" {
+            // The dense set in turn; a ticket on a stale entry (DOWN, not
+            // yet out of the set) passes to the next, which takes one more.
+            let min = eligible.iter().map(|i| per.get(&many(*i)).copied().unwrap_or(0)).min().unwrap();
+            assert!(min >= 2 && max <= 4, "{policy}: spread {min}..{max}");
+        } else {
+            assert!(max <= mean + 3, "{policy}: a backend got {max} of {syns} (mean {mean})");
+            assert!(per.len() > eligible.len() * 3 / 4, "{policy}: {} of {} backends got one", per.len(), eligible.len());
+        }
+    }
+}
+
+/// MAX_VIPS VIPs of 16 backends each (MAX_BACKENDS in all): every VIP takes
+/// a connection to one of its own backends, and the connection's next
+/// packet finds it again (a VIP id above 255 in the flow).
+#[test]
+fn a_thousand_vips_of_sixteen_backends_each_are_reachable() {
+    assert_eq!((MAX_VIPS, MAX_BACKENDS), (1024, 16384));
+    let per_vip = MAX_BACKENDS / MAX_VIPS;
+    let vip_n = |v: u32| SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 100, (v / 256) as u8, (v % 256) as u8)), 80);
+    let mut text = lb_toml_head();
+    for v in 0..MAX_VIPS {
+        text += &format!("[[vip]]\naddress = \"{}\"\nport = 80\nmode = \"dsr-rr\"\n", vip_n(v).ip());
+        for j in 0..per_vip {
+            let b = many(v * per_vip + j);
+            text += &format!("[[vip.backend]]\naddress = \"{}\"\nport = {}\n", b.ip(), b.port());
+        }
+    }
+    let fx = Fixture::new();
+    let maps = apply_large(&fx, &text);
+    let ids: std::collections::HashMap<SocketAddr, u32> =
+        inband_lb::tables::read(&maps).unwrap().iter().map(|v| (v.endpoint, v.id)).collect();
+    assert_eq!(ids.len(), MAX_VIPS as usize);
+    for v in 0..MAX_VIPS {
+        let c = client_n(v);
+        let to = |f: PacketBuilder| parse(&fx.tx(&f.build())).expect("a TCP frame").dst;
+        let first = to(PacketBuilder::tcp(c, vip_n(v)).macs(CLIENT_MAC, LB_MAC).syn(SYN_MSS));
+        assert!((0..per_vip).any(|j| many(v * per_vip + j) == first), "VIP {v}: {first}");
+        let f: Flow = get(&fx.lb.skel.maps.half_open, &flow_key_to(c, vip_n(v), IPPROTO_TCP)).expect("half-open flow");
+        assert_eq!(u32::from(f.vip_id), ids[&vip_n(v)]);
+        let next = to(PacketBuilder::tcp(c, vip_n(v)).macs(CLIENT_MAC, LB_MAC).flags(TCP_ACK).seq_no(1001));
+        assert_eq!(next, first, "VIP {v}: the connection's next packet");
+    }
+    // Status at the limits: a lookup or a few per backend, no walk of
+    // anything larger (0.24 s in a debug build here).
+    let started = std::time::Instant::now();
+    let status = inband_lb::snapshot::take("lo", &maps).unwrap();
+    let shown: usize = status.vips.iter().map(|v| v.backends.len()).sum();
+    let text = inband_lb::snapshot::render_table(&status);
+    let took = started.elapsed();
+    assert_eq!(shown, MAX_BACKENDS as usize);
+    assert!(text.contains(&many(MAX_BACKENDS - 1).to_string()));
+    assert!(took < std::time::Duration::from_secs(5), "status of {shown} backends took {took:?}");
+}
+
+/// Above INBAND_SCAN_MAX backends weights still hold: the two choices are
+/// drawn from the Maglev table (in proportion to weight), so a backend of
+/// weight 40 among 39 of weight 1 takes about half the new connections
+/// (drawn uniformly it could take at most about 2 in 40). Maglev itself
+/// places each client side where the control plane's table says.
+#[test]
+fn a_large_weighted_vip_keeps_its_weights_and_a_large_maglev_vip_its_table() {
+    let n = SCAN_MAX + 8;
+    let vip_text = |mode: &str, policy: &str, w0: u32| {
+        let mut text = lb_toml_head()
+            + &format!("[[vip]]\naddress = \"{VIP_ADDR}\"\nport = {VIP_PORT}\nmode = \"{mode}\"\npolicy = \"{policy}\"\n");
+        for i in 0..n {
+            let (b, w) = (many(i), if i == 0 { w0 } else { 1 });
+            text += &format!("[[vip.backend]]\naddress = \"{}\"\nport = {}\nweight = {w}\n", b.ip(), b.port());
+        }
+        text
+    };
+    for policy in ["least-score", "power-of-two"] {
+        let fx = Fixture::new();
+        apply_large(&fx, &vip_text("dsr-polling", policy, 40));
+        let heavy = (0..400).filter(|c| fx.sent_to(client_n(*c)) == many(0)).count();
+        assert!((120..=280).contains(&heavy), "{policy}: weight 40 of 79 took {heavy} of 400");
+    }
+    let fx = Fixture::new();
+    let maps = apply_large(&fx, &vip_text("dsr-rr", "maglev", 1));
+    let named: Vec<(String, u32)> = (0..n).map(|i| (many(i).to_string(), 1)).collect();
+    let table = inband_lb::maglev::table(&named, MAGLEV_SIZE);
+    let v = inband_lb::tables::read(&maps).unwrap().remove(0);
+    let ring: Vec<u32> = (0..MAGLEV_SIZE).map(|i| get(&fx.lb.skel.maps.maglev, &(v.vip.maglev_table * MAGLEV_SIZE + i)).unwrap()).collect();
+    assert_eq!(ring, table);
+    for c in 0..200 {
+        let key = flow_key(client_n(c));
+        let want = table[(inband_lb::maglev::flow_hash(key.as_bytes()) % u64::from(MAGLEV_SIZE)) as usize];
+        assert_eq!(fx.sent_to(client_n(c)), many(want), "client {c}");
+    }
+}
+
+/// The sweeper's pass over backends whose score is getting old walks the
+/// slots of active dsr-dynamic VIPs, however large (and not the 4M slots
+/// there could be): after one pass every backend of a 4,096-backend VIP
+/// and of a VIP after it is due a probe, and none of a dsr-rr VIP's.
+#[test]
+fn one_sweep_marks_every_backend_of_large_dsr_dynamic_vips_due() {
+    let per = [MAX_BACKENDS_PER_VIP, 16, 16];
+    let mut text = lb_toml_head();
+    let mut first = 0;
+    for (v, (n, mode)) in per.iter().zip(["dsr-dynamic", "dsr-dynamic", "dsr-rr"]).enumerate() {
+        text += &format!("[[vip]]\naddress = \"10.100.0.{}\"\nport = 80\nmode = \"{mode}\"\n", v + 1);
+        for i in first..first + n {
+            text += &format!("[[vip.backend]]\naddress = \"{}\"\nport = 8080\n", many(i).ip());
+        }
+        first += n;
+    }
+    let fx = Fixture::new();
+    let maps = apply_large(&fx, &text);
+    let vips = inband_lb::tables::read(&maps).unwrap();
+    for v in &vips {
+        for (id, _) in &v.slots {
+            put(&fx.lb.skel.maps.probe_due, id, &0u32);
+        }
+    }
+    fx.lb.sweep(0).unwrap();
+    for v in &vips {
+        let dynamic = v.vip.mode == Mode::DsrDynamic as u8;
+        let due = v.slots.iter().filter(|(id, _)| get::<u32, u32>(&fx.lb.skel.maps.probe_due, id).unwrap() & PROBE_DUE != 0).count();
+        assert_eq!(due, if dynamic { v.slots.len() } else { 0 }, "VIP {} of {} backends", v.name(), v.slots.len());
+    }
+}
+
+/// A VIP that starts reading a Maglev table (weighted least-score grown past
+/// INBAND_SCAN_MAX backends) gets a table of its own: not the one its zero
+/// `maglev_table` names, which another VIP holds.
+#[test]
+fn a_vip_that_starts_reading_a_maglev_table_gets_its_own() {
+    // The growing VIP first: it has the lower VIP id, so it is met first.
+    let config = |grown: u32| {
+        let mut text = lb_toml_head() + "[[vip]]\naddress = \"10.100.0.2\"\nport = 80\nmode = \"dsr-polling\"\npolicy = \"least-score\"\n";
+        for i in 0..grown {
+            text += &format!("[[vip.backend]]\naddress = \"{}\"\nport = 8080\nweight = {}\n", many(100 + i).ip(), 1 + i % 2);
+        }
+        text += "[[vip]]\naddress = \"10.100.0.1\"\nport = 80\nmode = \"dsr-rr\"\npolicy = \"maglev\"\n";
+        for i in 0..3 {
+            text += &format!("[[vip.backend]]\naddress = \"{}\"\nport = 8080\n", many(i).ip());
+        }
+        text
+    };
+    let fx = Fixture::new();
+    let maps = apply_large(&fx, &config(3));
+    let table_of = |maps: &inband_lb::tables::LbMaps, last: u8| {
+        let v = inband_lb::tables::read(maps).unwrap().into_iter().find(|v| v.endpoint.ip() == IpAddr::V4(Ipv4Addr::new(10, 100, 0, last))).unwrap();
+        v.vip.maglev_table
+    };
+    let maglev = table_of(&maps, 1);
+    let ring = |t: u32| (0..MAGLEV_SIZE).map(|i| get::<u32, u32>(&fx.lb.skel.maps.maglev, &(t * MAGLEV_SIZE + i)).unwrap()).collect::<Vec<_>>();
+    let before = ring(maglev);
+    let maps = apply_large(&fx, &config(SCAN_MAX + 8));
+    assert_eq!(table_of(&maps, 1), maglev, "the Maglev VIP keeps its table");
+    assert_ne!(table_of(&maps, 2), maglev, "the grown VIP gets another");
+    assert_eq!(ring(maglev), before, "the Maglev VIP's table is untouched");
 }

@@ -10,10 +10,19 @@
 #ifndef INBAND_LB_CONSTS_H
 #define INBAND_LB_CONSTS_H
 
-#define INBAND_MAX_VIPS 64
-#define INBAND_MAX_BACKENDS_PER_VIP 32
-/* Backend ids are global, 0 .. INBAND_MAX_BACKENDS-1: they index scores and stats. */
-#define INBAND_MAX_BACKENDS 1024
+/* Limits ("Limits" in docs/architecture.md; config.rs refuses beyond them). */
+#define INBAND_MAX_VIPS 1024
+#define INBAND_MAX_BACKENDS_PER_VIP 4096
+/* Backend ids are global, 0 .. INBAND_MAX_BACKENDS-1: they index scores and
+ * stats; also the bound on backends summed over VIPs. */
+#define INBAND_MAX_BACKENDS 16384
+/* A VIP of at most this many backends is picked for by walking all its
+ * slots (exact least-score); a larger one by sampling its eligible set
+ * (select.h). At most 32: the retry mask of a pick is a bit per slot. */
+#define INBAND_SCAN_MAX 32
+/* Default number of Maglev tables (lb.toml `maglev_tables`): one per VIP
+ * that reads one (Maglev, weighted round-robin, weighted sampling). */
+#define INBAND_MAGLEV_DEFAULT_TABLES 64
 /* Default sizes; the control plane sets the real ones at load (lb.toml
  * `flow_table_size`): half-open = 1/4, SNAT reservations = 2× (see
  * "Flow lifecycle" in docs/architecture.md for why). */
@@ -52,7 +61,8 @@ enum inband_policy {
 
 /*
  * Maglev: each VIP's lookup table is `maglev_size` (lb_config; a prime)
- * entries of map `maglev` from VIP id * maglev_size, each a slot of the
+ * entries of map `maglev` from its vip_conf.maglev_table * maglev_size
+ * (tables are handed to the VIPs that read one), each a slot of the
  * VIP, written by the control plane (crates/inband/src/lb/maglev.rs). A
  * new connection's slot is entry SipHash-2-4(flow key) % maglev_size under
  * this fixed key: the same on every balancer, so instances behind ECMP
@@ -128,7 +138,7 @@ enum inband_event {
 	INBAND_EV_MAX = 33,
 };
 
-/* gauges[0] = whole table (plus half_open count), [1 + vip id], [1 + 64 + backend id]. */
+/* gauges[0] = whole table (plus half_open count), [1 + vip id], [1 + INBAND_MAX_VIPS + backend id]. */
 #define INBAND_GAUGE_TOTAL 0
 #define INBAND_GAUGE_VIP0 1
 #define INBAND_GAUGE_BACKEND0 (1 + INBAND_MAX_VIPS)

@@ -26,7 +26,10 @@ INBAND_PINNED_ARRAY(lb_config, struct inband_lb_config, 1);
 INBAND_PINNED_ARRAY(auth_keys, struct inband_auth_key, INBAND_AUTH_MAX_KEYS);
 INBAND_PINNED_ARRAY(vip_conf, struct inband_vip, INBAND_MAX_VIPS);
 INBAND_PINNED_ARRAY(backends, struct inband_backend, INBAND_MAX_BACKENDS);
-INBAND_PINNED_ARRAY(vip_backends, __u32, INBAND_MAX_VIPS *INBAND_MAX_BACKENDS_PER_VIP);
+INBAND_PINNED_ARRAY(vip_backends, struct inband_vip_slots, INBAND_MAX_VIPS);
+/* Written by the control plane only (tables.rs, and health.rs when a
+ * backend goes DOWN or comes back), under its config lock. */
+INBAND_PINNED_ARRAY(vip_eligible, struct inband_vip_eligible, INBAND_MAX_VIPS);
 INBAND_PINNED_ARRAY(scores, struct inband_backend_score, INBAND_MAX_BACKENDS);
 /* Shared, not per-CPU: operators expect strict rotation, and one atomic add
  * per new connection is cheap next to the rest of the SYN path. */
@@ -55,8 +58,8 @@ INBAND_PINNED_PERCPU(drops, __u64, INBAND_DROP_MAX);
 INBAND_PINNED_PERCPU(events, __u64, INBAND_EV_MAX);
 
 INBAND_PINNED(vips, BPF_MAP_TYPE_HASH, struct inband_vip_key, __u32, INBAND_MAX_VIPS);
-/* Sized INBAND_MAX_VIPS * maglev_size when the program is loaded. */
-INBAND_PINNED_ARRAY(maglev, __u32, INBAND_MAX_VIPS *INBAND_MAGLEV_DEFAULT_SIZE);
+/* Sized maglev_tables * maglev_size when the program is loaded. */
+INBAND_PINNED_ARRAY(maglev, __u32, INBAND_MAGLEV_DEFAULT_TABLES *INBAND_MAGLEV_DEFAULT_SIZE);
 
 /* Established and closing connections. LRU: when it is full the least
  * recently used flow (the longest idle) is the one that goes. */

@@ -30,12 +30,12 @@ static long sid_step(__u32 slot, void *arg)
 
 	if (slot >= s->count)
 		return 1;
-	__u32 idx = s->vid * INBAND_MAX_BACKENDS_PER_VIP + slot;
-	__u32 *id = bpf_map_lookup_elem(&vip_backends, &idx);
+	__u32 vid = s->vid;
+	const struct inband_vip_slots *slots = bpf_map_lookup_elem(&vip_backends, &vid);
 
-	if (!id)
+	if (!slots)
 		return 0;
-	__u32 bid = *id;
+	__u32 bid = slots->backend[slot & (INBAND_MAX_BACKENDS_PER_VIP - 1)];
 	struct inband_backend *be = bpf_map_lookup_elem(&backends, &bid);
 
 	if (!be || be->quic_server_id != s->sid || !(be->flags & (INBAND_BACKEND_ACTIVE | INBAND_BACKEND_DRAINING)))

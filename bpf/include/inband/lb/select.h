@@ -42,6 +42,17 @@
  * Round-robin cannot rank; on a VIP whose weights differ it walks the VIP's
  * Maglev table in turn, which holds each backend in proportion to its
  * weight, interleaved (maglev.rs).
+ *
+ * Large VIPs (more than INBAND_SCAN_MAX slots) are not walked: a new
+ * connection costs the same at 33 backends as at 4,096. The control plane
+ * keeps each VIP's eligible slots (ACTIVE, not DOWN) dense in
+ * vip_eligible; least-score and power-of-two both become two random
+ * choices from it (drawn from the Maglev table instead, so in proportion
+ * to weight, when the weights differ), compared as above; round-robin
+ * takes the eligible entry its ticket names. An entry the control plane
+ * has not caught up with yet (a backend just gone DOWN) is passed over
+ * for the next one, so every pick is still checked eligible.
+ * docs/decisions.md ("Selection at scale") has the costs.
  */
 #ifndef INBAND_LB_SELECT_H
 #define INBAND_LB_SELECT_H
@@ -50,6 +61,10 @@
 #include "inband/siphash.h"
 
 _Static_assert(sizeof(struct inband_flow_key) % 8 == 0, "the Maglev hash reads the flow key in 8-byte words");
+_Static_assert(INBAND_SCAN_MAX <= 32, "a pick's retry mask is a bit per walked slot");
+_Static_assert((INBAND_MAX_BACKENDS_PER_VIP & (INBAND_MAX_BACKENDS_PER_VIP - 1)) == 0,
+	       "a slot is bounded by a mask");
+_Static_assert(INBAND_MAX_BACKENDS <= 65536, "vip_backends holds backend ids in 16 bits");
 
 static __always_inline __u64 load_estimate(const struct inband_backend_score *s, __u64 now, __u64 max_age_ns)
 {
@@ -76,7 +91,10 @@ struct pick {
 	__u64 best; /* least-score: the estimate of the lightest so far */
 	__u32 vid;
 	__u32 count; /* valid slots, <= INBAND_MAX_BACKENDS_PER_VIP */
-	__u32 skip; /* slots excluded (bit per slot): backends found without a free port */
+	__u32 eligible; /* large VIPs: entries of its dense eligible set */
+	__u32 table; /* its Maglev table (weighted sampling) */
+	__u32 weighted; /* large VIPs: sample from the Maglev table */
+	__u32 skip; /* slots excluded (bit per slot; small VIPs): backends found without a free port */
 	__u32 start; /* round-robin: first slot to try */
 	__u32 seen; /* candidates met so far (least-score: ties of best) */
 	__u32 id; /* chosen backend id */
@@ -96,14 +114,14 @@ struct pick {
  * the next eligible slot: the least disruption of the table. */
 static __always_inline const struct inband_backend *active_slot(const struct pick *p, __u32 slot, __u32 *id_out)
 {
-	if (slot < 32 && (p->skip & (1U << slot)))
+	if (slot < INBAND_SCAN_MAX && (p->skip & (1U << slot)))
 		return NULL;
-	__u32 idx = p->vid * INBAND_MAX_BACKENDS_PER_VIP + slot;
-	__u32 *id = bpf_map_lookup_elem(&vip_backends, &idx);
+	__u32 vid = p->vid;
+	const struct inband_vip_slots *slots = bpf_map_lookup_elem(&vip_backends, &vid);
 
-	if (!id)
+	if (!slots)
 		return NULL;
-	__u32 bid = *id;
+	__u32 bid = slots->backend[slot & (INBAND_MAX_BACKENDS_PER_VIP - 1)];
 	struct inband_backend *be = bpf_map_lookup_elem(&backends, &bid);
 
 	if (!be || (be->flags & (INBAND_BACKEND_ACTIVE | INBAND_BACKEND_DOWN)) != INBAND_BACKEND_ACTIVE)
@@ -154,6 +172,32 @@ static __always_inline int take_slot(struct pick *p, __u32 slot)
 	p->slot = slot;
 	p->found = 1;
 	return 1;
+}
+
+/* The slot in entry `i` (modulo its size) of Maglev table `table`
+ * (INBAND_MAX_BACKENDS_PER_VIP if there is no table). */
+static __always_inline __u32 maglev_entry(__u32 table, __u64 i)
+{
+	__u32 zero = 0;
+	struct inband_lb_config *cfg = bpf_map_lookup_elem(&lb_config, &zero);
+
+	if (!cfg || !cfg->maglev_size)
+		return INBAND_MAX_BACKENDS_PER_VIP;
+	__u32 idx = table * cfg->maglev_size + (__u32)(i % cfg->maglev_size);
+	__u32 *slot = bpf_map_lookup_elem(&maglev, &idx);
+
+	return slot ? *slot : INBAND_MAX_BACKENDS_PER_VIP;
+}
+
+/* Entry `i` (modulo its size) of a large VIP's eligible set. */
+static __always_inline __u32 eligible_slot(const struct pick *p, __u32 i)
+{
+	__u32 vid = p->vid;
+	const struct inband_vip_eligible *e = bpf_map_lookup_elem(&vip_eligible, &vid);
+
+	if (!e || !p->eligible)
+		return INBAND_MAX_BACKENDS_PER_VIP;
+	return e->slot[(i % p->eligible) & (INBAND_MAX_BACKENDS_PER_VIP - 1)];
 }
 
 static __always_inline __u64 estimate_of(__u32 id, const struct pick *p)
@@ -247,9 +291,57 @@ static __always_inline long two_choices_step(__u32 slot, void *arg)
 	return 0;
 }
 
+/* Large VIPs, round-robin and what Maglev passes on: the eligible set in
+ * turn from `start`. */
+static __always_inline long eligible_step(__u32 i, void *arg)
+{
+	struct pick *p = arg;
+
+	return take_slot(p, eligible_slot(p, p->start + i));
+}
+
+/* Large VIPs, least-score and power-of-two: two distinct eligible backends
+ * drawn at random (from the Maglev table if weighted: in proportion to
+ * weight), the second step's draw compared with the first's after the
+ * loop. A draw that is not eligible (the set not yet rewritten after a
+ * change) or repeats the first is drawn again. */
+static __always_inline long sample_step(__u32 i, void *arg)
+{
+	struct pick *p = arg;
+	const struct inband_backend *be;
+	__u32 r = bpf_get_prandom_u32(), id;
+	__u32 slot = p->weighted ? maglev_entry(p->table, r) : INBAND_MAX_BACKENDS_PER_VIP;
+
+	be = slot < p->count ? active_slot(p, slot, &id) : NULL;
+	if (!be) {
+		/* Unweighted, or the table's entry is not eligible (a DOWN
+		 * backend keeps its entries): the dense set answers. */
+		slot = eligible_slot(p, r);
+		be = slot < p->count ? active_slot(p, slot, &id) : NULL;
+	}
+	if (!be || (p->seen && id == p->id))
+		return 0;
+	if (explore(p, id, slot))
+		return 1;
+	if (!p->seen) {
+		p->id = id;
+		p->slot = slot;
+		p->weight = weight_of(be);
+		p->seen = 1;
+		return 0;
+	}
+	p->other = id;
+	p->other_slot = slot;
+	p->other_weight = weight_of(be);
+	p->seen = 2;
+	return 1;
+}
+
 #define PICK_ROUND_ROBIN 0
 #define PICK_LEAST_SCORE 1
 #define PICK_TWO_CHOICES 2
+#define PICK_ELIGIBLE 3
+#define PICK_SAMPLE 4
 
 /* One bpf_loop call site for every policy: the verifier inlines each call
  * site with stack slots of its own, and a new connection's path needs the
@@ -262,29 +354,11 @@ static long pick_step(__u32 slot, void *arg)
 		return least_score_step(slot, arg);
 	if (p->how == PICK_TWO_CHOICES)
 		return two_choices_step(slot, arg);
+	if (p->how == PICK_ELIGIBLE)
+		return eligible_step(slot, arg);
+	if (p->how == PICK_SAMPLE)
+		return sample_step(slot, arg);
 	return round_robin_step(slot, arg);
-}
-
-/* The slot in entry `i` (modulo its size) of VIP `vid`'s Maglev table
- * (INBAND_MAX_BACKENDS_PER_VIP if there is no table). */
-static __always_inline __u32 maglev_entry(__u32 vid, __u64 i)
-{
-	__u32 zero = 0;
-	struct inband_lb_config *cfg = bpf_map_lookup_elem(&lb_config, &zero);
-
-	if (!cfg || !cfg->maglev_size)
-		return INBAND_MAX_BACKENDS_PER_VIP;
-	__u32 idx = vid * cfg->maglev_size + (__u32)(i % cfg->maglev_size);
-	__u32 *slot = bpf_map_lookup_elem(&maglev, &idx);
-
-	return slot ? *slot : INBAND_MAX_BACKENDS_PER_VIP;
-}
-
-/* The slot the VIP's Maglev table gives the connection `fk`. */
-static __always_inline __u32 maglev_slot(__u32 vid, const struct inband_flow_key *fk)
-{
-	return maglev_entry(vid, inband_siphash24_words(INBAND_MAGLEV_K0, INBAND_MAGLEV_K1, (const __u8 *)fk,
-							sizeof(*fk) / 8));
 }
 
 /* The choice select_backend() returns. */
@@ -308,6 +382,8 @@ __noinline int select_backend(const struct inband_vip *vip, __u32 vid, __u32 ski
 	struct pick p = {
 		.vid = vid,
 		.count = vip->backend_count,
+		.eligible = vip->eligible_count,
+		.table = vip->maglev_table,
 		.max_age_ns = vip->score_max_age_ns,
 		.skip = skip,
 		/* The clock here, not the caller's: five arguments at most. */
@@ -320,21 +396,36 @@ __noinline int select_backend(const struct inband_vip *vip, __u32 vid, __u32 ski
 		return 0;
 	/* passthrough and dsr-rr have no score feedback to rank by. */
 	int by_score = score_mode(vip->mode);
+	int large = p.count > INBAND_SCAN_MAX;
 	int taken = 0;
 
+	if (large) {
+		/* The retry mask names slots below 32 only: a retry after a
+		 * backend without a free port draws again instead. */
+		p.skip = 0;
+		p.weighted = !!(vip->flags & INBAND_VIP_WEIGHTED);
+		if (!p.eligible)
+			return 0;
+	}
 	if (by_score && vip->policy == INBAND_POLICY_LEAST_SCORE) {
-		p.how = PICK_LEAST_SCORE;
+		p.how = large ? PICK_SAMPLE : PICK_LEAST_SCORE;
 	} else if (by_score && vip->policy == INBAND_POLICY_POWER_OF_TWO) {
-		p.how = PICK_TWO_CHOICES;
+		p.how = large ? PICK_SAMPLE : PICK_TWO_CHOICES;
 	} else if (vip->policy == INBAND_POLICY_MAGLEV) {
-		__u32 slot = maglev_slot(vid, fk);
+		__u64 h = inband_siphash24_words(INBAND_MAGLEV_K0, INBAND_MAGLEV_K1, (const __u8 *)fk, sizeof(*fk) / 8);
+		__u32 slot = maglev_entry(p.table, h);
 
 		/* If its slot is not eligible (no table yet, a backend without
 		 * a free port, a change not yet written), the walk takes the
 		 * next eligible slot after it: such connections spread rather
 		 * than pile up on one backend. */
-		taken = take_slot(&p, slot);
+		if (!(large && skip))
+			taken = take_slot(&p, slot);
 		p.start = slot + 1;
+		if (large) {
+			p.how = PICK_ELIGIBLE;
+			p.start = skip ? bpf_get_prandom_u32() : (__u32)h;
+		}
 	} else {
 		__u32 *cursor = bpf_map_lookup_elem(&rr_cursor, &vid);
 
@@ -349,15 +440,18 @@ __noinline int select_backend(const struct inband_vip *vip, __u32 vid, __u32 ski
 			/* Consecutive tickets meet each backend as often as
 			 * the table holds it; an ineligible entry passes on
 			 * as under Maglev. */
-			__u32 slot = maglev_entry(vid, ticket);
+			__u32 slot = maglev_entry(p.table, ticket);
 
 			taken = take_slot(&p, slot);
-			p.start = slot + 1;
+			if (!large)
+				p.start = slot + 1;
 		}
+		if (large)
+			p.how = PICK_ELIGIBLE;
 	}
 	if (!taken)
-		bpf_loop(INBAND_MAX_BACKENDS_PER_VIP, pick_step, &p, 0);
-	if (p.how == PICK_TWO_CHOICES) {
+		bpf_loop(INBAND_SCAN_MAX, pick_step, &p, 0);
+	if (p.how == PICK_TWO_CHOICES || p.how == PICK_SAMPLE) {
 		p.found = p.seen > 0;
 		if (p.seen > 1 && !p.explored) {
 			int cmp = cmp_load(estimate_of(p.other, &p), p.other_weight, estimate_of(p.id, &p), p.weight);

@@ -147,18 +147,34 @@ static long sweep_hold(struct bpf_map *map, struct inband_nat_key *key, struct i
  * an exploration ticket, one new connection whatever its estimate
  * (select.h). Both bits are cleared by what uses them, so a backend gets
  * at most one exploration per pass while stale. */
-static long mark_probes_due(__u32 i, struct sweep_ctx *c)
+struct probes_walk {
+	struct sweep_ctx *c;
+	__u32 vid;
+	__u32 slot;
+};
+
+/* One step of the walk over the slots of active dsr-dynamic VIPs: a step
+ * per such slot and per VIP, not per possible slot (4M). */
+static long mark_probes_due(__u32 i, struct probes_walk *w)
 {
-	__u32 vid = i / INBAND_MAX_BACKENDS_PER_VIP, slot = i % INBAND_MAX_BACKENDS_PER_VIP;
+	__u32 vid = w->vid, slot = w->slot;
+
+	if (vid >= INBAND_MAX_VIPS)
+		return 1;
 	struct inband_vip *vc = bpf_map_lookup_elem(&vip_conf, &vid);
 
-	if (!vc || vc->mode != INBAND_MODE_DSR_DYNAMIC || slot >= vc->backend_count)
+	if (!vc || vc->mode != INBAND_MODE_DSR_DYNAMIC || !(vc->flags & INBAND_VIP_ACTIVE) ||
+	    slot >= vc->backend_count || slot >= INBAND_MAX_BACKENDS_PER_VIP) {
+		w->vid++;
+		w->slot = 0;
 		return 0;
-	__u32 *bid = bpf_map_lookup_elem(&vip_backends, &i);
+	}
+	w->slot++;
+	const struct inband_vip_slots *slots = bpf_map_lookup_elem(&vip_backends, &vid);
 
-	if (!bid)
+	if (!slots)
 		return 0;
-	__u32 id = *bid;
+	__u32 id = slots->backend[slot & (INBAND_MAX_BACKENDS_PER_VIP - 1)];
 	struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &id);
 	__u32 *due = bpf_map_lookup_elem(&probe_due, &id);
 
@@ -167,7 +183,7 @@ static long mark_probes_due(__u32 i, struct sweep_ctx *c)
 	/* Options do not reach it: the daemon polls it instead. */
 	if (!s || !due || !be || (be->flags & INBAND_BACKEND_OPTIONS_LOST))
 		return 0;
-	__s64 age = s->updated_ns ? (__s64)(c->now - s->updated_ns) : -1;
+	__s64 age = s->updated_ns ? (__s64)(w->c->now - s->updated_ns) : -1;
 
 	if (age < 0 || age >= (__s64)(vc->score_max_age_ns / 2))
 		__sync_fetch_and_or(due, INBAND_PROBE_DUE);
@@ -201,7 +217,10 @@ int sweep(struct sweep_args *args)
 	bpf_for_each_map_elem(&half_open, sweep_half_open, &c, 0);
 	bpf_for_each_map_elem(&snat, sweep_snat, &c, 0);
 	bpf_for_each_map_elem(&half_open_ports, sweep_hold, &c, 0);
-	bpf_loop(INBAND_MAX_VIPS * INBAND_MAX_BACKENDS_PER_VIP, mark_probes_due, &c, 0);
+	struct probes_walk w = { .c = &c };
+
+	/* Active VIPs hold at most INBAND_MAX_BACKENDS slots in all (config.rs). */
+	bpf_loop(INBAND_MAX_VIPS + INBAND_MAX_BACKENDS, mark_probes_due, &w, 0);
 	st->half_open = c.half_open;
 	st->snat_entries = c.snat_entries;
 	st->last_ns = bpf_ktime_get_ns();

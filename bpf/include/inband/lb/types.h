@@ -50,12 +50,15 @@ struct inband_vip_key {
 struct inband_vip {
 	struct inband_addr addr;
 	__be16 port;
-	__u16 backend_count; /* slots [0, backend_count) of vip_backends are valid */
+	__u16 backend_count; /* slots [0, backend_count) of vip_backends[id] are valid */
 	__u8 mode; /* enum inband_mode */
 	__u8 policy; /* enum inband_policy */
 	__u16 flags; /* INBAND_VIP_* */
 	__u8 proto; /* IPPROTO_TCP or IPPROTO_UDP, as in its key */
-	__u8 pad[3];
+	__u8 pad;
+	/* Entries [0, eligible_count) of vip_eligible: its slots that may take
+	 * a new connection (ACTIVE, not DOWN), kept by the control plane. */
+	__u16 eligible_count;
 	/* dsr-dynamic: a backend is asked (124) every n-th packet, n between
 	 * these two (equal: a fixed n; 0: never); n adapts per backend to how
 	 * fast its score changes (score.h). */
@@ -63,6 +66,10 @@ struct inband_vip {
 	__u32 probe_interval_max;
 	/* At most this many 124s a second per backend, whatever n says; 0 = no bound. */
 	__u32 probe_budget;
+	/* Its Maglev table's index in `maglev`, when it reads one (Maglev,
+	 * INBAND_VIP_WEIGHTED round-robin or sampling; select.h). */
+	__u32 maglev_table;
+	__u32 pad1;
 	__u64 score_max_age_ns; /* older scores are stale: they decay (see select.h) */
 	__u64 syn_timeout_ns; /* half-open flows (UDP: until the client's second packet) */
 	__u64 idle_timeout_ns; /* established flows without a packet */
@@ -108,7 +115,20 @@ struct inband_backend {
 	__u64 drain_deadline_ns; /* removed or draining: flows still here then are ended; 0 = wait */
 };
 
-/* vip_backends[vip id * INBAND_MAX_BACKENDS_PER_VIP + slot] = backend id. */
+/* vip_backends[vip id].backend[slot] = backend id. One value per VIP, u16
+ * ids: 8 KiB a VIP where a u32 array entry per slot took 32 KiB (the kernel
+ * rounds array values to 8 bytes), and a VIP's slots are written in one
+ * update. */
+struct inband_vip_slots {
+	__u16 backend[INBAND_MAX_BACKENDS_PER_VIP];
+};
+
+/* vip_eligible[vip id]: entries [0, eligible_count) are its slots that may
+ * take a new connection, the dense set a large VIP picks from (select.h).
+ * One value per VIP, as vip_backends. */
+struct inband_vip_eligible {
+	__u16 slot[INBAND_MAX_BACKENDS_PER_VIP];
+};
 
 /* probe_due[backend id] bits. */
 #define INBAND_PROBE_DUE 1 /* its next packet asks for a score (report older than max age / 2) */
@@ -184,8 +204,7 @@ struct inband_flow {
 	__be16 backend_port;
 	__be16 snat_port;
 	__u16 backend_id;
-	__u8 vip_id;
-	__u8 mode; /* the VIP's mode when the flow started */
+	__u16 vip_id;
 	__u32 state; /* enum inband_flow_state; transitions by compare-and-swap */
 	__u8 client_mac[6]; /* L2 source the client's packets came from: return next hop */
 	__u8 flags; /* INBAND_FLOW_* */
@@ -195,7 +214,8 @@ struct inband_flow {
 	__be32 syn_seq;
 	__be32 probe_nonce; /* nonce of the outstanding 124 */
 	__u8 proto; /* IPPROTO_TCP or IPPROTO_UDP */
-	__u8 pad0[3];
+	__u8 mode; /* the VIP's mode when the flow started */
+	__u8 pad0[2];
 	__u64 last_seen_ns; /* CLOCK_MONOTONIC: last sweep that found it seen, or the handshake's time */
 	__u8 seen; /* a packet came since the last sweep (own byte: written without atomics) */
 	__u8 client_done; /* TCP: the client sent its FIN or RST, in its window (own byte, as `seen`) */

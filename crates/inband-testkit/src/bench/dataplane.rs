@@ -432,7 +432,7 @@ pub fn table_scale(syns: u32, backends: u8) -> Result<TableScale> {
     Ok(TableScale {
         syns,
         backends,
-        half_open_table: inband_lb::attach::table_sizes(FLOW_TABLE_SIZE, 0)[1].1,
+        half_open_table: inband_lb::attach::table_sizes(FLOW_TABLE_SIZE, 0, 0)[1].1,
         snat_ports: u32::from(backends) * SNAT_PORTS,
         forwarded,
         dropped,
