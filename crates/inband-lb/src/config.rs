@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use super::maps::{Mode, Policy, MAX_BACKENDS, MAX_BACKENDS_PER_VIP, MAX_VIPS};
+use super::maps::{Mode, Policy, MAX_BACKENDS, MAX_BACKENDS_PER_VIP, MAX_VIPS, SCAN_MAX};
 use inband_core::auth::AuthConfig;
 use inband_core::net::{unicast, vip_name, Protocol};
 pub use inband_core::lb_control::{default_control_socket, default_weight, Encap};
@@ -65,7 +65,7 @@ pub struct LbConfig {
     pub maglev_table_size: u32,
     /// How many Maglev tables the data path holds (memory: this ×
     /// maglev_table_size × 4 bytes): at most this many VIPs may read one
-    /// (tables::uses_maglev_table). Fixed while the data path stays attached.
+    /// (VipConfig::uses_maglev_table). Fixed while the data path stays attached.
     #[serde(default = "default_maglev_tables")]
     pub maglev_tables: u32,
     #[serde(default)]
@@ -458,6 +458,25 @@ impl VipConfig {
         }
     }
 
+    /// Whether the backends that take new connections differ in weight: the VIP
+    /// then says VIP_WEIGHTED (least-score and power-of-two weigh any VIP's
+    /// backends; round-robin needs the table for it).
+    pub fn weighted(&self) -> bool {
+        let mut weights = self.backends.iter().filter(|b| b.takes_new()).map(|b| b.weight);
+        weights.next().is_some_and(|first| weights.any(|w| w != first))
+    }
+
+    /// Whether the data path reads the VIP's Maglev table: policy maglev,
+    /// weighted round-robin, which walks it in turn, and a weighted VIP too
+    /// large to walk, whose two choices are drawn from it (select.h).
+    pub fn uses_maglev_table(&self) -> bool {
+        match self.effective_policy() {
+            Policy::Maglev => true,
+            Policy::RoundRobin => self.weighted(),
+            Policy::LeastScore | Policy::PowerOfTwo => self.weighted() && self.backends.len() > SCAN_MAX as usize,
+        }
+    }
+
     pub fn idle_timeout_s(&self) -> u64 {
         self.idle_timeout_s.unwrap_or(match self.protocol {
             Protocol::Tcp => TCP_IDLE_TIMEOUT_S,
@@ -582,7 +601,7 @@ impl LbConfig {
         in_range("options_retry_s", self.options_retry_s, &OPTIONS_RETRY_S)?;
         in_range("maglev_table_size", u64::from(self.maglev_table_size), &MAGLEV_TABLE_SIZE)?;
         in_range("maglev_tables", self.maglev_tables, &(1..=MAX_VIPS))?;
-        let reading = self.vips.iter().filter(|v| crate::tables::uses_maglev_table(v)).count();
+        let reading = self.vips.iter().filter(|v| v.uses_maglev_table()).count();
         if reading > self.maglev_tables as usize {
             bail!(
                 "{reading} VIPs read a Maglev table (maglev, weighted round-robin, weighted VIPs of more than {} backends), \

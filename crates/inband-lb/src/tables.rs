@@ -205,7 +205,7 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64, maglev_si
             policy: v.effective_policy() as u8,
             flags: VIP_ACTIVE
                 | if v.quic { VIP_QUIC } else { 0 }
-                | if weighted(v) { VIP_WEIGHTED } else { 0 }
+                | if v.weighted() { VIP_WEIGHTED } else { 0 }
                 | if v.health.on_down == OnDown::Reset { VIP_RESET_DOWN } else { 0 }
                 | if v.health.all_down == AllDown::Refuse { VIP_REFUSE_EMPTY } else { 0 },
             proto: key.proto,
@@ -243,7 +243,7 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64, maglev_si
         // The table and the eligible set before the VIP says maglev or
         // weighted or counts them: a pick finds them filled.
         let mut new = new;
-        if uses_maglev_table(v) {
+        if v.uses_maglev_table() {
             new.maglev_table = tables.of(vid)?;
             write_maglev(maps, new.maglev_table, v, maglev_size)?;
         }
@@ -278,25 +278,6 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64, maglev_si
         }
     }
     Ok(())
-}
-
-/// Whether the backends that take new connections differ in weight: the VIP
-/// then says VIP_WEIGHTED (least-score and power-of-two weigh any VIP's
-/// backends; round-robin needs the table for it).
-fn weighted(v: &VipConfig) -> bool {
-    let mut weights = v.backends.iter().filter(|b| b.takes_new()).map(|b| b.weight);
-    weights.next().is_some_and(|first| weights.any(|w| w != first))
-}
-
-/// Whether the data path reads the VIP's Maglev table: policy maglev,
-/// weighted round-robin, which walks it in turn, and a weighted VIP too
-/// large to walk, whose two choices are drawn from it (select.h).
-pub fn uses_maglev_table(v: &VipConfig) -> bool {
-    match v.effective_policy() {
-        Policy::Maglev => true,
-        Policy::RoundRobin => weighted(v),
-        Policy::LeastScore | Policy::PowerOfTwo => weighted(v) && v.backends.len() > SCAN_MAX as usize,
-    }
 }
 
 /// Writes VIP `vid`'s slots: backend ids in slot order, in one update.
@@ -373,7 +354,7 @@ struct MaglevTables {
 impl MaglevTables {
     fn new(maps: &LbMaps, current: &[VipEntry], vips: &[VipConfig], size: u32) -> Result<Self> {
         let count = maps.maglev.info()?.info.max_entries / size.max(1);
-        let reading: HashSet<VipId> = vips.iter().filter(|v| uses_maglev_table(v)).map(|v| (v.endpoint(), v.protocol)).collect();
+        let reading: HashSet<VipId> = vips.iter().filter(|v| v.uses_maglev_table()).map(|v| (v.endpoint(), v.protocol)).collect();
         let mut of_vip = HashMap::new();
         let mut taken = HashSet::new();
         for e in current {
@@ -528,7 +509,7 @@ mod tests {
 
     #[test]
     fn a_vip_is_weighted_when_the_backends_taking_connections_differ() {
-        let rr = |w, d| weighted(&vip("dsr-rr", "round-robin", w, d));
+        let rr = |w, d| vip("dsr-rr", "round-robin", w, d).weighted();
         assert!(!rr([1, 1, 1], [false; 3]));
         assert!(!rr([5, 5, 5], [false; 3]), "equal weights are no weights");
         assert!(rr([1, 3, 1], [false; 3]));
@@ -539,7 +520,7 @@ mod tests {
 
     #[test]
     fn the_maglev_table_is_written_for_maglev_and_weighted_round_robin() {
-        let uses = |mode, policy, w| uses_maglev_table(&vip(mode, policy, w, [false; 3]));
+        let uses = |mode, policy, w| vip(mode, policy, w, [false; 3]).uses_maglev_table();
         assert!(uses("dsr-rr", "maglev", [1, 1, 1]));
         assert!(uses("dsr-rr", "round-robin", [1, 2, 1]));
         assert!(!uses("dsr-rr", "round-robin", [1, 1, 1]));
