@@ -263,7 +263,7 @@ def test_tiny_profile_end_to_end(tmp_path):
     # learnings. In one learning of a few seconds a single slow round on
     # this 2-core machine can cut the 4-worker server's search short: CI
     # once saw [0.181, 0.328, 0.164, 0.328]. tests/weights.rs asserts the
-    # full order of the learned capacities on 1/2/4 workers.
+    # full order of the learned capacities and weights on 1/2/4 workers.
     both = [a + b for a, b in zip(*learned.values())]
     assert both[2] > both[0], learned
     assert data["ilp"] and data["ilp"][0]["solve_ms"] > 0

@@ -1,7 +1,8 @@
 //! The one health-check client of inband: `inband lb`'s checks, `inband
 //! mesh`'s and `inband proxy`'s all probe backends with [`probe`] and count
 //! the results with [`Verdicts`], so a backend is judged the same way
-//! wherever it is checked.
+//! wherever it is checked. `inband weights` times its latency probes with
+//! [`timed`], the same exchange read to the end of the body.
 //!
 //! A probe is one fresh connection (as HAProxy's and Envoy's checks are):
 //! a pooled connection that still works says nothing about whether a new
@@ -12,7 +13,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::Empty;
+use http_body_util::{BodyExt, Empty};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpSocket;
 
@@ -31,6 +32,9 @@ pub enum Expect {
     /// 200-399, as HAProxy's `httpchk` and Envoy's default.
     SuccessOrRedirect,
     Codes(Vec<u16>),
+    /// Any status below 500: the server answered. A latency probe counts a
+    /// 4xx as served; only a 5xx says it could not serve (a full queue).
+    Answered,
 }
 
 impl Expect {
@@ -38,6 +42,7 @@ impl Expect {
         match self {
             Expect::SuccessOrRedirect => (200..400).contains(&status),
             Expect::Codes(c) => c.contains(&status),
+            Expect::Answered => status < 500,
         }
     }
 }
@@ -81,10 +86,31 @@ pub struct Passed {
     pub status: Option<u16>,
 }
 
+/// A passed [`timed`] probe.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timed {
+    pub status: Option<u16>,
+    /// From the connect to the last byte of the body.
+    pub elapsed: Duration,
+}
+
 /// Probes `target` once, from `source` if given (the address the caller's
 /// traffic to it comes from), within `timeout` for the whole exchange.
+/// A check needs only the status line; the body is not read.
 pub async fn probe(target: SocketAddr, source: Option<IpAddr>, what: &Probe, timeout: Duration) -> Result<Passed, Failure> {
-    match tokio::time::timeout(timeout, exchange(target, source, what)).await {
+    within(timeout, exchange(target, source, what, Body::Skip)).await
+}
+
+/// [`probe`] read to the end of the response's body, and timed: a latency
+/// probe measures what a client waits for, the whole response.
+pub async fn timed(target: SocketAddr, source: Option<IpAddr>, what: &Probe, timeout: Duration) -> Result<Timed, Failure> {
+    let started = std::time::Instant::now();
+    let passed = within(timeout, exchange(target, source, what, Body::Read)).await?;
+    Ok(Timed { status: passed.status, elapsed: started.elapsed() })
+}
+
+async fn within(timeout: Duration, exchange: impl std::future::Future<Output = Result<Passed, Failure>>) -> Result<Passed, Failure> {
+    match tokio::time::timeout(timeout, exchange).await {
         Ok(r) => r,
         Err(_) => Err(Failure {
             kind: FailureKind::Timeout,
@@ -94,7 +120,13 @@ pub async fn probe(target: SocketAddr, source: Option<IpAddr>, what: &Probe, tim
     }
 }
 
-async fn exchange(target: SocketAddr, source: Option<IpAddr>, what: &Probe) -> Result<Passed, Failure> {
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Body {
+    Skip,
+    Read,
+}
+
+async fn exchange(target: SocketAddr, source: Option<IpAddr>, what: &Probe, body: Body) -> Result<Passed, Failure> {
     let socket = if target.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }.map_err(io_failure)?;
     if let Some(src) = source {
         socket.bind(SocketAddr::new(src, 0)).map_err(io_failure)?;
@@ -118,6 +150,15 @@ async fn exchange(target: SocketAddr, source: Option<IpAddr>, what: &Probe) -> R
         .map_err(|e| Failure { kind: FailureKind::Error, status: None, detail: format!("check request: {e}") })?;
     let response = sender.send_request(request).await.map_err(http_failure)?;
     let status = response.status().as_u16();
+    if body == Body::Read {
+        // However it breaks (hyper reports a short body as an I/O error),
+        // a body cut short means the client got no whole answer.
+        response.into_body().collect().await.map_err(|e| Failure {
+            kind: FailureKind::Closed,
+            status: Some(status),
+            detail: format!("the body broke off: {e}"),
+        })?;
+    }
     if expect.accepts(status) {
         Ok(Passed { status: Some(status) })
     } else {
@@ -311,6 +352,30 @@ mod tests {
         drop(l);
         let e = probe(addr, None, &Probe::Tcp, T).await.unwrap_err();
         assert_eq!(e.kind, FailureKind::Refused);
+    }
+
+    #[tokio::test]
+    async fn a_timed_probe_waits_for_the_whole_body_and_fails_only_on_5xx() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let _slow = tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut b = [0u8; 512];
+            let _ = s.read(&mut b).await.unwrap();
+            s.write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 4\r\n\r\nab").await.unwrap();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            s.write_all(b"cd").await.unwrap();
+        });
+        let answered = Probe::Http { path: "/".into(), host: "h".into(), expect: Expect::Answered };
+        let t = timed(addr, None, &answered, T).await.unwrap();
+        assert_eq!(t.status, Some(404));
+        assert!(t.elapsed >= Duration::from_millis(200), "the body's last bytes came 200 ms after the head: {t:?}");
+        let (addr, _s) = answering(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n").await;
+        let e = timed(addr, None, &answered, T).await.unwrap_err();
+        assert_eq!((e.kind, e.status), (FailureKind::BadStatus, Some(503)));
+        let (addr, _s) = answering(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort").await;
+        let e = timed(addr, None, &answered, T).await.unwrap_err();
+        assert_eq!(e.kind, FailureKind::Closed, "a body cut short is no answer: {e}");
     }
 
     #[test]

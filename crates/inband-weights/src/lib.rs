@@ -9,7 +9,6 @@ pub mod config;
 mod controller;
 pub mod learn;
 mod observe;
-mod probe;
 mod shares;
 pub mod solve;
 pub mod status;
@@ -21,7 +20,6 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 
 pub use apply::haproxy_weights;
-pub use probe::{get as http_get, Failure as HttpFailure};
 
 #[derive(clap::Subcommand, Debug)]
 pub enum WeightsCommand {

@@ -8,8 +8,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use inband_health::{FailureKind, Probe};
+
 use super::config::WeightsConfig;
-use super::probe::{self, Failure, Handshake};
 
 /// The failure detector: this many TCP handshakes per backend every
 /// `HEALTH_EVERY` (the seed's 3 requests per 100 ms). A backend fails when
@@ -30,7 +31,7 @@ const PROBES_FAILED: usize = 3;
 /// One latency probe: in flight while `outcome` is None.
 pub(super) struct Sample {
     pub(super) sent: Instant,
-    pub(super) outcome: Option<Result<f64, Failure>>,
+    pub(super) outcome: Option<Result<f64, FailureKind>>,
 }
 
 /// What the probe and health tasks learn about one backend.
@@ -74,7 +75,7 @@ impl Observed {
     pub(super) fn probes_failing(&self) -> bool {
         let samples = self.samples.lock().unwrap();
         let done: Vec<&Sample> = samples.iter().rev().filter(|s| s.outcome.is_some()).take(PROBES_FAILED).collect();
-        done.len() == PROBES_FAILED && done.iter().all(|s| matches!(s.outcome, Some(Err(Failure::Connect | Failure::Exchange))))
+        done.len() == PROBES_FAILED && done.iter().all(|s| matches!(s.outcome, Some(Err(kind)) if !matches!(kind, FailureKind::Timeout | FailureKind::BadStatus)))
     }
 
     /// The median of the probes answered in [from, to]: the unloaded
@@ -105,6 +106,7 @@ pub(super) fn watch(addr: SocketAddr, cfg: &WeightsConfig, stop: Arc<AtomicBool>
 /// The seed's latency probes: `probe_rate` a second, each on its own
 /// schedule (a slow answer does not delay the next probe).
 async fn probe_loop(addr: SocketAddr, path: String, t: Timing, obs: Arc<Observed>, stop: Arc<AtomicBool>) {
+    let probe = Probe::Http { path, host: addr.to_string(), expect: inband_health::Expect::Answered };
     let mut tick = tokio::time::interval(t.every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while !stop.load(Ordering::Relaxed) {
@@ -117,9 +119,9 @@ async fn probe_loop(addr: SocketAddr, path: String, t: Timing, obs: Arc<Observed
             }
             s.push_back(Sample { sent, outcome: None });
         }
-        let (obs, path) = (obs.clone(), path.clone());
+        let (obs, probe) = (obs.clone(), probe.clone());
         tokio::spawn(async move {
-            let r = probe::get(addr, &path, t.timeout).await.map(|d| d.as_secs_f64() * 1e3);
+            let r = inband_health::timed(addr, None, &probe, t.timeout).await.map(|p| p.elapsed.as_secs_f64() * 1e3).map_err(|f| f.kind);
             let mut s = obs.samples.lock().unwrap();
             if let Some(x) = s.iter_mut().rev().find(|x| x.sent == sent) {
                 x.outcome = Some(r);
@@ -134,12 +136,32 @@ async fn health_loop(addr: SocketAddr, obs: Arc<Observed>, stop: Arc<AtomicBool>
     let mut health = Health::default();
     while !stop.load(Ordering::Relaxed) {
         tick.tick().await;
-        let tries: Vec<_> = (0..HEALTH_TRIES).map(|_| tokio::spawn(probe::handshake(addr, HEALTH_EVERY))).collect();
+        let tries: Vec<_> = (0..HEALTH_TRIES).map(|_| tokio::spawn(handshake(addr, HEALTH_EVERY))).collect();
         let mut window = Vec::with_capacity(HEALTH_TRIES);
         for t in tries {
             window.push(t.await.unwrap_or(Handshake::Silent));
         }
         obs.unhealthy.store(health.after(&window), Ordering::Relaxed);
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Handshake {
+    Done,
+    /// Refused, unreachable: the host or its port is gone.
+    Refused,
+    /// No answer in time: gone, or only too busy to accept (a full listen
+    /// queue drops SYNs); told apart by how long it lasts.
+    Silent,
+}
+
+/// A TCP handshake with `addr` within `timeout`: the failure detector's
+/// light request, which costs the server's application nothing.
+async fn handshake(addr: SocketAddr, timeout: Duration) -> Handshake {
+    match inband_health::probe(addr, None, &Probe::Tcp, timeout).await {
+        Ok(_) => Handshake::Done,
+        Err(f) if f.kind == FailureKind::Timeout => Handshake::Silent,
+        Err(_) => Handshake::Refused,
     }
 }
 
@@ -227,18 +249,18 @@ mod tests {
             let mut s = obs.samples.lock().unwrap();
             s.push_back(Sample { sent: t0, outcome: Some(Ok(10.0)) });
             s.push_back(Sample { sent: t0, outcome: None });
-            s.push_back(Sample { sent: t0, outcome: Some(Err(Failure::Status(503))) });
+            s.push_back(Sample { sent: t0, outcome: Some(Err(FailureKind::BadStatus)) });
         }
         let w = obs.window(t0, Instant::now()).unwrap();
         assert_eq!(w.count, 2);
         assert!(w.failed && w.mean_ms >= (10.0 + 500.0) / 2.0, "{w:?}");
         assert!(!obs.probes_failing(), "a 503 is an answer");
         for _ in 0..3 {
-            obs.samples.lock().unwrap().push_back(Sample { sent: Instant::now(), outcome: Some(Err(Failure::Timeout)) });
+            obs.samples.lock().unwrap().push_back(Sample { sent: Instant::now(), outcome: Some(Err(FailureKind::Timeout)) });
         }
         assert!(!obs.probes_failing(), "timeouts are a busy server");
         for _ in 0..3 {
-            obs.samples.lock().unwrap().push_back(Sample { sent: Instant::now(), outcome: Some(Err(Failure::Connect)) });
+            obs.samples.lock().unwrap().push_back(Sample { sent: Instant::now(), outcome: Some(Err(FailureKind::Refused)) });
         }
         assert!(obs.probes_failing());
     }

@@ -15,6 +15,15 @@ use super::learn::Curve;
 /// responsive to failures (the seed's reason for its multi-step ILP).
 const TIME_LIMIT_S: f64 = 10.0;
 
+/// The headroom tie-breaker's weight, as a share of the fastest unloaded
+/// latency. Unloaded latencies measured by the probes on a busy host
+/// differ between identical servers: 22–25 ms for three 20 ms servers
+/// (15%) in the namespace test. At 1% such a gap once loaded a 1-worker
+/// server near its knee (0.175 of the traffic for a capacity of 0.19)
+/// while a 2-worker one took 0.169 of its 0.47. Gaps above ~20% are real
+/// and still decide.
+const HEADROOM: f64 = 0.2;
+
 #[derive(Clone, Debug, Serialize)]
 pub struct Solved {
     /// One per backend, summing to 1 (0 for a backend left out).
@@ -23,7 +32,7 @@ pub struct Solved {
     pub solve_ms: f64,
     /// The program's value at the answer: the expected mean latency (ms)
     /// for `Objective::Mean`, the sum of latencies for `Sum` (plus the
-    /// tie-breaking headroom term, at most 1% of the fastest latency).
+    /// tie-breaking headroom term, at most HEADROOM of the fastest latency).
     pub objective_ms: f64,
     /// Set when the program had no answer and the weights follow the
     /// backends' measured capacities instead.
@@ -104,12 +113,12 @@ fn step(curves: &[Option<Curve>], cands: &[Vec<f64>], objective: Objective, thet
     let spread = theta.map(|_| (vars.add(variable().min(0.0).max(1.0)), vars.add(variable().min(0.0).max(1.0))));
     // Below capacity latency curves are flat, and many splits are equally
     // fast: a light load would be split by measurement noise. A cost of
-    // 1% of the fastest unloaded latency times w²/w_max (at most that 1%)
-    // breaks such ties towards the split that leaves every backend the
-    // same headroom (Σ w²/w_max under Σ w = 1 is least at weights in
-    // proportion to w_max) and changes no answer a real latency gap decides.
+    // HEADROOM × the fastest unloaded latency × w²/w_max breaks such ties
+    // towards the split that leaves every backend the same headroom
+    // (Σ w²/w_max under Σ w = 1 is least at weights in proportion to
+    // w_max).
     let floor = curves.iter().flatten().map(|c| c.latency(0.0)).filter(|l| l.is_finite() && *l > 0.0).fold(f64::INFINITY, f64::min);
-    let headroom = if floor.is_finite() { 0.01 * floor } else { 0.0 };
+    let headroom = if floor.is_finite() { HEADROOM * floor } else { 0.0 };
     let mut cost = Expression::from(0.0);
     let mut covered = Expression::from(0.0);
     for (d, c) in cands.iter().enumerate() {

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
-use inband_weights::{http_get, HttpFailure};
+use inband_health::{FailureKind, Probe};
 
 #[derive(clap::Args, Debug)]
 pub struct OpenLoopArgs {
@@ -82,7 +82,8 @@ pub fn run(a: &OpenLoopArgs) -> Result<OpenLoopResult> {
 async fn drive(a: &OpenLoopArgs, addr: SocketAddr, path: String) -> Result<OpenLoopResult> {
     let total = (a.rate * a.seconds).round() as u64;
     let timeout = Duration::from_millis(a.timeout_ms);
-    let done: Arc<Mutex<Vec<Result<f64, HttpFailure>>>> = Arc::new(Mutex::new(Vec::with_capacity(total as usize)));
+    let probe = Probe::Http { path, host: addr.to_string(), expect: inband_health::Expect::Answered };
+    let done: Arc<Mutex<Vec<Result<f64, FailureKind>>>> = Arc::new(Mutex::new(Vec::with_capacity(total as usize)));
     let in_flight = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut out = OpenLoopResult { rate: a.rate, seconds: a.seconds, ..Default::default() };
     let start = Instant::now();
@@ -96,9 +97,9 @@ async fn drive(a: &OpenLoopArgs, addr: SocketAddr, path: String) -> Result<OpenL
             continue;
         }
         in_flight.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let (done, in_flight, path) = (done.clone(), in_flight.clone(), path.clone());
+        let (done, in_flight, probe) = (done.clone(), in_flight.clone(), probe.clone());
         tasks.push(tokio::spawn(async move {
-            let r = http_get(addr, &path, timeout).await.map(|_| due.elapsed().as_secs_f64() * 1e3);
+            let r = inband_health::timed(addr, None, &probe, timeout).await.map(|_| due.elapsed().as_secs_f64() * 1e3).map_err(|f| f.kind);
             done.lock().unwrap().push(r);
             in_flight.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         }));
@@ -111,10 +112,10 @@ async fn drive(a: &OpenLoopArgs, addr: SocketAddr, path: String) -> Result<OpenL
     for r in done.lock().unwrap().iter() {
         match r {
             Ok(ms) => lat.push(*ms),
-            Err(HttpFailure::Connect) => out.connect_errors += 1,
-            Err(HttpFailure::Exchange) => out.exchange_errors += 1,
-            Err(HttpFailure::Timeout) => out.timeouts += 1,
-            Err(HttpFailure::Status(_)) => out.status_5xx += 1,
+            Err(FailureKind::Refused | FailureKind::Unreachable) => out.connect_errors += 1,
+            Err(FailureKind::Closed | FailureKind::Malformed | FailureKind::Error) => out.exchange_errors += 1,
+            Err(FailureKind::Timeout) => out.timeouts += 1,
+            Err(FailureKind::BadStatus) => out.status_5xx += 1,
         }
     }
     out.ok = lat.len() as u64;
