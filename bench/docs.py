@@ -17,14 +17,16 @@ import re
 import sys
 from pathlib import Path
 
-from . import conformance, ecmp, forwarding, health, mesh, paper, proxy, regimes, resilience, scaleout, weights
+from . import cache, conformance, dataplane, ecmp, forwarding, health, mesh, paper, proxy, regimes, resilience, scaleout, weights
 from .lib import results
 
 DOCS = results.REPO / "docs" / "benchmarks.md"
 
 # Each study's renderer: its record in, its tables out.
 RENDER = {
+    "cache": cache.render,
     "conformance": conformance.render,
+    "dataplane": dataplane.render,
     "ecmp": ecmp.render,
     "forwarding": forwarding.render,
     "health": health.render,
