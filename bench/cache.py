@@ -76,6 +76,10 @@ def render(record: dict) -> str:
                    f"{r['p99_us']:.1f} | {r['cpu_us_per_op']:.1f} | {r['peak_rss_mib']:.0f} |")
     out += ["", "| backend | load s | reopen full store ms | same, file pages not cached | on disk MiB |", "|---|---:|---:|---:|---:|"]
     for f in record["fills"]:
+        if f["backend"] == "memory":
+            # Nothing to load or reopen: each run process fills its heap.
+            out.append("| memory | – | – (not durable) | – (not durable) | 0 |")
+            continue
         out.append(f"| {f['backend']} | {f['load_s']:.1f} | {f['reopen_ms']:.1f} | {f['reopen_cold_ms']:.1f} | {f['disk_mib']:.0f} |")
     return "\n".join(out) + "\n"
 
