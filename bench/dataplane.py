@@ -94,10 +94,9 @@ def render(record: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def reasons(by_reason) -> str:
-    """The drop counters that moved, `name n` each, or `none`."""
-    items = by_reason.items() if isinstance(by_reason, dict) else by_reason
-    shown = [f"{name} {n}" for name, n in items if n]
+def reasons(by_reason: list) -> str:
+    """The drop counters that moved ([name, n] pairs), `name n` each, or `none`."""
+    shown = [f"{name} {n}" for name, n in by_reason if n]
     return ", ".join(shown) or "none"
 
 
