@@ -195,6 +195,14 @@ pub struct HealthConfig {
     /// times; 0 = no passive detection.
     #[serde(default = "default_passive_fall")]
     pub passive_fall: u32,
+    /// How long checks that time out are taken for a busy backend, not a
+    /// gone one, while the data path sees clients complete handshakes with
+    /// it (a full listen queue drops the check's SYN, not the clients'
+    /// ones it has room for). Bounded because those handshakes are the
+    /// clients' word: a client can acknowledge a SYN-ACK it never got.
+    /// 0 = every timeout counts toward `fall`.
+    #[serde(default = "default_busy_max_ms")]
+    pub busy_max_ms: u64,
     /// What a down backend's established flows do.
     #[serde(default)]
     pub on_down: OnDown,
@@ -254,6 +262,7 @@ impl HealthConfig {
         in_range(&format!("vip {ep}: health.interval_ms"), self.interval_ms, &HEALTH_INTERVAL_MS)?;
         in_range(&format!("vip {ep}: health.fast_interval_ms"), self.fast_interval_ms, &HEALTH_INTERVAL_MS)?;
         in_range(&format!("vip {ep}: health.timeout_ms"), self.timeout_ms, &HEALTH_TIMEOUT_MS)?;
+        in_range(&format!("vip {ep}: health.busy_max_ms"), self.busy_max_ms, &HEALTH_BUSY_MAX_MS)?;
         in_range(&format!("vip {ep}: health.rise"), self.rise, &HEALTH_IN_A_ROW)?;
         in_range(&format!("vip {ep}: health.fall"), self.fall, &HEALTH_IN_A_ROW)?;
         in_range(&format!("vip {ep}: health.jitter_pct"), self.jitter_pct, &(0..=50))?;
@@ -376,6 +385,12 @@ fn default_jitter_pct() -> u32 {
 fn default_passive_fall() -> u32 {
     3
 }
+// Overload fills listen queues for moments (checks between them pass and
+// end the span); a host that died under forged acknowledgements is still
+// taken down within seconds.
+fn default_busy_max_ms() -> u64 {
+    10_000
+}
 pub fn default_maglev_tables() -> u32 {
     crate::maps::MAGLEV_DEFAULT_TABLES
 }
@@ -429,6 +444,7 @@ pub const MAGLEV_TABLE_SIZE: std::ops::RangeInclusive<u64> = 251..=1_000_003;
 pub const WEIGHT_MAX: u32 = 65_535;
 pub const HEALTH_INTERVAL_MS: std::ops::RangeInclusive<u64> = 50..=600_000;
 pub const HEALTH_TIMEOUT_MS: std::ops::RangeInclusive<u64> = 10..=60_000;
+pub const HEALTH_BUSY_MAX_MS: std::ops::RangeInclusive<u64> = 0..=600_000;
 pub const HEALTH_IN_A_ROW: std::ops::RangeInclusive<u32> = 1..=100;
 
 fn in_range<T: PartialOrd + std::fmt::Display>(what: &str, v: T, r: &std::ops::RangeInclusive<T>) -> Result<()> {

@@ -55,6 +55,11 @@ struct Checked {
     seen: (u64, u64, u64),
     suspect_refused: u64,
     suspect_unanswered: u64,
+    /// Handshakes completed when the check in flight started, and since
+    /// when (with how many) checks in a row were taken for busy.
+    completed_at_check: u64,
+    busy_since_ms: Option<u64>,
+    busy_in_a_row: u32,
 }
 
 impl Drop for Checked {
@@ -65,24 +70,37 @@ impl Drop for Checked {
 
 type Outcome = Result<inband_health::Passed, Failure>;
 
+/// What a prober tells the judge: a check starts (the judge notes the
+/// data path's count of completed handshakes), or how it ended.
+enum Report {
+    Started,
+    Done(Outcome),
+}
+type Reports = mpsc::Sender<(u32, SocketAddr, Report)>;
+
 pub fn run(maps: &LbMaps, shared: &Mutex<LbConfig>, stop: &AtomicBool) -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("health-check runtime")?;
     rt.block_on(judge(maps, shared, stop))
 }
 
 async fn judge(maps: &LbMaps, shared: &Mutex<LbConfig>, stop: &AtomicBool) -> Result<()> {
-    let (tx, mut rx) = mpsc::channel::<(u32, SocketAddr, Outcome)>(1024);
+    let (tx, mut rx) = mpsc::channel::<(u32, SocketAddr, Report)>(1024);
     let mut checked: HashMap<u32, Checked> = HashMap::new();
     let mut sync = tokio::time::interval(SYNC_EVERY);
     let mut passive = tokio::time::interval(PASSIVE_EVERY);
     let mut panicking: HashSet<String> = HashSet::new();
     while !stop.load(Ordering::Relaxed) {
         tokio::select! {
-            Some((id, endpoint, outcome)) = rx.recv() => {
+            Some((id, endpoint, report)) = rx.recv() => {
                 // A result of a prober replaced since is not this backend's.
                 let Some(ch) = checked.get_mut(&id).filter(|ch| ch.target.endpoint == endpoint) else { continue };
-                if record(maps, id, ch, outcome)? {
-                    publish(maps, shared, &checked, &mut panicking)?;
+                match report {
+                    Report::Started => ch.completed_at_check = completed(maps, id)?,
+                    Report::Done(outcome) => {
+                        if record(maps, id, ch, outcome)? {
+                            publish(maps, shared, &checked, &mut panicking)?;
+                        }
+                    }
                 }
             }
             _ = passive.tick() => {
@@ -105,7 +123,7 @@ async fn judge(maps: &LbMaps, shared: &Mutex<LbConfig>, stop: &AtomicBool) -> Re
 
 /// Starts probers for backends that need checking, stops those of backends
 /// gone or changed, and marks unchecked backends so.
-fn resync(maps: &LbMaps, shared: &Mutex<LbConfig>, checked: &mut HashMap<u32, Checked>, tx: &mpsc::Sender<(u32, SocketAddr, Outcome)>) -> Result<()> {
+fn resync(maps: &LbMaps, shared: &Mutex<LbConfig>, checked: &mut HashMap<u32, Checked>, tx: &Reports) -> Result<()> {
     let cfg = shared.lock().unwrap().clone();
     let mut wanted: HashMap<u32, Target> = HashMap::new();
     let mut unchecked = Vec::new();
@@ -158,6 +176,9 @@ fn resync(maps: &LbMaps, shared: &Mutex<LbConfig>, checked: &mut HashMap<u32, Ch
                 seen: (stats.handshakes_completed, stats.handshakes_refused, stats.handshakes_retried),
                 suspect_refused: 0,
                 suspect_unanswered: 0,
+                completed_at_check: stats.handshakes_completed,
+                busy_since_ms: None,
+                busy_in_a_row: 0,
             },
         );
     }
@@ -174,12 +195,15 @@ fn resync(maps: &LbMaps, shared: &Mutex<LbConfig>, checked: &mut HashMap<u32, Ch
 
 /// Probes one backend until aborted: every interval (with jitter), or every
 /// fast interval while its results disagree with its state.
-async fn prober(id: u32, t: Target, up: Arc<AtomicBool>, tx: mpsc::Sender<(u32, SocketAddr, Outcome)>) {
+async fn prober(id: u32, t: Target, up: Arc<AtomicBool>, tx: Reports) {
     let timeout = Duration::from_millis(t.spec.timeout_ms);
     loop {
+        if tx.send((id, t.endpoint, Report::Started)).await.is_err() {
+            return;
+        }
         let outcome = inband_health::probe(t.addr, t.source, &t.probe, timeout).await;
         let unsettled = outcome.is_ok() != up.load(Ordering::Relaxed);
-        if tx.send((id, t.endpoint, outcome)).await.is_err() {
+        if tx.send((id, t.endpoint, Report::Done(outcome))).await.is_err() {
             return;
         }
         let base = if unsettled { t.spec.fast_interval_ms } else { t.spec.interval_ms };
@@ -205,9 +229,18 @@ fn reason_of(f: &Failure) -> u32 {
 fn record(maps: &LbMaps, id: u32, ch: &mut Checked, outcome: Outcome) -> Result<bool> {
     let mut h: BackendHealth = bpfmap::get(&maps.backend_health, &id)?.unwrap_or_default();
     let up = h.state != HEALTH_DOWN;
+    let now = now_ms();
+    let busy = busy(maps, id, ch, &outcome, up, now)?;
     let spec = &ch.target.spec;
-    let change = ch.verdicts.record(spec.rise, spec.fall, up, outcome.is_ok());
-    h.last_check_ms = now_ms();
+    // A busy backend's check is no vote, and it breaks a run of failures:
+    // the backend was seen serving between them.
+    let change = if busy {
+        ch.verdicts = Verdicts::default();
+        None
+    } else {
+        ch.verdicts.record(spec.rise, spec.fall, up, outcome.is_ok())
+    };
+    h.last_check_ms = now;
     match &outcome {
         Ok(p) => {
             h.checks_passed += 1;
@@ -223,10 +256,11 @@ fn record(maps: &LbMaps, id: u32, ch: &mut Checked, outcome: Outcome) -> Result<
     if up || change.is_some() {
         h.reason = match &outcome {
             Ok(_) => c::INBAND_HEALTH_PASSING,
+            Err(_) if busy => c::INBAND_HEALTH_BUSY,
             Err(f) => reason_of(f),
         } as u8;
     }
-    h.in_a_row = ch.verdicts.in_a_row();
+    h.in_a_row = if busy { ch.busy_in_a_row } else { ch.verdicts.in_a_row() };
     if h.state == 0 {
         h.state = HEALTH_UP;
         h.since_ms = h.last_check_ms;
@@ -244,6 +278,43 @@ fn record(maps: &LbMaps, id: u32, ch: &mut Checked, outcome: Outcome) -> Result<
     }
     bpfmap::put(&maps.backend_health, &id, &h)?;
     Ok(change.is_some())
+}
+
+fn completed(maps: &LbMaps, id: u32) -> Result<u64> {
+    Ok(tables::sum_percpu::<BackendStats>(&maps.backend_stats, id)?.handshakes_completed)
+}
+
+/// Whether a check of an up backend that timed out finds it busy rather
+/// than gone: clients completed handshakes with it while the check waited
+/// (a full listen queue drops some SYNs, the check's among them, and takes
+/// others; a host silenced before the check started completes none), for
+/// at most `busy_max_ms` in a row. Refusals and errors say the port or
+/// host is gone whatever clients do.
+fn busy(maps: &LbMaps, id: u32, ch: &mut Checked, outcome: &Outcome, up: bool, now: u64) -> Result<bool> {
+    let served = completed(maps, id)? > ch.completed_at_check;
+    let max = ch.target.spec.busy_max_ms;
+    let timed_out = matches!(outcome, Err(f) if f.kind == FailureKind::Timeout);
+    if !(timed_out && up && served && max > 0) {
+        (ch.busy_since_ms, ch.busy_in_a_row) = (None, 0);
+        return Ok(false);
+    }
+    // The span outlives its bound: until a check passes or clients stop
+    // completing handshakes, every timeout counts again.
+    let since = *ch.busy_since_ms.get_or_insert(now);
+    if now.saturating_sub(since) >= max {
+        if ch.busy_in_a_row > 0 {
+            let t = &ch.target;
+            warn!(vip = %t.vip, backend = %t.endpoint, busy_max_ms = max, "checks kept timing out although clients' handshakes complete: no longer taken for busy");
+            ch.busy_in_a_row = 0;
+        }
+        return Ok(false);
+    }
+    if ch.busy_in_a_row == 0 {
+        let t = &ch.target;
+        info!(vip = %t.vip, backend = %t.endpoint, "backend busy: a check timed out while clients' handshakes with it complete; kept up");
+    }
+    ch.busy_in_a_row += 1;
+    Ok(true)
 }
 
 /// Passive detection: the handshakes the data path saw this backend refuse

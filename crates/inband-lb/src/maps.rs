@@ -186,6 +186,7 @@ pub const HEALTH_REASON_NAMES: [&str; c::INBAND_HEALTH_REASON_MAX as usize] = [
     "passive_refused",
     "passive_unanswered",
     "not_checked",
+    "busy",
 ];
 
 pub fn health_reason_name(r: u8) -> &'static str {

@@ -135,6 +135,78 @@ fn a_recovered_host_is_not_ejected_again_for_syns_sent_while_it_was_down() {
     all_served(&c, 0, 4, "after the recovery");
 }
 
+/// Clients through the VIP, each loop a shell that ends when killed.
+fn client_loops(c: &Cluster, n: usize) -> Vec<std::process::Child> {
+    let script = format!("for i in $(seq 2000); do curl -s -o /dev/null --max-time 3 http://{}/; done", vip(&c.tb));
+    (0..n).map(|_| in_ns(&c.tb, "c1", &["sh", "-c", &script]).spawn().unwrap()).collect()
+}
+
+fn stop(loops: Vec<std::process::Child>) {
+    for mut l in loops {
+        let _ = l.kill();
+        let _ = l.wait();
+    }
+}
+
+/// Switches the VIP's checks (`check = "tcp"` or `"http"`) by a reload.
+fn set_check(c: &Cluster, kind: &str) {
+    let cfg = c.dir.join("lb.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let text = text.replace("check = \"tcp\"", &format!("check = \"{kind}\"")).replace("check = \"http\"", &format!("check = \"{kind}\""));
+    std::fs::write(&cfg, text).unwrap();
+    assert!(c.ctl_ok(&["reload"]), "reload: {}", String::from_utf8_lossy(&c.ctl(&["reload"]).stderr));
+}
+
+/// A backend too busy to answer its checks in time (its HTTP answer takes
+/// 400 ms, the check waits 200 ms: as a full listen queue drops the
+/// check's SYN) stays up while clients keep completing handshakes with it,
+/// and keeps serving them; the same timeouts with no client take it down,
+/// and so do timeouts that last longer than `busy_max_ms`, since the
+/// clients' handshakes are only their word.
+#[test]
+fn a_busy_backend_stays_up_an_idle_or_endlessly_busy_one_does_not() {
+    let c = Cluster::with(
+        Spec::new("hb", "dsr-rr")
+            .servers(2)
+            .lb("metrics = \"127.0.0.1:9100\"")
+            .serve(2, &["--service-ms", "400", "--workers", "64"])
+            .vip("policy = \"round-robin\"\n[vip.health]\ncheck = \"tcp\"\npath = \"/\"\ntimeout_ms = 200\ninterval_ms = 300\nfast_interval_ms = 150\nbusy_max_ms = 4000"),
+    );
+    wait_for("both checked", || (1..=2).all(|i| backend(&c, 0, i)["health"]["reason"] == "passing"));
+    let loops = client_loops(&c, 8);
+    std::thread::sleep(Duration::from_millis(500));
+    set_check(&c, "http");
+    wait_for("a check taken for busy", || backend(&c, 0, 2)["health"]["reason"] == "busy");
+    let (t0, n0) = (backend(&c, 0, 2)["health"]["transitions"].as_u64().unwrap(), new_conns(&c, 0, 2));
+    std::thread::sleep(Duration::from_millis(2000));
+    let b = backend(&c, 0, 2);
+    let h = &b["health"];
+    assert_eq!((h["state"].as_str(), h["reason"].as_str()), (Some("up"), Some("busy")), "{b}");
+    assert_eq!(h["transitions"].as_u64().unwrap(), t0, "never down while busy: {b}");
+    assert!(h["in_a_row"].as_u64().unwrap() >= 4, "checks in a row taken for busy: {b}");
+    assert!(new_conns(&c, 0, 2) > n0 + 4, "the busy backend keeps serving: {b}");
+    let text = metrics(&c);
+    assert!(text.contains(&format!("inband_backend_up{{vip=\"{}\",backend=\"{}\",reason=\"busy\"}} 1\n", vip(&c.tb), server(&c.tb, 2))), "{text}");
+    // No client completes a handshake with it any more: its timeouts count.
+    stop(loops);
+    let took = wait_health(&c, 0, 2, "down", Duration::from_secs(3));
+    assert!(took < Duration::from_millis(2500), "down within a few fast checks once clients stop, long before busy_max_ms: {took:?}");
+    assert_eq!(backend(&c, 0, 2)["health"]["reason"], "timeout");
+    // Back by its TCP checks, then busy again for longer than busy_max_ms.
+    set_check(&c, "tcp");
+    wait_health(&c, 0, 2, "up", Duration::from_secs(3));
+    let loops = client_loops(&c, 8);
+    std::thread::sleep(Duration::from_millis(500));
+    set_check(&c, "http");
+    wait_for("busy again", || backend(&c, 0, 2)["health"]["reason"] == "busy");
+    let t0 = Instant::now();
+    let took = wait_health(&c, 0, 2, "down", Duration::from_secs(8));
+    stop(loops);
+    assert!(took > Duration::from_millis(3000), "kept up as busy for busy_max_ms (4 s): down after {:?}", t0.elapsed());
+    assert_eq!(backend(&c, 0, 2)["health"]["reason"], "timeout");
+    all_served(&c, 0, 4, "beside the backend taken down");
+}
+
 fn metrics(c: &Cluster) -> String {
     scrape(c, "/metrics")
 }

@@ -308,7 +308,8 @@ enum inband_health_reason {
 	INBAND_HEALTH_PASSIVE_REFUSED = 9, /* the data path saw it refuse handshakes (RST to SYNs) */
 	INBAND_HEALTH_PASSIVE_UNANSWERED = 10, /* the data path saw its SYNs go unanswered */
 	INBAND_HEALTH_NOT_CHECKED = 11, /* checks off for its VIP (`health.check = "none"`) */
-	INBAND_HEALTH_REASON_MAX = 12,
+	INBAND_HEALTH_BUSY = 12, /* checks time out while clients' handshakes with it complete */
+	INBAND_HEALTH_REASON_MAX = 13,
 };
 
 #define INBAND_HEALTH_UP 1
