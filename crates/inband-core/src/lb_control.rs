@@ -200,6 +200,20 @@ pub enum ControlRequest {
     },
     /// Re-read the config file the daemon was started with and apply it.
     Reload,
+    /// Which backend a client side's packets go to and why: its entry in
+    /// the flow table, or what the VIP's policy would choose for it now
+    /// (changing nothing).
+    Flow {
+        #[arg(long)]
+        vip: SocketAddr,
+        /// The VIP's transport (tcp or udp).
+        #[arg(long, value_parser = parse_protocol, default_value = "tcp")]
+        #[serde(default)]
+        protocol: Protocol,
+        /// The client's address and source port.
+        #[arg(long)]
+        client: SocketAddr,
+    },
     /// New connections each backend of a VIP was given so far (what
     /// `inband weights` measures its shares by), changing nothing.
     Counts {
@@ -242,15 +256,48 @@ pub struct ControlReply {
     /// The answer to `Counts`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub counts: Option<VipCounts>,
+    /// The answer to `Flow`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flow: Option<FlowRoute>,
 }
 
 impl ControlReply {
     pub fn applied() -> ControlReply {
-        ControlReply { ok: true, message: "applied".into(), counts: None }
+        ControlReply { ok: true, message: "applied".into(), counts: None, flow: None }
     }
     pub fn refused(message: String) -> ControlReply {
-        ControlReply { ok: false, message, counts: None }
+        ControlReply { ok: false, message, counts: None, flow: None }
     }
+}
+
+/// Where a client side's packets go (`Flow`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FlowRoute {
+    pub vip: String,
+    pub client: SocketAddr,
+    /// `established`, `closing` or `handshake` (in the balancer's tables),
+    /// or `new` (what the policy would choose now).
+    pub state: String,
+    /// None: no backend can take a new connection.
+    pub backend: Option<SocketAddr>,
+    /// The balancer's source port toward the backend (NAT modes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snat_port: Option<u16>,
+    pub why: String,
+    /// New flows: every backend of the VIP as the policy sees it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub candidates: Vec<FlowCandidate>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FlowCandidate {
+    pub backend: SocketAddr,
+    pub eligible: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub why_not: Option<String>,
+    pub weight: u32,
+    /// What least-score and power-of-two rank by.
+    pub load_estimate: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

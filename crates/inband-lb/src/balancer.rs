@@ -17,7 +17,7 @@ use super::config::{BackendConfig, LbConfig};
 use super::maps::{backend_removed, BackendStats, Mode, Policy};
 use super::snapshot::{self, Snapshot};
 use super::tables::{self, LbMaps};
-use super::{apply, attach};
+use super::{apply, attach, flow_query};
 use inband_core::lb_control::{ControlReply, ControlRequest, VipCounts};
 use inband_core::net::Protocol;
 use inband_core::prog_stats;
@@ -66,7 +66,13 @@ impl Balancer {
     pub fn change(&self, req: &ControlRequest) -> ControlReply {
         if let ControlRequest::Counts { vip, protocol } = req {
             return match self.counts(*vip, *protocol) {
-                Ok(c) => ControlReply { ok: true, message: String::new(), counts: Some(c) },
+                Ok(c) => ControlReply { ok: true, message: String::new(), counts: Some(c), flow: None },
+                Err(e) => ControlReply::refused(format!("{e:#}")),
+            };
+        }
+        if let ControlRequest::Flow { vip, protocol, client } = req {
+            return match flow_query::route(&self.maps, *vip, *protocol, *client) {
+                Ok(f) => ControlReply { ok: true, message: String::new(), counts: None, flow: Some(f) },
                 Err(e) => ControlReply::refused(format!("{e:#}")),
             };
         }
@@ -182,7 +188,7 @@ pub fn next_config(cfg: &LbConfig, req: &ControlRequest, config_path: &Path) -> 
             let vi = vip_mut(&mut next, vip, protocol)?;
             next.vips[vi].probe_interval = *n;
         }
-        ControlRequest::Counts { .. } => {}
+        ControlRequest::Counts { .. } | ControlRequest::Flow { .. } => {}
         ControlRequest::Reload => {
             let fresh = LbConfig::load(config_path)?;
             if fresh.interface != cfg.interface || fresh.address != cfg.address || fresh.address6 != cfg.address6 {

@@ -7,6 +7,7 @@ pub mod bpf;
 pub mod config;
 pub mod control;
 pub mod daemon;
+pub mod flow_query;
 pub mod health;
 pub mod maglev;
 pub mod maps;

@@ -83,6 +83,7 @@ impl<'obj> PrivateBalancer<'obj> {
             vip_eligible: h(&m.vip_eligible)?,
             scores: h(&m.scores)?,
             probe_due: h(&m.probe_due)?,
+            rr_cursor: h(&m.rr_cursor)?,
             flows: h(&m.flows)?,
             half_open: h(&m.half_open)?,
             snat: h(&m.snat)?,

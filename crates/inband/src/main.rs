@@ -159,9 +159,10 @@ fn run(cli: Cli) -> Result<()> {
                 if !reply.ok {
                     anyhow::bail!("{}", reply.message);
                 }
-                match reply.counts {
-                    Some(c) => println!("{}", serde_json::to_string_pretty(&c)?),
-                    None => println!("{}", reply.message),
+                match (reply.counts, reply.flow) {
+                    (Some(c), _) => println!("{}", serde_json::to_string_pretty(&c)?),
+                    (_, Some(f)) => println!("{}", serde_json::to_string_pretty(&f)?),
+                    _ => println!("{}", reply.message),
                 }
                 Ok(())
             }

@@ -3009,6 +3009,88 @@ fn maglev_weights_and_an_ineligible_slot() {
     }
 }
 
+// ---------------------------------------------------------- flow query
+
+/// `inband lb ctl flow`: for a new client side the query names the backend
+/// the data path's SYN then goes to (Maglev, round-robin, least-score),
+/// without taking a ticket itself; for one in the tables, the backend its
+/// handshake or flow holds, with its SNAT port and what a backend now
+/// down or drained means for it.
+#[test]
+fn the_flow_query_names_the_backend_the_data_path_uses() {
+    use inband_core::net::Protocol::Tcp;
+    use inband_lb::flow_query::route;
+    let (fx, _) = maglev_fixture([1, 1, 1]);
+    let maps = fx.lb.maps().unwrap();
+    for n in 1..=20 {
+        let c = client(n);
+        let r = route(&maps, vip(), Tcp, c).unwrap();
+        assert_eq!((r.state.as_str(), r.candidates.len()), ("new", 3), "{r:?}");
+        assert!(r.why.starts_with("maglev"), "{r:?}");
+        let (b, port) = fx.open(c);
+        assert_eq!(r.backend, Some(b.addr), "client {c}");
+        let r = route(&maps, vip(), Tcp, c).unwrap();
+        assert_eq!((r.state.as_str(), r.backend, r.snat_port), ("handshake", Some(b.addr), Some(port)), "{r:?}");
+        fx.tx(&ack(c).build());
+        assert_eq!(route(&maps, vip(), Tcp, c).unwrap().state, "established");
+    }
+    // A backend taken down: its flows say what happens to them; a new
+    // client side whose entry names it is sent to the next eligible slot.
+    let c = client(1);
+    let held = route(&maps, vip(), Tcp, c).unwrap().backend.unwrap();
+    let b = (0..3).map(backend).find(|b| b.addr == held).unwrap();
+    fx.set_flags(&b, BACKEND_ACTIVE | BACKEND_DOWN);
+    let r = route(&maps, vip(), Tcp, c).unwrap();
+    assert_eq!(r.backend, Some(held));
+    assert!(r.why.contains("down by its health checks") && r.why.contains("keep"), "{r:?}");
+    for n in 21..=40 {
+        let c = client(n);
+        let r = route(&maps, vip(), Tcp, c).unwrap();
+        assert!(r.candidates.iter().any(|k| k.backend == held && !k.eligible && k.why_not.as_deref() == Some("down by its health checks")), "{r:?}");
+        assert_ne!(r.backend, Some(held));
+        assert_eq!(r.backend, Some(fx.open(c).0.addr), "client {c}: {r:?}");
+    }
+
+    // Round-robin: asking twice names the same backend (no ticket taken),
+    // and the next SYN goes there.
+    let fx = Fixture::lb_with(Mode::DsrRr, Policy::RoundRobin, 3);
+    let maps = fx.lb.maps().unwrap();
+    for n in 1..=6 {
+        let c = client(n);
+        let first = route(&maps, vip(), Tcp, c).unwrap();
+        assert_eq!(route(&maps, vip(), Tcp, c).unwrap().backend, first.backend);
+        assert!(first.why.starts_with("round-robin"), "{first:?}");
+        assert_eq!(first.backend, Some(fx.open(c).0.addr), "client {c}: {first:?}");
+    }
+
+    // Least-score ranks by (estimate + 1) / weight: backend 1 is the
+    // lightest; in a mode without scores the policy is round-robin's.
+    let fx = Fixture::lb_with(Mode::DsrPolling, Policy::LeastScore, 3);
+    let maps = fx.lb.maps().unwrap();
+    let now = ktime_ns();
+    for (i, score) in [(0, 50), (1, 5), (2, 30)] {
+        fx.set_score(&backend(i), score, now);
+    }
+    let r = route(&maps, vip(), Tcp, client(9)).unwrap();
+    assert!(r.why.starts_with("least-score"), "{r:?}");
+    assert_eq!(r.candidates.iter().map(|k| k.load_estimate).collect::<Vec<_>>(), [50, 5, 30]);
+    assert_eq!((r.backend, fx.open(client(9)).0.addr), (Some(backend(1).addr), backend(1).addr));
+    fx.update_vip(|v| v.mode = Mode::DsrRr as u8);
+    assert!(route(&maps, vip(), Tcp, client(10)).unwrap().why.starts_with("round-robin (dsr-rr has no scores"));
+
+    // No backend can take it; bad questions get a clear refusal.
+    for i in 0..3 {
+        fx.set_flags(&backend(i), BACKEND_DRAINING);
+    }
+    let r = route(&maps, vip(), Tcp, client(11)).unwrap();
+    assert_eq!(r.backend, None);
+    assert!(r.why.starts_with("no backend can take a new connection"), "{r:?}");
+    let e = route(&maps, SocketAddr::new(VIP_ADDR.into(), 81), Tcp, client(1)).unwrap_err();
+    assert!(format!("{e:#}").contains("no VIP 10.0.0.100:81"), "{e:#}");
+    let e = route(&maps, vip(), Tcp, client6(1)).unwrap_err();
+    assert!(format!("{e:#}").contains("different address families"), "{e:#}");
+}
+
 // ---------------------------------------------------------- weights
 
 impl Fixture {

@@ -126,6 +126,16 @@ fn maglev_places_each_client_side_where_any_instance_would() {
             pad: [0; 3],
         };
         let want = table[(inband_lb::maglev::flow_hash(key.as_bytes()) % u64::from(inband_lb::maglev::DEFAULT_SIZE)) as usize] as usize;
+        // `ctl flow` names the same backend before the connection, and
+        // after it the flow the balancer holds for it.
+        let flow = || {
+            let out = c.ctl(&["flow", "--vip", &vip.to_string(), "--client", &format!("{client}:{port}")]);
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(r["backend"].as_str(), Some(server(&c.tb, want + 1).to_string().as_str()), "{r}");
+            r["state"].as_str().unwrap().to_string()
+        };
+        assert_eq!(flow(), "new");
         let before = c.conns();
         let script = format!(
             "import socket\ns = socket.socket()\ns.bind(('0.0.0.0', {port}))\ns.settimeout(5)\n\
@@ -138,6 +148,8 @@ fn maglev_places_each_client_side_where_any_instance_would() {
         let mut expected = vec![0; SERVERS];
         expected[want] = 1;
         assert_eq!(got, expected, "source port {port}");
+        // The client's FIN may still be on its way.
+        wait_for("its flow closing", || flow() == "closing");
         servers.insert(want);
     }
     assert_eq!(servers.len(), 2, "eight client sides over the two weighted servers: {servers:?}");
