@@ -48,6 +48,7 @@
 #include "inband/lb/vlan.h"        /* tagged frames */
 #include "inband/lb/handshake.h"   /* step 2: no established flow; the walk's own verdicts */
 #include "inband/lb/return_path.h" /* step 3: backend -> client */
+#include "inband/lb/capture.h"     /* sampled capture of what is dropped */
 
 static __always_inline void count_forward(__u32 backend_id, __u32 vip_id, __u64 bytes, int new_conn, int probe)
 {
@@ -453,8 +454,8 @@ __noinline int client_options(struct xdp_md *ctx, const struct pkt *p)
 }
 
 
-SEC("xdp")
-int balancer(struct xdp_md *ctx)
+/* The walk of one frame; its verdict goes to `balancer` below. */
+static __always_inline int walk(struct xdp_md *ctx)
 {
 	void *data = (void *)(long)ctx->data;
 	void *data_end = (void *)(long)ctx->data_end;
@@ -588,6 +589,16 @@ int balancer(struct xdp_md *ctx)
 	if (!f)
 		return drop(INBAND_DROP_FLOW_TABLE_FULL);
 	return forward(ctx, cfg, f, bpf_map_lookup_elem(&vip_conf, &id), p);
+}
+
+SEC("xdp")
+int balancer(struct xdp_md *ctx)
+{
+	int verdict = walk(ctx);
+
+	if (verdict == XDP_DROP)
+		capture_drop(ctx);
+	return verdict;
 }
 
 /* The object's second program: the sweeper (SEC("syscall")). */

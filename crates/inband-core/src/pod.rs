@@ -61,6 +61,9 @@ pod!(
     inband_control_stats,
     inband_backend_health,
     inband_query_req,
+    inband_capture_conf,
+    inband_capture_state,
+    inband_capture_rec,
     // the agent
     inband_service,
     inband_service_key,

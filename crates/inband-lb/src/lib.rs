@@ -3,6 +3,7 @@
 pub mod apply;
 pub mod attach;
 pub mod balancer;
+pub mod capture;
 pub mod bpf;
 pub mod config;
 pub mod control;

@@ -66,6 +66,9 @@ pub type SweepStats = c::inband_sweep_stats;
 pub type ControlStats = c::inband_control_stats;
 pub type BackendHealth = c::inband_backend_health;
 pub type QueryReq = c::inband_query_req;
+pub type CaptureConf = c::inband_capture_conf;
+pub type CaptureState = c::inband_capture_state;
+pub type CaptureRec = c::inband_capture_rec;
 pub type Addr = c::inband_addr;
 
 
@@ -191,6 +194,10 @@ pub const HEALTH_REASON_NAMES: [&str; c::INBAND_HEALTH_REASON_MAX as usize] = [
 
 pub fn health_reason_name(r: u8) -> &'static str {
     HEALTH_REASON_NAMES.get(usize::from(r)).copied().unwrap_or("unknown")
+}
+
+pub fn drop_name(r: u32) -> &'static str {
+    DROP_NAMES.get(r as usize).copied().unwrap_or("unknown")
 }
 
 /// The index of a drop reason by name (tests and benchmarks look them up so).

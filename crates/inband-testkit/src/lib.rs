@@ -5,5 +5,6 @@
 pub mod bench;
 pub mod bpf;
 pub mod packet;
+pub mod pcap;
 pub mod testbed;
 pub mod workload;

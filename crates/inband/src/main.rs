@@ -124,6 +124,9 @@ enum LbCommand {
         #[arg(long)]
         force: bool,
     },
+    /// Write a sample of the packets the balancer drops, with the reason
+    /// of each, to a pcapng file (tcpdump -r, Wireshark).
+    Capture(lb::capture::CaptureArgs),
     /// Change a running balancer (backends, mode, probe interval, reload).
     Ctl {
         #[arg(long, default_value_os_t = lb_control::default_control_socket())]
@@ -154,6 +157,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Lb(args) => match (args.config, args.command) {
             (Some(config), None) => lb::daemon::run(&config),
             (None, Some(LbCommand::Detach { interface, force })) => lb::attach::detach(&interface, force),
+            (None, Some(LbCommand::Capture(args))) => lb::capture::run(&args),
             (None, Some(LbCommand::Ctl { socket, request })) => {
                 let reply = lb_control::send(&socket, &request)?;
                 if !reply.ok {
@@ -166,7 +170,7 @@ fn run(cli: Cli) -> Result<()> {
                 }
                 Ok(())
             }
-            _ => anyhow::bail!("`inband lb` needs --config FILE, or a subcommand (detach, ctl); see --help"),
+            _ => anyhow::bail!("`inband lb` needs --config FILE, or a subcommand (detach, capture, ctl); see --help"),
         },
         Command::Agent(args) => match (args.config, args.command) {
             (Some(config), None) => inband_agent::run(inband_agent::AgentCommand::Run { config }),

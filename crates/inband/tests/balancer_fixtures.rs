@@ -3091,6 +3091,61 @@ fn the_flow_query_names_the_backend_the_data_path_uses() {
     assert!(format!("{e:#}").contains("different address families"), "{e:#}");
 }
 
+// ---------------------------------------------------------- capture
+
+impl Fixture {
+    fn capture_maps(&self) -> inband_lb::capture::CaptureMaps {
+        let h = |m: &libbpf_rs::Map| libbpf_rs::MapHandle::try_from(m).unwrap();
+        let m = &self.lb.skel.maps;
+        inband_lb::capture::CaptureMaps { conf: h(&m.capture_conf), state: h(&m.capture_state), ring: h(&m.capture_ring) }
+    }
+}
+
+/// `inband lb capture`: off until a lease is taken; then each dropped
+/// frame (never a forwarded one) is recorded with its reason, at most the
+/// rate a second per CPU (the rest counted), its first 256 bytes for a
+/// longer one; the pcapng holds the frames byte for byte; a second
+/// capture is refused while one runs, and a lease that ran out or was
+/// dropped captures nothing more.
+#[test]
+fn dropped_frames_are_captured_with_their_reason_within_the_lease_and_the_rate() {
+    use inband_lb::capture::{record, Lease, PcapOut};
+    let fx = Fixture::lb_with(Mode::DsrRr, Policy::RoundRobin, 1);
+    let maps = fx.capture_maps();
+    fx.assert_dropped(&data(client(1)).build(), "no_flow");
+    assert_eq!(maps.counters().unwrap().captured, 0, "off by default");
+
+    let mut lease = Lease::take(&maps, 3).unwrap();
+    let e = Lease::take(&maps, 3).err().unwrap();
+    assert!(format!("{e:#}").contains("another capture is running"), "{e:#}");
+    fx.connect(client(2));
+    let mut frames: Vec<Vec<u8>> = (10..13).map(|n| data(client(n)).build()).collect();
+    frames[2] = data(client(12)).payload(vec![0x5a; 600]).build();
+    for f in frames.iter().chain([data(client(13)).build(), data(client(14)).build()].iter()) {
+        fx.assert_dropped(f, "no_flow");
+    }
+    let c = maps.counters().unwrap();
+    assert_eq!((c.captured, c.limited, c.lost), (3, 2, 0), "3 a second, the rest counted; the forwarded handshake not captured");
+
+    let mut out = PcapOut::new(Vec::new(), "eth0").unwrap();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    assert_eq!(record(&maps, &mut lease, &mut out, 3, Some(5), &stop).unwrap(), 3);
+    let packets = inband_testkit::pcap::packets(&out.finish().unwrap()).unwrap();
+    assert_eq!(packets.len(), 3);
+    for ((bytes, len, comment), f) in packets.iter().zip(&frames) {
+        assert_eq!((comment.as_str(), *len as usize), ("drop: no_flow", f.len()));
+        assert_eq!(bytes[..], f[..f.len().min(256)], "the frame's first bytes as it came");
+    }
+    assert_eq!(packets[2].0.len(), 256, "snap length");
+
+    drop(lease);
+    fx.assert_dropped(&data(client(20)).build(), "no_flow");
+    assert_eq!(maps.counters().unwrap().captured, 3, "no capture once the lease is given back");
+    put(&fx.lb.skel.maps.capture_conf, &0u32, &CaptureConf { until_ns: ktime_ns() - 1, per_second: 100, pad: 0 });
+    fx.assert_dropped(&data(client(21)).build(), "no_flow");
+    assert_eq!(maps.counters().unwrap().captured, 3, "nor once it ran out");
+}
+
 // ---------------------------------------------------------- weights
 
 impl Fixture {

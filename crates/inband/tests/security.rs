@@ -483,3 +483,72 @@ fn a_connection_reset_in_the_backlog_is_not_given_a_later_client() {
     server_out.read_line(&mut line).unwrap();
     assert_eq!(line.trim(), lb.to_string(), "accept() of the reset connection");
 }
+
+/// What an attacker's malformed packets look like to the operator: `inband
+/// lb capture` writes the dropped frames byte for byte, each with its drop
+/// reason, into a pcapng that tcpdump reads; it stops at --count; a second
+/// capture is refused while one runs; a capture killed with SIGKILL stops
+/// capturing within its lease (no clean-up needed); without a balancer it
+/// says so.
+#[test]
+fn dropped_packets_are_captured_to_pcapng_with_their_reason() {
+    let c = Cluster::with(Spec::new("cap", "dsr-rr").servers(1).clients(2));
+    let (lb_mac, attacker) = (mac(&c, "lb"), mac(&c, "c2"));
+    let vip = vip(&c.tb);
+    let pins = inband_core::bpfmap::PinDir(inband_core::bpfmap::pin_root_of(&c.tb.netns("lb")).join("lb/eth0"));
+    let maps = inband_lb::capture::CaptureMaps::open(&pins).unwrap();
+    let lease = || inband_core::bpfmap::get::<u32, inband_lb::maps::CaptureConf>(&maps.conf, &0).unwrap().unwrap_or_default();
+    let out = c.dir.join("drops.pcapng");
+    let out_s = out.to_str().unwrap();
+    let mut capture = in_ns(&c.tb, "lb", &[BIN, "lb", "capture", "--interface", "eth0", "--out", out_s, "--count", "4", "--seconds", "20"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for("the capture's lease", || lease().per_second > 0);
+    let second = in_ns(&c.tb, "lb", &[BIN, "lb", "capture", "--interface", "eth0", "--out", "/dev/null"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&second.stderr).contains("another capture is running"), "{second:?}");
+    // Segments of no connection and a fragment: each dropped with its reason.
+    let from = SocketAddrV4::new(c.tb.addr("c2"), 5555);
+    let no_flow = PacketBuilder::tcp(from, vip).macs(attacker, lb_mac).flags(TCP_ACK | TCP_PSH).payload(b"forged".to_vec()).build();
+    let fin = PacketBuilder::tcp(from, vip).macs(attacker, lb_mac).flags(TCP_ACK | TCP_FIN).seq_no(77).build();
+    let fragment = PacketBuilder::tcp(from, vip).macs(attacker, lb_mac).flags(TCP_ACK).payload(vec![7; 100]).frag(0x2000).build();
+    let sent = vec![no_flow.clone(), fin, fragment, no_flow.clone()];
+    inject(&c, "c2", sent.clone());
+    let t0 = Instant::now();
+    while capture.try_wait().unwrap().is_none() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the capture did not stop at --count");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let o = capture.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).starts_with("4 dropped packets written"), "{}", String::from_utf8_lossy(&o.stdout));
+    let packets = inband_testkit::pcap::packets(&std::fs::read(&out).unwrap()).unwrap();
+    let reasons: Vec<&str> = packets.iter().map(|(_, _, r)| r.as_str()).collect();
+    assert_eq!(reasons, ["drop: no_flow", "drop: no_flow", "drop: fragment", "drop: no_flow"]);
+    for ((bytes, len, _), f) in packets.iter().zip(&sent) {
+        assert_eq!((&bytes[..], *len as usize), (&f[..], f.len()), "byte for byte");
+    }
+    assert_eq!(lease().per_second, 0, "the lease is given back at exit");
+    // tcpdump reads it, dated today (UTC, to the second's neighbourhood).
+    let dump = std::process::Command::new("tcpdump").args(["-nn", "-tt", "-r", out_s]).output().unwrap();
+    assert!(dump.status.success(), "{}", String::from_utf8_lossy(&dump.stderr));
+    let lines: Vec<String> = String::from_utf8_lossy(&dump.stdout).lines().map(str::to_string).collect();
+    assert_eq!(lines.iter().filter(|l| l.contains(&format!("> {}.{}:", vip.ip(), vip.port()))).count(), 4, "{lines:?}");
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    let first: f64 = lines[0].split_whitespace().next().unwrap().parse().unwrap();
+    assert!((now - first).abs() < 30.0, "timestamps: {first} against now {now}");
+
+    // Killed with SIGKILL: its lease runs out and nothing more is captured.
+    let mut killed = in_ns(&c.tb, "lb", &[BIN, "lb", "capture", "--interface", "eth0", "--out", "/dev/null"]).spawn().unwrap();
+    wait_for("the second capture's lease", || lease().per_second > 0);
+    killed.kill().unwrap();
+    killed.wait().unwrap();
+    std::thread::sleep(Duration::from_millis(2500));
+    let before = maps.counters().unwrap().captured;
+    inject(&c, "c2", vec![no_flow; 3]);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(maps.counters().unwrap().captured, before, "nothing captured once the killed capture's lease ran out");
+    let none = in_ns(&c.tb, "lb", &[BIN, "lb", "capture", "--interface", "nosuch0", "--out", "/dev/null"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&none.stderr).contains("no balancer is attached to nosuch0"), "{none:?}");
+}

@@ -40,12 +40,18 @@
 #define ETH_P_8021Q_ 0x8100
 #define ETH_P_8021AD_ 0x88a8
 
+/* Counts a drop and notes its reason for the capture (capture.h), which
+ * runs once the walk has returned its verdict. */
 static __always_inline int drop(__u32 reason)
 {
 	__u64 *count = bpf_map_lookup_elem(&drops, &reason);
+	__u32 zero = 0;
+	struct inband_capture_state *st = bpf_map_lookup_elem(&capture_state, &zero);
 
 	if (count)
 		*count += 1; /* per-CPU slot: no other writer */
+	if (st)
+		st->reason = reason;
 	return XDP_DROP;
 }
 

@@ -91,4 +91,14 @@ struct {
 
 INBAND_PINNED(query_done, BPF_MAP_TYPE_LRU_HASH, struct inband_flow_key, __u64, 16384);
 
+/* Sampled capture of dropped packets (capture.h): off until `inband lb
+ * capture` writes capture_conf; the ring is bounded, a full one is counted. */
+INBAND_PINNED_ARRAY(capture_conf, struct inband_capture_conf, 1);
+INBAND_PINNED_PERCPU(capture_state, struct inband_capture_state, 1);
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 256 * 1024);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} capture_ring SEC(".maps");
+
 #endif /* INBAND_LB_MAPS_H */

@@ -332,6 +332,38 @@ struct inband_backend_health {
 	__u64 last_check_ms; /* CLOCK_REALTIME (ms) of the last finished check */
 };
 
+/* Sampled capture of dropped packets (lb/capture.h, `inband lb capture`). */
+#define INBAND_CAPTURE_SNAPLEN 256 /* a power of two (capture.h) */
+
+/* capture_conf[0]: written by `inband lb capture`; zero = off. */
+struct inband_capture_conf {
+	__u64 until_ns; /* CLOCK_MONOTONIC: no capture from then on (a lease the command renews) */
+	__u32 per_second; /* records a second per CPU at most */
+	__u32 pad;
+};
+
+/* capture_state[0], per CPU: the reason of the drop in progress, the rate
+ * window, and what the bounds cost. */
+struct inband_capture_state {
+	__u64 window_ns; /* start of the current one-second window */
+	__u32 used; /* records in it */
+	__u32 reason; /* enum inband_drop of the last drop on this CPU */
+	__u64 captured;
+	__u64 limited; /* drops not captured: over per_second */
+	__u64 lost; /* drops not captured: the ring was full (nobody reading fast enough) */
+};
+
+/* One record of capture_ring: the frame's first bytes as the program held
+ * it when it dropped it. */
+struct inband_capture_rec {
+	__u64 ts_ns; /* bpf_ktime_get_ns() */
+	__u32 reason; /* enum inband_drop */
+	__u32 len; /* the frame's length */
+	__u32 caplen; /* bytes of it in data */
+	__u32 ifindex;
+	__u8 data[INBAND_CAPTURE_SNAPLEN];
+};
+
 /* Written by the lb daemon (out-of-band work), read by `inband status`. */
 struct inband_control_stats {
 	__u64 polls_sent;
