@@ -186,20 +186,17 @@ impl Farm {
         run_ok(&self.tb, &node, &["birdc", "-s", sock.to_str().unwrap(), if on { "enable" } else { "disable" }, "vip"]);
     }
 
-    /// The gateways of the VIP's route in the router's `table` ("main" or a number).
+    /// The first segment of each hop of the VIP's route in the router's
+    /// `table` ("main" or a number).
     fn hops(&self, table: &str) -> Vec<String> {
-        // A table the kernel has not made yet (no route in it) is an error: no hops.
-        let out = self.tb.exec("r1", &["ip", "-6", "-j", "route", "show", "table", table, &format!("{}/128", self.tb.vip6())]).unwrap();
-        let routes: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
-        let Some(r) = routes.get(0) else { return Vec::new() };
-        let hops = r["nexthops"].as_array().cloned().unwrap_or_else(|| vec![r.clone()]);
-        hops.iter().filter_map(|h| h["gateway"].as_str().map(str::to_string)).collect()
+        route_hops(&self.tb, table).iter().filter_map(|h| h["segs"][0].as_str().map(str::to_string)).collect()
     }
 
     /// The VIP's current next hops, as instance numbers.
     fn routed(&self) -> Vec<usize> {
         let hops = self.hops("main");
-        (1..=self.lbs.len()).filter(|i| hops.contains(&self.tb.addr6(&format!("b{i}")).to_string())).collect()
+        let plan = Plan { subnet: hex(self.tb.spec.subnet) };
+        (1..=self.lbs.len()).filter(|i| hops.contains(&plan.sid(*i).to_string())).collect()
     }
 
     fn downloads(&self) -> Vec<Child> {
@@ -240,6 +237,16 @@ impl Farm {
             })
             .count()
     }
+}
+
+/// The hops of the VIP's route in the router's `table` ("main" or a
+/// number), as `ip -j route` prints them.
+fn route_hops(tb: &Testbed, table: &str) -> Vec<Value> {
+    // A table the kernel has not made yet (no route in it) is an error: no hops.
+    let out = tb.exec("r1", &["ip", "-6", "-j", "route", "show", "table", table, &format!("{}/128", tb.vip6())]).unwrap();
+    let routes: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    let Some(r) = routes.get(0) else { return Vec::new() };
+    r["nexthops"].as_array().cloned().unwrap_or_else(|| vec![r.clone()])
 }
 
 fn total(farm: &Farm, n: usize, f: impl Fn(&Farm, usize) -> u64) -> u64 {
@@ -340,6 +347,94 @@ fn instances_join_and_leave_by_bgp_without_breaking_a_download() {
     for i in 1..=3 {
         assert_eq!(farm.drop_count(i, "chained_no_flow"), 0, "b{i} dropped chained packets");
     }
+}
+
+/// The group of the VIP's route in the router's `table` ("main" or a
+/// number): each member's segments, in the group's order.
+fn group(tb: &Testbed, table: &str) -> Vec<Vec<String>> {
+    let out = run_ok(tb, "r1", &["ip", "-6", "-j", "route", "show", "table", table, &format!("{}/128", tb.vip6())]);
+    let routes: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let nhid = routes[0]["nhid"].as_u64().unwrap_or_else(|| panic!("table {table}: the VIP's route is not on a group: {routes}"));
+    let nexthop = |id: u64| -> Value {
+        let out = run_ok(tb, "r1", &["ip", "-j", "nexthop", "show", "id", &id.to_string()]);
+        serde_json::from_slice::<Value>(&out.stdout).unwrap()[0].clone()
+    };
+    let members = nexthop(nhid)["group"].as_array().cloned().unwrap_or_default();
+    members
+        .iter()
+        .map(|m| nexthop(m["id"].as_u64().unwrap())["segs"].as_array().unwrap().iter().map(|s| s.as_str().unwrap().to_string()).collect())
+        .collect()
+}
+
+/// An instance's host dies behind the router (no daemon here: the router
+/// alone). Its link loses carrier, then another's link goes away: no group
+/// shrinks under the survivors, every route change still works, the
+/// shadow SIDs stay, and a dead instance's shadow hops go to a live one's
+/// direct SID until it comes back.
+#[test]
+fn shadow_route_survives_down_and_missing_next_hops() {
+    let name = format!("x{}d", std::process::id() % 10000);
+    let tb = Testbed::up(TestbedSpec { name, clients: 1, servers: 1, subnet: 83, ecmp: true, balancers: 3, ..Default::default() }).expect("testbed");
+    let plan = Plan { subnet: hex(83) };
+    // Two generations: after the second change the first dead instance is
+    // still in the older one's group, where its revival shows.
+    let path = tb.router_config.clone().unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(&path, format!("generations = 2\n{text}")).unwrap();
+    let route = |args: &[&str]| {
+        let mut argv = vec![BIN, "shadow", "route", "--config", path.to_str().unwrap()];
+        argv.extend_from_slice(args);
+        let out = tb.exec("r1", &argv).unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    let (cond, direct) = (|i: usize| vec![plan.sid(i).to_string()], |i: usize| vec![plan.direct_sid(i).to_string()]);
+    // In generation 1 (table 200), a hop chains on to generation 2's SID.
+    let cond_then_older = |i: usize| vec![plan.sid(i).to_string(), inband_shadow::route::generation_sid(plan.shadow_sid(), 1).to_string()];
+    let carrier = |dev: &str| String::from_utf8_lossy(&run_ok(&tb, "r1", &["ip", "link", "show", "dev", dev]).stdout).contains("LOWER_UP");
+    route(&["--up", "b1,b2,b3"]);
+    assert_eq!(group(&tb, "main"), [cond(1), cond(2), cond(3)]);
+
+    // 1. b2's host goes down: the router's link to it loses carrier. The
+    // kernel would delete a hop on that link from every group.
+    run_ok(&tb, "b2", &["ip", "link", "set", "eth0", "down"]);
+    assert!(!carrier("b2"), "r1's link to b2 kept its carrier: the step proves nothing");
+    assert_eq!(group(&tb, "main"), [cond(1), cond(2), cond(3)], "the VIP's group shrank under b1's and b3's connections");
+
+    // 2. b2 is withdrawn while down: the change works; the old set keeps
+    // b2's place, its hop going to the next live instance's direct SID.
+    route(&["--up", "b1,b3"]);
+    assert_eq!(group(&tb, "main"), [cond(1), cond(3)]);
+    assert_eq!(group(&tb, "200"), [cond_then_older(1), direct(3), cond_then_older(3)]);
+
+    // 3. b1's link goes away altogether (its veth deleted on r1). The
+    // shadow SIDs do not hang on it, nor does the VIP's group.
+    run_ok(&tb, "r1", &["ip", "link", "del", "b1"]);
+    for k in 0..2 {
+        let sid = inband_shadow::route::generation_sid(plan.shadow_sid(), k).to_string();
+        let out = run_ok(&tb, "r1", &["ip", "-6", "-j", "route", "show", &sid]);
+        let routes: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(routes[0]["dev"].as_str(), Some(inband_testkit::testbed::ecmp::ANCHOR), "shadow SID {sid} gone with b1's link: {routes}");
+    }
+    assert_eq!(group(&tb, "main"), [cond(1), cond(3)]);
+
+    // 4. b1 withdrawn too: nothing of b1's link is needed. Both dead
+    // instances' shadow hops go to b3's direct SID, in both generations.
+    route(&["--up", "b3"]);
+    assert_eq!(group(&tb, "main"), [cond(3)]);
+    assert_eq!(group(&tb, "200"), [direct(3), cond_then_older(3)]);
+    assert_eq!(group(&tb, "201"), [direct(3), direct(3), direct(3)]);
+
+    // 5. b2's link comes back. Told it is dead (its program, say, is
+    // gone), the router keeps its hop substituted; then, as its link says,
+    // it gets its own direct SID back, with the set unchanged.
+    run_ok(&tb, "b2", &["ip", "link", "set", "eth0", "up"]);
+    wait_for("r1's link to b2 to regain carrier", || carrier("b2"));
+    route(&["--up", "b3", "--dead", "b2"]);
+    assert_eq!(group(&tb, "201"), [direct(3), direct(3), direct(3)]);
+    route(&["--up", "b3"]);
+    assert_eq!(group(&tb, "201"), [direct(3), direct(2), direct(3)]);
+    assert_eq!(group(&tb, "200"), [direct(3), cond_then_older(3)], "an unchanged set shifted the generations");
+    assert_eq!(group(&tb, "main"), [cond(3)]);
 }
 
 /// The instances' configuration (`inband lb` refuses what cannot work).
