@@ -352,18 +352,25 @@ fn instances_join_and_leave_by_bgp_without_breaking_a_download() {
 /// The group of the VIP's route in the router's `table` ("main" or a
 /// number): each member's segments, in the group's order.
 fn group(tb: &Testbed, table: &str) -> Vec<Vec<String>> {
-    let out = run_ok(tb, "r1", &["ip", "-6", "-j", "route", "show", "table", table, &format!("{}/128", tb.vip6())]);
-    let routes: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let nhid = routes[0]["nhid"].as_u64().unwrap_or_else(|| panic!("table {table}: the VIP's route is not on a group: {routes}"));
+    group_or_none(tb, table).unwrap_or_else(|| panic!("table {table}: no VIP route on a group"))
+}
+
+/// As `group`, None while the table has no such route.
+fn group_or_none(tb: &Testbed, table: &str) -> Option<Vec<Vec<String>>> {
+    let out = tb.exec("r1", &["ip", "-6", "-j", "route", "show", "table", table, &format!("{}/128", tb.vip6())]).unwrap();
+    let routes: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    let nhid = routes[0]["nhid"].as_u64()?;
     let nexthop = |id: u64| -> Value {
         let out = run_ok(tb, "r1", &["ip", "-j", "nexthop", "show", "id", &id.to_string()]);
         serde_json::from_slice::<Value>(&out.stdout).unwrap()[0].clone()
     };
     let members = nexthop(nhid)["group"].as_array().cloned().unwrap_or_default();
-    members
-        .iter()
-        .map(|m| nexthop(m["id"].as_u64().unwrap())["segs"].as_array().unwrap().iter().map(|s| s.as_str().unwrap().to_string()).collect())
-        .collect()
+    Some(
+        members
+            .iter()
+            .map(|m| nexthop(m["id"].as_u64().unwrap())["segs"].as_array().unwrap().iter().map(|s| s.as_str().unwrap().to_string()).collect())
+            .collect(),
+    )
 }
 
 /// An instance's host dies behind the router (no daemon here: the router
@@ -435,6 +442,41 @@ fn shadow_route_survives_down_and_missing_next_hops() {
     assert_eq!(group(&tb, "201"), [direct(3), direct(2), direct(3)]);
     assert_eq!(group(&tb, "200"), [direct(3), cond_then_older(3)], "an unchanged set shifted the generations");
     assert_eq!(group(&tb, "main"), [cond(3)]);
+}
+
+/// `inband shadow follow` watches the links of the instances outside the
+/// learned set: one withdrawn, then dead, gets its shadow hop pointed at a
+/// live instance's direct SID with nothing learned changing, and back when
+/// its link returns. The learned routes are written by hand here, as a
+/// routing daemon would write them.
+#[test]
+fn follow_rewrites_the_shadow_hops_of_an_instance_that_dies_after_leaving() {
+    let name = format!("x{}f", std::process::id() % 10000);
+    let mut tb = Testbed::up(TestbedSpec { name, clients: 1, servers: 1, subnet: 85, ecmp: true, balancers: 3, ..Default::default() }).expect("testbed");
+    let plan = Plan { subnet: hex(85) };
+    let vip = format!("{}/128", tb.vip6());
+    let learn = |tb: &Testbed, hops: &[usize]| {
+        let mut argv = vec!["ip".to_string(), "-6".into(), "route".into(), "replace".into(), vip.clone(), "table".into(), "100".into()];
+        for i in hops {
+            argv.extend(["nexthop".into(), "via".into(), tb.addr6(&format!("b{i}")).to_string(), "dev".into(), format!("b{i}")]);
+        }
+        run_ok(tb, "r1", &argv.iter().map(String::as_str).collect::<Vec<_>>());
+    };
+    learn(&tb, &[1, 2, 3]);
+    let cfg = tb.router_config.clone().unwrap();
+    tb.spawn("r1", &[BIN, "shadow", "follow", "--config", cfg.to_str().unwrap(), "--table", "100", "--liveness-interval-ms", "100"]).unwrap();
+    let direct = |i: usize| vec![plan.direct_sid(i).to_string()];
+    wait_for("the VIP's route to follow the learned set", || group_or_none(&tb, "main").is_some_and(|g| g.len() == 3));
+    learn(&tb, &[1, 3]);
+    wait_for("b2 to leave", || group_or_none(&tb, "main").is_some_and(|g| g.len() == 2));
+    assert_eq!(group(&tb, "200"), [direct(1), direct(2), direct(3)]);
+
+    // b2's host dies after leaving: its link loses carrier; nothing learned changes.
+    run_ok(&tb, "b2", &["ip", "link", "set", "eth0", "down"]);
+    wait_for("b2's shadow hop to go to b3's direct SID", || group(&tb, "200") == [direct(1), direct(3), direct(3)]);
+    run_ok(&tb, "b2", &["ip", "link", "set", "eth0", "up"]);
+    wait_for("b2's shadow hop to come back", || group(&tb, "200") == [direct(1), direct(2), direct(3)]);
+    assert_eq!(group(&tb, "main").len(), 2, "the liveness rewrite changed the VIP's route");
 }
 
 /// The instances' configuration (`inband lb` refuses what cannot work).
