@@ -15,8 +15,8 @@
 //! or come back, with nothing learned changing: so the loop also watches
 //! those servers' links, and a change rewrites their shadow hops.
 
-use std::net::Ipv6Addr;
 use std::collections::BTreeSet;
+use std::net::Ipv6Addr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
