@@ -186,10 +186,11 @@ impl Farm {
         run_ok(&self.tb, &node, &["birdc", "-s", sock.to_str().unwrap(), if on { "enable" } else { "disable" }, "vip"]);
     }
 
-    /// The first segment of each hop of the VIP's route in the router's
-    /// `table` ("main" or a number).
+    /// Each hop of the VIP's route in the router's `table` ("main" or a
+    /// number): its first segment (the router's own routes, whose hops
+    /// have no gateway), or its gateway (routes BGP learned).
     fn hops(&self, table: &str) -> Vec<String> {
-        route_hops(&self.tb, table).iter().filter_map(|h| h["segs"][0].as_str().map(str::to_string)).collect()
+        route_hops(&self.tb, table).iter().filter_map(|h| h["segs"][0].as_str().or(h["gateway"].as_str()).map(str::to_string)).collect()
     }
 
     /// The VIP's current next hops, as instance numbers.
@@ -211,6 +212,25 @@ impl Farm {
                     .unwrap()
             })
             .collect()
+    }
+
+    /// DOWNLOADS downloads from the client ports `first`.., each with its port.
+    fn downloads_from(&self, first: u16) -> Vec<(u16, Child)> {
+        let url = format!("http://[{}]/", self.tb.vip6());
+        (first..first + DOWNLOADS as u16)
+            .map(|port| {
+                let argv = ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code} %{size_download}", "--max-time", "20", "--local-port", &port.to_string(), &url];
+                (port, self.tb.command("c1", &argv).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap())
+            })
+            .collect()
+    }
+
+    /// The client ports instance `i` holds flows of (its pinned `flows`).
+    fn held(&self, i: usize) -> Vec<u16> {
+        use inband_lb::maps::{Flow, FlowKey};
+        let pin = format!("/sys/fs/bpf/inband/netns/{}/lb/eth0/flows", self.tb.netns(&format!("b{i}")));
+        let map = libbpf_rs::MapHandle::from_pinned_path(pin).unwrap();
+        inband_core::bpfmap::entries::<FlowKey, Flow>(&map).unwrap().iter().map(|(k, _)| inband_core::pod::port_of(k.client_port)).collect()
     }
 
     /// How many of the client's connections to the VIP are established.
@@ -477,6 +497,66 @@ fn follow_rewrites_the_shadow_hops_of_an_instance_that_dies_after_leaving() {
     run_ok(&tb, "b2", &["ip", "link", "set", "eth0", "up"]);
     wait_for("b2's shadow hop to come back", || group(&tb, "200") == [direct(1), direct(2), direct(3)]);
     assert_eq!(group(&tb, "main").len(), 2, "the liveness rewrite changed the VIP's route");
+}
+
+/// An instance's host dies under load, with no clean-up: its daemon is
+/// killed -9 and the router's link to it loses carrier, or (later) goes
+/// away; 1 s later the route withdraws it. Its own connections are lost
+/// (their server-side tuples name it); every other download completes.
+/// b1 dies: the first member's exit moves part of b2's share to b3
+/// (hash-threshold), so survivors' packets take the shadow path, and the
+/// shadow SIDs used to hang on b1's link.
+#[test]
+fn an_instance_host_crash_breaks_only_its_own_connections() {
+    let mut farm = Farm::up("c", 86, 3, false);
+    farm.route(&[1, 2, 3], false);
+    let answers = |f: &Farm| {
+        let url = format!("http://[{}]/", f.tb.vip6());
+        f.tb.exec("c1", &["curl", "-s", "-o", "/dev/null", "--max-time", "3", &url]).map(|o| o.status.success()).unwrap_or(false)
+    };
+    wait_for("the VIP to answer", || answers(&farm));
+    for (form, first_port) in [("carrier lost", 41000), ("interface gone", 42000)] {
+        let dls = farm.downloads_from(first_port);
+        wait_for("every download to start", || farm.established() == DOWNLOADS);
+        let held: Vec<u16> = farm.held(1).into_iter().filter(|p| (first_port..first_port + DOWNLOADS as u16).contains(p)).collect();
+        assert!(!held.is_empty(), "{form}: b1 holds no download: the step proves nothing");
+        farm.stop_lb(1, true);
+        match form {
+            "carrier lost" => run_ok(&farm.tb, "b1", &["ip", "link", "set", "eth0", "down"]),
+            _ => run_ok(&farm.tb, "r1", &["ip", "link", "del", "b1"]),
+        };
+        std::thread::sleep(Duration::from_secs(1));
+        farm.route(&[2, 3], false);
+        let want = format!("200 {BODY}");
+        let broken: Vec<u16> = dls
+            .into_iter()
+            .filter_map(|(port, d)| {
+                let o = d.wait_with_output().unwrap();
+                (String::from_utf8_lossy(&o.stdout) != want).then_some(port)
+            })
+            .collect();
+        let survivors_broken: Vec<&u16> = broken.iter().filter(|p| !held.contains(p)).collect();
+        eprintln!(
+            "{form}: b1 held {} of {DOWNLOADS}, {} broke; chained packets delivered by b2+b3: {}",
+            held.len(),
+            broken.len(),
+            farm.event(2, "srv6_direct") + farm.event(3, "srv6_direct")
+        );
+        assert!(survivors_broken.is_empty(), "{form}: b2's or b3's downloads broke: {survivors_broken:?} (b1 held {held:?}){}", farm.report());
+        if form == "carrier lost" {
+            // b1's host comes back and rejoins for the next form (IPv6
+            // took its address and routes away with the link).
+            let addr = farm.tb.addr6("b1");
+            let mut gw = addr.segments();
+            gw[7] = 1;
+            run_ok(&farm.tb, "b1", &["ip", "link", "set", "eth0", "up"]);
+            run_ok(&farm.tb, "b1", &["ip", "-6", "addr", "replace", &format!("{addr}/64"), "dev", "eth0", "nodad"]);
+            run_ok(&farm.tb, "b1", &["ip", "-6", "route", "replace", "default", "via", &std::net::Ipv6Addr::from(gw).to_string()]);
+            farm.start_lb(1);
+            farm.route(&[1, 2, 3], false);
+            wait_for("the VIP to answer", || answers(&farm));
+        }
+    }
 }
 
 /// The instances' configuration (`inband lb` refuses what cannot work).
