@@ -48,8 +48,9 @@ pub struct RouterConfig {
     pub vip: Ipv6Addr,
     /// The interface every nexthop object and shadow SID is put on: one
     /// that never goes down (a dummy, or a veth pair with both ends up).
-    /// Optional to the parser only, so that its absence gets the reason.
-    pub anchor: Option<String>,
+    /// Empty to the parser when absent, so that check() gives the reason.
+    #[serde(default)]
+    pub anchor: String,
     /// The routing table that holds the previous next-hop set (the first
     /// generation); generation k's is `shadow_table + k − 1`.
     #[serde(default = "default_shadow_table")]
@@ -123,10 +124,11 @@ impl RouterConfig {
 
     fn check(&self) -> Result<()> {
         let mut errors = Vec::new();
-        match self.anchor.as_deref() {
-            None | Some("") => errors.push(format!("anchor missing: {ANCHOR_WHY}")),
-            Some(a) if a.len() >= 16 || a.contains(['/', ' ']) => errors.push(format!("anchor = {a:?}: not an interface name")),
-            Some(_) => {}
+        let a = &self.anchor;
+        if a.is_empty() {
+            errors.push(format!("anchor missing: {ANCHOR_WHY}"));
+        } else if a.len() >= 16 || a.contains(['/', ' ']) {
+            errors.push(format!("anchor = {a:?}: not an interface name"));
         }
         if self.server.is_empty() {
             errors.push("no [[server]]: the router needs the servers it may route the VIP to".to_string());
@@ -189,10 +191,6 @@ impl RouterConfig {
 
     fn hop_id(&self, generation: Option<u32>, server: usize) -> u32 {
         self.group_id(generation) + 1 + server as u32
-    }
-
-    pub fn anchor(&self) -> &str {
-        self.anchor.as_deref().expect("check() refuses a config without an anchor")
     }
 
     fn server(&self, name: &str) -> Result<&Server> {
@@ -380,7 +378,7 @@ fn ensure_hops(cfg: &RouterConfig, subs: &[Option<usize>]) -> Result<HashSet<u32
             }
         }
     }
-    let anchor = cfg.anchor();
+    let anchor = cfg.anchor.as_str();
     for generation in std::iter::once(None).chain((0..cfg.generations).map(Some)) {
         for (i, s) in cfg.server.iter().enumerate() {
             let id = cfg.hop_id(generation, i);
@@ -429,7 +427,7 @@ fn ensure_hops(cfg: &RouterConfig, subs: &[Option<usize>]) -> Result<HashSet<u32
 /// next hop. Policy 3 with the five fields always reads the headers.
 fn prepare(cfg: &RouterConfig, up: &[&Server], forced: &[String]) -> Result<(HashSet<u32>, BTreeSet<String>)> {
     let links = links()?;
-    check_anchor(cfg.anchor(), &links)?;
+    check_anchor(&cfg.anchor, &links)?;
     for (key, value) in [
         ("net/ipv6/conf/all/forwarding", "1"),
         ("net/ipv6/conf/all/seg6_enabled", "1"),
@@ -453,7 +451,7 @@ fn prepare(cfg: &RouterConfig, up: &[&Server], forced: &[String]) -> Result<(Has
     let objects = ensure_hops(cfg, &substitutes(cfg, up, &dead))?;
     for k in 0..cfg.generations {
         let (table, sid) = cfg.generation(k);
-        ip(&["-6", "route", "replace", &sid.to_string(), "encap", "seg6local", "action", "End.DT6", "table", &table.to_string(), "dev", cfg.anchor()])
+        ip(&["-6", "route", "replace", &sid.to_string(), "encap", "seg6local", "action", "End.DT6", "table", &table.to_string(), "dev", &cfg.anchor])
             .with_context(|| format!("installing shadow SID {sid} (End.DT6 into table {table})"))?;
     }
     Ok((objects, dead))
