@@ -9,10 +9,16 @@
 //! the VIP's real route through [`route::apply`], which writes the shadow
 //! table first. The kernel's tables are the only state: a restarted loop
 //! compares the learned set with the route it finds and goes on.
+//!
+//! A server the routing daemon still lists is alive as far as this loop
+//! knows (its hold time decides); one it no longer lists may die later,
+//! or come back, with nothing learned changing: so the loop also watches
+//! those servers' links, and a change rewrites their shadow hops.
 
+use std::collections::BTreeSet;
 use std::net::Ipv6Addr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use tracing::{info, warn};
@@ -43,10 +49,14 @@ pub fn learned(cfg: &RouterConfig, table: u32) -> Result<(Vec<String>, Vec<Ipv6A
 }
 
 /// Follows `table` every `interval` until `stop`; each change of the
-/// learned set becomes one shadow-preserving change of the VIP's route.
-pub fn follow(cfg: &RouterConfig, table: u32, interval: Duration, stop: &AtomicBool) -> Result<()> {
+/// learned set becomes one shadow-preserving change of the VIP's route,
+/// and every `liveness` a death or revival of a server outside it a
+/// rewrite of its shadow hops.
+pub fn follow(cfg: &RouterConfig, table: u32, interval: Duration, liveness: Duration, stop: &AtomicBool) -> Result<()> {
     info!(vip = %cfg.vip, table, "following the next hops the routing daemon learns");
-    let mut applied: Option<Vec<String>> = None;
+    // The learned set last applied, and the servers dead then.
+    let mut applied: Option<(Vec<String>, BTreeSet<String>)> = None;
+    let mut checked = Instant::now();
     let mut warned: Vec<Ipv6Addr> = Vec::new();
     while !stop.load(Ordering::Relaxed) {
         match learned(cfg, table) {
@@ -55,9 +65,17 @@ pub fn follow(cfg: &RouterConfig, table: u32, interval: Duration, stop: &AtomicB
                     warn!(gateway = %g, table, "the VIP is announced from a next hop no [[server]] in the config has: ignored");
                 }
                 warned = unknown;
-                if applied.as_ref() != Some(&names) {
-                    match route::apply(cfg, &names, true) {
-                        Ok(()) => applied = Some(names),
+                let mut due = applied.as_ref().is_none_or(|(set, _)| *set != names);
+                if !due && checked.elapsed() >= liveness {
+                    checked = Instant::now();
+                    match route::dead(cfg, &names) {
+                        Ok(dead) => due = applied.as_ref().is_some_and(|(_, was)| *was != dead),
+                        Err(e) => warn!(error = %format!("{e:#}"), "reading the servers' links failed"),
+                    }
+                }
+                if due {
+                    match route::apply(cfg, &names, true, &[]) {
+                        Ok(dead) => applied = Some((names, dead)),
                         // Tried again on the next pass; the route stays as it was.
                         Err(e) => warn!(error = %format!("{e:#}"), "changing the VIP's next hops failed"),
                     }

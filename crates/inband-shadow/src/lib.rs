@@ -61,6 +61,11 @@ pub enum ShadowCommand {
         /// previous set (and empty the shadow table).
         #[arg(long)]
         plain: bool,
+        /// Servers to treat as dead although their link is up (a host
+        /// whose program is gone), for this run: their shadow hops go to
+        /// a live server's direct SID. Not in --up.
+        #[arg(long, value_delimiter = ',', num_args = 0..)]
+        dead: Vec<String>,
     },
     /// On the router: keep the VIP's next hops equal to the ones the
     /// routing daemon (BIRD, FRR) learns by BGP into `--table`, each change
@@ -76,6 +81,10 @@ pub enum ShadowCommand {
         /// How often the learned set is read.
         #[arg(long, default_value_t = 100)]
         interval_ms: u64,
+        /// How often the links of the servers outside the learned set are
+        /// read: one that died or came back gets its shadow hops rewritten.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(100..=60_000))]
+        liveness_interval_ms: u64,
     },
 }
 
@@ -101,12 +110,13 @@ pub fn run(cmd: ShadowCommand) -> Result<()> {
             }
             Ok(())
         }
-        ShadowCommand::Route { config, up, plain } => {
+        ShadowCommand::Route { config, up, plain, dead } => {
             let cfg = route::RouterConfig::load(&config)?;
             let up: Vec<String> = up.into_iter().filter(|s| !s.is_empty()).collect();
-            route::apply(&cfg, &up, !plain)
+            let dead: Vec<String> = dead.into_iter().filter(|s| !s.is_empty()).collect();
+            route::apply(&cfg, &up, !plain, &dead).map(|_| ())
         }
-        ShadowCommand::Follow { config, table, interval_ms } => {
+        ShadowCommand::Follow { config, table, interval_ms, liveness_interval_ms } => {
             let cfg = route::RouterConfig::load(&config)?;
             if (0..cfg.generations).any(|k| cfg.generation(k).0 == table) || matches!(table, 0 | 253..=255) {
                 anyhow::bail!(
@@ -118,7 +128,8 @@ pub fn run(cmd: ShadowCommand) -> Result<()> {
             let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
             signal_hook::flag::register(signal_hook::consts::SIGINT, std::sync::Arc::clone(&stop))?;
             signal_hook::flag::register(signal_hook::consts::SIGTERM, std::sync::Arc::clone(&stop))?;
-            follow::follow(&cfg, table, std::time::Duration::from_millis(interval_ms.max(10)), &stop)
+            let every = |ms: u64| std::time::Duration::from_millis(ms);
+            follow::follow(&cfg, table, every(interval_ms.max(10)), every(liveness_interval_ms), &stop)
         }
     }
 }

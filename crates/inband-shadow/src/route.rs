@@ -5,8 +5,8 @@
 //! the older ones behind it. This is what seed 002's router feature does inside the
 //! router; here a command does it, through iproute2 in the router's
 //! namespace (no well-kept Rust netlink library speaks seg6 encap and
-//! seg6local), and the routes in the kernel are the only state: the
-//! current set is read back from the main table each time.
+//! seg6local), and the kernel's objects are the only state: the current
+//! set is read back from the main table's group each time.
 //!
 //! Every table's route points at a nexthop group, and a change replaces
 //! the group. Replacing an IPv6 multipath route itself is not one
@@ -16,14 +16,29 @@
 //! next hop on its next packet, and neither the new set's owner nor the
 //! shadow table's knows it (bench.scaleout lost such downloads under CPU
 //! load). A group is swapped whole.
+//!
+//! Every hop object and shadow SID sits on the `anchor` interface, not on
+//! the link to its server. The seg6 encapsulation routes the packet again
+//! by its new outer destination (the SID's route decides the link), so
+//! the device a hop names only has to stay up. On the server's own link,
+//! the kernel would delete the hop from every group the moment that link
+//! lost carrier or went away: every group, the shadow ones included,
+//! would shrink at once and move the surviving servers' connections, and
+//! no hop could be written on that link again until it came back.
+//!
+//! A server that is not in the new set and whose link is down or gone is
+//! dead: it keeps its place in every shadow group (so no other member's
+//! share of the hash moves), but its hops there are rewritten in place to
+//! a live server's direct SID, the only place its connections could still
+//! be served. Its own segments come back when its link does.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::net::Ipv6Addr;
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
-use tracing::info;
+use tracing::{info, warn};
 
 use inband_core::command::ip;
 
@@ -31,6 +46,11 @@ use inband_core::command::ip;
 #[serde(deny_unknown_fields)]
 pub struct RouterConfig {
     pub vip: Ipv6Addr,
+    /// The interface every nexthop object and shadow SID is put on: one
+    /// that never goes down (a dummy, or a veth pair with both ends up).
+    /// Empty to the parser when absent, so that check() gives the reason.
+    #[serde(default)]
+    pub anchor: String,
     /// The routing table that holds the previous next-hop set (the first
     /// generation); generation k's is `shadow_table + k − 1`.
     #[serde(default = "default_shadow_table")]
@@ -58,7 +78,9 @@ pub struct Server {
     pub sid: Ipv6Addr,
     /// The plain SID (`--direct-sid`), for packets from the oldest shadow table.
     pub direct_sid: Ipv6Addr,
-    /// The server's address on the link, and the router's interface to it.
+    /// The server's address on the link (what `follow` matches learned
+    /// next hops by), and the router's interface to it (whose carrier
+    /// says whether the server is alive).
     pub via: Ipv6Addr,
     pub dev: String,
 }
@@ -70,6 +92,9 @@ fn default_shadow_table() -> u32 {
 fn default_generations() -> u32 {
     1
 }
+
+const ANCHOR_WHY: &str = "every nexthop and shadow SID is put on it, and it must stay up: use a dummy interface \
+(`ip link add inb0 type dummy`) or, where there is no dummy driver, a veth pair with both ends up";
 
 /// bpf/include/inband/shadow_generations.h's INBAND_SHADOW_GENERATIONS:
 /// the programs accept no later generation's SID.
@@ -99,6 +124,12 @@ impl RouterConfig {
 
     fn check(&self) -> Result<()> {
         let mut errors = Vec::new();
+        let a = &self.anchor;
+        if a.is_empty() {
+            errors.push(format!("anchor missing: {ANCHOR_WHY}"));
+        } else if a.len() >= 16 || a.contains(['/', ' ']) {
+            errors.push(format!("anchor = {a:?}: not an interface name"));
+        }
         if self.server.is_empty() {
             errors.push("no [[server]]: the router needs the servers it may route the VIP to".to_string());
         }
@@ -173,16 +204,25 @@ impl RouterConfig {
 /// Points the VIP at `up`; with `shadow`, every set kept so far moves one
 /// generation older (the oldest is forgotten) and the one it pointed at
 /// until now becomes the first generation. Without (plain ECMP, the
-/// seed's baseline), the shadow tables are emptied.
-pub fn apply(cfg: &RouterConfig, up: &[String], shadow: bool) -> Result<()> {
+/// seed's baseline), the shadow tables are emptied. `dead` names servers
+/// to treat as dead whatever their link says (a host whose link stays up
+/// after it died). Every run rewrites the dead servers' shadow hops, even
+/// when the set is unchanged. Returns the servers it found dead.
+pub fn apply(cfg: &RouterConfig, up: &[String], shadow: bool, dead: &[String]) -> Result<BTreeSet<String>> {
     let up: Vec<&Server> = up.iter().map(|n| cfg.server(n)).collect::<Result<_>>()?;
-    let objects = prepare(cfg)?;
+    for d in dead {
+        cfg.server(d)?;
+        if up.iter().any(|s| s.name == *d) {
+            bail!("{d:?} is both in --up and --dead");
+        }
+    }
+    let (objects, dead) = prepare(cfg, &up, dead)?;
     let current = set_in(cfg, None)?;
     // Writing an unchanged set would shift every generation, and the
     // connections the previous change moved would lose their way back.
     if shadow && current.iter().map(|s| &s.name).eq(up.iter().map(|s| &s.name)) {
         info!(vip = %cfg.vip, "next hops unchanged");
-        return Ok(());
+        return Ok(dead);
     }
     if !shadow {
         for k in 0..MAX_GENERATIONS {
@@ -194,7 +234,7 @@ pub fn apply(cfg: &RouterConfig, up: &[String], shadow: bool) -> Result<()> {
         // one that chains to it.
         let mut older = vec![current.clone()];
         for k in 0..cfg.generations - 1 {
-            older.push(set_in(cfg, Some(cfg.generation(k).0))?);
+            older.push(set_in(cfg, Some(k))?);
         }
         for (k, set) in older.iter().enumerate().rev() {
             let table = cfg.generation(k as u32).0.to_string();
@@ -212,28 +252,107 @@ pub fn apply(cfg: &RouterConfig, up: &[String], shadow: bool) -> Result<()> {
     }
     let names = |v: &[&Server]| v.iter().map(|s| s.name.as_str()).collect::<Vec<_>>().join(",");
     info!(vip = %cfg.vip, from = names(&current), to = names(&up), shadow, generations = cfg.generations, "next hops changed");
+    Ok(dead)
+}
+
+/// The servers that are dead with `up` (names) as the VIP's set, by their
+/// links alone: what `follow` compares between changes.
+pub fn dead(cfg: &RouterConfig, up: &[String]) -> Result<BTreeSet<String>> {
+    let up: Vec<&Server> = up.iter().map(|n| cfg.server(n)).collect::<Result<_>>()?;
+    Ok(dead_servers(cfg, &up, &[], &links()?))
+}
+
+/// The router's interfaces and their flags (`UP`, `LOWER_UP` = carrier).
+type Links = BTreeMap<String, Vec<String>>;
+
+fn links() -> Result<Links> {
+    let out = ip(&["-j", "link", "show"]).context("listing the router's interfaces")?;
+    parse_links(&out.stdout)
+}
+
+fn parse_links(json: &[u8]) -> Result<Links> {
+    let all: Vec<serde_json::Value> = serde_json::from_slice(json).context("reading `ip -j link show` output")?;
+    Ok(all
+        .iter()
+        .filter_map(|l| {
+            let flags = l["flags"].as_array()?.iter().filter_map(|f| Some(f.as_str()?.to_string())).collect();
+            Some((l["ifname"].as_str()?.to_string(), flags))
+        })
+        .collect())
+}
+
+fn has(links: &Links, dev: &str, flag: &str) -> bool {
+    links.get(dev).is_some_and(|f| f.iter().any(|x| x == flag))
+}
+
+/// Refuses an anchor that is missing, down or without carrier: the
+/// kernel would refuse a hop on it, or flush the ones there.
+fn check_anchor(anchor: &str, links: &Links) -> Result<()> {
+    if !links.contains_key(anchor) {
+        bail!("anchor = {anchor:?}: no such interface: {ANCHOR_WHY}");
+    }
+    if !has(links, anchor, "UP") || !has(links, anchor, "LOWER_UP") {
+        bail!("anchor = {anchor:?} is down (flags {}): {ANCHOR_WHY}", links[anchor].join(","));
+    }
     Ok(())
 }
 
-/// The segments to `s` in the VIP's route (`generation` None) or in
-/// shadow generation k's table: its conditional SID, where a stray goes
-/// on to the first shadow SID; in a generation with an older one behind
-/// it, its conditional SID and then that generation's SID (the program
-/// sends a stray to the second segment); in the oldest, its direct SID,
-/// never chained again.
-fn segs(cfg: &RouterConfig, s: &Server, generation: Option<u32>) -> Vec<Ipv6Addr> {
-    match generation {
-        None => vec![s.sid],
-        Some(k) if k + 1 < cfg.generations => vec![s.sid, cfg.generation(k + 1).1],
-        Some(_) => vec![s.direct_sid],
+/// The servers outside `up` that are dead: named in `forced`, or whose
+/// link to the router is down or gone. A server in `up` counts as alive:
+/// whoever put it there (BGP, the operator) says so.
+fn dead_servers(cfg: &RouterConfig, up: &[&Server], forced: &[String], links: &Links) -> BTreeSet<String> {
+    cfg.server
+        .iter()
+        .filter(|s| !up.iter().any(|u| u.name == s.name))
+        .filter(|s| forced.contains(&s.name) || !has(links, &s.dev, "LOWER_UP"))
+        .map(|s| s.name.clone())
+        .collect()
+}
+
+/// For each server (config order), the server whose direct SID its shadow
+/// hops go to instead of its own segments. A dead server's connections
+/// can be served nowhere but at a live server's direct SID (where they end
+/// their chain), and its place in each group must stay, or every other
+/// member's share of the hash would move: the next server after it in
+/// config order that is in `up` takes it (deterministic, so a rerun
+/// writes the same). None: its own segments (alive, or no server in `up`
+/// to send them to).
+fn substitutes(cfg: &RouterConfig, up: &[&Server], dead: &BTreeSet<String>) -> Vec<Option<usize>> {
+    let n = cfg.server.len();
+    (0..n)
+        .map(|i| {
+            if !dead.contains(&cfg.server[i].name) {
+                return None;
+            }
+            (1..n).map(|d| (i + d) % n).find(|&j| up.iter().any(|u| u.name == cfg.server[j].name))
+        })
+        .collect()
+}
+
+/// The segments of server `i`'s hop in the VIP's route (`generation`
+/// None) or in shadow generation k's table: its conditional SID, where a
+/// stray goes on to the first shadow SID; in a generation with an older
+/// one behind it, its conditional SID and then that generation's SID (the
+/// program sends a stray to the second segment); in the oldest, its
+/// direct SID, never chained again. A dead server's shadow hops go to its
+/// substitute's direct SID.
+fn segs(cfg: &RouterConfig, i: usize, generation: Option<u32>, subs: &[Option<usize>]) -> Vec<Ipv6Addr> {
+    let s = &cfg.server[i];
+    match (generation, subs[i]) {
+        (None, _) => vec![s.sid],
+        (Some(_), Some(j)) => vec![cfg.server[j].direct_sid],
+        (Some(k), None) if k + 1 < cfg.generations => vec![s.sid, cfg.generation(k + 1).1],
+        (Some(_), None) => vec![s.direct_sid],
     }
 }
 
-/// Every server's hop in every table's group, as a nexthop object:
-/// made when missing, rewritten when the config changed it. An object
-/// in this VIP's id block that goes to no SID of this config belongs to
-/// someone else: refused, not overwritten. Returns the ids there are.
-fn ensure_hops(cfg: &RouterConfig) -> Result<HashSet<u32>> {
+/// Every server's hop in every table's group, as a nexthop object on the
+/// anchor: made when missing, rewritten in place when its segments change
+/// (a death, a revival, a config change) or it is not on the anchor yet;
+/// the groups holding it keep it. An object in this VIP's id block that
+/// goes to no SID of this config belongs to someone else: refused, not
+/// overwritten. Returns the ids there are.
+fn ensure_hops(cfg: &RouterConfig, subs: &[Option<usize>]) -> Result<HashSet<u32>> {
     let out = ip(&["-j", "nexthop", "show"]).context("listing nexthop objects (the kernel needs CONFIG_IPV6 nexthop support, 5.3 or later)")?;
     let existing: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).context("reading `ip -j nexthop show` output")?;
     let ours: HashSet<String> =
@@ -259,19 +378,17 @@ fn ensure_hops(cfg: &RouterConfig) -> Result<HashSet<u32>> {
             }
         }
     }
+    let anchor = cfg.anchor.as_str();
     for generation in std::iter::once(None).chain((0..cfg.generations).map(Some)) {
         for (i, s) in cfg.server.iter().enumerate() {
             let id = cfg.hop_id(generation, i);
-            let want: Vec<String> = segs(cfg, s, generation).iter().map(Ipv6Addr::to_string).collect();
+            let want: Vec<String> = segs(cfg, i, generation, subs).iter().map(Ipv6Addr::to_string).collect();
             let found = existing.iter().find(|o| o["id"].as_u64() == Some(u64::from(id)));
             let verb = match found {
                 None => "add",
                 Some(o) => {
                     let have: Vec<&str> = o["segs"].as_array().into_iter().flatten().filter_map(|v| v.as_str()).collect();
-                    if have == want.iter().map(String::as_str).collect::<Vec<_>>()
-                        && o["gateway"].as_str() == Some(&s.via.to_string())
-                        && o["dev"].as_str() == Some(&s.dev)
-                    {
+                    if have == want.iter().map(String::as_str).collect::<Vec<_>>() && o["gateway"].is_null() && o["dev"].as_str() == Some(anchor) {
                         continue;
                     }
                     if have.is_empty() || !have.iter().all(|h| ours.contains(*h)) {
@@ -280,9 +397,14 @@ fn ensure_hops(cfg: &RouterConfig) -> Result<HashSet<u32>> {
                     "replace"
                 }
             };
+            if let (Some(k), Some(j)) = (generation, subs[i]) {
+                info!(server = %s.name, generation = k + 1, to = %cfg.server[j].name, "dead: its shadow hop goes to a live server's direct SID");
+            }
             ids.insert(id);
             let (id, segs) = (id.to_string(), want.join(","));
-            ip(&["nexthop", verb, "id", &id, "encap", "seg6", "mode", "encap", "segs", &segs, "via", &s.via.to_string(), "dev", &s.dev])
+            // -6: a hop with a device and no gateway is IPv4 to the
+            // kernel otherwise, and an IPv6 route refuses it.
+            ip(&["-6", "nexthop", verb, "id", &id, "encap", "seg6", "mode", "encap", "segs", &segs, "dev", anchor])
                 .with_context(|| format!("writing nexthop object {id} (server {:?})", s.name))?;
         }
     }
@@ -292,7 +414,8 @@ fn ensure_hops(cfg: &RouterConfig) -> Result<HashSet<u32>> {
 /// What the router needs whatever the set: forwarding, SRv6 accepted on
 /// the next hops' links (strays come back on them), a multipath hash of
 /// the 5-tuple read from the headers, its SIDs into the shadow tables,
-/// and the next hops' nexthop objects (whose ids it returns).
+/// and the next hops' nexthop objects (whose ids it returns, with the
+/// servers it found dead).
 ///
 /// The hash must be a function of the packet's 5-tuple alone, so that a
 /// stray looked up again in a shadow table picks the next hop the old
@@ -302,36 +425,47 @@ fn ensure_hops(cfg: &RouterConfig) -> Result<HashSet<u32>> {
 /// over a veth that is the sending socket's random txhash, which a stray
 /// re-sent by XDP no longer has, so the shadow lookup would pick another
 /// next hop. Policy 3 with the five fields always reads the headers.
-fn prepare(cfg: &RouterConfig) -> Result<HashSet<u32>> {
-    let mut sysctls = vec![
-        ("net/ipv6/conf/all/forwarding".to_string(), "1"),
-        ("net/ipv6/conf/all/seg6_enabled".to_string(), "1"),
-        ("net/ipv6/fib_multipath_hash_policy".to_string(), "3"),
+fn prepare(cfg: &RouterConfig, up: &[&Server], forced: &[String]) -> Result<(HashSet<u32>, BTreeSet<String>)> {
+    let links = links()?;
+    check_anchor(&cfg.anchor, &links)?;
+    for (key, value) in [
+        ("net/ipv6/conf/all/forwarding", "1"),
+        ("net/ipv6/conf/all/seg6_enabled", "1"),
+        ("net/ipv6/fib_multipath_hash_policy", "3"),
         // Source and destination address, protocol, source and destination port.
-        ("net/ipv6/fib_multipath_hash_fields".to_string(), "0x0037"),
-    ];
-    for s in &cfg.server {
-        sysctls.push((format!("net/ipv6/conf/{}/seg6_enabled", s.dev), "1"));
-    }
-    for (key, value) in sysctls {
+        ("net/ipv6/fib_multipath_hash_fields", "0x0037"),
+    ] {
         let path = format!("/proc/sys/{key}");
         std::fs::write(&path, value).with_context(|| format!("writing {path}"))?;
     }
-    let objects = ensure_hops(cfg)?;
+    for s in &cfg.server {
+        let path = format!("/proc/sys/net/ipv6/conf/{}/seg6_enabled", s.dev);
+        match std::fs::write(&path, "1") {
+            // Its link is gone: the server is dead, which is no reason to
+            // leave the others' routes alone.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => warn!(server = %s.name, dev = %s.dev, "no such interface"),
+            r => r.with_context(|| format!("writing {path}"))?,
+        }
+    }
+    let dead = dead_servers(cfg, up, forced, &links);
+    let objects = ensure_hops(cfg, &substitutes(cfg, up, &dead))?;
     for k in 0..cfg.generations {
         let (table, sid) = cfg.generation(k);
-        ip(&["-6", "route", "replace", &sid.to_string(), "encap", "seg6local", "action", "End.DT6", "table", &table.to_string(), "dev", &cfg.server[0].dev])
+        ip(&["-6", "route", "replace", &sid.to_string(), "encap", "seg6local", "action", "End.DT6", "table", &table.to_string(), "dev", &cfg.anchor])
             .with_context(|| format!("installing shadow SID {sid} (End.DT6 into table {table})"))?;
     }
-    Ok(objects)
+    Ok((objects, dead))
 }
 
-/// The servers the VIP's route in `table` (None: the main table) goes to
-/// now, found by the first segment (a conditional or a direct SID).
-fn set_in(cfg: &RouterConfig, table: Option<u32>) -> Result<Vec<&Server>> {
+/// The servers the VIP's route in the main table (`generation` None) or
+/// in generation k's table goes to now, in the order of its group: read
+/// from the group's member ids, since a dead server's hop names another
+/// server's SID. A route not on this VIP's group (a multipath route of an
+/// earlier version) is read by each hop's first segment instead.
+fn set_in(cfg: &RouterConfig, generation: Option<u32>) -> Result<Vec<&Server>> {
     let mut args = vec!["-6".to_string(), "-j".into(), "route".into(), "show".into(), format!("{}/128", cfg.vip)];
-    if let Some(t) = table {
-        args.extend(["table".into(), t.to_string()]);
+    if let Some(k) = generation {
+        args.extend(["table".into(), cfg.generation(k).0.to_string()]);
     }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = match ip(&args) {
@@ -344,12 +478,18 @@ fn set_in(cfg: &RouterConfig, table: Option<u32>) -> Result<Vec<&Server>> {
     let Some(route) = routes.first() else {
         return Ok(Vec::new());
     };
+    let place = generation.map_or("the VIP's route".to_string(), |k| format!("table {}", cfg.generation(k).0));
+    let group = cfg.group_id(generation);
+    if route["nhid"].as_u64() == Some(u64::from(group)) {
+        let out = ip(&["-j", "nexthop", "show", "id", &group.to_string()])?;
+        let groups: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).context("reading `ip -j nexthop show` output")?;
+        return members(cfg, generation, groups.first().unwrap_or(&serde_json::Value::Null)).with_context(|| format!("reading {place}"));
+    }
     // One next hop is printed flat, several under "nexthops".
     let hops = match route["nexthops"].as_array() {
         Some(h) => h.clone(),
         None => vec![route.clone()],
     };
-    let place = table.map_or("the VIP's route".to_string(), |t| format!("table {t}"));
     hops.iter()
         .map(|h| {
             let seg = h["segs"][0].as_str().unwrap_or_default();
@@ -357,6 +497,22 @@ fn set_in(cfg: &RouterConfig, table: Option<u32>) -> Result<Vec<&Server>> {
                 .iter()
                 .find(|s| s.sid.to_string() == seg || s.direct_sid.to_string() == seg)
                 .with_context(|| format!("{place} goes to {seg:?}, which is no server's SID in the config: fix the route or the config"))
+        })
+        .collect()
+}
+
+/// The servers of `group` (one object of `ip -j nexthop show`), the
+/// group of the VIP's route (`generation` None) or of generation k's, by
+/// their hops' ids.
+fn members<'a>(cfg: &'a RouterConfig, generation: Option<u32>, group: &serde_json::Value) -> Result<Vec<&'a Server>> {
+    let first = u64::from(cfg.hop_id(generation, 0));
+    let ids = group["group"].as_array().with_context(|| format!("nexthop object {} is not a group", cfg.group_id(generation)))?;
+    ids.iter()
+        .map(|m| {
+            let id = m["id"].as_u64().unwrap_or(0);
+            id.checked_sub(first).and_then(|i| cfg.server.get(usize::try_from(i).ok()?)).with_context(|| {
+                format!("its group holds nexthop object {id}, which is no server's hop in the config: fix the route or the config")
+            })
         })
         .collect()
 }
@@ -417,7 +573,7 @@ mod tests {
     use super::*;
 
     fn config(extra: &str, servers: usize) -> String {
-        let mut text = format!("vip = \"fd00:81::100\"\nshadow_sid = \"fd00:81:5f::5\"\ngenerations = 8\n{extra}\n");
+        let mut text = format!("vip = \"fd00:81::100\"\nanchor = \"inb0\"\nshadow_sid = \"fd00:81:5f::5\"\ngenerations = 8\n{extra}\n");
         for i in 0..servers {
             text += &format!(
                 "[[server]]\nname = \"s{i}\"\nsid = \"fd00:82:{i:x}::b\"\ndirect_sid = \"fd00:82:{i:x}::d\"\nvia = \"fd00:81:{i:x}::2\"\ndev = \"s{i}\"\n"
@@ -457,5 +613,108 @@ mod tests {
             let err = format!("{:#}", parse(&config(extra, servers)).unwrap_err());
             assert!(err.contains(needle), "{err}");
         }
+    }
+
+    /// `ip -j link show` as the router would print it: `dev` of s0..s3 is
+    /// s0..s3; the flags of each as given (None: no such interface).
+    fn links_with(flags: &[(&str, Option<&str>)]) -> Links {
+        let mut json = vec![r#"{"ifindex":1,"ifname":"lo","flags":["LOOPBACK","UP","LOWER_UP"],"mtu":65536}"#.to_string()];
+        for (dev, f) in flags {
+            if let Some(f) = f {
+                let f: Vec<String> = f.split(',').map(|x| format!("{x:?}")).collect();
+                json.push(format!(r#"{{"ifindex":9,"ifname":"{dev}","flags":[{}],"mtu":1500,"link_type":"ether"}}"#, f.join(",")));
+            }
+        }
+        parse_links(format!("[{}]", json.join(",")).as_bytes()).unwrap()
+    }
+
+    const UP: Option<&str> = Some("BROADCAST,MULTICAST,UP,LOWER_UP");
+    const NO_CARRIER: Option<&str> = Some("NO-CARRIER,BROADCAST,MULTICAST,UP");
+
+    fn names(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    /// The segments of every hop (main, generations 0 and 1) of a config of
+    /// 4 servers and 2 generations, with `up` the VIP's set and `flags` the links.
+    fn plan(up: &[&str], forced: &[&str], flags: &[(&str, Option<&str>)]) -> (BTreeSet<String>, Vec<[Vec<Ipv6Addr>; 3]>) {
+        let cfg = parse(&config("", 4).replace("generations = 8", "generations = 2")).unwrap();
+        let up: Vec<&Server> = up.iter().map(|n| cfg.server(n).unwrap()).collect();
+        let dead = dead_servers(&cfg, &up, &names(forced), &links_with(flags));
+        let subs = substitutes(&cfg, &up, &dead);
+        let hops = (0..4).map(|i| [segs(&cfg, i, None, &subs), segs(&cfg, i, Some(0), &subs), segs(&cfg, i, Some(1), &subs)]).collect();
+        (dead, hops)
+    }
+
+    fn sid(i: u16, kind: u16) -> Ipv6Addr {
+        Ipv6Addr::new(0xfd00, 0x82, i, 0, 0, 0, 0, kind)
+    }
+
+    #[test]
+    fn a_dead_server_keeps_its_place_but_its_shadow_hops_go_to_the_next_live_servers_direct_sid() {
+        let second = "fd00:81:5f::6".parse::<Ipv6Addr>().unwrap();
+        let own = |i: u16| [vec![sid(i, 0xb)], vec![sid(i, 0xb), second], vec![sid(i, 0xd)]];
+        // s1 lost carrier, s3's link is gone; s3 left earlier; s0 and s2 carry the VIP.
+        let (dead, hops) = plan(&["s0", "s2"], &[], &[("s0", UP), ("s1", NO_CARRIER), ("s2", UP), ("s3", None)]);
+        assert_eq!(dead, names(&["s1", "s3"]).into_iter().collect());
+        assert_eq!(hops[0], own(0));
+        assert_eq!(hops[2], own(2));
+        // Both generations: the next server in config order that is in the
+        // set (s1 → s2; s3 → wraps to s0), its direct SID, never chained again.
+        // The VIP's route keeps the dead server's own SID (it is not in the set).
+        assert_eq!(hops[1], [vec![sid(1, 0xb)], vec![sid(2, 0xd)], vec![sid(2, 0xd)]]);
+        assert_eq!(hops[3], [vec![sid(3, 0xb)], vec![sid(0, 0xd)], vec![sid(0, 0xd)]]);
+
+        // Revived (carrier back, s3 back): their own segments again.
+        let (dead, hops) = plan(&["s0", "s2"], &[], &[("s0", UP), ("s1", UP), ("s2", UP), ("s3", UP)]);
+        assert!(dead.is_empty(), "{dead:?}");
+        assert_eq!(hops, (0..4).map(own).collect::<Vec<_>>());
+
+        // A server in the set is alive whatever its link says (BGP or the
+        // operator put it there); --dead forces one whose link is up.
+        let (dead, hops) = plan(&["s1", "s2"], &["s0"], &[("s0", UP), ("s1", None), ("s2", UP), ("s3", UP)]);
+        assert_eq!(dead, names(&["s0"]).into_iter().collect());
+        assert_eq!(hops[1], own(1));
+        assert_eq!(hops[0][1..], [vec![sid(1, 0xd)], vec![sid(1, 0xd)]]);
+
+        // No server in the set: nowhere to send a dead one's connections.
+        let (dead, hops) = plan(&[], &[], &[("s0", UP), ("s1", NO_CARRIER), ("s2", UP), ("s3", UP)]);
+        assert_eq!(dead, names(&["s1"]).into_iter().collect());
+        assert_eq!(hops[1], own(1));
+    }
+
+    #[test]
+    fn a_tables_set_is_read_from_its_groups_member_ids() {
+        let cfg = parse(&config("", 3)).unwrap();
+        let group = |ids: &[u32]| serde_json::json!({"id": cfg.group_id(Some(0)), "group": ids.iter().map(|i| serde_json::json!({"id": i})).collect::<Vec<_>>()});
+        // In the group's order, whatever segments the hops have now.
+        let set = members(&cfg, Some(0), &group(&[cfg.hop_id(Some(0), 2), cfg.hop_id(Some(0), 0)])).unwrap();
+        assert_eq!(set.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(), ["s2", "s0"]);
+        // Another table's hop, or one past the config's servers.
+        for stray in [cfg.hop_id(None, 1), cfg.hop_id(Some(0), 3), cfg.group_id(Some(0))] {
+            let err = format!("{:#}", members(&cfg, Some(0), &group(&[cfg.hop_id(Some(0), 1), stray])).unwrap_err());
+            assert!(err.contains(&format!("nexthop object {stray}, which is no server's hop")), "{err}");
+        }
+        let err = format!("{:#}", members(&cfg, None, &serde_json::json!({"id": 5, "segs": ["fd00::1"]})).unwrap_err());
+        assert!(err.contains("is not a group"), "{err}");
+    }
+
+    #[test]
+    fn an_anchor_that_is_missing_or_down_is_refused() {
+        let err = format!("{:#}", parse(&config("", 1).replace("anchor = \"inb0\"\n", "")).unwrap_err());
+        assert!(err.contains("anchor missing: every nexthop and shadow SID is put on it") && err.contains("type dummy"), "{err}");
+        for bad in ["", "a/b", "a-name-far-too-long"] {
+            let err = format!("{:#}", parse(&config("", 1).replace("\"inb0\"", &format!("{bad:?}"))).unwrap_err());
+            assert!(err.contains("anchor"), "{bad:?}: {err}");
+        }
+        for (flags, needle) in [
+            (None, "anchor = \"inb0\": no such interface"),
+            (NO_CARRIER, "anchor = \"inb0\" is down (flags NO-CARRIER,BROADCAST,MULTICAST,UP)"),
+            (Some("BROADCAST,MULTICAST"), "is down"),
+        ] {
+            let err = format!("{:#}", check_anchor("inb0", &links_with(&[("inb0", flags)])).unwrap_err());
+            assert!(err.contains(needle) && err.contains("veth pair with both ends up"), "{err}");
+        }
+        check_anchor("inb0", &links_with(&[("inb0", UP)])).unwrap();
     }
 }

@@ -186,20 +186,18 @@ impl Farm {
         run_ok(&self.tb, &node, &["birdc", "-s", sock.to_str().unwrap(), if on { "enable" } else { "disable" }, "vip"]);
     }
 
-    /// The gateways of the VIP's route in the router's `table` ("main" or a number).
+    /// Each hop of the VIP's route in the router's `table` ("main" or a
+    /// number): its first segment (the router's own routes, whose hops
+    /// have no gateway), or its gateway (routes BGP learned).
     fn hops(&self, table: &str) -> Vec<String> {
-        // A table the kernel has not made yet (no route in it) is an error: no hops.
-        let out = self.tb.exec("r1", &["ip", "-6", "-j", "route", "show", "table", table, &format!("{}/128", self.tb.vip6())]).unwrap();
-        let routes: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
-        let Some(r) = routes.get(0) else { return Vec::new() };
-        let hops = r["nexthops"].as_array().cloned().unwrap_or_else(|| vec![r.clone()]);
-        hops.iter().filter_map(|h| h["gateway"].as_str().map(str::to_string)).collect()
+        route_hops(&self.tb, table).iter().filter_map(|h| h["segs"][0].as_str().or(h["gateway"].as_str()).map(str::to_string)).collect()
     }
 
     /// The VIP's current next hops, as instance numbers.
     fn routed(&self) -> Vec<usize> {
         let hops = self.hops("main");
-        (1..=self.lbs.len()).filter(|i| hops.contains(&self.tb.addr6(&format!("b{i}")).to_string())).collect()
+        let plan = Plan { subnet: hex(self.tb.spec.subnet) };
+        (1..=self.lbs.len()).filter(|i| hops.contains(&plan.sid(*i).to_string())).collect()
     }
 
     fn downloads(&self) -> Vec<Child> {
@@ -214,6 +212,25 @@ impl Farm {
                     .unwrap()
             })
             .collect()
+    }
+
+    /// DOWNLOADS downloads from the client ports `first`.., each with its port.
+    fn downloads_from(&self, first: u16) -> Vec<(u16, Child)> {
+        let url = format!("http://[{}]/", self.tb.vip6());
+        (first..first + DOWNLOADS as u16)
+            .map(|port| {
+                let argv = ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code} %{size_download}", "--max-time", "20", "--local-port", &port.to_string(), &url];
+                (port, self.tb.command("c1", &argv).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap())
+            })
+            .collect()
+    }
+
+    /// The client ports instance `i` holds flows of (its pinned `flows`).
+    fn held(&self, i: usize) -> Vec<u16> {
+        use inband_lb::maps::{Flow, FlowKey};
+        let pin = format!("/sys/fs/bpf/inband/netns/{}/lb/eth0/flows", self.tb.netns(&format!("b{i}")));
+        let map = libbpf_rs::MapHandle::from_pinned_path(pin).unwrap();
+        inband_core::bpfmap::entries::<FlowKey, Flow>(&map).unwrap().iter().map(|(k, _)| inband_core::pod::port_of(k.client_port)).collect()
     }
 
     /// How many of the client's connections to the VIP are established.
@@ -240,6 +257,16 @@ impl Farm {
             })
             .count()
     }
+}
+
+/// The hops of the VIP's route in the router's `table` ("main" or a
+/// number), as `ip -j route` prints them.
+fn route_hops(tb: &Testbed, table: &str) -> Vec<Value> {
+    // A table the kernel has not made yet (no route in it) is an error: no hops.
+    let out = tb.exec("r1", &["ip", "-6", "-j", "route", "show", "table", table, &format!("{}/128", tb.vip6())]).unwrap();
+    let routes: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    let Some(r) = routes.get(0) else { return Vec::new() };
+    r["nexthops"].as_array().cloned().unwrap_or_else(|| vec![r.clone()])
 }
 
 fn total(farm: &Farm, n: usize, f: impl Fn(&Farm, usize) -> u64) -> u64 {
@@ -339,6 +366,196 @@ fn instances_join_and_leave_by_bgp_without_breaking_a_download() {
     assert!(farm.event(1, "srv6_direct") > 0, "no connection of b1's moved away: the step proved nothing");
     for i in 1..=3 {
         assert_eq!(farm.drop_count(i, "chained_no_flow"), 0, "b{i} dropped chained packets");
+    }
+}
+
+/// The group of the VIP's route in the router's `table` ("main" or a
+/// number): each member's segments, in the group's order.
+fn group(tb: &Testbed, table: &str) -> Vec<Vec<String>> {
+    group_or_none(tb, table).unwrap_or_else(|| panic!("table {table}: no VIP route on a group"))
+}
+
+/// As `group`, None while the table has no such route.
+fn group_or_none(tb: &Testbed, table: &str) -> Option<Vec<Vec<String>>> {
+    let out = tb.exec("r1", &["ip", "-6", "-j", "route", "show", "table", table, &format!("{}/128", tb.vip6())]).unwrap();
+    let routes: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    let nhid = routes[0]["nhid"].as_u64()?;
+    let nexthop = |id: u64| -> Value {
+        let out = run_ok(tb, "r1", &["ip", "-j", "nexthop", "show", "id", &id.to_string()]);
+        serde_json::from_slice::<Value>(&out.stdout).unwrap()[0].clone()
+    };
+    let members = nexthop(nhid)["group"].as_array().cloned().unwrap_or_default();
+    Some(
+        members
+            .iter()
+            .map(|m| nexthop(m["id"].as_u64().unwrap())["segs"].as_array().unwrap().iter().map(|s| s.as_str().unwrap().to_string()).collect())
+            .collect(),
+    )
+}
+
+/// An instance's host dies behind the router (no daemon here: the router
+/// alone). Its link loses carrier, then another's link goes away: no group
+/// shrinks under the survivors, every route change still works, the
+/// shadow SIDs stay, and a dead instance's shadow hops go to a live one's
+/// direct SID until it comes back.
+#[test]
+fn shadow_route_survives_down_and_missing_next_hops() {
+    let name = format!("x{}d", std::process::id() % 10000);
+    let tb = Testbed::up(TestbedSpec { name, clients: 1, servers: 1, subnet: 83, ecmp: true, balancers: 3, ..Default::default() }).expect("testbed");
+    let plan = Plan { subnet: hex(83) };
+    // Two generations: after the second change the first dead instance is
+    // still in the older one's group, where its revival shows.
+    let path = tb.router_config.clone().unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(&path, format!("generations = 2\n{text}")).unwrap();
+    let route = |args: &[&str]| {
+        let mut argv = vec![BIN, "shadow", "route", "--config", path.to_str().unwrap()];
+        argv.extend_from_slice(args);
+        let out = tb.exec("r1", &argv).unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    let (cond, direct) = (|i: usize| vec![plan.sid(i).to_string()], |i: usize| vec![plan.direct_sid(i).to_string()]);
+    // In generation 1 (table 200), a hop chains on to generation 2's SID.
+    let cond_then_older = |i: usize| vec![plan.sid(i).to_string(), inband_shadow::route::generation_sid(plan.shadow_sid(), 1).to_string()];
+    let carrier = |dev: &str| String::from_utf8_lossy(&run_ok(&tb, "r1", &["ip", "link", "show", "dev", dev]).stdout).contains("LOWER_UP");
+    route(&["--up", "b1,b2,b3"]);
+    assert_eq!(group(&tb, "main"), [cond(1), cond(2), cond(3)]);
+
+    // 1. b2's host goes down: the router's link to it loses carrier. The
+    // kernel would delete a hop on that link from every group.
+    run_ok(&tb, "b2", &["ip", "link", "set", "eth0", "down"]);
+    assert!(!carrier("b2"), "r1's link to b2 kept its carrier: the step proves nothing");
+    assert_eq!(group(&tb, "main"), [cond(1), cond(2), cond(3)], "the VIP's group shrank under b1's and b3's connections");
+
+    // 2. b2 is withdrawn while down: the change works; the old set keeps
+    // b2's place, its hop going to the next live instance's direct SID.
+    route(&["--up", "b1,b3"]);
+    assert_eq!(group(&tb, "main"), [cond(1), cond(3)]);
+    assert_eq!(group(&tb, "200"), [cond_then_older(1), direct(3), cond_then_older(3)]);
+
+    // 3. b1's link goes away altogether (its veth deleted on r1). The
+    // shadow SIDs do not hang on it, nor does the VIP's group.
+    run_ok(&tb, "r1", &["ip", "link", "del", "b1"]);
+    for k in 0..2 {
+        let sid = inband_shadow::route::generation_sid(plan.shadow_sid(), k).to_string();
+        let out = run_ok(&tb, "r1", &["ip", "-6", "-j", "route", "show", &sid]);
+        let routes: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(routes[0]["dev"].as_str(), Some(inband_testkit::testbed::ecmp::ANCHOR), "shadow SID {sid} gone with b1's link: {routes}");
+    }
+    assert_eq!(group(&tb, "main"), [cond(1), cond(3)]);
+
+    // 4. b1 withdrawn too: nothing of b1's link is needed. Both dead
+    // instances' shadow hops go to b3's direct SID, in both generations.
+    route(&["--up", "b3"]);
+    assert_eq!(group(&tb, "main"), [cond(3)]);
+    assert_eq!(group(&tb, "200"), [direct(3), cond_then_older(3)]);
+    assert_eq!(group(&tb, "201"), [direct(3), direct(3), direct(3)]);
+
+    // 5. b2's link comes back. Told it is dead (its program, say, is
+    // gone), the router keeps its hop substituted; then, as its link says,
+    // it gets its own direct SID back, with the set unchanged.
+    run_ok(&tb, "b2", &["ip", "link", "set", "eth0", "up"]);
+    wait_for("r1's link to b2 to regain carrier", || carrier("b2"));
+    route(&["--up", "b3", "--dead", "b2"]);
+    assert_eq!(group(&tb, "201"), [direct(3), direct(3), direct(3)]);
+    route(&["--up", "b3"]);
+    assert_eq!(group(&tb, "201"), [direct(3), direct(2), direct(3)]);
+    assert_eq!(group(&tb, "200"), [direct(3), cond_then_older(3)], "an unchanged set shifted the generations");
+    assert_eq!(group(&tb, "main"), [cond(3)]);
+}
+
+/// `inband shadow follow` watches the links of the instances outside the
+/// learned set: one withdrawn, then dead, gets its shadow hop pointed at a
+/// live instance's direct SID with nothing learned changing, and back when
+/// its link returns. The learned routes are written by hand here, as a
+/// routing daemon would write them.
+#[test]
+fn follow_rewrites_the_shadow_hops_of_an_instance_that_dies_after_leaving() {
+    let name = format!("x{}f", std::process::id() % 10000);
+    let mut tb = Testbed::up(TestbedSpec { name, clients: 1, servers: 1, subnet: 85, ecmp: true, balancers: 3, ..Default::default() }).expect("testbed");
+    let plan = Plan { subnet: hex(85) };
+    let vip = format!("{}/128", tb.vip6());
+    let learn = |tb: &Testbed, hops: &[usize]| {
+        let mut argv = vec!["ip".to_string(), "-6".into(), "route".into(), "replace".into(), vip.clone(), "table".into(), "100".into()];
+        for i in hops {
+            argv.extend(["nexthop".into(), "via".into(), tb.addr6(&format!("b{i}")).to_string(), "dev".into(), format!("b{i}")]);
+        }
+        run_ok(tb, "r1", &argv.iter().map(String::as_str).collect::<Vec<_>>());
+    };
+    learn(&tb, &[1, 2, 3]);
+    let cfg = tb.router_config.clone().unwrap();
+    tb.spawn("r1", &[BIN, "shadow", "follow", "--config", cfg.to_str().unwrap(), "--table", "100", "--liveness-interval-ms", "100"]).unwrap();
+    let direct = |i: usize| vec![plan.direct_sid(i).to_string()];
+    wait_for("the VIP's route to follow the learned set", || group_or_none(&tb, "main").is_some_and(|g| g.len() == 3));
+    learn(&tb, &[1, 3]);
+    wait_for("b2 to leave", || group_or_none(&tb, "main").is_some_and(|g| g.len() == 2));
+    assert_eq!(group(&tb, "200"), [direct(1), direct(2), direct(3)]);
+
+    // b2's host dies after leaving: its link loses carrier; nothing learned changes.
+    run_ok(&tb, "b2", &["ip", "link", "set", "eth0", "down"]);
+    wait_for("b2's shadow hop to go to b3's direct SID", || group(&tb, "200") == [direct(1), direct(3), direct(3)]);
+    run_ok(&tb, "b2", &["ip", "link", "set", "eth0", "up"]);
+    wait_for("b2's shadow hop to come back", || group(&tb, "200") == [direct(1), direct(2), direct(3)]);
+    assert_eq!(group(&tb, "main").len(), 2, "the liveness rewrite changed the VIP's route");
+}
+
+/// An instance's host dies under load, with no clean-up: its daemon is
+/// killed -9 and the router's link to it loses carrier, or (later) goes
+/// away; 1 s later the route withdraws it. Its own connections are lost
+/// (their server-side tuples name it); every other download completes.
+/// b1 dies: the first member's exit moves part of b2's share to b3
+/// (hash-threshold), so survivors' packets take the shadow path, and the
+/// shadow SIDs used to hang on b1's link.
+#[test]
+fn an_instance_host_crash_breaks_only_its_own_connections() {
+    let mut farm = Farm::up("c", 86, 3, false);
+    farm.route(&[1, 2, 3], false);
+    let answers = |f: &Farm| {
+        let url = format!("http://[{}]/", f.tb.vip6());
+        f.tb.exec("c1", &["curl", "-s", "-o", "/dev/null", "--max-time", "3", &url]).map(|o| o.status.success()).unwrap_or(false)
+    };
+    wait_for("the VIP to answer", || answers(&farm));
+    for (form, first_port) in [("carrier lost", 41000), ("interface gone", 42000)] {
+        let dls = farm.downloads_from(first_port);
+        wait_for("every download to start", || farm.established() == DOWNLOADS);
+        let held: Vec<u16> = farm.held(1).into_iter().filter(|p| (first_port..first_port + DOWNLOADS as u16).contains(p)).collect();
+        assert!(!held.is_empty(), "{form}: b1 holds no download: the step proves nothing");
+        farm.stop_lb(1, true);
+        match form {
+            "carrier lost" => run_ok(&farm.tb, "b1", &["ip", "link", "set", "eth0", "down"]),
+            _ => run_ok(&farm.tb, "r1", &["ip", "link", "del", "b1"]),
+        };
+        std::thread::sleep(Duration::from_secs(1));
+        farm.route(&[2, 3], false);
+        let want = format!("200 {BODY}");
+        let broken: Vec<u16> = dls
+            .into_iter()
+            .filter_map(|(port, d)| {
+                let o = d.wait_with_output().unwrap();
+                (String::from_utf8_lossy(&o.stdout) != want).then_some(port)
+            })
+            .collect();
+        let survivors_broken: Vec<&u16> = broken.iter().filter(|p| !held.contains(p)).collect();
+        eprintln!(
+            "{form}: b1 held {} of {DOWNLOADS}, {} broke; chained packets delivered by b2+b3: {}",
+            held.len(),
+            broken.len(),
+            farm.event(2, "srv6_direct") + farm.event(3, "srv6_direct")
+        );
+        assert!(survivors_broken.is_empty(), "{form}: b2's or b3's downloads broke: {survivors_broken:?} (b1 held {held:?}){}", farm.report());
+        if form == "carrier lost" {
+            // b1's host comes back and rejoins for the next form (IPv6
+            // took its address and routes away with the link).
+            let addr = farm.tb.addr6("b1");
+            let mut gw = addr.segments();
+            gw[7] = 1;
+            run_ok(&farm.tb, "b1", &["ip", "link", "set", "eth0", "up"]);
+            run_ok(&farm.tb, "b1", &["ip", "-6", "addr", "replace", &format!("{addr}/64"), "dev", "eth0", "nodad"]);
+            run_ok(&farm.tb, "b1", &["ip", "-6", "route", "replace", "default", "via", &std::net::Ipv6Addr::from(gw).to_string()]);
+            farm.start_lb(1);
+            farm.route(&[1, 2, 3], false);
+            wait_for("the VIP to answer", || answers(&farm));
+        }
     }
 }
 

@@ -267,18 +267,19 @@ fn the_router_controller_refuses_bad_configs_and_unknown_servers() {
         format!("[[server]]\nname = \"{name}\"\nsid = \"fd00:5{n}::b\"\ndirect_sid = \"fd00:5{n}::d\"\nvia = \"fd00:{n}::2\"\ndev = \"r{n}\"\n")
     };
     let cases = [
-        (format!("vip = \"fd00::80\"\nshadow_sid = \"fd00:5f::5\"\nshadow_table = 254\n{}", server("s1", 1)), "shadow_table = 254"),
-        (format!("vip = \"fd00::80\"\nshadow_sid = \"fd00:5f::5\"\n{}{}", server("s1", 1), server("s1", 2)), "server \"s1\" twice"),
-        (format!("vip = \"fd00::80\"\nshadow_sid = \"fd00:51::b\"\n{}", server("s1", 1)), "used twice"),
-        ("vip = \"fd00::80\"\nshadow_sid = \"fd00:5f::5\"\n".to_string(), "missing field `server`"),
+        (format!("vip = \"fd00::80\"\nanchor = \"inb0\"\nshadow_sid = \"fd00:5f::5\"\nshadow_table = 254\n{}", server("s1", 1)), "shadow_table = 254"),
+        (format!("vip = \"fd00::80\"\nshadow_sid = \"fd00:5f::5\"\n{}", server("s1", 1)), "anchor missing: every nexthop and shadow SID is put on it"),
+        (format!("vip = \"fd00::80\"\nanchor = \"inb0\"\nshadow_sid = \"fd00:5f::5\"\n{}{}", server("s1", 1), server("s1", 2)), "server \"s1\" twice"),
+        (format!("vip = \"fd00::80\"\nanchor = \"inb0\"\nshadow_sid = \"fd00:51::b\"\n{}", server("s1", 1)), "used twice"),
+        ("vip = \"fd00::80\"\nanchor = \"inb0\"\nshadow_sid = \"fd00:5f::5\"\n".to_string(), "missing field `server`"),
         (format!("vip = \"10.0.0.1\"\nshadow_sid = \"fd00:5f::5\"\n{}", server("s1", 1)), "vip"),
-        (format!("vip = \"fd00::80\"\nshadow_sid = \"fd00:5f::5\"\nweight = 3\n{}", server("s1", 1)), "unknown field `weight`"),
-        (format!("vip = \"fd00::80\"\nshadow_sid = \"fd00:5f::5\"\ngenerations = 9\n{}", server("s1", 1)), "generations = 9: keep 1 to 8"),
-        (format!("vip = \"fd00::80\"\nshadow_sid = \"fd00:5f::5\"\ngenerations = 0\n{}", server("s1", 1)), "generations = 0"),
+        (format!("vip = \"fd00::80\"\nanchor = \"inb0\"\nshadow_sid = \"fd00:5f::5\"\nweight = 3\n{}", server("s1", 1)), "unknown field `weight`"),
+        (format!("vip = \"fd00::80\"\nanchor = \"inb0\"\nshadow_sid = \"fd00:5f::5\"\ngenerations = 9\n{}", server("s1", 1)), "generations = 9: keep 1 to 8"),
+        (format!("vip = \"fd00::80\"\nanchor = \"inb0\"\nshadow_sid = \"fd00:5f::5\"\ngenerations = 0\n{}", server("s1", 1)), "generations = 0"),
         // Generation 3's table would be 253 (the kernel's default table).
-        (format!("vip = \"fd00::80\"\nshadow_sid = \"fd00:5f::5\"\nshadow_table = 251\ngenerations = 3\n{}", server("s1", 1)), "tables 251–253"),
+        (format!("vip = \"fd00::80\"\nanchor = \"inb0\"\nshadow_sid = \"fd00:5f::5\"\nshadow_table = 251\ngenerations = 3\n{}", server("s1", 1)), "tables 251–253"),
         // Generation 2's SID would be the server's conditional SID.
-        (format!("vip = \"fd00::80\"\nshadow_sid = \"fd00:51::a\"\ngenerations = 2\n{}", server("s1", 1)), "used twice"),
+        (format!("vip = \"fd00::80\"\nanchor = \"inb0\"\nshadow_sid = \"fd00:51::a\"\ngenerations = 2\n{}", server("s1", 1)), "used twice"),
     ];
     for (text, expect) in cases {
         std::fs::write(&cfg, &text).unwrap();
@@ -286,9 +287,17 @@ fn the_router_controller_refuses_bad_configs_and_unknown_servers() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(expect), "{text}\nwanted {expect:?} in: {err}");
     }
-    std::fs::write(&cfg, format!("vip = \"fd00::80\"\nshadow_sid = \"fd00:5f::5\"\n{}", server("s1", 1))).unwrap();
+    std::fs::write(&cfg, format!("vip = \"fd00::80\"\nanchor = \"inb0\"\nshadow_sid = \"fd00:5f::5\"\n{}", server("s1", 1))).unwrap();
     let out = Command::new(BIN).args(["shadow", "route", "--config", cfg.to_str().unwrap(), "--up", "s9"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("no server \"s9\"") && err.contains("it has s1"), "{err}");
+    // The anchor is checked before anything is written, in a network
+    // namespace of the command's own (only `lo` there, and down).
+    for (anchor, expect) in [("inb0", "anchor = \"inb0\": no such interface"), ("lo", "anchor = \"lo\" is down (flags LOOPBACK)")] {
+        std::fs::write(&cfg, format!("vip = \"fd00::80\"\nanchor = \"{anchor}\"\nshadow_sid = \"fd00:5f::5\"\n{}", server("s1", 1))).unwrap();
+        let out = Command::new("unshare").args(["-n", BIN, "shadow", "route", "--config", cfg.to_str().unwrap(), "--up", "s1"]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(expect) && err.contains("veth pair with both ends up"), "wanted {expect:?} in: {err}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -14,7 +14,10 @@
 //! into the local table, where the VIP fd00:X::100 is; a balancer's XDP
 //! program takes them itself. The router's shadow SID is fd00:X:5f::5.
 //! The router's `router.toml` (for `inband shadow route`) lists the next
-//! hops; no route to the VIP exists until that command runs.
+//! hops; no route to the VIP exists until that command runs. Its anchor,
+//! the interface the router's nexthop objects sit on, is `inb0`: a veth
+//! pair inside r1 (`inb0`, `inb0p`, both up), since this kernel has no
+//! dummy driver.
 
 use std::net::Ipv6Addr;
 use std::process::Stdio;
@@ -88,6 +91,10 @@ pub fn build(tb: &Testbed) -> Result<()> {
         command::ip(&["-n", &n.netns, "link", "set", "lo", "up"])?;
     }
     sysctl(&r1.netns, "net.ipv6.conf.all.forwarding=1")?;
+    command::ip(&["-n", &r1.netns, "link", "add", ANCHOR, "type", "veth", "peer", "name", &format!("{ANCHOR}p")])?;
+    for dev in [ANCHOR.to_string(), format!("{ANCHOR}p")] {
+        command::ip(&["-n", &r1.netns, "link", "set", &dev, "up"])?;
+    }
     let (mut toml, gw) = (router_toml(&plan), plan.client_gw().to_string());
     // The router's next hops for the VIP: the balancers if there are any.
     let hop = if tb.spec.balancers > 0 { 'b' } else { 's' };
@@ -153,8 +160,15 @@ pub fn build(tb: &Testbed) -> Result<()> {
     Ok(())
 }
 
+/// The router's anchor interface (router.toml's `anchor`).
+pub const ANCHOR: &str = "inb0";
+
 fn router_toml(plan: &Plan) -> String {
-    format!("# inband shadow route --config (written by `inband testbed up --ecmp`)\nvip = \"{}\"\nshadow_sid = \"{}\"\n", plan.vip(), plan.shadow_sid())
+    format!(
+        "# inband shadow route --config (written by `inband testbed up --ecmp`)\nvip = \"{}\"\nanchor = \"{ANCHOR}\"\nshadow_sid = \"{}\"\n",
+        plan.vip(),
+        plan.shadow_sid()
+    )
 }
 
 /// Where the router's config is written.
