@@ -15,12 +15,13 @@ APT_PACKAGES=(
   nginx varnish  # peers of `inband proxy` in bench/proxy.py, run only with the benchmark's own configs
   cmake g++  # build HiGHS, the weights controller's ILP solver (highs-sys, once per target dir)
   bird2  # BGP between the ECMP testbed's router and the balancer instances, run with the testbed's own configs
+  prometheus  # crates/inband/tests/dashboard.rs scrapes a testbed to check deploy/grafana/inband.json's queries, with its own config
 )
-# The peers' Debian services must never run: they would listen on :80 and
-# :6081 and take CPU from the benchmarks. No policy-rc.d keeps postinst from
+# The peers' Debian services must never run: they would listen on :80,
+# :6081 and :9090 and take CPU from the benchmarks. No policy-rc.d keeps postinst from
 # starting them (one that exists, e.g. Docker's, is left alone); systemd
 # units are disabled and stopped below.
-SERVICES=(nginx varnish varnishncsa bird)
+SERVICES=(nginx varnish varnishncsa bird prometheus)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
