@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 
 use anyhow::Result;
+use libbpf_rs::MapCore;
 use serde::Serialize;
 
 use super::maps::*;
@@ -51,6 +52,10 @@ pub struct FlowTable {
     pub established: u64,
     pub closing: u64,
     pub half_open: u64,
+    /// Entries `flows` and `half_open` hold at most (`flow_table_size`
+    /// and its quarter): what the counts above fill.
+    pub capacity: u64,
+    pub half_open_capacity: u64,
     pub snat_reservations: u64,
     pub sweeps: u64,
     /// Milliseconds since the last sweep; `None` = never swept (no daemon
@@ -301,6 +306,8 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
             established: total.established,
             closing: total.closing,
             half_open: sweep.half_open,
+            capacity: u64::from(maps.flows.info()?.info.max_entries),
+            half_open_capacity: u64::from(maps.half_open.info()?.info.max_entries),
             snat_reservations: sweep.snat_entries,
             sweeps: sweep.passes,
             last_sweep_ms_ago: (sweep.passes > 0).then(|| now.saturating_sub(sweep.last_ns) / 1_000_000),
@@ -520,6 +527,11 @@ impl prometheus_client::collector::Collector for Exposition {
             "Flows at the last sweep, by state",
             [("established", t.established), ("closing", t.closing), ("half_open", t.half_open)].map(|(state, n)| ([("interface", i), ("state", state)], g(n))),
         )?;
+        f.gauges(
+            "flow_table_capacity",
+            "Entries each flow table holds at most (flows: established and closing; half_open: handshakes)",
+            [("flows", t.capacity), ("half_open", t.half_open_capacity)].map(|(table, n)| ([("interface", i), ("table", table)], g(n))),
+        )?;
         f.gauges("snat_reservations", "SNAT ports reserved at the last sweep", [([("interface", i)], g(t.snat_reservations))])?;
         f.counters("sweeps", "Passes of the flow-table sweeper", [([("interface", i)], t.sweeps)])?;
         f.gauges("sweep_duration_seconds", "How long the last sweep took", [([("interface", i)], t.last_sweep_duration_us as f64 / 1e6)])?;
@@ -572,6 +584,11 @@ impl prometheus_client::collector::Collector for Exposition {
             "backend_score",
             "The backend's last reported score (absent until one is taken)",
             backends().filter_map(|(v, b)| Some(([("vip", v), ("backend", b.backend.as_str())], i64::from(b.score?)))),
+        )?;
+        f.gauges(
+            "backend_score_age_seconds",
+            "How old the backend's score is (absent until one is taken)",
+            backends().filter_map(|(v, b)| Some(([("vip", v), ("backend", b.backend.as_str())], b.score_age_ms? as f64 / 1e3))),
         )?;
         f.counters(
             "bpf_program_runs",
@@ -657,7 +674,7 @@ mod tests {
             auth: "siphash",
             scale_out: None,
             flows: 5,
-            flow_table: FlowTable { established: 5, closing: 1, half_open: 2, snat_reservations: 0, sweeps: 9, last_sweep_ms_ago: Some(3), last_sweep_duration_us: 1500 },
+            flow_table: FlowTable { established: 5, closing: 1, half_open: 2, capacity: 262_144, half_open_capacity: 65_536, snat_reservations: 0, sweeps: 9, last_sweep_ms_ago: Some(3), last_sweep_duration_us: 1500 },
             vips: vec![VipSnapshot {
                 vip: "10.0.0.1:80".into(),
                 state: "active",
@@ -716,6 +733,8 @@ mod tests {
             ("inband_backend_health_transitions", Counter),
             ("inband_backend_passive_ejections", Counter),
             ("inband_backend_score", Gauge),
+            ("inband_backend_score_age_seconds", Gauge),
+            ("inband_flow_table_capacity", Gauge),
             ("inband_drops", Counter),
             ("inband_poll_requests", Counter),
             ("inband_bpf_program_runs", Counter),
