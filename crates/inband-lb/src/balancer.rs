@@ -100,8 +100,13 @@ impl Balancer {
 
     /// Everything `inband status` shows, read from the maps now.
     pub fn snapshot(&self) -> Result<Snapshot> {
-        let interface = self.config().interface.clone();
+        let (interface, bpf_stats) = {
+            let cfg = self.config();
+            (cfg.interface.clone(), cfg.bpf_stats)
+        };
         let mut s = snapshot::take(&interface, &self.maps)?;
+        // The sysctl does not show what BPF_ENABLE_STATS turned on.
+        s.bpf_stats |= bpf_stats;
         for (name, fd) in &self.programs {
             s.programs.push(prog_stats::of_fd(name, fd.as_fd())?);
         }

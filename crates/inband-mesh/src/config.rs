@@ -34,6 +34,10 @@ pub struct Config {
     pub pool_max: Option<u32>,
     /// Prometheus metrics and the status JSON (`/metrics`, `/status`).
     pub metrics: Option<std::net::SocketAddr>,
+    /// The kernel counts the mesh programs' runs and run time while the
+    /// daemon runs (two clock reads per run), for `/metrics` and `/status`.
+    #[serde(default)]
+    pub bpf_stats: bool,
     /// Active HTTP health checks of every backend, beside the pools' own
     /// connect and TCP-state checks; none when absent.
     /// The same `[health]` table as `inband proxy`'s (docs/configuration.md).

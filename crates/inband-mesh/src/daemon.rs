@@ -48,8 +48,9 @@ pub fn run(path: PathBuf) -> Result<()> {
         let backends = cfg.backends();
         let pool = cfg.pool;
         let pool_max = cfg.pool_max();
+        let _bpf_stats = if cfg.bpf_stats { Some(inband_core::prog_stats::enable()?) } else { None };
         if let Some(addr) = cfg.metrics {
-            super::status::serve_metrics(addr, dp.pins().0.clone())?;
+            super::status::serve_metrics(addr, dp.pins().0.clone(), dp.programs()?, cfg.bpf_stats)?;
         }
         info!(
             cgroup = %cfg.cgroup.display(),

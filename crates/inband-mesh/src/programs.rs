@@ -314,6 +314,21 @@ impl Dataplane {
         &self.pins
     }
 
+    /// Each program, by our name, for its run counts (`bpf_stats`).
+    pub fn programs(&self) -> Result<Vec<(&'static str, std::os::fd::OwnedFd)>> {
+        let p = &self.skel.progs;
+        [
+            ("connect4", p.mesh_connect4.as_fd()),
+            ("getpeername4", p.mesh_getpeername4.as_fd()),
+            ("sockops", p.mesh_sockops.as_fd()),
+            ("request", p.mesh_request.as_fd()),
+            ("response", p.mesh_response.as_fd()),
+        ]
+        .into_iter()
+        .map(|(name, fd)| Ok((name, fd.try_clone_to_owned().with_context(|| format!("duplicating the {name} program's fd"))?)))
+        .collect()
+    }
+
     fn backend(&self, i: u32) -> *mut MeshBackend {
         self.backends.at(i)
     }

@@ -16,12 +16,18 @@ use super::programs::{
 };
 use inband_core::shared as c;
 use inband_core::bpfmap::PinDir;
+use inband_core::prog_stats::{self, ProgStats};
 
 #[derive(Debug, Serialize)]
 pub struct Status {
     pub services: Vec<ServiceStatus>,
     pub backends: Vec<BackendStatus>,
     pub counters: Vec<(String, u64)>,
+    /// Whether the kernel counts programs' run time now (`bpf_stats`).
+    pub bpf_stats: bool,
+    /// The daemon's programs with the kernel's counts (from the daemon's
+    /// endpoint only: `inband mesh status` reads pins, not programs).
+    pub programs: Vec<ProgStats>,
 }
 
 #[derive(Debug, Serialize)]
@@ -159,6 +165,8 @@ pub fn read(pins: &PinDir) -> Result<Status> {
         services,
         backends,
         counters,
+        bpf_stats: prog_stats::enabled(),
+        programs: Vec::new(),
     })
 }
 
@@ -272,6 +280,16 @@ impl Collector for Exposition {
         for ((name, help), (_, v)) in COUNTERS.iter().zip(&st.counters) {
             f.counter(name, help, *v)?;
         }
+        f.counters(
+            "bpf_program_runs",
+            "Runs of the mesh's BPF programs, counted by the kernel while bpf_stats is on",
+            st.programs.iter().map(|p| ([("program", p.program.clone())], p.runs)),
+        )?;
+        f.counters(
+            "bpf_program_run_seconds",
+            "Time spent in the mesh's BPF programs, counted by the kernel while bpf_stats is on",
+            st.programs.iter().map(|p| ([("program", p.program.clone())], p.run_time_ns as f64 / 1e9)),
+        )?;
         let label = |b: &BackendStatus| [("backend", b.address.clone())];
         f.gauges(
             "backend_up",
@@ -312,8 +330,17 @@ impl Collector for Exposition {
 /// `/metrics` (Prometheus) and `/status` (JSON), from the pins, on a
 /// thread of its own: reading every slot must not hold the runtime that
 /// relays the mesh's requests. It ends with the process.
-pub fn serve_metrics(addr: SocketAddr, pins: PathBuf) -> Result<()> {
+pub fn serve_metrics(addr: SocketAddr, pins: PathBuf, programs: Vec<(&'static str, std::os::fd::OwnedFd)>, bpf_stats: bool) -> Result<()> {
     let pins = PinDir(pins);
+    let read = move |pins: &PinDir| -> Result<Status> {
+        let mut st = read(pins)?;
+        // The sysctl does not show what BPF_ENABLE_STATS turned on.
+        st.bpf_stats |= bpf_stats;
+        for (name, fd) in &programs {
+            st.programs.push(prog_stats::of_fd(name, std::os::fd::AsFd::as_fd(fd))?);
+        }
+        Ok(st)
+    };
     let handler = move |path: &str| match (path, read(&pins)) {
         ("/metrics", Ok(st)) => Reply::metrics(&prometheus(st)),
         ("/status", Ok(st)) => Reply::json(serde_json::to_string(&st).unwrap_or_default()),
@@ -354,13 +381,15 @@ mod tests {
                 .enumerate()
                 .map(|(i, (n, _))| (n.to_string(), i as u64))
                 .collect(),
+            bpf_stats: true,
+            programs: vec![ProgStats { program: "request".into(), id: 7, runs: 3, run_time_ns: 1500 }],
         };
         let text = inband_http::encode(&prometheus(st)).unwrap();
         inband_http::check_exposition(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
         // A strict parser too (the fixture has no empty family, which it mistakes).
         let parsed = openmetrics_parser::openmetrics::parse_openmetrics(&text)
             .unwrap_or_else(|e| panic!("{e:?}\n{text}"));
-        assert_eq!(parsed.families.len(), COUNTERS.len() + 4, "{text}");
+        assert_eq!(parsed.families.len(), COUNTERS.len() + 6, "{text}");
         for (name, family) in &parsed.families {
             assert!(!family.help.is_empty(), "{name} has no HELP:\n{text}");
         }
@@ -371,6 +400,8 @@ mod tests {
             ("inband_mesh_backend_in_flight", Gauge),
             ("inband_mesh_backend_requests", Counter),
             ("inband_mesh_pool_slots", Gauge),
+            ("inband_mesh_bpf_program_runs", Counter),
+            ("inband_mesh_bpf_program_run_seconds", Counter),
         ] {
             assert_eq!(
                 parsed.families.get(family).map(|f| f.family_type),

@@ -244,7 +244,7 @@ fn start_proxy(c: &mut Cluster) -> u32 {
 fn start_mesh(c: &mut Cluster, cgroup: &Cgroup) {
     let backends = [1, 2].map(|i| format!("\"{}:{ORIGIN_PORT}\"", c.tb.addr(&format!("s{i}")))).join(", ");
     let config = format!(
-        "cgroup = \"{}\"\npool = 2\nmetrics = \"{MESH_METRICS}\"\n[health]\npath = \"/\"\ninterval_ms = 500\ntimeout_ms = 400\n\
+        "cgroup = \"{}\"\npool = 2\nmetrics = \"{MESH_METRICS}\"\nbpf_stats = true\n[health]\npath = \"/\"\ninterval_ms = 500\ntimeout_ms = 400\n\
          [[service]]\nname = \"web\"\naddress = \"{MESH_SERVICE}\"\nbackends = [{backends}]\n",
         cgroup.0.display()
     );

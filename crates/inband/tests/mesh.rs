@@ -880,7 +880,7 @@ fn churn_leaves_no_connection_slot_or_socket_behind() {
 
 #[test]
 fn status_and_metrics_show_services_backends_and_counters() {
-    let m = Mesh::start("status", &["alpha", "beta"], 3, TWO);
+    let m = Mesh::start("status", &["alpha", "beta"], 3, &format!("bpf_stats = true\n{TWO}"));
     let out = m.client(&[
         "curl",
         "-sS",
@@ -946,9 +946,16 @@ fn status_and_metrics_show_services_backends_and_counters() {
         "{text}"
     );
     inband_http::check_exposition(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    // bpf_stats: the kernel counted the programs that carried the requests.
+    let runs = |program: &str| -> u64 {
+        let prefix = format!("inband_mesh_bpf_program_runs_total{{program=\"{program}\"}} ");
+        text.lines().find_map(|l| l.strip_prefix(prefix.as_str())).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("no {prefix}in {text}"))
+    };
+    assert!(runs("connect4") >= 1 && runs("request") >= 2 && runs("sockops") >= 1, "{text}");
     let status = m.client(&["curl", "-sS", "http://127.0.0.1:9105/status"]);
     let st: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
     assert_eq!(st["backends"][0]["requests"], 1, "{st}");
+    assert_eq!((st["bpf_stats"].as_bool(), st["programs"].as_array().map(Vec::len)), (Some(true), Some(5)), "{st}");
 }
 
 #[test]
