@@ -217,6 +217,23 @@ impl Attachment<'_> {
         Ok(())
     }
 
+    /// Each attached program, by our name, for its run counts (`bpf_stats`).
+    pub fn programs(&self) -> Result<Vec<(&'static str, std::os::fd::OwnedFd)>> {
+        let p = &self.skel.progs;
+        let mut all = vec![
+            ("ingress", p.agent_ingress.as_fd()),
+            ("egress", p.agent_egress.as_fd()),
+            ("sock_state", p.agent_sock_state.as_fd()),
+            ("sock_destroy", p.agent_sock_destroy.as_fd()),
+        ];
+        if self.client_address.is_some() {
+            all.extend([("getpeername4", p.agent_peer4.as_fd()), ("getpeername6", p.agent_peer6.as_fd())]);
+        }
+        all.into_iter()
+            .map(|(name, fd)| Ok((name, fd.try_clone_to_owned().with_context(|| format!("duplicating the {name} program's fd"))?)))
+            .collect()
+    }
+
     /// Detaches everything and removes the pins (see the module comment).
     pub fn detach(self) -> Result<()> {
         let Attachment { interface, ifindex, tracepoints, skel, peer_links, .. } = self;

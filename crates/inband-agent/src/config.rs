@@ -73,6 +73,14 @@ pub struct AgentConfig {
     /// the cgroup2 hierarchy, every process of the host.
     #[serde(default)]
     pub client_address_cgroup: Option<PathBuf>,
+    /// Prometheus metrics and the status JSON (`/metrics`, `/status`);
+    /// none: no endpoint.
+    #[serde(default)]
+    pub metrics: Option<std::net::SocketAddr>,
+    /// The kernel counts the agent programs' runs and run time while the
+    /// agent runs (two clock reads per run), for `/metrics` and `/status`.
+    #[serde(default)]
+    pub bpf_stats: bool,
     /// The option format and the keys that authenticate 155/124 and sign
     /// 125 (shared with the balancers).
     #[serde(default)]

@@ -68,6 +68,18 @@ pub fn run(config_path: &Path) -> Result<()> {
         }
     };
     let result = configure(&cfg, &data_path, &attached.pins).context("configuring the agent maps").and_then(|maps| {
+        // Counting stops when this closes, with the agent.
+        let _bpf_stats = if cfg.bpf_stats { Some(inband_core::prog_stats::enable()?) } else { None };
+        if let Some(addr) = cfg.metrics {
+            let source = super::metrics::Source {
+                interface: cfg.interface.clone(),
+                pins: bpfmap::PinDir(attached.pins.0.clone()),
+                score: cfg.score,
+                programs: attached.programs()?,
+                bpf_stats: cfg.bpf_stats,
+            };
+            super::metrics::serve(addr, source, &stop)?;
+        }
         let control = Control { config_path, cfg: &cfg, data_path, reload };
         serve(control, maps, &attached.pins, listener, poll_sock, stop)
     });

@@ -6,6 +6,7 @@ pub mod config;
 pub mod cpu;
 pub mod daemon;
 pub mod maps;
+pub mod metrics;
 pub mod poll_responder;
 pub mod proc_tcp;
 pub mod score_socket;

@@ -2,6 +2,7 @@
 //! egress program would put in a 125 right now, configuration writes, and
 //! snapshots for `status` and the score socket's `get`.
 
+use inband_core::prog_stats::{self, ProgStats};
 use std::collections::{BTreeMap, HashSet};
 use std::mem::size_of;
 use std::net::{IpAddr, SocketAddr};
@@ -221,6 +222,8 @@ impl AgentMaps {
             ports,
             dsr_flows: bpfmap::count(&self.dsr_flows),
             counters,
+            bpf_stats: prog_stats::enabled(),
+            programs: Vec::new(),
         })
     }
 }
@@ -268,6 +271,11 @@ pub struct AgentSnapshot {
     /// accepted, told apart by their balancer tuple.
     pub dsr_flows: usize,
     pub counters: BTreeMap<&'static str, u64>,
+    /// Whether the kernel counts programs' run time now (`bpf_stats`).
+    pub bpf_stats: bool,
+    /// The running agent's programs with the kernel's counts (its
+    /// endpoint only: `status` reads pins, not programs).
+    pub programs: Vec<ProgStats>,
 }
 
 /// What `status` shows of the `[auth]` settings: never key bytes.

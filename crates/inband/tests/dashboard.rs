@@ -27,6 +27,8 @@ const PROXY: &str = "127.0.0.1:8088";
 const PROXY_TLS: &str = "127.0.0.1:8443";
 const PROXY_METRICS: &str = "127.0.0.1:9180";
 const MESH_METRICS: &str = "127.0.0.1:9105";
+/// Each server's agent, on its own address (Prometheus runs in the lb's namespace).
+const AGENT_METRICS_PORT: u16 = 9110;
 const MESH_SERVICE: &str = "10.96.0.10:80";
 /// The nginx on s1 and s2 that the proxy and the mesh use: keep-alive,
 /// and every answer cacheable.
@@ -293,14 +295,19 @@ fn every_query_of_the_dashboard_returns_data_from_a_running_testbed() {
             .servers(2)
             .clients(2)
             .lb(&format!("metrics = \"{LB_METRICS}\""))
-            .lb("bpf_stats = true"),
+            .lb("bpf_stats = true")
+            .agent(&format!("metrics = \"0.0.0.0:{AGENT_METRICS_PORT}\"\nbpf_stats = true")),
     );
     for i in 1..=2 {
         start_origin(&mut c, i);
     }
     let proxy = start_proxy(&mut c);
     start_mesh(&mut c, &cgroup);
-    let prom = Prometheus::start(&c, &[("inband-lb", LB_METRICS), ("inband-proxy", PROXY_METRICS), ("inband-mesh", MESH_METRICS)]);
+    let agents: Vec<String> = (1..=2).map(|i| format!("{}:{AGENT_METRICS_PORT}", server(&c.tb, i).ip())).collect();
+    let prom = Prometheus::start(
+        &c,
+        &[("inband-lb", LB_METRICS), ("inband-proxy", PROXY_METRICS), ("inband-mesh", MESH_METRICS), ("inband-agent-s1", &agents[0]), ("inband-agent-s2", &agents[1])],
+    );
 
     // Traffic: through the VIP, through the proxy (a miss, then hits, a
     // refusal, TLS, a certificate reload), through the mesh.
@@ -334,14 +341,17 @@ fn every_query_of_the_dashboard_returns_data_from_a_running_testbed() {
     wait_for("every target up", || {
         let t = prom.api(&c, "/api/v1/targets", &[]);
         let active = t["data"]["activeTargets"].as_array().cloned().unwrap_or_default();
-        active.len() == 3 && active.iter().all(|t| t["health"] == "up")
+        active.len() == 5 && active.iter().all(|t| t["health"] == "up")
     });
 
     // What the health and drop panels are for shows in Prometheus.
     let down = format!("inband_backend_up{{backend=\"{}\",reason=\"refused\"}} == 0", server(&c.tb, 2));
     let ttl = "rate(inband_drops_total{reason=\"ttl_exceeded\"}[10s]) > 0";
     let hits = "inband_proxy_cache_total{result=\"hit\"} > 0";
-    for expr in [down.as_str(), ttl, hits] {
+    // The agents took client tuples, and the kernel counted their programs.
+    let tuples = "inband_agent_events_total{event=\"tuples_stored\"} > 0";
+    let egress = "rate(inband_agent_bpf_program_runs_total{program=\"egress\"}[10s]) > 0";
+    for expr in [down.as_str(), ttl, hits, tuples, egress] {
         wait_for(expr, || prom.data(&c, expr).is_ok());
     }
     assert!(prom.data(&c, "inband_backend_upp").is_err(), "a misspelled metric has no data");
