@@ -173,6 +173,7 @@ pub async fn send(shared: &Shared, parts: &request::Parts, body: Bytes, key: &[u
                 if let Some(Some(chosen)) = switched {
                     resp.headers_mut().insert(header::UPGRADE, chosen);
                     resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+                    resp.extensions_mut().insert(crate::backend::TunnelInFlight::new(b));
                 }
                 crate::cache_control::normalize(resp.headers_mut());
                 return Ok(resp);

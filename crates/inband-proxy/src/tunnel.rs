@@ -14,6 +14,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::pin::{pin, Pin};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -27,6 +28,7 @@ use prometheus_client::metrics::counter::Counter;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
 
+use crate::backend::TunnelInFlight;
 use crate::body::{BoxError, ProxyBody};
 use crate::config::UpgradeAllow;
 use crate::conn::State;
@@ -132,6 +134,7 @@ pub fn switched_as_offered(offered: Option<&HeaderValue>, chosen: Option<&Header
 pub struct Pending {
     client: OnUpgrade,
     backend: OnUpgrade,
+    _in_flight: Option<Arc<TunnelInFlight>>,
 }
 
 /// Sends an upgrade request (hop-by-hop headers already stripped) with
@@ -156,7 +159,8 @@ pub async fn forward(
         }
     };
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
-        conn.open_tunnel(Pending { client, backend: hyper::upgrade::on(&mut resp) });
+        let in_flight = resp.extensions_mut().remove::<Arc<TunnelInFlight>>();
+        conn.open_tunnel(Pending { client, backend: hyper::upgrade::on(&mut resp), _in_flight: in_flight });
         shared.metrics.upgrade(Upgrade::Switched);
     } else {
         shared.metrics.upgrade(Upgrade::Declined);
@@ -176,7 +180,8 @@ pub async fn run(t: Pending, shared: &Shared, client_addr: SocketAddr) {
     let start = Instant::now();
     // Both are fulfilled by now or at the next turn of their connection's
     // task; the bound is for a backend connection task that never runs.
-    let (client, backend) = match tokio::time::timeout(idle, async { tokio::join!(t.client, t.backend) }).await {
+    let Pending { client, backend, _in_flight } = t;
+    let (client, backend) = match tokio::time::timeout(idle, async { tokio::join!(client, backend) }).await {
         Ok((Ok(c), Ok(b))) => (c, b),
         Ok((c, b)) => {
             shared.metrics.tunnel_close(Close::Error);
