@@ -406,3 +406,35 @@ async fn least_request_counts_an_open_tunnel_as_load() {
     assert_eq!(next_data(&mut held).await, Message::text("still here"));
     p.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_websocket_over_the_tls_listener() {
+    let b = WsBackend::start(Mode::Echo).await;
+    let dir = tempfile::tempdir().unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["ws.test".to_string()]).unwrap().self_signed(&key).unwrap();
+    let (c, k) = (dir.path().join("ws.pem"), dir.path().join("ws.key"));
+    std::fs::write(&c, cert.pem()).unwrap();
+    std::fs::write(&k, key.serialize_pem()).unwrap();
+    let p = start_proxy(&[b.addr], &format!("[tls]\nlisten = \"127.0.0.1:0\"\n[[tls.certificate]]\ncert = \"{}\"\nkey = \"{}\"\n", c.display(), k.display())).await;
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(cert.der().clone()).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut cfg = rustls::ClientConfig::builder_with_provider(provider).with_safe_default_protocol_versions().unwrap().with_root_certificates(roots).with_no_client_auth();
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let tcp = TcpStream::connect(p.tls_addr.unwrap()).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("ws.test").unwrap();
+    let tls = tokio_rustls::TlsConnector::from(Arc::new(cfg)).connect(name, tcp).await.unwrap();
+    let (mut ws, resp) = tokio_tungstenite::client_async("wss://ws.test/secure", tls).await.unwrap();
+    assert_eq!(resp.status(), 101);
+    ws.send(Message::text("over tls")).await.unwrap();
+    let m = tokio::time::timeout(Duration::from_secs(10), ws.next()).await.unwrap().unwrap().unwrap();
+    assert_eq!(m, Message::text("over tls"));
+    let big: Vec<u8> = (0..(4usize << 20)).map(|i| (i % 251) as u8).collect();
+    ws.send(Message::binary(big.clone())).await.unwrap();
+    let m = tokio::time::timeout(Duration::from_secs(10), ws.next()).await.unwrap().unwrap().unwrap();
+    assert!(m.into_data() == big, "4 MiB came back altered");
+    // The backend learnt the client came over TLS.
+    assert_eq!(b.heads.lock().unwrap()[0]["x-forwarded-proto"], "https");
+    p.shutdown().await;
+}
