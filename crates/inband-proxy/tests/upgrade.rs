@@ -61,6 +61,8 @@ impl WsBackend {
                 let Ok((stream, _)) = listener.accept().await else { continue };
                 let (h, hd, s, e) = (h.clone(), hd.clone(), s.clone(), e.clone());
                 conns.spawn(async move {
+                    // The signature is tungstenite's handshake callback's.
+                    #[allow(clippy::result_large_err)]
                     let seen = move |req: &Request, mut resp: Response| -> Result<Response, ErrorResponse> {
                         h.fetch_add(1, Ordering::SeqCst);
                         hd.lock().unwrap().push(req.headers().clone());
