@@ -221,7 +221,9 @@ async fn a_client_that_never_reads_is_closed_at_the_send_timeout() {
     // from the backend, then the backend's writes.
     wait_for_sample(&p, "inband_proxy_tunnel_closes_total{reason=\"send\"}", 1.0).await;
     let took = start.elapsed();
-    assert!(took >= Duration::from_millis(300) && took < Duration::from_secs(5), "{took:?}");
+    // The flood starts with the 101, a little before the client has read
+    // it, so the writes may have been waiting a few ms by then.
+    assert!(took >= Duration::from_millis(200) && took < Duration::from_secs(5), "{took:?}");
     let deadline = Instant::now() + Duration::from_secs(5);
     while !b.flood_ended.load(Ordering::SeqCst) {
         assert!(Instant::now() < deadline, "the backend's side stayed open");
