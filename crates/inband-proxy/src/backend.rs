@@ -3,6 +3,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::PassiveConfig;
@@ -28,6 +29,24 @@ pub struct Backend {
 pub struct InFlight<'a>(&'a Backend);
 
 impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A tunnel to a backend counts as a request in flight for its whole
+/// life, so least-request weighs open WebSockets as the load they are.
+/// In an `Arc` as response extensions must be `Clone`.
+pub struct TunnelInFlight(Arc<Backend>);
+
+impl TunnelInFlight {
+    pub fn new(b: &Arc<Backend>) -> Arc<TunnelInFlight> {
+        b.in_flight.fetch_add(1, Ordering::Relaxed);
+        Arc::new(TunnelInFlight(b.clone()))
+    }
+}
+
+impl Drop for TunnelInFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
     }

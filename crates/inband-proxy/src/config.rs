@@ -88,6 +88,30 @@ pub struct Config {
     /// Per client (an IPv4 address or an IPv6 /64).
     #[serde(default)]
     pub client_limits: ClientLimitsConfig,
+    /// HTTP/1.1 `Upgrade` (WebSocket) tunnels.
+    #[serde(default)]
+    pub upgrade: UpgradeConfig,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpgradeConfig {
+    /// Protocols a client may upgrade to, as named in `Upgrade` (a name
+    /// matches every version of it, `name/version` only that one; case
+    /// does not matter); `"*"` for any, `[]` for none. Any other
+    /// protocol offered is dropped from the request, which goes on as a
+    /// plain one.
+    #[serde(default = "default_upgrade_protocols")]
+    pub protocols: Vec<String>,
+    /// No byte either way through a tunnel for this long closes it;
+    /// absent: `idle_timeout_ms`.
+    pub idle_timeout_ms: Option<u64>,
+}
+
+impl Default for UpgradeConfig {
+    fn default() -> Self {
+        UpgradeConfig { protocols: default_upgrade_protocols(), idle_timeout_ms: None }
+    }
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -200,6 +224,9 @@ impl CacheConfig {
     }
 }
 
+fn default_upgrade_protocols() -> Vec<String> {
+    vec!["websocket".into()]
+}
 fn default_hash_key() -> String {
     "path".into()
 }
@@ -261,6 +288,29 @@ pub enum HashKey {
     Header(http::HeaderName),
 }
 
+/// The upgrade protocols allowed, lowercased.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum UpgradeAllow {
+    Any,
+    Only(Vec<String>),
+}
+
+impl UpgradeAllow {
+    /// `protocol` is one of `Upgrade`'s list: `name` or `name/version`.
+    pub fn allows(&self, protocol: &str) -> bool {
+        let name = protocol.split_once('/').map_or(protocol, |(n, _)| n);
+        match self {
+            UpgradeAllow::Any => true,
+            UpgradeAllow::Only(list) => list.iter().any(|a| a.eq_ignore_ascii_case(protocol) || a.eq_ignore_ascii_case(name)),
+        }
+    }
+}
+
+/// RFC 9110 §5.6.2 token.
+fn is_token(s: &str) -> bool {
+    !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
 /// A config that passed every check, with addresses parsed.
 #[derive(Clone, Debug)]
 pub struct Checked {
@@ -270,6 +320,7 @@ pub struct Checked {
     pub tls_listen: Option<SocketAddr>,
     pub backends: Vec<SocketAddr>,
     pub hash_key: HashKey,
+    pub upgrade_allow: UpgradeAllow,
 }
 
 impl Checked {
@@ -291,6 +342,9 @@ impl Checked {
             idle: Duration::from_millis(self.raw.idle_timeout_ms),
             send: Duration::from_millis(self.raw.send_timeout_ms),
         }
+    }
+    pub fn tunnel_idle_timeout(&self) -> Duration {
+        Duration::from_millis(self.raw.upgrade.idle_timeout_ms.unwrap_or(self.raw.idle_timeout_ms))
     }
 }
 
@@ -396,6 +450,19 @@ pub fn check(raw: Config) -> Result<Checked> {
             note(Err(anyhow::anyhow!("{name} must be above 0")));
         }
     }
+    if raw.upgrade.idle_timeout_ms == Some(0) {
+        note(Err(anyhow::anyhow!("upgrade.idle_timeout_ms must be above 0")));
+    }
+    let mut upgrade_allow = UpgradeAllow::Only(Vec::new());
+    for p in &raw.upgrade.protocols {
+        if p == "*" {
+            upgrade_allow = UpgradeAllow::Any;
+        } else if !p.split_once('/').map_or(is_token(p), |(n, v)| is_token(n) && is_token(v)) {
+            note(Err(anyhow::anyhow!("upgrade.protocols: {p:?} is not a protocol name (e.g. \"websocket\" or \"name/version\") nor \"*\"")));
+        } else if let UpgradeAllow::Only(list) = &mut upgrade_allow {
+            list.push(p.to_ascii_lowercase());
+        }
+    }
     if let Some(h) = &raw.health {
         if !h.path.starts_with('/') {
             note(Err(anyhow::anyhow!("health.path {:?} must start with /", h.path)));
@@ -418,7 +485,7 @@ pub fn check(raw: Config) -> Result<Checked> {
     if !problems.is_empty() {
         bail!("invalid proxy config:\n  - {}", problems.join("\n  - "));
     }
-    Ok(Checked { listen: listen.unwrap(), metrics_listen, tls_listen, backends, hash_key: hash_key.unwrap(), raw })
+    Ok(Checked { listen: listen.unwrap(), metrics_listen, tls_listen, backends, hash_key: hash_key.unwrap(), upgrade_allow, raw })
 }
 
 #[cfg(test)]
@@ -473,6 +540,27 @@ mod tests {
         }
         let e = parse("listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\n[tls]\nlisten = \"127.0.0.1:0\"\n[[tls.certificate]]\ncert = \"a.pem\"\n").unwrap_err();
         assert!(format!("{e:#}").contains("missing field `key`"), "{e:#}");
+    }
+
+    #[test]
+    fn upgrade_protocols() {
+        let c = parse("listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]").unwrap();
+        assert_eq!(c.upgrade_allow, UpgradeAllow::Only(vec!["websocket".into()]));
+        assert!(c.upgrade_allow.allows("WebSocket") && !c.upgrade_allow.allows("h2c"));
+        assert_eq!(c.tunnel_idle_timeout(), Duration::from_millis(60_000));
+        let c = parse("listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\n[upgrade]\nprotocols = [\"Foo/2\", \"bar\"]\nidle_timeout_ms = 5").unwrap();
+        assert!(c.upgrade_allow.allows("foo/2") && !c.upgrade_allow.allows("foo/3") && !c.upgrade_allow.allows("foo"));
+        assert!(c.upgrade_allow.allows("bar/1") && c.upgrade_allow.allows("BAR"));
+        assert_eq!(c.tunnel_idle_timeout(), Duration::from_millis(5));
+        let c = parse("listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\n[upgrade]\nprotocols = [\"*\"]").unwrap();
+        assert!(c.upgrade_allow.allows("anything/1"));
+        let c = parse("listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\n[upgrade]\nprotocols = []").unwrap();
+        assert!(!c.upgrade_allow.allows("websocket"));
+        let e = parse("listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\n[upgrade]\nprotocols = [\"web socket\", \"a/\"]\nidle_timeout_ms = 0").unwrap_err();
+        let msg = format!("{e:#}");
+        for want in ["\"web socket\" is not a protocol name", "\"a/\" is not", "upgrade.idle_timeout_ms must be above 0"] {
+            assert!(msg.contains(want), "{want:?} missing in {msg}");
+        }
     }
 
     #[test]

@@ -93,6 +93,9 @@ pub struct State {
     /// The watchdog's next wake.
     armed: AtomicU64,
     changed: Notify,
+    /// The tunnel a 101 opened, run by the connection's task once hyper
+    /// has written the 101 and let go of the socket.
+    tunnel: std::sync::Mutex<Option<crate::tunnel::Pending>>,
 }
 
 fn ms(d: Duration) -> u64 {
@@ -114,6 +117,7 @@ impl State {
             sniffed: AtomicBool::new(false),
             armed: AtomicU64::new(NONE),
             changed: Notify::new(),
+            tunnel: std::sync::Mutex::new(None),
         }
     }
 
@@ -135,6 +139,14 @@ impl State {
             self.changed.notify_one();
         }
         RequestGuard(self.clone())
+    }
+
+    pub fn open_tunnel(&self, t: crate::tunnel::Pending) {
+        *self.tunnel.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
+    }
+
+    pub fn take_tunnel(&self) -> Option<crate::tunnel::Pending> {
+        self.tunnel.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
 
     /// What expires first if nothing changes, and when.

@@ -7,7 +7,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{self, PathAndQuery};
-use http::{request, Method, Request, Response, Uri};
+use http::{request, Method, Request, Response, StatusCode, Uri};
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -151,12 +151,30 @@ pub async fn send(shared: &Shared, parts: &request::Parts, body: Bytes, key: &[u
         let passive = &shared.cfg.raw.passive;
         match tokio::time::timeout(shared.cfg.backend_timeout(), client(shared).request(req)).await {
             Ok(Ok(mut resp)) => {
+                // What a 101 switches to is the one hop-by-hop header
+                // that goes on, and only if the request offered it.
+                let switched = match resp.status() {
+                    StatusCode::SWITCHING_PROTOCOLS => Some(resp.headers_mut().remove(header::UPGRADE)),
+                    _ => None,
+                };
+                if let Some(chosen) = &switched {
+                    if !crate::tunnel::switched_as_offered(parts.headers.get(header::UPGRADE), chosen.as_ref()) {
+                        note_ejection(b.record_failure(passive, Instant::now()), &b.name, "101 not as offered");
+                        tracing::debug!(backend = %b.name, offered = ?parts.headers.get(header::UPGRADE), chosen = ?chosen, "backend switched protocols unasked");
+                        return Err(Refusal::BackendBadUpgrade);
+                    }
+                }
                 if resp.status().is_server_error() {
                     note_ejection(b.record_failure(passive, Instant::now()), &b.name, "5xx");
                 } else {
                     b.record_success();
                 }
                 strip_hop_by_hop(resp.headers_mut());
+                if let Some(Some(chosen)) = switched {
+                    resp.headers_mut().insert(header::UPGRADE, chosen);
+                    resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+                    resp.extensions_mut().insert(crate::backend::TunnelInFlight::new(b));
+                }
                 crate::cache_control::normalize(resp.headers_mut());
                 return Ok(resp);
             }

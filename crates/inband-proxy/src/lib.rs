@@ -21,6 +21,7 @@ mod metrics;
 mod policy;
 mod server;
 mod tls;
+mod tunnel;
 
 use std::net::SocketAddr;
 use std::path::Path;

@@ -12,6 +12,7 @@ use prometheus_client::registry::Registry;
 
 use crate::cache_outcome::Outcome;
 use crate::conn::Expiry;
+use crate::tunnel::{Close, Upgrade};
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -38,6 +39,9 @@ pub enum Refusal {
     BackendTimeout,
     /// The client is over `[client_limits] requests_per_s` (429).
     ClientRate,
+    /// A 101 to a request that offered no upgrade, or switching to a
+    /// protocol the request did not offer (502).
+    BackendBadUpgrade,
 }
 
 impl Refusal {
@@ -53,6 +57,7 @@ impl Refusal {
             Refusal::BackendDown => "backend_down",
             Refusal::BackendTimeout => "backend_timeout",
             Refusal::ClientRate => "client_rate",
+            Refusal::BackendBadUpgrade => "backend_bad_upgrade",
         }
     }
 
@@ -64,7 +69,7 @@ impl Refusal {
             Refusal::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Refusal::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Refusal::NoHealthyBackend => StatusCode::SERVICE_UNAVAILABLE,
-            Refusal::BackendDown => StatusCode::BAD_GATEWAY,
+            Refusal::BackendDown | Refusal::BackendBadUpgrade => StatusCode::BAD_GATEWAY,
             Refusal::BackendTimeout => StatusCode::GATEWAY_TIMEOUT,
             Refusal::ClientRate => StatusCode::TOO_MANY_REQUESTS,
         }
@@ -92,6 +97,11 @@ pub struct Metrics {
     tls_reloads: Family<Labels, Counter>,
     tls_expiry: Family<Labels, Gauge>,
     connection_timeouts: Family<Labels, Counter>,
+    upgrades: [Counter; Upgrade::ALL.len()],
+    pub tunnels_open: Gauge,
+    tunnel_closes: [Counter; Close::ALL.len()],
+    /// Bytes read from the client, and from the backend.
+    pub tunnel_bytes: [Counter; 2],
     /// Handles into `requests` and `cache` for the per-request path: a
     /// family lookup hashes a label set under a lock.
     by_class: [Counter; 5],
@@ -143,6 +153,17 @@ impl Metrics {
         for e in [Expiry::Header, Expiry::Idle, Expiry::Send] {
             let _ = connection_timeouts.get_or_create(&vec![("kind", e.label().to_string())]);
         }
+        let upgrades = Family::<Labels, Counter>::default();
+        let tunnels_open = Gauge::default();
+        let tunnel_closes = Family::<Labels, Counter>::default();
+        let tunnel_bytes = Family::<Labels, Counter>::default();
+        registry.register("upgrades", "HTTP/1.1 requests with Upgrade by outcome: switched (101 forwarded), declined by the backend (its answer forwarded), not_allowed (sent on without Upgrade), failed (no usable answer)", upgrades.clone());
+        registry.register("tunnels_open", "Upgraded connections (WebSocket and the like) open", tunnels_open.clone());
+        registry.register("tunnel_closes", "Tunnels closed by reason: ended (both sides closed), error, idle or send (timeouts)", tunnel_closes.clone());
+        registry.register("tunnel_bytes", "Bytes carried through tunnels, by the side they came from", tunnel_bytes.clone());
+        let upgrades = Upgrade::ALL.map(|u| upgrades.get_or_create(&vec![("outcome", u.label().to_string())]).clone());
+        let tunnel_closes = Close::ALL.map(|c| tunnel_closes.get_or_create(&vec![("reason", c.label().to_string())]).clone());
+        let tunnel_bytes = ["client", "backend"].map(|f| tunnel_bytes.get_or_create(&vec![("from", f.to_string())]).clone());
         // Every outcome exported from the start, so a rate() sees its 0.
         let by_outcome = Outcome::ALL.map(|o| cache.get_or_create(&vec![("result", o.label().to_string())]).clone());
         let by_class = [1, 2, 3, 4, 5].map(|c| requests.get_or_create(&vec![("class", format!("{c}xx"))]).clone());
@@ -165,6 +186,10 @@ impl Metrics {
             tls_reloads,
             tls_expiry,
             connection_timeouts,
+            upgrades,
+            tunnels_open,
+            tunnel_closes,
+            tunnel_bytes,
             by_class,
             by_outcome,
         }
@@ -192,6 +217,14 @@ impl Metrics {
         if e == Expiry::Header {
             self.by_class[3].inc();
         }
+    }
+
+    pub fn upgrade(&self, u: Upgrade) {
+        self.upgrades[u as usize].inc();
+    }
+
+    pub fn tunnel_close(&self, c: Close) {
+        self.tunnel_closes[c as usize].inc();
     }
 
     pub fn response(&self, status: StatusCode, took: Duration) {

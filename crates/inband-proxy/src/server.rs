@@ -21,6 +21,7 @@ use crate::cache_outcome::Outcome;
 use crate::client_limits::{ClientSlot, Refused};
 use crate::conn::{self, State};
 use crate::metrics::Refusal;
+use crate::tunnel::{self, Offer, Upgrade};
 use crate::{access, cache_control, cache_layer, forward, Shared};
 
 pub fn refusal_response(r: Refusal) -> Response<ProxyBody> {
@@ -35,6 +36,7 @@ pub fn refusal_response(r: Refusal) -> Response<ProxyBody> {
         Refusal::BackendDown => "backend unreachable\n",
         Refusal::BackendTimeout => "backend timed out\n",
         Refusal::ClientRate => "too many requests from this client\n",
+        Refusal::BackendBadUpgrade => "the backend switched to a protocol the request did not offer\n",
     };
     let mut resp = Response::new(full(text));
     *resp.status_mut() = r.status();
@@ -200,19 +202,23 @@ pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accep
         let s = shared.clone();
         let st = state.clone();
         let client = Arc::new(client);
+        // A tunnel outlives hyper's connection: its task keeps the
+        // client's slot as it keeps the connection permit.
+        let client_slot = client.clone();
         let service = service_fn(move |req| handle(s.clone(), req, peer, tls, st.clone(), client.clone()));
         let (s, builder, watcher, load) = (shared.clone(), builder.clone(), graceful.watcher(), load.clone());
         tokio::spawn(async move {
             let _permit = permit;
+            let _client = client_slot;
             s.metrics.connections.inc();
             // The handshake runs under the connection's clocks like a
             // request head, and outside the graceful watcher, which needs
             // a hyper connection: shutdown does not wait for handshakes.
             let conn = async {
                 match s.tls.as_ref().filter(|_| tls) {
-                    None => watcher.watch(builder.serve_connection(TokioIo::new(io), service)).await,
+                    None => watcher.watch(builder.serve_connection_with_upgrades(TokioIo::new(io), service)).await,
                     Some(t) => match t.acceptor.accept(io).await {
-                        Ok(io) => watcher.watch(builder.serve_connection(TokioIo::new(io), service)).await,
+                        Ok(io) => watcher.watch(builder.serve_connection_with_upgrades(TokioIo::new(io), service)).await,
                         Err(e) => {
                             s.metrics.tls_handshake_error();
                             tracing::debug!(client = %peer, error = %e, "TLS handshake failed");
@@ -222,7 +228,13 @@ pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accep
                 }
             };
             match conn::watch(conn, &sock, &state).await {
-                Ok(Ok(())) => {}
+                // Shutdown does not wait for tunnels: they end with the
+                // worker's runtime.
+                Ok(Ok(())) => {
+                    if let Some(t) = state.take_tunnel() {
+                        tunnel::run(t, &s, peer).await;
+                    }
+                }
                 Ok(Err(e)) => connection_error(&s, peer, e),
                 Err(expiry) => {
                     s.metrics.connection_timeout(expiry);
@@ -268,7 +280,7 @@ async fn handle(
     let guard = conn.begin_request();
     let info = access::Request { client: peer, method: req.method().clone(), uri: req.uri().clone(), start: Instant::now() };
     let mut resp = if client.request() {
-        respond(&shared, req, peer, https).await
+        respond(&shared, req, peer, https, &conn).await
     } else {
         let mut r = refuse(&shared, Refusal::ClientRate);
         r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
@@ -283,7 +295,7 @@ async fn handle(
     Ok(resp.map(|b| access::Tracked::new(b, info, status, cache, guard, counter).boxed()))
 }
 
-async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr, https: bool) -> Response<ProxyBody> {
+async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr, https: bool, conn: &State) -> Response<ProxyBody> {
     let limit = shared.cfg.raw.max_body_bytes;
     let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit) {
@@ -323,9 +335,20 @@ async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr,
     if parts.method.as_str() == "PURGE" {
         return purge(shared, &parts, peer).await;
     }
+    // hyper gives an HTTP/1.1 request with Upgrade (or a CONNECT) the
+    // means to take the connection over; no other request has one.
+    let upgrade = parts.extensions.remove::<hyper::upgrade::OnUpgrade>().map(|on| (tunnel::offer(&shared.cfg.upgrade_allow, &parts.headers), on));
     forward::strip_hop_by_hop(&mut parts.headers);
     forward::add_forwarding(&mut parts.headers, peer, parts.version, https);
     let key = forward::hash_key(&shared.cfg.hash_key, &parts, peer);
+    match upgrade {
+        // Past the cache: a 101 is for this connection alone.
+        Some((Offer::Allowed(offered), on)) => {
+            return tunnel::forward(shared, parts, body, &key, offered, on, conn).await.unwrap_or_else(|r| refuse(shared, r));
+        }
+        Some((Offer::NotAllowed, _)) => shared.metrics.upgrade(Upgrade::NotAllowed),
+        Some((Offer::None, _)) | None => {}
+    }
     let result = match &shared.cache {
         Some(cache) if cache_layer::applies(&parts) => cache_layer::serve(shared, cache, parts, &key).await,
         _ => {
