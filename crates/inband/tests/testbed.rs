@@ -4,7 +4,7 @@
 use inband_testkit::testbed::{Testbed, TestbedSpec};
 
 fn spec(tag: &str) -> TestbedSpec {
-    TestbedSpec { name: format!("t{}{tag}", std::process::id() % 100000), clients: 1, servers: 2, subnet: 78, client_link_mtu: None, ecmp: false, balancers: 0, bgp: false }
+    TestbedSpec { name: format!("t{}{tag}", std::process::id() % 100000), clients: 1, servers: 2, subnet: 78, client_link_mtu: None, ecmp: false, balancers: 0, bgp: false, client_addresses: 1 }
 }
 
 fn netns_names() -> String {
@@ -80,4 +80,29 @@ fn an_ecmp_testbed_with_balancers_and_bgp_tears_down_every_namespace_and_daemon(
     assert!(format!("{e:#}").contains("add --balancers N"), "{e:#}");
     let e = Testbed::up(TestbedSpec { balancers: 2, ..spec("e") }).unwrap_err();
     assert!(format!("{e:#}").contains("(--ecmp)"), "{e:#}");
+}
+
+/// `client_addresses`: a client answers from each of its extra addresses
+/// (IPv4 and IPv6) and every other node reaches them on the bridge; the
+/// layouts that route clients refuse it.
+#[test]
+fn a_client_can_have_several_addresses() {
+    let tb = Testbed::up(TestbedSpec { client_addresses: 3, ..spec("m") }).unwrap();
+    let (v4, v6) = (tb.client_addrs("c1").unwrap(), tb.client_addrs6("c1").unwrap());
+    assert_eq!(v4.iter().map(|a| a.to_string()).collect::<Vec<_>>(), ["10.78.0.11", "10.78.129.1", "10.78.129.2"]);
+    assert_eq!(v6[2].to_string(), "fd00:78:81::2");
+    for (a, a6) in v4.iter().zip(&v6).skip(1) {
+        for (from, to) in [(a.to_string(), tb.addr("s1").to_string()), (a6.to_string(), tb.addr6("s2").to_string())] {
+            let out = tb.exec("c1", &["ping", "-c", "1", "-W", "2", "-I", &from, &to]).unwrap();
+            assert!(out.status.success(), "ping {to} from {from}: {}", String::from_utf8_lossy(&out.stdout));
+        }
+        // And the other way: a server reaches the extra address itself.
+        let out = tb.exec("s1", &["ping", "-c", "1", "-W", "2", &a.to_string()]).unwrap();
+        assert!(out.status.success(), "ping {a} from s1: {}", String::from_utf8_lossy(&out.stdout));
+    }
+    tb.down().unwrap();
+    for bad in [TestbedSpec { client_addresses: 2, client_link_mtu: Some(1280), ..spec("n") }, TestbedSpec { client_addresses: 251, ..spec("n") }] {
+        let e = format!("{:#}", Testbed::up(bad).unwrap_err());
+        assert!(e.contains("addresses per client"), "{e}");
+    }
 }

@@ -49,11 +49,22 @@ pub struct TestbedSpec {
     /// the VIP announced by BGP (`bgp.rs`).
     #[serde(default)]
     pub bgp: bool,
+    /// Addresses of each client (1..=CLIENT_ADDRESSES_MAX): the first is
+    /// its own on the bridge, the others come from a subnet of their own
+    /// (`client_addrs`), so one client namespace can be many clients.
+    #[serde(default = "one")]
+    pub client_addresses: usize,
 }
+
+fn one() -> usize {
+    1
+}
+
+pub const CLIENT_ADDRESSES_MAX: usize = 250;
 
 impl Default for TestbedSpec {
     fn default() -> Self {
-        TestbedSpec { name: "ib".into(), clients: 1, servers: 3, subnet: 77, client_link_mtu: None, ecmp: false, balancers: 0, bgp: false }
+        TestbedSpec { name: "ib".into(), clients: 1, servers: 3, subnet: 77, client_link_mtu: None, ecmp: false, balancers: 0, bgp: false, client_addresses: 1 }
     }
 }
 
@@ -96,6 +107,11 @@ fn valid_name(name: &str) -> bool {
     (1..=8).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
 }
 
+/// i of client "ci" (1-based).
+fn client_index(node: &str) -> Result<u8> {
+    node.strip_prefix('c').and_then(|i| i.parse().ok()).filter(|i| *i >= 1).ok_or_else(|| anyhow::anyhow!("{node} is not a client (c1, c2, ...)"))
+}
+
 impl Testbed {
     pub fn up(spec: TestbedSpec) -> Result<Testbed> {
         if !valid_name(&spec.name) {
@@ -103,6 +119,12 @@ impl Testbed {
         }
         if spec.clients + spec.servers > MAX_HOSTS || spec.clients == 0 || spec.servers == 0 {
             bail!("testbed: 1..{MAX_HOSTS} clients and servers in all, at least one of each");
+        }
+        if !(1..=CLIENT_ADDRESSES_MAX).contains(&spec.client_addresses) {
+            bail!("testbed: 1..{CLIENT_ADDRESSES_MAX} addresses per client");
+        }
+        if spec.client_addresses > 1 && (spec.ecmp || spec.client_link_mtu.is_some()) {
+            bail!("testbed: several addresses per client are for the bridged testbed (no --ecmp, no --client-link-mtu)");
         }
         if spec.bgp && spec.balancers == 0 {
             bail!("testbed: BGP runs between the router and balancer hosts: add --balancers N");
@@ -139,8 +161,7 @@ impl Testbed {
         }
         let base = |host: u8| Ipv4Addr::new(10, spec.subnet, 0, host);
         // The IPv4 host number read as hex digits: .21 is ::21, .100 is ::100.
-        let hex = |n: u8| u16::from_str_radix(&n.to_string(), 16).unwrap_or(u16::from(n));
-        let base6 = |net: u16, host: u8| Ipv6Addr::new(0xfd00, hex(spec.subnet), net, 0, 0, 0, 0, hex(host));
+        let base6 = |net: u16, host: u8| Ipv6Addr::new(0xfd00, ecmp::hex(spec.subnet), net, 0, 0, 0, 0, ecmp::hex(host));
         let node = |name: String, address, address6| Node { node: name, netns: String::new(), address, address6, bridge_port: String::new() };
         let routed = spec.client_link_mtu.is_some();
         let mut nodes = vec![node("lb".into(), base(2), base6(0, 2))];
@@ -217,6 +238,9 @@ impl Testbed {
                 command::ip(&["-n", &n.netns, "-6", "route", "add", &clients6, "via", &r1.address6.to_string()])?;
             }
         }
+        if self.spec.client_addresses > 1 {
+            self.extra_client_addresses()?;
+        }
         let lb = self.node("lb")?;
         command::ip(&["-n", &lb.netns, "addr", "add", &format!("{}/32", self.vip), "dev", "lo"])?;
         // IPv6 neighbour discovery answers only for the receiving
@@ -228,6 +252,45 @@ impl Testbed {
         // bridge port gets one that passes everything.
         peer::attach_pass(sw, &lb.bridge_port)?;
         Ok(())
+    }
+
+    /// Client i's extra addresses live in 10.<subnet>.(128+i).0/24 and
+    /// fd00:<subnet>:(80+i)::/64, on its bridge link; every other node
+    /// reaches them on-link (10.<subnet>.128.0/17, fd00:<subnet>:80::/41),
+    /// so they answer ARP and neighbour solicitations themselves and a DSR
+    /// server's responses go straight to them.
+    fn extra_client_addresses(&self) -> Result<()> {
+        let (v4, v6) = (format!("10.{}.128.0/17", self.spec.subnet), format!("fd00:{:x}:80::/41", ecmp::hex(self.spec.subnet)));
+        for n in &self.nodes {
+            if !n.node.starts_with('c') {
+                command::ip(&["-n", &n.netns, "route", "add", &v4, "dev", "eth0"])?;
+                command::ip(&["-n", &n.netns, "-6", "route", "add", &v6, "dev", "eth0"])?;
+                continue;
+            }
+            for (a, a6) in self.client_addrs(&n.node)?.iter().zip(self.client_addrs6(&n.node)?).skip(1) {
+                command::ip(&["-n", &n.netns, "addr", "add", &format!("{a}/24"), "dev", "eth0"])?;
+                add_ipv6(&n.netns, "eth0", &format!("{a6}/64"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Client `node`'s addresses (`TestbedSpec::client_addresses` of them):
+    /// its own first, then 10.<subnet>.(128+i).1, .2, ...
+    pub fn client_addrs(&self, node: &str) -> Result<Vec<Ipv4Addr>> {
+        let i = client_index(node)?;
+        let own = self.node(node)?.address;
+        Ok(std::iter::once(own).chain((1..self.spec.client_addresses).map(|k| Ipv4Addr::new(10, self.spec.subnet, 128 + i, k as u8))).collect())
+    }
+
+    /// The same in IPv6: fd00:<subnet>:(80+i)::1, ::2, ...
+    pub fn client_addrs6(&self, node: &str) -> Result<Vec<Ipv6Addr>> {
+        let i = client_index(node)?;
+        let own = self.node(node)?.address6;
+        let net = 0x80 + u16::from(i);
+        Ok(std::iter::once(own)
+            .chain((1..self.spec.client_addresses).map(|k| Ipv6Addr::new(0xfd00, ecmp::hex(self.spec.subnet), net, 0, 0, 0, 0, k as u16)))
+            .collect())
     }
 
     /// A client's own link to the router: r1 sends to it with the spec's
@@ -411,6 +474,12 @@ pub enum TestbedCommand {
         /// with `inband shadow follow --table 100`).
         #[arg(long, requires = "balancers")]
         bgp: bool,
+        /// Addresses of each client, 1-250: client i's extra ones are
+        /// 10.X.(128+i).1.. and fd00:X:(80+i)::1.. (bind to them, e.g.
+        /// `curl --interface ADDR`), reached on-link by every node: many
+        /// distinct clients from one namespace. Bridged testbed only.
+        #[arg(long, default_value_t = 1)]
+        client_addresses: usize,
     },
     /// Kill every process in the testbed's namespaces and delete them.
     Down {
@@ -450,8 +519,9 @@ fn load_state(name: &str) -> Result<Testbed> {
 
 pub fn run(cmd: TestbedCommand) -> Result<()> {
     match cmd {
-        TestbedCommand::Up { name, clients, servers, subnet, client_link_mtu, ecmp, balancers, bgp } => {
-            let tb = Testbed::up(TestbedSpec { name: name.clone(), clients, servers, subnet, client_link_mtu, ecmp, balancers, bgp })?.keep();
+        TestbedCommand::Up { name, clients, servers, subnet, client_link_mtu, ecmp, balancers, bgp, client_addresses } => {
+            let spec = TestbedSpec { name: name.clone(), clients, servers, subnet, client_link_mtu, ecmp, balancers, bgp, client_addresses };
+            let tb = Testbed::up(spec)?.keep();
             let json = serde_json::to_string_pretty(&tb)?;
             std::fs::create_dir_all("/run/inband/testbed")?;
             std::fs::write(state_path(&name), &json)?;
