@@ -1035,12 +1035,15 @@ fn sighup_reloads_weights_and_refuses_a_new_backend_set() {
 fn a_busy_pool_grows_up_to_pool_max() {
     let services = "pool_max = 4\n[[service]]\nname = \"web\"\naddress = \"10.96.0.10:80\"\nbackends = [\"{B0}\"]\n";
     let m = Mesh::start("grow", &["slow"], 1, services);
-    // 4 clients at once on a backend that takes 100 ms: one socket is not enough.
-    let burst = || {
+    // 4 clients at once on a backend that takes 100 ms: one socket is not
+    // enough. The pool grows by the requests that found no free socket
+    // and whenever a tick (50 ms) finds every socket busy: 20 requests a
+    // client keep 4 in flight for 2 s, many ticks whatever the scheduling.
+    let burst = |rounds: u32| {
         m.python(&format!(
             "import http.client, threading\n\
              ok = []\n\
-             def run():\n  c = http.client.HTTPConnection('{}', 80)\n  for i in range(6):\n    \
+             def run():\n  c = http.client.HTTPConnection('{}', 80)\n  for i in range({rounds}):\n    \
              c.request('GET', '/g'); r = c.getresponse(); r.read(); ok.append(r.status)\n\
              ts = [threading.Thread(target=run) for _ in range(4)]\n\
              [t.start() for t in ts]; [t.join() for t in ts]\n\
@@ -1048,7 +1051,7 @@ fn a_busy_pool_grows_up_to_pool_max() {
             VIP.split(':').next().unwrap()
         ))
     };
-    assert_eq!(burst().trim(), "24 24");
+    assert_eq!(burst(20).trim(), "80 80");
     m.wait_for("pool grown to 4", |st| {
         st.backends[0].pool == 4 && st.backends[0].free == 4
     });
@@ -1056,7 +1059,7 @@ fn a_busy_pool_grows_up_to_pool_max() {
     // Grown, it takes the next burst without handing anything to the daemon.
     let before = m.counter("fallback_no_slot");
     let kernel = m.counter("request_kernel");
-    assert_eq!(burst().trim(), "24 24");
+    assert_eq!(burst(6).trim(), "24 24");
     assert_eq!(m.counter("fallback_no_slot"), before);
     assert_eq!(m.counter("request_kernel"), kernel + 24);
 }
