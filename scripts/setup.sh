@@ -65,9 +65,10 @@ if [ -f bench/requirements.txt ]; then
   fi
 fi
 
-# The build lives outside the clone (target -> /var/cache/inband/target), so a
-# fresh clone on a machine that built before reuses every compiled dependency.
-cache=/var/cache/inband/target
+# The build lives outside the clone (target -> /var/cache/inband/target, or
+# INBAND_BUILD_CACHE), so a fresh clone on a machine that built before
+# reuses every compiled dependency.
+cache=${INBAND_BUILD_CACHE:-/var/cache/inband/target}
 if [ ! -e target ]; then
   mkdir -p "$cache" && ln -s "$cache" target
 fi
