@@ -87,16 +87,7 @@ impl Collector for Exposition {
             s.ports.iter().map(|(p, st)| (port(p), st.active_connections)),
         )?;
         f.gauges("port_score", "What a 125 or a poll reply for the port carries now", s.ports.iter().map(|(p, st)| (port(p), i64::from(st.score))))?;
-        f.counters(
-            "bpf_program_runs",
-            "Runs of the agent's BPF programs, counted by the kernel while bpf_stats is on",
-            s.programs.iter().map(|p| ([("program", p.program.clone())], p.runs)),
-        )?;
-        f.counters(
-            "bpf_program_run_seconds",
-            "Time spent in the agent's BPF programs, counted by the kernel while bpf_stats is on",
-            s.programs.iter().map(|p| ([("program", p.program.clone())], p.run_time_ns as f64 / 1e9)),
-        )
+        f.programs("agent", s.programs.iter().map(|p| (p.program.as_str(), p.runs, p.run_time_ns)))
     }
 }
 

@@ -105,6 +105,23 @@ impl Families<'_> {
     pub fn gauge(&mut self, name: &str, help: &str, v: impl EncodeGaugeValue) -> std::fmt::Result {
         ConstGauge::new(v).encode(self.0.encode_descriptor(name, help, None, MetricType::Gauge)?)
     }
+
+    /// `bpf_program_runs` and `bpf_program_run_seconds` of `owner`'s
+    /// programs, each (name, runs, run time in ns) as the kernel counts
+    /// them while run-time statistics are on: the same two families for
+    /// the balancer, the agent and the mesh.
+    pub fn programs<'p>(&mut self, owner: &str, programs: impl IntoIterator<Item = (&'p str, u64, u64)> + Clone) -> std::fmt::Result {
+        self.counters(
+            "bpf_program_runs",
+            &format!("Runs of the {owner}'s BPF programs, counted by the kernel while bpf_stats is on"),
+            programs.clone().into_iter().map(|(p, runs, _)| ([("program", p)], runs)),
+        )?;
+        self.counters(
+            "bpf_program_run_seconds",
+            &format!("Time spent in the {owner}'s BPF programs, counted by the kernel while bpf_stats is on"),
+            programs.into_iter().map(|(p, _, ns)| ([("program", p)], ns as f64 / 1e9)),
+        )
+    }
 }
 
 /// A gauge read from a map as u64: prometheus-client's gauges are signed

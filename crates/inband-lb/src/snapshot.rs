@@ -590,16 +590,7 @@ impl prometheus_client::collector::Collector for Exposition {
             "How old the backend's score is (absent until one is taken)",
             backends().filter_map(|(v, b)| Some(([("vip", v), ("backend", b.backend.as_str())], b.score_age_ms? as f64 / 1e3))),
         )?;
-        f.counters(
-            "bpf_program_runs",
-            "Runs of the balancer's BPF programs, counted by the kernel while bpf_stats is on",
-            s.programs.iter().map(|p| ([("program", p.program.as_str())], p.runs)),
-        )?;
-        f.counters(
-            "bpf_program_run_seconds",
-            "Time spent in the balancer's BPF programs, counted by the kernel while bpf_stats is on",
-            s.programs.iter().map(|p| ([("program", p.program.as_str())], p.run_time_ns as f64 / 1e9)),
-        )?;
+        f.programs("balancer", s.programs.iter().map(|p| (p.program.as_str(), p.runs, p.run_time_ns)))?;
         f.counters("drops", "Packets the data path dropped, by reason", s.drops.iter().map(|(k, n)| ([("reason", *k)], *n)))?;
         f.counters("events", "Data-path events, by kind", s.events.iter().map(|(k, n)| ([("event", *k)], *n)))?;
         let c = &s.control;

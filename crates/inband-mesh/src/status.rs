@@ -280,16 +280,7 @@ impl Collector for Exposition {
         for ((name, help), (_, v)) in COUNTERS.iter().zip(&st.counters) {
             f.counter(name, help, *v)?;
         }
-        f.counters(
-            "bpf_program_runs",
-            "Runs of the mesh's BPF programs, counted by the kernel while bpf_stats is on",
-            st.programs.iter().map(|p| ([("program", p.program.clone())], p.runs)),
-        )?;
-        f.counters(
-            "bpf_program_run_seconds",
-            "Time spent in the mesh's BPF programs, counted by the kernel while bpf_stats is on",
-            st.programs.iter().map(|p| ([("program", p.program.clone())], p.run_time_ns as f64 / 1e9)),
-        )?;
+        f.programs("mesh", st.programs.iter().map(|p| (p.program.as_str(), p.runs, p.run_time_ns)))?;
         let label = |b: &BackendStatus| [("backend", b.address.clone())];
         f.gauges(
             "backend_up",
