@@ -146,6 +146,7 @@ pub async fn send(shared: &Shared, parts: &request::Parts, body: Bytes, key: &[u
         })
         .expect("a scheme, an authority and a path form a URI");
         *req.headers_mut() = parts.headers.clone();
+        crate::cache_control::restore_request(req.headers_mut(), &parts.extensions);
         shared.metrics.origin_request(&b.name);
         let _in_flight = b.start_request();
         let passive = &shared.cfg.raw.passive;
@@ -157,7 +158,6 @@ pub async fn send(shared: &Shared, parts: &request::Parts, body: Bytes, key: &[u
                     b.record_success();
                 }
                 strip_hop_by_hop(resp.headers_mut());
-                crate::cache_control::normalize(resp.headers_mut());
                 return Ok(resp);
             }
             Ok(Err(e)) => {
