@@ -111,6 +111,16 @@ pub fn library_response(head: &response::Parts) -> response::Parts {
             None => h.remove(name),
         };
     }
+    // The library stores only the statuses it lists (no 400, 500, 299);
+    // RFC 9111 §3 lets a cache store any final status that has explicit
+    // freshness, unless `must-understand` asks for a status it knows.
+    // Shown as a 200 the library decides the same for every other reason;
+    // the status served is the stored one.
+    let status = head.status.as_u16();
+    let explicit = h.contains_key(header::EXPIRES) || directive(h, "max-age").is_some() || directive(h, "s-maxage").is_some();
+    if explicit && status >= 200 && status != 206 && status != 304 && directive(h, "must-understand").is_none() {
+        *r.status_mut() = http::StatusCode::OK;
+    }
     r.into_parts().0
 }
 
@@ -252,6 +262,21 @@ mod tests {
         assert_eq!(view(&[("expires", "Thursday, 18-Aug-50 02:01:18 GMT")])["expires"], "Thu, 18 Aug 2050 02:01:18 GMT");
         assert_eq!(view(&[("expires", "Thu Aug 18 02:01:18 2050")])["expires"], "Thu, 18 Aug 2050 02:01:18 GMT");
         assert!(!view(&[("date", "yesterday")]).contains_key("date"));
+    }
+
+    #[test]
+    fn any_final_status_with_explicit_freshness_is_storable_unless_it_must_be_understood() {
+        use http_cache_semantics::{CacheOptions, CachePolicy};
+        let req = http::Request::get("http://x/").body(()).unwrap();
+        for (status, cc, storable) in [(500, "max-age=60", true), (299, "max-age=60", true), (500, "", false), (599, "max-age=60, must-understand", false)] {
+            let mut b = http::Response::builder().status(status).header("last-modified", "Tue, 01 Jul 2025 10:00:00 GMT");
+            if !cc.is_empty() {
+                b = b.header("cache-control", cc);
+            }
+            let v = library_response(&b.body(()).unwrap().into_parts().0);
+            let p = CachePolicy::new_options(&req, &v, std::time::SystemTime::now(), CacheOptions { shared: true, ..Default::default() });
+            assert_eq!(p.is_storable() && !p.time_to_live(std::time::SystemTime::now()).is_zero(), storable, "{status} {cc}");
+        }
     }
 
     #[test]

@@ -260,19 +260,26 @@ async fn revalidate(
         return keep(shared, cache, parts, resp, None, Outcome::Updated).await;
     }
     let (head, _) = resp.into_parts();
-    match stored.policy.after_response(parts, &cache_control::library_response(&head), SystemTime::now()) {
-        // The entry is rewritten with the refreshed head and its body, read
-        // again (the entry may have changed or gone since it was looked up).
-        AfterResponse::NotModified(..) => match cache.body_bytes(parts).await {
-            Some(body) => {
-                shared.metrics.cache(Outcome::Revalidated);
-                let fresh = cache.put(parts, &stored.freshened(&head), body.clone()).await;
-                Ok(cached(fresh.head(), full(body), Outcome::Revalidated))
-            }
-            None => fetch(shared, cache, parts, key, None, Outcome::Updated).await,
-        },
-        // A 304 whose validators match nothing stored: the entry cannot be
-        // trusted, so fetch it whole.
-        AfterResponse::Modified(..) => fetch(shared, cache, parts, key, None, Outcome::Updated).await,
+    // The library applies RFC 9111 §4.3.4's choice among several stored
+    // responses, where a 304 without validators selects none that has
+    // one. Here one entry was validated, with its own validators, and a
+    // 304 without any (as many origins send) answers for that entry.
+    let no_validators = !head.headers.contains_key(header::ETAG) && !head.headers.contains_key(header::LAST_MODIFIED);
+    let selected = no_validators
+        || matches!(stored.policy.after_response(parts, &cache_control::library_response(&head), SystemTime::now()), AfterResponse::NotModified(..));
+    // A 304 whose validators match nothing stored: the entry cannot be
+    // trusted, so fetch it whole.
+    if !selected {
+        return fetch(shared, cache, parts, key, None, Outcome::Updated).await;
+    }
+    // The entry is rewritten with the refreshed head and its body, read
+    // again (the entry may have changed or gone since it was looked up).
+    match cache.body_bytes(parts).await {
+        Some(body) => {
+            shared.metrics.cache(Outcome::Revalidated);
+            let fresh = cache.put(parts, &stored.freshened(&head), body.clone()).await;
+            Ok(cached(fresh.head(), full(body), Outcome::Revalidated))
+        }
+        None => fetch(shared, cache, parts, key, None, Outcome::Updated).await,
     }
 }
