@@ -54,6 +54,10 @@ pub(crate) struct Stored {
     /// the hit as Date, where RFC 9110 §6.6.1 wants the origin's.
     status: u16,
     headers: Vec<(String, Vec<u8>)>,
+    /// `headers` parsed, once per decoded record (hits reuse the decoded
+    /// record, see [`Memo`]): a hit then copies a map, not re-parses names.
+    #[serde(skip)]
+    parsed: std::sync::OnceLock<HeaderMap>,
 }
 
 /// A storable response fetched once, handed to every coalesced waiter.
@@ -91,11 +95,18 @@ impl Stored {
     fn origin_head(&self) -> response::Parts {
         let mut resp = Response::new(());
         *resp.status_mut() = StatusCode::from_u16(self.status).unwrap_or(StatusCode::OK);
-        for (k, v) in &self.headers {
-            if let (Ok(k), Ok(v)) = (http::HeaderName::from_bytes(k.as_bytes()), HeaderValue::from_bytes(v)) {
-                resp.headers_mut().append(k, v);
-            }
-        }
+        *resp.headers_mut() = self
+            .parsed
+            .get_or_init(|| {
+                let mut h = HeaderMap::with_capacity(self.headers.len());
+                for (k, v) in &self.headers {
+                    if let (Ok(k), Ok(v)) = (HeaderName::from_bytes(k.as_bytes()), HeaderValue::from_bytes(v)) {
+                        h.append(k, v);
+                    }
+                }
+                h
+            })
+            .clone();
         resp.into_parts().0
     }
 
@@ -401,6 +412,7 @@ impl HttpCache {
             sie_until_ms,
             status: resp.status.as_u16(),
             headers: resp.headers.iter().map(|(k, v)| (k.to_string(), v.as_bytes().to_vec())).collect(),
+            parsed: std::sync::OnceLock::new(),
         });
         let mut writes = Vec::new();
         let key = match vary {
