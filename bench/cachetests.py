@@ -152,12 +152,14 @@ def run_suite(systems: list[str], inband: Path, suite: Path, log=print) -> dict:
     return out
 
 
-def published(suite: Path) -> dict:
-    """The results the suite ships, by implementation: {file stem: raw}."""
+def published(suite: Path, tests: dict) -> dict:
+    """The results the suite ships, scored against `tests`, by
+    implementation: {file stem: scored()}. Only the scores go into the
+    record, not the suite's data."""
     found = {}
     for f in sorted((suite / "results").glob("*.json")):
         try:
-            found[f.stem] = json.loads(f.read_text())
+            found[f.stem] = scored(tests, json.loads(f.read_text()))
         except ValueError:
             continue
     return found
@@ -247,8 +249,7 @@ def render(record: dict) -> str:
         s = scored(tests, got["results"])
         lines.append([name, _cell(s, "required", "own"), _cell(s, "optimal", "own"), _cell(s, "check", "own"),
                       _cell(s, "required", "with_deps"), _cell(s, "optimal", "with_deps")])
-    for impl, results in rows.get("published", {}).items():
-        s = scored(tests, results)
+    for impl, s in rows.get("published", {}).items():
         lines.append([f"{impl} (published)", _cell(s, "required", "own"), _cell(s, "optimal", "own"), _cell(s, "check", "own"),
                       _cell(s, "required", "with_deps"), _cell(s, "optimal", "with_deps")])
     md = [
@@ -299,7 +300,7 @@ def main(argv=None) -> int:
     this_run = Run("cachetests", "bench.cachetests", argv)
     tests = list_tests(args.suite)
     systems_run = run_suite(systems, Path(args.inband).resolve(), args.suite)
-    rows = {"tests": tests, "systems": systems_run, "published": published(args.suite)}
+    rows = {"tests": tests, "systems": systems_run, "published": published(args.suite, {t["id"]: t for t in tests})}
     record = this_run.record(rows, inband=Path(args.inband), tools={"node": ["node", "--version"], "nginx": ["nginx", "-v"], "varnish": ["varnishd", "-V"]},
                              suite_commit=SUITE_COMMIT)
     write_results(args.results, record, render(record))

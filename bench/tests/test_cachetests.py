@@ -62,7 +62,7 @@ def test_render_from_a_made_up_record():
         "wall_s": 1, "machine": {"cores": 2, "cpu": "x", "kernel": "k"}, "load_average": {"start": [0.0], "end": [0.0]},
         "suite_commit": ct.SUITE_COMMIT,
         "rows": {"tests": list(_tests().values()), "systems": {"inband": {"results": RESULTS}, "nginx": {"error": "RuntimeError: gone"}},
-                 "published": {"squid": {i: True for i in RESULTS}}},
+                 "published": {"squid": ct.scored(_tests(), {i: True for i in RESULTS})}},
     }
     md = ct.render(record)
     rows = {r[0]: r for r in table_rows(md, "| system |")}
