@@ -86,7 +86,7 @@ class Origin:
                     done.append({"method": self.command, "headers": headers})
                     script = origin.scripts.get(path, [Reply(404, [("Cache-Control", "no-store")], b"no script\n")])
                 reply = script(headers, len(done) - 1) if callable(script) else script[min(len(done) - 1, len(script) - 1)]
-                self.send_response(reply.status)
+                self.send_response_only(reply.status)  # its Date is the script's, or the one added below
                 names = {k.lower() for k, _ in reply.headers}
                 if "date" not in names:
                     self.send_header("Date", formatdate(usegmt=True))
@@ -103,6 +103,9 @@ class Origin:
 
             def log_message(self, *_args) -> None:
                 pass
+
+        # An extension method (UPnP's), whose name is no identifier.
+        setattr(Handler, "do_M-SEARCH", Handler._any)
 
         ThreadingHTTPServer.daemon_threads = True
         self.server = ThreadingHTTPServer((HOST, 0), Handler)
@@ -366,6 +369,48 @@ def invalidated_by(method: str):
     return run
 
 
+def fields_as_sent(c: Ctx) -> None:
+    cc = "MAX-AGE=600, Public, x-Ext=\"A=B\""
+    a, b = twice_hits(c, numbered(cc), 1)
+    for r in (a, b):
+        check(r.header("cache-control") == cc, f"Cache-Control reached the client as {r.header('cache-control')!r}, sent as {cc!r}")
+
+
+def date_kept_on_hit(c: Ctx) -> None:
+    c.script(numbered("max-age=600"))
+    a = c.get()
+    time.sleep(1.1)  # HTTP-dates have whole seconds
+    b = c.get()
+    check(c.hits() == 1, f"origin saw {c.hits()} requests, expected 1")
+    check(b.header("date") == a.header("date"), f"the hit's Date is {b.header('date')!r}, the origin's {a.header('date')!r}")
+
+
+def validate_304(without_validators: bool):
+    """A stale entry with an ETag revalidated: the 304 either carries no
+    validator (many origins send none) or brings a field the stored
+    response lacked, which the client and later hits must get."""
+
+    def run(c: Ctx) -> None:
+        def reply(h, n):
+            if h.get("if-none-match") == '"v1"':
+                extra = [] if without_validators else [("ETag", '"v1"'), ("X-Added", "by the 304")]
+                return Reply(304, [("Cache-Control", "max-age=600")] + extra)
+            return ok("max-age=1", b"stored body", [("ETag", '"v1"')])
+
+        c.script(reply)
+        c.get()
+        time.sleep(STALE_WAIT_S)
+        b = c.get()
+        hit = c.get()
+        check(c.hits() == 2, f"origin saw {c.hits()} requests, expected 2 (the fill and one revalidation)")
+        check(b.status == 200 and b.body == b"stored body" and hit.body == b"stored body", f"client got {b.status} {b.body[:40]!r}, expected the stored 200")
+        if not without_validators:
+            check(b.header("x-added") == "by the 304" and hit.header("x-added") == "by the 304",
+                  f"X-Added of the 304: {b.header('x-added')!r} on the revalidated response, {hit.header('x-added')!r} on the next hit")
+
+    return run
+
+
 def status_stored(status: int):
     def run(c: Ctx) -> None:
         extra = [("Location", "/elsewhere")] if status in (301, 302) else None
@@ -441,9 +486,14 @@ CASES = [
     Case("freshness-stale", "must", "9111 §4.2", "max-age=1, 2.2 s later: the origin is asked", stale_after("max-age=1")),
     Case("freshness-heuristic", "should", "9111 §4.2.2", "a 200 with Last-Modified 10 days ago, no Cache-Control: heuristically fresh", heuristic),
     Case("age-on-hit", "must", "9111 §5.1", "a hit carries Age, at least the origin's", age_on_hit),
+    Case("age-list-first-member", "must", "9111 §5.1", "`Age: 7200, 0` with max-age=3600: the first member counts, stale", case_not_stored("max-age=3600", extra=[("Age", "7200, 0")])),
+    Case("expires-invalid-spaces", "must", "9111 §5.3, 9110 §5.6.7", "`Expires: Thu, 18  Aug  2050 …` (two spaces) is invalid: already expired",
+         case_not_stored(None, extra=[("Expires", "Thu, 18  Aug  2050 02:01:18 GMT")])),
+    Case("date-on-hit", "must", "9110 §6.6.1", "a hit carries the origin's Date, not the time of the hit", date_kept_on_hit),
     Case("cc-resp-private-mixed-case", "must", "9111 §5.2.2.7, §5.2", "`Private, max-age=600`: not stored by a shared cache", case_not_stored("Private, max-age=600")),
     Case("cc-resp-no-store-mixed-case", "must", "9111 §5.2.2.5, §5.2", "`No-Store, max-age=600`: not stored", case_not_stored("No-Store, max-age=600")),
     Case("cc-resp-max-age-upper-case", "must", "9111 §5.2", "`MAX-AGE=600`: directive names are case-insensitive", case_stored("MAX-AGE=600")),
+    Case("cc-resp-fields-as-sent", "must", "9111 §5.2, 9110 §7.6", "`MAX-AGE=600, Public, x-Ext=\"A=B\"` reaches the client as sent, on the miss and on the hit", fields_as_sent),
     Case("cc-resp-no-cache", "must", "9111 §5.2.2.4", "`no-cache, max-age=600`: never served without the origin", case_not_stored("no-cache, max-age=600")),
     Case("cc-resp-must-revalidate", "must", "9111 §5.2.2.2", "`max-age=1, must-revalidate`: stale means the origin", stale_after("max-age=1, must-revalidate")),
     Case("cc-req-no-cache-upper-case", "must", "9111 §5.2.1.4, §5.2", "request `NO-CACHE`: the origin is asked", request_directive("NO-CACHE")),
@@ -454,14 +504,23 @@ CASES = [
     Case("vary-two-variants", "must", "9111 §4.1", "Vary: Accept-Language, two variants, each served to its own clients", vary_two),
     Case("vary-star", "must", "9111 §4.1", "Vary: * never matches", vary_star),
     Case("validate-etag", "must", "9111 §4.3.1, §4.3.4", "stale with ETag: If-None-Match to the origin, 304, client gets the stored 200", validate_etag),
+    Case("validate-304-without-validators", "must", "9111 §4.3.3, §4.3.4", "a 304 without ETag to the cache's If-None-Match freshens the entry, no second fetch",
+         validate_304(True)),
+    Case("validate-304-adds-fields", "must", "9111 §4.3.4", "a field the 304 brings reaches the client and later hits", validate_304(False)),
     Case("validate-last-modified", "should", "9111 §4.3.1", "stale with Last-Modified: If-Modified-Since to the origin", validate_last_modified),
     Case("client-conditional-hit", "should", "9111 §4.3.2", "client If-None-Match matching a stored ETag: 304 from the cache", client_conditional),
     Case("invalidate-post", "must", "9111 §4.4", "a successful POST invalidates the stored GET", invalidated_by("POST")),
     Case("invalidate-put", "must", "9111 §4.4", "a successful PUT invalidates the stored GET", invalidated_by("PUT")),
     Case("invalidate-delete", "must", "9111 §4.4", "a successful DELETE invalidates the stored GET", invalidated_by("DELETE")),
+    Case("invalidate-extension-method", "must", "9111 §4.4, 9110 §9.2.1", "a successful `M-SEARCH` (not known to be safe) invalidates the stored GET", invalidated_by("M-SEARCH")),
     Case("status-404-max-age", "should", "9111 §3, 9110 §15.1", "404 with max-age=600 is stored", status_stored(404)),
     Case("status-301-max-age", "should", "9111 §3, 9110 §15.1", "301 with max-age=600 is stored", status_stored(301)),
     Case("status-410-max-age", "should", "9111 §3, 9110 §15.1", "410 with max-age=600 is stored", status_stored(410)),
+    Case("status-500-max-age", "should", "9111 §3", "500 with max-age=600 is stored: any final status with explicit freshness may be", status_stored(500)),
+    Case("cdn-cc-over-cache-control", "should", "9213 §2.2", "`CDN-Cache-Control: max-age=600` over `Cache-Control: no-store`: stored",
+         case_stored("no-store", extra=[("CDN-Cache-Control", "max-age=600")])),
+    Case("cdn-cc-no-store", "should", "9213 §2.2", "`CDN-Cache-Control: no-store` over `Cache-Control: max-age=600`: not stored",
+         case_not_stored("max-age=600", extra=[("CDN-Cache-Control", "no-store")])),
     Case("status-500-no-heuristic", "must", "9111 §4.2.2", "500 with only Last-Modified: not heuristically cacheable", status_not_heuristic(500)),
     Case("status-302-no-heuristic", "must", "9111 §4.2.2", "302 with only Last-Modified: not heuristically cacheable", status_not_heuristic(302)),
     Case("set-cookie-not-replayed", "must", "9111 §7.3 (privacy)", "public response with Set-Cookie: no client gets another's cookie", set_cookie),
@@ -495,14 +554,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_system(key: str, procs: Procs, tmp: Path, origin_port: int, inband: Path) -> tuple[int, object]:
+def start_system(key: str, procs: Procs, tmp: Path, origin_port: int, inband: Path, inband_backend: str = "memory",
+                 passive_failures: int | None = None) -> tuple[int, object]:
+    """Starts one system in front of the origin and waits until it
+    answers; `inband_backend` and `passive_failures` as peers.proxy_toml
+    takes them (bench.cachetests runs LMDB)."""
     port = free_port()
     listen, origin = f"{HOST}:{port}", f"{HOST}:{origin_port}"
     state = tmp / key
     state.mkdir()
     if key == "inband":
         cfg = state / "proxy.toml"
-        cfg.write_text(peers.proxy_toml(listen=listen, origin=origin, backend="memory", path=None, capacity_bytes=64 << 20))
+        path = None if inband_backend == "memory" else str(state / "cache")
+        cfg.write_text(peers.proxy_toml(listen=listen, origin=origin, backend=inband_backend, path=path, capacity_bytes=64 << 20,
+                                        passive_failures=passive_failures))
         argv = [str(inband), "proxy", "--config", str(cfg)]
     elif key == "nginx":
         cfg = state / "nginx.conf"

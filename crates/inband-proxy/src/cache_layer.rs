@@ -26,31 +26,25 @@ pub fn applies(parts: &request::Parts) -> bool {
     parts.method == Method::GET && !parts.headers.contains_key(header::RANGE)
 }
 
-/// Whether this method's success invalidates the stored URL (RFC 9111 §4.4).
+/// Whether this method's success invalidates the stored URL: every
+/// method not known to be safe (RFC 9111 §4.4, RFC 9110 §9.2.1), so an
+/// extension method (`M-SEARCH`) too.
 pub fn invalidates(method: &Method) -> bool {
-    matches!(*method, Method::POST | Method::PUT | Method::DELETE | Method::PATCH)
+    !method.is_safe()
 }
 
 
 fn cached(head: response::Parts, body: ProxyBody, outcome: Outcome) -> Response<ProxyBody> {
     let mut resp = Response::from_parts(head, body);
     outcome.mark(&mut resp);
-    // http-cache-semantics rewrites Date to now in RFC 2822 form
-    // ("… +0000"), which is not an HTTP-date: clients and caches after us
-    // would not parse it. Same instant, IMF-fixdate.
-    let bad_date = resp.headers().get(header::DATE).is_some_and(|d| d.to_str().map_or(true, |d| httpdate::parse_http_date(d).is_err()));
-    if bad_date {
-        let now = HeaderValue::from_str(&httpdate::fmt_http_date(SystemTime::now())).expect("an HTTP-date is a valid header value");
-        resp.headers_mut().insert(header::DATE, now);
-    }
     resp
 }
 
-fn fresh_head(policy: &CachePolicy, parts: &request::Parts) -> Option<response::Parts> {
-    match policy.before_request(parts, SystemTime::now()) {
-        BeforeRequest::Fresh(head) => Some(head),
-        BeforeRequest::Stale { .. } => None,
-    }
+/// Whether the library would serve the entry to this request as it is.
+/// The head served is the stored one ([`Stored::head`]), not the
+/// library's.
+fn fresh(stored: &Stored, parts: &request::Parts) -> bool {
+    matches!(stored.policy.before_request(parts, SystemTime::now()), BeforeRequest::Fresh(_))
 }
 
 /// Answers a GET through the cache. `parts` carries the forwarding
@@ -98,30 +92,29 @@ async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, parts: request
     // RFC 9111 §5.2.1.7: a stored response (fresh, or within the request's
     // max-stale, as the library decides) or 504, never the origin.
     if cache_control::directive(&parts.headers, "only-if-cached").is_some() {
-        let found = cache.lookup(&parts).await;
-        return match found.as_ref().and_then(|f| fresh_head(&f.stored.policy, &parts)) {
-            Some(head) => {
+        return match cache.lookup(&parts).await {
+            Some(Found { stored, body }) if fresh(&stored, &parts) => {
                 shared.metrics.cache(Outcome::Hit);
-                Ok(cached(head, cache.response_body(found.expect("a head came from it").body), Outcome::Hit))
+                Ok(cached(stored.head(), cache.response_body(body), Outcome::Hit))
             }
-            None => Err(Refusal::NotCached),
+            _ => Err(Refusal::NotCached),
         };
     }
     if let Some(Found { stored, body }) = cache.lookup(&parts).await {
         let now = SystemTime::now();
         match stored.policy.before_request(&parts, now) {
-            BeforeRequest::Fresh(head) => {
+            BeforeRequest::Fresh(_) => {
                 shared.metrics.cache(Outcome::Hit);
-                return Ok(cached(head, cache.response_body(body), Outcome::Hit));
+                return Ok(cached(stored.head(), cache.response_body(body), Outcome::Hit));
             }
             BeforeRequest::Stale { request, matches: true } if unix_ms(now) < stored.swr_until_ms => {
                 shared.metrics.cache(Outcome::Stale);
-                let resp = cached(stored.stale_head(), cache.response_body(body), Outcome::Stale);
+                let resp = cached(stored.head(), cache.response_body(body), Outcome::Stale);
                 revalidate_in_background(shared.clone(), parts, stored, request, key.to_vec());
                 return Ok(resp);
             }
             BeforeRequest::Stale { request, matches: true } => {
-                let fallback = (unix_ms(now) < stored.sie_until_ms).then(|| (stored.stale_head(), body));
+                let fallback = (unix_ms(now) < stored.sie_until_ms).then(|| (stored.head(), body));
                 let result = revalidate(shared, cache, &parts, &stored, request, key).await;
                 let failed = match &result {
                     Ok(resp) => resp.status().is_server_error(),
@@ -150,9 +143,9 @@ async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, parts: request
     match cache.join(&base) {
         Turn::Wait(mut rx) => {
             if let Ok(Some(f)) = rx.recv().await {
-                if let Some(head) = fresh_head(&f.policy, &parts) {
+                if fresh(&f.stored, &parts) {
                     shared.metrics.cache(Outcome::Coalesced);
-                    return Ok(cached(head, full(f.body.clone()), Outcome::Coalesced));
+                    return Ok(cached(f.stored.head(), full(f.body.clone()), Outcome::Coalesced));
                 }
             }
             // The leader's response was not shareable (or not for this
@@ -163,16 +156,16 @@ async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, parts: request
             // A leader that finished between our lookup and join has
             // stored its response already.
             if let Some(Found { stored, body }) = cache.lookup(&parts).await {
-                if let Some(head) = fresh_head(&stored.policy, &parts) {
+                if fresh(&stored, &parts) {
                     // Waiters share a body in memory; a large one each
                     // streams from the store themselves.
                     let shared_body = match &body {
-                        EntryBody::Whole(b) => Some(Arc::new(Fetched { policy: stored.policy.clone(), body: b.clone() })),
+                        EntryBody::Whole(b) => Some(Arc::new(Fetched { stored: stored.clone(), body: b.clone() })),
                         EntryBody::Chunks(_) => None,
                     };
                     leader.finish(shared_body);
                     shared.metrics.cache(Outcome::Hit);
-                    return Ok(cached(head, cache.response_body(body), Outcome::Hit));
+                    return Ok(cached(stored.head(), cache.response_body(body), Outcome::Hit));
                 }
             }
             fetch(shared, cache, &parts, key, Some(leader), Outcome::Miss).await
@@ -205,7 +198,7 @@ async fn keep(
 ) -> Result<Response<ProxyBody>, Refusal> {
     shared.metrics.cache(outcome);
     let (head, body) = resp.into_parts();
-    let policy = CachePolicy::new_options(parts, &head, SystemTime::now(), options());
+    let policy = CachePolicy::new_options(parts, &cache_control::library_response(&head), SystemTime::now(), options());
     if !cache.worth_storing(&policy, &head) {
         drop(leader);
         let mut resp = Response::from_parts(head, body.map_err(BoxError::from).boxed());
@@ -216,9 +209,9 @@ async fn keep(
         Buffered::Whole(bytes) => {
             // Waiters are served from the policy as stored: without the
             // leader's Set-Cookie and request headers.
-            let stored = cache.put(parts, &head, &policy, bytes.clone()).await;
+            let stored = cache.put(parts, &head, bytes.clone()).await;
             if let Some(l) = leader {
-                l.finish(Some(Arc::new(Fetched { policy: stored, body: bytes.clone() })));
+                l.finish(Some(Arc::new(Fetched { stored, body: bytes.clone() })));
             }
             Ok(cached(head, full(bytes), outcome))
         }
@@ -251,9 +244,12 @@ async fn revalidate(
     cache: &HttpCache,
     parts: &request::Parts,
     stored: &Stored,
-    conditional: request::Parts,
+    mut conditional: request::Parts,
     key: &[u8],
 ) -> Result<Response<ProxyBody>, Refusal> {
+    // The library built this request from the client's: the fields the
+    // client sent go to the origin as sent.
+    conditional.extensions = parts.extensions.clone();
     let resp = forward::send(shared, &conditional, Bytes::new(), key).await?;
     if resp.status().is_server_error() {
         // Not stored and not counted here: the caller may answer with the
@@ -264,19 +260,26 @@ async fn revalidate(
         return keep(shared, cache, parts, resp, None, Outcome::Updated).await;
     }
     let (head, _) = resp.into_parts();
-    match stored.policy.after_response(parts, &head, SystemTime::now()) {
-        // The entry is rewritten with the refreshed head and its body, read
-        // again (the entry may have changed or gone since it was looked up).
-        AfterResponse::NotModified(policy, merged) => match cache.body_bytes(parts).await {
-            Some(body) => {
-                shared.metrics.cache(Outcome::Revalidated);
-                cache.put(parts, &merged, &policy, body.clone()).await;
-                Ok(cached(merged, full(body), Outcome::Revalidated))
-            }
-            None => fetch(shared, cache, parts, key, None, Outcome::Updated).await,
-        },
-        // A 304 whose validators match nothing stored: the entry cannot be
-        // trusted, so fetch it whole.
-        AfterResponse::Modified(..) => fetch(shared, cache, parts, key, None, Outcome::Updated).await,
+    // The library applies RFC 9111 §4.3.4's choice among several stored
+    // responses, where a 304 without validators selects none that has
+    // one. Here one entry was validated, with its own validators, and a
+    // 304 without any (as many origins send) answers for that entry.
+    let no_validators = !head.headers.contains_key(header::ETAG) && !head.headers.contains_key(header::LAST_MODIFIED);
+    let selected = no_validators
+        || matches!(stored.policy.after_response(parts, &cache_control::library_response(&head), SystemTime::now()), AfterResponse::NotModified(..));
+    // A 304 whose validators match nothing stored: the entry cannot be
+    // trusted, so fetch it whole.
+    if !selected {
+        return fetch(shared, cache, parts, key, None, Outcome::Updated).await;
+    }
+    // The entry is rewritten with the refreshed head and its body, read
+    // again (the entry may have changed or gone since it was looked up).
+    match cache.body_bytes(parts).await {
+        Some(body) => {
+            shared.metrics.cache(Outcome::Revalidated);
+            let fresh = cache.put(parts, &stored.freshened(&head), body.clone()).await;
+            Ok(cached(fresh.head(), full(body), Outcome::Revalidated))
+        }
+        None => fetch(shared, cache, parts, key, None, Outcome::Updated).await,
     }
 }

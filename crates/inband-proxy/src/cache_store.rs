@@ -16,7 +16,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Result;
 use bytes::{Bytes, BytesMut};
-use http::{header, request, response, HeaderMap, HeaderValue, Response, StatusCode};
+use http::{header, request, response, HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use http_body_util::BodyExt;
 use http_cache_semantics::{CacheOptions, CachePolicy};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
@@ -37,7 +37,7 @@ enum Head {
     Vary(Vec<String>),
 }
 
-#[derive(Serialize, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 pub(crate) struct Stored {
     pub(crate) policy: CachePolicy,
     /// Unix ms until which a stale entry may be served while it is
@@ -47,15 +47,22 @@ pub(crate) struct Stored {
     /// fails (`stale-if-error`); 0 for never.
     #[serde(default)]
     pub(crate) sie_until_ms: u64,
-    /// The response head as the origin sent it, for serving it stale: the
-    /// library builds a head only for a fresh entry.
+    /// The response head as the origin sent it (less Set-Cookie, plus the
+    /// Date it lacked), which every response from this entry carries:
+    /// the library's own head of a fresh entry has Cache-Control as it was
+    /// shown (lower-cased, CDN-Cache-Control in its place) and the time of
+    /// the hit as Date, where RFC 9110 §6.6.1 wants the origin's.
     status: u16,
     headers: Vec<(String, Vec<u8>)>,
+    /// `headers` parsed, once per decoded record (hits reuse the decoded
+    /// record, see [`Memo`]): a hit then copies a map, not re-parses names.
+    #[serde(skip)]
+    parsed: std::sync::OnceLock<HeaderMap>,
 }
 
 /// A storable response fetched once, handed to every coalesced waiter.
 pub(crate) struct Fetched {
-    pub(crate) policy: CachePolicy,
+    pub(crate) stored: Arc<Stored>,
     pub(crate) body: Bytes,
 }
 
@@ -77,18 +84,50 @@ pub(crate) struct Found {
 }
 
 impl Stored {
-    /// The stored response as it is now, stale: Age says how stale.
-    pub(crate) fn stale_head(&self) -> response::Parts {
+    /// The stored response as it is now: Age says how old.
+    pub(crate) fn head(&self) -> response::Parts {
+        let mut resp = self.origin_head();
+        let age = self.policy.age(SystemTime::now()).as_secs();
+        resp.headers.insert(header::AGE, HeaderValue::from(age));
+        resp
+    }
+
+    fn origin_head(&self) -> response::Parts {
         let mut resp = Response::new(());
         *resp.status_mut() = StatusCode::from_u16(self.status).unwrap_or(StatusCode::OK);
-        for (k, v) in &self.headers {
-            if let (Ok(k), Ok(v)) = (http::HeaderName::from_bytes(k.as_bytes()), HeaderValue::from_bytes(v)) {
-                resp.headers_mut().append(k, v);
+        *resp.headers_mut() = self
+            .parsed
+            .get_or_init(|| {
+                let mut h = HeaderMap::with_capacity(self.headers.len());
+                for (k, v) in &self.headers {
+                    if let (Ok(k), Ok(v)) = (HeaderName::from_bytes(k.as_bytes()), HeaderValue::from_bytes(v)) {
+                        h.append(k, v);
+                    }
+                }
+                h
+            })
+            .clone();
+        resp.into_parts().0
+    }
+
+    /// The stored head freshened by a 304 (RFC 9111 §4.3.4): each field
+    /// the 304 carries replaces the stored one, or is added, but those
+    /// that describe the stored body. The library's merge updates only
+    /// fields already stored and works on the view of the fields, not
+    /// the fields as sent, so it is done here.
+    pub(crate) fn freshened(&self, not_modified: &response::Parts) -> response::Parts {
+        const BODY_FIELDS: [HeaderName; 4] = [header::CONTENT_LENGTH, header::CONTENT_ENCODING, header::TRANSFER_ENCODING, header::CONTENT_RANGE];
+        let mut head = self.origin_head();
+        for name in not_modified.headers.keys() {
+            if BODY_FIELDS.contains(name) {
+                continue;
+            }
+            head.headers.remove(name);
+            for v in not_modified.headers.get_all(name) {
+                head.headers.append(name, v.clone());
             }
         }
-        let age = self.policy.age(SystemTime::now()).as_secs();
-        resp.headers_mut().insert(header::AGE, HeaderValue::from(age));
-        resp.into_parts().0
+        head
     }
 }
 
@@ -339,39 +378,42 @@ impl HttpCache {
         }
     }
 
-    /// Stores a response (and the Vary marker it needs) and returns the
-    /// policy as stored, the one to serve other clients from. A failure is
-    /// logged: a response not stored is only a later miss.
-    pub(crate) async fn put(&self, parts: &request::Parts, resp: &response::Parts, policy: &CachePolicy, body: Bytes) -> CachePolicy {
+    /// Stores a response as the origin sent it (and the Vary marker it
+    /// needs) and returns the entry as stored, the one to serve other
+    /// clients from. A failure is logged: a response not stored is only a
+    /// later miss.
+    pub(crate) async fn put(&self, parts: &request::Parts, resp: &response::Parts, body: Bytes) -> Arc<Stored> {
         let now = SystemTime::now();
+        let mut r = Response::new(());
+        *r.status_mut() = resp.status;
+        *r.version_mut() = resp.version;
+        *r.headers_mut() = resp.headers.clone();
         // One client's cookie is never replayed to another: whatever the
-        // mode, a stored head has no Set-Cookie (a 304's merge could add one).
-        let stripped;
-        let resp = if resp.headers.contains_key(header::SET_COOKIE) {
-            let mut r = Response::new(());
-            *r.status_mut() = resp.status;
-            *r.version_mut() = resp.version;
-            *r.headers_mut() = resp.headers.clone();
-            r.headers_mut().remove(header::SET_COOKIE);
-            stripped = r.into_parts().0;
-            &stripped
-        } else {
-            resp
-        };
+        // mode, a stored head has no Set-Cookie (a 304 could bring one).
+        r.headers_mut().remove(header::SET_COOKIE);
+        // RFC 9110 §6.6.1: a response cached without Date gets the time
+        // it was received.
+        if !r.headers().contains_key(header::DATE) {
+            let date = HeaderValue::from_str(&httpdate::fmt_http_date(now)).expect("an HTTP-date is a valid header value");
+            r.headers_mut().insert(header::DATE, date);
+        }
+        let resp = r.into_parts().0;
+        let view = cache_control::library_response(&resp);
 
         let base = base_key(parts);
         let vary = vary_names(&resp.headers);
-        let persisted = CachePolicy::new_options(&persisted_request(parts, vary.as_deref()), resp, now, options());
-        let fresh_until = now + policy.time_to_live(now);
-        let until = |d| stale_directive(&resp.headers, d).map_or(0, |s| unix_ms(fresh_until + Duration::from_secs(s)));
+        let persisted = CachePolicy::new_options(&persisted_request(parts, vary.as_deref()), &view, now, options());
+        let fresh_until = now + persisted.time_to_live(now);
+        let until = |d| stale_directive(&view.headers, d).map_or(0, |s| unix_ms(fresh_until + Duration::from_secs(s)));
         let (swr_until_ms, sie_until_ms) = (until("stale-while-revalidate"), until("stale-if-error"));
-        let stored = Stored {
-            policy: persisted.clone(),
+        let stored = Arc::new(Stored {
+            policy: persisted,
             swr_until_ms,
             sie_until_ms,
             status: resp.status.as_u16(),
             headers: resp.headers.iter().map(|(k, v)| (k.to_string(), v.as_bytes().to_vec())).collect(),
-        };
+            parsed: std::sync::OnceLock::new(),
+        });
         let mut writes = Vec::new();
         let key = match vary {
             Some(names) => {
@@ -381,7 +423,7 @@ impl HttpCache {
             }
             None => base,
         };
-        writes.push((key, Head::Response(Box::new(stored)), body));
+        writes.push((key, Head::Response(Box::new((*stored).clone())), body));
         let stored_at = unix_ms(now);
         let expires = unix_ms(fresh_until);
         let r = self
@@ -395,7 +437,7 @@ impl HttpCache {
         if let Err(e) = r {
             tracing::warn!(error = %e, "cache write failed");
         }
-        persisted
+        stored
     }
 
     /// Deletes the entry for this URL and all its variants; returns how

@@ -146,6 +146,7 @@ pub async fn send(shared: &Shared, parts: &request::Parts, body: Bytes, key: &[u
         })
         .expect("a scheme, an authority and a path form a URI");
         *req.headers_mut() = parts.headers.clone();
+        crate::cache_control::restore_request(req.headers_mut(), &parts.extensions);
         shared.metrics.origin_request(&b.name);
         let _in_flight = b.start_request();
         let passive = &shared.cfg.raw.passive;
@@ -175,7 +176,6 @@ pub async fn send(shared: &Shared, parts: &request::Parts, body: Bytes, key: &[u
                     resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
                     resp.extensions_mut().insert(crate::backend::TunnelInFlight::new(b));
                 }
-                crate::cache_control::normalize(resp.headers_mut());
                 return Ok(resp);
             }
             Ok(Err(e)) => {

@@ -12,6 +12,7 @@ mod cache_control;
 mod cache_layer;
 mod cache_outcome;
 mod cache_store;
+mod cdn_cache_control;
 mod client_limits;
 pub mod config;
 mod conn;

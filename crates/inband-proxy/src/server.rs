@@ -302,7 +302,7 @@ async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr,
         return refuse(shared, Refusal::BodyTooLarge);
     }
     let (mut parts, body) = req.into_parts();
-    cache_control::normalize(&mut parts.headers);
+    cache_control::normalize_request(&mut parts);
     // HTTP/2 (and an absolute-form HTTP/1.1 request line) carry the host in
     // the URI: move it to Host so the backend, the cache key and the stored
     // policy see one form whatever the client spoke.
