@@ -95,7 +95,7 @@ pub struct State {
     changed: Notify,
     /// The tunnel a 101 opened, run by the connection's task once hyper
     /// has written the 101 and let go of the socket.
-    tunnel: std::sync::Mutex<Option<crate::tunnel::Pending>>,
+    tunnel: std::sync::Mutex<Option<crate::upgrade::Pending>>,
 }
 
 fn ms(d: Duration) -> u64 {
@@ -141,11 +141,11 @@ impl State {
         RequestGuard(self.clone())
     }
 
-    pub fn open_tunnel(&self, t: crate::tunnel::Pending) {
+    pub fn open_tunnel(&self, t: crate::upgrade::Pending) {
         *self.tunnel.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
     }
 
-    pub fn take_tunnel(&self) -> Option<crate::tunnel::Pending> {
+    pub fn take_tunnel(&self) -> Option<crate::upgrade::Pending> {
         self.tunnel.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
 

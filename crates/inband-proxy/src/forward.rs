@@ -159,7 +159,7 @@ pub async fn send(shared: &Shared, parts: &request::Parts, body: Bytes, key: &[u
                     _ => None,
                 };
                 if let Some(chosen) = &switched {
-                    if !crate::tunnel::switched_as_offered(parts.headers.get(header::UPGRADE), chosen.as_ref()) {
+                    if !crate::upgrade::switched_as_offered(parts.headers.get(header::UPGRADE), chosen.as_ref()) {
                         note_ejection(b.record_failure(passive, Instant::now()), &b.name, "101 not as offered");
                         tracing::debug!(backend = %b.name, offered = ?parts.headers.get(header::UPGRADE), chosen = ?chosen, "backend switched protocols unasked");
                         return Err(Refusal::BackendBadUpgrade);

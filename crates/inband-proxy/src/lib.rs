@@ -23,6 +23,7 @@ mod policy;
 mod server;
 mod tls;
 mod tunnel;
+mod upgrade;
 
 use std::net::SocketAddr;
 use std::path::Path;

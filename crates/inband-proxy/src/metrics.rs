@@ -12,7 +12,7 @@ use prometheus_client::registry::Registry;
 
 use crate::cache_outcome::Outcome;
 use crate::conn::Expiry;
-use crate::tunnel::{Close, Upgrade};
+use crate::upgrade::{Close, Upgrade};
 
 type Labels = Vec<(&'static str, String)>;
 

@@ -21,7 +21,8 @@ use crate::cache_outcome::Outcome;
 use crate::client_limits::{ClientSlot, Refused};
 use crate::conn::{self, State};
 use crate::metrics::Refusal;
-use crate::tunnel::{self, Offer, Upgrade};
+use crate::tunnel::{self, Offer};
+use crate::upgrade::Upgrade;
 use crate::{access, cache_control, cache_layer, forward, Shared};
 
 pub fn refusal_response(r: Refusal) -> Response<ProxyBody> {

@@ -33,64 +33,8 @@ use crate::body::{BoxError, ProxyBody};
 use crate::config::UpgradeAllow;
 use crate::conn::State;
 use crate::metrics::Refusal;
+use crate::upgrade::{protocols, Close, Pending, Upgrade};
 use crate::{forward, Shared};
-
-/// What became of a request that offered an upgrade.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Upgrade {
-    /// The backend answered 101; the tunnel opens once it is written.
-    Switched,
-    /// The backend answered something else, forwarded as it came.
-    Declined,
-    /// No protocol offered is allowed: sent on as a plain request.
-    NotAllowed,
-    /// No usable answer: the client got a 502, 503 or 504.
-    Failed,
-}
-
-impl Upgrade {
-    pub const ALL: [Upgrade; 4] = [Upgrade::Switched, Upgrade::Declined, Upgrade::NotAllowed, Upgrade::Failed];
-
-    pub fn label(self) -> &'static str {
-        match self {
-            Upgrade::Switched => "switched",
-            Upgrade::Declined => "declined",
-            Upgrade::NotAllowed => "not_allowed",
-            Upgrade::Failed => "failed",
-        }
-    }
-}
-
-/// Why a tunnel closed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Close {
-    /// Both sides closed their end.
-    Ended,
-    /// A side reset or failed (or hyper could not hand a connection over).
-    Error,
-    /// No byte either way for the idle timeout.
-    Idle,
-    /// A write waited on a side that does not read for the send timeout.
-    Send,
-}
-
-impl Close {
-    pub const ALL: [Close; 4] = [Close::Ended, Close::Error, Close::Idle, Close::Send];
-
-    pub fn label(self) -> &'static str {
-        match self {
-            Close::Ended => "ended",
-            Close::Error => "error",
-            Close::Idle => "idle",
-            Close::Send => "send",
-        }
-    }
-}
-
-/// The protocols of an `Upgrade` value, in the client's order of preference.
-pub fn protocols(v: &HeaderValue) -> impl Iterator<Item = &str> {
-    v.to_str().unwrap_or("").split(',').map(str::trim).filter(|p| !p.is_empty())
-}
 
 /// What a request offers.
 pub enum Offer {
@@ -123,20 +67,6 @@ pub fn offer(allow: &UpgradeAllow, headers: &HeaderMap) -> Offer {
     Offer::Allowed(HeaderValue::from_str(&allowed.join(", ")).expect("parts of a header value form one"))
 }
 
-/// A 101 is good if the protocols it switches to were all offered.
-pub fn switched_as_offered(offered: Option<&HeaderValue>, chosen: Option<&HeaderValue>) -> bool {
-    let (Some(offered), Some(chosen)) = (offered, chosen) else { return false };
-    let mut chosen = protocols(chosen).peekable();
-    chosen.peek().is_some() && chosen.all(|c| protocols(offered).any(|o| o.eq_ignore_ascii_case(c)))
-}
-
-/// Both halves of a tunnel before hyper has let go of them.
-pub struct Pending {
-    client: OnUpgrade,
-    backend: OnUpgrade,
-    _in_flight: Option<Arc<TunnelInFlight>>,
-}
-
 /// Sends an upgrade request (hop-by-hop headers already stripped) with
 /// the `offered` protocols; on a 101 leaves the tunnel in `conn` for the
 /// connection's task to run.
@@ -160,7 +90,7 @@ pub async fn forward(
     };
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         let in_flight = resp.extensions_mut().remove::<Arc<TunnelInFlight>>();
-        conn.open_tunnel(Pending { client, backend: hyper::upgrade::on(&mut resp), _in_flight: in_flight });
+        conn.open_tunnel(Pending { client, backend: hyper::upgrade::on(&mut resp), in_flight: in_flight.map(|g| Box::new(g) as Box<dyn Send + Sync>) });
         shared.metrics.upgrade(Upgrade::Switched);
     } else {
         shared.metrics.upgrade(Upgrade::Declined);
@@ -180,7 +110,7 @@ pub async fn run(t: Pending, shared: &Shared, client_addr: SocketAddr) {
     let start = Instant::now();
     // Both are fulfilled by now or at the next turn of their connection's
     // task; the bound is for a backend connection task that never runs.
-    let Pending { client, backend, _in_flight } = t;
+    let Pending { client, backend, in_flight: _in_flight } = t;
     let (client, backend) = match tokio::time::timeout(idle, async { tokio::join!(client, backend) }).await {
         Ok((Ok(c), Ok(b))) => (c, b),
         Ok((c, b)) => {
@@ -370,6 +300,7 @@ impl Drop for Open<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::upgrade::switched_as_offered;
 
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
