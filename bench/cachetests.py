@@ -45,6 +45,7 @@ import tempfile
 from pathlib import Path
 
 from .conformance import free_port, start_system
+from .lib import preflight
 from .lib.procs import Fatal, Procs, stop_signals_interrupt, wait_until
 from .lib.report import table
 from .lib.results import REPO, Run, default_dir, provenance
@@ -286,15 +287,11 @@ def main(argv=None) -> int:
         ap.error(f"unknown system(s): {', '.join(bad)}")
     for tool in ("node", "npm", "git"):
         if not shutil.which(tool):
-            print(f"error: {tool} is not installed (scripts/setup.sh installs it)", file=sys.stderr)
+            print(f"error: {tool} is not installed (the suite needs Node.js 14.8 or later, npm and git)", file=sys.stderr)
             return 2
-    missing = [s for s in systems if s in TOOLS and not shutil.which(TOOLS[s])]
-    for s in missing:
-        print(f"skipping {s}: {TOOLS[s]} is not installed (scripts/setup.sh installs it)", file=sys.stderr)
-    systems = [s for s in systems if s not in missing]
-    if "inband" in systems and not Path(args.inband).is_file():
-        print(f"error: {args.inband} is missing: run scripts/setup.sh", file=sys.stderr)
-        return 2
+    systems = preflight.installed_systems(systems, TOOLS)
+    if "inband" in systems and (code := preflight.refuse(preflight.problems(inband=args.inband, root=False))):
+        return code
     stop_signals_interrupt()
     prepare_suite(args.suite, args.git)
     this_run = Run("cachetests", "bench.cachetests", argv)

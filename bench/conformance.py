@@ -39,7 +39,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 
-from .lib import peers
+from .lib import peers, preflight
 from .lib.results import REPO, Run, default_dir, provenance
 from .lib.results import write as write_results
 from .lib.procs import Fatal, Procs, stop_signals_interrupt, wait_until
@@ -660,13 +660,9 @@ def main(argv=None) -> int:
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
         ap.error(f"unknown system(s): {', '.join(bad)}")
-    missing = [s for s in systems if s in TOOLS and not shutil.which(TOOLS[s])]
-    for s in missing:
-        print(f"skipping {s}: {TOOLS[s]} is not installed (scripts/setup.sh installs it)", file=sys.stderr)
-    systems = [s for s in systems if s not in missing]
-    if "inband" in systems and not Path(args.inband).is_file():
-        print(f"error: {args.inband} is missing: run scripts/setup.sh", file=sys.stderr)
-        return 2
+    systems = preflight.installed_systems(systems, TOOLS)
+    if "inband" in systems and (code := preflight.refuse(preflight.problems(inband=args.inband, root=False))):
+        return code
     stop_signals_interrupt()
     this_run = Run("conformance", "bench.conformance", argv)
     results = run_suite(systems, Path(args.inband).resolve())

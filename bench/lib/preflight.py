@@ -38,6 +38,15 @@ def problems(*, inband: str | None = None, tools: tuple = (), testbed_name: str 
     return out
 
 
+def installed_systems(systems: list[str], tools: dict[str, str]) -> list[str]:
+    """`systems` without the peers whose program (`tools[system]`) is not
+    installed, each skipped with a line saying so."""
+    missing = [s for s in systems if s in tools and shutil.which(tools[s]) is None]
+    for s in missing:
+        print(f"skipping {s}: {tools[s]} is not installed (scripts/setup.sh installs it)", file=sys.stderr)
+    return [s for s in systems if s not in missing]
+
+
 def refuse(found: list[str]) -> int | None:
     """Prints the problems; 2 (the drivers' exit code for it) if any."""
     for p in found:
