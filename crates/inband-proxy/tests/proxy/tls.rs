@@ -2,7 +2,6 @@
 //! certificates made here by a test CA: HTTP/1.1 and h2 by ALPN, h2c,
 //! SNI, TLS 1.2 and 1.3, resumption, reload, and refusals at start.
 
-mod common;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -16,7 +15,7 @@ use rustls::pki_types::CertificateDer;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 use tokio::net::TcpStream;
 
-use common::*;
+use crate::common::*;
 use inband_proxy::{config, Proxy};
 
 struct Ca {

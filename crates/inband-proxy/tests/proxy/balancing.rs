@@ -1,14 +1,13 @@
 //! Policies, retries, health checking, forwarding headers and graceful
 //! shutdown, through a real proxy to real origins on loopback.
 
-mod common;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 
 async fn origins(n: usize) -> Vec<Origin> {
     let mut v = Vec::new();

@@ -1,13 +1,12 @@
 //! HTTP cache semantics through the proxy: what is stored, expiry, Vary,
 //! 304 revalidation, coalescing, purge, invalidation and restart durability.
 
-mod common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use inband_proxy::Proxy;
 
 const HOST: &str = "cache.test";

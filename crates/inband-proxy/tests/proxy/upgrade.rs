@@ -4,14 +4,13 @@
 //! closing tunnels, and upgrades kept out of the cache; what happens to
 //! refused, disallowed and unasked-for upgrades.
 
-mod common;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use futures_util::{SinkExt, StreamExt};
 use http::HeaderMap;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -3,11 +3,10 @@
 //! timeout) and while a response waits for a client that does not read
 //! (send timeout); idle clients cannot hold the connection slots for ever.
 
-mod common;
 
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -86,7 +85,7 @@ async fn a_keep_alive_connection_is_closed_after_the_idle_timeout() {
 async fn idle_clients_beyond_max_connections_do_not_stop_service() {
     let o = Origin::start(|_| ok("served")).await;
     // Idle clients of many addresses, as far as the proxy can tell: no
-    // per-client limit (tests/client_limits.rs has one address's case).
+    // per-client limit (the client_limits module has one address's case).
     let p = start_proxy(&[o.addr], "max_connections = 20\nclient_header_timeout_ms = 300\n[client_limits]\nconnections = 0").await;
     let mut idle = Vec::new();
     for _ in 0..60 {

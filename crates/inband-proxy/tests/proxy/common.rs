@@ -1,8 +1,6 @@
 //! Test origins, a client, and proxy start-up, all on 127.0.0.1 ephemeral
 //! ports inside the test's own runtime: dropping them ends every task.
 
-#![allow(dead_code)] // each test binary uses a different subset
-
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};

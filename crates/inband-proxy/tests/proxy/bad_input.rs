@@ -1,10 +1,9 @@
 //! Every refusal the proxy makes, its status code, and its counter.
 
-mod common;
 
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 
 fn refusals(m: &str, reason: &str) -> f64 {
     sample(m, &format!("inband_proxy_refusals_total{{reason=\"{reason}\"}}"))

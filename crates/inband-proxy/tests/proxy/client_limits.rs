@@ -2,12 +2,11 @@
 //! connections cannot take the connection slots from everyone else, and a
 //! client over its request rate is answered 429 while others are served.
 
-mod common;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 

@@ -2,9 +2,8 @@
 //! choice, server::choose_worker), seen where an operator sees it: the
 //! per-worker gauges of /metrics.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
