@@ -554,11 +554,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_system(key: str, procs: Procs, tmp: Path, origin_port: int, inband: Path, inband_backend: str = "memory",
-                 passive_failures: int | None = None) -> tuple[int, object]:
+def start_system(key: str, procs: Procs, tmp: Path, origin_port: int, inband: Path, inband_backend: str = "memory") -> tuple[int, object]:
     """Starts one system in front of the origin and waits until it
-    answers; `inband_backend` and `passive_failures` as peers.proxy_toml
-    takes them (bench.cachetests runs LMDB)."""
+    answers; `inband_backend` as peers.proxy_toml takes it
+    (bench.cachetests runs LMDB)."""
     port = free_port()
     listen, origin = f"{HOST}:{port}", f"{HOST}:{origin_port}"
     state = tmp / key
@@ -566,8 +565,7 @@ def start_system(key: str, procs: Procs, tmp: Path, origin_port: int, inband: Pa
     if key == "inband":
         cfg = state / "proxy.toml"
         path = None if inband_backend == "memory" else str(state / "cache")
-        cfg.write_text(peers.proxy_toml(listen=listen, origin=origin, backend=inband_backend, path=path, capacity_bytes=64 << 20,
-                                        passive_failures=passive_failures))
+        cfg.write_text(peers.proxy_toml(listen=listen, origin=origin, backend=inband_backend, path=path, capacity_bytes=64 << 20))
         argv = [str(inband), "proxy", "--config", str(cfg)]
     elif key == "nginx":
         cfg = state / "nginx.conf"

@@ -224,13 +224,9 @@ def parse_tbf_stats(tc_json: str) -> dict:
 # ------------------------------------------------- L7 caches (bench/proxy.py)
 
 
-def proxy_toml(*, listen: str, origin: str, backend: str, path: str | None, capacity_bytes: int, passive_failures: int | None = None) -> str:
+def proxy_toml(*, listen: str, origin: str, backend: str, path: str | None, capacity_bytes: int) -> str:
     """`inband proxy` with its cache (docs/proxy.md), nothing else that the
-    peers do not do either: no health checks, one backend.
-    `passive_failures`: `[passive] failures` (0 turns passive ejection
-    off; omitted: the default), for an origin that answers 5xx on purpose,
-    which would otherwise take the one backend out as nginx never does
-    (it ignores max_fails in a group of one)."""
+    peers do not do either: no health checks, one backend."""
     if backend not in ("lmdb", "rocksdb", "memory", "files"):
         raise ValueError(f"unknown cache backend {backend!r}")
     if (path is None) != (backend == "memory"):
@@ -245,8 +241,6 @@ def proxy_toml(*, listen: str, origin: str, backend: str, path: str | None, capa
     if path is not None:
         lines.append(f'path = "{path}"')
     lines.append(f"capacity_bytes = {int(capacity_bytes)}")
-    if passive_failures is not None:
-        lines += ["", "[passive]", f"failures = {int(passive_failures)}"]
     return "\n".join(lines) + "\n"
 
 

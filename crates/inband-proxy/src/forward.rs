@@ -131,7 +131,10 @@ pub async fn send(shared: &Shared, parts: &request::Parts, body: Bytes, key: &[u
     let mut last = Refusal::NoHealthyBackend;
     for _ in 0..attempts {
         let now = Instant::now();
-        let Some(i) = shared.policy.pick(backends, |i| !tried[i] && backends[i].is_healthy(now), key) else { break };
+        let Some(i) = shared.policy.pick(backends, |i| !tried[i] && backends[i].is_healthy(now), key).or_else(|| panic_pick(shared, &tried, key, now))
+        else {
+            break;
+        };
         tried[i] = true;
         let b = &backends[i];
         let path = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
@@ -197,6 +200,25 @@ pub async fn send(shared: &Shared, parts: &request::Parts, body: Bytes, key: &[u
         }
     }
     Err(last)
+}
+
+/// Passive ejection judges a backend by the requests it was sent, so it
+/// may not take the last backends that pass their health checks out of
+/// service: a pool of one whose application answers a few 5xx in a row
+/// (nginx never ejects a sole server), or a pool all of whose backends
+/// failed at once (an origin-wide incident, or our own network), would
+/// answer 503 for a whole cool-down though the backends may well answer
+/// now. When every backend that passes its checks is ejected, they are all
+/// eligible again (Envoy's panic routing); the active checks still decide
+/// who is down.
+fn panic_pick(shared: &Shared, tried: &[bool], key: &[u8], now: Instant) -> Option<usize> {
+    let backends = &shared.backends;
+    if backends.iter().any(|b| b.is_healthy(now)) {
+        return None;
+    }
+    let i = shared.policy.pick(backends, |i| !tried[i] && backends[i].is_checked_up(), key)?;
+    shared.metrics.ejection_overridden(&backends[i].name);
+    Some(i)
 }
 
 fn note_ejection(ejected: bool, backend: &str, why: &str) {

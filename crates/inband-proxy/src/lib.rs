@@ -131,10 +131,14 @@ impl Proxy {
             n => n,
         };
         let metrics = Metrics::new();
+        let backends: Vec<Arc<Backend>> = cfg.backends.iter().map(|&a| Arc::new(Backend::new(a))).collect();
+        for b in &backends {
+            metrics.add_backend(&b.name);
+        }
         let shared = Arc::new(Shared {
             connection_slots: Arc::new(tokio::sync::Semaphore::new(max_connections)),
             worker_loads: (0..workers).map(|_| Arc::default()).collect(),
-            backends: cfg.backends.iter().map(|&a| Arc::new(Backend::new(a))).collect(),
+            backends,
             policy: Policy::new(cfg.raw.policy),
             client,
             client_limits: Arc::new(client_limits::ClientLimits::new(

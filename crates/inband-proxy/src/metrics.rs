@@ -80,6 +80,7 @@ pub struct Metrics {
     registry: Registry,
     refusals: Family<Labels, Counter>,
     origin_requests: Family<Labels, Counter>,
+    ejection_overridden: Family<Labels, Counter>,
     pub request_bytes: Counter,
     pub response_bytes: Counter,
     latency: Histogram,
@@ -114,6 +115,7 @@ impl Metrics {
         let requests = Family::<Labels, Counter>::default();
         let refusals = Family::<Labels, Counter>::default();
         let origin_requests = Family::<Labels, Counter>::default();
+        let ejection_overridden = Family::<Labels, Counter>::default();
         let request_bytes = Counter::default();
         let response_bytes = Counter::default();
         // 0.5 ms .. ~16 s: a cache hit on loopback to a slow origin.
@@ -122,10 +124,19 @@ impl Metrics {
         registry.register("requests", "Responses to clients by status class", requests.clone());
         registry.register("refusals", "Requests answered by the proxy itself, by reason", refusals.clone());
         registry.register("origin_requests", "Requests sent to backends, every attempt counted, health checks not", origin_requests.clone());
+        registry.register(
+            "ejection_overridden",
+            "Requests sent to a passively ejected backend because every backend passing its health checks was ejected",
+            ejection_overridden.clone(),
+        );
         registry.register("request_body_bytes", "Request body bytes received from clients", request_bytes.clone());
         registry.register("response_body_bytes", "Response body bytes sent to clients", response_bytes.clone());
         registry.register("request_duration_seconds", "Time from request head to response head (the access log has the time to the last byte too)", latency.clone());
-        registry.register("backend_up", "1 when the backend takes new requests (checks and passive ejection)", backend_up.clone());
+        registry.register(
+            "backend_up",
+            "1 when the backend passes its health checks and is not passively ejected (when every backend passing its checks is ejected, they all take requests: ejection_overridden)",
+            backend_up.clone(),
+        );
         let cache = Family::<Labels, Counter>::default();
         let cache_store = Family::<Labels, Gauge>::default();
         registry.register("cache", "GET requests through the cache by outcome", cache.clone());
@@ -171,6 +182,7 @@ impl Metrics {
             registry,
             refusals,
             origin_requests,
+            ejection_overridden,
             request_bytes,
             response_bytes,
             latency,
@@ -245,6 +257,18 @@ impl Metrics {
 
     pub fn origin_request(&self, backend: &str) {
         self.origin_requests.get_or_create(&vec![("backend", backend.to_string())]).inc();
+    }
+
+    /// Every per-backend counter exported from the start, so a rate()
+    /// sees its 0 and a dashboard its series.
+    pub fn add_backend(&self, backend: &str) {
+        let labels = vec![("backend", backend.to_string())];
+        drop(self.origin_requests.get_or_create(&labels));
+        drop(self.ejection_overridden.get_or_create(&labels));
+    }
+
+    pub fn ejection_overridden(&self, backend: &str) {
+        self.ejection_overridden.get_or_create(&vec![("backend", backend.to_string())]).inc();
     }
 
     pub fn set_tls_expiry(&self, cert_file: &str, not_after: u64) {

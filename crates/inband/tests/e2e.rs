@@ -220,8 +220,10 @@ fn dsr_query_asks_the_backends_before_each_new_connection() {
     let fallback = c.agent_counter("tuple_in_use") + sum(&c, "syn_retries");
     assert!(
         sum(&c, "return_bytes") < (1 + fallback) * BODY as u64,
-        "responses went through the balancer: {} bytes, {fallback} fallbacks",
-        sum(&c, "return_bytes")
+        "responses went through the balancer: {} bytes, {fallback} fallbacks; agents: {}; balancer: {}",
+        sum(&c, "return_bytes"),
+        c.agent_counters(),
+        st[0]
     );
 }
 

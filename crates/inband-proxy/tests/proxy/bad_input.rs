@@ -92,12 +92,23 @@ async fn no_healthy_backend_is_503() {
     p.shutdown().await;
 }
 
+/// Passive ejection cannot empty the pool: with every backend ejected, the
+/// next request still goes to one (counted), and its failure is the
+/// backend's own 502, never the proxy's 503.
 #[tokio::test]
-async fn passively_ejected_pool_is_503() {
-    let dead = dead_addr();
-    let p = start_proxy(&[dead.addr], "retries = 0\n[passive]\nfailures = 1\ncooldown_ms = 60000").await;
+async fn a_pool_passive_ejection_emptied_is_still_tried() {
+    let (d1, d2) = (dead_addr(), dead_addr());
+    let p = start_proxy(&[d1.addr, d2.addr], "retries = 1\n[passive]\nfailures = 1\ncooldown_ms = 60000").await;
+    let overridden = |m: &str, d: &Dead| sample(m, &format!("inband_proxy_ejection_overridden_total{{backend=\"{}\"}}", d.addr));
+    // Both refuse: each is tried once and ejected.
     assert_eq!(get(p.addr, "/").await.status, 502);
-    assert_eq!(get(p.addr, "/").await.status, 503);
+    let m = metrics(&p).await;
+    assert_eq!(overridden(&m, &d1) + overridden(&m, &d2), 0.0, "{m}");
+    // Both ejected, both tried again.
+    assert_eq!(get(p.addr, "/").await.status, 502);
+    let m = metrics(&p).await;
+    assert_eq!((overridden(&m, &d1), overridden(&m, &d2)), (1.0, 1.0), "{m}");
+    assert_eq!(refusals(&m, "no_healthy_backend"), 0.0);
     p.shutdown().await;
 }
 

@@ -178,6 +178,32 @@ async fn passive_ejection_on_5xx_for_a_cooldown() {
     p.shutdown().await;
 }
 
+/// A sole backend whose application answers 5xx for a while (a deploy,
+/// a dependency down) is never taken out of service by its own answers:
+/// every request reaches it, and it serves again the moment it recovers
+/// (nginx ignores max_fails for a sole server; the proxy used to answer
+/// 503 for the whole cool-down).
+#[tokio::test]
+async fn a_sole_backend_answering_5xx_keeps_getting_requests() {
+    let n = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let o = Origin::start({
+        let n = n.clone();
+        move |_| if n.fetch_add(1, Ordering::SeqCst) < 7 { ok("failing").status(500) } else { ok("back") }
+    })
+    .await;
+    let p = start_proxy(&[o.addr], "[passive]\nfailures = 5\ncooldown_ms = 60000").await;
+    let mut statuses = Vec::new();
+    for _ in 0..9 {
+        statuses.push(get(p.addr, "/").await.status);
+    }
+    assert_eq!(statuses, [500, 500, 500, 500, 500, 500, 500, 200, 200]);
+    assert_eq!(o.hits(), 9);
+    let m = metrics(&p).await;
+    let overridden = sample(&m, &format!("inband_proxy_ejection_overridden_total{{backend=\"{}\"}}", o.addr));
+    assert_eq!(overridden, 4.0, "requests 6 to 9 found it ejected: {m}");
+    p.shutdown().await;
+}
+
 #[tokio::test]
 async fn origin_sees_forwarding_headers_and_no_hop_by_hop() {
     let o = Origin::start(|_| ok("x")).await;

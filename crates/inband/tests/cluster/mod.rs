@@ -559,12 +559,25 @@ impl Cluster {
 
     /// An agent counter (`inband agent status`), summed over the servers.
     pub fn agent_counter(&self, name: &str) -> u64 {
+        (1..=self.servers).map(|i| self.agent_status(i)["counters"][name].as_u64().unwrap()).sum()
+    }
+
+    /// Every agent's nonzero counters, by server: what a failing assertion
+    /// on the agents' work prints.
+    pub fn agent_counters(&self) -> String {
         (1..=self.servers)
             .map(|i| {
-                let out = run_ok(&self.tb, &format!("s{i}"), &[BIN, "agent", "status", "--interface", "eth0", "--json"]);
-                serde_json::from_slice::<Value>(&out.stdout).unwrap()["counters"][name].as_u64().unwrap()
+                let counters = self.agent_status(i)["counters"].as_object().cloned().unwrap_or_default();
+                let nonzero: Vec<String> = counters.iter().filter(|(_, v)| v.as_u64() != Some(0)).map(|(k, v)| format!("{k}={v}")).collect();
+                format!("s{i}: {}", nonzero.join(" "))
             })
-            .sum()
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+
+    fn agent_status(&self, i: usize) -> Value {
+        let out = run_ok(&self.tb, &format!("s{i}"), &[BIN, "agent", "status", "--interface", "eth0", "--json"]);
+        serde_json::from_slice(&out.stdout).unwrap()
     }
 }
 
