@@ -1,0 +1,177 @@
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+/*
+ * `inband trace` (docs/trace.md): times every system call of one process
+ * (raw_syscalls enter/exit) and marks its phases (uprobes whose attach cookie
+ * is the phase number). Counting happens here, naming and categories'
+ * meaning in Rust, which reads the maps at each snapshot.
+ *
+ * Raw tracepoints rather than the formatted ones: the call number is the
+ * second argument of sys_enter, and nothing needs the formatted record.
+ */
+#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+
+#include "inband/trace.h"
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+/* Set by the tracer before load. */
+const volatile __u32 target_tgid;
+const volatile __u8 category_of[INBAND_TRACE_NR_SLOTS];
+
+/* Created at sys_enter, deleted at sys_exit, or when the thread exits
+ * inside a call (exit, exit_group, or killed while blocked). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, INBAND_TRACE_MAX_THREADS);
+	__type(key, __u32);
+	__type(value, struct inband_trace_start);
+} starts SEC(".maps");
+
+/* Created at a thread's first phase marker, deleted when it exits. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, INBAND_TRACE_MAX_THREADS);
+	__type(key, __u32);
+	__type(value, __u32);
+} thread_phase SEC(".maps");
+
+/* Per CPU so that threads on different CPUs calling the same thing never
+ * share a cache line; the tracer sums the CPUs. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, INBAND_TRACE_MAX_PHASES * INBAND_TRACE_NR_SLOTS);
+	__type(key, __u32);
+	__type(value, struct inband_trace_time);
+} syscalls SEC(".maps");
+
+/* Cumulative per (thread, category), kept after the thread exits so that
+ * its last interval is still reported; bounded, INBAND_TRACE_THREADS_FULL
+ * counts what does not fit. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, INBAND_TRACE_THREAD_TOTALS);
+	__type(key, struct inband_trace_thread_key);
+	__type(value, struct inband_trace_time);
+} threads SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, INBAND_TRACE_MAX_PHASES);
+	__type(key, __u32);
+	__type(value, __u64);
+} phase_hits SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, INBAND_TRACE_COUNTERS);
+	__type(key, __u32);
+	__type(value, __u64);
+} counters SEC(".maps");
+
+static __always_inline void count(__u32 counter)
+{
+	__u64 *n = bpf_map_lookup_elem(&counters, &counter);
+
+	if (n)
+		__sync_fetch_and_add(n, 1);
+}
+
+/* The target's thread id, or 0 for every other process. */
+static __always_inline __u32 target_tid(void)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+
+	return id >> 32 == target_tgid ? (__u32)id : 0;
+}
+
+SEC("raw_tp/sys_enter")
+int trace_sys_enter(struct bpf_raw_tracepoint_args *ctx)
+{
+	__u32 tid = target_tid();
+
+	if (!tid)
+		return 0;
+	__u64 nr = ctx->args[1];
+	__u32 *phase = bpf_map_lookup_elem(&thread_phase, &tid);
+	struct inband_trace_start s = {
+		.nr = nr < INBAND_TRACE_NR_SLOTS ? nr : INBAND_TRACE_NR_SLOTS - 1,
+		.phase = phase ? *phase : 0,
+	};
+
+	s.ns = bpf_ktime_get_ns();
+	if (bpf_map_update_elem(&starts, &tid, &s, BPF_ANY))
+		count(INBAND_TRACE_STARTS_FULL);
+	return 0;
+}
+
+SEC("raw_tp/sys_exit")
+int trace_sys_exit(struct bpf_raw_tracepoint_args *ctx)
+{
+	__u32 tid = target_tid();
+
+	if (!tid)
+		return 0;
+	/* None for a call that began before the tracer attached. */
+	struct inband_trace_start *s = bpf_map_lookup_elem(&starts, &tid);
+
+	if (!s)
+		return 0;
+	__u64 ns = bpf_ktime_get_ns() - s->ns;
+	__u32 nr = s->nr, phase = s->phase;
+
+	bpf_map_delete_elem(&starts, &tid);
+	if (nr >= INBAND_TRACE_NR_SLOTS || phase >= INBAND_TRACE_MAX_PHASES)
+		return 0;
+	__u32 slot = phase * INBAND_TRACE_NR_SLOTS + nr;
+	struct inband_trace_time *t = bpf_map_lookup_elem(&syscalls, &slot);
+
+	if (t) {
+		__sync_fetch_and_add(&t->count, 1);
+		__sync_fetch_and_add(&t->ns, ns);
+	}
+	struct inband_trace_thread_key key = { .tid = tid, .category = category_of[nr] };
+	struct inband_trace_time *per_thread = bpf_map_lookup_elem(&threads, &key);
+
+	if (per_thread) {
+		__sync_fetch_and_add(&per_thread->count, 1);
+		__sync_fetch_and_add(&per_thread->ns, ns);
+		return 0;
+	}
+	struct inband_trace_time first = { .count = 1, .ns = ns };
+
+	/* NOEXIST: another CPU cannot create it (one thread, one CPU), but an
+	 * existing entry must never be reset. */
+	if (bpf_map_update_elem(&threads, &key, &first, BPF_NOEXIST))
+		count(INBAND_TRACE_THREADS_FULL);
+	return 0;
+}
+
+SEC("raw_tp/sched_process_exit")
+int trace_thread_exit(struct bpf_raw_tracepoint_args *ctx)
+{
+	__u32 tid = target_tid();
+
+	if (!tid)
+		return 0;
+	bpf_map_delete_elem(&starts, &tid);
+	bpf_map_delete_elem(&thread_phase, &tid);
+	return 0;
+}
+
+SEC("uprobe")
+int trace_phase(void *ctx)
+{
+	__u32 tid = target_tid();
+	__u32 phase = bpf_get_attach_cookie(ctx);
+
+	if (!tid || phase == 0 || phase >= INBAND_TRACE_MAX_PHASES)
+		return 0;
+	__u64 *hits = bpf_map_lookup_elem(&phase_hits, &phase);
+
+	if (hits)
+		__sync_fetch_and_add(hits, 1);
+	if (bpf_map_update_elem(&thread_phase, &tid, &phase, BPF_ANY))
+		count(INBAND_TRACE_PHASES_FULL);
+	return 0;
+}

@@ -1,0 +1,173 @@
+//! `inband trace` (docs/trace.md): where a running process spends its time
+//! in system calls, by category (seed 003's: I/O read, I/O write,
+//! synchronisation, memory, other), by thread and by workload phase, phases
+//! being marked by uprobes on functions the user names.
+//!
+//! The programs count from the moment they attach; this side reads the
+//! cumulative maps every interval and writes what changed (JSON lines) and,
+//! at the end, a table. Every link is held by a file descriptor of this
+//! process and nothing is pinned, so the kernel detaches all of it when the
+//! process ends, however it ends.
+
+mod bpf;
+mod categories;
+mod process;
+mod report;
+mod symbols;
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::mem::MaybeUninit;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::{Link, UprobeOpts};
+
+use bpf::shared::INBAND_TRACE_MAX_PHASES;
+use bpf::trace::TraceSkelBuilder;
+
+#[derive(clap::Args, Debug)]
+#[command(group(clap::ArgGroup::new("target").required(true).args(["pid", "name"])))]
+pub struct TraceArgs {
+    /// The process to trace (every thread of it).
+    #[arg(long)]
+    pub pid: Option<u32>,
+    /// The process to trace by name: its command name (`comm`) or the start
+    /// of its command line, e.g. "inband proxy". Exactly one must match.
+    #[arg(long)]
+    pub name: Option<String>,
+    /// A phase marker, NAME=SYMBOL: each call of function SYMBOL of the
+    /// target's executable starts phase NAME on the calling thread, and
+    /// that thread's system calls are charged to it until its next marker.
+    /// Repeatable (at most 15).
+    #[arg(long = "phase", value_parser = parse_phase)]
+    pub phases: Vec<(String, String)>,
+    /// Seconds between snapshots.
+    #[arg(long, default_value_t = 15.0)]
+    pub interval_s: f64,
+    /// Stop after this many seconds (default: at SIGINT/SIGTERM or when the
+    /// target exits).
+    #[arg(long)]
+    pub duration_s: Option<f64>,
+    /// Write one JSON line per snapshot here (docs/trace.md, "Output").
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+fn parse_phase(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((name, symbol)) if !name.is_empty() && !symbol.is_empty() => Ok((name.to_string(), symbol.to_string())),
+        _ => Err(format!("`{s}`: expected NAME=SYMBOL")),
+    }
+}
+
+pub fn run(args: TraceArgs) -> Result<()> {
+    if cfg!(not(target_arch = "x86_64")) {
+        bail!("inband trace knows the x86_64 system call numbers only");
+    }
+    if !(args.interval_s > 0.0 && args.interval_s.is_finite()) {
+        bail!("--interval-s must be a positive number of seconds");
+    }
+    let phase_names = phase_names(&args.phases)?;
+    let pid = match (&args.pid, &args.name) {
+        (Some(pid), _) => process::check(*pid)?,
+        (None, Some(name)) => process::by_name(name)?,
+        (None, None) => unreachable!("clap requires --pid or --name"),
+    };
+    let exe = PathBuf::from(format!("/proc/{pid}/exe"));
+    let exe_name = std::fs::read_link(&exe).map(|p| p.display().to_string()).unwrap_or_else(|_| exe.display().to_string());
+    // Every bad argument is refused before anything is loaded.
+    let mut out = match &args.out {
+        Some(path) => Some(BufWriter::new(
+            File::create(path).with_context(|| format!("cannot write the output file {}", path.display()))?,
+        )),
+        None => None,
+    };
+    let offsets = args
+        .phases
+        .iter()
+        .map(|(_, symbol)| symbols::function_offset(&exe, symbol).with_context(|| format!("phase marker in pid {pid}")))
+        .collect::<Result<Vec<u64>>>()?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(signal, stop.clone()).context("installing the signal handlers")?;
+    }
+
+    let mut storage = MaybeUninit::uninit();
+    let mut open = TraceSkelBuilder::default().open(&mut storage).context("opening the trace BPF object")?;
+    let ro = open.maps.rodata_data.as_mut().context("the trace object has no read-only data")?;
+    ro.target_tgid = pid;
+    ro.category_of = categories::by_slot();
+    let skel = open.load().context("loading the trace programs (needs root, or CAP_BPF and CAP_PERFMON)")?;
+    let mut links: Vec<Link> = Vec::new();
+    for (prog, point) in [
+        (&skel.progs.trace_sys_enter, "sys_enter"),
+        (&skel.progs.trace_sys_exit, "sys_exit"),
+        (&skel.progs.trace_thread_exit, "sched_process_exit"),
+    ] {
+        links.push(prog.attach_raw_tracepoint(point).with_context(|| {
+            format!("attaching to the raw tracepoint {point} (needs a kernel with BPF raw tracepoints, 4.17 or later)")
+        })?);
+    }
+    for (i, ((name, symbol), offset)) in args.phases.iter().zip(&offsets).enumerate() {
+        let opts = UprobeOpts { cookie: i as u64 + 1, ..Default::default() };
+        links.push(
+            skel.progs
+                .trace_phase
+                .attach_uprobe_with_opts(pid as i32, &exe, *offset as usize, opts)
+                .with_context(|| {
+                    format!("attaching phase {name} to {symbol} in {exe_name} (uprobes with cookies need kernel 5.15 or later)")
+                })?,
+        );
+    }
+    eprintln!("inband trace: tracing pid {pid} ({exe_name}), {} phase marker(s)", offsets.len());
+
+    let started = Instant::now();
+    let interval = Duration::from_secs_f64(args.interval_s);
+    let duration = args.duration_s.map(Duration::from_secs_f64);
+    let mut last = report::Totals::default();
+    let mut next = started + interval;
+    loop {
+        std::thread::sleep(Duration::from_millis(100));
+        let now = Instant::now();
+        let done = stop.load(Ordering::Relaxed) || duration.is_some_and(|d| now - started >= d) || !process::alive(pid);
+        if !done && now < next {
+            continue;
+        }
+        let totals = report::read(&skel, phase_names.len()).context("reading the trace maps")?;
+        if let Some(out) = &mut out {
+            let line = report::snapshot(pid, &phase_names, &last, &totals, started.elapsed(), done);
+            let path = args.out.as_ref().unwrap();
+            writeln!(out, "{line}").and_then(|_| out.flush()).with_context(|| format!("writing {}", path.display()))?;
+        }
+        last = totals;
+        if done {
+            break;
+        }
+        next += interval;
+    }
+    drop(links);
+    print!("{}", report::table(pid, &exe_name, &phase_names, &last, started.elapsed()));
+    Ok(())
+}
+
+/// "none" (phase 0, before a thread's first marker), then the markers'
+/// names in order.
+fn phase_names(phases: &[(String, String)]) -> Result<Vec<String>> {
+    if phases.len() >= INBAND_TRACE_MAX_PHASES as usize {
+        bail!("at most {} --phase markers", INBAND_TRACE_MAX_PHASES - 1);
+    }
+    let mut names = vec!["none".to_string()];
+    for (name, _) in phases {
+        if names.contains(name) {
+            bail!("phase name {name} given twice (\"none\" is taken: calls before any marker)");
+        }
+        names.push(name.clone());
+    }
+    Ok(names)
+}
