@@ -44,7 +44,7 @@ pub struct TraceArgs {
     /// target's executable starts phase NAME on the calling thread, and
     /// that thread's system calls are charged to it until its next marker.
     /// Repeatable (at most 15).
-    #[arg(long = "phase", value_parser = parse_phase)]
+    #[arg(long = "phase", value_name = "NAME=SYMBOL", value_parser = parse_phase)]
     pub phases: Vec<(String, String)>,
     /// Seconds between snapshots.
     #[arg(long, default_value_t = 15.0)]
@@ -54,7 +54,7 @@ pub struct TraceArgs {
     #[arg(long)]
     pub duration_s: Option<f64>,
     /// Write one JSON line per snapshot here (docs/trace.md, "Output").
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
 }
 
@@ -69,9 +69,8 @@ pub fn run(args: TraceArgs) -> Result<()> {
     if cfg!(not(target_arch = "x86_64")) {
         bail!("inband trace knows the x86_64 system call numbers only");
     }
-    if !(args.interval_s > 0.0 && args.interval_s.is_finite()) {
-        bail!("--interval-s must be a positive number of seconds");
-    }
+    let interval = seconds("--interval-s", args.interval_s)?;
+    let duration = args.duration_s.map(|s| seconds("--duration-s", s)).transpose()?;
     let phase_names = phase_names(&args.phases)?;
     let pid = match (&args.pid, &args.name) {
         (Some(pid), _) => process::check(*pid)?,
@@ -128,8 +127,6 @@ pub fn run(args: TraceArgs) -> Result<()> {
     eprintln!("inband trace: tracing pid {pid} ({exe_name}), {} phase marker(s)", offsets.len());
 
     let started = Instant::now();
-    let interval = Duration::from_secs_f64(args.interval_s);
-    let duration = args.duration_s.map(Duration::from_secs_f64);
     let mut last = report::Totals::default();
     let mut next = started + interval;
     loop {
@@ -154,6 +151,13 @@ pub fn run(args: TraceArgs) -> Result<()> {
     drop(links);
     print!("{}", report::table(pid, &exe_name, &phase_names, &last, started.elapsed()));
     Ok(())
+}
+
+fn seconds(flag: &str, s: f64) -> Result<Duration> {
+    match Duration::try_from_secs_f64(s) {
+        Ok(d) if !d.is_zero() => Ok(d),
+        _ => bail!("{flag} must be a positive number of seconds, not {s}"),
+    }
 }
 
 /// "none" (phase 0, before a thread's first marker), then the markers'

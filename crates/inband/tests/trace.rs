@@ -148,10 +148,11 @@ fn system_calls_are_counted_in_their_categories() {
 }
 
 /// A C program with two marker functions: `mark_write` before each of
-/// WRITES writes, `mark_read` once before READS reads.
-fn marker_program(dir: &Path) -> PathBuf {
+/// WRITES writes, `mark_read` once before READS reads. Named `name` and
+/// this test process's id, for `--name`.
+fn marker_program(dir: &Path, name: &str) -> PathBuf {
     let src = dir.join("markers.c");
-    let bin = dir.join("markers");
+    let bin = dir.join(format!("{name}-{}", std::process::id()));
     std::fs::write(
         &src,
         format!(
@@ -179,10 +180,12 @@ fn marker_program(dir: &Path) -> PathBuf {
 fn phase_markers_are_counted_and_charged_their_calls() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("trace.jsonl");
-    let target = Target::start(Command::new(marker_program(dir.path())));
+    let program = marker_program(dir.path(), "phases");
+    let target = Target::start(Command::new(&program));
+    let pid = target.pid();
     let tracer = start_tracer(&[
-        "--pid",
-        &target.pid().to_string(),
+        "--name",
+        program.file_name().unwrap().to_str().unwrap(),
         "--phase",
         "writing=mark_write",
         "--phase",
@@ -194,6 +197,7 @@ fn phase_markers_are_counted_and_charged_their_calls() {
     wait_tracer(tracer);
 
     let lines = lines(&out);
+    assert_eq!(lines.last().unwrap()["pid"], pid, "--name found another process");
     let phases = &lines.last().unwrap()["total"]["phases"];
     assert_eq!(phases["writing"]["hits"], WRITES, "{phases}");
     assert_eq!(phases["reading"]["hits"], 1, "{phases}");
@@ -221,7 +225,7 @@ fn bad_input_is_refused_by_name() {
     assert!(err.contains(&format!("no process with pid {pid_max}")), "{err}");
 
     let dir = tempfile::tempdir().unwrap();
-    let target = Target::start(Command::new(marker_program(dir.path())));
+    let target = Target::start(Command::new(marker_program(dir.path(), "refused")));
     let pid = target.pid().to_string();
     let err = refused(&["--pid", &pid, "--phase", "x=mark_write", "--phase", "y=no_such_function"]);
     assert!(err.contains("symbol no_such_function is not a function defined in"), "{err}");
@@ -260,7 +264,7 @@ fn loaded(kind: &str, id: u32) -> bool {
 #[test]
 fn sigkill_leaves_no_probe_attached() {
     let dir = tempfile::tempdir().unwrap();
-    let target = Target::start(Command::new(marker_program(dir.path())));
+    let target = Target::start(Command::new(marker_program(dir.path(), "killed")));
     let mut tracer = start_tracer(&["--pid", &target.pid().to_string(), "--phase", "w=mark_write"]);
     let ids = bpf_ids(tracer.id());
     // Three raw tracepoints and one uprobe.
