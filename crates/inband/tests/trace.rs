@@ -105,15 +105,19 @@ fn system_calls_are_counted_in_their_categories() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("trace.jsonl");
     // os.read and os.write are one system call each; the reads and writes
-    // of setting up happen before the tracer attaches.
+    // of setting up happen before the tracer attaches. The main thread
+    // reads, a second one writes.
     let script = format!(
-        "import os\n\
+        "import os, threading\n\
          z = os.open('/dev/zero', os.O_RDONLY)\n\
          n = os.open('/dev/null', os.O_WRONLY)\n\
          os.write(1, b'ready\\n')\n\
          os.read(0, 16)\n\
+         def writes():\n    for _ in range({WRITES}): os.write(n, b'x')\n\
+         t = threading.Thread(target=writes)\n\
+         t.start()\n\
          for _ in range({READS}): os.read(z, 1)\n\
-         for _ in range({WRITES}): os.write(n, b'x')\n\
+         t.join()\n\
          os._exit(0)\n"
     );
     let mut python = Command::new("python3");
@@ -136,8 +140,16 @@ fn system_calls_are_counted_in_their_categories() {
     assert_eq!(count(&total["categories"]["io_read"]), READS, "{total}");
     assert_eq!(count(&total["categories"]["io_write"]), WRITES, "{total}");
     assert!(total["categories"]["io_read"]["ns"].as_u64().unwrap() > 0);
-    // One thread, the process's own, did all of it.
-    assert_eq!(count(&total["threads"][pid.to_string()]["io_read"]), READS, "{total}");
+    // Each thread's part: the main thread (its id is the process's) read,
+    // the other wrote.
+    let threads = total["threads"].as_object().unwrap();
+    assert_eq!(count(&threads[&pid.to_string()]["io_read"]), READS, "{total}");
+    assert!(threads[&pid.to_string()].get("io_write").is_none(), "{total}");
+    let writer: Vec<_> = threads.iter().filter(|(_, t)| t.get("io_write").is_some()).collect();
+    assert_eq!(writer.len(), 1, "{total}");
+    assert_ne!(writer[0].0, &pid.to_string());
+    assert_eq!(count(&writer[0].1["io_write"]), WRITES, "{total}");
+    assert!(writer[0].1.get("io_read").is_none(), "{total}");
     // The intervals add up to the total.
     let summed: u64 = lines.iter().map(|l| count(&l["interval"]["categories"]["io_read"])).sum();
     assert_eq!(summed, READS);
