@@ -89,8 +89,8 @@ pub fn run(args: TraceArgs) -> Result<()> {
     let offsets = args
         .phases
         .iter()
-        .map(|(_, symbol)| symbols::function_offset(&exe, symbol).with_context(|| format!("phase marker in pid {pid}")))
-        .collect::<Result<Vec<u64>>>()?;
+        .map(|(_, symbol)| symbols::function_offsets(&exe, symbol).with_context(|| format!("phase marker in pid {pid} ({exe_name})")))
+        .collect::<Result<Vec<Vec<u64>>>>()?;
 
     let stop = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
@@ -113,18 +113,24 @@ pub fn run(args: TraceArgs) -> Result<()> {
             format!("attaching to the raw tracepoint {point} (needs a kernel with BPF raw tracepoints, 4.17 or later)")
         })?);
     }
-    for (i, ((name, symbol), offset)) in args.phases.iter().zip(&offsets).enumerate() {
-        let opts = UprobeOpts { cookie: i as u64 + 1, ..Default::default() };
-        links.push(
-            skel.progs
-                .trace_phase
-                .attach_uprobe_with_opts(pid as i32, &exe, *offset as usize, opts)
-                .with_context(|| {
-                    format!("attaching phase {name} to {symbol} in {exe_name} (uprobes with cookies need kernel 5.15 or later)")
-                })?,
-        );
+    for (i, ((name, symbol), offsets)) in args.phases.iter().zip(&offsets).enumerate() {
+        for offset in offsets {
+            let opts = UprobeOpts { cookie: i as u64 + 1, ..Default::default() };
+            links.push(
+                skel.progs
+                    .trace_phase
+                    .attach_uprobe_with_opts(pid as i32, &exe, *offset as usize, opts)
+                    .with_context(|| {
+                        format!("attaching phase {name} to {symbol} in {exe_name} (uprobes with cookies need kernel 5.15 or later)")
+                    })?,
+            );
+        }
     }
-    eprintln!("inband trace: tracing pid {pid} ({exe_name}), {} phase marker(s)", offsets.len());
+    eprintln!(
+        "inband trace: tracing pid {pid} ({exe_name}), {} phase marker(s) on {} function(s)",
+        offsets.len(),
+        offsets.iter().map(Vec::len).sum::<usize>()
+    );
 
     let started = Instant::now();
     let mut last = report::Totals::default();

@@ -298,3 +298,33 @@ fn sigkill_leaves_no_probe_attached() {
     }
     drop(target);
 }
+
+/// One of our own daemons, marked by a Rust function's source path: a
+/// tracer (A) whose snapshots come only at its end, traced by another (B)
+/// with a marker on the function that reads A's maps. SIGTERM makes A
+/// read once, write its last line and exit 0, and B counts exactly that.
+#[test]
+fn rust_names_mark_phases_and_sigterm_stops_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a_out, b_out) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
+    let target = Target::start(Command::new(marker_program(dir.path(), "idle")));
+    let a = start_tracer(&["--pid", &target.pid().to_string(), "--interval-s", "1000", "--out", a_out.to_str().unwrap()]);
+    let a_pid = a.id();
+    let b = start_tracer(&["--pid", &a_pid.to_string(), "--phase", "snapshot=inband_trace::report::read", "--out", b_out.to_str().unwrap()]);
+    assert_eq!(unsafe { libc::kill(a_pid as i32, libc::SIGTERM) }, 0);
+    wait_tracer(a);
+    wait_tracer(b);
+
+    let a_lines = lines(&a_out);
+    assert_eq!(a_lines.len(), 1);
+    assert_eq!(a_lines[0]["final"], true);
+    let b_lines = lines(&b_out);
+    let phases = &b_lines.last().unwrap()["total"]["phases"];
+    assert_eq!(phases["snapshot"]["hits"], 1, "{phases}");
+    // Reading the maps is a bpf() call per slot: at least the 512 call
+    // numbers of phase "none", all charged to the marked phase.
+    let bpf_calls = count(syscall(&b_lines.last().unwrap()["total"], "bpf"));
+    assert!(bpf_calls >= 512, "{bpf_calls}");
+    assert!(count(&phases["snapshot"]["categories"]["other"]) >= bpf_calls, "{phases}");
+    drop(target);
+}
