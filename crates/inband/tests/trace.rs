@@ -246,6 +246,10 @@ fn bad_input_is_refused_by_name() {
     let err = refused(&["--pid", &pid, "--out", unwritable.to_str().unwrap()]);
     assert!(err.contains("cannot write the output file") && err.contains("No such file"), "{err}");
 
+    // A full disk: the first snapshot cannot be written.
+    let err = refused(&["--pid", &pid, "--out", "/dev/full", "--interval-s", "0.1"]);
+    assert!(err.contains("writing /dev/full") && err.contains("No space left on device"), "{err}");
+
     let err = refused(&["--name", "no-such-process-name-at-all"]);
     assert!(err.contains("no process named"), "{err}");
 }
