@@ -126,7 +126,7 @@ impl Totals {
             calls.entry(*nr).or_default().add(*time);
         }
         let mut calls: Vec<(u32, Time)> = calls.into_iter().collect();
-        calls.sort_by(|a, b| b.1.ns.cmp(&a.1.ns));
+        calls.sort_by_key(|(_, t)| std::cmp::Reverse(t.ns));
         calls
     }
 
