@@ -79,18 +79,19 @@ pub fn run(args: TraceArgs) -> Result<()> {
     };
     let exe = PathBuf::from(format!("/proc/{pid}/exe"));
     let exe_name = std::fs::read_link(&exe).map(|p| p.display().to_string()).unwrap_or_else(|_| exe.display().to_string());
-    // Every bad argument is refused before anything is loaded.
+    // Every bad argument is refused before anything is loaded, and before
+    // an existing output file is emptied.
+    let offsets = args
+        .phases
+        .iter()
+        .map(|(_, symbol)| symbols::function_offsets(&exe, symbol).with_context(|| format!("phase marker in pid {pid} ({exe_name})")))
+        .collect::<Result<Vec<Vec<u64>>>>()?;
     let mut out = match &args.out {
         Some(path) => Some(BufWriter::new(
             File::create(path).with_context(|| format!("cannot write the output file {}", path.display()))?,
         )),
         None => None,
     };
-    let offsets = args
-        .phases
-        .iter()
-        .map(|(_, symbol)| symbols::function_offsets(&exe, symbol).with_context(|| format!("phase marker in pid {pid} ({exe_name})")))
-        .collect::<Result<Vec<Vec<u64>>>>()?;
 
     let stop = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
@@ -152,7 +153,8 @@ pub fn run(args: TraceArgs) -> Result<()> {
         if done {
             break;
         }
-        next += interval;
+        // A late reading moves the schedule instead of bunching readings.
+        next = (next + interval).max(now);
     }
     drop(links);
     print!("{}", report::table(pid, &exe_name, &phase_names, &last, started.elapsed()));
