@@ -153,8 +153,12 @@ pub fn run(args: TraceArgs) -> Result<()> {
         if done {
             break;
         }
-        // A late reading moves the schedule instead of bunching readings.
-        next = (next + interval).max(now);
+        // A reading later than a whole interval moves the schedule instead
+        // of bunching the readings it missed.
+        next += interval;
+        if next <= now {
+            next = now + interval;
+        }
     }
     drop(links);
     print!("{}", report::table(pid, &exe_name, &phase_names, &last, started.elapsed()));
