@@ -5,11 +5,14 @@
  * is the phase number). Counting happens here, naming and categories'
  * meaning in Rust, which reads the maps at each snapshot.
  *
- * Raw tracepoints rather than the formatted ones: the call number is the
- * second argument of sys_enter, and nothing needs the formatted record.
+ * BTF tracepoints rather than the formatted ones: the call number is the
+ * second argument of sys_enter, nothing needs the formatted record, and
+ * they can keep a thread's state in task storage.
  */
 #include <linux/bpf.h>
 #include <bpf/bpf_helpers.h>
+
+struct task_struct;
 
 #include "inband/trace.h"
 
@@ -19,22 +22,15 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 const volatile __u32 target_tgid;
 const volatile __u8 category_of[INBAND_TRACE_NR_SLOTS];
 
-/* Created at sys_enter, deleted at sys_exit, or when the thread exits
- * inside a call (exit, exit_group, or killed while blocked). */
+/* Created at a thread's first call or marker after attach, freed by the
+ * kernel with the thread (or with the map): no bound to keep, no entry
+ * left by a thread that died inside a call. */
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, INBAND_TRACE_MAX_THREADS);
-	__type(key, __u32);
-	__type(value, struct inband_trace_start);
-} starts SEC(".maps");
-
-/* Created at a thread's first phase marker, deleted when it exits. */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, INBAND_TRACE_MAX_THREADS);
-	__type(key, __u32);
-	__type(value, __u32);
-} thread_phase SEC(".maps");
+	__uint(type, BPF_MAP_TYPE_TASK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct inband_trace_thread);
+} thread_state SEC(".maps");
 
 /* Per CPU so that threads on different CPUs calling the same thing never
  * share a cache line; the tracer sums the CPUs. */
@@ -85,50 +81,51 @@ static __always_inline __u32 target_tid(void)
 	return id >> 32 == target_tgid ? (__u32)id : 0;
 }
 
-SEC("raw_tp/sys_enter")
-int trace_sys_enter(struct bpf_raw_tracepoint_args *ctx)
+/* ctx: struct pt_regs *regs, long id */
+SEC("tp_btf/sys_enter")
+int trace_sys_enter(__u64 *ctx)
 {
-	__u32 tid = target_tid();
-
-	if (!tid)
+	if (!target_tid())
 		return 0;
-	__u64 nr = ctx->args[1];
-	__u32 *phase = bpf_map_lookup_elem(&thread_phase, &tid);
-	struct inband_trace_start s = {
-		.nr = nr < INBAND_TRACE_NR_SLOTS ? nr : INBAND_TRACE_NR_SLOTS - 1,
-		.phase = phase ? *phase : 0,
-	};
+	struct inband_trace_thread *t =
+		bpf_task_storage_get(&thread_state, bpf_get_current_task_btf(), 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
 
-	s.ns = bpf_ktime_get_ns();
-	if (bpf_map_update_elem(&starts, &tid, &s, BPF_ANY))
-		count(INBAND_TRACE_STARTS_FULL);
+	if (!t) {
+		count(INBAND_TRACE_UNTIMED);
+		return 0;
+	}
+	__u64 nr = ctx[1];
+
+	t->nr = nr < INBAND_TRACE_NR_SLOTS ? nr : INBAND_TRACE_NR_SLOTS - 1;
+	t->call_phase = t->phase;
+	t->ns = bpf_ktime_get_ns();
 	return 0;
 }
 
-SEC("raw_tp/sys_exit")
-int trace_sys_exit(struct bpf_raw_tracepoint_args *ctx)
+SEC("tp_btf/sys_exit")
+int trace_sys_exit(__u64 *ctx)
 {
 	__u32 tid = target_tid();
 
 	if (!tid)
 		return 0;
-	/* None for a call that began before the tracer attached. */
-	struct inband_trace_start *s = bpf_map_lookup_elem(&starts, &tid);
+	struct inband_trace_thread *t = bpf_task_storage_get(&thread_state, bpf_get_current_task_btf(), 0, 0);
 
-	if (!s)
+	/* None (or ns 0) for a call that began before the tracer attached. */
+	if (!t || !t->ns)
 		return 0;
-	__u64 ns = bpf_ktime_get_ns() - s->ns;
-	__u32 nr = s->nr, phase = s->phase;
+	__u64 ns = bpf_ktime_get_ns() - t->ns;
+	__u32 nr = t->nr, phase = t->call_phase;
 
-	bpf_map_delete_elem(&starts, &tid);
+	t->ns = 0;
 	if (nr >= INBAND_TRACE_NR_SLOTS || phase >= INBAND_TRACE_MAX_PHASES)
 		return 0;
 	__u32 slot = phase * INBAND_TRACE_NR_SLOTS + nr;
-	struct inband_trace_time *t = bpf_map_lookup_elem(&syscalls, &slot);
+	struct inband_trace_time *time = bpf_map_lookup_elem(&syscalls, &slot);
 
-	if (t) {
-		__sync_fetch_and_add(&t->count, 1);
-		__sync_fetch_and_add(&t->ns, ns);
+	if (time) {
+		__sync_fetch_and_add(&time->count, 1);
+		__sync_fetch_and_add(&time->ns, ns);
 	}
 	struct inband_trace_thread_key key = { .tid = tid, .category = category_of[nr] };
 	struct inband_trace_time *per_thread = bpf_map_lookup_elem(&threads, &key);
@@ -147,31 +144,23 @@ int trace_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 	return 0;
 }
 
-SEC("raw_tp/sched_process_exit")
-int trace_thread_exit(struct bpf_raw_tracepoint_args *ctx)
-{
-	__u32 tid = target_tid();
-
-	if (!tid)
-		return 0;
-	bpf_map_delete_elem(&starts, &tid);
-	bpf_map_delete_elem(&thread_phase, &tid);
-	return 0;
-}
-
 SEC("uprobe")
 int trace_phase(void *ctx)
 {
-	__u32 tid = target_tid();
 	__u32 phase = bpf_get_attach_cookie(ctx);
 
-	if (!tid || phase == 0 || phase >= INBAND_TRACE_MAX_PHASES)
+	if (!target_tid() || phase == 0 || phase >= INBAND_TRACE_MAX_PHASES)
 		return 0;
 	__u64 *hits = bpf_map_lookup_elem(&phase_hits, &phase);
 
 	if (hits)
 		__sync_fetch_and_add(hits, 1);
-	if (bpf_map_update_elem(&thread_phase, &tid, &phase, BPF_ANY))
-		count(INBAND_TRACE_PHASES_FULL);
+	struct inband_trace_thread *t =
+		bpf_task_storage_get(&thread_state, bpf_get_current_task_btf(), 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+
+	if (t)
+		t->phase = phase;
+	else
+		count(INBAND_TRACE_PHASE_UNSET);
 	return 0;
 }

@@ -16,17 +16,19 @@
  * (x32 calls carry bit 30) is counted in the last slot. */
 #define INBAND_TRACE_NR_SLOTS 512
 #define INBAND_TRACE_CATEGORIES 5
-/* Threads in the target that can be mid-call, have a phase, or have a
- * per-thread total at once; beyond that the counters below say so. */
+/* Threads with a per-thread total; beyond that INBAND_TRACE_THREADS_FULL. */
 #define INBAND_TRACE_MAX_THREADS 16384
 #define INBAND_TRACE_THREAD_TOTALS (INBAND_TRACE_MAX_THREADS * INBAND_TRACE_CATEGORIES)
 
-/* A system call the target is in: when, which, and the phase of its thread
- * at entry (the phase the time is charged to). */
-struct inband_trace_start {
+/* Each thread of the target, in task storage: its phase, and the system
+ * call it is in (when it began, which, and the phase then, the one its time
+ * is charged to; ns 0: none). */
+struct inband_trace_thread {
 	__u64 ns;
 	__u32 nr;
+	__u32 call_phase;
 	__u32 phase;
+	__u32 pad;
 };
 
 /* `syscalls` (per CPU, indexed phase * NR_SLOTS + nr) and `threads`. */
@@ -40,14 +42,15 @@ struct inband_trace_thread_key {
 	__u32 category;
 };
 
+/* Task storage is refused when the kernel has no memory for it, or when
+ * another BPF program on the same CPU is using it at that moment. */
 enum inband_trace_counter {
-	/* A call not timed: `starts` was full. */
-	INBAND_TRACE_STARTS_FULL,
+	/* A call not timed: no storage for its thread. */
+	INBAND_TRACE_UNTIMED,
 	/* A call timed in the totals but missing from the per-thread view. */
 	INBAND_TRACE_THREADS_FULL,
-	/* A phase marker hit on a thread `thread_phase` had no room for: the
-	 * thread's calls stay charged to its previous phase. */
-	INBAND_TRACE_PHASES_FULL,
+	/* A marker hit counted but not made the thread's phase: no storage. */
+	INBAND_TRACE_PHASE_UNSET,
 	INBAND_TRACE_COUNTERS,
 };
 

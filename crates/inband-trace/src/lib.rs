@@ -103,15 +103,13 @@ pub fn run(args: TraceArgs) -> Result<()> {
     let ro = open.maps.rodata_data.as_mut().context("the trace object has no read-only data")?;
     ro.target_tgid = pid;
     ro.category_of = categories::by_slot();
-    let skel = open.load().context("loading the trace programs (needs root, or CAP_BPF and CAP_PERFMON)")?;
+    let skel = open.load().context(
+        "loading the trace programs (needs root, or CAP_BPF and CAP_PERFMON, and a kernel with BTF and task storage for tracing programs)",
+    )?;
     let mut links: Vec<Link> = Vec::new();
-    for (prog, point) in [
-        (&skel.progs.trace_sys_enter, "sys_enter"),
-        (&skel.progs.trace_sys_exit, "sys_exit"),
-        (&skel.progs.trace_thread_exit, "sched_process_exit"),
-    ] {
-        links.push(prog.attach_raw_tracepoint(point).with_context(|| {
-            format!("attaching to the raw tracepoint {point} (needs a kernel with BPF raw tracepoints, 4.17 or later)")
+    for (prog, point) in [(&skel.progs.trace_sys_enter, "sys_enter"), (&skel.progs.trace_sys_exit, "sys_exit")] {
+        links.push(prog.attach().with_context(|| {
+            format!("attaching to the tracepoint {point} (needs a kernel with BTF, /sys/kernel/btf/vmlinux)")
         })?);
     }
     for (i, ((name, symbol), offsets)) in args.phases.iter().zip(&offsets).enumerate() {

@@ -10,8 +10,8 @@ use libbpf_rs::{MapCore, MapFlags};
 use serde_json::{json, Map as JsonMap, Value};
 
 use crate::bpf::shared::{
-    inband_trace_thread_key, inband_trace_time, INBAND_TRACE_COUNTERS, INBAND_TRACE_NR_SLOTS, INBAND_TRACE_PHASES_FULL,
-    INBAND_TRACE_STARTS_FULL, INBAND_TRACE_THREADS_FULL,
+    inband_trace_thread_key, inband_trace_time, INBAND_TRACE_COUNTERS, INBAND_TRACE_NR_SLOTS, INBAND_TRACE_PHASE_UNSET,
+    INBAND_TRACE_THREADS_FULL, INBAND_TRACE_UNTIMED,
 };
 use crate::bpf::trace::TraceSkel;
 use crate::categories::{self, Category, ALL};
@@ -161,9 +161,9 @@ impl Totals {
             "phases": phases,
             "threads": threads,
             "lost": {
-                "starts_full": self.lost[INBAND_TRACE_STARTS_FULL as usize],
+                "untimed": self.lost[INBAND_TRACE_UNTIMED as usize],
                 "threads_full": self.lost[INBAND_TRACE_THREADS_FULL as usize],
-                "phases_full": self.lost[INBAND_TRACE_PHASES_FULL as usize],
+                "phase_unset": self.lost[INBAND_TRACE_PHASE_UNSET as usize],
             },
         })
     }
@@ -221,10 +221,10 @@ pub fn table(pid: u32, exe: &str, phase_names: &[String], t: &Totals, elapsed: D
     if t.lost.iter().any(|n| *n > 0) {
         let _ = writeln!(
             s,
-            "\nnot counted: {} calls (too many threads mid-call), {} calls missing from the per-thread view, {} phase changes",
-            t.lost[INBAND_TRACE_STARTS_FULL as usize],
+            "\nnot counted: {} calls not timed, {} calls missing from the per-thread view, {} phase changes",
+            t.lost[INBAND_TRACE_UNTIMED as usize],
             t.lost[INBAND_TRACE_THREADS_FULL as usize],
-            t.lost[INBAND_TRACE_PHASES_FULL as usize],
+            t.lost[INBAND_TRACE_PHASE_UNSET as usize],
         );
     }
     s

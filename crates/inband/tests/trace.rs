@@ -298,8 +298,8 @@ fn sigkill_leaves_no_probe_attached() {
     let target = Target::start(Command::new(marker_program(dir.path(), "killed")));
     let mut tracer = start_tracer(&["--pid", &target.pid().to_string(), "--phase", "w=mark_write"]);
     let ids = bpf_ids(tracer.id());
-    // Three raw tracepoints and one uprobe.
-    assert_eq!(ids.iter().filter(|(k, _)| k == "link_id").count(), 4, "{ids:?}");
+    // Two tracepoints and one uprobe.
+    assert_eq!(ids.iter().filter(|(k, _)| k == "link_id").count(), 3, "{ids:?}");
     assert!(ids.iter().any(|(k, _)| k == "map_id"), "{ids:?}");
     assert!(ids.iter().all(|(k, id)| loaded(k, *id)), "{ids:?}");
     tracer.kill().unwrap();
