@@ -10,7 +10,9 @@
  * they can keep a thread's state in task storage.
  */
 #include <linux/bpf.h>
+#include <linux/ptrace.h>
 #include <bpf/bpf_helpers.h>
+#include <bpf/bpf_tracing.h>
 
 struct task_struct;
 
@@ -57,6 +59,20 @@ struct {
 	__type(key, __u32);
 	__type(value, __u64);
 } phase_hits SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, INBAND_TRACE_MAX_PHASES * INBAND_TRACE_ALLOC_FNS * INBAND_TRACE_SIZE_BUCKETS);
+	__type(key, __u32);
+	__type(value, struct inband_trace_alloc);
+} allocs SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, INBAND_TRACE_MAX_PHASES * INBAND_TRACE_PAGE_ORDERS);
+	__type(key, __u32);
+	__type(value, struct inband_trace_alloc);
+} pages SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -162,5 +178,109 @@ int trace_phase(void *ctx)
 		t->phase = phase;
 	else
 		count(INBAND_TRACE_PHASE_UNSET);
+	return 0;
+}
+
+/* The phase of the current thread of the target, without creating its
+ * storage (a thread that has hit no marker is in phase 0). */
+static __always_inline __u32 current_phase(void)
+{
+	struct inband_trace_thread *t = bpf_task_storage_get(&thread_state, bpf_get_current_task_btf(), 0, 0);
+
+	return t && t->phase < INBAND_TRACE_MAX_PHASES ? t->phase : 0;
+}
+
+static __always_inline void add(void *map, __u32 slot, __u64 bytes)
+{
+	struct inband_trace_alloc *a = bpf_map_lookup_elem(map, &slot);
+
+	if (a) {
+		__sync_fetch_and_add(&a->count, 1);
+		__sync_fetch_and_add(&a->bytes, bytes);
+	}
+}
+
+/* By halves: BPF has no count-leading-zeros instruction (and clang 14
+ * crashes lowering __builtin_clzll for it). */
+static __always_inline __u32 significant_bits(__u64 v)
+{
+	__u32 n = 0;
+
+	if (v >> 32) {
+		n += 32;
+		v >>= 32;
+	}
+	if (v >> 16) {
+		n += 16;
+		v >>= 16;
+	}
+	if (v >> 8) {
+		n += 8;
+		v >>= 8;
+	}
+	if (v >> 4) {
+		n += 4;
+		v >>= 4;
+	}
+	if (v >> 2) {
+		n += 2;
+		v >>= 2;
+	}
+	if (v >> 1) {
+		n += 1;
+		v >>= 1;
+	}
+	return n + v;
+}
+
+/* The memory pass: one program on every allocator function, the cookie
+ * saying which; arguments by the x86_64 calling convention. */
+SEC("uprobe")
+int trace_alloc(struct pt_regs *ctx)
+{
+	__u32 fn = bpf_get_attach_cookie(ctx);
+	__u64 size;
+
+	if (!target_tid() || fn >= INBAND_TRACE_ALLOC_FNS)
+		return 0;
+	switch (fn) {
+	case INBAND_TRACE_MALLOC:
+		size = PT_REGS_PARM1(ctx);
+		break;
+	case INBAND_TRACE_CALLOC:
+		size = PT_REGS_PARM1(ctx) * PT_REGS_PARM2(ctx);
+		break;
+	case INBAND_TRACE_REALLOC:
+	case INBAND_TRACE_ALIGNED_ALLOC:
+		size = PT_REGS_PARM2(ctx);
+		break;
+	case INBAND_TRACE_POSIX_MEMALIGN:
+		size = PT_REGS_PARM3(ctx);
+		break;
+	default:
+		size = 0;
+	}
+	__u32 bucket = significant_bits(size);
+
+	if (bucket >= INBAND_TRACE_SIZE_BUCKETS)
+		bucket = INBAND_TRACE_SIZE_BUCKETS - 1;
+	add(&allocs, (current_phase() * INBAND_TRACE_ALLOC_FNS + fn) * INBAND_TRACE_SIZE_BUCKETS + bucket, size);
+	return 0;
+}
+
+/* ctx: struct page *page, unsigned int order, gfp_t gfp_flags, int migratetype */
+SEC("tp_btf/mm_page_alloc")
+int trace_page_alloc(__u64 *ctx)
+{
+	__u32 order = ctx[1];
+
+	if (!target_tid())
+		return 0;
+	if (order >= INBAND_TRACE_PAGE_ORDERS) {
+		count(INBAND_TRACE_PAGE_ORDER_UNKNOWN);
+		return 0;
+	}
+	/* x86_64 pages: 4 KiB. */
+	add(&pages, current_phase() * INBAND_TRACE_PAGE_ORDERS + order, 4096ULL << order);
 	return 0;
 }

@@ -42,6 +42,29 @@ struct inband_trace_thread_key {
 	__u32 category;
 };
 
+/* The memory pass (--memory): the C allocator's functions, by the attach
+ * cookie of their uprobe, each call's size in a log2 bucket (bucket b holds
+ * sizes of b significant bits: 0, 1, 2-3, 4-7, ...; the last every larger
+ * size), and page allocations by order. */
+enum inband_trace_alloc_fn {
+	INBAND_TRACE_MALLOC,
+	INBAND_TRACE_CALLOC,
+	INBAND_TRACE_REALLOC,
+	INBAND_TRACE_ALIGNED_ALLOC,
+	INBAND_TRACE_POSIX_MEMALIGN,
+	INBAND_TRACE_FREE,
+	INBAND_TRACE_ALLOC_FNS,
+};
+#define INBAND_TRACE_SIZE_BUCKETS 48
+#define INBAND_TRACE_PAGE_ORDERS 11
+
+/* `allocs` (per CPU, indexed (phase * ALLOC_FNS + fn) * SIZE_BUCKETS +
+ * bucket) and `pages` (per CPU, phase * PAGE_ORDERS + order). */
+struct inband_trace_alloc {
+	__u64 count;
+	__u64 bytes;
+};
+
 /* Task storage is refused when the kernel has no memory for it, or when
  * another BPF program on the same CPU is using it at that moment. */
 enum inband_trace_counter {
@@ -51,6 +74,8 @@ enum inband_trace_counter {
 	INBAND_TRACE_THREADS_FULL,
 	/* A marker hit counted but not made the thread's phase: no storage. */
 	INBAND_TRACE_PHASE_UNSET,
+	/* A page allocation of an order beyond INBAND_TRACE_PAGE_ORDERS. */
+	INBAND_TRACE_PAGE_ORDER_UNKNOWN,
 	INBAND_TRACE_COUNTERS,
 };
 

@@ -11,6 +11,7 @@
 
 mod bpf;
 mod categories;
+mod memory;
 mod process;
 mod report;
 mod symbols;
@@ -53,6 +54,11 @@ pub struct TraceArgs {
     /// target exits).
     #[arg(long)]
     pub duration_s: Option<f64>,
+    /// Also the memory pass: calls of the C allocator (malloc, calloc,
+    /// realloc, free, aligned_alloc, posix_memalign) by size, and page
+    /// allocations, by phase. Costs a uprobe trap per allocator call.
+    #[arg(long)]
+    pub memory: bool,
     /// Write one JSON line per snapshot here (docs/trace.md, "Output").
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
@@ -86,6 +92,20 @@ pub fn run(args: TraceArgs) -> Result<()> {
         .iter()
         .map(|(_, symbol)| symbols::function_offsets(&exe, symbol).with_context(|| format!("phase marker in pid {pid} ({exe_name})")))
         .collect::<Result<Vec<Vec<u64>>>>()?;
+    let allocator = if args.memory {
+        let file = memory::allocator_file(pid)?;
+        let mut found = Vec::new();
+        for (function, name, required) in memory::FUNCTIONS {
+            match symbols::function_offsets(&file, name) {
+                Ok(offsets) => found.push((function, offsets)),
+                Err(e) if required => return Err(e.context(format!("memory pass on pid {pid}"))),
+                Err(_) => {}
+            }
+        }
+        Some((file, found))
+    } else {
+        None
+    };
     let mut out = match &args.out {
         Some(path) => Some(BufWriter::new(
             File::create(path).with_context(|| format!("cannot write the output file {}", path.display()))?,
@@ -125,6 +145,24 @@ pub fn run(args: TraceArgs) -> Result<()> {
             );
         }
     }
+    if let Some((file, found)) = &allocator {
+        for (function, offsets) in found {
+            for offset in offsets {
+                let opts = UprobeOpts { cookie: u64::from(*function), ..Default::default() };
+                links.push(
+                    skel.progs
+                        .trace_alloc
+                        .attach_uprobe_with_opts(pid as i32, file, *offset as usize, opts)
+                        .with_context(|| format!("attaching the memory pass to {} in {}", memory::name(*function), file.display()))?,
+                );
+            }
+        }
+        links.push(
+            skel.progs.trace_page_alloc.attach().context("attaching to the tracepoint kmem/mm_page_alloc for the memory pass")?,
+        );
+        let names: Vec<&str> = found.iter().map(|(f, _)| memory::name(*f)).collect();
+        eprintln!("inband trace: memory pass on {} ({}) and page allocations", file.display(), names.join(", "));
+    }
     eprintln!(
         "inband trace: tracing pid {pid} ({exe_name}), {} phase marker(s) on {} function(s)",
         offsets.len(),
@@ -141,7 +179,7 @@ pub fn run(args: TraceArgs) -> Result<()> {
         if !done && now < next {
             continue;
         }
-        let totals = report::read(&skel, phase_names.len()).context("reading the trace maps")?;
+        let totals = report::read(&skel, phase_names.len(), args.memory).context("reading the trace maps")?;
         if let Some(out) = &mut out {
             let line = report::snapshot(pid, &phase_names, &last, &totals, started.elapsed(), done);
             let path = args.out.as_ref().unwrap();

@@ -347,3 +347,61 @@ fn rust_names_mark_phases_and_sigterm_stops_cleanly() {
     assert!(count(&phases["snapshot"]["categories"]["other"]) >= bpf_calls, "{phases}");
     drop(target);
 }
+
+/// The memory pass: a C program that, after its marker, makes known
+/// numbers of allocator calls of known sizes and touches 8 MiB of new
+/// memory page by page.
+#[test]
+fn memory_pass_counts_allocations_by_size_and_pages() {
+    const MALLOCS: u64 = 333;
+    const CALLOCS: u64 = 77;
+    const TOUCHED: u64 = 8 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("allocs.c");
+    let bin = dir.path().join("allocs");
+    // The empty asm statements keep the compiler from removing allocations
+    // whose memory is never read.
+    std::fs::write(
+        &src,
+        format!(
+            "#include <stdlib.h>\n#include <unistd.h>\n\
+             __attribute__((noinline)) void mark(void) {{ __asm__ volatile(\"\"); }}\n\
+             int main(void) {{\n\
+             char c;\n\
+             write(1, \"ready\\n\", 6);\n\
+             if (read(0, &c, 1) != 1) return 1;\n\
+             mark();\n\
+             for (int i = 0; i < {MALLOCS}; i++) {{ void *p = malloc(100); __asm__ volatile(\"\" :: \"r\"(p) : \"memory\"); free(p); }}\n\
+             for (int i = 0; i < {CALLOCS}; i++) {{ void *p = calloc(10, 1000); __asm__ volatile(\"\" :: \"r\"(p) : \"memory\"); free(p); }}\n\
+             char *big = malloc({TOUCHED});\n\
+             for (long i = 0; i < {TOUCHED}; i += 4096) big[i] = 1;\n\
+             __asm__ volatile(\"\" :: \"r\"(big) : \"memory\");\n\
+             return 0;\n}}\n"
+        ),
+    )
+    .unwrap();
+    assert!(Command::new("cc").args(["-O1", "-o"]).arg(&bin).arg(&src).status().unwrap().success());
+    let out = dir.path().join("trace.jsonl");
+    let target = Target::start(Command::new(&bin));
+    let tracer = start_tracer(&["--pid", &target.pid().to_string(), "--memory", "--phase", "work=mark", "--out", out.to_str().unwrap()]);
+    target.finish();
+    wait_tracer(tracer);
+
+    let lines = lines(&out);
+    let total = &lines.last().unwrap()["total"];
+    let allocs = &total["memory"]["allocs"];
+    // 100 bytes: 7 significant bits, the bucket from 64; 10 * 1000: from 8192.
+    assert_eq!(allocs["malloc"]["sizes"]["64"], serde_json::json!({ "count": MALLOCS, "bytes": MALLOCS * 100 }), "{allocs}");
+    assert_eq!(allocs["calloc"]["sizes"]["8192"], serde_json::json!({ "count": CALLOCS, "bytes": CALLOCS * 10_000 }), "{allocs}");
+    assert_eq!(allocs["calloc"]["count"], CALLOCS, "{allocs}");
+    assert_eq!(allocs["malloc"]["count"], MALLOCS + 1, "{allocs}");
+    assert_eq!(allocs["malloc"]["bytes"], MALLOCS * 100 + TOUCHED, "{allocs}");
+    assert_eq!(allocs["free"]["count"], MALLOCS + CALLOCS, "{allocs}");
+    let phase = &total["phases"]["work"]["memory"];
+    assert_eq!(phase["allocs"]["count"], MALLOCS + CALLOCS + 1, "{phase}");
+    assert_eq!(phase["frees"], MALLOCS + CALLOCS, "{phase}");
+    // Touching the pages allocates them (4 KiB each, or huge pages).
+    let pages = phase["pages"]["bytes"].as_u64().unwrap();
+    assert!(pages >= TOUCHED, "{pages} bytes of pages for {TOUCHED} touched: {phase}");
+    assert_eq!(total["phases"]["none"]["memory"]["allocs"]["count"], 0, "{total}");
+}
