@@ -2,8 +2,10 @@
 /*
  * `inband trace` (docs/trace.md): times every system call of one process
  * (raw_syscalls enter/exit) and marks its phases (uprobes whose attach cookie
- * is the phase number). Counting happens here, naming and categories'
- * meaning in Rust, which reads the maps at each snapshot.
+ * is the phase number); with --memory, also counts the C allocator's calls
+ * by size (uprobes) and the pages allocated to it (kmem/mm_page_alloc).
+ * Counting happens here, naming and categories' meaning in Rust, which
+ * reads the maps at each snapshot.
  *
  * BTF tracepoints rather than the formatted ones: the call number is the
  * second argument of sys_enter, nothing needs the formatted record, and
@@ -14,6 +16,8 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
 
+/* Only ever a pointer passed from one helper to another: no vmlinux.h for
+ * it (UAPI headers throughout, as the other programs). */
 struct task_struct;
 
 #include "inband/trace.h"
