@@ -57,6 +57,9 @@ enum Command {
     /// Learn each backend's capacity and set the balancer's weights
     /// (KnapsackLB, docs/weights.md), or show a running controller.
     Weights(WeightsArgs),
+    /// Where a running process spends its time in system calls, by
+    /// category, thread and phase (eBPF; see docs/trace.md).
+    Trace(inband_trace::TraceArgs),
     /// Network-namespace testbeds.
     Testbed {
         #[command(subcommand)]
@@ -195,6 +198,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Testbed { command } => inband_testkit::testbed::run(command),
         Command::Mesh { command } => inband_mesh::main(command),
         Command::Proxy { config } => inband_proxy::run(&config),
+        Command::Trace(args) => inband_trace::run(args),
     }
 }
 

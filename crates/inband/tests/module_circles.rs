@@ -419,7 +419,7 @@ fn closure(all: &BTreeMap<String, BTreeSet<String>>, name: &str) -> BTreeSet<Str
 #[test]
 fn products_stand_on_the_core_alone() {
     let all = workspace_dependencies();
-    let products = ["inband-lb", "inband-agent", "inband-mesh", "inband-shadow", "inband-weights", "inband-proxy"];
+    let products = ["inband-lb", "inband-agent", "inband-mesh", "inband-shadow", "inband-weights", "inband-proxy", "inband-trace"];
     let above_products = ["inband", "inband-testkit"];
     let mut wrong = Vec::new();
     for p in products {

@@ -1,0 +1,82 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * `inband trace` (docs/trace.md): the maps bpf/trace.bpf.c fills and the
+ * tracer reads. Which system call belongs to which category is decided in
+ * Rust (crates/inband-trace/src/categories.rs) and handed to the program as
+ * read-only data before load.
+ */
+#ifndef INBAND_TRACE_H
+#define INBAND_TRACE_H
+
+#include <linux/types.h>
+
+/* Phase 0 is "no marker hit yet on this thread"; --phase takes the rest. */
+#define INBAND_TRACE_MAX_PHASES 16
+/* x86_64 system call numbers stay below 512; any number at or above it
+ * (x32 calls carry bit 30) is counted in the last slot. */
+#define INBAND_TRACE_NR_SLOTS 512
+#define INBAND_TRACE_CATEGORIES 5
+/* Threads with a per-thread total; beyond that INBAND_TRACE_THREADS_FULL. */
+#define INBAND_TRACE_MAX_THREADS 16384
+#define INBAND_TRACE_THREAD_TOTALS (INBAND_TRACE_MAX_THREADS * INBAND_TRACE_CATEGORIES)
+
+/* Each thread of the target, in task storage: its phase, and the system
+ * call it is in (when it began, which, and the phase then, the one its time
+ * is charged to; ns 0: none). */
+struct inband_trace_thread {
+	__u64 ns;
+	__u32 nr;
+	__u32 call_phase;
+	__u32 phase;
+	__u32 pad;
+};
+
+/* `syscalls` (per CPU, indexed phase * NR_SLOTS + nr) and `threads`. */
+struct inband_trace_time {
+	__u64 count;
+	__u64 ns;
+};
+
+struct inband_trace_thread_key {
+	__u32 tid;
+	__u32 category;
+};
+
+/* The memory pass (--memory): the C allocator's functions, by the attach
+ * cookie of their uprobe, each call's size in a log2 bucket (bucket b holds
+ * sizes of b significant bits: 0, 1, 2-3, 4-7, ...; the last every larger
+ * size), and page allocations by order. */
+enum inband_trace_alloc_fn {
+	INBAND_TRACE_MALLOC,
+	INBAND_TRACE_CALLOC,
+	INBAND_TRACE_REALLOC,
+	INBAND_TRACE_ALIGNED_ALLOC,
+	INBAND_TRACE_POSIX_MEMALIGN,
+	INBAND_TRACE_FREE,
+	INBAND_TRACE_ALLOC_FNS,
+};
+#define INBAND_TRACE_SIZE_BUCKETS 48
+#define INBAND_TRACE_PAGE_ORDERS 11
+
+/* `allocs` (per CPU, indexed (phase * ALLOC_FNS + fn) * SIZE_BUCKETS +
+ * bucket) and `pages` (per CPU, phase * PAGE_ORDERS + order). */
+struct inband_trace_alloc {
+	__u64 count;
+	__u64 bytes;
+};
+
+/* Task storage is refused when the kernel has no memory for it, or when
+ * another BPF program on the same CPU is using it at that moment. */
+enum inband_trace_counter {
+	/* A call not timed: no storage for its thread. */
+	INBAND_TRACE_UNTIMED,
+	/* A call timed in the totals but missing from the per-thread view. */
+	INBAND_TRACE_THREADS_FULL,
+	/* A marker hit counted but not made the thread's phase: no storage. */
+	INBAND_TRACE_PHASE_UNSET,
+	/* A page allocation of an order beyond INBAND_TRACE_PAGE_ORDERS. */
+	INBAND_TRACE_PAGE_ORDER_UNKNOWN,
+	INBAND_TRACE_COUNTERS,
+};
+
+#endif

@@ -1,0 +1,290 @@
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+/*
+ * `inband trace` (docs/trace.md): times every system call of one process
+ * (raw_syscalls enter/exit) and marks its phases (uprobes whose attach cookie
+ * is the phase number); with --memory, also counts the C allocator's calls
+ * by size (uprobes) and the pages allocated to it (kmem/mm_page_alloc).
+ * Counting happens here, naming and categories' meaning in Rust, which
+ * reads the maps at each snapshot.
+ *
+ * BTF tracepoints rather than the formatted ones: the call number is the
+ * second argument of sys_enter, nothing needs the formatted record, and
+ * they can keep a thread's state in task storage.
+ */
+#include <linux/bpf.h>
+#include <linux/ptrace.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_tracing.h>
+
+/* Only ever a pointer passed from one helper to another: no vmlinux.h for
+ * it (UAPI headers throughout, as the other programs). */
+struct task_struct;
+
+#include "inband/trace.h"
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+/* Set by the tracer before load. */
+const volatile __u32 target_tgid;
+const volatile __u8 category_of[INBAND_TRACE_NR_SLOTS];
+
+/* Created at a thread's first call or marker after attach, freed by the
+ * kernel with the thread (or with the map): no bound to keep, no entry
+ * left by a thread that died inside a call. */
+struct {
+	__uint(type, BPF_MAP_TYPE_TASK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct inband_trace_thread);
+} thread_state SEC(".maps");
+
+/* Per CPU so that threads on different CPUs calling the same thing never
+ * share a cache line; the tracer sums the CPUs. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, INBAND_TRACE_MAX_PHASES * INBAND_TRACE_NR_SLOTS);
+	__type(key, __u32);
+	__type(value, struct inband_trace_time);
+} syscalls SEC(".maps");
+
+/* Cumulative per (thread, category), kept after the thread exits so that
+ * its last interval is still reported; bounded, INBAND_TRACE_THREADS_FULL
+ * counts what does not fit. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, INBAND_TRACE_THREAD_TOTALS);
+	__type(key, struct inband_trace_thread_key);
+	__type(value, struct inband_trace_time);
+} threads SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, INBAND_TRACE_MAX_PHASES);
+	__type(key, __u32);
+	__type(value, __u64);
+} phase_hits SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, INBAND_TRACE_MAX_PHASES * INBAND_TRACE_ALLOC_FNS * INBAND_TRACE_SIZE_BUCKETS);
+	__type(key, __u32);
+	__type(value, struct inband_trace_alloc);
+} allocs SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, INBAND_TRACE_MAX_PHASES * INBAND_TRACE_PAGE_ORDERS);
+	__type(key, __u32);
+	__type(value, struct inband_trace_alloc);
+} pages SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, INBAND_TRACE_COUNTERS);
+	__type(key, __u32);
+	__type(value, __u64);
+} counters SEC(".maps");
+
+static __always_inline void count(__u32 counter)
+{
+	__u64 *n = bpf_map_lookup_elem(&counters, &counter);
+
+	if (n)
+		__sync_fetch_and_add(n, 1);
+}
+
+/* The target's thread id, or 0 for every other process. */
+static __always_inline __u32 target_tid(void)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+
+	return id >> 32 == target_tgid ? (__u32)id : 0;
+}
+
+/* ctx: struct pt_regs *regs, long id */
+SEC("tp_btf/sys_enter")
+int trace_sys_enter(__u64 *ctx)
+{
+	if (!target_tid())
+		return 0;
+	struct inband_trace_thread *t =
+		bpf_task_storage_get(&thread_state, bpf_get_current_task_btf(), 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+
+	if (!t) {
+		count(INBAND_TRACE_UNTIMED);
+		return 0;
+	}
+	__u64 nr = ctx[1];
+
+	t->nr = nr < INBAND_TRACE_NR_SLOTS ? nr : INBAND_TRACE_NR_SLOTS - 1;
+	t->call_phase = t->phase;
+	t->ns = bpf_ktime_get_ns();
+	return 0;
+}
+
+SEC("tp_btf/sys_exit")
+int trace_sys_exit(__u64 *ctx)
+{
+	__u32 tid = target_tid();
+
+	if (!tid)
+		return 0;
+	struct inband_trace_thread *t = bpf_task_storage_get(&thread_state, bpf_get_current_task_btf(), 0, 0);
+
+	/* None (or ns 0) for a call that began before the tracer attached. */
+	if (!t || !t->ns)
+		return 0;
+	__u64 ns = bpf_ktime_get_ns() - t->ns;
+	__u32 nr = t->nr, phase = t->call_phase;
+
+	t->ns = 0;
+	if (nr >= INBAND_TRACE_NR_SLOTS || phase >= INBAND_TRACE_MAX_PHASES)
+		return 0;
+	__u32 slot = phase * INBAND_TRACE_NR_SLOTS + nr;
+	struct inband_trace_time *time = bpf_map_lookup_elem(&syscalls, &slot);
+
+	if (time) {
+		__sync_fetch_and_add(&time->count, 1);
+		__sync_fetch_and_add(&time->ns, ns);
+	}
+	struct inband_trace_thread_key key = { .tid = tid, .category = category_of[nr] };
+	struct inband_trace_time *per_thread = bpf_map_lookup_elem(&threads, &key);
+
+	if (per_thread) {
+		__sync_fetch_and_add(&per_thread->count, 1);
+		__sync_fetch_and_add(&per_thread->ns, ns);
+		return 0;
+	}
+	struct inband_trace_time first = { .count = 1, .ns = ns };
+
+	/* NOEXIST: another CPU cannot create it (one thread, one CPU), but an
+	 * existing entry must never be reset. */
+	if (bpf_map_update_elem(&threads, &key, &first, BPF_NOEXIST))
+		count(INBAND_TRACE_THREADS_FULL);
+	return 0;
+}
+
+SEC("uprobe")
+int trace_phase(void *ctx)
+{
+	__u32 phase = bpf_get_attach_cookie(ctx);
+
+	if (!target_tid() || phase == 0 || phase >= INBAND_TRACE_MAX_PHASES)
+		return 0;
+	__u64 *hits = bpf_map_lookup_elem(&phase_hits, &phase);
+
+	if (hits)
+		__sync_fetch_and_add(hits, 1);
+	struct inband_trace_thread *t =
+		bpf_task_storage_get(&thread_state, bpf_get_current_task_btf(), 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+
+	if (t)
+		t->phase = phase;
+	else
+		count(INBAND_TRACE_PHASE_UNSET);
+	return 0;
+}
+
+/* The phase of the current thread of the target, without creating its
+ * storage (a thread that has hit no marker is in phase 0). */
+static __always_inline __u32 current_phase(void)
+{
+	struct inband_trace_thread *t = bpf_task_storage_get(&thread_state, bpf_get_current_task_btf(), 0, 0);
+
+	return t && t->phase < INBAND_TRACE_MAX_PHASES ? t->phase : 0;
+}
+
+static __always_inline void add(void *map, __u32 slot, __u64 bytes)
+{
+	struct inband_trace_alloc *a = bpf_map_lookup_elem(map, &slot);
+
+	if (a) {
+		__sync_fetch_and_add(&a->count, 1);
+		__sync_fetch_and_add(&a->bytes, bytes);
+	}
+}
+
+/* By halves: BPF has no count-leading-zeros instruction (and clang 14
+ * crashes lowering __builtin_clzll for it). */
+static __always_inline __u32 significant_bits(__u64 v)
+{
+	__u32 n = 0;
+
+	if (v >> 32) {
+		n += 32;
+		v >>= 32;
+	}
+	if (v >> 16) {
+		n += 16;
+		v >>= 16;
+	}
+	if (v >> 8) {
+		n += 8;
+		v >>= 8;
+	}
+	if (v >> 4) {
+		n += 4;
+		v >>= 4;
+	}
+	if (v >> 2) {
+		n += 2;
+		v >>= 2;
+	}
+	if (v >> 1) {
+		n += 1;
+		v >>= 1;
+	}
+	return n + v;
+}
+
+/* The memory pass: one program on every allocator function, the cookie
+ * saying which; arguments by the x86_64 calling convention. */
+SEC("uprobe")
+int trace_alloc(struct pt_regs *ctx)
+{
+	__u32 fn = bpf_get_attach_cookie(ctx);
+	__u64 size;
+
+	if (!target_tid() || fn >= INBAND_TRACE_ALLOC_FNS)
+		return 0;
+	switch (fn) {
+	case INBAND_TRACE_MALLOC:
+		size = PT_REGS_PARM1(ctx);
+		break;
+	case INBAND_TRACE_CALLOC:
+		size = PT_REGS_PARM1(ctx) * PT_REGS_PARM2(ctx);
+		break;
+	case INBAND_TRACE_REALLOC:
+	case INBAND_TRACE_ALIGNED_ALLOC:
+		size = PT_REGS_PARM2(ctx);
+		break;
+	case INBAND_TRACE_POSIX_MEMALIGN:
+		size = PT_REGS_PARM3(ctx);
+		break;
+	default:
+		size = 0;
+	}
+	__u32 bucket = significant_bits(size);
+
+	if (bucket >= INBAND_TRACE_SIZE_BUCKETS)
+		bucket = INBAND_TRACE_SIZE_BUCKETS - 1;
+	add(&allocs, (current_phase() * INBAND_TRACE_ALLOC_FNS + fn) * INBAND_TRACE_SIZE_BUCKETS + bucket, size);
+	return 0;
+}
+
+/* ctx: struct page *page, unsigned int order, gfp_t gfp_flags, int migratetype */
+SEC("tp_btf/mm_page_alloc")
+int trace_page_alloc(__u64 *ctx)
+{
+	__u32 order = ctx[1];
+
+	if (!target_tid())
+		return 0;
+	if (order >= INBAND_TRACE_PAGE_ORDERS) {
+		count(INBAND_TRACE_PAGE_ORDER_UNKNOWN);
+		return 0;
+	}
+	/* x86_64 pages: 4 KiB. */
+	add(&pages, current_phase() * INBAND_TRACE_PAGE_ORDERS + order, 4096ULL << order);
+	return 0;
+}

@@ -1,0 +1,225 @@
+//! `inband trace` (docs/trace.md): where a running process spends its time
+//! in system calls, by category (seed 003's: I/O read, I/O write,
+//! synchronisation, memory, other), by thread and by workload phase, phases
+//! being marked by uprobes on functions the user names.
+//!
+//! The programs count from the moment they attach; this side reads the
+//! cumulative maps every interval and writes what changed (JSON lines) and,
+//! at the end, a table. Every link is held by a file descriptor of this
+//! process and nothing is pinned, so the kernel detaches all of it when the
+//! process ends, however it ends.
+
+mod bpf;
+mod categories;
+mod memory;
+mod process;
+mod report;
+mod symbols;
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::mem::MaybeUninit;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::{Link, UprobeOpts};
+
+use bpf::shared::INBAND_TRACE_MAX_PHASES;
+use bpf::trace::TraceSkelBuilder;
+
+#[derive(clap::Args, Debug)]
+#[command(group(clap::ArgGroup::new("target").required(true).args(["pid", "name"])))]
+pub struct TraceArgs {
+    /// The process to trace (every thread of it).
+    #[arg(long)]
+    pub pid: Option<u32>,
+    /// The process to trace by name: its command name (`comm`) or the start
+    /// of its command line, e.g. "inband proxy". Exactly one must match.
+    #[arg(long)]
+    pub name: Option<String>,
+    /// A phase marker, NAME=SYMBOL: each call of function SYMBOL of the
+    /// target's executable starts phase NAME on the calling thread, and
+    /// that thread's system calls are charged to it until its next marker.
+    /// Repeatable (at most 15).
+    #[arg(long = "phase", value_name = "NAME=SYMBOL", value_parser = parse_phase)]
+    pub phases: Vec<(String, String)>,
+    /// Seconds between snapshots.
+    #[arg(long, default_value_t = 15.0)]
+    pub interval_s: f64,
+    /// Stop after this many seconds (default: at SIGINT/SIGTERM or when the
+    /// target exits).
+    #[arg(long)]
+    pub duration_s: Option<f64>,
+    /// Also the memory pass: calls of the C allocator (malloc, calloc,
+    /// realloc, free, aligned_alloc, posix_memalign) by size, and page
+    /// allocations, by phase. Costs a uprobe trap per allocator call.
+    #[arg(long)]
+    pub memory: bool,
+    /// Write one JSON line per snapshot here (docs/trace.md, "Output").
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+}
+
+fn parse_phase(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((name, symbol)) if !name.is_empty() && !symbol.is_empty() => Ok((name.to_string(), symbol.to_string())),
+        _ => Err(format!("`{s}`: expected NAME=SYMBOL")),
+    }
+}
+
+pub fn run(args: TraceArgs) -> Result<()> {
+    if cfg!(not(target_arch = "x86_64")) {
+        bail!("inband trace knows the x86_64 system call numbers only");
+    }
+    let interval = seconds("--interval-s", args.interval_s)?;
+    let duration = args.duration_s.map(|s| seconds("--duration-s", s)).transpose()?;
+    let phase_names = phase_names(&args.phases)?;
+    let pid = match (&args.pid, &args.name) {
+        (Some(pid), _) => process::check(*pid)?,
+        (None, Some(name)) => process::by_name(name)?,
+        (None, None) => unreachable!("clap requires --pid or --name"),
+    };
+    let exe = PathBuf::from(format!("/proc/{pid}/exe"));
+    let exe_name = std::fs::read_link(&exe).map(|p| p.display().to_string()).unwrap_or_else(|_| exe.display().to_string());
+    // Every bad argument is refused before anything is loaded, and before
+    // an existing output file is emptied.
+    let offsets = args
+        .phases
+        .iter()
+        .map(|(_, symbol)| symbols::function_offsets(&exe, symbol).with_context(|| format!("phase marker in pid {pid} ({exe_name})")))
+        .collect::<Result<Vec<Vec<u64>>>>()?;
+    let allocator = if args.memory {
+        let file = memory::allocator_file(pid)?;
+        let mut found = Vec::new();
+        for (function, name, required) in memory::FUNCTIONS {
+            match symbols::function_offsets(&file, name) {
+                Ok(offsets) => found.push((function, offsets)),
+                Err(e) if required => return Err(e.context(format!("memory pass on pid {pid}"))),
+                Err(_) => {}
+            }
+        }
+        Some((file, found))
+    } else {
+        None
+    };
+    let mut out = match &args.out {
+        Some(path) => Some(BufWriter::new(
+            File::create(path).with_context(|| format!("cannot write the output file {}", path.display()))?,
+        )),
+        None => None,
+    };
+
+    let stop = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(signal, stop.clone()).context("installing the signal handlers")?;
+    }
+
+    let mut storage = MaybeUninit::uninit();
+    let mut open = TraceSkelBuilder::default().open(&mut storage).context("opening the trace BPF object")?;
+    let ro = open.maps.rodata_data.as_mut().context("the trace object has no read-only data")?;
+    ro.target_tgid = pid;
+    ro.category_of = categories::by_slot();
+    let skel = open.load().context(
+        "loading the trace programs (needs root, or CAP_BPF and CAP_PERFMON, and a kernel with BTF and task storage for tracing programs)",
+    )?;
+    let mut links: Vec<Link> = Vec::new();
+    for (prog, point) in [(&skel.progs.trace_sys_enter, "sys_enter"), (&skel.progs.trace_sys_exit, "sys_exit")] {
+        links.push(prog.attach().with_context(|| {
+            format!("attaching to the tracepoint {point} (needs a kernel with BTF, /sys/kernel/btf/vmlinux)")
+        })?);
+    }
+    for (i, ((name, symbol), offsets)) in args.phases.iter().zip(&offsets).enumerate() {
+        for offset in offsets {
+            let opts = UprobeOpts { cookie: i as u64 + 1, ..Default::default() };
+            links.push(
+                skel.progs
+                    .trace_phase
+                    .attach_uprobe_with_opts(pid as i32, &exe, *offset as usize, opts)
+                    .with_context(|| {
+                        format!("attaching phase {name} to {symbol} in {exe_name} (uprobes with cookies need kernel 5.15 or later)")
+                    })?,
+            );
+        }
+    }
+    if let Some((file, found)) = &allocator {
+        for (function, offsets) in found {
+            for offset in offsets {
+                let opts = UprobeOpts { cookie: u64::from(*function), ..Default::default() };
+                links.push(
+                    skel.progs
+                        .trace_alloc
+                        .attach_uprobe_with_opts(pid as i32, file, *offset as usize, opts)
+                        .with_context(|| format!("attaching the memory pass to {} in {}", memory::name(*function), file.display()))?,
+                );
+            }
+        }
+        links.push(
+            skel.progs.trace_page_alloc.attach().context("attaching to the tracepoint kmem/mm_page_alloc for the memory pass")?,
+        );
+        let names: Vec<&str> = found.iter().map(|(f, _)| memory::name(*f)).collect();
+        eprintln!("inband trace: memory pass on {} ({}) and page allocations", file.display(), names.join(", "));
+    }
+    eprintln!(
+        "inband trace: tracing pid {pid} ({exe_name}), {} phase marker(s) on {} function(s)",
+        offsets.len(),
+        offsets.iter().map(Vec::len).sum::<usize>()
+    );
+
+    let started = Instant::now();
+    let mut last = report::Totals::default();
+    let mut next = started + interval;
+    loop {
+        std::thread::sleep(Duration::from_millis(100));
+        let now = Instant::now();
+        let done = stop.load(Ordering::Relaxed) || duration.is_some_and(|d| now - started >= d) || !process::alive(pid);
+        if !done && now < next {
+            continue;
+        }
+        let totals = report::read(&skel, phase_names.len(), args.memory).context("reading the trace maps")?;
+        if let Some(out) = &mut out {
+            let line = report::snapshot(pid, &phase_names, &last, &totals, started.elapsed(), done);
+            let path = args.out.as_ref().unwrap();
+            writeln!(out, "{line}").and_then(|_| out.flush()).with_context(|| format!("writing {}", path.display()))?;
+        }
+        last = totals;
+        if done {
+            break;
+        }
+        // A reading later than a whole interval moves the schedule instead
+        // of bunching the readings it missed.
+        next += interval;
+        if next <= now {
+            next = now + interval;
+        }
+    }
+    drop(links);
+    print!("{}", report::table(pid, &exe_name, &phase_names, &last, started.elapsed()));
+    Ok(())
+}
+
+fn seconds(flag: &str, s: f64) -> Result<Duration> {
+    match Duration::try_from_secs_f64(s) {
+        Ok(d) if !d.is_zero() => Ok(d),
+        _ => bail!("{flag} must be a positive number of seconds, not {s}"),
+    }
+}
+
+/// "none" (phase 0, before a thread's first marker), then the markers'
+/// names in order.
+fn phase_names(phases: &[(String, String)]) -> Result<Vec<String>> {
+    if phases.len() >= INBAND_TRACE_MAX_PHASES as usize {
+        bail!("at most {} --phase markers", INBAND_TRACE_MAX_PHASES - 1);
+    }
+    let mut names = vec!["none".to_string()];
+    for (name, _) in phases {
+        if names.contains(name) {
+            bail!("phase name {name} given twice (\"none\" is taken: calls before any marker)");
+        }
+        names.push(name.clone());
+    }
+    Ok(names)
+}

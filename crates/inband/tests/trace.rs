@@ -1,0 +1,408 @@
+//! `inband trace` (docs/trace.md) against workloads whose system calls and
+//! phases are known exactly: a Python loop of reads and writes, and a C
+//! program whose marker functions are called a known number of times. Also
+//! the refusals of bad input, and that a SIGKILLed tracer leaves no program,
+//! link or map of its own in the kernel. Needs root (BPF, uprobes).
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+fn inband() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_inband"))
+}
+
+/// A workload started and stopped at its first line on stdout, which it
+/// prints once set up; a line on its stdin lets it go on.
+struct Target {
+    child: Child,
+    go: ChildStdin,
+}
+
+impl Target {
+    fn start(mut cmd: Command) -> Target {
+        let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().expect("starting the workload");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        assert_eq!(line, "ready\n", "workload did not start");
+        let go = child.stdin.take().unwrap();
+        Target { child, go }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Lets the workload run to its end and reaps it.
+    fn finish(mut self) {
+        self.go.write_all(b"go\n").unwrap();
+        assert!(self.child.wait().unwrap().success(), "workload failed");
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `inband trace` running; returns once its programs are attached (it says
+/// so on stderr).
+fn start_tracer(args: &[&str]) -> Child {
+    let mut child = inband().arg("trace").args(args).stderr(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    loop {
+        let mut line = String::new();
+        if stderr.read_line(&mut line).unwrap() == 0 {
+            let _ = child.kill();
+            panic!("inband trace ended before attaching: {seen}");
+        }
+        seen += &line;
+        if line.contains("tracing pid") {
+            return child;
+        }
+    }
+}
+
+/// Waits (bounded) for the tracer, which stops by itself when its target
+/// is gone, and returns its output.
+fn wait_tracer(mut tracer: Child) -> Output {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while tracer.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = tracer.kill();
+            panic!("inband trace did not stop after its target exited");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = tracer.wait_with_output().unwrap();
+    assert!(out.status.success(), "inband trace failed: {}", String::from_utf8_lossy(&out.stderr));
+    out
+}
+
+fn lines(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+fn count(v: &Value) -> u64 {
+    v["count"].as_u64().unwrap_or_else(|| panic!("no count in {v}"))
+}
+
+fn syscall<'a>(section: &'a Value, name: &str) -> &'a Value {
+    section["syscalls"].as_array().unwrap().iter().find(|s| s["name"] == name).unwrap_or_else(|| panic!("no {name} in {section}"))
+}
+
+const READS: u64 = 1013;
+const WRITES: u64 = 707;
+
+#[test]
+fn system_calls_are_counted_in_their_categories() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("trace.jsonl");
+    // os.read and os.write are one system call each; the reads and writes
+    // of setting up happen before the tracer attaches. The main thread
+    // reads, a second one writes.
+    let script = format!(
+        "import os, threading\n\
+         z = os.open('/dev/zero', os.O_RDONLY)\n\
+         n = os.open('/dev/null', os.O_WRONLY)\n\
+         os.write(1, b'ready\\n')\n\
+         os.read(0, 16)\n\
+         def writes():\n    for _ in range({WRITES}): os.write(n, b'x')\n\
+         t = threading.Thread(target=writes)\n\
+         t.start()\n\
+         for _ in range({READS}): os.read(z, 1)\n\
+         t.join()\n\
+         os._exit(0)\n"
+    );
+    let mut python = Command::new("python3");
+    python.args(["-c", &script]);
+    let target = Target::start(python);
+    let pid = target.pid();
+    let tracer = start_tracer(&["--pid", &pid.to_string(), "--interval-s", "0.1", "--out", out.to_str().unwrap()]);
+    target.finish();
+    let report = wait_tracer(tracer);
+
+    let lines = lines(&out);
+    let last = lines.last().unwrap();
+    assert_eq!(last["final"], true);
+    assert_eq!(last["pid"], pid);
+    let total = &last["total"];
+    assert_eq!(count(syscall(total, "read")), READS, "{total}");
+    assert_eq!(count(syscall(total, "write")), WRITES, "{total}");
+    assert_eq!(syscall(total, "read")["category"], "io_read");
+    assert_eq!(syscall(total, "write")["category"], "io_write");
+    assert_eq!(count(&total["categories"]["io_read"]), READS, "{total}");
+    assert_eq!(count(&total["categories"]["io_write"]), WRITES, "{total}");
+    assert!(total["categories"]["io_read"]["ns"].as_u64().unwrap() > 0);
+    // Each thread's part: the main thread (its id is the process's) read,
+    // the other wrote.
+    let threads = total["threads"].as_object().unwrap();
+    assert_eq!(count(&threads[&pid.to_string()]["io_read"]), READS, "{total}");
+    assert!(threads[&pid.to_string()].get("io_write").is_none(), "{total}");
+    let writer: Vec<_> = threads.iter().filter(|(_, t)| t.get("io_write").is_some()).collect();
+    assert_eq!(writer.len(), 1, "{total}");
+    assert_ne!(writer[0].0, &pid.to_string());
+    assert_eq!(count(&writer[0].1["io_write"]), WRITES, "{total}");
+    assert!(writer[0].1.get("io_read").is_none(), "{total}");
+    // The intervals add up to the total.
+    let summed: u64 = lines.iter().map(|l| count(&l["interval"]["categories"]["io_read"])).sum();
+    assert_eq!(summed, READS);
+    // No marker: everything is in phase "none".
+    assert_eq!(count(&total["phases"]["none"]["categories"]["io_write"]), WRITES);
+    let table = String::from_utf8_lossy(&report.stdout);
+    assert!(table.lines().any(|l| l.starts_with("io_read") && l.split_whitespace().nth(1) == Some(&READS.to_string())), "{table}");
+}
+
+/// Threads of the marker program that write.
+const WRITERS: u64 = 3;
+
+/// A C program with two marker functions: WRITERS threads each call
+/// `mark_write` before each of WRITES writes, while the main thread calls
+/// `mark_read` once before READS reads. Named `name` and this test
+/// process's id, for `--name`.
+fn marker_program(dir: &Path, name: &str) -> PathBuf {
+    let src = dir.join("markers.c");
+    let bin = dir.join(format!("{name}-{}", std::process::id()));
+    std::fs::write(
+        &src,
+        format!(
+            "#include <fcntl.h>\n#include <pthread.h>\n#include <unistd.h>\n\
+             __attribute__((noinline)) void mark_write(void) {{ __asm__ volatile(\"\"); }}\n\
+             __attribute__((noinline)) void mark_read(void) {{ __asm__ volatile(\"\"); }}\n\
+             static int zero, null;\n\
+             static void *writes(void *arg) {{\n\
+             char c = 0;\n\
+             for (int i = 0; i < {WRITES}; i++) {{ mark_write(); write(null, &c, 1); }}\n\
+             return arg;\n}}\n\
+             int main(void) {{\n\
+             char c = 0;\n\
+             pthread_t t[{WRITERS}];\n\
+             zero = open(\"/dev/zero\", O_RDONLY), null = open(\"/dev/null\", O_WRONLY);\n\
+             write(1, \"ready\\n\", 6);\n\
+             if (read(0, &c, 1) != 1) return 1;\n\
+             for (int i = 0; i < {WRITERS}; i++) pthread_create(&t[i], 0, writes, 0);\n\
+             mark_read();\n\
+             for (int i = 0; i < {READS}; i++) read(zero, &c, 1);\n\
+             for (int i = 0; i < {WRITERS}; i++) pthread_join(t[i], 0);\n\
+             return 0;\n}}\n"
+        ),
+    )
+    .unwrap();
+    let cc = Command::new("cc").args(["-O1", "-pthread", "-o"]).arg(&bin).arg(&src).status().expect("running cc");
+    assert!(cc.success());
+    bin
+}
+
+/// The threads' phases are their own: the writers' writes are charged to
+/// `writing`, the main thread's reads, made meanwhile, to `reading`.
+#[test]
+fn phase_markers_are_counted_and_charged_their_calls() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("trace.jsonl");
+    let program = marker_program(dir.path(), "phases");
+    let target = Target::start(Command::new(&program));
+    let pid = target.pid();
+    let tracer = start_tracer(&[
+        "--name",
+        program.file_name().unwrap().to_str().unwrap(),
+        "--phase",
+        "writing=mark_write",
+        "--phase",
+        "reading=mark_read",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    target.finish();
+    wait_tracer(tracer);
+
+    let lines = lines(&out);
+    assert_eq!(lines.last().unwrap()["pid"], pid, "--name found another process");
+    let phases = &lines.last().unwrap()["total"]["phases"];
+    assert_eq!(phases["writing"]["hits"], WRITERS * WRITES, "{phases}");
+    assert_eq!(phases["reading"]["hits"], 1, "{phases}");
+    assert_eq!(count(&phases["writing"]["categories"]["io_write"]), WRITERS * WRITES, "{phases}");
+    assert_eq!(count(&phases["writing"]["categories"]["io_read"]), 0, "{phases}");
+    assert_eq!(count(&phases["reading"]["categories"]["io_read"]), READS, "{phases}");
+    assert_eq!(count(&phases["reading"]["categories"]["io_write"]), 0, "{phases}");
+    // Starting the threads (clone3, mmap, ...) comes before any marker;
+    // the read that waited for "go" began before the tracer: not timed.
+    for c in ["io_read", "io_write"] {
+        assert_eq!(count(&phases["none"]["categories"][c]), 0, "{phases}");
+    }
+    assert!(count(&phases["none"]["categories"]["sync"]) >= WRITERS, "{phases}");
+}
+
+fn refused(args: &[&str]) -> String {
+    let out = inband().arg("trace").args(args).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{args:?} was accepted: {}", String::from_utf8_lossy(&out.stdout));
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn bad_input_is_refused_by_name() {
+    // Process ids stay below pid_max.
+    let pid_max = std::fs::read_to_string("/proc/sys/kernel/pid_max").unwrap().trim().to_string();
+    let err = refused(&["--pid", &pid_max]);
+    assert!(err.contains(&format!("no process with pid {pid_max}")), "{err}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let target = Target::start(Command::new(marker_program(dir.path(), "refused")));
+    let pid = target.pid().to_string();
+    let err = refused(&["--pid", &pid, "--phase", "x=mark_write", "--phase", "y=no_such_function"]);
+    assert!(err.contains("symbol no_such_function is not a function defined in"), "{err}");
+
+    let unwritable = dir.path().join("no-such-dir/trace.jsonl");
+    let err = refused(&["--pid", &pid, "--out", unwritable.to_str().unwrap()]);
+    assert!(err.contains("cannot write the output file") && err.contains("No such file"), "{err}");
+
+    // A full disk: the first snapshot cannot be written.
+    let err = refused(&["--pid", &pid, "--out", "/dev/full", "--interval-s", "0.1"]);
+    assert!(err.contains("writing /dev/full") && err.contains("No space left on device"), "{err}");
+
+    let err = refused(&["--name", "no-such-process-name-at-all"]);
+    assert!(err.contains("no process named"), "{err}");
+}
+
+/// The ids of the BPF programs, links and maps `pid` holds open.
+fn bpf_ids(pid: u32) -> Vec<(String, u32)> {
+    let mut ids = Vec::new();
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fdinfo")).unwrap().flatten() {
+        let info = std::fs::read_to_string(fd.path()).unwrap_or_default();
+        // A link's fdinfo names its program too: the link id comes first.
+        let kind = ["link_id", "prog_id", "map_id"].into_iter().find(|k| info.lines().any(|l| l.starts_with(&format!("{k}:"))));
+        if let Some(kind) = kind {
+            let line = info.lines().find(|l| l.starts_with(&format!("{kind}:"))).unwrap();
+            ids.push((kind.to_string(), line[kind.len() + 1..].trim().parse().unwrap()));
+        }
+    }
+    ids
+}
+
+fn loaded(kind: &str, id: u32) -> bool {
+    match kind {
+        "link_id" => libbpf_rs::query::LinkInfoIter::default().any(|l| l.id == id),
+        "prog_id" => libbpf_rs::query::ProgInfoIter::default().any(|p| p.id == id),
+        _ => libbpf_rs::query::MapInfoIter::default().any(|m| m.id == id),
+    }
+}
+
+#[test]
+fn sigkill_leaves_no_probe_attached() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = Target::start(Command::new(marker_program(dir.path(), "killed")));
+    let mut tracer = start_tracer(&["--pid", &target.pid().to_string(), "--phase", "w=mark_write", "--memory"]);
+    let ids = bpf_ids(tracer.id());
+    // Two tracepoints and a marker's uprobe; the memory pass's uprobes on
+    // at least malloc, calloc, realloc and free, and its tracepoint.
+    assert!(ids.iter().filter(|(k, _)| k == "link_id").count() >= 8, "{ids:?}");
+    assert!(ids.iter().any(|(k, _)| k == "map_id"), "{ids:?}");
+    assert!(ids.iter().all(|(k, id)| loaded(k, *id)), "{ids:?}");
+    tracer.kill().unwrap();
+    tracer.wait().unwrap();
+    // The kernel frees them once their last reference is gone (after an
+    // RCU grace period).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left: Vec<_> = ids.iter().filter(|(k, id)| loaded(k, *id)).collect();
+        if left.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "still loaded after SIGKILL: {left:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(target);
+}
+
+/// One of our own daemons, marked by a Rust function's source path: a
+/// tracer (A) whose snapshots come only at its end, traced by another (B)
+/// with a marker on the function that reads A's maps. SIGTERM makes A
+/// read once, write its last line and exit 0, and B counts exactly that.
+#[test]
+fn rust_names_mark_phases_and_sigterm_stops_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a_out, b_out) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
+    let target = Target::start(Command::new(marker_program(dir.path(), "idle")));
+    let a = start_tracer(&["--pid", &target.pid().to_string(), "--interval-s", "1000", "--out", a_out.to_str().unwrap()]);
+    let a_pid = a.id();
+    let b = start_tracer(&["--pid", &a_pid.to_string(), "--phase", "snapshot=inband_trace::report::read", "--out", b_out.to_str().unwrap()]);
+    assert_eq!(unsafe { libc::kill(a_pid as i32, libc::SIGTERM) }, 0);
+    wait_tracer(a);
+    wait_tracer(b);
+
+    let a_lines = lines(&a_out);
+    assert_eq!(a_lines.len(), 1);
+    assert_eq!(a_lines[0]["final"], true);
+    let b_lines = lines(&b_out);
+    let phases = &b_lines.last().unwrap()["total"]["phases"];
+    assert_eq!(phases["snapshot"]["hits"], 1, "{phases}");
+    // Reading the maps is a bpf() call per slot: at least the 512 call
+    // numbers of phase "none", all charged to the marked phase.
+    let bpf_calls = count(syscall(&b_lines.last().unwrap()["total"], "bpf"));
+    assert!(bpf_calls >= 512, "{bpf_calls}");
+    assert!(count(&phases["snapshot"]["categories"]["other"]) >= bpf_calls, "{phases}");
+    drop(target);
+}
+
+/// The memory pass: a C program that, after its marker, makes known
+/// numbers of allocator calls of known sizes and touches 8 MiB of new
+/// memory page by page.
+#[test]
+fn memory_pass_counts_allocations_by_size_and_pages() {
+    const MALLOCS: u64 = 333;
+    const CALLOCS: u64 = 77;
+    const TOUCHED: u64 = 8 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("allocs.c");
+    let bin = dir.path().join("allocs");
+    // The empty asm statements keep the compiler from removing allocations
+    // whose memory is never read.
+    std::fs::write(
+        &src,
+        format!(
+            "#include <stdlib.h>\n#include <unistd.h>\n\
+             __attribute__((noinline)) void mark(void) {{ __asm__ volatile(\"\"); }}\n\
+             int main(void) {{\n\
+             char c;\n\
+             write(1, \"ready\\n\", 6);\n\
+             if (read(0, &c, 1) != 1) return 1;\n\
+             mark();\n\
+             for (int i = 0; i < {MALLOCS}; i++) {{ void *p = malloc(100); __asm__ volatile(\"\" :: \"r\"(p) : \"memory\"); free(p); }}\n\
+             for (int i = 0; i < {CALLOCS}; i++) {{ void *p = calloc(10, 1000); __asm__ volatile(\"\" :: \"r\"(p) : \"memory\"); free(p); }}\n\
+             char *big = malloc({TOUCHED});\n\
+             for (long i = 0; i < {TOUCHED}; i += 4096) big[i] = 1;\n\
+             __asm__ volatile(\"\" :: \"r\"(big) : \"memory\");\n\
+             return 0;\n}}\n"
+        ),
+    )
+    .unwrap();
+    assert!(Command::new("cc").args(["-O1", "-o"]).arg(&bin).arg(&src).status().unwrap().success());
+    let out = dir.path().join("trace.jsonl");
+    let target = Target::start(Command::new(&bin));
+    let tracer = start_tracer(&["--pid", &target.pid().to_string(), "--memory", "--phase", "work=mark", "--out", out.to_str().unwrap()]);
+    target.finish();
+    wait_tracer(tracer);
+
+    let lines = lines(&out);
+    let total = &lines.last().unwrap()["total"];
+    let allocs = &total["memory"]["allocs"];
+    // 100 bytes: 7 significant bits, the bucket from 64; 10 * 1000: from 8192.
+    assert_eq!(allocs["malloc"]["sizes"]["64"], serde_json::json!({ "count": MALLOCS, "bytes": MALLOCS * 100 }), "{allocs}");
+    assert_eq!(allocs["calloc"]["sizes"]["8192"], serde_json::json!({ "count": CALLOCS, "bytes": CALLOCS * 10_000 }), "{allocs}");
+    assert_eq!(allocs["calloc"]["count"], CALLOCS, "{allocs}");
+    assert_eq!(allocs["malloc"]["count"], MALLOCS + 1, "{allocs}");
+    assert_eq!(allocs["malloc"]["bytes"], MALLOCS * 100 + TOUCHED, "{allocs}");
+    assert_eq!(allocs["free"]["count"], MALLOCS + CALLOCS, "{allocs}");
+    let phase = &total["phases"]["work"]["memory"];
+    assert_eq!(phase["allocs"]["count"], MALLOCS + CALLOCS + 1, "{phase}");
+    assert_eq!(phase["frees"], MALLOCS + CALLOCS, "{phase}");
+    // Touching the pages allocates them (4 KiB each, or huge pages).
+    let pages = phase["pages"]["bytes"].as_u64().unwrap();
+    assert!(pages >= TOUCHED, "{pages} bytes of pages for {TOUCHED} touched: {phase}");
+    assert_eq!(total["phases"]["none"]["memory"]["allocs"]["count"], 0, "{total}");
+}
