@@ -26,6 +26,7 @@ if ! cargo test --workspace --no-run --message-format=json >"$logs/build.json" 2
   jq -r 'select(.reason == "compiler-message") | .message.rendered' "$logs/build.json" >&2
   exit 1
 fi
+echo "built the test binaries in $SECONDS s"
 jq -r 'select(.reason == "compiler-artifact" and .profile.test and .executable != null)
        | "\(.executable) \(.manifest_path | rtrimstr("/Cargo.toml"))"' "$logs/build.json" >"$logs/list"
 [ -s "$logs/list" ] || { echo "no test binaries found" >&2; exit 1; }

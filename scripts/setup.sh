@@ -78,7 +78,9 @@ fi
 # dependencies and one clone's build rather than one build per clone ever run.
 here=$(pwd -P)
 if [ "$(cat "$cache/.clone" 2>/dev/null)" != "$here" ]; then
-  for n in $( (sed -n 's/^name = "\(.*\)"/\1/p' crates/*/Cargo.toml; ls crates/*/tests/*.rs | xargs -n1 basename | sed 's/\.rs$//') | tr - _ | sort -u); do
+  # Test binaries: tests/NAME.rs, or tests/NAME/main.rs for one made of modules.
+  tests=$( (find crates/*/tests -maxdepth 1 -name '*.rs'; find crates/*/tests -mindepth 2 -maxdepth 2 -name main.rs) | sed 's|/main\.rs$||; s|\.rs$||; s|.*/||')
+  for n in $( (sed -n 's/^name = "\(.*\)"/\1/p' crates/*/Cargo.toml; echo "$tests") | tr - _ | sort -u); do
     rm -rf "$cache"/debug/deps/"$n"-* "$cache"/debug/deps/lib"$n"-* "$cache"/debug/incremental/"$n"-* \
       "$cache"/debug/.fingerprint/"${n//_/-}"-* "$cache"/debug/build/"${n//_/-}"-*
   done
