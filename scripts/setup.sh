@@ -52,11 +52,21 @@ command -v cargo >/dev/null || { echo "cargo (Rust stable) is required: install 
 mountpoint -q /sys/fs/bpf || mount -t bpf bpf /sys/fs/bpf
 mountpoint -q /sys/kernel/tracing || mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null || true
 
+# The build lives outside the clone (target -> /var/cache/inband/target, or
+# INBAND_BUILD_CACHE), so a fresh clone on a machine that built before
+# reuses every compiled dependency; the Python environment beside it
+# (.venv -> <build>-venv), so a fresh clone creates and fills none.
+cache=${INBAND_BUILD_CACHE:-/var/cache/inband/target}
+cache=${cache%/}
+
 # Python for the benchmark drivers, pinned in bench/requirements.txt.
 if [ -f bench/requirements.txt ]; then
+  if [ ! -e .venv ] && [ ! -L .venv ]; then
+    mkdir -p "$(dirname "$cache")" && ln -s "$cache-venv" .venv
+  fi
   if [ ! -x .venv/bin/python ]; then
     log "python: creating .venv"
-    python3 -m venv .venv
+    python3 -m venv "$(readlink -f .venv)"
   fi
   if ! cmp -s bench/requirements.txt .venv/.installed-requirements 2>/dev/null; then
     log "python: installing bench/requirements.txt"
@@ -65,10 +75,6 @@ if [ -f bench/requirements.txt ]; then
   fi
 fi
 
-# The build lives outside the clone (target -> /var/cache/inband/target, or
-# INBAND_BUILD_CACHE), so a fresh clone on a machine that built before
-# reuses every compiled dependency.
-cache=${INBAND_BUILD_CACHE:-/var/cache/inband/target}
 if [ ! -e target ]; then
   mkdir -p "$cache" && ln -s "$cache" target
 fi
