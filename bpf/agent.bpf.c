@@ -1141,7 +1141,16 @@ int agent_sock_state(__u64 *ctx)
 		  (seen == INBAND_CONN_UNMARKED && oldstate != INBAND_TCP_SYN_RECV && is_active(oldstate));
 
 	recount(active, mark, seen, want ? INBAND_CONN_COUNTED : INBAND_CONN_UNCOUNTED, want - had);
-	if (newstate == INBAND_TCP_CLOSE || newstate == INBAND_TCP_TIME_WAIT)
+	/* A socket leaving SYN_RECV for CLOSE never carried the connection:
+	 * when the handshake's last ACK and the first data segment are taken
+	 * on two CPUs at once, each makes a child socket for the same request,
+	 * and the one that loses the race to hash it is closed at once
+	 * (inet_ehash_nolisten) with the very tuple of the child that won. Its
+	 * close must not take the winner's flow: the response would go back
+	 * through the balancer. A handshake that truly dies there leaves its
+	 * flow to the next SYN on those ports (a 155 replaces it, a SYN
+	 * without forgets it) or to the LRU. */
+	if ((newstate == INBAND_TCP_CLOSE || newstate == INBAND_TCP_TIME_WAIT) && oldstate != INBAND_TCP_SYN_RECV)
 		forget_connection(sk, port);
 	return 0;
 }
