@@ -45,6 +45,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
+from datetime import datetime
 from pathlib import Path
 
 from .lib import peers, preflight, profiles, results
@@ -67,9 +68,10 @@ HAPROXY_CONNECT_TIMEOUT_S = 1
 # The issue's targets: failures for at most this long after the fault.
 TARGET_MS = {"app": 1000, "host": 3000}
 TARGET_BACK_MS = 3000
-# State changes are timed by when the balancer's log line is read (every
-# 5 ms) and logged after the check that made them was received: a gap
-# this much under the rise/fall floor is still within the floor.
+# inband's state changes are timed by the time its log line carries,
+# HAProxy's (its lines carry none) by when the line is read (every 5 ms);
+# both are logged after the check that made them was received: a gap this
+# much under the rise/fall floor is still within the floor.
 GAP_TOLERANCE_MS = 10
 SILENCE_TABLE = "inband_bench_silence"
 
@@ -94,8 +96,17 @@ class Row:
         """The least time between two state changes that rise/fall allow:
         min(rise, fall) checks in a row, each at least a fast interval
         (less inband's jitter) after the one before."""
+        return min(self.checks.rise, self.checks.fall) * self._fast_ms()
+
+    def return_floor_ms(self) -> float:
+        """The least time from a passive ejection to the return: the first
+        of `rise` passing checks may come at once (the checks keep their
+        pace), the others a fast interval apart."""
+        return (self.checks.rise - 1) * self._fast_ms()
+
+    def _fast_ms(self) -> float:
         jitter = self.checks.jitter_pct if self.kind == "inband" else 0
-        return min(self.checks.rise, self.checks.fall) * self.checks.fast_interval_ms * (100 - jitter) / 100
+        return self.checks.fast_interval_ms * (100 - jitter) / 100
 
 
 ROWS = (
@@ -160,18 +171,31 @@ def _ms(t: float | None, ref: float) -> int | None:
     return None if t is None else round((t - ref) * 1000)
 
 
-def analyse(samples: list, t0: float, t_rec: float, victim_len: int, changes: list | None = None) -> dict:
+def analyse(samples: list, t0: float, t_rec: float, victim_len: int, changes: list | None = None,
+            floors: tuple[float, float] | None = None) -> dict:
     """One scenario's numbers. Times are request starts; `changes` are the
-    balancer's state changes for the victim, (monotonic time, "up"|"down")."""
+    balancer's state changes for the victim, (monotonic time, "up"|"down",
+    "checks"|"passive", refusals the balancer took it down for or None).
+    rise/fall bound the time before a change the checks made; a passive
+    ejection follows the data path's failed handshakes instead, however soon
+    after a return: the clients must have seen as many refusals since the
+    change before it as the balancer counted (the other server never
+    refuses, so every refusal is the victim's). `floors`: the least gap
+    before a change the checks made, after one they made and after a
+    passive ejection (Row.fast_floor_ms, Row.return_floor_ms)."""
     samples = sorted(samples, key=lambda s: s[0])
     failed = [s for s in samples if s[2]]
     first = failed[0][0] if failed else None
     last = failed[-1][0] if failed else None
     back = next((s[0] for s in samples if not s[2] and s[3] == victim_len and s[0] >= t_rec), None)
     changes = sorted(changes or [])
-    down = next((t for t, what in changes if what == "down" and t >= t0), None)
-    up = next((t for t, what in changes if what == "up" and t >= t_rec), None)
-    gaps = [round((b[0] - a[0]) * 1000) for a, b in zip(changes, changes[1:])]
+    down = next((t for t, what, *_ in changes if what == "down" and t >= t0), None)
+    up = next((t for t, what, *_ in changes if what == "up" and t >= t_rec), None)
+    gaps = [(round((b[0] - a[0]) * 1000), a[2]) for a, b in zip(changes, changes[1:]) if b[2] == "checks"]
+    floor = dict(zip(("checks", "passive"), floors)) if floors else {}
+    passive = [(a[0] if a else float("-inf"), b[0], b[3] or 0) for a, b in zip([None, *changes], changes) if b[2] == "passive"]
+    # The change before is stamped up to the log's polling period late.
+    seen = [(sum(1 for s in failed if s[2] == "refused" and a - GAP_TOLERANCE_MS / 1000 <= s[0] <= b), n) for a, b, n in passive]
     return {
         "requests": len(samples),
         "failed": len(failed),
@@ -188,12 +212,15 @@ def analyse(samples: list, t0: float, t_rec: float, victim_len: int, changes: li
         "marked_down_ms": _ms(down, t0),
         "marked_up_ms": _ms(up, t_rec),
         "changes": len(changes),
-        "shortest_gap_ms": min(gaps) if gaps else None,
+        "shortest_gap_ms": min(g for g, _ in gaps) if gaps else None,
+        "gaps_below_floor": sum(1 for g, after in gaps if after in floor and g < floor[after] - GAP_TOLERANCE_MS),
+        "passive_downs": len(passive),
+        "passive_early": sum(1 for got, counted in seen if got < counted),
         "failures": [[_ms(s[0], t0), s[2]] for s in failed],
     }
 
 
-def verdict(scenario: str, s: dict, floor_ms: float | None = None) -> str:
+def verdict(scenario: str, s: dict) -> str:
     """The issue's targets for one scenario of one balancer."""
     missed = []
     if scenario in TARGET_MS:
@@ -205,8 +232,10 @@ def verdict(scenario: str, s: dict, floor_ms: float | None = None) -> str:
             missed.append("not back" if s["back_ms"] is None else f"back after {s['back_ms']} ms > {TARGET_BACK_MS}")
     # Whatever broke the backend, its state must not change faster than
     # rise/fall allow.
-    if floor_ms is not None and s["shortest_gap_ms"] is not None and s["shortest_gap_ms"] < floor_ms - GAP_TOLERANCE_MS:
-        missed.append(f"changes {s['shortest_gap_ms']} ms apart < {floor_ms:g}")
+    if s.get("gaps_below_floor"):
+        missed.append(f"{s['gaps_below_floor']} changes sooner than rise/fall allow")
+    if s.get("passive_early"):
+        missed.append(f"{s['passive_early']} passive ejections on refusals the clients did not see")
     return "met" if not missed else "missed: " + "; ".join(missed)
 
 
@@ -229,8 +258,8 @@ def markdown(rows: list[dict], preamble: str = "") -> str:
         f"{TARGET_MS['host']} ms (host down) after the fault, none after the backend recovers, and the "
         f"backend serving again within {TARGET_BACK_MS} ms of recovering. Times in ms: failures from the "
         "fault (t0) by request start; *back* and *marked up* from the recovery; *changes*: the balancer's state "
-        "changes for the backend, with the shortest time between two (rise/fall allow no less than "
-        f"{rows[0]['floor_ms'] if rows else '?':g} ms for inband).",
+        "changes for the backend, with the shortest time before one the checks made (rise/fall allow no less than "
+        f"{rows[0]['floor_ms'] if rows else '?':g} ms for inband, one fast interval after a passive ejection).",
         "",
         "| balancer | scenario | requests | failed | how | failed from → to | failing for | after recovery | marked down | back in service | marked up | changes (shortest gap) | failed / HAProxy | failing / HAProxy | targets |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -256,8 +285,11 @@ def markdown(rows: list[dict], preamble: str = "") -> str:
         "",
         "State changes the balancer made for the flapping backend (its log; the counter is inband's `transitions` "
         "from `inband status --json`, HAProxy's `chkdown` from `show stat`, downs only), and the shortest time "
-        "between two of them against the least that rise/fall allow at the fast interval "
-        f"(met: no gap more than {GAP_TOLERANCE_MS} ms, the timing's resolution, below it).",
+        "before a change the checks made against the least that rise/fall allow at the fast interval (one fast "
+        "interval after a passive ejection) "
+        f"(met: no gap more than {GAP_TOLERANCE_MS} ms, the timing's resolution, below it). A passive ejection "
+        "follows the data path's failed handshakes, not the check interval, however soon after a return: met when "
+        "the clients saw as many refusals since the change before it as the balancer counted.",
         "",
         "| balancer | toggles | state changes | counter | shortest gap (ms) | rise/fall allow (ms) | requests | failed | how | targets |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -277,15 +309,28 @@ def markdown(rows: list[dict], preamble: str = "") -> str:
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+REFUSED = re.compile(r"\brefused=(\d+)")
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?Z) ")
+
+
+def logged_at(line: str, now: float, wall: float) -> float:
+    """When a log line was written, on the monotonic clock: from the time
+    it carries (inband's tracing lines), else `now`, when it was read."""
+    m = STAMP.match(line)
+    if not m:
+        return now
+    return now - (wall - datetime.fromisoformat(m.group(1)).timestamp())
 
 
 class StateLog:
     """Follows a balancer's log as it is written and stamps (monotonic
     time) each line that says the victim went down or up: every 5 ms, so
-    both balancers' changes are timed the same way."""
+    both balancers' changes are timed the same way. A down line that
+    `passive` matches is a passive ejection, for the refusals its
+    `refused=` field counts."""
 
-    def __init__(self, path: Path, down: re.Pattern, up: re.Pattern) -> None:
-        self.path, self.down, self.up = path, down, up
+    def __init__(self, path: Path, down: re.Pattern, up: re.Pattern, passive: re.Pattern | None = None) -> None:
+        self.path, self.down, self.up, self.passive = path, down, up, passive
         self.changes: list = []
         self.stop = threading.Event()
         self.offset = path.stat().st_size if path.exists() else 0
@@ -297,16 +342,21 @@ class StateLog:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
                 data = f.read()
-            now = time.monotonic()
+            now, wall = time.monotonic(), time.time()
             self.offset += len(data)
             rest += data
             *lines, rest = rest.split(b"\n")
             for line in lines:
                 text = ANSI.sub("", line.decode(errors="replace"))
+                at = logged_at(text, now, wall)
                 if self.down.search(text):
-                    self.changes.append((now, "down"))
+                    if self.passive and self.passive.search(text):
+                        m = REFUSED.search(text)
+                        self.changes.append((at, "down", "passive", int(m.group(1)) if m else None))
+                    else:
+                        self.changes.append((at, "down", "checks", None))
                 elif self.up.search(text):
-                    self.changes.append((now, "up"))
+                    self.changes.append((at, "up", "checks", None))
             self.stop.wait(0.005)
 
     def __enter__(self) -> "StateLog":
@@ -435,7 +485,7 @@ class Bench(TestbedRun):
     def state_log(self, row: Row, log: Path) -> StateLog:
         if row.kind == "inband":
             who = re.escape(f"backend={self.victim}")
-            return StateLog(log, re.compile(rf"backend down:.*{who}"), re.compile(rf"backend up:.*{who}"))
+            return StateLog(log, re.compile(rf"backend down:.*{who}"), re.compile(rf"backend up:.*{who}"), re.compile(r"\(passive\)"))
         return StateLog(log, re.compile(rf"Server servers/s{VICTIM} is DOWN"), re.compile(rf"Server servers/s{VICTIM} is UP"))
 
     def up_again(self, row: Row) -> None:
@@ -497,11 +547,11 @@ class Bench(TestbedRun):
             # A change still to come (the flapping backend coming back)
             # is the scenario's too.
             self.up_again(row)
-        r = analyse(read_samples(out), t0, t_rec, body_bytes(VICTIM), states.changes)
+        r = analyse(read_samples(out), t0, t_rec, body_bytes(VICTIM), states.changes, (row.fast_floor_ms(), row.return_floor_ms()))
         r["counter"] = self.counter(row) - before
         if sc == "flap":
             r["toggles"] = toggles
-        r["verdict"] = verdict(sc, r, row.fast_floor_ms())
+        r["verdict"] = verdict(sc, r)
         self.log(f"{row.key} {sc}: {r['requests']} requests, {r['failed']} failed ({_kinds(r['kinds'])}), failing for {r['failing_ms']} ms, "
                  f"marked down {_cell(r['marked_down_ms'])} ms, back {_cell(r['back_ms'])} ms, {r['changes']} changes; {r['verdict']}")
         return r

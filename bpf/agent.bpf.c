@@ -1073,6 +1073,38 @@ static __always_inline __s64 *served_count(const struct sock *sk, __u16 *port)
 	return bpf_map_lookup_elem(&active_conns, port);
 }
 
+/* The socket's peer. An IPv6 socket's peer may be IPv4-mapped (a
+ * dual-stack socket serving an IPv4 client): exactly how the maps hold
+ * IPv4. */
+static __always_inline void peer_addr(const struct sock *sk, struct inband_addr *out)
+{
+	if (sk->__sk_common.skc_family == INBAND_AF_INET)
+		*out = inband_addr4(sk->__sk_common.skc_daddr);
+	else
+		bpf_probe_read_kernel(out, sizeof(*out), &sk->__sk_common.skc_v6_daddr);
+}
+
+/*
+ * Whether `sk`'s peer is a balancer: a connection the balancer itself
+ * opened (its health checks), or one of its clients the agent could not
+ * give the client's address (no 155 taken: a fallback). Neither is
+ * counted. The balancer never learns when a health check's connection
+ * ends, so a report taken while one was open (one in a few hundred at the
+ * default 500 ms interval) left the backend an extra connection until the
+ * report decayed: under least-score at light load, two seconds in which
+ * the other idle backends took every new connection. Every balancer's
+ * checks arrive so, not only the reporting one's. A fallback connection
+ * stays in the balancer's own estimate until the next report (select.h);
+ * the agent's counters say why its 155 was not taken (docs/agent.md).
+ */
+static __always_inline int from_balancer(const struct sock *sk)
+{
+	struct inband_addr peer;
+
+	peer_addr(sk, &peer);
+	return bpf_map_lookup_elem(&balancers, &peer) != NULL;
+}
+
 /* Moves `sk`'s mark from `seen` to `to` and the count with it; one CPU
  * wins a race for the same socket. */
 static __always_inline void recount(__s64 *active, __u32 *mark, __u32 seen, __u32 to, int delta)
@@ -1089,13 +1121,8 @@ static __always_inline void forget_connection(struct sock *sk, __u16 port)
 {
 	struct inband_conn_key key;
 
-	/* An IPv6 socket's peer may be IPv4-mapped (a dual-stack socket
-	 * serving an IPv4 client): exactly how the maps hold IPv4. */
 	__builtin_memset(&key, 0, sizeof(key));
-	if (sk->__sk_common.skc_family == INBAND_AF_INET)
-		key.peer_addr = inband_addr4(sk->__sk_common.skc_daddr);
-	else
-		bpf_probe_read_kernel(&key.peer_addr, sizeof(key.peer_addr), &sk->__sk_common.skc_v6_daddr);
+	peer_addr(sk, &key.peer_addr);
 	key.peer_port = sk->__sk_common.skc_dport;
 	key.local_port = bpf_htons(port);
 	key.proto = IPPROTO_TCP;
@@ -1131,8 +1158,11 @@ int agent_sock_state(__u64 *ctx)
 
 	if (!active)
 		return 0;
-	int want = is_active(newstate);
-	__u32 *mark = bpf_sk_storage_get(&conn_counted, sk, 0, want ? BPF_SK_STORAGE_GET_F_CREATE : 0);
+	/* A balancer's connection is marked too, uncounted: its first change
+	 * to an active state creates the mark, and with it every later change
+	 * knows it was never counted. */
+	int want = is_active(newstate) && !from_balancer(sk);
+	__u32 *mark = bpf_sk_storage_get(&conn_counted, sk, 0, is_active(newstate) ? BPF_SK_STORAGE_GET_F_CREATE : 0);
 	__u32 seen = mark ? *mark : INBAND_CONN_UNMARKED;
 	/* Unmarked: from before the agent (counted by the seed as its old
 	 * state says), or new and its first change missed (a socket leaving

@@ -24,8 +24,9 @@ def _check_ip(a: str) -> str:
 class HealthChecks:
     """Active TCP connect checks with the same timings for inband
     (`[vip.health]`) and HAProxy (`check inter fastinter rise fall`). The
-    defaults are inband's (docs/configuration.md). `jitter_pct` is
-    inband's only: HAProxy's checks keep their interval."""
+    defaults are inband's (docs/configuration.md). `jitter_pct` and
+    `passive_fall` are inband's only: HAProxy's checks keep their interval,
+    and it is given no passive detection."""
 
     interval_ms: int = 500
     fast_interval_ms: int = 100
@@ -33,6 +34,7 @@ class HealthChecks:
     rise: int = 2
     fall: int = 2
     jitter_pct: int = 10
+    passive_fall: int = 3
 
     def toml_lines(self) -> list[str]:
         return [
@@ -44,6 +46,7 @@ class HealthChecks:
             f"rise = {int(self.rise)}",
             f"fall = {int(self.fall)}",
             f"jitter_pct = {int(self.jitter_pct)}",
+            f"passive_fall = {int(self.passive_fall)}",
         ]
 
     def haproxy_server_args(self) -> str:

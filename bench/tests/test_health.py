@@ -37,18 +37,55 @@ def test_analyse_times_failures_from_the_fault_and_service_from_the_recovery():
         [108.4, 108.41, "", V],
         [108.5, 108.51, "", V],
     ]
-    changes = [(100.45, "down"), (108.3, "up")]
-    r = health.analyse(samples, t0, t_rec, V, changes)
+    changes = [(100.45, "down", "checks", None), (108.3, "up", "checks", None)]
+    r = health.analyse(samples, t0, t_rec, V, changes, FLOORS)
     assert (r["requests"], r["failed"]) == (10, 3)
     assert r["kinds"] == {"refused": 2, "connect timeout": 1}
     assert (r["first_failed_ms"], r["last_failed_ms"], r["failing_ms"]) == (-50, 600, 600)
     assert r["failed_after_recovery"] == 0
     assert (r["back_ms"], r["marked_down_ms"], r["marked_up_ms"]) == (400, 450, 300)
     assert (r["changes"], r["shortest_gap_ms"], r["served_by_victim"]) == (2, 7850, 3)
+    assert (r["passive_downs"], r["passive_early"], r["gaps_below_floor"]) == (0, 0, 0)
     assert r["failures"][0] == [-50, "connect timeout"]
     # Nothing failed: failing for 0; the victim never back: None.
     r = health.analyse([[101.0, 101.1, "", OTHER]], t0, t_rec, V, [])
     assert (r["failed"], r["failing_ms"], r["first_failed_ms"], r["back_ms"], r["marked_down_ms"]) == (0, 0, None, None, None)
+
+
+FLOORS = (180, 90)  # after a change the checks made, after a passive ejection
+
+
+def test_a_passive_ejection_is_judged_by_the_refusals_before_it():
+    t0, t_rec, V = 100.0, 101.0, 1002
+    refused = [[100.05 + i / 100, 100.06 + i / 100, "refused", None] for i in range(3)]
+    # Up, then 3 refusals, then a passive ejection for them 80 ms after the
+    # return (sooner than checks could move it, and sound), then back 100
+    # ms later (a check in flight passed at once, the next one 100 ms on).
+    changes = [(99.5, "down", "checks", None), (100.0, "up", "checks", None), (100.08, "down", "passive", 3), (100.18, "up", "checks", None)]
+    r = health.analyse(refused, t0, t_rec, V, changes, FLOORS)
+    assert (r["passive_downs"], r["passive_early"], r["shortest_gap_ms"], r["gaps_below_floor"]) == (1, 0, 100, 0)
+    assert health.verdict("flap", r) == "met"
+    # Ejected for 3 refusals, the clients saw 2 since it came back: the
+    # balancer counted some from before.
+    r = health.analyse(refused[1:], t0, t_rec, V, changes, FLOORS)
+    assert r["passive_early"] == 1
+    assert health.verdict("flap", r) == "missed: 1 passive ejections on refusals the clients did not see"
+    # Ejected for unanswered handshakes (a silent host): no refusal to see.
+    r = health.analyse([], t0, t_rec, V, [(100.0, "up", "checks", None), (100.08, "down", "passive", 0)], FLOORS)
+    assert (r["passive_downs"], r["passive_early"]) == (1, 0)
+
+
+def test_changes_the_checks_made_keep_their_floor():
+    t0, t_rec, V = 100.0, 101.0, 1002
+    def gaps(*changes):
+        return health.analyse([], t0, t_rec, V, list(changes), FLOORS)["gaps_below_floor"]
+    assert gaps((100.0, "down", "checks", None), (100.175, "up", "checks", None)) == 0  # within the resolution
+    assert gaps((100.0, "down", "checks", None), (100.12, "up", "checks", None)) == 1
+    # A backend ejected by its checks right after it came back flaps too.
+    assert gaps((100.0, "up", "checks", None), (100.06, "down", "checks", None)) == 1
+    # Back sooner than one fast interval after a passive ejection.
+    assert gaps((100.0, "down", "passive", 3), (100.06, "up", "checks", None)) == 1
+    assert gaps((100.0, "down", "passive", 3), (100.085, "up", "checks", None)) == 0
 
 
 def test_verdict_holds_the_issues_targets():
@@ -60,16 +97,14 @@ def test_verdict_holds_the_issues_targets():
         "missed: failures for 3001 ms > 3000; 2 failed after recovery; not back"
     )
     assert health.verdict("app", {**ok, "back_ms": 3500}) == "missed: back after 3500 ms > 3000"
-    assert health.verdict("flap", {**ok, "shortest_gap_ms": 250}, 180) == "met"
-    assert health.verdict("flap", {**ok, "shortest_gap_ms": 175}, 180) == "met"  # within the timing's resolution
-    assert health.verdict("flap", {**ok, "shortest_gap_ms": 120}, 180) == "missed: changes 120 ms apart < 180"
-    # A backend ejected again right after it came back flaps too.
-    assert health.verdict("host", {**ok, "shortest_gap_ms": 60}, 180) == "missed: changes 60 ms apart < 180"
+    assert health.verdict("flap", {**ok, "gaps_below_floor": 0}) == "met"
+    assert health.verdict("host", {**ok, "gaps_below_floor": 2}) == "missed: 2 changes sooner than rise/fall allow"
 
 
-def test_fast_floor_is_rise_or_fall_fast_intervals_less_jitter():
+def test_floors_are_fast_intervals_less_jitter():
     assert health.BY_KEY["dsr-rr"].fast_floor_ms() == 180
     assert health.BY_KEY["haproxy"].fast_floor_ms() == 200
+    assert health.BY_KEY["dsr-rr"].return_floor_ms() == 90
 
 
 def _scenario(failed, failing, **kw):
@@ -164,8 +199,10 @@ def test_quick_profile_end_to_end(tmp_path):
                 assert s["changes"] == 2 and s["verdict"] == "met", (key, sc, s["verdict"], s["changes"])
             flap = row["scenarios"]["flap"]
             assert flap["toggles"] >= 4
-            # Loosely (a loaded machine delays reading the log): changes
-            # as close as a second ejection right after a return would be.
-            assert flap["shortest_gap_ms"] is None or flap["shortest_gap_ms"] >= 100, (key, flap)
+            # No change the checks made sooner than rise/fall allow (timed
+            # by the log lines' own clock). A passive ejection may come
+            # sooner (the application killed just after its return), for
+            # refusals the clients saw since.
+            assert flap["gaps_below_floor"] == 0 and flap["passive_early"] == 0, (key, flap)
     assert "| balancer | scenario |" in cp.stdout, cp.stdout[-2000:]
     print(md, file=sys.stderr)

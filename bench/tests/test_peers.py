@@ -128,11 +128,12 @@ def test_lb_toml_with_health_checks_exact():
     )  # fmt: skip
     assert (
         'poll_interval_ms = 100\n\n[vip.health]\ncheck = "tcp"\ninterval_ms = 500\nfast_interval_ms = 100\n'
-        "timeout_ms = 700\nrise = 3\nfall = 2\njitter_pct = 10\n\n[[vip.backend]]\n"
+        "timeout_ms = 700\nrise = 3\nfall = 2\njitter_pct = 10\npassive_fall = 3\n\n[[vip.backend]]\n"
     ) in text
     vip = tomllib.loads(text)["vip"][0]
     assert vip["health"] == {
         "check": "tcp", "interval_ms": 500, "fast_interval_ms": 100, "timeout_ms": 700, "rise": 3, "fall": 2, "jitter_pct": 10,
+        "passive_fall": 3,
     }  # fmt: skip
     assert vip["backend"] == [{"address": "10.77.0.21", "port": 8080}]
 

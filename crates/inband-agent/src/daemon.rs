@@ -5,7 +5,7 @@
 
 use std::collections::HashSet;
 use std::mem::MaybeUninit;
-use std::net::UdpSocket;
+use std::net::{IpAddr, UdpSocket};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -157,7 +157,7 @@ fn configure(cfg: &AgentConfig, data_path: &DataPathSettings, pins: &bpfmap::Pin
         }
     }
     for port in cfg.service_ports() {
-        let n = seed_active(&maps, port, proc_tcp::read)?;
+        let n = seed_active(&maps, port, &cfg.balancers, proc_tcp::read)?;
         info!(port, active = n, "connection count seeded from /proc/net/tcp");
     }
     Ok(maps)
@@ -186,6 +186,7 @@ fn configure(cfg: &AgentConfig, data_path: &DataPathSettings, pins: &bpfmap::Pin
 pub fn seed_active(
     maps: &AgentMaps,
     port: u16,
+    balancers: &[IpAddr],
     read_sockets: impl Fn() -> Result<Vec<proc_tcp::TcpSocket>>,
 ) -> Result<i64> {
     const ATTEMPTS: usize = 10;
@@ -193,7 +194,7 @@ pub fn seed_active(
     let mut offset = 0;
     for attempt in 1..=ATTEMPTS {
         let before = maps.active(port)?.unwrap_or(0);
-        let count = proc_tcp::active_on_port(&read_sockets()?, port);
+        let count = proc_tcp::active_on_port(&read_sockets()?, port, balancers);
         let after = maps.active(port)?.unwrap_or(0);
         offset = count - after;
         if before == after {

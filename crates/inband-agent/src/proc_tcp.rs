@@ -2,6 +2,7 @@
 //! existed before the tracepoint was attached.
 
 use std::collections::BTreeMap;
+use std::net::IpAddr;
 
 use anyhow::{bail, Context, Result};
 
@@ -51,6 +52,8 @@ impl TcpState {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TcpSocket {
     pub local_port: u16,
+    /// The remote address; an IPv4 peer of an IPv6 socket as IPv4.
+    pub peer: IpAddr,
     pub state: TcpState,
     /// A connection request that has not completed its handshake. The kernel
     /// prints these as SYN_RECV, but they are not sockets yet: no
@@ -80,11 +83,30 @@ fn parse_line(line: &str) -> Result<TcpSocket> {
         bail!("expected at least 11 fields, found {}", f.len());
     }
     let Some((_, port)) = f[1].split_once(':') else { bail!("local address {:?} has no port", f[1]) };
+    let Some((remote, _)) = f[2].split_once(':') else { bail!("remote address {:?} has no port", f[2]) };
+    let peer = parse_addr(remote).with_context(|| format!("bad remote address {remote:?}"))?;
     let local_port = u16::from_str_radix(port, 16).with_context(|| format!("bad port {port:?}"))?;
     let code = u8::from_str_radix(f[3], 16).with_context(|| format!("bad state {:?}", f[3]))?;
     let state = TcpState::from_code(code).with_context(|| format!("unknown state {code}"))?;
     let refcnt: u64 = f[10].parse().with_context(|| format!("bad reference count {:?}", f[10]))?;
-    Ok(TcpSocket { local_port, state, request: refcnt == 0 && state == TcpState::SynRecv })
+    Ok(TcpSocket { local_port, peer, state, request: refcnt == 0 && state == TcpState::SynRecv })
+}
+
+/// An address as the kernel prints it: 32-bit words in hex, each in the
+/// host's byte order (8 digits for IPv4, 32 for IPv6).
+fn parse_addr(hex: &str) -> Result<IpAddr> {
+    let word = |w: &str| u32::from_str_radix(w, 16).map(u32::to_ne_bytes).map_err(anyhow::Error::from);
+    match hex.len() {
+        8 => Ok(IpAddr::from(word(hex)?)),
+        32 => {
+            let mut b = [0u8; 16];
+            for (i, chunk) in b.chunks_mut(4).enumerate() {
+                chunk.copy_from_slice(&word(&hex[i * 8..i * 8 + 8])?);
+            }
+            Ok(IpAddr::from(b).to_canonical())
+        }
+        n => bail!("{n} hex digits, expected 8 or 32"),
+    }
 }
 
 /// Sockets per (local port, state), request sockets excluded.
@@ -97,9 +119,13 @@ pub fn count_by_port_state(sockets: &[TcpSocket]) -> BTreeMap<(u16, TcpState), u
 }
 
 /// What the tracepoint would have counted for `port` had it seen every
-/// socket from its start.
-pub fn active_on_port(sockets: &[TcpSocket], port: u16) -> i64 {
-    sockets.iter().filter(|s| !s.request && s.local_port == port && s.state.is_active()).count() as i64
+/// socket from its start: not a balancer's own connections (agent.bpf.c,
+/// from_balancer).
+pub fn active_on_port(sockets: &[TcpSocket], port: u16, balancers: &[IpAddr]) -> i64 {
+    sockets
+        .iter()
+        .filter(|s| !s.request && s.local_port == port && s.state.is_active() && !balancers.iter().any(|b| b.to_canonical() == s.peer))
+        .count() as i64
 }
 
 /// Every TCP socket of this network namespace, both families (an IPv6

@@ -594,10 +594,27 @@ fn proc_net_tcp_counts() {
     assert_eq!(counts, want);
     // Active = SYN_RECV (full sockets) + ESTABLISHED + FIN_WAIT1/2: until
     // the client's FIN (CLOSE_WAIT and LAST_ACK are past it).
-    assert_eq!(proc_tcp::active_on_port(&socks, 8080), 3);
-    assert_eq!(proc_tcp::active_on_port(&socks, 8081), 2);
-    assert_eq!(proc_tcp::active_on_port(&socks, 0xD439), 1);
-    assert_eq!(proc_tcp::active_on_port(&socks, 9999), 0);
+    assert_eq!(proc_tcp::active_on_port(&socks, 8080, &[]), 3);
+    assert_eq!(proc_tcp::active_on_port(&socks, 8081, &[]), 2);
+    assert_eq!(proc_tcp::active_on_port(&socks, 0xD439, &[]), 1);
+    assert_eq!(proc_tcp::active_on_port(&socks, 9999, &[]), 0);
+    // Every peer in the sample is 10.99.0.1: a balancer's own connections
+    // are not counted, as the tracepoint does not count them.
+    assert_eq!(socks[1].peer, "10.99.0.1".parse::<IpAddr>().unwrap());
+    assert_eq!(proc_tcp::active_on_port(&socks, 8080, &["10.99.0.1".parse().unwrap()]), 0);
+    assert_eq!(proc_tcp::active_on_port(&socks, 8080, &["10.99.0.3".parse().unwrap()]), 3);
+}
+
+#[test]
+fn proc_net_tcp6_peers_are_read_and_ipv4_mapped_ones_are_ipv4() {
+    let text = "  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0000000000000000FFFF00000200630A:1F90 0000000000000000FFFF00000100630A:D431 01 00000000:00000000 00:00000000 00000000     0        0 2001 1 0000000000000000 20 4 30 10 -1
+   1: 000080FE00000000000000000200000A:1F90 000080FE00000000000000000100000A:D432 01 00000000:00000000 00:00000000 00000000     0        0 2002 1 0000000000000000 20 4 30 10 -1
+";
+    let socks = proc_tcp::parse(text).unwrap();
+    assert_eq!(socks[0].peer, "10.99.0.1".parse::<IpAddr>().unwrap());
+    assert_eq!(socks[1].peer, "fe80::a00:1".parse::<IpAddr>().unwrap());
+    assert_eq!(proc_tcp::active_on_port(&socks, 8080, &["10.99.0.1".parse().unwrap()]), 1);
 }
 
 #[test]
@@ -619,13 +636,13 @@ fn seeding_compensates_transitions_during_the_scan() {
     // A stale value from an earlier agent is replaced.
     bpfmap::put(&maps.active_conns, &8080u16, &99i64).unwrap();
     let socks = proc_tcp::parse(PROC_NET_TCP).unwrap();
-    assert_eq!(seed_active(&maps, 8080, || Ok(socks.clone())).unwrap(), 3);
+    assert_eq!(seed_active(&maps, 8080, &[], || Ok(socks.clone())).unwrap(), 3);
     assert_eq!(maps.active(8080).unwrap(), Some(3));
 
     // The first scan races a connection that opens (the tracepoint adds 1
     // while /proc is read): it is retried, and the connection is counted once.
     let calls = std::cell::Cell::new(0);
-    let n = seed_active(&maps, 8081, || {
+    let n = seed_active(&maps, 8081, &[], || {
         calls.set(calls.get() + 1);
         if calls.get() == 1 {
             let v = maps.active(8081).unwrap().unwrap();
@@ -633,7 +650,7 @@ fn seeding_compensates_transitions_during_the_scan() {
         }
         // 8081 has 2 active sockets in the sample, plus the new one.
         let mut s = socks.clone();
-        s.push(proc_tcp::TcpSocket { local_port: 8081, state: TcpState::Established, request: false });
+        s.push(proc_tcp::TcpSocket { local_port: 8081, peer: socks[1].peer, state: TcpState::Established, request: false });
         Ok(s)
     })
     .unwrap();

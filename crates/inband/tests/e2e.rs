@@ -211,27 +211,13 @@ fn dsr_polling_polls_and_dsr_dynamic_does_not() {
     assert!(sum(&c, "scores_received") > 0, "in-band scores arrive with responses");
 }
 
-/// Holds `n` idle connections open on server `i`, made from the balancer's
-/// namespace (not through the VIP): its agent counts them as load.
-fn hold_connections(c: &Cluster, i: usize, n: usize) -> Child {
-    let s = server(&c.tb, i);
-    let holder = format!("import socket, time\nconns = [socket.create_connection(('{}', {})) for _ in range({n})]\ntime.sleep(60)", s.ip(), s.port());
-    let hog = in_ns(&c.tb, "lb", &["python3", "-c", &holder]).spawn().unwrap();
-    wait_for(&format!("{n} connections on s{i}"), || {
-        let out = run_ok(&c.tb, &format!("s{i}"), &[BIN, "agent", "status", "--interface", "eth0", "--json"]);
-        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-        v["ports"]["8080"]["active_connections"].as_i64() == Some(n as i64)
-    });
-    hog
-}
-
 /// The paper's baseline: every new connection's SYN waits for the
 /// backends' answers, so even the first connection after a server got busy
 /// avoids it — at the cost of a query round per connection.
 #[test]
 fn dsr_query_asks_the_backends_before_each_new_connection() {
     let c = Cluster::up("dq", "dsr-query", &[]);
-    let mut hog = hold_connections(&c, 1, 6);
+    let mut hog = c.hold_connections(1, 6);
     let polls0 = c.status()[0]["control"]["polls_sent"].as_u64().unwrap();
     for _ in 0..12 {
         assert_eq!(get_vip(&c), (200, BODY));
@@ -354,23 +340,46 @@ fn an_ipip_backend_keeps_in_band_scores_across_a_path_that_drops_options() {
     assert_eq!(rules.matches("counter packets 0 bytes 0 drop").count(), 2, "{rules}");
 }
 
+/// The agents count a server's connections as its load, but not those a
+/// balancer opens itself (its health checks): the balancer never sees them
+/// end, and a report taken while one was open kept an idle backend looking
+/// busy until the report decayed. Five connections held from the
+/// balancer's address leave the count at 0; the same five from a client
+/// are counted.
+#[test]
+fn a_balancers_own_connections_are_not_counted_as_load() {
+    let c = Cluster::up("bo", "dsr-dynamic", &[]);
+    let s1 = server(&c.tb, 1);
+    let holder = format!(
+        "import socket, time\nconns = [socket.create_connection(('{}', {})) for _ in range(5)]\nprint(len(conns), flush=True)\ntime.sleep(120)",
+        s1.ip(),
+        s1.port()
+    );
+    let mut from_lb = in_ns(&c.tb, "lb", &["python3", "-c", &holder]).stdout(Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(from_lb.stdout.take().unwrap()), &mut line).unwrap();
+    assert_eq!(line.trim(), "5", "the balancer's connections are open");
+    let established = run_ok(&c.tb, "s1", &["ss", "-Htn", "state", "established", "sport", "= :8080"]);
+    assert_eq!(String::from_utf8_lossy(&established.stdout).lines().count(), 5, "s1 holds them");
+    std::thread::sleep(Duration::from_millis(300));
+    let count = || c.agent_status(1)["ports"]["8080"]["active_connections"].as_i64();
+    assert_eq!(count(), Some(0), "a balancer's own connections are not load");
+    let mut from_client = c.hold_connections(1, 5);
+    let _ = from_lb.kill();
+    let _ = from_lb.wait();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(count(), Some(5), "their close took nothing off the clients' count");
+    let _ = from_client.kill();
+    let _ = from_client.wait();
+    wait_for("s1 idle", || count() == Some(0));
+}
+
 #[test]
 fn dsr_dynamic_follows_real_load() {
     let c = Cluster::up("dy", "dsr-dynamic", &[]);
     // Load s1 with 6 open connections made directly (not through the
     // balancer): its agent counts them, the balancer learns it in-band.
-    let s1 = server(&c.tb, 1);
-    let holder = format!(
-        "import socket, time\nconns = [socket.create_connection(('{}', {})) for _ in range(6)]\ntime.sleep(60)",
-        s1.ip(),
-        s1.port()
-    );
-    let mut hog = in_ns(&c.tb, "lb", &["python3", "-c", &holder]).spawn().unwrap();
-    wait_for("6 connections on s1", || {
-        let out = run_ok(&c.tb, "s1", &[BIN, "agent", "status", "--interface", "eth0", "--json"]);
-        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-        v["ports"]["8080"]["active_connections"].as_i64() == Some(6)
-    });
+    let mut hog = c.hold_connections(1, 6);
     // Until its first score s1 ranks like the others. That score may take
     // a few connections: a probe that lands on a connection's last packet
     // has no response to ride on. So traffic flows until the balancer

@@ -562,6 +562,23 @@ impl Cluster {
         (1..=self.servers).map(|i| self.agent_status(i)["counters"][name].as_u64().unwrap()).sum()
     }
 
+    /// Holds `n` idle connections open on server `i`, made straight from
+    /// the client's namespace (not through the VIP): its agent counts them
+    /// as load. Not from the balancer's: the agents leave a balancer's own
+    /// connections (its health checks) out of the count. Returns once the
+    /// agent counts them; kill the process to close them.
+    pub fn hold_connections(&self, i: usize, n: usize) -> Child {
+        let s = server(&self.tb, i);
+        let holder = format!(
+            "import socket, time\nconns = [socket.create_connection(('{}', {})) for _ in range({n})]\ntime.sleep(120)",
+            s.ip(),
+            s.port()
+        );
+        let hog = in_ns(&self.tb, "c1", &["python3", "-c", &holder]).spawn().unwrap();
+        wait_for(&format!("{n} connections on s{i}"), || self.agent_status(i)["ports"]["8080"]["active_connections"].as_i64() == Some(n as i64));
+        hog
+    }
+
     /// Every agent's nonzero counters, by server: what a failing assertion
     /// on the agents' work prints.
     pub fn agent_counters(&self) -> String {
@@ -575,7 +592,7 @@ impl Cluster {
             .join("; ")
     }
 
-    fn agent_status(&self, i: usize) -> Value {
+    pub fn agent_status(&self, i: usize) -> Value {
         let out = run_ok(&self.tb, &format!("s{i}"), &[BIN, "agent", "status", "--interface", "eth0", "--json"]);
         serde_json::from_slice(&out.stdout).unwrap()
     }
