@@ -1085,22 +1085,23 @@ static __always_inline void peer_addr(const struct sock *sk, struct inband_addr 
 }
 
 /*
- * Whether `sk`'s peer is a balancer: a connection the balancer itself
- * opened (its health checks), or one of its clients the agent could not
- * give the client's address (no 155 taken: a fallback). Neither is
- * counted. The balancer never learns when a health check's connection
- * ends, so a report taken while one was open (one in a few hundred at the
- * default 500 ms interval) left the backend an extra connection until the
- * report decayed: under least-score at light load, two seconds in which
- * the other idle backends took every new connection. Every balancer's
- * checks arrive so, not only the reporting one's. A fallback connection
- * stays in the balancer's own estimate until the next report (select.h);
- * the agent's counters say why its 155 was not taken (docs/agent.md).
+ * Whether `sk` is a balancer's own connection (its health checks): from a
+ * balancer's address, on a source port above the balancers' SNAT range
+ * (wire.h), where the balancer host's kernel picks its ports. Its clients'
+ * connections come from that address too, on SNAT ports, and are counted.
+ * The balancer never learns when a health check's connection ends, so a
+ * report taken while one was open (one in a few hundred at the default
+ * 500 ms interval) left the backend an extra connection until the report
+ * decayed: under least-score at light load, two seconds in which the
+ * other idle backends took every new connection. Every balancer's checks
+ * arrive so, not only the reporting one's.
  */
-static __always_inline int from_balancer(const struct sock *sk)
+static __always_inline int balancer_own(const struct sock *sk)
 {
 	struct inband_addr peer;
 
+	if (bpf_ntohs(sk->__sk_common.skc_dport) <= INBAND_SNAT_PORT_MAX)
+		return 0;
 	peer_addr(sk, &peer);
 	return bpf_map_lookup_elem(&balancers, &peer) != NULL;
 }
@@ -1158,10 +1159,10 @@ int agent_sock_state(__u64 *ctx)
 
 	if (!active)
 		return 0;
-	/* A balancer's connection is marked too, uncounted: its first change
-	 * to an active state creates the mark, and with it every later change
-	 * knows it was never counted. */
-	int want = is_active(newstate) && !from_balancer(sk);
+	/* A balancer's own connection is marked too, uncounted: its first
+	 * change to an active state creates the mark, and with it every later
+	 * change knows it was never counted. */
+	int want = is_active(newstate) && !balancer_own(sk);
 	__u32 *mark = bpf_sk_storage_get(&conn_counted, sk, 0, is_active(newstate) ? BPF_SK_STORAGE_GET_F_CREATE : 0);
 	__u32 seen = mark ? *mark : INBAND_CONN_UNMARKED;
 	/* Unmarked: from before the agent (counted by the seed as its old

@@ -62,6 +62,15 @@
  */
 #define INBAND_OPT_DATA_MAX_LEN 16
 
+/* Source ports the balancer uses toward backends (SNAT); kept below Linux's
+ * default ephemeral range (32768-60999) so they never collide with the
+ * balancer host's own connections to the same backend (its health checks).
+ * The agents tell the two apart by it: a connection from a balancer's
+ * address on a port above the range is the balancer's own, not a client's,
+ * and is not counted as load (agent.bpf.c, balancer_own). */
+#define INBAND_SNAT_PORT_MIN 1024
+#define INBAND_SNAT_PORT_MAX 32767
+
 /* IPv4 header limits (RFC 791). */
 #define INBAND_IPV4_MIN_HDR 20
 #define INBAND_IPV4_MAX_HDR 60

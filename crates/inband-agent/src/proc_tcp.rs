@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use anyhow::{bail, Context, Result};
+use inband_core::shared as c;
 
 /// Kernel TCP states as /proc/net/tcp prints them (include/net/tcp_states.h).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -52,8 +53,9 @@ impl TcpState {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TcpSocket {
     pub local_port: u16,
-    /// The remote address; an IPv4 peer of an IPv6 socket as IPv4.
+    /// The remote address (an IPv4 peer of an IPv6 socket as IPv4) and port.
     pub peer: IpAddr,
+    pub peer_port: u16,
     pub state: TcpState,
     /// A connection request that has not completed its handshake. The kernel
     /// prints these as SYN_RECV, but they are not sockets yet: no
@@ -83,13 +85,14 @@ fn parse_line(line: &str) -> Result<TcpSocket> {
         bail!("expected at least 11 fields, found {}", f.len());
     }
     let Some((_, port)) = f[1].split_once(':') else { bail!("local address {:?} has no port", f[1]) };
-    let Some((remote, _)) = f[2].split_once(':') else { bail!("remote address {:?} has no port", f[2]) };
+    let Some((remote, rport)) = f[2].split_once(':') else { bail!("remote address {:?} has no port", f[2]) };
     let peer = parse_addr(remote).with_context(|| format!("bad remote address {remote:?}"))?;
+    let peer_port = u16::from_str_radix(rport, 16).with_context(|| format!("bad port {rport:?}"))?;
     let local_port = u16::from_str_radix(port, 16).with_context(|| format!("bad port {port:?}"))?;
     let code = u8::from_str_radix(f[3], 16).with_context(|| format!("bad state {:?}", f[3]))?;
     let state = TcpState::from_code(code).with_context(|| format!("unknown state {code}"))?;
     let refcnt: u64 = f[10].parse().with_context(|| format!("bad reference count {:?}", f[10]))?;
-    Ok(TcpSocket { local_port, peer, state, request: refcnt == 0 && state == TcpState::SynRecv })
+    Ok(TcpSocket { local_port, peer, peer_port, state, request: refcnt == 0 && state == TcpState::SynRecv })
 }
 
 /// An address as the kernel prints it: 32-bit words in hex, each in the
@@ -120,12 +123,10 @@ pub fn count_by_port_state(sockets: &[TcpSocket]) -> BTreeMap<(u16, TcpState), u
 
 /// What the tracepoint would have counted for `port` had it seen every
 /// socket from its start: not a balancer's own connections (agent.bpf.c,
-/// from_balancer).
+/// balancer_own).
 pub fn active_on_port(sockets: &[TcpSocket], port: u16, balancers: &[IpAddr]) -> i64 {
-    sockets
-        .iter()
-        .filter(|s| !s.request && s.local_port == port && s.state.is_active() && !balancers.iter().any(|b| b.to_canonical() == s.peer))
-        .count() as i64
+    let own = |s: &TcpSocket| u32::from(s.peer_port) > c::INBAND_SNAT_PORT_MAX && balancers.iter().any(|b| b.to_canonical() == s.peer);
+    sockets.iter().filter(|s| !s.request && s.local_port == port && s.state.is_active() && !own(s)).count() as i64
 }
 
 /// Every TCP socket of this network namespace, both families (an IPv6

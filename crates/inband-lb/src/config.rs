@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::maps::{Mode, Policy, MAX_BACKENDS, MAX_BACKENDS_PER_VIP, MAX_VIPS, SCAN_MAX};
 use inband_core::auth::AuthConfig;
+use inband_core::shared as c;
 use inband_core::net::{unicast, vip_name, Protocol};
 pub use inband_core::lb_control::{default_control_socket, default_weight, Encap};
 
@@ -723,8 +724,26 @@ impl LbConfig {
                 );
             }
         }
+        if let Some((lo, hi)) = ephemeral_ports().filter(|(lo, _)| u32::from(*lo) <= c::INBAND_SNAT_PORT_MAX) {
+            tracing::warn!(
+                "this host's ephemeral ports ({lo}-{hi}, net.ipv4.ip_local_port_range) overlap the balancer's SNAT ports \
+                 ({}-{}): its health checks may take a port a client's flow to the same backend holds, and agents count \
+                 them as load; start the range above {}",
+                c::INBAND_SNAT_PORT_MIN,
+                c::INBAND_SNAT_PORT_MAX,
+                c::INBAND_SNAT_PORT_MAX
+            );
+        }
         inband_core::bpfmap::require_bpffs()
     }
+}
+
+/// The kernel's ephemeral port range, where this host's own connections
+/// (the health checks) take their source ports; None if unreadable.
+fn ephemeral_ports() -> Option<(u16, u16)> {
+    let text = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    let mut it = text.split_whitespace().map(|n| n.parse().ok());
+    Some((it.next()??, it.next()??))
 }
 
 #[cfg(test)]

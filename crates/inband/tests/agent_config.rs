@@ -598,11 +598,16 @@ fn proc_net_tcp_counts() {
     assert_eq!(proc_tcp::active_on_port(&socks, 8081, &[]), 2);
     assert_eq!(proc_tcp::active_on_port(&socks, 0xD439, &[]), 1);
     assert_eq!(proc_tcp::active_on_port(&socks, 9999, &[]), 0);
-    // Every peer in the sample is 10.99.0.1: a balancer's own connections
-    // are not counted, as the tracepoint does not count them.
-    assert_eq!(socks[1].peer, "10.99.0.1".parse::<IpAddr>().unwrap());
+    // Every peer in the sample is 10.99.0.1, on ports above the SNAT
+    // range: a balancer's own connections (its checks) if it is a
+    // balancer, not counted, as the tracepoint does not count them.
+    assert_eq!((socks[1].peer, socks[1].peer_port), ("10.99.0.1".parse::<IpAddr>().unwrap(), 0xD431));
     assert_eq!(proc_tcp::active_on_port(&socks, 8080, &["10.99.0.1".parse().unwrap()]), 0);
     assert_eq!(proc_tcp::active_on_port(&socks, 8080, &["10.99.0.3".parse().unwrap()]), 3);
+    // From a SNAT port it is a client's connection through the balancer.
+    let mut through = socks.clone();
+    through[1].peer_port = 20000;
+    assert_eq!(proc_tcp::active_on_port(&through, 8080, &["10.99.0.1".parse().unwrap()]), 1);
 }
 
 #[test]
@@ -650,7 +655,7 @@ fn seeding_compensates_transitions_during_the_scan() {
         }
         // 8081 has 2 active sockets in the sample, plus the new one.
         let mut s = socks.clone();
-        s.push(proc_tcp::TcpSocket { local_port: 8081, peer: socks[1].peer, state: TcpState::Established, request: false });
+        s.push(proc_tcp::TcpSocket { local_port: 8081, peer: socks[1].peer, peer_port: 0xD440, state: TcpState::Established, request: false });
         Ok(s)
     })
     .unwrap();

@@ -341,37 +341,49 @@ fn an_ipip_backend_keeps_in_band_scores_across_a_path_that_drops_options() {
 }
 
 /// The agents count a server's connections as its load, but not those a
-/// balancer opens itself (its health checks): the balancer never sees them
-/// end, and a report taken while one was open kept an idle backend looking
-/// busy until the report decayed. Five connections held from the
-/// balancer's address leave the count at 0; the same five from a client
-/// are counted.
+/// balancer's host opens itself (its health checks): the balancer never
+/// sees them end, and a report taken while one was open kept an idle
+/// backend looking busy until the report decayed. They are told from the
+/// balancer's clients' connections, which come from its address too, by
+/// the port: the data path's SNAT ports lie below the kernel's ephemeral
+/// range. Five connections from the balancer's namespace on ephemeral
+/// ports leave the count at 0; two on SNAT ports are counted, and so are
+/// three from a client.
 #[test]
 fn a_balancers_own_connections_are_not_counted_as_load() {
     let c = Cluster::up("bo", "dsr-dynamic", &[]);
     let s1 = server(&c.tb, 1);
-    let holder = format!(
-        "import socket, time\nconns = [socket.create_connection(('{}', {})) for _ in range(5)]\nprint(len(conns), flush=True)\ntime.sleep(120)",
-        s1.ip(),
-        s1.port()
-    );
-    let mut from_lb = in_ns(&c.tb, "lb", &["python3", "-c", &holder]).stdout(Stdio::piped()).spawn().unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(&mut std::io::BufReader::new(from_lb.stdout.take().unwrap()), &mut line).unwrap();
-    assert_eq!(line.trim(), "5", "the balancer's connections are open");
-    let established = run_ok(&c.tb, "s1", &["ss", "-Htn", "state", "established", "sport", "= :8080"]);
-    assert_eq!(String::from_utf8_lossy(&established.stdout).lines().count(), 5, "s1 holds them");
-    std::thread::sleep(Duration::from_millis(300));
+    let hold = |ports: &[u16]| {
+        let sources: Vec<String> = ports.iter().map(|p| format!("('0.0.0.0', {p})")).collect();
+        let holder = format!(
+            "import socket, time\nconns = [socket.create_connection(('{}', {}), source_address=a) for a in [{}]]\nprint(len(conns), flush=True)\ntime.sleep(120)",
+            s1.ip(),
+            s1.port(),
+            sources.join(", ")
+        );
+        let mut child = in_ns(&c.tb, "lb", &["python3", "-c", &holder]).stdout(Stdio::piped()).spawn().unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
+        assert_eq!(line.trim(), ports.len().to_string(), "the balancer's connections are open");
+        child
+    };
+    let established = || String::from_utf8_lossy(&run_ok(&c.tb, "s1", &["ss", "-Htn", "state", "established", "sport", "= :8080"]).stdout).lines().count();
     let count = || c.agent_status(1)["ports"]["8080"]["active_connections"].as_i64();
-    assert_eq!(count(), Some(0), "a balancer's own connections are not load");
-    let mut from_client = c.hold_connections(1, 5);
-    let _ = from_lb.kill();
-    let _ = from_lb.wait();
+    let mut own = hold(&[0; 5]);
+    assert_eq!(established(), 5, "s1 holds them");
     std::thread::sleep(Duration::from_millis(300));
-    assert_eq!(count(), Some(5), "their close took nothing off the clients' count");
-    let _ = from_client.kill();
-    let _ = from_client.wait();
-    wait_for("s1 idle", || count() == Some(0));
+    assert_eq!(count(), Some(0), "a balancer's own connections are not load");
+    let mut snat = hold(&[20001, 20002]);
+    wait_for("the SNAT-port connections counted", || count() == Some(2));
+    for child in [&mut own, &mut snat] {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    wait_for("s1 idle", || count() == Some(0) && established() == 0);
+    let mut clients = c.hold_connections(1, 3);
+    let _ = clients.kill();
+    let _ = clients.wait();
+    wait_for("s1 idle again", || count() == Some(0));
 }
 
 #[test]

@@ -30,11 +30,6 @@
 #define INBAND_HALF_OPEN_TABLE_SIZE 65536
 #define INBAND_SNAT_TABLE_SIZE 524288
 
-/* Source ports the balancer uses toward backends; kept below Linux's default
- * ephemeral range (32768-60999) so they never collide with the balancer
- * host's own connections to the same backend. */
-#define INBAND_SNAT_PORT_MIN 1024
-#define INBAND_SNAT_PORT_MAX 32767
 #define INBAND_SNAT_TRIES 16
 /* A port search stops once it has seen this many ports held by handshakes
  * and takes the oldest preemptible one seen: under a SYN flood every
