@@ -270,6 +270,13 @@ fn record(maps: &LbMaps, id: u32, ch: &mut Checked, outcome: Outcome) -> Result<
         h.since_ms = h.last_check_ms;
         h.transitions += 1;
         ch.up.store(now_up, Ordering::Relaxed);
+        // Passive suspicion starts again from here: a down and a return
+        // within one look (250 ms, as when an application flaps) would
+        // keep the refusals from before the down, and one more after the
+        // return would eject the backend right after it came back.
+        let s = tables::sum_percpu::<BackendStats>(&maps.backend_stats, id)?;
+        ch.seen = (s.handshakes_completed, s.handshakes_refused, s.handshakes_retried);
+        (ch.suspect_refused, ch.suspect_unanswered) = (0, 0);
         let t = &ch.target;
         match &outcome {
             Ok(_) => info!(vip = %t.vip, backend = %t.endpoint, rise = spec.rise, "backend up: health checks pass"),
