@@ -16,10 +16,13 @@
 //! crashed agent leaves none behind.
 //!
 //! The maps are still pinned while the agent runs, for `inband agent status`
-//! and for the one case where state must survive: after a crash (SIGKILL,
-//! OOM) the tc filters stay attached with their pinned maps, and the next
+//! and for the two cases where state must survive: after a crash (SIGKILL,
+//! OOM), and after a stop for an upgrade (SIGUSR2, `Attachment::leave`),
+//! the tc filters stay attached with their pinned maps, and the next
 //! agent reuses those maps — so client tuples of live DSR connections
-//! survive — and replaces the filters in place (same handle and priority).
+//! survive — carrying them over if its build changed their layout
+//! (inband_core::map_upgrade), and replaces the filters in place (same
+//! handle and priority).
 
 use std::fs::File;
 use std::mem::MaybeUninit;
@@ -27,12 +30,13 @@ use std::os::fd::{AsFd, AsRawFd};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
 use libbpf_rs::{Link, OpenObject, TcHook, TC_EGRESS, TC_INGRESS};
 use tracing::{info, warn};
 
 use crate::bpf::agent::{AgentSkel, AgentSkelBuilder};
 use inband_core::bpfmap::{remove_pin_dir, PinDir};
+use inband_core::map_upgrade::{self, Upgrade};
 use inband_core::runlock::{self, RunLock};
 
 /// Handle and priority of the agent's tc filters. Fixed, so a restarted agent
@@ -105,7 +109,10 @@ pub fn attach<'obj>(
     let pins = pin_dir(interface);
     let reused_pins = pins.exists();
     std::fs::create_dir_all(&pins.0).with_context(|| format!("creating {}", pins.0.display()))?;
-    let skel = match load(storage, &pins, count_requests) {
+    if reused_pins && map_upgrade::recover(&pins, &filter_maps(ifindex))? {
+        warn!(interface, "an interrupted upgrade had switched the tc programs already: its new maps now hold the pins");
+    }
+    let (skel, mut upgrade) = match load(storage, &pins, count_requests) {
         Ok(s) => s,
         Err(e) => {
             if !reused_pins {
@@ -115,10 +122,11 @@ pub fn attach<'obj>(
         }
     };
     if reused_pins {
-        warn!(
+        info!(
             interface,
             pins = %pins.0.display(),
-            "reusing maps pinned by an earlier agent that did not stop cleanly (client tuples of its DSR connections are kept)"
+            carried = %if upgrade.maps().is_empty() { "none (same layouts)".to_string() } else { upgrade.maps().join(", ") },
+            "taking over the maps of an earlier agent that handed over or did not stop cleanly (client tuples of its DSR connections are kept)"
         );
     }
     let mut a = Attachment {
@@ -130,7 +138,7 @@ pub fn attach<'obj>(
         client_address: client_address.map(Path::to_path_buf),
         peer_links: Vec::new(),
     };
-    if let Err(e) = a.attach_all() {
+    if let Err(e) = upgrade.copy(a.skel.object()).and_then(|()| a.attach_all()).and_then(|()| upgrade.finish()) {
         let undo = cleanup(interface, ifindex);
         return Err(match undo {
             Ok(()) => {
@@ -154,15 +162,23 @@ pub fn attach<'obj>(
     Ok(a)
 }
 
-fn load<'obj>(storage: &'obj mut MaybeUninit<OpenObject>, pins: &PinDir, count_requests: bool) -> Result<AgentSkel<'obj>> {
-    let mut open = AgentSkelBuilder::default().open(storage).context("opening the agent BPF object")?;
-    for mut map in open.open_object_mut().maps_mut() {
-        let name = map.name().to_string_lossy().into_owned();
-        if name.contains('.') {
-            continue; // <obj>.rodata/.bss: per instance, never shared
-        }
-        map.set_pin_path(pins.path(&name)).with_context(|| format!("pin path for {name}"))?;
+/// The maps the agent's tc ingress program uses (none attached: empty).
+fn filter_maps(ifindex: i32) -> Vec<u32> {
+    let Ok(devnull) = File::open("/dev/null") else { return Vec::new() };
+    match slot(ifindex).hook(devnull.as_fd(), TC_INGRESS).query() {
+        Ok(id) => map_upgrade::program_maps(id),
+        Err(_) => Vec::new(),
     }
+}
+
+fn load<'obj>(storage: &'obj mut MaybeUninit<OpenObject>, pins: &PinDir, count_requests: bool) -> Result<(AgentSkel<'obj>, Upgrade)> {
+    let mut open = AgentSkelBuilder::default().open(storage).context("opening the agent BPF object")?;
+    // <obj>.rodata/.bss: per instance, never shared.
+    let upgrade = Upgrade::stage(open.open_object_mut(), pins, |name| !name.contains('.')).context(
+        "the maps an earlier agent left cannot be carried over to this build; nothing was changed and its tc programs run on: \
+         start the previous version again, or run `inband agent detach --interface IF` to start afresh (its DSR connections \
+         then answer through the balancer)",
+    )?;
     // The tracepoints and the cgroup programs see every namespace; they
     // must act on ours only.
     let netns = std::fs::metadata("/proc/self/ns/net").context("reading /proc/self/ns/net")?;
@@ -172,10 +188,13 @@ fn load<'obj>(storage: &'obj mut MaybeUninit<OpenObject>, pins: &PinDir, count_r
         ro.agent_netns_cookie = cookie;
         ro.score_requests = u8::from(count_requests);
     }
-    open.load().context(
-        "loading the agent program (the kernel verifier refused it, or maps pinned by an incompatible \
-         version exist: run `inband agent detach --interface IF` and retry)",
-    )
+    match open.load() {
+        Ok(skel) => Ok((skel, upgrade)),
+        Err(e) => {
+            upgrade.abandon();
+            Err(anyhow::Error::from(e).context("loading the agent program (the kernel verifier refused it)"))
+        }
+    }
 }
 
 impl Attachment<'_> {
@@ -232,6 +251,19 @@ impl Attachment<'_> {
         all.into_iter()
             .map(|(name, fd)| Ok((name, fd.try_clone_to_owned().with_context(|| format!("duplicating the {name} program's fd"))?)))
             .collect()
+    }
+
+    /// Stops for an upgrade: the tc programs stay attached with their
+    /// pinned maps, for the next agent to take over (see the module
+    /// comment); only what lives with the process goes (tracepoints,
+    /// getpeername links). Connections that open or close until the next
+    /// agent attaches are counted by its seed from /proc/net/tcp.
+    pub fn leave(self) {
+        let Attachment { interface, pins, tracepoints, skel, peer_links, .. } = self;
+        drop(peer_links);
+        drop(tracepoints);
+        drop(skel);
+        info!(interface = %interface, pins = %pins.0.display(), "agent stopped for a hand-over: tc programs and pinned maps left for the next agent");
     }
 
     /// Detaches everything and removes the pins (see the module comment).

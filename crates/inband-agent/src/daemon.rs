@@ -1,7 +1,9 @@
 //! `inband agent run --config agent.toml`: check, attach, configure, seed
 //! the connection counts, then serve the score socket, the poll responder
 //! and (with `score = "cpu"`) the CPU score until SIGINT/SIGTERM, and detach.
-//! Meanwhile SIGHUP re-reads `[auth]` and the interface MTU is followed.
+//! SIGUSR2 stops it for an upgrade instead: the data path stays attached
+//! for the next agent (attach.rs, `Attachment::leave`). Meanwhile SIGHUP
+//! re-reads `[auth]` and the interface MTU is followed.
 
 use std::collections::HashSet;
 use std::mem::MaybeUninit;
@@ -41,6 +43,9 @@ pub fn run(config_path: &Path) -> Result<()> {
     signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&stop))?;
     let reload = Arc::new(AtomicBool::new(false));
     signal_hook::flag::register(signal_hook::consts::SIGHUP, Arc::clone(&reload))?;
+    let hand_over = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGUSR2, Arc::clone(&hand_over))?;
+    signal_hook::flag::register(signal_hook::consts::SIGUSR2, Arc::clone(&stop))?;
     // Everything that can be refused by the host without side effects on the
     // data path is claimed before anything is attached.
     let claimed = (|| -> Result<_> {
@@ -84,6 +89,11 @@ pub fn run(config_path: &Path) -> Result<()> {
         serve(control, maps, &attached.pins, listener, poll_sock, stop)
     });
     let _ = std::fs::remove_file(&cfg.score_socket);
+    if result.is_ok() && hand_over.load(Ordering::Relaxed) {
+        attached.leave();
+        drop(lock);
+        return Ok(());
+    }
     let detached = attached.detach();
     drop(lock);
     match (result, detached) {

@@ -30,7 +30,7 @@ fn sources() -> Sources {
 }
 
 /// Compiles `bpf/<name>.bpf.c` for each of `programs` and writes
-/// `<name>.skel.rs` into OUT_DIR.
+/// `<name>.skel.rs` and the object, `<name>.bpf.o`, into OUT_DIR.
 pub fn skeletons(programs: &[&str]) {
     let s = sources();
     let out = PathBuf::from(env::var_os("OUT_DIR").unwrap());
@@ -38,6 +38,7 @@ pub fn skeletons(programs: &[&str]) {
         let src = s.bpf.join(format!("{name}.bpf.c"));
         SkeletonBuilder::new()
             .source(&src)
+            .obj(out.join(format!("{name}.bpf.o")))
             .clang_args([
                 format!("-I{}", s.include.display()),
                 s.multiarch.clone(),
@@ -50,6 +51,23 @@ pub fn skeletons(programs: &[&str]) {
             .build_and_generate(out.join(format!("{name}.skel.rs")))
             .unwrap_or_else(|e| panic!("building {}: {e:#}", src.display()));
     }
+}
+
+/// Compiles `bpf/<name>.bpf.c` with `defines` (`-D` flags) into
+/// OUT_DIR/`out`, an object only (no skeleton), and returns its path.
+pub fn object(name: &str, out: &str, defines: &[&str]) -> PathBuf {
+    let s = sources();
+    let path = PathBuf::from(env::var_os("OUT_DIR").unwrap()).join(out);
+    let src = s.bpf.join(format!("{name}.bpf.c"));
+    let mut args = vec![format!("-I{}", s.include.display()), s.multiarch.clone(), "-mcpu=v3".into(), "-Wall".into(), "-Werror".into()];
+    args.extend(defines.iter().map(|d| format!("-D{d}")));
+    SkeletonBuilder::new()
+        .source(&src)
+        .obj(&path)
+        .clang_args(args)
+        .build()
+        .unwrap_or_else(|e| panic!("building {}: {e:#}", src.display()));
+    path
 }
 
 /// Writes `shared.rs` into OUT_DIR: the `inband_*` types and `INBAND_*`

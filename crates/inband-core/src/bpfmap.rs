@@ -142,12 +142,22 @@ pub fn require_bpffs() -> Result<()> {
     }
 }
 
+fn remove_tree(dir: &Path) -> Result<()> {
+    for e in std::fs::read_dir(dir)? {
+        let path = e?.path();
+        // A directory inside: an upgrade's staged maps (map_upgrade).
+        if path.is_dir() {
+            remove_tree(&path)?;
+        } else {
+            std::fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+        }
+    }
+    std::fs::remove_dir(dir).with_context(|| format!("removing {}", dir.display()))
+}
+
 pub fn remove_pin_dir(dir: &Path) -> Result<()> {
     if dir.is_dir() {
-        for e in std::fs::read_dir(dir)? {
-            std::fs::remove_file(e?.path())?;
-        }
-        std::fs::remove_dir(dir).with_context(|| format!("removing {}", dir.display()))?;
+        remove_tree(dir)?;
     }
     // Empty parents (inband/lb, inband/netns/NAME, ...) go too, so a clean
     // detach leaves /sys/fs/bpf as it was.

@@ -8,6 +8,7 @@ pub mod auth;
 pub mod bpfmap;
 pub mod command;
 pub mod lb_control;
+pub mod map_upgrade;
 pub mod net;
 pub mod netif;
 pub mod pod;

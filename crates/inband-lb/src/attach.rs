@@ -5,18 +5,16 @@
 //! process: a restart (or a crash) of the daemon does not interrupt the data
 //! path, and the next daemon reuses the pinned maps (flows included).
 
-use std::mem::MaybeUninit;
 use std::os::fd::AsFd;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{OpenObject, Xdp, XdpFlags};
+use libbpf_rs::{Object, ObjectBuilder, Xdp, XdpFlags};
 use tracing::{info, warn};
 
 use super::config::XdpMode;
-use crate::bpf::balancer::{BalancerSkel, BalancerSkelBuilder};
 use inband_core::bpfmap::{remove_pin_dir, PinDir};
+use inband_core::map_upgrade::{self, Upgrade};
 
 /// Balancers of this network namespace, one directory per interface.
 fn pin_parent() -> PathBuf {
@@ -94,27 +92,51 @@ pub enum Attached {
     Generic,
 }
 
-/// Loads the program (reusing maps already pinned for `interface`) and
+/// The balancer's BPF object as built (bpf/balancer.bpf.c), or the file
+/// `INBAND_LB_OBJECT` names: the upgrade test loads a build of it whose
+/// map layouts differ, as a newer release's would.
+fn object_bytes() -> Result<std::borrow::Cow<'static, [u8]>> {
+    match std::env::var_os("INBAND_LB_OBJECT") {
+        Some(path) => Ok(std::fs::read(&path).with_context(|| format!("reading INBAND_LB_OBJECT {}", path.to_string_lossy()))?.into()),
+        None => Ok(crate::bpf::OBJECT.into()),
+    }
+}
+
+/// Loads the program (reusing maps already pinned for `interface`, and
+/// carrying over those whose layout this build changed: map_upgrade) and
 /// attaches it, replacing an earlier instance of itself. On failure nothing
-/// new stays attached; maps pinned by this call are removed again. The
-/// loaded object is returned: its `sweep` program ages the pinned tables
-/// for as long as the daemon runs.
-pub fn load_and_attach<'obj>(
-    storage: &'obj mut MaybeUninit<OpenObject>,
+/// new stays attached and the running data path keeps its maps; maps pinned
+/// by this call are removed again. The loaded object is returned: its
+/// `sweep` program ages the pinned tables for as long as the daemon runs.
+pub fn load_and_attach(
     interface: &str,
     mode: XdpMode,
     flow_table_size: u32,
     maglev_size: u32,
     maglev_tables: u32,
-) -> Result<(BalancerSkel<'obj>, Attached)> {
+) -> Result<(Object, Attached)> {
     let ifindex = inband_core::netif::ifindex(interface)? as i32;
     let dir = pin_dir(interface);
     let fresh = !dir.exists();
     std::fs::create_dir_all(&dir.0).with_context(|| format!("creating {}", dir.0.display()))?;
-    let result = load(storage, interface, &dir, flow_table_size, maglev_size, maglev_tables).and_then(|skel| {
-        let attached = attach(&skel, interface, ifindex, mode)?;
+    if map_upgrade::recover(&dir, &attached_map_ids(ifindex))? {
+        warn!(interface, "an interrupted upgrade had switched the data path already: its new maps now hold the pins");
+    }
+    let result = load(interface, &dir, flow_table_size, maglev_size, maglev_tables).and_then(|(obj, mut upgrade)| {
+        let attached = match upgrade.copy(&obj).and_then(|()| attach(&obj, interface, ifindex, mode)) {
+            Ok(a) => a,
+            Err(e) => {
+                upgrade.abandon();
+                return Err(e);
+            }
+        };
+        let carried = upgrade.maps().join(", ");
+        upgrade.finish().context("carrying the maps over to the new layout after the switch")?;
+        if !carried.is_empty() {
+            info!(interface, maps = %carried, "maps carried over to this build's layout");
+        }
         info!(interface, mode = ?attached, pins = %dir.0.display(), "balancer attached");
-        Ok((skel, attached))
+        Ok((obj, attached))
     });
     if result.is_err() && fresh {
         let _ = remove_pin_dir(&dir.0);
@@ -122,38 +144,53 @@ pub fn load_and_attach<'obj>(
     result
 }
 
-fn load<'obj>(
-    storage: &'obj mut MaybeUninit<OpenObject>,
-    interface: &str,
-    dir: &PinDir,
-    flow_table_size: u32,
-    maglev_size: u32,
-    maglev_tables: u32,
-) -> Result<BalancerSkel<'obj>> {
-    let mut open = BalancerSkelBuilder::default().open(storage).context("opening the balancer BPF object")?;
+/// The maps the XDP program attached to `ifindex` uses (none attached: empty).
+fn attached_map_ids(ifindex: i32) -> Vec<u32> {
+    let Ok(devnull) = std::fs::File::open("/dev/null") else { return Vec::new() };
+    let xdp = Xdp::new(devnull.as_fd());
+    let Some(id) = [XdpFlags::DRV_MODE, XdpFlags::SKB_MODE].into_iter().find_map(|f| xdp.query_id(ifindex, f).ok().filter(|&id| id != 0)) else {
+        return Vec::new();
+    };
+    map_upgrade::program_maps(id)
+}
+
+fn load(interface: &str, dir: &PinDir, flow_table_size: u32, maglev_size: u32, maglev_tables: u32) -> Result<(Object, Upgrade)> {
+    let bytes = object_bytes()?;
+    let mut open = ObjectBuilder::default().open_memory(&bytes).context("opening the balancer BPF object")?;
     let sizes = table_sizes(flow_table_size, maglev_size, maglev_tables);
-    for mut map in open.open_object_mut().maps_mut() {
+    for mut map in open.maps_mut() {
         let name = map.name().to_string_lossy().into_owned();
-        // <obj>.rodata/.bss and the checksum scratch space: per instance.
-        if name.contains('.') || name == "csum_scratch" {
-            continue;
-        }
         if let Some((_, n)) = sizes.iter().find(|(m, _)| *m == name) {
             map.set_max_entries(*n).with_context(|| format!("sizing map {name}"))?;
         }
-        map.set_pin_path(dir.path(&name)).with_context(|| format!("pin path for {name}"))?;
     }
-    open.load().with_context(|| {
+    // <obj>.rodata/.bss and the checksum scratch space: per instance.
+    let upgrade = Upgrade::stage(&mut open, dir, |name| !name.contains('.') && name != "csum_scratch").with_context(|| {
         format!(
-            "loading the balancer program: the kernel verifier refused it, or maps pinned by another version \
-             or with another flow_table_size, maglev_table_size or maglev_tables exist (tables cannot be resized under live flows): \
-             run `inband lb detach --interface {interface}` and retry"
+            "the maps pinned for {interface} cannot be carried over to this build; nothing was changed and the data path \
+             runs on: start the previous version again, or drain this balancer and run `inband lb detach --interface {interface}` \
+             to start afresh (that drops its flows)"
         )
-    })
+    })?;
+    match open.load() {
+        Ok(obj) => Ok((obj, upgrade)),
+        Err(e) => {
+            upgrade.abandon();
+            Err(anyhow::Error::from(e).context(format!(
+                "loading the balancer program on {interface}: the kernel verifier refused it, or a pinned map could not be reused"
+            )))
+        }
+    }
 }
 
-fn attach(skel: &BalancerSkel, interface: &str, ifindex: i32, mode: XdpMode) -> Result<Attached> {
-    let xdp = Xdp::new(skel.progs.balancer.as_fd());
+/// A program of the loaded balancer object, by name.
+pub fn program<'a>(obj: &'a Object, name: &str) -> Result<libbpf_rs::ProgramMut<'a>> {
+    obj.progs_mut().find(|p| p.name() == name).ok_or_else(|| anyhow::anyhow!("the balancer object has no program {name}"))
+}
+
+fn attach(obj: &Object, interface: &str, ifindex: i32, mode: XdpMode) -> Result<Attached> {
+    let prog = program(obj, "balancer")?;
+    let xdp = Xdp::new(prog.as_fd());
     let try_mode = |flags: XdpFlags| xdp.attach(ifindex, flags);
     Ok(match mode {
         XdpMode::Native => {

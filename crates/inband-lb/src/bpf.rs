@@ -4,3 +4,7 @@
 pub mod balancer {
     include!(concat!(env!("OUT_DIR"), "/balancer.skel.rs"));
 }
+
+/// The same object's bytes, for the daemon's loader (attach.rs), which
+/// carries pinned maps across layout changes and so opens it by hand.
+pub const OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/balancer.bpf.o"));

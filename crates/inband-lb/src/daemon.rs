@@ -6,7 +6,6 @@
 //! and the next daemon takes over. `inband lb detach` is the explicit full
 //! clean-up. One daemon per interface: a second is refused.
 
-use std::mem::MaybeUninit;
 use std::net::SocketAddr;
 use std::os::fd::AsFd;
 use std::path::Path;
@@ -37,8 +36,7 @@ pub fn run(config_path: &Path) -> Result<()> {
     let lock = RunLock::take(&attach::run_dir(&cfg.interface), &format!("inband lb is already running on {}", cfg.interface))?;
     let dir = attach::pin_dir(&cfg.interface);
     let fresh = !dir.exists();
-    let mut storage = MaybeUninit::uninit();
-    let (skel, _) = match attach::load_and_attach(&mut storage, &cfg.interface, cfg.xdp_mode, cfg.flow_table_size, cfg.maglev_table_size, cfg.maglev_tables) {
+    let (obj, _) = match attach::load_and_attach(&cfg.interface, cfg.xdp_mode, cfg.flow_table_size, cfg.maglev_table_size, cfg.maglev_tables) {
         Ok(s) => s,
         Err(e) => {
             lock.release();
@@ -92,7 +90,7 @@ pub fn run(config_path: &Path) -> Result<()> {
     }));
     workers.push(spawn("query", &dir, &stop, {
         let shared = Arc::clone(&shared);
-        let prog = skel.progs.balancer.as_fd().try_clone_to_owned().context("duplicating the balancer program's fd")?;
+        let prog = attach::program(&obj, "balancer")?.as_fd().try_clone_to_owned().context("duplicating the balancer program's fd")?;
         let interface = cfg.interface.clone();
         move |maps, stop| query::run(&maps, prog, &interface, &shared, &stop)
     }));
@@ -106,13 +104,14 @@ pub fn run(config_path: &Path) -> Result<()> {
     let _bpf_stats = if cfg.bpf_stats { Some(inband_core::prog_stats::enable()?) } else { None };
     let metrics = match cfg.metrics {
         Some(addr) => {
-            let sweeper = skel.progs.sweep.as_fd().try_clone_to_owned().context("duplicating the sweeper's fd")?;
+            let sweeper = attach::program(&obj, "sweep")?.as_fd().try_clone_to_owned().context("duplicating the sweeper's fd")?;
             let b = Balancer::new(LbMaps::open(&dir)?, Arc::clone(&shared), config_path).with_program("sweep", sweeper);
             Some(serve_metrics(addr, b, &stop)?)
         }
         None => None,
     };
     info!(interface = %cfg.interface, vips = cfg.vips.len(), "inband lb running");
+    let sweep_prog = attach::program(&obj, "sweep")?;
     let mut last_sweep = Instant::now() - SWEEP_EVERY;
     let mut options = options_watch::OptionsWatch::new(Duration::from_secs(cfg.options_retry_s));
     while !stop.load(Ordering::Relaxed) {
@@ -122,7 +121,7 @@ pub fn run(config_path: &Path) -> Result<()> {
         }
         if last_sweep.elapsed() >= SWEEP_EVERY {
             last_sweep = Instant::now();
-            if let Err(e) = sweep::run(&skel.progs.sweep, 0).and_then(|()| {
+            if let Err(e) = sweep::run(&sweep_prog, 0).and_then(|()| {
                 let _guard = balancer.config();
                 for vip in tables::reap(&maps)? {
                     info!(%vip, "removed VIP drained: its last flow ended");
@@ -144,7 +143,8 @@ pub fn run(config_path: &Path) -> Result<()> {
     if let Some(m) = metrics {
         let _ = m.join();
     }
-    drop(skel);
+    drop(sweep_prog);
+    drop(obj);
     lock.release();
     info!("inband lb stopped; the data path stays attached (`inband lb detach --interface {}` removes it)", cfg.interface);
     if failed {

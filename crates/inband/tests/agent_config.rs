@@ -1014,7 +1014,7 @@ fn agent_after_a_crash_reuses_state_and_detach_cleans_up() {
     ns.start_agent(&config, &log);
     wait_for("the restarted agent", || active_8080(&socket));
     let text = std::fs::read_to_string(&log).unwrap();
-    assert!(text.contains("reusing maps pinned by an earlier agent"), "{text}");
+    assert!(text.contains("taking over the maps of an earlier agent"), "{text}");
     let ingress = ns.tc(&["filter", "show", "dev", "eth0", "ingress"]);
     assert_eq!(ingress.matches("agent_ingress").count(), 2, "one filter (name shown twice per line): {ingress}");
     // score = "connections": the override of the dead agent is not kept.

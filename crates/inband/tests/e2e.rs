@@ -9,6 +9,7 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use inband_lb::maps::FlowKey;
+use libbpf_rs::MapCore;
 use inband_core::pod::{be_ip, be_port, Pod};
 use serde_json::Value;
 
@@ -109,7 +110,7 @@ fn dsr_round_robin_sends_responses_around_the_balancer() {
 fn concurrent_handshakes_are_all_answered_directly() {
     const LOOPS: usize = 16;
     const EACH: usize = 25;
-    let c = Cluster::up("ch", "dsr-rr", &[]);
+    let c = Cluster::up("hs", "dsr-rr", &[]);
     let url = format!("http://{}/", vip(&c.tb));
     let script = format!("for i in $(seq {EACH}); do curl -s -o /dev/null --max-time 5 -w '%{{http_code}}\\n' {url}; done");
     let loops: Vec<Child> =
@@ -537,6 +538,153 @@ fn changes_and_restart_keep_established_connections() {
     let out = in_ns(&c.tb, "lb", &[BIN, "status"]).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no balancer on this host"));
+}
+
+/// A new build whose map layouts differ takes over under load, and the
+/// old one takes back over: the build the test loads (INBAND_LB_OBJECT,
+/// crates/inband/build.rs) has a field inserted into the middle of the
+/// flow struct, and the upgrade also doubles `flow_table_size`. Paced
+/// multi-megabyte downloads (4 responses on each keep-alive connection)
+/// and a loop of new connections run across both switches: every download
+/// completes in full on its one connection, no request fails, no
+/// packet meets a missing flow (`no_flow`), every live flow is in the new
+/// table, and counters and scores carry on. Before map_upgrade the new
+/// daemon could not load over the old pins at all (only `detach`, which
+/// drops every flow).
+#[test]
+fn an_upgrade_that_changes_map_layouts_under_load_breaks_no_connection() {
+    const BODY: u64 = 1_500_000;
+    const PER_CONN: usize = 4;
+    const RATE: u64 = 1_000_000;
+    const LOOP: usize = 120;
+    let body = BODY.to_string();
+    let mut c = Cluster::with(Spec::new("up", "dsr-dynamic").lb("flow_table_size = 65536").every_server(&["--body-bytes", &body, "--keep-alive"]));
+    let v = vip(&c.tb);
+    let pins = std::path::PathBuf::from(format!("/sys/fs/bpf/inband/netns/{}/lb/eth0", c.tb.netns("lb")));
+    let flows = || libbpf_rs::MapHandle::from_pinned_path(pins.join("flows")).unwrap();
+    let shape = |m: &libbpf_rs::MapHandle| {
+        let i = m.info().unwrap().info;
+        (i.value_size, i.max_entries)
+    };
+    let (old_value, _) = shape(&flows());
+    let mut downloads = Downloads(
+        (0..SERVERS)
+            .map(|_| {
+                let (ip, port, n, rate) = (v.ip().to_string(), v.port().to_string(), PER_CONN.to_string(), RATE.to_string());
+                in_ns(&c.tb, "c1", &["timeout", "60", "python3", "-c", PACED_CLIENT, &ip, &port, &n, &rate]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+            })
+            .collect(),
+    );
+    let url = format!("http://{v}/");
+    let short_loop = format!("for i in $(seq {LOOP}); do curl -s -o /dev/null -w '%{{http_code}}\\n' --max-time 5 {url}; sleep 0.05; done");
+    let short = in_ns(&c.tb, "c1", &["timeout", "60", "sh", "-c", &short_loop]).stdout(Stdio::piped()).spawn().unwrap();
+    wait_for("a download on every backend", || c.conns().iter().all(|&n| n >= 1));
+    let live = |m: &libbpf_rs::MapHandle| -> Vec<FlowKey> {
+        let all: Vec<(FlowKey, inband_lb::maps::Flow)> = inband_core::bpfmap::entries(m).unwrap();
+        all.into_iter().filter(|(_, f)| f.state == 2 && f.client_done == 0).map(|(k, _)| k).collect()
+    };
+    let no_flow = c.drop_count("no_flow");
+    let cfg = c.dir.join("lb.toml");
+    let resize = |from: &str, to: &str| {
+        let text = std::fs::read_to_string(&cfg).unwrap();
+        std::fs::write(&cfg, text.replace(&format!("flow_table_size = {from}"), &format!("flow_table_size = {to}"))).unwrap();
+    };
+
+    // Up: the layout-test build, a table twice the size.
+    wait_for("every download established", || live(&flows()).len() >= SERVERS);
+    let before = live(&flows());
+    let packets = c.sum("packets");
+    let scores = c.sum("scores_received");
+    c.stop_lb();
+    resize("65536", "131072");
+    c.start_lb_with(&[("INBAND_LB_OBJECT", env!("INBAND_LAYOUT_TEST_OBJECT"))]);
+    let m = flows();
+    let (value, size) = shape(&m);
+    assert!(value > old_value && size == 131072, "the flow table has the new layout and size: {value} bytes, {size} entries");
+    assert!(!pins.join("staged_upgrade").exists(), "the staged maps took the pins");
+    let keys: std::collections::HashSet<Vec<u8>> = m.keys().collect();
+    for k in &before {
+        assert!(keys.contains(k.as_bytes()), "live flow {k:?} missing after the upgrade");
+    }
+    assert!(c.sum("packets") >= packets && c.sum("scores_received") >= scores, "counters carried on");
+    wait_for("scores still arriving", || c.sum("scores_received") > scores);
+
+    // And back: the built-in build (the field removed), the old size.
+    std::thread::sleep(Duration::from_secs(1));
+    let count = m.keys().count();
+    drop(m);
+    c.stop_lb();
+    resize("131072", "65536");
+    c.start_lb();
+    assert_eq!(shape(&flows()), (old_value, 65536), "the flow table is back to the built-in layout");
+    assert!(flows().keys().count() + 8 >= count, "flows carried back ({count} before)");
+
+    for d in std::mem::take(&mut downloads.0) {
+        let out = d.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let got: Vec<(String, u64)> = text.lines().map(|l| { let f: Vec<&str> = l.split_whitespace().collect(); (f[0].to_string(), f[1].parse().unwrap()) }).collect();
+        assert_eq!(got, vec![("200".to_string(), BODY); PER_CONN], "a download broke: {text} {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let out = short.wait_with_output().unwrap();
+    let codes = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(codes.lines().filter(|l| *l == "200").count(), LOOP, "new connections across the switches: {codes}");
+    assert_eq!(c.drop_count("no_flow"), no_flow, "packets met a missing flow");
+
+    // A table shrunk below what it holds cannot be carried: refused before
+    // anything is touched, saying what to do.
+    c.stop_lb();
+    let fake: Vec<FlowKey> = (0..5000u32).map(|i| FlowKey { proto: 6, client_port: (i as u16).to_be(), ..Default::default() }).collect();
+    let flow = inband_lb::maps::Flow { state: 2, ..Default::default() };
+    inband_core::bpfmap::put_batch(&flows(), &fake, &vec![flow; fake.len()]).unwrap();
+    let held = flows().keys().count();
+    resize("65536", "4096");
+    let out = in_ns(&c.tb, "lb", &[BIN, "lb", "--config", cfg.to_str().unwrap()]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("holds") && err.contains("nothing was changed"), "{err}");
+    assert_eq!((shape(&flows()), flows().keys().count()), ((old_value, 65536), held), "the running tables were touched");
+    assert!(!pins.join("staged_upgrade").exists());
+}
+
+/// An agent stopped for an upgrade (SIGUSR2) leaves its data path to the
+/// next one, which takes its maps over: multi-megabyte downloads in
+/// dsr-dynamic keep their responses direct across the hand-over (at most
+/// 5% of their bytes come back through the balancer: the next agent still
+/// has every connection's client), complete in full on their one
+/// connection, and scores keep coming from the new agents. With a clean
+/// stop (SIGTERM) the agent detaches and the rest of every download comes
+/// back through the balancer instead.
+#[test]
+fn agents_hand_over_to_the_next_agent_without_losing_dsr() {
+    const BODY: u64 = 3_000_000;
+    const PER_CONN: usize = 3;
+    const RATE: u64 = 1_500_000;
+    let body = BODY.to_string();
+    let mut c = Cluster::with(Spec::new("ho", "dsr-dynamic").vip("policy = \"round-robin\"").every_server(&["--body-bytes", &body, "--keep-alive"]));
+    let v = vip(&c.tb);
+    let mut downloads = Downloads(
+        (0..SERVERS)
+            .map(|_| {
+                let (ip, port, n, rate) = (v.ip().to_string(), v.port().to_string(), PER_CONN.to_string(), RATE.to_string());
+                in_ns(&c.tb, "c1", &["timeout", "60", "python3", "-c", PACED_CLIENT, &ip, &port, &n, &rate]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+            })
+            .collect(),
+    );
+    wait_for("a download on every backend", || c.conns().iter().all(|&n| n >= 1));
+    let returned = c.sum("return_bytes");
+    for i in 1..=SERVERS {
+        c.hand_over_agent(i);
+    }
+    let scores = c.sum("scores_received");
+    for d in std::mem::take(&mut downloads.0) {
+        let out = d.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let got: Vec<(String, u64)> = text.lines().map(|l| { let f: Vec<&str> = l.split_whitespace().collect(); (f[0].to_string(), f[1].parse().unwrap()) }).collect();
+        assert_eq!(got, vec![("200".to_string(), BODY); PER_CONN], "a download broke: {text} {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let through = c.sum("return_bytes") - returned;
+    let total = SERVERS as u64 * PER_CONN as u64 * BODY;
+    assert!(through * 20 <= total, "{through} of {total} response bytes came back through the balancer after the hand-over");
+    assert!(c.sum("scores_received") > scores, "no score from the new agents");
 }
 
 #[test]

@@ -4,8 +4,10 @@
  * bpf/balancer.bpf.c. Every map here is pinned by name under the
  * interface's pin directory, so a restarted daemon takes over the running
  * data path's state; the control plane sizes the flow tables at load
- * (lb.toml `flow_table_size`), which is why pinned maps of another size
- * are refused. The per-CPU scratch maps, which hold no state between
+ * (lb.toml `flow_table_size`), and a build whose sizes or layouts differ
+ * carries the pinned maps over (inband_core::map_upgrade: fields by name,
+ * a new field starting at zero, so a field added here must mean "as
+ * before" at zero). The per-CPU scratch maps, which hold no state between
  * packets, are defined next to the code that uses them (parse.h, verify.h,
  * nat.h, score.h, handshake.h).
  */

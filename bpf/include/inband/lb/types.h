@@ -205,6 +205,13 @@ struct inband_flow {
 	__be16 snat_port;
 	__u16 backend_id;
 	__u16 vip_id;
+#ifdef INBAND_LAYOUT_TEST
+	/* Only in the build the upgrade test loads (crates/inband/build.rs):
+	 * a field inserted mid-struct moves every field after it, as a
+	 * release's layout change would, and the running flows must survive
+	 * the switch (crates/inband/tests/upgrade.rs). */
+	__u32 layout_test;
+#endif
 	__u32 state; /* enum inband_flow_state; transitions by compare-and-swap */
 	__u8 client_mac[6]; /* L2 source the client's packets came from: return next hop */
 	__u8 flags; /* INBAND_FLOW_* */

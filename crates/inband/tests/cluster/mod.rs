@@ -437,6 +437,29 @@ impl Cluster {
         self.others.push(a);
     }
 
+    /// Stops server i's agent for an upgrade (SIGUSR2: its data path stays
+    /// attached) and starts the next one on the same configuration.
+    pub fn hand_over_agent(&mut self, i: usize) {
+        let cfg = self.dir.join(format!("agent-s{i}.toml"));
+        let node = format!("s{i}");
+        let filter = |c: &Cluster| String::from_utf8_lossy(&run_ok(&c.tb, &node, &["tc", "filter", "show", "dev", "eth0", "egress"]).stdout).to_string();
+        let old = filter(self);
+        let out = Command::new("pgrep").args(["-f", &format!("agent --config {}", cfg.display())]).output().unwrap();
+        let pid: i32 = String::from_utf8_lossy(&out.stdout).trim().parse().expect("the agent's pid");
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(pid, libc::SIGUSR2) };
+        wait_for(&format!("agent on s{i} stopped"), || {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |st| st.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
+        });
+        assert_eq!(filter(self), old, "the agent on s{i} left its tc programs attached");
+        self.start_agent(i);
+        // Attached: its own programs replaced the old ones in place.
+        wait_for(&format!("the next agent on s{i}"), || {
+            let now = filter(self);
+            now != old && now.contains("agent_egress")
+        });
+    }
+
     pub fn agent_socket(&self, i: usize) -> PathBuf {
         self.dir.join(format!("agent-s{i}.sock"))
     }
@@ -478,8 +501,13 @@ impl Cluster {
     }
 
     pub fn start_lb(&mut self) {
+        self.start_lb_with(&[]);
+    }
+
+    /// `start_lb` with environment variables for the daemon.
+    pub fn start_lb_with(&mut self, env: &[(&str, &str)]) {
         let cfg = self.dir.join("lb.toml");
-        let child = in_ns(&self.tb, "lb", &[BIN, "lb", "--config", cfg.to_str().unwrap()]).spawn().unwrap();
+        let child = in_ns(&self.tb, "lb", &[BIN, "lb", "--config", cfg.to_str().unwrap()]).envs(env.iter().copied()).spawn().unwrap();
         self.lb = Some(child);
         wait_for("balancer control socket", || {
             self.ctl_ok(&["set-probe-interval", "--vip", &vip(&self.tb).to_string(), "--protocol", self.protocol(), "--n", &self.probe_n().to_string()])

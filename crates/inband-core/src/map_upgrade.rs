@@ -1,0 +1,594 @@
+//! Carrying a running data path's pinned maps over to a build whose map
+//! layouts differ (a field added, moved or removed, a table resized, flags
+//! changed), without stopping the data path.
+//!
+//! The old program keeps running on the old maps until the new one is
+//! attached. The new maps are created beside them (pinned under
+//! `staged_upgrade/` in the same directory) and filled from the old ones; the
+//! caller attaches the new program; then what the old program changed
+//! while the copy ran is merged in, and the new maps are renamed over the
+//! old pins (one atomic rename each). A process that dies half-way leaves
+//! `staged_upgrade/`, which [`recover`] settles by asking which maps the attached
+//! program uses.
+//!
+//! Fields are matched by name through BTF: the kernel keeps every pinned
+//! map's key and value types, and the new object carries its own, so no
+//! version number has to be kept in step with the C headers, and a field
+//! that moved is still found. A field new to the layout starts at zero (the
+//! C side's rule: a new field's zero means what the data path did before
+//! it existed; padding holds nothing, so a new field may take its bytes).
+//! A field that changed its type, a key that lost a field, and a table
+//! shrunk below what it holds cannot be carried: [`Upgrade::stage`]
+//! refuses them before anything the running data path uses is touched.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use libbpf_rs::btf::types::{Array, Composite, Enum, Enum64, Int, IntEncoding, MemberAttr};
+use libbpf_rs::btf::{BtfKind, BtfType, TypeId};
+use libbpf_rs::query::{ProgInfoIter, ProgInfoQueryOptions};
+use libbpf_rs::libbpf_sys::bpf_map_info;
+use libbpf_rs::{AsRawLibbpf, Btf, HasSize, MapCore, MapFlags, MapHandle, MapType, Object, OpenMapMut, OpenObject};
+
+use crate::bpfmap::{remove_pin_dir, PinDir};
+
+/// Where the new maps wait, inside the pin directory, until they take over.
+// bpffs refuses dots in names (they are the kernel's), so no hidden name.
+const STAGING: &str = "staged_upgrade";
+/// Entries a batch syscall moves.
+const BATCH: u32 = 4096;
+/// How long the old program may still run after the new one is attached:
+/// an XDP or tc program runs inside one softirq pass, which the kernel
+/// bounds at 2 ms; the rest is margin for a loaded host.
+const GRACE: Duration = Duration::from_millis(50);
+
+/// One field of a key or value. Structs are walked into their members;
+/// anything else (an integer, an array, a union, an enum) is one leaf,
+/// carried whole when its name and shape match.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Leaf {
+    pub path: String,
+    pub offset: usize,
+    pub size: usize,
+    /// The type spelled out (`u32`, `[16]u8`, `union{a@0:u32,...}`): two
+    /// leaves of one name are the same field only if these agree.
+    pub shape: String,
+}
+
+impl Leaf {
+    /// Padding holds nothing (the data path writes it zero), so a new field
+    /// may take its bytes: it is neither carried nor compared.
+    fn is_padding(&self) -> bool {
+        self.path.rsplit('.').next().is_some_and(|name| name.starts_with("pad"))
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub size: usize,
+    pub leaves: Vec<Leaf>,
+}
+
+impl Layout {
+    /// The layout of BTF type `id`.
+    pub fn of(btf: &Btf, id: u32) -> Result<Layout> {
+        let mut leaves = Vec::new();
+        let size = walk(btf, TypeId::from(id), String::new(), 0, &mut leaves)?;
+        Ok(Layout { size, leaves })
+    }
+
+    /// A value of no struct type (a counter, a port): one leaf named "".
+    pub fn scalar(size: usize) -> Layout {
+        Layout { size, leaves: vec![Leaf { path: String::new(), offset: 0, size, shape: format!("bytes{size}") }] }
+    }
+}
+
+fn walk(btf: &Btf, id: TypeId, path: String, base: usize, out: &mut Vec<Leaf>) -> Result<usize> {
+    let t = btf.type_by_id::<BtfType>(id).ok_or_else(|| anyhow!("BTF type {id:?} is missing"))?.skip_mods_and_typedefs();
+    if t.kind() == BtfKind::Struct {
+        let c = Composite::try_from(t).map_err(|_| anyhow!("BTF type {id:?} is not a struct"))?;
+        for m in c.iter() {
+            let offset = match m.attr {
+                MemberAttr::Normal { offset } if offset % 8 == 0 => offset as usize / 8,
+                _ => bail!("{path}: bit fields cannot be carried across a layout change"),
+            };
+            let name = m.name.map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            // An anonymous member's fields are reached in C as its parent's.
+            let sub = match (path.is_empty(), name.is_empty()) {
+                (_, true) => path.clone(),
+                (true, false) => name,
+                (false, false) => format!("{path}.{name}"),
+            };
+            walk(btf, m.ty, sub, base + offset, out)?;
+        }
+        return Ok(c.size());
+    }
+    let (size, shape) = shape(btf, t)?;
+    out.push(Leaf { path, offset: base, size, shape });
+    Ok(size)
+}
+
+fn shape(btf: &Btf, t: BtfType) -> Result<(usize, String)> {
+    let t = t.skip_mods_and_typedefs();
+    Ok(match t.kind() {
+        BtfKind::Int => {
+            let i = Int::try_from(t).map_err(|_| anyhow!("not an int"))?;
+            let sign = if matches!(i.encoding, IntEncoding::Signed) { "i" } else { "u" };
+            ((i.bits as usize).div_ceil(8), format!("{sign}{}", i.bits))
+        }
+        BtfKind::Enum => {
+            let e = Enum::try_from(t).map_err(|_| anyhow!("not an enum"))?;
+            (e.size(), format!("enum{}", e.size()))
+        }
+        BtfKind::Enum64 => {
+            let e = Enum64::try_from(t).map_err(|_| anyhow!("not an enum"))?;
+            (e.size(), format!("enum{}", e.size()))
+        }
+        BtfKind::Array => {
+            let a = Array::try_from(t).map_err(|_| anyhow!("not an array"))?;
+            let (n, s) = shape(btf, a.contained_type())?;
+            (n * a.capacity(), format!("[{}]{s}", a.capacity()))
+        }
+        BtfKind::Struct | BtfKind::Union => {
+            let c = Composite::try_from(t).map_err(|_| anyhow!("not a composite"))?;
+            let mut parts = Vec::new();
+            for m in c.iter() {
+                let member = btf.type_by_id::<BtfType>(m.ty).ok_or_else(|| anyhow!("BTF type {:?} is missing", m.ty))?;
+                let (_, s) = shape(btf, member)?;
+                let name = m.name.map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                let offset = match m.attr {
+                    MemberAttr::Normal { offset } => offset,
+                    MemberAttr::BitField { offset, .. } => offset,
+                };
+                parts.push(format!("{name}@{offset}:{s}"));
+            }
+            let kind = if t.kind() == BtfKind::Union { "union" } else { "struct" };
+            (c.size(), format!("{kind}{{{}}}", parts.join(",")))
+        }
+        k => bail!("a field of kind {k:?} cannot be carried across a layout change"),
+    })
+}
+
+/// How to turn a value of one layout into the other: byte ranges to copy,
+/// everything else zero.
+#[derive(Clone, Debug)]
+pub struct Conversion {
+    size: usize,
+    copies: Vec<(usize, usize, usize)>,
+    /// Ranges of the new value that hold counters (integers of a per-CPU
+    /// map) and came from the old value: merged by adding what the old
+    /// program counted after the first copy.
+    counters: Vec<(usize, usize, usize)>,
+}
+
+impl Conversion {
+    /// Refuses a field whose type changed; a field only the old layout has
+    /// is dropped, one only the new has starts at zero.
+    pub fn new(map: &str, from: &Layout, to: &Layout, per_cpu: bool) -> Result<Conversion> {
+        let mut copies = Vec::new();
+        let mut counters = Vec::new();
+        for l in to.leaves.iter().filter(|l| !l.is_padding()) {
+            let Some(o) = from.leaves.iter().find(|o| o.path == l.path) else { continue };
+            if o.shape != l.shape {
+                bail!("map {map}: field `{}` changed from {} to {}, which no upgrade can carry", l.path, o.shape, l.shape);
+            }
+            copies.push((o.offset, l.offset, l.size));
+            if per_cpu && matches!(l.size, 1 | 2 | 4 | 8) && (l.shape.starts_with('u') || l.shape.starts_with('i')) {
+                counters.push((o.offset, l.offset, l.size));
+            }
+        }
+        Ok(Conversion { size: to.size, copies, counters })
+    }
+
+    pub fn apply(&self, old: &[u8]) -> Vec<u8> {
+        let mut out = vec![0u8; self.size];
+        for &(from, to, n) in &self.copies {
+            out[to..to + n].copy_from_slice(&old[from..from + n]);
+        }
+        out
+    }
+
+    /// The value the new map should hold after the switch, from what the
+    /// old map held at the first copy (`first`), what it held when the old
+    /// program stopped (`last`) and what the new map holds now (`now`).
+    /// A counter gets the old program's late increments added; any other
+    /// field takes the old program's last write unless the new program has
+    /// written it since (then the newer write stands).
+    pub fn merge(&self, first: &[u8], last: &[u8], now: &[u8]) -> Vec<u8> {
+        let mut out = now.to_vec();
+        let copied = self.apply(first);
+        for &(from, to, n) in &self.copies {
+            if let Some(&(_, _, size)) = self.counters.iter().find(|c| c.1 == to) {
+                let get = |b: &[u8]| b[..size].iter().rev().fold(0u64, |a, &x| (a << 8) | x as u64);
+                let delta = get(&last[from..]).wrapping_sub(get(&first[from..]));
+                let sum = get(&now[to..]).wrapping_add(delta);
+                out[to..to + size].copy_from_slice(&sum.to_le_bytes()[..size]);
+            } else if now[to..to + n] == copied[to..to + n] {
+                out[to..to + n].copy_from_slice(&last[from..from + n]);
+            }
+        }
+        out
+    }
+}
+
+/// A map's entries: key -> one value per CPU (one for a shared map).
+type Entries = HashMap<Vec<u8>, Vec<Vec<u8>>>;
+
+fn read_all(map: &MapHandle) -> Result<Entries> {
+    let ty = map.map_type();
+    let mut out = Entries::new();
+    if ty == MapType::RingBuf {
+        return Ok(out);
+    }
+    if ty.is_percpu() {
+        let keys: Vec<Vec<u8>> = if matches!(ty, MapType::PercpuArray) {
+            (0..map.max_entries()).map(|k| k.to_ne_bytes().to_vec()).collect()
+        } else {
+            map.keys().collect()
+        };
+        for k in keys {
+            if let Some(v) = map.lookup_percpu(&k, MapFlags::ANY)? {
+                out.insert(k, v);
+            }
+        }
+        return Ok(out);
+    }
+    for (k, v) in map.lookup_batch(BATCH, MapFlags::ANY, MapFlags::ANY)? {
+        out.insert(k, vec![v]);
+    }
+    Ok(out)
+}
+
+fn write(map: &MapHandle, entries: &[(Vec<u8>, Vec<Vec<u8>>)], flags: MapFlags) -> Result<()> {
+    if map.map_type().is_percpu() {
+        for (k, v) in entries {
+            map.update_percpu(k, v, flags)?;
+        }
+        return Ok(());
+    }
+    for chunk in entries.chunks(BATCH as usize) {
+        let keys: Vec<u8> = chunk.iter().flat_map(|(k, _)| k.iter().copied()).collect();
+        let values: Vec<u8> = chunk.iter().flat_map(|(_, v)| v[0].iter().copied()).collect();
+        map.update_batch(&keys, &values, chunk.len() as u32, flags, MapFlags::ANY)?;
+    }
+    Ok(())
+}
+
+/// How one map's keys and values convert.
+#[derive(Clone)]
+struct Plan {
+    key: Conversion,
+    value: Conversion,
+}
+
+/// A map whose layout changed: its old (running) and new (staged) maps.
+/// Entries are kept in the old layout, keys included.
+struct Carried {
+    name: String,
+    old: MapHandle,
+    new: MapHandle,
+    plan: Plan,
+    first: Entries,
+}
+
+/// The maps of one pin directory that change layout in an upgrade.
+pub struct Upgrade {
+    dir: PinDir,
+    /// Names of the maps to carry, with their conversions (known before
+    /// load: the old layout from the kernel, the new from the object).
+    plans: Vec<(String, Plan)>,
+    carried: Vec<Carried>,
+}
+
+/// The shape of a map as the kernel compares it when a pinned map is reused.
+fn same_shape(info: &bpf_map_info, map: &OpenMapMut) -> bool {
+    MapType::from(info.type_) == map.map_type()
+        && info.key_size == map.key_size()
+        && info.value_size == map.value_size()
+        && info.max_entries == map.max_entries()
+        && info.map_flags == map.map_flags()
+}
+
+/// The BTF a pinned map was created with: loaded from the kernel through a
+/// program of the same object (the running one: its BTF is the maps').
+fn running_btf(btf_id: u32) -> Option<Btf<'static>> {
+    let prog = ProgInfoIter::default().find(|p| p.btf_id == btf_id)?;
+    Btf::from_prog_id(prog.id).ok()
+}
+
+fn type_layout(btf: Option<&Btf>, id: u32, size: u32) -> Result<Layout> {
+    match btf {
+        Some(b) if id != 0 => Layout::of(b, id),
+        _ => Ok(Layout::scalar(size as usize)),
+    }
+}
+
+impl Upgrade {
+    /// Before the new object is loaded: points each of its maps (those
+    /// `pinned` says are pinned) at its pin when the pinned map has the
+    /// same shape and layout (it is reused, as on every restart), or at the
+    /// staging directory when it does not (a new map is made and carried
+    /// over). Refuses, touching nothing, what cannot be carried.
+    pub fn stage(open: &mut OpenObject, dir: &PinDir, pinned: impl Fn(&str) -> bool) -> Result<Upgrade> {
+        let staging = dir.0.join(STAGING);
+        if staging.exists() {
+            remove_pin_dir(&staging)?;
+        }
+        // SAFETY: the pointer is the open object's own, valid while `open` is.
+        let new_btf = Btf::from_bpf_object(unsafe { open.as_libbpf_object().as_ref() })?;
+        let mut plans = Vec::new();
+        let mut staged = Vec::new();
+        for mut map in open.maps_mut() {
+            let name = map.name().to_string_lossy().into_owned();
+            if !pinned(&name) {
+                continue;
+            }
+            let pin = dir.path(&name);
+            let Ok(old) = MapHandle::from_pinned_path(&pin) else {
+                // New in this build, or a first start: made and pinned at load.
+                map.set_pin_path(&pin).with_context(|| format!("pin path for {name}"))?;
+                continue;
+            };
+            let info = old.info().with_context(|| format!("reading pinned map {name}"))?.info;
+            let old_type = MapType::from(info.type_);
+            let raw = map.as_libbpf_object().as_ptr();
+            // SAFETY: `raw` is a map of the open object, valid while it is.
+            let (key_id, value_id) = unsafe { (libbpf_rs::libbpf_sys::bpf_map__btf_key_type_id(raw), libbpf_rs::libbpf_sys::bpf_map__btf_value_type_id(raw)) };
+            let old_btf = if info.btf_id != 0 { running_btf(info.btf_id) } else { None };
+            let layouts = |btf: Option<&Btf>, k: u32, v: u32, ks: u32, vs: u32| -> Result<(Layout, Layout)> {
+                Ok((type_layout(btf, k, ks)?, type_layout(btf, v, vs)?))
+            };
+            let (new_key, new_value) = layouts(new_btf.as_ref(), key_id, value_id, map.key_size(), map.value_size())?;
+            let old_layouts = match &old_btf {
+                Some(b) => Some(layouts(Some(b), info.btf_key_type_id, info.btf_value_type_id, info.key_size, info.value_size)?),
+                None => None,
+            };
+            let unchanged = same_shape(&info, &map) && old_layouts.as_ref().is_none_or(|(k, v)| *k == new_key && *v == new_value);
+            if unchanged {
+                map.set_pin_path(&pin).with_context(|| format!("pin path for {name}"))?;
+                continue;
+            }
+            let Some((old_key, old_value)) = old_layouts else {
+                bail!(
+                    "map {name} is pinned with another shape, and no loaded program holds its layout (the program that made it is gone), \
+                     so it cannot be carried over: remove the old state first"
+                );
+            };
+            if old_type != map.map_type() {
+                bail!("map {name} changed type ({:?} to {:?}), which no upgrade can carry", old_type, map.map_type());
+            }
+            // A key may gain fields (each old entry's is zero) but not lose
+            // one: two entries could become one.
+            if let Some(gone) = old_key.leaves.iter().find(|o| !o.is_padding() && !new_key.leaves.iter().any(|n| n.path == o.path)) {
+                bail!("map {name}: key field `{}` is gone, which no upgrade can carry", gone.path);
+            }
+            let key = Conversion::new(&name, &old_key, &new_key, false)?;
+            let conversion = Conversion::new(&name, &old_value, &new_value, old_type.is_percpu())?;
+            if map.max_entries() < info.max_entries {
+                let held = if old_type.is_hash_map() { old.keys().count() } else { nonzero_slots(&old, map.max_entries())? };
+                if held > map.max_entries() as usize {
+                    bail!("map {name} holds {held} entries, more than its new size {}: size it at least that large, or let it drain first", map.max_entries());
+                }
+            }
+            staged.push(name.clone());
+            map.set_pin_path(staging.join(&name)).with_context(|| format!("pin path for {name}"))?;
+            plans.push((name, Plan { key, value: conversion }));
+        }
+        if !staged.is_empty() {
+            std::fs::create_dir_all(&staging).with_context(|| format!("creating {}", staging.display()))?;
+        }
+        Ok(Upgrade { dir: PinDir(dir.0.clone()), plans, carried: Vec::new() })
+    }
+
+    /// Maps this upgrade carries over (empty on a plain restart).
+    pub fn maps(&self) -> Vec<&str> {
+        self.plans.iter().map(|(n, _)| n.as_str()).collect()
+    }
+
+    /// After load, before attach: fills the new maps with everything the
+    /// old ones hold now.
+    pub fn copy(&mut self, obj: &Object) -> Result<()> {
+        for (name, plan) in std::mem::take(&mut self.plans) {
+            let old = MapHandle::from_pinned_path(self.dir.path(&name)).with_context(|| format!("opening pinned map {name}"))?;
+            let new_map = obj.maps().find(|m| m.name().to_string_lossy() == name.as_str()).ok_or_else(|| anyhow!("map {name} not in the new object"))?;
+            let new = MapHandle::try_from(&new_map).with_context(|| format!("duplicating map {name}"))?;
+            let first = read_all(&old).with_context(|| format!("reading map {name}"))?;
+            let rows: Vec<_> = first.iter().filter(|(k, _)| fits(&new, k)).map(|(k, v)| (plan.key.apply(k), v.iter().map(|c| plan.value.apply(c)).collect())).collect();
+            write(&new, &rows, MapFlags::ANY).with_context(|| format!("copying map {name}"))?;
+            self.plans.push((name.clone(), plan.clone()));
+            self.carried.push(Carried { name, old, new, plan, first });
+        }
+        Ok(())
+    }
+
+    /// After the new program is attached: merges what the old program
+    /// changed since [`copy`](Self::copy), then renames the new maps over
+    /// the old pins.
+    pub fn finish(self) -> Result<()> {
+        if self.carried.is_empty() {
+            return Ok(());
+        }
+        std::thread::sleep(GRACE);
+        for c in &self.carried {
+            merge(c).with_context(|| format!("merging map {}", c.name))?;
+        }
+        settle(&self.dir, &self.carried.iter().map(|c| c.name.clone()).collect::<Vec<_>>())
+    }
+
+    /// Leaves the running data path as it was: the staged maps go.
+    pub fn abandon(self) {
+        let _ = remove_pin_dir(&self.dir.0.join(STAGING));
+    }
+}
+
+/// Array entries past `limit` that are not all zero: what shrinking the
+/// array would lose.
+fn nonzero_slots(map: &MapHandle, limit: u32) -> Result<usize> {
+    let mut n = limit as usize;
+    for k in limit..map.max_entries() {
+        let key = k.to_ne_bytes();
+        let nonzero = if map.map_type().is_percpu() {
+            map.lookup_percpu(&key, MapFlags::ANY)?.unwrap_or_default().iter().any(|v| v.iter().any(|&b| b != 0))
+        } else {
+            map.lookup(&key, MapFlags::ANY)?.unwrap_or_default().iter().any(|&b| b != 0)
+        };
+        n += nonzero as usize;
+    }
+    Ok(n)
+}
+
+/// An array index beyond the new size is dropped (checked to be empty by
+/// `stage`).
+fn fits(map: &MapHandle, key: &[u8]) -> bool {
+    if !matches!(map.map_type(), MapType::Array | MapType::PercpuArray) {
+        return true;
+    }
+    u32::from_ne_bytes(key[..4].try_into().unwrap()) < map.max_entries()
+}
+
+fn merge(c: &Carried) -> Result<()> {
+    let last = read_all(&c.old)?;
+    let now = read_all(&c.new)?;
+    let value = &c.plan.value;
+    let mut updates = Vec::new();
+    for (k, l) in &last {
+        if !fits(&c.new, k) {
+            continue;
+        }
+        let nk = c.plan.key.apply(k);
+        match (c.first.get(k), now.get(&nk)) {
+            (Some(f), _) if f == l => {}
+            (Some(f), Some(n)) => {
+                let merged = f.iter().zip(l).zip(n).map(|((f, l), n)| value.merge(f, l, n)).collect();
+                updates.push((nk, merged));
+            }
+            // The new program ended it since: that stands.
+            (Some(_), None) => {}
+            (None, None) => updates.push((nk, l.iter().map(|v| value.apply(v)).collect())),
+            // Both programs made it: the newer stands.
+            (None, Some(_)) => {}
+        }
+    }
+    write(&c.new, &updates, MapFlags::ANY)?;
+    // Ended by the old program after the copy, and untouched by the new.
+    for (k, f) in &c.first {
+        if last.contains_key(k) || !c.new.map_type().is_hash_map() {
+            continue;
+        }
+        let nk = c.plan.key.apply(k);
+        let copied: Vec<Vec<u8>> = f.iter().map(|v| value.apply(v)).collect();
+        if now.get(&nk) == Some(&copied) {
+            let _ = c.new.delete(&nk);
+        }
+    }
+    Ok(())
+}
+
+/// Renames each staged map over its pin and removes the staging directory.
+fn settle(dir: &PinDir, names: &[String]) -> Result<()> {
+    let staging = dir.0.join(STAGING);
+    for name in names {
+        std::fs::rename(staging.join(name), dir.path(name)).with_context(|| format!("moving the new map {name} into place"))?;
+    }
+    std::fs::remove_dir(&staging).with_context(|| format!("removing {}", staging.display()))
+}
+
+/// Settles an upgrade a process left half-done in `dir`: if the attached
+/// program (whose maps are `live_map_ids`) uses the staged maps, they take
+/// the pins (the changes of the last milliseconds before its switch are
+/// lost); otherwise the old program still runs and the staged maps go.
+pub fn recover(dir: &PinDir, live_map_ids: &[u32]) -> Result<bool> {
+    let staging = dir.0.join(STAGING);
+    if !staging.exists() {
+        return Ok(false);
+    }
+    let staged: Vec<(String, u32)> = std::fs::read_dir(&staging)?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let id = MapHandle::from_pinned_path(e.path()).ok()?.info().ok()?.info.id;
+            Some((name, id))
+        })
+        .collect();
+    if staged.iter().any(|(_, id)| live_map_ids.contains(id)) {
+        settle(dir, &staged.into_iter().map(|(n, _)| n).collect::<Vec<_>>())?;
+        return Ok(true);
+    }
+    remove_pin_dir(&staging)?;
+    Ok(false)
+}
+
+/// The maps a loaded program uses (an unknown id: none), for [`recover`].
+pub fn program_maps(prog_id: u32) -> Vec<u32> {
+    let opts = ProgInfoQueryOptions::default().include_map_ids(true);
+    ProgInfoIter::with_query_opts(opts).find(|p| p.id == prog_id).map(|p| p.map_ids).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn leaf(path: &str, offset: usize, size: usize, shape: &str) -> Leaf {
+        Leaf { path: path.into(), offset, size, shape: shape.into() }
+    }
+
+    fn flow_v1() -> Layout {
+        Layout { size: 12, leaves: vec![leaf("backend", 0, 4, "u32"), leaf("state", 4, 1, "u8"), leaf("seen", 8, 4, "u32")] }
+    }
+
+    /// A field inserted in the middle: every other field moved.
+    fn flow_v2() -> Layout {
+        Layout { size: 16, leaves: vec![leaf("backend", 0, 4, "u32"), leaf("extra", 4, 4, "u32"), leaf("state", 8, 1, "u8"), leaf("seen", 12, 4, "u32")] }
+    }
+
+    #[test]
+    fn fields_are_carried_by_name_and_new_ones_start_at_zero() {
+        let c = Conversion::new("flows", &flow_v1(), &flow_v2(), false).unwrap();
+        let old = [1, 0, 0, 0, 7, 0, 0, 0, 9, 9, 0, 0];
+        assert_eq!(c.apply(&old), vec![1, 0, 0, 0, 0, 0, 0, 0, 7, 0, 0, 0, 9, 9, 0, 0]);
+        // And back: the field only the new layout has is dropped.
+        let back = Conversion::new("flows", &flow_v2(), &flow_v1(), false).unwrap();
+        assert_eq!(back.apply(&c.apply(&old)), old.to_vec());
+    }
+
+    #[test]
+    fn a_new_field_may_take_the_bytes_of_padding() {
+        let v1 = Layout { size: 8, leaves: vec![leaf("port", 0, 2, "u16"), leaf("proto", 2, 1, "u8"), leaf("pad", 3, 5, "[5]u8")] };
+        let v2 = Layout { size: 8, leaves: vec![leaf("port", 0, 2, "u16"), leaf("proto", 2, 1, "u8"), leaf("index", 3, 1, "u8"), leaf("pad", 4, 4, "[4]u8")] };
+        let c = Conversion::new("snat", &v1, &v2, false).unwrap();
+        assert_eq!(c.apply(&[80, 0, 6, 9, 9, 9, 9, 9]), vec![80, 0, 6, 0, 0, 0, 0, 0]);
+    }
+
+    #[test]
+    fn a_field_that_changed_type_is_refused_with_its_name() {
+        let mut v2 = flow_v2();
+        v2.leaves[2] = leaf("state", 8, 2, "u16");
+        let e = Conversion::new("flows", &flow_v1(), &v2, false).unwrap_err().to_string();
+        assert!(e.contains("`state`") && e.contains("u8") && e.contains("u16"), "{e}");
+    }
+
+    #[test]
+    fn the_old_program_s_late_writes_are_merged_unless_the_new_one_wrote_since() {
+        let c = Conversion::new("flows", &flow_v1(), &flow_v2(), false).unwrap();
+        let first = [1, 0, 0, 0, 1, 0, 0, 0, 5, 0, 0, 0];
+        // After the copy the old program closed the flow (state 2) and saw
+        // a packet (seen 6); the new one then saw another (seen 8).
+        let last = [1, 0, 0, 0, 2, 0, 0, 0, 6, 0, 0, 0];
+        let mut now = c.apply(&first);
+        now[12] = 8;
+        let merged = c.merge(&first, &last, &now);
+        assert_eq!(merged[8], 2, "the old program's close is kept");
+        assert_eq!(merged[12], 8, "the new program's later write stands");
+    }
+
+    #[test]
+    fn per_cpu_counters_add_what_the_old_program_counted_late() {
+        let v = Layout { size: 8, leaves: vec![leaf("packets", 0, 8, "u64")] };
+        let c = Conversion::new("backend_stats", &v, &v, true).unwrap();
+        let first = 100u64.to_le_bytes();
+        let last = 103u64.to_le_bytes();
+        let now = 2u64.wrapping_add(100).to_le_bytes();
+        assert_eq!(u64::from_le_bytes(c.merge(&first, &last, &now).try_into().unwrap()), 105);
+    }
+}
