@@ -56,8 +56,11 @@ pub struct Cell {
     pub backends: u32,
     pub syn_ns: f64,
     pub syn_ratio: f64,
-    /// A different flow each packet, scattered over the table.
+    /// A different flow each packet, scattered over the table, each met
+    /// for the first time since it was written.
     pub established_ns: f64,
+    /// How many such packets (flows) the median is of.
+    pub established_samples: u32,
     pub established_ratio: f64,
     /// One flow again and again (as the main table's established row):
     /// the instructions without the table's cache misses.
@@ -256,17 +259,23 @@ pub fn measure(flows: &[u32], backends: &[u32], samples: u32, floor_ns: f64) -> 
             flows: n,
             fill_s,
         });
-        for &b in backends {
+        // Each cell's established packets go to flows no packet has met
+        // since they were written (the first packet of a flow since the
+        // sweeper last looked at it writes its `seen` byte: a flow met
+        // again would cost less), its share of the table.
+        let share = (n / backends.len() as u32).clamp(1, samples.max(1));
+        for (k, &b) in backends.iter().enumerate() {
             set_pool_vip(&lb, b)?;
             let (v, syn) = time(&lb, SYN_SAMPLES, |i| PacketBuilder::tcp(new_client(cell, i), TCP4.vip).syn(1440).build())?;
             if v != XDP_TX {
                 bail!("{n} flows, {b} backends: a new connection was {}", verdict_name(v));
             }
-            // A stride coprime with any flow count that is not a multiple
-            // of it walks the whole table in a scattered order.
-            let (v, est) = time(&lb, samples, |i| {
-                let j = ((u64::from(i) * 2_654_435_761) % u64::from(n.max(1))) as u32;
-                established(filled_client(j))
+            // Positions times a prime above any flow count, modulo the
+            // count: distinct flows for distinct positions, scattered over
+            // the table.
+            let (v, est) = time(&lb, share, |i| {
+                let p = u64::from(k as u32 * share + i);
+                established(filled_client((p * 2_654_435_761 % u64::from(n.max(1))) as u32))
             })?;
             if v != XDP_TX {
                 bail!("{n} flows, {b} backends: an established packet was {}", verdict_name(v));
@@ -284,6 +293,7 @@ pub fn measure(flows: &[u32], backends: &[u32], samples: u32, floor_ns: f64) -> 
                 syn_ns: syn,
                 syn_ratio: syn / floor_ns,
                 established_ns: est,
+                established_samples: share,
                 established_ratio: est / floor_ns,
                 established_one_flow_ns: hot,
             });
