@@ -126,13 +126,15 @@ def render_scale(g: dict) -> list[str]:
                    f"{c['established_ns']:.0f} | {c['established_ratio']:.1f} | {c['established_one_flow_ns']:.0f} |")
     out += [
         "",
-        "| flow table | flows MiB | half_open MiB | half_open_ports MiB | snat MiB | flow tables MiB | all maps MiB | filled with | fill s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| flow table | flows MiB | half_open MiB | half_open_ports MiB | snat MiB | flow tables MiB | all maps MiB | filled with | fill s "
+        "| one sweep, ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m in g["memory"]:
         by = dict(m["maps"])
         out.append(f"| {m['flow_table_size']:,} | {mib(by['flows'])} | {mib(by['half_open'])} | {mib(by['half_open_ports'])} | "
-                   f"{mib(by['snat'])} | {mib(m['flow_tables_bytes'])} | {mib(m['all_maps_bytes'])} | {m['flows']:,} | {m['fill_s']:.1f} |")
+                   f"{mib(by['snat'])} | {mib(m['flow_tables_bytes'])} | {mib(m['all_maps_bytes'])} | {m['flows']:,} | {m['fill_s']:.1f} "
+                   f"| {m['sweep_ms']:.1f} |")
     return out
 
 

@@ -26,7 +26,7 @@ use serde::Serialize;
 
 use super::{lb_config, time, verdict_name, vip_entry, KEY, KEY_ID, PAYLOAD, TCP4};
 use crate::packet::{PacketBuilder, IPPROTO_TCP, TCP_ACK, TCP_PSH};
-use inband_core::bpfmap::{count, put, put_batch};
+use inband_core::bpfmap::{count, get, put, put_batch};
 use inband_core::shared as c;
 use inband_lb::config::LbConfig;
 use inband_lb::maps::*;
@@ -82,6 +82,9 @@ pub struct Memory {
     /// Flows written (with their SNAT reservations), and the time it took.
     pub flows: u32,
     pub fill_s: f64,
+    /// One pass of the sweeper (the daemon runs one a second) over the
+    /// tables as the cells left them.
+    pub sweep_ms: f64,
 }
 
 /// Control-plane time, through `LbConfig::parse` and `tables::apply`.
@@ -258,6 +261,7 @@ pub fn measure(flows: &[u32], backends: &[u32], samples: u32, floor_ns: f64) -> 
             maps: sized,
             flows: n,
             fill_s,
+            sweep_ms: 0.0,
         });
         // Each cell's established packets go to flows no packet has met
         // since they were written (the first packet of a flow since the
@@ -298,6 +302,11 @@ pub fn measure(flows: &[u32], backends: &[u32], samples: u32, floor_ns: f64) -> 
                 established_one_flow_ns: hot,
             });
             cell += 1;
+        }
+        lb.sweep(0)?;
+        let st: SweepStats = get(&lb.skel.maps.sweep_stats, &0u32)?.context("no sweep_stats entry")?;
+        if let Some(m) = memory.last_mut() {
+            m.sweep_ms = st.last_duration_ns as f64 / 1e6;
         }
     }
     Ok(Scale { floor_ns, cells, memory })
@@ -385,15 +394,16 @@ pub fn render(s: &Scale) -> String {
             r.established_one_flow_ns
         );
     }
-    let _ = writeln!(o, "\n| flow table | flow tables MiB | all maps MiB | fill s |\n|---:|---:|---:|---:|");
+    let _ = writeln!(o, "\n| flow table | flow tables MiB | all maps MiB | fill s | one sweep, ms |\n|---:|---:|---:|---:|---:|");
     for m in &s.memory {
         let _ = writeln!(
             o,
-            "| {} | {:.1} | {:.1} | {:.2} |",
+            "| {} | {:.1} | {:.1} | {:.2} | {:.1} |",
             m.flow_table_size,
             m.flow_tables_bytes as f64 / 1048576.0,
             m.all_maps_bytes as f64 / 1048576.0,
-            m.fill_s
+            m.fill_s,
+            m.sweep_ms
         );
     }
     o
