@@ -111,7 +111,8 @@ def render(record: dict) -> str:
 
 def render_scale(g: dict) -> list[str]:
     """The growth sweep's lines: cost by flow table and backends, then the
-    memory of each flow table size."""
+    memory of each flow table size. The SYNs per cell are scale.rs's
+    SYN_SAMPLES."""
     out = [
         "",
         f"Cost as the tables grow (IPv4, dsr-dynamic, least-score; floor {g['floor_ns']:.0f} ns): a new connection "

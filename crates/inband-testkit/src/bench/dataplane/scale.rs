@@ -1,9 +1,10 @@
 //! How the per-packet cost grows with the tables: a new connection (SYN)
 //! and an established packet at several backends per VIP and live flows
 //! in the flow table, each table sized as `flow_table_size` would size it,
-//! with the memory its maps take as the kernel accounts it; and what the
-//! control plane's `tables::apply` (the daemon's apply path) takes for the
-//! largest configurations the limits allow.
+//! with the memory its maps take as the kernel accounts it and one
+//! sweeper pass over it; and what the daemon's configuration path
+//! (`LbConfig::parse`, `tables::apply`) takes for the largest
+//! configurations the limits allow.
 //!
 //! The flows are written from user space in batches, with their SNAT
 //! reservations, as established flows of the measured VIP spread over
@@ -68,7 +69,8 @@ pub struct Cell {
 }
 
 /// What one flow table size takes, from the kernel's own accounting of
-/// each map (`memlock` in /proc/self/fdinfo: bpf_map_memory_usage).
+/// each map (`memlock` in /proc/self/fdinfo: bpf_map_memory_usage), and
+/// what filling and sweeping it took.
 #[derive(Debug, Serialize)]
 pub struct Memory {
     pub flow_table_size: u32,
