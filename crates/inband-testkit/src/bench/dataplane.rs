@@ -13,7 +13,10 @@
 //! the floor as much as for the balancer, so ratios are conservative.
 //!
 //! Also here: what floods and churn do to the flow tables (`table_scale`,
-//! `churn`) and what a sweep of a full table costs (`sweep_cost`).
+//! `churn`), what a sweep of a full table costs (`sweep_cost`), and how
+//! the cost grows with backends and live flows (`scale`).
+
+pub mod scale;
 
 use std::mem::MaybeUninit;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -173,7 +176,13 @@ fn load(storage: &mut MaybeUninit<libbpf_rs::OpenObject>, backends: u8, auth: u3
 }
 
 fn set_vip(lb: &PrivateBalancer, plan: VipPlan, mode: Mode, probe_interval: u32, backends: u8) -> Result<()> {
-    let vip = Vip {
+    let slots: Vec<u32> = (0..u32::from(backends)).map(|i| plan.first_id + i).collect();
+    lb.set_vip(plan.vid, vip_key(plan.vip, plan.proto), &vip_entry(plan, mode, probe_interval), &slots)
+}
+
+/// The plan's VIP, least-score: what every measurement runs under.
+fn vip_entry(plan: VipPlan, mode: Mode, probe_interval: u32) -> Vip {
+    Vip {
         mode: mode as u8,
         policy: Policy::LeastScore as u8,
         flags: VIP_ACTIVE | if plan.proto == Protocol::Udp { VIP_QUIC } else { 0 },
@@ -186,9 +195,7 @@ fn set_vip(lb: &PrivateBalancer, plan: VipPlan, mode: Mode, probe_interval: u32,
         idle_timeout_ns: 900_000_000_000,
         closing_timeout_ns: 10_000_000_000,
         ..Default::default()
-    };
-    let slots: Vec<u32> = (0..u32::from(backends)).map(|i| plan.first_id + i).collect();
-    lb.set_vip(plan.vid, vip_key(plan.vip, plan.proto), &vip, &slots)
+    }
 }
 
 /// Median ns over `samples` runs of `frame(i)`; fails if any run's verdict
@@ -341,6 +348,26 @@ pub fn measure(samples: u32) -> Result<Vec<Row>> {
         }
     }
 
+    rows.push(("floor: bounce (swap MACs, XDP_TX)", "IPv4", "-", XDP_TX, floor(samples)?));
+    let floor = rows.last().map_or(0.0, |r| r.4);
+
+    Ok(rows
+        .into_iter()
+        .map(|(path, traffic, mode, v, ns)| Row {
+            path,
+            traffic,
+            mode,
+            verdict: verdict_name(v),
+            ns_per_packet: ns,
+            mpps: if ns > 0.0 { 1000.0 / ns } else { 0.0 },
+            ratio_to_floor: ns / floor,
+        })
+        .collect())
+}
+
+/// The median ns of the bounce-only program on an established packet's
+/// frame: the least any XDP forwarder costs here.
+fn floor(samples: u32) -> Result<f64> {
     let mut bstorage = MaybeUninit::uninit();
     let bounce = BounceSkelBuilder::default().open(&mut bstorage)?.load()?;
     let mut floor_ns = Vec::new();
@@ -359,20 +386,7 @@ pub fn measure(samples: u32) -> Result<Vec<Row>> {
     if floor <= 0.0 {
         bail!("the bounce floor took no time");
     }
-    rows.push(("floor: bounce (swap MACs, XDP_TX)", "IPv4", "-", XDP_TX, floor));
-
-    Ok(rows
-        .into_iter()
-        .map(|(path, traffic, mode, v, ns)| Row {
-            path,
-            traffic,
-            mode,
-            verdict: verdict_name(v),
-            ns_per_packet: ns,
-            mpps: if ns > 0.0 { 1000.0 / ns } else { 0.0 },
-            ratio_to_floor: ns / floor,
-        })
-        .collect())
+    Ok(floor)
 }
 
 /// What a flood of new connections that never complete does to the tables.

@@ -34,6 +34,18 @@ pub enum BenchCommand {
         /// Also time one sweep of a table holding this many flows (0 = skip).
         #[arg(long, default_value_t = 0)]
         sweep: u32,
+        /// Also time a new connection and an established packet with this
+        /// many live flows (comma-separated; none = skip), each in a flow
+        /// table sized for it, at each of --scale-backends.
+        #[arg(long, value_delimiter = ',')]
+        scale_flows: Vec<u32>,
+        /// Backends of the VIP in the --scale-flows sweep.
+        #[arg(long, value_delimiter = ',', default_value = "8,256,4096")]
+        scale_backends: Vec<u32>,
+        /// Also time the control plane's apply of the largest
+        /// configurations the limits allow.
+        #[arg(long)]
+        control_plane: bool,
     },
     /// Storage micro-benchmark of the HTTP cache's backends (LMDB, RocksDB,
     /// memory, files): read/update mixes over zipfian keys, 10 KiB values.
@@ -78,13 +90,33 @@ pub enum BenchCommand {
 
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
-        BenchCommand::Dataplane { samples, json, flood, flood_backends, churn, churn_backends, sweep } => {
+        BenchCommand::Dataplane {
+            samples,
+            json,
+            flood,
+            flood_backends,
+            churn,
+            churn_backends,
+            sweep,
+            scale_flows,
+            scale_backends,
+            control_plane,
+        } => {
             let rows = dataplane::measure(samples)?;
             let scale = if flood > 0 { Some(dataplane::table_scale(flood, flood_backends)?) } else { None };
             let churned = if churn > 0 { Some(dataplane::churn(churn, churn_backends)?) } else { None };
             let swept = if sweep > 0 { Some(dataplane::sweep_cost(sweep)?) } else { None };
+            let grown = if scale_flows.is_empty() {
+                None
+            } else {
+                let floor = rows.last().map_or(0.0, |r| r.ns_per_packet);
+                Some(dataplane::scale::measure(&scale_flows, &scale_backends, samples, floor)?)
+            };
+            let control = if control_plane { Some(dataplane::scale::control_plane()?) } else { None };
             if json {
-                let all = serde_json::json!({ "paths": rows, "flood": scale, "churn": churned, "sweep": swept });
+                let all = serde_json::json!({
+                    "paths": rows, "flood": scale, "churn": churned, "sweep": swept, "scale": grown, "control_plane": control,
+                });
                 println!("{}", serde_json::to_string_pretty(&all)?);
             } else {
                 print!("{}", dataplane::render(&rows));
@@ -96,6 +128,12 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
                 }
                 if let Some(s) = swept {
                     print!("\n{}", dataplane::render_sweep(&s));
+                }
+                if let Some(s) = grown {
+                    print!("\n{}", dataplane::scale::render(&s));
+                }
+                if let Some(c) = control {
+                    print!("\n{}", dataplane::scale::render_control(&c));
                 }
             }
             Ok(())
