@@ -24,8 +24,20 @@ use super::{apply, attach, control, health, options_watch, polling, query, snaps
 use inband_core::bpfmap;
 use inband_core::runlock::RunLock;
 
-/// How often the sweeper ages the flow tables.
+/// How often the sweeper ages the flow tables, at most.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
+/// A pass over a large table takes long (about 1 s at a million flows,
+/// 4.7 s at four million: docs/benchmarks.md, "Data path cost"), and passes
+/// back to back would keep a core busy: the next pass waits at least this
+/// many times the last one's length (a quarter of a core at most).
+/// Nothing a packet needs waits for a pass (every path checks timeouts
+/// itself); gauges, the idle flows' memory and drained VIPs wait longer.
+const SWEEP_DUTY: u32 = 4;
+
+/// When the next pass may start, after one that took `pass`.
+fn sweep_interval(pass: Duration) -> Duration {
+    SWEEP_EVERY.max(pass * SWEEP_DUTY)
+}
 
 pub fn run(config_path: &Path) -> Result<()> {
     let cfg = LbConfig::load(config_path)?;
@@ -112,16 +124,26 @@ pub fn run(config_path: &Path) -> Result<()> {
     };
     info!(interface = %cfg.interface, vips = cfg.vips.len(), "inband lb running");
     let sweep_prog = attach::program(&obj, "sweep")?;
-    let mut last_sweep = Instant::now() - SWEEP_EVERY;
+    let mut last_tick = Instant::now() - SWEEP_EVERY;
+    let mut last_sweep = last_tick;
+    let mut sweep_every = SWEEP_EVERY;
     let mut options = options_watch::OptionsWatch::new(Duration::from_secs(cfg.options_retry_s));
     while !stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(100));
         if workers.iter().any(|w| w.is_finished()) {
             stop.store(true, Ordering::Relaxed);
         }
-        if last_sweep.elapsed() >= SWEEP_EVERY {
-            last_sweep = Instant::now();
-            if let Err(e) = sweep::run(&sweep_prog, 0).and_then(|()| {
+        if last_tick.elapsed() >= SWEEP_EVERY {
+            last_tick = Instant::now();
+            let swept = if last_sweep.elapsed() >= sweep_every {
+                last_sweep = Instant::now();
+                let r = sweep::run(&sweep_prog, 0);
+                sweep_every = sweep_interval(last_sweep.elapsed());
+                r
+            } else {
+                Ok(())
+            };
+            if let Err(e) = swept.and_then(|()| {
                 let _guard = balancer.config();
                 for vip in tables::reap(&maps)? {
                     info!(%vip, "removed VIP drained: its last flow ended");
@@ -194,4 +216,16 @@ where
             result
         })
         .expect("spawning a control-plane thread")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_long_sweep_spaces_the_next_one_out() {
+        assert_eq!(sweep_interval(Duration::from_millis(40)), SWEEP_EVERY);
+        assert_eq!(sweep_interval(Duration::from_millis(1012)), Duration::from_millis(4048));
+        assert_eq!(sweep_interval(Duration::from_millis(4680)), Duration::from_millis(18720));
+    }
 }
