@@ -187,12 +187,15 @@ __noinline int forward(struct xdp_md *ctx, const struct inband_lb_config *cfg, s
 	int dsr = f->mode != INBAND_MODE_PASSTHROUGH;
 	int options = dsr && !(be->flags & INBAND_BACKEND_OPTIONS_LOST);
 	int encap = v4 && (be->flags & INBAND_BACKEND_ENCAP);
-	const struct inband_addr *self = self_addr(cfg, &f->backend_addr);
+	const struct inband_addr *self = snat_addr(cfg, &f->backend_addr, f->snat_index);
 	__u32 l3 = v4 ? INBAND_IPV4_MIN_HDR : INBAND_IPV6_HDR;
 	__u32 coff = l4_check_off(p->proto);
 	void *data_end = (void *)(long)ctx->data_end;
 	__u16 *check = l4_at(ctx, l3 + coff);
 
+	/* A per-CPU array's slot 0 always exists: for the verifier. */
+	if (!self)
+		return XDP_ABORTED;
 	if ((void *)(check + 1) > data_end)
 		return drop(INBAND_DROP_TRUNCATED_L4);
 
@@ -311,6 +314,7 @@ __noinline int open_flow(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 	__u32 forced = named & 0xffff, forced_slot = named >> 16;
 	__u32 skip = 0, id = 0, slot = 0;
 	__be16 port = 0;
+	__u8 nk_index = 0;
 	struct inband_backend *be = NULL;
 
 	if (!vc)
@@ -352,8 +356,10 @@ __noinline int open_flow(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 		struct inband_nat_key nk = { .backend_addr = be->addr, .backend_port = be->port, .proto = fk->proto };
 
 		port = reserve_snat_port(cfg, fk, &nk, p->now);
-		if (port)
+		if (port) {
+			nk_index = nk.snat_index;
 			break;
+		}
 		event(INBAND_EV_BACKEND_FULL);
 		skip |= 1U << (slot & 31);
 	}
@@ -368,6 +374,7 @@ __noinline int open_flow(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 	f->backend_addr = be->addr;
 	f->backend_port = be->port;
 	f->snat_port = port;
+	f->snat_index = nk_index;
 	f->backend_id = (__u16)id;
 	f->vip_id = (__u16)vid;
 	f->mode = vc->mode;
@@ -525,10 +532,11 @@ static __always_inline int walk(struct xdp_md *ctx)
 		return XDP_PASS;
 
 	const struct inband_addr *self = self_addr(cfg, &p->daddr);
+	/* To one of the balancer's own addresses: tested before anything is hashed. */
+	int own = snat_index_of(cfg, &p->daddr);
 
-	/* To the balancer's own address: tested before anything is hashed. */
-	if (!inband_addr_is_zero(self) && inband_addr_eq(&p->daddr, self))
-		return backend_to_client(ctx, cfg, p);
+	if (own >= 0)
+		return backend_to_client(ctx, cfg, p, own);
 
 	client_key(p);
 	struct inband_flow *f = bpf_map_lookup_elem(&flows, &p->fk);

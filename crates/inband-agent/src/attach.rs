@@ -138,7 +138,7 @@ pub fn attach<'obj>(
         client_address: client_address.map(Path::to_path_buf),
         peer_links: Vec::new(),
     };
-    if let Err(e) = upgrade.copy(a.skel.object()).and_then(|()| a.attach_all()).and_then(|()| upgrade.finish()) {
+    if let Err(e) = upgrade.copy(a.skel.object()).and_then(|()| upgrade.catch_up()).and_then(|()| a.attach_all()).and_then(|()| upgrade.finish()) {
         let undo = cleanup(interface, ifindex);
         return Err(match undo {
             Ok(()) => {

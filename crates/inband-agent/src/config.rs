@@ -10,6 +10,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 
 use inband_core::auth::AuthConfig;
 use inband_core::net::{unicast, Protocol};
+use inband_core::shared as c;
 use inband_core::wire::Key;
 
 /// Where the score the agent reports comes from (docs/agent.md).
@@ -44,7 +45,9 @@ impl ScoreSource {
 pub struct AgentConfig {
     pub interface: String,
     /// Every address a balancer sends from (its lb.toml `address` and
-    /// `address6`).
+    /// `address6`, and the blocks of its `snat_prefix` and `snat_prefix6`,
+    /// written as prefixes: "10.0.0.16/28"), one entry per address here.
+    #[serde(deserialize_with = "addresses_or_blocks")]
     pub balancers: Vec<IpAddr>,
     #[serde(default)]
     pub score: ScoreSource,
@@ -99,7 +102,33 @@ pub struct ServiceConfig {
 
 /// The limits of the BPF maps (bpf/include/inband/agent/consts.h).
 pub const MAX_SERVICES: usize = 64;
-pub const MAX_BALANCERS: usize = 16;
+pub const MAX_BALANCERS: usize = c::INBAND_AGENT_MAX_BALANCERS as usize;
+/// The largest block one `balancers` entry may name: a balancer's SNAT
+/// pool is at most 32 addresses, several balancers' pools may be one block.
+const MAX_BLOCK: u32 = 256;
+
+/// `balancers`: addresses, or blocks of them ("10.0.0.16/28"), expanded.
+fn addresses_or_blocks<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Vec<IpAddr>, D::Error> {
+    use serde::de::Error;
+    let mut out = Vec::new();
+    for entry in Vec::<String>::deserialize(d)? {
+        if let Ok(a) = entry.parse::<IpAddr>() {
+            out.push(a);
+            continue;
+        }
+        let net: ipnet::IpNet =
+            entry.parse().map_err(|_| D::Error::custom(format!("balancers: {entry:?} is neither an address nor a block of them (10.0.0.16/28)")))?;
+        let bits = net.max_prefix_len() - net.prefix_len();
+        if bits > MAX_BLOCK.ilog2() as u8 || net.trunc() != net {
+            return Err(D::Error::custom(format!(
+                "balancers: {net} is not a block of at most {MAX_BLOCK} addresses starting at its first (write {})",
+                net.trunc()
+            )));
+        }
+        out.extend(net.subnets(net.max_prefix_len()).map_err(D::Error::custom)?.map(|one| one.addr()));
+    }
+    Ok(out)
+}
 
 pub fn default_score_socket() -> PathBuf {
     PathBuf::from("/run/inband/agent.sock")

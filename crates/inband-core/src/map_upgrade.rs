@@ -17,9 +17,10 @@
 //! that moved is still found. A field new to the layout starts at zero (the
 //! C side's rule: a new field's zero means what the data path did before
 //! it existed; padding holds nothing, so a new field may take its bytes).
-//! A field that changed its type, a key that lost a field, and a table
-//! shrunk below what it holds cannot be carried: [`Upgrade::stage`]
-//! refuses them before anything the running data path uses is touched.
+//! A field that changed its type, a key field that is gone while entries
+//! use it (two entries could become one), and a table shrunk below what it
+//! holds cannot be carried: [`Upgrade::stage`] and [`Upgrade::copy`]
+//! refuse them before anything the running data path uses is touched.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -160,6 +161,9 @@ pub struct Conversion {
     /// map) and came from the old value: merged by adding what the old
     /// program counted after the first copy.
     counters: Vec<(usize, usize, usize)>,
+    /// Fields of the old layout the new one lacks (padding aside): (path,
+    /// offset, size) in the old value.
+    dropped: Vec<(String, usize, usize)>,
 }
 
 impl Conversion {
@@ -178,7 +182,18 @@ impl Conversion {
                 counters.push((o.offset, l.offset, l.size));
             }
         }
-        Ok(Conversion { size: to.size, copies, counters })
+        let dropped = from
+            .leaves
+            .iter()
+            .filter(|o| !o.is_padding() && !to.leaves.iter().any(|l| l.path == o.path))
+            .map(|o| (o.path.clone(), o.offset, o.size))
+            .collect();
+        Ok(Conversion { size: to.size, copies, counters, dropped })
+    }
+
+    /// The first field this conversion would lose a value of in `old`.
+    pub fn loses(&self, old: &[u8]) -> Option<&str> {
+        self.dropped.iter().find(|(_, off, n)| old[*off..off + n].iter().any(|&b| b != 0)).map(|(path, _, _)| path.as_str())
     }
 
     pub fn apply(&self, old: &[u8]) -> Vec<u8> {
@@ -358,11 +373,9 @@ impl Upgrade {
             if old_type != map.map_type() {
                 bail!("map {name} changed type ({:?} to {:?}), which no upgrade can carry", old_type, map.map_type());
             }
-            // A key may gain fields (each old entry's is zero) but not lose
-            // one: two entries could become one.
-            if let Some(gone) = old_key.leaves.iter().find(|o| !o.is_padding() && !new_key.leaves.iter().any(|n| n.path == o.path)) {
-                bail!("map {name}: key field `{}` is gone, which no upgrade can carry", gone.path);
-            }
+            // A key may gain fields (each old entry's is zero), and lose
+            // one only where every entry holds zero in it (checked by
+            // `copy`): otherwise two entries could become one.
             let key = Conversion::new(&name, &old_key, &new_key, false)?;
             let conversion = Conversion::new(&name, &old_value, &new_value, old_type.is_percpu())?;
             if map.max_entries() < info.max_entries {
@@ -394,6 +407,9 @@ impl Upgrade {
             let new_map = obj.maps().find(|m| m.name().to_string_lossy() == name.as_str()).ok_or_else(|| anyhow!("map {name} not in the new object"))?;
             let new = MapHandle::try_from(&new_map).with_context(|| format!("duplicating map {name}"))?;
             let first = read_all(&old).with_context(|| format!("reading map {name}"))?;
+            if let Some(field) = first.keys().find_map(|k| plan.key.loses(k)) {
+                bail!("map {name}: this build's key has no field `{field}`, and entries of the running one use it: no upgrade can carry them");
+            }
             let rows: Vec<_> = first.iter().filter(|(k, _)| fits(&new, k)).map(|(k, v)| (plan.key.apply(k), v.iter().map(|c| plan.value.apply(c)).collect())).collect();
             write(&new, &rows, MapFlags::ANY).with_context(|| format!("copying map {name}"))?;
             self.plans.push((name.clone(), plan.clone()));
@@ -402,17 +418,28 @@ impl Upgrade {
         Ok(())
     }
 
+    /// Just before the switch: merges what the old program changed during
+    /// [`copy`](Self::copy) (a copy of millions of entries takes seconds),
+    /// so that what the new program has not seen when it starts is only
+    /// the last milliseconds' changes.
+    pub fn catch_up(&mut self) -> Result<()> {
+        for c in &mut self.carried {
+            merge(c).with_context(|| format!("merging map {}", c.name))?;
+        }
+        Ok(())
+    }
+
     /// After the new program is attached: merges what the old program
-    /// changed since [`copy`](Self::copy), then renames the new maps over
-    /// the old pins.
-    pub fn finish(self) -> Result<()> {
+    /// changed since [`catch_up`](Self::catch_up), at once and again once
+    /// the old program has certainly stopped, then renames the new maps
+    /// over the old pins.
+    pub fn finish(mut self) -> Result<()> {
         if self.carried.is_empty() {
             return Ok(());
         }
+        self.catch_up()?;
         std::thread::sleep(GRACE);
-        for c in &self.carried {
-            merge(c).with_context(|| format!("merging map {}", c.name))?;
-        }
+        self.catch_up()?;
         settle(&self.dir, &self.carried.iter().map(|c| c.name.clone()).collect::<Vec<_>>())
     }
 
@@ -447,13 +474,20 @@ fn fits(map: &MapHandle, key: &[u8]) -> bool {
     u32::from_ne_bytes(key[..4].try_into().unwrap()) < map.max_entries()
 }
 
-fn merge(c: &Carried) -> Result<()> {
+/// Brings the new map up to the old one's changes since `c.first`, and
+/// makes the old one's present state the base of the next merge.
+fn merge(c: &mut Carried) -> Result<()> {
     let last = read_all(&c.old)?;
     let now = read_all(&c.new)?;
     let value = &c.plan.value;
     let mut updates = Vec::new();
     for (k, l) in &last {
         if !fits(&c.new, k) {
+            continue;
+        }
+        // An entry made during the copy whose key this build cannot hold
+        // (`copy` found none before): it cannot be carried.
+        if c.plan.key.loses(k).is_some() {
             continue;
         }
         let nk = c.plan.key.apply(k);
@@ -482,6 +516,7 @@ fn merge(c: &Carried) -> Result<()> {
             let _ = c.new.delete(&nk);
         }
     }
+    c.first = last;
     Ok(())
 }
 
@@ -558,6 +593,15 @@ mod tests {
         let v2 = Layout { size: 8, leaves: vec![leaf("port", 0, 2, "u16"), leaf("proto", 2, 1, "u8"), leaf("index", 3, 1, "u8"), leaf("pad", 4, 4, "[4]u8")] };
         let c = Conversion::new("snat", &v1, &v2, false).unwrap();
         assert_eq!(c.apply(&[80, 0, 6, 9, 9, 9, 9, 9]), vec![80, 0, 6, 0, 0, 0, 0, 0]);
+    }
+
+    #[test]
+    fn a_key_field_that_is_gone_is_carried_only_where_it_is_zero() {
+        let v2 = Layout { size: 4, leaves: vec![leaf("port", 0, 2, "u16"), leaf("index", 2, 1, "u8"), leaf("pad", 3, 1, "[1]u8")] };
+        let v1 = Layout { size: 4, leaves: vec![leaf("port", 0, 2, "u16"), leaf("pad", 2, 2, "[2]u8")] };
+        let back = Conversion::new("snat", &v2, &v1, false).unwrap();
+        assert_eq!(back.loses(&[80, 0, 0, 0]), None);
+        assert_eq!(back.loses(&[80, 0, 3, 0]), Some("index"));
     }
 
     #[test]

@@ -63,6 +63,14 @@ pub fn mac(name: &str) -> Result<[u8; 6]> {
     Ok(std::array::from_fn(|i| sa.sa_data[i] as u8))
 }
 
+/// Whether the kernel takes packets to `a` as its own: an address of an
+/// interface, or one inside a `local` route (`ip route add local P dev
+/// lo`, which owns a whole block without an address per entry). Asks the
+/// kernel's route lookup, as a packet would.
+pub fn is_local(a: IpAddr) -> bool {
+    crate::command::ip(&["-o", "route", "get", &a.to_string()]).is_ok_and(|o| String::from_utf8_lossy(&o.stdout).starts_with("local "))
+}
+
 /// Every IPv4 and IPv6 address of this host (in this network namespace) with its interface.
 pub fn local_addrs() -> Result<Vec<(String, IpAddr)>> {
     let mut out = Vec::new();

@@ -62,6 +62,11 @@ fn data_path_config(maps: &LbMaps, cfg: &LbConfig) -> Result<()> {
         cond_sid: cfg.scale_out.as_ref().map(|s| be_ip(s.sid.into())).unwrap_or_default(),
         direct_sid: cfg.scale_out.as_ref().map(|s| be_ip(s.direct_sid.into())).unwrap_or_default(),
         shadow_sid: cfg.scale_out.as_ref().map(|s| be_ip(s.shadow_sid.into())).unwrap_or_default(),
+        snat_pool4: cfg.snat_prefix.map(|p| be_ip(p.network().into())).unwrap_or_default(),
+        snat_pool6: cfg.snat_prefix6.map(|p| be_ip(p.network().into())).unwrap_or_default(),
+        snat_pool4_n: cfg.snat_prefix.map_or(0, |p| (1u32 << (32 - p.prefix_len())) as u8),
+        snat_pool6_n: cfg.snat_prefix6.map_or(0, |p| (1u32 << (128 - p.prefix_len())) as u8),
+        ..Default::default()
     };
     bpfmap::put(&maps.lb_config, &0u32, &value)
 }

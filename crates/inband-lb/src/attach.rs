@@ -123,7 +123,7 @@ pub fn load_and_attach(
         warn!(interface, "an interrupted upgrade had switched the data path already: its new maps now hold the pins");
     }
     let result = load(interface, &dir, flow_table_size, maglev_size, maglev_tables).and_then(|(obj, mut upgrade)| {
-        let attached = match upgrade.copy(&obj).and_then(|()| attach(&obj, interface, ifindex, mode)) {
+        let attached = match upgrade.copy(&obj).and_then(|()| upgrade.catch_up()).and_then(|()| attach(&obj, interface, ifindex, mode)) {
             Ok(a) => a,
             Err(e) => {
                 upgrade.abandon();

@@ -6,9 +6,10 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use serde::{Deserialize, Serialize};
 
-use super::maps::{Mode, Policy, MAX_BACKENDS, MAX_BACKENDS_PER_VIP, MAX_VIPS, SCAN_MAX};
+use super::maps::{Mode, Policy, MAX_BACKENDS, MAX_BACKENDS_PER_VIP, MAX_VIPS, SCAN_MAX, SNAT_POOL_BITS};
 use inband_core::auth::AuthConfig;
 use inband_core::shared as c;
 use inband_core::net::{unicast, vip_name, Protocol};
@@ -35,6 +36,14 @@ pub struct LbConfig {
     /// Its IPv6 address there, for IPv6 VIPs.
     #[serde(default)]
     pub address6: Option<Ipv6Addr>,
+    /// More source addresses toward IPv4 backends (docs/configuration.md,
+    /// "SNAT pool"): each brings its own SNAT ports, so a backend can hold
+    /// that many times more live connections from this balancer.
+    #[serde(default)]
+    pub snat_prefix: Option<Ipv4Net>,
+    /// The same toward IPv6 backends.
+    #[serde(default)]
+    pub snat_prefix6: Option<Ipv6Net>,
     #[serde(default)]
     pub xdp_mode: XdpMode,
     #[serde(default = "default_control_socket")]
@@ -614,6 +623,7 @@ impl LbConfig {
                 bail!("address {a} is not a unicast address: set it to this host's address on {}", self.interface);
             }
         }
+        self.validate_snat_pools()?;
         in_range("flow_table_size", self.flow_table_size, &FLOW_TABLE_SIZE)?;
         in_range("options_retry_s", self.options_retry_s, &OPTIONS_RETRY_S)?;
         in_range("maglev_table_size", u64::from(self.maglev_table_size), &MAGLEV_TABLE_SIZE)?;
@@ -686,6 +696,53 @@ impl LbConfig {
         Ok(())
     }
 
+    /// Each SNAT pool's (key, addresses).
+    pub fn snat_pools(&self) -> Vec<(&'static str, Vec<IpAddr>)> {
+        let mut out = Vec::new();
+        if let Some(p) = self.snat_prefix {
+            let first = u32::from(p.network());
+            out.push(("snat_prefix", (0..1u32 << (32 - p.prefix_len())).map(|i| IpAddr::V4(Ipv4Addr::from(first + i))).collect()));
+        }
+        if let Some(p) = self.snat_prefix6 {
+            let first = u128::from(p.network());
+            out.push(("snat_prefix6", (0..1u128 << (128 - p.prefix_len())).map(|i| IpAddr::V6(Ipv6Addr::from(first + i))).collect()));
+        }
+        out
+    }
+
+    /// A pool holds at most SNAT_POOL_MAX addresses (the index a flow keeps
+    /// and the data path's bound), aligned, of a family the balancer has an
+    /// address of, and overlaps none of the addresses traffic is told by.
+    fn validate_snat_pools(&self) -> Result<()> {
+        let pools = [
+            self.snat_prefix.map(|p| (IpNet::V4(p), "snat_prefix", 32 - SNAT_POOL_BITS, self.address.map(IpAddr::V4), "address")),
+            self.snat_prefix6.map(|p| (IpNet::V6(p), "snat_prefix6", 128 - SNAT_POOL_BITS, self.address6.map(IpAddr::V6), "address6")),
+        ];
+        for (net, key, min_len, own, own_key) in pools.into_iter().flatten() {
+            if net.prefix_len() < min_len {
+                bail!("{key} = {net} has more than {} addresses; the most a pool may hold is a /{min_len}", 1u32 << SNAT_POOL_BITS);
+            }
+            if net.trunc() != net {
+                bail!("{key} = {net} has host bits set: write the block's first address, {}", net.trunc());
+            }
+            let Some(own) = own else {
+                bail!("{key} needs `{own_key}`: the pool adds source addresses to it");
+            };
+            if net.contains(&own) {
+                bail!("{key} = {net} holds the balancer's `{own_key}` {own}: a pool must not repeat it (two flows could share a tuple)");
+            }
+            for v in &self.vips {
+                if net.contains(&v.address) {
+                    bail!("{key} = {net} holds vip {}", v.name());
+                }
+                if let Some(b) = v.backends.iter().find(|b| net.contains(&b.address)) {
+                    bail!("{key} = {net} holds backend {} of vip {}", b.endpoint(), v.name());
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The balancer's addresses, IPv4 first.
     pub fn addresses(&self) -> Vec<IpAddr> {
         self.address.map(IpAddr::V4).into_iter().chain(self.address6.map(IpAddr::V6)).collect()
@@ -713,6 +770,17 @@ impl LbConfig {
             }
         }
         // Behind an ECMP router the VIP's packets come to this instance's
+        // Backends answer the pool's addresses: the host must own them
+        // (answer ARP and neighbour discovery for them).
+        for (key, addrs) in self.snat_pools() {
+            if let Some(a) = addrs.iter().find(|a| !inband_core::netif::is_local(**a)) {
+                let net = if key == "snat_prefix" { self.snat_prefix.map(|p| p.to_string()) } else { self.snat_prefix6.map(|p| p.to_string()) };
+                bail!(
+                    "{key}: {a} is not a local address of this host, so backends' answers to it would go nowhere: make the block local, e.g. `ip route add local {} dev lo`",
+                    net.unwrap_or_default()
+                );
+            }
+        }
         // SIDs: nobody asks for the VIP's link-layer address.
         for v in self.vips.iter().filter(|_| self.scale_out.is_none()) {
             if !locals.iter().any(|(_, a)| *a == v.address) {
@@ -769,6 +837,22 @@ port = 8080
 
     fn err(text: &str) -> String {
         format!("{:#}", LbConfig::parse(text).unwrap_err())
+    }
+
+    #[test]
+    fn a_snat_pool_is_a_small_aligned_block_apart_from_every_other_address() {
+        let with = |line: &str| GOOD.replace("address = \"10.77.0.2\"\n", &format!("address = \"10.77.0.2\"\n{line}\n"));
+        let c = LbConfig::parse(&with("snat_prefix = \"10.77.0.224/29\"")).unwrap();
+        let pools = c.snat_pools();
+        assert_eq!((pools[0].0, pools[0].1.len()), ("snat_prefix", 8));
+        assert_eq!((pools[0].1[0].to_string(), pools[0].1[7].to_string()), ("10.77.0.224".into(), "10.77.0.231".into()));
+        assert!(err(&with("snat_prefix = \"10.77.0.192/26\"")).contains("the most a pool may hold is a /27"));
+        assert!(err(&with("snat_prefix = \"10.77.0.225/29\"")).contains("write the block's first address, 10.77.0.224/29"));
+        assert!(err(&with("snat_prefix = \"10.77.0.0/29\"")).contains("holds the balancer's `address` 10.77.0.2"));
+        assert!(err(&with("snat_prefix = \"10.77.0.96/27\"")).contains("holds vip 10.77.0.100:80"));
+        assert!(err(&with("snat_prefix = \"10.77.0.16/28\"")).contains("holds backend 10.77.0.21:8080"));
+        assert!(err(&with("snat_prefix6 = \"fd00::e0/123\"")).contains("snat_prefix6 needs `address6`"));
+        assert!(err(&with("snat_prefix = \"fd00::e0/123\"")).contains("snat_prefix"), "an IPv6 block as snat_prefix");
     }
 
     #[test]

@@ -52,6 +52,21 @@ fn config_err(text: &str) -> String {
     format!("{:#}", AgentConfig::parse(text).unwrap_err())
 }
 
+/// A balancer's SNAT pool is listed as a block and taken as its addresses;
+/// a block too large to be one is refused, naming it.
+#[test]
+fn config_balancers_take_blocks_of_addresses() {
+    let c = AgentConfig::parse(&GOOD.replace("balancers = [\"10.77.0.2\"]", "balancers = [\"10.77.0.2\", \"10.77.0.224/29\", \"fd00::e0/126\"]")).unwrap();
+    let mut want = vec![IpAddr::V4(Ipv4Addr::new(10, 77, 0, 2))];
+    want.extend((224..232).map(|h| IpAddr::V4(Ipv4Addr::new(10, 77, 0, h))));
+    want.extend((0xe0..0xe4).map(|h| IpAddr::V6(std::net::Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, h))));
+    assert_eq!(c.balancers, want);
+    let e = config_err(&GOOD.replace("balancers = [\"10.77.0.2\"]", "balancers = [\"10.77.0.0/23\"]"));
+    assert!(e.contains("10.77.0.0/23 is not a block of at most 256 addresses"), "{e}");
+    let e = config_err(&GOOD.replace("balancers = [\"10.77.0.2\"]", "balancers = [\"lb1\"]"));
+    assert!(e.contains("\"lb1\" is neither an address nor a block"), "{e}");
+}
+
 #[test]
 fn config_defaults() {
     let c = AgentConfig::parse(GOOD).unwrap();

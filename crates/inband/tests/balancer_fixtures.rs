@@ -229,7 +229,7 @@ fn nat_key_proto(b: &B, snat_port: u16, proto: u8) -> NatKey {
         backend_port: be_port(b.addr.port()),
         snat_port: be_port(snat_port),
         proto,
-        pad: [0; 3],
+        ..Default::default()
     }
 }
 
@@ -1363,6 +1363,84 @@ fn a_backend_without_free_ports_is_skipped_for_the_next() {
     }
     assert_eq!(fx.pick(client(1)), b1.id, "least-score would pick b0, which has no port");
     assert_eq!(fx.event("backend_full"), 1);
+}
+
+// ------------------------------------------------------------ SNAT pool
+
+/// The pool the SNAT-pool fixtures give the balancer (lb.toml
+/// `snat_prefix = "10.0.0.64/29"`): 8 addresses beside LB_ADDR.
+const POOL: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 64);
+
+impl Fixture {
+    fn with_pool(&self) {
+        let mut cfg: DataPathConfig = get(&self.lb.skel.maps.lb_config, &0u32).unwrap();
+        cfg.snat_pool4 = be_ip(POOL.into());
+        cfg.snat_pool4_n = 8;
+        put(&self.lb.skel.maps.lb_config, &0u32, &cfg);
+    }
+}
+
+/// The index a flow must record for source address `a`: 0 for the
+/// balancer's own, 1 + the offset in the pool.
+fn pool_index(a: IpAddr) -> u8 {
+    match a {
+        IpAddr::V4(a) if a == LB_ADDR => 0,
+        IpAddr::V4(a) if (u32::from(a).wrapping_sub(u32::from(POOL))) < 8 => 1 + (u32::from(a) - u32::from(POOL)) as u8,
+        _ => panic!("{a} is neither the balancer's address nor in its pool"),
+    }
+}
+
+/// New connections leave from every address of the balancer's SNAT pool
+/// as well as its own, each flow records which, the 155's MAC is over the
+/// address the backend sees, and a backend's answer to a pool address
+/// finds its flow. Without the pool every SYN left from LB_ADDR.
+#[test]
+fn a_snat_pool_spreads_connections_over_its_addresses_and_answers_find_them() {
+    for mode in [Mode::Passthrough, Mode::DsrRr] {
+        let fx = Fixture::lb_with(mode, Policy::RoundRobin, 1);
+        fx.with_pool();
+        let b = backend(0);
+        let mut used = std::collections::BTreeSet::new();
+        for n in 1..=32 {
+            let c = client(n);
+            let s = syn(c);
+            let out = parse(&fx.tx(&s.build())).unwrap();
+            let f = fx.half_open(c).expect("half-open flow");
+            assert_eq!(f.snat_index, pool_index(out.src.ip()), "{mode:?}: flow and wire disagree on the address");
+            assert_eq!(out.src.port(), port_of(f.snat_port));
+            if mode == Mode::DsrRr {
+                let want = InbandOption::auth_client_tuple(&KEY, KEY_ID, s.seq, Conn::tcp(out.src, b.addr), c).encode();
+                assert_eq!(out.ip_options, want, "the 155 binds the address the backend sees");
+            }
+            used.insert(f.snat_index);
+        }
+        assert!(used.len() >= 6, "{mode:?}: 32 connections used only addresses {used:?}");
+        // A pool address's answer goes back to its client.
+        let c = client(7);
+        let f = fx.half_open(c).unwrap();
+        let to = if f.snat_index == 0 { LB_ADDR } else { Ipv4Addr::from(u32::from(POOL) + u32::from(f.snat_index) - 1) };
+        let r = PacketBuilder::tcp(b.addr, sa4(to, port_of(f.snat_port))).macs(b.mac, LB_MAC).flags(TCP_ACK | TCP_PSH).payload(b"HTTP/1.1 200 OK\r\n\r\n");
+        assert_eq!(fx.tx(&r.build()), returned(&r, c, vec![]), "{mode:?}");
+    }
+}
+
+/// One address has 31,744 SNAT ports toward a backend; with every one of
+/// them held by a live flow, a SYN is refused (`snat_exhausted`, as in
+/// a_live_flows_port_is_never_handed_out_but_a_dead_ones_is) — unless the
+/// balancer has a pool: then it leaves from a pool address.
+#[test]
+fn a_snat_pool_lifts_the_port_ceiling_of_one_address() {
+    let fx = Fixture::lb_with(Mode::Passthrough, Policy::RoundRobin, 1);
+    let b = backend(0);
+    let now = ktime_ns();
+    for port in 1024..=32767u16 {
+        occupy(&fx, &b, port, owner_of(port), FLOW_ESTABLISHED, now);
+    }
+    fx.assert_dropped(&syn(client(1)).build(), "snat_exhausted");
+    fx.with_pool();
+    let out = parse(&fx.tx(&syn(client(1)).build())).unwrap();
+    let f = fx.half_open(client(1)).expect("a handshake");
+    assert!(f.snat_index > 0 && pool_index(out.src.ip()) == f.snat_index, "left from {} (index {})", out.src, f.snat_index);
 }
 
 // ---------------------------------------------------------------- probes

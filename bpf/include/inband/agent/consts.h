@@ -11,7 +11,8 @@
 #define INBAND_AGENT_CONSTS_H
 
 #define INBAND_AGENT_MAX_SERVICES 64
-#define INBAND_AGENT_MAX_BALANCERS 16
+/* Every address a balancer sends from, its SNAT pools included. */
+#define INBAND_AGENT_MAX_BALANCERS 256
 #define INBAND_AGENT_FLOW_TABLE_SIZE 262144
 
 /* A UDP 155 whose stamp is more than this behind the newest one its

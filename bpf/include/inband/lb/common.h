@@ -144,6 +144,53 @@ static __always_inline const struct inband_addr *self_addr(const struct inband_l
 	return inband_addr_is4(a) ? &cfg->self4 : &cfg->self6;
 }
 
+/* A pool address computed for the packet at hand: in a per-CPU slot, not
+ * on the stack, which the paths that need it (forward, the MAC, ICMP) have
+ * little of left. XDP does not nest on a CPU, and one packet has one flow. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct inband_addr);
+} snat_src SEC(".maps");
+
+/* Source address `index` of the balancer toward the family of `a`: 0 its
+ * own, 1.. its SNAT pool's (lb_config). A pool is aligned and at most
+ * 2^INBAND_SNAT_POOL_BITS addresses, so its last word alone counts. NULL
+ * only if the per-CPU slot is missing. */
+static __always_inline const struct inband_addr *snat_addr(const struct inband_lb_config *cfg,
+							    const struct inband_addr *a, __u8 index)
+{
+	if (!index)
+		return self_addr(cfg, a);
+	__u32 zero = 0;
+	struct inband_addr *r = bpf_map_lookup_elem(&snat_src, &zero);
+
+	if (!r)
+		return NULL;
+	*r = inband_addr_is4(a) ? cfg->snat_pool4 : cfg->snat_pool6;
+	r->w[3] = bpf_htonl(bpf_ntohl(r->w[3]) + index - 1);
+	return r;
+}
+
+/* Which of the balancer's source addresses `a` is (its index), or -1. */
+static __always_inline int snat_index_of(const struct inband_lb_config *cfg, const struct inband_addr *a)
+{
+	const struct inband_addr *self = self_addr(cfg, a);
+
+	if (!inband_addr_is_zero(self) && inband_addr_eq(a, self))
+		return 0;
+	int v4 = inband_addr_is4(a);
+	__u32 n = v4 ? cfg->snat_pool4_n : cfg->snat_pool6_n;
+	const struct inband_addr *base = v4 ? &cfg->snat_pool4 : &cfg->snat_pool6;
+
+	if (!n || a->w[0] != base->w[0] || a->w[1] != base->w[1] || a->w[2] != base->w[2])
+		return -1;
+	__u32 off = bpf_ntohl(a->w[3]) - bpf_ntohl(base->w[3]);
+
+	return off < n ? (int)off + 1 : -1;
+}
+
 /* CLOCK_MONOTONIC at tick resolution: flow timestamps need seconds, not ns. */
 static __always_inline __u64 coarse_now(void)
 {

@@ -16,6 +16,9 @@
 /* Backend ids are global, 0 .. INBAND_MAX_BACKENDS-1: they index scores and
  * stats; also the bound on backends summed over VIPs. */
 #define INBAND_MAX_BACKENDS 16384
+/* A SNAT pool (lb.toml `snat_prefix`, `snat_prefix6`) holds at most
+ * 2^this addresses (a /27, a /123): a flow's snat_index is 1 + its offset. */
+#define INBAND_SNAT_POOL_BITS 5
 /* A VIP of at most this many backends is picked for by walking all its
  * slots (exact least-score); a larger one by sampling its eligible set
  * (select.h). At most 32: the retry mask of a pick is a bit per slot. */

@@ -115,11 +115,11 @@ struct icmp_plan {
 static __always_inline int icmp_plan_for(const struct inband_lb_config *cfg, const struct inband_addr *odst,
 					 struct icmp_plan *pl)
 {
-	const struct inband_addr *self = self_addr(cfg, odst);
+	int own = snat_index_of(cfg, odst);
 	struct inband_flow_key fk = {};
 	struct inband_flow *f;
 
-	pl->to_backend = !inband_addr_eq(odst, self);
+	pl->to_backend = own < 0;
 	if (pl->to_backend) {
 		/* Quoted: our response VIP:vport -> client:cport. */
 		struct inband_vip_key vk = { .addr = pl->old_src, .port = pl->old_sport, .proto = pl->proto };
@@ -141,10 +141,14 @@ static __always_inline int icmp_plan_for(const struct inband_lb_config *cfg, con
 			return 0;
 		/* As the backend sent it: backend:bport -> balancer:snat port. */
 		pl->new_src = f->backend_addr;
-		pl->new_dst = *self;
+		const struct inband_addr *src = snat_addr(cfg, &f->backend_addr, f->snat_index);
+
+		if (!src)
+			return 0;
+		pl->new_dst = *src;
 		pl->new_sport = f->backend_port;
 		pl->new_dport = f->snat_port;
-		pl->outer_src = *self;
+		pl->outer_src = pl->new_dst;
 		pl->outer_dst = f->backend_addr;
 		__builtin_memcpy(pl->l2_dst, be->mac, ETH_ALEN);
 		return 1;
@@ -155,9 +159,10 @@ static __always_inline int icmp_plan_for(const struct inband_lb_config *cfg, con
 		.backend_port = pl->old_dport,
 		.snat_port = pl->old_sport,
 		.proto = pl->proto,
+		.snat_index = (__u8)own,
 	};
 
-	if (!inband_addr_eq(&pl->old_src, self))
+	if (!inband_addr_eq(&pl->old_src, odst))
 		return 0;
 	f = flow_by_port(&nk, &fk);
 	if (!f)

@@ -33,6 +33,7 @@ static __always_inline struct inband_nat_key nat_key_of(const struct inband_flow
 		.backend_port = f->backend_port,
 		.snat_port = f->snat_port,
 		.proto = f->proto,
+		.snat_index = f->snat_index,
 	};
 	return nk;
 }
@@ -41,7 +42,7 @@ static __always_inline struct inband_nat_key nat_key_of(const struct inband_flow
 static __always_inline int flow_has_port(const struct inband_flow *f, const struct inband_nat_key *nk)
 {
 	return inband_addr_eq(&f->backend_addr, &nk->backend_addr) && f->backend_port == nk->backend_port &&
-	       f->snat_port == nk->snat_port && f->proto == nk->proto;
+	       f->snat_port == nk->snat_port && f->proto == nk->proto && f->snat_index == nk->snat_index;
 }
 
 static __always_inline __u64 flow_timeout(const struct inband_flow *f, const struct inband_vip *vc)

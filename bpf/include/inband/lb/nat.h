@@ -2,8 +2,9 @@
 /*
  * SNAT ports toward a backend.
  *
- * A new connection's candidates are INBAND_SNAT_TRIES ports derived from a
- * SipHash of its client side under a key only this balancer knows, so an
+ * A new connection's candidates are INBAND_SNAT_TRIES ports (each on one
+ * of the balancer's source addresses when it has a SNAT pool) derived from
+ * a SipHash of its client side under a key only this balancer knows, so an
  * outsider cannot aim a connection at a chosen port, and the same client
  * tuple gets the same port again (a client that reuses its port meets the
  * server's TIME_WAIT with a sequence number it accepts; another client's
@@ -46,6 +47,9 @@ struct port_search {
 	__be16 victim_port;
 	__u16 victim_kind; /* VICTIM_*, 0 = none */
 	__u16 holds; /* candidates held by handshakes */
+	__u8 addrs; /* source addresses toward the backend: 1 + its family's pool */
+	__u8 index; /* the chosen port's address */
+	__u8 victim_index;
 };
 
 /* The search lives in a per-CPU slot rather than on the stack, which the
@@ -69,6 +73,15 @@ static __always_inline __be16 candidate(__u64 hash, __u32 i)
 	return bpf_htons((__u16)(INBAND_SNAT_PORT_MIN + h % SNAT_PORT_RANGE));
 }
 
+/* The address of candidate i: from other bits of the hash than its port,
+ * so that the same client side gets the same address and port again. */
+static __always_inline __u8 candidate_index(__u64 hash, __u32 i, __u8 addrs)
+{
+	if (addrs <= 1)
+		return 0;
+	return (__u8)(mix32((__u32)(hash >> 32) + i * 0x85ebca6b) % addrs);
+}
+
 static __always_inline void consider_victim(struct port_search *s, __u16 kind, const struct inband_flow_key *owner,
 					    __u64 last_seen)
 {
@@ -78,6 +91,7 @@ static __always_inline void consider_victim(struct port_search *s, __u16 kind, c
 	s->victim_seen = last_seen;
 	s->victim = *owner;
 	s->victim_port = s->nk.snat_port;
+	s->victim_index = s->nk.snat_index;
 }
 
 static long port_step(__u32 i, void *arg)
@@ -88,12 +102,14 @@ static long port_step(__u32 i, void *arg)
 	struct inband_flow *owner;
 
 	s->nk.snat_port = candidate(s->hash, i);
+	s->nk.snat_index = candidate_index(s->hash, i, s->addrs);
 	hold = bpf_map_lookup_elem(&half_open_ports, &s->nk);
 	if (hold) {
 		if (same_flow_key(&hold->flow, &s->fk)) {
 			/* Ours already: a new attempt of the same client. */
 			hold->since_ns = s->now;
 			s->port = s->nk.snat_port;
+			s->index = s->nk.snat_index;
 			return 1;
 		}
 		consider_victim(s, VICTIM_HALF_OPEN, &hold->flow, hold->since_ns);
@@ -121,6 +137,7 @@ static long port_step(__u32 i, void *arg)
 	if (bpf_map_update_elem(&half_open_ports, &s->nk, &mine, BPF_NOEXIST))
 		return 0;
 	s->port = s->nk.snat_port;
+	s->index = s->nk.snat_index;
 	return 1;
 }
 
@@ -166,11 +183,12 @@ static __always_inline int free_victim_port(const struct port_search *s)
 /*
  * Finds a port toward the backend in `nk` for the connection `fk` and
  * holds it for the handshake (half_open_ports). Returns the port (network
- * order) or 0 when every candidate belongs to a live established flow.
+ * order), with its source address's index in nk->snat_index, or 0 when
+ * every candidate belongs to a live established flow.
  * Global (verified once, not at each of its caller's attempts).
  */
 __noinline int reserve_snat_port(const struct inband_lb_config *cfg, const struct inband_flow_key *fk,
-				 const struct inband_nat_key *nk, __u64 now)
+				 struct inband_nat_key *nk, __u64 now)
 {
 	__u32 zero = 0;
 	struct port_search *s = bpf_map_lookup_elem(&search_scratch, &zero);
@@ -181,15 +199,19 @@ __noinline int reserve_snat_port(const struct inband_lb_config *cfg, const struc
 	s->fk = *fk;
 	s->nk = *nk;
 	s->now = now;
+	s->addrs = 1 + (inband_addr_is4(&nk->backend_addr) ? cfg->snat_pool4_n : cfg->snat_pool6_n);
 	s->hash = inband_siphash24_words(cfg->snat_key[0], cfg->snat_key[1], (const __u8 *)fk,
 					 sizeof(struct inband_flow_key) / 8);
 	struct search_ref ref = { .s = s };
 
 	bpf_loop(INBAND_SNAT_TRIES, port_step, &ref, 0);
-	if (s->port || !s->victim_kind)
+	if (s->port || !s->victim_kind) {
+		nk->snat_index = s->index;
 		return s->port;
+	}
 
 	s->nk.snat_port = s->victim_port;
+	s->nk.snat_index = s->victim_index;
 	if (!free_victim_port(s))
 		return 0;
 	struct inband_port_hold mine = { .flow = *fk, .since_ns = now };
@@ -199,6 +221,7 @@ __noinline int reserve_snat_port(const struct inband_lb_config *cfg, const struc
 	 * backend). Replacing the hold in place would give it to both. */
 	if (bpf_map_update_elem(&half_open_ports, &s->nk, &mine, BPF_NOEXIST))
 		return 0;
+	nk->snat_index = s->victim_index;
 	return s->victim_port;
 }
 

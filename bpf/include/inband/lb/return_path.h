@@ -169,8 +169,9 @@ static __always_inline __u32 backend_option(struct xdp_md *ctx, const struct pkt
 	return found ? found : OPT_FOREIGN;
 }
 
-/* Step 3 of the walk: a packet to the balancer's own address. */
-__noinline int backend_to_client(struct xdp_md *ctx, const struct inband_lb_config *cfg, struct pkt *p)
+/* Step 3 of the walk: a packet to one of the balancer's own addresses,
+ * `index` (lb_config's SNAT pool; 0 = `address`). */
+__noinline int backend_to_client(struct xdp_md *ctx, const struct inband_lb_config *cfg, struct pkt *p, __u32 index)
 {
 	if (!cfg || !p)
 		return XDP_PASS;
@@ -180,6 +181,7 @@ __noinline int backend_to_client(struct xdp_md *ctx, const struct inband_lb_conf
 		.backend_port = p->sport,
 		.snat_port = p->dport,
 		.proto = p->proto,
+		.snat_index = (__u8)index,
 	};
 	struct inband_flow *f = flow_by_port(&nk, &p->fk);
 

@@ -132,11 +132,11 @@ struct {
 static __noinline __u64 flow_mac(const struct mac_req *r, const struct inband_lb_config *cfg,
 				 const struct inband_flow *f, const struct inband_flow_key *fk)
 {
-	const struct inband_addr *self = self_addr(cfg, &f->backend_addr);
+	const struct inband_addr *self = snat_addr(cfg, &f->backend_addr, f->snat_index);
 	__u32 zero = 0;
 	struct mac_msgs *ms = bpf_map_lookup_elem(&mac_scratch, &zero);
 
-	if (!ms)
+	if (!ms || !self)
 		return 0;
 	if (inband_addr_is4(&f->backend_addr)) {
 		struct inband_mac_msg *m = &ms->v4;

@@ -172,6 +172,17 @@ struct inband_lb_config {
 	struct inband_addr cond_sid;
 	struct inband_addr direct_sid;
 	struct inband_addr shadow_sid;
+	/* More source addresses toward backends (lb.toml `snat_prefix`,
+	 * `snat_prefix6`): a pool of `snat_pool*_n` consecutive addresses from
+	 * `snat_pool*`, each with its own SNAT ports, so that one backend can
+	 * hold more live connections from this balancer than one address has
+	 * ports. A flow's `snat_index` names its address: 0 = self4/self6,
+	 * i = the pool's (i-1)-th. 0 = no pool. */
+	struct inband_addr snat_pool4;
+	struct inband_addr snat_pool6;
+	__u8 snat_pool4_n;
+	__u8 snat_pool6_n;
+	__u8 pad_pool[6];
 };
 
 /* The client side of a connection: key of `flows` and `half_open`. */
@@ -222,7 +233,8 @@ struct inband_flow {
 	__be32 probe_nonce; /* nonce of the outstanding 124 */
 	__u8 proto; /* IPPROTO_TCP or IPPROTO_UDP */
 	__u8 mode; /* the VIP's mode when the flow started */
-	__u8 pad0[2];
+	__u8 snat_index; /* which of the balancer's source addresses (lb_config) */
+	__u8 pad0[1];
 	__u64 last_seen_ns; /* CLOCK_MONOTONIC: last sweep that found it seen, or the handshake's time */
 	__u8 seen; /* a packet came since the last sweep (own byte: written without atomics) */
 	__u8 client_done; /* TCP: the client sent its FIN or RST, in its window (own byte, as `seen`) */
@@ -240,7 +252,15 @@ struct inband_nat_key {
 	__be16 backend_port;
 	__be16 snat_port;
 	__u8 proto;
-	__u8 pad[3];
+	__u8 snat_index; /* the balancer's source address (lb_config) */
+#ifdef INBAND_LAYOUT_TEST
+	/* The upgrade test's build: a key field taking padding, as snat_index
+	 * did (crates/inband/tests/e2e.rs, an_upgrade_...). */
+	__u8 layout_test_key;
+	__u8 pad[1];
+#else
+	__u8 pad[2];
+#endif
 };
 
 /* snat[server side] = the client side of the flow that owns the port. Only

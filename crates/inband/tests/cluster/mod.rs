@@ -71,6 +71,9 @@ pub struct Spec<'a> {
     pub nginx: bool,
     /// Extra top-level lines of every agent's agent.toml.
     pub agent_lines: Vec<String>,
+    /// The balancer's SNAT pool (`snat_prefix`): local on its lo, listed
+    /// as a block in every agent's `balancers`.
+    pub snat_pool: Option<&'a str>,
 }
 
 impl<'a> Spec<'a> {
@@ -91,7 +94,13 @@ impl<'a> Spec<'a> {
             quic: false,
             nginx: false,
             agent_lines: Vec::new(),
+            snat_pool: None,
         }
+    }
+    pub fn snat_pool(mut self, prefix: &'a str) -> Self {
+        self.snat_pool = Some(prefix);
+        self.lb_lines.push(format!("snat_prefix = \"{prefix}\""));
+        self
     }
     pub fn nginx(mut self) -> Self {
         self.nginx = true;
@@ -176,6 +185,7 @@ pub struct Cluster {
     quic: bool,
     nginx: bool,
     agent_lines: Vec<String>,
+    snat_pool: Option<String>,
     _share: Share,
 }
 
@@ -268,8 +278,12 @@ impl Cluster {
             quic: spec.quic,
             nginx: spec.nginx,
             agent_lines: spec.agent_lines,
+            snat_pool: spec.snat_pool.map(str::to_string),
             _share: share,
         };
+        if let Some(pool) = &c.snat_pool {
+            run_ok(&c.tb, "lb", &["ip", "route", "add", "local", pool, "dev", "lo"]);
+        }
         inband_core::auth::keygen(&c.key()).unwrap();
         if c.udp {
             let (cert, key) = (c.quic_cert(), c.dir.join("quic.key"));
@@ -419,8 +433,9 @@ impl Cluster {
     fn start_agent(&mut self, i: usize) {
         let node = format!("s{i}");
         let cfg = self.dir.join(format!("agent-{node}.toml"));
+        let pool = self.snat_pool.as_ref().map(|p| format!(", \"{p}\"")).unwrap_or_default();
         let mut text = format!(
-            "interface = \"eth0\"\nbalancers = [\"{}\", \"{}\"]\nscore_socket = \"{}\"\n\n{}\n[[service]]\nport = 8080\nvip = \"{}\"\nprotocol = \"{}\"\n",
+            "interface = \"eth0\"\nbalancers = [\"{}\", \"{}\"{pool}]\nscore_socket = \"{}\"\n\n{}\n[[service]]\nport = 8080\nvip = \"{}\"\nprotocol = \"{}\"\n",
             self.tb.addr("lb"),
             self.tb.addr6("lb"),
             self.agent_socket(i).display(),
