@@ -249,10 +249,70 @@ fn read_all(map: &MapHandle) -> Result<Entries> {
         }
         return Ok(out);
     }
-    for (k, v) in map.lookup_batch(BATCH, MapFlags::ANY, MapFlags::ANY)? {
-        out.insert(k, vec![v]);
-    }
+    batch_read(map, &mut |k, v| {
+        out.insert(k.to_vec(), vec![v.to_vec()]);
+    })?;
     Ok(out)
+}
+
+/// Every entry of a shared (not per-CPU) map, by BPF_MAP_LOOKUP_BATCH.
+/// By hand rather than libbpf-rs's `lookup_batch`: its iterator takes a
+/// batch shorter than asked for as the last one, and a hash map's batch
+/// ends at a bucket boundary, so it stopped after the first few thousand
+/// entries of a large table (bench.upgrade carried 4,095 of a million
+/// flows through it); and it ends silently on an error.
+fn batch_read(map: &MapHandle, each: &mut dyn FnMut(&[u8], &[u8])) -> Result<()> {
+    use std::os::fd::{AsFd, AsRawFd};
+    let (ks, vs) = (map.key_size() as usize, map.value_size() as usize);
+    // Hash maps' batch keys are at least 4 bytes (the kernel's bucket cursor).
+    let cursor = ks.max(4);
+    let mut want = BATCH as usize;
+    let mut keys = vec![0u8; want * ks];
+    let mut values = vec![0u8; want * vs];
+    let (mut prev, mut next) = (vec![0u8; cursor], vec![0u8; cursor]);
+    let mut first = true;
+    let opts = libbpf_rs::libbpf_sys::bpf_map_batch_opts {
+        sz: std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_map_batch_opts>() as _,
+        ..Default::default()
+    };
+    loop {
+        let mut count = want as u32;
+        // SAFETY: the buffers hold `want` keys and values of the map's
+        // sizes and a cursor of `cursor` bytes; the kernel writes at most
+        // `count` of each.
+        let rc = unsafe {
+            libbpf_rs::libbpf_sys::bpf_map_lookup_batch(
+                map.as_fd().as_raw_fd(),
+                if first { std::ptr::null_mut() } else { prev.as_mut_ptr().cast() },
+                next.as_mut_ptr().cast(),
+                keys.as_mut_ptr().cast(),
+                values.as_mut_ptr().cast(),
+                &mut count,
+                &opts,
+            )
+        };
+        let err = if rc < 0 { std::io::Error::last_os_error().raw_os_error().unwrap_or(0) } else { 0 };
+        match err {
+            0 | libc::ENOENT => {}
+            libc::EINTR => continue,
+            // One bucket holds more than the batch: make room and ask again.
+            libc::ENOSPC if count == 0 => {
+                want *= 2;
+                keys.resize(want * ks, 0);
+                values.resize(want * vs, 0);
+                continue;
+            }
+            e => bail!("reading map {} in batches: {}", map.name().to_string_lossy(), std::io::Error::from_raw_os_error(e)),
+        }
+        for i in 0..count as usize {
+            each(&keys[i * ks..(i + 1) * ks], &values[i * vs..(i + 1) * vs]);
+        }
+        if err == libc::ENOENT {
+            return Ok(());
+        }
+        std::mem::swap(&mut prev, &mut next);
+        first = false;
+    }
 }
 
 fn write(map: &MapHandle, entries: &[(Vec<u8>, Vec<Vec<u8>>)], flags: MapFlags) -> Result<()> {
@@ -477,12 +537,13 @@ fn fits(map: &MapHandle, key: &[u8]) -> bool {
 /// Brings the new map up to the old one's changes since `c.first`, and
 /// makes the old one's present state the base of the next merge.
 fn merge(c: &mut Carried) -> Result<()> {
+    // The new map is read only where the old one changed: a whole copy of
+    // it would be a third table's worth of memory in the daemon.
     let last = read_all(&c.old)?;
-    let now = read_all(&c.new)?;
     let value = &c.plan.value;
     let mut updates = Vec::new();
     for (k, l) in &last {
-        if !fits(&c.new, k) {
+        if !fits(&c.new, k) || c.first.get(k) == Some(l) {
             continue;
         }
         // An entry made during the copy whose key this build cannot hold
@@ -491,10 +552,9 @@ fn merge(c: &mut Carried) -> Result<()> {
             continue;
         }
         let nk = c.plan.key.apply(k);
-        match (c.first.get(k), now.get(&nk)) {
-            (Some(f), _) if f == l => {}
+        match (c.first.get(k), lookup(&c.new, &nk)?) {
             (Some(f), Some(n)) => {
-                let merged = f.iter().zip(l).zip(n).map(|((f, l), n)| value.merge(f, l, n)).collect();
+                let merged = f.iter().zip(l).zip(&n).map(|((f, l), n)| value.merge(f, l, n)).collect();
                 updates.push((nk, merged));
             }
             // The new program ended it since: that stands.
@@ -506,18 +566,25 @@ fn merge(c: &mut Carried) -> Result<()> {
     }
     write(&c.new, &updates, MapFlags::ANY)?;
     // Ended by the old program after the copy, and untouched by the new.
-    for (k, f) in &c.first {
-        if last.contains_key(k) || !c.new.map_type().is_hash_map() {
-            continue;
-        }
-        let nk = c.plan.key.apply(k);
-        let copied: Vec<Vec<u8>> = f.iter().map(|v| value.apply(v)).collect();
-        if now.get(&nk) == Some(&copied) {
-            let _ = c.new.delete(&nk);
+    if c.new.map_type().is_hash_map() {
+        for (k, f) in &c.first {
+            if last.contains_key(k) {
+                continue;
+            }
+            let nk = c.plan.key.apply(k);
+            let copied: Vec<Vec<u8>> = f.iter().map(|v| value.apply(v)).collect();
+            if lookup(&c.new, &nk)?.as_ref() == Some(&copied) {
+                let _ = c.new.delete(&nk);
+            }
         }
     }
     c.first = last;
     Ok(())
+}
+
+/// One entry, one value per CPU (one for a shared map).
+fn lookup(map: &MapHandle, key: &[u8]) -> Result<Option<Vec<Vec<u8>>>> {
+    Ok(if map.map_type().is_percpu() { map.lookup_percpu(key, MapFlags::ANY)? } else { map.lookup(key, MapFlags::ANY)?.map(|v| vec![v]) })
 }
 
 /// Renames each staged map over its pin and removes the staging directory.

@@ -47,6 +47,15 @@ pub enum BenchCommand {
         #[arg(long)]
         control_plane: bool,
     },
+    /// Time an upgrade that carries the flow tables over to a build that
+    /// sizes them differently (map_upgrade), with this many live flows.
+    Upgrade {
+        /// Live flows, comma-separated; each in a table sized for it.
+        #[arg(long, value_delimiter = ',', default_value = "10000,1000000,4000000")]
+        flows: Vec<u32>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Storage micro-benchmark of the HTTP cache's backends (LMDB, RocksDB,
     /// memory, files): read/update mixes over zipfian keys, 10 KiB values.
     Cache(inband_cache::bench::CacheArgs),
@@ -135,6 +144,15 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
                 if let Some(c) = control {
                     print!("\n{}", dataplane::scale::render_control(&c));
                 }
+            }
+            Ok(())
+        }
+        BenchCommand::Upgrade { flows, json } => {
+            let rows = dataplane::scale::carry(&flows)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "rows": rows }))?);
+            } else {
+                print!("{}", dataplane::scale::render_carry(&rows));
             }
             Ok(())
         }

@@ -18,16 +18,18 @@
 use std::mem::MaybeUninit;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::fd::{AsFd, AsRawFd};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use libbpf_rs::skel::Skel;
-use libbpf_rs::MapCore;
+use libbpf_rs::{MapCore, MapHandle, ObjectBuilder};
 use serde::Serialize;
 
 use super::{lb_config, time, verdict_name, vip_entry, KEY, KEY_ID, PAYLOAD, TCP4};
 use crate::packet::{PacketBuilder, IPPROTO_TCP, TCP_ACK, TCP_PSH};
-use inband_core::bpfmap::{count, get, put, put_batch};
+use inband_core::bpfmap::{count, get, put, put_batch, remove_pin_dir, PinDir};
+use inband_core::map_upgrade::Upgrade;
 use inband_core::shared as c;
 use inband_lb::config::LbConfig;
 use inband_lb::maps::*;
@@ -106,11 +108,67 @@ pub struct ControlStep {
     pub apply_ms: f64,
 }
 
+/// An upgrade of the balancer holding a size's flows to a build whose
+/// flow tables are CARRY_GROWTH entries larger, by map_upgrade as `inband
+/// lb` runs it (attach.rs), the switch itself left out: what happens
+/// before it (the first copy and the catch-up, while the old program
+/// serves) and after it (two merges 50 ms apart and the renames).
+#[derive(Debug, Serialize)]
+pub struct Carry {
+    pub flows: u32,
+    pub maps: Vec<String>,
+    pub before_switch_s: f64,
+    pub after_switch_ms: f64,
+    /// Flows in the new table: all of them if equal to `flows`.
+    pub flows_carried: usize,
+}
+
 #[derive(Debug, Serialize)]
 pub struct Scale {
     pub floor_ns: f64,
     pub cells: Vec<Cell>,
     pub memory: Vec<Memory>,
+}
+
+/// What the upgrade in `Carry` adds to the flow table: any change of size
+/// makes the four flow tables new maps.
+const CARRY_GROWTH: u32 = 65_536;
+
+/// Carries `lb`'s maps (sized for `size`) over to the built-in object
+/// sized CARRY_GROWTH larger, through a pin directory of its own.
+fn carry_over(lb: &PrivateBalancer, size: u32, flows: u32) -> Result<Carry> {
+    let dir = PinDir(PathBuf::from(format!("/sys/fs/bpf/inband-bench-carry-{}", std::process::id())));
+    std::fs::create_dir_all(&dir.0).with_context(|| format!("creating {}", dir.0.display()))?;
+    let result = (|| -> Result<Carry> {
+        for m in lb.skel.object().maps() {
+            let name = m.name().to_string_lossy().into_owned();
+            if !name.contains('.') {
+                MapHandle::try_from(&m)?.pin(dir.path(&name)).with_context(|| format!("pinning {name}"))?;
+            }
+        }
+        let mut open = ObjectBuilder::default().open_memory(inband_lb::bpf::OBJECT)?;
+        let sizes = inband_lb::attach::table_sizes(size + CARRY_GROWTH, lb_config(c::INBAND_AUTH_SIPHASH).maglev_size, c::INBAND_MAGLEV_DEFAULT_TABLES);
+        for mut m in open.maps_mut() {
+            let name = m.name().to_string_lossy().into_owned();
+            if let Some((_, n)) = sizes.iter().find(|(k, _)| *k == name) {
+                m.set_max_entries(*n)?;
+            }
+        }
+        let mut up = Upgrade::stage(&mut open, &dir, |n| !n.contains('.') && n != "csum_scratch")?;
+        let obj = open.load().context("loading the balancer object for the upgrade")?;
+        let start = Instant::now();
+        up.copy(&obj)?;
+        up.catch_up()?;
+        let before_switch_s = start.elapsed().as_secs_f64();
+        let maps = up.maps().iter().map(|m| m.to_string()).collect();
+        let start = Instant::now();
+        up.finish()?;
+        let after_switch_ms = start.elapsed().as_secs_f64() * 1e3;
+        let carried = MapHandle::from_pinned_path(dir.path("flows"))?;
+        Ok(Carry { flows, maps, before_switch_s, after_switch_ms, flows_carried: count(&carried) })
+    })();
+    remove_pin_dir(&dir.0)?;
+    result
 }
 
 /// The flow table `flow_table_size` a deployment sets for `flows`: the
@@ -407,6 +465,30 @@ pub fn render(s: &Scale) -> String {
             m.fill_s,
             m.sweep_ms
         );
+    }
+    o
+}
+
+/// `inband bench upgrade`: for each number of live flows, a private
+/// instance sized and filled as for the growth sweep, carried over.
+pub fn carry(flows: &[u32]) -> Result<Vec<Carry>> {
+    let mut out = Vec::new();
+    for &n in flows {
+        let size = table_for(n);
+        let mut storage = MaybeUninit::uninit();
+        let lb = PrivateBalancer::load(&mut storage, size, &lb_config(c::INBAND_AUTH_SIPHASH))?;
+        add_pool(&lb)?;
+        fill(&lb, 0, n)?;
+        out.push(carry_over(&lb, size, count(&lb.skel.maps.flows) as u32)?);
+    }
+    Ok(out)
+}
+
+pub fn render_carry(rows: &[Carry]) -> String {
+    use std::fmt::Write;
+    let mut o = String::from("| live flows | maps carried | before the switch s | after the switch ms | flows carried |\n|---:|---|---:|---:|---:|\n");
+    for c in rows {
+        let _ = writeln!(o, "| {} | {} | {:.2} | {:.0} | {} |", c.flows, c.maps.join(", "), c.before_switch_s, c.after_switch_ms, c.flows_carried);
     }
     o
 }
