@@ -66,6 +66,13 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct inband_trace_last);
+} last_phase SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, INBAND_TRACE_MAX_PHASES * INBAND_TRACE_ALLOC_FNS * INBAND_TRACE_SIZE_BUCKETS);
 	__type(key, __u32);
 	__type(value, struct inband_trace_alloc);
@@ -167,14 +174,22 @@ int trace_sys_exit(__u64 *ctx)
 SEC("uprobe")
 int trace_phase(void *ctx)
 {
-	__u32 phase = bpf_get_attach_cookie(ctx);
+	__u32 phase = bpf_get_attach_cookie(ctx), tid = target_tid(), zero = 0;
 
-	if (!target_tid() || phase == 0 || phase >= INBAND_TRACE_MAX_PHASES)
+	if (!tid || phase == 0 || phase >= INBAND_TRACE_MAX_PHASES)
 		return 0;
 	__u64 *hits = bpf_map_lookup_elem(&phase_hits, &phase);
 
 	if (hits)
 		__sync_fetch_and_add(hits, 1);
+	/* Per CPU, so threads on different CPUs never write one line. */
+	struct inband_trace_last *last = bpf_map_lookup_elem(&last_phase, &zero);
+
+	if (last) {
+		last->ns = bpf_ktime_get_ns();
+		last->phase = phase;
+		last->tid = tid;
+	}
 	struct inband_trace_thread *t =
 		bpf_task_storage_get(&thread_state, bpf_get_current_task_btf(), 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
 

@@ -37,6 +37,16 @@ struct inband_trace_time {
 	__u64 ns;
 };
 
+/* `last_phase` (per CPU, one slot): the latest marker hit on that CPU,
+ * when (bpf_ktime_get_ns, CLOCK_MONOTONIC) and by which thread; the
+ * newest over the CPUs is the phase the process was last seen entering,
+ * which each snapshot reports. ns 0: no hit yet. */
+struct inband_trace_last {
+	__u64 ns;
+	__u32 phase;
+	__u32 tid;
+};
+
 struct inband_trace_thread_key {
 	__u32 tid;
 	__u32 category;

@@ -366,6 +366,10 @@ impl HttpCache {
     }
 
     /// The stored response for this request, following a Vary marker.
+    // A phase marker of `inband trace --phases proxy` (docs/trace.md): out
+    // of line, so that it has a symbol and every call enters it (the call, not
+    // each poll of the future it returns, which is `lookup::{{closure}}`).
+    #[inline(never)]
     pub(crate) async fn lookup(&self, parts: &request::Parts) -> Option<Found> {
         let base = base_key(parts);
         let (head, body) = match self.get(base.clone()).await? {

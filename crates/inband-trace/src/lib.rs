@@ -14,6 +14,7 @@ mod categories;
 mod memory;
 mod process;
 mod report;
+mod sets;
 mod symbols;
 
 use std::fs::File;
@@ -47,6 +48,12 @@ pub struct TraceArgs {
     /// Repeatable (at most 15).
     #[arg(long = "phase", value_name = "NAME=SYMBOL", value_parser = parse_phase)]
     pub phases: Vec<(String, String)>,
+    /// Built-in phase markers: `proxy` (`inband proxy`: request_in,
+    /// cache_lookup, origin_fetch, response_out) and `cache` (the
+    /// inband-cache stores: store_get, store_put, store_delete). Comma
+    /// separated or repeated; counted with --phase in the limit of 15.
+    #[arg(long = "phases", value_name = "SET", value_delimiter = ',', value_parser = sets::parse)]
+    pub sets: Vec<sets::Set>,
     /// Seconds between snapshots.
     #[arg(long, default_value_t = 15.0)]
     pub interval_s: f64,
@@ -77,7 +84,14 @@ pub fn run(args: TraceArgs) -> Result<()> {
     }
     let interval = seconds("--interval-s", args.interval_s)?;
     let duration = args.duration_s.map(|s| seconds("--duration-s", s)).transpose()?;
-    let phase_names = phase_names(&args.phases)?;
+    // The sets' markers first, then --phase's, in the order given.
+    let markers: Vec<(String, String, Option<sets::Set>)> = args
+        .sets
+        .iter()
+        .flat_map(|set| set.markers.iter().map(move |(name, symbol)| (name.to_string(), symbol.to_string(), Some(*set))))
+        .chain(args.phases.iter().map(|(name, symbol)| (name.clone(), symbol.clone(), None)))
+        .collect();
+    let phase_names = phase_names(&markers)?;
     let pid = match (&args.pid, &args.name) {
         (Some(pid), _) => process::check(*pid)?,
         (None, Some(name)) => process::by_name(name)?,
@@ -87,10 +101,14 @@ pub fn run(args: TraceArgs) -> Result<()> {
     let exe_name = std::fs::read_link(&exe).map(|p| p.display().to_string()).unwrap_or_else(|_| exe.display().to_string());
     // Every bad argument is refused before anything is loaded, and before
     // an existing output file is emptied.
-    let offsets = args
-        .phases
+    let offsets = markers
         .iter()
-        .map(|(_, symbol)| symbols::function_offsets(&exe, symbol).with_context(|| format!("phase marker in pid {pid} ({exe_name})")))
+        .map(|(_, symbol, set)| {
+            symbols::function_offsets(&exe, symbol).with_context(|| match set {
+                Some(set) => format!("phase set {} in pid {pid} ({exe_name}), which is for {}", set.name, set.program),
+                None => format!("phase marker in pid {pid} ({exe_name})"),
+            })
+        })
         .collect::<Result<Vec<Vec<u64>>>>()?;
     let allocator = if args.memory {
         let file = memory::allocator_file(pid)?;
@@ -132,7 +150,7 @@ pub fn run(args: TraceArgs) -> Result<()> {
             format!("attaching to the tracepoint {point} (needs a kernel with BTF, /sys/kernel/btf/vmlinux)")
         })?);
     }
-    for (i, ((name, symbol), offsets)) in args.phases.iter().zip(&offsets).enumerate() {
+    for (i, ((name, symbol, _), offsets)) in markers.iter().zip(&offsets).enumerate() {
         for offset in offsets {
             let opts = UprobeOpts { cookie: i as u64 + 1, ..Default::default() };
             links.push(
@@ -210,12 +228,12 @@ fn seconds(flag: &str, s: f64) -> Result<Duration> {
 
 /// "none" (phase 0, before a thread's first marker), then the markers'
 /// names in order.
-fn phase_names(phases: &[(String, String)]) -> Result<Vec<String>> {
-    if phases.len() >= INBAND_TRACE_MAX_PHASES as usize {
-        bail!("at most {} --phase markers", INBAND_TRACE_MAX_PHASES - 1);
+fn phase_names(markers: &[(String, String, Option<sets::Set>)]) -> Result<Vec<String>> {
+    if markers.len() >= INBAND_TRACE_MAX_PHASES as usize {
+        bail!("at most {} phase markers, --phases sets' included ({} given)", INBAND_TRACE_MAX_PHASES - 1, markers.len());
     }
     let mut names = vec!["none".to_string()];
-    for (name, _) in phases {
+    for (name, _, _) in markers {
         if names.contains(name) {
             bail!("phase name {name} given twice (\"none\" is taken: calls before any marker)");
         }

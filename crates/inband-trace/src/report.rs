@@ -10,7 +10,7 @@ use libbpf_rs::{MapCore, MapFlags};
 use serde_json::{json, Map as JsonMap, Value};
 
 use crate::bpf::shared::{
-    inband_trace_alloc, inband_trace_thread_key, inband_trace_time, INBAND_TRACE_ALLOC_FNS, INBAND_TRACE_COUNTERS,
+    inband_trace_alloc, inband_trace_last, inband_trace_thread_key, inband_trace_time, INBAND_TRACE_ALLOC_FNS, INBAND_TRACE_COUNTERS,
     INBAND_TRACE_FREE, INBAND_TRACE_NR_SLOTS, INBAND_TRACE_PAGE_ORDERS, INBAND_TRACE_PAGE_ORDER_UNKNOWN,
     INBAND_TRACE_PHASE_UNSET, INBAND_TRACE_SIZE_BUCKETS, INBAND_TRACE_THREADS_FULL, INBAND_TRACE_UNTIMED,
 };
@@ -105,6 +105,8 @@ pub struct Totals {
     lost: [u64; INBAND_TRACE_COUNTERS as usize],
     /// With --memory only.
     memory: Option<Memory>,
+    /// The latest marker hit: (CLOCK_MONOTONIC ns, phase, thread id).
+    last: Option<(u64, u32, u32)>,
 }
 
 fn decode<T: Copy>(bytes: &[u8]) -> Result<T> {
@@ -145,6 +147,11 @@ pub fn read(skel: &TraceSkel, phases: usize, memory: bool) -> Result<Totals> {
         let v: inband_trace_time = decode(&value)?;
         t.threads.insert((k.tid, k.category), Time { count: v.count, ns: v.ns });
     }
+    sum_cpus(skel.maps.last_phase.lookup_percpu(&0u32.to_ne_bytes(), MapFlags::ANY)?, |v: inband_trace_last| {
+        if v.ns > 0 && t.last.is_none_or(|(ns, _, _)| v.ns > ns) {
+            t.last = Some((v.ns, v.phase, v.tid));
+        }
+    })?;
     for (i, lost) in t.lost.iter_mut().enumerate() {
         sum_cpus(skel.maps.counters.lookup_percpu(&(i as u32).to_ne_bytes(), MapFlags::ANY)?, |v: u64| *lost += v)?;
     }
@@ -249,6 +256,7 @@ impl Totals {
             hits: self.hits.iter().enumerate().map(|(i, h)| h.saturating_sub(earlier.hits.get(i).copied().unwrap_or(0))).collect(),
             threads: diff(&self.threads, &earlier.threads),
             lost: std::array::from_fn(|i| self.lost[i].saturating_sub(earlier.lost[i])),
+            last: self.last,
         }
     }
 
@@ -322,14 +330,28 @@ impl Totals {
     }
 }
 
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the struct it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 /// One JSON line: what changed since `last` and the totals since the start.
 pub fn snapshot(pid: u32, phase_names: &[String], last: &Totals, now: &Totals, elapsed: Duration, last_line: bool) -> String {
     let unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
+    // The phase the process was in when the maps were read: the one its
+    // latest marker hit entered, whichever thread hit it.
+    let phase = now.last.map_or(Value::Null, |(ns, phase, tid)| {
+        let name = phase_names.get(phase as usize).map_or("?", String::as_str);
+        json!({ "name": name, "thread": tid, "since_ms": monotonic_ns().saturating_sub(ns) / 1_000_000 })
+    });
     json!({
         "time_unix_ms": unix_ms,
         "elapsed_ms": elapsed.as_millis() as u64,
         "pid": pid,
         "final": last_line,
+        "phase": phase,
         "interval": now.since(last).json(phase_names),
         "total": now.json(phase_names),
     })

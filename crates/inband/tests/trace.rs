@@ -406,3 +406,145 @@ fn memory_pass_counts_allocations_by_size_and_pages() {
     assert!(pages >= TOUCHED, "{pages} bytes of pages for {TOUCHED} touched: {phase}");
     assert_eq!(total["phases"]["none"]["memory"]["allocs"]["count"], 0, "{total}");
 }
+
+/// An origin on loopback for `inband proxy`: every GET gets a cacheable
+/// 200 naming its path, on a connection it then closes. Counts requests.
+fn origin() -> (std::net::SocketAddr, std::sync::Arc<std::sync::atomic::AtomicU64>) {
+    use std::io::Read;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let served = std::sync::Arc::new(AtomicU64::new(0));
+    let count = served.clone();
+    // Ends with the test process: a thread blocked in accept is harmless.
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && conn.read(&mut byte).unwrap_or(0) == 1 {
+                head.push(byte[0]);
+            }
+            let path = String::from_utf8_lossy(&head).split_whitespace().nth(1).unwrap_or("/").to_string();
+            let body = format!("body of {path}\n");
+            let _ = write!(
+                conn,
+                "HTTP/1.1 200 OK\r\ncache-control: max-age=600\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            count.fetch_add(1, Ordering::SeqCst);
+        }
+    });
+    (addr, served)
+}
+
+/// (status, x-cache) of one request on its own connection.
+fn request(addr: std::net::SocketAddr, method: &str, path: &str) -> (u16, String) {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: trace.test\r\nConnection: close\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let x_cache = out.lines().find_map(|l| l.to_ascii_lowercase().strip_prefix("x-cache: ").map(str::to_string)).unwrap_or_default();
+    (status, x_cache)
+}
+
+/// `inband proxy` with a memory cache, traced with both built-in sets
+/// while it serves a known workload: N URLs missed (each looked up twice,
+/// before and after becoming the one fetch of its URL), then hit, then M
+/// of them purged. Every marker's hits are the workload's events, and
+/// every snapshot names the phase the proxy was in when it was taken.
+#[test]
+fn builtin_phase_sets_count_the_proxys_requests() {
+    const N: u64 = 20;
+    const M: u64 = 5;
+    let dir = tempfile::tempdir().unwrap();
+    let (origin, served) = origin();
+    let config = dir.path().join("proxy.toml");
+    std::fs::write(&config, format!("listen = \"127.0.0.1:0\"\nbackends = [\"{origin}\"]\nworkers = 1\n[cache]\nbackend = \"memory\"\n")).unwrap();
+    let log = dir.path().join("proxy.log");
+    let proxy = inband()
+        .args(["proxy", "--config"])
+        .arg(&config)
+        .env("INBAND_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let proxy = Proxy(proxy);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let addr: std::net::SocketAddr = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let addr = text.lines().filter(|l| l.contains("proxy listening")).find_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix("addr=")));
+        if let Some(a) = addr {
+            break a.parse().unwrap();
+        }
+        assert!(Instant::now() < deadline, "proxy did not start: {text}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let out = dir.path().join("trace.jsonl");
+    let tracer = start_tracer(&["--pid", &proxy.0.id().to_string(), "--phases", "proxy,cache", "--interval-s", "0.2", "--out", out.to_str().unwrap()]);
+    for i in 0..N {
+        assert_eq!(request(addr, "GET", &format!("/k/{i}")), (200, "miss".to_string()));
+    }
+    for i in 0..N {
+        assert_eq!(request(addr, "GET", &format!("/k/{i}")), (200, "hit".to_string()));
+    }
+    for i in 0..M {
+        assert_eq!(request(addr, "PURGE", &format!("/k/{i}")).0, 200);
+    }
+    assert_eq!(served.load(std::sync::atomic::Ordering::SeqCst), N);
+    assert_eq!(unsafe { libc::kill(tracer.id() as i32, libc::SIGTERM) }, 0);
+    wait_tracer(tracer);
+
+    let lines = lines(&out);
+    let last = lines.last().unwrap();
+    let phases = &last["total"]["phases"];
+    let hits = |p: &str| phases[p]["hits"].as_u64().unwrap_or_else(|| panic!("no phase {p}: {phases}"));
+    assert_eq!(hits("request_in"), 2 * N + M, "{phases}");
+    assert_eq!(hits("response_out"), 2 * N + M, "{phases}");
+    assert_eq!(hits("cache_lookup"), 2 * N + N, "{phases}");
+    assert_eq!(hits("origin_fetch"), N, "{phases}");
+    // A PURGE reads the entry (Vary or not) before deleting it.
+    assert_eq!(hits("store_get"), 2 * N + N + M, "{phases}");
+    assert_eq!(hits("store_put"), N, "{phases}");
+    assert_eq!(hits("store_delete"), M, "{phases}");
+    // The origin's replies are read in origin_fetch, the responses written
+    // in response_out, by the one worker thread.
+    assert!(count(&phases["origin_fetch"]["categories"]["io_read"]) >= N, "{phases}");
+    assert!(count(&phases["response_out"]["categories"]["io_write"]) >= 2 * N + M, "{phases}");
+    // The intervals' hits add up, and each snapshot names the phase the
+    // proxy was in: the last one entered by then, response_out at the end.
+    let summed: u64 = lines.iter().map(|l| l["interval"]["phases"]["request_in"]["hits"].as_u64().unwrap()).sum();
+    assert_eq!(summed, 2 * N + M);
+    let mut seen = false;
+    for l in &lines {
+        seen |= l["total"]["phases"]["request_in"]["hits"].as_u64().unwrap() > 0;
+        assert_eq!(l["phase"].is_null(), !seen, "{l}");
+    }
+    assert_eq!(last["phase"]["name"], "response_out", "{}", last["phase"]);
+    drop(proxy);
+}
+
+/// Kills the proxy if the test fails before it ends.
+struct Proxy(Child);
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn a_phase_set_on_another_program_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = Target::start(Command::new(marker_program(dir.path(), "noset")));
+    let err = refused(&["--pid", &target.pid().to_string(), "--phases", "proxy"]);
+    assert!(err.contains("phase set proxy") && err.contains("which is for inband proxy"), "{err}");
+    assert!(err.contains("symbol inband_proxy::conn::State::begin_request is not a function defined in"), "{err}");
+    let out = inband().args(["trace", "--pid", "1", "--phases", "nginx"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("no phase set \"nginx\" (there are: proxy, cache)"), "{err}");
+}
