@@ -112,7 +112,9 @@ static __always_inline __u32 target_tid(void)
 SEC("tp_btf/sys_enter")
 int trace_sys_enter(__u64 *ctx)
 {
-	if (!target_tid())
+	__u64 nr = ctx[1];
+
+	if (!target_tid() || (nr < INBAND_TRACE_NR_SLOTS && category_of[nr] == INBAND_TRACE_NOT_COUNTED))
 		return 0;
 	struct inband_trace_thread *t =
 		bpf_task_storage_get(&thread_state, bpf_get_current_task_btf(), 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
@@ -121,8 +123,6 @@ int trace_sys_enter(__u64 *ctx)
 		count(INBAND_TRACE_UNTIMED);
 		return 0;
 	}
-	__u64 nr = ctx[1];
-
 	t->nr = nr < INBAND_TRACE_NR_SLOTS ? nr : INBAND_TRACE_NR_SLOTS - 1;
 	t->call_phase = t->phase;
 	t->ns = bpf_ktime_get_ns();

@@ -16,6 +16,10 @@
  * (x32 calls carry bit 30) is counted in the last slot. */
 #define INBAND_TRACE_NR_SLOTS 512
 #define INBAND_TRACE_CATEGORIES 5
+/* `category_of` of a call that is the tracer's own cost, not counted:
+ * uprobe(2) and uretprobe(2), which the kernel makes the target call for a
+ * uprobe on a 5-byte nop (6.18) or a return probe. */
+#define INBAND_TRACE_NOT_COUNTED 0xff
 /* Threads with a per-thread total; beyond that INBAND_TRACE_THREADS_FULL. */
 #define INBAND_TRACE_MAX_THREADS 16384
 #define INBAND_TRACE_THREAD_TOTALS (INBAND_TRACE_MAX_THREADS * INBAND_TRACE_CATEGORIES)

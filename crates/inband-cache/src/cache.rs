@@ -157,11 +157,8 @@ impl<B: Backend> Store for Cache<B> {
         B::READS_BLOCK
     }
 
-    // A phase marker of `inband trace --phases cache` (docs/trace.md): out
-    // of line, so that every call, also one the compiler sees through the
-    // vtable, enters the symbol.
-    #[inline(never)]
     fn get(&self, key: &[u8]) -> Result<Option<Entry>> {
+        crate::probe::store_get();
         let id = record::id(key);
         let Some(raw) = self.backend.get(id)? else { return Ok(None) };
         let inner = self.0.clone();
@@ -185,11 +182,8 @@ impl<B: Backend> Store for Cache<B> {
         }
     }
 
-    // A phase marker of `inband trace --phases cache` (docs/trace.md): out
-    // of line, so that every call, also one the compiler sees through the
-    // vtable, enters the symbol.
-    #[inline(never)]
     fn put(&self, key: &[u8], stored_at_ms: u64, expires_at_ms: u64, header: &[u8], body: &[u8]) -> Result<Meta> {
+        crate::probe::store_put();
         let rec = record::encode(key, stored_at_ms, expires_at_ms, header, body);
         let meta = Meta { stored_at_ms, expires_at_ms, size: rec.len() as u64 };
         if meta.size > self.capacity {
@@ -205,11 +199,8 @@ impl<B: Backend> Store for Cache<B> {
         Ok(meta)
     }
 
-    // A phase marker of `inband trace --phases cache` (docs/trace.md): out
-    // of line, so that every call, also one the compiler sees through the
-    // vtable, enters the symbol.
-    #[inline(never)]
     fn delete(&self, key: &[u8]) -> Result<bool> {
+        crate::probe::store_delete();
         let id = record::id(key);
         let _g = self.stripe(id);
         self.index.write().unwrap().remove(id);

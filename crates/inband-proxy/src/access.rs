@@ -39,9 +39,6 @@ struct Line {
 }
 
 impl Tracked {
-    // A phase marker of `inband trace --phases proxy` (docs/trace.md): out
-    // of line, so that it has a symbol and every call enters it.
-    #[inline(never)]
     pub fn new(inner: ProxyBody, req: Request, status: u16, cache: &'static str, guard: RequestGuard, counter: Counter) -> Tracked {
         let head_ms = req.start.elapsed().as_secs_f64() * 1e3;
         Tracked { inner, log: Some(Line { req, status, cache, head_ms, bytes: 0, _guard: guard }), counter }

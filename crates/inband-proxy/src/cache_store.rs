@@ -366,11 +366,9 @@ impl HttpCache {
     }
 
     /// The stored response for this request, following a Vary marker.
-    // A phase marker of `inband trace --phases proxy` (docs/trace.md): out
-    // of line, so that it has a symbol and every call enters it (the call, not
-    // each poll of the future it returns, which is `lookup::{{closure}}`).
-    #[inline(never)]
     pub(crate) async fn lookup(&self, parts: &request::Parts) -> Option<Found> {
+        // Before the first await: once per lookup, not once per poll.
+        crate::probe::cache_lookup();
         let base = base_key(parts);
         let (head, body) = match self.get(base.clone()).await? {
             (Decoded::Vary(names), _) => self.get(variant_key(&base, &names, &parts.headers)).await?,

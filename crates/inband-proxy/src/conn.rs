@@ -133,9 +133,6 @@ impl State {
 
     /// A request head arrived; the guard ends it when its response has been
     /// sent (or abandoned).
-    // A phase marker of `inband trace --phases proxy` (docs/trace.md): out
-    // of line, so that it has a symbol and every call enters it.
-    #[inline(never)]
     pub fn begin_request(self: &Arc<State>) -> RequestGuard {
         self.active.fetch_add(1, Ordering::AcqRel);
         if self.now() + ms(self.t.send) < self.armed.load(Ordering::Acquire) {

@@ -124,11 +124,8 @@ pub fn hash_key(key: &HashKey, parts: &request::Parts, client: SocketAddr) -> Ve
 /// Sends `parts` + `body` (headers already prepared) to a backend and
 /// returns its response head and streaming body. Idempotent requests whose
 /// connection fails go to another backend, up to `retries` more times.
-// A phase marker of `inband trace --phases proxy` (docs/trace.md): out
-// of line, so that it has a symbol and every call enters it (the call, not
-// each poll of the future it returns).
-#[inline(never)]
 pub async fn send(shared: &Shared, parts: &request::Parts, body: Bytes, key: &[u8]) -> Result<Response<Incoming>, Refusal> {
+    crate::probe::origin_fetch();
     let backends = &shared.backends;
     let mut tried = vec![false; backends.len()];
     let attempts = if idempotent(&parts.method) { 1 + shared.cfg.raw.retries } else { 1 };

@@ -12,6 +12,7 @@
 mod bpf;
 mod categories;
 mod memory;
+mod overhead;
 mod process;
 mod report;
 mod sets;
@@ -34,7 +35,10 @@ use bpf::trace::TraceSkelBuilder;
 
 #[derive(clap::Args, Debug)]
 #[command(group(clap::ArgGroup::new("target").required(true).args(["pid", "name"])))]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct TraceArgs {
+    #[command(subcommand)]
+    pub command: Option<TraceCommand>,
     /// The process to trace (every thread of it).
     #[arg(long)]
     pub pid: Option<u32>,
@@ -71,6 +75,13 @@ pub struct TraceArgs {
     pub out: Option<PathBuf>,
 }
 
+#[derive(clap::Subcommand, Debug)]
+pub enum TraceCommand {
+    /// What tracing costs: a cell of `inband bench cache` run untraced and
+    /// under each pass of the tracer, in turns, throughput compared.
+    Overhead(overhead::OverheadArgs),
+}
+
 fn parse_phase(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
         Some((name, symbol)) if !name.is_empty() && !symbol.is_empty() => Ok((name.to_string(), symbol.to_string())),
@@ -79,6 +90,9 @@ fn parse_phase(s: &str) -> Result<(String, String), String> {
 }
 
 pub fn run(args: TraceArgs) -> Result<()> {
+    if let Some(TraceCommand::Overhead(a)) = args.command {
+        return overhead::run(a);
+    }
     if cfg!(not(target_arch = "x86_64")) {
         bail!("inband trace knows the x86_64 system call numbers only");
     }

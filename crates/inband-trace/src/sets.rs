@@ -1,8 +1,6 @@
 //! Built-in phase sets (`--phases`, docs/trace.md "Built-in phase sets"):
-//! markers on functions of our own binary, each chosen because it is
-//! called exactly once per event of its phase, and kept out of line
-//! (`#[inline(never)]` in its crate) so that it has a symbol and no caller
-//! skips it.
+//! markers on the probe points of our own binary (`probe_points!` in
+//! inband-cache), each called once per event of its phase.
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Set {
@@ -18,26 +16,19 @@ pub const SETS: [Set; 2] = [
         name: "proxy",
         program: "inband proxy",
         markers: &[
-            // A request head has been parsed and the handler starts.
-            ("request_in", "inband_proxy::conn::State::begin_request"),
-            // The cache is asked for a stored response (the call, not the
-            // polls of its future).
-            ("cache_lookup", "inband_proxy::cache_store::HttpCache::lookup"),
-            // The request goes to a backend (retries inside one call).
-            ("origin_fetch", "inband_proxy::forward::send"),
-            // The response head is handed to hyper, which writes it and
-            // the body from here on.
-            ("response_out", "inband_proxy::access::Tracked::new"),
+            ("request_in", "inband_proxy::probe::request_in"),
+            ("cache_lookup", "inband_proxy::probe::cache_lookup"),
+            ("origin_fetch", "inband_proxy::probe::origin_fetch"),
+            ("response_out", "inband_proxy::probe::response_out"),
         ],
     },
     Set {
         name: "cache",
         program: "a program using inband-cache (inband proxy, inband bench cache)",
         markers: &[
-            // The four backends' copies of each (one generic function).
-            ("store_get", "<inband_cache::cache::Cache<B> as inband_cache::Store>::get"),
-            ("store_put", "<inband_cache::cache::Cache<B> as inband_cache::Store>::put"),
-            ("store_delete", "<inband_cache::cache::Cache<B> as inband_cache::Store>::delete"),
+            ("store_get", "inband_cache::probe::store_get"),
+            ("store_put", "inband_cache::probe::store_put"),
+            ("store_delete", "inband_cache::probe::store_delete"),
         ],
     },
 ];

@@ -543,8 +543,48 @@ fn a_phase_set_on_another_program_is_refused_by_name() {
     let target = Target::start(Command::new(marker_program(dir.path(), "noset")));
     let err = refused(&["--pid", &target.pid().to_string(), "--phases", "proxy"]);
     assert!(err.contains("phase set proxy") && err.contains("which is for inband proxy"), "{err}");
-    assert!(err.contains("symbol inband_proxy::conn::State::begin_request is not a function defined in"), "{err}");
+    assert!(err.contains("symbol inband_proxy::probe::request_in is not a function defined in"), "{err}");
     let out = inband().args(["trace", "--pid", "1", "--phases", "nginx"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("no phase set \"nginx\" (there are: proxy, cache)"), "{err}");
+}
+
+/// `inband trace overhead` runs the cache benchmark untraced and under
+/// each pass, and each traced run was traced from its first operation:
+/// the cache set's markers hit once per operation, the memory pass sees
+/// at least the key the benchmark allocates per operation.
+#[test]
+fn overhead_compares_the_benchmark_traced_and_untraced() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = inband()
+        .args(["trace", "overhead", "--backend", "memory", "--records", "2000", "--seconds", "0.3", "--repeats", "1", "--json", "--dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let passes = report["passes"].as_array().unwrap();
+    let names: Vec<&str> = passes.iter().map(|p| p["pass"].as_str().unwrap()).collect();
+    assert_eq!(names, ["untraced", "timing", "timing, --phases cache", "timing and --memory"]);
+    let untraced = passes[0]["median_ops_per_s"].as_f64().unwrap();
+    assert!(untraced > 0.0, "{report}");
+    assert_eq!(passes[0]["ratio"], 1.0);
+    for p in passes {
+        let run = &p["runs"][0];
+        assert!(run["ops"].as_u64().unwrap() > 0, "{p}");
+        let ratio = p["median_ops_per_s"].as_f64().unwrap() / untraced;
+        assert!((p["ratio"].as_f64().unwrap() - ratio).abs() < 1e-9, "{p}");
+    }
+    assert!(passes[0]["runs"][0]["syscalls"].is_null());
+    assert!(passes[1]["runs"][0]["syscalls"].as_u64().unwrap() > 0, "{}", passes[1]);
+    assert_eq!(passes[1]["runs"][0]["marker_hits"], 0, "{}", passes[1]);
+    let phases = &passes[2]["runs"][0];
+    assert_eq!(phases["marker_hits"], phases["ops"], "{phases}");
+    // The memory store's operations make no system calls; the uprobe(2)
+    // a marker on a nop costs (kernel 6.18) is not counted as one.
+    assert!(phases["syscalls"].as_u64().unwrap() < phases["ops"].as_u64().unwrap() / 10, "{phases}");
+    let memory = &passes[3]["runs"][0];
+    assert!(memory["allocs"].as_u64().unwrap() >= memory["ops"].as_u64().unwrap(), "{memory}");
+    // The store and the traces are gone with the command.
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
