@@ -4,6 +4,8 @@
  * (raw_syscalls enter/exit) and marks its phases (uprobes whose attach cookie
  * is the phase number); with --memory, also counts the C allocator's calls
  * by size (uprobes) and the pages allocated to it (kmem/mm_page_alloc).
+ * With --follow, the processes the target starts are traced too, from the
+ * fork (sched_process_fork) to the exit of their main thread.
  * Counting happens here, naming and categories' meaning in Rust, which
  * reads the maps at each snapshot.
  *
@@ -14,11 +16,16 @@
 #include <linux/bpf.h>
 #include <linux/ptrace.h>
 #include <bpf/bpf_helpers.h>
+#include <bpf/bpf_core_read.h>
 #include <bpf/bpf_tracing.h>
 
-/* Only ever a pointer passed from one helper to another: no vmlinux.h for
- * it (UAPI headers throughout, as the other programs). */
-struct task_struct;
+/* The two fields following children needs, relocated by name against the
+ * kernel's BTF (as agent.bpf.c's socket fields): no vmlinux.h, whose
+ * definitions clash with the UAPI headers used throughout. */
+struct task_struct {
+	int pid;
+	int tgid;
+} __attribute__((preserve_access_index));
 
 #include "inband/trace.h"
 
@@ -27,6 +34,19 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 /* Set by the tracer before load. */
 const volatile __u32 target_tgid;
 const volatile __u8 category_of[INBAND_TRACE_NR_SLOTS];
+/* --follow; when 0 the verifier drops the `processes` lookups. */
+const volatile __u8 follow;
+
+/* --follow: the processes started by traced ones, by process id. Added at
+ * the fork, removed at the exit of the process's main thread, so a reused
+ * process id is never taken for a traced one; the tracer adds those
+ * already running when it attaches. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, INBAND_TRACE_MAX_PROCESSES);
+	__type(key, __u32);
+	__type(value, __u8);
+} processes SEC(".maps");
 
 /* Created at a thread's first call or marker after attach, freed by the
  * kernel with the thread (or with the map): no bound to keep, no entry
@@ -100,12 +120,18 @@ static __always_inline void count(__u32 counter)
 		__sync_fetch_and_add(n, 1);
 }
 
-/* The target's thread id, or 0 for every other process. */
+/* The target's thread id, or 0 for every other process. With --follow
+ * every call on the host that is not the target's pays a hash lookup. */
 static __always_inline __u32 target_tid(void)
 {
 	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32;
 
-	return id >> 32 == target_tgid ? (__u32)id : 0;
+	if (tgid == target_tgid)
+		return (__u32)id;
+	if (follow && bpf_map_lookup_elem(&processes, &tgid))
+		return (__u32)id;
+	return 0;
 }
 
 /* ctx: struct pt_regs *regs, long id */
@@ -301,5 +327,39 @@ int trace_page_alloc(__u64 *ctx)
 	}
 	/* x86_64 pages: 4 KiB. */
 	add(&pages, current_phase() * INBAND_TRACE_PAGE_ORDERS + order, 4096ULL << order);
+	return 0;
+}
+
+/* ctx: struct task_struct *parent, struct task_struct *child; runs in the
+ * parent. A new thread of a traced process is traced already. */
+SEC("tp_btf/sched_process_fork")
+int trace_fork(__u64 *ctx)
+{
+	struct task_struct *child = (struct task_struct *)ctx[1];
+
+	if (!follow || !target_tid())
+		return 0;
+	__u32 pid = BPF_CORE_READ(child, pid), tgid = BPF_CORE_READ(child, tgid);
+	__u8 one = 1;
+
+	if (pid != tgid)
+		return 0;
+	if (bpf_map_update_elem(&processes, &tgid, &one, BPF_NOEXIST))
+		count(INBAND_TRACE_PROCESSES_FULL);
+	return 0;
+}
+
+/* ctx: struct task_struct *p; runs in the exiting thread. */
+SEC("tp_btf/sched_process_exit")
+int trace_exit(__u64 *ctx)
+{
+	struct task_struct *p = (struct task_struct *)ctx[0];
+
+	if (!follow)
+		return 0;
+	__u32 pid = BPF_CORE_READ(p, pid), tgid = BPF_CORE_READ(p, tgid);
+
+	if (pid == tgid)
+		bpf_map_delete_elem(&processes, &tgid);
 	return 0;
 }

@@ -20,6 +20,9 @@
  * uprobe(2) and uretprobe(2), which the kernel makes the target call for a
  * uprobe on a 5-byte nop (6.18) or a return probe. */
 #define INBAND_TRACE_NOT_COUNTED 0xff
+/* Processes started by the target (and theirs) traced with --follow;
+ * beyond that INBAND_TRACE_PROCESSES_FULL. */
+#define INBAND_TRACE_MAX_PROCESSES 4096
 /* Threads with a per-thread total; beyond that INBAND_TRACE_THREADS_FULL. */
 #define INBAND_TRACE_MAX_THREADS 16384
 #define INBAND_TRACE_THREAD_TOTALS (INBAND_TRACE_MAX_THREADS * INBAND_TRACE_CATEGORIES)
@@ -90,6 +93,8 @@ enum inband_trace_counter {
 	INBAND_TRACE_PHASE_UNSET,
 	/* A page allocation of an order beyond INBAND_TRACE_PAGE_ORDERS. */
 	INBAND_TRACE_PAGE_ORDER_UNKNOWN,
+	/* A process started by a traced one not followed: `processes` full. */
+	INBAND_TRACE_PROCESSES_FULL,
 	INBAND_TRACE_COUNTERS,
 };
 

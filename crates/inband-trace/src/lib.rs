@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{Link, UprobeOpts};
+use libbpf_rs::{Link, MapCore, UprobeOpts};
 
 use bpf::shared::INBAND_TRACE_MAX_PHASES;
 use bpf::trace::TraceSkelBuilder;
@@ -70,6 +70,12 @@ pub struct TraceArgs {
     /// allocations, by phase. Costs a uprobe trap per allocator call.
     #[arg(long)]
     pub memory: bool,
+    /// Also the processes the target starts, and theirs, from their fork
+    /// to their exit (those running when the tracer attaches included):
+    /// their calls and marker hits count with the target's. Tracing stops
+    /// when all of them and the target have exited.
+    #[arg(long, conflicts_with = "memory")]
+    pub follow: bool,
     /// Write one JSON line per snapshot here (docs/trace.md, "Output").
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
@@ -155,22 +161,39 @@ pub fn run(args: TraceArgs) -> Result<()> {
     let ro = open.maps.rodata_data.as_mut().context("the trace object has no read-only data")?;
     ro.target_tgid = pid;
     ro.category_of = categories::by_slot();
+    ro.follow = u8::from(args.follow);
     let skel = open.load().context(
         "loading the trace programs (needs root, or CAP_BPF and CAP_PERFMON, and a kernel with BTF and task storage for tracing programs)",
     )?;
     let mut links: Vec<Link> = Vec::new();
-    for (prog, point) in [(&skel.progs.trace_sys_enter, "sys_enter"), (&skel.progs.trace_sys_exit, "sys_exit")] {
+    let mut tracepoints = vec![(&skel.progs.trace_sys_enter, "sys_enter"), (&skel.progs.trace_sys_exit, "sys_exit")];
+    if args.follow {
+        // The fork program first, then the processes already running: a
+        // process started in between is in both, none in neither.
+        tracepoints.splice(0..0, [(&skel.progs.trace_fork, "sched_process_fork"), (&skel.progs.trace_exit, "sched_process_exit")]);
+    }
+    for (prog, point) in tracepoints {
         links.push(prog.attach().with_context(|| {
             format!("attaching to the tracepoint {point} (needs a kernel with BTF, /sys/kernel/btf/vmlinux)")
         })?);
     }
+    if args.follow {
+        for child in process::descendants(pid) {
+            // Exists already if its fork was seen after the attach.
+            let _ = skel.maps.processes.update(&child.to_ne_bytes(), &[1], libbpf_rs::MapFlags::NO_EXIST);
+        }
+    }
+    // Following, a marker must also fire in the processes started later,
+    // which only a uprobe on every process running the file does; the
+    // programs keep to the traced ones.
+    let uprobe_pid = if args.follow { -1 } else { pid as i32 };
     for (i, ((name, symbol, _), offsets)) in markers.iter().zip(&offsets).enumerate() {
         for offset in offsets {
             let opts = UprobeOpts { cookie: i as u64 + 1, ..Default::default() };
             links.push(
                 skel.progs
                     .trace_phase
-                    .attach_uprobe_with_opts(pid as i32, &exe, *offset as usize, opts)
+                    .attach_uprobe_with_opts(uprobe_pid, &exe, *offset as usize, opts)
                     .with_context(|| {
                         format!("attaching phase {name} to {symbol} in {exe_name} (uprobes with cookies need kernel 5.15 or later)")
                     })?,
@@ -207,13 +230,16 @@ pub fn run(args: TraceArgs) -> Result<()> {
     loop {
         std::thread::sleep(Duration::from_millis(100));
         let now = Instant::now();
-        let done = stop.load(Ordering::Relaxed) || duration.is_some_and(|d| now - started >= d) || !process::alive(pid);
+        let gone = !process::alive(pid) && (!args.follow || report::processes(&skel).iter().all(|p| !process::alive(*p)));
+        let done = stop.load(Ordering::Relaxed) || duration.is_some_and(|d| now - started >= d) || gone;
         if !done && now < next {
             continue;
         }
         let totals = report::read(&skel, phase_names.len(), args.memory).context("reading the trace maps")?;
         if let Some(out) = &mut out {
-            let line = report::snapshot(pid, &phase_names, &last, &totals, started.elapsed(), done);
+            let mut followed = report::processes(&skel);
+            followed.sort_unstable();
+            let line = report::snapshot(pid, &followed, &phase_names, &last, &totals, started.elapsed(), done);
             let path = args.out.as_ref().unwrap();
             writeln!(out, "{line}").and_then(|_| out.flush()).with_context(|| format!("writing {}", path.display()))?;
         }

@@ -12,7 +12,7 @@ use serde_json::{json, Map as JsonMap, Value};
 use crate::bpf::shared::{
     inband_trace_alloc, inband_trace_last, inband_trace_thread_key, inband_trace_time, INBAND_TRACE_ALLOC_FNS, INBAND_TRACE_COUNTERS,
     INBAND_TRACE_FREE, INBAND_TRACE_NR_SLOTS, INBAND_TRACE_PAGE_ORDERS, INBAND_TRACE_PAGE_ORDER_UNKNOWN,
-    INBAND_TRACE_PHASE_UNSET, INBAND_TRACE_SIZE_BUCKETS, INBAND_TRACE_THREADS_FULL, INBAND_TRACE_UNTIMED,
+    INBAND_TRACE_PHASE_UNSET, INBAND_TRACE_PROCESSES_FULL, INBAND_TRACE_SIZE_BUCKETS, INBAND_TRACE_THREADS_FULL, INBAND_TRACE_UNTIMED,
 };
 use crate::memory;
 use crate::bpf::trace::TraceSkel;
@@ -321,6 +321,7 @@ impl Totals {
                 "threads_full": self.lost[INBAND_TRACE_THREADS_FULL as usize],
                 "phase_unset": self.lost[INBAND_TRACE_PHASE_UNSET as usize],
                 "page_order_unknown": self.lost[INBAND_TRACE_PAGE_ORDER_UNKNOWN as usize],
+                "processes_full": self.lost[INBAND_TRACE_PROCESSES_FULL as usize],
             },
         });
         if let Some(m) = &self.memory {
@@ -328,6 +329,12 @@ impl Totals {
         }
         section
     }
+}
+
+/// The processes followed now (--follow): started by traced ones, their
+/// main thread not exited.
+pub fn processes(skel: &TraceSkel) -> Vec<u32> {
+    skel.maps.processes.keys().filter_map(|k| decode::<u32>(&k).ok()).collect()
 }
 
 fn monotonic_ns() -> u64 {
@@ -338,7 +345,15 @@ fn monotonic_ns() -> u64 {
 }
 
 /// One JSON line: what changed since `last` and the totals since the start.
-pub fn snapshot(pid: u32, phase_names: &[String], last: &Totals, now: &Totals, elapsed: Duration, last_line: bool) -> String {
+pub fn snapshot(
+    pid: u32,
+    followed: &[u32],
+    phase_names: &[String],
+    last: &Totals,
+    now: &Totals,
+    elapsed: Duration,
+    last_line: bool,
+) -> String {
     let unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
     // The phase the process was in when the maps were read: the one its
     // latest marker hit entered, whichever thread hit it.
@@ -351,6 +366,7 @@ pub fn snapshot(pid: u32, phase_names: &[String], last: &Totals, now: &Totals, e
         "elapsed_ms": elapsed.as_millis() as u64,
         "pid": pid,
         "final": last_line,
+        "followed": followed,
         "phase": phase,
         "interval": now.since(last).json(phase_names),
         "total": now.json(phase_names),
@@ -404,10 +420,11 @@ pub fn table(pid: u32, exe: &str, phase_names: &[String], t: &Totals, elapsed: D
     if t.lost.iter().any(|n| *n > 0) {
         let _ = writeln!(
             s,
-            "\nnot counted: {} calls not timed, {} calls missing from the per-thread view, {} phase changes",
+            "\nnot counted: {} calls not timed, {} calls missing from the per-thread view, {} phase changes, {} processes not followed",
             t.lost[INBAND_TRACE_UNTIMED as usize],
             t.lost[INBAND_TRACE_THREADS_FULL as usize],
             t.lost[INBAND_TRACE_PHASE_UNSET as usize],
+            t.lost[INBAND_TRACE_PROCESSES_FULL as usize],
         );
     }
     s

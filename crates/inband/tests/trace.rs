@@ -296,11 +296,19 @@ fn loaded(kind: &str, id: u32) -> bool {
 fn sigkill_leaves_no_probe_attached() {
     let dir = tempfile::tempdir().unwrap();
     let target = Target::start(Command::new(marker_program(dir.path(), "killed")));
-    let mut tracer = start_tracer(&["--pid", &target.pid().to_string(), "--phase", "w=mark_write", "--memory"]);
-    let ids = bpf_ids(tracer.id());
     // Two tracepoints and a marker's uprobe; the memory pass's uprobes on
-    // at least malloc, calloc, realloc and free, and its tracepoint.
-    assert!(ids.iter().filter(|(k, _)| k == "link_id").count() >= 8, "{ids:?}");
+    // at least malloc, calloc, realloc and free, and its tracepoint; or
+    // --follow's two tracepoints.
+    for (pass, links) in [("--memory", 8), ("--follow", 5)] {
+        sigkill_frees_everything(target.pid(), pass, links);
+    }
+    drop(target);
+}
+
+fn sigkill_frees_everything(pid: u32, pass: &str, links: usize) {
+    let mut tracer = start_tracer(&["--pid", &pid.to_string(), "--phase", "w=mark_write", pass]);
+    let ids = bpf_ids(tracer.id());
+    assert!(ids.iter().filter(|(k, _)| k == "link_id").count() >= links, "{pass}: {ids:?}");
     assert!(ids.iter().any(|(k, _)| k == "map_id"), "{ids:?}");
     assert!(ids.iter().all(|(k, id)| loaded(k, *id)), "{ids:?}");
     tracer.kill().unwrap();
@@ -313,10 +321,9 @@ fn sigkill_leaves_no_probe_attached() {
         if left.is_empty() {
             break;
         }
-        assert!(Instant::now() < deadline, "still loaded after SIGKILL: {left:?}");
+        assert!(Instant::now() < deadline, "{pass}: still loaded after SIGKILL: {left:?}");
         std::thread::sleep(Duration::from_millis(100));
     }
-    drop(target);
 }
 
 /// One of our own daemons, marked by a Rust function's source path: a
@@ -587,4 +594,80 @@ fn overhead_compares_the_benchmark_traced_and_untraced() {
     assert!(memory["allocs"].as_u64().unwrap() >= memory["ops"].as_u64().unwrap(), "{memory}");
     // The store and the traces are gone with the command.
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
+/// --follow: a program whose children write (one also forking a
+/// grandchild that execs the program again, which writes too), traced
+/// with --follow and, at the same time, without. The children's calls and
+/// marker hits count only with --follow; the parent's count in both.
+#[test]
+fn follow_counts_the_processes_the_target_starts() {
+    const CHILDREN: u64 = 3;
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("forks.c");
+    let bin = dir.path().join("forks");
+    std::fs::write(
+        &src,
+        format!(
+            "#include <fcntl.h>\n#include <sys/wait.h>\n#include <unistd.h>\n\
+             __attribute__((noinline)) void mark_child(void) {{ __asm__ volatile(\"\"); }}\n\
+             static void writes(void) {{\n\
+             char c = 0; int null = open(\"/dev/null\", O_WRONLY);\n\
+             mark_child();\n\
+             for (int i = 0; i < {WRITES}; i++) write(null, &c, 1);\n}}\n\
+             int main(int argc, char **argv) {{\n\
+             char c = 0;\n\
+             if (argc > 1) {{ writes(); return 0; }}\n\
+             int zero = open(\"/dev/zero\", O_RDONLY);\n\
+             write(1, \"ready\\n\", 6);\n\
+             if (read(0, &c, 1) != 1) return 1;\n\
+             for (int i = 0; i < {CHILDREN}; i++) {{\n\
+               if (fork() == 0) {{\n\
+                 writes();\n\
+                 if (fork() == 0) {{ execl(\"/proc/self/exe\", \"forks\", \"again\", (char *)0); _exit(1); }}\n\
+                 wait(0);\n\
+                 _exit(0);\n\
+               }}\n\
+             }}\n\
+             for (int i = 0; i < {CHILDREN}; i++) wait(0);\n\
+             for (int i = 0; i < {READS}; i++) read(zero, &c, 1);\n\
+             return 0;\n}}\n"
+        ),
+    )
+    .unwrap();
+    assert!(Command::new("cc").args(["-O1", "-o"]).arg(&bin).arg(&src).status().unwrap().success());
+    let target = Target::start(Command::new(&bin));
+    let pid = target.pid().to_string();
+    let (followed, alone) = (dir.path().join("followed.jsonl"), dir.path().join("alone.jsonl"));
+    let a = start_tracer(&["--pid", &pid, "--follow", "--phase", "child=mark_child", "--out", followed.to_str().unwrap()]);
+    let b = start_tracer(&["--pid", &pid, "--phase", "child=mark_child", "--out", alone.to_str().unwrap()]);
+    target.finish();
+    wait_tracer(a);
+    wait_tracer(b);
+
+    let with = lines(&followed).pop().unwrap();
+    let total = &with["total"];
+    // Each child and each exec'd grandchild: WRITES writes after its marker.
+    assert_eq!(count(syscall(total, "write")), 2 * CHILDREN * WRITES, "{total}");
+    assert_eq!(total["phases"]["child"]["hits"], 2 * CHILDREN, "{total}");
+    assert_eq!(count(&total["phases"]["child"]["categories"]["io_write"]), 2 * CHILDREN * WRITES, "{total}");
+    // The parent's reads, and the exec'd programs' loader reading libc.
+    assert!(count(syscall(total, "read")) >= READS, "{total}");
+    assert!(count(syscall(total, "execve")) >= CHILDREN, "{total}");
+    assert!(total["threads"].as_object().unwrap().len() as u64 >= 1 + 2 * CHILDREN, "{total}");
+    assert_eq!(with["followed"], serde_json::json!([]), "all exited: {with}");
+    assert_eq!(total["lost"]["processes_full"], 0);
+
+    let alone = lines(&alone).pop().unwrap();
+    let total = &alone["total"];
+    assert_eq!(count(syscall(total, "read")), READS, "{total}");
+    assert!(total["syscalls"].as_array().unwrap().iter().all(|s| s["name"] != "write"), "{total}");
+    assert_eq!(total["phases"]["child"]["hits"], 0, "{total}");
+}
+
+#[test]
+fn follow_refuses_the_memory_pass() {
+    let out = inband().args(["trace", "--pid", "1", "--follow", "--memory"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--follow") && err.contains("--memory"), "{err}");
 }
