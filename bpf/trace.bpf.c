@@ -98,6 +98,22 @@ struct {
 	__type(value, struct inband_trace_alloc);
 } allocs SEC(".maps");
 
+/* The memory pass's call sites: cumulative, bounded, full counts
+ * INBAND_TRACE_SITES_FULL; the stacks they name. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, INBAND_TRACE_MAX_SITES);
+	__type(key, struct inband_trace_site);
+	__type(value, struct inband_trace_alloc);
+} sites SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_STACK_TRACE);
+	__uint(max_entries, INBAND_TRACE_STACKS);
+	__uint(key_size, sizeof(__u32));
+	__uint(value_size, INBAND_TRACE_STACK_DEPTH * sizeof(__u64));
+} alloc_stacks SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, INBAND_TRACE_MAX_PHASES * INBAND_TRACE_PAGE_ORDERS);
@@ -278,6 +294,42 @@ static __always_inline __u32 significant_bits(__u64 v)
 	return n + v;
 }
 
+/* At a function's entry the caller is the return address on top of the
+ * stack; the frame-pointer walk (bpf_get_stackid) starts at the caller's
+ * caller, and is only right as far as the code keeps frame pointers. */
+static __always_inline void count_site(struct pt_regs *ctx, __u32 fn, __u64 size)
+{
+	struct inband_trace_site key = { .fn = fn };
+
+	if (bpf_probe_read_user(&key.caller, sizeof(key.caller), (void *)PT_REGS_SP(ctx)))
+		key.caller = 0;
+	key.stack_id = bpf_get_stackid(ctx, &alloc_stacks, BPF_F_USER_STACK);
+	if (key.stack_id < 0) {
+		key.stack_id = -1;
+		count(INBAND_TRACE_STACK_LOST);
+	}
+	struct inband_trace_alloc *a = bpf_map_lookup_elem(&sites, &key);
+
+	if (a) {
+		__sync_fetch_and_add(&a->count, 1);
+		__sync_fetch_and_add(&a->bytes, size);
+		return;
+	}
+	struct inband_trace_alloc first = { .count = 1, .bytes = size };
+
+	/* Two threads of the target may add one site at once: the loser's
+	 * EEXIST is retried as an add. */
+	if (!bpf_map_update_elem(&sites, &key, &first, BPF_NOEXIST))
+		return;
+	a = bpf_map_lookup_elem(&sites, &key);
+	if (a) {
+		__sync_fetch_and_add(&a->count, 1);
+		__sync_fetch_and_add(&a->bytes, size);
+	} else {
+		count(INBAND_TRACE_SITES_FULL);
+	}
+}
+
 /* The memory pass: one program on every allocator function, the cookie
  * saying which; arguments by the x86_64 calling convention. */
 SEC("uprobe")
@@ -310,6 +362,8 @@ int trace_alloc(struct pt_regs *ctx)
 	if (bucket >= INBAND_TRACE_SIZE_BUCKETS)
 		bucket = INBAND_TRACE_SIZE_BUCKETS - 1;
 	add(&allocs, (current_phase() * INBAND_TRACE_ALLOC_FNS + fn) * INBAND_TRACE_SIZE_BUCKETS + bucket, size);
+	if (fn != INBAND_TRACE_FREE)
+		count_site(ctx, fn, size);
 	return 0;
 }
 

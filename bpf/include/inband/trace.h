@@ -76,10 +76,23 @@ enum inband_trace_alloc_fn {
 #define INBAND_TRACE_PAGE_ORDERS 11
 
 /* `allocs` (per CPU, indexed (phase * ALLOC_FNS + fn) * SIZE_BUCKETS +
- * bucket) and `pages` (per CPU, phase * PAGE_ORDERS + order). */
+ * bucket), `pages` (per CPU, phase * PAGE_ORDERS + order) and `sites`. */
 struct inband_trace_alloc {
 	__u64 count;
 	__u64 bytes;
+};
+
+/* Call sites of the allocating functions (free left out): the return
+ * address at the function's entry (the caller, found without frame
+ * pointers) and the user stack above it by the frame-pointer chain
+ * (`alloc_stacks`; -1 when the kernel could not take one). */
+#define INBAND_TRACE_MAX_SITES 16384
+#define INBAND_TRACE_STACKS 4096
+#define INBAND_TRACE_STACK_DEPTH 16
+struct inband_trace_site {
+	__u64 caller;
+	__s32 stack_id;
+	__u32 fn;
 };
 
 /* Task storage is refused when the kernel has no memory for it, or when
@@ -95,6 +108,11 @@ enum inband_trace_counter {
 	INBAND_TRACE_PAGE_ORDER_UNKNOWN,
 	/* A process started by a traced one not followed: `processes` full. */
 	INBAND_TRACE_PROCESSES_FULL,
+	/* An allocation counted, but not under its call site: `sites` full. */
+	INBAND_TRACE_SITES_FULL,
+	/* An allocation's site without its stack (`alloc_stacks` full, or a
+	 * stack the kernel could not walk). */
+	INBAND_TRACE_STACK_LOST,
 	INBAND_TRACE_COUNTERS,
 };
 

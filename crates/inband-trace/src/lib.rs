@@ -16,6 +16,7 @@ mod overhead;
 mod process;
 mod report;
 mod sets;
+mod symbolize;
 mod symbols;
 
 use std::fs::File;
@@ -226,6 +227,12 @@ pub fn run(args: TraceArgs) -> Result<()> {
 
     let started = Instant::now();
     let mut last = report::Totals::default();
+    // Read again at each snapshot; first now, as a target that exits
+    // before the first snapshot has no mappings left to read.
+    let mut symbols = symbolize::Symbolizer::default();
+    if args.memory {
+        symbols.refresh(pid);
+    }
     let mut next = started + interval;
     loop {
         std::thread::sleep(Duration::from_millis(100));
@@ -235,7 +242,10 @@ pub fn run(args: TraceArgs) -> Result<()> {
         if !done && now < next {
             continue;
         }
-        let totals = report::read(&skel, phase_names.len(), args.memory).context("reading the trace maps")?;
+        if args.memory {
+            symbols.refresh(pid);
+        }
+        let totals = report::read(&skel, phase_names.len(), args.memory, &mut symbols).context("reading the trace maps")?;
         if let Some(out) = &mut out {
             let mut followed = report::processes(&skel);
             followed.sort_unstable();

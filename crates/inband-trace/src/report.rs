@@ -10,12 +10,14 @@ use libbpf_rs::{MapCore, MapFlags};
 use serde_json::{json, Map as JsonMap, Value};
 
 use crate::bpf::shared::{
-    inband_trace_alloc, inband_trace_last, inband_trace_thread_key, inband_trace_time, INBAND_TRACE_ALLOC_FNS, INBAND_TRACE_COUNTERS,
+    inband_trace_alloc, inband_trace_last, inband_trace_site, inband_trace_thread_key, inband_trace_time, INBAND_TRACE_ALLOC_FNS, INBAND_TRACE_COUNTERS,
     INBAND_TRACE_FREE, INBAND_TRACE_NR_SLOTS, INBAND_TRACE_PAGE_ORDERS, INBAND_TRACE_PAGE_ORDER_UNKNOWN,
-    INBAND_TRACE_PHASE_UNSET, INBAND_TRACE_PROCESSES_FULL, INBAND_TRACE_SIZE_BUCKETS, INBAND_TRACE_THREADS_FULL, INBAND_TRACE_UNTIMED,
+    INBAND_TRACE_PHASE_UNSET, INBAND_TRACE_PROCESSES_FULL, INBAND_TRACE_SITES_FULL, INBAND_TRACE_SIZE_BUCKETS,
+    INBAND_TRACE_STACK_DEPTH, INBAND_TRACE_STACK_LOST, INBAND_TRACE_THREADS_FULL, INBAND_TRACE_UNTIMED,
 };
 use crate::memory;
 use crate::bpf::trace::TraceSkel;
+use crate::symbolize::Symbolizer;
 use crate::categories::{self, Category, ALL};
 
 #[derive(Clone, Copy, Default, PartialEq, Eq)]
@@ -85,12 +87,21 @@ fn diff<K: Ord + Copy, V: Cumulative>(now: &BTreeMap<K, V>, then: &BTreeMap<K, V
     now.iter().map(|(k, v)| (*k, v.since(then.get(k).copied().unwrap_or_default()))).filter(|(_, v)| !v.is_zero()).collect()
 }
 
-/// The memory pass's maps: by (phase, function, size bucket), and pages by
-/// (phase, order).
+/// An allocation's call site: the caller's address, the stack above it
+/// (id in `alloc_stacks`, -1 none), the allocating function.
+type Site = (u64, i32, u32);
+
+/// Call sites listed in a snapshot (by bytes, most first).
+const SITES_SHOWN: usize = 20;
+
+/// The memory pass's maps: by (phase, function, size bucket), pages by
+/// (phase, order), allocations by call site with the site's frames named.
 #[derive(Clone, Default)]
 struct Memory {
     allocs: BTreeMap<(u32, u32, u32), Amount>,
     pages: BTreeMap<(u32, u32), Amount>,
+    sites: BTreeMap<Site, Amount>,
+    site_names: BTreeMap<Site, Vec<String>>,
 }
 
 /// What the maps held at one moment (or the difference of two moments).
@@ -124,7 +135,7 @@ fn sum_cpus<T: Copy>(per_cpu: Option<Vec<Vec<u8>>>, mut add: impl FnMut(T)) -> R
 }
 
 /// Reads the maps; only the first `phases` phases (the rest are never hit).
-pub fn read(skel: &TraceSkel, phases: usize, memory: bool) -> Result<Totals> {
+pub fn read(skel: &TraceSkel, phases: usize, memory: bool, symbols: &mut Symbolizer) -> Result<Totals> {
     let mut t = Totals { hits: vec![0; phases], ..Default::default() };
     for phase in 0..phases as u32 {
         for nr in 0..INBAND_TRACE_NR_SLOTS {
@@ -181,6 +192,23 @@ pub fn read(skel: &TraceSkel, phases: usize, memory: bool) -> Result<Totals> {
                 }
             }
         }
+        for key in skel.maps.sites.keys() {
+            let Some(value) = skel.maps.sites.lookup(&key, MapFlags::ANY)? else { continue };
+            let k: inband_trace_site = decode(&key)?;
+            let v: inband_trace_alloc = decode(&value)?;
+            let site = (k.caller, k.stack_id, k.fn_);
+            m.sites.insert(site, Amount { count: v.count, bytes: v.bytes });
+            // The caller, then the frame-pointer chain above it; its first
+            // frame is the allocator's own entry.
+            let mut frames = vec![symbols.name(k.caller)];
+            if k.stack_id >= 0 {
+                if let Some(stack) = skel.maps.alloc_stacks.lookup(&k.stack_id.to_ne_bytes(), MapFlags::ANY)? {
+                    let stack: [u64; INBAND_TRACE_STACK_DEPTH as usize] = decode(&stack)?;
+                    frames.extend(stack.iter().skip(1).take_while(|a| **a != 0).map(|a| symbols.name(*a)));
+                }
+            }
+            m.site_names.insert(site, frames);
+        }
         t.memory = Some(m);
     }
     Ok(t)
@@ -199,7 +227,12 @@ impl Memory {
     fn since(&self, earlier: Option<&Memory>) -> Memory {
         let empty = Memory::default();
         let earlier = earlier.unwrap_or(&empty);
-        Memory { allocs: diff(&self.allocs, &earlier.allocs), pages: diff(&self.pages, &earlier.pages) }
+        Memory {
+            allocs: diff(&self.allocs, &earlier.allocs),
+            pages: diff(&self.pages, &earlier.pages),
+            sites: diff(&self.sites, &earlier.sites),
+            site_names: self.site_names.clone(),
+        }
     }
 
     /// Allocating calls (free left out), frees and pages, of one phase or
@@ -244,7 +277,21 @@ impl Memory {
         }
         let (_, _, pages) = self.summary(None);
         let orders: JsonMap<String, Value> = orders.into_iter().map(|(o, a)| (o.to_string(), a.json())).collect();
-        json!({ "allocs": allocs, "pages": { "count": pages.count, "bytes": pages.bytes, "orders": orders } })
+        let mut sites: Vec<(&Site, &Amount)> = self.sites.iter().collect();
+        sites.sort_by_key(|(_, a)| std::cmp::Reverse(a.bytes));
+        let sites: Vec<Value> = sites
+            .into_iter()
+            .take(SITES_SHOWN)
+            .map(|(site, a)| {
+                json!({
+                    "function": memory::name(site.2),
+                    "count": a.count,
+                    "bytes": a.bytes,
+                    "stack": self.site_names.get(site).cloned().unwrap_or_default(),
+                })
+            })
+            .collect();
+        json!({ "allocs": allocs, "pages": { "count": pages.count, "bytes": pages.bytes, "orders": orders }, "sites": sites })
     }
 }
 
@@ -322,6 +369,8 @@ impl Totals {
                 "phase_unset": self.lost[INBAND_TRACE_PHASE_UNSET as usize],
                 "page_order_unknown": self.lost[INBAND_TRACE_PAGE_ORDER_UNKNOWN as usize],
                 "processes_full": self.lost[INBAND_TRACE_PROCESSES_FULL as usize],
+                "sites_full": self.lost[INBAND_TRACE_SITES_FULL as usize],
+                "stack_lost": self.lost[INBAND_TRACE_STACK_LOST as usize],
             },
         });
         if let Some(m) = &self.memory {

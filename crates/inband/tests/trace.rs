@@ -671,3 +671,58 @@ fn follow_refuses_the_memory_pass() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--follow") && err.contains("--memory"), "{err}");
 }
+
+/// The memory pass's call sites: a C program built with frame pointers
+/// allocates from two functions, one called from a third; each site is
+/// its caller (found at the allocator's entry) and the chain above it,
+/// named by the program's symbols, with exact counts and bytes.
+#[test]
+fn memory_pass_names_call_sites() {
+    const SMALL: u64 = 211;
+    const BIG: u64 = 37;
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("sites.c");
+    let bin = dir.path().join("sites");
+    std::fs::write(
+        &src,
+        format!(
+            "#include <stdlib.h>\n#include <unistd.h>\n\
+             #define KEEP(p) __asm__ volatile(\"\" :: \"r\"(p) : \"memory\")\n\
+             __attribute__((noinline)) void *alloc_small(void) {{ void *p = malloc(100); KEEP(p); return p; }}\n\
+             __attribute__((noinline)) void *alloc_big(void) {{ void *p = calloc(10, 1000); KEEP(p); return p; }}\n\
+             __attribute__((noinline)) void outer(void) {{ for (int i = 0; i < {SMALL}; i++) free(alloc_small()); KEEP(0); }}\n\
+             int main(void) {{\n\
+             char c;\n\
+             write(1, \"ready\\n\", 6);\n\
+             if (read(0, &c, 1) != 1) return 1;\n\
+             outer();\n\
+             for (int i = 0; i < {BIG}; i++) free(alloc_big());\n\
+             return 0;\n}}\n"
+        ),
+    )
+    .unwrap();
+    let cc = Command::new("cc").args(["-O1", "-fno-omit-frame-pointer", "-o"]).arg(&bin).arg(&src).status().unwrap();
+    assert!(cc.success());
+    let out = dir.path().join("trace.jsonl");
+    let target = Target::start(Command::new(&bin));
+    let tracer = start_tracer(&["--pid", &target.pid().to_string(), "--memory", "--out", out.to_str().unwrap()]);
+    target.finish();
+    wait_tracer(tracer);
+
+    let total = &lines(&out).pop().unwrap()["total"];
+    let sites = total["memory"]["sites"].as_array().unwrap();
+    let site = |function: &str, first: &str| {
+        sites
+            .iter()
+            .find(|s| s["function"] == function && s["stack"][0].as_str().is_some_and(|f| f.starts_with(first)))
+            .unwrap_or_else(|| panic!("no {function} site in {first}: {sites:?}"))
+    };
+    let small = site("malloc", "alloc_small+");
+    assert_eq!((small["count"].as_u64(), small["bytes"].as_u64()), (Some(SMALL), Some(SMALL * 100)), "{small}");
+    let frames: Vec<&str> = small["stack"].as_array().unwrap().iter().map(|f| f.as_str().unwrap()).collect();
+    assert!(frames.len() >= 3 && frames[1].starts_with("outer+") && frames[2].starts_with("main+"), "{frames:?}");
+    let big = site("calloc", "alloc_big+");
+    assert_eq!((big["count"].as_u64(), big["bytes"].as_u64()), (Some(BIG), Some(BIG * 10_000)), "{big}");
+    assert!(big["stack"][1].as_str().unwrap().starts_with("main+"), "{big}");
+    assert_eq!(total["lost"]["sites_full"], 0);
+}
