@@ -157,6 +157,11 @@ pub fn run(args: TraceArgs) -> Result<()> {
         signal_hook::flag::register(signal, stop.clone()).context("installing the signal handlers")?;
     }
 
+    // The programs' tracepoints and their CO-RE fields need the kernel's
+    // BTF: said plainly rather than as a load error.
+    if !std::path::Path::new("/sys/kernel/btf/vmlinux").exists() {
+        bail!("this kernel has no BTF (/sys/kernel/btf/vmlinux, CONFIG_DEBUG_INFO_BTF): inband trace needs it for its tracepoints");
+    }
     let mut storage = MaybeUninit::uninit();
     let mut open = TraceSkelBuilder::default().open(&mut storage).context("opening the trace BPF object")?;
     let ro = open.maps.rodata_data.as_mut().context("the trace object has no read-only data")?;
