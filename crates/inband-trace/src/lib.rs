@@ -67,8 +67,9 @@ pub struct TraceArgs {
     #[arg(long)]
     pub duration_s: Option<f64>,
     /// Also the memory pass: calls of the C allocator (malloc, calloc,
-    /// realloc, free, aligned_alloc, posix_memalign) by size, and page
-    /// allocations, by phase. Costs a uprobe trap per allocator call.
+    /// realloc, free, aligned_alloc, posix_memalign) by size and by call
+    /// site, and page allocations, by phase. Costs a uprobe trap per
+    /// allocator call, and slows a program that allocates often many times.
     #[arg(long)]
     pub memory: bool,
     /// Also the processes the target starts, and theirs, from their fork
