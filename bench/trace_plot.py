@@ -57,8 +57,11 @@ def plot(lines: list[dict], out: Path) -> None:
         bottom = [b + v for b, v in zip(bottom, s["ms"][c])]
     axes[0].set_ylabel("system call ms\nper interval")
     axes[0].legend(fontsize="small", ncols=5)
+    # Steps: each value holds from the previous snapshot (or the attach)
+    # to its own.
+    steps = [0.0] + s["t_s"]
     for p, hits in s["hits"].items():
-        axes[1].step(s["t_s"], hits, where="pre", label=p)
+        axes[1].step(steps, hits[:1] + hits, where="pre", label=p)
     # The phase each snapshot was taken in, above its point in time.
     top = max([max(h) for h in s["hits"].values()], default=0)
     for t, name in zip(s["t_s"], s["phase"]):
@@ -68,8 +71,8 @@ def plot(lines: list[dict], out: Path) -> None:
     if s["hits"]:
         axes[1].legend(fontsize="small", ncols=4)
     if "allocs" in s:
-        axes[2].step(s["t_s"], s["allocs"], where="pre", label="allocator calls (free left out)")
-        axes[2].step(s["t_s"], s["pages"], where="pre", label="pages allocated")
+        axes[2].step(steps, s["allocs"][:1] + s["allocs"], where="pre", label="allocator calls (free left out)")
+        axes[2].step(steps, s["pages"][:1] + s["pages"], where="pre", label="pages allocated")
         axes[2].set_ylabel("per interval")
         axes[2].legend(fontsize="small")
     for ax in axes:

@@ -199,12 +199,15 @@ pub fn read(skel: &TraceSkel, phases: usize, memory: bool, symbols: &mut Symboli
             let site = (k.caller, k.stack_id, k.fn_);
             m.sites.insert(site, Amount { count: v.count, bytes: v.bytes });
             // The caller, then the frame-pointer chain above it; its first
-            // frame is the allocator's own entry.
+            // frame is the allocator's own entry. Where the chain runs
+            // through code without frame pointers it reads whatever the
+            // register held: it ends at the first address that is not code.
             let mut frames = vec![symbols.name(k.caller)];
             if k.stack_id >= 0 {
                 if let Some(stack) = skel.maps.alloc_stacks.lookup(&k.stack_id.to_ne_bytes(), MapFlags::ANY)? {
                     let stack: [u64; INBAND_TRACE_STACK_DEPTH as usize] = decode(&stack)?;
-                    frames.extend(stack.iter().skip(1).take_while(|a| **a != 0).map(|a| symbols.name(*a)));
+                    let code: Vec<u64> = stack.iter().skip(1).copied().take_while(|a| symbols.is_code(*a)).collect();
+                    frames.extend(code.into_iter().map(|a| symbols.name(a)));
                 }
             }
             m.site_names.insert(site, frames);
@@ -465,15 +468,25 @@ pub fn table(pid: u32, exe: &str, phase_names: &[String], t: &Totals, elapsed: D
             let (allocs, frees, pages) = m.summary(Some(i as u32));
             let _ = writeln!(s, "{:<16} {:>12} {:>12.3} {:>10} {:>12} {:>12.3}", name, allocs.count, mb(allocs.bytes), frees, pages.count, mb(pages.bytes));
         }
+        let mut sites: Vec<(&Site, &Amount)> = m.sites.iter().collect();
+        sites.sort_by_key(|(_, a)| std::cmp::Reverse(a.bytes));
+        let _ = writeln!(s, "\n{:<14} {:>10} {:>12}  caller < its callers", "top sites", "allocs", "MiB");
+        for (site, a) in sites.into_iter().take(5) {
+            let frames = m.site_names.get(site).map(|f| f.iter().take(3).cloned().collect::<Vec<_>>().join(" < ")).unwrap_or_default();
+            let _ = writeln!(s, "{:<14} {:>10} {:>12.3}  {frames}", memory::name(site.2), a.count, mb(a.bytes));
+        }
     }
     if t.lost.iter().any(|n| *n > 0) {
         let _ = writeln!(
             s,
-            "\nnot counted: {} calls not timed, {} calls missing from the per-thread view, {} phase changes, {} processes not followed",
+            "\nnot counted: {} calls not timed, {} calls missing from the per-thread view, {} phase changes, {} processes not followed, \
+             {} allocations not by call site, {} call sites without their stack",
             t.lost[INBAND_TRACE_UNTIMED as usize],
             t.lost[INBAND_TRACE_THREADS_FULL as usize],
             t.lost[INBAND_TRACE_PHASE_UNSET as usize],
             t.lost[INBAND_TRACE_PROCESSES_FULL as usize],
+            t.lost[INBAND_TRACE_SITES_FULL as usize],
+            t.lost[INBAND_TRACE_STACK_LOST as usize],
         );
     }
     s

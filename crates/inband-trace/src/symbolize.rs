@@ -65,6 +65,11 @@ impl Symbolizer {
         }
     }
 
+    /// Whether `address` lies in an executable mapping of the process.
+    pub fn is_code(&self, address: u64) -> bool {
+        self.mappings.iter().any(|m| address >= m.start && address < m.end)
+    }
+
     /// `function+0xoffset`, or `file+0xoffset` in a file without a symbol
     /// there, or the bare address outside every known mapping.
     pub fn name(&mut self, address: u64) -> String {
