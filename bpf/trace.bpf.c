@@ -3,7 +3,8 @@
  * `inband trace` (docs/trace.md): times every system call of one process
  * (raw_syscalls enter/exit) and marks its phases (uprobes whose attach cookie
  * is the phase number); with --memory, also counts the C allocator's calls
- * by size (uprobes) and the pages allocated to it (kmem/mm_page_alloc).
+ * by size and call site (uprobes) and the pages allocated to it
+ * (kmem/mm_page_alloc).
  * With --follow, the processes the target starts are traced too, from the
  * fork (sched_process_fork) to the exit of their main thread.
  * Counting happens here, naming and categories' meaning in Rust, which
