@@ -3,7 +3,10 @@
  * `inband trace` (docs/trace.md): times every system call of one process
  * (raw_syscalls enter/exit) and marks its phases (uprobes whose attach cookie
  * is the phase number); with --memory, also counts the C allocator's calls
- * by size (uprobes) and the pages allocated to it (kmem/mm_page_alloc).
+ * by size and call site (uprobes) and the pages allocated to it
+ * (kmem/mm_page_alloc).
+ * With --follow, the processes the target starts are traced too, from the
+ * fork (sched_process_fork) to the exit of their main thread.
  * Counting happens here, naming and categories' meaning in Rust, which
  * reads the maps at each snapshot.
  *
@@ -14,11 +17,16 @@
 #include <linux/bpf.h>
 #include <linux/ptrace.h>
 #include <bpf/bpf_helpers.h>
+#include <bpf/bpf_core_read.h>
 #include <bpf/bpf_tracing.h>
 
-/* Only ever a pointer passed from one helper to another: no vmlinux.h for
- * it (UAPI headers throughout, as the other programs). */
-struct task_struct;
+/* The two fields following children needs, relocated by name against the
+ * kernel's BTF (as agent.bpf.c's socket fields): no vmlinux.h, whose
+ * definitions clash with the UAPI headers used throughout. */
+struct task_struct {
+	int pid;
+	int tgid;
+} __attribute__((preserve_access_index));
 
 #include "inband/trace.h"
 
@@ -27,6 +35,19 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 /* Set by the tracer before load. */
 const volatile __u32 target_tgid;
 const volatile __u8 category_of[INBAND_TRACE_NR_SLOTS];
+/* --follow; when 0 the verifier drops the `processes` lookups. */
+const volatile __u8 follow;
+
+/* --follow: the processes started by traced ones, by process id. Added at
+ * the fork, removed at the exit of the process's main thread, so a reused
+ * process id is never taken for a traced one; the tracer adds those
+ * already running when it attaches. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, INBAND_TRACE_MAX_PROCESSES);
+	__type(key, __u32);
+	__type(value, __u8);
+} processes SEC(".maps");
 
 /* Created at a thread's first call or marker after attach, freed by the
  * kernel with the thread (or with the map): no bound to keep, no entry
@@ -66,10 +87,33 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct inband_trace_last);
+} last_phase SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, INBAND_TRACE_MAX_PHASES * INBAND_TRACE_ALLOC_FNS * INBAND_TRACE_SIZE_BUCKETS);
 	__type(key, __u32);
 	__type(value, struct inband_trace_alloc);
 } allocs SEC(".maps");
+
+/* The memory pass's call sites: cumulative, bounded, full counts
+ * INBAND_TRACE_SITES_FULL; the stacks they name. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, INBAND_TRACE_MAX_SITES);
+	__type(key, struct inband_trace_site);
+	__type(value, struct inband_trace_alloc);
+} sites SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_STACK_TRACE);
+	__uint(max_entries, INBAND_TRACE_STACKS);
+	__uint(key_size, sizeof(__u32));
+	__uint(value_size, INBAND_TRACE_STACK_DEPTH * sizeof(__u64));
+} alloc_stacks SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -93,19 +137,27 @@ static __always_inline void count(__u32 counter)
 		__sync_fetch_and_add(n, 1);
 }
 
-/* The target's thread id, or 0 for every other process. */
+/* The target's thread id, or 0 for every other process. With --follow
+ * every call on the host that is not the target's pays a hash lookup. */
 static __always_inline __u32 target_tid(void)
 {
 	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32;
 
-	return id >> 32 == target_tgid ? (__u32)id : 0;
+	if (tgid == target_tgid)
+		return (__u32)id;
+	if (follow && bpf_map_lookup_elem(&processes, &tgid))
+		return (__u32)id;
+	return 0;
 }
 
 /* ctx: struct pt_regs *regs, long id */
 SEC("tp_btf/sys_enter")
 int trace_sys_enter(__u64 *ctx)
 {
-	if (!target_tid())
+	__u64 nr = ctx[1];
+
+	if (!target_tid() || (nr < INBAND_TRACE_NR_SLOTS && category_of[nr] == INBAND_TRACE_NOT_COUNTED))
 		return 0;
 	struct inband_trace_thread *t =
 		bpf_task_storage_get(&thread_state, bpf_get_current_task_btf(), 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
@@ -114,8 +166,6 @@ int trace_sys_enter(__u64 *ctx)
 		count(INBAND_TRACE_UNTIMED);
 		return 0;
 	}
-	__u64 nr = ctx[1];
-
 	t->nr = nr < INBAND_TRACE_NR_SLOTS ? nr : INBAND_TRACE_NR_SLOTS - 1;
 	t->call_phase = t->phase;
 	t->ns = bpf_ktime_get_ns();
@@ -167,14 +217,22 @@ int trace_sys_exit(__u64 *ctx)
 SEC("uprobe")
 int trace_phase(void *ctx)
 {
-	__u32 phase = bpf_get_attach_cookie(ctx);
+	__u32 phase = bpf_get_attach_cookie(ctx), tid = target_tid(), zero = 0;
 
-	if (!target_tid() || phase == 0 || phase >= INBAND_TRACE_MAX_PHASES)
+	if (!tid || phase == 0 || phase >= INBAND_TRACE_MAX_PHASES)
 		return 0;
 	__u64 *hits = bpf_map_lookup_elem(&phase_hits, &phase);
 
 	if (hits)
 		__sync_fetch_and_add(hits, 1);
+	/* Per CPU, so threads on different CPUs never write one line. */
+	struct inband_trace_last *last = bpf_map_lookup_elem(&last_phase, &zero);
+
+	if (last) {
+		last->ns = bpf_ktime_get_ns();
+		last->phase = phase;
+		last->tid = tid;
+	}
 	struct inband_trace_thread *t =
 		bpf_task_storage_get(&thread_state, bpf_get_current_task_btf(), 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
 
@@ -237,6 +295,42 @@ static __always_inline __u32 significant_bits(__u64 v)
 	return n + v;
 }
 
+/* At a function's entry the caller is the return address on top of the
+ * stack; the frame-pointer walk (bpf_get_stackid) starts at the caller's
+ * caller, and is only right as far as the code keeps frame pointers. */
+static __always_inline void count_site(struct pt_regs *ctx, __u32 fn, __u64 size)
+{
+	struct inband_trace_site key = { .fn = fn };
+
+	if (bpf_probe_read_user(&key.caller, sizeof(key.caller), (void *)PT_REGS_SP(ctx)))
+		key.caller = 0;
+	key.stack_id = bpf_get_stackid(ctx, &alloc_stacks, BPF_F_USER_STACK);
+	if (key.stack_id < 0) {
+		key.stack_id = -1;
+		count(INBAND_TRACE_STACK_LOST);
+	}
+	struct inband_trace_alloc *a = bpf_map_lookup_elem(&sites, &key);
+
+	if (a) {
+		__sync_fetch_and_add(&a->count, 1);
+		__sync_fetch_and_add(&a->bytes, size);
+		return;
+	}
+	struct inband_trace_alloc first = { .count = 1, .bytes = size };
+
+	/* Two threads of the target may add one site at once: the loser's
+	 * EEXIST is retried as an add. */
+	if (!bpf_map_update_elem(&sites, &key, &first, BPF_NOEXIST))
+		return;
+	a = bpf_map_lookup_elem(&sites, &key);
+	if (a) {
+		__sync_fetch_and_add(&a->count, 1);
+		__sync_fetch_and_add(&a->bytes, size);
+	} else {
+		count(INBAND_TRACE_SITES_FULL);
+	}
+}
+
 /* The memory pass: one program on every allocator function, the cookie
  * saying which; arguments by the x86_64 calling convention. */
 SEC("uprobe")
@@ -269,6 +363,8 @@ int trace_alloc(struct pt_regs *ctx)
 	if (bucket >= INBAND_TRACE_SIZE_BUCKETS)
 		bucket = INBAND_TRACE_SIZE_BUCKETS - 1;
 	add(&allocs, (current_phase() * INBAND_TRACE_ALLOC_FNS + fn) * INBAND_TRACE_SIZE_BUCKETS + bucket, size);
+	if (fn != INBAND_TRACE_FREE)
+		count_site(ctx, fn, size);
 	return 0;
 }
 
@@ -286,5 +382,39 @@ int trace_page_alloc(__u64 *ctx)
 	}
 	/* x86_64 pages: 4 KiB. */
 	add(&pages, current_phase() * INBAND_TRACE_PAGE_ORDERS + order, 4096ULL << order);
+	return 0;
+}
+
+/* ctx: struct task_struct *parent, struct task_struct *child; runs in the
+ * parent. A new thread of a traced process is traced already. */
+SEC("tp_btf/sched_process_fork")
+int trace_fork(__u64 *ctx)
+{
+	struct task_struct *child = (struct task_struct *)ctx[1];
+
+	if (!follow || !target_tid())
+		return 0;
+	__u32 pid = BPF_CORE_READ(child, pid), tgid = BPF_CORE_READ(child, tgid);
+	__u8 one = 1;
+
+	if (pid != tgid)
+		return 0;
+	if (bpf_map_update_elem(&processes, &tgid, &one, BPF_NOEXIST))
+		count(INBAND_TRACE_PROCESSES_FULL);
+	return 0;
+}
+
+/* ctx: struct task_struct *p; runs in the exiting thread. */
+SEC("tp_btf/sched_process_exit")
+int trace_exit(__u64 *ctx)
+{
+	struct task_struct *p = (struct task_struct *)ctx[0];
+
+	if (!follow)
+		return 0;
+	__u32 pid = BPF_CORE_READ(p, pid), tgid = BPF_CORE_READ(p, tgid);
+
+	if (pid == tgid)
+		bpf_map_delete_elem(&processes, &tgid);
 	return 0;
 }

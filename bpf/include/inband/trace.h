@@ -16,6 +16,13 @@
  * (x32 calls carry bit 30) is counted in the last slot. */
 #define INBAND_TRACE_NR_SLOTS 512
 #define INBAND_TRACE_CATEGORIES 5
+/* `category_of` of a call that is the tracer's own cost, not counted:
+ * uprobe(2) and uretprobe(2), which the kernel makes the target call for a
+ * uprobe on a 5-byte nop (6.18) or a return probe. */
+#define INBAND_TRACE_NOT_COUNTED 0xff
+/* Processes started by the target (and theirs) traced with --follow;
+ * beyond that INBAND_TRACE_PROCESSES_FULL. */
+#define INBAND_TRACE_MAX_PROCESSES 4096
 /* Threads with a per-thread total; beyond that INBAND_TRACE_THREADS_FULL. */
 #define INBAND_TRACE_MAX_THREADS 16384
 #define INBAND_TRACE_THREAD_TOTALS (INBAND_TRACE_MAX_THREADS * INBAND_TRACE_CATEGORIES)
@@ -35,6 +42,16 @@ struct inband_trace_thread {
 struct inband_trace_time {
 	__u64 count;
 	__u64 ns;
+};
+
+/* `last_phase` (per CPU, one slot): the latest marker hit on that CPU,
+ * when (bpf_ktime_get_ns, CLOCK_MONOTONIC) and by which thread; the
+ * newest over the CPUs is the phase the process was last seen entering,
+ * which each snapshot reports. ns 0: no hit yet. */
+struct inband_trace_last {
+	__u64 ns;
+	__u32 phase;
+	__u32 tid;
 };
 
 struct inband_trace_thread_key {
@@ -59,10 +76,23 @@ enum inband_trace_alloc_fn {
 #define INBAND_TRACE_PAGE_ORDERS 11
 
 /* `allocs` (per CPU, indexed (phase * ALLOC_FNS + fn) * SIZE_BUCKETS +
- * bucket) and `pages` (per CPU, phase * PAGE_ORDERS + order). */
+ * bucket), `pages` (per CPU, phase * PAGE_ORDERS + order) and `sites`. */
 struct inband_trace_alloc {
 	__u64 count;
 	__u64 bytes;
+};
+
+/* Call sites of the allocating functions (free left out): the return
+ * address at the function's entry (the caller, found without frame
+ * pointers) and the user stack above it by the frame-pointer chain
+ * (`alloc_stacks`; -1 when the kernel could not take one). */
+#define INBAND_TRACE_MAX_SITES 16384
+#define INBAND_TRACE_STACKS 4096
+#define INBAND_TRACE_STACK_DEPTH 16
+struct inband_trace_site {
+	__u64 caller;
+	__s32 stack_id;
+	__u32 fn;
 };
 
 /* Task storage is refused when the kernel has no memory for it, or when
@@ -76,6 +106,13 @@ enum inband_trace_counter {
 	INBAND_TRACE_PHASE_UNSET,
 	/* A page allocation of an order beyond INBAND_TRACE_PAGE_ORDERS. */
 	INBAND_TRACE_PAGE_ORDER_UNKNOWN,
+	/* A process started by a traced one not followed: `processes` full. */
+	INBAND_TRACE_PROCESSES_FULL,
+	/* An allocation counted, but not under its call site: `sites` full. */
+	INBAND_TRACE_SITES_FULL,
+	/* An allocation's site without its stack (`alloc_stacks` full, or a
+	 * stack the kernel could not walk). */
+	INBAND_TRACE_STACK_LOST,
 	INBAND_TRACE_COUNTERS,
 };
 

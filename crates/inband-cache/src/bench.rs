@@ -63,10 +63,38 @@ pub struct CacheArgs {
     backend: Option<BackendKind>,
     #[arg(long, hide = true)]
     path: Option<PathBuf>,
+    /// Internal: a run child says `ready` on stdout once its store is open
+    /// and waits for a line on stdin before its timed loop, so that a
+    /// tracer can attach in between (`inband trace overhead`).
+    #[arg(long, hide = true)]
+    hold: bool,
+}
+
+impl CacheArgs {
+    /// The benchmark's settings for runs started one by one ([`prepare`],
+    /// [`hold_run`]): the defaults but for these.
+    pub fn for_runs(records: u64, seconds: f64, dir: Option<PathBuf>) -> CacheArgs {
+        CacheArgs {
+            records,
+            value_bytes: 10 * 1024,
+            seconds,
+            threads: vec![1],
+            backends: BackendKind::ALL.to_vec(),
+            zipf: 0.99,
+            dir,
+            quick: false,
+            json: false,
+            save: None,
+            child: None,
+            backend: None,
+            path: None,
+            hold: false,
+        }
+    }
 }
 
 /// Read/update mixes of the thesis (YCSB C, and B-like variants).
-const WORKLOADS: [(&str, u32); 4] = [("read-only", 0), ("99/1", 1), ("95/5", 5), ("90/10", 10)];
+pub const WORKLOADS: [(&str, u32); 4] = [("read-only", 0), ("99/1", 1), ("95/5", 5), ("90/10", 10)];
 
 #[derive(Serialize, Deserialize, Clone, Debug)]
 pub struct Row {
@@ -166,7 +194,7 @@ fn rusage() -> Rusage {
 }
 
 /// One timed run inside a child process.
-fn run_child(a: &CacheArgs, kind: BackendKind, path: &Path, update_pct: u32, threads: usize) -> Result<Row> {
+fn run_child(a: &CacheArgs, kind: BackendKind, path: &Path, update_pct: u32, threads: usize, hold: bool) -> Result<Row> {
     let values = Values::new(a.value_bytes);
     let t = Instant::now();
     let store = crate::open(&config(a, kind, path))?;
@@ -178,6 +206,11 @@ fn run_child(a: &CacheArgs, kind: BackendKind, path: &Path, update_pct: u32, thr
         bail!("{kind}: store holds {} records, expected {}", store.len(), a.records);
     }
     let zipf = Zipf::new(a.records, a.zipf).context("zipf parameters")?;
+    if hold {
+        use std::io::{BufRead, Write};
+        writeln!(std::io::stdout(), "ready").and_then(|_| std::io::stdout().flush())?;
+        std::io::stdin().lock().read_line(&mut String::new())?;
+    }
     let stop = AtomicBool::new(false);
     let before = rusage();
     let started = Instant::now();
@@ -269,7 +302,7 @@ fn disk_bytes(dir: &Path) -> u64 {
         .sum()
 }
 
-fn spawn_child(a: &CacheArgs, argv: &[&str], kind: BackendKind, path: &Path, child: &str) -> Result<String> {
+fn child_command(a: &CacheArgs, argv: &[&str], kind: BackendKind, path: &Path, child: &str) -> Result<Command> {
     let exe = std::env::current_exe()?;
     let mut cmd = Command::new(exe);
     cmd.args(argv).args(["--child", child, "--backend", kind.name()])
@@ -278,12 +311,80 @@ fn spawn_child(a: &CacheArgs, argv: &[&str], kind: BackendKind, path: &Path, chi
         .args(["--records", &a.records.to_string(), "--value-bytes", &a.value_bytes.to_string()])
         .args(["--seconds", &a.seconds.to_string(), "--zipf", &a.zipf.to_string()])
         .stderr(Stdio::inherit());
-    let out = cmd.output()?;
+    Ok(cmd)
+}
+
+fn spawn_child(a: &CacheArgs, argv: &[&str], kind: BackendKind, path: &Path, child: &str) -> Result<String> {
+    let out = child_command(a, argv, kind, path, child)?.output()?;
     if !out.status.success() {
         bail!("{kind} {child}: child failed ({})", out.status);
     }
     let stdout = String::from_utf8(out.stdout)?;
     Ok(stdout.lines().last().unwrap_or_default().to_string())
+}
+
+/// A store for runs started one by one: a directory under `--dir` (or
+/// the temporary directory), filled by a load child for a durable store
+/// (a memory store is filled by each run child).
+pub fn prepare(a: &CacheArgs, argv: &[&str], kind: BackendKind) -> Result<tempfile::TempDir> {
+    let parent = a.dir.clone().unwrap_or_else(std::env::temp_dir);
+    std::fs::create_dir_all(&parent)?;
+    let dir = tempfile::Builder::new().prefix(&format!("inband-bench-cache-{kind}-")).tempdir_in(&parent)?;
+    if kind.durable() {
+        spawn_child(a, argv, kind, dir.path(), "load")?;
+    }
+    Ok(dir)
+}
+
+/// A run child stopped before its timed loop (its store open and full).
+pub struct HeldRun {
+    child: std::process::Child,
+    go: std::process::ChildStdin,
+    out: std::io::BufReader<std::process::ChildStdout>,
+}
+
+/// Starts one run on the store `path` ([`prepare`]) and returns once it
+/// waits at its start.
+pub fn hold_run(a: &CacheArgs, argv: &[&str], kind: BackendKind, path: &Path, update_pct: u32, threads: usize) -> Result<HeldRun> {
+    use std::io::BufRead;
+    let mut cmd = child_command(a, argv, kind, path, &format!("run:{update_pct}:{threads}"))?;
+    let mut child = cmd.arg("--hold").stdin(Stdio::piped()).stdout(Stdio::piped()).spawn()?;
+    let go = child.stdin.take().context("child stdin")?;
+    let mut out = std::io::BufReader::new(child.stdout.take().context("child stdout")?);
+    let mut line = String::new();
+    out.read_line(&mut line)?;
+    if line != "ready\n" {
+        let _ = child.kill();
+        let status = child.wait()?;
+        bail!("{kind} run child did not start ({status})");
+    }
+    Ok(HeldRun { child, go, out })
+}
+
+impl HeldRun {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Lets the run go and returns its result when it has exited.
+    pub fn go(mut self) -> Result<Row> {
+        use std::io::{BufRead, Write};
+        writeln!(self.go, "go")?;
+        let mut line = String::new();
+        self.out.read_line(&mut line)?;
+        let status = self.child.wait()?;
+        if !status.success() {
+            bail!("run child failed ({status})");
+        }
+        serde_json::from_str(&line).with_context(|| format!("run child output {line:?}"))
+    }
+}
+
+impl Drop for HeldRun {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -377,7 +478,7 @@ pub fn main(a: CacheArgs, argv: &[&str]) -> Result<()> {
         }
         let spec = child.strip_prefix("run:").context("unknown --child")?;
         let (pct, threads) = spec.split_once(':').context("--child run:<update %>:<threads>")?;
-        let row = run_child(&a, kind, &path, pct.parse()?, threads.parse()?)?;
+        let row = run_child(&a, kind, &path, pct.parse()?, threads.parse()?, a.hold)?;
         println!("{}", serde_json::to_string(&row)?);
         return Ok(());
     }

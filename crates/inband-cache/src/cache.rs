@@ -158,6 +158,7 @@ impl<B: Backend> Store for Cache<B> {
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Entry>> {
+        crate::probe::store_get();
         let id = record::id(key);
         let Some(raw) = self.backend.get(id)? else { return Ok(None) };
         let inner = self.0.clone();
@@ -182,6 +183,7 @@ impl<B: Backend> Store for Cache<B> {
     }
 
     fn put(&self, key: &[u8], stored_at_ms: u64, expires_at_ms: u64, header: &[u8], body: &[u8]) -> Result<Meta> {
+        crate::probe::store_put();
         let rec = record::encode(key, stored_at_ms, expires_at_ms, header, body);
         let meta = Meta { stored_at_ms, expires_at_ms, size: rec.len() as u64 };
         if meta.size > self.capacity {
@@ -198,6 +200,7 @@ impl<B: Backend> Store for Cache<B> {
     }
 
     fn delete(&self, key: &[u8]) -> Result<bool> {
+        crate::probe::store_delete();
         let id = record::id(key);
         let _g = self.stripe(id);
         self.index.write().unwrap().remove(id);

@@ -23,6 +23,7 @@ mod files;
 mod index;
 mod lmdb;
 mod memory;
+pub mod probe;
 mod record;
 mod rocks;
 

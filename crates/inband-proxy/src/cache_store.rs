@@ -367,6 +367,8 @@ impl HttpCache {
 
     /// The stored response for this request, following a Vary marker.
     pub(crate) async fn lookup(&self, parts: &request::Parts) -> Option<Found> {
+        // Before the first await: once per lookup, not once per poll.
+        crate::probe::cache_lookup();
         let base = base_key(parts);
         let (head, body) = match self.get(base.clone()).await? {
             (Decoded::Vary(names), _) => self.get(variant_key(&base, &names, &parts.headers)).await?,

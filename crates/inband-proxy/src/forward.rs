@@ -125,6 +125,7 @@ pub fn hash_key(key: &HashKey, parts: &request::Parts, client: SocketAddr) -> Ve
 /// returns its response head and streaming body. Idempotent requests whose
 /// connection fails go to another backend, up to `retries` more times.
 pub async fn send(shared: &Shared, parts: &request::Parts, body: Bytes, key: &[u8]) -> Result<Response<Incoming>, Refusal> {
+    crate::probe::origin_fetch();
     let backends = &shared.backends;
     let mut tried = vec![false; backends.len()];
     let attempts = if idempotent(&parts.method) { 1 + shared.cfg.raw.retries } else { 1 };

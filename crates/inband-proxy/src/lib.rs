@@ -20,6 +20,7 @@ mod forward;
 pub mod health;
 mod metrics;
 mod policy;
+mod probe;
 mod server;
 mod tls;
 mod tunnel;

@@ -278,6 +278,7 @@ async fn handle(
     conn: Arc<State>,
     client: Arc<ClientSlot>,
 ) -> Result<Response<ProxyBody>, Infallible> {
+    crate::probe::request_in();
     let guard = conn.begin_request();
     let info = access::Request { client: peer, method: req.method().clone(), uri: req.uri().clone(), start: Instant::now() };
     let mut resp = if client.request() {
@@ -293,6 +294,7 @@ async fn handle(
     let cache = resp.extensions().get::<Outcome>().map_or("-", |o| o.label());
     let status = resp.status().as_u16();
     let counter = shared.metrics.response_bytes.clone();
+    crate::probe::response_out();
     Ok(resp.map(|b| access::Tracked::new(b, info, status, cache, guard, counter).boxed()))
 }
 

@@ -6,7 +6,7 @@
 
 use syscalls::x86_64::Sysno;
 
-use crate::bpf::shared::{INBAND_TRACE_CATEGORIES, INBAND_TRACE_NR_SLOTS};
+use crate::bpf::shared::{INBAND_TRACE_CATEGORIES, INBAND_TRACE_NOT_COUNTED, INBAND_TRACE_NR_SLOTS};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Category {
@@ -115,7 +115,16 @@ pub fn name(nr: u32) -> String {
     }
 }
 
+/// The tracer's own cost: the calls the kernel makes a traced thread take
+/// for a uprobe on a 5-byte nop (the probe points of `--phases`) and for a
+/// return probe. Counting them would charge the target one system call
+/// per marker hit.
+const NOT_COUNTED: [Sysno; 2] = [Sysno::uprobe, Sysno::uretprobe];
+
 /// The program's `category_of`: each slot's category number.
 pub fn by_slot() -> [u8; INBAND_TRACE_NR_SLOTS as usize] {
-    std::array::from_fn(|nr| of(nr as u32).index() as u8)
+    std::array::from_fn(|nr| match NOT_COUNTED.iter().any(|s| s.id() as usize == nr) {
+        true => INBAND_TRACE_NOT_COUNTED as u8,
+        false => of(nr as u32).index() as u8,
+    })
 }

@@ -12,8 +12,11 @@
 mod bpf;
 mod categories;
 mod memory;
+mod overhead;
 mod process;
 mod report;
+mod sets;
+mod symbolize;
 mod symbols;
 
 use std::fs::File;
@@ -26,14 +29,17 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{Link, UprobeOpts};
+use libbpf_rs::{Link, MapCore, UprobeOpts};
 
 use bpf::shared::INBAND_TRACE_MAX_PHASES;
 use bpf::trace::TraceSkelBuilder;
 
 #[derive(clap::Args, Debug)]
 #[command(group(clap::ArgGroup::new("target").required(true).args(["pid", "name"])))]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct TraceArgs {
+    #[command(subcommand)]
+    pub command: Option<TraceCommand>,
     /// The process to trace (every thread of it).
     #[arg(long)]
     pub pid: Option<u32>,
@@ -47,6 +53,12 @@ pub struct TraceArgs {
     /// Repeatable (at most 15).
     #[arg(long = "phase", value_name = "NAME=SYMBOL", value_parser = parse_phase)]
     pub phases: Vec<(String, String)>,
+    /// Built-in phase markers: `proxy` (`inband proxy`: request_in,
+    /// cache_lookup, origin_fetch, response_out) and `cache` (the
+    /// inband-cache stores: store_get, store_put, store_delete). Comma
+    /// separated or repeated; counted with --phase in the limit of 15.
+    #[arg(long = "phases", value_name = "SET", value_delimiter = ',', value_parser = sets::parse)]
+    pub sets: Vec<sets::Set>,
     /// Seconds between snapshots.
     #[arg(long, default_value_t = 15.0)]
     pub interval_s: f64,
@@ -55,13 +67,27 @@ pub struct TraceArgs {
     #[arg(long)]
     pub duration_s: Option<f64>,
     /// Also the memory pass: calls of the C allocator (malloc, calloc,
-    /// realloc, free, aligned_alloc, posix_memalign) by size, and page
-    /// allocations, by phase. Costs a uprobe trap per allocator call.
+    /// realloc, free, aligned_alloc, posix_memalign) by size and by call
+    /// site, and page allocations, by phase. Costs a uprobe trap per
+    /// allocator call, and slows a program that allocates often many times.
     #[arg(long)]
     pub memory: bool,
+    /// Also the processes the target starts, and theirs, from their fork
+    /// to their exit (those running when the tracer attaches included):
+    /// their calls and marker hits count with the target's. Tracing stops
+    /// when all of them and the target have exited.
+    #[arg(long, conflicts_with = "memory")]
+    pub follow: bool,
     /// Write one JSON line per snapshot here (docs/trace.md, "Output").
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum TraceCommand {
+    /// What tracing costs: a cell of `inband bench cache` run untraced and
+    /// under each pass of the tracer, in turns, throughput compared.
+    Overhead(overhead::OverheadArgs),
 }
 
 fn parse_phase(s: &str) -> Result<(String, String), String> {
@@ -72,12 +98,22 @@ fn parse_phase(s: &str) -> Result<(String, String), String> {
 }
 
 pub fn run(args: TraceArgs) -> Result<()> {
+    if let Some(TraceCommand::Overhead(a)) = args.command {
+        return overhead::run(a);
+    }
     if cfg!(not(target_arch = "x86_64")) {
         bail!("inband trace knows the x86_64 system call numbers only");
     }
     let interval = seconds("--interval-s", args.interval_s)?;
     let duration = args.duration_s.map(|s| seconds("--duration-s", s)).transpose()?;
-    let phase_names = phase_names(&args.phases)?;
+    // The sets' markers first, then --phase's, in the order given.
+    let markers: Vec<(String, String, Option<sets::Set>)> = args
+        .sets
+        .iter()
+        .flat_map(|set| set.markers.iter().map(move |(name, symbol)| (name.to_string(), symbol.to_string(), Some(*set))))
+        .chain(args.phases.iter().map(|(name, symbol)| (name.clone(), symbol.clone(), None)))
+        .collect();
+    let phase_names = phase_names(&markers)?;
     let pid = match (&args.pid, &args.name) {
         (Some(pid), _) => process::check(*pid)?,
         (None, Some(name)) => process::by_name(name)?,
@@ -87,10 +123,14 @@ pub fn run(args: TraceArgs) -> Result<()> {
     let exe_name = std::fs::read_link(&exe).map(|p| p.display().to_string()).unwrap_or_else(|_| exe.display().to_string());
     // Every bad argument is refused before anything is loaded, and before
     // an existing output file is emptied.
-    let offsets = args
-        .phases
+    let offsets = markers
         .iter()
-        .map(|(_, symbol)| symbols::function_offsets(&exe, symbol).with_context(|| format!("phase marker in pid {pid} ({exe_name})")))
+        .map(|(_, symbol, set)| {
+            symbols::function_offsets(&exe, symbol).with_context(|| match set {
+                Some(set) => format!("phase set {} in pid {pid} ({exe_name}), which is for {}", set.name, set.program),
+                None => format!("phase marker in pid {pid} ({exe_name})"),
+            })
+        })
         .collect::<Result<Vec<Vec<u64>>>>()?;
     let allocator = if args.memory {
         let file = memory::allocator_file(pid)?;
@@ -118,27 +158,49 @@ pub fn run(args: TraceArgs) -> Result<()> {
         signal_hook::flag::register(signal, stop.clone()).context("installing the signal handlers")?;
     }
 
+    // The programs' tracepoints and their CO-RE fields need the kernel's
+    // BTF: said plainly rather than as a load error.
+    if !std::path::Path::new("/sys/kernel/btf/vmlinux").exists() {
+        bail!("this kernel has no BTF (/sys/kernel/btf/vmlinux, CONFIG_DEBUG_INFO_BTF): inband trace needs it for its tracepoints");
+    }
     let mut storage = MaybeUninit::uninit();
     let mut open = TraceSkelBuilder::default().open(&mut storage).context("opening the trace BPF object")?;
     let ro = open.maps.rodata_data.as_mut().context("the trace object has no read-only data")?;
     ro.target_tgid = pid;
     ro.category_of = categories::by_slot();
+    ro.follow = u8::from(args.follow);
     let skel = open.load().context(
         "loading the trace programs (needs root, or CAP_BPF and CAP_PERFMON, and a kernel with BTF and task storage for tracing programs)",
     )?;
     let mut links: Vec<Link> = Vec::new();
-    for (prog, point) in [(&skel.progs.trace_sys_enter, "sys_enter"), (&skel.progs.trace_sys_exit, "sys_exit")] {
+    let mut tracepoints = vec![(&skel.progs.trace_sys_enter, "sys_enter"), (&skel.progs.trace_sys_exit, "sys_exit")];
+    if args.follow {
+        // The fork program first, then the processes already running: a
+        // process started in between is in both, none in neither.
+        tracepoints.splice(0..0, [(&skel.progs.trace_fork, "sched_process_fork"), (&skel.progs.trace_exit, "sched_process_exit")]);
+    }
+    for (prog, point) in tracepoints {
         links.push(prog.attach().with_context(|| {
             format!("attaching to the tracepoint {point} (needs a kernel with BTF, /sys/kernel/btf/vmlinux)")
         })?);
     }
-    for (i, ((name, symbol), offsets)) in args.phases.iter().zip(&offsets).enumerate() {
+    if args.follow {
+        for child in process::descendants(pid) {
+            // Exists already if its fork was seen after the attach.
+            let _ = skel.maps.processes.update(&child.to_ne_bytes(), &[1], libbpf_rs::MapFlags::NO_EXIST);
+        }
+    }
+    // Following, a marker must also fire in the processes started later,
+    // which only a uprobe on every process running the file does; the
+    // programs keep to the traced ones.
+    let uprobe_pid = if args.follow { -1 } else { pid as i32 };
+    for (i, ((name, symbol, _), offsets)) in markers.iter().zip(&offsets).enumerate() {
         for offset in offsets {
             let opts = UprobeOpts { cookie: i as u64 + 1, ..Default::default() };
             links.push(
                 skel.progs
                     .trace_phase
-                    .attach_uprobe_with_opts(pid as i32, &exe, *offset as usize, opts)
+                    .attach_uprobe_with_opts(uprobe_pid, &exe, *offset as usize, opts)
                     .with_context(|| {
                         format!("attaching phase {name} to {symbol} in {exe_name} (uprobes with cookies need kernel 5.15 or later)")
                     })?,
@@ -171,17 +233,29 @@ pub fn run(args: TraceArgs) -> Result<()> {
 
     let started = Instant::now();
     let mut last = report::Totals::default();
+    // Read again at each snapshot; first now, as a target that exits
+    // before the first snapshot has no mappings left to read.
+    let mut symbols = symbolize::Symbolizer::default();
+    if args.memory {
+        symbols.refresh(pid);
+    }
     let mut next = started + interval;
     loop {
         std::thread::sleep(Duration::from_millis(100));
         let now = Instant::now();
-        let done = stop.load(Ordering::Relaxed) || duration.is_some_and(|d| now - started >= d) || !process::alive(pid);
+        let gone = !process::alive(pid) && (!args.follow || report::processes(&skel).iter().all(|p| !process::alive(*p)));
+        let done = stop.load(Ordering::Relaxed) || duration.is_some_and(|d| now - started >= d) || gone;
         if !done && now < next {
             continue;
         }
-        let totals = report::read(&skel, phase_names.len(), args.memory).context("reading the trace maps")?;
+        if args.memory {
+            symbols.refresh(pid);
+        }
+        let totals = report::read(&skel, phase_names.len(), args.memory, &mut symbols).context("reading the trace maps")?;
         if let Some(out) = &mut out {
-            let line = report::snapshot(pid, &phase_names, &last, &totals, started.elapsed(), done);
+            let mut followed = report::processes(&skel);
+            followed.sort_unstable();
+            let line = report::snapshot(pid, &followed, &phase_names, &last, &totals, started.elapsed(), done);
             let path = args.out.as_ref().unwrap();
             writeln!(out, "{line}").and_then(|_| out.flush()).with_context(|| format!("writing {}", path.display()))?;
         }
@@ -210,12 +284,12 @@ fn seconds(flag: &str, s: f64) -> Result<Duration> {
 
 /// "none" (phase 0, before a thread's first marker), then the markers'
 /// names in order.
-fn phase_names(phases: &[(String, String)]) -> Result<Vec<String>> {
-    if phases.len() >= INBAND_TRACE_MAX_PHASES as usize {
-        bail!("at most {} --phase markers", INBAND_TRACE_MAX_PHASES - 1);
+fn phase_names(markers: &[(String, String, Option<sets::Set>)]) -> Result<Vec<String>> {
+    if markers.len() >= INBAND_TRACE_MAX_PHASES as usize {
+        bail!("at most {} phase markers, --phases sets' included ({} given)", INBAND_TRACE_MAX_PHASES - 1, markers.len());
     }
     let mut names = vec!["none".to_string()];
-    for (name, _) in phases {
+    for (name, _, _) in markers {
         if names.contains(name) {
             bail!("phase name {name} given twice (\"none\" is taken: calls before any marker)");
         }

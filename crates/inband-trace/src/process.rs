@@ -51,3 +51,23 @@ pub fn alive(pid: u32) -> bool {
     // The state follows the command name, which may itself hold ") ".
     !matches!(stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next()), Some('Z' | 'X') | None)
 }
+
+/// The processes `pid` started, and theirs, running now (from
+/// `/proc/PID/task/TID/children`, which lists each thread's).
+pub fn descendants(pid: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    let mut next = vec![pid];
+    while let Some(p) = next.pop() {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) else { continue };
+        for task in tasks.flatten() {
+            let children = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+            for child in children.split_whitespace().filter_map(|c| c.parse::<u32>().ok()) {
+                if !found.contains(&child) {
+                    found.push(child);
+                    next.push(child);
+                }
+            }
+        }
+    }
+    found
+}

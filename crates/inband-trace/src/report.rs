@@ -10,12 +10,14 @@ use libbpf_rs::{MapCore, MapFlags};
 use serde_json::{json, Map as JsonMap, Value};
 
 use crate::bpf::shared::{
-    inband_trace_alloc, inband_trace_thread_key, inband_trace_time, INBAND_TRACE_ALLOC_FNS, INBAND_TRACE_COUNTERS,
+    inband_trace_alloc, inband_trace_last, inband_trace_site, inband_trace_thread_key, inband_trace_time, INBAND_TRACE_ALLOC_FNS, INBAND_TRACE_COUNTERS,
     INBAND_TRACE_FREE, INBAND_TRACE_NR_SLOTS, INBAND_TRACE_PAGE_ORDERS, INBAND_TRACE_PAGE_ORDER_UNKNOWN,
-    INBAND_TRACE_PHASE_UNSET, INBAND_TRACE_SIZE_BUCKETS, INBAND_TRACE_THREADS_FULL, INBAND_TRACE_UNTIMED,
+    INBAND_TRACE_PHASE_UNSET, INBAND_TRACE_PROCESSES_FULL, INBAND_TRACE_SITES_FULL, INBAND_TRACE_SIZE_BUCKETS,
+    INBAND_TRACE_STACK_DEPTH, INBAND_TRACE_STACK_LOST, INBAND_TRACE_THREADS_FULL, INBAND_TRACE_UNTIMED,
 };
 use crate::memory;
 use crate::bpf::trace::TraceSkel;
+use crate::symbolize::Symbolizer;
 use crate::categories::{self, Category, ALL};
 
 #[derive(Clone, Copy, Default, PartialEq, Eq)]
@@ -85,12 +87,21 @@ fn diff<K: Ord + Copy, V: Cumulative>(now: &BTreeMap<K, V>, then: &BTreeMap<K, V
     now.iter().map(|(k, v)| (*k, v.since(then.get(k).copied().unwrap_or_default()))).filter(|(_, v)| !v.is_zero()).collect()
 }
 
-/// The memory pass's maps: by (phase, function, size bucket), and pages by
-/// (phase, order).
+/// An allocation's call site: the caller's address, the stack above it
+/// (id in `alloc_stacks`, -1 none), the allocating function.
+type Site = (u64, i32, u32);
+
+/// Call sites listed in a snapshot (by bytes, most first).
+const SITES_SHOWN: usize = 20;
+
+/// The memory pass's maps: by (phase, function, size bucket), pages by
+/// (phase, order), allocations by call site with the site's frames named.
 #[derive(Clone, Default)]
 struct Memory {
     allocs: BTreeMap<(u32, u32, u32), Amount>,
     pages: BTreeMap<(u32, u32), Amount>,
+    sites: BTreeMap<Site, Amount>,
+    site_names: BTreeMap<Site, Vec<String>>,
 }
 
 /// What the maps held at one moment (or the difference of two moments).
@@ -105,6 +116,8 @@ pub struct Totals {
     lost: [u64; INBAND_TRACE_COUNTERS as usize],
     /// With --memory only.
     memory: Option<Memory>,
+    /// The latest marker hit: (CLOCK_MONOTONIC ns, phase, thread id).
+    last: Option<(u64, u32, u32)>,
 }
 
 fn decode<T: Copy>(bytes: &[u8]) -> Result<T> {
@@ -122,7 +135,7 @@ fn sum_cpus<T: Copy>(per_cpu: Option<Vec<Vec<u8>>>, mut add: impl FnMut(T)) -> R
 }
 
 /// Reads the maps; only the first `phases` phases (the rest are never hit).
-pub fn read(skel: &TraceSkel, phases: usize, memory: bool) -> Result<Totals> {
+pub fn read(skel: &TraceSkel, phases: usize, memory: bool, symbols: &mut Symbolizer) -> Result<Totals> {
     let mut t = Totals { hits: vec![0; phases], ..Default::default() };
     for phase in 0..phases as u32 {
         for nr in 0..INBAND_TRACE_NR_SLOTS {
@@ -145,6 +158,11 @@ pub fn read(skel: &TraceSkel, phases: usize, memory: bool) -> Result<Totals> {
         let v: inband_trace_time = decode(&value)?;
         t.threads.insert((k.tid, k.category), Time { count: v.count, ns: v.ns });
     }
+    sum_cpus(skel.maps.last_phase.lookup_percpu(&0u32.to_ne_bytes(), MapFlags::ANY)?, |v: inband_trace_last| {
+        if v.ns > 0 && t.last.is_none_or(|(ns, _, _)| v.ns > ns) {
+            t.last = Some((v.ns, v.phase, v.tid));
+        }
+    })?;
     for (i, lost) in t.lost.iter_mut().enumerate() {
         sum_cpus(skel.maps.counters.lookup_percpu(&(i as u32).to_ne_bytes(), MapFlags::ANY)?, |v: u64| *lost += v)?;
     }
@@ -174,6 +192,26 @@ pub fn read(skel: &TraceSkel, phases: usize, memory: bool) -> Result<Totals> {
                 }
             }
         }
+        for key in skel.maps.sites.keys() {
+            let Some(value) = skel.maps.sites.lookup(&key, MapFlags::ANY)? else { continue };
+            let k: inband_trace_site = decode(&key)?;
+            let v: inband_trace_alloc = decode(&value)?;
+            let site = (k.caller, k.stack_id, k.fn_);
+            m.sites.insert(site, Amount { count: v.count, bytes: v.bytes });
+            // The caller, then the frame-pointer chain above it; its first
+            // frame is the allocator's own entry. Where the chain runs
+            // through code without frame pointers it reads whatever the
+            // register held: it ends at the first address that is not code.
+            let mut frames = vec![symbols.name(k.caller)];
+            if k.stack_id >= 0 {
+                if let Some(stack) = skel.maps.alloc_stacks.lookup(&k.stack_id.to_ne_bytes(), MapFlags::ANY)? {
+                    let stack: [u64; INBAND_TRACE_STACK_DEPTH as usize] = decode(&stack)?;
+                    let code: Vec<u64> = stack.iter().skip(1).copied().take_while(|a| symbols.is_code(*a)).collect();
+                    frames.extend(code.into_iter().map(|a| symbols.name(a)));
+                }
+            }
+            m.site_names.insert(site, frames);
+        }
         t.memory = Some(m);
     }
     Ok(t)
@@ -192,7 +230,12 @@ impl Memory {
     fn since(&self, earlier: Option<&Memory>) -> Memory {
         let empty = Memory::default();
         let earlier = earlier.unwrap_or(&empty);
-        Memory { allocs: diff(&self.allocs, &earlier.allocs), pages: diff(&self.pages, &earlier.pages) }
+        Memory {
+            allocs: diff(&self.allocs, &earlier.allocs),
+            pages: diff(&self.pages, &earlier.pages),
+            sites: diff(&self.sites, &earlier.sites),
+            site_names: self.site_names.clone(),
+        }
     }
 
     /// Allocating calls (free left out), frees and pages, of one phase or
@@ -237,7 +280,21 @@ impl Memory {
         }
         let (_, _, pages) = self.summary(None);
         let orders: JsonMap<String, Value> = orders.into_iter().map(|(o, a)| (o.to_string(), a.json())).collect();
-        json!({ "allocs": allocs, "pages": { "count": pages.count, "bytes": pages.bytes, "orders": orders } })
+        let mut sites: Vec<(&Site, &Amount)> = self.sites.iter().collect();
+        sites.sort_by_key(|(_, a)| std::cmp::Reverse(a.bytes));
+        let sites: Vec<Value> = sites
+            .into_iter()
+            .take(SITES_SHOWN)
+            .map(|(site, a)| {
+                json!({
+                    "function": memory::name(site.2),
+                    "count": a.count,
+                    "bytes": a.bytes,
+                    "stack": self.site_names.get(site).cloned().unwrap_or_default(),
+                })
+            })
+            .collect();
+        json!({ "allocs": allocs, "pages": { "count": pages.count, "bytes": pages.bytes, "orders": orders }, "sites": sites })
     }
 }
 
@@ -249,6 +306,7 @@ impl Totals {
             hits: self.hits.iter().enumerate().map(|(i, h)| h.saturating_sub(earlier.hits.get(i).copied().unwrap_or(0))).collect(),
             threads: diff(&self.threads, &earlier.threads),
             lost: std::array::from_fn(|i| self.lost[i].saturating_sub(earlier.lost[i])),
+            last: self.last,
         }
     }
 
@@ -313,6 +371,9 @@ impl Totals {
                 "threads_full": self.lost[INBAND_TRACE_THREADS_FULL as usize],
                 "phase_unset": self.lost[INBAND_TRACE_PHASE_UNSET as usize],
                 "page_order_unknown": self.lost[INBAND_TRACE_PAGE_ORDER_UNKNOWN as usize],
+                "processes_full": self.lost[INBAND_TRACE_PROCESSES_FULL as usize],
+                "sites_full": self.lost[INBAND_TRACE_SITES_FULL as usize],
+                "stack_lost": self.lost[INBAND_TRACE_STACK_LOST as usize],
             },
         });
         if let Some(m) = &self.memory {
@@ -322,14 +383,43 @@ impl Totals {
     }
 }
 
+/// The processes followed now (--follow): started by traced ones, their
+/// main thread not exited.
+pub fn processes(skel: &TraceSkel) -> Vec<u32> {
+    skel.maps.processes.keys().filter_map(|k| decode::<u32>(&k).ok()).collect()
+}
+
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the struct it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 /// One JSON line: what changed since `last` and the totals since the start.
-pub fn snapshot(pid: u32, phase_names: &[String], last: &Totals, now: &Totals, elapsed: Duration, last_line: bool) -> String {
+pub fn snapshot(
+    pid: u32,
+    followed: &[u32],
+    phase_names: &[String],
+    last: &Totals,
+    now: &Totals,
+    elapsed: Duration,
+    last_line: bool,
+) -> String {
     let unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
+    // The phase the process was in when the maps were read: the one its
+    // latest marker hit entered, whichever thread hit it.
+    let phase = now.last.map_or(Value::Null, |(ns, phase, tid)| {
+        let name = phase_names.get(phase as usize).map_or("?", String::as_str);
+        json!({ "name": name, "thread": tid, "since_ms": monotonic_ns().saturating_sub(ns) / 1_000_000 })
+    });
     json!({
         "time_unix_ms": unix_ms,
         "elapsed_ms": elapsed.as_millis() as u64,
         "pid": pid,
         "final": last_line,
+        "followed": followed,
+        "phase": phase,
         "interval": now.since(last).json(phase_names),
         "total": now.json(phase_names),
     })
@@ -378,14 +468,25 @@ pub fn table(pid: u32, exe: &str, phase_names: &[String], t: &Totals, elapsed: D
             let (allocs, frees, pages) = m.summary(Some(i as u32));
             let _ = writeln!(s, "{:<16} {:>12} {:>12.3} {:>10} {:>12} {:>12.3}", name, allocs.count, mb(allocs.bytes), frees, pages.count, mb(pages.bytes));
         }
+        let mut sites: Vec<(&Site, &Amount)> = m.sites.iter().collect();
+        sites.sort_by_key(|(_, a)| std::cmp::Reverse(a.bytes));
+        let _ = writeln!(s, "\n{:<14} {:>10} {:>12}  caller < its callers", "top sites", "allocs", "MiB");
+        for (site, a) in sites.into_iter().take(5) {
+            let frames = m.site_names.get(site).map(|f| f.iter().take(3).cloned().collect::<Vec<_>>().join(" < ")).unwrap_or_default();
+            let _ = writeln!(s, "{:<14} {:>10} {:>12.3}  {frames}", memory::name(site.2), a.count, mb(a.bytes));
+        }
     }
     if t.lost.iter().any(|n| *n > 0) {
         let _ = writeln!(
             s,
-            "\nnot counted: {} calls not timed, {} calls missing from the per-thread view, {} phase changes",
+            "\nnot counted: {} calls not timed, {} calls missing from the per-thread view, {} phase changes, {} processes not followed, \
+             {} allocations not by call site, {} call sites without their stack",
             t.lost[INBAND_TRACE_UNTIMED as usize],
             t.lost[INBAND_TRACE_THREADS_FULL as usize],
             t.lost[INBAND_TRACE_PHASE_UNSET as usize],
+            t.lost[INBAND_TRACE_PROCESSES_FULL as usize],
+            t.lost[INBAND_TRACE_SITES_FULL as usize],
+            t.lost[INBAND_TRACE_STACK_LOST as usize],
         );
     }
     s

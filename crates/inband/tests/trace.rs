@@ -296,11 +296,19 @@ fn loaded(kind: &str, id: u32) -> bool {
 fn sigkill_leaves_no_probe_attached() {
     let dir = tempfile::tempdir().unwrap();
     let target = Target::start(Command::new(marker_program(dir.path(), "killed")));
-    let mut tracer = start_tracer(&["--pid", &target.pid().to_string(), "--phase", "w=mark_write", "--memory"]);
-    let ids = bpf_ids(tracer.id());
     // Two tracepoints and a marker's uprobe; the memory pass's uprobes on
-    // at least malloc, calloc, realloc and free, and its tracepoint.
-    assert!(ids.iter().filter(|(k, _)| k == "link_id").count() >= 8, "{ids:?}");
+    // at least malloc, calloc, realloc and free, and its tracepoint; or
+    // --follow's two tracepoints.
+    for (pass, links) in [("--memory", 8), ("--follow", 5)] {
+        sigkill_frees_everything(target.pid(), pass, links);
+    }
+    drop(target);
+}
+
+fn sigkill_frees_everything(pid: u32, pass: &str, links: usize) {
+    let mut tracer = start_tracer(&["--pid", &pid.to_string(), "--phase", "w=mark_write", pass]);
+    let ids = bpf_ids(tracer.id());
+    assert!(ids.iter().filter(|(k, _)| k == "link_id").count() >= links, "{pass}: {ids:?}");
     assert!(ids.iter().any(|(k, _)| k == "map_id"), "{ids:?}");
     assert!(ids.iter().all(|(k, id)| loaded(k, *id)), "{ids:?}");
     tracer.kill().unwrap();
@@ -313,10 +321,9 @@ fn sigkill_leaves_no_probe_attached() {
         if left.is_empty() {
             break;
         }
-        assert!(Instant::now() < deadline, "still loaded after SIGKILL: {left:?}");
+        assert!(Instant::now() < deadline, "{pass}: still loaded after SIGKILL: {left:?}");
         std::thread::sleep(Duration::from_millis(100));
     }
-    drop(target);
 }
 
 /// One of our own daemons, marked by a Rust function's source path: a
@@ -405,4 +412,317 @@ fn memory_pass_counts_allocations_by_size_and_pages() {
     let pages = phase["pages"]["bytes"].as_u64().unwrap();
     assert!(pages >= TOUCHED, "{pages} bytes of pages for {TOUCHED} touched: {phase}");
     assert_eq!(total["phases"]["none"]["memory"]["allocs"]["count"], 0, "{total}");
+}
+
+/// An origin on loopback for `inband proxy`: every GET gets a cacheable
+/// 200 naming its path, on a connection it then closes. Counts requests.
+fn origin() -> (std::net::SocketAddr, std::sync::Arc<std::sync::atomic::AtomicU64>) {
+    use std::io::Read;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let served = std::sync::Arc::new(AtomicU64::new(0));
+    let count = served.clone();
+    // Ends with the test process: a thread blocked in accept is harmless.
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && conn.read(&mut byte).unwrap_or(0) == 1 {
+                head.push(byte[0]);
+            }
+            let path = String::from_utf8_lossy(&head).split_whitespace().nth(1).unwrap_or("/").to_string();
+            let body = format!("body of {path}\n");
+            let _ = write!(
+                conn,
+                "HTTP/1.1 200 OK\r\ncache-control: max-age=600\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            count.fetch_add(1, Ordering::SeqCst);
+        }
+    });
+    (addr, served)
+}
+
+/// (status, x-cache) of one request on its own connection.
+fn request(addr: std::net::SocketAddr, method: &str, path: &str) -> (u16, String) {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: trace.test\r\nConnection: close\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let x_cache = out.lines().find_map(|l| l.to_ascii_lowercase().strip_prefix("x-cache: ").map(str::to_string)).unwrap_or_default();
+    (status, x_cache)
+}
+
+/// `inband proxy` with a memory cache, traced with both built-in sets
+/// while it serves a known workload: N URLs missed (each looked up twice,
+/// before and after becoming the one fetch of its URL), then hit, then M
+/// of them purged. Every marker's hits are the workload's events, and
+/// every snapshot names the phase the proxy was in when it was taken.
+#[test]
+fn builtin_phase_sets_count_the_proxys_requests() {
+    const N: u64 = 20;
+    const M: u64 = 5;
+    let dir = tempfile::tempdir().unwrap();
+    let (origin, served) = origin();
+    let config = dir.path().join("proxy.toml");
+    std::fs::write(&config, format!("listen = \"127.0.0.1:0\"\nbackends = [\"{origin}\"]\nworkers = 1\n[cache]\nbackend = \"memory\"\n")).unwrap();
+    let log = dir.path().join("proxy.log");
+    let proxy = inband()
+        .args(["proxy", "--config"])
+        .arg(&config)
+        .env("INBAND_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let proxy = Proxy(proxy);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let addr: std::net::SocketAddr = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let addr = text.lines().filter(|l| l.contains("proxy listening")).find_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix("addr=")));
+        if let Some(a) = addr {
+            break a.parse().unwrap();
+        }
+        assert!(Instant::now() < deadline, "proxy did not start: {text}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let out = dir.path().join("trace.jsonl");
+    let tracer = start_tracer(&["--pid", &proxy.0.id().to_string(), "--phases", "proxy,cache", "--interval-s", "0.2", "--out", out.to_str().unwrap()]);
+    for i in 0..N {
+        assert_eq!(request(addr, "GET", &format!("/k/{i}")), (200, "miss".to_string()));
+    }
+    for i in 0..N {
+        assert_eq!(request(addr, "GET", &format!("/k/{i}")), (200, "hit".to_string()));
+    }
+    for i in 0..M {
+        assert_eq!(request(addr, "PURGE", &format!("/k/{i}")).0, 200);
+    }
+    assert_eq!(served.load(std::sync::atomic::Ordering::SeqCst), N);
+    assert_eq!(unsafe { libc::kill(tracer.id() as i32, libc::SIGTERM) }, 0);
+    wait_tracer(tracer);
+
+    let lines = lines(&out);
+    let last = lines.last().unwrap();
+    let phases = &last["total"]["phases"];
+    let hits = |p: &str| phases[p]["hits"].as_u64().unwrap_or_else(|| panic!("no phase {p}: {phases}"));
+    assert_eq!(hits("request_in"), 2 * N + M, "{phases}");
+    assert_eq!(hits("response_out"), 2 * N + M, "{phases}");
+    assert_eq!(hits("cache_lookup"), 2 * N + N, "{phases}");
+    assert_eq!(hits("origin_fetch"), N, "{phases}");
+    // A PURGE reads the entry (Vary or not) before deleting it.
+    assert_eq!(hits("store_get"), 2 * N + N + M, "{phases}");
+    assert_eq!(hits("store_put"), N, "{phases}");
+    assert_eq!(hits("store_delete"), M, "{phases}");
+    // The origin's replies are read in origin_fetch, the responses written
+    // in response_out, by the one worker thread.
+    assert!(count(&phases["origin_fetch"]["categories"]["io_read"]) >= N, "{phases}");
+    assert!(count(&phases["response_out"]["categories"]["io_write"]) >= 2 * N + M, "{phases}");
+    // The intervals' hits add up, and each snapshot names the phase the
+    // proxy was in: the last one entered by then, response_out at the end.
+    let summed: u64 = lines.iter().map(|l| l["interval"]["phases"]["request_in"]["hits"].as_u64().unwrap()).sum();
+    assert_eq!(summed, 2 * N + M);
+    let mut seen = false;
+    for l in &lines {
+        seen |= l["total"]["phases"]["request_in"]["hits"].as_u64().unwrap() > 0;
+        assert_eq!(l["phase"].is_null(), !seen, "{l}");
+    }
+    assert_eq!(last["phase"]["name"], "response_out", "{}", last["phase"]);
+    drop(proxy);
+}
+
+/// Kills the proxy if the test fails before it ends.
+struct Proxy(Child);
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn a_phase_set_on_another_program_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = Target::start(Command::new(marker_program(dir.path(), "noset")));
+    let err = refused(&["--pid", &target.pid().to_string(), "--phases", "proxy"]);
+    assert!(err.contains("phase set proxy") && err.contains("which is for inband proxy"), "{err}");
+    assert!(err.contains("symbol inband_proxy::probe::request_in is not a function defined in"), "{err}");
+    let out = inband().args(["trace", "--pid", "1", "--phases", "nginx"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("no phase set \"nginx\" (there are: proxy, cache)"), "{err}");
+}
+
+/// `inband trace overhead` runs the cache benchmark untraced and under
+/// each pass, and each traced run was traced from its first operation:
+/// the cache set's markers hit once per operation, the memory pass sees
+/// at least the key the benchmark allocates per operation.
+#[test]
+fn overhead_compares_the_benchmark_traced_and_untraced() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = inband()
+        .args(["trace", "overhead", "--backend", "memory", "--records", "2000", "--seconds", "0.3", "--repeats", "1", "--json", "--dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let passes = report["passes"].as_array().unwrap();
+    let names: Vec<&str> = passes.iter().map(|p| p["pass"].as_str().unwrap()).collect();
+    assert_eq!(names, ["untraced", "timing", "timing, --phases cache", "timing and --memory"]);
+    let untraced = passes[0]["median_ops_per_s"].as_f64().unwrap();
+    assert!(untraced > 0.0, "{report}");
+    assert_eq!(passes[0]["ratio"], 1.0);
+    for p in passes {
+        let run = &p["runs"][0];
+        assert!(run["ops"].as_u64().unwrap() > 0, "{p}");
+        let ratio = p["median_ops_per_s"].as_f64().unwrap() / untraced;
+        assert!((p["ratio"].as_f64().unwrap() - ratio).abs() < 1e-9, "{p}");
+    }
+    assert!(passes[0]["runs"][0]["syscalls"].is_null());
+    assert!(passes[1]["runs"][0]["syscalls"].as_u64().unwrap() > 0, "{}", passes[1]);
+    assert_eq!(passes[1]["runs"][0]["marker_hits"], 0, "{}", passes[1]);
+    let phases = &passes[2]["runs"][0];
+    assert_eq!(phases["marker_hits"], phases["ops"], "{phases}");
+    // The memory store's operations make no system calls; the uprobe(2)
+    // a marker on a nop costs (kernel 6.18) is not counted as one.
+    assert!(phases["syscalls"].as_u64().unwrap() < phases["ops"].as_u64().unwrap() / 10, "{phases}");
+    let memory = &passes[3]["runs"][0];
+    assert!(memory["allocs"].as_u64().unwrap() >= memory["ops"].as_u64().unwrap(), "{memory}");
+    // The store and the traces are gone with the command.
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
+/// --follow: a program whose children write (one also forking a
+/// grandchild that execs the program again, which writes too), traced
+/// with --follow and, at the same time, without. The children's calls and
+/// marker hits count only with --follow; the parent's count in both.
+#[test]
+fn follow_counts_the_processes_the_target_starts() {
+    const CHILDREN: u64 = 3;
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("forks.c");
+    let bin = dir.path().join("forks");
+    std::fs::write(
+        &src,
+        format!(
+            "#include <fcntl.h>\n#include <sys/wait.h>\n#include <unistd.h>\n\
+             __attribute__((noinline)) void mark_child(void) {{ __asm__ volatile(\"\"); }}\n\
+             static void writes(void) {{\n\
+             char c = 0; int null = open(\"/dev/null\", O_WRONLY);\n\
+             mark_child();\n\
+             for (int i = 0; i < {WRITES}; i++) write(null, &c, 1);\n}}\n\
+             int main(int argc, char **argv) {{\n\
+             char c = 0;\n\
+             if (argc > 1) {{ writes(); return 0; }}\n\
+             int zero = open(\"/dev/zero\", O_RDONLY);\n\
+             write(1, \"ready\\n\", 6);\n\
+             if (read(0, &c, 1) != 1) return 1;\n\
+             for (int i = 0; i < {CHILDREN}; i++) {{\n\
+               if (fork() == 0) {{\n\
+                 writes();\n\
+                 if (fork() == 0) {{ execl(\"/proc/self/exe\", \"forks\", \"again\", (char *)0); _exit(1); }}\n\
+                 wait(0);\n\
+                 _exit(0);\n\
+               }}\n\
+             }}\n\
+             for (int i = 0; i < {CHILDREN}; i++) wait(0);\n\
+             for (int i = 0; i < {READS}; i++) read(zero, &c, 1);\n\
+             return 0;\n}}\n"
+        ),
+    )
+    .unwrap();
+    assert!(Command::new("cc").args(["-O1", "-o"]).arg(&bin).arg(&src).status().unwrap().success());
+    let target = Target::start(Command::new(&bin));
+    let pid = target.pid().to_string();
+    let (followed, alone) = (dir.path().join("followed.jsonl"), dir.path().join("alone.jsonl"));
+    let a = start_tracer(&["--pid", &pid, "--follow", "--phase", "child=mark_child", "--out", followed.to_str().unwrap()]);
+    let b = start_tracer(&["--pid", &pid, "--phase", "child=mark_child", "--out", alone.to_str().unwrap()]);
+    target.finish();
+    wait_tracer(a);
+    wait_tracer(b);
+
+    let with = lines(&followed).pop().unwrap();
+    let total = &with["total"];
+    // Each child and each exec'd grandchild: WRITES writes after its marker.
+    assert_eq!(count(syscall(total, "write")), 2 * CHILDREN * WRITES, "{total}");
+    assert_eq!(total["phases"]["child"]["hits"], 2 * CHILDREN, "{total}");
+    assert_eq!(count(&total["phases"]["child"]["categories"]["io_write"]), 2 * CHILDREN * WRITES, "{total}");
+    // The parent's reads, and the exec'd programs' loader reading libc.
+    assert!(count(syscall(total, "read")) >= READS, "{total}");
+    assert!(count(syscall(total, "execve")) >= CHILDREN, "{total}");
+    assert!(total["threads"].as_object().unwrap().len() as u64 >= 1 + 2 * CHILDREN, "{total}");
+    assert_eq!(with["followed"], serde_json::json!([]), "all exited: {with}");
+    assert_eq!(total["lost"]["processes_full"], 0);
+
+    let alone = lines(&alone).pop().unwrap();
+    let total = &alone["total"];
+    assert_eq!(count(syscall(total, "read")), READS, "{total}");
+    assert!(total["syscalls"].as_array().unwrap().iter().all(|s| s["name"] != "write"), "{total}");
+    assert_eq!(total["phases"]["child"]["hits"], 0, "{total}");
+}
+
+#[test]
+fn follow_refuses_the_memory_pass() {
+    let out = inband().args(["trace", "--pid", "1", "--follow", "--memory"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--follow") && err.contains("--memory"), "{err}");
+}
+
+/// The memory pass's call sites: a C program built with frame pointers
+/// allocates from two functions, one called from a third; each site is
+/// its caller (found at the allocator's entry) and the chain above it,
+/// named by the program's symbols, with exact counts and bytes.
+#[test]
+fn memory_pass_names_call_sites() {
+    const SMALL: u64 = 211;
+    const BIG: u64 = 37;
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("sites.c");
+    let bin = dir.path().join("sites");
+    std::fs::write(
+        &src,
+        format!(
+            "#include <stdlib.h>\n#include <unistd.h>\n\
+             #define KEEP(p) __asm__ volatile(\"\" :: \"r\"(p) : \"memory\")\n\
+             __attribute__((noinline)) void *alloc_small(void) {{ void *p = malloc(100); KEEP(p); return p; }}\n\
+             __attribute__((noinline)) void *alloc_big(void) {{ void *p = calloc(10, 1000); KEEP(p); return p; }}\n\
+             __attribute__((noinline)) void outer(void) {{ for (int i = 0; i < {SMALL}; i++) free(alloc_small()); KEEP(0); }}\n\
+             int main(void) {{\n\
+             char c;\n\
+             write(1, \"ready\\n\", 6);\n\
+             if (read(0, &c, 1) != 1) return 1;\n\
+             outer();\n\
+             for (int i = 0; i < {BIG}; i++) free(alloc_big());\n\
+             return 0;\n}}\n"
+        ),
+    )
+    .unwrap();
+    let cc = Command::new("cc").args(["-O1", "-fno-omit-frame-pointer", "-o"]).arg(&bin).arg(&src).status().unwrap();
+    assert!(cc.success());
+    let out = dir.path().join("trace.jsonl");
+    let target = Target::start(Command::new(&bin));
+    let tracer = start_tracer(&["--pid", &target.pid().to_string(), "--memory", "--out", out.to_str().unwrap()]);
+    target.finish();
+    wait_tracer(tracer);
+
+    let total = &lines(&out).pop().unwrap()["total"];
+    let sites = total["memory"]["sites"].as_array().unwrap();
+    let site = |function: &str, first: &str| {
+        sites
+            .iter()
+            .find(|s| s["function"] == function && s["stack"][0].as_str().is_some_and(|f| f.starts_with(first)))
+            .unwrap_or_else(|| panic!("no {function} site in {first}: {sites:?}"))
+    };
+    let small = site("malloc", "alloc_small+");
+    assert_eq!((small["count"].as_u64(), small["bytes"].as_u64()), (Some(SMALL), Some(SMALL * 100)), "{small}");
+    let frames: Vec<&str> = small["stack"].as_array().unwrap().iter().map(|f| f.as_str().unwrap()).collect();
+    assert!(frames.len() >= 3 && frames[1].starts_with("outer+") && frames[2].starts_with("main+"), "{frames:?}");
+    let big = site("calloc", "alloc_big+");
+    assert_eq!((big["count"].as_u64(), big["bytes"].as_u64()), (Some(BIG), Some(BIG * 10_000)), "{big}");
+    assert!(big["stack"][1].as_str().unwrap().starts_with("main+"), "{big}");
+    assert_eq!(total["lost"]["sites_full"], 0);
 }

@@ -1,0 +1,232 @@
+//! `inband trace overhead` (docs/trace.md, "Overhead"): what tracing costs,
+//! measured as seed 003 does: one benchmark, a cell of `inband bench
+//! cache`, run untraced and under each pass of the tracer in the same
+//! session, the passes taking turns so that drift of the machine is shared,
+//! and its throughput compared.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStderr, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use inband_cache::bench::{self, CacheArgs};
+use inband_cache::BackendKind;
+use serde::Serialize;
+use serde_json::Value;
+
+/// How this binary runs the benchmark's children and the tracer.
+const BENCH_ARGV: [&str; 2] = ["bench", "cache"];
+const TRACE_ARGV: [&str; 1] = ["trace"];
+
+#[derive(clap::Args, Debug)]
+pub struct OverheadArgs {
+    /// The store: lmdb, rocksdb, memory or files.
+    #[arg(long, default_value = "lmdb")]
+    backend: BackendKind,
+    /// The read/update mix, as `inband bench cache` names them: read-only,
+    /// 99/1, 95/5, 90/10.
+    #[arg(long, default_value = "95/5")]
+    workload: String,
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Records in the store (10 KiB values).
+    #[arg(long, default_value_t = 20_000)]
+    records: u64,
+    /// Seconds per run.
+    #[arg(long, default_value_t = 3.0)]
+    seconds: f64,
+    /// Runs of each pass; the median is compared.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Parent directory of the store (default: the temporary directory).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// The report as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The passes: a name and the tracer's arguments (none: untraced).
+const PASSES: [(&str, Option<&[&str]>); 4] = [
+    ("untraced", None),
+    ("timing", Some(&[])),
+    ("timing, --phases cache", Some(&["--phases", "cache"])),
+    ("timing and --memory", Some(&["--memory"])),
+];
+
+/// One run: the benchmark's throughput, and what the tracer counted.
+#[derive(Serialize)]
+struct Run {
+    ops: u64,
+    ops_per_s: f64,
+    /// System calls the tracer timed.
+    syscalls: Option<u64>,
+    /// Hits of the markers (store_get, store_put, store_delete).
+    marker_hits: Option<u64>,
+    /// Allocator calls the memory pass counted.
+    allocs: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct Pass {
+    pass: &'static str,
+    runs: Vec<Run>,
+    median_ops_per_s: f64,
+    /// Median throughput over the untraced median.
+    ratio: f64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    backend: BackendKind,
+    workload: String,
+    threads: usize,
+    records: u64,
+    seconds: f64,
+    passes: Vec<Pass>,
+}
+
+pub fn run(a: OverheadArgs) -> Result<()> {
+    let Some(&(_, update_pct)) = bench::WORKLOADS.iter().find(|(name, _)| *name == a.workload) else {
+        let names: Vec<&str> = bench::WORKLOADS.iter().map(|(n, _)| *n).collect();
+        bail!("no workload {:?} (there are: {})", a.workload, names.join(", "));
+    };
+    if a.repeats == 0 || a.threads == 0 {
+        bail!("--repeats and --threads must be at least 1");
+    }
+    let cache_args = CacheArgs::for_runs(a.records, a.seconds, a.dir.clone());
+    let store = bench::prepare(&cache_args, &BENCH_ARGV, a.backend).context("filling the store")?;
+    let traces = tempfile::tempdir().context("a directory for the traces")?;
+    let mut runs: Vec<Vec<Run>> = PASSES.iter().map(|_| Vec::new()).collect();
+    for repeat in 0..a.repeats {
+        for (i, (name, tracer_args)) in PASSES.iter().enumerate() {
+            let held = bench::hold_run(&cache_args, &BENCH_ARGV, a.backend, store.path(), update_pct, a.threads)?;
+            let out = traces.path().join(format!("{i}-{repeat}.jsonl"));
+            let tracer = match tracer_args {
+                Some(extra) => Some(start_tracer(held.pid(), extra, &out).with_context(|| format!("starting the tracer for {name}"))?),
+                None => None,
+            };
+            let row = held.go()?;
+            let mut run = Run { ops: row.ops, ops_per_s: row.ops_per_s, syscalls: None, marker_hits: None, allocs: None };
+            if let Some(tracer) = tracer {
+                let total = finish_tracer(tracer, &out)?;
+                run.syscalls = Some(total["syscalls"].as_array().map_or(0, |s| s.iter().map(|c| c["count"].as_u64().unwrap_or(0)).sum()));
+                let phases = total["phases"].as_object().context("no phases in the trace")?;
+                run.marker_hits =
+                    Some(phases.iter().filter(|(name, _)| *name != "none").map(|(_, p)| p["hits"].as_u64().unwrap_or(0)).sum());
+                run.allocs = total.get("memory").map(|m| {
+                    m["allocs"].as_object().map_or(0, |f| {
+                        f.iter().filter(|(name, _)| *name != "free").map(|(_, v)| v["count"].as_u64().unwrap_or(0)).sum()
+                    })
+                });
+            }
+            eprintln!("{name:>24}: {:>10.0} ops/s", run.ops_per_s);
+            runs[i].push(run);
+        }
+    }
+    let median = |runs: &[Run]| {
+        let mut v: Vec<f64> = runs.iter().map(|r| r.ops_per_s).collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let untraced = median(&runs[0]);
+    let passes = PASSES
+        .iter()
+        .zip(runs)
+        .map(|((name, _), runs)| {
+            let m = median(&runs);
+            Pass { pass: name, median_ops_per_s: m, ratio: if untraced > 0.0 { m / untraced } else { 0.0 }, runs }
+        })
+        .collect();
+    let report = Report { backend: a.backend, workload: a.workload, threads: a.threads, records: a.records, seconds: a.seconds, passes };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", table(&report));
+    }
+    Ok(())
+}
+
+fn table(r: &Report) -> String {
+    let mut s = format!(
+        "inband bench cache, {} store, {} workload, {} thread(s), {} records, {} s per run, median of {} runs per pass\n\n",
+        r.backend,
+        r.workload,
+        r.threads,
+        r.records,
+        r.seconds,
+        r.passes[0].runs.len()
+    );
+    s += "| pass | ops/s | × untraced | cost | counted per op |\n|---|---:|---:|---:|---|\n";
+    for p in &r.passes {
+        let cost = if p.pass == "untraced" { "–".to_string() } else { format!("{:.1}%", (1.0 - p.ratio) * 100.0) };
+        // From the last run: what the tracer saw for each operation.
+        let last = p.runs.last().expect("at least one run");
+        let per_op = |n: Option<u64>| n.map(|n| n as f64 / last.ops.max(1) as f64);
+        let mut counted = Vec::new();
+        if let Some(n) = per_op(last.syscalls) {
+            counted.push(format!("{n:.3} system calls"));
+        }
+        if let Some(n) = per_op(last.marker_hits).filter(|n| *n > 0.0) {
+            counted.push(format!("{n:.3} marker hits"));
+        }
+        if let Some(n) = per_op(last.allocs) {
+            counted.push(format!("{n:.2} allocations"));
+        }
+        s += &format!("| {} | {:.0} | {:.3} | {} | {} |\n", p.pass, p.median_ops_per_s, p.ratio, cost, counted.join(", "));
+    }
+    s
+}
+
+/// `inband trace` on `pid`, returned once its programs are attached (it
+/// says so on stderr).
+fn start_tracer(pid: u32, extra: &[&str], out: &Path) -> Result<(Child, BufReader<ChildStderr>)> {
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(TRACE_ARGV)
+        .args(["--pid", &pid.to_string(), "--interval-s", "3600", "--out"])
+        .arg(out)
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let mut stderr = BufReader::new(child.stderr.take().context("tracer stderr")?);
+    let mut seen = String::new();
+    loop {
+        let mut line = String::new();
+        if stderr.read_line(&mut line)? == 0 {
+            let status = child.wait()?;
+            bail!("inband trace ended ({status}) before attaching: {seen}");
+        }
+        seen += &line;
+        if line.contains("tracing pid") {
+            return Ok((child, stderr));
+        }
+    }
+}
+
+/// Waits for the tracer, which stops once its target has exited, and
+/// returns the `total` of its last line.
+fn finish_tracer((mut tracer, mut stderr): (Child, BufReader<ChildStderr>), out: &Path) -> Result<Value> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = tracer.try_wait()? {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = tracer.kill();
+            let _ = tracer.wait();
+            bail!("inband trace did not stop after the run ended");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    if !status.success() {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        bail!("inband trace failed ({status}): {}", text.trim_end());
+    }
+    let text = std::fs::read_to_string(out).with_context(|| format!("reading {}", out.display()))?;
+    let last = text.lines().last().context("the tracer wrote no snapshot")?;
+    let line: Value = serde_json::from_str(last)?;
+    Ok(line["total"].clone())
+}
