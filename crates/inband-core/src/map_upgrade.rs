@@ -33,6 +33,7 @@ use libbpf_rs::libbpf_sys::bpf_map_info;
 use libbpf_rs::{AsRawLibbpf, Btf, HasSize, MapCore, MapFlags, MapHandle, MapType, Object, OpenMapMut, OpenObject};
 
 use crate::bpfmap::{remove_pin_dir, PinDir};
+use xxhash_rust::xxh3::xxh3_64;
 
 /// Where the new maps wait, inside the pin directory, until they take over.
 // bpffs refuses dots in names (they are the kernel's), so no hidden name.
@@ -196,6 +197,17 @@ impl Conversion {
         self.dropped.iter().find(|(_, off, n)| old[*off..off + n].iter().any(|&b| b != 0)).map(|(path, _, _)| path.as_str())
     }
 
+    /// `apply` to each CPU's value of `old` (`from` bytes each), back to back.
+    fn apply_all(&self, old: &[u8], from: usize) -> Vec<u8> {
+        old.chunks(from.max(1)).flat_map(|v| self.apply(v)).collect()
+    }
+
+    /// `merge` for each CPU's values.
+    fn merge_all(&self, first: &[u8], last: &[u8], now: &[u8], from: usize) -> Vec<u8> {
+        let from = from.max(1);
+        first.chunks(from).zip(last.chunks(from)).zip(now.chunks(self.size.max(1))).flat_map(|((f, l), n)| self.merge(f, l, n)).collect()
+    }
+
     pub fn apply(&self, old: &[u8]) -> Vec<u8> {
         let mut out = vec![0u8; self.size];
         for &(from, to, n) in &self.copies {
@@ -227,12 +239,77 @@ impl Conversion {
     }
 }
 
-/// A map's entries: key -> one value per CPU (one for a shared map).
-type Entries = HashMap<Vec<u8>, Vec<Vec<u8>>>;
+/// A map's entries, flat: keys and values (a per-CPU map's: one value per
+/// CPU, back to back) in two buffers, found by key through an index of
+/// xxh3 hashes. Millions of entries, each in allocations of its own, took
+/// longer to build, compare and free than the system calls that read them,
+/// and an upgrade's merge after the switch is as long as a pass over them.
+#[derive(Default)]
+struct Entries {
+    key_size: usize,
+    /// Bytes of one entry's value(s).
+    value_size: usize,
+    keys: Vec<u8>,
+    values: Vec<u8>,
+    /// Hash of a key -> its entry; keys whose hash another key has already
+    /// are in `collided`.
+    index: HashMap<u64, u32>,
+    collided: HashMap<Vec<u8>, u32>,
+}
+
+impl Entries {
+    fn new(key_size: usize, value_size: usize) -> Entries {
+        Entries { key_size, value_size, ..Default::default() }
+    }
+
+    fn push(&mut self, key: &[u8], value: &[u8]) {
+        let i = self.len() as u32;
+        self.keys.extend_from_slice(key);
+        self.values.extend_from_slice(value);
+        match self.index.entry(xxh3_64(key)) {
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(i);
+            }
+            std::collections::hash_map::Entry::Occupied(_) => {
+                self.collided.insert(key.to_vec(), i);
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.keys.len() / self.key_size.max(1)
+    }
+
+    fn key(&self, i: usize) -> &[u8] {
+        &self.keys[i * self.key_size..(i + 1) * self.key_size]
+    }
+
+    fn value(&self, i: usize) -> &[u8] {
+        &self.values[i * self.value_size..(i + 1) * self.value_size]
+    }
+
+    fn get(&self, key: &[u8]) -> Option<&[u8]> {
+        let i = match self.index.get(&xxh3_64(key)) {
+            Some(&i) if self.key(i as usize) == key => i,
+            _ => *self.collided.get(key)?,
+        };
+        Some(self.value(i as usize))
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        (0..self.len()).map(|i| (self.key(i), self.value(i)))
+    }
+}
+
+/// One value per CPU of a per-CPU map (libbpf's layout), one of another.
+fn per_cpu_values(map: &MapHandle) -> Result<usize> {
+    Ok(if map.map_type().is_percpu() { libbpf_rs::num_possible_cpus()? } else { 1 })
+}
 
 fn read_all(map: &MapHandle) -> Result<Entries> {
     let ty = map.map_type();
-    let mut out = Entries::new();
+    let (ks, vs) = (map.key_size() as usize, map.value_size() as usize);
+    let mut out = Entries::new(ks, vs * per_cpu_values(map)?);
     if ty == MapType::RingBuf {
         return Ok(out);
     }
@@ -244,14 +321,12 @@ fn read_all(map: &MapHandle) -> Result<Entries> {
         };
         for k in keys {
             if let Some(v) = map.lookup_percpu(&k, MapFlags::ANY)? {
-                out.insert(k, v);
+                out.push(&k, &v.concat());
             }
         }
         return Ok(out);
     }
-    batch_read(map, &mut |k, v| {
-        out.insert(k.to_vec(), vec![v.to_vec()]);
-    })?;
+    batch_read(map, &mut |k, v| out.push(k, v))?;
     Ok(out)
 }
 
@@ -315,17 +390,21 @@ fn batch_read(map: &MapHandle, each: &mut dyn FnMut(&[u8], &[u8])) -> Result<()>
     }
 }
 
-fn write(map: &MapHandle, entries: &[(Vec<u8>, Vec<Vec<u8>>)], flags: MapFlags) -> Result<()> {
+fn write(map: &MapHandle, entries: &Entries, flags: MapFlags) -> Result<()> {
     if map.map_type().is_percpu() {
-        for (k, v) in entries {
-            map.update_percpu(k, v, flags)?;
+        let vs = map.value_size() as usize;
+        for (k, v) in entries.iter() {
+            map.update_percpu(k, &v.chunks(vs).map(<[u8]>::to_vec).collect::<Vec<_>>(), flags)?;
         }
         return Ok(());
     }
-    for chunk in entries.chunks(BATCH as usize) {
-        let keys: Vec<u8> = chunk.iter().flat_map(|(k, _)| k.iter().copied()).collect();
-        let values: Vec<u8> = chunk.iter().flat_map(|(_, v)| v[0].iter().copied()).collect();
-        map.update_batch(&keys, &values, chunk.len() as u32, flags, MapFlags::ANY)?;
+    let n = entries.len();
+    let per = BATCH as usize;
+    for start in (0..n).step_by(per) {
+        let end = n.min(start + per);
+        let keys = &entries.keys[start * entries.key_size..end * entries.key_size];
+        let values = &entries.values[start * entries.value_size..end * entries.value_size];
+        map.update_batch(keys, values, (end - start) as u32, flags, MapFlags::ANY)?;
     }
     Ok(())
 }
@@ -345,6 +424,8 @@ struct Carried {
     new: MapHandle,
     plan: Plan,
     first: Entries,
+    /// The old map's value size (one CPU's value).
+    from: usize,
 }
 
 /// The maps of one pin directory that change layout in an upgrade.
@@ -467,13 +548,17 @@ impl Upgrade {
             let new_map = obj.maps().find(|m| m.name().to_string_lossy() == name.as_str()).ok_or_else(|| anyhow!("map {name} not in the new object"))?;
             let new = MapHandle::try_from(&new_map).with_context(|| format!("duplicating map {name}"))?;
             let first = read_all(&old).with_context(|| format!("reading map {name}"))?;
-            if let Some(field) = first.keys().find_map(|k| plan.key.loses(k)) {
+            if let Some(field) = first.iter().find_map(|(k, _)| plan.key.loses(k)) {
                 bail!("map {name}: this build's key has no field `{field}`, and entries of the running one use it: no upgrade can carry them");
             }
-            let rows: Vec<_> = first.iter().filter(|(k, _)| fits(&new, k)).map(|(k, v)| (plan.key.apply(k), v.iter().map(|c| plan.value.apply(c)).collect())).collect();
+            let from = old.value_size() as usize;
+            let mut rows = Entries::new(new.key_size() as usize, new.value_size() as usize * per_cpu_values(&new)?);
+            for (k, v) in first.iter().filter(|(k, _)| fits(&new, k)) {
+                rows.push(&plan.key.apply(k), &plan.value.apply_all(v, from));
+            }
             write(&new, &rows, MapFlags::ANY).with_context(|| format!("copying map {name}"))?;
             self.plans.push((name.clone(), plan.clone()));
-            self.carried.push(Carried { name, old, new, plan, first });
+            self.carried.push(Carried { name, old, new, plan, first, from });
         }
         Ok(())
     }
@@ -541,9 +626,10 @@ fn merge(c: &mut Carried) -> Result<()> {
     // it would be a third table's worth of memory in the daemon.
     let last = read_all(&c.old)?;
     let value = &c.plan.value;
-    let mut updates = Vec::new();
-    for (k, l) in &last {
-        if !fits(&c.new, k) || c.first.get(k) == Some(l) {
+    let mut updates = Entries::new(c.new.key_size() as usize, c.new.value_size() as usize * per_cpu_values(&c.new)?);
+    for (k, l) in last.iter() {
+        let first = c.first.get(k);
+        if first == Some(l) || !fits(&c.new, k) {
             continue;
         }
         // An entry made during the copy whose key this build cannot hold
@@ -552,14 +638,11 @@ fn merge(c: &mut Carried) -> Result<()> {
             continue;
         }
         let nk = c.plan.key.apply(k);
-        match (c.first.get(k), lookup(&c.new, &nk)?) {
-            (Some(f), Some(n)) => {
-                let merged = f.iter().zip(l).zip(&n).map(|((f, l), n)| value.merge(f, l, n)).collect();
-                updates.push((nk, merged));
-            }
+        match (first, lookup(&c.new, &nk)?) {
+            (Some(f), Some(n)) => updates.push(&nk, &value.merge_all(f, l, &n, c.from)),
             // The new program ended it since: that stands.
             (Some(_), None) => {}
-            (None, None) => updates.push((nk, l.iter().map(|v| value.apply(v)).collect())),
+            (None, None) => updates.push(&nk, &value.apply_all(l, c.from)),
             // Both programs made it: the newer stands.
             (None, Some(_)) => {}
         }
@@ -567,13 +650,12 @@ fn merge(c: &mut Carried) -> Result<()> {
     write(&c.new, &updates, MapFlags::ANY)?;
     // Ended by the old program after the copy, and untouched by the new.
     if c.new.map_type().is_hash_map() {
-        for (k, f) in &c.first {
-            if last.contains_key(k) {
+        for (k, f) in c.first.iter() {
+            if last.get(k).is_some() {
                 continue;
             }
             let nk = c.plan.key.apply(k);
-            let copied: Vec<Vec<u8>> = f.iter().map(|v| value.apply(v)).collect();
-            if lookup(&c.new, &nk)?.as_ref() == Some(&copied) {
+            if lookup(&c.new, &nk)?.is_some_and(|n| n == value.apply_all(f, c.from)) {
                 let _ = c.new.delete(&nk);
             }
         }
@@ -582,10 +664,11 @@ fn merge(c: &mut Carried) -> Result<()> {
     Ok(())
 }
 
-/// One entry, one value per CPU (one for a shared map).
-fn lookup(map: &MapHandle, key: &[u8]) -> Result<Option<Vec<Vec<u8>>>> {
-    Ok(if map.map_type().is_percpu() { map.lookup_percpu(key, MapFlags::ANY)? } else { map.lookup(key, MapFlags::ANY)?.map(|v| vec![v]) })
+/// One entry's value(s), back to back, as `Entries` holds them.
+fn lookup(map: &MapHandle, key: &[u8]) -> Result<Option<Vec<u8>>> {
+    Ok(if map.map_type().is_percpu() { map.lookup_percpu(key, MapFlags::ANY)?.map(|v| v.concat()) } else { map.lookup(key, MapFlags::ANY)? })
 }
+
 
 /// Renames each staged map over its pin and removes the staging directory.
 fn settle(dir: &PinDir, names: &[String]) -> Result<()> {
