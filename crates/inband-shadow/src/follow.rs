@@ -16,7 +16,7 @@
 //! those servers' links, and a change rewrites their shadow hops.
 
 use std::collections::BTreeSet;
-use std::net::Ipv6Addr;
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -29,8 +29,8 @@ use inband_core::command::ip;
 /// The next hops the routing daemon installed for the VIP in `table`, as
 /// config names in config order (the order the VIP's route lists them),
 /// and the gateways no `[[server]]` has (announced by someone unknown).
-pub fn learned(cfg: &RouterConfig, table: u32) -> Result<(Vec<String>, Vec<Ipv6Addr>)> {
-    let out = match ip(&["-6", "-j", "route", "show", "table", &table.to_string(), &format!("{}/128", cfg.vip)]) {
+pub fn learned(cfg: &RouterConfig, table: u32) -> Result<(Vec<String>, Vec<IpAddr>)> {
+    let out = match ip(&[cfg.family(), "-j", "route", "show", "table", &table.to_string(), &cfg.vip_prefix()]) {
         Ok(out) => out,
         // The kernel makes a table with its first route: none learned yet.
         Err(e) if format!("{e:#}").contains("table does not exist") => return Ok((Vec::new(), Vec::new())),
@@ -42,9 +42,12 @@ pub fn learned(cfg: &RouterConfig, table: u32) -> Result<(Vec<String>, Vec<Ipv6A
         Some(h) => h.clone(),
         None => vec![route.clone()],
     };
-    let gateways: Vec<Ipv6Addr> = hops.iter().filter_map(|h| h["gateway"].as_str()?.parse().ok()).collect();
-    let names = cfg.server.iter().filter(|s| gateways.contains(&s.via)).map(|s| s.name.clone()).collect();
-    let unknown = gateways.into_iter().filter(|g| !cfg.server.iter().any(|s| s.via == *g)).collect();
+    // An IPv4 VIP's route has IPv6 next hops (BGP's extended next hop,
+    // RFC 8950), printed as "via" instead of "gateway".
+    // An IPv4 gateway is no server's `via`: unknown.
+    let gateways: Vec<IpAddr> = hops.iter().filter_map(|h| h["gateway"].as_str().or(h["via"]["host"].as_str())?.parse().ok()).collect();
+    let names = cfg.server.iter().filter(|s| gateways.contains(&IpAddr::V6(s.via))).map(|s| s.name.clone()).collect();
+    let unknown = gateways.into_iter().filter(|g| !cfg.server.iter().any(|s| IpAddr::V6(s.via) == *g)).collect();
     Ok((names, unknown))
 }
 
@@ -57,7 +60,7 @@ pub fn follow(cfg: &RouterConfig, table: u32, interval: Duration, liveness: Dura
     // The learned set last applied, and the servers dead then.
     let mut applied: Option<(Vec<String>, BTreeSet<String>)> = None;
     let mut checked = Instant::now();
-    let mut warned: Vec<Ipv6Addr> = Vec::new();
+    let mut warned: Vec<IpAddr> = Vec::new();
     while !stop.load(Ordering::Relaxed) {
         match learned(cfg, table) {
             Ok((names, unknown)) => {

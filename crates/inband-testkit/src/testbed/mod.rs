@@ -144,7 +144,7 @@ impl Testbed {
             }
             let mut tb = Testbed {
                 switch: String::new(),
-                vip: Ipv4Addr::UNSPECIFIED,
+                vip: ecmp::vip4(spec.subnet),
                 vip6: plan.vip(),
                 spec,
                 nodes,
