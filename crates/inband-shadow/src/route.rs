@@ -709,6 +709,25 @@ mod tests {
     }
 
     #[test]
+    fn an_ipv4_vip_has_its_own_id_block_and_marks_that_name_its_tables() {
+        let v4 = parse(&config("", 2).replace("fd00:81::100", "10.81.0.100")).unwrap();
+        let v6 = parse(&config("", 2)).unwrap();
+        assert_ne!(v4.first_nexthop_id(), v6.first_nexthop_id());
+        assert_eq!((v4.family(), v4.vip_prefix(), v6.family(), v6.vip_prefix()), ("-4", "10.81.0.100/32".into(), "-6", "fd00:81::100/128".into()));
+        assert_eq!((v4.mark(0), v4.mark(7)), (0x1b5e_00c8, 0x1b5e_00cf));
+        let v4 = |extra: &str| parse(&config(extra, 1).replace("fd00:81::100", "10.81.0.100"));
+        assert_eq!(v4("ipv4_mark = 0x70000").unwrap().mark(1), 0x7_00c9);
+        for (extra, needle) in
+            [("ipv4_mark = 0x70001", "its low 16 bits must be 0"), ("shadow_table = 65530", "an IPv4 VIP's shadow tables must be below 65536")]
+        {
+            let err = format!("{:#}", v4(extra).unwrap_err());
+            assert!(err.contains(needle), "{err}");
+        }
+        // An IPv6 VIP's tables may be anywhere.
+        parse(&config("shadow_table = 65530", 1)).unwrap();
+    }
+
+    #[test]
     fn id_blocks_and_server_counts_that_do_not_fit_are_refused() {
         for (extra, servers, needle) in
             [("nexthop_ids = 0", 1, "nexthop_ids = 0"), ("nexthop_ids = 4294967000", 1, "below 2^32"), ("", MAX_SERVERS + 1, "at most 255")]
