@@ -532,30 +532,42 @@ fn prepare(cfg: &RouterConfig, up: &[&Server], forced: &[String]) -> Result<(Has
     Ok((objects, dead))
 }
 
-/// The preference of the `fwmark` rules: after the local table (0), before main (32766).
-const RULE_PREF: &str = "32000";
+/// The preferences of the `fwmark` rules: after the local table (0),
+/// before main (32766).
+const RULE_PREF: u64 = 32000;
+const RULE_END_PREF: u64 = 32001;
 
-/// An IPv4 VIP's `fwmark` rule for each generation (made when missing),
-/// and none for generations the config no longer keeps. The marks hold
-/// the table, so several configs' rules never meet.
+/// An IPv4 VIP's two `fwmark` rules for each generation (made when
+/// missing), and none for generations the config no longer keeps. The
+/// first looks the stray up in the generation's table; the second drops
+/// it when that table has no route for it (a generation without a set
+/// yet): the kernel would go on to the main table, which sends it back
+/// to an instance that chains it again, until its TTL runs out. End.DT6
+/// ends there too. The marks hold the table, so several configs' rules
+/// never meet.
 fn ensure_rules(cfg: &RouterConfig) -> Result<()> {
     let out = ip(&["-4", "-j", "rule", "show"]).context("listing the router's IPv4 rules")?;
     let rules: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).context("reading `ip -j rule show` output")?;
     for k in 0..MAX_GENERATIONS {
         // check() keeps an IPv4 VIP's tables below 65536.
-        let (table, mark) = (cfg.generation(k).0, format!("{:#x}", cfg.mark(k)));
-        let there = rules.iter().any(|r| {
-            r["fwmark"].as_str() == Some(mark.as_str())
-                && r["table"].as_str() == Some(table.to_string().as_str())
-                && r["priority"].as_u64().map(|p| p.to_string()).as_deref() == Some(RULE_PREF)
-        });
+        let (table, mark) = (cfg.generation(k).0.to_string(), format!("{:#x}", cfg.mark(k)));
         let want = k < cfg.generations;
-        if want == there {
-            continue;
+        for (pref, field, value, action) in
+            [(RULE_PREF, "table", table.as_str(), ["lookup", table.as_str()]), (RULE_END_PREF, "action", "blackhole", ["blackhole", ""])]
+        {
+            let there = rules.iter().any(|r| {
+                r["fwmark"].as_str() == Some(mark.as_str()) && r[field].as_str() == Some(value) && r["priority"].as_u64() == Some(pref)
+            });
+            if want == there {
+                continue;
+            }
+            let verb = if want { "add" } else { "del" };
+            let pref = pref.to_string();
+            let mut args = vec!["-4", "rule", verb, "fwmark", &mark];
+            args.extend(action.iter().filter(|a| !a.is_empty()));
+            args.extend(["pref", &pref]);
+            ip(&args).with_context(|| format!("{verb} a rule for shadow table {table} (fwmark {mark})"))?;
         }
-        let verb = if want { "add" } else { "del" };
-        ip(&["-4", "rule", verb, "fwmark", &mark, "lookup", &table.to_string(), "pref", RULE_PREF])
-            .with_context(|| format!("{verb} the rule for shadow table {table} (fwmark {mark})"))?;
     }
     Ok(())
 }

@@ -383,8 +383,21 @@ fn an_ipv4_vip_keeps_every_download_as_instances_join_and_leave() {
         serde_json::from_slice::<Value>(&out.stdout).unwrap()["unwrapped"]["packets"].as_u64().unwrap()
     };
 
+    let set_generations = |f: &Farm, g: u32| {
+        let text = std::fs::read_to_string(&f.router_cfg).unwrap();
+        let text: String = text.lines().filter(|l| !l.starts_with("generations")).map(|l| format!("{l}\n")).collect();
+        std::fs::write(&f.router_cfg, format!("generations = {g}\n{text}")).unwrap();
+    };
+    let rules = |f: &Farm| String::from_utf8_lossy(&run_ok(&f.tb, "r1", &["ip", "-4", "rule", "show"]).stdout).into_owned();
+    // Each generation's table, then a drop for a stray its table has no route for.
+    let has = |f: &Farm, mark: &str, table: u32| {
+        let r = rules(f);
+        (r.contains(&format!("fwmark {mark} lookup {table}")), r.contains(&format!("fwmark {mark} blackhole")))
+    };
+
     // Joining: b3 takes a third of the hash space; what it does not hold
-    // goes back as IPv4 in IPv6 and the router unwraps it.
+    // goes back as IPv4 in IPv6, the router unwraps it into table 200,
+    // whose hops go to the owners' direct SIDs.
     let ok = farm.across(|f| f.route(&[1, 2, 3], false));
     assert_eq!(ok, DOWNLOADS, "downloads broken by b3 joining{}", farm.report());
     assert!(farm.event(3, "chained") > 0, "no connection moved to b3: the step proved nothing");
@@ -392,11 +405,20 @@ fn an_ipv4_vip_keeps_every_download_as_instances_join_and_leave() {
     assert!(unwrapped(&farm) > 0, "the router's IPv4 shadow program unwrapped nothing");
     assert!(answers(&farm), "a short request failed after b3 joined");
 
-    // Leaving: b1 is withdrawn and keeps serving what it holds.
-    let ok = farm.across(|f| f.route(&[2, 3], false));
+    // Leaving, with two generations from here: b1 is withdrawn and keeps
+    // serving what it holds. Table 200 now sends to each owner's
+    // conditional SID with generation 2's SID as a second segment, so
+    // after the change b1 gets only IPv4 under a two-segment SRH.
+    set_generations(&farm, 2);
+    let mut at_change = 0;
+    let ok = farm.across(|f| {
+        f.route(&[2, 3], false);
+        at_change = f.event(1, "srv6_cond");
+    });
     assert_eq!(ok, DOWNLOADS, "downloads broken by b1 leaving{}", farm.report());
-    assert!(farm.event(1, "srv6_direct") > 0, "no connection of b1's moved away: the step proved nothing");
+    assert!(farm.event(1, "srv6_cond") > at_change, "no connection of b1's reached it after it left: the step proved nothing");
     assert!(answers(&farm), "a short request failed after b1 left");
+    assert_eq!((has(&farm, "0x1b5e00c8", 200), has(&farm, "0x1b5e00c9", 201)), ((true, true), (true, true)), "{}", rules(&farm));
     for i in 1..=3 {
         assert_eq!(farm.drop_count(i, "chained_no_flow"), 0, "b{i} dropped chained packets{}", farm.report());
         assert_eq!(farm.drop_count(i, "srv6_unsupported"), 0, "b{i}{}", farm.report());
@@ -404,6 +426,11 @@ fn an_ipv4_vip_keeps_every_download_as_instances_join_and_leave() {
     let out = run_ok(&farm.tb, "r1", &[BIN, "shadow", "status", "--router", "--json"]);
     let counts: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(counts["failed"]["packets"], 0, "{counts}");
+
+    // Fewer generations, fewer rules (at the next run, with the set unchanged).
+    set_generations(&farm, 1);
+    farm.route(&[2, 3], false);
+    assert_eq!((has(&farm, "0x1b5e00c8", 200), has(&farm, "0x1b5e00c9", 201)), ((true, true), (false, false)), "{}", rules(&farm));
 
     // Without the shadow table the moved connections break: the test can tell.
     farm.route(&[2, 3], true);
