@@ -36,15 +36,20 @@ pub fn learned(cfg: &RouterConfig, table: u32) -> Result<(Vec<String>, Vec<IpAdd
         Err(e) if format!("{e:#}").contains("table does not exist") => return Ok((Vec::new(), Vec::new())),
         Err(e) => return Err(e),
     };
-    let routes: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).context("reading `ip -j route` output")?;
+    parse_learned(cfg, &out.stdout)
+}
+
+/// `learned` from `ip -j route show` output.
+fn parse_learned(cfg: &RouterConfig, json: &[u8]) -> Result<(Vec<String>, Vec<IpAddr>)> {
+    let routes: Vec<serde_json::Value> = serde_json::from_slice(json).context("reading `ip -j route` output")?;
     let Some(route) = routes.first() else { return Ok((Vec::new(), Vec::new())) };
     let hops = match route["nexthops"].as_array() {
         Some(h) => h.clone(),
         None => vec![route.clone()],
     };
     // An IPv4 VIP's route has IPv6 next hops (BGP's extended next hop,
-    // RFC 8950), printed as "via" instead of "gateway".
-    // An IPv4 gateway is no server's `via`: unknown.
+    // RFC 8950), printed as "via" instead of "gateway". An IPv4 gateway
+    // is no server's `via`: unknown.
     let gateways: Vec<IpAddr> = hops.iter().filter_map(|h| h["gateway"].as_str().or(h["via"]["host"].as_str())?.parse().ok()).collect();
     let names = cfg.server.iter().filter(|s| gateways.contains(&IpAddr::V6(s.via))).map(|s| s.name.clone()).collect();
     let unknown = gateways.into_iter().filter(|g| !cfg.server.iter().any(|s| IpAddr::V6(s.via) == *g)).collect();
@@ -89,4 +94,24 @@ pub fn follow(cfg: &RouterConfig, table: u32, interval: Duration, liveness: Dura
         std::thread::sleep(interval);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn learned_next_hops_are_read_from_gateways_and_from_an_ipv4_routes_ipv6_next_hops() {
+        let text = "vip = \"10.81.0.100\"\nanchor = \"inb0\"\nshadow_sid = \"fd00:81:5f::5\"\n\
+            [[server]]\nname = \"b1\"\nsid = \"fd00:81:51::b\"\ndirect_sid = \"fd00:81:51::d\"\nvia = \"fd00:81:31::2\"\ndev = \"b1\"\n\
+            [[server]]\nname = \"b2\"\nsid = \"fd00:81:52::b\"\ndirect_sid = \"fd00:81:52::d\"\nvia = \"fd00:81:32::2\"\ndev = \"b2\"\n";
+        let cfg: RouterConfig = toml::from_str(text).unwrap();
+        // As `ip -4 -j route` prints an RFC 8950 multipath route, with an IPv4 gateway among them.
+        let v4 = br#"[{"dst":"10.81.0.100","flags":[],"nexthops":[{"via":{"family":"inet6","host":"fd00:81:32::2"},"dev":"b2","weight":1,"flags":[]},{"gateway":"10.81.33.2","dev":"b3","weight":1,"flags":[]}]}]"#;
+        let (names, unknown) = parse_learned(&cfg, v4).unwrap();
+        assert_eq!((names, unknown), (vec!["b2".to_string()], vec!["10.81.33.2".parse::<IpAddr>().unwrap()]));
+        let v6 = br#"[{"dst":"fd00:81::100","gateway":"fd00:81:31::2","dev":"b1","flags":[]}]"#;
+        assert_eq!(parse_learned(&cfg, v6).unwrap(), (vec!["b1".to_string()], vec![]));
+        assert_eq!(parse_learned(&cfg, b"[]").unwrap(), (vec![], vec![]));
+    }
 }
