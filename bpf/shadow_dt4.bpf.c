@@ -34,7 +34,7 @@
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
 #define IPV6_SRCRT_TYPE_SRH 4
-/* In this kernel (6.3 and later) but not in every distribution's uapi header. */
+/* In the kernel since 6.3 (this one's BTF: 128), not in Debian 12's uapi header. */
 #ifndef BPF_F_ADJ_ROOM_DECAP_L3_IPV4
 #define BPF_F_ADJ_ROOM_DECAP_L3_IPV4 (1ULL << 7)
 #endif
