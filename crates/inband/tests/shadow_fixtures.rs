@@ -22,6 +22,7 @@ use own_netns::TestNetns;
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_UNSPEC: u32 = u32::MAX; // -1
+const TC_ACT_SHOT: u32 = 2;
 
 const ROUTER: Ipv6Addr = Ipv6Addr::new(0xfd00, 1, 0, 0, 0, 0, 0, 1);
 const COND_SID: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x51, 0, 0, 0, 0, 0, 0xb);
@@ -331,7 +332,7 @@ mod dt4 {
     }
 
     #[test]
-    fn anything_else_goes_on_untouched_and_unmarked() {
+    fn anything_else_is_left_to_the_kernel_and_a_stub_is_dropped() {
         let mut obj = MaybeUninit::uninit();
         let skel = load(&mut obj);
         let inner = inner4();
@@ -364,5 +365,10 @@ mod dt4 {
             assert_eq!(run(&skel.progs.shadow_dt4, f), (TC_ACT_UNSPEC, f.clone(), 0));
         }
         assert_eq!((count(&skel, "not_taken"), count(&skel, "unwrapped")), (refused.len() as u64, 0));
+        // IPv4 announced, but less than an IPv4 header inside: the kernel
+        // will not shrink the packet to that; dropped and counted.
+        let stub = from_instance(SHADOW_SID, &inner[..8], false);
+        assert_eq!(run(&skel.progs.shadow_dt4, &stub), (TC_ACT_SHOT, stub.clone(), 0));
+        assert_eq!((count(&skel, "failed"), count(&skel, "unwrapped")), (1, 0));
     }
 }
