@@ -9,7 +9,9 @@
 //! and the same change without the shadow table must break downloads, or
 //! the rest would prove nothing. With BGP (BIRD on the router and on each
 //! instance), announcing and withdrawing the VIP is how an instance joins
-//! and leaves, and `inband shadow follow` makes each change.
+//! and leaves, and `inband shadow follow` makes each change. An IPv4 VIP
+//! takes the same path as IPv4 in IPv6, with the router's IPv4 shadow
+//! program in place of End.DT6.
 //!
 //! Needs root (namespaces, XDP, tc, bpffs).
 
