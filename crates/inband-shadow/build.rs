@@ -1,3 +1,3 @@
 fn main() {
-    inband_bpf_build::skeletons(&["shadow"]);
+    inband_bpf_build::skeletons(&["shadow", "shadow_dt4"]);
 }

@@ -82,6 +82,7 @@ pod!(
     // the shadow decider
     inband_shadow_config,
     inband_shadow_count,
+    inband_shadow_dt4,
 );
 
 /// An IPv4 address as an IPv4 header holds it: network-order bytes in a u32.

@@ -656,13 +656,6 @@ impl LbConfig {
             if sids[0] == sids[1] || sids[0] == sids[2] || sids[1] == sids[2] {
                 bail!("[scale_out]: sid, direct_sid and shadow_sid must be three different addresses (a chained packet must not be chained again)");
             }
-            if let Some(v) = self.vips.iter().find(|v| v.address.is_ipv4()) {
-                bail!(
-                    "[scale_out]: vip {} is IPv4; chaining needs the router to look IPv4 up in its shadow table (End.DT4 into a VRF), \
-                     which inband's router controller does not set up: use IPv6 VIPs with [scale_out]",
-                    v.name()
-                );
-            }
         }
         let mut seen = HashSet::new();
         let mut backends = 0;
@@ -1035,7 +1028,7 @@ quic_server_id = 2
     }
 
     #[test]
-    fn takes_scale_out_for_ipv6_vips_with_three_sids() {
+    fn takes_scale_out_with_three_sids_and_an_ipv6_address() {
         let v6_only = DUAL.split("[[vip]]\naddress = \"10.77.0.100\"").next().unwrap().to_string();
         let so = |sids: &str| v6_only.replace("[auth]", &format!("[scale_out]\n{sids}\n[auth]"));
         let good = so("sid = \"fd00:51::b\"\ndirect_sid = \"fd00:51::d\"\nshadow_sid = \"fd00:5f::5\"");
@@ -1047,8 +1040,11 @@ quic_server_id = 2
         assert!(err(&missing).contains("missing field `direct_sid`"), "{}", err(&missing));
         let multicast = good.replace("fd00:5f::5", "ff02::5");
         assert!(err(&multicast).contains("ff02::5 is not a unicast address"), "{}", err(&multicast));
+        // IPv4 VIPs too: they reach the instance as IPv4 in IPv6, and strays go back that way.
         let with_v4 = DUAL.replace("[auth]", "[scale_out]\nsid = \"fd00:51::b\"\ndirect_sid = \"fd00:51::d\"\nshadow_sid = \"fd00:5f::5\"\n[auth]");
-        assert!(err(&with_v4).contains("vip 10.77.0.100:443/udp is IPv4"), "{}", err(&with_v4));
+        assert!(LbConfig::parse(&with_v4).is_ok(), "{}", err(&with_v4));
+        let v4_without_address6 = with_v4.replace("address6 = \"fd00:77::2\"\n", "");
+        assert!(err(&v4_without_address6).contains("[scale_out]: chained packets leave in IPv6"), "{}", err(&v4_without_address6));
     }
 
     #[test]

@@ -3,11 +3,13 @@
 //! the previous next-hop set of the VIP in a shadow routing table
 //! (`route`); each server runs the conditional End.DT6 program, which sends
 //! packets of connections it does not have back to that table (`attach`).
-//! See "Scale-out behind ECMP" in docs/architecture.md and the choices in
+//! For an IPv4 VIP, the router's own program unwraps those packets into
+//! the shadow tables (`dt4`). See "Scale-out behind ECMP" in docs/architecture.md and the choices in
 //! docs/decisions.md.
 
 pub mod attach;
 pub mod bpf;
+pub mod dt4;
 pub mod follow;
 pub mod route;
 
@@ -40,10 +42,13 @@ pub enum ShadowCommand {
         #[arg(long)]
         interface: String,
     },
-    /// On a server: the program's counters (packets and bytes).
+    /// On a server: the program's counters (packets and bytes). With
+    /// --router, on the router: those of the IPv4 shadow program.
     Status {
-        #[arg(long)]
-        interface: String,
+        #[arg(long, required_unless_present = "router")]
+        interface: Option<String>,
+        #[arg(long, conflicts_with = "interface")]
+        router: bool,
         #[arg(long)]
         json: bool,
     },
@@ -94,8 +99,11 @@ pub fn run(cmd: ShadowCommand) -> Result<()> {
             attach::attach(&interface, attach::Sids { cond: sid, direct: direct_sid, shadow: shadow_sid })
         }
         ShadowCommand::Detach { interface } => attach::detach(&interface),
-        ShadowCommand::Status { interface, json } => {
-            let counts = attach::counters(&interface)?;
+        ShadowCommand::Status { interface, router, json } => {
+            let counts = match interface {
+                Some(interface) if !router => attach::counters(&interface)?,
+                _ => dt4::counters()?,
+            };
             if json {
                 let obj: serde_json::Map<String, serde_json::Value> = counts
                     .iter()

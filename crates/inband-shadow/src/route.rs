@@ -31,9 +31,16 @@
 //! share of the hash moves), but its hops there are rewritten in place to
 //! a live server's direct SID, the only place its connections could still
 //! be served. Its own segments come back when its link does.
+//!
+//! An IPv4 VIP's hops are the same seg6 encapsulations in IPv4 nexthop
+//! objects (IPv4 in IPv6 to the same SIDs). Its strays come back as IPv4
+//! in IPv6 to the shadow SIDs, which the kernel could unwrap into a table
+//! only through End.DT4 and a VRF device this kernel lacks: the tc program
+//! of [`crate::dt4`] on each next hop's link does it instead, and a
+//! `fwmark` rule per generation picks the table.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
-use std::net::Ipv6Addr;
+use std::net::{IpAddr, Ipv6Addr};
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -45,7 +52,8 @@ use inband_core::command::ip;
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouterConfig {
-    pub vip: Ipv6Addr,
+    /// IPv6, or IPv4 (carried to the next hops as IPv4 in IPv6).
+    pub vip: IpAddr,
     /// The interface every nexthop object and shadow SID is put on: one
     /// that never goes down (a dummy, or a veth pair with both ends up).
     /// Empty to the parser when absent, so that check() gives the reason.
@@ -67,6 +75,11 @@ pub struct RouterConfig {
     /// by default chosen by a hash of the VIP, so VIPs on one router
     /// do not meet. Set it if `route` reports a collision.
     pub nexthop_ids: Option<u32>,
+    /// IPv4 VIPs: generation k's unwrapped strays carry this mark with
+    /// its table number in the low 16 bits, which a `fwmark` rule sends
+    /// to that table. Change it if the router's other software uses marks.
+    #[serde(default = "default_ipv4_mark")]
+    pub ipv4_mark: u32,
     pub server: Vec<Server>,
 }
 
@@ -91,6 +104,10 @@ fn default_shadow_table() -> u32 {
 
 fn default_generations() -> u32 {
     1
+}
+
+fn default_ipv4_mark() -> u32 {
+    0x1b5e_0000
 }
 
 const ANCHOR_WHY: &str = "every nexthop and shadow SID is put on it, and it must stay up: use a dummy interface \
@@ -146,6 +163,15 @@ impl RouterConfig {
         }
         // 253–255 are the kernel's default, main and local tables; 0 is "unspecified".
         let reserved = |t: u32| matches!(t, 0 | 253..=255);
+        if self.vip.is_ipv4() && self.ipv4_mark & 0xffff != 0 {
+            errors.push(format!("ipv4_mark = {:#x}: its low 16 bits must be 0 (they hold the table number)", self.ipv4_mark));
+        }
+        if self.vip.is_ipv4() && self.shadow_table.saturating_add(self.generations.saturating_sub(1)) > 0xffff {
+            errors.push(format!(
+                "shadow_table = {} with generations = {}: an IPv4 VIP's shadow tables must be below 65536 (the table is in the mark)",
+                self.shadow_table, self.generations
+            ));
+        }
         if (0..self.generations).any(|k| self.shadow_table.checked_add(k).is_none_or(reserved)) {
             errors.push(format!(
                 "shadow_table = {} with generations = {}: the tables {}–{} must all be tables of their own (1–252 or above 255)",
@@ -177,10 +203,33 @@ impl RouterConfig {
         (self.shadow_table + k, generation_sid(self.shadow_sid, k))
     }
 
+    /// Generation `k`'s mark (IPv4 VIPs): `ipv4_mark` with its table.
+    pub fn mark(&self, k: u32) -> u32 {
+        self.ipv4_mark | self.generation(k).0
+    }
+
+    /// The `ip` option of the VIP's family.
+    pub fn family(&self) -> &'static str {
+        if self.vip.is_ipv4() {
+            "-4"
+        } else {
+            "-6"
+        }
+    }
+
+    /// The VIP as a host route's destination.
+    pub fn vip_prefix(&self) -> String {
+        format!("{}/{}", self.vip, if self.vip.is_ipv4() { 32 } else { 128 })
+    }
+
     fn first_nexthop_id(&self) -> u32 {
         self.nexthop_ids.unwrap_or_else(|| {
+            let bytes = match self.vip {
+                IpAddr::V4(a) => a.octets().to_vec(),
+                IpAddr::V6(a) => a.octets().to_vec(),
+            };
             // FNV-1a of the VIP's bytes, folded to 16 bits: 65,536 blocks from 0x4000_0000.
-            let h = self.vip.octets().iter().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(*b)).wrapping_mul(0x0100_0193));
+            let h = bytes.iter().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(*b)).wrapping_mul(0x0100_0193));
             0x4000_0000 | (((h >> 16) ^ (h & 0xffff)) << 12)
         })
     }
@@ -263,7 +312,7 @@ pub fn dead(cfg: &RouterConfig, up: &[String]) -> Result<BTreeSet<String>> {
 }
 
 /// The router's interfaces and their flags (`UP`, `LOWER_UP` = carrier).
-type Links = BTreeMap<String, Vec<String>>;
+pub type Links = BTreeMap<String, Vec<String>>;
 
 fn links() -> Result<Links> {
     let out = ip(&["-j", "link", "show"]).context("listing the router's interfaces")?;
@@ -402,9 +451,9 @@ fn ensure_hops(cfg: &RouterConfig, subs: &[Option<usize>]) -> Result<HashSet<u32
             }
             ids.insert(id);
             let (id, segs) = (id.to_string(), want.join(","));
-            // -6: a hop with a device and no gateway is IPv4 to the
-            // kernel otherwise, and an IPv6 route refuses it.
-            ip(&["-6", "nexthop", verb, "id", &id, "encap", "seg6", "mode", "encap", "segs", &segs, "dev", anchor])
+            // The VIP's family: a hop with a device and no gateway is
+            // IPv4 to the kernel otherwise, and an IPv6 route refuses it.
+            ip(&[cfg.family(), "nexthop", verb, "id", &id, "encap", "seg6", "mode", "encap", "segs", &segs, "dev", anchor])
                 .with_context(|| format!("writing nexthop object {id} (server {:?})", s.name))?;
         }
     }
@@ -425,22 +474,43 @@ fn ensure_hops(cfg: &RouterConfig, subs: &[Option<usize>]) -> Result<HashSet<u32
 /// over a veth that is the sending socket's random txhash, which a stray
 /// re-sent by XDP no longer has, so the shadow lookup would pick another
 /// next hop. Policy 3 with the five fields always reads the headers.
+///
+/// An IPv4 VIP needs the same of IPv4 (forwarding, the hash), no
+/// seg6local SIDs (End.DT4 needs a VRF device), and instead the shadow
+/// SIDs in the tc program on every next hop's link, a `fwmark` rule per
+/// generation, and loose reverse-path filtering on those links: a stray
+/// comes in there with the client's source, which is not reached through
+/// them, and strict filtering would drop it.
 fn prepare(cfg: &RouterConfig, up: &[&Server], forced: &[String]) -> Result<(HashSet<u32>, BTreeSet<String>)> {
     let links = links()?;
     check_anchor(&cfg.anchor, &links)?;
-    for (key, value) in [
-        ("net/ipv6/conf/all/forwarding", "1"),
-        ("net/ipv6/conf/all/seg6_enabled", "1"),
-        ("net/ipv6/fib_multipath_hash_policy", "3"),
-        // Source and destination address, protocol, source and destination port.
-        ("net/ipv6/fib_multipath_hash_fields", "0x0037"),
-    ] {
+    // Source and destination address, protocol, source and destination port.
+    let sysctls: &[(&str, &str)] = if cfg.vip.is_ipv4() {
+        &[
+            ("net/ipv4/ip_forward", "1"),
+            ("net/ipv4/fib_multipath_hash_policy", "3"),
+            ("net/ipv4/fib_multipath_hash_fields", "0x0037"),
+            ("net/ipv4/conf/all/rp_filter", "2"),
+        ]
+    } else {
+        &[
+            ("net/ipv6/conf/all/forwarding", "1"),
+            ("net/ipv6/conf/all/seg6_enabled", "1"),
+            ("net/ipv6/fib_multipath_hash_policy", "3"),
+            ("net/ipv6/fib_multipath_hash_fields", "0x0037"),
+        ]
+    };
+    for (key, value) in sysctls {
         let path = format!("/proc/sys/{key}");
         std::fs::write(&path, value).with_context(|| format!("writing {path}"))?;
     }
     for s in &cfg.server {
-        let path = format!("/proc/sys/net/ipv6/conf/{}/seg6_enabled", s.dev);
-        match std::fs::write(&path, "1") {
+        let path = if cfg.vip.is_ipv4() {
+            format!("/proc/sys/net/ipv4/conf/{}/rp_filter", s.dev)
+        } else {
+            format!("/proc/sys/net/ipv6/conf/{}/seg6_enabled", s.dev)
+        };
+        match std::fs::write(&path, if cfg.vip.is_ipv4() { "2" } else { "1" }) {
             // Its link is gone: the server is dead, which is no reason to
             // leave the others' routes alone.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => warn!(server = %s.name, dev = %s.dev, "no such interface"),
@@ -449,6 +519,11 @@ fn prepare(cfg: &RouterConfig, up: &[&Server], forced: &[String]) -> Result<(Has
     }
     let dead = dead_servers(cfg, up, forced, &links);
     let objects = ensure_hops(cfg, &substitutes(cfg, up, &dead))?;
+    if cfg.vip.is_ipv4() {
+        crate::dt4::install(cfg, &links).context("setting up the IPv4 shadow SIDs")?;
+        ensure_rules(cfg)?;
+        return Ok((objects, dead));
+    }
     for k in 0..cfg.generations {
         let (table, sid) = cfg.generation(k);
         ip(&["-6", "route", "replace", &sid.to_string(), "encap", "seg6local", "action", "End.DT6", "table", &table.to_string(), "dev", &cfg.anchor])
@@ -457,13 +532,53 @@ fn prepare(cfg: &RouterConfig, up: &[&Server], forced: &[String]) -> Result<(Has
     Ok((objects, dead))
 }
 
+/// The preferences of the `fwmark` rules: after the local table (0),
+/// before main (32766).
+const RULE_PREF: u64 = 32000;
+const RULE_END_PREF: u64 = 32001;
+
+/// An IPv4 VIP's two `fwmark` rules for each generation (made when
+/// missing), and none for generations the config no longer keeps. The
+/// first looks the stray up in the generation's table; the second drops
+/// it when that table has no route for it (a generation without a set
+/// yet): the kernel would go on to the main table, which sends it back
+/// to an instance that chains it again, until its TTL runs out. End.DT6
+/// ends there too. The marks hold the table, so several configs' rules
+/// never meet.
+fn ensure_rules(cfg: &RouterConfig) -> Result<()> {
+    let out = ip(&["-4", "-j", "rule", "show"]).context("listing the router's IPv4 rules")?;
+    let rules: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).context("reading `ip -j rule show` output")?;
+    for k in 0..MAX_GENERATIONS {
+        // check() keeps an IPv4 VIP's tables below 65536.
+        let (table, mark) = (cfg.generation(k).0.to_string(), format!("{:#x}", cfg.mark(k)));
+        let want = k < cfg.generations;
+        for (pref, field, value, action) in
+            [(RULE_PREF, "table", table.as_str(), ["lookup", table.as_str()]), (RULE_END_PREF, "action", "blackhole", ["blackhole", ""])]
+        {
+            let there = rules.iter().any(|r| {
+                r["fwmark"].as_str() == Some(mark.as_str()) && r[field].as_str() == Some(value) && r["priority"].as_u64() == Some(pref)
+            });
+            if want == there {
+                continue;
+            }
+            let verb = if want { "add" } else { "del" };
+            let pref = pref.to_string();
+            let mut args = vec!["-4", "rule", verb, "fwmark", &mark];
+            args.extend(action.iter().filter(|a| !a.is_empty()));
+            args.extend(["pref", &pref]);
+            ip(&args).with_context(|| format!("{verb} a rule for shadow table {table} (fwmark {mark})"))?;
+        }
+    }
+    Ok(())
+}
+
 /// The servers the VIP's route in the main table (`generation` None) or
 /// in generation k's table goes to now, in the order of its group: read
 /// from the group's member ids, since a dead server's hop names another
 /// server's SID. A route not on this VIP's group (a multipath route of an
 /// earlier version) is read by each hop's first segment instead.
 fn set_in(cfg: &RouterConfig, generation: Option<u32>) -> Result<Vec<&Server>> {
-    let mut args = vec!["-6".to_string(), "-j".into(), "route".into(), "show".into(), format!("{}/128", cfg.vip)];
+    let mut args = vec![cfg.family().to_string(), "-j".into(), "route".into(), "show".into(), cfg.vip_prefix()];
     if let Some(k) = generation {
         args.extend(["table".into(), cfg.generation(k).0.to_string()]);
     }
@@ -532,7 +647,7 @@ fn write_set(cfg: &RouterConfig, generation: Option<u32>, set: &[&Server]) -> Re
     let group = cfg.group_id(generation).to_string();
     ip(&["nexthop", "replace", "id", &group, "group", &members.join("/")])?;
     let vip = cfg.vip.to_string();
-    let mut args = vec!["-6", "route", "replace", &vip];
+    let mut args = vec![cfg.family(), "route", "replace", &vip];
     let table = generation.map(|k| cfg.generation(k).0.to_string());
     if let Some(t) = &table {
         args.extend(["table", t]);
@@ -547,7 +662,7 @@ fn write_set(cfg: &RouterConfig, generation: Option<u32>, set: &[&Server]) -> Re
 fn remove_set(cfg: &RouterConfig, generation: Option<u32>, objects: &HashSet<u32>) -> Result<()> {
     let vip = cfg.vip.to_string();
     let table = generation.map(|k| cfg.generation(k).0.to_string());
-    let mut args = vec!["-6", "route", "del", &vip];
+    let mut args = vec![cfg.family(), "route", "del", &vip];
     if let Some(t) = &table {
         args.extend(["table", t]);
     }
@@ -603,6 +718,25 @@ mod tests {
         let other = parse(&config("", 1).replace("fd00:81::100", "fd00:81::101")).unwrap();
         assert_ne!(other.first_nexthop_id(), first, "two VIPs, one block");
         assert_eq!(parse(&config("nexthop_ids = 7000", 1)).unwrap().group_id(Some(1)), 7000 + 2 * 256);
+    }
+
+    #[test]
+    fn an_ipv4_vip_has_its_own_id_block_and_marks_that_name_its_tables() {
+        let v4 = parse(&config("", 2).replace("fd00:81::100", "10.81.0.100")).unwrap();
+        let v6 = parse(&config("", 2)).unwrap();
+        assert_ne!(v4.first_nexthop_id(), v6.first_nexthop_id());
+        assert_eq!((v4.family(), v4.vip_prefix(), v6.family(), v6.vip_prefix()), ("-4", "10.81.0.100/32".into(), "-6", "fd00:81::100/128".into()));
+        assert_eq!((v4.mark(0), v4.mark(7)), (0x1b5e_00c8, 0x1b5e_00cf));
+        let v4 = |extra: &str| parse(&config(extra, 1).replace("fd00:81::100", "10.81.0.100"));
+        assert_eq!(v4("ipv4_mark = 0x70000").unwrap().mark(1), 0x7_00c9);
+        for (extra, needle) in
+            [("ipv4_mark = 0x70001", "its low 16 bits must be 0"), ("shadow_table = 65530", "an IPv4 VIP's shadow tables must be below 65536")]
+        {
+            let err = format!("{:#}", v4(extra).unwrap_err());
+            assert!(err.contains(needle), "{err}");
+        }
+        // An IPv6 VIP's tables may be anywhere.
+        parse(&config("shadow_table = 65530", 1)).unwrap();
     }
 
     #[test]

@@ -27,7 +27,7 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags, OpenObject, ProgramInput};
 
 mod frames;
-use frames::{cut6, ext, ipip, opts_header, routing, srv6, srv6_then, IPPROTO_IPV6, IPPROTO_ROUTING};
+use frames::{cut6, ext, ipip, opts_header, routing, srv6, srv6_then, IPPROTO_ROUTING};
 
 const LB_ADDR: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 10);
 const LB6_ADDR: Ipv6Addr = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x10);
@@ -3461,13 +3461,13 @@ fn via(sid: Ipv6Addr, p: &PacketBuilder) -> Vec<u8> {
 }
 
 /// What an instance sends back to the router for a stray `inner`: plain
-/// IPv6-in-IPv6 from its own address to the shadow SID `to`.
+/// IPv6-in-IPv6 (or IPv4-in-IPv6) from its own address to the shadow SID `to`.
 fn chained_to(to: Ipv6Addr, inner: &[u8]) -> Vec<u8> {
     let mut f = ROUTER_MAC.to_vec();
     f.extend_from_slice(&LB_MAC);
     f.extend_from_slice(&[0x86, 0xdd, 0x60, 0, 0, 0]);
     f.extend_from_slice(&(inner.len() as u16).to_be_bytes());
-    f.extend_from_slice(&[IPPROTO_IPV6, 64]);
+    f.extend_from_slice(&[frames::inner_proto(inner), 64]);
     f.extend_from_slice(&LB6_ADDR.octets());
     f.extend_from_slice(&to.octets());
     f.extend_from_slice(inner);
@@ -3595,10 +3595,14 @@ fn srv6_to_our_sid_that_the_router_would_not_send_is_dropped() {
     let d = data(c);
     // A segment still to go: the packet is not at its end.
     fx.assert_dropped(&srv6((ROUTER_MAC, LB_MAC), ROUTER6, COND_SID, &d.build_ip(), 1, false), "srv6_unsupported");
-    // IPv4 inside (next header 4).
-    let mut v4 = srv6((ROUTER_MAC, LB_MAC), ROUTER6, COND_SID, &data(client(4)).build_ip(), 0, true);
+    // IPv6 announced as IPv4 inside (next header 4).
+    let mut v4 = srv6((ROUTER_MAC, LB_MAC), ROUTER6, COND_SID, &d.build_ip(), 0, true);
     v4[ETH_HLEN + 6] = 4;
-    fx.assert_dropped(&v4, "srv6_unsupported");
+    fx.assert_dropped(&v4, "malformed_ip");
+    // Neither IPv6 nor IPv4 inside (UDP right after the SRH).
+    let mut udp = srv6((ROUTER_MAC, LB_MAC), ROUTER6, COND_SID, &d.build_ip(), 0, true);
+    udp[ETH_HLEN + 6] = 17;
+    fx.assert_dropped(&udp, "srv6_unsupported");
     // Another extension header before the SRH.
     let mut chain = srv6((ROUTER_MAC, LB_MAC), ROUTER6, COND_SID, &d.build_ip(), 0, false);
     let srh_at = ETH_HLEN + 40;
@@ -3613,6 +3617,69 @@ fn srv6_to_our_sid_that_the_router_would_not_send_is_dropped() {
     // SRv6 to an address that is not one of our SIDs is the kernel's.
     fx.assert_passed_untouched(&srv6((ROUTER_MAC, LB_MAC), ROUTER6, SHADOW_SID, &d.build_ip(), 0, false));
     assert_eq!(fx.half_open_count() + fx.flow_count() + fx.event("chained") as usize, 0);
+}
+
+/// An IPv4 dsr-rr VIP on an instance with `[scale_out]`: the router
+/// carries it as IPv4 in IPv6 (issue 28, item 5).
+fn scaled_out4() -> Fixture {
+    let fx = Fixture::lb_vip(Spec { mode: Mode::DsrRr, n: 2, ..Spec::default() });
+    fx.config(|c| {
+        c.cond_sid = be_ip(COND_SID.into());
+        c.direct_sid = be_ip(DIRECT_SID.into());
+        c.shadow_sid = be_ip(SHADOW_SID.into());
+    });
+    fx
+}
+
+#[test]
+fn ipv4_in_srv6_to_an_instance_is_unwrapped_and_balanced_as_if_it_came_straight() {
+    let fx = scaled_out4();
+    let c = client(21);
+    let s = syn(c);
+    let out = fx.tx(&via(COND_SID, &s));
+    let f = fx.half_open(c).expect("a handshake");
+    let (b, snat) = (fx.backend_of(u32::from(f.backend_id)), port_of(f.snat_port));
+    // The same bytes as the SYN straight from the router would give: an
+    // IPv4 frame to the backend.
+    assert_eq!(out, forwarded_dsr_syn(&s, &b, snat));
+    assert_eq!(&out[12..14], &[0x08, 0x00]);
+    assert_eq!(f.client_mac, ROUTER_MAC);
+    let a = ack(c);
+    assert_eq!(fx.tx(&via(COND_SID, &a)), forwarded(&a, &b, snat, vec![]));
+    let d = data(c);
+    let plain = srv6((ROUTER_MAC, LB_MAC), ROUTER6, COND_SID, &d.build_ip(), 0, true);
+    assert_eq!(fx.tx(&plain), forwarded(&d, &b, snat, vec![]));
+    assert_eq!(fx.tx(&via(DIRECT_SID, &d)), forwarded(&d, &b, snat, vec![]));
+    let generation_2 = Ipv6Addr::new(0xfd00, 0x5f, 0, 0, 0, 0, 0, 6);
+    assert_eq!(fx.tx(&srv6_then((ROUTER_MAC, LB_MAC), ROUTER6, COND_SID, generation_2, &d.build_ip())), forwarded(&d, &b, snat, vec![]));
+    assert_eq!((fx.event("srv6_cond"), fx.event("srv6_direct"), fx.event("chained")), (4, 1, 0));
+    // An IPv4 header that lies about its length: dropped, nothing opened.
+    let mut bad = via(COND_SID, &data(client(22)));
+    let inner_at = bad.len() - data(client(22)).build_ip().len();
+    bad[inner_at + 2..inner_at + 4].copy_from_slice(&[0xff, 0xff]);
+    fx.assert_dropped(&bad, "malformed_ip");
+    assert!(fx.half_open(client(22)).is_none() && fx.flow(client(22)).is_none());
+}
+
+#[test]
+fn an_ipv4_stray_is_chained_as_ipv4_in_ipv6_to_the_shadow_sid() {
+    let fx = scaled_out4();
+    let c = client(23);
+    for p in [data(c), ack(c), data(c).flags(TCP_RST)] {
+        // IPv4 in IPv6 (next header 4) from the instance's IPv6 address,
+        // the IPv4 packet inside untouched.
+        let out = fx.tx(&via(COND_SID, &p));
+        assert_eq!(out, chained_to(SHADOW_SID, &p.build_ip()));
+        assert_eq!((&out[12..14], out[ETH_HLEN + 6]), (&[0x86, 0xdd][..], 4));
+    }
+    assert_eq!(fx.event("chained"), 3);
+    assert_eq!(fx.half_open_count() + fx.flow_count(), 0, "a stray opens nothing");
+    // The generation the router's SRH names.
+    let generation_3 = Ipv6Addr::new(0xfd00, 0x5f, 0, 0, 0, 0, 0, 7);
+    let d = data(c);
+    assert_eq!(fx.tx(&srv6_then((ROUTER_MAC, LB_MAC), ROUTER6, COND_SID, generation_3, &d.build_ip())), chained_to(generation_3, &d.build_ip()));
+    assert_eq!(fx.event("chained_named"), 1);
+    fx.assert_dropped(&via(DIRECT_SID, &d), "chained_no_flow");
 }
 
 #[test]

@@ -272,7 +272,10 @@ fn the_router_controller_refuses_bad_configs_and_unknown_servers() {
         (format!("vip = \"fd00::80\"\nanchor = \"inb0\"\nshadow_sid = \"fd00:5f::5\"\n{}{}", server("s1", 1), server("s1", 2)), "server \"s1\" twice"),
         (format!("vip = \"fd00::80\"\nanchor = \"inb0\"\nshadow_sid = \"fd00:51::b\"\n{}", server("s1", 1)), "used twice"),
         ("vip = \"fd00::80\"\nanchor = \"inb0\"\nshadow_sid = \"fd00:5f::5\"\n".to_string(), "missing field `server`"),
-        (format!("vip = \"10.0.0.1\"\nshadow_sid = \"fd00:5f::5\"\n{}", server("s1", 1)), "vip"),
+        (format!("vip = \"fd00::80/128\"\nanchor = \"inb0\"\nshadow_sid = \"fd00:5f::5\"\n{}", server("s1", 1)), "vip"),
+        // An IPv4 VIP's marks hold its tables in their low 16 bits.
+        (format!("vip = \"10.0.0.1\"\nanchor = \"inb0\"\nshadow_sid = \"fd00:5f::5\"\nipv4_mark = 0x1b5e0001\n{}", server("s1", 1)), "ipv4_mark = 0x1b5e0001: its low 16 bits must be 0"),
+        (format!("vip = \"10.0.0.1\"\nanchor = \"inb0\"\nshadow_sid = \"fd00:5f::5\"\nshadow_table = 70000\n{}", server("s1", 1)), "below 65536"),
         (format!("vip = \"fd00::80\"\nanchor = \"inb0\"\nshadow_sid = \"fd00:5f::5\"\nweight = 3\n{}", server("s1", 1)), "unknown field `weight`"),
         (format!("vip = \"fd00::80\"\nanchor = \"inb0\"\nshadow_sid = \"fd00:5f::5\"\ngenerations = 9\n{}", server("s1", 1)), "generations = 9: keep 1 to 8"),
         (format!("vip = \"fd00::80\"\nanchor = \"inb0\"\nshadow_sid = \"fd00:5f::5\"\ngenerations = 0\n{}", server("s1", 1)), "generations = 0"),

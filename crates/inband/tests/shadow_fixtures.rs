@@ -22,6 +22,7 @@ use own_netns::TestNetns;
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_UNSPEC: u32 = u32::MAX; // -1
+const TC_ACT_SHOT: u32 = 2;
 
 const ROUTER: Ipv6Addr = Ipv6Addr::new(0xfd00, 1, 0, 0, 0, 0, 0, 1);
 const COND_SID: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x51, 0, 0, 0, 0, 0, 0xb);
@@ -248,4 +249,126 @@ fn from_an_older_generation_a_stray_goes_to_the_shadow_sid_its_srh_names() {
     }
     assert_eq!(count(&skel, "malformed").0, 2);
     assert_eq!((count(&skel, "chained").0, count(&skel, "chained_named").0), (0, 2));
+}
+
+// ------------------------------------------- the router's IPv4 shadow SIDs
+
+mod dt4 {
+    //! bpf/shadow_dt4.bpf.c, on the router's link to an instance: a stray
+    //! of an IPv4 VIP comes back as IPv4 in IPv6 to a shadow SID, and
+    //! leaves the program as the IPv4 packet inside, marked for its
+    //! generation's table; nothing else is touched.
+
+    use super::*;
+    use inband_shadow::bpf::shadow_dt4::{ShadowDt4Skel, ShadowDt4SkelBuilder};
+    use inband_shadow::dt4::{read_counters, Dt4};
+    use inband_core::pod::Pod;
+    use libbpf_rs::{MapCore, MapFlags};
+
+    const INSTANCE: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x31, 0, 0, 0, 0, 0, 2);
+    const MARK_0: u32 = 0x1b5e_00c8;
+    const MARK_2: u32 = 0x1b5e_00ca;
+
+    fn load(obj: &mut MaybeUninit<OpenObject>) -> ShadowDt4Skel<'_> {
+        let mut open = ShadowDt4SkelBuilder::default().open(obj).expect("open");
+        for map in open.open_object_mut().maps_mut() {
+            // SAFETY: a valid open map; a NULL path is libbpf's "do not pin".
+            let rc = unsafe { libbpf_sys::bpf_map__set_pin_path(map.as_libbpf_object().as_ptr(), std::ptr::null()) };
+            assert_eq!(rc, 0);
+        }
+        let skel = open.load().expect("load shadow_dt4.bpf.o");
+        for (sid, mark) in [(SHADOW_SID, MARK_0), (SHADOW_SID_2, MARK_2)] {
+            skel.maps.dt4_sids.update(&sid.octets(), Dt4 { mark }.as_bytes(), MapFlags::ANY).unwrap();
+        }
+        skel
+    }
+
+    /// The verdict, the frame and the mark the program leaves.
+    fn run(prog: &ProgramMut, frame: &[u8]) -> (u32, Vec<u8>, u32) {
+        let mut out = vec![0u8; 1600];
+        // struct __sk_buff: len, pkt_type, mark, ...; the kernel copies it back.
+        let mut ctx_out = vec![0u8; 192];
+        let input = ProgramInput { data_in: Some(frame), data_out: Some(&mut out), context_out: Some(&mut ctx_out), ..Default::default() };
+        let output = prog.test_run(input).expect("BPF_PROG_TEST_RUN");
+        let (ret, len) = (output.return_value, output.data.expect("output data").len());
+        out.truncate(len);
+        (ret, out, u32::from_ne_bytes(ctx_out[8..12].try_into().unwrap()))
+    }
+
+    fn count(skel: &ShadowDt4Skel, name: &str) -> u64 {
+        read_counters(&skel.maps.dt4_stats).unwrap().iter().find(|(n, _)| *n == name).unwrap_or_else(|| panic!("no counter {name}")).1.packets
+    }
+
+    /// A client's IPv4 TCP packet to an IPv4 VIP.
+    fn inner4() -> Vec<u8> {
+        let (client, vip) = ("192.0.2.7:40000".parse::<SocketAddr>().unwrap(), "198.51.100.80:80".parse::<SocketAddr>().unwrap());
+        PacketBuilder::tcp(client, vip).flags(TCP_ACK).payload(b"GET / HTTP/1.1\r\n".to_vec()).build_ip()
+    }
+
+    /// As an instance chains it: plain IPv6 (no SRH) to `sid`, next header 4;
+    /// or, `srh`, with a one-segment SRH whose segment is spent.
+    fn from_instance(sid: Ipv6Addr, inner: &[u8], srh: bool) -> Vec<u8> {
+        frames::srv6(([0x02, 0, 0, 0, 0, 0x31], [0x02, 0, 0, 0, 0, 0x01]), INSTANCE, sid, inner, 0, !srh)
+    }
+
+    /// What leaves the program: the same MACs, type IPv4, the inner packet.
+    fn unwrapped(frame: &[u8], inner: &[u8]) -> Vec<u8> {
+        let mut f = frame[..12].to_vec();
+        f.extend_from_slice(&[0x08, 0x00]);
+        f.extend_from_slice(inner);
+        f
+    }
+
+    #[test]
+    fn an_ipv4_stray_to_a_shadow_sid_leaves_as_ipv4_marked_for_its_generation() {
+        let mut obj = MaybeUninit::uninit();
+        let skel = load(&mut obj);
+        let inner = inner4();
+        for (sid, srh, mark) in [(SHADOW_SID, false, MARK_0), (SHADOW_SID_2, false, MARK_2), (SHADOW_SID, true, MARK_0)] {
+            let f = from_instance(sid, &inner, srh);
+            assert_eq!(run(&skel.progs.shadow_dt4, &f), (TC_ACT_OK, unwrapped(&f, &inner), mark), "to {sid}, SRH {srh}");
+        }
+        assert_eq!((count(&skel, "unwrapped"), count(&skel, "not_taken"), count(&skel, "failed")), (3, 0, 0));
+    }
+
+    #[test]
+    fn anything_else_is_left_to_the_kernel_and_a_stub_is_dropped() {
+        let mut obj = MaybeUninit::uninit();
+        let skel = load(&mut obj);
+        let inner = inner4();
+        let (client, vip) = (SocketAddr::new(CLIENT.into(), 40000), SocketAddr::new(VIP.into(), 80));
+        let inner6 = tcp(client, vip, TCP_ACK);
+        // Not to a shadow SID: uncounted. A ninth generation's SID is not in the map.
+        let others = [
+            from_instance(COND_SID, &inner, false),
+            from_instance(SHADOW_SID_9, &inner, false),
+            PacketBuilder::tcp(client, vip).flags(TCP_ACK).build(),
+            PacketBuilder::tcp("192.0.2.7:40000".parse::<SocketAddr>().unwrap(), "198.51.100.80:80".parse::<SocketAddr>().unwrap()).build(),
+        ];
+        for f in &others {
+            assert_eq!(run(&skel.progs.shadow_dt4, f), (TC_ACT_UNSPEC, f.clone(), 0));
+        }
+        assert_eq!(count(&skel, "not_taken"), 0);
+        // To a shadow SID but not ours to take: IPv6 inside (End.DT6's), a
+        // segment still to go, IPv6 announced as IPv4, a fragment.
+        let mut lying = from_instance(SHADOW_SID, &inner6, false);
+        lying[ETH_HLEN + 6] = 4;
+        let mut fragment = from_instance(SHADOW_SID, &inner, false);
+        fragment[ETH_HLEN + 6] = 44;
+        let refused = [
+            from_instance(SHADOW_SID, &inner6, false),
+            frames::srv6(([0x02, 0, 0, 0, 0, 0x31], [0x02, 0, 0, 0, 0, 0x01]), INSTANCE, SHADOW_SID, &inner, 1, false),
+            lying,
+            fragment,
+        ];
+        for f in &refused {
+            assert_eq!(run(&skel.progs.shadow_dt4, f), (TC_ACT_UNSPEC, f.clone(), 0));
+        }
+        assert_eq!((count(&skel, "not_taken"), count(&skel, "unwrapped")), (refused.len() as u64, 0));
+        // IPv4 announced, but less than an IPv4 header inside: the kernel
+        // will not shrink the packet to that; dropped and counted.
+        let stub = from_instance(SHADOW_SID, &inner[..8], false);
+        assert_eq!(run(&skel.progs.shadow_dt4, &stub), (TC_ACT_SHOT, stub.clone(), 0));
+        assert_eq!((count(&skel, "failed"), count(&skel, "unwrapped")), (1, 0));
+    }
 }

@@ -93,7 +93,7 @@ enum inband_drop_reason {
 	INBAND_DROP_FAMILY = 18, /* a packet of a family the balancer has no address for */
 	INBAND_DROP_QUERY_PENDING = 19, /* dsr-query: a SYN handed to the daemon to ask the backends */
 	INBAND_DROP_CHAINED_NO_FLOW = 20, /* chained here by another instance, and no connection here either */
-	INBAND_DROP_SRV6_UNSUPPORTED = 21, /* to our SID, but not one segment carrying IPv6: not unwrapped */
+	INBAND_DROP_SRV6_UNSUPPORTED = 21, /* to our SID, but not one segment carrying IPv6 or IPv4: not unwrapped */
 	INBAND_DROP_MAX = 22,
 };
 

@@ -35,20 +35,22 @@
 #define SRV6_OUTER_SRH (INBAND_IPV6_HDR + 8 + 16)
 #define SRV6_OUTER_SRH2 (INBAND_IPV6_HDR + INBAND_SRH2_LEN)
 #define IP6_IN_IP6 41
+#define IP4_IN_IP6 4
 #define SRH_TYPE 4
 
 /*
  * SRv6 from the ECMP router to one of this instance's SIDs (scale-out):
  * the outer header (and its SRH) comes off and `p` is parsed
- * again as the IPv6 packet inside, to be walked as if it had come
- * straight, with p->via_sid saying how it came. 1 if it was unwrapped, 0
+ * again as the IPv6 or IPv4 packet inside (an IPv4 VIP's route encapsulates
+ * IPv4 in IPv6), to be walked as if it had come straight, with p->via_sid
+ * saying how it came. 1 if it was unwrapped, 0
  * if it is not ours (left to the kernel), -1 if it is dropped (counted).
  * Not inlined: the walk's frame is at its limit.
  */
 static __noinline int decap_srv6(struct xdp_md *ctx, const struct inband_lb_config *cfg, struct pkt *p)
 {
 	__u8 via, next[16];
-	int generation = 0;
+	int generation = 0, inner4;
 
 	if (!cfg || !p || inband_addr_is_zero(&cfg->cond_sid))
 		return 0;
@@ -58,14 +60,15 @@ static __noinline int decap_srv6(struct xdp_md *ctx, const struct inband_lb_conf
 		via = VIA_DIRECT_SID;
 	else
 		return 0;
-	/* Only what the router sends is unwrapped: IPv6 inside, no
+	/* Only what the router sends is unwrapped: IPv6 or IPv4 inside, no
 	 * fragment, and either no extension header or one SRH whose only
 	 * segment is ours (segments left 0), or, to the conditional SID,
 	 * one of two segments whose second is a shadow SID (segments left
 	 * 1: where a stray goes). Anything else to our SID has no meaning
 	 * here. */
-	if (p->proto != IP6_IN_IP6 || p->frag)
+	if ((p->proto != IP6_IN_IP6 && p->proto != IP4_IN_IP6) || p->frag)
 		goto unsupported;
+	inner4 = p->proto == IP4_IN_IP6;
 	if (p->hlen == SRV6_OUTER_SRH2) {
 		if (via != VIA_COND_SID || p->ext != 1 || p->srh_type != SRH_TYPE || p->srh_left != 1 ||
 		    bpf_xdp_load_bytes(ctx, ETH_HLEN + INBAND_IPV6_HDR + INBAND_SRH2_NEXT_SEGMENT, next, sizeof(next)))
@@ -84,8 +87,20 @@ static __noinline int decap_srv6(struct xdp_md *ctx, const struct inband_lb_conf
 	event(via == VIA_COND_SID ? INBAND_EV_SRV6_COND : INBAND_EV_SRV6_DIRECT);
 	__builtin_memset(p, 0, sizeof(*p));
 	p->len = (long)ctx->data_end - (long)ctx->data;
-	if (parse6(ctx, p))
+	if (inner4) {
+		/* The walk's IPv4 paths keep the frame's type as it came. */
+		struct ethhdr *eth = (void *)(long)ctx->data;
+
+		if ((void *)(eth + 1) > (void *)(long)ctx->data_end) {
+			drop(INBAND_DROP_ADJUST_FAILED);
+			return -1;
+		}
+		eth->h_proto = bpf_htons(ETH_P_IP);
+		if (parse4(ctx, p))
+			return -1;
+	} else if (parse6(ctx, p)) {
 		return -1;
+	}
 	p->via_sid = via;
 	p->chain_generation = generation;
 	return 1;
@@ -98,8 +113,8 @@ unsupported:
  * Sends a TCP packet that has no connection here back to the router,
  * wrapped in IPv6 to a shadow SID (the generation the router named, or
  * the first; no SRH: the router's End.DT6 takes a plain IPv6-in-IPv6
- * packet), which routes it by that earlier next-hop set to the instance
- * that had it. The router sent it to us, so its MAC
+ * packet, its shadow_dt4 program a plain IPv4-in-IPv6 one), which routes
+ * it by that earlier next-hop set to the instance that had it. The router sent it to us, so its MAC
  * is the frame's source. `p` describes the packet as it came (unwrapped).
  */
 static __noinline int chain(struct xdp_md *ctx, const struct inband_lb_config *cfg, const struct pkt *p)
@@ -125,7 +140,7 @@ static __noinline int chain(struct xdp_md *ctx, const struct inband_lb_config *c
 	eth->h_proto = bpf_htons(ETH_P_IPV6_);
 	*(__be32 *)outer = bpf_htonl(0x60000000);
 	outer->payload_len = bpf_htons(p->tot_len);
-	outer->nexthdr = IP6_IN_IP6;
+	outer->nexthdr = p->family == 4 ? IP4_IN_IP6 : IP6_IN_IP6;
 	outer->hop_limit = 64;
 	__builtin_memcpy(&outer->saddr, &cfg->self6, 16);
 	inband_shadow_sid((__u8 *)&outer->daddr, (const __u8 *)&cfg->shadow_sid, p->chain_generation);

@@ -37,4 +37,27 @@ struct inband_shadow_count {
 	__u64 bytes;
 };
 
+/*
+ * The router's side for IPv4 VIPs (bpf/shadow_dt4.bpf.c, tc ingress on
+ * the router's links to its next hops): what End.DT4 would do without
+ * the VRF device it needs. dt4_sids[generation k's shadow SID] is written
+ * by `inband shadow route` for a config whose VIP is IPv4; the mark is
+ * the one a `fwmark` rule sends to generation k's table. Bounded: a
+ * router holds at most INBAND_SHADOW_DT4_SIDS shadow SIDs (8 generations
+ * of 8 configs with shadow SIDs of their own); `route` refuses more.
+ */
+#define INBAND_SHADOW_DT4_SIDS 64
+
+struct inband_shadow_dt4 {
+	__u32 mark;
+};
+
+/* dt4_stats[counter]: per CPU, packets and bytes. */
+enum inband_shadow_dt4_counter {
+	INBAND_SHADOW_DT4_UNWRAPPED = 0, /* IPv4 in IPv6 to a shadow SID: unwrapped, marked, routed */
+	INBAND_SHADOW_DT4_NOT_TAKEN, /* to a shadow SID, not IPv4 in a plain or spent-SRH IPv6 header: left to the kernel */
+	INBAND_SHADOW_DT4_FAILED, /* the outer header could not be removed: dropped */
+	INBAND_SHADOW_DT4_COUNTERS,
+};
+
 #endif /* INBAND_SHADOW_TYPES_H */

@@ -1,7 +1,6 @@
 //! The ECMP testbed (seed 002's setup, `TestbedSpec::ecmp`): a router `r1`
 //! with a link of its own to every client and every server, reached
-//! through SRv6 (IPv6 only: this kernel has End.DT6 into a plain table,
-//! but End.DT4 only into a VRF device, which it lacks). Its next hops for
+//! through SRv6. Its next hops for
 //! the VIP are the servers, each with the VIP, or with `balancers` > 0
 //! the balancer instances b1..bN (on links of their own to r1), each in
 //! front of every server.
@@ -14,7 +13,14 @@
 //! into the local table, where the VIP fd00:X::100 is; a balancer's XDP
 //! program takes them itself. The router's shadow SID is fd00:X:5f::5.
 //! The router's `router.toml` (for `inband shadow route`) lists the next
-//! hops; no route to the VIP exists until that command runs. Its anchor,
+//! hops; no route to the VIP exists until that command runs.
+//!
+//! Every host has an IPv4 address too, for IPv4 VIPs behind balancer
+//! instances (which the router carries as IPv4 in IPv6 to the same SIDs;
+//! servers as next hops take IPv6 only: their End.DT6 SIDs): client i
+//! 10.X.1.(10+i) behind r1's 10.X.1.1, server i 10.X.(20+i).2 and
+//! balancer i 10.X.(30+i).2 with r1 at .1 on their links, the IPv4 VIP
+//! 10.X.0.100 (X in decimal here). Its anchor,
 //! the interface the router's nexthop objects sit on, is `inb0`: a veth
 //! pair inside r1 (`inb0`, `inb0p`, both up), since this kernel has no
 //! dummy driver.
@@ -91,6 +97,7 @@ pub fn build(tb: &Testbed) -> Result<()> {
         command::ip(&["-n", &n.netns, "link", "set", "lo", "up"])?;
     }
     sysctl(&r1.netns, "net.ipv6.conf.all.forwarding=1")?;
+    sysctl(&r1.netns, "net.ipv4.ip_forward=1")?;
     command::ip(&["-n", &r1.netns, "link", "add", ANCHOR, "type", "veth", "peer", "name", &format!("{ANCHOR}p")])?;
     for dev in [ANCHOR.to_string(), format!("{ANCHOR}p")] {
         command::ip(&["-n", &r1.netns, "link", "set", &dev, "up"])?;
@@ -108,14 +115,21 @@ pub fn build(tb: &Testbed) -> Result<()> {
         command::run(netns::in_netns(&n.netns, &["ethtool", "-K", local, "tx", "off"]).stdout(Stdio::null()))?;
         command::run(netns::in_netns(&r1.netns, &["ethtool", "-K", peer, "tx", "off"]).stdout(Stdio::null()))?;
         add_ipv6(&n.netns, local, &format!("{}/64", n.address6))?;
+        command::ip(&["-n", &n.netns, "addr", "add", &format!("{}/24", n.address), "dev", local])?;
+        let gw4 = router_on4(n).to_string();
         if n.node.starts_with('c') {
             command::ip(&["-n", &n.netns, "-6", "route", "add", "default", "via", &gw])?;
             add_ipv6(&r1.netns, peer, &format!("{gw}/128"))?;
             command::ip(&["-n", &r1.netns, "-6", "route", "add", &format!("{}/128", n.address6), "dev", peer])?;
+            command::ip(&["-n", &n.netns, "route", "add", "default", "via", &gw4])?;
+            command::ip(&["-n", &r1.netns, "addr", "add", &format!("{gw4}/32"), "dev", peer])?;
+            command::ip(&["-n", &r1.netns, "route", "add", &format!("{}/32", n.address), "dev", peer])?;
             continue;
         }
         add_ipv6(&r1.netns, peer, &format!("{}/64", plan.router_on(n)))?;
         command::ip(&["-n", &n.netns, "-6", "route", "add", "default", "via", &plan.router_on(n).to_string()])?;
+        command::ip(&["-n", &r1.netns, "addr", "add", &format!("{gw4}/24"), "dev", peer])?;
+        command::ip(&["-n", &n.netns, "route", "add", "default", "via", &gw4])?;
         if !n.node.starts_with(hop) {
             continue;
         }
@@ -160,6 +174,13 @@ pub fn build(tb: &Testbed) -> Result<()> {
     Ok(())
 }
 
+/// The router's IPv4 address on the link to `node`.
+fn router_on4(node: &Node) -> std::net::Ipv4Addr {
+    let mut o = node.address.octets();
+    o[3] = 1;
+    std::net::Ipv4Addr::from(o)
+}
+
 /// The router's anchor interface (router.toml's `anchor`).
 pub const ANCHOR: &str = "inb0";
 
@@ -176,19 +197,19 @@ pub fn router_config(tb: &Testbed) -> std::path::PathBuf {
     super::state_path(&tb.spec.name).with_extension("router.toml")
 }
 
+/// The IPv4 VIP of an ECMP testbed on `subnet`.
+pub fn vip4(subnet: u8) -> std::net::Ipv4Addr {
+    std::net::Ipv4Addr::new(10, subnet, 0, 100)
+}
+
 /// The nodes of an ECMP testbed with `clients`, `servers` and `balancers`.
 pub fn nodes(subnet: u8, clients: usize, servers: usize, balancers: usize) -> Vec<Node> {
     let plan = Plan { subnet: hex(subnet) };
-    let node = |name: String, address6| Node {
-        node: name,
-        netns: String::new(),
-        address: std::net::Ipv4Addr::UNSPECIFIED,
-        address6,
-        bridge_port: String::new(),
-    };
-    let mut v = vec![node("r1".into(), plan.client_gw())];
-    v.extend((1..=clients).map(|i| node(format!("c{i}"), plan.client(i))));
-    v.extend((1..=servers).map(|i| node(format!("s{i}"), plan.server(i))));
-    v.extend((1..=balancers).map(|i| node(format!("b{i}"), plan.balancer(i))));
+    let v4 = |net: usize, host: u8| std::net::Ipv4Addr::new(10, subnet, net as u8, host);
+    let node = |name: String, address, address6| Node { node: name, netns: String::new(), address, address6, bridge_port: String::new() };
+    let mut v = vec![node("r1".into(), v4(1, 1), plan.client_gw())];
+    v.extend((1..=clients).map(|i| node(format!("c{i}"), v4(1, 10 + i as u8), plan.client(i))));
+    v.extend((1..=servers).map(|i| node(format!("s{i}"), v4(20 + i, 2), plan.server(i))));
+    v.extend((1..=balancers).map(|i| node(format!("b{i}"), v4(30 + i, 2), plan.balancer(i))));
     v
 }

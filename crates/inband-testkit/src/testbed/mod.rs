@@ -144,7 +144,7 @@ impl Testbed {
             }
             let mut tb = Testbed {
                 switch: String::new(),
-                vip: Ipv4Addr::UNSPECIFIED,
+                vip: ecmp::vip4(spec.subnet),
                 vip6: plan.vip(),
                 spec,
                 nodes,
@@ -463,6 +463,8 @@ pub enum TestbedCommand {
         client_link_mtu: Option<u32>,
         /// Seed 002's layout: clients and servers on links of their own to
         /// a router, the VIP on every server (IPv6, SRv6), no balancer.
+        /// Every host also has an IPv4 address (10.<subnet>.*), for IPv4
+        /// VIPs behind --balancers.
         #[arg(long, conflicts_with = "client_link_mtu")]
         ecmp: bool,
         /// With --ecmp: this many `inband lb` hosts (b1..bN) as the

@@ -68,8 +68,18 @@ pub fn ipip(frame: &[u8]) -> Vec<u8> {
     [&frame[..ETH_HLEN], &outer, inner].concat()
 }
 
-/// The IPv6 packet `inner` (no Ethernet header) as an ECMP router sends it
-/// to `sid` with `ip -6 route ... encap seg6 mode encap segs SID`: an outer
+/// The next header that announces the IP packet `inner`: IPv4 in IPv6
+/// (4, an IPv4 VIP's route) or IPv6 in IPv6 (41).
+pub fn inner_proto(inner: &[u8]) -> u8 {
+    if inner[0] >> 4 == 4 {
+        4
+    } else {
+        IPPROTO_IPV6
+    }
+}
+
+/// The IP packet `inner` (no Ethernet header) as an ECMP router sends it
+/// to `sid` with `ip route ... encap seg6 mode encap segs SID`: an outer
 /// header from `router`, a Segment Routing Header of that one segment with
 /// `segments_left`, then `inner`; `reduced` (encap.red) leaves the SRH out.
 /// The frame goes from `macs.0` to `macs.1`.
@@ -80,13 +90,13 @@ pub fn srv6(macs: ([u8; 6], [u8; 6]), router: Ipv6Addr, sid: Ipv6Addr, inner: &[
         // Routing type 4, segments left, last entry 0, flags, tag; the one segment.
         let mut body = vec![4, segments_left, 0, 0, 0, 0];
         body.extend_from_slice(&sid.octets());
-        ext(IPPROTO_IPV6, &body)
+        ext(inner_proto(inner), &body)
     };
     let mut f = macs.1.to_vec();
     f.extend_from_slice(&macs.0);
     f.extend_from_slice(&[0x86, 0xdd, 0x60, 0, 0, 0]);
     f.extend_from_slice(&((srh.len() + inner.len()) as u16).to_be_bytes());
-    f.push(if reduced { IPPROTO_IPV6 } else { IPPROTO_ROUTING });
+    f.push(if reduced { inner_proto(inner) } else { IPPROTO_ROUTING });
     f.push(64);
     f.extend_from_slice(&router.octets());
     f.extend_from_slice(&sid.octets());
@@ -95,7 +105,7 @@ pub fn srv6(macs: ([u8; 6], [u8; 6]), router: Ipv6Addr, sid: Ipv6Addr, inner: &[
     f
 }
 
-/// The IPv6 packet `inner` as an ECMP router sends it from a shadow table
+/// The IP packet `inner` as an ECMP router sends it from a shadow table
 /// with an older generation behind it (`segs SID,NEXT`): an SRH of two
 /// segments, `sid` active and `next` (segment 0, the path's last) to go,
 /// segments left 1.
@@ -104,7 +114,7 @@ pub fn srv6_then(macs: ([u8; 6], [u8; 6]), router: Ipv6Addr, sid: Ipv6Addr, next
     let mut body = vec![4, 1, 1, 0, 0, 0];
     body.extend_from_slice(&next.octets());
     body.extend_from_slice(&sid.octets());
-    let srh = ext(IPPROTO_IPV6, &body);
+    let srh = ext(inner_proto(inner), &body);
     let mut f = macs.1.to_vec();
     f.extend_from_slice(&macs.0);
     f.extend_from_slice(&[0x86, 0xdd, 0x60, 0, 0, 0]);

@@ -1,0 +1,120 @@
+//! The router's shadow SIDs for IPv4 VIPs: bpf/shadow_dt4.bpf.c on tc
+//! ingress of every next hop's link, which unwraps a stray (IPv4 in IPv6
+//! to a shadow SID) and marks it for its generation's `fwmark` rule. The
+//! kernel's End.DT4 would do it, but only into a VRF device
+//! (docs/decisions.md).
+//!
+//! Lifetime: as the routes it serves, nothing here needs a process. Each
+//! `route` run loads the program over the pinned maps under [`pin_dir`]
+//! (so the counters carry on), writes this config's shadow SIDs into
+//! `dt4_sids`, removes its SIDs of generations it no longer keeps, and
+//! attaches the program to every next hop's link, replacing what an
+//! earlier run left there; a link that is missing is skipped (its
+//! instance is dead and sends nothing), one made later gets it on the
+//! next run. The filters and pins stay when the process exits, as the
+//! routes do; `inband shadow status --router` reads the counters.
+
+use std::mem::MaybeUninit;
+use std::os::fd::AsFd;
+
+use anyhow::{bail, Context, Result};
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::{MapCore, MapFlags, TC_INGRESS};
+use tracing::warn;
+
+use crate::attach::Count;
+use crate::bpf::shadow_dt4::ShadowDt4SkelBuilder;
+use crate::route::{RouterConfig, MAX_GENERATIONS};
+use inband_core::bpfmap::PinDir;
+use inband_core::pod::Pod;
+use inband_core::shared as c;
+
+pub type Dt4 = c::inband_shadow_dt4;
+
+/// After the servers' program's slot (0x1a0) and the agent's (0x1b0):
+/// a router may run either on the same link.
+const TC_HANDLE: u32 = 0x1c0;
+const TC_PRIORITY: u32 = 0x1c0;
+
+/// Counter names, in the order of `enum inband_shadow_dt4_counter`.
+pub const COUNTERS: [&str; c::INBAND_SHADOW_DT4_COUNTERS as usize] = ["unwrapped", "not_taken", "failed"];
+
+pub fn pin_dir() -> PinDir {
+    PinDir(inband_core::bpfmap::pin_root().join("shadow_dt4"))
+}
+
+/// Loads the program over the pinned maps, writes `cfg`'s shadow SIDs
+/// and attaches it to each next hop's link that exists in `links`.
+pub fn install(cfg: &RouterConfig, links: &crate::route::Links) -> Result<()> {
+    inband_core::bpfmap::require_bpffs()?;
+    let pins = pin_dir();
+    std::fs::create_dir_all(&pins.0).with_context(|| format!("creating {}", pins.0.display()))?;
+    let mut storage = MaybeUninit::uninit();
+    let mut open = ShadowDt4SkelBuilder::default().open(&mut storage).context("opening the shadow_dt4 BPF object")?;
+    for mut map in open.open_object_mut().maps_mut() {
+        let name = map.name().to_string_lossy().into_owned();
+        if !name.contains('.') {
+            map.set_pin_path(pins.path(&name)).with_context(|| format!("pin path for {name}"))?;
+        }
+    }
+    let skel = open.load().with_context(|| {
+        format!(
+            "loading the shadow_dt4 program (the verifier refused it, or maps pinned by an incompatible version exist: remove {} \
+             and run again)",
+            pins.0.display()
+        )
+    })?;
+    for k in 0..MAX_GENERATIONS {
+        let sid = crate::route::generation_sid(cfg.shadow_sid, k).octets();
+        if k < cfg.generations {
+            let value = Dt4 { mark: cfg.mark(k) };
+            if let Err(e) = skel.maps.dt4_sids.update(&sid, value.as_bytes(), MapFlags::ANY) {
+                bail!(
+                    "writing shadow SID {} into dt4_sids: {e:#} (it holds at most {} SIDs for all the router's IPv4 configs)",
+                    crate::route::generation_sid(cfg.shadow_sid, k),
+                    c::INBAND_SHADOW_DT4_SIDS
+                );
+            }
+        } else {
+            match skel.maps.dt4_sids.delete(&sid) {
+                Err(e) if e.kind() != libbpf_rs::ErrorKind::NotFound => return Err(e).context("removing an old generation's shadow SID"),
+                _ => {}
+            }
+        }
+    }
+    for s in &cfg.server {
+        if !links.contains_key(&s.dev) {
+            warn!(server = %s.name, dev = %s.dev, "no such interface: the IPv4 shadow program is not attached there");
+            continue;
+        }
+        let ifindex = inband_core::netif::ifindex(&s.dev)? as i32;
+        inband_core::tc::create_clsact(ifindex).with_context(|| format!("creating a clsact qdisc on {}", s.dev))?;
+        let slot = inband_core::tc::Slot { ifindex, handle: TC_HANDLE, priority: TC_PRIORITY };
+        slot.attach(skel.progs.shadow_dt4.as_fd(), TC_INGRESS)
+            .with_context(|| format!("attaching the IPv4 shadow program to {} (tc ingress)", s.dev))?;
+    }
+    Ok(())
+}
+
+/// Each counter summed over the CPUs, by name.
+pub fn counters() -> Result<Vec<(&'static str, Count)>> {
+    let pins = pin_dir();
+    if !pins.exists() {
+        bail!("no IPv4 shadow program in this network namespace (`inband shadow route` with an IPv4 VIP sets it up)");
+    }
+    read_counters(&pins.open("dt4_stats")?)
+}
+
+pub fn read_counters(map: &dyn MapCore) -> Result<Vec<(&'static str, Count)>> {
+    COUNTERS
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let per_cpu: Vec<Count> = inband_core::bpfmap::get_percpu(map, &(i as u32))?;
+            let sum = per_cpu
+                .iter()
+                .fold(Count::default(), |a, v| Count { packets: a.packets + v.packets, bytes: a.bytes + v.bytes });
+            Ok((*name, sum))
+        })
+        .collect()
+}
