@@ -126,7 +126,13 @@ pub fn counters(interface: &str) -> Result<Vec<(&'static str, Count)>> {
 }
 
 pub fn read_counters(map: &dyn MapCore) -> Result<Vec<(&'static str, Count)>> {
-    COUNTERS
+    read_named(map, &COUNTERS)
+}
+
+/// The per-CPU counters of `map`, entry i named `names[i]`, summed over
+/// CPUs: the layout of every shadow program's stats (this one's and dt4's).
+pub fn read_named(map: &dyn MapCore, names: &[&'static str]) -> Result<Vec<(&'static str, Count)>> {
+    names
         .iter()
         .enumerate()
         .map(|(i, name)| {

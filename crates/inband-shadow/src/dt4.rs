@@ -106,15 +106,5 @@ pub fn counters() -> Result<Vec<(&'static str, Count)>> {
 }
 
 pub fn read_counters(map: &dyn MapCore) -> Result<Vec<(&'static str, Count)>> {
-    COUNTERS
-        .iter()
-        .enumerate()
-        .map(|(i, name)| {
-            let per_cpu: Vec<Count> = inband_core::bpfmap::get_percpu(map, &(i as u32))?;
-            let sum = per_cpu
-                .iter()
-                .fold(Count::default(), |a, v| Count { packets: a.packets + v.packets, bytes: a.bytes + v.bytes });
-            Ok((*name, sum))
-        })
-        .collect()
+    crate::attach::read_named(map, &COUNTERS)
 }

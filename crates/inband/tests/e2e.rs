@@ -566,14 +566,7 @@ fn an_upgrade_that_changes_map_layouts_under_load_breaks_no_connection() {
         (i.value_size, i.max_entries)
     };
     let (old_value, _) = shape(&flows());
-    let mut downloads = Downloads(
-        (0..SERVERS)
-            .map(|_| {
-                let (ip, port, n, rate) = (v.ip().to_string(), v.port().to_string(), PER_CONN.to_string(), RATE.to_string());
-                in_ns(&c.tb, "c1", &["timeout", "60", "python3", "-c", PACED_CLIENT, &ip, &port, &n, &rate]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
-            })
-            .collect(),
-    );
+    let mut downloads = Downloads::paced(&c, v.into(), SERVERS, PER_CONN, RATE);
     let url = format!("http://{v}/");
     let short_loop = format!("for i in $(seq {LOOP}); do curl -s -o /dev/null -w '%{{http_code}}\\n' --max-time 5 {url}; sleep 0.05; done");
     let short = in_ns(&c.tb, "c1", &["timeout", "60", "sh", "-c", &short_loop]).stdout(Stdio::piped()).spawn().unwrap();
@@ -618,12 +611,7 @@ fn an_upgrade_that_changes_map_layouts_under_load_breaks_no_connection() {
     assert_eq!(shape(&flows()), (old_value, 65536), "the flow table is back to the built-in layout");
     assert!(flows().keys().count() + 8 >= count, "flows carried back ({count} before)");
 
-    for d in std::mem::take(&mut downloads.0) {
-        let out = d.wait_with_output().unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).to_string();
-        let got: Vec<(String, u64)> = text.lines().map(|l| { let f: Vec<&str> = l.split_whitespace().collect(); (f[0].to_string(), f[1].parse().unwrap()) }).collect();
-        assert_eq!(got, vec![("200".to_string(), BODY); PER_CONN], "a download broke: {text} {}", String::from_utf8_lossy(&out.stderr));
-    }
+    downloads.all_complete(PER_CONN, BODY);
     let out = short.wait_with_output().unwrap();
     let codes = String::from_utf8_lossy(&out.stdout).to_string();
     assert_eq!(codes.lines().filter(|l| *l == "200").count(), LOOP, "new connections across the switches: {codes}");
@@ -664,26 +652,14 @@ fn agents_hand_over_to_the_next_agent_without_losing_dsr() {
     let body = BODY.to_string();
     let mut c = Cluster::with(Spec::new("ho", "dsr-dynamic").vip("policy = \"round-robin\"").every_server(&["--body-bytes", &body, "--keep-alive"]));
     let v = vip(&c.tb);
-    let mut downloads = Downloads(
-        (0..SERVERS)
-            .map(|_| {
-                let (ip, port, n, rate) = (v.ip().to_string(), v.port().to_string(), PER_CONN.to_string(), RATE.to_string());
-                in_ns(&c.tb, "c1", &["timeout", "60", "python3", "-c", PACED_CLIENT, &ip, &port, &n, &rate]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
-            })
-            .collect(),
-    );
+    let mut downloads = Downloads::paced(&c, v.into(), SERVERS, PER_CONN, RATE);
     wait_for("a download on every backend", || c.conns().iter().all(|&n| n >= 1));
     let returned = c.sum("return_bytes");
     for i in 1..=SERVERS {
         c.hand_over_agent(i);
     }
     let scores = c.sum("scores_received");
-    for d in std::mem::take(&mut downloads.0) {
-        let out = d.wait_with_output().unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).to_string();
-        let got: Vec<(String, u64)> = text.lines().map(|l| { let f: Vec<&str> = l.split_whitespace().collect(); (f[0].to_string(), f[1].parse().unwrap()) }).collect();
-        assert_eq!(got, vec![("200".to_string(), BODY); PER_CONN], "a download broke: {text} {}", String::from_utf8_lossy(&out.stderr));
-    }
+    downloads.all_complete(PER_CONN, BODY);
     let through = c.sum("return_bytes") - returned;
     let total = SERVERS as u64 * PER_CONN as u64 * BODY;
     assert!(through * 20 <= total, "{through} of {total} response bytes came back through the balancer after the hand-over");
@@ -916,6 +892,32 @@ for _ in range(n):
 
 /// Client processes stopped if the test ends before they do.
 struct Downloads(Vec<Child>);
+
+impl Downloads {
+    /// `n` keep-alive connections to `to` from c1, each reading `per_conn`
+    /// responses at `rate` bytes a second (PACED_CLIENT).
+    fn paced(c: &Cluster, to: SocketAddr, n: usize, per_conn: usize, rate: u64) -> Downloads {
+        let (ip, port, per_conn, rate) = (to.ip().to_string(), to.port().to_string(), per_conn.to_string(), rate.to_string());
+        let args = ["timeout", "60", "python3", "-c", PACED_CLIENT, &ip, &port, &per_conn, &rate];
+        Downloads((0..n).map(|_| in_ns(&c.tb, "c1", &args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()).collect())
+    }
+
+    /// Waits for every connection: each got `per_conn` full responses of `body` bytes.
+    fn all_complete(&mut self, per_conn: usize, body: u64) {
+        for d in std::mem::take(&mut self.0) {
+            let out = d.wait_with_output().unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            let got: Vec<(String, u64)> = text
+                .lines()
+                .map(|l| {
+                    let f: Vec<&str> = l.split_whitespace().collect();
+                    (f[0].to_string(), f[1].parse().unwrap())
+                })
+                .collect();
+            assert_eq!(got, vec![("200".to_string(), body); per_conn], "a download broke: {text} {}", String::from_utf8_lossy(&out.stderr));
+        }
+    }
+}
 
 impl Drop for Downloads {
     fn drop(&mut self) {
