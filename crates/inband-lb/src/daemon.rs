@@ -165,7 +165,6 @@ pub fn run(config_path: &Path) -> Result<()> {
     if let Some(m) = metrics {
         let _ = m.join();
     }
-    drop(sweep_prog);
     drop(obj);
     lock.release();
     info!("inband lb stopped; the data path stays attached (`inband lb detach --interface {}` removes it)", cfg.interface);

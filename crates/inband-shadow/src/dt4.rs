@@ -15,16 +15,15 @@
 //! routes do; `inband shadow status --router` reads the counters.
 
 use std::mem::MaybeUninit;
+use std::net::Ipv6Addr;
 use std::os::fd::AsFd;
 
 use anyhow::{bail, Context, Result};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags, TC_INGRESS};
-use tracing::warn;
 
 use crate::attach::Count;
 use crate::bpf::shadow_dt4::ShadowDt4SkelBuilder;
-use crate::route::{RouterConfig, MAX_GENERATIONS};
 use inband_core::bpfmap::PinDir;
 use inband_core::pod::Pod;
 use inband_core::shared as c;
@@ -43,9 +42,10 @@ pub fn pin_dir() -> PinDir {
     PinDir(inband_core::bpfmap::pin_root().join("shadow_dt4"))
 }
 
-/// Loads the program over the pinned maps, writes `cfg`'s shadow SIDs
-/// and attaches it to each next hop's link that exists in `links`.
-pub fn install(cfg: &RouterConfig, links: &crate::route::Links) -> Result<()> {
+/// Loads the program over the pinned maps, writes the shadow SIDs `sids`
+/// (each with its generation's mark), removes those of generations no
+/// longer kept (`gone`) and attaches it to each interface of `links`.
+pub fn install(sids: &[(Ipv6Addr, u32)], gone: &[Ipv6Addr], links: &[&str]) -> Result<()> {
     inband_core::bpfmap::require_bpffs()?;
     let pins = pin_dir();
     std::fs::create_dir_all(&pins.0).with_context(|| format!("creating {}", pins.0.display()))?;
@@ -64,34 +64,22 @@ pub fn install(cfg: &RouterConfig, links: &crate::route::Links) -> Result<()> {
             pins.0.display()
         )
     })?;
-    for k in 0..MAX_GENERATIONS {
-        let sid = crate::route::generation_sid(cfg.shadow_sid, k).octets();
-        if k < cfg.generations {
-            let value = Dt4 { mark: cfg.mark(k) };
-            if let Err(e) = skel.maps.dt4_sids.update(&sid, value.as_bytes(), MapFlags::ANY) {
-                bail!(
-                    "writing shadow SID {} into dt4_sids: {e:#} (it holds at most {} SIDs for all the router's IPv4 configs)",
-                    crate::route::generation_sid(cfg.shadow_sid, k),
-                    c::INBAND_SHADOW_DT4_SIDS
-                );
-            }
-        } else {
-            match skel.maps.dt4_sids.delete(&sid) {
-                Err(e) if e.kind() != libbpf_rs::ErrorKind::NotFound => return Err(e).context("removing an old generation's shadow SID"),
-                _ => {}
-            }
+    for (sid, mark) in sids {
+        if let Err(e) = skel.maps.dt4_sids.update(&sid.octets(), Dt4 { mark: *mark }.as_bytes(), MapFlags::ANY) {
+            bail!("writing shadow SID {sid} into dt4_sids: {e:#} (it holds at most {} SIDs for all the router's IPv4 configs)", c::INBAND_SHADOW_DT4_SIDS);
         }
     }
-    for s in &cfg.server {
-        if !links.contains_key(&s.dev) {
-            warn!(server = %s.name, dev = %s.dev, "no such interface: the IPv4 shadow program is not attached there");
-            continue;
+    for sid in gone {
+        match skel.maps.dt4_sids.delete(&sid.octets()) {
+            Err(e) if e.kind() != libbpf_rs::ErrorKind::NotFound => return Err(e).context("removing an old generation's shadow SID"),
+            _ => {}
         }
-        let ifindex = inband_core::netif::ifindex(&s.dev)? as i32;
-        inband_core::tc::create_clsact(ifindex).with_context(|| format!("creating a clsact qdisc on {}", s.dev))?;
+    }
+    for dev in links {
+        let ifindex = inband_core::netif::ifindex(dev)? as i32;
+        inband_core::tc::create_clsact(ifindex).with_context(|| format!("creating a clsact qdisc on {dev}"))?;
         let slot = inband_core::tc::Slot { ifindex, handle: TC_HANDLE, priority: TC_PRIORITY };
-        slot.attach(skel.progs.shadow_dt4.as_fd(), TC_INGRESS)
-            .with_context(|| format!("attaching the IPv4 shadow program to {} (tc ingress)", s.dev))?;
+        slot.attach(skel.progs.shadow_dt4.as_fd(), TC_INGRESS).with_context(|| format!("attaching the IPv4 shadow program to {dev} (tc ingress)"))?;
     }
     Ok(())
 }

@@ -520,7 +520,21 @@ fn prepare(cfg: &RouterConfig, up: &[&Server], forced: &[String]) -> Result<(Has
     let dead = dead_servers(cfg, up, forced, &links);
     let objects = ensure_hops(cfg, &substitutes(cfg, up, &dead))?;
     if cfg.vip.is_ipv4() {
-        crate::dt4::install(cfg, &links).context("setting up the IPv4 shadow SIDs")?;
+        let sids: Vec<(Ipv6Addr, u32)> = (0..cfg.generations).map(|k| (generation_sid(cfg.shadow_sid, k), cfg.mark(k))).collect();
+        let gone: Vec<Ipv6Addr> = (cfg.generations..MAX_GENERATIONS).map(|k| generation_sid(cfg.shadow_sid, k)).collect();
+        let devs: Vec<&str> = cfg
+            .server
+            .iter()
+            .filter(|s| {
+                let there = links.contains_key(&s.dev);
+                if !there {
+                    warn!(server = %s.name, dev = %s.dev, "no such interface: the IPv4 shadow program is not attached there");
+                }
+                there
+            })
+            .map(|s| s.dev.as_str())
+            .collect();
+        crate::dt4::install(&sids, &gone, &devs).context("setting up the IPv4 shadow SIDs")?;
         ensure_rules(cfg)?;
         return Ok((objects, dead));
     }
