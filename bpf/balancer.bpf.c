@@ -497,6 +497,8 @@ static __always_inline int walk(struct xdp_md *ctx)
 
 		if (unwrapped < 0)
 			return XDP_DROP;
+		if (unwrapped == 2)
+			return XDP_TX;
 		data = (void *)(long)ctx->data;
 		data_end = (void *)(long)ctx->data_end;
 	}

@@ -174,6 +174,7 @@ pub const EVENT_NAMES: [&str; c::INBAND_EV_MAX as usize] = [
     "out_of_window",
     "reset_no_backend",
     "reset_backend_down",
+    "sid_echo",
 ];
 
 /// Names of `enum inband_health_reason`, by index, as status and metrics show them.

@@ -3474,6 +3474,27 @@ fn chained_to(to: Ipv6Addr, inner: &[u8]) -> Vec<u8> {
     f
 }
 
+/// The router's liveness probe: an ICMPv6 echo request to the direct SID
+/// is answered by the program itself (MACs and addresses swapped, type
+/// 129, a valid checksum), so a reply says the instance's XDP runs; to the
+/// conditional SID it is refused as before, and to any other address it
+/// is the kernel's. Before, the direct SID dropped it (`srv6_unsupported`).
+#[test]
+fn an_echo_request_to_the_direct_sid_is_answered_by_the_program() {
+    let fx = scaled_out();
+    let ping = icmp6_error(ROUTER6, DIRECT_SID, (128, 0), 0x1b50_0007, b"inband liveness");
+    let (verdict, out) = fx.run(&ping);
+    assert_eq!(verdict, XDP_TX);
+    assert_eq!((&out[0..6], &out[6..12]), (&CLIENT_MAC[..], &LB_MAC[..]));
+    assert_eq!(out[14 + 7], 64, "hop limit");
+    let (src, dst, kind, id_seq, data, ok) = read_icmp6(&out);
+    assert_eq!((src, dst, kind, id_seq, data.as_slice(), ok), (DIRECT_SID, ROUTER6, 129, 0x1b50_0007, &b"inband liveness"[..], true));
+    assert_eq!(fx.event("sid_echo"), 1);
+    fx.assert_dropped(&icmp6_error(ROUTER6, COND_SID, (128, 0), 1, b"x"), "srv6_unsupported");
+    assert_eq!(fx.run(&icmp6_error(ROUTER6, LB6_ADDR, (128, 0), 1, b"x")).0, XDP_PASS);
+    assert_eq!(fx.event("sid_echo"), 1);
+}
+
 #[test]
 fn srv6_to_an_instance_is_unwrapped_and_balanced_as_if_it_came_straight() {
     let fx = scaled_out();

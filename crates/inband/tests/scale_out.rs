@@ -618,6 +618,19 @@ fn an_instance_host_crash_breaks_only_its_own_connections() {
         f.tb.exec("c1", &["curl", "-s", "-o", "/dev/null", "--max-time", "3", &url]).map(|o| o.status.success()).unwrap_or(false)
     };
     wait_for("the VIP to answer", || answers(&farm));
+    // The probe a router can send to tell a dead program from a live host:
+    // b1's XDP program answers an echo at its direct SID, and with the
+    // program gone (daemon killed, XDP removed, the link up) nothing does.
+    let sid = Plan { subnet: hex(86) }.direct_sid(1).to_string();
+    let echo = |f: &Farm| f.tb.exec("r1", &["ping", "-6", "-c", "1", "-W", "1", &sid]).map(|o| o.status.success()).unwrap_or(false);
+    assert!(echo(&farm), "b1's program does not answer at its direct SID {sid}");
+    assert!(farm.event(1, "sid_echo") >= 1);
+    farm.stop_lb(1, true);
+    run_ok(&farm.tb, "b1", &["ip", "link", "set", "dev", "eth0", "xdp", "off"]);
+    assert!(!echo(&farm), "{sid} answered with b1's program gone");
+    farm.start_lb(1);
+    wait_for("b1 back", || echo(&farm));
+    wait_for("the VIP to answer", || answers(&farm));
     for (form, first_port) in [("carrier lost", 41000), ("interface gone", 42000)] {
         let dls = farm.downloads_from(first_port);
         wait_for("every download to start", || farm.established() == DOWNLOADS);

@@ -133,7 +133,8 @@ enum inband_event {
 	INBAND_EV_OUT_OF_WINDOW = 30, /* a FIN or RST far from its sender's sequence space: forwarded, flow unchanged */
 	INBAND_EV_RESET_NO_BACKEND = 31, /* a SYN no backend could take, answered with a RST (refusing VIP) */
 	INBAND_EV_RESET_BACKEND_DOWN = 32, /* a packet of a DOWN backend's flow answered with a RST (on_down = reset) */
-	INBAND_EV_MAX = 33,
+	INBAND_EV_SID_ECHO = 33, /* an echo request to the direct SID answered (the router's liveness probe) */
+	INBAND_EV_MAX = 34,
 };
 
 /* gauges[0] = whole table (plus half_open count), [1 + vip id], [1 + INBAND_MAX_VIPS + backend id]. */

@@ -37,6 +37,45 @@
 #define IP6_IN_IP6 41
 #define IP4_IN_IP6 4
 #define SRH_TYPE 4
+#define ICMP6_ECHO_REQUEST 128
+#define ICMP6_ECHO_REPLY 129
+
+/*
+ * An ICMPv6 echo request to the direct SID, answered here (XDP_TX): the
+ * router's liveness probe (`inband shadow route`, a server outside the
+ * set whose link is up) asks whether this instance's program runs, which
+ * no answer from the host's kernel could tell. 1 if answered; 0 if the
+ * packet is no echo request (the caller goes on as before).
+ */
+static __always_inline int sid_echo(struct xdp_md *ctx)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct ethhdr *eth = data;
+	struct ipv6hdr *ip6 = (void *)(eth + 1);
+	__u8 *icmp = (void *)(ip6 + 1);
+	__u8 mac[ETH_ALEN];
+	struct in6_addr a;
+
+	if ((void *)(icmp + 4) > data_end || icmp[0] != ICMP6_ECHO_REQUEST || icmp[1])
+		return 0;
+	__builtin_memcpy(mac, eth->h_dest, ETH_ALEN);
+	__builtin_memcpy(eth->h_dest, eth->h_source, ETH_ALEN);
+	__builtin_memcpy(eth->h_source, mac, ETH_ALEN);
+	a = ip6->saddr;
+	ip6->saddr = ip6->daddr;
+	ip6->daddr = a;
+	ip6->hop_limit = 64;
+	/* The addresses only swap places in the pseudo-header: the sum stays;
+	 * the type byte is the only word that changes. */
+	__u16 *check = (__u16 *)(icmp + 2);
+	__u16 from = *(__u16 *)icmp;
+
+	icmp[0] = ICMP6_ECHO_REPLY;
+	*check = csum_finish(csum_replace16(csum_start(*check), from, *(__u16 *)icmp));
+	event(INBAND_EV_SID_ECHO);
+	return 1;
+}
 
 /*
  * SRv6 from the ECMP router to one of this instance's SIDs (scale-out):
@@ -44,7 +83,8 @@
  * again as the IPv6 or IPv4 packet inside (an IPv4 VIP's route encapsulates
  * IPv4 in IPv6), to be walked as if it had come straight, with p->via_sid
  * saying how it came. 1 if it was unwrapped, 0
- * if it is not ours (left to the kernel), -1 if it is dropped (counted).
+ * if it is not ours (left to the kernel), -1 if it is dropped (counted),
+ * 2 if it was an echo request to the direct SID, answered in place.
  * Not inlined: the walk's frame is at its limit.
  */
 static __noinline int decap_srv6(struct xdp_md *ctx, const struct inband_lb_config *cfg, struct pkt *p)
@@ -66,6 +106,8 @@ static __noinline int decap_srv6(struct xdp_md *ctx, const struct inband_lb_conf
 	 * one of two segments whose second is a shadow SID (segments left
 	 * 1: where a stray goes). Anything else to our SID has no meaning
 	 * here. */
+	if (via == VIA_DIRECT_SID && p->proto == IP6_ICMP && !p->ext && !p->frag && sid_echo(ctx))
+		return 2;
 	if ((p->proto != IP6_IN_IP6 && p->proto != IP4_IN_IP6) || p->frag)
 		goto unsupported;
 	inner4 = p->proto == IP4_IN_IP6;
