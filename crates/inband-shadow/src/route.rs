@@ -80,7 +80,23 @@ pub struct RouterConfig {
     /// to that table. Change it if the router's other software uses marks.
     #[serde(default = "default_ipv4_mark")]
     pub ipv4_mark: u32,
+    /// How a server outside the set is found dead: "link" (its link has no
+    /// carrier or is gone), or "echo" (also: no answer to one ICMPv6 echo
+    /// at its direct SID within a second, which `inband lb` instances'
+    /// programs answer themselves, so a live host whose program is gone
+    /// counts as dead). Servers of seed 002's `shadow` program do not
+    /// answer there: keep "link" for them.
+    #[serde(default)]
+    pub liveness: Liveness,
     pub server: Vec<Server>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Liveness {
+    #[default]
+    Link,
+    Echo,
 }
 
 #[derive(Debug, Deserialize)]
@@ -305,10 +321,11 @@ pub fn apply(cfg: &RouterConfig, up: &[String], shadow: bool, dead: &[String]) -
 }
 
 /// The servers that are dead with `up` (names) as the VIP's set, by their
-/// links alone: what `follow` compares between changes.
+/// links (and echoes, with `liveness = "echo"`): what `follow` compares
+/// between changes.
 pub fn dead(cfg: &RouterConfig, up: &[String]) -> Result<BTreeSet<String>> {
     let up: Vec<&Server> = up.iter().map(|n| cfg.server(n)).collect::<Result<_>>()?;
-    Ok(dead_servers(cfg, &up, &[], &links()?))
+    Ok(dead_servers(cfg, &up, &[], &links()?, &echo))
 }
 
 /// The router's interfaces and their flags (`UP`, `LOWER_UP` = carrier).
@@ -347,15 +364,25 @@ fn check_anchor(anchor: &str, links: &Links) -> Result<()> {
 }
 
 /// The servers outside `up` that are dead: named in `forced`, or whose
-/// link to the router is down or gone. A server in `up` counts as alive:
+/// link to the router is down or gone, or (`liveness = "echo"`) that do
+/// not `answer` at their direct SID. A server in `up` counts as alive:
 /// whoever put it there (BGP, the operator) says so.
-fn dead_servers(cfg: &RouterConfig, up: &[&Server], forced: &[String], links: &Links) -> BTreeSet<String> {
+fn dead_servers(cfg: &RouterConfig, up: &[&Server], forced: &[String], links: &Links, answers: &dyn Fn(&Server) -> bool) -> BTreeSet<String> {
     cfg.server
         .iter()
         .filter(|s| !up.iter().any(|u| u.name == s.name))
-        .filter(|s| forced.contains(&s.name) || !has(links, &s.dev, "LOWER_UP"))
+        .filter(|s| forced.contains(&s.name) || !has(links, &s.dev, "LOWER_UP") || (cfg.liveness == Liveness::Echo && !answers(s)))
         .map(|s| s.name.clone())
         .collect()
+}
+
+/// One ICMPv6 echo to the server's direct SID, answered within a second:
+/// an `inband lb` instance's program answers it itself.
+fn echo(s: &Server) -> bool {
+    std::process::Command::new("ping")
+        .args(["-6", "-c", "1", "-W", "1", &s.direct_sid.to_string()])
+        .output()
+        .is_ok_and(|o| o.status.success())
 }
 
 /// For each server (config order), the server whose direct SID its shadow
@@ -517,7 +544,7 @@ fn prepare(cfg: &RouterConfig, up: &[&Server], forced: &[String]) -> Result<(Has
             r => r.with_context(|| format!("writing {path}"))?,
         }
     }
-    let dead = dead_servers(cfg, up, forced, &links);
+    let dead = dead_servers(cfg, up, forced, &links, &echo);
     let objects = ensure_hops(cfg, &substitutes(cfg, up, &dead))?;
     if cfg.vip.is_ipv4() {
         let sids: Vec<(Ipv6Addr, u32)> = (0..cfg.generations).map(|k| (generation_sid(cfg.shadow_sid, k), cfg.mark(k))).collect();
@@ -788,7 +815,7 @@ mod tests {
     fn plan(up: &[&str], forced: &[&str], flags: &[(&str, Option<&str>)]) -> (BTreeSet<String>, Vec<[Vec<Ipv6Addr>; 3]>) {
         let cfg = parse(&config("", 4).replace("generations = 8", "generations = 2")).unwrap();
         let up: Vec<&Server> = up.iter().map(|n| cfg.server(n).unwrap()).collect();
-        let dead = dead_servers(&cfg, &up, &names(forced), &links_with(flags));
+        let dead = dead_servers(&cfg, &up, &names(forced), &links_with(flags), &|_| true);
         let subs = substitutes(&cfg, &up, &dead);
         let hops = (0..4).map(|i| [segs(&cfg, i, None, &subs), segs(&cfg, i, Some(0), &subs), segs(&cfg, i, Some(1), &subs)]).collect();
         (dead, hops)
@@ -796,6 +823,26 @@ mod tests {
 
     fn sid(i: u16, kind: u16) -> Ipv6Addr {
         Ipv6Addr::new(0xfd00, 0x82, i, 0, 0, 0, 0, kind)
+    }
+
+    /// With `liveness = "echo"`, a server outside the set whose link is up
+    /// but whose program does not answer at its direct SID is dead; by
+    /// default (links only) it is alive. A server in the set is never
+    /// probed.
+    #[test]
+    fn with_echo_liveness_a_silent_program_behind_a_live_link_is_dead() {
+        let flags = [("s0", UP), ("s1", UP), ("s2", UP)];
+        let silent_s1 = |s: &Server| s.name != "s1";
+        for (liveness, want) in [("", vec![]), ("liveness = \"echo\"", vec!["s1".to_string()])] {
+            let cfg = parse(&config(liveness, 3)).unwrap();
+            let up = vec![cfg.server("s0").unwrap()];
+            let dead = dead_servers(&cfg, &up, &[], &links_with(&flags), &silent_s1);
+            assert_eq!(dead.into_iter().collect::<Vec<_>>(), want, "{liveness:?}");
+        }
+        let cfg = parse(&config("liveness = \"echo\"", 3)).unwrap();
+        let up = vec![cfg.server("s1").unwrap()];
+        assert!(dead_servers(&cfg, &up, &[], &links_with(&flags), &silent_s1).is_empty(), "s1 is in the set: not probed");
+        assert!(parse(&config("liveness = \"ping\"", 3)).is_err());
     }
 
     #[test]

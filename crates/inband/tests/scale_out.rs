@@ -628,8 +628,17 @@ fn an_instance_host_crash_breaks_only_its_own_connections() {
     farm.stop_lb(1, true);
     run_ok(&farm.tb, "b1", &["ip", "link", "set", "dev", "eth0", "xdp", "off"]);
     assert!(!echo(&farm), "{sid} answered with b1's program gone");
+    // A router told to probe (`liveness = "echo"`) finds it dead when it
+    // leaves the set, though its link is up: its shadow hop goes to a live
+    // instance's direct SID instead of its own.
+    let echo_cfg = farm.dir.join("router-echo.toml");
+    std::fs::write(&echo_cfg, format!("liveness = \"echo\"\n{}", std::fs::read_to_string(&farm.router_cfg).unwrap())).unwrap();
+    run_ok(&farm.tb, "r1", &[BIN, "shadow", "route", "--config", echo_cfg.to_str().unwrap(), "--up", "b2,b3"]);
+    let shadow_hops = group(&farm.tb, "200").concat();
+    assert!(!shadow_hops.contains(&sid) && !shadow_hops.is_empty(), "b1's shadow hop still goes to its own direct SID: {shadow_hops:?}");
     farm.start_lb(1);
     wait_for("b1 back", || echo(&farm));
+    farm.route(&[1, 2, 3], false);
     wait_for("the VIP to answer", || answers(&farm));
     for (form, first_port) in [("carrier lost", 41000), ("interface gone", 42000)] {
         let dls = farm.downloads_from(first_port);
