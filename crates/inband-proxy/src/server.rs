@@ -228,7 +228,7 @@ pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accep
                     },
                 }
             };
-            match conn::watch(conn, &sock, &state).await {
+            match conn::watch(conn, sock, &state).await {
                 // Shutdown does not wait for tunnels: they end with the
                 // worker's runtime.
                 Ok(Ok(())) => {
