@@ -274,8 +274,9 @@ fn run_child(a: &CacheArgs, kind: BackendKind, path: &Path, update_pct: u32, thr
 }
 
 /// Drops the page-cache pages of every file under `dir` (only these
-/// files: dropping all caches would disturb everything else running).
-fn drop_cached_pages(dir: &Path) -> Result<()> {
+/// files: dropping all caches would disturb everything else running),
+/// written back first: the kernel drops only clean pages.
+pub fn drop_cached_pages(dir: &Path) -> Result<()> {
     use std::os::fd::AsRawFd;
     for e in std::fs::read_dir(dir)? {
         let e = e?;
@@ -283,6 +284,8 @@ fn drop_cached_pages(dir: &Path) -> Result<()> {
             drop_cached_pages(&e.path())?;
         } else {
             let f = std::fs::File::open(e.path())?;
+            f.sync_data()?;
+            // SAFETY: an advice on an open descriptor.
             unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
         }
     }

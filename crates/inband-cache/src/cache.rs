@@ -9,7 +9,7 @@ use anyhow::{bail, Result};
 
 use crate::index::Index;
 use crate::record::{self, Decoded, Raw};
-use crate::{BackendKind, Config, Entry, Meta, Stats, Store};
+use crate::{BackendKind, Config, Entry, Meta, NoWait, Stats, Store};
 
 /// What a backend reports per entry at open, without reading its value.
 pub struct ScanItem {
@@ -32,6 +32,13 @@ pub trait Backend: Send + Sync + 'static {
     /// the backend itself calls corruption (RocksDB's block checksums) is
     /// `Ok(Some(Raw::Corrupt))`, so it is counted like a CRC failure.
     fn get(&self, id: u128) -> Result<Option<Raw>>;
+    /// `get` where it needs no disk I/O, for [`crate::Store::get_nowait`].
+    fn get_nowait(&self, id: u128) -> Result<NoWait<Option<Raw>>> {
+        if Self::READS_BLOCK {
+            return Ok(NoWait::WouldBlock);
+        }
+        self.get(id).map(NoWait::Ready)
+    }
     /// `meta` is the meta-table value for backends that keep one.
     fn put(&self, id: u128, record: &[u8], meta: &[u8]) -> Result<()>;
     fn remove(&self, id: u128) -> Result<bool>;
@@ -102,6 +109,31 @@ impl<B: Backend> Cache<B> {
         Ok(cache)
     }
 
+    /// What a backend read means: the entry, or a miss for another key's
+    /// record under the same hash, or a corrupt record (deleted).
+    fn found(&self, key: &[u8], id: u128, raw: Option<Raw>) -> Result<Option<Entry>> {
+        let Some(raw) = raw else { return Ok(None) };
+        let inner = self.0.clone();
+        let on_corrupt = Box::new(move || {
+            // The stream reports the corruption to its reader; a failed
+            // delete has no one else to tell.
+            if let Err(e) = inner.drop_corrupt(id) {
+                tracing::warn!(error = %e, "deleting a corrupt cache record failed");
+            }
+        });
+        match record::decode(key, raw, on_corrupt) {
+            Decoded::Hit(e) => {
+                self.index.read().unwrap().touch(id, self.next_tick());
+                Ok(Some(e))
+            }
+            Decoded::OtherKey => Ok(None),
+            Decoded::Corrupt => {
+                self.drop_corrupt(id)?;
+                Ok(None)
+            }
+        }
+    }
+
     /// The raw layer, for tests that plant bad records below the checksum.
     #[cfg(test)]
     pub(crate) fn backend(&self) -> &B {
@@ -160,25 +192,18 @@ impl<B: Backend> Store for Cache<B> {
     fn get(&self, key: &[u8]) -> Result<Option<Entry>> {
         crate::probe::store_get();
         let id = record::id(key);
-        let Some(raw) = self.backend.get(id)? else { return Ok(None) };
-        let inner = self.0.clone();
-        let on_corrupt = Box::new(move || {
-            // The stream reports the corruption to its reader; a failed
-            // delete has no one else to tell.
-            if let Err(e) = inner.drop_corrupt(id) {
-                tracing::warn!(error = %e, "deleting a corrupt cache record failed");
+        let raw = self.backend.get(id)?;
+        self.found(key, id, raw)
+    }
+
+    fn get_nowait(&self, key: &[u8]) -> Result<NoWait<Option<Entry>>> {
+        let id = record::id(key);
+        match self.backend.get_nowait(id)? {
+            NoWait::Ready(raw) => {
+                crate::probe::store_get();
+                self.found(key, id, raw).map(NoWait::Ready)
             }
-        });
-        match record::decode(key, raw, on_corrupt) {
-            Decoded::Hit(e) => {
-                self.index.read().unwrap().touch(id, self.next_tick());
-                Ok(Some(e))
-            }
-            Decoded::OtherKey => Ok(None),
-            Decoded::Corrupt => {
-                self.drop_corrupt(id)?;
-                Ok(None)
-            }
+            NoWait::WouldBlock => Ok(NoWait::WouldBlock),
         }
     }
 

@@ -162,6 +162,14 @@ pub struct Stats {
     pub evictions: u64,
 }
 
+/// What a read that may not wait on a disk found.
+#[derive(Debug)]
+pub enum NoWait<T> {
+    Ready(T),
+    /// The answer is not in memory: finding it would wait on a disk.
+    WouldBlock,
+}
+
 /// The storage the HTTP cache keeps entries in.
 ///
 /// Writes are atomic per entry: a reader sees the old record or the new one,
@@ -178,6 +186,11 @@ pub trait Store: Send + Sync {
     /// The entry, or `None` on a miss. A corrupt record counts in
     /// [`Stats::corrupt`], is deleted and reads as a miss.
     fn get(&self, key: &[u8]) -> Result<Option<Entry>>;
+    /// `get` if it can answer without waiting on a disk, for a caller on
+    /// an event loop; otherwise [`NoWait::WouldBlock`], and the caller
+    /// calls `get` where waiting is allowed. Always ready for the stores
+    /// whose reads never block.
+    fn get_nowait(&self, key: &[u8]) -> Result<NoWait<Option<Entry>>>;
     /// Stores (or replaces) an entry, then evicts until the store is within
     /// its capacity. Fails if the record alone exceeds the capacity.
     fn put(&self, key: &[u8], stored_at_ms: u64, expires_at_ms: u64, header: &[u8], body: &[u8]) -> Result<Meta>;

@@ -251,6 +251,31 @@ fn stream_outlives_overwrite(kind: BackendKind) {
     assert_eq!(s.stats().corrupt, 0, "a replaced record is not corruption");
 }
 
+/// A read on an event loop: answered from memory (LMDB's mapped pages,
+/// the memory store, a file in the page cache) or refused as one that
+/// would wait, never a wait; and `get` still answers what it refused.
+fn get_nowait_never_waits_on_the_disk(kind: BackendKind) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(kind, dir.path(), 1 << 20);
+    let b = body(5000, 2);
+    s.put(b"k", 1, FAR, b"h", &b).unwrap();
+    let ready = |r: NoWait<Option<Entry>>| match r {
+        NoWait::Ready(e) => Some(e.map(|e| e.body_bytes().unwrap())),
+        NoWait::WouldBlock => None,
+    };
+    let (hot, absent) = (ready(s.get_nowait(b"k").unwrap()), ready(s.get_nowait(b"absent").unwrap()));
+    match kind {
+        // Its values are in blob files, which RocksDB reads with pread.
+        BackendKind::Rocksdb => assert_eq!((hot, absent), (None, None)),
+        _ => assert_eq!((hot, absent), (Some(Some(b.clone().into())), Some(None))),
+    }
+    if kind == BackendKind::Files {
+        crate::bench::drop_cached_pages(dir.path()).unwrap();
+        assert!(ready(s.get_nowait(b"k").unwrap()).is_none(), "a record out of the page cache was read without waiting");
+    }
+    assert_eq!(s.get(b"k").unwrap().unwrap().body_bytes().unwrap(), b);
+}
+
 macro_rules! conformance {
     ($($backend:ident: $kind:expr, [$($case:ident),*];)*) => {$(
         mod $backend {
@@ -262,13 +287,13 @@ macro_rules! conformance {
 
 conformance! {
     on_lmdb: BackendKind::Lmdb, [round_trip, overwrite, delete, metadata_iteration, size_accounting, eviction, reopen,
-        large_bodies_stream, large_overwrite_and_delete, stream_outlives_overwrite];
+        large_bodies_stream, large_overwrite_and_delete, stream_outlives_overwrite, get_nowait_never_waits_on_the_disk];
     on_rocksdb: BackendKind::Rocksdb, [round_trip, overwrite, delete, metadata_iteration, size_accounting, eviction, reopen,
-        large_bodies_stream, large_overwrite_and_delete, stream_outlives_overwrite];
+        large_bodies_stream, large_overwrite_and_delete, stream_outlives_overwrite, get_nowait_never_waits_on_the_disk];
     on_files: BackendKind::Files, [round_trip, overwrite, delete, metadata_iteration, size_accounting, eviction, reopen,
-        large_bodies_stream, large_overwrite_and_delete, stream_outlives_overwrite];
+        large_bodies_stream, large_overwrite_and_delete, stream_outlives_overwrite, get_nowait_never_waits_on_the_disk];
     on_memory: BackendKind::Memory, [round_trip, overwrite, delete, metadata_iteration, size_accounting, eviction,
-        large_bodies_stream, large_overwrite_and_delete, stream_outlives_overwrite];
+        large_bodies_stream, large_overwrite_and_delete, stream_outlives_overwrite, get_nowait_never_waits_on_the_disk];
 }
 
 #[test]

@@ -20,7 +20,7 @@ use http::{header, request, response, HeaderMap, HeaderName, HeaderValue, Respon
 use http_body_util::BodyExt;
 use http_cache_semantics::{CacheOptions, CachePolicy};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use inband_cache::{BodyChunks, EntryBody, Store};
+use inband_cache::{BodyChunks, EntryBody, NoWait, Store};
 use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
 
@@ -338,6 +338,10 @@ impl HttpCache {
         }
         if !self.store.contains(&key) {
             return Ok(None);
+        }
+        // A record the page cache holds (files) is read here as well.
+        if let NoWait::Ready(entry) = self.store.get_nowait(&key)? {
+            return Ok(entry);
         }
         self.blocking(move |s| s.get(&key)).await
     }
@@ -671,10 +675,10 @@ mod tests {
         assert_eq!(vary_names_of(memo.decode(&key(7), &vary_entry(&["accept-language"], 1 << 30))), ["accept-language"]);
     }
 
-    /// The blocking pool's one thread is held for the whole test: a read
-    /// that hopped to it could not finish before the hold ends.
+    /// The blocking pool's one thread is held: a read that hopped to it
+    /// could not finish before the hold ends.
     #[test]
-    fn a_miss_in_a_store_whose_reads_block_never_waits_for_the_blocking_pool() {
+    fn a_files_read_waits_for_the_blocking_pool_only_when_the_disk_must_be_read() {
         let dir = tempfile::tempdir().unwrap();
         let cfg: CacheConfig = toml::from_str(&format!("backend = \"files\"\npath = {:?}", dir.path())).unwrap();
         let cache = HttpCache::open(&cfg).unwrap();
@@ -685,11 +689,15 @@ mod tests {
         rt.block_on(async {
             let (release, held) = std::sync::mpsc::channel::<()>();
             let hold = tokio::task::spawn_blocking(move || held.recv());
-            let miss = tokio::time::timeout(Duration::from_secs(2), cache.read(absent)).await;
+            let within = |ms| Duration::from_millis(ms);
+            let miss = tokio::time::timeout(within(2000), cache.read(absent)).await;
             assert!(matches!(miss, Ok(Ok(None))), "a miss waited for the blocking pool");
-            // A key the index holds still goes to the pool: it waits.
-            let hit = tokio::time::timeout(Duration::from_millis(200), cache.read(key.clone())).await;
-            assert!(hit.is_err(), "a stored key was read without the blocking pool");
+            let hit = tokio::time::timeout(within(2000), cache.read(key.clone())).await;
+            assert!(matches!(hit, Ok(Ok(Some(_)))), "a record in the page cache waited for the blocking pool");
+            // Out of the page cache, the read goes to the pool: it waits.
+            inband_cache::bench::drop_cached_pages(dir.path()).unwrap();
+            let cold = tokio::time::timeout(within(200), cache.read(key.clone())).await;
+            assert!(cold.is_err(), "a record not in the page cache was read on the event loop");
             release.send(()).unwrap();
             hold.await.unwrap().unwrap();
             assert!(cache.read(key).await.unwrap().is_some());
