@@ -162,7 +162,8 @@ impl Collector for Exposition {
         // (one per route run still on some link) are summed: the kernel
         // counts a program, not a link, so a per-link series would count
         // a program once per link it is on.
-        let mut programs: Vec<(Vec<(&str, &str)>, u64, u64)> = s
+        type Labels<'a> = Vec<(&'static str, &'a str)>;
+        let mut programs: Vec<(Labels, u64, u64)> = s
             .servers
             .iter()
             .filter_map(|sv| sv.program.as_ref().map(|p| (vec![("program", "shadow"), ("interface", sv.interface.as_str())], p.stats.runs, p.stats.run_time_ns)))
