@@ -47,10 +47,25 @@ async fn origin() -> Origin {
                     base
                 }
             }
+            "/large" => Reply { status: 200, body: large(), ..Default::default() }.header("content-type", "text/plain").header("cache-control", "max-age=60"),
             _ => ok("not found").status(404),
         }
     })
     .await
+}
+
+/// 4 MB of hex digits from xorshift64: about half compressible, so the
+/// stored entry is larger than the stores' streaming threshold too.
+fn large() -> Vec<u8> {
+    let mut x = 0x2545f4914f6cdd1du64;
+    (0..4 << 20)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            b"0123456789abcdef"[(x & 15) as usize]
+        })
+        .collect()
 }
 
 fn section(encoding: &str) -> String {
@@ -222,4 +237,28 @@ async fn bad_compression_settings_are_refused_by_name() {
     assert!(e.contains("cache.compression.level = 30: zstd takes 1–19") && e.contains("\"*/*\" is not a media type"), "{e}");
     let e = format!("{:#}", inband_proxy::config::parse(&toml.replace("\"zstd\"", "\"deflate\"")).unwrap_err());
     assert!(e.contains("deflate"), "{e}");
+}
+
+#[tokio::test]
+async fn a_multi_megabyte_entry_decodes_chunk_by_chunk_from_a_durable_store() {
+    let o = origin().await;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = format!(
+        "[cache]\nbackend = \"lmdb\"\npath = \"{}\"\ncapacity_bytes = 67108864\n\n[cache.compression]\nencoding = \"gzip\"\n",
+        dir.path().display()
+    );
+    let p = start_proxy(&[o.addr], &cfg).await;
+    let want = large();
+    let first = curl(p.addr, "/large", &["--compressed"]).await;
+    assert!(first.body == want && first.header("content-encoding") == Some("gzip"), "{} bytes", first.body.len());
+    // Read back in chunks from LMDB: the stored bytes, and their decoding.
+    let raw = curl(p.addr, "/large", &["-H", "Accept-Encoding: gzip"]).await;
+    assert_eq!(raw.header("x-cache"), Some("HIT"));
+    assert!(raw.body.len() as u64 > inband_cache::STREAM_THRESHOLD && raw.body.len() < want.len() * 3 / 4, "{} stored bytes", raw.body.len());
+    assert!(gunzip(&raw.body) == want);
+    let plain = curl(p.addr, "/large", &[]).await;
+    assert_eq!(plain.header("content-length"), Some(want.len().to_string().as_str()));
+    assert!(plain.body == want, "identity: {} bytes of {}", plain.body.len(), want.len());
+    assert_eq!(o.hits(), 1);
+    p.shutdown().await;
 }
