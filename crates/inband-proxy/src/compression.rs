@@ -34,8 +34,19 @@ use crate::body::{BoxError, ProxyBody};
 use crate::cache_control;
 
 /// Set on a stored head this module encoded: the body's length before.
-/// An origin's field of this name is removed before storing.
 const IDENTITY_LENGTH: &str = "inband-identity-length";
+
+/// Decoded in steps of this much input: a deflate stream inflates up to
+/// about 1000 times, so a step yields a few megabytes at most, whatever a
+/// stored chunk (256 KiB) holds.
+const DECODE_STEP: usize = 4096;
+
+/// Removes what only the proxy may set from an origin's response: an
+/// origin's `inband-identity-length` would make the proxy decode its body
+/// and trust its length.
+pub(crate) fn strip_internal(headers: &mut HeaderMap) {
+    headers.remove(IDENTITY_LENGTH);
+}
 
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -162,7 +173,6 @@ impl CompressionConfig {
 /// megabyte takes milliseconds to compress, and a runtime thread serves
 /// other connections meanwhile.
 pub(crate) async fn stored(cfg: Option<&CompressionConfig>, mut head: response::Parts, body: Bytes) -> (response::Parts, Bytes) {
-    head.headers.remove(IDENTITY_LENGTH);
     let Some(cfg) = cfg.filter(|c| c.applies(&head, body.len())) else { return (head, body) };
     let (encoding, level) = (cfg.encoding, cfg.level.unwrap_or(cfg.encoding.default_level()));
     let input = body.clone();
@@ -230,7 +240,7 @@ pub(crate) fn for_client(accept: Option<&HeaderValue>, resp: Response<ProxyBody>
     }
     head.headers.remove(header::CONTENT_ENCODING);
     head.headers.insert(header::CONTENT_LENGTH, HeaderValue::from(length));
-    Response::from_parts(head, Decoding { inner: body, decoder: Some(Decoder::new(encoding)), remaining: length }.boxed())
+    Response::from_parts(head, Decoding { inner: body, decoder: Some(Decoder::new(encoding)), input: Bytes::new(), remaining: length }.boxed())
 }
 
 fn add_vary(h: &mut HeaderMap) {
@@ -330,6 +340,8 @@ struct Decoding {
     inner: ProxyBody,
     /// Taken at the end of the input.
     decoder: Option<Decoder>,
+    /// Input not decoded yet: it goes in [`DECODE_STEP`] bytes at a time.
+    input: Bytes,
     /// Identity bytes still to send: what size_hint says.
     remaining: u64,
 }
@@ -359,22 +371,25 @@ impl Body for Decoding {
             if self.decoder.is_none() {
                 return Poll::Ready(None);
             }
+            if !self.input.is_empty() {
+                let n = self.input.len().min(DECODE_STEP);
+                let step = self.input.split_to(n);
+                let pushed = self.decoder.as_mut().expect("checked above").push(&step);
+                match pushed {
+                    Ok(out) if out.is_empty() => continue,
+                    Ok(out) => return Poll::Ready(self.out(out, false)),
+                    Err(e) => {
+                        // The client sees a body cut short (its length
+                        // was declared), never wrong bytes.
+                        self.decoder = None;
+                        tracing::warn!(error = %e, "stored body does not decode; response cut short");
+                        return Poll::Ready(Some(Err(e.into())));
+                    }
+                }
+            }
             match ready!(Pin::new(&mut self.inner).poll_frame(cx)) {
                 Some(Ok(frame)) => match frame.into_data() {
-                    Ok(data) => {
-                        let pushed = self.decoder.as_mut().expect("checked above").push(&data);
-                        match pushed {
-                            Ok(out) if out.is_empty() => continue,
-                            Ok(out) => return Poll::Ready(self.out(out, false)),
-                            Err(e) => {
-                                // The client sees a body cut short (its
-                                // length was declared), never wrong bytes.
-                                self.decoder = None;
-                                tracing::warn!(error = %e, "stored body does not decode; response cut short");
-                                return Poll::Ready(Some(Err(e.into())));
-                            }
-                        }
-                    }
+                    Ok(data) => self.input = data,
                     Err(other) => return Poll::Ready(Some(Ok(other))),
                 },
                 Some(Err(e)) => {
@@ -454,11 +469,11 @@ mod tests {
     async fn each_encoding_round_trips_and_identity_gets_the_origins_bytes_and_etag() {
         for enc in [Encoding::Gzip, Encoding::Br, Encoding::Zstd] {
             let origin = text();
-            let h = head(&[("content-type", "text/plain; charset=utf-8"), ("etag", "\"v1\""), (IDENTITY_LENGTH, "5")]);
+            let h = head(&[("content-type", "text/plain; charset=utf-8"), ("etag", "\"v1\"")]);
             let (h, stored) = stored(Some(&cfg(enc)), h, origin.clone()).await;
             assert!(stored.len() < origin.len() / 4, "{enc:?}: {} of {}", stored.len(), origin.len());
             assert_eq!(h.headers[header::CONTENT_ENCODING], enc.token());
-            assert_eq!(h.headers[IDENTITY_LENGTH], origin.len().to_string().as_str(), "an origin's own field is replaced");
+            assert_eq!(h.headers[IDENTITY_LENGTH], origin.len().to_string().as_str());
             assert_eq!(h.headers[header::ETAG], "\"v1\"", "the stored head keeps the origin's validator");
             // A client that accepts it: the stored bytes, a suffixed tag.
             let (got, body) = served(Some(&format!("deflate, {}", enc.token())), h.clone(), stored.clone()).await;

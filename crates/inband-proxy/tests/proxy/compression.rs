@@ -37,6 +37,8 @@ async fn origin() -> Origin {
                     .header("content-type", "text/html")
                     .header("content-encoding", "gzip")
                     .header("cache-control", "max-age=60")
+                    // What the proxy marks its own entries with: not an origin's to set.
+                    .header("inband-identity-length", "5")
             }
             "/revalidated" => {
                 let base = ok(&page(&path)).header("content-type", "text/html").header("cache-control", "max-age=1").header("etag", "\"r1\"");
@@ -185,6 +187,11 @@ async fn what_is_left_as_the_origin_sent_it() {
     assert_eq!(again.body, first.body);
     assert_eq!(gunzip(&again.body), page("/pre-encoded").into_bytes(), "gzip once, not twice");
     assert_eq!(again.header("vary"), None);
+    // Not decoded for a client without Accept-Encoding on the origin's
+    // word: it gets what the origin sent, as it would without the proxy.
+    let plain = curl(p.addr, "/pre-encoded", &[]).await;
+    assert!(plain.body == first.body && plain.header("content-encoding") == Some("gzip"), "{:?}", plain.headers);
+    assert!(plain.header("inband-identity-length").is_none());
     p.shutdown().await;
 }
 
