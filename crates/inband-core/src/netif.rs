@@ -63,6 +63,28 @@ pub fn mac(name: &str) -> Result<[u8; 6]> {
     Ok(std::array::from_fn(|i| sa.sa_data[i] as u8))
 }
 
+/// The names of this network namespace's interfaces (if_nameindex, which
+/// asks the kernel: see `ifreq` on /sys/class/net).
+pub fn names() -> Result<Vec<String>> {
+    // SAFETY: no preconditions; the array is freed below.
+    let head = unsafe { libc::if_nameindex() };
+    if head.is_null() {
+        bail!("listing the interfaces: {}", std::io::Error::last_os_error());
+    }
+    let mut out = Vec::new();
+    let mut cur = head;
+    // SAFETY: the array ends with an entry of index 0 and a null name.
+    while unsafe { (*cur).if_index } != 0 {
+        // SAFETY: a nonzero entry's name is a C string of the array.
+        out.push(unsafe { CStr::from_ptr((*cur).if_name) }.to_string_lossy().into_owned());
+        // SAFETY: not past the terminating entry.
+        cur = unsafe { cur.add(1) };
+    }
+    // SAFETY: head came from if_nameindex.
+    unsafe { libc::if_freenameindex(head) };
+    Ok(out)
+}
+
 /// Whether the kernel takes packets to `a` as its own: an address of an
 /// interface, or one inside a `local` route (`ip route add local P dev
 /// lo`, which owns a whole block without an address per entry). Asks the

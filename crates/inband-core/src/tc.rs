@@ -33,6 +33,16 @@ impl Slot {
         Ok(())
     }
 
+    /// The id of the program in this slot, if there is one.
+    pub fn query(&self, point: TcAttachPoint) -> Result<Option<u32>> {
+        let devnull = File::open("/dev/null")?;
+        match self.hook(devnull.as_fd(), point).query() {
+            Ok(id) => Ok(Some(id)),
+            Err(e) if is_absent(&e) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Removes the filter; one that is not there (or no clsact qdisc at
     /// all) is not an error.
     pub fn detach(&self, point: TcAttachPoint) -> Result<()> {

@@ -110,16 +110,24 @@ impl Families<'_> {
     /// programs, each (name, runs, run time in ns) as the kernel counts
     /// them while run-time statistics are on: the same two families for
     /// the balancer, the agent and the mesh.
-    pub fn programs<'p>(&mut self, owner: &str, programs: impl IntoIterator<Item = (&'p str, u64, u64)> + Clone) -> std::fmt::Result {
+    pub fn programs<'p>(&mut self, owner: &str, programs: impl IntoIterator<Item = (&'p str, u64, u64)>) -> std::fmt::Result {
+        let labelled: Vec<_> = programs.into_iter().map(|(p, runs, ns)| ([("program", p)], runs, ns)).collect();
+        self.programs_labelled(&format!("the {owner}'s"), labelled)
+    }
+
+    /// The same two families with labels of the caller's (`program` and
+    /// more: the shadow programs are one per interface), `whose` opening
+    /// their help.
+    pub fn programs_labelled<L: EncodeLabelSet>(&mut self, whose: &str, programs: impl IntoIterator<Item = (L, u64, u64)> + Clone) -> std::fmt::Result {
         self.counters(
             "bpf_program_runs",
-            &format!("Runs of the {owner}'s BPF programs, counted by the kernel while bpf_stats is on"),
-            programs.clone().into_iter().map(|(p, runs, _)| ([("program", p)], runs)),
+            &format!("Runs of {whose} BPF programs, counted by the kernel while bpf_stats is on"),
+            programs.clone().into_iter().map(|(l, runs, _)| (l, runs)),
         )?;
         self.counters(
             "bpf_program_run_seconds",
-            &format!("Time spent in the {owner}'s BPF programs, counted by the kernel while bpf_stats is on"),
-            programs.into_iter().map(|(p, _, ns)| ([("program", p)], ns as f64 / 1e9)),
+            &format!("Time spent in {whose} BPF programs, counted by the kernel while bpf_stats is on"),
+            programs.into_iter().map(|(l, _, ns)| (l, ns as f64 / 1e9)),
         )
     }
 }

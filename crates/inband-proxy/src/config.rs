@@ -206,6 +206,9 @@ pub struct CacheConfig {
     /// Set-Cookie header (the client that caused the fetch still gets it).
     #[serde(default)]
     pub set_cookie: SetCookie,
+    /// Store uncompressed responses compressed (docs/proxy.md); none when absent.
+    #[serde(default)]
+    pub compression: Option<crate::compression::CompressionConfig>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
@@ -477,6 +480,9 @@ pub fn check(raw: Config) -> Result<Checked> {
         }
         if c.max_object_bytes >= c.capacity_bytes {
             note(Err(anyhow::anyhow!("cache.max_object_bytes must be below cache.capacity_bytes")));
+        }
+        for p in c.compression.iter().flat_map(|z| z.problems()) {
+            note(Err(anyhow::anyhow!(p)));
         }
     }
     let listen = listen.map_err(|e| problems.push(format!("{e:#}"))).ok();

@@ -175,6 +175,7 @@ pub async fn send(shared: &Shared, parts: &request::Parts, body: Bytes, key: &[u
                     b.record_success();
                 }
                 strip_hop_by_hop(resp.headers_mut());
+                crate::compression::strip_internal(resp.headers_mut());
                 if let Some(Some(chosen)) = switched {
                     resp.headers_mut().insert(header::UPGRADE, chosen);
                     resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("upgrade"));

@@ -14,6 +14,7 @@ mod cache_outcome;
 mod cache_store;
 mod cdn_cache_control;
 mod client_limits;
+mod compression;
 pub mod config;
 mod conn;
 mod forward;

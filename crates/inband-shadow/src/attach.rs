@@ -19,6 +19,7 @@ use libbpf_rs::{MapCore, TC_INGRESS};
 use tracing::info;
 
 use crate::bpf::shadow::ShadowSkelBuilder;
+use crate::Program;
 use inband_core::shared as c;
 use inband_core::bpfmap::{remove_pin_dir, PinDir};
 use inband_core::command::ip;
@@ -113,6 +114,31 @@ pub fn detach(interface: &str) -> Result<()> {
     }
     info!(interface, "shadow program detached, pinned maps removed");
     Ok(())
+}
+
+/// The interfaces with a shadow program's pins in this network namespace.
+pub fn attached() -> Result<Vec<String>> {
+    let root = inband_core::bpfmap::pin_root().join("shadow");
+    let entries = match std::fs::read_dir(&root) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", root.display())),
+    };
+    let mut out: Vec<String> = entries.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    out.sort();
+    Ok(out)
+}
+
+/// The program in this module's filter slot on `interface`, with its run
+/// count and time; none if the filter is gone (the pins may outlive it:
+/// `tc qdisc del` removes the filter, not the pins) or the interface is.
+pub fn program(interface: &str) -> Result<Option<Program>> {
+    let Ok(ifindex) = inband_core::netif::ifindex(interface) else { return Ok(None) };
+    let Some(id) = slot(ifindex as i32).query(TC_INGRESS).with_context(|| format!("reading the tc filters of {interface}"))? else {
+        return Ok(None);
+    };
+    let stats = inband_core::prog_stats::of_id("shadow", id)?;
+    Ok(Some(Program { stats, interfaces: vec![interface.to_string()] }))
 }
 
 /// Each counter summed over the CPUs, by name.

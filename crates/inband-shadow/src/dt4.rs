@@ -21,8 +21,10 @@ use std::os::fd::AsFd;
 use anyhow::{bail, Context, Result};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags, TC_INGRESS};
+use std::collections::BTreeMap;
 
 use crate::attach::Count;
+use crate::Program;
 use crate::bpf::shadow_dt4::ShadowDt4SkelBuilder;
 use inband_core::bpfmap::PinDir;
 use inband_core::pod::Pod;
@@ -78,10 +80,32 @@ pub fn install(sids: &[(Ipv6Addr, u32)], gone: &[Ipv6Addr], links: &[&str]) -> R
     for dev in links {
         let ifindex = inband_core::netif::ifindex(dev)? as i32;
         inband_core::tc::create_clsact(ifindex).with_context(|| format!("creating a clsact qdisc on {dev}"))?;
-        let slot = inband_core::tc::Slot { ifindex, handle: TC_HANDLE, priority: TC_PRIORITY };
-        slot.attach(skel.progs.shadow_dt4.as_fd(), TC_INGRESS).with_context(|| format!("attaching the IPv4 shadow program to {dev} (tc ingress)"))?;
+        slot(ifindex).attach(skel.progs.shadow_dt4.as_fd(), TC_INGRESS).with_context(|| format!("attaching the IPv4 shadow program to {dev} (tc ingress)"))?;
     }
     Ok(())
+}
+
+fn slot(ifindex: i32) -> inband_core::tc::Slot {
+    inband_core::tc::Slot { ifindex, handle: TC_HANDLE, priority: TC_PRIORITY }
+}
+
+/// The programs in this module's filter slot on this namespace's links,
+/// each with the links it is on. Usually one, loaded by the last `route`
+/// run; a link that run no longer names keeps the one before, which
+/// still runs for what arrives there. Read from the links, not from the
+/// pins: the program is not pinned, and only the filters say what runs.
+pub fn programs() -> Result<Vec<Program>> {
+    let mut by_id: BTreeMap<u32, Vec<String>> = BTreeMap::new();
+    for dev in inband_core::netif::names()? {
+        let Ok(ifindex) = inband_core::netif::ifindex(&dev) else { continue };
+        if let Some(id) = slot(ifindex as i32).query(TC_INGRESS).with_context(|| format!("reading the tc filters of {dev}"))? {
+            by_id.entry(id).or_default().push(dev);
+        }
+    }
+    by_id
+        .into_iter()
+        .map(|(id, interfaces)| Ok(Program { stats: inband_core::prog_stats::of_id("shadow_dt4", id)?, interfaces }))
+        .collect()
 }
 
 /// Each counter summed over the CPUs, by name.

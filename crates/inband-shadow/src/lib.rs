@@ -11,6 +11,7 @@ pub mod attach;
 pub mod bpf;
 pub mod dt4;
 pub mod follow;
+pub mod metrics;
 pub mod route;
 
 use std::net::Ipv6Addr;
@@ -18,6 +19,17 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Subcommand;
+use inband_core::prog_stats::ProgStats;
+use serde::Serialize;
+
+/// A shadow program that runs now, read from its filter slot, and the
+/// links it is on.
+#[derive(Clone, Debug, Serialize)]
+pub struct Program {
+    #[serde(flatten)]
+    pub stats: ProgStats,
+    pub interfaces: Vec<String>,
+}
 
 #[derive(Subcommand)]
 pub enum ShadowCommand {
@@ -42,8 +54,9 @@ pub enum ShadowCommand {
         #[arg(long)]
         interface: String,
     },
-    /// On a server: the program's counters (packets and bytes). With
-    /// --router, on the router: those of the IPv4 shadow program.
+    /// On a server: the program's counters (packets and bytes) and its
+    /// run count and time. With --router, on the router: those of the
+    /// IPv4 shadow program.
     Status {
         #[arg(long, required_unless_present = "router")]
         interface: Option<String>,
@@ -51,6 +64,20 @@ pub enum ShadowCommand {
         router: bool,
         #[arg(long)]
         json: bool,
+    },
+    /// Serve the counters, run counts and run times of every shadow
+    /// program in this network namespace (each server interface's, the
+    /// router's IPv4 one) at /metrics (Prometheus) and /status (JSON).
+    /// Runs until SIGINT/SIGTERM.
+    Metrics {
+        #[arg(long)]
+        listen: std::net::SocketAddr,
+        /// Turn the kernel's run-time statistics on while this runs (the
+        /// run counts and times stay 0 otherwise, unless the sysctl
+        /// kernel.bpf_stats_enabled is 1), at the price of two clock
+        /// reads per packet for every BPF program on the host.
+        #[arg(long)]
+        bpf_stats: bool,
     },
     /// On the router: set the VIP's next hops to `--up`, after copying the
     /// current ones into the shadow table.
@@ -100,24 +127,41 @@ pub fn run(cmd: ShadowCommand) -> Result<()> {
         }
         ShadowCommand::Detach { interface } => attach::detach(&interface),
         ShadowCommand::Status { interface, router, json } => {
-            let counts = match interface {
-                Some(interface) if !router => attach::counters(&interface)?,
-                _ => dt4::counters()?,
+            metrics::quiet_libbpf();
+            let (counts, programs) = match interface {
+                Some(interface) if !router => (attach::counters(&interface)?, attach::program(&interface)?.into_iter().collect()),
+                _ => (dt4::counters()?, dt4::programs()?),
             };
+            let bpf_stats = inband_core::prog_stats::enabled();
             if json {
-                let obj: serde_json::Map<String, serde_json::Value> = counts
-                    .iter()
-                    .map(|(name, c)| (name.to_string(), serde_json::json!({"packets": c.packets, "bytes": c.bytes})))
-                    .collect();
-                println!("{}", serde_json::Value::Object(obj));
-            } else {
-                println!("{:<10} {:>12} {:>14}", "counter", "packets", "bytes");
-                for (name, c) in counts {
-                    println!("{name:<10} {:>12} {:>14}", c.packets, c.bytes);
-                }
+                println!("{}", metrics::status_json(&counts, &programs, bpf_stats));
+                return Ok(());
+            }
+            println!("{:<14} {:>12} {:>14}", "counter", "packets", "bytes");
+            for (name, c) in counts {
+                println!("{name:<14} {:>12} {:>14}", c.packets, c.bytes);
+            }
+            println!();
+            if programs.is_empty() {
+                println!("no program in its filter slot: its counters are all that is left (attach again)");
+            }
+            for p in &programs {
+                let per_run = p.stats.run_time_ns.checked_div(p.stats.runs).unwrap_or(0);
+                println!(
+                    "program {} (id {}) on {}: {} runs, {} ns, {per_run} ns per run",
+                    p.stats.program,
+                    p.stats.id,
+                    p.interfaces.join(","),
+                    p.stats.runs,
+                    p.stats.run_time_ns
+                );
+            }
+            if !bpf_stats {
+                println!("(runs are counted only while run-time statistics are on: `inband shadow metrics --bpf-stats`, or sysctl kernel.bpf_stats_enabled=1)");
             }
             Ok(())
         }
+        ShadowCommand::Metrics { listen, bpf_stats } => metrics::run(listen, bpf_stats),
         ShadowCommand::Route { config, up, plain, dead } => {
             let cfg = route::RouterConfig::load(&config)?;
             let up: Vec<String> = up.into_iter().filter(|s| !s.is_empty()).collect();

@@ -29,6 +29,8 @@ const PROXY_METRICS: &str = "127.0.0.1:9180";
 const MESH_METRICS: &str = "127.0.0.1:9105";
 /// Each server's agent, on its own address (Prometheus runs in the lb's namespace).
 const AGENT_METRICS_PORT: u16 = 9110;
+/// `inband shadow metrics` on s1, for the shadow program beside its agent.
+const SHADOW_METRICS_PORT: u16 = 9120;
 const MESH_SERVICE: &str = "10.96.0.10:80";
 /// The nginx on s1 and s2 that the proxy and the mesh use: keep-alive,
 /// and every answer cacheable.
@@ -260,6 +262,22 @@ fn start_mesh(c: &mut Cluster, cgroup: &Cgroup) {
 }
 
 /// Waits (at most 15 s) for `ok`; fails with the log of what it waits for.
+/// The servers' shadow program (seed 002) on s1's interface, beside its
+/// agent, and `inband shadow metrics` for it: attach wants its two SIDs
+/// routed as End.DT6 first (no packet goes to them here; the program
+/// counts the VIP's traffic as `other`). The lb's `bpf_stats` counts its runs.
+fn start_shadow(c: &mut Cluster) {
+    let (sid, direct, shadow) = ("fd00:db5::b", "fd00:db5::d", "fd00:db5::5");
+    run_ok(&c.tb, "s1", &["sysctl", "-q", "-w", "net.ipv6.conf.eth0.seg6_enabled=1"]);
+    for s in [sid, direct] {
+        run_ok(&c.tb, "s1", &["ip", "-6", "route", "add", s, "encap", "seg6local", "action", "End.DT6", "table", "local", "dev", "eth0"]);
+    }
+    run_ok(&c.tb, "s1", &[BIN, "shadow", "attach", "--interface", "eth0", "--sid", sid, "--direct-sid", direct, "--shadow-sid", shadow]);
+    let listen = format!("0.0.0.0:{SHADOW_METRICS_PORT}");
+    let child = in_ns(&c.tb, "s1", &[BIN, "shadow", "metrics", "--listen", &listen]).stdout(Stdio::null()).spawn().unwrap();
+    c.others.push(child);
+}
+
 fn wait_logged(what: &str, log: &std::path::Path, ok: impl Fn() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(15);
     while !ok() {
@@ -303,10 +321,19 @@ fn every_query_of_the_dashboard_returns_data_from_a_running_testbed() {
     }
     let proxy = start_proxy(&mut c);
     start_mesh(&mut c, &cgroup);
+    start_shadow(&mut c);
     let agents: Vec<String> = (1..=2).map(|i| format!("{}:{AGENT_METRICS_PORT}", server(&c.tb, i).ip())).collect();
+    let shadow = format!("{}:{SHADOW_METRICS_PORT}", server(&c.tb, 1).ip());
     let prom = Prometheus::start(
         &c,
-        &[("inband-lb", LB_METRICS), ("inband-proxy", PROXY_METRICS), ("inband-mesh", MESH_METRICS), ("inband-agent-s1", &agents[0]), ("inband-agent-s2", &agents[1])],
+        &[
+            ("inband-lb", LB_METRICS),
+            ("inband-proxy", PROXY_METRICS),
+            ("inband-mesh", MESH_METRICS),
+            ("inband-agent-s1", &agents[0]),
+            ("inband-agent-s2", &agents[1]),
+            ("inband-shadow-s1", &shadow),
+        ],
     );
 
     // Traffic: through the VIP, through the proxy (a miss, then hits, a
@@ -341,7 +368,7 @@ fn every_query_of_the_dashboard_returns_data_from_a_running_testbed() {
     wait_for("every target up", || {
         let t = prom.api(&c, "/api/v1/targets", &[]);
         let active = t["data"]["activeTargets"].as_array().cloned().unwrap_or_default();
-        active.len() == 5 && active.iter().all(|t| t["health"] == "up")
+        active.len() == 6 && active.iter().all(|t| t["health"] == "up")
     });
 
     // What the health and drop panels are for shows in Prometheus.
@@ -351,7 +378,9 @@ fn every_query_of_the_dashboard_returns_data_from_a_running_testbed() {
     // The agents took client tuples, and the kernel counted their programs.
     let tuples = "inband_agent_events_total{event=\"tuples_stored\"} > 0";
     let egress = "rate(inband_agent_bpf_program_runs_total{program=\"egress\"}[10s]) > 0";
-    for expr in [down.as_str(), ttl, hits, tuples, egress] {
+    // The VIP's traffic crosses s1's shadow program (counted as not to its SIDs).
+    let shadow_runs = "rate(inband_shadow_bpf_program_runs_total{program=\"shadow\",interface=\"eth0\"}[10s]) > 0";
+    for expr in [down.as_str(), ttl, hits, tuples, egress, shadow_runs] {
         wait_for(expr, || prom.data(&c, expr).is_ok());
     }
     assert!(prom.data(&c, "inband_backend_upp").is_err(), "a misspelled metric has no data");

@@ -397,6 +397,19 @@ fn an_ipv4_vip_keeps_every_download_as_instances_join_and_leave() {
         (r.contains(&format!("fwmark {mark} lookup {table}")), r.contains(&format!("fwmark {mark} blackhole")))
     };
 
+    // The router's exporter, counting the program's runs from here on.
+    const METRICS: &str = "127.0.0.1:9464";
+    farm.tb.spawn("r1", &[BIN, "shadow", "metrics", "--listen", METRICS, "--bpf-stats"]).unwrap();
+    let scrape = |f: &Farm| {
+        let out = f.tb.exec("r1", &["curl", "-sf", "--max-time", "5", &format!("http://{METRICS}/metrics")]).unwrap();
+        out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    wait_for("the router's exporter", || scrape(&farm).is_some());
+    let sample = |text: &str, series: &str| -> f64 { text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok()).unwrap_or(0.0) };
+    let counted = |text: &str| -> f64 { ["unwrapped", "not_taken", "failed"].iter().map(|c| sample(text, &format!("inband_shadow_dt4_packets_total{{counter=\"{c}\"}}"))).sum() };
+    let runs = "inband_shadow_bpf_program_runs_total{program=\"shadow_dt4\"}";
+    let before = scrape(&farm).unwrap();
+
     // Joining: b3 takes a third of the hash space; what it does not hold
     // goes back as IPv4 in IPv6, the router unwraps it into table 200,
     // whose hops go to the owners' direct SIDs.
@@ -405,6 +418,15 @@ fn an_ipv4_vip_keeps_every_download_as_instances_join_and_leave() {
     assert!(farm.event(3, "chained") > 0, "no connection moved to b3: the step proved nothing");
     assert!(farm.event(1, "srv6_direct") + farm.event(2, "srv6_direct") > 0, "chained packets never reached their owners");
     assert!(unwrapped(&farm) > 0, "the router's IPv4 shadow program unwrapped nothing");
+    // The exporter shows what `status --router` counts, and the program
+    // ran at least once per packet it counted. The route run reloaded it
+    // (its runs start at 0, the pinned counters carry on), and before
+    // that run nothing was a stray: its runs alone must cover the step.
+    let after = scrape(&farm).unwrap();
+    inband_http::check_exposition(&after).unwrap_or_else(|e| panic!("{e}\n{after}"));
+    assert_eq!(sample(&after, "inband_shadow_dt4_packets_total{counter=\"unwrapped\"}"), unwrapped(&farm) as f64, "{after}");
+    let (seen, ran) = (counted(&after) - counted(&before), sample(&after, runs));
+    assert!(seen > 0.0 && ran >= seen, "{ran} runs for {seen} packets counted\n{after}");
     assert!(answers(&farm), "a short request failed after b3 joined");
 
     // Leaving, with two generations from here: b1 is withdrawn and keeps

@@ -304,3 +304,81 @@ fn the_router_controller_refuses_bad_configs_and_unknown_servers() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Inside each server's namespace, which the test made: the port is free.
+const METRICS: &str = "127.0.0.1:9464";
+
+fn scrape(tb: &Testbed, node: &str) -> String {
+    let url = format!("http://{METRICS}/metrics");
+    String::from_utf8_lossy(&run_ok(tb, node, &["curl", "-sS", "--max-time", "5", &url]).stdout).into_owned()
+}
+
+/// The value of the exposition's sample `series` (name and labels as
+/// written), or 0 if it is absent.
+fn sample(text: &str, series: &str) -> f64 {
+    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok()).unwrap_or(0.0)
+}
+
+fn packets_seen(text: &str) -> f64 {
+    text.lines().filter(|l| l.starts_with("inband_shadow_packets_total{interface=\"eth0\",")).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
+}
+
+#[test]
+fn the_metrics_exporter_serves_each_programs_counters_and_runs() {
+    let mut tb = up("met", 83, 2, 1);
+    // Nothing attached yet: nothing to export, said so.
+    let out = tb.exec("s1", &[BIN, "shadow", "metrics", "--listen", METRICS]).unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("no shadow program in this network namespace") && err.contains("inband shadow attach"), "{err}");
+    for i in 1..=2 {
+        attach(&tb, i);
+        tb.spawn(&format!("s{i}"), &[BIN, "shadow", "metrics", "--listen", METRICS, "--bpf-stats"]).unwrap();
+    }
+    for i in 1..=2 {
+        let node = format!("s{i}");
+        wait_for("the exporter to listen", || tb.exec(&node, &["curl", "-sf", "-o", "/dev/null", &format!("http://{METRICS}/metrics")]).is_ok_and(|o| o.status.success()));
+    }
+    // A second one on the same address is refused, naming it.
+    let out = tb.exec("s1", &[BIN, "shadow", "metrics", "--listen", METRICS]).unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains(&format!("metrics endpoint {METRICS}")) && err.contains("in use"), "{err}");
+
+    let before: Vec<String> = (1..=2).map(|i| scrape(&tb, &format!("s{i}"))).collect();
+    for _ in 0..3 {
+        assert_eq!(get(&tb, "c1"), Ok(format!("200 {BODY}")));
+    }
+    // Packets the program sees on s1 whatever ECMP chose: 20 echoes from the router.
+    let s1 = tb.addr6("s1").to_string();
+    run_ok(&tb, "r1", &["ping", "-6", "-q", "-c", "20", "-i", "0.01", &s1]);
+    let after: Vec<String> = (1..=2).map(|i| scrape(&tb, &format!("s{i}"))).collect();
+    for (i, (b, a)) in before.iter().zip(&after).enumerate() {
+        inband_http::check_exposition(a).unwrap_or_else(|e| panic!("s{}: {e}\n{a}", i + 1));
+        assert_eq!(sample(a, "inband_shadow_bpf_stats"), 1.0, "{a}");
+        let runs = "inband_shadow_bpf_program_runs_total{program=\"shadow\",interface=\"eth0\"}";
+        let seen = packets_seen(a) - packets_seen(b);
+        let ran = sample(a, runs) - sample(b, runs);
+        // Every run counts one packet at most (the program counts each it
+        // returns on), and runs are counted from the exporter's start on.
+        assert!(ran > 0.0 && ran >= seen, "s{}: {ran} runs for {seen} packets\n{a}", i + 1);
+        let time = "inband_shadow_bpf_program_run_seconds_total{program=\"shadow\",interface=\"eth0\"}";
+        assert!(sample(a, time) > sample(b, time), "s{}: no run time\n{a}", i + 1);
+    }
+    assert!(packets_seen(&after[0]) - packets_seen(&before[0]) >= 20.0, "s1 did not count the echoes\n{}", after[0]);
+    // The three connections' SYNs, on whichever server each went to.
+    let flows: f64 = after.iter().map(|a| sample(a, "inband_shadow_packets_total{interface=\"eth0\",counter=\"new_flow\"}")).sum();
+    assert_eq!(flows, 3.0, "{after:?}");
+    // `status` prints the program's runs too, and the exporter's /status
+    // is the same document per interface.
+    let st = String::from_utf8_lossy(&run_ok(&tb, "s1", &[BIN, "shadow", "status", "--interface", "eth0"]).stdout).into_owned();
+    assert!(st.contains("program shadow (id ") && st.contains(" on eth0: ") && st.contains(" ns per run"), "{st}");
+    let json = counters(&tb, "s1");
+    assert!(json["programs"][0]["runs"].as_u64().unwrap() > 0 && json["programs"][0]["interfaces"][0] == "eth0", "{json}");
+    let url = format!("http://{METRICS}/status");
+    let doc: Value = serde_json::from_slice(&run_ok(&tb, "s1", &["curl", "-sS", "--max-time", "5", &url]).stdout).unwrap();
+    assert_eq!(doc["servers"]["eth0"]["new_flow"], json["new_flow"], "{doc}");
+    assert!(doc["router"].is_null(), "{doc}");
+    // Detached while it runs: the next scrape has no server series left.
+    run_ok(&tb, "s1", &[BIN, "shadow", "detach", "--interface", "eth0"]);
+    let gone = scrape(&tb, "s1");
+    assert!(!gone.contains("interface=\"eth0\""), "{gone}");
+}

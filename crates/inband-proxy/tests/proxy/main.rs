@@ -10,6 +10,7 @@ mod bad_input;
 mod balancing;
 mod cache;
 mod client_limits;
+mod compression;
 mod timeouts;
 mod tls;
 mod upgrade;
