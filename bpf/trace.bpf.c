@@ -37,6 +37,10 @@ const volatile __u32 target_tgid;
 const volatile __u8 category_of[INBAND_TRACE_NR_SLOTS];
 /* --follow; when 0 the verifier drops the `processes` lookups. */
 const volatile __u8 follow;
+/* `inband trace overhead`'s floor pass: the programs return after the
+ * process check, so what is left is the cost of the syscall tracepoints
+ * themselves, which no per-process tracer built on them can go below. */
+const volatile __u8 floor_only;
 
 /* --follow: the processes started by traced ones, by process id. Added at
  * the fork, removed at the exit of the process's main thread, so a reused
@@ -157,7 +161,7 @@ int trace_sys_enter(__u64 *ctx)
 {
 	__u64 nr = ctx[1];
 
-	if (!target_tid() || (nr < INBAND_TRACE_NR_SLOTS && category_of[nr] == INBAND_TRACE_NOT_COUNTED))
+	if (!target_tid() || floor_only || (nr < INBAND_TRACE_NR_SLOTS && category_of[nr] == INBAND_TRACE_NOT_COUNTED))
 		return 0;
 	struct inband_trace_thread *t =
 		bpf_task_storage_get(&thread_state, bpf_get_current_task_btf(), 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
@@ -177,7 +181,7 @@ int trace_sys_exit(__u64 *ctx)
 {
 	__u32 tid = target_tid();
 
-	if (!tid)
+	if (!tid || floor_only)
 		return 0;
 	struct inband_trace_thread *t = bpf_task_storage_get(&thread_state, bpf_get_current_task_btf(), 0, 0);
 

@@ -81,6 +81,11 @@ pub struct TraceArgs {
     /// Write one JSON line per snapshot here (docs/trace.md, "Output").
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
+    /// `inband trace overhead`'s floor pass: the system-call tracepoints
+    /// attached with programs that stop at the process check, counting
+    /// nothing.
+    #[arg(long, hide = true, conflicts_with_all = ["memory", "follow"])]
+    pub floor: bool,
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -169,6 +174,7 @@ pub fn run(args: TraceArgs) -> Result<()> {
     ro.target_tgid = pid;
     ro.category_of = categories::by_slot();
     ro.follow = u8::from(args.follow);
+    ro.floor_only = u8::from(args.floor);
     let skel = open.load().context(
         "loading the trace programs (needs root, or CAP_BPF and CAP_PERFMON, and a kernel with BTF and task storage for tracing programs)",
     )?;

@@ -48,8 +48,9 @@ pub struct OverheadArgs {
 }
 
 /// The passes: a name and the tracer's arguments (none: untraced).
-const PASSES: [(&str, Option<&[&str]>); 4] = [
+const PASSES: [(&str, Option<&[&str]>); 5] = [
     ("untraced", None),
+    ("floor: tracepoints only", Some(&["--floor"])),
     ("timing", Some(&[])),
     ("timing, --phases cache", Some(&["--phases", "cache"])),
     ("timing and --memory", Some(&["--memory"])),

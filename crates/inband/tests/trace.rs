@@ -572,7 +572,7 @@ fn overhead_compares_the_benchmark_traced_and_untraced() {
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
     let passes = report["passes"].as_array().unwrap();
     let names: Vec<&str> = passes.iter().map(|p| p["pass"].as_str().unwrap()).collect();
-    assert_eq!(names, ["untraced", "timing", "timing, --phases cache", "timing and --memory"]);
+    assert_eq!(names, ["untraced", "floor: tracepoints only", "timing", "timing, --phases cache", "timing and --memory"]);
     let untraced = passes[0]["median_ops_per_s"].as_f64().unwrap();
     assert!(untraced > 0.0, "{report}");
     assert_eq!(passes[0]["ratio"], 1.0);
@@ -583,14 +583,16 @@ fn overhead_compares_the_benchmark_traced_and_untraced() {
         assert!((p["ratio"].as_f64().unwrap() - ratio).abs() < 1e-9, "{p}");
     }
     assert!(passes[0]["runs"][0]["syscalls"].is_null());
-    assert!(passes[1]["runs"][0]["syscalls"].as_u64().unwrap() > 0, "{}", passes[1]);
-    assert_eq!(passes[1]["runs"][0]["marker_hits"], 0, "{}", passes[1]);
-    let phases = &passes[2]["runs"][0];
+    // The floor's programs stop at the process check: nothing is counted.
+    assert_eq!(passes[1]["runs"][0]["syscalls"], 0, "{}", passes[1]);
+    assert!(passes[2]["runs"][0]["syscalls"].as_u64().unwrap() > 0, "{}", passes[2]);
+    assert_eq!(passes[2]["runs"][0]["marker_hits"], 0, "{}", passes[2]);
+    let phases = &passes[3]["runs"][0];
     assert_eq!(phases["marker_hits"], phases["ops"], "{phases}");
     // The memory store's operations make no system calls; the uprobe(2)
     // a marker on a nop costs (kernel 6.18) is not counted as one.
     assert!(phases["syscalls"].as_u64().unwrap() < phases["ops"].as_u64().unwrap() / 10, "{phases}");
-    let memory = &passes[3]["runs"][0];
+    let memory = &passes[4]["runs"][0];
     assert!(memory["allocs"].as_u64().unwrap() >= memory["ops"].as_u64().unwrap(), "{memory}");
     // The store and the traces are gone with the command.
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
