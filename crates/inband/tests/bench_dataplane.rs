@@ -4,8 +4,8 @@
 
 /// Every row of the per-packet table, in the order of the run: IPv4
 /// (authenticated options, then pass-through), IPv6, UDP with QUIC, the
-/// seed format, the floor.
-const ROWS: [(&str, &str, &str, &str); 23] = [
+/// seed format, the floor with a flow lookup, the floor.
+const ROWS: [(&str, &str, &str, &str); 24] = [
     ("new connection (SYN: select, SNAT, 155 + MAC)", "IPv4", "dsr-dynamic", "XDP_TX"),
     ("handshake done (second packet: half-open -> flows)", "IPv4", "dsr-dynamic", "XDP_TX"),
     ("established (client -> backend)", "IPv4", "dsr-dynamic", "XDP_TX"),
@@ -28,6 +28,7 @@ const ROWS: [(&str, &str, &str, &str); 23] = [
     ("new connection (SYN: select, SNAT, seed 155)", "IPv4", "dsr-dynamic", "XDP_TX"),
     ("established + score request (seed 124)", "IPv4", "dsr-dynamic", "XDP_TX"),
     ("score return (seed 125: checksums, record, strip)", "IPv4", "dsr-dynamic", "XDP_TX"),
+    ("floor + the flow's lookup (IPv4 and TCP read, LRU hash of the flow table's type)", "IPv4", "-", "XDP_TX"),
     ("floor: bounce (swap MACs, XDP_TX)", "IPv4", "-", "XDP_TX"),
 ];
 

@@ -348,6 +348,7 @@ pub fn measure(samples: u32) -> Result<Vec<Row>> {
         }
     }
 
+    rows.push(("floor + the flow's lookup (IPv4 and TCP read, LRU hash of the flow table's type)", "IPv4", "-", XDP_TX, lookup_floor(samples)?));
     rows.push(("floor: bounce (swap MACs, XDP_TX)", "IPv4", "-", XDP_TX, floor(samples)?));
     let floor = rows.last().map_or(0.0, |r| r.4);
 
@@ -387,6 +388,28 @@ fn floor(samples: u32) -> Result<f64> {
         bail!("the bounce floor took no time");
     }
     Ok(floor)
+}
+
+/// The median ns of `bounce_lookup` on the same frame, its flow in a
+/// table of the balancer's type and size: the least a forwarder that keeps
+/// per-flow state costs for an established packet.
+fn lookup_floor(samples: u32) -> Result<f64> {
+    let mut storage = MaybeUninit::uninit();
+    let prog = BounceSkelBuilder::default().open(&mut storage)?.load()?;
+    put(&prog.maps.lookup_flows, &TCP4.key(TCP4.client(0)), &Flow::default())?;
+    let mut ns = Vec::new();
+    for _ in 0..samples.max(1) {
+        let frame = TCP4.data(TCP4.client(0));
+        let mut out = vec![0u8; frame.len()];
+        let input = ProgramInput { data_in: Some(&frame), data_out: Some(&mut out), repeat: 1, ..Default::default() };
+        let o = prog.progs.bounce_lookup.test_run(input)?;
+        if o.return_value != XDP_TX {
+            bail!("the lookup floor did not find its flow (verdict {})", o.return_value);
+        }
+        ns.push(o.duration.as_nanos() as f64);
+    }
+    ns.sort_by(f64::total_cmp);
+    Ok(ns[ns.len() / 2])
 }
 
 /// What a flood of new connections that never complete does to the tables.
