@@ -21,6 +21,14 @@ servers, dsr-dynamic, each with `[scale_out]`):
 2. throughput: short requests (1 KB files from nginx, wrk, persistent
    connections) through 1, 2 and 4 instances, and straight to one server
    (the limit: no balancer in the path), in the same run.
+3. an instance's host crashes (issue 28): with b1, b2 and b3 routed and
+   the same load as in part 1, b1's daemon is killed -9 and its host
+   dies in one of three ways (its XDP program gone with the link up; the
+   link losing carrier; the interface gone), and 1 s later the router
+   routes to b2 and b3 (`inband shadow route`, `liveness = "echo"`). The
+   downloads that broke are split by who held them at the crash: b1's
+   own flows (lost today: their server-side tuple lives only on b1) and
+   the others' (the goal: none).
 
 The router sends to the client through a token bucket (tc tbf) in part
 1 so that downloads last seconds, as in bench.ecmp; part 2 runs without
@@ -75,6 +83,9 @@ class Profile:
     # closing timeout (10 s); few enough ports that the warm-up uses each
     # make that happen by construction.
     reused_ports: int = 100
+    # Part 3's forms, in order; "interface gone" leaves b1 unusable, so
+    # it comes last.
+    crash_forms: tuple = ("program gone, link up", "carrier lost", "interface gone")
     # Download loops of the rows where b3 joins and b1 leaves (default:
     # `clients`). Those rows show chaining only if a download is in flight
     # on b1 when it leaves (a third of the hash space) or in the half that
@@ -88,7 +99,7 @@ class Profile:
 PROFILES = {
     "quick": Profile(8, 2, "160mbit", 5, 21, 10, 64),
     # The test's: seconds; every change still meets downloads in flight.
-    "tiny": Profile(4, 1, "200mbit", 2, 9, 3, 16, download_max_s=10, reused_ports=30, join_clients=12),
+    "tiny": Profile(4, 1, "200mbit", 2, 9, 3, 16, download_max_s=10, reused_ports=30, join_clients=12, crash_forms=("carrier lost",)),
 }
 
 
@@ -338,6 +349,70 @@ def changes_under_load(bed: Bed) -> list[dict]:
     return rows
 
 
+def held_ports(bed: Bed, i: int) -> set[int]:
+    """The client ports of the flows instance `i` holds: its pinned flow
+    table, whose key starts with the client's and the VIP's addresses (16
+    bytes each), then the client's port (network order)."""
+    pin = f"/sys/fs/bpf/inband/netns/{bed.ns(f'b{i}')}/lb/eth0/flows"
+    cp = run(None, ["bpftool", "-j", "map", "dump", "pinned", pin])
+    return {int(e["key"][32], 16) << 8 | int(e["key"][33], 16) for e in json.loads(cp.stdout)}
+
+
+def crash(bed: Bed, form: str) -> None:
+    """b1's host dies as `form` says: nothing of it cleans up."""
+    bed.stop_lb(1, kill=True)
+    if form == "program gone, link up":
+        run(bed.ns("b1"), ["ip", "link", "set", "dev", "eth0", "xdp", "off"])
+    elif form == "carrier lost":
+        run(bed.ns("b1"), ["ip", "link", "set", "eth0", "down"])
+    elif form == "interface gone":
+        run(bed.ns("r1"), ["ip", "link", "del", "b1"])
+    else:
+        raise ValueError(f"unknown crash form {form!r}")
+
+
+def revive(bed: Bed, form: str) -> None:
+    """b1's host back (its link up again takes IPv6 addresses and routes
+    back by hand, as a reboot would), its daemon started, b1 routed."""
+    if form == "carrier lost":
+        addr = bed.addr("b1")
+        run(bed.ns("b1"), ["ip", "link", "set", "eth0", "up"])
+        run(bed.ns("b1"), ["ip", "-6", "addr", "replace", f"{addr}/64", "dev", "eth0", "nodad"])
+        run(bed.ns("b1"), ["ip", "-6", "route", "replace", "default", "via", addr.rsplit(":", 1)[0] + ":1"])
+    bed.start_lb(1)
+    bed.route([1, 2, 3])
+
+
+def crashes(bed: Bed) -> list[dict]:
+    """Part 3: one row per crash form of b1, with b1, b2 and b3 routed."""
+    echo = bed.dir / "router-echo.toml"
+    echo.write_text('liveness = "echo"\n' + Path(bed.tb.state["router_config"]).read_text())
+    rows = []
+    for form in bed.p.crash_forms:
+        bed.route([1, 2, 3])
+        held: set[int] = set()
+
+        def step(form=form, held=held):
+            held.update(held_ports(bed, 1))
+            crash(bed, form)
+            time.sleep(1)
+            run(bed.ns("r1"), [bed.inband, "shadow", "route", "--config", str(echo), "--up", "b2,b3"])
+        no_flow = bed.counter("drops", "chained_no_flow")
+        steps_s: list = []
+        with ShortRequests(bed) as short:
+            loads = closed_loop(bed.ns("c1"), bed.vip, bed.p.clients, bed.p.size_mb, bed.p.run_s, at_fractions(steps_s, step),
+                                bed.p.download_max_s)
+        own = [f for f in loads.failures if f["local_port"].isdigit() and int(f["local_port"]) in held]
+        rows.append({"form": form, "held": len(held), "ok": loads.ok, "failed": loads.failed, "failed_held": len(own),
+                     "failed_others": loads.failed - len(own), "steps_s": steps_s, "failures": loads.failures,
+                     "short_ok": short.ok, "short_failed": short.failed,
+                     "chained_no_flow": bed.counter("drops", "chained_no_flow") - no_flow})
+        print(rows[-1], flush=True)
+        if form != "interface gone":
+            revive(bed, form)
+    return rows
+
+
 def wrk(bed: Bed, url: str) -> float:
     cp = run(bed.ns("c1"), ["wrk", "-t2", f"-c{bed.p.wrk_connections}", f"-d{bed.p.wrk_s}s", url], timeout=bed.p.wrk_s + 60)
     m = re.search(r"Requests/sec:\s+([\d.]+)", cp.stdout)
@@ -385,6 +460,9 @@ def main(argv=None) -> int:
         bed.shaped(False)
         bed.serve_static(1000)
         results["throughput"] = throughput(bed)
+        bed.shaped(True)
+        bed.serve(p.size_mb * 1_000_000)
+        results["crashes"] = crashes(bed)
     finally:
         bed.down()
     record = this_run.record(results, profile=profiles.as_json(args.profile, p), inband=Path(args.inband))
@@ -413,6 +491,13 @@ def markdown(r: dict) -> str:
               "| path | req/s | / straight to a server | / 1 instance |", "|---|---|---|---|"]
     for t in r["throughput"]:
         lines.append(f"| {t['path']} | {t['rps']:.0f} | {t['rps'] / direct:.2f}× | {t['rps'] / one:.2f}× |")
+    if r.get("crashes"):
+        lines += ["", "### An instance's host crashes: b1 of b1, b2, b3 (dsr-dynamic), routed away 1 s later", "",
+                  "| b1's host | flows b1 held | downloads | failed: b1's | failed: the others' (goal 0) | short requests | failed | chained, no owner |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for c in r["crashes"]:
+            lines.append(f"| {c['form']} | {c['held']} | {c['ok'] + c['failed']} | {c['failed_held']} | {c['failed_others']} | "
+                         f"{c['short_ok'] + c['short_failed']} | {c['short_failed']} | {c['chained_no_flow']} |")
     return "\n".join(lines) + "\n"
 
 

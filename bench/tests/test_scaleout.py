@@ -1,6 +1,8 @@
 """The scale-out driver: its tables from known numbers, and its tiny
 profile end to end (every planned change with inband loses nothing, a
-client reusing its ports included; the namespaces gone afterwards)."""
+client reusing its ports included; an instance whose host loses its
+carrier breaks none of the others' downloads; the namespaces gone
+afterwards)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,10 @@ def test_tables_give_failures_and_throughput_ratios():
     rows = table_rows(md, "| change | mode |")
     assert rows[0] == ["b3 joins, then b1 leaves", "plain ECMP", "40", "25.00% (10)", "93", "3", "500", "0", "0"]
     assert rows[1][3] == "0.00% (0)" and rows[1][8] == "1200"
+    r["crashes"] = [{"form": "carrier lost", "held": 5, "ok": 20, "failed": 2, "failed_held": 2, "failed_others": 0,
+                     "short_ok": 40, "short_failed": 3, "chained_no_flow": 7}]
+    crash = table_rows(scaleout.markdown(r), "| b1's host |")
+    assert crash == [["carrier lost", "5", "22", "2", "0", "43", "3", "7"]]
     tp = {t[0]: t for t in table_rows(md, "| path | req/s |")}
     assert tp["2 instances"][1:] == ["6000", "0.60×", "1.20×"]
     assert tp["straight to one server (no balancer)"][2] == "1.00×"
@@ -54,6 +60,12 @@ def test_tiny_profile_end_to_end(tmp_path):
     # flows on other instances (the regime happened) and none was lost.
     reused = joins[(scaleout.reused_row(scaleout.PROFILES["tiny"]), "inband (shadow + chaining)")]
     assert reused["later_connection"] > 0 and reused["failed"] == 0, reused
+    # b1's host lost its carrier: whatever b1 held may break, nothing the
+    # others held did.
+    (crash,) = data["crashes"]
+    assert crash["form"] == "carrier lost" and crash["ok"] + crash["failed"] >= 4, crash
+    assert crash["failed_others"] == 0, json.dumps(crash)
+    assert crash["failed_held"] <= crash["held"], crash
     tp = {t["instances"]: t["rps"] for t in data["throughput"]}
     assert set(tp) == {0, 1, 2, 4} and min(tp.values()) > 100, tp
     assert (out / "throughput.png").stat().st_size > 1000
