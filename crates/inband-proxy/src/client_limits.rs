@@ -88,6 +88,32 @@ impl ClientLimits {
     }
 }
 
+impl ClientLimits {
+    /// One request of `ip`'s against the rate alone, for a route's
+    /// `rate_limit` (a table of its own, no connections counted): Ok, or
+    /// how long until the client's next request would be allowed.
+    pub fn take(&self, ip: IpAddr) -> Result<(), std::time::Duration> {
+        let k = key(ip);
+        let now = Instant::now();
+        let (rate, burst) = (self.rate, self.burst);
+        let mut t = self.table.lock().unwrap();
+        if t.len() >= MAX_CLIENTS && !t.contains_key(&k) {
+            t.retain(|_, e| e.open > 0 || refill(e, now, rate, burst) < burst);
+            if t.len() >= MAX_CLIENTS {
+                self.untracked.inc();
+                return Ok(());
+            }
+        }
+        let e = t.entry(k).or_insert(Entry { open: 0, tokens: burst, refilled: now });
+        let tokens = refill(e, now, rate, burst);
+        if tokens < 1.0 {
+            return Err(std::time::Duration::from_secs_f64((1.0 - tokens) / rate));
+        }
+        e.tokens -= 1.0;
+        Ok(())
+    }
+}
+
 /// The tokens `e` holds at `now`, written back.
 fn refill(e: &mut Entry, now: Instant, rate: f64, burst: f64) -> f64 {
     e.tokens = (e.tokens + now.duration_since(e.refilled).as_secs_f64() * rate).min(burst);
@@ -168,6 +194,15 @@ mod tests {
         let s = l.open(ip("192.0.2.1")).unwrap();
         assert!(!s.request(), "the bucket outlives the connection");
         assert!(l.open(ip("192.0.2.9")).unwrap().request(), "another client has its own");
+    }
+
+    #[test]
+    fn take_limits_requests_alone_and_says_how_long_to_wait() {
+        let l = ClientLimits::new(0, 2.0, 2.0, Counter::default());
+        assert!(l.take(ip("192.0.2.1")).is_ok() && l.take(ip("192.0.2.1")).is_ok());
+        let wait = l.take(ip("192.0.2.1")).unwrap_err();
+        assert!(wait > std::time::Duration::from_millis(400) && wait <= std::time::Duration::from_millis(500), "{wait:?}");
+        assert!(l.take(ip("192.0.2.2")).is_ok(), "another client has its own bucket");
     }
 
     #[test]

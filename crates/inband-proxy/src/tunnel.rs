@@ -72,6 +72,7 @@ pub fn offer(allow: &UpgradeAllow, headers: &HeaderMap) -> Offer {
 /// connection's task to run.
 pub async fn forward(
     shared: &Shared,
+    pool: &crate::routes::Pool,
     mut parts: request::Parts,
     body: Bytes,
     key: &[u8],
@@ -81,7 +82,7 @@ pub async fn forward(
 ) -> Result<Response<ProxyBody>, Refusal> {
     parts.headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     parts.headers.insert(header::UPGRADE, offered);
-    let mut resp = match forward::send(shared, &parts, body, key).await {
+    let mut resp = match forward::send(shared, pool, &parts, body, key).await {
         Ok(r) => r,
         Err(r) => {
             shared.metrics.upgrade(Upgrade::Failed);
