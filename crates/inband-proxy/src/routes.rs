@@ -302,7 +302,7 @@ pub fn normalize_path(path: &str) -> Cow<'_, str> {
     if !needs {
         return Cow::Borrowed(path);
     }
-    let mut decoded = String::with_capacity(path.len());
+    let mut decoded = Vec::with_capacity(path.len());
     let mut i = 0;
     while i < b.len() {
         if b[i] == b'%' && i + 2 < b.len() {
@@ -310,17 +310,17 @@ pub fn normalize_path(path: &str) -> Cow<'_, str> {
             if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
                 let c = (h * 16 + l) as u8;
                 if c.is_ascii_alphanumeric() || b"-._~".contains(&c) {
-                    decoded.push(c as char);
+                    decoded.push(c);
                     i += 3;
                     continue;
                 }
             }
         }
-        // Byte by byte: a path is ASCII (hyper refuses other bytes in the
-        // request target), so each byte is one char.
-        decoded.push(b[i] as char);
+        decoded.push(b[i]);
         i += 1;
     }
+    // Only ASCII was decoded into a valid string: still valid.
+    let decoded = String::from_utf8(decoded).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
     let mut out: Vec<&str> = Vec::new();
     let segments: Vec<&str> = decoded.split('/').collect();
     let last = segments.len() - 1;
@@ -496,6 +496,8 @@ mod tests {
             ("/%", "/%"),
             ("/%4", "/%4"),
             ("/x%zz", "/x%zz"),
+            ("/é/../%41", "/A"),
+            ("/é/./x", "/é/x"),
         ] {
             assert_eq!(normalize_path(p), want, "{p}");
         }
