@@ -655,6 +655,20 @@ mod tests {
         }
     }
 
+    /// The whole example in docs/proxy.md "Configuration" is a config the
+    /// proxy takes, routes included.
+    #[test]
+    fn the_documented_example_parses() {
+        let doc = include_str!("../../../docs/proxy.md");
+        let section = &doc[doc.find("\n## Configuration").unwrap()..];
+        let start = section.find("```toml\n").unwrap() + 8;
+        let example = &section[start..start + section[start..].find("```").unwrap()];
+        let c = parse(example).unwrap_or_else(|e| panic!("{e:#}"));
+        assert_eq!(c.routes.len(), 1);
+        assert_eq!(c.routes[0].health.as_ref().map(|h| h.path.as_str()), Some("/healthz"));
+        assert_eq!(c.routes[0].rate_limit, Some((50.0, 100.0)));
+    }
+
     #[test]
     fn durable_cache_needs_a_path() {
         let e = parse("listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\n[cache]\nbackend = \"lmdb\"").unwrap_err();
