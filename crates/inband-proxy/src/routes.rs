@@ -214,8 +214,12 @@ pub fn check(raw: &Config, problems: &mut Vec<String>) -> Vec<RouteSpec> {
 fn host_pattern(h: &str) -> Result<HostPattern, String> {
     let lower = h.to_ascii_lowercase();
     let lower = lower.strip_suffix('.').unwrap_or(&lower);
-    if lower.parse::<IpAddr>().is_ok() || lower.strip_prefix('[').and_then(|r| r.strip_suffix(']')).is_some_and(|a| a.parse::<std::net::Ipv6Addr>().is_ok()) {
-        return Ok(HostPattern::Exact(lower.to_string()));
+    // Compared as a request's Host writes them: IPv6 in brackets.
+    let unbracketed = lower.strip_prefix('[').and_then(|r| r.strip_suffix(']')).unwrap_or(lower);
+    match unbracketed.parse::<IpAddr>() {
+        Ok(IpAddr::V6(a)) => return Ok(HostPattern::Exact(format!("[{a}]"))),
+        Ok(IpAddr::V4(a)) if unbracketed == lower => return Ok(HostPattern::Exact(a.to_string())),
+        _ => {}
     }
     let (wild, name) = match lower.strip_prefix("*.") {
         Some(rest) => (true, rest),
@@ -537,5 +541,8 @@ mod tests {
             assert!(host_pattern(bad).is_err(), "{bad}");
         }
         assert_eq!(host_pattern("10.0.0.1").unwrap(), HostPattern::Exact("10.0.0.1".into()));
+        for v6 in ["::1", "[::1]", "[0:0::1]"] {
+            assert_eq!(host_pattern(v6).unwrap().rank("[::1]"), Some(usize::MAX), "{v6}");
+        }
     }
 }

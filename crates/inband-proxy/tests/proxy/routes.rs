@@ -66,10 +66,17 @@ async fn an_exact_host_beats_a_wildcard_which_beats_any_host_then_the_default() 
     // entry, and is served by what takes any host.
     let r = raw(p.addr, "GET /static/x HTTP/1.1\r\nHost: bücher.example.com\r\nConnection: close\r\n\r\n".as_bytes()).await;
     assert!(r.starts_with("HTTP/1.1 200") && r.ends_with("any"), "{r}");
+    // HTTP/2 is routed by its host as HTTP/1.1 is.
+    let h2: hyper_util::client::legacy::Client<_, http_body_util::Full<bytes::Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).http2_only(true).build_http();
+    let req = http::Request::get(format!("http://{}/", p.addr)).header("host", "api.example.com").body(Default::default()).unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(10), h2.request(req)).await.unwrap().unwrap();
+    assert_eq!(resp.version(), http::Version::HTTP_2);
+    assert_eq!(http_body_util::BodyExt::collect(resp.into_body()).await.unwrap().to_bytes(), "exact");
     let r = raw(p.addr, b"GET / HTTP/1.1\r\nHost: [::1\r\nConnection: close\r\n\r\n").await;
     assert!(r.starts_with("HTTP/1.1 200") && r.ends_with("default"), "{r}");
     let m = metrics(&p).await;
-    for (route, n) in [("exact", 4.0), ("wild", 3.0), ("deeper", 2.0), ("static", 3.0), ("default", 4.0)] {
+    for (route, n) in [("exact", 5.0), ("wild", 3.0), ("deeper", 2.0), ("static", 3.0), ("default", 4.0)] {
         assert_eq!(sample(&m, &format!("inband_proxy_route_requests_total{{route=\"{route}\"}}")), n, "{route}\n{m}");
     }
     // The top-level pool's series keep their labels; a route's carry its name.
