@@ -289,7 +289,7 @@ pub fn request_host(h: &HeaderValue) -> Option<Cow<'_, str>> {
         }
     };
     let host = host.strip_suffix('.').unwrap_or(host);
-    if host.is_empty() || !host.bytes().all(|b| b.is_ascii_alphanumeric() || b"-._[]:".contains(&b)) {
+    if host.is_empty() || host.starts_with('.') || host.contains("..") || !host.bytes().all(|b| b.is_ascii_alphanumeric() || b"-._[]:".contains(&b)) {
         return None;
     }
     Some(if host.bytes().any(|b| b.is_ascii_uppercase()) { Cow::Owned(host.to_ascii_lowercase()) } else { Cow::Borrowed(host) })
@@ -528,6 +528,7 @@ mod tests {
         assert_eq!(h(b"a b"), None);
         assert_eq!(h(b""), None);
         assert_eq!(h(b":80"), None);
+        assert_eq!(h(b"a..example.com"), None, "an empty label is no name");
     }
 
     #[test]

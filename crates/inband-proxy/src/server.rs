@@ -380,7 +380,7 @@ async fn forward_on(
     match upgrade {
         // Past the cache: a 101 is for this connection alone.
         Some((Offer::Allowed(offered), on)) => {
-            return tunnel::forward(shared, &route.pool, parts, body, &key, offered, on, conn).await;
+            return tunnel::forward(shared, &route.pool, parts, body, &key, (offered, on), conn).await;
         }
         Some((Offer::NotAllowed, _)) => shared.metrics.upgrade(Upgrade::NotAllowed),
         Some((Offer::None, _)) | None => {}
