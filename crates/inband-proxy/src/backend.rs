@@ -9,8 +9,10 @@ use std::time::{Duration, Instant};
 use crate::config::PassiveConfig;
 
 pub struct Backend {
-    /// The address as a metrics label, formatted once.
+    /// The address, formatted once.
     pub name: String,
+    /// Its metrics labels: `backend`, and `route` for a `[[route]]`'s pool.
+    pub labels: crate::metrics::Labels,
     /// The address as a request URI's authority, parsed once.
     pub authority: http::uri::Authority,
     in_flight: AtomicU64,
@@ -53,9 +55,15 @@ impl Drop for TunnelInFlight {
 }
 
 impl Backend {
-    pub fn new(addr: SocketAddr) -> Backend {
+    pub fn new(addr: SocketAddr, route: Option<&str>) -> Backend {
         let name = addr.to_string();
+        let mut labels = Vec::new();
+        if let Some(r) = route {
+            labels.push(("route", r.to_string()));
+        }
+        labels.push(("backend", name.clone()));
         Backend {
+            labels,
             authority: name.parse().expect("a socket address is a URI authority"),
             name,
             in_flight: AtomicU64::new(0),

@@ -18,6 +18,7 @@ use crate::cache_control;
 use crate::cache_outcome::Outcome;
 use crate::cache_store::{base_key, options, unix_ms, Buffered, Fetched, Found, HttpCache, Leader, Stored, Turn};
 use crate::metrics::Refusal;
+use crate::routes::Route;
 use crate::{forward, Shared};
 
 /// Whether the cache looks at this request at all. Range requests go to
@@ -50,7 +51,7 @@ fn fresh(stored: &Stored, parts: &request::Parts) -> bool {
 /// Answers a GET through the cache. `parts` carries the forwarding
 /// headers already; `key` is the balancing hash key. A client's own
 /// conditional request is answered 304 when the 200 it would get matches.
-pub async fn serve(shared: &Arc<Shared>, cache: &HttpCache, mut parts: request::Parts, key: &[u8]) -> Result<Response<ProxyBody>, Refusal> {
+pub async fn serve(shared: &Arc<Shared>, cache: &HttpCache, route: &Arc<Route>, mut parts: request::Parts, key: &[u8]) -> Result<Response<ProxyBody>, Refusal> {
     let conditional = [header::IF_NONE_MATCH, header::IF_MODIFIED_SINCE].iter().any(|h| parts.headers.contains_key(h));
     let req_headers = conditional.then(|| parts.headers.clone());
     // The origin is asked for the whole response, which can be stored:
@@ -60,7 +61,7 @@ pub async fn serve(shared: &Arc<Shared>, cache: &HttpCache, mut parts: request::
     parts.headers.remove(header::IF_MODIFIED_SINCE);
     let accept = parts.headers.get(header::ACCEPT_ENCODING).cloned();
     // Before the 304 check: a validator names the representation sent.
-    let resp = crate::compression::for_client(accept.as_ref(), lookup_or_fetch(shared, cache, parts, key).await?);
+    let resp = crate::compression::for_client(accept.as_ref(), lookup_or_fetch(shared, cache, route, parts, key).await?);
     match req_headers {
         Some(req) if resp.status() == StatusCode::OK && not_modified(&req, resp.headers()) => {
             let (mut head, _) = resp.into_parts();
@@ -90,7 +91,7 @@ fn not_modified(req: &HeaderMap, resp: &HeaderMap) -> bool {
     }
 }
 
-async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, parts: request::Parts, key: &[u8]) -> Result<Response<ProxyBody>, Refusal> {
+async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, route: &Arc<Route>, parts: request::Parts, key: &[u8]) -> Result<Response<ProxyBody>, Refusal> {
     // RFC 9111 §5.2.1.7: a stored response (fresh, or within the request's
     // max-stale, as the library decides) or 504, never the origin.
     if cache_control::directive(&parts.headers, "only-if-cached").is_some() {
@@ -112,12 +113,12 @@ async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, parts: request
             BeforeRequest::Stale { request, matches: true } if unix_ms(now) < stored.swr_until_ms => {
                 shared.metrics.cache(Outcome::Stale);
                 let resp = cached(stored.head(), cache.response_body(body), Outcome::Stale);
-                revalidate_in_background(shared.clone(), parts, stored, request, key.to_vec());
+                revalidate_in_background(shared.clone(), route.clone(), parts, stored, request, key.to_vec());
                 return Ok(resp);
             }
             BeforeRequest::Stale { request, matches: true } => {
                 let fallback = (unix_ms(now) < stored.sie_until_ms).then(|| (stored.head(), body));
-                let result = revalidate(shared, cache, &parts, &stored, request, key).await;
+                let result = revalidate(shared, cache, route, &parts, &stored, request, key).await;
                 let failed = match &result {
                     Ok(resp) => resp.status().is_server_error(),
                     Err(_) => true,
@@ -152,7 +153,7 @@ async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, parts: request
             }
             // The leader's response was not shareable (or not for this
             // variant): fetch our own.
-            fetch(shared, cache, &parts, key, None, Outcome::Miss).await
+            fetch(shared, cache, route, &parts, key, None, Outcome::Miss).await
         }
         Turn::Lead(leader) => {
             // A leader that finished between our lookup and join has
@@ -170,7 +171,7 @@ async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, parts: request
                     return Ok(cached(stored.head(), cache.response_body(body), Outcome::Hit));
                 }
             }
-            fetch(shared, cache, &parts, key, Some(leader), Outcome::Miss).await
+            fetch(shared, cache, route, &parts, key, Some(leader), Outcome::Miss).await
         }
     }
 }
@@ -179,13 +180,14 @@ async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, parts: request
 async fn fetch(
     shared: &Shared,
     cache: &HttpCache,
+    route: &Route,
     parts: &request::Parts,
     key: &[u8],
     leader: Option<Leader<'_>>,
     outcome: Outcome,
 ) -> Result<Response<ProxyBody>, Refusal> {
-    let resp = forward::send(shared, parts, Bytes::new(), key).await?;
-    keep(shared, cache, parts, resp, leader, outcome).await
+    let resp = forward::send(shared, &route.pool, parts, Bytes::new(), key).await?;
+    keep(shared, cache, route, parts, resp, leader, outcome).await
 }
 
 /// Stores an origin response if it may be stored, hands it to the
@@ -193,6 +195,7 @@ async fn fetch(
 async fn keep(
     shared: &Shared,
     cache: &HttpCache,
+    route: &Route,
     parts: &request::Parts,
     resp: Response<Incoming>,
     leader: Option<Leader<'_>>,
@@ -201,13 +204,14 @@ async fn keep(
     shared.metrics.cache(outcome);
     let (head, body) = resp.into_parts();
     let policy = CachePolicy::new_options(parts, &cache_control::library_response(&head), SystemTime::now(), options());
-    if !cache.worth_storing(&policy, &head) {
+    let limit = route.max_object_bytes.unwrap_or_else(|| cache.max_object_bytes());
+    if !cache.worth_storing(&policy, &head, limit) {
         drop(leader);
         let mut resp = Response::from_parts(head, body.map_err(BoxError::from).boxed());
         outcome.mark(&mut resp);
         return Ok(resp);
     }
-    match cache.buffer(body).await {
+    match cache.buffer(body, limit).await {
         Buffered::Whole(bytes) => {
             let compression = shared.cfg.raw.cache.as_ref().and_then(|c| c.compression.as_ref());
             let (head, bytes) = crate::compression::stored(compression, head, bytes).await;
@@ -230,11 +234,11 @@ async fn keep(
 
 /// `stale-while-revalidate`: the client already has the stale entry; one
 /// background request per URL refreshes it.
-fn revalidate_in_background(shared: Arc<Shared>, parts: request::Parts, stored: Arc<Stored>, conditional: request::Parts, key: Vec<u8>) {
+fn revalidate_in_background(shared: Arc<Shared>, route: Arc<Route>, parts: request::Parts, stored: Arc<Stored>, conditional: request::Parts, key: Vec<u8>) {
     tokio::spawn(async move {
         let Some(cache) = &shared.cache else { return };
         let Turn::Lead(leader) = cache.join(&base_key(&parts)) else { return };
-        if let Err(r) = revalidate(&shared, cache, &parts, &stored, conditional, &key).await {
+        if let Err(r) = revalidate(&shared, cache, &route, &parts, &stored, conditional, &key).await {
             tracing::info!(reason = r.label(), "background revalidation failed; the stale entry stays");
         }
         leader.finish(None);
@@ -246,6 +250,7 @@ fn revalidate_in_background(shared: Arc<Shared>, parts: request::Parts, stored: 
 async fn revalidate(
     shared: &Shared,
     cache: &HttpCache,
+    route: &Route,
     parts: &request::Parts,
     stored: &Stored,
     mut conditional: request::Parts,
@@ -254,14 +259,14 @@ async fn revalidate(
     // The library built this request from the client's: the fields the
     // client sent go to the origin as sent.
     conditional.extensions = parts.extensions.clone();
-    let resp = forward::send(shared, &conditional, Bytes::new(), key).await?;
+    let resp = forward::send(shared, &route.pool, &conditional, Bytes::new(), key).await?;
     if resp.status().is_server_error() {
         // Not stored and not counted here: the caller may answer with the
         // stale entry instead (stale-if-error).
         return Ok(resp.map(|b| b.map_err(BoxError::from).boxed()));
     }
     if resp.status() != StatusCode::NOT_MODIFIED {
-        return keep(shared, cache, parts, resp, None, Outcome::Updated).await;
+        return keep(shared, cache, route, parts, resp, None, Outcome::Updated).await;
     }
     let (head, _) = resp.into_parts();
     // The library applies RFC 9111 §4.3.4's choice among several stored
@@ -274,7 +279,7 @@ async fn revalidate(
     // A 304 whose validators match nothing stored: the entry cannot be
     // trusted, so fetch it whole.
     if !selected {
-        return fetch(shared, cache, parts, key, None, Outcome::Updated).await;
+        return fetch(shared, cache, route, parts, key, None, Outcome::Updated).await;
     }
     // The entry is rewritten with the refreshed head and its body, read
     // again (the entry may have changed or gone since it was looked up).
@@ -284,6 +289,6 @@ async fn revalidate(
             let fresh = cache.put(parts, &stored.freshened(&head), body.clone()).await;
             Ok(cached(fresh.head(), full(body), Outcome::Revalidated))
         }
-        None => fetch(shared, cache, parts, key, None, Outcome::Updated).await,
+        None => fetch(shared, cache, route, parts, key, None, Outcome::Updated).await,
     }
 }

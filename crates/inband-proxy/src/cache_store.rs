@@ -504,14 +504,19 @@ impl HttpCache {
         Turn::Lead(Leader { cache: self, key: key.to_vec(), tx })
     }
 
-    /// Reads a body that may be stored, up to `max_object_bytes`.
-    pub(crate) async fn buffer(&self, mut body: Incoming) -> Buffered {
+    /// The store's bound on a body; a route may have a smaller one.
+    pub(crate) fn max_object_bytes(&self) -> u64 {
+        self.max_object_bytes
+    }
+
+    /// Reads a body that may be stored, up to `limit` bytes.
+    pub(crate) async fn buffer(&self, mut body: Incoming, limit: u64) -> Buffered {
         let mut buf = BytesMut::new();
         while let Some(frame) = body.frame().await {
             let Ok(frame) = frame else { return Buffered::Broken };
             if let Ok(data) = frame.into_data() {
                 buf.extend_from_slice(&data);
-                if buf.len() as u64 > self.max_object_bytes {
+                if buf.len() as u64 > limit {
                     return Buffered::TooLarge(Replay { prefix: Some(buf.freeze()), rest: body }.boxed());
                 }
             }
@@ -523,13 +528,13 @@ impl HttpCache {
     /// rules, fresh for a while, not declared too large, and without
     /// Set-Cookie unless `set_cookie = "strip"`. One that is stale on arrival (no-cache, max-age=0, Set-Cookie without public)
     /// would only cost a write and a revalidation.
-    pub(crate) fn worth_storing(&self, policy: &CachePolicy, resp: &response::Parts) -> bool {
+    pub(crate) fn worth_storing(&self, policy: &CachePolicy, resp: &response::Parts, limit: u64) -> bool {
         let declared = resp.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
         let cookie = resp.headers.contains_key(header::SET_COOKIE);
         !(cookie && self.set_cookie == SetCookie::Skip)
             && policy.is_storable()
             && policy.time_to_live(SystemTime::now()) > Duration::ZERO
-            && declared.is_none_or(|n| n <= self.max_object_bytes)
+            && declared.is_none_or(|n| n <= limit)
     }
 }
 

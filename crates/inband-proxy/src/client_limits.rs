@@ -14,6 +14,7 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -56,11 +57,24 @@ pub struct ClientLimits {
     table: Mutex<HashMap<ClientKey, Entry>>,
     /// Clients served without limits because the table was full.
     untracked: Counter,
+    /// [`ClientLimits::take`]'s table has no connections closing to forget
+    /// clients by: at this many entries it drops those whose bucket has
+    /// refilled, then waits for twice as many as remain.
+    next_sweep: std::sync::atomic::AtomicUsize,
 }
+
+const FIRST_SWEEP: usize = 1024;
 
 impl ClientLimits {
     pub fn new(max_connections: u32, rate: f64, burst: f64, untracked: Counter) -> ClientLimits {
-        ClientLimits { max_connections, rate, burst: burst.max(1.0), table: Mutex::default(), untracked }
+        ClientLimits {
+            max_connections,
+            rate,
+            burst: burst.max(1.0),
+            table: Mutex::default(),
+            untracked,
+            next_sweep: std::sync::atomic::AtomicUsize::new(FIRST_SWEEP),
+        }
     }
 
     /// A new connection of `ip`'s, or why not.
@@ -85,6 +99,34 @@ impl ClientLimits {
         }
         e.open += 1;
         Ok(ClientSlot { limits: self.clone(), key: Some(k) })
+    }
+}
+
+impl ClientLimits {
+    /// One request of `ip`'s against the rate alone, for a route's
+    /// `rate_limit` (a table of its own, no connections counted): Ok, or
+    /// how long until the client's next request would be allowed.
+    pub fn take(&self, ip: IpAddr) -> Result<(), std::time::Duration> {
+        let k = key(ip);
+        let now = Instant::now();
+        let (rate, burst) = (self.rate, self.burst);
+        let mut t = self.table.lock().unwrap();
+        let sweep = &self.next_sweep;
+        if t.len() >= sweep.load(Ordering::Relaxed) && !t.contains_key(&k) {
+            t.retain(|_, e| e.open > 0 || refill(e, now, rate, burst) < burst);
+            sweep.store((2 * t.len()).clamp(FIRST_SWEEP, MAX_CLIENTS), Ordering::Relaxed);
+            if t.len() >= MAX_CLIENTS {
+                self.untracked.inc();
+                return Ok(());
+            }
+        }
+        let e = t.entry(k).or_insert(Entry { open: 0, tokens: burst, refilled: now });
+        let tokens = refill(e, now, rate, burst);
+        if tokens < 1.0 {
+            return Err(std::time::Duration::from_secs_f64((1.0 - tokens) / rate));
+        }
+        e.tokens -= 1.0;
+        Ok(())
     }
 }
 
@@ -168,6 +210,24 @@ mod tests {
         let s = l.open(ip("192.0.2.1")).unwrap();
         assert!(!s.request(), "the bucket outlives the connection");
         assert!(l.open(ip("192.0.2.9")).unwrap().request(), "another client has its own");
+    }
+
+    #[test]
+    fn take_limits_requests_alone_and_says_how_long_to_wait() {
+        let l = ClientLimits::new(0, 2.0, 2.0, Counter::default());
+        assert!(l.take(ip("192.0.2.1")).is_ok() && l.take(ip("192.0.2.1")).is_ok());
+        let wait = l.take(ip("192.0.2.1")).unwrap_err();
+        assert!(wait > std::time::Duration::from_millis(400) && wait <= std::time::Duration::from_millis(500), "{wait:?}");
+        assert!(l.take(ip("192.0.2.2")).is_ok(), "another client has its own bucket");
+    }
+
+    #[test]
+    fn take_forgets_clients_whose_bucket_refilled() {
+        let l = ClientLimits::new(0, 1e9, 1.0, Counter::default());
+        for i in 0..10 * FIRST_SWEEP as u32 {
+            assert!(l.take(IpAddr::from(std::net::Ipv4Addr::from(i))).is_ok());
+        }
+        assert!(l.table.lock().unwrap().len() <= FIRST_SWEEP, "{}", l.table.lock().unwrap().len());
     }
 
     #[test]

@@ -18,7 +18,10 @@ pub struct Config {
     /// Prometheus text endpoint (`GET /metrics`); none when absent.
     #[serde(default)]
     pub metrics_listen: Option<String>,
-    /// Backend addresses, `IP:port`.
+    /// Backend addresses, `IP:port`: the default route's pool, for requests
+    /// no `[[route]]` matches. May be empty when routes are given (those
+    /// requests are then 404).
+    #[serde(default)]
     pub backends: Vec<String>,
     #[serde(default)]
     pub policy: PolicyKind,
@@ -91,6 +94,65 @@ pub struct Config {
     /// HTTP/1.1 `Upgrade` (WebSocket) tunnels.
     #[serde(default)]
     pub upgrade: UpgradeConfig,
+    /// Backend pools chosen by Host and path (routes.rs).
+    #[serde(default, rename = "route")]
+    pub routes: Vec<RouteConfig>,
+}
+
+/// `[[route]]`: a pool of its own, chosen by `hosts` and `path_prefix`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// The `route` label of its metrics and the name in messages.
+    pub name: String,
+    /// Exact names and `*.suffix` wildcards; absent or empty: any host.
+    #[serde(default)]
+    pub hosts: Vec<String>,
+    #[serde(default = "default_path_prefix")]
+    pub path_prefix: String,
+    pub backends: Vec<String>,
+    #[serde(default)]
+    pub policy: PolicyKind,
+    #[serde(default = "default_hash_key")]
+    pub hash_key: String,
+    /// Active health checks of this pool; none when absent (the top-level
+    /// `[health]` is the default route's).
+    #[serde(default)]
+    pub health: Option<HttpCheckConfig>,
+    /// Whether this route's GETs go through the `[cache]` store.
+    #[serde(default = "default_true")]
+    pub cache: bool,
+    /// Below `cache.max_object_bytes`: a smaller bound for this route.
+    #[serde(default)]
+    pub max_object_bytes: Option<u64>,
+    #[serde(default)]
+    pub request_headers: HeaderRewriteConfig,
+    #[serde(default)]
+    pub response_headers: HeaderRewriteConfig,
+    #[serde(default)]
+    pub rate_limit: Option<RateLimitConfig>,
+}
+
+/// Applied in this order: `remove`, `set` (replaces every value), `add`
+/// (one more value).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HeaderRewriteConfig {
+    #[serde(default)]
+    pub remove: Vec<String>,
+    #[serde(default)]
+    pub set: std::collections::BTreeMap<String, String>,
+    #[serde(default)]
+    pub add: std::collections::BTreeMap<String, String>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RateLimitConfig {
+    /// Requests a second one client may send to this route.
+    pub requests_per_s: f64,
+    /// Requests above the rate at once; absent: one second's worth.
+    pub burst: Option<f64>,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -227,6 +289,12 @@ impl CacheConfig {
     }
 }
 
+fn default_path_prefix() -> String {
+    "/".into()
+}
+fn default_true() -> bool {
+    true
+}
 fn default_upgrade_protocols() -> Vec<String> {
     vec!["websocket".into()]
 }
@@ -321,9 +389,11 @@ pub struct Checked {
     pub listen: SocketAddr,
     pub metrics_listen: Option<SocketAddr>,
     pub tls_listen: Option<SocketAddr>,
+    /// The default route's pool (top-level `backends`); may be empty.
     pub backends: Vec<SocketAddr>,
     pub hash_key: HashKey,
     pub upgrade_allow: UpgradeAllow,
+    pub routes: Vec<crate::routes::RouteSpec>,
 }
 
 impl Checked {
@@ -397,7 +467,7 @@ fn socket_addr(what: &str, s: &str) -> Result<SocketAddr> {
 
 pub fn check(raw: Config) -> Result<Checked> {
     let mut problems = Vec::new();
-    let mut note = |r: Result<()>| {
+    let note = |problems: &mut Vec<String>, r: Result<()>| {
         if let Err(e) = r {
             problems.push(format!("{e:#}"));
         }
@@ -407,39 +477,22 @@ pub fn check(raw: Config) -> Result<Checked> {
     let tls_listen = raw.tls.as_ref().map(|t| socket_addr("tls.listen", &t.listen)).transpose();
     let limits = &raw.client_limits;
     if !(limits.requests_per_s.is_finite() && limits.requests_per_s >= 0.0) {
-        note(Err(anyhow::anyhow!("client_limits.requests_per_s = {} must be 0 (no limit) or more", limits.requests_per_s)));
+        note(&mut problems, Err(anyhow::anyhow!("client_limits.requests_per_s = {} must be 0 (no limit) or more", limits.requests_per_s)));
     }
     if let Some(b) = limits.burst.filter(|b| !(b.is_finite() && *b >= 1.0)) {
-        note(Err(anyhow::anyhow!("client_limits.burst = {b} must be at least 1 (a client may always send one request)")));
+        note(&mut problems, Err(anyhow::anyhow!("client_limits.burst = {b} must be at least 1 (a client may always send one request)")));
     }
     if raw.tls.as_ref().is_some_and(|t| t.certificate.is_empty()) {
-        note(Err(anyhow::anyhow!("tls needs at least one [[tls.certificate]] with cert and key files")));
+        note(&mut problems, Err(anyhow::anyhow!("tls needs at least one [[tls.certificate]] with cert and key files")));
     }
-    let mut backends = Vec::new();
-    if raw.backends.is_empty() {
-        note(Err(anyhow::anyhow!("backends is empty: list at least one backend, e.g. backends = [\"127.0.0.1:8081\"]")));
+    if raw.backends.is_empty() && raw.routes.is_empty() {
+        note(&mut problems, Err(anyhow::anyhow!("backends is empty: list at least one backend, e.g. backends = [\"127.0.0.1:8081\"]")));
     }
-    let mut seen = HashSet::new();
-    for b in &raw.backends {
-        match socket_addr("backend", b) {
-            Ok(a) if !seen.insert(a) => note(Err(anyhow::anyhow!("backend {b:?} is listed twice: remove the duplicate"))),
-            Ok(a) => backends.push(a),
-            Err(e) => note(Err(e)),
-        }
-    }
-    let hash_key = match raw.hash_key.as_str() {
-        "path" => Some(HashKey::Path),
-        "client" => Some(HashKey::ClientAddr),
-        k => match k.strip_prefix("header:").map(|h| http::HeaderName::from_bytes(h.as_bytes())) {
-            Some(Ok(h)) => Some(HashKey::Header(h)),
-            _ => {
-                note(Err(anyhow::anyhow!("hash_key {k:?}: use \"path\", \"client\" or \"header:NAME\"")));
-                None
-            }
-        },
-    };
+    let backends = pool_addrs("", &raw.backends, &mut problems);
+    let hash_key = parse_hash_key("", &raw.hash_key, &mut problems);
+    let routes = crate::routes::check(&raw, &mut problems);
     if raw.max_header_bytes < 8192 {
-        note(Err(anyhow::anyhow!("max_header_bytes {} is below 8192, the smallest buffer hyper accepts", raw.max_header_bytes)));
+        note(&mut problems, Err(anyhow::anyhow!("max_header_bytes {} is below 8192, the smallest buffer hyper accepts", raw.max_header_bytes)));
     }
     for (name, v) in [
         ("client_body_timeout_ms", raw.client_body_timeout_ms),
@@ -450,39 +503,34 @@ pub fn check(raw: Config) -> Result<Checked> {
         ("backend_timeout_ms", raw.backend_timeout_ms),
     ] {
         if v == 0 {
-            note(Err(anyhow::anyhow!("{name} must be above 0")));
+            note(&mut problems, Err(anyhow::anyhow!("{name} must be above 0")));
         }
     }
     if raw.upgrade.idle_timeout_ms == Some(0) {
-        note(Err(anyhow::anyhow!("upgrade.idle_timeout_ms must be above 0")));
+        note(&mut problems, Err(anyhow::anyhow!("upgrade.idle_timeout_ms must be above 0")));
     }
     let mut upgrade_allow = UpgradeAllow::Only(Vec::new());
     for p in &raw.upgrade.protocols {
         if p == "*" {
             upgrade_allow = UpgradeAllow::Any;
         } else if !p.split_once('/').map_or(is_token(p), |(n, v)| is_token(n) && is_token(v)) {
-            note(Err(anyhow::anyhow!("upgrade.protocols: {p:?} is not a protocol name (e.g. \"websocket\" or \"name/version\") nor \"*\"")));
+            note(&mut problems, Err(anyhow::anyhow!("upgrade.protocols: {p:?} is not a protocol name (e.g. \"websocket\" or \"name/version\") nor \"*\"")));
         } else if let UpgradeAllow::Only(list) = &mut upgrade_allow {
             list.push(p.to_ascii_lowercase());
         }
     }
     if let Some(h) = &raw.health {
-        if !h.path.starts_with('/') {
-            note(Err(anyhow::anyhow!("health.path {:?} must start with /", h.path)));
-        }
-        if h.interval_ms == 0 || h.timeout_ms == 0 || h.unhealthy_after == 0 || h.healthy_after == 0 {
-            note(Err(anyhow::anyhow!("health: interval_ms, timeout_ms, unhealthy_after and healthy_after must be above 0")));
-        }
+        check_health("", h, &mut problems);
     }
     if let Some(c) = &raw.cache {
         if c.backend.durable() && c.path.is_none() {
-            note(Err(anyhow::anyhow!("cache.backend {} needs cache.path (a directory)", c.backend)));
+            note(&mut problems, Err(anyhow::anyhow!("cache.backend {} needs cache.path (a directory)", c.backend)));
         }
         if c.max_object_bytes >= c.capacity_bytes {
-            note(Err(anyhow::anyhow!("cache.max_object_bytes must be below cache.capacity_bytes")));
+            note(&mut problems, Err(anyhow::anyhow!("cache.max_object_bytes must be below cache.capacity_bytes")));
         }
         for p in c.compression.iter().flat_map(|z| z.problems()) {
-            note(Err(anyhow::anyhow!(p)));
+            note(&mut problems, Err(anyhow::anyhow!(p)));
         }
     }
     let listen = listen.map_err(|e| problems.push(format!("{e:#}"))).ok();
@@ -491,7 +539,45 @@ pub fn check(raw: Config) -> Result<Checked> {
     if !problems.is_empty() {
         bail!("invalid proxy config:\n  - {}", problems.join("\n  - "));
     }
-    Ok(Checked { listen: listen.unwrap(), metrics_listen, tls_listen, backends, hash_key: hash_key.unwrap(), upgrade_allow, raw })
+    Ok(Checked { listen: listen.unwrap(), metrics_listen, tls_listen, backends, hash_key: hash_key.unwrap_or(HashKey::Path), upgrade_allow, routes, raw })
+}
+
+/// A pool's addresses; `route` names the route in messages ("" for the
+/// top-level pool).
+pub(crate) fn pool_addrs(route: &str, list: &[String], problems: &mut Vec<String>) -> Vec<SocketAddr> {
+    let mut seen = HashSet::new();
+    let mut out = Vec::new();
+    for b in list {
+        match socket_addr(&format!("{route}backend"), b) {
+            Ok(a) if !seen.insert(a) => problems.push(format!("{route}backend {b:?} is listed twice: remove the duplicate")),
+            Ok(a) => out.push(a),
+            Err(e) => problems.push(format!("{e:#}")),
+        }
+    }
+    out
+}
+
+pub(crate) fn parse_hash_key(route: &str, k: &str, problems: &mut Vec<String>) -> Option<HashKey> {
+    match k {
+        "path" => Some(HashKey::Path),
+        "client" => Some(HashKey::ClientAddr),
+        k => match k.strip_prefix("header:").map(|h| http::HeaderName::from_bytes(h.as_bytes())) {
+            Some(Ok(h)) => Some(HashKey::Header(h)),
+            _ => {
+                problems.push(format!("{route}hash_key {k:?}: use \"path\", \"client\" or \"header:NAME\""));
+                None
+            }
+        },
+    }
+}
+
+pub(crate) fn check_health(route: &str, h: &HttpCheckConfig, problems: &mut Vec<String>) {
+    if !h.path.starts_with('/') {
+        problems.push(format!("{route}health.path {:?} must start with /", h.path));
+    }
+    if h.interval_ms == 0 || h.timeout_ms == 0 || h.unhealthy_after == 0 || h.healthy_after == 0 {
+        problems.push(format!("{route}health: interval_ms, timeout_ms, unhealthy_after and healthy_after must be above 0"));
+    }
 }
 
 #[cfg(test)]
@@ -567,6 +653,20 @@ mod tests {
         for want in ["\"web socket\" is not a protocol name", "\"a/\" is not", "upgrade.idle_timeout_ms must be above 0"] {
             assert!(msg.contains(want), "{want:?} missing in {msg}");
         }
+    }
+
+    /// The whole example in docs/proxy.md "Configuration" is a config the
+    /// proxy takes, routes included.
+    #[test]
+    fn the_documented_example_parses() {
+        let doc = include_str!("../../../docs/proxy.md");
+        let section = &doc[doc.find("\n## Configuration").unwrap()..];
+        let start = section.find("```toml\n").unwrap() + 8;
+        let example = &section[start..start + section[start..].find("```").unwrap()];
+        let c = parse(example).unwrap_or_else(|e| panic!("{e:#}"));
+        assert_eq!(c.routes.len(), 1);
+        assert_eq!(c.routes[0].health.as_ref().map(|h| h.path.as_str()), Some("/healthz"));
+        assert_eq!(c.routes[0].rate_limit, Some((50.0, 100.0)));
     }
 
     #[test]

@@ -15,6 +15,7 @@ use hyper_util::client::legacy::Client;
 
 use crate::config::HashKey;
 use crate::metrics::Refusal;
+use crate::routes::Pool;
 use crate::Shared;
 
 pub type BackendClient = Client<HttpConnector, Full<Bytes>>;
@@ -124,15 +125,15 @@ pub fn hash_key(key: &HashKey, parts: &request::Parts, client: SocketAddr) -> Ve
 /// Sends `parts` + `body` (headers already prepared) to a backend and
 /// returns its response head and streaming body. Idempotent requests whose
 /// connection fails go to another backend, up to `retries` more times.
-pub async fn send(shared: &Shared, parts: &request::Parts, body: Bytes, key: &[u8]) -> Result<Response<Incoming>, Refusal> {
+pub async fn send(shared: &Shared, pool: &Pool, parts: &request::Parts, body: Bytes, key: &[u8]) -> Result<Response<Incoming>, Refusal> {
     crate::probe::origin_fetch();
-    let backends = &shared.backends;
+    let backends = &pool.backends;
     let mut tried = vec![false; backends.len()];
     let attempts = if idempotent(&parts.method) { 1 + shared.cfg.raw.retries } else { 1 };
     let mut last = Refusal::NoHealthyBackend;
     for _ in 0..attempts {
         let now = Instant::now();
-        let Some(i) = shared.policy.pick(backends, |i| !tried[i] && backends[i].is_healthy(now), key).or_else(|| panic_pick(shared, &tried, key, now))
+        let Some(i) = pool.policy.pick(backends, |i| !tried[i] && backends[i].is_healthy(now), key).or_else(|| panic_pick(shared, pool, &tried, key, now))
         else {
             break;
         };
@@ -151,7 +152,7 @@ pub async fn send(shared: &Shared, parts: &request::Parts, body: Bytes, key: &[u
         .expect("a scheme, an authority and a path form a URI");
         *req.headers_mut() = parts.headers.clone();
         crate::cache_control::restore_request(req.headers_mut(), &parts.extensions);
-        shared.metrics.origin_request(&b.name);
+        shared.metrics.origin_request(b);
         let _in_flight = b.start_request();
         let passive = &shared.cfg.raw.passive;
         match tokio::time::timeout(shared.cfg.backend_timeout(), client(shared).request(req)).await {
@@ -213,13 +214,13 @@ pub async fn send(shared: &Shared, parts: &request::Parts, body: Bytes, key: &[u
 /// now. When every backend that passes its checks is ejected, they are all
 /// eligible again (Envoy's panic routing); the active checks still decide
 /// who is down.
-fn panic_pick(shared: &Shared, tried: &[bool], key: &[u8], now: Instant) -> Option<usize> {
-    let backends = &shared.backends;
+fn panic_pick(shared: &Shared, pool: &Pool, tried: &[bool], key: &[u8], now: Instant) -> Option<usize> {
+    let backends = &pool.backends;
     if backends.iter().any(|b| b.is_healthy(now)) {
         return None;
     }
-    let i = shared.policy.pick(backends, |i| !tried[i] && backends[i].is_checked_up(), key)?;
-    shared.metrics.ejection_overridden(&backends[i].name);
+    let i = pool.policy.pick(backends, |i| !tried[i] && backends[i].is_checked_up(), key)?;
+    shared.metrics.ejection_overridden(&backends[i]);
     Some(i)
 }
 

@@ -1,5 +1,5 @@
 //! `inband proxy`: an HTTP/1.1 and HTTP/2 reverse proxy, plaintext and
-//! TLS, in front of a backend pool
+//! TLS, in front of backend pools chosen by host and path
 //! (round-robin, least-request, consistent hashing), with active and
 //! passive health checking, bounded retries, an HTTP cache kept in a
 //! durable store (inband-cache), a Prometheus endpoint and graceful
@@ -22,6 +22,7 @@ pub mod health;
 mod metrics;
 mod policy;
 mod probe;
+mod routes;
 mod server;
 mod tls;
 mod tunnel;
@@ -41,17 +42,14 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use backend::Backend;
 use config::Checked;
 use forward::BackendClient;
 use metrics::Metrics;
-use policy::Policy;
 
 /// What every request handler shares.
 pub(crate) struct Shared {
     cfg: Checked,
-    backends: Vec<Arc<Backend>>,
-    policy: Policy,
+    router: routes::Router,
     client: BackendClient,
     metrics: Metrics,
     cache: Option<cache_store::HttpCache>,
@@ -71,8 +69,8 @@ impl Shared {
             return inband_http::Reply::text(inband_http::StatusCode::NOT_FOUND, "see /metrics\n");
         }
         let now = Instant::now();
-        for b in &self.backends {
-            self.metrics.set_backend_up(&b.name, b.is_healthy(now));
+        for b in self.router.all().flat_map(|r| &r.pool.backends) {
+            self.metrics.set_backend_up(b, b.is_healthy(now));
         }
         if let Some(c) = &self.cache {
             self.metrics.set_cache_store(&c.stats());
@@ -133,15 +131,11 @@ impl Proxy {
             n => n,
         };
         let metrics = Metrics::new();
-        let backends: Vec<Arc<Backend>> = cfg.backends.iter().map(|&a| Arc::new(Backend::new(a))).collect();
-        for b in &backends {
-            metrics.add_backend(&b.name);
-        }
+        let router = routes::Router::new(&cfg, &metrics);
         let shared = Arc::new(Shared {
             connection_slots: Arc::new(tokio::sync::Semaphore::new(max_connections)),
             worker_loads: (0..workers).map(|_| Arc::default()).collect(),
-            backends,
-            policy: Policy::new(cfg.raw.policy),
+            router,
             client,
             client_limits: Arc::new(client_limits::ClientLimits::new(
                 cfg.raw.client_limits.connections_for(max_connections),
@@ -155,9 +149,11 @@ impl Proxy {
             cfg,
         });
         let mut background = Vec::new();
-        if let Some(h) = &shared.cfg.raw.health {
-            for (b, addr) in shared.backends.iter().zip(&shared.cfg.backends) {
-                background.push(health::spawn(h.clone(), b.clone(), *addr));
+        for pool in shared.router.all().map(|r| &r.pool) {
+            if let Some(h) = &pool.health {
+                for (b, addr) in pool.backends.iter().zip(&pool.addrs) {
+                    background.push(health::spawn(h.clone(), b.clone(), *addr));
+                }
             }
         }
         if shared.cache.is_some() {
@@ -180,7 +176,7 @@ impl Proxy {
             background.push(tokio::spawn(server::accept(shared.clone(), l, true, slots.clone(), stop_rx.clone())));
         }
         background.push(tokio::spawn(server::accept(shared.clone(), listener, false, slots, stop_rx)));
-        tracing::info!(%addr, tls = ?tls_addr, backends = shared.backends.len(), policy = ?shared.cfg.raw.policy, workers, max_connections, open_files = open_files_limit(), "proxy listening");
+        tracing::info!(%addr, tls = ?tls_addr, routes = shared.router.all().count(), workers, max_connections, open_files = open_files_limit(), "proxy listening");
         Ok(Proxy { addr, metrics_addr, tls_addr, stop, servers, shared, background })
     }
 

@@ -10,11 +10,12 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+use crate::backend::Backend;
 use crate::cache_outcome::Outcome;
 use crate::conn::Expiry;
 use crate::upgrade::{Close, Upgrade};
 
-type Labels = Vec<(&'static str, String)>;
+pub(crate) type Labels = Vec<(&'static str, String)>;
 
 /// Requests the proxy answered itself, by why.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,6 +43,10 @@ pub enum Refusal {
     /// A 101 to a request that offered no upgrade, or switching to a
     /// protocol the request did not offer (502).
     BackendBadUpgrade,
+    /// No `[[route]]` matches and there is no default pool (404).
+    NoRoute,
+    /// The client is over its route's `rate_limit` (429).
+    RouteRate,
 }
 
 impl Refusal {
@@ -58,6 +63,8 @@ impl Refusal {
             Refusal::BackendTimeout => "backend_timeout",
             Refusal::ClientRate => "client_rate",
             Refusal::BackendBadUpgrade => "backend_bad_upgrade",
+            Refusal::NoRoute => "no_route",
+            Refusal::RouteRate => "route_rate",
         }
     }
 
@@ -71,7 +78,8 @@ impl Refusal {
             Refusal::NoHealthyBackend => StatusCode::SERVICE_UNAVAILABLE,
             Refusal::BackendDown | Refusal::BackendBadUpgrade => StatusCode::BAD_GATEWAY,
             Refusal::BackendTimeout => StatusCode::GATEWAY_TIMEOUT,
-            Refusal::ClientRate => StatusCode::TOO_MANY_REQUESTS,
+            Refusal::ClientRate | Refusal::RouteRate => StatusCode::TOO_MANY_REQUESTS,
+            Refusal::NoRoute => StatusCode::NOT_FOUND,
         }
     }
 }
@@ -79,6 +87,8 @@ impl Refusal {
 pub struct Metrics {
     registry: Registry,
     refusals: Family<Labels, Counter>,
+    route_requests: Family<Labels, Counter>,
+    route_refusals: Family<Labels, Counter>,
     origin_requests: Family<Labels, Counter>,
     ejection_overridden: Family<Labels, Counter>,
     pub request_bytes: Counter,
@@ -123,6 +133,10 @@ impl Metrics {
         let backend_up = Family::<Labels, Gauge>::default();
         registry.register("requests", "Responses to clients by status class", requests.clone());
         registry.register("refusals", "Requests answered by the proxy itself, by reason", refusals.clone());
+        let route_requests = Family::<Labels, Counter>::default();
+        let route_refusals = Family::<Labels, Counter>::default();
+        registry.register("route_requests", "Requests by the route that took them (`default`: the top-level backends)", route_requests.clone());
+        registry.register("route_refusals", "Requests answered by the proxy itself after a route was chosen, by route and reason (also in refusals)", route_refusals.clone());
         registry.register("origin_requests", "Requests sent to backends, every attempt counted, health checks not", origin_requests.clone());
         registry.register(
             "ejection_overridden",
@@ -181,6 +195,8 @@ impl Metrics {
         Metrics {
             registry,
             refusals,
+            route_requests,
+            route_refusals,
             origin_requests,
             ejection_overridden,
             request_bytes,
@@ -255,28 +271,37 @@ impl Metrics {
         self.refusals.get_or_create(&vec![("reason", r.label().to_string())]).inc();
     }
 
-    pub fn origin_request(&self, backend: &str) {
-        self.origin_requests.get_or_create(&vec![("backend", backend.to_string())]).inc();
+    pub fn origin_request(&self, b: &Backend) {
+        self.origin_requests.get_or_create(&b.labels).inc();
     }
 
     /// Every per-backend counter exported from the start, so a rate()
     /// sees its 0 and a dashboard its series.
-    pub fn add_backend(&self, backend: &str) {
-        let labels = vec![("backend", backend.to_string())];
-        drop(self.origin_requests.get_or_create(&labels));
-        drop(self.ejection_overridden.get_or_create(&labels));
+    pub fn add_backend(&self, b: &Backend) {
+        drop(self.origin_requests.get_or_create(&b.labels));
+        drop(self.ejection_overridden.get_or_create(&b.labels));
     }
 
-    pub fn ejection_overridden(&self, backend: &str) {
-        self.ejection_overridden.get_or_create(&vec![("backend", backend.to_string())]).inc();
+    pub fn ejection_overridden(&self, b: &Backend) {
+        self.ejection_overridden.get_or_create(&b.labels).inc();
+    }
+
+    /// A route's request counter, exported from the start; the route keeps
+    /// the handle, so counting takes no family lookup.
+    pub fn route_requests(&self, route: &str) -> Counter {
+        self.route_requests.get_or_create(&vec![("route", route.to_string())]).clone()
+    }
+
+    pub fn route_refusal(&self, route: &str, r: Refusal) {
+        self.route_refusals.get_or_create(&vec![("route", route.to_string()), ("reason", r.label().to_string())]).inc();
     }
 
     pub fn set_tls_expiry(&self, cert_file: &str, not_after: u64) {
         self.tls_expiry.get_or_create(&vec![("cert", cert_file.to_string())]).set(not_after as i64);
     }
 
-    pub fn set_backend_up(&self, backend: &str, up: bool) {
-        self.backend_up.get_or_create(&vec![("backend", backend.to_string())]).set(up as i64);
+    pub fn set_backend_up(&self, b: &Backend, up: bool) {
+        self.backend_up.get_or_create(&b.labels).set(up as i64);
     }
 
     pub fn cache(&self, o: Outcome) {

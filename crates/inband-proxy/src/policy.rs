@@ -69,7 +69,7 @@ mod tests {
     use std::sync::Arc;
 
     fn pool(n: u16) -> Vec<Arc<Backend>> {
-        (0..n).map(|i| Arc::new(Backend::new(([127, 0, 0, 1], 9000 + i).into()))).collect()
+        (0..n).map(|i| Arc::new(Backend::new(([127, 0, 0, 1], 9000 + i).into(), None))).collect()
     }
 
     #[test]

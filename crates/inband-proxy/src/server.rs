@@ -21,6 +21,7 @@ use crate::cache_outcome::Outcome;
 use crate::client_limits::{ClientSlot, Refused};
 use crate::conn::{self, State};
 use crate::metrics::Refusal;
+use crate::routes::Route;
 use crate::tunnel::{self, Offer};
 use crate::upgrade::Upgrade;
 use crate::{access, cache_control, cache_layer, forward, Shared};
@@ -38,6 +39,8 @@ pub fn refusal_response(r: Refusal) -> Response<ProxyBody> {
         Refusal::BackendTimeout => "backend timed out\n",
         Refusal::ClientRate => "too many requests from this client\n",
         Refusal::BackendBadUpgrade => "the backend switched to a protocol the request did not offer\n",
+        Refusal::NoRoute => "no route for this host and path\n",
+        Refusal::RouteRate => "too many requests from this client to this route\n",
     };
     let mut resp = Response::new(full(text));
     *resp.status_mut() = r.status();
@@ -338,25 +341,57 @@ async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr,
     if parts.method.as_str() == "PURGE" {
         return purge(shared, &parts, peer).await;
     }
+    let Some(route) = shared.router.choose(parts.headers.get(header::HOST), parts.uri.path()) else {
+        return refuse(shared, Refusal::NoRoute);
+    };
+    let mut resp = match route.admit(peer.ip()) {
+        Ok(()) => forward_on(shared, route, parts, body, peer, https, conn).await.unwrap_or_else(|r| refuse_route(shared, route, r)),
+        Err(wait) => {
+            let mut r = refuse_route(shared, route, Refusal::RouteRate);
+            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(wait.as_secs_f64().ceil().max(1.0) as u64));
+            r
+        }
+    };
+    // On what the client gets, after the cache: a stored response stays as
+    // the origin sent it.
+    if route.rewrites_responses {
+        route.response_headers.apply(resp.headers_mut());
+    }
+    resp
+}
+
+/// A request to `route`'s pool, through the cache when the route uses it.
+async fn forward_on(
+    shared: &Arc<Shared>,
+    route: &Arc<Route>,
+    mut parts: http::request::Parts,
+    body: bytes::Bytes,
+    peer: SocketAddr,
+    https: bool,
+    conn: &State,
+) -> Result<Response<ProxyBody>, Refusal> {
     // hyper gives an HTTP/1.1 request with Upgrade (or a CONNECT) the
     // means to take the connection over; no other request has one.
     let upgrade = parts.extensions.remove::<hyper::upgrade::OnUpgrade>().map(|on| (tunnel::offer(&shared.cfg.upgrade_allow, &parts.headers), on));
     forward::strip_hop_by_hop(&mut parts.headers);
     forward::add_forwarding(&mut parts.headers, peer, parts.version, https);
-    let key = forward::hash_key(&shared.cfg.hash_key, &parts, peer);
+    route.request_headers.apply(&mut parts.headers);
+    let key = forward::hash_key(&route.pool.hash_key, &parts, peer);
     match upgrade {
         // Past the cache: a 101 is for this connection alone.
         Some((Offer::Allowed(offered), on)) => {
-            return tunnel::forward(shared, parts, body, &key, offered, on, conn).await.unwrap_or_else(|r| refuse(shared, r));
+            return tunnel::forward(shared, &route.pool, parts, body, &key, (offered, on), conn).await;
         }
         Some((Offer::NotAllowed, _)) => shared.metrics.upgrade(Upgrade::NotAllowed),
         Some((Offer::None, _)) | None => {}
     }
-    let result = match &shared.cache {
-        Some(cache) if cache_layer::applies(&parts) => cache_layer::serve(shared, cache, parts, &key).await,
+    // A route with the cache off neither reads nor writes the store.
+    let cache = shared.cache.as_ref().filter(|_| route.cache);
+    match cache {
+        Some(cache) if cache_layer::applies(&parts) => cache_layer::serve(shared, cache, route, parts, &key).await,
         _ => {
-            let sent = forward::send(shared, &parts, body, &key).await;
-            if let (Some(cache), Ok(resp)) = (&shared.cache, &sent) {
+            let sent = forward::send(shared, &route.pool, &parts, body, &key).await;
+            if let (Some(cache), Ok(resp)) = (cache, &sent) {
                 let ok = resp.status().is_success() || resp.status().is_redirection();
                 if ok && cache_layer::invalidates(&parts.method) {
                     if let Err(e) = cache.invalidate(&parts).await {
@@ -366,8 +401,7 @@ async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr,
             }
             sent.map(|resp| resp.map(|b| b.map_err(BoxError::from).boxed()))
         }
-    };
-    result.unwrap_or_else(|r| refuse(shared, r))
+    }
 }
 
 /// `PURGE /path` (with the Host of the cached URL) from an allowed client
@@ -394,6 +428,11 @@ async fn purge(shared: &Shared, parts: &http::request::Parts, peer: SocketAddr) 
 fn refuse(shared: &Shared, r: Refusal) -> Response<ProxyBody> {
     shared.metrics.refusal(r);
     refusal_response(r)
+}
+
+fn refuse_route(shared: &Shared, route: &Route, r: Refusal) -> Response<ProxyBody> {
+    shared.metrics.route_refusal(&route.name, r);
+    refuse(shared, r)
 }
 
 #[cfg(test)]

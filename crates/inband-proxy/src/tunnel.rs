@@ -67,21 +67,21 @@ pub fn offer(allow: &UpgradeAllow, headers: &HeaderMap) -> Offer {
     Offer::Allowed(HeaderValue::from_str(&allowed.join(", ")).expect("parts of a header value form one"))
 }
 
-/// Sends an upgrade request (hop-by-hop headers already stripped) with
-/// the `offered` protocols; on a 101 leaves the tunnel in `conn` for the
-/// connection's task to run.
+/// Sends an upgrade request with the `offered` protocols (its own
+/// hop-by-hop headers already stripped); on a 101 leaves the tunnel in
+/// `conn` for the connection's task to run.
 pub async fn forward(
     shared: &Shared,
+    pool: &crate::routes::Pool,
     mut parts: request::Parts,
     body: Bytes,
     key: &[u8],
-    offered: HeaderValue,
-    client: OnUpgrade,
+    (offered, client): (HeaderValue, OnUpgrade),
     conn: &State,
 ) -> Result<Response<ProxyBody>, Refusal> {
     parts.headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     parts.headers.insert(header::UPGRADE, offered);
-    let mut resp = match forward::send(shared, &parts, body, key).await {
+    let mut resp = match forward::send(shared, pool, &parts, body, key).await {
         Ok(r) => r,
         Err(r) => {
             shared.metrics.upgrade(Upgrade::Failed);

@@ -11,6 +11,7 @@ mod balancing;
 mod cache;
 mod client_limits;
 mod compression;
+mod routes;
 mod timeouts;
 mod tls;
 mod upgrade;
