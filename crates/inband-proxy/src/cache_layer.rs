@@ -105,6 +105,10 @@ async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, route: &Arc<Ro
     }
     if let Some(Found { stored, body }) = cache.lookup(&parts).await {
         let now = SystemTime::now();
+        if stored.plainly_fresh(&parts, now) {
+            shared.metrics.cache(Outcome::Hit);
+            return Ok(cached(stored.head(), cache.response_body(body), Outcome::Hit));
+        }
         match stored.policy.before_request(&parts, now) {
             BeforeRequest::Fresh(_) => {
                 shared.metrics.cache(Outcome::Hit);
