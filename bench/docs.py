@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from . import cache, cachetests, conformance, dataplane, ecmp, forwarding, health, mesh, paper, proxy, regimes, resilience, scaleout, upgrade, weights
+from . import cache, cachetests, conformance, dataplane, ecmp, forwarding, frontdoor, health, mesh, paper, proxy, regimes, resilience, scaleout, upgrade, weights
 from .lib import results
 
 DOCS = results.REPO / "docs" / "benchmarks.md"
@@ -30,6 +30,7 @@ RENDER = {
     "dataplane": dataplane.render,
     "ecmp": ecmp.render,
     "forwarding": forwarding.render,
+    "frontdoor": frontdoor.render,
     "health": health.render,
     "mesh": mesh.render,
     "paper": paper.render,
