@@ -24,8 +24,8 @@ pub struct OverheadArgs {
     /// The store: lmdb, rocksdb, memory or files.
     #[arg(long, default_value = "lmdb")]
     backend: BackendKind,
-    /// The read/update mix, as `inband bench cache` names them: read-only,
-    /// 99/1, 95/5, 90/10.
+    /// The workload mix, as `inband bench cache --workloads` names them:
+    /// read-only, 99/1, 95/5, 90/10, or W, A, B, C, D, E, F.
     #[arg(long, default_value = "95/5")]
     workload: String,
     #[arg(long, default_value_t = 1)]
@@ -88,10 +88,10 @@ struct Report {
 }
 
 pub fn run(a: OverheadArgs) -> Result<()> {
-    let Some(&(_, update_pct)) = bench::WORKLOADS.iter().find(|(name, _)| *name == a.workload) else {
-        let names: Vec<&str> = bench::WORKLOADS.iter().map(|(n, _)| *n).collect();
-        bail!("no workload {:?} (there are: {})", a.workload, names.join(", "));
-    };
+    let mix = bench::mix(&a.workload)?;
+    if let Some(why) = mix.unsupported(a.backend) {
+        bail!("{}: {why}", a.backend);
+    }
     if a.repeats == 0 || a.threads == 0 {
         bail!("--repeats and --threads must be at least 1");
     }
@@ -101,7 +101,7 @@ pub fn run(a: OverheadArgs) -> Result<()> {
     let mut runs: Vec<Vec<Run>> = PASSES.iter().map(|_| Vec::new()).collect();
     for repeat in 0..a.repeats {
         for (i, (name, tracer_args)) in PASSES.iter().enumerate() {
-            let held = bench::hold_run(&cache_args, &BENCH_ARGV, a.backend, store.path(), update_pct, a.threads)?;
+            let held = bench::hold_run(&cache_args, &BENCH_ARGV, a.backend, store.path(), mix, a.threads)?;
             let out = traces.path().join(format!("{i}-{repeat}.jsonl"));
             let tracer = match tracer_args {
                 Some(extra) => Some(start_tracer(held.pid(), extra, &out).with_context(|| format!("starting the tracer for {name}"))?),
