@@ -106,6 +106,11 @@ impl CacheArgs {
             hold: false,
         }
     }
+
+    pub fn with_scan_max(mut self, n: usize) -> CacheArgs {
+        self.scan_max = n;
+        self
+    }
 }
 
 /// What one operation of a mix does.

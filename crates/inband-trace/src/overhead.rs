@@ -16,7 +16,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 /// How this binary runs the benchmark's children and the tracer.
-const BENCH_ARGV: [&str; 2] = ["bench", "cache"];
+pub(crate) const BENCH_ARGV: [&str; 2] = ["bench", "cache"];
 const TRACE_ARGV: [&str; 1] = ["trace"];
 
 #[derive(clap::Args, Debug)]
@@ -181,7 +181,7 @@ fn table(r: &Report) -> String {
 
 /// `inband trace` on `pid`, returned once its programs are attached (it
 /// says so on stderr).
-fn start_tracer(pid: u32, extra: &[&str], out: &Path) -> Result<(Child, BufReader<ChildStderr>)> {
+pub(crate) fn start_tracer(pid: u32, extra: &[&str], out: &Path) -> Result<(Child, BufReader<ChildStderr>)> {
     let mut child = Command::new(std::env::current_exe()?)
         .args(TRACE_ARGV)
         .args(["--pid", &pid.to_string(), "--interval-s", "3600", "--out"])
@@ -203,6 +203,16 @@ fn start_tracer(pid: u32, extra: &[&str], out: &Path) -> Result<(Child, BufReade
             return Ok((child, stderr));
         }
     }
+}
+
+/// Stops the tracer by SIGINT, as a user would, and returns what
+/// [`finish_tracer`] does.
+pub(crate) fn stop_tracer(tracer: (Child, BufReader<ChildStderr>), out: &Path) -> Result<Value> {
+    // SAFETY: kill only sends a signal, to a child not yet waited for.
+    if unsafe { libc::kill(tracer.0.id() as i32, libc::SIGINT) } != 0 {
+        bail!("stopping inband trace: {}", std::io::Error::last_os_error());
+    }
+    finish_tracer(tracer, out)
 }
 
 /// Waits for the tracer, which stops once its target has exited, and
