@@ -91,10 +91,10 @@ def render(record: dict) -> str:
         "Shares of the workers' time (their threads' wall time): user and system CPU, off-CPU (neither: blocked, or waiting "
         "for a core), and the time from entry to exit of their system calls by category (which overlaps system CPU and "
         "off-CPU). Faults per operation are the workers'; the store's own threads (RocksDB's flushes and compactions) "
-        "are counted apart. Top calls: the two that took the most time among those made at least once per 100 "
+        "are counted apart (their CPU, and their time in I/O reads and writes). Top calls: the two that took the most time among those made at least once per 100 "
         "operations, with their mean time.\n",
         "| store | mix | ops/s | p50 µs | p99 µs | user % | sys % | off-CPU % | read % | write % | sync % | memory % | other % "
-        "| calls/op | minor faults/op | major faults | store threads CPU ms | store threads in calls ms | top calls |",
+        "| calls/op | minor faults/op | major faults | store threads CPU ms | store threads I/O ms | top calls |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for c in record["rows"]:
@@ -107,11 +107,11 @@ def render(record: dict) -> str:
         off = max(wall - w["user_s"] - w["sys_s"], 0.0)
         cats = " | ".join(_pct(_calls_ns(w, cat) / 1e9, wall) for cat in CATEGORIES)
         calls = sum(v["count"] for v in w["calls"].values())
-        store_calls_ms = sum(v["ns"] for v in s["calls"].values()) / 1e6
+        store_io_ms = sum(_calls_ns(s, cat) for cat in ("io_read", "io_write")) / 1e6
         out.append(
             f"| {c['backend']} | {c['mix']} | {c['ops_per_s']:.0f} | {c['p50_us']:.1f} | {c['p99_us']:.1f} | "
             f"{_pct(w['user_s'], wall)} | {_pct(w['sys_s'], wall)} | {_pct(off, wall)} | {cats} | {calls / ops:.2f} | "
-            f"{w['minor_faults'] / ops:.2f} | {w['major_faults']} | {(s['user_s'] + s['sys_s']) * 1e3:.0f} | {store_calls_ms:.0f} | {_top(c)} |"
+            f"{w['minor_faults'] / ops:.2f} | {w['major_faults']} | {(s['user_s'] + s['sys_s']) * 1e3:.0f} | {store_io_ms:.0f} | {_top(c)} |"
         )
     out += ["", "Mixes: " + "; ".join(f"{m} {a}" for m, a in dict((c["mix"], c["about"]) for c in record["rows"]).items()) + ".", ""]
     busy = [(c, t) for c in record["rows"] if not c.get("unsupported") for t in c["by_thread"]
