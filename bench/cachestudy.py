@@ -72,10 +72,12 @@ def _calls_ns(part: dict, cat: str) -> int:
 
 def _top(cell: dict) -> str:
     """The two calls that took the most time among those the operations
-    make (at least one per 100 operations): the main thread's one long
-    sleep and a store thread's rare waits are left out."""
+    make (at least one per 100 operations), waits (sync) left out: the
+    tracer lists calls for all threads together, and the waits are mostly
+    the main thread's sleep and the store's idle threads (the workers'
+    are in the sync column)."""
     floor = cell["ops"] / 100
-    calls = [c for c in cell["top_calls"] if c["count"] >= floor][:2]
+    calls = [c for c in cell["top_calls"] if c["count"] >= floor and c["category"] != "sync"][:2]
     return ", ".join(f"{c['name']} {c['ns'] / max(c['count'], 1) / 1e3:.0f} µs" for c in calls) or "–"
 
 
@@ -89,13 +91,13 @@ def render(record: dict) -> str:
         f"{p['threads']} benchmark thread(s), {p['seconds']:g} s per cell, scans of 1 to {p['scan_max']} records; "
         f"{p['machine_shared']}.\n",
         "Shares of the workers' time (their threads' wall time): user and system CPU, off-CPU (neither: blocked, or waiting "
-        "for a core), and the time from entry to exit of their system calls by category (which overlaps system CPU and "
+        "for a core; preempted /s counts how often another thread took the core), and the time from entry to exit of their system calls by category (which overlaps system CPU and "
         "off-CPU). Faults per operation are the workers'; the store's own threads (RocksDB's flushes and compactions) "
         "are counted apart (their CPU, and their time in I/O reads and writes). Top calls: the two that took the most time among those made at least once per 100 "
         "operations, with their mean time.\n",
         "| store | mix | ops/s | p50 µs | p99 µs | user % | sys % | off-CPU % | read % | write % | sync % | memory % | other % "
-        "| calls/op | minor faults/op | major faults | store threads CPU ms | store threads I/O ms | top calls |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| preempted /s | calls/op | minor faults/op | major faults | store threads CPU ms | store threads I/O ms | top calls |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for c in record["rows"]:
         if c.get("unsupported"):
@@ -110,14 +112,15 @@ def render(record: dict) -> str:
         store_io_ms = sum(_calls_ns(s, cat) for cat in ("io_read", "io_write")) / 1e6
         out.append(
             f"| {c['backend']} | {c['mix']} | {c['ops_per_s']:.0f} | {c['p50_us']:.1f} | {c['p99_us']:.1f} | "
-            f"{_pct(w['user_s'], wall)} | {_pct(w['sys_s'], wall)} | {_pct(off, wall)} | {cats} | {calls / ops:.2f} | "
+            f"{_pct(w['user_s'], wall)} | {_pct(w['sys_s'], wall)} | {_pct(off, wall)} | {cats} | "
+            f"{w['involuntary_switches'] / wall if wall > 0 else 0:.0f} | {calls / ops:.2f} | "
             f"{w['minor_faults'] / ops:.2f} | {w['major_faults']} | {(s['user_s'] + s['sys_s']) * 1e3:.0f} | {store_io_ms:.0f} | {_top(c)} |"
         )
     out += ["", "Mixes: " + "; ".join(f"{m} {a}" for m, a in dict((c["mix"], c["about"]) for c in record["rows"]).items()) + ".", ""]
     busy = [(c, t) for c in record["rows"] if not c.get("unsupported") for t in c["by_thread"]
-            if t["role"] == "store" and (t["user_s"] + t["sys_s"] > 0 or any(v["count"] for v in t["calls"].values()))]
+            if t["role"] == "store" and (t["user_s"] + t["sys_s"] > 0 or any(_calls_ns(t, cat) for cat in ("io_read", "io_write")))]
     if busy:
-        out += ["The store's own threads that ran (CPU from /proc in 10 ms ticks; calls by category, ms):", "",
+        out += ["The store's own threads that worked (CPU from /proc in 10 ms ticks; calls by category, ms):", "",
                 "| store | mix | thread | CPU ms | read ms | write ms | sync ms | memory ms | other ms |",
                 "|---|---|---|---:|---:|---:|---:|---:|---:|"]
         for c, t in busy:

@@ -11,7 +11,7 @@ from driver_runs import table_rows
 
 def part(wall, user, sys, calls, threads=1):
     return {"threads": threads, "wall_s": wall, "user_s": user, "sys_s": sys, "minor_faults": 30, "major_faults": 2,
-            "voluntary_switches": 0, "involuntary_switches": 0, "calls": calls}
+            "voluntary_switches": 0, "involuntary_switches": 10, "calls": calls}
 
 
 def record():
@@ -22,6 +22,7 @@ def record():
            "workers": workers, "store": store, "main": part(2.0, 0, 0, {}),
            "by_thread": [{"tid": 1, "name": "worker-0", "role": "worker", **workers}, {"tid": 2, "name": "rocksdb:low", "role": "store", **store}],
            "top_calls": [{"name": "clock_nanosleep", "category": "sync", "count": 1, "ns": 2_000_000_000},
+                         {"name": "futex", "category": "sync", "count": 1000, "ns": 900_000_000},
                          {"name": "pread64", "category": "io_read", "count": 1000, "ns": 400_000_000}],
            "tracer_lost": {}}
     unsupported = {"backend": "files", "mix": "E", "about": "scans", "threads": 1, "unsupported": "mix E scans, and the files store keeps no order"}
@@ -36,10 +37,11 @@ def record():
 def test_cells_render_as_shares_of_the_workers_time():
     md = cachestudy.render(record())
     rows = table_rows(md, "| store | mix |")
-    assert rows[0][:14] == ["rocksdb", "C", "500", "10.0", "900.0", "25.0", "25.0", "50.0", "20.0", "0.0", "0.0", "0.0", "0.0", "1.00"]
-    assert rows[0][14:18] == ["0.03", "2", "300", "50"]
-    # The main thread's one long sleep is not a call the operations make.
-    assert rows[0][18] == "pread64 400 µs"
+    assert rows[0][:15] == ["rocksdb", "C", "500", "10.0", "900.0", "25.0", "25.0", "50.0", "20.0", "0.0", "0.0", "0.0", "0.0", "5", "1.00"]
+    assert rows[0][15:19] == ["0.03", "2", "300", "50"]
+    # Neither the futex waits of a store thread (as often as the reads)
+    # nor the main thread's one long sleep are the operations' calls.
+    assert rows[0][19] == "pread64 400 µs"
     assert rows[1][:3] == ["files", "E", "not supported: mix E scans, and the files store keeps no order"]
     threads = table_rows(md, "| store | mix | thread |")
     assert threads == [["rocksdb", "C", "rocksdb:low", "300", "0.0", "50.0", "0.0", "0.0", "0.0"]]

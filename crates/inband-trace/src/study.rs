@@ -316,8 +316,8 @@ fn table(r: &Report) -> String {
         "{} records × {} B values, {} thread(s), {} s per cell; shares of the workers' time\n\n",
         r.records, r.value_bytes, r.threads, r.seconds
     );
-    s += "| store | mix | ops/s | p50 µs | p99 µs | user % | sys % | off-CPU % | read % | write % | sync % | memory % | other % | calls/op | minor faults/op | major faults | store threads CPU ms |\n";
-    s += "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    s += "| store | mix | ops/s | p50 µs | p99 µs | user % | sys % | off-CPU % | read % | write % | sync % | memory % | other % | preempted /s | calls/op | minor faults/op | major faults | store threads CPU ms | store threads I/O ms |\n";
+    s += "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
     for c in &r.cells {
         let Some(run) = &c.run else {
             let _ = writeln!(s, "| {} | {} | not supported: {} |", c.backend, c.mix, c.unsupported.as_deref().unwrap_or(""));
@@ -340,13 +340,16 @@ fn table(r: &Report) -> String {
         for cat in ALL {
             let _ = write!(s, "| {} ", pct(w.calls.get(cat.name()).map_or(0, |c| c.ns) as f64 / 1e9, w.wall_s));
         }
+        let store_io_ns: u64 = ["io_read", "io_write"].iter().map(|c| run.store.calls.get(c).map_or(0, |c| c.ns)).sum();
         let _ = writeln!(
             s,
-            "| {:.2} | {:.2} | {} | {:.0} |",
+            "| {:.0} | {:.2} | {:.2} | {} | {:.0} | {:.0} |",
+            if w.wall_s > 0.0 { w.involuntary_switches as f64 / w.wall_s } else { 0.0 },
             w.call_count() as f64 / ops,
             w.minor_faults as f64 / ops,
             w.major_faults,
-            (run.store.user_s + run.store.sys_s) * 1e3
+            (run.store.user_s + run.store.sys_s) * 1e3,
+            store_io_ns as f64 / 1e6
         );
     }
     s
