@@ -118,9 +118,10 @@ def render(record: dict) -> str:
         )
     out += ["", "Mixes: " + "; ".join(f"{m} {a}" for m, a in dict((c["mix"], c["about"]) for c in record["rows"]).items()) + ".", ""]
     busy = [(c, t) for c in record["rows"] if not c.get("unsupported") for t in c["by_thread"]
-            if t["role"] == "store" and (t["user_s"] + t["sys_s"] > 0 or any(_calls_ns(t, cat) for cat in ("io_read", "io_write")))]
+            if t["role"] == "store" and (t["user_s"] + t["sys_s"] > 0 or sum(_calls_ns(t, cat) for cat in ("io_read", "io_write")) >= 1e6)]
     if busy:
-        out += ["The store's own threads that worked (CPU from /proc in 10 ms ticks; calls by category, ms):", "",
+        out += ["The store's own threads that worked (some CPU, or 1 ms or more in I/O calls; CPU from /proc in 10 ms ticks; "
+                "calls by category, ms):", "",
                 "| store | mix | thread | CPU ms | read ms | write ms | sync ms | memory ms | other ms |",
                 "|---|---|---|---:|---:|---:|---:|---:|---:|"]
         for c, t in busy:
