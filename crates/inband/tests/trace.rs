@@ -743,7 +743,7 @@ fn calls(part: &Value, category: &str) -> u64 {
 /// store has no threads of its own; the memory store's reads (mix C) make
 /// no system call; a scan mix on a store without order is reported with
 /// its reason, not run; an unknown mix is refused before a store is
-/// filled.
+/// filled; a tracer that cannot attach is named with the cell.
 #[test]
 fn study_charges_each_stores_calls_to_its_threads() {
     let dir = tempfile::tempdir().unwrap();
@@ -781,5 +781,20 @@ fn study_charges_each_stores_calls_to_its_threads() {
     let out = inband().args(["trace", "study", "--quick", "--mixes", "C,Z", "--dir"]).arg(dir.path()).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("no workload mix \"Z\" (there are: read-only, 99/1, 95/5, 90/10, W, A, B, C, D, E, F)"), "{err}");
+
+    // A tracer that cannot attach (its capabilities dropped, as for a user
+    // who is not root): the cell and the reason are named, the held run
+    // is not left behind.
+    let out = Command::new("setpriv")
+        .args(["--inh-caps=-all", "--bounding-set=-bpf,-perfmon,-sys_admin", env!("CARGO_BIN_EXE_inband")])
+        .args(["trace", "study", "--quick", "--backends", "memory", "--mixes", "C", "--dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("attaching inband trace to the memory C run (pid ") && err.contains("needs root, or CAP_BPF and CAP_PERFMON"), "{err}");
+    let pid: u32 = err.split("(pid ").nth(1).and_then(|r| r.split(')').next()).unwrap().parse().unwrap();
+    assert!(!Path::new(&format!("/proc/{pid}")).exists(), "run child {pid} left running");
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the stores are gone with the command");
 }
