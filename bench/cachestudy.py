@@ -32,6 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", default="lmdb,rocksdb,memory,files")
     ap.add_argument("--mixes", default="W,A,B,C,D,E,F")
     ap.add_argument("--scan-max", type=int, default=100)
+    ap.add_argument("--memory", action="store_true", help="also run each cell under the memory pass (allocations per operation)")
     ap.add_argument("--dir", help="parent directory of the stores (default: inband's)")
     ap.add_argument("--inband", default=str(results.REPO / "target" / "debug" / "inband"))
     ap.add_argument("--results", type=Path, default=results.default_dir("cachestudy"), help="results.json and results.md (default: the committed ones)")
@@ -45,6 +46,8 @@ def main(argv=None) -> int:
            "--threads", str(args.threads), "--backends", args.backends, "--mixes", args.mixes, "--scan-max", str(args.scan_max)]
     if args.dir:
         cmd += ["--dir", args.dir]
+    if args.memory:
+        cmd += ["--memory"]
     cp = subprocess.run(cmd, capture_output=True, text=True)
     if cp.returncode != 0:
         print(f"error: {' '.join(cmd)} failed ({cp.returncode}): {cp.stderr.strip()[-2000:]}", file=sys.stderr)
@@ -127,6 +130,15 @@ def render(record: dict) -> str:
         for c, t in busy:
             cats = " | ".join(f"{_calls_ns(t, cat) / 1e6:.1f}" for cat in CATEGORIES)
             out.append(f"| {c['backend']} | {c['mix']} | {t['name']} | {(t['user_s'] + t['sys_s']) * 1e3:.0f} | {cats} |")
+        out.append("")
+    passes = [c for c in record["rows"] if c.get("memory")]
+    if passes:
+        out += ["The memory pass (a second run of each cell under `inband trace --memory`, far slower; counts per operation):", "",
+                "| store | mix | allocations/op | allocated KiB/op | frees/op | pages/op |", "|---|---|---:|---:|---:|---:|"]
+        for c in passes:
+            m = c["memory"]
+            out.append(f"| {c['backend']} | {c['mix']} | {m['allocs_per_op']:.2f} | {m['alloc_bytes_per_op'] / 1024:.1f} | "
+                       f"{m['frees_per_op']:.2f} | {m['pages_per_op']:.2f} |")
         out.append("")
     out += ["| store | load s |", "|---|---:|"]
     for f in record["fills"]:

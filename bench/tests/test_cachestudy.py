@@ -45,3 +45,11 @@ def test_cells_render_as_shares_of_the_workers_time():
     assert rows[1][:3] == ["files", "E", "not supported: mix E scans, and the files store keeps no order"]
     threads = table_rows(md, "| store | mix | thread |")
     assert threads == [["rocksdb", "C", "rocksdb:low", "300", "0.0", "50.0", "0.0", "0.0", "0.0"]]
+    assert "allocations/op" not in md
+
+
+def test_the_memory_pass_has_its_own_table():
+    r = record()
+    r["rows"][0]["memory"] = {"ops": 100, "allocs_per_op": 7.0, "alloc_bytes_per_op": 20480.0, "frees_per_op": 6.5, "pages_per_op": 0.25}
+    rows = table_rows(cachestudy.render(r), "| store | mix | allocations/op |")
+    assert rows == [["rocksdb", "C", "7.00", "20.0", "6.50", "0.25"]]

@@ -44,6 +44,12 @@ pub struct StudyArgs {
     /// Parent directory of the stores (default: the temporary directory).
     #[arg(long)]
     dir: Option<PathBuf>,
+    /// Also run each cell a second time under the memory pass (`inband
+    /// trace --memory`): allocator calls and page allocations per
+    /// operation. That run is many times slower (docs/trace.md, "Overhead"),
+    /// so its counts are kept and its times are not.
+    #[arg(long)]
+    memory: bool,
     /// A tiny run for tests: 2,000 records, 0.3 s per cell.
     #[arg(long)]
     quick: bool,
@@ -142,9 +148,47 @@ struct Run {
     /// The calls that took the most time, every thread's together
     /// (name, category, count, ns).
     top_calls: Vec<Value>,
+    /// With --memory: what the memory pass counted in the second run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    memory: Option<MemoryPass>,
     /// The tracer's counts of calls it could not place (docs/trace.md,
     /// "Output"): a call under way when it attached has no start.
     tracer_lost: Value,
+}
+
+/// The memory pass's run of a cell, per operation of that run.
+#[derive(Serialize)]
+struct MemoryPass {
+    ops: u64,
+    /// Calls of malloc, calloc, realloc, aligned_alloc, posix_memalign.
+    allocs_per_op: f64,
+    alloc_bytes_per_op: f64,
+    frees_per_op: f64,
+    /// Pages the kernel allocated to the process (kmem/mm_page_alloc).
+    pages_per_op: f64,
+}
+
+impl MemoryPass {
+    fn new(ops: u64, memory: &Value) -> MemoryPass {
+        let per_op = |n: u64| n as f64 / ops.max(1) as f64;
+        let (mut allocs, mut bytes, mut frees) = (0, 0, 0);
+        for (function, a) in memory["allocs"].as_object().into_iter().flatten() {
+            let (count, b) = (a["count"].as_u64().unwrap_or(0), a["bytes"].as_u64().unwrap_or(0));
+            if function == "free" {
+                frees += count;
+            } else {
+                allocs += count;
+                bytes += b;
+            }
+        }
+        MemoryPass {
+            ops,
+            allocs_per_op: per_op(allocs),
+            alloc_bytes_per_op: per_op(bytes),
+            frees_per_op: per_op(frees),
+            pages_per_op: per_op(memory["pages"]["count"].as_u64().unwrap_or(0)),
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -227,6 +271,7 @@ fn cell(row: bench::Row, total: &Value, mix: &bench::Mix) -> Cell {
             store,
             main,
             by_thread,
+            memory: None,
             top_calls: total["syscalls"].as_array().map_or(Vec::new(), |calls| calls.iter().take(TOP_CALLS).cloned().collect()),
             tracer_lost: total["lost"].clone(),
         }),
@@ -271,7 +316,20 @@ pub fn run(mut a: StudyArgs) -> Result<()> {
             let row = held.start()?;
             let total = stop_tracer(tracer, &out)?;
             held.finish()?;
-            let c = cell(row, &total, mix);
+            let mut c = cell(row, &total, mix);
+            if a.memory {
+                let mut held = bench::hold_run(&cache_args, &BENCH_ARGV, kind, store.path(), mix, a.threads)?;
+                let out = traces.path().join(format!("{kind}-{}-memory.jsonl", cells.len()));
+                let tracer = start_tracer(held.pid(), &["--memory"], &out).with_context(|| {
+                    format!("attaching inband trace --memory to the {kind} {} run (pid {})", mix.name, held.pid())
+                })?;
+                let row = held.start()?;
+                let total = stop_tracer(tracer, &out)?;
+                held.finish()?;
+                if let Some(run) = &mut c.run {
+                    run.memory = Some(MemoryPass::new(row.ops, &total["memory"]));
+                }
+            }
             if let Some(r) = &c.run {
                 eprintln!(
                     "{kind:>8} {:>2}: {:>9.0} ops/s, workers {:.2} system calls per op",

@@ -741,7 +741,7 @@ fn calls(part: &Value, category: &str) -> u64 {
 /// made them. The files store's inserts (mix W) write each record's file
 /// from the worker thread, at least one write(2) per operation, and its
 /// store has no threads of its own; the memory store's reads (mix C) make
-/// no system call; a scan mix on a store without order is reported with
+/// no system call, and allocate (the memory pass's second run); a scan mix on a store without order is reported with
 /// its reason, not run; an unknown mix is refused before a store is
 /// filled; a tracer that cannot attach is named with the cell.
 #[test]
@@ -770,8 +770,12 @@ fn study_charges_each_stores_calls_to_its_threads() {
     // workers'.
     assert!(calls(&w["main"], "io_write") <= 2, "{w}");
 
-    let report = study(&["--backends", "memory", "--mixes", "C"], dir.path());
+    let report = study(&["--backends", "memory", "--mixes", "C", "--memory"], dir.path());
     let c = &report["cells"][0];
+    // The memory pass's run: at least the key each read formats.
+    let memory = &c["memory"];
+    assert!(memory["ops"].as_u64().unwrap() > 0 && memory["allocs_per_op"].as_f64().unwrap() >= 1.0, "{c}");
+    assert!(memory["frees_per_op"].as_f64().unwrap() >= 1.0, "{c}");
     let ops = c["ops"].as_u64().unwrap();
     assert!(ops > 1000, "{c}");
     let worker_calls: u64 = ["io_read", "io_write", "sync", "memory", "other"].iter().map(|k| calls(&c["workers"], k)).sum();
