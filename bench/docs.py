@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from . import cache, cachetests, conformance, dataplane, ecmp, forwarding, frontdoor, health, mesh, paper, proxy, regimes, resilience, scaleout, upgrade, weights
+from . import cache, cachestudy, cachetests, conformance, dataplane, ecmp, forwarding, frontdoor, health, mesh, paper, proxy, regimes, resilience, scaleout, upgrade, weights
 from .lib import results
 
 DOCS = results.REPO / "docs" / "benchmarks.md"
@@ -25,6 +25,7 @@ DOCS = results.REPO / "docs" / "benchmarks.md"
 # Each study's renderer: its record in, its tables out.
 RENDER = {
     "cache": cache.render,
+    "cachestudy": cachestudy.render,
     "cachetests": cachetests.render,
     "conformance": conformance.render,
     "dataplane": dataplane.render,

@@ -14,7 +14,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
@@ -40,6 +40,16 @@ pub struct CacheArgs {
     threads: Vec<usize>,
     #[arg(long, value_delimiter = ',', default_values_t = BackendKind::ALL)]
     backends: Vec<BackendKind>,
+    /// Workload mixes: the thesis's read-only, 99/1, 95/5, 90/10, or seed
+    /// 003's W, A, B, C, D, E, F (docs/benchmarks.md, "Cache study"). A
+    /// scanning mix on a store without order is left out, with its reason;
+    /// the inserting mixes (W, D, E) run after the others on each store,
+    /// as they grow it.
+    #[arg(long, value_delimiter = ',', default_values_t = WORKLOADS.map(String::from))]
+    workloads: Vec<String>,
+    /// Most records one scan reads (mix E; each scan reads 1 to this many).
+    #[arg(long, default_value_t = 100)]
+    scan_max: usize,
     /// Zipf exponent of key popularity (YCSB's 0.99).
     #[arg(long, default_value_t = 0.99)]
     zipf: f64,
@@ -55,8 +65,8 @@ pub struct CacheArgs {
     /// Also write the JSON report here (for bench/cache_plot.py).
     #[arg(long)]
     save: Option<PathBuf>,
-    /// Internal: `load`, `reopen-cold` or `run:<update %>:<threads>` for
-    /// one backend.
+    /// Internal: `load`, `reopen-cold` or `run:<mix>:<threads>` for one
+    /// backend.
     #[arg(long, hide = true)]
     child: Option<String>,
     #[arg(long, hide = true)]
@@ -65,7 +75,10 @@ pub struct CacheArgs {
     path: Option<PathBuf>,
     /// Internal: a run child says `ready` on stdout once its store is open
     /// and waits for a line on stdin before its timed loop, so that a
-    /// tracer can attach in between (`inband trace overhead`).
+    /// tracer can attach in between (`inband trace overhead`); after the
+    /// loop it prints its row and waits for another line (or the end of
+    /// stdin) before it closes its store, so that a tracer can stop first
+    /// (`inband trace study`).
     #[arg(long, hide = true)]
     hold: bool,
 }
@@ -80,6 +93,8 @@ impl CacheArgs {
             seconds,
             threads: vec![1],
             backends: BackendKind::ALL.to_vec(),
+            workloads: WORKLOADS.map(String::from).to_vec(),
+            scan_max: 100,
             zipf: 0.99,
             dir,
             quick: false,
@@ -91,10 +106,108 @@ impl CacheArgs {
             hold: false,
         }
     }
+
+    pub fn with_scan_max(mut self, n: usize) -> CacheArgs {
+        self.scan_max = n;
+        self
+    }
 }
 
-/// Read/update mixes of the thesis (YCSB C, and B-like variants).
-pub const WORKLOADS: [(&str, u32); 4] = [("read-only", 0), ("99/1", 1), ("95/5", 5), ("90/10", 10)];
+/// What one operation of a mix does.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Op {
+    /// `get` of a loaded key (a hit, or the run fails).
+    Read,
+    /// `put` of a new value under a loaded key.
+    Update,
+    /// `put` of a key the store has never held, numbered on from the
+    /// store's count.
+    Insert,
+    /// `scan` of 1 to `--scan-max` records from a key (uniform).
+    Scan,
+    /// `get` and `put` of the same key, timed as one operation.
+    ReadModifyWrite,
+}
+
+/// Which keys reads, updates and scans pick.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Keys {
+    /// Scrambled zipfian over the loaded keys (YCSB's default).
+    Zipf,
+    /// Zipfian by age: rank 1 is the newest key, inserts included
+    /// (YCSB's "latest").
+    Latest,
+}
+
+/// A workload: its operations' shares in percent (summing to 100).
+#[derive(Debug)]
+pub struct Mix {
+    pub name: &'static str,
+    pub about: &'static str,
+    pub ops: &'static [(Op, u32)],
+    pub keys: Keys,
+}
+
+impl Mix {
+    pub fn scans(&self) -> bool {
+        self.ops.iter().any(|(op, _)| *op == Op::Scan)
+    }
+
+    pub fn inserts(&self) -> u32 {
+        self.ops.iter().filter(|(op, _)| *op == Op::Insert).map(|(_, p)| p).sum()
+    }
+
+    /// Why `kind` cannot run this mix, if it cannot.
+    pub fn unsupported(&self, kind: BackendKind) -> Option<String> {
+        let why = kind.unordered().filter(|_| self.scans())?;
+        Some(format!("mix {} scans, and {why}", self.name))
+    }
+
+    fn op(&self, roll: u32) -> Op {
+        let mut at = 0;
+        for &(op, pct) in self.ops {
+            at += pct;
+            if roll < at {
+                return op;
+            }
+        }
+        self.ops.last().expect("a mix has operations").0
+    }
+}
+
+use Op::*;
+
+/// Every mix: the thesis's read/update mixes (the report's default), then
+/// seed 003's seven, named by YCSB's letters where YCSB has the mix.
+pub const MIXES: [Mix; 11] = [
+    Mix { name: "read-only", about: "reads only (as YCSB C)", ops: &[(Read, 100)], keys: Keys::Zipf },
+    Mix { name: "99/1", about: "99% reads, 1% updates", ops: &[(Read, 99), (Update, 1)], keys: Keys::Zipf },
+    Mix { name: "95/5", about: "95% reads, 5% updates (as YCSB B)", ops: &[(Read, 95), (Update, 5)], keys: Keys::Zipf },
+    Mix { name: "90/10", about: "90% reads, 10% updates", ops: &[(Read, 90), (Update, 10)], keys: Keys::Zipf },
+    Mix { name: "W", about: "write-only: inserts of new keys (YCSB's load phase)", ops: &[(Insert, 100)], keys: Keys::Zipf },
+    Mix { name: "A", about: "50% reads, 50% updates", ops: &[(Read, 50), (Update, 50)], keys: Keys::Zipf },
+    Mix { name: "B", about: "95% reads, 5% updates", ops: &[(Read, 95), (Update, 5)], keys: Keys::Zipf },
+    Mix { name: "C", about: "reads only", ops: &[(Read, 100)], keys: Keys::Zipf },
+    Mix { name: "D", about: "95% reads of the newest keys, 5% inserts", ops: &[(Read, 95), (Insert, 5)], keys: Keys::Latest },
+    Mix { name: "E", about: "95% short scans, 5% inserts (ordered stores only)", ops: &[(Scan, 95), (Insert, 5)], keys: Keys::Zipf },
+    Mix { name: "F", about: "50% reads, 50% read-modify-writes", ops: &[(Read, 50), (ReadModifyWrite, 50)], keys: Keys::Zipf },
+];
+
+/// The thesis's mixes: what `inband bench cache` runs unless told.
+pub const WORKLOADS: [&str; 4] = ["read-only", "99/1", "95/5", "90/10"];
+
+/// Seed 003's seven, as `inband trace study` runs them.
+pub const STUDY_MIXES: [&str; 7] = ["W", "A", "B", "C", "D", "E", "F"];
+
+pub fn mix(name: &str) -> Result<&'static Mix> {
+    match MIXES.iter().find(|m| m.name == name) {
+        Some(m) => Ok(m),
+        None => {
+            let names: Vec<&str> = MIXES.iter().map(|m| m.name).collect();
+            bail!("no workload mix {name:?} (there are: {})", names.join(", "))
+        }
+    }
+}
 
 #[derive(Serialize, Deserialize, Clone, Debug)]
 pub struct Row {
@@ -111,6 +224,48 @@ pub struct Row {
     pub peak_rss_mib: f64,
     /// Time to open the store (a full one for durable backends).
     pub open_ms: f64,
+    /// The whole process during the timed phase: user and system CPU, page
+    /// faults served without I/O (minor) and with it (major).
+    #[serde(default)]
+    pub user_s: f64,
+    #[serde(default)]
+    pub sys_s: f64,
+    #[serde(default)]
+    pub minor_faults: u64,
+    #[serde(default)]
+    pub major_faults: u64,
+    /// Reads of a key inserted during the run whose put had not finished
+    /// yet (read-latest with more than one thread): counted, not failed.
+    #[serde(default)]
+    pub misses: u64,
+    /// Records the scans returned.
+    #[serde(default)]
+    pub scanned: u64,
+    /// The same by thread, so a store's own threads (RocksDB's flushes
+    /// and compactions) show apart from the benchmark's.
+    #[serde(default)]
+    pub thread_use: Vec<ThreadUse>,
+}
+
+/// One thread's share of the timed phase.
+#[derive(Serialize, Deserialize, Clone, Debug, Default)]
+pub struct ThreadUse {
+    pub tid: u32,
+    /// Its name (`comm`): `worker-N` for the benchmark's loops.
+    pub name: String,
+    /// `worker`, `main` (the child's main thread, asleep while the workers
+    /// run) or `store` (a thread the store started).
+    pub role: String,
+    /// Seconds it existed during the timed phase (a worker: its loop).
+    pub wall_s: f64,
+    pub user_s: f64,
+    pub sys_s: f64,
+    pub minor_faults: u64,
+    pub major_faults: u64,
+    /// Context switches: voluntary (it blocked) and involuntary (it was
+    /// preempted, e.g. for a thread of another process on a busy machine).
+    pub voluntary_switches: u64,
+    pub involuntary_switches: u64,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug)]
@@ -166,10 +321,17 @@ impl Values {
     }
 }
 
+/// Records the inserting mixes (W, D, E) may add to a store over all
+/// their runs before it would evict: a few seconds of inserts at the
+/// fastest store's rate. A run that evicts anyway fails, rather than
+/// measure eviction or leave keys missing for the next run.
+const INSERT_ROOM: u64 = 500_000;
+
 fn config(a: &CacheArgs, kind: BackendKind, path: &Path) -> Config {
-    // Room for every record twice over: the benchmark measures access, not
-    // eviction.
-    let capacity = a.records * (a.value_bytes as u64 + 512) * 2;
+    // Room for every record twice over, and for inserts: the benchmark
+    // measures access, not eviction. Every child opens its store with the
+    // same capacity, or the open would evict to a smaller one.
+    let capacity = (a.records * 2 + INSERT_ROOM) * (a.value_bytes as u64 + 512);
     Config::new(kind, Some(path.to_path_buf()), capacity)
 }
 
@@ -181,20 +343,114 @@ fn load(store: &dyn Store, records: u64, values: &Values) -> Result<()> {
     store.flush()
 }
 
+/// What getrusage says of the process or of one thread.
+#[derive(Clone, Copy, Default)]
 struct Rusage {
-    cpu_s: f64,
+    user_s: f64,
+    sys_s: f64,
     max_rss_kib: i64,
+    minor_faults: u64,
+    major_faults: u64,
+    voluntary_switches: u64,
+    involuntary_switches: u64,
 }
 
-fn rusage() -> Rusage {
+fn rusage(who: libc::c_int) -> Rusage {
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    unsafe { libc::getrusage(who, &mut ru) };
     let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    Rusage { cpu_s: tv(ru.ru_utime) + tv(ru.ru_stime), max_rss_kib: ru.ru_maxrss }
+    Rusage {
+        user_s: tv(ru.ru_utime),
+        sys_s: tv(ru.ru_stime),
+        max_rss_kib: ru.ru_maxrss,
+        minor_faults: ru.ru_minflt as u64,
+        major_faults: ru.ru_majflt as u64,
+        voluntary_switches: ru.ru_nvcsw as u64,
+        involuntary_switches: ru.ru_nivcsw as u64,
+    }
 }
 
-/// One timed run inside a child process.
-fn run_child(a: &CacheArgs, kind: BackendKind, path: &Path, update_pct: u32, threads: usize, hold: bool) -> Result<Row> {
+impl Rusage {
+    fn since(self, then: Rusage) -> Rusage {
+        Rusage {
+            user_s: self.user_s - then.user_s,
+            sys_s: self.sys_s - then.sys_s,
+            max_rss_kib: self.max_rss_kib,
+            minor_faults: self.minor_faults.saturating_sub(then.minor_faults),
+            major_faults: self.major_faults.saturating_sub(then.major_faults),
+            voluntary_switches: self.voluntary_switches.saturating_sub(then.voluntary_switches),
+            involuntary_switches: self.involuntary_switches.saturating_sub(then.involuntary_switches),
+        }
+    }
+
+    fn thread(self, tid: u32, name: String, role: &str, wall_s: f64) -> ThreadUse {
+        ThreadUse {
+            tid,
+            name,
+            role: role.to_string(),
+            wall_s,
+            user_s: self.user_s,
+            sys_s: self.sys_s,
+            minor_faults: self.minor_faults,
+            major_faults: self.major_faults,
+            voluntary_switches: self.voluntary_switches,
+            involuntary_switches: self.involuntary_switches,
+        }
+    }
+}
+
+/// Every thread of this process but the workers, from /proc: threads
+/// cannot be asked by getrusage from outside themselves. CPU times come in
+/// clock ticks (10 ms at the usual 100 Hz).
+fn other_threads() -> Vec<(u32, String, Rusage)> {
+    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return Vec::new() };
+    let mut out = Vec::new();
+    for task in tasks.flatten() {
+        let Some(tid) = task.file_name().to_str().and_then(|t| t.parse::<u32>().ok()) else { continue };
+        let (Ok(stat), Ok(status)) = (std::fs::read_to_string(task.path().join("stat")), std::fs::read_to_string(task.path().join("status"))) else {
+            continue;
+        };
+        // The fields after the command name, which may itself hold ") ":
+        // state is field 3, so field n is at n - 3.
+        let Some((head, rest)) = stat.rsplit_once(") ") else { continue };
+        let name = head.split_once(" (").map_or("", |(_, n)| n).to_string();
+        let f: Vec<u64> = rest.split_whitespace().skip(1).map(|v| v.parse().unwrap_or(0)).collect();
+        let field = |n: usize| f.get(n - 4).copied().unwrap_or(0);
+        let switches = |key: &str| status.lines().find_map(|l| l.strip_prefix(key)).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
+        let ru = Rusage {
+            user_s: field(14) as f64 / tick,
+            sys_s: field(15) as f64 / tick,
+            max_rss_kib: 0,
+            minor_faults: field(10),
+            major_faults: field(12),
+            voluntary_switches: switches("voluntary_ctxt_switches:"),
+            involuntary_switches: switches("nonvoluntary_ctxt_switches:"),
+        };
+        out.push((tid, name, ru));
+    }
+    out
+}
+
+fn gettid() -> u32 {
+    unsafe { libc::gettid() as u32 }
+}
+
+/// What one worker did.
+struct Done {
+    ops: u64,
+    misses: u64,
+    scanned: u64,
+    lat: Vec<u32>,
+    usage: ThreadUse,
+}
+
+/// One timed run inside a child process; prints its row (JSON) on stdout.
+fn run_child(a: &CacheArgs, kind: BackendKind, path: &Path, mix: &Mix, threads: usize, hold: bool) -> Result<()> {
+    use std::io::{BufRead, Write};
+    if let Some(why) = mix.unsupported(kind) {
+        bail!("{kind}: {why}");
+    }
     let values = Values::new(a.value_bytes);
     let t = Instant::now();
     let store = crate::open(&config(a, kind, path))?;
@@ -202,65 +458,133 @@ fn run_child(a: &CacheArgs, kind: BackendKind, path: &Path, update_pct: u32, thr
     if !kind.durable() {
         load(store.as_ref(), a.records, &values)?;
     }
-    if store.len() != a.records {
-        bail!("{kind}: store holds {} records, expected {}", store.len(), a.records);
+    // Keys 0..len are all there: the load wrote them, and inserts of
+    // earlier runs numbered on from the count.
+    let present = store.len();
+    if present < a.records {
+        bail!("{kind}: store holds {present} records, expected at least {}", a.records);
     }
-    let zipf = Zipf::new(a.records, a.zipf).context("zipf parameters")?;
+    let zipf = Zipf::new(present, a.zipf).context("zipf parameters")?;
+    let next_key = AtomicU64::new(present);
     if hold {
-        use std::io::{BufRead, Write};
         writeln!(std::io::stdout(), "ready").and_then(|_| std::io::stdout().flush())?;
         std::io::stdin().lock().read_line(&mut String::new())?;
     }
     let stop = AtomicBool::new(false);
-    let before = rusage();
+    let before = rusage(libc::RUSAGE_SELF);
+    let others_before = other_threads();
     let started = Instant::now();
-    let per_thread: Vec<Result<(u64, Vec<u32>)>> = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..threads)
-            .map(|t| {
-                let (store, values, stop, zipf) = (&store, &values, &stop, &zipf);
-                s.spawn(move || -> Result<(u64, Vec<u32>)> {
-                    let mut rng = StdRng::seed_from_u64(0x5eed + t as u64);
-                    let mut lat = Vec::with_capacity(1 << 20);
-                    let mut ops = 0u64;
-                    while !stop.load(Ordering::Relaxed) {
-                        // Scrambled zipfian (as YCSB): popularity by rank,
-                        // hot keys spread over the key space.
-                        let rank = zipf.sample(&mut rng) as u64;
-                        let i = rank.wrapping_mul(0x9e3779b97f4a7c15) % a.records;
-                        let k = key(i);
-                        let t0 = Instant::now();
-                        if rng.gen_range(0..100) < update_pct {
+    let (per_thread, spawn_failed): (Vec<Result<Done>>, Option<std::io::Error>) = std::thread::scope(|s| {
+        let mut workers = Vec::new();
+        let mut spawn_failed = None;
+        for t in 0..threads {
+            let (store, values, stop, zipf, next_key) = (&store, &values, &stop, &zipf, &next_key);
+            let spawned = std::thread::Builder::new().name(format!("worker-{t}")).spawn_scoped(s, move || -> Result<Done> {
+                let start = rusage(libc::RUSAGE_THREAD);
+                let born = Instant::now();
+                let mut rng = StdRng::seed_from_u64(0x5eed + t as u64);
+                let mut lat = Vec::with_capacity(1 << 20);
+                let (mut ops, mut misses, mut scanned) = (0u64, 0u64, 0u64);
+                while !stop.load(Ordering::Relaxed) {
+                    let rank = zipf.sample(&mut rng) as u64;
+                    let i = match mix.keys {
+                        // Scrambled zipfian (as YCSB): popularity by
+                        // rank, hot keys spread over the key space.
+                        Keys::Zipf => rank.wrapping_mul(0x9e3779b97f4a7c15) % present,
+                        Keys::Latest => next_key.load(Ordering::Relaxed).saturating_sub(rank),
+                    };
+                    let op = mix.op(rng.gen_range(0..100));
+                    // The key is made before the clock starts, as the
+                    // thesis's mixes always did: the store's time only.
+                    let i = if op == Insert { next_key.fetch_add(1, Ordering::Relaxed) } else { i };
+                    let k = key(i);
+                    let scan_len = if op == Scan { rng.gen_range(1..=a.scan_max.max(1)) } else { 0 };
+                    let t0 = Instant::now();
+                    match op {
+                        Read => {
+                            if store.get(&k)?.is_none() {
+                                if i < present {
+                                    bail!("{kind}: record {i} missing");
+                                }
+                                misses += 1;
+                            }
+                        }
+                        Update | Insert => {
                             let now = now_ms();
                             store.put(&k, now, now + 3_600_000, HEADER, values.get(ops ^ i))?;
-                        } else if store.get(&k)?.is_none() {
-                            bail!("{kind}: record {i} missing");
                         }
-                        lat.push(t0.elapsed().as_nanos().min(u32::MAX as u128) as u32);
-                        ops += 1;
+                        Scan => {
+                            let got = store.scan(&k, scan_len)?;
+                            if got.is_empty() {
+                                bail!("{kind}: a scan from record {i} found nothing");
+                            }
+                            scanned += got.len() as u64;
+                        }
+                        ReadModifyWrite => {
+                            if store.get(&k)?.is_none() {
+                                bail!("{kind}: record {i} missing");
+                            }
+                            let now = now_ms();
+                            store.put(&k, now, now + 3_600_000, HEADER, values.get(ops ^ i))?;
+                        }
                     }
-                    Ok((ops, lat))
-                })
-            })
-            .collect();
-        std::thread::sleep(Duration::from_secs_f64(a.seconds));
+                    lat.push(t0.elapsed().as_nanos().min(u32::MAX as u128) as u32);
+                    ops += 1;
+                }
+                let usage = rusage(libc::RUSAGE_THREAD).since(start).thread(
+                    gettid(),
+                    format!("worker-{t}"),
+                    "worker",
+                    born.elapsed().as_secs_f64(),
+                );
+                Ok(Done { ops, misses, scanned, lat, usage })
+            });
+            match spawned {
+                Ok(w) => workers.push(w),
+                Err(e) => {
+                    spawn_failed = Some(e);
+                    break;
+                }
+            }
+        }
+        if spawn_failed.is_none() {
+            std::thread::sleep(Duration::from_secs_f64(a.seconds));
+        }
         stop.store(true, Ordering::Relaxed);
-        workers.into_iter().map(|w| w.join().expect("worker panicked")).collect()
+        (workers.into_iter().map(|w| w.join().expect("worker panicked")).collect(), spawn_failed)
     });
+    if let Some(e) = spawn_failed {
+        bail!("starting the benchmark's worker threads: {e}");
+    }
     let elapsed = started.elapsed().as_secs_f64();
-    let after = rusage();
+    let process = rusage(libc::RUSAGE_SELF).since(before);
+    let evicted = store.stats().evictions;
+    if evicted > 0 {
+        bail!("{kind}: mix {} filled the store to its capacity and {evicted} records were evicted (fewer --records or --seconds)", mix.name);
+    }
+    let mut thread_use = Vec::new();
+    let me = std::process::id();
+    for (tid, name, now) in other_threads() {
+        // A thread started during the run counts from zero.
+        let then = others_before.iter().find(|(t, _, _)| *t == tid).map(|(_, _, r)| *r).unwrap_or_default();
+        thread_use.push(now.since(then).thread(tid, name, if tid == me { "main" } else { "store" }, elapsed));
+    }
     let mut lat = Vec::new();
-    let mut ops = 0;
+    let (mut ops, mut misses, mut scanned) = (0, 0, 0);
     for r in per_thread {
-        let (n, l) = r?;
-        ops += n;
-        lat.extend(l);
+        let done = r?;
+        ops += done.ops;
+        misses += done.misses;
+        scanned += done.scanned;
+        lat.extend(done.lat);
+        thread_use.push(done.usage);
     }
     lat.sort_unstable();
     let pct = |p: f64| lat.get(((lat.len() as f64 * p) as usize).min(lat.len().saturating_sub(1))).map_or(0.0, |&ns| ns as f64 / 1e3);
-    let cpu_s = after.cpu_s - before.cpu_s;
-    Ok(Row {
+    let cpu_s = process.user_s + process.sys_s;
+    let row = Row {
         backend: kind,
-        workload: WORKLOADS.iter().find(|w| w.1 == update_pct).map_or("?", |w| w.0).to_string(),
+        workload: mix.name.to_string(),
         threads,
         ops,
         ops_per_s: ops as f64 / elapsed,
@@ -268,9 +592,21 @@ fn run_child(a: &CacheArgs, kind: BackendKind, path: &Path, update_pct: u32, thr
         p99_us: pct(0.99),
         cpu_s,
         cpu_us_per_op: if ops > 0 { cpu_s * 1e6 / ops as f64 } else { 0.0 },
-        peak_rss_mib: after.max_rss_kib as f64 / 1024.0,
+        peak_rss_mib: process.max_rss_kib as f64 / 1024.0,
         open_ms,
-    })
+        user_s: process.user_s,
+        sys_s: process.sys_s,
+        minor_faults: process.minor_faults,
+        major_faults: process.major_faults,
+        misses,
+        scanned,
+        thread_use,
+    };
+    writeln!(std::io::stdout(), "{}", serde_json::to_string(&row)?).and_then(|_| std::io::stdout().flush())?;
+    if hold {
+        std::io::stdin().lock().read_line(&mut String::new())?;
+    }
+    Ok(())
 }
 
 /// Drops the page-cache pages of every file under `dir` (only these
@@ -312,7 +648,7 @@ fn child_command(a: &CacheArgs, argv: &[&str], kind: BackendKind, path: &Path, c
         .arg("--path")
         .arg(path)
         .args(["--records", &a.records.to_string(), "--value-bytes", &a.value_bytes.to_string()])
-        .args(["--seconds", &a.seconds.to_string(), "--zipf", &a.zipf.to_string()])
+        .args(["--seconds", &a.seconds.to_string(), "--zipf", &a.zipf.to_string(), "--scan-max", &a.scan_max.to_string()])
         .stderr(Stdio::inherit());
     Ok(cmd)
 }
@@ -342,15 +678,18 @@ pub fn prepare(a: &CacheArgs, argv: &[&str], kind: BackendKind) -> Result<tempfi
 /// A run child stopped before its timed loop (its store open and full).
 pub struct HeldRun {
     child: std::process::Child,
-    go: std::process::ChildStdin,
+    go: Option<std::process::ChildStdin>,
     out: std::io::BufReader<std::process::ChildStdout>,
 }
 
 /// Starts one run on the store `path` ([`prepare`]) and returns once it
 /// waits at its start.
-pub fn hold_run(a: &CacheArgs, argv: &[&str], kind: BackendKind, path: &Path, update_pct: u32, threads: usize) -> Result<HeldRun> {
+pub fn hold_run(a: &CacheArgs, argv: &[&str], kind: BackendKind, path: &Path, mix: &Mix, threads: usize) -> Result<HeldRun> {
     use std::io::BufRead;
-    let mut cmd = child_command(a, argv, kind, path, &format!("run:{update_pct}:{threads}"))?;
+    if let Some(why) = mix.unsupported(kind) {
+        bail!("{kind}: {why}");
+    }
+    let mut cmd = child_command(a, argv, kind, path, &format!("run:{}:{threads}", mix.name))?;
     let mut child = cmd.arg("--hold").stdin(Stdio::piped()).stdout(Stdio::piped()).spawn()?;
     let go = child.stdin.take().context("child stdin")?;
     let mut out = std::io::BufReader::new(child.stdout.take().context("child stdout")?);
@@ -361,7 +700,7 @@ pub fn hold_run(a: &CacheArgs, argv: &[&str], kind: BackendKind, path: &Path, up
         let status = child.wait()?;
         bail!("{kind} run child did not start ({status})");
     }
-    Ok(HeldRun { child, go, out })
+    Ok(HeldRun { child, go: Some(go), out })
 }
 
 impl HeldRun {
@@ -371,15 +710,37 @@ impl HeldRun {
 
     /// Lets the run go and returns its result when it has exited.
     pub fn go(mut self) -> Result<Row> {
+        let row = self.start()?;
+        self.finish()?;
+        Ok(row)
+    }
+
+    /// Lets the run go and returns its result, the child still alive with
+    /// its store open until [`HeldRun::finish`]: what runs in between (a
+    /// tracer stopping) is outside the timed phase and before the store's
+    /// close.
+    pub fn start(&mut self) -> Result<Row> {
         use std::io::{BufRead, Write};
-        writeln!(self.go, "go")?;
+        let go = self.go.as_mut().context("the run has started already")?;
+        writeln!(go, "go")?;
         let mut line = String::new();
         self.out.read_line(&mut line)?;
+        if line.is_empty() {
+            let status = self.child.wait()?;
+            bail!("run child failed ({status})");
+        }
+        serde_json::from_str(&line).with_context(|| format!("run child output {line:?}"))
+    }
+
+    /// Lets the started run close its store and exit.
+    pub fn finish(mut self) -> Result<()> {
+        // The end of its stdin is the signal.
+        drop(self.go.take());
         let status = self.child.wait()?;
         if !status.success() {
             bail!("run child failed ({status})");
         }
-        serde_json::from_str(&line).with_context(|| format!("run child output {line:?}"))
+        Ok(())
     }
 }
 
@@ -388,6 +749,14 @@ impl Drop for HeldRun {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The mixes named, those that insert after the rest (fewest inserts
+/// first), since their runs grow the store the next runs open.
+pub fn in_run_order(names: &[String]) -> Result<Vec<&'static Mix>> {
+    let mut mixes = names.iter().map(|n| mix(n)).collect::<Result<Vec<_>>>()?;
+    mixes.sort_by_key(|m| m.inserts());
+    Ok(mixes)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -416,9 +785,13 @@ pub fn measure(mut a: CacheArgs, argv: &[&str]) -> Result<Report> {
         }
         let disk_mib = disk_bytes(dir.path()) as f64 / (1 << 20) as f64;
         let mut opens = Vec::new();
-        for &(_, update_pct) in &WORKLOADS {
+        for mix in in_run_order(&a.workloads)? {
+            if let Some(why) = mix.unsupported(kind) {
+                eprintln!("{kind:>8} {:>9} left out: {why}", mix.name);
+                continue;
+            }
             for &threads in &a.threads {
-                let line = spawn_child(&a, argv, kind, dir.path(), &format!("run:{update_pct}:{threads}"))?;
+                let line = spawn_child(&a, argv, kind, dir.path(), &format!("run:{}:{threads}", mix.name))?;
                 let row: Row = serde_json::from_str(&line).with_context(|| format!("child output {line:?}"))?;
                 eprintln!("{:>8} {:>9} {}t {:>10.0} ops/s", kind, row.workload, threads, row.ops_per_s);
                 opens.push(row.open_ms);
@@ -473,17 +846,19 @@ pub fn main(a: CacheArgs, argv: &[&str]) -> Result<()> {
             let t = Instant::now();
             let store = crate::open(&config(&a, kind, &path))?;
             let ms = t.elapsed().as_secs_f64() * 1e3;
-            if store.len() != a.records {
-                bail!("{kind}: reopened store holds {} records, expected {}", store.len(), a.records);
+            if store.len() < a.records {
+                bail!("{kind}: reopened store holds {} records, expected at least {}", store.len(), a.records);
             }
             println!("{ms}");
             return Ok(());
         }
         let spec = child.strip_prefix("run:").context("unknown --child")?;
-        let (pct, threads) = spec.split_once(':').context("--child run:<update %>:<threads>")?;
-        let row = run_child(&a, kind, &path, pct.parse()?, threads.parse()?, a.hold)?;
-        println!("{}", serde_json::to_string(&row)?);
-        return Ok(());
+        let (name, threads) = spec.rsplit_once(':').context("--child run:<mix>:<threads>")?;
+        return run_child(&a, kind, &path, mix(name)?, threads.parse()?, a.hold);
+    }
+    // Refused before a store is filled.
+    for name in &a.workloads {
+        mix(name)?;
     }
     let (json, save) = (a.json, a.save.clone());
     let report = measure(a, argv)?;

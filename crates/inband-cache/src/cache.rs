@@ -42,6 +42,12 @@ pub trait Backend: Send + Sync + 'static {
     /// `meta` is the meta-table value for backends that keep one.
     fn put(&self, id: u128, record: &[u8], meta: &[u8]) -> Result<()>;
     fn remove(&self, id: u128) -> Result<bool>;
+    /// Up to `limit` records in id order from `from` on. Only the backends
+    /// [`BackendKind::unordered`] names ordered implement it; the rest are
+    /// refused before they are asked.
+    fn range(&self, _from: u128, _limit: usize) -> Result<Vec<(u128, Raw)>> {
+        bail!("{}", Self::KIND.unordered().unwrap_or("this store cannot scan"))
+    }
     /// Every entry for the eviction index; `None` for an entry whose
     /// metadata is unreadable (the caller deletes it).
     fn scan(&self, f: &mut dyn FnMut(u128, Option<ScanItem>)) -> Result<()>;
@@ -234,6 +240,38 @@ impl<B: Backend> Store for Cache<B> {
 
     fn contains(&self, key: &[u8]) -> bool {
         self.index.read().unwrap().contains(record::id(key))
+    }
+
+    fn scan(&self, key: &[u8], limit: usize) -> Result<Vec<(bytes::Bytes, Entry)>> {
+        if let Some(why) = B::KIND.unordered() {
+            bail!("{why}");
+        }
+        let mut out = Vec::with_capacity(limit);
+        for (id, raw) in self.backend.range(record::id(key), limit)? {
+            let Some(key) = record::claimed_key(&raw) else {
+                self.drop_corrupt(id)?;
+                continue;
+            };
+            // Whole records only (a split one is read to its end here), so
+            // a corrupt body is known now and the stream's hook never runs.
+            match record::decode(&key, raw, Box::new(|| {})) {
+                Decoded::Hit(mut e) => {
+                    if let crate::EntryBody::Chunks(_) = e.body {
+                        let body = e.body.into_bytes();
+                        let Ok(body) = body else {
+                            self.drop_corrupt(id)?;
+                            continue;
+                        };
+                        e.body = crate::EntryBody::Whole(body);
+                    }
+                    out.push((key, e));
+                }
+                // Not reached: the key came from the record itself.
+                Decoded::OtherKey => {}
+                Decoded::Corrupt => self.drop_corrupt(id)?,
+            }
+        }
+        Ok(out)
     }
 
     fn for_each_meta(&self, f: &mut dyn FnMut(&[u8], &Meta)) -> Result<()> {

@@ -70,6 +70,16 @@ impl BackendKind {
     pub fn durable(self) -> bool {
         self != BackendKind::Memory
     }
+
+    /// Why [`Store::scan`] is refused by this kind of store, or `None` for
+    /// the two that keep their records in order.
+    pub fn unordered(self) -> Option<&'static str> {
+        match self {
+            BackendKind::Lmdb | BackendKind::Rocksdb => None,
+            BackendKind::Memory => Some("the memory store is a hash map: its records have no order to scan in"),
+            BackendKind::Files => Some("the files store keeps one file per key under hashed directories: no order to scan in"),
+        }
+    }
 }
 
 impl std::str::FromStr for BackendKind {
@@ -199,6 +209,14 @@ pub trait Store: Send + Sync {
     /// From the in-memory index, no I/O. May be true for an entry whose
     /// record a later `get` finds corrupt.
     fn contains(&self, key: &[u8]) -> bool;
+    /// Up to `limit` entries in the store's order, from `key`'s place on
+    /// (its own entry first when present), each with its key. The order is
+    /// that of the keys' 128-bit hashes, which address the records, so
+    /// neighbours are unrelated keys, as in YCSB's scans over hashed keys:
+    /// what a scan costs the store is the same. Every record is copied out
+    /// and checked whole, however large. Refused, with the reason
+    /// [`BackendKind::unordered`] gives, by a store without order.
+    fn scan(&self, key: &[u8], limit: usize) -> Result<Vec<(Bytes, Entry)>>;
     /// Every key with its metadata, without reading bodies (a meta table for
     /// LMDB/RocksDB; a short read of each file's head for `files`). `f`
     /// runs inside the backend's iteration (a read transaction, a map

@@ -122,6 +122,20 @@ impl Backend for Lmdb {
         Ok(had)
     }
 
+    fn range(&self, from: u128, limit: usize) -> Result<Vec<(u128, Raw)>> {
+        let txn = self.env.read_txn()?;
+        let from = from.to_be_bytes();
+        let mut out = Vec::with_capacity(limit);
+        // A tuple of bounds: the range type that takes an unsized `[u8]`.
+        let bounds = (std::ops::Bound::Included(&from[..]), std::ops::Bound::Unbounded);
+        for kv in self.data.range(&txn, &bounds)?.take(limit) {
+            let (k, v) = kv?;
+            let Ok(k) = <[u8; 16]>::try_from(k) else { continue };
+            out.push((u128::from_be_bytes(k), Raw::Whole(bytes::Bytes::copy_from_slice(v))));
+        }
+        Ok(out)
+    }
+
     fn scan(&self, f: &mut dyn FnMut(u128, Option<ScanItem>)) -> Result<()> {
         let txn = self.env.read_txn()?;
         for kv in self.meta.iter(&txn)? {

@@ -90,6 +90,18 @@ pub(crate) fn head(b: &[u8], total: u64) -> Option<(Meta, usize, usize, u64)> {
     Some((meta, k as usize, h as usize, body))
 }
 
+/// The key a record names, unchecked: for a scan, which finds records
+/// without knowing their keys; [`decode`] then checks it with the rest.
+pub(crate) fn claimed_key(raw: &Raw) -> Option<Bytes> {
+    let (prefix, total) = match raw {
+        Raw::Whole(b) => (b, b.len() as u64),
+        Raw::Split { prefix, total, .. } => (prefix, *total),
+        Raw::Corrupt => return None,
+    };
+    let (_, k, _, _) = head(prefix, total)?;
+    (prefix.len() >= HEAD + k).then(|| prefix.slice(HEAD..HEAD + k))
+}
+
 /// Checks and splits a record. A body up to STREAM_THRESHOLD is verified
 /// here; a larger one is verified as it streams, and `on_corrupt` runs if
 /// it fails then.

@@ -130,6 +130,24 @@ impl Rocks {
         Ok(())
     }
 
+    /// A `d` value as the record it stands for: whole, or its head with
+    /// the body to follow from its chunks.
+    fn raw(&self, id: u128, v: &[u8]) -> Raw {
+        let Some((total, (_, k, h, _))) = record::claimed_len(v).and_then(|total| Some((total, record::head(v, total)?))) else {
+            return Raw::Corrupt;
+        };
+        let at = record::HEAD + k + h;
+        if v.len() as u64 == total {
+            return Raw::Whole(Bytes::copy_from_slice(v));
+        }
+        if v.len() != at + 8 {
+            return Raw::Corrupt;
+        }
+        let generation = u64::from_le_bytes(v[at..].try_into().expect("8 bytes"));
+        let rest = Box::new(RocksChunks { db: self.db.clone(), id, generation, next: 0 });
+        Raw::Split { prefix: Bytes::copy_from_slice(&v[..at]), total, rest }
+    }
+
     fn for_each_meta_raw(&self, f: &mut dyn FnMut(u128, &[u8])) -> Result<()> {
         let mut ro = ReadOptions::default();
         ro.set_iterate_upper_bound(*b"n");
@@ -148,27 +166,26 @@ impl Backend for Rocks {
     const READS_BLOCK: bool = true;
 
     fn get(&self, id: u128) -> Result<Option<Raw>> {
-        let v = match self.db.get_pinned(data_key(id)) {
-            Ok(Some(v)) => v,
-            Ok(None) => return Ok(None),
+        match self.db.get_pinned(data_key(id)) {
+            Ok(Some(v)) => Ok(Some(self.raw(id, &v))),
+            Ok(None) => Ok(None),
             // RocksDB's own block checksums failed: the same as ours.
-            Err(e) if is_corruption(&e) => return Ok(Some(Raw::Corrupt)),
-            Err(e) => return Err(e.into()),
-        };
-        let Some((_, k, h, _)) = record::claimed_len(&v).and_then(|total| record::head(&v, total)) else {
-            return Ok(Some(Raw::Corrupt));
-        };
-        let at = record::HEAD + k + h;
-        let total = record::claimed_len(&v).expect("checked above");
-        if v.len() as u64 == total {
-            return Ok(Some(Raw::Whole(Bytes::copy_from_slice(&v))));
+            Err(e) if is_corruption(&e) => Ok(Some(Raw::Corrupt)),
+            Err(e) => Err(e.into()),
         }
-        if v.len() != at + 8 {
-            return Ok(Some(Raw::Corrupt));
+    }
+
+    fn range(&self, from: u128, limit: usize) -> Result<Vec<(u128, Raw)>> {
+        let mut ro = ReadOptions::default();
+        ro.set_iterate_upper_bound(*b"e");
+        let mut out = Vec::with_capacity(limit);
+        for kv in self.db.iterator_opt(IteratorMode::From(&data_key(from), rocksdb::Direction::Forward), ro).take(limit) {
+            let (k, v) = kv?;
+            let Ok(id) = <[u8; 16]>::try_from(&k[1..]) else { continue };
+            let id = u128::from_be_bytes(id);
+            out.push((id, self.raw(id, &v)));
         }
-        let generation = u64::from_le_bytes(v[at..].try_into().expect("8 bytes"));
-        let rest = Box::new(RocksChunks { db: self.db.clone(), id, generation, next: 0 });
-        Ok(Some(Raw::Split { prefix: Bytes::copy_from_slice(&v[..at]), total, rest }))
+        Ok(out)
     }
 
     fn put(&self, id: u128, rec: &[u8], meta: &[u8]) -> Result<()> {

@@ -276,6 +276,40 @@ fn get_nowait_never_waits_on_the_disk(kind: BackendKind) {
     assert_eq!(s.get(b"k").unwrap().unwrap().body_bytes().unwrap(), b);
 }
 
+/// Scans go in id order from the key's place, read large bodies whole,
+/// stop at the end; a store without order refuses with its reason.
+fn scan(kind: BackendKind) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(kind, dir.path(), 64 << 20);
+    let mut stored: Vec<(String, Vec<u8>)> = (0..50).map(|i| (format!("GET /s/{i}"), body(100 + i, i as u8))).collect();
+    stored.push(("GET /big".to_string(), body(STREAM_THRESHOLD as usize + 5000, 9)));
+    for (k, b) in &stored {
+        s.put(k.as_bytes(), 1, FAR, b"h", b).unwrap();
+    }
+    if let Some(why) = kind.unordered() {
+        let Err(e) = s.scan(b"GET /s/0", 10) else { panic!("{kind} scanned") };
+        assert_eq!(e.to_string(), why);
+        return;
+    }
+    stored.sort_by_key(|(k, _)| record::id(k.as_bytes()));
+    let keys = |got: &[(bytes::Bytes, Entry)]| got.iter().map(|(k, _)| String::from_utf8(k.to_vec()).unwrap()).collect::<Vec<_>>();
+    let got = s.scan(stored[10].0.as_bytes(), 7).unwrap();
+    assert_eq!(keys(&got), stored[10..17].iter().map(|(k, _)| k.clone()).collect::<Vec<_>>());
+    let all = s.scan(stored[0].0.as_bytes(), 100).unwrap();
+    assert_eq!(all.len(), stored.len());
+    for ((k, e), (want_k, want_b)) in all.into_iter().zip(&stored) {
+        assert_eq!((&k[..], &e.header[..]), (want_k.as_bytes(), b"h".as_slice()));
+        let EntryBody::Whole(b) = e.body else { panic!("{want_k}: a scan reads bodies whole") };
+        assert_eq!(&b[..], &want_b[..], "{want_k}");
+    }
+    assert_eq!(keys(&s.scan(stored[49].0.as_bytes(), 10).unwrap()), [stored[49].0.clone(), stored[50].0.clone()]);
+    // A key not stored: the scan starts where it would be.
+    let absent = b"GET /absent";
+    let from = stored.iter().position(|(k, _)| record::id(k.as_bytes()) > record::id(absent)).unwrap_or(stored.len());
+    let got = s.scan(absent, 3).unwrap();
+    assert_eq!(keys(&got), stored[from..(from + 3).min(stored.len())].iter().map(|(k, _)| k.clone()).collect::<Vec<_>>());
+}
+
 macro_rules! conformance {
     ($($backend:ident: $kind:expr, [$($case:ident),*];)*) => {$(
         mod $backend {
@@ -287,13 +321,13 @@ macro_rules! conformance {
 
 conformance! {
     on_lmdb: BackendKind::Lmdb, [round_trip, overwrite, delete, metadata_iteration, size_accounting, eviction, reopen,
-        large_bodies_stream, large_overwrite_and_delete, stream_outlives_overwrite, get_nowait_never_waits_on_the_disk];
+        large_bodies_stream, large_overwrite_and_delete, stream_outlives_overwrite, get_nowait_never_waits_on_the_disk, scan];
     on_rocksdb: BackendKind::Rocksdb, [round_trip, overwrite, delete, metadata_iteration, size_accounting, eviction, reopen,
-        large_bodies_stream, large_overwrite_and_delete, stream_outlives_overwrite, get_nowait_never_waits_on_the_disk];
+        large_bodies_stream, large_overwrite_and_delete, stream_outlives_overwrite, get_nowait_never_waits_on_the_disk, scan];
     on_files: BackendKind::Files, [round_trip, overwrite, delete, metadata_iteration, size_accounting, eviction, reopen,
-        large_bodies_stream, large_overwrite_and_delete, stream_outlives_overwrite, get_nowait_never_waits_on_the_disk];
+        large_bodies_stream, large_overwrite_and_delete, stream_outlives_overwrite, get_nowait_never_waits_on_the_disk, scan];
     on_memory: BackendKind::Memory, [round_trip, overwrite, delete, metadata_iteration, size_accounting, eviction,
-        large_bodies_stream, large_overwrite_and_delete, stream_outlives_overwrite, get_nowait_never_waits_on_the_disk];
+        large_bodies_stream, large_overwrite_and_delete, stream_outlives_overwrite, get_nowait_never_waits_on_the_disk, scan];
 }
 
 #[test]

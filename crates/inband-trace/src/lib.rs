@@ -16,6 +16,7 @@ mod overhead;
 mod process;
 mod report;
 mod sets;
+mod study;
 mod symbolize;
 mod symbols;
 
@@ -93,6 +94,9 @@ pub enum TraceCommand {
     /// What tracing costs: a cell of `inband bench cache` run untraced and
     /// under each pass of the tracer, in turns, throughput compared.
     Overhead(overhead::OverheadArgs),
+    /// Seed 003's study on the cache stores: every store × workload mix of
+    /// `inband bench cache`, each run traced, where its time goes.
+    Study(study::StudyArgs),
 }
 
 fn parse_phase(s: &str) -> Result<(String, String), String> {
@@ -103,8 +107,10 @@ fn parse_phase(s: &str) -> Result<(String, String), String> {
 }
 
 pub fn run(args: TraceArgs) -> Result<()> {
-    if let Some(TraceCommand::Overhead(a)) = args.command {
-        return overhead::run(a);
+    match args.command {
+        Some(TraceCommand::Overhead(a)) => return overhead::run(a),
+        Some(TraceCommand::Study(a)) => return study::run(a),
+        None => {}
     }
     if cfg!(not(target_arch = "x86_64")) {
         bail!("inband trace knows the x86_64 system call numbers only");

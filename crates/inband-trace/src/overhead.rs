@@ -16,7 +16,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 /// How this binary runs the benchmark's children and the tracer.
-const BENCH_ARGV: [&str; 2] = ["bench", "cache"];
+pub(crate) const BENCH_ARGV: [&str; 2] = ["bench", "cache"];
 const TRACE_ARGV: [&str; 1] = ["trace"];
 
 #[derive(clap::Args, Debug)]
@@ -24,8 +24,8 @@ pub struct OverheadArgs {
     /// The store: lmdb, rocksdb, memory or files.
     #[arg(long, default_value = "lmdb")]
     backend: BackendKind,
-    /// The read/update mix, as `inband bench cache` names them: read-only,
-    /// 99/1, 95/5, 90/10.
+    /// The workload mix, as `inband bench cache --workloads` names them:
+    /// read-only, 99/1, 95/5, 90/10, or W, A, B, C, D, E, F.
     #[arg(long, default_value = "95/5")]
     workload: String,
     #[arg(long, default_value_t = 1)]
@@ -89,10 +89,10 @@ struct Report {
 }
 
 pub fn run(a: OverheadArgs) -> Result<()> {
-    let Some(&(_, update_pct)) = bench::WORKLOADS.iter().find(|(name, _)| *name == a.workload) else {
-        let names: Vec<&str> = bench::WORKLOADS.iter().map(|(n, _)| *n).collect();
-        bail!("no workload {:?} (there are: {})", a.workload, names.join(", "));
-    };
+    let mix = bench::mix(&a.workload)?;
+    if let Some(why) = mix.unsupported(a.backend) {
+        bail!("{}: {why}", a.backend);
+    }
     if a.repeats == 0 || a.threads == 0 {
         bail!("--repeats and --threads must be at least 1");
     }
@@ -102,7 +102,7 @@ pub fn run(a: OverheadArgs) -> Result<()> {
     let mut runs: Vec<Vec<Run>> = PASSES.iter().map(|_| Vec::new()).collect();
     for repeat in 0..a.repeats {
         for (i, (name, tracer_args)) in PASSES.iter().enumerate() {
-            let held = bench::hold_run(&cache_args, &BENCH_ARGV, a.backend, store.path(), update_pct, a.threads)?;
+            let held = bench::hold_run(&cache_args, &BENCH_ARGV, a.backend, store.path(), mix, a.threads)?;
             let out = traces.path().join(format!("{i}-{repeat}.jsonl"));
             let tracer = match tracer_args {
                 Some(extra) => Some(start_tracer(held.pid(), extra, &out).with_context(|| format!("starting the tracer for {name}"))?),
@@ -182,7 +182,7 @@ fn table(r: &Report) -> String {
 
 /// `inband trace` on `pid`, returned once its programs are attached (it
 /// says so on stderr).
-fn start_tracer(pid: u32, extra: &[&str], out: &Path) -> Result<(Child, BufReader<ChildStderr>)> {
+pub(crate) fn start_tracer(pid: u32, extra: &[&str], out: &Path) -> Result<(Child, BufReader<ChildStderr>)> {
     let mut child = Command::new(std::env::current_exe()?)
         .args(TRACE_ARGV)
         .args(["--pid", &pid.to_string(), "--interval-s", "3600", "--out"])
@@ -204,6 +204,16 @@ fn start_tracer(pid: u32, extra: &[&str], out: &Path) -> Result<(Child, BufReade
             return Ok((child, stderr));
         }
     }
+}
+
+/// Stops the tracer by SIGINT, as a user would, and returns what
+/// [`finish_tracer`] does.
+pub(crate) fn stop_tracer(tracer: (Child, BufReader<ChildStderr>), out: &Path) -> Result<Value> {
+    // SAFETY: kill only sends a signal, to a child not yet waited for.
+    if unsafe { libc::kill(tracer.0.id() as i32, libc::SIGINT) } != 0 {
+        bail!("stopping inband trace: {}", std::io::Error::last_os_error());
+    }
+    finish_tracer(tracer, out)
 }
 
 /// Waits for the tracer, which stops once its target has exited, and

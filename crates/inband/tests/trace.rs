@@ -728,3 +728,79 @@ fn memory_pass_names_call_sites() {
     assert!(big["stack"][1].as_str().unwrap().starts_with("main+"), "{big}");
     assert_eq!(total["lost"]["sites_full"], 0);
 }
+
+fn study(args: &[&str], dir: &Path) -> Value {
+    let out = inband().args(["trace", "study", "--quick", "--json", "--dir"]).arg(dir).args(args).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn calls(part: &Value, category: &str) -> u64 {
+    part["calls"][category]["count"].as_u64().unwrap()
+}
+
+/// `inband trace study`: each cell's calls are charged to the thread that
+/// made them. The files store's inserts (mix W) write each record's file
+/// from the worker thread, at least one write(2) per operation, and its
+/// store has no threads of its own; the memory store's reads (mix C) make
+/// no system call, and allocate (the memory pass's second run); a scan mix on a store without order is reported with
+/// its reason, not run; an unknown mix is refused before a store is
+/// filled; a tracer that cannot attach is named with the cell.
+#[test]
+fn study_charges_each_stores_calls_to_its_threads() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = study(&["--backends", "files", "--mixes", "W,E"], dir.path());
+    let cells = report["cells"].as_array().unwrap();
+    let mixes: Vec<&str> = cells.iter().map(|c| c["mix"].as_str().unwrap()).collect();
+    assert_eq!(mixes, ["E", "W"], "the inserting mix runs last");
+    let unsupported = cells[0]["unsupported"].as_str().unwrap();
+    assert!(unsupported.contains("files store keeps one file per key") && cells[0].get("ops").is_none(), "{}", cells[0]);
+    let w = &cells[1];
+    let ops = w["ops"].as_u64().unwrap();
+    assert!(ops > 0, "{w}");
+    let workers = &w["workers"];
+    assert_eq!(workers["threads"], 1, "{w}");
+    assert!(calls(workers, "io_write") >= ops, "{w}");
+    assert!(workers["calls"]["io_write"]["ns"].as_u64().unwrap() > 0, "{w}");
+    // The per-thread view holds the worker under its name, with the same
+    // numbers the tracer gave for its thread id.
+    let worker = w["by_thread"].as_array().unwrap().iter().find(|t| t["role"] == "worker").unwrap();
+    assert_eq!(worker["name"], "worker-0");
+    assert_eq!(calls(worker, "io_write"), calls(workers, "io_write"));
+    assert_eq!(w["store"]["threads"], 0, "{w}");
+    // The main thread sleeps through the run: its calls are not the
+    // workers'.
+    assert!(calls(&w["main"], "io_write") <= 2, "{w}");
+
+    let report = study(&["--backends", "memory", "--mixes", "C", "--memory"], dir.path());
+    let c = &report["cells"][0];
+    // The memory pass's run: at least the key each read formats.
+    let memory = &c["memory"];
+    assert!(memory["ops"].as_u64().unwrap() > 0 && memory["allocs_per_op"].as_f64().unwrap() >= 1.0, "{c}");
+    assert!(memory["frees_per_op"].as_f64().unwrap() >= 1.0, "{c}");
+    let ops = c["ops"].as_u64().unwrap();
+    assert!(ops > 1000, "{c}");
+    let worker_calls: u64 = ["io_read", "io_write", "sync", "memory", "other"].iter().map(|k| calls(&c["workers"], k)).sum();
+    assert!(worker_calls * 100 < ops, "{worker_calls} system calls for {ops} reads from memory: {c}");
+    assert!(c["workers"]["user_s"].as_f64().unwrap() > 0.0, "{c}");
+
+    let out = inband().args(["trace", "study", "--quick", "--mixes", "C,Z", "--dir"]).arg(dir.path()).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("no workload mix \"Z\" (there are: read-only, 99/1, 95/5, 90/10, W, A, B, C, D, E, F)"), "{err}");
+
+    // A tracer that cannot attach (its capabilities dropped, as for a user
+    // who is not root): the cell and the reason are named, the held run
+    // is not left behind.
+    let out = Command::new("setpriv")
+        .args(["--inh-caps=-all", "--bounding-set=-bpf,-perfmon,-sys_admin", env!("CARGO_BIN_EXE_inband")])
+        .args(["trace", "study", "--quick", "--backends", "memory", "--mixes", "C", "--dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("attaching inband trace to the memory C run (pid ") && err.contains("needs root, or CAP_BPF and CAP_PERFMON"), "{err}");
+    let pid: u32 = err.split("(pid ").nth(1).and_then(|r| r.split(')').next()).unwrap().parse().unwrap();
+    assert!(!Path::new(&format!("/proc/{pid}")).exists(), "run child {pid} left running");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the stores are gone with the command");
+}
