@@ -98,6 +98,19 @@ fn meta_key(id: u128) -> [u8; 17] {
 }
 
 impl Rocks {
+    /// Whether the record whose meta value is `meta` may have chunks to
+    /// delete: only one whose record is over the streaming threshold (a
+    /// record is never smaller than its body), or one whose meta cannot
+    /// be read. A range deletion is paid for by every later read near it
+    /// until a compaction drops it: one with every put cut RocksDB to
+    /// about 3,000 writes a second, RocksDB re-sorting its memtable's
+    /// range tombstones (`inband trace study`, docs/benchmarks.md). Puts
+    /// and removes of one id are serialised (cache.rs), so the meta read
+    /// here is the one being replaced.
+    fn may_have_chunks(meta: Option<&[u8]>) -> bool {
+        meta.is_some_and(|m| record::decode_meta(m).is_none_or(|(_, meta)| meta.size > STREAM_THRESHOLD))
+    }
+
     pub(crate) fn open(dir: &Path, config: &Config) -> Result<Rocks> {
         let mut opts = Options::default();
         opts.create_if_missing(true);
@@ -128,6 +141,14 @@ impl Rocks {
     pub(crate) fn flush_memtable(&self) -> Result<()> {
         self.db.flush()?;
         Ok(())
+    }
+
+    /// How many chunk keys the store holds, of every record.
+    #[cfg(test)]
+    pub(crate) fn chunk_keys(&self) -> usize {
+        let mut ro = ReadOptions::default();
+        ro.set_iterate_upper_bound(*b"d");
+        self.db.iterator_opt(IteratorMode::From(b"c", rocksdb::Direction::Forward), ro).count()
     }
 
     /// A `d` value as the record it stands for: whole, or its head with
@@ -190,8 +211,10 @@ impl Backend for Rocks {
 
     fn put(&self, id: u128, rec: &[u8], meta: &[u8]) -> Result<()> {
         let mut batch = WriteBatch::default();
-        let (from, to) = chunk_range(id);
-        batch.delete_range(from, to);
+        if Self::may_have_chunks(self.db.get_pinned(meta_key(id))?.as_deref()) {
+            let (from, to) = chunk_range(id);
+            batch.delete_range(from, to);
+        }
         match record::head(rec, rec.len() as u64) {
             Some((_, k, h, body)) if body > STREAM_THRESHOLD => {
                 let at = record::HEAD + k + h;
@@ -212,14 +235,16 @@ impl Backend for Rocks {
 
     fn remove(&self, id: u128) -> Result<bool> {
         // Ask the meta key: it is small and answers "was it there".
-        let had = self.db.get_pinned(meta_key(id))?.is_some();
+        let meta = self.db.get_pinned(meta_key(id))?;
         let mut batch = WriteBatch::default();
         batch.delete(data_key(id));
         batch.delete(meta_key(id));
-        let (from, to) = chunk_range(id);
-        batch.delete_range(from, to);
+        if Self::may_have_chunks(meta.as_deref()) {
+            let (from, to) = chunk_range(id);
+            batch.delete_range(from, to);
+        }
         self.write(batch)?;
-        Ok(had)
+        Ok(meta.is_some())
     }
 
     fn scan(&self, f: &mut dyn FnMut(u128, Option<ScanItem>)) -> Result<()> {

@@ -310,6 +310,26 @@ fn scan(kind: BackendKind) {
     assert_eq!(keys(&got), stored[from..(from + 3).min(stored.len())].iter().map(|(k, _)| k.clone()).collect::<Vec<_>>());
 }
 
+/// A record's chunks go with it when it is replaced by a small one or
+/// deleted, though only records that had chunks get a range deletion.
+#[test]
+fn rocksdb_leaves_no_chunk_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = Config::new(BackendKind::Rocksdb, None, 64 << 20);
+    let s = Cache::open(rocks::Rocks::open(dir.path(), &config).unwrap(), &config).unwrap();
+    s.put(b"k", 1, FAR, b"", &body(1_000_000, 1)).unwrap();
+    let chunks = s.backend().chunk_keys();
+    assert!(chunks > 1, "{chunks}");
+    s.put(b"k", 2, FAR, b"", &body(100, 2)).unwrap();
+    assert_eq!(s.backend().chunk_keys(), 0, "a small record left the large one's chunks");
+    s.put(b"k", 3, FAR, b"", &body(100, 3)).unwrap();
+    s.put(b"k", 4, FAR, b"", &body(1_000_000, 4)).unwrap();
+    assert_eq!(s.backend().chunk_keys(), chunks);
+    assert!(s.delete(b"k").unwrap());
+    assert_eq!(s.backend().chunk_keys(), 0, "a delete left chunks");
+    assert!(s.get(b"k").unwrap().is_none());
+}
+
 macro_rules! conformance {
     ($($backend:ident: $kind:expr, [$($case:ident),*];)*) => {$(
         mod $backend {
