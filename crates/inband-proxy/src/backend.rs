@@ -1,5 +1,6 @@
 //! One backend's run-time state: requests in flight (for least-request),
-//! the active check's verdict and the passive ejection window.
+//! its agent's last score (for least-score), the active check's verdict
+//! and the passive ejection window.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -9,6 +10,7 @@ use std::time::{Duration, Instant};
 use crate::config::PassiveConfig;
 
 pub struct Backend {
+    pub addr: SocketAddr,
     /// The address, formatted once.
     pub name: String,
     /// Its metrics labels: `backend`, and `route` for a `[[route]]`'s pool.
@@ -25,6 +27,10 @@ pub struct Backend {
     /// Every response updates this, from any worker: an atomic, not a lock
     /// all workers would take in turn.
     consecutive_failures: AtomicU32,
+    /// The agent's last polled score: the load of others than this proxy.
+    score: AtomicU32,
+    /// Until when (ms after `epoch`) `score` counts; 0: no score yet.
+    score_until_ms: AtomicU64,
 }
 
 /// Counts a request as in flight while it lives.
@@ -63,6 +69,7 @@ impl Backend {
         }
         labels.push(("backend", name.clone()));
         Backend {
+            addr,
             labels,
             authority: name.parse().expect("a socket address is a URI authority"),
             name,
@@ -71,11 +78,33 @@ impl Backend {
             ejected_until_ms: AtomicU64::new(0),
             epoch: Instant::now(),
             consecutive_failures: AtomicU32::new(0),
+            score: AtomicU32::new(0),
+            score_until_ms: AtomicU64::new(0),
         }
     }
 
     pub fn in_flight(&self) -> u64 {
         self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// A fresh score from the agent, counting until `now + valid_for`.
+    pub fn set_score(&self, score: u32, now: Instant, valid_for: Duration) {
+        self.score.store(score, Ordering::Relaxed);
+        self.score_until_ms.store(self.ms(now + valid_for).max(1), Ordering::Relaxed);
+    }
+
+    /// The agent's score if it is fresh at `now`.
+    pub fn score(&self, now: Instant) -> Option<u32> {
+        (self.ms(now) < self.score_until_ms.load(Ordering::Relaxed)).then(|| self.score.load(Ordering::Relaxed))
+    }
+
+    /// What least-score ranks by: the load the agent saw from others (the
+    /// agent leaves out the connections of the addresses in its
+    /// `balancers`, this proxy's among them) plus this proxy's own
+    /// requests in flight, known exactly; the latter alone when the score
+    /// is stale, as least-request.
+    pub fn scored_load(&self, now: Instant) -> u64 {
+        self.in_flight() + u64::from(self.score(now).unwrap_or(0))
     }
 
     pub fn start_request(&self) -> InFlight<'_> {
