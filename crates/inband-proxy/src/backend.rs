@@ -27,8 +27,10 @@ pub struct Backend {
     /// Every response updates this, from any worker: an atomic, not a lock
     /// all workers would take in turn.
     consecutive_failures: AtomicU32,
-    /// The agent's last polled score: the load of others than this proxy.
-    score: AtomicU32,
+    /// The agent's last polled score (high half) and this proxy's requests
+    /// in flight to it when the answer came (low half): one word, so a
+    /// pick never pairs one answer's score with another's count.
+    score: AtomicU64,
     /// Until when (ms after `epoch`) `score` counts; 0: no score yet.
     score_until_ms: AtomicU64,
 }
@@ -78,7 +80,7 @@ impl Backend {
             ejected_until_ms: AtomicU64::new(0),
             epoch: Instant::now(),
             consecutive_failures: AtomicU32::new(0),
-            score: AtomicU32::new(0),
+            score: AtomicU64::new(0),
             score_until_ms: AtomicU64::new(0),
         }
     }
@@ -89,22 +91,38 @@ impl Backend {
 
     /// A fresh score from the agent, counting until `now + valid_for`.
     pub fn set_score(&self, score: u32, now: Instant, valid_for: Duration) {
-        self.score.store(score, Ordering::Relaxed);
+        let base = u32::try_from(self.in_flight()).unwrap_or(u32::MAX);
+        self.score.store(u64::from(score) << 32 | u64::from(base), Ordering::Relaxed);
         self.score_until_ms.store(self.ms(now + valid_for).max(1), Ordering::Relaxed);
     }
 
-    /// The agent's score if it is fresh at `now`.
-    pub fn score(&self, now: Instant) -> Option<u32> {
-        (self.ms(now) < self.score_until_ms.load(Ordering::Relaxed)).then(|| self.score.load(Ordering::Relaxed))
+    /// The agent's score if it is fresh at `now`, and this proxy's
+    /// requests in flight when it came.
+    fn fresh_score(&self, now: Instant) -> Option<(u32, u32)> {
+        (self.ms(now) < self.score_until_ms.load(Ordering::Relaxed)).then(|| {
+            let v = self.score.load(Ordering::Relaxed);
+            ((v >> 32) as u32, v as u32)
+        })
     }
 
-    /// What least-score ranks by: the load the agent saw from others (the
-    /// agent leaves out the connections of the addresses in its
-    /// `balancers`, this proxy's among them) plus this proxy's own
-    /// requests in flight, known exactly; the latter alone when the score
-    /// is stale, as least-request.
+    pub fn score(&self, now: Instant) -> Option<u32> {
+        self.fresh_score(now).map(|(s, _)| s)
+    }
+
+    /// What least-score ranks by: this proxy's requests in flight now,
+    /// which it knows exactly, plus the load of everyone else, which only
+    /// the agent sees: its last score less this proxy's requests in
+    /// flight when the answer came (the score counts them too). That is
+    /// `inband lb`'s "last score + opened − closed since"
+    /// (bpf/include/inband/lb/select.h) whenever the agent counted at
+    /// least this proxy's requests; when it counted fewer (requests still
+    /// queued in the proxy or on the wire, responses read but not yet
+    /// relayed), others' load is taken as none rather than negative, so a
+    /// backend never ranks below this proxy's own count of it. With a
+    /// stale score, the count alone, as least-request.
     pub fn scored_load(&self, now: Instant) -> u64 {
-        self.in_flight() + u64::from(self.score(now).unwrap_or(0))
+        let others = self.fresh_score(now).map_or(0, |(score, base)| score.saturating_sub(base));
+        self.in_flight() + u64::from(others)
     }
 
     pub fn start_request(&self) -> InFlight<'_> {

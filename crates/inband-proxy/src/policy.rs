@@ -127,20 +127,21 @@ mod tests {
     }
 
     #[test]
-    fn least_score_adds_a_fresh_score_to_the_requests_in_flight() {
+    fn least_score_ranks_by_the_score_and_the_requests_since() {
         let b = pool(2);
         let p = Policy::new(PolicyKind::LeastScore);
-        let now = std::time::Instant::now();
-        // Busier by the agent's count of others' load, though idle here.
-        b[0].set_score(3, now, std::time::Duration::from_secs(60));
-        let _mine = [b[1].start_request(), b[1].start_request()];
+        // The agent's 5 counts this proxy's two requests in flight then.
+        let mine = [b[0].start_request(), b[0].start_request()];
+        b[0].set_score(5, std::time::Instant::now(), std::time::Duration::from_secs(60));
+        // No score for the other: ranked by its 4 in flight alone.
+        let _other: Vec<_> = (0..4).map(|_| b[1].start_request()).collect();
         for _ in 0..50 {
-            assert_eq!(p.pick(&b, |_| true, b""), Some(1));
+            assert_eq!(p.pick(&b, |_| true, b""), Some(1), "5 against 4");
         }
-        let _third = b[1].start_request();
-        let _fourth = b[1].start_request();
+        // Both of this proxy's requests ended since the score: 3.
+        drop(mine);
         for _ in 0..50 {
-            assert_eq!(p.pick(&b, |_| true, b""), Some(0));
+            assert_eq!(p.pick(&b, |_| true, b""), Some(0), "3 against 4");
         }
         // A stale score no longer counts: ranked by requests in flight alone.
         let b = pool(2);
