@@ -604,8 +604,10 @@ fn check_scores(raw: &Config, routes: &[crate::routes::RouteSpec], problems: &mu
     if !(1..=10_000).contains(&s.interval_ms) {
         problems.push(format!("scores.interval_ms = {} must be 1 to 10000", s.interval_ms));
     }
-    if !(1..=1000).contains(&s.stale_after) {
-        problems.push(format!("scores.stale_after = {} must be 1 to 1000 (intervals)", s.stale_after));
+    // One interval would expire a score just before the next answer
+    // whenever that answer comes later in its round than the last did.
+    if !(2..=1000).contains(&s.stale_after) {
+        problems.push(format!("scores.stale_after = {} must be 2 to 1000 (intervals)", s.stale_after));
     }
     if s.poll_port == 0 {
         problems.push("scores.poll_port must be the agents' poll_port (default 9137), not 0".into());

@@ -57,8 +57,8 @@ async fn recv_on(s: Option<&UdpSocket>, buf: &mut [u8]) -> io::Result<(usize, So
     }
 }
 
-/// Polls until dropped. The sockets are bound before it returns, so a
-/// proxy that listens is already asking.
+/// Polls until the task is aborted (`Proxy::shutdown`). The sockets are
+/// bound before it returns, so a proxy that listens is already asking.
 pub async fn start(shared: Arc<crate::Shared>, keys: Keys, sign_id: u8) -> Result<tokio::task::JoinHandle<()>> {
     let cfg: ScoresConfig = shared.cfg.raw.scores.clone();
     let backends = scored(&shared.router);
@@ -112,10 +112,13 @@ pub async fn start(shared: Arc<crate::Shared>, keys: Keys, sign_id: u8) -> Resul
                 .await;
                 let (buf, from) = match got {
                     Err(_) => break,
-                    // An ICMP error surfaced on the socket (port
-                    // unreachable: no agent there); the target counts as
-                    // unanswered.
-                    Ok(Err(_)) => continue,
+                    // Not expected on an unconnected socket; ending the
+                    // round (its targets unanswered) rather than retrying
+                    // keeps an error that repeats from spinning.
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, "receiving score poll replies failed");
+                        break;
+                    }
                     Ok(Ok((buf, from))) => (buf, normalize(from)),
                 };
                 match round.answer(from, &buf) {
@@ -142,22 +145,22 @@ pub async fn start(shared: Arc<crate::Shared>, keys: Keys, sign_id: u8) -> Resul
                     }
                 }
             }
-            let now = Instant::now();
             for ((_, _), i) in round.unanswered() {
-                let t = &mut targets[i];
-                shared.metrics.score_poll(&t.backends, "unanswered");
-                if !t.stale && now.duration_since(t.answered) >= cfg.valid_for() {
-                    t.stale = true;
-                    shared.metrics.score_stale(&t.backends);
-                    tracing::warn!(
-                        backend = %t.addr,
-                        poll_port = cfg.poll_port,
-                        rounds = cfg.stale_after,
-                        "no score from the backend's agent: ranked by this proxy's requests in flight alone until it answers. \
-                         Is this proxy's address in the agent's `balancers`, and are the [auth] keys the same? \
-                         (the agent counts refused polls in polls_refused and polls_unauthenticated)"
-                    );
-                }
+                shared.metrics.score_poll(&targets[i].backends, "unanswered");
+            }
+            // Every target, those whose requests could not be sent too.
+            let now = Instant::now();
+            for t in targets.iter_mut().filter(|t| !t.stale && now.duration_since(t.answered) >= cfg.valid_for()) {
+                t.stale = true;
+                shared.metrics.score_stale(&t.backends);
+                tracing::warn!(
+                    backend = %t.addr,
+                    poll_port = cfg.poll_port,
+                    rounds = cfg.stale_after,
+                    "no score from the backend's agent: ranked by this proxy's requests in flight alone until it answers. \
+                     Is this proxy's address in the agent's `balancers`, and are the [auth] keys the same? \
+                     (the agent counts refused polls in polls_refused and polls_unauthenticated)"
+                );
             }
             tokio::time::sleep_until(deadline).await;
         }
