@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from . import cache, cachestudy, cachetests, conformance, dataplane, ecmp, forwarding, frontdoor, health, mesh, paper, proxy, regimes, resilience, scaleout, upgrade, weights
+from . import cache, cachestudy, cachetests, conformance, dataplane, ecmp, forwarding, frontdoor, health, mesh, paper, proxy, regimes, resilience, scaleout, scores, upgrade, weights
 from .lib import results
 
 DOCS = results.REPO / "docs" / "benchmarks.md"
@@ -39,6 +39,7 @@ RENDER = {
     "regimes": regimes.render,
     "resilience": resilience.render,
     "scaleout": scaleout.render,
+    "scores": scores.render,
     "upgrade": upgrade.render,
     "weights": weights.render,
 }

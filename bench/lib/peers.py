@@ -102,13 +102,16 @@ def lb_toml(
 
 
 def agent_toml(
-    *, balancer: str, vip: str, vip_port: int, service_port: int, score_socket: str, auth_key: str | None, interface: str = "eth0"
+    *, balancer: str, vip: str, vip_port: int, service_port: int, score_socket: str, auth_key: str | None, interface: str = "eth0",
+    score: str | None = None,
 ) -> str:
     """`inband agent` config: one service, the one balancer trusted, and
-    the balancer's key (`auth_key`, as in `lb_toml`)."""
+    the balancer's key (`auth_key`, as in `lb_toml`); `score`: its score
+    source (docs/agent.md "Score sources"), absent: the agent's default."""
     lines = [
         f'interface = "{interface}"',
         f'balancers = ["{_check_ip(balancer)}"]',
+        *([f'score = "{score}"'] if score else []),
         f'score_socket = "{score_socket}"',
         "",
         *_auth_lines(auth_key, balancer=False),

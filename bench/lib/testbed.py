@@ -144,9 +144,9 @@ class TestbedRun:
         self.tb_is_up = True  # from here on, tear-down must run even if `up` fails half-way
         self.tb.up(servers, clients=clients, **kw)
 
-    def start_agents(self, nodes: list[str], cfg_dir: Path, log_dir: Path, service_port: int) -> list:
+    def start_agents(self, nodes: list[str], cfg_dir: Path, log_dir: Path, service_port: int, score: str | None = None) -> list:
         """`inband agent` on each node, returned once every one has attached:
-        [(node, process, log)]."""
+        [(node, process, log)]. `score`: the agents' score source."""
         cfg_dir.mkdir(parents=True, exist_ok=True)
         agents = []
         for node in nodes:
@@ -155,6 +155,7 @@ class TestbedRun:
                 peers.agent_toml(
                     balancer=self.tb.addr("lb"), vip=self.tb.vip, vip_port=self.VIP_PORT, service_port=service_port,
                     score_socket=str(self.sock_dir / f"agent-{node}.sock"), auth_key=str(self.auth_key) if self.auth_key else None,
+                    score=score,
                 )
             )  # fmt: skip
             log = log_dir / f"agent-{node}.log"

@@ -165,6 +165,85 @@ pub fn decode_reply(buf: &[u8], keys: &Keys) -> Result<Reply, Refusal> {
     }
 }
 
+/// The asking side's state for one round of polls, shared by `inband lb`
+/// (`lb::polling`) and `inband proxy`'s least-score: who was asked with
+/// which nonce, and which reply answers whom. Each asker owns its sockets
+/// and clock; this holds only the matching, so a reply is taken exactly
+/// when the one definition here says so.
+pub struct Round<T> {
+    keys: Keys,
+    sign: Option<(u8, Key)>,
+    /// (backend, its agent's poll port) -> (what the caller asked for, the
+    /// nonce the reply must echo: 0 in format 1)
+    waiting: std::collections::HashMap<(std::net::SocketAddr, u16), (T, u64)>,
+}
+
+/// What a datagram that reached an asker was.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Answer<T> {
+    /// The fresh score of a target asked this round.
+    Score(T, u32),
+    /// Well-formed and authentic, but late, unsolicited or replayed
+    /// (another nonce, or a target not waited for): not a fresh score.
+    Stale,
+    Refused(Refusal),
+}
+
+impl<T> Round<T> {
+    /// A round signed with key `sign_id` of `keys` (ignored in format 1);
+    /// an error if `keys` has no such key.
+    pub fn new(keys: Keys, sign_id: u8) -> Result<Round<T>, String> {
+        let sign = match &keys {
+            None => None,
+            Some(k) => Some(*k.iter().find(|(id, _)| *id == sign_id).ok_or(format!("the signing key {sign_id} is not among the auth keys"))?),
+        };
+        Ok(Round { keys, sign, waiting: std::collections::HashMap::new() })
+    }
+
+    /// The request for the service at `backend`, to send to its agent's
+    /// `poll_port`, and waits for its answer as `what`. `nonce` must be
+    /// random (a guessable one lets a forger answer for the agent).
+    pub fn ask(&mut self, backend: std::net::SocketAddr, poll_port: u16, what: T, nonce: u64) -> Vec<u8> {
+        let req = encode_request(backend.port(), self.sign.as_ref().map(|(id, k)| (*id, k)), nonce);
+        self.waiting.insert((backend, poll_port), (what, if self.sign.is_some() { nonce } else { 0 }));
+        req
+    }
+
+    /// Stops waiting for a target whose request could not be sent.
+    pub fn forget(&mut self, backend: std::net::SocketAddr, poll_port: u16) -> Option<T> {
+        self.waiting.remove(&(backend, poll_port)).map(|(w, _)| w)
+    }
+
+    /// Takes one datagram from `from` (an IPv4 sender as IPv4, not
+    /// IPv4-mapped): a reply answers the target at `from`'s address and the
+    /// port it names, asked through `from`'s port.
+    pub fn answer(&mut self, from: std::net::SocketAddr, buf: &[u8]) -> Answer<T> {
+        let reply = match decode_reply(buf, &self.keys) {
+            Ok(r) => r,
+            Err(why) => return Answer::Refused(why),
+        };
+        let key = (std::net::SocketAddr::new(from.ip(), reply.port), from.port());
+        match self.waiting.get(&key) {
+            Some((_, nonce)) if *nonce == reply.nonce => {
+                let (what, _) = self.waiting.remove(&key).unwrap();
+                Answer::Score(what, reply.score)
+            }
+            _ => Answer::Stale,
+        }
+    }
+
+    /// Targets still waiting for an answer.
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// The targets that did not answer, as (backend, poll port) and what
+    /// they were asked as.
+    pub fn unanswered(self) -> impl Iterator<Item = ((std::net::SocketAddr, u16), T)> {
+        self.waiting.into_iter().map(|(k, (w, _))| (k, w))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -252,5 +331,40 @@ mod tests {
         assert_eq!(decode_reply(&signed, &keys()), Err(Refusal::NotOurs));
         assert_eq!(decode_reply(b"IBR1\x1f\x90\x01\x02\x03", &None), Err(Refusal::NotOurs));
         assert_eq!(decode_reply(b"XBR1\x1f\x90\x01\x02\x03\x04", &None), Err(Refusal::NotOurs));
+    }
+
+    #[test]
+    fn a_round_takes_only_the_reply_to_its_own_nonce() {
+        let backend: std::net::SocketAddr = "10.0.0.2:8080".parse().unwrap();
+        let agent: std::net::SocketAddr = "10.0.0.2:9137".parse().unwrap();
+        let mut round = Round::new(keys(), 2).unwrap();
+        let req = round.ask(backend, 9137, "b", 77);
+        let got = decode_request(&req, &keys()).unwrap();
+        assert_eq!(got, Request { port: 8080, key_id: 2, nonce: 77 });
+        // An older round's nonce, and a reply from another address: not fresh.
+        let old = encode_reply(&Request { nonce: 76, ..got }, 1, &keys()).unwrap();
+        assert_eq!(round.answer(agent, &old), Answer::Stale);
+        let right = encode_reply(&got, 9, &keys()).unwrap();
+        assert_eq!(round.answer("10.0.0.3:9137".parse().unwrap(), &right), Answer::Stale);
+        let mut forged = right.clone();
+        forged[19] ^= 1;
+        assert_eq!(round.answer(agent, &forged), Answer::Refused(Refusal::BadMac));
+        assert_eq!(round.waiting(), 1);
+        assert_eq!(round.answer(agent, &right), Answer::Score("b", 9));
+        // Once: a replay of the same reply is stale.
+        assert_eq!(round.answer(agent, &right), Answer::Stale);
+        assert_eq!(round.unanswered().count(), 0);
+        assert!(Round::<()>::new(keys(), 3).is_err());
+    }
+
+    #[test]
+    fn a_round_without_keys_uses_format_1() {
+        let backend: std::net::SocketAddr = "[fd00::2]:80".parse().unwrap();
+        let mut round = Round::new(None, 0).unwrap();
+        assert_eq!(round.ask(backend, 9137, 1u32, 5), b"IBP1\x00\x50");
+        assert_eq!(round.answer("[fd00::2]:9137".parse().unwrap(), b"IBR1\x00\x50\x00\x00\x00\x07"), Answer::Score(1, 7));
+        round.ask(backend, 9137, 2u32, 6);
+        assert_eq!(round.forget(backend, 9137), Some(2));
+        assert_eq!(round.unanswered().count(), 0);
     }
 }

@@ -146,55 +146,42 @@ pub fn poll_round(
 ) -> Result<Vec<(SocketAddr, u16)>> {
     let start = Instant::now();
     let (keys, sign_id) = poll_keys(maps)?;
-    let sign = match &keys {
-        None => None,
-        Some(k) => Some(k.iter().find(|(id, _)| *id == sign_id).map(|(id, key)| (*id, key)).context("the signing key is not in auth_keys")?),
-    };
-    // (backend, poll port) -> (the ids it backs, the nonce its reply must echo)
-    let mut waiting: HashMap<(SocketAddr, u16), (&Vec<u32>, u64)> = HashMap::new();
+    let mut round = poll_wire::Round::new(keys, sign_id).map_err(anyhow::Error::msg)?;
     for (&(backend, poll_port), ids) in targets {
         let to = SocketAddr::new(backend.ip(), poll_port);
-        let nonce: u64 = rand::random();
-        match asker.send(to, &poll_wire::encode_request(backend.port(), sign, nonce)) {
+        match asker.send(to, &round.ask(backend, poll_port, ids, rand::random())) {
             Ok(n) => {
                 stats.polls_sent += 1;
                 stats.poll_bytes += n as u64 + wire_overhead(&to);
-                waiting.insert((backend, poll_port), (ids, if sign.is_some() { nonce } else { 0 }));
             }
             Err(e) => {
+                round.forget(backend, poll_port);
                 stats.poll_failures += 1;
                 warn!(%backend, error = %e, "poll request failed");
             }
         }
     }
     let mut buf = [0u8; poll_wire::MAX_LEN];
-    while !waiting.is_empty() {
+    while round.waiting() > 0 {
         let Some((n, from)) = asker.recv_until(start + wait, &mut buf) else { break };
-        let reply = match poll_wire::decode_reply(&buf[..n], &keys) {
-            Ok(r) => r,
-            Err(poll_wire::Refusal::NotOurs) => continue,
-            Err(why) => {
+        match round.answer(from, &buf[..n]) {
+            poll_wire::Answer::Score(ids, score) => {
+                stats.poll_replies += 1;
+                stats.poll_bytes += n as u64 + wire_overhead(&from);
+                let now = tables::ktime_ns();
+                for id in ids {
+                    record(maps, *id, score, now)?;
+                }
+            }
+            poll_wire::Answer::Stale | poll_wire::Answer::Refused(poll_wire::Refusal::NotOurs) => {}
+            poll_wire::Answer::Refused(why) => {
                 stats.poll_unauthenticated += 1;
                 warn!(%from, ?why, "poll reply that does not authenticate: ignored (do the balancer's and the agent's [auth] match?)");
-                continue;
             }
-        };
-        let key = (SocketAddr::new(from.ip(), reply.port), from.port());
-        // Late, unsolicited or replayed (another nonce): not a fresh score.
-        let Some(&(ids, nonce)) = waiting.get(&key) else { continue };
-        if nonce != reply.nonce {
-            continue;
-        }
-        waiting.remove(&key);
-        stats.poll_replies += 1;
-        stats.poll_bytes += n as u64 + wire_overhead(&from);
-        let now = tables::ktime_ns();
-        for id in ids {
-            record(maps, *id, reply.score, now)?;
         }
     }
-    stats.poll_failures += waiting.len() as u64;
-    Ok(waiting.into_keys().collect())
+    stats.poll_failures += round.waiting() as u64;
+    Ok(round.unanswered().map(|(k, _)| k).collect())
 }
 
 pub fn run(maps: &LbMaps, cfg: &Arc<Mutex<LbConfig>>, stop: &AtomicBool) -> Result<()> {

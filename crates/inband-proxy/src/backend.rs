@@ -1,5 +1,6 @@
 //! One backend's run-time state: requests in flight (for least-request),
-//! the active check's verdict and the passive ejection window.
+//! its agent's last score (for least-score), the active check's verdict
+//! and the passive ejection window.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -9,6 +10,7 @@ use std::time::{Duration, Instant};
 use crate::config::PassiveConfig;
 
 pub struct Backend {
+    pub addr: SocketAddr,
     /// The address, formatted once.
     pub name: String,
     /// Its metrics labels: `backend`, and `route` for a `[[route]]`'s pool.
@@ -25,6 +27,12 @@ pub struct Backend {
     /// Every response updates this, from any worker: an atomic, not a lock
     /// all workers would take in turn.
     consecutive_failures: AtomicU32,
+    /// The agent's last polled score (high half) and this proxy's requests
+    /// in flight to it when the answer came (low half): one word, so a
+    /// pick never pairs one answer's score with another's count.
+    score: AtomicU64,
+    /// Until when (ms after `epoch`) `score` counts; 0: no score yet.
+    score_until_ms: AtomicU64,
 }
 
 /// Counts a request as in flight while it lives.
@@ -63,6 +71,7 @@ impl Backend {
         }
         labels.push(("backend", name.clone()));
         Backend {
+            addr,
             labels,
             authority: name.parse().expect("a socket address is a URI authority"),
             name,
@@ -71,11 +80,49 @@ impl Backend {
             ejected_until_ms: AtomicU64::new(0),
             epoch: Instant::now(),
             consecutive_failures: AtomicU32::new(0),
+            score: AtomicU64::new(0),
+            score_until_ms: AtomicU64::new(0),
         }
     }
 
     pub fn in_flight(&self) -> u64 {
         self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// A fresh score from the agent, counting until `now + valid_for`.
+    pub fn set_score(&self, score: u32, now: Instant, valid_for: Duration) {
+        let base = u32::try_from(self.in_flight()).unwrap_or(u32::MAX);
+        self.score.store(u64::from(score) << 32 | u64::from(base), Ordering::Relaxed);
+        self.score_until_ms.store(self.ms(now + valid_for).max(1), Ordering::Relaxed);
+    }
+
+    /// The agent's score if it is fresh at `now`, and this proxy's
+    /// requests in flight when it came.
+    fn fresh_score(&self, now: Instant) -> Option<(u32, u32)> {
+        (self.ms(now) < self.score_until_ms.load(Ordering::Relaxed)).then(|| {
+            let v = self.score.load(Ordering::Relaxed);
+            ((v >> 32) as u32, v as u32)
+        })
+    }
+
+    pub fn score(&self, now: Instant) -> Option<u32> {
+        self.fresh_score(now).map(|(s, _)| s)
+    }
+
+    /// What least-score ranks by: this proxy's requests in flight now,
+    /// which it knows exactly, plus the load of everyone else, which only
+    /// the agent sees: its last score less this proxy's requests in
+    /// flight when the answer came (the score counts them too). That is
+    /// `inband lb`'s "last score + opened − closed since"
+    /// (bpf/include/inband/lb/select.h) whenever the agent counted at
+    /// least this proxy's requests; when it counted fewer (requests still
+    /// queued in the proxy or on the wire, responses read but not yet
+    /// relayed), others' load is taken as none rather than negative, so a
+    /// backend never ranks below this proxy's own count of it. With a
+    /// stale score, the count alone, as least-request.
+    pub fn scored_load(&self, now: Instant) -> u64 {
+        let others = self.fresh_score(now).map_or(0, |(score, base)| score.saturating_sub(base));
+        self.in_flight() + u64::from(others)
     }
 
     pub fn start_request(&self) -> InFlight<'_> {

@@ -97,6 +97,48 @@ pub struct Config {
     /// Backend pools chosen by Host and path (routes.rs).
     #[serde(default, rename = "route")]
     pub routes: Vec<RouteConfig>,
+    /// How `least-score` pools poll their backends' agents.
+    #[serde(default)]
+    pub scores: ScoresConfig,
+    /// The keys score polls are signed with, as `inband lb`'s `[auth]`;
+    /// needed only when a pool uses `least-score`.
+    #[serde(default)]
+    pub auth: Option<inband_core::auth::AuthConfig>,
+}
+
+/// `[scores]`: the agents' poll protocol (docs/agent.md), asked by the
+/// proxy for every backend of a `least-score` pool.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScoresConfig {
+    /// The agents' `poll_port`.
+    #[serde(default = "default_score_poll_port")]
+    pub poll_port: u16,
+    /// Time between polls of every backend, and how long a round waits
+    /// for its answers.
+    #[serde(default = "default_score_interval_ms")]
+    pub interval_ms: u64,
+    /// Rounds without an answer after which a backend's score is stale:
+    /// it is then ranked by the proxy's own requests in flight alone.
+    #[serde(default = "default_score_stale_after")]
+    pub stale_after: u32,
+}
+
+impl Default for ScoresConfig {
+    fn default() -> Self {
+        ScoresConfig { poll_port: default_score_poll_port(), interval_ms: default_score_interval_ms(), stale_after: default_score_stale_after() }
+    }
+}
+
+impl ScoresConfig {
+    pub fn interval(&self) -> Duration {
+        Duration::from_millis(self.interval_ms)
+    }
+
+    /// How long a score counts after its answer.
+    pub fn valid_for(&self) -> Duration {
+        self.interval() * self.stale_after
+    }
 }
 
 /// `[[route]]`: a pool of its own, chosen by `hosts` and `path_prefix`.
@@ -228,6 +270,8 @@ pub enum PolicyKind {
     RoundRobin,
     LeastRequest,
     ConsistentHash,
+    /// Least of the agent's score plus the proxy's own requests in flight.
+    LeastScore,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -342,6 +386,15 @@ fn default_passive_failures() -> u32 {
 }
 fn default_passive_cooldown_ms() -> u64 {
     10_000
+}
+fn default_score_poll_port() -> u16 {
+    9137
+}
+fn default_score_interval_ms() -> u64 {
+    20
+}
+fn default_score_stale_after() -> u32 {
+    5
 }
 fn default_cache_capacity() -> u64 {
     1 << 30
@@ -533,6 +586,7 @@ pub fn check(raw: Config) -> Result<Checked> {
             note(&mut problems, Err(anyhow::anyhow!(p)));
         }
     }
+    check_scores(&raw, &routes, &mut problems);
     let listen = listen.map_err(|e| problems.push(format!("{e:#}"))).ok();
     let metrics_listen = metrics_listen.map_err(|e| problems.push(format!("{e:#}"))).ok().flatten();
     let tls_listen = tls_listen.map_err(|e| problems.push(format!("{e:#}"))).ok().flatten();
@@ -540,6 +594,35 @@ pub fn check(raw: Config) -> Result<Checked> {
         bail!("invalid proxy config:\n  - {}", problems.join("\n  - "));
     }
     Ok(Checked { listen: listen.unwrap(), metrics_listen, tls_listen, backends, hash_key: hash_key.unwrap_or(HashKey::Path), upgrade_allow, routes, raw })
+}
+
+/// `[scores]` and `[auth]`, when some pool ranks by score: bounds that keep
+/// the poll traffic and the staleness window sane.
+fn check_scores(raw: &Config, routes: &[crate::routes::RouteSpec], problems: &mut Vec<String>) {
+    let scored = (raw.policy == PolicyKind::LeastScore && !raw.backends.is_empty()) || routes.iter().any(|r| r.policy == PolicyKind::LeastScore);
+    let s = &raw.scores;
+    if !(1..=10_000).contains(&s.interval_ms) {
+        problems.push(format!("scores.interval_ms = {} must be 1 to 10000", s.interval_ms));
+    }
+    // One interval would expire a score just before the next answer
+    // whenever that answer comes later in its round than the last did.
+    if !(2..=1000).contains(&s.stale_after) {
+        problems.push(format!("scores.stale_after = {} must be 2 to 1000 (intervals)", s.stale_after));
+    }
+    if s.poll_port == 0 {
+        problems.push("scores.poll_port must be the agents' poll_port (default 9137), not 0".into());
+    }
+    match (&raw.auth, scored) {
+        (None, true) => problems.push(
+            "policy least-score polls the backends' agents: add an [auth] section with the agents' keys (keys = [{ id = 1, file = \"...\" }]), or mode = \"none\" for agents that take unsigned polls".into(),
+        ),
+        (Some(a), _) => {
+            if let Err(e) = a.validate(true) {
+                problems.push(format!("[auth]: {e:#}"));
+            }
+        }
+        (None, false) => {}
+    }
 }
 
 /// A pool's addresses; `route` names the route in messages ("" for the
@@ -667,6 +750,22 @@ mod tests {
         assert_eq!(c.routes.len(), 1);
         assert_eq!(c.routes[0].health.as_ref().map(|h| h.path.as_str()), Some("/healthz"));
         assert_eq!(c.routes[0].rate_limit, Some((50.0, 100.0)));
+    }
+
+    #[test]
+    fn least_score_needs_auth_and_bounded_polls() {
+        let e = parse("listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\npolicy = \"least-score\"\n[scores]\ninterval_ms = 0\nstale_after = 0\n").unwrap_err();
+        let msg = format!("{e:#}");
+        for want in ["add an [auth] section", "scores.interval_ms = 0", "scores.stale_after = 0"] {
+            assert!(msg.contains(want), "{want:?} missing in {msg}");
+        }
+        let e = parse("listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\npolicy = \"least-score\"\n[auth]\n").unwrap_err();
+        assert!(format!("{e:#}").contains("[auth]: no auth key configured"), "{e:#}");
+        let c = parse("listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\npolicy = \"least-score\"\n[auth]\nmode = \"none\"\n").unwrap();
+        assert_eq!((c.raw.scores.poll_port, c.raw.scores.interval_ms, c.raw.scores.stale_after), (9137, 20, 5));
+        assert_eq!(c.raw.scores.valid_for(), Duration::from_millis(100));
+        // Only a pool that ranks by score needs keys.
+        parse("listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\npolicy = \"least-request\"\n").unwrap();
     }
 
     #[test]

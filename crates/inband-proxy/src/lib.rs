@@ -1,6 +1,7 @@
 //! `inband proxy`: an HTTP/1.1 and HTTP/2 reverse proxy, plaintext and
 //! TLS, in front of backend pools chosen by host and path
-//! (round-robin, least-request, consistent hashing), with active and
+//! (round-robin, least-request, least-score from the backends' agents,
+//! consistent hashing), with active and
 //! passive health checking, bounded retries, an HTTP cache kept in a
 //! durable store (inband-cache), a Prometheus endpoint and graceful
 //! shutdown. See docs/proxy.md.
@@ -23,6 +24,7 @@ mod metrics;
 mod policy;
 mod probe;
 mod routes;
+mod scores;
 mod server;
 mod tls;
 mod tunnel;
@@ -72,6 +74,9 @@ impl Shared {
         for b in self.router.all().flat_map(|r| &r.pool.backends) {
             self.metrics.set_backend_up(b, b.is_healthy(now));
         }
+        for b in scores::scored(&self.router) {
+            self.metrics.set_backend_score(&b, b.score(now));
+        }
         if let Some(c) = &self.cache {
             self.metrics.set_cache_store(&c.stats());
         }
@@ -110,6 +115,7 @@ impl Proxy {
         // accepts has its cache: the first request after a restart can hit.
         let cache = cfg.raw.cache.as_ref().map(cache_store::HttpCache::open).transpose().context("opening the cache")?;
         let tls = cfg.raw.tls.as_ref().map(tls::Tls::new).transpose().context("TLS")?;
+        let poll_keys = cfg.raw.auth.as_ref().map(scores::keys).transpose().context("[auth] keys for score polls")?;
         let listener = TcpListener::bind(cfg.listen).await.with_context(|| format!("listening on {}", cfg.listen))?;
         let addr = listener.local_addr()?;
         let tls_listener = match cfg.tls_listen {
@@ -155,6 +161,13 @@ impl Proxy {
                     background.push(health::spawn(h.clone(), b.clone(), *addr));
                 }
             }
+        }
+        let scored = scores::scored(&shared.router);
+        if let (false, Some((keys, sign_id))) = (scored.is_empty(), poll_keys) {
+            for b in &scored {
+                shared.metrics.add_scored_backend(b);
+            }
+            background.push(scores::start(shared.clone(), keys, sign_id).await?);
         }
         if shared.cache.is_some() {
             background.push(tokio::spawn(flush_periodically(shared.clone())));

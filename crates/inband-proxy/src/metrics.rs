@@ -91,6 +91,10 @@ pub struct Metrics {
     route_refusals: Family<Labels, Counter>,
     origin_requests: Family<Labels, Counter>,
     ejection_overridden: Family<Labels, Counter>,
+    score_polls: Family<Labels, Counter>,
+    score_stale: Family<Labels, Counter>,
+    score_replies_unauthenticated: Counter,
+    backend_score: Family<Labels, Gauge>,
     pub request_bytes: Counter,
     pub response_bytes: Counter,
     latency: Histogram,
@@ -126,6 +130,18 @@ impl Metrics {
         let refusals = Family::<Labels, Counter>::default();
         let origin_requests = Family::<Labels, Counter>::default();
         let ejection_overridden = Family::<Labels, Counter>::default();
+        let score_polls = Family::<Labels, Counter>::default();
+        let score_stale = Family::<Labels, Counter>::default();
+        let score_replies_unauthenticated = Counter::default();
+        let backend_score = Family::<Labels, Gauge>::default();
+        registry.register("score_polls", "Score polls of least-score backends' agents by result: answered, unanswered (no authentic reply within the interval), send_failed", score_polls.clone());
+        registry.register(
+            "score_stale",
+            "Times a least-score backend's score went stale (no answer for scores.stale_after intervals): it is ranked by requests in flight alone until its agent answers",
+            score_stale.clone(),
+        );
+        registry.register("score_replies_unauthenticated", "Score poll replies refused: the other [auth] mode, an unknown key or a MAC that does not verify", score_replies_unauthenticated.clone());
+        registry.register("backend_score", "A least-score backend's last score from its agent, -1 while stale", backend_score.clone());
         let request_bytes = Counter::default();
         let response_bytes = Counter::default();
         // 0.5 ms .. ~16 s: a cache hit on loopback to a slow origin.
@@ -199,6 +215,10 @@ impl Metrics {
             route_refusals,
             origin_requests,
             ejection_overridden,
+            score_polls,
+            score_stale,
+            score_replies_unauthenticated,
+            backend_score,
             request_bytes,
             response_bytes,
             latency,
@@ -280,6 +300,40 @@ impl Metrics {
     pub fn add_backend(&self, b: &Backend) {
         drop(self.origin_requests.get_or_create(&b.labels));
         drop(self.ejection_overridden.get_or_create(&b.labels));
+    }
+
+    /// Counted for each pool's entry of the backend, so a route's series
+    /// are complete.
+    pub fn score_poll(&self, backends: &[std::sync::Arc<Backend>], result: &str) {
+        for b in backends {
+            let mut l = b.labels.clone();
+            l.push(("result", result.to_string()));
+            self.score_polls.get_or_create(&l).inc();
+        }
+    }
+
+    pub fn score_stale(&self, backends: &[std::sync::Arc<Backend>]) {
+        for b in backends {
+            self.score_stale.get_or_create(&b.labels).inc();
+        }
+    }
+
+    pub fn score_reply_unauthenticated(&self) {
+        self.score_replies_unauthenticated.inc();
+    }
+
+    pub fn set_backend_score(&self, b: &Backend, score: Option<u32>) {
+        self.backend_score.get_or_create(&b.labels).set(score.map_or(-1, i64::from));
+    }
+
+    /// A least-score backend's series, exported from the start.
+    pub fn add_scored_backend(&self, b: &Backend) {
+        for r in ["answered", "unanswered", "send_failed"] {
+            let mut l = b.labels.clone();
+            l.push(("result", r.to_string()));
+            drop(self.score_polls.get_or_create(&l));
+        }
+        drop(self.score_stale.get_or_create(&b.labels));
     }
 
     pub fn ejection_overridden(&self, b: &Backend) {

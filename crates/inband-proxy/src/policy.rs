@@ -1,5 +1,5 @@
-//! Which backend gets a request: round-robin, least-request (power of two
-//! choices) or consistent hashing.
+//! Which backend gets a request: round-robin, least-request and
+//! least-score (power of two choices) or consistent hashing.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -18,6 +18,10 @@ impl Policy {
         Policy { kind, next: AtomicUsize::new(0) }
     }
 
+    pub fn kind(&self) -> PolicyKind {
+        self.kind
+    }
+
     /// Index of the chosen backend among those `eligible` says yes to, or
     /// `None` when there is none. `key` is the consistent-hash key.
     pub fn pick(&self, backends: &[std::sync::Arc<Backend>], eligible: impl Fn(usize) -> bool, key: &[u8]) -> Option<usize> {
@@ -29,23 +33,16 @@ impl Policy {
                 let start = self.next.fetch_add(1, Ordering::Relaxed);
                 (0..n).map(|i| (start + i) % n).find(|&i| eligible(i))
             }
-            PolicyKind::LeastRequest => {
-                // Two distinct random eligible backends, found by walking
-                // from two random starts: no list of candidates built per
-                // request, and a healthy pool (the usual case) takes one
-                // step per draw.
-                if n == 0 {
-                    return None;
-                }
-                let mut rng = rand::thread_rng();
-                let first = rng.gen_range(0..n);
-                let a = (0..n).map(|k| (first + k) % n).find(|&i| eligible(i))?;
-                let start = rng.gen_range(1..n.max(2));
-                let b = (0..n).map(|k| (a + start + k) % n).find(|&i| i != a && eligible(i));
-                Some(match b {
-                    Some(b) if backends[b].in_flight() < backends[a].in_flight() => b,
-                    _ => a,
-                })
+            PolicyKind::LeastRequest => two_choices(n, eligible, |i| backends[i].in_flight()),
+            // Two choices rather than the least of all, as least-request:
+            // a score is up to an interval old and every proxy reads the
+            // same one, so the least of all would send a whole interval's
+            // new requests from every proxy to one backend (the herd a
+            // stale signal makes); two random draws cannot herd, and leave
+            // only the compared signal different from least-request.
+            PolicyKind::LeastScore => {
+                let now = std::time::Instant::now();
+                two_choices(n, eligible, |i| backends[i].scored_load(now))
             }
             // Rendezvous (highest-random-weight) hashing rather than a ring:
             // when a backend is ejected only its own keys move, with no ring
@@ -57,6 +54,25 @@ impl Policy {
                 .max_by_key(|&i| xxhash_rust::xxh3::xxh3_64_with_seed(key, backend_seed(&backends[i]))),
         }
     }
+}
+
+/// Two distinct random eligible backends, found by walking from two
+/// random starts (no list of candidates built per request, and a healthy
+/// pool, the usual case, takes one step per draw); the one with the lower
+/// `load`.
+fn two_choices(n: usize, eligible: impl Fn(usize) -> bool, load: impl Fn(usize) -> u64) -> Option<usize> {
+    if n == 0 {
+        return None;
+    }
+    let mut rng = rand::thread_rng();
+    let first = rng.gen_range(0..n);
+    let a = (0..n).map(|k| (first + k) % n).find(|&i| eligible(i))?;
+    let start = rng.gen_range(1..n.max(2));
+    let b = (0..n).map(|k| (a + start + k) % n).find(|&i| i != a && eligible(i));
+    Some(match b {
+        Some(b) if load(b) < load(a) => b,
+        _ => a,
+    })
 }
 
 fn backend_seed(b: &Backend) -> u64 {
@@ -107,6 +123,34 @@ mod tests {
         let p = Policy::new(PolicyKind::LeastRequest);
         for _ in 0..50 {
             assert_eq!(p.pick(&b, |_| true, b""), Some(1));
+        }
+    }
+
+    #[test]
+    fn least_score_ranks_by_the_score_and_the_requests_since() {
+        let b = pool(2);
+        let p = Policy::new(PolicyKind::LeastScore);
+        // The agent's 5 counts this proxy's two requests in flight then.
+        let mine = [b[0].start_request(), b[0].start_request()];
+        b[0].set_score(5, std::time::Instant::now(), std::time::Duration::from_secs(60));
+        // No score for the other: ranked by its 4 in flight alone.
+        let _other: Vec<_> = (0..4).map(|_| b[1].start_request()).collect();
+        for _ in 0..50 {
+            assert_eq!(p.pick(&b, |_| true, b""), Some(1), "5 against 4");
+        }
+        // Both of this proxy's requests ended since the score: 3.
+        drop(mine);
+        for _ in 0..50 {
+            assert_eq!(p.pick(&b, |_| true, b""), Some(0), "3 against 4");
+        }
+        // A stale score no longer counts: ranked by requests in flight alone.
+        let b = pool(2);
+        b[0].set_score(1000, std::time::Instant::now(), std::time::Duration::from_millis(1));
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        assert_eq!(b[0].score(std::time::Instant::now()), None);
+        let _one = b[1].start_request();
+        for _ in 0..50 {
+            assert_eq!(p.pick(&b, |_| true, b""), Some(0));
         }
     }
 

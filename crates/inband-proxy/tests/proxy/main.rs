@@ -12,6 +12,7 @@ mod cache;
 mod client_limits;
 mod compression;
 mod routes;
+mod scores;
 mod timeouts;
 mod tls;
 mod upgrade;

@@ -1,0 +1,35 @@
+"""bench.scores without a testbed: the burst schedule and the rendering."""
+
+from bench import scores
+
+
+def test_schedule_is_seeded_bounded_and_covers_every_server():
+    p = scores.PROFILES["default"]
+    a = scores.schedule(1000, 3, 60, p)
+    assert a == scores.schedule(1000, 3, 60, p)
+    assert a != scores.schedule(1001, 3, 60, p)
+    assert {s for _, _, s in a} == {1, 2, 3}
+    for start, dur, _ in a:
+        assert 0 <= start < 60 and 0 < dur <= p.burst_on_s[1] and start + dur <= 60 + 1e-9
+    assert scores.schedule(1000, 3, 60, scores.PROFILES["calm"]) == []
+
+
+def row(policy, rep, p99):
+    return {"policy": policy, "repetition": rep, "requests": 100, "rps": 10.0, "p50_ms": 5.0, "p99_ms": p99, "errors": 0,
+            "share": [0.4, 0.4, 0.2], "stale": 0, "bursts": 3, "score_max": [None] * 3, "score_busy": [None] * 3}  # fmt: skip
+
+
+def record(rows):
+    return {
+        "command": "python -m bench.scores", "commit": {"sha": "0" * 40, "dirty": False}, "started_utc": "2026-11-29T00:00:00Z", "wall_s": 1,
+        "machine": {"cores": 2, "cpu": "x", "kernel": "6"}, "load_average": {"start": [1, 1, 1], "end": [1, 1, 1]},
+        "profile": scores.profiles.as_json("default", scores.PROFILES["default"]), "rows": rows,
+    }  # fmt: skip
+
+
+def test_render_gives_the_ratio_and_the_verdict():
+    md = scores.render(record([row("least-score", 0, 7.0), row("least-request", 0, 10.0), row("round-robin", 0, 20.0)]))
+    assert "| `least-score` | 10.0 (10.0–10.0) | 5.0 (5.0–5.0) | 7.0 (7.0–7.0) | 0.40 / 0.40 / 0.20 | 0 |" in md
+    assert "per repetition: 0.70; mean 0.70, which meets the target" in md
+    md = scores.render(record([row("least-score", 0, 9.0), row("least-request", 0, 10.0)]))
+    assert "which does not meet the target" in md

@@ -1,0 +1,102 @@
+//! least-score against a stand-in agent on loopback: a UDP socket that
+//! answers the proxy's polls with the real encoding (inband_core's
+//! poll_wire), so the proxy's side can be driven where a real agent would
+//! never go (forged and replayed replies). The real agents are in
+//! crates/inband/tests/proxy_scores.rs.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+
+use inband_core::poll_wire;
+
+use crate::common::*;
+
+const HONEST: u8 = 0;
+/// Replies whose MAC does not verify.
+const FORGED: u8 = 1;
+/// Authentic replies to another nonce than the one asked with.
+const REPLAYED: u8 = 2;
+
+/// Answers every poll for a port in `scores` as `mode` says; returns its
+/// address.
+async fn agent(keys: poll_wire::Keys, scores: HashMap<u16, u32>, mode: Arc<AtomicU8>) -> SocketAddr {
+    let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let addr = sock.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut buf = [0u8; poll_wire::MAX_LEN];
+        loop {
+            let (n, from) = sock.recv_from(&mut buf).await.unwrap();
+            let Ok(mut req) = poll_wire::decode_request(&buf[..n], &keys) else { continue };
+            let Some(&score) = scores.get(&req.port) else { continue };
+            let mode = mode.load(Ordering::Relaxed);
+            if mode == REPLAYED {
+                req.nonce ^= 1;
+            }
+            let mut reply = poll_wire::encode_reply(&req, score, &keys).unwrap();
+            if mode == FORGED {
+                let last = reply.len() - 1;
+                reply[last] ^= 1;
+            }
+            sock.send_to(&reply, from).await.unwrap();
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn least_score_follows_authentic_fresh_scores_only() {
+    let o = [Origin::start(|_| ok("a")).await, Origin::start(|_| ok("b")).await];
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("auth.key");
+    inband_core::auth::keygen(&key).unwrap();
+    let keys = Some(vec![(1, inband_core::auth::read_key(&key).unwrap())]);
+    let mode = Arc::new(AtomicU8::new(HONEST));
+    let scores = HashMap::from([(o[0].addr.port(), 50), (o[1].addr.port(), 0)]);
+    let agent = agent(keys, scores, mode.clone()).await;
+    let extra = format!(
+        "policy = \"least-score\"\n[scores]\npoll_port = {}\ninterval_ms = 10\nstale_after = 3\n[auth]\nkeys = [{{ id = 1, file = \"{}\" }}]\n",
+        agent.port(),
+        key.display()
+    );
+    let p = start_proxy(&[o[0].addr, o[1].addr], &extra).await;
+    let score = |i: usize| format!("inband_proxy_backend_score{{backend=\"{}\"}}", o[i].addr);
+    let series = |name: &str, i: usize| format!("inband_proxy_{name}{{backend=\"{}\"}}", o[i].addr);
+    let polls = |i: usize, result: &str| format!("inband_proxy_score_polls_total{{backend=\"{}\",result=\"{result}\"}}", o[i].addr);
+    wait_for_sample(&p, &score(0), 50.0).await;
+    wait_for_sample(&p, &score(1), 0.0).await;
+    // Two backends: every choice compares both, so the one whose agent
+    // reports 50 never gets a request while the other has none in flight.
+    for _ in 0..40 {
+        assert_eq!(get(p.addr, "/").await.status, 200);
+    }
+    assert_eq!((o[0].hits(), o[1].hits()), (0, 40));
+
+    // Forged replies: refused and counted; the old score goes stale and
+    // both backends take requests again.
+    mode.store(FORGED, Ordering::Relaxed);
+    wait_for_sample(&p, &series("score_stale_total", 0), 1.0).await;
+    wait_for_sample(&p, &score(0), -1.0).await;
+    let m = metrics(&p).await;
+    assert!(sample(&m, "inband_proxy_score_replies_unauthenticated_total") >= 6.0, "{m}");
+    for _ in 0..40 {
+        assert_eq!(get(p.addr, "/").await.status, 200);
+    }
+    assert!(o[0].hits() >= 10, "a stale score must not keep starving a backend: {}", o[0].hits());
+
+    // Honest again, then replies to another nonce (a recording played
+    // back): authentic, so not counted as forged, but never taken.
+    mode.store(HONEST, Ordering::Relaxed);
+    wait_for_sample(&p, &score(0), 50.0).await;
+    mode.store(REPLAYED, Ordering::Relaxed);
+    wait_for_sample(&p, &series("score_stale_total", 0), 2.0).await;
+    let m = metrics(&p).await;
+    let (answered, unauthenticated) = (sample(&m, &polls(0, "answered")), sample(&m, "inband_proxy_score_replies_unauthenticated_total"));
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let m = metrics(&p).await;
+    assert_eq!(sample(&m, &polls(0, "answered")), answered, "{m}");
+    assert_eq!(sample(&m, "inband_proxy_score_replies_unauthenticated_total"), unauthenticated, "{m}");
+    assert!(sample(&m, &polls(0, "unanswered")) >= 6.0, "{m}");
+    p.shutdown().await;
+}
