@@ -33,6 +33,18 @@ impl Protocol {
     }
 }
 
+/// An IPv4 sender seen through a dual-stack socket (`::ffff:a.b.c.d`) is
+/// IPv4: the form the poll answers are matched against.
+pub fn unmapped(a: SocketAddr) -> SocketAddr {
+    match a {
+        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+            Some(v4) => SocketAddr::new(v4.into(), v6.port()),
+            None => a,
+        },
+        v4 => v4,
+    }
+}
+
 /// An address that can be a unicast peer: not unspecified, broadcast,
 /// multicast, loopback, or (IPv6) link-local or IPv4-mapped.
 pub fn unicast(a: IpAddr) -> bool {

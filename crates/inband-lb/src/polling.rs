@@ -64,7 +64,7 @@ impl Asker {
         loop {
             for s in std::iter::once(&self.v4).chain(self.v6.iter()) {
                 if let Ok((n, from)) = s.recv_from(buf) {
-                    return Some((n, normalize(from)));
+                    return Some((n, inband_core::net::unmapped(from)));
                 }
             }
             let left = deadline.saturating_duration_since(Instant::now());
@@ -79,17 +79,6 @@ impl Asker {
             // SAFETY: fds is a valid array of fds.len() pollfds.
             unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
         }
-    }
-}
-
-/// An IPv4 sender seen through a dual-stack socket is IPv4.
-fn normalize(a: SocketAddr) -> SocketAddr {
-    match a {
-        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
-            Some(v4) => SocketAddr::new(v4.into(), v6.port()),
-            None => a,
-        },
-        v4 => v4,
     }
 }
 

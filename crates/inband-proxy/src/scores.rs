@@ -38,18 +38,6 @@ struct Target {
     stale: bool,
 }
 
-/// An IPv4 sender seen through a dual-stack socket is IPv4, as the
-/// replies are matched by address.
-fn normalize(a: SocketAddr) -> SocketAddr {
-    match a {
-        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
-            Some(v4) => SocketAddr::new(v4.into(), v6.port()),
-            None => a,
-        },
-        v4 => v4,
-    }
-}
-
 async fn recv_on(s: Option<&UdpSocket>, buf: &mut [u8]) -> io::Result<(usize, SocketAddr)> {
     match s {
         Some(s) => s.recv_from(buf).await,
@@ -119,7 +107,7 @@ pub async fn start(shared: Arc<crate::Shared>, keys: Keys, sign_id: u8) -> Resul
                         tracing::debug!(error = %e, "receiving score poll replies failed");
                         break;
                     }
-                    Ok(Ok((buf, from))) => (buf, normalize(from)),
+                    Ok(Ok((buf, from))) => (buf, inband_core::net::unmapped(from)),
                 };
                 match round.answer(from, &buf) {
                     Answer::Score(i, score) => {

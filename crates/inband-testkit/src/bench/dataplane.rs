@@ -348,8 +348,9 @@ pub fn measure(samples: u32) -> Result<Vec<Row>> {
         }
     }
 
-    rows.push(("floor + the flow's lookup (IPv4 and TCP read, LRU hash of the flow table's type)", "IPv4", "-", XDP_TX, lookup_floor(samples)?));
-    rows.push(("floor: bounce (swap MACs, XDP_TX)", "IPv4", "-", XDP_TX, floor(samples)?));
+    let (bounce, lookup) = floors(samples)?;
+    rows.push(("floor + the flow's lookup (IPv4 and TCP read, LRU hash of the flow table's type)", "IPv4", "-", XDP_TX, lookup));
+    rows.push(("floor: bounce (swap MACs, XDP_TX)", "IPv4", "-", XDP_TX, bounce));
     let floor = rows.last().map_or(0.0, |r| r.4);
 
     Ok(rows
@@ -366,50 +367,33 @@ pub fn measure(samples: u32) -> Result<Vec<Row>> {
         .collect())
 }
 
-/// The median ns of the bounce-only program on an established packet's
-/// frame: the least any XDP forwarder costs here.
-fn floor(samples: u32) -> Result<f64> {
-    let mut bstorage = MaybeUninit::uninit();
-    let bounce = BounceSkelBuilder::default().open(&mut bstorage)?.load()?;
-    let mut floor_ns = Vec::new();
-    for _ in 0..samples.max(1) {
-        let frame = TCP4.data(TCP4.client(0));
-        let mut out = vec![0u8; frame.len()];
-        let input = ProgramInput { data_in: Some(&frame), data_out: Some(&mut out), repeat: 1, ..Default::default() };
-        let o = bounce.progs.bounce.test_run(input)?;
-        if o.return_value != XDP_TX {
-            bail!("the bounce floor did not run (verdict {})", o.return_value);
-        }
-        floor_ns.push(o.duration.as_nanos() as f64);
-    }
-    floor_ns.sort_by(f64::total_cmp);
-    let floor = floor_ns[floor_ns.len() / 2];
-    if floor <= 0.0 {
-        bail!("the bounce floor took no time");
-    }
-    Ok(floor)
-}
-
-/// The median ns of `bounce_lookup` on the same frame, its flow in a
-/// table of the balancer's type and size: the least a forwarder that keeps
-/// per-flow state costs for an established packet.
-fn lookup_floor(samples: u32) -> Result<f64> {
+/// The floors, on an established packet's frame: `bounce` (the least any
+/// XDP forwarder costs here) and `bounce_lookup` with that packet's flow
+/// in a table of the balancer's type and size (the least a forwarder that
+/// keeps per-flow state costs for an established packet). Median ns each.
+fn floors(samples: u32) -> Result<(f64, f64)> {
     let mut storage = MaybeUninit::uninit();
-    let prog = BounceSkelBuilder::default().open(&mut storage)?.load()?;
-    put(&prog.maps.lookup_flows, &TCP4.key(TCP4.client(0)), &Flow::default())?;
-    let mut ns = Vec::new();
-    for _ in 0..samples.max(1) {
-        let frame = TCP4.data(TCP4.client(0));
-        let mut out = vec![0u8; frame.len()];
-        let input = ProgramInput { data_in: Some(&frame), data_out: Some(&mut out), repeat: 1, ..Default::default() };
-        let o = prog.progs.bounce_lookup.test_run(input)?;
-        if o.return_value != XDP_TX {
-            bail!("the lookup floor did not find its flow (verdict {})", o.return_value);
+    let skel = BounceSkelBuilder::default().open(&mut storage)?.load()?;
+    put(&skel.maps.lookup_flows, &TCP4.key(TCP4.client(0)), &Flow::default())?;
+    let median = |prog: &libbpf_rs::ProgramMut<'_>, what: &str| -> Result<f64> {
+        let mut ns = Vec::new();
+        for _ in 0..samples.max(1) {
+            let frame = TCP4.data(TCP4.client(0));
+            let mut out = vec![0u8; frame.len()];
+            let input = ProgramInput { data_in: Some(&frame), data_out: Some(&mut out), repeat: 1, ..Default::default() };
+            let o = prog.test_run(input)?;
+            if o.return_value != XDP_TX {
+                bail!("{what} did not forward the packet (verdict {})", o.return_value);
+            }
+            ns.push(o.duration.as_nanos() as f64);
         }
-        ns.push(o.duration.as_nanos() as f64);
-    }
-    ns.sort_by(f64::total_cmp);
-    Ok(ns[ns.len() / 2])
+        ns.sort_by(f64::total_cmp);
+        match ns[ns.len() / 2] {
+            m if m > 0.0 => Ok(m),
+            _ => bail!("{what} took no time"),
+        }
+    };
+    Ok((median(&skel.progs.bounce, "the bounce floor")?, median(&skel.progs.bounce_lookup, "the lookup floor (its flow not found?)")?))
 }
 
 /// What a flood of new connections that never complete does to the tables.
