@@ -14,7 +14,7 @@ pub struct Backend {
     /// The address, formatted once.
     pub name: String,
     /// Its metrics labels: `backend`, and `route` for a `[[route]]`'s pool.
-    pub labels: crate::metrics::Labels,
+    pub labels: Vec<(&'static str, String)>,
     /// The address as a request URI's authority, parsed once.
     pub authority: http::uri::Authority,
     in_flight: AtomicU64,

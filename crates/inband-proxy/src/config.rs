@@ -7,6 +7,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use http::header::{HeaderMap, HeaderName, HeaderValue};
+
+use crate::uri_path::normalize_path;
 use inband_health::HttpCheckConfig;
 use serde::Deserialize;
 
@@ -446,7 +449,7 @@ pub struct Checked {
     pub backends: Vec<SocketAddr>,
     pub hash_key: HashKey,
     pub upgrade_allow: UpgradeAllow,
-    pub routes: Vec<crate::routes::RouteSpec>,
+    pub routes: Vec<RouteSpec>,
 }
 
 impl Checked {
@@ -543,7 +546,7 @@ pub fn check(raw: Config) -> Result<Checked> {
     }
     let backends = pool_addrs("", &raw.backends, &mut problems);
     let hash_key = parse_hash_key("", &raw.hash_key, &mut problems);
-    let routes = crate::routes::check(&raw, &mut problems);
+    let routes = check_routes(&raw, &mut problems);
     if raw.max_header_bytes < 8192 {
         note(&mut problems, Err(anyhow::anyhow!("max_header_bytes {} is below 8192, the smallest buffer hyper accepts", raw.max_header_bytes)));
     }
@@ -598,7 +601,7 @@ pub fn check(raw: Config) -> Result<Checked> {
 
 /// `[scores]` and `[auth]`, when some pool ranks by score: bounds that keep
 /// the poll traffic and the staleness window sane.
-fn check_scores(raw: &Config, routes: &[crate::routes::RouteSpec], problems: &mut Vec<String>) {
+fn check_scores(raw: &Config, routes: &[RouteSpec], problems: &mut Vec<String>) {
     let scored = (raw.policy == PolicyKind::LeastScore && !raw.backends.is_empty()) || routes.iter().any(|r| r.policy == PolicyKind::LeastScore);
     let s = &raw.scores;
     if !(1..=10_000).contains(&s.interval_ms) {
@@ -663,9 +666,283 @@ pub(crate) fn check_health(route: &str, h: &HttpCheckConfig, problems: &mut Vec<
     }
 }
 
+// ---- [[route]] tables, checked (crates/inband-proxy/src/routes.rs uses them)
+
+/// The route label of the top-level pool.
+pub const DEFAULT_ROUTE: &str = "default";
+
+/// Routes a config may have: each is a `route` label value on a few
+/// metric families, so this bounds their series.
+pub const MAX_ROUTES: usize = 256;
+
+/// A host pattern, lowercased, without a trailing dot.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum HostPattern {
+    Exact(String),
+    /// `*.example.com`, kept as `.example.com`: one or more labels before it.
+    Suffix(String),
+}
+
+impl HostPattern {
+    /// How specific a match of `host` is, more is more specific; None for
+    /// no match. An exact name beats every wildcard; of two wildcards, the
+    /// longer suffix wins (`*.a.example.com` over `*.example.com`).
+    pub fn rank(&self, host: &str) -> Option<usize> {
+        match self {
+            HostPattern::Exact(h) => (h == host).then_some(usize::MAX),
+            HostPattern::Suffix(s) => (host.len() > s.len() && host.ends_with(s.as_str())).then_some(s.len()),
+        }
+    }
+}
+
+/// A header rewrite, parsed and checked.
+#[derive(Clone, Debug, Default)]
+pub struct Rewrite {
+    remove: Vec<HeaderName>,
+    set: Vec<(HeaderName, HeaderValue)>,
+    add: Vec<(HeaderName, HeaderValue)>,
+}
+
+impl Rewrite {
+    pub fn apply(&self, h: &mut HeaderMap) {
+        for n in &self.remove {
+            h.remove(n);
+        }
+        for (n, v) in &self.set {
+            h.insert(n, v.clone());
+        }
+        for (n, v) in &self.add {
+            h.append(n, v.clone());
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.remove.is_empty() && self.set.is_empty() && self.add.is_empty()
+    }
+}
+
+/// Headers a rewrite may not touch: the connection's own (RFC 9110
+/// §7.6.1) and the message framing, which the proxy and hyper manage, and
+/// Host, which routing and the cache key are made of.
+const FORBIDDEN: [&str; 11] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+    "host",
+    "proxy-authenticate",
+    "proxy-authorization",
+];
+
+/// A route as the config gives it, checked.
+#[derive(Clone, Debug)]
+pub struct RouteSpec {
+    pub name: String,
+    pub hosts: Vec<HostPattern>,
+    pub path_prefix: String,
+    pub backends: Vec<SocketAddr>,
+    pub policy: PolicyKind,
+    pub hash_key: HashKey,
+    pub health: Option<HttpCheckConfig>,
+    pub cache: bool,
+    pub max_object_bytes: Option<u64>,
+    pub request_headers: Rewrite,
+    pub response_headers: Rewrite,
+    /// Requests a second and burst.
+    pub rate_limit: Option<(f64, f64)>,
+}
+
+/// Checks every `[[route]]`, adding what is wrong to `problems`.
+pub fn check_routes(raw: &Config, problems: &mut Vec<String>) -> Vec<RouteSpec> {
+    if raw.routes.len() > MAX_ROUTES {
+        problems.push(format!("{} routes: at most {MAX_ROUTES}", raw.routes.len()));
+    }
+    let mut specs = Vec::new();
+    let mut names = std::collections::HashSet::new();
+    // (host pattern or None for any, prefix) → the route that has it.
+    let mut claimed: std::collections::HashMap<(Option<HostPattern>, String), String> = std::collections::HashMap::new();
+    if !raw.backends.is_empty() {
+        claimed.insert((None, "/".into()), "the default route (top-level backends)".into());
+    }
+    for r in &raw.routes {
+        let at = format!("route {:?}: ", r.name);
+        let n0 = problems.len();
+        if r.name.is_empty() || r.name.len() > 64 || !r.name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+            problems.push(format!("{at}name must be 1 to 64 letters, digits, '-' or '_'"));
+        } else if r.name == DEFAULT_ROUTE {
+            problems.push(format!("{at}the name {DEFAULT_ROUTE:?} is the top-level pool's"));
+        } else if !names.insert(r.name.clone()) {
+            problems.push(format!("{at}two routes have this name"));
+        }
+        if r.backends.is_empty() {
+            problems.push(format!("{at}backends is empty"));
+        }
+        let backends = pool_addrs(&at, &r.backends, problems);
+        let hash_key = parse_hash_key(&at, &r.hash_key, problems);
+        if let Some(h) = &r.health {
+            check_health(&at, h, problems);
+        }
+        let mut hosts = Vec::new();
+        for h in &r.hosts {
+            match host_pattern(h) {
+                Ok(p) if hosts.contains(&p) => problems.push(format!("{at}host {h:?} is listed twice")),
+                Ok(p) => hosts.push(p),
+                Err(e) => problems.push(format!("{at}host {h:?}: {e}")),
+            }
+        }
+        let prefix = &r.path_prefix;
+        if !prefix.starts_with('/') || prefix.bytes().any(|b| !b.is_ascii_graphic() || b == b'?' || b == b'#') || normalize_path(prefix) != *prefix {
+            problems.push(format!(
+                "{at}path_prefix {prefix:?} must start with / and be a plain path: no query, no spaces, no . or .. segments, no //, no %-encoded letters or digits"
+            ));
+        }
+        let mut keys: Vec<Option<HostPattern>> = hosts.iter().cloned().map(Some).collect();
+        if keys.is_empty() {
+            keys.push(None);
+        }
+        for k in keys {
+            let shown = match &k {
+                None => "any host".to_string(),
+                Some(HostPattern::Exact(h)) => format!("host {h:?}"),
+                Some(HostPattern::Suffix(s)) => format!("host \"*{s}\""),
+            };
+            if let Some(other) = claimed.get(&(k.clone(), prefix.clone())) {
+                problems.push(format!("{at}{shown} with path_prefix {prefix:?} is already {other}'s: one of them would never be used"));
+            } else {
+                claimed.insert((k, prefix.clone()), format!("route {:?}", r.name));
+            }
+        }
+        if let Some(m) = r.max_object_bytes {
+            match &raw.cache {
+                None => problems.push(format!("{at}max_object_bytes needs a [cache]")),
+                Some(c) if m > c.max_object_bytes => {
+                    problems.push(format!("{at}max_object_bytes {m} is above cache.max_object_bytes {}", c.max_object_bytes))
+                }
+                _ => {}
+            }
+        }
+        let request_headers = rewrite(&format!("{at}request_headers"), &r.request_headers, problems);
+        let response_headers = rewrite(&format!("{at}response_headers"), &r.response_headers, problems);
+        let rate_limit = r.rate_limit.as_ref().map(|l| {
+            if !(l.requests_per_s.is_finite() && l.requests_per_s > 0.0) {
+                problems.push(format!("{at}rate_limit.requests_per_s = {} must be above 0", l.requests_per_s));
+            }
+            let burst = l.burst.unwrap_or(l.requests_per_s);
+            if !(burst.is_finite() && burst >= 1.0) {
+                problems.push(format!("{at}rate_limit.burst = {burst} must be at least 1 (a client may always send one request)"));
+            }
+            (l.requests_per_s, burst)
+        });
+        if problems.len() > n0 {
+            continue;
+        }
+        specs.push(RouteSpec {
+            name: r.name.clone(),
+            hosts,
+            path_prefix: prefix.clone(),
+            backends,
+            policy: r.policy,
+            hash_key: hash_key.unwrap_or(HashKey::Path),
+            health: r.health.clone(),
+            cache: r.cache,
+            max_object_bytes: r.max_object_bytes,
+            request_headers,
+            response_headers,
+            rate_limit,
+        });
+    }
+    specs
+}
+
+/// A config host: a DNS name (IDNs in their `xn--` form) or an IP
+/// address, or `*.` and a name.
+fn host_pattern(h: &str) -> Result<HostPattern, String> {
+    let lower = h.to_ascii_lowercase();
+    let lower = lower.strip_suffix('.').unwrap_or(&lower);
+    // Compared as a request's Host writes them: IPv6 in brackets.
+    let unbracketed = lower.strip_prefix('[').and_then(|r| r.strip_suffix(']')).unwrap_or(lower);
+    match unbracketed.parse::<IpAddr>() {
+        Ok(IpAddr::V6(a)) => return Ok(HostPattern::Exact(format!("[{a}]"))),
+        Ok(IpAddr::V4(a)) if unbracketed == lower => return Ok(HostPattern::Exact(a.to_string())),
+        _ => {}
+    }
+    let (wild, name) = match lower.strip_prefix("*.") {
+        Some(rest) => (true, rest),
+        None => (false, lower),
+    };
+    if !h.is_ascii() {
+        return Err("not ASCII: write an internationalised name in its xn-- form".into());
+    }
+    if name.contains('*') {
+        return Err("a wildcard is only allowed as the whole first label, \"*.example.com\"".into());
+    }
+    if !is_dns_name(name) {
+        return Err("not a host name (letters, digits, '-' and '_' in dot-separated labels of at most 63)".into());
+    }
+    Ok(if wild { HostPattern::Suffix(format!(".{name}")) } else { HostPattern::Exact(name.to_string()) })
+}
+
+fn is_dns_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.split('.').all(|l| {
+            !l.is_empty() && l.len() <= 63 && !l.starts_with('-') && !l.ends_with('-') && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        })
+}
+
+fn rewrite(at: &str, c: &crate::config::HeaderRewriteConfig, problems: &mut Vec<String>) -> Rewrite {
+    let name = |n: &str, problems: &mut Vec<String>| -> Option<HeaderName> {
+        match HeaderName::from_bytes(n.as_bytes()) {
+            Ok(h) if FORBIDDEN.contains(&h.as_str()) => {
+                problems.push(format!("{at}: {n:?} may not be rewritten: the proxy manages the connection, framing and Host headers itself"));
+                None
+            }
+            Ok(h) => Some(h),
+            Err(_) => {
+                problems.push(format!("{at}: {n:?} is not a header name"));
+                None
+            }
+        }
+    };
+    let mut out = Rewrite::default();
+    for n in &c.remove {
+        out.remove.extend(name(n, problems));
+    }
+    for (list, into) in [(&c.set, &mut out.set), (&c.add, &mut out.add)] {
+        for (n, v) in list {
+            let h = name(n, problems);
+            match HeaderValue::from_str(v) {
+                Ok(v) => into.extend(h.map(|h| (h, v))),
+                Err(_) => problems.push(format!("{at}: the value of {n:?} has a byte a header value may not have")),
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wildcards_take_one_or_more_labels_but_not_the_bare_name() {
+        let p = host_pattern("*.Example.com").unwrap();
+        assert!(p.rank("www.example.com").is_some());
+        assert!(p.rank("a.b.example.com").is_some());
+        assert!(p.rank("example.com").is_none());
+        assert!(p.rank("badexample.com").is_none());
+        for bad in ["www.*.com", "*example.com", "*", "a..b", "-a.com", "bücher.example"] {
+            assert!(host_pattern(bad).is_err(), "{bad}");
+        }
+        assert_eq!(host_pattern("10.0.0.1").unwrap(), HostPattern::Exact("10.0.0.1".into()));
+        for v6 in ["::1", "[::1]", "[0:0::1]"] {
+            assert_eq!(host_pattern(v6).unwrap().rank("[::1]"), Some(usize::MAX), "{v6}");
+        }
+    }
 
     #[test]
     fn minimal_config_gets_defaults() {

@@ -289,8 +289,8 @@ const REQUEST_TIMEOUT: &[u8] =
     b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\ncontent-length: 22\r\nconnection: close\r\n\r\nrequest head too slow\n";
 
 /// Runs `conn` until it ends or a timeout expires; returns its result, or
-/// the expiry that closed it (the future is dropped, which closes the
-/// socket). `sock` is the descriptor of the [`Io`] inside `conn`.
+/// the expiry that ends it (dropping `conn` then closes the socket).
+/// `sock` is the descriptor of the [`Io`] inside `conn`.
 pub async fn watch<F: std::future::Future>(conn: F, sock: RawFd, state: &State) -> Result<F::Output, Expiry> {
     tokio::pin!(conn);
     loop {

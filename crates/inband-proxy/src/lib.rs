@@ -29,6 +29,7 @@ mod server;
 mod tls;
 mod tunnel;
 mod upgrade;
+mod uri_path;
 
 use std::net::SocketAddr;
 use std::path::Path;

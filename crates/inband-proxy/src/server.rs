@@ -231,7 +231,12 @@ pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accep
                     },
                 }
             };
-            match conn::watch(conn, sock, &state).await {
+            // Pinned here, not moved into `watch`: the connection (and
+            // with it the socket) is dropped at the end of this task, after
+            // its timeout was counted, so a client that sees the close
+            // finds it in the metrics.
+            tokio::pin!(conn);
+            match conn::watch(conn.as_mut(), sock, &state).await {
                 // Shutdown does not wait for tunnels: they end with the
                 // worker's runtime.
                 Ok(Ok(())) => {
