@@ -46,7 +46,7 @@ from .lib import preflight
 from .lib.host import cpu_busy_s
 from .lib.results import REPO, Run, default_dir, provenance, revive
 from .lib.results import write as write_results
-from .lib.tools import parse_wrk
+from .lib.tools import WRK_SUMMARY_LUA, parse_wrk
 from .lib.procs import Procs, ns_argv, run, stop_signals_interrupt, uninterruptible, wait_until
 
 INBAND = REPO / "target" / "debug" / "inband"
@@ -87,14 +87,6 @@ PROFILES = {
     "tiny": Profile([1, 8], 1, [1], 1, list(SYSTEMS)),
 }
 
-WRK_LUA = """
-function done(summary, latency, requests)
-  local e = summary.errors
-  io.write(string.format("BENCH requests=%d errors=%d status_errors=%d p50_us=%d p99_us=%d duration_us=%d\\n",
-    summary.requests, e.connect + e.read + e.write + e.timeout, e.status,
-    latency:percentile(50), latency:percentile(99), summary.duration))
-end
-"""
 
 
 def backend_ip(i: int) -> str:
@@ -243,7 +235,7 @@ class Bench:
         self.work = work
         self.procs = Procs()
         self.lua = work / "bench.lua"
-        self.lua.write_text(WRK_LUA)
+        self.lua.write_text(WRK_SUMMARY_LUA)
 
     # --- testbed
 

@@ -42,7 +42,7 @@ from .lib.procs import Interrupted, ns_argv, run, stop_signals_interrupt, uninte
 from .lib.report import table
 from .lib.stats import ratio
 from .lib.testbed import TestbedRun, alive, new_auth_key
-from .lib.tools import parse_wrk
+from .lib.tools import WRK_SUMMARY_LUA, parse_wrk
 
 POLICIES = ("least-score", "least-request", "round-robin")
 SERVICE_PORT = 8080
@@ -50,14 +50,6 @@ PROXY_PORT = 8000
 METRICS_PORT = 8001
 TARGET_P99 = 0.8  # the issue's bar: least-score's p99 ÷ least-request's
 
-WRK_LUA = """
-function done(summary, latency, requests)
-  local e = summary.errors
-  io.write(string.format("BENCH requests=%d errors=%d status_errors=%d p50_us=%d p99_us=%d duration_us=%d\\n",
-    summary.requests, e.connect + e.read + e.write + e.timeout, e.status,
-    latency:percentile(50), latency:percentile(99), summary.duration))
-end
-"""
 
 
 @dataclass(frozen=True)
@@ -109,7 +101,7 @@ class Bench(TestbedRun):
 
     def setup(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        self.lua.write_text(WRK_LUA)
+        self.lua.write_text(WRK_SUMMARY_LUA)
         self.bring_up(servers=3)
         self.auth_key = new_auth_key(self.inband, self.out)
         for i in (1, 2, 3):

@@ -7,6 +7,18 @@ from __future__ import annotations
 import json
 
 
+# A wrk script that prints the summary `parse_wrk` reads (requests, errors,
+# p50/p99, duration), for drivers whose requests are plain GETs of one URL.
+WRK_SUMMARY_LUA = """
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("BENCH requests=%d errors=%d status_errors=%d p50_us=%d p99_us=%d duration_us=%d\\n",
+    summary.requests, e.connect + e.read + e.write + e.timeout, e.status,
+    latency:percentile(50), latency:percentile(99), summary.duration))
+end
+"""
+
+
 def parse_wrk(text: str, tag: str = "BENCH") -> dict:
     """The `TAG k=v ...` line a driver's wrk script prints at its end."""
     for line in text.splitlines():
