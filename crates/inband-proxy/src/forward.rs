@@ -15,7 +15,7 @@ use hyper_util::client::legacy::Client;
 
 use crate::config::HashKey;
 use crate::metrics::Refusal;
-use crate::routes::Pool;
+use crate::routes::BackendPool;
 use crate::Shared;
 
 pub type BackendClient = Client<HttpConnector, Full<Bytes>>;
@@ -125,7 +125,7 @@ pub fn hash_key(key: &HashKey, parts: &request::Parts, client: SocketAddr) -> Ve
 /// Sends `parts` + `body` (headers already prepared) to a backend and
 /// returns its response head and streaming body. Idempotent requests whose
 /// connection fails go to another backend, up to `retries` more times.
-pub async fn send(shared: &Shared, pool: &Pool, parts: &request::Parts, body: Bytes, key: &[u8]) -> Result<Response<Incoming>, Refusal> {
+pub async fn send(shared: &Shared, pool: &BackendPool, parts: &request::Parts, body: Bytes, key: &[u8]) -> Result<Response<Incoming>, Refusal> {
     crate::probe::origin_fetch();
     let backends = &pool.backends;
     let mut tried = vec![false; backends.len()];
@@ -214,7 +214,7 @@ pub async fn send(shared: &Shared, pool: &Pool, parts: &request::Parts, body: By
 /// now. When every backend that passes its checks is ejected, they are all
 /// eligible again (Envoy's panic routing); the active checks still decide
 /// who is down.
-fn panic_pick(shared: &Shared, pool: &Pool, tried: &[bool], key: &[u8], now: Instant) -> Option<usize> {
+fn panic_pick(shared: &Shared, pool: &BackendPool, tried: &[bool], key: &[u8], now: Instant) -> Option<usize> {
     let backends = &pool.backends;
     if backends.iter().any(|b| b.is_healthy(now)) {
         return None;

@@ -48,7 +48,7 @@ fn prefix_matches(prefix: &str, path: &str) -> bool {
 }
 
 /// A backend pool with its balancing.
-pub struct Pool {
+pub struct BackendPool {
     pub backends: Vec<Arc<Backend>>,
     pub addrs: Vec<SocketAddr>,
     pub policy: Policy,
@@ -61,7 +61,7 @@ pub struct Route {
     pub name: String,
     hosts: Vec<HostPattern>,
     path_prefix: String,
-    pub pool: Pool,
+    pub pool: BackendPool,
     pub cache: bool,
     /// Below the store's own bound.
     pub max_object_bytes: Option<u64>,
@@ -84,7 +84,7 @@ impl Route {
             name: spec.name.clone(),
             hosts: spec.hosts.clone(),
             path_prefix: spec.path_prefix.clone(),
-            pool: Pool { backends, addrs: spec.backends.clone(), policy: Policy::new(spec.policy), hash_key: spec.hash_key.clone(), health: spec.health.clone() },
+            pool: BackendPool { backends, addrs: spec.backends.clone(), policy: Policy::new(spec.policy), hash_key: spec.hash_key.clone(), health: spec.health.clone() },
             cache: spec.cache,
             max_object_bytes: spec.max_object_bytes,
             rewrites_responses: !spec.response_headers.is_empty(),

@@ -72,7 +72,7 @@ pub fn offer(allow: &UpgradeAllow, headers: &HeaderMap) -> Offer {
 /// `conn` for the connection's task to run.
 pub async fn forward(
     shared: &Shared,
-    pool: &crate::routes::Pool,
+    pool: &crate::routes::BackendPool,
     mut parts: request::Parts,
     body: Bytes,
     key: &[u8],

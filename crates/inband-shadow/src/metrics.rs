@@ -27,7 +27,7 @@ use crate::{attach, dt4, Program};
 /// A server interface's program: its counters and, if its filter is
 /// there, the program's run count and time.
 #[derive(Debug)]
-pub struct Server {
+pub struct ServerPrograms {
     pub interface: String,
     pub counters: Vec<(&'static str, Count)>,
     pub program: Option<Program>,
@@ -35,15 +35,15 @@ pub struct Server {
 
 /// The router's IPv4 shadow program.
 #[derive(Debug)]
-pub struct Router {
+pub struct RouterPrograms {
     pub counters: Vec<(&'static str, Count)>,
     pub programs: Vec<Program>,
 }
 
 #[derive(Debug)]
 pub struct Snapshot {
-    pub servers: Vec<Server>,
-    pub router: Option<Router>,
+    pub servers: Vec<ServerPrograms>,
+    pub router: Option<RouterPrograms>,
     /// Run-time statistics are on (the sysctl, or this process holding them).
     pub bpf_stats: bool,
 }
@@ -54,9 +54,9 @@ impl Snapshot {
         for interface in attach::attached()? {
             let counters = attach::counters(&interface)?;
             let program = attach::program(&interface)?;
-            servers.push(Server { interface, counters, program });
+            servers.push(ServerPrograms { interface, counters, program });
         }
-        let router = if dt4::pin_dir().exists() { Some(Router { counters: dt4::counters()?, programs: dt4::programs()? }) } else { None };
+        let router = if dt4::pin_dir().exists() { Some(RouterPrograms { counters: dt4::counters()?, programs: dt4::programs()? }) } else { None };
         Ok(Snapshot { servers, router, bpf_stats: inband_core::prog_stats::enabled() })
     }
 
@@ -196,10 +196,10 @@ mod tests {
     fn the_metrics_parse_and_sum_the_routers_programs() {
         let s = Snapshot {
             servers: vec![
-                Server { interface: "eth0".into(), counters: vec![("new_flow", count(3, 180)), ("chained", count(1, 1500))], program: Some(program("shadow", 7, 40, 4_000, &["eth0"])) },
-                Server { interface: "eth1".into(), counters: vec![("local", count(5, 500))], program: None },
+                ServerPrograms { interface: "eth0".into(), counters: vec![("new_flow", count(3, 180)), ("chained", count(1, 1500))], program: Some(program("shadow", 7, 40, 4_000, &["eth0"])) },
+                ServerPrograms { interface: "eth1".into(), counters: vec![("local", count(5, 500))], program: None },
             ],
-            router: Some(Router {
+            router: Some(RouterPrograms {
                 counters: vec![("unwrapped", count(9, 900))],
                 programs: vec![program("shadow_dt4", 11, 100, 1_000, &["s1", "s2"]), program("shadow_dt4", 12, 20, 500, &["s3"])],
             }),
