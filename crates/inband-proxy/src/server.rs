@@ -236,12 +236,13 @@ pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accep
             // its timeout was counted, so a client that sees the close
             // finds it in the metrics.
             tokio::pin!(conn);
+            let mut ends = None;
             match conn::watch(conn.as_mut(), sock, &state).await {
                 // Shutdown does not wait for tunnels: they end with the
                 // worker's runtime.
                 Ok(Ok(())) => {
                     if let Some(t) = state.take_tunnel() {
-                        tunnel::run(t, &s, peer).await;
+                        ends = tunnel::run(t, &s, peer).await;
                     }
                 }
                 Ok(Err(e)) => connection_error(&s, peer, e),
@@ -252,6 +253,7 @@ pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accep
             }
             s.metrics.connections.dec();
             load.open.fetch_sub(1, Ordering::Relaxed);
+            drop(ends);
         });
     }
     let timeout = shared.cfg.shutdown_timeout();

@@ -104,7 +104,10 @@ pub async fn forward(
 const BUF: usize = 16 << 10;
 
 /// Runs a tunnel the backend agreed to, after the 101 has gone to the client.
-pub async fn run(t: Pending, shared: &Shared, client_addr: SocketAddr) {
+/// Returns the two ends, closed when the caller drops them: after it has
+/// counted the connection as ended, so a client that sees the close finds
+/// it in the metrics.
+pub async fn run(t: Pending, shared: &Shared, client_addr: SocketAddr) -> Option<impl Sized> {
     let idle = shared.cfg.tunnel_idle_timeout();
     let send = shared.cfg.timeouts().send;
     let start = Instant::now();
@@ -116,12 +119,12 @@ pub async fn run(t: Pending, shared: &Shared, client_addr: SocketAddr) {
         Ok((c, b)) => {
             shared.metrics.tunnel_close(Close::Error);
             tracing::debug!(client = %client_addr, client_error = ?c.err(), backend_error = ?b.err(), "upgrade not handed over");
-            return;
+            return None;
         }
         Err(_) => {
             shared.metrics.tunnel_close(Close::Error);
             tracing::debug!(client = %client_addr, "upgrade not handed over in time");
-            return;
+            return None;
         }
     };
     let _open = Open::new(&shared.metrics.tunnels_open);
@@ -132,6 +135,7 @@ pub async fn run(t: Pending, shared: &Shared, client_addr: SocketAddr) {
     let close = join(&mut c, &mut b, &clock, idle, send).await;
     shared.metrics.tunnel_close(close);
     tracing::info!(target: "inband_proxy::access", client = %client_addr, reason = close.label(), ms = start.elapsed().as_secs_f64() * 1e3, "tunnel closed");
+    Some((c.io, b.io))
 }
 
 /// Copies both ways until both sides have closed, or until the clock says
