@@ -62,17 +62,36 @@ static __always_inline int same_addr(const __u8 *a, const __u8 *b)
 	return x[0] == y[0] && x[1] == y[1];
 }
 
+/* The time-wait socket's next expected sequence number, relocated by name
+ * against the kernel's BTF (through sock_common's anonymous unions), as
+ * agent.bpf.c's socket fields are: no vmlinux.h beside the UAPI headers. */
+struct sock_common {
+	__u32 skc_tw_rcv_nxt;
+} __attribute__((preserve_access_index));
+
+struct inet_timewait_sock {
+	struct sock_common __tw_common;
+} __attribute__((preserve_access_index));
+
+struct tcp_timewait_sock {
+	struct inet_timewait_sock tw_sk;
+} __attribute__((preserve_access_index));
+
 /* A socket that owns the inner TCP packet's connection: an established
  * (or handshaking, closing) socket. A listener matches every client of its
  * port, so it says nothing about this connection. A time-wait socket has
- * seen both FINs: of its connection only a retransmitted FIN (or a RST)
- * can still come. Anything else with its tuple is a newer connection that
- * reused the client's port and lives on another server; delivered here it
- * would meet the time-wait socket and stall (bench.ecmp's 1-s flaps showed
- * it: downloads frozen mid-body until curl gave up). */
+ * seen both FINs: of its connection only a retransmitted FIN, a RST, or an
+ * ACK at the very sequence number after the client's FIN can still come
+ * (the client's duplicate ACK when this server's tail-loss probe or
+ * retransmission reaches it after the close). Anything else with its tuple
+ * is a newer connection that reused the client's port and lives on another
+ * server, whose initial sequence number is unrelated to the old one's;
+ * delivered here it would meet the time-wait socket and stall (bench.ecmp's
+ * 1-s flaps showed it: downloads frozen mid-body until curl gave up). */
 static __always_inline int owned_locally(struct __sk_buff *skb, const struct ipv6hdr *in, const struct tcphdr *tcp)
 {
 	struct bpf_sock_tuple t = {};
+	struct tcp_timewait_sock *tw;
 	struct bpf_sock *sk;
 	int owned;
 
@@ -83,7 +102,14 @@ static __always_inline int owned_locally(struct __sk_buff *skb, const struct ipv
 	sk = bpf_skc_lookup_tcp(skb, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
 	if (!sk)
 		return 0;
-	owned = sk->state != BPF_TCP_LISTEN && (sk->state != BPF_TCP_TIME_WAIT || tcp->fin || tcp->rst);
+	if (sk->state == BPF_TCP_LISTEN) {
+		owned = 0;
+	} else if (sk->state != BPF_TCP_TIME_WAIT || tcp->fin || tcp->rst) {
+		owned = 1;
+	} else {
+		tw = bpf_skc_to_tcp_timewait_sock(sk);
+		owned = tw && tw->tw_sk.__tw_common.skc_tw_rcv_nxt == bpf_ntohl(tcp->seq);
+	}
 	bpf_sk_release(sk);
 	return owned;
 }

@@ -175,9 +175,11 @@ fn a_local_connection_is_delivered_and_a_listener_is_not_one() {
     let to_udp_port = srv6(COND_SID, &tcp(client, udp.local_addr().unwrap(), TCP_ACK), 0, false);
     assert_eq!(run(&skel.progs.shadow_ingress, &to_udp_port).0, TC_ACT_OK);
     // The server closes first: its time-wait socket owns a late FIN (or
-    // RST) of the closed connection, which stays here; any other packet
+    // RST) of the closed connection, and its late ACK at the sequence
+    // number after the client's FIN, which stay here; any other packet
     // with the tuple is a newer connection that reused the client's port
     // on another server, and goes on.
+    let client_next = received_up_to(&accepted);
     drop(accepted);
     std::thread::sleep(std::time::Duration::from_millis(50));
     drop(conn);
@@ -190,8 +192,36 @@ fn a_local_connection_is_delivered_and_a_listener_is_not_one() {
         let late = srv6(COND_SID, &tcp(client, server, flags), 0, false);
         assert_eq!(run(&skel.progs.shadow_ingress, &late).0, TC_ACT_UNSPEC, "a late FIN or RST: the time-wait socket's");
     }
-    assert_eq!(run(&skel.progs.shadow_ingress, &own), (TC_ACT_OK, readdressed(&own, SHADOW_SID)), "a newer connection's ACK");
-    assert_eq!(count(&skel, "chained").0, 3);
+    // The client's FIN took one sequence number.
+    let late_ack = |seq: u32| srv6(COND_SID, &PacketBuilder::tcp(client, server).flags(TCP_ACK).seq_no(seq).build_ip(), 0, false);
+    let dup_ack = late_ack(client_next.wrapping_add(1));
+    assert_eq!(run(&skel.progs.shadow_ingress, &dup_ack), (TC_ACT_UNSPEC, dup_ack.clone()), "the closed connection's late ACK");
+    for seq in [client_next, client_next.wrapping_add(2), client_next.wrapping_add(1 << 31)] {
+        let newer = late_ack(seq);
+        assert_eq!(run(&skel.progs.shadow_ingress, &newer), (TC_ACT_OK, readdressed(&newer, SHADOW_SID)), "a newer connection's ACK");
+    }
+    assert_eq!(count(&skel, "chained").0, 5);
+}
+
+/// The sequence number `conn` expects next from its peer (rcv_nxt),
+/// readable only in repair mode, left at once without the window probe
+/// leaving it would send.
+fn received_up_to(conn: &TcpStream) -> u32 {
+    use std::os::fd::AsRawFd;
+    const TCP_RECV_QUEUE: libc::c_int = 1;
+    const TCP_REPAIR_OFF_NO_WP: libc::c_int = -1;
+    let fd = conn.as_raw_fd();
+    let set = |opt: libc::c_int, v: libc::c_int| {
+        let r = unsafe { libc::setsockopt(fd, libc::IPPROTO_TCP, opt, (&v as *const libc::c_int).cast(), 4) };
+        assert_eq!(r, 0, "setsockopt {opt}: {}", std::io::Error::last_os_error());
+    };
+    set(libc::TCP_REPAIR, 1);
+    set(libc::TCP_REPAIR_QUEUE, TCP_RECV_QUEUE);
+    let (mut seq, mut len) = (0u32, 4 as libc::socklen_t);
+    let r = unsafe { libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_QUEUE_SEQ, (&mut seq as *mut u32).cast(), &mut len) };
+    assert_eq!(r, 0, "TCP_QUEUE_SEQ: {}", std::io::Error::last_os_error());
+    set(libc::TCP_REPAIR, TCP_REPAIR_OFF_NO_WP);
+    seq
 }
 
 #[test]
