@@ -488,7 +488,8 @@ fn requests_on_one_connection_are_balanced_per_request() {
     assert!(m
         .backends
         .iter()
-        .all(|b| b.conns.load(Ordering::SeqCst) == 4));
+        .all(|b| b.conns.load(Ordering::SeqCst) == 8));
+    assert_eq!(m.counter("fallback_no_slot"), 0);
 }
 
 #[test]
@@ -826,7 +827,11 @@ fn a_client_that_leaves_mid_request_frees_its_slot() {
 
 #[test]
 fn churn_leaves_no_connection_slot_or_socket_behind() {
-    let m = Mesh::start("churn", &["alpha", "beta"], 4, TWO);
+    // A pool as large as the clients' concurrency, which it may not grow
+    // past: every request finds a free socket (none goes to user space),
+    // and a socket the daemon holds after the churn is one it leaked, not
+    // one the watchdog added when a tick saw every slot busy.
+    let m = Mesh::start("churn", &["alpha", "beta"], 8, &format!("pool_max = 8\n{TWO}"));
     let daemon = m.daemon.as_ref().unwrap().id();
     let fds = || {
         std::fs::read_dir(format!("/proc/{daemon}/fd"))
@@ -858,7 +863,7 @@ fn churn_leaves_no_connection_slot_or_socket_behind() {
                 .unwrap()
                 .backends
                 .iter()
-                .all(|b| b.free == 4 && b.in_flight == 0)
+                .all(|b| b.pool == 8 && b.free == 8 && b.in_flight == 0)
                 && conns() == 0
                 && fds() <= before + 2
         },
@@ -875,7 +880,8 @@ fn churn_leaves_no_connection_slot_or_socket_behind() {
     assert!(m
         .backends
         .iter()
-        .all(|b| b.conns.load(Ordering::SeqCst) == 4));
+        .all(|b| b.conns.load(Ordering::SeqCst) == 8));
+    assert_eq!(m.counter("fallback_no_slot"), 0);
 }
 
 #[test]
