@@ -37,10 +37,9 @@ const volatile __u32 target_tgid;
 const volatile __u8 category_of[INBAND_TRACE_NR_SLOTS];
 /* --follow; when 0 the verifier drops the `processes` lookups. */
 const volatile __u8 follow;
-/* `inband trace overhead`'s floor pass: the programs return after the
- * process check, so what is left is the cost of the syscall tracepoints
- * themselves, which no per-process tracer built on them can go below. */
-const volatile __u8 floor_only;
+/* enum inband_trace_floor: INBAND_TRACE_FLOOR_NONE but in `inband trace
+ * overhead`'s floor passes. */
+const volatile __u8 floor_pass;
 
 /* --follow: the processes started by traced ones, by process id. Added at
  * the fork, removed at the exit of the process's main thread, so a reused
@@ -72,15 +71,17 @@ struct {
 	__type(value, struct inband_trace_time);
 } syscalls SEC(".maps");
 
-/* Cumulative per (thread, category), kept after the thread exits so that
- * its last interval is still reported; bounded, INBAND_TRACE_THREADS_FULL
- * counts what does not fit. */
+/* The totals of threads that exited while traced, by thread id, copied
+ * from their task storage at the exit so that their last interval is still
+ * reported (a thread id used again while traced adds to its entry);
+ * bounded, INBAND_TRACE_THREADS_FULL counts what does not fit. Written
+ * only at a thread's exit, never per call. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, INBAND_TRACE_THREAD_TOTALS);
-	__type(key, struct inband_trace_thread_key);
-	__type(value, struct inband_trace_time);
-} threads SEC(".maps");
+	__uint(max_entries, INBAND_TRACE_MAX_THREADS);
+	__type(key, __u32);
+	__type(value, struct inband_trace_totals);
+} exited SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -161,7 +162,8 @@ int trace_sys_enter(__u64 *ctx)
 {
 	__u64 nr = ctx[1];
 
-	if (!target_tid() || floor_only || (nr < INBAND_TRACE_NR_SLOTS && category_of[nr] == INBAND_TRACE_NOT_COUNTED))
+	if (!target_tid() || floor_pass == INBAND_TRACE_FLOOR_TRACEPOINTS ||
+	    (nr < INBAND_TRACE_NR_SLOTS && category_of[nr] == INBAND_TRACE_NOT_COUNTED))
 		return 0;
 	struct inband_trace_thread *t =
 		bpf_task_storage_get(&thread_state, bpf_get_current_task_btf(), 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
@@ -170,18 +172,20 @@ int trace_sys_enter(__u64 *ctx)
 		count(INBAND_TRACE_UNTIMED);
 		return 0;
 	}
+	__u64 now = bpf_ktime_get_ns();
+
 	t->nr = nr < INBAND_TRACE_NR_SLOTS ? nr : INBAND_TRACE_NR_SLOTS - 1;
 	t->call_phase = t->phase;
-	t->ns = bpf_ktime_get_ns();
+	t->ns = now;
+	if (!t->totals.since)
+		t->totals.since = now;
 	return 0;
 }
 
 SEC("tp_btf/sys_exit")
 int trace_sys_exit(__u64 *ctx)
 {
-	__u32 tid = target_tid();
-
-	if (!tid || floor_only)
+	if (!target_tid() || floor_pass == INBAND_TRACE_FLOOR_TRACEPOINTS)
 		return 0;
 	struct inband_trace_thread *t = bpf_task_storage_get(&thread_state, bpf_get_current_task_btf(), 0, 0);
 
@@ -192,6 +196,10 @@ int trace_sys_exit(__u64 *ctx)
 	__u32 nr = t->nr, phase = t->call_phase;
 
 	t->ns = 0;
+	if (floor_pass == INBAND_TRACE_FLOOR_CLOCKS) {
+		t->totals.category[0].ns = ns;
+		return 0;
+	}
 	if (nr >= INBAND_TRACE_NR_SLOTS || phase >= INBAND_TRACE_MAX_PHASES)
 		return 0;
 	__u32 slot = phase * INBAND_TRACE_NR_SLOTS + nr;
@@ -201,20 +209,15 @@ int trace_sys_exit(__u64 *ctx)
 		__sync_fetch_and_add(&time->count, 1);
 		__sync_fetch_and_add(&time->ns, ns);
 	}
-	struct inband_trace_thread_key key = { .tid = tid, .category = category_of[nr] };
-	struct inband_trace_time *per_thread = bpf_map_lookup_elem(&threads, &key);
+	/* Only this thread writes its storage (its own calls, markers and
+	 * exit), so plain adds; the tracer's reads of a total may see its
+	 * count one call ahead of its time, never a torn value. */
+	__u8 category = category_of[nr];
 
-	if (per_thread) {
-		__sync_fetch_and_add(&per_thread->count, 1);
-		__sync_fetch_and_add(&per_thread->ns, ns);
-		return 0;
+	if (category < INBAND_TRACE_CATEGORIES) {
+		t->totals.category[category].count++;
+		t->totals.category[category].ns += ns;
 	}
-	struct inband_trace_time first = { .count = 1, .ns = ns };
-
-	/* NOEXIST: another CPU cannot create it (one thread, one CPU), but an
-	 * existing entry must never be reset. */
-	if (bpf_map_update_elem(&threads, &key, &first, BPF_NOEXIST))
-		count(INBAND_TRACE_THREADS_FULL);
 	return 0;
 }
 
@@ -408,17 +411,37 @@ int trace_fork(__u64 *ctx)
 	return 0;
 }
 
-/* ctx: struct task_struct *p; runs in the exiting thread. */
+/* ctx: struct task_struct *p; runs in the exiting thread, before its task
+ * storage goes: its totals are copied to `exited` (then the process, when
+ * it is the main thread of a followed one, is forgotten). */
 SEC("tp_btf/sched_process_exit")
 int trace_exit(__u64 *ctx)
 {
-	struct task_struct *p = (struct task_struct *)ctx[0];
+	__u32 tid = target_tid();
 
-	if (!follow)
+	if (!tid || floor_pass != INBAND_TRACE_FLOOR_NONE)
 		return 0;
-	__u32 pid = BPF_CORE_READ(p, pid), tgid = BPF_CORE_READ(p, tgid);
+	struct inband_trace_thread *t = bpf_task_storage_get(&thread_state, bpf_get_current_task_btf(), 0, 0);
 
-	if (pid == tgid)
+	if (t && t->totals.since) {
+		struct inband_trace_totals *e = bpf_map_lookup_elem(&exited, &tid);
+
+		if (!e) {
+			if (bpf_map_update_elem(&exited, &tid, &t->totals, BPF_NOEXIST))
+				count(INBAND_TRACE_THREADS_FULL);
+		} else {
+			/* Only the thread with this id writes its entry, and
+			 * two threads never have one id at once. */
+			e->since = t->totals.since;
+			for (int c = 0; c < INBAND_TRACE_CATEGORIES; c++) {
+				e->category[c].count += t->totals.category[c].count;
+				e->category[c].ns += t->totals.category[c].ns;
+			}
+		}
+	}
+	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+
+	if (follow && tid == tgid)
 		bpf_map_delete_elem(&processes, &tgid);
 	return 0;
 }

@@ -23,25 +23,53 @@
 /* Processes started by the target (and theirs) traced with --follow;
  * beyond that INBAND_TRACE_PROCESSES_FULL. */
 #define INBAND_TRACE_MAX_PROCESSES 4096
-/* Threads with a per-thread total; beyond that INBAND_TRACE_THREADS_FULL. */
+/* Threads that exited while traced whose totals are kept (`exited`);
+ * beyond that INBAND_TRACE_THREADS_FULL. */
 #define INBAND_TRACE_MAX_THREADS 16384
-#define INBAND_TRACE_THREAD_TOTALS (INBAND_TRACE_MAX_THREADS * INBAND_TRACE_CATEGORIES)
 
-/* Each thread of the target, in task storage: its phase, and the system
- * call it is in (when it began, which, and the phase then, the one its time
- * is charged to; ns 0: none). */
+/* `inband trace overhead`'s floors (read-only `floor_pass` of trace.bpf.c):
+ * what the passes below the timing pass keep of it, to show what part of
+ * its cost no per-call timer avoids. */
+enum inband_trace_floor {
+	/* The timing pass itself. */
+	INBAND_TRACE_FLOOR_NONE,
+	/* The programs stop at the process check: the cost of the system-call
+	 * tracepoints, which every per-process tracer built on them pays. */
+	INBAND_TRACE_FLOOR_TRACEPOINTS,
+	/* The programs read the clock at entry and exit and keep the last
+	 * call's duration in the thread's storage, and nothing else: the
+	 * least a tracer that times every call does. */
+	INBAND_TRACE_FLOOR_CLOCKS,
+};
+
+/* `syscalls` (per CPU, indexed phase * NR_SLOTS + nr) and a thread's
+ * totals by category. */
+struct inband_trace_time {
+	__u64 count;
+	__u64 ns;
+};
+
+/* A thread's totals by category since the tracer attached, and when it
+ * made its first timed call (bpf_ktime_get_ns; 0: none yet), which tells
+ * two threads that had the same thread id apart. */
+struct inband_trace_totals {
+	__u64 since;
+	struct inband_trace_time category[INBAND_TRACE_CATEGORIES];
+};
+
+/* Each thread of the target, in task storage: the system call it is in
+ * (when it began, which, and the phase then, the one its time is charged
+ * to; ns 0: none), its phase, and its totals. The totals live here, in the
+ * storage every call reads anyway, so that a call touches no other
+ * per-thread memory; the tracer reads them by the thread's pidfd, and
+ * `exited` keeps them after the thread ends. */
 struct inband_trace_thread {
 	__u64 ns;
 	__u32 nr;
 	__u32 call_phase;
 	__u32 phase;
 	__u32 pad;
-};
-
-/* `syscalls` (per CPU, indexed phase * NR_SLOTS + nr) and `threads`. */
-struct inband_trace_time {
-	__u64 count;
-	__u64 ns;
+	struct inband_trace_totals totals;
 };
 
 /* `last_phase` (per CPU, one slot): the latest marker hit on that CPU,
@@ -52,11 +80,6 @@ struct inband_trace_last {
 	__u64 ns;
 	__u32 phase;
 	__u32 tid;
-};
-
-struct inband_trace_thread_key {
-	__u32 tid;
-	__u32 category;
 };
 
 /* The memory pass (--memory): the C allocator's functions, by the attach
@@ -100,7 +123,8 @@ struct inband_trace_site {
 enum inband_trace_counter {
 	/* A call not timed: no storage for its thread. */
 	INBAND_TRACE_UNTIMED,
-	/* A call timed in the totals but missing from the per-thread view. */
+	/* A thread that exited while traced whose totals were not kept
+	 * (`exited` full): its calls stay in the per-call totals. */
 	INBAND_TRACE_THREADS_FULL,
 	/* A marker hit counted but not made the thread's phase: no storage. */
 	INBAND_TRACE_PHASE_UNSET,

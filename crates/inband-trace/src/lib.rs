@@ -32,7 +32,7 @@ use anyhow::{bail, Context, Result};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, UprobeOpts};
 
-use bpf::shared::INBAND_TRACE_MAX_PHASES;
+use bpf::shared::{INBAND_TRACE_FLOOR_CLOCKS, INBAND_TRACE_FLOOR_NONE, INBAND_TRACE_FLOOR_TRACEPOINTS, INBAND_TRACE_MAX_PHASES};
 use bpf::trace::TraceSkelBuilder;
 
 #[derive(clap::Args, Debug)]
@@ -82,11 +82,19 @@ pub struct TraceArgs {
     /// Write one JSON line per snapshot here (docs/trace.md, "Output").
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
-    /// `inband trace overhead`'s floor pass: the system-call tracepoints
-    /// attached with programs that stop at the process check, counting
-    /// nothing.
-    #[arg(long, hide = true, conflicts_with_all = ["memory", "follow"])]
-    pub floor: bool,
+    /// `inband trace overhead`'s floor passes: the system-call tracepoints
+    /// attached with programs that stop at the process check
+    /// (`tracepoints`), or that also read the clock at entry and exit
+    /// (`clocks`), counting nothing.
+    #[arg(long, hide = true, value_enum, conflicts_with_all = ["memory", "follow"])]
+    pub floor: Option<Floor>,
+}
+
+/// bpf/include/inband/trace.h `enum inband_trace_floor`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+pub enum Floor {
+    Tracepoints,
+    Clocks,
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -180,16 +188,26 @@ pub fn run(args: TraceArgs) -> Result<()> {
     ro.target_tgid = pid;
     ro.category_of = categories::by_slot();
     ro.follow = u8::from(args.follow);
-    ro.floor_only = u8::from(args.floor);
+    ro.floor_pass = match args.floor {
+        None => INBAND_TRACE_FLOOR_NONE,
+        Some(Floor::Tracepoints) => INBAND_TRACE_FLOOR_TRACEPOINTS,
+        Some(Floor::Clocks) => INBAND_TRACE_FLOOR_CLOCKS,
+    } as u8;
     let skel = open.load().context(
         "loading the trace programs (needs root, or CAP_BPF and CAP_PERFMON, and a kernel with BTF and task storage for tracing programs)",
     )?;
     let mut links: Vec<Link> = Vec::new();
-    let mut tracepoints = vec![(&skel.progs.trace_sys_enter, "sys_enter"), (&skel.progs.trace_sys_exit, "sys_exit")];
+    // The exit program first: it keeps the totals of a thread that ends,
+    // which the calls' programs start adding up.
+    let mut tracepoints = vec![
+        (&skel.progs.trace_exit, "sched_process_exit"),
+        (&skel.progs.trace_sys_enter, "sys_enter"),
+        (&skel.progs.trace_sys_exit, "sys_exit"),
+    ];
     if args.follow {
-        // The fork program first, then the processes already running: a
-        // process started in between is in both, none in neither.
-        tracepoints.splice(0..0, [(&skel.progs.trace_fork, "sched_process_fork"), (&skel.progs.trace_exit, "sched_process_exit")]);
+        // The fork program before the processes already running are added:
+        // a process started in between is in both, none in neither.
+        tracepoints.insert(0, (&skel.progs.trace_fork, "sched_process_fork"));
     }
     for (prog, point) in tracepoints {
         links.push(prog.attach().with_context(|| {
@@ -263,7 +281,10 @@ pub fn run(args: TraceArgs) -> Result<()> {
         if args.memory {
             symbols.refresh(pid);
         }
-        let totals = report::read(&skel, phase_names.len(), args.memory, &mut symbols).context("reading the trace maps")?;
+        let mut traced = report::processes(&skel);
+        traced.push(pid);
+        let totals =
+            report::read(&skel, &traced, phase_names.len(), args.memory, &mut symbols).context("reading the trace maps")?;
         if let Some(out) = &mut out {
             let mut followed = report::processes(&skel);
             followed.sort_unstable();

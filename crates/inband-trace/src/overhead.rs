@@ -48,9 +48,10 @@ pub struct OverheadArgs {
 }
 
 /// The passes: a name and the tracer's arguments (none: untraced).
-const PASSES: [(&str, Option<&[&str]>); 5] = [
+const PASSES: [(&str, Option<&[&str]>); 6] = [
     ("untraced", None),
-    ("floor: tracepoints only", Some(&["--floor"])),
+    ("floor: tracepoints only", Some(&["--floor", "tracepoints"])),
+    ("floor: clocks only", Some(&["--floor", "clocks"])),
     ("timing", Some(&[])),
     ("timing, --phases cache", Some(&["--phases", "cache"])),
     ("timing and --memory", Some(&["--memory"])),

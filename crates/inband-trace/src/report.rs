@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{ensure, Result};
@@ -10,7 +11,7 @@ use libbpf_rs::{MapCore, MapFlags};
 use serde_json::{json, Map as JsonMap, Value};
 
 use crate::bpf::shared::{
-    inband_trace_alloc, inband_trace_last, inband_trace_site, inband_trace_thread_key, inband_trace_time, INBAND_TRACE_ALLOC_FNS, INBAND_TRACE_COUNTERS,
+    inband_trace_alloc, inband_trace_last, inband_trace_site, inband_trace_thread, inband_trace_time, inband_trace_totals, INBAND_TRACE_ALLOC_FNS, INBAND_TRACE_COUNTERS,
     INBAND_TRACE_FREE, INBAND_TRACE_NR_SLOTS, INBAND_TRACE_PAGE_ORDERS, INBAND_TRACE_PAGE_ORDER_UNKNOWN,
     INBAND_TRACE_PHASE_UNSET, INBAND_TRACE_PROCESSES_FULL, INBAND_TRACE_SITES_FULL, INBAND_TRACE_SIZE_BUCKETS,
     INBAND_TRACE_STACK_DEPTH, INBAND_TRACE_STACK_LOST, INBAND_TRACE_THREADS_FULL, INBAND_TRACE_UNTIMED,
@@ -134,8 +135,38 @@ fn sum_cpus<T: Copy>(per_cpu: Option<Vec<Vec<u8>>>, mut add: impl FnMut(T)) -> R
     Ok(())
 }
 
-/// Reads the maps; only the first `phases` phases (the rest are never hit).
-pub fn read(skel: &TraceSkel, phases: usize, memory: bool, symbols: &mut Symbolizer) -> Result<Totals> {
+/// The totals of the live threads of `pids` that made a timed call, from
+/// their task storage, which is looked up by a pidfd of the thread.
+fn live_threads(skel: &TraceSkel, pids: &[u32]) -> Vec<(u32, inband_trace_totals)> {
+    let mut found = Vec::new();
+    for pid in pids {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { continue };
+        for task in tasks.flatten() {
+            let Some(tid) = task.file_name().to_str().and_then(|s| s.parse::<libc::pid_t>().ok()) else { continue };
+            // SAFETY: pidfd_open takes a thread id and flags and returns a
+            // new descriptor, or -1 (a thread that has ended meanwhile:
+            // its totals are in `exited`).
+            let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, tid, libc::PIDFD_THREAD) };
+            let Ok(fd) = i32::try_from(fd) else { continue };
+            if fd < 0 {
+                continue;
+            }
+            // SAFETY: a descriptor just opened, owned here alone.
+            let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+            let Ok(Some(bytes)) = skel.maps.thread_state.lookup(&fd.as_raw_fd().to_ne_bytes(), MapFlags::ANY) else { continue };
+            if let Ok(thread) = decode::<inband_trace_thread>(&bytes) {
+                if thread.totals.since != 0 {
+                    found.push((tid as u32, thread.totals));
+                }
+            }
+        }
+    }
+    found
+}
+
+/// Reads the maps; only the first `phases` phases (the rest are never hit);
+/// the threads of `pids`, live or not.
+pub fn read(skel: &TraceSkel, pids: &[u32], phases: usize, memory: bool, symbols: &mut Symbolizer) -> Result<Totals> {
     let mut t = Totals { hits: vec![0; phases], ..Default::default() };
     for phase in 0..phases as u32 {
         for nr in 0..INBAND_TRACE_NR_SLOTS {
@@ -152,11 +183,28 @@ pub fn read(skel: &TraceSkel, phases: usize, memory: bool, symbols: &mut Symboli
             t.hits[phase as usize] += v
         })?;
     }
-    for key in skel.maps.threads.keys() {
-        let Some(value) = skel.maps.threads.lookup(&key, MapFlags::ANY)? else { continue };
-        let k: inband_trace_thread_key = decode(&key)?;
-        let v: inband_trace_time = decode(&value)?;
-        t.threads.insert((k.tid, k.category), Time { count: v.count, ns: v.ns });
+    // The live threads first: one that ends before `exited` is read is
+    // found there too, later, with the same start.
+    let live = live_threads(skel, pids);
+    let mut exited = BTreeMap::new();
+    for key in skel.maps.exited.keys() {
+        let Some(value) = skel.maps.exited.lookup(&key, MapFlags::ANY)? else { continue };
+        exited.insert(decode::<u32>(&key)?, decode::<inband_trace_totals>(&value)?);
+    }
+    let mut add = |tid: u32, totals: &inband_trace_totals| {
+        for (category, time) in totals.category.iter().enumerate() {
+            if time.count > 0 {
+                t.threads.entry((tid, category as u32)).or_default().add(Time { count: time.count, ns: time.ns });
+            }
+        }
+    };
+    for (tid, totals) in &live {
+        if !exited.get(tid).is_some_and(|e| e.since == totals.since) {
+            add(*tid, totals);
+        }
+    }
+    for (tid, totals) in &exited {
+        add(*tid, totals);
     }
     sum_cpus(skel.maps.last_phase.lookup_percpu(&0u32.to_ne_bytes(), MapFlags::ANY)?, |v: inband_trace_last| {
         if v.ns > 0 && t.last.is_none_or(|(ns, _, _)| v.ns > ns) {

@@ -159,6 +159,47 @@ fn system_calls_are_counted_in_their_categories() {
     assert!(table.lines().any(|l| l.starts_with("io_read") && l.split_whitespace().nth(1) == Some(&READS.to_string())), "{table}");
 }
 
+/// A thread's totals are read from the thread while it lives (its task
+/// storage, by a pidfd), not only once it has exited: a snapshot taken
+/// while the target sleeps after its reads has them all, on its thread.
+#[test]
+fn a_live_threads_totals_are_in_every_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("trace.jsonl");
+    let script = format!(
+        "import os, time\n\
+         z = os.open('/dev/zero', os.O_RDONLY)\n\
+         os.write(1, b'ready\\n')\n\
+         os.read(0, 16)\n\
+         for _ in range({READS}): os.read(z, 1)\n\
+         time.sleep(30)\n"
+    );
+    let mut python = Command::new("python3");
+    python.args(["-c", &script]);
+    let mut target = Target::start(python);
+    let pid = target.pid().to_string();
+    let mut tracer = start_tracer(&["--pid", &pid, "--interval-s", "0.1", "--out", out.to_str().unwrap()]);
+    target.go.write_all(b"go\n").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let seen = loop {
+        let done = std::fs::read_to_string(&out).unwrap_or_default().lines().rev().find_map(|l| {
+            let line: Value = serde_json::from_str(l).ok()?;
+            (count(&line["total"]["categories"]["io_read"]) >= READS).then_some(line)
+        });
+        if let Some(line) = done {
+            break line;
+        }
+        assert!(Instant::now() < deadline, "no snapshot with the reads");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(target.child.try_wait().unwrap().is_none(), "the target is still sleeping");
+    assert_eq!(seen["final"], false);
+    assert_eq!(count(&seen["total"]["threads"][&pid]["io_read"]), READS, "{seen}");
+    drop(target);
+    let _ = tracer.kill();
+    let _ = tracer.wait();
+}
+
 /// Threads of the marker program that write.
 const WRITERS: u64 = 3;
 
@@ -572,7 +613,10 @@ fn overhead_compares_the_benchmark_traced_and_untraced() {
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
     let passes = report["passes"].as_array().unwrap();
     let names: Vec<&str> = passes.iter().map(|p| p["pass"].as_str().unwrap()).collect();
-    assert_eq!(names, ["untraced", "floor: tracepoints only", "timing", "timing, --phases cache", "timing and --memory"]);
+    assert_eq!(
+        names,
+        ["untraced", "floor: tracepoints only", "floor: clocks only", "timing", "timing, --phases cache", "timing and --memory"]
+    );
     let untraced = passes[0]["median_ops_per_s"].as_f64().unwrap();
     assert!(untraced > 0.0, "{report}");
     assert_eq!(passes[0]["ratio"], 1.0);
@@ -583,16 +627,19 @@ fn overhead_compares_the_benchmark_traced_and_untraced() {
         assert!((p["ratio"].as_f64().unwrap() - ratio).abs() < 1e-9, "{p}");
     }
     assert!(passes[0]["runs"][0]["syscalls"].is_null());
-    // The floor's programs stop at the process check: nothing is counted.
-    assert_eq!(passes[1]["runs"][0]["syscalls"], 0, "{}", passes[1]);
-    assert!(passes[2]["runs"][0]["syscalls"].as_u64().unwrap() > 0, "{}", passes[2]);
-    assert_eq!(passes[2]["runs"][0]["marker_hits"], 0, "{}", passes[2]);
-    let phases = &passes[3]["runs"][0];
+    // The floors' programs stop at the process check, or after reading
+    // the clocks: nothing is counted.
+    for floor in &passes[1..3] {
+        assert_eq!(floor["runs"][0]["syscalls"], 0, "{floor}");
+    }
+    assert!(passes[3]["runs"][0]["syscalls"].as_u64().unwrap() > 0, "{}", passes[3]);
+    assert_eq!(passes[3]["runs"][0]["marker_hits"], 0, "{}", passes[3]);
+    let phases = &passes[4]["runs"][0];
     assert_eq!(phases["marker_hits"], phases["ops"], "{phases}");
     // The memory store's operations make no system calls; the uprobe(2)
     // a marker on a nop costs (kernel 6.18) is not counted as one.
     assert!(phases["syscalls"].as_u64().unwrap() < phases["ops"].as_u64().unwrap() / 10, "{phases}");
-    let memory = &passes[4]["runs"][0];
+    let memory = &passes[5]["runs"][0];
     assert!(memory["allocs"].as_u64().unwrap() >= memory["ops"].as_u64().unwrap(), "{memory}");
     // The store and the traces are gone with the command.
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
