@@ -18,14 +18,14 @@ use tokio::net::TcpStream;
 use crate::common::*;
 use inband_proxy::{config, Proxy};
 
-struct Ca {
+pub(crate) struct Ca {
     cert: rcgen::Certificate,
     key: KeyPair,
     dir: tempfile::TempDir,
 }
 
 impl Ca {
-    fn new() -> Ca {
+    pub(crate) fn new() -> Ca {
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
         params.distinguished_name.push(DnType::CommonName, "inband test CA");
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -36,13 +36,13 @@ impl Ca {
         Ca { cert, key, dir }
     }
 
-    fn pem(&self) -> PathBuf {
+    pub(crate) fn pem(&self) -> PathBuf {
         self.dir.path().join("ca.pem")
     }
 
     /// A leaf for `names` with common name `cn`, written as `<file>.pem`
     /// and `<file>.key`; `expired` puts notAfter in the past.
-    fn leaf(&self, file: &str, cn: &str, names: &[&str], expired: bool) -> (PathBuf, PathBuf) {
+    pub(crate) fn leaf(&self, file: &str, cn: &str, names: &[&str], expired: bool) -> (PathBuf, PathBuf) {
         let mut params = CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>()).unwrap();
         params.distinguished_name.push(DnType::CommonName, cn);
         if expired {
@@ -68,7 +68,7 @@ fn tls_section(certs: &[(PathBuf, PathBuf)]) -> String {
 
 /// Runs a client to completion off the runtime (the proxy's acceptor
 /// shares it), with `stdin` as its input; returns stdout and stderr.
-async fn run(cmd: &str, args: &[&str], stdin: &[u8]) -> String {
+pub(crate) async fn run(cmd: &str, args: &[&str], stdin: &[u8]) -> String {
     let (cmd, args, stdin) = (cmd.to_string(), args.iter().map(|a| a.to_string()).collect::<Vec<_>>(), stdin.to_vec());
     let out = tokio::task::spawn_blocking(move || {
         use std::io::Write;
