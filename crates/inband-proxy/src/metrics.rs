@@ -123,6 +123,7 @@ pub struct Metrics {
     /// family lookup hashes a label set under a lock.
     by_class: [Counter; 5],
     by_outcome: [Counter; Outcome::ALL.len()],
+    pub compression: crate::compression::Counters,
 }
 
 impl Metrics {
@@ -222,6 +223,7 @@ impl Metrics {
         // Every outcome exported from the start, so a rate() sees its 0.
         let by_outcome = Outcome::ALL.map(|o| cache.get_or_create(&vec![("result", o.label().to_string())]).clone());
         let by_class = [1, 2, 3, 4, 5].map(|c| requests.get_or_create(&vec![("class", format!("{c}xx"))]).clone());
+        let compression = crate::compression::Counters::register(&mut registry);
         Metrics {
             registry,
             refusals,
@@ -256,6 +258,7 @@ impl Metrics {
             tunnel_bytes,
             by_class,
             by_outcome,
+            compression,
         }
     }
 
