@@ -212,7 +212,9 @@ impl Transport {
                 Err(e) => classify_h2(e.error()),
             },
         };
-        if matches!(failure, Failure::NotProcessed | Failure::Broken(_)) {
+        // A connection that refused a request is going away; one stream's
+        // error (a reset of that stream alone) leaves the others be.
+        if matches!(failure, Failure::NotProcessed) || conn.send.is_closed() {
             let mut s = slot.lock().await;
             if s.as_ref().is_some_and(|c| c.serial == conn.serial) {
                 *s = None;

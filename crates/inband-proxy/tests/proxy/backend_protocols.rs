@@ -179,7 +179,7 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-async fn nginx(ca: &Ca, verify_client: bool) -> Nginx {
+async fn nginx(ca: &Ca, verify_client: bool, directives: &str) -> Nginx {
     let (cert, key) = ca.leaf("nginx", "backend.test", &["backend.test", "127.0.0.1"], false);
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().display().to_string();
@@ -190,7 +190,7 @@ async fn nginx(ca: &Ca, verify_client: bool) -> Nginx {
         let conf = format!(
             "daemon off;\nmaster_process off;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\nevents {{}}\nhttp {{\n\
              access_log off;\nclient_body_temp_path {d};\nproxy_temp_path {d};\nfastcgi_temp_path {d};\nuwsgi_temp_path {d};\nscgi_temp_path {d};\n\
-             server {{\nlisten 127.0.0.1:{port} ssl http2;\nssl_certificate {};\nssl_certificate_key {};\n{verify}\n\
+             server {{\nlisten 127.0.0.1:{port} ssl http2;\nssl_certificate {};\nssl_certificate_key {};\n{verify}\n{directives}\n\
              location / {{ add_header x-client-verify $ssl_client_verify always; return 200 \"$server_protocol $host $request_uri\"; }}\n}}\n}}\n",
             cert.display(),
             key.display()
@@ -236,7 +236,7 @@ async fn start(n: &Nginx, extra: &str) -> Proxy {
 #[tokio::test]
 async fn nginx_over_verified_tls_gets_h2_or_http1_as_the_pool_says_and_checks_pass_over_it() {
     let ca = Ca::new();
-    let n = nginx(&ca, false).await;
+    let n = nginx(&ca, false, "").await;
     // Checks every 50 ms, one failure ejects: a check that failed over
     // TLS or h2 would leave no backend (503).
     let health = "[health]\npath = \"/health\"\ninterval_ms = 50\ntimeout_ms = 1000\nunhealthy_after = 1\nhealthy_after = 1\n";
@@ -258,7 +258,7 @@ async fn nginx_over_verified_tls_gets_h2_or_http1_as_the_pool_says_and_checks_pa
 #[tokio::test]
 async fn a_backend_certificate_that_does_not_verify_is_a_502_counted_for_both_protocols() {
     let ca = Ca::new();
-    let n = nginx(&ca, false).await;
+    let n = nginx(&ca, false, "").await;
     let other = Ca::new();
     for (protocol, tls) in [
         ("http1", tls_keys(&other.pem(), None, None)),
@@ -280,7 +280,7 @@ async fn a_backend_certificate_that_does_not_verify_is_a_502_counted_for_both_pr
 #[tokio::test]
 async fn a_client_certificate_is_presented_to_a_backend_that_asks() {
     let ca = Ca::new();
-    let n = nginx(&ca, true).await;
+    let n = nginx(&ca, true, "").await;
     let client = ca.leaf("client", "proxy.test", &["proxy.test"], false);
     let p = start(&n, &format!("backend_protocol = \"h2\"\n{}", tls_keys(&ca.pem(), None, Some(&client)))).await;
     let r = send(p.addr, "GET", "/c", &[("host", "site.test")], b"").await;
@@ -310,4 +310,23 @@ async fn a_backend_ca_file_that_is_missing_or_not_pem_refuses_the_start_naming_i
     // Half a client certificate is a config error.
     let e = config::parse("listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\n[backend_tls]\ncert = \"/c.pem\"\n").unwrap_err();
     assert!(format!("{e:#}").contains("cert and key go together"), "{e:#}");
+}
+
+#[tokio::test]
+async fn nginx_closing_h2_connections_with_goaway_loses_no_request() {
+    let ca = Ca::new();
+    // nginx ends an HTTP/2 connection with GOAWAY after this many streams.
+    let n = nginx(&ca, false, "keepalive_requests 4;").await;
+    let p = start(&n, &format!("workers = 1\nbackend_protocol = \"h2\"\n{}", tls_keys(&ca.pem(), None, None))).await;
+    let addr = p.addr;
+    for round in 0..6 {
+        let all: Vec<_> = (0..3).map(|i| tokio::spawn(async move { send(addr, "GET", &format!("/g{round}-{i}"), &[("host", "site.test")], b"").await })).collect();
+        for (i, a) in all.into_iter().enumerate() {
+            let r = a.await.unwrap();
+            assert_eq!((r.status, r.body), (200, format!("HTTP/2.0 site.test /g{round}-{i}")));
+        }
+    }
+    let m = metrics(&p).await;
+    assert_eq!(sample(&m, "inband_proxy_refusals_total{reason=\"backend_down\"}"), 0.0, "{m}");
+    p.shutdown().await;
 }
