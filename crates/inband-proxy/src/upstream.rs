@@ -380,3 +380,23 @@ fn chain(e: &(dyn StdError + 'static)) -> String {
     }
     s
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn http2_requests_carry_the_client_host_as_authority_and_no_host() {
+        let req = |host: &[u8]| {
+            let mut r = Request::get("http://10.0.0.1:8080/p?q").body(Full::new(Bytes::new())).unwrap();
+            r.headers_mut().insert(HOST, http::HeaderValue::from_bytes(host).unwrap());
+            as_h2(r)
+        };
+        let r = req(b"site.test:8443");
+        assert_eq!((r.uri().to_string().as_str(), r.headers().get(HOST), r.version()), ("http://site.test:8443/p?q", None, Version::HTTP_2));
+        // A Host that is no authority leaves the backend's address, and
+        // is not sent beside it.
+        let r = req(b"a b");
+        assert_eq!((r.uri().to_string().as_str(), r.headers().get(HOST)), ("http://10.0.0.1:8080/p?q", None));
+    }
+}
