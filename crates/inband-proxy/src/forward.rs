@@ -122,7 +122,7 @@ pub async fn send(shared: &Shared, pool: &BackendPool, parts: &request::Parts, b
         };
         tried[i] = true;
         let b = &backends[i];
-        let path = parts.uri.path_and_query().map_or("/", PathAndQuery::as_str);
+        let path = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
         let transport = &pool.transport;
         let uri = transport.backend_uri(b, path);
         let req = || {

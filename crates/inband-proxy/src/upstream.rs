@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::HOST;
-use http::uri::{self, Authority, Scheme};
+use http::uri::{self, Authority, PathAndQuery, Scheme};
 use http::{Request, Response, Uri, Version};
 use http_body_util::Full;
 use hyper::body::Incoming;
@@ -225,7 +225,7 @@ impl Transport {
 
     /// A new HTTP/2 connection to `b`, its driver spawned on this worker.
     async fn connect_h2(&self, b: &Backend) -> Result<SendRequest<Full<Bytes>>, Failure> {
-        let uri = self.backend_uri(b, "/");
+        let uri = self.backend_uri(b, PathAndQuery::from_static("/"));
         match &self.tls {
             Some(tls) => {
                 let io = tls.clone().call(uri).await.map_err(|e| classify(&*e, true))?;
@@ -241,11 +241,11 @@ impl Transport {
     }
 
     /// The URI a request to `b` is written with.
-    pub fn backend_uri(&self, b: &Backend, path: &str) -> Uri {
+    pub fn backend_uri(&self, b: &Backend, path: PathAndQuery) -> Uri {
         let mut u = uri::Parts::default();
         u.scheme = Some(self.scheme());
         u.authority = Some(b.authority.clone());
-        u.path_and_query = Some(path.parse().unwrap_or_else(|_| uri::PathAndQuery::from_static("/")));
+        u.path_and_query = Some(path);
         Uri::from_parts(u).expect("a scheme, an authority and a path form a URI")
     }
 
@@ -253,7 +253,8 @@ impl Transport {
     /// fresh connection (as `inband_health`'s checks of plaintext pools):
     /// `GET path` with the backend's address as Host, 2xx or 3xx passes.
     pub async fn check(&self, b: &Backend, path: &str) -> Result<(), String> {
-        let uri = self.backend_uri(b, path);
+        let path = PathAndQuery::try_from(path).map_err(|e| format!("health.path {path:?}: {e}"))?;
+        let uri = self.backend_uri(b, path.clone());
         let mut req = Request::get(uri).body(Full::new(Bytes::new())).expect("a GET of a URI is a request");
         let resp = match (self.protocol, &self.tls) {
             (BackendProtocol::H2, _) => {
@@ -262,10 +263,10 @@ impl Transport {
             }
             (BackendProtocol::Http1, tls) => {
                 req.headers_mut().insert(HOST, http::HeaderValue::from_str(b.authority.as_str()).expect("an authority is a header value"));
-                *req.uri_mut() = path.parse().unwrap_or_else(|_| Uri::from_static("/"));
+                *req.uri_mut() = Uri::from(path);
                 let mut send = match tls {
-                    Some(t) => handshake_http1(t.clone().call(self.backend_uri(b, "/")).await.map_err(|e| classify(&*e, true).to_string())?).await,
-                    None => handshake_http1(self.http.clone().call(self.backend_uri(b, "/")).await.map_err(|e| e.to_string())?).await,
+                    Some(t) => handshake_http1(t.clone().call(self.backend_uri(b, PathAndQuery::from_static("/"))).await.map_err(|e| classify(&*e, true).to_string())?).await,
+                    None => handshake_http1(self.http.clone().call(self.backend_uri(b, PathAndQuery::from_static("/"))).await.map_err(|e| e.to_string())?).await,
                 }
                 .map_err(|e| e.to_string())?;
                 send.send_request(req).await
