@@ -61,7 +61,7 @@ pub async fn serve(shared: &Arc<Shared>, cache: &HttpCache, route: &Arc<Route>, 
     parts.headers.remove(header::IF_MODIFIED_SINCE);
     let accept = parts.headers.get(header::ACCEPT_ENCODING).cloned();
     // Before the 304 check: a validator names the representation sent.
-    let resp = crate::compression::for_client(accept.as_ref(), lookup_or_fetch(shared, cache, route, parts, key).await?);
+    let resp = crate::compression::for_client(accept.as_ref(), &shared.metrics.compression, lookup_or_fetch(shared, cache, route, parts, key).await?);
     match req_headers {
         Some(req) if resp.status() == StatusCode::OK && not_modified(&req, resp.headers()) => {
             let (mut head, _) = resp.into_parts();
@@ -218,7 +218,7 @@ async fn keep(
     match cache.buffer(body, limit).await {
         Buffered::Whole(bytes) => {
             let compression = shared.cfg.raw.cache.as_ref().and_then(|c| c.compression.as_ref());
-            let (head, bytes) = crate::compression::stored(compression, head, bytes).await;
+            let (head, bytes) = crate::compression::stored(compression, &shared.metrics.compression, head, bytes).await;
             // Waiters are served from the policy as stored: without the
             // leader's Set-Cookie and request headers.
             let stored = cache.put(parts, &head, bytes.clone()).await;

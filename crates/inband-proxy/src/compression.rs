@@ -28,6 +28,9 @@ use bytes::Bytes;
 use http::{header, response, HeaderMap, HeaderValue, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::{Body, Frame, SizeHint};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
 use serde::Deserialize;
 
 use crate::body::{BoxError, ProxyBody};
@@ -74,6 +77,60 @@ pub enum Encoding {
     Gzip,
     Br,
     Zstd,
+}
+
+const ENCODINGS: [Encoding; 3] = [Encoding::Gzip, Encoding::Br, Encoding::Zstd];
+
+/// What storing a compressible response came to.
+#[derive(Clone, Copy)]
+enum Stored {
+    Compressed,
+    /// The encoded body was not smaller: stored as it came.
+    NotSmaller,
+    Failed,
+}
+
+/// The counters of this module, per encoding (by `Encoding as usize`):
+/// handles taken once, so counting takes no family lookup.
+pub(crate) struct Counters {
+    stored: [[Counter; 3]; 3],
+    /// Identity bytes in, encoded bytes out, of the responses stored compressed.
+    bytes: [[Counter; 2]; 3],
+    /// Responses from compressed entries sent as stored, and decoded for
+    /// a client that does not accept the encoding.
+    served: [[Counter; 2]; 3],
+}
+
+impl Counters {
+    /// Registers the families, every series exported from the start.
+    pub(crate) fn register(registry: &mut Registry) -> Counters {
+        let stored = Family::<Vec<(&'static str, String)>, Counter>::default();
+        let bytes = Family::<Vec<(&'static str, String)>, Counter>::default();
+        let served = Family::<Vec<(&'static str, String)>, Counter>::default();
+        registry.register(
+            "compression_stored",
+            "Compressible responses stored by [cache.compression], by encoding and result: compressed, not_smaller (stored as they came), failed (stored as they came)",
+            stored.clone(),
+        );
+        registry.register("compression_bytes", "Body bytes of the responses stored compressed: identity (before) and encoded (after), by encoding", bytes.clone());
+        registry.register(
+            "compression_served",
+            "Responses from compressed cache entries: encoded (the client accepts the encoding) or decoded (sent as the origin's bytes to a client that does not)",
+            served.clone(),
+        );
+        let of = |f: &Family<Vec<(&'static str, String)>, Counter>, e: Encoding, k: &'static str, v: &str| {
+            f.get_or_create(&vec![("encoding", e.token().to_string()), (k, v.to_string())]).clone()
+        };
+        Counters {
+            stored: ENCODINGS.map(|e| ["compressed", "not_smaller", "failed"].map(|r| of(&stored, e, "result", r))),
+            bytes: ENCODINGS.map(|e| ["identity", "encoded"].map(|r| of(&bytes, e, "side", r))),
+            served: ENCODINGS.map(|e| ["encoded", "decoded"].map(|r| of(&served, e, "as", r))),
+        }
+    }
+
+    fn stored(&self, e: Encoding, result: Stored) {
+        self.stored[e as usize][result as usize].inc();
+    }
 }
 
 fn default_min_bytes() -> u64 {
@@ -172,13 +229,17 @@ impl CompressionConfig {
 /// result is smaller, otherwise as it came. Runs on the blocking pool: a
 /// megabyte takes milliseconds to compress, and a runtime thread serves
 /// other connections meanwhile.
-pub(crate) async fn stored(cfg: Option<&CompressionConfig>, mut head: response::Parts, body: Bytes) -> (response::Parts, Bytes) {
+pub(crate) async fn stored(cfg: Option<&CompressionConfig>, counters: &Counters, mut head: response::Parts, body: Bytes) -> (response::Parts, Bytes) {
     let Some(cfg) = cfg.filter(|c| c.applies(&head, body.len())) else { return (head, body) };
     let (encoding, level) = (cfg.encoding, cfg.level.unwrap_or(cfg.encoding.default_level()));
     let input = body.clone();
     let encoded = tokio::task::spawn_blocking(move || encode(encoding, level, &input)).await;
     match encoded {
         Ok(Ok(e)) if e.len() < body.len() => {
+            counters.stored(encoding, Stored::Compressed);
+            let [identity, encoded] = &counters.bytes[encoding as usize];
+            identity.inc_by(body.len() as u64);
+            encoded.inc_by(e.len() as u64);
             let h = &mut head.headers;
             h.remove(header::CONTENT_ENCODING);
             h.insert(header::CONTENT_ENCODING, HeaderValue::from_static(encoding.token()));
@@ -186,12 +247,17 @@ pub(crate) async fn stored(cfg: Option<&CompressionConfig>, mut head: response::
             h.insert(IDENTITY_LENGTH, HeaderValue::from(body.len()));
             (head, Bytes::from(e))
         }
-        Ok(Ok(_)) => (head, body),
+        Ok(Ok(_)) => {
+            counters.stored(encoding, Stored::NotSmaller);
+            (head, body)
+        }
         Ok(Err(e)) => {
+            counters.stored(encoding, Stored::Failed);
             tracing::warn!(error = %e, "compressing a response failed; stored as it came");
             (head, body)
         }
         Err(e) => {
+            counters.stored(encoding, Stored::Failed);
             tracing::warn!(error = %e, "compressing a response failed; stored as it came");
             (head, body)
         }
@@ -222,13 +288,15 @@ fn encode(encoding: Encoding, level: u32, input: &[u8]) -> std::io::Result<Vec<u
 /// this module encoded the entry; then with `Vary: Accept-Encoding`, and
 /// either encoded (the client accepts the coding: ETag suffixed) or
 /// decoded while it is sent (origin's length and ETag).
-pub(crate) fn for_client(accept: Option<&HeaderValue>, resp: Response<ProxyBody>) -> Response<ProxyBody> {
+pub(crate) fn for_client(accept: Option<&HeaderValue>, counters: &Counters, resp: Response<ProxyBody>) -> Response<ProxyBody> {
     let (mut head, body) = resp.into_parts();
     let length = head.headers.remove(IDENTITY_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     let encoding = head.headers.get(header::CONTENT_ENCODING).and_then(|v| Encoding::from_token(v.to_str().ok()?));
     let (Some(length), Some(encoding)) = (length, encoding) else { return Response::from_parts(head, body) };
     add_vary(&mut head.headers);
-    if accepts(accept, encoding) {
+    let accepted = accepts(accept, encoding);
+    counters.served[encoding as usize][usize::from(!accepted)].inc();
+    if accepted {
         if let Some(etag) = head.headers.remove(header::ETAG) {
             // An entity tag that does not parse is dropped, never shared
             // with the identity representation.
@@ -427,6 +495,10 @@ impl Body for Decoding {
 mod tests {
     use super::*;
 
+    fn counters() -> Counters {
+        Counters::register(&mut Registry::default())
+    }
+
     fn cfg(encoding: Encoding) -> CompressionConfig {
         CompressionConfig { encoding, level: None, min_bytes: default_min_bytes(), types: default_types() }
     }
@@ -460,7 +532,7 @@ mod tests {
 
     async fn served(accept: Option<&str>, head: response::Parts, body: Bytes) -> (response::Parts, Bytes) {
         let accept = accept.map(|a| HeaderValue::from_str(a).unwrap());
-        let resp = for_client(accept.as_ref(), Response::from_parts(head, crate::body::full(body)));
+        let resp = for_client(accept.as_ref(), &counters(), Response::from_parts(head, crate::body::full(body)));
         let (h, b) = resp.into_parts();
         (h, b.collect().await.unwrap().to_bytes())
     }
@@ -470,7 +542,7 @@ mod tests {
         for enc in [Encoding::Gzip, Encoding::Br, Encoding::Zstd] {
             let origin = text();
             let h = head(&[("content-type", "text/plain; charset=utf-8"), ("etag", "\"v1\"")]);
-            let (h, stored) = stored(Some(&cfg(enc)), h, origin.clone()).await;
+            let (h, stored) = stored(Some(&cfg(enc)), &counters(), h, origin.clone()).await;
             assert!(stored.len() < origin.len() / 4, "{enc:?}: {} of {}", stored.len(), origin.len());
             assert_eq!(h.headers[header::CONTENT_ENCODING], enc.token());
             assert_eq!(h.headers[IDENTITY_LENGTH], origin.len().to_string().as_str());
@@ -506,7 +578,7 @@ mod tests {
         ];
         for (why, h, body) in cases {
             let before = h.headers.clone();
-            let (h, out) = stored(Some(&c), h, body.clone()).await;
+            let (h, out) = stored(Some(&c), &counters(), h, body.clone()).await;
             assert!(out == body && h.headers == before, "{why}: {:?}", h.headers);
             // And it leaves the proxy as it came, Vary untouched.
             let (got, b) = served(None, h, body.clone()).await;
@@ -514,8 +586,8 @@ mod tests {
         }
         let mut partial = head(&[("content-type", "text/plain")]);
         partial.status = StatusCode::PARTIAL_CONTENT;
-        assert_eq!(stored(Some(&c), partial, text()).await.1, text(), "a 206");
-        assert_eq!(stored(None, head(&[("content-type", "text/plain")]), text()).await.1, text(), "no [cache.compression]");
+        assert_eq!(stored(Some(&c), &counters(), partial, text()).await.1, text(), "a 206");
+        assert_eq!(stored(None, &counters(), head(&[("content-type", "text/plain")]), text()).await.1, text(), "no [cache.compression]");
     }
 
     #[test]
@@ -549,11 +621,11 @@ mod tests {
     #[tokio::test]
     async fn a_corrupt_stored_body_is_cut_short_not_served_wrong() {
         let h = head(&[("content-type", "text/plain")]);
-        let (h, stored) = stored(Some(&cfg(Encoding::Gzip)), h, text()).await;
+        let (h, stored) = stored(Some(&cfg(Encoding::Gzip)), &counters(), h, text()).await;
         let mut bad = stored.to_vec();
         let mid = bad.len() / 2;
         bad[mid] ^= 0xff;
-        let resp = for_client(None, Response::from_parts(h, crate::body::full(Bytes::from(bad))));
+        let resp = for_client(None, &counters(), Response::from_parts(h, crate::body::full(Bytes::from(bad))));
         assert!(resp.into_body().collect().await.is_err());
     }
 }

@@ -83,6 +83,12 @@ pub struct Config {
     /// Active health checks; none when absent.
     #[serde(default)]
     pub health: Option<HttpCheckConfig>,
+    /// How the default route's backends are spoken to.
+    #[serde(default)]
+    pub backend_protocol: BackendProtocol,
+    /// TLS to the default route's backends; plaintext when absent.
+    #[serde(default)]
+    pub backend_tls: Option<BackendTlsConfig>,
     #[serde(default)]
     pub passive: PassiveConfig,
     /// The response cache; none when absent.
@@ -164,6 +170,10 @@ pub struct RouteConfig {
     /// `[health]` is the default route's).
     #[serde(default)]
     pub health: Option<HttpCheckConfig>,
+    #[serde(default)]
+    pub backend_protocol: BackendProtocol,
+    #[serde(default)]
+    pub backend_tls: Option<BackendTlsConfig>,
     /// Whether this route's GETs go through the `[cache]` store.
     #[serde(default = "default_true")]
     pub cache: bool,
@@ -264,6 +274,51 @@ pub struct CertificateConfig {
     pub cert: PathBuf,
     /// PEM: its private key (PKCS#8, PKCS#1 RSA or SEC1 EC).
     pub key: PathBuf,
+    /// DER: an OCSP response for the certificate, stapled to handshakes
+    /// that ask for one; read again with the certificate on reload.
+    #[serde(default)]
+    pub ocsp: Option<PathBuf>,
+}
+
+/// The protocol a pool's backends are spoken to in: over TLS it is the
+/// one protocol offered by ALPN, in plaintext `h2` is h2c by prior
+/// knowledge.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+pub enum BackendProtocol {
+    #[default]
+    #[serde(rename = "http1")]
+    Http1,
+    #[serde(rename = "h2")]
+    H2,
+}
+
+/// `backend_tls`: TLS to a pool's backends, always verified.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendTlsConfig {
+    /// PEM: the CA certificates backends' certificates must chain to;
+    /// absent: the system's.
+    pub ca: Option<PathBuf>,
+    /// The name (or IP address) certificates are verified against and
+    /// sent as SNI; absent: the backend's IP address.
+    pub server_name: Option<String>,
+    /// PEM: a client certificate (then intermediates) and its key, for
+    /// backends that ask for one.
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+}
+
+impl BackendTlsConfig {
+    fn check(&self, at: &str, problems: &mut Vec<String>) {
+        if self.cert.is_some() != self.key.is_some() {
+            problems.push(format!("{at}backend_tls: cert and key go together (a client certificate needs its key)"));
+        }
+        if let Some(n) = &self.server_name {
+            if rustls::pki_types::ServerName::try_from(n.as_str()).is_err() {
+                problems.push(format!("{at}backend_tls.server_name {n:?} is neither a DNS name nor an IP address"));
+            }
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
@@ -578,6 +633,9 @@ pub fn check(raw: Config) -> Result<Checked> {
     if let Some(h) = &raw.health {
         check_health("", h, &mut problems);
     }
+    if let Some(t) = &raw.backend_tls {
+        t.check("", &mut problems);
+    }
     if let Some(c) = &raw.cache {
         if c.backend.durable() && c.path.is_none() {
             note(&mut problems, Err(anyhow::anyhow!("cache.backend {} needs cache.path (a directory)", c.backend)));
@@ -748,6 +806,8 @@ pub struct RouteSpec {
     pub policy: PolicyKind,
     pub hash_key: HashKey,
     pub health: Option<HttpCheckConfig>,
+    pub protocol: BackendProtocol,
+    pub backend_tls: Option<BackendTlsConfig>,
     pub cache: bool,
     pub max_object_bytes: Option<u64>,
     pub request_headers: Rewrite,
@@ -785,6 +845,9 @@ pub fn check_routes(raw: &Config, problems: &mut Vec<String>) -> Vec<RouteSpec> 
         let hash_key = parse_hash_key(&at, &r.hash_key, problems);
         if let Some(h) = &r.health {
             check_health(&at, h, problems);
+        }
+        if let Some(t) = &r.backend_tls {
+            t.check(&at, problems);
         }
         let mut hosts = Vec::new();
         for h in &r.hosts {
@@ -848,6 +911,8 @@ pub fn check_routes(raw: &Config, problems: &mut Vec<String>) -> Vec<RouteSpec> 
             policy: r.policy,
             hash_key: hash_key.unwrap_or(HashKey::Path),
             health: r.health.clone(),
+            protocol: r.backend_protocol,
+            backend_tls: r.backend_tls.clone(),
             cache: r.cache,
             max_object_bytes: r.max_object_bytes,
             request_headers,

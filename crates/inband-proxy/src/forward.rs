@@ -1,39 +1,22 @@
 //! Sending a request to a backend: choice by policy, forwarding headers,
-//! the backend timeout, bounded retries and passive health bookkeeping.
+//! the backend timeout, bounded retries and passive health bookkeeping
+//! (how the bytes travel, HTTP/1.1 or HTTP/2, plaintext or TLS: upstream.rs).
 
 use std::net::SocketAddr;
 use std::time::Instant;
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::uri::{self, PathAndQuery};
-use http::{request, Method, Request, Response, StatusCode, Uri};
+use http::uri::PathAndQuery;
+use http::{request, Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
 
 use crate::config::HashKey;
 use crate::metrics::Refusal;
 use crate::routes::BackendPool;
+use crate::upstream::Failure;
 use crate::Shared;
-
-pub type BackendClient = Client<HttpConnector, Full<Bytes>>;
-
-thread_local! {
-    /// The worker thread's own client: a pooled connection is driven by a
-    /// task on the runtime that opened it, so sharing one pool between
-    /// workers would wake another thread for every response.
-    static WORKER_CLIENT: std::cell::RefCell<Option<BackendClient>> = const { std::cell::RefCell::new(None) };
-}
-
-pub fn use_worker_client(c: BackendClient) {
-    WORKER_CLIENT.with(|w| *w.borrow_mut() = Some(c));
-}
-
-fn client(shared: &Shared) -> BackendClient {
-    WORKER_CLIENT.with(|w| w.borrow().clone()).unwrap_or_else(|| shared.client.clone())
-}
 
 /// RFC 9110 §7.6.1: connection-specific fields a proxy must not forward,
 /// plus whatever the Connection header names. Names, not strings: a
@@ -140,22 +123,21 @@ pub async fn send(shared: &Shared, pool: &BackendPool, parts: &request::Parts, b
         tried[i] = true;
         let b = &backends[i];
         let path = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
-        let mut req = Request::new(Full::new(body.clone()));
-        *req.method_mut() = parts.method.clone();
-        *req.uri_mut() = Uri::from_parts({
-            let mut u = uri::Parts::default();
-            u.scheme = Some(uri::Scheme::HTTP);
-            u.authority = Some(b.authority.clone());
-            u.path_and_query = Some(path);
-            u
-        })
-        .expect("a scheme, an authority and a path form a URI");
-        *req.headers_mut() = parts.headers.clone();
-        crate::cache_control::restore_request(req.headers_mut(), &parts.extensions);
+        let transport = &pool.transport;
+        let uri = transport.backend_uri(b, path);
+        let req = || {
+            let mut req = Request::new(Full::new(body.clone()));
+            *req.method_mut() = parts.method.clone();
+            *req.uri_mut() = uri.clone();
+            *req.headers_mut() = parts.headers.clone();
+            crate::cache_control::restore_request(req.headers_mut(), &parts.extensions);
+            req
+        };
         shared.metrics.origin_request(b);
         let _in_flight = b.start_request();
         let passive = &shared.cfg.raw.passive;
-        match tokio::time::timeout(shared.cfg.backend_timeout(), client(shared).request(req)).await {
+        let sent = transport.send(i, backends.len(), b, req, || shared.metrics.backend_resent(b));
+        match tokio::time::timeout(shared.cfg.backend_timeout(), sent).await {
             Ok(Ok(mut resp)) => {
                 // What a 101 switches to is the one hop-by-hop header
                 // that goes on, and only if the request offered it.
@@ -185,12 +167,20 @@ pub async fn send(shared: &Shared, pool: &BackendPool, parts: &request::Parts, b
                 return Ok(resp);
             }
             Ok(Err(e)) => {
-                note_ejection(b.record_failure(passive, Instant::now()), &b.name, "connection failure");
+                if let Failure::Tls(_) = e {
+                    shared.metrics.backend_tls_error(b);
+                }
+                // A backend that refused a request unprocessed twice is
+                // shedding load, not failing.
+                if !matches!(e, Failure::NotProcessed) {
+                    note_ejection(b.record_failure(passive, Instant::now()), &b.name, "connection failure");
+                }
                 tracing::debug!(backend = %b.name, error = %e, "backend request failed");
                 last = Refusal::BackendDown;
                 // A request that reached the backend may have had effects;
-                // only a failed connect is known not to have.
-                if !e.is_connect() {
+                // only one known not to have been sent or processed goes
+                // to another backend.
+                if !e.not_sent() {
                     break;
                 }
             }

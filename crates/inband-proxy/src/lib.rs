@@ -29,6 +29,7 @@ mod server;
 mod tls;
 mod tunnel;
 mod upgrade;
+mod upstream;
 mod uri_path;
 
 use std::net::SocketAddr;
@@ -38,22 +39,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use config::Checked;
-use forward::BackendClient;
 use metrics::Metrics;
 
 /// What every request handler shares.
 pub(crate) struct Shared {
     cfg: Checked,
     router: routes::Router,
-    client: BackendClient,
     metrics: Metrics,
     cache: Option<cache_store::HttpCache>,
     /// `max_connections` permits, shared by every worker.
@@ -110,13 +106,15 @@ pub struct Proxy {
 impl Proxy {
     /// Binds the listeners and starts serving; returns once both accept.
     pub async fn start(cfg: Checked) -> Result<Proxy> {
-        // For health checks and the acceptor's runtime; each worker has its own.
-        let client = backend_client(&cfg);
         // The store opens before the listener binds, so a proxy that
         // accepts has its cache: the first request after a restart can hit.
         let cache = cfg.raw.cache.as_ref().map(cache_store::HttpCache::open).transpose().context("opening the cache")?;
         let tls = cfg.raw.tls.as_ref().map(tls::Tls::new).transpose().context("TLS")?;
         let poll_keys = cfg.raw.auth.as_ref().map(scores::keys).transpose().context("[auth] keys for score polls")?;
+        let metrics = Metrics::new();
+        // A backend CA or client certificate file that cannot be used
+        // refuses the start, as the listener's certificates do.
+        let router = routes::Router::new(&cfg, &metrics).context("backend TLS")?;
         let listener = TcpListener::bind(cfg.listen).await.with_context(|| format!("listening on {}", cfg.listen))?;
         let addr = listener.local_addr()?;
         let tls_listener = match cfg.tls_listen {
@@ -137,13 +135,10 @@ impl Proxy {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
         };
-        let metrics = Metrics::new();
-        let router = routes::Router::new(&cfg, &metrics);
         let shared = Arc::new(Shared {
             connection_slots: Arc::new(tokio::sync::Semaphore::new(max_connections)),
             worker_loads: (0..workers).map(|_| Arc::default()).collect(),
             router,
-            client,
             client_limits: Arc::new(client_limits::ClientLimits::new(
                 cfg.raw.client_limits.connections_for(max_connections),
                 cfg.raw.client_limits.requests_per_s,
@@ -159,7 +154,7 @@ impl Proxy {
         for pool in shared.router.all().map(|r| &r.pool) {
             if let Some(h) = &pool.health {
                 for (b, addr) in pool.backends.iter().zip(&pool.addrs) {
-                    background.push(health::spawn(h.clone(), b.clone(), *addr));
+                    background.push(health::spawn(h.clone(), b.clone(), *addr, pool.transport.clone()));
                 }
             }
         }
@@ -260,7 +255,6 @@ fn spawn_worker(
     let (done, finished) = tokio::sync::oneshot::channel();
     std::thread::Builder::new().name(format!("proxy-worker-{i}")).spawn(move || {
         rt.block_on(async move {
-            forward::use_worker_client(backend_client(&shared.cfg));
             // Dropped with the runtime when serving ends.
             tokio::spawn(server::measure_busy(load.clone()));
             server::serve(shared, conns, load, stop).await
@@ -268,17 +262,6 @@ fn spawn_worker(
         let _ = done.send(());
     })?;
     Ok(finished)
-}
-
-fn backend_client(cfg: &Checked) -> BackendClient {
-    let mut connector = HttpConnector::new();
-    connector.set_connect_timeout(Some(cfg.connect_timeout()));
-    connector.set_nodelay(true);
-    Client::builder(TokioExecutor::new())
-        .timer(TokioTimer::new())
-        .pool_timer(TokioTimer::new())
-        .pool_idle_timeout(Duration::from_secs(60))
-        .build(connector)
 }
 
 /// Writes acknowledged cache entries to stable storage every second, so

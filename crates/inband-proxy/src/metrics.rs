@@ -91,6 +91,8 @@ pub struct Metrics {
     route_refusals: Family<Labels, Counter>,
     origin_requests: Family<Labels, Counter>,
     ejection_overridden: Family<Labels, Counter>,
+    backend_tls_errors: Family<Labels, Counter>,
+    backend_resent: Family<Labels, Counter>,
     score_polls: Family<Labels, Counter>,
     score_stale: Family<Labels, Counter>,
     score_replies_unauthenticated: Counter,
@@ -121,6 +123,7 @@ pub struct Metrics {
     /// family lookup hashes a label set under a lock.
     by_class: [Counter; 5],
     by_outcome: [Counter; Outcome::ALL.len()],
+    pub compression: crate::compression::Counters,
 }
 
 impl Metrics {
@@ -142,6 +145,18 @@ impl Metrics {
         );
         registry.register("score_replies_unauthenticated", "Score poll replies refused: the other [auth] mode, an unknown key or a MAC that does not verify", score_replies_unauthenticated.clone());
         registry.register("backend_score", "A least-score backend's last score from its agent, -1 while stale", backend_score.clone());
+        let backend_tls_errors = Family::<Labels, Counter>::default();
+        let backend_resent = Family::<Labels, Counter>::default();
+        registry.register(
+            "backend_tls_errors",
+            "TLS handshakes with a backend that failed: a certificate that does not verify, no common version, the pool's ALPN protocol refused",
+            backend_tls_errors.clone(),
+        );
+        registry.register(
+            "backend_resent",
+            "Requests an HTTP/2 backend refused unprocessed (REFUSED_STREAM, GOAWAY, its connection closed) and sent again on a new connection",
+            backend_resent.clone(),
+        );
         let request_bytes = Counter::default();
         let response_bytes = Counter::default();
         // 0.5 ms .. ~16 s: a cache hit on loopback to a slow origin.
@@ -208,6 +223,7 @@ impl Metrics {
         // Every outcome exported from the start, so a rate() sees its 0.
         let by_outcome = Outcome::ALL.map(|o| cache.get_or_create(&vec![("result", o.label().to_string())]).clone());
         let by_class = [1, 2, 3, 4, 5].map(|c| requests.get_or_create(&vec![("class", format!("{c}xx"))]).clone());
+        let compression = crate::compression::Counters::register(&mut registry);
         Metrics {
             registry,
             refusals,
@@ -215,6 +231,8 @@ impl Metrics {
             route_refusals,
             origin_requests,
             ejection_overridden,
+            backend_tls_errors,
+            backend_resent,
             score_polls,
             score_stale,
             score_replies_unauthenticated,
@@ -240,6 +258,7 @@ impl Metrics {
             tunnel_bytes,
             by_class,
             by_outcome,
+            compression,
         }
     }
 
@@ -300,6 +319,16 @@ impl Metrics {
     pub fn add_backend(&self, b: &Backend) {
         drop(self.origin_requests.get_or_create(&b.labels));
         drop(self.ejection_overridden.get_or_create(&b.labels));
+        drop(self.backend_tls_errors.get_or_create(&b.labels));
+        drop(self.backend_resent.get_or_create(&b.labels));
+    }
+
+    pub fn backend_tls_error(&self, b: &Backend) {
+        self.backend_tls_errors.get_or_create(&b.labels).inc();
+    }
+
+    pub fn backend_resent(&self, b: &Backend) {
+        self.backend_resent.get_or_create(&b.labels).inc();
     }
 
     /// Counted for each pool's entry of the backend, so a route's series

@@ -19,6 +19,7 @@ use crate::config::{HashKey, HostPattern, Rewrite, RouteSpec, DEFAULT_ROUTE};
 use crate::uri_path::normalize_path;
 use crate::metrics::Metrics;
 use crate::policy::Policy;
+use crate::upstream::Transport;
 
 /// The request's host as routes compare it: the Host header without its
 /// port, lowercased, without a trailing dot. None when it is not a name
@@ -54,6 +55,8 @@ pub struct BackendPool {
     pub policy: Policy,
     pub hash_key: HashKey,
     pub health: Option<HttpCheckConfig>,
+    /// How the backends are spoken to, and each worker's connections.
+    pub transport: Arc<Transport>,
 }
 
 /// A route as it runs.
@@ -74,17 +77,19 @@ pub struct Route {
 }
 
 impl Route {
-    fn new(spec: &RouteSpec, metrics: &Metrics, label: Option<&str>) -> Route {
+    fn new(spec: &RouteSpec, metrics: &Metrics, label: Option<&str>, connect_timeout: Duration) -> anyhow::Result<Route> {
+        let at = label.map(|l| format!("route {l:?}: ")).unwrap_or_default();
+        let transport = Arc::new(Transport::new(spec.protocol, spec.backend_tls.as_ref(), connect_timeout).map_err(|e| anyhow::anyhow!("{at}{e:#}"))?);
         let backends: Vec<Arc<Backend>> = spec.backends.iter().map(|&a| Arc::new(Backend::new(a, label))).collect();
         for b in &backends {
             metrics.add_backend(b);
         }
         let limits = spec.rate_limit.map(|(rate, burst)| Arc::new(ClientLimits::new(0, rate, burst, metrics.clients_untracked.clone())));
-        Route {
+        Ok(Route {
             name: spec.name.clone(),
             hosts: spec.hosts.clone(),
             path_prefix: spec.path_prefix.clone(),
-            pool: BackendPool { backends, addrs: spec.backends.clone(), policy: Policy::new(spec.policy), hash_key: spec.hash_key.clone(), health: spec.health.clone() },
+            pool: BackendPool { backends, addrs: spec.backends.clone(), policy: Policy::new(spec.policy), hash_key: spec.hash_key.clone(), health: spec.health.clone(), transport },
             cache: spec.cache,
             max_object_bytes: spec.max_object_bytes,
             rewrites_responses: !spec.response_headers.is_empty(),
@@ -92,7 +97,7 @@ impl Route {
             response_headers: spec.response_headers.clone(),
             limits,
             requests: metrics.route_requests(&spec.name),
-        }
+        })
     }
 
     /// Takes one of the client's requests from the route's rate limit, or
@@ -113,8 +118,9 @@ pub struct Router {
 }
 
 impl Router {
-    pub fn new(cfg: &crate::config::Checked, metrics: &Metrics) -> Router {
-        let routes = cfg.routes.iter().map(|s| Arc::new(Route::new(s, metrics, Some(&s.name)))).collect();
+    pub fn new(cfg: &crate::config::Checked, metrics: &Metrics) -> anyhow::Result<Router> {
+        let timeout = cfg.connect_timeout();
+        let routes = cfg.routes.iter().map(|s| Route::new(s, metrics, Some(&s.name), timeout).map(Arc::new)).collect::<anyhow::Result<_>>()?;
         let default = (!cfg.backends.is_empty()).then(|| {
             let spec = RouteSpec {
                 name: DEFAULT_ROUTE.into(),
@@ -124,6 +130,8 @@ impl Router {
                 policy: cfg.raw.policy,
                 hash_key: cfg.hash_key.clone(),
                 health: cfg.raw.health.clone(),
+                protocol: cfg.raw.backend_protocol,
+                backend_tls: cfg.raw.backend_tls.clone(),
                 cache: true,
                 max_object_bytes: None,
                 request_headers: Rewrite::default(),
@@ -132,9 +140,9 @@ impl Router {
             };
             // The top-level pool's series keep the labels they had before
             // routes existed.
-            Arc::new(Route::new(&spec, metrics, None))
+            Route::new(&spec, metrics, None, timeout).map(Arc::new)
         });
-        Router { routes, default }
+        Ok(Router { routes, default: default.transpose()? })
     }
 
     pub fn all(&self) -> impl Iterator<Item = &Arc<Route>> {

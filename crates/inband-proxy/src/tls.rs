@@ -1,6 +1,8 @@
-//! TLS termination: certificates from PEM files, chosen by SNI, swapped
-//! on reload while the server configuration (and with it the session
-//! cache and ticket keys) stays, so connections and resumption survive.
+//! TLS termination: certificates from PEM files (with their stapled OCSP
+//! responses), chosen by SNI, swapped on reload while the server
+//! configuration (and with it the session cache and ticket keys) stays, so
+//! connections and resumption survive. And TLS to backends: the verifying
+//! client configuration of a pool.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -11,12 +13,13 @@ use anyhow::{anyhow, bail, Context, Result};
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::client::ResolvesClientCert;
 use rustls::server::{ClientHello, ResolvesServerCert, ServerSessionMemoryCache};
 use rustls::sign::CertifiedKey;
-use rustls::ServerConfig;
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use tokio_rustls::TlsAcceptor;
 
-use crate::config::{CertificateConfig, TlsConfig};
+use crate::config::{BackendProtocol, BackendTlsConfig, CertificateConfig, TlsConfig};
 
 /// Sessions kept for TLS 1.2 clients that resume by session ID rather
 /// than by ticket; the oldest go first.
@@ -150,11 +153,102 @@ fn load(f: &CertificateConfig, provider: &CryptoProvider, now: SystemTime) -> Re
         }
     }
     let key = PrivateKeyDer::from_pem_file(&f.key).map_err(|e| anyhow!("key file {key_file}: no PEM private key in it: {e}"))?;
-    let key = CertifiedKey::from_der(chain, key, provider).map_err(|e| match e {
+    let mut key = CertifiedKey::from_der(chain, key, provider).map_err(|e| match e {
         rustls::Error::InconsistentKeys(_) => anyhow!("key file {key_file} does not match the certificate in {cert_file}"),
         e => anyhow!("key file {key_file}: unusable private key: {e}"),
     })?;
+    if let Some(ocsp) = &f.ocsp {
+        key.ocsp = Some(read_ocsp(ocsp)?);
+    }
     Ok((key, names, leaf_not_after))
+}
+
+/// An OCSP response to staple: rustls sends the bytes as they are, so
+/// they are checked to be a DER OCSPResponse whose status is
+/// `successful` (RFC 6960 §4.2.1); a client would reject anything else,
+/// and some fail the handshake. Whether it is the certificate's and still
+/// fresh is for whoever renews the file to keep true.
+fn read_ocsp(path: &Path) -> Result<Vec<u8>> {
+    readable(path)?;
+    let der = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let status = yasna::parse_der(&der, |r| {
+        r.read_sequence(|seq| {
+            let status = seq.next().read_enum()?;
+            // responseBytes [0] EXPLICIT, present when successful.
+            seq.read_optional(|r| r.read_tagged_der().map(drop))?;
+            Ok(status)
+        })
+    })
+    .map_err(|e| anyhow!("OCSP response file {}: not a DER OCSPResponse: {e}", path.display()))?;
+    if status != 0 {
+        bail!("OCSP response file {}: responseStatus is {status}, not successful (0)", path.display());
+    }
+    Ok(der)
+}
+
+/// The client configuration of a pool with `backend_tls`: the CA file's
+/// certificates (or the system's) as roots, webpki verification of the
+/// chain and of the name (`server_name`, or the backend's IP address), the
+/// one ALPN protocol the pool speaks, and a client certificate if given.
+/// A CA or client certificate file that cannot be used refuses the start,
+/// named.
+pub fn backend_client_config(cfg: &BackendTlsConfig, protocol: BackendProtocol) -> Result<Arc<ClientConfig>> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = RootCertStore::empty();
+    match &cfg.ca {
+        Some(ca) => {
+            readable(ca)?;
+            let certs = CertificateDer::pem_file_iter(ca)
+                .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+                .map_err(|e| anyhow!("backend_tls.ca file {}: not PEM certificates: {e}", ca.display()))?;
+            if certs.is_empty() {
+                bail!("backend_tls.ca file {}: no CERTIFICATE block in it", ca.display());
+            }
+            for (i, c) in certs.into_iter().enumerate() {
+                roots.add(c).map_err(|e| anyhow!("backend_tls.ca file {}: certificate {} is not a usable CA certificate: {e}", ca.display(), i + 1))?;
+            }
+        }
+        None => {
+            let found = rustls_native_certs::load_native_certs();
+            let (added, _) = roots.add_parsable_certificates(found.certs);
+            if added == 0 {
+                let why = found.errors.first().map(|e| format!(" ({e})")).unwrap_or_default();
+                bail!("backend_tls: no CA certificates found in the system's store{why}: give backend_tls.ca a PEM file");
+            }
+        }
+    }
+    let builder = ClientConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
+        .context("TLS versions")?
+        .with_root_certificates(roots);
+    let mut config = match (&cfg.cert, &cfg.key) {
+        (Some(cert), Some(key)) => {
+            let f = CertificateConfig { cert: cert.clone(), key: key.clone(), ocsp: None };
+            let (key, _, _) = load(&f, &provider, SystemTime::now()).context("backend_tls client certificate")?;
+            builder.with_client_cert_resolver(Arc::new(ClientCert(Arc::new(key))))
+        }
+        _ => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = vec![match protocol {
+        BackendProtocol::Http1 => b"http/1.1".to_vec(),
+        BackendProtocol::H2 => b"h2".to_vec(),
+    }];
+    Ok(Arc::new(config))
+}
+
+/// The one client certificate of a pool, whatever the backend asks for
+/// (a backend that cannot use it fails the handshake, which is counted).
+#[derive(Debug)]
+struct ClientCert(Arc<CertifiedKey>);
+
+impl ResolvesClientCert for ClientCert {
+    fn resolve(&self, _: &[&[u8]], _: &[rustls::SignatureScheme]) -> Option<Arc<CertifiedKey>> {
+        Some(self.0.clone())
+    }
+
+    fn has_certs(&self) -> bool {
+        true
+    }
 }
 
 /// "No such file" and "permission denied" as such, before a PEM error

@@ -29,6 +29,10 @@ async fn origin() -> Origin {
             "/png" => ok(&page(&path)).header("content-type", "image/png").header("cache-control", "max-age=60"),
             "/no-transform" => html(&path).header("cache-control", "max-age=60, no-transform"),
             "/tiny" => ok("<p>tiny</p>").header("content-type", "text/html").header("cache-control", "max-age=60"),
+            // Bytes no encoder shrinks.
+            "/random" => Reply { status: 200, body: noise(4096), ..Default::default() }
+                .header("content-type", "application/json")
+                .header("cache-control", "max-age=60"),
             "/pre-encoded" => {
                 // Already gzip: stored and sent as the origin made it.
                 let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
@@ -66,6 +70,19 @@ fn large() -> Vec<u8> {
             x ^= x >> 7;
             x ^= x << 17;
             b"0123456789abcdef"[(x & 15) as usize]
+        })
+        .collect()
+}
+
+/// `n` bytes of xorshift64 output, whole bytes: incompressible.
+fn noise(n: usize) -> Vec<u8> {
+    let mut x = 0x9e3779b97f4a7c15u64;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
         })
         .collect()
 }
@@ -148,6 +165,15 @@ async fn gzip_is_stored_once_and_every_client_gets_what_it_accepts() {
     let refused = curl(p.addr, "/page", &["-H", "Accept-Encoding: br, gzip;q=0"]).await;
     assert_eq!((&refused.body, refused.header("content-encoding")), (&origin_bytes, None));
     assert_eq!(o.hits(), 1, "stored once, served to all");
+    // Counted: one entry stored compressed, its bytes before and after;
+    // two responses sent encoded (the miss and the gzip one), two decoded.
+    let m = metrics(&p).await;
+    let series = |name: &str, labels: &str| sample(&m, &format!("inband_proxy_compression_{name}_total{{encoding=\"gzip\",{labels}}}"));
+    assert_eq!(series("stored", "result=\"compressed\""), 1.0, "{m}");
+    assert_eq!(series("stored", "result=\"not_smaller\""), 0.0);
+    assert_eq!(series("bytes", "side=\"identity\""), origin_bytes.len() as f64);
+    assert_eq!(series("bytes", "side=\"encoded\""), raw.body.len() as f64);
+    assert_eq!((series("served", "as=\"encoded\""), series("served", "as=\"decoded\"")), (2.0, 2.0));
 
     // Conditionals: each representation's own tag gets its 304.
     let inm = |t: &'static str| format!("If-None-Match: {t}");
@@ -180,6 +206,15 @@ async fn what_is_left_as_the_origin_sent_it() {
         let want = if path == "/tiny" { b"<p>tiny</p>".to_vec() } else { page(path).into_bytes() };
         assert_eq!(c.body, want, "{path}");
     }
+    // Tried, not smaller: stored as it came, and counted so.
+    curl(p.addr, "/random", &["--compressed"]).await;
+    let c = curl(p.addr, "/random", &["-H", "Accept-Encoding: gzip"]).await;
+    assert_eq!((c.header("x-cache"), c.header("content-encoding"), c.body.len()), (Some("HIT"), None, 4096));
+    let m = metrics(&p).await;
+    assert_eq!(sample(&m, "inband_proxy_compression_stored_total{encoding=\"gzip\",result=\"not_smaller\"}"), 1.0, "{m}");
+    // The others were not even tried; no entry is compressed, none served so.
+    assert_eq!(sample(&m, "inband_proxy_compression_stored_total{encoding=\"gzip\",result=\"compressed\"}"), 0.0);
+    assert_eq!(sample(&m, "inband_proxy_compression_served_total{encoding=\"gzip\",as=\"encoded\"}"), 0.0);
     // Already encoded by the origin: never re-compressed; its bytes as sent.
     let first = curl(p.addr, "/pre-encoded", &["-H", "Accept-Encoding: gzip"]).await;
     let again = curl(p.addr, "/pre-encoded", &["-H", "Accept-Encoding: gzip"]).await;

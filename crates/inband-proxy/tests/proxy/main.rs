@@ -6,6 +6,7 @@
 
 mod common;
 
+mod backend_protocols;
 mod bad_input;
 mod balancing;
 mod cache;

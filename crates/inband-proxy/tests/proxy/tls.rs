@@ -1,6 +1,7 @@
 //! The TLS listener with real clients (curl, openssl s_client) and
 //! certificates made here by a test CA: HTTP/1.1 and h2 by ALPN, h2c,
-//! SNI, TLS 1.2 and 1.3, resumption, reload, and refusals at start.
+//! SNI, TLS 1.2 and 1.3, resumption, reload, OCSP stapling, and refusals
+//! at start.
 
 
 use std::path::{Path, PathBuf};
@@ -18,14 +19,14 @@ use tokio::net::TcpStream;
 use crate::common::*;
 use inband_proxy::{config, Proxy};
 
-struct Ca {
+pub(crate) struct Ca {
     cert: rcgen::Certificate,
     key: KeyPair,
     dir: tempfile::TempDir,
 }
 
 impl Ca {
-    fn new() -> Ca {
+    pub(crate) fn new() -> Ca {
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
         params.distinguished_name.push(DnType::CommonName, "inband test CA");
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -36,13 +37,13 @@ impl Ca {
         Ca { cert, key, dir }
     }
 
-    fn pem(&self) -> PathBuf {
+    pub(crate) fn pem(&self) -> PathBuf {
         self.dir.path().join("ca.pem")
     }
 
     /// A leaf for `names` with common name `cn`, written as `<file>.pem`
     /// and `<file>.key`; `expired` puts notAfter in the past.
-    fn leaf(&self, file: &str, cn: &str, names: &[&str], expired: bool) -> (PathBuf, PathBuf) {
+    pub(crate) fn leaf(&self, file: &str, cn: &str, names: &[&str], expired: bool) -> (PathBuf, PathBuf) {
         let mut params = CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>()).unwrap();
         params.distinguished_name.push(DnType::CommonName, cn);
         if expired {
@@ -68,7 +69,7 @@ fn tls_section(certs: &[(PathBuf, PathBuf)]) -> String {
 
 /// Runs a client to completion off the runtime (the proxy's acceptor
 /// shares it), with `stdin` as its input; returns stdout and stderr.
-async fn run(cmd: &str, args: &[&str], stdin: &[u8]) -> String {
+pub(crate) async fn run(cmd: &str, args: &[&str], stdin: &[u8]) -> String {
     let (cmd, args, stdin) = (cmd.to_string(), args.iter().map(|a| a.to_string()).collect::<Vec<_>>(), stdin.to_vec());
     let out = tokio::task::spawn_blocking(move || {
         use std::io::Write;
@@ -349,4 +350,76 @@ async fn sighup_reloads_the_certificates() {
         _ = check => {}
     }
     p.shutdown().await;
+}
+
+/// Runs openssl with `args` and returns its stdout; panics on failure.
+fn openssl(args: &[&str]) -> String {
+    let out = std::process::Command::new("openssl").args(args).output().unwrap();
+    assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A DER OCSP response saying `leaf` is good, signed by the CA with
+/// `openssl ocsp` from an index file, written to `out`.
+fn ocsp_response(ca: &Ca, leaf: &Path, out: &Path) {
+    let dir = ca.dir.path();
+    let (ca_pem, ca_key, index, req) = (ca.pem(), dir.join("ca.key"), dir.join("index.txt"), dir.join("req.der"));
+    std::fs::write(&ca_key, ca.key.serialize_pem()).unwrap();
+    let serial = openssl(&["x509", "-serial", "-noout", "-in", leaf.to_str().unwrap()]);
+    let serial = serial.trim().strip_prefix("serial=").unwrap();
+    std::fs::write(&index, format!("V\t300101000000Z\t\t{serial}\tunknown\t/CN=a.test\n")).unwrap();
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    openssl(&["ocsp", "-issuer", &s(&ca_pem), "-cert", &s(leaf), "-no_nonce", "-reqout", &s(&req)]);
+    openssl(&["ocsp", "-index", &s(&index), "-rsigner", &s(&ca_pem), "-rkey", &s(&ca_key), "-CA", &s(&ca_pem), "-reqin", &s(&req), "-respout", &s(out), "-ndays", "1"]);
+}
+
+/// The signature of the (first) OCSP response in openssl's text: ECDSA
+/// signatures are random, so equal ones mean the same response's bytes.
+fn ocsp_signature(text: &str) -> String {
+    let after = &text[text.find("Signature Value:").unwrap_or_else(|| panic!("no OCSP response in:\n{text}"))..];
+    after.lines().skip(1).take_while(|l| l.trim().split(':').all(|b| b.is_empty() || (b.len() == 2 && b.bytes().all(|c| c.is_ascii_hexdigit())))).collect()
+}
+
+#[tokio::test]
+async fn the_ocsp_response_file_is_stapled_and_reloaded_with_the_certificate() {
+    let origin = Origin::start(|_| ok("x")).await;
+    let ca = Ca::new();
+    let (cert, key) = ca.leaf("a", "a.test", &["a.test"], false);
+    let (plain_cert, plain_key) = ca.leaf("b", "b.test", &["b.test"], false);
+    let ocsp = ca.dir.path().join("a.ocsp.der");
+    ocsp_response(&ca, &cert, &ocsp);
+    let first = ocsp_signature(&openssl(&["ocsp", "-respin", ocsp.to_str().unwrap(), "-resp_text", "-noverify"]));
+    assert!(first.len() > 100, "{first:?}");
+    let tls = format!(
+        "[tls]\nlisten = \"127.0.0.1:0\"\n[[tls.certificate]]\ncert = \"{}\"\nkey = \"{}\"\nocsp = \"{}\"\n[[tls.certificate]]\ncert = \"{}\"\nkey = \"{}\"\n",
+        cert.display(),
+        key.display(),
+        ocsp.display(),
+        plain_cert.display(),
+        plain_key.display()
+    );
+    let p = start_proxy(&[origin.addr], &tls).await;
+    for version in ["-tls1_3", "-tls1_2"] {
+        let out = s_client(&p, &["-servername", "a.test", "-status", version], b"").await;
+        assert!(out.contains("OCSP Response Status: successful") && out.contains("Cert Status: good"), "{out}");
+        assert_eq!(ocsp_signature(&out), first, "{version}");
+    }
+    // A certificate without a file staples nothing.
+    let out = s_client(&p, &["-servername", "b.test", "-status"], b"").await;
+    assert!(out.contains("OCSP response: no response sent"), "{out}");
+    // A renewed response is read with the certificates.
+    ocsp_response(&ca, &cert, &ocsp);
+    let second = ocsp_signature(&openssl(&["ocsp", "-respin", ocsp.to_str().unwrap(), "-resp_text", "-noverify"]));
+    assert_ne!(first, second);
+    p.reload_tls().unwrap();
+    assert_eq!(ocsp_signature(&s_client(&p, &["-servername", "a.test", "-status"], b"").await), second);
+    // One that is not an OCSP response keeps the previous one, named.
+    std::fs::write(&ocsp, b"not DER").unwrap();
+    let e = format!("{:#}", p.reload_tls().unwrap_err());
+    assert!(e.contains(&ocsp.display().to_string()) && e.contains("not a DER OCSPResponse"), "{e}");
+    assert_eq!(ocsp_signature(&s_client(&p, &["-servername", "a.test", "-status"], b"").await), second);
+    p.shutdown().await;
+    // And refuses the start.
+    let e = start_error(&origin, &tls).await;
+    assert!(e.contains(&ocsp.display().to_string()) && e.contains("not a DER OCSPResponse"), "{e}");
 }
