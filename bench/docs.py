@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from . import cache, cachestudy, cachetests, conformance, dataplane, ecmp, forwarding, frontdoor, health, mesh, paper, proxy, regimes, resilience, scaleout, scores, upgrade, weights
+from . import cache, cachestudy, cachetests, conformance, dataplane, ecmp, forwarding, frontdoor, health, mesh, paper, proxy, regimes, resilience, scaleout, scores, traceoverhead, upgrade, weights
 from .lib import results
 
 DOCS = results.REPO / "docs" / "benchmarks.md"
@@ -40,6 +40,7 @@ RENDER = {
     "resilience": resilience.render,
     "scaleout": scaleout.render,
     "scores": scores.render,
+    "traceoverhead": traceoverhead.render,
     "upgrade": upgrade.render,
     "weights": weights.render,
 }

@@ -176,6 +176,24 @@ def render(record: dict) -> str:
         timing, memory = by["timing"]["runs"][-1], by["timing and --memory"]["runs"][-1]
         out.append(f"| {r['backend']} | {by['untraced']['median_ops_per_s']:,.0f} | {ratios} | {beyond:.3f} | "
                    f"{_per_op(timing, 'syscalls')} | {_per_op(memory, 'allocs')} |")
+    out += [
+        "",
+        "Per system call, with the CPU caches warm: a loop of getppid(2), the cheapest call, under each pass (ns per call, "
+        "median over the repeats of each run's fastest round of a million calls; one loop per store's session). What the "
+        "timing pass adds to a call, times the store's calls per second untraced, is its least cost for that store; "
+        "the part beyond the clocks is the tracer's own bookkeeping.\n",
+        "| session | " + " | ".join(PASSES) + " | timing adds | of it beyond the clocks | least cost at the store's calls/s | of it beyond the clocks |",
+        "|---|" + "---:|" * len(PASSES) + "---:|---:|---:|---:|",
+    ]
+    for r in record["rows"]:
+        by = {x["pass"]: x for x in r["passes"]}
+        ns = {name: by[name]["ns_per_call"] for name in PASSES}
+        timing = by["timing"]["runs"][-1]
+        calls_per_s = by["untraced"]["median_ops_per_s"] * (timing["syscalls"] or 0) / max(timing["ops"], 1)
+        adds, beyond = ns["timing"] - ns["untraced"], ns["timing"] - ns["floor: clocks only"]
+        cells = " | ".join(f"{ns[name]:.1f}" for name in PASSES)
+        out.append(f"| {r['backend']} | {cells} | {adds:.1f} | {beyond:.1f} | {100 * adds * calls_per_s / 1e9:.2f} % | "
+                   f"{100 * beyond * calls_per_s / 1e9:.2f} % |")
     return "\n".join(out) + "\n"
 
 

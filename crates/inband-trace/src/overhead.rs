@@ -45,7 +45,18 @@ pub struct OverheadArgs {
     /// The report as JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// The child that times a loop of getppid(2) for the per-call cost.
+    #[arg(long, hide = true)]
+    call_loop_child: bool,
 }
+
+/// The per-call cost: getppid(2), the cheapest system call, CALLS times,
+/// the fastest of ROUNDS rounds (the least disturbed by the machine's other
+/// work). Its time per call over the untraced loop's is what a pass adds
+/// to every system call with the CPU caches warm; times a store's calls
+/// per second, what it costs that store at least.
+const CALLS: u32 = 1_000_000;
+const ROUNDS: u32 = 5;
 
 /// The passes: a name and the tracer's arguments (none: untraced).
 const PASSES: [(&str, Option<&[&str]>); 6] = [
@@ -77,6 +88,9 @@ struct Pass {
     median_ops_per_s: f64,
     /// Median throughput over the untraced median.
     ratio: f64,
+    /// The call loop: its median over the repeats, and each run's.
+    ns_per_call: f64,
+    per_call: Vec<f64>,
 }
 
 #[derive(Serialize)]
@@ -89,7 +103,66 @@ struct Report {
     passes: Vec<Pass>,
 }
 
+fn call_loop_child() -> Result<()> {
+    use std::io::Write;
+    let mut stdout = std::io::stdout();
+    writeln!(stdout, "ready")?;
+    stdout.flush()?;
+    std::io::stdin().read_line(&mut String::new())?;
+    let mut best = f64::MAX;
+    for _ in 0..ROUNDS {
+        let started = Instant::now();
+        for _ in 0..CALLS {
+            // SAFETY: getppid takes nothing and cannot fail.
+            unsafe { libc::syscall(libc::SYS_getppid) };
+        }
+        best = best.min(started.elapsed().as_nanos() as f64 / f64::from(CALLS));
+    }
+    writeln!(stdout, "{best}")?;
+    Ok(())
+}
+
+/// One run of the call loop under `tracer_args` (none: untraced): the
+/// fastest round's nanoseconds per call.
+fn call_loop(tracer_args: Option<&[&str]>, out: &Path) -> Result<f64> {
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(TRACE_ARGV)
+        .args(["overhead", "--call-loop-child"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting the call loop")?;
+    let mut go = child.stdin.take().context("call loop stdin")?;
+    let mut lines = BufReader::new(child.stdout.take().context("call loop stdout")?).lines();
+    if lines.next().transpose()?.as_deref() != Some("ready") {
+        let _ = child.kill();
+        bail!("the call loop did not start");
+    }
+    let tracer = match tracer_args {
+        Some(extra) => match start_tracer(child.id(), extra, out) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(e.context("starting the tracer for the call loop"));
+            }
+        },
+        None => None,
+    };
+    use std::io::Write;
+    writeln!(go, "go")?;
+    let ns: f64 = lines.next().transpose()?.context("the call loop printed no time")?.trim().parse()?;
+    child.wait()?;
+    if let Some(tracer) = tracer {
+        finish_tracer(tracer, out)?;
+    }
+    Ok(ns)
+}
+
 pub fn run(a: OverheadArgs) -> Result<()> {
+    if a.call_loop_child {
+        return call_loop_child();
+    }
     let mix = bench::mix(&a.workload)?;
     if let Some(why) = mix.unsupported(a.backend) {
         bail!("{}: {why}", a.backend);
@@ -101,8 +174,11 @@ pub fn run(a: OverheadArgs) -> Result<()> {
     let store = bench::prepare(&cache_args, &BENCH_ARGV, a.backend).context("filling the store")?;
     let traces = tempfile::tempdir().context("a directory for the traces")?;
     let mut runs: Vec<Vec<Run>> = PASSES.iter().map(|_| Vec::new()).collect();
+    let mut per_call: Vec<Vec<f64>> = PASSES.iter().map(|_| Vec::new()).collect();
     for repeat in 0..a.repeats {
         for (i, (name, tracer_args)) in PASSES.iter().enumerate() {
+            let out = traces.path().join(format!("loop-{i}-{repeat}.jsonl"));
+            per_call[i].push(call_loop(*tracer_args, &out).with_context(|| format!("the call loop under {name}"))?);
             let held = bench::hold_run(&cache_args, &BENCH_ARGV, a.backend, store.path(), mix, a.threads)?;
             let out = traces.path().join(format!("{i}-{repeat}.jsonl"));
             let tracer = match tracer_args {
@@ -127,18 +203,18 @@ pub fn run(a: OverheadArgs) -> Result<()> {
             runs[i].push(run);
         }
     }
-    let median = |runs: &[Run]| {
-        let mut v: Vec<f64> = runs.iter().map(|r| r.ops_per_s).collect();
+    let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    let untraced = median(&runs[0]);
+    let untraced = median(runs[0].iter().map(|r| r.ops_per_s).collect());
     let passes = PASSES
         .iter()
-        .zip(runs)
-        .map(|((name, _), runs)| {
-            let m = median(&runs);
-            Pass { pass: name, median_ops_per_s: m, ratio: if untraced > 0.0 { m / untraced } else { 0.0 }, runs }
+        .zip(runs.into_iter().zip(per_call))
+        .map(|((name, _), (runs, per_call))| {
+            let m = median(runs.iter().map(|r| r.ops_per_s).collect());
+            let ns_per_call = median(per_call.clone());
+            Pass { pass: name, median_ops_per_s: m, ratio: if untraced > 0.0 { m / untraced } else { 0.0 }, runs, ns_per_call, per_call }
         })
         .collect();
     let report = Report { backend: a.backend, workload: a.workload, threads: a.threads, records: a.records, seconds: a.seconds, passes };
@@ -160,7 +236,7 @@ fn table(r: &Report) -> String {
         r.seconds,
         r.passes[0].runs.len()
     );
-    s += "| pass | ops/s | × untraced | cost | counted per op |\n|---|---:|---:|---:|---|\n";
+    s += "| pass | ops/s | × untraced | cost | ns per getppid | counted per op |\n|---|---:|---:|---:|---:|---|\n";
     for p in &r.passes {
         let cost = if p.pass == "untraced" { "–".to_string() } else { format!("{:.1}%", (1.0 - p.ratio) * 100.0) };
         // From the last run: what the tracer saw for each operation.
@@ -176,7 +252,15 @@ fn table(r: &Report) -> String {
         if let Some(n) = per_op(last.allocs) {
             counted.push(format!("{n:.2} allocations"));
         }
-        s += &format!("| {} | {:.0} | {:.3} | {} | {} |\n", p.pass, p.median_ops_per_s, p.ratio, cost, counted.join(", "));
+        s += &format!(
+            "| {} | {:.0} | {:.3} | {} | {:.1} | {} |\n",
+            p.pass,
+            p.median_ops_per_s,
+            p.ratio,
+            cost,
+            p.ns_per_call,
+            counted.join(", ")
+        );
     }
     s
 }

@@ -623,6 +623,8 @@ fn overhead_compares_the_benchmark_traced_and_untraced() {
     for p in passes {
         let run = &p["runs"][0];
         assert!(run["ops"].as_u64().unwrap() > 0, "{p}");
+        // Each pass also timed its call loop.
+        assert!(p["ns_per_call"].as_f64().unwrap() > 0.0, "{p}");
         let ratio = p["median_ops_per_s"].as_f64().unwrap() / untraced;
         assert!((p["ratio"].as_f64().unwrap() - ratio).abs() < 1e-9, "{p}");
     }
