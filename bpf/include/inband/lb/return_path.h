@@ -46,7 +46,10 @@ static __always_inline int take_score(struct xdp_md *ctx, const struct inband_lb
 		__u32 bid = f->backend_id;
 		struct inband_backend_stats *bs = bpf_map_lookup_elem(&backend_stats, &bid);
 
-		record_score(f, score, coarse_now());
+		/* The fine clock, as the poller's: a score's age is read
+		 * against reports of both kinds, and at most one 125 comes
+		 * per n packets, so its cost is not per packet. */
+		record_score(f, score, bpf_ktime_get_ns());
 		if (bs)
 			bs->scores_received++;
 	}

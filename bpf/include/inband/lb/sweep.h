@@ -183,11 +183,13 @@ static long mark_probes_due(__u32 i, struct probes_walk *w)
 	/* Options do not reach it: the daemon polls it instead. */
 	if (!s || !due || !be || (be->flags & INBAND_BACKEND_OPTIONS_LOST))
 		return 0;
-	__s64 age = s->updated_ns ? (__s64)(w->c->now - s->updated_ns) : -1;
+	/* Reports are stamped with the fine clock and `now` is the coarse
+	 * one, a tick behind at most: a report newer than `now` is fresh. */
+	__s64 age = (__s64)(w->c->now - s->updated_ns);
 
-	if (age < 0 || age >= (__s64)(vc->score_max_age_ns / 2))
+	if (!s->updated_ns || age >= (__s64)(vc->score_max_age_ns / 2))
 		__sync_fetch_and_or(due, INBAND_PROBE_DUE);
-	if (age >= (__s64)vc->score_max_age_ns)
+	if (s->updated_ns && age >= (__s64)vc->score_max_age_ns)
 		__sync_fetch_and_or(due, INBAND_EXPLORE);
 	return 0;
 }
