@@ -857,6 +857,10 @@ def plot(fwd: list[Fwd], http: list[Http], fresh: list[Fresh], path: Path) -> No
 TOOLS = {"haproxy": ["haproxy", "-v"], "nftables": ["nft", "--version"], "wrk": ["wrk", "-v"]}
 
 
+PARTS = ("forwarding", "cost", "freshness")
+PART_TITLES = {"forwarding": "Forwarding rates", "cost": "CPU per GB of response", "freshness": "Feedback freshness"}
+
+
 def render(record: dict) -> str:
     """The tables of a run, from its record alone (bench.docs renders the
     committed one the same way)."""
@@ -870,6 +874,9 @@ def render(record: dict) -> str:
         "inband's in-band options are authenticated (SipHash, a key made for the run).  \n"
         f"{m.get('haproxy', '')}; {m.get('nftables', '')}; {m.get('wrk', '')}\n"
     )
+    for part, made in record.get("kept", {}).items():
+        preamble += (f"\n**{PART_TITLES[part]}**: not measured by this run; kept from `{made['command']}`, "
+                     f"commit {made['commit']['sha'][:12]}, {made['started_utc']}.\n")
     if record["failed"]:
         preamble += "\n**Failed:** " + "; ".join(record["failed"]) + "\n"
     return markdown([revive(Fwd, r) for r in rows["forwarding"]], [revive(Http, r) for r in rows["cost"]], [revive(Fresh, r) for r in rows["freshness"]], preamble)
@@ -898,12 +905,13 @@ def parse_args(argv):
     ap.add_argument("--out", required=True, help="the run's raw data: logs, figure (created)")
     ap.add_argument("--results", default=str(default_dir("forwarding")), help="results.json and results.md (default: the committed ones)")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="quick")
-    ap.add_argument("--parts", default="forwarding,cost,freshness", help="comma-separated subset of forwarding, cost, freshness")
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help="comma-separated subset of forwarding, cost, freshness; the others' rows are kept from the record in --results")
     ap.add_argument("--name", default="fwd", help="testbed name (namespaces NAME-lb, NAME-c1, NAME-s1, NAME-sw)")
     ap.add_argument("--inband", default=str(REPO / "target" / "debug" / "inband"))
     ap.add_argument("--perf", action="store_true", help="profile the hairpin runs with perf (cpu-clock), perf-*.txt in --out")
     args = ap.parse_args(argv)
-    bad = set(args.parts.split(",")) - {"forwarding", "cost", "freshness"}
+    bad = set(args.parts.split(",")) - set(PARTS)
     if bad:
         ap.error(f"unknown part(s): {', '.join(sorted(bad))}")
     return args
@@ -912,6 +920,22 @@ def parse_args(argv):
 def problems(args) -> list[str]:
     tools = ("haproxy", "nft", "wrk", "bpftool") + (("perf",) if args.perf else ())
     return preflight.problems(inband=args.inband, tools=tools, testbed_name=args.name, bpf_stats=True)
+
+
+def carried_over(results: Path, parts: list[str], rows: dict) -> dict:
+    """A run of some parts keeps the rows of the others from the record in
+    `results` (each with what made it), so that rerunning one part leaves
+    the others' tables as they were. Returns {part: its provenance}."""
+    previous = results / "results.json"
+    if set(parts) == set(PARTS) or not previous.exists():
+        return {}
+    old = json.loads(previous.read_text())
+    kept = {}
+    for part in PARTS:
+        if part not in parts and old["rows"].get(part):
+            rows[part] = old["rows"][part]
+            kept[part] = old.get("kept", {}).get(part) or {k: old[k] for k in ("command", "commit", "started_utc")}
+    return kept
 
 
 def main(argv=None) -> int:
@@ -963,8 +987,9 @@ def main(argv=None) -> int:
                 outcome.attempt(f"freshness poll {ms} ms", lambda ms=ms: bench.freshness("polling", ms), fresh)
 
     rows = {"forwarding": [asdict(r) for r in fwd], "cost": [asdict(r) for r in http], "freshness": [asdict(r) for r in fresh]}
+    kept = carried_over(Path(args.results), parts, rows)
     record = this_run.record(rows, profile=profiles.as_json(args.profile, profile), inband=Path(args.inband), tools=TOOLS,
-                        others=sorted(bench.others), failed=outcome.failed)
+                        others=sorted(bench.others), failed=outcome.failed, kept=kept)
     write_results(Path(args.results), record, render(record))
     if fwd or http or fresh:
         plot(fwd, http, fresh, out / "forwarding.png")

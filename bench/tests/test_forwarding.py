@@ -174,3 +174,21 @@ def test_tiny_profile_end_to_end(tmp_path):
             assert float(row[5]) > 0 and row[6].endswith("×"), row
     assert "| path | frames sent" in cp.stdout
     assert (out / "forwarding.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_of_some_parts_keeps_the_others_rows_with_their_provenance(tmp_path):
+    earlier = {"command": "python -m bench.forwarding --out x", "commit": {"sha": "a" * 40, "dirty": False},
+               "started_utc": "2026-11-01T00:00:00Z",
+               "rows": {"forwarding": [{"load": "hairpin"}], "cost": [{"size": "1 KB"}], "freshness": [{"old": True}]}}
+    (tmp_path / "results.json").write_text(json.dumps(earlier))
+    rows = {"forwarding": [], "cost": [], "freshness": [{"new": True}]}
+    kept = fw.carried_over(tmp_path, ["freshness"], rows)
+    assert rows == {"forwarding": [{"load": "hairpin"}], "cost": [{"size": "1 KB"}], "freshness": [{"new": True}]}
+    assert kept["forwarding"]["commit"]["sha"] == "a" * 40 and set(kept) == {"forwarding", "cost"}
+    # Kept once, kept again with the provenance of the run that made them.
+    again = dict(earlier, command="python -m bench.forwarding --parts freshness", kept=kept, rows=rows)
+    (tmp_path / "results.json").write_text(json.dumps(again))
+    rows = {"forwarding": [], "cost": [], "freshness": [{"newer": True}]}
+    assert fw.carried_over(tmp_path, ["freshness"], rows)["cost"]["command"] == "python -m bench.forwarding --out x"
+    # A run of every part keeps nothing.
+    assert fw.carried_over(tmp_path, list(fw.PARTS), {"forwarding": [], "cost": [], "freshness": []}) == {}
