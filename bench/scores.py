@@ -128,6 +128,12 @@ class Bench(TestbedRun):
         url = f"http://{self.tb.addr('lb')}:{METRICS_PORT}/metrics"
         return run(self.ns("lb"), ["curl", "-s", "--max-time", "2", url], check=False).stdout
 
+    def hedges(self) -> list:
+        """The proxy's hedges and hedges won, over every backend."""
+        text = self.metrics()
+        return [sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(f"inband_proxy_{name}_total{{"))
+                for name in ("hedges", "hedges_won")]
+
     def origin_requests(self) -> list:
         text = self.metrics()
         out = []
@@ -148,6 +154,7 @@ class Bench(TestbedRun):
                 wait_until("every backend's score", lambda: self.metrics().count("inband_proxy_backend_score{") == 3
                            and "-1" not in [ln.rsplit(" ", 1)[1] for ln in self.metrics().splitlines() if ln.startswith("inband_proxy_backend_score{")], 10)  # fmt: skip
             before = self.origin_requests()
+            hedges_before = self.hedges()
             stop = threading.Event()
             t0 = time.monotonic()
 
@@ -184,6 +191,7 @@ class Bench(TestbedRun):
             if sampler.is_alive():
                 sampler.join(timeout=5)
             after = self.origin_requests()
+            hedges = [a - b for a, b in zip(self.hedges(), hedges_before)]
             stale = sum(float(ln.rsplit(" ", 1)[1]) for ln in self.metrics().splitlines() if ln.startswith("inband_proxy_score_stale_total{"))
         finally:
             self.procs.stop(proxy)
@@ -201,6 +209,10 @@ class Bench(TestbedRun):
             "errors": w["errors"] + w["status_errors"],
             "share": [round(g / total, 3) for g in got],
             "stale": int(stale),
+            # least-score: requests also sent to a second backend when a
+            # score showed theirs busy, and of them answered from there.
+            "hedges": int(hedges[0]),
+            "hedges_won": int(hedges[1]),
             "bursts": len(bursts),
             # least-score only: per backend, the largest score the proxy
             # held and the share of 100 ms samples with a score above 0.
@@ -255,9 +267,12 @@ def render(r: dict) -> str:
         if not mine:
             continue
         share = [statistics.mean(x["share"][i] for x in mine) for i in range(3)]
+        requests = sum(x["requests"] for x in mine) or 1
+        hedged = sum(x.get("hedges", 0) for x in mine)
+        won = sum(x.get("hedges_won", 0) for x in mine)
         body.append([f"`{policy}`", spread([x["rps"] for x in mine]), spread([x["p50_ms"] for x in mine]), spread([x["p99_ms"] for x in mine]),
-                     " / ".join(f"{s:.2f}" for s in share), sum(x["errors"] for x in mine)])  # fmt: skip
-    lines.append(table(["policy", "req/s", "p50 ms", "p99 ms", "share s1 / s2 / s3 (slow)", "errors"], body))
+                     " / ".join(f"{s:.2f}" for s in share), f"{100 * hedged / requests:.2f} % ({won})", sum(x["errors"] for x in mine)])  # fmt: skip
+    lines.append(table(["policy", "req/s", "p50 ms", "p99 ms", "share s1 / s2 / s3 (slow)", "hedged (answered from the second)", "errors"], body))
     per_rep = []
     for rep in sorted({x["repetition"] for x in rows}):
         by = {x["policy"]: x for x in rows if x["repetition"] == rep}

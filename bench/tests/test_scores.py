@@ -14,9 +14,10 @@ def test_schedule_is_seeded_bounded_and_covers_every_server():
     assert scores.schedule(1000, 3, 60, scores.PROFILES["calm"]) == []
 
 
-def row(policy, rep, p99):
+def row(policy, rep, p99, hedges=0, won=0):
     return {"policy": policy, "repetition": rep, "requests": 100, "rps": 10.0, "p50_ms": 5.0, "p99_ms": p99, "errors": 0,
-            "share": [0.4, 0.4, 0.2], "stale": 0, "bursts": 3, "score_max": [None] * 3, "score_busy": [None] * 3}  # fmt: skip
+            "share": [0.4, 0.4, 0.2], "stale": 0, "bursts": 3, "score_max": [None] * 3, "score_busy": [None] * 3,
+            "hedges": hedges, "hedges_won": won}  # fmt: skip
 
 
 def record(rows):
@@ -28,8 +29,10 @@ def record(rows):
 
 
 def test_render_gives_the_ratio_and_the_verdict():
-    md = scores.render(record([row("least-score", 0, 7.0), row("least-request", 0, 10.0), row("round-robin", 0, 20.0)]))
-    assert "| `least-score` | 10.0 (10.0–10.0) | 5.0 (5.0–5.0) | 7.0 (7.0–7.0) | 0.40 / 0.40 / 0.20 | 0 |" in md
+    md = scores.render(record([row("least-score", 0, 7.0, 2, 1), row("least-request", 0, 10.0), row("round-robin", 0, 20.0)]))
+    # 2 of 100 requests hedged, 1 answered from the second backend.
+    assert "| `least-score` | 10.0 (10.0–10.0) | 5.0 (5.0–5.0) | 7.0 (7.0–7.0) | 0.40 / 0.40 / 0.20 | 2.00 % (1) | 0 |" in md
+    assert "| `least-request` | 10.0 (10.0–10.0) | 5.0 (5.0–5.0) | 10.0 (10.0–10.0) | 0.40 / 0.40 / 0.20 | 0.00 % (0) | 0 |" in md
     assert "per repetition: 0.70; mean 0.70, which meets the target" in md
     md = scores.render(record([row("least-score", 0, 9.0), row("least-request", 0, 10.0)]))
     assert "which does not meet the target" in md

@@ -33,6 +33,34 @@ pub struct Backend {
     score: AtomicU64,
     /// Until when (ms after `epoch`) `score` counts; 0: no score yet.
     score_until_ms: AtomicU64,
+    /// Woken by a score that says others' load on it grew: requests
+    /// waiting on it may be hedged (forward.rs).
+    busier: tokio::sync::Notify,
+}
+
+/// How many hedges a pool may send (forward.rs): each request earns a
+/// tenth of one and a hedge spends a whole one, up to a burst of
+/// HEDGE_BURST, so hedges stay under a tenth of the requests even when
+/// every backend gets busy at once (when hedging can only add load).
+pub struct HedgeBudget(AtomicU64);
+
+/// In tenths of a hedge.
+const HEDGE_COST: u64 = 10;
+const HEDGE_BURST: u64 = 10 * HEDGE_COST;
+
+impl HedgeBudget {
+    pub fn new() -> HedgeBudget {
+        HedgeBudget(AtomicU64::new(HEDGE_BURST))
+    }
+
+    pub fn earn(&self) {
+        let _ = self.0.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| (t < HEDGE_BURST).then_some(t + 1));
+    }
+
+    /// Spends one hedge if the budget has it.
+    pub fn spend(&self) -> bool {
+        self.0.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| t.checked_sub(HEDGE_COST)).is_ok()
+    }
 }
 
 /// Counts a request as in flight while it lives.
@@ -82,6 +110,7 @@ impl Backend {
             consecutive_failures: AtomicU32::new(0),
             score: AtomicU64::new(0),
             score_until_ms: AtomicU64::new(0),
+            busier: tokio::sync::Notify::new(),
         }
     }
 
@@ -91,9 +120,19 @@ impl Backend {
 
     /// A fresh score from the agent, counting until `now + valid_for`.
     pub fn set_score(&self, score: u32, now: Instant, valid_for: Duration) {
+        let before = self.fresh_score(now).map_or(0, |(score, base)| score.saturating_sub(base));
         let base = u32::try_from(self.in_flight()).unwrap_or(u32::MAX);
         self.score.store(u64::from(score) << 32 | u64::from(base), Ordering::Relaxed);
         self.score_until_ms.store(self.ms(now + valid_for).max(1), Ordering::Relaxed);
+        if score.saturating_sub(base) > before {
+            self.busier.notify_waiters();
+        }
+    }
+
+    /// Resolves at the next score that says others' load on this backend
+    /// grew (`enable` it before checking anything it should not miss).
+    pub fn busier(&self) -> tokio::sync::futures::Notified<'_> {
+        self.busier.notified()
     }
 
     /// The agent's score if it is fresh at `now`, and this proxy's

@@ -2,6 +2,7 @@
 //! the backend timeout, bounded retries and passive health bookkeeping
 //! (how the bytes travel, HTTP/1.1 or HTTP/2, plaintext or TLS: upstream.rs).
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Instant;
 
@@ -12,11 +13,14 @@ use http::{request, Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
 
-use crate::config::HashKey;
+use crate::config::{HashKey, PolicyKind};
 use crate::metrics::Refusal;
 use crate::routes::BackendPool;
 use crate::upstream::Failure;
 use crate::Shared;
+
+/// What a backend made of a request.
+type Sent = Result<Response<Incoming>, Failure>;
 
 /// RFC 9110 §7.6.1: connection-specific fields a proxy must not forward,
 /// plus whatever the Connection header names. Names, not strings: a
@@ -121,23 +125,41 @@ pub async fn send(shared: &Shared, pool: &BackendPool, parts: &request::Parts, b
             break;
         };
         tried[i] = true;
-        let b = &backends[i];
+        pool.hedges.earn();
         let path = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
         let transport = &pool.transport;
-        let uri = transport.backend_uri(b, path);
-        let req = || {
-            let mut req = Request::new(Full::new(body.clone()));
-            *req.method_mut() = parts.method.clone();
-            *req.uri_mut() = uri.clone();
-            *req.headers_mut() = parts.headers.clone();
-            crate::cache_control::restore_request(req.headers_mut(), &parts.extensions);
-            req
+        let attempt = |i: usize| {
+            let b = &backends[i];
+            let uri = transport.backend_uri(b, path.clone());
+            let body = &body;
+            let req = move || {
+                let mut req = Request::new(Full::new(body.clone()));
+                *req.method_mut() = parts.method.clone();
+                *req.uri_mut() = uri.clone();
+                *req.headers_mut() = parts.headers.clone();
+                crate::cache_control::restore_request(req.headers_mut(), &parts.extensions);
+                req
+            };
+            shared.metrics.origin_request(b);
+            let in_flight = b.start_request();
+            async move {
+                let _in_flight = in_flight;
+                transport.send(i, backends.len(), b, req, || shared.metrics.backend_resent(b)).await
+            }
         };
-        shared.metrics.origin_request(b);
-        let _in_flight = b.start_request();
         let passive = &shared.cfg.raw.passive;
-        let sent = transport.send(i, backends.len(), b, req, || shared.metrics.backend_resent(b));
-        match tokio::time::timeout(shared.cfg.backend_timeout(), sent).await {
+        let margin = shared.cfg.raw.scores.hedge_margin;
+        let hedged = margin > 0 && pool.policy.kind() == PolicyKind::LeastScore && matches!(parts.method, Method::GET | Method::HEAD);
+        let outcome = match hedged {
+            true => tokio::time::timeout(shared.cfg.backend_timeout(), hedge(shared, pool, i, margin, &mut tried, attempt)).await,
+            false => tokio::time::timeout(shared.cfg.backend_timeout(), attempt(i)).await.map(|r| (i, r)),
+        };
+        let (i, outcome) = match outcome {
+            Ok((i, r)) => (i, Ok(r)),
+            Err(e) => (i, Err(e)),
+        };
+        let b = &backends[i];
+        match outcome {
             Ok(Ok(mut resp)) => {
                 // What a 101 switches to is the one hop-by-hop header
                 // that goes on, and only if the request offered it.
@@ -193,6 +215,67 @@ pub async fn send(shared: &Shared, pool: &BackendPool, parts: &request::Parts, b
         }
     }
     Err(last)
+}
+
+/// Least-score's hedge: waits for backend `i`'s answer (`attempt(i)`) and,
+/// whenever a new score says others' load on it grew so that it now ranks
+/// `margin` requests above another eligible backend, sends the request to
+/// the least loaded one too (once, within the pool's budget); the first
+/// answer is the request's, the other is dropped (its connection closed, or
+/// its HTTP/2 stream reset). Only GET and HEAD come here: sent twice, they
+/// change nothing. Scores see load the proxy does not (other clients), but
+/// only once polled: a request placed on a backend just before its burst
+/// showed in the scores would wait behind the burst; this moves it.
+/// Returns which backend answered, and how.
+async fn hedge<F, A>(shared: &Shared, pool: &BackendPool, i: usize, margin: u32, tried: &mut [bool], attempt: F) -> (usize, Sent)
+where
+    F: Fn(usize) -> A,
+    A: Future<Output = Sent>,
+{
+    let backends = &pool.backends;
+    let first = attempt(i);
+    tokio::pin!(first);
+    let j = loop {
+        let busier = backends[i].busier();
+        tokio::pin!(busier);
+        busier.as_mut().enable();
+        tokio::select! {
+            r = &mut first => return (i, r),
+            _ = &mut busier => {}
+        }
+        let now = Instant::now();
+        let load = backends[i].scored_load(now);
+        let best = (0..backends.len())
+            .filter(|&j| !tried[j] && backends[j].is_healthy(now))
+            .min_by_key(|&j| backends[j].scored_load(now))
+            .filter(|&j| backends[j].scored_load(now) + u64::from(margin) <= load);
+        if let Some(j) = best {
+            if pool.hedges.spend() {
+                break j;
+            }
+        }
+    };
+    tried[j] = true;
+    shared.metrics.hedge(&backends[i]);
+    let second = attempt(j);
+    tokio::pin!(second);
+    // The first good answer; a failed one leaves the other to answer.
+    tokio::select! {
+        r = &mut first => {
+            if r.is_ok() {
+                return (i, r);
+            }
+            shared.metrics.hedge_won(&backends[i]);
+            (j, second.await)
+        }
+        r = &mut second => {
+            if r.is_ok() {
+                shared.metrics.hedge_won(&backends[i]);
+                return (j, r);
+            }
+            (i, first.await)
+        }
+    }
 }
 
 /// Passive ejection judges a backend by the requests it was sent, so it

@@ -93,6 +93,8 @@ pub struct Metrics {
     ejection_overridden: Family<Labels, Counter>,
     backend_tls_errors: Family<Labels, Counter>,
     backend_resent: Family<Labels, Counter>,
+    hedges: Family<Labels, Counter>,
+    hedges_won: Family<Labels, Counter>,
     score_polls: Family<Labels, Counter>,
     score_stale: Family<Labels, Counter>,
     score_replies_unauthenticated: Counter,
@@ -157,6 +159,14 @@ impl Metrics {
             "Requests an HTTP/2 backend refused unprocessed (REFUSED_STREAM, GOAWAY, its connection closed) and sent again on a new connection",
             backend_resent.clone(),
         );
+        let hedges = Family::<Labels, Counter>::default();
+        let hedges_won = Family::<Labels, Counter>::default();
+        registry.register(
+            "hedges",
+            "GET and HEAD requests also sent to a second backend because a new score ranked this one (the first) busier by scores.hedge_margin",
+            hedges.clone(),
+        );
+        registry.register("hedges_won", "Hedged requests whose answer came first from the second backend (labelled by the first)", hedges_won.clone());
         let request_bytes = Counter::default();
         let response_bytes = Counter::default();
         // 0.5 ms .. ~16 s: a cache hit on loopback to a slow origin.
@@ -233,6 +243,8 @@ impl Metrics {
             ejection_overridden,
             backend_tls_errors,
             backend_resent,
+            hedges,
+            hedges_won,
             score_polls,
             score_stale,
             score_replies_unauthenticated,
@@ -321,6 +333,8 @@ impl Metrics {
         drop(self.ejection_overridden.get_or_create(&b.labels));
         drop(self.backend_tls_errors.get_or_create(&b.labels));
         drop(self.backend_resent.get_or_create(&b.labels));
+        drop(self.hedges.get_or_create(&b.labels));
+        drop(self.hedges_won.get_or_create(&b.labels));
     }
 
     pub fn backend_tls_error(&self, b: &Backend) {
@@ -329,6 +343,14 @@ impl Metrics {
 
     pub fn backend_resent(&self, b: &Backend) {
         self.backend_resent.get_or_create(&b.labels).inc();
+    }
+
+    pub fn hedge(&self, from: &Backend) {
+        self.hedges.get_or_create(&from.labels).inc();
+    }
+
+    pub fn hedge_won(&self, from: &Backend) {
+        self.hedges_won.get_or_create(&from.labels).inc();
     }
 
     /// Counted for each pool's entry of the backend, so a route's series

@@ -13,7 +13,7 @@ use http::header::HeaderValue;
 use inband_health::HttpCheckConfig;
 use prometheus_client::metrics::counter::Counter;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, HedgeBudget};
 use crate::client_limits::ClientLimits;
 use crate::config::{HashKey, HostPattern, Rewrite, RouteSpec, DEFAULT_ROUTE};
 use crate::uri_path::normalize_path;
@@ -57,6 +57,7 @@ pub struct BackendPool {
     pub health: Option<HttpCheckConfig>,
     /// How the backends are spoken to, and each worker's connections.
     pub transport: Arc<Transport>,
+    pub hedges: HedgeBudget,
 }
 
 /// A route as it runs.
@@ -89,7 +90,7 @@ impl Route {
             name: spec.name.clone(),
             hosts: spec.hosts.clone(),
             path_prefix: spec.path_prefix.clone(),
-            pool: BackendPool { backends, addrs: spec.backends.clone(), policy: Policy::new(spec.policy), hash_key: spec.hash_key.clone(), health: spec.health.clone(), transport },
+            pool: BackendPool { backends, addrs: spec.backends.clone(), policy: Policy::new(spec.policy), hash_key: spec.hash_key.clone(), health: spec.health.clone(), transport, hedges: HedgeBudget::new() },
             cache: spec.cache,
             max_object_bytes: spec.max_object_bytes,
             rewrites_responses: !spec.response_headers.is_empty(),

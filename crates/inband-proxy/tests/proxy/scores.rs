@@ -7,7 +7,8 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use inband_core::poll_wire;
 
@@ -19,9 +20,13 @@ const FORGED: u8 = 1;
 /// Authentic replies to another nonce than the one asked with.
 const REPLAYED: u8 = 2;
 
+/// The scores the stand-in agent answers with, by backend port; changed
+/// while it runs.
+type Scores = Arc<Mutex<HashMap<u16, u32>>>;
+
 /// Answers every poll for a port in `scores` as `mode` says; returns its
 /// address.
-async fn agent(keys: poll_wire::Keys, scores: HashMap<u16, u32>, mode: Arc<AtomicU8>) -> SocketAddr {
+async fn agent(keys: poll_wire::Keys, scores: Scores, mode: Arc<AtomicU8>) -> SocketAddr {
     let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
     let addr = sock.local_addr().unwrap();
     tokio::spawn(async move {
@@ -29,7 +34,7 @@ async fn agent(keys: poll_wire::Keys, scores: HashMap<u16, u32>, mode: Arc<Atomi
         loop {
             let (n, from) = sock.recv_from(&mut buf).await.unwrap();
             let Ok(mut req) = poll_wire::decode_request(&buf[..n], &keys) else { continue };
-            let Some(&score) = scores.get(&req.port) else { continue };
+            let Some(score) = scores.lock().unwrap().get(&req.port).copied() else { continue };
             let mode = mode.load(Ordering::Relaxed);
             if mode == REPLAYED {
                 req.nonce ^= 1;
@@ -53,7 +58,7 @@ async fn least_score_follows_authentic_fresh_scores_only() {
     inband_core::auth::keygen(&key).unwrap();
     let keys = Some(vec![(1, inband_core::auth::read_key(&key).unwrap())]);
     let mode = Arc::new(AtomicU8::new(HONEST));
-    let scores = HashMap::from([(o[0].addr.port(), 50), (o[1].addr.port(), 0)]);
+    let scores = Arc::new(Mutex::new(HashMap::from([(o[0].addr.port(), 50), (o[1].addr.port(), 0)])));
     let agent = agent(keys, scores, mode.clone()).await;
     let extra = format!(
         "policy = \"least-score\"\n[scores]\npoll_port = {}\ninterval_ms = 10\nstale_after = 3\n[auth]\nkeys = [{{ id = 1, file = \"{}\" }}]\n",
@@ -99,4 +104,53 @@ async fn least_score_follows_authentic_fresh_scores_only() {
     assert_eq!(sample(&m, "inband_proxy_score_replies_unauthenticated_total"), unauthenticated, "{m}");
     assert!(sample(&m, &polls(0, "unanswered")) >= 6.0, "{m}");
     p.shutdown().await;
+}
+
+/// A GET waiting on a backend whose score jumps (other clients' burst the
+/// proxy cannot see) is sent to the other backend too and answered from
+/// there, counted; a POST is not; with `hedge_margin = 0` nothing is.
+#[tokio::test]
+async fn a_get_waiting_on_a_backend_that_gets_busy_is_hedged_to_another() {
+    const SLOW: Duration = Duration::from_secs(3);
+    let o = [Origin::start(|_| ok("slow").delay(SLOW)).await, Origin::start(|_| ok("fast")).await];
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("auth.key");
+    inband_core::auth::keygen(&key).unwrap();
+    let keys = Some(vec![(1, inband_core::auth::read_key(&key).unwrap())]);
+    for margin in [4u32, 0] {
+        // The second backend looks a little busier: every request goes to
+        // the first (two backends: every choice compares both).
+        let scores = Arc::new(Mutex::new(HashMap::from([(o[0].addr.port(), 0), (o[1].addr.port(), 2)])));
+        let agent = agent(keys.clone(), scores.clone(), Arc::new(AtomicU8::new(HONEST))).await;
+        let extra = format!(
+            "policy = \"least-score\"\n[scores]\npoll_port = {}\ninterval_ms = 10\nhedge_margin = {margin}\n[auth]\nkeys = [{{ id = 1, file = \"{}\" }}]\n",
+            agent.port(),
+            key.display()
+        );
+        let p = start_proxy(&[o[0].addr, o[1].addr], &extra).await;
+        wait_for_sample(&p, &format!("inband_proxy_backend_score{{backend=\"{}\"}}", o[1].addr), 2.0).await;
+        let hits = (o[0].hits(), o[1].hits());
+        let started = Instant::now();
+        let (get, post, burst) = tokio::join!(get(p.addr, "/x"), send(p.addr, "POST", "/y", &[], b"once"), async {
+            // Both requests are on the first backend when its burst shows.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            scores.lock().unwrap().insert(o[0].addr.port(), 12);
+        });
+        let _ = burst;
+        let m = metrics(&p).await;
+        let series = |name: &str| sample(&m, &format!("inband_proxy_{name}_total{{backend=\"{}\"}}", o[0].addr));
+        assert_eq!((get.status, post.status, post.body.as_str()), (200, 200, "slow"));
+        if margin > 0 {
+            assert_eq!(get.body, "fast", "answered by the other backend");
+            assert_eq!((series("hedges"), series("hedges_won")), (1.0, 1.0), "{m}");
+            // Both backends saw the GET; the POST went to the first only.
+            assert_eq!((o[0].hits() - hits.0, o[1].hits() - hits.1), (2, 1));
+        } else {
+            assert_eq!(get.body, "slow");
+            assert!(started.elapsed() >= SLOW);
+            assert_eq!((series("hedges"), series("hedges_won")), (0.0, 0.0), "{m}");
+            assert_eq!((o[0].hits() - hits.0, o[1].hits() - hits.1), (2, 0));
+        }
+        p.shutdown().await;
+    }
 }
