@@ -138,7 +138,8 @@ async fn fetch_range(
     let resp = forward::send(shared, &route.pool, &req, Bytes::new(), key).await?;
     match resp.status() {
         StatusCode::OK => {
-            let resp = keep(shared, cache, route, parts, resp, None, Outcome::Miss).await?;
+            let accept = parts.headers.get(header::ACCEPT_ENCODING);
+            let resp = crate::compression::for_client(accept, &shared.metrics.compression, keep(shared, cache, route, parts, resp, None, Outcome::Miss).await?);
             Ok(ranges::cut(asked, resp, &shared.metrics.ranges))
         }
         StatusCode::PARTIAL_CONTENT => keep_part(shared, cache, route, parts, resp, stored_part).await,

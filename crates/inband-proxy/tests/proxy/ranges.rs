@@ -254,3 +254,47 @@ async fn a_hostile_range_field_gets_the_whole_body_once_and_a_counter() {
     assert_eq!(o.hits(), 1);
     p.shutdown().await;
 }
+
+/// With `[cache.compression]`, a range is of the representation the
+/// client gets: of the stored gzip bytes (with their own ETag) for a
+/// client that accepts gzip, of the origin's bytes, decoded up to the
+/// range's end, for one that does not; on the miss that stores the
+/// entry as on a hit.
+#[tokio::test]
+async fn a_range_of_a_compressed_entry_is_of_the_representation_sent() {
+    let page: String = (0..400).map(|i| format!("<p>paragraph {i} of a page that compresses</p>\n")).collect();
+    let b = page.clone();
+    let o = Origin::start(move |_| ok(&b).header("content-type", "text/html").header("cache-control", "max-age=60").header("etag", "\"z1\"")).await;
+    let toml = "[cache]\nbackend = \"memory\"\ncapacity_bytes = 16777216\n\n[cache.compression]\nencoding = \"gzip\"\n";
+    let p = start_proxy(&[o.addr], toml).await;
+    for want in ["MISS", "HIT"] {
+        let r = rget(&p, "/z", &[("range", "bytes=1000-1099")]).await;
+        assert_eq!((r.status, field(&r, "x-cache"), field(&r, "content-encoding")), (206, want, "-"));
+        assert_eq!(field(&r, "content-range"), format!("bytes 1000-1099/{}", page.len()));
+        assert_eq!((r.body.as_str(), field(&r, "etag")), (&page[1000..1100], "\"z1\""));
+    }
+    // The client that accepts gzip: a range of the gzip bytes, which
+    // are the start of the whole gzip body it would get.
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http::<http_body_util::Empty<bytes::Bytes>>();
+    let gz = |range: Option<&'static str>| {
+        let mut req = http::Request::get(format!("http://{}/z", p.addr)).header("host", HOST).header("accept-encoding", "gzip");
+        if let Some(r) = range {
+            req = req.header("range", r);
+        }
+        let client = client.clone();
+        async move {
+            let resp = client.request(req.body(http_body_util::Empty::new()).unwrap()).await.unwrap();
+            let (head, body) = resp.into_parts();
+            (head, http_body_util::BodyExt::collect(body).await.unwrap().to_bytes())
+        }
+    };
+    let (whole_head, whole) = gz(None).await;
+    assert_eq!(whole_head.headers["content-encoding"], "gzip");
+    let (head, part) = gz(Some("bytes=0-99")).await;
+    assert_eq!(head.status, 206);
+    assert_eq!((head.headers["content-encoding"].to_str().unwrap(), head.headers["etag"].to_str().unwrap()), ("gzip", "\"z1-gzip\""));
+    assert_eq!(head.headers["content-range"].to_str().unwrap(), format!("bytes 0-99/{}", whole.len()));
+    assert_eq!(&part[..], &whole[..100]);
+    assert_eq!(o.hits(), 1);
+    p.shutdown().await;
+}
