@@ -90,19 +90,17 @@ pub async fn serve(shared: &Arc<Shared>, cache: &HttpCache, route: &Arc<Route>, 
 /// same strong validator (RFC 9111 §3.4).
 async fn partial(shared: &Arc<Shared>, cache: &HttpCache, route: &Arc<Route>, parts: request::Parts, asked: &Asked, key: &[u8]) -> Result<Response<ProxyBody>, Refusal> {
     let stored_part = cache.lookup_partial(&parts).await;
-    if let Some(found) = &stored_part {
-        if let Some((from, to, complete, first)) = holds(found, &parts, asked) {
-            let Some(Found { stored, body }) = stored_part else { unreachable!("matched Some above") };
+    let held = stored_part.as_ref().and_then(|found| holds(found, &parts, asked));
+    match (stored_part, held) {
+        (Some(Found { stored, body }), Some((from, to, complete, first))) => {
             shared.metrics.cache(Outcome::Hit);
             shared.metrics.ranges.count(Answer::FromPartial);
             let resp = cached(stored.head(), cache.response_body(body), Outcome::Hit);
-            return Ok(ranges::slice(resp, from, to, complete, first));
+            Ok(ranges::slice(resp, from, to, complete, first))
         }
+        _ if cache_control::directive(&parts.headers, "only-if-cached").is_some() => Err(Refusal::NotCached),
+        (stored_part, _) => fetch_range(shared, cache, route, &parts, asked, key, stored_part).await,
     }
-    if cache_control::directive(&parts.headers, "only-if-cached").is_some() {
-        return Err(Refusal::NotCached);
-    }
-    fetch_range(shared, cache, route, &parts, asked, key, stored_part).await
 }
 
 /// The range asked for, when the stored part is fresh, its validator
@@ -191,7 +189,7 @@ async fn keep_part(
         return pass(head, full(bytes));
     }
     let combined = match stored_part {
-        Some(found) => combine(cache, &head, (first, last, complete), &bytes, found).await,
+        Some(found) => combine(cache, &head, (first, last, complete), &bytes, found, limit).await,
         None => None,
     };
     match combined {
@@ -208,24 +206,31 @@ async fn keep_part(
 
 /// The stored part and the new one as one response: a 206 of the span
 /// they cover, or the 200 when they cover the whole. `None` when they do
-/// not go together (another validator, length, or a gap between them).
-async fn combine(cache: &HttpCache, head: &response::Parts, (first, last, complete): (u64, u64, u64), bytes: &Bytes, stored: Found) -> Option<(response::Parts, Bytes)> {
+/// not go together (another validator, length, a gap between them, or a
+/// span over the object bound).
+async fn combine(
+    cache: &HttpCache,
+    head: &response::Parts,
+    (first, last, complete): (u64, u64, u64),
+    bytes: &Bytes,
+    stored: Found,
+    limit: u64,
+) -> Option<(response::Parts, Bytes)> {
     let old_head = stored.stored.head();
     let (o_first, o_last, o_complete) = ranges::content_range(&old_head.headers)?;
     let strong = |h: &HeaderMap| h.get(header::ETAG).filter(|e| e.as_bytes().starts_with(b"\"")).cloned();
     let same = strong(&head.headers).is_some() && strong(&head.headers) == strong(&old_head.headers) && o_complete == complete;
-    if !same || o_first > last + 1 || first > o_last + 1 {
+    let (lo, hi) = (first.min(o_first), last.max(o_last));
+    if !same || o_first > last + 1 || first > o_last + 1 || hi - lo + 1 > limit {
         return None;
     }
     let old = cache.entry_bytes(stored.body).await?;
     if old.len() as u64 != o_last - o_first + 1 {
         return None;
     }
-    let (lo, hi) = (first.min(o_first), last.max(o_last));
-    let mut out = Vec::with_capacity((hi - lo + 1) as usize);
     // The stored bytes, then the new ones over them: where the two
     // overlap, the new response's bytes win, as its fields do.
-    out.resize((hi - lo + 1) as usize, 0);
+    let mut out = vec![0; (hi - lo + 1) as usize];
     out[(o_first - lo) as usize..=(o_last - lo) as usize].copy_from_slice(&old);
     out[(first - lo) as usize..=(last - lo) as usize].copy_from_slice(bytes);
     let mut merged = stored.stored.freshened(head);

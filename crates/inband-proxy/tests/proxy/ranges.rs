@@ -140,21 +140,18 @@ async fn a_range_of_a_large_streamed_entry_has_exactly_its_bytes() {
     assert_eq!(o.hits(), 2, "one fetch per store");
 }
 
-/// A 206 from the origin is stored and answers ranges within it; parts
-/// under one strong validator are combined, the newest fields winning
-/// and the others kept (RFC 9111 §3.4), until the whole is stored as the
-/// complete 200. A POST drops the stored part.
-#[tokio::test]
-async fn partial_responses_are_stored_combined_and_completed() {
-    const LEN: usize = 1000;
+/// An origin that answers one range with a 206 of `pattern(len)`, under
+/// one strong ETag; `x-serial` counts its responses, `x-first` is on the
+/// first only.
+async fn ranged_origin(len: usize) -> Origin {
     let n = Arc::new(AtomicUsize::new(0));
-    let o = Origin::start(move |s| {
+    Origin::start(move |s| {
         let i = n.fetch_add(1, Ordering::SeqCst);
-        let whole = pattern(LEN);
+        let whole = pattern(len);
         let mut reply = match s.headers.get("range").map(|v| v.to_str().unwrap()) {
             Some(range) => {
-                let (a, b) = one_range(range, LEN);
-                Reply { status: 206, body: whole[a..=b].to_vec(), ..Default::default() }.header("content-range", format!("bytes {a}-{b}/{LEN}"))
+                let (a, b) = one_range(range, len);
+                Reply { status: 206, body: whole[a..=b].to_vec(), ..Default::default() }.header("content-range", format!("bytes {a}-{b}/{len}"))
             }
             None => Reply { status: 200, body: whole, ..Default::default() },
         };
@@ -164,7 +161,17 @@ async fn partial_responses_are_stored_combined_and_completed() {
         }
         reply
     })
-    .await;
+    .await
+}
+
+/// A 206 from the origin is stored and answers ranges within it; parts
+/// under one strong validator are combined, the newest fields winning
+/// and the others kept (RFC 9111 §3.4), until the whole is stored as the
+/// complete 200. A POST drops the stored part.
+#[tokio::test]
+async fn partial_responses_are_stored_combined_and_completed() {
+    const LEN: usize = 1000;
+    let o = ranged_origin(LEN).await;
     let want = pattern(LEN);
     let dir = tempfile::tempdir().unwrap();
     let p = start_proxy(&[o.addr], &cache_section(dir.path(), "lmdb", 4096)).await;
@@ -296,5 +303,23 @@ async fn a_range_of_a_compressed_entry_is_of_the_representation_sent() {
     assert_eq!(head.headers["content-range"].to_str().unwrap(), format!("bytes 0-99/{}", whole.len()));
     assert_eq!(&part[..], &whole[..100]);
     assert_eq!(o.hits(), 1);
+    p.shutdown().await;
+}
+
+/// Parts whose span would be over `max_object_bytes` are not combined:
+/// the newer part is kept alone, the older one asked for again.
+#[tokio::test]
+async fn parts_are_not_combined_past_the_object_bound() {
+    let o = ranged_origin(5000).await;
+    let want = pattern(5000);
+    let dir = tempfile::tempdir().unwrap();
+    let p = start_proxy(&[o.addr], &cache_section(dir.path(), "lmdb", 4096)).await;
+    for (range, x_cache) in [("bytes=0-2999", "MISS"), ("bytes=2500-4999", "MISS"), ("bytes=3000-3099", "HIT"), ("bytes=0-99", "MISS")] {
+        let r = rget(&p, "/s", &[("range", range)]).await;
+        assert_eq!((r.status, field(&r, "x-cache")), (206, x_cache), "{range}");
+        let (a, b) = one_range(range, 5000);
+        assert!(r.body.as_bytes() == &want[a..=b], "{range}: wrong bytes");
+    }
+    assert_eq!(o.hits(), 3);
     p.shutdown().await;
 }
