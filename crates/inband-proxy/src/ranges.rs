@@ -378,6 +378,47 @@ mod tests {
         assert!(!holds("W/\"v1\"", &h));
     }
 
+    /// A body of `chunks` frames of `size` bytes (byte i is `i % 251`),
+    /// counting the frames it handed out.
+    struct Frames {
+        size: usize,
+        chunks: usize,
+        polled: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl Body for Frames {
+        type Data = Bytes;
+        type Error = BoxError;
+
+        fn poll_frame(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            let i = self.polled.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if i == self.chunks {
+                return Poll::Ready(None);
+            }
+            let data: Vec<u8> = (i * self.size..(i + 1) * self.size).map(|b| (b % 251) as u8).collect();
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from(data)))))
+        }
+    }
+
+    /// The slice drops the frames before the range as they come and reads
+    /// none after it: a range at the start of a large body reads one
+    /// chunk, one in its middle reads up to the chunk that ends it.
+    #[test]
+    fn a_slice_reads_no_further_than_its_range() {
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let (size, chunks) = (1000, 50);
+        for (first, last, frames) in [(0, 99, 1), (2500, 2600, 3), (999, 1000, 2), (49_000, 49_999, 50)] {
+            let polled = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let body = Frames { size, chunks, polled: polled.clone() }.boxed();
+            let resp = slice(Response::new(body), first, last, (size * chunks) as u64, 0);
+            assert_eq!(resp.headers()[header::CONTENT_RANGE], format!("bytes {first}-{last}/50000"));
+            let got = rt.block_on(resp.into_body().collect()).unwrap().to_bytes();
+            let want: Vec<u8> = (first..=last).map(|b| (b % 251) as u8).collect();
+            assert_eq!(&got[..], &want[..], "{first}-{last}");
+            assert_eq!(polled.load(std::sync::atomic::Ordering::SeqCst), frames, "{first}-{last}: frames read");
+        }
+    }
+
     #[test]
     fn content_range_is_read_strictly() {
         let of = |v: &str| {
