@@ -446,10 +446,11 @@ impl HttpCache {
 
     /// Stores a response as the origin sent it (and the Vary marker it
     /// needs) and returns the entry as stored, the one to serve other
-    /// clients from. A 206 (one part, without Vary: the caller checks) is
-    /// kept beside the complete response; a complete 200 replaces the
-    /// partial one. A failure is logged: a response not stored is only a
-    /// later miss.
+    /// clients from. A 206 (of one part: the caller checks) is kept beside
+    /// the complete response, one per URL and without a Vary marker (its
+    /// stored request has the Vary'd fields, so the library refuses it to
+    /// another variant); a complete 200 replaces it. A failure is logged:
+    /// a response not stored is only a later miss.
     pub(crate) async fn put(&self, parts: &request::Parts, resp: &response::Parts, body: Bytes) -> Arc<Stored> {
         let now = SystemTime::now();
         let mut r = Response::new(());
