@@ -18,13 +18,13 @@ use crate::cache_control;
 use crate::cache_outcome::Outcome;
 use crate::cache_store::{base_key, options, unix_ms, Buffered, Fetched, Found, HttpCache, Leader, Stored, Turn};
 use crate::metrics::Refusal;
+use crate::ranges::{self, Answer, Asked};
 use crate::routes::Route;
 use crate::{forward, Shared};
 
-/// Whether the cache looks at this request at all. Range requests go to
-/// the origin: the library does not understand partial content.
+/// Whether the cache looks at this request at all.
 pub fn applies(parts: &request::Parts) -> bool {
-    parts.method == Method::GET && !parts.headers.contains_key(header::RANGE)
+    parts.method == Method::GET
 }
 
 /// Whether this method's success invalidates the stored URL: every
@@ -52,6 +52,15 @@ fn fresh(stored: &Stored, parts: &request::Parts) -> bool {
 /// headers already; `key` is the balancing hash key. A client's own
 /// conditional request is answered 304 when the 200 it would get matches.
 pub async fn serve(shared: &Arc<Shared>, cache: &HttpCache, route: &Arc<Route>, mut parts: request::Parts, key: &[u8]) -> Result<Response<ProxyBody>, Refusal> {
+    // A range is cut from the complete response when one is stored (its
+    // revalidation included); without one, from a stored part, or the
+    // origin is asked for the range and its 206 stored (RFC 9111 §3.3).
+    let asked = Asked::take(&mut parts.headers);
+    if let Some(asked) = &asked {
+        if cache.lookup(&parts).await.is_none() {
+            return partial(shared, cache, route, parts, asked, key).await;
+        }
+    }
     let conditional = [header::IF_NONE_MATCH, header::IF_MODIFIED_SINCE].iter().any(|h| parts.headers.contains_key(h));
     let req_headers = conditional.then(|| parts.headers.clone());
     // The origin is asked for the whole response, which can be stored:
@@ -62,15 +71,178 @@ pub async fn serve(shared: &Arc<Shared>, cache: &HttpCache, route: &Arc<Route>, 
     let accept = parts.headers.get(header::ACCEPT_ENCODING).cloned();
     // Before the 304 check: a validator names the representation sent.
     let resp = crate::compression::for_client(accept.as_ref(), &shared.metrics.compression, lookup_or_fetch(shared, cache, route, parts, key).await?);
-    match req_headers {
-        Some(req) if resp.status() == StatusCode::OK && not_modified(&req, resp.headers()) => {
+    // RFC 9110 §13.2.2: the client's validators before its range.
+    match (req_headers, asked) {
+        (Some(req), _) if resp.status() == StatusCode::OK && not_modified(&req, resp.headers()) => {
             let (mut head, _) = resp.into_parts();
             head.status = StatusCode::NOT_MODIFIED;
             head.headers.remove(header::CONTENT_LENGTH);
             Ok(Response::from_parts(head, full(Bytes::new())))
         }
+        (_, Some(asked)) => Ok(ranges::cut(&asked, resp, &shared.metrics.ranges)),
         _ => Ok(resp),
     }
+}
+
+/// A range of a URL with no complete response stored: from the stored
+/// part when it holds the range, else from the origin, whose 206 is
+/// stored, combined with the stored part when the two adjoin under the
+/// same strong validator (RFC 9111 §3.4).
+async fn partial(shared: &Arc<Shared>, cache: &HttpCache, route: &Arc<Route>, parts: request::Parts, asked: &Asked, key: &[u8]) -> Result<Response<ProxyBody>, Refusal> {
+    let stored_part = cache.lookup_partial(&parts).await;
+    let held = stored_part.as_ref().and_then(|found| holds(found, &parts, asked));
+    match (stored_part, held) {
+        (Some(Found { stored, body }), Some((from, to, complete, first))) => {
+            shared.metrics.cache(Outcome::Hit);
+            shared.metrics.ranges.count(Answer::FromPartial);
+            let resp = cached(stored.head(), cache.response_body(body), Outcome::Hit);
+            Ok(ranges::slice(resp, from, to, complete, first))
+        }
+        _ if cache_control::directive(&parts.headers, "only-if-cached").is_some() => Err(Refusal::NotCached),
+        (stored_part, _) => fetch_range(shared, cache, route, &parts, asked, key, stored_part).await,
+    }
+}
+
+/// The range asked for, when the stored part is fresh, its validator
+/// satisfies If-Range and it holds the one range: (first and last byte
+/// asked, complete length, the part's first byte).
+fn holds(found: &Found, parts: &request::Parts, asked: &Asked) -> Option<(u64, u64, u64, u64)> {
+    let head = found.stored.head();
+    let (first, last, complete) = ranges::content_range(&head.headers)?;
+    if !fresh(&found.stored, parts) || !ranges::if_range_holds(asked.if_range.as_ref(), &head.headers) || found.body.len() != last - first + 1 {
+        return None;
+    }
+    match ranges::resolve(&asked.range, complete) {
+        ranges::Resolved::One(from, to) if first <= from && to <= last => Some((from, to, complete, first)),
+        _ => None,
+    }
+}
+
+/// Asks the origin for the client's range. A 206 of one part is stored
+/// when the rules allow; a 200 (the origin ignored the range, or
+/// If-Range did not hold) goes the way of any miss, and the range is cut
+/// from it.
+async fn fetch_range(
+    shared: &Arc<Shared>,
+    cache: &HttpCache,
+    route: &Arc<Route>,
+    parts: &request::Parts,
+    asked: &Asked,
+    key: &[u8],
+    stored_part: Option<Found>,
+) -> Result<Response<ProxyBody>, Refusal> {
+    let mut req = parts.clone();
+    asked.restore(&mut req.headers);
+    let resp = forward::send(shared, &route.pool, &req, Bytes::new(), key).await?;
+    match resp.status() {
+        StatusCode::OK => {
+            let accept = parts.headers.get(header::ACCEPT_ENCODING);
+            let resp = crate::compression::for_client(accept, &shared.metrics.compression, keep(shared, cache, route, parts, resp, None, Outcome::Miss).await?);
+            Ok(ranges::cut(asked, resp, &shared.metrics.ranges))
+        }
+        StatusCode::PARTIAL_CONTENT => keep_part(shared, cache, route, parts, resp, stored_part).await,
+        _ => {
+            shared.metrics.cache(Outcome::Miss);
+            let mut resp = resp.map(|b| b.map_err(BoxError::from).boxed());
+            Outcome::Miss.mark(&mut resp);
+            Ok(resp)
+        }
+    }
+}
+
+/// A 206 from the origin, stored when it may be and its Content-Range
+/// describes its body. A stored part with the same strong validator and
+/// the same complete length that overlaps or adjoins it is combined with
+/// it, under the new response's fields (RFC 9111 §3.4); parts that make
+/// up the whole are stored as the complete 200.
+async fn keep_part(
+    shared: &Arc<Shared>,
+    cache: &HttpCache,
+    route: &Arc<Route>,
+    parts: &request::Parts,
+    resp: Response<Incoming>,
+    stored_part: Option<Found>,
+) -> Result<Response<ProxyBody>, Refusal> {
+    shared.metrics.cache(Outcome::Miss);
+    let (head, body) = resp.into_parts();
+    let mut view = cache_control::library_response(&head);
+    view.status = StatusCode::OK;
+    let policy = CachePolicy::new_options(parts, &view, SystemTime::now(), options());
+    let limit = route.max_object_bytes.unwrap_or_else(|| cache.max_object_bytes());
+    let pass = |head, body| Ok(cached(head, body, Outcome::Miss));
+    let Some((first, last, complete)) = ranges::content_range(&head.headers) else {
+        // Several parts (multipart/byteranges) or no length known: passed
+        // on as they came.
+        shared.metrics.ranges.count(Answer::Malformed);
+        return pass(head, body.map_err(BoxError::from).boxed());
+    };
+    if !cache.worth_storing(&policy, &head, limit) {
+        return pass(head, body.map_err(BoxError::from).boxed());
+    }
+    let bytes = match cache.buffer(body, limit).await {
+        Buffered::Whole(b) => b,
+        Buffered::TooLarge(body) => return pass(head, body),
+        Buffered::Broken => return Err(Refusal::BackendDown),
+    };
+    if bytes.len() as u64 != last - first + 1 {
+        shared.metrics.ranges.count(Answer::Malformed);
+        return pass(head, full(bytes));
+    }
+    let combined = match stored_part {
+        Some(found) => combine(cache, &head, (first, last, complete), &bytes, found, limit).await,
+        None => None,
+    };
+    match combined {
+        Some((whole_head, whole)) => {
+            cache.put(parts, &whole_head, whole).await;
+        }
+        None => {
+            cache.put(parts, &head, bytes.clone()).await;
+        }
+    }
+    shared.metrics.ranges.count(Answer::Stored);
+    pass(head, full(bytes))
+}
+
+/// The stored part and the new one as one response: a 206 of the span
+/// they cover, or the 200 when they cover the whole. `None` when they do
+/// not go together (another validator, length, a gap between them, or a
+/// span over the object bound).
+async fn combine(
+    cache: &HttpCache,
+    head: &response::Parts,
+    (first, last, complete): (u64, u64, u64),
+    bytes: &Bytes,
+    stored: Found,
+    limit: u64,
+) -> Option<(response::Parts, Bytes)> {
+    let old_head = stored.stored.head();
+    let (o_first, o_last, o_complete) = ranges::content_range(&old_head.headers)?;
+    let strong = |h: &HeaderMap| h.get(header::ETAG).filter(|e| e.as_bytes().starts_with(b"\"")).cloned();
+    let same = strong(&head.headers).is_some() && strong(&head.headers) == strong(&old_head.headers) && o_complete == complete;
+    let (lo, hi) = (first.min(o_first), last.max(o_last));
+    if !same || o_first > last + 1 || first > o_last + 1 || hi - lo + 1 > limit {
+        return None;
+    }
+    let old = cache.entry_bytes(stored.body).await?;
+    if old.len() as u64 != o_last - o_first + 1 {
+        return None;
+    }
+    // The stored bytes, then the new ones over them: where the two
+    // overlap, the new response's bytes win, as its fields do.
+    let mut out = vec![0; (hi - lo + 1) as usize];
+    out[(o_first - lo) as usize..=(o_last - lo) as usize].copy_from_slice(&old);
+    out[(first - lo) as usize..=(last - lo) as usize].copy_from_slice(bytes);
+    let mut merged = stored.stored.freshened(head);
+    merged.headers.insert(header::CONTENT_LENGTH, HeaderValue::from(hi - lo + 1));
+    if lo == 0 && hi + 1 == complete {
+        merged.status = StatusCode::OK;
+        merged.headers.remove(header::CONTENT_RANGE);
+    } else {
+        merged.status = StatusCode::PARTIAL_CONTENT;
+        merged.headers.insert(header::CONTENT_RANGE, HeaderValue::try_from(format!("bytes {lo}-{hi}/{complete}")).ok()?);
+    }
+    Some((merged, out.into()))
 }
 
 /// RFC 9110 §13.1.2-3: If-None-Match (weak comparison, `*` matches any)

@@ -270,6 +270,16 @@ pub(crate) fn base_key(parts: &request::Parts) -> Vec<u8> {
     k
 }
 
+/// Where a stored 206 lives: beside the complete response, never in its
+/// place (a variant's key has `name=` after the newline, this none), so
+/// a request without Range never finds it, and a purge's prefix scan
+/// does.
+fn partial_key(base: &[u8]) -> Vec<u8> {
+    let mut k = base.to_vec();
+    k.extend_from_slice(b"\n206");
+    k
+}
+
 fn variant_key(base: &[u8], names: &[String], headers: &HeaderMap) -> Vec<u8> {
     let mut k = base.to_vec();
     k.push(b'\n');
@@ -397,7 +407,12 @@ impl HttpCache {
     /// The whole stored body of this request's entry, read again: a 304
     /// rewrites the entry, body included, and the client gets it.
     pub(crate) async fn body_bytes(&self, parts: &request::Parts) -> Option<Bytes> {
-        let body = self.lookup(parts).await?.body;
+        self.entry_bytes(self.lookup(parts).await?.body).await
+    }
+
+    /// A stored body whole in memory (one no larger than the object
+    /// bound, as every stored body is).
+    pub(crate) async fn entry_bytes(&self, body: EntryBody) -> Option<Bytes> {
         let read = match body {
             EntryBody::Whole(b) => return Some(b),
             c if self.inline_reads => c.into_bytes(),
@@ -421,10 +436,21 @@ impl HttpCache {
         }
     }
 
+    /// The stored 206 for this request's URL, if any.
+    pub(crate) async fn lookup_partial(&self, parts: &request::Parts) -> Option<Found> {
+        match self.get(partial_key(&base_key(parts))).await? {
+            (Decoded::Response(stored), body) => Some(Found { stored, body }),
+            (Decoded::Vary(_), _) => None,
+        }
+    }
+
     /// Stores a response as the origin sent it (and the Vary marker it
     /// needs) and returns the entry as stored, the one to serve other
-    /// clients from. A failure is logged: a response not stored is only a
-    /// later miss.
+    /// clients from. A 206 (of one part: the caller checks) is kept beside
+    /// the complete response, one per URL and without a Vary marker (its
+    /// stored request has the Vary'd fields, so the library refuses it to
+    /// another variant); a complete 200 replaces it. A failure is logged:
+    /// a response not stored is only a later miss.
     pub(crate) async fn put(&self, parts: &request::Parts, resp: &response::Parts, body: Bytes) -> Arc<Stored> {
         let now = SystemTime::now();
         let mut r = Response::new(());
@@ -441,7 +467,13 @@ impl HttpCache {
             r.headers_mut().insert(header::DATE, date);
         }
         let resp = r.into_parts().0;
-        let view = cache_control::library_response(&resp);
+        let mut view = cache_control::library_response(&resp);
+        let partial = resp.status == StatusCode::PARTIAL_CONTENT;
+        // The library refuses every 206 (it does not combine parts); the
+        // freshness of the part is the response's, as for a 200.
+        if partial {
+            view.status = StatusCode::OK;
+        }
 
         let base = base_key(parts);
         let vary = vary_names(&resp.headers);
@@ -459,7 +491,9 @@ impl HttpCache {
             plain: std::sync::OnceLock::new(),
         });
         let mut writes = Vec::new();
+        let superseded = (resp.status == StatusCode::OK).then(|| partial_key(&base)).filter(|k| self.store.contains(k));
         let key = match vary {
+            _ if partial => partial_key(&base),
             Some(names) => {
                 let key = variant_key(&base, &names, &parts.headers);
                 writes.push((base, Head::Vary(names), Bytes::new()));
@@ -474,6 +508,9 @@ impl HttpCache {
             .blocking(move |s| {
                 for (k, head, b) in writes {
                     s.put(&k, stored_at, expires, &serde_json::to_vec(&head)?, &b)?;
+                }
+                if let Some(k) = superseded {
+                    s.delete(&k)?;
                 }
                 Ok(())
             })
@@ -512,6 +549,10 @@ impl HttpCache {
     /// record is a Vary marker needs the scan for its variants.
     pub async fn invalidate(&self, parts: &request::Parts) -> Result<()> {
         let base = base_key(parts);
+        let partial = partial_key(&base);
+        if self.store.contains(&partial) {
+            self.blocking(move |s| s.delete(&partial).map(drop)).await?;
+        }
         let b = base.clone();
         let varies = self.blocking(move |s| Ok(s.get(&b)?.map(|e| matches!(serde_json::from_slice(&e.header), Ok(Head::Vary(_)))))).await?;
         match varies {

@@ -23,6 +23,7 @@ pub mod health;
 mod metrics;
 mod policy;
 mod probe;
+mod ranges;
 mod routes;
 mod scores;
 mod server;

@@ -126,6 +126,7 @@ pub struct Metrics {
     by_class: [Counter; 5],
     by_outcome: [Counter; Outcome::ALL.len()],
     pub compression: crate::compression::Counters,
+    pub ranges: crate::ranges::Counters,
 }
 
 impl Metrics {
@@ -234,6 +235,7 @@ impl Metrics {
         let by_outcome = Outcome::ALL.map(|o| cache.get_or_create(&vec![("result", o.label().to_string())]).clone());
         let by_class = [1, 2, 3, 4, 5].map(|c| requests.get_or_create(&vec![("class", format!("{c}xx"))]).clone());
         let compression = crate::compression::Counters::register(&mut registry);
+        let ranges = crate::ranges::Counters::register(&mut registry);
         Metrics {
             registry,
             refusals,
@@ -271,6 +273,7 @@ impl Metrics {
             by_class,
             by_outcome,
             compression,
+            ranges,
         }
     }
 

@@ -184,13 +184,19 @@ async fn gzip_is_stored_once_and_every_client_gets_what_it_accepts() {
     // A weak tag stays weak.
     assert_eq!(curl(p.addr, "/weak", &["--compressed"]).await.header("etag"), Some("W/\"w1-gzip\""));
 
-    // HEAD and Range go to the origin, as before: identity.
+    // HEAD goes to the origin, as before: identity.
     let head = curl(p.addr, "/page", &["--compressed", "-I"]).await;
     assert_eq!((head.status, head.header("content-encoding")), (200, None));
     assert_eq!(head.header("content-length"), Some(origin_bytes.len().to_string().as_str()));
-    let range = curl(p.addr, "/page", &["--compressed", "-r", "0-9"]).await;
-    assert_eq!(range.body, &origin_bytes[..range.body.len()]);
-    assert!(range.header("content-encoding").is_none());
+    // A range is of the representation sent: the stored gzip bytes to a
+    // client that accepts gzip, the origin's bytes to one that does not.
+    let range = curl(p.addr, "/page", &["-H", "Accept-Encoding: gzip", "-r", "0-9"]).await;
+    assert_eq!((range.status, range.header("content-encoding")), (206, Some("gzip")));
+    assert_eq!((&range.body[..], range.header("content-range")), (&raw.body[..10], Some(format!("bytes 0-9/{}", raw.body.len()).as_str())));
+    let range = curl(p.addr, "/page", &["-r", "10-19"]).await;
+    assert_eq!((range.status, range.header("content-encoding")), (206, None));
+    assert_eq!(&range.body[..], &origin_bytes[10..20]);
+    assert_eq!(o.hits(), 3, "/page once, /weak and the HEAD: the ranges came from the entry");
     p.shutdown().await;
 }
 
