@@ -268,10 +268,10 @@ def render(r: dict) -> str:
             continue
         share = [statistics.mean(x["share"][i] for x in mine) for i in range(3)]
         requests = sum(x["requests"] for x in mine) or 1
-        hedged = sum(x.get("hedges", 0) for x in mine)
-        won = sum(x.get("hedges_won", 0) for x in mine)
+        # Records from before hedging have no count: "–", not 0.
+        hedged = f"{100 * sum(x['hedges'] for x in mine) / requests:.2f} % ({sum(x['hedges_won'] for x in mine)})" if all("hedges" in x for x in mine) else "–"
         body.append([f"`{policy}`", spread([x["rps"] for x in mine]), spread([x["p50_ms"] for x in mine]), spread([x["p99_ms"] for x in mine]),
-                     " / ".join(f"{s:.2f}" for s in share), f"{100 * hedged / requests:.2f} % ({won})", sum(x["errors"] for x in mine)])  # fmt: skip
+                     " / ".join(f"{s:.2f}" for s in share), hedged, sum(x["errors"] for x in mine)])  # fmt: skip
     lines.append(table(["policy", "req/s", "p50 ms", "p99 ms", "share s1 / s2 / s3 (slow)", "hedged (answered from the second)", "errors"], body))
     per_rep = []
     for rep in sorted({x["repetition"] for x in rows}):
