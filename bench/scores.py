@@ -44,7 +44,12 @@ from .lib.stats import ratio
 from .lib.testbed import TestbedRun, alive, new_auth_key
 from .lib.tools import WRK_SUMMARY_LUA, parse_wrk
 
-POLICIES = ("least-score", "least-request", "round-robin")
+# Each run's proxy: its policy and [scores] hedge_margin (0: no hedging).
+# least-score without hedging is a control: what the ranking alone gives.
+RUNS = {"least-score": ("least-score", 4), "least-score-unhedged": ("least-score", 0), "least-request": ("least-request", 0),
+        "round-robin": ("round-robin", 0)}  # fmt: skip
+POLICIES = tuple(RUNS)
+LABELS = {"least-score-unhedged": "`least-score`, no hedging"}
 SERVICE_PORT = 8080
 PROXY_PORT = 8000
 METRICS_PORT = 8001
@@ -115,12 +120,13 @@ class Bench(TestbedRun):
             url = f"http://{self.tb.addr(f's{i}')}:{SERVICE_PORT}/stats"
             wait_until(f"server s{i}", lambda url=url: run(self.ns("lb"), ["curl", "-sf", "--max-time", "1", url], check=False).returncode == 0, 30)
 
-    def proxy_toml(self, policy: str) -> str:
+    def proxy_toml(self, run: str) -> str:
         lb = self.tb.addr("lb")
         backends = ", ".join(f'"{self.tb.addr(f"s{i}")}:{SERVICE_PORT}"' for i in (1, 2, 3))
+        policy, margin = RUNS[run]
         return (
             f'listen = "{lb}:{PROXY_PORT}"\nmetrics_listen = "{lb}:{METRICS_PORT}"\nbackends = [{backends}]\npolicy = "{policy}"\n'
-            f"workers = 1\n\n[scores]\ninterval_ms = {self.p.interval_ms}\n\n"
+            f"workers = 1\n\n[scores]\ninterval_ms = {self.p.interval_ms}\nhedge_margin = {margin}\n\n"
             f'[auth]\nkeys = [{{ id = 1, file = "{self.auth_key}" }}]\n'
         )
 
@@ -150,7 +156,7 @@ class Bench(TestbedRun):
         proxy = self.procs.spawn(f"proxy {policy}", self.ns("lb"), [str(self.inband), "proxy", "--config", str(cfg)], log)
         try:
             wait_until("the proxy", lambda: alive(proxy, "inband proxy", log) and "inband_proxy_origin_requests" in self.metrics(), 30)
-            if policy == "least-score":
+            if RUNS[policy][0] == "least-score":
                 wait_until("every backend's score", lambda: self.metrics().count("inband_proxy_backend_score{") == 3
                            and "-1" not in [ln.rsplit(" ", 1)[1] for ln in self.metrics().splitlines() if ln.startswith("inband_proxy_backend_score{")], 10)  # fmt: skip
             before = self.origin_requests()
@@ -195,8 +201,9 @@ class Bench(TestbedRun):
             stale = sum(float(ln.rsplit(" ", 1)[1]) for ln in self.metrics().splitlines() if ln.startswith("inband_proxy_score_stale_total{"))
         finally:
             self.procs.stop(proxy)
-        if policy == "least-score":
-            (self.out / f"scores-{rep}.json").write_text(json.dumps({"bursts": bursts, "samples": samples}))
+        scored = RUNS[policy][0] == "least-score"
+        if scored:
+            (self.out / f"scores-{policy}-{rep}.json").write_text(json.dumps({"bursts": bursts, "samples": samples}))
         got = [a - b for a, b in zip(after, before)]
         total = sum(got) or 1
         row = {
@@ -216,12 +223,13 @@ class Bench(TestbedRun):
             "bursts": len(bursts),
             # least-score only: per backend, the largest score the proxy
             # held and the share of 100 ms samples with a score above 0.
-            "score_max": [max((x[i + 1] for x in samples), default=None) if policy == "least-score" else None for i in range(3)],
-            "score_busy": [round(sum(1 for x in samples if x[i + 1] > 0) / len(samples), 3) if policy == "least-score" and samples else None
+            "score_max": [max((x[i + 1] for x in samples), default=None) if scored else None for i in range(3)],
+            "score_busy": [round(sum(1 for x in samples if x[i + 1] > 0) / len(samples), 3) if scored and samples else None
                            for i in range(3)],
         }
         self.log(f"  {policy}: {row['rps']} req/s, p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms, share {row['share']}, errors {row['errors']}"
-                 + (f", scores max {row['score_max']} busy {row['score_busy']}" if policy == "least-score" else ""))
+                 + (f", hedged {row['hedges']} ({row['hedges_won']} answered from the second)" if scored else "")
+                 + (f", scores max {row['score_max']} busy {row['score_busy']}" if scored else ""))
         return row
 
     def study(self) -> list:
@@ -270,14 +278,18 @@ def render(r: dict) -> str:
         requests = sum(x["requests"] for x in mine) or 1
         # Records from before hedging have no count: "–", not 0.
         hedged = f"{100 * sum(x['hedges'] for x in mine) / requests:.2f} % ({sum(x['hedges_won'] for x in mine)})" if all("hedges" in x for x in mine) else "–"
-        body.append([f"`{policy}`", spread([x["rps"] for x in mine]), spread([x["p50_ms"] for x in mine]), spread([x["p99_ms"] for x in mine]),
+        body.append([LABELS.get(policy, f"`{policy}`"), spread([x["rps"] for x in mine]), spread([x["p50_ms"] for x in mine]), spread([x["p99_ms"] for x in mine]),
                      " / ".join(f"{s:.2f}" for s in share), hedged, sum(x["errors"] for x in mine)])  # fmt: skip
     lines.append(table(["policy", "req/s", "p50 ms", "p99 ms", "share s1 / s2 / s3 (slow)", "hedged (answered from the second)", "errors"], body))
-    per_rep = []
-    for rep in sorted({x["repetition"] for x in rows}):
-        by = {x["policy"]: x for x in rows if x["repetition"] == rep}
-        if "least-score" in by and "least-request" in by:
-            per_rep.append(ratio(by["least-score"]["p99_ms"], by["least-request"]["p99_ms"]))
+    def ratios(run: str) -> list:
+        per_rep = []
+        for rep in sorted({x["repetition"] for x in rows}):
+            by = {x["policy"]: x for x in rows if x["repetition"] == rep}
+            if run in by and "least-request" in by:
+                per_rep.append(ratio(by[run]["p99_ms"], by["least-request"]["p99_ms"]))
+        return per_rep
+
+    per_rep = ratios("least-score")
     if per_rep:
         mean = statistics.mean(per_rep)
         verdict = "meets" if mean <= TARGET_P99 else "does not meet"
@@ -286,6 +298,9 @@ def render(r: dict) -> str:
             f"least-score's p99 ÷ least-request's, per repetition: {', '.join(f'{x:.2f}' for x in per_rep)}; mean {mean:.2f}, "
             f"which {verdict} the target (≤ {TARGET_P99}).",
         ]
+    unhedged = ratios("least-score-unhedged")
+    if unhedged:
+        lines.append(f"Without hedging: {', '.join(f'{x:.2f}' for x in unhedged)}; mean {statistics.mean(unhedged):.2f}.")
     return "\n".join(lines) + "\n"
 
 
