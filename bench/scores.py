@@ -46,10 +46,15 @@ from .lib.tools import WRK_SUMMARY_LUA, parse_wrk
 
 # Each run's proxy: its policy and [scores] hedge_margin (0: no hedging).
 # least-score without hedging is a control: what the ranking alone gives.
+# The floor: the same bursts sent to a fourth server outside the pool, so
+# the machine's CPUs carry the same load but no request can meet a burst:
+# the p99 no placement can go below on this machine (least-request there).
 RUNS = {"least-score": ("least-score", 4), "least-score-unhedged": ("least-score", 0), "least-request": ("least-request", 0),
-        "round-robin": ("round-robin", 0)}  # fmt: skip
+        "round-robin": ("round-robin", 0), "floor": ("least-request", 0)}  # fmt: skip
 POLICIES = tuple(RUNS)
-LABELS = {"least-score-unhedged": "`least-score`, no hedging"}
+LABELS = {"least-score-unhedged": "`least-score`, no hedging", "floor": "floor: the bursts on a server outside the pool"}
+# The server outside the pool, which takes the floor run's bursts.
+ELSEWHERE = 4
 SERVICE_PORT = 8080
 PROXY_PORT = 8000
 METRICS_PORT = 8001
@@ -107,16 +112,16 @@ class Bench(TestbedRun):
     def setup(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         self.lua.write_text(WRK_SUMMARY_LUA)
-        self.bring_up(servers=3)
+        self.bring_up(servers=4)
         self.auth_key = new_auth_key(self.inband, self.out)
-        for i in (1, 2, 3):
+        for i in (1, 2, 3, ELSEWHERE):
             node = f"s{i}"
             speed = self.p.slow_speed if i == 3 else 1.0
             argv = [str(self.inband), "serve", "--listen", f"0.0.0.0:{SERVICE_PORT}", "--workers", "4", "--service-ms", str(self.p.service_ms), "--service-dist", "constant",
                     "--speed", str(speed), "--keep-alive", "--body-bytes", "1024"]  # fmt: skip
             self.procs.spawn(f"server {node}", self.ns(node), argv, self.out / f"serve-{node}.log")
-        self.start_agents(["s1", "s2", "s3"], self.out, self.out, SERVICE_PORT, score="requests")
-        for i in (1, 2, 3):
+        self.start_agents(["s1", "s2", "s3", f"s{ELSEWHERE}"], self.out, self.out, SERVICE_PORT, score="requests")
+        for i in (1, 2, 3, ELSEWHERE):
             url = f"http://{self.tb.addr(f's{i}')}:{SERVICE_PORT}/stats"
             wait_until(f"server s{i}", lambda url=url: run(self.ns("lb"), ["curl", "-sf", "--max-time", "1", url], check=False).returncode == 0, 30)
 
@@ -168,7 +173,8 @@ class Bench(TestbedRun):
                 for start, dur, s in bursts:
                     if stop.wait(max(0.0, t0 + start - time.monotonic())):
                         return
-                    url = f"http://{self.tb.addr(f's{s}')}:{SERVICE_PORT}/"
+                    target = ELSEWHERE if policy == "floor" else s
+                    url = f"http://{self.tb.addr(f's{target}')}:{SERVICE_PORT}/"
                     argv = ["wrk", "-t1", f"-c{self.p.burst_connections}", f"-d{max(1, round(dur))}s", url]
                     threading.Thread(target=run, args=(self.ns("c1"), argv), kwargs={"timeout": dur + 30, "check": False}, daemon=True).start()
 
@@ -301,6 +307,10 @@ def render(r: dict) -> str:
     unhedged = ratios("least-score-unhedged")
     if unhedged:
         lines.append(f"Without hedging: {', '.join(f'{x:.2f}' for x in unhedged)}; mean {statistics.mean(unhedged):.2f}.")
+    floor = ratios("floor")
+    if floor:
+        lines.append(f"The floor's p99 ÷ least-request's (the least any placement could reach with these bursts on this machine): "
+                     f"{', '.join(f'{x:.2f}' for x in floor)}; mean {statistics.mean(floor):.2f}.")
     return "\n".join(lines) + "\n"
 
 

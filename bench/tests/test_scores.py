@@ -41,3 +41,7 @@ def test_render_gives_the_ratio_and_the_verdict():
     md = scores.render(record([row("least-score", 0, 7.0, 2, 1), row("least-score-unhedged", 0, 9.0), row("least-request", 0, 10.0)]))
     assert "| `least-score`, no hedging | 10.0 (10.0–10.0) | 5.0 (5.0–5.0) | 9.0 (9.0–9.0) | 0.40 / 0.40 / 0.20 | 0.00 % (0) | 0 |" in md
     assert "Without hedging: 0.90; mean 0.90." in md
+    # The floor: the same bursts outside the pool.
+    md = scores.render(record([row("least-score", 0, 7.0), row("least-request", 0, 10.0), row("floor", 0, 6.0)]))
+    assert "| floor: the bursts on a server outside the pool |" in md
+    assert "(the least any placement could reach with these bursts on this machine): 0.60; mean 0.60." in md
