@@ -262,7 +262,7 @@ const POLL_KEY: Key = Key(*b"poll-test-key-01");
 /// with `mode = "none"` if `unauthenticated`.
 fn detached_maps(unauthenticated: bool) -> AgentMaps {
     let maps = AgentMaps::create_detached().expect("creating BPF maps (run the tests as root)");
-    maps.apply(&services(&[(8080, "10.77.0.100:80"), (8081, "10.77.0.100:81")]), &[IpAddr::V4(Ipv4Addr::LOCALHOST)]).unwrap();
+    maps.apply(&services(&[(8080, "10.77.0.100:80"), (8081, "10.77.0.100:81")]), &[IpAddr::V4(Ipv4Addr::LOCALHOST)], &[]).unwrap();
     let (mode, keys) = if unauthenticated { (AuthMode::None, vec![]) } else { (AuthMode::Siphash, vec![(1, POLL_KEY)]) };
     DataPathSettings::new(mode, keys, 1500, 120).apply(&maps, None).unwrap();
     maps
@@ -858,11 +858,12 @@ fn active_8080(socket: &Path) -> Option<i64> {
     v["ports"]["8080"]["active_connections"].as_i64()
 }
 
-const MAP_NAMES: [&str; 12] = [
+const MAP_NAMES: [&str; 13] = [
     "active_conns",
     "agent_config",
     "agent_stats",
     "auth_keys",
+    "balancer_nets",
     "balancers",
     "carrier_slot",
     "conn_counted",
