@@ -1131,6 +1131,34 @@ quic_server_id = 2
     }
 
     #[test]
+    fn fleet_tuples_need_a_96_of_their_own_and_a_key_and_refuse_dsr_dynamic() {
+        let sids = "sid = \"fd00:51::b\"\ndirect_sid = \"fd00:51::d\"\nshadow_sid = \"fd00:5f::5\"";
+        let rr = DUAL.replacen("mode = \"dsr-dynamic\"", "mode = \"dsr-rr\"", 1);
+        let so = |text: &str, extra: &str| text.replace("[auth]", &format!("[scale_out]\n{sids}\n{extra}\n[auth]"));
+        let keyed = |prefix: &str| format!("fleet = true\nfleet_prefix = \"{prefix}\"\nfleet_key = \"/etc/inband/fleet.key\"");
+        let good = LbConfig::parse(&so(&rr, &keyed("fd00:f1ee::/96"))).unwrap();
+        let (prefix, key) = good.scale_out.as_ref().unwrap().fleet().unwrap();
+        assert_eq!((prefix.to_string(), key), ("fd00:f1ee::/96".to_string(), Path::new("/etc/inband/fleet.key")));
+        // Which VIPs take fleet tuples: the IPv6 TCP DSR one, not the IPv4 QUIC one.
+        assert_eq!(good.vips.iter().map(VipConfig::fleet_tuples).collect::<Vec<_>>(), [true, false]);
+        let cases = [
+            (so(&rr, "fleet = true"), "needs fleet_prefix"),
+            (so(&rr, "fleet_prefix = \"fd00:f1ee::/96\""), "only with fleet = true"),
+            (so(&rr, &keyed("fd00:f1ee::/104")), "must be a /96"),
+            (so(&rr, &keyed("fd00:f1ee::1/96")), "has host bits set"),
+            (so(&rr, &keyed("fd00:77::/96")), "holds fd00:77::2"),
+            (so(&rr, &keyed("fd00:51::/96")), "holds fd00:51::b"),
+            (so(&DUAL.replace("fd00:77::21", "fd00:f1ee::21"), &keyed("fd00:f1ee::/96")), "holds backend"),
+            (so(DUAL, &keyed("fd00:f1ee::/96")), "dsr-dynamic cannot take fleet tuples yet"),
+        ];
+        for (text, want) in cases {
+            assert!(err(&text).contains(want), "want {want:?}, got {}", err(&text));
+        }
+        // dsr-dynamic stays accepted with fleet off.
+        assert!(LbConfig::parse(&so(DUAL, "")).is_ok());
+    }
+
+    #[test]
     fn takes_ipip_for_ipv4_backends_only() {
         let c = LbConfig::parse(&DUAL.replace("quic_server_id = 2\n", "quic_server_id = 2\nencap = \"ipip\"\n")).unwrap();
         assert_eq!((c.vips[1].backends[0].encap, c.vips[1].backends[1].encap), (Encap::None, Encap::Ipip));
