@@ -114,7 +114,17 @@ pub struct ScaleOutConfig {
     /// shares: the fleet tuple is a SipHash of the client side under it.
     #[serde(default)]
     pub fleet_key: Option<PathBuf>,
+    /// Strays of fleet connections (another instance's, after its crash)
+    /// taken over a second, per CPU: bounds how fast forged strays to the
+    /// direct SID can fill the flow table.
+    #[serde(default = "default_adopt_per_s")]
+    pub adopt_per_s: u32,
 }
+
+fn default_adopt_per_s() -> u32 {
+    20_000
+}
+const ADOPT_PER_S: std::ops::RangeInclusive<u32> = 0..=1_000_000;
 
 /// The prefix length of `fleet_prefix`: a 32-bit suffix per connection.
 pub const FLEET_PREFIX_LEN: u8 = 96;
@@ -744,6 +754,7 @@ impl LbConfig {
     /// and the data path's bound), aligned, of a family the balancer has an
     /// address of, and overlaps none of the addresses traffic is told by.
     fn validate_fleet(&self, so: &ScaleOutConfig) -> Result<()> {
+        in_range("[scale_out] adopt_per_s", so.adopt_per_s, &ADOPT_PER_S)?;
         if !so.fleet {
             if so.fleet_prefix.is_some() || so.fleet_key.is_some() {
                 bail!("[scale_out]: fleet_prefix and fleet_key take effect only with fleet = true: set it, or remove them");

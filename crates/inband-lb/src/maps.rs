@@ -139,6 +139,7 @@ pub const DROP_NAMES: [&str; c::INBAND_DROP_MAX as usize] = [
     "query_pending",
     "chained_no_flow",
     "srv6_unsupported",
+    "adopt_budget",
 ];
 
 /// Names of `enum inband_event`, by index.
@@ -179,6 +180,7 @@ pub const EVENT_NAMES: [&str; c::INBAND_EV_MAX as usize] = [
     "sid_echo",
     "fleet_tuples",
     "fleet_pinned",
+    "adopted_maglev",
 ];
 
 /// Names of `enum inband_health_reason`, by index, as status and metrics show them.

@@ -4150,7 +4150,11 @@ fn fleet_tuple(c: SocketAddr, key: [u64; 2]) -> SocketAddr {
 /// on under `key`; `n` tells the instances apart (own address and SNAT
 /// key), as two hosts differ.
 fn fleet_instance(n: u8, key: [u64; 2], policy: Policy) -> Fixture {
-    let fx = Fixture::lb_vip(Spec { v6: true, policy, ..Spec::default() });
+    fleet_of(n, key, Spec { v6: true, policy, ..Spec::default() })
+}
+
+fn fleet_of(n: u8, key: [u64; 2], spec: Spec) -> Fixture {
+    let fx = Fixture::lb_vip(spec);
     fx.config(|c| {
         c.self6 = be_ip(IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x10 + u16::from(n))));
         c.snat_key = [u64::from(n), 2];
@@ -4294,4 +4298,80 @@ fn fleet_off_keeps_each_instances_own_tuple() {
         assert_eq!((fx.event("fleet_tuples"), fx.event("fleet_pinned")), (0, 0));
         assert_eq!(fx.half_open(c).unwrap().snat_index, 0);
     }
+}
+
+// ---------------------------------------------------------------- adoption
+
+/// Instance `n` of a scaled-out fleet: the IPv6 dsr-rr VIP with policy
+/// maglev over 3 backends, its table as the control plane writes it (the
+/// same on every instance), fleet tuples on, its SIDs, and `adopt_per_s`.
+fn fleet_maglev(n: u8, adopt_per_s: u32) -> Fixture {
+    let fx = fleet_of(n, FLEET_KEY, Spec { v6: true, policy: Policy::Maglev, n: 3, ..Spec::default() });
+    fx.write_table(&[1, 1, 1]);
+    fx.config(|c| {
+        c.cond_sid = be_ip(COND_SID.into());
+        c.direct_sid = be_ip(DIRECT_SID.into());
+        c.shadow_sid = be_ip(SHADOW_SID.into());
+        c.adopt_per_s = adopt_per_s;
+    });
+    fx
+}
+
+/// Instance 1 opened a connection and has died; the router's shadow
+/// table delivers the connection's next segment to instance 2's direct
+/// SID. Instance 2 takes it over: it sends the backend exactly the bytes
+/// instance 1 would have sent (same backend, same fleet tuple), keeps an
+/// established flow marked adopted, and carries the later segments on it.
+/// Before (and with fleet off) the segment was dropped (chained_no_flow).
+/// At the conditional SID such a segment is still chained: its owner may
+/// be alive.
+#[test]
+fn a_stray_at_the_direct_sid_is_adopted_by_maglev() {
+    let (one, two) = (fleet_maglev(1, 100), fleet_maglev(2, 100));
+    for n in 1..=3 {
+        let c = client6(n);
+        let (b, port) = one.connect(c);
+        let d = data(c);
+        let sent_by_one = one.tx(&d.build());
+        assert_eq!(parse(&sent_by_one).unwrap().src, fleet_tuple(c, FLEET_KEY), "client {n}: instance 1 used the fleet tuple");
+        assert_eq!(two.tx(&via(DIRECT_SID, &d)), sent_by_one, "client {n}: instance 2 sends the same bytes");
+        let f = two.flow(c).expect("an adopted flow");
+        assert_eq!((u32::from(f.backend_id), port_of(f.snat_port), f.state), (b.id, port, FLOW_ESTABLISHED));
+        assert_eq!(f.flags & c::INBAND_FLOW_ADOPTED as u8, c::INBAND_FLOW_ADOPTED as u8);
+        // Its next segments, however they come, follow the flow.
+        assert_eq!(two.tx(&d.build()), sent_by_one, "client {n}: carried on");
+    }
+    assert_eq!((two.event("adopted_maglev"), two.flow_count()), (3, 3));
+    assert_eq!(two.named_drops(), vec![]);
+
+    let c = client6(9);
+    one.connect(c);
+    let mut chained = chained_to(SHADOW_SID, &data(c).build_ip());
+    chained[ETH_HLEN + 8..ETH_HLEN + 24].copy_from_slice(&Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x12).octets());
+    assert_eq!(two.tx(&via(COND_SID, &data(c))), chained, "the conditional SID still chains (from instance 2's address)");
+    assert_eq!(two.event("adopted_maglev"), 3);
+
+    let off = fleet_maglev(2, 100);
+    off.update_vip(|v| v.flags &= !VIP_FLEET);
+    off.assert_dropped(&via(DIRECT_SID, &data(client6(1))), "chained_no_flow");
+    assert_eq!((off.event("adopted_maglev"), off.flow_count()), (0, 0));
+    // Nor a fleet VIP whose backend no hash reproduces (round-robin).
+    let rr = fleet_maglev(2, 100);
+    rr.update_vip(|v| v.policy = Policy::RoundRobin as u8);
+    rr.assert_dropped(&via(DIRECT_SID, &data(client6(1))), "chained_no_flow");
+}
+
+/// Strays to the direct SID create flows at adopt_per_s a CPU at most: a
+/// forged flood of them cannot churn the flow table faster. The rest are
+/// dropped (adopt_budget); a retransmission later is adopted then.
+#[test]
+fn adoption_stops_at_the_budget() {
+    let fx = fleet_maglev(2, 1);
+    fx.tx(&via(DIRECT_SID, &data(client6(1))));
+    for n in 2..=3 {
+        fx.assert_dropped(&via(DIRECT_SID, &data(client6(n))), "adopt_budget");
+    }
+    assert_eq!((fx.event("adopted_maglev"), fx.flow_count()), (1, 1));
+    let none = fleet_maglev(2, 0);
+    none.assert_dropped(&via(DIRECT_SID, &data(client6(1))), "adopt_budget");
 }

@@ -97,7 +97,10 @@ enum inband_drop_reason {
 	INBAND_DROP_QUERY_PENDING = 19, /* dsr-query: a SYN handed to the daemon to ask the backends */
 	INBAND_DROP_CHAINED_NO_FLOW = 20, /* chained here by another instance, and no connection here either */
 	INBAND_DROP_SRV6_UNSUPPORTED = 21, /* to our SID, but not one segment carrying IPv6 or IPv4: not unwrapped */
-	INBAND_DROP_MAX = 22,
+	/* A stray of a fleet flow at the direct SID beyond the adoption
+	 * budget ([scale_out] adopt_per_s): its retransmission may be taken. */
+	INBAND_DROP_ADOPT_BUDGET = 22,
+	INBAND_DROP_MAX = 23,
 };
 
 /* Things the data path did or refused that are not drops; per-CPU array,
@@ -142,7 +145,11 @@ enum inband_event {
 	 * its fleet tuple was held here by another connection (a collision),
 	 * or no 155 goes with it (options lost, IP-in-IP, beyond the MTU). */
 	INBAND_EV_FLEET_PINNED = 35,
-	INBAND_EV_MAX = 36,
+	/* A stray at the direct SID taken over as a fleet flow: its backend is
+	 * its Maglev primary, its tuple the fleet's, as on the instance that
+	 * opened it (handshake.h adopt()). */
+	INBAND_EV_ADOPTED_MAGLEV = 36,
+	INBAND_EV_MAX = 37,
 };
 
 /* gauges[0] = whole table (plus half_open count), [1 + vip id], [1 + INBAND_MAX_VIPS + backend id]. */

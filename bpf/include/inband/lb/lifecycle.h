@@ -191,7 +191,8 @@ static __always_inline void flow_close(struct inband_flow *f)
 	event(INBAND_EV_FLOWS_CLOSED);
 	__u32 bid = f->backend_id, vid = f->vip_id;
 
-	if (score_mode(f->mode)) {
+	/* An adopted flow's opening was counted where it opened. */
+	if (score_mode(f->mode) && !(f->flags & INBAND_FLOW_ADOPTED)) {
 		struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &bid);
 
 		if (s)

@@ -158,15 +158,21 @@ static long port_step(__u32 i, void *arg)
  * holds nothing on it can carry it. A suffix of 0 would be the prefix's
  * Subnet-Router anycast address (RFC 4291): it becomes 1.
  */
-static __always_inline int try_fleet(const struct inband_lb_config *cfg, struct port_search *s)
+static __always_inline void fleet_tuple(const struct inband_lb_config *cfg, const struct inband_flow_key *fk,
+					struct inband_nat_key *nk)
 {
-	__u64 h = inband_siphash24_words(cfg->fleet_key[0], cfg->fleet_key[1], (const __u8 *)&s->fk,
+	__u64 h = inband_siphash24_words(cfg->fleet_key[0], cfg->fleet_key[1], (const __u8 *)fk,
 					 sizeof(struct inband_flow_key) / 8);
 	__u32 suffix = (__u32)(h >> 32);
 
-	s->nk.snat_port = candidate(h, 0);
-	s->nk.snat_index = INBAND_SNAT_FLEET;
-	s->nk.fleet_suffix = bpf_htonl(suffix | !suffix);
+	nk->snat_port = candidate(h, 0);
+	nk->snat_index = INBAND_SNAT_FLEET;
+	nk->fleet_suffix = bpf_htonl(suffix | !suffix);
+}
+
+static __always_inline int try_fleet(const struct inband_lb_config *cfg, struct port_search *s)
+{
+	fleet_tuple(cfg, &s->fk, &s->nk);
 	try_candidate(s);
 	if (s->port)
 		return 1;

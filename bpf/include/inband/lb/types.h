@@ -193,6 +193,10 @@ struct inband_lb_config {
 	 * fleet_key, which every instance shares (nat.h). */
 	struct inband_addr fleet_prefix;
 	__u64 fleet_key[2];
+	/* Strays of fleet flows taken over a second, per CPU (handshake.h
+	 * adopt()); 0 = none. */
+	__u32 adopt_per_s;
+	__u32 pad_fleet;
 };
 
 /* The client side of a connection: key of `flows` and `half_open`. */
@@ -213,6 +217,9 @@ enum inband_flow_state {
 
 #define INBAND_FLOW_PROBE_OUTSTANDING 1 /* a 124 was sent; its 125 has not come */
 #define INBAND_FLOW_PROBE_OLD 2 /* ... and a sweep has passed since: the next one gives up on it */
+/* Taken over at the end of a chain (fleet tuples, handshake.h adopt()):
+ * another instance opened it and counted it in its load estimate. */
+#define INBAND_FLOW_ADOPTED 4
 
 /*
  * Established flows are aged without a clock read per packet: a packet sets
