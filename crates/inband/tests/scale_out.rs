@@ -741,6 +741,8 @@ fn an_instance_host_crash_keeps_its_maglev_connections_with_fleet_tuples() {
         wait_for("the VIP to answer", || {
             farm.tb.exec("c1", &["curl", "-s", "-o", "/dev/null", "--max-time", "3", &url]).map(|o| o.status.success()).unwrap_or(false)
         });
+        let shown = farm.status(2)["scale_out"]["fleet_prefix"].clone();
+        assert_eq!(shown, if fleet { Value::from(fleet_prefix(subnet)) } else { Value::Null }, "inband status");
         let first_port = 43000;
         let dls = farm.downloads_from(first_port);
         wait_for("every download to start", || farm.established() == DOWNLOADS);
