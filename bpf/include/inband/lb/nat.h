@@ -150,13 +150,11 @@ static long port_step(__u32 i, void *arg)
 }
 
 /*
- * The fleet tuple of the connection: fleet_prefix + a 32-bit suffix and a
- * port, all from one SipHash of the client side under the fleet's key, so
- * every instance computes the same one. Only this one candidate: if a
- * connection here holds it (two client sides that hash alike), the new one
- * searches this balancer's own tuples instead, and only an instance that
- * holds nothing on it can carry it. A suffix of 0 would be the prefix's
- * Subnet-Router anycast address (RFC 4291): it becomes 1.
+ * The fleet tuple of the connection `fk` into `nk` (its backend filled
+ * in): fleet_prefix + a 32-bit suffix and a port, all from one SipHash of
+ * the client side under the fleet's key, so every instance computes the
+ * same one. A suffix of 0 would be the prefix's Subnet-Router anycast
+ * address (RFC 4291): it becomes 1.
  */
 static __always_inline void fleet_tuple(const struct inband_lb_config *cfg, const struct inband_flow_key *fk,
 					struct inband_nat_key *nk)
@@ -170,6 +168,9 @@ static __always_inline void fleet_tuple(const struct inband_lb_config *cfg, cons
 	nk->fleet_suffix = bpf_htonl(suffix | !suffix);
 }
 
+/* Only this one candidate: if a connection here holds it (two client
+ * sides that hash alike), the new one searches this balancer's own tuples
+ * instead, and only an instance that holds nothing on it can carry it. */
 static __always_inline int try_fleet(const struct inband_lb_config *cfg, struct port_search *s)
 {
 	fleet_tuple(cfg, &s->fk, &s->nk);
