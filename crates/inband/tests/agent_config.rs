@@ -67,6 +67,26 @@ fn config_balancers_take_blocks_of_addresses() {
     assert!(e.contains("\"lb1\" is neither an address nor a block"), "{e}");
 }
 
+/// A fleet's prefix is listed as the /96 its balancers' `fleet_prefix` is;
+/// anything else is refused, naming it.
+#[test]
+fn config_fleet_prefixes_are_96s() {
+    let with = |list: &str| GOOD.replace("balancers = [\"10.77.0.2\"]", &format!("balancers = [\"10.77.0.2\"]\nfleet_prefixes = [{list}]"));
+    let c = AgentConfig::parse(&with("\"fd00:f1ee::/96\"")).unwrap();
+    assert_eq!(c.fleet_prefixes.iter().map(ToString::to_string).collect::<Vec<_>>(), ["fd00:f1ee::/96"]);
+    assert!(AgentConfig::parse(GOOD).unwrap().fleet_prefixes.is_empty(), "none by default");
+    for (list, want) in [
+        ("\"fd00:f1ee::/104\"", "fd00:f1ee::/104 is not a /96"),
+        ("\"fd00:f1ee::5/96\"", "is not a /96 starting at its first address"),
+        ("\"fd00:f1ee::/96\", \"fd00:f1ee::/96\"", "listed twice"),
+    ] {
+        let e = config_err(&with(list));
+        assert!(e.contains(want), "{list}: {e}");
+    }
+    let many: Vec<String> = (0..17).map(|i| format!("\"fd00:f1ee:{i}::/96\"")).collect();
+    assert!(config_err(&with(&many.join(", "))).contains("17 fleet_prefixes listed, at most 16"));
+}
+
 #[test]
 fn config_defaults() {
     let c = AgentConfig::parse(GOOD).unwrap();
