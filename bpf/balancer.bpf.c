@@ -227,23 +227,29 @@ __noinline int forward(struct xdp_md *ctx, const struct inband_lb_config *cfg, s
 	__u8 opt[DOH_MAX];
 	int optlen = 0, probe = 0;
 	__u32 *probe_count = NULL;
+	int again = 0;
 
-	if (first && options) {
-		if (p->tot_len + added_len(p, tuple_len(cfg, v4, p->proto), encap) > cfg->mtu)
-			event(INBAND_EV_TUPLE_SKIPPED_MTU);
-		else
-			optlen = build_tuple(opt + INBAND_DOH_PREFIX, cfg, fk, f, tcp ? p->seq : f->syn_seq);
-	} else if (syn) {
+	if (syn && !first) {
 		/* A retransmitted SYN goes without its 155: if the first was
 		 * lost to a path that drops packets with options, this one
 		 * opens the connection through the balancer instead. (A SYN on
 		 * a live flow goes without too: the agent refuses a tuple for a
-		 * live socket.) */
+		 * live socket.) Not on a fleet tuple: no instance is reached
+		 * at the fleet address, so a SYN-ACK reaches the client only
+		 * through the agent, which must keep the client it learned
+		 * (a SYN without a 155 makes it forget a handshake's tuple). */
 		struct inband_backend_stats *bs = bpf_map_lookup_elem(&backend_stats, &bid);
 
 		if (bs && options && f->state == INBAND_FLOW_SYN_SENT)
 			bs->syn_retries++;
-	} else if (f->mode == INBAND_MODE_DSR_DYNAMIC && options && vc && f->state != INBAND_FLOW_CLOSING &&
+		again = f->snat_index == INBAND_SNAT_FLEET && f->state == INBAND_FLOW_SYN_SENT;
+	}
+	if ((first || again) && options) {
+		if (p->tot_len + added_len(p, tuple_len(cfg, v4, p->proto), encap) > cfg->mtu)
+			event(INBAND_EV_TUPLE_SKIPPED_MTU);
+		else
+			optlen = build_tuple(opt + INBAND_DOH_PREFIX, cfg, fk, f, tcp ? p->seq : f->syn_seq);
+	} else if (!syn && f->mode == INBAND_MODE_DSR_DYNAMIC && options && vc && f->state != INBAND_FLOW_CLOSING &&
 		   (probe_count = probe_wanted(f, vc))) {
 		/* Not on a closing flow (its FIN or RST, or anything after):
 		 * the backend answers on its ACK of that FIN, before the FIN

@@ -4214,6 +4214,26 @@ fn two_instances_with_one_fleet_key_send_a_flow_from_the_same_tuple() {
     assert_eq!((a.event("fleet_tuples"), a.event("fleet_pinned")), (4, 0));
 }
 
+/// A fleet tuple's retransmitted SYN carries its 155 again, the bytes of
+/// the first (counted as a retry): the agent keeps the client it learned,
+/// and the server's SYN-ACK, which no instance would take at the fleet
+/// address, reaches the client through it. An own tuple's retransmission
+/// still goes without (retransmitted_syn_follows_its_handshake_...).
+#[test]
+fn a_fleet_tuples_retransmitted_syn_carries_its_155_again() {
+    let fx = fleet_instance(1, FLEET_KEY, Policy::RoundRobin);
+    let (c, be) = (client6(1), backend6(0));
+    let s = syn(c);
+    let first = fx.tx(&s.build());
+    assert_eq!(first, forwarded_dsr_syn_from(&s, &be, fleet_tuple(c, FLEET_KEY)));
+    assert_eq!(fx.tx(&s.build()), first, "the retransmission, byte for byte");
+    assert_eq!((fx.backend_stats(&be).syn_retries, fx.event("fleet_tuples")), (1, 1));
+    fx.update_vip(|v| v.flags &= !VIP_FLEET);
+    let c = client6(2);
+    fx.tx(&syn(c).build());
+    assert!(parse(&fx.tx(&syn(c).build())).unwrap().ip_options.is_empty(), "an own tuple's retransmission: no 155");
+}
+
 /// Another fleet key gives other tuples (an outsider cannot aim at one,
 /// and two fleets do not share theirs); the tuple follows the key given.
 #[test]
