@@ -126,6 +126,24 @@ static __always_inline int udp_tuple_expired(const struct inband_dsr_flow *flow,
 }
 
 /*
+ * The balancer `addr` is, or NULL: one of `balancers`, or an address of a
+ * fleet's prefix (`*fleet` set then). IPv4 addresses are never a fleet's.
+ */
+static __always_inline struct inband_balancer *find_balancer(const struct inband_addr *addr, int *fleet)
+{
+	struct inband_balancer *b = bpf_map_lookup_elem(&balancers, addr);
+
+	*fleet = 0;
+	if (b || inband_addr_is4(addr))
+		return b;
+	struct inband_balancer_net k = { .prefixlen = 128, .addr = *addr };
+
+	b = bpf_map_lookup_elem(&balancer_nets, &k);
+	*fleet = b != NULL;
+	return b;
+}
+
+/*
  * A 155 from a balancer, in the configured format (`opt`, `len` bytes),
  * on the TCP segment or UDP datagram at a->hlen. Stored only from a packet
  * whose checksums verify and, authenticated, whose MAC does; for TCP only
@@ -133,7 +151,7 @@ static __always_inline int udp_tuple_expired(const struct inband_dsr_flow *flow,
  * its stamp is not older than what its balancer sent since.
  */
 static __always_inline int take_client_tuple(struct __sk_buff *skb, const struct apkt *a, struct inband_balancer *b,
-					     const __u32 *opt, __u32 len, __u8 auth_mode)
+					     const __u32 *opt, __u32 len, __u8 auth_mode, int fleet)
 {
 	const __u8 *o = (const __u8 *)opt;
 	__u32 l4_off = INBAND_ETH_HLEN + a->hlen;
@@ -197,6 +215,17 @@ static __always_inline int take_client_tuple(struct __sk_buff *skb, const struct
 	} else {
 		struct tuple_owner owner = tuple_owner(skb, a);
 
+		if (owner_live(&owner) && fleet) {
+			/* Another client's connection has the same fleet tuple
+			 * (another instance opened it). The stack's challenge
+			 * ACK would reach this SYN's client through the fleet
+			 * address, and a RST it answers with, carrying the
+			 * acknowledged number, would end the live connection
+			 * (RFC 5961 takes it). Dropped, the new client retries
+			 * from another port. */
+			count(INBAND_AGENT_FLEET_COLLISIONS);
+			return TC_ACT_SHOT;
+		}
 		if (owner_live(&owner)) {
 			/* The SYN itself still reaches the stack, which answers
 			 * it with a challenge ACK. */
@@ -407,6 +436,7 @@ int agent_ingress(struct __sk_buff *skb)
 {
 	const struct inband_agent_config *cfg;
 	struct inband_balancer *b;
+	int fleet = 0;
 	struct apkt a = {};
 	__u32 opt[OPT_MAX_WORDS] = {};
 	__u32 len = 0;
@@ -433,7 +463,7 @@ int agent_ingress(struct __sk_buff *skb)
 	/* A balancer sends IPv6 with one Destination Options header at most:
 	 * anything else from its address may hide an option the agent does
 	 * not read, so it is counted; the stack judges it as it is. */
-	if (a.ext_unwalked && bpf_map_lookup_elem(&balancers, &a.saddr))
+	if (a.ext_unwalked && find_balancer(&a.saddr, &fleet))
 		count(INBAND_AGENT_UNWALKED_EXT_HEADERS);
 	if (score_requests && a.proto == IPPROTO_TCP && !a.frag)
 		track_request(skb, &a, 1);
@@ -452,7 +482,7 @@ int agent_ingress(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	/* Anyone can put a 155 on a packet; only a balancer's may steer where
 	 * this server sends its responses. */
-	b = bpf_map_lookup_elem(&balancers, &a.saddr);
+	b = find_balancer(&a.saddr, &fleet);
 	if (!b) {
 		count(INBAND_AGENT_UNTRUSTED_OPTION);
 		return TC_ACT_OK;
@@ -466,7 +496,7 @@ int agent_ingress(struct __sk_buff *skb)
 	if (len != configured_len(o[0], cfg->auth_mode, &a))
 		return drop(INBAND_AGENT_WRONG_FORMAT);
 	if (o[0] == INBAND_OPT_CLIENT_TUPLE)
-		return take_client_tuple(skb, &a, b, opt, len, cfg->auth_mode);
+		return take_client_tuple(skb, &a, b, opt, len, cfg->auth_mode, fleet);
 	return take_score_request(skb, &a, opt, len, cfg->auth_mode, wrapped);
 }
 

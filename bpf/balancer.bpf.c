@@ -187,7 +187,7 @@ __noinline int forward(struct xdp_md *ctx, const struct inband_lb_config *cfg, s
 	int dsr = f->mode != INBAND_MODE_PASSTHROUGH;
 	int options = dsr && !(be->flags & INBAND_BACKEND_OPTIONS_LOST);
 	int encap = v4 && (be->flags & INBAND_BACKEND_ENCAP);
-	const struct inband_addr *self = snat_addr(cfg, &f->backend_addr, f->snat_index);
+	const struct inband_addr *self = snat_addr(cfg, &f->backend_addr, f->snat_index, f->fleet_suffix);
 	__u32 l3 = v4 ? INBAND_IPV4_MIN_HDR : INBAND_IPV6_HDR;
 	__u32 coff = l4_check_off(p->proto);
 	void *data_end = (void *)(long)ctx->data_end;
@@ -227,23 +227,29 @@ __noinline int forward(struct xdp_md *ctx, const struct inband_lb_config *cfg, s
 	__u8 opt[DOH_MAX];
 	int optlen = 0, probe = 0;
 	__u32 *probe_count = NULL;
+	int again = 0;
 
-	if (first && options) {
-		if (p->tot_len + added_len(p, tuple_len(cfg, v4, p->proto), encap) > cfg->mtu)
-			event(INBAND_EV_TUPLE_SKIPPED_MTU);
-		else
-			optlen = build_tuple(opt + INBAND_DOH_PREFIX, cfg, fk, f, tcp ? p->seq : f->syn_seq);
-	} else if (syn) {
+	if (syn && !first) {
 		/* A retransmitted SYN goes without its 155: if the first was
 		 * lost to a path that drops packets with options, this one
 		 * opens the connection through the balancer instead. (A SYN on
 		 * a live flow goes without too: the agent refuses a tuple for a
-		 * live socket.) */
+		 * live socket.) Not on a fleet tuple: no instance is reached
+		 * at the fleet address, so a SYN-ACK reaches the client only
+		 * through the agent, which must keep the client it learned
+		 * (a SYN without a 155 makes it forget a handshake's tuple). */
 		struct inband_backend_stats *bs = bpf_map_lookup_elem(&backend_stats, &bid);
 
 		if (bs && options && f->state == INBAND_FLOW_SYN_SENT)
 			bs->syn_retries++;
-	} else if (f->mode == INBAND_MODE_DSR_DYNAMIC && options && vc && f->state != INBAND_FLOW_CLOSING &&
+		again = f->snat_index == INBAND_SNAT_FLEET && f->state == INBAND_FLOW_SYN_SENT;
+	}
+	if ((first || again) && options) {
+		if (p->tot_len + added_len(p, tuple_len(cfg, v4, p->proto), encap) > cfg->mtu)
+			event(INBAND_EV_TUPLE_SKIPPED_MTU);
+		else
+			optlen = build_tuple(opt + INBAND_DOH_PREFIX, cfg, fk, f, tcp ? p->seq : f->syn_seq);
+	} else if (!syn && f->mode == INBAND_MODE_DSR_DYNAMIC && options && vc && f->state != INBAND_FLOW_CLOSING &&
 		   (probe_count = probe_wanted(f, vc))) {
 		/* Not on a closing flow (its FIN or RST, or anything after):
 		 * the backend answers on its ACK of that FIN, before the FIN
@@ -299,6 +305,27 @@ __noinline int forward(struct xdp_md *ctx, const struct inband_lb_config *cfg, s
 
 
 /*
+ * A fleet VIP's new connection to `be` may take the fleet tuple only if
+ * its SYN carries a 155: the agent learns the client from it, and the
+ * backend's answer to the fleet address would otherwise come back to
+ * whichever instance the router picks. So not toward a backend whose path
+ * loses options or needs IP-in-IP (IPv4 only, as fleet prefixes are
+ * IPv6), nor when the 155 would pass the MTU. Counted when it may not.
+ */
+static __always_inline __u32 fleet_tuple_fits(const struct inband_lb_config *cfg, const struct inband_vip *vc,
+					      const struct inband_backend *be, const struct pkt *p)
+{
+	if (!(vc->flags & INBAND_VIP_FLEET) || p->proto != IPPROTO_TCP)
+		return 0;
+	if ((be->flags & (INBAND_BACKEND_OPTIONS_LOST | INBAND_BACKEND_ENCAP)) || inband_addr_is4(&be->addr) ||
+	    p->tot_len + added_len(p, tuple_len(cfg, 0, IPPROTO_TCP), 0) > cfg->mtu) {
+		event(INBAND_EV_FLEET_PINNED);
+		return 0;
+	}
+	return 1;
+}
+
+/*
  * A new connection (a SYN, a UDP flow's first datagram): backend, SNAT
  * port, handshake state; FWD_COPY to forward the packet on it. `named`:
  * see NAMED. Global (verified once): its selection and port search loops
@@ -315,6 +342,7 @@ __noinline int open_flow(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 	__u32 skip = 0, id = 0, slot = 0;
 	__be16 port = 0;
 	__u8 nk_index = 0;
+	__be32 suffix = 0;
 	struct inband_backend *be = NULL;
 
 	if (!vc)
@@ -355,9 +383,10 @@ __noinline int open_flow(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 			return drop(INBAND_DROP_NO_ROUTE);
 		struct inband_nat_key nk = { .backend_addr = be->addr, .backend_port = be->port, .proto = fk->proto };
 
-		port = reserve_snat_port(cfg, fk, &nk, p->now);
+		port = reserve_snat_port(cfg, fk, &nk, p->now, fleet_tuple_fits(cfg, vc, be, p));
 		if (port) {
 			nk_index = nk.snat_index;
+			suffix = nk.fleet_suffix;
 			break;
 		}
 		event(INBAND_EV_BACKEND_FULL);
@@ -375,6 +404,7 @@ __noinline int open_flow(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 	f->backend_port = be->port;
 	f->snat_port = port;
 	f->snat_index = nk_index;
+	f->fleet_suffix = suffix;
 	f->backend_id = (__u16)id;
 	f->vip_id = (__u16)vid;
 	f->mode = vc->mode;

@@ -6,6 +6,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use ipnet::Ipv6Net;
 use serde::{Deserialize, Deserializer, Serialize};
 
 use inband_core::auth::AuthConfig;
@@ -49,6 +50,11 @@ pub struct AgentConfig {
     /// written as prefixes: "10.0.0.16/28"), one entry per address here.
     #[serde(deserialize_with = "addresses_or_blocks")]
     pub balancers: Vec<IpAddr>,
+    /// The fleet prefixes of balancers that run `[scale_out] fleet = true`
+    /// (their lb.toml `fleet_prefix`, a /96 each): every address inside may
+    /// send options here, as a `balancers` address may.
+    #[serde(default)]
+    pub fleet_prefixes: Vec<Ipv6Net>,
     #[serde(default)]
     pub score: ScoreSource,
     #[serde(default = "default_score_socket")]
@@ -103,6 +109,7 @@ pub struct ServiceConfig {
 /// The limits of the BPF maps (bpf/include/inband/agent/consts.h).
 pub const MAX_SERVICES: usize = 64;
 pub const MAX_BALANCERS: usize = c::INBAND_AGENT_MAX_BALANCERS as usize;
+pub const MAX_FLEETS: usize = c::INBAND_AGENT_MAX_FLEETS as usize;
 /// The largest block one `balancers` entry may name: a balancer's SNAT
 /// pool is at most 32 addresses, several balancers' pools may be one block.
 const MAX_BLOCK: u32 = 256;
@@ -177,6 +184,19 @@ impl AgentConfig {
         }
         if self.balancers.len() > MAX_BALANCERS {
             bail!("{} balancers listed, at most {MAX_BALANCERS}", self.balancers.len());
+        }
+        if self.fleet_prefixes.len() > MAX_FLEETS {
+            bail!("{} fleet_prefixes listed, at most {MAX_FLEETS}", self.fleet_prefixes.len());
+        }
+        for (i, p) in self.fleet_prefixes.iter().enumerate() {
+            if p.prefix_len() != 96 || p.trunc() != *p {
+                bail!(
+                    "fleet_prefixes: {p} is not a /96 starting at its first address: write the balancers' `fleet_prefix` as they have it"
+                );
+            }
+            if self.fleet_prefixes[..i].iter().any(|q| q.contains(p)) {
+                bail!("fleet_prefixes: {p} is listed twice; remove the duplicate");
+            }
         }
         let mut seen = HashSet::new();
         for b in &self.balancers {

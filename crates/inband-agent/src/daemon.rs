@@ -141,7 +141,7 @@ fn configure(cfg: &AgentConfig, data_path: &DataPathSettings, pins: &bpfmap::Pin
         mtu = data_path.mtu,
         "option format and keys loaded"
     );
-    maps.apply(&cfg.services, &cfg.balancers)?;
+    maps.apply(&cfg.services, &cfg.balancers, &cfg.fleet_prefixes)?;
     let ports: HashSet<u16> = cfg.service_ports().into_iter().collect();
     // Overrides left by a crashed agent: the application's (`app`) are its
     // last word and stay; anything else would freeze a stale score.

@@ -8,6 +8,7 @@ use inband_core::shared as c;
 pub type Service = c::inband_service;
 pub type ServiceKey = c::inband_service_key;
 pub type Balancer = c::inband_balancer;
+pub type BalancerNet = c::inband_balancer_net;
 pub type ConnKey = c::inband_conn_key;
 pub type DsrFlow = c::inband_dsr_flow;
 /// `agent_config[0]`: the option format and the interface MTU.
@@ -53,6 +54,7 @@ pub enum AgentCounter {
     ScoreDeferredUdpBurst = c::INBAND_AGENT_SCORE_DEFERRED_UDP_BURST,
     ScoreDeferredCarrierFailed = c::INBAND_AGENT_SCORE_DEFERRED_CARRIER_FAILED,
     ResetsViaBalancer = c::INBAND_AGENT_RESETS_VIA_BALANCER,
+    FleetCollisions = c::INBAND_AGENT_FLEET_COLLISIONS,
 }
 
 /// Entries of `agent_stats`.
@@ -96,6 +98,7 @@ impl AgentCounter {
         (AgentCounter::ScoreDeferredUdpBurst, "score_deferred_udp_burst"),
         (AgentCounter::ScoreDeferredCarrierFailed, "score_deferred_carrier_failed"),
         (AgentCounter::ResetsViaBalancer, "resets_via_balancer"),
+        (AgentCounter::FleetCollisions, "fleet_collisions"),
     ];
 
     pub const ALL: [AgentCounter; COUNTER_MAX] = {

@@ -8,16 +8,22 @@ use std::mem::size_of;
 use std::net::{IpAddr, SocketAddr};
 
 use anyhow::{Context, Result};
+use ipnet::Ipv6Net;
 use libbpf_rs::{MapHandle, MapType};
 use serde::Serialize;
 
-use super::config::{ScoreSource, ServiceConfig, MAX_BALANCERS, MAX_SERVICES};
-use super::maps::{AgentCounter, AuthKey, Balancer, ConnKey, DataPathConfig, DsrFlow, Service, ServiceKey, COUNTER_MAX};
+use super::config::{ScoreSource, ServiceConfig, MAX_BALANCERS, MAX_FLEETS, MAX_SERVICES};
+use super::maps::{AgentCounter, AuthKey, Balancer, BalancerNet, ConnKey, DataPathConfig, DsrFlow, Service, ServiceKey, COUNTER_MAX};
 use inband_core::auth::AuthMode;
 use inband_core::shared as c;
 use inband_core::bpfmap::{self, PinDir};
 use inband_core::net::{vip_name, Protocol};
-use inband_core::pod::{be_ip, be_port, ip_of, port_of};
+use inband_core::pod::{be_ip, be_port, ip_of, port_of, Pod};
+
+/// The `balancer_nets` key of a fleet prefix.
+pub fn balancer_net(p: Ipv6Net) -> BalancerNet {
+    BalancerNet { prefixlen: u32::from(p.prefix_len()), addr: be_ip(IpAddr::V6(p.network())) }
+}
 
 /// Size of `dsr_flows`.
 pub const FLOW_TABLE_SIZE: u32 = c::INBAND_AGENT_FLOW_TABLE_SIZE;
@@ -28,6 +34,7 @@ pub const SCORE_MAX: u32 = 0xffff;
 pub struct AgentMaps {
     pub services: MapHandle,
     pub balancers: MapHandle,
+    pub balancer_nets: MapHandle,
     pub dsr_flows: MapHandle,
     pub active_conns: MapHandle,
     pub score_override: MapHandle,
@@ -43,6 +50,7 @@ impl AgentMaps {
         Ok(AgentMaps {
             services: dir.open("services")?,
             balancers: dir.open("balancers")?,
+            balancer_nets: dir.open("balancer_nets")?,
             dsr_flows: dir.open("dsr_flows")?,
             active_conns: dir.open("active_conns")?,
             score_override: dir.open("score_override")?,
@@ -74,6 +82,15 @@ impl AgentMaps {
                 size_of::<Balancer>(),
                 MAX_BALANCERS as u32,
             )?,
+            balancer_nets: MapHandle::create(
+                MapType::LpmTrie,
+                Some("balancer_nets"),
+                size_of::<BalancerNet>() as u32,
+                size_of::<Balancer>() as u32,
+                MAX_FLEETS as u32,
+                &libbpf_rs::libbpf_sys::bpf_map_create_opts { map_flags: libbpf_rs::libbpf_sys::BPF_F_NO_PREALLOC, ..opts },
+            )
+            .context("creating map balancer_nets")?,
             dsr_flows: make(
                 MapType::LruHash,
                 "dsr_flows",
@@ -90,10 +107,10 @@ impl AgentMaps {
         })
     }
 
-    /// Makes `services` and `balancers` hold exactly the configuration. A
-    /// balancer that stays keeps its newest UDP stamp (replays of its older
-    /// 155s stay refused).
-    pub fn apply(&self, services: &[ServiceConfig], balancers: &[IpAddr]) -> Result<()> {
+    /// Makes `services`, `balancers` and `balancer_nets` hold exactly the
+    /// configuration. A balancer that stays keeps its newest UDP stamp
+    /// (replays of its older 155s stay refused).
+    pub fn apply(&self, services: &[ServiceConfig], balancers: &[IpAddr], fleets: &[Ipv6Net]) -> Result<()> {
         let wanted: HashSet<ServiceKey> = services.iter().map(service_key).collect();
         for s in services {
             let v = Service { vip_addr: be_ip(s.vip.ip()), vip_port: be_port(s.vip.port()), pad: 0 };
@@ -113,6 +130,17 @@ impl AgentMaps {
         for (k, _) in bpfmap::entries::<c::inband_addr, Balancer>(&self.balancers)? {
             if !wanted.contains(&k) {
                 bpfmap::delete(&self.balancers, &k)?;
+            }
+        }
+        let wanted: Vec<BalancerNet> = fleets.iter().map(|p| balancer_net(*p)).collect();
+        for k in &wanted {
+            if bpfmap::get::<_, Balancer>(&self.balancer_nets, k)?.is_none() {
+                bpfmap::put(&self.balancer_nets, k, &Balancer::default())?;
+            }
+        }
+        for (k, _) in bpfmap::entries::<BalancerNet, Balancer>(&self.balancer_nets)? {
+            if !wanted.iter().any(|w| w.as_bytes() == k.as_bytes()) {
+                bpfmap::delete(&self.balancer_nets, &k)?;
             }
         }
         Ok(())

@@ -68,6 +68,7 @@ pod!(
     inband_service,
     inband_service_key,
     inband_balancer,
+    inband_balancer_net,
     inband_conn_key,
     inband_dsr_flow,
     inband_agent_config,

@@ -25,7 +25,8 @@ pub fn config_and_keys(maps: &LbMaps, cfg: &LbConfig, keys: &[(u8, Key)]) -> Res
 /// `cfg` under the keys already written: a run-time change.
 pub fn config(maps: &LbMaps, cfg: &LbConfig) -> Result<()> {
     data_path_config(maps, cfg)?;
-    tables::apply(maps, &cfg.vips, cfg.drain_timeout_ms, cfg.maglev_table_size)?;
+    let fleet = cfg.scale_out.as_ref().is_some_and(|s| s.fleet().is_some());
+    tables::apply(maps, &cfg.vips, cfg.drain_timeout_ms, cfg.maglev_table_size, fleet)?;
     // New backends' next hops now, not at the next periodic pass.
     neighbour::refresh(maps, &cfg.interface)?;
     Ok(())
@@ -50,6 +51,13 @@ pub fn interface(maps: &LbMaps, interface: &str) -> Result<usize> {
 fn data_path_config(maps: &LbMaps, cfg: &LbConfig) -> Result<()> {
     let old: DataPathConfig = bpfmap::get(&maps.lb_config, &0u32)?.unwrap_or_default();
     let snat_key = if old.snat_key != [0, 0] { old.snat_key } else { random_key()? };
+    let fleet = match cfg.scale_out.as_ref().and_then(|s| s.fleet()) {
+        Some((prefix, key)) => {
+            let k = inband_core::auth::read_key(key).context("[scale_out] fleet_key")?;
+            Some((prefix, key_words(&k.0)))
+        }
+        None => None,
+    };
     let value = DataPathConfig {
         // A family without an address stays all zero: not served.
         self4: cfg.address.map(|a| be_ip(a.into())).unwrap_or_default(),
@@ -66,6 +74,9 @@ fn data_path_config(maps: &LbMaps, cfg: &LbConfig) -> Result<()> {
         snat_pool6: cfg.snat_prefix6.map(|p| be_ip(p.network().into())).unwrap_or_default(),
         snat_pool4_n: cfg.snat_prefix.map_or(0, |p| (1u32 << (32 - p.prefix_len())) as u8),
         snat_pool6_n: cfg.snat_prefix6.map_or(0, |p| (1u32 << (128 - p.prefix_len())) as u8),
+        fleet_prefix: fleet.map(|(p, _)| be_ip(p.network().into())).unwrap_or_default(),
+        fleet_key: fleet.map_or([0, 0], |(_, k)| k),
+        adopt_per_s: cfg.scale_out.as_ref().filter(|_| fleet.is_some()).map_or(0, |s| s.adopt_per_s),
         ..Default::default()
     };
     bpfmap::put(&maps.lb_config, &0u32, &value)
@@ -76,5 +87,10 @@ fn random_key() -> Result<[u64; 2]> {
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
         .context("reading /dev/urandom")?;
-    Ok([u64::from_le_bytes(b[..8].try_into().unwrap()), u64::from_le_bytes(b[8..].try_into().unwrap())])
+    Ok(key_words(&b))
+}
+
+/// A 16-byte key as the data path's SipHash takes it.
+fn key_words(b: &[u8; 16]) -> [u64; 2] {
+    [u64::from_le_bytes(b[..8].try_into().unwrap()), u64::from_le_bytes(b[8..].try_into().unwrap())]
 }

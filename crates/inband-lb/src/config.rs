@@ -101,6 +101,42 @@ pub struct ScaleOutConfig {
     pub direct_sid: Ipv6Addr,
     /// The router's SID that looks the VIP up in its shadow table.
     pub shadow_sid: Ipv6Addr,
+    /// Fleet tuples (docs/architecture.md, "Fleet tuples"): every instance
+    /// sends a connection of a TCP DSR VIP to its backend from the same
+    /// server-side tuple, so any of them can carry it.
+    #[serde(default)]
+    pub fleet: bool,
+    /// The fleet's source addresses toward backends: an IPv6 /96, the same
+    /// on every instance.
+    #[serde(default)]
+    pub fleet_prefix: Option<Ipv6Net>,
+    /// A key file (as `inband keygen` writes) every instance of the fleet
+    /// shares: the fleet tuple is a SipHash of the client side under it.
+    #[serde(default)]
+    pub fleet_key: Option<PathBuf>,
+    /// Strays of fleet connections (another instance's, after its crash)
+    /// taken over a second, per CPU: bounds how fast forged strays to the
+    /// direct SID can fill the flow table.
+    #[serde(default = "default_adopt_per_s")]
+    pub adopt_per_s: u32,
+}
+
+fn default_adopt_per_s() -> u32 {
+    20_000
+}
+const ADOPT_PER_S: std::ops::RangeInclusive<u32> = 0..=1_000_000;
+
+/// The prefix length of `fleet_prefix`: a 32-bit suffix per connection.
+pub const FLEET_PREFIX_LEN: u8 = 96;
+
+impl ScaleOutConfig {
+    /// The fleet's prefix and key file when fleet tuples are on.
+    pub fn fleet(&self) -> Option<(Ipv6Net, &Path)> {
+        match (self.fleet, self.fleet_prefix, &self.fleet_key) {
+            (true, Some(p), Some(k)) => Some((p, k.as_path())),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -495,6 +531,16 @@ impl VipConfig {
     /// Whether the data path reads the VIP's Maglev table: policy maglev,
     /// weighted round-robin, which walks it in turn, and a weighted VIP too
     /// large to walk, whose two choices are drawn from it (select.h).
+    /// Whether its connections get fleet tuples when `[scale_out] fleet` is
+    /// on: TCP in a DSR mode (the 155 tells the agent the client; a
+    /// pass-through backend answers the fleet address, which only the
+    /// opener could translate), IPv6 (the fleet prefix is). The others keep
+    /// the instance's own tuples and, with them, lose their connections
+    /// when it crashes.
+    pub fn fleet_tuples(&self) -> bool {
+        self.protocol == Protocol::Tcp && self.mode != Mode::Passthrough && self.address.is_ipv6()
+    }
+
     pub fn uses_maglev_table(&self) -> bool {
         match self.effective_policy() {
             Policy::Maglev => true,
@@ -656,6 +702,7 @@ impl LbConfig {
             if sids[0] == sids[1] || sids[0] == sids[2] || sids[1] == sids[2] {
                 bail!("[scale_out]: sid, direct_sid and shadow_sid must be three different addresses (a chained packet must not be chained again)");
             }
+            self.validate_fleet(so)?;
         }
         let mut seen = HashSet::new();
         let mut backends = 0;
@@ -706,6 +753,53 @@ impl LbConfig {
     /// A pool holds at most SNAT_POOL_MAX addresses (the index a flow keeps
     /// and the data path's bound), aligned, of a family the balancer has an
     /// address of, and overlaps none of the addresses traffic is told by.
+    fn validate_fleet(&self, so: &ScaleOutConfig) -> Result<()> {
+        in_range("[scale_out] adopt_per_s", so.adopt_per_s, &ADOPT_PER_S)?;
+        if !so.fleet {
+            if so.fleet_prefix.is_some() || so.fleet_key.is_some() {
+                bail!("[scale_out]: fleet_prefix and fleet_key take effect only with fleet = true: set it, or remove them");
+            }
+            return Ok(());
+        }
+        let (Some(net), Some(_)) = (so.fleet_prefix, &so.fleet_key) else {
+            bail!("[scale_out]: fleet = true needs fleet_prefix (an IPv6 /96, the same on every instance) and fleet_key (a key file every instance shares; `inband keygen --out FILE`)");
+        };
+        if net.prefix_len() != FLEET_PREFIX_LEN {
+            bail!("[scale_out]: fleet_prefix = {net} must be a /{FLEET_PREFIX_LEN}: the fleet tuple's address is the prefix and 32 bits of the hash");
+        }
+        if net.trunc() != net {
+            bail!("[scale_out]: fleet_prefix = {net} has host bits set: write the block's first address, {}", net.trunc());
+        }
+        if !unicast(IpAddr::V6(net.network())) {
+            bail!("[scale_out]: fleet_prefix = {net} is not unicast: backends answer its addresses");
+        }
+        let own = self.address6.into_iter().chain([so.sid, so.direct_sid, so.shadow_sid]);
+        if let Some(a) = own.into_iter().find(|a| net.contains(a)) {
+            bail!("[scale_out]: fleet_prefix = {net} holds {a}, an address of this instance or its router: the fleet's addresses must be its own");
+        }
+        if self.snat_prefix6.is_some_and(|p| p.contains(&net.network()) || net.contains(&p.network())) {
+            bail!("[scale_out]: fleet_prefix = {net} overlaps snat_prefix6: two flows could share a tuple");
+        }
+        let net = IpNet::V6(net);
+        for v in &self.vips {
+            if net.contains(&v.address) {
+                bail!("[scale_out]: fleet_prefix = {net} holds vip {}", v.name());
+            }
+            if let Some(b) = v.backends.iter().find(|b| net.contains(&b.address)) {
+                bail!("[scale_out]: fleet_prefix = {net} holds backend {} of vip {}", b.endpoint(), v.name());
+            }
+            if v.fleet_tuples() && v.mode == Mode::DsrDynamic {
+                bail!(
+                    "vip {}: mode dsr-dynamic cannot take fleet tuples yet: its backends answer 124s toward the fleet address, \
+                     which the router may take to another instance, and only the one that asked can take the 125 \
+                     (the agent's steering of those answers is not built). Use dsr-rr or dsr-polling, or fleet = false",
+                    v.name()
+                );
+            }
+        }
+        Ok(())
+    }
+
     fn validate_snat_pools(&self) -> Result<()> {
         let pools = [
             self.snat_prefix.map(|p| (IpNet::V4(p), "snat_prefix", 32 - SNAT_POOL_BITS, self.address.map(IpAddr::V4), "address")),
@@ -1045,6 +1139,34 @@ quic_server_id = 2
         assert!(LbConfig::parse(&with_v4).is_ok(), "{}", err(&with_v4));
         let v4_without_address6 = with_v4.replace("address6 = \"fd00:77::2\"\n", "");
         assert!(err(&v4_without_address6).contains("[scale_out]: chained packets leave in IPv6"), "{}", err(&v4_without_address6));
+    }
+
+    #[test]
+    fn fleet_tuples_need_a_96_of_their_own_and_a_key_and_refuse_dsr_dynamic() {
+        let sids = "sid = \"fd00:51::b\"\ndirect_sid = \"fd00:51::d\"\nshadow_sid = \"fd00:5f::5\"";
+        let rr = DUAL.replacen("mode = \"dsr-dynamic\"", "mode = \"dsr-rr\"", 1);
+        let so = |text: &str, extra: &str| text.replace("[auth]", &format!("[scale_out]\n{sids}\n{extra}\n[auth]"));
+        let keyed = |prefix: &str| format!("fleet = true\nfleet_prefix = \"{prefix}\"\nfleet_key = \"/etc/inband/fleet.key\"");
+        let good = LbConfig::parse(&so(&rr, &keyed("fd00:f1ee::/96"))).unwrap();
+        let (prefix, key) = good.scale_out.as_ref().unwrap().fleet().unwrap();
+        assert_eq!((prefix.to_string(), key), ("fd00:f1ee::/96".to_string(), Path::new("/etc/inband/fleet.key")));
+        // Which VIPs take fleet tuples: the IPv6 TCP DSR one, not the IPv4 QUIC one.
+        assert_eq!(good.vips.iter().map(VipConfig::fleet_tuples).collect::<Vec<_>>(), [true, false]);
+        let cases = [
+            (so(&rr, "fleet = true"), "needs fleet_prefix"),
+            (so(&rr, "fleet_prefix = \"fd00:f1ee::/96\""), "only with fleet = true"),
+            (so(&rr, &keyed("fd00:f1ee::/104")), "must be a /96"),
+            (so(&rr, &keyed("fd00:f1ee::1/96")), "has host bits set"),
+            (so(&rr, &keyed("fd00:77::/96")), "holds fd00:77::2"),
+            (so(&rr, &keyed("fd00:51::/96")), "holds fd00:51::b"),
+            (so(&DUAL.replace("fd00:77::21", "fd00:f1ee::21"), &keyed("fd00:f1ee::/96")), "holds backend"),
+            (so(DUAL, &keyed("fd00:f1ee::/96")), "dsr-dynamic cannot take fleet tuples yet"),
+        ];
+        for (text, want) in cases {
+            assert!(err(&text).contains(want), "want {want:?}, got {}", err(&text));
+        }
+        // dsr-dynamic stays accepted with fleet off.
+        assert!(LbConfig::parse(&so(DUAL, "")).is_ok());
     }
 
     #[test]

@@ -11,6 +11,7 @@ pub const MAX_BACKENDS_PER_VIP: u32 = c::INBAND_MAX_BACKENDS_PER_VIP;
 pub const MAX_BACKENDS: u32 = c::INBAND_MAX_BACKENDS;
 pub const SCAN_MAX: u32 = c::INBAND_SCAN_MAX;
 pub const SNAT_POOL_BITS: u8 = c::INBAND_SNAT_POOL_BITS as u8;
+pub const SNAT_FLEET: u8 = c::INBAND_SNAT_FLEET as u8;
 pub const MAGLEV_DEFAULT_TABLES: u32 = c::INBAND_MAGLEV_DEFAULT_TABLES;
 pub const SNAT_PORTS: u32 = c::INBAND_SNAT_PORT_MAX - c::INBAND_SNAT_PORT_MIN + 1;
 
@@ -25,6 +26,7 @@ pub const BACKEND_ENCAP: u16 = c::INBAND_BACKEND_ENCAP as u16;
 pub const BACKEND_DOWN: u16 = c::INBAND_BACKEND_DOWN as u16;
 pub const VIP_RESET_DOWN: u16 = c::INBAND_VIP_RESET_DOWN as u16;
 pub const VIP_REFUSE_EMPTY: u16 = c::INBAND_VIP_REFUSE_EMPTY as u16;
+pub const VIP_FLEET: u16 = c::INBAND_VIP_FLEET as u16;
 pub const HEALTH_UP: u8 = c::INBAND_HEALTH_UP as u8;
 pub const HEALTH_DOWN: u8 = c::INBAND_HEALTH_DOWN as u8;
 
@@ -137,6 +139,7 @@ pub const DROP_NAMES: [&str; c::INBAND_DROP_MAX as usize] = [
     "query_pending",
     "chained_no_flow",
     "srv6_unsupported",
+    "adopt_budget",
 ];
 
 /// Names of `enum inband_event`, by index.
@@ -175,6 +178,9 @@ pub const EVENT_NAMES: [&str; c::INBAND_EV_MAX as usize] = [
     "reset_no_backend",
     "reset_backend_down",
     "sid_echo",
+    "fleet_tuples",
+    "fleet_pinned",
+    "adopted_maglev",
 ];
 
 /// Names of `enum inband_health_reason`, by index, as status and metrics show them.

@@ -45,6 +45,10 @@ pub struct ScaleOut {
     pub sid: String,
     pub direct_sid: String,
     pub shadow_sid: String,
+    /// Fleet tuples: the fleet's prefix (none: off).
+    pub fleet_prefix: Option<String>,
+    /// Strays of fleet connections adopted a second per CPU at most.
+    pub adopt_per_s: u32,
 }
 
 #[derive(Debug, Serialize)]
@@ -300,6 +304,9 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
             sid: ip_of(&cfg.cond_sid).to_string(),
             direct_sid: ip_of(&cfg.direct_sid).to_string(),
             shadow_sid: ip_of(&cfg.shadow_sid).to_string(),
+            fleet_prefix: (cfg.fleet_prefix != Addr::default())
+                .then(|| format!("{}/{}", ip_of(&cfg.fleet_prefix), crate::config::FLEET_PREFIX_LEN)),
+            adopt_per_s: cfg.adopt_per_s,
         }),
         flows: live(total),
         flow_table: FlowTable {
@@ -352,6 +359,9 @@ pub fn render_table(s: &Snapshot) -> String {
     let _ = writeln!(o, "balancer on {}{ns} ({}, MTU {}, options: {})", s.interface, s.address, s.mtu, s.auth);
     if let Some(so) = &s.scale_out {
         let _ = writeln!(o, "behind an ECMP router: reached at {} (chained packets at {}); strays chained to {}", so.sid, so.direct_sid, so.shadow_sid);
+        if let Some(p) = &so.fleet_prefix {
+            let _ = writeln!(o, "fleet tuples from {p}; strays at the direct SID adopted (maglev), at most {} a second per CPU", so.adopt_per_s);
+        }
     }
     let _ = writeln!(
         o,

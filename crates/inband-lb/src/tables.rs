@@ -142,7 +142,9 @@ fn drain_deadline(now_ns: u64, drain_timeout_ms: u64) -> u64 {
 /// kept (their scores, stats and flows stay valid); removed backends and
 /// VIPs drain; new ids never reuse one that a flow may still name.
 /// `maglev_size` is the size the Maglev tables were created with.
-pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64, maglev_size: u32) -> Result<()> {
+/// `fleet`: `[scale_out] fleet` is on (VipConfig::fleet_tuples says which
+/// VIPs then take fleet tuples).
+pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64, maglev_size: u32, fleet: bool) -> Result<()> {
     let now = ktime_ns();
     let current = read(maps)?;
     let by_ep: HashMap<VipId, &VipEntry> = current.iter().map(|v| (v.ident(), v)).collect();
@@ -209,7 +211,8 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64, maglev_si
                 | if v.quic { VIP_QUIC } else { 0 }
                 | if v.weighted() { VIP_WEIGHTED } else { 0 }
                 | if v.health.on_down == OnDown::Reset { VIP_RESET_DOWN } else { 0 }
-                | if v.health.all_down == AllDown::Refuse { VIP_REFUSE_EMPTY } else { 0 },
+                | if v.health.all_down == AllDown::Refuse { VIP_REFUSE_EMPTY } else { 0 }
+                | if fleet && v.fleet_tuples() { VIP_FLEET } else { 0 },
             proto: key.proto,
             pad: 0,
             eligible_count: 0,

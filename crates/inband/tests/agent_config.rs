@@ -67,6 +67,26 @@ fn config_balancers_take_blocks_of_addresses() {
     assert!(e.contains("\"lb1\" is neither an address nor a block"), "{e}");
 }
 
+/// A fleet's prefix is listed as the /96 its balancers' `fleet_prefix` is;
+/// anything else is refused, naming it.
+#[test]
+fn config_fleet_prefixes_are_96s() {
+    let with = |list: &str| GOOD.replace("balancers = [\"10.77.0.2\"]", &format!("balancers = [\"10.77.0.2\"]\nfleet_prefixes = [{list}]"));
+    let c = AgentConfig::parse(&with("\"fd00:f1ee::/96\"")).unwrap();
+    assert_eq!(c.fleet_prefixes.iter().map(ToString::to_string).collect::<Vec<_>>(), ["fd00:f1ee::/96"]);
+    assert!(AgentConfig::parse(GOOD).unwrap().fleet_prefixes.is_empty(), "none by default");
+    for (list, want) in [
+        ("\"fd00:f1ee::/104\"", "fd00:f1ee::/104 is not a /96"),
+        ("\"fd00:f1ee::5/96\"", "is not a /96 starting at its first address"),
+        ("\"fd00:f1ee::/96\", \"fd00:f1ee::/96\"", "listed twice"),
+    ] {
+        let e = config_err(&with(list));
+        assert!(e.contains(want), "{list}: {e}");
+    }
+    let many: Vec<String> = (0..17).map(|i| format!("\"fd00:f1ee:{i}::/96\"")).collect();
+    assert!(config_err(&with(&many.join(", "))).contains("17 fleet_prefixes listed, at most 16"));
+}
+
 #[test]
 fn config_defaults() {
     let c = AgentConfig::parse(GOOD).unwrap();
@@ -262,7 +282,7 @@ const POLL_KEY: Key = Key(*b"poll-test-key-01");
 /// with `mode = "none"` if `unauthenticated`.
 fn detached_maps(unauthenticated: bool) -> AgentMaps {
     let maps = AgentMaps::create_detached().expect("creating BPF maps (run the tests as root)");
-    maps.apply(&services(&[(8080, "10.77.0.100:80"), (8081, "10.77.0.100:81")]), &[IpAddr::V4(Ipv4Addr::LOCALHOST)]).unwrap();
+    maps.apply(&services(&[(8080, "10.77.0.100:80"), (8081, "10.77.0.100:81")]), &[IpAddr::V4(Ipv4Addr::LOCALHOST)], &[]).unwrap();
     let (mode, keys) = if unauthenticated { (AuthMode::None, vec![]) } else { (AuthMode::Siphash, vec![(1, POLL_KEY)]) };
     DataPathSettings::new(mode, keys, 1500, 120).apply(&maps, None).unwrap();
     maps
@@ -858,11 +878,12 @@ fn active_8080(socket: &Path) -> Option<i64> {
     v["ports"]["8080"]["active_connections"].as_i64()
 }
 
-const MAP_NAMES: [&str; 12] = [
+const MAP_NAMES: [&str; 13] = [
     "active_conns",
     "agent_config",
     "agent_stats",
     "auth_keys",
+    "balancer_nets",
     "balancers",
     "carrier_slot",
     "conn_counted",

@@ -17,6 +17,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use inband_agent::maps::{AgentCounter, Balancer, ConnKey, DataPathConfig, DsrFlow, Service, ServiceKey};
+use inband_agent::tables::balancer_net;
 use inband_core::auth::AuthMode;
 use inband_agent::bpf::agent::{AgentSkel, AgentSkelBuilder};
 use inband_testkit::packet::{
@@ -2492,4 +2493,84 @@ fn ingress_leaves_other_tunnels_untouched() {
     ingress(&skel, &short, TC_ACT_OK, Some(&short), "lengths disagree");
     assert_eq!(flows(&skel), 0);
     assert_counters(&skel, &[]);
+}
+
+// ---------------------------------------------------------------- fleet prefixes
+
+/// A fleet's prefix (lb.toml `[scale_out] fleet_prefix`) and one of its
+/// addresses, as a fleet tuple's source.
+const FLEET: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xf1ee, 0, 0, 0, 0, 0, 0);
+const FLEET_TUPLE: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xf1ee, 0, 0, 0, 0, 0x9a3c, 0x1234);
+
+fn trust_fleet(skel: &AgentSkel) {
+    put(&skel.maps.balancer_nets, &balancer_net(format!("{FLEET}/96").parse().unwrap()), &Balancer::default());
+}
+
+/// Any address of a configured fleet prefix may send a 155, which is
+/// checked and stored as a listed balancer's; an address next to the
+/// prefix (the same /95) may not. Without the prefix the first is refused
+/// too (untrusted_option).
+#[test]
+fn a_155_from_a_fleet_prefix_is_taken_and_from_its_neighbour_is_not() {
+    let mut obj = MaybeUninit::uninit();
+    let skel = load(&mut obj);
+    configure6(&skel);
+    let inside = PacketBuilder::tcp(sa(FLEET_TUPLE, 7311), server6()).syn(1440);
+    let frame = inside.clone().inband(&auth_tuple(&inside, KEY_ID, &KEY, client6())).build();
+    ingress(&skel, &frame, TC_ACT_OK, Some(&frame), "no fleet configured: left as it came");
+    assert_counters(&skel, &[(AgentCounter::UntrustedOption, 1)]);
+
+    trust_fleet(&skel);
+    ingress(&skel, &frame, TC_ACT_OK, Some(&inside.build()), "from the fleet: 155 taken and removed");
+    let key = conn_key_of(sa(FLEET_TUPLE, 7311), LOCAL_PORT, 6);
+    assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &key), Some(tuple_flow(CLIENT6)));
+    assert_counters(&skel, &[(AgentCounter::UntrustedOption, 1), (AgentCounter::TuplesStored, 1)]);
+
+    let neighbour = Ipv6Addr::new(0xfd00, 0xf1ee, 0, 0, 0, 1, 0x9a3c, 0x1234);
+    let outside = PacketBuilder::tcp(sa(neighbour, 7311), server6()).syn(1440);
+    let frame = outside.clone().inband(&auth_tuple(&outside, KEY_ID, &KEY, client6())).build();
+    ingress(&skel, &frame, TC_ACT_OK, Some(&frame), "outside the /96: left as it came");
+    assert_eq!(flows(&skel), 1);
+    assert_counters(&skel, &[(AgentCounter::UntrustedOption, 2), (AgentCounter::TuplesStored, 1)]);
+}
+
+/// Two clients whose fleet tuples are the same: the second one's SYN meets
+/// the first one's live socket. From a fleet it is dropped and counted
+/// (fleet_collisions), so the stack sends no challenge ACK toward the
+/// fleet address, and the live connection still carries data. From a
+/// listed balancer's own address the SYN goes on to the stack as before
+/// (tuple_in_use).
+#[test]
+fn a_fleet_syn_on_a_live_sockets_tuple_is_dropped() {
+    let ns = TestNetns::enter("fleet");
+    ns.ip(&["link", "set", "lo", "up"]);
+    for a in [FLEET_TUPLE, SERVER6] {
+        ns.ip(&["-6", "addr", "add", &format!("{a}/128"), "dev", "lo", "nodad"]);
+    }
+    let mut obj = MaybeUninit::uninit();
+    let skel = load(&mut obj);
+    configure(&skel);
+    trust_fleet(&skel);
+    let listener = TcpListener::bind(sa(SERVER6, 0)).unwrap();
+    let mut client = connect_from(FLEET_TUPLE, listener.local_addr().unwrap());
+    let (mut served, _) = listener.accept().unwrap();
+    add_service(&skel, listener.local_addr().unwrap().port(), 6, vip6());
+    let p = PacketBuilder::tcp(client.local_addr().unwrap(), listener.local_addr().unwrap()).syn(1440).seq_no(77);
+    let frame = p.clone().inband(&auth_tuple(&p, KEY_ID, &KEY, sa(CLIENT6, 9))).build();
+    let key = conn_key_of(client.local_addr().unwrap(), listener.local_addr().unwrap().port(), 6);
+
+    ingress(&skel, &frame, TC_ACT_SHOT, None, "a fleet's colliding SYN");
+    assert_eq!(flows(&skel), 0, "nothing stored");
+    assert_counters(&skel, &[(AgentCounter::FleetCollisions, 1)]);
+
+    put(&skel.maps.balancers, &be_ip(FLEET_TUPLE.into()), &Balancer::default());
+    ingress(&skel, &frame, TC_ACT_OK, Some(&p.build()), "a listed balancer's: to the stack, stripped");
+    assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &key), None);
+    assert_counters(&skel, &[(AgentCounter::FleetCollisions, 1), (AgentCounter::TupleInUse, 1)]);
+
+    use std::io::{Read, Write};
+    client.write_all(b"still here").unwrap();
+    let mut buf = [0u8; 10];
+    served.read_exact(&mut buf).unwrap();
+    assert_eq!(&buf, b"still here");
 }

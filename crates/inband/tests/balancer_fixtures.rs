@@ -3407,7 +3407,7 @@ fn the_control_plane_writes_weights_the_flag_and_the_table_and_weight_0_takes_no
     let fx = Fixture::new();
     let maps = fx.lb.maps().unwrap();
     let mut cfg = weighted_config("dsr-rr", "round-robin", [1, 3, 0]);
-    tables::apply(&maps, &cfg.vips, 0, MAGLEV_SIZE).unwrap();
+    tables::apply(&maps, &cfg.vips, 0, MAGLEV_SIZE, false).unwrap();
     resolve(&fx, &maps);
     let v = tables::read(&maps).unwrap().remove(0);
     assert_ne!(v.vip.flags & VIP_WEIGHTED, 0, "weights 1 and 3 differ");
@@ -3428,7 +3428,7 @@ fn the_control_plane_writes_weights_the_flag_and_the_table_and_weight_0_takes_no
     // Weight 0 takes no new connection in any policy.
     for (i, (mode, policy)) in [("dsr-polling", "least-score"), ("dsr-polling", "power-of-two"), ("dsr-rr", "maglev")].iter().enumerate() {
         let cfg = weighted_config(mode, policy, [1, 3, 0]);
-        tables::apply(&maps, &cfg.vips, 0, MAGLEV_SIZE).unwrap();
+        tables::apply(&maps, &cfg.vips, 0, MAGLEV_SIZE, false).unwrap();
         let from = 50 + 30 * i as u8;
         let sent: Vec<SocketAddr> = (from..from + 30).map(|n| fx.sent_to(client(n))).collect();
         assert!(!sent.contains(&backend(2).addr), "{policy}: {sent:?}");
@@ -3442,7 +3442,7 @@ fn the_control_plane_writes_weights_the_flag_and_the_table_and_weight_0_takes_no
         weights: (0..3).map(|i| (backend(i).addr, 2)).collect(),
     };
     cfg = balancer::next_config(&cfg, &req, std::path::Path::new("/nonexistent")).unwrap();
-    tables::apply(&maps, &cfg.vips, 0, MAGLEV_SIZE).unwrap();
+    tables::apply(&maps, &cfg.vips, 0, MAGLEV_SIZE, false).unwrap();
     let v = tables::read(&maps).unwrap().remove(0);
     assert_eq!(v.vip.flags & VIP_WEIGHTED, 0);
     assert!(v.slots.iter().all(|(_, b)| b.weight == 2 && b.flags == BACKEND_ACTIVE));
@@ -3899,7 +3899,7 @@ fn client_n(n: u32) -> SocketAddr {
 fn apply_large(fx: &Fixture, text: &str) -> inband_lb::tables::LbMaps {
     let maps = fx.lb.maps().unwrap();
     let cfg = inband_lb::config::LbConfig::parse(text).unwrap();
-    inband_lb::tables::apply(&maps, &cfg.vips, 0, MAGLEV_SIZE).unwrap();
+    inband_lb::tables::apply(&maps, &cfg.vips, 0, MAGLEV_SIZE, false).unwrap();
     for v in inband_lb::tables::read(&maps).unwrap() {
         for (id, mut entry) in v.slots {
             entry.mac = [0x02, 0, 0, 0x0b, (id >> 8) as u8, id as u8];
@@ -4119,4 +4119,279 @@ fn a_vip_that_starts_reading_a_maglev_table_gets_its_own() {
     assert_eq!(table_of(&maps, 1), maglev, "the Maglev VIP keeps its table");
     assert_ne!(table_of(&maps, 2), maglev, "the grown VIP gets another");
     assert_eq!(ring(maglev), before, "the Maglev VIP's table is untouched");
+}
+
+// ---------------------------------------------------------------- fleet tuples
+
+const FLEET_PREFIX: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xf1ee, 0, 0, 0, 0, 0, 0);
+const FLEET_KEY: [u64; 2] = [0x0123_4567_89ab_cdef, 0xfedc_ba98_7654_3210];
+
+/// The fleet tuple of `c` under `key`, computed here as nat.h's try_fleet
+/// must: the suffix from the hash's high word (0 becomes 1), the port as a
+/// SNAT port's first candidate.
+fn fleet_tuple(c: SocketAddr, key: [u64; 2]) -> SocketAddr {
+    let mut k = [0u8; 16];
+    k[..8].copy_from_slice(&key[0].to_le_bytes());
+    k[8..].copy_from_slice(&key[1].to_le_bytes());
+    let h = Key(k).siphash(flow_key(c).as_bytes());
+    let mix = |mut x: u32| {
+        x ^= x >> 16;
+        x = x.wrapping_mul(0x85eb_ca6b);
+        x ^= x >> 13;
+        x = x.wrapping_mul(0xc2b2_ae35);
+        x ^ (x >> 16)
+    };
+    let suffix = ((h >> 32) as u32).max(1);
+    let port = (1024 + (mix(h as u32) ^ (h >> 32) as u32) % 31744) as u16;
+    SocketAddr::new(IpAddr::V6(Ipv6Addr::from(u128::from(FLEET_PREFIX) | u128::from(suffix))), port)
+}
+
+/// An instance of a fleet: the IPv6 DSR VIP with one backend, fleet tuples
+/// on under `key`; `n` tells the instances apart (own address and SNAT
+/// key), as two hosts differ.
+fn fleet_instance(n: u8, key: [u64; 2], policy: Policy) -> Fixture {
+    fleet_of(n, key, Spec { v6: true, policy, ..Spec::default() })
+}
+
+fn fleet_of(n: u8, key: [u64; 2], spec: Spec) -> Fixture {
+    let fx = Fixture::lb_vip(spec);
+    fx.config(|c| {
+        c.self6 = be_ip(IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x10 + u16::from(n))));
+        c.snat_key = [u64::from(n), 2];
+        c.fleet_prefix = be_ip(FLEET_PREFIX.into());
+        c.fleet_key = key;
+    });
+    fx.update_vip(|v| v.flags |= VIP_FLEET);
+    fx
+}
+
+/// A DSR SYN as forwarded from `src` (a fleet or own tuple) to `b`.
+fn forwarded_dsr_syn_from(p: &PacketBuilder, b: &B, src: SocketAddr) -> Vec<u8> {
+    let mut e = p.clone();
+    e.tcp_options = mss_option(SYN_MSS - 24).to_vec();
+    let opt = InbandOption::auth_client_tuple(&KEY, KEY_ID, p.seq, Conn::tcp(src, b.addr), p.src).encode();
+    let mut e = e.inband(&opt);
+    e.src = src;
+    e.dst = b.addr;
+    e.src_mac = LB_MAC;
+    e.dst_mac = b.mac;
+    e.ttl -= 1;
+    e.build()
+}
+
+/// Two instances of one fleet (other own addresses, other SNAT keys, the
+/// same fleet key) send a connection's SYN and its data from the same
+/// tuple, byte for byte: the fleet's address with the hashed suffix, the
+/// hashed port, and a 155 whose MAC binds that address. A backend's answer
+/// to the fleet address finds the flow. Without fleet tuples each leaves
+/// from its own address and port (fleet_off_keeps_each_instances_own_tuple).
+#[test]
+fn two_instances_with_one_fleet_key_send_a_flow_from_the_same_tuple() {
+    let (a, b_) = (fleet_instance(1, FLEET_KEY, Policy::Maglev), fleet_instance(2, FLEET_KEY, Policy::Maglev));
+    let be = backend6(0);
+    for n in 1..=4 {
+        let c = client6(n);
+        let want = fleet_tuple(c, FLEET_KEY);
+        let s = syn(c);
+        let (out_a, out_b) = (a.tx(&s.build()), b_.tx(&s.build()));
+        assert_eq!(out_a, forwarded_dsr_syn_from(&s, &be, want), "client {n}: instance 1's SYN");
+        assert_eq!(out_b, out_a, "client {n}: both instances send the same bytes");
+        for fx in [&a, &b_] {
+            let f = fx.half_open(c).expect("a handshake");
+            assert_eq!((f.snat_index, f.fleet_suffix, port_of(f.snat_port)), (SNAT_FLEET, be_ip(want.ip()).w[3], want.port()));
+            fx.tx(&ack(c).build());
+        }
+        let d = data(c);
+        let (da, db) = (a.tx(&d.build()), b_.tx(&d.build()));
+        let mut e = d.clone();
+        (e.src, e.dst, e.src_mac, e.dst_mac, e.ttl) = (want, be.addr, LB_MAC, be.mac, d.ttl - 1);
+        assert_eq!(da, e.build(), "client {n}: data from the fleet tuple");
+        assert_eq!(db, da, "client {n}: the same data bytes from both");
+        // The backend's answer to the fleet address goes back to the client.
+        let r = PacketBuilder::tcp(be.addr, want).macs(be.mac, LB_MAC).flags(TCP_ACK | TCP_PSH).payload(b"HTTP/1.1 200 OK\r\n\r\n");
+        assert_eq!(a.tx(&r.build()), returned(&r, c, vec![]), "client {n}: the answer finds its flow");
+    }
+    assert_eq!((a.event("fleet_tuples"), a.event("fleet_pinned")), (4, 0));
+}
+
+/// A fleet tuple's retransmitted SYN carries its 155 again, the bytes of
+/// the first (counted as a retry): the agent keeps the client it learned,
+/// and the server's SYN-ACK, which no instance would take at the fleet
+/// address, reaches the client through it. An own tuple's retransmission
+/// still goes without (retransmitted_syn_follows_its_handshake_...).
+#[test]
+fn a_fleet_tuples_retransmitted_syn_carries_its_155_again() {
+    let fx = fleet_instance(1, FLEET_KEY, Policy::RoundRobin);
+    let (c, be) = (client6(1), backend6(0));
+    let s = syn(c);
+    let first = fx.tx(&s.build());
+    assert_eq!(first, forwarded_dsr_syn_from(&s, &be, fleet_tuple(c, FLEET_KEY)));
+    assert_eq!(fx.tx(&s.build()), first, "the retransmission, byte for byte");
+    assert_eq!((fx.backend_stats(&be).syn_retries, fx.event("fleet_tuples")), (1, 1));
+    fx.update_vip(|v| v.flags &= !VIP_FLEET);
+    let c = client6(2);
+    fx.tx(&syn(c).build());
+    assert!(parse(&fx.tx(&syn(c).build())).unwrap().ip_options.is_empty(), "an own tuple's retransmission: no 155");
+}
+
+/// Another fleet key gives other tuples (an outsider cannot aim at one,
+/// and two fleets do not share theirs); the tuple follows the key given.
+#[test]
+fn another_fleet_key_gives_another_tuple() {
+    let other_key = [5, 6];
+    let (a, o) = (fleet_instance(1, FLEET_KEY, Policy::RoundRobin), fleet_instance(1, other_key, Policy::RoundRobin));
+    let mut moved = 0;
+    for n in 1..=8 {
+        let c = client6(n);
+        let (sa, so) = (parse(&a.tx(&syn(c).build())).unwrap().src, parse(&o.tx(&syn(c).build())).unwrap().src);
+        assert_eq!((sa, so), (fleet_tuple(c, FLEET_KEY), fleet_tuple(c, other_key)), "client {n}");
+        moved += usize::from(sa.ip() != so.ip() && sa.port() != so.port());
+    }
+    assert!(moved >= 7, "{moved} of 8 tuples moved with the key");
+}
+
+/// A fleet tuple another connection holds here (two client sides that
+/// hash alike) is not shared: the new connection leaves from this
+/// instance's own address and first SNAT candidate, counted fleet_pinned,
+/// and the holder keeps its tuple. A backend whose path loses options gets
+/// own tuples too (its SYN carries no 155 to tell the agent the client).
+#[test]
+fn a_fleet_tuple_held_here_falls_back_to_an_own_tuple() {
+    let fx = fleet_instance(1, FLEET_KEY, Policy::RoundRobin);
+    let (c, be) = (client6(1), backend6(0));
+    let want = fleet_tuple(c, FLEET_KEY);
+    let holder = client6(99);
+    let nk = NatKey { snat_index: SNAT_FLEET, fleet_suffix: be_ip(want.ip()).w[3], ..nat_key(&be, want.port()) };
+    let f = Flow {
+        backend_addr: be_ip(be.addr.ip()),
+        backend_port: be_port(be.addr.port()),
+        snat_port: be_port(want.port()),
+        snat_index: SNAT_FLEET,
+        fleet_suffix: nk.fleet_suffix,
+        backend_id: be.id as u16,
+        vip_id: VIP_ID as u16,
+        state: FLOW_ESTABLISHED,
+        proto: IPPROTO_TCP,
+        last_seen_ns: ktime_ns(),
+        ..Default::default()
+    };
+    fx.put_flow(holder, &f);
+    put(&fx.lb.skel.maps.snat, &nk, &SnatOwner { flow: flow_key(holder) });
+    let s = syn(c);
+    // fleet_instance(1): address ::11, the SNAT key candidates() assumes.
+    let own = SocketAddr::new(IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x11)), candidates(c)[0]);
+    assert_eq!(fx.tx(&s.build()), forwarded_dsr_syn_from(&s, &be, own), "its own address and first candidate");
+    let h = fx.half_open(c).expect("a handshake");
+    assert_eq!((h.snat_index, h.fleet_suffix), (0, 0), "an own tuple");
+    assert_eq!((fx.event("fleet_tuples"), fx.event("fleet_pinned")), (0, 1));
+    assert_eq!(get::<NatKey, SnatOwner>(&fx.lb.skel.maps.snat, &nk).map(|o| o.flow), Some(flow_key(holder)), "the holder keeps it");
+
+    let lost = fleet_instance(1, FLEET_KEY, Policy::RoundRobin);
+    lost.set_flags(&be, BACKEND_ACTIVE | BACKEND_OPTIONS_LOST);
+    let out = parse(&lost.tx(&s.build())).unwrap();
+    assert_eq!(out.src.ip(), own.ip(), "options lost: an own tuple");
+    assert!(out.ip_options.is_empty());
+    assert_eq!(lost.event("fleet_pinned"), 1);
+}
+
+/// Fleet off (the VIP without VIP_FLEET, as the control plane writes it
+/// when `[scale_out] fleet` is false), even with a fleet prefix and key
+/// configured: each instance sends from its own address and SNAT port,
+/// the bytes of today's path, and counts nothing of the fleet.
+#[test]
+fn fleet_off_keeps_each_instances_own_tuple() {
+    let a = fleet_instance(1, FLEET_KEY, Policy::RoundRobin);
+    let b_ = fleet_instance(2, FLEET_KEY, Policy::RoundRobin);
+    for fx in [&a, &b_] {
+        fx.update_vip(|v| v.flags &= !VIP_FLEET);
+    }
+    let (c, be) = (client6(1), backend6(0));
+    let s = syn(c);
+    let (raw_a, raw_b) = (a.tx(&s.build()), b_.tx(&s.build()));
+    let (out_a, out_b) = (parse(&raw_a).unwrap(), parse(&raw_b).unwrap());
+    let self_of = |n: u16| IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x10 + n));
+    let own = SocketAddr::new(self_of(1), candidates(c)[0]);
+    assert_eq!(raw_a, forwarded_dsr_syn_from(&s, &be, own), "instance 1: today's bytes, its own tuple");
+    assert_eq!(out_b.src.ip(), self_of(2));
+    assert_ne!(out_a.src.port(), out_b.src.port(), "their own keys, their own ports");
+    for fx in [&a, &b_] {
+        assert_eq!((fx.event("fleet_tuples"), fx.event("fleet_pinned")), (0, 0));
+        assert_eq!(fx.half_open(c).unwrap().snat_index, 0);
+    }
+}
+
+// ---------------------------------------------------------------- adoption
+
+/// Instance `n` of a scaled-out fleet: the IPv6 dsr-rr VIP with policy
+/// maglev over 3 backends, its table as the control plane writes it (the
+/// same on every instance), fleet tuples on, its SIDs, and `adopt_per_s`.
+fn fleet_maglev(n: u8, adopt_per_s: u32) -> Fixture {
+    let fx = fleet_of(n, FLEET_KEY, Spec { v6: true, policy: Policy::Maglev, n: 3, ..Spec::default() });
+    fx.write_table(&[1, 1, 1]);
+    fx.config(|c| {
+        c.cond_sid = be_ip(COND_SID.into());
+        c.direct_sid = be_ip(DIRECT_SID.into());
+        c.shadow_sid = be_ip(SHADOW_SID.into());
+        c.adopt_per_s = adopt_per_s;
+    });
+    fx
+}
+
+/// Instance 1 opened a connection and has died; the router's shadow
+/// table delivers the connection's next segment to instance 2's direct
+/// SID. Instance 2 takes it over: it sends the backend exactly the bytes
+/// instance 1 would have sent (same backend, same fleet tuple), keeps an
+/// established flow marked adopted, and carries the later segments on it.
+/// Before (and with fleet off) the segment was dropped (chained_no_flow).
+/// At the conditional SID such a segment is still chained: its owner may
+/// be alive.
+#[test]
+fn a_stray_at_the_direct_sid_is_adopted_by_maglev() {
+    let (one, two) = (fleet_maglev(1, 100), fleet_maglev(2, 100));
+    for n in 1..=3 {
+        let c = client6(n);
+        let (b, port) = one.connect(c);
+        let d = data(c);
+        let sent_by_one = one.tx(&d.build());
+        assert_eq!(parse(&sent_by_one).unwrap().src, fleet_tuple(c, FLEET_KEY), "client {n}: instance 1 used the fleet tuple");
+        assert_eq!(two.tx(&via(DIRECT_SID, &d)), sent_by_one, "client {n}: instance 2 sends the same bytes");
+        let f = two.flow(c).expect("an adopted flow");
+        assert_eq!((u32::from(f.backend_id), port_of(f.snat_port), f.state), (b.id, port, FLOW_ESTABLISHED));
+        assert_eq!(f.flags & c::INBAND_FLOW_ADOPTED as u8, c::INBAND_FLOW_ADOPTED as u8);
+        // Its next segments, however they come, follow the flow.
+        assert_eq!(two.tx(&d.build()), sent_by_one, "client {n}: carried on");
+    }
+    assert_eq!((two.event("adopted_maglev"), two.flow_count()), (3, 3));
+    assert_eq!(two.named_drops(), vec![]);
+
+    let c = client6(9);
+    one.connect(c);
+    let mut chained = chained_to(SHADOW_SID, &data(c).build_ip());
+    chained[ETH_HLEN + 8..ETH_HLEN + 24].copy_from_slice(&Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x12).octets());
+    assert_eq!(two.tx(&via(COND_SID, &data(c))), chained, "the conditional SID still chains (from instance 2's address)");
+    assert_eq!(two.event("adopted_maglev"), 3);
+
+    let off = fleet_maglev(2, 100);
+    off.update_vip(|v| v.flags &= !VIP_FLEET);
+    off.assert_dropped(&via(DIRECT_SID, &data(client6(1))), "chained_no_flow");
+    assert_eq!((off.event("adopted_maglev"), off.flow_count()), (0, 0));
+    // Nor a fleet VIP whose backend no hash reproduces (round-robin).
+    let rr = fleet_maglev(2, 100);
+    rr.update_vip(|v| v.policy = Policy::RoundRobin as u8);
+    rr.assert_dropped(&via(DIRECT_SID, &data(client6(1))), "chained_no_flow");
+}
+
+/// Strays to the direct SID create flows at adopt_per_s a CPU at most: a
+/// forged flood of them cannot churn the flow table faster. The rest are
+/// dropped (adopt_budget); a retransmission later is adopted then.
+#[test]
+fn adoption_stops_at_the_budget() {
+    let fx = fleet_maglev(2, 1);
+    fx.tx(&via(DIRECT_SID, &data(client6(1))));
+    for n in 2..=3 {
+        fx.assert_dropped(&via(DIRECT_SID, &data(client6(n))), "adopt_budget");
+    }
+    assert_eq!((fx.event("adopted_maglev"), fx.flow_count()), (1, 1));
+    let none = fleet_maglev(2, 0);
+    none.assert_dropped(&via(DIRECT_SID, &data(client6(1))), "adopt_budget");
 }

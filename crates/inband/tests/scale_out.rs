@@ -63,10 +63,12 @@ impl Drop for Farm {
 
 impl Farm {
     fn up(tag: &str, subnet: u8, balancers: usize, bgp: bool) -> Farm {
-        Farm::up_family(tag, subnet, balancers, bgp, false)
+        Farm::up_family(tag, subnet, balancers, bgp, false, None)
     }
 
-    fn up_family(tag: &str, subnet: u8, balancers: usize, bgp: bool, v4: bool) -> Farm {
+    /// `maglev_fleet`: the VIP in dsr-rr with policy maglev instead of
+    /// dsr-dynamic, and fleet tuples on (true) or off (false).
+    fn up_family(tag: &str, subnet: u8, balancers: usize, bgp: bool, v4: bool, maglev_fleet: Option<bool>) -> Farm {
         let name = format!("x{}{tag}", std::process::id() % 10000);
         let spec = TestbedSpec { name: name.clone(), clients: 1, servers: SERVERS, subnet, ecmp: true, balancers, bgp, ..Default::default() };
         let mut tb = Testbed::up(spec).expect("testbed");
@@ -75,6 +77,17 @@ impl Farm {
         let key = dir.join("auth.key");
         inband_core::auth::keygen(&key).unwrap();
         let auth = format!("[auth]\nkeys = [{{ id = 1, file = \"{}\" }}]\n", key.display());
+        let fleet_key = dir.join("fleet.key");
+        inband_core::auth::keygen(&fleet_key).unwrap();
+        let fleet_prefix = fleet_prefix(subnet);
+        let (agent_fleet, lb_fleet, vip_mode) = match maglev_fleet {
+            None => (String::new(), String::new(), "mode = \"dsr-dynamic\"\nprobe_interval = 4\n".to_string()),
+            Some(on) => (
+                if on { format!("fleet_prefixes = [\"{fleet_prefix}\"]\n") } else { String::new() },
+                if on { format!("fleet = true\nfleet_prefix = \"{fleet_prefix}\"\nfleet_key = \"{}\"\n", fleet_key.display()) } else { String::new() },
+                "mode = \"dsr-rr\"\npolicy = \"maglev\"\n".to_string(),
+            ),
+        };
         // The router sends to the client at 64 Mbit/s (a token bucket on
         // its link): DOWNLOADS downloads of BODY take seconds, paced by the
         // network whatever else the machine runs; the client's small
@@ -92,7 +105,7 @@ impl Farm {
             std::fs::write(
                 &cfg,
                 format!(
-                    "interface = \"eth0\"\nbalancers = [{}]\nscore_socket = \"{}\"\n\n{auth}\n[[service]]\nport = 8080\nvip = \"{vip}\"\n",
+                    "interface = \"eth0\"\nbalancers = [{}]\n{agent_fleet}score_socket = \"{}\"\n\n{auth}\n[[service]]\nport = 8080\nvip = \"{vip}\"\n",
                     balancer_list.join(", "),
                     dir.join(format!("agent-{node}.sock")).display(),
                 ),
@@ -105,7 +118,7 @@ impl Farm {
             let node = format!("b{i}");
             let address4 = if v4 { format!("address = \"{}\"\n", tb.addr(&node)) } else { String::new() };
             let mut text = format!(
-                "interface = \"eth0\"\n{address4}address6 = \"{}\"\ncontrol_socket = \"{}\"\n\n[scale_out]\nsid = \"{}\"\ndirect_sid = \"{}\"\nshadow_sid = \"{}\"\n\n{auth}\n[[vip]]\naddress = \"{}\"\nport = 80\nmode = \"dsr-dynamic\"\nprobe_interval = 4\n",
+                "interface = \"eth0\"\n{address4}address6 = \"{}\"\ncontrol_socket = \"{}\"\n\n[scale_out]\nsid = \"{}\"\ndirect_sid = \"{}\"\nshadow_sid = \"{}\"\n{lb_fleet}\n{auth}\n[[vip]]\naddress = \"{}\"\nport = 80\n{vip_mode}",
                 tb.addr6(&node),
                 dir.join(format!("lb-{node}.sock")).display(),
                 plan.sid(i),
@@ -300,6 +313,11 @@ fn route_hops(tb: &Testbed, table: &str) -> Vec<Value> {
     r["nexthops"].as_array().cloned().unwrap_or_else(|| vec![r.clone()])
 }
 
+/// The fleet's source prefix in a testbed on `subnet`: no node's address.
+fn fleet_prefix(subnet: u8) -> String {
+    format!("fd00:f1ee:{subnet}::/96")
+}
+
 fn total(farm: &Farm, n: usize, f: impl Fn(&Farm, usize) -> u64) -> u64 {
     (1..=n).map(|i| f(farm, i)).sum()
 }
@@ -376,7 +394,7 @@ fn instances_join_leave_restart_and_crash_under_load_without_breaking_a_download
 /// download breaks, and the same change without the shadow table does.
 #[test]
 fn an_ipv4_vip_keeps_every_download_as_instances_join_and_leave() {
-    let mut farm = Farm::up_family("v", 87, 3, false, true);
+    let mut farm = Farm::up_family("v", 87, 3, false, true, None);
     farm.route(&[1, 2], false);
     let answers = |f: &Farm| f.tb.exec("c1", &["curl", "-s", "-o", "/dev/null", "--max-time", "3", &f.url()]).map(|o| o.status.success()).unwrap_or(false);
     wait_for("the IPv4 VIP to answer", || answers(&farm));
@@ -702,6 +720,58 @@ fn an_instance_host_crash_breaks_only_its_own_connections() {
             farm.start_lb(1);
             farm.route(&[1, 2, 3], false);
             wait_for("the VIP to answer", || answers(&farm));
+        }
+    }
+}
+
+/// An instance's host dies under live downloads in the "program gone"
+/// form (daemon killed -9, XDP removed, the host forwards nothing, its
+/// link up); 1 s later the router withdraws it, substituting a live
+/// instance's direct SID for its shadow hops (`liveness = "echo"`). With
+/// fleet tuples and Maglev the connections it held reach the end of the
+/// chain at a survivor, which adopts them: every download completes. With
+/// fleet off (the same VIP, its own tuples) its downloads break, or the
+/// first half would prove nothing.
+#[test]
+fn an_instance_host_crash_keeps_its_maglev_connections_with_fleet_tuples() {
+    for (fleet, subnet) in [(true, 88), (false, 89)] {
+        let mut farm = Farm::up_family(if fleet { "f" } else { "n" }, subnet, 3, false, false, Some(fleet));
+        farm.route(&[1, 2, 3], false);
+        let url = format!("http://[{}]/", farm.tb.vip6());
+        wait_for("the VIP to answer", || {
+            farm.tb.exec("c1", &["curl", "-s", "-o", "/dev/null", "--max-time", "3", &url]).map(|o| o.status.success()).unwrap_or(false)
+        });
+        let shown = farm.status(2)["scale_out"]["fleet_prefix"].clone();
+        assert_eq!(shown, if fleet { Value::from(fleet_prefix(subnet)) } else { Value::Null }, "inband status");
+        let first_port = 43000;
+        let dls = farm.downloads_from(first_port);
+        wait_for("every download to start", || farm.established() == DOWNLOADS);
+        let held: Vec<u16> = farm.held(1).into_iter().filter(|p| (first_port..first_port + DOWNLOADS as u16).contains(p)).collect();
+        assert!(!held.is_empty(), "fleet {fleet}: b1 holds no download: the test proves nothing");
+        farm.stop_lb(1, true);
+        run_ok(&farm.tb, "b1", &["ip", "link", "set", "dev", "eth0", "xdp", "off"]);
+        run_ok(&farm.tb, "b1", &["sysctl", "-q", "-w", "net.ipv6.conf.all.forwarding=0"]);
+        std::thread::sleep(Duration::from_secs(1));
+        let echo_cfg = farm.dir.join("router-echo.toml");
+        std::fs::write(&echo_cfg, format!("liveness = \"echo\"\n{}", std::fs::read_to_string(&farm.router_cfg).unwrap())).unwrap();
+        run_ok(&farm.tb, "r1", &[BIN, "shadow", "route", "--config", echo_cfg.to_str().unwrap(), "--up", "b2,b3"]);
+        let want = format!("200 {BODY}");
+        let broken: Vec<u16> = dls
+            .into_iter()
+            .filter_map(|(port, d)| {
+                let o = d.wait_with_output().unwrap();
+                (String::from_utf8_lossy(&o.stdout) != want).then_some(port)
+            })
+            .collect();
+        let adopted = farm.event(2, "adopted_maglev") + farm.event(3, "adopted_maglev");
+        eprintln!("fleet {fleet}: b1 held {} of {DOWNLOADS}, {} broke, b2+b3 adopted {adopted}", held.len(), broken.len());
+        if fleet {
+            assert!(broken.is_empty(), "downloads broke: {broken:?} (b1 held {held:?}){}", farm.report());
+            assert!(adopted > 0, "nothing adopted: b1's downloads did not move{}", farm.report());
+        } else {
+            assert!(broken.iter().any(|p| held.contains(p)), "fleet off: none of b1's downloads {held:?} broke{}", farm.report());
+            assert!(broken.iter().all(|p| held.contains(p)), "fleet off: a survivor's download broke: {broken:?}{}", farm.report());
+            assert_eq!(adopted, 0);
         }
     }
 }

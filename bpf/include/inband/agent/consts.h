@@ -13,6 +13,8 @@
 #define INBAND_AGENT_MAX_SERVICES 64
 /* Every address a balancer sends from, its SNAT pools included. */
 #define INBAND_AGENT_MAX_BALANCERS 256
+/* Fleet prefixes (balancer_nets). */
+#define INBAND_AGENT_MAX_FLEETS 16
 #define INBAND_AGENT_FLOW_TABLE_SIZE 262144
 
 /* A UDP 155 whose stamp is more than this behind the newest one its
@@ -54,7 +56,11 @@ enum inband_agent_counter {
 	INBAND_AGENT_SCORE_DEFERRED_UDP_BURST = 30, /* a 125 not added to a UDP GSO burst: datagrams get no carrier */
 	INBAND_AGENT_SCORE_DEFERRED_CARRIER_FAILED = 31, /* the burst's clone or its trim to headers refused */
 	INBAND_AGENT_RESETS_VIA_BALANCER = 32, /* a server's RST sent back through the balancer, not direct (agent walk) */
-	INBAND_AGENT_COUNTER_MAX = 33,
+	/* A fleet's SYN with a 155 for a tuple a live socket owns: dropped (the
+	 * fleet tuples of two clients met; the new client retries on another
+	 * port, the live connection is not disturbed by a challenge ACK). */
+	INBAND_AGENT_FLEET_COLLISIONS = 33,
+	INBAND_AGENT_COUNTER_MAX = 34,
 };
 
 #endif /* INBAND_AGENT_CONSTS_H */

@@ -18,6 +18,16 @@ INBAND_PINNED(services, BPF_MAP_TYPE_HASH, struct inband_service_key, struct inb
 
 INBAND_PINNED(balancers, BPF_MAP_TYPE_HASH, struct inband_addr, struct inband_balancer, INBAND_AGENT_MAX_BALANCERS);
 
+/* Written by the control plane only (tables.rs), from the configuration. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, INBAND_AGENT_MAX_FLEETS);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct inband_balancer_net);
+	__type(value, struct inband_balancer);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} balancer_nets SEC(".maps");
+
 INBAND_PINNED(dsr_flows, BPF_MAP_TYPE_LRU_HASH, struct inband_conn_key, struct inband_dsr_flow, INBAND_AGENT_FLOW_TABLE_SIZE);
 
 INBAND_PINNED(active_conns, BPF_MAP_TYPE_HASH, __u16, __s64, INBAND_AGENT_MAX_SERVICES);

@@ -64,6 +64,15 @@ struct inband_balancer {
 	__u32 pad;
 };
 
+/* balancer_nets[prefix]: a fleet of balancers' shared source addresses
+ * (lb.toml `[scale_out] fleet_prefix`, agent.toml `fleet_prefixes`), a
+ * /96 each: any address inside may send 155/124 here, as a `balancers`
+ * entry may. */
+struct inband_balancer_net {
+	__u32 prefixlen; /* bits of addr that count (LPM trie key) */
+	struct inband_addr addr;
+};
+
 /* agent_config[0], written by the control plane. */
 struct inband_agent_config {
 	__u8 auth_mode; /* enum inband_auth_mode (wire.h) */

@@ -155,11 +155,12 @@ struct {
 } snat_src SEC(".maps");
 
 /* Source address `index` of the balancer toward the family of `a`: 0 its
- * own, 1.. its SNAT pool's (lb_config). A pool is aligned and at most
+ * own, 1.. its SNAT pool's (lb_config), INBAND_SNAT_FLEET the fleet's
+ * address ending in `suffix`. A pool is aligned and at most
  * 2^INBAND_SNAT_POOL_BITS addresses, so its last word alone counts. NULL
  * only if the per-CPU slot is missing. */
 static __always_inline const struct inband_addr *snat_addr(const struct inband_lb_config *cfg,
-							    const struct inband_addr *a, __u8 index)
+							    const struct inband_addr *a, __u8 index, __be32 suffix)
 {
 	if (!index)
 		return self_addr(cfg, a);
@@ -168,18 +169,34 @@ static __always_inline const struct inband_addr *snat_addr(const struct inband_l
 
 	if (!r)
 		return NULL;
+	if (index == INBAND_SNAT_FLEET) {
+		*r = cfg->fleet_prefix;
+		r->w[3] = suffix;
+		return r;
+	}
 	*r = inband_addr_is4(a) ? cfg->snat_pool4 : cfg->snat_pool6;
 	r->w[3] = bpf_htonl(bpf_ntohl(r->w[3]) + index - 1);
 	return r;
 }
 
-/* Which of the balancer's source addresses `a` is (its index), or -1. */
+/* `a` is inside the fleet's /96 (fleet on: its prefix is not zero). */
+static __always_inline int in_fleet_prefix(const struct inband_lb_config *cfg, const struct inband_addr *a)
+{
+	const struct inband_addr *fp = &cfg->fleet_prefix;
+
+	return (fp->w[0] | fp->w[1] | fp->w[2]) && a->w[0] == fp->w[0] && a->w[1] == fp->w[1] && a->w[2] == fp->w[2];
+}
+
+/* Which of the balancer's source addresses `a` is (its index; a fleet
+ * address is INBAND_SNAT_FLEET, its suffix being a's last word), or -1. */
 static __always_inline int snat_index_of(const struct inband_lb_config *cfg, const struct inband_addr *a)
 {
 	const struct inband_addr *self = self_addr(cfg, a);
 
 	if (!inband_addr_is_zero(self) && inband_addr_eq(a, self))
 		return 0;
+	if (in_fleet_prefix(cfg, a))
+		return INBAND_SNAT_FLEET;
 	int v4 = inband_addr_is4(a);
 	__u32 n = v4 ? cfg->snat_pool4_n : cfg->snat_pool6_n;
 	const struct inband_addr *base = v4 ? &cfg->snat_pool4 : &cfg->snat_pool6;

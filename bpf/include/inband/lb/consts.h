@@ -19,6 +19,9 @@
 /* A SNAT pool (lb.toml `snat_prefix`, `snat_prefix6`) holds at most
  * 2^this addresses (a /27, a /123): a flow's snat_index is 1 + its offset. */
 #define INBAND_SNAT_POOL_BITS 5
+/* snat_index of a fleet tuple: the source is lb_config's fleet_prefix with
+ * the flow's fleet_suffix as its last 32 bits. Above any pool index. */
+#define INBAND_SNAT_FLEET 255
 /* A VIP of at most this many backends is picked for by walking all its
  * slots (exact least-score); a larger one by sampling its eligible set
  * (select.h). At most 32: the retry mask of a pick is a bit per slot. */
@@ -94,7 +97,10 @@ enum inband_drop_reason {
 	INBAND_DROP_QUERY_PENDING = 19, /* dsr-query: a SYN handed to the daemon to ask the backends */
 	INBAND_DROP_CHAINED_NO_FLOW = 20, /* chained here by another instance, and no connection here either */
 	INBAND_DROP_SRV6_UNSUPPORTED = 21, /* to our SID, but not one segment carrying IPv6 or IPv4: not unwrapped */
-	INBAND_DROP_MAX = 22,
+	/* A stray of a fleet flow at the direct SID beyond the adoption
+	 * budget ([scale_out] adopt_per_s): its retransmission may be taken. */
+	INBAND_DROP_ADOPT_BUDGET = 22,
+	INBAND_DROP_MAX = 23,
 };
 
 /* Things the data path did or refused that are not drops; per-CPU array,
@@ -134,7 +140,16 @@ enum inband_event {
 	INBAND_EV_RESET_NO_BACKEND = 31, /* a SYN no backend could take, answered with a RST (refusing VIP) */
 	INBAND_EV_RESET_BACKEND_DOWN = 32, /* a packet of a DOWN backend's flow answered with a RST (on_down = reset) */
 	INBAND_EV_SID_ECHO = 33, /* an echo request to the direct SID answered (the router's liveness probe) */
-	INBAND_EV_MAX = 34,
+	INBAND_EV_FLEET_TUPLES = 34, /* new connections given the fleet tuple ([scale_out] fleet) */
+	/* A fleet VIP's connection given one of this balancer's own tuples:
+	 * its fleet tuple was held here by another connection (a collision),
+	 * or no 155 goes with it (options lost, IP-in-IP, beyond the MTU). */
+	INBAND_EV_FLEET_PINNED = 35,
+	/* A stray at the direct SID taken over as a fleet flow: its backend is
+	 * its Maglev primary, its tuple the fleet's, as on the instance that
+	 * opened it (handshake.h adopt()). */
+	INBAND_EV_ADOPTED_MAGLEV = 36,
+	INBAND_EV_MAX = 37,
 };
 
 /* gauges[0] = whole table (plus half_open count), [1 + vip id], [1 + INBAND_MAX_VIPS + backend id]. */

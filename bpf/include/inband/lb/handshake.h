@@ -151,6 +151,137 @@ static __always_inline int later_connection(const struct inband_flow *f, const s
 	return f->client_done && seq_after(p->seq, f->client_seq) > LATER_SEQ_MARGIN;
 }
 
+struct adopt_bucket {
+	__u64 refill_ns;
+	__u32 tokens;
+	__u32 pad;
+};
+
+/* Adoptions left this second, per CPU; not pinned: a restart refills it. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct adopt_bucket);
+} adopt_tokens SEC(".maps");
+
+/* Takes one of this CPU's adoptions (a bucket of adopt_per_s, refilled
+ * as time passes); 0 when spent. */
+static __always_inline int adopt_token(const struct inband_lb_config *cfg, __u64 now)
+{
+	__u32 zero = 0, rate = cfg->adopt_per_s;
+	struct adopt_bucket *b = bpf_map_lookup_elem(&adopt_tokens, &zero);
+
+	if (!b || !rate)
+		return 0;
+	__u64 elapsed = now - b->refill_ns;
+
+	if (elapsed >= 1000000000ULL) {
+		b->tokens = rate;
+		b->refill_ns = now;
+	} else {
+		__u64 add = elapsed * rate / 1000000000ULL;
+
+		if (add) {
+			b->tokens = b->tokens + add > rate ? rate : b->tokens + (__u32)add;
+			b->refill_ns += add * 1000000000ULL / rate;
+		}
+	}
+	if (!b->tokens)
+		return 0;
+	b->tokens--;
+	return 1;
+}
+
+/*
+ * A TCP segment that reached the end of the chain (the direct SID) with no
+ * flow here: its opener is gone (an instance's host crashed) or had it
+ * before the router's oldest generation. A Maglev VIP's connection with a
+ * fleet tuple can be carried from here: its backend is the VIP's Maglev
+ * primary for the client side and its tuple the fleet tuple, both what the
+ * opener computed. Adopted, it becomes an established flow here (FWD_FLOW);
+ * the backend's socket sees the same tuple as before. A connection the
+ * opener pinned to its own tuple (a local collision) or whose primary was
+ * not eligible then cannot be reproduced: the backend answers the
+ * adopted flow's segments with a RST, as it would have answered the drop
+ * with a timeout. No eligibility test: the connection lives at its
+ * backend whatever this instance's health view says. Forged strays to the
+ * direct SID can create flows only at adopt_per_s a CPU (`adopt_budget`).
+ * Global: its own frame, not the walk's.
+ */
+__noinline int adopt(struct xdp_md *ctx, const struct inband_lb_config *cfg, __u32 vid, struct pkt *p)
+{
+	if (!cfg || !p)
+		return XDP_DROP;
+	const struct inband_vip *vc = bpf_map_lookup_elem(&vip_conf, &vid);
+	const struct inband_vip_slots *slots = bpf_map_lookup_elem(&vip_backends, &vid);
+	const struct inband_flow_key *fk = &p->fk;
+
+	if (!vc || !slots || !(vc->flags & INBAND_VIP_FLEET) || vc->policy != INBAND_POLICY_MAGLEV)
+		return drop(INBAND_DROP_CHAINED_NO_FLOW);
+	__u64 h = inband_siphash24_words(INBAND_MAGLEV_K0, INBAND_MAGLEV_K1, (const __u8 *)fk, sizeof(*fk) / 8);
+	__u32 slot = maglev_entry(vc->maglev_table, h);
+
+	if (slot >= vc->backend_count || slot >= INBAND_MAX_BACKENDS_PER_VIP)
+		return drop(INBAND_DROP_CHAINED_NO_FLOW);
+	__u32 id = slots->backend[slot & (INBAND_MAX_BACKENDS_PER_VIP - 1)];
+	const struct inband_backend *be = bpf_map_lookup_elem(&backends, &id);
+
+	/* Toward such a backend the opener pinned its own tuple (open_flow). */
+	if (!be || (be->flags & (INBAND_BACKEND_OPTIONS_LOST | INBAND_BACKEND_ENCAP)) || inband_addr_is4(&be->addr))
+		return drop(INBAND_DROP_CHAINED_NO_FLOW);
+	if (!adopt_token(cfg, p->now))
+		return drop(INBAND_DROP_ADOPT_BUDGET);
+	struct inband_nat_key nk = { .backend_addr = be->addr, .backend_port = be->port, .proto = IPPROTO_TCP };
+	struct inband_snat_owner owner = { .flow = *fk };
+
+	fleet_tuple(cfg, fk, &nk);
+	if (bpf_map_update_elem(&snat, &nk, &owner, BPF_NOEXIST)) {
+		/* Held: by a live flow of another client here (two client
+		 * sides with one fleet tuple), which keeps it; or a stale
+		 * reservation, taken over. */
+		struct inband_snat_owner *res = bpf_map_lookup_elem(&snat, &nk);
+		struct inband_flow *other = res ? bpf_map_lookup_elem(&flows, &res->flow) : NULL;
+
+		if (other && flow_has_port(other, &nk) && !flow_expired(other, p->now))
+			return drop(INBAND_DROP_CHAINED_NO_FLOW);
+		if (bpf_map_update_elem(&snat, &nk, &owner, BPF_ANY))
+			return drop(INBAND_DROP_FLOW_TABLE_FULL);
+	}
+	struct inband_flow *f = scratch_flow();
+	struct ethhdr *eth = (void *)(long)ctx->data;
+
+	if (!f || (void *)(eth + 1) > (void *)(long)ctx->data_end) {
+		bpf_map_delete_elem(&snat, &nk);
+		return XDP_DROP;
+	}
+	__builtin_memset(f, 0, sizeof(*f));
+	f->backend_addr = be->addr;
+	f->backend_port = be->port;
+	f->snat_port = nk.snat_port;
+	f->snat_index = INBAND_SNAT_FLEET;
+	f->fleet_suffix = nk.fleet_suffix;
+	f->backend_id = (__u16)id;
+	f->vip_id = (__u16)vid;
+	f->mode = vc->mode;
+	f->state = INBAND_FLOW_ESTABLISHED;
+	f->proto = IPPROTO_TCP;
+	f->flags = INBAND_FLOW_ADOPTED;
+	f->client_seq = p->seq;
+	f->last_seen_ns = p->now;
+	f->seen = 1;
+	__builtin_memcpy(f->client_mac, eth->h_source, ETH_ALEN);
+	if (bpf_map_update_elem(&flows, fk, f, BPF_ANY)) {
+		bpf_map_delete_elem(&snat, &nk);
+		return drop(INBAND_DROP_FLOW_TABLE_FULL);
+	}
+	event(INBAND_EV_ADOPTED_MAGLEV);
+	f = bpf_map_lookup_elem(&flows, fk);
+	if (f && (p->flags & (TCP_FLAG_FIN | TCP_FLAG_RST)))
+		client_end(f, p);
+	return FWD_FLOW;
+}
+
 /* Step 2 of the walk: a packet whose (dst, dport, proto) is a VIP, with no
  * established flow. Returns a verdict, or FWD_COPY / FWD_FLOW / OPEN_FLOW. */
 __noinline int handshake(struct xdp_md *ctx, const struct inband_lb_config *cfg, __u32 vid, struct pkt *p)
@@ -200,7 +331,9 @@ __noinline int handshake(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 		 * router's previous next-hop set sent it to. */
 		if (p->via_sid == VIA_COND_SID)
 			return CHAIN;
-		return drop(p->via_sid == VIA_DIRECT_SID ? INBAND_DROP_CHAINED_NO_FLOW : INBAND_DROP_NO_FLOW);
+		if (p->via_sid == VIA_DIRECT_SID)
+			return adopt(ctx, cfg, vid, p);
+		return drop(INBAND_DROP_NO_FLOW);
 	}
 	if (p->flags & TCP_FLAG_RST) {
 		/* The client gives up the handshake (its RST acknowledges the

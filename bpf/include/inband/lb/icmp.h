@@ -141,7 +141,7 @@ static __always_inline int icmp_plan_for(const struct inband_lb_config *cfg, con
 			return 0;
 		/* As the backend sent it: backend:bport -> balancer:snat port. */
 		pl->new_src = f->backend_addr;
-		const struct inband_addr *src = snat_addr(cfg, &f->backend_addr, f->snat_index);
+		const struct inband_addr *src = snat_addr(cfg, &f->backend_addr, f->snat_index, f->fleet_suffix);
 
 		if (!src)
 			return 0;
@@ -160,6 +160,7 @@ static __always_inline int icmp_plan_for(const struct inband_lb_config *cfg, con
 		.snat_port = pl->old_sport,
 		.proto = pl->proto,
 		.snat_index = (__u8)own,
+		.fleet_suffix = own == INBAND_SNAT_FLEET ? pl->old_src.w[3] : 0,
 	};
 
 	if (!inband_addr_eq(&pl->old_src, odst))

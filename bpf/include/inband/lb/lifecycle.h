@@ -34,6 +34,7 @@ static __always_inline struct inband_nat_key nat_key_of(const struct inband_flow
 		.snat_port = f->snat_port,
 		.proto = f->proto,
 		.snat_index = f->snat_index,
+		.fleet_suffix = f->fleet_suffix,
 	};
 	return nk;
 }
@@ -42,7 +43,8 @@ static __always_inline struct inband_nat_key nat_key_of(const struct inband_flow
 static __always_inline int flow_has_port(const struct inband_flow *f, const struct inband_nat_key *nk)
 {
 	return inband_addr_eq(&f->backend_addr, &nk->backend_addr) && f->backend_port == nk->backend_port &&
-	       f->snat_port == nk->snat_port && f->proto == nk->proto && f->snat_index == nk->snat_index;
+	       f->snat_port == nk->snat_port && f->proto == nk->proto && f->snat_index == nk->snat_index &&
+	       f->fleet_suffix == nk->fleet_suffix;
 }
 
 static __always_inline __u64 flow_timeout(const struct inband_flow *f, const struct inband_vip *vc)
@@ -189,7 +191,8 @@ static __always_inline void flow_close(struct inband_flow *f)
 	event(INBAND_EV_FLOWS_CLOSED);
 	__u32 bid = f->backend_id, vid = f->vip_id;
 
-	if (score_mode(f->mode)) {
+	/* An adopted flow's opening was counted where it opened. */
+	if (score_mode(f->mode) && !(f->flags & INBAND_FLOW_ADOPTED)) {
 		struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &bid);
 
 		if (s)

@@ -94,15 +94,14 @@ static __always_inline void consider_victim(struct port_search *s, __u16 kind, c
 	s->victim_index = s->nk.snat_index;
 }
 
-static long port_step(__u32 i, void *arg)
+/* Takes the candidate in s->nk if it is free (1), or records it as a
+ * possible victim (0; 1 also once enough held ones were seen). */
+static __always_inline long try_candidate(struct port_search *s)
 {
-	struct port_search *s = ((struct search_ref *)arg)->s;
 	struct inband_port_hold *hold;
 	struct inband_snat_owner *res;
 	struct inband_flow *owner;
 
-	s->nk.snat_port = candidate(s->hash, i);
-	s->nk.snat_index = candidate_index(s->hash, i, s->addrs);
 	hold = bpf_map_lookup_elem(&half_open_ports, &s->nk);
 	if (hold) {
 		if (same_flow_key(&hold->flow, &s->fk)) {
@@ -139,6 +138,52 @@ static long port_step(__u32 i, void *arg)
 	s->port = s->nk.snat_port;
 	s->index = s->nk.snat_index;
 	return 1;
+}
+
+static long port_step(__u32 i, void *arg)
+{
+	struct port_search *s = ((struct search_ref *)arg)->s;
+
+	s->nk.snat_port = candidate(s->hash, i);
+	s->nk.snat_index = candidate_index(s->hash, i, s->addrs);
+	return try_candidate(s);
+}
+
+/*
+ * The fleet tuple of the connection `fk` into `nk` (its backend filled
+ * in): fleet_prefix + a 32-bit suffix and a port, all from one SipHash of
+ * the client side under the fleet's key, so every instance computes the
+ * same one. A suffix of 0 would be the prefix's Subnet-Router anycast
+ * address (RFC 4291): it becomes 1.
+ */
+static __always_inline void fleet_tuple(const struct inband_lb_config *cfg, const struct inband_flow_key *fk,
+					struct inband_nat_key *nk)
+{
+	__u64 h = inband_siphash24_words(cfg->fleet_key[0], cfg->fleet_key[1], (const __u8 *)fk,
+					 sizeof(struct inband_flow_key) / 8);
+	__u32 suffix = (__u32)(h >> 32);
+
+	nk->snat_port = candidate(h, 0);
+	nk->snat_index = INBAND_SNAT_FLEET;
+	nk->fleet_suffix = bpf_htonl(suffix | !suffix);
+}
+
+/* Only this one candidate: if a connection here holds it (two client
+ * sides that hash alike), the new one searches this balancer's own tuples
+ * instead, and only an instance that holds nothing on it can carry it. */
+static __always_inline int try_fleet(const struct inband_lb_config *cfg, struct port_search *s)
+{
+	fleet_tuple(cfg, &s->fk, &s->nk);
+	try_candidate(s);
+	if (s->port)
+		return 1;
+	/* Held or owned here: no victim is taken from the fleet tuple, and the
+	 * search over the own tuples starts afresh. */
+	s->victim_kind = 0;
+	s->holds = 0;
+	s->nk.snat_index = 0;
+	s->nk.fleet_suffix = 0;
+	return 0;
 }
 
 /*
@@ -183,12 +228,13 @@ static __always_inline int free_victim_port(const struct port_search *s)
 /*
  * Finds a port toward the backend in `nk` for the connection `fk` and
  * holds it for the handshake (half_open_ports). Returns the port (network
- * order), with its source address's index in nk->snat_index, or 0 when
- * every candidate belongs to a live established flow.
+ * order), with its source address's index in nk->snat_index (and a fleet
+ * tuple's suffix in nk->fleet_suffix), or 0 when every candidate belongs
+ * to a live established flow. `fleet`: try the fleet tuple first.
  * Global (verified once, not at each of its caller's attempts).
  */
 __noinline int reserve_snat_port(const struct inband_lb_config *cfg, const struct inband_flow_key *fk,
-				 struct inband_nat_key *nk, __u64 now)
+				 struct inband_nat_key *nk, __u64 now, __u32 fleet)
 {
 	__u32 zero = 0;
 	struct port_search *s = bpf_map_lookup_elem(&search_scratch, &zero);
@@ -202,6 +248,15 @@ __noinline int reserve_snat_port(const struct inband_lb_config *cfg, const struc
 	s->addrs = 1 + (inband_addr_is4(&nk->backend_addr) ? cfg->snat_pool4_n : cfg->snat_pool6_n);
 	s->hash = inband_siphash24_words(cfg->snat_key[0], cfg->snat_key[1], (const __u8 *)fk,
 					 sizeof(struct inband_flow_key) / 8);
+	if (fleet) {
+		if (try_fleet(cfg, s)) {
+			nk->snat_index = INBAND_SNAT_FLEET;
+			nk->fleet_suffix = s->nk.fleet_suffix;
+			event(INBAND_EV_FLEET_TUPLES);
+			return s->port;
+		}
+		event(INBAND_EV_FLEET_PINNED);
+	}
 	struct search_ref ref = { .s = s };
 
 	bpf_loop(INBAND_SNAT_TRIES, port_step, &ref, 0);

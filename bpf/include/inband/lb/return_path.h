@@ -185,6 +185,7 @@ __noinline int backend_to_client(struct xdp_md *ctx, const struct inband_lb_conf
 		.snat_port = p->dport,
 		.proto = p->proto,
 		.snat_index = (__u8)index,
+		.fleet_suffix = index == INBAND_SNAT_FLEET ? p->daddr.w[3] : 0,
 	};
 	struct inband_flow *f = flow_by_port(&nk, &p->fk);
 

@@ -132,7 +132,7 @@ struct {
 static __noinline __u64 flow_mac(const struct mac_req *r, const struct inband_lb_config *cfg,
 				 const struct inband_flow *f, const struct inband_flow_key *fk)
 {
-	const struct inband_addr *self = snat_addr(cfg, &f->backend_addr, f->snat_index);
+	const struct inband_addr *self = snat_addr(cfg, &f->backend_addr, f->snat_index, f->fleet_suffix);
 	__u32 zero = 0;
 	struct mac_msgs *ms = bpf_map_lookup_elem(&mac_scratch, &zero);
 

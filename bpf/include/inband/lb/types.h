@@ -46,6 +46,9 @@ struct inband_vip_key {
  * (`all_down = "refuse"`, and with every backend down the control plane
  * marks them so); without it the SYN is dropped (`no_backend`). */
 #define INBAND_VIP_REFUSE_EMPTY 32
+/* New TCP connections get the fleet tuple (lb.toml `[scale_out] fleet`):
+ * set by the control plane on TCP VIPs in a DSR mode when fleet is on. */
+#define INBAND_VIP_FLEET 64
 
 struct inband_vip {
 	struct inband_addr addr;
@@ -183,6 +186,17 @@ struct inband_lb_config {
 	__u8 snat_pool4_n;
 	__u8 snat_pool6_n;
 	__u8 pad_pool[6];
+	/* Fleet tuples ([scale_out] fleet; all zero = off): every instance of
+	 * the fleet sends a connection of a INBAND_VIP_FLEET VIP to its backend
+	 * from the same server-side tuple, fleet_prefix (a /96) plus a 32-bit
+	 * suffix and a port, both from a SipHash of the client side under
+	 * fleet_key, which every instance shares (nat.h). */
+	struct inband_addr fleet_prefix;
+	__u64 fleet_key[2];
+	/* Strays of fleet flows taken over a second, per CPU (handshake.h
+	 * adopt()); 0 = none. */
+	__u32 adopt_per_s;
+	__u32 pad_fleet;
 };
 
 /* The client side of a connection: key of `flows` and `half_open`. */
@@ -203,6 +217,9 @@ enum inband_flow_state {
 
 #define INBAND_FLOW_PROBE_OUTSTANDING 1 /* a 124 was sent; its 125 has not come */
 #define INBAND_FLOW_PROBE_OLD 2 /* ... and a sweep has passed since: the next one gives up on it */
+/* Taken over at the end of a chain (fleet tuples, handshake.h adopt()):
+ * another instance opened it and counted it in its load estimate. */
+#define INBAND_FLOW_ADOPTED 4
 
 /*
  * Established flows are aged without a clock read per packet: a packet sets
@@ -244,6 +261,9 @@ struct inband_flow {
 	 * then recorded again each time the client's segments have moved past
 	 * it by more than a step; once client_done, its FIN's or RST's. */
 	__be32 client_seq;
+	/* snat_index INBAND_SNAT_FLEET: the last 32 bits of the source address
+	 * under lb_config's fleet_prefix (as in the packet); 0 otherwise. */
+	__be32 fleet_suffix;
 };
 
 /* The server side of a connection: key of `snat` and `half_open_ports`. */
@@ -261,6 +281,7 @@ struct inband_nat_key {
 #else
 	__u8 pad[2];
 #endif
+	__be32 fleet_suffix; /* as the flow's: a fleet tuple's address */
 };
 
 /* snat[server side] = the client side of the flow that owns the port. Only

@@ -395,7 +395,7 @@ fn parse_and_apply(lb: &PrivateBalancer, text: &str) -> Result<(LbConfig, f64, f
     let parse_ms = start.elapsed().as_secs_f64() * 1e3;
     let maps = lb.maps()?;
     let start = Instant::now();
-    tables::apply(&maps, &cfg.vips, cfg.drain_timeout_ms, 0)?;
+    tables::apply(&maps, &cfg.vips, cfg.drain_timeout_ms, 0, false)?;
     Ok((cfg, parse_ms, start.elapsed().as_secs_f64() * 1e3))
 }
 
