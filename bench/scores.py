@@ -28,6 +28,7 @@ is stopped and the testbed removed at the end, on Ctrl-C and SIGTERM too.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import random
 import statistics
@@ -168,6 +169,7 @@ class Bench(TestbedRun):
             hedges_before = self.hedges()
             stop = threading.Event()
             t0 = time.monotonic()
+            wall0 = time.time()
 
             def background():
                 for start, dur, s in bursts:
@@ -226,6 +228,11 @@ class Bench(TestbedRun):
             # score showed theirs busy, and of them answered from there.
             "hedges": int(hedges[0]),
             "hedges_won": int(hedges[1]),
+            # The slowest 1% of the proxy's requests (its access log), and
+            # how many of them overlapped a burst on the backend that
+            # answered them.
+            "tail": slowest_met_bursts(log, wall0, bursts, {f"{self.tb.addr(f's{i}')}:{SERVICE_PORT}": i for i in (1, 2, 3)},
+                                       elsewhere=policy == "floor"),
             "bursts": len(bursts),
             # least-score only: per backend, the largest score the proxy
             # held and the share of 100 ms samples with a score above 0.
@@ -249,6 +256,38 @@ class Bench(TestbedRun):
                 # The bursts of the run before must be over.
                 time.sleep(2)
         return rows
+
+
+def access_lines(log: Path, since: float) -> list:
+    """(start, end, upstream) of each request in the proxy's access log
+    that ended after `since` (wall-clock seconds)."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        if "inband_proxy::access" not in line:
+            continue
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        try:
+            end = datetime.datetime.fromisoformat(line.split()[0].replace("Z", "+00:00")).timestamp()
+            ms = float(fields["ms"])
+        except (KeyError, ValueError):
+            continue
+        if end >= since:
+            out.append((end - ms / 1e3, end, fields.get("upstream", "-")))
+    return out
+
+
+def slowest_met_bursts(log: Path, wall0: float, bursts: list, server_of: dict, elsewhere: bool = False) -> dict:
+    """Of the slowest 1% of the run's requests, how many overlapped a burst
+    (as the generator ran it: whole seconds) on the backend that answered."""
+    reqs = access_lines(log, wall0)
+    reqs.sort(key=lambda r: r[1] - r[0], reverse=True)
+    slow = reqs[: max(1, len(reqs) // 100)] if reqs else []
+
+    def met(r) -> bool:
+        s = server_of.get(r[2])
+        return not elsewhere and any(srv == s and wall0 + b < r[1] and r[0] < wall0 + b + max(1, round(d)) for b, d, srv in bursts)
+
+    return {"n": len(slow), "met_burst": sum(1 for r in slow if met(r)), "min_ms": round((slow[-1][1] - slow[-1][0]) * 1e3, 1) if slow else None}
 
 
 def spread(xs: list) -> str:
@@ -284,9 +323,11 @@ def render(r: dict) -> str:
         requests = sum(x["requests"] for x in mine) or 1
         # Records from before hedging have no count: "–", not 0.
         hedged = f"{100 * sum(x['hedges'] for x in mine) / requests:.2f} % ({sum(x['hedges_won'] for x in mine)})" if all("hedges" in x for x in mine) else "–"
+        tail = f"{sum(x['tail']['met_burst'] for x in mine)} of {sum(x['tail']['n'] for x in mine)}" if all("tail" in x for x in mine) else "–"
         body.append([LABELS.get(policy, f"`{policy}`"), spread([x["rps"] for x in mine]), spread([x["p50_ms"] for x in mine]), spread([x["p99_ms"] for x in mine]),
-                     " / ".join(f"{s:.2f}" for s in share), hedged, sum(x["errors"] for x in mine)])  # fmt: skip
-    lines.append(table(["policy", "req/s", "p50 ms", "p99 ms", "share s1 / s2 / s3 (slow)", "hedged (answered from the second)", "errors"], body))
+                     " / ".join(f"{s:.2f}" for s in share), hedged, tail, sum(x["errors"] for x in mine)])  # fmt: skip
+    lines.append(table(["policy", "req/s", "p50 ms", "p99 ms", "share s1 / s2 / s3 (slow)", "hedged (answered from the second)",
+                        "slowest 1% that met a burst on their backend", "errors"], body))
     def ratios(run: str) -> list:
         per_rep = []
         for rep in sorted({x["repetition"] for x in rows}):

@@ -5,6 +5,7 @@
 
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
@@ -13,6 +14,7 @@ use http::{Method, Uri};
 use hyper::body::{Body, Frame, SizeHint};
 use prometheus_client::metrics::counter::Counter;
 
+use crate::backend::Backend;
 use crate::body::{BoxError, ProxyBody};
 use crate::conn::RequestGuard;
 
@@ -33,15 +35,26 @@ struct Line {
     req: Request,
     status: u16,
     cache: &'static str,
+    /// The backend that answered; none for an answer of the proxy's own
+    /// (a hit, a refusal).
+    upstream: Option<Arc<Backend>>,
     head_ms: f64,
     bytes: u64,
     _guard: RequestGuard,
 }
 
 impl Tracked {
-    pub fn new(inner: ProxyBody, req: Request, status: u16, cache: &'static str, guard: RequestGuard, counter: Counter) -> Tracked {
+    pub fn new(
+        inner: ProxyBody,
+        req: Request,
+        status: u16,
+        cache: &'static str,
+        upstream: Option<Arc<Backend>>,
+        guard: RequestGuard,
+        counter: Counter,
+    ) -> Tracked {
         let head_ms = req.start.elapsed().as_secs_f64() * 1e3;
-        Tracked { inner, log: Some(Line { req, status, cache, head_ms, bytes: 0, _guard: guard }), counter }
+        Tracked { inner, log: Some(Line { req, status, cache, upstream, head_ms, bytes: 0, _guard: guard }), counter }
     }
 
     fn finish(&mut self, complete: bool) {
@@ -49,7 +62,7 @@ impl Tracked {
             tracing::info!(
                 target: "inband_proxy::access",
                 client = %l.req.client, method = %l.req.method, uri = %l.req.uri, status = l.status, cache = l.cache,
-                head_ms = l.head_ms, ms = l.req.start.elapsed().as_secs_f64() * 1e3, bytes = l.bytes, complete
+                upstream = %l.upstream.as_ref().map_or("-", |b| b.name.as_str()), head_ms = l.head_ms, ms = l.req.start.elapsed().as_secs_f64() * 1e3, bytes = l.bytes, complete
             );
         }
     }

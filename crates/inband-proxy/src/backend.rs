@@ -38,6 +38,11 @@ pub struct Backend {
     busier: tokio::sync::Notify,
 }
 
+/// The backend whose answer a response is, in the response's extensions:
+/// the access log names it (a hedged request's is the one that answered).
+#[derive(Clone)]
+pub struct Upstream(pub Arc<Backend>);
+
 /// How many hedges a pool may send (forward.rs): each request earns a
 /// tenth of one and a hedge spends a whole one, up to a burst of
 /// HEDGE_BURST, so hedges stay under a tenth of the requests even when

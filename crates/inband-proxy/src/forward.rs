@@ -181,6 +181,7 @@ pub async fn send(shared: &Shared, pool: &BackendPool, parts: &request::Parts, b
                 }
                 strip_hop_by_hop(resp.headers_mut());
                 crate::compression::strip_internal(resp.headers_mut());
+                resp.extensions_mut().insert(crate::backend::Upstream(b.clone()));
                 if let Some(Some(chosen)) = switched {
                     resp.headers_mut().insert(header::UPGRADE, chosen);
                     resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("upgrade"));

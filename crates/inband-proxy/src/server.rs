@@ -303,9 +303,10 @@ async fn handle(
     resp.headers_mut().append(header::VIA, HeaderValue::from_static("1.1 inband"));
     let cache = resp.extensions().get::<Outcome>().map_or("-", |o| o.label());
     let status = resp.status().as_u16();
+    let upstream = resp.extensions().get::<crate::backend::Upstream>().map(|u| u.0.clone());
     let counter = shared.metrics.response_bytes.clone();
     crate::probe::response_out();
-    Ok(resp.map(|b| access::Tracked::new(b, info, status, cache, guard, counter).boxed()))
+    Ok(resp.map(|b| access::Tracked::new(b, info, status, cache, upstream, guard, counter).boxed()))
 }
 
 async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr, https: bool, conn: &State) -> Response<ProxyBody> {

@@ -297,9 +297,10 @@ fn out_of_descriptors_it_backs_off_and_recovers_when_idle_clients_time_out() {
     drop(p);
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(text.contains("proxy listening"), "{text}");
-    // The access line of /k/2: time to head and to the last byte, all bytes sent.
+    // The access line of /k/2: the backend that answered, time to head and
+    // to the last byte, all bytes sent.
     let line = text.lines().find(|l| l.contains("uri=/k/2")).unwrap_or_else(|| panic!("no access line for /k/2:\n{text}"));
-    for want in ["status=200", "head_ms=", " ms=", &format!("bytes={}", body_for(2).len()), "complete=true"] {
+    for want in ["status=200", &format!("upstream={}", o.addr), "head_ms=", " ms=", &format!("bytes={}", body_for(2).len()), "complete=true"] {
         assert!(line.contains(want), "{want:?} missing in {line}");
     }
     assert!(!text.contains('\x1b'), "colour codes in a log file:\n{text}");
