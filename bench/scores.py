@@ -45,15 +45,16 @@ from .lib.stats import ratio
 from .lib.testbed import TestbedRun, alive, new_auth_key
 from .lib.tools import WRK_SUMMARY_LUA, parse_wrk
 
-# Each run's proxy: its policy and [scores] hedge_margin (0: no hedging).
-# least-score without hedging is a control: what the ranking alone gives.
+# Each run's proxy: its policy and [scores] busy_margin. least-score with
+# 0 is a control: two choices among every backend and no hedging, what the
+# ranking alone gives.
 # The floor: the same bursts sent to a fourth server outside the pool, so
 # the machine's CPUs carry the same load but no request can meet a burst:
 # the p99 no placement can go below on this machine (least-request there).
 RUNS = {"least-score": ("least-score", 4), "least-score-unhedged": ("least-score", 0), "least-request": ("least-request", 0),
         "round-robin": ("round-robin", 0), "floor": ("least-request", 0)}  # fmt: skip
 POLICIES = tuple(RUNS)
-LABELS = {"least-score-unhedged": "`least-score`, no hedging", "floor": "floor: the bursts on a server outside the pool"}
+LABELS = {"least-score-unhedged": "`least-score`, `busy_margin = 0` (two choices among all, no hedging)", "floor": "floor: the bursts on a server outside the pool"}
 # The server outside the pool, which takes the floor run's bursts.
 ELSEWHERE = 4
 SERVICE_PORT = 8080
@@ -132,7 +133,7 @@ class Bench(TestbedRun):
         policy, margin = RUNS[run]
         return (
             f'listen = "{lb}:{PROXY_PORT}"\nmetrics_listen = "{lb}:{METRICS_PORT}"\nbackends = [{backends}]\npolicy = "{policy}"\n'
-            f"workers = 1\n\n[scores]\ninterval_ms = {self.p.interval_ms}\nhedge_margin = {margin}\n\n"
+            f"workers = 1\n\n[scores]\ninterval_ms = {self.p.interval_ms}\nbusy_margin = {margin}\n\n"
             f'[auth]\nkeys = [{{ id = 1, file = "{self.auth_key}" }}]\n'
         )
 
@@ -347,7 +348,7 @@ def render(r: dict) -> str:
         ]
     unhedged = ratios("least-score-unhedged")
     if unhedged:
-        lines.append(f"Without hedging: {', '.join(f'{x:.2f}' for x in unhedged)}; mean {statistics.mean(unhedged):.2f}.")
+        lines.append(f"With `busy_margin = 0`: {', '.join(f'{x:.2f}' for x in unhedged)}; mean {statistics.mean(unhedged):.2f}.")
     floor = ratios("floor")
     if floor:
         lines.append(f"The floor's p99 ÷ least-request's (the least any placement could reach with these bursts on this machine): "

@@ -131,11 +131,12 @@ pub struct ScoresConfig {
     /// it is then ranked by the proxy's own requests in flight alone.
     #[serde(default = "default_score_stale_after")]
     pub stale_after: u32,
-    /// A GET or HEAD waiting on a backend whose new score ranks it this
-    /// many requests above another eligible backend is sent to that one
-    /// too, and the first answer is relayed (forward.rs, `hedge`); 0: never.
-    #[serde(default = "default_hedge_margin")]
-    pub hedge_margin: u32,
+    /// A backend whose ranked load is this many requests above the least
+    /// loaded one's is busy: least-score's two choices are drawn among the
+    /// others (policy.rs), and a GET or HEAD waiting on it is also sent to
+    /// the least loaded (forward.rs, `hedge`); 0: neither.
+    #[serde(default = "default_busy_margin")]
+    pub busy_margin: u32,
 }
 
 impl Default for ScoresConfig {
@@ -144,7 +145,7 @@ impl Default for ScoresConfig {
             poll_port: default_score_poll_port(),
             interval_ms: default_score_interval_ms(),
             stale_after: default_score_stale_after(),
-            hedge_margin: default_hedge_margin(),
+            busy_margin: default_busy_margin(),
         }
     }
 }
@@ -466,7 +467,7 @@ fn default_score_stale_after() -> u32 {
 }
 /// Four requests: a burst that fills a small server's workers, well above
 /// the one or two by which scores of equally loaded backends differ.
-fn default_hedge_margin() -> u32 {
+fn default_busy_margin() -> u32 {
     4
 }
 fn default_cache_capacity() -> u64 {

@@ -148,7 +148,7 @@ pub async fn send(shared: &Shared, pool: &BackendPool, parts: &request::Parts, b
             }
         };
         let passive = &shared.cfg.raw.passive;
-        let margin = shared.cfg.raw.scores.hedge_margin;
+        let margin = shared.cfg.raw.scores.busy_margin;
         let hedged = margin > 0 && pool.policy.kind() == PolicyKind::LeastScore && matches!(parts.method, Method::GET | Method::HEAD);
         let outcome = match hedged {
             true => tokio::time::timeout(shared.cfg.backend_timeout(), hedge(shared, pool, i, margin, &mut tried, attempt)).await,

@@ -164,7 +164,7 @@ impl Metrics {
         let hedges_won = Family::<Labels, Counter>::default();
         registry.register(
             "hedges",
-            "GET and HEAD requests also sent to a second backend because a new score ranked this one (the first) busier by scores.hedge_margin",
+            "GET and HEAD requests also sent to a second backend because a new score made this one (the first) busy: scores.busy_margin above the least loaded",
             hedges.clone(),
         );
         registry.register("hedges_won", "Hedged requests whose answer came first from the second backend (labelled by the first)", hedges_won.clone());

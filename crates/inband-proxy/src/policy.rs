@@ -11,11 +11,13 @@ use crate::config::PolicyKind;
 pub struct Policy {
     kind: PolicyKind,
     next: AtomicUsize,
+    /// least-score: `[scores] busy_margin`.
+    busy_margin: u32,
 }
 
 impl Policy {
-    pub fn new(kind: PolicyKind) -> Policy {
-        Policy { kind, next: AtomicUsize::new(0) }
+    pub fn new(kind: PolicyKind, busy_margin: u32) -> Policy {
+        Policy { kind, next: AtomicUsize::new(0), busy_margin }
     }
 
     pub fn kind(&self) -> PolicyKind {
@@ -40,9 +42,21 @@ impl Policy {
             // new requests from every proxy to one backend (the herd a
             // stale signal makes); two random draws cannot herd, and leave
             // only the compared signal different from least-request.
+            // ... drawn among the backends not known to be busy: within
+            // `busy_margin` of the least loaded. With one backend busy the
+            // draw of two among three avoids it anyway, but with two busy at
+            // once (other clients' bursts overlap) a third of the draws
+            // would hold only busy ones; the margin leaves near-equal
+            // backends all in the draw, so it still cannot herd.
             PolicyKind::LeastScore => {
                 let now = std::time::Instant::now();
-                two_choices(n, eligible, |i| backends[i].scored_load(now))
+                let load = |i: usize| backends[i].scored_load(now);
+                let least = (0..n).filter(|&i| eligible(i)).map(load).min()?;
+                let margin = match self.busy_margin {
+                    0 => u64::MAX,
+                    m => u64::from(m),
+                };
+                two_choices(n, |i| eligible(i) && load(i) < least.saturating_add(margin), load)
             }
             // Rendezvous (highest-random-weight) hashing rather than a ring:
             // when a backend is ejected only its own keys move, with no ring
@@ -91,7 +105,7 @@ mod tests {
     #[test]
     fn round_robin_skips_ineligible_and_stays_even() {
         let b = pool(3);
-        let p = Policy::new(PolicyKind::RoundRobin);
+        let p = Policy::new(PolicyKind::RoundRobin, 0);
         let mut counts = [0; 3];
         for _ in 0..300 {
             counts[p.pick(&b, |i| i != 1, b"").unwrap()] += 1;
@@ -103,7 +117,7 @@ mod tests {
     #[test]
     fn consistent_hash_moves_only_the_ejected_backends_keys() {
         let b = pool(5);
-        let p = Policy::new(PolicyKind::ConsistentHash);
+        let p = Policy::new(PolicyKind::ConsistentHash, 0);
         let keys: Vec<String> = (0..1000).map(|k| format!("/k{k}")).collect();
         let before: Vec<usize> = keys.iter().map(|k| p.pick(&b, |_| true, k.as_bytes()).unwrap()).collect();
         let after: Vec<usize> = keys.iter().map(|k| p.pick(&b, |i| i != 2, k.as_bytes()).unwrap()).collect();
@@ -120,7 +134,7 @@ mod tests {
     fn least_request_prefers_fewer_in_flight() {
         let b = pool(2);
         let _busy = b[0].start_request();
-        let p = Policy::new(PolicyKind::LeastRequest);
+        let p = Policy::new(PolicyKind::LeastRequest, 0);
         for _ in 0..50 {
             assert_eq!(p.pick(&b, |_| true, b""), Some(1));
         }
@@ -129,7 +143,7 @@ mod tests {
     #[test]
     fn least_score_ranks_by_the_score_and_the_requests_since() {
         let b = pool(2);
-        let p = Policy::new(PolicyKind::LeastScore);
+        let p = Policy::new(PolicyKind::LeastScore, 4);
         // The agent's 5 counts this proxy's two requests in flight then.
         let mine = [b[0].start_request(), b[0].start_request()];
         b[0].set_score(5, std::time::Instant::now(), std::time::Duration::from_secs(60));
@@ -157,7 +171,7 @@ mod tests {
     #[test]
     fn least_request_draws_among_eligible_only_and_uses_them_all() {
         let b = pool(4);
-        let p = Policy::new(PolicyKind::LeastRequest);
+        let p = Policy::new(PolicyKind::LeastRequest, 0);
         let mut counts = [0; 4];
         for _ in 0..400 {
             counts[p.pick(&b, |i| i != 2, b"").unwrap()] += 1;

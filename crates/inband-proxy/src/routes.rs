@@ -78,7 +78,7 @@ pub struct Route {
 }
 
 impl Route {
-    fn new(spec: &RouteSpec, metrics: &Metrics, label: Option<&str>, connect_timeout: Duration) -> anyhow::Result<Route> {
+    fn new(spec: &RouteSpec, metrics: &Metrics, label: Option<&str>, connect_timeout: Duration, busy_margin: u32) -> anyhow::Result<Route> {
         let at = label.map(|l| format!("route {l:?}: ")).unwrap_or_default();
         let transport = Arc::new(Transport::new(spec.protocol, spec.backend_tls.as_ref(), connect_timeout).map_err(|e| anyhow::anyhow!("{at}{e:#}"))?);
         let backends: Vec<Arc<Backend>> = spec.backends.iter().map(|&a| Arc::new(Backend::new(a, label))).collect();
@@ -90,7 +90,7 @@ impl Route {
             name: spec.name.clone(),
             hosts: spec.hosts.clone(),
             path_prefix: spec.path_prefix.clone(),
-            pool: BackendPool { backends, addrs: spec.backends.clone(), policy: Policy::new(spec.policy), hash_key: spec.hash_key.clone(), health: spec.health.clone(), transport, hedges: HedgeBudget::new() },
+            pool: BackendPool { backends, addrs: spec.backends.clone(), policy: Policy::new(spec.policy, busy_margin), hash_key: spec.hash_key.clone(), health: spec.health.clone(), transport, hedges: HedgeBudget::new() },
             cache: spec.cache,
             max_object_bytes: spec.max_object_bytes,
             rewrites_responses: !spec.response_headers.is_empty(),
@@ -120,8 +120,9 @@ pub struct Router {
 
 impl Router {
     pub fn new(cfg: &crate::config::Checked, metrics: &Metrics) -> anyhow::Result<Router> {
-        let timeout = cfg.connect_timeout();
-        let routes = cfg.routes.iter().map(|s| Route::new(s, metrics, Some(&s.name), timeout).map(Arc::new)).collect::<anyhow::Result<_>>()?;
+        let (timeout, margin) = (cfg.connect_timeout(), cfg.raw.scores.busy_margin);
+        let routes =
+            cfg.routes.iter().map(|s| Route::new(s, metrics, Some(&s.name), timeout, margin).map(Arc::new)).collect::<anyhow::Result<_>>()?;
         let default = (!cfg.backends.is_empty()).then(|| {
             let spec = RouteSpec {
                 name: DEFAULT_ROUTE.into(),
@@ -141,7 +142,7 @@ impl Router {
             };
             // The top-level pool's series keep the labels they had before
             // routes existed.
-            Route::new(&spec, metrics, None, timeout).map(Arc::new)
+            Route::new(&spec, metrics, None, timeout, margin).map(Arc::new)
         });
         Ok(Router { routes, default: default.transpose()? })
     }

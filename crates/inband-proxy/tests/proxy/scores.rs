@@ -108,7 +108,7 @@ async fn least_score_follows_authentic_fresh_scores_only() {
 
 /// A GET waiting on a backend whose score jumps (other clients' burst the
 /// proxy cannot see) is sent to the other backend too and answered from
-/// there, counted; a POST is not; with `hedge_margin = 0` nothing is.
+/// there, counted; a POST is not; with `busy_margin = 0` nothing is.
 #[tokio::test]
 async fn a_get_waiting_on_a_backend_that_gets_busy_is_hedged_to_another() {
     const SLOW: Duration = Duration::from_secs(3);
@@ -123,7 +123,7 @@ async fn a_get_waiting_on_a_backend_that_gets_busy_is_hedged_to_another() {
         let scores = Arc::new(Mutex::new(HashMap::from([(o[0].addr.port(), 0), (o[1].addr.port(), 2)])));
         let agent = agent(keys.clone(), scores.clone(), Arc::new(AtomicU8::new(HONEST))).await;
         let extra = format!(
-            "policy = \"least-score\"\n[scores]\npoll_port = {}\ninterval_ms = 10\nhedge_margin = {margin}\n[auth]\nkeys = [{{ id = 1, file = \"{}\" }}]\n",
+            "policy = \"least-score\"\n[scores]\npoll_port = {}\ninterval_ms = 10\nbusy_margin = {margin}\n[auth]\nkeys = [{{ id = 1, file = \"{}\" }}]\n",
             agent.port(),
             key.display()
         );
