@@ -11,6 +11,7 @@ mod balancing;
 mod cache;
 mod client_limits;
 mod compression;
+mod http2;
 mod routes;
 mod scores;
 mod timeouts;
