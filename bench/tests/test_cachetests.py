@@ -87,3 +87,7 @@ def test_the_committed_record_renders_with_every_system():
         assert name in rows, name
     required, total = rows["inband proxy (LMDB)"][1].split("/")
     assert int(total) == 160 and int(required) >= 154
+    # Over HTTP/2 as well, and every connection of that run did speak h2.
+    assert rows["inband proxy (LMDB), HTTP/2 (TLS)"][1:] == rows["inband proxy (LMDB)"][1:]
+    alpn = record["rows"]["systems"]["inband" + ct.H2]["alpn"]
+    assert set(alpn) == {"h2"} and alpn["h2"] > 0, alpn
