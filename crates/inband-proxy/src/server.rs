@@ -297,7 +297,7 @@ async fn handle(
     https: bool,
     conn: Arc<State>,
     client: Arc<ClientSlot>,
-) -> Result<Response<ProxyBody>, Infallible> {
+) -> Result<Response<access::Tracked>, Infallible> {
     crate::probe::request_in();
     let guard = conn.begin_request(req.version() == http::Version::HTTP_2);
     let info = access::Request { client: peer, method: req.method().clone(), uri: req.uri().clone(), start: Instant::now() };
@@ -315,7 +315,8 @@ async fn handle(
     let status = resp.status().as_u16();
     let counter = shared.metrics.response_bytes.clone();
     crate::probe::response_out();
-    Ok(resp.map(|b| access::Tracked::new(b, info, status, cache, guard, counter).boxed()))
+    // Not boxed again: hyper takes the body type as it is.
+    Ok(resp.map(|b| access::Tracked::new(b, info, status, cache, guard, counter)))
 }
 
 async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr, https: bool, conn: &State) -> Response<ProxyBody> {
@@ -356,7 +357,7 @@ async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr,
     };
     shared.metrics.request_bytes.inc_by(body.len() as u64);
     if parts.method.as_str() == "PURGE" {
-        return purge(shared, &parts, peer).await;
+        return Box::pin(purge(shared, &parts, peer)).await;
     }
     let Some(route) = shared.router.choose(parts.headers.get(header::HOST), parts.uri.path()) else {
         return refuse(shared, Refusal::NoRoute);
@@ -397,7 +398,7 @@ async fn forward_on(
     match upgrade {
         // Past the cache: a 101 is for this connection alone.
         Some((Offer::Allowed(offered), on)) => {
-            return tunnel::forward(shared, &route.pool, parts, body, &key, (offered, on), conn).await;
+            return Box::pin(tunnel::forward(shared, &route.pool, parts, body, &key, (offered, on), conn)).await;
         }
         Some((Offer::NotAllowed, _)) => shared.metrics.upgrade(Upgrade::NotAllowed),
         Some((Offer::None, _)) | None => {}
@@ -407,11 +408,11 @@ async fn forward_on(
     match cache {
         Some(cache) if cache_layer::applies(&parts) => cache_layer::serve(shared, cache, route, parts, &key).await,
         _ => {
-            let sent = forward::send(shared, &route.pool, &parts, body, &key).await;
+            let sent = Box::pin(forward::send(shared, &route.pool, &parts, body, &key)).await;
             if let (Some(cache), Ok(resp)) = (cache, &sent) {
                 let ok = resp.status().is_success() || resp.status().is_redirection();
                 if ok && cache_layer::invalidates(&parts.method) {
-                    if let Err(e) = cache.invalidate(&parts).await {
+                    if let Err(e) = Box::pin(cache.invalidate(&parts)).await {
                         tracing::warn!(error = %e, "cache invalidation failed");
                     }
                 }
