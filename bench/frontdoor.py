@@ -224,7 +224,7 @@ class Bench:
 
     def settle(self) -> None:
         if self.wait_budget_s <= 0:
-            self.quiet.add("not waited for (--wait-quiet 0)")
+            self.quiet.add("not waited for (--wait-quiet 0)" if self.args.wait_quiet <= 0 else "not waited for (the --wait-quiet time was used up)")
             return
         t0 = time.monotonic()
         self.quiet.add(wait_quiet(self.wait_budget_s, self.log, hold_s=2))
