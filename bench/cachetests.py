@@ -1,7 +1,7 @@
 """The public HTTP cache test suite (http-tests/cache-tests, the one
 cache-tests.fyi publishes) against `inband proxy` and its peers:
 
-    python -m bench.cachetests --systems inband,nginx,varnish [--git SOURCE]
+    python -m bench.cachetests --systems inband,nginx,varnish [--http2] [--git SOURCE]
 
 The suite is checked out at one pinned commit (SUITE_COMMIT; `--git`
 names where to clone it from: its public repository by default, or a
@@ -13,7 +13,14 @@ front of it, configured as bench.conformance starts it (inband proxy with
 an LMDB store and its defaults, nginx `proxy_cache`, Varnish with its
 built-in VCL), and the
 suite's command-line client runs every test through it (`npm run cli
---base=<the system's URL>`) and prints its results as JSON.
+--base=<the system's URL>`) and prints its results as JSON. With --http2
+inband runs the suite a second time, its client speaking HTTP/2 to the
+proxy's TLS listener: the client is Node's fetch, whose undici speaks h2
+only over TLS (by ALPN, with `allowH2`), so a preloaded module makes an
+`allowH2` agent the global dispatcher and counts the protocols its
+connections negotiated, recorded beside the results. The tests that
+collect interim (1xx) responses bring an agent of their own, without
+`allowH2`: those run over HTTP/1.1 (on TLS).
 
 A test's kind decides what a failure means: `required` (RFC 9111
 conformance), `optimal` (the cache did not use a stored response it
@@ -44,8 +51,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .conformance import free_port, start_system
-from .lib import preflight
+from .conformance import free_port, request, start_system
+from .frontdoor import make_certificate
+from .lib import peers, preflight
 from .lib.procs import Fatal, Procs, stop_signals_interrupt, wait_until
 from .lib.report import table
 from .lib.results import REPO, Run, default_dir, provenance
@@ -76,6 +84,28 @@ LIST_TESTS = (
     " depends_on: t.depends_on || [], browser_only: t.browser_only === true});"
     "console.log(JSON.stringify(out))"
 )
+
+# Before the suite's client: every fetch through an undici agent that
+# offers h2 by ALPN; at exit, how many connections negotiated what (on
+# stderr, one line the driver reads). undici is the suite's copy, named by
+# INBAND_UNDICI (a data: module can import only absolute URLs).
+ALLOW_H2 = (
+    "data:text/javascript,const u = await import(process.env.INBAND_UNDICI);"
+    "const alpn = {};"
+    "const tls = u.buildConnector({allowH2: true});"
+    "const connect = (opts, cb) => tls(opts, (err, sock) => {"
+    " if (!err) { const p = sock.alpnProtocol || 'none'; alpn[p] = (alpn[p] || 0) + 1 } cb(err, sock) });"
+    "u.setGlobalDispatcher(new u.Agent({allowH2: true, connect}));"
+    "process.on('exit', () => process.stderr.write('alpn ' + JSON.stringify(alpn) + '\\n'))"
+)
+# A system's run over HTTP/2 is recorded under its key with this suffix.
+H2 = "/h2"
+
+
+def label(key: str) -> str:
+    base = key.removesuffix(H2)
+    return SYSTEMS.get(base, base) + (", HTTP/2 (TLS)" if key.endswith(H2) else "")
+
 
 # ------------------------------------------------------------ the suite
 
@@ -121,19 +151,56 @@ def start_origin(procs: Procs, suite: Path, tmp: Path) -> tuple[int, object]:
     return port, proc
 
 
-def run_cli(suite: Path, port: int) -> dict:
-    """The suite's client against http://127.0.0.1:port: {test id: true,
-    or [error name, message]}."""
+def run_cli(suite: Path, port: int, ca: Path | None = None) -> dict:
+    """The suite's client against http://127.0.0.1:port: {"results": {test
+    id: true, or [error name, message]}}; with `ca` (the certificate the
+    system's TLS listener shows) against https://127.0.0.1:port over
+    HTTP/2, and "alpn": {protocol: connections}."""
     env = dict(os.environ, npm_config_base=f"http://{HOST}:{port}", npm_package_config_id="")
-    cp = subprocess.run(["node", "--no-warnings", "test-engine/cli.mjs"], cwd=suite, env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    argv = ["node", "--no-warnings", "test-engine/cli.mjs"]
+    if ca is not None:
+        env.update(npm_config_base=f"https://{HOST}:{port}", NODE_EXTRA_CA_CERTS=str(ca),
+                   INBAND_UNDICI=(suite / "node_modules" / "undici" / "index.js").as_uri())
+        argv[1:1] = ["--import", ALLOW_H2]
+    cp = subprocess.run(argv, cwd=suite, env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
     if cp.returncode != 0:
         raise RuntimeError(f"the suite's client exited with {cp.returncode}: {cp.stderr[-1500:]}")
-    return json.loads(cp.stdout)
+    out = {"results": json.loads(cp.stdout)}
+    if ca is not None:
+        lines = [x for x in cp.stderr.splitlines() if x.startswith("alpn ")]
+        out["alpn"] = json.loads(lines[-1][5:]) if lines else {}
+    return out
 
 
-def run_suite(systems: list[str], inband: Path, suite: Path, log=print) -> dict:
-    """{system: raw results}; a system that cannot start or run has the
-    reason instead ({"error": ...})."""
+def start_inband_tls(procs: Procs, tmp: Path, origin_port: int, inband: Path) -> tuple[int, Path, object]:
+    """inband as start_system runs it (LMDB), with a TLS listener beside
+    its plaintext one: (the TLS port, its certificate, the process)."""
+    state = tmp / "inband-tls"
+    state.mkdir()
+    cert, key = make_certificate(state)
+    port, tls_port = free_port(), free_port()
+    cfg = state / "proxy.toml"
+    cfg.write_text(peers.proxy_toml(listen=f"{HOST}:{port}", origin=f"{HOST}:{origin_port}", backend="lmdb", path=str(state / "cache"), capacity_bytes=64 << 20)
+                   + f'\n[tls]\nlisten = "{HOST}:{tls_port}"\n[[tls.certificate]]\ncert = "{cert}"\nkey = "{key}"\n')
+    proc = procs.spawn("inband-tls", None, [str(inband), "proxy", "--config", str(cfg)], state / "log", env=dict(os.environ, INBAND_LOG="warn"), cwd=state)
+
+    def answering() -> bool:
+        if proc.poll() is not None:
+            raise Fatal(f"inband exited with {proc.returncode}: {(state / 'log').read_text(errors='replace')[-1500:]}")
+        try:
+            request(port, "GET", "/ready", {"Cache-Control": "no-cache"})
+            return True
+        except OSError:
+            return False
+
+    wait_until("inband to answer", answering, 60, 0.05)
+    return tls_port, cert, proc
+
+
+def run_suite(systems: list[str], inband: Path, suite: Path, log=print, http2: bool = False) -> dict:
+    """{system: raw results}, and with `http2` inband's over HTTP/2 under
+    "inband" + H2; a system that cannot start or run has the reason
+    instead ({"error": ...})."""
     procs = Procs()
     tmp = Path(tempfile.mkdtemp(prefix="inband-cachetests-"))
     out: dict[str, dict] = {}
@@ -143,10 +210,18 @@ def run_suite(systems: list[str], inband: Path, suite: Path, log=print) -> dict:
             log(f"{SYSTEMS[key]}: the suite's client through it")
             try:
                 port, proc = start_system(key, procs, tmp, origin_port, inband, inband_backend="lmdb")
-                out[key] = {"results": run_cli(suite, port)}
+                out[key] = run_cli(suite, port)
                 procs.stop(proc, grace_s=10)
             except Exception as e:  # noqa: BLE001 - reported in the table
                 out[key] = {"error": f"{e.__class__.__name__}: {e}"}
+        if http2 and "inband" in systems:
+            log(f"{label('inband' + H2)}: the suite's client through it")
+            try:
+                port, cert, proc = start_inband_tls(procs, tmp, origin_port, inband)
+                out["inband" + H2] = run_cli(suite, port, ca=cert)
+                procs.stop(proc, grace_s=10)
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                out["inband" + H2] = {"error": f"{e.__class__.__name__}: {e}"}
     finally:
         procs.stop_all()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -243,7 +318,7 @@ def render(record: dict) -> str:
     head = ["system", "required", "optimal", "check", "required (with prerequisites)", "optimal (with prerequisites)"]
     lines = []
     for key, got in rows["systems"].items():
-        name = SYSTEMS.get(key, key)
+        name = label(key)
         if "error" in got:
             lines.append([name, f"did not run: {_md(got['error'])}", "–", "–", "–", "–"])
             continue
@@ -265,11 +340,16 @@ def render(record: dict) -> str:
         "",
         table(head, lines),
     ]
-    inband = rows["systems"].get("inband", {})
-    if "results" in inband:
-        failing = required_failures(tests, inband["results"])
-        md += ["", f"## Required tests {SYSTEMS['inband']} does not pass ({len(failing)})", ""]
-        md.append(table(["test", "name", "result"], [[f"`{i}`", _md(n), _md(w)] for i, n, w in failing]) if failing else "None.")
+    h2 = rows["systems"].get("inband" + H2, {})
+    if "alpn" in h2:
+        by = ", ".join(f"{p} {n}" for p, n in sorted(h2["alpn"].items()))
+        md += ["", f"{label('inband' + H2)}: the client's connections by the protocol ALPN chose: {by or 'none'}."]
+    for key in ("inband", "inband" + H2):
+        got = rows["systems"].get(key, {})
+        if "results" in got:
+            failing = required_failures(tests, got["results"])
+            md += ["", f"## Required tests {label(key)} does not pass ({len(failing)})", ""]
+            md.append(table(["test", "name", "result"], [[f"`{i}`", _md(n), _md(w)] for i, n, w in failing]) if failing else "None.")
     return "\n".join(md) + "\n"
 
 
@@ -280,6 +360,7 @@ def main(argv=None) -> int:
     ap.add_argument("--suite", type=Path, default=default_suite_dir(), help="where the suite is checked out (default: %(default)s)")
     ap.add_argument("--git", default=SUITE_REPO, help="where to clone the suite from when --suite has no checkout (default: %(default)s)")
     ap.add_argument("--results", type=Path, default=default_dir("cachetests"), help="results.json and results.md (default: the committed ones)")
+    ap.add_argument("--http2", action="store_true", help="run inband a second time over HTTP/2, on its TLS listener")
     args = ap.parse_args(argv)
     systems = args.systems.split(",")
     bad = [s for s in systems if s not in SYSTEMS]
@@ -296,7 +377,7 @@ def main(argv=None) -> int:
     prepare_suite(args.suite, args.git)
     this_run = Run("cachetests", "bench.cachetests", argv)
     tests = list_tests(args.suite)
-    systems_run = run_suite(systems, Path(args.inband).resolve(), args.suite)
+    systems_run = run_suite(systems, Path(args.inband).resolve(), args.suite, http2=args.http2)
     rows = {"tests": tests, "systems": systems_run, "published": published(args.suite, {t["id"]: t for t in tests})}
     record = this_run.record(rows, inband=Path(args.inband), tools={"node": ["node", "--version"], "nginx": ["nginx", "-v"], "varnish": ["varnishd", "-V"]},
                              suite_commit=SUITE_COMMIT)

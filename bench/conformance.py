@@ -3,7 +3,7 @@ the public cache-tests suite (cache-tests.fyi): one case per requirement of
 RFC 9111 (and RFC 9110/9112 where a proxy must act), each asserting how
 many requests reached the origin and what the client got.
 
-    python -m bench.conformance --systems inband,nginx,varnish --out DIR
+    python -m bench.conformance --systems inband,nginx,varnish [--http2] --out DIR
 
 Every system (inband proxy with a memory cache, nginx `proxy_cache`,
 Varnish with its built-in VCL, each as bench/peers.py configures it for
@@ -11,15 +11,18 @@ bench.proxy) runs in front of one scriptable origin on 127.0.0.1: a case
 says what the origin answers on its own paths, sends requests through the
 system, and checks origin request counts, status codes and headers.
 Whether a response came from the cache is told by the origin's count, not
-by a header, since the peers mark hits differently.
+by a header, since the peers mark hits differently. With --http2 every
+system runs every case a second time with its clients speaking HTTP/2
+(h2c, by prior knowledge), a column of its own.
 
 Prints a Markdown table (one row per case, one column per system) and
 writes the record (results.json) and its table (results.md) into --results
 (default bench/results/conformance). Exit code 0 when every
 "must" case passes for inband; the peers' results are reported, not
 judged. Every process is stopped and every temporary directory removed at
-the end, on failures and Ctrl-C too. CI runs it against inband only
-(bench/tests/test_conformance.py); docs/proxy.md has the three-way table.
+the end, on failures and Ctrl-C too. CI runs it against inband only, over
+both protocols (bench/tests/test_conformance.py); docs/proxy.md has the
+three-way table.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
 
 from .lib import peers, preflight
 from .lib.results import REPO, Run, default_dir, provenance
@@ -167,6 +175,51 @@ def request(port: int, method: str, path: str, headers: dict | None = None, host
         c.close()
 
 
+def request_h2(port: int, method: str, path: str, headers: dict | None = None, host: bool = True, body: bytes | None = None) -> Resp:
+    """As `request`, over HTTP/2 with prior knowledge (h2c): the host is
+    `:authority`, and `host=False` sends neither it nor Host."""
+    sock = socket.create_connection((HOST, port), timeout=TIMEOUT_S)
+    try:
+        # Unchecked: host-missing-400 sends a request h2 would refuse to.
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8", validate_outbound_headers=False))
+        conn.initiate_connection()
+        fields = [(":method", method), (":scheme", "http"), (":path", path)]
+        if host:
+            fields.append((":authority", "conformance.test"))
+        fields += [(k.lower(), v) for k, v in (headers or {}).items()]
+        if body is not None:
+            fields.append(("content-length", str(len(body))))
+        conn.send_headers(1, fields, end_stream=body is None)
+        if body is not None:
+            conn.send_data(1, body, end_stream=True)
+        status, out, data = 0, {}, bytearray()
+        ended = False
+        while not ended:
+            sock.sendall(conn.data_to_send())
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("closed before the response ended")
+            for ev in conn.receive_data(chunk):
+                if isinstance(ev, h2.events.ResponseReceived):
+                    for k, v in ev.headers:
+                        if k == ":status":
+                            status = int(v)
+                        else:
+                            out.setdefault(k, []).append(v)
+                elif isinstance(ev, h2.events.DataReceived):
+                    data += ev.data
+                    conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+                elif isinstance(ev, h2.events.StreamEnded):
+                    ended = True
+                elif isinstance(ev, h2.events.StreamReset):
+                    raise ConnectionError(f"stream reset: {ev.error_code!r}")
+                elif isinstance(ev, h2.events.ConnectionTerminated):
+                    raise ConnectionError(f"GOAWAY: {ev.error_code!r}")
+        return Resp(status, out, bytes(data))
+    finally:
+        sock.close()
+
+
 # --------------------------------------------------------------- the cases
 
 
@@ -180,10 +233,12 @@ def check(ok: bool, why: str) -> None:
 
 
 class Ctx:
-    """One case on one system: its own paths under /c/<case>/."""
+    """One case on one system: its own paths under /c/<case>/ (under
+    /c2/ over HTTP/2, so the two runs share no entry)."""
 
-    def __init__(self, origin: Origin, port: int, case: str) -> None:
-        self.origin, self.port, self.base = origin, port, f"/c/{case}"
+    def __init__(self, origin: Origin, port: int, case: str, http2: bool = False) -> None:
+        self.origin, self.port, self.base = origin, port, f"/c2/{case}" if http2 else f"/c/{case}"
+        self.send = request_h2 if http2 else request
 
     def path(self, name: str = "r") -> str:
         return f"{self.base}/{name}"
@@ -192,7 +247,7 @@ class Ctx:
         self.origin.script(self.path(name), *replies)
 
     def get(self, name: str = "r", headers: dict | None = None, method: str = "GET", host: bool = True, body: bytes | None = None) -> Resp:
-        return request(self.port, method, self.path(name), headers, host, body)
+        return self.send(self.port, method, self.path(name), headers, host, body)
 
     def hits(self, name: str = "r") -> int:
         return self.origin.count(self.path(name))
@@ -528,17 +583,17 @@ CASES = [
     Case("authorization-public", "should", "9111 §3.5", "with `public` it may be served to others", authorization(True, 1)),
     Case("no-transform", "must", "9111 §5.2.2.6, 9110 §7.7", "body, Content-Type and Content-Encoding unchanged", no_transform),
     Case("via", "should", "9110 §7.6.3", "Via added toward the origin and the client", via),
-    Case("host-missing-400", "must", "9112 §3.2", "HTTP/1.1 request without Host: 400, never forwarded", missing_host),
+    Case("host-missing-400", "must", "9112 §3.2", "a request without Host (over HTTP/2, nor `:authority`): 400, never forwarded", missing_host),
 ]
 
 
-def run_case(case: Case, origin: Origin, port: int) -> dict:
+def run_case(case: Case, origin: Origin, port: int, http2: bool = False) -> dict:
     try:
-        case.run(Ctx(origin, port, case.id))
+        case.run(Ctx(origin, port, case.id, http2))
         return {"pass": True, "why": ""}
     except Failed as e:
         return {"pass": False, "why": str(e)}
-    except (OSError, http.client.HTTPException) as e:
+    except (OSError, http.client.HTTPException, h2.exceptions.H2Error) as e:
         return {"pass": False, "why": f"{e.__class__.__name__}: {e}"}
 
 
@@ -546,6 +601,13 @@ def run_case(case: Case, origin: Origin, port: int) -> dict:
 
 SYSTEMS = {"inband": "inband proxy (memory)", "nginx": "nginx proxy_cache", "varnish": "Varnish (malloc)"}
 TOOLS = {"nginx": "nginx", "varnish": "varnishd"}
+# A system's results over HTTP/2 are under its key with this suffix.
+H2 = "/h2"
+
+
+def label(key: str) -> str:
+    base = key.removesuffix(H2)
+    return SYSTEMS[base] + (", HTTP/2" if key.endswith(H2) else "")
 
 
 def free_port() -> int:
@@ -554,13 +616,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_system(key: str, procs: Procs, tmp: Path, origin_port: int, inband: Path, inband_backend: str = "memory") -> tuple[int, object]:
+def start_system(key: str, procs: Procs, tmp: Path, origin_port: int, inband: Path, inband_backend: str = "memory", http2: bool = False) -> tuple[int, object]:
     """Starts one system in front of the origin and waits until it
     answers; `inband_backend` as peers.proxy_toml takes it
-    (bench.cachetests runs LMDB)."""
+    (bench.cachetests runs LMDB); `http2`: its clients speak h2c (inband
+    takes both on one port; nginx's `http2` port and Varnish's
+    `+http2` take prior knowledge)."""
     port = free_port()
     listen, origin = f"{HOST}:{port}", f"{HOST}:{origin_port}"
-    state = tmp / key
+    state = tmp / (key + ("-h2" if http2 else ""))
     state.mkdir()
     if key == "inband":
         cfg = state / "proxy.toml"
@@ -569,19 +633,21 @@ def start_system(key: str, procs: Procs, tmp: Path, origin_port: int, inband: Pa
         argv = [str(inband), "proxy", "--config", str(cfg)]
     elif key == "nginx":
         cfg = state / "nginx.conf"
-        cfg.write_text(peers.nginx_conf(listen=listen, origin=origin, prefix=str(state), max_size_bytes=64 << 20, workers=1, as_root=os.geteuid() == 0))
+        conf = peers.nginx_conf(listen=listen, origin=origin, prefix=str(state), max_size_bytes=64 << 20, workers=1, as_root=os.geteuid() == 0)
+        cfg.write_text(conf.replace(f"listen {listen};", f"listen {listen} http2;") if http2 else conf)
         argv = ["nginx", "-c", str(cfg), "-p", str(state), "-e", str(state / "error.log"), "-g", "daemon off;"]
     else:
         vcl = state / "varnish.vcl"
         vcl.write_text(peers.varnish_vcl(origin_host=HOST, origin_port=origin_port))
         argv = ["varnishd", "-F", "-a", listen, "-f", str(vcl), "-s", "malloc,64m", "-n", str(state / "varnish"), "-T", "none", "-j", "none"]
+        argv += ["-p", "feature=+http2"] if http2 else []
     proc = procs.spawn(key, None, argv, state / "log", env=dict(os.environ, INBAND_LOG="warn"), cwd=state)
 
     def answering() -> bool:
         if proc.poll() is not None:
             raise Fatal(f"{key} exited with {proc.returncode}: {(state / 'log').read_text(errors='replace')[-1500:]}")
         try:
-            request(port, "GET", "/ready", {"Cache-Control": "no-cache"})
+            (request_h2 if http2 else request)(port, "GET", "/ready", {"Cache-Control": "no-cache"})
             return True
         except OSError:
             return False
@@ -590,22 +656,24 @@ def start_system(key: str, procs: Procs, tmp: Path, origin_port: int, inband: Pa
     return port, proc
 
 
-def run_suite(systems: list[str], inband: Path, log=print) -> dict:
-    """{system: {case id: {"pass", "why"}}}; a system that cannot start has
-    every case failed with the reason."""
+def run_suite(systems: list[str], inband: Path, log=print, http2: bool = False) -> dict:
+    """{system: {case id: {"pass", "why"}}}, and with `http2` each
+    system's results over HTTP/2 under system + H2; a system that cannot
+    start has every case failed with the reason."""
     procs = Procs()
     tmp = Path(tempfile.mkdtemp(prefix="inband-conformance-"))
     origin = Origin()
     results: dict[str, dict] = {}
     try:
-        for key in systems:
-            log(f"{SYSTEMS[key]}: {len(CASES)} cases")
+        for key, over_h2 in [(k, h) for k in systems for h in ([False, True] if http2 else [False])]:
+            column = key + (H2 if over_h2 else "")
+            log(f"{label(column)}: {len(CASES)} cases")
             try:
-                port, proc = start_system(key, procs, tmp, origin.port, inband)
+                port, proc = start_system(key, procs, tmp, origin.port, inband, http2=over_h2)
             except Exception as e:  # noqa: BLE001 - reported in the table
-                results[key] = {c.id: {"pass": False, "why": f"did not start: {e}"} for c in CASES}
+                results[column] = {c.id: {"pass": False, "why": f"did not start: {e}"} for c in CASES}
                 continue
-            results[key] = {c.id: run_case(c, origin, port) for c in CASES}
+            results[column] = {c.id: run_case(c, origin, port, over_h2) for c in CASES}
             procs.stop(proc, grace_s=10)
             origin.seen.clear()  # the next system starts from zero
     finally:
@@ -626,7 +694,7 @@ def render(record: dict) -> str:
 
 def markdown(results: dict) -> str:
     keys = list(results)
-    head = ["case", "kind", "RFC"] + [SYSTEMS[k] for k in keys]
+    head = ["case", "kind", "RFC"] + [label(k) for k in keys]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
     for c in CASES:
         cells = []
@@ -639,13 +707,19 @@ def markdown(results: dict) -> str:
         must = [c for c in CASES if c.kind == "must"]
         passed = sum(results[k][c.id]["pass"] for c in must)
         should = [c for c in CASES if c.kind == "should"]
-        totals.append(f"{SYSTEMS[k]}: {passed}/{len(must)} must, {sum(results[k][c.id]['pass'] for c in should)}/{len(should)} should")
+        totals.append(f"{label(k)}: {passed}/{len(must)} must, {sum(results[k][c.id]['pass'] for c in should)}/{len(should)} should")
     return "\n".join(lines) + "\n\n" + "; ".join(totals) + ".\n"
 
 
 def inband_must_failures(results: dict) -> list[str]:
-    r = results.get("inband", {})
-    return [c.id for c in CASES if c.kind == "must" and not r.get(c.id, {}).get("pass")]
+    """Over HTTP/2 named with the suffix."""
+    return [
+        c.id + key.removeprefix("inband")
+        for key in ("inband", "inband" + H2)
+        if key in results
+        for c in CASES
+        if c.kind == "must" and not results[key].get(c.id, {}).get("pass")
+    ]
 
 
 def main(argv=None) -> int:
@@ -653,6 +727,7 @@ def main(argv=None) -> int:
     ap.add_argument("--systems", default="inband,nginx,varnish", help="comma-separated subset of " + ", ".join(SYSTEMS))
     ap.add_argument("--inband", default=str(REPO / "target" / "debug" / "inband"))
     ap.add_argument("--results", type=Path, default=default_dir("conformance"), help="results.json and results.md (default: the committed ones)")
+    ap.add_argument("--http2", action="store_true", help="run every case over HTTP/2 (h2c, prior knowledge) as well")
     args = ap.parse_args(argv)
     systems = args.systems.split(",")
     bad = [s for s in systems if s not in SYSTEMS]
@@ -663,7 +738,7 @@ def main(argv=None) -> int:
         return code
     stop_signals_interrupt()
     this_run = Run("conformance", "bench.conformance", argv)
-    results = run_suite(systems, Path(args.inband).resolve())
+    results = run_suite(systems, Path(args.inband).resolve(), http2=args.http2)
     record = this_run.record(results, inband=Path(args.inband), tools={"nginx": ["nginx", "-v"], "varnish": ["varnishd", "-V"]},
                         cases=[c.id for c in CASES])
     write_results(args.results, record, render(record))

@@ -24,6 +24,9 @@ over the same TLS, no proxy and no cache. Each cache is filled first
 
 Medians of the rounds; ratios to nginx and to the limit; CPU per
 request of each system's own processes (utime + stime of its session).
+Before each measurement it waits out builds and bench.forwarding (as
+bench.proxy does, at most --wait-quiet seconds over the whole run) and
+records what it found.
 Prints Markdown tables and writes the record (results.json) and its
 tables (results.md) into --results (default bench/results/frontdoor).
 Everything it starts is stopped at the end, on Ctrl-C too. See
@@ -51,7 +54,7 @@ from .lib.procs import Procs, stop_signals_interrupt, wait_until
 from .lib.results import REPO, Run, default_dir, provenance
 from .lib.results import write as write_results
 from .lib.tools import parse_wrk
-from .proxy import HOST, WRK_LUA, free_port
+from .proxy import HOST, WRK_LUA, free_port, wait_quiet
 
 CAPACITY = 1 << 30  # far above the data set: nothing is evicted
 
@@ -213,9 +216,19 @@ class Bench:
         weights = [1 / k ** p.zipf for k in range(1, p.objects + 1)]
         paths = rng.choices(range(1, p.objects + 1), weights, k=20000)
         self.paths = [f"/obj/{k}" for k in paths]
+        self.wait_budget_s = args.wait_quiet  # for all waits of the run together
+        self.quiet: set[str] = set()  # what the waits found
 
     def log(self, msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    def settle(self) -> None:
+        if self.wait_budget_s <= 0:
+            self.quiet.add("not waited for (--wait-quiet 0)" if self.args.wait_quiet <= 0 else "not waited for (the --wait-quiet time was used up)")
+            return
+        t0 = time.monotonic()
+        self.quiet.add(wait_quiet(self.wait_budget_s, self.log, hold_s=2))
+        self.wait_budget_s -= time.monotonic() - t0
 
     def url(self, s: System) -> str:
         return f"https://{HOST}:{self.ports[s.key]}"
@@ -380,6 +393,8 @@ def markdown(r: dict) -> str:
                      f"{ratio(s['https_rps'], limit.get('https_rps'))} | {s['https_p99_ms']:.2f} | {s['https_cpu_us']:.1f} | "
                      f"{s['h2_rps']:.0f} | {ratio(s['h2_rps'], nginx.get('h2_rps'))} | {ratio(s['h2_rps'], limit.get('h2_rps'))} | "
                      f"{s['h2_mean_ms']:.2f} | {s['h2_cpu_us']:.1f} | {s['errors']} |")
+    if r.get("quiet"):
+        lines += ["", f"Before each measurement: {'; '.join(r['quiet'])}."]
     return "\n".join(lines) + "\n"
 
 
@@ -398,6 +413,10 @@ def main(argv=None) -> int:
     ap.add_argument("--systems", default=",".join(BY_KEY), help="comma-separated subset of " + ", ".join(BY_KEY))
     ap.add_argument("--rounds", type=int, help="interleaved rounds (default 3)")
     ap.add_argument("--seconds", type=int, help="per measurement (default 5)")
+    ap.add_argument(
+        "--wait-quiet", type=float, default=600,
+        help="seconds to wait at most, over the whole run, for builds and bench.forwarding to end before each measurement (0: do not wait)",
+    )  # fmt: skip
     ap.add_argument("--inband", default=str(REPO / "target" / "debug" / "inband"))
     args = ap.parse_args(argv)
     bad = set(args.systems.split(",")) - set(BY_KEY)
@@ -426,15 +445,19 @@ def main(argv=None) -> int:
             for s in systems:
                 bench.log(f"round {rnd + 1}/{p.rounds}: {s.label}")
                 c = cells[s.key]
+                bench.settle()
                 c.full_hs.append(bench.handshakes(s, resumed=False)[0])
+                bench.settle()
                 rate, share = bench.handshakes(s, resumed=True)
                 c.resumed_hs.append(rate)
                 c.resumed_share.append(share)
+                bench.settle()
                 c.https.append(bench.https(s))
+                bench.settle()
                 c.h2.append(bench.h2(s))
     finally:
         bench.teardown()
-    rows = {"profile": asdict(p), "cells": [asdict(c) for c in cells.values()]}
+    rows = {"profile": asdict(p), "cells": [asdict(c) for c in cells.values()], "quiet": sorted(bench.quiet)}
     record = this_run.record(rows, profile=profiles.as_json(name, p), inband=Path(args.inband), tools=TOOLS)
     md = render(record)
     write_results(args.results, record, md)

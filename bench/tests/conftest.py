@@ -16,7 +16,7 @@ GROUPS = (
     {"test_regimes.py::test_tiny_grid_end_to_end": 105, "test_forwarding.py::test_tiny_profile_end_to_end": 48,
      "test_resilience.py::test_tiny_profile_end_to_end": 47},
     {"test_paper_tiny.py::test_tiny_profile_end_to_end": 98, "test_health.py::test_quick_profile_end_to_end": 80,
-     "test_conformance.py::test_inband_passes_every_case": 16},
+     "test_conformance.py::test_inband_passes_every_case": 32},
 )
 GROUP_OF = {test: g for g, tests in enumerate(GROUPS) for test in tests}
 SECONDS = {test: s for tests in GROUPS for test, s in tests.items()}

@@ -70,6 +70,12 @@ def test_render_from_a_made_up_record():
     assert rows["nginx proxy_cache"][1] == "did not run: RuntimeError: gone"
     assert rows["squid (published)"][1:] == ["4/4", "1/1", "1/1", "4/4", "1/1"]
     assert "## Required tests inband proxy (LMDB) does not pass (4)" in md
+    record["rows"]["systems"]["inband" + ct.H2] = {"results": {i: True for i in RESULTS}, "alpn": {"h2": 3, "http/1.1": 1}}
+    md = ct.render(record)
+    rows = {r[0]: r for r in table_rows(md, "| system |")}
+    assert rows["inband proxy (LMDB), HTTP/2 (TLS)"][1:] == ["4/4", "1/1", "1/1", "4/4", "1/1"]
+    assert "inband proxy (LMDB), HTTP/2 (TLS): the client's connections by the protocol ALPN chose: h2 3, http/1.1 1." in md
+    assert "## Required tests inband proxy (LMDB), HTTP/2 (TLS) does not pass (0)" in md
 
 
 def test_the_committed_record_renders_with_every_system():
@@ -81,3 +87,7 @@ def test_the_committed_record_renders_with_every_system():
         assert name in rows, name
     required, total = rows["inband proxy (LMDB)"][1].split("/")
     assert int(total) == 160 and int(required) >= 154
+    # Over HTTP/2 as well, and every connection of that run did speak h2.
+    assert rows["inband proxy (LMDB), HTTP/2 (TLS)"][1:] == rows["inband proxy (LMDB)"][1:]
+    alpn = record["rows"]["systems"]["inband" + ct.H2]["alpn"]
+    assert set(alpn) == {"h2"} and alpn["h2"] > 0, alpn

@@ -39,8 +39,8 @@ def test_tables_give_ratios_to_nginx_and_the_limit():
 @pytest.mark.skipif(not all(shutil.which(t) for t in ("nginx", "haproxy", "h2load", "openssl", "wrk")) or not INBAND.exists(),
                     reason="needs nginx, haproxy, h2load, openssl, wrk and a built inband")
 def test_quick_profile_end_to_end(tmp_path):
-    cp = subprocess.run([sys.executable, "-m", "bench.frontdoor", "--quick", "--out", str(tmp_path / "out"), "--results", str(tmp_path / "res"),
-                         "--inband", str(INBAND)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    cp = subprocess.run([sys.executable, "-m", "bench.frontdoor", "--quick", "--wait-quiet", "0", "--out", str(tmp_path / "out"),
+                         "--results", str(tmp_path / "res"), "--inband", str(INBAND)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert cp.returncode == 0, cp.stdout[-2000:] + cp.stderr[-2000:]
     cells = {c["key"]: frontdoor.summary(c) for c in json.loads((tmp_path / "res" / "results.json").read_text())["rows"]["cells"]}
     assert set(cells) == {"inband", "nginx", "haproxy", "static"}
@@ -51,6 +51,7 @@ def test_quick_profile_end_to_end(tmp_path):
         assert s["resumed_share"] == 1.0 and s["resumes"], (key, s)
         assert s["errors"] == 0, (key, s)
     assert "| system | HTTPS req/s |" in cp.stdout
+    assert "Before each measurement: not waited for (--wait-quiet 0)." in cp.stdout
     # Nothing it started is left running (every system's argv names its
     # config under --out).
     assert str(tmp_path) not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout

@@ -40,7 +40,7 @@ struct Line {
     upstream: Option<Arc<Backend>>,
     head_ms: f64,
     bytes: u64,
-    _guard: RequestGuard,
+    guard: RequestGuard,
 }
 
 impl Tracked {
@@ -54,7 +54,7 @@ impl Tracked {
         counter: Counter,
     ) -> Tracked {
         let head_ms = req.start.elapsed().as_secs_f64() * 1e3;
-        Tracked { inner, log: Some(Line { req, status, cache, upstream, head_ms, bytes: 0, _guard: guard }), counter }
+        Tracked { inner, log: Some(Line { req, status, cache, upstream, head_ms, bytes: 0, guard }), counter }
     }
 
     fn finish(&mut self, complete: bool) {
@@ -73,6 +73,9 @@ impl Body for Tracked {
     type Error = BoxError;
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(l) = &mut self.log {
+            l.guard.waiting_for_client(false);
+        }
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         match &polled {
             Poll::Ready(Some(Ok(f))) => {
@@ -81,6 +84,9 @@ impl Body for Tracked {
                     self.counter.inc_by(n);
                     if let Some(l) = &mut self.log {
                         l.bytes += n;
+                        // hyper asks for the next chunk once the client's
+                        // window has room for this one (conn.rs).
+                        l.guard.waiting_for_client(n > 0);
                     }
                 }
             }

@@ -263,6 +263,9 @@ fn not_modified(req: &HeaderMap, resp: &HeaderMap) -> bool {
     }
 }
 
+/// The trips to the origin are boxed: inline, their state would make every
+/// request's future, a hit's too, several kilobytes that hyper moves
+/// around (into the HTTP/2 stream's task, for one) before it is polled.
 async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, route: &Arc<Route>, parts: request::Parts, key: &[u8]) -> Result<Response<ProxyBody>, Refusal> {
     // RFC 9111 §5.2.1.7: a stored response (fresh, or within the request's
     // max-stale, as the library decides) or 504, never the origin.
@@ -294,7 +297,7 @@ async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, route: &Arc<Ro
             }
             BeforeRequest::Stale { request, matches: true } => {
                 let fallback = (unix_ms(now) < stored.sie_until_ms).then(|| (stored.head(), body));
-                let result = revalidate(shared, cache, route, &parts, &stored, request, key).await;
+                let result = Box::pin(revalidate(shared, cache, route, &parts, &stored, request, key)).await;
                 let failed = match &result {
                     Ok(resp) => resp.status().is_server_error(),
                     Err(_) => true,
@@ -329,7 +332,7 @@ async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, route: &Arc<Ro
             }
             // The leader's response was not shareable (or not for this
             // variant): fetch our own.
-            fetch(shared, cache, route, &parts, key, None, Outcome::Miss).await
+            Box::pin(fetch(shared, cache, route, &parts, key, None, Outcome::Miss)).await
         }
         Turn::Lead(leader) => {
             // A leader that finished between our lookup and join has
@@ -347,7 +350,7 @@ async fn lookup_or_fetch(shared: &Arc<Shared>, cache: &HttpCache, route: &Arc<Ro
                     return Ok(cached(stored.head(), cache.response_body(body), Outcome::Hit));
                 }
             }
-            fetch(shared, cache, route, &parts, key, Some(leader), Outcome::Miss).await
+            Box::pin(fetch(shared, cache, route, &parts, key, Some(leader), Outcome::Miss)).await
         }
     }
 }

@@ -100,6 +100,9 @@ pub struct Config {
     /// Per client (an IPv4 address or an IPv6 /64).
     #[serde(default)]
     pub client_limits: ClientLimitsConfig,
+    /// HTTP/2 from clients.
+    #[serde(default)]
+    pub client_http2: ClientHttp2Config,
     /// HTTP/1.1 `Upgrade` (WebSocket) tunnels.
     #[serde(default)]
     pub upgrade: UpgradeConfig,
@@ -240,6 +243,35 @@ impl Default for UpgradeConfig {
     fn default() -> Self {
         UpgradeConfig { protocols: default_upgrade_protocols(), idle_timeout_ms: None }
     }
+}
+
+/// `[client_http2]`: the limits on one client's HTTP/2 connection
+/// (http2_guard.rs says which h2 keeps itself).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientHttp2Config {
+    /// Streams a client may have open at once on one connection (the
+    /// SETTINGS_MAX_CONCURRENT_STREAMS it is sent); more are refused.
+    #[serde(default = "default_http2_max_concurrent_streams")]
+    pub max_concurrent_streams: u32,
+    /// PING, SETTINGS, RST_STREAM and PRIORITY frames a client may send in
+    /// a second on one connection; more end it. 0: no limit.
+    #[serde(default = "default_http2_control_frames_per_s")]
+    pub control_frames_per_s: u32,
+}
+
+impl Default for ClientHttp2Config {
+    fn default() -> Self {
+        ClientHttp2Config { max_concurrent_streams: default_http2_max_concurrent_streams(), control_frames_per_s: default_http2_control_frames_per_s() }
+    }
+}
+
+// nginx's http2_max_concurrent_streams.
+fn default_http2_max_concurrent_streams() -> u32 {
+    128
+}
+fn default_http2_control_frames_per_s() -> u32 {
+    100
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -608,6 +640,9 @@ pub fn check(raw: Config) -> Result<Checked> {
     }
     if let Some(b) = limits.burst.filter(|b| !(b.is_finite() && *b >= 1.0)) {
         note(&mut problems, Err(anyhow::anyhow!("client_limits.burst = {b} must be at least 1 (a client may always send one request)")));
+    }
+    if raw.client_http2.max_concurrent_streams == 0 {
+        note(&mut problems, Err(anyhow::anyhow!("client_http2.max_concurrent_streams = 0 would refuse every HTTP/2 request")));
     }
     if raw.tls.as_ref().is_some_and(|t| t.certificate.is_empty()) {
         note(&mut problems, Err(anyhow::anyhow!("tls needs at least one [[tls.certificate]] with cert and key files")));

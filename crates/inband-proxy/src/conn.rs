@@ -14,7 +14,14 @@
 //! - `idle_timeout_ms`, between a finished response and the next request's
 //!   first byte on a keep-alive connection: a silent close;
 //! - `send_timeout_ms`, how long a response write may wait for the client
-//!   to read: the connection is closed.
+//!   to read: the connection is closed. Over HTTP/2 a client that stops
+//!   reading need not fill the socket: it leaves its flow-control window
+//!   shut, and hyper stops pulling the response body instead of writing.
+//!   So the body (access.rs) says when it has handed hyper a chunk and not
+//!   been asked for the next, and that wait counts as a blocked write.
+//!   With several such responses on a connection the clock runs from
+//!   when the first began waiting or, if later, when one was last taken
+//!   up: a client that keeps reading one keeps the connection.
 //!
 //! The request body keeps its own `client_body_timeout_ms` (server.rs).
 
@@ -84,6 +91,11 @@ pub struct State {
     kept_alive: AtomicBool,
     /// When a write found the socket full; NONE while writes go through.
     write_blocked: AtomicU64,
+    /// HTTP/2 responses waiting for the client's window ([`RequestGuard::waiting_for_client`]).
+    stalled: AtomicU32,
+    /// When the first of them began waiting or, if later, one was taken
+    /// up; NONE while none waits.
+    stalled_since: AtomicU64,
     /// The client opened with the HTTP/2 preface: no HTTP/1 408 for it.
     http2: AtomicBool,
     /// TLS runs over the socket: a plaintext 408 would be garbage to the
@@ -112,6 +124,8 @@ impl State {
             first_byte: AtomicU64::new(NONE),
             kept_alive: AtomicBool::new(false),
             write_blocked: AtomicU64::new(NONE),
+            stalled: AtomicU32::new(0),
+            stalled_since: AtomicU64::new(NONE),
             http2: AtomicBool::new(false),
             encrypted,
             sniffed: AtomicBool::new(false),
@@ -133,12 +147,14 @@ impl State {
 
     /// A request head arrived; the guard ends it when its response has been
     /// sent (or abandoned).
-    pub fn begin_request(self: &Arc<State>) -> RequestGuard {
+    /// `http2`: the request came over HTTP/2, where its response can
+    /// wait for the client's window.
+    pub fn begin_request(self: &Arc<State>, http2: bool) -> RequestGuard {
         self.active.fetch_add(1, Ordering::AcqRel);
         if self.now() + ms(self.t.send) < self.armed.load(Ordering::Acquire) {
             self.changed.notify_one();
         }
-        RequestGuard(self.clone())
+        RequestGuard { state: self.clone(), http2, waiting: false }
     }
 
     pub fn open_tunnel(&self, t: crate::upgrade::Pending) {
@@ -153,7 +169,8 @@ impl State {
     fn deadline(&self) -> (u64, Expiry) {
         let t = &self.t;
         if self.active.load(Ordering::Acquire) > 0 {
-            return match self.write_blocked.load(Ordering::Acquire) {
+            let blocked = self.write_blocked.load(Ordering::Acquire).min(self.stalled_since.load(Ordering::Acquire));
+            return match blocked {
                 NONE => (self.now() + ms(t.send), Expiry::Send),
                 since => (since.saturating_add(ms(t.send)), Expiry::Send),
             };
@@ -182,11 +199,39 @@ impl State {
 }
 
 /// Held while a request's response is being produced and sent.
-pub struct RequestGuard(Arc<State>);
+pub struct RequestGuard {
+    state: Arc<State>,
+    http2: bool,
+    waiting: bool,
+}
+
+impl RequestGuard {
+    /// The response has a chunk out that the connection has not taken up
+    /// (`true`), or is asked for more (`false`). The watchdog never needs
+    /// an early wake for it: one armed during a request comes no later
+    /// than a send timeout from when it began.
+    pub fn waiting_for_client(&mut self, waiting: bool) {
+        if !self.http2 || self.waiting == waiting {
+            return;
+        }
+        self.waiting = waiting;
+        let s = &self.state;
+        if waiting {
+            if s.stalled.fetch_add(1, Ordering::AcqRel) == 0 {
+                s.stalled_since.store(s.now(), Ordering::Release);
+            }
+        } else if s.stalled.fetch_sub(1, Ordering::AcqRel) == 1 {
+            s.stalled_since.store(NONE, Ordering::Release);
+        } else {
+            s.stalled_since.store(s.now(), Ordering::Release);
+        }
+    }
+}
 
 impl Drop for RequestGuard {
     fn drop(&mut self) {
-        let s = &self.0;
+        self.waiting_for_client(false);
+        let s = &self.state;
         if s.active.fetch_sub(1, Ordering::AcqRel) == 1 {
             let now = s.now();
             s.first_byte.store(NONE, Ordering::Release);

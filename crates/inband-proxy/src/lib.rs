@@ -19,6 +19,7 @@ mod compression;
 pub mod config;
 mod conn;
 mod forward;
+mod http2_guard;
 pub mod health;
 mod metrics;
 mod policy;

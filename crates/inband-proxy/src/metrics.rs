@@ -13,6 +13,7 @@ use prometheus_client::registry::Registry;
 use crate::backend::Backend;
 use crate::cache_outcome::Outcome;
 use crate::conn::Expiry;
+use crate::http2_guard::Abuse;
 use crate::upgrade::{Close, Upgrade};
 
 pub(crate) type Labels = Vec<(&'static str, String)>;
@@ -116,6 +117,7 @@ pub struct Metrics {
     tls_reloads: Family<Labels, Counter>,
     tls_expiry: Family<Labels, Gauge>,
     connection_timeouts: Family<Labels, Counter>,
+    http2_abuse: [Counter; Abuse::ALL.len()],
     upgrades: [Counter; Upgrade::ALL.len()],
     pub tunnels_open: Gauge,
     tunnel_closes: [Counter; Close::ALL.len()],
@@ -220,6 +222,13 @@ impl Metrics {
         for e in [Expiry::Header, Expiry::Idle, Expiry::Send] {
             let _ = connection_timeouts.get_or_create(&vec![("kind", e.label().to_string())]);
         }
+        let http2_abuse = Family::<Labels, Counter>::default();
+        registry.register(
+            "http2_abuse",
+            "HTTP/2 client connections ended for abuse, by kind: ping, settings, reset, priority (floods over client_http2.control_frames_per_s or h2's limit on resets), continuation, header_list, stream_errors, small_data, other (h2's ENHANCE_YOUR_CALM limits)",
+            http2_abuse.clone(),
+        );
+        let http2_abuse = Abuse::ALL.map(|a| http2_abuse.get_or_create(&vec![("kind", a.label().to_string())]).clone());
         let upgrades = Family::<Labels, Counter>::default();
         let tunnels_open = Gauge::default();
         let tunnel_closes = Family::<Labels, Counter>::default();
@@ -266,6 +275,7 @@ impl Metrics {
             tls_reloads,
             tls_expiry,
             connection_timeouts,
+            http2_abuse,
             upgrades,
             tunnels_open,
             tunnel_closes,
@@ -299,6 +309,10 @@ impl Metrics {
         if e == Expiry::Header {
             self.by_class[3].inc();
         }
+    }
+
+    pub fn http2_abuse(&self, a: Abuse) {
+        self.http2_abuse[Abuse::ALL.iter().position(|x| *x == a).expect("ALL has every kind")].inc();
     }
 
     pub fn upgrade(&self, u: Upgrade) {

@@ -20,6 +20,7 @@ use crate::body::{full, BoxError, ProxyBody};
 use crate::cache_outcome::Outcome;
 use crate::client_limits::{ClientSlot, Refused};
 use crate::conn::{self, State};
+use crate::http2_guard::{Guarded, Verdict};
 use crate::metrics::Refusal;
 use crate::routes::Route;
 use crate::tunnel::{self, Offer};
@@ -184,7 +185,9 @@ pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accep
     let max_head = shared.cfg.raw.max_header_bytes;
     // The header timeout is conn.rs's, from accept and with a 408.
     builder.http1().timer(TokioTimer::new()).header_read_timeout(None).max_buf_size(max_head);
-    builder.http2().timer(TokioTimer::new()).max_header_list_size(max_head as u32);
+    let h2 = &shared.cfg.raw.client_http2;
+    builder.http2().timer(TokioTimer::new()).max_header_list_size(max_head as u32).max_concurrent_streams(h2.max_concurrent_streams);
+    let control_frames_per_s = h2.control_frames_per_s;
     let builder = Arc::new(builder);
     loop {
         let Accepted { stream, peer, permit, client, tls } = tokio::select! {
@@ -218,11 +221,12 @@ pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accep
             // The handshake runs under the connection's clocks like a
             // request head, and outside the graceful watcher, which needs
             // a hyper connection: shutdown does not wait for handshakes.
+            let verdict = Arc::new(Verdict::default());
             let conn = async {
                 match s.tls.as_ref().filter(|_| tls) {
-                    None => watcher.watch(builder.serve_connection_with_upgrades(TokioIo::new(io), service)).await,
+                    None => watcher.watch(builder.serve_connection_with_upgrades(TokioIo::new(Guarded::new(io, control_frames_per_s, verdict.clone())), service)).await,
                     Some(t) => match t.acceptor.accept(io).await {
-                        Ok(io) => watcher.watch(builder.serve_connection_with_upgrades(TokioIo::new(io), service)).await,
+                        Ok(io) => watcher.watch(builder.serve_connection_with_upgrades(TokioIo::new(Guarded::new(io, control_frames_per_s, verdict.clone())), service)).await,
                         Err(e) => {
                             s.metrics.tls_handshake_error();
                             tracing::debug!(client = %peer, error = %e, "TLS handshake failed");
@@ -245,7 +249,13 @@ pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accep
                         ends = tunnel::run(t, &s, peer).await;
                     }
                 }
-                Ok(Err(e)) => connection_error(&s, peer, e),
+                Ok(Err(e)) => match verdict.get() {
+                    Some(a) => {
+                        s.metrics.http2_abuse(a);
+                        tracing::info!(client = %peer, kind = a.label(), error = %e, "HTTP/2 connection ended for abuse");
+                    }
+                    None => connection_error(&s, peer, e),
+                },
                 Err(expiry) => {
                     s.metrics.connection_timeout(expiry);
                     tracing::debug!(client = %peer, timeout = expiry.label(), "connection closed by a timeout");
@@ -287,9 +297,9 @@ async fn handle(
     https: bool,
     conn: Arc<State>,
     client: Arc<ClientSlot>,
-) -> Result<Response<ProxyBody>, Infallible> {
+) -> Result<Response<access::Tracked>, Infallible> {
     crate::probe::request_in();
-    let guard = conn.begin_request();
+    let guard = conn.begin_request(req.version() == http::Version::HTTP_2);
     let info = access::Request { client: peer, method: req.method().clone(), uri: req.uri().clone(), start: Instant::now() };
     let mut resp = if client.request() {
         respond(&shared, req, peer, https, &conn).await
@@ -306,7 +316,8 @@ async fn handle(
     let upstream = resp.extensions().get::<crate::backend::Upstream>().map(|u| u.0.clone());
     let counter = shared.metrics.response_bytes.clone();
     crate::probe::response_out();
-    Ok(resp.map(|b| access::Tracked::new(b, info, status, cache, upstream, guard, counter).boxed()))
+    // Not boxed again: hyper takes the body type as it is.
+    Ok(resp.map(|b| access::Tracked::new(b, info, status, cache, upstream, guard, counter)))
 }
 
 async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr, https: bool, conn: &State) -> Response<ProxyBody> {
@@ -347,7 +358,7 @@ async fn respond(shared: &Arc<Shared>, req: Request<Incoming>, peer: SocketAddr,
     };
     shared.metrics.request_bytes.inc_by(body.len() as u64);
     if parts.method.as_str() == "PURGE" {
-        return purge(shared, &parts, peer).await;
+        return Box::pin(purge(shared, &parts, peer)).await;
     }
     let Some(route) = shared.router.choose(parts.headers.get(header::HOST), parts.uri.path()) else {
         return refuse(shared, Refusal::NoRoute);
@@ -388,7 +399,7 @@ async fn forward_on(
     match upgrade {
         // Past the cache: a 101 is for this connection alone.
         Some((Offer::Allowed(offered), on)) => {
-            return tunnel::forward(shared, &route.pool, parts, body, &key, (offered, on), conn).await;
+            return Box::pin(tunnel::forward(shared, &route.pool, parts, body, &key, (offered, on), conn)).await;
         }
         Some((Offer::NotAllowed, _)) => shared.metrics.upgrade(Upgrade::NotAllowed),
         Some((Offer::None, _)) | None => {}
@@ -398,11 +409,11 @@ async fn forward_on(
     match cache {
         Some(cache) if cache_layer::applies(&parts) => cache_layer::serve(shared, cache, route, parts, &key).await,
         _ => {
-            let sent = forward::send(shared, &route.pool, &parts, body, &key).await;
+            let sent = Box::pin(forward::send(shared, &route.pool, &parts, body, &key)).await;
             if let (Some(cache), Ok(resp)) = (cache, &sent) {
                 let ok = resp.status().is_success() || resp.status().is_redirection();
                 if ok && cache_layer::invalidates(&parts.method) {
-                    if let Err(e) = cache.invalidate(&parts).await {
+                    if let Err(e) = Box::pin(cache.invalidate(&parts)).await {
                         tracing::warn!(error = %e, "cache invalidation failed");
                     }
                 }

@@ -12,6 +12,7 @@ mod balancing;
 mod cache;
 mod client_limits;
 mod compression;
+mod http2;
 mod ranges;
 mod routes;
 mod scores;
