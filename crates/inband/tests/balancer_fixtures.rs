@@ -1167,20 +1167,23 @@ fn a_removed_vip_keeps_its_flows_and_refuses_new_connections() {
 
 /// The SNAT port candidates of client `c` under the fixtures' SNAT key
 /// ([1, 2]), as nat.h derives them: SipHash-2-4 of the client side, then
+/// lb/common.h's mix32 (the murmur3 finaliser), which spreads a SNAT
+/// port's candidates.
+fn mix32(mut x: u32) -> u32 {
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x85eb_ca6b);
+    x ^= x >> 13;
+    x = x.wrapping_mul(0xc2b2_ae35);
+    x ^ (x >> 16)
+}
+
 /// one mixed port per try.
 fn candidates(c: SocketAddr) -> Vec<u16> {
     let mut key = [0u8; 16];
     key[..8].copy_from_slice(&1u64.to_le_bytes());
     key[8..].copy_from_slice(&2u64.to_le_bytes());
     let h = Key(key).siphash(flow_key(c).as_bytes());
-    let mix = |mut x: u32| {
-        x ^= x >> 16;
-        x = x.wrapping_mul(0x85eb_ca6b);
-        x ^= x >> 13;
-        x = x.wrapping_mul(0xc2b2_ae35);
-        x ^ (x >> 16)
-    };
-    (0..16u32).map(|i| (1024 + (mix((h as u32).wrapping_add(i.wrapping_mul(0x9e37_79b9))) ^ (h >> 32) as u32) % 31744) as u16).collect()
+    (0..16u32).map(|i| (1024 + (mix32((h as u32).wrapping_add(i.wrapping_mul(0x9e37_79b9))) ^ (h >> 32) as u32) % 31744) as u16).collect()
 }
 
 #[test]
@@ -4134,15 +4137,8 @@ fn fleet_tuple(c: SocketAddr, key: [u64; 2]) -> SocketAddr {
     k[..8].copy_from_slice(&key[0].to_le_bytes());
     k[8..].copy_from_slice(&key[1].to_le_bytes());
     let h = Key(k).siphash(flow_key(c).as_bytes());
-    let mix = |mut x: u32| {
-        x ^= x >> 16;
-        x = x.wrapping_mul(0x85eb_ca6b);
-        x ^= x >> 13;
-        x = x.wrapping_mul(0xc2b2_ae35);
-        x ^ (x >> 16)
-    };
     let suffix = ((h >> 32) as u32).max(1);
-    let port = (1024 + (mix(h as u32) ^ (h >> 32) as u32) % 31744) as u16;
+    let port = (1024 + (mix32(h as u32) ^ (h >> 32) as u32) % 31744) as u16;
     SocketAddr::new(IpAddr::V6(Ipv6Addr::from(u128::from(FLEET_PREFIX) | u128::from(suffix))), port)
 }
 

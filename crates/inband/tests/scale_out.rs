@@ -692,14 +692,7 @@ fn an_instance_host_crash_breaks_only_its_own_connections() {
         };
         std::thread::sleep(Duration::from_secs(1));
         farm.route(&[2, 3], false);
-        let want = format!("200 {BODY}");
-        let broken: Vec<u16> = dls
-            .into_iter()
-            .filter_map(|(port, d)| {
-                let o = d.wait_with_output().unwrap();
-                (String::from_utf8_lossy(&o.stdout) != want).then_some(port)
-            })
-            .collect();
+        let broken = broken(dls);
         let survivors_broken: Vec<&u16> = broken.iter().filter(|p| !held.contains(p)).collect();
         eprintln!(
             "{form}: b1 held {} of {DOWNLOADS}, {} broke; chained packets delivered by b2+b3: {}",
@@ -755,14 +748,7 @@ fn an_instance_host_crash_keeps_its_maglev_connections_with_fleet_tuples() {
         let echo_cfg = farm.dir.join("router-echo.toml");
         std::fs::write(&echo_cfg, format!("liveness = \"echo\"\n{}", std::fs::read_to_string(&farm.router_cfg).unwrap())).unwrap();
         run_ok(&farm.tb, "r1", &[BIN, "shadow", "route", "--config", echo_cfg.to_str().unwrap(), "--up", "b2,b3"]);
-        let want = format!("200 {BODY}");
-        let broken: Vec<u16> = dls
-            .into_iter()
-            .filter_map(|(port, d)| {
-                let o = d.wait_with_output().unwrap();
-                (String::from_utf8_lossy(&o.stdout) != want).then_some(port)
-            })
-            .collect();
+        let broken = broken(dls);
         let adopted = farm.event(2, "adopted_maglev") + farm.event(3, "adopted_maglev");
         eprintln!("fleet {fleet}: b1 held {} of {DOWNLOADS}, {} broke, b2+b3 adopted {adopted}", held.len(), broken.len());
         if fleet {
@@ -790,4 +776,15 @@ fn an_instance_config_without_an_ipv6_address_is_refused() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("[scale_out]: chained packets leave in IPv6 from the balancer's own address: set `address6`"), "{err}");
+}
+
+/// The client ports of the downloads that did not end whole.
+fn broken(dls: Vec<(u16, std::process::Child)>) -> Vec<u16> {
+    let want = format!("200 {BODY}");
+    dls.into_iter()
+        .filter_map(|(port, d)| {
+            let o = d.wait_with_output().unwrap();
+            (String::from_utf8_lossy(&o.stdout) != want).then_some(port)
+        })
+        .collect()
 }
