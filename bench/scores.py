@@ -46,15 +46,15 @@ from .lib.testbed import TestbedRun, alive, new_auth_key
 from .lib.tools import WRK_SUMMARY_LUA, parse_wrk
 
 # Each run's proxy: its policy and [scores] busy_margin. least-score with
-# 0 is a control: two choices among every backend and no hedging, what the
-# ranking alone gives.
+# 0 is a control: plain two choices and no hedging, what the ranking alone
+# gives.
 # The floor: the same bursts sent to a fourth server outside the pool, so
 # the machine's CPUs carry the same load but no request can meet a burst:
 # the p99 no placement can go below on this machine (least-request there).
 RUNS = {"least-score": ("least-score", 4), "least-score-unhedged": ("least-score", 0), "least-request": ("least-request", 0),
         "round-robin": ("round-robin", 0), "floor": ("least-request", 0)}  # fmt: skip
 POLICIES = tuple(RUNS)
-LABELS = {"least-score-unhedged": "`least-score`, `busy_margin = 0` (two choices among all, no hedging)", "floor": "floor: the bursts on a server outside the pool"}
+LABELS = {"least-score-unhedged": "`least-score`, `busy_margin = 0` (plain two choices, no hedging)", "floor": "floor: the bursts on a server outside the pool"}
 # The server outside the pool, which takes the floor run's bursts.
 ELSEWHERE = 4
 SERVICE_PORT = 8080

@@ -41,7 +41,7 @@ def test_render_gives_the_ratio_and_the_verdict():
     assert "busy_margin = 0" not in md
     # The control without hedging: its own row and ratio.
     md = scores.render(record([row("least-score", 0, 7.0, 2, 1), row("least-score-unhedged", 0, 9.0), row("least-request", 0, 10.0)]))
-    assert "| `least-score`, `busy_margin = 0` (two choices among all, no hedging) | 10.0 (10.0–10.0) | 5.0 (5.0–5.0) | 9.0 (9.0–9.0) | 0.40 / 0.40 / 0.20 | 0.00 % (0) | 7 of 10 | 0 |" in md
+    assert "| `least-score`, `busy_margin = 0` (plain two choices, no hedging) | 10.0 (10.0–10.0) | 5.0 (5.0–5.0) | 9.0 (9.0–9.0) | 0.40 / 0.40 / 0.20 | 0.00 % (0) | 7 of 10 | 0 |" in md
     assert "With `busy_margin = 0`: 0.90; mean 0.90." in md
     # The floor: the same bursts outside the pool.
     md = scores.render(record([row("least-score", 0, 7.0), row("least-request", 0, 10.0), row("floor", 0, 6.0)]))

@@ -135,9 +135,9 @@ pub struct ScoresConfig {
     #[serde(default = "default_score_stale_after")]
     pub stale_after: u32,
     /// A backend whose ranked load is this many requests above the least
-    /// loaded one's is busy: least-score's two choices are drawn among the
-    /// others (policy.rs), and a GET or HEAD waiting on it is also sent to
-    /// the least loaded (forward.rs, `hedge`); 0: neither.
+    /// loaded one's is busy: a least-score draw landing on it takes the
+    /// least loaded instead (policy.rs), and a GET or HEAD waiting on it is
+    /// also sent to the least loaded (forward.rs, `hedge`); 0: neither.
     #[serde(default = "default_busy_margin")]
     pub busy_margin: u32,
 }

@@ -42,21 +42,23 @@ impl Policy {
             // new requests from every proxy to one backend (the herd a
             // stale signal makes); two random draws cannot herd, and leave
             // only the compared signal different from least-request.
-            // ... drawn among the backends not known to be busy: within
-            // `busy_margin` of the least loaded. With one backend busy the
-            // draw of two among three avoids it anyway, but with two busy at
-            // once (other clients' bursts overlap) a third of the draws
-            // would hold only busy ones; the margin leaves near-equal
-            // backends all in the draw, so it still cannot herd.
+            // ... except that a draw landing on a busy backend (its load
+            // `busy_margin` or more above the least loaded one's) takes the
+            // least loaded instead. With one backend busy the draw never
+            // lands on it (it loses every comparison), but other clients'
+            // bursts overlap: with two of three busy, a third of the draws
+            // hold only busy ones. Draws among backends within the margin
+            // are left as they are, so near-equal ones still share the
+            // requests and the pick still cannot herd.
             PolicyKind::LeastScore => {
                 let now = std::time::Instant::now();
                 let load = |i: usize| backends[i].scored_load(now);
-                let least = (0..n).filter(|&i| eligible(i)).map(load).min()?;
-                let margin = match self.busy_margin {
-                    0 => u64::MAX,
-                    m => u64::from(m),
-                };
-                two_choices(n, |i| eligible(i) && load(i) < least.saturating_add(margin), load)
+                let pick = two_choices(n, &eligible, load)?;
+                if self.busy_margin == 0 {
+                    return Some(pick);
+                }
+                let least = (0..n).filter(|&i| eligible(i)).min_by_key(|&i| load(i))?;
+                Some(if load(pick) >= load(least).saturating_add(u64::from(self.busy_margin)) { least } else { pick })
             }
             // Rendezvous (highest-random-weight) hashing rather than a ring:
             // when a backend is ejected only its own keys move, with no ring
@@ -166,6 +168,32 @@ mod tests {
         for _ in 0..50 {
             assert_eq!(p.pick(&b, |_| true, b""), Some(0));
         }
+    }
+
+    #[test]
+    fn a_draw_of_busy_backends_takes_the_least_loaded_and_near_equal_ones_share() {
+        let b = pool(3);
+        let now = std::time::Instant::now();
+        let valid = std::time::Duration::from_secs(60);
+        // Two of three busy at once (overlapping bursts of other clients).
+        b[0].set_score(12, now, valid);
+        b[1].set_score(12, now, valid);
+        let picks = |margin| {
+            let p = Policy::new(PolicyKind::LeastScore, margin);
+            let mut got = [0; 3];
+            for _ in 0..300 {
+                got[p.pick(&b, |_| true, b"").unwrap()] += 1;
+            }
+            got
+        };
+        assert_eq!(picks(4), [0, 0, 300]);
+        // Plain two choices: the draws of the two busy ones, about a third.
+        let plain = picks(0);
+        assert!(plain[0] + plain[1] >= 50, "{plain:?}");
+        // Within the margin of each other, backends still share.
+        b[1].set_score(1, now, valid);
+        let near = picks(4);
+        assert!(near[0] == 0 && near[1] >= 50 && near[2] >= 50, "{near:?}");
     }
 
     #[test]
