@@ -50,7 +50,10 @@ async fn a_connection_that_sends_nothing_is_closed_at_the_header_timeout() {
 #[tokio::test]
 async fn a_head_that_never_completes_gets_408_from_accept() {
     let o = Origin::start(|_| ok("x")).await;
-    let p = start_proxy(&[o.addr], "client_header_timeout_ms = 400").await;
+    // 1.5 s: the trickle below (27 bytes, 10 ms apart) must end before it
+    // on a loaded machine too, or the proxy's close breaks the writes
+    // (CI 31 overshot 400 ms).
+    let p = start_proxy(&[o.addr], "client_header_timeout_ms = 1500").await;
     let mut s = TcpStream::connect(p.addr).await.unwrap();
     // Trickled: each byte resets nothing, the bound runs from accept.
     for b in b"GET / HTTP/1.1\r\nHost: x\r\n" {
