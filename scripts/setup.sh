@@ -14,6 +14,7 @@ APT_PACKAGES=(
   librocksdb-dev  # inband-cache links it instead of building RocksDB (.cargo/config.toml)
   nginx varnish  # peers of `inband proxy` in bench/proxy.py, run only with the benchmark's own configs
   nghttp2-client  # h2load: HTTP/2 hits in bench/frontdoor.py
+  openssl  # the proxy's TLS tests: s_client (SNI, ALPN, resumption, OCSP) and the test CA, OCSP responses
   cmake g++  # build HiGHS, the weights controller's ILP solver (highs-sys, once per target dir)
   bird2  # BGP between the ECMP testbed's router and the balancer instances, run with the testbed's own configs
   prometheus  # crates/inband/tests/dashboard.rs scrapes a testbed to check deploy/grafana/inband.json's queries, with its own config
