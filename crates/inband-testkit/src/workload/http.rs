@@ -153,13 +153,13 @@ fn serve_connection(mut stream: TcpStream, st: &Shared) -> std::io::Result<()> {
             let body = serde_json::to_vec(&st.stats()).unwrap_or_default();
             respond(&mut stream, st, 200, &body, keep, head_only)?;
         } else {
-            let Some(slot) = st.capacity.admit() else {
+            let started = st.capacity.started;
+            let admitted = st.capacity.admit(|start| st.model.service_time(start - started, &mut rand::thread_rng()));
+            let Some(admitted) = admitted else {
                 st.rejected.fetch_add(1, Ordering::Relaxed);
                 return respond(&mut stream, st, 503, b"", false, head_only);
             };
-            let t = st.model.service_time(st.capacity.started.elapsed(), &mut rand::thread_rng());
-            std::thread::sleep(t);
-            drop(slot);
+            std::thread::sleep(admitted.end.saturating_duration_since(std::time::Instant::now()));
             st.served.fetch_add(1, Ordering::Relaxed);
             respond(&mut stream, st, 200, &st.body, keep, head_only)?;
         }
