@@ -614,7 +614,7 @@ fn shadow_route_survives_down_and_missing_next_hops() {
 /// routing daemon would write them.
 #[test]
 fn follow_rewrites_the_shadow_hops_of_an_instance_that_dies_after_leaving() {
-    let name = format!("x{}f", std::process::id() % 10000);
+    let name = format!("x{}r", std::process::id() % 10000);
     let mut tb = Testbed::up(TestbedSpec { name, clients: 1, servers: 1, subnet: 85, ecmp: true, balancers: 3, ..Default::default() }).expect("testbed");
     let plan = Plan { subnet: hex(85) };
     let vip = format!("{}/128", tb.vip6());
