@@ -99,7 +99,10 @@ async fn partial(shared: &Arc<Shared>, cache: &HttpCache, route: &Arc<Route>, pa
             Ok(ranges::slice(resp, from, to, complete, first))
         }
         _ if cache_control::directive(&parts.headers, "only-if-cached").is_some() => Err(Refusal::NotCached),
-        (stored_part, _) => fetch_range(shared, cache, route, &parts, asked, key, stored_part).await,
+        // Boxed like every trip to the origin here: the forward path's future
+        // is ~19 KB, and held inline it would make every hit's future (from
+        // the connection's down) that large, copied at each await.
+        (stored_part, _) => Box::pin(fetch_range(shared, cache, route, &parts, asked, key, stored_part)).await,
     }
 }
 
