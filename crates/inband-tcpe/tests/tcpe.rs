@@ -389,8 +389,22 @@ fn options_on_real_tcp_and_forged_notifications_refused() {
     assert_eq!((cs.last, cs.accepted), (Some((path, serial)), accepted));
     assert!(cs.repeats > 0, "{cs:?}");
     assert_eq!(tcpe.counter("path_on_data").unwrap(), 0);
-    tcpe.clear(server.as_fd()).unwrap();
+
+    // An IPv6 path on this IPv4 connection: the 28-byte option fills what
+    // the pure ACK's timestamps leave.
+    let path6 = Path { addr: "[2001:db8::77]:443".parse().unwrap(), priority: 15, create: false };
+    bed.enter(&bed.server);
+    hold_acks(server.as_fd()).unwrap();
+    bed.enter(&bed.client);
     client.write_all(b"x").unwrap();
+    server.read_exact(&mut [0u8; 1]).unwrap();
+    let serial6 = tcpe.notify(server.as_fd(), &path6).unwrap();
+    flush_ack(server.as_fd()).unwrap();
+    assert!(wait_for("the IPv6 notification", Duration::from_secs(2), || {
+        tcpe.state(client.as_fd()).unwrap().unwrap().last == Some((path6, serial6))
+    }));
+    tcpe.clear(server.as_fd()).unwrap();
+    client.write_all(b"y").unwrap();
     server.read_exact(&mut [0u8; 1]).unwrap();
 
     // Segments an attacker on the path injects in the window.
@@ -405,23 +419,23 @@ fn options_on_real_tcp_and_forged_notifications_refused() {
         tcpe.state(client.as_fd()).unwrap().unwrap()
     };
     let moved = Path { addr: "10.66.6.6:6666".parse().unwrap(), priority: 1, create: true };
-    let next = serial.wrapping_add(1);
+    let next = serial6.wrapping_add(1);
 
     // A MAC under a guessed key: counted, not exposed.
     let guessed = Keys { active: keys.active, passive: keys.passive ^ 1 };
     let s = to_client(&wire::path_option(&moved, next, &guessed, id, Role::Passive).unwrap());
-    assert_eq!((s.last, s.bad_mac, s.state), (Some((path, serial)), 1, State::Capable));
+    assert_eq!((s.last, s.bad_mac, s.state), (Some((path6, serial6)), 1, State::Capable));
     assert_eq!(tcpe.counter("path_bad_mac").unwrap(), 1);
     // The seed's option, which has no MAC: counted, not exposed.
     let s = to_client(&wire::seed_path_option(&moved).unwrap());
-    assert_eq!(s.last, Some((path, serial)));
+    assert_eq!(s.last, Some((path6, serial6)));
     assert_eq!(tcpe.counter("path_unauthenticated").unwrap(), 1);
     // The same route with the connection's keys is taken: the injection
     // reaches the program, so the refusals above were the MAC's.
     let s = to_client(&wire::path_option(&moved, next, &keys, id, Role::Passive).unwrap());
     assert_eq!(s.last, Some((moved, next)));
-    // A replay of the older notification, genuine MAC and all: stale.
-    let s = to_client(&wire::path_option(&path, serial, &keys, id, Role::Passive).unwrap());
+    // A replay of an older notification, genuine MAC and all: stale.
+    let s = to_client(&wire::path_option(&path6, serial6, &keys, id, Role::Passive).unwrap());
     assert_eq!(s.last, Some((moved, next)));
     assert_eq!(tcpe.counter("path_stale").unwrap(), 1);
     // A notification the client itself would have sent, reflected back.
