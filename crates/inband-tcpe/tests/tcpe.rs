@@ -4,8 +4,9 @@
 //! and their option bytes compared; a notification the server queues
 //! reaches the client's state by the ACK TCP_QUICKACK sends (not the
 //! delayed-ACK timer's), while the stream's bytes go through unchanged;
-//! forged, unauthenticated and replayed notifications, injected as raw
-//! segments in the connection's window, are counted and not exposed.
+//! forged, unauthenticated, malformed, replayed and reflected
+//! notifications, injected as raw segments in the connection's window,
+//! are counted and not exposed.
 //!
 //! Namespaces and the cgroup are named after the test's pid and removed on
 //! every exit path (Drop).
@@ -430,6 +431,17 @@ fn options_on_real_tcp_and_forged_notifications_refused() {
     let s = to_client(&wire::seed_path_option(&moved).unwrap());
     assert_eq!(s.last, Some((path6, serial6)));
     assert_eq!(tcpe.counter("path_unauthenticated").unwrap(), 1);
+    // A path option cut short, and one with reserved flag bits: malformed.
+    let mut cut = wire::path_option(&moved, next, &keys, id, Role::Passive).unwrap();
+    cut.truncate(14);
+    cut[1] = 14;
+    let s = to_client(&cut);
+    assert_eq!(s.last, Some((path6, serial6)));
+    let mut reserved = wire::path_option(&moved, next, &keys, id, Role::Passive).unwrap();
+    reserved[10] |= 0x01;
+    let s = to_client(&reserved);
+    assert_eq!(s.last, Some((path6, serial6)));
+    assert_eq!(tcpe.counter("path_malformed").unwrap(), 2);
     // The same route with the connection's keys is taken: the injection
     // reaches the program, so the refusals above were the MAC's.
     let s = to_client(&wire::path_option(&moved, next, &keys, id, Role::Passive).unwrap());
