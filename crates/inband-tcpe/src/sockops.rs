@@ -44,7 +44,7 @@ pub const COUNTERS: [(&str, &str); c::INBAND_TCPE_COUNTERS as usize] = [
     ("path_bad_mac", "Notifications whose MAC did not verify"),
     ("path_malformed", "Path options of a wrong length or with reserved flags"),
     ("path_unauthenticated", "The seed's path option without MAC"),
-    ("path_not_capable", "Path options on connections without TCPE"),
+    ("path_not_capable", "Path options on a connection whose handshake is not confirmed yet"),
     ("path_on_data", "Path options on segments other than pure ACKs"),
 ];
 

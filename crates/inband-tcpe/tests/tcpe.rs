@@ -453,13 +453,55 @@ fn options_on_real_tcp_and_forged_notifications_refused() {
     // A notification the client itself would have sent, reflected back.
     let s = to_client(&wire::path_option(&path, next.wrapping_add(1), &keys, id, Role::Active).unwrap());
     assert_eq!((s.last, s.bad_mac), (Some((moved, next)), 2));
+    // Two more bad MACs reach the limit: the connection stops taking
+    // notifications, even genuine ones (its options are no longer parsed).
+    let accepted = tcpe.counter("path_accepted").unwrap();
+    for n in 0..2u8 {
+        to_client(&wire::path_option(&path, next.wrapping_add(2 + n), &guessed, id, Role::Passive).unwrap());
+    }
+    let s = to_client(&wire::path_option(&path, next.wrapping_add(4), &keys, id, Role::Passive).unwrap());
+    assert_eq!((s.last, s.bad_mac, s.state), (Some((moved, next)), 4, State::Fallback("fallback_bad_mac_limit")));
+    assert_eq!(tcpe.counter("path_accepted").unwrap(), accepted);
+    client.write_all(b"still a stream").unwrap();
+    let mut got = [0u8; 14];
+    server.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"still a stream");
+
+    // Fallbacks: an offer to a listener that does not answer, and an
+    // answering listener's client that did not offer. Both carry bytes.
+    bed.enter(&bed.server);
+    let plain = TcpListener::bind(SocketAddrV4::new(SERVER, PORT + 1)).unwrap();
+    bed.enter(&bed.client);
+    let cfd = socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+    tcpe.offer(cfd.as_fd()).unwrap();
+    let sa2 = sockaddr(SocketAddrV4::new(SERVER, PORT + 1));
+    // SAFETY: connect on a socket this test owns.
+    check(unsafe { libc::connect(cfd.as_raw_fd(), (&sa2 as *const libc::sockaddr_in).cast(), SIN_LEN) }, "connect");
+    let mut offered = TcpStream::from(cfd);
+    let (mut unaware, _) = plain.accept().unwrap();
+    assert_eq!(tcpe.state(offered.as_fd()).unwrap().unwrap().state, State::Fallback("fallback_not_answered"));
+    assert_eq!(tcpe.state(unaware.as_fd()).unwrap(), None);
+    offered.write_all(b"ping").unwrap();
+    let mut got = [0u8; 4];
+    unaware.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"ping");
+    let mut silent = TcpStream::connect(SocketAddrV4::new(SERVER, PORT)).unwrap();
+    let (mut answered, _) = listener.accept().unwrap();
+    assert_eq!(tcpe.state(silent.as_fd()).unwrap(), None);
+    assert_eq!(tcpe.state(answered.as_fd()).unwrap(), None);
+    silent.write_all(b"pong").unwrap();
+    answered.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"pong");
 
     let counters = tcpe.counters().unwrap();
     let get = |n: &str| counters.iter().find(|(k, _)| *k == n).unwrap().1;
     assert_eq!(get("syn_answered"), 1);
+    assert_eq!(get("fallback_not_answered"), 1);
+    assert_eq!(get("passive_not_offered"), 1);
+    assert_eq!(get("fallback_bad_mac_limit"), 1);
     assert_eq!(get("active_capable"), 1);
     assert_eq!(get("passive_capable"), 1);
     assert_eq!(get("confirm_written"), 1);
     assert!(get("syn_offered") >= 1 && get("path_written") >= 1, "{counters:?}");
-    drop((client, server, listener));
+    drop((client, server, listener, offered, unaware, silent, answered, plain));
 }
