@@ -428,6 +428,15 @@ fn products_stand_on_the_core_alone() {
             wrong.push(format!("{p} depends on {d}"));
         }
     }
+    // Layers the products may stand on besides the core (TCPE's options,
+    // for the proxy, the agent and the client library to come) lean on no
+    // product either.
+    for layer in ["inband-tcpe"] {
+        let deps = all.get(layer).unwrap_or_else(|| panic!("{layer} is not in the workspace"));
+        for d in deps.iter().filter(|d| products.contains(&d.as_str()) || above_products.contains(&d.as_str())) {
+            wrong.push(format!("{layer} depends on {d}"));
+        }
+    }
     for heavy in ["good_lp", "quinn", "quinn-proto", "rustls", "rocksdb", "heed"] {
         if closure(&all, "inband-lb").contains(heavy) {
             wrong.push(format!("inband-lb links {heavy}"));

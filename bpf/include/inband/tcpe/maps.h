@@ -1,0 +1,45 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/*
+ * The maps of bpf/tcpe.bpf.c. None is pinned: the process that loads the
+ * program holds them (crates/inband-tcpe/src/sockops.rs). The socket
+ * storages' entries die with their sockets, so no table fills up.
+ */
+#ifndef INBAND_TCPE_MAPS_H
+#define INBAND_TCPE_MAPS_H
+
+#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+
+#include "inband/tcpe/types.h"
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct inband_tcpe_config);
+} tcpe_config SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, INBAND_TCPE_COUNTERS);
+	__type(key, __u32);
+	__type(value, __u64);
+} tcpe_stats SEC(".maps");
+
+/* Written by user space only (opt-in, the queued notification). */
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct inband_tcpe_ctl);
+} tcpe_ctl SEC(".maps");
+
+/* Written by the program only. */
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct inband_tcpe_sock);
+} tcpe_sock SEC(".maps");
+
+#endif /* INBAND_TCPE_MAPS_H */
