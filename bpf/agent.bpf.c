@@ -233,6 +233,8 @@ static __always_inline int take_client_tuple(struct __sk_buff *skb, const struct
 			return strip_inband(skb, a, opt, len);
 		}
 		val.ts_shift = reopen_shift(skb, l4_off, &owner, bpf_map_lookup_elem(&dsr_flows, &key), &val);
+		if (fleet)
+			val.fleet_label = named_instance(a);
 	}
 	if (!bpf_map_update_elem(&dsr_flows, &key, &val, BPF_ANY)) {
 		count(INBAND_AGENT_TUPLES_STORED);
@@ -293,10 +295,11 @@ static __always_inline int plain_from_peer(struct __sk_buff *skb, const struct a
 /*
  * A 124 from a balancer, in the configured format. It asks for a score on
  * a connection whose 155 was accepted; its key and nonce are kept for the
- * 125 that answers it.
+ * 125 that answers it, and from a fleet prefix the instance its flow
+ * label names, which the 125 goes to.
  */
 static __always_inline int take_score_request(struct __sk_buff *skb, const struct apkt *a, const __u32 *opt,
-					      __u32 len, __u8 auth_mode, int wrapped)
+					      __u32 len, __u8 auth_mode, int wrapped, int fleet)
 {
 	const __u8 *o = (const __u8 *)opt;
 	struct inband_conn_key key = conn_key(a, 1);
@@ -327,6 +330,8 @@ static __always_inline int take_score_request(struct __sk_buff *skb, const struc
 	 * the balancer refuse one 125. */
 	flow->probe_key = key_id;
 	flow->probe_nonce = nonce;
+	if (fleet)
+		flow->fleet_label = named_instance(a);
 	flow->score_requested = INBAND_SCORE_REQUESTED | (wrapped ? INBAND_SCORE_ENCAP : 0);
 	count(INBAND_AGENT_PROBES_SEEN);
 	return strip_inband(skb, a, opt, len);
@@ -497,7 +502,7 @@ int agent_ingress(struct __sk_buff *skb)
 		return drop(INBAND_AGENT_WRONG_FORMAT);
 	if (o[0] == INBAND_OPT_CLIENT_TUPLE)
 		return take_client_tuple(skb, &a, b, opt, len, cfg->auth_mode, fleet);
-	return take_score_request(skb, &a, opt, len, cfg->auth_mode, wrapped);
+	return take_score_request(skb, &a, opt, len, cfg->auth_mode, wrapped, fleet);
 }
 
 /* Local port in host order: the key of active_conns and score_override. */
@@ -517,9 +522,10 @@ static __always_inline __u16 current_score(__u16 port)
 /*
  * Bytes a 125 adds to a packet of this flow (`len`: the option's own): the
  * option, in a Destination Options header of its own on IPv6, and the
- * outer header when its 124 came wrapped. 0: this packet's header has no
- * room (IPv4: 60 bytes reached; IPv6: extension headers already there),
- * nor has any copy of it.
+ * outer header when its 124 came wrapped or it goes to a fleet's instance
+ * (steer_to_instance). 0: this packet's header has no room (IPv4: 60
+ * bytes reached; IPv6: extension headers already there), nor has any copy
+ * of it.
  */
 static __always_inline __u32 score_bytes(const struct apkt *a, const struct inband_dsr_flow *flow, __u32 len)
 {
@@ -528,16 +534,16 @@ static __always_inline __u32 score_bytes(const struct apkt *a, const struct inba
 			return 0;
 		return len + (flow->score_requested & INBAND_SCORE_ENCAP ? INBAND_IPIP_HLEN : 0);
 	}
-	return a->opt_len ? 0 : INBAND_DOH_LEN(len);
+	return a->opt_len ? 0 : INBAND_DOH_LEN(len) + (flow->fleet_label ? INBAND_IPV6_HDR : 0);
 }
 
 /*
- * Adds the 125 the flow owes (`len` bytes, `added` with its headers; the
- * caller checked the room). Returns 1 if it did; otherwise the flag stays
- * set (a later packet answers) unless the answer cannot be signed at all.
+ * Adds the 125 the flow owes (`len` bytes; the caller checked the room).
+ * Returns 1 if it did; otherwise the flag stays set (a later packet
+ * answers) unless the answer cannot be signed at all.
  */
 static __always_inline int add_score(struct __sk_buff *skb, const struct apkt *a, struct inband_dsr_flow *flow,
-				     const struct inband_agent_config *cfg, __u32 len, __u32 added)
+				     const struct inband_agent_config *cfg, __u32 len)
 {
 	/* The 125 at opt + INBAND_DOH_PREFIX; IPv6 wraps its header around it. */
 	__u32 opt[INBAND_DOH_LEN(INBAND_OPT_AUTH_SCORE_LEN) / 4] = {};
@@ -578,11 +584,13 @@ static __always_inline int add_score(struct __sk_buff *skb, const struct apkt *a
 		failed = insert_option(skb, &a->ip4, (__u32 *)o, len);
 	} else {
 		/* Constant lengths: the padding's loop unrolls. */
-		if (len == INBAND_OPT_AUTH_SCORE_LEN)
+		if (len == INBAND_OPT_AUTH_SCORE_LEN) {
 			inband_doh_wrap((__u8 *)opt, a->proto, INBAND_OPT_AUTH_SCORE_LEN);
-		else
+			failed = insert_doh(skb, opt, INBAND_DOH_LEN(INBAND_OPT_AUTH_SCORE_LEN), a->tot_len);
+		} else {
 			inband_doh_wrap((__u8 *)opt, a->proto, INBAND_OPT_SCORE_LEN);
-		failed = insert_doh(skb, opt, added, a->tot_len);
+			failed = insert_doh(skb, opt, INBAND_DOH_LEN(INBAND_OPT_SCORE_LEN), a->tot_len);
+		}
 	}
 	if (failed) {
 		count(INBAND_AGENT_ADJUST_FAILED);
@@ -715,10 +723,10 @@ static __always_inline int make_carrier(struct __sk_buff *skb, struct apkt *a, s
 	}
 	/* Failing, add_score counts why and the flag stays (or, for a key
 	 * removed since, goes). */
-	if (!add_score(skb, a, flow, cfg, len, score_bytes(a, flow, len)))
+	if (!add_score(skb, a, flow, cfg, len))
 		return TC_ACT_SHOT;
 	count(INBAND_AGENT_SCORE_CARRIERS);
-	return TC_ACT_OK;
+	return steer_to_instance(skb, flow);
 }
 
 /*
@@ -750,7 +758,7 @@ static __always_inline int answer_score(struct __sk_buff *skb, struct apkt *a, s
 	/* Over the MTU it would be dropped by the stack or fragmented, and
 	 * fragments never reach a balancer as a 125. */
 	if (skb->gso_segs <= 1 && a->tot_len + added <= cfg->mtu)
-		return add_score(skb, a, flow, cfg, len, added) ? TC_ACT_OK : -1;
+		return add_score(skb, a, flow, cfg, len) ? steer_to_instance(skb, flow) : -1;
 	/* A UDP burst's datagrams would each reach the application; a carrier
 	 * of no data would be one more, empty. */
 	if (a->proto != IPPROTO_TCP) {
@@ -991,7 +999,7 @@ int agent_egress(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	if (a.proto == IPPROTO_TCP && is_reset(skb, &a)) {
 		count(INBAND_AGENT_RESETS_VIA_BALANCER);
-		return TC_ACT_OK;
+		return steer_to_instance(skb, flow);
 	}
 	return dsr(skb, &a, svc, flow);
 }

@@ -291,6 +291,12 @@ __noinline int forward(struct xdp_md *ctx, const struct inband_lb_config *cfg, s
 		if ((void *)(ip6 + 1) > data_end)
 			return drop(INBAND_DROP_TRUNCATED_L4);
 		ip6_nat(ip6, self, &f->backend_addr);
+		/* The agent sends what it answers for a fleet flow to the
+		 * instance the label of its 155 or 124 names: the fleet
+		 * address reaches none (decap_steered). Only packets with an
+		 * option carry it, the only ones the agent reads it from. */
+		if (optlen && f->snat_index == INBAND_SNAT_FLEET)
+			*(__be32 *)ip6 = (*(__be32 *)ip6 & bpf_htonl(0xfff00000)) | bpf_htonl(cfg->fleet_label & 0xfffff);
 	}
 
 	int verdict = optlen ? emit(ctx, p, opt, optlen) : XDP_TX;
@@ -521,10 +527,13 @@ static __always_inline int walk(struct xdp_md *ctx)
 		return XDP_PASS;
 	if (bad)
 		return bad;
-	/* SRv6 from the ECMP router: walk what it carries. */
+	/* SRv6 from the ECMP router, or a fleet flow's answer an agent
+	 * steered here: walk what it carries. */
 	if (p->family == 6) {
 		int unwrapped = decap_srv6(ctx, cfg, p);
 
+		if (!unwrapped)
+			unwrapped = decap_steered(ctx, cfg, p);
 		if (unwrapped < 0)
 			return XDP_DROP;
 		if (unwrapped == 2)

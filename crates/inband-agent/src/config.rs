@@ -198,6 +198,24 @@ impl AgentConfig {
                 bail!("fleet_prefixes: {p} is listed twice; remove the duplicate");
             }
         }
+        if !self.fleet_prefixes.is_empty() {
+            // A fleet flow's 125s and RSTs go to the balancer whose flow
+            // label its 124s carry: one label must name one address.
+            let mut named = std::collections::HashMap::new();
+            for b in &self.balancers {
+                if let IpAddr::V6(a) = b {
+                    if let Some(other) = named.insert(inband_core::wire::fleet_label(*a), *a) {
+                        if other != *a {
+                            bail!(
+                                "balancers {other} and {a} have the same fleet flow label, which names the instance a fleet \
+                                 connection's scores go back to: give one of them another address (a chance of about one in \
+                                 a million per pair of addresses)"
+                            );
+                        }
+                    }
+                }
+            }
+        }
         let mut seen = HashSet::new();
         for b in &self.balancers {
             if !unicast(*b) {

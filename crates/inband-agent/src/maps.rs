@@ -55,6 +55,8 @@ pub enum AgentCounter {
     ScoreDeferredCarrierFailed = c::INBAND_AGENT_SCORE_DEFERRED_CARRIER_FAILED,
     ResetsViaBalancer = c::INBAND_AGENT_RESETS_VIA_BALANCER,
     FleetCollisions = c::INBAND_AGENT_FLEET_COLLISIONS,
+    FleetSteered = c::INBAND_AGENT_FLEET_STEERED,
+    FleetUnnamed = c::INBAND_AGENT_FLEET_UNNAMED,
 }
 
 /// Entries of `agent_stats`.
@@ -99,6 +101,8 @@ impl AgentCounter {
         (AgentCounter::ScoreDeferredCarrierFailed, "score_deferred_carrier_failed"),
         (AgentCounter::ResetsViaBalancer, "resets_via_balancer"),
         (AgentCounter::FleetCollisions, "fleet_collisions"),
+        (AgentCounter::FleetSteered, "fleet_steered"),
+        (AgentCounter::FleetUnnamed, "fleet_unnamed"),
     ];
 
     pub const ALL: [AgentCounter; COUNTER_MAX] = {

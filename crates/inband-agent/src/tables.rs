@@ -25,6 +25,21 @@ pub fn balancer_net(p: Ipv6Net) -> BalancerNet {
     BalancerNet { prefixlen: u32::from(p.prefix_len()), addr: be_ip(IpAddr::V6(p.network())) }
 }
 
+/// `fleet_instances`: each IPv6 balancer address by its flow label, when
+/// fleets are trusted (config.rs refuses two addresses with one label).
+pub fn fleet_instances(balancers: &[IpAddr], fleets: &[Ipv6Net]) -> BTreeMap<u32, std::net::Ipv6Addr> {
+    if fleets.is_empty() {
+        return BTreeMap::new();
+    }
+    balancers
+        .iter()
+        .filter_map(|b| match b {
+            IpAddr::V6(a) => Some((inband_core::wire::fleet_label(*a), *a)),
+            IpAddr::V4(_) => None,
+        })
+        .collect()
+}
+
 /// Size of `dsr_flows`.
 pub const FLOW_TABLE_SIZE: u32 = c::INBAND_AGENT_FLOW_TABLE_SIZE;
 /// What a 125 option can carry.
@@ -35,6 +50,7 @@ pub struct AgentMaps {
     pub services: MapHandle,
     pub balancers: MapHandle,
     pub balancer_nets: MapHandle,
+    pub fleet_instances: MapHandle,
     pub dsr_flows: MapHandle,
     pub active_conns: MapHandle,
     pub score_override: MapHandle,
@@ -51,6 +67,7 @@ impl AgentMaps {
             services: dir.open("services")?,
             balancers: dir.open("balancers")?,
             balancer_nets: dir.open("balancer_nets")?,
+            fleet_instances: dir.open("fleet_instances")?,
             dsr_flows: dir.open("dsr_flows")?,
             active_conns: dir.open("active_conns")?,
             score_override: dir.open("score_override")?,
@@ -91,6 +108,7 @@ impl AgentMaps {
                 &libbpf_rs::libbpf_sys::bpf_map_create_opts { map_flags: libbpf_rs::libbpf_sys::BPF_F_NO_PREALLOC, ..opts },
             )
             .context("creating map balancer_nets")?,
+            fleet_instances: make(MapType::Hash, "fleet_instances", 4, size_of::<c::inband_addr>(), MAX_BALANCERS as u32)?,
             dsr_flows: make(
                 MapType::LruHash,
                 "dsr_flows",
@@ -107,9 +125,9 @@ impl AgentMaps {
         })
     }
 
-    /// Makes `services`, `balancers` and `balancer_nets` hold exactly the
-    /// configuration. A balancer that stays keeps its newest UDP stamp
-    /// (replays of its older 155s stay refused).
+    /// Makes `services`, `balancers`, `balancer_nets` and `fleet_instances`
+    /// hold exactly the configuration. A balancer that stays keeps its
+    /// newest UDP stamp (replays of its older 155s stay refused).
     pub fn apply(&self, services: &[ServiceConfig], balancers: &[IpAddr], fleets: &[Ipv6Net]) -> Result<()> {
         let wanted: HashSet<ServiceKey> = services.iter().map(service_key).collect();
         for s in services {
@@ -141,6 +159,15 @@ impl AgentMaps {
         for (k, _) in bpfmap::entries::<BalancerNet, Balancer>(&self.balancer_nets)? {
             if !wanted.iter().any(|w| w.as_bytes() == k.as_bytes()) {
                 bpfmap::delete(&self.balancer_nets, &k)?;
+            }
+        }
+        let wanted = fleet_instances(balancers, fleets);
+        for (label, addr) in &wanted {
+            bpfmap::put(&self.fleet_instances, label, &be_ip(IpAddr::V6(*addr)))?;
+        }
+        for (k, _) in bpfmap::entries::<u32, c::inband_addr>(&self.fleet_instances)? {
+            if !wanted.contains_key(&k) {
+                bpfmap::delete(&self.fleet_instances, &k)?;
             }
         }
         Ok(())

@@ -323,6 +323,17 @@ pub fn parse_doh(b: &[u8]) -> Result<(u8, &[u8]), DecodeError> {
     Ok((b[0], &b[DOH_PREFIX..DOH_PREFIX + optlen]))
 }
 
+/// The IPv6 flow label that names a fleet instance by its `address6`
+/// (lb.toml): a balancer writes it on the 155s and 124s of its fleet
+/// flows, and an agent sends what it answers for such a flow to the
+/// `balancers` address whose label it is (the fleet address reaches no
+/// instance). 20 bits, never 0 (no label); SipHash-2-4 under a fixed key,
+/// so both sides compute it with nothing shared: a name, not a secret.
+pub fn fleet_label(address6: std::net::Ipv6Addr) -> u32 {
+    const KEY: Key = Key(*b"inband-fleet-lbl");
+    (KEY.siphash(&address6.octets()) % 0xfffff) as u32 + 1
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

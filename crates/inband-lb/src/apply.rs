@@ -77,6 +77,7 @@ fn data_path_config(maps: &LbMaps, cfg: &LbConfig) -> Result<()> {
         fleet_prefix: fleet.map(|(p, _)| be_ip(p.network().into())).unwrap_or_default(),
         fleet_key: fleet.map_or([0, 0], |(_, k)| k),
         adopt_per_s: cfg.scale_out.as_ref().filter(|_| fleet.is_some()).map_or(0, |s| s.adopt_per_s),
+        fleet_label: cfg.address6.filter(|_| fleet.is_some()).map_or(0, inband_core::wire::fleet_label),
         ..Default::default()
     };
     bpfmap::put(&maps.lb_config, &0u32, &value)

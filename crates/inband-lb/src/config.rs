@@ -788,14 +788,6 @@ impl LbConfig {
             if let Some(b) = v.backends.iter().find(|b| net.contains(&b.address)) {
                 bail!("[scale_out]: fleet_prefix = {net} holds backend {} of vip {}", b.endpoint(), v.name());
             }
-            if v.fleet_tuples() && v.mode == Mode::DsrDynamic {
-                bail!(
-                    "vip {}: mode dsr-dynamic cannot take fleet tuples yet: its backends answer 124s toward the fleet address, \
-                     which the router may take to another instance, and only the one that asked can take the 125 \
-                     (the agent's steering of those answers is not built). Use dsr-rr or dsr-polling, or fleet = false",
-                    v.name()
-                );
-            }
         }
         Ok(())
     }
@@ -1142,7 +1134,7 @@ quic_server_id = 2
     }
 
     #[test]
-    fn fleet_tuples_need_a_96_of_their_own_and_a_key_and_refuse_dsr_dynamic() {
+    fn fleet_tuples_need_a_96_of_their_own_and_a_key() {
         let sids = "sid = \"fd00:51::b\"\ndirect_sid = \"fd00:51::d\"\nshadow_sid = \"fd00:5f::5\"";
         let rr = DUAL.replacen("mode = \"dsr-dynamic\"", "mode = \"dsr-rr\"", 1);
         let so = |text: &str, extra: &str| text.replace("[auth]", &format!("[scale_out]\n{sids}\n{extra}\n[auth]"));
@@ -1160,12 +1152,14 @@ quic_server_id = 2
             (so(&rr, &keyed("fd00:77::/96")), "holds fd00:77::2"),
             (so(&rr, &keyed("fd00:51::/96")), "holds fd00:51::b"),
             (so(&DUAL.replace("fd00:77::21", "fd00:f1ee::21"), &keyed("fd00:f1ee::/96")), "holds backend"),
-            (so(DUAL, &keyed("fd00:f1ee::/96")), "dsr-dynamic cannot take fleet tuples yet"),
         ];
         for (text, want) in cases {
             assert!(err(&text).contains(want), "want {want:?}, got {}", err(&text));
         }
-        // dsr-dynamic stays accepted with fleet off.
+        // dsr-dynamic takes them too (its agents steer the 125s to the
+        // instance that asked), and stays accepted with fleet off.
+        let dynamic = LbConfig::parse(&so(DUAL, &keyed("fd00:f1ee::/96"))).unwrap();
+        assert_eq!((dynamic.vips[0].mode, dynamic.vips[0].fleet_tuples()), (Mode::DsrDynamic, true));
         assert!(LbConfig::parse(&so(DUAL, "")).is_ok());
     }
 

@@ -140,6 +140,7 @@ pub const DROP_NAMES: [&str; c::INBAND_DROP_MAX as usize] = [
     "chained_no_flow",
     "srv6_unsupported",
     "adopt_budget",
+    "steered_not_owner",
 ];
 
 /// Names of `enum inband_event`, by index.
@@ -181,6 +182,7 @@ pub const EVENT_NAMES: [&str; c::INBAND_EV_MAX as usize] = [
     "fleet_tuples",
     "fleet_pinned",
     "adopted_maglev",
+    "fleet_steered",
 ];
 
 /// Names of `enum inband_health_reason`, by index, as status and metrics show them.

@@ -87,6 +87,25 @@ fn config_fleet_prefixes_are_96s() {
     assert!(config_err(&with(&many.join(", "))).contains("17 fleet_prefixes listed, at most 16"));
 }
 
+/// A fleet flow's 125s go to the balancer its flow label names, so with a
+/// fleet trusted two IPv6 balancers may not share a label (found here by
+/// trying addresses until two meet); without a fleet the label is unused.
+#[test]
+fn config_refuses_two_balancers_with_one_fleet_label() {
+    let mut seen = std::collections::HashMap::new();
+    let (a, b) = (1u16..)
+        .map(|h| std::net::Ipv6Addr::new(0xfd00, 0x77, 0, 0, 0, 0, 0, h))
+        .find_map(|a| seen.insert(inband_core::wire::fleet_label(a), a).map(|b| (b, a)))
+        .unwrap();
+    let both = format!("balancers = [\"{a}\", \"{b}\"]");
+    let fleet = GOOD.replace("balancers = [\"10.77.0.2\"]", &format!("{both}\nfleet_prefixes = [\"fd00:f1ee::/96\"]"));
+    let e = config_err(&fleet);
+    assert!(e.contains(&format!("balancers {a} and {b} have the same fleet flow label")), "{e}");
+    assert!(AgentConfig::parse(&GOOD.replace("balancers = [\"10.77.0.2\"]", &both)).is_ok());
+    let label = inband_core::wire::fleet_label(a);
+    assert!((1..=0xfffff).contains(&label), "20 bits, never 0: {label:#x}");
+}
+
 #[test]
 fn config_defaults() {
     let c = AgentConfig::parse(GOOD).unwrap();
@@ -878,7 +897,7 @@ fn active_8080(socket: &Path) -> Option<i64> {
     v["ports"]["8080"]["active_connections"].as_i64()
 }
 
-const MAP_NAMES: [&str; 13] = [
+const MAP_NAMES: [&str; 14] = [
     "active_conns",
     "agent_config",
     "agent_stats",
@@ -888,6 +907,7 @@ const MAP_NAMES: [&str; 13] = [
     "carrier_slot",
     "conn_counted",
     "dsr_flows",
+    "fleet_instances",
     "inflight",
     "inflight_conns",
     "score_override",

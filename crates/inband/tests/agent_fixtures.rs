@@ -2524,14 +2524,76 @@ fn a_155_from_a_fleet_prefix_is_taken_and_from_its_neighbour_is_not() {
     ingress(&skel, &frame, TC_ACT_OK, Some(&inside.build()), "from the fleet: 155 taken and removed");
     let key = conn_key_of(sa(FLEET_TUPLE, 7311), LOCAL_PORT, 6);
     assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &key), Some(tuple_flow(CLIENT6)));
-    assert_counters(&skel, &[(AgentCounter::UntrustedOption, 1), (AgentCounter::TuplesStored, 1)]);
+    // Its flow label names no balancer: counted, nothing to steer by.
+    let counted = [(AgentCounter::UntrustedOption, 1), (AgentCounter::TuplesStored, 1), (AgentCounter::FleetUnnamed, 1)];
+    assert_counters(&skel, &counted);
 
     let neighbour = Ipv6Addr::new(0xfd00, 0xf1ee, 0, 0, 0, 1, 0x9a3c, 0x1234);
     let outside = PacketBuilder::tcp(sa(neighbour, 7311), server6()).syn(1440);
     let frame = outside.clone().inband(&auth_tuple(&outside, KEY_ID, &KEY, client6())).build();
     ingress(&skel, &frame, TC_ACT_OK, Some(&frame), "outside the /96: left as it came");
     assert_eq!(flows(&skel), 1);
-    assert_counters(&skel, &[(AgentCounter::UntrustedOption, 2), (AgentCounter::TuplesStored, 1)]);
+    assert_counters(&skel, &[(AgentCounter::UntrustedOption, 2), (AgentCounter::TuplesStored, 1), (AgentCounter::FleetUnnamed, 1)]);
+}
+
+/// `frame` (Ethernet, IPv6) with the flow label `label`.
+fn labelled(mut frame: Vec<u8>, label: u32) -> Vec<u8> {
+    frame[ETH_HLEN + 1] = (frame[ETH_HLEN + 1] & 0xf0) | (label >> 16) as u8;
+    frame[ETH_HLEN + 2] = (label >> 8) as u8;
+    frame[ETH_HLEN + 3] = label as u8;
+    frame
+}
+
+/// A fleet's 124 names the instance that sent it in its flow label: the
+/// agent keeps the label when a `balancers` address has it
+/// (fleet_instances) and sends the 125 wrapped in IPv6 from the server to
+/// that address, since the fleet address reaches no instance. A label
+/// that names no balancer is counted (fleet_unnamed), and the answer goes
+/// to the fleet address unwrapped, as before.
+#[test]
+fn a_fleet_flows_125_goes_wrapped_to_the_instance_its_124_named() {
+    let mut obj = MaybeUninit::uninit();
+    let skel = load(&mut obj);
+    configure6(&skel);
+    trust_fleet(&skel);
+    let label = inband_core::wire::fleet_label(LB6);
+    put(&skel.maps.fleet_instances, &label, &be_ip(LB6.into()));
+    put(&skel.maps.active_conns, &LOCAL_PORT, &3i64);
+    let from = sa(FLEET_TUPLE, 7311);
+    let key = conn_key_of(from, LOCAL_PORT, 6);
+    put(&skel.maps.dsr_flows, &key, &tuple_flow(CLIENT6));
+    let nonce = [5, 6, 7, 8];
+    let req = PacketBuilder::tcp(from, server6()).flags(TCP_ACK | TCP_PSH).payload(b"GET / HTTP/1.1\r\n\r\n".to_vec());
+    let opt = InbandOption::auth_score_request(&KEY, KEY_ID, nonce, Conn::tcp(from, server6())).encode();
+    let asked = labelled(req.clone().inband(&opt).build(), label);
+    ingress(&skel, &asked, TC_ACT_OK, Some(&labelled(req.build(), label)), "a fleet's 124");
+    let flow = DsrFlow { fleet_label: label, ..requested(tuple_flow(CLIENT6), KEY_ID, nonce) };
+    assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &key), Some(flow));
+
+    let resp = PacketBuilder::tcp(server6(), from).flags(TCP_ACK | TCP_PSH).payload(b"HTTP/1.1 200 OK\r\n\r\n".to_vec());
+    let (ret, out) = run(&skel.progs.agent_egress, &resp.build(), None);
+    assert_eq!(ret, TC_ACT_REDIRECT, "routed by the kernel to the instance");
+    let inner = resp.clone().inband(&InbandOption::auth_score(&KEY, KEY_ID, nonce, Conn::tcp(from, server6()), 3).encode()).build();
+    let mut want = inner[..ETH_HLEN].to_vec();
+    want.extend_from_slice(&inner[ETH_HLEN..ETH_HLEN + 4]);
+    want.extend_from_slice(&((inner.len() - ETH_HLEN) as u16).to_be_bytes());
+    want.extend_from_slice(&[41, 64]);
+    want.extend_from_slice(&SERVER6.octets());
+    want.extend_from_slice(&LB6.octets());
+    want.extend_from_slice(&inner[ETH_HLEN..]);
+    assert_frame(&out, &want, "the 125 wrapped to the instance");
+    assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &key), Some(DsrFlow { score_requested: 0, ..flow }));
+
+    // A 124 whose label names no balancer: the 125 goes as it did.
+    ingress(&skel, &labelled(req.clone().inband(&opt).build(), label ^ 1), TC_ACT_OK, None, "an unnamed label");
+    assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &key).map(|f| f.fleet_label), Some(0));
+    let (ret, out) = run(&skel.progs.agent_egress, &resp.build(), None);
+    assert_eq!(ret, TC_ACT_OK);
+    assert_frame(&out, &inner, "unwrapped, to the fleet address");
+    assert_counters(
+        &skel,
+        &[(AgentCounter::ProbesSeen, 2), (AgentCounter::ScoresSent, 2), (AgentCounter::FleetSteered, 1), (AgentCounter::FleetUnnamed, 1)],
+    );
 }
 
 /// Two clients whose fleet tuples are the same: the second one's SYN meets

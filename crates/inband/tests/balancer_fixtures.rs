@@ -4210,6 +4210,49 @@ fn two_instances_with_one_fleet_key_send_a_flow_from_the_same_tuple() {
     assert_eq!((a.event("fleet_tuples"), a.event("fleet_pinned")), (4, 0));
 }
 
+/// `frame` (Ethernet, IPv6) wrapped as an agent steers a fleet flow's
+/// packet: an outer IPv6 header from `from` to `to`, next header 41.
+fn steered(frame: &[u8], from: IpAddr, to: Ipv6Addr) -> Vec<u8> {
+    let IpAddr::V6(from) = from else { panic!("IPv6 only") };
+    let inner = &frame[14..];
+    let mut out = frame[..14].to_vec();
+    out.extend_from_slice(&[0x60, 0, 0, 0]);
+    out.extend_from_slice(&(inner.len() as u16).to_be_bytes());
+    out.extend_from_slice(&[41, 64]);
+    out.extend_from_slice(&from.octets());
+    out.extend_from_slice(&to.octets());
+    out.extend_from_slice(inner);
+    out
+}
+
+/// A fleet flow's answers reach the instance that holds it: its SYN's 155
+/// leaves with the instance's flow label (the agent steers by it; a packet
+/// without an option carries none), and the backend's packet to the
+/// fleet address that the agent wrapped to the instance's own address is
+/// unwrapped and goes to the client as if it had come straight. Steered
+/// for a fleet tuple held by no connection here it is dropped
+/// (`steered_not_owner`); a wrapping whose inner source is not the outer
+/// one is not an agent's, and goes to the kernel untouched.
+#[test]
+fn a_fleet_flows_packet_steered_to_its_instance_is_taken_there() {
+    let fx = fleet_instance(1, FLEET_KEY, Policy::RoundRobin);
+    fx.config(|c| c.fleet_label = 0xabcde);
+    let own = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x11);
+    let label = |f: &[u8]| u32::from_be_bytes(f[14..18].try_into().unwrap()) & 0xfffff;
+    let (be, c) = (backend6(0), client6(1));
+    assert_eq!(label(&fx.tx(&syn(c).build())), 0xabcde, "the 155 names the instance");
+    fx.tx(&ack(c).build());
+    assert_eq!(label(&fx.tx(&data(c).build())), 0, "no option, no label");
+    let answer = |to: SocketAddr| PacketBuilder::tcp(be.addr, to).macs(be.mac, LB_MAC).flags(TCP_ACK | TCP_PSH).payload(b"HTTP/1.1 200 OK\r\n\r\n");
+    let r = answer(fleet_tuple(c, FLEET_KEY));
+    assert_eq!(fx.tx(&steered(&r.build(), be.addr.ip(), own)), returned(&r, c, vec![]));
+    assert_eq!(fx.event("fleet_steered"), 1);
+    let stranger = answer(fleet_tuple(client6(2), FLEET_KEY));
+    fx.assert_dropped(&steered(&stranger.build(), be.addr.ip(), own), "steered_not_owner");
+    fx.assert_passed_untouched(&steered(&r.build(), backend6(1).addr.ip(), own));
+    assert_eq!(fx.event("fleet_steered"), 2);
+}
+
 /// A fleet tuple's retransmitted SYN carries its 155 again, the bytes of
 /// the first (counted as a retry): the agent keeps the client it learned,
 /// and the server's SYN-ACK, which no instance would take at the fleet

@@ -15,7 +15,7 @@
 //!
 //! Needs root (namespaces, XDP, tc, bpffs).
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -33,6 +33,17 @@ const BODY: usize = 4_000_000;
 const DOWNLOADS: usize = 16;
 const SERVERS: usize = 2;
 
+/// The VIP the instances serve.
+#[derive(Clone, Copy, PartialEq)]
+enum Vip {
+    /// dsr-dynamic, each instance's own tuples.
+    Dynamic,
+    /// dsr-dynamic with fleet tuples: the agents steer the 125s to the
+    /// instance the flow label names.
+    DynamicFleet,
+    /// dsr-rr with policy maglev, fleet tuples on (true) or off.
+    Maglev(bool),
+}
 
 
 /// The testbed, its servers and agents, and one balancer process per
@@ -63,12 +74,10 @@ impl Drop for Farm {
 
 impl Farm {
     fn up(tag: &str, subnet: u8, balancers: usize, bgp: bool) -> Farm {
-        Farm::up_family(tag, subnet, balancers, bgp, false, None)
+        Farm::up_family(tag, subnet, balancers, bgp, false, Vip::Dynamic)
     }
 
-    /// `maglev_fleet`: the VIP in dsr-rr with policy maglev instead of
-    /// dsr-dynamic, and fleet tuples on (true) or off (false).
-    fn up_family(tag: &str, subnet: u8, balancers: usize, bgp: bool, v4: bool, maglev_fleet: Option<bool>) -> Farm {
+    fn up_family(tag: &str, subnet: u8, balancers: usize, bgp: bool, v4: bool, vip_kind: Vip) -> Farm {
         let name = format!("x{}{tag}", std::process::id() % 10000);
         let spec = TestbedSpec { name: name.clone(), clients: 1, servers: SERVERS, subnet, ecmp: true, balancers, bgp, ..Default::default() };
         let mut tb = Testbed::up(spec).expect("testbed");
@@ -80,13 +89,18 @@ impl Farm {
         let fleet_key = dir.join("fleet.key");
         inband_core::auth::keygen(&fleet_key).unwrap();
         let fleet_prefix = fleet_prefix(subnet);
-        let (agent_fleet, lb_fleet, vip_mode) = match maglev_fleet {
-            None => (String::new(), String::new(), "mode = \"dsr-dynamic\"\nprobe_interval = 4\n".to_string()),
-            Some(on) => (
-                if on { format!("fleet_prefixes = [\"{fleet_prefix}\"]\n") } else { String::new() },
-                if on { format!("fleet = true\nfleet_prefix = \"{fleet_prefix}\"\nfleet_key = \"{}\"\n", fleet_key.display()) } else { String::new() },
-                "mode = \"dsr-rr\"\npolicy = \"maglev\"\n".to_string(),
-            ),
+        let fleet = matches!(vip_kind, Vip::DynamicFleet | Vip::Maglev(true));
+        let (agent_fleet, lb_fleet) = if fleet {
+            (
+                format!("fleet_prefixes = [\"{fleet_prefix}\"]\n"),
+                format!("fleet = true\nfleet_prefix = \"{fleet_prefix}\"\nfleet_key = \"{}\"\n", fleet_key.display()),
+            )
+        } else {
+            (String::new(), String::new())
+        };
+        let vip_mode = match vip_kind {
+            Vip::Dynamic | Vip::DynamicFleet => "mode = \"dsr-dynamic\"\nprobe_interval = 4\n",
+            Vip::Maglev(_) => "mode = \"dsr-rr\"\npolicy = \"maglev\"\n",
         };
         // The router sends to the client at 64 Mbit/s (a token bucket on
         // its link): DOWNLOADS downloads of BODY take seconds, paced by the
@@ -258,10 +272,10 @@ impl Farm {
             .collect()
     }
 
-    /// DOWNLOADS downloads from the client ports `first`.., each with its port.
-    fn downloads_from(&self, first: u16) -> Vec<(u16, Child)> {
+    /// `n` downloads from the client ports `first`.., each with its port.
+    fn downloads_from(&self, first: u16, n: usize) -> Vec<(u16, Child)> {
         let url = format!("http://[{}]/", self.tb.vip6());
-        (first..first + DOWNLOADS as u16)
+        (first..first + n as u16)
             .map(|port| {
                 let argv = ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code} %{size_download}", "--max-time", "20", "--local-port", &port.to_string(), &url];
                 (port, self.tb.command("c1", &argv).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap())
@@ -271,10 +285,27 @@ impl Farm {
 
     /// The client ports instance `i` holds flows of (its pinned `flows`).
     fn held(&self, i: usize) -> Vec<u16> {
+        self.flows(i).iter().map(|(port, _)| *port).collect()
+    }
+
+    /// Instance `i`'s pinned `flows`, by client port.
+    fn flows(&self, i: usize) -> Vec<(u16, inband_lb::maps::Flow)> {
         use inband_lb::maps::{Flow, FlowKey};
         let pin = format!("/sys/fs/bpf/inband/netns/{}/lb/eth0/flows", self.tb.netns(&format!("b{i}")));
         let map = libbpf_rs::MapHandle::from_pinned_path(pin).unwrap();
-        inband_core::bpfmap::entries::<FlowKey, Flow>(&map).unwrap().iter().map(|(k, _)| inband_core::pod::port_of(k.client_port)).collect()
+        inband_core::bpfmap::entries::<FlowKey, Flow>(&map).unwrap().into_iter().map(|(k, f)| (inband_core::pod::port_of(k.client_port), f)).collect()
+    }
+
+    /// Scores instance `i` took from 125s, over the VIP's backends.
+    fn scores_received(&self, i: usize) -> u64 {
+        let s = self.status(i);
+        s["vips"][0]["backends"].as_array().map_or(0, |b| b.iter().map(|b| b["stats"]["scores_received"].as_u64().unwrap_or(0)).sum())
+    }
+
+    /// Counter `name` of the agent on server `i`.
+    fn agent_counter(&self, i: usize, name: &str) -> u64 {
+        let out = run_ok(&self.tb, &format!("s{i}"), &[BIN, "agent", "status", "--interface", "eth0", "--json"]);
+        serde_json::from_slice::<Value>(&out.stdout).unwrap()["counters"][name].as_u64().unwrap_or(0)
     }
 
     /// How many of the client's connections to the VIP are established.
@@ -394,7 +425,7 @@ fn instances_join_leave_restart_and_crash_under_load_without_breaking_a_download
 /// download breaks, and the same change without the shadow table does.
 #[test]
 fn an_ipv4_vip_keeps_every_download_as_instances_join_and_leave() {
-    let mut farm = Farm::up_family("v", 87, 3, false, true, None);
+    let mut farm = Farm::up_family("v", 87, 3, false, true, Vip::Dynamic);
     farm.route(&[1, 2], false);
     let answers = |f: &Farm| f.tb.exec("c1", &["curl", "-s", "-o", "/dev/null", "--max-time", "3", &f.url()]).map(|o| o.status.success()).unwrap_or(false);
     wait_for("the IPv4 VIP to answer", || answers(&farm));
@@ -681,7 +712,7 @@ fn an_instance_host_crash_breaks_only_its_own_connections() {
     farm.route(&[1, 2, 3], false);
     wait_for("the VIP to answer", || answers(&farm));
     for (form, first_port) in [("carrier lost", 41000), ("interface gone", 42000)] {
-        let dls = farm.downloads_from(first_port);
+        let dls = farm.downloads_from(first_port, DOWNLOADS);
         wait_for("every download to start", || farm.established() == DOWNLOADS);
         let held: Vec<u16> = farm.held(1).into_iter().filter(|p| (first_port..first_port + DOWNLOADS as u16).contains(p)).collect();
         assert!(!held.is_empty(), "{form}: b1 holds no download: the step proves nothing");
@@ -728,7 +759,7 @@ fn an_instance_host_crash_breaks_only_its_own_connections() {
 #[test]
 fn an_instance_host_crash_keeps_its_maglev_connections_with_fleet_tuples() {
     for (fleet, subnet) in [(true, 88), (false, 89)] {
-        let mut farm = Farm::up_family(if fleet { "f" } else { "n" }, subnet, 3, false, false, Some(fleet));
+        let mut farm = Farm::up_family(if fleet { "f" } else { "n" }, subnet, 3, false, false, Vip::Maglev(fleet));
         farm.route(&[1, 2, 3], false);
         let url = format!("http://[{}]/", farm.tb.vip6());
         wait_for("the VIP to answer", || {
@@ -737,7 +768,7 @@ fn an_instance_host_crash_keeps_its_maglev_connections_with_fleet_tuples() {
         let shown = farm.status(2)["scale_out"]["fleet_prefix"].clone();
         assert_eq!(shown, if fleet { Value::from(fleet_prefix(subnet)) } else { Value::Null }, "inband status");
         let first_port = 43000;
-        let dls = farm.downloads_from(first_port);
+        let dls = farm.downloads_from(first_port, DOWNLOADS);
         wait_for("every download to start", || farm.established() == DOWNLOADS);
         let held: Vec<u16> = farm.held(1).into_iter().filter(|p| (first_port..first_port + DOWNLOADS as u16).contains(p)).collect();
         assert!(!held.is_empty(), "fleet {fleet}: b1 holds no download: the test proves nothing");
@@ -761,6 +792,107 @@ fn an_instance_host_crash_keeps_its_maglev_connections_with_fleet_tuples() {
         }
     }
 }
+
+/// dsr-dynamic with fleet tuples (issue 28): every instance sends from the
+/// fleet's addresses, which reach no instance, so each agent sends its
+/// 125s wrapped to the instance the flow label of their 124 named. Two
+/// instances under live downloads: each instance that holds downloads
+/// takes scores for them, no steered packet reaches an instance that does
+/// not hold its connection, the agents name every instance they are
+/// asked by, and every download completes. Then a forged 125, wrapped as
+/// an agent wraps it, is refused by the instance that owns its
+/// connection (no recorded score) and dropped by the other.
+#[test]
+fn dsr_dynamic_scores_reach_the_instance_that_asked_with_fleet_tuples() {
+    const N: usize = 8;
+    let farm = Farm::up_family("d", 82, 2, false, false, Vip::DynamicFleet);
+    farm.route(&[1, 2], false);
+    let url = farm.url();
+    wait_for("the VIP to answer", || {
+        farm.tb.exec("c1", &["curl", "-s", "-o", "/dev/null", "--max-time", "3", &url]).map(|o| o.status.success()).unwrap_or(false)
+    });
+    let before = [farm.scores_received(1), farm.scores_received(2)];
+    let first_port = 45000;
+    let dls = farm.downloads_from(first_port, N);
+    wait_for("every download to start", || farm.established() == N);
+    let ours = |port: &u16| (first_port..first_port + N as u16).contains(port);
+    let held: Vec<Vec<u16>> = (1..=2).map(|i| farm.held(i).into_iter().filter(ours).collect()).collect();
+    let broken = broken(dls);
+    let report = farm.report();
+    assert!(broken.is_empty(), "downloads broke: {broken:?}{report}");
+    for i in 1..=2 {
+        let fleet_flows = farm.flows(i).iter().filter(|(p, f)| ours(p) && f.snat_index == inband_lb::maps::SNAT_FLEET).count();
+        assert_eq!(fleet_flows, held[i - 1].len(), "b{i}: a download without the fleet tuple{report}");
+        if !held[i - 1].is_empty() {
+            assert!(farm.scores_received(i) > before[i - 1], "b{i} holds {:?} and took no score{report}", held[i - 1]);
+            assert!(farm.event(i, "fleet_steered") > 0, "b{i}: nothing steered to it{report}");
+        }
+        assert_eq!(farm.drop_count(i, "steered_not_owner"), 0, "b{i}: a 125 steered to the wrong instance{report}");
+        assert_eq!(farm.drop_count(i, "score_not_owner"), 0, "b{i}{report}");
+        assert_eq!(farm.event(i, "score_bad_mac"), 0, "b{i}{report}");
+    }
+    assert!(held.iter().any(|h| !h.is_empty()), "no instance holds a download");
+    let steered: u64 = (1..=SERVERS).map(|s| farm.agent_counter(s, "fleet_steered")).sum();
+    let unnamed: u64 = (1..=SERVERS).map(|s| farm.agent_counter(s, "fleet_unnamed")).sum();
+    eprintln!(
+        "b1 held {}, took {} scores; b2 held {}, took {}; the agents steered {steered}",
+        held[0].len(),
+        farm.scores_received(1) - before[0],
+        held[1].len(),
+        farm.scores_received(2) - before[1]
+    );
+    assert!(steered > 0, "the agents steered nothing");
+    assert_eq!(unnamed, 0, "a 124 named no instance");
+
+    // A forged 125 for a connection b_owner holds (closing now, in its
+    // table for closing_timeout_ms), wrapped from its backend to an
+    // instance's address: refused by the owner, dropped by the other.
+    let owner = if held[0].is_empty() { 2 } else { 1 };
+    let (_, flow) = farm.flows(owner).into_iter().find(|(p, f)| ours(p) && f.snat_index == inband_lb::maps::SNAT_FLEET).unwrap();
+    let backend = inband_core::pod::ip_of(&flow.backend_addr);
+    let server = (1..=SERVERS).find(|s| IpAddr::V6(farm.tb.addr6(&format!("s{s}"))) == backend).expect("the flow's backend is a server");
+    let prefix = fleet_prefix(82);
+    let mut fleet_addr = prefix.split('/').next().unwrap().parse::<std::net::Ipv6Addr>().unwrap().octets();
+    fleet_addr[12..].copy_from_slice(&flow.fleet_suffix.to_ne_bytes());
+    let fleet_addr = std::net::Ipv6Addr::from(fleet_addr).to_string();
+    let forge = |to: usize| {
+        let to = farm.tb.addr6(&format!("b{to}")).to_string();
+        let (sport, dport) = (inband_core::pod::port_of(flow.backend_port).to_string(), inband_core::pod::port_of(flow.snat_port).to_string());
+        run_ok(&farm.tb, &format!("s{server}"), &["python3", "-c", FORGE_125, &backend.to_string(), &fleet_addr, &sport, &dport, &to]);
+    };
+    let other = 3 - owner;
+    let refused = |f: &Farm| f.event(owner, "score_bad_mac") + f.event(owner, "score_unsolicited");
+    let (was_refused, was_steered, was_scores) = (refused(&farm), farm.event(owner, "fleet_steered"), farm.scores_received(owner));
+    forge(owner);
+    wait_for("the owner to refuse the forged 125", || refused(&farm) > was_refused);
+    assert!(farm.event(owner, "fleet_steered") > was_steered);
+    assert_eq!(farm.scores_received(owner), was_scores, "a forged score was recorded");
+    let was_dropped = farm.drop_count(other, "steered_not_owner");
+    forge(other);
+    wait_for("the other instance to drop the forged 125", || farm.drop_count(other, "steered_not_owner") > was_dropped);
+}
+
+/// A backend's packet with a 125 (score 60000, nonce and MAC zero) to the
+/// fleet address, wrapped in IPv6 to an instance as an agent wraps it:
+/// argv backend, fleet address, backend port, SNAT port, instance.
+const FORGE_125: &str = r#"
+import socket, struct, sys
+src, fleet, sport, dport, to = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+a = lambda s: socket.inet_pton(socket.AF_INET6, s)
+def csum(b):
+    s = sum(struct.unpack('!%dH' % (len(b) // 2), b))
+    while s >> 16:
+        s = (s & 0xffff) + (s >> 16)
+    return ~s & 0xffff
+tcp = struct.pack('!HHIIBBHHH', sport, dport, 1, 1, 5 << 4, 0x10, 512, 0, 0)
+tcp = tcp[:16] + struct.pack('!H', csum(a(src) + a(fleet) + struct.pack('!I3xB', len(tcp), 6) + tcp)) + tcp[18:]
+doh = bytes([6, 2, 0x1e, 16, 125, 16]) + struct.pack('!H', 60000) + bytes(12) + bytes([1, 2, 0, 0])
+inner = struct.pack('!IHBB', 6 << 28, len(doh) + len(tcp), 60, 64) + a(src) + a(fleet) + doh + tcp
+outer = struct.pack('!IHBB', 6 << 28, len(inner), 41, 64) + a(src) + a(to) + inner
+s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_RAW)
+s.setsockopt(socket.IPPROTO_IPV6, 36, 1)
+s.sendto(outer, (to, 0))
+"#;
 
 /// The instances' configuration (`inband lb` refuses what cannot work).
 #[test]

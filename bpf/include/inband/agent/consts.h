@@ -60,7 +60,15 @@ enum inband_agent_counter {
 	 * fleet tuples of two clients met; the new client retries on another
 	 * port, the live connection is not disturbed by a challenge ACK). */
 	INBAND_AGENT_FLEET_COLLISIONS = 33,
-	INBAND_AGENT_COUNTER_MAX = 34,
+	/* A fleet flow's 125 or RST sent wrapped in IPv6 to the instance the
+	 * flow label named, not to the fleet address (agent/encap.h). */
+	INBAND_AGENT_FLEET_STEERED = 34,
+	/* A fleet's 155 or 124 whose flow label names no address of
+	 * `balancers` (or a steered packet whose instance left the
+	 * configuration since): its answers go to the fleet address, which
+	 * reaches no instance. */
+	INBAND_AGENT_FLEET_UNNAMED = 35,
+	INBAND_AGENT_COUNTER_MAX = 36,
 };
 
 #endif /* INBAND_AGENT_CONSTS_H */

@@ -28,6 +28,12 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } balancer_nets SEC(".maps");
 
+/* fleet_instances[label] = the `balancers` IPv6 address whose flow label
+ * (inband-core wire.rs fleet_label) it is: where a fleet flow's answers
+ * go. Written by the control plane only (tables.rs), from `balancers`
+ * when `fleet_prefixes` is set. */
+INBAND_PINNED(fleet_instances, BPF_MAP_TYPE_HASH, __u32, struct inband_addr, INBAND_AGENT_MAX_BALANCERS);
+
 INBAND_PINNED(dsr_flows, BPF_MAP_TYPE_LRU_HASH, struct inband_conn_key, struct inband_dsr_flow, INBAND_AGENT_FLOW_TABLE_SIZE);
 
 INBAND_PINNED(active_conns, BPF_MAP_TYPE_HASH, __u16, __s64, INBAND_AGENT_MAX_SERVICES);

@@ -24,6 +24,7 @@
 
 #define INBAND_ETH_P_IPV6 0x86DD
 #define INBAND_IPPROTO_UDP 17
+#define INBAND_FLOW_LABEL_MASK 0xfffff
 
 struct apkt {
 	struct inband_addr saddr;
@@ -37,6 +38,7 @@ struct apkt {
 	__u8 frag; /* a fragment (IPv4 MF or offset): never an inband packet */
 	__u8 tos; /* IPv4 TOS, for the route lookup */
 	__u8 ext_unwalked; /* IPv6: the transport sits behind extension headers not walked (proto 0) */
+	__u32 label; /* IPv6: the flow label (host order) */
 	struct iphdr ip4; /* IPv4: the fixed header as it came */
 };
 
@@ -96,6 +98,7 @@ static __always_inline int apkt_parse(struct __sk_buff *skb, struct apkt *a)
 		if (inband_addr_is4(&a->saddr) || inband_addr_is4(&a->daddr))
 			return -2;
 		a->hlen = INBAND_IPV6_HDR;
+		a->label = bpf_ntohl(*(__be32 *)&ip6) & INBAND_FLOW_LABEL_MASK;
 		a->proto = ip6.nexthdr;
 		if (ip6.nexthdr == INBAND_IPPROTO_DSTOPTS) {
 			if (bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + INBAND_IPV6_HDR, doh, sizeof(doh)))

@@ -56,6 +56,13 @@ struct inband_dsr_flow {
 	__be32 stamp; /* UDP: the 155's nonce (balancer's clock, ms): the newest 155 wins */
 	__u32 ts_shift; /* TCP: added to the client's TSvals, taken from TSecrs to it (agent/time_wait.h) */
 	__u64 last_ns; /* UDP: bpf_ktime_get_coarse_ns() of the last packet from the balancer, to the second */
+	/* From a fleet prefix: the flow label of the accepted 155, then of
+	 * each accepted 124, naming the instance that sent it (a key of
+	 * fleet_instances); what the agent sends this connection's balancer
+	 * (125s, RSTs) goes there, wrapped (agent/encap.h). 0 = not a fleet's,
+	 * or a label that named no instance. */
+	__u32 fleet_label;
+	__u32 pad;
 };
 
 /* balancers[address]: who may send 155/124 here. */

@@ -100,7 +100,11 @@ enum inband_drop_reason {
 	/* A stray of a fleet flow at the direct SID beyond the adoption
 	 * budget ([scale_out] adopt_per_s): its retransmission may be taken. */
 	INBAND_DROP_ADOPT_BUDGET = 22,
-	INBAND_DROP_MAX = 23,
+	/* A backend's packet its agent wrapped to this instance (the flow
+	 * label of its 155 or 124 named it), for a fleet tuple this instance
+	 * holds no connection of. */
+	INBAND_DROP_STEERED_NOT_OWNER = 23,
+	INBAND_DROP_MAX = 24,
 };
 
 /* Things the data path did or refused that are not drops; per-CPU array,
@@ -149,7 +153,11 @@ enum inband_event {
 	 * its Maglev primary, its tuple the fleet's, as on the instance that
 	 * opened it (handshake.h adopt()). */
 	INBAND_EV_ADOPTED_MAGLEV = 36,
-	INBAND_EV_MAX = 37,
+	/* A backend's packet to a fleet address that its agent wrapped in
+	 * IPv6 to this instance's address (a 125, a RST): unwrapped and taken
+	 * on the return path (scale_out.h decap_steered()). */
+	INBAND_EV_FLEET_STEERED = 37,
+	INBAND_EV_MAX = 38,
 };
 
 /* gauges[0] = whole table (plus half_open count), [1 + vip id], [1 + INBAND_MAX_VIPS + backend id]. */

@@ -29,6 +29,7 @@
 #include "inband/lb/options.h"
 #include "inband/lb/parse.h"
 #include "inband/lb/rewrite.h"
+#include "inband/lb/scale_out.h"
 #include "inband/lb/score.h"
 #include "inband/lb/verify.h"
 
@@ -190,6 +191,10 @@ __noinline int backend_to_client(struct xdp_md *ctx, const struct inband_lb_conf
 	struct inband_flow *f = flow_by_port(&nk, &p->fk);
 
 	if (!f) {
+		/* An agent steered it here for a connection another instance
+		 * holds (or none does): no host of ours has the fleet address. */
+		if (p->via_sid == VIA_STEERED)
+			return drop(INBAND_DROP_STEERED_NOT_OWNER);
 		/* The balancer host's own traffic; only inband options are ours to judge. */
 		__u32 found = backend_option(ctx, p, &w);
 

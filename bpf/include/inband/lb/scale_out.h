@@ -24,9 +24,11 @@
 #include "inband/lb/parse.h"
 #include "inband/shadow_generations.h"
 
-/* How a packet reached this instance through the ECMP router (p->via_sid). */
+/* How a packet reached this instance through the ECMP router (p->via_sid),
+ * or from a backend's agent (VIA_STEERED: decap_steered()). */
 #define VIA_COND_SID 1
 #define VIA_DIRECT_SID 2
+#define VIA_STEERED 3
 
 /* The SRv6 encapsulation the router adds (seg6 mode encap): an outer
  * IPv6 header, and a Segment Routing Header of one segment, or none
@@ -149,6 +151,49 @@ static __noinline int decap_srv6(struct xdp_md *ctx, const struct inband_lb_conf
 unsupported:
 	drop(INBAND_DROP_SRV6_UNSUPPORTED);
 	return -1;
+}
+
+/*
+ * A backend's packet to a fleet address, which its agent wrapped in IPv6
+ * to this instance's address because the flow label of the connection's
+ * 155 or 124 named this instance (forward() writes cfg->fleet_label):
+ * the fleet address itself reaches no instance. Only the agent's exact
+ * wrapping is unwrapped: no extension header or fragment outside, IPv6
+ * inside from the same source (the backend) to an address of this
+ * instance's fleet prefix, filling the outer packet. The inner packet is
+ * then walked with p->via_sid = VIA_STEERED, and only the return path
+ * takes it (a 125 there still needs its flow, an outstanding 124 and the
+ * MAC; anything else to a fleet address with no connection here is
+ * dropped, `steered_not_owner`). Anyone can send such a packet; it
+ * carries nothing a packet to a fleet address could not, were that
+ * address routed here. 1 if unwrapped, 0 if it is not the agent's (left
+ * to the kernel), -1 if dropped (counted). Not inlined: the walk's frame
+ * is at its limit.
+ */
+static __noinline int decap_steered(struct xdp_md *ctx, const struct inband_lb_config *cfg, struct pkt *p)
+{
+	if (!cfg || !p || !cfg->fleet_label || p->proto != IP6_IN_IP6 || p->ext || p->frag ||
+	    !inband_addr_eq(&p->daddr, &cfg->self6))
+		return 0;
+	struct ipv6hdr in;
+	struct inband_addr src, dst;
+
+	if (bpf_xdp_load_bytes(ctx, ETH_HLEN + INBAND_IPV6_HDR, &in, sizeof(in)))
+		return 0;
+	__builtin_memcpy(&src, &in.saddr, 16);
+	__builtin_memcpy(&dst, &in.daddr, 16);
+	if (in.version != 6 || bpf_ntohs(in.payload_len) + 2 * INBAND_IPV6_HDR != p->tot_len ||
+	    !inband_addr_eq(&src, &p->saddr) || !in_fleet_prefix(cfg, &dst))
+		return 0;
+	if (close_gap(ctx, ETH_HLEN, SRV6_OUTER))
+		return -1;
+	event(INBAND_EV_FLEET_STEERED);
+	__builtin_memset(p, 0, sizeof(*p));
+	p->len = (long)ctx->data_end - (long)ctx->data;
+	if (parse6(ctx, p))
+		return -1;
+	p->via_sid = VIA_STEERED;
+	return 1;
 }
 
 /*

@@ -196,7 +196,12 @@ struct inband_lb_config {
 	/* Strays of fleet flows taken over a second, per CPU (handshake.h
 	 * adopt()); 0 = none. */
 	__u32 adopt_per_s;
-	__u32 pad_fleet;
+	/* The IPv6 flow label (20 bits, host order; 0 = fleet off) that names
+	 * this instance on the packets of fleet flows that carry a 155 or a
+	 * 124: the agent sends what it answers for such a flow (125s, RSTs)
+	 * to the balancer address the label names, wrapped, since the fleet
+	 * address reaches no instance (inband-core wire.rs fleet_label). */
+	__u32 fleet_label;
 };
 
 /* The client side of a connection: key of `flows` and `half_open`. */
