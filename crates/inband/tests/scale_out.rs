@@ -805,7 +805,7 @@ fn an_instance_host_crash_keeps_its_maglev_connections_with_fleet_tuples() {
 #[test]
 fn dsr_dynamic_scores_reach_the_instance_that_asked_with_fleet_tuples() {
     const N: usize = 8;
-    let farm = Farm::up_family("d", 82, 2, false, false, Vip::DynamicFleet);
+    let farm = Farm::up_family("s", 82, 2, false, false, Vip::DynamicFleet);
     farm.route(&[1, 2], false);
     let url = farm.url();
     wait_for("the VIP to answer", || {
