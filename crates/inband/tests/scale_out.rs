@@ -27,7 +27,7 @@ use serde_json::Value;
 
 mod cluster;
 use cluster::{run_ok, wait_for, BIN};
-const BODY: usize = 4_000_000;
+const BODY: usize = 2_500_000;
 /// Concurrent downloads per step: with 16, the chance that a change of
 /// one next hop in three moves none of them is (2/3)^16, 0.15%.
 const DOWNLOADS: usize = 16;
