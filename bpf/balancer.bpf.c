@@ -414,6 +414,13 @@ __noinline int open_flow(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 	f->backend_id = (__u16)id;
 	f->vip_id = (__u16)vid;
 	f->mode = vc->mode;
+	/* Only the modes with scores and least-connections rank by the count;
+	 * counting in the others would leave a stale backlog after a switch to
+	 * such a policy. */
+	int counted = score_mode(vc->mode) || vc->policy == INBAND_POLICY_LEAST_CONNECTIONS;
+
+	if (counted && !score_mode(vc->mode))
+		f->flags |= INBAND_FLOW_COUNTED;
 	f->state = INBAND_FLOW_SYN_SENT;
 	f->proto = fk->proto;
 	f->last_seen_ns = p->now;
@@ -425,9 +432,7 @@ __noinline int open_flow(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 	__builtin_memcpy(f->client_mac, eth->h_source, ETH_ALEN);
 	if (bpf_map_update_elem(&half_open, fk, f, BPF_ANY))
 		return drop(INBAND_DROP_FLOW_TABLE_FULL);
-	/* Only the score modes rank by it; counting in the round-robin modes
-	 * would leave a stale backlog after a switch to them. */
-	if (score_mode(vc->mode)) {
+	if (counted) {
 		struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &id);
 
 		if (s)

@@ -36,6 +36,7 @@ pub enum Policy {
     LeastScore = c::INBAND_POLICY_LEAST_SCORE as u8,
     PowerOfTwo = c::INBAND_POLICY_POWER_OF_TWO as u8,
     Maglev = c::INBAND_POLICY_MAGLEV as u8,
+    LeastConnections = c::INBAND_POLICY_LEAST_CONNECTIONS as u8,
 }
 
 impl Mode {
@@ -59,7 +60,7 @@ impl Mode {
 
 impl Policy {
     pub fn from_u8(v: u8) -> Option<Policy> {
-        [Policy::RoundRobin, Policy::LeastScore, Policy::PowerOfTwo, Policy::Maglev].into_iter().find(|p| *p as u8 == v)
+        [Policy::RoundRobin, Policy::LeastScore, Policy::PowerOfTwo, Policy::Maglev, Policy::LeastConnections].into_iter().find(|p| *p as u8 == v)
     }
     pub fn name(self) -> &'static str {
         match self {
@@ -67,6 +68,7 @@ impl Policy {
             Policy::LeastScore => "least-score",
             Policy::PowerOfTwo => "power-of-two",
             Policy::Maglev => "maglev",
+            Policy::LeastConnections => "least-connections",
         }
     }
 }

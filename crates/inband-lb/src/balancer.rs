@@ -121,8 +121,9 @@ impl Balancer {
             .iter()
             .find(|v| v.endpoint == vip && v.protocol == protocol)
             .ok_or_else(|| anyhow::anyhow!("no VIP {} is configured", inband_core::net::vip_name(vip, protocol)))?;
-        let ranks_by_load = Mode::from_u8(v.vip.mode).is_some_and(Mode::scored)
-            && matches!(Policy::from_u8(v.vip.policy), Some(Policy::LeastScore | Policy::PowerOfTwo));
+        let policy = Policy::from_u8(v.vip.policy);
+        let ranks_by_load = (Mode::from_u8(v.vip.mode).is_some_and(Mode::scored) && matches!(policy, Some(Policy::LeastScore | Policy::PowerOfTwo)))
+            || policy == Some(Policy::LeastConnections);
         let new_conns = v
             .slots
             .iter()

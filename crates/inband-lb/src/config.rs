@@ -511,10 +511,11 @@ impl VipConfig {
     }
 
     /// The policy the data path runs: the round-robin modes ignore a
-    /// score policy (they have no scores), not Maglev (it needs none).
+    /// score policy (they have no scores), not Maglev or least-connections
+    /// (they need none).
     pub fn effective_policy(&self) -> Policy {
         match self.mode {
-            Mode::Passthrough | Mode::DsrRr if self.policy == Policy::Maglev => Policy::Maglev,
+            Mode::Passthrough | Mode::DsrRr if matches!(self.policy, Policy::Maglev | Policy::LeastConnections) => self.policy,
             Mode::Passthrough | Mode::DsrRr => Policy::RoundRobin,
             Mode::DsrPolling | Mode::DsrDynamic | Mode::DsrQuery => self.policy,
         }
@@ -545,7 +546,7 @@ impl VipConfig {
         match self.effective_policy() {
             Policy::Maglev => true,
             Policy::RoundRobin => self.weighted(),
-            Policy::LeastScore | Policy::PowerOfTwo => self.weighted() && self.backends.len() > SCAN_MAX as usize,
+            Policy::LeastScore | Policy::PowerOfTwo | Policy::LeastConnections => self.weighted() && self.backends.len() > SCAN_MAX as usize,
         }
     }
 
@@ -585,6 +586,13 @@ impl VipConfig {
                 "vip {ep}: probe_interval_max = {} is below probe_interval = {}: the adaptive n runs between them",
                 self.probe_interval_max(),
                 self.probe_interval
+            );
+        }
+        if self.mode.scored() && self.policy == Policy::LeastConnections {
+            bail!(
+                "vip {ep}: policy least-connections ranks by the balancer's own connection counts, in passthrough and dsr-rr; \
+                 mode {} ranks by the servers' scores plus those counts: use least-score",
+                self.mode.name()
             );
         }
         if self.mode == Mode::DsrPolling && self.poll_interval_ms == 0 {
@@ -1194,6 +1202,17 @@ quic_server_id = 2
     fn round_robin_modes_ignore_policy() {
         let c = LbConfig::parse(&GOOD.replace("dsr-dynamic", "dsr-rr")).unwrap();
         assert_eq!(c.vips[0].effective_policy(), Policy::RoundRobin);
+    }
+
+    #[test]
+    fn least_connections_is_for_the_modes_without_scores() {
+        for mode in ["dsr-rr", "passthrough"] {
+            let text = GOOD.replace("mode = \"dsr-dynamic\"", &format!("mode = \"{mode}\"\npolicy = \"least-connections\""));
+            let c = LbConfig::parse(&text).unwrap();
+            assert_eq!(c.vips[0].effective_policy(), Policy::LeastConnections, "{mode}");
+        }
+        let err = LbConfig::parse(&GOOD.replace("mode = \"dsr-dynamic\"", "mode = \"dsr-dynamic\"\npolicy = \"least-connections\"")).unwrap_err();
+        assert!(format!("{err:#}").contains("policy least-connections ranks by the balancer's own connection counts") && format!("{err:#}").contains("use least-score"), "{err:#}");
     }
 
     #[test]

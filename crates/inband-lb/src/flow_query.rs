@@ -148,6 +148,18 @@ fn new_flow(maps: &LbMaps, v: &VipEntry, key: &FlowKey, route: &mut FlowRoute) -
                 (Some(best.endpoint), how)
             }
         }
+        Some(Policy::LeastConnections) => {
+            let best = lightest(&eligible);
+            let how = if large {
+                format!(
+                    "least-connections over a large VIP: two eligible backends drawn at random{}, the one with fewer connections per weight wins; the lightest of all is shown",
+                    if weighted { " in proportion to weight" } else { "" }
+                )
+            } else {
+                format!("least-connections: the lightest of {} eligible backends by (connections opened here and not yet closed + 1) / weight; ties are broken at random", eligible.len())
+            };
+            (Some(best.endpoint), how)
+        }
         Some(Policy::Maglev) => {
             let h = maglev::flow_hash(key.as_bytes());
             let entry = maglev_entry(maps, v.vip.maglev_table, h)?;

@@ -870,6 +870,59 @@ fn fin_and_rst_move_a_flow_to_closing_counted_once() {
     }
 }
 
+/// least-connections (dsr-rr: no feedback at all): a new connection goes
+/// to the backend with the fewest connections this balancer opened and
+/// has not seen end; an ended one frees its backend at once. A flow's end
+/// is counted only if its opening was, whatever the policy is by then.
+#[test]
+fn least_connections_ranks_by_the_balancers_own_counts() {
+    let fx = Fixture::lb_with(Mode::DsrRr, Policy::LeastConnections, 3);
+    // Three connections, one on each backend whichever way the ties break.
+    let conns: Vec<(SocketAddr, B, u16)> = (1..=3).map(|n| {
+        let (b, snat) = fx.connect(client(n));
+        (client(n), b, snat)
+    }).collect();
+    let mut ids: Vec<u32> = conns.iter().map(|(_, b, _)| b.id).collect();
+    ids.sort();
+    assert_eq!(ids, (0..3).map(|i| backend(i).id).collect::<Vec<_>>());
+    assert!(fx.flow(client(1)).unwrap().flags & c::INBAND_FLOW_COUNTED as u8 != 0);
+    // The first client ends its connection: its backend is the lightest.
+    let (c1, b1, snat1) = conns[0];
+    let fin = data(c1).flags(TCP_ACK | TCP_FIN).payload(Vec::<u8>::new());
+    assert_eq!(fx.tx(&fin.build()), forwarded(&fin, &b1, snat1, vec![]));
+    let s = fx.score(&b1);
+    assert_eq!((s.opened, s.closed), (1, 1));
+    for n in 4..=8 {
+        assert_eq!(fx.pick(client(n)), b1.id, "client {n}: {b1:?} has none left, the others one each");
+        // Each pick's handshake ends unfinished (the client's RST): its
+        // count goes as it came, and the backend stays the lightest.
+        fx.tx(&ack(client(n)).flags(TCP_RST).build());
+        assert_eq!(fx.half_open(client(n)), None);
+    }
+    let s = fx.score(&b1);
+    assert_eq!((s.opened, s.closed), (6, 6), "five abandoned handshakes counted in and out");
+    // Opened under least-connections and ended under round-robin: still
+    // counted out. Opened under round-robin: never counted, in or out.
+    let (c2, b2, snat2) = conns[1];
+    fx.update_vip(|v| v.policy = Policy::RoundRobin as u8);
+    let (b9, snat9) = fx.connect(client(9));
+    assert_eq!(fx.flow(client(9)).unwrap().flags & c::INBAND_FLOW_COUNTED as u8, 0);
+    fx.update_vip(|v| v.policy = Policy::LeastConnections as u8);
+    let before = fx.score(&b9);
+    for (c, b, snat) in [(c2, b2, snat2), (client(9), b9, snat9)] {
+        let fin = data(c).flags(TCP_ACK | TCP_FIN).payload(Vec::<u8>::new());
+        assert_eq!(fx.tx(&fin.build()), forwarded(&fin, &b, snat, vec![]));
+    }
+    let after_b2 = fx.score(&b2);
+    let after_b9 = fx.score(&b9);
+    if b9.id == b2.id {
+        assert_eq!(after_b2.closed - before.closed, 1, "only the counted flow is counted out");
+    } else {
+        assert_eq!((after_b2.opened, after_b2.closed), (1, 1));
+        assert_eq!((after_b9.opened, after_b9.closed), (before.opened, before.closed), "an uncounted flow's end changes nothing");
+    }
+}
+
 #[test]
 fn packets_keep_a_flow_alive_and_the_sweeper_ends_an_idle_one() {
     let fx = Fixture::lb_with(Mode::DsrRr, Policy::RoundRobin, 1);
@@ -3813,6 +3866,7 @@ fn a_down_backend_gets_no_new_connection_in_any_policy() {
         (Mode::DsrRr, Policy::RoundRobin),
         (Mode::Passthrough, Policy::RoundRobin),
         (Mode::DsrRr, Policy::Maglev),
+        (Mode::DsrRr, Policy::LeastConnections),
         (Mode::DsrDynamic, Policy::LeastScore),
         (Mode::DsrDynamic, Policy::PowerOfTwo),
     ] {

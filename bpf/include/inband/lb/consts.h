@@ -58,6 +58,10 @@ enum inband_policy {
 	INBAND_POLICY_LEAST_SCORE = 1, /* lowest load estimate per weight, random among ties */
 	INBAND_POLICY_POWER_OF_TWO = 2, /* two random backends, lower load estimate per weight */
 	INBAND_POLICY_MAGLEV = 3, /* weighted Maglev consistent hashing of the client side (select.h) */
+	/* lowest count of the connections this balancer opened and has not seen
+	 * close, per weight: least-score with no score (passthrough and dsr-rr,
+	 * the control for what feedback adds) */
+	INBAND_POLICY_LEAST_CONNECTIONS = 4,
 };
 
 /*

@@ -129,6 +129,12 @@ static __always_inline int score_mode(__u8 mode)
 	return mode == INBAND_MODE_DSR_POLLING || mode == INBAND_MODE_DSR_DYNAMIC || mode == INBAND_MODE_DSR_QUERY;
 }
 
+/* Whether the flow's opening was counted in its backend's `opened`. */
+static __always_inline int flow_counted(const struct inband_flow *f)
+{
+	return score_mode(f->mode) || (f->flags & INBAND_FLOW_COUNTED);
+}
+
 /* Deletes an established flow and its SNAT reservation (if it owns it). */
 static __always_inline void flow_end(const struct inband_flow_key *fk, const struct inband_flow *f)
 {
@@ -153,7 +159,7 @@ static __always_inline void handshake_abandoned(const struct inband_flow *f)
 	__u32 bid = f->backend_id;
 	struct inband_backend_score *s;
 
-	if (score_mode(f->mode) && (s = bpf_map_lookup_elem(&scores, &bid)))
+	if (flow_counted(f) && (s = bpf_map_lookup_elem(&scores, &bid)))
 		__sync_fetch_and_add(&s->closed, 1);
 }
 
@@ -192,7 +198,7 @@ static __always_inline void flow_close(struct inband_flow *f)
 	__u32 bid = f->backend_id, vid = f->vip_id;
 
 	/* An adopted flow's opening was counted where it opened. */
-	if (score_mode(f->mode) && !(f->flags & INBAND_FLOW_ADOPTED)) {
+	if (flow_counted(f) && !(f->flags & INBAND_FLOW_ADOPTED)) {
 		struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &bid);
 
 		if (s)

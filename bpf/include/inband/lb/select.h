@@ -407,7 +407,9 @@ __noinline int select_backend(const struct inband_vip *vip, __u32 vid, __u32 ski
 		if (!p.eligible)
 			return 0;
 	}
-	if (by_score && vip->policy == INBAND_POLICY_LEAST_SCORE) {
+	/* least-connections is least-score over the balancer's own counts:
+	 * with no score, the estimate is opened - closed. */
+	if ((by_score && vip->policy == INBAND_POLICY_LEAST_SCORE) || vip->policy == INBAND_POLICY_LEAST_CONNECTIONS) {
 		p.how = large ? PICK_SAMPLE : PICK_LEAST_SCORE;
 	} else if (by_score && vip->policy == INBAND_POLICY_POWER_OF_TWO) {
 		p.how = large ? PICK_SAMPLE : PICK_TWO_CHOICES;

@@ -225,6 +225,9 @@ enum inband_flow_state {
 /* Taken over at the end of a chain (fleet tuples, handshake.h adopt()):
  * another instance opened it and counted it in its load estimate. */
 #define INBAND_FLOW_ADOPTED 4
+/* Its opening is in its backend's `opened` although its mode has no
+ * scores (least-connections): its end goes into `closed`. */
+#define INBAND_FLOW_COUNTED 8
 
 /*
  * Established flows are aged without a clock read per packet: a packet sets
