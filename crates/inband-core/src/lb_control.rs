@@ -164,7 +164,7 @@ pub enum ControlRequest {
         #[arg(long, value_parser = parse_mode)]
         mode: Mode,
     },
-    /// Set a VIP's selection policy (least-score, power-of-two, round-robin).
+    /// Set a VIP's selection policy (least-score, power-of-two, round-robin, maglev, least-connections).
     SetPolicy {
         #[arg(long)]
         vip: SocketAddr,
@@ -248,7 +248,7 @@ fn parse_weight(s: &str) -> Result<(SocketAddr, u32), String> {
 }
 fn parse_policy(s: &str) -> Result<Policy, String> {
     serde_json::from_value(serde_json::Value::String(s.into()))
-        .map_err(|_| format!("unknown policy {s:?}: expected least-score, power-of-two, round-robin or maglev"))
+        .map_err(|_| format!("unknown policy {s:?}: expected least-score, power-of-two, round-robin, maglev or least-connections"))
 }
 
 #[derive(Debug, Serialize, Deserialize)]
