@@ -208,7 +208,10 @@ pub fn run(maps: &LbMaps, cfg: &Arc<Mutex<LbConfig>>, stop: &AtomicBool) -> Resu
                 }
             };
             match receiver.accept(&key, &peers, from.ip(), &buf[..n]) {
-                Ok(choices) => stats.peer_records_learned += learn(maps, &choices)?,
+                Ok(choices) => match learn(maps, &choices) {
+                    Ok(n) => stats.peer_records_learned += n,
+                    Err(e) => warn!(error = %format!("{e:#}"), "writing a peer's choices into peer_choices"),
+                },
                 Err(Refused::UnknownSender) => stats.peer_unknown_sender += 1,
                 Err(Refused::Malformed) => stats.peer_malformed += 1,
                 Err(Refused::BadMac) => stats.peer_bad_mac += 1,
