@@ -815,6 +815,8 @@ fn an_instance_host_crash_keeps_its_maglev_connections_with_fleet_tuples() {
 /// back and announcing to nobody (`peers` empty: b2 and b3 still listen),
 /// the same crash breaks b1's downloads and only those, or the first half
 /// would prove nothing; those are given up once the others are done.
+/// Datagrams from a stranger, cut short or under another key are refused
+/// and counted.
 #[test]
 fn an_instance_host_crash_keeps_its_dsr_dynamic_connections_with_announced_choices() {
     let mut farm = Farm::up_family("p", 90, 3, false, false, Vip::Announced);
@@ -851,6 +853,28 @@ fn an_instance_host_crash_keeps_its_dsr_dynamic_connections_with_announced_choic
                     assert_eq!(p[refused].as_u64(), Some(0), "b{i} refused a datagram: {p}");
                 }
             }
+            // What is not a peer's datagram under the fleet key changes
+            // nothing and is counted, by reason: from the client, from a
+            // peer but cut short, from a peer under another key.
+            let b2 = farm.tb.addr6("b2").to_string();
+            let send = |from: &str, d: &[u8]| {
+                let hex: String = d.iter().map(|b| format!("{b:02x}")).collect();
+                run_ok(&farm.tb, from, &["python3", "-c", SEND_UDP, &b2, "7155", &hex]);
+            };
+            let key = inband_lb::maps::FlowKey { proto: 6, ..Default::default() };
+            let forged = inband_lb::peers::encode(
+                &inband_core::wire::Key([9; 16]),
+                u64::MAX,
+                &[inband_lb::peers::Choice { key, backend_addr: Default::default(), backend_port: 0, age_ms: 0 }],
+            );
+            send("c1", &forged);
+            send("b3", &forged[..40]);
+            send("b3", &forged);
+            let refused = |f: &Farm| {
+                let p = &f.status(2)["control"]["peers"];
+                ["unknown_sender", "malformed", "bad_mac", "replayed"].map(|k| p[k].as_u64().unwrap_or(0))
+            };
+            wait_for("b2 to refuse the three datagrams", || refused(&farm) == [1, 1, 1, 0]);
             // b1 comes back, announcing to nobody.
             run_ok(&farm.tb, "b1", &["sysctl", "-q", "-w", "net.ipv6.conf.all.forwarding=1"]);
             let cfg = farm.dir.join("lb-b1.toml");
@@ -946,6 +970,12 @@ fn dsr_dynamic_scores_reach_the_instance_that_asked_with_fleet_tuples() {
     forge(other);
     wait_for("the other instance to drop the forged 125", || farm.drop_count(other, "steered_not_owner") > was_dropped);
 }
+
+/// A UDP datagram: argv address, port, payload in hex.
+const SEND_UDP: &str = r#"
+import socket, sys
+socket.socket(socket.AF_INET6, socket.SOCK_DGRAM).sendto(bytes.fromhex(sys.argv[3]), (sys.argv[1], int(sys.argv[2])))
+"#;
 
 /// A backend's packet with a 125 (score 60000, nonce and MAC zero) to the
 /// fleet address, wrapped in IPv6 to an instance as an agent wraps it:
