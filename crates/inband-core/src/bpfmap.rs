@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use libbpf_rs::{MapCore, MapFlags, MapHandle};
+use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType, Object, RingBufferBuilder};
 
 use crate::pod::Pod;
 
@@ -35,6 +35,50 @@ pub fn delete<K: Pod>(map: &dyn MapCore, key: &K) -> Result<()> {
         Err(e) if e.kind() == libbpf_rs::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(e).with_context(|| format!("deleting from map {}", map.name().to_string_lossy())),
     }
+}
+
+/// Returns every map of a loaded object to its state at load: tables
+/// emptied, arrays and `.bss` zeroed, rings drained; `.rodata` is left as
+/// it is (frozen at load), and so are storages attached to sockets or tasks. Packet fixtures reuse one loaded program this
+/// way rather than paying the verifier for each test.
+pub fn reset_maps(object: &Object) -> Result<()> {
+    let cpus = libbpf_rs::num_possible_cpus()?;
+    for map in object.maps() {
+        let name = map.name().to_string_lossy().into_owned();
+        if name.ends_with(".rodata") {
+            continue;
+        }
+        anyhow::ensure!(!name.ends_with(".data"), "map {name} holds initialised globals, which a reset would lose");
+        match map.map_type() {
+            MapType::Hash | MapType::LruHash | MapType::PercpuHash | MapType::LruPercpuHash | MapType::LpmTrie => {
+                let keys: Vec<Vec<u8>> = map.keys().collect();
+                for k in keys {
+                    map.delete(&k).with_context(|| format!("emptying map {name}"))?;
+                }
+            }
+            MapType::Array => {
+                let n = map.max_entries();
+                let keys: Vec<u8> = (0..n).flat_map(u32::to_ne_bytes).collect();
+                let zero = vec![0u8; map.value_size() as usize * n as usize];
+                map.update_batch(&keys, &zero, n, MapFlags::ANY, MapFlags::ANY).with_context(|| format!("zeroing map {name}"))?;
+            }
+            MapType::PercpuArray => {
+                let zero = vec![vec![0u8; map.value_size() as usize]; cpus];
+                for i in 0..map.max_entries() {
+                    map.update_percpu(&i.to_ne_bytes(), &zero, MapFlags::ANY).with_context(|| format!("zeroing map {name}"))?;
+                }
+            }
+            MapType::RingBuf => {
+                let mut rb = RingBufferBuilder::new();
+                rb.add(&map, |_: &[u8]| 0)?;
+                rb.build()?.consume().with_context(|| format!("draining map {name}"))?;
+            }
+            // Their entries belong to sockets and tasks, and go with them.
+            MapType::SkStorage | MapType::TaskStorage | MapType::InodeStorage => {}
+            other => anyhow::bail!("map {name} is a {other:?}, which reset_maps does not know how to clear"),
+        }
+    }
+    Ok(())
 }
 
 /// Every CPU's value of a per-CPU map entry.

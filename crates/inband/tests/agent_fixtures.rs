@@ -11,6 +11,7 @@
 
 use std::ffi::CString;
 use std::mem::MaybeUninit;
+use std::sync::Mutex;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::process::Command;
@@ -28,7 +29,7 @@ use inband_lb::tables::ktime_ns;
 use inband_core::pod::{be_ip, be_port, Pod};
 use inband_core::wire::{Conn, InbandOption, Key};
 use libbpf_rs::libbpf_sys;
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
 use libbpf_rs::{AsRawLibbpf, MapCore, MapFlags, MapMut, OpenObject, ProgramInput, ProgramMut};
 
 // Shared by the fixture crates; this one needs only part of it.
@@ -122,14 +123,57 @@ fn request() -> PacketBuilder {
     PacketBuilder::tcp(lb(), server()).flags(TCP_ACK | TCP_PSH).payload(b"GET / HTTP/1.1\r\n\r\n".to_vec())
 }
 
-/// Opens and loads the agent with pinning switched off, so a test run leaves
-/// nothing under /sys/fs/bpf and never reuses a running agent's maps.
-fn load(obj: &mut MaybeUninit<OpenObject>) -> AgentSkel<'_> {
-    load_with(obj, false)
+/// A loaded agent a test holds; back among the idle ones when it ends.
+struct Agent {
+    skel: &'static AgentSkel<'static>,
+    requests: bool,
+}
+
+impl std::ops::Deref for Agent {
+    type Target = AgentSkel<'static>;
+    fn deref(&self) -> &AgentSkel<'static> {
+        self.skel
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        // A failed test's agent is not reused: whatever went wrong stays with it.
+        if !std::thread::panicking() {
+            IDLE.lock().unwrap().push((self.requests, Pooled(self.skel)));
+        }
+    }
+}
+
+/// Loaded agents no test holds, by whether the "requests" accounting is on
+/// (a constant fixed at load). A test takes one and resets its maps rather
+/// than loading its own: the verifier was most of this binary's time.
+static IDLE: Mutex<Vec<(bool, Pooled)>> = Mutex::new(Vec::new());
+
+struct Pooled(&'static AgentSkel<'static>);
+// SAFETY: a pooled agent is used by one test at a time, and the skeleton's
+// libbpf objects (descriptors and heap memory) belong to no thread.
+unsafe impl Send for Pooled {}
+
+/// The agent with pinning switched off, so a test run leaves nothing under
+/// /sys/fs/bpf and never reuses a running agent's maps.
+fn load() -> Agent {
+    load_with(false)
 }
 
 /// `requests`: the "requests" score source's per-packet accounting on.
-fn load_with(obj: &mut MaybeUninit<OpenObject>, requests: bool) -> AgentSkel<'_> {
+fn load_with(requests: bool) -> Agent {
+    let idle = {
+        let mut idle = IDLE.lock().unwrap();
+        idle.iter().position(|(r, _)| *r == requests).map(|i| idle.swap_remove(i).1)
+    };
+    if let Some(Pooled(skel)) = idle {
+        inband_core::bpfmap::reset_maps(skel.object()).expect("reset a pooled agent");
+        return Agent { skel, requests };
+    }
+    // The skeleton borrows its object storage for as long as it lives,
+    // which for a pooled agent is the process's life.
+    let obj: &'static mut MaybeUninit<OpenObject> = Box::leak(Box::new(MaybeUninit::uninit()));
     let mut open = AgentSkelBuilder::default().open(obj).expect("open agent skeleton");
     for map in open.open_object_mut().maps_mut() {
         // SAFETY: a valid open map; a NULL path is libbpf's "do not pin".
@@ -137,7 +181,8 @@ fn load_with(obj: &mut MaybeUninit<OpenObject>, requests: bool) -> AgentSkel<'_>
         assert_eq!(rc, 0);
     }
     open.maps.rodata_data.as_mut().expect("rodata").score_requests = u8::from(requests);
-    open.load().expect("load agent (verifier)")
+    let skel: &'static AgentSkel<'static> = Box::leak(Box::new(open.load().expect("load agent (verifier)")));
+    Agent { skel, requests }
 }
 
 fn put<K: Pod, V: Pod>(map: &MapMut, key: &K, value: &V) {
@@ -261,8 +306,7 @@ fn ingress(skel: &AgentSkel, frame: &[u8], verdict: u32, want: Option<&[u8]>, wh
 
 #[test]
 fn ingress_stores_an_authenticated_client_tuple_and_strips_155() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     let plain = syn();
     let with_opt = plain.clone().ip_options(auth_tuple(&plain, KEY_ID, &KEY, client()));
@@ -274,8 +318,7 @@ fn ingress_stores_an_authenticated_client_tuple_and_strips_155() {
 
 #[test]
 fn ingress_stores_a_seed_client_tuple_in_mode_none() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure_seed(&skel);
     let plain = syn();
     ingress(
@@ -291,8 +334,7 @@ fn ingress_stores_a_seed_client_tuple_in_mode_none() {
 
 #[test]
 fn ingress_verifies_the_checksum_of_a_syn_with_data() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     // TCP Fast Open: data on the SYN, more than one 64-byte chunk of the
     // software checksum and an odd length.
@@ -315,8 +357,7 @@ fn ingress_verifies_the_checksum_of_a_syn_with_data() {
 
 #[test]
 fn ingress_drops_155_with_a_bad_checksum() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     let p = syn();
     let good = p.clone().ip_options(auth_tuple(&p, KEY_ID, &KEY, client())).build();
@@ -344,8 +385,7 @@ fn ingress_drops_155_with_a_bad_checksum() {
 
 #[test]
 fn ingress_drops_a_forged_155() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     put(&skel.maps.dsr_flows, &conn_key(), &tuple_flow(CLIENT));
     let victim = sa(VICTIM, CLIENT_PORT);
@@ -395,8 +435,7 @@ fn ingress_drops_a_forged_155() {
 
 #[test]
 fn ingress_drops_155_under_an_unknown_key_id() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     let p = syn();
     // Correctly signed, but with keys the agent does not have: id 7
@@ -423,8 +462,7 @@ fn ingress_drops_155_under_an_unknown_key_id() {
 
 #[test]
 fn ingress_drops_options_of_the_format_not_configured() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     let p = syn();
     // Authenticated mode: a seed option carries no MAC.
@@ -452,8 +490,7 @@ fn ingress_drops_options_of_the_format_not_configured() {
 
 #[test]
 fn ingress_drops_155_on_anything_but_a_syn() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     put(&skel.maps.dsr_flows, &conn_key(), &tuple_flow(CLIENT));
     let victim = sa(VICTIM, CLIENT_PORT);
@@ -473,8 +510,7 @@ fn ingress_drops_155_on_anything_but_a_syn() {
 
 #[test]
 fn ingress_strips_only_the_first_option_and_keeps_the_rest() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     // A 155 followed by a (made-up, 4-byte) option the agent does not own.
     let other = vec![0x88, 4, 0xab, 0xcd];
@@ -494,8 +530,7 @@ fn ingress_strips_only_the_first_option_and_keeps_the_rest() {
 
 #[test]
 fn ingress_untrusted_source_is_untouched_and_counted() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     let stranger = PacketBuilder::tcp(sa(Ipv4Addr::new(10, 0, 0, 66), SNAT_PORT), server()).syn(1452);
     let frames = [
@@ -512,8 +547,7 @@ fn ingress_untrusted_source_is_untouched_and_counted() {
 
 #[test]
 fn ingress_malformed_ipv4_is_untouched_and_counted() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     let p = syn();
     let good = p.clone().ip_options(auth_tuple(&p, KEY_ID, &KEY, client())).build();
@@ -557,8 +591,7 @@ fn ingress_malformed_ipv4_is_untouched_and_counted() {
 
 #[test]
 fn ingress_leaves_everything_else_untouched() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     let tuple = auth_tuple(&syn(), KEY_ID, &KEY, client());
     let other_port = sa(SERVER, 9999);
@@ -589,8 +622,7 @@ fn ingress_leaves_everything_else_untouched() {
 
 #[test]
 fn ingress_marks_an_authenticated_score_request_and_strips_124() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     put(&skel.maps.dsr_flows, &conn_key(), &tuple_flow(CLIENT));
     let nonce = [0xde, 0xad, 0xbe, 0xef];
@@ -602,8 +634,7 @@ fn ingress_marks_an_authenticated_score_request_and_strips_124() {
 
 #[test]
 fn ingress_marks_a_seed_score_request() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure_seed(&skel);
     put(&skel.maps.dsr_flows, &conn_key(), &tuple_flow(CLIENT));
     let frame = request().ip_options(InbandOption::ScoreRequest.encode()).build();
@@ -615,8 +646,7 @@ fn ingress_marks_a_seed_score_request() {
 
 #[test]
 fn ingress_drops_a_124_with_a_bad_mac() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     put(&skel.maps.dsr_flows, &conn_key(), &tuple_flow(CLIENT));
     let nonce = [1, 2, 3, 4];
@@ -649,8 +679,7 @@ fn ingress_drops_a_124_with_a_bad_mac() {
 
 #[test]
 fn ingress_124_on_an_unknown_flow_creates_nothing_and_gets_no_answer() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     ingress(
         &skel,
@@ -704,8 +733,7 @@ fn seed_flow() -> DsrFlow {
 
 #[test]
 fn egress_answers_a_seed_score_request_with_active_connections() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure_seed(&skel);
     put(&skel.maps.active_conns, &LOCAL_PORT, &3i64);
     // A tuple is present: the 125 still goes to the balancer, not via DSR.
@@ -719,8 +747,7 @@ fn egress_answers_a_seed_score_request_with_active_connections() {
 
 #[test]
 fn egress_answers_with_an_authenticated_125() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     set_keys(&skel, &[(KEY_ID, KEY), (KEY2_ID, KEY2)]);
     put(&skel.maps.active_conns, &LOCAL_PORT, &3i64);
@@ -738,8 +765,7 @@ fn egress_answers_with_an_authenticated_125() {
 
 #[test]
 fn authenticated_round_trip_155_124_125() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     put(&skel.maps.active_conns, &LOCAL_PORT, &12i64);
     let s = syn();
@@ -766,8 +792,7 @@ fn authenticated_round_trip_155_124_125() {
 
 #[test]
 fn egress_cannot_sign_after_its_key_was_removed() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     // The 124 came under key 7, which a rotation removed before the answer.
     put(&skel.maps.dsr_flows, &conn_key(), &requested(DsrFlow::default(), KEY2_ID, [1, 2, 3, 4]));
@@ -782,8 +807,7 @@ fn egress_cannot_sign_after_its_key_was_removed() {
 
 #[test]
 fn egress_score_override_wins_over_active_connections() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure_seed(&skel);
     put(&skel.maps.active_conns, &LOCAL_PORT, &3i64);
     put(&skel.maps.score_override, &LOCAL_PORT, &42u32);
@@ -795,8 +819,7 @@ fn egress_score_override_wins_over_active_connections() {
 
 #[test]
 fn egress_without_room_for_the_option_keeps_the_request() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     let flow = requested(DsrFlow::default(), KEY_ID, [1, 2, 3, 4]);
     put(&skel.maps.dsr_flows, &conn_key(), &flow);
@@ -811,8 +834,7 @@ fn egress_without_room_for_the_option_keeps_the_request() {
 
 #[test]
 fn egress_leaves_other_traffic_untouched() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     let flow = requested(DsrFlow::default(), KEY_ID, [1, 2, 3, 4]);
     put(&skel.maps.dsr_flows, &conn_key(), &flow);
@@ -880,8 +902,7 @@ fn syn_ack(src: SocketAddr, dst: SocketAddr, mss: u16) -> PacketBuilder {
 fn egress_dsr_rewrites_syn_ack_to_the_client() {
     let ns = TestNetns::enter("dsr");
     let ifindex = server_routes(&ns, true);
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     put(&skel.maps.dsr_flows, &conn_key(), &tuple_flow(CLIENT));
     let client = sa(CLIENT, CLIENT_PORT);
@@ -905,8 +926,7 @@ fn egress_dsr_rewrites_syn_ack_to_the_client() {
 fn egress_dsr_rewrites_data_without_touching_tcp_options() {
     let ns = TestNetns::enter("data");
     let ifindex = server_routes(&ns, true);
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     put(&skel.maps.dsr_flows, &conn_key(), &tuple_flow(CLIENT));
     let client = sa(CLIENT, CLIENT_PORT);
@@ -933,8 +953,7 @@ fn egress_dsr_rewrites_data_without_touching_tcp_options() {
 fn egress_dsr_without_neighbour_redirects_via_neigh() {
     let ns = TestNetns::enter("neigh");
     let ifindex = server_routes(&ns, true);
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     put(&skel.maps.dsr_flows, &conn_key(), &tuple_flow(CLIENT_NO_NEIGH));
     let client = sa(CLIENT_NO_NEIGH, CLIENT_PORT);
@@ -953,8 +972,7 @@ fn egress_dsr_without_neighbour_redirects_via_neigh() {
 fn egress_dsr_without_route_goes_via_the_balancer() {
     let ns = TestNetns::enter("noroute");
     let ifindex = server_routes(&ns, true);
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     put(&skel.maps.dsr_flows, &conn_key(), &tuple_flow(CLIENT_UNROUTED));
     let input = syn_ack(server(), lb(), 1460).build();
@@ -973,8 +991,7 @@ fn egress_dsr_without_route_goes_via_the_balancer() {
 fn egress_sends_a_servers_reset_through_the_balancer() {
     let ns = TestNetns::enter("rst");
     let ifindex = server_routes(&ns, true);
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     put(&skel.maps.dsr_flows, &conn_key(), &tuple_flow(CLIENT));
     let to_lb = |flags| PacketBuilder::tcp(server(), lb()).flags(flags).seq_no(77_000).ack_no(5001).macs(SERVER_MAC, [0x02, 0, 0, 0, 0xcc, 0x01]);
@@ -1001,8 +1018,7 @@ fn egress_sends_a_servers_reset_through_the_balancer() {
 fn egress_dsr_rewrites_the_pseudo_header_sum_of_a_udp_gso_burst() {
     let ns = TestNetns::enter("gso");
     let ifindex = server_routes(&ns, true);
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     add_service(&skel, LOCAL_PORT, 17, vip());
     put(&skel.maps.dsr_flows, &conn_key_of(lb(), LOCAL_PORT, 17), &tuple_flow(CLIENT));
@@ -1062,8 +1078,7 @@ fn set_linger_zero(s: &TcpStream) {
 fn tracepoint_counts_active_connections_and_closes_flows() {
     let ns = TestNetns::enter("tp");
     ns.ip(&["link", "set", "lo", "up"]);
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     let _links = [skel.progs.agent_sock_state.attach().expect("attach tracepoint"), skel.progs.agent_sock_destroy.attach().expect("attach tracepoint")];
     // The tracepoint fires for every namespace: a port below the ephemeral
     // range that no other test serves keeps other hosts' sockets out.
@@ -1162,8 +1177,7 @@ fn egress_dsr_with_forwarding_off_lets_the_kernel_route() {
     // bpf_redirect_neigh without a next hop, which routes it itself.
     let ns = TestNetns::enter("nofwd");
     let ifindex = server_routes(&ns, false);
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     put(&skel.maps.dsr_flows, &conn_key(), &tuple_flow(CLIENT));
     let input = syn_ack(server(), lb(), 1460).build();
@@ -1179,8 +1193,7 @@ fn egress_dsr_with_forwarding_off_lets_the_kernel_route() {
 
 #[test]
 fn requests_score_counts_connections_with_a_request_in_flight() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load_with(&mut obj, true);
+    let skel = load_with(true);
     configure_seed(&skel);
     put(&skel.maps.inflight, &LOCAL_PORT, &0i64);
     let inflight = |skel: &AgentSkel| get::<_, i64>(&skel.maps.inflight, &LOCAL_PORT).unwrap();
@@ -1347,8 +1360,7 @@ fn egress_answers_a_124_under_a_gso_burst_with_a_carrier_of_its_headers() {
     let ns = TestNetns::enter("carrier");
     let ifindex = server_routes6(&ns);
     ns.ip(&["link", "set", DEV, "mtu", "9000"]);
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure6(&skel);
     attach_egress(&skel, ifindex);
     let capture = Capture::on_peer();
@@ -1426,8 +1438,7 @@ fn egress_answers_a_124_under_a_gso_burst_with_a_carrier_of_its_headers() {
 fn egress_answers_a_124_under_a_full_sized_segment_with_a_carrier() {
     let ns = TestNetns::enter("mtu");
     let ifindex = server_routes(&ns, true);
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     attach_egress(&skel, ifindex);
     let capture = Capture::on_peer();
@@ -1560,8 +1571,7 @@ fn ingress_forged_155_cannot_take_over_a_live_connection() {
     // write any 155; the live socket is what protects the connection.
     let ns = TestNetns::enter("live");
     ns.ip(&["link", "set", "lo", "up"]);
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure_seed(&skel);
     let live = LiveConn::open(&skel);
     let owner = DsrFlow { client_addr: be_ip_v4(CLIENT), client_port: be_port(CLIENT_PORT), ..Default::default() };
@@ -1600,8 +1610,7 @@ fn ingress_replayed_authenticated_155_cannot_take_over_a_live_connection() {
     // same SNAT port, replayed on a SYN with its sequence number.
     let ns = TestNetns::enter("replay");
     ns.ip(&["link", "set", "lo", "up"]);
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     let live = LiveConn::open(&skel);
     put(&skel.maps.dsr_flows, &live.key(), &tuple_flow(CLIENT));
@@ -1619,8 +1628,7 @@ fn ingress_syn_without_155_forgets_an_unfinished_handshake_tuple() {
     // never became sockets. A later connection from the balancer's address
     // without a 155 (pass-through VIP, the balancer host's own) must not
     // send its SYN-ACK to the flood's spoofed source.
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     let flooded = tuple_flow(VICTIM);
     put(&skel.maps.dsr_flows, &conn_key(), &flooded);
@@ -1658,8 +1666,7 @@ fn ingress_syn_without_155_keeps_a_live_connections_tuple() {
     // connection it must not cost that connection its DSR path.
     let ns = TestNetns::enter("nosyn");
     ns.ip(&["link", "set", "lo", "up"]);
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     let live = LiveConn::open(&skel);
     put(&skel.maps.dsr_flows, &live.key(), &tuple_flow(CLIENT));
@@ -1730,8 +1737,7 @@ fn time_wait_from(skel: &AgentSkel, ns: &TestNetns, lb: IpAddr, server: IpAddr) 
 fn ingress_syn_over_a_time_wait_gets_a_newer_timestamp_for_its_whole_connection() {
     let ns = TestNetns::enter("tw");
     ns.ip(&["link", "set", "lo", "up"]);
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure_seed(&skel);
 
     // A connection the server closes first: its socket stays in TIME_WAIT
@@ -1820,8 +1826,7 @@ fn ipv6_syn_over_a_time_wait_gets_a_newer_timestamp_behind_its_options_header() 
     for a in [LB6, SERVER6] {
         ns.ip(&["-6", "addr", "add", &format!("{a}/128"), "dev", "lo", "nodad"]);
     }
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure_seed(&skel);
     let (listener, lb, t0, t1) = time_wait_from(&skel, &ns, LB6.into(), SERVER6.into());
     let srv = listener.local_addr().unwrap();
@@ -1896,8 +1901,7 @@ const DOH_OPT: usize = DOH + 4;
 
 #[test]
 fn ipv6_ingress_takes_a_client_tuple_from_its_destination_options_header_and_removes_the_header() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure6(&skel);
     let plain = syn6();
     let frame = plain.clone().inband(&auth_tuple(&plain, KEY_ID, &KEY, client6())).build();
@@ -1920,8 +1924,7 @@ fn ipv6_ingress_takes_a_client_tuple_from_its_destination_options_header_and_rem
 
 #[test]
 fn ipv6_ingress_marks_a_score_request_and_removes_its_header() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure6(&skel);
     put(&skel.maps.dsr_flows, &conn_key6(), &tuple_flow(CLIENT6));
     let nonce = [0xde, 0xad, 0xbe, 0xef];
@@ -1940,8 +1943,7 @@ fn ipv6_ingress_marks_a_score_request_and_removes_its_header() {
 
 #[test]
 fn ipv6_egress_answers_in_a_destination_options_header_within_the_mtu() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure6(&skel);
     put(&skel.maps.active_conns, &LOCAL_PORT, &3i64);
     let nonce = [1, 2, 3, 4];
@@ -2001,8 +2003,7 @@ fn server_routes6(ns: &TestNetns) -> u32 {
 fn ipv6_egress_dsr_sends_from_the_vip_with_the_mss_clamped_by_24() {
     let ns = TestNetns::enter("dsr6");
     let ifindex = server_routes6(&ns);
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure6(&skel);
     put(&skel.maps.dsr_flows, &conn_key6(), &tuple_flow(CLIENT6));
 
@@ -2022,8 +2023,7 @@ fn ipv6_egress_dsr_sends_from_the_vip_with_the_mss_clamped_by_24() {
 
 #[test]
 fn ipv6_options_from_a_non_balancer_are_not_trusted_and_forged_ones_are_dropped() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure6(&skel);
     let stranger = PacketBuilder::tcp(sa(STRANGER6, SNAT_PORT), server6()).syn(1440);
     let conn = Conn::tcp(stranger.src, stranger.dst);
@@ -2072,8 +2072,7 @@ fn ipv6_with_an_ipv4_mapped_address_never_passes_for_ipv4() {
     // The maps hold IPv4 peers as IPv4-mapped addresses: an IPv6 packet
     // from ::ffff:<balancer> would be trusted as the balancer and store a
     // tuple under the IPv4 connection's key.
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure6(&skel);
     configure_seed(&skel);
     let victim = sa(VICTIM.to_ipv6_mapped(), 9);
@@ -2096,8 +2095,7 @@ fn patched(frame: &[u8], f: impl FnOnce(&mut [u8])) -> Vec<u8> {
 
 #[test]
 fn ipv6_malformed_headers_and_carriers_pass_untouched_and_are_counted() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure6(&skel);
     let p = syn6();
     // A 40-byte header: 0x1E, 32, the 155 (32 bytes), PadN of 2 at DOH + 36.
@@ -2156,8 +2154,7 @@ fn ipv6_malformed_headers_and_carriers_pass_untouched_and_are_counted() {
 
 #[test]
 fn ipv6_headers_that_are_not_one_inband_header_first_are_the_stacks_and_counted_from_a_balancer() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure6(&skel);
     put(&skel.maps.dsr_flows, &conn_key6(), &tuple_flow(VICTIM));
     let p = syn6();
@@ -2276,8 +2273,7 @@ fn balancer_stamp(skel: &AgentSkel, lb: IpAddr) -> u32 {
 
 #[test]
 fn udp_155_of_either_family_is_stored_with_its_stamp_and_removed() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure_udp(&skel, 0);
     let since = ktime_ns();
     for (lb, server, client, carrier) in [(lb(), server(), client(), 24), (lb6(), server6(), client6(), 40)] {
@@ -2299,8 +2295,7 @@ fn udp_155_of_either_family_is_stored_with_its_stamp_and_removed() {
 
 #[test]
 fn udp_155_older_than_its_balancer_sent_is_a_replay() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure_udp(&skel, 0);
     let since = ktime_ns();
     let d = datagram(lb(), server());
@@ -2325,8 +2320,7 @@ fn udp_155_older_than_its_balancer_sent_is_a_replay() {
 
 #[test]
 fn udp_155_untrusted_is_passed_and_forged_or_corrupt_is_dropped() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure_udp(&skel, 0);
     let stranger = sa(Ipv4Addr::new(10, 0, 0, 66), SNAT_PORT);
     let untrusted = datagram(stranger, server()).inband(&udp_tuple(stranger, server(), 1, client())).build();
@@ -2370,8 +2364,7 @@ fn udp_155_untrusted_is_passed_and_forged_or_corrupt_is_dropped() {
 
 #[test]
 fn udp_tuples_stay_while_used_and_are_forgotten_when_idle() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure_udp(&skel, 30);
     let key = udp_key(lb());
     let used = |ago_ns: u64| DsrFlow { last_ns: ktime_ns() - ago_ns, ..tuple_flow(CLIENT) };
@@ -2403,8 +2396,7 @@ fn udp_tuples_stay_while_used_and_are_forgotten_when_idle() {
 fn udp_egress_goes_direct_from_the_vip_or_answers_a_score_request() {
     let ns = TestNetns::enter("udp");
     let ifindex = server_routes6(&ns);
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure_udp(&skel, 0);
     let to_lb = (SERVER_MAC, [0x02, 0, 0, 0, 0xcc, 0x01]);
     let direct = (SERVER_MAC, GATEWAY_MAC);
@@ -2435,8 +2427,7 @@ fn udp_egress_goes_direct_from_the_vip_or_answers_a_score_request() {
 
 #[test]
 fn ingress_unwraps_a_balancers_ipip_and_takes_its_155() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     let plain = syn();
     let wrapped = ipip(&plain.clone().ip_options(auth_tuple(&plain, KEY_ID, &KEY, client())).build());
@@ -2447,8 +2438,7 @@ fn ingress_unwraps_a_balancers_ipip_and_takes_its_155() {
 
 #[test]
 fn a_wrapped_124_is_answered_by_a_wrapped_125() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     put(&skel.maps.dsr_flows, &conn_key(), &tuple_flow(CLIENT));
     let nonce = [0x0b, 0x0a, 0x0d, 0x0e];
@@ -2473,8 +2463,7 @@ fn a_wrapped_124_is_answered_by_a_wrapped_125() {
 
 #[test]
 fn ingress_leaves_other_tunnels_untouched() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     let plain = syn();
     let inner = plain.clone().ip_options(auth_tuple(&plain, KEY_ID, &KEY, client())).build();
@@ -2512,8 +2501,7 @@ fn trust_fleet(skel: &AgentSkel) {
 /// too (untrusted_option).
 #[test]
 fn a_155_from_a_fleet_prefix_is_taken_and_from_its_neighbour_is_not() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure6(&skel);
     let inside = PacketBuilder::tcp(sa(FLEET_TUPLE, 7311), server6()).syn(1440);
     let frame = inside.clone().inband(&auth_tuple(&inside, KEY_ID, &KEY, client6())).build();
@@ -2552,8 +2540,7 @@ fn labelled(mut frame: Vec<u8>, label: u32) -> Vec<u8> {
 /// to the fleet address unwrapped, as before.
 #[test]
 fn a_fleet_flows_125_goes_wrapped_to_the_instance_its_124_named() {
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure6(&skel);
     trust_fleet(&skel);
     let label = inband_core::wire::fleet_label(LB6);
@@ -2609,8 +2596,7 @@ fn a_fleet_syn_on_a_live_sockets_tuple_is_dropped() {
     for a in [FLEET_TUPLE, SERVER6] {
         ns.ip(&["-6", "addr", "add", &format!("{a}/128"), "dev", "lo", "nodad"]);
     }
-    let mut obj = MaybeUninit::uninit();
-    let skel = load(&mut obj);
+    let skel = load();
     configure(&skel);
     trust_fleet(&skel);
     let listener = TcpListener::bind(sa(SERVER6, 0)).unwrap();

@@ -10,6 +10,7 @@
 //! writing timestamps into the past, never by sleeping.
 
 use std::mem::MaybeUninit;
+use std::sync::Mutex;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use inband_testkit::bpf::bounce::BounceSkelBuilder;
@@ -234,7 +235,26 @@ fn nat_key_proto(b: &B, snat_port: u16, proto: u8) -> NatKey {
 }
 
 struct Fixture {
-    lb: PrivateBalancer<'static>,
+    lb: &'static PrivateBalancer<'static>,
+}
+
+/// Loaded balancers no test holds. A fixture takes one and resets its maps
+/// rather than loading its own: the verifier was most of this binary's
+/// time, 135 times over.
+static IDLE: Mutex<Vec<Pooled>> = Mutex::new(Vec::new());
+
+struct Pooled(&'static PrivateBalancer<'static>);
+// SAFETY: a pooled balancer is used by one test at a time, and the
+// skeleton's libbpf objects (descriptors and heap memory) belong to no thread.
+unsafe impl Send for Pooled {}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        // A failed test's balancer is not reused: whatever went wrong stays with it.
+        if !std::thread::panicking() {
+            IDLE.lock().unwrap().push(Pooled(self.lb));
+        }
+    }
 }
 
 /// What `Fixture::lb_vip` sets up.
@@ -270,9 +290,6 @@ impl Fixture {
     }
 
     fn with_auth(auth: u32) -> Fixture {
-        // The skeleton borrows its object storage for as long as it lives;
-        // a test's fixture lives to the end of the test.
-        let storage: &'static mut MaybeUninit<OpenObject> = Box::leak(Box::new(MaybeUninit::uninit()));
         let cfg = DataPathConfig {
             self4: be_ip(LB_ADDR.into()),
             self6: be_ip(LB6_ADDR.into()),
@@ -283,7 +300,19 @@ impl Fixture {
             snat_key: [1, 2],
             ..Default::default()
         };
-        let lb = PrivateBalancer::load(storage, 262_144, &cfg).expect("load balancer");
+        let pooled = IDLE.lock().unwrap().pop();
+        let lb = match pooled {
+            Some(Pooled(lb)) => {
+                lb.reset(&cfg).expect("reset a pooled balancer");
+                lb
+            }
+            None => {
+                // The skeleton borrows its object storage for as long as it
+                // lives, which for a pooled balancer is the process's life.
+                let storage: &'static mut MaybeUninit<OpenObject> = Box::leak(Box::new(MaybeUninit::uninit()));
+                &*Box::leak(Box::new(PrivateBalancer::load(storage, 262_144, &cfg).expect("load balancer")))
+            }
+        };
         // Pinned after the load: the verifier, most of a fixture's time,
         // then runs on any CPU rather than every test's on CPU 0.
         pin_thread_to_cpu0();
@@ -2930,7 +2959,7 @@ fn a_report_newer_than_the_sweepers_clock_is_fresh() {
 
 #[test]
 fn dsr_query_holds_a_syn_for_the_daemon_and_balances_it_once_answered() {
-    use std::sync::{Arc, Mutex};
+    use std::sync::Arc;
     let fx = Fixture::lb_with(Mode::DsrQuery, Policy::LeastScore, 2);
     let c = client(1);
     // No daemon has swept yet: nobody would answer, so nothing is held.
