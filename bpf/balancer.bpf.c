@@ -432,6 +432,9 @@ __noinline int open_flow(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 	__builtin_memcpy(f->client_mac, eth->h_source, ETH_ALEN);
 	if (bpf_map_update_elem(&half_open, fk, f, BPF_ANY))
 		return drop(INBAND_DROP_FLOW_TABLE_FULL);
+	/* Only a fleet tuple can be carried by a peer (adopt()). */
+	if ((vc->flags & INBAND_VIP_ANNOUNCE) && nk_index == INBAND_SNAT_FLEET)
+		announce_choice(fk, f, p->now);
 	if (counted) {
 		struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &id);
 
@@ -634,6 +637,8 @@ static __always_inline int walk(struct xdp_md *ctx)
 		return chain(ctx, cfg, p);
 	if (verdict == OPEN_FLOW)
 		verdict = open_flow(ctx, cfg, id, p, p->named);
+	else if (verdict == ADOPT)
+		verdict = adopt(ctx, cfg, id, p);
 	if (verdict == FWD_COPY)
 		f = scratch_flow();
 	else if (verdict == FWD_FLOW)

@@ -61,6 +61,8 @@ pod!(
     inband_control_stats,
     inband_backend_health,
     inband_query_req,
+    inband_choice_rec,
+    inband_peer_choice,
     inband_capture_conf,
     inband_capture_state,
     inband_capture_rec,

@@ -65,13 +65,15 @@ pub fn run_dir(interface: &str) -> PathBuf {
 /// (docs/architecture.md, "Flow lifecycle"), and of the Maglev tables
 /// (`maglev_tables` of `maglev_size` entries, handed to the VIPs that read
 /// one: tables.rs).
-pub fn table_sizes(flow_table_size: u32, maglev_size: u32, maglev_tables: u32) -> [(&'static str, u32); 5] {
+pub fn table_sizes(flow_table_size: u32, maglev_size: u32, maglev_tables: u32) -> [(&'static str, u32); 6] {
     let half_open = (flow_table_size / 4).max(1024);
     [
         ("flows", flow_table_size),
         ("half_open", half_open),
         ("half_open_ports", half_open),
         ("snat", 2 * flow_table_size),
+        // A peer's connections this instance may adopt: as many as it holds.
+        ("peer_choices", flow_table_size),
         // 0: no Maglev table (private fixtures); a map needs an entry.
         ("maglev", maglev_tables.max(1) * maglev_size.max(1)),
     ]

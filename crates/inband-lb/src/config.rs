@@ -119,7 +119,24 @@ pub struct ScaleOutConfig {
     /// direct SID can fill the flow table.
     #[serde(default = "default_adopt_per_s")]
     pub adopt_per_s: u32,
+    /// The other instances of the fleet, by the address each sends from
+    /// (its `address6`): a new connection's backend, on a VIP whose policy
+    /// is not Maglev, is announced to each, so that any of them can adopt
+    /// the connection if this instance's host dies (peers.rs). Datagrams
+    /// from any other address are refused.
+    #[serde(default)]
+    pub peers: Vec<Ipv6Addr>,
+    /// The UDP port the instances announce to each other on.
+    #[serde(default = "default_peer_port")]
+    pub peer_port: u16,
 }
+
+fn default_peer_port() -> u16 {
+    7155
+}
+/// A datagram's sender is one of these; the receiver keeps a sequence
+/// number per peer.
+pub const MAX_PEERS: usize = 255;
 
 fn default_adopt_per_s() -> u32 {
     20_000
@@ -764,10 +781,22 @@ impl LbConfig {
     fn validate_fleet(&self, so: &ScaleOutConfig) -> Result<()> {
         in_range("[scale_out] adopt_per_s", so.adopt_per_s, &ADOPT_PER_S)?;
         if !so.fleet {
-            if so.fleet_prefix.is_some() || so.fleet_key.is_some() {
-                bail!("[scale_out]: fleet_prefix and fleet_key take effect only with fleet = true: set it, or remove them");
+            if so.fleet_prefix.is_some() || so.fleet_key.is_some() || !so.peers.is_empty() {
+                bail!("[scale_out]: fleet_prefix, fleet_key and peers take effect only with fleet = true: set it, or remove them");
             }
             return Ok(());
+        }
+        if so.peers.len() > MAX_PEERS {
+            bail!("[scale_out]: {} peers: at most {MAX_PEERS}", so.peers.len());
+        }
+        if so.peer_port == 0 {
+            bail!("[scale_out]: peer_port = 0: name the UDP port every instance announces on");
+        }
+        if let Some(p) = so.peers.iter().find(|p| Some(**p) == self.address6) {
+            bail!("[scale_out]: peers holds {p}, this instance's own address6: list the other instances only");
+        }
+        if let Some(p) = so.peers.iter().find(|p| !unicast(IpAddr::V6(**p))) {
+            bail!("[scale_out]: peer {p} is not a unicast address");
         }
         let (Some(net), Some(_)) = (so.fleet_prefix, &so.fleet_key) else {
             bail!("[scale_out]: fleet = true needs fleet_prefix (an IPv6 /96, the same on every instance) and fleet_key (a key file every instance shares; `inband keygen --out FILE`)");
@@ -1149,6 +1178,11 @@ quic_server_id = 2
         let keyed = |prefix: &str| format!("fleet = true\nfleet_prefix = \"{prefix}\"\nfleet_key = \"/etc/inband/fleet.key\"");
         let good = LbConfig::parse(&so(&rr, &keyed("fd00:f1ee::/96"))).unwrap();
         let (prefix, key) = good.scale_out.as_ref().unwrap().fleet().unwrap();
+        // Announcements: no peers and port 7155 unless told.
+        let so_good = good.scale_out.as_ref().unwrap();
+        assert_eq!((so_good.peers.len(), so_good.peer_port), (0, 7155));
+        let peered = LbConfig::parse(&so(&rr, &format!("{}\npeers = [\"fd00:77::3\"]", keyed("fd00:f1ee::/96")))).unwrap();
+        assert_eq!(peered.scale_out.unwrap().peers, ["fd00:77::3".parse::<Ipv6Addr>().unwrap()]);
         assert_eq!((prefix.to_string(), key), ("fd00:f1ee::/96".to_string(), Path::new("/etc/inband/fleet.key")));
         // Which VIPs take fleet tuples: the IPv6 TCP DSR one, not the IPv4 QUIC one.
         assert_eq!(good.vips.iter().map(VipConfig::fleet_tuples).collect::<Vec<_>>(), [true, false]);
@@ -1160,6 +1194,9 @@ quic_server_id = 2
             (so(&rr, &keyed("fd00:77::/96")), "holds fd00:77::2"),
             (so(&rr, &keyed("fd00:51::/96")), "holds fd00:51::b"),
             (so(&DUAL.replace("fd00:77::21", "fd00:f1ee::21"), &keyed("fd00:f1ee::/96")), "holds backend"),
+            (so(&rr, "peers = [\"fd00:77::3\"]"), "only with fleet = true"),
+            (so(&rr, &format!("{}\npeers = [\"fd00:77::3\", \"fd00:77::2\"]", keyed("fd00:f1ee::/96"))), "this instance's own address6"),
+            (so(&rr, &format!("{}\npeers = [\"fd00:77::3\"]\npeer_port = 0", keyed("fd00:f1ee::/96"))), "peer_port = 0"),
         ];
         for (text, want) in cases {
             assert!(err(&text).contains(want), "want {want:?}, got {}", err(&text));

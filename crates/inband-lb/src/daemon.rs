@@ -20,7 +20,7 @@ use tracing::{error, info, warn};
 use super::config::LbConfig;
 use super::tables::{self, LbMaps};
 use super::balancer::Balancer;
-use super::{apply, attach, control, health, options_watch, polling, query, snapshot, sweep};
+use super::{apply, attach, control, health, options_watch, peers, polling, query, snapshot, sweep};
 use inband_core::bpfmap;
 use inband_core::runlock::RunLock;
 
@@ -106,6 +106,12 @@ pub fn run(config_path: &Path) -> Result<()> {
         let interface = cfg.interface.clone();
         move |maps, stop| query::run(&maps, prog, &interface, &shared, &stop)
     }));
+    if cfg.scale_out.as_ref().is_some_and(|s| s.fleet().is_some()) {
+        workers.push(spawn("peers", &dir, &stop, {
+            let shared = Arc::clone(&shared);
+            move |maps, stop| peers::run(&maps, &shared, &stop)
+        }));
+    }
     workers.push(spawn("control", &dir, &stop, {
         let shared = Arc::clone(&shared);
         let socket = cfg.control_socket.clone();

@@ -14,6 +14,7 @@ pub mod maglev;
 pub mod maps;
 pub mod neighbour;
 pub mod options_watch;
+pub mod peers;
 pub mod polling;
 pub mod private;
 pub mod query;

@@ -27,6 +27,7 @@ pub const BACKEND_DOWN: u16 = c::INBAND_BACKEND_DOWN as u16;
 pub const VIP_RESET_DOWN: u16 = c::INBAND_VIP_RESET_DOWN as u16;
 pub const VIP_REFUSE_EMPTY: u16 = c::INBAND_VIP_REFUSE_EMPTY as u16;
 pub const VIP_FLEET: u16 = c::INBAND_VIP_FLEET as u16;
+pub const VIP_ANNOUNCE: u16 = c::INBAND_VIP_ANNOUNCE as u16;
 pub const HEALTH_UP: u8 = c::INBAND_HEALTH_UP as u8;
 pub const HEALTH_DOWN: u8 = c::INBAND_HEALTH_DOWN as u8;
 
@@ -69,6 +70,8 @@ pub type SweepStats = c::inband_sweep_stats;
 pub type ControlStats = c::inband_control_stats;
 pub type BackendHealth = c::inband_backend_health;
 pub type QueryReq = c::inband_query_req;
+pub type ChoiceRec = c::inband_choice_rec;
+pub type PeerChoice = c::inband_peer_choice;
 pub type CaptureConf = c::inband_capture_conf;
 pub type CaptureState = c::inband_capture_state;
 pub type CaptureRec = c::inband_capture_rec;
@@ -183,6 +186,9 @@ pub const EVENT_NAMES: [&str; c::INBAND_EV_MAX as usize] = [
     "fleet_pinned",
     "adopted_maglev",
     "fleet_steered",
+    "adopted_announced",
+    "adopt_no_choice",
+    "choice_unannounced",
 ];
 
 /// Names of `enum inband_health_reason`, by index, as status and metrics show them.

@@ -83,7 +83,7 @@ impl Asker {
 }
 
 /// `control_stats` has several writers in the daemon (this poller, the
-/// dsr-query worker, the options watch): each adds what it counted under
+/// dsr-query worker, the options watch, the peers' announcements): each adds what it counted under
 /// this lock.
 static CONTROL_STATS: Mutex<()> = Mutex::new(());
 
@@ -100,6 +100,14 @@ pub fn add_control_stats(maps: &LbMaps, d: &ControlStats) -> Result<()> {
     s.query_ns += d.query_ns;
     s.options_lost += d.options_lost;
     s.options_retried += d.options_retried;
+    s.peer_datagrams_sent += d.peer_datagrams_sent;
+    s.peer_records_sent += d.peer_records_sent;
+    s.peer_send_failures += d.peer_send_failures;
+    s.peer_records_learned += d.peer_records_learned;
+    s.peer_unknown_sender += d.peer_unknown_sender;
+    s.peer_malformed += d.peer_malformed;
+    s.peer_bad_mac += d.peer_bad_mac;
+    s.peer_replayed += d.peer_replayed;
     bpfmap::put(&maps.control_stats, &0u32, &s)
 }
 

@@ -106,6 +106,8 @@ impl<'obj> PrivateBalancer<'obj> {
             maglev: h(&m.maglev)?,
             query_ring: h(&m.query_ring)?,
             query_done: h(&m.query_done)?,
+            choice_ring: h(&m.choice_ring)?,
+            peer_choices: h(&m.peer_choices)?,
         })
     }
 

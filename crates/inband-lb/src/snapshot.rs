@@ -85,6 +85,22 @@ pub struct Control {
     /// times such a backend was given options again to test its path.
     pub options_lost: u64,
     pub options_retried: u64,
+    /// Announced choices ([scale_out] peers).
+    pub peers: PeerStats,
+}
+
+/// Announced choices: what this instance sent its peers and took from them
+/// (peers.rs), and the datagrams it refused, by reason.
+#[derive(Debug, Default, Serialize)]
+pub struct PeerStats {
+    pub datagrams_sent: u64,
+    pub records_sent: u64,
+    pub send_failures: u64,
+    pub records_learned: u64,
+    pub unknown_sender: u64,
+    pub malformed: u64,
+    pub bad_mac: u64,
+    pub replayed: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -334,6 +350,16 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
             query_mean_us: control.query_ns / control.queries.max(1) / 1000,
             options_lost: control.options_lost,
             options_retried: control.options_retried,
+            peers: PeerStats {
+                datagrams_sent: control.peer_datagrams_sent,
+                records_sent: control.peer_records_sent,
+                send_failures: control.peer_send_failures,
+                records_learned: control.peer_records_learned,
+                unknown_sender: control.peer_unknown_sender,
+                malformed: control.peer_malformed,
+                bad_mac: control.peer_bad_mac,
+                replayed: control.peer_replayed,
+            },
         },
         bpf_stats: prog_stats::enabled(),
         programs: attached_program(interface).into_iter().collect(),
@@ -360,7 +386,7 @@ pub fn render_table(s: &Snapshot) -> String {
     if let Some(so) = &s.scale_out {
         let _ = writeln!(o, "behind an ECMP router: reached at {} (chained packets at {}); strays chained to {}", so.sid, so.direct_sid, so.shadow_sid);
         if let Some(p) = &so.fleet_prefix {
-            let _ = writeln!(o, "fleet tuples from {p}; strays at the direct SID adopted (maglev), at most {} a second per CPU", so.adopt_per_s);
+            let _ = writeln!(o, "fleet tuples from {p}; strays at the direct SID adopted (maglev: its primary; other policies: the backend a peer announced), at most {} a second per CPU", so.adopt_per_s);
         }
     }
     let _ = writeln!(
@@ -468,6 +494,14 @@ pub fn render_table(s: &Snapshot) -> String {
     );
     if c.queries > 0 {
         let _ = writeln!(o, "queries (dsr-query): {} SYNs held, {} timed out, {} us held on average", c.queries, c.query_timeouts, c.query_mean_us);
+    }
+    let p = &c.peers;
+    if p.datagrams_sent + p.records_learned + p.unknown_sender + p.malformed + p.bad_mac + p.replayed > 0 {
+        let _ = writeln!(
+            o,
+            "peers: {} choices sent in {} datagrams ({} not sent), {} learned; refused: {} unknown sender, {} malformed, {} bad MAC, {} replayed",
+            p.records_sent, p.datagrams_sent, p.send_failures, p.records_learned, p.unknown_sender, p.malformed, p.bad_mac, p.replayed
+        );
     }
     if c.options_lost > 0 {
         let _ = writeln!(o, "options lost on a backend's path: found {} times, options tried again {} times", c.options_lost, c.options_retried);
@@ -612,7 +646,19 @@ impl prometheus_client::collector::Collector for Exposition {
         f.counter("queries", "SYNs held for a score query (dsr-query)", c.queries)?;
         f.counter("query_timeouts", "Score queries that timed out", c.query_timeouts)?;
         f.counter("options_lost", "Times a backend was found losing inband options", c.options_lost)?;
-        f.counter("options_retried", "Times a backend losing options was given options again to test its path", c.options_retried)
+        f.counter("options_retried", "Times a backend losing options was given options again to test its path", c.options_retried)?;
+        let p = &c.peers;
+        f.counter("peer_records_sent", "Connections' backends announced to the peers (records, once per peer)", p.records_sent)?;
+        f.counter("peer_datagrams_sent", "Datagrams of announced choices sent to the peers", p.datagrams_sent)?;
+        f.counter("peer_send_failures", "Datagrams of announced choices that could not be sent", p.send_failures)?;
+        f.counter("peer_records_learned", "Peers' announced choices written into peer_choices", p.records_learned)?;
+        f.counters(
+            "peer_refused",
+            "Datagrams from the peer port refused, by reason",
+            [("unknown_sender", p.unknown_sender), ("malformed", p.malformed), ("bad_mac", p.bad_mac), ("replayed", p.replayed)]
+                .into_iter()
+                .map(|(k, n)| ([("reason", k)], n)),
+        )
     }
 }
 
@@ -703,7 +749,7 @@ mod tests {
             }],
             drops,
             events: zero(&EVENT_NAMES),
-            control: Control { polls_sent: 4, poll_replies: 3, poll_bytes: 600, poll_failures: 1, poll_unauthenticated: 0, queries: 0, query_timeouts: 0, query_mean_us: 0, options_lost: 0, options_retried: 0 },
+            control: Control { polls_sent: 4, poll_replies: 3, poll_bytes: 600, poll_failures: 1, poll_unauthenticated: 0, queries: 0, query_timeouts: 0, query_mean_us: 0, options_lost: 0, options_retried: 0, peers: PeerStats::default() },
             bpf_stats: true,
             programs: vec![ProgStats { program: "balancer".into(), id: 7, runs: 1000, run_time_ns: 150_000 }],
         }

@@ -43,6 +43,8 @@ pub struct LbMaps {
     pub maglev: MapHandle,
     pub query_ring: MapHandle,
     pub query_done: MapHandle,
+    pub choice_ring: MapHandle,
+    pub peer_choices: MapHandle,
 }
 
 impl LbMaps {
@@ -72,6 +74,8 @@ impl LbMaps {
             maglev: dir.open("maglev")?,
             query_ring: dir.open("query_ring")?,
             query_done: dir.open("query_done")?,
+            choice_ring: dir.open("choice_ring")?,
+            peer_choices: dir.open("peer_choices")?,
         })
     }
 }
@@ -143,7 +147,8 @@ fn drain_deadline(now_ns: u64, drain_timeout_ms: u64) -> u64 {
 /// VIPs drain; new ids never reuse one that a flow may still name.
 /// `maglev_size` is the size the Maglev tables were created with.
 /// `fleet`: `[scale_out] fleet` is on (VipConfig::fleet_tuples says which
-/// VIPs then take fleet tuples).
+/// VIPs then take fleet tuples; those whose policy is not Maglev announce
+/// their choices to the peers: peers.rs).
 pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64, maglev_size: u32, fleet: bool) -> Result<()> {
     let now = ktime_ns();
     let current = read(maps)?;
@@ -212,7 +217,9 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64, maglev_si
                 | if v.weighted() { VIP_WEIGHTED } else { 0 }
                 | if v.health.on_down == OnDown::Reset { VIP_RESET_DOWN } else { 0 }
                 | if v.health.all_down == AllDown::Refuse { VIP_REFUSE_EMPTY } else { 0 }
-                | if fleet && v.fleet_tuples() { VIP_FLEET } else { 0 },
+                | if fleet && v.fleet_tuples() { VIP_FLEET } else { 0 }
+                // A peer can recompute a Maglev backend; any other is announced.
+                | if fleet && v.fleet_tuples() && v.effective_policy() != Policy::Maglev { VIP_ANNOUNCE } else { 0 },
             proto: key.proto,
             pad: 0,
             eligible_count: 0,

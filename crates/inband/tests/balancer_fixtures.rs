@@ -4519,3 +4519,88 @@ fn adoption_stops_at_the_budget() {
     let none = fleet_maglev(2, 0);
     none.assert_dropped(&via(DIRECT_SID, &data(client6(1))), "adopt_budget");
 }
+
+// ------------------------------------------------------ announced choices
+
+/// Instance `n` of a fleet whose VIP is round-robin over 3 backends (a
+/// choice no peer can recompute), marked to announce its choices as the
+/// control plane marks every fleet VIP not under Maglev.
+fn fleet_announcing(n: u8) -> Fixture {
+    let fx = fleet_maglev(n, 100);
+    fx.update_vip(|v| {
+        v.policy = Policy::RoundRobin as u8;
+        v.flags |= VIP_ANNOUNCE;
+    });
+    fx
+}
+
+/// What `fx`'s data path put in choice_ring since the last call.
+fn announced(fx: &Fixture) -> Vec<ChoiceRec> {
+    use std::sync::{Arc, Mutex};
+    let got: Arc<Mutex<Vec<ChoiceRec>>> = Arc::default();
+    let mut rb = libbpf_rs::RingBufferBuilder::new();
+    let sink = Arc::clone(&got);
+    rb.add(&fx.lb.skel.maps.choice_ring, move |d: &[u8]| {
+        sink.lock().unwrap().push(ChoiceRec::from_bytes(d));
+        0
+    })
+    .unwrap();
+    rb.build().unwrap().consume().unwrap();
+    let v = got.lock().unwrap().clone();
+    v
+}
+
+/// Instance 1 opens connections of a round-robin fleet VIP and announces
+/// each one's client side and backend (choice_ring); then it dies. A
+/// stray of such a connection at instance 2's direct SID is dropped until
+/// instance 2 holds the announced choice (`adopt_no_choice`), then adopted
+/// to that backend: instance 2 sends the bytes instance 1 would have sent.
+/// A choice naming a backend the VIP no longer has is not taken, and a
+/// Maglev VIP announces nothing (its backend is computable).
+#[test]
+fn a_stray_of_a_round_robin_vip_is_adopted_to_the_backend_its_opener_announced() {
+    let (one, two) = (fleet_announcing(1), fleet_announcing(2));
+    let mut opened = Vec::new();
+    for n in 1..=3 {
+        let c = client6(n);
+        let (b, _) = one.connect(c);
+        opened.push((c, b));
+    }
+    let recs = announced(&one);
+    assert_eq!(recs.len(), 3, "one record per new connection");
+    for (r, (c, b)) in recs.iter().zip(&opened) {
+        assert_eq!((r.key, r.backend_addr, r.backend_port), (flow_key(*c), be_ip(b.addr.ip()), be_port(b.addr.port())));
+        assert!(r.opened_ns > 0 && r.opened_ns <= ktime_ns());
+    }
+    assert_eq!(opened.iter().map(|(_, b)| b.id).collect::<std::collections::HashSet<_>>().len(), 3, "round-robin spread them");
+    // Retransmissions and the handshake's ACK announce nothing more.
+    one.tx(&syn(opened[0].0).build());
+    assert_eq!(announced(&one).len(), 0);
+
+    let (c, _) = opened[2];
+    two.assert_dropped(&via(DIRECT_SID, &data(c)), "chained_no_flow");
+    assert_eq!(two.event("adopt_no_choice"), 1);
+    for r in &recs {
+        let choice = PeerChoice { backend_addr: r.backend_addr, backend_port: r.backend_port, opened_ns: ktime_ns(), ..Default::default() };
+        put(&two.lb.skel.maps.peer_choices, &r.key, &choice);
+    }
+    for (c, b) in &opened {
+        let d = data(*c);
+        let sent_by_one = one.tx(&d.build());
+        assert_eq!(two.tx(&via(DIRECT_SID, &d)), sent_by_one, "{c}: instance 2 sends what instance 1 sent");
+        let f = two.flow(*c).expect("an adopted flow");
+        assert_eq!((u32::from(f.backend_id), f.snat_index, f.flags & c::INBAND_FLOW_ADOPTED as u8), (b.id, SNAT_FLEET, c::INBAND_FLOW_ADOPTED as u8));
+    }
+    assert_eq!((two.event("adopted_announced"), two.event("adopted_maglev"), two.flow_count()), (3, 0, 3));
+
+    // A choice whose backend left the VIP: the existing verdict.
+    let c = client6(7);
+    let gone = PeerChoice { backend_addr: be_ip("fd00:99::1".parse().unwrap()), backend_port: be_port(8080), ..Default::default() };
+    put(&two.lb.skel.maps.peer_choices, &flow_key(c), &gone);
+    two.assert_dropped(&via(DIRECT_SID, &data(c)), "chained_no_flow");
+    assert_eq!((two.event("adopt_no_choice"), two.event("adopted_announced")), (2, 3));
+
+    let maglev = fleet_maglev(1, 100);
+    maglev.connect(client6(1));
+    assert_eq!(announced(&maglev).len(), 0, "a Maglev VIP's choice is computable: not announced");
+}

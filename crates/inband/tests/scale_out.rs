@@ -43,6 +43,9 @@ enum Vip {
     DynamicFleet,
     /// dsr-rr with policy maglev, fleet tuples on (true) or off.
     Maglev(bool),
+    /// dsr-dynamic (least-score) with fleet tuples, each instance listing
+    /// the others as `peers`: it announces its choices to them.
+    Announced,
 }
 
 
@@ -89,7 +92,7 @@ impl Farm {
         let fleet_key = dir.join("fleet.key");
         inband_core::auth::keygen(&fleet_key).unwrap();
         let fleet_prefix = fleet_prefix(subnet);
-        let fleet = matches!(vip_kind, Vip::DynamicFleet | Vip::Maglev(true));
+        let fleet = matches!(vip_kind, Vip::DynamicFleet | Vip::Maglev(true) | Vip::Announced);
         let (agent_fleet, lb_fleet) = if fleet {
             (
                 format!("fleet_prefixes = [\"{fleet_prefix}\"]\n"),
@@ -99,7 +102,7 @@ impl Farm {
             (String::new(), String::new())
         };
         let vip_mode = match vip_kind {
-            Vip::Dynamic | Vip::DynamicFleet => "mode = \"dsr-dynamic\"\nprobe_interval = 4\n",
+            Vip::Dynamic | Vip::DynamicFleet | Vip::Announced => "mode = \"dsr-dynamic\"\nprobe_interval = 4\n",
             Vip::Maglev(_) => "mode = \"dsr-rr\"\npolicy = \"maglev\"\n",
         };
         // The router sends to the client at 64 Mbit/s (a token bucket on
@@ -131,8 +134,14 @@ impl Farm {
         for i in 1..=balancers {
             let node = format!("b{i}");
             let address4 = if v4 { format!("address = \"{}\"\n", tb.addr(&node)) } else { String::new() };
+            let peers = if vip_kind == Vip::Announced {
+                let others: Vec<String> = (1..=balancers).filter(|&j| j != i).map(|j| format!("\"{}\"", tb.addr6(&format!("b{j}")))).collect();
+                format!("peers = [{}]\n", others.join(", "))
+            } else {
+                String::new()
+            };
             let mut text = format!(
-                "interface = \"eth0\"\n{address4}address6 = \"{}\"\ncontrol_socket = \"{}\"\n\n[scale_out]\nsid = \"{}\"\ndirect_sid = \"{}\"\nshadow_sid = \"{}\"\n{lb_fleet}\n{auth}\n[[vip]]\naddress = \"{}\"\nport = 80\n{vip_mode}",
+                "interface = \"eth0\"\n{address4}address6 = \"{}\"\ncontrol_socket = \"{}\"\n\n[scale_out]\nsid = \"{}\"\ndirect_sid = \"{}\"\nshadow_sid = \"{}\"\n{lb_fleet}{peers}\n{auth}\n[[vip]]\naddress = \"{}\"\nport = 80\n{vip_mode}",
                 tb.addr6(&node),
                 dir.join(format!("lb-{node}.sock")).display(),
                 plan.sid(i),
@@ -214,6 +223,20 @@ impl Farm {
 
     fn drop_count(&self, i: usize, name: &str) -> u64 {
         self.status(i)["drops"][name].as_u64().unwrap_or(0)
+    }
+
+    /// Instance 1's host dies in the "program gone" form (daemon killed
+    /// -9, XDP removed, the host forwards nothing, its link up); 1 s later
+    /// the router withdraws it, substituting a live instance's direct SID
+    /// for its shadow hops (`liveness = "echo"`).
+    fn crash_b1(&mut self) {
+        self.stop_lb(1, true);
+        run_ok(&self.tb, "b1", &["ip", "link", "set", "dev", "eth0", "xdp", "off"]);
+        run_ok(&self.tb, "b1", &["sysctl", "-q", "-w", "net.ipv6.conf.all.forwarding=0"]);
+        std::thread::sleep(Duration::from_secs(1));
+        let echo_cfg = self.dir.join("router-echo.toml");
+        std::fs::write(&echo_cfg, format!("liveness = \"echo\"\n{}", std::fs::read_to_string(&self.router_cfg).unwrap())).unwrap();
+        run_ok(&self.tb, "r1", &[BIN, "shadow", "route", "--config", echo_cfg.to_str().unwrap(), "--up", "b2,b3"]);
     }
 
     /// Points the router's VIP route at `up` (instance numbers), the
@@ -749,9 +772,7 @@ fn an_instance_host_crash_breaks_only_its_own_connections() {
 }
 
 /// An instance's host dies under live downloads in the "program gone"
-/// form (daemon killed -9, XDP removed, the host forwards nothing, its
-/// link up); 1 s later the router withdraws it, substituting a live
-/// instance's direct SID for its shadow hops (`liveness = "echo"`). With
+/// form (Farm::crash_b1). With
 /// fleet tuples and Maglev the connections it held reach the end of the
 /// chain at a survivor, which adopts them: every download completes. With
 /// fleet off (the same VIP, its own tuples) its downloads break, or the
@@ -772,13 +793,7 @@ fn an_instance_host_crash_keeps_its_maglev_connections_with_fleet_tuples() {
         wait_for("every download to start", || farm.established() == DOWNLOADS);
         let held: Vec<u16> = farm.held(1).into_iter().filter(|p| (first_port..first_port + DOWNLOADS as u16).contains(p)).collect();
         assert!(!held.is_empty(), "fleet {fleet}: b1 holds no download: the test proves nothing");
-        farm.stop_lb(1, true);
-        run_ok(&farm.tb, "b1", &["ip", "link", "set", "dev", "eth0", "xdp", "off"]);
-        run_ok(&farm.tb, "b1", &["sysctl", "-q", "-w", "net.ipv6.conf.all.forwarding=0"]);
-        std::thread::sleep(Duration::from_secs(1));
-        let echo_cfg = farm.dir.join("router-echo.toml");
-        std::fs::write(&echo_cfg, format!("liveness = \"echo\"\n{}", std::fs::read_to_string(&farm.router_cfg).unwrap())).unwrap();
-        run_ok(&farm.tb, "r1", &[BIN, "shadow", "route", "--config", echo_cfg.to_str().unwrap(), "--up", "b2,b3"]);
+        farm.crash_b1();
         let broken = broken(dls);
         let adopted = farm.event(2, "adopted_maglev") + farm.event(3, "adopted_maglev");
         eprintln!("fleet {fleet}: b1 held {} of {DOWNLOADS}, {} broke, b2+b3 adopted {adopted}", held.len(), broken.len());
@@ -789,6 +804,90 @@ fn an_instance_host_crash_keeps_its_maglev_connections_with_fleet_tuples() {
             assert!(broken.iter().any(|p| held.contains(p)), "fleet off: none of b1's downloads {held:?} broke{}", farm.report());
             assert!(broken.iter().all(|p| held.contains(p)), "fleet off: a survivor's download broke: {broken:?}{}", farm.report());
             assert_eq!(adopted, 0);
+        }
+    }
+}
+
+/// As above with a dsr-dynamic VIP (least-score: a choice no survivor can
+/// compute), each instance announcing its choices to the others: b1's
+/// host dies under live downloads, the survivors adopt its connections to
+/// the backends it announced, and every download completes. Then, with b1
+/// back and announcing to nobody (`peers` empty: b2 and b3 still listen),
+/// the same crash breaks b1's downloads and only those, or the first half
+/// would prove nothing; those are given up once the others are done.
+/// Datagrams from a stranger, cut short or under another key are refused
+/// and counted.
+#[test]
+fn an_instance_host_crash_keeps_its_dsr_dynamic_connections_with_announced_choices() {
+    let mut farm = Farm::up_family("p", 90, 3, false, false, Vip::Announced);
+    farm.route(&[1, 2, 3], false);
+    let answers = |f: &Farm| {
+        let url = format!("http://[{}]/", f.tb.vip6());
+        f.tb.exec("c1", &["curl", "-s", "-o", "/dev/null", "--max-time", "3", &url]).map(|o| o.status.success()).unwrap_or(false)
+    };
+    wait_for("the VIP to answer", || answers(&farm));
+    let adopted = |f: &Farm| f.event(2, "adopted_announced") + f.event(3, "adopted_announced");
+    let records_sent = |f: &Farm| f.status(1)["control"]["peers"]["records_sent"].as_u64().unwrap_or(0);
+    for (announce, first_port) in [(true, 46000), (false, 47000)] {
+        let sent_before = records_sent(&farm);
+        let dls = farm.downloads_from(first_port, DOWNLOADS);
+        wait_for("every download to start", || farm.established() == DOWNLOADS);
+        let held: Vec<u16> = farm.held(1).into_iter().filter(|p| (first_port..first_port + DOWNLOADS as u16).contains(p)).collect();
+        assert!(!held.is_empty(), "announce {announce}: b1 holds no download: the step proves nothing");
+        // Each of b1's downloads to each of its two peers (the batch of its last SYN may still be on its way).
+        if announce {
+            wait_for("b1 to announce its downloads", || records_sent(&farm) - sent_before >= 2 * held.len() as u64);
+        }
+        let (sent, adopted_before) = (records_sent(&farm) - sent_before, adopted(&farm));
+        farm.crash_b1();
+        let broken = if announce { broken(dls) } else { broken_once_the_rest_are_done(dls, &held) };
+        let took = adopted(&farm) - adopted_before;
+        eprintln!("announce {announce}: b1 held {} of {DOWNLOADS} and sent {sent} records, {} broke, b2+b3 adopted {took}", held.len(), broken.len());
+        if announce {
+            assert!(broken.is_empty(), "downloads broke: {broken:?} (b1 held {held:?}){}", farm.report());
+            assert!(took > 0, "nothing adopted: b1's downloads did not move{}", farm.report());
+            for i in 2..=3 {
+                let p = &farm.status(i)["control"]["peers"];
+                assert!(p["records_learned"].as_u64() > Some(0), "b{i} learned no choice: {p}");
+                for refused in ["unknown_sender", "malformed", "bad_mac", "replayed"] {
+                    assert_eq!(p[refused].as_u64(), Some(0), "b{i} refused a datagram: {p}");
+                }
+            }
+            // What is not a peer's datagram under the fleet key changes
+            // nothing and is counted, by reason: from the client, from a
+            // peer but cut short, from a peer under another key.
+            let b2 = farm.tb.addr6("b2").to_string();
+            let send = |from: &str, d: &[u8]| {
+                let hex: String = d.iter().map(|b| format!("{b:02x}")).collect();
+                run_ok(&farm.tb, from, &["python3", "-c", SEND_UDP, &b2, "7155", &hex]);
+            };
+            let key = inband_lb::maps::FlowKey { proto: 6, ..Default::default() };
+            let forged = inband_lb::peers::encode(
+                &inband_core::wire::Key([9; 16]),
+                u64::MAX,
+                &[inband_lb::peers::Choice { key, backend_addr: Default::default(), backend_port: 0, age_ms: 0 }],
+            );
+            send("c1", &forged);
+            send("b3", &forged[..40]);
+            send("b3", &forged);
+            let refused = |f: &Farm| {
+                let p = &f.status(2)["control"]["peers"];
+                ["unknown_sender", "malformed", "bad_mac", "replayed"].map(|k| p[k].as_u64().unwrap_or(0))
+            };
+            wait_for("b2 to refuse the three datagrams", || refused(&farm) == [1, 1, 1, 0]);
+            // b1 comes back, announcing to nobody.
+            run_ok(&farm.tb, "b1", &["sysctl", "-q", "-w", "net.ipv6.conf.all.forwarding=1"]);
+            let cfg = farm.dir.join("lb-b1.toml");
+            let text = std::fs::read_to_string(&cfg).unwrap();
+            let line = text.lines().find(|l| l.starts_with("peers = ")).unwrap().to_string();
+            std::fs::write(&cfg, text.replace(&line, "peers = []")).unwrap();
+            farm.start_lb(1);
+            farm.route(&[1, 2, 3], false);
+            wait_for("the VIP to answer", || answers(&farm));
+        } else {
+            assert!(broken.iter().any(|p| held.contains(p)), "announcements off: none of b1's downloads {held:?} broke{}", farm.report());
+            assert!(broken.iter().all(|p| held.contains(p)), "announcements off: a survivor's download broke: {broken:?}{}", farm.report());
+            assert_eq!((sent, took), (0, 0), "announcements off: b1 sent records, or a survivor adopted");
         }
     }
 }
@@ -872,6 +971,12 @@ fn dsr_dynamic_scores_reach_the_instance_that_asked_with_fleet_tuples() {
     wait_for("the other instance to drop the forged 125", || farm.drop_count(other, "steered_not_owner") > was_dropped);
 }
 
+/// A UDP datagram: argv address, port, payload in hex.
+const SEND_UDP: &str = r#"
+import socket, sys
+socket.socket(socket.AF_INET6, socket.SOCK_DGRAM).sendto(bytes.fromhex(sys.argv[3]), (sys.argv[1], int(sys.argv[2])))
+"#;
+
 /// A backend's packet with a 125 (score 60000, nonce and MAC zero) to the
 /// fleet address, wrapped in IPv6 to an instance as an agent wraps it:
 /// argv backend, fleet address, backend port, SNAT port, instance.
@@ -919,4 +1024,34 @@ fn broken(dls: Vec<(u16, std::process::Child)>) -> Vec<u16> {
             (String::from_utf8_lossy(&o.stdout) != want).then_some(port)
         })
         .collect()
+}
+
+/// As `broken`, but the downloads of `held` (expected to break) are not
+/// waited for past the others: once every other one has ended, those
+/// still running get 5 s more (a live one ends within that at the
+/// client's rate), then are stopped and counted broken.
+fn broken_once_the_rest_are_done(dls: Vec<(u16, std::process::Child)>, held: &[u16]) -> Vec<u16> {
+    let (mine, rest): (Vec<_>, Vec<_>) = dls.into_iter().partition(|(p, _)| held.contains(p));
+    let mut out = broken(rest);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let mut left = mine;
+    while !left.is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+        let (mut done, mut running) = (Vec::new(), Vec::new());
+        for (port, mut d) in left {
+            if matches!(d.try_wait(), Ok(Some(_))) {
+                done.push((port, d));
+            } else {
+                running.push((port, d));
+            }
+        }
+        out.extend(broken(done));
+        left = running;
+    }
+    for (port, mut d) in left {
+        let _ = d.kill();
+        let _ = d.wait();
+        out.push(port);
+    }
+    out
 }

@@ -161,7 +161,17 @@ enum inband_event {
 	 * IPv6 to this instance's address (a 125, a RST): unwrapped and taken
 	 * on the return path (scale_out.h decap_steered()). */
 	INBAND_EV_FLEET_STEERED = 37,
-	INBAND_EV_MAX = 38,
+	/* A stray at the direct SID taken over as a fleet flow of a VIP whose
+	 * policy is not Maglev: its backend is the one the instance that
+	 * opened it announced (peer_choices.h). */
+	INBAND_EV_ADOPTED_ANNOUNCED = 38,
+	/* ... not taken over: no announced choice here for its client side,
+	 * or the backend named no longer serves the VIP. */
+	INBAND_EV_ADOPT_NO_CHOICE = 39,
+	/* A new connection's choice not announced to the peers: choice_ring
+	 * was full (the lb daemon not draining it). */
+	INBAND_EV_CHOICE_UNANNOUNCED = 40,
+	INBAND_EV_MAX = 41,
 };
 
 /* gauges[0] = whole table (plus half_open count), [1 + vip id], [1 + INBAND_MAX_VIPS + backend id]. */

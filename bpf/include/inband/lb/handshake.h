@@ -20,6 +20,7 @@
 #include "inband/lb/common.h"
 #include "inband/lb/lifecycle.h"
 #include "inband/lb/parse.h"
+#include "inband/lb/peer_choices.h"
 #include "inband/lb/query.h"
 #include "inband/lb/quic.h"
 #include "inband/lb/scale_out.h"
@@ -42,6 +43,10 @@
 /* ... or when the packet is to be chained to the router's shadow table
  * (scale-out): the walk wraps it and sends it back. */
 #define CHAIN (-5)
+
+/* ... or when a stray at the direct SID may be adopted: the walk calls
+ * adopt(), for the same reason (its walk of a VIP's slots needs stack). */
+#define ADOPT (-7)
 
 /* ... or when the packet belongs to a later connection on the flow's tuple
  * (later_connection()): the caller handles it as if there were no flow. */
@@ -196,18 +201,19 @@ static __always_inline int adopt_token(const struct inband_lb_config *cfg, __u64
 /*
  * A TCP segment that reached the end of the chain (the direct SID) with no
  * flow here: its opener is gone (an instance's host crashed) or had it
- * before the router's oldest generation. A Maglev VIP's connection with a
- * fleet tuple can be carried from here: its backend is the VIP's Maglev
- * primary for the client side and its tuple the fleet tuple, both what the
- * opener computed. Adopted, it becomes an established flow here (FWD_FLOW);
- * the backend's socket sees the same tuple as before. A connection the
- * opener pinned to its own tuple (a local collision) or whose primary was
- * not eligible then cannot be reproduced: the backend answers the
- * adopted flow's segments with a RST, as it would have answered the drop
+ * before the router's oldest generation. A fleet VIP's connection can be
+ * carried from here: its tuple is the fleet tuple, and its backend the
+ * VIP's Maglev primary for the client side (Maglev), or the one its opener
+ * announced (any other policy: peer_choices.h). Adopted, it becomes an
+ * established flow here (FWD_FLOW); the backend's socket sees the same
+ * tuple as before. A connection the opener pinned to its own tuple (a
+ * local collision), or whose Maglev primary was not eligible then, cannot
+ * be reproduced: the backend answers the adopted flow's segments with a
+ * RST, as it would have answered the drop
  * with a timeout. No eligibility test: the connection lives at its
  * backend whatever this instance's health view says. Forged strays to the
  * direct SID can create flows only at adopt_per_s a CPU (`adopt_budget`).
- * Global: its own frame, not the walk's.
+ * Global: its own frame, not the walk's; called by the walk (ADOPT).
  */
 __noinline int adopt(struct xdp_md *ctx, const struct inband_lb_config *cfg, __u32 vid, struct pkt *p)
 {
@@ -217,15 +223,23 @@ __noinline int adopt(struct xdp_md *ctx, const struct inband_lb_config *cfg, __u
 	const struct inband_vip_slots *slots = bpf_map_lookup_elem(&vip_backends, &vid);
 	const struct inband_flow_key *fk = &p->fk;
 
-	if (!vc || !slots || !(vc->flags & INBAND_VIP_FLEET) || vc->policy != INBAND_POLICY_MAGLEV)
+	if (!vc || !slots || !(vc->flags & INBAND_VIP_FLEET))
 		return drop(INBAND_DROP_CHAINED_NO_FLOW);
-	__u64 h = inband_siphash24_words(INBAND_MAGLEV_K0, INBAND_MAGLEV_K1, (const __u8 *)fk, sizeof(*fk) / 8);
-	__u32 slot = maglev_entry(vc->maglev_table, h);
+	int maglev = vc->policy == INBAND_POLICY_MAGLEV;
+	__u32 id = 0;
+	const struct inband_backend *be;
 
-	if (slot >= vc->backend_count || slot >= INBAND_MAX_BACKENDS_PER_VIP)
-		return drop(INBAND_DROP_CHAINED_NO_FLOW);
-	__u32 id = slots->backend[slot & (INBAND_MAX_BACKENDS_PER_VIP - 1)];
-	const struct inband_backend *be = bpf_map_lookup_elem(&backends, &id);
+	if (maglev) {
+		__u64 h = inband_siphash24_words(INBAND_MAGLEV_K0, INBAND_MAGLEV_K1, (const __u8 *)fk, sizeof(*fk) / 8);
+		__u32 slot = maglev_entry(vc->maglev_table, h);
+
+		if (slot >= vc->backend_count || slot >= INBAND_MAX_BACKENDS_PER_VIP)
+			return drop(INBAND_DROP_CHAINED_NO_FLOW);
+		id = slots->backend[slot & (INBAND_MAX_BACKENDS_PER_VIP - 1)];
+		be = bpf_map_lookup_elem(&backends, &id);
+	} else {
+		be = announced_backend(vid, vc, fk, &id);
+	}
 
 	/* Toward such a backend the opener pinned its own tuple (open_flow). */
 	if (!be || (be->flags & (INBAND_BACKEND_OPTIONS_LOST | INBAND_BACKEND_ENCAP)) || inband_addr_is4(&be->addr))
@@ -275,7 +289,7 @@ __noinline int adopt(struct xdp_md *ctx, const struct inband_lb_config *cfg, __u
 		bpf_map_delete_elem(&snat, &nk);
 		return drop(INBAND_DROP_FLOW_TABLE_FULL);
 	}
-	event(INBAND_EV_ADOPTED_MAGLEV);
+	event(maglev ? INBAND_EV_ADOPTED_MAGLEV : INBAND_EV_ADOPTED_ANNOUNCED);
 	f = bpf_map_lookup_elem(&flows, fk);
 	if (f && (p->flags & (TCP_FLAG_FIN | TCP_FLAG_RST)))
 		client_end(f, p);
@@ -283,7 +297,7 @@ __noinline int adopt(struct xdp_md *ctx, const struct inband_lb_config *cfg, __u
 }
 
 /* Step 2 of the walk: a packet whose (dst, dport, proto) is a VIP, with no
- * established flow. Returns a verdict, or FWD_COPY / FWD_FLOW / OPEN_FLOW. */
+ * established flow. Returns a verdict, or FWD_COPY / FWD_FLOW / OPEN_FLOW / CHAIN / ADOPT. */
 __noinline int handshake(struct xdp_md *ctx, const struct inband_lb_config *cfg, __u32 vid, struct pkt *p)
 {
 	if (!cfg || !p)
@@ -332,7 +346,7 @@ __noinline int handshake(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 		if (p->via_sid == VIA_COND_SID)
 			return CHAIN;
 		if (p->via_sid == VIA_DIRECT_SID)
-			return adopt(ctx, cfg, vid, p);
+			return ADOPT;
 		return drop(INBAND_DROP_NO_FLOW);
 	}
 	if (p->flags & TCP_FLAG_RST) {

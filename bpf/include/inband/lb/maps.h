@@ -93,6 +93,18 @@ struct {
 
 INBAND_PINNED(query_done, BPF_MAP_TYPE_LRU_HASH, struct inband_flow_key, __u64, 16384);
 
+/* Announced choices (peer_choices.h): new connections' backends handed to
+ * the lb daemon, which sends them to the peers; and what the peers sent
+ * here, sized with `flows` at load (LRU: the least recently written or
+ * read goes first; the daemon is its only writer). */
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 256 * 1024);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} choice_ring SEC(".maps");
+
+INBAND_PINNED(peer_choices, BPF_MAP_TYPE_LRU_HASH, struct inband_flow_key, struct inband_peer_choice, INBAND_FLOW_TABLE_SIZE);
+
 /* Sampled capture of dropped packets (capture.h): off until `inband lb
  * capture` writes capture_conf; the ring is bounded, a full one is counted. */
 INBAND_PINNED_ARRAY(capture_conf, struct inband_capture_conf, 1);

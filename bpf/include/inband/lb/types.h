@@ -49,6 +49,10 @@ struct inband_vip_key {
 /* New TCP connections get the fleet tuple (lb.toml `[scale_out] fleet`):
  * set by the control plane on TCP VIPs in a DSR mode when fleet is on. */
 #define INBAND_VIP_FLEET 64
+/* A fleet VIP whose policy is not Maglev (set by the control plane with
+ * INBAND_VIP_FLEET): each new connection's backend is put in choice_ring
+ * for the lb daemon to announce to the peers (peer_choices.h). */
+#define INBAND_VIP_ANNOUNCE 128
 
 struct inband_vip {
 	struct inband_addr addr;
@@ -432,6 +436,15 @@ struct inband_control_stats {
 	__u64 query_ns; /* total time SYNs were held for their query */
 	__u64 options_lost; /* times a backend was found losing inband options (then polled) */
 	__u64 options_retried; /* times such a backend was given options again to see if its path healed */
+	/* Announced choices ([scale_out] peers; crates/inband-lb/src/peers.rs). */
+	__u64 peer_datagrams_sent;
+	__u64 peer_records_sent;
+	__u64 peer_send_failures;
+	__u64 peer_records_learned; /* written into peer_choices */
+	__u64 peer_unknown_sender; /* datagrams refused: from no address of `peers` */
+	__u64 peer_malformed; /* ... not the format (length, magic, count, a record's fields) */
+	__u64 peer_bad_mac; /* ... MAC not the fleet key's */
+	__u64 peer_replayed; /* ... sequence number not newer than the sender's last */
 };
 
 /* dsr-query: a SYN the data path hands to the lb daemon (ring buffer
@@ -445,6 +458,30 @@ struct inband_query_req {
 	__u32 len; /* bytes of `frame` used */
 	__u64 held_ns; /* bpf_ktime_get_ns() when the SYN was held */
 	__u8 frame[INBAND_QUERY_FRAME_MAX];
+};
+
+/* A new connection of an INBAND_VIP_ANNOUNCE VIP, handed to the lb daemon
+ * (ring buffer `choice_ring`), which sends it to the peers. */
+struct inband_choice_rec {
+	struct inband_flow_key key; /* its client side */
+	struct inband_addr backend_addr;
+	__be16 backend_port;
+	__u16 pad;
+	__u32 pad1;
+	__u64 opened_ns; /* bpf_ktime_get_coarse_ns() of its SYN */
+};
+
+/* peer_choices[client side]: the backend a peer gave a fleet connection,
+ * which this instance may adopt (handshake.h adopt()). Written by the lb
+ * daemon only. */
+struct inband_peer_choice {
+	struct inband_addr backend_addr;
+	__be16 backend_port;
+	__u16 pad;
+	__u32 pad1;
+	/* CLOCK_MONOTONIC here of its SYN (the sender's age of it subtracted):
+	 * an older record does not replace a newer one. */
+	__u64 opened_ns;
 };
 
 #endif /* INBAND_LB_TYPES_H */
