@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
-# Runs every Rust test binary of the workspace: the ones that assert on
-# latencies, rates and timeouts (MEASURING), which must not measure their
-# neighbours' load, one at a time; beside them, at the lowest priority, the
-# ones that assert only on bytes, counters and maps, several binaries at
-# once. Each binary still runs its own tests on its threads; binaries side
-# by side are safe because every test names its network namespaces, pins
-# and testbeds after its process id and holds every port it uses. In each
-# lane the slowest binaries of the previous run start first (their times
-# are kept beside the build).
+# Runs every Rust test binary of the workspace: first the ones that assert
+# only on bytes, counters and maps, several binaries at once; then, one at a
+# time, the ones that assert on latencies, rates and timeouts (MEASURING),
+# which must not measure their neighbours' load. Each binary still runs its
+# own tests on its threads; binaries side by side are safe because every
+# test names its network namespaces, pins and testbeds after its process id
+# and holds every port it uses. In the parallel phase the slowest binaries
+# of the previous run start first (their times are kept beside the build).
 # Prints each failing binary's output and exits non-zero if any failed.
 #
 # Written here rather than taken from cargo-nextest: nextest has no Debian
@@ -57,19 +56,11 @@ run_one() {
 export -f run_one
 export THREADS
 measuring() { local n; n=$(basename "$1"); [[ $MEASURING == *" ${n%-*} "* ]]; }
-# Two lanes at once. The measuring binaries, one at a time, keep about one
-# core of the two busy (their tests mostly wait on timers, downloads and
-# route changes); the others run beside them at the lowest priority, on
-# the core the measuring ones leave idle, and give way whenever a
-# measuring test wants both: a measuring test still sees no neighbour's
-# load, and the other lane's minute of CPU no longer adds to CI's time.
 while read -r _ exe dir; do measuring "$exe" || echo "$exe $dir"; done <"$logs/order" \
-  | nice -n 19 xargs -P "$jobs" -L 1 bash -c 'run_one "$0" "$1" '"$logs" &
-others=$!
+  | xargs -P "$jobs" -L 1 bash -c 'run_one "$0" "$1" '"$logs"
 while read -r _ exe dir; do
   if measuring "$exe"; then run_one "$exe" "$dir" "$logs"; fi
 done <"$logs/order"
-wait "$others"
 
 awk '{ print $1, $2 }' "$logs/results" >"$times"
 failed=$(awk '$3 != 0 { print $1 }' "$logs/results")
