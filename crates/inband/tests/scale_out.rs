@@ -887,7 +887,11 @@ fn an_instance_host_crash_keeps_its_dsr_dynamic_connections_with_announced_choic
         } else {
             assert!(broken.iter().any(|p| held.contains(p)), "announcements off: none of b1's downloads {held:?} broke{}", farm.report());
             assert!(broken.iter().all(|p| held.contains(p)), "announcements off: a survivor's download broke: {broken:?}{}", farm.report());
-            assert_eq!((sent, took), (0, 0), "announcements off: b1 sent records, or a survivor adopted");
+            // b2 and b3 still announce theirs to each other: a stray of
+            // one survivor's connection that the router's substitute hop
+            // brings to the other may be adopted there (`took`), as under
+            // Maglev; none of b1's could be.
+            assert_eq!(sent, 0, "announcements off: b1 sent records (survivors adopted {took})");
         }
     }
 }
