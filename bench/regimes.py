@@ -171,6 +171,9 @@ def run_regime(bench: Bench, regime: Regime, profile: Profile, out: Path) -> lis
     run("poll-equal", "dsr-polling, equal budget", f"{eq_ms} ms", replace(polling, poll_interval_ms=eq_ms))
     run("poll-best", "dsr-polling, best poller", f"{BEST_POLL_MS} ms", replace(polling, poll_interval_ms=BEST_POLL_MS))
     run("dsr-query", "dsr-query (ask before forwarding)", "per SYN batch", paperbed.BY_KEY["dsr-query"])
+    # The control: what the balancer knows by itself, counting its own
+    # connections, with no feedback at all.
+    run("dsr-leastconn", "DSR least-connections (own counts, no feedback)", "–", replace(paperbed.BY_KEY["dsr-rr"], policy="least-connections"))
     run("dsr-rr", "DSR round-robin", "–", paperbed.BY_KEY["dsr-rr"])
     return rows
 
@@ -250,6 +253,8 @@ def summary_table(by_regime: dict) -> str:
         "p99",
         "dyn ÷ query: RPS",
         "p99",
+        "dyn ÷ least-connections: RPS",
+        "p99",
         "dyn ÷ rr: RPS",
         "verdict",
     ]
@@ -276,6 +281,8 @@ def summary_table(by_regime: dict) -> str:
                 fmt_ratio(against("poll-best", "p99")),
                 fmt_ratio(against("dsr-query", "rps")),
                 fmt_ratio(against("dsr-query", "p99")),
+                fmt_ratio(against("dsr-leastconn", "rps")),
+                fmt_ratio(against("dsr-leastconn", "p99")),
                 fmt_ratio(against("dsr-rr", "rps")),
                 verdict(against("poll-equal", "rps"), against("poll-equal", "p99"), against("poll-best", "rps"), against("poll-best", "p99")),
             ]
@@ -388,6 +395,9 @@ def render(record: dict) -> str:
     ]
     if record["failed"]:
         parts.append("**Failed:** " + "; ".join(record["failed"]) + "\n")
+    missing = [k for k in ("dsr-leastconn",) if not any(r["key"] == k for r in record["rows"])]
+    if missing:
+        parts.append(f"This record predates the row(s) {', '.join(missing)}: their columns read – until the next run.\n")
     parts += ["## Summary\n", summary_table(by_regime) + "\n"]
     for regime in (BY_KEY[k] for k in record["regimes"]):
         if regime.key in by_regime:

@@ -104,6 +104,8 @@ class Configuration:
     # the adaptive n between the two.
     probe_interval: int | None = None
     probe_interval_max: int | None = None
+    # inband only: the VIP's policy (lb.toml's default, least-score, when None).
+    policy: str | None = None
 
 
 CONFIGURATIONS = (
@@ -236,6 +238,7 @@ class Bench(TestbedRun):
             return self.start_lb(
                 cfg_dir, self.backends, mode=c.mode, probe_interval=c.probe_interval or self.args.probe_interval,
                 probe_interval_max=c.probe_interval_max, poll_interval_ms=c.poll_interval_ms or self.args.poll_interval_ms,
+                **({"policy": c.policy} if c.policy else {}),
             )  # fmt: skip
         if c.kind == "haproxy":
             cfg = cfg_dir / "haproxy.cfg"
@@ -390,7 +393,7 @@ def overhead(c: Configuration, status, before: dict, after: dict, *, authenticat
             "dsr-dynamic": "IPv4 options on packets already sent",
             "roundrobin": "none",
             "leastconn": "own connection counts",
-        }.get(c.mode or c.balance or "", "none"),
+        }.get("leastconn" if c.policy == "least-connections" else c.mode or c.balance or "", "none"),
         lb_in_bytes=after["bytes"] - before["bytes"],
         lb_in_packets=after["packets"] - before["packets"],
         lb_in_drops=after["drops"] - before["drops"],

@@ -17,6 +17,7 @@ CONFIG_ROWS = [
     "dsr-polling, equal budget",
     "dsr-polling, best poller",
     "dsr-query (ask before forwarding)",
+    "DSR least-connections (own counts, no feedback)",
     "DSR round-robin",
 ]
 
@@ -58,11 +59,11 @@ def test_tiny_grid_end_to_end(tmp_path):
     summary = table_rows(md, "| regime | dynamic RPS | equal poll interval |")
     assert [r[0] for r in summary] == keys
     for r in summary:
-        assert len(r) == 12, r
+        assert len(r) == 14, r
         # The equal-budget poller sent as many requests to the servers as
         # dynamic's score requests, within a quarter.
         assert 0.75 <= float(r[3]) <= 1.25, r
-        assert all(c.endswith("×") for c in r[4:11]), r
+        assert all(c.endswith("×") for c in r[4:13]), r
 
     for key in keys:
         section = md[md.index(f"## {key}:") :]
@@ -75,6 +76,11 @@ def test_tiny_grid_end_to_end(tmp_path):
         assert by["dsr-dynamic (in-band)"][7] == "0.000"  # no packet of its own
         assert float(by["dsr-polling, best poller"][7]) > 0
         assert by["dsr-polling, best poller"][1] == f"{regimes.BEST_POLL_MS} ms"
+        # The control asks the servers nothing: it counts its own connections.
+        lc = by["DSR least-connections (own counts, no feedback)"]
+        assert (lc[6], lc[7]) == ("0.000", "0.000"), lc
+        lb_toml = (out / key / "dsr-leastconn" / "lb.toml").read_text()
+        assert 'mode = "dsr-rr"' in lb_toml and 'policy = "least-connections"' in lb_toml, lb_toml
 
     # Two modelled balancers: dynamic asks every 200th packet.
     data = json.loads((out / "results.json").read_text())
