@@ -630,11 +630,23 @@ static __always_inline void on_parse(struct bpf_sock_ops *skops)
 		take_path(skops, s, buf, n, 1);
 }
 
-SEC("sockops")
-int tcpe_sockops(struct bpf_sock_ops *skops)
+/* Room for an option is reserved (`write` 0), then the option written
+ * (`write` 1), for the same segment: its flags decide which option. */
+static __always_inline void on_header_option(struct bpf_sock_ops *skops, int write)
 {
 	__u32 flags = skops->skb_tcp_flags;
 
+	if ((flags & (TCPHDR_SYN | TCPHDR_ACK)) == (TCPHDR_SYN | TCPHDR_ACK))
+		write ? synack_write(skops) : synack_len(skops);
+	else if (flags & TCPHDR_SYN)
+		write ? syn_write(skops) : syn_len(skops);
+	else
+		write ? ack_write(skops) : ack_len(skops);
+}
+
+SEC("sockops")
+int tcpe_sockops(struct bpf_sock_ops *skops)
+{
 	switch (skops->op) {
 	case BPF_SOCK_OPS_TCP_LISTEN_CB:
 		on_listen(skops);
@@ -643,20 +655,10 @@ int tcpe_sockops(struct bpf_sock_ops *skops)
 		on_connect(skops);
 		break;
 	case BPF_SOCK_OPS_HDR_OPT_LEN_CB:
-		if ((flags & (TCPHDR_SYN | TCPHDR_ACK)) == (TCPHDR_SYN | TCPHDR_ACK))
-			synack_len(skops);
-		else if (flags & TCPHDR_SYN)
-			syn_len(skops);
-		else
-			ack_len(skops);
+		on_header_option(skops, 0);
 		break;
 	case BPF_SOCK_OPS_WRITE_HDR_OPT_CB:
-		if ((flags & (TCPHDR_SYN | TCPHDR_ACK)) == (TCPHDR_SYN | TCPHDR_ACK))
-			synack_write(skops);
-		else if (flags & TCPHDR_SYN)
-			syn_write(skops);
-		else
-			ack_write(skops);
+		on_header_option(skops, 1);
 		break;
 	case BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB:
 		on_active_established(skops);
