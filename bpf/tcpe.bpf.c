@@ -298,15 +298,23 @@ static __always_inline void on_connect(struct bpf_sock_ops *skops)
 
 /* ---- the handshake -------------------------------------------------------- */
 
-static __always_inline void syn_len(struct bpf_sock_ops *skops)
+/* The state of a connecting socket that offers TCPE on its SYN, or NULL. */
+static __always_inline struct inband_tcpe_sock *offering(struct bpf_sock_ops *skops)
 {
 	struct bpf_sock *sk = skops->sk;
 	struct inband_tcpe_sock *s;
 
 	if (!sk)
-		return;
+		return NULL;
 	s = bpf_sk_storage_get(&tcpe_sock, sk, 0, 0);
-	if (!s || s->state != INBAND_TCPE_STATE_OFFERED)
+	return s && s->state == INBAND_TCPE_STATE_OFFERED ? s : NULL;
+}
+
+static __always_inline void syn_len(struct bpf_sock_ops *skops)
+{
+	struct inband_tcpe_sock *s = offering(skops);
+
+	if (!s)
 		return;
 	if (bpf_reserve_hdr_opt(skops, INBAND_TCPE_HANDSHAKE_LEN, 0))
 		fallback(skops, s, INBAND_TCPE_FALLBACK_NO_SPACE);
@@ -314,14 +322,10 @@ static __always_inline void syn_len(struct bpf_sock_ops *skops)
 
 static __always_inline void syn_write(struct bpf_sock_ops *skops)
 {
-	struct bpf_sock *sk = skops->sk;
 	__u8 id[INBAND_TCPE_CONN_ID_LEN], key[INBAND_TCPE_KEY_LEN];
-	struct inband_tcpe_sock *s;
+	struct inband_tcpe_sock *s = offering(skops);
 
-	if (!sk)
-		return;
-	s = bpf_sk_storage_get(&tcpe_sock, sk, 0, 0);
-	if (!s || s->state != INBAND_TCPE_STATE_OFFERED)
+	if (!s)
 		return;
 	put_hdr(id, INBAND_TCPE_CONN_ID_LEN, INBAND_TCPE_EXID_CONN_ID);
 	put_be32(id + INBAND_TCPE_HDR_LEN, s->conn_id);
