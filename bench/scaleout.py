@@ -25,10 +25,14 @@ servers, dsr-dynamic, each with `[scale_out]`):
    the same load as in part 1, b1's daemon is killed -9 and its host
    dies in one of three ways (its XDP program gone with the link up; the
    link losing carrier; the interface gone), and 1 s later the router
-   routes to b2 and b3 (`inband shadow route`, `liveness = "echo"`). The
-   downloads that broke are split by who held them at the crash: b1's
-   own flows (lost today: their server-side tuple lives only on b1) and
-   the others' (the goal: none).
+   routes to b2 and b3 (`inband shadow route`, `liveness = "echo"`). For
+   each VIP configuration (dsr-dynamic with each instance's own tuples;
+   Maglev with fleet tuples; dsr-dynamic with fleet tuples and announced
+   choices), on a testbed of its own. The downloads that broke are split
+   by who held them at the crash: b1's own flows and the others' (the
+   goal: none); every download is timed (bench.lib.fetch), and the
+   longest pause in its body says what a connection that survived the
+   crash waited.
 
 The router sends to the client through a token bucket (tc tbf) in part
 1 so that downloads last seconds, as in bench.ecmp; part 2 runs without
@@ -94,18 +98,39 @@ class Profile:
     # (1/2 * 2/3)^n: 1% with 4 (a tiny row once saw no chained packet),
     # 2e-6 with 12.
     join_clients: int | None = None
+    # Part 3's configurations of the VIP (CRASH_MODES), each on a testbed
+    # of its own: "interface gone" leaves b1 unusable.
+    crash_modes: tuple = ("dynamic", "maglev-fleet", "dynamic-announced")
+
+
+@dataclass(frozen=True)
+class CrashMode:
+    name: str  # as the table shows it
+    vip: str  # the [[vip]] lines besides address, port and backends
+    fleet: bool  # [scale_out] fleet tuples (and the agents' fleet_prefixes)
+    peers: bool  # each instance announces its choices to the others
+
+
+CRASH_MODES = {
+    "dynamic": CrashMode("dsr-dynamic, own tuples", 'mode = "dsr-dynamic"\nprobe_interval = 8\n', False, False),
+    "maglev-fleet": CrashMode("dsr-rr Maglev, fleet tuples", 'mode = "dsr-rr"\npolicy = "maglev"\n', True, False),
+    "dynamic-announced": CrashMode("dsr-dynamic, fleet tuples, choices announced", 'mode = "dsr-dynamic"\nprobe_interval = 8\n', True, True),
+}
+FLEET_PREFIX = f"fd00:f1ee:{SUBNET}::/96"
 
 
 PROFILES = {
     "quick": Profile(8, 2, "160mbit", 5, 21, 10, 64),
     # The test's: seconds; every change still meets downloads in flight.
-    "tiny": Profile(4, 1, "200mbit", 2, 9, 3, 16, download_max_s=10, reused_ports=30, join_clients=12, crash_forms=("carrier lost",)),
+    "tiny": Profile(4, 1, "200mbit", 2, 9, 3, 16, download_max_s=10, reused_ports=30, join_clients=12, crash_forms=("carrier lost",),
+                    crash_modes=("dynamic-announced",)),
 }
 
 
 class Bed:
-    def __init__(self, inband: Path, profile: Profile, workdir: Path, name: str) -> None:
+    def __init__(self, inband: Path, profile: Profile, workdir: Path, name: str, mode: str = "dynamic") -> None:
         self.inband, self.p, self.dir, self.name = str(inband), profile, workdir, name
+        self.mode = CRASH_MODES[mode]
         self.tb = Testbed(Path(inband), name)
         self.procs = Procs()
         self.lbs: dict[int, object] = {}
@@ -127,18 +152,32 @@ class Bed:
 
     def up(self) -> None:
         self.tb.up(SERVERS, subnet=SUBNET, ecmp=True, balancers=BALANCERS)
+        self.router_cfg = Path(self.tb.state["router_config"])
         key = new_auth_key(Path(self.inband), self.dir)
         auth = f'[auth]\nkeys = [{{ id = 1, file = "{key}" }}]\n'
-        balancers = ", ".join(f'"{self.addr(f"b{i}")}"' for i in range(1, BALANCERS + 1))
+        addrs = [self.addr(f"b{i}") for i in range(1, BALANCERS + 1)]
+        balancers = ", ".join(f'"{a}"' for a in addrs)
+        agent_fleet, lb_fleet = "", ""
+        if self.mode.fleet:
+            fleet_key = self.dir / "fleet.key"
+            fleet_key.unlink(missing_ok=True)
+            run(None, [self.inband, "keygen", "--out", str(fleet_key)])
+            agent_fleet = f'fleet_prefixes = ["{FLEET_PREFIX}"]\n'
+            lb_fleet = f'fleet = true\nfleet_prefix = "{FLEET_PREFIX}"\nfleet_key = "{fleet_key}"\n'
+            own = self.dir / "router.toml"
+            own.write_text(f'fleet_prefix = "{FLEET_PREFIX}"\n' + self.router_cfg.read_text())
+            self.router_cfg = own
         for s in range(1, SERVERS + 1):
             cfg = self.dir / f"agent-s{s}.toml"
-            cfg.write_text(f'interface = "eth0"\nbalancers = [{balancers}]\nscore_socket = "{self.dir}/agent-s{s}.sock"\n\n{auth}\n'
+            cfg.write_text(f'interface = "eth0"\nbalancers = [{balancers}]\n{agent_fleet}score_socket = "{self.dir}/agent-s{s}.sock"\n\n{auth}\n'
                            f'[[service]]\nport = 8080\nvip = "[{self.vip}]:80"\n')
             self.procs.spawn(f"agent-s{s}", self.ns(f"s{s}"), [self.inband, "agent", "--config", str(cfg)], self.dir / f"agent-s{s}.log")
         for i in range(1, BALANCERS + 1):
+            peers = ", ".join(f'"{a}"' for j, a in enumerate(addrs, 1) if j != i)
+            peers = f"peers = [{peers}]\n" if self.mode.peers else ""
             text = (f'interface = "eth0"\naddress6 = "{self.addr(f"b{i}")}"\ncontrol_socket = "{self.socket(i)}"\n\n'
-                    f'[scale_out]\nsid = "{self.sid(i, "b")}"\ndirect_sid = "{self.sid(i, "d")}"\nshadow_sid = "fd00:{SUBNET}:5f::5"\n\n'
-                    f'{auth}\n[[vip]]\naddress = "{self.vip}"\nport = 80\nmode = "dsr-dynamic"\nprobe_interval = 8\n')
+                    f'[scale_out]\nsid = "{self.sid(i, "b")}"\ndirect_sid = "{self.sid(i, "d")}"\nshadow_sid = "fd00:{SUBNET}:5f::5"\n'
+                    f'{lb_fleet}{peers}\n{auth}\n[[vip]]\naddress = "{self.vip}"\nport = 80\n{self.mode.vip}')
             for s in range(1, SERVERS + 1):
                 text += f'\n[[vip.backend]]\naddress = "{self.addr(f"s{s}")}"\nport = 8080\n'
             (self.dir / f"lb-b{i}.toml").write_text(text)
@@ -209,7 +248,7 @@ class Bed:
                                                  for s in range(1, SERVERS + 1)), 15)
 
     def route(self, up: list[int], plain: bool = False) -> None:
-        argv = [self.inband, "shadow", "route", "--config", self.tb.state["router_config"], "--up", ",".join(f"b{i}" for i in up)]
+        argv = [self.inband, "shadow", "route", "--config", str(self.router_cfg), "--up", ",".join(f"b{i}" for i in up)]
         run(self.ns("r1"), argv + (["--plain"] if plain else []))
 
     def client_ports(self, ports: str | None) -> None:
@@ -349,17 +388,32 @@ def changes_under_load(bed: Bed) -> list[dict]:
     return rows
 
 
-def held_ports(bed: Bed, i: int) -> set[int]:
-    """The client ports of the flows instance `i` holds, established and
-    in their handshake: its pinned flow and half-open tables, whose keys
-    start with the client's and the VIP's addresses (16 bytes each), then
-    the client's port (network order)."""
-    ports = set()
+def held_ports(bed: Bed, i: int) -> dict[str, set[int]]:
+    """The client ports of the flows instance `i` holds, by table:
+    established (`flows`) and in their handshake (`half_open`). Both
+    pinned tables' keys start with the client's and the VIP's addresses
+    (16 bytes each), then the client's port (network order)."""
+    ports = {}
     for table in ("flows", "half_open"):
         pin = f"/sys/fs/bpf/inband/netns/{bed.ns(f'b{i}')}/lb/eth0/{table}"
         cp = run(None, ["bpftool", "-j", "map", "dump", "pinned", pin])
-        ports |= {int(e["key"][32], 16) << 8 | int(e["key"][33], 16) for e in json.loads(cp.stdout)}
+        ports[table] = {int(e["key"][32], 16) << 8 | int(e["key"][33], 16) for e in json.loads(cp.stdout)}
     return ports
+
+
+def pauses(timed: list, crash_s: float, held: set[int]) -> dict:
+    """The longest pause (ms) of the downloads that completed: those in
+    flight at the crash, b1's and the others', and those that were not
+    (what the path gives without a crash)."""
+    done = [t for t in timed if t["ok"]]
+    spans = [t for t in done if t["start_s"] < crash_s < t["end_s"]]
+    mine = sorted(t["gap_ms"] for t in spans if t["local_port"].isdigit() and int(t["local_port"]) in held)
+    others = sorted(t["gap_ms"] for t in spans if not (t["local_port"].isdigit() and int(t["local_port"]) in held))
+    calm = sorted(t["gap_ms"] for t in done if t not in spans)
+    pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None  # noqa: E731
+    return {"b1_kept": len(mine), "b1_median_ms": pct(mine, 0.5), "b1_max_ms": mine[-1] if mine else None,
+            "others_in_flight": len(others), "others_max_ms": others[-1] if others else None,
+            "calm": len(calm), "calm_p99_ms": pct(calm, 0.99)}
 
 
 def crash(bed: Bed, form: str) -> None:
@@ -388,13 +442,14 @@ def revive(bed: Bed, form: str) -> None:
 
 
 def crashes(bed: Bed) -> list[dict]:
-    """Part 3: one row per crash form of b1, with b1, b2 and b3 routed."""
+    """Part 3 for the bed's mode: one row per crash form of b1, with b1,
+    b2 and b3 routed."""
     echo = bed.dir / "router-echo.toml"
-    echo.write_text('liveness = "echo"\n' + Path(bed.tb.state["router_config"]).read_text())
+    echo.write_text('liveness = "echo"\n' + bed.router_cfg.read_text())
     rows = []
     for form in bed.p.crash_forms:
         bed.route([1, 2, 3])
-        held: set[int] = set()
+        held: dict[str, set[int]] = {}
 
         def step(form=form, held=held):
             crash(bed, form)
@@ -405,16 +460,21 @@ def crashes(bed: Bed) -> list[dict]:
             time.sleep(1)
             run(bed.ns("r1"), [bed.inband, "shadow", "route", "--config", str(echo), "--up", "b2,b3"])
         no_flow = bed.counter("drops", "chained_no_flow")
+        adopted = bed.counter("events", "adopted_maglev") + bed.counter("events", "adopted_announced")
         steps_s: list = []
         with ShortRequests(bed) as short:
             loads = closed_loop(bed.ns("c1"), bed.vip, bed.p.clients, bed.p.size_mb, bed.p.run_s, at_fractions(steps_s, step),
-                                bed.p.download_max_s)
-        own = [f for f in loads.failures if f["local_port"].isdigit() and int(f["local_port"]) in held]
-        rows.append({"form": form, "held": len(held), "ok": loads.ok, "failed": loads.failed, "failed_held": len(own),
+                                bed.p.download_max_s, timed=True)
+        b1 = held["flows"] | held["half_open"]
+        own = [f for f in loads.failures if f["local_port"].isdigit() and int(f["local_port"]) in b1]
+        rows.append({"mode": bed.mode.name, "form": form, "held": len(b1), "held_half_open": len(held["half_open"]),
+                     "ok": loads.ok, "failed": loads.failed, "failed_held": len(own),
                      "failed_others": loads.failed - len(own), "steps_s": steps_s, "failures": loads.failures,
                      "short_ok": short.ok, "short_failed": short.failed,
-                     "chained_no_flow": bed.counter("drops", "chained_no_flow") - no_flow})
-        print(rows[-1], flush=True)
+                     "adopted": bed.counter("events", "adopted_maglev") + bed.counter("events", "adopted_announced") - adopted,
+                     "chained_no_flow": bed.counter("drops", "chained_no_flow") - no_flow,
+                     "pauses": pauses(loads.timed, steps_s[0][0], b1), "timed": loads.timed})
+        print({k: v for k, v in rows[-1].items() if k != "timed"}, flush=True)
         if form != "interface gone":
             revive(bed, form)
     return rows
@@ -467,11 +527,19 @@ def main(argv=None) -> int:
         bed.shaped(False)
         bed.serve_static(1000)
         results["throughput"] = throughput(bed)
-        bed.shaped(True)
-        bed.serve(p.size_mb * 1_000_000)
-        results["crashes"] = crashes(bed)
     finally:
         bed.down()
+    # Part 3: each mode on a testbed of its own (the last form takes b1's link).
+    results["crashes"] = []
+    for mode in p.crash_modes:
+        bed = Bed(args.inband, p, args.out, args.name, mode)
+        try:
+            bed.up()
+            bed.shaped(True)
+            bed.serve(p.size_mb * 1_000_000)
+            results["crashes"] += crashes(bed)
+        finally:
+            bed.down()
     record = this_run.record(results, profile=profiles.as_json(args.profile, p), inband=Path(args.inband))
     write_results(args.results, record, render(record))
     plot(results, args.out / "throughput.png")
@@ -499,12 +567,22 @@ def markdown(r: dict) -> str:
     for t in r["throughput"]:
         lines.append(f"| {t['path']} | {t['rps']:.0f} | {t['rps'] / direct:.2f}× | {t['rps'] / one:.2f}× |")
     if r.get("crashes"):
-        lines += ["", "### An instance's host crashes: b1 of b1, b2, b3 (dsr-dynamic), routed away 1 s later", "",
-                  "| b1's host | flows b1 held | downloads | failed: b1's | failed: the others' (goal 0) | short requests | failed | chained, no owner |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "### An instance's host crashes: b1 of b1, b2, b3, routed away 1 s later", "",
+                  "Longest pause: the longest time between two reads of a completed download's body (ms); "
+                  "\"in flight\": downloads running at the crash; \"calm\": the others of the row, for comparison.", "",
+                  "| VIP | b1's host | flows b1 held (in handshake) | downloads | failed: b1's | failed: the others' (goal 0) | adopted | "
+                  "longest pause, b1's kept: median / max | longest pause, the others' in flight: max | calm: p99 | "
+                  "short requests | failed | chained, no owner |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        ms = lambda v: "–" if v is None else f"{v:.0f}"  # noqa: E731
         for c in r["crashes"]:
-            lines.append(f"| {c['form']} | {c['held']} | {c['ok'] + c['failed']} | {c['failed_held']} | {c['failed_others']} | "
-                         f"{c['short_ok'] + c['short_failed']} | {c['short_failed']} | {c['chained_no_flow']} |")
+            pz = c.get("pauses") or {}
+            kept = f"{ms(pz.get('b1_median_ms'))} / {ms(pz.get('b1_max_ms'))} ({pz.get('b1_kept', 0)})" if pz else "–"
+            others = f"{ms(pz.get('others_max_ms'))} ({pz.get('others_in_flight', 0)})" if pz else "–"
+            lines.append(f"| {c.get('mode', 'dsr-dynamic, own tuples')} | {c['form']} | {c['held']} ({c.get('held_half_open', '–')}) | "
+                         f"{c['ok'] + c['failed']} | {c['failed_held']} | {c['failed_others']} | {c.get('adopted', '–')} | {kept} | {others} | "
+                         f"{ms(pz.get('calm_p99_ms')) if pz else '–'} | {c['short_ok'] + c['short_failed']} | {c['short_failed']} | "
+                         f"{c['chained_no_flow']} |")
     return "\n".join(lines) + "\n"
 
 

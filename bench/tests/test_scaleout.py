@@ -33,10 +33,18 @@ def test_tables_give_failures_and_throughput_ratios():
     rows = table_rows(md, "| change | mode |")
     assert rows[0] == ["b3 joins, then b1 leaves", "plain ECMP", "40", "25.00% (10)", "93", "3", "500", "0", "0"]
     assert rows[1][3] == "0.00% (0)" and rows[1][8] == "1200"
-    r["crashes"] = [{"form": "carrier lost", "held": 5, "ok": 20, "failed": 2, "failed_held": 2, "failed_others": 0,
-                     "short_ok": 40, "short_failed": 3, "chained_no_flow": 7}]
-    crash = table_rows(scaleout.markdown(r), "| b1's host |")
-    assert crash == [["carrier lost", "5", "22", "2", "0", "43", "3", "7"]]
+    r["crashes"] = [{"mode": "dsr-rr Maglev, fleet tuples", "form": "carrier lost", "held": 5, "held_half_open": 1, "ok": 20, "failed": 2,
+                     "failed_held": 2, "failed_others": 0, "adopted": 4, "short_ok": 40, "short_failed": 3, "chained_no_flow": 7,
+                     "pauses": scaleout.pauses([
+                         {"start_s": 1.0, "end_s": 9.0, "local_port": "4001", "ok": True, "gap_ms": 1200.0},
+                         {"start_s": 2.0, "end_s": 8.0, "local_port": "4002", "ok": True, "gap_ms": 1800.0},
+                         {"start_s": 2.0, "end_s": 9.0, "local_port": "4003", "ok": True, "gap_ms": 30.0},
+                         {"start_s": 3.0, "end_s": 70.0, "local_port": "4004", "ok": False, "gap_ms": 0.0},
+                         {"start_s": 0.0, "end_s": 4.0, "local_port": "4005", "ok": True, "gap_ms": 12.0},
+                     ], 5.0, {4001, 4002, 4004})}]
+    crash = table_rows(scaleout.markdown(r), "| VIP | b1's host |")
+    assert crash == [["dsr-rr Maglev, fleet tuples", "carrier lost", "5 (1)", "22", "2", "0", "4", "1800 / 1800 (2)", "30 (1)", "12",
+                      "43", "3", "7"]]
     tp = {t[0]: t for t in table_rows(md, "| path | req/s |")}
     assert tp["2 instances"][1:] == ["6000", "0.60×", "1.20×"]
     assert tp["straight to one server (no balancer)"][2] == "1.00×"
@@ -64,8 +72,15 @@ def test_tiny_profile_end_to_end(tmp_path):
     # others held did.
     (crash,) = data["crashes"]
     assert crash["form"] == "carrier lost" and crash["ok"] + crash["failed"] >= 4, crash
+    assert crash["mode"] == scaleout.CRASH_MODES["dynamic-announced"].name, crash
     assert crash["failed_others"] == 0, json.dumps(crash)
     assert crash["failed_held"] <= crash["held"], crash
+    # Every download was timed, and each completed one paused at least
+    # once for the token bucket; those in flight at the crash are counted.
+    assert len(crash["timed"]) == crash["ok"] + crash["failed"], crash
+    assert all(t["gap_ms"] > 0 for t in crash["timed"] if t["ok"]), crash["timed"]
+    pz = crash["pauses"]
+    assert pz["b1_kept"] + pz["others_in_flight"] + pz["calm"] == crash["ok"], pz
     tp = {t["instances"]: t["rps"] for t in data["throughput"]}
     assert set(tp) == {0, 1, 2, 4} and min(tp.values()) > 100, tp
     assert (out / "throughput.png").stat().st_size > 1000

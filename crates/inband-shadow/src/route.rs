@@ -44,6 +44,7 @@ use std::net::{IpAddr, Ipv6Addr};
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
+use ipnet::Ipv6Net;
 use serde::Deserialize;
 use tracing::{info, warn};
 
@@ -88,6 +89,12 @@ pub struct RouterConfig {
     /// answer there: keep "link" for them.
     #[serde(default)]
     pub liveness: Liveness,
+    /// The `fleet_prefix` of instances running `[scale_out] fleet = true`
+    /// (a /96): routed nowhere here (`unreachable`), so that what a
+    /// backend sends to a fleet address without its agent steering it is
+    /// answered "no route" at the router instead of following a default
+    /// route out of the site.
+    pub fleet_prefix: Option<Ipv6Net>,
     pub server: Vec<Server>,
 }
 
@@ -206,6 +213,11 @@ impl RouterConfig {
                 if !sids.insert(sid) || (0..self.generations).any(|k| self.generation(k).1 == sid) {
                     errors.push(format!("SID {sid} of {:?} is used twice (the router's shadow SIDs count)", s.name));
                 }
+            }
+        }
+        if let Some(p) = self.fleet_prefix {
+            if p.prefix_len() != 96 || p.network() != p.addr() {
+                errors.push(format!("fleet_prefix = {p}: not a /96 starting at its first address: write the instances' `fleet_prefix` as they have it"));
             }
         }
         if !errors.is_empty() {
@@ -543,6 +555,9 @@ fn prepare(cfg: &RouterConfig, up: &[&Server], forced: &[String]) -> Result<(Has
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => warn!(server = %s.name, dev = %s.dev, "no such interface"),
             r => r.with_context(|| format!("writing {path}"))?,
         }
+    }
+    if let Some(p) = cfg.fleet_prefix {
+        ip(&["-6", "route", "replace", "unreachable", &p.to_string()]).with_context(|| format!("routing the fleet prefix {p} nowhere"))?;
     }
     let dead = dead_servers(cfg, up, forced, &links, &echo);
     let objects = ensure_hops(cfg, &substitutes(cfg, up, &dead))?;
@@ -892,6 +907,16 @@ mod tests {
         }
         let err = format!("{:#}", members(&cfg, None, &serde_json::json!({"id": 5, "segs": ["fd00::1"]})).unwrap_err());
         assert!(err.contains("is not a group"), "{err}");
+    }
+
+    #[test]
+    fn a_fleet_prefix_must_be_the_instances_96() {
+        let cfg = parse(&config("fleet_prefix = \"fd00:f1ee::/96\"", 2)).unwrap();
+        assert_eq!(cfg.fleet_prefix.map(|p| p.to_string()).as_deref(), Some("fd00:f1ee::/96"));
+        for (bad, why) in [("fd00:f1ee::/64", "not a /96"), ("fd00:f1ee::7/96", "not a /96"), ("fd00:f1ee::", "invalid")] {
+            let e = format!("{:#}", parse(&config(&format!("fleet_prefix = \"{bad}\""), 2)).unwrap_err());
+            assert!(e.contains(why), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -49,6 +49,16 @@ enum Vip {
 }
 
 
+/// How an instance's host dies (issue 28): the program gone behind a
+/// link that stays up, the router's link to it losing carrier, or the
+/// router's end of that link gone.
+#[derive(Clone, Copy, Debug)]
+enum Crash {
+    ProgramGone,
+    CarrierLost,
+    InterfaceGone,
+}
+
 /// The testbed, its servers and agents, and one balancer process per
 /// instance (restartable); everything stops and detaches when dropped.
 struct Farm {
@@ -155,11 +165,18 @@ impl Farm {
             }
             std::fs::write(dir.join(format!("lb-{node}.toml")), text).unwrap();
         }
-        // The testbed's router.toml routes the IPv6 VIP; the IPv4 one gets a copy.
+        // The testbed's router.toml routes the IPv6 VIP; the IPv4 one, and
+        // the fleet's prefix (routed nowhere), get a copy.
         let mut router_cfg = tb.router_config.clone().unwrap();
-        if v4 {
-            let text = std::fs::read_to_string(&router_cfg).unwrap().replace(&format!("vip = \"{}\"", tb.vip6()), &format!("vip = \"{}\"", tb.vip()));
-            router_cfg = dir.join("router4.toml");
+        if v4 || fleet {
+            let mut text = std::fs::read_to_string(&router_cfg).unwrap();
+            if v4 {
+                text = text.replace(&format!("vip = \"{}\"", tb.vip6()), &format!("vip = \"{}\"", tb.vip()));
+            }
+            if fleet {
+                text = format!("fleet_prefix = \"{fleet_prefix}\"\n{text}");
+            }
+            router_cfg = dir.join("router-own.toml");
             std::fs::write(&router_cfg, text).unwrap();
         }
         let mut farm = Farm { tb, dir, lbs: (0..balancers).map(|_| None).collect(), v4, router_cfg };
@@ -225,18 +242,43 @@ impl Farm {
         self.status(i)["drops"][name].as_u64().unwrap_or(0)
     }
 
-    /// Instance 1's host dies in the "program gone" form (daemon killed
-    /// -9, XDP removed, the host forwards nothing, its link up); 1 s later
-    /// the router withdraws it, substituting a live instance's direct SID
-    /// for its shadow hops (`liveness = "echo"`).
-    fn crash_b1(&mut self) {
+    /// Instance 1's host dies as `form` says, its daemon killed -9 and
+    /// nothing of it cleaning up; 1 s later the router withdraws it,
+    /// substituting a live instance's direct SID for its shadow hops
+    /// (`liveness = "echo"`: a program gone behind a link that is up is
+    /// found by probing).
+    fn crash_b1(&mut self, form: Crash) {
         self.stop_lb(1, true);
-        run_ok(&self.tb, "b1", &["ip", "link", "set", "dev", "eth0", "xdp", "off"]);
-        run_ok(&self.tb, "b1", &["sysctl", "-q", "-w", "net.ipv6.conf.all.forwarding=0"]);
+        match form {
+            Crash::ProgramGone => {
+                run_ok(&self.tb, "b1", &["ip", "link", "set", "dev", "eth0", "xdp", "off"]);
+                run_ok(&self.tb, "b1", &["sysctl", "-q", "-w", "net.ipv6.conf.all.forwarding=0"]);
+            }
+            Crash::CarrierLost => drop(run_ok(&self.tb, "b1", &["ip", "link", "set", "eth0", "down"])),
+            Crash::InterfaceGone => drop(run_ok(&self.tb, "r1", &["ip", "link", "del", "b1"])),
+        }
         std::thread::sleep(Duration::from_secs(1));
         let echo_cfg = self.dir.join("router-echo.toml");
         std::fs::write(&echo_cfg, format!("liveness = \"echo\"\n{}", std::fs::read_to_string(&self.router_cfg).unwrap())).unwrap();
         run_ok(&self.tb, "r1", &[BIN, "shadow", "route", "--config", echo_cfg.to_str().unwrap(), "--up", "b2,b3"]);
+    }
+
+    /// b1's host comes back from `crash_b1(form)` (its daemon not yet
+    /// started); an interface that is gone does not come back.
+    fn revive_b1_host(&self, form: Crash) {
+        match form {
+            Crash::ProgramGone => drop(run_ok(&self.tb, "b1", &["sysctl", "-q", "-w", "net.ipv6.conf.all.forwarding=1"])),
+            Crash::CarrierLost => {
+                // IPv6 took the link's address and routes away with it.
+                let addr = self.tb.addr6("b1");
+                let mut gw = addr.segments();
+                gw[7] = 1;
+                run_ok(&self.tb, "b1", &["ip", "link", "set", "eth0", "up"]);
+                run_ok(&self.tb, "b1", &["ip", "-6", "addr", "replace", &format!("{addr}/64"), "dev", "eth0", "nodad"]);
+                run_ok(&self.tb, "b1", &["ip", "-6", "route", "replace", "default", "via", &std::net::Ipv6Addr::from(gw).to_string()]);
+            }
+            Crash::InterfaceGone => panic!("b1's interface on the router is gone for good"),
+        }
     }
 
     /// Points the router's VIP route at `up` (instance numbers), the
@@ -734,36 +776,24 @@ fn an_instance_host_crash_breaks_only_its_own_connections() {
     wait_for("b1 back", || echo(&farm));
     farm.route(&[1, 2, 3], false);
     wait_for("the VIP to answer", || answers(&farm));
-    for (form, first_port) in [("carrier lost", 41000), ("interface gone", 42000)] {
+    for (form, first_port) in [(Crash::CarrierLost, 41000), (Crash::InterfaceGone, 42000)] {
         let dls = farm.downloads_from(first_port, DOWNLOADS);
         wait_for("every download to start", || farm.established() == DOWNLOADS);
         let held: Vec<u16> = farm.held(1).into_iter().filter(|p| (first_port..first_port + DOWNLOADS as u16).contains(p)).collect();
-        assert!(!held.is_empty(), "{form}: b1 holds no download: the step proves nothing");
-        farm.stop_lb(1, true);
-        match form {
-            "carrier lost" => run_ok(&farm.tb, "b1", &["ip", "link", "set", "eth0", "down"]),
-            _ => run_ok(&farm.tb, "r1", &["ip", "link", "del", "b1"]),
-        };
-        std::thread::sleep(Duration::from_secs(1));
-        farm.route(&[2, 3], false);
+        assert!(!held.is_empty(), "{form:?}: b1 holds no download: the step proves nothing");
+        farm.crash_b1(form);
         let broken = broken(dls);
         let survivors_broken: Vec<&u16> = broken.iter().filter(|p| !held.contains(p)).collect();
         eprintln!(
-            "{form}: b1 held {} of {DOWNLOADS}, {} broke; chained packets delivered by b2+b3: {}",
+            "{form:?}: b1 held {} of {DOWNLOADS}, {} broke; chained packets delivered by b2+b3: {}",
             held.len(),
             broken.len(),
             farm.event(2, "srv6_direct") + farm.event(3, "srv6_direct")
         );
-        assert!(survivors_broken.is_empty(), "{form}: b2's or b3's downloads broke: {survivors_broken:?} (b1 held {held:?}){}", farm.report());
-        if form == "carrier lost" {
-            // b1's host comes back and rejoins for the next form (IPv6
-            // took its address and routes away with the link).
-            let addr = farm.tb.addr6("b1");
-            let mut gw = addr.segments();
-            gw[7] = 1;
-            run_ok(&farm.tb, "b1", &["ip", "link", "set", "eth0", "up"]);
-            run_ok(&farm.tb, "b1", &["ip", "-6", "addr", "replace", &format!("{addr}/64"), "dev", "eth0", "nodad"]);
-            run_ok(&farm.tb, "b1", &["ip", "-6", "route", "replace", "default", "via", &std::net::Ipv6Addr::from(gw).to_string()]);
+        assert!(survivors_broken.is_empty(), "{form:?}: b2's or b3's downloads broke: {survivors_broken:?} (b1 held {held:?}){}", farm.report());
+        if let Crash::CarrierLost = form {
+            // b1's host comes back and rejoins for the next form.
+            farm.revive_b1_host(form);
             farm.start_lb(1);
             farm.route(&[1, 2, 3], false);
             wait_for("the VIP to answer", || answers(&farm));
@@ -771,46 +801,60 @@ fn an_instance_host_crash_breaks_only_its_own_connections() {
     }
 }
 
-/// An instance's host dies under live downloads in the "program gone"
-/// form (Farm::crash_b1). With
+/// An instance's host dies under live downloads (Farm::crash_b1). With
 /// fleet tuples and Maglev the connections it held reach the end of the
-/// chain at a survivor, which adopts them: every download completes. With
-/// fleet off (the same VIP, its own tuples) its downloads break, or the
-/// first half would prove nothing.
+/// chain at a survivor, which adopts them: every download completes, when
+/// its program is gone behind a link that stays up and, after it came
+/// back, when the router's end of its link is gone. With fleet off (the
+/// same VIP, its own tuples) its downloads break, or the first half would
+/// prove nothing.
 #[test]
 fn an_instance_host_crash_keeps_its_maglev_connections_with_fleet_tuples() {
-    for (fleet, subnet) in [(true, 88), (false, 89)] {
+    let fleet_on = [Crash::ProgramGone, Crash::InterfaceGone];
+    for (fleet, subnet, forms) in [(true, 88, &fleet_on[..]), (false, 89, &[Crash::ProgramGone][..])] {
         let mut farm = Farm::up_family(if fleet { "f" } else { "n" }, subnet, 3, false, false, Vip::Maglev(fleet));
         farm.route(&[1, 2, 3], false);
         let url = format!("http://[{}]/", farm.tb.vip6());
-        wait_for("the VIP to answer", || {
-            farm.tb.exec("c1", &["curl", "-s", "-o", "/dev/null", "--max-time", "3", &url]).map(|o| o.status.success()).unwrap_or(false)
-        });
+        let answers = |f: &Farm| f.tb.exec("c1", &["curl", "-s", "-o", "/dev/null", "--max-time", "3", &url]).map(|o| o.status.success()).unwrap_or(false);
+        wait_for("the VIP to answer", || answers(&farm));
         let shown = farm.status(2)["scale_out"]["fleet_prefix"].clone();
         assert_eq!(shown, if fleet { Value::from(fleet_prefix(subnet)) } else { Value::Null }, "inband status");
-        let first_port = 43000;
-        let dls = farm.downloads_from(first_port, DOWNLOADS);
-        wait_for("every download to start", || farm.established() == DOWNLOADS);
-        let held: Vec<u16> = farm.held(1).into_iter().filter(|p| (first_port..first_port + DOWNLOADS as u16).contains(p)).collect();
-        assert!(!held.is_empty(), "fleet {fleet}: b1 holds no download: the test proves nothing");
-        farm.crash_b1();
-        let broken = broken(dls);
-        let adopted = farm.event(2, "adopted_maglev") + farm.event(3, "adopted_maglev");
-        eprintln!("fleet {fleet}: b1 held {} of {DOWNLOADS}, {} broke, b2+b3 adopted {adopted}", held.len(), broken.len());
-        if fleet {
-            assert!(broken.is_empty(), "downloads broke: {broken:?} (b1 held {held:?}){}", farm.report());
-            assert!(adopted > 0, "nothing adopted: b1's downloads did not move{}", farm.report());
-        } else {
-            assert!(broken.iter().any(|p| held.contains(p)), "fleet off: none of b1's downloads {held:?} broke{}", farm.report());
-            assert!(broken.iter().all(|p| held.contains(p)), "fleet off: a survivor's download broke: {broken:?}{}", farm.report());
-            assert_eq!(adopted, 0);
+        // `shadow route` routed the fleet's prefix nowhere on the router.
+        let out = run_ok(&farm.tb, "r1", &["ip", "-6", "-j", "route", "show", &fleet_prefix(subnet)]);
+        let routes: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(routes[0]["type"].as_str(), fleet.then_some("unreachable"), "the router's route for {}: {routes}", fleet_prefix(subnet));
+        for (round, &form) in forms.iter().enumerate() {
+            if round > 0 {
+                farm.revive_b1_host(forms[round - 1]);
+                farm.start_lb(1);
+                farm.route(&[1, 2, 3], false);
+                wait_for("the VIP to answer", || answers(&farm));
+            }
+            let first_port = 43000 + 1000 * round as u16;
+            let adopted_before = farm.event(2, "adopted_maglev") + farm.event(3, "adopted_maglev");
+            let dls = farm.downloads_from(first_port, DOWNLOADS);
+            wait_for("every download to start", || farm.established() == DOWNLOADS);
+            let held: Vec<u16> = farm.held(1).into_iter().filter(|p| (first_port..first_port + DOWNLOADS as u16).contains(p)).collect();
+            assert!(!held.is_empty(), "fleet {fleet}, {form:?}: b1 holds no download: the test proves nothing");
+            farm.crash_b1(form);
+            let broken = broken(dls);
+            let adopted = farm.event(2, "adopted_maglev") + farm.event(3, "adopted_maglev") - adopted_before;
+            eprintln!("fleet {fleet}, {form:?}: b1 held {} of {DOWNLOADS}, {} broke, b2+b3 adopted {adopted}", held.len(), broken.len());
+            if fleet {
+                assert!(broken.is_empty(), "{form:?}: downloads broke: {broken:?} (b1 held {held:?}){}", farm.report());
+                assert!(adopted > 0, "{form:?}: nothing adopted: b1's downloads did not move{}", farm.report());
+            } else {
+                assert!(broken.iter().any(|p| held.contains(p)), "fleet off: none of b1's downloads {held:?} broke{}", farm.report());
+                assert!(broken.iter().all(|p| held.contains(p)), "fleet off: a survivor's download broke: {broken:?}{}", farm.report());
+                assert_eq!(adopted, 0);
+            }
         }
     }
 }
 
 /// As above with a dsr-dynamic VIP (least-score: a choice no survivor can
-/// compute), each instance announcing its choices to the others: b1's
-/// host dies under live downloads, the survivors adopt its connections to
+/// compute), each instance announcing its choices to the others: the
+/// router's link to b1 loses carrier under live downloads, the survivors adopt its connections to
 /// the backends it announced, and every download completes. Then, with b1
 /// back and announcing to nobody (`peers` empty: b2 and b3 still listen),
 /// the same crash breaks b1's downloads and only those, or the first half
@@ -839,7 +883,9 @@ fn an_instance_host_crash_keeps_its_dsr_dynamic_connections_with_announced_choic
             wait_for("b1 to announce its downloads", || records_sent(&farm) - sent_before >= 2 * held.len() as u64);
         }
         let (sent, adopted_before) = (records_sent(&farm) - sent_before, adopted(&farm));
-        farm.crash_b1();
+        // The router's link to b1 loses carrier, then (announcements off)
+        // its program goes behind a link that stays up.
+        farm.crash_b1(if announce { Crash::CarrierLost } else { Crash::ProgramGone });
         let broken = if announce { broken(dls) } else { broken_once_the_rest_are_done(dls, &held) };
         let took = adopted(&farm) - adopted_before;
         eprintln!("announce {announce}: b1 held {} of {DOWNLOADS} and sent {sent} records, {} broke, b2+b3 adopted {took}", held.len(), broken.len());
@@ -876,7 +922,7 @@ fn an_instance_host_crash_keeps_its_dsr_dynamic_connections_with_announced_choic
             };
             wait_for("b2 to refuse the three datagrams", || refused(&farm) == [1, 1, 1, 0]);
             // b1 comes back, announcing to nobody.
-            run_ok(&farm.tb, "b1", &["sysctl", "-q", "-w", "net.ipv6.conf.all.forwarding=1"]);
+            farm.revive_b1_host(Crash::CarrierLost);
             let cfg = farm.dir.join("lb-b1.toml");
             let text = std::fs::read_to_string(&cfg).unwrap();
             let line = text.lines().find(|l| l.starts_with("peers = ")).unwrap().to_string();
