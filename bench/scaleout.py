@@ -403,10 +403,12 @@ def held_ports(bed: Bed, i: int) -> dict[str, set[int]]:
 
 def pauses(timed: list, crash_s: float, held: set[int]) -> dict:
     """The longest pause (ms) of the downloads that completed: those in
-    flight at the crash, b1's and the others', and those that were not
-    (what the path gives without a crash)."""
+    flight at the crash (their body's first byte before it, the last
+    after), b1's and the others', and those that were not (what the path
+    gives without a crash). A port b1's tables hold from an earlier
+    connection makes no download b1's unless that one was in flight."""
     done = [t for t in timed if t["ok"]]
-    spans = [t for t in done if t["start_s"] < crash_s < t["end_s"]]
+    spans = [t for t in done if t["first_byte_s"] is not None and t["first_byte_s"] < crash_s < t["last_byte_s"]]
     mine = sorted(t["gap_ms"] for t in spans if t["local_port"].isdigit() and int(t["local_port"]) in held)
     others = sorted(t["gap_ms"] for t in spans if not (t["local_port"].isdigit() and int(t["local_port"]) in held))
     calm = sorted(t["gap_ms"] for t in done if t not in spans)
@@ -568,18 +570,20 @@ def markdown(r: dict) -> str:
         lines.append(f"| {t['path']} | {t['rps']:.0f} | {t['rps'] / direct:.2f}× | {t['rps'] / one:.2f}× |")
     if r.get("crashes"):
         lines += ["", "### An instance's host crashes: b1 of b1, b2, b3, routed away 1 s later", "",
-                  "Longest pause: the longest time between two reads of a completed download's body (ms); "
-                  "\"in flight\": downloads running at the crash; \"calm\": the others of the row, for comparison.", "",
-                  "| VIP | b1's host | flows b1 held (in handshake) | downloads | failed: b1's | failed: the others' (goal 0) | adopted | "
-                  "longest pause, b1's kept: median / max | longest pause, the others' in flight: max | calm: p99 | "
+                  "Routed away after: from the crash to the router's new route (1 s, then the router's echo probe of b1, "
+                  "up to 1 s). Longest pause: the longest time between two reads of a completed download's body (ms); "
+                  "\"in flight\": downloads whose body had begun and not ended at the crash; \"calm\": the others of the row.", "",
+                  "| VIP | b1's host | routed away after | flows b1 held (in handshake) | downloads | failed: b1's | failed: the others' (goal 0) | "
+                  "adopted | longest pause, b1's kept: median / max | longest pause, the others' in flight: max | calm: p99 | "
                   "short requests | failed | chained, no owner |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         ms = lambda v: "–" if v is None else f"{v:.0f}"  # noqa: E731
         for c in r["crashes"]:
             pz = c.get("pauses") or {}
             kept = f"{ms(pz.get('b1_median_ms'))} / {ms(pz.get('b1_max_ms'))} ({pz.get('b1_kept', 0)})" if pz else "–"
             others = f"{ms(pz.get('others_max_ms'))} ({pz.get('others_in_flight', 0)})" if pz else "–"
-            lines.append(f"| {c.get('mode', 'dsr-dynamic, own tuples')} | {c['form']} | {c['held']} ({c.get('held_half_open', '–')}) | "
+            after = f"{c['steps_s'][0][1] - c['steps_s'][0][0]:.1f} s" if c.get("steps_s") else "–"
+            lines.append(f"| {c.get('mode', 'dsr-dynamic, own tuples')} | {c['form']} | {after} | {c['held']} ({c.get('held_half_open', '–')}) | "
                          f"{c['ok'] + c['failed']} | {c['failed_held']} | {c['failed_others']} | {c.get('adopted', '–')} | {kept} | {others} | "
                          f"{ms(pz.get('calm_p99_ms')) if pz else '–'} | {c['short_ok'] + c['short_failed']} | {c['short_failed']} | "
                          f"{c['chained_no_flow']} |")

@@ -2,7 +2,9 @@
 
     python -m bench.lib.fetch URL MAX_S
 
-prints `status body_bytes local_port longest_gap_ms` on one line and
+prints `status body_bytes local_port longest_gap_ms first_byte last_byte`
+on one line (the two times on CLOCK_MONOTONIC, which every process of
+the host shares, so a driver can set them against its own events) and
 exits 0 when the whole body (Content-Length) arrived within MAX_S
 seconds, 1 otherwise. The gap is the longest time between two reads that
 returned bytes, from the first byte of the response on: a connection
@@ -20,23 +22,26 @@ import time
 from urllib.parse import urlsplit
 
 
-def fetch(url: str, max_s: float) -> tuple[int, int, int, float, bool]:
+def fetch(url: str, max_s: float) -> tuple[int, int, int, float, float, float, bool]:
     u = urlsplit(url)
     deadline = time.monotonic() + max_s
     status, body, port, gap, complete = 0, 0, 0, 0.0, False
+    first = last = 0.0
     try:
         with socket.create_connection((u.hostname, u.port or 80), timeout=max_s) as s:
             port = s.getsockname()[1]
             s.sendall(f"GET {u.path or '/'} HTTP/1.1\r\nHost: {u.netloc}\r\nConnection: close\r\n\r\n".encode())
-            head, length, last = b"", None, None
+            head, length = b"", None
             while time.monotonic() < deadline:
                 s.settimeout(max(0.01, deadline - time.monotonic()))
                 chunk = s.recv(1 << 16)
                 now = time.monotonic()
                 if not chunk:
                     break
-                if last is not None:
+                if first:
                     gap = max(gap, now - last)
+                else:
+                    first = now
                 last = now
                 if length is None:
                     head += chunk
@@ -55,12 +60,12 @@ def fetch(url: str, max_s: float) -> tuple[int, int, int, float, bool]:
                     break
     except (OSError, ValueError, IndexError):
         pass
-    return status, body, port, gap * 1000, complete
+    return status, body, port, gap * 1000, first, last, complete
 
 
 def main() -> int:
-    status, body, port, gap_ms, complete = fetch(sys.argv[1], float(sys.argv[2]))
-    print(f"{status} {body} {port} {gap_ms:.1f}", flush=True)
+    status, body, port, gap_ms, first, last, complete = fetch(sys.argv[1], float(sys.argv[2]))
+    print(f"{status} {body} {port} {gap_ms:.1f} {first:.4f} {last:.4f}", flush=True)
     return 0 if complete and status == 200 else 1
 
 

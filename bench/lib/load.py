@@ -22,8 +22,9 @@ class Loads:
     # run, so it can be set against the changes), curl's exit code, what
     # it got, and its local port (to find its flow in the balancers' logs).
     failures: list | None = None
-    # With `timed`: every download (start and end as above, its local port,
-    # whether it completed, and the longest pause in its body, ms).
+    # With `timed`: every download (start and end as above, its first and
+    # last byte on the same scale, its local port, whether it completed,
+    # and the longest pause in its body, ms).
     timed: list | None = None
 
     @property
@@ -63,9 +64,12 @@ def closed_loop(netns: str, vip6: str, clients: int, size_mb: int, seconds: floa
                     loads.failed += 1
                     loads.failures.append({"start_s": round(t - t0, 3), "end_s": round(time.monotonic() - t0, 3), "curl_exit": cp.returncode,
                                            "got": got, "local_port": port})
-                if timed and len(words) > 3:
-                    loads.timed.append({"start_s": round(t - t0, 3), "end_s": round(time.monotonic() - t0, 3), "local_port": port,
-                                        "ok": ok, "gap_ms": float(words[3])})
+                if timed and len(words) > 5:
+                    first, last = float(words[4]), float(words[5])
+                    loads.timed.append({"start_s": round(t - t0, 3), "end_s": round(time.monotonic() - t0, 3),
+                                        "first_byte_s": round(first - t0, 3) if first else None,
+                                        "last_byte_s": round(last - t0, 3) if last else None,
+                                        "local_port": port, "ok": ok, "gap_ms": float(words[3])})
 
     threads = [threading.Thread(target=loop, daemon=True) for _ in range(clients)]
     for th in threads:

@@ -5,10 +5,11 @@
 //! (lb/peer_choices.h).
 //!
 //! The data path hands each choice to this worker through `choice_ring`;
-//! every `FLUSH_EVERY` the worker sends what came as datagrams of at most
-//! `MAX_RECORDS` records to each peer's `peer_port`, and writes what the
-//! peers sent it into `peer_choices`. A datagram (integers in network
-//! order):
+//! the worker wakes with the ring, sends what came as datagrams of at most
+//! `MAX_RECORDS` records to each peer's `peer_port` (at most one round
+//! every `MIN_GAP`, so a burst of connections shares datagrams), and
+//! writes what the peers sent it into `peer_choices`. A datagram
+//! (integers in network order):
 //!
 //! ```text
 //! magic "IBpc" (4) | sequence (8) | records (2) | 0 (2) | records × 64 | mac (8)
@@ -56,9 +57,16 @@ const KEY: usize = std::mem::size_of::<FlowKey>();
 /// What a datagram carries at most: 1,232 bytes of UDP payload pass any
 /// IPv6 path unfragmented (1,280, its minimum MTU, less the headers).
 pub const MAX_RECORDS: usize = (1232 - HEADER - MAC) / RECORD;
-/// How long a choice waits to be sent: the connections younger than this
-/// (plus a datagram's trip) when the host dies are the ones not carried.
-const FLUSH_EVERY: Duration = Duration::from_millis(10);
+/// The least time between two rounds of sending. A choice waits at most
+/// this long (a lone one not at all): the connections younger than that
+/// (plus a datagram's trip) when the host dies are the ones not carried,
+/// about those still in their handshake. Under load, records gather for
+/// this long, so a busy instance sends at most 1,000 rounds a second, of
+/// full datagrams.
+const MIN_GAP: Duration = Duration::from_millis(1);
+/// How long the worker sleeps with nothing to send: the bound on noticing
+/// `stop` and on taking a peer's datagram late (the socket wakes it too).
+const IDLE_WAIT: Duration = Duration::from_millis(100);
 const TCP: u8 = 6;
 
 /// One announced choice.
@@ -188,13 +196,16 @@ pub fn run(maps: &LbMaps, cfg: &Arc<Mutex<LbConfig>>, stop: &AtomicBool) -> Resu
     let mut last_flush = Instant::now();
     let mut buf = [0u8; 2048];
     while !stop.load(Ordering::Relaxed) {
-        let wait = FLUSH_EVERY.saturating_sub(last_flush.elapsed());
+        let wait = if pending.lock().unwrap().is_empty() { IDLE_WAIT } else { MIN_GAP.saturating_sub(last_flush.elapsed()) };
         let mut fds = [
             libc::pollfd { fd: ring.epoll_fd(), events: libc::POLLIN, revents: 0 },
             libc::pollfd { fd: socket.as_raw_fd(), events: libc::POLLIN, revents: 0 },
         ];
-        // SAFETY: two valid pollfds for the length given.
-        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait.as_millis() as i32) };
+        // ppoll, not poll: MIN_GAP's remainder is under a millisecond, which
+        // poll's timeout would round to a busy loop.
+        let timeout = libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
+        // SAFETY: two valid pollfds for the length given, a valid timespec, no signal mask.
+        unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &timeout, std::ptr::null()) };
         let mut stats = ControlStats::default();
         ring.consume().context("reading choice_ring")?;
         let peers = peers_of(cfg);
@@ -218,7 +229,7 @@ pub fn run(maps: &LbMaps, cfg: &Arc<Mutex<LbConfig>>, stop: &AtomicBool) -> Resu
                 Err(Refused::Replayed) => stats.peer_replayed += 1,
             }
         }
-        if last_flush.elapsed() >= FLUSH_EVERY {
+        if last_flush.elapsed() >= MIN_GAP && !pending.lock().unwrap().is_empty() {
             last_flush = Instant::now();
             let batch = std::mem::take(&mut *pending.lock().unwrap());
             send(&socket, &key, &peers, port, &batch, &mut seq, &mut stats);
