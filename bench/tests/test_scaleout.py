@@ -34,7 +34,7 @@ def test_tables_give_failures_and_throughput_ratios():
     assert rows[0] == ["b3 joins, then b1 leaves", "plain ECMP", "40", "25.00% (10)", "93", "3", "500", "0", "0"]
     assert rows[1][3] == "0.00% (0)" and rows[1][8] == "1200"
     r["crashes"] = [{"mode": "dsr-rr Maglev, fleet tuples", "form": "carrier lost", "held": 5, "held_half_open": 1, "ok": 20, "failed": 2,
-                     "failed_held": 2, "failed_others": 0, "adopted": 4, "steps_s": [[5.0, 7.25]], "short_ok": 40, "short_failed": 3, "chained_no_flow": 7,
+                     "failed_held": 2, "failed_held_opening": 1, "failed_others": 0, "adopted": 4, "steps_s": [[5.0, 7.25]], "short_ok": 40, "short_failed": 3, "chained_no_flow": 7,
                      "pauses": scaleout.pauses([
                          {"first_byte_s": 1.0, "last_byte_s": 9.0, "local_port": "4001", "ok": True, "gap_ms": 1200.0},
                          {"first_byte_s": 2.0, "last_byte_s": 8.0, "local_port": "4002", "ok": True, "gap_ms": 1800.0},
@@ -43,7 +43,7 @@ def test_tables_give_failures_and_throughput_ratios():
                          {"first_byte_s": 0.0, "last_byte_s": 4.99, "local_port": "4005", "ok": True, "gap_ms": 12.0},
                      ], 5.0, {4001, 4002, 4004})}]
     crash = table_rows(scaleout.markdown(r), "| VIP | b1's host |")
-    assert crash == [["dsr-rr Maglev, fleet tuples", "carrier lost", "2.2 s", "5 (1)", "22", "2", "0", "4", "1800 / 1800 (2)", "30 (1)", "12",
+    assert crash == [["dsr-rr Maglev, fleet tuples", "carrier lost", "2.2 s", "5 (1)", "22", "2 (1)", "0", "4", "1800 / 1800 (2)", "30 (1)", "12",
                       "43", "3", "7"]]
     tp = {t[0]: t for t in table_rows(md, "| path | req/s |")}
     assert tp["2 instances"][1:] == ["6000", "0.60×", "1.20×"]
