@@ -832,6 +832,10 @@ fn handoff_moves_the_stream_and_refuses_forged_joins() {
         ffi::inband_tcpe_detach(t);
     }
     assert_eq!(world.balancer.get("handed_off") + world.balancer.get("fallback_no_ack"), attempt + 2);
+    // The origin's and the takeover server's listeners share the cgroup
+    // without opting in: their connections are not TCPE's, nor counted.
+    assert_eq!(tcpe.counter("fallback_no_syn").unwrap(), 0);
+    assert_eq!(tcpe.counter("passive_not_offered").unwrap(), 0);
     world.stop();
 }
 
