@@ -537,6 +537,8 @@ const JOIN: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 3);
 const JOIN_PORT: u16 = 8178;
 const ORIGIN_PORT: u16 = 8190;
 const CONTROL_PORT: u16 = 8191;
+/// Nothing listens here in the server namespace.
+const NOBODY_PORT: u16 = 8199;
 const KEY: Key = Key([0x5a; 16]);
 const WAIT: Duration = Duration::from_secs(5);
 
@@ -644,6 +646,22 @@ fn target() -> Target {
     }
 }
 
+/// The takeover server's config; `n` > 0 for another server beside the
+/// first (its own control and join ports).
+fn takeover_config(n: u16) -> takeover::Config {
+    takeover::Config {
+        control: loopback(CONTROL_PORT + n),
+        join: SocketAddr::V4(SocketAddrV4::new(JOIN, JOIN_PORT + 2 * n)),
+        origin: loopback(ORIGIN_PORT),
+        key: KEY,
+        max_pending: 16,
+        max_sessions: 16,
+        max_deadline: Duration::from_secs(1),
+        io_timeout: Duration::from_secs(1),
+        idle: WAIT,
+    }
+}
+
 /// Origin, takeover server and balancer, started in the server namespace.
 struct World {
     origin: Arc<OriginStats>,
@@ -663,18 +681,7 @@ impl World {
         let o = origin.clone();
         let mut threads =
             vec![serve(TcpListener::bind(loopback(ORIGIN_PORT)).unwrap(), stop.clone(), move |s| origin_conn(s, &o))];
-        let takeover = Takeover::start(takeover::Config {
-            control: loopback(CONTROL_PORT),
-            join: SocketAddr::V4(SocketAddrV4::new(JOIN, JOIN_PORT)),
-            origin: loopback(ORIGIN_PORT),
-            key: KEY,
-            max_pending: 16,
-            max_sessions: 16,
-            max_deadline: Duration::from_secs(1),
-            io_timeout: Duration::from_secs(1),
-            idle: WAIT,
-        })
-        .unwrap();
+        let takeover = Takeover::start(takeover_config(0)).unwrap();
         let lfd = socket(libc::AF_INET, libc::SOCK_STREAM, 0);
         tcpe.answer(lfd.as_fd()).unwrap();
         let sa = sockaddr(SocketAddrV4::new(SERVER, BALANCER_PORT));
@@ -860,7 +867,7 @@ fn every_fallback_keeps_the_body_on_the_balancer() {
     fetch(&mut |b| client::get(&mut plain, "tcpe", "/big", b).unwrap());
 
     // The server's channel does not answer (nothing listens).
-    world.targets.lock().unwrap().push_back(Target { control: loopback(1), ..target() });
+    world.targets.lock().unwrap().push_back(Target { control: loopback(NOBODY_PORT), ..target() });
     let mut c = Client::connect(tcpe.clone(), balancer_addr(), WAIT).unwrap();
     fetch(&mut |b| client::get(&mut c, "tcpe", "/big", b).unwrap());
     assert_eq!(c.counters().get("moved"), 0);
@@ -870,6 +877,21 @@ fn every_fallback_keeps_the_body_on_the_balancer() {
     world.targets.lock().unwrap().push_back(Target { key: Key([0xa5; 16]), ..target() });
     let mut c = Client::connect(tcpe.clone(), balancer_addr(), WAIT).unwrap();
     fetch(&mut |b| client::get(&mut c, "tcpe", "/big", b).unwrap());
+
+    // Servers that refuse: one whose table of pending handoffs is full
+    // (bounded at 0 here), one whose origin is down.
+    bed.enter(&bed.server);
+    let full = Takeover::start(takeover::Config { max_pending: 0, ..takeover_config(1) }).unwrap();
+    let no_origin = Takeover::start(takeover::Config { origin: loopback(NOBODY_PORT), ..takeover_config(2) }).unwrap();
+    bed.enter(&bed.client);
+    for n in [1, 2] {
+        world.targets.lock().unwrap().push_back(Target { control: loopback(CONTROL_PORT + n), ..target() });
+        let mut c = Client::connect(tcpe.clone(), balancer_addr(), WAIT).unwrap();
+        fetch(&mut |b| client::get(&mut c, "tcpe", "/big", b).unwrap());
+    }
+    assert_eq!((full.counters().get("handoff_full"), full.pending()), (1, 0));
+    assert_eq!((no_origin.counters().get("handoff_no_origin"), no_origin.pending()), (1, 0));
+    drop((full, no_origin));
 
     // The join never arrives: the client is told a path where nothing
     // listens; the server gives the connection back at its deadline. (An
@@ -905,8 +927,8 @@ fn every_fallback_keeps_the_body_on_the_balancer() {
     let b = &world.balancer;
     let tc = world.takeover.counters();
     assert_eq!(
-        [b.get("fallback_not_capable"), b.get("fallback_channel"), b.get("fallback_no_join"), b.get("handed_off")],
-        [1, 2, 1, 0],
+        [b.get("fallback_not_capable"), b.get("fallback_channel"), b.get("fallback_refused"), b.get("fallback_no_join"), b.get("handed_off")],
+        [1, 2, 2, 1, 0],
         "{:?}",
         b.all()
     );
