@@ -853,6 +853,15 @@ fn every_fallback_keeps_the_body_on_the_balancer() {
     let tcpe = Arc::new(Tcpe::attach(&bed.cgroup).unwrap());
     let world = World::start(&bed, &tcpe);
     let big = big_body();
+    // Bad input to the takeover server, answered within its I/O timeout
+    // while the rest runs: a HANDOFF frame announcing 4 GiB (refused
+    // before anything is allocated), and a subflow that never sends its
+    // join.
+    let mut bad = TcpStream::connect(loopback(CONTROL_PORT)).unwrap();
+    bad.set_read_timeout(Some(WAIT)).unwrap();
+    bad.read_exact(&mut [0u8; 16]).unwrap();
+    bad.write_all(&[1, 0xff, 0xff, 0xff, 0xff]).unwrap();
+    let silent = TcpStream::connect(SocketAddrV4::new(JOIN, JOIN_PORT)).unwrap();
     bed.enter(&bed.client);
     let fetch = |c: &mut dyn FnMut(&mut Vec<u8>) -> u16| {
         let mut body = Vec::new();
@@ -933,5 +942,11 @@ fn every_fallback_keeps_the_body_on_the_balancer() {
         b.all()
     );
     assert_eq!([tc.get("handoff_bad_mac"), tc.get("handoff_expired"), tc.get("join_accepted")], [1, 1 + no_ack, 0], "{:?}", tc.all());
+    assert!(wait_for("the silent subflow's timeout", WAIT, || tc.get("join_timeout") == 1), "{:?}", tc.all());
+    assert_eq!(tc.get("handoff_malformed"), 1);
+    // Both were closed by the server, not left to hang.
+    assert_eq!(bad.read(&mut [0u8; 1]).unwrap_or(0), 0);
+    silent.set_read_timeout(Some(WAIT)).unwrap();
+    assert_eq!((&silent).read(&mut [0u8; 1]).unwrap_or(0), 0);
     world.stop();
 }
