@@ -49,6 +49,7 @@ pub const COUNTERS: &[(&str, &str)] = &[
     ("session_closed", "Sessions that ended with FIN"),
     ("session_reset", "Sessions that ended with a reset of the subflow or the origin"),
     ("session_idle", "Sessions closed after `idle` without a byte"),
+    ("conns_busy", "Connections reset at once: max_pending + max_sessions others were waiting for their first message"),
 ];
 const HANDOFFS_ACCEPTED: usize = 0;
 const HANDOFF_BAD_MAC: usize = 1;
@@ -66,6 +67,7 @@ const SESSIONS_FULL: usize = 12;
 const SESSION_CLOSED: usize = 13;
 const SESSION_RESET: usize = 14;
 const SESSION_IDLE: usize = 15;
+const CONNS_BUSY: usize = 16;
 
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -99,8 +101,21 @@ struct Shared {
     cfg: Config,
     pending: Mutex<HashMap<u32, Pending>>,
     sessions: AtomicUsize,
+    /// Connections of either listener whose first message is not read yet
+    /// (each holds a thread): bounded by `max_pending + max_sessions`, as
+    /// many as could become pending handoffs and sessions.
+    waiting: AtomicUsize,
     counters: Counters,
     stop: AtomicBool,
+}
+
+/// One of `Shared::waiting`, given back when dropped.
+struct Waiting(Arc<Shared>);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// A running takeover server; stops its listeners when dropped (sessions
@@ -119,7 +134,7 @@ fn listen(addr: SocketAddr) -> Result<TcpListener> {
     Ok(l)
 }
 
-fn accept_loop(l: TcpListener, shared: Arc<Shared>, serve: fn(Arc<Shared>, TcpStream)) {
+fn accept_loop(l: TcpListener, shared: Arc<Shared>, serve: fn(Waiting, TcpStream)) {
     let mut p = libc::pollfd { fd: l.as_raw_fd(), events: libc::POLLIN, revents: 0 };
     while !shared.stop.load(Ordering::Relaxed) {
         // poll(2) wakes at once for a connection, and every POLL to look
@@ -134,9 +149,17 @@ fn accept_loop(l: TcpListener, shared: Arc<Shared>, serve: fn(Arc<Shared>, TcpSt
                 // answer: Nagle's algorithm would hold the second of two
                 // writes (REPLY then VERDICT, JOIN-OK then the response)
                 // for the peer's delayed ACK.
+                if shared.waiting.fetch_add(1, Ordering::Relaxed) >= shared.cfg.max_pending + shared.cfg.max_sessions {
+                    // A flood of connections that send nothing gets
+                    // resets, not a thread each.
+                    shared.waiting.fetch_sub(1, Ordering::Relaxed);
+                    shared.counters.bump(CONNS_BUSY);
+                    reset(s);
+                    continue;
+                }
+                let w = Waiting(shared.clone());
                 if s.set_nonblocking(false).is_ok() && s.set_nodelay(true).is_ok() {
-                    let sh = shared.clone();
-                    std::thread::spawn(move || serve(sh, s));
+                    std::thread::spawn(move || serve(w, s));
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
@@ -158,6 +181,7 @@ impl Takeover {
             cfg,
             pending: Mutex::new(HashMap::new()),
             sessions: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
             counters: Counters::new(COUNTERS),
             stop: AtomicBool::new(false),
         });
@@ -192,7 +216,8 @@ impl Drop for Takeover {
 }
 
 /// One balancer's handoff, from HELLO to VERDICT.
-fn channel_session(sh: Arc<Shared>, mut s: TcpStream) {
+fn channel_session(w: Waiting, mut s: TcpStream) {
+    let sh = w.0.clone();
     let cfg = &sh.cfg;
     let _ = s.set_read_timeout(Some(cfg.io_timeout));
     let _ = s.set_write_timeout(Some(cfg.io_timeout));
@@ -208,41 +233,50 @@ fn channel_session(sh: Arc<Shared>, mut s: TcpStream) {
         Err(e) if e.is::<channel::MacError>() => return sh.counters.bump(HANDOFF_BAD_MAC),
         Err(_) => return sh.counters.bump(HANDOFF_MALFORMED),
     };
+    // From here the pending table's bound holds this channel.
+    drop(w);
     let deadline = Duration::from_millis(h.deadline_ms.into()).min(cfg.max_deadline);
     let (tx, rx) = mpsc::channel();
-    let reply = {
-        let pending = sh.pending.lock().unwrap();
+    // Refused before the origin is dialled, and checked again after it
+    // (dialling under the lock would stall every join behind a slow origin).
+    let refusal = |pending: &HashMap<u32, Pending>| {
         if pending.contains_key(&h.conn_id) {
-            sh.counters.bump(HANDOFF_DUPLICATE);
-            Reply::Duplicate
+            Some((HANDOFF_DUPLICATE, Reply::Duplicate))
         } else if pending.len() >= cfg.max_pending {
-            sh.counters.bump(HANDOFF_FULL);
-            Reply::Full
+            Some((HANDOFF_FULL, Reply::Full))
         } else {
-            // Connecting under the lock would stall every join behind a
-            // slow origin; the entry is inserted after, checked again.
-            drop(pending);
-            match TcpStream::connect_timeout(&cfg.origin, cfg.io_timeout) {
-                Err(e) => {
-                    tracing::warn!("tcpe takeover: origin {}: {e}", cfg.origin);
-                    sh.counters.bump(HANDOFF_NO_ORIGIN);
-                    Reply::NoOrigin
-                }
-                Ok(origin) => {
-                    let mut pending = sh.pending.lock().unwrap();
-                    if pending.contains_key(&h.conn_id) {
-                        sh.counters.bump(HANDOFF_DUPLICATE);
-                        Reply::Duplicate
-                    } else if pending.len() >= cfg.max_pending {
-                        sh.counters.bump(HANDOFF_FULL);
-                        Reply::Full
-                    } else {
+            None
+        }
+    };
+    // A statement of its own: the lock must not live through the match.
+    let refused = refusal(&sh.pending.lock().unwrap());
+    let reply = match refused {
+        Some(r) => Err(r),
+        None => match TcpStream::connect_timeout(&cfg.origin, cfg.io_timeout) {
+            Err(e) => {
+                tracing::warn!("tcpe takeover: origin {}: {e}", cfg.origin);
+                Err((HANDOFF_NO_ORIGIN, Reply::NoOrigin))
+            }
+            Ok(origin) => {
+                let mut pending = sh.pending.lock().unwrap();
+                match refusal(&pending) {
+                    Some(r) => Err(r),
+                    None => {
                         pending.insert(h.conn_id, Pending { keys: h.keys, request: h.request, origin, joined: tx });
-                        sh.counters.bump(HANDOFFS_ACCEPTED);
-                        Reply::Accepted
+                        Ok(())
                     }
                 }
             }
+        },
+    };
+    let reply = match reply {
+        Ok(()) => {
+            sh.counters.bump(HANDOFFS_ACCEPTED);
+            Reply::Accepted
+        }
+        Err((counter, r)) => {
+            sh.counters.bump(counter);
+            r
         }
     };
     let sent = channel::send_reply(&mut s, &cfg.key, &nonce, reply).is_ok();
@@ -290,7 +324,8 @@ fn reset(s: TcpStream) {
 }
 
 /// One new subflow: its join verified, then the session relayed.
-fn join_session(sh: Arc<Shared>, mut s: TcpStream) {
+fn join_session(w: Waiting, mut s: TcpStream) {
+    let sh = w.0.clone();
     let cfg = &sh.cfg;
     let _ = s.set_read_timeout(Some(cfg.io_timeout));
     let _ = s.set_write_timeout(Some(cfg.io_timeout));
@@ -300,6 +335,8 @@ fn join_session(sh: Arc<Shared>, mut s: TcpStream) {
         sh.counters.bump(c);
         return reset(s);
     }
+    // From here max_sessions bounds it, or it ends now.
+    drop(w);
     let Ok((conn_id, mac)) = join::decode(Kind::Join, &b) else {
         sh.counters.bump(JOIN_MALFORMED);
         return reset(s);

@@ -892,6 +892,14 @@ fn every_fallback_keeps_the_body_on_the_balancer() {
     bed.enter(&bed.server);
     let full = Takeover::start(takeover::Config { max_pending: 0, ..takeover_config(1) }).unwrap();
     let no_origin = Takeover::start(takeover::Config { origin: loopback(NOBODY_PORT), ..takeover_config(2) }).unwrap();
+    // A server with no room at all resets connections before giving
+    // them a thread.
+    let busy = Takeover::start(takeover::Config { max_pending: 0, max_sessions: 0, ..takeover_config(3) }).unwrap();
+    let mut s = TcpStream::connect(SocketAddrV4::new(JOIN, JOIN_PORT + 6)).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    assert_eq!(s.read(&mut [0u8; 1]).unwrap_or(0), 0);
+    assert_eq!(busy.counters().get("conns_busy"), 1);
+    drop(busy);
     bed.enter(&bed.client);
     for n in [1, 2] {
         world.targets.lock().unwrap().push_back(Target { control: loopback(CONTROL_PORT + n), ..target() });
