@@ -421,7 +421,10 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops)
 	__u64 kp;
 	int err;
 
-	if (!sk)
+	/* A connection inherits its listener's callback flags: without them
+	 * the listener did not opt in, and its connections (the host's other
+	 * servers in this cgroup) are none of TCPE's business, nor counted. */
+	if (!sk || !(skops->bpf_sock_ops_cb_flags & TCPE_CB_FLAGS))
 		return;
 	err = read_handshake(skops, BPF_LOAD_HDR_OPT_TCP_SYN, &h);
 	if (err || passive_key(skops, h.conn_id, h.key, &kp)) {

@@ -1,11 +1,22 @@
-//! TCPE, the first layer (seed 003, chapter 6; issue 29): the options that
-//! group a connection's subflows and tell a peer to add or remove a path,
-//! one definition in bpf/include/inband/tcpe/wire.h; `wire` builds and
-//! parses them, `sockops` loads the program that writes and verifies them
-//! on live connections. The handoff itself (client library, server
-//! takeover, `inband proxy` handing off) stands on this and is not built
-//! yet: docs/architecture.md, "TCPE".
+//! TCPE (seed 003, chapter 6; issue 29): moving a connection from an L7
+//! balancer to the server it chose. The options that group a connection's
+//! subflows and tell a peer to add a path are one definition in
+//! bpf/include/inband/tcpe/wire.h; `wire` builds and parses them,
+//! `sockops` loads the program that writes and verifies them on live
+//! connections. On top: the client (`client`, its C ABI `ffi`), the join
+//! that ties a new subflow to a connection (`join`), the takeover channel
+//! between balancer and server (`channel`), the server's takeover
+//! (`takeover`) and the balancer's handoff routine (`handoff`).
+//! docs/architecture.md, "Connection handoff".
 
 pub mod bpf;
+pub mod channel;
+pub mod cli;
+pub mod client;
+pub mod ffi;
+pub mod handoff;
+pub mod join;
+pub mod relay;
 pub mod sockops;
+pub mod takeover;
 pub mod wire;

@@ -80,7 +80,7 @@ pub struct Tcpe {
     _link: Link,
 }
 
-fn random<const N: usize>() -> Result<[u8; N]> {
+pub(crate) fn random<const N: usize>() -> Result<[u8; N]> {
     let mut b = [0u8; N];
     // SAFETY: getrandom(2) writes at most N bytes into b.
     let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), N, 0) };

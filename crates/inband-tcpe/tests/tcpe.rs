@@ -8,25 +8,46 @@
 //! notifications, injected as raw segments in the connection's window,
 //! are counted and not exposed.
 //!
+//! On top of them, the handoff: a balancer (this test's, calling
+//! `handoff::hand_off` as `inband proxy` is to) hands connections to a
+//! takeover server that relays them to an HTTP origin; the client library
+//! follows the move and the body arrives byte-exact, forged joins are
+//! refused and counted, every fallback keeps the body on the balancer's
+//! path, and a reset subflow frees the server's session.
+//!
 //! Namespaces and the cgroup are named after the test's pid and removed on
-//! every exit path (Drop).
+//! every exit path (Drop). The tests share the process's cgroup, so they
+//! run one at a time (SERIAL).
 
+use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use inband_core::command::ip;
+use inband_core::wire::Key;
+use inband_tcpe::client::{self, Client};
+use inband_tcpe::handoff::{self, hand_off, Outcome, Target};
+use inband_tcpe::join::{self, Kind};
+use inband_tcpe::relay::{relay, Counters};
 use inband_tcpe::sockops::{flush_ack, hold_acks, State, Tcpe};
+use inband_tcpe::takeover::{self, Takeover};
 use inband_tcpe::wire::{self, Keys, Path, Role, TcpeOption};
+use inband_tcpe::ffi;
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 1);
 const SERVER: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 2);
 const PORT: u16 = 8077;
 
 /// Two namespaces, a cgroup holding this process; all undone on drop.
+/// Held by each test: the process is in one cgroup at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 struct Bed {
     client: String,
     server: String,
@@ -36,7 +57,7 @@ struct Bed {
 }
 
 impl Bed {
-    fn up() -> Bed {
+    fn up(tag: &str) -> Bed {
         let pid = std::process::id();
         let home = std::fs::read_to_string("/proc/self/cgroup")
             .unwrap()
@@ -44,9 +65,9 @@ impl Bed {
             .find_map(|l| l.strip_prefix("0::").map(|p| PathBuf::from(format!("/sys/fs/cgroup/unified{p}"))))
             .expect("a cgroup v2 line in /proc/self/cgroup");
         let bed = Bed {
-            client: format!("itcpe-{pid}-c"),
-            server: format!("itcpe-{pid}-s"),
-            cgroup: PathBuf::from(format!("/sys/fs/cgroup/unified/inband-test-tcpe-{pid}")),
+            client: format!("itcpe-{pid}-{tag}-c"),
+            server: format!("itcpe-{pid}-{tag}-s"),
+            cgroup: PathBuf::from(format!("/sys/fs/cgroup/unified/inband-test-tcpe-{pid}-{tag}")),
             home,
             host_ns: File::open("/proc/thread-self/ns/net").unwrap(),
         };
@@ -284,7 +305,8 @@ fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) -> bool {
 
 #[test]
 fn options_on_real_tcp_and_forged_notifications_refused() {
-    let bed = Bed::up();
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let bed = Bed::up("opt");
     let tcpe = Tcpe::attach(&bed.cgroup).unwrap();
 
     bed.enter(&bed.server);
@@ -504,4 +526,435 @@ fn options_on_real_tcp_and_forged_notifications_refused() {
     assert_eq!(get("confirm_written"), 1);
     assert!(get("syn_offered") >= 1 && get("path_written") >= 1, "{counters:?}");
     drop((client, server, listener, offered, unaware, silent, answered, plain));
+}
+
+// The handoff. The server namespace holds the balancer (SERVER), the
+// takeover server's join listener (JOIN, a second address on its veth),
+// its takeover channel and the HTTP origin (loopback).
+
+const BALANCER_PORT: u16 = 8177;
+const JOIN: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 3);
+const JOIN_PORT: u16 = 8178;
+const ORIGIN_PORT: u16 = 8190;
+const CONTROL_PORT: u16 = 8191;
+/// Nothing listens here in the server namespace.
+const NOBODY_PORT: u16 = 8199;
+const KEY: Key = Key([0x5a; 16]);
+const WAIT: Duration = Duration::from_secs(5);
+
+fn loopback(port: u16) -> SocketAddr {
+    SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port))
+}
+
+fn big_body() -> Vec<u8> {
+    (0..1u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect()
+}
+
+const CHUNKS: [&str; 3] = ["keep", "-alive ", "after the move"];
+
+#[derive(Default)]
+struct OriginStats {
+    conns: AtomicUsize,
+    requests: AtomicUsize,
+    closed: AtomicUsize,
+}
+
+/// Accepts on `l` until `stop`, each connection served by `f` in a thread
+/// of its own (spawned in this thread's network namespace).
+fn serve(l: TcpListener, stop: Arc<AtomicBool>, f: impl Fn(TcpStream) + Send + Sync + 'static) -> std::thread::JoinHandle<()> {
+    l.set_nonblocking(true).unwrap();
+    let f = Arc::new(f);
+    std::thread::spawn(move || {
+        while !stop.load(Ordering::Relaxed) {
+            match l.accept() {
+                Ok((s, _)) => {
+                    s.set_nonblocking(false).unwrap();
+                    let f = f.clone();
+                    std::thread::spawn(move || f(s));
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    })
+}
+
+/// Reads up to the end of a request head; None at the stream's end.
+fn read_head(s: &mut TcpStream) -> Option<Vec<u8>> {
+    let mut buf = Vec::new();
+    let mut b = [0u8; 4096];
+    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+        match s.read(&mut b) {
+            Ok(n) if n > 0 => buf.extend_from_slice(&b[..n]),
+            _ => return None,
+        }
+    }
+    Some(buf)
+}
+
+/// An HTTP/1.1 origin with keep-alive: /big is 1 MiB with a
+/// Content-Length, anything else a chunked body.
+fn origin_conn(mut s: TcpStream, stats: &OriginStats) {
+    stats.conns.fetch_add(1, Ordering::Relaxed);
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    while let Some(head) = read_head(&mut s) {
+        let mut headers = [httparse::EMPTY_HEADER; 16];
+        let mut req = httparse::Request::new(&mut headers);
+        assert!(req.parse(&head).unwrap().is_complete(), "one request at a time");
+        stats.requests.fetch_add(1, Ordering::Relaxed);
+        let r = if req.path == Some("/big") {
+            let body = big_body();
+            let mut r = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", body.len()).into_bytes();
+            r.extend_from_slice(&body);
+            r
+        } else {
+            let mut r = String::from("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n");
+            for c in CHUNKS {
+                r += &format!("{:x}\r\n{c}\r\n", c.len());
+            }
+            (r + "0\r\n\r\n").into_bytes()
+        };
+        if s.write_all(&r).is_err() {
+            break;
+        }
+    }
+    stats.closed.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The balancer: each connection's ACKs held (inherited from the
+/// listener), its request head read, then handed to the next target
+/// queued, or proxied to the origin when the handoff falls back.
+fn balancer_conn(mut s: TcpStream, tcpe: &Tcpe, targets: &Mutex<VecDeque<Target>>, counters: &Counters) {
+    hold_acks(s.as_fd()).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    let Some(request) = read_head(&mut s) else { return };
+    let to = targets.lock().unwrap().pop_front().expect("a target queued for each connection");
+    if hand_off(tcpe, &s, &request, &to, counters) == Outcome::HandedOff {
+        return;
+    }
+    let mut o = TcpStream::connect(loopback(ORIGIN_PORT)).unwrap();
+    o.write_all(&request).unwrap();
+    let _ = relay(s, o, WAIT);
+}
+
+fn target() -> Target {
+    Target {
+        control: loopback(CONTROL_PORT),
+        join: SocketAddr::V4(SocketAddrV4::new(JOIN, JOIN_PORT)),
+        key: KEY,
+        deadline: Duration::from_millis(500),
+        io_timeout: Duration::from_secs(1),
+    }
+}
+
+/// The takeover server's config; `n` > 0 for another server beside the
+/// first (its own control and join ports).
+fn takeover_config(n: u16) -> takeover::Config {
+    takeover::Config {
+        control: loopback(CONTROL_PORT + n),
+        join: SocketAddr::V4(SocketAddrV4::new(JOIN, JOIN_PORT + 2 * n)),
+        origin: loopback(ORIGIN_PORT),
+        key: KEY,
+        max_pending: 16,
+        max_sessions: 16,
+        max_deadline: Duration::from_secs(1),
+        io_timeout: Duration::from_secs(1),
+        idle: WAIT,
+    }
+}
+
+/// Origin, takeover server and balancer, started in the server namespace.
+struct World {
+    origin: Arc<OriginStats>,
+    takeover: Takeover,
+    targets: Arc<Mutex<VecDeque<Target>>>,
+    balancer: Arc<Counters>,
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl World {
+    fn start(bed: &Bed, tcpe: &Arc<Tcpe>) -> World {
+        bed.enter(&bed.server);
+        ip(&["addr", "add", &format!("{JOIN}/24"), "dev", "tcpe-s"]).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let origin = Arc::new(OriginStats::default());
+        let o = origin.clone();
+        let mut threads =
+            vec![serve(TcpListener::bind(loopback(ORIGIN_PORT)).unwrap(), stop.clone(), move |s| origin_conn(s, &o))];
+        let takeover = Takeover::start(takeover_config(0)).unwrap();
+        let lfd = socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+        tcpe.answer(lfd.as_fd()).unwrap();
+        let sa = sockaddr(SocketAddrV4::new(SERVER, BALANCER_PORT));
+        // SAFETY: bind/listen on a socket this test owns.
+        unsafe {
+            check(libc::bind(lfd.as_raw_fd(), (&sa as *const libc::sockaddr_in).cast(), SIN_LEN), "bind");
+            check(libc::listen(lfd.as_raw_fd(), 8), "listen");
+        }
+        // After listen(), which resets it: accepted connections inherit it,
+        // so the request that may come before accept() is not ACKed at once.
+        hold_acks(lfd.as_fd()).unwrap();
+        let targets = Arc::new(Mutex::new(VecDeque::new()));
+        let balancer = Arc::new(handoff::counters());
+        let (t, tg, b) = (tcpe.clone(), targets.clone(), balancer.clone());
+        threads.push(serve(TcpListener::from(lfd), stop.clone(), move |s| balancer_conn(s, &t, &tg, &b)));
+        World { origin, takeover, targets, balancer, stop, threads }
+    }
+
+    fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads {
+            t.join().unwrap();
+        }
+    }
+}
+
+fn balancer_addr() -> SocketAddr {
+    SocketAddr::V4(SocketAddrV4::new(SERVER, BALANCER_PORT))
+}
+
+/// Sends a join of `conn_id` under `keys` to the join listener; whether a
+/// JOIN-OK came back.
+fn forge_join(conn_id: u32, keys: &Keys, raw: Option<[u8; join::JOIN_LEN]>) -> bool {
+    let mut s = TcpStream::connect(SocketAddrV4::new(JOIN, JOIN_PORT)).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    let (local, peer) = (s.local_addr().unwrap(), s.peer_addr().unwrap());
+    let msg = raw.unwrap_or_else(|| join::encode(Kind::Join, conn_id, join::mac(Kind::Join, keys, conn_id, local, peer)));
+    s.write_all(&msg).unwrap();
+    let mut b = [0u8; join::JOIN_LEN];
+    s.read_exact(&mut b).is_ok()
+}
+
+#[test]
+fn handoff_moves_the_stream_and_refuses_forged_joins() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let bed = Bed::up("ho");
+    let tcpe = Arc::new(Tcpe::attach(&bed.cgroup).unwrap());
+    let world = World::start(&bed, &tcpe);
+    let big = big_body();
+
+    bed.enter(&bed.client);
+    let tc = world.takeover.counters();
+    // A machine too busy to finish the takeover channel's exchange within
+    // the delayed-ACK timer's 40 ms leaves no ACK to carry the
+    // notification (the balancer then falls back at once, counted): that
+    // attempt's body comes by the balancer, and another attempt is made.
+    let mut attempt = 0;
+    let mut c = loop {
+        world.targets.lock().unwrap().push_back(target());
+        let mut c = Client::connect(tcpe.clone(), balancer_addr(), WAIT).unwrap();
+        client::request(&mut c, "tcpe", "/big").unwrap();
+        assert!(wait_for("the handoff", WAIT, || tc.get("handoffs_accepted") == attempt + 1));
+        if attempt == 0 {
+            // Forged joins while the real one is pending, from an attacker
+            // who knows the connection ID: a MAC under a guessed key, an
+            // unknown ID, not a join at all. Each is reset and counted; the
+            // entry stays.
+            let st = tcpe.state(c.current().as_fd()).unwrap().unwrap();
+            let guessed = Keys { active: st.keys.active, passive: st.keys.passive ^ 1 };
+            assert!(!forge_join(st.conn_id, &guessed, None), "a join under a guessed key was answered");
+            assert!(!forge_join(st.conn_id.wrapping_add(1), &st.keys, None));
+            assert!(!forge_join(0, &st.keys, Some(*b"GET / HTTP/1.1\r\n\r\nab")));
+            assert_eq!((tc.get("join_bad_mac"), tc.get("join_unknown"), tc.get("join_malformed")), (1, 1, 1));
+            assert_eq!(world.takeover.pending(), 1);
+        }
+        // The real client joins and reads the whole body off the new subflow.
+        let mut body = Vec::new();
+        assert_eq!(client::response(&mut c, &mut body).unwrap(), 200);
+        assert_eq!(body.len(), big.len());
+        assert!(body == big, "the body changed on its way");
+        if c.counters().get("moved") == 1 {
+            break c;
+        }
+        attempt += 1;
+        assert_eq!(world.balancer.get("fallback_no_ack"), attempt, "{:?} {:?}", world.balancer.all(), c.counters().all());
+        assert!(attempt < 3, "no handoff in 3 attempts");
+    };
+    eprintln!("handed off at attempt {attempt}");
+    assert_eq!(c.current().peer_addr().unwrap(), SocketAddr::V4(SocketAddrV4::new(JOIN, JOIN_PORT)));
+    assert_eq!(world.balancer.get("handed_off"), 1, "{:?}", world.balancer.all());
+    assert_eq!(tc.get("join_accepted"), 1);
+    assert_eq!(world.takeover.sessions(), 1);
+    // The attempts that fell back leave the server's entries to expire,
+    // and their origin connections to close.
+    assert!(wait_for("the entries' expiry", WAIT, || world.takeover.pending() == 0));
+    let origin = &world.origin;
+    let conns = origin.conns.load(Ordering::Relaxed);
+    assert!(wait_for("the other origin connections' end", WAIT, || origin.closed.load(Ordering::Relaxed) == conns - 1));
+
+    // A keep-alive request after the move: same origin connection, chunked.
+    let requests = origin.requests.load(Ordering::Relaxed);
+    let mut body = Vec::new();
+    assert_eq!(client::get(&mut c, "tcpe", "/small", &mut body).unwrap(), 200);
+    assert_eq!(body, CHUNKS.concat().as_bytes());
+    assert_eq!((origin.conns.load(Ordering::Relaxed), origin.requests.load(Ordering::Relaxed)), (conns, requests + 1));
+
+    // The joined subflow resets: the server's session, and its origin
+    // connection, go.
+    let l = libc::linger { l_onoff: 1, l_linger: 0 };
+    // SAFETY: setsockopt with a pointer to a linger struct and its size.
+    check(
+        unsafe {
+            libc::setsockopt(
+                c.current().as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                (&l as *const libc::linger).cast(),
+                std::mem::size_of::<libc::linger>() as libc::socklen_t,
+            )
+        },
+        "SO_LINGER",
+    );
+    drop(c);
+    assert!(wait_for("the session's end", WAIT, || world.takeover.sessions() == 0));
+    assert_eq!(tc.get("session_reset"), 1, "{:?}", tc.all());
+    assert!(wait_for("the origin connection's end", WAIT, || origin.closed.load(Ordering::Relaxed) == conns));
+
+    // The C ABI: a second connection, handed off the same way.
+    world.targets.lock().unwrap().push_back(target());
+    let cg = std::ffi::CString::new(bed.cgroup.to_str().unwrap()).unwrap();
+    let addr = std::ffi::CString::new(balancer_addr().to_string()).unwrap();
+    // SAFETY: the header's contract: live pointers, buffers of their lengths.
+    unsafe {
+        let t = ffi::inband_tcpe_attach(cg.as_ptr());
+        assert!(!t.is_null());
+        ffi::inband_tcpe_detach(t);
+        let t = Box::into_raw(Box::new(ffi::InbandTcpe::from(tcpe.clone())));
+        let conn = ffi::inband_tcpe_connect(t, addr.as_ptr(), 5000);
+        assert!(!conn.is_null(), "{}", std::io::Error::last_os_error());
+        let req = b"GET /big HTTP/1.1\r\nHost: tcpe\r\n\r\n";
+        assert_eq!(ffi::inband_tcpe_write(conn, req.as_ptr().cast(), req.len()), req.len() as isize);
+        let mut got = Vec::new();
+        let mut b = vec![0u8; 1 << 16];
+        let want = big.len() + b"HTTP/1.1 200 OK\r\nContent-Length: 1048576\r\n\r\n".len();
+        while got.len() < want {
+            let n = ffi::inband_tcpe_read(conn, b.as_mut_ptr().cast(), b.len());
+            assert!(n > 0, "read {n}: {}", std::io::Error::last_os_error());
+            got.extend_from_slice(&b[..n as usize]);
+        }
+        assert!(got.ends_with(&big) && got.len() == want);
+        // Moved, or kept for want of an ACK (as above).
+        let moved = ffi::inband_tcpe_moved(conn);
+        assert_eq!(moved as u64 + world.balancer.get("fallback_no_ack"), attempt + 1, "{:?}", world.balancer.all());
+        ffi::inband_tcpe_close(conn);
+        ffi::inband_tcpe_detach(t);
+    }
+    assert_eq!(world.balancer.get("handed_off") + world.balancer.get("fallback_no_ack"), attempt + 2);
+    // The origin's and the takeover server's listeners share the cgroup
+    // without opting in: their connections are not TCPE's, nor counted.
+    assert_eq!(tcpe.counter("fallback_no_syn").unwrap(), 0);
+    assert_eq!(tcpe.counter("passive_not_offered").unwrap(), 0);
+    world.stop();
+}
+
+#[test]
+fn every_fallback_keeps_the_body_on_the_balancer() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let bed = Bed::up("fb");
+    let tcpe = Arc::new(Tcpe::attach(&bed.cgroup).unwrap());
+    let world = World::start(&bed, &tcpe);
+    let big = big_body();
+    // Bad input to the takeover server, answered within its I/O timeout
+    // while the rest runs: a HANDOFF frame announcing 4 GiB (refused
+    // before anything is allocated), and a subflow that never sends its
+    // join.
+    let mut bad = TcpStream::connect(loopback(CONTROL_PORT)).unwrap();
+    bad.set_read_timeout(Some(WAIT)).unwrap();
+    bad.read_exact(&mut [0u8; 16]).unwrap();
+    bad.write_all(&[1, 0xff, 0xff, 0xff, 0xff]).unwrap();
+    let silent = TcpStream::connect(SocketAddrV4::new(JOIN, JOIN_PORT)).unwrap();
+    bed.enter(&bed.client);
+    let fetch = |c: &mut dyn FnMut(&mut Vec<u8>) -> u16| {
+        let mut body = Vec::new();
+        assert_eq!(c(&mut body), 200);
+        assert!(body == big, "the body changed on the fallback path");
+    };
+
+    // A client without the library: plain TCP, proxied.
+    world.targets.lock().unwrap().push_back(target());
+    let mut plain = TcpStream::connect(balancer_addr()).unwrap();
+    plain.set_read_timeout(Some(WAIT)).unwrap();
+    fetch(&mut |b| client::get(&mut plain, "tcpe", "/big", b).unwrap());
+
+    // The server's channel does not answer (nothing listens).
+    world.targets.lock().unwrap().push_back(Target { control: loopback(NOBODY_PORT), ..target() });
+    let mut c = Client::connect(tcpe.clone(), balancer_addr(), WAIT).unwrap();
+    fetch(&mut |b| client::get(&mut c, "tcpe", "/big", b).unwrap());
+    assert_eq!(c.counters().get("moved"), 0);
+
+    // The balancer's key is not the server's: the server counts the MAC
+    // and closes the channel.
+    world.targets.lock().unwrap().push_back(Target { key: Key([0xa5; 16]), ..target() });
+    let mut c = Client::connect(tcpe.clone(), balancer_addr(), WAIT).unwrap();
+    fetch(&mut |b| client::get(&mut c, "tcpe", "/big", b).unwrap());
+
+    // Servers that refuse: one whose table of pending handoffs is full
+    // (bounded at 0 here), one whose origin is down.
+    bed.enter(&bed.server);
+    let full = Takeover::start(takeover::Config { max_pending: 0, ..takeover_config(1) }).unwrap();
+    let no_origin = Takeover::start(takeover::Config { origin: loopback(NOBODY_PORT), ..takeover_config(2) }).unwrap();
+    // A server with no room at all resets connections before giving
+    // them a thread.
+    let busy = Takeover::start(takeover::Config { max_pending: 0, max_sessions: 0, ..takeover_config(3) }).unwrap();
+    let mut s = TcpStream::connect(SocketAddrV4::new(JOIN, JOIN_PORT + 6)).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    assert_eq!(s.read(&mut [0u8; 1]).unwrap_or(0), 0);
+    assert_eq!(busy.counters().get("conns_busy"), 1);
+    drop(busy);
+    bed.enter(&bed.client);
+    for n in [1, 2] {
+        world.targets.lock().unwrap().push_back(Target { control: loopback(CONTROL_PORT + n), ..target() });
+        let mut c = Client::connect(tcpe.clone(), balancer_addr(), WAIT).unwrap();
+        fetch(&mut |b| client::get(&mut c, "tcpe", "/big", b).unwrap());
+    }
+    assert_eq!((full.counters().get("handoff_full"), full.pending()), (1, 0));
+    assert_eq!((no_origin.counters().get("handoff_no_origin"), no_origin.pending()), (1, 0));
+    drop((full, no_origin));
+
+    // The join never arrives: the client is told a path where nothing
+    // listens; the server gives the connection back at its deadline. (An
+    // attempt whose notification found no ACK to ride on falls back at
+    // once, counted: another is made, as in the test above.)
+    let mut no_ack = 0;
+    let mut c = loop {
+        world.targets.lock().unwrap().push_back(Target {
+            join: SocketAddr::V4(SocketAddrV4::new(JOIN, JOIN_PORT + 1)),
+            deadline: Duration::from_millis(300),
+            ..target()
+        });
+        let mut c = Client::connect(tcpe.clone(), balancer_addr(), WAIT).unwrap();
+        fetch(&mut |b| client::get(&mut c, "tcpe", "/big", b).unwrap());
+        assert_eq!(c.counters().get("moved"), 0);
+        if c.counters().get("join_failed") == 1 {
+            break c;
+        }
+        no_ack += 1;
+        assert_eq!(world.balancer.get("fallback_no_ack"), no_ack, "{:?} {:?}", world.balancer.all(), c.counters().all());
+        assert!(no_ack < 3, "no notification in 3 attempts");
+    };
+    // ... and the connection carries on, on the balancer.
+    fetch(&mut |b| {
+        let mut small = Vec::new();
+        let s = client::get(&mut c, "tcpe", "/small", &mut small).unwrap();
+        assert_eq!(small, CHUNKS.concat().as_bytes());
+        b.extend_from_slice(&big);
+        s
+    });
+    assert!(wait_for("the entries' expiry", WAIT, || world.takeover.pending() == 0));
+
+    let b = &world.balancer;
+    let tc = world.takeover.counters();
+    assert_eq!(
+        [b.get("fallback_not_capable"), b.get("fallback_channel"), b.get("fallback_refused"), b.get("fallback_no_join"), b.get("handed_off")],
+        [1, 2, 2, 1, 0],
+        "{:?}",
+        b.all()
+    );
+    assert_eq!([tc.get("handoff_bad_mac"), tc.get("handoff_expired"), tc.get("join_accepted")], [1, 1 + no_ack, 0], "{:?}", tc.all());
+    assert!(wait_for("the silent subflow's timeout", WAIT, || tc.get("join_timeout") == 1), "{:?}", tc.all());
+    assert_eq!(tc.get("handoff_malformed"), 1);
+    // Both were closed by the server, not left to hang.
+    assert_eq!(bad.read(&mut [0u8; 1]).unwrap_or(0), 0);
+    silent.set_read_timeout(Some(WAIT)).unwrap();
+    assert_eq!((&silent).read(&mut [0u8; 1]).unwrap_or(0), 0);
+    world.stop();
 }

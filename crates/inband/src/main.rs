@@ -49,6 +49,12 @@ enum Command {
         #[command(subcommand)]
         command: inband_mesh::MeshCommand,
     },
+    /// TCPE connection handoff (seed 003): a client that follows a moved
+    /// connection, and the server that takes one over (docs/architecture.md).
+    Tcpe {
+        #[command(subcommand)]
+        command: inband_tcpe::cli::TcpeCommand,
+    },
     /// HTTP/1.1 and HTTP/2 reverse proxy, TLS optional, with a durable cache (see docs/proxy.md).
     Proxy {
         #[arg(long)]
@@ -197,6 +203,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench { command } => inband_testkit::bench::run(command),
         Command::Testbed { command } => inband_testkit::testbed::run(command),
         Command::Mesh { command } => inband_mesh::main(command),
+        Command::Tcpe { command } => inband_tcpe::cli::run(command),
         Command::Proxy { config } => inband_proxy::run(&config),
         Command::Trace(args) => inband_trace::run(args),
     }

@@ -1,0 +1,116 @@
+//! `inband tcpe`: the client command and the takeover server.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+
+use crate::client::{self, Client};
+use crate::sockops::Tcpe;
+use crate::takeover::{self, Takeover};
+
+#[derive(clap::Subcommand)]
+pub enum TcpeCommand {
+    /// Fetch an http:// URL over TCPE (a balancer may move the connection
+    /// to the server it chose) and write the body to stdout.
+    Get {
+        url: String,
+        /// The cgroup v2 directory to attach the TCPE program to (default:
+        /// this process's own cgroup).
+        #[arg(long)]
+        cgroup: Option<PathBuf>,
+        /// Bound on the connect, the join and each wait for a byte.
+        #[arg(long, default_value_t = 5000)]
+        timeout_ms: u64,
+    },
+    /// Take over connections a balancer hands off and relay them to a local
+    /// HTTP origin (docs/configuration.md, "inband tcpe serve").
+    Serve {
+        /// The takeover channel's listening address (balancers connect here).
+        #[arg(long)]
+        control: SocketAddr,
+        /// Where clients join: the address balancers announce.
+        #[arg(long)]
+        join: SocketAddr,
+        /// The HTTP origin sessions are relayed to.
+        #[arg(long)]
+        origin: SocketAddr,
+        /// The key file shared with the balancers (`inband keygen`).
+        #[arg(long)]
+        key: PathBuf,
+        #[arg(long, default_value_t = 1024)]
+        max_pending: usize,
+        #[arg(long, default_value_t = 4096)]
+        max_sessions: usize,
+        /// The longest join deadline a balancer may ask for.
+        #[arg(long, default_value_t = 2000)]
+        max_deadline_ms: u64,
+        #[arg(long, default_value_t = 1000)]
+        io_timeout_ms: u64,
+        /// A session without a byte either way for this long is closed.
+        #[arg(long, default_value_t = 60_000)]
+        idle_ms: u64,
+    },
+}
+
+/// The cgroup v2 directory this process is in, under the cgroup2 mount
+/// (/proc/self/mountinfo), as /proc/self/cgroup's "0::" line names it.
+fn own_cgroup() -> Result<PathBuf> {
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo")?;
+    let mount = mounts
+        .lines()
+        .find_map(|l| {
+            let (pre, post) = l.split_once(" - ")?;
+            (post.split_whitespace().next() == Some("cgroup2")).then(|| pre.split_whitespace().nth(4).map(PathBuf::from))?
+        })
+        .context("no cgroup2 mount: pass --cgroup")?;
+    let cg = std::fs::read_to_string("/proc/self/cgroup")?;
+    let rel = cg.lines().find_map(|l| l.strip_prefix("0::")).context("this process has no cgroup v2: pass --cgroup")?;
+    Ok(mount.join(rel.trim_start_matches('/')))
+}
+
+pub fn run(cmd: TcpeCommand) -> Result<()> {
+    match cmd {
+        TcpeCommand::Get { url, cgroup, timeout_ms } => {
+            let (addr, authority, path) = client::parse_url(&url)?;
+            let cgroup = match cgroup {
+                Some(c) => c,
+                None => own_cgroup()?,
+            };
+            let tcpe = Arc::new(Tcpe::attach(&cgroup)?);
+            let mut c = Client::connect(tcpe, addr, Duration::from_millis(timeout_ms))?;
+            let stdout = std::io::stdout();
+            let mut out = std::io::BufWriter::new(stdout.lock());
+            let status = client::get(&mut c, &authority, &path, &mut out)?;
+            out.flush()?;
+            tracing::debug!("tcpe get {url}: status {status}, {:?}", c.counters().all());
+            if status >= 400 {
+                bail!("{url}: HTTP status {status}");
+            }
+            Ok(())
+        }
+        TcpeCommand::Serve { control, join, origin, key, max_pending, max_sessions, max_deadline_ms, io_timeout_ms, idle_ms } => {
+            let cfg = takeover::Config {
+                control,
+                join,
+                origin,
+                key: inband_core::auth::read_key(Path::new(&key))?,
+                max_pending,
+                max_sessions,
+                max_deadline: Duration::from_millis(max_deadline_ms),
+                io_timeout: Duration::from_millis(io_timeout_ms),
+                idle: Duration::from_millis(idle_ms),
+            };
+            let t = Takeover::start(cfg)?;
+            tracing::info!("tcpe takeover: channel on {control}, joins on {join}, origin {origin}");
+            loop {
+                std::thread::sleep(Duration::from_secs(60));
+                let nonzero: Vec<_> = t.counters().all().into_iter().filter(|(_, v)| *v > 0).collect();
+                tracing::info!("tcpe takeover: {} pending, {} sessions, {nonzero:?}", t.pending(), t.sessions());
+            }
+        }
+    }
+}

@@ -1,0 +1,396 @@
+//! The TCPE client: one byte stream over a connection whose subflows the
+//! balancer moves (docs/decisions.md, "TCPE handoff: moving a connection").
+//!
+//! It opens the first subflow with TCPE offered. While it waits for bytes
+//! it looks at the socket's storage, which the sockops program fills with
+//! the notifications it verified; a create-path notification makes it open
+//! a subflow to that address and join it (`join`). The stream's order: all
+//! bytes of the current subflow up to its FIN, then the joined subflow's,
+//! whose first bytes follow the JOIN-OK. A FIN with no joined subflow is
+//! the stream's end. A byte that arrives on the current subflow after the
+//! join means the balancer kept the connection (its handoff fell back
+//! after the client joined): the joined subflow is closed and the stream
+//! stays where it is. Writes go to the current subflow, so the client
+//! sends one request and reads its response before it sends the next (the
+//! handoff moves a connection between requests). A connection moves once:
+//! a joined subflow has no TCPE of its own.
+
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use crate::join::{self, Kind, JOIN_LEN};
+use crate::relay::Counters;
+use crate::sockops::{SockState, State, Tcpe};
+
+pub const COUNTERS: &[(&str, &str)] = &[
+    ("moved", "Streams that went on on a joined subflow"),
+    ("join_failed", "Create-path notifications whose subflow did not connect or join in time"),
+    ("join_refused", "Joins the server answered without a valid JOIN-OK (or with a reset)"),
+    ("join_abandoned", "Joined subflows closed because the old subflow carried on"),
+];
+const MOVED: usize = 0;
+const JOIN_FAILED: usize = 1;
+const JOIN_REFUSED: usize = 2;
+const JOIN_ABANDONED: usize = 3;
+
+/// How often a reader waiting on the first subflow looks for a
+/// notification: the socket's storage raises no event.
+const NOTE_POLL: Duration = Duration::from_millis(5);
+
+pub struct Client {
+    tcpe: Arc<Tcpe>,
+    cur: TcpStream,
+    /// Joined, read after `cur`'s FIN.
+    next: Option<TcpStream>,
+    /// `cur` is a joined subflow.
+    moved: bool,
+    /// The serial of the last notification acted on.
+    handled: Option<u8>,
+    timeout: Duration,
+    counters: Counters,
+}
+
+fn check(r: libc::c_int, what: &str) -> io::Result<libc::c_int> {
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        return Err(io::Error::new(e.kind(), format!("{what}: {e}")));
+    }
+    Ok(r)
+}
+
+/// A TCP socket that offers TCPE, connected to `addr` within `timeout`.
+fn connect_offered(tcpe: &Tcpe, addr: SocketAddr, timeout: Duration) -> Result<TcpStream> {
+    let domain = if addr.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
+    // SAFETY: socket(2); the descriptor is owned from here on.
+    let fd = unsafe { OwnedFd::from_raw_fd(check(libc::socket(domain, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0), "socket")?) };
+    tcpe.offer(fd.as_fd())?;
+    // SO_SNDTIMEO bounds a blocking connect(2) too.
+    let s = TcpStream::from(fd);
+    s.set_write_timeout(Some(timeout))?;
+    let (sa, len) = sockaddr(addr);
+    // SAFETY: connect with a sockaddr_storage holding `len` valid bytes.
+    check(unsafe { libc::connect(s.as_raw_fd(), (&sa as *const libc::sockaddr_storage).cast(), len) }, "connect")
+        .with_context(|| format!("connecting to {addr}"))?;
+    Ok(s)
+}
+
+fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: sockaddr_storage is plain data; all zeroes is valid.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match addr.ip() {
+        IpAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: addr.port().to_be(),
+                sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(a.octets()) },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is larger than sockaddr_in and aligned for it.
+            unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin) };
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        IpAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: addr.port().to_be(),
+                sin6_flowinfo: 0,
+                sin6_addr: libc::in6_addr { s6_addr: a.octets() },
+                sin6_scope_id: 0,
+            };
+            // SAFETY: as above, for sockaddr_in6.
+            unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin6) };
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (ss, len as libc::socklen_t)
+}
+
+/// Waits up to `wait` for `s` to be readable (data, FIN or an error).
+fn readable(s: &TcpStream, wait: Duration) -> io::Result<bool> {
+    let mut p = libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    let ms = wait.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
+    // SAFETY: poll on one pollfd.
+    let n = unsafe { libc::poll(&mut p, 1, ms) };
+    if n < 0 {
+        let e = io::Error::last_os_error();
+        return if e.kind() == io::ErrorKind::Interrupted { Ok(false) } else { Err(e) };
+    }
+    Ok(n > 0)
+}
+
+/// Opens a subflow to `addr` and joins it to connection `s`: JOIN with the
+/// client's MAC, then the server's JOIN-OK checked, within `timeout`.
+fn join(s: &SockState, addr: SocketAddr, timeout: Duration) -> Result<TcpStream, (usize, anyhow::Error)> {
+    let failed = |e: anyhow::Error| (JOIN_FAILED, e);
+    let mut t = TcpStream::connect_timeout(&addr, timeout).map_err(|e| failed(e.into()))?;
+    t.set_read_timeout(Some(timeout)).map_err(|e| failed(e.into()))?;
+    t.set_write_timeout(Some(timeout)).map_err(|e| failed(e.into()))?;
+    let (local, peer) = (t.local_addr().map_err(|e| failed(e.into()))?, t.peer_addr().map_err(|e| failed(e.into()))?);
+    let msg = join::encode(Kind::Join, s.conn_id, join::mac(Kind::Join, &s.keys, s.conn_id, local, peer));
+    t.write_all(&msg).map_err(|e| failed(e.into()))?;
+    let mut b = [0u8; JOIN_LEN];
+    t.read_exact(&mut b).map_err(|e| match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => failed(e.into()),
+        _ => (JOIN_REFUSED, e.into()),
+    })?;
+    match join::decode(Kind::Ok, &b) {
+        Ok((id, mac)) if id == s.conn_id && mac == join::mac(Kind::Ok, &s.keys, s.conn_id, local, peer) => Ok(t),
+        Ok(_) => Err((JOIN_REFUSED, anyhow::anyhow!("the JOIN-OK from {addr} did not verify"))),
+        Err(e) => Err((JOIN_REFUSED, e.into())),
+    }
+}
+
+impl Client {
+    /// Connects to `addr` with TCPE offered. A server that does not answer
+    /// TCPE gets plain TCP: the stream works, it never moves. `timeout`
+    /// bounds the connect, each join, and each read's wait for a byte.
+    pub fn connect(tcpe: Arc<Tcpe>, addr: SocketAddr, timeout: Duration) -> Result<Client> {
+        let cur = connect_offered(&tcpe, addr, timeout)?;
+        Ok(Client { tcpe, cur, next: None, moved: false, handled: None, timeout, counters: Counters::new(COUNTERS) })
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// The subflow the stream is read from now.
+    pub fn current(&self) -> &TcpStream {
+        &self.cur
+    }
+
+    /// The connection's TCPE state, while it is on its first subflow.
+    fn capable(&self) -> Option<SockState> {
+        if self.moved {
+            return None;
+        }
+        self.tcpe.state(self.cur.as_fd()).ok().flatten().filter(|s| s.state == State::Capable)
+    }
+
+    /// Acts on a create-path notification not acted on yet. A remove-path
+    /// needs no action: the balancer's FIN on the old subflow removes it.
+    fn look_for_path(&mut self) {
+        let Some(s) = self.capable() else { return };
+        let Some((path, serial)) = s.last else { return };
+        if self.handled == Some(serial) || !path.create {
+            return;
+        }
+        self.handled = Some(serial);
+        match join(&s, path.addr, self.timeout) {
+            Ok(t) => self.next = Some(t),
+            Err((c, e)) => {
+                tracing::debug!("tcpe: joining {}: {e:#}", path.addr);
+                self.counters.bump(c);
+            }
+        }
+    }
+}
+
+impl Read for Client {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let start = Instant::now();
+        loop {
+            let watching = !self.moved && self.next.is_none();
+            if watching {
+                self.look_for_path();
+            }
+            let left = self.timeout.checked_sub(start.elapsed()).ok_or(io::ErrorKind::TimedOut)?;
+            let wait = if watching && self.next.is_none() { left.min(NOTE_POLL) } else { left };
+            if !readable(&self.cur, wait)? {
+                continue;
+            }
+            let n = self.cur.read(buf)?;
+            if n > 0 {
+                if self.next.take().is_some() {
+                    self.counters.bump(JOIN_ABANDONED);
+                }
+                return Ok(n);
+            }
+            let Some(next) = self.next.take() else { return Ok(0) };
+            // Dropping the old subflow sends the client's FIN, which the
+            // balancer waits for before it lets go.
+            self.cur = next;
+            self.moved = true;
+            self.counters.bump(MOVED);
+        }
+    }
+}
+
+impl Write for Client {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.cur.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.cur.flush()
+    }
+}
+
+/// Buffered reading of an HTTP/1.1 response off a stream.
+struct Reader<'a, S: Read> {
+    s: &'a mut S,
+    buf: Vec<u8>,
+}
+
+impl<S: Read> Reader<'_, S> {
+    /// Reads more; false at the stream's end.
+    fn fill(&mut self) -> io::Result<bool> {
+        let mut b = [0u8; 64 * 1024];
+        let n = self.s.read(&mut b)?;
+        self.buf.extend_from_slice(&b[..n]);
+        Ok(n > 0)
+    }
+
+    fn need_more(&mut self, what: &str) -> Result<()> {
+        if !self.fill()? {
+            bail!("the connection closed in the middle of the response's {what}");
+        }
+        Ok(())
+    }
+
+    /// Moves `n` body bytes to `out`.
+    fn copy(&mut self, mut n: u64, out: &mut impl Write) -> Result<()> {
+        while n > 0 {
+            if self.buf.is_empty() {
+                self.need_more("body")?;
+            }
+            let k = (self.buf.len() as u64).min(n) as usize;
+            out.write_all(&self.buf[..k])?;
+            self.buf.drain(..k);
+            n -= k as u64;
+        }
+        Ok(())
+    }
+}
+
+const MAX_HEAD: usize = 64 * 1024;
+
+/// Sends `GET path` for `authority` on `conn` and writes the response's
+/// body to `out`; returns the status.
+pub fn get(conn: &mut (impl Read + Write), authority: &str, path: &str, out: &mut impl Write) -> Result<u16> {
+    request(conn, authority, path)?;
+    response(conn, out)
+}
+
+/// Sends `GET path` for `authority`, in one write: a request in several
+/// segments would be acknowledged piecemeal (Nagle's wait for the ACK of
+/// the first), and the balancer would owe no ACK to carry the notification.
+pub fn request(conn: &mut impl Write, authority: &str, path: &str) -> Result<()> {
+    let head = format!("GET {path} HTTP/1.1\r\nHost: {authority}\r\nUser-Agent: inband-tcpe\r\n\r\n");
+    conn.write_all(head.as_bytes())?;
+    conn.flush()?;
+    Ok(())
+}
+
+/// Reads one response off `conn`, writes its body to `out`, returns its
+/// status. The response is framed by its Content-Length, chunked encoding,
+/// or the stream's end; bytes after it are an error (one request in
+/// flight). httparse parses the head and the chunk sizes.
+pub fn response(conn: &mut impl Read, out: &mut impl Write) -> Result<u16> {
+    let mut r = Reader { s: conn, buf: Vec::new() };
+    let (status, framing) = loop {
+        let mut headers = [httparse::EMPTY_HEADER; 64];
+        let mut resp = httparse::Response::new(&mut headers);
+        match resp.parse(&r.buf).context("parsing the response head")? {
+            httparse::Status::Partial if r.buf.len() > MAX_HEAD => bail!("a response head over {MAX_HEAD} bytes"),
+            httparse::Status::Partial => r.need_more("head")?,
+            httparse::Status::Complete(used) => {
+                let code = resp.code.unwrap_or(0);
+                let framing = framing(code, resp.headers)?;
+                r.buf.drain(..used);
+                // An interim response (100 Continue) precedes the real one.
+                if (100..200).contains(&code) {
+                    continue;
+                }
+                break (code, framing);
+            }
+        }
+    };
+    match framing {
+        Framing::Length(n) => r.copy(n, out)?,
+        Framing::Chunked => loop {
+            let (used, size) = loop {
+                match httparse::parse_chunk_size(&r.buf) {
+                    Ok(httparse::Status::Complete(x)) => break x,
+                    Ok(httparse::Status::Partial) => r.need_more("chunk size")?,
+                    Err(_) => bail!("a malformed chunk size line"),
+                }
+            };
+            r.buf.drain(..used);
+            if size == 0 {
+                // Trailers (ignored) end with an empty line.
+                while !(r.buf.starts_with(b"\r\n") || r.buf.windows(4).any(|w| w == b"\r\n\r\n")) {
+                    if r.buf.len() > MAX_HEAD {
+                        bail!("trailers over {MAX_HEAD} bytes");
+                    }
+                    r.need_more("trailers")?;
+                }
+                let end = if r.buf.starts_with(b"\r\n") { 2 } else { r.buf.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4 };
+                r.buf.drain(..end);
+                break;
+            }
+            r.copy(size, out)?;
+            while r.buf.len() < 2 {
+                r.need_more("chunk")?;
+            }
+            if !r.buf.starts_with(b"\r\n") {
+                bail!("a chunk not followed by CRLF");
+            }
+            r.buf.drain(..2);
+        },
+        Framing::UntilClose => {
+            out.write_all(&r.buf)?;
+            r.buf.clear();
+            while r.fill()? {
+                out.write_all(&r.buf)?;
+                r.buf.clear();
+            }
+        }
+    }
+    if !r.buf.is_empty() {
+        bail!("{} bytes after the response", r.buf.len());
+    }
+    Ok(status)
+}
+
+enum Framing {
+    Length(u64),
+    Chunked,
+    UntilClose,
+}
+
+fn framing(code: u16, headers: &[httparse::Header]) -> Result<Framing> {
+    if code == 204 || code == 304 || (100..200).contains(&code) {
+        return Ok(Framing::Length(0));
+    }
+    let value = |name: &str| headers.iter().find(|h| h.name.eq_ignore_ascii_case(name)).map(|h| String::from_utf8_lossy(h.value).trim().to_string());
+    if let Some(te) = value("transfer-encoding") {
+        if te.eq_ignore_ascii_case("chunked") {
+            return Ok(Framing::Chunked);
+        }
+        bail!("transfer-encoding {te:?} is not supported");
+    }
+    match value("content-length") {
+        Some(v) => Ok(Framing::Length(v.parse().with_context(|| format!("content-length {v:?}"))?)),
+        None => Ok(Framing::UntilClose),
+    }
+}
+
+/// Splits an `http://host[:port]/path` URL into the address to connect to,
+/// the Host header's value and the path (http::Uri parses it).
+pub fn parse_url(url: &str) -> Result<(SocketAddr, String, String)> {
+    let uri: http::Uri = url.parse().with_context(|| format!("parsing the URL {url:?}"))?;
+    if uri.scheme_str() != Some("http") {
+        bail!("{url}: only http:// URLs (TCPE carries the TCP stream; TLS is not built in)");
+    }
+    let auth = uri.authority().with_context(|| format!("{url}: no host"))?;
+    let port = auth.port_u16().unwrap_or(80);
+    let host = auth.host().trim_start_matches('[').trim_end_matches(']');
+    let addr = (host, port).to_socket_addrs().with_context(|| format!("resolving {host}"))?.next().with_context(|| format!("{host} has no address"))?;
+    let path = uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into());
+    Ok((addr, auth.as_str().to_string(), path))
+}

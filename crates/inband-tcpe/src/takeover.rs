@@ -1,0 +1,385 @@
+//! The server side of a handoff (`inband tcpe serve`): it takes a
+//! connection a balancer hands over on the takeover channel, accepts the
+//! client's join for it, and serves the rest of the session by relaying
+//! the new subflow to a local HTTP origin, the handed-over request first.
+//! Relaying bytes rather than parsing HTTP keeps the origin whatever it is
+//! (keep-alive requests, any response framing) and the server free of a
+//! second HTTP implementation; the relay is on the server's own host, so
+//! it costs copies on loopback, not a hop on the network.
+//!
+//! State: a table of pending handoffs (connection ID -> keys, request,
+//! origin connection), bounded by `max_pending`; an entry leaves it when
+//! its join is accepted or its deadline passes, whichever comes first,
+//! decided under one lock so that the balancer's verdict is always true.
+//! A session ends, and its threads and sockets with it, when either side
+//! closes or resets, or after `idle` without a byte.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use inband_core::wire::Key;
+
+use crate::channel::{self, Reply, Verdict};
+use crate::join::{self, Kind, JOIN_LEN};
+use crate::relay::{relay, Counters, End};
+use crate::wire::Keys;
+
+pub const COUNTERS: &[(&str, &str)] = &[
+    ("handoffs_accepted", "Handoffs taken from a balancer"),
+    ("handoff_bad_mac", "Takeover-channel messages whose MAC did not verify"),
+    ("handoff_malformed", "Takeover channels that broke off, timed out or sent a malformed message"),
+    ("handoff_full", "Handoffs refused: the table of pending handoffs was full"),
+    ("handoff_duplicate", "Handoffs refused: a handoff with the same connection ID was pending"),
+    ("handoff_no_origin", "Handoffs refused: the origin did not take a connection"),
+    ("handoff_expired", "Handoffs given back: no valid join before the deadline"),
+    ("join_accepted", "Joins verified: sessions taken over"),
+    ("join_bad_mac", "Joins refused: the MAC did not verify under the connection's keys"),
+    ("join_unknown", "Joins refused: no pending handoff with that connection ID"),
+    ("join_malformed", "Joins refused: not a join message"),
+    ("join_timeout", "Subflows that sent no join in time"),
+    ("sessions_full", "Joins refused: max_sessions sessions were running"),
+    ("session_closed", "Sessions that ended with FIN"),
+    ("session_reset", "Sessions that ended with a reset of the subflow or the origin"),
+    ("session_idle", "Sessions closed after `idle` without a byte"),
+    ("conns_busy", "Connections reset at once: max_pending + max_sessions others were waiting for their first message"),
+];
+const HANDOFFS_ACCEPTED: usize = 0;
+const HANDOFF_BAD_MAC: usize = 1;
+const HANDOFF_MALFORMED: usize = 2;
+const HANDOFF_FULL: usize = 3;
+const HANDOFF_DUPLICATE: usize = 4;
+const HANDOFF_NO_ORIGIN: usize = 5;
+const HANDOFF_EXPIRED: usize = 6;
+const JOIN_ACCEPTED: usize = 7;
+const JOIN_BAD_MAC: usize = 8;
+const JOIN_UNKNOWN: usize = 9;
+const JOIN_MALFORMED: usize = 10;
+const JOIN_TIMEOUT: usize = 11;
+const SESSIONS_FULL: usize = 12;
+const SESSION_CLOSED: usize = 13;
+const SESSION_RESET: usize = 14;
+const SESSION_IDLE: usize = 15;
+const CONNS_BUSY: usize = 16;
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Where balancers open the takeover channel.
+    pub control: SocketAddr,
+    /// Where clients join (the address the balancer's notification names).
+    pub join: SocketAddr,
+    /// The HTTP origin the sessions are relayed to.
+    pub origin: SocketAddr,
+    /// The key shared with the balancers.
+    pub key: Key,
+    pub max_pending: usize,
+    pub max_sessions: usize,
+    /// The longest join deadline a balancer may ask for.
+    pub max_deadline: Duration,
+    /// How long a channel or a new subflow may take to send its message,
+    /// and the origin to take a connection.
+    pub io_timeout: Duration,
+    /// A session without a byte either way for this long is closed.
+    pub idle: Duration,
+}
+
+struct Pending {
+    keys: Keys,
+    request: Vec<u8>,
+    origin: TcpStream,
+    joined: mpsc::Sender<()>,
+}
+
+struct Shared {
+    cfg: Config,
+    pending: Mutex<HashMap<u32, Pending>>,
+    sessions: AtomicUsize,
+    /// Connections of either listener whose first message is not read yet
+    /// (each holds a thread): bounded by `max_pending + max_sessions`, as
+    /// many as could become pending handoffs and sessions.
+    waiting: AtomicUsize,
+    counters: Counters,
+    stop: AtomicBool,
+}
+
+/// One of `Shared::waiting`, given back when dropped.
+struct Waiting(Arc<Shared>);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A running takeover server; stops its listeners when dropped (sessions
+/// under way run to their end).
+pub struct Takeover {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// How often the listeners look at the stop flag.
+const POLL: Duration = Duration::from_millis(50);
+
+fn listen(addr: SocketAddr) -> Result<TcpListener> {
+    let l = TcpListener::bind(addr).with_context(|| format!("listening on {addr}"))?;
+    l.set_nonblocking(true)?;
+    Ok(l)
+}
+
+fn accept_loop(l: TcpListener, shared: Arc<Shared>, serve: fn(Waiting, TcpStream)) {
+    let mut p = libc::pollfd { fd: l.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    while !shared.stop.load(Ordering::Relaxed) {
+        // poll(2) wakes at once for a connection, and every POLL to look
+        // at the stop flag: a connection never waits out a sleep.
+        // SAFETY: poll on one pollfd.
+        if unsafe { libc::poll(&mut p, 1, POLL.as_millis() as libc::c_int) } <= 0 {
+            continue;
+        }
+        match l.accept() {
+            Ok((s, _)) => {
+                // Each side writes small messages and waits for the
+                // answer: Nagle's algorithm would hold the second of two
+                // writes (REPLY then VERDICT, JOIN-OK then the response)
+                // for the peer's delayed ACK.
+                if shared.waiting.fetch_add(1, Ordering::Relaxed) >= shared.cfg.max_pending + shared.cfg.max_sessions {
+                    // A flood of connections that send nothing gets
+                    // resets, not a thread each.
+                    shared.waiting.fetch_sub(1, Ordering::Relaxed);
+                    shared.counters.bump(CONNS_BUSY);
+                    reset(s);
+                    continue;
+                }
+                let w = Waiting(shared.clone());
+                if s.set_nonblocking(false).is_ok() && s.set_nodelay(true).is_ok() {
+                    std::thread::spawn(move || serve(w, s));
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => {
+                tracing::warn!("tcpe takeover: accept: {e}");
+                std::thread::sleep(POLL);
+            }
+        }
+    }
+}
+
+impl Takeover {
+    /// Binds both listeners (in the calling thread's network namespace) and
+    /// serves them from threads of their own.
+    pub fn start(cfg: Config) -> Result<Takeover> {
+        let control = listen(cfg.control)?;
+        let joins = listen(cfg.join)?;
+        let shared = Arc::new(Shared {
+            cfg,
+            pending: Mutex::new(HashMap::new()),
+            sessions: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+            counters: Counters::new(COUNTERS),
+            stop: AtomicBool::new(false),
+        });
+        let (a, b) = (shared.clone(), shared.clone());
+        let threads =
+            vec![std::thread::spawn(move || accept_loop(control, a, channel_session)), std::thread::spawn(move || accept_loop(joins, b, join_session))];
+        Ok(Takeover { shared, threads })
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.shared.counters
+    }
+
+    /// Handoffs waiting for their join.
+    pub fn pending(&self) -> usize {
+        self.shared.pending.lock().unwrap().len()
+    }
+
+    /// Sessions being relayed.
+    pub fn sessions(&self) -> usize {
+        self.shared.sessions.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Takeover {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// One balancer's handoff, from HELLO to VERDICT.
+fn channel_session(w: Waiting, mut s: TcpStream) {
+    let sh = w.0.clone();
+    let cfg = &sh.cfg;
+    let _ = s.set_read_timeout(Some(cfg.io_timeout));
+    let _ = s.set_write_timeout(Some(cfg.io_timeout));
+    let nonce = match crate::sockops::random() {
+        Ok(n) => n,
+        Err(e) => return tracing::warn!("tcpe takeover: {e:#}"),
+    };
+    if channel::send_hello(&mut s, &nonce).is_err() {
+        return sh.counters.bump(HANDOFF_MALFORMED);
+    }
+    let h = match channel::recv_handoff(&mut s, &cfg.key, &nonce) {
+        Ok(h) => h,
+        Err(e) if e.is::<channel::MacError>() => return sh.counters.bump(HANDOFF_BAD_MAC),
+        Err(_) => return sh.counters.bump(HANDOFF_MALFORMED),
+    };
+    // From here the pending table's bound holds this channel.
+    drop(w);
+    let deadline = Duration::from_millis(h.deadline_ms.into()).min(cfg.max_deadline);
+    let (tx, rx) = mpsc::channel();
+    // Refused before the origin is dialled, and checked again after it
+    // (dialling under the lock would stall every join behind a slow origin).
+    let refusal = |pending: &HashMap<u32, Pending>| {
+        if pending.contains_key(&h.conn_id) {
+            Some((HANDOFF_DUPLICATE, Reply::Duplicate))
+        } else if pending.len() >= cfg.max_pending {
+            Some((HANDOFF_FULL, Reply::Full))
+        } else {
+            None
+        }
+    };
+    // A statement of its own: the lock must not live through the match.
+    let refused = refusal(&sh.pending.lock().unwrap());
+    let reply = match refused {
+        Some(r) => Err(r),
+        None => match TcpStream::connect_timeout(&cfg.origin, cfg.io_timeout) {
+            Err(e) => {
+                tracing::warn!("tcpe takeover: origin {}: {e}", cfg.origin);
+                Err((HANDOFF_NO_ORIGIN, Reply::NoOrigin))
+            }
+            Ok(origin) => {
+                let mut pending = sh.pending.lock().unwrap();
+                match refusal(&pending) {
+                    Some(r) => Err(r),
+                    None => {
+                        pending.insert(h.conn_id, Pending { keys: h.keys, request: h.request, origin, joined: tx });
+                        Ok(())
+                    }
+                }
+            }
+        },
+    };
+    let reply = match reply {
+        Ok(()) => {
+            sh.counters.bump(HANDOFFS_ACCEPTED);
+            Reply::Accepted
+        }
+        Err((counter, r)) => {
+            sh.counters.bump(counter);
+            r
+        }
+    };
+    let sent = channel::send_reply(&mut s, &cfg.key, &nonce, reply).is_ok();
+    if reply != Reply::Accepted {
+        return;
+    }
+    // Even when the reply was lost (the balancer then keeps the connection
+    // and never tells the client to join), the entry is waited out here,
+    // so that the deadline removes it.
+    let verdict = match rx.recv_timeout(deadline) {
+        Ok(()) => Verdict::Joined,
+        Err(_) => {
+            // The join may have taken the entry between the timeout and
+            // this lock: then its message is on the way.
+            let gone = sh.pending.lock().unwrap().remove(&h.conn_id).is_some();
+            if gone {
+                sh.counters.bump(HANDOFF_EXPIRED);
+                Verdict::Expired
+            } else if rx.recv_timeout(cfg.io_timeout).is_ok() {
+                Verdict::Joined
+            } else {
+                return;
+            }
+        }
+    };
+    if sent {
+        let _ = channel::send_verdict(&mut s, &cfg.key, &nonce, verdict);
+    }
+}
+
+fn reset(s: TcpStream) {
+    // SO_LINGER 0: close sends RST, so a refused join gets no FIN that a
+    // client could take for an empty stream.
+    let l = libc::linger { l_onoff: 1, l_linger: 0 };
+    // SAFETY: setsockopt with a pointer to a linger struct and its size.
+    unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&l as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        );
+    }
+}
+
+/// One new subflow: its join verified, then the session relayed.
+fn join_session(w: Waiting, mut s: TcpStream) {
+    let sh = w.0.clone();
+    let cfg = &sh.cfg;
+    let _ = s.set_read_timeout(Some(cfg.io_timeout));
+    let _ = s.set_write_timeout(Some(cfg.io_timeout));
+    let mut b = [0u8; JOIN_LEN];
+    if let Err(e) = s.read_exact(&mut b) {
+        let c = if e.kind() == std::io::ErrorKind::UnexpectedEof { JOIN_MALFORMED } else { JOIN_TIMEOUT };
+        sh.counters.bump(c);
+        return reset(s);
+    }
+    // From here max_sessions bounds it, or it ends now.
+    drop(w);
+    let Ok((conn_id, mac)) = join::decode(Kind::Join, &b) else {
+        sh.counters.bump(JOIN_MALFORMED);
+        return reset(s);
+    };
+    let (Ok(client), Ok(local)) = (s.peer_addr(), s.local_addr()) else { return reset(s) };
+    let p = {
+        let mut pending = sh.pending.lock().unwrap();
+        let Some(p) = pending.get(&conn_id) else {
+            drop(pending);
+            sh.counters.bump(JOIN_UNKNOWN);
+            return reset(s);
+        };
+        // A bad MAC leaves the entry in place: a forger cannot spend the
+        // real client's join, only be counted.
+        if join::mac(Kind::Join, &p.keys, conn_id, client, local) != mac {
+            drop(pending);
+            sh.counters.bump(JOIN_BAD_MAC);
+            return reset(s);
+        }
+        if sh.sessions.load(Ordering::Relaxed) >= cfg.max_sessions {
+            drop(pending);
+            sh.counters.bump(SESSIONS_FULL);
+            return reset(s);
+        }
+        sh.sessions.fetch_add(1, Ordering::Relaxed);
+        pending.remove(&conn_id).unwrap()
+    };
+    sh.counters.bump(JOIN_ACCEPTED);
+    let _ = p.joined.send(());
+    let ok = join::encode(Kind::Ok, conn_id, join::mac(Kind::Ok, &p.keys, conn_id, client, local));
+    let mut origin = p.origin;
+    let end = s
+        .write_all(&ok)
+        .and_then(|()| origin.write_all(&p.request))
+        .and_then(|()| relay(s.try_clone()?, origin.try_clone()?, cfg.idle));
+    sh.counters.bump(match end {
+        Ok(End::Closed) => SESSION_CLOSED,
+        Ok(End::Idle) => SESSION_IDLE,
+        Ok(End::Reset) | Err(_) => SESSION_RESET,
+    });
+    let _ = origin.shutdown(Shutdown::Both);
+    if !matches!(end, Ok(End::Closed)) {
+        reset(s);
+    }
+    sh.sessions.fetch_sub(1, Ordering::Relaxed);
+}
