@@ -395,12 +395,13 @@ class Spread:
 
 
 def apart(a: Spread, b: Spread) -> bool:
-    """The two cells' ranges do not overlap: a difference beyond the spread.
-    With a single repetition there is no spread to judge by (the first
+    """The two cells' ranges do not overlap: a difference beyond the spread
+    (a cell left with one run, its round having failed, is a point). With
+    a single repetition of both there is no spread to judge by (the first
     study's record): every difference counts, as it did there."""
     if a.n == 0 or b.n == 0:
         return False
-    if a.n < 2 or b.n < 2:
+    if a.n < 2 and b.n < 2:
         return True
     return a.lo > b.hi or a.hi < b.lo
 

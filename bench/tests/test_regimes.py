@@ -132,6 +132,16 @@ def test_spread_decides_what_counts():
     assert summary_of(regimes.render(record(near)))[-1].startswith("no win")
 
 
+def test_ranges_apart():
+    s = regimes.Spread.of
+    assert regimes.apart(s([1, 2, 3]), s([4, 5]))
+    assert not regimes.apart(s([1, 2, 4]), s([4, 5]))
+    assert not regimes.apart(s([1, 2]), s([1.5]))  # a cell left with one run is a point
+    assert regimes.apart(s([1]), s([1.5]))  # no spread at all: the first study's record
+    assert not regimes.apart(s([]), s([1.0]))
+    assert s([1.0, float("nan"), 3.0]) == regimes.Spread(2.0, 1.0, 3.0, 2)
+
+
 def test_verdict_needs_both_the_poller_and_the_control():
     v = regimes.Versus
     yes, no = v(1.3, 1.0, True, True), v(1.29, 0.71, True, True)
