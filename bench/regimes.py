@@ -1,39 +1,71 @@
-"""Where does in-band feedback beat asking? Per regime, dsr-dynamic against
-the poller with the same packet budget, the best poller, dsr-query and
-DSR round-robin, on bench.paper's testbed and machinery:
+"""Where does in-band feedback beat asking, and beat no feedback at all? Per
+regime, dsr-dynamic against the poller with the same packet budget, the
+best poller, dsr-query, DSR least-connections with no feedback (the
+control), HAProxy leastconn and DSR round-robin, on bench.paper's testbed
+and machinery, each cell repeated:
 
-    python -m bench.regimes --out results/regimes
+    python -m bench.regimes --out results/regimes              # the issue's regimes (quick)
+    python -m bench.regimes --out results/regimes-ten --profile ten  # the first study's ten
 
-Budget: dsr-dynamic runs first; its score requests (options 124, counted
-by the balancer as `probes_sent`) per second of load give the poll
-interval at which the poller sends as many requests to the servers
-(`control.polls_sent`, one packet per backend per round, counted over the
-balancer's life). Both counts are reported, so the match is measured, not
-assumed. The best poller asks every BEST_POLL_MS, packets regardless.
+The regimes where the balancer cannot know the load by itself (with one
+connection per request and nothing else on the servers, its own count of
+connections opened and closed since the last score already is the load):
+
+- on-off: the users send for 1–2 s, then pause 3–4 s (seeded), while the
+  servers slow down at random. In-band reports come only while traffic
+  flows; polls come at a fixed rate, paused or not.
+- keep-alive: each user keeps its connection for a mean of 8 requests,
+  thinking between them, and requests cost what LLM inference costs: 8
+  slots per server (`inband serve --workers`), lognormal service with
+  σ 1.5 (a hundredfold between the 5th and 95th percentiles, median ≈ 1 s,
+  mean 3 s at time scale 1), and the agents score requests in flight
+  (`score = "requests"`). Connection counts say nothing here.
+- hidden-load: a second population (half as many users) goes straight to
+  one server at a time, 2–4 s on, 2–4 s off, beside the regular load: the
+  agents count it, the balancer never sees it.
+
+Budget: dsr-dynamic runs first in each repetition; its score requests
+(options 124, counted by the balancer as `probes_sent`) per second of the
+load window, pauses included, give the poll interval at which the poller
+sends as many requests to the servers (`control.polls_sent`, one packet per
+backend per round, counted over the balancer's life). Both counts are
+reported, so the match is measured, not assumed: in on-off, dynamic spends
+its budget while traffic flows and the poller evenly over the run. The best
+poller asks every BEST_POLL_MS, packets regardless.
+
+Repetitions: every configuration runs `reps` times per regime, in rounds
+(each round runs every configuration once), on the same schedules (slowdown
+windows, on/off and direct windows: fixed per regime by --seed), so that
+the spread is the run-to-run noise. Tables give the mean and min–max; a
+ratio counts only when the ranges do not overlap, and the verdict names a
+win only where dynamic clears the issue's bar (≥ WIN_RPS× RPS or ≤ WIN_P99×
+p99) against both the equal-budget poller and the control, beyond the
+spread.
 
 Several balancers cannot share this testbed's servers (one balancer
-namespace), so B balancers are modelled: each sees 1/B of the traffic,
-so it gets a score every B·n-th packet (dsr-dynamic runs with n = B·100),
-and at an equal total budget each polls B times less often (the equal
-poller follows from the measured probes as always); packet counts are
-multiplied by B for the servers' view. Not modelled: that each balancer
-does not see the others' placements.
+namespace), so B balancers are modelled (balancers-2, balancers-4): each
+sees 1/B of the traffic, so it gets a score every B·n-th packet
+(dsr-dynamic runs with n = B·100), and at an equal total budget each polls
+B times less often; packet counts are multiplied by B for the servers'
+view. Not modelled: that each balancer does not see the others' placements.
 
-Prints one table per regime and a summary; writes
-the record (results.json: commit, machine, load average, command, rows)
-and its tables (results.md) into --results (default bench/results/regimes). See docs/benchmarks.md, "Regimes".
+Prints one table per regime and a summary; writes the record (results.json:
+commit, machine, load average, command, schedules, rows with their
+repetition) and its tables (results.md) into --results (default
+bench/results/regimes). See docs/benchmarks.md, "Regimes".
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .lib import paperbed, preflight, profiles, results
+from .lib import locust, paperbed, preflight, profiles, results
 from .lib.locust import RunResult, Summary
 from .lib.paperbed import Bench, Configuration, ServerSpec
 from .lib.procs import Interrupted, stop_signals_interrupt, uninterruptible
@@ -42,7 +74,21 @@ from .lib.stats import ratio
 
 BEST_POLL_MS = 10  # the freshness table's fastest poller (bench.forwarding)
 PROBE_N = 100  # the paper's n
-WIN_RPS, WIN_P99 = 1.3, 0.7  # the issue's bar: dynamic ÷ poller
+WIN_RPS, WIN_P99 = 1.3, 0.7  # the issue's bar: dynamic ÷ the other
+
+# on-off: seconds on, then off, each drawn uniformly (× the profile's
+# schedule_scale).
+ON_S, OFF_S = (1.0, 2.0), (3.0, 4.0)
+# hidden-load: the direct population's windows on one server, and the
+# pauses between them (the run starts with a pause: balanced).
+DIRECT_ON_S, DIRECT_OFF_S = (2.0, 4.0), (2.0, 4.0)
+# keep-alive: LLM-inference-like serving. Times at time scale 1 (the
+# profile's scale multiplies them, as every server-side time).
+LLM_SLOTS = 8  # requests in service at once per server
+LLM_SERVICE_MS = 3000.0  # mean; with σ 1.5 the median is ≈ 1 s
+LLM_SIGMA = 1.5
+LLM_PER_CONNECTION = 8  # mean requests per connection
+LLM_THINK_MS = (0.0, 2000.0)  # a user's pause between its requests
 
 
 @dataclass(frozen=True)
@@ -55,9 +101,28 @@ class Regime:
     balancers: int = 1  # modelled, see the module's doc
     probe_n: int = PROBE_N  # dsr-dynamic's n (× balancers), its budget
     probe_max: int | None = None  # the adaptive n's upper bound
+    onoff: bool = False  # the users send inside ON_S windows only
+    keepalive: bool = False  # LLM-like serving over kept connections
+    direct: float = 0.0  # a population this many × users straight to the servers
+    score: str | None = None  # the agents' score source (their default: connections)
 
 
 REGIMES = (
+    # Where the balancer cannot know the load by itself.
+    Regime("on-off", "as slowdowns, the users on 1–2 s, off 3–4 s", onoff=True),
+    # 40 users against 3 × 8 slots of 0.75 s mean service (quick's time
+    # scale): about the servers' capacity with the think time.
+    Regime(
+        "keep-alive",
+        f"as slowdowns, keep-alive (mean {LLM_PER_CONNECTION} requests per connection, think 0–{LLM_THINK_MS[1] / 1000:g} s), "
+        f"{LLM_SLOTS} slots per server, lognormal σ {LLM_SIGMA:g} (mean {LLM_SERVICE_MS / 1000:g} s; times × the time scale), "
+        "agents score requests in flight",
+        users=40,
+        keepalive=True,
+        score="requests",
+    ),
+    Regime("hidden-load", "as slowdowns, and half as many users again straight to one server, 2–4 s on, 2–4 s off", direct=0.5),
+    # The first study's ten: one connection per request.
     Regime("heavy-tail", "lognormal service (σ 0.8), identical servers, nothing slowed", slowdowns=False),
     Regime("slowdowns", "heavy tail + each server 5× slower for 2–4 s, twice, at random"),
     Regime("users-75", "as slowdowns", users=75),
@@ -73,6 +138,7 @@ REGIMES = (
     Regime("adaptive", "as slowdowns, n = 100..1000 adaptive", probe_max=1000),
 )
 BY_KEY = {r.key: r for r in REGIMES}
+TEN = tuple(r.key for r in REGIMES[3:])
 
 
 @dataclass(frozen=True)
@@ -81,17 +147,43 @@ class Profile:
     duration_s: int
     regimes: tuple
     users_scale: float  # the tiny grid runs a fraction of each regime's users
+    reps: int = 1  # runs per configuration and regime (records before repetitions: 1)
+    schedule_scale: float = 1.0  # multiplies the on/off and direct windows' lengths
+    # ((regime, (configuration, ...)), ...): regimes that run only these
+    # rows (dsr-dynamic always runs); the others run every row.
+    only: tuple = ()
 
 
 PROFILES = {
-    "quick": Profile("quick", 20, tuple(BY_KEY), 1.0),
-    # The test: the rows and budgets, not what wins.
-    "tiny": Profile("tiny", 5, ("slowdowns", "balancers-2"), 0.15),
+    # About 40 minutes on the 2-core testbed. A run costs its duration and
+    # ≈ 2.2 s more (balancer and servers started, Locust's start and stop:
+    # the first study's 50 runs of 20 s took 1108 s). 4 regimes × 7
+    # configurations × 3 repetitions = 84 runs × (25 + 2.2) s = 2285 s,
+    # and two testbeds (the agents' score source differs) ≈ 30 s: ≈ 39 min.
+    # 25 s holds about five on/off cycles and five direct windows, and ~25
+    # keep-alive requests per user. slowdowns stays as the first study's
+    # reference (one connection per request, nothing hidden).
+    "quick": Profile("quick", 25, ("on-off", "keep-alive", "hidden-load", "slowdowns"), 1.0, reps=3),
+    # The first study's ten regimes, repeated: 10 × 7 × 3 = 210 runs ×
+    # (20 + 2.2) s ≈ 78 min, and three testbeds (2, 3, 4 servers).
+    "ten": Profile("quick", 20, TEN, 1.0, reps=3),
+    # The test: the rows, budgets and loads, not what wins. Windows at a
+    # third of their length so that 3 s hold a few of them; every row in
+    # on-off, and in the other two only what their loads are checked by
+    # (a run costs ≈ 7 s here, start-up included: 13 runs).
+    "tiny": Profile(
+        "tiny", 3, ("on-off", "keep-alive", "hidden-load"), 0.15, reps=1, schedule_scale=0.3,
+        only=(("keep-alive", ("dsr-dynamic", "poll-equal", "dsr-leastconn")), ("hidden-load", ("dsr-dynamic", "poll-equal", "dsr-leastconn"))),
+    ),
 }
 
 
 def users(regime: Regime, profile: Profile) -> int:
     return max(2, round(regime.users * profile.users_scale))
+
+
+def direct_users(regime: Regime, profile: Profile) -> int:
+    return max(2, round(users(regime, profile) * regime.direct)) if regime.direct else 0
 
 
 def slowdown_windows(rng: random.Random, duration_s: int, count: int = 2, factor: float = 5.0) -> tuple:
@@ -107,9 +199,42 @@ def slowdown_windows(rng: random.Random, duration_s: int, count: int = 2, factor
 def specs_for(regime: Regime, duration_s: int, seed: int) -> tuple:
     """Identical servers (speed 1): every difference between them is the
     regime's, changing within the run. One schedule per regime, the same for
-    every configuration in it."""
+    every configuration and repetition in it."""
     rng = random.Random(f"{seed}-{regime.key}")
     return tuple(ServerSpec(1.0, slowdown_windows(rng, duration_s) if regime.slowdowns else ()) for _ in range(regime.servers))
+
+
+def alternating(rng: random.Random, duration_s: float, on_s: tuple, off_s: tuple, scale: float, on_first: bool) -> list:
+    """[(start_s, end_s)] on-windows covering the run, on and off lengths
+    drawn uniformly from `on_s` and `off_s` (× `scale`)."""
+    out, t = [], 0.0 if on_first else rng.uniform(*off_s) * scale
+    while t < duration_s:
+        on = rng.uniform(*on_s) * scale
+        out.append((round(t, 3), round(min(t + on, duration_s), 3)))
+        t += on + rng.uniform(*off_s) * scale
+    return out
+
+
+def onoff_windows(regime: Regime, profile: Profile, seed: int) -> list:
+    """When the users send (seconds since the load started); [] when they
+    always do."""
+    if not regime.onoff:
+        return []
+    return alternating(random.Random(f"{seed}-{regime.key}-onoff"), profile.duration_s, ON_S, OFF_S, profile.schedule_scale, True)
+
+
+def direct_windows(regime: Regime, profile: Profile, seed: int) -> list:
+    """[(start_s, end_s, server index)]: when the direct population sends,
+    and to which server."""
+    if not regime.direct:
+        return []
+    rng = random.Random(f"{seed}-{regime.key}-direct")
+    windows = alternating(rng, profile.duration_s, DIRECT_ON_S, DIRECT_OFF_S, profile.schedule_scale, False)
+    return [(a, b, rng.randrange(regime.servers)) for a, b in windows]
+
+
+def on_fraction(windows: list, duration_s: float) -> float:
+    return sum(w[1] - w[0] for w in windows) / duration_s if windows else 1.0
 
 
 @dataclass
@@ -121,6 +246,8 @@ class Row:
     interval: str
     result: RunResult
     lifetime_s: float  # balancer start to status read: the polls' period
+    rep: int = 0
+    direct_requests: int = 0  # the direct population's, answered inside the window
 
     @property
     def s(self) -> Summary:
@@ -133,6 +260,12 @@ class Row:
         o = self.result.overhead
         return o.probes + o.polls
 
+    @property
+    def connections(self) -> int | None:
+        """Connections the balancer placed (inband only: HAProxy's are not read)."""
+        bs = self.result.at_balancer
+        return sum(v["connections"] for v in bs.values()) if bs else None
+
 
 def equal_poll_ms(servers: int, probes: int, window_s: float) -> int:
     """The poll interval that sends as many requests to the servers as
@@ -142,23 +275,61 @@ def equal_poll_ms(servers: int, probes: int, window_s: float) -> int:
     return max(1, round(servers * window_s * 1000 / probes))
 
 
-def run_regime(bench: Bench, regime: Regime, profile: Profile, out: Path) -> list[Row]:
-    bench.out = out / regime.key
+def dynamic_interval(regime: Regime) -> tuple:
+    """dsr-dynamic's n and adaptive upper bound (None: fixed) for the
+    regime: × the modelled balancers, each of which sees 1/B of the packets."""
+    n = regime.probe_n * regime.balancers
+    return n, regime.probe_max and regime.probe_max * regime.balancers
+
+
+def configure(bench: Bench, regime: Regime, profile: Profile, pprofile: paperbed.Profile) -> None:
+    """The testbed's servers, users and load for `regime`."""
     bench.specs = specs_for(regime, profile.duration_s, bench.args.seed)
     bench.args.users = users(regime, profile)
     bench.args.spawn_rate = bench.args.users
-    rows: list[Row] = []
+    bench.p, bench.serve_extra, env = pprofile, (), {}
+    if regime.onoff:
+        env["INBAND_BENCH_ONOFF"] = json.dumps(onoff_windows(regime, profile, bench.args.seed))
+    if regime.keepalive:
+        bench.p = replace(pprofile, workers=LLM_SLOTS, service_ms=LLM_SERVICE_MS, service_dist="lognormal")
+        bench.serve_extra = ("--keep-alive", "--service-sigma", f"{LLM_SIGMA:g}")
+        env["INBAND_BENCH_KEEPALIVE"] = str(LLM_PER_CONNECTION)
+        env["INBAND_BENCH_THINK_S"] = ",".join(f"{t * pprofile.time_scale / 1000:g}" for t in LLM_THINK_MS)
+    bench.locust_env = env
+    bench.extra_users = direct_users(regime, profile)
 
-    def run(key: str, label: str, interval: str, c: Configuration) -> Row:
-        bench.log(f"{regime.key}: {key} ({interval})")
+
+# The rows of every regime, in table order.
+CONFIG_KEYS = ("dsr-dynamic", "poll-equal", "poll-best", "dsr-query", "dsr-leastconn", "haproxy-leastconn", "dsr-rr")
+CONTROL = "dsr-leastconn"
+
+
+def run_rep(bench: Bench, regime: Regime, profile: Profile, out: Path, rep: int) -> list[Row]:
+    """One round: every configuration once, dsr-dynamic first (its probes
+    set this round's equal poller)."""
+    bench.out = out / regime.key / f"rep{rep + 1}"
+    servers = [f"http://{b.address}:{b.port}" for b in bench.backends]
+    direct = [[a, b, servers[i]] for a, b, i in direct_windows(regime, profile, bench.args.seed)]
+    rows: list[Row] = []
+    wanted = dict(profile.only).get(regime.key, CONFIG_KEYS)
+
+    def run(key: str, label: str, interval: str, c: Configuration) -> Row | None:
+        if key != "dsr-dynamic" and key not in wanted:
+            return None
+        bench.log(f"{regime.key} #{rep + 1}: {key} ({interval})")
+        d = bench.out / key
+        if direct:
+            bench.locust_env["INBAND_BENCH_DIRECT"] = json.dumps(
+                {"users": bench.extra_users, "windows": direct, "requests": str(d / "direct-requests.csv")}
+            )
         res = bench.run_config(replace(c, key=key, label=label))
-        meta = json.loads((bench.out / key / "meta.json").read_text())
-        row = Row(key, label, interval, res, meta["status_read"] - meta["balancer_started"])
+        meta = json.loads((d / "meta.json").read_text())
+        hidden = locust.in_window(locust.read_requests(d / "direct-requests.csv"), *res.window) if direct else []
+        row = Row(key, label, interval, res, meta["status_read"] - meta["balancer_started"], rep, sum(1 for r in hidden if r.ok))
         rows.append(row)
         return row
 
-    n = regime.probe_n * regime.balancers
-    hi = regime.probe_max and regime.probe_max * regime.balancers
+    n, hi = dynamic_interval(regime)
     dyn = run(
         "dsr-dynamic",
         "dsr-dynamic (in-band)",
@@ -173,26 +344,137 @@ def run_regime(bench: Bench, regime: Regime, profile: Profile, out: Path) -> lis
     run("dsr-query", "dsr-query (ask before forwarding)", "per SYN batch", paperbed.BY_KEY["dsr-query"])
     # The control: what the balancer knows by itself, counting its own
     # connections, with no feedback at all.
-    run("dsr-leastconn", "DSR least-connections (own counts, no feedback)", "–", replace(paperbed.BY_KEY["dsr-rr"], policy="least-connections"))
+    run(CONTROL, "DSR least-connections (own counts, no feedback)", "–", replace(paperbed.BY_KEY["dsr-rr"], policy="least-connections"))
+    run("haproxy-leastconn", "HAProxy leastconn (proxy, own counts)", "–", paperbed.BY_KEY["haproxy-leastconn"])
     run("dsr-rr", "DSR round-robin", "–", paperbed.BY_KEY["dsr-rr"])
+    return rows
+
+
+def run_regime(bench: Bench, regime: Regime, profile: Profile, out: Path, pprofile: paperbed.Profile, failed: list) -> list[Row]:
+    """Every repetition of the regime; one that fails is reported in
+    `failed` and the others are kept (its cells then have fewer runs)."""
+    configure(bench, regime, profile, pprofile)
+    rows: list[Row] = []
+    for rep in range(profile.reps):
+        try:
+            rows += run_rep(bench, regime, profile, out, rep)
+        except (Interrupted, KeyboardInterrupt):
+            raise
+        except Exception as e:  # noqa: BLE001 - one broken round must not hide the others
+            failed.append((f"{regime.key} #{rep + 1}", f"{e.__class__.__name__}: {e}"))
+            bench.log(f"{regime.key} #{rep + 1}: FAILED: {e}")
+    if not rows:
+        raise RuntimeError("no repetition completed")
     return rows
 
 
 # ------------------------------------------------------------------ tables
 
 
-def budget_match(rows: list[Row]) -> float:
+@dataclass(frozen=True)
+class Spread:
+    """A cell over its repetitions: mean, min, max, how many."""
+
+    mean: float
+    lo: float
+    hi: float
+    n: int
+
+    @classmethod
+    def of(cls, xs) -> "Spread":
+        xs = [x for x in xs if x is not None and not math.isnan(x)]
+        if not xs:
+            return cls(math.nan, math.nan, math.nan, 0)
+        return cls(sum(xs) / len(xs), min(xs), max(xs), len(xs))
+
+    def fmt(self, f) -> str:
+        if self.n == 0:
+            return "–"
+        lo, hi = f(self.lo), f(self.hi)
+        return f(self.mean) if lo == hi else f"{f(self.mean)} ({lo}–{hi})"
+
+
+def apart(a: Spread, b: Spread) -> bool:
+    """The two cells' ranges do not overlap: a difference beyond the spread
+    (a cell left with one run, its round having failed, is a point). With
+    a single repetition of both there is no spread to judge by (the first
+    study's record): every difference counts, as it did there."""
+    if a.n == 0 or b.n == 0:
+        return False
+    if a.n < 2 and b.n < 2:
+        return True
+    return a.lo > b.hi or a.hi < b.lo
+
+
+@dataclass(frozen=True)
+class Versus:
+    """dsr-dynamic against another configuration of the same regime."""
+
+    rps: float | None  # dynamic ÷ other, of the means
+    p99: float | None
+    rps_apart: bool  # the ranges do not overlap
+    p99_apart: bool
+
+    def beaten(self) -> bool:
+        """The issue's bar, counted only beyond the spread."""
+        return (self.rps is not None and self.rps >= WIN_RPS and self.rps_apart) or (
+            self.p99 is not None and self.p99 <= WIN_P99 and self.p99_apart
+        )
+
+    def cells(self) -> list[str]:
+        """RPS and p99 ratios; in parentheses when within the spread."""
+        return [fmt_ratio(x) if ok or x is None else f"({fmt_ratio(x)})" for x, ok in ((self.rps, self.rps_apart), (self.p99, self.p99_apart))]
+
+
+def rps_of(rows: list[Row]) -> Spread:
+    return Spread.of(r.s.rps for r in rows)
+
+
+def p99_of(rows: list[Row]) -> Spread:
+    return Spread.of(r.s.pct_ms[99] for r in rows)
+
+
+def versus(dyn: list[Row], other: list[Row] | None) -> Versus | None:
+    if not other:
+        return None
+    d, o = (rps_of(dyn), p99_of(dyn)), (rps_of(other), p99_of(other))
+    return Versus(ratio(d[0].mean, o[0].mean), ratio(d[1].mean, o[1].mean), apart(d[0], o[0]), apart(d[1], o[1]))
+
+
+def cells_by_config(rows: list[Row]) -> dict:
+    """Configuration key -> its rows (one per repetition), in table order."""
+    out: dict[str, list[Row]] = {}
+    for r in rows:
+        out.setdefault(r.key, []).append(r)
+    return out
+
+
+def budget_match(dyn: Row, eq: Row) -> float:
     """Poll requests per second of the equal poller ÷ score requests per
-    second of dsr-dynamic: 1.0 is a matched budget."""
-    by = {r.key: r for r in rows}
-    dyn, eq = by["dsr-dynamic"], by["poll-equal"]
+    second of dsr-dynamic (in the same repetition): 1.0 is a matched budget."""
     w = dyn.result.window
     dyn_rate = dyn.result.overhead.probes / (w[1] - w[0])
     return (eq.result.overhead.polls / eq.lifetime_s) / dyn_rate if dyn_rate else float("nan")
 
 
+def budget_matches(rows: list[Row]) -> Spread:
+    by = {(r.rep, r.key): r for r in rows}
+    return Spread.of(budget_match(by[rep, "dsr-dynamic"], by[rep, "poll-equal"]) for rep, k in by if k == "poll-equal" and (rep, "dsr-dynamic") in by)
+
+
+def intervals(rows: list[Row]) -> str:
+    """The interval of a configuration over its repetitions (the equal
+    poller's follows each round's probes)."""
+    seen = list(dict.fromkeys(r.interval for r in rows))
+    if len(seen) > 1 and all(s.endswith(" ms") for s in seen):
+        ms = sorted(int(s[:-3]) for s in seen)
+        return f"{ms[0]}–{ms[-1]} ms"
+    return ", ".join(seen)
+
+
 def regime_table(regime: Regime, rows: list[Row]) -> str:
-    dyn = next(r for r in rows if r.key == "dsr-dynamic").s
+    cells = cells_by_config(rows)
+    dyn = cells["dsr-dynamic"]
     b = regime.balancers
     headers = [
         "configuration",
@@ -203,88 +485,74 @@ def regime_table(regime: Regime, rows: list[Row]) -> str:
         "failures",
         f"feedback requests to servers per request{' (× balancers)' if b > 1 else ''}",
         f"extra packets per request{' (× balancers)' if b > 1 else ''}",
+        "connections per request",
         "dynamic RPS ÷ this",
         "dynamic p99 ÷ this",
     ]
     out = []
-    for r in rows:
-        s, o = r.s, r.result.overhead
-        per = (lambda x: f"{b * x / s.requests:.3f}") if s.requests else (lambda x: "–")
+    for key, rs in cells.items():
+        n = sum(r.s.requests for r in rs)
+        per = (lambda x: f"{b * x / n:.3f}") if n else (lambda x: "–")
+        conns = [r.connections for r in rs]
+        vs = versus(dyn, rs)
         out.append(
             [
-                r.label,
-                r.interval,
-                f"{s.rps:.1f}",
-                fmt_time(s.median_ms),
-                fmt_time(s.pct_ms[99]),
-                str(s.failures),
-                per(r.requests_to_servers),
-                per(o.extra_packets),
-                fmt_ratio(ratio(dyn.rps, s.rps)),
-                fmt_ratio(ratio(dyn.pct_ms[99], s.pct_ms[99])),
+                rs[0].label,
+                intervals(rs),
+                rps_of(rs).fmt(lambda x: f"{x:.1f}"),
+                Spread.of(r.s.median_ms for r in rs).fmt(fmt_time),
+                p99_of(rs).fmt(fmt_time),
+                str(sum(r.s.failures for r in rs)),
+                per(sum(r.requests_to_servers for r in rs)),
+                per(sum(r.result.overhead.extra_packets for r in rs)),
+                f"{sum(conns) / n:.2f}" if n and None not in conns else "–",
+                *vs.cells(),
             ]
         )
     return table(headers, out)
 
 
-def verdict(rps_eq: float | None, p99_eq: float | None, rps_best: float | None, p99_best: float | None) -> str:
-    """A ratio that could not be taken (None) wins nothing."""
+def verdict(eq: Versus | None, control: Versus | None) -> str:
+    """The issue's bar against the equal-budget poller and the no-feedback
+    control, each beyond the spread; a comparison that could not be made
+    (None) wins nothing."""
+    beats = [name for name, v in (("the equal-budget poller", eq), ("the control", control)) if v is not None and v.beaten()]
+    if len(beats) == 2:
+        return "wins: beats the equal-budget poller and the control"
+    if beats:
+        return f"beats {beats[0]} only"
+    return f"no win by the bar (≥ {WIN_RPS}× RPS or ≤ {WIN_P99}× p99, beyond the spread)"
 
-    def beats(rps, p99) -> bool:
-        return (rps is not None and rps >= WIN_RPS) or (p99 is not None and p99 <= WIN_P99)
 
-    hits = []
-    if beats(rps_eq, p99_eq):
-        hits.append("beats the equal-budget poller")
-    if beats(rps_best, p99_best):
-        hits.append("beats the best poller")
-    return "; ".join(hits) or f"no win by the bar (≥ {WIN_RPS}× RPS or ≤ {WIN_P99}× p99)"
+COMPARED = (
+    ("poll-equal", "dyn ÷ equal"),
+    (CONTROL, "dyn ÷ control (least-connections)"),
+    ("poll-best", "dyn ÷ best"),
+    ("dsr-query", "dyn ÷ query"),
+    ("haproxy-leastconn", "dyn ÷ HAProxy leastconn"),
+    ("dsr-rr", "dyn ÷ rr"),
+)
 
 
 def summary_table(by_regime: dict) -> str:
-    headers = [
-        "regime",
-        "dynamic RPS",
-        "equal poll interval",
-        "budget match (polls ÷ probes per s)",
-        "dyn ÷ equal: RPS",
-        "p99",
-        "dyn ÷ best: RPS",
-        "p99",
-        "dyn ÷ query: RPS",
-        "p99",
-        "dyn ÷ least-connections: RPS",
-        "p99",
-        "dyn ÷ rr: RPS",
-        "verdict",
-    ]
+    headers = ["regime", "reps", "dynamic RPS", "equal poll interval", "budget match (polls ÷ probes per s)"]
+    for _k, name in COMPARED:
+        headers += [f"{name}: RPS", "p99"]
+    headers.append("verdict")
     out = []
     for key, rows in by_regime.items():
-        by = {r.key: r for r in rows}
-        d = by["dsr-dynamic"].s
-
-        def against(k: str, what: str) -> float | None:
-            if k not in by:
-                return None
-            s = by[k].s
-            return ratio(d.rps, s.rps) if what == "rps" else ratio(d.pct_ms[99], s.pct_ms[99])
-
+        cells = cells_by_config(rows)
+        dyn = cells["dsr-dynamic"]
+        vs = {k: versus(dyn, cells.get(k)) for k, _n in COMPARED}
         out.append(
             [
                 key,
-                f"{d.rps:.1f}",
-                by["poll-equal"].interval if "poll-equal" in by else "–",
-                f"{budget_match(rows):.2f}" if "poll-equal" in by else "–",
-                fmt_ratio(against("poll-equal", "rps")),
-                fmt_ratio(against("poll-equal", "p99")),
-                fmt_ratio(against("poll-best", "rps")),
-                fmt_ratio(against("poll-best", "p99")),
-                fmt_ratio(against("dsr-query", "rps")),
-                fmt_ratio(against("dsr-query", "p99")),
-                fmt_ratio(against("dsr-leastconn", "rps")),
-                fmt_ratio(against("dsr-leastconn", "p99")),
-                fmt_ratio(against("dsr-rr", "rps")),
-                verdict(against("poll-equal", "rps"), against("poll-equal", "p99"), against("poll-best", "rps"), against("poll-best", "p99")),
+                str(len(dyn)),
+                rps_of(dyn).fmt(lambda x: f"{x:.1f}"),
+                intervals(cells["poll-equal"]) if "poll-equal" in cells else "–",
+                budget_matches(rows).fmt(lambda x: f"{x:.2f}"),
+                *[c for k, _n in COMPARED for c in (vs[k].cells() if vs[k] else ["–", "–"])],
+                verdict(vs["poll-equal"], vs[CONTROL]),
             ]
         )
     return table(headers, out)
@@ -299,14 +567,17 @@ def parse_args(argv):
     ap.add_argument("--results", type=Path, default=results.default_dir("regimes"), help="results.json and results.md (default: the committed ones)")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="quick")
     ap.add_argument("--regimes", help=f"comma-separated subset of: {', '.join(BY_KEY)} (default: the profile's)")
+    ap.add_argument("--reps", type=int, help="override the profile's repetitions per cell")
     ap.add_argument("--name", default="rg", help="testbed name (namespaces NAME-lb, NAME-c1, ...)")
     ap.add_argument("--inband", default=str(results.REPO / "target" / "debug" / "inband"))
-    ap.add_argument("--seed", type=int, default=1, help="the slowdown schedules")
+    ap.add_argument("--seed", type=int, default=1, help="the slowdown, on/off and direct schedules")
     args = ap.parse_args(argv)
     keys = (args.regimes or ",".join(PROFILES[args.profile].regimes)).split(",")
     unknown = [k for k in keys if k not in BY_KEY]
     if unknown:
         ap.error(f"unknown regime(s) {', '.join(unknown)}; choose from {', '.join(BY_KEY)}")
+    if args.reps is not None and args.reps < 1:
+        ap.error("--reps must be at least 1")
     args.regime_keys = keys
     return args
 
@@ -317,14 +588,27 @@ def paper_args(args, profile: Profile, out: Path):
     pa = paperbed.parse_args(
         ["--out", str(out), "--profile", profile.paper_profile, "--name", args.name, "--inband", args.inband, "--duration", str(profile.duration_s)]
     )
-    pa.configs = "dsr-dynamic,dsr-polling,dsr-query,dsr-rr"
+    pa.configs = "dsr-dynamic,dsr-polling,dsr-query,dsr-rr,haproxy-leastconn"
     pa.seed = args.seed
     return pa
 
 
+def schedules(regimes: list[Regime], profile: Profile, seed: int) -> dict:
+    """What each regime's runs followed, for the record."""
+    return {
+        r.key: {
+            "slowdowns": [list(s.slowdowns) for s in specs_for(r, profile.duration_s, seed)],
+            "onoff": onoff_windows(r, profile, seed),
+            "direct": direct_windows(r, profile, seed),
+            "direct_users": direct_users(r, profile),
+        }
+        for r in regimes
+    }
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    profile = PROFILES[args.profile]
+    profile = profiles.choose(PROFILES, args.profile, reps=args.reps)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     pa = paper_args(args, profile, out)
@@ -338,14 +622,16 @@ def main(argv=None) -> int:
     failed: list[tuple[str, str]] = []
     interrupted = None
     stop_signals_interrupt()
-    # One testbed per server count: regimes are grouped by it.
-    for servers in dict.fromkeys(r.servers for r in regimes):
+    # One testbed per server count and score source (the agents start
+    # with the testbed): regimes are grouped by them.
+    for servers, score in dict.fromkeys((r.servers, r.score) for r in regimes):
         bench = Bench(pa, pprofile, out, tuple(ServerSpec(1.0) for _ in range(servers)))
+        bench.agent_score = score
         try:
             bench.setup()
-            for regime in (r for r in regimes if r.servers == servers):
+            for regime in (r for r in regimes if (r.servers, r.score) == (servers, score)):
                 try:
-                    by_regime[regime.key] = run_regime(bench, regime, profile, out)
+                    by_regime[regime.key] = run_regime(bench, regime, profile, out, pprofile, failed)
                     print(f"\n### {regime.key}\n\n{regime_table(regime, by_regime[regime.key])}\n", flush=True)
                 except (Interrupted, KeyboardInterrupt):
                     raise
@@ -364,10 +650,13 @@ def main(argv=None) -> int:
         if interrupted:
             break
 
-    rows = [{"regime": key, "key": r.key, "label": r.label, "interval": r.interval, "lifetime_s": r.lifetime_s, "result": r.result.to_json()}
-            for key, rs in by_regime.items() for r in rs]
+    rows = [
+        {"regime": key, "rep": r.rep, "key": r.key, "label": r.label, "interval": r.interval, "lifetime_s": r.lifetime_s,
+         "direct_requests": r.direct_requests, "result": r.result.to_json()}
+        for key, rs in by_regime.items() for r in rs
+    ]  # fmt: skip
     record = this_run.record(rows, profile=profiles.as_json(args.profile, profile), inband=Path(args.inband), paper_profile=asdict(pprofile),
-                        regimes=args.regime_keys, failed=[f"{k}: {e}" for k, e in failed])
+                             regimes=args.regime_keys, schedules=schedules(regimes, profile, args.seed), failed=[f"{k}: {e}" for k, e in failed])
     results.write(args.results, record, render(record))
     for key, err in failed:
         print(f"error: {key}: {err}", file=sys.stderr)
@@ -377,31 +666,59 @@ def main(argv=None) -> int:
     return 1 if failed or not by_regime else 0
 
 
+def regime_heading(regime: Regime, profile: Profile, rows: list[Row], schedule: dict) -> str:
+    """The regime, its users and, where the load comes and goes, how much
+    of the run it covered."""
+    extra = []
+    if schedule.get("onoff"):
+        f = on_fraction(schedule["onoff"], profile.duration_s)
+        extra.append(f"users on {f:.0%} of the run: while they send, dynamic's score requests come at {1 / f:.1f}× their matched average rate")
+    if schedule.get("direct"):
+        dyn = [r for r in rows if r.key == "dsr-dynamic"]
+        mean = sum(r.direct_requests for r in dyn) / len(dyn) if dyn else 0
+        extra.append(
+            f"{schedule['direct_users']} direct users on {on_fraction(schedule['direct'], profile.duration_s):.0%} of the run "
+            f"({mean:.0f} requests per run past the balancer)"
+        )
+    return f"## {regime.key}: {regime.what}, {users(regime, profile)} users{''.join('; ' + e for e in extra)}\n"
+
+
 def render(record: dict) -> str:
     """The tables of a run, from its record alone (bench.docs renders the
-    committed one the same way)."""
+    committed one the same way; a record from before repetitions reads as
+    one repetition)."""
     profile, pp = Profile(**{k: v for k, v in record["profile"].items() if k != "name"}), record["paper_profile"]
     by_regime: dict[str, list[Row]] = {}
     for r in record["rows"]:
-        by_regime.setdefault(r["regime"], []).append(Row(r["key"], r["label"], r["interval"], RunResult.from_json(r["result"]), r["lifetime_s"]))
+        by_regime.setdefault(r["regime"], []).append(
+            Row(r["key"], r["label"], r["interval"], RunResult.from_json(r["result"]), r["lifetime_s"], r.get("rep", 0), r.get("direct_requests", 0))
+        )
     parts = [
-        "# Regimes: in-band feedback against asking\n",
+        "# Regimes: in-band feedback against asking and against no feedback\n",
         f"{results.provenance(record)}  \n"
-        f"{profile.duration_s} s per run; identical servers, {pp['workers']} workers each, {pp['service_dist']} service with mean "
-        f"{pp['service_ms'] * pp['time_scale']:g} ms; dsr-dynamic n = {PROBE_N} (unless the regime says otherwise) × balancers; "
+        f"{profile.duration_s} s per run, {profile.reps} repetition{'s' if profile.reps > 1 else ''} per cell; identical servers, "
+        f"{pp['workers']} workers each, {pp['service_dist']} service with mean {pp['service_ms'] * pp['time_scale']:g} ms (unless the regime says "
+        f"otherwise, at the same time scale {pp['time_scale']:g}); dsr-dynamic n = {PROBE_N} (unless the regime says otherwise) × balancers; "
         f"best poller every {BEST_POLL_MS} ms; load generator, balancer and servers share the CPUs.  \n"
-        "Ratios are dynamic ÷ the other: RPS > 1 and p99 < 1 favour dynamic. "
-        "Budget match: the equal poller's poll requests per second of its balancer's life ÷ dynamic's score requests per second of load.\n",
+        "Cells are the mean over the repetitions (min–max). Ratios are dynamic ÷ the other, of the means: RPS > 1 and p99 < 1 favour dynamic; "
+        "a ratio in parentheses is within the spread (the two ranges overlap) and counts for nothing. "
+        "Budget match: the equal poller's poll requests per second of its balancer's life ÷ dynamic's score requests per second of load, "
+        "per repetition. The control is DSR least-connections with no feedback: what the balancer's own counting gives. "
+        f"Verdict: a win needs ≥ {WIN_RPS}× RPS or ≤ {WIN_P99}× p99 against both the equal-budget poller and the control, beyond the spread.\n",
     ]
+    if profile.reps < 2:
+        parts.append("One repetition: no spread to judge by, every difference counts as measured.\n")
     if record["failed"]:
         parts.append("**Failed:** " + "; ".join(record["failed"]) + "\n")
-    missing = [k for k in ("dsr-leastconn",) if not any(r["key"] == k for r in record["rows"])]
+    missing = [k for k in (CONTROL, "haproxy-leastconn") if not any(r["key"] == k for r in record["rows"])]
     if missing:
         parts.append(f"This record predates the row(s) {', '.join(missing)}: their columns read – until the next run.\n")
+    by_regime = {k: by_regime[k] for k in record["regimes"] if k in by_regime}
     parts += ["## Summary\n", summary_table(by_regime) + "\n"]
     for regime in (BY_KEY[k] for k in record["regimes"]):
         if regime.key in by_regime:
-            parts += [f"## {regime.key}: {regime.what}, {users(regime, profile)} users\n", regime_table(regime, by_regime[regime.key]) + "\n"]
+            heading = regime_heading(regime, profile, by_regime[regime.key], record.get("schedules", {}).get(regime.key, {}))
+            parts += [heading, regime_table(regime, by_regime[regime.key]) + "\n"]
     return "\n".join(parts)
 
 

@@ -148,6 +148,14 @@ class Bench(TestbedRun):
         self.servers: list = []  # Popen per server
         self.lb_ip_forward: str | None = None
         self.slowdown_offsets: list[float] = []  # load start - server start, per configuration
+        # What bench.regimes varies on this testbed (bench.paper keeps the
+        # defaults): flags appended to every `inband serve`, the agents'
+        # score source (read at set-up), the locustfile's other loads
+        # (its INBAND_BENCH_* settings) and the users they add to -u.
+        self.serve_extra: tuple = ()
+        self.agent_score: str | None = None
+        self.locust_env: dict = {}
+        self.extra_users = 0
 
     # --- set-up shared by every configuration
 
@@ -171,7 +179,7 @@ class Bench(TestbedRun):
         # TIME_WAIT so long runs cannot run out of them.
         run(self.ns("c1"), ["sysctl", "-q", "-w", "net.ipv4.tcp_tw_reuse=1"])
         self.apply_tbf()
-        self.start_agents([f"s{i}" for i in range(1, len(self.specs) + 1)], self.run_dir, self.out / "logs", SERVICE_PORT)
+        self.start_agents([f"s{i}" for i in range(1, len(self.specs) + 1)], self.run_dir, self.out / "logs", SERVICE_PORT, score=self.agent_score)
 
     def apply_tbf(self) -> None:
         a = self.args
@@ -201,7 +209,7 @@ class Bench(TestbedRun):
         # starts (the offset is measured and reported).
         for start_f, len_f, factor in spec.slowdowns:
             argv += ["--slowdown", f"{start_f * self.duration_s:g}:{len_f * self.duration_s:g}:{factor:g}"]
-        return argv
+        return argv + list(self.serve_extra)
 
     def start_servers(self, cfg_dir: Path) -> float:
         """Starts fresh servers; returns when they started (epoch s)."""
@@ -337,13 +345,14 @@ class Bench(TestbedRun):
         return res
 
     def run_locust(self, d: Path) -> None:
-        users = self.args.users or self.p.users
-        spawn = self.args.spawn_rate or min(self.p.spawn_rate, users)
+        users = (self.args.users or self.p.users) + self.extra_users
+        spawn = (self.args.spawn_rate or min(self.p.spawn_rate, users)) + self.extra_users
         env = dict(os.environ)
         env.update(
             INBAND_BENCH_REQUESTS=str(d / "requests.csv"),
             INBAND_BENCH_WINDOW=str(d / "window.json"),
             INBAND_BENCH_TIMEOUT_S=f"{self.p.timeout_s:g}",
+            **self.locust_env,
         )
         argv = [
             sys.executable, "-m", "locust",

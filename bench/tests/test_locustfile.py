@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -80,3 +81,75 @@ def test_locustfile_logs_every_request(tmp_path):
     # is time.time() plus a perf_counter interval, t1 time.time() alone.
     assert report.in_window(reqs, t0, t1 + 0.01) == reqs
     assert json.loads((tmp_path / "window.json").read_text()).keys() == {"t0", "t1"}
+
+
+def test_regimes_loads_on_off_keep_alive_and_direct(tmp_path):
+    """bench.regimes' loads: users that send only inside their windows,
+    keep their connection for several requests, and a direct population
+    that goes to another server inside its windows, logged apart."""
+    conns = {"vip": [], "direct": []}  # (client port, start) per request, by server
+
+    def server(name):
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self):  # noqa: N802 - http.server's naming
+                conns[name].append((self.client_address[1], time.time(), self.headers.get("Connection")))
+                time.sleep(0.02)
+                self.send_response(200)
+                self.send_header("Content-Length", "100")
+                if self.headers.get("Connection") == "close":
+                    self.send_header("Connection", "close")
+                    self.close_connection = True
+                self.end_headers()
+                self.wfile.write(b"x" * 100)
+
+            def log_message(self, *_a):
+                pass
+
+        srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        return srv
+
+    vip, direct = server("vip"), server("direct")
+    onoff = [[0.0, 0.8], [2.0, 2.8]]
+    windows = [[1.0, 1.8, f"http://127.0.0.1:{direct.server_port}"]]
+    try:
+        env = {
+            "INBAND_BENCH_REQUESTS": str(tmp_path / "requests.csv"),
+            "INBAND_BENCH_WINDOW": str(tmp_path / "window.json"),
+            "INBAND_BENCH_ONOFF": json.dumps(onoff),
+            "INBAND_BENCH_KEEPALIVE": "6",
+            "INBAND_BENCH_DIRECT": json.dumps({"users": 2, "windows": windows, "requests": str(tmp_path / "direct.csv")}),
+            "PATH": "/usr/bin:/bin",
+        }
+        cp = subprocess.run(
+            [sys.executable, "-m", "locust", "-f", str(REPO / "bench" / "locustfile.py"), "--headless", "--only-summary",
+             "-u", "5", "-r", "5", "-t", "3s", "--host", f"http://127.0.0.1:{vip.server_port}", "--loglevel", "WARNING"],
+            capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+    finally:
+        vip.shutdown()
+        direct.shutdown()
+    assert (tmp_path / "window.json").exists(), cp.stderr[-2000:]
+    t0, _t1 = report.read_window(tmp_path / "window.json")
+
+    def inside(ws, t):
+        return any(w[0] - 0.05 <= t - t0 <= w[1] + 0.1 for w in ws)
+
+    # The regular users (3 of the 5) sent in both on windows and never
+    # between them; the direct ones only inside theirs, only to their server.
+    assert conns["vip"] and all(inside(onoff, t) for _p, t, _c in conns["vip"]), [round(t - t0, 2) for _p, t, _c in conns["vip"]]
+    assert {any(w[0] <= t - t0 <= w[1] + 0.1 for _p, t, _c in conns["vip"]) for w in onoff} == {True}
+    assert conns["direct"] and all(inside(windows, t) for _p, t, _c in conns["direct"])
+    # Keep-alive: many requests per connection, each connection ended by
+    # the client's close; direct requests: one connection each.
+    ports = {p for p, _t, _c in conns["vip"]}
+    assert len(conns["vip"]) >= 3 * len(ports), (len(conns["vip"]), len(ports))
+    assert {c for _p, _t, c in conns["vip"]} == {"keep-alive", "close"}
+    assert {c for _p, _t, c in conns["direct"]} == {"close"}
+    assert len({p for p, _t, _c in conns["direct"]}) == len(conns["direct"])
+    # Each population in its own log.
+    assert len(report.read_requests(tmp_path / "requests.csv")) <= len(conns["vip"])
+    assert 0 < len(report.read_requests(tmp_path / "direct.csv")) <= len(conns["direct"])
+    assert len(report.read_requests(tmp_path / "requests.csv")) >= len(conns["vip"]) - 3

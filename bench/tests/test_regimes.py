@@ -1,5 +1,6 @@
-"""The regime study's driver: its budget arithmetic and schedules without a
-testbed, and its tiny grid end to end (rows, columns, matched budgets)."""
+"""The regime study's driver: its budget arithmetic, schedules and spread
+without a testbed, and its tiny grid end to end (rows, matched budgets, and
+that each new regime's load is what it says)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import random
 import pytest
 
 from bench import regimes
+from bench.lib import locust
+from bench.lib.locust import Overhead, RunResult, Summary
 from driver_runs import run_tiny, table_rows
 
 CONFIG_ROWS = [
@@ -18,6 +21,7 @@ CONFIG_ROWS = [
     "dsr-polling, best poller",
     "dsr-query (ask before forwarding)",
     "DSR least-connections (own counts, no feedback)",
+    "HAProxy leastconn (proxy, own counts)",
     "DSR round-robin",
 ]
 
@@ -28,6 +32,12 @@ def test_equal_poll_interval_sends_as_many_requests():
     assert regimes.equal_poll_ms(2, 10**9, 1.0) == 1
     with pytest.raises(RuntimeError):
         regimes.equal_poll_ms(3, 0, 20.0)
+
+
+def test_modelled_balancers_scale_dynamics_n():
+    assert regimes.dynamic_interval(regimes.BY_KEY["slowdowns"]) == (100, None)
+    assert regimes.dynamic_interval(regimes.BY_KEY["balancers-2"]) == (200, None)
+    assert regimes.dynamic_interval(regimes.BY_KEY["adaptive"]) == (100, 1000)
 
 
 def test_slowdown_windows_are_in_the_run_and_the_same_per_regime():
@@ -41,10 +51,110 @@ def test_slowdown_windows_are_in_the_run_and_the_same_per_regime():
     assert all(s.slowdowns == () for s in regimes.specs_for(regimes.BY_KEY["heavy-tail"], 20, 1))
 
 
-def test_verdict_uses_the_issue_bar():
-    assert regimes.verdict(1.3, 1.0, 1.0, 1.0) == "beats the equal-budget poller"
-    assert regimes.verdict(1.0, 1.0, 1.0, 0.7) == "beats the best poller"
-    assert regimes.verdict(1.29, 0.71, 1.29, 0.71).startswith("no win")
+def test_on_off_and_direct_windows_alternate_inside_the_run():
+    quick = regimes.PROFILES["quick"]
+    for seed in range(20):
+        on = regimes.onoff_windows(regimes.BY_KEY["on-off"], quick, seed)
+        assert on[0][0] == 0 and on[-1][1] <= quick.duration_s and len(on) >= 4
+        for a, b in on[:-1]:
+            assert 1.0 <= b - a <= 2.0
+        for (_a, b), (c, _d) in zip(on, on[1:]):
+            assert 3.0 <= c - b <= 4.0
+        direct = regimes.direct_windows(regimes.BY_KEY["hidden-load"], quick, seed)
+        assert 2.0 <= direct[0][0] <= 4.0 and direct[-1][1] <= quick.duration_s  # it starts with a pause
+        assert all(i in range(3) for _a, _b, i in direct) and len(direct) >= 3
+    assert regimes.onoff_windows(regimes.BY_KEY["on-off"], quick, 1) == regimes.onoff_windows(regimes.BY_KEY["on-off"], quick, 1)
+    assert regimes.onoff_windows(regimes.BY_KEY["slowdowns"], quick, 1) == []
+    assert regimes.direct_windows(regimes.BY_KEY["on-off"], quick, 1) == []
+    # The tiny profile's 3 s still switch: on, off, on again.
+    assert len(regimes.onoff_windows(regimes.BY_KEY["on-off"], regimes.PROFILES["tiny"], 1)) >= 2
+    assert regimes.on_fraction([(0, 1), (4, 6)], 10) == pytest.approx(0.3)
+
+
+def test_quick_profile_fits_forty_minutes():
+    p = regimes.PROFILES["quick"]
+    runs = len(p.regimes) * len(regimes.CONFIG_KEYS) * p.reps
+    assert p.reps >= 3 and runs * (p.duration_s + 2.2) / 60 <= 40
+    assert {"on-off", "keep-alive", "hidden-load"} <= set(p.regimes)
+
+
+def run(rps: float, p99: float, *, probes: int = 0, polls: int = 0, conns: int | None = None) -> RunResult:
+    n = int(rps * 10)
+    s = Summary(n, 0, p99 / 2, p99 / 2, rps, {p: p99 for p in locust.PERCENTILES}, p99)
+    at = {"b": {"connections": conns}} if conns is not None else {}
+    return RunResult("k", "l", (0.0, 10.0), [], Overhead("m", probes=probes, polls=polls), at_balancer=at, summarized=s)
+
+
+def record(cells: dict) -> dict:
+    """A two-configuration-short record: key -> [(rps, p99)] per repetition."""
+    labels = dict(zip(regimes.CONFIG_KEYS, CONFIG_ROWS))
+    rows = []
+    for key, reps in cells.items():
+        for rep, (rps, p99) in enumerate(reps):
+            res = run(rps, p99, probes=300 if key == "dsr-dynamic" else 0, polls=300 if key == "poll-equal" else 0, conns=rps * 2)
+            rows.append({"regime": "on-off", "rep": rep, "key": key, "label": labels[key], "interval": f"{100 + rep} ms" if key == "poll-equal" else "–",
+                         "lifetime_s": 10.0, "direct_requests": 0, "result": res.to_json()})  # fmt: skip
+    prof = {"name": "quick", **{k: v for k, v in regimes.PROFILES["quick"].__dict__.items()}}
+    return {"study": "regimes", "command": "c", "commit": {"sha": "0" * 40, "dirty": False}, "started_utc": "t", "wall_s": 1,
+            "machine": {"cpu": "c", "cores": 2, "kernel": "k"}, "load_average": {"start": [0, 0, 0], "end": [0, 0, 0]},
+            "profile": prof, "paper_profile": {"workers": 32, "service_dist": "lognormal", "service_ms": 1000.0, "time_scale": 0.25},
+            "regimes": ["on-off"], "schedules": {"on-off": {"onoff": [[0, 5]], "direct": []}}, "failed": [], "rows": rows}  # fmt: skip
+
+
+def summary_of(md: str) -> list[str]:
+    return table_rows(md, "| regime | reps |")[0]
+
+
+def test_spread_decides_what_counts():
+    eq = [(100, 900), (110, 1000), (105, 950)]
+    # 1.4× the RPS, ranges apart from both the poller's and the control's.
+    win = {"dsr-dynamic": [(140, 500), (150, 480), (145, 490)], "poll-equal": eq, "dsr-leastconn": eq}
+    md = regimes.render(record(win))
+    row = summary_of(md)
+    assert row[:2] == ["on-off", "3"] and row[3] == "100–102 ms" and row[4] == "1.00"
+    assert row[2] == "145.0 (140.0–150.0)"
+    assert row[5] == "1.38×" and row[7] == "1.38×" and row[-1].startswith("wins")
+    section = md[md.index("## on-off:") :]
+    assert "users on 20% of the run" in section
+    by = {r[0]: r for r in table_rows(section, "| configuration | interval | RPS |")}
+    assert by["dsr-polling, equal budget"][2] == "105.0 (100.0–110.0)" and by["dsr-polling, equal budget"][8] == "0.20"
+    # The same means, but one poller run as fast as dynamic's slowest:
+    # the ranges overlap, the ratio is shown in parentheses and counts for nothing.
+    overlap = dict(win, **{"poll-equal": [(100, 900), (140, 1000), (75, 950)]})
+    row = summary_of(regimes.render(record(overlap)))
+    assert row[5] == "(1.38×)" and row[6] == "0.52×"  # p99 still apart: beaten on p99
+    assert row[-1].startswith("wins")
+    overlap["poll-equal"] = [(100, 900), (140, 470), (75, 1500)]
+    row = summary_of(regimes.render(record(overlap)))
+    assert (row[5], row[6]) == ("(1.38×)", "(0.51×)") and row[-1] == "beats the control only"
+    # Below the bar, apart or not: no win.
+    near = dict(win, **{"dsr-dynamic": [(120, 800), (125, 810), (122, 805)]})
+    assert summary_of(regimes.render(record(near)))[-1].startswith("no win")
+
+
+def test_ranges_apart():
+    s = regimes.Spread.of
+    assert regimes.apart(s([1, 2, 3]), s([4, 5]))
+    assert not regimes.apart(s([1, 2, 4]), s([4, 5]))
+    assert not regimes.apart(s([1, 2]), s([1.5]))  # a cell left with one run is a point
+    assert regimes.apart(s([1]), s([1.5]))  # no spread at all: the first study's record
+    assert not regimes.apart(s([]), s([1.0]))
+    assert s([1.0, float("nan"), 3.0]) == regimes.Spread(2.0, 1.0, 3.0, 2)
+
+
+def test_verdict_needs_both_the_poller_and_the_control():
+    v = regimes.Versus
+    yes, no = v(1.3, 1.0, True, True), v(1.29, 0.71, True, True)
+    assert regimes.verdict(yes, yes).startswith("wins")
+    assert regimes.verdict(yes, no) == "beats the equal-budget poller only"
+    assert regimes.verdict(no, v(1.0, 0.7, False, True)) == "beats the control only"
+    assert regimes.verdict(v(2.0, 0.1, False, False), None).startswith("no win")
+
+
+def test_the_first_studys_record_still_renders():
+    md = regimes.render(json.loads((regimes.results.default_dir("regimes") / "results.json").read_text()))
+    assert "One repetition" in md and "predates the row(s) dsr-leastconn, haproxy-leastconn" in md
+    assert len(table_rows(md, "| regime | reps |")) == 10
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates network namespaces and attaches XDP/tc programs")
@@ -56,37 +166,75 @@ def test_tiny_grid_end_to_end(tmp_path):
     md = (out / "results.md").read_text()
     keys = list(regimes.PROFILES["tiny"].regimes)
 
-    summary = table_rows(md, "| regime | dynamic RPS | equal poll interval |")
+    summary = table_rows(md, "| regime | reps |")
     assert [r[0] for r in summary] == keys
     for r in summary:
-        assert len(r) == 14, r
+        assert len(r) == 18 and r[1] == "1", r
         # The equal-budget poller sent as many requests to the servers as
-        # dynamic's score requests, within a quarter.
-        assert 0.75 <= float(r[3]) <= 1.25, r
-        assert all(c.endswith("×") for c in r[4:13]), r
+        # dynamic's score requests, within a third (a few seconds of
+        # probes: the last round's polls weigh, and so does the poller's
+        # second before the load).
+        assert 0.67 <= float(r[4]) <= 1.5, r
+        # Against the equal poller and the control everywhere; every other
+        # row only in on-off (the tiny profile's `only`).
+        assert all(c.endswith("×") for c in (r[5:17] if r[0] == "on-off" else r[5:9])), r
 
+    only = dict(regimes.PROFILES["tiny"].only)
     for key in keys:
         section = md[md.index(f"## {key}:") :]
         rows = table_rows(section, "| configuration | interval | RPS |")
-        assert [r[0] for r in rows] == CONFIG_ROWS, rows
+        wanted = only.get(key, regimes.CONFIG_KEYS)
+        assert [r[0] for r in rows] == [label for k, label in zip(regimes.CONFIG_KEYS, CONFIG_ROWS) if k in wanted], rows
         for r in rows:
-            assert len(r) == 10 and float(r[2]) > 0, r
+            assert len(r) == 11 and float(r[2]) > 0, r
         by = {r[0]: r for r in rows}
-        assert by["dsr-dynamic (in-band)"][8] == "1.00×"
+        assert by["dsr-dynamic (in-band)"][9] == "1.00×"
         assert by["dsr-dynamic (in-band)"][7] == "0.000"  # no packet of its own
-        assert float(by["dsr-polling, best poller"][7]) > 0
-        assert by["dsr-polling, best poller"][1] == f"{regimes.BEST_POLL_MS} ms"
         # The control asks the servers nothing: it counts its own connections.
         lc = by["DSR least-connections (own counts, no feedback)"]
         assert (lc[6], lc[7]) == ("0.000", "0.000"), lc
-        lb_toml = (out / key / "dsr-leastconn" / "lb.toml").read_text()
+        lb_toml = (out / key / "rep1" / "dsr-leastconn" / "lb.toml").read_text()
         assert 'mode = "dsr-rr"' in lb_toml and 'policy = "least-connections"' in lb_toml, lb_toml
 
-    # Two modelled balancers: dynamic asks every 200th packet.
+    on_off = {r[0]: r for r in table_rows(md[md.index("## on-off:") :], "| configuration | interval | RPS |")}
+    assert float(on_off["dsr-polling, best poller"][7]) > 0
+    assert on_off["dsr-polling, best poller"][1] == f"{regimes.BEST_POLL_MS} ms"
+    assert (out / "on-off" / "rep1" / "haproxy-leastconn" / "haproxy.cfg").read_text().count("leastconn") == 1
+
     data = json.loads((out / "results.json").read_text())
-    first = {}
-    for r in data["rows"]:
-        first.setdefault(r["regime"], r)
-    assert first["balancers-2"]["interval"] == "n = 200"
-    assert first["slowdowns"]["interval"] == "n = 100"
-    assert "| regime | dynamic RPS |" in cp.stdout
+    assert data["profile"]["reps"] == 1 and all(r["rep"] == 0 for r in data["rows"])
+    rows = {(r["regime"], r["key"]): r for r in data["rows"]}
+    t0 = {k: locust.read_window(out / k[0] / "rep1" / k[1] / "window.json")[0] for k in rows}
+
+    # on-off: no request starts between the windows, and the load came back.
+    on = data["schedules"]["on-off"]["onoff"]
+    assert len(on) >= 2
+    reqs = locust.read_requests(out / "on-off" / "rep1" / "dsr-dynamic" / "requests.csv")
+    starts = [r.start - t0["on-off", "dsr-dynamic"] for r in reqs]
+    assert all(any(a - 0.05 <= s <= b + 0.2 for a, b in on) for s in starts), (on, starts)
+    assert sum(1 for s in starts if on[1][0] <= s) > 0
+
+    # keep-alive: the agents score requests in flight, and the servers
+    # served more requests than the balancer placed connections (one
+    # request per connection would make them equal). By how much depends
+    # on how many requests a user finishes in 3 s with servers 5× slower
+    # for half of them: over the three rows, at least half as many again.
+    assert 'score = "requests"' in (out / "run" / "agent-s1.toml").read_text()
+    ka = [r for (regime, _k), r in rows.items() if regime == "keep-alive"]
+    conns = sum(v["connections"] for r in ka for v in r["result"]["at_balancer"].values())
+    served = sum(n for r in ka for n in r["result"]["shares"].values())
+    assert 0 < 1.5 * conns <= served, (conns, served)
+
+    # hidden-load: the direct population's requests reached the servers
+    # (they served them) without the balancer placing them.
+    for key in ("dsr-dynamic", CONFIG_KEYS_CONTROL):
+        h = rows["hidden-load", key]
+        assert h["direct_requests"] > 0, h
+        served = sum(h["result"]["shares"].values())
+        placed = sum(v["connections"] for v in h["result"]["at_balancer"].values())
+        assert placed <= h["result"]["summary"]["requests"] + 2 * regimes.users(regimes.BY_KEY["hidden-load"], regimes.PROFILES["tiny"]), h
+        assert served >= placed + h["direct_requests"] - 5, (served, placed, h["direct_requests"])
+    assert "| regime | reps |" in cp.stdout
+
+
+CONFIG_KEYS_CONTROL = regimes.CONTROL

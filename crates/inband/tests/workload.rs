@@ -121,6 +121,21 @@ fn speed_and_time_scale_change_service_time() {
 }
 
 #[test]
+fn service_sigma_is_bounded() {
+    let bind = |sigma: &str| {
+        let flag = format!("--service-sigma={sigma}");
+        let argv = ["serve", "--listen", "127.0.0.1:0", "--service-dist", "lognormal", flag.as_str()];
+        Server::bind(Wrap::try_parse_from(argv).unwrap().args)
+    };
+    for bad in ["0", "-1", "3.5", "NaN"] {
+        let err = bind(bad).err().unwrap_or_else(|| panic!("sigma {bad} accepted"));
+        assert!(err.to_string().contains("--service-sigma"), "{err}");
+    }
+    let s = bind("1.5").unwrap();
+    assert_eq!(get(s.local_addr()).0, 200);
+}
+
+#[test]
 fn keep_alive_only_when_enabled_and_asked() {
     let s = server(&["--keep-alive"]);
     let mut c = TcpStream::connect(s.local_addr()).unwrap();

@@ -15,7 +15,8 @@ use rand::Rng;
 pub enum ServiceDist {
     /// Memoryless: most requests short, some several times the mean.
     Exponential,
-    /// Heavy right tail (sigma 0.8 around the mean): occasional very slow requests.
+    /// Heavy right tail (sigma `--service-sigma`, 0.8 by default, around the
+    /// mean): occasional very slow requests.
     Lognormal,
     /// Every request takes exactly the mean.
     Constant,
@@ -52,6 +53,9 @@ pub struct Model {
     pub queue: usize,
     pub service_ms: f64,
     pub dist: ServiceDist,
+    /// The lognormal's sigma: 0.8 is the paper's spread; 1.5 spans a
+    /// hundredfold from short to long requests (LLM-inference-like).
+    pub sigma: f64,
     pub speed: f64,
     pub time_scale: f64,
     pub slowdowns: Vec<Slowdown>,
@@ -70,10 +74,10 @@ impl Model {
             ServiceDist::Exponential => -mean * u.ln(),
             ServiceDist::Lognormal => {
                 // Box-Muller normal, then a lognormal whose mean is `mean`.
-                const SIGMA: f64 = 0.8;
+                let sigma = self.sigma;
                 let v: f64 = rng.gen_range(0.0..1.0);
                 let z = (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos();
-                mean * (SIGMA * z - SIGMA * SIGMA / 2.0).exp()
+                mean * (sigma * z - sigma * sigma / 2.0).exp()
             }
         };
         Duration::from_secs_f64((draw * slow / 1000.0).max(0.0))
@@ -151,7 +155,7 @@ mod tests {
     use super::*;
 
     fn model(dist: ServiceDist) -> Model {
-        Model { workers: 1, queue: 1, service_ms: 100.0, dist, speed: 1.0, time_scale: 1.0, slowdowns: vec![] }
+        Model { workers: 1, queue: 1, service_ms: 100.0, dist, sigma: 0.8, speed: 1.0, time_scale: 1.0, slowdowns: vec![] }
     }
 
     #[test]
@@ -163,6 +167,19 @@ mod tests {
             let mean: f64 = (0..n).map(|_| m.service_time(Duration::ZERO, &mut rng).as_secs_f64()).sum::<f64>() / n as f64;
             assert!((mean - 0.1).abs() < 0.01, "{dist:?}: mean {mean}");
         }
+    }
+
+    #[test]
+    fn a_wider_lognormal_keeps_its_mean_and_spans_a_hundredfold() {
+        let mut rng = rand::thread_rng();
+        let m = Model { sigma: 1.5, ..model(ServiceDist::Lognormal) };
+        let mut draws: Vec<f64> = (0..20_000).map(|_| m.service_time(Duration::ZERO, &mut rng).as_secs_f64()).collect();
+        let mean = draws.iter().sum::<f64>() / draws.len() as f64;
+        assert!((mean - 0.1).abs() < 0.015, "mean {mean}");
+        draws.sort_by(f64::total_cmp);
+        let (p5, p95) = (draws[1_000], draws[19_000]);
+        // exp(1.5 × 1.645 × 2) ≈ 139 between the 5th and 95th percentiles.
+        assert!(p95 / p5 > 80.0 && p95 / p5 < 250.0, "p5 {p5}, p95 {p95}");
     }
 
     #[test]
