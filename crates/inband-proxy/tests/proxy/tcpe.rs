@@ -197,6 +197,29 @@ async fn tcpe_clients_are_handed_off_and_everything_else_proxied() {
     assert_eq!(refuses_t.counters().get("handoff_no_origin"), 1, "{:?}", refuses_t.counters().all());
     assert_eq!(refusing_origin.hits(), 1);
     assert_eq!(handoffs(&m, "handed_off"), 1.0, "{m}");
+    // The replayed connection goes on with hyper: a keep-alive request.
+    let (status, body, _) = fetch(c, "refusing.test", "/small").await;
+    assert_eq!((status, body.as_slice()), (200, &b"a cached object"[..]));
+    assert_eq!(refusing_origin.hits(), 2);
+
+    // A request with a body is not moved: its bytes, read before hyper,
+    // reach the origin whole.
+    let c = tcpe_client(&tcpe, &p);
+    let (status, _, c) = tokio::task::spawn_blocking(move || {
+        let mut c = c;
+        use std::io::Write;
+        c.write_all(b"POST /form HTTP/1.1\r\nHost: tcpe.test\r\nContent-Length: 11\r\n\r\nhello world").unwrap();
+        let status = client::response(&mut c, &mut Vec::new()).unwrap();
+        (status, (), c)
+    })
+    .await
+    .unwrap();
+    assert_eq!((status, c.counters().get("moved")), (200, 0));
+    let seen = moved_origin.seen();
+    let form = seen.iter().find(|s| s.method == "POST").expect("the POST reached the origin");
+    assert_eq!((form.path.as_str(), &form.body[..]), ("/form", &b"hello world"[..]));
+    let m = metrics(&p).await;
+    assert_eq!(sample(&m, "inband_proxy_tcpe_kept_total{reason=\"not_simple\"}"), 1.0, "{m}");
 
     p.shutdown().await;
     drop((moves_t, refuses_t, tcpe));
