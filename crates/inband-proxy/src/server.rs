@@ -226,14 +226,15 @@ pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accep
             let conn = async {
                 match s.tls.as_ref().filter(|_| tls) {
                     None => {
-                        // Boxed: the handoff's future is not carried by
-                        // every connection's.
-                        let io = match s.tcpe.as_ref().filter(|_| !tls) {
-                            Some(_) => match Box::pin(tcpe::first_request(&s, io, peer)).await {
+                        // The plaintext listener's connections only: it is
+                        // the one answering TCPE. Boxed: the handoff's
+                        // future is not carried by every connection's.
+                        let io = match s.tcpe.is_some() {
+                            true => match Box::pin(tcpe::first_request(&s, io, peer)).await {
                                 First::Proxy(io) => io,
                                 First::Done => return Ok(()),
                             },
-                            None => io,
+                            false => io,
                         };
                         watcher.watch(builder.serve_connection_with_upgrades(TokioIo::new(Guarded::new(io, control_frames_per_s, verdict.clone())), service)).await
                     }
