@@ -116,6 +116,59 @@ pub struct Config {
     /// needed only when a pool uses `least-score`.
     #[serde(default)]
     pub auth: Option<inband_core::auth::AuthConfig>,
+    /// Connection handoff to the backends' takeover servers (TCPE,
+    /// tcpe.rs); none when absent.
+    #[serde(default)]
+    pub tcpe: Option<TcpeConfig>,
+}
+
+/// `[tcpe]`: hand connections of TCPE clients to the chosen backend's
+/// `inband tcpe serve`. One section for the whole proxy: the sockops
+/// program and the listener that answers TCPE are the process's, and a
+/// backend's takeover server is the host's, whatever route it is in.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TcpeConfig {
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// The cgroup v2 directory to attach the sockops program to; the proxy
+    /// must run in it (or below it). Absent: the proxy's own cgroup.
+    #[serde(default)]
+    pub cgroup: Option<PathBuf>,
+    /// The key shared with the takeover servers (`inband keygen`).
+    pub key: PathBuf,
+    /// How long a server waits for the client's join.
+    #[serde(default = "default_tcpe_deadline_ms")]
+    pub deadline_ms: u64,
+    /// Each step on the takeover channel, and the wait for the client's
+    /// FIN once it has moved.
+    #[serde(default = "default_tcpe_io_timeout_ms")]
+    pub io_timeout_ms: u64,
+    /// The takeover server of each backend that has one.
+    #[serde(default, rename = "server")]
+    pub servers: Vec<TcpeServerConfig>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TcpeServerConfig {
+    /// A backend address of some pool, as listed there.
+    pub backend: String,
+    /// Its takeover channel (`inband tcpe serve --control`).
+    pub control: String,
+    /// Where clients join it (`--join`), as clients reach it.
+    pub join: String,
+}
+
+/// `[tcpe]` checked: the key read, the addresses parsed.
+#[derive(Clone, Debug)]
+pub struct TcpeSpec {
+    pub cgroup: Option<PathBuf>,
+    pub key: inband_core::wire::Key,
+    pub deadline: Duration,
+    pub io_timeout: Duration,
+    /// By backend address.
+    pub servers: std::collections::HashMap<SocketAddr, (SocketAddr, SocketAddr)>,
 }
 
 /// `[scores]`: the agents' poll protocol (docs/agent.md), asked by the
@@ -434,6 +487,12 @@ impl CacheConfig {
     }
 }
 
+fn default_tcpe_deadline_ms() -> u64 {
+    500
+}
+fn default_tcpe_io_timeout_ms() -> u64 {
+    1000
+}
 fn default_path_prefix() -> String {
     "/".into()
 }
@@ -553,6 +612,8 @@ pub struct Checked {
     pub hash_key: HashKey,
     pub upgrade_allow: UpgradeAllow,
     pub routes: Vec<RouteSpec>,
+    /// `[tcpe]` when present and enabled.
+    pub tcpe: Option<TcpeSpec>,
 }
 
 impl Checked {
@@ -699,13 +760,64 @@ pub fn check(raw: Config) -> Result<Checked> {
         }
     }
     check_scores(&raw, &routes, &mut problems);
+    let tcpe = raw.tcpe.as_ref().filter(|t| t.enabled).and_then(|t| check_tcpe(t, &backends, &routes, &mut problems));
     let listen = listen.map_err(|e| problems.push(format!("{e:#}"))).ok();
     let metrics_listen = metrics_listen.map_err(|e| problems.push(format!("{e:#}"))).ok().flatten();
     let tls_listen = tls_listen.map_err(|e| problems.push(format!("{e:#}"))).ok().flatten();
     if !problems.is_empty() {
         bail!("invalid proxy config:\n  - {}", problems.join("\n  - "));
     }
-    Ok(Checked { listen: listen.unwrap(), metrics_listen, tls_listen, backends, hash_key: hash_key.unwrap_or(HashKey::Path), upgrade_allow, routes, raw })
+    Ok(Checked { listen: listen.unwrap(), metrics_listen, tls_listen, backends, hash_key: hash_key.unwrap_or(HashKey::Path), upgrade_allow, routes, tcpe, raw })
+}
+
+/// `[tcpe]`: every server names a backend of some pool, once, with
+/// addresses; the key file is read here so that a bad one is reported
+/// with the rest.
+fn check_tcpe(t: &TcpeConfig, backends: &[SocketAddr], routes: &[RouteSpec], problems: &mut Vec<String>) -> Option<TcpeSpec> {
+    let before = problems.len();
+    let key = inband_core::auth::read_key(&t.key).map_err(|e| problems.push(format!("tcpe.key: {e:#}"))).ok();
+    if t.deadline_ms == 0 || t.deadline_ms > 60_000 {
+        problems.push(format!("tcpe.deadline_ms = {} must be 1 to 60000 (the takeover server cuts it to its --max-deadline-ms)", t.deadline_ms));
+    }
+    if t.io_timeout_ms == 0 {
+        problems.push("tcpe.io_timeout_ms must be above 0".into());
+    }
+    if t.cgroup.as_ref().is_some_and(|c| !c.is_absolute()) {
+        problems.push(format!("tcpe.cgroup {:?} must be an absolute path (a cgroup v2 directory)", t.cgroup.as_ref().unwrap()));
+    }
+    if t.servers.is_empty() {
+        problems.push("tcpe: list at least one [[tcpe.server]] (backend, control, join), or set enabled = false".into());
+    }
+    let pooled: HashSet<SocketAddr> = backends.iter().chain(routes.iter().flat_map(|r| &r.backends)).copied().collect();
+    let mut servers = std::collections::HashMap::new();
+    for s in &t.servers {
+        let parsed = (
+            socket_addr("tcpe.server backend", &s.backend),
+            socket_addr("tcpe.server control", &s.control),
+            socket_addr("tcpe.server join", &s.join),
+        );
+        match parsed {
+            (Ok(b), Ok(c), Ok(j)) => {
+                if !pooled.contains(&b) {
+                    problems.push(format!("tcpe.server backend {:?} is in no pool: list it in backends or a route's backends", s.backend));
+                } else if servers.insert(b, (c, j)).is_some() {
+                    problems.push(format!("tcpe.server backend {:?} is listed twice: one takeover server per backend", s.backend));
+                }
+            }
+            (b, c, j) => {
+                for e in [b.err(), c.err(), j.err()].into_iter().flatten() {
+                    problems.push(format!("{e:#}"));
+                }
+            }
+        }
+    }
+    (problems.len() == before).then(|| TcpeSpec {
+        cgroup: t.cgroup.clone(),
+        key: key.expect("no problem means the key was read"),
+        deadline: Duration::from_millis(t.deadline_ms),
+        io_timeout: Duration::from_millis(t.io_timeout_ms),
+        servers,
+    })
 }
 
 /// `[scores]` and `[auth]`, when some pool ranks by score: bounds that keep

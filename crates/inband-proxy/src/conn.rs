@@ -253,6 +253,9 @@ impl Drop for RequestGuard {
 pub struct Io {
     sock: TcpStream,
     state: Arc<State>,
+    /// Bytes read off the socket before hyper had it (a request head the
+    /// TCPE path read and did not hand off: tcpe.rs), given to hyper first.
+    replay: bytes::Bytes,
 }
 
 impl Io {
@@ -261,7 +264,39 @@ impl Io {
     pub fn new(sock: TcpStream, t: Timeouts, encrypted: bool) -> (Io, RawFd, Arc<State>) {
         let state = Arc::new(State::new(t, encrypted));
         let fd = sock.as_raw_fd();
-        (Io { sock, state: state.clone() }, fd, state)
+        (Io { sock, state: state.clone(), replay: bytes::Bytes::new() }, fd, state)
+    }
+
+    pub fn state(&self) -> &Arc<State> {
+        &self.state
+    }
+
+    /// The socket as a blocking std stream, for a call that blocks (the
+    /// handoff); [`Io::from_std`] takes it back. The descriptor stays the
+    /// same, so the watchdog's stays valid.
+    pub fn into_std(self) -> io::Result<(std::net::TcpStream, Arc<State>)> {
+        let s = self.sock.into_std()?;
+        s.set_nonblocking(false)?;
+        Ok((s, self.state))
+    }
+
+    /// Back from [`Io::into_std`], with `replay` to be read before the
+    /// socket's next bytes.
+    pub fn from_std(s: std::net::TcpStream, state: Arc<State>, replay: bytes::Bytes) -> io::Result<Io> {
+        s.set_nonblocking(true)?;
+        Ok(Io { sock: TcpStream::from_std(s)?, state, replay })
+    }
+
+    /// Puts `bytes` back in front of what the socket has not given yet.
+    pub fn replay(&mut self, bytes: bytes::Bytes) {
+        debug_assert!(self.replay.is_empty());
+        self.replay = bytes;
+    }
+}
+
+impl std::os::fd::AsFd for Io {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.sock.as_fd()
     }
 }
 
@@ -269,7 +304,12 @@ impl AsyncRead for Io {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         let before = buf.filled().len();
-        ready!(Pin::new(&mut this.sock).poll_read(cx, buf))?;
+        if this.replay.is_empty() {
+            ready!(Pin::new(&mut this.sock).poll_read(cx, buf))?;
+        } else {
+            let n = this.replay.len().min(buf.remaining());
+            buf.put_slice(&this.replay.split_to(n));
+        }
         let read = &buf.filled()[before..];
         if !read.is_empty() {
             let s = &this.state;

@@ -28,6 +28,8 @@ mod ranges;
 mod routes;
 mod scores;
 mod server;
+mod tcpe;
+mod tcpe_kept;
 mod tls;
 mod tunnel;
 mod upgrade;
@@ -61,6 +63,8 @@ pub(crate) struct Shared {
     /// The TLS listener's certificates and settings.
     tls: Option<tls::Tls>,
     client_limits: Arc<client_limits::ClientLimits>,
+    /// With `[tcpe]`: the sockops program, the servers, the counts.
+    tcpe: Option<tcpe::Handoffs>,
 }
 
 impl Shared {
@@ -83,6 +87,9 @@ impl Shared {
             for (file, not_after) in t.expiries() {
                 self.metrics.set_tls_expiry(&file, not_after);
             }
+        }
+        if let Some(t) = &self.tcpe {
+            self.metrics.set_tcpe_handoffs(&t.counters);
         }
         for (i, l) in self.worker_loads.iter().enumerate() {
             self.metrics.set_worker_load(i, l.open.load(Ordering::Relaxed), l.busy_permille.load(Ordering::Relaxed));
@@ -117,7 +124,11 @@ impl Proxy {
         // A backend CA or client certificate file that cannot be used
         // refuses the start, as the listener's certificates do.
         let router = routes::Router::new(&cfg, &metrics).context("backend TLS")?;
-        let listener = TcpListener::bind(cfg.listen).await.with_context(|| format!("listening on {}", cfg.listen))?;
+        let tcpe = cfg.tcpe.as_ref().map(tcpe::Handoffs::start).transpose()?;
+        let listener = match &tcpe {
+            Some(t) => t.listen(cfg.listen).with_context(|| format!("listening on {} (answering TCPE)", cfg.listen))?,
+            None => TcpListener::bind(cfg.listen).await.with_context(|| format!("listening on {}", cfg.listen))?,
+        };
         let addr = listener.local_addr()?;
         let tls_listener = match cfg.tls_listen {
             Some(t) => Some(TcpListener::bind(t).await.with_context(|| format!("listening on {t} (TLS)"))?),
@@ -150,6 +161,7 @@ impl Proxy {
             metrics,
             cache,
             tls,
+            tcpe,
             cfg,
         });
         let mut background = Vec::new();

@@ -129,6 +129,10 @@ pub struct Metrics {
     by_outcome: [Counter; Outcome::ALL.len()],
     pub compression: crate::compression::Counters,
     pub ranges: crate::ranges::Counters,
+    /// By `inband_tcpe::handoff::COUNTERS`, set from its counters at
+    /// each scrape.
+    tcpe_handoffs: Vec<Counter>,
+    tcpe_kept: [Counter; crate::tcpe_kept::Kept::ALL.len()],
 }
 
 impl Metrics {
@@ -243,6 +247,20 @@ impl Metrics {
         // Every outcome exported from the start, so a rate() sees its 0.
         let by_outcome = Outcome::ALL.map(|o| cache.get_or_create(&vec![("result", o.label().to_string())]).clone());
         let by_class = [1, 2, 3, 4, 5].map(|c| requests.get_or_create(&vec![("class", format!("{c}xx"))]).clone());
+        let tcpe_handoffs = Family::<Labels, Counter>::default();
+        let tcpe_kept = Family::<Labels, Counter>::default();
+        registry.register(
+            "tcpe_handoffs",
+            "First requests of TCPE-capable connections (and plain connections, as fallback_not_capable) by what the handoff did: handed_off, or the fallback_* reason it was proxied for; client_not_closed: handed off, the old subflow shut down",
+            tcpe_handoffs.clone(),
+        );
+        registry.register(
+            "tcpe_kept",
+            "First requests of TCPE connections proxied without trying a handoff, by the proxy's rule that kept them: not_simple, cached, route, limits, no_backend, no_server",
+            tcpe_kept.clone(),
+        );
+        let tcpe_handoffs = inband_tcpe::handoff::COUNTERS.iter().map(|(n, _)| tcpe_handoffs.get_or_create(&vec![("result", n.to_string())]).clone()).collect();
+        let tcpe_kept = crate::tcpe_kept::Kept::ALL.map(|k| tcpe_kept.get_or_create(&vec![("reason", k.label().to_string())]).clone());
         let compression = crate::compression::Counters::register(&mut registry);
         let ranges = crate::ranges::Counters::register(&mut registry);
         Metrics {
@@ -284,6 +302,20 @@ impl Metrics {
             by_outcome,
             compression,
             ranges,
+            tcpe_handoffs,
+            tcpe_kept,
+        }
+    }
+
+    pub fn tcpe_kept(&self, k: crate::tcpe_kept::Kept) {
+        self.tcpe_kept[k as usize].inc();
+    }
+
+    /// The handoff routine keeps its own counts (inband-tcpe's `Counters`);
+    /// the exported counters take their values.
+    pub fn set_tcpe_handoffs(&self, c: &inband_tcpe::relay::Counters) {
+        for (counter, (_, v)) in self.tcpe_handoffs.iter().zip(c.all()) {
+            counter.inner().store(v, std::sync::atomic::Ordering::Relaxed);
         }
     }
 

@@ -23,6 +23,7 @@ use crate::conn::{self, State};
 use crate::http2_guard::{Guarded, Verdict};
 use crate::metrics::Refusal;
 use crate::routes::Route;
+use crate::tcpe::{self, First};
 use crate::tunnel::{self, Offer};
 use crate::upgrade::Upgrade;
 use crate::{access, cache_control, cache_layer, forward, Shared};
@@ -224,7 +225,19 @@ pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accep
             let verdict = Arc::new(Verdict::default());
             let conn = async {
                 match s.tls.as_ref().filter(|_| tls) {
-                    None => watcher.watch(builder.serve_connection_with_upgrades(TokioIo::new(Guarded::new(io, control_frames_per_s, verdict.clone())), service)).await,
+                    None => {
+                        // The plaintext listener's connections only: it is
+                        // the one answering TCPE. Boxed: the handoff's
+                        // future is not carried by every connection's.
+                        let io = match s.tcpe.is_some() {
+                            true => match Box::pin(tcpe::first_request(&s, io, peer)).await {
+                                First::Proxy(io) => io,
+                                First::Done => return Ok(()),
+                            },
+                            false => io,
+                        };
+                        watcher.watch(builder.serve_connection_with_upgrades(TokioIo::new(Guarded::new(io, control_frames_per_s, verdict.clone())), service)).await
+                    }
                     Some(t) => match t.acceptor.accept(io).await {
                         Ok(io) => watcher.watch(builder.serve_connection_with_upgrades(TokioIo::new(Guarded::new(io, control_frames_per_s, verdict.clone())), service)).await,
                         Err(e) => {

@@ -58,7 +58,7 @@ pub enum TcpeCommand {
 
 /// The cgroup v2 directory this process is in, under the cgroup2 mount
 /// (/proc/self/mountinfo), as /proc/self/cgroup's "0::" line names it.
-fn own_cgroup() -> Result<PathBuf> {
+pub fn own_cgroup() -> Result<PathBuf> {
     let mounts = std::fs::read_to_string("/proc/self/mountinfo")?;
     let mount = mounts
         .lines()

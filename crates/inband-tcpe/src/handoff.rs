@@ -1,4 +1,4 @@
-//! The balancer's side of a handoff: what `inband proxy` is to call once it
+//! The balancer's side of a handoff: what `inband proxy` calls once it
 //! has read a request head on a TCPE connection and chosen a backend (and
 //! the request is not a cache hit). It hands the connection to the
 //! backend's takeover server, tells the client to join it, and closes its

@@ -9,7 +9,7 @@
 //! are counted and not exposed.
 //!
 //! On top of them, the handoff: a balancer (this test's, calling
-//! `handoff::hand_off` as `inband proxy` is to) hands connections to a
+//! `handoff::hand_off` as `inband proxy` does) hands connections to a
 //! takeover server that relays them to an HTTP origin; the client library
 //! follows the move and the body arrives byte-exact, forged joins are
 //! refused and counted, every fallback keeps the body on the balancer's

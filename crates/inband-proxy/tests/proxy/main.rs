@@ -16,6 +16,7 @@ mod http2;
 mod ranges;
 mod routes;
 mod scores;
+mod tcpe;
 mod timeouts;
 mod tls;
 mod upgrade;
