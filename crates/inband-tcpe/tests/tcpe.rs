@@ -59,11 +59,7 @@ struct Bed {
 impl Bed {
     fn up(tag: &str) -> Bed {
         let pid = std::process::id();
-        let home = std::fs::read_to_string("/proc/self/cgroup")
-            .unwrap()
-            .lines()
-            .find_map(|l| l.strip_prefix("0::").map(|p| PathBuf::from(format!("/sys/fs/cgroup/unified{p}"))))
-            .expect("a cgroup v2 line in /proc/self/cgroup");
+        let home = inband_tcpe::cli::own_cgroup().expect("this process's cgroup v2");
         let bed = Bed {
             client: format!("itcpe-{pid}-{tag}-c"),
             server: format!("itcpe-{pid}-{tag}-s"),

@@ -37,11 +37,7 @@ struct Cgroup {
 impl Cgroup {
     fn enter() -> Cgroup {
         let pid = std::process::id();
-        let home = std::fs::read_to_string("/proc/self/cgroup")
-            .unwrap()
-            .lines()
-            .find_map(|l| l.strip_prefix("0::").map(|p| PathBuf::from(format!("/sys/fs/cgroup/unified{p}"))))
-            .expect("a cgroup v2 line in /proc/self/cgroup");
+        let home = inband_tcpe::cli::own_cgroup().expect("this process's cgroup v2");
         let dir = PathBuf::from(format!("/sys/fs/cgroup/unified/inband-test-proxy-tcpe-{pid}"));
         std::fs::create_dir(&dir).expect("cgroup v2 at /sys/fs/cgroup/unified");
         let cg = Cgroup { dir, home };
