@@ -489,6 +489,12 @@ def regime_table(regime: Regime, rows: list[Row]) -> str:
         "dynamic RPS ÷ this",
         "dynamic p99 ÷ this",
     ]
+    # A population past the balancer is served too, out of the same
+    # servers: a placement that takes its capacity shows here, not in
+    # the balanced rows' RPS.
+    direct = any(r.direct_requests for rs in cells.values() for r in rs)
+    if direct:
+        headers.append("direct requests per run (past the balancer)")
     out = []
     for key, rs in cells.items():
         n = sum(r.s.requests for r in rs)
@@ -509,6 +515,8 @@ def regime_table(regime: Regime, rows: list[Row]) -> str:
                 *vs.cells(),
             ]
         )
+        if direct:
+            out[-1].append(Spread.of(r.direct_requests for r in rs).fmt(lambda x: f"{x:.0f}"))
     return table(headers, out)
 
 

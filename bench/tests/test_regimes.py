@@ -151,10 +151,12 @@ def test_verdict_needs_both_the_poller_and_the_control():
     assert regimes.verdict(v(2.0, 0.1, False, False), None).startswith("no win")
 
 
-def test_the_first_studys_record_still_renders():
+def test_the_committed_record_renders_with_its_repetitions_and_the_direct_population():
     md = regimes.render(json.loads((regimes.results.default_dir("regimes") / "results.json").read_text()))
-    assert "One repetition" in md and "predates the row(s) dsr-leastconn, haproxy-leastconn" in md
-    assert len(table_rows(md, "| regime | reps |")) == 10
+    summary = table_rows(md, "| regime | reps |")
+    assert [r[0] for r in summary] == ["on-off", "keep-alive", "hidden-load", "slowdowns"] and {r[1] for r in summary} == {"3"}
+    # Only the regime with users past the balancer shows what they got.
+    assert md.count("direct requests per run (past the balancer)") == 1
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates network namespaces and attaches XDP/tc programs")
