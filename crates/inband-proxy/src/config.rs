@@ -1251,7 +1251,14 @@ mod tests {
         let section = &doc[doc.find("\n## Configuration").unwrap()..];
         let start = section.find("```toml\n").unwrap() + 8;
         let example = &section[start..start + section[start..].find("```").unwrap()];
-        let c = parse(example).unwrap_or_else(|e| panic!("{e:#}"));
+        // The one file the config check reads is the [tcpe] key: one made
+        // here stands in for the documented path.
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("tcpe.key");
+        inband_core::auth::keygen(&key).unwrap();
+        let example = example.replace("/etc/inband/tcpe.key", key.to_str().unwrap());
+        let c = parse(&example).unwrap_or_else(|e| panic!("{e:#}"));
+        assert!(c.tcpe.is_some(), "the example's [tcpe] was not taken");
         assert_eq!(c.routes.len(), 1);
         assert_eq!(c.routes[0].health.as_ref().map(|h| h.path.as_str()), Some("/healthz"));
         assert_eq!(c.routes[0].rate_limit, Some((50.0, 100.0)));
