@@ -187,8 +187,12 @@ def test_tiny_grid_end_to_end(tmp_path):
         rows = table_rows(section, "| configuration | interval | RPS |")
         wanted = only.get(key, regimes.CONFIG_KEYS)
         assert [r[0] for r in rows] == [label for k, label in zip(regimes.CONFIG_KEYS, CONFIG_ROWS) if k in wanted], rows
+        # The regime with users past the balancer adds what they got.
+        direct = key == "hidden-load"
         for r in rows:
-            assert len(r) == 11 and float(r[2]) > 0, r
+            assert len(r) == 11 + direct and float(r[2]) > 0, r
+            if direct:
+                assert float(r[11]) >= 0, r
         by = {r[0]: r for r in rows}
         assert by["dsr-dynamic (in-band)"][9] == "1.00×"
         assert by["dsr-dynamic (in-band)"][7] == "0.000"  # no packet of its own
@@ -235,7 +239,11 @@ def test_tiny_grid_end_to_end(tmp_path):
         served = sum(h["result"]["shares"].values())
         placed = sum(v["connections"] for v in h["result"]["at_balancer"].values())
         assert placed <= h["result"]["summary"]["requests"] + 2 * regimes.users(regimes.BY_KEY["hidden-load"], regimes.PROFILES["tiny"]), h
-        assert served >= placed + h["direct_requests"] - 5, (served, placed, h["direct_requests"])
+        # Compared with what the clients got answered, not with what the
+        # balancer placed: a connection placed just before the load stopped
+        # may never have been served.
+        answered = h["result"]["summary"]["requests"] - h["result"]["summary"]["failures"]
+        assert served >= answered + h["direct_requests"], (served, answered, h["direct_requests"])
     assert "| regime | reps |" in cp.stdout
 
 
