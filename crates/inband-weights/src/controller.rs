@@ -12,7 +12,7 @@ use tracing::{info, warn};
 
 use super::apply;
 use super::config::{LoadAware, Target, WeightsConfig};
-use super::learn::{self, adjust, schedule, Curve, Point, Search, Want, DROP_FACTOR};
+use super::learn::{self, adjust, schedule, Curve, Point, Search, Want};
 use super::observe::{self, Observed, Window};
 use super::shares::{self, Meter};
 use super::solve;
@@ -258,6 +258,11 @@ impl Controller {
                     (Some(_), true) => {
                         if let Some(l0) = self.observed[i].median(round.mid, round.end) {
                             self.known[i].l0 = Some(l0);
+                            // Points taken while other floors were measured
+                            // had no floor to be judged by.
+                            for p in &mut self.known[i].points {
+                                p.drop = p.dropped(l0);
+                            }
                             self.known[i].points.push(Point { weight: 0.0, latency_ms: l0, drop: false });
                         }
                     }
@@ -327,7 +332,8 @@ impl Controller {
     fn record(&mut self, i: usize, w: f64, m: Window, search: bool) {
         let k = &mut self.known[i];
         let l0 = k.l0.unwrap_or(m.mean_ms);
-        let p = Point { weight: w, latency_ms: m.mean_ms.min(1e6), drop: m.failed || m.mean_ms >= DROP_FACTOR * l0 };
+        let mut p = Point { weight: w, latency_ms: m.mean_ms.min(1e6), drop: m.failed };
+        p.drop = p.dropped(l0);
         k.draining |= p.drop;
         k.points.push(p);
         k.latency = Some(p.latency_ms);

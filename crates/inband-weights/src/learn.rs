@@ -14,6 +14,16 @@ pub struct Point {
     pub drop: bool,
 }
 
+impl Point {
+    /// Whether this measurement was past the backend's capacity, judged
+    /// against its unloaded latency `l0`. A point measured before `l0` was
+    /// known (while another backend's floor was being measured) carries
+    /// only `drop` from a failed probe; its latency is judged here, once.
+    pub fn dropped(&self, l0: f64) -> bool {
+        self.drop || self.latency_ms >= DROP_FACTOR * l0
+    }
+}
+
 /// The seed treats a latency of five times the unloaded one as a drop:
 /// backends this loaded are past their capacity.
 pub const DROP_FACTOR: f64 = 5.0;
@@ -41,7 +51,7 @@ impl Search {
     /// weight 0); marks the search done when the step is under 5%.
     pub fn next(&mut self, p: Point, l0: f64, alpha: f64) -> f64 {
         let w = p.weight;
-        let dropped = p.drop || p.latency_ms >= DROP_FACTOR * l0;
+        let dropped = p.dropped(l0);
         let next = if dropped {
             self.bad = Some(self.bad.map_or(w, |b| b.min(w)));
             (self.good + w) / 2.0
@@ -136,13 +146,16 @@ impl Curve {
 /// weight). Two coefficients under two sign constraints are solved here
 /// in closed form; no linear-algebra dependency is worth that.
 pub fn fit(points: &[Point], l0: Option<f64>) -> Option<Curve> {
-    let good: Vec<&Point> = points.iter().filter(|p| !p.drop && p.latency_ms.is_finite()).collect();
-    if good.is_empty() {
+    let answered: Vec<&Point> = points.iter().filter(|p| !p.drop && p.latency_ms.is_finite()).collect();
+    if answered.is_empty() {
         return None;
     }
-    let at_zero: Vec<f64> = good.iter().filter(|p| p.weight <= 0.0).map(|p| p.latency_ms).collect();
+    let at_zero: Vec<f64> = answered.iter().filter(|p| p.weight <= 0.0).map(|p| p.latency_ms).collect();
     let floor = l0.or_else(|| (!at_zero.is_empty()).then(|| at_zero.iter().sum::<f64>() / at_zero.len() as f64));
-    let floor = floor.unwrap_or_else(|| good.iter().map(|p| p.latency_ms).fold(f64::INFINITY, f64::min));
+    let floor = floor.unwrap_or_else(|| answered.iter().map(|p| p.latency_ms).fold(f64::INFINITY, f64::min));
+    // Past the capacity by the floor's measure: such a point would bend
+    // the whole curve up and hand the backend a capacity it never had.
+    let good: Vec<&Point> = answered.into_iter().filter(|p| !p.dropped(floor)).collect();
     let w_max = good.iter().map(|p| p.weight).fold(0.0, f64::max);
     if w_max <= 0.0 {
         return Some(Curve { c: [floor, 0.0, 0.0], w_max: 0.0 });
@@ -357,6 +370,22 @@ pub mod tests {
         .unwrap();
         assert!((line.latency(0.25) - 5.0).abs() < 1e-9 && line.w_max == 0.5);
         assert!(fit(&[Point { weight: 0.3, latency_ms: 1.0, drop: true }], None).is_none());
+        // A point measured before the floor was known, at 12x the floor,
+        // is a drop once the floor is known: it neither bends the curve nor
+        // sets the capacity (a 2-worker server's 0.667:275 ms at a floor of
+        // 22 ms once fitted c2 = 385 and ranked it below a 1-worker one).
+        let late = fit(
+            &[
+                Point { weight: 0.667, latency_ms: 275.0, drop: false },
+                Point { weight: 0.0, latency_ms: 22.0, drop: false },
+                Point { weight: 0.25, latency_ms: 24.0, drop: false },
+                Point { weight: 0.445, latency_ms: 39.0, drop: false },
+            ],
+            Some(22.0),
+        )
+        .unwrap();
+        assert_eq!(late.w_max, 0.445);
+        assert!(late.latency(0.445) < 45.0, "{late:?}");
     }
 
     #[test]
