@@ -122,6 +122,11 @@ REGIMES = (
         score="requests",
     ),
     Regime("hidden-load", "as slowdowns, and half as many users again straight to one server, 2–4 s on, 2–4 s off", direct=0.5),
+    # keep-alive below saturation (profile `load`): at 40 users every slot
+    # was busy and no placement could matter. 20 and 28 users ask for
+    # about 15 and 21 of the 24 slots before the slowdowns take some.
+    Regime("keep-alive-20", "as keep-alive, 20 users (below saturation)", users=20, keepalive=True, score="requests"),
+    Regime("keep-alive-28", "as keep-alive, 28 users (near saturation)", users=28, keepalive=True, score="requests"),
     # The first study's ten: one connection per request.
     Regime("heavy-tail", "lognormal service (σ 0.8), identical servers, nothing slowed", slowdowns=False),
     Regime("slowdowns", "heavy tail + each server 5× slower for 2–4 s, twice, at random"),
@@ -138,7 +143,7 @@ REGIMES = (
     Regime("adaptive", "as slowdowns, n = 100..1000 adaptive", probe_max=1000),
 )
 BY_KEY = {r.key: r for r in REGIMES}
-TEN = tuple(r.key for r in REGIMES[3:])
+TEN = tuple(r.key for r in REGIMES[5:])
 
 
 @dataclass(frozen=True)
@@ -164,6 +169,8 @@ PROFILES = {
     # keep-alive requests per user. slowdowns stays as the first study's
     # reference (one connection per request, nothing hidden).
     "quick": Profile("quick", 25, ("on-off", "keep-alive", "hidden-load", "slowdowns"), 1.0, reps=3),
+    # keep-alive below saturation: 2 × 7 × 3 = 42 runs × 27.2 s ≈ 19 min.
+    "load": Profile("quick", 25, ("keep-alive-20", "keep-alive-28"), 1.0, reps=3),
     # The first study's ten regimes, repeated: 10 × 7 × 3 = 210 runs ×
     # (20 + 2.2) s ≈ 78 min, and three testbeds (2, 3, 4 servers).
     "ten": Profile("quick", 20, TEN, 1.0, reps=3),

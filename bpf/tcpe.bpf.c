@@ -255,11 +255,50 @@ static __always_inline void fallback(struct bpf_sock_ops *skops, struct inband_t
 
 /* ---- opting in ------------------------------------------------------------ */
 
+/* The key of the socket's local address and port in tcpe_listeners; the
+ * wildcard key (no address) if `wildcard`, or if the socket is bound to
+ * none (0.0.0.0 or ::: a listener's own key, which an IPv6 listener's
+ * IPv4 connections find too). Every field is read whatever the family, as
+ * in passive_key. */
+static __always_inline void listener_key(struct bpf_sock_ops *skops, struct inband_tcpe_listener *k, int wildcard)
+{
+	__u32 family = ctx_u32(skops->family), l4 = ctx_u32(skops->local_ip4), l6[4], a[4] = {};
+
+	l6[0] = ctx_u32(skops->local_ip6[0]);
+	l6[1] = ctx_u32(skops->local_ip6[1]);
+	l6[2] = ctx_u32(skops->local_ip6[2]);
+	l6[3] = ctx_u32(skops->local_ip6[3]);
+	if (family == AF_INET6) {
+		__builtin_memcpy(a, l6, sizeof(a));
+	} else {
+		a[2] = l4 ? bpf_htonl(0xffff) : 0;
+		a[3] = l4;
+	}
+	if (wildcard)
+		__builtin_memset(a, 0, sizeof(a));
+	__builtin_memcpy(k->addr, a, sizeof(a));
+	k->port = ctx_u32(skops->local_port);
+}
+
+/* The segment at hand (a SYN-ACK, or the ACK that completes a passive
+ * handshake) belongs to a listener this program's user opted in. */
+static __always_inline int own_listener(struct bpf_sock_ops *skops)
+{
+	struct inband_tcpe_listener k;
+
+	listener_key(skops, &k, 0);
+	if (bpf_map_lookup_elem(&tcpe_listeners, &k))
+		return 1;
+	listener_key(skops, &k, 1);
+	return bpf_map_lookup_elem(&tcpe_listeners, &k) != NULL;
+}
+
 static __always_inline void on_listen(struct bpf_sock_ops *skops)
 {
+	struct inband_tcpe_listener k;
 	struct inband_tcpe_ctl *ctl;
 	struct bpf_sock *sk = skops->sk;
-	int one = 1;
+	__u32 one = 1, *n;
 
 	if (!sk)
 		return;
@@ -269,7 +308,41 @@ static __always_inline void on_listen(struct bpf_sock_ops *skops)
 	/* An accepted connection reads the client's offer from its SYN. */
 	if (bpf_setsockopt(skops, SOL_TCP, TCP_SAVE_SYN, &one, sizeof(one)))
 		return;
-	bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | TCPE_CB_FLAGS);
+	listener_key(skops, &k, 0);
+	n = bpf_map_lookup_elem(&tcpe_listeners, &k);
+	if (n) {
+		__sync_fetch_and_add(n, 1);
+	} else if (bpf_map_update_elem(&tcpe_listeners, &k, &one, BPF_NOEXIST)) {
+		/* Another socket of the same address may have just added it. */
+		n = bpf_map_lookup_elem(&tcpe_listeners, &k);
+		if (!n) {
+			count(INBAND_TCPE_FALLBACK_LISTENERS_FULL);
+			return;
+		}
+		__sync_fetch_and_add(n, 1);
+	}
+	/* The state callback removes the entry when the listener closes;
+	 * accepted connections drop it (on_passive_established). */
+	bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | TCPE_CB_FLAGS | BPF_SOCK_OPS_STATE_CB_FLAG);
+}
+
+/* A listener of this program's user closed: its share of the entry goes. */
+static __always_inline void on_listener_close(struct bpf_sock_ops *skops)
+{
+	struct inband_tcpe_listener k;
+	struct inband_tcpe_ctl *ctl;
+	struct bpf_sock *sk = skops->sk;
+	__u32 *n;
+
+	if (!sk)
+		return;
+	ctl = bpf_sk_storage_get(&tcpe_ctl, sk, 0, 0);
+	if (!ctl || !ctl->enable)
+		return;
+	listener_key(skops, &k, 0);
+	n = bpf_map_lookup_elem(&tcpe_listeners, &k);
+	if (n && __sync_fetch_and_add(n, -1) <= 1)
+		bpf_map_delete_elem(&tcpe_listeners, &k);
 }
 
 static __always_inline void on_connect(struct bpf_sock_ops *skops)
@@ -338,15 +411,18 @@ static __always_inline void syn_write(struct bpf_sock_ops *skops)
 	count(INBAND_TCPE_SYN_OFFERED);
 }
 
-/* The listener opted in (these callbacks run only then): an offer in the
- * SYN is answered unless the kernel answers with a SYN cookie, whose
- * connection keeps no SYN to read the offer from later. */
+/* A listener opted in (these callbacks run only then, for every program
+ * on the cgroup): if it is this program's, an offer in the SYN is
+ * answered unless the kernel answers with a SYN cookie, whose connection
+ * keeps no SYN to read the offer from later. */
 static __always_inline void synack_len(struct bpf_sock_ops *skops)
 {
 	struct inband_tcpe_config *cfg;
 	struct handshake h;
 	__u32 zero = 0;
 
+	if (!own_listener(skops))
+		return;
 	/* Without the secret there is no key half to answer with. */
 	cfg = bpf_map_lookup_elem(&tcpe_config, &zero);
 	if (!cfg || !(cfg->secret_k0 | cfg->secret_k1))
@@ -367,7 +443,8 @@ static __always_inline void synack_write(struct bpf_sock_ops *skops)
 	struct handshake h;
 	__u64 kp;
 
-	if (skops->args[0] == BPF_WRITE_HDR_TCP_SYNACK_COOKIE)
+	/* Another program's listener: its room is that program's to fill. */
+	if (skops->args[0] == BPF_WRITE_HDR_TCP_SYNACK_COOKIE || !own_listener(skops))
 		return;
 	if (read_handshake(skops, BPF_LOAD_HDR_OPT_TCP_SYN, &h) || passive_key(skops, h.conn_id, h.key, &kp))
 		return;
@@ -423,9 +500,12 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops)
 
 	/* A connection inherits its listener's callback flags: without them
 	 * the listener did not opt in, and its connections (the host's other
-	 * servers in this cgroup) are none of TCPE's business, nor counted. */
-	if (!sk || !(skops->bpf_sock_ops_cb_flags & TCPE_CB_FLAGS))
+	 * servers in this cgroup) are none of TCPE's business, nor counted;
+	 * with them, the listener may be another program's. */
+	if (!sk || !(skops->bpf_sock_ops_cb_flags & TCPE_CB_FLAGS) || !own_listener(skops))
 		return;
+	/* The listener's close callback is not the connection's. */
+	bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags & ~BPF_SOCK_OPS_STATE_CB_FLAG);
 	err = read_handshake(skops, BPF_LOAD_HDR_OPT_TCP_SYN, &h);
 	if (err || passive_key(skops, h.conn_id, h.key, &kp)) {
 		count(err == -ENOENT ? INBAND_TCPE_FALLBACK_NO_SYN : INBAND_TCPE_PASSIVE_NOT_OFFERED);
@@ -675,6 +755,10 @@ int tcpe_sockops(struct bpf_sock_ops *skops)
 		break;
 	case BPF_SOCK_OPS_PARSE_HDR_OPT_CB:
 		on_parse(skops);
+		break;
+	case BPF_SOCK_OPS_STATE_CB:
+		if (skops->args[0] == BPF_TCP_LISTEN && skops->args[1] == BPF_TCP_CLOSE)
+			on_listener_close(skops);
 		break;
 	}
 	return 1;

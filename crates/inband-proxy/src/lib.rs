@@ -90,6 +90,10 @@ impl Shared {
         }
         if let Some(t) = &self.tcpe {
             self.metrics.set_tcpe_handoffs(&t.counters);
+            match t.option_counters() {
+                Ok(c) => self.metrics.set_tcpe_options(&c),
+                Err(e) => tracing::warn!("tcpe: reading the sockops program's counters: {e:#}"),
+            }
         }
         for (i, l) in self.worker_loads.iter().enumerate() {
             self.metrics.set_worker_load(i, l.open.load(Ordering::Relaxed), l.busy_permille.load(Ordering::Relaxed));

@@ -133,6 +133,9 @@ pub struct Metrics {
     /// each scrape.
     tcpe_handoffs: Vec<Counter>,
     tcpe_kept: [Counter; crate::tcpe_kept::Kept::ALL.len()],
+    /// By `inband_tcpe::sockops::COUNTERS`, set from the sockops
+    /// program's counter map at each scrape.
+    tcpe_options: Vec<Counter>,
 }
 
 impl Metrics {
@@ -259,6 +262,13 @@ impl Metrics {
             "First requests of TCPE connections proxied without trying a handoff, by the proxy's rule that kept them: not_simple, cached, route, limits, no_backend, no_server",
             tcpe_kept.clone(),
         );
+        let tcpe_options = Family::<Labels, Counter>::default();
+        registry.register(
+            "tcpe_options",
+            "What the TCPE sockops program on the proxy's cgroup did with the options of its connections, by event (docs/proxy.md \"Connection handoff\"): offers answered, notifications written, and every fallback and refusal (path_bad_mac: a forged notification)",
+            tcpe_options.clone(),
+        );
+        let tcpe_options = inband_tcpe::sockops::COUNTERS.iter().map(|(n, _)| tcpe_options.get_or_create(&vec![("event", n.to_string())]).clone()).collect();
         let tcpe_handoffs = inband_tcpe::handoff::COUNTERS.iter().map(|(n, _)| tcpe_handoffs.get_or_create(&vec![("result", n.to_string())]).clone()).collect();
         let tcpe_kept = crate::tcpe_kept::Kept::ALL.map(|k| tcpe_kept.get_or_create(&vec![("reason", k.label().to_string())]).clone());
         let compression = crate::compression::Counters::register(&mut registry);
@@ -304,6 +314,7 @@ impl Metrics {
             ranges,
             tcpe_handoffs,
             tcpe_kept,
+            tcpe_options,
         }
     }
 
@@ -316,6 +327,14 @@ impl Metrics {
     pub fn set_tcpe_handoffs(&self, c: &inband_tcpe::relay::Counters) {
         for (counter, (_, v)) in self.tcpe_handoffs.iter().zip(c.all()) {
             counter.inner().store(v, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// The sockops program's counters (summed over CPUs), in the order of
+    /// `inband_tcpe::sockops::COUNTERS`.
+    pub fn set_tcpe_options(&self, values: &[(&'static str, u64)]) {
+        for (counter, (_, v)) in self.tcpe_options.iter().zip(values) {
+            counter.inner().store(*v, std::sync::atomic::Ordering::Relaxed);
         }
     }
 

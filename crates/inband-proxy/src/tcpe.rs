@@ -78,6 +78,12 @@ impl Handoffs {
         Ok(Handoffs { tcpe: Arc::new(tcpe), counters: Arc::new(handoff::counters()), targets, not_capable })
     }
 
+    /// The sockops program's own counts (offers, notifications, forged
+    /// options refused), for the metrics.
+    pub fn option_counters(&self) -> Result<Vec<(&'static str, u64)>> {
+        self.tcpe.counters()
+    }
+
     /// The plaintext listener, answering TCPE. Its ACKs are held after
     /// listen() (which resets TCP_QUICKACK) so that connections inherit
     /// it: a client's request often arrives before accept(), and an ACK
@@ -91,6 +97,12 @@ impl Handoffs {
         // tokio's TcpListener::bind uses the same backlog.
         let l = s.listen(1024)?;
         hold_acks(l.as_fd())?;
+        let bound = l.local_addr()?;
+        if !self.tcpe.answers(bound)? {
+            bail!(
+                "tcpe: the program does not answer for the listener on {bound}: the proxy is not in tcpe.cgroup (or its table of listeners is full: fallback_listeners_full)"
+            );
+        }
         Ok(l)
     }
 }

@@ -16,3 +16,4 @@ pub mod shared {
 unsafe impl inband_core::pod::Pod for shared::inband_tcpe_ctl {}
 unsafe impl inband_core::pod::Pod for shared::inband_tcpe_sock {}
 unsafe impl inband_core::pod::Pod for shared::inband_tcpe_config {}
+unsafe impl inband_core::pod::Pod for shared::inband_tcpe_listener {}

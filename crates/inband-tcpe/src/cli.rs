@@ -8,14 +8,16 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
-use crate::client::{self, Client};
+use crate::client;
 use crate::sockops::Tcpe;
 use crate::takeover::{self, Takeover};
 
 #[derive(clap::Subcommand)]
 pub enum TcpeCommand {
     /// Fetch an http:// URL over TCPE (a balancer may move the connection
-    /// to the server it chose) and write the body to stdout.
+    /// to the server it chose) and write the body to stdout. A body cut
+    /// short after the move (the server died) is continued through the
+    /// balancer by a range request, when the response allows it.
     Get {
         url: String,
         /// The cgroup v2 directory to attach the TCPE program to (default:
@@ -81,14 +83,13 @@ pub fn run(cmd: TcpeCommand) -> Result<()> {
                 None => own_cgroup()?,
             };
             let tcpe = Arc::new(Tcpe::attach(&cgroup)?);
-            let mut c = Client::connect(tcpe, addr, Duration::from_millis(timeout_ms))?;
             let stdout = std::io::stdout();
             let mut out = std::io::BufWriter::new(stdout.lock());
-            let status = client::get(&mut c, &authority, &path, &mut out)?;
+            let got = client::fetch(&tcpe, addr, &authority, &path, Duration::from_millis(timeout_ms), &mut out)?;
             out.flush()?;
-            tracing::debug!("tcpe get {url}: status {status}, {:?}", c.counters().all());
-            if status >= 400 {
-                bail!("{url}: HTTP status {status}");
+            tracing::debug!("tcpe get {url}: {got:?}");
+            if got.status >= 400 {
+                bail!("{url}: HTTP status {}", got.status);
             }
             Ok(())
         }

@@ -280,7 +280,12 @@ pub fn get(conn: &mut (impl Read + Write), authority: &str, path: &str, out: &mu
 /// segments would be acknowledged piecemeal (Nagle's wait for the ACK of
 /// the first), and the balancer would owe no ACK to carry the notification.
 pub fn request(conn: &mut impl Write, authority: &str, path: &str) -> Result<()> {
-    let head = format!("GET {path} HTTP/1.1\r\nHost: {authority}\r\nUser-Agent: inband-tcpe\r\n\r\n");
+    request_with(conn, authority, path, "")
+}
+
+/// `request` with more header lines (`extra`, each ending in CRLF).
+fn request_with(conn: &mut impl Write, authority: &str, path: &str, extra: &str) -> Result<()> {
+    let head = format!("GET {path} HTTP/1.1\r\nHost: {authority}\r\nUser-Agent: inband-tcpe\r\n{extra}\r\n");
     conn.write_all(head.as_bytes())?;
     conn.flush()?;
     Ok(())
@@ -292,25 +297,57 @@ pub fn request(conn: &mut impl Write, authority: &str, path: &str) -> Result<()>
 /// flight). httparse parses the head and the chunk sizes.
 pub fn response(conn: &mut impl Read, out: &mut impl Write) -> Result<u16> {
     let mut r = Reader { s: conn, buf: Vec::new() };
-    let (status, framing) = loop {
+    let head = read_head(&mut r)?;
+    read_body(&mut r, &head.framing, out)?;
+    Ok(head.status)
+}
+
+/// What the client acts on in a response head.
+struct Head {
+    status: u16,
+    framing: Framing,
+    /// What an If-Range may name: a strong ETag, else Last-Modified
+    /// (RFC 9110 13.1.5: a weak ETag may not be used there).
+    validator: Option<String>,
+    /// Content-Range's first and last byte and complete length.
+    range: Option<(u64, u64, u64)>,
+}
+
+fn read_head<S: Read>(r: &mut Reader<'_, S>) -> Result<Head> {
+    loop {
         let mut headers = [httparse::EMPTY_HEADER; 64];
         let mut resp = httparse::Response::new(&mut headers);
         match resp.parse(&r.buf).context("parsing the response head")? {
             httparse::Status::Partial if r.buf.len() > MAX_HEAD => bail!("a response head over {MAX_HEAD} bytes"),
             httparse::Status::Partial => r.need_more("head")?,
             httparse::Status::Complete(used) => {
-                let code = resp.code.unwrap_or(0);
-                let framing = framing(code, resp.headers)?;
+                let status = resp.code.unwrap_or(0);
+                let framing = framing(status, resp.headers)?;
+                let value = |name: &str| {
+                    resp.headers.iter().find(|h| h.name.eq_ignore_ascii_case(name)).map(|h| String::from_utf8_lossy(h.value).trim().to_string())
+                };
+                let validator = value("etag").filter(|e| !e.starts_with("W/")).or_else(|| value("last-modified"));
+                let range = value("content-range").and_then(|v| content_range(&v));
                 r.buf.drain(..used);
                 // An interim response (100 Continue) precedes the real one.
-                if (100..200).contains(&code) {
+                if (100..200).contains(&status) {
                     continue;
                 }
-                break (code, framing);
+                return Ok(Head { status, framing, validator, range });
             }
         }
-    };
-    match framing {
+    }
+}
+
+/// `bytes first-last/length` (RFC 9110 14.4); None for anything else.
+fn content_range(v: &str) -> Option<(u64, u64, u64)> {
+    let (span, len) = v.strip_prefix("bytes ")?.split_once('/')?;
+    let (first, last) = span.split_once('-')?;
+    Some((first.trim().parse().ok()?, last.trim().parse().ok()?, len.trim().parse().ok()?))
+}
+
+fn read_body<S: Read>(r: &mut Reader<'_, S>, framing: &Framing, out: &mut impl Write) -> Result<()> {
+    match *framing {
         Framing::Length(n) => r.copy(n, out)?,
         Framing::Chunked => loop {
             let (used, size) = loop {
@@ -354,7 +391,101 @@ pub fn response(conn: &mut impl Read, out: &mut impl Write) -> Result<u16> {
     if !r.buf.is_empty() {
         bail!("{} bytes after the response", r.buf.len());
     }
-    Ok(status)
+    Ok(())
+}
+
+/// At most this many range requests continue one response.
+pub const MAX_RESUMES: u32 = 3;
+
+/// What `fetch` did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Fetched {
+    pub status: u16,
+    /// Connections of the fetch that went on on a joined subflow.
+    pub moved: u32,
+    /// Range requests that continued the body.
+    pub resumed: u32,
+    /// The first cut came after the connection had moved: the server it
+    /// was handed to (or that server's origin) went away.
+    pub cut_after_move: bool,
+}
+
+/// Counts what reached `out`, and whether `out` itself failed (a failure
+/// no range request can help).
+struct Counted<'a, W: Write> {
+    out: &'a mut W,
+    n: u64,
+    failed: bool,
+}
+
+impl<W: Write> Write for Counted<'_, W> {
+    fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+        let r = self.out.write(b);
+        match &r {
+            Ok(k) => self.n += *k as u64,
+            Err(_) => self.failed = true,
+        }
+        r
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.out.flush()
+    }
+}
+
+/// `GET path` from the balancer at `addr` over TCPE, the body to `out`.
+///
+/// After a handoff the balancer is out of the connection, so the server it
+/// moved to dying (or its origin) cuts the body short, as it would on any
+/// direct connection, and as a proxy in the path would too: it has no
+/// other copy of the bytes. What is left is the client's to ask for: a 200
+/// with a Content-Length and a validator is continued by a range request
+/// from the byte it stopped at (`Range` with `If-Range`, RFC 9110 14.2
+/// and 13.1.5), on a new connection to the balancer, which picks a live
+/// server and may hand that one off too; at most `MAX_RESUMES` times. The
+/// continuation is taken only as the exact 206 asked for: a 200 means the
+/// object changed since (If-Range failed), and the fetch fails rather than
+/// join two versions. Chunked bodies and responses without a validator
+/// cannot be continued: the cut stays an error.
+pub fn fetch(tcpe: &Arc<Tcpe>, addr: SocketAddr, authority: &str, path: &str, timeout: Duration, out: &mut impl Write) -> Result<Fetched> {
+    let mut done = Fetched::default();
+    let mut c = Client::connect(tcpe.clone(), addr, timeout)?;
+    request(&mut c, authority, path)?;
+    let mut r = Reader { s: &mut c, buf: Vec::new() };
+    let head = read_head(&mut r)?;
+    done.status = head.status;
+    let mut out = Counted { out, n: 0, failed: false };
+    let cut = read_body(&mut r, &head.framing, &mut out);
+    done.moved += c.moved as u32;
+    let Err(mut cut) = cut else { return Ok(done) };
+    done.cut_after_move = c.moved;
+    let (200, Framing::Length(total), Some(validator), false) = (head.status, &head.framing, &head.validator, out.failed) else {
+        return Err(cut.context("the body was cut short and cannot be continued (not a 200 with a Content-Length and a validator)"));
+    };
+    let total = *total;
+    while done.resumed < MAX_RESUMES && !out.failed {
+        done.resumed += 1;
+        let from = out.n;
+        tracing::debug!("tcpe fetch {path}: cut at {from} of {total} bytes ({cut:#}); asking for the rest");
+        let mut c = Client::connect(tcpe.clone(), addr, timeout)?;
+        request_with(&mut c, authority, path, &format!("Range: bytes={from}-\r\nIf-Range: {validator}\r\n"))?;
+        let mut r = Reader { s: &mut c, buf: Vec::new() };
+        let head = read_head(&mut r)?;
+        if head.status != 206 || head.range != Some((from, total - 1, total)) {
+            bail!(
+                "the body was cut at {from} of {total} bytes and the range request for the rest got {} {:?}: the object changed or the server ignores ranges",
+                head.status,
+                head.range
+            );
+        }
+        let rest = read_body(&mut r, &head.framing, &mut out);
+        done.moved += c.moved as u32;
+        match rest {
+            Ok(()) => return Ok(done),
+            Err(e) => cut = e,
+        }
+    }
+    Err(cut.context(format!("the body stopped at {} of {total} bytes after {} range requests", out.n, done.resumed)))
 }
 
 enum Framing {

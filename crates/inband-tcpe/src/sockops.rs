@@ -9,6 +9,7 @@
 
 use std::fs::File;
 use std::mem::MaybeUninit;
+use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::path::Path as FsPath;
 
@@ -34,6 +35,7 @@ pub const COUNTERS: [(&str, &str); c::INBAND_TCPE_COUNTERS as usize] = [
     ("fallback_no_syn", "Accepted connections whose SYN was not saved"),
     ("fallback_no_memory", "Connections without socket storage"),
     ("fallback_bad_mac_limit", "Connections that stopped taking notifications after too many bad MACs"),
+    ("fallback_listeners_full", "Listeners left plain TCP: the program's table of its own listeners was full"),
     ("confirm_written", "Third ACKs that carried the client's confirmation"),
     ("path_written", "Pure ACKs that carried a path notification"),
     ("path_no_space", "Pure ACKs without room for a queued notification (the next one carries it)"),
@@ -216,6 +218,22 @@ impl Tcpe {
         let mut v = self.ctl(fd)?;
         v.out.family = 0;
         self.set_ctl(fd, &v)
+    }
+
+    /// Whether this program answers TCPE for the listener bound to `addr`
+    /// (its entry in tcpe_listeners, made when the listener that opted in
+    /// called listen() inside the program's cgroup). False for a listener
+    /// outside the cgroup, whose SYNs the program never sees, or one the
+    /// full table left plain.
+    pub fn answers(&self, addr: SocketAddr) -> Result<bool> {
+        let ip = match addr.ip() {
+            IpAddr::V4(a) if a.is_unspecified() => [0; 16],
+            IpAddr::V4(a) => a.to_ipv6_mapped().octets(),
+            IpAddr::V6(a) => a.octets(),
+        };
+        let k = c::inband_tcpe_listener { addr: ip, port: addr.port().into() };
+        let found = self.skel.maps.tcpe_listeners.lookup(inband_core::pod::Pod::as_bytes(&k), MapFlags::ANY).context("reading tcpe_listeners")?;
+        Ok(found.is_some())
     }
 
     /// Every counter by name, summed over CPUs.

@@ -839,7 +839,12 @@ fn handoff_moves_the_stream_and_refuses_forged_joins() {
     // without opting in: their connections are not TCPE's, nor counted.
     assert_eq!(tcpe.counter("fallback_no_syn").unwrap(), 0);
     assert_eq!(tcpe.counter("passive_not_offered").unwrap(), 0);
+    // The program answers for the balancer's listener while it listens,
+    // for nothing else, and forgets it when it closes.
+    assert!(tcpe.answers(balancer_addr()).unwrap());
+    assert!(!tcpe.answers(SocketAddr::V4(SocketAddrV4::new(JOIN, JOIN_PORT))).unwrap());
     world.stop();
+    assert!(!tcpe.answers(balancer_addr()).unwrap(), "the closed listener's entry stayed");
 }
 
 #[test]

@@ -14,6 +14,10 @@
  * rest (behind, or too far ahead) are stale replays. */
 #define INBAND_TCPE_SERIAL_WINDOW 127
 
+/* Listeners one program answers for (tcpe_listeners): a proxy has one or
+ * two; a full table leaves the next listener plain TCP, counted. */
+#define INBAND_TCPE_MAX_LISTENERS 64
+
 /* tcpe_stats (per-CPU array) indexes. */
 enum inband_tcpe_counter {
 	INBAND_TCPE_SYN_OFFERED = 0, /* active SYNs that carried the offer */
@@ -27,6 +31,7 @@ enum inband_tcpe_counter {
 	INBAND_TCPE_FALLBACK_NO_SYN, /* accepted, but the SYN was not saved */
 	INBAND_TCPE_FALLBACK_NO_MEMORY, /* socket storage could not be made */
 	INBAND_TCPE_FALLBACK_BAD_MAC_LIMIT, /* INBAND_TCPE_MAX_BAD_MAC reached */
+	INBAND_TCPE_FALLBACK_LISTENERS_FULL, /* a listener left plain: tcpe_listeners full */
 	INBAND_TCPE_CONFIRM_WRITTEN, /* active: connection ID on the 3rd ACK */
 	INBAND_TCPE_PATH_WRITTEN, /* pure ACKs that carried a notification */
 	INBAND_TCPE_PATH_NO_SPACE, /* pure ACKs without room (SACK blocks): the next one carries it */

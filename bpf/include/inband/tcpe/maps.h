@@ -2,7 +2,9 @@
 /*
  * The maps of bpf/tcpe.bpf.c. None is pinned: the process that loads the
  * program holds them (crates/inband-tcpe/src/sockops.rs). The socket
- * storages' entries die with their sockets, so no table fills up.
+ * storages' entries die with their sockets, so no table fills up;
+ * tcpe_listeners is bounded, and its entries go when their listeners
+ * close.
  */
 #ifndef INBAND_TCPE_MAPS_H
 #define INBAND_TCPE_MAPS_H
@@ -41,5 +43,22 @@ struct {
 	__type(key, int);
 	__type(value, struct inband_tcpe_sock);
 } tcpe_sock SEC(".maps");
+
+/*
+ * The listeners this program's user opted in (struct inband_tcpe_listener),
+ * with how many sockets share each (SO_REUSEPORT). The callbacks of a
+ * listener's SYN-ACKs and of its accepted connections run for every
+ * sockops program on the cgroup once any program has set the listener's
+ * flags (the flags are the socket's), and a request socket has no storage
+ * to tell whose listener it came from: so each program answers only the
+ * addresses here. Added at listen(), removed when the listener closes
+ * (its state callback).
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, INBAND_TCPE_MAX_LISTENERS);
+	__type(key, struct inband_tcpe_listener);
+	__type(value, __u32);
+} tcpe_listeners SEC(".maps");
 
 #endif /* INBAND_TCPE_MAPS_H */

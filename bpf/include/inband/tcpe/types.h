@@ -39,6 +39,13 @@ struct inband_tcpe_ctl {
 	struct inband_tcpe_path out;
 };
 
+/* A listener's key in tcpe_listeners: its port and bound address. */
+struct inband_tcpe_listener {
+	__u8 addr[16]; /* IPv6, IPv4 as ::ffff:a.b.c.d; all zero: bound to no address */
+	__u32 port; /* host order */
+};
+_Static_assert(sizeof(struct inband_tcpe_listener) == 20, "no padding: user space builds the key");
+
 enum inband_tcpe_state {
 	INBAND_TCPE_STATE_OFFERED = 1, /* active: the SYN carried the offer */
 	INBAND_TCPE_STATE_UNCONFIRMED = 2, /* passive: answered, the client's confirmation not seen yet */

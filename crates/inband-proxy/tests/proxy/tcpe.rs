@@ -11,10 +11,12 @@
 //! cgroup removed, on every exit path: Drop). Everything else is on
 //! 127.0.0.1.
 
-use std::net::{SocketAddr, TcpStream};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use inband_core::wire::Key;
@@ -59,6 +61,10 @@ fn free_addr() -> SocketAddr {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap()
 }
 
+fn free_addr6() -> SocketAddr {
+    std::net::TcpListener::bind("[::1]:0").unwrap().local_addr().unwrap()
+}
+
 fn big_body() -> Vec<u8> {
     (0..1u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect()
 }
@@ -81,6 +87,110 @@ async fn fetch<C: std::io::Read + std::io::Write + Send + 'static>(mut conn: C, 
     })
     .await
     .unwrap()
+}
+
+/// An origin that dies in the middle of a body: the first response to
+/// each URL of /dies (any query) and to /changes stops after a quarter of its 1 MiB (the
+/// connection closed, as when the server's process or host goes); after
+/// that /dies answers a range of itself under its unchanged ETag, while
+/// /changes has a new ETag every time. Anything else is a short 200. One
+/// request per connection (`Connection: close`); blocking threads, since
+/// the takeover server and the proxy both dial it.
+struct Dying {
+    addr: SocketAddr,
+    /// The request heads it received, in order.
+    heads: Arc<Mutex<Vec<String>>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for Dying {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Dying {
+    fn start() -> Dying {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.set_nonblocking(true).unwrap();
+        let (addr, heads, stop) = (l.local_addr().unwrap(), Arc::new(Mutex::new(Vec::new())), Arc::new(AtomicBool::new(false)));
+        let (h, st) = (heads.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let served: Arc<Mutex<std::collections::HashMap<String, usize>>> = Default::default();
+            while !st.load(Ordering::Relaxed) {
+                let Ok((s, _)) = l.accept() else {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                let (h, served) = (h.clone(), served.clone());
+                std::thread::spawn(move || Dying::answer(s, &h, &served));
+            }
+        });
+        Dying { addr, heads, stop }
+    }
+
+    fn answer(mut s: TcpStream, heads: &Mutex<Vec<String>>, served: &Mutex<std::collections::HashMap<String, usize>>) {
+        s.set_nonblocking(false).unwrap();
+        s.set_read_timeout(Some(WAIT)).unwrap();
+        let mut head = Vec::new();
+        let mut b = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            match s.read(&mut b) {
+                Ok(n) if n > 0 => head.extend_from_slice(&b[..n]),
+                _ => return,
+            }
+        }
+        let head = String::from_utf8_lossy(&head).to_string();
+        heads.lock().unwrap().push(head.clone());
+        let path = head.split_whitespace().nth(1).unwrap_or("/").to_string();
+        let header = |name: &str| {
+            head.lines().find_map(|l| l.split_once(':').filter(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.trim().to_string()))
+        };
+        let n = {
+            let mut m = served.lock().unwrap();
+            let n = m.entry(path.clone()).or_insert(0);
+            *n += 1;
+            *n
+        };
+        let body = big_body();
+        let etag = if path == "/changes" { format!("\"v{n}\"") } else { "\"v1\"".to_string() };
+        let object = path.split('?').next().unwrap_or_default();
+        let common = format!("ETag: {etag}\r\nAccept-Ranges: bytes\r\nCache-Control: no-store\r\nConnection: close\r\n");
+        let reply = match (object, n) {
+            ("/dies" | "/changes", 1) => {
+                let mut r = format!("HTTP/1.1 200 OK\r\n{common}Content-Length: {}\r\n\r\n", body.len()).into_bytes();
+                r.extend_from_slice(&body[..body.len() / 4]);
+                r
+            }
+            ("/dies" | "/changes", _) => {
+                let from = header("range").and_then(|r| r.strip_prefix("bytes=")?.strip_suffix('-')?.parse::<usize>().ok());
+                match from.filter(|&f| f < body.len() && header("if-range").as_deref() == Some(etag.as_str())) {
+                    Some(f) => {
+                        let mut r = format!(
+                            "HTTP/1.1 206 Partial Content\r\n{common}Content-Range: bytes {f}-{}/{}\r\nContent-Length: {}\r\n\r\n",
+                            body.len() - 1,
+                            body.len(),
+                            body.len() - f
+                        )
+                        .into_bytes();
+                        r.extend_from_slice(&body[f..]);
+                        r
+                    }
+                    None => {
+                        let mut r = format!("HTTP/1.1 200 OK\r\n{common}Content-Length: {}\r\n\r\n", body.len()).into_bytes();
+                        r.extend_from_slice(&body);
+                        r
+                    }
+                }
+            }
+            _ => b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok".to_vec(),
+        };
+        let _ = s.write_all(&reply);
+    }
+
+    fn heads(&self) -> Vec<String> {
+        self.heads.lock().unwrap().clone()
+    }
 }
 
 fn tcpe_client(tcpe: &Arc<Tcpe>, p: &Proxy) -> Client {
@@ -106,22 +216,27 @@ async fn tcpe_clients_are_handed_off_and_everything_else_proxied() {
         io_timeout: Duration::from_secs(1),
         idle: WAIT,
     };
-    let (moves, refuses) = (server(moved_origin.addr), server(dead.addr));
+    let dying = Dying::start();
+    let (moves, refuses, dies) = (server(moved_origin.addr), server(dead.addr), server(dying.addr));
     let dir = tempfile::tempdir().unwrap();
     let key = dir.path().join("tcpe.key");
     std::fs::write(&key, KEY.0.iter().map(|b| format!("{b:02x}")).collect::<String>()).unwrap();
     std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
     let moves_t = Takeover::start(moves.clone()).unwrap();
     let refuses_t = Takeover::start(refuses.clone()).unwrap();
+    let dies_t = Takeover::start(dies.clone()).unwrap();
     let p = start_proxy(
         &[moved_origin.addr],
         &format!(
             "[cache]\nbackend = \"memory\"\n\
              [[route]]\nname = \"refusing\"\nhosts = [\"refusing.test\"]\nbackends = [\"{}\"]\n\
+             [[route]]\nname = \"dying\"\nhosts = [\"dying.test\"]\nbackends = [\"{}\"]\n\
              [tcpe]\ncgroup = \"{}\"\nkey = \"{}\"\ndeadline_ms = 500\n\
+             [[tcpe.server]]\nbackend = \"{}\"\ncontrol = \"{}\"\njoin = \"{}\"\n\
              [[tcpe.server]]\nbackend = \"{}\"\ncontrol = \"{}\"\njoin = \"{}\"\n\
              [[tcpe.server]]\nbackend = \"{}\"\ncontrol = \"{}\"\njoin = \"{}\"\n",
             refusing_origin.addr,
+            dying.addr,
             cg.dir.display(),
             key.display(),
             moved_origin.addr,
@@ -130,6 +245,9 @@ async fn tcpe_clients_are_handed_off_and_everything_else_proxied() {
             refusing_origin.addr,
             refuses.control,
             refuses.join,
+            dying.addr,
+            dies.control,
+            dies.join,
         ),
     )
     .await;
@@ -156,6 +274,11 @@ async fn tcpe_clients_are_handed_off_and_everything_else_proxied() {
     }
     let m = metrics(&p).await;
     assert_eq!(handoffs(&m, "handed_off"), 1.0, "{m}");
+    // The sockops program's own counts: every attempt's offer answered, one
+    // notification written per handoff tried.
+    assert!(sample(&m, "inband_proxy_tcpe_options_total{event=\"syn_answered\"}") >= attempt as f64 + 1.0, "{m}");
+    assert!(sample(&m, "inband_proxy_tcpe_options_total{event=\"path_written\"}") >= 1.0, "{m}");
+    assert_eq!(sample(&m, "inband_proxy_tcpe_options_total{event=\"path_bad_mac\"}"), 0.0, "{m}");
     let tc = moves_t.counters();
     assert_eq!((tc.get("handoffs_accepted"), tc.get("join_accepted")), (attempt + 1, 1), "{:?}", tc.all());
     // The origin saw each attempt's request once: the handed-off one from
@@ -217,8 +340,85 @@ async fn tcpe_clients_are_handed_off_and_everything_else_proxied() {
     let m = metrics(&p).await;
     assert_eq!(sample(&m, "inband_proxy_tcpe_kept_total{reason=\"not_simple\"}"), 1.0, "{m}");
 
+    // The server dies in the middle of the body: the client asks the
+    // proxy for the rest by a range under the same ETag, and the file is
+    // whole. Had the object changed, the fetch fails rather than join two
+    // versions.
+    let fetch_via = |path: &'static str| {
+        let (tcpe, addr) = (tcpe.clone(), p.addr);
+        tokio::task::spawn_blocking(move || {
+            let mut body = Vec::new();
+            let got = client::fetch(&tcpe, addr, "dying.test", path, WAIT, &mut body);
+            (got, body)
+        })
+    };
+    // A body cut on the proxy (its handoff fell back on a busy machine,
+    // as above) is continued the same way; another object is tried until
+    // the cut came after a move.
+    let quarter = big.len() / 4;
+    for attempt in 0.. {
+        let path: &'static str = ["/dies?0", "/dies?1", "/dies?2"][attempt];
+        let (got, body) = fetch_via(path).await.unwrap();
+        let got = got.unwrap();
+        assert_eq!((got.status, got.resumed, body.len(), xxhash_rust::xxh3::xxh3_64(&body)), (200, 1, big.len(), hash), "{got:?}");
+        let heads = dying.heads();
+        let asked: Vec<String> = heads.iter().filter(|h| h.starts_with(&format!("GET {path} "))).map(|h| h.to_ascii_lowercase()).collect();
+        assert_eq!(asked.len(), 2, "{heads:?}");
+        assert!(asked[1].contains(&format!("range: bytes={quarter}-")) && asked[1].contains("if-range: \"v1\""), "{}", asked[1]);
+        if got.cut_after_move {
+            break;
+        }
+        assert!(attempt < 2, "no cut after a move in 3 attempts:\n{}", metrics(&p).await);
+    }
+    let (got, body) = fetch_via("/changes").await.unwrap();
+    let e = format!("{:#}", got.unwrap_err());
+    assert!(e.contains("got 200") && e.contains("the object changed"), "{e}");
+    assert_eq!(body.len(), quarter, "bytes of the new version were appended to the old");
+    assert!(dies_t.counters().get("join_accepted") >= 1, "{:?}", dies_t.counters().all());
+
+    // Over IPv6: a proxy listening on ::1 hands the client to a takeover
+    // server whose join address is ::1 (the 28-byte path option). It is a
+    // second proxy with its own program on the same cgroup: each program
+    // answers only its own listeners' SYNs (the callbacks run for every
+    // program once any set a listener's flags; before tcpe_listeners the
+    // first program attached answered with its own key half, and the
+    // client refused the second one's notifications).
+    let answered = |m: &str| sample(m, "inband_proxy_tcpe_options_total{event=\"syn_answered\"}");
+    let p_answered = answered(&metrics(&p).await);
+    let moves6 = takeover::Config { join: free_addr6(), ..server(moved_origin.addr) };
+    let moves6_t = Takeover::start(moves6.clone()).unwrap();
+    let cfg6 = format!(
+        "listen = \"[::1]:0\"\nmetrics_listen = \"127.0.0.1:0\"\nbackends = [\"{}\"]\n\
+         [tcpe]\ncgroup = \"{}\"\nkey = \"{}\"\ndeadline_ms = 500\n\
+         [[tcpe.server]]\nbackend = \"{}\"\ncontrol = \"{}\"\njoin = \"{}\"\n",
+        moved_origin.addr,
+        cg.dir.display(),
+        key.display(),
+        moved_origin.addr,
+        moves6.control,
+        moves6.join,
+    );
+    let p6 = Proxy::start(inband_proxy::config::parse(&cfg6).unwrap()).await.unwrap();
+    assert!(p6.addr.is_ipv6());
+    for attempt in 0.. {
+        let (status, body, c) = fetch(tcpe_client(&tcpe, &p6), "tcpe.test", "/big").await;
+        assert_eq!((status, xxhash_rust::xxh3::xxh3_64(&body)), (200, hash));
+        if c.counters().get("moved") == 1 {
+            assert_eq!(c.current().peer_addr().unwrap(), moves6.join, "the stream went on on the IPv6 join");
+            break;
+        }
+        assert!(attempt < 2, "no IPv6 handoff in 3 attempts:\n{}", metrics(&p6).await);
+    }
+    let m6 = metrics(&p6).await;
+    assert_eq!(handoffs(&m6, "handed_off"), 1.0, "{m6}");
+    assert_eq!(moves6_t.counters().get("join_accepted"), 1, "{:?}", moves6_t.counters().all());
+    assert!(answered(&m6) >= 1.0, "{m6}");
+    assert_eq!(sample(&m6, "inband_proxy_tcpe_options_total{event=\"fallback_no_space\"}"), 0.0, "{m6}");
+    assert_eq!(answered(&metrics(&p).await), p_answered, "the first proxy's program answered the second's SYNs");
+    p6.shutdown().await;
+
     p.shutdown().await;
-    drop((moves_t, refuses_t, tcpe));
+    drop((moves_t, refuses_t, dies_t, moves6_t, tcpe));
     drop(cg);
 }
 
