@@ -652,7 +652,7 @@ def targets_table(cs: dict) -> str:
                   f"handoff ÷ direct, throughput (≥ {TARGETS['vs_direct']})", ""], rows)
 
 
-def markdown(rows: list[Row], profile: dict, quiet: list[str], failed: list[str]) -> str:
+def markdown(rows: list[Row], profile: dict, quiet: list[str], failed: list[str], others: list[str] = ()) -> str:
     cs = cells(rows)
     n = ", ".join(f"{mib} MiB × {k}" for mib, k in profile["counts"])
     parts = [
@@ -666,6 +666,7 @@ def markdown(rows: list[Row], profile: dict, quiet: list[str], failed: list[str]
         parts += ["", "**Incomplete rows:** " + "; ".join(errors)]
     if quiet:
         parts += ["", f"Before each row: {'; '.join(quiet)}."]
+    parts += ["", f"Other work seen running during the rows (it lands in the machine's CPU): {', '.join(others) or 'none seen'}."]
     if failed:
         parts += ["", "**Failed:** " + "; ".join(failed)]
     return "\n".join(parts) + "\n"
@@ -673,7 +674,7 @@ def markdown(rows: list[Row], profile: dict, quiet: list[str], failed: list[str]
 
 def render(record: dict) -> str:
     rows = [revive(Row, r) for r in record["rows"]]
-    return provenance(record) + "\n\n" + markdown(rows, record["profile"], record.get("quiet", []), record.get("failed", []))
+    return provenance(record) + "\n\n" + markdown(rows, record["profile"], record.get("quiet", []), record.get("failed", []), record.get("others", []))
 
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -685,14 +686,16 @@ def plot(rows: list[Row], path: Path) -> None:
     cs = cells(rows)
     sizes = sorted({s for _, s in cs})
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for s in SYSTEMS:
+    for i, s in enumerate(SYSTEMS):
         xs = [size // MIB for size in sizes if (s.key, size) in cs]
+        style = dict(marker="o", label=s.label, color=f"C{i}")  # one colour per system in both panels
         if s.key != "direct":
-            a.plot(xs, [cs[(s.key, size)].balancer_s_gb or 0 for size in sizes if (s.key, size) in cs], marker="o", label=s.label)
-        b.plot(xs, [cs[(s.key, size)].mb_s or 0 for size in sizes if (s.key, size) in cs], marker="o", label=s.label)
+            a.plot(xs, [cs[(s.key, size)].balancer_s_gb or 0 for size in sizes if (s.key, size) in cs], **style)
+        b.plot(xs, [cs[(s.key, size)].mb_s or 0 for size in sizes if (s.key, size) in cs], **style)
     for ax in (a, b):
         ax.set_xscale("log")
-        ax.set_xlabel("response MiB")
+        ax.set_xticks([size // MIB for size in sizes], [mib_label(size) for size in sizes])
+        ax.set_xlabel("response size")
         ax.legend(fontsize=7)
     a.set_yscale("log")
     a.set_ylabel("balancer CPU s per GB (processes + XDP)")
