@@ -64,7 +64,7 @@ one after another. For every row, in rounds (medians and sums over them):
 Every handoff row is checked from both ends: the proxy's
 `inband_proxy_tcpe_handoffs_total{result="handed_off"}` must rise by the
 row's requests and the client must report every connection moved. A row
-where any fell back says so (the fallbacks by reason are a column) and
+where any did not move says so (the fallbacks by reason are a column) and
 its ratios are not judged against the targets: proxied numbers are never
 reported as handoff numbers.
 
@@ -533,8 +533,9 @@ class Cell:
         return percentile(rates, 50)
 
     @property
-    def fell_back(self) -> int:
-        """Fetches of a handoff row that did not move, by either end's count."""
+    def not_moved(self) -> int:
+        """Fetches of a handoff row that did not move, by the smaller of the
+        two ends' counts (fallbacks, and fetches a failed client never made)."""
         return self.requests - min(self.moved, self.handed_off) if self.system == "handoff" else 0
 
 
@@ -642,8 +643,8 @@ def targets_table(cs: dict) -> str:
         vs_p = ratio(h.balancer_s_gb, p.balancer_s_gb) if p else None
         vs_d = ratio(h.balancer_s_gb, d.balancer_s_gb) if d else None
         vs_direct = ratio(h.mb_s, direct.mb_s) if direct else None
-        if h.fell_back:
-            judged = f"not judged: {h.fell_back} of {h.requests} fell back"
+        if h.not_moved:
+            judged = f"not judged: {h.not_moved} of {h.requests} did not move"
             rows.append([mib_label(size), fmt(vs_p, 3), judged, fmt(vs_d, 2), judged, fmt(vs_direct, 2), judged])
             continue
         rows.append([mib_label(size), fmt(vs_p, 3), verdict(vs_p, TARGETS["vs_proxy"], True), fmt(vs_d, 2), verdict(vs_d, TARGETS["vs_dsr"], True),

@@ -79,12 +79,12 @@ def test_a_handoff_row_that_fell_back_says_so_and_is_not_judged():
     h = row("handoff", cpu=0.1 * gb, machine=1.5 * gb, total_s=0.010, moved=8, handed_off=8, fallbacks={"fallback_no_ack": 2})
     md = ho.markdown(known_rows(h), {"counts": [[1, 10]], "rounds": 1}, [], [])
     targets = table_rows(md, "| response | handoff ÷ proxied")[0]
-    assert targets[2] == targets[4] == targets[6] == "not judged: 2 of 10 fell back"
+    assert targets[2] == targets[4] == targets[6] == "not judged: 2 of 10 did not move"
     hr = {r[1]: r for r in table_rows(md, "| response | system | complete |")}["inband proxy, handed off (TCPE client)"]
     assert hr[3:5] == ["8/10", "fallback_no_ack 2"]
     # The two ends disagreeing is shown, and the smaller count decides.
     h.moved = 7
-    assert ho.cells([h])[("handoff", MIB)].fell_back == 3
+    assert ho.cells([h])[("handoff", MIB)].not_moved == 3
     md = ho.markdown(known_rows(h), {"counts": [[1, 10]], "rounds": 1}, [], [])
     assert "8/10 (client: 7)" in md
 
