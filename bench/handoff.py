@@ -64,7 +64,8 @@ one after another. For every row, in rounds (medians and sums over them):
 Every handoff row is checked from both ends: the proxy's
 `inband_proxy_tcpe_handoffs_total{result="handed_off"}` must rise by the
 row's requests and the client must report every connection moved. A row
-where any did not move says so (the fallbacks by reason are a column) and
+where any did not move says so (the fallbacks by reason, and requests a
+proxy rule kept, are a column) and
 its ratios are not judged against the targets: proxied numbers are never
 reported as handoff numbers.
 
@@ -505,6 +506,7 @@ class Cell:
     moved: int = 0
     handed_off: int = 0
     fallbacks: dict = field(default_factory=dict)
+    kept: dict = field(default_factory=dict)
     errors: list = field(default_factory=list)
 
     @property
@@ -558,6 +560,8 @@ def cells(rows: list[Row]) -> dict:
         c.handed_off += r.handed_off
         for k, v in r.fallbacks.items():
             c.fallbacks[k] = c.fallbacks.get(k, 0) + v
+        for k, v in r.kept.items():
+            c.kept[k] = c.kept.get(k, 0) + v
         if r.error:
             c.errors.append(f"round {r.round + 1}: {r.error}")
     return out
@@ -576,7 +580,9 @@ def moved_cell(c: Cell) -> str:
 def fallback_cell(c: Cell) -> str:
     if c.system != "handoff":
         return "–"
-    return ", ".join(f"{k} {v}" for k, v in sorted(c.fallbacks.items())) or "0"
+    # A request one of the proxy's rules kept never tried to move: said too.
+    said = [f"{k} {v}" for k, v in sorted(c.fallbacks.items())] + [f"kept ({k}) {v}" for k, v in sorted(c.kept.items())]
+    return ", ".join(said) or "0"
 
 
 def cpu_table(cs: dict) -> str:

@@ -82,6 +82,10 @@ def test_a_handoff_row_that_fell_back_says_so_and_is_not_judged():
     assert targets[2] == targets[4] == targets[6] == "not judged: 2 of 10 did not move"
     hr = {r[1]: r for r in table_rows(md, "| response | system | complete |")}["inband proxy, handed off (TCPE client)"]
     assert hr[3:5] == ["8/10", "fallback_no_ack 2"]
+    # A request a proxy rule kept is said too.
+    h.kept = {"not_simple": 1}
+    hr = {r[1]: r for r in table_rows(ho.markdown(known_rows(h), {"counts": [[1, 10]], "rounds": 1}, [], []), "| response | system | complete |")}
+    assert hr["inband proxy, handed off (TCPE client)"][4] == "fallback_no_ack 2, kept (not_simple) 1"
     # The two ends disagreeing is shown, and the smaller count decides.
     h.moved = 7
     assert ho.cells([h])[("handoff", MIB)].not_moved == 3
@@ -129,6 +133,7 @@ def test_tiny_profile_end_to_end(tmp_path):
         # and a size with a fallback is not judged.
         assert h.handed_off == h.moved >= 1, (size, h.handed_off, h.moved, h.fallbacks)
         assert set(h.fallbacks) <= {"fallback_no_ack"} and h.handed_off + sum(h.fallbacks.values()) == h.requests, (size, h.fallbacks)
+        assert h.kept == {}, (size, h.kept)
         if h.fallbacks:
             assert f"not judged: {h.not_moved} of {h.requests} did not move" in cp.stdout
         # The plain client through the same proxy was proxied, each of its
