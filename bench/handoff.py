@@ -596,7 +596,7 @@ def cpu_table(cs: dict) -> str:
             if c is None:
                 continue
             own = c.balancer_s_gb if s.key != "direct" else None
-            above = (c.others_s_gb - direct.others_s_gb) if direct and c is not direct and c.others_s_gb is not None and direct.others_s_gb is not None else None
+            above = above_direct(c, direct) if c is not direct else None
             rows.append([
                 mib_label(size), s.label, f"{c.ok}/{c.requests}", moved_cell(c), fallback_cell(c), f"{c.gb:.3f}",
                 fmt(c.per_gb(c.balancer_cpu_s)) if s.key != "direct" else "–",
@@ -639,6 +639,19 @@ def verdict(x: float | None, target: float, below: bool) -> str:
     return "met" if (x <= target if below else x >= target) else "**not met**"
 
 
+def above_direct(c: Cell | None, direct: Cell | None) -> float | None:
+    """The machine's CPU per GB but the client's, above the direct row's."""
+    if c is None or direct is None or c.others_s_gb is None or direct.others_s_gb is None:
+        return None
+    return c.others_s_gb - direct.others_s_gb
+
+
+def positive_ratio(a: float | None, b: float | None) -> float | None:
+    """a ÷ b where both are costs above zero (a differential can come out
+    at or below zero in the noise, and a ratio to it means nothing)."""
+    return ratio(a, b) if a is not None and b is not None and a > 0 and b > 0 else None
+
+
 def targets_table(cs: dict) -> str:
     rows = []
     for size in sorted({s for _, s in cs}):
@@ -649,14 +662,18 @@ def targets_table(cs: dict) -> str:
         vs_p = ratio(h.balancer_s_gb, p.balancer_s_gb) if p else None
         vs_d = ratio(h.balancer_s_gb, d.balancer_s_gb) if d else None
         vs_direct = ratio(h.mb_s, direct.mb_s) if direct else None
+        # The same two ratios on the machine's CPU above direct: beside
+        # them, not judged (other work on the machine lands in it).
+        m = above_direct(h, direct)
+        machine = [fmt(positive_ratio(m, above_direct(p, direct)), 3), fmt(positive_ratio(m, above_direct(d, direct)), 2)]
         if h.not_moved:
             judged = f"not judged: {h.not_moved} of {h.requests} did not move"
-            rows.append([mib_label(size), fmt(vs_p, 3), judged, fmt(vs_d, 2), judged, fmt(vs_direct, 2), judged])
+            rows.append([mib_label(size), fmt(vs_p, 3), judged, fmt(vs_d, 2), judged, fmt(vs_direct, 2), judged, *machine])
             continue
         rows.append([mib_label(size), fmt(vs_p, 3), verdict(vs_p, TARGETS["vs_proxy"], True), fmt(vs_d, 2), verdict(vs_d, TARGETS["vs_dsr"], True),
-                     fmt(vs_direct, 2), verdict(vs_direct, TARGETS["vs_direct"], False)])
+                     fmt(vs_direct, 2), verdict(vs_direct, TARGETS["vs_direct"], False), *machine])
     return table(["response", f"handoff ÷ proxied, balancer CPU (≤ {TARGETS['vs_proxy']})", "", f"handoff ÷ dsr-rr (≤ {TARGETS['vs_dsr']})", "",
-                  f"handoff ÷ direct, throughput (≥ {TARGETS['vs_direct']})", ""], rows)
+                  f"handoff ÷ direct, throughput (≥ {TARGETS['vs_direct']})", "", "machine above direct: handoff ÷ proxied", "÷ dsr-rr"], rows)
 
 
 def markdown(rows: list[Row], profile: dict, quiet: list[str], failed: list[str], others: list[str] = ()) -> str:
