@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from . import cache, cachestudy, cachetests, conformance, dataplane, ecmp, forwarding, frontdoor, health, mesh, paper, proxy, regimes, resilience, scaleout, scores, traceoverhead, upgrade, weights
+from . import cache, cachestudy, cachetests, conformance, dataplane, ecmp, forwarding, frontdoor, handoff, health, mesh, paper, proxy, regimes, resilience, scaleout, scores, traceoverhead, upgrade, weights
 from .lib import results
 
 DOCS = results.REPO / "docs" / "benchmarks.md"
@@ -32,6 +32,7 @@ RENDER = {
     "ecmp": ecmp.render,
     "forwarding": forwarding.render,
     "frontdoor": frontdoor.render,
+    "handoff": handoff.render,
     "health": health.render,
     "mesh": mesh.render,
     "paper": paper.render,

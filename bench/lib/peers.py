@@ -313,6 +313,56 @@ def nginx_static_conf(*, listen: str, root: str, prefix: str, workers: int, as_r
 """
 
 
+def nginx_proxy_conf(*, listen: str, origin: str, prefix: str, workers: int, as_root: bool) -> str:
+    """nginx as a plain reverse proxy for large responses (bench.handoff):
+    no cache, keep-alive to the origin, and nothing buffered to disk
+    (`proxy_max_temp_file_size 0`: a response larger than the buffers is
+    read from the origin as fast as the client takes it, not spooled to a
+    temporary file, which would add disk writes no other proxy does)."""
+    return f"""\
+{_nginx_http_head(prefix, workers, as_root)}    upstream origin {{
+        server {origin};
+        keepalive 32;
+    }}
+    server {{
+        listen {listen};
+        location / {{
+            proxy_pass http://origin;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_max_temp_file_size 0;
+        }}
+    }}
+}}
+"""
+
+
+def haproxy_http_cfg(*, listen: str, origin: str, threads: int) -> str:
+    """HAProxy as an HTTP proxy (bench.handoff): one server, connections
+    to it reused across clients, no cache."""
+    host, port = listen.rsplit(":", 1)
+    return f"""\
+global
+    nbthread {int(threads)}
+    maxconn 4096
+
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 60s
+    timeout server 60s
+    timeout http-keep-alive 30s
+
+frontend vip
+    bind {_check_ip(host)}:{int(port)}
+    default_backend origin
+
+backend origin
+    http-reuse always
+    server o {origin}
+"""
+
+
 def varnish_vcl(*, origin_host: str, origin_port: int) -> str:
     """Varnish's built-in VCL does the caching (Cache-Control max-age);
     this only names the origin and marks hits like the others do."""

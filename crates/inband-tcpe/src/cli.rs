@@ -14,12 +14,15 @@ use crate::takeover::{self, Takeover};
 
 #[derive(clap::Subcommand)]
 pub enum TcpeCommand {
-    /// Fetch an http:// URL over TCPE (a balancer may move the connection
-    /// to the server it chose) and write the body to stdout. A body cut
-    /// short after the move (the server died) is continued through the
-    /// balancer by a range request, when the response allows it.
+    /// Fetch http:// URLs over TCPE (a balancer may move each connection
+    /// to the server it chose) and write the bodies to stdout, in order. A
+    /// body cut short after a move (the server died) is continued through
+    /// the balancer by a range request, when the response allows it.
     Get {
-        url: String,
+        /// Fetched one after another, each on a connection of its own: only
+        /// a connection's first request can move.
+        #[arg(required = true)]
+        url: Vec<String>,
         /// The cgroup v2 directory to attach the TCPE program to (default:
         /// this process's own cgroup).
         #[arg(long)]
@@ -27,6 +30,11 @@ pub enum TcpeCommand {
         /// Bound on the connect, the join and each wait for a byte.
         #[arg(long, default_value_t = 5000)]
         timeout_ms: u64,
+        /// One line per URL on stderr: the CLOCK_MONOTONIC ns of the
+        /// connect, the request written, the response's first byte and its
+        /// end, the body's bytes, whether the connection moved.
+        #[arg(long)]
+        timing: bool,
     },
     /// Take over connections a balancer hands off and relay them to a local
     /// HTTP origin (docs/configuration.md, "inband tcpe serve").
@@ -74,10 +82,19 @@ pub fn own_cgroup() -> Result<PathBuf> {
     Ok(mount.join(rel.trim_start_matches('/')))
 }
 
+/// One fetch's `--timing` line (bench.handoff parses it): the
+/// CLOCK_MONOTONIC times `client::fetch` took.
+fn timing_line(url: &str, f: &client::Fetched) -> String {
+    let client::Fetched { status, bytes, moved, resumed, connect_ns, sent_ns, first_byte_ns, done_ns, .. } = f;
+    format!(
+        "timing status={status} bytes={bytes} moved={moved} connect_ns={connect_ns} sent_ns={sent_ns} first_byte_ns={first_byte_ns} done_ns={done_ns} resumed={resumed} url={url}"
+    )
+}
+
 pub fn run(cmd: TcpeCommand) -> Result<()> {
     match cmd {
-        TcpeCommand::Get { url, cgroup, timeout_ms } => {
-            let (addr, authority, path) = client::parse_url(&url)?;
+        TcpeCommand::Get { url, cgroup, timeout_ms, timing } => {
+            let targets = url.iter().map(|u| client::parse_url(u)).collect::<Result<Vec<_>>>()?;
             let cgroup = match cgroup {
                 Some(c) => c,
                 None => own_cgroup()?,
@@ -85,11 +102,16 @@ pub fn run(cmd: TcpeCommand) -> Result<()> {
             let tcpe = Arc::new(Tcpe::attach(&cgroup)?);
             let stdout = std::io::stdout();
             let mut out = std::io::BufWriter::new(stdout.lock());
-            let got = client::fetch(&tcpe, addr, &authority, &path, Duration::from_millis(timeout_ms), &mut out)?;
-            out.flush()?;
-            tracing::debug!("tcpe get {url}: {got:?}");
-            if got.status >= 400 {
-                bail!("{url}: HTTP status {}", got.status);
+            for (url, (addr, authority, path)) in url.iter().zip(targets) {
+                let got = client::fetch(&tcpe, addr, &authority, &path, Duration::from_millis(timeout_ms), &mut out)?;
+                out.flush()?;
+                if timing {
+                    eprintln!("{}", timing_line(url, &got));
+                }
+                tracing::debug!("tcpe get {url}: {got:?}");
+                if got.status >= 400 {
+                    bail!("{url}: HTTP status {}", got.status);
+                }
             }
             Ok(())
         }
@@ -113,5 +135,19 @@ pub fn run(cmd: TcpeCommand) -> Result<()> {
                 tracing::info!("tcpe takeover: {} pending, {} sessions, {nonzero:?}", t.pending(), t.sessions());
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_timing_line_names_every_field() {
+        let f = client::Fetched { status: 200, bytes: 1 << 20, moved: 1, resumed: 0, connect_ns: 10, sent_ns: 20, first_byte_ns: 30, done_ns: 40, ..Default::default() };
+        assert_eq!(
+            timing_line("http://10.1.0.100/f", &f),
+            "timing status=200 bytes=1048576 moved=1 connect_ns=10 sent_ns=20 first_byte_ns=30 done_ns=40 resumed=0 url=http://10.1.0.100/f"
+        );
     }
 }

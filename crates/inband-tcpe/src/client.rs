@@ -397,10 +397,14 @@ fn read_body<S: Read>(r: &mut Reader<'_, S>, framing: &Framing, out: &mut impl W
 /// At most this many range requests continue one response.
 pub const MAX_RESUMES: u32 = 3;
 
-/// What `fetch` did.
+/// What `fetch` did, and when (CLOCK_MONOTONIC ns: the clock every
+/// process of the host shares, so that a benchmark can set a client's
+/// times against its own).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Fetched {
     pub status: u16,
+    /// The body's bytes written.
+    pub bytes: u64,
     /// Connections of the fetch that went on on a joined subflow.
     pub moved: u32,
     /// Range requests that continued the body.
@@ -408,6 +412,37 @@ pub struct Fetched {
     /// The first cut came after the connection had moved: the server it
     /// was handed to (or that server's origin) went away.
     pub cut_after_move: bool,
+    /// Before the first connect.
+    pub connect_ns: u64,
+    /// The first request written.
+    pub sent_ns: u64,
+    /// The first byte of the response (on the new path, if it moved).
+    pub first_byte_ns: u64,
+    /// The body's end.
+    pub done_ns: u64,
+}
+
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the struct it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// A stream that notes when its first byte arrived.
+struct FirstByte<'a, S> {
+    s: &'a mut S,
+    at: Option<u64>,
+}
+
+impl<S: Read> Read for FirstByte<'_, S> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.s.read(buf)?;
+        if n > 0 && self.at.is_none() {
+            self.at = Some(monotonic_ns());
+        }
+        Ok(n)
+    }
 }
 
 /// Counts what reached `out`, and whether `out` itself failed (a failure
@@ -448,16 +483,24 @@ impl<W: Write> Write for Counted<'_, W> {
 /// join two versions. Chunked bodies and responses without a validator
 /// cannot be continued: the cut stays an error.
 pub fn fetch(tcpe: &Arc<Tcpe>, addr: SocketAddr, authority: &str, path: &str, timeout: Duration, out: &mut impl Write) -> Result<Fetched> {
-    let mut done = Fetched::default();
+    let mut done = Fetched { connect_ns: monotonic_ns(), ..Default::default() };
     let mut c = Client::connect(tcpe.clone(), addr, timeout)?;
     request(&mut c, authority, path)?;
-    let mut r = Reader { s: &mut c, buf: Vec::new() };
+    done.sent_ns = monotonic_ns();
+    let mut first = FirstByte { s: &mut c, at: None };
+    let mut r = Reader { s: &mut first, buf: Vec::new() };
     let head = read_head(&mut r)?;
     done.status = head.status;
     let mut out = Counted { out, n: 0, failed: false };
     let cut = read_body(&mut r, &head.framing, &mut out);
+    done.first_byte_ns = first.at.unwrap_or_else(monotonic_ns);
     done.moved += c.moved as u32;
-    let Err(mut cut) = cut else { return Ok(done) };
+    let finish = |mut done: Fetched, n: u64| {
+        done.bytes = n;
+        done.done_ns = monotonic_ns();
+        done
+    };
+    let Err(mut cut) = cut else { return Ok(finish(done, out.n)) };
     done.cut_after_move = c.moved;
     let (200, Framing::Length(total), Some(validator), false) = (head.status, &head.framing, &head.validator, out.failed) else {
         return Err(cut.context("the body was cut short and cannot be continued (not a 200 with a Content-Length and a validator)"));
@@ -481,7 +524,7 @@ pub fn fetch(tcpe: &Arc<Tcpe>, addr: SocketAddr, authority: &str, path: &str, ti
         let rest = read_body(&mut r, &head.framing, &mut out);
         done.moved += c.moved as u32;
         match rest {
-            Ok(()) => return Ok(done),
+            Ok(()) => return Ok(finish(done, out.n)),
             Err(e) => cut = e,
         }
     }
@@ -524,4 +567,33 @@ pub fn parse_url(url: &str) -> Result<(SocketAddr, String, String)> {
     let addr = (host, port).to_socket_addrs().with_context(|| format!("resolving {host}"))?.next().with_context(|| format!("{host} has no address"))?;
     let path = uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into());
     Ok((addr, auth.as_str().to_string(), path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_byte_is_timed_once() {
+        let mut src: &[u8] = b"";
+        let mut f = FirstByte { s: &mut src, at: None };
+        assert_eq!(f.read(&mut [0u8; 4]).unwrap(), 0);
+        assert!(f.at.is_none(), "no byte, no time");
+        let mut src: &[u8] = b"abc";
+        let mut f = FirstByte { s: &mut src, at: None };
+        let before = monotonic_ns();
+        assert_eq!(f.read(&mut [0u8; 2]).unwrap(), 2);
+        let at = f.at.unwrap();
+        assert!(at >= before);
+        f.read(&mut [0u8; 2]).unwrap();
+        assert_eq!(f.at, Some(at), "the first byte's time stays");
+    }
+
+    #[test]
+    fn a_content_range_is_read_or_refused() {
+        assert_eq!(content_range("bytes 262144-1048575/1048576"), Some((262_144, 1_048_575, 1_048_576)));
+        for bad in ["bytes */1048576", "bytes 1-2", "items 1-2/3", "bytes a-2/3"] {
+            assert_eq!(content_range(bad), None, "{bad}");
+        }
+    }
 }

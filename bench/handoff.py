@@ -1,0 +1,797 @@
+"""TCPE connection handoff against proxying and L4 DSR (issue 29's
+targets), in one run on one namespace testbed:
+
+    python -m bench.handoff --out DIR [--profile quick|tiny] [--quick]
+
+Testbed `handoff` (`inband testbed up --clients 1 --servers 1`): client
+c1, balancer lb, server s1 on a bridge. On s1 the origin, nginx serving
+static files of 1, 10 and 100 MiB (sendfile), `inband tcpe serve` in
+front of it (the takeover server: it relays a joined subflow to the
+origin over loopback) and `inband agent` (for the DSR row). One balancer
+at a time runs in lb, on the VIP's port 80:
+
+- `inband proxy` with `[tcpe]` (its backend s1's origin, a
+  `[[tcpe.server]]` for it): *handed off* when the client is
+  `inband tcpe get` (TCPE), *proxied* when it is curl;
+- `inband lb` in `dsr-rr` (XDP; responses go from s1 to c1 directly);
+- nginx (`proxy_pass`, keep-alive to the origin, no buffering to disk)
+  and HAProxy (`mode http`, `http-reuse always`) as proxies;
+- beside them *direct*: curl from c1 to the origin itself.
+
+Each row is one client process fetching one size `count` times, one
+connection per fetch (only a connection's first request can move; the
+curl rows send `Connection: close` so that curl does not reuse one),
+one after another. For every row, in rounds (medians and sums over them):
+
+1. **Balancer CPU per GB of response** (body bytes received). Measured
+   three ways, because no single counter sees all of a balancer's work
+   on a shared kernel:
+   - *balancer processes*: every balancer process runs in a cgroup v2
+     made for the run (as are the client and the servers, each in one
+     of their own), and the row is the delta of its `cpu.stat`
+     `usage_usec` (utime + stime of all its threads, exited ones too, in
+     µs: the proxies' user-space work and the kernel's TCP work in their
+     system calls, plus whatever softirq work the kernel ran in their
+     context — this kernel has no IRQ time accounting, so that work is
+     charged to the task it interrupted);
+   - *BPF*: program run time (BPF_ENABLE_STATS for the whole run, every
+     row alike): `inband lb`'s XDP program, which runs in the veth's
+     softirq and so is in no balancer process's time; for the inband
+     proxy rows its sockops program's (shown only: partly in the
+     proxy's time already);
+   - *balancer* = processes + XDP run time: the column the targets use;
+   - *machine above direct*: whole-machine busy CPU (/proc/stat) minus
+     the client's cgroup, per GB, minus the same for the direct row of
+     that size: what the path costs everything but the client beyond
+     client → origin, kernel work wherever it ran included (the
+     bridge's, the balancer's softirqs, and for the handoff the takeover
+     server's relay, which the direct row does not have). Other work on
+     the machine lands in it too: compare it within one run.
+2. **Throughput**: per fetch, body bytes ÷ (connect start → last byte);
+   the median per row and its ratio to direct.
+3. **First-byte latency**: per fetch, request written → first response
+   byte. For a handed-off fetch that byte comes on the new path (the
+   balancer writes nothing on the old subflow), so it is the handoff's
+   latency from the request (seen by the balancer a one-way veth delay
+   after it was written) to the first byte on the new path: the
+   channel's exchange, the notification, the client's join, the
+   balancer's FIN and the origin's first byte. Timed by the client:
+   `inband tcpe get --timing` (CLOCK_MONOTONIC) and curl's
+   `time_starttransfer − time_pretransfer`.
+4. **The targets** as ratios: handoff ÷ proxied balancer CPU (≤ 0.1),
+   handoff ÷ dsr-rr (≤ 1.2), handoff throughput ÷ direct (≥ 0.9).
+
+Every handoff row is checked from both ends: the proxy's
+`inband_proxy_tcpe_handoffs_total{result="handed_off"}` must rise by the
+row's requests and the client must report every connection moved. A row
+where any did not move says so (the fallbacks by reason, and requests a
+proxy rule kept, are a column) and
+its ratios are not judged against the targets: proxied numbers are never
+reported as handoff numbers.
+
+Prints Markdown tables, writes the record (results.json: commit, machine,
+load average, command, rows) and its tables (results.md) into --results
+(default bench/results/handoff), handoff.png and every config and log
+into --out. Before each row it waits out builds and bench.forwarding (as
+bench.proxy does, at most --wait-quiet seconds over the run). Every
+process, XDP program, cgroup and namespace is removed at the end, on
+Ctrl-C and SIGTERM too. See docs/benchmarks.md ("Connection handoff").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .lib import peers, preflight, profiles
+from .lib.host import cpu_busy_s, enable_bpf_stats, xdp_prog_stats
+from .lib.outcome import Outcome
+from .lib.peers import Backend
+from .lib.procs import ns_argv, run, stop_signals_interrupt, wait_until
+from .lib.report import cell, table, times
+from .lib.results import REPO, Run, default_dir, provenance, revive
+from .lib.results import write as write_results
+from .lib.stats import percentile, ratio
+from .lib.testbed import TestbedRun, alive, new_auth_key
+from .proxy import wait_quiet
+
+VIP_PORT = 80
+ORIGIN_PORT = 8080
+CONTROL_PORT = 7000
+JOIN_PORT = 7001
+METRICS_PORT = 9180
+MIB = 1 << 20
+TARGETS = {"vs_proxy": 0.1, "vs_dsr": 1.2, "vs_direct": 0.9}
+
+
+@dataclass(frozen=True)
+class System:
+    key: str
+    label: str
+
+
+SYSTEMS = [
+    System("direct", "direct: client → origin"),
+    System("handoff", "inband proxy, handed off (TCPE client)"),
+    System("proxy", "inband proxy, proxied (curl)"),
+    System("dsr", "inband lb, dsr-rr (XDP)"),
+    System("nginx", "nginx, proxy_pass"),
+    System("haproxy", "HAProxy, mode http"),
+]
+BY_KEY = {s.key: s for s in SYSTEMS}
+# What each row's balancer is; the two inband proxy rows share one.
+BALANCER = {"direct": None, "handoff": "inband-proxy", "proxy": "inband-proxy", "dsr": "inband-lb", "nginx": "nginx", "haproxy": "haproxy"}
+
+
+@dataclass(frozen=True)
+class Profile:
+    counts: tuple  # (MiB, fetches per row) for each response size
+    rounds: int
+
+
+PROFILES = {
+    # 200 handoffs of 1 MiB per round: the latency percentiles' sample.
+    "default": Profile(counts=((1, 200), (10, 40), (100, 6)), rounds=3),
+    "quick": Profile(counts=((1, 50), (10, 10), (100, 2)), rounds=1),
+    # The test's: every row, nothing measured well.
+    "tiny": Profile(counts=((1, 4), (10, 2), (100, 2)), rounds=1),
+}
+
+TOOLS = {"nginx": ["nginx", "-v"], "haproxy": ["haproxy", "-v"], "curl": ["curl", "--version"]}
+
+
+@dataclass
+class Row:
+    """One client process: `requests` fetches of one size through one system."""
+
+    system: str
+    size: int  # bytes of each response body
+    round: int
+    requests: int
+    ok: int = 0  # 200 with the whole body
+    bytes: int = 0  # body bytes received, all fetches
+    seconds: float = 0.0  # the client's run
+    balancer_cpu_s: float = 0.0  # the balancer cgroup's usage
+    bpf_ns: int = 0  # XDP (dsr) or the proxy's sockops program (inband proxy rows)
+    machine_cpu_s: float = 0.0  # busy CPU of the whole machine
+    client_cpu_s: float = 0.0  # the client cgroup's usage
+    server_cpu_s: float = 0.0  # the servers' cgroup: the origin and the takeover server
+    totals_s: list = field(default_factory=list)  # per fetch: connect start → last byte
+    first_ms: list = field(default_factory=list)  # per fetch: request written → first byte
+    moved: int = 0  # fetches whose connection the client says moved
+    handed_off: int = 0  # the proxy's count over the row
+    fallbacks: dict = field(default_factory=dict)  # the proxy's other handoff counts over the row (fallbacks, client_not_closed)
+    kept: dict = field(default_factory=dict)  # the proxy's tcpe_kept_total over the row, by reason
+    error: str = ""
+
+
+# ------------------------------------------------------------------ parsing
+
+
+TIMING = re.compile(r"^timing status=(\d+) bytes=(\d+) moved=(\d+) connect_ns=(\d+) sent_ns=(\d+) first_byte_ns=(\d+) done_ns=(\d+) ")
+
+
+def parse_timing(text: str) -> list[dict]:
+    """`inband tcpe get --timing`'s lines, one per fetch."""
+    out = []
+    for line in text.splitlines():
+        m = TIMING.match(line)
+        if m:
+            status, nbytes, moved, connect, sent, first, done = (int(x) for x in m.groups())
+            out.append({"status": status, "bytes": nbytes, "moved": moved, "total_s": (done - connect) / 1e9, "first_ms": (first - sent) / 1e6})
+    return out
+
+
+CURL_WRITE_OUT = "%{http_code} %{size_download} %{time_pretransfer} %{time_starttransfer} %{time_total}\\n"
+
+
+def parse_curl(text: str) -> list[dict]:
+    """curl's write-out lines (CURL_WRITE_OUT), one per fetch."""
+    out = []
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) != 5:
+            continue
+        code, nbytes, pre, start, total = int(f[0]), int(f[1]), float(f[2]), float(f[3]), float(f[4])
+        out.append({"status": code, "bytes": nbytes, "moved": 0, "total_s": total, "first_ms": (start - pre) * 1e3})
+    return out
+
+
+METRIC = re.compile(r'^inband_proxy_tcpe_(handoffs|kept)_total\{(?:result|reason)="([a-z_]+)"\} ([0-9.e+]+)$', re.M)
+
+
+def parse_tcpe_metrics(text: str) -> dict:
+    """{("handoffs"|"kept", name): value} from the proxy's /metrics."""
+    return {(m.group(1), m.group(2)): float(m.group(3)) for m in METRIC.finditer(text)}
+
+
+# ------------------------------------------------------------------ cgroups
+
+
+def cgroup2_mount() -> Path:
+    """Where cgroup v2 is mounted (/sys/fs/cgroup/unified on this kind of
+    machine, /sys/fs/cgroup on a pure v2 one)."""
+    for line in open("/proc/self/mountinfo"):
+        pre, _, post = line.partition(" - ")
+        if post.split()[:1] == ["cgroup2"]:
+            return Path(pre.split()[4])
+    raise RuntimeError("no cgroup2 mount (the TCPE programs attach to a cgroup v2)")
+
+
+def cgroup_usage_s(cg: Path) -> float:
+    """utime + stime of every task that ran in `cg` (cpu.stat, µs)."""
+    for line in (cg / "cpu.stat").read_text().splitlines():
+        k, v = line.split()
+        if k == "usage_usec":
+            return int(v) / 1e6
+    raise RuntimeError(f"{cg}/cpu.stat has no usage_usec")
+
+
+def in_cgroup(cg: Path, argv: list[str]) -> list[str]:
+    """argv run inside cgroup `cg`: the shell moves itself in, then execs
+    (same pid, so the driver still stops it by its session)."""
+    return ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(cg), *argv]
+
+
+# ------------------------------------------------------------------ configs
+
+
+def inband_proxy_toml(*, listen: str, origin: str, metrics: str, cgroup: Path, key: Path, control: str, join: str) -> str:
+    return (f'listen = "{listen}"\nbackends = ["{origin}"]\nmetrics_listen = "{metrics}"\n\n'
+            f'[tcpe]\ncgroup = "{cgroup}"\nkey = "{key}"\n\n'
+            f'[[tcpe.server]]\nbackend = "{origin}"\ncontrol = "{control}"\njoin = "{join}"\n')
+
+
+# ------------------------------------------------------------------ the run
+
+
+class Bench(TestbedRun):
+    watch_others = True
+
+    def __init__(self, args, p: Profile, out: Path) -> None:
+        super().__init__(args.inband, args.name)
+        self.args, self.p, self.out = args, p, out
+        self.tmp = Path(tempfile.mkdtemp(prefix="inband-bench-handoff-"))
+        self.cgroups: dict[str, Path] = {}
+        self.stats_fd: int | None = None
+        self.balancer = None  # (kind, process)
+        self.wait_budget_s = args.wait_quiet
+        self.quiet: set[str] = set()
+
+    # --- set-up
+
+    def setup(self) -> None:
+        run_dir = self.out / "run"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        base = cgroup2_mount()
+        for role in ("lb", "c1", "s1"):
+            cg = base / f"inband-bench-handoff-{os.getpid()}-{role}"
+            cg.mkdir()
+            self.cgroups[role] = cg
+        self.bring_up(1)
+        self.auth_key = new_auth_key(self.inband, run_dir)
+        self.tcpe_key = run_dir / "tcpe.key"
+        self.tcpe_key.unlink(missing_ok=True)
+        run(None, [str(self.inband), "keygen", "--out", str(self.tcpe_key)])
+        self.start_agents(["s1"], run_dir, self.out / "logs", ORIGIN_PORT)
+        self.start_origin()
+        self.start_takeover()
+        for ns in (self.ns("c1"), self.ns("lb")):
+            run(ns, ["ping", "-c", "1", "-W", "2", self.tb.addr("s1")], check=False)
+        self.stats_fd = enable_bpf_stats()
+
+    def start_origin(self) -> None:
+        root = self.tmp / "root"
+        root.mkdir()
+        block = os.urandom(MIB)
+        for mib, _ in self.p.counts:
+            with open(root / f"{mib}M", "wb") as f:
+                for _ in range(mib):
+                    f.write(block)
+        prefix = self.tmp / "origin"
+        prefix.mkdir()
+        conf = self.out / "configs" / "origin.conf"
+        conf.parent.mkdir(parents=True, exist_ok=True)
+        conf.write_text(peers.nginx_static_conf(listen=f"0.0.0.0:{ORIGIN_PORT}", root=str(root), prefix=str(prefix),
+                                                workers=os.cpu_count() or 1, as_root=os.geteuid() == 0))
+        log = self.out / "logs" / "origin.log"
+        argv = ["nginx", "-c", str(conf), "-p", str(prefix), "-e", str(prefix / "error.log"), "-g", "daemon off;"]
+        proc = self.procs.spawn("origin", self.ns("s1"), in_cgroup(self.cgroups["s1"], argv), log)
+        wait_until("the origin", lambda: alive(proc, "origin nginx", log) and self.listening("s1", ORIGIN_PORT), 20)
+
+    def start_takeover(self) -> None:
+        s1 = self.tb.addr("s1")
+        argv = [str(self.inband), "tcpe", "serve", "--control", f"{s1}:{CONTROL_PORT}", "--join", f"{s1}:{JOIN_PORT}",
+                "--origin", f"127.0.0.1:{ORIGIN_PORT}", "--key", str(self.tcpe_key)]
+        log = self.out / "logs" / "takeover.log"
+        proc = self.procs.spawn("takeover", self.ns("s1"), in_cgroup(self.cgroups["s1"], argv), log, env=dict(os.environ, INBAND_LOG="warn"))
+        wait_until("the takeover server", lambda: alive(proc, "inband tcpe serve", log) and self.listening("s1", JOIN_PORT), 20)
+
+    def listening(self, node: str, port: int) -> bool:
+        return f":{port} " in run(self.ns(node), ["ss", "-Hltn"]).stdout
+
+    # --- balancers
+
+    def start_balancer(self, kind: str) -> None:
+        d = self.out / "configs"
+        vip, s1 = self.tb.vip, self.tb.addr("s1")
+        origin = f"{s1}:{ORIGIN_PORT}"
+        cg = self.cgroups["lb"]
+        env = dict(os.environ, INBAND_LOG="warn")  # no access log: the peers keep none either
+        log = self.out / "logs" / f"{kind}.log"
+        workers = os.cpu_count() or 1
+        if kind == "inband-lb":
+            # start_lb spawns without the cgroup: run it in one by the
+            # same wrapper, through a config written the same way.
+            self.balancer = (kind, self.start_lb_in_cgroup(d))
+            return
+        if kind == "inband-proxy":
+            cfg = d / "inband-proxy.toml"
+            cfg.write_text(inband_proxy_toml(listen=f"{vip}:{VIP_PORT}", origin=origin, metrics=f"{self.tb.addr('lb')}:{METRICS_PORT}",
+                                             cgroup=cg, key=self.tcpe_key, control=f"{s1}:{CONTROL_PORT}", join=f"{s1}:{JOIN_PORT}"))
+            argv = [str(self.inband), "proxy", "--config", str(cfg)]
+        elif kind == "nginx":
+            prefix = self.tmp / "nginx"
+            prefix.mkdir(exist_ok=True)
+            cfg = d / "nginx.conf"
+            cfg.write_text(peers.nginx_proxy_conf(listen=f"{vip}:{VIP_PORT}", origin=origin, prefix=str(prefix), workers=workers,
+                                                  as_root=os.geteuid() == 0))
+            argv = ["nginx", "-c", str(cfg), "-p", str(prefix), "-e", str(prefix / "error.log"), "-g", "daemon off;"]
+        elif kind == "haproxy":
+            cfg = d / "haproxy.cfg"
+            cfg.write_text(peers.haproxy_http_cfg(listen=f"{vip}:{VIP_PORT}", origin=origin, threads=workers))
+            argv = ["haproxy", "-db", "-f", str(cfg)]
+        else:
+            raise ValueError(kind)
+        proc = self.procs.spawn(kind, self.ns("lb"), in_cgroup(cg, argv), log, env=env)
+        self.balancer = (kind, proc)
+        wait_until(f"{kind} on the VIP", lambda: alive(proc, kind, log) and self.listening("lb", VIP_PORT), 30)
+        if kind == "inband-proxy":
+            wait_until("the proxy's metrics", lambda: self.metrics() is not None, 10)
+
+    def start_lb_in_cgroup(self, d: Path):
+        lb = self.ns("lb")
+        backends = [Backend(self.tb.addr("s1"), ORIGIN_PORT)]
+        for b in backends:
+            run(lb, ["ping", "-c", "1", "-W", "2", b.address], check=False)
+        cfg = d / "lb.toml"
+        cfg.write_text(peers.lb_toml(address=self.tb.addr("lb"), vip=self.tb.vip, vip_port=VIP_PORT, backends=backends, mode="dsr-rr",
+                                     control_socket=str(self.lb_sock), auth_key=str(self.auth_key)))
+        log = self.out / "logs" / "inband-lb.log"
+        proc = self.procs.spawn("inband lb", lb, in_cgroup(self.cgroups["lb"], [str(self.inband), "lb", "--config", str(cfg)]), log)
+        wait_until("the balancer's control socket", lambda: alive(proc, "inband lb", log) and self.lb_status() is not None, 30)
+        wait_until("the balancer to resolve s1", lambda: alive(proc, "inband lb", log)
+                   and all(b["mac"] != "00:00:00:00:00:00" for b in self.lb_backends()) and bool(self.lb_backends()), 30)
+        return proc
+
+    def stop_balancer(self) -> None:
+        if self.balancer is None:
+            return
+        kind, proc = self.balancer
+        self.balancer = None
+        self.procs.stop(proc)
+        if kind == "inband-lb":
+            self.detach_lb()
+
+    def metrics(self) -> dict | None:
+        cp = run(self.ns("lb"), ["curl", "-s", "--max-time", "3", f"http://{self.tb.addr('lb')}:{METRICS_PORT}/metrics"], check=False)
+        return parse_tcpe_metrics(cp.stdout) if cp.returncode == 0 and "inband_proxy" in cp.stdout else None
+
+    # --- measuring
+
+    def settle(self) -> None:
+        if self.wait_budget_s <= 0:
+            self.quiet.add("not waited for (--wait-quiet 0)" if self.args.wait_quiet <= 0 else "not waited for (the --wait-quiet time was used up)")
+            return
+        t0 = time.monotonic()
+        self.quiet.add(wait_quiet(self.wait_budget_s, self.log, hold_s=2))
+        self.wait_budget_s -= time.monotonic() - t0
+
+    def bpf_ns(self, kind: str | None) -> int:
+        if kind == "inband-lb":
+            return xdp_prog_stats(self.ns("lb"), "eth0")[0]
+        if kind == "inband-proxy":
+            progs = json.loads(run(None, ["bpftool", "-j", "cgroup", "show", str(self.cgroups["lb"])]).stdout or "[]")
+            total = 0
+            for p in progs:
+                if p.get("attach_type") == "sock_ops":
+                    total += int(json.loads(run(None, ["bpftool", "-j", "prog", "show", "id", str(p["id"])]).stdout).get("run_time_ns", 0))
+            return total
+        return 0
+
+    def client_argv(self, system: str, url: str, n: int) -> list[str]:
+        if system == "handoff":
+            return [str(self.inband), "tcpe", "get", "--cgroup", str(self.cgroups["c1"]), "--timing", *([url] * n)]
+        cfg = self.tmp / "curl.conf"
+        cfg.write_text('silent\nheader = "Connection: close"\nmax-time = 120\n'
+                       f'write-out = "{CURL_WRITE_OUT}"\n' + f'url = "{url}"\noutput = "/dev/null"\n' * n)
+        return ["curl", "-K", str(cfg)]
+
+    def measure(self, system: str, mib: int, n: int, rnd: int) -> Row:
+        kind = BALANCER[system]
+        size = mib * MIB
+        host = self.tb.addr("s1") if system == "direct" else self.tb.vip
+        port = ORIGIN_PORT if system == "direct" else VIP_PORT
+        url = f"http://{host}:{port}/{mib}M"
+        argv = ns_argv(self.ns("c1"), in_cgroup(self.cgroups["c1"], self.client_argv(system, url, n)))
+        row = Row(system, size, rnd, n)
+        m0 = self.metrics() if kind == "inband-proxy" else None
+        lb0, c0, s0 = (cgroup_usage_s(self.cgroups[r]) for r in ("lb", "c1", "s1"))
+        bpf0 = self.bpf_ns(kind)
+        busy0, t0 = cpu_busy_s(), time.monotonic()
+        cp = subprocess.run(argv, stdout=subprocess.DEVNULL if system == "handoff" else subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            timeout=60 + n * (5 + mib / 20), env=dict(os.environ, INBAND_LOG="warn"))
+        row.seconds = time.monotonic() - t0
+        row.machine_cpu_s = cpu_busy_s() - busy0
+        row.balancer_cpu_s = cgroup_usage_s(self.cgroups["lb"]) - lb0
+        row.client_cpu_s = cgroup_usage_s(self.cgroups["c1"]) - c0
+        row.server_cpu_s = cgroup_usage_s(self.cgroups["s1"]) - s0
+        row.bpf_ns = self.bpf_ns(kind) - bpf0
+        fetches = parse_timing(cp.stderr) if system == "handoff" else parse_curl(cp.stdout)
+        for f in fetches:
+            row.bytes += f["bytes"]
+            if f["status"] == 200 and f["bytes"] == size:
+                row.ok += 1
+                row.totals_s.append(f["total_s"])
+                row.first_ms.append(f["first_ms"])
+            row.moved += f["moved"]
+        if cp.returncode != 0 or row.ok != n:
+            row.error = f"client exit {cp.returncode}, {row.ok} of {n} complete: {cp.stderr.strip()[-300:]}"
+        if m0 is not None:
+            m1 = self.metrics() or {}
+            delta = {k: m1.get(k, 0.0) - v for k, v in m0.items()}
+            row.handed_off = int(delta.get(("handoffs", "handed_off"), 0))
+            row.fallbacks = {k[1]: int(v) for k, v in delta.items() if k[0] == "handoffs" and k[1] != "handed_off" and v}
+            row.kept = {k[1]: int(v) for k, v in delta.items() if k[0] == "kept" and v}
+        return row
+
+    def teardown(self) -> None:
+        if self.stats_fd is not None:
+            os.close(self.stats_fd)
+            self.stats_fd = None
+        try:
+            self.stop_balancer()
+        finally:
+            super().teardown()
+            for cg in self.cgroups.values():
+                remove_cgroup(cg)
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def remove_cgroup(cg: Path) -> None:
+    """rmdir once its processes (all stopped by now) are reaped."""
+    for _ in range(50):
+        try:
+            cg.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.1)
+    print(f"warning: cgroup {cg} could not be removed: {(cg / 'cgroup.procs').read_text().split()}", file=sys.stderr)
+
+
+# ------------------------------------------------------------------ tables
+
+
+def mib_label(size: int) -> str:
+    return f"{size // MIB} MiB"
+
+
+@dataclass
+class Cell:
+    """A (system, size)'s rows over the rounds, summed."""
+
+    system: str
+    size: int
+    requests: int = 0
+    ok: int = 0
+    bytes: int = 0
+    balancer_cpu_s: float = 0.0
+    bpf_ns: int = 0
+    machine_cpu_s: float = 0.0
+    client_cpu_s: float = 0.0
+    server_cpu_s: float = 0.0
+    totals_s: list = field(default_factory=list)
+    first_ms: list = field(default_factory=list)
+    moved: int = 0
+    handed_off: int = 0
+    fallbacks: dict = field(default_factory=dict)
+    kept: dict = field(default_factory=dict)
+    errors: list = field(default_factory=list)
+
+    @property
+    def gb(self) -> float:
+        return self.bytes / 1e9
+
+    def per_gb(self, seconds: float) -> float | None:
+        return seconds / self.gb if self.gb else None
+
+    @property
+    def balancer_s_gb(self) -> float | None:
+        """Processes + XDP run time (the sockops program is partly in the
+        proxy's time already)."""
+        xdp = self.bpf_ns / 1e9 if self.system == "dsr" else 0.0
+        return self.per_gb(self.balancer_cpu_s + xdp)
+
+    @property
+    def others_s_gb(self) -> float | None:
+        """The whole machine's busy CPU but the client's, per GB."""
+        return self.per_gb(self.machine_cpu_s - self.client_cpu_s)
+
+    @property
+    def mb_s(self) -> float | None:
+        """The median fetch's body bytes per second, in MB/s."""
+        rates = [self.size / t / 1e6 for t in self.totals_s if t > 0]
+        return percentile(rates, 50)
+
+    @property
+    def not_moved(self) -> int:
+        """Fetches of a handoff row that did not move, by the smaller of the
+        two ends' counts (fallbacks, and fetches a failed client never made)."""
+        return self.requests - min(self.moved, self.handed_off) if self.system == "handoff" else 0
+
+
+def cells(rows: list[Row]) -> dict:
+    """{(system, size): Cell} over every round."""
+    out: dict = {}
+    for r in rows:
+        c = out.setdefault((r.system, r.size), Cell(r.system, r.size))
+        c.requests += r.requests
+        c.ok += r.ok
+        c.bytes += r.bytes
+        c.balancer_cpu_s += r.balancer_cpu_s
+        c.bpf_ns += r.bpf_ns
+        c.machine_cpu_s += r.machine_cpu_s
+        c.client_cpu_s += r.client_cpu_s
+        c.server_cpu_s += r.server_cpu_s
+        c.totals_s += r.totals_s
+        c.first_ms += r.first_ms
+        c.moved += r.moved
+        c.handed_off += r.handed_off
+        for k, v in r.fallbacks.items():
+            c.fallbacks[k] = c.fallbacks.get(k, 0) + v
+        for k, v in r.kept.items():
+            c.kept[k] = c.kept.get(k, 0) + v
+        if r.error:
+            c.errors.append(f"round {r.round + 1}: {r.error}")
+    return out
+
+
+def fmt(v: float | None, digits: int = 3) -> str:
+    return cell(v, fmt=f".{digits}f")
+
+
+def moved_cell(c: Cell) -> str:
+    if c.system != "handoff":
+        return "–"
+    return f"{c.handed_off}/{c.requests}" + ("" if c.moved == c.handed_off else f" (client: {c.moved})")
+
+
+def fallback_cell(c: Cell) -> str:
+    if c.system != "handoff":
+        return "–"
+    # A request one of the proxy's rules kept never tried to move: said too.
+    said = [f"{k} {v}" for k, v in sorted(c.fallbacks.items())] + [f"kept ({k}) {v}" for k, v in sorted(c.kept.items())]
+    return ", ".join(said) or "0"
+
+
+def cpu_table(cs: dict) -> str:
+    sizes = sorted({s for _, s in cs})
+    rows = []
+    for size in sizes:
+        direct = cs.get(("direct", size))
+        ref_proxy, ref_dsr = cs.get(("proxy", size)), cs.get(("dsr", size))
+        for s in SYSTEMS:
+            c = cs.get((s.key, size))
+            if c is None:
+                continue
+            own = c.balancer_s_gb if s.key != "direct" else None
+            above = above_direct(c, direct) if c is not direct else None
+            rows.append([
+                mib_label(size), s.label, f"{c.ok}/{c.requests}", moved_cell(c), fallback_cell(c), f"{c.gb:.3f}",
+                fmt(c.per_gb(c.balancer_cpu_s)) if s.key != "direct" else "–",
+                fmt(c.per_gb(c.bpf_ns / 1e9), 4) if c.bpf_ns else "–",
+                fmt(own), times(own, ref_proxy.balancer_s_gb if ref_proxy else None) if own is not None else "–",
+                times(own, ref_dsr.balancer_s_gb if ref_dsr else None) if own is not None else "–",
+                fmt(above), fmt(c.per_gb(c.server_cpu_s)),
+            ])  # fmt: skip
+    return table(["response", "system", "complete", "handed off", "fallbacks", "GB", "balancer processes s/GB", "BPF run time s/GB",
+                  "balancer s/GB", "÷ proxied", "÷ dsr-rr", "machine above direct s/GB", "server processes s/GB"], rows)
+
+
+def throughput_table(cs: dict) -> str:
+    rows = []
+    for size in sorted({s for _, s in cs}):
+        direct = cs.get(("direct", size))
+        for s in SYSTEMS:
+            c = cs.get((s.key, size))
+            if c is None:
+                continue
+            rates = [c.size / t / 1e6 for t in c.totals_s if t > 0]
+            rows.append([mib_label(size), s.label, len(rates), fmt(c.mb_s, 0), fmt(min(rates) if rates else None, 0),
+                         times(c.mb_s, direct.mb_s if direct else None) if s.key != "direct" else "–"])
+    return table(["response", "system", "fetches", "median MB/s", "slowest MB/s", "÷ direct"], rows)
+
+
+def latency_table(cs: dict) -> str:
+    rows = []
+    for s in SYSTEMS:
+        ms = [x for (k, _), c in cs.items() if k == s.key for x in c.first_ms]
+        if not ms:
+            continue
+        rows.append([s.label, len(ms), fmt(percentile(ms, 50), 2), fmt(percentile(ms, 99), 2), fmt(max(ms), 2)])
+    return table(["system", "fetches", "p50 ms", "p99 ms", "max ms"], rows)
+
+
+def verdict(x: float | None, target: float, below: bool) -> str:
+    if x is None:
+        return "–"
+    return "met" if (x <= target if below else x >= target) else "**not met**"
+
+
+def above_direct(c: Cell | None, direct: Cell | None) -> float | None:
+    """The machine's CPU per GB but the client's, above the direct row's."""
+    if c is None or direct is None or c.others_s_gb is None or direct.others_s_gb is None:
+        return None
+    return c.others_s_gb - direct.others_s_gb
+
+
+def positive_ratio(a: float | None, b: float | None) -> float | None:
+    """a ÷ b where both are costs above zero (a differential can come out
+    at or below zero in the noise, and a ratio to it means nothing)."""
+    return ratio(a, b) if a is not None and b is not None and a > 0 and b > 0 else None
+
+
+def targets_table(cs: dict) -> str:
+    rows = []
+    for size in sorted({s for _, s in cs}):
+        h = cs.get(("handoff", size))
+        if h is None:
+            continue
+        p, d, direct = cs.get(("proxy", size)), cs.get(("dsr", size)), cs.get(("direct", size))
+        vs_p = ratio(h.balancer_s_gb, p.balancer_s_gb) if p else None
+        vs_d = ratio(h.balancer_s_gb, d.balancer_s_gb) if d else None
+        vs_direct = ratio(h.mb_s, direct.mb_s) if direct else None
+        # The same two ratios on the machine's CPU above direct: beside
+        # them, not judged (other work on the machine lands in it).
+        m = above_direct(h, direct)
+        machine = [fmt(positive_ratio(m, above_direct(p, direct)), 3), fmt(positive_ratio(m, above_direct(d, direct)), 2)]
+        if h.not_moved:
+            judged = f"not judged: {h.not_moved} of {h.requests} did not move"
+            rows.append([mib_label(size), fmt(vs_p, 3), judged, fmt(vs_d, 2), judged, fmt(vs_direct, 2), judged, *machine])
+            continue
+        rows.append([mib_label(size), fmt(vs_p, 3), verdict(vs_p, TARGETS["vs_proxy"], True), fmt(vs_d, 2), verdict(vs_d, TARGETS["vs_dsr"], True),
+                     fmt(vs_direct, 2), verdict(vs_direct, TARGETS["vs_direct"], False), *machine])
+    return table(["response", f"handoff ÷ proxied, balancer CPU (≤ {TARGETS['vs_proxy']})", "", f"handoff ÷ dsr-rr (≤ {TARGETS['vs_dsr']})", "",
+                  f"handoff ÷ direct, throughput (≥ {TARGETS['vs_direct']})", "", "machine above direct: handoff ÷ proxied", "÷ dsr-rr"], rows)
+
+
+def markdown(rows: list[Row], profile: dict, quiet: list[str], failed: list[str], others: list[str] = ()) -> str:
+    cs = cells(rows)
+    n = ", ".join(f"{mib} MiB × {k}" for mib, k in profile["counts"])
+    parts = [
+        f"#### The targets (issue 29), {profile['rounds']} round(s) of {n} fetches per row", "", targets_table(cs), "",
+        "#### Balancer CPU per GB of response", "", cpu_table(cs), "",
+        "#### Throughput: one connection at a time, connect → last byte", "", throughput_table(cs), "",
+        "#### First-byte latency: request written → first response byte (handed off: on the new path)", "", latency_table(cs),
+    ]  # fmt: skip
+    errors = [f"{BY_KEY[c.system].label}, {mib_label(c.size)}: {e}" for c in cs.values() for e in c.errors]
+    if errors:
+        parts += ["", "**Incomplete rows:** " + "; ".join(errors)]
+    if quiet:
+        parts += ["", f"Before each row: {'; '.join(quiet)}."]
+    parts += ["", f"Other work seen running during the rows (it lands in the machine's CPU): {', '.join(others) or 'none seen'}."]
+    if failed:
+        parts += ["", "**Failed:** " + "; ".join(failed)]
+    return "\n".join(parts) + "\n"
+
+
+def render(record: dict) -> str:
+    rows = [revive(Row, r) for r in record["rows"]]
+    return provenance(record) + "\n\n" + markdown(rows, record["profile"], record.get("quiet", []), record.get("failed", []), record.get("others", []))
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cs = cells(rows)
+    sizes = sorted({s for _, s in cs})
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for i, s in enumerate(SYSTEMS):
+        xs = [size // MIB for size in sizes if (s.key, size) in cs]
+        style = dict(marker="o", label=s.label, color=f"C{i}")  # one colour per system in both panels
+        if s.key != "direct":
+            a.plot(xs, [cs[(s.key, size)].balancer_s_gb or 0 for size in sizes if (s.key, size) in cs], **style)
+        b.plot(xs, [cs[(s.key, size)].mb_s or 0 for size in sizes if (s.key, size) in cs], **style)
+    for ax in (a, b):
+        ax.set_xscale("log")
+        ax.set_xticks([size // MIB for size in sizes], [mib_label(size) for size in sizes])
+        ax.set_xlabel("response size")
+        ax.legend(fontsize=7)
+    a.set_yscale("log")
+    a.set_ylabel("balancer CPU s per GB (processes + XDP)")
+    a.set_title("Balancer CPU per GB of response")
+    b.set_ylabel("MB/s, median fetch")
+    b.set_title("Throughput, one connection at a time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.handoff", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="the run's configs, logs and figure (created)")
+    ap.add_argument("--results", type=Path, default=default_dir("handoff"), help="results.json and results.md (default: bench/results/handoff)")
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="default")
+    ap.add_argument("--quick", action="store_true", help="the profile `quick`: one round, fewer fetches")
+    ap.add_argument("--rounds", type=int, help="override the profile's rounds")
+    ap.add_argument("--systems", default=",".join(BY_KEY), help="comma-separated subset of " + ", ".join(BY_KEY))
+    ap.add_argument("--name", default="handoff", help="testbed name (namespaces NAME-c1, NAME-lb, NAME-s1, NAME-sw)")
+    ap.add_argument(
+        "--wait-quiet", type=float, default=600,
+        help="seconds to wait at most, over the whole run, for builds and bench.forwarding to end before each row (0: do not wait)",
+    )  # fmt: skip
+    ap.add_argument("--inband", default=str(REPO / "target" / "debug" / "inband"))
+    args = ap.parse_args(argv)
+    bad = set(args.systems.split(",")) - set(BY_KEY)
+    if bad:
+        ap.error(f"unknown system(s): {', '.join(sorted(bad))}")
+    systems = [s for s in SYSTEMS if s.key in args.systems.split(",")]
+    refused = preflight.refuse(preflight.problems(inband=args.inband, tools=("curl", "nginx", "haproxy", "bpftool", "ss"), testbed_name=args.name,
+                                                  bpf_stats=True))
+    if refused:
+        return refused
+    name = "quick" if args.quick else args.profile
+    p = profiles.choose(PROFILES, name, rounds=args.rounds)
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    this_run = Run("handoff", "bench.handoff", argv)
+    stop_signals_interrupt()
+    bench = Bench(args, p, out)
+    outcome = Outcome(bench.log)
+    rows: list[Row] = []
+    with outcome.torn_down_after(bench.teardown):
+        bench.setup()
+        for rnd in range(p.rounds):
+            started = None
+            for s in systems:
+                kind = BALANCER[s.key]
+                if kind != started:
+                    bench.stop_balancer()
+                    if kind is not None:
+                        bench.log(f"round {rnd + 1}/{p.rounds}: start {kind}")
+                        outcome.attempt(f"round {rnd + 1} start {kind}", lambda kind=kind: bench.start_balancer(kind))
+                    started = kind
+                if kind is not None and bench.balancer is None:
+                    continue  # its start failed, recorded
+                for mib, n in p.counts:
+                    bench.settle()
+                    bench.log(f"round {rnd + 1}/{p.rounds}: {s.label}, {n} × {mib} MiB")
+                    outcome.attempt(f"round {rnd + 1} {s.key} {mib} MiB", lambda s=s, mib=mib, n=n: bench.measure(s.key, mib, n, rnd), rows)
+            bench.stop_balancer()
+    record = this_run.record([asdict(r) for r in rows], profile=profiles.as_json(name, p), inband=Path(args.inband), tools=TOOLS,
+                             quiet=sorted(bench.quiet), others=sorted(bench.others), failed=outcome.failed)
+    write_results(args.results, record, render(record))
+    if rows:
+        plot(rows, out / "handoff.png")
+    return outcome.exit_code()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
