@@ -34,6 +34,7 @@ RENDER = {
     "frontdoor": frontdoor.render,
     "handoff": handoff.render,
     "health": health.render,
+    "keepalive": regimes.render,
     "mesh": mesh.render,
     "paper": paper.render,
     "proxy": proxy.render,

@@ -65,7 +65,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .lib import locust, paperbed, preflight, profiles, results
+from .lib import locust, paperbed, preflight, profiles, results, stats
 from .lib.locust import RunResult, Summary
 from .lib.paperbed import Bench, Configuration, ServerSpec
 from .lib.procs import Interrupted, stop_signals_interrupt, uninterruptible
@@ -255,6 +255,9 @@ class Row:
     lifetime_s: float  # balancer start to status read: the polls' period
     rep: int = 0
     direct_requests: int = 0  # the direct population's, answered inside the window
+    # p99 of every answered request inside the window, balanced and direct:
+    # the service's tail as all its users see it (hidden-load only).
+    all_p99_ms: float | None = None
 
     @property
     def s(self) -> Summary:
@@ -332,7 +335,10 @@ def run_rep(bench: Bench, regime: Regime, profile: Profile, out: Path, rep: int)
         res = bench.run_config(replace(c, key=key, label=label))
         meta = json.loads((d / "meta.json").read_text())
         hidden = locust.in_window(locust.read_requests(d / "direct-requests.csv"), *res.window) if direct else []
-        row = Row(key, label, interval, res, meta["status_read"] - meta["balancer_started"], rep, sum(1 for r in hidden if r.ok))
+        everyone = [r.rt_ms for r in locust.in_window(res.requests, *res.window) + hidden if r.ok] if direct else []
+        row = Row(
+            key, label, interval, res, meta["status_read"] - meta["balancer_started"], rep, sum(1 for r in hidden if r.ok), stats.percentile(everyone, 99)
+        )
         rows.append(row)
         return row
 
@@ -501,7 +507,7 @@ def regime_table(regime: Regime, rows: list[Row]) -> str:
     # the balanced rows' RPS.
     direct = any(r.direct_requests for rs in cells.values() for r in rs)
     if direct:
-        headers.append("direct requests per run (past the balancer)")
+        headers += ["direct requests per run (past the balancer)", "p99 of every user (balanced and direct)"]
     out = []
     for key, rs in cells.items():
         n = sum(r.s.requests for r in rs)
@@ -524,6 +530,8 @@ def regime_table(regime: Regime, rows: list[Row]) -> str:
         )
         if direct:
             out[-1].append(Spread.of(r.direct_requests for r in rs).fmt(lambda x: f"{x:.0f}"))
+            tails = [r.all_p99_ms for r in rs if r.all_p99_ms is not None]
+            out[-1].append(Spread.of(tails).fmt(fmt_time) if tails else "–")
     return table(headers, out)
 
 
@@ -667,7 +675,7 @@ def main(argv=None) -> int:
 
     rows = [
         {"regime": key, "rep": r.rep, "key": r.key, "label": r.label, "interval": r.interval, "lifetime_s": r.lifetime_s,
-         "direct_requests": r.direct_requests, "result": r.result.to_json()}
+         "direct_requests": r.direct_requests, "all_p99_ms": r.all_p99_ms, "result": r.result.to_json()}
         for key, rs in by_regime.items() for r in rs
     ]  # fmt: skip
     record = this_run.record(rows, profile=profiles.as_json(args.profile, profile), inband=Path(args.inband), paper_profile=asdict(pprofile),
@@ -706,7 +714,7 @@ def render(record: dict) -> str:
     by_regime: dict[str, list[Row]] = {}
     for r in record["rows"]:
         by_regime.setdefault(r["regime"], []).append(
-            Row(r["key"], r["label"], r["interval"], RunResult.from_json(r["result"]), r["lifetime_s"], r.get("rep", 0), r.get("direct_requests", 0))
+            Row(r["key"], r["label"], r["interval"], RunResult.from_json(r["result"]), r["lifetime_s"], r.get("rep", 0), r.get("direct_requests", 0), r.get("all_p99_ms"))
         )
     parts = [
         "# Regimes: in-band feedback against asking and against no feedback\n",

@@ -187,12 +187,13 @@ def test_tiny_grid_end_to_end(tmp_path):
         rows = table_rows(section, "| configuration | interval | RPS |")
         wanted = only.get(key, regimes.CONFIG_KEYS)
         assert [r[0] for r in rows] == [label for k, label in zip(regimes.CONFIG_KEYS, CONFIG_ROWS) if k in wanted], rows
-        # The regime with users past the balancer adds what they got.
+        # The regime with users past the balancer adds what they got, and
+        # the tail every user saw.
         direct = key == "hidden-load"
         for r in rows:
-            assert len(r) == 11 + direct and float(r[2]) > 0, r
+            assert len(r) == 11 + 2 * direct and float(r[2]) > 0, r
             if direct:
-                assert float(r[11]) >= 0, r
+                assert float(r[11]) >= 0 and r[12].endswith("s"), r
         by = {r[0]: r for r in rows}
         assert by["dsr-dynamic (in-band)"][9] == "1.00×"
         assert by["dsr-dynamic (in-band)"][7] == "0.000"  # no packet of its own

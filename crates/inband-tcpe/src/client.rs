@@ -394,6 +394,20 @@ fn read_body<S: Read>(r: &mut Reader<'_, S>, framing: &Framing, out: &mut impl W
     Ok(())
 }
 
+/// The answer to a range request that was not the rest of the same
+/// object: a 200 (If-Range failed: it changed) or another range.
+#[derive(Debug)]
+struct Changed(u64, u64, u16, Option<(u64, u64, u64)>);
+
+impl std::fmt::Display for Changed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Changed(from, total, status, range) = self;
+        write!(f, "the body was cut at {from} of {total} bytes and the range request for the rest got {status} {range:?}: the object changed or the server ignores ranges")
+    }
+}
+
+impl std::error::Error for Changed {}
+
 /// At most this many range requests continue one response.
 pub const MAX_RESUMES: u32 = 3;
 
@@ -510,21 +524,29 @@ pub fn fetch(tcpe: &Arc<Tcpe>, addr: SocketAddr, authority: &str, path: &str, ti
         done.resumed += 1;
         let from = out.n;
         tracing::debug!("tcpe fetch {path}: cut at {from} of {total} bytes ({cut:#}); asking for the rest");
-        let mut c = Client::connect(tcpe.clone(), addr, timeout)?;
-        request_with(&mut c, authority, path, &format!("Range: bytes={from}-\r\nIf-Range: {validator}\r\n"))?;
-        let mut r = Reader { s: &mut c, buf: Vec::new() };
-        let head = read_head(&mut r)?;
-        if head.status != 206 || head.range != Some((from, total - 1, total)) {
-            bail!(
-                "the body was cut at {from} of {total} bytes and the range request for the rest got {} {:?}: the object changed or the server ignores ranges",
-                head.status,
-                head.range
-            );
-        }
-        let rest = read_body(&mut r, &head.framing, &mut out);
+        // A try that fails on its way (no connection, a 502 while the
+        // balancer has not seen the server go, another cut) leaves the
+        // next try; an answer that is not the range asked for ends it.
+        let mut c = match Client::connect(tcpe.clone(), addr, timeout) {
+            Ok(c) => c,
+            Err(e) => {
+                cut = e;
+                continue;
+            }
+        };
+        let rest = request_with(&mut c, authority, path, &format!("Range: bytes={from}-\r\nIf-Range: {validator}\r\n")).and_then(|()| {
+            let mut r = Reader { s: &mut c, buf: Vec::new() };
+            let head = read_head(&mut r)?;
+            match (head.status, head.range) {
+                (206, Some(range)) if range == (from, total - 1, total) => read_body(&mut r, &head.framing, &mut out),
+                (200 | 206, range) => Err(Changed(from, total, head.status, range).into()),
+                (status, _) => bail!("the range request for the rest got {status}"),
+            }
+        });
         done.moved += c.moved as u32;
         match rest {
             Ok(()) => return Ok(finish(done, out.n)),
+            Err(e) if e.is::<Changed>() => return Err(e),
             Err(e) => cut = e,
         }
     }
