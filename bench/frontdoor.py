@@ -413,16 +413,10 @@ def main(argv=None) -> int:
     ap.add_argument("--systems", default=",".join(BY_KEY), help="comma-separated subset of " + ", ".join(BY_KEY))
     ap.add_argument("--rounds", type=int, help="interleaved rounds (default 3)")
     ap.add_argument("--seconds", type=int, help="per measurement (default 5)")
-    ap.add_argument(
-        "--wait-quiet", type=float, default=600,
-        help="seconds to wait at most, over the whole run, for builds and bench.forwarding to end before each measurement (0: do not wait)",
-    )  # fmt: skip
+    preflight.add_wait_quiet(ap, "measurement")
     ap.add_argument("--inband", default=str(REPO / "target" / "debug" / "inband"))
     args = ap.parse_args(argv)
-    bad = set(args.systems.split(",")) - set(BY_KEY)
-    if bad:
-        ap.error(f"unknown system(s): {', '.join(sorted(bad))}")
-    systems = [BY_KEY[k] for k in args.systems.split(",")]
+    systems = [BY_KEY[k] for k in preflight.chosen_systems(ap, args.systems, BY_KEY)]
     refused = preflight.refuse(preflight.problems(inband=args.inband, tools=("curl", "openssl", "wrk", "h2load", "nginx", "haproxy"), root=False))
     if refused:
         return refused

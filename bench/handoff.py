@@ -743,16 +743,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, help="override the profile's rounds")
     ap.add_argument("--systems", default=",".join(BY_KEY), help="comma-separated subset of " + ", ".join(BY_KEY))
     ap.add_argument("--name", default="handoff", help="testbed name (namespaces NAME-c1, NAME-lb, NAME-s1, NAME-sw)")
-    ap.add_argument(
-        "--wait-quiet", type=float, default=600,
-        help="seconds to wait at most, over the whole run, for builds and bench.forwarding to end before each row (0: do not wait)",
-    )  # fmt: skip
+    preflight.add_wait_quiet(ap, "row")
     ap.add_argument("--inband", default=str(REPO / "target" / "debug" / "inband"))
     args = ap.parse_args(argv)
-    bad = set(args.systems.split(",")) - set(BY_KEY)
-    if bad:
-        ap.error(f"unknown system(s): {', '.join(sorted(bad))}")
-    systems = [s for s in SYSTEMS if s.key in args.systems.split(",")]
+    wanted = preflight.chosen_systems(ap, args.systems, BY_KEY)
+    systems = [s for s in SYSTEMS if s.key in wanted]
     refused = preflight.refuse(preflight.problems(inband=args.inband, tools=("curl", "nginx", "haproxy", "bpftool", "ss"), testbed_name=args.name,
                                                   bpf_stats=True))
     if refused:

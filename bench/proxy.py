@@ -677,15 +677,10 @@ def parse_args(argv):
     ap.add_argument("--rounds", type=int, help="interleaved rounds per system (default 3)")
     ap.add_argument("--window", type=int, help="seconds replayed after a restart (default 5)")
     ap.add_argument("--connections", help="comma-separated wrk connection counts, one hits measurement each (default 8,50,500; one thread)")
-    ap.add_argument(
-        "--wait-quiet", type=float, default=600,
-        help="seconds to wait at most, over the whole run, for builds and bench.forwarding to end before each measurement (0: do not wait)",
-    )  # fmt: skip
+    preflight.add_wait_quiet(ap, "measurement")
     ap.add_argument("--inband", default=str(REPO / "target" / "debug" / "inband"))
     args = ap.parse_args(argv)
-    bad = set(args.systems.split(",")) - set(BY_KEY)
-    if bad:
-        ap.error(f"unknown system(s): {', '.join(sorted(bad))}")
+    preflight.chosen_systems(ap, args.systems, BY_KEY)
     return args
 
 

@@ -38,6 +38,25 @@ def problems(*, inband: str | None = None, tools: tuple = (), testbed_name: str 
     return out
 
 
+def add_wait_quiet(ap, before: str) -> None:
+    """`--wait-quiet`: how long, over the whole run, a driver may wait for
+    builds and bench.forwarding to end `before` each measurement."""
+    ap.add_argument(
+        "--wait-quiet", type=float, default=600,
+        help=f"seconds to wait at most, over the whole run, for builds and bench.forwarding to end before each {before} (0: do not wait)",
+    )  # fmt: skip
+
+
+def chosen_systems(ap, systems: str, known) -> list[str]:
+    """The comma-separated `--systems` value as a list; an unknown name is
+    the parser's error (exit 2, naming it)."""
+    wanted = systems.split(",")
+    bad = set(wanted) - set(known)
+    if bad:
+        ap.error(f"unknown system(s): {', '.join(sorted(bad))}")
+    return wanted
+
+
 def installed_systems(systems: list[str], tools: dict[str, str]) -> list[str]:
     """`systems` without the peers whose program (`tools[system]`) is not
     installed, each skipped with a line saying so."""
