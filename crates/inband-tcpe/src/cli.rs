@@ -84,8 +84,8 @@ pub fn own_cgroup() -> Result<PathBuf> {
 
 /// One fetch's `--timing` line (bench.handoff parses it): the
 /// CLOCK_MONOTONIC times `client::fetch` took.
-fn timing_line(url: &str, f: &client::Fetched) -> String {
-    let client::Fetched { status, bytes, moved, resumed, connect_ns, sent_ns, first_byte_ns, done_ns, .. } = f;
+fn timing_line(url: &str, f: &client::FetchOutcome) -> String {
+    let client::FetchOutcome { status, bytes, moved, resumed, connect_ns, sent_ns, first_byte_ns, done_ns, .. } = f;
     format!(
         "timing status={status} bytes={bytes} moved={moved} connect_ns={connect_ns} sent_ns={sent_ns} first_byte_ns={first_byte_ns} done_ns={done_ns} resumed={resumed} url={url}"
     )
@@ -144,7 +144,7 @@ mod tests {
 
     #[test]
     fn a_timing_line_names_every_field() {
-        let f = client::Fetched { status: 200, bytes: 1 << 20, moved: 1, resumed: 0, connect_ns: 10, sent_ns: 20, first_byte_ns: 30, done_ns: 40, ..Default::default() };
+        let f = client::FetchOutcome { status: 200, bytes: 1 << 20, moved: 1, resumed: 0, connect_ns: 10, sent_ns: 20, first_byte_ns: 30, done_ns: 40, ..Default::default() };
         assert_eq!(
             timing_line("http://10.1.0.100/f", &f),
             "timing status=200 bytes=1048576 moved=1 connect_ns=10 sent_ns=20 first_byte_ns=30 done_ns=40 resumed=0 url=http://10.1.0.100/f"

@@ -423,7 +423,7 @@ pub const MAX_RESUMES: u32 = 3;
 /// process of the host shares, so that a benchmark can set a client's
 /// times against its own).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Fetched {
+pub struct FetchOutcome {
     pub status: u16,
     /// The body's bytes written.
     pub bytes: u64,
@@ -504,8 +504,8 @@ impl<W: Write> Write for Counted<'_, W> {
 /// object changed since (If-Range failed), and the fetch fails rather than
 /// join two versions. Chunked bodies and responses without a validator
 /// cannot be continued: the cut stays an error.
-pub fn fetch(tcpe: &Arc<Tcpe>, addr: SocketAddr, authority: &str, path: &str, timeout: Duration, out: &mut impl Write) -> Result<Fetched> {
-    let mut done = Fetched { connect_ns: monotonic_ns(), ..Default::default() };
+pub fn fetch(tcpe: &Arc<Tcpe>, addr: SocketAddr, authority: &str, path: &str, timeout: Duration, out: &mut impl Write) -> Result<FetchOutcome> {
+    let mut done = FetchOutcome { connect_ns: monotonic_ns(), ..Default::default() };
     let mut c = Client::connect(tcpe.clone(), addr, timeout)?;
     request(&mut c, authority, path)?;
     done.sent_ns = monotonic_ns();
@@ -517,7 +517,7 @@ pub fn fetch(tcpe: &Arc<Tcpe>, addr: SocketAddr, authority: &str, path: &str, ti
     let cut = read_body(&mut r, &head.framing, &mut out);
     done.first_byte_ns = first.at.unwrap_or_else(monotonic_ns);
     done.moved += c.moved as u32;
-    let finish = |mut done: Fetched, n: u64| {
+    let finish = |mut done: FetchOutcome, n: u64| {
         done.bytes = n;
         done.done_ns = monotonic_ns();
         done
