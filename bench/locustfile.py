@@ -9,7 +9,10 @@ Settings come from the environment (the driver sets them):
                             ok, bytes); exact latencies for the
                             table and the CCDF, Locust's own CSV rounds them
     INBAND_BENCH_WINDOW     JSON file receiving the measurement window
-                            (test start and stop, epoch seconds)
+                            (test start and stop, epoch seconds) and the
+                            start of every request still in flight at the
+                            stop ("unfinished"), which the per-request log
+                            cannot hold
     INBAND_BENCH_TIMEOUT_S  per-request timeout (default 60)
     INBAND_BENCH_PAD_BYTES  size of a padding header that brings the request
                             to about the paper's 1 KB (default 900)
@@ -72,6 +75,9 @@ _direct_log = open(DIRECT["requests"], "w", buffering=1 << 16) if DIRECT and DIR
 if _direct_log:
     _direct_log.write("start,rt_ms,ok,bytes\n")
 _window = {}
+# user -> start of its request in flight. Locust kills the users before
+# test_stop, so what is left here at the stop never completed.
+_in_flight: dict[int, float] = {}
 
 
 @events.request.add_listener
@@ -107,6 +113,7 @@ def _stop(**_kw):
     for log in (_log, _direct_log):
         if log:
             log.flush()
+    _window["unfinished"] = sorted(_in_flight.values())
     if WINDOW_PATH and "t0" in _window:
         with open(WINDOW_PATH, "w") as f:
             json.dump(_window, f)
@@ -141,7 +148,9 @@ class PaperUser(HttpUser):
                 self.left = random.randint(1, 2 * KEEPALIVE - 1)
             self.left -= 1
             headers = KEEP if self.left > 0 else HEADERS
+        _in_flight[id(self)] = time.time()
         self.client.get("/", headers=headers, timeout=TIMEOUT_S)
+        del _in_flight[id(self)]
 
 
 if DIRECT:

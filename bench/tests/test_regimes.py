@@ -214,10 +214,14 @@ def test_tiny_grid_end_to_end(tmp_path):
     t0 = {k: locust.read_window(out / k[0] / "rep1" / k[1] / "window.json")[0] for k in rows}
 
     # on-off: no request starts between the windows, and the load came back.
+    # Requests still in flight at the stop count: a slowed request started
+    # in the second window may outlast the 3 s run (CI, on a loaded
+    # machine, logged none that completed).
     on = data["schedules"]["on-off"]["onoff"]
     assert len(on) >= 2
-    reqs = locust.read_requests(out / "on-off" / "rep1" / "dsr-dynamic" / "requests.csv")
-    starts = [r.start - t0["on-off", "dsr-dynamic"] for r in reqs]
+    d = out / "on-off" / "rep1" / "dsr-dynamic"
+    unfinished = json.loads((d / "window.json").read_text())["unfinished"]
+    starts = [s - t0["on-off", "dsr-dynamic"] for s in [r.start for r in locust.read_requests(d / "requests.csv")] + unfinished]
     assert all(any(a - 0.05 <= s <= b + 0.2 for a, b in on) for s in starts), (on, starts)
     assert sum(1 for s in starts if on[1][0] <= s) > 0
 
