@@ -19,7 +19,8 @@ connections opened and closed since the last score already is the load):
   slots per server (`inband serve --workers`), lognormal service with
   σ 1.5 (a hundredfold between the 5th and 95th percentiles, median ≈ 1 s,
   mean 3 s at time scale 1), and the agents score requests in flight
-  (`score = "requests"`). Connection counts say nothing here.
+  (`score = "requests"`; `--agent-score connections+requests` adds the
+  connections, which still bring requests while idle).
 - hidden-load: a second population (half as many users) goes straight to
   one server at a time, 2–4 s on, 2–4 s off, beside the regular load: the
   agents count it, the balancer never sees it.
@@ -107,6 +108,17 @@ class Regime:
     score: str | None = None  # the agents' score source (their default: connections)
 
 
+# How a regime's heading names its agents' score source.
+SCORE_WORDS = {"requests": "requests in flight", "connections+requests": "connections plus requests in flight"}
+
+
+def with_score(regime: Regime, score: str | None) -> Regime:
+    """`regime` with its agents' score source replaced by `score` (the
+    --agent-score option), if it sets one: the regimes that leave the
+    agents' default keep it."""
+    return replace(regime, score=score) if score and regime.score else regime
+
+
 REGIMES = (
     # Where the balancer cannot know the load by itself.
     Regime("on-off", "as slowdowns, the users on 1–2 s, off 3–4 s", onoff=True),
@@ -115,8 +127,7 @@ REGIMES = (
     Regime(
         "keep-alive",
         f"as slowdowns, keep-alive (mean {LLM_PER_CONNECTION} requests per connection, think 0–{LLM_THINK_MS[1] / 1000:g} s), "
-        f"{LLM_SLOTS} slots per server, lognormal σ {LLM_SIGMA:g} (mean {LLM_SERVICE_MS / 1000:g} s; times × the time scale), "
-        "agents score requests in flight",
+        f"{LLM_SLOTS} slots per server, lognormal σ {LLM_SIGMA:g} (mean {LLM_SERVICE_MS / 1000:g} s; times × the time scale)",
         users=40,
         keepalive=True,
         score="requests",
@@ -594,6 +605,7 @@ def parse_args(argv):
     ap.add_argument("--name", default="rg", help="testbed name (namespaces NAME-lb, NAME-c1, ...)")
     ap.add_argument("--inband", default=str(results.REPO / "target" / "debug" / "inband"))
     ap.add_argument("--seed", type=int, default=1, help="the slowdown, on/off and direct schedules")
+    ap.add_argument("--agent-score", choices=sorted(SCORE_WORDS), help="the agents' score source in the regimes that set one (default: theirs)")
     args = ap.parse_args(argv)
     keys = (args.regimes or ",".join(PROFILES[args.profile].regimes)).split(",")
     unknown = [k for k in keys if k not in BY_KEY]
@@ -640,7 +652,7 @@ def main(argv=None) -> int:
         return refused
     pprofile = paperbed.resolve_profile(pa)
     this_run = results.Run("regimes", "bench.regimes", argv)
-    regimes = [BY_KEY[k] for k in args.regime_keys]
+    regimes = [with_score(BY_KEY[k], args.agent_score) for k in args.regime_keys]
     by_regime: dict[str, list[Row]] = {}
     failed: list[tuple[str, str]] = []
     interrupted = None
@@ -679,7 +691,7 @@ def main(argv=None) -> int:
         for key, rs in by_regime.items() for r in rs
     ]  # fmt: skip
     record = this_run.record(rows, profile=profiles.as_json(args.profile, profile), inband=Path(args.inband), paper_profile=asdict(pprofile),
-                             regimes=args.regime_keys, schedules=schedules(regimes, profile, args.seed), failed=[f"{k}: {e}" for k, e in failed])
+                             regimes=args.regime_keys, agent_score=args.agent_score, schedules=schedules(regimes, profile, args.seed), failed=[f"{k}: {e}" for k, e in failed])
     results.write(args.results, record, render(record))
     for key, err in failed:
         print(f"error: {key}: {err}", file=sys.stderr)
@@ -703,6 +715,8 @@ def regime_heading(regime: Regime, profile: Profile, rows: list[Row], schedule: 
             f"{schedule['direct_users']} direct users on {on_fraction(schedule['direct'], profile.duration_s):.0%} of the run "
             f"({mean:.0f} requests per run past the balancer)"
         )
+    if regime.score:
+        extra.insert(0, f"agents score {SCORE_WORDS[regime.score]}")
     return f"## {regime.key}: {regime.what}, {users(regime, profile)} users{''.join('; ' + e for e in extra)}\n"
 
 
@@ -738,7 +752,7 @@ def render(record: dict) -> str:
         parts.append(f"This record predates the row(s) {', '.join(missing)}: their columns read – until the next run.\n")
     by_regime = {k: by_regime[k] for k in record["regimes"] if k in by_regime}
     parts += ["## Summary\n", summary_table(by_regime) + "\n"]
-    for regime in (BY_KEY[k] for k in record["regimes"]):
+    for regime in (with_score(BY_KEY[k], record.get("agent_score")) for k in record["regimes"]):
         if regime.key in by_regime:
             heading = regime_heading(regime, profile, by_regime[regime.key], record.get("schedules", {}).get(regime.key, {}))
             parts += [heading, regime_table(regime, by_regime[regime.key]) + "\n"]

@@ -470,7 +470,7 @@ int agent_ingress(struct __sk_buff *skb)
 	 * not read, so it is counted; the stack judges it as it is. */
 	if (a.ext_unwalked && find_balancer(&a.saddr, &fleet))
 		count(INBAND_AGENT_UNWALKED_EXT_HEADERS);
-	if (score_requests && a.proto == IPPROTO_TCP && !a.frag)
+	if (score_counts_requests() && a.proto == IPPROTO_TCP && !a.frag)
 		track_request(skb, &a, 1);
 	/* The balancer sets DF; a fragment is nobody's inband packet, and later
 	 * fragments have no ports to check the service against. */
@@ -509,14 +509,21 @@ int agent_ingress(struct __sk_buff *skb)
 static __always_inline __u16 current_score(__u16 port)
 {
 	__u32 *override = bpf_map_lookup_elem(&score_override, &port);
-	__s64 *active;
+	__s64 *conns = NULL, *requests = NULL, load = 0;
 
 	if (override)
 		return *override > 0xffff ? 0xffff : *override;
-	active = bpf_map_lookup_elem(score_requests ? (void *)&inflight : (void *)&active_conns, &port);
-	if (!active || *active < 0)
-		return 0;
-	return *active > 0xffff ? 0xffff : *active;
+	if (score_source != INBAND_SCORE_REQUESTS)
+		conns = bpf_map_lookup_elem(&active_conns, &port);
+	if (score_counts_requests())
+		requests = bpf_map_lookup_elem(&inflight, &port);
+	/* Each count on its own may be briefly negative (a close seen before
+	 * the open it undoes was counted): it adds nothing then. */
+	if (conns && *conns > 0)
+		load += *conns;
+	if (requests && *requests > 0)
+		load += *requests;
+	return load > 0xffff ? 0xffff : load;
 }
 
 /*
@@ -973,7 +980,7 @@ int agent_egress(struct __sk_buff *skb)
 	is_carrier = carrier && *carrier == CARRIER_WANTED;
 	if (is_carrier)
 		*carrier = CARRIER_HANDLED;
-	if (score_requests && a.proto == IPPROTO_TCP && !is_carrier)
+	if (score_counts_requests() && a.proto == IPPROTO_TCP && !is_carrier)
 		track_request(skb, &a, 0);
 	key = conn_key(&a, 0);
 	flow = bpf_map_lookup_elem(&dsr_flows, &key);
@@ -1176,7 +1183,7 @@ static __always_inline void forget_connection(struct sock *sk, __u16 port)
 		count(INBAND_AGENT_FLOWS_CLOSED);
 	else if (!bpf_map_delete_elem(&dsr_flows, &key))
 		count(INBAND_AGENT_FLOWS_CLOSED);
-	if (score_requests) {
+	if (score_counts_requests()) {
 		__u32 *busy = bpf_map_lookup_elem(&inflight_conns, &key);
 		__s64 *n = bpf_map_lookup_elem(&inflight, &port);
 

@@ -35,6 +35,7 @@ use libbpf_rs::{Link, OpenObject, TcHook, TC_EGRESS, TC_INGRESS};
 use tracing::{info, warn};
 
 use crate::bpf::agent::{AgentSkel, AgentSkelBuilder};
+use crate::config::ScoreSource;
 use inband_core::bpfmap::{remove_pin_dir, PinDir};
 use inband_core::map_upgrade::{self, Upgrade};
 use inband_core::runlock::{self, RunLock};
@@ -96,13 +97,13 @@ pub struct Attachment<'obj> {
 /// is (`cleanup`), a crashed agent's reused maps included: no process would
 /// maintain them, and without the filters their connections fall back to
 /// the balancer path anyway.
-/// `count_requests` turns on the per-packet request accounting the
-/// "requests" score needs (off, data packets skip it); `client_address`
+/// `score` sets what a 125 carries, and whether data packets pay for the
+/// per-packet request accounting (only when it counts requests); `client_address`
 /// names the cgroup whose processes see their DSR connections' clients.
 pub fn attach<'obj>(
     storage: &'obj mut MaybeUninit<OpenObject>,
     interface: &str,
-    count_requests: bool,
+    score: ScoreSource,
     client_address: Option<&Path>,
 ) -> Result<Attachment<'obj>> {
     let ifindex = inband_core::netif::ifindex(interface)? as i32;
@@ -112,7 +113,7 @@ pub fn attach<'obj>(
     if reused_pins && map_upgrade::recover(&pins, &filter_maps(ifindex))? {
         warn!(interface, "an interrupted upgrade had switched the tc programs already: its new maps now hold the pins");
     }
-    let (skel, mut upgrade) = match load(storage, &pins, count_requests) {
+    let (skel, mut upgrade) = match load(storage, &pins, score) {
         Ok(s) => s,
         Err(e) => {
             if !reused_pins {
@@ -171,7 +172,7 @@ fn filter_maps(ifindex: i32) -> Vec<u32> {
     }
 }
 
-fn load<'obj>(storage: &'obj mut MaybeUninit<OpenObject>, pins: &PinDir, count_requests: bool) -> Result<(AgentSkel<'obj>, Upgrade)> {
+fn load<'obj>(storage: &'obj mut MaybeUninit<OpenObject>, pins: &PinDir, score: ScoreSource) -> Result<(AgentSkel<'obj>, Upgrade)> {
     let mut open = AgentSkelBuilder::default().open(storage).context("opening the agent BPF object")?;
     // <obj>.rodata/.bss: per instance, never shared.
     let upgrade = Upgrade::stage(open.open_object_mut(), pins, |name| !name.contains('.')).context(
@@ -186,7 +187,7 @@ fn load<'obj>(storage: &'obj mut MaybeUninit<OpenObject>, pins: &PinDir, count_r
     if let Some(ro) = open.maps.rodata_data.as_mut() {
         ro.agent_netns_ino = std::os::unix::fs::MetadataExt::ino(&netns) as u32;
         ro.agent_netns_cookie = cookie;
-        ro.score_requests = u8::from(count_requests);
+        ro.score_source = score.data_path();
     }
     match open.load() {
         Ok(skel) => Ok((skel, upgrade)),

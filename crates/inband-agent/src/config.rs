@@ -28,6 +28,11 @@ pub enum ScoreSource {
     /// Connections with a request in flight (client bytes in, no response
     /// byte out since), counted by the tc programs per service port.
     Requests,
+    /// Both counts added (`connections+requests`): on kept-alive
+    /// connections an idle one still brings requests and a busy one has
+    /// work now, so neither count alone ranks the servers.
+    #[serde(rename = "connections+requests")]
+    ConnectionsAndRequests,
 }
 
 impl ScoreSource {
@@ -37,7 +42,23 @@ impl ScoreSource {
             ScoreSource::Cpu => "cpu",
             ScoreSource::App => "app",
             ScoreSource::Requests => "requests",
+            ScoreSource::ConnectionsAndRequests => "connections+requests",
         }
+    }
+
+    /// The data path's `score_source` (enum inband_score_source): cpu and
+    /// app scores are overrides, so the programs see connections.
+    pub fn data_path(self) -> u8 {
+        (match self {
+            ScoreSource::Requests => c::INBAND_SCORE_REQUESTS,
+            ScoreSource::ConnectionsAndRequests => c::INBAND_SCORE_CONNECTIONS_AND_REQUESTS,
+            ScoreSource::Connections | ScoreSource::Cpu | ScoreSource::App => c::INBAND_SCORE_CONNECTIONS,
+        }) as u8
+    }
+
+    /// Whether the tc programs count requests in flight for it.
+    pub fn counts_requests(self) -> bool {
+        self.data_path() != c::INBAND_SCORE_CONNECTIONS as u8
     }
 }
 

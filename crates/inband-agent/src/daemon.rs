@@ -64,7 +64,7 @@ pub fn run(config_path: &Path) -> Result<()> {
     };
 
     let mut storage = MaybeUninit::uninit();
-    let attached = match attach::attach(&mut storage, &cfg.interface, cfg.score == ScoreSource::Requests, client_address.as_deref()) {
+    let attached = match attach::attach(&mut storage, &cfg.interface, cfg.score, client_address.as_deref()) {
         Ok(a) => a,
         Err(e) => {
             let _ = std::fs::remove_file(&cfg.score_socket);
@@ -155,13 +155,13 @@ fn configure(cfg: &AgentConfig, data_path: &DataPathSettings, pins: &bpfmap::Pin
             bpfmap::delete(&maps.active_conns, &port)?;
         }
     }
-    // The in-flight counts exist only for the "requests" source (their
+    // The in-flight counts exist only for the sources that count requests (their
     // entries are what the data path looks for); they start at 0, as a
     // request already in flight cannot be told from an idle connection.
     for (port, _) in bpfmap::entries::<u16, i64>(&maps.inflight)? {
         bpfmap::delete(&maps.inflight, &port)?;
     }
-    if cfg.score == ScoreSource::Requests {
+    if cfg.score.counts_requests() {
         for port in cfg.service_ports() {
             bpfmap::put(&maps.inflight, &port, &0i64)?;
         }
@@ -319,12 +319,12 @@ fn serve(
     for sock in poll_sock {
         let maps = AgentMaps::open(pins)?;
         let stop = Arc::clone(&stop);
-        let (ports, balancers) = (ports.clone(), cfg.balancers.clone());
+        let (ports, balancers, source) = (ports.clone(), cfg.balancers.clone(), cfg.score);
         workers.push((
             "poll responder",
             std::thread::Builder::new()
                 .name("poll-responder".into())
-                .spawn(move || poll_responder::serve(&sock, &maps, &ports, &balancers, &stop))?,
+                .spawn(move || poll_responder::serve(&sock, &maps, source, &ports, &balancers, &stop))?,
         ));
     }
     if cfg.score == ScoreSource::Cpu {

@@ -108,7 +108,7 @@ mod tests {
             balancers: vec!["10.0.0.2".parse().unwrap()],
             auth: AuthStatus { mode: AuthMode::Siphash, key_ids: vec![1] },
             mtu: 1500,
-            ports: [(8080, PortStatus { vips: vec!["10.0.0.100:80".into()], active_connections: 3, score_override: None, score: 3 })].into(),
+            ports: [(8080, PortStatus { vips: vec!["10.0.0.100:80".into()], active_connections: 3, requests_in_flight: None, score_override: None, score: 3 })].into(),
             dsr_flows: 3,
             counters: [("tuples_stored", 4), ("scores_sent", 2)].into(),
             bpf_stats: true,

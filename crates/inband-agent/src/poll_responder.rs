@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use tracing::{debug, warn};
 
+use super::config::ScoreSource;
 use super::maps::AgentCounter;
 use super::tables::AgentMaps;
 use inband_core::poll_wire;
@@ -67,7 +68,14 @@ const KEYS_REFRESH: Duration = Duration::from_secs(1);
 /// elsewhere, or for a port this agent does not serve get no reply (the
 /// balancer counts a missing reply as a failed poll) and are counted in
 /// `agent_stats` (polls_unauthenticated, polls_refused).
-pub fn serve(sock: &UdpSocket, maps: &AgentMaps, ports: &[u16], balancers: &[IpAddr], stop: &AtomicBool) -> Result<()> {
+pub fn serve(
+    sock: &UdpSocket,
+    maps: &AgentMaps,
+    source: ScoreSource,
+    ports: &[u16],
+    balancers: &[IpAddr],
+    stop: &AtomicBool,
+) -> Result<()> {
     sock.set_read_timeout(Some(Duration::from_millis(200)))?;
     let v6 = sock.local_addr()?.is_ipv6();
     if v6 {
@@ -91,7 +99,7 @@ pub fn serve(sock: &UdpSocket, maps: &AgentMaps, ports: &[u16], balancers: &[IpA
         }
         let outcome = answer(&buf[..n], from, &keys, ports, balancers, &mut warned);
         let counter = match outcome {
-            Ok(req) => match poll_wire::encode_reply(&req, maps.score(req.port)?, &keys) {
+            Ok(req) => match poll_wire::encode_reply(&req, maps.score(req.port, source)?, &keys) {
                 Some(reply) => {
                     if let Err(e) = send_from(sock, &reply, from, to) {
                         warn!(%from, error = %e, "sending a poll reply failed");

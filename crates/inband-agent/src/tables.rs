@@ -189,15 +189,18 @@ impl AgentMaps {
         bpfmap::delete(&self.score_override, &port)
     }
 
-    /// The score a 125 for `port` would carry now: as the egress program
-    /// computes it, the in-flight count standing in for connections when
-    /// the "requests" source keeps one.
-    pub fn score(&self, port: u16) -> Result<u32> {
-        let load = match bpfmap::get::<u16, i64>(&self.inflight, &port)? {
-            Some(n) => Some(n),
-            None => self.active(port)?,
-        };
-        Ok(score_from(self.override_of(port)?, load))
+    /// Connections of `port` with a request in flight; None unless the
+    /// score source counts them.
+    pub fn in_flight(&self, port: u16) -> Result<Option<i64>> {
+        bpfmap::get(&self.inflight, &port)
+    }
+
+    /// The score a 125 for `port` would carry now under `source`, as the
+    /// egress program computes it.
+    pub fn score(&self, port: u16, source: ScoreSource) -> Result<u32> {
+        let conns = if source == ScoreSource::Requests { None } else { self.active(port)? };
+        let requests = if source.counts_requests() { self.in_flight(port)? } else { None };
+        Ok(score_from(self.override_of(port)?, &[conns, requests]))
     }
 
     /// A counter summed over CPUs.
@@ -246,15 +249,14 @@ impl AgentMaps {
                 p.vips.push(vip);
                 continue;
             }
-            let active = self.active(port)?;
-            let score_override = self.override_of(port)?;
             ports.insert(
                 port,
                 PortStatus {
                     vips: vec![vip],
-                    active_connections: active.unwrap_or(0),
-                    score_override,
-                    score: score_from(score_override, active),
+                    active_connections: self.active(port)?.unwrap_or(0),
+                    requests_in_flight: self.in_flight(port)?,
+                    score_override: self.override_of(port)?,
+                    score: self.score(port, score_source.unwrap_or_default())?,
                 },
             );
         }
@@ -284,13 +286,12 @@ impl AgentMaps {
 }
 
 /// The egress program's score (bpf/agent.bpf.c `current_score`): the
-/// override if one is set, else the active connections; negative counts are
-/// 0 and everything saturates at what a 125 carries.
-pub fn score_from(score_override: Option<u32>, active: Option<i64>) -> u32 {
-    match (score_override, active) {
-        (Some(o), _) => o.min(SCORE_MAX),
-        (None, Some(a)) => a.clamp(0, i64::from(SCORE_MAX)) as u32,
-        (None, None) => 0,
+/// override if one is set, else the sum of the counts the source adds (a
+/// negative count adds nothing), saturating at what a 125 carries.
+pub fn score_from(score_override: Option<u32>, counts: &[Option<i64>]) -> u32 {
+    match score_override {
+        Some(o) => o.min(SCORE_MAX),
+        None => counts.iter().flatten().map(|&n| n.max(0)).sum::<i64>().min(i64::from(SCORE_MAX)) as u32,
     }
 }
 
@@ -304,8 +305,13 @@ pub struct PortStatus {
     /// The VIPs this port serves (one per transport and family).
     pub vips: Vec<String>,
     pub active_connections: i64,
+    /// Present when the score source counts requests.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub requests_in_flight: Option<i64>,
     pub score_override: Option<u32>,
-    /// What a 125 (and a poll reply) for this port carries now.
+    /// What a 125 (and a poll reply) for this port carries now. `status`
+    /// does not know the source (the running agent's `get` and /metrics
+    /// do): it shows the connections' score, the counts beside it.
     pub score: u32,
 }
 
@@ -352,12 +358,13 @@ impl AgentSnapshot {
         let ids: Vec<String> = self.auth.key_ids.iter().map(|id| id.to_string()).collect();
         let ids = if ids.is_empty() { "none".to_string() } else { ids.join(", ") };
         let _ = writeln!(s, "auth: {}  key ids: {ids}  mtu: {}", self.auth.mode.name(), self.mtu);
-        let _ = writeln!(s, "{:>6}  {:<30}  {:>8}  {:>8}  {:>6}", "port", "vip", "active", "override", "score");
+        let _ = writeln!(s, "{:>6}  {:<30}  {:>8}  {:>9}  {:>8}  {:>6}", "port", "vip", "active", "in flight", "override", "score");
         for (port, p) in &self.ports {
             let o = p.score_override.map(|o| o.to_string()).unwrap_or_else(|| "-".into());
+            let f = p.requests_in_flight.map(|n| n.to_string()).unwrap_or_else(|| "-".into());
             let _ = writeln!(
                 s,
-                "{port:>6}  {:<30}  {:>8}  {o:>8}  {:>6}",
+                "{port:>6}  {:<30}  {:>8}  {f:>9}  {o:>8}  {:>6}",
                 p.vips.join(", "),
                 p.active_connections,
                 p.score

@@ -129,6 +129,9 @@ fn config_defaults() {
     let c = AgentConfig::parse(&GOOD.replace("interface", "score = \"cpu\"\npoll_port = 0\ninterface")).unwrap();
     assert_eq!(c.score, ScoreSource::Cpu);
     assert_eq!(c.poll_port, 0);
+    let c = AgentConfig::parse(&GOOD.replace("interface", "score = \"connections+requests\"\ninterface")).unwrap();
+    assert_eq!((c.score, c.score.name()), (ScoreSource::ConnectionsAndRequests, "connections+requests"));
+    assert!(AgentConfig::parse(&GOOD.replace("interface", "score = \"requests+connections\"\ninterface")).is_err());
 }
 
 /// GOOD with its `[auth]` section replaced by `auth` (TOML lines, or "").
@@ -320,16 +323,17 @@ fn poll(from: &UdpSocket, to: SocketAddrV4, req: &[u8]) -> Option<(Vec<u8>, Sock
     }
 }
 
-/// A responder on a wildcard socket (like the agent's) over `maps`, until
-/// the returned flag is set; the thread gives the maps back.
-fn responder(maps: AgentMaps) -> (SocketAddrV4, Arc<AtomicBool>, std::thread::JoinHandle<AgentMaps>) {
+/// A responder on a wildcard socket (like the agent's) over `maps`, scoring
+/// by `source`, until the returned flag is set; the thread gives the maps
+/// back.
+fn responder(maps: AgentMaps, source: ScoreSource) -> (SocketAddrV4, Arc<AtomicBool>, std::thread::JoinHandle<AgentMaps>) {
     let sock = UdpSocket::bind("0.0.0.0:0").unwrap();
     let to = SocketAddrV4::new(Ipv4Addr::LOCALHOST, sock.local_addr().unwrap().port());
     let stop = Arc::new(AtomicBool::new(false));
     let server = {
         let stop = Arc::clone(&stop);
         std::thread::spawn(move || {
-            poll_responder::serve(&sock, &maps, &[8080, 8081], &[IpAddr::V4(Ipv4Addr::LOCALHOST)], &stop).unwrap();
+            poll_responder::serve(&sock, &maps, source, &[8080, 8081], &[IpAddr::V4(Ipv4Addr::LOCALHOST)], &stop).unwrap();
             maps
         })
     };
@@ -347,11 +351,30 @@ fn signed_reply(port: u16, nonce: u64, score: u32) -> Vec<u8> {
 }
 
 #[test]
+fn poll_replies_add_the_counts_the_score_source_names() {
+    for (source, want) in
+        [(ScoreSource::Connections, 5), (ScoreSource::Requests, 2), (ScoreSource::ConnectionsAndRequests, 7)]
+    {
+        let maps = detached_maps(false);
+        bpfmap::put(&maps.active_conns, &8080u16, &5i64).unwrap();
+        bpfmap::put(&maps.inflight, &8080u16, &2i64).unwrap();
+        let (to, stop, server) = responder(maps, source);
+        let balancer = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let (reply, _) = poll(&balancer, to, &signed_request(8080, 21)).expect("a reply");
+        assert_eq!(reply, signed_reply(8080, 21, want), "{source:?}");
+        stop.store(true, Ordering::Relaxed);
+        let maps = server.join().unwrap();
+        let snap = maps.snapshot("lo", Some(source)).unwrap();
+        assert_eq!((snap.ports[&8080].score, snap.ports[&8080].requests_in_flight), (want, Some(2)), "{source:?}");
+    }
+}
+
+#[test]
 fn poll_responder_answers_like_the_egress_program() {
     let maps = detached_maps(false);
     bpfmap::put(&maps.active_conns, &8080u16, &5i64).unwrap();
     bpfmap::put(&maps.active_conns, &8081u16, &-3i64).unwrap();
-    let (to, stop, server) = responder(maps);
+    let (to, stop, server) = responder(maps, ScoreSource::Connections);
     let balancer = UdpSocket::bind("127.0.0.1:0").unwrap();
 
     let (reply, src) = poll(&balancer, to, &signed_request(8080, 11)).expect("a reply");
@@ -395,7 +418,7 @@ fn poll_responder_answers_like_the_egress_program() {
     maps.set_override(8080, 70_000).unwrap();
     maps.set_override(8081, 12).unwrap();
     bpfmap::put(&maps.active_conns, &8081u16, &100_000i64).unwrap();
-    let (to, stop, server) = responder(maps);
+    let (to, stop, server) = responder(maps, ScoreSource::Connections);
     assert_eq!(poll(&balancer, to, &signed_request(8080, 21)).unwrap().0, signed_reply(8080, 21, 65535));
     assert_eq!(poll(&balancer, to, &signed_request(8081, 22)).unwrap().0, signed_reply(8081, 22, 12));
     stop.store(true, Ordering::Relaxed);
@@ -406,7 +429,7 @@ fn poll_responder_answers_like_the_egress_program() {
 fn poll_responder_in_mode_none_speaks_the_seed_s_plain_format_only() {
     let maps = detached_maps(true);
     bpfmap::put(&maps.active_conns, &8080u16, &7i64).unwrap();
-    let (to, stop, server) = responder(maps);
+    let (to, stop, server) = responder(maps, ScoreSource::Connections);
     let balancer = UdpSocket::bind("127.0.0.1:0").unwrap();
     let plain = poll_wire::encode_request(8080, None, 0);
     assert_eq!(poll(&balancer, to, &plain).expect("a reply").0, b"IBR1\x1f\x90\x00\x00\x00\x07");

@@ -17,6 +17,7 @@ use std::os::fd::AsRawFd;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use inband_agent::config::ScoreSource;
 use inband_agent::maps::{AgentCounter, Balancer, ConnKey, DataPathConfig, DsrFlow, Service, ServiceKey};
 use inband_agent::tables::balancer_net;
 use inband_core::auth::AuthMode;
@@ -126,7 +127,7 @@ fn request() -> PacketBuilder {
 /// A loaded agent a test holds; back among the idle ones when it ends.
 struct Agent {
     skel: &'static AgentSkel<'static>,
-    requests: bool,
+    source: ScoreSource,
 }
 
 impl std::ops::Deref for Agent {
@@ -140,15 +141,15 @@ impl Drop for Agent {
     fn drop(&mut self) {
         // A failed test's agent is not reused: whatever went wrong stays with it.
         if !std::thread::panicking() {
-            IDLE.lock().unwrap().push((self.requests, Pooled(self.skel)));
+            IDLE.lock().unwrap().push((self.source, Pooled(self.skel)));
         }
     }
 }
 
-/// Loaded agents no test holds, by whether the "requests" accounting is on
-/// (a constant fixed at load). A test takes one and resets its maps rather
+/// Loaded agents no test holds, by their score source (a constant fixed
+/// at load). A test takes one and resets its maps rather
 /// than loading its own: the verifier was most of this binary's time.
-static IDLE: Mutex<Vec<(bool, Pooled)>> = Mutex::new(Vec::new());
+static IDLE: Mutex<Vec<(ScoreSource, Pooled)>> = Mutex::new(Vec::new());
 
 struct Pooled(&'static AgentSkel<'static>);
 // SAFETY: a pooled agent is used by one test at a time, and the skeleton's
@@ -158,18 +159,19 @@ unsafe impl Send for Pooled {}
 /// The agent with pinning switched off, so a test run leaves nothing under
 /// /sys/fs/bpf and never reuses a running agent's maps.
 fn load() -> Agent {
-    load_with(false)
+    load_with(ScoreSource::Connections)
 }
 
-/// `requests`: the "requests" score source's per-packet accounting on.
-fn load_with(requests: bool) -> Agent {
+/// `source`: what a 125 carries, and whether data packets are accounted
+/// for requests in flight.
+fn load_with(source: ScoreSource) -> Agent {
     let idle = {
         let mut idle = IDLE.lock().unwrap();
-        idle.iter().position(|(r, _)| *r == requests).map(|i| idle.swap_remove(i).1)
+        idle.iter().position(|(s, _)| *s == source).map(|i| idle.swap_remove(i).1)
     };
     if let Some(Pooled(skel)) = idle {
         inband_core::bpfmap::reset_maps(skel.object()).expect("reset a pooled agent");
-        return Agent { skel, requests };
+        return Agent { skel, source };
     }
     // The skeleton borrows its object storage for as long as it lives,
     // which for a pooled agent is the process's life.
@@ -180,9 +182,9 @@ fn load_with(requests: bool) -> Agent {
         let rc = unsafe { libbpf_sys::bpf_map__set_pin_path(map.as_libbpf_object().as_ptr(), std::ptr::null()) };
         assert_eq!(rc, 0);
     }
-    open.maps.rodata_data.as_mut().expect("rodata").score_requests = u8::from(requests);
+    open.maps.rodata_data.as_mut().expect("rodata").score_source = source.data_path();
     let skel: &'static AgentSkel<'static> = Box::leak(Box::new(open.load().expect("load agent (verifier)")));
-    Agent { skel, requests }
+    Agent { skel, source }
 }
 
 fn put<K: Pod, V: Pod>(map: &MapMut, key: &K, value: &V) {
@@ -1193,7 +1195,7 @@ fn egress_dsr_with_forwarding_off_lets_the_kernel_route() {
 
 #[test]
 fn requests_score_counts_connections_with_a_request_in_flight() {
-    let skel = load_with(true);
+    let skel = load_with(ScoreSource::Requests);
     configure_seed(&skel);
     put(&skel.maps.inflight, &LOCAL_PORT, &0i64);
     let inflight = |skel: &AgentSkel| get::<_, i64>(&skel.maps.inflight, &LOCAL_PORT).unwrap();
@@ -1233,6 +1235,29 @@ fn requests_score_counts_connections_with_a_request_in_flight() {
         PacketBuilder::tcp(lb(), sa(SERVER, 9999)).flags(TCP_ACK).payload(b"x".to_vec()).build();
     run(&skel.progs.agent_ingress, &unserved, None);
     assert_eq!(inflight(&skel), 1);
+}
+
+#[test]
+fn connections_and_requests_score_adds_the_two_counts() {
+    let skel = load_with(ScoreSource::ConnectionsAndRequests);
+    configure_seed(&skel);
+    put(&skel.maps.inflight, &LOCAL_PORT, &0i64);
+    put(&skel.maps.active_conns, &LOCAL_PORT, &3i64);
+    let ask = || {
+        put(&skel.maps.dsr_flows, &conn_key(), &DsrFlow { score_requested: 1, ..Default::default() });
+        let (ret, out) = run(&skel.progs.agent_egress, &PacketBuilder::tcp(server(), lb()).flags(TCP_ACK).build(), None);
+        assert_eq!(ret, TC_ACT_OK);
+        parse(&out).unwrap().ip_options
+    };
+    // Three connections, none busy: the connections alone.
+    assert_eq!(ask(), InbandOption::Score(3).encode());
+    // A request arrives on one of them: it counts twice now.
+    run(&skel.progs.agent_ingress, &request().build(), None);
+    assert_eq!(get::<_, i64>(&skel.maps.inflight, &LOCAL_PORT), Some(1));
+    assert_eq!(ask(), InbandOption::Score(4).encode());
+    // A count below zero (a close seen before its open) adds nothing.
+    put(&skel.maps.active_conns, &LOCAL_PORT, &-2i64);
+    assert_eq!(ask(), InbandOption::Score(1).encode());
 }
 
 // ---------------------------------------------------------------- egress: carriers of a 125

@@ -21,6 +21,17 @@
  * balancer sent is a replay. */
 #define INBAND_UDP_STAMP_WINDOW_MS 5000
 
+/* What a 125 carries when no override is set: the rodata `score_source`,
+ * from the agent's `score` (the cpu and app sources set overrides, so
+ * the programs see them as connections). */
+enum inband_score_source {
+	INBAND_SCORE_CONNECTIONS = 0, /* active connections of the port */
+	INBAND_SCORE_REQUESTS = 1, /* its connections with a request in flight */
+	/* The two added, a busy connection counting twice: an idle kept-alive
+	 * connection still brings requests, a busy one has work queued now. */
+	INBAND_SCORE_CONNECTIONS_AND_REQUESTS = 2,
+};
+
 enum inband_agent_counter {
 	INBAND_AGENT_TUPLES_STORED = 0,
 	INBAND_AGENT_PROBES_SEEN = 1,

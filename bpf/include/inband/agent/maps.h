@@ -40,9 +40,9 @@ INBAND_PINNED(active_conns, BPF_MAP_TYPE_HASH, __u16, __s64, INBAND_AGENT_MAX_SE
 
 INBAND_PINNED(score_override, BPF_MAP_TYPE_HASH, __u16, __u32, INBAND_AGENT_MAX_SERVICES);
 
-/* Score source "requests": connections with a request in flight (client
- * bytes arrived, no response byte sent since), per served port (host
- * order), and the per-connection flag behind the count. */
+/* Score sources that count requests: connections with a request in flight
+ * (client bytes arrived, no response byte sent since), per served port
+ * (host order), and the per-connection flag behind the count. */
 INBAND_PINNED(inflight, BPF_MAP_TYPE_HASH, __u16, __s64, INBAND_AGENT_MAX_SERVICES);
 
 INBAND_PINNED(inflight_conns, BPF_MAP_TYPE_LRU_HASH, struct inband_conn_key, __u32, INBAND_AGENT_FLOW_TABLE_SIZE);
@@ -57,9 +57,15 @@ INBAND_PINNED(auth_keys, BPF_MAP_TYPE_ARRAY, __u32, struct inband_auth_key, INBA
 
 INBAND_PINNED(agent_stats, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, __u64, INBAND_AGENT_COUNTER_MAX);
 
-/* Set by the control plane at load when the score source is "requests":
- * only then do data packets pay for the per-connection bookkeeping. */
-const volatile __u8 score_requests = 0;
+/* enum inband_score_source, set by the control plane at load: data
+ * packets pay for the per-connection bookkeeping only when the score
+ * counts requests. */
+const volatile __u8 score_source = INBAND_SCORE_CONNECTIONS;
+
+static __always_inline int score_counts_requests(void)
+{
+	return score_source != INBAND_SCORE_CONNECTIONS;
+}
 
 static __always_inline void count(__u32 counter)
 {
