@@ -28,6 +28,20 @@ bench.regimes' other loads, each off unless set:
                             last); 0 or unset: one request per connection
     INBAND_BENCH_THINK_S    "LO,HI": each user waits a uniform LO..HI
                             seconds between its requests (default 0,0)
+    INBAND_BENCH_OPEN_RATE  requests per second: an open loop in place of
+                            the users' closed one. One user starts a GET
+                            (a connection each) every 1/RATE s whatever the
+                            earlier ones are doing, each in a greenlet of
+                            its own, so a slow server cannot slow the
+                            arrivals down; run it with -u 1
+    INBAND_BENCH_DRAW_SEED  every request carries the random numbers its
+                            service time is drawn with (X-Service-Draw,
+                            `inband serve`), as do the keep-alive lengths
+                            and think times: the user spawned k-th draws
+                            from a generator seeded with SEED and k, so
+                            every run with the same seed sends the same
+                            requests in each user's order; unset: the
+                            servers draw
     INBAND_BENCH_DIRECT     JSON {"users": N, "windows": [[start_s, end_s,
                             "http://server:port"], ...], "requests": PATH}:
                             N more users that go straight to a server (not
@@ -44,13 +58,15 @@ connection, so with keep-alive for the whole run 150 users would be placed
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
 import time
 
 import gevent
-from locust import HttpUser, between, constant, events, task
+import gevent.pool
+from locust import HttpUser, constant, events, task
 
 REQUESTS_PATH = os.environ.get("INBAND_BENCH_REQUESTS")
 WINDOW_PATH = os.environ.get("INBAND_BENCH_WINDOW")
@@ -61,6 +77,8 @@ ONOFF = json.loads(os.environ.get("INBAND_BENCH_ONOFF") or "null")
 KEEPALIVE = int(os.environ.get("INBAND_BENCH_KEEPALIVE") or 0)
 THINK_S = tuple(float(x) for x in (os.environ.get("INBAND_BENCH_THINK_S") or "0,0").split(","))
 DIRECT = json.loads(os.environ.get("INBAND_BENCH_DIRECT") or "null")
+OPEN_RATE = float(os.environ.get("INBAND_BENCH_OPEN_RATE") or 0)
+DRAW_SEED = os.environ.get("INBAND_BENCH_DRAW_SEED")
 DIRECT_NAME = "direct"  # the request name that keeps direct requests out of the per-request log
 
 HEADERS = {"Connection": "close"}
@@ -75,9 +93,11 @@ _direct_log = open(DIRECT["requests"], "w", buffering=1 << 16) if DIRECT and DIR
 if _direct_log:
     _direct_log.write("start,rt_ms,ok,bytes\n")
 _window = {}
-# user -> start of its request in flight. Locust kills the users before
-# test_stop, so what is left here at the stop never completed.
+# user (or open-loop greenlet) -> start of its request in flight. Locust
+# kills the users before test_stop, and _stop the open loop's greenlets,
+# so what is left here at the stop never completed.
 _in_flight: dict[int, float] = {}
+_open_requests = gevent.pool.Group()
 
 
 @events.request.add_listener
@@ -110,6 +130,7 @@ def _start(**_kw):
 @events.test_stop.add_listener
 def _stop(**_kw):
     _window["t1"] = time.time()
+    _open_requests.kill(block=True, timeout=5)
     for log in (_log, _direct_log):
         if log:
             log.flush()
@@ -126,6 +147,25 @@ def _quit(**_kw):
             log.flush()
 
 
+_spawned: dict[str, itertools.count] = {}
+
+
+def user_rng(population: str) -> random.Random:
+    """The random numbers of the next user spawned of `population`:
+    seeded when INBAND_BENCH_DRAW_SEED is, by the population and the
+    order of spawning within it (the same in every run)."""
+    k = next(_spawned.setdefault(population, itertools.count()))
+    return random.Random(f"{DRAW_SEED}-{population}-{k}") if DRAW_SEED else random.Random()
+
+
+def drawn(headers: dict, rng: random.Random) -> dict:
+    """`headers` with the request's service-time draw, when the load
+    generator draws."""
+    if not DRAW_SEED:
+        return headers
+    return {**headers, "X-Service-Draw": f"{1.0 - rng.random()!r},{rng.random()!r}"}
+
+
 def _idle() -> None:
     """After the last window: send nothing more (Locust stops the user at
     the end of the run)."""
@@ -133,9 +173,11 @@ def _idle() -> None:
 
 
 class PaperUser(HttpUser):
-    wait_time = between(*THINK_S) if THINK_S[1] > 0 else constant(0)
+    def wait_time(self):
+        return self.rng.uniform(*THINK_S) if THINK_S[1] > 0 else 0
 
     def on_start(self):
+        self.rng = user_rng("user")
         self.left = 0  # requests still to send on the current connection
 
     @task
@@ -145,9 +187,10 @@ class PaperUser(HttpUser):
         headers = HEADERS
         if KEEPALIVE > 0:
             if self.left <= 0:
-                self.left = random.randint(1, 2 * KEEPALIVE - 1)
+                self.left = self.rng.randint(1, 2 * KEEPALIVE - 1)
             self.left -= 1
             headers = KEEP if self.left > 0 else HEADERS
+        headers = drawn(headers, self.rng)
         _in_flight[id(self)] = time.time()
         self.client.get("/", headers=headers, timeout=TIMEOUT_S)
         del _in_flight[id(self)]
@@ -161,10 +204,43 @@ if DIRECT:
         fixed_count = int(DIRECT["users"])
         wait_time = constant(0)
 
+        def on_start(self):
+            self.rng = user_rng("direct")
+
         @task
         def get(self):
             w = wait_for_window(DIRECT["windows"])
             if w is None:
                 return _idle()
             # An absolute URL: the session goes to the server, not --host.
-            self.client.get(f"{w[2]}/", headers=HEADERS, name=DIRECT_NAME, timeout=TIMEOUT_S)
+            self.client.get(f"{w[2]}/", headers=drawn(HEADERS, self.rng), name=DIRECT_NAME, timeout=TIMEOUT_S)
+
+
+class OpenLoopUser(HttpUser):
+    """INBAND_BENCH_OPEN_RATE's arrivals (the closed-loop users are off)."""
+
+    fixed_count = 1
+    wait_time = constant(0)
+
+    @task
+    def arrivals(self):
+        period, due = 1.0 / OPEN_RATE, time.time()
+        rng = user_rng("open")
+        while True:
+            _open_requests.spawn(self.one, drawn(HEADERS, rng))
+            # On the schedule, not after the spawn: arrivals do not drift
+            # when the generator itself is slow.
+            due += period
+            gevent.sleep(max(0.0, due - time.time()))
+
+    def one(self, headers: dict):
+        me = id(gevent.getcurrent())
+        _in_flight[me] = time.time()
+        self.client.get("/", headers=headers, timeout=TIMEOUT_S)
+        del _in_flight[me]
+
+
+# Locust spawns every concrete User class of the module: one loop or the
+# other.
+OpenLoopUser.abstract = not OPEN_RATE
+PaperUser.abstract = bool(OPEN_RATE)

@@ -83,6 +83,10 @@ ON_S, OFF_S = (1.0, 2.0), (3.0, 4.0)
 # hidden-load: the direct population's windows on one server, and the
 # pauses between them (the run starts with a pause: balanced).
 DIRECT_ON_S, DIRECT_OFF_S = (2.0, 4.0), (2.0, 4.0)
+# open loops: slots per server, so that 95% of capacity (3 × 8 slots of
+# 0.25 s: 96 requests a second before the slowdowns take their share)
+# stays well inside what one Locust process generates on this machine.
+OPEN_WORKERS = 8
 # keep-alive: LLM-inference-like serving. Times at time scale 1 (the
 # profile's scale multiplies them, as every server-side time).
 LLM_SLOTS = 8  # requests in service at once per server
@@ -106,6 +110,11 @@ class Regime:
     keepalive: bool = False  # LLM-like serving over kept connections
     direct: float = 0.0  # a population this many × users straight to the servers
     score: str | None = None  # the agents' score source (their default: connections)
+    # An open loop at this fraction of the servers' capacity (arrivals on a
+    # schedule, not users waiting for answers); 0: Locust's closed loop.
+    open_load: float = 0.0
+    workers: int | None = None  # slots per server, if not the paper profile's
+    schedule: str | None = None  # whose slowdown schedule it shares (default: its own)
 
 
 # How a regime's heading names its agents' score source.
@@ -138,6 +147,18 @@ REGIMES = (
     # about 15 and 21 of the 24 slots before the slowdowns take some.
     Regime("keep-alive-20", "as keep-alive, 20 users (below saturation)", users=20, keepalive=True, score="requests"),
     Regime("keep-alive-28", "as keep-alive, 28 users (near saturation)", users=28, keepalive=True, score="requests"),
+    # Below saturation, where placement decides the queues: arrivals on a
+    # schedule (bench/locustfile.py's open loop), one connection each.
+    *(
+        Regime(
+            f"open-{pct}",
+            f"as slowdowns (the same windows at every load), an open loop at {pct}% of the servers' capacity over the run, {OPEN_WORKERS} slots each",
+            open_load=pct / 100,
+            workers=OPEN_WORKERS,
+            schedule="open",
+        )
+        for pct in (60, 80, 95)
+    ),
     # The first study's ten: one connection per request.
     Regime("heavy-tail", "lognormal service (σ 0.8), identical servers, nothing slowed", slowdowns=False),
     Regime("slowdowns", "heavy tail + each server 5× slower for 2–4 s, twice, at random"),
@@ -154,7 +175,8 @@ REGIMES = (
     Regime("adaptive", "as slowdowns, n = 100..1000 adaptive", probe_max=1000),
 )
 BY_KEY = {r.key: r for r in REGIMES}
-TEN = tuple(r.key for r in REGIMES[5:])
+# The first study's ten: the regimes from heavy-tail on.
+TEN = tuple(BY_KEY)[tuple(BY_KEY).index("heavy-tail") :]
 
 
 @dataclass(frozen=True)
@@ -182,6 +204,8 @@ PROFILES = {
     "quick": Profile("quick", 25, ("on-off", "keep-alive", "hidden-load", "slowdowns"), 1.0, reps=3),
     # keep-alive below saturation: 2 × 7 × 3 = 42 runs × 27.2 s ≈ 19 min.
     "load": Profile("quick", 25, ("keep-alive-20", "keep-alive-28"), 1.0, reps=3),
+    # open loops below and near saturation: 3 × 7 × 3 = 63 runs × 27.2 s ≈ 29 min.
+    "open": Profile("quick", 25, ("open-60", "open-80", "open-95"), 1.0, reps=3),
     # The first study's ten regimes, repeated: 10 × 7 × 3 = 210 runs ×
     # (20 + 2.2) s ≈ 78 min, and three testbeds (2, 3, 4 servers).
     "ten": Profile("quick", 20, TEN, 1.0, reps=3),
@@ -197,7 +221,24 @@ PROFILES = {
 
 
 def users(regime: Regime, profile: Profile) -> int:
+    """Locust's users: the open loop's one, or the regime's (scaled)."""
+    if regime.open_load:
+        return 1
     return max(2, round(regime.users * profile.users_scale))
+
+
+def capacity(regime: Regime, pprofile: paperbed.Profile, duration_s: int, seed: int) -> float:
+    """Requests a second the regime's servers complete with every slot
+    busy, averaged over the run: a server inside a slowdown window
+    completes `factor` times fewer."""
+    per_slot = 1000 / (pprofile.service_ms * pprofile.time_scale)
+    steps = 1000
+    speed = 0.0
+    for spec in specs_for(regime, duration_s, seed):
+        for i in range(steps):
+            t = (i + 0.5) / steps
+            speed += math.prod(f for start, length, f in spec.slowdowns if start <= t < start + length) ** -1 / steps
+    return speed * (regime.workers or pprofile.workers) * per_slot
 
 
 def direct_users(regime: Regime, profile: Profile) -> int:
@@ -218,7 +259,7 @@ def specs_for(regime: Regime, duration_s: int, seed: int) -> tuple:
     """Identical servers (speed 1): every difference between them is the
     regime's, changing within the run. One schedule per regime, the same for
     every configuration and repetition in it."""
-    rng = random.Random(f"{seed}-{regime.key}")
+    rng = random.Random(f"{seed}-{regime.schedule or regime.key}")
     return tuple(ServerSpec(1.0, slowdown_windows(rng, duration_s) if regime.slowdowns else ()) for _ in range(regime.servers))
 
 
@@ -308,9 +349,15 @@ def configure(bench: Bench, regime: Regime, profile: Profile, pprofile: paperbed
     bench.specs = specs_for(regime, profile.duration_s, bench.args.seed)
     bench.args.users = users(regime, profile)
     bench.args.spawn_rate = bench.args.users
-    bench.p, bench.serve_extra, env = pprofile, (), {}
+    bench.p, bench.serve_extra = pprofile, ()
+    # Common random numbers: every configuration is given the same
+    # requests, so that a difference between them is the placement's.
+    env = {"INBAND_BENCH_DRAW_SEED": str(bench.args.seed)}
     if regime.onoff:
         env["INBAND_BENCH_ONOFF"] = json.dumps(onoff_windows(regime, profile, bench.args.seed))
+    if regime.open_load:
+        bench.p = replace(pprofile, workers=regime.workers or pprofile.workers)
+        env["INBAND_BENCH_OPEN_RATE"] = f"{regime.open_load * capacity(regime, pprofile, profile.duration_s, bench.args.seed):.3f}"
     if regime.keepalive:
         bench.p = replace(pprofile, workers=LLM_SLOTS, service_ms=LLM_SERVICE_MS, service_dist="lognormal")
         bench.serve_extra = ("--keep-alive", "--service-sigma", f"{LLM_SIGMA:g}")
@@ -604,7 +651,7 @@ def parse_args(argv):
     ap.add_argument("--reps", type=int, help="override the profile's repetitions per cell")
     ap.add_argument("--name", default="rg", help="testbed name (namespaces NAME-lb, NAME-c1, ...)")
     ap.add_argument("--inband", default=str(results.REPO / "target" / "debug" / "inband"))
-    ap.add_argument("--seed", type=int, default=1, help="the slowdown, on/off and direct schedules")
+    ap.add_argument("--seed", type=int, default=1, help="the slowdown, on/off and direct schedules, and the requests' service-time draws")
     ap.add_argument("--agent-score", choices=sorted(SCORE_WORDS), help="the agents' score source in the regimes that set one (default: theirs)")
     args = ap.parse_args(argv)
     keys = (args.regimes or ",".join(PROFILES[args.profile].regimes)).split(",")
@@ -628,10 +675,11 @@ def paper_args(args, profile: Profile, out: Path):
     return pa
 
 
-def schedules(regimes: list[Regime], profile: Profile, seed: int) -> dict:
+def schedules(regimes: list[Regime], profile: Profile, pprofile: paperbed.Profile, seed: int) -> dict:
     """What each regime's runs followed, for the record."""
     return {
         r.key: {
+            "open_rate": r.open_load * capacity(r, pprofile, profile.duration_s, seed),
             "slowdowns": [list(s.slowdowns) for s in specs_for(r, profile.duration_s, seed)],
             "onoff": onoff_windows(r, profile, seed),
             "direct": direct_windows(r, profile, seed),
@@ -691,7 +739,7 @@ def main(argv=None) -> int:
         for key, rs in by_regime.items() for r in rs
     ]  # fmt: skip
     record = this_run.record(rows, profile=profiles.as_json(args.profile, profile), inband=Path(args.inband), paper_profile=asdict(pprofile),
-                             regimes=args.regime_keys, agent_score=args.agent_score, schedules=schedules(regimes, profile, args.seed), failed=[f"{k}: {e}" for k, e in failed])
+                             regimes=args.regime_keys, agent_score=args.agent_score, draw_seed=args.seed, schedules=schedules(regimes, profile, pprofile, args.seed), failed=[f"{k}: {e}" for k, e in failed])
     results.write(args.results, record, render(record))
     for key, err in failed:
         print(f"error: {key}: {err}", file=sys.stderr)
@@ -717,7 +765,8 @@ def regime_heading(regime: Regime, profile: Profile, rows: list[Row], schedule: 
         )
     if regime.score:
         extra.insert(0, f"agents score {SCORE_WORDS[regime.score]}")
-    return f"## {regime.key}: {regime.what}, {users(regime, profile)} users{''.join('; ' + e for e in extra)}\n"
+    load = f"{schedule['open_rate']:.0f} arrivals a second" if schedule.get("open_rate") else f"{users(regime, profile)} users"
+    return f"## {regime.key}: {regime.what}, {load}{''.join('; ' + e for e in extra)}\n"
 
 
 def render(record: dict) -> str:
@@ -743,6 +792,11 @@ def render(record: dict) -> str:
         "per repetition. The control is DSR least-connections with no feedback: what the balancer's own counting gives. "
         f"Verdict: a win needs ≥ {WIN_RPS}× RPS or ≤ {WIN_P99}× p99 against both the equal-budget poller and the control, beyond the spread.\n",
     ]
+    if record.get("draw_seed") is not None:
+        parts.append(
+            f"Every request carries its service-time draw (seed {record['draw_seed']}, bench/locustfile.py): each user sends the same "
+            "requests, in the same order, in every run, so the configurations and repetitions are given the same work to place.\n"
+        )
     if profile.reps < 2:
         parts.append("One repetition: no spread to judge by, every difference counts as measured.\n")
     if record["failed"]:

@@ -18,6 +18,16 @@ BODY = b"x" * 47104
 RUN_S = 2
 
 
+def locust_run(users: int, seconds: int, port: int, env: dict) -> subprocess.CompletedProcess:
+    """The locustfile headless against 127.0.0.1:`port`, `users` spawned at
+    once, for `seconds`."""
+    return subprocess.run(
+        [sys.executable, "-m", "locust", "-f", str(REPO / "bench" / "locustfile.py"), "--headless", "--only-summary",
+         "-u", str(users), "-r", str(users), "-t", f"{seconds}s", "--host", f"http://127.0.0.1:{port}", "--loglevel", "WARNING"],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+
+
 def test_locustfile_logs_every_request(tmp_path):
     seen = []
     completed = {200: 0, 503: 0}
@@ -50,11 +60,7 @@ def test_locustfile_logs_every_request(tmp_path):
             "INBAND_BENCH_PAD_BYTES": "900",
             "PATH": "/usr/bin:/bin",
         }
-        cp = subprocess.run(
-            [sys.executable, "-m", "locust", "-f", str(REPO / "bench" / "locustfile.py"), "--headless", "--only-summary",
-             "-u", "3", "-r", "3", "-t", f"{RUN_S}s", "--host", f"http://127.0.0.1:{srv.server_port}", "--loglevel", "WARNING"],
-            capture_output=True, text=True, timeout=60, env=env,
-        )  # fmt: skip
+        cp = locust_run(users=3, seconds=RUN_S, port=srv.server_port, env=env)
     finally:
         srv.shutdown()
     assert (tmp_path / "window.json").exists(), cp.stderr[-2000:]
@@ -129,11 +135,7 @@ def test_regimes_loads_on_off_keep_alive_and_direct(tmp_path):
             "INBAND_BENCH_DIRECT": json.dumps({"users": 2, "windows": windows, "requests": str(tmp_path / "direct.csv")}),
             "PATH": "/usr/bin:/bin",
         }
-        cp = subprocess.run(
-            [sys.executable, "-m", "locust", "-f", str(REPO / "bench" / "locustfile.py"), "--headless", "--only-summary",
-             "-u", "5", "-r", "5", "-t", "3s", "--host", f"http://127.0.0.1:{vip.server_port}", "--loglevel", "WARNING"],
-            capture_output=True, text=True, timeout=60, env=env,
-        )  # fmt: skip
+        cp = locust_run(users=5, seconds=3, port=vip.server_port, env=env)
     finally:
         vip.shutdown()
         direct.shutdown()
@@ -159,3 +161,94 @@ def test_regimes_loads_on_off_keep_alive_and_direct(tmp_path):
     assert len(report.read_requests(tmp_path / "requests.csv")) <= len(conns["vip"])
     assert 0 < len(report.read_requests(tmp_path / "direct.csv")) <= len(conns["direct"])
     assert len(report.read_requests(tmp_path / "requests.csv")) >= len(conns["vip"]) - 3
+
+
+def test_open_loop_arrivals_keep_their_rate_while_the_server_is_slow(tmp_path):
+    rate, slow_s = 40.0, 0.5
+    active, most = [0], [0]
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):  # noqa: N802 - http.server's naming
+            with lock:
+                active[0] += 1
+                most[0] = max(most[0], active[0])
+            time.sleep(slow_s)
+            self.send_response(200)
+            self.send_header("Content-Length", "10")
+            self.end_headers()
+            self.wfile.write(b"x" * 10)
+            with lock:
+                active[0] -= 1
+
+        def log_message(self, *_a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        env = {
+            "INBAND_BENCH_REQUESTS": str(tmp_path / "requests.csv"),
+            "INBAND_BENCH_WINDOW": str(tmp_path / "window.json"),
+            "INBAND_BENCH_OPEN_RATE": str(rate),
+            "PATH": "/usr/bin:/bin",
+        }
+        cp = locust_run(users=1, seconds=RUN_S, port=srv.server_port, env=env)
+    finally:
+        srv.shutdown()
+    assert (tmp_path / "window.json").exists(), cp.stderr[-2000:]
+    window = json.loads((tmp_path / "window.json").read_text())
+    t0, t1 = window["t0"], window["t1"]
+    starts = sorted([r.start for r in report.read_requests(tmp_path / "requests.csv")] + window["unfinished"])
+    # A closed loop of one user would have sent t/slow_s requests; the open
+    # one started one every 1/rate s, the last slow_s of them still in
+    # flight at the stop.
+    expected = rate * (t1 - t0)
+    assert 0.85 * expected <= len(starts) <= expected + 2, (len(starts), expected)
+    assert len(window["unfinished"]) >= rate * slow_s / 2, window["unfinished"]
+    assert most[0] >= rate * slow_s / 2, most
+    gaps = sorted(b - a for a, b in zip(starts, starts[1:]))
+    assert abs(gaps[len(gaps) // 2] - 1 / rate) < 0.25 / rate, gaps[len(gaps) // 2]
+
+
+def test_a_draw_seed_sends_the_same_requests_in_every_run(tmp_path):
+    def draws(seed: str) -> list[str]:
+        seen = []
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self):  # noqa: N802 - http.server's naming
+                seen.append(self.headers.get("X-Service-Draw"))
+                time.sleep(0.01)
+                self.send_response(200)
+                self.send_header("Content-Length", "1")
+                self.end_headers()
+                self.wfile.write(b"x")
+
+            def log_message(self, *_a):
+                pass
+
+        srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        env = {"INBAND_BENCH_DRAW_SEED": seed, "PATH": "/usr/bin:/bin"} if seed else {"PATH": "/usr/bin:/bin"}
+        try:
+            cp = locust_run(users=3, seconds=1, port=srv.server_port, env=env)
+        finally:
+            srv.shutdown()
+        assert len(seen) >= 10, cp.stderr[-2000:]
+        return seen
+
+    a, b, other, none = draws("7"), draws("7"), draws("8"), draws("")
+    for d in a:
+        u, v = (float(x) for x in d.split(","))
+        assert 0 < u <= 1 and 0 <= v < 1, d
+    # Each user sends its own sequence: whatever the timing, the requests
+    # both runs sent are the same ones (each user's first ones), and
+    # another seed's share none.
+    common = set(a) & set(b)
+    assert len(common) >= 0.8 * min(len(set(a)), len(set(b))), (len(common), len(set(a)), len(set(b)))
+    assert not set(a) & set(other)
+    assert none == [None] * len(none)

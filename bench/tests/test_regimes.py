@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -76,6 +77,35 @@ def test_quick_profile_fits_forty_minutes():
     runs = len(p.regimes) * len(regimes.CONFIG_KEYS) * p.reps
     assert p.reps >= 3 and runs * (p.duration_s + 2.2) / 60 <= 40
     assert {"on-off", "keep-alive", "hidden-load"} <= set(p.regimes)
+
+
+def test_open_loops_arrive_at_their_share_of_the_servers_capacity():
+    from bench.lib import paperbed
+
+    quick = paperbed.PROFILES["quick"]
+    rates = {}
+    for pct in (60, 80, 95):
+        r = regimes.BY_KEY[f"open-{pct}"]
+        # 3 servers × 8 slots of 0.25 s mean service: 96 requests a second,
+        # less what the slowdowns take: each server 5× slower for 2–4 s
+        # twice in 25 s.
+        cap = regimes.capacity(r, quick, 25, 1)
+        slowed = sum(length for s in regimes.specs_for(r, 25, 1) for _start, length, _f in s.slowdowns)
+        assert cap == pytest.approx(96.0 - 32.0 * slowed * 0.8, rel=0.02), (cap, slowed)
+        assert regimes.capacity(replace(r, slowdowns=False), quick, 25, 1) == pytest.approx(96.0)
+        assert regimes.users(r, regimes.PROFILES["open"]) == 1
+        bench = type("B", (), {"args": type("A", (), {"seed": 1})()})()
+        regimes.configure(bench, r, regimes.PROFILES["open"], quick)
+        assert bench.p.workers == regimes.OPEN_WORKERS and bench.args.users == 1
+        rates[pct] = float(bench.locust_env["INBAND_BENCH_OPEN_RATE"])
+        assert "INBAND_BENCH_KEEPALIVE" not in bench.locust_env and "INBAND_BENCH_ONOFF" not in bench.locust_env
+        assert bench.locust_env["INBAND_BENCH_DRAW_SEED"] == "1"
+        heading = regimes.regime_heading(r, regimes.PROFILES["open"], [], regimes.schedules([r], regimes.PROFILES["open"], quick, 1)[r.key])
+        assert f"{rates[pct]:.0f} arrivals a second" in heading and "users" not in heading, heading
+    assert rates == pytest.approx({pct: pct / 100 * cap for pct in (60, 80, 95)}, abs=0.001)
+    # The closed-loop regimes keep their users.
+    assert regimes.users(regimes.BY_KEY["slowdowns"], regimes.PROFILES["quick"]) == 150
+    assert len(regimes.TEN) == 10 and regimes.TEN[0] == "heavy-tail"
 
 
 def run(rps: float, p99: float, *, probes: int = 0, polls: int = 0, conns: int | None = None) -> RunResult:
@@ -210,6 +240,7 @@ def test_tiny_grid_end_to_end(tmp_path):
 
     data = json.loads((out / "results.json").read_text())
     assert data["profile"]["reps"] == 1 and all(r["rep"] == 0 for r in data["rows"])
+    assert data["draw_seed"] == 1 and "Every request carries its service-time draw (seed 1" in md
     rows = {(r["regime"], r["key"]): r for r in data["rows"]}
     t0 = {k: locust.read_window(out / k[0] / "rep1" / k[1] / "window.json")[0] for k in rows}
 

@@ -103,6 +103,29 @@ fn full_queue_answers_503_at_once() {
 }
 
 #[test]
+fn a_request_brings_its_own_draw_and_a_bad_one_is_refused() {
+    let timed = |s: &Server, draw: &str| {
+        let t = Instant::now();
+        let req = format!("GET / HTTP/1.1\r\nHost: t\r\nX-Service-Draw: {draw}\r\nConnection: close\r\n\r\n");
+        assert_eq!(raw(s.local_addr(), req.as_bytes()).0, 200);
+        t.elapsed()
+    };
+    // Exponential, mean 200 ms: u = e^-2 takes 400 ms, u = e^-0.25 50 ms,
+    // whatever the server's own random numbers would have said.
+    let s = server(&["--service-dist", "exponential", "--service-ms", "200"]);
+    let long = timed(&s, &format!("{},0.5", (-2.0f64).exp()));
+    let short = timed(&s, &format!("{},0.5", (-0.25f64).exp()));
+    assert!(long >= Duration::from_millis(395) && long < Duration::from_millis(700), "{long:?}");
+    assert!(short >= Duration::from_millis(45) && short < Duration::from_millis(300), "{short:?}");
+    for bad in ["0,0.5", "2,0.5", "0.5", "x,y"] {
+        let req = format!("GET / HTTP/1.1\r\nHost: t\r\nX-Service-Draw: {bad}\r\n\r\n");
+        assert_eq!(raw(s.local_addr(), req.as_bytes()).0, 400, "{bad}");
+    }
+    let st = s.stats();
+    assert_eq!((st.served, st.bad_requests), (2, 4));
+}
+
+#[test]
 fn speed_and_time_scale_change_service_time() {
     let timed = |flags: &[&str]| {
         let s = server(flags);

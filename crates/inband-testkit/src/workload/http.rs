@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::capacity::{Capacity, Model};
+use super::capacity::{Capacity, Draw, Model};
 
 const MAX_HEADER_BYTES: usize = 16 * 1024;
 const IO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -80,7 +80,7 @@ pub fn accept_loop(listener: TcpListener, state: Arc<Shared>, stop: Arc<AtomicBo
 }
 
 enum RequestHead {
-    Request { method: String, path: String, keep_alive: bool, consumed: usize },
+    Request { method: String, path: String, keep_alive: bool, draw: Option<Draw>, consumed: usize },
     Incomplete,
     Bad(u16),
 }
@@ -104,10 +104,18 @@ fn parse(buf: &[u8]) -> RequestHead {
                 // GET/HEAD bodies are not supported: refuse rather than misparse the stream.
                 return RequestHead::Bad(400);
             }
+            let draw = match req.headers.iter().find(|h| h.name.eq_ignore_ascii_case("x-service-draw")) {
+                None => None,
+                Some(h) => match Draw::parse(h.value) {
+                    Some(d) => Some(d),
+                    None => return RequestHead::Bad(400),
+                },
+            };
             RequestHead::Request {
                 method: req.method.unwrap_or("").to_string(),
                 path: req.path.unwrap_or("/").to_string(),
                 keep_alive,
+                draw,
                 consumed,
             }
         }
@@ -125,9 +133,9 @@ fn serve_connection(mut stream: TcpStream, st: &Shared) -> std::io::Result<()> {
     let mut buf = Vec::with_capacity(4096);
     let mut chunk = [0u8; 4096];
     loop {
-        let (method, path, keep_alive, consumed) = loop {
+        let (method, path, keep_alive, draw, consumed) = loop {
             match parse(&buf) {
-                RequestHead::Request { method, path, keep_alive, consumed } => break (method, path, keep_alive, consumed),
+                RequestHead::Request { method, path, keep_alive, draw, consumed } => break (method, path, keep_alive, draw, consumed),
                 RequestHead::Bad(code) => {
                     st.bad_requests.fetch_add(1, Ordering::Relaxed);
                     return respond(&mut stream, st, code, b"", false, false);
@@ -154,7 +162,8 @@ fn serve_connection(mut stream: TcpStream, st: &Shared) -> std::io::Result<()> {
             respond(&mut stream, st, 200, &body, keep, head_only)?;
         } else {
             let started = st.capacity.started;
-            let admitted = st.capacity.admit(|start| st.model.service_time(start - started, &mut rand::thread_rng()));
+            let draw = draw.unwrap_or_else(|| Draw::random(&mut rand::thread_rng()));
+            let admitted = st.capacity.admit(|start| st.model.service_time(start - started, draw));
             let Some(admitted) = admitted else {
                 st.rejected.fetch_add(1, Ordering::Relaxed);
                 return respond(&mut stream, st, 503, b"", false, head_only);
