@@ -6,7 +6,9 @@
 //! connections. On top: the client (`client`, its C ABI `ffi`), the join
 //! that ties a new subflow to a connection (`join`), the takeover channel
 //! between balancer and server (`channel`), the server's takeover
-//! (`takeover`) and the balancer's handoff routine (`handoff`).
+//! (`takeover`) and the balancer's handoff routine (`handoff`); `repair`
+//! freezes a connection and rebuilds it elsewhere, for the transparent
+//! handoff (docs/decisions.md).
 //! docs/architecture.md, "Connection handoff".
 
 pub mod bpf;
@@ -17,6 +19,7 @@ pub mod ffi;
 pub mod handoff;
 pub mod join;
 pub mod relay;
+pub mod repair;
 pub mod sockops;
 pub mod takeover;
 pub mod wire;

@@ -1,0 +1,415 @@
+//! A TCP connection frozen on one host and recreated on another, by the
+//! kernel's repair mode (`TCP_REPAIR`): the primitive of the transparent
+//! handoff (docs/decisions.md, "the transparent variant's design"), where
+//! a stock client's connection moves from the proxy to the server with no
+//! help from the client.
+//!
+//! Written against the socket options directly: no crate wraps repair
+//! mode (socket2 and nix stop at the options every program uses), and
+//! CRIU, which does, is a whole-process checkpointer in C.
+//!
+//! Only a connection that has sent nothing the peer has not acknowledged
+//! can be frozen (`Refused::Unacked`): what moves is the receive side,
+//! the bytes the new owner's application must read first.
+
+use std::io;
+use std::mem::{size_of, size_of_val, MaybeUninit};
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+// linux/tcp.h: the queue TCP_REPAIR_QUEUE selects, and the option codes
+// TCP_REPAIR_OPTIONS takes (libc has the socket options, not these).
+const TCP_NO_QUEUE: libc::c_int = 0;
+const TCP_RECV_QUEUE: libc::c_int = 1;
+const TCP_SEND_QUEUE: libc::c_int = 2;
+const TCPOPT_MSS: u32 = 2;
+const TCPOPT_WINDOW: u32 = 3;
+const TCPOPT_SACK_PERM: u32 = 4;
+const TCPOPT_TIMESTAMP: u32 = 8;
+// tcp_info.tcpi_options bits.
+const TCPI_OPT_TIMESTAMPS: u8 = 1;
+const TCPI_OPT_SACK: u8 = 2;
+const TCPI_OPT_WSCALE: u8 = 4;
+const TCP_ESTABLISHED: u8 = 1;
+
+/// struct tcp_repair_window (linux/tcp.h).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Window {
+    pub snd_wl1: u32,
+    pub snd_wnd: u32,
+    pub max_window: u32,
+    pub rcv_wnd: u32,
+    pub rcv_wup: u32,
+}
+
+/// struct tcp_repair_opt (linux/tcp.h).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RepairOpt {
+    code: u32,
+    val: u32,
+}
+
+/// What a connection's new owner needs to continue it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Frozen {
+    pub local: SocketAddr,
+    pub peer: SocketAddr,
+    /// The next sequence number to send (everything before it acknowledged).
+    pub snd_seq: u32,
+    /// The peer's sequence number of `received`'s first byte.
+    pub rcv_seq: u32,
+    /// What the new owner's application reads first: the bytes the old
+    /// owner read (the request it chose by), then those it left unread.
+    pub received: Vec<u8>,
+    pub mss: u16,
+    /// The window scales both sides announced, if they agreed on scaling.
+    pub wscale: Option<(u8, u8)>,
+    pub sack: bool,
+    /// The socket's timestamp clock at the freeze, if timestamps are on:
+    /// the new socket's clock starts from it, so the peer's PAWS check
+    /// sees it go on rising whatever the new host's clock says.
+    pub ts_now: Option<u32>,
+    pub window: Window,
+}
+
+/// Why a connection was not frozen. It is left as it was, out of repair
+/// mode, for its owner to go on serving.
+#[derive(Debug)]
+pub enum Refused {
+    /// Not established (closing, or not yet open).
+    NotEstablished(u8),
+    /// Bytes sent and not yet acknowledged (or not yet sent): they would
+    /// have two owners.
+    Unacked(u32),
+    Io(io::Error),
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refused::NotEstablished(state) => write!(f, "the connection is not established (TCP state {state})"),
+            Refused::Unacked(n) => write!(f, "{n} bytes sent and not acknowledged"),
+            Refused::Io(e) => write!(f, "repair mode: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for Refused {}
+
+impl From<io::Error> for Refused {
+    fn from(e: io::Error) -> Refused {
+        Refused::Io(e)
+    }
+}
+
+/// Freezes `sock`, whose application has read `already_read` from it, and
+/// returns its state; the socket stays in repair mode (it sends nothing,
+/// not even an ACK) until `thaw` gives it back or `discard` closes it
+/// without a FIN or RST. Segments the peer sends meanwhile must not reach
+/// it (the caller drops them; the peer retransmits them to the new owner).
+pub fn freeze(sock: &TcpStream, already_read: &[u8]) -> Result<Frozen, Refused> {
+    let fd = sock.as_raw_fd();
+    set(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR, &1i32)?;
+    let state = read_state(sock, already_read);
+    if state.is_err() {
+        let _ = thaw(sock);
+    }
+    state
+}
+
+fn read_state(sock: &TcpStream, already_read: &[u8]) -> Result<Frozen, Refused> {
+    let fd = sock.as_raw_fd();
+    let info: libc::tcp_info = get(fd, libc::IPPROTO_TCP, libc::TCP_INFO)?;
+    if info.tcpi_state != TCP_ESTABLISHED {
+        return Err(Refused::NotEstablished(info.tcpi_state));
+    }
+    let unacked = ioctl_len(fd, libc::TIOCOUTQ)?;
+    if unacked != 0 {
+        return Err(Refused::Unacked(unacked));
+    }
+    set(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR_QUEUE, &TCP_SEND_QUEUE)?;
+    let snd_seq: u32 = get(fd, libc::IPPROTO_TCP, libc::TCP_QUEUE_SEQ)?;
+    set(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR_QUEUE, &TCP_RECV_QUEUE)?;
+    let rcv_nxt: u32 = get(fd, libc::IPPROTO_TCP, libc::TCP_QUEUE_SEQ)?;
+    let unread = peek_queue(fd, ioctl_len(fd, libc::FIONREAD)? as usize)?;
+    set(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR_QUEUE, &TCP_NO_QUEUE)?;
+    let mss: u32 = get(fd, libc::IPPROTO_TCP, libc::TCP_MAXSEG)?;
+    let timestamps = info.tcpi_options & TCPI_OPT_TIMESTAMPS != 0;
+    let ts_now = if timestamps { Some(get::<u32>(fd, libc::IPPROTO_TCP, libc::TCP_TIMESTAMP)?) } else { None };
+    let window: Window = get(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR_WINDOW)?;
+    // tcpi_snd_wscale and tcpi_rcv_wscale share a byte (4 bits each),
+    // which libc's struct shows as one field.
+    let scales = info.tcpi_snd_rcv_wscale;
+    let mut received = already_read.to_vec();
+    received.extend_from_slice(&unread);
+    Ok(Frozen {
+        local: sock.local_addr()?,
+        peer: sock.peer_addr()?,
+        snd_seq,
+        rcv_seq: rcv_nxt.wrapping_sub(received.len() as u32),
+        received,
+        mss: u16::try_from(mss).unwrap_or(u16::MAX),
+        wscale: (info.tcpi_options & TCPI_OPT_WSCALE != 0).then_some((scales & 0xf, scales >> 4)),
+        sack: info.tcpi_options & TCPI_OPT_SACK != 0,
+        ts_now,
+        window,
+    })
+}
+
+/// Takes `sock` out of repair mode: its owner goes on as if nothing
+/// happened (nothing was sent or acknowledged while it was frozen).
+pub fn thaw(sock: &TcpStream) -> io::Result<()> {
+    set(sock.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_REPAIR_QUEUE, &TCP_NO_QUEUE)?;
+    set(sock.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_REPAIR, &0i32)
+}
+
+/// Closes a frozen socket: in repair mode the kernel sends neither FIN
+/// nor RST, so the connection lives on with its new owner.
+pub fn discard(sock: TcpStream) {
+    drop(sock);
+}
+
+/// The connection `f` describes, as a socket of this host: bound to
+/// `f.local` (which must be an address of this host's, as a VIP is on a
+/// DSR server's loopback), established with `f.peer`, `f.received` in
+/// its receive queue, having sent nothing yet.
+pub fn restore(f: &Frozen) -> io::Result<TcpStream> {
+    let domain = if f.local.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
+    // SAFETY: socket(2) with constant arguments; the fd is owned at once.
+    let raw = unsafe { libc::socket(domain, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: raw was just returned by socket(2) and is owned by nothing else.
+    let owned = unsafe { OwnedFd::from_raw_fd(raw) };
+    let fd = owned.as_raw_fd();
+    set(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR, &1i32)?;
+    set(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR_QUEUE, &TCP_SEND_QUEUE)?;
+    set(fd, libc::IPPROTO_TCP, libc::TCP_QUEUE_SEQ, &f.snd_seq)?;
+    set(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR_QUEUE, &TCP_RECV_QUEUE)?;
+    set(fd, libc::IPPROTO_TCP, libc::TCP_QUEUE_SEQ, &f.rcv_seq)?;
+    set(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR, &1i32)?;
+    // SAFETY (both): bind(2) and connect(2) with the sockaddr sockaddr_call built.
+    sockaddr_call(fd, f.local, |fd, sa, len| unsafe { libc::bind(fd, sa, len) })?;
+    // In repair mode connect() sends no SYN: the socket is established.
+    sockaddr_call(fd, f.peer, |fd, sa, len| unsafe { libc::connect(fd, sa, len) })?;
+    let mut opts = vec![RepairOpt { code: TCPOPT_MSS, val: u32::from(f.mss) }];
+    if let Some((snd, rcv)) = f.wscale {
+        opts.push(RepairOpt { code: TCPOPT_WINDOW, val: u32::from(snd) | u32::from(rcv) << 16 });
+    }
+    if f.sack {
+        opts.push(RepairOpt { code: TCPOPT_SACK_PERM, val: 0 });
+    }
+    if f.ts_now.is_some() {
+        opts.push(RepairOpt { code: TCPOPT_TIMESTAMP, val: 0 });
+    }
+    set_slice(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR_OPTIONS, &opts)?;
+    if let Some(ts) = f.ts_now {
+        set(fd, libc::IPPROTO_TCP, libc::TCP_TIMESTAMP, &ts)?;
+    }
+    // In repair mode a write to the receive queue queues it as received
+    // (rcv_seq onwards), for the application to read.
+    let mut left = &f.received[..];
+    while !left.is_empty() {
+        // SAFETY: send(2) from a live slice of its length.
+        let n = unsafe { libc::send(fd, left.as_ptr().cast(), left.len(), 0) };
+        if n <= 0 {
+            return Err(if n < 0 { io::Error::last_os_error() } else { io::ErrorKind::WriteZero.into() });
+        }
+        left = &left[n as usize..];
+    }
+    set(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR_QUEUE, &TCP_NO_QUEUE)?;
+    set(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR_WINDOW, &f.window)?;
+    // Leaving repair mode sends a window probe: the peer learns at once
+    // that the connection answers again.
+    set(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR, &0i32)?;
+    Ok(TcpStream::from(owned))
+}
+
+fn set<T: Copy>(fd: RawFd, level: libc::c_int, name: libc::c_int, value: &T) -> io::Result<()> {
+    set_slice(fd, level, name, std::slice::from_ref(value))
+}
+
+fn set_slice<T: Copy>(fd: RawFd, level: libc::c_int, name: libc::c_int, values: &[T]) -> io::Result<()> {
+    // SAFETY: setsockopt(2) with a pointer to `values` and its size in bytes.
+    let rc = unsafe { libc::setsockopt(fd, level, name, values.as_ptr().cast(), size_of_val(values) as libc::socklen_t) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn get<T: Copy>(fd: RawFd, level: libc::c_int, name: libc::c_int) -> io::Result<T> {
+    let mut value = MaybeUninit::<T>::zeroed();
+    let mut len = size_of::<T>() as libc::socklen_t;
+    // SAFETY: getsockopt(2) into a zeroed T of `len` bytes; every T here is
+    // plain integers, valid for any bytes the kernel writes (or leaves 0).
+    let rc = unsafe { libc::getsockopt(fd, level, name, value.as_mut_ptr().cast(), &mut len) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: zero-initialised and then written by the kernel: initialised.
+    Ok(unsafe { value.assume_init() })
+}
+
+fn ioctl_len(fd: RawFd, request: libc::Ioctl) -> io::Result<u32> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: the ioctl writes one int.
+    if unsafe { libc::ioctl(fd, request, &mut n) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n.max(0) as u32)
+}
+
+/// The queue TCP_REPAIR_QUEUE selected, read without consuming it.
+fn peek_queue(fd: RawFd, len: usize) -> io::Result<Vec<u8>> {
+    let mut buf = vec![0u8; len];
+    let mut got = 0;
+    while got < len {
+        // SAFETY: recv(2) into the unfilled part of `buf`.
+        let n = unsafe { libc::recv(fd, buf[got..].as_mut_ptr().cast(), len - got, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if n == 0 {
+            break;
+        }
+        got += n as usize;
+    }
+    buf.truncate(got);
+    Ok(buf)
+}
+
+fn sockaddr_call(
+    fd: RawFd,
+    addr: SocketAddr,
+    call: impl FnOnce(RawFd, *const libc::sockaddr, libc::socklen_t) -> libc::c_int,
+) -> io::Result<()> {
+    let rc = match addr {
+        SocketAddr::V4(a) => {
+            let sa = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr { s_addr: u32::from(*a.ip()).to_be() },
+                sin_zero: [0; 8],
+            };
+            call(fd, (&sa as *const libc::sockaddr_in).cast(), size_of::<libc::sockaddr_in>() as libc::socklen_t)
+        }
+        SocketAddr::V6(a) => {
+            let sa = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: a.flowinfo(),
+                sin6_addr: libc::in6_addr { s6_addr: a.ip().octets() },
+                sin6_scope_id: a.scope_id(),
+            };
+            call(fd, (&sa as *const libc::sockaddr_in6).cast(), size_of::<libc::sockaddr_in6>() as libc::socklen_t)
+        }
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::net::TcpListener;
+    use std::time::Duration;
+
+    fn pair() -> (TcpListener, TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (server, _) = l.accept().unwrap();
+        for s in [&client, &server] {
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        }
+        (l, client, server)
+    }
+
+    fn read_n(s: &mut TcpStream, n: usize) -> Vec<u8> {
+        let mut buf = vec![0; n];
+        s.read_exact(&mut buf).unwrap();
+        buf
+    }
+
+    #[test]
+    fn a_frozen_connection_goes_on_from_a_socket_rebuilt_from_its_state() {
+        let (l, mut client, mut old) = pair();
+        let request = b"GET /a HTTP/1.1\r\nHost: t\r\n\r\n";
+        client.write_all(request).unwrap();
+        client.write_all(b"and what follows").unwrap();
+        let head = read_n(&mut old, request.len());
+        // The rest arrives unread (loopback delivers at once; wait for it).
+        while ioctl_len(old.as_raw_fd(), libc::FIONREAD).unwrap() < 16 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+
+        let f = freeze(&old, &head).unwrap();
+        assert_eq!((f.local, f.peer), (old.local_addr().unwrap(), client.local_addr().unwrap()));
+        assert_eq!(f.received, [&request[..], b"and what follows"].concat());
+        assert!(f.ts_now.is_some() && f.sack && f.wscale.is_some(), "{f:?}");
+        discard(old);
+        drop(l); // its port is the connection's local one
+
+        let mut new = restore(&f).unwrap();
+        assert_eq!((new.local_addr().unwrap(), new.peer_addr().unwrap()), (f.local, f.peer));
+        new.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        // The new owner's application reads the request the old one chose
+        // by, then what it had left.
+        assert_eq!(read_n(&mut new, f.received.len()), f.received);
+        // Both directions go on, on the client's unchanged socket.
+        new.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok").unwrap();
+        assert_eq!(read_n(&mut client, 40), b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
+        client.write_all(b"more").unwrap();
+        assert_eq!(read_n(&mut new, 4), b"more");
+        // The old socket went without a word: no RST reached the client,
+        // and the new one's close is the FIN it sees.
+        drop(new);
+        assert_eq!(client.read(&mut [0; 8]).unwrap(), 0);
+    }
+
+    #[test]
+    fn a_thawed_connection_is_as_it_was_and_unacknowledged_bytes_refuse_the_freeze() {
+        let (_l, mut client, mut old) = pair();
+        client.write_all(b"ping").unwrap();
+        assert_eq!(read_n(&mut old, 4), b"ping");
+        let f = freeze(&old, b"ping").unwrap();
+        assert_eq!(f.received, b"ping");
+        thaw(&old).unwrap();
+        old.write_all(b"pong").unwrap();
+        assert_eq!(read_n(&mut client, 4), b"pong");
+
+        // The client stops reading: what the server writes beyond the
+        // client's window waits, unsent, in the server's queue.
+        old.set_nonblocking(true).unwrap();
+        let chunk = vec![7u8; 65536];
+        let mut written = 0usize;
+        while written < 64 << 20 {
+            match old.write(&chunk) {
+                Ok(n) => written += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        match freeze(&old, b"") {
+            Err(Refused::Unacked(n)) => assert!(n > 0),
+            other => panic!("{other:?}"),
+        }
+        // Refused, and left as it was: every byte still reaches the client.
+        old.set_nonblocking(false).unwrap();
+        let reader = std::thread::spawn(move || {
+            let mut got = 0usize;
+            let mut buf = vec![0u8; 65536];
+            while got < written {
+                got += client.read(&mut buf).unwrap();
+            }
+            got
+        });
+        assert_eq!(reader.join().unwrap(), written);
+    }
+}
