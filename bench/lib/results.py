@@ -75,12 +75,15 @@ class Run:
         self.command = command_line(module, argv)
         self.started = time.time()
         self.load_start = list(os.getloadavg())
+        # The code that runs is the tree at the start: a commit made during
+        # a long run must not be named as what made it.
+        self.commit = commit()
 
     def record(self, rows, *, profile: dict | None = None, inband: Path | None = None, tools: dict | None = None, **extra) -> dict:
         return {
             "study": self.study,
             "command": self.command,
-            "commit": commit(),
+            "commit": self.commit if commit() == self.commit else {**self.commit, "changed_during_run": True},
             "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
             "wall_s": round(time.time() - self.started),
             "machine": machine(inband, tools),
@@ -94,6 +97,8 @@ class Run:
 def provenance(r: dict) -> str:
     """The line every generated table starts with: what made it."""
     sha = r["commit"]["sha"][:12] + (" with uncommitted changes" if r["commit"]["dirty"] else "")
+    if r["commit"].get("changed_during_run"):
+        sha += " (the tree changed during the run)"
     load = r["load_average"]
     return (
         f"Command: `{r['command']}`, commit {sha}, {r['started_utc']}, {r['wall_s']} s; "

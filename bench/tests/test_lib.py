@@ -95,6 +95,14 @@ def test_record_says_what_made_it():
     assert len(r["load_average"]["start"]) == 3 and len(r["load_average"]["end"]) == 3
     line = results.provenance(r)
     assert "`python -m bench.study --profile tiny`" in line and r["commit"]["sha"][:12] in line and r["started_utc"] in line
+    assert "changed during the run" not in line
+    # A commit made while a run measures: the record names the tree the
+    # run started on, and says it changed.
+    before = {"sha": "a" * 40, "dirty": False}
+    run.commit = before
+    r = run.record([])
+    assert r["commit"] == {**before, "changed_during_run": True}
+    assert "aaaaaaaaaaaa (the tree changed during the run)" in results.provenance(r)
 
 
 def test_revive_keeps_only_the_fields():
