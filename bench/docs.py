@@ -35,6 +35,7 @@ RENDER = {
     "handoff": handoff.render,
     "health": health.render,
     "keepalive": regimes.render,
+    "keepalive-both": regimes.render,
     "mesh": mesh.render,
     "paper": paper.render,
     "proxy": proxy.render,
