@@ -37,6 +37,7 @@ RENDER = {
     "keepalive": regimes.render,
     "keepalive-both": regimes.render,
     "mesh": mesh.render,
+    "openloop": regimes.render,
     "paper": paper.render,
     "proxy": proxy.render,
     "regimes": regimes.render,
