@@ -55,6 +55,10 @@ struct RepairOpt {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Frozen {
     pub local: SocketAddr,
+    /// As getpeername(2) says: for a socket under the agent's
+    /// `client_address` hook that is the client, not the kernel's peer (the
+    /// balancer's tuple), so a DSR server's socket is frozen from outside
+    /// that cgroup.
     pub peer: SocketAddr,
     /// The next sequence number to send (everything before it acknowledged).
     pub snd_seq: u32,
