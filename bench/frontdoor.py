@@ -53,16 +53,11 @@ from .lib.origin import STATS_PATH, body_for
 from .lib.procs import Procs, stop_signals_interrupt, wait_until
 from .lib.results import REPO, Run, default_dir, provenance
 from .lib.results import write as write_results
+from .lib.systems import System
 from .lib.tools import parse_wrk
 from .proxy import HOST, WRK_LUA, free_port, wait_quiet
 
 CAPACITY = 1 << 30  # far above the data set: nothing is evicted
-
-
-@dataclass(frozen=True)
-class System:
-    key: str
-    label: str
 
 
 SYSTEMS = [

@@ -101,6 +101,7 @@ from .lib.report import cell, table, times
 from .lib.results import REPO, Run, default_dir, provenance, revive
 from .lib.results import write as write_results
 from .lib.stats import percentile, ratio
+from .lib.systems import System
 from .lib.testbed import TestbedRun, alive, new_auth_key
 from .proxy import wait_quiet
 
@@ -111,12 +112,6 @@ JOIN_PORT = 7001
 METRICS_PORT = 9180
 MIB = 1 << 20
 TARGETS = {"vs_proxy": 0.1, "vs_dsr": 1.2, "vs_direct": 0.9}
-
-
-@dataclass(frozen=True)
-class System:
-    key: str
-    label: str
 
 
 SYSTEMS = [

@@ -51,6 +51,7 @@ from .lib.host import others_running, session_cpu_s
 from .lib.report import table
 from .lib.results import REPO, Run, default_dir, provenance, revive
 from .lib.results import write as write_results
+from .lib.systems import System
 from .lib.tools import parse_wrk
 from .lib.outcome import Outcome
 from .lib.procs import Fatal, Procs, run, stop_signals_interrupt, wait_until
@@ -60,21 +61,19 @@ CAPACITY = 1 << 30  # every cache's size bound, far above the data set: nothing 
 
 
 @dataclass(frozen=True)
-class System:
-    key: str
-    label: str
-    durable: bool
+class Cache(System):
+    durable: bool  # its objects survive a restart
 
 
 SYSTEMS = [
-    System("inband-lmdb", "inband LMDB", True),
-    System("inband-rocksdb", "inband RocksDB", True),
-    System("inband-memory", "inband memory", False),
-    System("inband-files", "inband files", True),
-    System("nginx", "nginx proxy_cache", True),
-    System("varnish", "Varnish (malloc)", False),
+    Cache("inband-lmdb", "inband LMDB", True),
+    Cache("inband-rocksdb", "inband RocksDB", True),
+    Cache("inband-memory", "inband memory", False),
+    Cache("inband-files", "inband files", True),
+    Cache("nginx", "nginx proxy_cache", True),
+    Cache("varnish", "Varnish (malloc)", False),
     # Not a cache: the objects as files, served by nginx. The limit.
-    System("static", "limit: nginx static files", False),
+    Cache("static", "limit: nginx static files", False),
 ]
 BY_KEY = {s.key: s for s in SYSTEMS}
 
@@ -516,7 +515,7 @@ class Bench:
             raise Fatal(f"{what} exited with {proc.returncode}: {tail}")
         return True
 
-    def config(self, s: System) -> list[str]:
+    def config(self, s: Cache) -> list[str]:
         """Writes the system's config (once; a restart reuses it) and returns its argv."""
         cfg_dir = self.out / "configs"
         cfg_dir.mkdir(parents=True, exist_ok=True)
@@ -547,7 +546,7 @@ class Bench:
         # the service); -T none: no management port; -n: state in our temp dir.
         return ["varnishd", "-F", "-a", listen, "-f", str(vcl), "-s", f"malloc,{CAPACITY}", "-n", str(state / "varnish"), "-T", "none", "-j", "none"]
 
-    def start(self, s: System) -> float:
+    def start(self, s: Cache) -> float:
         """Starts the system; returns the seconds until it answered through
         to the origin (a request the origin does not count)."""
         argv = self.config(s)
@@ -560,7 +559,7 @@ class Bench:
         wait_until(f"{s.label} to answer", lambda: self._alive(proc, s.label, log) and http_get(port, STATS_PATH, 2.0)[0] == 200, 60, 0.01)
         return time.monotonic() - t0
 
-    def stop(self, s: System) -> None:
+    def stop(self, s: Cache) -> None:
         proc = self.running.pop(s.key)
         self.procs.stop(proc, grace_s=15)
         # Bounded: a system that keeps its port after its process is gone
@@ -569,7 +568,7 @@ class Bench:
 
     # --- load
 
-    def wrk(self, s: System, seconds: int, conns: int | None = None, passthrough: bool = False) -> dict:
+    def wrk(self, s: Cache, seconds: int, conns: int | None = None, passthrough: bool = False) -> dict:
         conns = conns or self.p.connections[0]
         argv = ["wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "--timeout", "5s", "-s", str(self.lua), f"http://{HOST}:{self.ports[s.key]}/"]
         env = dict(os.environ, BENCH_OBJECTS=str(self.p.objects), BENCH_ZIPF=str(self.p.zipf), BENCH_SEED="4", BENCH_PASS="1" if passthrough else "0")
@@ -578,7 +577,7 @@ class Bench:
             raise RuntimeError(f"wrk failed ({cp.returncode}): {cp.stderr.strip()[-500:]}")
         return parse_wrk(cp.stdout)
 
-    def fill(self, s: System) -> float:
+    def fill(self, s: Cache) -> float:
         """Each object once, over a few keep-alive connections; every
         response checked for its size."""
         port = self.ports[s.key]
@@ -612,7 +611,7 @@ class Bench:
             raise RuntimeError(f"filling {s.label}: {errors[0]}")
         return time.monotonic() - t0
 
-    def measure(self, s: System, h: Hits, passthrough: bool = False) -> None:
+    def measure(self, s: Cache, h: Hits, passthrough: bool = False) -> None:
         self.settle()
         sid = self.running[s.key].pid  # its own session: the leader's pid
         before = self.note_others()
@@ -623,7 +622,7 @@ class Bench:
         w["others"] = sorted(before | self.note_others())
         h.rounds.append(w)
 
-    def restart(self, s: System) -> Restart:
+    def restart(self, s: Cache) -> Restart:
         self.settle()
         before = self.note_others()
         self.stop(s)
@@ -691,7 +690,7 @@ def profile_of(args) -> Profile:
     )  # fmt: skip
 
 
-def problems(args, systems: list[System]) -> list[str]:
+def problems(args, systems: list[Cache]) -> list[str]:
     keys = {s.key for s in systems}
     need = {"wrk"} | ({"nginx"} if {"nginx", "static"} & keys else set()) | ({"varnishd"} if "varnish" in keys else set())
     inband = args.inband if any(k.startswith("inband-") for k in keys) else None

@@ -272,17 +272,23 @@ http {{
 """
 
 
+def _nginx_upstream(origin: str) -> str:
+    """The origin, with keep-alive connections to it (both nginx proxies)."""
+    return f"""\
+    upstream origin {{
+        server {origin};
+        keepalive 32;
+    }}
+"""
+
+
 def nginx_conf(*, listen: str, origin: str, prefix: str, max_size_bytes: int, workers: int, as_root: bool) -> str:
     """nginx `proxy_cache` as a reverse-proxy cache is usually set up: one
     worker per core, levels=1:2 files, `proxy_cache_lock` (coalescing, as
     inband does), keep-alive to the origin."""
     return f"""\
 {_nginx_http_head(prefix, workers, as_root)}    proxy_cache_path {prefix}/cache levels=1:2 keys_zone=bench:64m max_size={int(max_size_bytes)} inactive=1d use_temp_path=off;
-    upstream origin {{
-        server {origin};
-        keepalive 32;
-    }}
-    server {{
+{_nginx_upstream(origin)}    server {{
         listen {listen};
         location / {{
             proxy_pass http://origin;
@@ -320,11 +326,7 @@ def nginx_proxy_conf(*, listen: str, origin: str, prefix: str, workers: int, as_
     read from the origin as fast as the client takes it, not spooled to a
     temporary file, which would add disk writes no other proxy does)."""
     return f"""\
-{_nginx_http_head(prefix, workers, as_root)}    upstream origin {{
-        server {origin};
-        keepalive 32;
-    }}
-    server {{
+{_nginx_http_head(prefix, workers, as_root)}{_nginx_upstream(origin)}    server {{
         listen {listen};
         location / {{
             proxy_pass http://origin;

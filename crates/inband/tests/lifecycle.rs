@@ -31,7 +31,7 @@ fn more_connections_than_ports_opened_and_closed_are_refused_none() {
     // many distinct client tuples (four client addresses), each closed
     // properly, must all get through: ports of ended flows are reused.
     let c = Cluster::with(
-        Spec::new("chn", "dsr-dynamic").servers(2).heavy().every_server(&["--keep-alive", "--service-ms", "0", "--workers", "64", "--body-bytes", "512"]),
+        Spec::new("chn", "dsr-dynamic").servers(2).alone().every_server(&["--keep-alive", "--service-ms", "0", "--workers", "64", "--body-bytes", "512"]),
     );
     let sources: Vec<String> = (50..54).map(|h| format!("10.77.0.{h}")).collect();
     for s in &sources {

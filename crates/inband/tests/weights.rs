@@ -16,7 +16,7 @@ use cluster::*;
 const WORKERS: [&str; 3] = ["1", "2", "4"];
 
 fn cluster(test: &str) -> Cluster {
-    let mut spec = Spec::new(test, "dsr-rr").vip("policy = \"round-robin\"").heavy();
+    let mut spec = Spec::new(test, "dsr-rr").vip("policy = \"round-robin\"").alone();
     for (i, w) in WORKERS.iter().enumerate() {
         spec = spec.serve(i + 1, &["--workers", w, "--body-bytes", "1024"]);
     }

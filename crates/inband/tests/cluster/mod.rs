@@ -18,9 +18,10 @@ use serde_json::Value;
 pub const BIN: &str = env!("CARGO_BIN_EXE_inband");
 
 /// A cluster of a test that loads the machine on purpose (floods, churn)
-/// holds this exclusively, every other cluster of its test binary shares
-/// it: the heavy test runs alone, so what it measures is its own and its
-/// load does not make the others time out.
+/// or times what a neighbour's load would delay (how fresh scores are
+/// while a paced client reads) holds this exclusively, every other
+/// cluster of its test binary shares it: that test runs alone, so what
+/// it measures is its own and its load does not make the others time out.
 static MACHINE: std::sync::RwLock<()> = std::sync::RwLock::new(());
 
 enum Share {
@@ -57,7 +58,7 @@ pub struct Spec<'a> {
     /// (server, line): extra lines of that server's `[[vip.backend]]`.
     pub backend_lines: Vec<(usize, String)>,
     pub client_link_mtu: Option<u32>,
-    pub heavy: bool,
+    pub alone: bool,
     /// A second VIP, IPv6 (vips[1] in status), beside the IPv4 one, on the
     /// same servers (listening dual-stack).
     pub ipv6: bool,
@@ -88,7 +89,7 @@ impl<'a> Spec<'a> {
             lb_lines: Vec::new(),
             backend_lines: Vec::new(),
             client_link_mtu: None,
-            heavy: false,
+            alone: false,
             ipv6: false,
             udp: false,
             quic: false,
@@ -123,9 +124,10 @@ impl<'a> Spec<'a> {
         self.ipv6 = true;
         self
     }
-    /// The test loads the machine: it runs alone (see `MACHINE`).
-    pub fn heavy(mut self) -> Self {
-        self.heavy = true;
+    /// The test loads the machine, or times something a neighbour's load
+    /// would delay: it runs alone (see `MACHINE`).
+    pub fn alone(mut self) -> Self {
+        self.alone = true;
         self
     }
     pub fn servers(mut self, n: usize) -> Self {
@@ -238,7 +240,7 @@ impl Cluster {
     }
 
     pub fn with(spec: Spec) -> Cluster {
-        let share = if spec.heavy {
+        let share = if spec.alone {
             Share::Alone(MACHINE.write().unwrap_or_else(|e| e.into_inner()))
         } else {
             Share::Shared(MACHINE.read().unwrap_or_else(|e| e.into_inner()))
