@@ -9,7 +9,7 @@
 //! CRIU, which does, is a whole-process checkpointer in C.
 //!
 //! Only a connection that has sent nothing the peer has not acknowledged
-//! can be frozen (`Refused::Unacked`): what moves is the receive side,
+//! can be frozen (`FreezeRefused::Unacked`): what moves is the receive side,
 //! the bytes the new owner's application must read first.
 
 use std::io;
@@ -35,7 +35,7 @@ const TCP_ESTABLISHED: u8 = 1;
 /// struct tcp_repair_window (linux/tcp.h).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Window {
+pub struct RepairWindow {
     pub snd_wl1: u32,
     pub snd_wnd: u32,
     pub max_window: u32,
@@ -75,13 +75,13 @@ pub struct Frozen {
     /// the new socket's clock starts from it, so the peer's PAWS check
     /// sees it go on rising whatever the new host's clock says.
     pub ts_now: Option<u32>,
-    pub window: Window,
+    pub window: RepairWindow,
 }
 
 /// Why a connection was not frozen. It is left as it was, out of repair
 /// mode, for its owner to go on serving.
 #[derive(Debug)]
-pub enum Refused {
+pub enum FreezeRefused {
     /// Not established (closing, or not yet open).
     NotEstablished(u8),
     /// Bytes sent and not yet acknowledged (or not yet sent): they would
@@ -90,21 +90,21 @@ pub enum Refused {
     Io(io::Error),
 }
 
-impl std::fmt::Display for Refused {
+impl std::fmt::Display for FreezeRefused {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Refused::NotEstablished(state) => write!(f, "the connection is not established (TCP state {state})"),
-            Refused::Unacked(n) => write!(f, "{n} bytes sent and not acknowledged"),
-            Refused::Io(e) => write!(f, "repair mode: {e}"),
+            FreezeRefused::NotEstablished(state) => write!(f, "the connection is not established (TCP state {state})"),
+            FreezeRefused::Unacked(n) => write!(f, "{n} bytes sent and not acknowledged"),
+            FreezeRefused::Io(e) => write!(f, "repair mode: {e}"),
         }
     }
 }
 
-impl std::error::Error for Refused {}
+impl std::error::Error for FreezeRefused {}
 
-impl From<io::Error> for Refused {
-    fn from(e: io::Error) -> Refused {
-        Refused::Io(e)
+impl From<io::Error> for FreezeRefused {
+    fn from(e: io::Error) -> FreezeRefused {
+        FreezeRefused::Io(e)
     }
 }
 
@@ -113,7 +113,7 @@ impl From<io::Error> for Refused {
 /// not even an ACK) until `thaw` gives it back or `discard` closes it
 /// without a FIN or RST. Segments the peer sends meanwhile must not reach
 /// it (the caller drops them; the peer retransmits them to the new owner).
-pub fn freeze(sock: &TcpStream, already_read: &[u8]) -> Result<Frozen, Refused> {
+pub fn freeze(sock: &TcpStream, already_read: &[u8]) -> Result<Frozen, FreezeRefused> {
     let fd = sock.as_raw_fd();
     set(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR, &1i32)?;
     let state = read_state(sock, already_read);
@@ -123,15 +123,15 @@ pub fn freeze(sock: &TcpStream, already_read: &[u8]) -> Result<Frozen, Refused> 
     state
 }
 
-fn read_state(sock: &TcpStream, already_read: &[u8]) -> Result<Frozen, Refused> {
+fn read_state(sock: &TcpStream, already_read: &[u8]) -> Result<Frozen, FreezeRefused> {
     let fd = sock.as_raw_fd();
     let info: libc::tcp_info = get(fd, libc::IPPROTO_TCP, libc::TCP_INFO)?;
     if info.tcpi_state != TCP_ESTABLISHED {
-        return Err(Refused::NotEstablished(info.tcpi_state));
+        return Err(FreezeRefused::NotEstablished(info.tcpi_state));
     }
     let unacked = ioctl_len(fd, libc::TIOCOUTQ)?;
     if unacked != 0 {
-        return Err(Refused::Unacked(unacked));
+        return Err(FreezeRefused::Unacked(unacked));
     }
     set(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR_QUEUE, &TCP_SEND_QUEUE)?;
     let snd_seq: u32 = get(fd, libc::IPPROTO_TCP, libc::TCP_QUEUE_SEQ)?;
@@ -142,7 +142,7 @@ fn read_state(sock: &TcpStream, already_read: &[u8]) -> Result<Frozen, Refused> 
     let mss: u32 = get(fd, libc::IPPROTO_TCP, libc::TCP_MAXSEG)?;
     let timestamps = info.tcpi_options & TCPI_OPT_TIMESTAMPS != 0;
     let ts_now = if timestamps { Some(get::<u32>(fd, libc::IPPROTO_TCP, libc::TCP_TIMESTAMP)?) } else { None };
-    let window: Window = get(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR_WINDOW)?;
+    let window: RepairWindow = get(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR_WINDOW)?;
     // tcpi_snd_wscale and tcpi_rcv_wscale share a byte (4 bits each),
     // which libc's struct shows as one field.
     let scales = info.tcpi_snd_rcv_wscale;
@@ -401,10 +401,10 @@ mod tests {
             }
         }
         match freeze(&old, b"") {
-            Err(Refused::Unacked(n)) => assert!(n > 0),
+            Err(FreezeRefused::Unacked(n)) => assert!(n > 0),
             other => panic!("{other:?}"),
         }
-        // Refused, and left as it was: every byte still reaches the client.
+        // FreezeRefused, and left as it was: every byte still reaches the client.
         old.set_nonblocking(false).unwrap();
         let reader = std::thread::spawn(move || {
             let mut got = 0usize;
