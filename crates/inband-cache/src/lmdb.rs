@@ -7,6 +7,8 @@
 //! copy-on-write pages and its two meta pages make every commit atomic.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use heed::types::Bytes;
@@ -25,6 +27,17 @@ struct Mapped {
     _txn: RoTxn<'static>,
     ptr: *const u8,
     len: usize,
+    _slot: ReaderSlot,
+}
+
+/// One of the reader slots values handed out without a copy hold; the
+/// count is what keeps them within [`MAPPED_READERS`].
+struct ReaderSlot(Arc<AtomicUsize>);
+
+impl Drop for ReaderSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 // SAFETY: the pointer is into pages of the read-only snapshot `_txn` holds
@@ -39,12 +52,27 @@ impl AsRef<[u8]> for Mapped {
     }
 }
 
-/// Records up to this size are copied out and the transaction closed at
-/// once; larger ones are mapped (their body streams by slices).
+/// Reader slots of the environment (each open read transaction holds one
+/// under MDB_NOTLS).
+const MAX_READERS: u32 = 4096;
+
+/// Values handed out without a copy, at most, but for records too large to
+/// copy (from [`COPY_BELOW`]): each holds a reader slot until its response
+/// is sent, so past this many (slow clients holding hits) smaller records
+/// are copied out and their transaction closed at once, leaving the other
+/// half of the slots to large bodies, reads and the writer.
+/// Below it nothing is copied: copying a 10 KiB hit out of the map was a
+/// tenth of the proxy's CPU on cached hits, and the copy the TLS or socket
+/// write makes of it anyway reads the same pages.
+const MAPPED_READERS: usize = MAX_READERS as usize / 2;
+
+/// Records from this size on are always mapped (their body streams by
+/// slices): a copy would hold the whole of a large body in memory.
 const COPY_BELOW: usize = STREAM_THRESHOLD as usize + 64 * 1024;
 
 pub(crate) struct Lmdb {
     env: Env,
+    mapped: Arc<AtomicUsize>,
     data: Database<Bytes, Bytes>,
     meta: Database<Bytes, Bytes>,
 }
@@ -66,7 +94,7 @@ impl Lmdb {
         // workers read briefly, and each large body streaming to a client
         // keeps one, so the slots bound those streams (LMDB's default 126
         // would be too few).
-        options.map_size(map_size as usize).max_dbs(2).max_readers(4096);
+        options.map_size(map_size as usize).max_dbs(2).max_readers(MAX_READERS);
         // SAFETY: the directory holds only this store and is opened once per
         // process (NO_SYNC is "unsafe" only in that it trades durability on
         // power loss, which `flush` restores).
@@ -77,7 +105,7 @@ impl Lmdb {
         txn.commit()?;
         // Reader slots of a killed process stay taken until cleared.
         env.clear_stale_readers()?;
-        Ok(Lmdb { env, data, meta })
+        Ok(Lmdb { env, mapped: Arc::default(), data, meta })
     }
 }
 
@@ -97,11 +125,13 @@ impl Backend for Lmdb {
     fn get(&self, id: u128) -> Result<Option<Raw>> {
         let txn = self.env.clone().static_read_txn()?;
         let Some(v) = self.data.get(&txn, &id.to_be_bytes())? else { return Ok(None) };
-        if v.len() < COPY_BELOW {
+        if self.mapped.fetch_add(1, Ordering::Relaxed) >= MAPPED_READERS && v.len() < COPY_BELOW {
+            self.mapped.fetch_sub(1, Ordering::Relaxed);
             return Ok(Some(Raw::Whole(bytes::Bytes::copy_from_slice(v))));
         }
+        let slot = ReaderSlot(self.mapped.clone());
         let (ptr, len) = (v.as_ptr(), v.len());
-        Ok(Some(Raw::Whole(bytes::Bytes::from_owner(Mapped { _txn: txn, ptr, len }))))
+        Ok(Some(Raw::Whole(bytes::Bytes::from_owner(Mapped { _txn: txn, ptr, len, _slot: slot }))))
     }
 
     fn put(&self, id: u128, rec: &[u8], meta: &[u8]) -> Result<()> {
@@ -161,5 +191,58 @@ impl Backend for Lmdb {
     fn flush(&self) -> Result<()> {
         self.env.force_sync()?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::BackendKind;
+
+    fn whole(r: Option<Raw>) -> bytes::Bytes {
+        match r {
+            Some(Raw::Whole(b)) => b,
+            _ => panic!("expected a whole record"),
+        }
+    }
+
+    /// A value handed out without a copy keeps the bytes it was read with
+    /// while the record is replaced and removed under it.
+    #[test]
+    fn a_mapped_value_outlives_writes_to_its_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Lmdb::open(dir.path(), &Config::new(BackendKind::Lmdb, None, 1 << 20)).unwrap();
+        db.put(1, &[b'a'; 10240], b"m").unwrap();
+        let held = whole(db.get(1).unwrap());
+        assert_eq!(db.mapped.load(Ordering::Relaxed), 1);
+        for fill in [b'b', b'c'] {
+            db.put(1, &[fill; 10240], b"m").unwrap();
+        }
+        assert_eq!(whole(db.get(1).unwrap()), vec![b'c'; 10240]);
+        assert!(db.remove(1).unwrap());
+        assert_eq!(held, vec![b'a'; 10240]);
+        drop(held);
+        assert_eq!(db.mapped.load(Ordering::Relaxed), 0, "the slot is given back with the value");
+    }
+
+    /// Past MAPPED_READERS held values, small records are copied (and
+    /// their reader slot freed at once), large ones still mapped; every
+    /// read returns the record's bytes.
+    #[test]
+    fn held_values_are_bounded_by_the_mapped_readers() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Lmdb::open(dir.path(), &Config::new(BackendKind::Lmdb, None, 16 << 20)).unwrap();
+        db.put(1, b"small", b"m").unwrap();
+        let large = vec![7u8; COPY_BELOW];
+        db.put(2, &large, b"m").unwrap();
+        let held: Vec<_> = (0..MAPPED_READERS + 10).map(|_| whole(db.get(1).unwrap())).collect();
+        assert!(held.iter().all(|b| b == b"small".as_slice()));
+        assert_eq!(db.mapped.load(Ordering::Relaxed), MAPPED_READERS, "the ten past the bound were copied");
+        let big = whole(db.get(2).unwrap());
+        assert_eq!(big, large);
+        assert_eq!(db.mapped.load(Ordering::Relaxed), MAPPED_READERS + 1, "a large record is mapped whatever the count");
+        drop((held, big));
+        assert_eq!(db.mapped.load(Ordering::Relaxed), 0);
+        assert_eq!(whole(db.get(1).unwrap()), b"small".as_slice());
     }
 }
