@@ -138,6 +138,9 @@ pub async fn send(shared: &Shared, pool: &BackendPool, parts: &request::Parts, b
                 *req.uri_mut() = uri.clone();
                 *req.headers_mut() = parts.headers.clone();
                 crate::cache_control::restore_request(req.headers_mut(), &parts.extensions);
+                if let Some(interim) = parts.extensions.get::<crate::interim::Interim>() {
+                    interim.watch(&mut req);
+                }
                 req
             };
             shared.metrics.origin_request(b);

@@ -20,6 +20,7 @@ pub mod config;
 mod conn;
 mod forward;
 mod http2_guard;
+mod interim;
 pub mod health;
 mod metrics;
 mod policy;

@@ -14,6 +14,7 @@ use crate::backend::Backend;
 use crate::cache_outcome::Outcome;
 use crate::conn::Expiry;
 use crate::http2_guard::Abuse;
+use crate::interim::Fate;
 use crate::upgrade::{Close, Upgrade};
 
 pub(crate) type Labels = Vec<(&'static str, String)>;
@@ -119,6 +120,8 @@ pub struct Metrics {
     connection_timeouts: Family<Labels, Counter>,
     http2_abuse: [Counter; Abuse::ALL.len()],
     upgrades: [Counter; Upgrade::ALL.len()],
+    /// Interim (1xx) responses of origins, by fate (the relay counts).
+    pub interim: [Counter; Fate::ALL.len()],
     pub tunnels_open: Gauge,
     tunnel_closes: [Counter; Close::ALL.len()],
     /// Bytes read from the client, and from the backend.
@@ -245,6 +248,13 @@ impl Metrics {
         registry.register("tunnel_closes", "Tunnels closed by reason: ended (both sides closed), error, idle or send (timeouts)", tunnel_closes.clone());
         registry.register("tunnel_bytes", "Bytes carried through tunnels, by the side they came from", tunnel_bytes.clone());
         let upgrades = Upgrade::ALL.map(|u| upgrades.get_or_create(&vec![("outcome", u.label().to_string())]).clone());
+        let interim = Family::<Labels, Counter>::default();
+        registry.register(
+            "interim_responses",
+            "Interim (1xx) responses of HTTP/1.1 origins by outcome: forwarded to the HTTP/1.1 client ahead of the final response, dropped (the connection was mid-write, the request had ended, or too many bytes waited)",
+            interim.clone(),
+        );
+        let interim = Fate::ALL.map(|f| interim.get_or_create(&vec![("outcome", f.label().to_string())]).clone());
         let tunnel_closes = Close::ALL.map(|c| tunnel_closes.get_or_create(&vec![("reason", c.label().to_string())]).clone());
         let tunnel_bytes = ["client", "backend"].map(|f| tunnel_bytes.get_or_create(&vec![("from", f.to_string())]).clone());
         // Every outcome exported from the start, so a rate() sees its 0.
@@ -305,6 +315,7 @@ impl Metrics {
             connection_timeouts,
             http2_abuse,
             upgrades,
+            interim,
             tunnels_open,
             tunnel_closes,
             tunnel_bytes,

@@ -21,6 +21,7 @@ use crate::cache_outcome::Outcome;
 use crate::client_limits::{ClientSlot, Refused};
 use crate::conn::{self, State};
 use crate::http2_guard::{Guarded, Verdict};
+use crate::interim::{Relay, RelayIo};
 use crate::metrics::Refusal;
 use crate::routes::Route;
 use crate::tcpe::{self, First};
@@ -69,9 +70,29 @@ pub struct Accepted {
 pub struct WorkerLoad {
     /// Client connections it serves.
     pub open: AtomicUsize,
+    /// Of those, from the TLS listener: each counts twice toward packing
+    /// ([`choose_worker`]).
+    pub tls: AtomicUsize,
     /// Share of the last [`BUSY_INTERVAL`] it spent running tasks rather
     /// than waiting for events, in thousandths.
     pub busy_permille: AtomicU32,
+}
+
+impl WorkerLoad {
+    fn opened(&self, tls: bool) {
+        self.open.fetch_add(1, Ordering::Relaxed);
+        self.tls.fetch_add(usize::from(tls), Ordering::Relaxed);
+    }
+
+    fn closed(&self, tls: bool) {
+        self.open.fetch_sub(1, Ordering::Relaxed);
+        self.tls.fetch_sub(usize::from(tls), Ordering::Relaxed);
+    }
+
+    /// Its connections as packing counts them: a TLS one twice.
+    fn weight(&self) -> usize {
+        self.open.load(Ordering::Relaxed) + self.tls.load(Ordering::Relaxed)
+    }
 }
 
 /// Where the acceptors send a worker its connections.
@@ -100,6 +121,13 @@ const PACK_BUSY_PERMILLE: u32 = 500;
 /// all 8 of wrk's connections on one). `pack` bounds what one worker takes
 /// in a burst before the others get any, and the busy test keeps later
 /// connections off a worker that is already working.
+///
+/// The loads count a TLS connection twice: its handshake and the
+/// encryption of every byte make each of its requests dearer, and over
+/// HTTP/2 it carries many at once, so a burst of them packed on one
+/// worker saturates it before the busy test can see it (h2load's 8
+/// connections × 10 streams: all on one worker, 51–53k hits/s; four and
+/// four, 59–63k, on 2 CPUs).
 pub fn choose_worker(loads: &[(usize, u32)], pack: usize) -> usize {
     let min_open = loads.iter().map(|&(open, _)| open).min().unwrap_or(0);
     let packed = loads.iter().position(|&(open, busy)| open < min_open + pack && busy < PACK_BUSY_PERMILLE);
@@ -166,11 +194,11 @@ pub async fn accept(shared: Arc<Shared>, listener: TcpListener, tls: bool, worke
         };
         let Ok(stream) = stream.into_std() else { continue };
         loads.clear();
-        loads.extend(workers.iter().map(|w| (w.load.open.load(Ordering::Relaxed), w.load.busy_permille.load(Ordering::Relaxed))));
+        loads.extend(workers.iter().map(|w| (w.load.weight(), w.load.busy_permille.load(Ordering::Relaxed))));
         let w = &workers[choose_worker(&loads, pack)];
-        w.load.open.fetch_add(1, Ordering::Relaxed);
+        w.load.opened(tls);
         if w.tx.send(Accepted { stream, peer, permit, client, tls }).is_err() {
-            w.load.open.fetch_sub(1, Ordering::Relaxed);
+            w.load.closed(tls);
         }
     }
 }
@@ -201,7 +229,7 @@ pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accep
         let stream = match TcpStream::from_std(stream) {
             Ok(s) => s,
             Err(e) => {
-                load.open.fetch_sub(1, Ordering::Relaxed);
+                load.closed(tls);
                 tracing::warn!(error = %e, "a worker could not register a connection");
                 continue;
             }
@@ -213,7 +241,9 @@ pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accep
         // A tunnel outlives hyper's connection: its task keeps the
         // client's slot as it keeps the connection permit.
         let client_slot = client.clone();
-        let service = service_fn(move |req| handle(s.clone(), req, peer, tls, st.clone(), client.clone()));
+        let relay = Relay::new(shared.metrics.interim.clone());
+        let relay_io = relay.clone();
+        let service = service_fn(move |req| handle(s.clone(), req, peer, tls, st.clone(), client.clone(), relay.clone()));
         let (s, builder, watcher, load) = (shared.clone(), builder.clone(), graceful.watcher(), load.clone());
         tokio::spawn(async move {
             let _permit = permit;
@@ -236,10 +266,10 @@ pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accep
                             },
                             false => io,
                         };
-                        watcher.watch(builder.serve_connection_with_upgrades(TokioIo::new(Guarded::new(io, control_frames_per_s, verdict.clone())), service)).await
+                        watcher.watch(builder.serve_connection_with_upgrades(TokioIo::new(RelayIo::new(Guarded::new(io, control_frames_per_s, verdict.clone()), relay_io)), service)).await
                     }
                     Some(t) => match t.acceptor.accept(io).await {
-                        Ok(io) => watcher.watch(builder.serve_connection_with_upgrades(TokioIo::new(Guarded::new(io, control_frames_per_s, verdict.clone())), service)).await,
+                        Ok(io) => watcher.watch(builder.serve_connection_with_upgrades(TokioIo::new(RelayIo::new(Guarded::new(io, control_frames_per_s, verdict.clone()), relay_io)), service)).await,
                         Err(e) => {
                             s.metrics.tls_handshake_error();
                             tracing::debug!(client = %peer, error = %e, "TLS handshake failed");
@@ -275,7 +305,7 @@ pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accep
                 }
             }
             s.metrics.connections.dec();
-            load.open.fetch_sub(1, Ordering::Relaxed);
+            load.closed(tls);
             drop(ends);
         });
     }
@@ -310,9 +340,14 @@ async fn handle(
     https: bool,
     conn: Arc<State>,
     client: Arc<ClientSlot>,
+    relay: Arc<Relay>,
 ) -> Result<Response<access::Tracked>, Infallible> {
     crate::probe::request_in();
+    let mut req = req;
     let guard = conn.begin_request(req.version() == http::Version::HTTP_2);
+    // Interim responses go to HTTP/1.1 clients only (RFC 9110 §15: never
+    // to HTTP/1.0; HTTP/2 cannot through hyper), until the final one.
+    let _interim = (req.version() == http::Version::HTTP_11).then(|| relay.begin(&mut req));
     let info = access::Request { client: peer, method: req.method().clone(), uri: req.uri().clone(), start: Instant::now() };
     let mut resp = if client.request() {
         respond(&shared, req, peer, https, &conn).await

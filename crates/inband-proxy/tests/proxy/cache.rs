@@ -521,12 +521,12 @@ async fn only_if_cached_is_504_on_a_miss_and_never_asks_the_origin() {
 }
 
 /// An origin that sends 103 Early Hints and 102 Processing before its
-/// 200 (as the public suite's does): the final response is served and
-/// stored, and nothing of the interim ones is, neither their fields
-/// (`x-hint`) nor themselves (hyper's server cannot send a 1xx to the
-/// client: docs/proxy.md, "Interim responses").
+/// 200 (as the public suite's does): an HTTP/1.1 client gets both ahead
+/// of the final response (hop-by-hop fields removed), and nothing of them
+/// is stored: a hit carries neither them nor their fields, and an
+/// HTTP/1.0 client never gets one (docs/proxy.md, "Interim responses").
 #[tokio::test]
-async fn interim_responses_from_the_origin_are_never_stored() {
+async fn interim_responses_from_the_origin_are_relayed_and_never_stored() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -548,7 +548,7 @@ async fn interim_responses_from_the_origin_are_never_stored() {
                     while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
                         buf.drain(..end + 4);
                         h.fetch_add(1, Ordering::SeqCst);
-                        let reply = "HTTP/1.1 103 Early Hints\r\nlink: </s.css>; rel=preload\r\nx-hint: early\r\n\r\n\
+                        let reply = "HTTP/1.1 103 Early Hints\r\nlink: </s.css>; rel=preload\r\nx-hint: early\r\nkeep-alive: timeout=5\r\n\r\n\
                                      HTTP/1.1 102 Processing\r\n\r\n\
                                      HTTP/1.1 200 OK\r\ncache-control: max-age=60\r\ncontent-length: 5\r\n\r\nfinal";
                         if s.write_all(reply.as_bytes()).await.is_err() {
@@ -560,12 +560,29 @@ async fn interim_responses_from_the_origin_are_never_stored() {
         }
     });
     let p = start_proxy(&[addr], "[cache]\nbackend = \"memory\"").await;
-    for want in ["MISS", "HIT"] {
+    let ask = |path: &str, version: &str| format!("GET {path} {version}\r\nhost: {HOST}\r\nconnection: close\r\n\r\n");
+    let miss = raw(p.addr, ask("/interim", "HTTP/1.1").as_bytes()).await;
+    let (interim, last) = miss.split_at(miss.find("HTTP/1.1 200 OK").unwrap_or_else(|| panic!("no final response: {miss:?}")));
+    assert_eq!(
+        interim,
+        "HTTP/1.1 103 Early Hints\r\nlink: </s.css>; rel=preload\r\nx-hint: early\r\n\r\nHTTP/1.1 102 Processing\r\n\r\n",
+        "the interim responses as the client got them"
+    );
+    assert!(last.ends_with("\r\n\r\nfinal") && last.contains("x-cache: MISS"), "{last:?}");
+    assert!(!last.contains("x-hint") && !last.contains("link:"), "an interim response's fields in the final one: {last:?}");
+    for want in ["HIT", "HIT"] {
         let r = cget(&p, "/interim").await;
         assert_eq!((r.status, r.body.as_str(), x_cache(&r)), (200, "final", want));
         assert!(!r.headers.contains_key("x-hint") && !r.headers.contains_key("link"), "an interim response's fields: {:?}", r.headers);
     }
-    assert_eq!(hits.load(Ordering::SeqCst), 1);
+    let hit = raw(p.addr, ask("/interim", "HTTP/1.1").as_bytes()).await;
+    assert!(hit.starts_with("HTTP/1.1 200 OK\r\n"), "a hit relays nothing: {hit:?}");
+    let old = raw(p.addr, ask("/interim-1.0", "HTTP/1.0").as_bytes()).await;
+    assert!(old.starts_with("HTTP/1.0 200 OK\r\n") || old.starts_with("HTTP/1.1 200 OK\r\n"), "an HTTP/1.0 client gets none: {old:?}");
+    assert_eq!(hits.load(Ordering::SeqCst), 2);
+    let m = metrics(&p).await;
+    assert_eq!(sample(&m, "inband_proxy_interim_responses_total{outcome=\"forwarded\"}"), 2.0, "{m}");
+    assert_eq!(sample(&m, "inband_proxy_interim_responses_total{outcome=\"dropped\"}"), 0.0, "{m}");
     p.shutdown().await;
     origin.abort();
 }

@@ -250,6 +250,25 @@ async fn reload_swaps_certificates_and_keeps_connections_and_bad_files_keep_the_
     p.shutdown().await;
 }
 
+/// A TLS connection counts twice toward `pack_connections`: with 4, three
+/// TLS clients go two and one where three plaintext ones would share one
+/// worker (tests/proxy/workers.rs).
+#[tokio::test]
+async fn a_tls_connection_counts_twice_toward_packing() {
+    let origin = Origin::start(|_| ok("x")).await;
+    let ca = Ca::new();
+    let p = start_proxy(&[origin.addr], &format!("workers = 2\npack_connections = 4\n{}", tls_section(&[ca.leaf("site", "a.test", &["a.test"], false)]))).await;
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(connect(&p, &ca, "a.test").await);
+    }
+    let m = metrics(&p).await;
+    let split = (sample(&m, "inband_proxy_worker_connections{worker=\"0\"}"), sample(&m, "inband_proxy_worker_connections{worker=\"1\"}"));
+    assert_eq!(split, (2.0, 1.0), "{m}");
+    drop(held);
+    p.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_client_that_is_not_tls_is_counted_and_closed() {
     let origin = Origin::start(|_| ok("x")).await;
