@@ -22,38 +22,6 @@ use crate::Shared;
 /// What a backend made of a request.
 type Sent = Result<Response<Incoming>, Failure>;
 
-/// RFC 9110 §7.6.1: connection-specific fields a proxy must not forward,
-/// plus whatever the Connection header names. Names, not strings: a
-/// string is parsed into a name on every lookup, on every request.
-const HOP_BY_HOP: [HeaderName; 8] = [
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-];
-
-pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    if headers.contains_key(header::CONNECTION) {
-        let named: Vec<HeaderName> = headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
-            .collect();
-        for h in named {
-            headers.remove(h);
-        }
-    }
-    for h in &HOP_BY_HOP {
-        headers.remove(h);
-    }
-}
-
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
@@ -182,7 +150,7 @@ pub async fn send(shared: &Shared, pool: &BackendPool, parts: &request::Parts, b
                 } else {
                     b.record_success();
                 }
-                strip_hop_by_hop(resp.headers_mut());
+                crate::hop_by_hop::strip(resp.headers_mut());
                 crate::compression::strip_internal(resp.headers_mut());
                 resp.extensions_mut().insert(crate::backend::Upstream(b.clone()));
                 if let Some(Some(chosen)) = switched {

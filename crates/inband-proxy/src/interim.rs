@@ -137,7 +137,7 @@ impl Interim {
             return;
         }
         let mut fields = fields.clone();
-        crate::forward::strip_hop_by_hop(&mut fields);
+        crate::hop_by_hop::strip(&mut fields);
         fields.remove(header::CONTENT_LENGTH);
         let bytes = encode(status, &fields);
         let r = &self.relay;

@@ -22,6 +22,7 @@ mod forward;
 mod http2_guard;
 mod interim;
 pub mod health;
+mod hop_by_hop;
 mod metrics;
 mod policy;
 mod probe;

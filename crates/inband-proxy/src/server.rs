@@ -440,7 +440,7 @@ async fn forward_on(
     // hyper gives an HTTP/1.1 request with Upgrade (or a CONNECT) the
     // means to take the connection over; no other request has one.
     let upgrade = parts.extensions.remove::<hyper::upgrade::OnUpgrade>().map(|on| (tunnel::offer(&shared.cfg.upgrade_allow, &parts.headers), on));
-    forward::strip_hop_by_hop(&mut parts.headers);
+    crate::hop_by_hop::strip(&mut parts.headers);
     forward::add_forwarding(&mut parts.headers, peer, parts.version, https);
     route.request_headers.apply(&mut parts.headers);
     let key = forward::hash_key(&route.pool.hash_key, &parts, peer);
