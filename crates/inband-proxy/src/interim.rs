@@ -16,6 +16,16 @@
 //! allows an intermediary to do, and counted. HTTP/2 clients get none:
 //! hyper keeps h2's stream handle to itself (hyperium/hyper#4114).
 //!
+//! Why "flushed" is enough: hyper hands the connection its encoded bytes
+//! in the same poll that encodes them, so after a completed flush it holds
+//! none; and it reads (and starts) a pipelined request only once the
+//! previous response is wholly encoded, so an interim response taken while
+//! its request is current and the connection clean goes out after the
+//! previous response and before its own. This needs the origin's callback
+//! to run between polls of the client's connection, never inside one: it
+//! runs on the backend connection's task, which is on the same worker
+//! thread (each worker has its own backend pools, upstream.rs).
+//!
 //! State: a [`Relay`] per connection; bytes wait in it from the origin's
 //! callback until the connection's next read, write or flush takes them,
 //! at most [`PENDING_BYTES`]; a request's handle ([`Interim`]) is good
