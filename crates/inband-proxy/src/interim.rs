@@ -70,7 +70,7 @@ pub const PENDING_BYTES: usize = 16 * 1024;
 /// One connection's relay, shared by its [`RelayIo`], its requests'
 /// [`Interim`] handles and the origin connections' callbacks.
 pub struct Relay {
-    state: Mutex<Pending>,
+    state: Mutex<Waiting>,
     /// Bytes wait in `state`: the connection's fast path reads only this.
     waiting: AtomicBool,
     /// The connection's task, woken when bytes arrive.
@@ -79,7 +79,7 @@ pub struct Relay {
 }
 
 #[derive(Default)]
-struct Pending {
+struct Waiting {
     bytes: Vec<u8>,
     /// The request interim responses are taken for (0: none).
     current: u64,

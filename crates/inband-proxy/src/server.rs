@@ -125,9 +125,8 @@ const PACK_BUSY_PERMILLE: u32 = 500;
 /// The loads count a TLS connection twice: its handshake and the
 /// encryption of every byte make each of its requests dearer, and over
 /// HTTP/2 it carries many at once, so a burst of them packed on one
-/// worker saturates it before the busy test can see it (h2load's 8
-/// connections × 10 streams: all on one worker, 51–53k hits/s; four and
-/// four, 59–63k, on 2 CPUs).
+/// worker saturates it before the busy test can see it (docs/decisions.md,
+/// "The proxy's hit path over HTTP/2").
 pub fn choose_worker(loads: &[(usize, u32)], pack: usize) -> usize {
     let min_open = loads.iter().map(|&(open, _)| open).min().unwrap_or(0);
     let packed = loads.iter().position(|&(open, busy)| open < min_open + pack && busy < PACK_BUSY_PERMILLE);
