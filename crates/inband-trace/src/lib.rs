@@ -68,9 +68,8 @@ pub struct TraceArgs {
     #[arg(long)]
     pub duration_s: Option<f64>,
     /// Also the memory pass: calls of the C allocator (malloc, calloc,
-    /// realloc, free, aligned_alloc, posix_memalign, and mimalloc's entry
-    /// points in an executable that links it) by size and by call site,
-    /// and page allocations, by phase. Costs a uprobe trap per
+    /// realloc, free, aligned_alloc, posix_memalign) by size and by call
+    /// site, and page allocations, by phase. Costs a uprobe trap per
     /// allocator call, and slows a program that allocates often many times.
     #[arg(long)]
     pub memory: bool,
@@ -152,7 +151,20 @@ pub fn run(args: TraceArgs) -> Result<()> {
             })
         })
         .collect::<Result<Vec<Vec<u64>>>>()?;
-    let allocator = if args.memory { memory::allocator_probes(pid)? } else { Vec::new() };
+    let allocator = if args.memory {
+        let file = memory::allocator_file(pid)?;
+        let mut found = Vec::new();
+        for (function, name, required) in memory::FUNCTIONS {
+            match symbols::function_offsets(&file, name) {
+                Ok(offsets) => found.push((function, offsets)),
+                Err(e) if required => return Err(e.context(format!("memory pass on pid {pid}"))),
+                Err(_) => {}
+            }
+        }
+        Some((file, found))
+    } else {
+        None
+    };
     let mut out = match &args.out {
         Some(path) => Some(BufWriter::new(
             File::create(path).with_context(|| format!("cannot write the output file {}", path.display()))?,
@@ -225,7 +237,7 @@ pub fn run(args: TraceArgs) -> Result<()> {
             );
         }
     }
-    for (file, found) in &allocator {
+    if let Some((file, found)) = &allocator {
         for (function, offsets) in found {
             for offset in offsets {
                 let opts = UprobeOpts { cookie: u64::from(*function), ..Default::default() };
@@ -237,13 +249,11 @@ pub fn run(args: TraceArgs) -> Result<()> {
                 );
             }
         }
-        let names: Vec<&str> = found.iter().map(|(f, _)| memory::name(*f)).collect();
-        eprintln!("inband trace: memory pass on {} ({})", file.display(), names.join(", "));
-    }
-    if !allocator.is_empty() {
         links.push(
             skel.progs.trace_page_alloc.attach().context("attaching to the tracepoint kmem/mm_page_alloc for the memory pass")?,
         );
+        let names: Vec<&str> = found.iter().map(|(f, _)| memory::name(*f)).collect();
+        eprintln!("inband trace: memory pass on {} ({}) and page allocations", file.display(), names.join(", "));
     }
     eprintln!(
         "inband trace: tracing pid {pid} ({exe_name}), {} phase marker(s) on {} function(s)",
