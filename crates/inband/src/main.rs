@@ -9,12 +9,6 @@ use clap::{Parser, Subcommand};
 use inband_core::lb_control;
 use inband_lb as lb;
 
-// glibc's malloc and free were about a tenth of the proxy's CPU on a cache
-// hit (arena locks, consolidation); mimalloc's thread-local pages are what
-// every request's short-lived buffers want (docs/decisions.md).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 #[derive(Parser)]
 #[command(name = "inband", version, about = "eBPF load balancer with Direct Server Return and in-band load feedback")]
 struct Cli {
