@@ -30,6 +30,7 @@ RENDER = {
     "conformance": conformance.render,
     "dataplane": dataplane.render,
     "ecmp": ecmp.render,
+    "fleet": regimes.render,
     "forwarding": forwarding.render,
     "frontdoor": frontdoor.render,
     "handoff": handoff.render,

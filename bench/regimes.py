@@ -43,12 +43,17 @@ win only where dynamic clears the issue's bar (≥ WIN_RPS× RPS or ≤ WIN_P99�
 p99) against both the equal-budget poller and the control, beyond the
 spread.
 
-Several balancers cannot share this testbed's servers (one balancer
-namespace), so B balancers are modelled (balancers-2, balancers-4): each
-sees 1/B of the traffic, so it gets a score every B·n-th packet
-(dsr-dynamic runs with n = B·100), and at an equal total budget each polls
-B times less often; packet counts are multiplied by B for the servers'
-view. Not modelled: that each balancer does not see the others' placements.
+Several balancers sharing the servers: the fleet regimes (fleet-2,
+fleet-3) run B real `inband lb` instances behind an ECMP router
+(bench/lib/fleetbed.py), each seeing only the connections the router hands
+it, so its own counts (the control's, and dynamic's estimate between
+scores) miss the others' placements. Every instance runs the
+configuration's mode with the same n; the equal poller's interval is B
+times the one-balancer one (every instance polls every server). HAProxy
+is not run there: the router's SIDs lead to the instances' XDP programs.
+The first study's balancers-2 and balancers-4 modelled B balancers on one
+(each sees 1/B of the traffic: n = B·100, packet counts × B for the
+servers' view) and could not show the others' placements.
 
 Prints one table per regime and a summary; writes the record (results.json:
 commit, machine, load average, command, schedules, rows with their
@@ -68,6 +73,7 @@ from pathlib import Path
 
 from .lib import locust, paperbed, preflight, profiles, results, stats
 from .lib.locust import RunResult, Summary
+from .lib.fleetbed import FleetBench
 from .lib.paperbed import Bench, Configuration, ServerSpec
 from .lib.procs import Interrupted, stop_signals_interrupt, uninterruptible
 from .lib.report import fmt_ratio, fmt_time, table
@@ -104,6 +110,7 @@ class Regime:
     users: int = 150
     slowdowns: bool = True  # random 5x windows on every server
     balancers: int = 1  # modelled, see the module's doc
+    fleet: int = 0  # real balancer instances behind the ECMP router (0: the one-balancer testbed)
     probe_n: int = PROBE_N  # dsr-dynamic's n (× balancers), its budget
     probe_max: int | None = None  # the adaptive n's upper bound
     onoff: bool = False  # the users send inside ON_S windows only
@@ -159,6 +166,10 @@ REGIMES = (
         )
         for pct in (60, 80, 95)
     ),
+    # Several real balancers sharing the servers: each places a share of
+    # the connections and sees only its own.
+    Regime("fleet-2", "as slowdowns, 2 inband instances behind an ECMP router, each seeing only its own placements", fleet=2),
+    Regime("fleet-3", "as slowdowns, 3 inband instances behind an ECMP router, each seeing only its own placements", fleet=3),
     # The first study's ten: one connection per request.
     Regime("heavy-tail", "lognormal service (σ 0.8), identical servers, nothing slowed", slowdowns=False),
     Regime("slowdowns", "heavy tail + each server 5× slower for 2–4 s, twice, at random"),
@@ -206,6 +217,9 @@ PROFILES = {
     "load": Profile("quick", 25, ("keep-alive-20", "keep-alive-28"), 1.0, reps=3),
     # open loops below and near saturation: 3 × 7 × 3 = 63 runs × 27.2 s ≈ 29 min.
     "open": Profile("quick", 25, ("open-60", "open-80", "open-95"), 1.0, reps=3),
+    # Several real balancers: 2 × 6 × 3 = 36 runs × 27.2 s ≈ 17 min, and
+    # two testbeds.
+    "fleet": Profile("quick", 25, ("fleet-2", "fleet-3"), 1.0, reps=3),
     # The first study's ten regimes, repeated: 10 × 7 × 3 = 210 runs ×
     # (20 + 2.2) s ≈ 78 min, and three testbeds (2, 3, 4 servers).
     "ten": Profile("quick", 20, TEN, 1.0, reps=3),
@@ -217,6 +231,8 @@ PROFILES = {
         "tiny", 3, ("on-off", "keep-alive", "hidden-load"), 0.15, reps=1, schedule_scale=0.3,
         only=(("keep-alive", ("dsr-dynamic", "poll-equal", "dsr-leastconn")), ("hidden-load", ("dsr-dynamic", "poll-equal", "dsr-leastconn"))),
     ),
+    # The fleet's test: two instances, the rows whose budgets it checks.
+    "tiny-fleet": Profile("tiny", 3, ("fleet-2",), 0.15, reps=1, only=(("fleet-2", ("dsr-dynamic", "poll-equal", "dsr-leastconn")),)),
 }
 
 
@@ -329,12 +345,13 @@ class Row:
         return sum(v["connections"] for v in bs.values()) if bs else None
 
 
-def equal_poll_ms(servers: int, probes: int, window_s: float) -> int:
+def equal_poll_ms(servers: int, probes: int, window_s: float, pollers: int = 1) -> int:
     """The poll interval that sends as many requests to the servers as
-    `probes` score requests over `window_s`: a round asks every server."""
+    `probes` score requests over `window_s`: a round asks every server,
+    and each of `pollers` balancers polls on its own."""
     if probes <= 0:
         raise RuntimeError("dsr-dynamic sent no score request: there is no budget to match")
-    return max(1, round(servers * window_s * 1000 / probes))
+    return max(1, round(pollers * servers * window_s * 1000 / probes))
 
 
 def dynamic_interval(regime: Regime) -> tuple:
@@ -382,7 +399,7 @@ def run_rep(bench: Bench, regime: Regime, profile: Profile, out: Path, rep: int)
     wanted = dict(profile.only).get(regime.key, CONFIG_KEYS)
 
     def run(key: str, label: str, interval: str, c: Configuration) -> Row | None:
-        if key != "dsr-dynamic" and key not in wanted:
+        if key != "dsr-dynamic" and key not in wanted or (regime.fleet and c.kind != "inband"):
             return None
         bench.log(f"{regime.key} #{rep + 1}: {key} ({interval})")
         d = bench.out / key
@@ -408,7 +425,7 @@ def run_rep(bench: Bench, regime: Regime, profile: Profile, out: Path, rep: int)
         replace(paperbed.BY_KEY["dsr-dynamic"], probe_interval=n, probe_interval_max=hi),
     )
     w = dyn.result.window
-    eq_ms = equal_poll_ms(regime.servers, dyn.result.overhead.probes, w[1] - w[0])
+    eq_ms = equal_poll_ms(regime.servers, dyn.result.overhead.probes, w[1] - w[0], max(1, regime.fleet))
     polling = paperbed.BY_KEY["dsr-polling"]
     run("poll-equal", "dsr-polling, equal budget", f"{eq_ms} ms", replace(polling, poll_interval_ms=eq_ms))
     run("poll-best", "dsr-polling, best poller", f"{BEST_POLL_MS} ms", replace(polling, poll_interval_ms=BEST_POLL_MS))
@@ -705,14 +722,15 @@ def main(argv=None) -> int:
     failed: list[tuple[str, str]] = []
     interrupted = None
     stop_signals_interrupt()
-    # One testbed per server count and score source (the agents start
-    # with the testbed): regimes are grouped by them.
-    for servers, score in dict.fromkeys((r.servers, r.score) for r in regimes):
-        bench = Bench(pa, pprofile, out, tuple(ServerSpec(1.0) for _ in range(servers)))
+    # One testbed per server count, score source (the agents start with
+    # the testbed) and fleet size: regimes are grouped by them.
+    for servers, score, fleet in dict.fromkeys((r.servers, r.score, r.fleet) for r in regimes):
+        specs = tuple(ServerSpec(1.0) for _ in range(servers))
+        bench = FleetBench(pa, pprofile, out, specs, fleet) if fleet else Bench(pa, pprofile, out, specs)
         bench.agent_score = score
         try:
             bench.setup()
-            for regime in (r for r in regimes if (r.servers, r.score) == (servers, score)):
+            for regime in (r for r in regimes if (r.servers, r.score, r.fleet) == (servers, score, fleet)):
                 try:
                     by_regime[regime.key] = run_regime(bench, regime, profile, out, pprofile, failed)
                     print(f"\n### {regime.key}\n\n{regime_table(regime, by_regime[regime.key])}\n", flush=True)

@@ -193,6 +193,11 @@ class Bench(TestbedRun):
 
     # --- servers
 
+    @property
+    def probe_netns(self) -> str:
+        """Where the servers' counters are read from: a node that reaches them all."""
+        return self.tb.netns("lb")
+
     def serve_argv(self, spec: ServerSpec) -> list[str]:
         p = self.p
         argv = [
@@ -222,7 +227,7 @@ class Bench(TestbedRun):
             )
         for i in range(1, len(self.specs) + 1):
             url = f"http://{self.tb.addr(f's{i}')}:{SERVICE_PORT}/stats"
-            wait_until(f"the server on s{i}", lambda url=url: http_get_json(self.tb.netns("lb"), url), 20)
+            wait_until(f"the server on s{i}", lambda url=url: http_get_json(self.probe_netns, url), 20)
         return started
 
     def server_stats(self) -> dict:
@@ -230,7 +235,7 @@ class Bench(TestbedRun):
         out = {}
         for i in range(1, len(self.specs) + 1):
             url = f"http://{self.tb.addr(f's{i}')}:{SERVICE_PORT}/stats"
-            out[f"{self.tb.addr(f's{i}')}:{SERVICE_PORT}"] = http_get_json(self.tb.netns("lb"), url)
+            out[f"{self.tb.addr(f's{i}')}:{SERVICE_PORT}"] = http_get_json(self.probe_netns, url)
         return out
 
     def stop_servers(self) -> None:

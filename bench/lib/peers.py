@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, IPv6Address
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,28 @@ class HealthChecks:
         return f"check inter {int(self.interval_ms)} fastinter {int(self.fast_interval_ms)} rise {int(self.rise)} fall {int(self.fall)}"
 
 
+@dataclass(frozen=True)
+class ScaleOut:
+    """One `inband lb` instance of several behind an ECMP router
+    (`[scale_out]`, docs/configuration.md): its IPv6 address, which the
+    router's SIDs are routed to, and the three SIDs."""
+
+    address6: str
+    sid: str
+    direct_sid: str
+    shadow_sid: str
+
+    def toml_lines(self) -> list[str]:
+        return [
+            f'address6 = "{IPv6Address(self.address6)}"',
+            "",
+            "[scale_out]",
+            f'sid = "{IPv6Address(self.sid)}"',
+            f'direct_sid = "{IPv6Address(self.direct_sid)}"',
+            f'shadow_sid = "{IPv6Address(self.shadow_sid)}"',
+        ]
+
+
 def lb_toml(
     *,
     address: str,
@@ -70,17 +92,20 @@ def lb_toml(
     score_max_age_ms: int = 2000,
     interface: str = "eth0",
     health: HealthChecks | None = None,
+    scale_out: ScaleOut | None = None,
 ) -> str:
     """`inband lb` config for one VIP in one mode (docs/configuration.md).
     `auth_key`: the key file shared with the agents, or None for the seed
     paper's unauthenticated options. `probe_interval_max` and
     `probe_budget`: the adaptive n's upper bound and the 124s per second a
     backend may get (both omitted: the balancer's fixed n, no budget).
-    `health`: the VIP's checks written out (omitted: the defaults)."""
+    `health`: the VIP's checks written out (omitted: the defaults).
+    `scale_out`: this instance's place behind an ECMP router."""
     lines = [
         f'interface = "{interface}"',
         f'address = "{_check_ip(address)}"',
         f'control_socket = "{control_socket}"',
+        *(scale_out.toml_lines() if scale_out is not None else []),
         "",
         *_auth_lines(auth_key, balancer=True),
         "",
@@ -102,15 +127,16 @@ def lb_toml(
 
 
 def agent_toml(
-    *, balancer: str, vip: str, vip_port: int, service_port: int, score_socket: str, auth_key: str | None, interface: str = "eth0",
+    *, balancers: list[str], vip: str, vip_port: int, service_port: int, score_socket: str, auth_key: str | None, interface: str = "eth0",
     score: str | None = None,
 ) -> str:
-    """`inband agent` config: one service, the one balancer trusted, and
-    the balancer's key (`auth_key`, as in `lb_toml`); `score`: its score
-    source (docs/agent.md "Score sources"), absent: the agent's default."""
+    """`inband agent` config: one service, the balancers it trusts, and
+    their key (`auth_key`, as in `lb_toml`); `score`: its score source
+    (docs/agent.md "Score sources"), absent: the agent's default."""
+    trusted = ", ".join(f'"{_check_ip(b)}"' for b in balancers)
     lines = [
         f'interface = "{interface}"',
-        f'balancers = ["{_check_ip(balancer)}"]',
+        f"balancers = [{trusted}]",
         *([f'score = "{score}"'] if score else []),
         f'score_socket = "{score_socket}"',
         "",

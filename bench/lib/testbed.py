@@ -153,7 +153,7 @@ class TestbedRun:
             cfg = cfg_dir / f"agent-{node}.toml"
             cfg.write_text(
                 peers.agent_toml(
-                    balancer=self.tb.addr("lb"), vip=self.tb.vip, vip_port=self.VIP_PORT, service_port=service_port,
+                    balancers=self.balancer_addresses, vip=self.tb.vip, vip_port=self.VIP_PORT, service_port=service_port,
                     score_socket=str(self.sock_dir / f"agent-{node}.sock"), auth_key=str(self.auth_key) if self.auth_key else None,
                     score=score,
                 )
@@ -171,6 +171,11 @@ class TestbedRun:
                 30,
             )
         return agents
+
+    @property
+    def balancer_addresses(self) -> list[str]:
+        """The addresses the agents trust: the testbed's one balancer."""
+        return [self.tb.addr("lb")]
 
     @property
     def lb_sock(self) -> Path:

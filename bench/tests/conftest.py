@@ -10,7 +10,8 @@ import pytest
 GROUPS = (
     # ~230 s each (measured on 2026-11-29, four workers).
     {"test_scaleout.py::test_tiny_profile_end_to_end": 132, "test_proxy.py::test_quick_run_end_to_end": 52,
-     "test_paper_tiny.py::test_tiny_profile_on_the_papers_two_servers": 42},
+     "test_paper_tiny.py::test_tiny_profile_on_the_papers_two_servers": 42,
+     "test_regimes.py::test_fleet_regime_runs_real_instances_each_placing_its_share": 25},
     {"test_weights.py::test_tiny_profile_end_to_end": 131, "test_mesh.py::test_tiny_profile_end_to_end": 54,
      "test_conformance.py::test_inband_passes_every_case": 30, "test_handoff.py::test_tiny_profile_end_to_end": 16},
     {"test_regimes.py::test_tiny_grid_end_to_end": 109, "test_ecmp.py::test_tiny_profile_end_to_end": 72,

@@ -77,12 +77,12 @@ def test_lb_toml_needs_an_auth_decision():
     with pytest.raises(TypeError):
         peers.lb_toml(address="10.77.0.2", vip="10.77.0.100", vip_port=80, backends=BACKENDS, mode="dsr-rr", control_socket="s")
     with pytest.raises(TypeError):
-        peers.agent_toml(balancer="10.77.0.2", vip="10.77.0.100", vip_port=80, service_port=8080, score_socket="/tmp/a.sock")
+        peers.agent_toml(balancers=["10.77.0.2"], vip="10.77.0.100", vip_port=80, service_port=8080, score_socket="/tmp/a.sock")
 
 
 def agent(auth_key):
     return peers.agent_toml(
-        balancer="10.77.0.2", vip="10.77.0.100", vip_port=80, service_port=8080, score_socket="/tmp/a.sock", auth_key=auth_key
+        balancers=["10.77.0.2"], vip="10.77.0.100", vip_port=80, service_port=8080, score_socket="/tmp/a.sock", auth_key=auth_key
     )
 
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from bench import regimes
-from bench.lib import locust
+from bench.lib import fleetbed, locust
 from bench.lib.locust import Overhead, RunResult, Summary
 from driver_runs import run_tiny, table_rows
 
@@ -33,6 +33,22 @@ def test_equal_poll_interval_sends_as_many_requests():
     assert regimes.equal_poll_ms(2, 10**9, 1.0) == 1
     with pytest.raises(RuntimeError):
         regimes.equal_poll_ms(3, 0, 20.0)
+
+
+def test_equal_poll_interval_of_a_fleet_counts_every_instances_polls():
+    # The same budget over 2 instances, each polling every server: half as often each.
+    assert regimes.equal_poll_ms(3, 600, 20.0, pollers=2) == 200
+    assert regimes.dynamic_interval(regimes.BY_KEY["fleet-3"]) == (100, None)
+
+
+def test_merged_status_adds_every_instances_counters():
+    def status(conns, probes, polls, queries, mean_us):
+        backends = [{"backend": f"10.0.0.{i}:80", "score": i, "stats": {"new_conns": conns + i, "probes_sent": probes}} for i in (1, 2)]
+        return [{"control": {"polls_sent": polls, "queries": queries, "query_mean_us": mean_us}, "vips": [{"backends": backends}]}]
+
+    merged = fleetbed.merged_status([status(10, 3, 5, 1, 100), status(20, 4, 7, 3, 200)])
+    assert merged[0]["control"] == {"polls_sent": 12, "queries": 4, "query_mean_us": 175}
+    assert [(b["stats"]["new_conns"], b["stats"]["probes_sent"], b["score"]) for b in merged[0]["vips"][0]["backends"]] == [(32, 7, 1), (34, 7, 2)]
 
 
 def test_modelled_balancers_scale_dynamics_n():
@@ -287,3 +303,41 @@ def test_tiny_grid_end_to_end(tmp_path):
 
 
 CONFIG_KEYS_CONTROL = regimes.CONTROL
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates network namespaces and attaches XDP/tc programs")
+def test_fleet_regime_runs_real_instances_each_placing_its_share(tmp_path):
+    name = f"rf{os.getpid() % 10000}"
+    out = tmp_path / "out"
+    cp, left = run_tiny("bench.regimes", name, out, 240, profile="tiny-fleet")
+    assert left == [], f"namespaces left behind: {left}"
+    md = (out / "results.md").read_text()
+    (summary,) = table_rows(md, "| regime | reps |")
+    assert summary[0] == "fleet-2" and 0.67 <= float(summary[4]) <= 1.5, summary
+    rows = table_rows(md[md.index("## fleet-2:") :], "| configuration | interval | RPS |")
+    assert [r[0] for r in rows] == ["dsr-dynamic (in-band)", "dsr-polling, equal budget", "DSR least-connections (own counts, no feedback)"]
+    assert all(float(r[2]) > 0 and r[5] == "0" for r in rows), rows
+
+    data = json.loads((out / "results.json").read_text())
+    run = {r["key"]: r for r in data["rows"]}
+    # Every server trusts both instances.
+    assert (out / "run" / "agent-s1.toml").read_text().count('"10.77.3') == 2
+    for key in ("dsr-dynamic", "poll-equal", CONFIG_KEYS_CONTROL):
+        d = out / "fleet-2" / "rep1" / key
+        per = [json.loads((d / f"lb-status-b{i}.json").read_text())[0]["vips"][0]["backends"] for i in (1, 2)]
+        placed = [sum(b["stats"]["new_conns"] for b in bs) for bs in per]
+        # The router spread the connections: each instance placed some.
+        assert all(n > 0 for n in placed), (key, placed)
+        # The record's counts are both instances'.
+        assert sum(v["connections"] for v in run[key]["result"]["at_balancer"].values()) == sum(placed), key
+        for i in (1, 2):
+            toml = (d / f"lb-b{i}.toml").read_text()
+            assert "[scale_out]" in toml and f'sid = "fd00:77:5{i}::b"' in toml, toml
+    # The equal poller's interval: both instances poll the three servers,
+    # as often together as dynamic's 124s came.
+    dyn = run["dsr-dynamic"]["result"]
+    w = dyn["window"]
+    expected = regimes.equal_poll_ms(3, dyn["overhead"]["probes"], w[1] - w[0], pollers=2)
+    assert run["poll-equal"]["interval"] == f"{expected} ms"
+    assert 'poll_interval_ms = ' + str(expected) in (out / "fleet-2" / "rep1" / "poll-equal" / "lb-b2.toml").read_text()
+    assert "| regime | reps |" in cp.stdout
