@@ -170,6 +170,11 @@ REGIMES = (
     # the connections and sees only its own.
     Regime("fleet-2", "as slowdowns, 2 inband instances behind an ECMP router, each seeing only its own placements", fleet=2),
     Regime("fleet-3", "as slowdowns, 3 inband instances behind an ECMP router, each seeing only its own placements", fleet=3),
+    # ... with what a single balancer could not see either: bursts, where
+    # in-band reports come with the traffic and the others' placements
+    # change fastest, and users straight to the servers.
+    Regime("fleet-3-on-off", "as fleet-3, the users on 1–2 s, off 3–4 s", fleet=3, onoff=True),
+    Regime("fleet-3-hidden", "as fleet-3, and half as many users again straight to one server, 2–4 s on, 2–4 s off", fleet=3, direct=0.5),
     # The first study's ten: one connection per request.
     Regime("heavy-tail", "lognormal service (σ 0.8), identical servers, nothing slowed", slowdowns=False),
     Regime("slowdowns", "heavy tail + each server 5× slower for 2–4 s, twice, at random"),
@@ -220,6 +225,8 @@ PROFILES = {
     # Several real balancers: 2 × 6 × 3 = 36 runs × 27.2 s ≈ 17 min, and
     # two testbeds.
     "fleet": Profile("quick", 25, ("fleet-2", "fleet-3"), 1.0, reps=3),
+    # The fleet with bursts and hidden users: 2 × 6 × 3 = 36 runs ≈ 17 min.
+    "fleet-load": Profile("quick", 25, ("fleet-3-on-off", "fleet-3-hidden"), 1.0, reps=3),
     # The first study's ten regimes, repeated: 10 × 7 × 3 = 210 runs ×
     # (20 + 2.2) s ≈ 78 min, and three testbeds (2, 3, 4 servers).
     "ten": Profile("quick", 20, TEN, 1.0, reps=3),
