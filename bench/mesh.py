@@ -22,6 +22,11 @@ each an nginx process that calls the next through the system, at 1 and 8
 connections. Then where the mesh's time goes: its two programs' run time
 per request (bpf_stats) against the CPU it adds over direct.
 
+Then the seed's message-size sweep: at one connection count, responses of
+64 B to 1 MiB (GET of a file of that size) and requests of 64 B to 1 MiB
+(a POST body the backend reads and answers with 64 bytes), through every
+system.
+
 Prints Markdown tables, writes
 the record (results.json: commit, machine, load average, command, rows)
 and its tables (results.md) into --results (default bench/results/mesh),
@@ -39,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .lib import preflight
@@ -57,6 +62,12 @@ VIP = "10.96.0.10"
 BACKEND_PORT = 8080
 BODY = "x" * 63 + "\n"
 HOPS = 9
+# The message-size sweep's sizes (the seed's Figure 6 swept payloads from
+# zero up past where its NIC saturated; the issue asks for 64 B to 1 MB).
+SIZES = [64, 1024, 16384, 262144, 1048576]
+# Where a backend's /upload passes its bodyless request, on its own loopback.
+ANSWER_PORT = 8090
+DIRECTIONS = {"response": "responses of N bytes (GET)", "request": "requests of N bytes (POST body)"}
 
 SYSTEMS = {
     "direct": "direct (no balancer)",
@@ -79,12 +90,16 @@ class Profile:
     # so a drift of the machine spreads over all of them; the tables give
     # the mean of the rounds.
     rounds: int = 1
+    # The message-size sweep: sizes, at one connection count, seconds per cell.
+    sizes: tuple = tuple(SIZES)
+    size_conns: int = 32
+    size_seconds: int = 3
 
 
 PROFILES = {
     "default": Profile([1, 8, 32, 128], 5, [1, 8], 4, list(SYSTEMS), rounds=3),
     "quick": Profile([1, 32, 128], 3, [1], 3, list(SYSTEMS)),
-    "tiny": Profile([1, 8], 1, [1], 1, list(SYSTEMS)),
+    "tiny": Profile([1, 8], 1, [1], 1, list(SYSTEMS), sizes=(64, 1048576), size_conns=4, size_seconds=1),
 }
 
 
@@ -111,7 +126,30 @@ http {{
 
 
 def nginx_backend_conf(prefix: str, listen: str) -> str:
-    return _nginx(prefix, "nginx", 4096, f'    server {{ listen {listen}; location / {{ return 200 "{BODY.strip()}\\n"; }} }}\n')
+    """The 64-byte answer at /, the sweep's files under /size/ (prefix/size/N)
+    and /upload, which reads a whole request body (in memory, any size the
+    sweep sends) before it answers with the 64 bytes: nginx buffers the
+    body for proxy_pass and passes on a bodyless request to a local server
+    that answers. A bare `return` would answer before the body is read."""
+    return _nginx(
+        prefix,
+        "nginx",
+        4096,
+        f"    upstream answer {{ server 127.0.0.1:{ANSWER_PORT}; keepalive 64; }}\n"
+        f'    server {{ listen 127.0.0.1:{ANSWER_PORT}; location / {{ return 200 "{BODY.strip()}\\n"; }} }}\n'
+        f"    server {{\n        listen {listen};\n"
+        f'        location / {{ return 200 "{BODY.strip()}\\n"; }}\n'
+        f"        location /size/ {{ root {prefix}; }}\n"
+        f"        location = /upload {{\n            client_max_body_size 2m;\n            client_body_buffer_size 2m;\n"
+        f"            proxy_pass http://answer;\n            proxy_pass_request_body off;\n"
+        f'            proxy_set_header Content-Length "";\n            proxy_http_version 1.1;\n'
+        f'            proxy_set_header Connection "";\n        }}\n    }}\n',
+    )
+
+
+def post_lua(size: int) -> str:
+    """wrk sending every request as a POST of `size` bytes, with the summary line."""
+    return f'wrk.method = "POST"\nwrk.body = string.rep("x", {int(size)})\nwrk.headers["Content-Type"] = "application/octet-stream"\n' + WRK_SUMMARY_LUA
 
 
 def nginx_sidecar_conf(prefix: str, fronts: list[tuple[int, list[str]]]) -> str:
@@ -212,6 +250,9 @@ class Point:
     errors: int
     cpu_us: float  # whole host, per request
     added_us: float | None = None  # over direct at the same connections
+    # The message-size sweep's points: which way the N bytes went, and N.
+    direction: str = ""
+    size: int = 0
 
 
 @dataclass
@@ -220,6 +261,7 @@ class Results:
     points: list[Point] = field(default_factory=list)  # the mean of the rounds
     rounds: list[Point] = field(default_factory=list)  # every measurement
     chain: list[Point] = field(default_factory=list)
+    sizes: list[Point] = field(default_factory=list)
     breakdown: dict = field(default_factory=dict)
     # The mesh's counters after each of its runs: its fallbacks and
     # user-space relays, which should be none for this workload.
@@ -241,6 +283,9 @@ class Bench:
 
     def setup(self) -> None:
         self.teardown_testbed()
+        # The backends' workers (nginx's unprivileged user) read the
+        # sweep's files from here.
+        self.work.chmod(0o755)
         run(None, ["ip", "netns", "add", HOST_NS])
         run(HOST_NS, ["ip", "link", "set", "lo", "up"])
         for i, ns in enumerate(BACKEND_NS):
@@ -252,7 +297,9 @@ class Bench:
             run(HOST_NS, ["ip", "link", "set", f"mbh{i}", "up"])
             run(ns, ["ip", "link", "set", f"mbb{i}", "up"])
             d = self.work / ns
-            d.mkdir(exist_ok=True)
+            (d / "size").mkdir(parents=True, exist_ok=True)
+            for n in self.p.sizes:
+                (d / "size" / str(n)).write_bytes(b"x" * n)
             (d / "nginx.conf").write_text(nginx_backend_conf(str(d), f"0.0.0.0:{BACKEND_PORT}"))
             self.procs.spawn(ns, ns, ["nginx", "-c", str(d / "nginx.conf"), "-g", "daemon off;"], d / "log")
         CGROUP.mkdir(exist_ok=True)
@@ -302,15 +349,15 @@ class Bench:
         """Everything but the backends."""
         self.procs.stop_except(set(BACKEND_NS))
 
-    def measure(self, system: str, urls: list[str], conns: int, seconds: int) -> Point:
+    def measure(self, system: str, urls: list[str], conns: int, seconds: int, lua: Path | None = None) -> Point:
         """Closed-loop load for `seconds`; several urls split the connections
-        (direct's two backends)."""
+        (direct's two backends). `lua`: wrk's script (default: GET, summary)."""
         split = [max(1, conns // len(urls))] * len(urls) if conns >= len(urls) else [conns]
         urls = urls[: len(split)]
         c0, t0 = cpu_busy_s(), time.monotonic()
         procs = [
             subprocess.Popen(
-                in_cgroup(["wrk", "-t1", f"-c{c}", f"-d{seconds}s", "--timeout", "5s", "-s", str(self.lua), u]),
+                in_cgroup(["wrk", "-t1", f"-c{c}", f"-d{seconds}s", "--timeout", "5s", "-s", str(lua or self.lua), u]),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -424,6 +471,34 @@ class Bench:
             runs = after.get(name, (0, 0))[1] - before.get(name, (0, 0))[1]
             out[name] = {"us_per_request": ns / 1e3 / max(requests, 1), "runs": runs}
         return out
+
+    def sizes(self, res: Results) -> None:
+        """The seed's message-size sweep: every system at `size_conns`
+        connections, for each size one way and the other."""
+        backends = [f"{backend_ip(i)}:{BACKEND_PORT}" for i in range(len(BACKEND_NS))]
+        conns = self.p.size_conns
+        for system in self.p.systems:
+            port = SIDECAR_PORT.get(system)
+            self.start(system, [(port, backends)] if port else [], [(f"{VIP}:80", backends)], conns)
+            entries = backends if system == "direct" else [f"{VIP}:80" if system == "mesh" else f"127.0.0.1:{port}"]
+            wait_until(f"{SYSTEMS[system]} to answer", lambda: self.curl(f"http://{entries[0]}/") == BODY, 15)
+            if system == "mesh":
+                self.mesh_ready()
+            for direction in DIRECTIONS:
+                for n in self.p.sizes:
+                    lua = None
+                    if direction == "request":
+                        lua = self.work / f"post-{n}.lua"
+                        lua.write_text(post_lua(n))
+                    path = f"/size/{n}" if direction == "response" else "/upload"
+                    self.settle()
+                    pt = self.measure(system, [f"http://{e}{path}" for e in entries], conns, self.p.size_seconds, lua)
+                    pt.direction, pt.size = direction, n
+                    res.sizes.append(pt)
+                    print(f"  size {SYSTEMS[system]:<24} {direction:<8} {n:>8} B {pt.rps:>9.0f} req/s  p99 {pt.p99_us} us", flush=True)
+            if system == "mesh":
+                res.mesh_counters["sizes"] = mesh_counters()
+            self.stop()
 
     def chain(self, res: Results) -> None:
         for system in [s for s in self.p.systems if s != "proxy"]:
@@ -556,8 +631,8 @@ def render(record: dict) -> str:
     """The tables of a run, from its record alone (bench.docs renders the
     committed one the same way)."""
     r = dict(record["rows"])
-    for k in ("points", "rounds", "chain"):
-        r[k] = [revive(Point, x) for x in r[k]]
+    for k in ("points", "rounds", "chain", "sizes"):
+        r[k] = [revive(Point, x) for x in r.get(k, [])]
     return provenance(record) + "\n\n" + report(revive(Results, r))
 
 
@@ -596,6 +671,8 @@ def report(res: Results) -> str:
                     continue
                 vs = f"{(p.p50_us / best.p50_us - 1) * 100:+.0f}%" if best else "-"
                 md.append(f"| {SYSTEMS[s]} | {c} | {p.rps:,.0f} | {p.p50_us} | {p.p99_us} | {vs} | {p.errors} |")
+    if res.sizes:
+        md += ["", sizes_table(res), ""]
     b = res.breakdown
     if b:
         d = by.get(("direct", b["conns"]))
@@ -630,6 +707,36 @@ def report(res: Results) -> str:
     return "\n".join(md) + "\n"
 
 
+def size_label(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B"
+
+
+def sizes_table(res: Results) -> str:
+    """The sweep: req/s of every system per direction and size, the mesh's
+    ratios to direct and to the best sidecar, and the payload rate."""
+    conns = res.sizes[0].conns
+    by = {(p.system, p.direction, p.size): p for p in res.sizes}
+    systems = [s for s in SYSTEMS if any(p.system == s for p in res.sizes)]
+    md = [f"## Message sizes ({conns} connections, req/s)", ""]
+    md.append("| way | size | " + " | ".join(SYSTEMS[s] for s in systems) + " | mesh ÷ direct | mesh ÷ best sidecar | mesh MB/s | mesh p99 µs | best sidecar p99 µs |")
+    md.append("|---|---|" + "---|" * (len(systems) + 5))
+    for direction in DIRECTIONS:
+        for n in sorted({p.size for p in res.sizes if p.direction == direction}):
+            row = {s: by.get((s, direction, n)) for s in systems}
+            sidecars = [p for s, p in row.items() if p and s in SIDECAR_PORT]
+            best = max(sidecars, key=lambda p: p.rps) if sidecars else None
+            mesh, direct = row.get("mesh"), row.get("direct")
+            cells = [f"{p.rps:,.0f}" + (f" ({p.errors} errors)" if p.errors else "") if p else "-" for p in row.values()]
+            md.append(
+                f"| {direction} | {size_label(n)} | " + " | ".join(cells)
+                + f" | {f'{mesh.rps / direct.rps:.2f}×' if mesh and direct else '-'}"
+                + f" | {f'{mesh.rps / best.rps:.2f}×' if mesh and best else '-'}"
+                + f" | {f'{mesh.rps * n / 1e6:,.1f}' if mesh else '-'}"
+                + f" | {mesh.p99_us if mesh else '-'} | {best.p99_us if best else '-'} |"
+            )
+    return "\n".join(md)
+
+
 def plot(res: Results, path: Path) -> None:
     import matplotlib
 
@@ -651,6 +758,22 @@ def plot(res: Results, path: Path) -> None:
     a.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    if not res.sizes:
+        return
+    fig, axes = plt.subplots(1, len(DIRECTIONS), figsize=(11, 4))
+    for ax, (direction, what) in zip(axes, DIRECTIONS.items()):
+        for s, label in SYSTEMS.items():
+            pts = sorted((p for p in res.sizes if p.system == s and p.direction == direction), key=lambda p: p.size)
+            if pts:
+                ax.plot([p.size for p in pts], [p.rps for p in pts], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("bytes")
+        ax.set_title(f"req/s, {what}")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path.with_name("mesh-sizes.png"), dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -659,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=default_dir("mesh"), help="results.json and results.md (default: the committed ones)")
     ap.add_argument("--profile", choices=list(PROFILES), default="default")
     ap.add_argument("--systems", help="comma-separated subset of " + ",".join(SYSTEMS))
-    ap.add_argument("--parts", default="balance,chain", help="balance, chain, or both (comma-separated)")
+    ap.add_argument("--parts", default="balance,chain,sizes", help="balance, chain, sizes, or several (comma-separated)")
     ap.add_argument("--no-perf", action="store_true", help="skip the perf profiles of direct, the mesh and HAProxy")
     args = ap.parse_args(argv)
     refused = preflight.refuse(preflight.problems(inband=str(INBAND), tools=("wrk", "haproxy", "nginx")))
@@ -675,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             print(f"unknown systems {unknown}: choose from {','.join(SYSTEMS)}", file=sys.stderr)
             return 2
-        profile = Profile(profile.conns, profile.seconds, profile.chain_conns, profile.chain_seconds, chosen, profile.rounds)
+        profile = replace(profile, systems=chosen)
     args.out.mkdir(parents=True, exist_ok=True)
     this_run = Run("mesh", "bench.mesh", argv)
     res = Results(profile=args.profile)
@@ -690,6 +813,8 @@ def main(argv: list[str] | None = None) -> int:
                 b.balance(res)
             if "chain" in parts:
                 b.chain(res)
+            if "sizes" in parts:
+                b.sizes(res)
         finally:
             with uninterruptible():
                 b.procs.stop_all()

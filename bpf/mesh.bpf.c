@@ -96,6 +96,14 @@ static __always_inline void abandon(__u32 slot, __u64 cookie)
 
 	if (!s || s->client_cookie != cookie)
 		return;
+	/* Answered before its body had all gone: whether the rest ever went
+	 * is not known, so the stream may be out of step too. */
+	if (__sync_val_compare_and_swap(&s->state, INBAND_MESH_SLOT_BODY, INBAND_MESH_SLOT_DOWN) ==
+	    INBAND_MESH_SLOT_BODY) {
+		count(INBAND_MESH_CLIENT_GONE_BODY);
+		bpf_ringbuf_output(&mesh_events, &slot, sizeof(slot), 0);
+		return;
+	}
 	if (__sync_val_compare_and_swap(&s->state, INBAND_MESH_SLOT_KERNEL, INBAND_MESH_SLOT_DOWN) !=
 	    INBAND_MESH_SLOT_KERNEL)
 		return;
@@ -321,9 +329,13 @@ int mesh_request(struct sk_msg_md *msg)
 	if (conn->last_slot) {
 		__u32 last = conn->last_slot - 1;
 		struct inband_mesh_slot *ls = bpf_map_lookup_elem(&mesh_slots, &last);
-		if (ls && ls->client_cookie == conn->cookie &&
-		    (ls->state == INBAND_MESH_SLOT_KERNEL || ls->state == INBAND_MESH_SLOT_USER))
-			return to_user(conn, INBAND_MESH_FALLBACK_PIPELINED);
+		if (ls && ls->client_cookie == conn->cookie) {
+			if (ls->state == INBAND_MESH_SLOT_KERNEL || ls->state == INBAND_MESH_SLOT_USER)
+				return to_user(conn, INBAND_MESH_FALLBACK_PIPELINED);
+			/* This program runs on the client's writes again only
+			 * once the last request's body has all gone its way. */
+			__sync_val_compare_and_swap(&ls->state, INBAND_MESH_SLOT_BODY, INBAND_MESH_SLOT_FREE);
+		}
 	}
 	f.svc.ip4 = conn->vip4;
 	f.svc.port = conn->vport;
@@ -381,7 +393,7 @@ int mesh_request(struct sk_msg_md *msg)
 		head_give(h);
 		return to_user(conn, INBAND_MESH_FALLBACK_PIPELINED);
 	}
-	if (total > 0x7fffffff) {
+	if (total > INBAND_MESH_KERNEL_REQUEST_MAX) {
 		head_give(h);
 		return to_user(conn, INBAND_MESH_FALLBACK_LARGE_BODY);
 	}
@@ -452,6 +464,7 @@ int mesh_request(struct sk_msg_md *msg)
 	s->to_client = 0;
 	s->body_phase = 0;
 	s->close_after = 0;
+	s->body_follows = total > size;
 	if (total > size)
 		bpf_msg_apply_bytes(msg, total); /* the body's later sends follow the same way */
 	if (bpf_msg_redirect_hash(msg, &mesh_pool, &slot, 0) != SK_PASS) {
@@ -476,12 +489,12 @@ static __always_inline void release(struct inband_mesh_slot *s, __u32 retire)
 	__u32 b = s->backend;
 	struct inband_mesh_backend *be = bpf_map_lookup_elem(&mesh_backends, &b);
 
+	__u32 next = retire ? INBAND_MESH_SLOT_DOWN : s->body_follows ? INBAND_MESH_SLOT_BODY : INBAND_MESH_SLOT_FREE;
+
 	s->body_phase = 0;
 	/* Whoever moves a slot out of KERNEL counts its request done: here,
 	 * abandon(), or the daemon's timeout, whichever comes first. */
-	if (__sync_val_compare_and_swap(&s->state, INBAND_MESH_SLOT_KERNEL,
-					retire ? INBAND_MESH_SLOT_DOWN : INBAND_MESH_SLOT_FREE) == INBAND_MESH_SLOT_KERNEL &&
-	    be)
+	if (__sync_val_compare_and_swap(&s->state, INBAND_MESH_SLOT_KERNEL, next) == INBAND_MESH_SLOT_KERNEL && be)
 		__sync_fetch_and_add(&be->in_flight, -1);
 }
 

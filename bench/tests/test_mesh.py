@@ -53,6 +53,17 @@ def test_report_gives_ratios_to_direct_and_the_best_sidecar():
     assert rows["inband mesh"][9] == "4.0"
 
 
+def test_sizes_table_gives_the_mesh_against_direct_and_the_best_sidecar():
+    res = mb.Results(profile="x")
+    for system, rps in [("direct", 1000.0), ("mesh", 900.0), ("haproxy", 300.0), ("nginx", 450.0)]:
+        for direction in mb.DIRECTIONS:
+            res.sizes.append(mb.Point(system, 32, rps, 100, 200 if system == "mesh" else 300, 0, 1.0, direction=direction, size=1 << 20))
+    rows = table_rows(mb.sizes_table(res), "| way | size |")
+    assert [(r[0], r[1]) for r in rows] == [("response", "1 MiB"), ("request", "1 MiB")]
+    # direct, mesh, HAProxy, nginx; mesh ÷ direct, ÷ best sidecar (nginx); MB/s; p99s
+    assert rows[0][2:] == ["1,000", "900", "300", "450", "0.90×", "2.00×", "943.7", "200", "300"]
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not INBAND.exists(), reason="needs root and target/debug/inband")
 def test_tiny_profile_end_to_end(tmp_path):
     cp = subprocess.run(
@@ -72,7 +83,12 @@ def test_tiny_profile_end_to_end(tmp_path):
     chain = table_rows(md, "| system | connections | req/s | p50")
     assert len(chain) == 4
     assert "request program" in md
-    assert (tmp_path / "mesh.png").exists()
+    # The sweep: both ways, both sizes, every system answered without errors.
+    sizes = table_rows(md, "| way | size |")
+    assert [(r[0], r[1]) for r in sizes] == [("response", "64 B"), ("response", "1 MiB"), ("request", "64 B"), ("request", "1 MiB")]
+    for r in sizes:
+        assert all(c != "-" and "errors" not in c and float(c.replace(",", "")) > 0 for c in r[2:7]), r
+    assert (tmp_path / "mesh.png").exists() and (tmp_path / "mesh-sizes.png").exists()
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "mb-" not in out
     assert not mb.CGROUP.exists()

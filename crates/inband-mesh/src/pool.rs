@@ -70,6 +70,13 @@ pub async fn run_slot(sh: Rc<MeshState>, backend: u32, addr: SocketAddrV4, slot:
         };
         backoff = Duration::from_millis(50);
         let _ = stream.set_nodelay(true);
+        // What INBAND_MESH_KERNEL_REQUEST_MAX relies on (mesh/consts.h): a
+        // request's body must fit into the send buffer in one push.
+        if let Err(e) = force_send_buffer(&stream, c::INBAND_MESH_POOL_SNDBUF) {
+            warn!(slot, %addr, "pool socket's send buffer not set, the slot is not used: {e}");
+            tokio::time::sleep(BACKOFF_MAX).await;
+            continue;
+        }
         let cookie = match sh.dp.insert_pool_socket(slot, backend, stream.as_fd()) {
             Ok(c) => c,
             Err(e) => {
@@ -108,6 +115,31 @@ pub async fn run_slot(sh: Rc<MeshState>, backend: u32, addr: SocketAddrV4, slot:
     }
 }
 
+/// Sets a socket's send buffer to `bytes` past net.core.wmem_max
+/// (SO_SNDBUFFORCE: the daemon has CAP_NET_ADMIN; SO_SNDBUF would be cut
+/// to wmem_max, 208 KiB by default) and checks what the kernel took (it
+/// doubles the value for its own overhead). No crate offers the FORCE
+/// variant, hence libc.
+fn force_send_buffer(s: &std::net::TcpStream, bytes: u32) -> std::io::Result<()> {
+    let fd = s.as_raw_fd();
+    let v = bytes as libc::c_int;
+    let len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: setsockopt(2) with a pointer to a c_int and its size.
+    if unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_SNDBUFFORCE, (&v as *const libc::c_int).cast(), len) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut got: libc::c_int = 0;
+    let mut got_len = len;
+    // SAFETY: getsockopt(2) into a c_int of `got_len` bytes.
+    if unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_SNDBUF, (&mut got as *mut libc::c_int).cast(), &mut got_len) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if (got as u32) < bytes {
+        return Err(std::io::Error::other(format!("the kernel took {got} bytes, not {bytes}")));
+    }
+    Ok(())
+}
+
 /// Sleeps until the slot is named, then looks: returns when the socket
 /// must go.
 async fn watch(sh: &Rc<MeshState>, slot: u32, stream: &mut Option<std::net::TcpStream>) -> Retire {
@@ -140,7 +172,7 @@ async fn watch(sh: &Rc<MeshState>, slot: u32, stream: &mut Option<std::net::TcpS
         *stream = Some(std);
         match s.state {
             c::INBAND_MESH_SLOT_DOWN => return Retire::Program,
-            c::INBAND_MESH_SLOT_KERNEL if timed_out(&s) => return Retire::Timeout,
+            c::INBAND_MESH_SLOT_KERNEL | c::INBAND_MESH_SLOT_BODY if timed_out(&s) => return Retire::Timeout,
             _ => {}
         }
         if !established(fd) {
@@ -171,7 +203,7 @@ pub async fn watchdog(sh: Rc<MeshState>) {
             let s = sh.dp.slot_snapshot(slot as u32);
             let busy = matches!(
                 s.state,
-                c::INBAND_MESH_SLOT_KERNEL | c::INBAND_MESH_SLOT_USER
+                c::INBAND_MESH_SLOT_KERNEL | c::INBAND_MESH_SLOT_USER | c::INBAND_MESH_SLOT_BODY
             );
             // USER too: a handover whose event was lost is relayed all the same.
             if matches!(s.state, c::INBAND_MESH_SLOT_DOWN | c::INBAND_MESH_SLOT_USER)
@@ -202,7 +234,7 @@ fn grow_if_busy(sh: &Rc<MeshState>, backend: u32) {
     let busy = (0..be.pool).all(|k| {
         matches!(
             sh.dp.slot_snapshot(be.slot_base + k).state,
-            c::INBAND_MESH_SLOT_KERNEL | c::INBAND_MESH_SLOT_USER
+            c::INBAND_MESH_SLOT_KERNEL | c::INBAND_MESH_SLOT_USER | c::INBAND_MESH_SLOT_BODY
         )
     });
     if missed == 0 && !busy {
@@ -337,9 +369,14 @@ async fn relay_one(sh: &Rc<MeshState>, slot: u32, stream: &TcpStream) -> Option<
         Ok(Err(e)) => failed(Retire::Broken(format!("{e:#}"))),
         Ok(Ok(End::Reusable)) => {
             sh.dp.backend_done(s.backend);
-            sh.dp
-                .slot_state(slot)
-                .store(c::INBAND_MESH_SLOT_FREE, Ordering::Release);
+            // As the response program does: a body still on its way keeps
+            // the slot for its client (SLOT_BODY in bpf/include/inband/mesh/types.h).
+            let next = if s.body_follows != 0 {
+                c::INBAND_MESH_SLOT_BODY
+            } else {
+                c::INBAND_MESH_SLOT_FREE
+            };
+            sh.dp.slot_state(slot).store(next, Ordering::Release);
             None
         }
         Ok(Ok(End::Retire { close_client })) => {

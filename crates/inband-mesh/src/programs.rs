@@ -52,7 +52,8 @@ pub const COUNTERS: [(&str, &str); c::INBAND_MESH_COUNTERS as usize] = [
     ("response_unexpected", "Data on a slot with no request: the slot retired"),
     ("response_excess", "Bytes after a response's end: cut, the slot retired"),
     ("client_gone_in_flight", "Clients that closed with their request at a backend: the slot retired"),
-    ("fallback_large_body", "Connections to user space: a request body of 2 GiB or more"),
+    ("fallback_large_body", "Connections to user space: a request longer than the kernel path carries (2 MiB)"),
+    ("client_gone_body", "Clients that closed after an answer that came before their request's body had all gone: the slot retired"),
 ];
 pub fn pin_dir(name: &str) -> PinDir {
     PinDir(inband_core::bpfmap::pin_root().join("mesh").join(name))

@@ -154,7 +154,8 @@ pub fn read(pins: &PinDir) -> Result<Status> {
             let s: Slot = inband_core::bpfmap::get(&slots_map, &(b.slot_base + k))?.unwrap_or_default();
             match s.state {
                 c::INBAND_MESH_SLOT_FREE => st.free += 1,
-                c::INBAND_MESH_SLOT_KERNEL => st.kernel += 1,
+                // BODY: answered, its request's body maybe still going to it.
+                c::INBAND_MESH_SLOT_KERNEL | c::INBAND_MESH_SLOT_BODY => st.kernel += 1,
                 c::INBAND_MESH_SLOT_USER => st.user += 1,
                 _ => st.down += 1,
             }

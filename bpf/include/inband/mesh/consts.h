@@ -16,6 +16,17 @@
 #define INBAND_MESH_MAX_BACKENDS 1024
 #define INBAND_MESH_MAX_POOL 256 /* slots per backend */
 #define INBAND_MESH_MAX_SLOTS 16384
+/* The longest request (head and body) the kernel path carries. A body
+ * goes after its head by bpf_msg_apply_bytes, which the kernel counts
+ * down by what it tried to push into the pool socket, not by what went: a
+ * nonblocking client's write that finds the pool socket's send buffer
+ * full comes back short, the client writes the rest again, and those
+ * bytes are counted twice, so the program would run again mid-body.
+ * Pool sockets get a send buffer of INBAND_MESH_POOL_SNDBUF (the daemon
+ * sets it), four times this, so that a request of this size and the one
+ * before it always fit; a longer one goes to the daemon. */
+#define INBAND_MESH_KERNEL_REQUEST_MAX (2u << 20)
+#define INBAND_MESH_POOL_SNDBUF (8u << 20)
 #define INBAND_MESH_PREFIX_MAX 64
 #define INBAND_MESH_HNAME_MAX 32
 #define INBAND_MESH_HVALUE_MAX 128
@@ -53,7 +64,8 @@ enum inband_mesh_counter {
 	INBAND_MESH_RESPONSE_UNEXPECTED, /* data on a slot with no request: to the daemon, which retires it */
 	INBAND_MESH_RESPONSE_EXCESS, /* bytes after the response's end: cut, the slot retired */
 	INBAND_MESH_CLIENT_GONE_IN_FLIGHT, /* client closed with its request at the backend: slot retired */
-	INBAND_MESH_FALLBACK_LARGE_BODY, /* request body of 2 GiB or more (bpf_msg_apply_bytes takes 32 bits) */
+	INBAND_MESH_FALLBACK_LARGE_BODY, /* request longer than INBAND_MESH_KERNEL_REQUEST_MAX */
+	INBAND_MESH_CLIENT_GONE_BODY, /* client closed after an answer that came before its body had all gone: slot retired */
 	INBAND_MESH_COUNTERS,
 };
 

@@ -84,6 +84,14 @@ enum inband_mesh_slot_state {
 	INBAND_MESH_SLOT_FREE, /* connected, in mesh_pool: may be claimed */
 	INBAND_MESH_SLOT_KERNEL, /* a request is in flight; its response goes by the kernel */
 	INBAND_MESH_SLOT_USER, /* its response goes to the daemon (framing not known to the parser) */
+	/* Answered while its request's body may still be on its way: the
+	 * request program sends a body's later writes after it by
+	 * bpf_msg_apply_bytes, which no program sees pass, and a backend may
+	 * answer before it has read them (a refusal, or nginx's `return`).
+	 * Another request must not go in between, so only that client's next
+	 * request frees it (the program runs again only once those bytes have
+	 * gone), and its close retires it. */
+	INBAND_MESH_SLOT_BODY,
 };
 
 /* mesh_slots[i]: one pool socket. Claimed by the request program with an
@@ -103,6 +111,8 @@ struct inband_mesh_slot {
 	__u64 to_client; /* response bytes delivered to the client so far */
 	__u32 body_phase; /* the head was delivered; `remaining` counts down */
 	__u32 close_after; /* the backend said Connection: close: retire after */
+	__u32 body_follows; /* the request goes on past the write that claimed the slot */
+	__u32 pad;
 };
 
 /* mesh_conns, keyed by the client's address (what the daemon's accept sees
@@ -124,7 +134,8 @@ struct inband_mesh_conn {
 	__u32 vport; /* network order, low 16 bits */
 	__u32 mode; /* enum inband_mesh_conn_mode */
 	__u32 last_slot; /* 1 + slot of its latest request (in flight while that slot
-			  * is KERNEL or USER for this cookie); 0: none */
+			  * is KERNEL or USER for this cookie, its body maybe
+			  * while BODY); 0: none */
 	__u32 fallback_reason; /* enum inband_mesh_counter of the fallback */
 	__u64 cookie;
 	__u64 requests; /* through the kernel path */
