@@ -31,6 +31,7 @@ RENDER = {
     "dataplane": dataplane.render,
     "ecmp": ecmp.render,
     "fleet": regimes.render,
+    "fleet-load": regimes.render,
     "forwarding": forwarding.render,
     "frontdoor": frontdoor.render,
     "handoff": handoff.render,

@@ -6,6 +6,7 @@ and machinery, each cell repeated:
 
     python -m bench.regimes --out results/regimes              # the regimes (quick)
     python -m bench.regimes --out results/regimes-ten --profile ten  # the first study's ten
+    python -m bench.regimes --out DIR --profile fleet --results bench/results/fleet  # several real balancers
 
 The regimes where the balancer cannot know the load by itself (with one
 connection per request and nothing else on the servers, its own count of
