@@ -16,7 +16,12 @@ at a time runs in lb, on the VIP's port 80:
 - `inband lb` in `dsr-rr` (XDP; responses go from s1 to c1 directly);
 - nginx (`proxy_pass`, keep-alive to the origin, no buffering to disk)
   and HAProxy (`mode http`, `http-reuse always`) as proxies;
-- beside them *direct*: curl from c1 to the origin itself.
+- beside them *direct*: curl from c1 to the origin itself, and the
+  *relay limit*: curl from c1 to a user-space TCP relay on s1 (HAProxy,
+  `mode tcp`) in front of the same origin. A handed-off connection is
+  served that way (the takeover server relays the joined subflow to its
+  stock origin), so this row is what any such server side allows on the
+  machine, measured in the same run as the target it bounds.
 
 Each row is one client process fetching one size `count` times, one
 connection per fetch (only a connection's first request can move; the
@@ -109,6 +114,7 @@ VIP_PORT = 80
 ORIGIN_PORT = 8080
 CONTROL_PORT = 7000
 JOIN_PORT = 7001
+RELAY_PORT = 7002
 METRICS_PORT = 9180
 MIB = 1 << 20
 TARGETS = {"vs_proxy": 0.1, "vs_dsr": 1.2, "vs_direct": 0.9}
@@ -116,6 +122,7 @@ TARGETS = {"vs_proxy": 0.1, "vs_dsr": 1.2, "vs_direct": 0.9}
 
 SYSTEMS = [
     System("direct", "direct: client → origin"),
+    System("relay", "limit: client → a TCP relay on s1 (HAProxy mode tcp) → origin"),
     System("handoff", "inband proxy, handed off (TCPE client)"),
     System("proxy", "inband proxy, proxied (curl)"),
     System("dsr", "inband lb, dsr-rr (XDP)"),
@@ -124,7 +131,7 @@ SYSTEMS = [
 ]
 BY_KEY = {s.key: s for s in SYSTEMS}
 # What each row's balancer is; the two inband proxy rows share one.
-BALANCER = {"direct": None, "handoff": "inband-proxy", "proxy": "inband-proxy", "dsr": "inband-lb", "nginx": "nginx", "haproxy": "haproxy"}
+BALANCER = {"direct": None, "relay": None, "handoff": "inband-proxy", "proxy": "inband-proxy", "dsr": "inband-lb", "nginx": "nginx", "haproxy": "haproxy"}
 
 
 @dataclass(frozen=True)
@@ -280,6 +287,7 @@ class Bench(TestbedRun):
         self.start_agents(["s1"], run_dir, self.out / "logs", ORIGIN_PORT)
         self.start_origin()
         self.start_takeover()
+        self.start_relay()
         for ns in (self.ns("c1"), self.ns("lb")):
             run(ns, ["ping", "-c", "1", "-W", "2", self.tb.addr("s1")], check=False)
         self.stats_fd = enable_bpf_stats()
@@ -310,6 +318,16 @@ class Bench(TestbedRun):
         log = self.out / "logs" / "takeover.log"
         proc = self.procs.spawn("takeover", self.ns("s1"), in_cgroup(self.cgroups["s1"], argv), log, env=dict(os.environ, INBAND_LOG="warn"))
         wait_until("the takeover server", lambda: alive(proc, "inband tcpe serve", log) and self.listening("s1", JOIN_PORT), 20)
+
+    def start_relay(self) -> None:
+        """The relay limit's: HAProxy relaying TCP on s1 to the origin over
+        loopback, in the servers' cgroup, as the takeover server relays."""
+        cfg = self.out / "configs" / "relay.cfg"
+        cfg.write_text(peers.haproxy_cfg(vip=self.tb.addr("s1"), vip_port=RELAY_PORT, backends=[Backend("127.0.0.1", ORIGIN_PORT)],
+                                         balance="roundrobin", timeout_s=120))
+        log = self.out / "logs" / "relay.log"
+        proc = self.procs.spawn("relay", self.ns("s1"), in_cgroup(self.cgroups["s1"], ["haproxy", "-db", "-f", str(cfg)]), log)
+        wait_until("the relay", lambda: alive(proc, "relay haproxy", log) and self.listening("s1", RELAY_PORT), 20)
 
     def listening(self, node: str, port: int) -> bool:
         return f":{port} " in run(self.ns(node), ["ss", "-Hltn"]).stdout
@@ -414,8 +432,8 @@ class Bench(TestbedRun):
     def measure(self, system: str, mib: int, n: int, rnd: int) -> Row:
         kind = BALANCER[system]
         size = mib * MIB
-        host = self.tb.addr("s1") if system == "direct" else self.tb.vip
-        port = ORIGIN_PORT if system == "direct" else VIP_PORT
+        host = self.tb.addr("s1") if system in ("direct", "relay") else self.tb.vip
+        port = {"direct": ORIGIN_PORT, "relay": RELAY_PORT}.get(system, VIP_PORT)
         url = f"http://{host}:{port}/{mib}M"
         argv = ns_argv(self.ns("c1"), in_cgroup(self.cgroups["c1"], self.client_argv(system, url, n)))
         row = Row(system, size, rnd, n)
@@ -590,11 +608,11 @@ def cpu_table(cs: dict) -> str:
             c = cs.get((s.key, size))
             if c is None:
                 continue
-            own = c.balancer_s_gb if s.key != "direct" else None
+            own = c.balancer_s_gb if BALANCER[s.key] else None
             above = above_direct(c, direct) if c is not direct else None
             rows.append([
                 mib_label(size), s.label, f"{c.ok}/{c.requests}", moved_cell(c), fallback_cell(c), f"{c.gb:.3f}",
-                fmt(c.per_gb(c.balancer_cpu_s)) if s.key != "direct" else "–",
+                fmt(c.per_gb(c.balancer_cpu_s)) if BALANCER[s.key] else "–",
                 fmt(c.per_gb(c.bpf_ns / 1e9), 4) if c.bpf_ns else "–",
                 fmt(own), times(own, ref_proxy.balancer_s_gb if ref_proxy else None) if own is not None else "–",
                 times(own, ref_dsr.balancer_s_gb if ref_dsr else None) if own is not None else "–",
@@ -653,22 +671,25 @@ def targets_table(cs: dict) -> str:
         h = cs.get(("handoff", size))
         if h is None:
             continue
-        p, d, direct = cs.get(("proxy", size)), cs.get(("dsr", size)), cs.get(("direct", size))
+        p, d, direct, relay = cs.get(("proxy", size)), cs.get(("dsr", size)), cs.get(("direct", size)), cs.get(("relay", size))
         vs_p = ratio(h.balancer_s_gb, p.balancer_s_gb) if p else None
         vs_d = ratio(h.balancer_s_gb, d.balancer_s_gb) if d else None
         vs_direct = ratio(h.mb_s, direct.mb_s) if direct else None
+        # The bound on that target in the same run, and how near it the handoff came.
+        limit = [fmt(ratio(relay.mb_s, direct.mb_s) if relay and direct else None, 2), fmt(ratio(h.mb_s, relay.mb_s) if relay else None, 2)]
         # The same two ratios on the machine's CPU above direct: beside
         # them, not judged (other work on the machine lands in it).
         m = above_direct(h, direct)
         machine = [fmt(positive_ratio(m, above_direct(p, direct)), 3), fmt(positive_ratio(m, above_direct(d, direct)), 2)]
         if h.not_moved:
             judged = f"not judged: {h.not_moved} of {h.requests} did not move"
-            rows.append([mib_label(size), fmt(vs_p, 3), judged, fmt(vs_d, 2), judged, fmt(vs_direct, 2), judged, *machine])
+            rows.append([mib_label(size), fmt(vs_p, 3), judged, fmt(vs_d, 2), judged, fmt(vs_direct, 2), judged, *limit, *machine])
             continue
         rows.append([mib_label(size), fmt(vs_p, 3), verdict(vs_p, TARGETS["vs_proxy"], True), fmt(vs_d, 2), verdict(vs_d, TARGETS["vs_dsr"], True),
-                     fmt(vs_direct, 2), verdict(vs_direct, TARGETS["vs_direct"], False), *machine])
+                     fmt(vs_direct, 2), verdict(vs_direct, TARGETS["vs_direct"], False), *limit, *machine])
     return table(["response", f"handoff ÷ proxied, balancer CPU (≤ {TARGETS['vs_proxy']})", "", f"handoff ÷ dsr-rr (≤ {TARGETS['vs_dsr']})", "",
-                  f"handoff ÷ direct, throughput (≥ {TARGETS['vs_direct']})", "", "machine above direct: handoff ÷ proxied", "÷ dsr-rr"], rows)
+                  f"handoff ÷ direct, throughput (≥ {TARGETS['vs_direct']})", "", "relay limit ÷ direct", "handoff ÷ relay limit",
+                  "machine above direct: handoff ÷ proxied", "÷ dsr-rr"], rows)
 
 
 def markdown(rows: list[Row], profile: dict, quiet: list[str], failed: list[str], others: list[str] = ()) -> str:
@@ -708,7 +729,7 @@ def plot(rows: list[Row], path: Path) -> None:
     for i, s in enumerate(SYSTEMS):
         xs = [size // MIB for size in sizes if (s.key, size) in cs]
         style = dict(marker="o", label=s.label, color=f"C{i}")  # one colour per system in both panels
-        if s.key != "direct":
+        if BALANCER[s.key]:
             a.plot(xs, [cs[(s.key, size)].balancer_s_gb or 0 for size in sizes if (s.key, size) in cs], **style)
         b.plot(xs, [cs[(s.key, size)].mb_s or 0 for size in sizes if (s.key, size) in cs], **style)
     for ax in (a, b):
