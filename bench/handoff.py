@@ -17,11 +17,11 @@ at a time runs in lb, on the VIP's port 80:
 - nginx (`proxy_pass`, keep-alive to the origin, no buffering to disk)
   and HAProxy (`mode http`, `http-reuse always`) as proxies;
 - beside them *direct*: curl from c1 to the origin itself, and the
-  *relay limit*: curl from c1 to a user-space TCP relay on s1 (HAProxy,
-  `mode tcp`) in front of the same origin. A handed-off connection is
-  served that way (the takeover server relays the joined subflow to its
-  stock origin), so this row is what any such server side allows on the
-  machine, measured in the same run as the target it bounds.
+  *relay reference*: curl from c1 to a user-space TCP relay on s1
+  (HAProxy, `mode tcp`) in front of the same origin. A handed-off
+  connection is served that way (the takeover server relays the joined
+  subflow to its stock origin), so this row is what a standard relay
+  makes of the path a handoff leaves, in the same run.
 
 Each row is one client process fetching one size `count` times, one
 connection per fetch (only a connection's first request can move; the
@@ -122,7 +122,7 @@ TARGETS = {"vs_proxy": 0.1, "vs_dsr": 1.2, "vs_direct": 0.9}
 
 SYSTEMS = [
     System("direct", "direct: client → origin"),
-    System("relay", "limit: client → a TCP relay on s1 (HAProxy mode tcp) → origin"),
+    System("relay", "reference: client → a TCP relay on s1 (HAProxy mode tcp) → origin"),
     System("handoff", "inband proxy, handed off (TCPE client)"),
     System("proxy", "inband proxy, proxied (curl)"),
     System("dsr", "inband lb, dsr-rr (XDP)"),
@@ -320,8 +320,8 @@ class Bench(TestbedRun):
         wait_until("the takeover server", lambda: alive(proc, "inband tcpe serve", log) and self.listening("s1", JOIN_PORT), 20)
 
     def start_relay(self) -> None:
-        """The relay limit's: HAProxy relaying TCP on s1 to the origin over
-        loopback, in the servers' cgroup, as the takeover server relays."""
+        """The relay reference's: HAProxy relaying TCP on s1 to the origin
+        over loopback, in the servers' cgroup, as the takeover server relays."""
         cfg = self.out / "configs" / "relay.cfg"
         cfg.write_text(peers.haproxy_cfg(vip=self.tb.addr("s1"), vip_port=RELAY_PORT, backends=[Backend("127.0.0.1", ORIGIN_PORT)],
                                          balance="roundrobin", timeout_s=120))
@@ -675,7 +675,7 @@ def targets_table(cs: dict) -> str:
         vs_p = ratio(h.balancer_s_gb, p.balancer_s_gb) if p else None
         vs_d = ratio(h.balancer_s_gb, d.balancer_s_gb) if d else None
         vs_direct = ratio(h.mb_s, direct.mb_s) if direct else None
-        # The bound on that target in the same run, and how near it the handoff came.
+        # What a standard relay on the server makes of the same path, and the handoff against it.
         limit = [fmt(ratio(relay.mb_s, direct.mb_s) if relay and direct else None, 2), fmt(ratio(h.mb_s, relay.mb_s) if relay else None, 2)]
         # The same two ratios on the machine's CPU above direct: beside
         # them, not judged (other work on the machine lands in it).
@@ -688,7 +688,7 @@ def targets_table(cs: dict) -> str:
         rows.append([mib_label(size), fmt(vs_p, 3), verdict(vs_p, TARGETS["vs_proxy"], True), fmt(vs_d, 2), verdict(vs_d, TARGETS["vs_dsr"], True),
                      fmt(vs_direct, 2), verdict(vs_direct, TARGETS["vs_direct"], False), *limit, *machine])
     return table(["response", f"handoff ÷ proxied, balancer CPU (≤ {TARGETS['vs_proxy']})", "", f"handoff ÷ dsr-rr (≤ {TARGETS['vs_dsr']})", "",
-                  f"handoff ÷ direct, throughput (≥ {TARGETS['vs_direct']})", "", "relay limit ÷ direct", "handoff ÷ relay limit",
+                  f"handoff ÷ direct, throughput (≥ {TARGETS['vs_direct']})", "", "HAProxy relay ÷ direct", "handoff ÷ HAProxy relay",
                   "machine above direct: handoff ÷ proxied", "÷ dsr-rr"], rows)
 
 

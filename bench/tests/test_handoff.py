@@ -63,7 +63,7 @@ def test_tables_give_the_targets_as_ratios():
     targets = table_rows(md, "| response | handoff ÷ proxied")
     # 0.1 ÷ 2.0 = 0.05 (≤ 0.1); 0.1 ÷ (0.1 + 0.1) = 0.5 (≤ 1.2); 10 ms ÷ 12.5 ms = 0.8 (< 0.9).
     # On the machine above direct: 0.5 ÷ 2.0 and 0.5 ÷ 0.2 (beside, not judged).
-    # The relay limit (20 ms a fetch) is 0.5× direct's rate; the handoff's 0.8 is 1.60× it.
+    # The relay reference (20 ms a fetch) is 0.5× direct's rate; the handoff's 0.8 is 1.60× it.
     assert targets == [["1 MiB", "0.050", "met", "0.50", "met", "0.80", "**not met**", "0.50", "1.60", "0.250", "2.50"]]
     cpu = {r[1]: r for r in table_rows(md, "| response | system | complete |")}
     hr = cpu["inband proxy, handed off (TCPE client)"]
@@ -144,7 +144,7 @@ def test_tiny_profile_end_to_end(tmp_path):
         p = cs[("proxy", size)]
         assert p.handed_off == 0 and p.fallbacks == {"fallback_not_capable": p.requests}, (size, p.fallbacks)
         assert cs[("dsr", size)].bpf_ns > 0  # the XDP program ran
-    # The relay limit's column is filled at every size.
+    # The relay reference's columns are filled at every size.
     assert all(r[7] != "–" and r[8] != "–" for r in table_rows(cp.stdout, "| response | handoff ÷ proxied")), cp.stdout
     assert "| response | handoff ÷ proxied" in cp.stdout and (out / "handoff.png").exists()
     # Nothing it started is left running, and its cgroups are gone.
