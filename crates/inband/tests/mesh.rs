@@ -156,13 +156,8 @@ fn serve(
                 return;
             }
             hits.fetch_add(1, Ordering::SeqCst);
-            while buf.len() < length {
-                match conn.read(&mut chunk) {
-                    Ok(0) => return,
-                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    Err(_) if stop.load(Ordering::SeqCst) => return,
-                    Err(_) => {}
-                }
+            if !fill_to(&mut conn, &mut buf, length, &stop, false) {
+                return;
             }
             buf.drain(..length);
             continue;
@@ -190,18 +185,10 @@ fn serve(
                 }
             }
         } else {
-            while buf.len() < length {
-                if path == "/slow-body" {
-                    // A backend slower than its client: the pool socket's
-                    // send buffer fills.
-                    thread::sleep(Duration::from_millis(2));
-                }
-                match conn.read(&mut chunk) {
-                    Ok(0) => return,
-                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    Err(_) if stop.load(Ordering::SeqCst) => return,
-                    Err(_) => {}
-                }
+            // "/slow-body": a backend slower than its client, so the pool
+            // socket's send buffer fills.
+            if !fill_to(&mut conn, &mut buf, length, &stop, path == "/slow-body") {
+                return;
             }
             buf.drain(..length);
             length
@@ -267,6 +254,24 @@ fn serve(
             return;
         }
     }
+}
+
+/// Reads until `buf` holds `length` bytes; false if the connection ended,
+/// or the test is stopping, first. `slow`: 2 ms before each read.
+fn fill_to(conn: &mut TcpStream, buf: &mut Vec<u8>, length: usize, stop: &AtomicBool, slow: bool) -> bool {
+    let mut chunk = [0u8; 16384];
+    while buf.len() < length {
+        if slow {
+            thread::sleep(Duration::from_millis(2));
+        }
+        match conn.read(&mut chunk) {
+            Ok(0) => return false,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(_) if stop.load(Ordering::SeqCst) => return false,
+            Err(_) => {}
+        }
+    }
+    true
 }
 
 /// Polls `ok` every 50 ms for up to `secs` seconds; fails with `what` and
@@ -463,6 +468,8 @@ fn by_backend(out: &str) -> HashMap<String, usize> {
     }
     m
 }
+
+const ONE: &str = "[[service]]\nname = \"web\"\naddress = \"10.96.0.10:80\"\nbackends = [\"{B0}\"]\n";
 
 const TWO: &str =
     "[[service]]\nname = \"web\"\naddress = \"10.96.0.10:80\"\nbackends = [\"{B0}\", \"{B1}\"]\n";
@@ -836,7 +843,7 @@ fn a_client_that_leaves_mid_request_frees_its_slot() {
         "leave",
         &["alpha"],
         2,
-        "[[service]]\nname = \"web\"\naddress = \"10.96.0.10:80\"\nbackends = [\"{B0}\"]\n",
+        ONE,
     );
     let host = VIP.split(':').next().unwrap();
     // Announces 100 bytes of body, sends 10, leaves.
@@ -866,7 +873,7 @@ fn an_answer_before_the_body_ends_keeps_the_next_requests_whole() {
         "early",
         &["alpha"],
         1,
-        "pool_max = 1\n[[service]]\nname = \"web\"\naddress = \"10.96.0.10:80\"\nbackends = [\"{B0}\"]\n",
+        &format!("pool_max = 1\n{ONE}"),
     );
     let host = VIP.split(':').next().unwrap();
     // A: a 1.9 MiB upload (the kernel path's) the backend answers after its
@@ -947,7 +954,7 @@ fn large_bodies_from_a_nonblocking_client_arrive_whole() {
         "upload",
         &["narrow"],
         2,
-        "[[service]]\nname = \"web\"\naddress = \"10.96.0.10:80\"\nbackends = [\"{B0}\"]\n",
+        ONE,
     );
     let host = VIP.split(':').next().unwrap();
     // A client that writes without blocking, all it has left each time (as
@@ -1268,7 +1275,7 @@ fn a_backend_failing_its_health_checks_gets_no_requests() {
 
 #[test]
 fn bytes_a_backend_was_not_asked_for_never_reach_a_client() {
-    let m = Mesh::start("forged", &["alpha"], 1, "pool_max = 1\n[[service]]\nname = \"web\"\naddress = \"10.96.0.10:80\"\nbackends = [\"{B0}\"]\n");
+    let m = Mesh::start("forged", &["alpha"], 1, &format!("pool_max = 1\n{ONE}"));
     // Past the response's end: cut there; the socket is retired.
     let out = m.client(&[
         "curl",
@@ -1306,7 +1313,7 @@ fn a_connection_whose_table_entry_was_evicted_is_still_served() {
         "evict",
         &["alpha"],
         2,
-        "[[service]]\nname = \"web\"\naddress = \"10.96.0.10:80\"\nbackends = [\"{B0}\"]\n",
+        ONE,
     );
     let script = format!(
         "import http.client, time\nc = http.client.HTTPConnection('{}', 80)\n\
