@@ -334,7 +334,8 @@ int mesh_request(struct sk_msg_md *msg)
 				return to_user(conn, INBAND_MESH_FALLBACK_PIPELINED);
 			/* This program runs on the client's writes again only
 			 * once the last request's body has all gone its way. */
-			__sync_val_compare_and_swap(&ls->state, INBAND_MESH_SLOT_BODY, INBAND_MESH_SLOT_FREE);
+			if (ls->state == INBAND_MESH_SLOT_BODY) /* no locked op per request otherwise */
+				__sync_val_compare_and_swap(&ls->state, INBAND_MESH_SLOT_BODY, INBAND_MESH_SLOT_FREE);
 		}
 	}
 	f.svc.ip4 = conn->vip4;
