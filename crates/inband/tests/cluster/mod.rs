@@ -657,10 +657,16 @@ pub fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
 /// One HTTP/1.1 GET with curl, from the client (or from the balancer's
 /// namespace, which reaches servers directly); returns (status, body length).
 pub fn http_get(c: &Cluster, to: impl Into<SocketAddr>, path: &str, from_client: bool) -> Result<(u16, usize), String> {
+    http_get_within(c, to, path, from_client, 5)
+}
+
+/// `http_get` that gives up after `max_s` seconds.
+pub fn http_get_within(c: &Cluster, to: impl Into<SocketAddr>, path: &str, from_client: bool, max_s: u32) -> Result<(u16, usize), String> {
     let node = if from_client { "c1" } else { "lb" };
     let url = format!("http://{}{path}", to.into());
+    let max = max_s.to_string();
     // -g: an IPv6 URL's brackets are the address's, not a glob.
-    let out = in_ns(&c.tb, node, &["curl", "-g", "-s", "-o", "/dev/null", "-w", "%{http_code} %{size_download}", "--max-time", "5", &url])
+    let out = in_ns(&c.tb, node, &["curl", "-g", "-s", "-o", "/dev/null", "-w", "%{http_code} %{size_download}", "--max-time", &max, &url])
         .output()
         .map_err(|e| e.to_string())?;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
