@@ -71,7 +71,7 @@ impl Handoffs {
             .servers
             .iter()
             .map(|(&backend, &(control, join))| {
-                (backend, Target { control, join, key: spec.key, deadline: spec.deadline, io_timeout: spec.io_timeout })
+                (backend, Target { control, join, key: spec.key, deadline: spec.deadline, io_timeout: spec.io_timeout, channels: Default::default() })
             })
             .collect();
         let not_capable = handoff::COUNTERS.iter().position(|(n, _)| *n == "fallback_not_capable").expect("a counter of inband-tcpe's handoff");

@@ -1,7 +1,7 @@
 //! The takeover channel: how a balancer hands a connection to a server
-//! (docs/decisions.md, "TCPE handoff: moving a connection"). One TCP
-//! connection per handoff, from the balancer to the server's control
-//! port:
+//! (docs/tcpe.md, "The takeover channel"). A TCP connection from the
+//! balancer to the server's control port, carrying handoffs one after
+//! another, each:
 //!
 //! ```text
 //! server   -> balancer  HELLO    nonce (16 random bytes)
@@ -14,8 +14,9 @@
 //! body | MAC (8, LE)`, the MAC SipHash-2-4 under the key the balancers
 //! and agents already share (`inband keygen`, inband-core's `wire::Key`)
 //! of "TCPE-channel", the nonce, the type and the body. The server's fresh
-//! nonce makes a recorded HANDOFF or VERDICT worthless on another channel;
-//! each type occurs once per channel, so one cannot stand in for another.
+//! nonce for each handoff makes a recorded HANDOFF or VERDICT worthless
+//! in any other, on this channel or another; each type occurs once per
+//! nonce, so one cannot stand in for another.
 //! The connection's key halves are XORed with SipHash of the nonce under
 //! the shared key, so that the channel does not show them to whoever
 //! watches the servers' network (the request bytes are not masked: the

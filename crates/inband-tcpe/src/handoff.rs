@@ -15,7 +15,8 @@
 use std::io::Read;
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::os::fd::AsFd;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use inband_core::wire::Key;
@@ -61,6 +62,44 @@ pub struct Target {
     pub deadline: Duration,
     /// Each step's bound on the channel, and the wait for the client's FIN.
     pub io_timeout: Duration,
+    /// Channels to this server kept for the next handoffs (shared by the
+    /// target's clones).
+    pub channels: Arc<Channels>,
+}
+
+/// Takeover channels that carried a handoff to its end and wait for the
+/// next: the server's HELLO for it is already in their receive buffer, so
+/// a handoff on one takes one round trip (HANDOFF, REPLY) where a new
+/// channel takes three (connect, HELLO, HANDOFF), and the balancer's CPU
+/// for the connection's handshake and close. At most `KEPT` per server,
+/// each for at most `KEPT_FOR` idle (the server waits `--idle-ms`, a
+/// minute by default, before it closes one).
+#[derive(Debug, Default)]
+pub struct Channels(Mutex<Vec<(TcpStream, Instant)>>);
+
+impl Channels {
+    const KEPT: usize = 16;
+    const KEPT_FOR: Duration = Duration::from_secs(10);
+
+    fn keep(&self, ch: TcpStream) {
+        let mut kept = self.0.lock().unwrap();
+        if kept.len() < Self::KEPT {
+            kept.push((ch, Instant::now()));
+        }
+    }
+
+    /// The channel kept last; the others are older, so when it is too old
+    /// they all go.
+    fn take(&self) -> Option<TcpStream> {
+        let mut kept = self.0.lock().unwrap();
+        match kept.pop() {
+            Some((ch, at)) if at.elapsed() < Self::KEPT_FOR => Some(ch),
+            _ => {
+                kept.clear();
+                None
+            }
+        }
+    }
 }
 
 /// What the caller does next.
@@ -102,7 +141,11 @@ pub fn hand_off(tcpe: &Tcpe, client: &TcpStream, request: &[u8], to: &Target, c:
     };
     match channel::recv_reply(&mut ch, &to.key, &nonce) {
         Ok(Reply::Accepted) => {}
-        Ok(_) => return fallback(c, REFUSED),
+        Ok(_) => {
+            // The server is done with this handoff: its next HELLO follows.
+            to.channels.keep(ch);
+            return fallback(c, REFUSED);
+        }
         Err(e) if e.is::<channel::MacError>() => return fallback(c, BAD_MAC),
         Err(_) => return fallback(c, CHANNEL),
     }
@@ -132,6 +175,9 @@ pub fn hand_off(tcpe: &Tcpe, client: &TcpStream, request: &[u8], to: &Target, c:
     // Stop repeating the notification whatever the verdict: a client that
     // has not joined by now must not join later.
     let _ = tcpe.clear(client.as_fd());
+    if verdict.is_ok() {
+        to.channels.keep(ch);
+    }
     match verdict {
         Ok(Verdict::Joined) => {}
         Ok(Verdict::Expired) => return fallback(c, NO_JOIN),
@@ -143,15 +189,36 @@ pub fn hand_off(tcpe: &Tcpe, client: &TcpStream, request: &[u8], to: &Target, c:
     Outcome::HandedOff
 }
 
+/// A kept channel whose server still answers, or a new one; the HANDOFF
+/// sent on it.
 fn open_channel(to: &Target, h: &Handoff) -> Result<(TcpStream, channel::Nonce)> {
+    while let Some(mut ch) = to.channels.take() {
+        if let Ok(nonce) = start_handoff(&mut ch, to, h, true) {
+            return Ok((ch, nonce));
+        }
+    }
     let mut ch = TcpStream::connect_timeout(&to.control, to.io_timeout)?;
     // One message at a time each way; no write waits for a delayed ACK.
     ch.set_nodelay(true)?;
+    let nonce = start_handoff(&mut ch, to, h, false)?;
+    Ok((ch, nonce))
+}
+
+fn start_handoff(ch: &mut TcpStream, to: &Target, h: &Handoff, kept: bool) -> Result<channel::Nonce> {
     ch.set_read_timeout(Some(to.io_timeout))?;
     ch.set_write_timeout(Some(to.io_timeout))?;
-    let nonce = channel::recv_hello(&mut ch)?;
-    channel::send_handoff(&mut ch, &to.key, &nonce, h)?;
-    Ok((ch, nonce))
+    let nonce = channel::recv_hello(ch)?;
+    // A kept channel's HELLO may have come before its server stopped (a
+    // restart, its idle time): then the close is behind it, and the
+    // handoff goes on a new channel instead of failing on this one.
+    if kept {
+        ch.set_nonblocking(true)?;
+        let open = matches!(ch.peek(&mut [0u8; 1]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+        ch.set_nonblocking(false)?;
+        anyhow::ensure!(open, "the kept channel was closed");
+    }
+    channel::send_handoff(ch, &to.key, &nonce, h)?;
+    Ok(nonce)
 }
 
 /// The old subflow's end: FIN, which tells the client its stream goes on
@@ -165,4 +232,29 @@ fn close_moved(client: &TcpStream, timeout: Duration, c: &Counters) {
     }
     c.bump(NOT_CLOSED);
     let _ = client.shutdown(Shutdown::Both);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    /// At most `KEPT` channels are kept; the one kept last is taken first.
+    #[test]
+    fn kept_channels_are_bounded_and_the_last_kept_goes_first() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let channels = Channels::default();
+        let mut ports = Vec::new();
+        for _ in 0..Channels::KEPT + 3 {
+            let ch = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+            ports.push(ch.local_addr().unwrap().port());
+            channels.keep(ch);
+        }
+        let mut taken = Vec::new();
+        while let Some(ch) = channels.take() {
+            taken.push(ch.local_addr().unwrap().port());
+        }
+        let kept: Vec<u16> = ports[..Channels::KEPT].iter().rev().copied().collect();
+        assert_eq!(taken, kept);
+    }
 }

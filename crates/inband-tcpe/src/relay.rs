@@ -46,18 +46,16 @@ pub enum End {
     Idle,
 }
 
-/// A direction's buffer starts at `BUF_START` and grows to `BUF_MAX` once
-/// a read fills it: a bulk response then moves in 256 KiB reads and
-/// writes (handed-off 100 MiB responses 1.1x faster than with 64 KiB, the
-/// server's CPU per GB 10% lower; docs/decisions.md), while a quiet
-/// session keeps the small one: 4096 sessions of two directions are at
-/// most 2 GiB of buffers, and only if every one of them is a bulk
-/// transfer both ways.
-const BUF_START: usize = 64 * 1024;
-const BUF_MAX: usize = 256 * 1024;
+/// Each direction reads and writes through 256 KiB: handed-off 100 MiB
+/// responses came 1.1-1.2x faster than through 64 KiB, at 10% less of
+/// the server's CPU per GB, in alternating runs of bench.handoff; a 64 KiB
+/// buffer grown to 256 KiB once a read filled half of it was as slow as
+/// 64 KiB (docs/decisions.md). The cost is memory: 512 KiB
+/// a session, which `--max-sessions` bounds.
+const BUF: usize = 256 * 1024;
 
 fn pump(src: &TcpStream, dst: &TcpStream) -> std::io::Result<()> {
-    let mut buf = vec![0u8; BUF_START];
+    let mut buf = vec![0u8; BUF];
     loop {
         let n = (&*src).read(&mut buf)?;
         if n == 0 {
@@ -65,9 +63,6 @@ fn pump(src: &TcpStream, dst: &TcpStream) -> std::io::Result<()> {
             return Ok(());
         }
         (&*dst).write_all(&buf[..n])?;
-        if n == buf.len() && buf.len() < BUF_MAX {
-            buf.resize(BUF_MAX, 0);
-        }
     }
 }
 

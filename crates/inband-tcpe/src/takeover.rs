@@ -12,7 +12,9 @@
 //! its join is accepted or its deadline passes, whichever comes first,
 //! decided under one lock so that the balancer's verdict is always true.
 //! A session ends, and its threads and sockets with it, when either side
-//! closes or resets, or after `idle` without a byte.
+//! closes or resets, or after `idle` without a byte. A takeover channel
+//! carries a balancer's handoffs one after another and ends at its
+//! balancer's close, after `idle` without a handoff, or at the stop.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -22,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use inband_core::wire::Key;
@@ -50,6 +52,7 @@ pub const COUNTERS: &[(&str, &str)] = &[
     ("session_reset", "Sessions that ended with a reset of the subflow or the origin"),
     ("session_idle", "Sessions closed after `idle` without a byte"),
     ("conns_busy", "Connections reset at once: max_pending + max_sessions others were waiting for their first message"),
+    ("channels_opened", "Takeover channels accepted (a balancer keeps each for its next handoffs)"),
 ];
 const HANDOFFS_ACCEPTED: usize = 0;
 const HANDOFF_BAD_MAC: usize = 1;
@@ -68,6 +71,7 @@ const SESSION_CLOSED: usize = 13;
 const SESSION_RESET: usize = 14;
 const SESSION_IDLE: usize = 15;
 const CONNS_BUSY: usize = 16;
+const CHANNELS_OPENED: usize = 17;
 
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -105,12 +109,26 @@ struct Shared {
     /// (each holds a thread): bounded by `max_pending + max_sessions`, as
     /// many as could become pending handoffs and sessions.
     waiting: AtomicUsize,
+    /// Takeover channels open: after `stop` each ends at its current
+    /// handoff's end, or within a `POLL` between two.
+    channels: AtomicUsize,
     counters: Counters,
     stop: AtomicBool,
 }
 
 /// One of `Shared::waiting`, given back when dropped.
 struct Waiting(Arc<Shared>);
+
+impl Waiting {
+    /// A slot, or None when `max_pending + max_sessions` are taken.
+    fn enter(shared: &Arc<Shared>) -> Option<Waiting> {
+        if shared.waiting.fetch_add(1, Ordering::Relaxed) >= shared.cfg.max_pending + shared.cfg.max_sessions {
+            shared.waiting.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(Waiting(shared.clone()))
+    }
+}
 
 impl Drop for Waiting {
     fn drop(&mut self) {
@@ -149,15 +167,13 @@ fn accept_loop(l: TcpListener, shared: Arc<Shared>, serve: fn(Waiting, TcpStream
                 // answer: Nagle's algorithm would hold the second of two
                 // writes (REPLY then VERDICT, JOIN-OK then the response)
                 // for the peer's delayed ACK.
-                if shared.waiting.fetch_add(1, Ordering::Relaxed) >= shared.cfg.max_pending + shared.cfg.max_sessions {
-                    // A flood of connections that send nothing gets
-                    // resets, not a thread each.
-                    shared.waiting.fetch_sub(1, Ordering::Relaxed);
+                // A flood of connections that send nothing gets resets,
+                // not a thread each.
+                let Some(w) = Waiting::enter(&shared) else {
                     shared.counters.bump(CONNS_BUSY);
                     reset(s);
                     continue;
-                }
-                let w = Waiting(shared.clone());
+                };
                 if s.set_nonblocking(false).is_ok() && s.set_nodelay(true).is_ok() {
                     std::thread::spawn(move || serve(w, s));
                 }
@@ -182,6 +198,7 @@ impl Takeover {
             pending: Mutex::new(HashMap::new()),
             sessions: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
+            channels: AtomicUsize::new(0),
             counters: Counters::new(COUNTERS),
             stop: AtomicBool::new(false),
         });
@@ -207,31 +224,102 @@ impl Takeover {
 }
 
 impl Drop for Takeover {
+    /// Stops the listeners, and returns once every channel is closed (a
+    /// handoff under way ends first: at most its deadline and the I/O
+    /// bounds), so that a balancer finds a kept channel closed rather
+    /// than sending a handoff to a server that stopped.
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Relaxed);
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+        let cfg = &self.shared.cfg;
+        let bound = Instant::now() + cfg.max_deadline + 3 * cfg.io_timeout;
+        while self.shared.channels.load(Ordering::Relaxed) > 0 && Instant::now() < bound {
+            std::thread::sleep(POLL / 5);
+        }
     }
 }
 
-/// One balancer's handoff, from HELLO to VERDICT.
-fn channel_session(w: Waiting, mut s: TcpStream) {
+/// One balancer's takeover channel: handoffs one after another, each from
+/// its own HELLO (a fresh nonce, so no message of one handoff verifies in
+/// another) to its VERDICT or refusing REPLY. Between two, the channel
+/// waits for the next HANDOFF for `idle`, holding a `waiting` slot as a
+/// new connection would.
+fn channel_session(w: Waiting, s: TcpStream) {
+    let sh = w.0.clone();
+    sh.counters.bump(CHANNELS_OPENED);
+    sh.channels.fetch_add(1, Ordering::Relaxed);
+    carry_handoffs(w, s);
+    sh.channels.fetch_sub(1, Ordering::Relaxed);
+}
+
+/// The channel's handoffs until one ends it; closes it.
+fn carry_handoffs(w: Waiting, mut s: TcpStream) {
+    let sh = w.0.clone();
+    let mut slot = Some(w);
+    for first in std::iter::once(true).chain(std::iter::repeat(false)) {
+        let Some(w) = slot.take().or_else(|| Waiting::enter(&sh)) else { return };
+        if sh.stop.load(Ordering::Relaxed) || !handoff_on_channel(w, &mut s, first) {
+            return;
+        }
+    }
+}
+
+/// Whether the balancer began another HANDOFF on a channel before `idle`,
+/// its close, or the server's stop; the HELLO for it is sent.
+fn next_handoff(sh: &Shared, s: &TcpStream) -> bool {
+    let nonce_sent = Instant::now();
+    let mut p = libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    while nonce_sent.elapsed() < sh.cfg.idle {
+        // SAFETY: poll on one pollfd.
+        let ready = unsafe { libc::poll(&mut p, 1, POLL.as_millis() as libc::c_int) };
+        if sh.stop.load(Ordering::Relaxed) {
+            return false;
+        }
+        if ready > 0 {
+            // A byte, not the balancer's close or a reset.
+            return matches!(s.peek(&mut [0u8; 1]), Ok(1));
+        }
+    }
+    false
+}
+
+/// One handoff on a channel, from its HELLO to its VERDICT (or refusing
+/// REPLY); whether the channel can carry another. A channel that ends
+/// between two handoffs (its balancer closes it, it idles, the server
+/// stops) is not counted: that is no fault.
+fn handoff_on_channel(w: Waiting, s: &mut TcpStream, first: bool) -> bool {
     let sh = w.0.clone();
     let cfg = &sh.cfg;
     let _ = s.set_read_timeout(Some(cfg.io_timeout));
     let _ = s.set_write_timeout(Some(cfg.io_timeout));
     let nonce = match crate::sockops::random() {
         Ok(n) => n,
-        Err(e) => return tracing::warn!("tcpe takeover: {e:#}"),
+        Err(e) => {
+            tracing::warn!("tcpe takeover: {e:#}");
+            return false;
+        }
     };
-    if channel::send_hello(&mut s, &nonce).is_err() {
-        return sh.counters.bump(HANDOFF_MALFORMED);
+    if channel::send_hello(s, &nonce).is_err() {
+        if first {
+            sh.counters.bump(HANDOFF_MALFORMED);
+        }
+        return false;
     }
-    let h = match channel::recv_handoff(&mut s, &cfg.key, &nonce) {
+    if !first && !next_handoff(&sh, s) {
+        return false;
+    }
+    let h = match channel::recv_handoff(s, &cfg.key, &nonce) {
         Ok(h) => h,
-        Err(e) if e.is::<channel::MacError>() => return sh.counters.bump(HANDOFF_BAD_MAC),
-        Err(_) => return sh.counters.bump(HANDOFF_MALFORMED),
+        Err(e) if e.is::<channel::MacError>() => {
+            sh.counters.bump(HANDOFF_BAD_MAC);
+            return false;
+        }
+        Err(_) => {
+            sh.counters.bump(HANDOFF_MALFORMED);
+            return false;
+        }
     };
     // From here the pending table's bound holds this channel.
     drop(w);
@@ -279,9 +367,9 @@ fn channel_session(w: Waiting, mut s: TcpStream) {
             r
         }
     };
-    let sent = channel::send_reply(&mut s, &cfg.key, &nonce, reply).is_ok();
+    let sent = channel::send_reply(s, &cfg.key, &nonce, reply).is_ok();
     if reply != Reply::Accepted {
-        return;
+        return sent;
     }
     // Even when the reply was lost (the balancer then keeps the connection
     // and never tells the client to join), the entry is waited out here,
@@ -298,13 +386,11 @@ fn channel_session(w: Waiting, mut s: TcpStream) {
             } else if rx.recv_timeout(cfg.io_timeout).is_ok() {
                 Verdict::Joined
             } else {
-                return;
+                return false;
             }
         }
     };
-    if sent {
-        let _ = channel::send_verdict(&mut s, &cfg.key, &nonce, verdict);
-    }
+    sent && channel::send_verdict(s, &cfg.key, &nonce, verdict).is_ok()
 }
 
 fn reset(s: TcpStream) {

@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 
 use inband_core::command::ip;
 use inband_core::wire::Key;
+use inband_tcpe::channel;
 use inband_tcpe::client::{self, Client};
 use inband_tcpe::handoff::{self, hand_off, Outcome, Target};
 use inband_tcpe::join::{self, Kind};
@@ -639,6 +640,7 @@ fn target() -> Target {
         key: KEY,
         deadline: Duration::from_millis(500),
         io_timeout: Duration::from_secs(1),
+        channels: Default::default(),
     }
 }
 
@@ -957,5 +959,98 @@ fn every_fallback_keeps_the_body_on_the_balancer() {
     assert_eq!(bad.read(&mut [0u8; 1]).unwrap_or(0), 0);
     silent.set_read_timeout(Some(WAIT)).unwrap();
     assert_eq!((&silent).read(&mut [0u8; 1]).unwrap_or(0), 0);
+    world.stop();
+}
+
+/// A HANDOFF on the takeover channel: the frame as sent, and the nonce
+/// (from the server's HELLO) it is under.
+fn send_handoff(ch: &mut TcpStream, conn_id: u32, deadline_ms: u32) -> Vec<u8> {
+    let nonce = channel::recv_hello(ch).unwrap();
+    let h = channel::Handoff { conn_id, keys: Keys { active: 1, passive: 2 }, deadline_ms, request: b"GET /small HTTP/1.1\r\nHost: tcpe\r\n\r\n".to_vec() };
+    let mut frame = Vec::new();
+    channel::send_handoff(&mut frame, &KEY, &nonce, &h).unwrap();
+    ch.write_all(&frame).unwrap();
+    assert_eq!(channel::recv_reply(ch, &KEY, &nonce).unwrap(), channel::Reply::Accepted);
+    assert_eq!(channel::recv_verdict(ch, &KEY, &nonce).unwrap(), channel::Verdict::Expired);
+    frame
+}
+
+/// Fetches /big through the balancer with `to` until a fetch moves (an
+/// attempt whose notification found no ACK to ride falls back at once,
+/// counted, as in the tests above); the attempts that fell back.
+fn fetch_moved(world: &World, tcpe: &Arc<Tcpe>, to: &Target) -> u64 {
+    for attempt in 0..3 {
+        world.targets.lock().unwrap().push_back(to.clone());
+        let mut c = Client::connect(tcpe.clone(), balancer_addr(), WAIT).unwrap();
+        let mut body = Vec::new();
+        assert_eq!(client::get(&mut c, "tcpe", "/big", &mut body).unwrap(), 200);
+        assert!(body == big_body(), "the body changed on its way");
+        if c.counters().get("moved") == 1 {
+            return attempt;
+        }
+    }
+    panic!("no handoff in 3 attempts: {:?}", world.balancer.all());
+}
+
+#[test]
+fn a_takeover_channel_carries_handoffs_one_after_another() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let bed = Bed::up("kc");
+    let tcpe = Arc::new(Tcpe::attach(&bed.cgroup).unwrap());
+    let world = World::start(&bed, &tcpe);
+    let tc = world.takeover.counters();
+
+    // Each handoff on a channel is under the nonce of its own HELLO: one
+    // recorded on the channel does not verify as its next (the server
+    // counts the MAC and closes the channel).
+    let mut ch = TcpStream::connect(loopback(CONTROL_PORT)).unwrap();
+    ch.set_read_timeout(Some(WAIT)).unwrap();
+    let recorded = send_handoff(&mut ch, 1, 50);
+    channel::recv_hello(&mut ch).unwrap();
+    ch.write_all(&recorded).unwrap();
+    assert_eq!(ch.read(&mut [0u8; 1]).unwrap_or(0), 0, "a replayed HANDOFF left the channel open");
+    assert_eq!((tc.get("handoff_bad_mac"), tc.get("handoffs_accepted")), (1, 1));
+    // Two handoffs on one channel; its balancer's close between two
+    // handoffs is no fault.
+    let mut ch = TcpStream::connect(loopback(CONTROL_PORT)).unwrap();
+    ch.set_read_timeout(Some(WAIT)).unwrap();
+    send_handoff(&mut ch, 2, 50);
+    send_handoff(&mut ch, 3, 50);
+    drop(ch);
+    assert!(wait_for("the channel's end", WAIT, || world.takeover.pending() == 0));
+    assert_eq!(
+        [tc.get("channels_opened"), tc.get("handoffs_accepted"), tc.get("handoff_expired"), tc.get("handoff_malformed")],
+        [2, 3, 3, 0],
+        "{:?}",
+        tc.all()
+    );
+
+    // The balancer keeps a channel for its next handoffs to that server.
+    bed.enter(&bed.client);
+    let to = target();
+    let mut no_ack = 0;
+    for _ in 0..3 {
+        no_ack += fetch_moved(&world, &tcpe, &to);
+    }
+    // An attempt that fell back for want of an ACK closed its channel
+    // (its verdict was still to come).
+    assert_eq!(tc.get("channels_opened"), 2 + 1 + no_ack, "{:?} {:?}", tc.all(), world.balancer.all());
+
+    // A server restarted: the channel kept to it is found closed, and the
+    // handoff goes on a new one instead of falling back.
+    bed.enter(&bed.server);
+    let second = Takeover::start(takeover_config(1)).unwrap();
+    bed.enter(&bed.client);
+    let to = Target { control: loopback(CONTROL_PORT + 1), join: SocketAddr::V4(SocketAddrV4::new(JOIN, JOIN_PORT + 2)), ..target() };
+    fetch_moved(&world, &tcpe, &to);
+    bed.enter(&bed.server);
+    drop(second);
+    let second = Takeover::start(takeover_config(1)).unwrap();
+    bed.enter(&bed.client);
+    let channel_fallbacks = world.balancer.get("fallback_channel");
+    fetch_moved(&world, &tcpe, &to);
+    assert_eq!(world.balancer.get("fallback_channel"), channel_fallbacks, "{:?}", world.balancer.all());
+    assert!(second.counters().get("join_accepted") == 1 && second.counters().get("channels_opened") >= 1, "{:?}", second.counters().all());
+    drop(second);
     world.stop();
 }
