@@ -47,7 +47,7 @@ pub enum End {
 }
 
 /// Each direction reads and writes through 256 KiB: handed-off 100 MiB
-/// responses came 1.1-1.2x faster than through 64 KiB, at 10% less of
+/// responses came about 1.1x faster than through 64 KiB, at 10% less of
 /// the server's CPU per GB, in alternating runs of bench.handoff; a 64 KiB
 /// buffer grown to 256 KiB once a read filled half of it was as slow as
 /// 64 KiB (docs/decisions.md). The cost is memory: 512 KiB
@@ -120,12 +120,18 @@ mod tests {
         let ((a, client), (b, origin)) = (pair(), pair());
         let r = std::thread::spawn(move || relay(a, b, Duration::from_secs(10)));
         let (up, down) = (pattern(5 << 20, 1), pattern(9 << 20 | 12_345, 2));
-        let send = |mut s: TcpStream, bytes: Vec<u8>| {
+        // Each peer reads while it writes: a peer that wrote all before
+        // reading would wait on socket buffers the other direction fills.
+        let send = |s: TcpStream, bytes: Vec<u8>| {
             std::thread::spawn(move || {
-                s.write_all(&bytes).unwrap();
-                s.shutdown(Shutdown::Write).unwrap();
+                let mut w = s.try_clone().unwrap();
+                let writer = std::thread::spawn(move || {
+                    w.write_all(&bytes).unwrap();
+                    w.shutdown(Shutdown::Write).unwrap();
+                });
                 let mut got = Vec::new();
-                s.read_to_end(&mut got).unwrap();
+                (&s).read_to_end(&mut got).unwrap();
+                writer.join().unwrap();
                 got
             })
         };
