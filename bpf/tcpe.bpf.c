@@ -691,6 +691,8 @@ static __always_inline void take_path(struct bpf_sock_ops *skops, struct inband_
 	__builtin_memcpy(&s->in, &p, sizeof(p));
 	s->in_accepted++;
 	count(INBAND_TCPE_PATH_ACCEPTED);
+	if (s->role == INBAND_TCPE_ACTIVE && bpf_ringbuf_output(&tcpe_paths, &s->conn_id, sizeof(s->conn_id), 0))
+		count(INBAND_TCPE_PATH_EVENT_LOST);
 }
 
 static __always_inline void on_parse(struct bpf_sock_ops *skops)

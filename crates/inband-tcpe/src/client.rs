@@ -17,7 +17,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,12 +39,11 @@ const JOIN_REFUSED: usize = 2;
 const JOIN_ABANDONED: usize = 3;
 
 /// How often a reader waiting on the first subflow looks for a
-/// notification: the socket's storage raises no event. Every millisecond
-/// for the first NOTE_SOON of a read, where a handoff's notification
-/// comes (the balancer's channel exchange takes a few), then every 5: a
-/// response slow to start on the first subflow costs 200 lookups a
-/// second, not 1,000. (At 5 ms from the start the wait alone was half of
-/// a handoff's 6 ms to the first byte.)
+/// notification besides the program's wake-up (`tcpe_paths`), which
+/// another reader of the same process may have taken, or the ring, full,
+/// not queued. Every millisecond for the first NOTE_SOON of a read, where
+/// a handoff's notification comes, then every 5: a response slow to
+/// start on the first subflow costs 200 lookups a second, not 1,000.
 const NOTE_POLL_SOON: Duration = Duration::from_millis(1);
 const NOTE_SOON: Duration = Duration::from_millis(20);
 const NOTE_POLL: Duration = Duration::from_millis(5);
@@ -117,17 +116,22 @@ fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
     (ss, len as libc::socklen_t)
 }
 
-/// Waits up to `wait` for `s` to be readable (data, FIN or an error).
-fn readable(s: &TcpStream, wait: Duration) -> io::Result<bool> {
-    let mut p = libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+/// Waits up to `wait` for `s` to be readable (data, FIN or an error), or
+/// for `paths` (a notification accepted, [`Tcpe::paths_fd`]); whether `s`
+/// is readable.
+fn readable(s: &TcpStream, paths: Option<BorrowedFd>, wait: Duration) -> io::Result<bool> {
+    let mut p = [
+        libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        libc::pollfd { fd: paths.map_or(-1, |f| f.as_raw_fd()), events: libc::POLLIN, revents: 0 },
+    ];
     let ms = wait.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
-    // SAFETY: poll on one pollfd.
-    let n = unsafe { libc::poll(&mut p, 1, ms) };
+    // SAFETY: poll on two pollfds (a negative fd is ignored).
+    let n = unsafe { libc::poll(p.as_mut_ptr(), 2, ms) };
     if n < 0 {
         let e = io::Error::last_os_error();
         return if e.kind() == io::ErrorKind::Interrupted { Ok(false) } else { Err(e) };
     }
-    Ok(n > 0)
+    Ok(p[0].revents != 0)
 }
 
 /// Opens a subflow to `addr` and joins it to connection `s`: JOIN with the
@@ -207,8 +211,13 @@ impl Read for Client {
             }
             let left = self.timeout.checked_sub(start.elapsed()).ok_or(io::ErrorKind::TimedOut)?;
             let period = if start.elapsed() < NOTE_SOON { NOTE_POLL_SOON } else { NOTE_POLL };
-            let wait = if watching && self.next.is_none() { left.min(period) } else { left };
-            if !readable(&self.cur, wait)? {
+            let watching = watching && self.next.is_none();
+            let wait = if watching { left.min(period) } else { left };
+            let paths = watching.then(|| self.tcpe.paths_fd());
+            if !readable(&self.cur, paths, wait)? {
+                if watching {
+                    self.tcpe.drain_paths();
+                }
                 continue;
             }
             let n = self.cur.read(buf)?;

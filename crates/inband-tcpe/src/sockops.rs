@@ -15,7 +15,7 @@ use std::path::Path as FsPath;
 
 use anyhow::{bail, Context, Result};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{Link, MapCore, MapFlags, OpenObject};
+use libbpf_rs::{Link, MapCore, MapFlags, OpenObject, RingBuffer, RingBufferBuilder};
 
 use crate::bpf::shared as c;
 use crate::bpf::tcpe::{TcpeSkel, TcpeSkelBuilder};
@@ -48,6 +48,7 @@ pub const COUNTERS: [(&str, &str); c::INBAND_TCPE_COUNTERS as usize] = [
     ("path_unauthenticated", "The seed's path option without MAC"),
     ("path_not_capable", "Path options on a connection whose handshake is not confirmed yet"),
     ("path_on_data", "Path options on segments other than pure ACKs"),
+    ("path_event_lost", "Accepted notifications whose wake-up for the client's reader found tcpe_paths full (the reader's periodic look finds them)"),
 ];
 
 /// Where a connection's handshake ended up (`enum inband_tcpe_state`).
@@ -80,6 +81,10 @@ pub struct SockState {
 pub struct Tcpe {
     skel: TcpeSkel<'static>,
     _link: Link,
+    /// `tcpe_paths`: a wake-up per notification accepted for one of this
+    /// process's clients. Behind a lock because readers on several
+    /// threads drain it.
+    paths: std::sync::Mutex<RingBuffer<'static>>,
 }
 
 pub(crate) fn random<const N: usize>() -> Result<[u8; N]> {
@@ -119,7 +124,27 @@ impl Tcpe {
             .tcpe_sockops
             .attach_cgroup(dir.as_raw_fd())
             .with_context(|| format!("attaching the TCPE sockops program to {}", cgroup.display()))?;
-        Ok(Tcpe { skel, _link: link })
+        let mut paths = RingBufferBuilder::new();
+        paths.add(&skel.maps.tcpe_paths, |_: &[u8]| 0)?;
+        let paths = std::sync::Mutex::new(paths.build().context("opening tcpe_paths")?);
+        Ok(Tcpe { skel, _link: link, paths })
+    }
+
+    /// A descriptor that polls readable once a notification was accepted
+    /// on one of this process's client connections (the ring's epoll
+    /// descriptor); [`Tcpe::drain_paths`] makes it quiet again.
+    pub fn paths_fd(&self) -> BorrowedFd<'_> {
+        let fd = self.paths.lock().unwrap().epoll_fd();
+        // SAFETY: the ring buffer, and with it its epoll descriptor, lives
+        // as long as `self`.
+        unsafe { BorrowedFd::borrow_raw(fd) }
+    }
+
+    /// Takes every queued wake-up: whoever drains them looks at its own
+    /// connection's storage, and readers of other connections find theirs
+    /// at their next periodic look.
+    pub fn drain_paths(&self) {
+        let _ = self.paths.lock().unwrap().consume();
     }
 
     fn ctl(&self, fd: BorrowedFd) -> Result<c::inband_tcpe_ctl> {

@@ -300,6 +300,16 @@ fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     false
 }
 
+/// Whether a wake-up for an accepted notification was queued (the
+/// program's `tcpe_paths`); takes them.
+fn woken(tcpe: &Tcpe) -> bool {
+    let mut p = libc::pollfd { fd: tcpe.paths_fd().as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: poll on one pollfd, without waiting.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    tcpe.drain_paths();
+    n > 0
+}
+
 #[test]
 fn options_on_real_tcp_and_forged_notifications_refused() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -392,6 +402,10 @@ fn options_on_real_tcp_and_forged_notifications_refused() {
     let cs = tcpe.state(client.as_fd()).unwrap().unwrap();
     assert_eq!(cs.last, Some((path, serial)));
     let accepted = cs.accepted;
+    // The client's reader was woken for it, and is not again until the
+    // next notification is accepted.
+    assert!(woken(&tcpe), "no wake-up for an accepted notification");
+    assert!(!woken(&tcpe));
 
     // The stream is untouched while every pure ACK of the server repeats
     // the notification.
@@ -409,6 +423,7 @@ fn options_on_real_tcp_and_forged_notifications_refused() {
     assert_eq!((cs.last, cs.accepted), (Some((path, serial)), accepted));
     assert!(cs.repeats > 0, "{cs:?}");
     assert_eq!(tcpe.counter("path_on_data").unwrap(), 0);
+    assert!(!woken(&tcpe), "a repeated notification woke the reader");
 
     // An IPv6 path on this IPv4 connection: the 28-byte option fills what
     // the pure ACK's timestamps leave.
@@ -426,6 +441,7 @@ fn options_on_real_tcp_and_forged_notifications_refused() {
     tcpe.clear(server.as_fd()).unwrap();
     client.write_all(b"y").unwrap();
     server.read_exact(&mut [0u8; 1]).unwrap();
+    assert!(woken(&tcpe));
 
     // Segments an attacker on the path injects in the window.
     bed.enter(&bed.server);
@@ -461,10 +477,12 @@ fn options_on_real_tcp_and_forged_notifications_refused() {
     let s = to_client(&reserved);
     assert_eq!(s.last, Some((path6, serial6)));
     assert_eq!(tcpe.counter("path_malformed").unwrap(), 2);
+    assert!(!woken(&tcpe), "a refused notification woke the reader");
     // The same route with the connection's keys is taken: the injection
     // reaches the program, so the refusals above were the MAC's.
     let s = to_client(&wire::path_option(&moved, next, &keys, id, Role::Passive).unwrap());
     assert_eq!(s.last, Some((moved, next)));
+    assert!(woken(&tcpe));
     // A replay of an older notification, genuine MAC and all: stale.
     let s = to_client(&wire::path_option(&path6, serial6, &keys, id, Role::Passive).unwrap());
     assert_eq!(s.last, Some((moved, next)));
@@ -481,6 +499,8 @@ fn options_on_real_tcp_and_forged_notifications_refused() {
     let s = to_client(&wire::path_option(&path, next.wrapping_add(4), &keys, id, Role::Passive).unwrap());
     assert_eq!((s.last, s.bad_mac, s.state), (Some((moved, next)), 4, State::Fallback("fallback_bad_mac_limit")));
     assert_eq!(tcpe.counter("path_accepted").unwrap(), accepted);
+    assert!(!woken(&tcpe), "a replayed, reflected or refused notification woke the reader");
+    assert_eq!(tcpe.counter("path_event_lost").unwrap(), 0);
     client.write_all(b"still a stream").unwrap();
     let mut got = [0u8; 14];
     server.read_exact(&mut got).unwrap();

@@ -44,6 +44,7 @@ enum inband_tcpe_counter {
 	INBAND_TCPE_PATH_UNAUTHENTICATED, /* the seed's 12-byte option, without MAC */
 	INBAND_TCPE_PATH_NOT_CAPABLE, /* on a connection not (yet) CAPABLE: a listener awaiting the confirmation */
 	INBAND_TCPE_PATH_ON_DATA, /* on a segment carrying data or flags other than ACK */
+	INBAND_TCPE_PATH_EVENT_LOST, /* accepted, its wake-up not queued: tcpe_paths full */
 	INBAND_TCPE_COUNTERS,
 };
 

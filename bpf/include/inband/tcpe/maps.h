@@ -61,4 +61,18 @@ struct {
 	__type(value, __u32);
 } tcpe_listeners SEC(".maps");
 
+/*
+ * A wake-up for a client's reader per notification accepted on one of its
+ * connections: the socket's storage raises no event of its own, and a
+ * notification rides a pure ACK, which does not make the socket readable.
+ * The content is the connection ID; a reader only takes it as a cue to
+ * look at its connections' storage. Drained by the client; when full, the
+ * wake-up is counted lost (INBAND_TCPE_PATH_EVENT_LOST) and the reader
+ * finds the notification at its next periodic look.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 4096);
+} tcpe_paths SEC(".maps");
+
 #endif /* INBAND_TCPE_MAPS_H */
