@@ -125,6 +125,15 @@ fn learned_weights_follow_capacity_and_the_balancer_follows_the_weights() {
     assert!((9_990..=10_010).contains(&total), "{total}");
 
     // Shares of new connections over 10 s of the same load follow the weights.
+    // The controller stops first: from steady it probes every server and
+    // re-solves when latencies drift, either of which could move the
+    // shares away from the weights they are compared with (CI 67 saw s1
+    // take 0.140 of the connections against a learned 0.194, the
+    // 1-worker server being the one its probes load most). The balancer
+    // keeps the weights it holds, checked again after the measurement.
+    let mut controller = c.others.pop().expect("the controller learn() started");
+    let _ = controller.kill();
+    let _ = controller.wait();
     let _ = learning_load.kill();
     let _ = learning_load.wait();
     let before = from_balancer(&c);
@@ -132,6 +141,9 @@ fn learned_weights_follow_capacity_and_the_balancer_follows_the_weights() {
     let got: Vec<u64> = from_balancer(&c).iter().zip(&before).map(|(a, b)| a - b).collect();
     let n: u64 = got.iter().sum();
     assert!(n > 1500, "about 2,000 connections in 10 s: {got:?}");
+    for (i, b) in s["backends"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(c.backend(i + 1)["weight"], b["applied"], "s{}: the weights moved during the measurement", i + 1);
+    }
     let w = learned_weights(&s);
     for i in 0..3 {
         let share = got[i] as f64 / n as f64;
