@@ -246,6 +246,13 @@ static __always_inline int take_client_tuple(struct __sk_buff *skb, const struct
 	return strip_inband(skb, a, opt, len);
 }
 
+static __always_inline int frozen(const struct inband_dsr_flow *flow)
+{
+	__u32 now_ms = bpf_ktime_get_ns() / 1000000;
+
+	return (__s32)(flow->frozen_until_ms - now_ms) > 0;
+}
+
 /*
  * A packet from a balancer that carries no 155 or 124. A TCP SYN opens a
  * connection whose responses go back through the balancer (a pass-through
@@ -268,6 +275,12 @@ static __always_inline int plain_from_peer(struct __sk_buff *skb, const struct a
 	flow = bpf_map_lookup_elem(&dsr_flows, &key);
 	if (!flow)
 		return TC_ACT_OK;
+	/* A frozen socket must see nothing (in repair mode it would still take
+	 * data and acknowledge it), nor a closed one's port answer with a RST:
+	 * the client sends the segment again, and the balancer by then takes
+	 * it to the connection's new server. */
+	if (flow->frozen_until_ms && frozen(flow))
+		return drop(INBAND_AGENT_FROZEN_DROPPED);
 	if (a->proto == INBAND_IPPROTO_UDP) {
 		__u64 now = bpf_ktime_get_coarse_ns();
 
@@ -1176,10 +1189,11 @@ static __always_inline void forget_connection(struct sock *sk, __u16 port)
 
 	/* A connection whose timestamps are translated still gets segments
 	 * after its socket is gone: its TIME_WAIT takes the client's last FIN
-	 * and ACKs, which must carry the same shift or be refused (PAWS).
+	 * and ACKs, which must carry the same shift or be refused (PAWS); a
+	 * frozen one's stray segments must be dropped, not reset.
 	 * Its entry stays until the next SYN on these ports replaces it (a
 	 * 155) or forgets it (none), or the LRU evicts it. */
-	if (flow && flow->ts_shift)
+	if (flow && (flow->ts_shift || (flow->frozen_until_ms && frozen(flow))))
 		count(INBAND_AGENT_FLOWS_CLOSED);
 	else if (!bpf_map_delete_elem(&dsr_flows, &key))
 		count(INBAND_AGENT_FLOWS_CLOSED);

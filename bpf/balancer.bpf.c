@@ -660,7 +660,9 @@ int balancer(struct xdp_md *ctx)
 	return verdict;
 }
 
-/* The object's second program: the sweeper (SEC("syscall")). */
+/* The object's other programs (SEC("syscall")), run by the lb daemon: the
+ * sweeper, and the load estimate's side of a flow move. */
 #include "inband/lb/sweep.h"
+#include "inband/lb/moves.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

@@ -57,6 +57,7 @@ pub enum AgentCounter {
     FleetCollisions = c::INBAND_AGENT_FLEET_COLLISIONS,
     FleetSteered = c::INBAND_AGENT_FLEET_STEERED,
     FleetUnnamed = c::INBAND_AGENT_FLEET_UNNAMED,
+    FrozenDropped = c::INBAND_AGENT_FROZEN_DROPPED,
 }
 
 /// Entries of `agent_stats`.
@@ -103,6 +104,7 @@ impl AgentCounter {
         (AgentCounter::FleetCollisions, "fleet_collisions"),
         (AgentCounter::FleetSteered, "fleet_steered"),
         (AgentCounter::FleetUnnamed, "fleet_unnamed"),
+        (AgentCounter::FrozenDropped, "frozen_dropped"),
     ];
 
     pub const ALL: [AgentCounter; COUNTER_MAX] = {

@@ -7,6 +7,7 @@
 pub mod auth;
 pub mod bpfmap;
 pub mod command;
+pub mod flow_move;
 pub mod lb_control;
 pub mod map_upgrade;
 pub mod net;

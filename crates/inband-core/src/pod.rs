@@ -62,6 +62,7 @@ pod!(
     inband_backend_health,
     inband_query_req,
     inband_choice_rec,
+    inband_move_counts_args,
     inband_peer_choice,
     inband_capture_conf,
     inband_capture_state,

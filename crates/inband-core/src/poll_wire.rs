@@ -76,7 +76,8 @@ pub enum Refusal {
     BadMac,
 }
 
-fn key_of(keys: &[(u8, Key)], id: u8) -> Option<&Key> {
+/// The key of id `id` (also the flow-move protocol's).
+pub(crate) fn key_of(keys: &[(u8, Key)], id: u8) -> Option<&Key> {
     keys.iter().find(|(k, _)| *k == id).map(|(_, key)| key)
 }
 
@@ -104,7 +105,8 @@ fn verified(buf: &[u8], keys: &[(u8, Key)]) -> Result<(), Refusal> {
     Ok(())
 }
 
-fn signed(mut body: Vec<u8>, key: &Key) -> Vec<u8> {
+/// `body` with its MAC appended (also the flow-move protocol's).
+pub(crate) fn signed(mut body: Vec<u8>, key: &Key) -> Vec<u8> {
     let mac = key.siphash(&body);
     body.extend_from_slice(&mac.to_be_bytes());
     body

@@ -200,6 +200,9 @@ pub fn next_config(cfg: &LbConfig, req: &ControlRequest, config_path: &Path) -> 
             if fresh.interface != cfg.interface || fresh.address != cfg.address || fresh.address6 != cfg.address6 {
                 bail!("reload cannot change `interface`, `address` or `address6`: restart `inband lb` for that");
             }
+            if fresh.moves != cfg.moves {
+                bail!("reload cannot change [moves]: its worker binds its address at start; restart `inband lb` for that");
+            }
             if fresh.flow_table_size != cfg.flow_table_size {
                 bail!(
                     "reload cannot resize the flow tables under live flows (flow_table_size {} -> {}): \

@@ -10,7 +10,7 @@ use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use serde::{Deserialize, Serialize};
 
 use super::maps::{Mode, Policy, MAX_BACKENDS, MAX_BACKENDS_PER_VIP, MAX_VIPS, SCAN_MAX, SNAT_POOL_BITS};
-use inband_core::auth::AuthConfig;
+use inband_core::auth::{AuthConfig, AuthMode};
 use inband_core::shared as c;
 use inband_core::net::{unicast, vip_name, Protocol};
 pub use inband_core::lb_control::{default_control_socket, default_weight, Encap};
@@ -84,6 +84,10 @@ pub struct LbConfig {
     /// "Several balancers behind ECMP").
     #[serde(default)]
     pub scale_out: Option<ScaleOutConfig>,
+    /// Flow moves (moves.rs): a backend may ask, at this address, that its
+    /// connection's next packets go to another backend of the VIP.
+    #[serde(default)]
+    pub moves: Option<MovesConfig>,
     #[serde(default, rename = "vip")]
     pub vips: Vec<VipConfig>,
 }
@@ -129,6 +133,15 @@ pub struct ScaleOutConfig {
     /// The UDP port the instances announce to each other on.
     #[serde(default = "default_peer_port")]
     pub peer_port: u16,
+}
+
+/// `[moves]`: where the balancer takes flow moves (inband_core::flow_move).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MovesConfig {
+    /// The UDP address requests come to: one of the balancer's addresses,
+    /// which the backends reach.
+    pub listen: SocketAddr,
 }
 
 fn default_peer_port() -> u16 {
@@ -729,6 +742,9 @@ impl LbConfig {
             }
             self.validate_fleet(so)?;
         }
+        if let Some(m) = &self.moves {
+            self.validate_moves(m)?;
+        }
         let mut seen = HashSet::new();
         let mut backends = 0;
         for v in &self.vips {
@@ -824,6 +840,30 @@ impl LbConfig {
             }
             if let Some(b) = v.backends.iter().find(|b| net.contains(&b.address)) {
                 bail!("[scale_out]: fleet_prefix = {net} holds backend {} of vip {}", b.endpoint(), v.name());
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves exist only authenticated (a move redirects a live connection),
+    /// and come to an address of this balancer's, apart from the peers' port.
+    fn validate_moves(&self, m: &MovesConfig) -> Result<()> {
+        if self.auth.mode == AuthMode::None {
+            bail!("[moves]: flow moves exist only in the authenticated format, and [auth] mode = \"none\": set mode = \"siphash\" with keys, or remove [moves]");
+        }
+        if !self.addresses().contains(&m.listen.ip()) {
+            bail!(
+                "[moves]: listen = {} is not one of the balancer's addresses ({}): listen on `address` or `address6`",
+                m.listen,
+                self.addresses().iter().map(IpAddr::to_string).collect::<Vec<_>>().join(", ")
+            );
+        }
+        if m.listen.port() == 0 {
+            bail!("[moves]: listen = {}: name the UDP port the backends send their requests to", m.listen);
+        }
+        if let Some(so) = self.scale_out.as_ref().filter(|so| so.fleet().is_some()) {
+            if Some(m.listen.ip()) == self.address6.map(IpAddr::V6) && m.listen.port() == so.peer_port {
+                bail!("[moves]: listen = {} is [scale_out] peer_port's address: give moves another port", m.listen);
             }
         }
         Ok(())
@@ -1206,6 +1246,31 @@ quic_server_id = 2
         let dynamic = LbConfig::parse(&so(DUAL, &keyed("fd00:f1ee::/96"))).unwrap();
         assert_eq!((dynamic.vips[0].mode, dynamic.vips[0].fleet_tuples()), (Mode::DsrDynamic, true));
         assert!(LbConfig::parse(&so(DUAL, "")).is_ok());
+    }
+
+    #[test]
+    fn moves_listen_on_a_balancer_address_and_only_authenticated() {
+        let signed = DUAL.replace("[auth]\nmode = \"none\"\n", "[auth]\nkeys = [{ id = 1, file = \"/etc/inband/auth-1.key\" }]\n");
+        let moves = |text: &str, listen: &str| text.replace("[auth]", &format!("[moves]\nlisten = \"{listen}\"\n[auth]"));
+        assert_eq!(LbConfig::parse(&signed).unwrap().moves, None, "absent: no worker");
+        let v4 = LbConfig::parse(&moves(&signed, "10.77.0.2:7156")).unwrap();
+        assert_eq!(v4.moves.unwrap().listen, "10.77.0.2:7156".parse::<SocketAddr>().unwrap());
+        assert!(LbConfig::parse(&moves(&signed, "[fd00:77::2]:7156")).is_ok());
+        let sids = "sid = \"fd00:51::b\"\ndirect_sid = \"fd00:51::d\"\nshadow_sid = \"fd00:5f::5\"";
+        let fleet = format!("[scale_out]\n{sids}\nfleet = true\nfleet_prefix = \"fd00:f1ee::/96\"\nfleet_key = \"/k\"\n[auth]");
+        let fleet = signed.replacen("mode = \"dsr-dynamic\"", "mode = \"dsr-rr\"", 1).replace("[auth]", &fleet);
+        assert!(LbConfig::parse(&moves(&fleet, "[fd00:77::2]:7156")).is_ok(), "{}", err(&moves(&fleet, "[fd00:77::2]:7156")));
+        let cases = [
+            (moves(DUAL, "10.77.0.2:7156"), "only in the authenticated format"),
+            (moves(&signed, "10.77.0.9:7156"), "not one of the balancer's addresses (10.77.0.2, fd00:77::2)"),
+            (moves(&signed, "0.0.0.0:7156"), "not one of the balancer's addresses"),
+            (moves(&signed, "10.77.0.2:0"), "name the UDP port"),
+            (moves(&fleet, "[fd00:77::2]:7155"), "peer_port's address"),
+            (signed.replace("[auth]", "[moves]\nlisten = \"10.77.0.2:7156\"\nport = 1\n[auth]"), "unknown field `port`"),
+        ];
+        for (text, want) in cases {
+            assert!(err(&text).contains(want), "want {want:?}, got {}", err(&text));
+        }
     }
 
     #[test]

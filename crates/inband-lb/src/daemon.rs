@@ -20,7 +20,7 @@ use tracing::{error, info, warn};
 use super::config::LbConfig;
 use super::tables::{self, LbMaps};
 use super::balancer::Balancer;
-use super::{apply, attach, control, health, options_watch, peers, polling, query, snapshot, sweep};
+use super::{apply, attach, control, health, moves, options_watch, peers, polling, query, snapshot, sweep};
 use inband_core::bpfmap;
 use inband_core::runlock::RunLock;
 
@@ -110,6 +110,13 @@ pub fn run(config_path: &Path) -> Result<()> {
         workers.push(spawn("peers", &dir, &stop, {
             let shared = Arc::clone(&shared);
             move |maps, stop| peers::run(&maps, &shared, &stop)
+        }));
+    }
+    if cfg.moves.is_some() {
+        workers.push(spawn("moves", &dir, &stop, {
+            let shared = Arc::clone(&shared);
+            let counts = attach::program(&obj, "move_counts")?.as_fd().try_clone_to_owned().context("duplicating move_counts' fd")?;
+            move |maps, stop| moves::run(&maps, counts.as_fd(), &shared, &stop)
         }));
     }
     workers.push(spawn("control", &dir, &stop, {

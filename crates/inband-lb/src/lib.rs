@@ -12,6 +12,7 @@ pub mod flow_query;
 pub mod health;
 pub mod maglev;
 pub mod maps;
+pub mod moves;
 pub mod neighbour;
 pub mod options_watch;
 pub mod peers;

@@ -71,6 +71,7 @@ pub type ControlStats = c::inband_control_stats;
 pub type BackendHealth = c::inband_backend_health;
 pub type QueryReq = c::inband_query_req;
 pub type ChoiceRec = c::inband_choice_rec;
+pub type MoveCountsArgs = c::inband_move_counts_args;
 pub type PeerChoice = c::inband_peer_choice;
 pub type CaptureConf = c::inband_capture_conf;
 pub type CaptureState = c::inband_capture_state;

@@ -83,7 +83,8 @@ impl Asker {
 }
 
 /// `control_stats` has several writers in the daemon (this poller, the
-/// dsr-query worker, the options watch, the peers' announcements): each adds what it counted under
+/// dsr-query worker, the options watch, the peers' announcements, the flow
+/// moves): each adds what it counted under
 /// this lock.
 static CONTROL_STATS: Mutex<()> = Mutex::new(());
 
@@ -108,6 +109,16 @@ pub fn add_control_stats(maps: &LbMaps, d: &ControlStats) -> Result<()> {
     s.peer_malformed += d.peer_malformed;
     s.peer_bad_mac += d.peer_bad_mac;
     s.peer_replayed += d.peer_replayed;
+    s.moves += d.moves;
+    s.move_malformed += d.move_malformed;
+    s.move_bad_mac += d.move_bad_mac;
+    s.move_unknown_sender += d.move_unknown_sender;
+    s.move_replayed += d.move_replayed;
+    s.move_no_flow += d.move_no_flow;
+    s.move_not_owner += d.move_not_owner;
+    s.move_not_a_backend += d.move_not_a_backend;
+    s.move_port_in_use += d.move_port_in_use;
+    s.move_refused += d.move_refused;
     bpfmap::put(&maps.control_stats, &0u32, &s)
 }
 

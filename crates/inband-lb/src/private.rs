@@ -94,6 +94,7 @@ impl<'obj> PrivateBalancer<'obj> {
             rr_cursor: h(&m.rr_cursor)?,
             flows: h(&m.flows)?,
             half_open: h(&m.half_open)?,
+            half_open_ports: h(&m.half_open_ports)?,
             snat: h(&m.snat)?,
             backend_stats: h(&m.backend_stats)?,
             vip_stats: h(&m.vip_stats)?,

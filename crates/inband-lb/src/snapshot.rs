@@ -87,6 +87,8 @@ pub struct Control {
     pub options_retried: u64,
     /// Announced choices ([scale_out] peers).
     pub peers: PeerStats,
+    /// Flow moves ([moves]).
+    pub moves: MoveStats,
 }
 
 /// Announced choices: what this instance sent its peers and took from them
@@ -101,6 +103,39 @@ pub struct PeerStats {
     pub malformed: u64,
     pub bad_mac: u64,
     pub replayed: u64,
+}
+
+/// Flow moves (moves.rs): the flows moved, and the requests dropped
+/// unanswered or refused, by reason.
+#[derive(Debug, Default, Serialize)]
+pub struct MoveStats {
+    pub moved: u64,
+    pub malformed: u64,
+    pub bad_mac: u64,
+    pub unknown_sender: u64,
+    pub replayed: u64,
+    pub no_flow: u64,
+    pub not_owner: u64,
+    pub not_a_backend: u64,
+    pub port_in_use: u64,
+    pub refused: u64,
+}
+
+impl MoveStats {
+    /// The requests not taken, by reason as the metrics label them.
+    pub fn refusals(&self) -> [(&'static str, u64); 9] {
+        [
+            ("malformed", self.malformed),
+            ("bad_mac", self.bad_mac),
+            ("unknown_sender", self.unknown_sender),
+            ("replayed", self.replayed),
+            ("no_flow", self.no_flow),
+            ("not_owner", self.not_owner),
+            ("not_a_backend", self.not_a_backend),
+            ("port_in_use", self.port_in_use),
+            ("refused", self.refused),
+        ]
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -360,6 +395,18 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
                 bad_mac: control.peer_bad_mac,
                 replayed: control.peer_replayed,
             },
+            moves: MoveStats {
+                moved: control.moves,
+                malformed: control.move_malformed,
+                bad_mac: control.move_bad_mac,
+                unknown_sender: control.move_unknown_sender,
+                replayed: control.move_replayed,
+                no_flow: control.move_no_flow,
+                not_owner: control.move_not_owner,
+                not_a_backend: control.move_not_a_backend,
+                port_in_use: control.move_port_in_use,
+                refused: control.move_refused,
+            },
         },
         bpf_stats: prog_stats::enabled(),
         programs: attached_program(interface).into_iter().collect(),
@@ -502,6 +549,12 @@ pub fn render_table(s: &Snapshot) -> String {
             "peers: {} choices sent in {} datagrams ({} not sent), {} learned; refused: {} unknown sender, {} malformed, {} bad MAC, {} replayed",
             p.records_sent, p.datagrams_sent, p.send_failures, p.records_learned, p.unknown_sender, p.malformed, p.bad_mac, p.replayed
         );
+    }
+    let m = &c.moves;
+    if m.moved + m.refusals().iter().map(|(_, n)| n).sum::<u64>() > 0 {
+        let refused: Vec<String> = m.refusals().iter().filter(|(_, n)| *n > 0).map(|(k, n)| format!("{k}={n}")).collect();
+        let refused = if refused.is_empty() { "none".to_string() } else { refused.join(" ") };
+        let _ = writeln!(o, "flow moves: {} moved; not taken: {refused}", m.moved);
     }
     if c.options_lost > 0 {
         let _ = writeln!(o, "options lost on a backend's path: found {} times, options tried again {} times", c.options_lost, c.options_retried);
@@ -658,6 +711,13 @@ impl prometheus_client::collector::Collector for Exposition {
             [("unknown_sender", p.unknown_sender), ("malformed", p.malformed), ("bad_mac", p.bad_mac), ("replayed", p.replayed)]
                 .into_iter()
                 .map(|(k, n)| ([("reason", k)], n)),
+        )?;
+        let m = &c.moves;
+        f.counter("flow_moves", "Flows sent to another backend of their VIP at their backend's request ([moves])", m.moved)?;
+        f.counters(
+            "flow_moves_refused",
+            "Flow move requests not taken, by reason (malformed, bad_mac and unknown_sender get no answer)",
+            m.refusals().into_iter().map(|(k, n)| ([("reason", k)], n)),
         )
     }
 }
@@ -749,7 +809,7 @@ mod tests {
             }],
             drops,
             events: zero(&EVENT_NAMES),
-            control: Control { polls_sent: 4, poll_replies: 3, poll_bytes: 600, poll_failures: 1, poll_unauthenticated: 0, queries: 0, query_timeouts: 0, query_mean_us: 0, options_lost: 0, options_retried: 0, peers: PeerStats::default() },
+            control: Control { polls_sent: 4, poll_replies: 3, poll_bytes: 600, poll_failures: 1, poll_unauthenticated: 0, queries: 0, query_timeouts: 0, query_mean_us: 0, options_lost: 0, options_retried: 0, peers: PeerStats::default(), moves: MoveStats { moved: 2, not_owner: 1, ..MoveStats::default() } },
             bpf_stats: true,
             programs: vec![ProgStats { program: "balancer".into(), id: 7, runs: 1000, run_time_ns: 150_000 }],
         }
@@ -804,6 +864,8 @@ mod tests {
             "inband_drops_total{reason=\"no_backend\"} 4",
             "inband_poll_requests_total 4",
             "inband_poll_failures_total 1",
+            "inband_flow_moves_total 2",
+            "inband_flow_moves_refused_total{reason=\"not_owner\"} 1",
         ] {
             assert!(text.lines().any(|l| l == line), "no line {line}:\n{text}");
         }

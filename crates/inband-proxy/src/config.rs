@@ -147,6 +147,24 @@ pub struct TcpeConfig {
     /// The takeover server of each backend that has one.
     #[serde(default, rename = "server")]
     pub servers: Vec<TcpeServerConfig>,
+    /// Clients without TCPE moved at L4 (docs/tcpe.md, "The transparent
+    /// handoff"); none when absent.
+    #[serde(default)]
+    pub transparent: Option<TransparentConfig>,
+}
+
+/// `[tcpe.transparent]`: a plain client's connection that reached the
+/// proxy through `inband lb` in a DSR mode is frozen and moved to the
+/// chosen backend's takeover server, and the balancer is asked to send it
+/// there (signed with `[auth]`'s key).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TransparentConfig {
+    /// The pin directory of this host's `inband agent`, e.g.
+    /// /sys/fs/bpf/inband/agent/eth0.
+    pub agent_pins: PathBuf,
+    /// The balancers' `[moves] listen` port.
+    pub balancer_port: u16,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -169,6 +187,15 @@ pub struct TcpeSpec {
     pub io_timeout: Duration,
     /// By backend address.
     pub servers: std::collections::HashMap<SocketAddr, (SocketAddr, SocketAddr)>,
+    pub transparent: Option<TransparentSpec>,
+}
+
+/// `[tcpe.transparent]` checked, with the key moves are signed with.
+#[derive(Clone, Debug)]
+pub struct TransparentSpec {
+    pub agent_pins: PathBuf,
+    pub balancer_port: u16,
+    pub key: (u8, inband_core::wire::Key),
 }
 
 /// `[scores]`: the agents' poll protocol (docs/agent.md), asked by the
@@ -760,7 +787,7 @@ pub fn check(raw: Config) -> Result<Checked> {
         }
     }
     check_scores(&raw, &routes, &mut problems);
-    let tcpe = raw.tcpe.as_ref().filter(|t| t.enabled).and_then(|t| check_tcpe(t, &backends, &routes, &mut problems));
+    let tcpe = raw.tcpe.as_ref().filter(|t| t.enabled).and_then(|t| check_tcpe(t, raw.auth.as_ref(), &backends, &routes, &mut problems));
     let listen = listen.map_err(|e| problems.push(format!("{e:#}"))).ok();
     let metrics_listen = metrics_listen.map_err(|e| problems.push(format!("{e:#}"))).ok().flatten();
     let tls_listen = tls_listen.map_err(|e| problems.push(format!("{e:#}"))).ok().flatten();
@@ -773,7 +800,7 @@ pub fn check(raw: Config) -> Result<Checked> {
 /// `[tcpe]`: every server names a backend of some pool, once, with
 /// addresses; the key file is read here so that a bad one is reported
 /// with the rest.
-fn check_tcpe(t: &TcpeConfig, backends: &[SocketAddr], routes: &[RouteSpec], problems: &mut Vec<String>) -> Option<TcpeSpec> {
+fn check_tcpe(t: &TcpeConfig, auth: Option<&inband_core::auth::AuthConfig>, backends: &[SocketAddr], routes: &[RouteSpec], problems: &mut Vec<String>) -> Option<TcpeSpec> {
     let before = problems.len();
     let key = inband_core::auth::read_key(&t.key).map_err(|e| problems.push(format!("tcpe.key: {e:#}"))).ok();
     if t.deadline_ms == 0 || t.deadline_ms > 60_000 {
@@ -811,12 +838,34 @@ fn check_tcpe(t: &TcpeConfig, backends: &[SocketAddr], routes: &[RouteSpec], pro
             }
         }
     }
+    let transparent = t.transparent.as_ref().and_then(|tr| {
+        if !tr.agent_pins.is_absolute() {
+            problems.push(format!("tcpe.transparent.agent_pins {:?} must be an absolute path (the agent's pin directory)", tr.agent_pins));
+        }
+        if tr.balancer_port == 0 {
+            problems.push("tcpe.transparent.balancer_port must be the balancers' [moves] listen port".into());
+        }
+        // Moves are signed with a key of the balancers' [auth]; the
+        // unauthenticated format does not exist for them.
+        let key = match auth {
+            Some(a) if a.mode == inband_core::auth::AuthMode::Siphash => {
+                let id = a.signing_key();
+                a.load_keys().map_err(|e| problems.push(format!("[auth]: {e:#}"))).ok()?.into_iter().find(|(k, _)| *k == id)
+            }
+            _ => {
+                problems.push("tcpe.transparent: moves are signed with the balancers' key: add an [auth] section with it (keys = [{ id = 1, file = \"...\" }])".into());
+                None
+            }
+        };
+        Some(TransparentSpec { agent_pins: tr.agent_pins.clone(), balancer_port: tr.balancer_port, key: key? })
+    });
     (problems.len() == before).then(|| TcpeSpec {
         cgroup: t.cgroup.clone(),
         key: key.expect("no problem means the key was read"),
         deadline: Duration::from_millis(t.deadline_ms),
         io_timeout: Duration::from_millis(t.io_timeout_ms),
         servers,
+        transparent,
     })
 }
 
@@ -1278,6 +1327,33 @@ mod tests {
         assert_eq!(c.raw.scores.valid_for(), Duration::from_millis(100));
         // Only a pool that ranks by score needs keys.
         parse("listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\npolicy = \"least-request\"\n").unwrap();
+    }
+
+    #[test]
+    fn transparent_moves_need_the_balancers_key_and_their_port() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("k");
+        inband_core::auth::keygen(&key).unwrap();
+        let base = format!(
+            "listen = \"127.0.0.1:0\"\nbackends = [\"127.0.0.1:1\"]\n[tcpe]\nkey = \"{k}\"\n[[tcpe.server]]\nbackend = \"127.0.0.1:1\"\ncontrol = \"127.0.0.1:2\"\njoin = \"127.0.0.1:3\"\n",
+            k = key.display()
+        );
+        let e = parse(&format!("{base}[tcpe.transparent]\nagent_pins = \"pins\"\nbalancer_port = 0\n")).unwrap_err();
+        let msg = format!("{e:#}");
+        for want in ["agent_pins \"pins\" must be an absolute path", "balancer_port must be", "add an [auth] section"] {
+            assert!(msg.contains(want), "{want:?} missing in {msg}");
+        }
+        let auth = |mode: &str| format!("[auth]\nmode = \"{mode}\"\n");
+        let e = parse(&format!("{base}[tcpe.transparent]\nagent_pins = \"/p\"\nbalancer_port = 7156\n{}", auth("none"))).unwrap_err();
+        assert!(format!("{e:#}").contains("moves are signed"), "{e:#}");
+        let ok = format!(
+            "{base}[tcpe.transparent]\nagent_pins = \"/p\"\nbalancer_port = 7156\n[auth]\nkeys = [{{ id = 3, file = \"{}\" }}]\n",
+            key.display()
+        );
+        let t = parse(&ok).unwrap().tcpe.unwrap().transparent.unwrap();
+        assert_eq!((t.agent_pins, t.balancer_port, t.key), (PathBuf::from("/p"), 7156, (3, inband_core::auth::read_key(&key).unwrap())));
+        // Without the subsection, no moves.
+        assert!(parse(&format!("{base}")).unwrap().tcpe.unwrap().transparent.is_none());
     }
 
     #[test]

@@ -91,7 +91,7 @@ impl Shared {
             }
         }
         if let Some(t) = &self.tcpe {
-            self.metrics.set_tcpe_handoffs(&t.counters);
+            self.metrics.set_tcpe_handoffs(&t.counters, &t.moves);
             match t.option_counters() {
                 Ok(c) => self.metrics.set_tcpe_options(&c),
                 Err(e) => tracing::warn!("tcpe: reading the sockops program's counters: {e:#}"),

@@ -132,7 +132,8 @@ pub struct Metrics {
     by_outcome: [Counter; Outcome::ALL.len()],
     pub compression: crate::compression::Counters,
     pub ranges: crate::ranges::Counters,
-    /// By `inband_tcpe::handoff::COUNTERS`, set from its counters at
+    /// By `inband_tcpe::handoff::COUNTERS` then
+    /// `inband_tcpe::transparent::COUNTERS`, set from their counters at
     /// each scrape.
     tcpe_handoffs: Vec<Counter>,
     tcpe_kept: [Counter; crate::tcpe_kept::Kept::ALL.len()],
@@ -264,7 +265,7 @@ impl Metrics {
         let tcpe_kept = Family::<Labels, Counter>::default();
         registry.register(
             "tcpe_handoffs",
-            "First requests of TCPE-capable connections (and plain connections, as fallback_not_capable) by what the handoff did: handed_off, or the fallback_* reason it was proxied for; client_not_closed: handed off, the old subflow shut down",
+            "First requests of TCPE-capable connections (and plain connections, as fallback_not_capable) by what the handoff did: handed_off, or the fallback_* reason it was proxied for; client_not_closed: handed off, the old subflow shut down. With [tcpe.transparent], plain connections by what the move did: moved, or the move_fallback_* reason; move_lost: switched at the balancer, the server not told",
             tcpe_handoffs.clone(),
         );
         registry.register(
@@ -279,7 +280,11 @@ impl Metrics {
             tcpe_options.clone(),
         );
         let tcpe_options = inband_tcpe::sockops::COUNTERS.iter().map(|(n, _)| tcpe_options.get_or_create(&vec![("event", n.to_string())]).clone()).collect();
-        let tcpe_handoffs = inband_tcpe::handoff::COUNTERS.iter().map(|(n, _)| tcpe_handoffs.get_or_create(&vec![("result", n.to_string())]).clone()).collect();
+        let tcpe_handoffs = inband_tcpe::handoff::COUNTERS
+            .iter()
+            .chain(inband_tcpe::transparent::COUNTERS)
+            .map(|(n, _)| tcpe_handoffs.get_or_create(&vec![("result", n.to_string())]).clone())
+            .collect();
         let tcpe_kept = crate::tcpe_kept::Kept::ALL.map(|k| tcpe_kept.get_or_create(&vec![("reason", k.label().to_string())]).clone());
         let compression = crate::compression::Counters::register(&mut registry);
         let ranges = crate::ranges::Counters::register(&mut registry);
@@ -335,8 +340,8 @@ impl Metrics {
 
     /// The handoff routine keeps its own counts (inband-tcpe's `Counters`);
     /// the exported counters take their values.
-    pub fn set_tcpe_handoffs(&self, c: &inband_tcpe::relay::Counters) {
-        for (counter, (_, v)) in self.tcpe_handoffs.iter().zip(c.all()) {
+    pub fn set_tcpe_handoffs(&self, handoffs: &inband_tcpe::relay::Counters, moves: &inband_tcpe::relay::Counters) {
+        for (counter, (_, v)) in self.tcpe_handoffs.iter().zip(handoffs.all().into_iter().chain(moves.all())) {
             counter.inner().store(v, std::sync::atomic::Ordering::Relaxed);
         }
     }

@@ -8,6 +8,11 @@
 //! are given back to hyper ([`crate::conn::Io::replay`]) and the request is
 //! proxied as without TCPE. docs/decisions.md, "TCPE handoff (issue 29):
 //! the proxy's side".
+//!
+//! With `[tcpe.transparent]`, a connection whose client did not offer TCPE
+//! goes the same way, and is moved at L4 instead
+//! (`inband_tcpe::transparent::move_connection`): frozen here, rebuilt by
+//! the backend's takeover server, switched by `inband lb`.
 
 use std::collections::HashMap;
 use std::future::poll_fn;
@@ -24,6 +29,7 @@ use http::{header, request, HeaderName, HeaderValue, Method};
 use inband_tcpe::handoff::{self, hand_off, Outcome, Target};
 use inband_tcpe::relay::Counters;
 use inband_tcpe::sockops::{hold_acks, State, Tcpe};
+use inband_tcpe::transparent::{self, Mover};
 use tokio::io::{AsyncRead, ReadBuf};
 use tokio::net::{TcpListener, TcpSocket};
 
@@ -43,6 +49,9 @@ pub struct Handoffs {
     /// `fallback_not_capable` in the counters: a plain connection is
     /// counted here without a call to the routine.
     not_capable: usize,
+    /// `[tcpe.transparent]`: plain connections are moved at L4.
+    mover: Option<Arc<Mover>>,
+    pub moves: Arc<Counters>,
 }
 
 impl Handoffs {
@@ -75,7 +84,21 @@ impl Handoffs {
             })
             .collect();
         let not_capable = handoff::COUNTERS.iter().position(|(n, _)| *n == "fallback_not_capable").expect("a counter of inband-tcpe's handoff");
-        Ok(Handoffs { tcpe: Arc::new(tcpe), counters: Arc::new(handoff::counters()), targets, not_capable })
+        let mover = match &spec.transparent {
+            Some(t) => Some(Arc::new(
+                Mover::new(&t.agent_pins, t.balancer_port, t.key)
+                    .with_context(|| format!("tcpe.transparent.agent_pins {} (is `inband agent` running there?)", t.agent_pins.display()))?,
+            )),
+            None => None,
+        };
+        Ok(Handoffs {
+            tcpe: Arc::new(tcpe),
+            counters: Arc::new(handoff::counters()),
+            targets,
+            not_capable,
+            mover,
+            moves: Arc::new(transparent::counters()),
+        })
     }
 
     /// The sockops program's own counts (offers, notifications, forged
@@ -139,7 +162,7 @@ pub async fn first_request(shared: &Arc<Shared>, mut io: Io, peer: SocketAddr) -
     // The handshake is over by accept(): a connection that did not offer
     // TCPE, or fell back, never will. Its head is left to hyper.
     let offered = matches!(h.tcpe.state(io.as_fd()), Ok(Some(s)) if !matches!(s.state, State::Fallback(_)));
-    if !offered {
+    if !offered && h.mover.is_none() {
         h.counters.bump(h.not_capable);
         return First::Proxy(io);
     }
@@ -161,7 +184,7 @@ pub async fn first_request(shared: &Arc<Shared>, mut io: Io, peer: SocketAddr) -
     };
     let buf = Bytes::from(buf);
     match choose(shared, h, &buf, head_len, peer).await {
-        Ok(chosen) => Box::pin(move_connection(h, io, buf, peer, chosen)).await,
+        Ok(chosen) => Box::pin(move_connection(h, io, buf, peer, chosen, !offered)).await,
         Err(k) => {
             shared.metrics.tcpe_kept(k);
             io.replay(buf);
@@ -176,6 +199,8 @@ struct Chosen<'a> {
     route: &'a Arc<Route>,
     target: &'a Target,
     backend: Arc<Backend>,
+    /// The backend's address, as the pool (and the L4 balancer) lists it.
+    addr: SocketAddr,
 }
 
 /// The route, the backend and its takeover server for a request that may
@@ -199,7 +224,7 @@ async fn choose<'a>(shared: &'a Arc<Shared>, h: &'a Handoffs, buf: &[u8], head_l
     let now = Instant::now();
     let i = pool.policy.pick(&pool.backends, |i| pool.backends[i].is_healthy(now), &key).ok_or(Kept::NoBackend)?;
     let target = h.targets.get(&pool.addrs[i]).ok_or(Kept::NoServer)?;
-    Ok(Chosen { parts, route, target, backend: pool.backends[i].clone() })
+    Ok(Chosen { parts, route, target, backend: pool.backends[i].clone(), addr: pool.addrs[i] })
 }
 
 /// The head in `buf` (all of it) as request parts, if it is a GET or HEAD
@@ -234,10 +259,11 @@ fn simple_request(buf: &[u8]) -> Option<request::Parts> {
 }
 
 /// Hands the connection to `target` on a blocking thread (the routine
-/// waits on the channel and for the join); on a fallback gives it back
-/// to hyper with the head to replay.
-async fn move_connection(h: &Handoffs, io: Io, head: Bytes, peer: SocketAddr, chosen: Chosen<'_>) -> First {
-    let Chosen { parts, route, target, backend } = chosen;
+/// waits on the channel and for the join, or for the balancer's switch);
+/// on a fallback gives it back to hyper with the head to replay. `plain`:
+/// the client did not offer TCPE, and the connection is moved at L4.
+async fn move_connection(h: &Handoffs, io: Io, head: Bytes, peer: SocketAddr, chosen: Chosen<'_>, plain: bool) -> First {
+    let Chosen { parts, route, target, backend, addr } = chosen;
     let start = Instant::now();
     // A request in progress for the connection's clocks: the send timeout,
     // not the header one, bounds the wait.
@@ -250,8 +276,12 @@ async fn move_connection(h: &Handoffs, io: Io, head: Bytes, peer: SocketAddr, ch
         }
     };
     let (tcpe, counters, target, request) = (h.tcpe.clone(), h.counters.clone(), target.clone(), head.clone());
+    let (mover, moves) = (h.mover.clone().filter(|_| plain), h.moves.clone());
     let ran = tokio::task::spawn_blocking(move || {
-        let outcome = hand_off(&tcpe, &client, &request, &target, &counters);
+        let outcome = match &mover {
+            Some(m) => transparent::move_connection(m, &client, &request, &target, addr, &moves),
+            None => hand_off(&tcpe, &client, &request, &target, &counters),
+        };
         (outcome, client)
     })
     .await;

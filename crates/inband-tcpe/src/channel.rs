@@ -10,6 +10,16 @@
 //! server   -> balancer  VERDICT  joined, or expired (only after an accepted REPLY)
 //! ```
 //!
+//! or, for the transparent handoff of a client without TCPE (docs/tcpe.md,
+//! "The transparent handoff"):
+//!
+//! ```text
+//! server   -> balancer  HELLO    nonce
+//! balancer -> server    MOVE     the frozen connection, the client it stands for, its timestamp shift
+//! server   -> balancer  READY    rebuilt (in repair mode: it sends nothing yet), or why not
+//! balancer -> server    GO       the L4 balancer sends the connection here now, or the move is called off
+//! ```
+//!
 //! Each message after HELLO is a frame `type (1) | body length (4, BE) |
 //! body | MAC (8, LE)`, the MAC SipHash-2-4 under the key the balancers
 //! and agents already share (`inband keygen`, inband-core's `wire::Key`)
@@ -23,10 +33,12 @@
 //! client sent them in clear).
 
 use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
 use anyhow::{bail, Context, Result};
 use inband_core::wire::Key;
 
+use crate::repair::{Frozen, RepairWindow};
 use crate::wire::Keys;
 
 pub const NONCE_LEN: usize = 16;
@@ -34,11 +46,15 @@ pub const NONCE_LEN: usize = 16;
 /// that may follow it (a larger one stays on the proxy).
 pub const MAX_REQUEST: usize = 64 * 1024;
 const HANDOFF_FIXED: usize = 4 + 16 + 4 + 4;
-const MAX_BODY: usize = HANDOFF_FIXED + MAX_REQUEST;
+const MOVE_FIXED: usize = 3 * 18 + 4 + 4 + 2 + 4 + 4 + 4 + 20 + 4;
+const MAX_BODY: usize = MOVE_FIXED + MAX_REQUEST;
 
 const T_HANDOFF: u8 = 1;
 const T_REPLY: u8 = 2;
 const T_VERDICT: u8 = 3;
+const T_MOVE: u8 = 4;
+const T_READY: u8 = 5;
+const T_GO: u8 = 6;
 
 pub type Nonce = [u8; NONCE_LEN];
 
@@ -104,10 +120,17 @@ fn send(w: &mut impl Write, key: &Key, nonce: &Nonce, ty: u8, body: &[u8]) -> Re
 
 /// Reads one frame of type `ty` and checks its MAC; its body.
 fn recv(r: &mut impl Read, key: &Key, nonce: &Nonce, ty: u8) -> Result<Vec<u8>> {
+    recv_one_of(r, key, nonce, &[ty]).map(|(_, body)| body)
+}
+
+/// Reads one frame of one of the types `tys` and checks its MAC; its type
+/// and body.
+fn recv_one_of(r: &mut impl Read, key: &Key, nonce: &Nonce, tys: &[u8]) -> Result<(u8, Vec<u8>)> {
     let mut h = [0u8; 5];
     r.read_exact(&mut h).context("reading the takeover channel")?;
-    if h[0] != ty {
-        bail!("takeover channel: message type {} where {ty} was due", h[0]);
+    let ty = h[0];
+    if !tys.contains(&ty) {
+        bail!("takeover channel: message type {ty} where one of {tys:?} was due");
     }
     let len = u32::from_be_bytes(h[1..].try_into().unwrap()) as usize;
     if len > MAX_BODY {
@@ -120,7 +143,7 @@ fn recv(r: &mut impl Read, key: &Key, nonce: &Nonce, ty: u8) -> Result<Vec<u8>> 
     if got != mac(key, nonce, ty, &body) {
         bail!(MacError);
     }
-    Ok(body)
+    Ok((ty, body))
 }
 
 /// A frame whose MAC did not verify (told apart from I/O errors so that
@@ -160,8 +183,29 @@ pub fn send_handoff(w: &mut impl Write, key: &Key, nonce: &Nonce, h: &Handoff) -
     send(w, key, nonce, T_HANDOFF, &b)
 }
 
-pub fn recv_handoff(r: &mut impl Read, key: &Key, nonce: &Nonce) -> Result<Handoff> {
-    let b = recv(r, key, nonce, T_HANDOFF)?;
+#[cfg(test)]
+fn recv_handoff(r: &mut impl Read, key: &Key, nonce: &Nonce) -> Result<Handoff> {
+    match recv_request(r, key, nonce)? {
+        Request::Handoff(h) => Ok(h),
+        Request::Move(_) => bail!("a MOVE where a HANDOFF was due"),
+    }
+}
+
+/// What a balancer asks for after a HELLO.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    Handoff(Handoff),
+    Move(Box<Move>),
+}
+
+pub fn recv_request(r: &mut impl Read, key: &Key, nonce: &Nonce) -> Result<Request> {
+    match recv_one_of(r, key, nonce, &[T_HANDOFF, T_MOVE])? {
+        (T_HANDOFF, b) => decode_handoff(b, key, nonce).map(Request::Handoff),
+        (_, b) => decode_move(&b).map(|m| Request::Move(Box::new(m))),
+    }
+}
+
+fn decode_handoff(b: Vec<u8>, key: &Key, nonce: &Nonce) -> Result<Handoff> {
     if b.len() < HANDOFF_FIXED {
         bail!("takeover channel: a HANDOFF of {} bytes", b.len());
     }
@@ -211,6 +255,152 @@ pub fn recv_verdict(r: &mut impl Read, key: &Key, nonce: &Nonce) -> Result<Verdi
     }
 }
 
+/// A connection the balancer froze, for the server to rebuild (the
+/// transparent handoff).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Move {
+    /// Its state; `local` is the server's own address and port as the L4
+    /// balancer sends the connection there, `peer` the balancer's tuple.
+    pub frozen: Frozen,
+    /// The client the balancer's tuple stands for: where the server's
+    /// agent sends the responses (its `dsr_flows` entry).
+    pub client: SocketAddr,
+    /// The entry's timestamp shift (agent/time_wait.h), carried over so
+    /// that the client's timestamps look the same to the new socket.
+    pub ts_shift: u32,
+}
+
+/// The server's answer to a MOVE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ready {
+    /// Rebuilt, in repair mode: it waits for GO.
+    Ready,
+    /// `max_sessions` sessions are running.
+    Full,
+    /// Its origin did not take a connection.
+    NoOrigin,
+    /// The kernel refused to rebuild it (an address not this host's, the
+    /// tuple in use).
+    Unrestorable,
+}
+
+fn put_addr(b: &mut Vec<u8>, a: SocketAddr) {
+    let ip = match a.ip() {
+        IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+        IpAddr::V6(v6) => v6,
+    };
+    b.extend_from_slice(&ip.octets());
+    b.extend_from_slice(&a.port().to_be_bytes());
+}
+
+fn addr_at(b: &[u8]) -> SocketAddr {
+    let a = Ipv6Addr::from(<[u8; 16]>::try_from(&b[..16]).unwrap());
+    let port = u16::from_be_bytes([b[16], b[17]]);
+    match a.to_ipv4_mapped() {
+        Some(v4) => SocketAddr::new(IpAddr::V4(v4), port),
+        None => SocketAddr::new(IpAddr::V6(a), port),
+    }
+}
+
+const MOVE_WSCALE: u8 = 1;
+const MOVE_SACK: u8 = 2;
+const MOVE_TIMESTAMPS: u8 = 4;
+
+pub fn send_move(w: &mut impl Write, key: &Key, nonce: &Nonce, m: &Move) -> Result<()> {
+    let f = &m.frozen;
+    if f.received.len() > MAX_REQUEST {
+        bail!("a {}-byte request is too large to move (at most {MAX_REQUEST})", f.received.len());
+    }
+    let mut b = Vec::with_capacity(MOVE_FIXED + f.received.len());
+    put_addr(&mut b, f.local);
+    put_addr(&mut b, f.peer);
+    put_addr(&mut b, m.client);
+    b.extend_from_slice(&f.snd_seq.to_be_bytes());
+    b.extend_from_slice(&f.rcv_seq.to_be_bytes());
+    b.extend_from_slice(&f.mss.to_be_bytes());
+    let (snd_ws, rcv_ws) = f.wscale.unwrap_or((0, 0));
+    let flags = if f.wscale.is_some() { MOVE_WSCALE } else { 0 }
+        | if f.sack { MOVE_SACK } else { 0 }
+        | if f.ts_now.is_some() { MOVE_TIMESTAMPS } else { 0 };
+    b.extend_from_slice(&[snd_ws, rcv_ws, flags, 0]);
+    b.extend_from_slice(&f.ts_now.unwrap_or(0).to_be_bytes());
+    b.extend_from_slice(&m.ts_shift.to_be_bytes());
+    let w5 = &f.window;
+    for v in [w5.snd_wl1, w5.snd_wnd, w5.max_window, w5.rcv_wnd, w5.rcv_wup] {
+        b.extend_from_slice(&v.to_be_bytes());
+    }
+    b.extend_from_slice(&(f.received.len() as u32).to_be_bytes());
+    b.extend_from_slice(&f.received);
+    send(w, key, nonce, T_MOVE, &b)
+}
+
+fn decode_move(b: &[u8]) -> Result<Move> {
+    if b.len() < MOVE_FIXED {
+        bail!("takeover channel: a MOVE of {} bytes", b.len());
+    }
+    let u32_at = |i: usize| u32::from_be_bytes(b[i..i + 4].try_into().unwrap());
+    let (local, peer, client) = (addr_at(&b[0..]), addr_at(&b[18..]), addr_at(&b[36..]));
+    if local.is_ipv4() != peer.is_ipv4() || peer.is_ipv4() != client.is_ipv4() {
+        bail!("takeover channel: a MOVE mixing IPv4 and IPv6");
+    }
+    let [snd_ws, rcv_ws, flags, pad] = b[64..68].try_into().unwrap();
+    if flags & !(MOVE_WSCALE | MOVE_SACK | MOVE_TIMESTAMPS) != 0 || pad != 0 || snd_ws > 14 || rcv_ws > 14 {
+        bail!("takeover channel: a MOVE with options {snd_ws} {rcv_ws} {flags:#x} {pad}");
+    }
+    let len = u32_at(96) as usize;
+    if len != b.len() - MOVE_FIXED {
+        bail!("takeover channel: a MOVE announcing {len} received bytes carries {}", b.len() - MOVE_FIXED);
+    }
+    let frozen = Frozen {
+        local,
+        peer,
+        snd_seq: u32_at(54),
+        rcv_seq: u32_at(58),
+        received: b[MOVE_FIXED..].to_vec(),
+        mss: u16::from_be_bytes([b[62], b[63]]),
+        wscale: (flags & MOVE_WSCALE != 0).then_some((snd_ws, rcv_ws)),
+        sack: flags & MOVE_SACK != 0,
+        ts_now: (flags & MOVE_TIMESTAMPS != 0).then(|| u32_at(68)),
+        window: RepairWindow { snd_wl1: u32_at(76), snd_wnd: u32_at(80), max_window: u32_at(84), rcv_wnd: u32_at(88), rcv_wup: u32_at(92) },
+    };
+    Ok(Move { frozen, client, ts_shift: u32_at(72) })
+}
+
+pub fn send_ready(w: &mut impl Write, key: &Key, nonce: &Nonce, r: Ready) -> Result<()> {
+    let code = match r {
+        Ready::Ready => 0,
+        Ready::Full => 1,
+        Ready::NoOrigin => 3,
+        Ready::Unrestorable => 4,
+    };
+    send(w, key, nonce, T_READY, &[code])
+}
+
+pub fn recv_ready(r: &mut impl Read, key: &Key, nonce: &Nonce) -> Result<Ready> {
+    match recv(r, key, nonce, T_READY)?.as_slice() {
+        [0] => Ok(Ready::Ready),
+        [1] => Ok(Ready::Full),
+        [3] => Ok(Ready::NoOrigin),
+        [4] => Ok(Ready::Unrestorable),
+        b => bail!("takeover channel: a READY of {b:02x?}"),
+    }
+}
+
+/// `go`: the L4 balancer sends the connection to the server now; false:
+/// the move is called off, and the server drops what it rebuilt without a
+/// word.
+pub fn send_go(w: &mut impl Write, key: &Key, nonce: &Nonce, go: bool) -> Result<()> {
+    send(w, key, nonce, T_GO, &[go as u8])
+}
+
+pub fn recv_go(r: &mut impl Read, key: &Key, nonce: &Nonce) -> Result<bool> {
+    match recv(r, key, nonce, T_GO)?.as_slice() {
+        [0] => Ok(false),
+        [1] => Ok(true),
+        b => bail!("takeover channel: a GO of {b:02x?}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -238,5 +428,72 @@ mod tests {
         let mut big = vec![T_HANDOFF];
         big.extend_from_slice(&u32::MAX.to_be_bytes());
         assert!(recv_handoff(&mut big.as_slice(), &key, &nonce).is_err());
+    }
+
+    fn a_move() -> Move {
+        Move {
+            frozen: Frozen {
+                local: "10.0.0.22:80".parse().unwrap(),
+                peer: "10.0.0.2:1030".parse().unwrap(),
+                snd_seq: 0x1122_3344,
+                rcv_seq: 0xfedc_ba98,
+                received: b"GET / HTTP/1.1\r\nHost: v\r\n\r\n".to_vec(),
+                mss: 1448,
+                wscale: Some((7, 9)),
+                sack: true,
+                ts_now: Some(123_456),
+                window: RepairWindow { snd_wl1: 1, snd_wnd: 2, max_window: 3, rcv_wnd: 4, rcv_wup: 5 },
+            },
+            client: "192.0.2.7:40000".parse().unwrap(),
+            ts_shift: 77,
+        }
+    }
+
+    #[test]
+    fn a_move_round_trips_and_its_exchange_refuses_tampering() {
+        let key = Key([7; 16]);
+        let nonce = [3; NONCE_LEN];
+        let m = a_move();
+        let mut b = Vec::new();
+        send_move(&mut b, &key, &nonce, &m).unwrap();
+        assert_eq!(recv_request(&mut b.as_slice(), &key, &nonce).unwrap(), Request::Move(Box::new(m.clone())));
+        // No options at all, and IPv6.
+        let bare = Move {
+            frozen: Frozen { wscale: None, sack: false, ts_now: None, local: "[fd00::22]:80".parse().unwrap(), peer: "[fd00::2]:1030".parse().unwrap(), ..m.frozen.clone() },
+            client: "[2001:db8::7]:40000".parse().unwrap(),
+            ..m.clone()
+        };
+        let mut b6 = Vec::new();
+        send_move(&mut b6, &key, &nonce, &bare).unwrap();
+        assert_eq!(recv_request(&mut b6.as_slice(), &key, &nonce).unwrap(), Request::Move(Box::new(bare)));
+        // Every byte of it is covered by the MAC.
+        for i in 0..b.len() {
+            let mut t = b.clone();
+            t[i] ^= 0x10;
+            assert!(recv_request(&mut t.as_slice(), &key, &nonce).is_err(), "byte {i} flipped was taken");
+        }
+        // A MOVE cannot stand in for a HANDOFF's answer, nor GO for READY.
+        assert!(recv_reply(&mut b.as_slice(), &key, &nonce).is_err());
+        let mut go = Vec::new();
+        send_go(&mut go, &key, &nonce, true).unwrap();
+        assert!(recv_ready(&mut go.as_slice(), &key, &nonce).is_err());
+        assert!(recv_go(&mut go.as_slice(), &key, &nonce).unwrap());
+        assert!(recv_go(&mut go.as_slice(), &key, &[4; NONCE_LEN]).unwrap_err().is::<MacError>());
+        for r in [Ready::Ready, Ready::Full, Ready::NoOrigin, Ready::Unrestorable] {
+            let mut v = Vec::new();
+            send_ready(&mut v, &key, &nonce, r).unwrap();
+            assert_eq!(recv_ready(&mut v.as_slice(), &key, &nonce).unwrap(), r);
+        }
+        // A signed MOVE with fields no balancer writes is refused.
+        let mut bad = m.clone();
+        bad.client = "[2001:db8::7]:40000".parse().unwrap();
+        let mut t = Vec::new();
+        send_move(&mut t, &key, &nonce, &bad).unwrap();
+        assert!(recv_request(&mut t.as_slice(), &key, &nonce).is_err(), "mixed families");
+        let mut bad = m.clone();
+        bad.frozen.wscale = Some((15, 0));
+        let mut t = Vec::new();
+        send_move(&mut t, &key, &nonce, &bad).unwrap();
+        assert!(recv_request(&mut t.as_slice(), &key, &nonce).is_err(), "a window scale past 14");
     }
 }

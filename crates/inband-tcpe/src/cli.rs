@@ -63,6 +63,12 @@ pub enum TcpeCommand {
         /// A session without a byte either way for this long is closed.
         #[arg(long, default_value_t = 60_000)]
         idle_ms: u64,
+        /// The pin directory of this host's `inband agent` (e.g.
+        /// /sys/fs/bpf/inband/agent/eth0): connections moved here by a
+        /// transparent handoff answer their clients directly through it.
+        /// Without it their responses go back through the balancer.
+        #[arg(long)]
+        agent_pins: Option<PathBuf>,
     },
 }
 
@@ -115,7 +121,7 @@ pub fn run(cmd: TcpeCommand) -> Result<()> {
             }
             Ok(())
         }
-        TcpeCommand::Serve { control, join, origin, key, max_pending, max_sessions, max_deadline_ms, io_timeout_ms, idle_ms } => {
+        TcpeCommand::Serve { control, join, origin, key, max_pending, max_sessions, max_deadline_ms, io_timeout_ms, idle_ms, agent_pins } => {
             let cfg = takeover::Config {
                 control,
                 join,
@@ -126,6 +132,7 @@ pub fn run(cmd: TcpeCommand) -> Result<()> {
                 max_deadline: Duration::from_millis(max_deadline_ms),
                 io_timeout: Duration::from_millis(io_timeout_ms),
                 idle: Duration::from_millis(idle_ms),
+                agent: agent_pins,
             };
             let t = Takeover::start(cfg)?;
             tracing::info!("tcpe takeover: channel on {control}, joins on {join}, origin {origin}");

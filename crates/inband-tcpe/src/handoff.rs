@@ -81,7 +81,7 @@ impl Channels {
     const KEPT: usize = 16;
     const KEPT_FOR: Duration = Duration::from_secs(10);
 
-    fn keep(&self, ch: TcpStream) {
+    pub(crate) fn keep(&self, ch: TcpStream) {
         let mut kept = self.0.lock().unwrap();
         if kept.len() < Self::KEPT {
             kept.push((ch, Instant::now()));
@@ -135,7 +135,7 @@ pub fn hand_off(tcpe: &Tcpe, client: &TcpStream, request: &[u8], to: &Target, c:
         deadline_ms: to.deadline.as_millis().min(u32::MAX.into()) as u32,
         request: request.to_vec(),
     };
-    let (mut ch, nonce) = match open_channel(to, &h) {
+    let (mut ch, nonce) = match open_channel(to, |ch, nonce| channel::send_handoff(ch, &to.key, nonce, &h)) {
         Ok(x) => x,
         Err(_) => return fallback(c, CHANNEL),
     };
@@ -189,22 +189,30 @@ pub fn hand_off(tcpe: &Tcpe, client: &TcpStream, request: &[u8], to: &Target, c:
     Outcome::HandedOff
 }
 
-/// A kept channel whose server still answers, or a new one; the HANDOFF
-/// sent on it.
-fn open_channel(to: &Target, h: &Handoff) -> Result<(TcpStream, channel::Nonce)> {
+/// A kept channel whose server still answers, or a new one; the first
+/// message (HANDOFF or MOVE) sent on it by `first`.
+pub(crate) fn open_channel(
+    to: &Target,
+    first: impl Fn(&mut TcpStream, &channel::Nonce) -> Result<()>,
+) -> Result<(TcpStream, channel::Nonce)> {
     while let Some(mut ch) = to.channels.take() {
-        if let Ok(nonce) = start_handoff(&mut ch, to, h, true) {
+        if let Ok(nonce) = start_on(&mut ch, to, &first, true) {
             return Ok((ch, nonce));
         }
     }
     let mut ch = TcpStream::connect_timeout(&to.control, to.io_timeout)?;
     // One message at a time each way; no write waits for a delayed ACK.
     ch.set_nodelay(true)?;
-    let nonce = start_handoff(&mut ch, to, h, false)?;
+    let nonce = start_on(&mut ch, to, &first, false)?;
     Ok((ch, nonce))
 }
 
-fn start_handoff(ch: &mut TcpStream, to: &Target, h: &Handoff, kept: bool) -> Result<channel::Nonce> {
+fn start_on(
+    ch: &mut TcpStream,
+    to: &Target,
+    first: &impl Fn(&mut TcpStream, &channel::Nonce) -> Result<()>,
+    kept: bool,
+) -> Result<channel::Nonce> {
     ch.set_read_timeout(Some(to.io_timeout))?;
     ch.set_write_timeout(Some(to.io_timeout))?;
     let nonce = channel::recv_hello(ch)?;
@@ -217,7 +225,7 @@ fn start_handoff(ch: &mut TcpStream, to: &Target, h: &Handoff, kept: bool) -> Re
         ch.set_nonblocking(false)?;
         anyhow::ensure!(open, "the kept channel was closed");
     }
-    channel::send_handoff(ch, &to.key, &nonce, h)?;
+    first(ch, &nonce)?;
     Ok(nonce)
 }
 

@@ -6,11 +6,14 @@
 //! connections. On top: the client (`client`, its C ABI `ffi`), the join
 //! that ties a new subflow to a connection (`join`), the takeover channel
 //! between balancer and server (`channel`), the server's takeover
-//! (`takeover`) and the balancer's handoff routine (`handoff`); `repair`
-//! freezes a connection and rebuilds it elsewhere, for the transparent
-//! handoff (docs/decisions.md).
+//! (`takeover`) and the balancer's handoff routine (`handoff`). The
+//! transparent handoff moves a stock client's connection at L4: `repair`
+//! freezes it and rebuilds it elsewhere, `agent_flows` reads and writes
+//! the agents' entries for it, `transparent` is the balancer's routine
+//! (docs/tcpe.md, "The transparent handoff").
 //! docs/architecture.md, "Connection handoff".
 
+pub mod agent_flows;
 pub mod bpf;
 pub mod channel;
 pub mod cli;
@@ -22,4 +25,5 @@ pub mod relay;
 pub mod repair;
 pub mod sockops;
 pub mod takeover;
+pub mod transparent;
 pub mod wire;

@@ -1,6 +1,6 @@
 //! A TCP connection frozen on one host and recreated on another, by the
 //! kernel's repair mode (`TCP_REPAIR`): the primitive of the transparent
-//! handoff (docs/decisions.md, "the transparent variant's design"), where
+//! handoff (docs/tcpe.md, "The transparent handoff"), where
 //! a stock client's connection moves from the proxy to the server with no
 //! help from the client.
 //!
@@ -67,6 +67,8 @@ pub struct Frozen {
     /// What the new owner's application reads first: the bytes the old
     /// owner read (the request it chose by), then those it left unread.
     pub received: Vec<u8>,
+    /// The peer's MSS as the connection clamps to it (in repair mode
+    /// TCP_MAXSEG reads the clamp, not the current segment size).
     pub mss: u16,
     /// The window scales both sides announced, if they agreed on scaling.
     pub wscale: Option<(u8, u8)>,
@@ -176,9 +178,11 @@ pub fn discard(sock: TcpStream) {
 }
 
 /// The connection `f` describes, as a socket of this host: bound to
-/// `f.local` (which must be an address of this host's, as a VIP is on a
-/// DSR server's loopback), established with `f.peer`, `f.received` in
-/// its receive queue, having sent nothing yet.
+/// `f.local` (an address of this host's; the port may be a listener's,
+/// as a server's service port is), established with `f.peer`,
+/// `f.received` in its receive queue, having sent nothing yet. It stays in
+/// repair mode, sending nothing and answering nothing, until `release`;
+/// dropped before that, it goes without a word.
 pub fn restore(f: &Frozen) -> io::Result<TcpStream> {
     let domain = if f.local.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
     // SAFETY: socket(2) with constant arguments; the fd is owned at once.
@@ -194,7 +198,13 @@ pub fn restore(f: &Frozen) -> io::Result<TcpStream> {
     set(fd, libc::IPPROTO_TCP, libc::TCP_QUEUE_SEQ, &f.snd_seq)?;
     set(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR_QUEUE, &TCP_RECV_QUEUE)?;
     set(fd, libc::IPPROTO_TCP, libc::TCP_QUEUE_SEQ, &f.rcv_seq)?;
-    set(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR, &1i32)?;
+    // No SO_REUSEADDR: repair mode already lets the bind share a
+    // listener's port (SK_FORCE_REUSE), and setting it would take that away.
+    // The MSS before connect(): connect() sizes the segments from it, and
+    // the repair option set afterwards changes the clamp only, leaving the
+    // socket at the 536-byte default.
+    // (The kernel takes at most 32767 here; only loopback's MSS is larger.)
+    set(fd, libc::IPPROTO_TCP, libc::TCP_MAXSEG, &libc::c_int::from(f.mss).min(32767))?;
     // SAFETY (both): bind(2) and connect(2) with the sockaddr sockaddr_call built.
     sockaddr_call(fd, f.local, |fd, sa, len| unsafe { libc::bind(fd, sa, len) })?;
     // In repair mode connect() sends no SYN: the socket is established.
@@ -226,10 +236,14 @@ pub fn restore(f: &Frozen) -> io::Result<TcpStream> {
     }
     set(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR_QUEUE, &TCP_NO_QUEUE)?;
     set(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR_WINDOW, &f.window)?;
-    // Leaving repair mode sends a window probe: the peer learns at once
-    // that the connection answers again.
-    set(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR, &0i32)?;
     Ok(TcpStream::from(owned))
+}
+
+/// Takes a restored socket out of repair mode: from now on it is an
+/// established connection like any other. Leaving repair mode sends a
+/// window probe, so the peer learns at once that the connection answers.
+pub fn release(sock: &TcpStream) -> io::Result<()> {
+    set(sock.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_REPAIR, &0i32)
 }
 
 fn set<T: Copy>(fd: RawFd, level: libc::c_int, name: libc::c_int, value: &T) -> io::Result<()> {
@@ -325,8 +339,11 @@ mod tests {
     use std::net::TcpListener;
     use std::time::Duration;
 
+    /// A connection on loopback with the MSS of a real network's (1200):
+    /// a rebuilt socket's segment size is then told from the default.
     fn pair() -> (TcpListener, TcpStream, TcpStream) {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        set(l.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_MAXSEG, &1200i32).unwrap();
         let client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (server, _) = l.accept().unwrap();
         for s in [&client, &server] {
@@ -353,21 +370,34 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         }
 
+        let segment: libc::c_int = get(old.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_MAXSEG).unwrap();
         let f = freeze(&old, &head).unwrap();
         assert_eq!((f.local, f.peer), (old.local_addr().unwrap(), client.local_addr().unwrap()));
         assert_eq!(f.received, [&request[..], b"and what follows"].concat());
         assert!(f.ts_now.is_some() && f.sack && f.wscale.is_some(), "{f:?}");
         discard(old);
-        drop(l); // its port is the connection's local one
 
+        // Rebuilt and dropped before its release (a move that was called
+        // off): the client hears nothing.
+        drop(restore(&f).unwrap());
+        client.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+        let e = client.read(&mut [0; 8]).unwrap_err();
+        assert!(matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut), "{e}");
+        client.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        // Rebuilt beside the listener that accepted it, as a server's
+        // socket is beside its service's listener.
         let mut new = restore(&f).unwrap();
         assert_eq!((new.local_addr().unwrap(), new.peer_addr().unwrap()), (f.local, f.peer));
+        release(&new).unwrap();
+        // Segments of the size the old socket sent.
+        assert_eq!(get::<libc::c_int>(new.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_MAXSEG).unwrap(), segment, "{f:?}");
         new.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         // The new owner's application reads the request the old one chose
         // by, then what it had left.
         assert_eq!(read_n(&mut new, f.received.len()), f.received);
         // Both directions go on, on the client's unchanged socket.
         new.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok").unwrap();
+        drop(l);
         assert_eq!(read_n(&mut client, 40), b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
         client.write_all(b"more").unwrap();
         assert_eq!(read_n(&mut new, 4), b"more");

@@ -15,6 +15,12 @@
 //! closes or resets, or after `idle` without a byte. A takeover channel
 //! carries a balancer's handoffs one after another and ends at its
 //! balancer's close, after `idle` without a handoff, or at the stop.
+//!
+//! A channel also carries moves (the transparent handoff, docs/tcpe.md):
+//! the balancer froze a client's connection, and this side rebuilds it in
+//! repair mode, waits for the balancer's GO (the L4 balancer now sends the
+//! connection here), tells its agent where the responses go, and relays
+//! the connection to the origin as it relays a joined session.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -29,7 +35,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use inband_core::wire::Key;
 
-use crate::channel::{self, Reply, Verdict};
+use crate::agent_flows::AgentFlows;
+use crate::channel::{self, Move, Ready, Reply, Verdict};
 use crate::join::{self, Kind, JOIN_LEN};
 use crate::relay::{relay, Counters, End};
 use crate::wire::Keys;
@@ -53,6 +60,12 @@ pub const COUNTERS: &[(&str, &str)] = &[
     ("session_idle", "Sessions closed after `idle` without a byte"),
     ("conns_busy", "Connections reset at once: max_pending + max_sessions others were waiting for their first message"),
     ("channels_opened", "Takeover channels accepted (a balancer keeps each for its next handoffs)"),
+    ("moves_taken", "Frozen connections rebuilt and taken over (transparent handoff)"),
+    ("move_full", "Moves refused: max_sessions sessions were running"),
+    ("move_no_origin", "Moves refused: the origin did not take a connection"),
+    ("move_unrestorable", "Moves refused: the kernel would not rebuild the connection (not this host's address, tuple in use)"),
+    ("move_called_off", "Moves the balancer called off after this side was ready (its L4 balancer did not switch)"),
+    ("move_no_dsr", "Moves taken whose responses go back through the balancer: the agent's entry could not be written"),
 ];
 const HANDOFFS_ACCEPTED: usize = 0;
 const HANDOFF_BAD_MAC: usize = 1;
@@ -72,6 +85,12 @@ const SESSION_RESET: usize = 14;
 const SESSION_IDLE: usize = 15;
 const CONNS_BUSY: usize = 16;
 const CHANNELS_OPENED: usize = 17;
+const MOVES_TAKEN: usize = 18;
+const MOVE_FULL: usize = 19;
+const MOVE_NO_ORIGIN: usize = 20;
+const MOVE_UNRESTORABLE: usize = 21;
+const MOVE_CALLED_OFF: usize = 22;
+const MOVE_NO_DSR: usize = 23;
 
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -92,6 +111,11 @@ pub struct Config {
     pub io_timeout: Duration,
     /// A session without a byte either way for this long is closed.
     pub idle: Duration,
+    /// The pin directory of this host's agent (docs/agent.md): a moved
+    /// connection's responses go straight to the client through its
+    /// `dsr_flows`. None: moves are still taken, and their responses go
+    /// back through the balancer.
+    pub agent: Option<std::path::PathBuf>,
 }
 
 struct Pending {
@@ -103,6 +127,7 @@ struct Pending {
 
 struct Shared {
     cfg: Config,
+    agent: Option<AgentFlows>,
     pending: Mutex<HashMap<u32, Pending>>,
     sessions: AtomicUsize,
     /// Connections of either listener whose first message is not read yet
@@ -193,8 +218,10 @@ impl Takeover {
     pub fn start(cfg: Config) -> Result<Takeover> {
         let control = listen(cfg.control)?;
         let joins = listen(cfg.join)?;
+        let agent = cfg.agent.as_deref().map(AgentFlows::open).transpose()?;
         let shared = Arc::new(Shared {
             cfg,
+            agent,
             pending: Mutex::new(HashMap::new()),
             sessions: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
@@ -310,8 +337,9 @@ fn handoff_on_channel(w: Waiting, s: &mut TcpStream, first: bool) -> bool {
     if !first && !next_handoff(&sh, s) {
         return false;
     }
-    let h = match channel::recv_handoff(s, &cfg.key, &nonce) {
-        Ok(h) => h,
+    let h = match channel::recv_request(s, &cfg.key, &nonce) {
+        Ok(channel::Request::Handoff(h)) => h,
+        Ok(channel::Request::Move(m)) => return take_move(w, s, &nonce, *m),
         Err(e) if e.is::<channel::MacError>() => {
             sh.counters.bump(HANDOFF_BAD_MAC);
             return false;
@@ -393,6 +421,96 @@ fn handoff_on_channel(w: Waiting, s: &mut TcpStream, first: bool) -> bool {
     sent && channel::send_verdict(s, &cfg.key, &nonce, verdict).is_ok()
 }
 
+/// One move on a channel, from its MOVE to the balancer's GO; whether the
+/// channel can carry another.
+fn take_move(w: Waiting, s: &mut TcpStream, nonce: &channel::Nonce, m: Move) -> bool {
+    let sh = w.0.clone();
+    let cfg = &sh.cfg;
+    // The session's slot, taken now: a rebuilt connection must not wait
+    // for one after the balancer has switched it here.
+    if sh.sessions.fetch_add(1, Ordering::Relaxed) >= cfg.max_sessions {
+        sh.sessions.fetch_sub(1, Ordering::Relaxed);
+        sh.counters.bump(MOVE_FULL);
+        return channel::send_ready(s, &cfg.key, nonce, Ready::Full).is_ok();
+    }
+    drop(w);
+    let session = SessionSlot(sh.clone());
+    let origin = match TcpStream::connect_timeout(&cfg.origin, cfg.io_timeout) {
+        Ok(o) => o,
+        Err(e) => {
+            tracing::warn!("tcpe takeover: origin {}: {e}", cfg.origin);
+            sh.counters.bump(MOVE_NO_ORIGIN);
+            return channel::send_ready(s, &cfg.key, nonce, Ready::NoOrigin).is_ok();
+        }
+    };
+    let conn = match crate::repair::restore(&m.frozen) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!("tcpe takeover: rebuilding {} <- {}: {e}", m.frozen.local, m.frozen.peer);
+            sh.counters.bump(MOVE_UNRESTORABLE);
+            return channel::send_ready(s, &cfg.key, nonce, Ready::Unrestorable).is_ok();
+        }
+    };
+    if channel::send_ready(s, &cfg.key, nonce, Ready::Ready).is_err() {
+        return false;
+    }
+    // Dropped in repair mode (called off, or the channel failed), the
+    // rebuilt socket goes without a word, and the balancer, which has not
+    // switched, keeps the connection.
+    match channel::recv_go(s, &cfg.key, nonce) {
+        Ok(true) => {}
+        Ok(false) => {
+            sh.counters.bump(MOVE_CALLED_OFF);
+            return true;
+        }
+        Err(e) => {
+            sh.counters.bump(if e.is::<channel::MacError>() { HANDOFF_BAD_MAC } else { HANDOFF_MALFORMED });
+            return false;
+        }
+    }
+    let dsr = sh.agent.as_ref().map(|a| a.install(m.frozen.peer, m.frozen.local.port(), m.client, m.ts_shift));
+    if !matches!(dsr, Some(Ok(()))) {
+        if let Some(Err(e)) = dsr {
+            tracing::warn!("tcpe takeover: the agent's entry for {}: {e:#}", m.frozen.peer);
+        }
+        sh.counters.bump(MOVE_NO_DSR);
+    }
+    if let Err(e) = crate::repair::release(&conn) {
+        // Still in repair mode: it could never answer. Dropped so, it
+        // sends nothing, and the client's retransmissions meet no socket.
+        tracing::warn!("tcpe takeover: releasing {}: {e}", m.frozen.peer);
+        return true;
+    }
+    sh.counters.bump(MOVES_TAKEN);
+    std::thread::spawn(move || serve_session(session, conn, origin, &[]));
+    true
+}
+
+/// One of `Shared::sessions`, given back when dropped.
+struct SessionSlot(Arc<Shared>);
+
+impl Drop for SessionSlot {
+    fn drop(&mut self) {
+        self.0.sessions.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Relays a taken-over connection to its origin, `first` ahead of it,
+/// until either side ends it; counts how it ended.
+fn serve_session(slot: SessionSlot, s: TcpStream, mut origin: TcpStream, first: &[u8]) {
+    let sh = &slot.0;
+    let end = origin.write_all(first).and_then(|()| relay(s.try_clone()?, origin.try_clone()?, sh.cfg.idle));
+    sh.counters.bump(match end {
+        Ok(End::Closed) => SESSION_CLOSED,
+        Ok(End::Idle) => SESSION_IDLE,
+        Ok(End::Reset) | Err(_) => SESSION_RESET,
+    });
+    let _ = origin.shutdown(Shutdown::Both);
+    if !matches!(end, Ok(End::Closed)) {
+        reset(s);
+    }
+}
+
 fn reset(s: TcpStream) {
     // SO_LINGER 0: close sends RST, so a refused join gets no FIN that a
     // client could take for an empty stream.
@@ -450,22 +568,13 @@ fn join_session(w: Waiting, mut s: TcpStream) {
         sh.sessions.fetch_add(1, Ordering::Relaxed);
         pending.remove(&conn_id).unwrap()
     };
+    let slot = SessionSlot(sh.clone());
     sh.counters.bump(JOIN_ACCEPTED);
     let _ = p.joined.send(());
     let ok = join::encode(Kind::Ok, conn_id, join::mac(Kind::Ok, &p.keys, conn_id, client, local));
-    let mut origin = p.origin;
-    let end = s
-        .write_all(&ok)
-        .and_then(|()| origin.write_all(&p.request))
-        .and_then(|()| relay(s.try_clone()?, origin.try_clone()?, cfg.idle));
-    sh.counters.bump(match end {
-        Ok(End::Closed) => SESSION_CLOSED,
-        Ok(End::Idle) => SESSION_IDLE,
-        Ok(End::Reset) | Err(_) => SESSION_RESET,
-    });
-    let _ = origin.shutdown(Shutdown::Both);
-    if !matches!(end, Ok(End::Closed)) {
-        reset(s);
+    if s.write_all(&ok).is_err() {
+        sh.counters.bump(SESSION_RESET);
+        return reset(s);
     }
-    sh.sessions.fetch_sub(1, Ordering::Relaxed);
+    serve_session(slot, s, p.origin, &p.request);
 }

@@ -677,6 +677,7 @@ fn takeover_config(n: u16) -> takeover::Config {
         max_deadline: Duration::from_secs(1),
         io_timeout: Duration::from_secs(1),
         idle: WAIT,
+        agent: None,
     }
 }
 

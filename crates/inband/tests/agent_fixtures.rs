@@ -620,6 +620,27 @@ fn ingress_leaves_everything_else_untouched() {
     assert_counters(&skel, &[]);
 }
 
+#[test]
+fn ingress_drops_a_frozen_connections_segments_until_its_time_passes() {
+    let skel = load();
+    configure(&skel);
+    let frame = request().build();
+    let frozen = DsrFlow { frozen_until_ms: monotonic_ms().wrapping_add(10_000), ..tuple_flow(CLIENT) };
+    put(&skel.maps.dsr_flows, &conn_key(), &frozen);
+    ingress(&skel, &frame, TC_ACT_SHOT, None, "a segment of a frozen connection");
+    // Another connection of the same balancer is not touched.
+    let other = PacketBuilder::tcp(sa(LB, 40001), server()).flags(TCP_ACK).build();
+    put(&skel.maps.dsr_flows, &conn_key_of(sa(LB, 40001), LOCAL_PORT, 6), &tuple_flow(CLIENT));
+    ingress(&skel, &other, TC_ACT_OK, Some(&other), "another connection");
+    assert_counters(&skel, &[(AgentCounter::FrozenDropped, 1)]);
+    // Its time passed (also across the 32-bit wrap of the milliseconds):
+    // segments go to the stack again.
+    let thawed = DsrFlow { frozen_until_ms: monotonic_ms().wrapping_sub(1), ..tuple_flow(CLIENT) };
+    put(&skel.maps.dsr_flows, &conn_key(), &thawed);
+    ingress(&skel, &frame, TC_ACT_OK, Some(&frame), "its time passed");
+    assert_counters(&skel, &[(AgentCounter::FrozenDropped, 1)]);
+}
+
 // ---------------------------------------------------------------- ingress: 124
 
 #[test]
@@ -1136,6 +1157,24 @@ fn tracepoint_counts_active_connections_and_closes_flows() {
     wait_for("the socket closed", || closed(&skel) == 2);
     assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &key), Some(shifted), "kept for its TIME_WAIT");
 
+    // A frozen connection's entry outlives its socket (closed in repair
+    // mode by the owner that moved it) until its time passes: its stray
+    // segments must be dropped, not answered by a RST. Once the time has
+    // passed, a close deletes it as any other.
+    for (until, kept) in [(monotonic_ms().wrapping_add(10_000), true), (monotonic_ms().wrapping_sub(1), false)] {
+        let client = TcpStream::connect(sa(Ipv4Addr::LOCALHOST, port)).unwrap();
+        let (served, _) = listener.accept().unwrap();
+        let key = conn_key_of(sa(Ipv4Addr::LOCALHOST, client.local_addr().unwrap().port()), port, 6);
+        let frozen = DsrFlow { frozen_until_ms: until, ..tuple_flow(CLIENT) };
+        put(&skel.maps.dsr_flows, &key, &frozen);
+        let before = closed(&skel);
+        drop(served);
+        drop(client);
+        wait_for("the socket closed", || closed(&skel) == before + 1);
+        let left = get::<_, DsrFlow>(&skel.maps.dsr_flows, &key);
+        assert_eq!(left, kept.then_some(frozen), "frozen until {until}: kept = {kept}");
+    }
+
     // A socket counted before its change was missed is uncounted at its
     // next change, not counted again: the count is the socket's mark, not
     // a sum of deltas. (A missed change cannot be caused from here; what
@@ -1169,7 +1208,7 @@ fn tracepoint_counts_active_connections_and_closes_flows() {
     drop(listener);
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(active(&skel), 0);
-    assert_counters(&skel, &[(AgentCounter::FlowsClosed, 2)]);
+    assert_counters(&skel, &[(AgentCounter::FlowsClosed, 4)]);
 }
 
 #[test]

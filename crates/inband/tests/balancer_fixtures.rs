@@ -4604,3 +4604,130 @@ fn a_stray_of_a_round_robin_vip_is_adopted_to_the_backend_its_opener_announced()
     maglev.connect(client6(1));
     assert_eq!(announced(&maglev).len(), 0, "a Maglev VIP's choice is computable: not announced");
 }
+
+/// A flow move (crates/inband-lb/src/moves.rs) as the lb daemon's worker
+/// handles a datagram: from `src`, under KEY. The reply's outcome, checked
+/// to answer this very request; None when nothing was answered.
+fn ask_move(moves: &mut inband_lb::moves::Moves, maps: &inband_lb::tables::LbMaps, src: IpAddr, datagram: &[u8]) -> Option<inband_core::flow_move::Outcome> {
+    use inband_core::flow_move::decode_reply;
+    let mut stats = ControlStats::default();
+    let reply = moves.handle(maps, SocketAddr::new(src, 7777), datagram, &mut stats).expect("handling a move");
+    inband_lb::polling::add_control_stats(maps, &stats).unwrap();
+    let seq = u64::from_be_bytes(datagram.get(8..16).map_or([0; 8], |s| s.try_into().unwrap()));
+    reply.map(|r| {
+        let r = decode_reply(&r, &[(KEY_ID, KEY)]).expect("a reply under the request's key");
+        assert_eq!(r.seq, seq, "the reply echoes the request's number");
+        r.outcome
+    })
+}
+
+#[test]
+fn a_moved_flow_goes_to_its_new_backend_with_its_port_and_only_its_owner_may_move_it() {
+    use inband_core::flow_move::{encode_request, FlowSide, Outcome, Request};
+    use std::os::fd::AsFd;
+
+    // Least-connections: the move must carry the flow's count over.
+    let fx = Fixture::lb_with(Mode::Passthrough, Policy::LeastConnections, 3);
+    let b = backend(2);
+    // Weight 0, as the control plane writes it: no new connections.
+    fx.set_flags(&b, BACKEND_DRAINING);
+    let maps = fx.lb.maps().unwrap();
+    let mut moves = inband_lb::moves::Moves::new(fx.lb.skel.progs.move_counts.as_fd());
+    let c = client(1);
+    let (a, port) = fx.connect(c);
+    assert_ne!(a, b, "weight 0 took a new connection");
+    let other = if a == backend(0) { backend(1) } else { backend(0) };
+    assert_eq!((fx.score(&a).opened, fx.score(&b).opened), (1, 0));
+
+    let req = |seq: u64, from: &B, to: SocketAddr| Request {
+        key_id: KEY_ID,
+        seq,
+        flow: FlowSide { client: c, vip: vip(), proto: IPPROTO_TCP },
+        from: from.addr,
+        to,
+    };
+    let signed = |r: &Request| encode_request(r, &KEY);
+    let mut ask = |src: &B, d: &[u8]| ask_move(&mut moves, &maps, src.addr.ip(), d);
+
+    // Dropped unanswered: a forged MAC, a truncated request, a sender
+    // that is not the `from` it names.
+    assert_eq!(ask(&a, &encode_request(&req(1, &a, b.addr), &Key([0; 16]))), None);
+    assert_eq!(ask(&a, &signed(&req(1, &a, b.addr))[..99]), None);
+    assert_eq!(ask(&other, &signed(&req(1, &a, b.addr))), None);
+    // Answered refusals.
+    assert_eq!(ask(&other, &signed(&req(1, &other, b.addr))), Some(Outcome::NotOwner));
+    assert_eq!(ask(&other, &signed(&req(1, &other, b.addr))), Some(Outcome::Refused), "a number used again");
+    assert_eq!(ask(&a, &signed(&req(5, &a, sa4(Ipv4Addr::new(10, 0, 9, 9), 80)))), Some(Outcome::NotABackend));
+    assert_eq!(ask(&a, &signed(&req(6, &a, SocketAddr::new(b.addr.ip(), 80)))), Some(Outcome::NotABackend), "its address, another port");
+    fx.set_flags(&b, BACKEND_DRAINING | BACKEND_DOWN);
+    assert_eq!(ask(&a, &signed(&req(7, &a, b.addr))), Some(Outcome::NotABackend), "a DOWN backend");
+    fx.set_flags(&b, BACKEND_DRAINING);
+    let mut gone = req(8, &a, b.addr);
+    gone.flow.client = client(7);
+    assert_eq!(ask(&a, &signed(&gone)), Some(Outcome::NoFlow));
+    // A second flow holds the port toward B.
+    let holder = client(9);
+    let held = Flow {
+        backend_addr: be_ip(b.addr.ip()),
+        backend_port: be_port(b.addr.port()),
+        snat_port: be_port(port),
+        backend_id: b.id as u16,
+        vip_id: VIP_ID as u16,
+        state: FLOW_ESTABLISHED,
+        proto: IPPROTO_TCP,
+        last_seen_ns: ktime_ns(),
+        ..Default::default()
+    };
+    fx.put_flow(holder, &held);
+    put(&fx.lb.skel.maps.snat, &nat_key(&b, port), &SnatOwner { flow: flow_key(holder) });
+    assert_eq!(ask(&a, &signed(&req(9, &a, b.addr))), Some(Outcome::PortInUse));
+    assert_eq!(fx.snat_owner(&b, port), Some(flow_key(holder)), "the holder keeps its port");
+    // Its flow gone, the reservation is an orphan: it does not stand in the way.
+    del(&fx.lb.skel.maps.flows, &flow_key(holder));
+    let f = fx.flow(c).unwrap();
+    assert_eq!((u32::from(f.backend_id), fx.snat_owner(&a, port)), (a.id, Some(flow_key(c))), "nothing moved yet");
+
+    let moved = signed(&req(10, &a, b.addr));
+    assert_eq!(ask(&a, &moved), Some(Outcome::Moved));
+    let f = fx.flow(c).unwrap();
+    assert_eq!((ip_of_addr(&f.backend_addr), port_of(f.backend_port), u32::from(f.backend_id)), (b.addr.ip(), b.addr.port(), b.id));
+    assert_eq!((port_of(f.snat_port), f.state, f.vip_id), (port, FLOW_ESTABLISHED, VIP_ID as u16));
+    assert_eq!((fx.snat_owner(&b, port), fx.snat_owner(&a, port)), (Some(flow_key(c)), None));
+    // The count went with the flow.
+    assert_eq!((fx.score(&a).opened, fx.score(&a).closed, fx.score(&b).opened, fx.score(&b).closed), (1, 1, 1, 0));
+    assert_eq!(ask(&a, &moved), Some(Outcome::Refused), "a replayed move");
+    assert_eq!(ask(&a, &signed(&req(11, &a, other.addr))), Some(Outcome::NotOwner), "the old backend owns it no more");
+    assert_eq!(ask(&b, &signed(&req(12, &b, a.addr))), Some(Outcome::Moved), "its new owner may move it back");
+    assert_eq!(ask(&a, &signed(&req(11, &a, b.addr))), Some(Outcome::Refused), "a number refused once is used up");
+    assert_eq!(ask(&a, &signed(&req(13, &a, b.addr))), Some(Outcome::Moved));
+
+    // The client's next segment goes to B from the same port, B's answer
+    // on it goes back to the client, A's no longer does (the balancer
+    // host's own traffic, for all the table knows).
+    let d = data(c);
+    assert_eq!(fx.tx(&d.build()), forwarded(&d, &b, port, vec![]));
+    let r = reply(&b, port);
+    assert_eq!(fx.tx(&r.build()), returned(&r, c, vec![]));
+    fx.assert_passed_untouched(&reply(&a, port).build());
+    // Its end is counted where it is now: no backend is left a connection
+    // it does not have.
+    fx.tx(&client_end(c, TCP_FIN | TCP_ACK, 1001).build());
+    assert_eq!(fx.flow(c).unwrap().state, FLOW_CLOSING);
+    assert_eq!((fx.score(&a).opened, fx.score(&a).closed, fx.score(&b).opened, fx.score(&b).closed), (2, 2, 2, 2));
+
+    let s: ControlStats = get(&fx.lb.skel.maps.control_stats, &0u32).unwrap();
+    assert_eq!(
+        (s.moves, s.move_malformed, s.move_bad_mac, s.move_unknown_sender, s.move_replayed),
+        (3, 1, 1, 1, 3),
+        "moved, malformed, bad MAC, unknown sender, replayed"
+    );
+    assert_eq!(
+        (s.move_no_flow, s.move_not_owner, s.move_not_a_backend, s.move_port_in_use, s.move_refused),
+        (1, 2, 3, 1, 0),
+        "no flow, not owner, not a backend, port in use, refused otherwise"
+    );
+}
+
+fn ip_of_addr(a: &Addr) -> IpAddr {
+    inband_core::pod::ip_of(a)
+}

@@ -79,7 +79,8 @@ enum inband_agent_counter {
 	 * configuration since): its answers go to the fleet address, which
 	 * reaches no instance. */
 	INBAND_AGENT_FLEET_UNNAMED = 35,
-	INBAND_AGENT_COUNTER_MAX = 36,
+	INBAND_AGENT_FROZEN_DROPPED = 36, /* segments dropped for a connection frozen to move (docs/tcpe.md) */
+	INBAND_AGENT_COUNTER_MAX = 37,
 };
 
 #endif /* INBAND_AGENT_CONSTS_H */

@@ -62,7 +62,12 @@ struct inband_dsr_flow {
 	 * (125s, RSTs) goes there, wrapped (agent/encap.h). 0 = not a fleet's,
 	 * or a label that named no instance. */
 	__u32 fleet_label;
-	__u32 pad;
+	/* TCP: set by the owner of a connection it froze to move it to another
+	 * server (the transparent handoff, docs/tcpe.md): until this time
+	 * (bpf_ktime_get_ns() in ms, compared modulo 2^32) the connection's
+	 * segments from the balancer are dropped, and its entry outlives the
+	 * frozen socket's close. 0: not frozen. */
+	__u32 frozen_until_ms;
 };
 
 /* balancers[address]: who may send 155/124 here. */

@@ -445,6 +445,17 @@ struct inband_control_stats {
 	__u64 peer_malformed; /* ... not the format (length, magic, count, a record's fields) */
 	__u64 peer_bad_mac; /* ... MAC not the fleet key's */
 	__u64 peer_replayed; /* ... sequence number not newer than the sender's last */
+	/* Flow moves ([moves]; crates/inband-lb/src/moves.rs). */
+	__u64 moves; /* flows sent to another backend of their VIP on request */
+	__u64 move_malformed; /* requests dropped unanswered: not the format, or a signed field no sender writes */
+	__u64 move_bad_mac; /* ... no key of that id, or a MAC that does not verify */
+	__u64 move_unknown_sender; /* ... from another address than the `from` it names */
+	__u64 move_replayed; /* refused: sequence number not above the sender's last */
+	__u64 move_no_flow; /* refused: no established flow of that client side */
+	__u64 move_not_owner; /* refused: the flow does not go to `from` */
+	__u64 move_not_a_backend; /* refused: `to` is not an up backend of the flow's VIP */
+	__u64 move_port_in_use; /* refused: another flow holds the SNAT port toward `to` */
+	__u64 move_refused; /* refused otherwise: a fleet flow, or a new sender with the senders' table full */
 };
 
 /* dsr-query: a SYN the data path hands to the lb daemon (ring buffer
@@ -458,6 +469,17 @@ struct inband_query_req {
 	__u32 len; /* bytes of `frame` used */
 	__u64 held_ns; /* bpf_ktime_get_ns() when the SYN was held */
 	__u8 frame[INBAND_QUERY_FRAME_MAX];
+};
+
+/* What the lb daemon passes to a run of `move_counts` (lb/moves.h,
+ * BPF_PROG_RUN's ctx_in): a moved flow's backend ids before and after, and
+ * its mode and flags as read. */
+struct inband_move_counts_args {
+	__u16 from_id;
+	__u16 to_id;
+	__u8 mode;
+	__u8 flags;
+	__u8 pad[2];
 };
 
 /* A new connection of an INBAND_VIP_ANNOUNCE VIP, handed to the lb daemon

@@ -215,6 +215,7 @@ async fn tcpe_clients_are_handed_off_and_everything_else_proxied() {
         max_deadline: Duration::from_secs(1),
         io_timeout: Duration::from_secs(1),
         idle: WAIT,
+        agent: None,
     };
     let dying = Dying::start();
     let (moves, refuses, dies) = (server(moved_origin.addr), server(dead.addr), server(dying.addr));

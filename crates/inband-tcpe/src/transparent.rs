@@ -1,0 +1,209 @@
+//! The transparent handoff, the balancer's side (docs/tcpe.md, "The
+//! transparent handoff"): a client without TCPE, whose connection reached
+//! this proxy through `inband lb` in a DSR mode, is moved to the chosen
+//! server at L4. The proxy freezes its socket (`repair`), the server's
+//! takeover rebuilds it from the frozen state, the L4 balancer is asked to
+//! send the connection's packets to the server from now on
+//! (inband-core's `flow_move`), and the server's agent sends the responses
+//! straight to the client. Every step that fails before the balancer's
+//! switch gives the connection back to this socket, as it was: the
+//! fallback of every TCPE step.
+//!
+//! What it needs: the kernel's tuple of the connection (the balancer's
+//! address and port: this process must not be under the agent's
+//! `client_address` hook, which shows the client instead), this host's
+//! agent (its pins: the client the tuple stands for, the VIP, the freeze),
+//! and the server listed as a backend of the VIP on the L4 balancer (with
+//! weight 0 if it should take moved connections only).
+
+use std::net::{SocketAddr, TcpStream, UdpSocket};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context, Result};
+use inband_core::flow_move::{self, FlowSide, Outcome as LbOutcome, Request};
+use inband_core::wire::Key;
+
+use crate::agent_flows::AgentFlows;
+use crate::channel::{self, Move, Ready};
+use crate::handoff::{open_channel, Outcome, Target};
+use crate::relay::Counters;
+use crate::repair;
+
+pub const COUNTERS: &[(&str, &str)] = &[
+    ("moved", "Connections moved to a server at L4 (transparent handoff)"),
+    ("move_fallback_not_dsr", "Kept: this host's agent names no client for the connection (not from inband lb in a DSR mode)"),
+    ("move_fallback_unfreezable", "Kept: the connection could not be frozen (not established, bytes unacknowledged)"),
+    ("move_fallback_channel", "Kept: the takeover channel failed (connect, I/O, timeout)"),
+    ("move_fallback_bad_mac", "Kept: the server's answer did not verify"),
+    ("move_fallback_refused", "Kept: the server refused (sessions full, origin down, could not rebuild it)"),
+    ("move_fallback_balancer", "Kept: the L4 balancer refused the move or did not answer"),
+    ("move_lost", "Switched at the L4 balancer, but the server's GO could not be sent: the connection is lost"),
+];
+const MOVED: usize = 0;
+const NOT_DSR: usize = 1;
+const UNFREEZABLE: usize = 2;
+const CHANNEL: usize = 3;
+const BAD_MAC: usize = 4;
+const REFUSED: usize = 5;
+const BALANCER: usize = 6;
+const LOST: usize = 7;
+
+pub fn counters() -> Counters {
+    Counters::new(COUNTERS)
+}
+
+fn fallback(c: &Counters, i: usize) -> Outcome {
+    c.bump(i);
+    Outcome::Fallback(COUNTERS[i].0)
+}
+
+/// How long the agent drops a moved connection's segments here: long
+/// enough for those in flight when the balancer switched (a few round
+/// trips), short enough that the ports are free again soon after.
+const FREEZE_FOR: Duration = Duration::from_secs(3);
+/// Requests to the L4 balancer, each with a fresh sequence number, before
+/// the move is called off.
+const LB_TRIES: u32 = 3;
+
+/// What moves need on the balancer's host.
+pub struct Mover {
+    agent: AgentFlows,
+    /// The L4 balancer's `[moves] listen` port, on the address the
+    /// connection came from.
+    lb_port: u16,
+    /// A key of the L4 balancer's `[auth]` (its id and the key).
+    lb_key: (u8, Key),
+    /// The last sequence number used: each request's is above it.
+    seq: AtomicU64,
+}
+
+impl Mover {
+    /// `agent_pins`: this host's agent's pin directory.
+    pub fn new(agent_pins: &std::path::Path, lb_port: u16, lb_key: (u8, Key)) -> Result<Mover> {
+        Ok(Mover { agent: AgentFlows::open(agent_pins)?, lb_port, lb_key, seq: AtomicU64::new(0) })
+    }
+
+    /// Microseconds of the wall clock, above every number used before: a
+    /// restarted proxy goes on above its old numbers, as the balancer
+    /// requires of a sender.
+    fn next_seq(&self) -> u64 {
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0);
+        let prev = self.seq.fetch_max(now, Ordering::Relaxed).max(now);
+        // Another thread may take the same number: the balancer takes
+        // only the first, and this one retries with a new one.
+        let _ = self.seq.compare_exchange(prev, prev + 1, Ordering::Relaxed, Ordering::Relaxed);
+        prev + 1
+    }
+
+    /// Asks the L4 balancer at `lb` to send `flow` to `to` from now on.
+    /// Ok(true): switched. A reply lost after the switch shows as
+    /// NotOwner on the next try (the flow is `to`'s by then), which counts
+    /// as switched: this host held the connection, and only its own
+    /// request can have moved it.
+    fn switch(&self, lb: SocketAddr, flow: FlowSide, from: SocketAddr, to: SocketAddr, wait: Duration) -> Result<bool> {
+        let sock = UdpSocket::bind(if lb.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" })?;
+        sock.connect(lb)?;
+        let keys = [self.lb_key];
+        for attempt in 0..LB_TRIES {
+            let req = Request { key_id: self.lb_key.0, seq: self.next_seq(), flow, from, to };
+            sock.send(&flow_move::encode_request(&req, &self.lb_key.1))?;
+            let deadline = std::time::Instant::now() + wait;
+            let mut buf = [0u8; flow_move::MAX_LEN];
+            loop {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                sock.set_read_timeout(Some(left))?;
+                let n = match sock.recv(&mut buf) {
+                    Ok(n) => n,
+                    Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => break,
+                    // An ICMP port unreachable: nothing listens there.
+                    Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => bail!("the balancer at {lb} takes no moves"),
+                    Err(e) => return Err(e).context("reading the balancer's answer"),
+                };
+                match flow_move::decode_reply(&buf[..n], &keys) {
+                    Ok(r) if r.seq == req.seq => {
+                        return Ok(r.outcome == LbOutcome::Moved || (attempt > 0 && r.outcome == LbOutcome::NotOwner));
+                    }
+                    // An answer to an earlier try, or noise: wait on.
+                    _ => {}
+                }
+            }
+        }
+        Ok(false)
+    }
+}
+
+/// Moves `client` (accepted here from `inband lb`, its request `request`
+/// read and not answered) to the server of `to`, which the L4 balancer
+/// knows as `backend`. On `Fallback`, `client` is as it was. On
+/// `HandedOff` the connection is no longer this side's (moved, or lost and
+/// counted `move_lost`): `client` is left in repair mode, and the caller
+/// drops it, which sends nothing.
+pub fn move_connection(m: &Mover, client: &TcpStream, request: &[u8], to: &Target, backend: SocketAddr, c: &Counters) -> Outcome {
+    let (Ok(peer), Ok(local)) = (client.peer_addr(), client.local_addr()) else { return fallback(c, NOT_DSR) };
+    let entry = match m.agent.entry(peer, local.port()) {
+        Ok(Some(e)) => e,
+        _ => return fallback(c, NOT_DSR),
+    };
+    let vip = match m.agent.vip(local.port(), local.is_ipv4()) {
+        Ok(Some(v)) => v,
+        _ => return fallback(c, NOT_DSR),
+    };
+    // From here the agent keeps this socket from whatever the client
+    // sends: a socket in repair mode would take data and acknowledge it.
+    if m.agent.freeze(peer, local.port(), &entry, FREEZE_FOR).is_err() {
+        return fallback(c, NOT_DSR);
+    }
+    let give_back = |i: usize| {
+        let _ = repair::thaw(client);
+        let _ = m.agent.unfreeze(peer, local.port(), &entry);
+        fallback(c, i)
+    };
+    let mut frozen = match repair::freeze(client, request) {
+        Ok(f) => f,
+        Err(_) => {
+            let _ = m.agent.unfreeze(peer, local.port(), &entry);
+            return fallback(c, UNFREEZABLE);
+        }
+    };
+    frozen.local = backend;
+    let mv = Move { frozen, client: entry.client, ts_shift: entry.ts_shift };
+    let (mut ch, nonce) = match open_channel(to, |ch, nonce| channel::send_move(ch, &to.key, nonce, &mv)) {
+        Ok(x) => x,
+        Err(_) => return give_back(CHANNEL),
+    };
+    match channel::recv_ready(&mut ch, &to.key, &nonce) {
+        Ok(Ready::Ready) => {}
+        Ok(_) => {
+            to.channels.keep(ch);
+            return give_back(REFUSED);
+        }
+        Err(e) if e.is::<channel::MacError>() => return give_back(BAD_MAC),
+        Err(_) => return give_back(CHANNEL),
+    }
+    let flow = FlowSide { client: entry.client, vip, proto: 6 };
+    let lb = SocketAddr::new(peer.ip(), m.lb_port);
+    match m.switch(lb, flow, local, backend, to.io_timeout / LB_TRIES) {
+        Ok(true) => {}
+        Ok(false) | Err(_) => {
+            // The server drops what it rebuilt, without a word.
+            if channel::send_go(&mut ch, &to.key, &nonce, false).is_ok() {
+                to.channels.keep(ch);
+            }
+            return give_back(BALANCER);
+        }
+    }
+    if channel::send_go(&mut ch, &to.key, &nonce, true).is_err() {
+        // The balancer sends the connection to a server that will not
+        // take it, and only the server could ask for it back: this side
+        // cannot serve it either.
+        c.bump(LOST);
+        return Outcome::HandedOff;
+    }
+    to.channels.keep(ch);
+    c.bump(MOVED);
+    Outcome::HandedOff
+}
