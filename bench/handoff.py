@@ -3,16 +3,22 @@ targets), in one run on one namespace testbed:
 
     python -m bench.handoff --out DIR [--profile quick|tiny] [--quick]
 
-Testbed `handoff` (`inband testbed up --clients 1 --servers 1`): client
-c1, balancer lb, server s1 on a bridge. On s1 the origin, nginx serving
-static files of 1, 10 and 100 MiB (sendfile), `inband tcpe serve` in
-front of it (the takeover server: it relays a joined subflow to the
-origin over loopback) and `inband agent` (for the DSR row). One balancer
-at a time runs in lb, on the VIP's port 80:
+Testbed `handoff` (`inband testbed up --clients 1 --servers 2`): client
+c1, balancer lb, servers s1 and s2 on a bridge. On s1 the origin, nginx
+serving static files of 1, 10 and 100 MiB (sendfile), `inband tcpe
+serve` in front of it (the takeover server: it relays a joined subflow,
+or a connection rebuilt by a move, to the origin over loopback) and
+`inband agent` (for the DSR rows). One balancer at a time runs, on the
+VIP's port 80:
 
-- `inband proxy` with `[tcpe]` (its backend s1's origin, a
+- `inband proxy` with `[tcpe]` in lb (its backend s1's origin, a
   `[[tcpe.server]]` for it): *handed off* when the client is
   `inband tcpe get` (TCPE), *proxied* when it is curl;
+- *moved* (the transparent handoff, curl): `inband lb` in lb (dsr-rr,
+  `[moves]`) sends the VIP's connections to `inband proxy` on s2 (with
+  `[tcpe.transparent]`; s2's agent with `client_address = false`), which
+  moves each to s1 at L4 (s1 a backend of the VIP at weight 0); the
+  balancer here is both, their CPU and the XDP program's run time;
 - `inband lb` in `dsr-rr` (XDP; responses go from s1 to c1 directly);
 - nginx (`proxy_pass`, keep-alive to the origin, no buffering to disk)
   and HAProxy (`mode http`, `http-reuse always`) as proxies;
@@ -124,6 +130,7 @@ SYSTEMS = [
     System("direct", "direct: client → origin"),
     System("relay", "reference: client → a TCP relay on s1 (HAProxy mode tcp) → origin"),
     System("handoff", "inband proxy, handed off (TCPE client)"),
+    System("transparent", "inband lb + proxy, moved at L4 (curl)"),
     System("proxy", "inband proxy, proxied (curl)"),
     System("dsr", "inband lb, dsr-rr (XDP)"),
     System("nginx", "nginx, proxy_pass"),
@@ -131,7 +138,11 @@ SYSTEMS = [
 ]
 BY_KEY = {s.key: s for s in SYSTEMS}
 # What each row's balancer is; the two inband proxy rows share one.
-BALANCER = {"direct": None, "relay": None, "handoff": "inband-proxy", "proxy": "inband-proxy", "dsr": "inband-lb", "nginx": "nginx", "haproxy": "haproxy"}
+BALANCER = {"direct": None, "relay": None, "handoff": "inband-proxy", "transparent": "inband-lb+proxy", "proxy": "inband-proxy", "dsr": "inband-lb",
+            "nginx": "nginx", "haproxy": "haproxy"}
+# The rows whose connections move, each by its own mechanism.
+MOVING = ("handoff", "transparent")
+MOVES_PORT = 7156
 
 
 @dataclass(frozen=True)
@@ -163,14 +174,14 @@ class Row:
     bytes: int = 0  # body bytes received, all fetches
     seconds: float = 0.0  # the client's run
     balancer_cpu_s: float = 0.0  # the balancer cgroup's usage
-    bpf_ns: int = 0  # XDP (dsr) or the proxy's sockops program (inband proxy rows)
+    bpf_ns: int = 0  # XDP (dsr, transparent) or the proxy's sockops program (inband proxy rows)
     machine_cpu_s: float = 0.0  # busy CPU of the whole machine
     client_cpu_s: float = 0.0  # the client cgroup's usage
     server_cpu_s: float = 0.0  # the servers' cgroup: the origin and the takeover server
     totals_s: list = field(default_factory=list)  # per fetch: connect start → last byte
     first_ms: list = field(default_factory=list)  # per fetch: request written → first byte
-    moved: int = 0  # fetches whose connection the client says moved
-    handed_off: int = 0  # the proxy's count over the row
+    moved: int = 0  # fetches whose connection the client says moved (transparent: the balancer's count of moves)
+    handed_off: int = 0  # the proxy's count over the row (handed_off, or moved)
     fallbacks: dict = field(default_factory=dict)  # the proxy's other handoff counts over the row (fallbacks, client_not_closed)
     kept: dict = field(default_factory=dict)  # the proxy's tcpe_kept_total over the row, by reason
     error: str = ""
@@ -247,10 +258,23 @@ def in_cgroup(cg: Path, argv: list[str]) -> list[str]:
 # ------------------------------------------------------------------ configs
 
 
-def inband_proxy_toml(*, listen: str, origin: str, metrics: str, cgroup: Path, key: Path, control: str, join: str) -> str:
-    return (f'listen = "{listen}"\nbackends = ["{origin}"]\nmetrics_listen = "{metrics}"\n\n'
+def inband_proxy_toml(*, listen: str, origin: str, metrics: str, cgroup: Path, key: Path, control: str, join: str,
+                      transparent: tuple[Path, Path] | None = None) -> str:
+    """`transparent`: (the agent's pin directory, the balancers' key):
+    plain clients moved at L4 through `inband lb`'s [moves]."""
+    toml = (f'listen = "{listen}"\nbackends = ["{origin}"]\nmetrics_listen = "{metrics}"\n\n'
             f'[tcpe]\ncgroup = "{cgroup}"\nkey = "{key}"\n\n'
             f'[[tcpe.server]]\nbackend = "{origin}"\ncontrol = "{control}"\njoin = "{join}"\n')
+    if transparent:
+        pins, auth_key = transparent
+        toml += (f'\n[tcpe.transparent]\nagent_pins = "{pins}"\nbalancer_port = {MOVES_PORT}\n'
+                 f'\n[auth]\nkeys = [{{ id = 1, file = "{auth_key}" }}]\n')
+    return toml
+
+
+def agent_pins(netns: str) -> Path:
+    """Where the agent on eth0 of named namespace `netns` pins its maps."""
+    return Path("/sys/fs/bpf/inband/netns") / netns / "agent" / "eth0"
 
 
 # ------------------------------------------------------------------ the run
@@ -265,7 +289,8 @@ class Bench(TestbedRun):
         self.tmp = Path(tempfile.mkdtemp(prefix="inband-bench-handoff-"))
         self.cgroups: dict[str, Path] = {}
         self.stats_fd: int | None = None
-        self.balancer = None  # (kind, process)
+        self.balancer = None  # (kind, [processes])
+        self.metrics_at = ("lb", "")  # (node, address) of the running inband proxy's metrics
         self.wait_budget_s = args.wait_quiet
         self.quiet: set[str] = set()
 
@@ -279,16 +304,18 @@ class Bench(TestbedRun):
             cg = base / f"inband-bench-handoff-{os.getpid()}-{role}"
             cg.mkdir()
             self.cgroups[role] = cg
-        self.bring_up(1)
+        self.bring_up(2)
         self.auth_key = new_auth_key(self.inband, run_dir)
         self.tcpe_key = run_dir / "tcpe.key"
         self.tcpe_key.unlink(missing_ok=True)
         run(None, [str(self.inband), "keygen", "--out", str(self.tcpe_key)])
         self.start_agents(["s1"], run_dir, self.out / "logs", ORIGIN_PORT)
+        # The transparent row's proxy host: the proxy must see the balancer's tuple.
+        self.start_agents(["s2"], run_dir, self.out / "logs", ORIGIN_PORT, client_address=False)
         self.start_origin()
         self.start_takeover()
         self.start_relay()
-        for ns in (self.ns("c1"), self.ns("lb")):
+        for ns in (self.ns("c1"), self.ns("lb"), self.ns("s2")):
             run(ns, ["ping", "-c", "1", "-W", "2", self.tb.addr("s1")], check=False)
         self.stats_fd = enable_bpf_stats()
 
@@ -314,7 +341,7 @@ class Bench(TestbedRun):
     def start_takeover(self) -> None:
         s1 = self.tb.addr("s1")
         argv = [str(self.inband), "tcpe", "serve", "--control", f"{s1}:{CONTROL_PORT}", "--join", f"{s1}:{JOIN_PORT}",
-                "--origin", f"127.0.0.1:{ORIGIN_PORT}", "--key", str(self.tcpe_key)]
+                "--origin", f"127.0.0.1:{ORIGIN_PORT}", "--key", str(self.tcpe_key), "--agent-pins", str(agent_pins(self.ns("s1")))]
         log = self.out / "logs" / "takeover.log"
         proc = self.procs.spawn("takeover", self.ns("s1"), in_cgroup(self.cgroups["s1"], argv), log, env=dict(os.environ, INBAND_LOG="warn"))
         wait_until("the takeover server", lambda: alive(proc, "inband tcpe serve", log) and self.listening("s1", JOIN_PORT), 20)
@@ -345,9 +372,23 @@ class Bench(TestbedRun):
         if kind == "inband-lb":
             # start_lb spawns without the cgroup: run it in one by the
             # same wrapper, through a config written the same way.
-            self.balancer = (kind, self.start_lb_in_cgroup(d))
+            self.balancer = (kind, [self.start_lb_in_cgroup(d, [Backend(s1, ORIGIN_PORT)])])
             return
-        if kind == "inband-proxy":
+        node = "lb"
+        if kind == "inband-lb+proxy":
+            # The proxy on s2 takes every new connection (s1 takes moved ones only).
+            s2 = self.tb.addr("s2")
+            lb = self.start_lb_in_cgroup(d, [Backend(s2, ORIGIN_PORT), Backend(s1, ORIGIN_PORT, weight=0)], moves=True)
+            self.balancer = (kind, [lb])
+            node, listen = "s2", f"{s2}:{ORIGIN_PORT}"
+            self.metrics_at = (node, s2)
+            cfg = d / "inband-proxy-transparent.toml"
+            cfg.write_text(inband_proxy_toml(listen=listen, origin=origin, metrics=f"{s2}:{METRICS_PORT}", cgroup=cg, key=self.tcpe_key,
+                                             control=f"{s1}:{CONTROL_PORT}", join=f"{s1}:{JOIN_PORT}",
+                                             transparent=(agent_pins(self.ns("s2")), self.auth_key)))
+            argv = [str(self.inband), "proxy", "--config", str(cfg)]
+        elif kind == "inband-proxy":
+            self.metrics_at = ("lb", self.tb.addr("lb"))
             cfg = d / "inband-proxy.toml"
             cfg.write_text(inband_proxy_toml(listen=f"{vip}:{VIP_PORT}", origin=origin, metrics=f"{self.tb.addr('lb')}:{METRICS_PORT}",
                                              cgroup=cg, key=self.tcpe_key, control=f"{s1}:{CONTROL_PORT}", join=f"{s1}:{JOIN_PORT}"))
@@ -365,20 +406,23 @@ class Bench(TestbedRun):
             argv = ["haproxy", "-db", "-f", str(cfg)]
         else:
             raise ValueError(kind)
-        proc = self.procs.spawn(kind, self.ns("lb"), in_cgroup(cg, argv), log, env=env)
-        self.balancer = (kind, proc)
-        wait_until(f"{kind} on the VIP", lambda: alive(proc, kind, log) and self.listening("lb", VIP_PORT), 30)
-        if kind == "inband-proxy":
+        proc = self.procs.spawn(kind, self.ns(node), in_cgroup(cg, argv), log, env=env)
+        self.balancer = (kind, (self.balancer[1] if self.balancer else []) + [proc])
+        port = ORIGIN_PORT if node == "s2" else VIP_PORT
+        wait_until(f"{kind} on the VIP", lambda: alive(proc, kind, log) and self.listening(node, port), 30)
+        if kind in ("inband-proxy", "inband-lb+proxy"):
             wait_until("the proxy's metrics", lambda: self.metrics() is not None, 10)
 
-    def start_lb_in_cgroup(self, d: Path):
+    def start_lb_in_cgroup(self, d: Path, backends: list[Backend], moves: bool = False):
+        """`moves`: `[moves]` on the balancer's address (the transparent row)."""
         lb = self.ns("lb")
-        backends = [Backend(self.tb.addr("s1"), ORIGIN_PORT)]
         for b in backends:
             run(lb, ["ping", "-c", "1", "-W", "2", b.address], check=False)
         cfg = d / "lb.toml"
-        cfg.write_text(peers.lb_toml(address=self.tb.addr("lb"), vip=self.tb.vip, vip_port=VIP_PORT, backends=backends, mode="dsr-rr",
-                                     control_socket=str(self.lb_sock), auth_key=str(self.auth_key)))
+        address = self.tb.addr("lb")
+        cfg.write_text(peers.lb_toml(address=address, vip=self.tb.vip, vip_port=VIP_PORT, backends=backends, mode="dsr-rr",
+                                     control_socket=str(self.lb_sock), auth_key=str(self.auth_key),
+                                     moves_listen=f"{address}:{MOVES_PORT}" if moves else None))
         log = self.out / "logs" / "inband-lb.log"
         proc = self.procs.spawn("inband lb", lb, in_cgroup(self.cgroups["lb"], [str(self.inband), "lb", "--config", str(cfg)]), log)
         wait_until("the balancer's control socket", lambda: alive(proc, "inband lb", log) and self.lb_status() is not None, 30)
@@ -389,14 +433,16 @@ class Bench(TestbedRun):
     def stop_balancer(self) -> None:
         if self.balancer is None:
             return
-        kind, proc = self.balancer
+        kind, procs = self.balancer
         self.balancer = None
-        self.procs.stop(proc)
-        if kind == "inband-lb":
+        for proc in reversed(procs):
+            self.procs.stop(proc)
+        if kind.startswith("inband-lb"):
             self.detach_lb()
 
     def metrics(self) -> dict | None:
-        cp = run(self.ns("lb"), ["curl", "-s", "--max-time", "3", f"http://{self.tb.addr('lb')}:{METRICS_PORT}/metrics"], check=False)
+        node, address = self.metrics_at
+        cp = run(self.ns(node), ["curl", "-s", "--max-time", "3", f"http://{address}:{METRICS_PORT}/metrics"], check=False)
         return parse_tcpe_metrics(cp.stdout) if cp.returncode == 0 and "inband_proxy" in cp.stdout else None
 
     # --- measuring
@@ -409,8 +455,15 @@ class Bench(TestbedRun):
         self.quiet.add(wait_quiet(self.wait_budget_s, self.log, hold_s=2))
         self.wait_budget_s -= time.monotonic() - t0
 
+    def moves(self) -> int:
+        """The balancer's count of flows moved."""
+        status = self.lb_status()
+        return int(status[0]["control"]["moves"]["moved"]) if status else 0
+
     def bpf_ns(self, kind: str | None) -> int:
-        if kind == "inband-lb":
+        # The transparent row's proxy has its sockops program too, but
+        # only the XDP program's time is in no balancer process's.
+        if kind in ("inband-lb", "inband-lb+proxy"):
             return xdp_prog_stats(self.ns("lb"), "eth0")[0]
         if kind == "inband-proxy":
             progs = json.loads(run(None, ["bpftool", "-j", "cgroup", "show", str(self.cgroups["lb"])]).stdout or "[]")
@@ -437,7 +490,8 @@ class Bench(TestbedRun):
         url = f"http://{host}:{port}/{mib}M"
         argv = ns_argv(self.ns("c1"), in_cgroup(self.cgroups["c1"], self.client_argv(system, url, n)))
         row = Row(system, size, rnd, n)
-        m0 = self.metrics() if kind == "inband-proxy" else None
+        m0 = self.metrics() if kind in ("inband-proxy", "inband-lb+proxy") else None
+        moves0 = self.moves() if system == "transparent" else 0
         lb0, c0, s0 = (cgroup_usage_s(self.cgroups[r]) for r in ("lb", "c1", "s1"))
         bpf0 = self.bpf_ns(kind)
         busy0, t0 = cpu_busy_s(), time.monotonic()
@@ -462,9 +516,14 @@ class Bench(TestbedRun):
         if m0 is not None:
             m1 = self.metrics() or {}
             delta = {k: m1.get(k, 0.0) - v for k, v in m0.items()}
-            row.handed_off = int(delta.get(("handoffs", "handed_off"), 0))
-            row.fallbacks = {k[1]: int(v) for k, v in delta.items() if k[0] == "handoffs" and k[1] != "handed_off" and v}
+            done = "moved" if system == "transparent" else "handed_off"
+            row.handed_off = int(delta.get(("handoffs", done), 0))
+            row.fallbacks = {k[1]: int(v) for k, v in delta.items() if k[0] == "handoffs" and k[1] != done and v}
             row.kept = {k[1]: int(v) for k, v in delta.items() if k[0] == "kept" and v}
+        if system == "transparent":
+            # curl cannot tell a moved connection: the other end that
+            # counts the moves is the balancer.
+            row.moved = self.moves() - moves0
         return row
 
     def teardown(self) -> None:
@@ -533,7 +592,7 @@ class Cell:
     def balancer_s_gb(self) -> float | None:
         """Processes + XDP run time (the sockops program is partly in the
         proxy's time already)."""
-        xdp = self.bpf_ns / 1e9 if self.system == "dsr" else 0.0
+        xdp = self.bpf_ns / 1e9 if self.system in ("dsr", "transparent") else 0.0
         return self.per_gb(self.balancer_cpu_s + xdp)
 
     @property
@@ -551,7 +610,7 @@ class Cell:
     def not_moved(self) -> int:
         """Fetches of a handoff row that did not move, by the smaller of the
         two ends' counts (fallbacks, and fetches a failed client never made)."""
-        return self.requests - min(self.moved, self.handed_off) if self.system == "handoff" else 0
+        return self.requests - min(self.moved, self.handed_off) if self.system in MOVING else 0
 
 
 def cells(rows: list[Row]) -> dict:
@@ -585,13 +644,14 @@ def fmt(v: float | None, digits: int = 3) -> str:
 
 
 def moved_cell(c: Cell) -> str:
-    if c.system != "handoff":
+    if c.system not in MOVING:
         return "–"
-    return f"{c.handed_off}/{c.requests}" + ("" if c.moved == c.handed_off else f" (client: {c.moved})")
+    other = "client" if c.system == "handoff" else "balancer"
+    return f"{c.handed_off}/{c.requests}" + ("" if c.moved == c.handed_off else f" ({other}: {c.moved})")
 
 
 def fallback_cell(c: Cell) -> str:
-    if c.system != "handoff":
+    if c.system not in MOVING:
         return "–"
     # A request one of the proxy's rules kept never tried to move: said too.
     said = [f"{k} {v}" for k, v in sorted(c.fallbacks.items())] + [f"kept ({k}) {v}" for k, v in sorted(c.kept.items())]
@@ -667,10 +727,11 @@ def positive_ratio(a: float | None, b: float | None) -> float | None:
 
 def targets_table(cs: dict) -> str:
     rows = []
-    for size in sorted({s for _, s in cs}):
-        h = cs.get(("handoff", size))
+    for size, system in [(size, system) for size in sorted({s for _, s in cs}) for system in MOVING]:
+        h = cs.get((system, size))
         if h is None:
             continue
+        variant = {"handoff": "TCPE", "transparent": "transparent"}[system]
         p, d, direct, relay = cs.get(("proxy", size)), cs.get(("dsr", size)), cs.get(("direct", size)), cs.get(("relay", size))
         vs_p = ratio(h.balancer_s_gb, p.balancer_s_gb) if p else None
         vs_d = ratio(h.balancer_s_gb, d.balancer_s_gb) if d else None
@@ -683,12 +744,12 @@ def targets_table(cs: dict) -> str:
         machine = [fmt(positive_ratio(m, above_direct(p, direct)), 3), fmt(positive_ratio(m, above_direct(d, direct)), 2)]
         if h.not_moved:
             judged = f"not judged: {h.not_moved} of {h.requests} did not move"
-            rows.append([mib_label(size), fmt(vs_p, 3), judged, fmt(vs_d, 2), judged, fmt(vs_direct, 2), judged, *limit, *machine])
+            rows.append([mib_label(size), variant, fmt(vs_p, 3), judged, fmt(vs_d, 2), judged, fmt(vs_direct, 2), judged, *limit, *machine])
             continue
-        rows.append([mib_label(size), fmt(vs_p, 3), verdict(vs_p, TARGETS["vs_proxy"], True), fmt(vs_d, 2), verdict(vs_d, TARGETS["vs_dsr"], True),
-                     fmt(vs_direct, 2), verdict(vs_direct, TARGETS["vs_direct"], False), *limit, *machine])
-    return table(["response", f"handoff ÷ proxied, balancer CPU (≤ {TARGETS['vs_proxy']})", "", f"handoff ÷ dsr-rr (≤ {TARGETS['vs_dsr']})", "",
-                  f"handoff ÷ direct, throughput (≥ {TARGETS['vs_direct']})", "", "HAProxy relay ÷ direct", "handoff ÷ HAProxy relay",
+        rows.append([mib_label(size), variant, fmt(vs_p, 3), verdict(vs_p, TARGETS["vs_proxy"], True), fmt(vs_d, 2),
+                     verdict(vs_d, TARGETS["vs_dsr"], True), fmt(vs_direct, 2), verdict(vs_direct, TARGETS["vs_direct"], False), *limit, *machine])
+    return table(["response", "handoff", f"÷ proxied, balancer CPU (≤ {TARGETS['vs_proxy']})", "", f"÷ dsr-rr (≤ {TARGETS['vs_dsr']})", "",
+                  f"÷ direct, throughput (≥ {TARGETS['vs_direct']})", "", "HAProxy relay ÷ direct", "handoff ÷ HAProxy relay",
                   "machine above direct: handoff ÷ proxied", "÷ dsr-rr"], rows)
 
 

@@ -14,6 +14,9 @@ from ipaddress import IPv4Address, IPv6Address
 class Backend:
     address: str
     port: int
+    # `inband lb`'s weight (None: the default, 1); 0 takes no new
+    # connections, only moved ones.
+    weight: int | None = None
 
 
 def _check_ip(a: str) -> str:
@@ -93,6 +96,7 @@ def lb_toml(
     interface: str = "eth0",
     health: HealthChecks | None = None,
     scale_out: ScaleOut | None = None,
+    moves_listen: str | None = None,
 ) -> str:
     """`inband lb` config for one VIP in one mode (docs/configuration.md).
     `auth_key`: the key file shared with the agents, or None for the seed
@@ -100,12 +104,15 @@ def lb_toml(
     `probe_budget`: the adaptive n's upper bound and the 124s per second a
     backend may get (both omitted: the balancer's fixed n, no budget).
     `health`: the VIP's checks written out (omitted: the defaults).
-    `scale_out`: this instance's place behind an ECMP router."""
+    `scale_out`: this instance's place behind an ECMP router.
+    `moves_listen`: `[moves] listen` (flow moves taken there; none when
+    absent)."""
     lines = [
         f'interface = "{interface}"',
         f'address = "{_check_ip(address)}"',
         f'control_socket = "{control_socket}"',
         *(scale_out.toml_lines() if scale_out is not None else []),
+        *(["", "[moves]", f'listen = "{moves_listen}"'] if moves_listen else []),
         "",
         *_auth_lines(auth_key, balancer=True),
         "",
@@ -123,21 +130,26 @@ def lb_toml(
     ]
     for b in backends:
         lines += ["", "[[vip.backend]]", f'address = "{_check_ip(b.address)}"', f"port = {int(b.port)}"]
+        if b.weight is not None:
+            lines.append(f"weight = {int(b.weight)}")
     return "\n".join(lines) + "\n"
 
 
 def agent_toml(
     *, balancers: list[str], vip: str, vip_port: int, service_port: int, score_socket: str, auth_key: str | None, interface: str = "eth0",
-    score: str | None = None,
+    score: str | None = None, client_address: bool = True,
 ) -> str:
     """`inband agent` config: one service, the balancers it trusts, and
     their key (`auth_key`, as in `lb_toml`); `score`: its score source
-    (docs/agent.md "Score sources"), absent: the agent's default."""
+    (docs/agent.md "Score sources"), absent: the agent's default;
+    `client_address = False`: applications see the balancer's tuple (a
+    proxy that moves connections must)."""
     trusted = ", ".join(f'"{_check_ip(b)}"' for b in balancers)
     lines = [
         f'interface = "{interface}"',
         f"balancers = [{trusted}]",
         *([f'score = "{score}"'] if score else []),
+        *([] if client_address else ["client_address = false"]),
         f'score_socket = "{score_socket}"',
         "",
         *_auth_lines(auth_key, balancer=False),

@@ -144,9 +144,11 @@ class TestbedRun:
         self.tb_is_up = True  # from here on, tear-down must run even if `up` fails half-way
         self.tb.up(servers, clients=clients, **kw)
 
-    def start_agents(self, nodes: list[str], cfg_dir: Path, log_dir: Path, service_port: int, score: str | None = None) -> list:
+    def start_agents(self, nodes: list[str], cfg_dir: Path, log_dir: Path, service_port: int, score: str | None = None,
+                     client_address: bool = True) -> list:
         """`inband agent` on each node, returned once every one has attached:
-        [(node, process, log)]. `score`: the agents' score source."""
+        [(node, process, log)]. `score`: the agents' score source;
+        `client_address`: as peers.agent_toml's."""
         cfg_dir.mkdir(parents=True, exist_ok=True)
         agents = []
         for node in nodes:
@@ -155,7 +157,7 @@ class TestbedRun:
                 peers.agent_toml(
                     balancers=self.balancer_addresses, vip=self.tb.vip, vip_port=self.VIP_PORT, service_port=service_port,
                     score_socket=str(self.sock_dir / f"agent-{node}.sock"), auth_key=str(self.auth_key) if self.auth_key else None,
-                    score=score,
+                    score=score, client_address=client_address,
                 )
             )  # fmt: skip
             log = log_dir / f"agent-{node}.log"

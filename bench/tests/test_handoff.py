@@ -60,11 +60,11 @@ def test_tables_give_the_targets_as_ratios():
     gb = 10 * MIB / 1e9
     h = row("handoff", cpu=0.1 * gb, machine=1.5 * gb, total_s=0.0125, moved=10, handed_off=10, first_ms=4.0)
     md = ho.markdown(known_rows(h), {"counts": [[1, 10]], "rounds": 1}, [], [])
-    targets = table_rows(md, "| response | handoff ÷ proxied")
+    targets = table_rows(md, "| response | handoff | ÷ proxied")
     # 0.1 ÷ 2.0 = 0.05 (≤ 0.1); 0.1 ÷ (0.1 + 0.1) = 0.5 (≤ 1.2); 10 ms ÷ 12.5 ms = 0.8 (< 0.9).
     # On the machine above direct: 0.5 ÷ 2.0 and 0.5 ÷ 0.2 (beside, not judged).
     # The relay reference (20 ms a fetch) is 0.5× direct's rate; the handoff's 0.8 is 1.60× it.
-    assert targets == [["1 MiB", "0.050", "met", "0.50", "met", "0.80", "**not met**", "0.50", "1.60", "0.250", "2.50"]]
+    assert targets == [["1 MiB", "TCPE", "0.050", "met", "0.50", "met", "0.80", "**not met**", "0.50", "1.60", "0.250", "2.50"]]
     cpu = {r[1]: r for r in table_rows(md, "| response | system | complete |")}
     hr = cpu["inband proxy, handed off (TCPE client)"]
     assert hr[2:5] == ["10/10", "10/10", "0"]
@@ -81,8 +81,8 @@ def test_a_handoff_row_that_fell_back_says_so_and_is_not_judged():
     gb = 10 * MIB / 1e9
     h = row("handoff", cpu=0.1 * gb, machine=1.5 * gb, total_s=0.010, moved=8, handed_off=8, fallbacks={"fallback_no_ack": 2})
     md = ho.markdown(known_rows(h), {"counts": [[1, 10]], "rounds": 1}, [], [])
-    targets = table_rows(md, "| response | handoff ÷ proxied")[0]
-    assert targets[2] == targets[4] == targets[6] == "not judged: 2 of 10 did not move"
+    targets = table_rows(md, "| response | handoff | ÷ proxied")[0]
+    assert targets[3] == targets[5] == targets[7] == "not judged: 2 of 10 did not move"
     hr = {r[1]: r for r in table_rows(md, "| response | system | complete |")}["inband proxy, handed off (TCPE client)"]
     assert hr[3:5] == ["8/10", "fallback_no_ack 2"]
     # A request a proxy rule kept is said too.
@@ -96,6 +96,23 @@ def test_a_handoff_row_that_fell_back_says_so_and_is_not_judged():
     assert "8/10 (client: 7)" in md
 
 
+def test_a_transparent_row_is_judged_beside_the_tcpe_one_and_counts_xdp():
+    gb = 10 * MIB / 1e9
+    h = row("handoff", cpu=0.1 * gb, machine=1.5 * gb, total_s=0.0125, moved=10, handed_off=10)
+    # 0.02 s/GB of the proxy's and the daemon's, 0.08 s/GB of XDP run time.
+    t = row("transparent", cpu=0.02 * gb, machine=1.1 * gb, total_s=0.010, moved=10, handed_off=10, bpf_ns=int(0.08 * gb * 1e9))
+    md = ho.markdown(known_rows(h) + [t], {"counts": [[1, 10]], "rounds": 1}, [], [])
+    targets = {r[1]: r for r in table_rows(md, "| response | handoff | ÷ proxied")}
+    # (0.02 + 0.08) ÷ 2.0 = 0.05; ÷ (0.1 + 0.1) = 0.5; 10 ms ÷ 10 ms = 1.0.
+    assert targets["transparent"][2:8] == ["0.050", "met", "0.50", "met", "1.00", "met"]
+    cpu = {r[1]: r for r in table_rows(md, "| response | system | complete |")}
+    assert cpu["inband lb + proxy, moved at L4 (curl)"][3:5] == ["10/10", "0"]
+    # The balancer's count disagreeing with the proxy's is shown, and decides.
+    t.moved = 9
+    assert "10/10 (balancer: 9)" in ho.markdown(known_rows(h) + [t], {"counts": [[1, 10]], "rounds": 1}, [], [])
+    assert ho.cells([t])[("transparent", MIB)].not_moved == 1
+
+
 def test_the_peers_configs():
     n = ho.peers.nginx_proxy_conf(listen="10.1.0.100:80", origin="10.1.0.21:8080", prefix="/tmp/x", workers=2, as_root=True)
     assert "proxy_max_temp_file_size 0;" in n and "server 10.1.0.21:8080;" in n and "proxy_cache" not in n
@@ -104,6 +121,13 @@ def test_the_peers_configs():
     t = ho.inband_proxy_toml(listen="10.1.0.100:80", origin="10.1.0.21:8080", metrics="10.1.0.2:9180", cgroup=Path("/cg"), key=Path("/k"),
                              control="10.1.0.21:7000", join="10.1.0.21:7001")
     assert '[[tcpe.server]]\nbackend = "10.1.0.21:8080"\ncontrol = "10.1.0.21:7000"\njoin = "10.1.0.21:7001"' in t
+    assert "[tcpe.transparent]" not in t
+    t = ho.inband_proxy_toml(listen="10.1.0.22:8080", origin="10.1.0.21:8080", metrics="10.1.0.22:9180", cgroup=Path("/cg"), key=Path("/k"),
+                             control="10.1.0.21:7000", join="10.1.0.21:7001", transparent=(Path("/pins"), Path("/a")))
+    assert '[tcpe.transparent]\nagent_pins = "/pins"\nbalancer_port = 7156\n' in t and 'keys = [{ id = 1, file = "/a" }]' in t
+    lb = ho.peers.lb_toml(address="10.1.0.2", vip="10.1.0.100", vip_port=80, backends=[ho.Backend("10.1.0.22", 8080), ho.Backend("10.1.0.21", 8080, weight=0)],
+                          mode="dsr-rr", control_socket="/s", auth_key="/a", moves_listen="10.1.0.2:7156")
+    assert '[moves]\nlisten = "10.1.0.2:7156"' in lb and 'address = "10.1.0.21"\nport = 8080\nweight = 0' in lb
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not INBAND.exists() or not all(shutil.which(t) for t in ("nginx", "haproxy", "curl", "bpftool")),
@@ -144,9 +168,16 @@ def test_tiny_profile_end_to_end(tmp_path):
         p = cs[("proxy", size)]
         assert p.handed_off == 0 and p.fallbacks == {"fallback_not_capable": p.requests}, (size, p.fallbacks)
         assert cs[("dsr", size)].bpf_ns > 0  # the XDP program ran
-    # The relay reference's columns are filled at every size.
-    assert all(r[7] != "–" and r[8] != "–" for r in table_rows(cp.stdout, "| response | handoff ÷ proxied")), cp.stdout
-    assert "| response | handoff ÷ proxied" in cp.stdout and (out / "handoff.png").exists()
+        # Moved at L4: the proxy and the balancer count every fetch moved,
+        # none fell back, and the XDP program carried the client's packets.
+        t = cs[("transparent", size)]
+        assert t.handed_off == t.moved == t.requests and t.fallbacks == {} and t.kept == {}, (size, t.handed_off, t.moved, t.fallbacks, t.kept)
+        assert t.bpf_ns > 0
+    # The relay reference's columns are filled at every size, for both variants.
+    targets = table_rows(cp.stdout, "| response | handoff | ÷ proxied")
+    assert [r[1] for r in targets] == ["TCPE", "transparent"] * len(sizes), cp.stdout
+    assert all(r[8] != "–" and r[9] != "–" for r in targets), cp.stdout
+    assert (out / "handoff.png").exists()
     # Nothing it started is left running, and its cgroups are gone.
     assert str(out) not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert set(ho.cgroup2_mount().glob("inband-bench-handoff-*")) == cgroups

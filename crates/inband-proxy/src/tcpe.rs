@@ -182,6 +182,11 @@ pub async fn first_request(shared: &Arc<Shared>, mut io: Io, peer: SocketAddr) -
             _ => break None,
         }
     };
+    // Closed (or timed out) before its first byte, as a balancer's TCP
+    // health check is: there was no request to keep or move.
+    if buf.is_empty() {
+        return First::Proxy(io);
+    }
     let buf = Bytes::from(buf);
     match choose(shared, h, &buf, head_len, peer).await {
         Ok(chosen) => Box::pin(move_connection(h, io, buf, peer, chosen, !offered)).await,

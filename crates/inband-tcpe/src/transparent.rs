@@ -144,6 +144,10 @@ impl Mover {
 /// drops it, which sends nothing.
 pub fn move_connection(m: &Mover, client: &TcpStream, request: &[u8], to: &Target, backend: SocketAddr, c: &Counters) -> Outcome {
     let (Ok(peer), Ok(local)) = (client.peer_addr(), client.local_addr()) else { return fallback(c, NOT_DSR) };
+    // An IPv4 connection on a dual-stack listener shows IPv4-mapped
+    // addresses; the agent's maps and the balancer key it as IPv4.
+    let canonical = |a: SocketAddr| SocketAddr::new(a.ip().to_canonical(), a.port());
+    let (peer, local) = (canonical(peer), canonical(local));
     let entry = match m.agent.entry(peer, local.port()) {
         Ok(Some(e)) => e,
         _ => return fallback(c, NOT_DSR),
@@ -170,6 +174,7 @@ pub fn move_connection(m: &Mover, client: &TcpStream, request: &[u8], to: &Targe
         }
     };
     frozen.local = backend;
+    frozen.peer = peer;
     let mv = Move { frozen, client: entry.client, ts_shift: entry.ts_shift };
     let (mut ch, nonce) = match open_channel(to, |ch, nonce| channel::send_move(ch, &to.key, nonce, &mv)) {
         Ok(x) => x,

@@ -179,6 +179,14 @@ fn plain_clients_connections_move_to_the_server_at_l4_and_every_failure_falls_ba
     assert_eq!(served(&c, 2) - before, 7, "s2 served every request");
     // No response byte crossed the proxy: it asked its backend nothing.
     assert!(!metrics(&c).lines().any(|l| l.starts_with("inband_proxy_origin_requests_total") && !l.ends_with(" 0")), "{}", metrics(&c));
+    // A connection that closes before its first byte (as a TCP health
+    // check does) had no request: nothing kept, nothing moved.
+    let vip = vip(&c.tb);
+    run_ok(&c.tb, "c1", &["bash", "-c", &format!("exec 3<>/dev/tcp/{}/{}; exec 3>&-", vip.ip(), vip.port())]);
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let kept: Vec<String> = metrics(&c).lines().filter(|l| l.starts_with("inband_proxy_tcpe_kept_total") && !l.ends_with(" 0")).map(String::from).collect();
+    assert!(kept.is_empty(), "{kept:?}");
+    assert_eq!(handoffs(&c, "moved"), 6);
     // s2's agent answered the clients straight: 7 MiB at least went out DSR.
     let s2_agent = c.agent_status(2)["counters"].clone();
     assert!(s2_agent["dsr_rewrites"].as_u64().unwrap() >= 7 * (BODY as u64) / 65536, "{s2_agent}");
