@@ -455,10 +455,10 @@ class Bench(TestbedRun):
         self.quiet.add(wait_quiet(self.wait_budget_s, self.log, hold_s=2))
         self.wait_budget_s -= time.monotonic() - t0
 
-    def moves(self) -> int:
-        """The balancer's count of flows moved."""
+    def moves(self) -> dict:
+        """The balancer's move counters: "moved" and each refusal's."""
         status = self.lb_status()
-        return int(status[0]["control"]["moves"]["moved"]) if status else 0
+        return {k: int(v) for k, v in status[0]["control"]["moves"].items()} if status else {}
 
     def bpf_ns(self, kind: str | None) -> int:
         # The transparent row's proxy has its sockops program too, but
@@ -491,7 +491,7 @@ class Bench(TestbedRun):
         argv = ns_argv(self.ns("c1"), in_cgroup(self.cgroups["c1"], self.client_argv(system, url, n)))
         row = Row(system, size, rnd, n)
         m0 = self.metrics() if kind in ("inband-proxy", "inband-lb+proxy") else None
-        moves0 = self.moves() if system == "transparent" else 0
+        moves0 = self.moves() if system == "transparent" else {}
         lb0, c0, s0 = (cgroup_usage_s(self.cgroups[r]) for r in ("lb", "c1", "s1"))
         bpf0 = self.bpf_ns(kind)
         busy0, t0 = cpu_busy_s(), time.monotonic()
@@ -522,8 +522,12 @@ class Bench(TestbedRun):
             row.kept = {k[1]: int(v) for k, v in delta.items() if k[0] == "kept" and v}
         if system == "transparent":
             # curl cannot tell a moved connection: the other end that
-            # counts the moves is the balancer.
-            row.moved = self.moves() - moves0
+            # counts the moves is the balancer, which also says why it
+            # refused any.
+            moves1 = self.moves()
+            delta = {k: v - moves0.get(k, 0) for k, v in moves1.items()}
+            row.moved = delta.pop("moved", 0)
+            row.fallbacks.update({f"balancer {k}": v for k, v in delta.items() if v})
         return row
 
     def teardown(self) -> None:

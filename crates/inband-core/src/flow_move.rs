@@ -12,7 +12,7 @@
 //!          | from: address (16) | port (2)
 //!          | to:   port (2) | address (16)
 //!          | mac (8)                                                         100 bytes
-//! reply:   "IBM2" | key id (1) | result (1) | 0 (2) | sequence (8) | mac (8)   24 bytes
+//! reply:   "IBM2" | key id (1) | result (1) | source port (2) | sequence (8) | mac (8)   24 bytes
 //! ```
 //!
 //! Integers in network order, addresses as 16 bytes (IPv4 as
@@ -29,6 +29,15 @@
 //! restarted sender goes on above its old numbers): a recorded request is
 //! worthless once replayed. The reply echoes the sequence number, so the
 //! asker takes only the answer to its own request.
+//!
+//! A moved connection keeps the balancer's source port unless another
+//! connection holds that port toward `to`: then the balancer gives it one
+//! that is free there, and the reply's source port (the one the
+//! connection comes from toward `to` from now on; 0 unless moved) tells
+//! the asker, which has the server rebuild its socket with it. A request
+//! for a flow that already goes to `to` is answered `Moved` with its
+//! port and changes nothing, so a retry after a lost answer learns the
+//! outcome.
 
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
@@ -63,7 +72,7 @@ pub struct Request {
 /// What the balancer did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outcome {
-    /// The flow's packets go to `to` from now on.
+    /// The flow's packets go to `to` from now on (or went there already).
     Moved,
     /// No established flow with that client side.
     NoFlow,
@@ -71,7 +80,8 @@ pub enum Outcome {
     NotOwner,
     /// `to` is not a backend of the flow's VIP, or it is down.
     NotABackend,
-    /// Another connection holds the flow's source port toward `to`.
+    /// Another connection holds the flow's source port toward `to`, and
+    /// the balancer found no other free there.
     PortInUse,
     /// The sequence number was not above the sender's last, the flow has
     /// a fleet tuple (the other instances would not know of the move), or
@@ -120,6 +130,8 @@ impl Outcome {
 pub struct Reply {
     pub seq: u64,
     pub outcome: Outcome,
+    /// With `Moved`: the balancer's source port toward `to` from now on.
+    pub source_port: u16,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -202,9 +214,12 @@ pub fn decode_request(buf: &[u8], keys: &[(u8, Key)]) -> Result<Request, Refusal
 }
 
 /// The answer to `req` under its key; None if that key is gone.
-pub fn encode_reply(req: &Request, outcome: Outcome, keys: &[(u8, Key)]) -> Option<Vec<u8>> {
+/// `source_port`: with `Moved`, the flow's source port toward `to` (0
+/// otherwise).
+pub fn encode_reply(req: &Request, outcome: Outcome, source_port: u16, keys: &[(u8, Key)]) -> Option<Vec<u8>> {
     let key = key_of(keys, req.key_id)?;
-    let body = [&b"IBM2"[..], &[req.key_id, outcome.code(), 0, 0], &req.seq.to_be_bytes()].concat();
+    let port = if outcome == Outcome::Moved { source_port } else { 0 };
+    let body = [&b"IBM2"[..], &[req.key_id, outcome.code()], &port.to_be_bytes(), &req.seq.to_be_bytes()].concat();
     Some(signed(body, key))
 }
 
@@ -214,10 +229,12 @@ pub fn decode_reply(buf: &[u8], keys: &[(u8, Key)]) -> Result<Reply, Refusal> {
     }
     verified(buf, keys)?;
     let outcome = Outcome::from_code(buf[5]).ok_or(Refusal::Malformed)?;
-    if buf[6..8] != [0; 2] {
+    let source_port = be16(&buf[6..]);
+    // A port only with Moved, and a real one then.
+    if (outcome == Outcome::Moved) != (source_port != 0) {
         return Err(Refusal::Malformed);
     }
-    Ok(Reply { seq: be64(&buf[8..]), outcome })
+    Ok(Reply { seq: be64(&buf[8..]), outcome, source_port })
 }
 
 #[cfg(test)]
@@ -255,13 +272,16 @@ mod tests {
         assert_eq!(decode_request(&b[..99], &keys), Err(Refusal::NotOurs));
         assert_eq!(decode_request(&[b.clone(), vec![0]].concat(), &keys), Err(Refusal::NotOurs));
 
-        let rep = encode_reply(&r, Outcome::PortInUse, &keys).unwrap();
+        let rep = encode_reply(&r, Outcome::PortInUse, 1030, &keys).unwrap();
         assert_eq!(rep.len(), REPLY_LEN);
-        assert_eq!(decode_reply(&rep, &keys), Ok(Reply { seq: r.seq, outcome: Outcome::PortInUse }));
+        assert_eq!(decode_reply(&rep, &keys), Ok(Reply { seq: r.seq, outcome: Outcome::PortInUse, source_port: 0 }), "a port only with Moved");
+        let moved = encode_reply(&r, Outcome::Moved, 1030, &keys).unwrap();
+        assert_eq!(&moved[..8], &[b'I', b'B', b'M', b'2', 3, 0, 0x04, 0x06]);
+        assert_eq!(decode_reply(&moved, &keys), Ok(Reply { seq: r.seq, outcome: Outcome::Moved, source_port: 1030 }));
         // A request is not a reply, nor the other way round.
         assert_eq!(decode_reply(&b, &keys), Err(Refusal::NotOurs));
         assert_eq!(decode_request(&rep, &keys), Err(Refusal::NotOurs));
-        assert!(encode_reply(&r, Outcome::Moved, &[(4, key)]).is_none());
+        assert!(encode_reply(&r, Outcome::Moved, 1030, &[(4, key)]).is_none());
     }
 
     #[test]
@@ -272,11 +292,15 @@ mod tests {
         mixed.flow.vip = "[fd00::100]:80".parse().unwrap();
         assert_eq!(decode_request(&encode_request(&mixed, &key), &keys), Err(Refusal::Malformed));
         let r = request();
-        let mut rep = encode_reply(&r, Outcome::Moved, &keys).unwrap();
-        rep[5] = 9;
-        let body = rep[..16].to_vec();
-        let resigned = signed(body, &key);
-        assert_eq!(decode_reply(&resigned, &keys), Err(Refusal::Malformed));
+        let rep = encode_reply(&r, Outcome::Moved, 1030, &keys).unwrap();
+        let resign = |f: &dyn Fn(&mut Vec<u8>)| {
+            let mut body = rep[..16].to_vec();
+            f(&mut body);
+            signed(body, &key)
+        };
+        assert_eq!(decode_reply(&resign(&|b| b[5] = 9), &keys), Err(Refusal::Malformed), "an unknown result");
+        assert_eq!(decode_reply(&resign(&|b| b[6..8].copy_from_slice(&[0, 0])), &keys), Err(Refusal::Malformed), "moved without a port");
+        assert_eq!(decode_reply(&resign(&|b| b[5] = 1), &keys), Err(Refusal::Malformed), "a port without a move");
         let v6 = Request {
             flow: FlowSide { client: "[fd00::10]:40000".parse().unwrap(), vip: "[fd00::100]:80".parse().unwrap(), proto: 6 },
             from: "[fd00::21]:8080".parse().unwrap(),

@@ -27,13 +27,19 @@
 //! 7. a fleet tuple (`Refused`, `move_refused`): the fleet's other
 //!    instances, which may carry the connection, would not know of the move;
 //! 8. another live flow or handshake holds the flow's SNAT port toward `to`
-//!    (`PortInUse`).
+//!    and none of `PORT_TRIES` other ports is free there (`PortInUse`).
 //!
-//! Then the port is reserved toward `to` (inserted only if absent, as the
-//! data path takes a port), the flow rewritten in place of the one read
-//! (only if still there), the old reservation deleted, and the move counted
-//! in the load estimate (bpf/include/inband/lb/moves.h says why that takes
-//! a program).
+//! A flow that goes to `to` already (a retry after a lost answer) is
+//! answered `Moved` with its port, and nothing changes. Otherwise the
+//! port is reserved toward `to` (inserted only if absent, as the data path
+//! takes a port): the flow's own if it is free there, else another, which
+//! the answer names (the server rebuilds the connection from it); then the
+//! flow rewritten in place of the one read (only if still there), the old
+//! reservation deleted, and the move counted in the load estimate
+//! (bpf/include/inband/lb/moves.h says why that takes a program). Ports
+//! collide more as moves grow: every moved connection holds its port
+//! toward `to` until its flow ends, and new connections choose theirs
+//! toward the proxy, not knowing where they will go.
 //!
 //! The senders' last sequence numbers are kept per address, for at most
 //! MAX_BACKENDS addresses (a sender must be a backend to get anything
@@ -141,12 +147,25 @@ impl Answer {
     }
 }
 
-/// What the checks against the flow and its VIP find: the backend id of
-/// `to`, or the refusal. `slots`: the flow's VIP's (backend id, backend)
-/// in slot order.
-pub fn judge(req: &Request, flow: Option<&Flow>, slots: &[(u32, Backend)]) -> Result<u32, Answer> {
+/// What the checks against the flow and its VIP allow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Judged {
+    /// Move it to the backend of this id.
+    Move(u32),
+    /// It goes to `to` already (the sender's earlier request was taken):
+    /// answered as moved, nothing changed.
+    There,
+}
+
+/// What the checks against the flow and its VIP find, or the refusal.
+/// `slots`: the flow's VIP's (backend id, backend) in slot order.
+pub fn judge(req: &Request, flow: Option<&Flow>, slots: &[(u32, Backend)]) -> Result<Judged, Answer> {
     let f = flow.filter(|f| f.state == FLOW_ESTABLISHED).ok_or(Answer::NoFlow)?;
-    if SocketAddr::new(ip_of(&f.backend_addr), port_of(f.backend_port)) != req.from {
+    let now = SocketAddr::new(ip_of(&f.backend_addr), port_of(f.backend_port));
+    if now == req.to && req.from != req.to {
+        return Ok(Judged::There);
+    }
+    if now != req.from {
         return Err(Answer::NotOwner);
     }
     let (id, _) = slots
@@ -156,7 +175,7 @@ pub fn judge(req: &Request, flow: Option<&Flow>, slots: &[(u32, Backend)]) -> Re
     if f.snat_index == SNAT_FLEET {
         return Err(Answer::Fleet);
     }
-    Ok(*id)
+    Ok(Judged::Move(*id))
 }
 
 /// The client side as the maps key it.
@@ -230,29 +249,31 @@ impl<'p> Moves<'p> {
             stats.move_unknown_sender += 1;
             return Ok(None);
         }
-        let answer = match self.senders.take(req.from.ip(), req.seq) {
-            Err(SeqRefused::Replayed) => Answer::Replayed,
-            Err(SeqRefused::Full) => Answer::SendersFull,
+        let (answer, port) = match self.senders.take(req.from.ip(), req.seq) {
+            Err(SeqRefused::Replayed) => (Answer::Replayed, 0),
+            Err(SeqRefused::Full) => (Answer::SendersFull, 0),
             Ok(()) => self.apply(maps, &req)?,
         };
         answer.count(stats);
-        Ok(flow_move::encode_reply(&req, answer.outcome(), &keys))
+        Ok(flow_move::encode_reply(&req, answer.outcome(), port, &keys))
     }
 
-    /// Checks the flow and `to`, then moves the flow.
-    fn apply(&self, maps: &LbMaps, req: &Request) -> Result<Answer> {
+    /// Checks the flow and `to`, then moves the flow; with `Moved`, its
+    /// source port toward `to` (host order).
+    fn apply(&self, maps: &LbMaps, req: &Request) -> Result<(Answer, u16)> {
         let key = flow_key(req);
         let flow: Option<Flow> = bpfmap::get(&maps.flows, &key)?;
         let slots = match &flow {
             Some(f) => vip_slots(maps, u32::from(f.vip_id))?,
             None => Vec::new(),
         };
-        let to_id = match judge(req, flow.as_ref(), &slots) {
-            Ok(id) => id,
-            Err(a) => return Ok(a),
+        let (to_id, old) = match (judge(req, flow.as_ref(), &slots), flow) {
+            (Err(a), _) => return Ok((a, 0)),
+            (Ok(Judged::There), Some(f)) => return Ok((Answer::Moved, port_of(f.snat_port))),
+            (Ok(Judged::Move(to_id)), Some(f)) => (to_id, f),
+            (Ok(_), None) => unreachable!("judge found a flow"),
         };
-        let old = flow.expect("judged a flow");
-        let moved = Flow {
+        let mut moved = Flow {
             backend_addr: be_ip(req.to.ip()),
             backend_port: be_port(req.to.port()),
             backend_id: to_id as u16,
@@ -261,10 +282,9 @@ impl<'p> Moves<'p> {
             flags: old.flags & !PROBE_FLAGS,
             ..old
         };
-        let nk = nat_key_of(&moved);
-        if !reserve(maps, &nk, &key)? {
-            return Ok(Answer::PortInUse);
-        }
+        let Some(nk) = reserve_some_port(maps, &mut moved, &key)? else {
+            return Ok((Answer::PortInUse, 0));
+        };
         // Only in place of an entry: one the data path or the sweeper ended
         // meanwhile stays ended. A packet of the flow between the read and
         // this write may have set `seen` or the client's sequence record:
@@ -274,7 +294,7 @@ impl<'p> Moves<'p> {
             Ok(()) => {}
             Err(e) if e.kind() == ErrorKind::NotFound => {
                 bpfmap::delete(&maps.snat, &nk)?;
-                return Ok(Answer::NoFlow);
+                return Ok((Answer::NoFlow, 0));
             }
             Err(e) => return Err(e).context("rewriting the moved flow"),
         }
@@ -284,8 +304,38 @@ impl<'p> Moves<'p> {
             bpfmap::delete(&maps.snat, &old_nk)?;
         }
         run_counts(self.counts, old.backend_id, to_id as u16, old.mode, old.flags)?;
-        Ok(Answer::Moved)
+        Ok((Answer::Moved, port_of(moved.snat_port)))
     }
+}
+
+/// Other ports tried toward `to` when the flow's own is held there: with
+/// half the range held toward one backend, a move still finds one in all
+/// but 2^-32 of the cases.
+const PORT_TRIES: u32 = 32;
+
+/// Reserves toward `moved`'s backend its SNAT port, or, when that is held
+/// there, one of `PORT_TRIES` others drawn from the SNAT range, which
+/// `moved` then takes; the reserved key, or None.
+fn reserve_some_port(maps: &LbMaps, moved: &mut Flow, key: &FlowKey) -> Result<Option<NatKey>> {
+    let nk = nat_key_of(moved);
+    if reserve(maps, &nk, key)? {
+        return Ok(Some(nk));
+    }
+    let (min, range) = (inband_core::shared::INBAND_SNAT_PORT_MIN, SNAT_PORTS);
+    let start: u32 = rand::random::<u32>() % range;
+    // An odd stride: the range is 2^10 x 31, so the walk comes back to its
+    // start after 1,024 ports at the soonest, and the tries are distinct.
+    let stride = (rand::random::<u32>() % range) | 1;
+    for i in 0..PORT_TRIES {
+        let port = (min + (start + i * stride) % range) as u16;
+        let candidate = Flow { snat_port: be_port(port), ..*moved };
+        let nk = nat_key_of(&candidate);
+        if reserve(maps, &nk, key)? {
+            *moved = candidate;
+            return Ok(Some(nk));
+        }
+    }
+    Ok(None)
 }
 
 /// The (backend id, backend) of VIP `vid`'s slots.
@@ -418,9 +468,11 @@ mod tests {
     fn only_the_owner_moves_an_established_flow_to_an_up_backend_of_its_vip() {
         let r = request();
         let est = flow("10.0.1.1:8080", FLOW_ESTABLISHED);
-        assert_eq!(judge(&r, Some(&est), &slots(BACKEND_ACTIVE)), Ok(11));
+        assert_eq!(judge(&r, Some(&est), &slots(BACKEND_ACTIVE)), Ok(Judged::Move(11)));
         // Weight 0 is written DRAINING: such a server takes moved flows.
-        assert_eq!(judge(&r, Some(&est), &slots(BACKEND_DRAINING)), Ok(11));
+        assert_eq!(judge(&r, Some(&est), &slots(BACKEND_DRAINING)), Ok(Judged::Move(11)));
+        // Moved already (a retry after a lost answer): answered, not moved again.
+        assert_eq!(judge(&r, Some(&flow("10.0.1.2:8081", FLOW_ESTABLISHED)), &slots(BACKEND_ACTIVE)), Ok(Judged::There));
         assert_eq!(judge(&r, None, &slots(BACKEND_ACTIVE)), Err(Answer::NoFlow));
         for state in [FLOW_SYN_SENT, FLOW_CLOSING] {
             assert_eq!(judge(&r, Some(&flow("10.0.1.1:8080", state)), &slots(BACKEND_ACTIVE)), Err(Answer::NoFlow));

@@ -183,6 +183,14 @@ pub async fn accept(shared: Arc<Shared>, listener: TcpListener, tls: bool, worke
         // On a dual-stack listener IPv4 clients appear as ::ffff:a.b.c.d;
         // purge_allow, X-Forwarded-For and hashing want a.b.c.d.
         let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
+        // Under [tcpe.transparent] the host's agent does not show the
+        // proxy its clients (the moves need the balancer's tuple): the
+        // client comes from the agent's entry, for the limits, the logs,
+        // X-Forwarded-For and hashing alike.
+        let peer = match (&shared.tcpe, stream.local_addr()) {
+            (Some(t), Ok(local)) => t.client_of(peer, local.port()).unwrap_or(peer),
+            _ => peer,
+        };
         let client = match shared.client_limits.open(peer.ip()) {
             Ok(c) => c,
             Err(Refused::Connections) => {

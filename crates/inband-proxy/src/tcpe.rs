@@ -101,6 +101,12 @@ impl Handoffs {
         })
     }
 
+    /// With `[tcpe.transparent]`, the client a connection from `inband
+    /// lb` stands for: the kernel's peer is the balancer's tuple there.
+    pub fn client_of(&self, peer: SocketAddr, local_port: u16) -> Option<SocketAddr> {
+        self.mover.as_ref()?.client_of(peer, local_port)
+    }
+
     /// The sockops program's own counts (offers, notifications, forged
     /// options refused), for the metrics.
     pub fn option_counters(&self) -> Result<Vec<(&'static str, u64)>> {

@@ -17,7 +17,7 @@
 //! server   -> balancer  HELLO    nonce
 //! balancer -> server    MOVE     the frozen connection, the client it stands for, its timestamp shift
 //! server   -> balancer  READY    rebuilt (in repair mode: it sends nothing yet), or why not
-//! balancer -> server    GO       the L4 balancer sends the connection here now, or the move is called off
+//! balancer -> server    GO       the L4 balancer sends the connection here now (from the source port it names), or the move is called off
 //! ```
 //!
 //! Each message after HELLO is a frame `type (1) | body length (4, BE) |
@@ -386,17 +386,25 @@ pub fn recv_ready(r: &mut impl Read, key: &Key, nonce: &Nonce) -> Result<Ready> 
     }
 }
 
-/// `go`: the L4 balancer sends the connection to the server now; false:
+/// `go`: Some(port): the L4 balancer sends the connection to the server
+/// now, from the balancer's source port `port` (the frozen one, or the
+/// one the balancer gave it when that was held toward the server); None:
 /// the move is called off, and the server drops what it rebuilt without a
 /// word.
-pub fn send_go(w: &mut impl Write, key: &Key, nonce: &Nonce, go: bool) -> Result<()> {
-    send(w, key, nonce, T_GO, &[go as u8])
+pub fn send_go(w: &mut impl Write, key: &Key, nonce: &Nonce, go: Option<u16>) -> Result<()> {
+    match go {
+        Some(port) => {
+            let [hi, lo] = port.to_be_bytes();
+            send(w, key, nonce, T_GO, &[1, hi, lo])
+        }
+        None => send(w, key, nonce, T_GO, &[0]),
+    }
 }
 
-pub fn recv_go(r: &mut impl Read, key: &Key, nonce: &Nonce) -> Result<bool> {
+pub fn recv_go(r: &mut impl Read, key: &Key, nonce: &Nonce) -> Result<Option<u16>> {
     match recv(r, key, nonce, T_GO)?.as_slice() {
-        [0] => Ok(false),
-        [1] => Ok(true),
+        [0] => Ok(None),
+        [1, hi, lo] if [*hi, *lo] != [0, 0] => Ok(Some(u16::from_be_bytes([*hi, *lo]))),
         b => bail!("takeover channel: a GO of {b:02x?}"),
     }
 }
@@ -475,10 +483,16 @@ mod tests {
         // A MOVE cannot stand in for a HANDOFF's answer, nor GO for READY.
         assert!(recv_reply(&mut b.as_slice(), &key, &nonce).is_err());
         let mut go = Vec::new();
-        send_go(&mut go, &key, &nonce, true).unwrap();
+        send_go(&mut go, &key, &nonce, Some(1030)).unwrap();
         assert!(recv_ready(&mut go.as_slice(), &key, &nonce).is_err());
-        assert!(recv_go(&mut go.as_slice(), &key, &nonce).unwrap());
+        assert_eq!(recv_go(&mut go.as_slice(), &key, &nonce).unwrap(), Some(1030));
         assert!(recv_go(&mut go.as_slice(), &key, &[4; NONCE_LEN]).unwrap_err().is::<MacError>());
+        let mut off = Vec::new();
+        send_go(&mut off, &key, &nonce, None).unwrap();
+        assert_eq!(recv_go(&mut off.as_slice(), &key, &nonce).unwrap(), None);
+        let mut zero = Vec::new();
+        send(&mut zero, &key, &nonce, T_GO, &[1, 0, 0]).unwrap();
+        assert!(recv_go(&mut zero.as_slice(), &key, &nonce).is_err(), "a GO from port 0");
         for r in [Ready::Ready, Ready::Full, Ready::NoOrigin, Ready::Unrestorable] {
             let mut v = Vec::new();
             send_ready(&mut v, &key, &nonce, r).unwrap();

@@ -66,6 +66,8 @@ pub const COUNTERS: &[(&str, &str)] = &[
     ("move_unrestorable", "Moves refused: the kernel would not rebuild the connection (not this host's address, tuple in use)"),
     ("move_called_off", "Moves the balancer called off after this side was ready (its L4 balancer did not switch)"),
     ("move_no_dsr", "Moves taken whose responses go back through the balancer: the agent's entry could not be written"),
+    ("move_port_changed", "Moves rebuilt again from the source port the balancer gave them (their own was held toward this server)"),
+    ("move_lost", "Moves lost after the balancer's switch: the connection could not be rebuilt from the new port, or not released"),
 ];
 const HANDOFFS_ACCEPTED: usize = 0;
 const HANDOFF_BAD_MAC: usize = 1;
@@ -91,6 +93,8 @@ const MOVE_NO_ORIGIN: usize = 20;
 const MOVE_UNRESTORABLE: usize = 21;
 const MOVE_CALLED_OFF: usize = 22;
 const MOVE_NO_DSR: usize = 23;
+const MOVE_PORT_CHANGED: usize = 24;
+const MOVE_LOST: usize = 25;
 
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -443,7 +447,7 @@ fn take_move(w: Waiting, s: &mut TcpStream, nonce: &channel::Nonce, m: Move) -> 
             return channel::send_ready(s, &cfg.key, nonce, Ready::NoOrigin).is_ok();
         }
     };
-    let conn = match crate::repair::restore(&m.frozen) {
+    let mut conn = match crate::repair::restore(&m.frozen) {
         Ok(c) => c,
         Err(e) => {
             tracing::warn!("tcpe takeover: rebuilding {} <- {}: {e}", m.frozen.local, m.frozen.peer);
@@ -457,9 +461,9 @@ fn take_move(w: Waiting, s: &mut TcpStream, nonce: &channel::Nonce, m: Move) -> 
     // Dropped in repair mode (called off, or the channel failed), the
     // rebuilt socket goes without a word, and the balancer, which has not
     // switched, keeps the connection.
-    match channel::recv_go(s, &cfg.key, nonce) {
-        Ok(true) => {}
-        Ok(false) => {
+    let port = match channel::recv_go(s, &cfg.key, nonce) {
+        Ok(Some(port)) => port,
+        Ok(None) => {
             sh.counters.bump(MOVE_CALLED_OFF);
             return true;
         }
@@ -467,18 +471,36 @@ fn take_move(w: Waiting, s: &mut TcpStream, nonce: &channel::Nonce, m: Move) -> 
             sh.counters.bump(if e.is::<channel::MacError>() { HANDOFF_BAD_MAC } else { HANDOFF_MALFORMED });
             return false;
         }
+    };
+    // The balancer gave the connection another source port (its own was
+    // held toward this server): the same connection, rebuilt with that
+    // peer. The balancer has switched already, so a failure here loses it.
+    let mut frozen = m.frozen;
+    if port != frozen.peer.port() {
+        frozen.peer.set_port(port);
+        drop(conn);
+        conn = match crate::repair::restore(&frozen) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("tcpe takeover: rebuilding {} <- {} (the balancer's new port): {e}", frozen.local, frozen.peer);
+                sh.counters.bump(MOVE_LOST);
+                return true;
+            }
+        };
+        sh.counters.bump(MOVE_PORT_CHANGED);
     }
-    let dsr = sh.agent.as_ref().map(|a| a.install(m.frozen.peer, m.frozen.local.port(), m.client, m.ts_shift));
+    let dsr = sh.agent.as_ref().map(|a| a.install(frozen.peer, frozen.local.port(), m.client, m.ts_shift));
     if !matches!(dsr, Some(Ok(()))) {
         if let Some(Err(e)) = dsr {
-            tracing::warn!("tcpe takeover: the agent's entry for {}: {e:#}", m.frozen.peer);
+            tracing::warn!("tcpe takeover: the agent's entry for {}: {e:#}", frozen.peer);
         }
         sh.counters.bump(MOVE_NO_DSR);
     }
     if let Err(e) = crate::repair::release(&conn) {
         // Still in repair mode: it could never answer. Dropped so, it
         // sends nothing, and the client's retransmissions meet no socket.
-        tracing::warn!("tcpe takeover: releasing {}: {e}", m.frozen.peer);
+        tracing::warn!("tcpe takeover: releasing {}: {e}", frozen.peer);
+        sh.counters.bump(MOVE_LOST);
         return true;
     }
     sh.counters.bump(MOVES_TAKEN);

@@ -84,6 +84,13 @@ impl Mover {
         Ok(Mover { agent: AgentFlows::open(agent_pins)?, lb_port, lb_key, seq: AtomicU64::new(0) })
     }
 
+    /// The client a connection from the balancer's tuple `peer` to
+    /// `local_port` stands for, as the agent's `client_address` hook would
+    /// show it (a host that moves connections runs without the hook).
+    pub fn client_of(&self, peer: SocketAddr, local_port: u16) -> Option<SocketAddr> {
+        self.agent.entry(peer, local_port).ok().flatten().map(|e| e.client)
+    }
+
     /// Microseconds of the wall clock, above every number used before: a
     /// restarted proxy goes on above its old numbers, as the balancer
     /// requires of a sender.
@@ -96,16 +103,15 @@ impl Mover {
         prev + 1
     }
 
-    /// Asks the L4 balancer at `lb` to send `flow` to `to` from now on.
-    /// Ok(true): switched. A reply lost after the switch shows as
-    /// NotOwner on the next try (the flow is `to`'s by then), which counts
-    /// as switched: this host held the connection, and only its own
-    /// request can have moved it.
-    fn switch(&self, lb: SocketAddr, flow: FlowSide, from: SocketAddr, to: SocketAddr, wait: Duration) -> Result<bool> {
+    /// Asks the L4 balancer at `lb` to send `flow` to `to` from now on:
+    /// Some(the source port it comes from toward `to`) once switched. A
+    /// try whose answer was lost is answered again on the next, since the
+    /// balancer answers a flow that goes to `to` already as moved.
+    fn switch(&self, lb: SocketAddr, flow: FlowSide, from: SocketAddr, to: SocketAddr, wait: Duration) -> Result<Option<u16>> {
         let sock = UdpSocket::bind(if lb.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" })?;
         sock.connect(lb)?;
         let keys = [self.lb_key];
-        for attempt in 0..LB_TRIES {
+        for _ in 0..LB_TRIES {
             let req = Request { key_id: self.lb_key.0, seq: self.next_seq(), flow, from, to };
             sock.send(&flow_move::encode_request(&req, &self.lb_key.1))?;
             let deadline = std::time::Instant::now() + wait;
@@ -124,15 +130,13 @@ impl Mover {
                     Err(e) => return Err(e).context("reading the balancer's answer"),
                 };
                 match flow_move::decode_reply(&buf[..n], &keys) {
-                    Ok(r) if r.seq == req.seq => {
-                        return Ok(r.outcome == LbOutcome::Moved || (attempt > 0 && r.outcome == LbOutcome::NotOwner));
-                    }
+                    Ok(r) if r.seq == req.seq => return Ok((r.outcome == LbOutcome::Moved).then_some(r.source_port)),
                     // An answer to an earlier try, or noise: wait on.
                     _ => {}
                 }
             }
         }
-        Ok(false)
+        Ok(None)
     }
 }
 
@@ -191,17 +195,17 @@ pub fn move_connection(m: &Mover, client: &TcpStream, request: &[u8], to: &Targe
     }
     let flow = FlowSide { client: entry.client, vip, proto: 6 };
     let lb = SocketAddr::new(peer.ip(), m.lb_port);
-    match m.switch(lb, flow, local, backend, to.io_timeout / LB_TRIES) {
-        Ok(true) => {}
-        Ok(false) | Err(_) => {
+    let port = match m.switch(lb, flow, local, backend, to.io_timeout / LB_TRIES) {
+        Ok(Some(port)) => port,
+        Ok(None) | Err(_) => {
             // The server drops what it rebuilt, without a word.
-            if channel::send_go(&mut ch, &to.key, &nonce, false).is_ok() {
+            if channel::send_go(&mut ch, &to.key, &nonce, None).is_ok() {
                 to.channels.keep(ch);
             }
             return give_back(BALANCER);
         }
-    }
-    if channel::send_go(&mut ch, &to.key, &nonce, true).is_err() {
+    };
+    if channel::send_go(&mut ch, &to.key, &nonce, Some(port)).is_err() {
         // The balancer sends the connection to a server that will not
         // take it, and only the server could ask for it back: this side
         // cannot serve it either.

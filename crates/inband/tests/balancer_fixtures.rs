@@ -4608,7 +4608,7 @@ fn a_stray_of_a_round_robin_vip_is_adopted_to_the_backend_its_opener_announced()
 /// A flow move (crates/inband-lb/src/moves.rs) as the lb daemon's worker
 /// handles a datagram: from `src`, under KEY. The reply's outcome, checked
 /// to answer this very request; None when nothing was answered.
-fn ask_move(moves: &mut inband_lb::moves::Moves, maps: &inband_lb::tables::LbMaps, src: IpAddr, datagram: &[u8]) -> Option<inband_core::flow_move::Outcome> {
+fn ask_move(moves: &mut inband_lb::moves::Moves, maps: &inband_lb::tables::LbMaps, src: IpAddr, datagram: &[u8]) -> Option<(inband_core::flow_move::Outcome, u16)> {
     use inband_core::flow_move::decode_reply;
     let mut stats = ControlStats::default();
     let reply = moves.handle(maps, SocketAddr::new(src, 7777), datagram, &mut stats).expect("handling a move");
@@ -4617,12 +4617,30 @@ fn ask_move(moves: &mut inband_lb::moves::Moves, maps: &inband_lb::tables::LbMap
     reply.map(|r| {
         let r = decode_reply(&r, &[(KEY_ID, KEY)]).expect("a reply under the request's key");
         assert_eq!(r.seq, seq, "the reply echoes the request's number");
-        r.outcome
+        (r.outcome, r.source_port)
     })
 }
 
+/// A live flow of client `c` to backend `b` from SNAT port `port`, with
+/// its reservation: what holds that port toward `b`.
+fn hold_port(fx: &Fixture, c: SocketAddr, b: &B, port: u16) {
+    let held = Flow {
+        backend_addr: be_ip(b.addr.ip()),
+        backend_port: be_port(b.addr.port()),
+        snat_port: be_port(port),
+        backend_id: b.id as u16,
+        vip_id: VIP_ID as u16,
+        state: FLOW_ESTABLISHED,
+        proto: IPPROTO_TCP,
+        last_seen_ns: ktime_ns(),
+        ..Default::default()
+    };
+    fx.put_flow(c, &held);
+    put(&fx.lb.skel.maps.snat, &nat_key(b, port), &SnatOwner { flow: flow_key(c) });
+}
+
 #[test]
-fn a_moved_flow_goes_to_its_new_backend_with_its_port_and_only_its_owner_may_move_it() {
+fn a_moved_flow_goes_to_its_new_backend_from_a_port_free_there_and_only_its_owner_may_move_it() {
     use inband_core::flow_move::{encode_request, FlowSide, Outcome, Request};
     use std::os::fd::AsFd;
 
@@ -4648,6 +4666,7 @@ fn a_moved_flow_goes_to_its_new_backend_with_its_port_and_only_its_owner_may_mov
     };
     let signed = |r: &Request| encode_request(r, &KEY);
     let mut ask = |src: &B, d: &[u8]| ask_move(&mut moves, &maps, src.addr.ip(), d);
+    let refused = |o: Outcome| Some((o, 0));
 
     // Dropped unanswered: a forged MAC, a truncated request, a sender
     // that is not the `from` it names.
@@ -4655,60 +4674,51 @@ fn a_moved_flow_goes_to_its_new_backend_with_its_port_and_only_its_owner_may_mov
     assert_eq!(ask(&a, &signed(&req(1, &a, b.addr))[..99]), None);
     assert_eq!(ask(&other, &signed(&req(1, &a, b.addr))), None);
     // Answered refusals.
-    assert_eq!(ask(&other, &signed(&req(1, &other, b.addr))), Some(Outcome::NotOwner));
-    assert_eq!(ask(&other, &signed(&req(1, &other, b.addr))), Some(Outcome::Refused), "a number used again");
-    assert_eq!(ask(&a, &signed(&req(5, &a, sa4(Ipv4Addr::new(10, 0, 9, 9), 80)))), Some(Outcome::NotABackend));
-    assert_eq!(ask(&a, &signed(&req(6, &a, SocketAddr::new(b.addr.ip(), 80)))), Some(Outcome::NotABackend), "its address, another port");
+    assert_eq!(ask(&other, &signed(&req(1, &other, b.addr))), refused(Outcome::NotOwner));
+    assert_eq!(ask(&other, &signed(&req(1, &other, b.addr))), refused(Outcome::Refused), "a number used again");
+    assert_eq!(ask(&a, &signed(&req(5, &a, sa4(Ipv4Addr::new(10, 0, 9, 9), 80)))), refused(Outcome::NotABackend));
+    assert_eq!(ask(&a, &signed(&req(6, &a, SocketAddr::new(b.addr.ip(), 80)))), refused(Outcome::NotABackend), "its address, another port");
     fx.set_flags(&b, BACKEND_DRAINING | BACKEND_DOWN);
-    assert_eq!(ask(&a, &signed(&req(7, &a, b.addr))), Some(Outcome::NotABackend), "a DOWN backend");
+    assert_eq!(ask(&a, &signed(&req(7, &a, b.addr))), refused(Outcome::NotABackend), "a DOWN backend");
     fx.set_flags(&b, BACKEND_DRAINING);
     let mut gone = req(8, &a, b.addr);
     gone.flow.client = client(7);
-    assert_eq!(ask(&a, &signed(&gone)), Some(Outcome::NoFlow));
-    // A second flow holds the port toward B.
-    let holder = client(9);
-    let held = Flow {
-        backend_addr: be_ip(b.addr.ip()),
-        backend_port: be_port(b.addr.port()),
-        snat_port: be_port(port),
-        backend_id: b.id as u16,
-        vip_id: VIP_ID as u16,
-        state: FLOW_ESTABLISHED,
-        proto: IPPROTO_TCP,
-        last_seen_ns: ktime_ns(),
-        ..Default::default()
-    };
-    fx.put_flow(holder, &held);
-    put(&fx.lb.skel.maps.snat, &nat_key(&b, port), &SnatOwner { flow: flow_key(holder) });
-    assert_eq!(ask(&a, &signed(&req(9, &a, b.addr))), Some(Outcome::PortInUse));
-    assert_eq!(fx.snat_owner(&b, port), Some(flow_key(holder)), "the holder keeps its port");
-    // Its flow gone, the reservation is an orphan: it does not stand in the way.
-    del(&fx.lb.skel.maps.flows, &flow_key(holder));
+    assert_eq!(ask(&a, &signed(&gone)), refused(Outcome::NoFlow));
     let f = fx.flow(c).unwrap();
     assert_eq!((u32::from(f.backend_id), fx.snat_owner(&a, port)), (a.id, Some(flow_key(c))), "nothing moved yet");
 
+    // A second flow holds the port toward B: the moved flow gets another
+    // port there, and the answer names it.
+    let holder = client(9);
+    hold_port(&fx, holder, &b, port);
     let moved = signed(&req(10, &a, b.addr));
-    assert_eq!(ask(&a, &moved), Some(Outcome::Moved));
+    let Some((Outcome::Moved, new)) = ask(&a, &moved) else { panic!("not moved") };
+    assert_ne!(new, port);
+    assert!((1024..=32767).contains(&new), "{new}");
     let f = fx.flow(c).unwrap();
     assert_eq!((ip_of_addr(&f.backend_addr), port_of(f.backend_port), u32::from(f.backend_id)), (b.addr.ip(), b.addr.port(), b.id));
-    assert_eq!((port_of(f.snat_port), f.state, f.vip_id), (port, FLOW_ESTABLISHED, VIP_ID as u16));
-    assert_eq!((fx.snat_owner(&b, port), fx.snat_owner(&a, port)), (Some(flow_key(c)), None));
+    assert_eq!((port_of(f.snat_port), f.state, f.vip_id), (new, FLOW_ESTABLISHED, VIP_ID as u16));
+    assert_eq!((fx.snat_owner(&b, new), fx.snat_owner(&a, port)), (Some(flow_key(c)), None));
+    assert_eq!(fx.snat_owner(&b, port), Some(flow_key(holder)), "the holder keeps its port");
     // The count went with the flow.
     assert_eq!((fx.score(&a).opened, fx.score(&a).closed, fx.score(&b).opened, fx.score(&b).closed), (1, 1, 1, 0));
-    assert_eq!(ask(&a, &moved), Some(Outcome::Refused), "a replayed move");
-    assert_eq!(ask(&a, &signed(&req(11, &a, other.addr))), Some(Outcome::NotOwner), "the old backend owns it no more");
-    assert_eq!(ask(&b, &signed(&req(12, &b, a.addr))), Some(Outcome::Moved), "its new owner may move it back");
-    assert_eq!(ask(&a, &signed(&req(11, &a, b.addr))), Some(Outcome::Refused), "a number refused once is used up");
-    assert_eq!(ask(&a, &signed(&req(13, &a, b.addr))), Some(Outcome::Moved));
-
-    // The client's next segment goes to B from the same port, B's answer
-    // on it goes back to the client, A's no longer does (the balancer
-    // host's own traffic, for all the table knows).
+    // The client's next segment goes to B from the new port, B's answer on
+    // it goes back to the client, A's on the old one no longer does.
     let d = data(c);
-    assert_eq!(fx.tx(&d.build()), forwarded(&d, &b, port, vec![]));
-    let r = reply(&b, port);
+    assert_eq!(fx.tx(&d.build()), forwarded(&d, &b, new, vec![]));
+    let r = reply(&b, new);
     assert_eq!(fx.tx(&r.build()), returned(&r, c, vec![]));
     fx.assert_passed_untouched(&reply(&a, port).build());
+
+    assert_eq!(ask(&a, &moved), refused(Outcome::Refused), "a replayed move");
+    // A retry after a lost answer learns it, and nothing changes.
+    assert_eq!(ask(&a, &signed(&req(11, &a, b.addr))), Some((Outcome::Moved, new)));
+    assert_eq!((port_of(fx.flow(c).unwrap().snat_port), fx.score(&b).opened), (new, 1));
+    assert_eq!(ask(&a, &signed(&req(12, &a, other.addr))), refused(Outcome::NotOwner), "the old backend owns it no more");
+    assert_eq!(ask(&b, &signed(&req(13, &b, a.addr))), Some((Outcome::Moved, new)), "its new owner may move it back, its port free there");
+    assert_eq!(ask(&a, &signed(&req(12, &a, b.addr))), refused(Outcome::Refused), "a number refused once is used up");
+    assert_eq!(ask(&a, &signed(&req(14, &a, b.addr))), Some((Outcome::Moved, new)));
+
     // Its end is counted where it is now: no backend is left a connection
     // it does not have.
     fx.tx(&client_end(c, TCP_FIN | TCP_ACK, 1001).build());
@@ -4718,14 +4728,58 @@ fn a_moved_flow_goes_to_its_new_backend_with_its_port_and_only_its_owner_may_mov
     let s: ControlStats = get(&fx.lb.skel.maps.control_stats, &0u32).unwrap();
     assert_eq!(
         (s.moves, s.move_malformed, s.move_bad_mac, s.move_unknown_sender, s.move_replayed),
-        (3, 1, 1, 1, 3),
-        "moved, malformed, bad MAC, unknown sender, replayed"
+        (4, 1, 1, 1, 3),
+        "moved (one a retry's answer), malformed, bad MAC, unknown sender, replayed"
     );
     assert_eq!(
         (s.move_no_flow, s.move_not_owner, s.move_not_a_backend, s.move_port_in_use, s.move_refused),
-        (1, 2, 3, 1, 0),
+        (1, 2, 3, 0, 0),
         "no flow, not owner, not a backend, port in use, refused otherwise"
     );
+}
+
+#[test]
+fn a_move_finds_no_port_toward_a_backend_whose_every_port_is_held() {
+    use inband_core::flow_move::{encode_request, FlowSide, Outcome, Request};
+    use std::os::fd::AsFd;
+
+    let fx = Fixture::lb_with(Mode::Passthrough, Policy::RoundRobin, 3);
+    let b = backend(2);
+    fx.set_flags(&b, BACKEND_DRAINING);
+    let maps = fx.lb.maps().unwrap();
+    let mut moves = inband_lb::moves::Moves::new(fx.lb.skel.progs.move_counts.as_fd());
+    let c = client(1);
+    let (a, port) = fx.connect(c);
+    // Every SNAT port toward B held by a live flow (one batch per table).
+    let ports: Vec<u16> = (1024..=32767).collect();
+    let holders: Vec<FlowKey> = ports.iter().map(|p| flow_key(sa4(Ipv4Addr::new(198, 18, (p >> 8) as u8, *p as u8), 5000))).collect();
+    let flows: Vec<Flow> = ports
+        .iter()
+        .map(|p| Flow {
+            backend_addr: be_ip(b.addr.ip()),
+            backend_port: be_port(b.addr.port()),
+            snat_port: be_port(*p),
+            backend_id: b.id as u16,
+            vip_id: VIP_ID as u16,
+            state: FLOW_ESTABLISHED,
+            proto: IPPROTO_TCP,
+            last_seen_ns: ktime_ns(),
+            ..Default::default()
+        })
+        .collect();
+    inband_core::bpfmap::put_batch(&fx.lb.skel.maps.flows, &holders, &flows).unwrap();
+    let keys: Vec<NatKey> = ports.iter().map(|p| nat_key(&b, *p)).collect();
+    let owners: Vec<SnatOwner> = holders.iter().map(|k| SnatOwner { flow: *k }).collect();
+    inband_core::bpfmap::put_batch(&fx.lb.skel.maps.snat, &keys, &owners).unwrap();
+
+    let r = Request { key_id: KEY_ID, seq: 1, flow: FlowSide { client: c, vip: vip(), proto: IPPROTO_TCP }, from: a.addr, to: b.addr };
+    assert_eq!(ask_move(&mut moves, &maps, a.addr.ip(), &encode_request(&r, &KEY)), Some((Outcome::PortInUse, 0)));
+    // Left as it was: A's flow, A's reservation, every holder's.
+    let f = fx.flow(c).unwrap();
+    assert_eq!((u32::from(f.backend_id), port_of(f.snat_port), fx.snat_owner(&a, port)), (a.id, port, Some(flow_key(c))));
+    assert_eq!(fx.snat_owner(&b, port), Some(holders[usize::from(port - 1024)]));
+    let s: ControlStats = get(&fx.lb.skel.maps.control_stats, &0u32).unwrap();
+    assert_eq!((s.moves, s.move_port_in_use), (0, 1));
 }
 
 fn ip_of_addr(a: &Addr) -> IpAddr {

@@ -161,7 +161,9 @@ fn plain_clients_connections_move_to_the_server_at_l4_and_every_failure_falls_ba
     )
     .unwrap();
     let enter = format!("echo $$ > {}/cgroup.procs && exec {BIN} proxy --config {}", cgroup.display(), cfg.display());
-    procs.children.push(in_ns(&c.tb, "s1", &["sh", "-c", &enter]).spawn().unwrap());
+    let log = c.dir.join("proxy.log");
+    let proxy = in_ns(&c.tb, "s1", &["sh", "-c", &enter]).env("INBAND_LOG", "info").stderr(std::fs::File::create(&log).unwrap()).spawn();
+    procs.children.push(proxy.unwrap());
     wait_for("the proxy", || metrics(&c).contains("inband_proxy_tcpe_handoffs_total"));
     wait_for("the takeover server", || in_ns(&c.tb, "s1", &["bash", "-c", &format!("exec 3<>/dev/tcp/{s2ip}/{CONTROL_PORT}")]).status().unwrap().success());
 
@@ -187,6 +189,13 @@ fn plain_clients_connections_move_to_the_server_at_l4_and_every_failure_falls_ba
     let kept: Vec<String> = metrics(&c).lines().filter(|l| l.starts_with("inband_proxy_tcpe_kept_total") && !l.ends_with(" 0")).map(String::from).collect();
     assert!(kept.is_empty(), "{kept:?}");
     assert_eq!(handoffs(&c, "moved"), 6);
+    // The proxy sees the balancer's tuple, yet logs the client: the agent's
+    // entry names it.
+    let logged = std::fs::read_to_string(&log).unwrap();
+    let c1 = c.tb.addr("c1").to_string();
+    let moved_lines: Vec<&str> = logged.lines().filter(|l| l.contains("handed off")).collect();
+    assert_eq!(moved_lines.len(), 6, "{logged}");
+    assert!(moved_lines.iter().all(|l| l.contains(&format!("client={c1}:"))), "{logged}");
     // s2's agent answered the clients straight: 7 MiB at least went out DSR.
     let s2_agent = c.agent_status(2)["counters"].clone();
     assert!(s2_agent["dsr_rewrites"].as_u64().unwrap() >= 7 * (BODY as u64) / 65536, "{s2_agent}");
