@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::shared as c;
 use crate::bpfmap;
+use crate::pod::Pod;
 use crate::wire::Key;
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -180,9 +181,16 @@ pub fn read_keys(mode: u8, map: &dyn MapCore) -> Result<crate::poll_wire::Keys> 
     if u32::from(mode) == c::INBAND_AUTH_NONE {
         return Ok(None);
     }
+    // One system call for the whole array, not one per id: the balancer
+    // reads the keys for every flow-move request.
+    let entries = map
+        .lookup_batch(c::INBAND_AUTH_MAX_KEYS, libbpf_rs::MapFlags::ANY, libbpf_rs::MapFlags::ANY)
+        .with_context(|| format!("reading map {}", map.name().to_string_lossy()))?;
     let mut keys = Vec::new();
-    for id in 0..c::INBAND_AUTH_MAX_KEYS {
-        if let Some(k) = bpfmap::get::<u32, c::inband_auth_key>(map, &id)?.filter(|k| k.valid != 0) {
+    for (id, value) in entries {
+        let id = u32::from_ne_bytes(id[..4].try_into().expect("an array's 4-byte key"));
+        let k = c::inband_auth_key::from_bytes(&value);
+        if k.valid != 0 {
             let mut key = [0u8; 16];
             key[..8].copy_from_slice(&k.k0.to_le_bytes());
             key[8..].copy_from_slice(&k.k1.to_le_bytes());

@@ -66,6 +66,13 @@ const FREEZE_FOR: Duration = Duration::from_secs(3);
 /// the move is called off.
 const LB_TRIES: u32 = 3;
 
+thread_local! {
+    /// A socket per balancer, connected (so that an ICMP port unreachable
+    /// shows), kept by each thread of the blocking pool for its next moves:
+    /// only its own requests' answers come to it. As many as balancers.
+    static LB_SOCKETS: std::cell::RefCell<std::collections::HashMap<SocketAddr, UdpSocket>> = Default::default();
+}
+
 /// What moves need on the balancer's host.
 pub struct Mover {
     agent: AgentFlows,
@@ -108,8 +115,27 @@ impl Mover {
     /// try whose answer was lost is answered again on the next, since the
     /// balancer answers a flow that goes to `to` already as moved.
     fn switch(&self, lb: SocketAddr, flow: FlowSide, from: SocketAddr, to: SocketAddr, wait: Duration) -> Result<Option<u16>> {
-        let sock = UdpSocket::bind(if lb.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" })?;
-        sock.connect(lb)?;
+        LB_SOCKETS.with(|socks| {
+            let mut socks = socks.borrow_mut();
+            let sock = match socks.entry(lb) {
+                std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    let s = UdpSocket::bind(if lb.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" })?;
+                    s.connect(lb)?;
+                    v.insert(s)
+                }
+            };
+            let answer = self.ask(sock, lb, flow, from, to, wait);
+            // A socket that met an error (an ICMP unreachable, say) is not
+            // kept: its next move starts clean.
+            if answer.is_err() {
+                socks.remove(&lb);
+            }
+            answer
+        })
+    }
+
+    fn ask(&self, sock: &UdpSocket, lb: SocketAddr, flow: FlowSide, from: SocketAddr, to: SocketAddr, wait: Duration) -> Result<Option<u16>> {
         let keys = [self.lb_key];
         for _ in 0..LB_TRIES {
             let req = Request { key_id: self.lb_key.0, seq: self.next_seq(), flow, from, to };
