@@ -39,6 +39,7 @@ pub const COUNTERS: &[(&str, &str)] = &[
     ("move_fallback_refused", "Kept: the server refused (sessions full, origin down, could not rebuild it)"),
     ("move_fallback_balancer", "Kept: the L4 balancer refused the move or did not answer"),
     ("move_lost", "Switched at the L4 balancer, but the server's GO could not be sent: the connection is lost"),
+    ("move_fallback_family", "Kept: the connection is IPv6 and the server is listed by IPv4, or the other way round"),
 ];
 const MOVED: usize = 0;
 const NOT_DSR: usize = 1;
@@ -48,6 +49,7 @@ const BAD_MAC: usize = 4;
 const REFUSED: usize = 5;
 const BALANCER: usize = 6;
 const LOST: usize = 7;
+const FAMILY: usize = 8;
 
 pub fn counters() -> Counters {
     Counters::new(COUNTERS)
@@ -178,6 +180,11 @@ pub fn move_connection(m: &Mover, client: &TcpStream, request: &[u8], to: &Targe
     // addresses; the agent's maps and the balancer key it as IPv4.
     let canonical = |a: SocketAddr| SocketAddr::new(a.ip().to_canonical(), a.port());
     let (peer, local) = (canonical(peer), canonical(local));
+    // The server is named by the one address its pool lists; the balancer
+    // knows it in the connection's family only.
+    if backend.is_ipv4() != peer.is_ipv4() {
+        return fallback(c, FAMILY);
+    }
     let entry = match m.agent.entry(peer, local.port()) {
         Ok(Some(e)) => e,
         _ => return fallback(c, NOT_DSR),

@@ -4621,10 +4621,9 @@ fn ask_move(moves: &mut inband_lb::moves::Moves, maps: &inband_lb::tables::LbMap
     })
 }
 
-/// A live flow of client `c` to backend `b` from SNAT port `port`, with
-/// its reservation: what holds that port toward `b`.
-fn hold_port(fx: &Fixture, c: SocketAddr, b: &B, port: u16) {
-    let held = Flow {
+/// A live flow to backend `b` from SNAT port `port`.
+fn live_flow(b: &B, port: u16) -> Flow {
+    Flow {
         backend_addr: be_ip(b.addr.ip()),
         backend_port: be_port(b.addr.port()),
         snat_port: be_port(port),
@@ -4634,8 +4633,13 @@ fn hold_port(fx: &Fixture, c: SocketAddr, b: &B, port: u16) {
         proto: IPPROTO_TCP,
         last_seen_ns: ktime_ns(),
         ..Default::default()
-    };
-    fx.put_flow(c, &held);
+    }
+}
+
+/// A live flow of client `c` to backend `b` from SNAT port `port`, with
+/// its reservation: what holds that port toward `b`.
+fn hold_port(fx: &Fixture, c: SocketAddr, b: &B, port: u16) {
+    fx.put_flow(c, &live_flow(b, port));
     put(&fx.lb.skel.maps.snat, &nat_key(b, port), &SnatOwner { flow: flow_key(c) });
 }
 
@@ -4753,20 +4757,7 @@ fn a_move_finds_no_port_toward_a_backend_whose_every_port_is_held() {
     // Every SNAT port toward B held by a live flow (one batch per table).
     let ports: Vec<u16> = (1024..=32767).collect();
     let holders: Vec<FlowKey> = ports.iter().map(|p| flow_key(sa4(Ipv4Addr::new(198, 18, (p >> 8) as u8, *p as u8), 5000))).collect();
-    let flows: Vec<Flow> = ports
-        .iter()
-        .map(|p| Flow {
-            backend_addr: be_ip(b.addr.ip()),
-            backend_port: be_port(b.addr.port()),
-            snat_port: be_port(*p),
-            backend_id: b.id as u16,
-            vip_id: VIP_ID as u16,
-            state: FLOW_ESTABLISHED,
-            proto: IPPROTO_TCP,
-            last_seen_ns: ktime_ns(),
-            ..Default::default()
-        })
-        .collect();
+    let flows: Vec<Flow> = ports.iter().map(|p| live_flow(&b, *p)).collect();
     inband_core::bpfmap::put_batch(&fx.lb.skel.maps.flows, &holders, &flows).unwrap();
     let keys: Vec<NatKey> = ports.iter().map(|p| nat_key(&b, *p)).collect();
     let owners: Vec<SnatOwner> = holders.iter().map(|k| SnatOwner { flow: *k }).collect();

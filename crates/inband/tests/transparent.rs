@@ -13,7 +13,7 @@ mod cluster;
 use std::path::PathBuf;
 use std::process::{Child, Stdio};
 
-use cluster::{in_ns, run_ok, server, vip, wait_for, Cluster, Spec, BIN};
+use cluster::{in_ns, run_ok, server, vip, vip6, wait_for, Cluster, Spec, BIN};
 
 const PROXY_METRICS: u16 = 8001;
 const CONTROL_PORT: u16 = 7070;
@@ -76,11 +76,15 @@ fn served(c: &Cluster, i: usize) -> u64 {
 /// GETs `paths` through the VIP on one connection from the client; each
 /// response's body, in order.
 fn fetch(c: &Cluster, paths: &[&str]) -> Vec<Vec<u8>> {
-    let mut argv = vec!["curl".to_string(), "-s".into(), "--max-time".into(), "10".into(), "--fail".into()];
+    fetch_from(c, vip(&c.tb).into(), paths)
+}
+
+fn fetch_from(c: &Cluster, vip: std::net::SocketAddr, paths: &[&str]) -> Vec<Vec<u8>> {
+    let mut argv = vec!["curl".to_string(), "-g".into(), "-s".into(), "--max-time".into(), "10".into(), "--fail".into()];
     let files: Vec<PathBuf> = (0..paths.len()).map(|i| c.dir.join(format!("got-{i}"))).collect();
     for (p, f) in paths.iter().zip(&files) {
         let _ = std::fs::remove_file(f);
-        argv.extend([format!("http://{}{p}", vip(&c.tb)), "-o".into(), f.display().to_string()]);
+        argv.extend([format!("http://{vip}{p}"), "-o".into(), f.display().to_string()]);
     }
     let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
     let out = in_ns(&c.tb, "c1", &argv).output().unwrap();
@@ -98,6 +102,9 @@ fn plain_clients_connections_move_to_the_server_at_l4_and_every_failure_falls_ba
     let mut c = Cluster::with(
         Spec::new("tr", "dsr-rr")
             .servers(2)
+            // Both families: the proxy listens dual-stack, so its IPv4
+            // connections show IPv4-mapped addresses.
+            .ipv6()
             // The proxy must see the kernel's tuple (the balancer's), not
             // the client the agent would show it.
             .agent("client_address = false")
@@ -151,7 +158,8 @@ fn plain_clients_connections_move_to_the_server_at_l4_and_every_failure_falls_ba
     std::fs::write(
         &cfg,
         format!(
-            "listen = \"{s1}\"\nmetrics_listen = \"{}:{PROXY_METRICS}\"\nbackends = [\"{s2}\"]\n\n[auth]\nkeys = [{{ id = 1, file = \"{}\" }}]\n\n[tcpe]\ncgroup = \"{}\"\nkey = \"{}\"\n[[tcpe.server]]\nbackend = \"{s2}\"\ncontrol = \"{s2ip}:{CONTROL_PORT}\"\njoin = \"{s2ip}:{JOIN_PORT}\"\n[tcpe.transparent]\nagent_pins = \"{}\"\nbalancer_port = {MOVES_PORT}\n",
+            "listen = \"[::]:{}\"\nmetrics_listen = \"{}:{PROXY_METRICS}\"\nbackends = [\"{s2}\"]\n\n[auth]\nkeys = [{{ id = 1, file = \"{}\" }}]\n\n[tcpe]\ncgroup = \"{}\"\nkey = \"{}\"\n[[tcpe.server]]\nbackend = \"{s2}\"\ncontrol = \"{s2ip}:{CONTROL_PORT}\"\njoin = \"{s2ip}:{JOIN_PORT}\"\n[tcpe.transparent]\nagent_pins = \"{}\"\nbalancer_port = {MOVES_PORT}\n",
+            s1.port(),
             s1.ip(),
             c.key().display(),
             cgroup.display(),
@@ -220,6 +228,11 @@ fn plain_clients_connections_move_to_the_server_at_l4_and_every_failure_falls_ba
         assert!(fetch(&c, &[&format!("/d{i}")])[0] == want, "proxied response {i}: the bytes differ");
     }
     assert_eq!(handoffs(&c, "move_fallback_channel"), 3, "{}", metrics(&c));
+
+    // An IPv6 connection: the server is listed by its IPv4 address, which
+    // the balancer does not know in that family. Proxied, and said why.
+    assert!(fetch_from(&c, vip6(&c.tb), &["/six"])[0] == want, "the IPv6 response");
+    assert_eq!(handoffs(&c, "move_fallback_family"), 1, "{}", metrics(&c));
 
     // A takeover server with no session to spare refuses: the proxy serves.
     let up = |c: &Cluster| in_ns(&c.tb, "s1", &["bash", "-c", &format!("exec 3<>/dev/tcp/{s2ip}/{CONTROL_PORT}")]).status().unwrap().success();
