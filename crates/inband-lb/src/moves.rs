@@ -46,8 +46,11 @@
 //! done). When that many are known, a new address is refused (`Refused`,
 //! `move_refused`) rather than one forgotten: forgetting a sender would
 //! make its recorded requests good again. The table lives as long as the
-//! daemon; a restarted daemon takes each sender's next number, which the
-//! senders draw from their wall clock.
+//! daemon. A restarted one starts every sender at its own start time (the
+//! senders draw their numbers from their wall clocks, in µs): a request
+//! recorded before the restart is refused as replayed, and a sender whose
+//! clock is behind the balancer's has its moves refused (and proxied)
+//! until its clock passes that time.
 
 use std::collections::hash_map::{Entry, HashMap};
 use std::net::{IpAddr, SocketAddr, UdpSocket};
@@ -77,6 +80,9 @@ const PROBE_FLAGS: u8 = FLOW_PROBE_OUTSTANDING | inband_core::shared::INBAND_FLO
 pub struct Senders {
     last: HashMap<IpAddr, u64>,
     max: usize,
+    /// Numbers up to this are refused from every sender: what a sender
+    /// used before the table existed.
+    floor: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -86,12 +92,17 @@ pub enum SeqRefused {
 }
 
 impl Senders {
-    pub fn new(max: usize) -> Senders {
-        Senders { last: HashMap::new(), max }
+    /// `floor`: numbers up to it are refused (the wall clock in µs at the
+    /// daemon's start).
+    pub fn new(max: usize, floor: u64) -> Senders {
+        Senders { last: HashMap::new(), max, floor }
     }
 
     /// Takes `seq` from `sender` if it is above that sender's last.
     pub fn take(&mut self, sender: IpAddr, seq: u64) -> Result<(), SeqRefused> {
+        if seq <= self.floor {
+            return Err(SeqRefused::Replayed);
+        }
         let full = self.last.len() >= self.max;
         match self.last.entry(sender) {
             Entry::Occupied(last) if seq <= *last.get() => Err(SeqRefused::Replayed),
@@ -225,7 +236,8 @@ pub struct Moves<'p> {
 impl<'p> Moves<'p> {
     /// `counts`: the balancer object's `move_counts` program.
     pub fn new(counts: BorrowedFd<'p>) -> Moves<'p> {
-        Moves { senders: Senders::new(MAX_BACKENDS as usize), counts }
+        let now_us = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
+        Moves { senders: Senders::new(MAX_BACKENDS as usize, now_us), counts }
     }
 
     /// One datagram `d` from `src`: the reply to send back to `src`, if
@@ -492,14 +504,18 @@ mod tests {
     fn a_sender_takes_only_rising_numbers_and_a_full_table_takes_no_new_sender() {
         let a: IpAddr = "10.0.1.1".parse().unwrap();
         let b: IpAddr = "10.0.1.2".parse().unwrap();
-        let mut s = Senders::new(1);
+        let mut s = Senders::new(1, 2);
         assert_eq!(s.take(a, 5), Ok(()));
         assert_eq!(s.take(a, 5), Err(SeqRefused::Replayed));
         assert_eq!(s.take(a, 4), Err(SeqRefused::Replayed));
         assert_eq!(s.take(b, 9), Err(SeqRefused::Full));
         assert_eq!(s.take(a, 6), Ok(()));
-        let mut two = Senders::new(2);
-        assert_eq!((two.take(a, 5), two.take(b, 1)), (Ok(()), Ok(())), "each sender's numbers are its own");
+        let mut two = Senders::new(2, 2);
+        assert_eq!((two.take(a, 5), two.take(b, 3)), (Ok(()), Ok(())), "each sender's numbers are its own");
+        // Numbers from before the table (a restart) are refused from anyone.
+        let mut fresh = Senders::new(2, 100);
+        assert_eq!((fresh.take(a, 100), fresh.take(b, 7)), (Err(SeqRefused::Replayed), Err(SeqRefused::Replayed)));
+        assert_eq!(fresh.take(a, 101), Ok(()));
     }
 
     #[test]

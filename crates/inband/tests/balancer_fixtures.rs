@@ -4621,6 +4621,11 @@ fn ask_move(moves: &mut inband_lb::moves::Moves, maps: &inband_lb::tables::LbMap
     })
 }
 
+/// The wall clock in µs, as a move's sender numbers its requests.
+fn wall_us() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_micros() as u64
+}
+
 /// A live flow to backend `b` from SNAT port `port`.
 fn live_flow(b: &B, port: u16) -> Flow {
     Flow {
@@ -4661,6 +4666,9 @@ fn a_moved_flow_goes_to_its_new_backend_from_a_port_free_there_and_only_its_owne
     let other = if a == backend(0) { backend(1) } else { backend(0) };
     assert_eq!((fx.score(&a).opened, fx.score(&b).opened), (1, 0));
 
+    // Sequence numbers are the sender's wall clock in µs: the balancer
+    // refuses those from before it started.
+    let t0 = wall_us();
     let req = |seq: u64, from: &B, to: SocketAddr| Request {
         key_id: KEY_ID,
         seq,
@@ -4674,18 +4682,20 @@ fn a_moved_flow_goes_to_its_new_backend_from_a_port_free_there_and_only_its_owne
 
     // Dropped unanswered: a forged MAC, a truncated request, a sender
     // that is not the `from` it names.
-    assert_eq!(ask(&a, &encode_request(&req(1, &a, b.addr), &Key([0; 16]))), None);
-    assert_eq!(ask(&a, &signed(&req(1, &a, b.addr))[..99]), None);
-    assert_eq!(ask(&other, &signed(&req(1, &a, b.addr))), None);
-    // Answered refusals.
-    assert_eq!(ask(&other, &signed(&req(1, &other, b.addr))), refused(Outcome::NotOwner));
-    assert_eq!(ask(&other, &signed(&req(1, &other, b.addr))), refused(Outcome::Refused), "a number used again");
-    assert_eq!(ask(&a, &signed(&req(5, &a, sa4(Ipv4Addr::new(10, 0, 9, 9), 80)))), refused(Outcome::NotABackend));
-    assert_eq!(ask(&a, &signed(&req(6, &a, SocketAddr::new(b.addr.ip(), 80)))), refused(Outcome::NotABackend), "its address, another port");
+    assert_eq!(ask(&a, &encode_request(&req(t0 + 1, &a, b.addr), &Key([0; 16]))), None);
+    assert_eq!(ask(&a, &signed(&req(t0 + 1, &a, b.addr))[..99]), None);
+    assert_eq!(ask(&other, &signed(&req(t0 + 1, &a, b.addr))), None);
+    // Answered refusals. A number from before the balancer started (a
+    // request recorded before a restart) is refused from anyone.
+    assert_eq!(ask(&other, &signed(&req(t0 - 1_000_000, &other, b.addr))), refused(Outcome::Refused));
+    assert_eq!(ask(&other, &signed(&req(t0 + 1, &other, b.addr))), refused(Outcome::NotOwner));
+    assert_eq!(ask(&other, &signed(&req(t0 + 1, &other, b.addr))), refused(Outcome::Refused), "a number used again");
+    assert_eq!(ask(&a, &signed(&req(t0 + 5, &a, sa4(Ipv4Addr::new(10, 0, 9, 9), 80)))), refused(Outcome::NotABackend));
+    assert_eq!(ask(&a, &signed(&req(t0 + 6, &a, SocketAddr::new(b.addr.ip(), 80)))), refused(Outcome::NotABackend), "its address, another port");
     fx.set_flags(&b, BACKEND_DRAINING | BACKEND_DOWN);
-    assert_eq!(ask(&a, &signed(&req(7, &a, b.addr))), refused(Outcome::NotABackend), "a DOWN backend");
+    assert_eq!(ask(&a, &signed(&req(t0 + 7, &a, b.addr))), refused(Outcome::NotABackend), "a DOWN backend");
     fx.set_flags(&b, BACKEND_DRAINING);
-    let mut gone = req(8, &a, b.addr);
+    let mut gone = req(t0 + 8, &a, b.addr);
     gone.flow.client = client(7);
     assert_eq!(ask(&a, &signed(&gone)), refused(Outcome::NoFlow));
     let f = fx.flow(c).unwrap();
@@ -4695,7 +4705,7 @@ fn a_moved_flow_goes_to_its_new_backend_from_a_port_free_there_and_only_its_owne
     // port there, and the answer names it.
     let holder = client(9);
     hold_port(&fx, holder, &b, port);
-    let moved = signed(&req(10, &a, b.addr));
+    let moved = signed(&req(t0 + 10, &a, b.addr));
     let Some((Outcome::Moved, new)) = ask(&a, &moved) else { panic!("not moved") };
     assert_ne!(new, port);
     assert!((1024..=32767).contains(&new), "{new}");
@@ -4716,12 +4726,12 @@ fn a_moved_flow_goes_to_its_new_backend_from_a_port_free_there_and_only_its_owne
 
     assert_eq!(ask(&a, &moved), refused(Outcome::Refused), "a replayed move");
     // A retry after a lost answer learns it, and nothing changes.
-    assert_eq!(ask(&a, &signed(&req(11, &a, b.addr))), Some((Outcome::Moved, new)));
+    assert_eq!(ask(&a, &signed(&req(t0 + 11, &a, b.addr))), Some((Outcome::Moved, new)));
     assert_eq!((port_of(fx.flow(c).unwrap().snat_port), fx.score(&b).opened), (new, 1));
-    assert_eq!(ask(&a, &signed(&req(12, &a, other.addr))), refused(Outcome::NotOwner), "the old backend owns it no more");
-    assert_eq!(ask(&b, &signed(&req(13, &b, a.addr))), Some((Outcome::Moved, new)), "its new owner may move it back, its port free there");
-    assert_eq!(ask(&a, &signed(&req(12, &a, b.addr))), refused(Outcome::Refused), "a number refused once is used up");
-    assert_eq!(ask(&a, &signed(&req(14, &a, b.addr))), Some((Outcome::Moved, new)));
+    assert_eq!(ask(&a, &signed(&req(t0 + 12, &a, other.addr))), refused(Outcome::NotOwner), "the old backend owns it no more");
+    assert_eq!(ask(&b, &signed(&req(t0 + 13, &b, a.addr))), Some((Outcome::Moved, new)), "its new owner may move it back, its port free there");
+    assert_eq!(ask(&a, &signed(&req(t0 + 12, &a, b.addr))), refused(Outcome::Refused), "a number refused once is used up");
+    assert_eq!(ask(&a, &signed(&req(t0 + 14, &a, b.addr))), Some((Outcome::Moved, new)));
 
     // Its end is counted where it is now: no backend is left a connection
     // it does not have.
@@ -4732,7 +4742,7 @@ fn a_moved_flow_goes_to_its_new_backend_from_a_port_free_there_and_only_its_owne
     let s: ControlStats = get(&fx.lb.skel.maps.control_stats, &0u32).unwrap();
     assert_eq!(
         (s.moves, s.move_malformed, s.move_bad_mac, s.move_unknown_sender, s.move_replayed),
-        (4, 1, 1, 1, 3),
+        (4, 1, 1, 1, 4),
         "moved (one a retry's answer), malformed, bad MAC, unknown sender, replayed"
     );
     assert_eq!(
@@ -4763,7 +4773,7 @@ fn a_move_finds_no_port_toward_a_backend_whose_every_port_is_held() {
     let owners: Vec<SnatOwner> = holders.iter().map(|k| SnatOwner { flow: *k }).collect();
     inband_core::bpfmap::put_batch(&fx.lb.skel.maps.snat, &keys, &owners).unwrap();
 
-    let r = Request { key_id: KEY_ID, seq: 1, flow: FlowSide { client: c, vip: vip(), proto: IPPROTO_TCP }, from: a.addr, to: b.addr };
+    let r = Request { key_id: KEY_ID, seq: wall_us() + 1, flow: FlowSide { client: c, vip: vip(), proto: IPPROTO_TCP }, from: a.addr, to: b.addr };
     assert_eq!(ask_move(&mut moves, &maps, a.addr.ip(), &encode_request(&r, &KEY)), Some((Outcome::PortInUse, 0)));
     // Left as it was: A's flow, A's reservation, every holder's.
     let f = fx.flow(c).unwrap();
