@@ -112,7 +112,7 @@ def lb_toml(
         f'address = "{_check_ip(address)}"',
         f'control_socket = "{control_socket}"',
         *(scale_out.toml_lines() if scale_out is not None else []),
-        *(["", "[moves]", f'listen = "{moves_listen}"'] if moves_listen else []),
+        *(["", "[moves]", f'listen = ["{moves_listen}"]'] if moves_listen else []),
         "",
         *_auth_lines(auth_key, balancer=True),
         "",

@@ -127,7 +127,7 @@ def test_the_peers_configs():
     assert '[tcpe.transparent]\nagent_pins = "/pins"\nbalancer_port = 7156\n' in t and 'keys = [{ id = 1, file = "/a" }]' in t
     lb = ho.peers.lb_toml(address="10.1.0.2", vip="10.1.0.100", vip_port=80, backends=[ho.Backend("10.1.0.22", 8080), ho.Backend("10.1.0.21", 8080, weight=0)],
                           mode="dsr-rr", control_socket="/s", auth_key="/a", moves_listen="10.1.0.2:7156")
-    assert '[moves]\nlisten = "10.1.0.2:7156"' in lb and 'address = "10.1.0.21"\nport = 8080\nweight = 0' in lb
+    assert '[moves]\nlisten = ["10.1.0.2:7156"]' in lb and 'address = "10.1.0.21"\nport = 8080\nweight = 0' in lb
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not INBAND.exists() or not all(shutil.which(t) for t in ("nginx", "haproxy", "curl", "bpftool")),

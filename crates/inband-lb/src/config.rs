@@ -139,9 +139,10 @@ pub struct ScaleOutConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MovesConfig {
-    /// The UDP address requests come to: one of the balancer's addresses,
-    /// which the backends reach.
-    pub listen: SocketAddr,
+    /// The UDP addresses requests come to: the balancer's own, one per
+    /// family its VIPs serve (a connection's owner asks in the
+    /// connection's family).
+    pub listen: Vec<SocketAddr>,
 }
 
 fn default_peer_port() -> u16 {
@@ -851,19 +852,26 @@ impl LbConfig {
         if self.auth.mode == AuthMode::None {
             bail!("[moves]: flow moves exist only in the authenticated format, and [auth] mode = \"none\": set mode = \"siphash\" with keys, or remove [moves]");
         }
-        if !self.addresses().contains(&m.listen.ip()) {
-            bail!(
-                "[moves]: listen = {} is not one of the balancer's addresses ({}): listen on `address` or `address6`",
-                m.listen,
-                self.addresses().iter().map(IpAddr::to_string).collect::<Vec<_>>().join(", ")
-            );
+        if m.listen.is_empty() {
+            bail!("[moves]: listen = []: name the balancer's address (and `address6`) with the UDP port the backends send their requests to");
         }
-        if m.listen.port() == 0 {
-            bail!("[moves]: listen = {}: name the UDP port the backends send their requests to", m.listen);
-        }
-        if let Some(so) = self.scale_out.as_ref().filter(|so| so.fleet().is_some()) {
-            if Some(m.listen.ip()) == self.address6.map(IpAddr::V6) && m.listen.port() == so.peer_port {
-                bail!("[moves]: listen = {} is [scale_out] peer_port's address: give moves another port", m.listen);
+        for (i, listen) in m.listen.iter().enumerate() {
+            if m.listen[..i].iter().any(|l| l.ip() == listen.ip()) {
+                bail!("[moves]: listen names {} twice: one port per address", listen.ip());
+            }
+            if !self.addresses().contains(&listen.ip()) {
+                bail!(
+                    "[moves]: listen = {listen} is not one of the balancer's addresses ({}): listen on `address` or `address6`",
+                    self.addresses().iter().map(IpAddr::to_string).collect::<Vec<_>>().join(", ")
+                );
+            }
+            if listen.port() == 0 {
+                bail!("[moves]: listen = {listen}: name the UDP port the backends send their requests to");
+            }
+            if let Some(so) = self.scale_out.as_ref().filter(|so| so.fleet().is_some()) {
+                if Some(listen.ip()) == self.address6.map(IpAddr::V6) && listen.port() == so.peer_port {
+                    bail!("[moves]: listen = {listen} is [scale_out] peer_port's address: give moves another port");
+                }
             }
         }
         Ok(())
@@ -1251,11 +1259,13 @@ quic_server_id = 2
     #[test]
     fn moves_listen_on_a_balancer_address_and_only_authenticated() {
         let signed = DUAL.replace("[auth]\nmode = \"none\"\n", "[auth]\nkeys = [{ id = 1, file = \"/etc/inband/auth-1.key\" }]\n");
-        let moves = |text: &str, listen: &str| text.replace("[auth]", &format!("[moves]\nlisten = \"{listen}\"\n[auth]"));
+        let moves = |text: &str, listen: &str| text.replace("[auth]", &format!("[moves]\nlisten = [\"{}\"]\n[auth]", listen.replace(',', "\", \"")));
         assert_eq!(LbConfig::parse(&signed).unwrap().moves, None, "absent: no worker");
         let v4 = LbConfig::parse(&moves(&signed, "10.77.0.2:7156")).unwrap();
-        assert_eq!(v4.moves.unwrap().listen, "10.77.0.2:7156".parse::<SocketAddr>().unwrap());
+        assert_eq!(v4.moves.unwrap().listen, vec!["10.77.0.2:7156".parse::<SocketAddr>().unwrap()]);
         assert!(LbConfig::parse(&moves(&signed, "[fd00:77::2]:7156")).is_ok());
+        let both = LbConfig::parse(&moves(&signed, "10.77.0.2:7156,[fd00:77::2]:7156")).unwrap();
+        assert_eq!(both.moves.unwrap().listen.len(), 2);
         let sids = "sid = \"fd00:51::b\"\ndirect_sid = \"fd00:51::d\"\nshadow_sid = \"fd00:5f::5\"";
         let fleet = format!("[scale_out]\n{sids}\nfleet = true\nfleet_prefix = \"fd00:f1ee::/96\"\nfleet_key = \"/k\"\n[auth]");
         let fleet = signed.replacen("mode = \"dsr-dynamic\"", "mode = \"dsr-rr\"", 1).replace("[auth]", &fleet);
@@ -1266,7 +1276,9 @@ quic_server_id = 2
             (moves(&signed, "0.0.0.0:7156"), "not one of the balancer's addresses"),
             (moves(&signed, "10.77.0.2:0"), "name the UDP port"),
             (moves(&fleet, "[fd00:77::2]:7155"), "peer_port's address"),
-            (signed.replace("[auth]", "[moves]\nlisten = \"10.77.0.2:7156\"\nport = 1\n[auth]"), "unknown field `port`"),
+            (moves(&signed, "10.77.0.2:7156,10.77.0.2:7157"), "names 10.77.0.2 twice"),
+            (signed.replace("[auth]", "[moves]\nlisten = []\n[auth]"), "listen = []"),
+            (signed.replace("[auth]", "[moves]\nlisten = [\"10.77.0.2:7156\"]\nport = 1\n[auth]"), "unknown field `port`"),
         ];
         for (text, want) in cases {
             assert!(err(&text).contains(want), "want {want:?}, got {}", err(&text));

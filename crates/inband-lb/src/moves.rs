@@ -411,40 +411,62 @@ fn run_counts(prog: BorrowedFd<'_>, from: u16, to: u16, mode: u8, flags: u8) -> 
 /// Runs until `stop`: answers the requests that come to `[moves] listen`.
 /// Only with `[moves]` set (the daemon starts it then).
 pub fn run(maps: &LbMaps, counts: BorrowedFd<'_>, cfg: &Arc<Mutex<LbConfig>>, stop: &AtomicBool) -> Result<()> {
-    let listen = cfg.lock().unwrap().moves.as_ref().context("[moves] is not set")?.listen;
-    let socket = UdpSocket::bind(listen).with_context(|| format!("binding {listen} ([moves] listen)"))?;
-    socket.set_read_timeout(Some(WAIT))?;
-    info!(%listen, "taking flow moves");
+    let listen = cfg.lock().unwrap().moves.as_ref().context("[moves] is not set")?.listen.clone();
+    let sockets = listen
+        .iter()
+        .map(|a| UdpSocket::bind(a).with_context(|| format!("binding {a} ([moves] listen)")))
+        .collect::<Result<Vec<_>>>()?;
+    for s in &sockets {
+        s.set_nonblocking(true)?;
+    }
+    info!(?listen, "taking flow moves");
     let mut moves = Moves::new(counts);
     let mut buf = [0u8; flow_move::MAX_LEN];
+    let mut fds: Vec<libc::pollfd> = sockets.iter().map(|s| libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 }).collect();
     while !stop.load(Ordering::Relaxed) {
-        let (n, src) = match socket.recv_from(&mut buf) {
-            Ok(r) => r,
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => continue,
-            Err(e) => {
-                warn!(error = %e, "receiving a flow move");
+        // SAFETY: poll(2) on the live descriptors `fds` holds, of its length.
+        if unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, WAIT.as_millis() as libc::c_int) } <= 0 {
+            continue;
+        }
+        for (socket, fd) in sockets.iter().zip(&fds) {
+            if fd.revents == 0 {
                 continue;
             }
-        };
-        let mut stats = ControlStats::default();
-        let handled = {
-            let _one_writer = cfg.lock().unwrap();
-            moves.handle(maps, src, &buf[..n], &mut stats)
-        };
-        // A map that fails one request (a full `snat`) fails that request
-        // only: its sender hears nothing and may ask again.
-        let reply = handled.unwrap_or_else(|e| {
-            warn!(error = %format!("{e:#}"), %src, "a flow move failed");
-            None
-        });
-        if let Some(r) = reply {
-            if let Err(e) = socket.send_to(&r, src) {
-                warn!(error = %e, %src, "answering a flow move");
+            loop {
+                let (n, src) = match socket.recv_from(&mut buf) {
+                    Ok(r) => r,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) => {
+                        warn!(error = %e, "receiving a flow move");
+                        break;
+                    }
+                };
+                answer(maps, &mut moves, cfg, socket, src, &buf[..n])?;
             }
         }
-        polling::add_control_stats(maps, &stats)?;
     }
     Ok(())
+}
+
+/// Handles one datagram under the config lock and sends its answer.
+fn answer(maps: &LbMaps, moves: &mut Moves<'_>, cfg: &Arc<Mutex<LbConfig>>, socket: &UdpSocket, src: SocketAddr, d: &[u8]) -> Result<()> {
+    let mut stats = ControlStats::default();
+    let handled = {
+        let _one_writer = cfg.lock().unwrap();
+        moves.handle(maps, src, d, &mut stats)
+    };
+    // A map that fails one request (a full `snat`) fails that request
+    // only: its sender hears nothing and may ask again.
+    let reply = handled.unwrap_or_else(|e| {
+        warn!(error = %format!("{e:#}"), %src, "a flow move failed");
+        None
+    });
+    if let Some(r) = reply {
+        if let Err(e) = socket.send_to(&r, src) {
+            warn!(error = %e, %src, "answering a flow move");
+        }
+    }
+    polling::add_control_stats(maps, &stats)
 }
 
 #[cfg(test)]

@@ -176,6 +176,11 @@ pub struct TcpeServerConfig {
     pub control: String,
     /// Where clients join it (`--join`), as clients reach it.
     pub join: String,
+    /// With `[tcpe.transparent]`: the server's IPv6 address and port as
+    /// `inband lb` lists it, for moving IPv6 connections (the pool lists
+    /// it by one address; absent, IPv6 connections to it are proxied).
+    #[serde(default)]
+    pub backend6: Option<String>,
 }
 
 /// `[tcpe]` checked: the key read, the addresses parsed.
@@ -185,8 +190,9 @@ pub struct TcpeSpec {
     pub key: inband_core::wire::Key,
     pub deadline: Duration,
     pub io_timeout: Duration,
-    /// By backend address.
-    pub servers: std::collections::HashMap<SocketAddr, (SocketAddr, SocketAddr)>,
+    /// By backend address: the takeover channel, the join address, and
+    /// the server's IPv6 address as the L4 balancer lists it.
+    pub servers: std::collections::HashMap<SocketAddr, (SocketAddr, SocketAddr, Option<SocketAddr>)>,
     pub transparent: Option<TransparentSpec>,
 }
 
@@ -822,17 +828,20 @@ fn check_tcpe(t: &TcpeConfig, auth: Option<&inband_core::auth::AuthConfig>, back
             socket_addr("tcpe.server backend", &s.backend),
             socket_addr("tcpe.server control", &s.control),
             socket_addr("tcpe.server join", &s.join),
+            s.backend6.as_deref().map(|b6| socket_addr("tcpe.server backend6", b6)).transpose(),
         );
         match parsed {
-            (Ok(b), Ok(c), Ok(j)) => {
-                if !pooled.contains(&b) {
+            (Ok(b), Ok(c), Ok(j), Ok(b6)) => {
+                if b6.is_some_and(|b6| !b6.is_ipv6()) {
+                    problems.push(format!("tcpe.server backend6 {:?} is not an IPv6 address", s.backend6.as_deref().unwrap_or_default()));
+                } else if !pooled.contains(&b) {
                     problems.push(format!("tcpe.server backend {:?} is in no pool: list it in backends or a route's backends", s.backend));
-                } else if servers.insert(b, (c, j)).is_some() {
+                } else if servers.insert(b, (c, j, b6)).is_some() {
                     problems.push(format!("tcpe.server backend {:?} is listed twice: one takeover server per backend", s.backend));
                 }
             }
-            (b, c, j) => {
-                for e in [b.err(), c.err(), j.err()].into_iter().flatten() {
+            (b, c, j, b6) => {
+                for e in [b.err(), c.err(), j.err(), b6.err()].into_iter().flatten() {
                     problems.push(format!("{e:#}"));
                 }
             }
@@ -1354,6 +1363,12 @@ mod tests {
         assert_eq!((t.agent_pins, t.balancer_port, t.key), (PathBuf::from("/p"), 7156, (3, inband_core::auth::read_key(&key).unwrap())));
         // Without the subsection, no moves.
         assert!(parse(&format!("{base}")).unwrap().tcpe.unwrap().transparent.is_none());
+        // A server's IPv6 address for IPv6 connections: IPv6, or refused.
+        let six = |b6: &str| base.replace("join = \"127.0.0.1:3\"\n", &format!("join = \"127.0.0.1:3\"\nbackend6 = \"{b6}\"\n"));
+        let servers = parse(&six("[fd00::21]:8080")).unwrap().tcpe.unwrap().servers;
+        assert_eq!(servers[&"127.0.0.1:1".parse().unwrap()].2, Some("[fd00::21]:8080".parse().unwrap()));
+        let e = parse(&six("10.0.0.21:8080")).unwrap_err();
+        assert!(format!("{e:#}").contains("backend6 \"10.0.0.21:8080\" is not an IPv6 address"), "{e:#}");
     }
 
     #[test]

@@ -51,6 +51,9 @@ pub struct Handoffs {
     not_capable: usize,
     /// `[tcpe.transparent]`: plain connections are moved at L4.
     mover: Option<Arc<Mover>>,
+    /// By backend address: the server's IPv6 address as the L4 balancer
+    /// lists it, where `[[tcpe.server]]` names one.
+    backends6: HashMap<SocketAddr, SocketAddr>,
     pub moves: Arc<Counters>,
 }
 
@@ -79,10 +82,11 @@ impl Handoffs {
         let targets = spec
             .servers
             .iter()
-            .map(|(&backend, &(control, join))| {
+            .map(|(&backend, &(control, join, _))| {
                 (backend, Target { control, join, key: spec.key, deadline: spec.deadline, io_timeout: spec.io_timeout, channels: Default::default() })
             })
             .collect();
+        let backends6 = spec.servers.iter().filter_map(|(&backend, &(_, _, b6))| Some((backend, b6?))).collect();
         let not_capable = handoff::COUNTERS.iter().position(|(n, _)| *n == "fallback_not_capable").expect("a counter of inband-tcpe's handoff");
         let mover = match &spec.transparent {
             Some(t) => Some(Arc::new(
@@ -98,6 +102,7 @@ impl Handoffs {
             not_capable,
             mover,
             moves: Arc::new(transparent::counters()),
+            backends6,
         })
     }
 
@@ -288,9 +293,13 @@ async fn move_connection(h: &Handoffs, io: Io, head: Bytes, peer: SocketAddr, ch
     };
     let (tcpe, counters, target, request) = (h.tcpe.clone(), h.counters.clone(), target.clone(), head.clone());
     let (mover, moves) = (h.mover.clone().filter(|_| plain), h.moves.clone());
+    let addr6 = h.backends6.get(&addr).copied();
     let ran = tokio::task::spawn_blocking(move || {
+        // The balancer knows the server in the connection's family.
+        let v6 = client.local_addr().is_ok_and(|a| a.ip().to_canonical().is_ipv6());
+        let to = if v6 { addr6.unwrap_or(addr) } else { addr };
         let outcome = match &mover {
-            Some(m) => transparent::move_connection(m, &client, &request, &target, addr, &moves),
+            Some(m) => transparent::move_connection(m, &client, &request, &target, to, &moves),
             None => hand_off(&tcpe, &client, &request, &target, &counters),
         };
         (outcome, client)

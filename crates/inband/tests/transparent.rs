@@ -20,6 +20,8 @@ const CONTROL_PORT: u16 = 7070;
 const JOIN_PORT: u16 = 7071;
 const MOVES_PORT: u16 = 7156;
 const BODY: usize = 1 << 20;
+/// The balancer's IPv6 address on the testbed (TestbedSpec: fd00:<subnet>::<host>).
+const LB6: &str = "fd00:77::2";
 
 /// What `inband serve --body-bytes n` answers (workload/http.rs).
 fn body(n: usize) -> Vec<u8> {
@@ -110,7 +112,7 @@ fn plain_clients_connections_move_to_the_server_at_l4_and_every_failure_falls_ba
             .agent("client_address = false")
             .serve(2, &["--body-bytes", &BODY.to_string(), "--keep-alive", "--service-ms", "1"])
             .backend(2, "weight = 0")
-            .lb(&format!("[moves]\nlisten = \"{lb}:{MOVES_PORT}\"")),
+            .lb(&format!("[moves]\nlisten = [\"{lb}:{MOVES_PORT}\", \"[{LB6}]:{MOVES_PORT}\"]")),
     );
     assert_eq!(c.tb.addr("lb").to_string(), lb);
     let (s1, s2) = (server(&c.tb, 1), server(&c.tb, 2));
@@ -158,12 +160,14 @@ fn plain_clients_connections_move_to_the_server_at_l4_and_every_failure_falls_ba
     std::fs::write(
         &cfg,
         format!(
-            "listen = \"[::]:{}\"\nmetrics_listen = \"{}:{PROXY_METRICS}\"\nbackends = [\"{s2}\"]\n\n[auth]\nkeys = [{{ id = 1, file = \"{}\" }}]\n\n[tcpe]\ncgroup = \"{}\"\nkey = \"{}\"\n[[tcpe.server]]\nbackend = \"{s2}\"\ncontrol = \"{s2ip}:{CONTROL_PORT}\"\njoin = \"{s2ip}:{JOIN_PORT}\"\n[tcpe.transparent]\nagent_pins = \"{}\"\nbalancer_port = {MOVES_PORT}\n",
+            "listen = \"[::]:{}\"\nmetrics_listen = \"{}:{PROXY_METRICS}\"\nbackends = [\"{s2}\"]\n\n[auth]\nkeys = [{{ id = 1, file = \"{}\" }}]\n\n[tcpe]\ncgroup = \"{}\"\nkey = \"{}\"\n[[tcpe.server]]\nbackend = \"{s2}\"\nbackend6 = \"[{}]:{}\"\ncontrol = \"{s2ip}:{CONTROL_PORT}\"\njoin = \"{s2ip}:{JOIN_PORT}\"\n[tcpe.transparent]\nagent_pins = \"{}\"\nbalancer_port = {MOVES_PORT}\n",
             s1.port(),
             s1.ip(),
             c.key().display(),
             cgroup.display(),
             tcpe_key.display(),
+            c.tb.addr6("s2"),
+            s2.port(),
             pins(1).display(),
         ),
     )
@@ -204,9 +208,14 @@ fn plain_clients_connections_move_to_the_server_at_l4_and_every_failure_falls_ba
     let moved_lines: Vec<&str> = logged.lines().filter(|l| l.contains("handed off")).collect();
     assert_eq!(moved_lines.len(), 6, "{logged}");
     assert!(moved_lines.iter().all(|l| l.contains(&format!("client={c1}:"))), "{logged}");
-    // s2's agent answered the clients straight: 7 MiB at least went out DSR.
+    // IPv6: the connection moves to the server's IPv6 address (backend6),
+    // the request to the balancer goes to its IPv6 listener.
+    assert!(fetch_from(&c, vip6(&c.tb), &["/six"])[0] == want, "the IPv6 response");
+    assert_eq!((handoffs(&c, "moved"), handoffs(&c, "move_fallback_family")), (7, 0), "{}", metrics(&c));
+
+    // s2's agent answered the clients straight: 8 MiB at least went out DSR.
     let s2_agent = c.agent_status(2)["counters"].clone();
-    assert!(s2_agent["dsr_rewrites"].as_u64().unwrap() >= 7 * (BODY as u64) / 65536, "{s2_agent}");
+    assert!(s2_agent["dsr_rewrites"].as_u64().unwrap() >= 8 * (BODY as u64) / 65536, "{s2_agent}");
 
     // The balancer does not answer moves (its port unreachable: refused at
     // once on s1's way out, then silently dropped on the balancer's way
@@ -229,11 +238,6 @@ fn plain_clients_connections_move_to_the_server_at_l4_and_every_failure_falls_ba
     }
     assert_eq!(handoffs(&c, "move_fallback_channel"), 3, "{}", metrics(&c));
 
-    // An IPv6 connection: the server is listed by its IPv4 address, which
-    // the balancer does not know in that family. Proxied, and said why.
-    assert!(fetch_from(&c, vip6(&c.tb), &["/six"])[0] == want, "the IPv6 response");
-    assert_eq!(handoffs(&c, "move_fallback_family"), 1, "{}", metrics(&c));
-
     // A takeover server with no session to spare refuses: the proxy serves.
     let up = |c: &Cluster| in_ns(&c.tb, "s1", &["bash", "-c", &format!("exec 3<>/dev/tcp/{s2ip}/{CONTROL_PORT}")]).status().unwrap().success();
     procs.children[0] = takeover(&c, "0");
@@ -248,9 +252,9 @@ fn plain_clients_connections_move_to_the_server_at_l4_and_every_failure_falls_ba
     procs.children[0] = takeover(&c, "64");
     wait_for("the takeover server again", || up(&c));
     assert!(fetch(&c, &["/e"])[0] == want);
-    assert_eq!(handoffs(&c, "moved"), 7, "{}", metrics(&c));
+    assert_eq!(handoffs(&c, "moved"), 8, "{}", metrics(&c));
     for lost in ["move_lost", "move_fallback_not_dsr", "move_fallback_unfreezable", "move_fallback_bad_mac"] {
         assert_eq!(handoffs(&c, lost), 0, "{lost}: {}", metrics(&c));
     }
-    assert_eq!(lb_moves(&c)["moved"], 7, "{}", lb_moves(&c));
+    assert_eq!(lb_moves(&c)["moved"], 8, "{}", lb_moves(&c));
 }
