@@ -61,7 +61,7 @@ pub struct FlowSide {
 
 /// A request: move `flow` from backend `from` to backend `to`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Request {
+pub struct MoveRequest {
     pub key_id: u8,
     pub seq: u64,
     pub flow: FlowSide,
@@ -71,7 +71,7 @@ pub struct Request {
 
 /// What the balancer did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Outcome {
+pub enum MoveOutcome {
     /// The flow's packets go to `to` from now on (or went there already).
     Moved,
     /// No established flow with that client side.
@@ -89,53 +89,53 @@ pub enum Outcome {
     Refused,
 }
 
-impl Outcome {
+impl MoveOutcome {
     fn code(self) -> u8 {
         match self {
-            Outcome::Moved => 0,
-            Outcome::NoFlow => 1,
-            Outcome::NotOwner => 2,
-            Outcome::NotABackend => 3,
-            Outcome::PortInUse => 4,
-            Outcome::Refused => 5,
+            MoveOutcome::Moved => 0,
+            MoveOutcome::NoFlow => 1,
+            MoveOutcome::NotOwner => 2,
+            MoveOutcome::NotABackend => 3,
+            MoveOutcome::PortInUse => 4,
+            MoveOutcome::Refused => 5,
         }
     }
 
-    fn from_code(c: u8) -> Option<Outcome> {
+    fn from_code(c: u8) -> Option<MoveOutcome> {
         Some(match c {
-            0 => Outcome::Moved,
-            1 => Outcome::NoFlow,
-            2 => Outcome::NotOwner,
-            3 => Outcome::NotABackend,
-            4 => Outcome::PortInUse,
-            5 => Outcome::Refused,
+            0 => MoveOutcome::Moved,
+            1 => MoveOutcome::NoFlow,
+            2 => MoveOutcome::NotOwner,
+            3 => MoveOutcome::NotABackend,
+            4 => MoveOutcome::PortInUse,
+            5 => MoveOutcome::Refused,
             _ => return None,
         })
     }
 
     pub fn name(self) -> &'static str {
         match self {
-            Outcome::Moved => "moved",
-            Outcome::NoFlow => "no_flow",
-            Outcome::NotOwner => "not_owner",
-            Outcome::NotABackend => "not_a_backend",
-            Outcome::PortInUse => "port_in_use",
-            Outcome::Refused => "refused",
+            MoveOutcome::Moved => "moved",
+            MoveOutcome::NoFlow => "no_flow",
+            MoveOutcome::NotOwner => "not_owner",
+            MoveOutcome::NotABackend => "not_a_backend",
+            MoveOutcome::PortInUse => "port_in_use",
+            MoveOutcome::Refused => "refused",
         }
     }
 }
 
 /// An answer to the request with sequence number `seq`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Reply {
+pub struct MoveReply {
     pub seq: u64,
-    pub outcome: Outcome,
+    pub outcome: MoveOutcome,
     /// With `Moved`: the balancer's source port toward `to` from now on.
     pub source_port: u16,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Refusal {
+pub enum MoveRefusal {
     /// Not a message of this protocol (length or magic): noise.
     NotOurs,
     /// No key of that id, or a MAC that does not verify.
@@ -168,16 +168,16 @@ fn be64(b: &[u8]) -> u64 {
     u64::from_be_bytes(b[..8].try_into().unwrap())
 }
 
-fn verified(buf: &[u8], keys: &[(u8, Key)]) -> Result<(), Refusal> {
+fn verified(buf: &[u8], keys: &[(u8, Key)]) -> Result<(), MoveRefusal> {
     let (body, mac) = buf.split_at(buf.len() - 8);
-    let key = key_of(keys, body[4]).ok_or(Refusal::BadMac)?;
+    let key = key_of(keys, body[4]).ok_or(MoveRefusal::BadMac)?;
     if key.siphash(body) != be64(mac) {
-        return Err(Refusal::BadMac);
+        return Err(MoveRefusal::BadMac);
     }
     Ok(())
 }
 
-pub fn encode_request(r: &Request, key: &Key) -> Vec<u8> {
+pub fn encode_request(r: &MoveRequest, key: &Key) -> Vec<u8> {
     let mut b = Vec::with_capacity(REQUEST_LEN);
     b.extend_from_slice(b"IBM1");
     b.extend_from_slice(&[r.key_id, 0, 0, 0]);
@@ -194,13 +194,13 @@ pub fn encode_request(r: &Request, key: &Key) -> Vec<u8> {
     signed(b, key)
 }
 
-pub fn decode_request(buf: &[u8], keys: &[(u8, Key)]) -> Result<Request, Refusal> {
+pub fn decode_request(buf: &[u8], keys: &[(u8, Key)]) -> Result<MoveRequest, MoveRefusal> {
     if buf.len() != REQUEST_LEN || buf[..4] != *b"IBM1" {
-        return Err(Refusal::NotOurs);
+        return Err(MoveRefusal::NotOurs);
     }
     verified(buf, keys)?;
     if buf[5..8] != [0; 3] || buf[53..56] != [0; 3] {
-        return Err(Refusal::Malformed);
+        return Err(MoveRefusal::Malformed);
     }
     let client = SocketAddr::new(ip_of(&buf[16..]), be16(&buf[32..]));
     let vip = SocketAddr::new(ip_of(&buf[36..]), be16(&buf[34..]));
@@ -208,41 +208,41 @@ pub fn decode_request(buf: &[u8], keys: &[(u8, Key)]) -> Result<Request, Refusal
     let to = SocketAddr::new(ip_of(&buf[76..]), be16(&buf[74..]));
     let v4 = client.is_ipv4();
     if vip.is_ipv4() != v4 || from.is_ipv4() != to.is_ipv4() {
-        return Err(Refusal::Malformed);
+        return Err(MoveRefusal::Malformed);
     }
-    Ok(Request { key_id: buf[4], seq: be64(&buf[8..]), flow: FlowSide { client, vip, proto: buf[52] }, from, to })
+    Ok(MoveRequest { key_id: buf[4], seq: be64(&buf[8..]), flow: FlowSide { client, vip, proto: buf[52] }, from, to })
 }
 
 /// The answer to `req` under its key; None if that key is gone.
 /// `source_port`: with `Moved`, the flow's source port toward `to` (0
 /// otherwise).
-pub fn encode_reply(req: &Request, outcome: Outcome, source_port: u16, keys: &[(u8, Key)]) -> Option<Vec<u8>> {
+pub fn encode_reply(req: &MoveRequest, outcome: MoveOutcome, source_port: u16, keys: &[(u8, Key)]) -> Option<Vec<u8>> {
     let key = key_of(keys, req.key_id)?;
-    let port = if outcome == Outcome::Moved { source_port } else { 0 };
+    let port = if outcome == MoveOutcome::Moved { source_port } else { 0 };
     let body = [&b"IBM2"[..], &[req.key_id, outcome.code()], &port.to_be_bytes(), &req.seq.to_be_bytes()].concat();
     Some(signed(body, key))
 }
 
-pub fn decode_reply(buf: &[u8], keys: &[(u8, Key)]) -> Result<Reply, Refusal> {
+pub fn decode_reply(buf: &[u8], keys: &[(u8, Key)]) -> Result<MoveReply, MoveRefusal> {
     if buf.len() != REPLY_LEN || buf[..4] != *b"IBM2" {
-        return Err(Refusal::NotOurs);
+        return Err(MoveRefusal::NotOurs);
     }
     verified(buf, keys)?;
-    let outcome = Outcome::from_code(buf[5]).ok_or(Refusal::Malformed)?;
+    let outcome = MoveOutcome::from_code(buf[5]).ok_or(MoveRefusal::Malformed)?;
     let source_port = be16(&buf[6..]);
     // A port only with Moved, and a real one then.
-    if (outcome == Outcome::Moved) != (source_port != 0) {
-        return Err(Refusal::Malformed);
+    if (outcome == MoveOutcome::Moved) != (source_port != 0) {
+        return Err(MoveRefusal::Malformed);
     }
-    Ok(Reply { seq: be64(&buf[8..]), outcome, source_port })
+    Ok(MoveReply { seq: be64(&buf[8..]), outcome, source_port })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn request() -> Request {
-        Request {
+    fn request() -> MoveRequest {
+        MoveRequest {
             key_id: 3,
             seq: 0x0102_0304_0506_0708,
             flow: FlowSide { client: "10.0.0.10:40000".parse().unwrap(), vip: "10.0.0.100:80".parse().unwrap(), proto: 6 },
@@ -267,21 +267,21 @@ mod tests {
             t[i] ^= 0x40;
             assert!(decode_request(&t, &keys).is_err(), "byte {i} flipped was taken");
         }
-        assert_eq!(decode_request(&b, &[(3, Key([8; 16]))]), Err(Refusal::BadMac));
-        assert_eq!(decode_request(&b, &[(4, key)]), Err(Refusal::BadMac));
-        assert_eq!(decode_request(&b[..99], &keys), Err(Refusal::NotOurs));
-        assert_eq!(decode_request(&[b.clone(), vec![0]].concat(), &keys), Err(Refusal::NotOurs));
+        assert_eq!(decode_request(&b, &[(3, Key([8; 16]))]), Err(MoveRefusal::BadMac));
+        assert_eq!(decode_request(&b, &[(4, key)]), Err(MoveRefusal::BadMac));
+        assert_eq!(decode_request(&b[..99], &keys), Err(MoveRefusal::NotOurs));
+        assert_eq!(decode_request(&[b.clone(), vec![0]].concat(), &keys), Err(MoveRefusal::NotOurs));
 
-        let rep = encode_reply(&r, Outcome::PortInUse, 1030, &keys).unwrap();
+        let rep = encode_reply(&r, MoveOutcome::PortInUse, 1030, &keys).unwrap();
         assert_eq!(rep.len(), REPLY_LEN);
-        assert_eq!(decode_reply(&rep, &keys), Ok(Reply { seq: r.seq, outcome: Outcome::PortInUse, source_port: 0 }), "a port only with Moved");
-        let moved = encode_reply(&r, Outcome::Moved, 1030, &keys).unwrap();
+        assert_eq!(decode_reply(&rep, &keys), Ok(MoveReply { seq: r.seq, outcome: MoveOutcome::PortInUse, source_port: 0 }), "a port only with Moved");
+        let moved = encode_reply(&r, MoveOutcome::Moved, 1030, &keys).unwrap();
         assert_eq!(&moved[..8], &[b'I', b'B', b'M', b'2', 3, 0, 0x04, 0x06]);
-        assert_eq!(decode_reply(&moved, &keys), Ok(Reply { seq: r.seq, outcome: Outcome::Moved, source_port: 1030 }));
+        assert_eq!(decode_reply(&moved, &keys), Ok(MoveReply { seq: r.seq, outcome: MoveOutcome::Moved, source_port: 1030 }));
         // A request is not a reply, nor the other way round.
-        assert_eq!(decode_reply(&b, &keys), Err(Refusal::NotOurs));
-        assert_eq!(decode_request(&rep, &keys), Err(Refusal::NotOurs));
-        assert!(encode_reply(&r, Outcome::Moved, 1030, &[(4, key)]).is_none());
+        assert_eq!(decode_reply(&b, &keys), Err(MoveRefusal::NotOurs));
+        assert_eq!(decode_request(&rep, &keys), Err(MoveRefusal::NotOurs));
+        assert!(encode_reply(&r, MoveOutcome::Moved, 1030, &[(4, key)]).is_none());
     }
 
     #[test]
@@ -290,18 +290,18 @@ mod tests {
         let keys = [(3u8, key)];
         let mut mixed = request();
         mixed.flow.vip = "[fd00::100]:80".parse().unwrap();
-        assert_eq!(decode_request(&encode_request(&mixed, &key), &keys), Err(Refusal::Malformed));
+        assert_eq!(decode_request(&encode_request(&mixed, &key), &keys), Err(MoveRefusal::Malformed));
         let r = request();
-        let rep = encode_reply(&r, Outcome::Moved, 1030, &keys).unwrap();
+        let rep = encode_reply(&r, MoveOutcome::Moved, 1030, &keys).unwrap();
         let resign = |f: &dyn Fn(&mut Vec<u8>)| {
             let mut body = rep[..16].to_vec();
             f(&mut body);
             signed(body, &key)
         };
-        assert_eq!(decode_reply(&resign(&|b| b[5] = 9), &keys), Err(Refusal::Malformed), "an unknown result");
-        assert_eq!(decode_reply(&resign(&|b| b[6..8].copy_from_slice(&[0, 0])), &keys), Err(Refusal::Malformed), "moved without a port");
-        assert_eq!(decode_reply(&resign(&|b| b[5] = 1), &keys), Err(Refusal::Malformed), "a port without a move");
-        let v6 = Request {
+        assert_eq!(decode_reply(&resign(&|b| b[5] = 9), &keys), Err(MoveRefusal::Malformed), "an unknown result");
+        assert_eq!(decode_reply(&resign(&|b| b[6..8].copy_from_slice(&[0, 0])), &keys), Err(MoveRefusal::Malformed), "moved without a port");
+        assert_eq!(decode_reply(&resign(&|b| b[5] = 1), &keys), Err(MoveRefusal::Malformed), "a port without a move");
+        let v6 = MoveRequest {
             flow: FlowSide { client: "[fd00::10]:40000".parse().unwrap(), vip: "[fd00::100]:80".parse().unwrap(), proto: 6 },
             from: "[fd00::21]:8080".parse().unwrap(),
             to: "[fd00::22]:80".parse().unwrap(),

@@ -7,7 +7,7 @@
 //!
 //! Checks, in order; the first three are dropped unanswered (an answer
 //! would let anyone aim our replies at an address), every later refusal
-//! is answered with its `Outcome`, and each is counted (`control_stats`,
+//! is answered with its `MoveOutcome`, and each is counted (`control_stats`,
 //! `move_*`):
 //!
 //! 1. not a request, or a signed field no sender writes (`move_malformed`);
@@ -68,7 +68,7 @@ use super::maps::*;
 use super::polling;
 use super::tables::{self, LbMaps};
 use inband_core::bpfmap;
-use inband_core::flow_move::{self, Outcome, Refusal, Request};
+use inband_core::flow_move::{self, MoveOutcome, MoveRefusal, MoveRequest};
 use inband_core::pod::{be_ip, be_port, ip_of, port_of, Pod};
 use inband_core::wire::Key;
 
@@ -122,7 +122,7 @@ impl Senders {
 /// What a request came to: its outcome on the wire, told apart as the
 /// counters tell them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Answer {
+pub enum MoveAnswer {
     Moved,
     NoFlow,
     NotOwner,
@@ -133,27 +133,27 @@ pub enum Answer {
     SendersFull,
 }
 
-impl Answer {
-    pub fn outcome(self) -> Outcome {
+impl MoveAnswer {
+    pub fn outcome(self) -> MoveOutcome {
         match self {
-            Answer::Moved => Outcome::Moved,
-            Answer::NoFlow => Outcome::NoFlow,
-            Answer::NotOwner => Outcome::NotOwner,
-            Answer::NotABackend => Outcome::NotABackend,
-            Answer::PortInUse => Outcome::PortInUse,
-            Answer::Replayed | Answer::Fleet | Answer::SendersFull => Outcome::Refused,
+            MoveAnswer::Moved => MoveOutcome::Moved,
+            MoveAnswer::NoFlow => MoveOutcome::NoFlow,
+            MoveAnswer::NotOwner => MoveOutcome::NotOwner,
+            MoveAnswer::NotABackend => MoveOutcome::NotABackend,
+            MoveAnswer::PortInUse => MoveOutcome::PortInUse,
+            MoveAnswer::Replayed | MoveAnswer::Fleet | MoveAnswer::SendersFull => MoveOutcome::Refused,
         }
     }
 
     fn count(self, s: &mut ControlStats) {
         *match self {
-            Answer::Moved => &mut s.moves,
-            Answer::NoFlow => &mut s.move_no_flow,
-            Answer::NotOwner => &mut s.move_not_owner,
-            Answer::NotABackend => &mut s.move_not_a_backend,
-            Answer::PortInUse => &mut s.move_port_in_use,
-            Answer::Replayed => &mut s.move_replayed,
-            Answer::Fleet | Answer::SendersFull => &mut s.move_refused,
+            MoveAnswer::Moved => &mut s.moves,
+            MoveAnswer::NoFlow => &mut s.move_no_flow,
+            MoveAnswer::NotOwner => &mut s.move_not_owner,
+            MoveAnswer::NotABackend => &mut s.move_not_a_backend,
+            MoveAnswer::PortInUse => &mut s.move_port_in_use,
+            MoveAnswer::Replayed => &mut s.move_replayed,
+            MoveAnswer::Fleet | MoveAnswer::SendersFull => &mut s.move_refused,
         } += 1;
     }
 }
@@ -170,27 +170,27 @@ pub enum Judged {
 
 /// What the checks against the flow and its VIP find, or the refusal.
 /// `slots`: the flow's VIP's (backend id, backend) in slot order.
-pub fn judge(req: &Request, flow: Option<&Flow>, slots: &[(u32, Backend)]) -> Result<Judged, Answer> {
-    let f = flow.filter(|f| f.state == FLOW_ESTABLISHED).ok_or(Answer::NoFlow)?;
+pub fn judge(req: &MoveRequest, flow: Option<&Flow>, slots: &[(u32, Backend)]) -> Result<Judged, MoveAnswer> {
+    let f = flow.filter(|f| f.state == FLOW_ESTABLISHED).ok_or(MoveAnswer::NoFlow)?;
     let now = SocketAddr::new(ip_of(&f.backend_addr), port_of(f.backend_port));
     if now == req.to && req.from != req.to {
         return Ok(Judged::There);
     }
     if now != req.from {
-        return Err(Answer::NotOwner);
+        return Err(MoveAnswer::NotOwner);
     }
     let (id, _) = slots
         .iter()
         .find(|(_, b)| tables::backend_endpoint(b) == req.to && !backend_removed(b) && b.flags & BACKEND_DOWN == 0)
-        .ok_or(Answer::NotABackend)?;
+        .ok_or(MoveAnswer::NotABackend)?;
     if f.snat_index == SNAT_FLEET {
-        return Err(Answer::Fleet);
+        return Err(MoveAnswer::Fleet);
     }
     Ok(Judged::Move(*id))
 }
 
 /// The client side as the maps key it.
-pub fn flow_key(req: &Request) -> FlowKey {
+pub fn flow_key(req: &MoveRequest) -> FlowKey {
     FlowKey {
         client_addr: be_ip(req.flow.client.ip()),
         vip_addr: be_ip(req.flow.vip.ip()),
@@ -248,11 +248,11 @@ impl<'p> Moves<'p> {
         let keys = keys(maps)?;
         let req = match flow_move::decode_request(d, &keys) {
             Ok(r) => r,
-            Err(Refusal::NotOurs | Refusal::Malformed) => {
+            Err(MoveRefusal::NotOurs | MoveRefusal::Malformed) => {
                 stats.move_malformed += 1;
                 return Ok(None);
             }
-            Err(Refusal::BadMac) => {
+            Err(MoveRefusal::BadMac) => {
                 stats.move_bad_mac += 1;
                 return Ok(None);
             }
@@ -262,8 +262,8 @@ impl<'p> Moves<'p> {
             return Ok(None);
         }
         let (answer, port) = match self.senders.take(req.from.ip(), req.seq) {
-            Err(SeqRefused::Replayed) => (Answer::Replayed, 0),
-            Err(SeqRefused::Full) => (Answer::SendersFull, 0),
+            Err(SeqRefused::Replayed) => (MoveAnswer::Replayed, 0),
+            Err(SeqRefused::Full) => (MoveAnswer::SendersFull, 0),
             Ok(()) => self.apply(maps, &req)?,
         };
         answer.count(stats);
@@ -272,7 +272,7 @@ impl<'p> Moves<'p> {
 
     /// Checks the flow and `to`, then moves the flow; with `Moved`, its
     /// source port toward `to` (host order).
-    fn apply(&self, maps: &LbMaps, req: &Request) -> Result<(Answer, u16)> {
+    fn apply(&self, maps: &LbMaps, req: &MoveRequest) -> Result<(MoveAnswer, u16)> {
         let key = flow_key(req);
         let flow: Option<Flow> = bpfmap::get(&maps.flows, &key)?;
         let slots = match &flow {
@@ -281,7 +281,7 @@ impl<'p> Moves<'p> {
         };
         let (to_id, old) = match (judge(req, flow.as_ref(), &slots), flow) {
             (Err(a), _) => return Ok((a, 0)),
-            (Ok(Judged::There), Some(f)) => return Ok((Answer::Moved, port_of(f.snat_port))),
+            (Ok(Judged::There), Some(f)) => return Ok((MoveAnswer::Moved, port_of(f.snat_port))),
             (Ok(Judged::Move(to_id)), Some(f)) => (to_id, f),
             (Ok(_), None) => unreachable!("judge found a flow"),
         };
@@ -295,7 +295,7 @@ impl<'p> Moves<'p> {
             ..old
         };
         let Some(nk) = reserve_some_port(maps, &mut moved, &key)? else {
-            return Ok((Answer::PortInUse, 0));
+            return Ok((MoveAnswer::PortInUse, 0));
         };
         // Only in place of an entry: one the data path or the sweeper ended
         // meanwhile stays ended. A packet of the flow between the read and
@@ -306,7 +306,7 @@ impl<'p> Moves<'p> {
             Ok(()) => {}
             Err(e) if e.kind() == ErrorKind::NotFound => {
                 bpfmap::delete(&maps.snat, &nk)?;
-                return Ok((Answer::NoFlow, 0));
+                return Ok((MoveAnswer::NoFlow, 0));
             }
             Err(e) => return Err(e).context("rewriting the moved flow"),
         }
@@ -316,7 +316,7 @@ impl<'p> Moves<'p> {
             bpfmap::delete(&maps.snat, &old_nk)?;
         }
         run_counts(self.counts, old.backend_id, to_id as u16, old.mode, old.flags)?;
-        Ok((Answer::Moved, port_of(moved.snat_port)))
+        Ok((MoveAnswer::Moved, port_of(moved.snat_port)))
     }
 }
 
@@ -474,8 +474,8 @@ mod tests {
     use super::*;
     use inband_core::flow_move::FlowSide;
 
-    fn request() -> Request {
-        Request {
+    fn request() -> MoveRequest {
+        MoveRequest {
             key_id: 1,
             seq: 10,
             flow: FlowSide { client: "192.168.1.1:40001".parse().unwrap(), vip: "10.0.0.100:80".parse().unwrap(), proto: 6 },
@@ -507,19 +507,19 @@ mod tests {
         assert_eq!(judge(&r, Some(&est), &slots(BACKEND_DRAINING)), Ok(Judged::Move(11)));
         // Moved already (a retry after a lost answer): answered, not moved again.
         assert_eq!(judge(&r, Some(&flow("10.0.1.2:8081", FLOW_ESTABLISHED)), &slots(BACKEND_ACTIVE)), Ok(Judged::There));
-        assert_eq!(judge(&r, None, &slots(BACKEND_ACTIVE)), Err(Answer::NoFlow));
+        assert_eq!(judge(&r, None, &slots(BACKEND_ACTIVE)), Err(MoveAnswer::NoFlow));
         for state in [FLOW_SYN_SENT, FLOW_CLOSING] {
-            assert_eq!(judge(&r, Some(&flow("10.0.1.1:8080", state)), &slots(BACKEND_ACTIVE)), Err(Answer::NoFlow));
+            assert_eq!(judge(&r, Some(&flow("10.0.1.1:8080", state)), &slots(BACKEND_ACTIVE)), Err(MoveAnswer::NoFlow));
         }
         // The right address on another port is another backend.
-        assert_eq!(judge(&r, Some(&flow("10.0.1.1:8081", FLOW_ESTABLISHED)), &slots(BACKEND_ACTIVE)), Err(Answer::NotOwner));
-        assert_eq!(judge(&r, Some(&est), &slots(BACKEND_ACTIVE | BACKEND_DOWN)), Err(Answer::NotABackend));
-        assert_eq!(judge(&r, Some(&est), &slots(0)), Err(Answer::NotABackend), "a removed backend's tombstone");
-        let elsewhere = Request { to: "10.0.1.2:8080".parse().unwrap(), ..r };
-        assert_eq!(judge(&elsewhere, Some(&est), &slots(BACKEND_ACTIVE)), Err(Answer::NotABackend));
+        assert_eq!(judge(&r, Some(&flow("10.0.1.1:8081", FLOW_ESTABLISHED)), &slots(BACKEND_ACTIVE)), Err(MoveAnswer::NotOwner));
+        assert_eq!(judge(&r, Some(&est), &slots(BACKEND_ACTIVE | BACKEND_DOWN)), Err(MoveAnswer::NotABackend));
+        assert_eq!(judge(&r, Some(&est), &slots(0)), Err(MoveAnswer::NotABackend), "a removed backend's tombstone");
+        let elsewhere = MoveRequest { to: "10.0.1.2:8080".parse().unwrap(), ..r };
+        assert_eq!(judge(&elsewhere, Some(&est), &slots(BACKEND_ACTIVE)), Err(MoveAnswer::NotABackend));
         let fleet = Flow { snat_index: SNAT_FLEET, ..est };
-        assert_eq!(judge(&r, Some(&fleet), &slots(BACKEND_ACTIVE)), Err(Answer::Fleet));
-        assert_eq!(Answer::Fleet.outcome(), Outcome::Refused);
+        assert_eq!(judge(&r, Some(&fleet), &slots(BACKEND_ACTIVE)), Err(MoveAnswer::Fleet));
+        assert_eq!(MoveAnswer::Fleet.outcome(), MoveOutcome::Refused);
     }
 
     #[test]

@@ -39,7 +39,7 @@ fn monotonic_ms() -> u32 {
 
 /// A connection from the balancer as the agent knows it.
 #[derive(Clone, Copy, Debug)]
-pub struct Entry {
+pub struct DsrEntry {
     pub client: SocketAddr,
     pub ts_shift: u32,
     raw: inband_dsr_flow,
@@ -54,13 +54,13 @@ impl AgentFlows {
     /// The client that the connection from `peer` (the balancer's tuple)
     /// to `local_port` stands for; None if the agent took no client tuple
     /// for it (not a DSR connection of `inband lb`).
-    pub fn entry(&self, peer: SocketAddr, local_port: u16) -> Result<Option<Entry>> {
+    pub fn entry(&self, peer: SocketAddr, local_port: u16) -> Result<Option<DsrEntry>> {
         let Some(raw) = bpfmap::get::<_, inband_dsr_flow>(&self.flows, &key(peer, local_port))? else { return Ok(None) };
         let ip = ip_of(&raw.client_addr);
         if ip.is_unspecified() {
             return Ok(None);
         }
-        Ok(Some(Entry { client: SocketAddr::new(ip, u16::from_be(raw.client_port)), ts_shift: raw.ts_shift, raw }))
+        Ok(Some(DsrEntry { client: SocketAddr::new(ip, u16::from_be(raw.client_port)), ts_shift: raw.ts_shift, raw }))
     }
 
     /// The VIP the agent's service on `local_port` answers as.
@@ -71,13 +71,13 @@ impl AgentFlows {
 
     /// From now on, for `span`, the agent drops the connection's segments
     /// and keeps its entry when its socket closes.
-    pub fn freeze(&self, peer: SocketAddr, local_port: u16, e: &Entry, span: Duration) -> Result<()> {
+    pub fn freeze(&self, peer: SocketAddr, local_port: u16, e: &DsrEntry, span: Duration) -> Result<()> {
         let until = monotonic_ms().wrapping_add(span.as_millis().min(u32::MAX as u128 / 2) as u32).max(1);
         bpfmap::put(&self.flows, &key(peer, local_port), &inband_dsr_flow { frozen_until_ms: until, ..e.raw })
     }
 
     /// Takes a freeze back: the connection stays with its socket here.
-    pub fn unfreeze(&self, peer: SocketAddr, local_port: u16, e: &Entry) -> Result<()> {
+    pub fn unfreeze(&self, peer: SocketAddr, local_port: u16, e: &DsrEntry) -> Result<()> {
         bpfmap::put(&self.flows, &key(peer, local_port), &inband_dsr_flow { frozen_until_ms: 0, ..e.raw })
     }
 

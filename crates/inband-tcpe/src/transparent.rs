@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
-use inband_core::flow_move::{self, FlowSide, Outcome as LbOutcome, Request};
+use inband_core::flow_move::{self, FlowSide, MoveOutcome, MoveRequest};
 use inband_core::wire::Key;
 
 use crate::agent_flows::AgentFlows;
@@ -140,7 +140,7 @@ impl Mover {
     fn ask(&self, sock: &UdpSocket, lb: SocketAddr, flow: FlowSide, from: SocketAddr, to: SocketAddr, wait: Duration) -> Result<Option<u16>> {
         let keys = [self.lb_key];
         for _ in 0..LB_TRIES {
-            let req = Request { key_id: self.lb_key.0, seq: self.next_seq(), flow, from, to };
+            let req = MoveRequest { key_id: self.lb_key.0, seq: self.next_seq(), flow, from, to };
             sock.send(&flow_move::encode_request(&req, &self.lb_key.1))?;
             let deadline = std::time::Instant::now() + wait;
             let mut buf = [0u8; flow_move::MAX_LEN];
@@ -158,7 +158,7 @@ impl Mover {
                     Err(e) => return Err(e).context("reading the balancer's answer"),
                 };
                 match flow_move::decode_reply(&buf[..n], &keys) {
-                    Ok(r) if r.seq == req.seq => return Ok((r.outcome == LbOutcome::Moved).then_some(r.source_port)),
+                    Ok(r) if r.seq == req.seq => return Ok((r.outcome == MoveOutcome::Moved).then_some(r.source_port)),
                     // An answer to an earlier try, or noise: wait on.
                     _ => {}
                 }

@@ -4608,7 +4608,7 @@ fn a_stray_of_a_round_robin_vip_is_adopted_to_the_backend_its_opener_announced()
 /// A flow move (crates/inband-lb/src/moves.rs) as the lb daemon's worker
 /// handles a datagram: from `src`, under KEY. The reply's outcome, checked
 /// to answer this very request; None when nothing was answered.
-fn ask_move(moves: &mut inband_lb::moves::Moves, maps: &inband_lb::tables::LbMaps, src: IpAddr, datagram: &[u8]) -> Option<(inband_core::flow_move::Outcome, u16)> {
+fn ask_move(moves: &mut inband_lb::moves::Moves, maps: &inband_lb::tables::LbMaps, src: IpAddr, datagram: &[u8]) -> Option<(inband_core::flow_move::MoveOutcome, u16)> {
     use inband_core::flow_move::decode_reply;
     let mut stats = ControlStats::default();
     let reply = moves.handle(maps, SocketAddr::new(src, 7777), datagram, &mut stats).expect("handling a move");
@@ -4650,7 +4650,7 @@ fn hold_port(fx: &Fixture, c: SocketAddr, b: &B, port: u16) {
 
 #[test]
 fn a_moved_flow_goes_to_its_new_backend_from_a_port_free_there_and_only_its_owner_may_move_it() {
-    use inband_core::flow_move::{encode_request, FlowSide, Outcome, Request};
+    use inband_core::flow_move::{encode_request, FlowSide, MoveOutcome, MoveRequest};
     use std::os::fd::AsFd;
 
     // Least-connections: the move must carry the flow's count over.
@@ -4669,16 +4669,16 @@ fn a_moved_flow_goes_to_its_new_backend_from_a_port_free_there_and_only_its_owne
     // Sequence numbers are the sender's wall clock in µs: the balancer
     // refuses those from before it started.
     let t0 = wall_us();
-    let req = |seq: u64, from: &B, to: SocketAddr| Request {
+    let req = |seq: u64, from: &B, to: SocketAddr| MoveRequest {
         key_id: KEY_ID,
         seq,
         flow: FlowSide { client: c, vip: vip(), proto: IPPROTO_TCP },
         from: from.addr,
         to,
     };
-    let signed = |r: &Request| encode_request(r, &KEY);
+    let signed = |r: &MoveRequest| encode_request(r, &KEY);
     let mut ask = |src: &B, d: &[u8]| ask_move(&mut moves, &maps, src.addr.ip(), d);
-    let refused = |o: Outcome| Some((o, 0));
+    let refused = |o: MoveOutcome| Some((o, 0));
 
     // Dropped unanswered: a forged MAC, a truncated request, a sender
     // that is not the `from` it names.
@@ -4687,17 +4687,17 @@ fn a_moved_flow_goes_to_its_new_backend_from_a_port_free_there_and_only_its_owne
     assert_eq!(ask(&other, &signed(&req(t0 + 1, &a, b.addr))), None);
     // Answered refusals. A number from before the balancer started (a
     // request recorded before a restart) is refused from anyone.
-    assert_eq!(ask(&other, &signed(&req(t0 - 1_000_000, &other, b.addr))), refused(Outcome::Refused));
-    assert_eq!(ask(&other, &signed(&req(t0 + 1, &other, b.addr))), refused(Outcome::NotOwner));
-    assert_eq!(ask(&other, &signed(&req(t0 + 1, &other, b.addr))), refused(Outcome::Refused), "a number used again");
-    assert_eq!(ask(&a, &signed(&req(t0 + 5, &a, sa4(Ipv4Addr::new(10, 0, 9, 9), 80)))), refused(Outcome::NotABackend));
-    assert_eq!(ask(&a, &signed(&req(t0 + 6, &a, SocketAddr::new(b.addr.ip(), 80)))), refused(Outcome::NotABackend), "its address, another port");
+    assert_eq!(ask(&other, &signed(&req(t0 - 1_000_000, &other, b.addr))), refused(MoveOutcome::Refused));
+    assert_eq!(ask(&other, &signed(&req(t0 + 1, &other, b.addr))), refused(MoveOutcome::NotOwner));
+    assert_eq!(ask(&other, &signed(&req(t0 + 1, &other, b.addr))), refused(MoveOutcome::Refused), "a number used again");
+    assert_eq!(ask(&a, &signed(&req(t0 + 5, &a, sa4(Ipv4Addr::new(10, 0, 9, 9), 80)))), refused(MoveOutcome::NotABackend));
+    assert_eq!(ask(&a, &signed(&req(t0 + 6, &a, SocketAddr::new(b.addr.ip(), 80)))), refused(MoveOutcome::NotABackend), "its address, another port");
     fx.set_flags(&b, BACKEND_DRAINING | BACKEND_DOWN);
-    assert_eq!(ask(&a, &signed(&req(t0 + 7, &a, b.addr))), refused(Outcome::NotABackend), "a DOWN backend");
+    assert_eq!(ask(&a, &signed(&req(t0 + 7, &a, b.addr))), refused(MoveOutcome::NotABackend), "a DOWN backend");
     fx.set_flags(&b, BACKEND_DRAINING);
     let mut gone = req(t0 + 8, &a, b.addr);
     gone.flow.client = client(7);
-    assert_eq!(ask(&a, &signed(&gone)), refused(Outcome::NoFlow));
+    assert_eq!(ask(&a, &signed(&gone)), refused(MoveOutcome::NoFlow));
     let f = fx.flow(c).unwrap();
     assert_eq!((u32::from(f.backend_id), fx.snat_owner(&a, port)), (a.id, Some(flow_key(c))), "nothing moved yet");
 
@@ -4706,7 +4706,7 @@ fn a_moved_flow_goes_to_its_new_backend_from_a_port_free_there_and_only_its_owne
     let holder = client(9);
     hold_port(&fx, holder, &b, port);
     let moved = signed(&req(t0 + 10, &a, b.addr));
-    let Some((Outcome::Moved, new)) = ask(&a, &moved) else { panic!("not moved") };
+    let Some((MoveOutcome::Moved, new)) = ask(&a, &moved) else { panic!("not moved") };
     assert_ne!(new, port);
     assert!((1024..=32767).contains(&new), "{new}");
     let f = fx.flow(c).unwrap();
@@ -4724,14 +4724,14 @@ fn a_moved_flow_goes_to_its_new_backend_from_a_port_free_there_and_only_its_owne
     assert_eq!(fx.tx(&r.build()), returned(&r, c, vec![]));
     fx.assert_passed_untouched(&reply(&a, port).build());
 
-    assert_eq!(ask(&a, &moved), refused(Outcome::Refused), "a replayed move");
+    assert_eq!(ask(&a, &moved), refused(MoveOutcome::Refused), "a replayed move");
     // A retry after a lost answer learns it, and nothing changes.
-    assert_eq!(ask(&a, &signed(&req(t0 + 11, &a, b.addr))), Some((Outcome::Moved, new)));
+    assert_eq!(ask(&a, &signed(&req(t0 + 11, &a, b.addr))), Some((MoveOutcome::Moved, new)));
     assert_eq!((port_of(fx.flow(c).unwrap().snat_port), fx.score(&b).opened), (new, 1));
-    assert_eq!(ask(&a, &signed(&req(t0 + 12, &a, other.addr))), refused(Outcome::NotOwner), "the old backend owns it no more");
-    assert_eq!(ask(&b, &signed(&req(t0 + 13, &b, a.addr))), Some((Outcome::Moved, new)), "its new owner may move it back, its port free there");
-    assert_eq!(ask(&a, &signed(&req(t0 + 12, &a, b.addr))), refused(Outcome::Refused), "a number refused once is used up");
-    assert_eq!(ask(&a, &signed(&req(t0 + 14, &a, b.addr))), Some((Outcome::Moved, new)));
+    assert_eq!(ask(&a, &signed(&req(t0 + 12, &a, other.addr))), refused(MoveOutcome::NotOwner), "the old backend owns it no more");
+    assert_eq!(ask(&b, &signed(&req(t0 + 13, &b, a.addr))), Some((MoveOutcome::Moved, new)), "its new owner may move it back, its port free there");
+    assert_eq!(ask(&a, &signed(&req(t0 + 12, &a, b.addr))), refused(MoveOutcome::Refused), "a number refused once is used up");
+    assert_eq!(ask(&a, &signed(&req(t0 + 14, &a, b.addr))), Some((MoveOutcome::Moved, new)));
 
     // Its end is counted where it is now: no backend is left a connection
     // it does not have.
@@ -4754,7 +4754,7 @@ fn a_moved_flow_goes_to_its_new_backend_from_a_port_free_there_and_only_its_owne
 
 #[test]
 fn a_move_finds_no_port_toward_a_backend_whose_every_port_is_held() {
-    use inband_core::flow_move::{encode_request, FlowSide, Outcome, Request};
+    use inband_core::flow_move::{encode_request, FlowSide, MoveOutcome, MoveRequest};
     use std::os::fd::AsFd;
 
     let fx = Fixture::lb_with(Mode::Passthrough, Policy::RoundRobin, 3);
@@ -4773,8 +4773,8 @@ fn a_move_finds_no_port_toward_a_backend_whose_every_port_is_held() {
     let owners: Vec<SnatOwner> = holders.iter().map(|k| SnatOwner { flow: *k }).collect();
     inband_core::bpfmap::put_batch(&fx.lb.skel.maps.snat, &keys, &owners).unwrap();
 
-    let r = Request { key_id: KEY_ID, seq: wall_us() + 1, flow: FlowSide { client: c, vip: vip(), proto: IPPROTO_TCP }, from: a.addr, to: b.addr };
-    assert_eq!(ask_move(&mut moves, &maps, a.addr.ip(), &encode_request(&r, &KEY)), Some((Outcome::PortInUse, 0)));
+    let r = MoveRequest { key_id: KEY_ID, seq: wall_us() + 1, flow: FlowSide { client: c, vip: vip(), proto: IPPROTO_TCP }, from: a.addr, to: b.addr };
+    assert_eq!(ask_move(&mut moves, &maps, a.addr.ip(), &encode_request(&r, &KEY)), Some((MoveOutcome::PortInUse, 0)));
     // Left as it was: A's flow, A's reservation, every holder's.
     let f = fx.flow(c).unwrap();
     assert_eq!((u32::from(f.backend_id), port_of(f.snat_port), fx.snat_owner(&a, port)), (a.id, port, Some(flow_key(c))));
