@@ -144,7 +144,10 @@ pub type Targets = HashMap<(SocketAddr, u16), Vec<u32>>;
 
 /// One round of polls: asks every backend in `targets` (its agent's poll
 /// port -> the ids it backs) and waits `wait` for the answers, counting
-/// into `stats`. Returns the targets that did not answer.
+/// into `stats`. Returns the targets that did not answer. The wait starts
+/// once the last request is out: a backend gets all of `wait` to answer
+/// even when this thread lost the CPU while it was still asking (a busy
+/// balancer host would otherwise count its own delay as the backends').
 pub fn poll_round(
     maps: &LbMaps,
     asker: &Asker,
@@ -152,7 +155,6 @@ pub fn poll_round(
     wait: Duration,
     stats: &mut ControlStats,
 ) -> Result<Vec<(SocketAddr, u16)>> {
-    let start = Instant::now();
     let (keys, sign_id) = poll_keys(maps)?;
     let mut round = poll_wire::Round::new(keys, sign_id).map_err(anyhow::Error::msg)?;
     for (&(backend, poll_port), ids) in targets {
@@ -169,9 +171,10 @@ pub fn poll_round(
             }
         }
     }
+    let deadline = Instant::now() + wait;
     let mut buf = [0u8; poll_wire::MAX_LEN];
     while round.waiting() > 0 {
-        let Some((n, from)) = asker.recv_until(start + wait, &mut buf) else { break };
+        let Some((n, from)) = asker.recv_until(deadline, &mut buf) else { break };
         match round.answer(from, &buf[..n]) {
             poll_wire::Answer::Score(ids, score) => {
                 stats.poll_replies += 1;

@@ -18,7 +18,7 @@
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use inband_testkit::testbed::bgp;
 use inband_testkit::testbed::ecmp::{hex, Plan};
@@ -31,6 +31,13 @@ const BODY: usize = 2_500_000;
 /// Concurrent downloads per step: with 16, the chance that a change of
 /// one next hop in three moves none of them is (2/3)^16, 0.15%.
 const DOWNLOADS: usize = 16;
+/// Each download's pace (curl's --limit-rate, bytes/s): BODY takes about
+/// 5 s at it, so none ends before the last of its step has started, on a
+/// machine slow to start processes too (alone on the router's 64 Mbit/s, a
+/// download would end in 0.3 s, and a step that waits for all of them to
+/// be established at once would wait for one already done). DOWNLOADS of
+/// them share the 64 Mbit/s.
+const DOWNLOAD_RATE: &str = "500K";
 const SERVERS: usize = 2;
 
 /// The VIP the instances serve.
@@ -328,7 +335,7 @@ impl Farm {
         (0..DOWNLOADS)
             .map(|_| {
                 self.tb
-                    .command("c1", &["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code} %{size_download}", "--max-time", "20", &url])
+                    .command("c1", &["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code} %{size_download}", "--max-time", "20", "--limit-rate", DOWNLOAD_RATE, &url])
                     .stdout(Stdio::piped())
                     .stderr(Stdio::piped())
                     .spawn()
@@ -342,7 +349,10 @@ impl Farm {
         let url = format!("http://[{}]/", self.tb.vip6());
         (first..first + n as u16)
             .map(|port| {
-                let argv = ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code} %{size_download}", "--max-time", "20", "--local-port", &port.to_string(), &url];
+                let argv = [
+                    "curl", "-sS", "-o", "/dev/null", "-w", "%{http_code} %{size_download}", "--max-time", "20", "--limit-rate", DOWNLOAD_RATE,
+                    "--local-port", &port.to_string(), &url,
+                ];
                 (port, self.tb.command("c1", &argv).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap())
             })
             .collect()
@@ -379,11 +389,26 @@ impl Farm {
         String::from_utf8_lossy(&out.stdout).lines().count()
     }
 
+    /// Waits until `n` of the client's connections to the VIP are
+    /// established; if they are not within wait_for's time, fails with
+    /// every socket of the client's toward port 80 and the instances'
+    /// counters, which tell a lost SYN from a connection that hangs.
+    fn wait_started(&self, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while self.established() != n {
+            if Instant::now() >= deadline {
+                let out = run_ok(&self.tb, "c1", &["ss", "-tani", "dport", "= :80"]);
+                panic!("timed out waiting for {n} downloads to start:\n{}{}", String::from_utf8_lossy(&out.stdout), self.report());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// Starts DOWNLOADS downloads, runs `change` once all are under way,
     /// and returns how many completed with every byte.
     fn across(&mut self, change: impl FnOnce(&mut Farm)) -> usize {
         let dls = self.downloads();
-        wait_for("every download to start", || self.established() == DOWNLOADS);
+        self.wait_started(DOWNLOADS);
         change(self);
         let want = format!("200 {BODY}");
         dls.into_iter()
@@ -778,7 +803,7 @@ fn an_instance_host_crash_breaks_only_its_own_connections() {
     wait_for("the VIP to answer", || answers(&farm));
     for (form, first_port) in [(Crash::CarrierLost, 41000), (Crash::InterfaceGone, 42000)] {
         let dls = farm.downloads_from(first_port, DOWNLOADS);
-        wait_for("every download to start", || farm.established() == DOWNLOADS);
+        farm.wait_started(DOWNLOADS);
         let held: Vec<u16> = farm.held(1).into_iter().filter(|p| (first_port..first_port + DOWNLOADS as u16).contains(p)).collect();
         assert!(!held.is_empty(), "{form:?}: b1 holds no download: the step proves nothing");
         farm.crash_b1(form);
@@ -833,7 +858,7 @@ fn an_instance_host_crash_keeps_its_maglev_connections_with_fleet_tuples() {
             let first_port = 43000 + 1000 * round as u16;
             let adopted_before = farm.event(2, "adopted_maglev") + farm.event(3, "adopted_maglev");
             let dls = farm.downloads_from(first_port, DOWNLOADS);
-            wait_for("every download to start", || farm.established() == DOWNLOADS);
+            farm.wait_started(DOWNLOADS);
             let held: Vec<u16> = farm.held(1).into_iter().filter(|p| (first_port..first_port + DOWNLOADS as u16).contains(p)).collect();
             assert!(!held.is_empty(), "fleet {fleet}, {form:?}: b1 holds no download: the test proves nothing");
             farm.crash_b1(form);
@@ -875,7 +900,7 @@ fn an_instance_host_crash_keeps_its_dsr_dynamic_connections_with_announced_choic
     for (announce, first_port) in [(true, 46000), (false, 47000)] {
         let sent_before = records_sent(&farm);
         let dls = farm.downloads_from(first_port, DOWNLOADS);
-        wait_for("every download to start", || farm.established() == DOWNLOADS);
+        farm.wait_started(DOWNLOADS);
         let held: Vec<u16> = farm.held(1).into_iter().filter(|p| (first_port..first_port + DOWNLOADS as u16).contains(p)).collect();
         assert!(!held.is_empty(), "announce {announce}: b1 holds no download: the step proves nothing");
         // Each of b1's downloads to each of its two peers (the batch of its last SYN may still be on its way).
@@ -963,7 +988,7 @@ fn dsr_dynamic_scores_reach_the_instance_that_asked_with_fleet_tuples() {
     let before = [farm.scores_received(1), farm.scores_received(2)];
     let first_port = 45000;
     let dls = farm.downloads_from(first_port, N);
-    wait_for("every download to start", || farm.established() == N);
+    farm.wait_started(N);
     let ours = |port: &u16| (first_port..first_port + N as u16).contains(port);
     let held: Vec<Vec<u16>> = (1..=2).map(|i| farm.held(i).into_iter().filter(ours).collect()).collect();
     let broken = broken(dls);
