@@ -865,36 +865,6 @@ fn without_client_address_nginx_logs_the_balancer() {
     assert_eq!(c.agent_counter("client_address_shown"), 0);
 }
 
-/// Keep-alive GETs over one connection, each body read at a steady rate
-/// (bytes/s), as a client on a slower link would: argv = address, port,
-/// requests, rate. Prints status, body bytes and local port per response.
-/// (curl's --limit-rate let a whole 40 MB connection through in under a
-/// second here.)
-const PACED_CLIENT: &str = r#"
-import socket, sys, time
-addr, port, n, rate = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-s = socket.create_connection((addr, port), timeout=10)
-buf = b""
-for _ in range(n):
-    s.sendall(b"GET / HTTP/1.1\r\nHost: vip\r\n\r\n")
-    while b"\r\n\r\n" not in buf:
-        buf += s.recv(65536)
-    head, buf = buf.split(b"\r\n\r\n", 1)
-    lines = head.decode().split("\r\n")
-    length = int([l.split(":")[1] for l in lines if l.lower().startswith("content-length")][0])
-    got, t0 = len(buf), time.monotonic()
-    while got < length:
-        ahead = got / rate - (time.monotonic() - t0)
-        if ahead > 0:
-            time.sleep(ahead)
-        chunk = s.recv(min(65536, length - got))
-        if not chunk:
-            break
-        got += len(chunk)
-    buf = b""
-    print(lines[0].split()[1], got, s.getsockname()[1], flush=True)
-"#;
-
 /// Client processes stopped if the test ends before they do.
 struct Downloads(Vec<Child>);
 

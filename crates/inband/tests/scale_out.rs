@@ -26,18 +26,18 @@ use inband_testkit::testbed::{Testbed, TestbedSpec};
 use serde_json::Value;
 
 mod cluster;
-use cluster::{run_ok, wait_for, BIN};
+use cluster::{run_ok, wait_for, BIN, PACED_CLIENT};
 const BODY: usize = 2_500_000;
 /// Concurrent downloads per step: with 16, the chance that a change of
 /// one next hop in three moves none of them is (2/3)^16, 0.15%.
 const DOWNLOADS: usize = 16;
-/// Each download's pace (curl's --limit-rate, bytes/s): BODY takes about
-/// 5 s at it, so none ends before the last of its step has started, on a
-/// machine slow to start processes too (alone on the router's 64 Mbit/s, a
-/// download would end in 0.3 s, and a step that waits for all of them to
-/// be established at once would wait for one already done). DOWNLOADS of
-/// them share the 64 Mbit/s.
-const DOWNLOAD_RATE: &str = "500K";
+/// Each download's pace (bytes/s, PACED_CLIENT): BODY takes 5 s at it, so
+/// none ends before the last of its step has started, on a machine slow
+/// to start processes too (alone on the router's 64 Mbit/s a download
+/// ended in 0.3 s, and a step that waits for all of them to be
+/// established at once waited for one already done). DOWNLOADS of them
+/// fill the 64 Mbit/s.
+const DOWNLOAD_RATE: u64 = 500_000;
 const SERVERS: usize = 2;
 
 /// The VIP the instances serve.
@@ -331,31 +331,21 @@ impl Farm {
     }
 
     fn downloads(&self) -> Vec<Child> {
-        let url = self.url();
-        (0..DOWNLOADS)
-            .map(|_| {
-                self.tb
-                    .command("c1", &["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code} %{size_download}", "--max-time", "20", "--limit-rate", DOWNLOAD_RATE, &url])
-                    .stdout(Stdio::piped())
-                    .stderr(Stdio::piped())
-                    .spawn()
-                    .unwrap()
-            })
-            .collect()
+        (0..DOWNLOADS).map(|_| self.paced_download(0)).collect()
     }
 
     /// `n` downloads from the client ports `first`.., each with its port.
     fn downloads_from(&self, first: u16, n: usize) -> Vec<(u16, Child)> {
-        let url = format!("http://[{}]/", self.tb.vip6());
-        (first..first + n as u16)
-            .map(|port| {
-                let argv = [
-                    "curl", "-sS", "-o", "/dev/null", "-w", "%{http_code} %{size_download}", "--max-time", "20", "--limit-rate", DOWNLOAD_RATE,
-                    "--local-port", &port.to_string(), &url,
-                ];
-                (port, self.tb.command("c1", &argv).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap())
-            })
-            .collect()
+        (first..first + n as u16).map(|port| (port, self.paced_download(port))).collect()
+    }
+
+    /// One download of the VIP's BODY at DOWNLOAD_RATE, from client port
+    /// `port` (0: any); it prints the status and the body bytes it got.
+    fn paced_download(&self, port: u16) -> Child {
+        let vip = if self.v4 { IpAddr::from(self.tb.vip()) } else { IpAddr::from(self.tb.vip6()) };
+        let (vip, rate, port) = (vip.to_string(), DOWNLOAD_RATE.to_string(), port.to_string());
+        let argv = ["timeout", "20", "python3", "-c", PACED_CLIENT, &vip, "80", "1", &rate, &port];
+        self.tb.command("c1", &argv).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
     }
 
     /// The client ports instance `i` holds flows of (its pinned `flows`).
@@ -410,15 +400,14 @@ impl Farm {
         let dls = self.downloads();
         self.wait_started(DOWNLOADS);
         change(self);
-        let want = format!("200 {BODY}");
         dls.into_iter()
             .map(|d| d.wait_with_output().unwrap())
             .filter(|o| {
-                let got = String::from_utf8_lossy(&o.stdout);
-                if got != want {
-                    eprintln!("a download ended with {got:?}: {}", String::from_utf8_lossy(&o.stderr).trim());
+                let whole = complete(o);
+                if !whole {
+                    eprintln!("a download ended with {:?}: {}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr).trim());
                 }
-                got == want
+                whole
             })
             .count()
     }
@@ -1092,13 +1081,15 @@ fn an_instance_config_without_an_ipv6_address_is_refused() {
 
 /// The client ports of the downloads that did not end whole.
 fn broken(dls: Vec<(u16, std::process::Child)>) -> Vec<u16> {
-    let want = format!("200 {BODY}");
-    dls.into_iter()
-        .filter_map(|(port, d)| {
-            let o = d.wait_with_output().unwrap();
-            (String::from_utf8_lossy(&o.stdout) != want).then_some(port)
-        })
-        .collect()
+    dls.into_iter().filter_map(|(port, d)| (!complete(&d.wait_with_output().unwrap())).then_some(port)).collect()
+}
+
+/// Whether a paced download got status 200 and all of BODY (it prints
+/// status, body bytes and its local port).
+fn complete(o: &std::process::Output) -> bool {
+    let out = String::from_utf8_lossy(&o.stdout);
+    let body = BODY.to_string();
+    o.status.success() && out.split_whitespace().take(2).eq(["200", body.as_str()])
 }
 
 /// As `broken`, but the downloads of `held` (expected to break) are not

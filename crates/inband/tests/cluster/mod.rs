@@ -643,6 +643,37 @@ impl Cluster {
     }
 }
 
+/// Keep-alive GETs over one connection, each body read at a steady rate
+/// (bytes/s), as a client on a slower link would: argv = address, port,
+/// requests, rate, and optionally the local port to connect from. Prints
+/// status, body bytes and local port per response. (curl 7.88's
+/// --limit-rate does not hold: 2.5 MB at "500K" arrive in 0.2 s.)
+pub const PACED_CLIENT: &str = r#"
+import socket, sys, time
+addr, port, n, rate = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+local = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+s = socket.create_connection((addr, port), timeout=10, source_address=("", local) if local else None)
+buf = b""
+for _ in range(n):
+    s.sendall(b"GET / HTTP/1.1\r\nHost: vip\r\n\r\n")
+    while b"\r\n\r\n" not in buf:
+        buf += s.recv(65536)
+    head, buf = buf.split(b"\r\n\r\n", 1)
+    lines = head.decode().split("\r\n")
+    length = int([l.split(":")[1] for l in lines if l.lower().startswith("content-length")][0])
+    got, t0 = len(buf), time.monotonic()
+    while got < length:
+        ahead = got / rate - (time.monotonic() - t0)
+        if ahead > 0:
+            time.sleep(ahead)
+        chunk = s.recv(min(65536, length - got))
+        if not chunk:
+            break
+        got += len(chunk)
+    buf = b""
+    print(lines[0].split()[1], got, s.getsockname()[1], flush=True)
+"#;
+
 pub fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(15);
     while Instant::now() < deadline {
