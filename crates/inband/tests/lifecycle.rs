@@ -4,7 +4,7 @@
 //! small-MTU link with DSR; a VIP removed under a live download; one
 //! daemon per interface, detach and ctl guards, status from the host.
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -73,21 +73,13 @@ fn path_mtu_discovery_works_through_dsr() {
     assert!(c.sum("return_bytes") < 1_000_000, "the body went direct, not through the balancer");
 }
 
-/// A download of `bytes` at `rate` through the VIP, in the background.
-fn download(c: &Cluster, rate: &str) -> std::process::Child {
-    let url = format!("http://{}/", vip(&c.tb));
-    in_ns(&c.tb, "c1", &["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{size_download}", "--max-time", "60", "--limit-rate", rate, &url])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap()
-}
 
 #[test]
 fn removing_a_vip_keeps_a_live_download_and_refuses_new_connections() {
     let c = Cluster::with(
         Spec::new("rmv", "dsr-dynamic").servers(1).vip("closing_timeout_ms = 1000").every_server(&["--service-ms", "1", "--body-bytes", "6000000"]),
     );
-    let dl = download(&c, "1500K"); // about 4 s
+    let dl = paced_get(&c.tb, "c1", vip(&c.tb).into(), 1_500_000, 0, 60); // about 4 s
     wait_for("the download's flow", || c.status()[0]["flows"].as_u64() >= Some(1));
     // The operator removes the VIP from the config and reloads.
     let cfg = c.dir.join("lb.toml");
@@ -102,7 +94,7 @@ fn removing_a_vip_keeps_a_live_download_and_refuses_new_connections() {
     assert!(!out.status.success());
     assert!(c.drop_count("vip_draining") >= 1);
     let got = dl.wait_with_output().unwrap();
-    assert_eq!(String::from_utf8_lossy(&got.stdout), "200 6000000", "the download finished whole");
+    assert_eq!(paced_result(&got), "200 6000000", "the download finished whole: {}", String::from_utf8_lossy(&got.stderr));
     // Its last flow gone (closing timeout 1 s, then a sweep), the VIP goes.
     let deadline = Instant::now() + Duration::from_secs(15);
     while c.status()[0]["vips"].as_array().is_some_and(|v| !v.is_empty()) {

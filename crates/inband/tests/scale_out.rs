@@ -17,7 +17,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use inband_testkit::testbed::bgp;
@@ -26,7 +26,7 @@ use inband_testkit::testbed::{Testbed, TestbedSpec};
 use serde_json::Value;
 
 mod cluster;
-use cluster::{run_ok, wait_for, BIN, PACED_CLIENT};
+use cluster::{paced_get, paced_result, run_ok, wait_for, BIN};
 const BODY: usize = 2_500_000;
 /// Concurrent downloads per step: with 16, the chance that a change of
 /// one next hop in three moves none of them is (2/3)^16, 0.15%.
@@ -340,12 +340,10 @@ impl Farm {
     }
 
     /// One download of the VIP's BODY at DOWNLOAD_RATE, from client port
-    /// `port` (0: any); it prints the status and the body bytes it got.
+    /// `port` (0: any).
     fn paced_download(&self, port: u16) -> Child {
         let vip = if self.v4 { IpAddr::from(self.tb.vip()) } else { IpAddr::from(self.tb.vip6()) };
-        let (vip, rate, port) = (vip.to_string(), DOWNLOAD_RATE.to_string(), port.to_string());
-        let argv = ["timeout", "20", "python3", "-c", PACED_CLIENT, &vip, "80", "1", &rate, &port];
-        self.tb.command("c1", &argv).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+        paced_get(&self.tb, "c1", SocketAddr::new(vip, 80), DOWNLOAD_RATE, port, 20)
     }
 
     /// The client ports instance `i` holds flows of (its pinned `flows`).
@@ -1087,9 +1085,7 @@ fn broken(dls: Vec<(u16, std::process::Child)>) -> Vec<u16> {
 /// Whether a paced download got status 200 and all of BODY (it prints
 /// status, body bytes and its local port).
 fn complete(o: &std::process::Output) -> bool {
-    let out = String::from_utf8_lossy(&o.stdout);
-    let body = BODY.to_string();
-    o.status.success() && out.split_whitespace().take(2).eq(["200", body.as_str()])
+    o.status.success() && paced_result(o) == format!("200 {BODY}")
 }
 
 /// As `broken`, but the downloads of `held` (expected to break) are not

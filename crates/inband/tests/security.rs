@@ -160,11 +160,8 @@ fn forged_options_change_nothing_and_reflect_nothing() {
     );
     let victim = SocketAddr::from(SocketAddrV4::new(c.tb.addr("c3"), 4444));
     let sink = in_ns(&c.tb, "c3", &[BIN, "bench", "sink", "--port", "4444", "--max-seconds", "120"]).stdout(Stdio::piped()).spawn().unwrap();
-    let url = format!("http://{}/", vip(&c.tb));
-    let dl = in_ns(&c.tb, "c1", &["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{size_download}", "--max-time", "60", "--limit-rate", "800K", &url])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    // About 5 s: live while the forged frames arrive.
+    let dl = paced_get(&c.tb, "c1", vip(&c.tb).into(), 800_000, 0, 60);
     wait_for("the download's tuple at the agent", || !agent_tuples(&c, "s1").is_empty());
     let legit = agent_tuples(&c, "s1");
     let (lb, s1) = (c.tb.addr("lb"), server(&c.tb, 1));
@@ -192,7 +189,7 @@ fn forged_options_change_nothing_and_reflect_nothing() {
     inject(&c, "c2", frames);
 
     let got = dl.wait_with_output().unwrap();
-    assert_eq!(String::from_utf8_lossy(&got.stdout), "200 4000000", "the download finished whole");
+    assert_eq!(paced_result(&got), "200 4000000", "the download finished whole: {}", String::from_utf8_lossy(&got.stderr));
     // The server sent nothing to the victim (no SYN-ACK, no redirected data).
     let r = sink_result(sink);
     assert_eq!(r["packets"], 0, "packets reached the victim: {r}");

@@ -674,6 +674,25 @@ for _ in range(n):
     print(lines[0].split()[1], got, s.getsockname()[1], flush=True)
 "#;
 
+/// One GET of `to` from `node` in the background, its body read at `rate`
+/// bytes/s (PACED_CLIENT) from client port `port` (0: any), stopped after
+/// `max_s`; `paced_result` reads what it printed. A download that must be
+/// live while a test acts on it is paced this way: unpaced, megabytes
+/// cross the testbed in a fraction of a second.
+pub fn paced_get(tb: &Testbed, node: &str, to: SocketAddr, rate: u64, port: u16, max_s: u32) -> Child {
+    let (ip, vport, rate, port, max) = (to.ip().to_string(), to.port().to_string(), rate.to_string(), port.to_string(), max_s.to_string());
+    in_ns(tb, node, &["timeout", &max, "python3", "-c", PACED_CLIENT, &ip, &vport, "1", &rate, &port])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// A finished `paced_get`'s "status body-bytes" ("" if it printed nothing).
+pub fn paced_result(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).split_whitespace().take(2).collect::<Vec<_>>().join(" ")
+}
+
 pub fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(15);
     while Instant::now() < deadline {
