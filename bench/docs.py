@@ -35,6 +35,7 @@ RENDER = {
     "forwarding": forwarding.render,
     "frontdoor": frontdoor.render,
     "handoff": handoff.render,
+    "handoff-soak": handoff.render,
     "health": health.render,
     "keepalive": regimes.render,
     "keepalive-both": regimes.render,

@@ -157,6 +157,9 @@ PROFILES = {
     "quick": Profile(counts=((1, 50), (10, 10), (100, 2)), rounds=1),
     # The test's: every row, nothing measured well.
     "tiny": Profile(counts=((1, 4), (10, 2), (100, 2)), rounds=1),
+    # Issue 29's 10,000 handoffs without a broken connection: 5,000 for
+    # each moving row (`--systems direct,handoff,transparent`), of 1 MiB.
+    "soak": Profile(counts=((1, 5000),), rounds=1),
 }
 
 TOOLS = {"nginx": ["nginx", "-v"], "haproxy": ["haproxy", "-v"], "curl": ["curl", "--version"]}

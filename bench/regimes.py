@@ -328,7 +328,7 @@ class Row:
     label: str
     interval: str
     result: RunResult
-    lifetime_s: float  # balancer start to status read: the polls' period
+    lifetime_s: float  # balancer up (every instance ready) to status read: the polls' period
     rep: int = 0
     direct_requests: int = 0  # the direct population's, answered inside the window
     # p99 of every answered request inside the window, balanced and direct:

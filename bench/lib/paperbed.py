@@ -299,8 +299,11 @@ class Bench(TestbedRun):
         d = self.out / c.key
         d.mkdir(parents=True, exist_ok=True)
         self.log(f"{c.key}: starting {c.kind} and the servers")
-        lb_started = time.time()
         proc = self.start_balancer(c, d)
+        # From here its pollers run: a start slowed by a loaded machine
+        # (program loads, the instances one after another) is no time
+        # they could poll in (bench.regimes divides polls by it).
+        lb_started = time.time()
         try:
             # Servers last, right before the load: their slowdown windows
             # count from their start.
