@@ -83,9 +83,11 @@ class Profile:
     download_max_s: float = 60
     # The reused-ports row: the client's port range. A later connection
     # meets an earlier one's closing flow only when a connection in flight
-    # at a change moves to the instance that closed its tuple within the
-    # closing timeout (10 s); few enough ports that the warm-up uses each
-    # make that happen by construction.
+    # at a change moves to an instance that closed a connection on its
+    # tuple within the closing timeout (10 s). The router hashes the IPv6
+    # flow label, which each connection draws afresh, so a port's
+    # connections spread over the instances: with few ports, each is
+    # closed on each instance in the warm-up.
     reused_ports: int = 100
     # Part 3's forms, in order; "interface gone" leaves b1 unusable, so
     # it comes last.
