@@ -19,6 +19,12 @@ VIP's port 80:
   `[tcpe.transparent]`; s2's agent with `client_address = false`), which
   moves each to s1 at L4 (s1 a backend of the VIP at weight 0); the
   balancer here is both, their CPU and the XDP program's run time;
+- *takeover server stopped* (rows `handoff-refused` and
+  `transparent-refused`, made only when --systems names them): the two
+  moving rows again with `inband tcpe serve` stopped, so that every
+  connection's handoff is refused and it falls back to proxying; each
+  fallback is counted by its reason and every body must still arrive
+  whole;
 - `inband lb` in `dsr-rr` (XDP; responses go from s1 to c1 directly);
 - nginx (`proxy_pass`, keep-alive to the origin, no buffering to disk)
   and HAProxy (`mode http`, `http-reuse always`) as proxies;
@@ -130,7 +136,9 @@ SYSTEMS = [
     System("direct", "direct: client → origin"),
     System("relay", "reference: client → a TCP relay on s1 (HAProxy mode tcp) → origin"),
     System("handoff", "inband proxy, handed off (TCPE client)"),
+    System("handoff-refused", "inband proxy, TCPE client, takeover server stopped"),
     System("transparent", "inband lb + proxy, moved at L4 (curl)"),
+    System("transparent-refused", "inband lb + proxy, curl, takeover server stopped"),
     System("proxy", "inband proxy, proxied (curl)"),
     System("dsr", "inband lb, dsr-rr (XDP)"),
     System("nginx", "nginx, proxy_pass"),
@@ -138,10 +146,22 @@ SYSTEMS = [
 ]
 BY_KEY = {s.key: s for s in SYSTEMS}
 # What each row's balancer is; the two inband proxy rows share one.
-BALANCER = {"direct": None, "relay": None, "handoff": "inband-proxy", "transparent": "inband-lb+proxy", "proxy": "inband-proxy", "dsr": "inband-lb",
-            "nginx": "nginx", "haproxy": "haproxy"}
+BALANCER = {"direct": None, "relay": None, "handoff": "inband-proxy", "handoff-refused": "inband-proxy", "transparent": "inband-lb+proxy",
+            "transparent-refused": "inband-lb+proxy", "proxy": "inband-proxy", "dsr": "inband-lb", "nginx": "nginx", "haproxy": "haproxy"}
 # The rows whose connections move, each by its own mechanism.
 MOVING = ("handoff", "transparent")
+# The rows that try to move with the takeover server stopped, so that
+# every connection falls back to proxying (its refusal driven on
+# purpose): how the row's handoffs are made and counted.
+REFUSED = {"handoff-refused": "handoff", "transparent-refused": "transparent"}
+# Rows a run makes unless --systems names others.
+DEFAULT_SYSTEMS = [s.key for s in SYSTEMS if s.key not in REFUSED]
+
+
+def mechanism(system: str) -> str | None:
+    """How a row's connections try to move ("handoff": TCPE, "transparent":
+    at L4), or None for a row that does not try."""
+    return REFUSED.get(system, system) if system in MOVING or system in REFUSED else None
 MOVES_PORT = 7156
 
 
@@ -158,7 +178,9 @@ PROFILES = {
     # The test's: every row, nothing measured well.
     "tiny": Profile(counts=((1, 4), (10, 2), (100, 2)), rounds=1),
     # Issue 29's 10,000 handoffs without a broken connection: 5,000 for
-    # each moving row (`--systems direct,handoff,transparent`), of 1 MiB.
+    # each moving row, of 1 MiB (`--systems direct,handoff,
+    # handoff-refused,transparent,transparent-refused`: with the takeover
+    # server stopped as well).
     "soak": Profile(counts=((1, 5000),), rounds=1),
 }
 
@@ -293,6 +315,7 @@ class Bench(TestbedRun):
         self.cgroups: dict[str, Path] = {}
         self.stats_fd: int | None = None
         self.balancer = None  # (kind, [processes])
+        self.takeover = None  # the takeover server's process
         self.metrics_at = ("lb", "")  # (node, address) of the running inband proxy's metrics
         self.wait_budget_s = args.wait_quiet
         self.quiet: set[str] = set()
@@ -348,6 +371,13 @@ class Bench(TestbedRun):
         log = self.out / "logs" / "takeover.log"
         proc = self.procs.spawn("takeover", self.ns("s1"), in_cgroup(self.cgroups["s1"], argv), log, env=dict(os.environ, INBAND_LOG="warn"))
         wait_until("the takeover server", lambda: alive(proc, "inband tcpe serve", log) and self.listening("s1", JOIN_PORT), 20)
+        self.takeover = proc
+
+    def stop_takeover(self) -> None:
+        """The REFUSED rows' fault: connections to the takeover server
+        are refused, and the channels the proxy keeps end."""
+        self.procs.stop(self.takeover)
+        wait_until("the takeover server gone", lambda: not self.listening("s1", JOIN_PORT), 10)
 
     def start_relay(self) -> None:
         """The relay reference's: HAProxy relaying TCP on s1 to the origin
@@ -478,7 +508,7 @@ class Bench(TestbedRun):
         return 0
 
     def client_argv(self, system: str, url: str, n: int) -> list[str]:
-        if system == "handoff":
+        if mechanism(system) == "handoff":
             return [str(self.inband), "tcpe", "get", "--cgroup", str(self.cgroups["c1"]), "--timing", *([url] * n)]
         cfg = self.tmp / "curl.conf"
         cfg.write_text('silent\nheader = "Connection: close"\nmax-time = 120\n'
@@ -494,11 +524,12 @@ class Bench(TestbedRun):
         argv = ns_argv(self.ns("c1"), in_cgroup(self.cgroups["c1"], self.client_argv(system, url, n)))
         row = Row(system, size, rnd, n)
         m0 = self.metrics() if kind in ("inband-proxy", "inband-lb+proxy") else None
-        moves0 = self.moves() if system == "transparent" else {}
+        moves0 = self.moves() if mechanism(system) == "transparent" else {}
         lb0, c0, s0 = (cgroup_usage_s(self.cgroups[r]) for r in ("lb", "c1", "s1"))
         bpf0 = self.bpf_ns(kind)
         busy0, t0 = cpu_busy_s(), time.monotonic()
-        cp = subprocess.run(argv, stdout=subprocess.DEVNULL if system == "handoff" else subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        tcpe = mechanism(system) == "handoff"
+        cp = subprocess.run(argv, stdout=subprocess.DEVNULL if tcpe else subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             timeout=60 + n * (5 + mib / 20), env=dict(os.environ, INBAND_LOG="warn"))
         row.seconds = time.monotonic() - t0
         row.machine_cpu_s = cpu_busy_s() - busy0
@@ -506,7 +537,7 @@ class Bench(TestbedRun):
         row.client_cpu_s = cgroup_usage_s(self.cgroups["c1"]) - c0
         row.server_cpu_s = cgroup_usage_s(self.cgroups["s1"]) - s0
         row.bpf_ns = self.bpf_ns(kind) - bpf0
-        fetches = parse_timing(cp.stderr) if system == "handoff" else parse_curl(cp.stdout)
+        fetches = parse_timing(cp.stderr) if tcpe else parse_curl(cp.stdout)
         for f in fetches:
             row.bytes += f["bytes"]
             if f["status"] == 200 and f["bytes"] == size:
@@ -519,11 +550,11 @@ class Bench(TestbedRun):
         if m0 is not None:
             m1 = self.metrics() or {}
             delta = {k: m1.get(k, 0.0) - v for k, v in m0.items()}
-            done = "moved" if system == "transparent" else "handed_off"
+            done = "moved" if mechanism(system) == "transparent" else "handed_off"
             row.handed_off = int(delta.get(("handoffs", done), 0))
             row.fallbacks = {k[1]: int(v) for k, v in delta.items() if k[0] == "handoffs" and k[1] != done and v}
             row.kept = {k[1]: int(v) for k, v in delta.items() if k[0] == "kept" and v}
-        if system == "transparent":
+        if mechanism(system) == "transparent":
             # curl cannot tell a moved connection: the other end that
             # counts the moves is the balancer, which also says why it
             # refused any.
@@ -617,7 +648,7 @@ class Cell:
     def not_moved(self) -> int:
         """Fetches of a handoff row that did not move, by the smaller of the
         two ends' counts (fallbacks, and fetches a failed client never made)."""
-        return self.requests - min(self.moved, self.handed_off) if self.system in MOVING else 0
+        return self.requests - min(self.moved, self.handed_off) if mechanism(self.system) else 0
 
 
 def cells(rows: list[Row]) -> dict:
@@ -651,14 +682,14 @@ def fmt(v: float | None, digits: int = 3) -> str:
 
 
 def moved_cell(c: Cell) -> str:
-    if c.system not in MOVING:
+    if not mechanism(c.system):
         return "–"
-    other = "client" if c.system == "handoff" else "balancer"
+    other = "client" if mechanism(c.system) == "handoff" else "balancer"
     return f"{c.handed_off}/{c.requests}" + ("" if c.moved == c.handed_off else f" ({other}: {c.moved})")
 
 
 def fallback_cell(c: Cell) -> str:
-    if c.system not in MOVING:
+    if not mechanism(c.system):
         return "–"
     # A request one of the proxy's rules kept never tried to move: said too.
     said = [f"{k} {v}" for k, v in sorted(c.fallbacks.items())] + [f"kept ({k}) {v}" for k, v in sorted(c.kept.items())]
@@ -825,7 +856,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", choices=sorted(PROFILES), default="default")
     ap.add_argument("--quick", action="store_true", help="the profile `quick`: one round, fewer fetches")
     ap.add_argument("--rounds", type=int, help="override the profile's rounds")
-    ap.add_argument("--systems", default=",".join(BY_KEY), help="comma-separated subset of " + ", ".join(BY_KEY))
+    ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma-separated subset of " + ", ".join(BY_KEY))
     ap.add_argument("--name", default="handoff", help="testbed name (namespaces NAME-c1, NAME-lb, NAME-s1, NAME-sw)")
     preflight.add_wait_quiet(ap, "row")
     ap.add_argument("--inband", default=str(REPO / "target" / "debug" / "inband"))
@@ -859,10 +890,14 @@ def main(argv=None) -> int:
                     started = kind
                 if kind is not None and bench.balancer is None:
                     continue  # its start failed, recorded
+                if s.key in REFUSED:
+                    bench.stop_takeover()
                 for mib, n in p.counts:
                     bench.settle()
                     bench.log(f"round {rnd + 1}/{p.rounds}: {s.label}, {n} × {mib} MiB")
                     outcome.attempt(f"round {rnd + 1} {s.key} {mib} MiB", lambda s=s, mib=mib, n=n: bench.measure(s.key, mib, n, rnd), rows)
+                if s.key in REFUSED:
+                    outcome.attempt(f"round {rnd + 1} restart the takeover server", bench.start_takeover)
             bench.stop_balancer()
     record = this_run.record([asdict(r) for r in rows], profile=profiles.as_json(name, p), inband=Path(args.inband), tools=TOOLS,
                              quiet=sorted(bench.quiet), others=sorted(bench.others), failed=outcome.failed)

@@ -15,11 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=${INBAND_TEST_JOBS:-3}
-# scale_out is not among them: its tests assert that downloads paced far
-# below the path's rate (tests/cluster PACED_CLIENT) break or not, with
-# seconds of margin, so it runs beside the others (the serial phase is
-# where CI's minutes go).
-MEASURING=" e2e health lifecycle regimes security weights bench_dataplane "
+MEASURING=" e2e health lifecycle regimes scale_out security weights bench_dataplane "
 # Test threads per binary where the default (one per core) leaves the
 # cores idle: scale_out's tests spend their minute each waiting on
 # downloads held to 64 Mbit/s and on route changes: four side by side
