@@ -142,7 +142,7 @@ def test_tiny_profile_end_to_end(tmp_path):
     assert record["failed"] == []
     cs = ho.cells([ho.revive(ho.Row, r) for r in record["rows"]])
     sizes = [mib * MIB for mib, _ in ho.PROFILES["tiny"].counts]
-    assert sorted(cs) == sorted((s.key, size) for s in ho.SYSTEMS for size in sizes)
+    assert sorted(cs) == sorted((s, size) for s in ho.DEFAULT_SYSTEMS for size in sizes)
     for (system, size), c in cs.items():
         # Every fetch complete, timed, and the balancer's CPU counted.
         assert c.ok == c.requests > 0 and not c.errors, (system, size, c.errors)
