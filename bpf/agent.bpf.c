@@ -236,6 +236,9 @@ static __always_inline int take_client_tuple(struct __sk_buff *skb, const struct
 		if (fleet)
 			val.fleet_label = named_instance(a);
 	}
+	/* A connection on these ports before this one is over. */
+	if (!udp)
+		bpf_map_delete_elem(&closed_flows, &key);
 	if (!bpf_map_update_elem(&dsr_flows, &key, &val, BPF_ANY)) {
 		count(INBAND_AGENT_TUPLES_STORED);
 		/* Only a stored shift is applied: the connection's later
@@ -271,6 +274,11 @@ static __always_inline int plain_from_peer(struct __sk_buff *skb, const struct a
 	struct inband_dsr_flow *flow;
 	__u8 flags;
 
+	/* A SYN without 155 over a closed connection's ports: that
+	 * connection's client must not get the new one's answers. */
+	if (a->proto == IPPROTO_TCP && !bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + a->hlen + 13, &flags, sizeof(flags)) &&
+	    (flags & (INBAND_TCP_SYN | INBAND_TCP_ACK)) == INBAND_TCP_SYN)
+		bpf_map_delete_elem(&closed_flows, &key);
 	/* Entries are keyed by a balancer's address: no other sender finds one. */
 	flow = bpf_map_lookup_elem(&dsr_flows, &key);
 	if (!flow)
@@ -997,6 +1005,13 @@ int agent_egress(struct __sk_buff *skb)
 		track_request(skb, &a, 0);
 	key = conn_key(&a, 0);
 	flow = bpf_map_lookup_elem(&dsr_flows, &key);
+	if (!flow && !is_carrier && a.proto == IPPROTO_TCP) {
+		/* A TIME_WAIT's answer: direct like the rest of its
+		 * connection (its copy has no score to answer). */
+		flow = bpf_map_lookup_elem(&closed_flows, &key);
+		if (flow)
+			count(INBAND_AGENT_CLOSED_FLOW_SEGMENTS);
+	}
 	if (!flow)
 		return is_carrier ? TC_ACT_SHOT : TC_ACT_OK;
 	if (is_carrier)
@@ -1175,8 +1190,15 @@ static __always_inline void recount(__s64 *active, __u32 *mark, __u32 seen, __u3
 }
 
 /* The socket's connection has ended: its request state goes, and its client
- * tuple with it unless its timestamps are translated (below). */
-static __always_inline void forget_connection(struct sock *sk, __u16 port)
+ * tuple with it unless its timestamps are translated (below). A socket that
+ * closed first (`server_first`: it leaves through FIN_WAIT or CLOSING)
+ * becomes a TIME_WAIT, which answers the client's FIN, and the client's
+ * retransmissions of it, after the socket is gone. Without the tuple that
+ * ACK went to the balancer's tuple: through the balancer at its cost, and
+ * with fleet tuples to a fleet address, which reaches no instance; the
+ * client then retransmitted its FIN for minutes in LAST_ACK, its port
+ * taken. So the tuple moves to closed_flows. */
+static __always_inline void forget_connection(struct sock *sk, __u16 port, int server_first)
 {
 	struct inband_conn_key key;
 
@@ -1193,10 +1215,18 @@ static __always_inline void forget_connection(struct sock *sk, __u16 port)
 	 * frozen one's stray segments must be dropped, not reset.
 	 * Its entry stays until the next SYN on these ports replaces it (a
 	 * 155) or forgets it (none), or the LRU evicts it. */
-	if (flow && (flow->ts_shift || (flow->frozen_until_ms && frozen(flow))))
+	if (flow && (flow->ts_shift || (flow->frozen_until_ms && frozen(flow)))) {
 		count(INBAND_AGENT_FLOWS_CLOSED);
-	else if (!bpf_map_delete_elem(&dsr_flows, &key))
-		count(INBAND_AGENT_FLOWS_CLOSED);
+	} else {
+		if (flow && server_first && !inband_addr_is_zero(&flow->client_addr)) {
+			struct inband_dsr_flow closed = *flow;
+
+			closed.score_requested = 0;
+			bpf_map_update_elem(&closed_flows, &key, &closed, BPF_ANY);
+		}
+		if (!bpf_map_delete_elem(&dsr_flows, &key))
+			count(INBAND_AGENT_FLOWS_CLOSED);
+	}
 	if (score_counts_requests()) {
 		__u32 *busy = bpf_map_lookup_elem(&inflight_conns, &key);
 		__s64 *n = bpf_map_lookup_elem(&inflight, &port);
@@ -1241,7 +1271,9 @@ int agent_sock_state(__u64 *ctx)
 	 * flow to the next SYN on those ports (a 155 replaces it, a SYN
 	 * without forgets it) or to the LRU. */
 	if ((newstate == INBAND_TCP_CLOSE || newstate == INBAND_TCP_TIME_WAIT) && oldstate != INBAND_TCP_SYN_RECV)
-		forget_connection(sk, port);
+		forget_connection(sk, port,
+				  oldstate == INBAND_TCP_FIN_WAIT1 || oldstate == INBAND_TCP_FIN_WAIT2 ||
+					  oldstate == INBAND_TCP_CLOSING || newstate == INBAND_TCP_TIME_WAIT);
 	return 0;
 }
 

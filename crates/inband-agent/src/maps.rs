@@ -58,6 +58,7 @@ pub enum AgentCounter {
     FleetSteered = c::INBAND_AGENT_FLEET_STEERED,
     FleetUnnamed = c::INBAND_AGENT_FLEET_UNNAMED,
     FrozenDropped = c::INBAND_AGENT_FROZEN_DROPPED,
+    ClosedFlowSegments = c::INBAND_AGENT_CLOSED_FLOW_SEGMENTS,
 }
 
 /// Entries of `agent_stats`.
@@ -105,6 +106,7 @@ impl AgentCounter {
         (AgentCounter::FleetSteered, "fleet_steered"),
         (AgentCounter::FleetUnnamed, "fleet_unnamed"),
         (AgentCounter::FrozenDropped, "frozen_dropped"),
+        (AgentCounter::ClosedFlowSegments, "closed_flow_segments"),
     ];
 
     pub const ALL: [AgentCounter; COUNTER_MAX] = {

@@ -920,7 +920,7 @@ fn active_8080(socket: &Path) -> Option<i64> {
     v["ports"]["8080"]["active_connections"].as_i64()
 }
 
-const MAP_NAMES: [&str; 14] = [
+const MAP_NAMES: [&str; 15] = [
     "active_conns",
     "agent_config",
     "agent_stats",
@@ -928,6 +928,7 @@ const MAP_NAMES: [&str; 14] = [
     "balancer_nets",
     "balancers",
     "carrier_slot",
+    "closed_flows",
     "conn_counted",
     "dsr_flows",
     "fleet_instances",

@@ -1029,6 +1029,41 @@ fn egress_sends_a_servers_reset_through_the_balancer() {
     assert_eq!(parse(&out).unwrap().dst, sa(CLIENT, CLIENT_PORT), "an ACK of the same connection goes direct");
 }
 
+/// A connection the server closed first: its socket is gone, its TIME_WAIT
+/// acknowledges the client's FIN, and that ACK goes direct from the
+/// `closed_flows` copy of its tuple (toward the balancer's tuple it would
+/// reach, with fleet tuples, no instance). A balancer's next SYN on the
+/// ports, with a 155 or without, deletes the copy: the new connection's
+/// answers never go to the old client.
+#[test]
+fn egress_sends_a_time_wait_ack_direct_until_the_next_syn_on_its_ports() {
+    let ns = TestNetns::enter("closed");
+    let ifindex = server_routes(&ns, true);
+    let skel = load();
+    configure(&skel);
+    let ack = |src, dst, macs: (Mac, Mac)| PacketBuilder::tcp(src, dst).flags(TCP_ACK).seq_no(77_000).ack_no(5001).macs(macs.0, macs.1);
+    let to_lb = ack(server(), lb(), (SERVER_MAC, [0x02, 0, 0, 0, 0xcc, 0x01])).build();
+    let plain = syn();
+    let with_155 = plain.clone().ip_options(auth_tuple(&plain, KEY_ID, &KEY, sa(VICTIM, CLIENT_PORT)));
+    for (i, (name, next_syn, stored)) in [("a SYN without 155", plain.build(), None), ("a SYN with a 155", with_155.build(), Some(tuple_flow(VICTIM)))].into_iter().enumerate() {
+        put(&skel.maps.closed_flows, &conn_key(), &tuple_flow(CLIENT));
+        let (ret, out) = run(&skel.progs.agent_egress, &to_lb, Some(ifindex));
+        assert_eq!(ret, TC_ACT_OK);
+        assert_frame(&out, &ack(vip(), client(), (SERVER_MAC, GATEWAY_MAC)).build(), "the TIME_WAIT's ACK, direct");
+        let n = i as u64 + 1;
+        assert_counters(&skel, &[(AgentCounter::ClosedFlowSegments, n), (AgentCounter::DsrRewrites, n)]);
+
+        ingress(&skel, &next_syn, TC_ACT_OK, Some(&plain.build()), name);
+        assert_eq!(get::<_, DsrFlow>(&skel.maps.closed_flows, &conn_key()), None, "{name}: the closed connection's tuple is gone");
+        assert_eq!(get::<_, DsrFlow>(&skel.maps.dsr_flows, &conn_key()), stored, "{name}");
+        if stored.is_none() {
+            let (_, out) = run(&skel.progs.agent_egress, &to_lb, Some(ifindex));
+            assert_frame(&out, &to_lb, "the new connection's answers: toward the balancer, unchanged");
+        }
+    }
+    assert_counters(&skel, &[(AgentCounter::ClosedFlowSegments, 2), (AgentCounter::DsrRewrites, 2), (AgentCounter::TuplesStored, 1)]);
+}
+
 /// A UDP GSO burst (how quinn sends a QUIC server's answers) as it reaches
 /// tc: the checksum field holds the pseudo-header sum, not complemented,
 /// for segmentation to finish per datagram. Linux hands it over as

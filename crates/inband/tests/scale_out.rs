@@ -371,19 +371,47 @@ impl Farm {
         serde_json::from_slice::<Value>(&out.stdout).unwrap()["counters"][name].as_u64().unwrap_or(0)
     }
 
-    /// How many of the client's connections to the VIP are established.
-    fn established(&self) -> usize {
-        let out = run_ok(&self.tb, "c1", &["ss", "-Htn", "state", "established", "dport", "= :80"]);
+    /// How many of the client's downloads from the VIP are under way:
+    /// established, or in CLOSE-WAIT (the server has sent the whole body
+    /// and closed, and the paced reader is still draining it: under load
+    /// an early download gets there before the last one has started).
+    fn under_way(&self) -> usize {
+        let out = run_ok(&self.tb, "c1", &["ss", "-Htn", "state", "established", "state", "close-wait", "dport", "= :80"]);
         String::from_utf8_lossy(&out.stdout).lines().count()
     }
 
-    /// Waits until `n` of the client's connections to the VIP are
-    /// established; if they are not within wait_for's time, fails with
+    /// The client's sockets toward the VIP on ports `ports` whose FIN is
+    /// still unacknowledged 3 s after their downloads ended (LAST-ACK,
+    /// FIN-WAIT-1, CLOSING), as ss prints them: a server's last ACK that
+    /// left its host without the DSR rewrite went to the balancer's tuple,
+    /// and with fleet tuples that reaches no instance; the client then
+    /// retransmits its FIN for minutes, its port taken.
+    fn unacknowledged_fins(&self, ports: std::ops::Range<u16>) -> Vec<String> {
+        let list = || {
+            let out = run_ok(&self.tb, "c1", &["ss", "-Htan", "state", "last-ack", "state", "fin-wait-1", "state", "closing", "dport", "= :80"]);
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .filter(|l| l.split_whitespace().find_map(|w| w.rsplit_once(':')?.1.parse::<u16>().ok()).is_some_and(|p| ports.contains(&p)))
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        };
+        let deadline = Instant::now() + Duration::from_secs(3);
+        loop {
+            let left = list();
+            if left.is_empty() || Instant::now() >= deadline {
+                return left;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Waits until `n` of the client's downloads from the VIP are under
+    /// way; if they are not within wait_for's time, fails with
     /// every socket of the client's toward port 80 and the instances'
     /// counters, which tell a lost SYN from a connection that hangs.
     fn wait_started(&self, n: usize) {
         let deadline = Instant::now() + Duration::from_secs(15);
-        while self.established() != n {
+        while self.under_way() != n {
             if Instant::now() >= deadline {
                 let out = run_ok(&self.tb, "c1", &["ss", "-tani", "dport", "= :80"]);
                 panic!("timed out waiting for {n} downloads to start:\n{}{}", String::from_utf8_lossy(&out.stdout), self.report());
@@ -981,6 +1009,13 @@ fn dsr_dynamic_scores_reach_the_instance_that_asked_with_fleet_tuples() {
     let broken = broken(dls);
     let report = farm.report();
     assert!(broken.is_empty(), "downloads broke: {broken:?}{report}");
+    // The server closed first (`inband serve` ends each download with
+    // its connection); the client's FIN that follows is acknowledged by
+    // the server's TIME_WAIT, by DSR like every other segment.
+    let unacknowledged = farm.unacknowledged_fins(first_port..first_port + N as u16);
+    assert!(unacknowledged.is_empty(), "the client's FINs were never acknowledged:\n{}{report}", unacknowledged.join("\n"));
+    let closed_sent: u64 = (1..=SERVERS).map(|s| farm.agent_counter(s, "closed_flow_segments")).sum();
+    assert!(closed_sent >= N as u64, "{closed_sent} segments of closed connections sent by DSR, for {N} connections the servers closed first");
     for i in 1..=2 {
         let fleet_flows = farm.flows(i).iter().filter(|(p, f)| ours(p) && f.snat_index == inband_lb::maps::SNAT_FLEET).count();
         assert_eq!(fleet_flows, held[i - 1].len(), "b{i}: a download without the fleet tuple{report}");

@@ -16,6 +16,8 @@
 /* Fleet prefixes (balancer_nets). */
 #define INBAND_AGENT_MAX_FLEETS 16
 #define INBAND_AGENT_FLOW_TABLE_SIZE 262144
+/* Closed connections whose TIME_WAIT may still answer (closed_flows). */
+#define INBAND_AGENT_CLOSED_FLOW_TABLE_SIZE 65536
 
 /* A UDP 155 whose stamp is more than this behind the newest one its
  * balancer sent is a replay. */
@@ -80,7 +82,11 @@ enum inband_agent_counter {
 	 * reaches no instance. */
 	INBAND_AGENT_FLEET_UNNAMED = 35,
 	INBAND_AGENT_FROZEN_DROPPED = 36, /* segments dropped for a connection frozen to move (docs/tcpe.md) */
-	INBAND_AGENT_COUNTER_MAX = 37,
+	/* Segments of a connection the server closed first, sent by DSR after
+	 * its socket became a TIME_WAIT (closed_flows): the ACK of the
+	 * client's FIN, and of its retransmissions. */
+	INBAND_AGENT_CLOSED_FLOW_SEGMENTS = 37,
+	INBAND_AGENT_COUNTER_MAX = 38,
 };
 
 #endif /* INBAND_AGENT_CONSTS_H */

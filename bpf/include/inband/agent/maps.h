@@ -36,6 +36,14 @@ INBAND_PINNED(fleet_instances, BPF_MAP_TYPE_HASH, __u32, struct inband_addr, INB
 
 INBAND_PINNED(dsr_flows, BPF_MAP_TYPE_LRU_HASH, struct inband_conn_key, struct inband_dsr_flow, INBAND_AGENT_FLOW_TABLE_SIZE);
 
+/* The client tuples of connections the server closed first, kept for
+ * their TIME_WAIT (agent_sock_state): apart from dsr_flows, so that a
+ * high rate of closes evicts only other closed connections, never an
+ * idle live one (whose answers, with fleet tuples, reach no instance
+ * without its tuple). A balancer's next SYN on the ports deletes the
+ * entry; the LRU bounds the rest. */
+INBAND_PINNED(closed_flows, BPF_MAP_TYPE_LRU_HASH, struct inband_conn_key, struct inband_dsr_flow, INBAND_AGENT_CLOSED_FLOW_TABLE_SIZE);
+
 INBAND_PINNED(active_conns, BPF_MAP_TYPE_HASH, __u16, __s64, INBAND_AGENT_MAX_SERVICES);
 
 INBAND_PINNED(score_override, BPF_MAP_TYPE_HASH, __u16, __u32, INBAND_AGENT_MAX_SERVICES);

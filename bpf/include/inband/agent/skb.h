@@ -43,6 +43,7 @@ enum {
 	INBAND_TCP_TIME_WAIT = 6,
 	INBAND_TCP_CLOSE = 7,
 	INBAND_TCP_CLOSE_WAIT = 8,
+	INBAND_TCP_CLOSING = 11,
 	INBAND_TCP_LISTEN = 10,
 	INBAND_TCP_NEW_SYN_RECV = 12, /* a request socket: handshake not complete */
 };
