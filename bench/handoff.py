@@ -19,12 +19,23 @@ VIP's port 80:
   `[tcpe.transparent]`; s2's agent with `client_address = false`), which
   moves each to s1 at L4 (s1 a backend of the VIP at weight 0); the
   balancer here is both, their CPU and the XDP program's run time;
-- *takeover server stopped* (rows `handoff-refused` and
-  `transparent-refused`, made only when --systems names them): the two
-  moving rows again with `inband tcpe serve` stopped, so that every
-  connection's handoff is refused and it falls back to proxying; each
-  fallback is counted by its reason and every body must still arrive
-  whole;
+- faults driven on purpose, in rows made only when --systems names
+  them, each counted by its reason:
+  - *takeover server stopped* (`handoff-refused`,
+    `transparent-refused`): the two moving rows again with `inband tcpe
+    serve` stopped, so that every connection's handoff is refused and it
+    falls back to proxying; every body must still arrive whole;
+  - *option mangled on the path* (`handoff-stripped`): an nft rule on
+    the client's host overwrites the experiment ID of every TCP option
+    254 it sends (a middlebox that rewrites an option it does not know
+    does to TCPE what one that strips it does), so no connection is
+    TCPE-capable and each is proxied (`fallback_not_capable`);
+  - *takeover server killed* (`handoff-killed`, `transparent-killed`):
+    `inband tcpe serve` is killed -9 every `kill_every_s` during the row
+    and started again. Sessions it held die with it: a TCPE client
+    fetches the rest of a body cut short through the balancer (a range
+    request); curl's connection, rebuilt inside the killed process, is
+    lost, and the row counts those fetches incomplete;
 - `inband lb` in `dsr-rr` (XDP; responses go from s1 to c1 directly);
 - nginx (`proxy_pass`, keep-alive to the origin, no buffering to disk)
   and HAProxy (`mode http`, `http-reuse always`) as proxies;
@@ -102,9 +113,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -128,6 +141,7 @@ CONTROL_PORT = 7000
 JOIN_PORT = 7001
 RELAY_PORT = 7002
 METRICS_PORT = 9180
+STRIP_TABLE = "inband_bench_strip"
 MIB = 1 << 20
 TARGETS = {"vs_proxy": 0.1, "vs_dsr": 1.2, "vs_direct": 0.9}
 
@@ -139,6 +153,9 @@ SYSTEMS = [
     System("handoff-refused", "inband proxy, TCPE client, takeover server stopped"),
     System("transparent", "inband lb + proxy, moved at L4 (curl)"),
     System("transparent-refused", "inband lb + proxy, curl, takeover server stopped"),
+    System("handoff-stripped", "inband proxy, TCPE client, its option mangled on the path (nft)"),
+    System("handoff-killed", "inband proxy, TCPE client, takeover server killed -9 again and again"),
+    System("transparent-killed", "inband lb + proxy, curl, takeover server killed -9 again and again"),
     System("proxy", "inband proxy, proxied (curl)"),
     System("dsr", "inband lb, dsr-rr (XDP)"),
     System("nginx", "nginx, proxy_pass"),
@@ -147,21 +164,33 @@ SYSTEMS = [
 BY_KEY = {s.key: s for s in SYSTEMS}
 # What each row's balancer is; the two inband proxy rows share one.
 BALANCER = {"direct": None, "relay": None, "handoff": "inband-proxy", "handoff-refused": "inband-proxy", "transparent": "inband-lb+proxy",
-            "transparent-refused": "inband-lb+proxy", "proxy": "inband-proxy", "dsr": "inband-lb", "nginx": "nginx", "haproxy": "haproxy"}
+            "transparent-refused": "inband-lb+proxy", "handoff-stripped": "inband-proxy", "handoff-killed": "inband-proxy",
+            "transparent-killed": "inband-lb+proxy", "proxy": "inband-proxy", "dsr": "inband-lb", "nginx": "nginx", "haproxy": "haproxy"}
 # The rows whose connections move, each by its own mechanism.
 MOVING = ("handoff", "transparent")
-# The rows that try to move with the takeover server stopped, so that
-# every connection falls back to proxying (its refusal driven on
-# purpose): how the row's handoffs are made and counted.
-REFUSED = {"handoff-refused": "handoff", "transparent-refused": "transparent"}
+# The rows that try to move under a fault driven on purpose: how their
+# connections try to move, and the fault ("stopped": the takeover server
+# is not running; "stripped": the client's TCPE option is mangled on the
+# path; "killed": the takeover server is killed -9 during the row).
+FAULTS = {
+    "handoff-refused": ("handoff", "stopped"),
+    "transparent-refused": ("transparent", "stopped"),
+    "handoff-stripped": ("handoff", "stripped"),
+    "handoff-killed": ("handoff", "killed"),
+    "transparent-killed": ("transparent", "killed"),
+}
 # Rows a run makes unless --systems names others.
-DEFAULT_SYSTEMS = [s.key for s in SYSTEMS if s.key not in REFUSED]
+DEFAULT_SYSTEMS = [s.key for s in SYSTEMS if s.key not in FAULTS]
 
 
 def mechanism(system: str) -> str | None:
     """How a row's connections try to move ("handoff": TCPE, "transparent":
     at L4), or None for a row that does not try."""
-    return REFUSED.get(system, system) if system in MOVING or system in REFUSED else None
+    return FAULTS[system][0] if system in FAULTS else system if system in MOVING else None
+
+
+def fault(system: str) -> str | None:
+    return FAULTS[system][1] if system in FAULTS else None
 MOVES_PORT = 7156
 
 
@@ -169,6 +198,9 @@ MOVES_PORT = 7156
 class Profile:
     counts: tuple  # (MiB, fetches per row) for each response size
     rounds: int
+    # The killed rows' period: the takeover server is killed -9 this long
+    # after it listens again.
+    kill_every_s: float = 2.0
 
 
 PROFILES = {
@@ -177,10 +209,14 @@ PROFILES = {
     "quick": Profile(counts=((1, 50), (10, 10), (100, 2)), rounds=1),
     # The test's: every row, nothing measured well.
     "tiny": Profile(counts=((1, 4), (10, 2), (100, 2)), rounds=1),
+    # The test's for the fault rows: fetches long enough (about 0.2 s
+    # each here) that a kill every 0.3 s lands in the middle of some.
+    "tiny-faults": Profile(counts=((100, 4),), rounds=1, kill_every_s=0.3),
     # Issue 29's 10,000 handoffs without a broken connection: 5,000 for
     # each moving row, of 1 MiB (`--systems direct,handoff,
     # handoff-refused,transparent,transparent-refused`: with the takeover
-    # server stopped as well).
+    # server stopped as well; with handoff-stripped, handoff-killed and
+    # transparent-killed, the other faults).
     "soak": Profile(counts=((1, 5000),), rounds=1),
 }
 
@@ -209,6 +245,7 @@ class Row:
     handed_off: int = 0  # the proxy's count over the row (handed_off, or moved)
     fallbacks: dict = field(default_factory=dict)  # the proxy's other handoff counts over the row (fallbacks, client_not_closed)
     kept: dict = field(default_factory=dict)  # the proxy's tcpe_kept_total over the row, by reason
+    kills: int = 0  # the killed rows: times the takeover server was killed -9 during the row
     error: str = ""
 
 
@@ -374,10 +411,42 @@ class Bench(TestbedRun):
         self.takeover = proc
 
     def stop_takeover(self) -> None:
-        """The REFUSED rows' fault: connections to the takeover server
+        """The "stopped" rows' fault: connections to the takeover server
         are refused, and the channels the proxy keeps end."""
         self.procs.stop(self.takeover)
         wait_until("the takeover server gone", lambda: not self.listening("s1", JOIN_PORT), 10)
+
+    def kill_takeover(self) -> None:
+        """The "killed" rows' fault, once: -9, nothing of it cleaning up;
+        the sessions it relays die with it."""
+        os.killpg(self.takeover.pid, signal.SIGKILL)
+        self.takeover.wait(timeout=5)
+        self.procs.stop(self.takeover)
+
+    def killing_takeover(self, until: threading.Event, row: Row) -> None:
+        """Kills the takeover server every `kill_every_s` after it listens
+        again, until `until` is set, counting the kills in `row` (and a
+        kill or restart that failed in its error)."""
+        try:
+            while not until.wait(self.p.kill_every_s):
+                self.kill_takeover()
+                row.kills += 1
+                self.start_takeover()
+        except Exception as e:  # noqa: BLE001 - the row reports it
+            row.error = f"the takeover server's kill or restart failed: {e}"
+
+    def strip_options(self, on: bool) -> None:
+        """The "stripped" row's fault: the client's host overwrites the
+        experiment ID (bytes 2–3) of every TCP option 254 it sends, as a
+        middlebox rewriting an option it does not know would; nft 1.0.6
+        cannot remove an option of a raw kind, and to the receiver an
+        unknown experiment is no TCPE either way."""
+        ns = self.ns("c1")
+        if on:
+            run(ns, ["nft", f"add table inet {STRIP_TABLE}; add chain inet {STRIP_TABLE} out {{ type filter hook output priority 0; }}; "
+                            f"add rule inet {STRIP_TABLE} out tcp option @254,16,16 set 0"])  # fmt: skip
+        else:
+            run(ns, ["nft", "delete", "table", "inet", STRIP_TABLE], check=False)
 
     def start_relay(self) -> None:
         """The relay reference's: HAProxy relaying TCP on s1 to the origin
@@ -529,8 +598,17 @@ class Bench(TestbedRun):
         bpf0 = self.bpf_ns(kind)
         busy0, t0 = cpu_busy_s(), time.monotonic()
         tcpe = mechanism(system) == "handoff"
-        cp = subprocess.run(argv, stdout=subprocess.DEVNULL if tcpe else subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            timeout=60 + n * (5 + mib / 20), env=dict(os.environ, INBAND_LOG="warn"))
+        done = threading.Event()
+        killer = threading.Thread(target=self.killing_takeover, args=(done, row)) if fault(system) == "killed" else None
+        if killer:
+            killer.start()
+        try:
+            cp = subprocess.run(argv, stdout=subprocess.DEVNULL if tcpe else subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                timeout=60 + n * (5 + mib / 20), env=dict(os.environ, INBAND_LOG="warn"))
+        finally:
+            done.set()
+            if killer:
+                killer.join()
         row.seconds = time.monotonic() - t0
         row.machine_cpu_s = cpu_busy_s() - busy0
         row.balancer_cpu_s = cgroup_usage_s(self.cgroups["lb"]) - lb0
@@ -546,7 +624,7 @@ class Bench(TestbedRun):
                 row.first_ms.append(f["first_ms"])
             row.moved += f["moved"]
         if cp.returncode != 0 or row.ok != n:
-            row.error = f"client exit {cp.returncode}, {row.ok} of {n} complete: {cp.stderr.strip()[-300:]}"
+            row.error = "; ".join(filter(None, [row.error, f"client exit {cp.returncode}, {row.ok} of {n} complete: {cp.stderr.strip()[-300:]}"]))
         if m0 is not None:
             m1 = self.metrics() or {}
             delta = {k: m1.get(k, 0.0) - v for k, v in m0.items()}
@@ -617,6 +695,7 @@ class Cell:
     handed_off: int = 0
     fallbacks: dict = field(default_factory=dict)
     kept: dict = field(default_factory=dict)
+    kills: int = 0
     errors: list = field(default_factory=list)
 
     @property
@@ -668,6 +747,7 @@ def cells(rows: list[Row]) -> dict:
         c.first_ms += r.first_ms
         c.moved += r.moved
         c.handed_off += r.handed_off
+        c.kills += r.kills
         for k, v in r.fallbacks.items():
             c.fallbacks[k] = c.fallbacks.get(k, 0) + v
         for k, v in r.kept.items():
@@ -693,6 +773,8 @@ def fallback_cell(c: Cell) -> str:
         return "–"
     # A request one of the proxy's rules kept never tried to move: said too.
     said = [f"{k} {v}" for k, v in sorted(c.fallbacks.items())] + [f"kept ({k}) {v}" for k, v in sorted(c.kept.items())]
+    if fault(c.system) == "killed":
+        said.append(f"takeover server killed {c.kills}×")
     return ", ".join(said) or "0"
 
 
@@ -890,14 +972,18 @@ def main(argv=None) -> int:
                     started = kind
                 if kind is not None and bench.balancer is None:
                     continue  # its start failed, recorded
-                if s.key in REFUSED:
+                if fault(s.key) == "stopped":
                     bench.stop_takeover()
+                if fault(s.key) == "stripped":
+                    bench.strip_options(True)
                 for mib, n in p.counts:
                     bench.settle()
                     bench.log(f"round {rnd + 1}/{p.rounds}: {s.label}, {n} × {mib} MiB")
                     outcome.attempt(f"round {rnd + 1} {s.key} {mib} MiB", lambda s=s, mib=mib, n=n: bench.measure(s.key, mib, n, rnd), rows)
-                if s.key in REFUSED:
+                if fault(s.key) == "stopped":
                     outcome.attempt(f"round {rnd + 1} restart the takeover server", bench.start_takeover)
+                if fault(s.key) == "stripped":
+                    bench.strip_options(False)
             bench.stop_balancer()
     record = this_run.record([asdict(r) for r in rows], profile=profiles.as_json(name, p), inband=Path(args.inband), tools=TOOLS,
                              quiet=sorted(bench.quiet), others=sorted(bench.others), failed=outcome.failed)

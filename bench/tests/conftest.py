@@ -11,7 +11,7 @@ GROUPS = (
     # ~275 s each (measured on 2026-11-30, CI 77, four workers; the
     # longest group sets the phase's length).
     {"test_weights.py::test_tiny_profile_end_to_end": 155, "test_proxy.py::test_quick_run_end_to_end": 63,
-     "test_forwarding.py::test_tiny_profile_end_to_end": 52},
+     "test_forwarding.py::test_tiny_profile_end_to_end": 52, "test_handoff.py::test_fault_rows_fall_back_or_lose_only_what_the_fault_takes": 16},
     {"test_scaleout.py::test_tiny_profile_end_to_end": 149, "test_ecmp.py::test_tiny_profile_end_to_end": 62,
      "test_handoff.py::test_tiny_profile_end_to_end": 60},
     {"test_regimes.py::test_tiny_grid_end_to_end": 93, "test_health.py::test_quick_profile_end_to_end": 90,

@@ -181,3 +181,36 @@ def test_tiny_profile_end_to_end(tmp_path):
     # Nothing it started is left running, and its cgroups are gone.
     assert str(out) not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert set(ho.cgroup2_mount().glob("inband-bench-handoff-*")) == cgroups
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not INBAND.exists() or not all(shutil.which(t) for t in ("nginx", "haproxy", "curl", "bpftool", "nft")),
+                    reason="needs root, target/debug/inband, nginx, haproxy, curl, bpftool and nft")
+def test_fault_rows_fall_back_or_lose_only_what_the_fault_takes(tmp_path):
+    name = f"hf{os.getpid() % 100000}"
+    out = tmp_path / "out"
+    systems = ",".join(ho.FAULTS)
+    cp, left = run_tiny("bench.handoff", name, out, 120, extra=("--wait-quiet", "0", "--systems", systems), profile="tiny-faults")
+    assert left == [], f"namespaces left behind: {left}"
+    record = json.loads((out / "results.json").read_text())
+    assert record["failed"] == []
+    cs = {system: c for (system, _), c in ho.cells([ho.revive(ho.Row, r) for r in record["rows"]]).items()}
+    assert sorted(cs) == sorted(ho.FAULTS)
+    # Refused or not capable: every connection proxied instead, counted by
+    # its reason at the proxy (or the balancer), every body whole.
+    expected = {"handoff-refused": {"fallback_channel": 4}, "transparent-refused": {"move_fallback_channel": 4},
+                "handoff-stripped": {"fallback_not_capable": 4}}
+    for system, fallbacks in expected.items():
+        c = cs[system]
+        assert c.ok == c.requests == 4 and not c.errors and c.handed_off == 0 and c.fallbacks == fallbacks, (system, c.fallbacks, c.errors)
+    # Killed -9 under the row: a TCPE client gets every body whole (the
+    # rest of a cut one through the balancer); curl's connections moved
+    # into the killed process may be lost, and the row says how many.
+    for system in ("handoff-killed", "transparent-killed"):
+        assert cs[system].kills >= 1, (system, cs[system])
+    k = cs["handoff-killed"]
+    assert k.ok == k.requests and not k.errors, (k.fallbacks, k.errors)
+    t = cs["transparent-killed"]
+    assert t.ok == t.requests or any(f"{t.ok} of {t.requests} complete" in e for e in t.errors), t.errors
+    assert "takeover server killed" in cp.stdout
+    # Nothing it started is left running.
+    assert str(out) not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout

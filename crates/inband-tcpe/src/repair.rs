@@ -166,9 +166,17 @@ fn read_state(sock: &TcpStream, already_read: &[u8]) -> Result<Frozen, FreezeRef
 
 /// Takes `sock` out of repair mode: its owner goes on as if nothing
 /// happened (nothing was sent or acknowledged while it was frozen).
+///
+/// Leaving repair mode clears the socket's SO_REUSEADDR whatever it was
+/// (the kernel sets `sk_reuse` to SK_NO_REUSE), so it is set again: every
+/// socket frozen here was accepted from a listener that has it, as a
+/// server's listeners do. Without it the socket's TIME_WAIT refused the
+/// bind of a listener restarted on its port for a minute (`inband proxy`
+/// with `[tcpe.transparent]` could not restart after a refused move).
 pub fn thaw(sock: &TcpStream) -> io::Result<()> {
     set(sock.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_REPAIR_QUEUE, &TCP_NO_QUEUE)?;
-    set(sock.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_REPAIR, &0i32)
+    set(sock.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_REPAIR, &0i32)?;
+    set(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_REUSEADDR, &1i32)
 }
 
 /// Closes a frozen socket: in repair mode the kernel sends neither FIN
@@ -242,8 +250,12 @@ pub fn restore(f: &Frozen) -> io::Result<TcpStream> {
 /// Takes a restored socket out of repair mode: from now on it is an
 /// established connection like any other. Leaving repair mode sends a
 /// window probe, so the peer learns at once that the connection answers.
+/// It also clears SO_REUSEADDR (as in `thaw`), which is set: the socket
+/// shares its service's port, and its TIME_WAIT must not refuse that
+/// service's listener a restart.
 pub fn release(sock: &TcpStream) -> io::Result<()> {
-    set(sock.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_REPAIR, &0i32)
+    set(sock.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_REPAIR, &0i32)?;
+    set(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_REUSEADDR, &1i32)
 }
 
 fn set<T: Copy>(fd: RawFd, level: libc::c_int, name: libc::c_int, value: &T) -> io::Result<()> {
@@ -405,6 +417,34 @@ mod tests {
         // and the new one's close is the FIN it sees.
         drop(new);
         assert_eq!(client.read(&mut [0; 8]).unwrap(), 0);
+        drop(client);
+        restarts_beside_its_time_wait(f.local);
+    }
+
+    /// `addr` has a TIME_WAIT (a socket of ours closed first), and a
+    /// listener still binds it, as a restarted service's would.
+    fn restarts_beside_its_time_wait(addr: SocketAddr) {
+        let time_wait = std::fs::read_to_string("/proc/net/tcp").unwrap().lines().any(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            f.len() > 3 && f[3] == "06" && f[1].ends_with(&format!(":{:04X}", addr.port()))
+        });
+        assert!(time_wait, "no TIME_WAIT on {addr}: the test proves nothing");
+        TcpListener::bind(addr).unwrap_or_else(|e| panic!("a listener on {addr}, the port of our socket's TIME_WAIT: {e}"));
+    }
+
+    /// A thawed socket that closes first leaves a TIME_WAIT on the
+    /// listener's port; a listener started again on that port binds.
+    #[test]
+    fn a_thawed_socket_lets_its_listener_restart_on_the_port() {
+        let (l, mut client, old) = pair();
+        let addr = l.local_addr().unwrap();
+        freeze(&old, b"").unwrap();
+        thaw(&old).unwrap();
+        drop(old);
+        assert_eq!(client.read(&mut [0; 8]).unwrap(), 0);
+        drop(client);
+        drop(l);
+        restarts_beside_its_time_wait(addr);
     }
 
     #[test]
