@@ -80,6 +80,7 @@ impl Collector for Exposition {
             s.counters.iter().map(|(name, n)| ([("event", *name)], *n)),
         )?;
         f.gauge("dsr_flows", "Connections whose client tuple (155) was accepted", g(s.dsr_flows as u64))?;
+        f.gauge("closed_flows", "Client tuples of connections the server closed first, kept for their TIME_WAIT", g(s.closed_flows as u64))?;
         let port = |p: &u16| [("port", p.to_string())];
         f.gauges(
             "port_active_connections",
@@ -110,6 +111,7 @@ mod tests {
             mtu: 1500,
             ports: [(8080, PortStatus { vips: vec!["10.0.0.100:80".into()], active_connections: 3, requests_in_flight: None, score_override: None, score: 3 })].into(),
             dsr_flows: 3,
+            closed_flows: 2,
             counters: [("tuples_stored", 4), ("scores_sent", 2)].into(),
             bpf_stats: true,
             programs: vec![ProgStats { program: "egress".into(), id: 9, runs: 10, run_time_ns: 2_000 }],
@@ -120,6 +122,7 @@ mod tests {
             "# TYPE inband_agent_events counter",
             "inband_agent_events_total{event=\"tuples_stored\"} 4",
             "inband_agent_dsr_flows 3",
+            "inband_agent_closed_flows 2",
             "inband_agent_port_score{port=\"8080\"} 3",
             "inband_agent_port_active_connections{port=\"8080\"} 3",
             "inband_agent_bpf_program_runs_total{program=\"egress\"} 10",

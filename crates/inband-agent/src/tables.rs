@@ -42,6 +42,8 @@ pub fn fleet_instances(balancers: &[IpAddr], fleets: &[Ipv6Net]) -> BTreeMap<u32
 
 /// Size of `dsr_flows`.
 pub const FLOW_TABLE_SIZE: u32 = c::INBAND_AGENT_FLOW_TABLE_SIZE;
+/// Size of `closed_flows`.
+pub const CLOSED_FLOW_TABLE_SIZE: u32 = c::INBAND_AGENT_CLOSED_FLOW_TABLE_SIZE;
 /// What a 125 option can carry.
 pub const SCORE_MAX: u32 = 0xffff;
 
@@ -52,6 +54,7 @@ pub struct AgentMaps {
     pub balancer_nets: MapHandle,
     pub fleet_instances: MapHandle,
     pub dsr_flows: MapHandle,
+    pub closed_flows: MapHandle,
     pub active_conns: MapHandle,
     pub score_override: MapHandle,
     pub inflight: MapHandle,
@@ -69,6 +72,7 @@ impl AgentMaps {
             balancer_nets: dir.open("balancer_nets")?,
             fleet_instances: dir.open("fleet_instances")?,
             dsr_flows: dir.open("dsr_flows")?,
+            closed_flows: dir.open("closed_flows")?,
             active_conns: dir.open("active_conns")?,
             score_override: dir.open("score_override")?,
             inflight: dir.open("inflight")?,
@@ -115,6 +119,13 @@ impl AgentMaps {
                 size_of::<ConnKey>(),
                 size_of::<DsrFlow>(),
                 FLOW_TABLE_SIZE,
+            )?,
+            closed_flows: make(
+                MapType::LruHash,
+                "closed_flows",
+                size_of::<ConnKey>(),
+                size_of::<DsrFlow>(),
+                CLOSED_FLOW_TABLE_SIZE,
             )?,
             active_conns: make(MapType::Hash, "active_conns", 2, 8, MAX_SERVICES as u32)?,
             score_override: make(MapType::Hash, "score_override", 2, 4, MAX_SERVICES as u32)?,
@@ -278,6 +289,7 @@ impl AgentMaps {
             mtu: config.mtu,
             ports,
             dsr_flows: bpfmap::count(&self.dsr_flows),
+            closed_flows: bpfmap::count(&self.closed_flows),
             counters,
             bpf_stats: prog_stats::enabled(),
             programs: Vec::new(),
@@ -331,6 +343,10 @@ pub struct AgentSnapshot {
     /// Entries in `dsr_flows`: connections whose client tuple (155) was
     /// accepted, told apart by their balancer tuple.
     pub dsr_flows: usize,
+    /// Entries in `closed_flows`: connections the server closed first
+    /// whose TIME_WAIT may still send (of CLOSED_FLOW_TABLE_SIZE; when
+    /// full, the oldest goes).
+    pub closed_flows: usize,
     pub counters: BTreeMap<&'static str, u64>,
     /// Whether the kernel counts programs' run time now (`bpf_stats`).
     pub bpf_stats: bool,
@@ -371,6 +387,7 @@ impl AgentSnapshot {
             );
         }
         let _ = writeln!(s, "dsr_flows: {} (connections with a client tuple)", self.dsr_flows);
+        let _ = writeln!(s, "closed_flows: {} of {CLOSED_FLOW_TABLE_SIZE} (closed by the server first, kept for their TIME_WAIT)", self.closed_flows);
         for (name, v) in &self.counters {
             let _ = writeln!(s, "  {name:<18} {v}");
         }

@@ -534,6 +534,7 @@ fn score_socket_set_get_clear() {
     assert_eq!(g["ports"]["8081"]["score"], 9);
     assert_eq!(g["balancers"], serde_json::json!(["127.0.0.1"]));
     assert_eq!(g["dsr_flows"], 0);
+    assert_eq!(g["closed_flows"], 0);
     assert_eq!(g["counters"]["scores_sent"], 0);
     assert_eq!(g["counters"].as_object().unwrap().len(), inband_agent::maps::COUNTER_MAX);
     assert_eq!(g["counters"]["tuple_in_use"], 0);

@@ -365,10 +365,15 @@ impl Farm {
         s["vips"][0]["backends"].as_array().map_or(0, |b| b.iter().map(|b| b["stats"]["scores_received"].as_u64().unwrap_or(0)).sum())
     }
 
+    /// `inband agent status --json` of the agent on server `i`.
+    fn agent_status(&self, i: usize) -> Value {
+        let out = run_ok(&self.tb, &format!("s{i}"), &[BIN, "agent", "status", "--interface", "eth0", "--json"]);
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
     /// Counter `name` of the agent on server `i`.
     fn agent_counter(&self, i: usize, name: &str) -> u64 {
-        let out = run_ok(&self.tb, &format!("s{i}"), &[BIN, "agent", "status", "--interface", "eth0", "--json"]);
-        serde_json::from_slice::<Value>(&out.stdout).unwrap()["counters"][name].as_u64().unwrap_or(0)
+        self.agent_status(i)["counters"][name].as_u64().unwrap_or(0)
     }
 
     /// How many of the client's downloads from the VIP are under way:
@@ -1016,6 +1021,9 @@ fn dsr_dynamic_scores_reach_the_instance_that_asked_with_fleet_tuples() {
     assert!(unacknowledged.is_empty(), "the client's FINs were never acknowledged:\n{}{report}", unacknowledged.join("\n"));
     let closed_sent: u64 = (1..=SERVERS).map(|s| farm.agent_counter(s, "closed_flow_segments")).sum();
     assert!(closed_sent >= N as u64, "{closed_sent} segments of closed connections sent by DSR, for {N} connections the servers closed first");
+    // Their tuples stay until a SYN on their ports (none comes here).
+    let kept: u64 = (1..=SERVERS).map(|s| farm.agent_status(s)["closed_flows"].as_u64().unwrap()).sum();
+    assert!(kept >= N as u64, "closed_flows holds {kept} tuples for {N} closed connections");
     for i in 1..=2 {
         let fleet_flows = farm.flows(i).iter().filter(|(p, f)| ours(p) && f.snat_index == inband_lb::maps::SNAT_FLEET).count();
         assert_eq!(fleet_flows, held[i - 1].len(), "b{i}: a download without the fleet tuple{report}");
