@@ -1005,9 +1005,12 @@ int agent_egress(struct __sk_buff *skb)
 		track_request(skb, &a, 0);
 	key = conn_key(&a, 0);
 	flow = bpf_map_lookup_elem(&dsr_flows, &key);
-	if (!flow && !is_carrier && a.proto == IPPROTO_TCP) {
+	if (!flow && !is_carrier && a.proto == IPPROTO_TCP && a.tot_len - a.hlen <= INBAND_TCP_MAX_HDR) {
 		/* A TIME_WAIT's answer: direct like the rest of its
-		 * connection (its copy has no score to answer). */
+		 * connection (its copy has no score to answer). A TIME_WAIT
+		 * sends ACKs and RSTs, never data: a segment that may hold
+		 * data (the traffic of peers that are not balancers) skips
+		 * this second lookup. */
 		flow = bpf_map_lookup_elem(&closed_flows, &key);
 		if (flow)
 			count(INBAND_AGENT_CLOSED_FLOW_SEGMENTS);

@@ -1052,6 +1052,12 @@ fn egress_sends_a_time_wait_ack_direct_until_the_next_syn_on_its_ports() {
         assert_frame(&out, &ack(vip(), client(), (SERVER_MAC, GATEWAY_MAC)).build(), "the TIME_WAIT's ACK, direct");
         let n = i as u64 + 1;
         assert_counters(&skel, &[(AgentCounter::ClosedFlowSegments, n), (AgentCounter::DsrRewrites, n)]);
+        // A TIME_WAIT sends no data: a data segment on these ports is
+        // not looked for there, and leaves as it was.
+        let data = PacketBuilder::tcp(server(), lb()).flags(TCP_ACK | TCP_PSH).payload(vec![0x5a; 100]).macs(SERVER_MAC, [0x02, 0, 0, 0, 0xcc, 0x01]).build();
+        let (_, out) = run(&skel.progs.agent_egress, &data, Some(ifindex));
+        assert_frame(&out, &data, "data on a closed connection's ports: unchanged");
+        assert_counters(&skel, &[(AgentCounter::ClosedFlowSegments, n), (AgentCounter::DsrRewrites, n)]);
 
         ingress(&skel, &next_syn, TC_ACT_OK, Some(&plain.build()), name);
         assert_eq!(get::<_, DsrFlow>(&skel.maps.closed_flows, &conn_key()), None, "{name}: the closed connection's tuple is gone");

@@ -25,6 +25,8 @@
 #define INBAND_TCP_ACK 0x10
 #define INBAND_TCP_URG 0x20
 #define INBAND_TCP_CWR 0x80
+/* A TCP header with every option it can hold (data offset 15). */
+#define INBAND_TCP_MAX_HDR 60
 
 #define INBAND_TCPOPT_EOL 0
 #define INBAND_TCPOPT_NOP 1
