@@ -272,12 +272,18 @@ static __always_inline int plain_from_peer(struct __sk_buff *skb, const struct a
 {
 	struct inband_conn_key key = conn_key(a, 1);
 	struct inband_dsr_flow *flow;
-	__u8 flags;
+	__u8 flags = 0;
+	int tcp = a->proto == IPPROTO_TCP;
+
+	/* Loaded once: a TCP segment whose flags cannot be read goes on
+	 * untouched. */
+	if (tcp && bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + a->hlen + 13, &flags, sizeof(flags)))
+		return TC_ACT_OK;
+	int syn = tcp && (flags & (INBAND_TCP_SYN | INBAND_TCP_ACK)) == INBAND_TCP_SYN;
 
 	/* A SYN without 155 over a closed connection's ports: that
 	 * connection's client must not get the new one's answers. */
-	if (a->proto == IPPROTO_TCP && !bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + a->hlen + 13, &flags, sizeof(flags)) &&
-	    (flags & (INBAND_TCP_SYN | INBAND_TCP_ACK)) == INBAND_TCP_SYN)
+	if (syn)
 		bpf_map_delete_elem(&closed_flows, &key);
 	/* Entries are keyed by a balancer's address: no other sender finds one. */
 	flow = bpf_map_lookup_elem(&dsr_flows, &key);
@@ -301,9 +307,9 @@ static __always_inline int plain_from_peer(struct __sk_buff *skb, const struct a
 		}
 		return TC_ACT_OK;
 	}
-	if (a->proto != IPPROTO_TCP || bpf_skb_load_bytes(skb, INBAND_ETH_HLEN + a->hlen + 13, &flags, sizeof(flags)))
+	if (!tcp)
 		return TC_ACT_OK;
-	if ((flags & (INBAND_TCP_SYN | INBAND_TCP_ACK)) == INBAND_TCP_SYN && !tuple_owned_by_live_socket(skb, a)) {
+	if (syn && !tuple_owned_by_live_socket(skb, a)) {
 		if (!bpf_map_delete_elem(&dsr_flows, &key))
 			count(INBAND_AGENT_STALE_TUPLES_FORGOTTEN);
 		return TC_ACT_OK;
