@@ -271,26 +271,26 @@ impl Io {
         &self.state
     }
 
-    /// The socket as a blocking std stream, for a call that blocks (the
-    /// handoff); [`Io::from_std`] takes it back. The descriptor stays the
-    /// same, so the watchdog's stays valid.
-    pub fn into_std(self) -> io::Result<(std::net::TcpStream, Arc<State>)> {
-        let s = self.sock.into_std()?;
-        s.set_nonblocking(false)?;
-        Ok((s, self.state))
-    }
-
-    /// Back from [`Io::into_std`], with `replay` to be read before the
-    /// socket's next bytes.
-    pub fn from_std(s: std::net::TcpStream, state: Arc<State>, replay: bytes::Bytes) -> io::Result<Io> {
-        s.set_nonblocking(true)?;
-        Ok(Io { sock: TcpStream::from_std(s)?, state, replay })
-    }
-
     /// Puts `bytes` back in front of what the socket has not given yet.
     pub fn replay(&mut self, bytes: bytes::Bytes) {
         debug_assert!(self.replay.is_empty());
         self.replay = bytes;
+    }
+}
+
+/// What the transparent handoff freezes (inband-tcpe's `repair`).
+impl inband_tcpe::repair::Connected for Io {
+    fn local_addr(&self) -> io::Result<std::net::SocketAddr> {
+        self.sock.local_addr()
+    }
+    fn peer_addr(&self) -> io::Result<std::net::SocketAddr> {
+        self.sock.peer_addr()
+    }
+}
+
+impl std::os::fd::AsRawFd for Io {
+    fn as_raw_fd(&self) -> RawFd {
+        self.sock.as_raw_fd()
     }
 }
 

@@ -28,6 +28,7 @@ use bytes::Bytes;
 use http::{header, request, HeaderName, HeaderValue, Method};
 use inband_tcpe::handoff::{self, hand_off, Outcome, Target};
 use inband_tcpe::relay::Counters;
+use inband_tcpe::repair::Connected;
 use inband_tcpe::sockops::{hold_acks, State, Tcpe};
 use inband_tcpe::transparent::{self, Mover};
 use tokio::io::{AsyncRead, ReadBuf};
@@ -274,38 +275,25 @@ fn simple_request(buf: &[u8]) -> Option<request::Parts> {
     Some(parts)
 }
 
-/// Hands the connection to `target` on a blocking thread (the routine
-/// waits on the channel and for the join, or for the balancer's switch);
+/// Hands the connection to `target` (the routine waits on the channel and
+/// for the join, or for the balancer's switch, as this connection's task);
 /// on a fallback gives it back to hyper with the head to replay. `plain`:
 /// the client did not offer TCPE, and the connection is moved at L4.
-async fn move_connection(h: &Handoffs, io: Io, head: Bytes, peer: SocketAddr, chosen: Chosen<'_>, plain: bool) -> First {
+async fn move_connection(h: &Handoffs, mut io: Io, head: Bytes, peer: SocketAddr, chosen: Chosen<'_>, plain: bool) -> First {
     let Chosen { parts, route, target, backend, addr } = chosen;
     let start = Instant::now();
     // A request in progress for the connection's clocks: the send timeout,
     // not the header one, bounds the wait.
     let guard = io.state().begin_request(false);
-    let (client, state) = match io.into_std() {
-        Ok(x) => x,
-        Err(e) => {
-            tracing::debug!(client = %peer, error = %e, "tcpe: the connection could not be taken off the event loop");
-            return First::Done;
+    let outcome = match h.mover.as_ref().filter(|_| plain) {
+        Some(m) => {
+            // The balancer knows the server in the connection's family.
+            let v6 = io.local_addr().is_ok_and(|a| a.ip().to_canonical().is_ipv6());
+            let to = if v6 { h.backends6.get(&addr).copied().unwrap_or(addr) } else { addr };
+            transparent::move_connection(m, &io, &head, target, to, &h.moves).await
         }
+        None => hand_off(&h.tcpe, &mut io, &head, target, &h.counters).await,
     };
-    let (tcpe, counters, target, request) = (h.tcpe.clone(), h.counters.clone(), target.clone(), head.clone());
-    let (mover, moves) = (h.mover.clone().filter(|_| plain), h.moves.clone());
-    let addr6 = h.backends6.get(&addr).copied();
-    let ran = tokio::task::spawn_blocking(move || {
-        // The balancer knows the server in the connection's family.
-        let v6 = client.local_addr().is_ok_and(|a| a.ip().to_canonical().is_ipv6());
-        let to = if v6 { addr6.unwrap_or(addr) } else { addr };
-        let outcome = match &mover {
-            Some(m) => transparent::move_connection(m, &client, &request, &target, to, &moves),
-            None => hand_off(&tcpe, &client, &request, &target, &counters),
-        };
-        (outcome, client)
-    })
-    .await;
-    let Ok((outcome, client)) = ran else { return First::Done };
     drop(guard);
     match outcome {
         Outcome::HandedOff => {
@@ -324,13 +312,8 @@ async fn move_connection(h: &Handoffs, io: Io, head: Bytes, peer: SocketAddr, ch
         }
         Outcome::Fallback(why) => {
             tracing::debug!(client = %peer, upstream = %backend.name, why, "tcpe: handoff fell back, proxying");
-            match Io::from_std(client, state, head) {
-                Ok(io) => First::Proxy(io),
-                Err(e) => {
-                    tracing::debug!(client = %peer, error = %e, "tcpe: the connection could not be put back on the event loop");
-                    First::Done
-                }
-            }
+            io.replay(head);
+            First::Proxy(io)
         }
     }
 }

@@ -123,19 +123,29 @@ fn recv(r: &mut impl Read, key: &Key, nonce: &Nonce, ty: u8) -> Result<Vec<u8>> 
     recv_one_of(r, key, nonce, &[ty]).map(|(_, body)| body)
 }
 
+/// A frame's header: its type and its body's length.
+pub const FRAME_HEAD: usize = 5;
+
+/// How many bytes follow the frame header `h` (its body and MAC), or why
+/// the frame is refused before they are read.
+pub fn frame_rest(h: &[u8; FRAME_HEAD]) -> Result<usize> {
+    let len = u32::from_be_bytes(h[1..].try_into().unwrap()) as usize;
+    if len > MAX_BODY {
+        bail!("takeover channel: a {len}-byte message (at most {MAX_BODY})");
+    }
+    Ok(len + 8)
+}
+
 /// Reads one frame of one of the types `tys` and checks its MAC; its type
 /// and body.
 fn recv_one_of(r: &mut impl Read, key: &Key, nonce: &Nonce, tys: &[u8]) -> Result<(u8, Vec<u8>)> {
-    let mut h = [0u8; 5];
+    let mut h = [0u8; FRAME_HEAD];
     r.read_exact(&mut h).context("reading the takeover channel")?;
     let ty = h[0];
     if !tys.contains(&ty) {
         bail!("takeover channel: message type {ty} where one of {tys:?} was due");
     }
-    let len = u32::from_be_bytes(h[1..].try_into().unwrap()) as usize;
-    if len > MAX_BODY {
-        bail!("takeover channel: a {len}-byte message (at most {MAX_BODY})");
-    }
+    let len = frame_rest(&h)? - 8;
     let mut body = vec![0u8; len + 8];
     r.read_exact(&mut body).context("reading the takeover channel")?;
     let got = u64::from_le_bytes(body[len..].try_into().unwrap());

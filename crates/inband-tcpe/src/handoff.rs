@@ -11,17 +11,26 @@
 //! the kernel then owes (docs/decisions.md, "Getting a pure ACK out
 //! promptly"). Without it no ACK is owed, the client never hears of the
 //! new path, and the handoff falls back when the join's deadline passes.
+//!
+//! It runs on the caller's event loop: each step that waits (the server's
+//! REPLY and VERDICT, the client's FIN) is a wait of the connection's task,
+//! not of a thread of its own (docs/decisions.md, "TCPE handoff (issue
+//! 29): the proxy's side").
 
-use std::io::Read;
-use std::net::{Shutdown, SocketAddr, TcpStream};
-use std::os::fd::AsFd;
+use std::future::poll_fn;
+use std::net::SocketAddr;
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::{Arc, Mutex};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use inband_core::wire::Key;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::time::timeout;
 
-use crate::channel::{self, Handoff, Reply, Verdict};
+use crate::channel::{self, Handoff, Nonce, Reply, Verdict, FRAME_HEAD, NONCE_LEN};
 use crate::relay::Counters;
 use crate::sockops::{flush_ack, State, Tcpe};
 use crate::wire::{Path, Role};
@@ -73,32 +82,37 @@ pub struct Target {
 /// channel takes three (connect, HELLO, HANDOFF), and the balancer's CPU
 /// for the connection's handshake and close. At most `KEPT` per server,
 /// each for at most `KEPT_FOR` idle (the server waits `--idle-ms`, a
-/// minute by default, before it closes one).
+/// minute by default, before it closes one). They are kept off any event
+/// loop: the next handoff may run on another worker's.
 #[derive(Debug, Default)]
-pub struct Channels(Mutex<Vec<(TcpStream, Instant)>>);
+pub struct Channels(Mutex<Vec<(std::net::TcpStream, Instant)>>);
 
 impl Channels {
     const KEPT: usize = 16;
     const KEPT_FOR: Duration = Duration::from_secs(10);
 
     pub(crate) fn keep(&self, ch: TcpStream) {
+        let Ok(ch) = ch.into_std() else { return };
         let mut kept = self.0.lock().unwrap();
         if kept.len() < Self::KEPT {
             kept.push((ch, Instant::now()));
         }
     }
 
-    /// The channel kept last; the others are older, so when it is too old
-    /// they all go.
+    /// The channel kept last, on the caller's event loop; the others are
+    /// older, so when it is too old they all go.
     fn take(&self) -> Option<TcpStream> {
-        let mut kept = self.0.lock().unwrap();
-        match kept.pop() {
-            Some((ch, at)) if at.elapsed() < Self::KEPT_FOR => Some(ch),
-            _ => {
-                kept.clear();
-                None
+        let ch = {
+            let mut kept = self.0.lock().unwrap();
+            match kept.pop() {
+                Some((ch, at)) if at.elapsed() < Self::KEPT_FOR => ch,
+                _ => {
+                    kept.clear();
+                    return None;
+                }
             }
-        }
+        };
+        TcpStream::from_std(ch).ok()
     }
 }
 
@@ -124,7 +138,10 @@ fn fallback(c: &Counters, i: usize) -> Outcome {
 /// server of `to`, with `request` the bytes read from it and not answered.
 /// On `Fallback`, `client` is as it was: nothing was written to it, and
 /// the client still reads this subflow.
-pub fn hand_off(tcpe: &Tcpe, client: &TcpStream, request: &[u8], to: &Target, c: &Counters) -> Outcome {
+pub async fn hand_off<C>(tcpe: &Tcpe, client: &mut C, request: &[u8], to: &Target, c: &Counters) -> Outcome
+where
+    C: AsyncRead + AsyncWrite + AsFd + Unpin,
+{
     let s = match tcpe.state(client.as_fd()) {
         Ok(Some(s)) if s.state == State::Capable && s.role == Role::Passive => s,
         _ => return fallback(c, NOT_CAPABLE),
@@ -135,11 +152,11 @@ pub fn hand_off(tcpe: &Tcpe, client: &TcpStream, request: &[u8], to: &Target, c:
         deadline_ms: to.deadline.as_millis().min(u32::MAX.into()) as u32,
         request: request.to_vec(),
     };
-    let (mut ch, nonce) = match open_channel(to, |ch, nonce| channel::send_handoff(ch, &to.key, nonce, &h)) {
+    let (mut ch, nonce) = match open_channel(to, |w, nonce| channel::send_handoff(w, &to.key, nonce, &h)).await {
         Ok(x) => x,
         Err(_) => return fallback(c, CHANNEL),
     };
-    match channel::recv_reply(&mut ch, &to.key, &nonce) {
+    match read_frame(&mut ch, to.io_timeout).await.and_then(|f| channel::recv_reply(&mut f.as_slice(), &to.key, &nonce)) {
         Ok(Reply::Accepted) => {}
         Ok(_) => {
             // The server is done with this handoff: its next HELLO follows.
@@ -170,8 +187,7 @@ pub fn hand_off(tcpe: &Tcpe, client: &TcpStream, request: &[u8], to: &Target, c:
         }
     }
     // The server decides by the deadline; the wait adds its own bound.
-    let _ = ch.set_read_timeout(Some(to.deadline + to.io_timeout));
-    let verdict = channel::recv_verdict(&mut ch, &to.key, &nonce);
+    let verdict = read_frame(&mut ch, to.deadline + to.io_timeout).await.and_then(|f| channel::recv_verdict(&mut f.as_slice(), &to.key, &nonce));
     // Stop repeating the notification whatever the verdict: a client that
     // has not joined by now must not join later.
     let _ = tcpe.clear(client.as_fd());
@@ -185,61 +201,79 @@ pub fn hand_off(tcpe: &Tcpe, client: &TcpStream, request: &[u8], to: &Target, c:
         Err(_) => return fallback(c, VERDICT_LOST),
     }
     c.bump(HANDED_OFF);
-    close_moved(client, to.io_timeout, c);
+    close_moved(client, to.io_timeout, c).await;
     Outcome::HandedOff
 }
 
 /// A kept channel whose server still answers, or a new one; the first
-/// message (HANDOFF or MOVE) sent on it by `first`.
-pub(crate) fn open_channel(
-    to: &Target,
-    first: impl Fn(&mut TcpStream, &channel::Nonce) -> Result<()>,
-) -> Result<(TcpStream, channel::Nonce)> {
+/// message (HANDOFF or MOVE) written by `first` and sent on it.
+pub(crate) async fn open_channel(to: &Target, first: impl Fn(&mut Vec<u8>, &Nonce) -> Result<()>) -> Result<(TcpStream, Nonce)> {
     while let Some(mut ch) = to.channels.take() {
-        if let Ok(nonce) = start_on(&mut ch, to, &first, true) {
+        if let Ok(nonce) = start_on(&mut ch, to, &first, true).await {
             return Ok((ch, nonce));
         }
     }
-    let mut ch = TcpStream::connect_timeout(&to.control, to.io_timeout)?;
+    let mut ch = timeout(to.io_timeout, TcpStream::connect(to.control)).await.context("connecting the takeover channel: timed out")??;
     // One message at a time each way; no write waits for a delayed ACK.
     ch.set_nodelay(true)?;
-    let nonce = start_on(&mut ch, to, &first, false)?;
+    let nonce = start_on(&mut ch, to, &first, false).await?;
     Ok((ch, nonce))
 }
 
-fn start_on(
-    ch: &mut TcpStream,
-    to: &Target,
-    first: &impl Fn(&mut TcpStream, &channel::Nonce) -> Result<()>,
-    kept: bool,
-) -> Result<channel::Nonce> {
-    ch.set_read_timeout(Some(to.io_timeout))?;
-    ch.set_write_timeout(Some(to.io_timeout))?;
-    let nonce = channel::recv_hello(ch)?;
+async fn start_on(ch: &mut TcpStream, to: &Target, first: &impl Fn(&mut Vec<u8>, &Nonce) -> Result<()>, kept: bool) -> Result<Nonce> {
+    // HELLO is the nonce alone.
+    let mut nonce = [0u8; NONCE_LEN];
+    timeout(to.io_timeout, ch.read_exact(&mut nonce)).await.context("reading the takeover channel's nonce: timed out")??;
     // A kept channel's HELLO may have come before its server stopped (a
     // restart, its idle time): then the close is behind it, and the
-    // handoff goes on a new channel instead of failing on this one.
+    // handoff goes on a new channel instead of failing on this one. Open
+    // means nothing more to read yet.
     if kept {
-        ch.set_nonblocking(true)?;
-        let open = matches!(ch.peek(&mut [0u8; 1]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
-        ch.set_nonblocking(false)?;
+        let open = poll_fn(|cx| Poll::Ready(ch.poll_peek(cx, &mut ReadBuf::new(&mut [0u8; 1])).is_pending())).await;
         anyhow::ensure!(open, "the kept channel was closed");
     }
-    first(ch, &nonce)?;
+    send_frame(ch, to.io_timeout, |w| first(w, &nonce)).await?;
     Ok(nonce)
+}
+
+/// Sends the frame `write` makes, within `limit`.
+pub(crate) async fn send_frame(ch: &mut TcpStream, limit: Duration, write: impl FnOnce(&mut Vec<u8>) -> Result<()>) -> Result<()> {
+    let mut frame = Vec::new();
+    write(&mut frame)?;
+    timeout(limit, ch.write_all(&frame)).await.context("writing to the takeover channel: timed out")??;
+    Ok(())
+}
+
+/// Reads one frame off the channel within `limit`, for `channel`'s codecs
+/// to check and parse. Exactly one: the server's HELLO for the next
+/// handoff may follow it.
+pub(crate) async fn read_frame(ch: &mut TcpStream, limit: Duration) -> Result<Vec<u8>> {
+    let read = async {
+        let mut frame = vec![0u8; FRAME_HEAD];
+        ch.read_exact(&mut frame).await?;
+        let rest = channel::frame_rest(frame[..].try_into().expect("FRAME_HEAD bytes"))?;
+        frame.resize(FRAME_HEAD + rest, 0);
+        ch.read_exact(&mut frame[FRAME_HEAD..]).await?;
+        anyhow::Ok(frame)
+    };
+    timeout(limit, read).await.context("reading the takeover channel: timed out")?
 }
 
 /// The old subflow's end: FIN, which tells the client its stream goes on
 /// on the new subflow, then the client's FIN. A client that sends bytes
 /// here or does not close in time is shut down: its bytes would be lost.
-fn close_moved(client: &TcpStream, timeout: Duration, c: &Counters) {
-    let _ = client.shutdown(Shutdown::Write);
+async fn close_moved<C>(client: &mut C, limit: Duration, c: &Counters)
+where
+    C: AsyncRead + AsyncWrite + AsFd + Unpin,
+{
+    let _ = client.shutdown().await;
     let mut buf = [0u8; 512];
-    if client.set_read_timeout(Some(timeout)).is_ok() && matches!((&*client).read(&mut buf), Ok(0)) {
+    if matches!(timeout(limit, client.read(&mut buf)).await, Ok(Ok(0))) {
         return;
     }
     c.bump(NOT_CLOSED);
-    let _ = client.shutdown(Shutdown::Both);
+    // SAFETY: shutdown(2) on a descriptor `client` holds open.
+    unsafe { libc::shutdown(client.as_fd().as_raw_fd(), libc::SHUT_RDWR) };
 }
 
 #[cfg(test)]
@@ -248,13 +282,13 @@ mod tests {
     use std::net::TcpListener;
 
     /// At most `KEPT` channels are kept; the one kept last is taken first.
-    #[test]
-    fn kept_channels_are_bounded_and_the_last_kept_goes_first() {
+    #[tokio::test]
+    async fn kept_channels_are_bounded_and_the_last_kept_goes_first() {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let channels = Channels::default();
         let mut ports = Vec::new();
         for _ in 0..Channels::KEPT + 3 {
-            let ch = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+            let ch = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
             ports.push(ch.local_addr().unwrap().port());
             channels.keep(ch);
         }

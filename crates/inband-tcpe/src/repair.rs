@@ -110,12 +110,37 @@ impl From<io::Error> for FreezeRefused {
     }
 }
 
+/// A connected TCP socket, blocking (std) or on an event loop (tokio,
+/// as `inband proxy` holds its clients): what freezing reads.
+pub trait Connected: AsRawFd {
+    fn local_addr(&self) -> io::Result<SocketAddr>;
+    fn peer_addr(&self) -> io::Result<SocketAddr>;
+}
+
+impl Connected for TcpStream {
+    fn local_addr(&self) -> io::Result<SocketAddr> {
+        TcpStream::local_addr(self)
+    }
+    fn peer_addr(&self) -> io::Result<SocketAddr> {
+        TcpStream::peer_addr(self)
+    }
+}
+
+impl Connected for tokio::net::TcpStream {
+    fn local_addr(&self) -> io::Result<SocketAddr> {
+        tokio::net::TcpStream::local_addr(self)
+    }
+    fn peer_addr(&self) -> io::Result<SocketAddr> {
+        tokio::net::TcpStream::peer_addr(self)
+    }
+}
+
 /// Freezes `sock`, whose application has read `already_read` from it, and
 /// returns its state; the socket stays in repair mode (it sends nothing,
 /// not even an ACK) until `thaw` gives it back or `discard` closes it
 /// without a FIN or RST. Segments the peer sends meanwhile must not reach
 /// it (the caller drops them; the peer retransmits them to the new owner).
-pub fn freeze(sock: &TcpStream, already_read: &[u8]) -> Result<Frozen, FreezeRefused> {
+pub fn freeze(sock: &impl Connected, already_read: &[u8]) -> Result<Frozen, FreezeRefused> {
     let fd = sock.as_raw_fd();
     set(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR, &1i32)?;
     let state = read_state(sock, already_read);
@@ -125,7 +150,7 @@ pub fn freeze(sock: &TcpStream, already_read: &[u8]) -> Result<Frozen, FreezeRef
     state
 }
 
-fn read_state(sock: &TcpStream, already_read: &[u8]) -> Result<Frozen, FreezeRefused> {
+fn read_state(sock: &impl Connected, already_read: &[u8]) -> Result<Frozen, FreezeRefused> {
     let fd = sock.as_raw_fd();
     let info: libc::tcp_info = get(fd, libc::IPPROTO_TCP, libc::TCP_INFO)?;
     if info.tcpi_state != TCP_ESTABLISHED {
@@ -173,7 +198,7 @@ fn read_state(sock: &TcpStream, already_read: &[u8]) -> Result<Frozen, FreezeRef
 /// server's listeners do. Without it the socket's TIME_WAIT refused the
 /// bind of a listener restarted on its port for a minute (`inband proxy`
 /// with `[tcpe.transparent]` could not restart after a refused move).
-pub fn thaw(sock: &TcpStream) -> io::Result<()> {
+pub fn thaw(sock: &impl AsRawFd) -> io::Result<()> {
     set(sock.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_REPAIR_QUEUE, &TCP_NO_QUEUE)?;
     set(sock.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_REPAIR, &0i32)?;
     set(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_REUSEADDR, &1i32)

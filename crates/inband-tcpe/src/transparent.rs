@@ -16,8 +16,10 @@
 //! and the server listed as a backend of the VIP on the L4 balancer (with
 //! weight 0 if it should take moved connections only).
 
-use std::net::{SocketAddr, TcpStream, UdpSocket};
+use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
@@ -26,9 +28,10 @@ use inband_core::wire::Key;
 
 use crate::agent_flows::AgentFlows;
 use crate::channel::{self, Move, Ready};
-use crate::handoff::{open_channel, Outcome, Target};
+use crate::handoff::{open_channel, read_frame, send_frame, Outcome, Target};
 use crate::relay::Counters;
-use crate::repair;
+use crate::repair::{self, Connected};
+use tokio::net::UdpSocket;
 
 pub const COUNTERS: &[(&str, &str)] = &[
     ("moved", "Connections moved to a server at L4 (transparent handoff)"),
@@ -67,13 +70,8 @@ const FREEZE_FOR: Duration = Duration::from_secs(3);
 /// Requests to the L4 balancer, each with a fresh sequence number, before
 /// the move is called off.
 const LB_TRIES: u32 = 3;
-
-thread_local! {
-    /// A socket per balancer, connected (so that an ICMP port unreachable
-    /// shows), kept by each thread of the blocking pool for its next moves:
-    /// only its own requests' answers come to it. As many as balancers.
-    static LB_SOCKETS: std::cell::RefCell<std::collections::HashMap<SocketAddr, UdpSocket>> = Default::default();
-}
+/// Sockets kept per balancer: as many as moves run at once, up to this.
+const LB_SOCKETS_KEPT: usize = 16;
 
 /// What moves need on the balancer's host.
 pub struct Mover {
@@ -85,12 +83,17 @@ pub struct Mover {
     lb_key: (u8, Key),
     /// The last sequence number used: each request's is above it.
     seq: AtomicU64,
+    /// Sockets toward each balancer, connected (so that an ICMP port
+    /// unreachable shows), each used by one move at a time, so that only
+    /// its own requests' answers come to it; kept off any event loop
+    /// between moves, as the takeover channels are.
+    lb_sockets: Mutex<HashMap<SocketAddr, Vec<std::net::UdpSocket>>>,
 }
 
 impl Mover {
     /// `agent_pins`: this host's agent's pin directory.
     pub fn new(agent_pins: &std::path::Path, lb_port: u16, lb_key: (u8, Key)) -> Result<Mover> {
-        Ok(Mover { agent: AgentFlows::open(agent_pins)?, lb_port, lb_key, seq: AtomicU64::new(0) })
+        Ok(Mover { agent: AgentFlows::open(agent_pins)?, lb_port, lb_key, seq: AtomicU64::new(0), lb_sockets: Default::default() })
     }
 
     /// The client a connection from the balancer's tuple `peer` to
@@ -116,46 +119,49 @@ impl Mover {
     /// Some(the source port it comes from toward `to`) once switched. A
     /// try whose answer was lost is answered again on the next, since the
     /// balancer answers a flow that goes to `to` already as moved.
-    fn switch(&self, lb: SocketAddr, flow: FlowSide, from: SocketAddr, to: SocketAddr, wait: Duration) -> Result<Option<u16>> {
-        LB_SOCKETS.with(|socks| {
-            let mut socks = socks.borrow_mut();
-            let sock = match socks.entry(lb) {
-                std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-                std::collections::hash_map::Entry::Vacant(v) => {
-                    let s = UdpSocket::bind(if lb.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" })?;
-                    s.connect(lb)?;
-                    v.insert(s)
-                }
-            };
-            let answer = self.ask(sock, lb, flow, from, to, wait);
-            // A socket that met an error (an ICMP unreachable, say) is not
-            // kept: its next move starts clean.
-            if answer.is_err() {
-                socks.remove(&lb);
+    async fn switch(&self, lb: SocketAddr, flow: FlowSide, from: SocketAddr, to: SocketAddr, wait: Duration) -> Result<Option<u16>> {
+        let kept = self.lb_sockets.lock().unwrap().get_mut(&lb).and_then(Vec::pop);
+        let sock = match kept {
+            Some(s) => s,
+            None => {
+                let s = std::net::UdpSocket::bind(if lb.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" })?;
+                s.connect(lb)?;
+                s.set_nonblocking(true)?;
+                s
             }
-            answer
-        })
+        };
+        let sock = UdpSocket::from_std(sock)?;
+        let answer = self.ask(&sock, lb, flow, from, to, wait).await;
+        // A socket that met an error (an ICMP unreachable, say) is not
+        // kept: its next move starts clean.
+        if answer.is_ok() {
+            if let Ok(s) = sock.into_std() {
+                let mut kept = self.lb_sockets.lock().unwrap();
+                let v = kept.entry(lb).or_default();
+                if v.len() < LB_SOCKETS_KEPT {
+                    v.push(s);
+                }
+            }
+        }
+        answer
     }
 
-    fn ask(&self, sock: &UdpSocket, lb: SocketAddr, flow: FlowSide, from: SocketAddr, to: SocketAddr, wait: Duration) -> Result<Option<u16>> {
+    async fn ask(&self, sock: &UdpSocket, lb: SocketAddr, flow: FlowSide, from: SocketAddr, to: SocketAddr, wait: Duration) -> Result<Option<u16>> {
         let keys = [self.lb_key];
         for _ in 0..LB_TRIES {
             let req = MoveRequest { key_id: self.lb_key.0, seq: self.next_seq(), flow, from, to };
-            sock.send(&flow_move::encode_request(&req, &self.lb_key.1))?;
-            let deadline = std::time::Instant::now() + wait;
+            sock.send(&flow_move::encode_request(&req, &self.lb_key.1)).await?;
+            let deadline = tokio::time::Instant::now() + wait;
             let mut buf = [0u8; flow_move::MAX_LEN];
             loop {
-                let left = deadline.saturating_duration_since(std::time::Instant::now());
-                if left.is_zero() {
-                    break;
-                }
-                sock.set_read_timeout(Some(left))?;
-                let n = match sock.recv(&mut buf) {
-                    Ok(n) => n,
-                    Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => break,
+                let n = match tokio::time::timeout_at(deadline, sock.recv(&mut buf)).await {
+                    Err(_) => break,
+                    Ok(Ok(n)) => n,
                     // An ICMP port unreachable: nothing listens there.
-                    Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => bail!("the balancer at {lb} takes no moves"),
-                    Err(e) => return Err(e).context("reading the balancer's answer"),
+                    Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                        bail!("the balancer at {lb} takes no moves")
+                    }
+                    Ok(Err(e)) => return Err(e).context("reading the balancer's answer"),
                 };
                 match flow_move::decode_reply(&buf[..n], &keys) {
                     Ok(r) if r.seq == req.seq => return Ok((r.outcome == MoveOutcome::Moved).then_some(r.source_port)),
@@ -174,7 +180,7 @@ impl Mover {
 /// `HandedOff` the connection is no longer this side's (moved, or lost and
 /// counted `move_lost`): `client` is left in repair mode, and the caller
 /// drops it, which sends nothing.
-pub fn move_connection(m: &Mover, client: &TcpStream, request: &[u8], to: &Target, backend: SocketAddr, c: &Counters) -> Outcome {
+pub async fn move_connection(m: &Mover, client: &impl Connected, request: &[u8], to: &Target, backend: SocketAddr, c: &Counters) -> Outcome {
     let (Ok(peer), Ok(local)) = (client.peer_addr(), client.local_addr()) else { return fallback(c, NOT_DSR) };
     // An IPv4 connection on a dual-stack listener shows IPv4-mapped
     // addresses; the agent's maps and the balancer key it as IPv4.
@@ -213,11 +219,11 @@ pub fn move_connection(m: &Mover, client: &TcpStream, request: &[u8], to: &Targe
     frozen.local = backend;
     frozen.peer = peer;
     let mv = Move { frozen, client: entry.client, ts_shift: entry.ts_shift };
-    let (mut ch, nonce) = match open_channel(to, |ch, nonce| channel::send_move(ch, &to.key, nonce, &mv)) {
+    let (mut ch, nonce) = match open_channel(to, |w, nonce| channel::send_move(w, &to.key, nonce, &mv)).await {
         Ok(x) => x,
         Err(_) => return give_back(CHANNEL),
     };
-    match channel::recv_ready(&mut ch, &to.key, &nonce) {
+    match read_frame(&mut ch, to.io_timeout).await.and_then(|f| channel::recv_ready(&mut f.as_slice(), &to.key, &nonce)) {
         Ok(Ready::Ready) => {}
         Ok(_) => {
             to.channels.keep(ch);
@@ -228,17 +234,17 @@ pub fn move_connection(m: &Mover, client: &TcpStream, request: &[u8], to: &Targe
     }
     let flow = FlowSide { client: entry.client, vip, proto: 6 };
     let lb = SocketAddr::new(peer.ip(), m.lb_port);
-    let port = match m.switch(lb, flow, local, backend, to.io_timeout / LB_TRIES) {
+    let port = match m.switch(lb, flow, local, backend, to.io_timeout / LB_TRIES).await {
         Ok(Some(port)) => port,
         Ok(None) | Err(_) => {
             // The server drops what it rebuilt, without a word.
-            if channel::send_go(&mut ch, &to.key, &nonce, None).is_ok() {
+            if send_frame(&mut ch, to.io_timeout, |w| channel::send_go(w, &to.key, &nonce, None)).await.is_ok() {
                 to.channels.keep(ch);
             }
             return give_back(BALANCER);
         }
     };
-    if channel::send_go(&mut ch, &to.key, &nonce, Some(port)).is_err() {
+    if send_frame(&mut ch, to.io_timeout, |w| channel::send_go(w, &to.key, &nonce, Some(port))).await.is_err() {
         // The balancer sends the connection to a server that will not
         // take it, and only the server could ask for it back: this side
         // cannot serve it either.

@@ -645,9 +645,18 @@ fn balancer_conn(mut s: TcpStream, tcpe: &Tcpe, targets: &Mutex<VecDeque<Target>
     s.set_read_timeout(Some(WAIT)).unwrap();
     let Some(request) = read_head(&mut s) else { return };
     let to = targets.lock().unwrap().pop_front().expect("a target queued for each connection");
-    if hand_off(tcpe, &s, &request, &to, counters) == Outcome::HandedOff {
-        return;
-    }
+    // The routine runs on an event loop, as in `inband proxy`.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    s.set_nonblocking(true).unwrap();
+    let s = rt.block_on(async {
+        let mut s = tokio::net::TcpStream::from_std(s).unwrap();
+        match hand_off(tcpe, &mut s, &request, &to, counters).await {
+            Outcome::HandedOff => None,
+            Outcome::Fallback(_) => Some(s.into_std().unwrap()),
+        }
+    });
+    let Some(s) = s else { return };
+    s.set_nonblocking(false).unwrap();
     let mut o = TcpStream::connect(loopback(ORIGIN_PORT)).unwrap();
     o.write_all(&request).unwrap();
     let _ = relay(s, o, WAIT);
