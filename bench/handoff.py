@@ -158,6 +158,7 @@ SYSTEMS = [
     System("transparent-killed", "inband lb + proxy, curl, takeover server killed -9 again and again"),
     System("proxy", "inband proxy, proxied (curl)"),
     System("dsr", "inband lb, dsr-rr (XDP)"),
+    System("floor", "limit: nginx on the balancer answers each connection itself (204, no origin)"),
     System("nginx", "nginx, proxy_pass"),
     System("haproxy", "HAProxy, mode http"),
 ]
@@ -165,7 +166,7 @@ BY_KEY = {s.key: s for s in SYSTEMS}
 # What each row's balancer is; the two inband proxy rows share one.
 BALANCER = {"direct": None, "relay": None, "handoff": "inband-proxy", "handoff-refused": "inband-proxy", "transparent": "inband-lb+proxy",
             "transparent-refused": "inband-lb+proxy", "handoff-stripped": "inband-proxy", "handoff-killed": "inband-proxy",
-            "transparent-killed": "inband-lb+proxy", "proxy": "inband-proxy", "dsr": "inband-lb", "nginx": "nginx", "haproxy": "haproxy"}
+            "transparent-killed": "inband-lb+proxy", "proxy": "inband-proxy", "dsr": "inband-lb", "floor": "nginx-answer", "nginx": "nginx", "haproxy": "haproxy"}
 # The rows whose connections move, each by its own mechanism.
 MOVING = ("handoff", "transparent")
 # The rows that try to move under a fault driven on purpose: how their
@@ -502,6 +503,12 @@ class Bench(TestbedRun):
             cfg.write_text(peers.nginx_proxy_conf(listen=f"{vip}:{VIP_PORT}", origin=origin, prefix=str(prefix), workers=workers,
                                                   as_root=os.geteuid() == 0))
             argv = ["nginx", "-c", str(cfg), "-p", str(prefix), "-e", str(prefix / "error.log"), "-g", "daemon off;"]
+        elif kind == "nginx-answer":
+            prefix = self.tmp / "nginx-answer"
+            prefix.mkdir(exist_ok=True)
+            cfg = d / "nginx-answer.conf"
+            cfg.write_text(peers.nginx_answer_conf(listen=f"{vip}:{VIP_PORT}", prefix=str(prefix), workers=workers, as_root=os.geteuid() == 0))
+            argv = ["nginx", "-c", str(cfg), "-p", str(prefix), "-e", str(prefix / "error.log"), "-g", "daemon off;"]
         elif kind == "haproxy":
             cfg = d / "haproxy.cfg"
             cfg.write_text(peers.haproxy_http_cfg(listen=f"{vip}:{VIP_PORT}", origin=origin, threads=workers))
@@ -616,9 +623,11 @@ class Bench(TestbedRun):
         row.server_cpu_s = cgroup_usage_s(self.cgroups["s1"]) - s0
         row.bpf_ns = self.bpf_ns(kind) - bpf0
         fetches = parse_timing(cp.stderr) if tcpe else parse_curl(cp.stdout)
+        # The floor's answer is empty: its connections stand for ones of this size.
+        expected = (204, 0) if system == "floor" else (200, size)
         for f in fetches:
             row.bytes += f["bytes"]
-            if f["status"] == 200 and f["bytes"] == size:
+            if (f["status"], f["bytes"]) == expected:
                 row.ok += 1
                 row.totals_s.append(f["total_s"])
                 row.first_ms.append(f["first_ms"])
@@ -700,7 +709,9 @@ class Cell:
 
     @property
     def gb(self) -> float:
-        return self.bytes / 1e9
+        """The floor carries no body: its cost per connection is set
+        against the bytes a connection of this size carries."""
+        return (self.ok * self.size if self.system == "floor" else self.bytes) / 1e9
 
     def per_gb(self, seconds: float) -> float | None:
         return seconds / self.gb if self.gb else None
@@ -720,6 +731,8 @@ class Cell:
     @property
     def mb_s(self) -> float | None:
         """The median fetch's body bytes per second, in MB/s."""
+        if self.system == "floor":
+            return None
         rates = [self.size / t / 1e6 for t in self.totals_s if t > 0]
         return percentile(rates, 50)
 
@@ -808,7 +821,7 @@ def throughput_table(cs: dict) -> str:
         direct = cs.get(("direct", size))
         for s in SYSTEMS:
             c = cs.get((s.key, size))
-            if c is None:
+            if c is None or c.mb_s is None:
                 continue
             rates = [c.size / t / 1e6 for t in c.totals_s if t > 0]
             rows.append([mib_label(size), s.label, len(rates), fmt(c.mb_s, 0), fmt(min(rates) if rates else None, 0),
@@ -819,7 +832,7 @@ def throughput_table(cs: dict) -> str:
 def latency_table(cs: dict) -> str:
     rows = []
     for s in SYSTEMS:
-        ms = [x for (k, _), c in cs.items() if k == s.key for x in c.first_ms]
+        ms = [x for (k, _), c in cs.items() if k == s.key and k != "floor" for x in c.first_ms]
         if not ms:
             continue
         rows.append([s.label, len(ms), fmt(percentile(ms, 50), 2), fmt(percentile(ms, 99), 2), fmt(max(ms), 2)])
@@ -853,11 +866,15 @@ def targets_table(cs: dict) -> str:
             continue
         variant = {"handoff": "TCPE", "transparent": "transparent"}[system]
         p, d, direct, relay = cs.get(("proxy", size)), cs.get(("dsr", size)), cs.get(("direct", size)), cs.get(("relay", size))
+        floor = cs.get(("floor", size))
         vs_p = ratio(h.balancer_s_gb, p.balancer_s_gb) if p else None
         vs_d = ratio(h.balancer_s_gb, d.balancer_s_gb) if d else None
         vs_direct = ratio(h.mb_s, direct.mb_s) if direct else None
         # What a standard relay on the server makes of the same path, and the handoff against it.
         limit = [fmt(ratio(relay.mb_s, direct.mb_s) if relay and direct else None, 2), fmt(ratio(h.mb_s, relay.mb_s) if relay else None, 2)]
+        # The least any balancer that reads the request spends per connection, against dsr-rr's cost, and the handoff against it.
+        limit += [fmt(ratio(floor.balancer_s_gb, d.balancer_s_gb) if floor and d else None, 2),
+                  fmt(ratio(h.balancer_s_gb, floor.balancer_s_gb) if floor else None, 2)]
         # The same two ratios on the machine's CPU above direct: beside
         # them, not judged (other work on the machine lands in it).
         m = above_direct(h, direct)
@@ -870,6 +887,7 @@ def targets_table(cs: dict) -> str:
                      verdict(vs_d, TARGETS["vs_dsr"], True), fmt(vs_direct, 2), verdict(vs_direct, TARGETS["vs_direct"], False), *limit, *machine])
     return table(["response", "handoff", f"÷ proxied, balancer CPU (≤ {TARGETS['vs_proxy']})", "", f"÷ dsr-rr (≤ {TARGETS['vs_dsr']})", "",
                   f"÷ direct, throughput (≥ {TARGETS['vs_direct']})", "", "HAProxy relay ÷ direct", "handoff ÷ HAProxy relay",
+                  "L7 floor ÷ dsr-rr, balancer CPU", "handoff ÷ L7 floor",
                   "machine above direct: handoff ÷ proxied", "÷ dsr-rr"], rows)
 
 
@@ -912,7 +930,8 @@ def plot(rows: list[Row], path: Path) -> None:
         style = dict(marker="o", label=s.label, color=f"C{i}")  # one colour per system in both panels
         if BALANCER[s.key]:
             a.plot(xs, [cs[(s.key, size)].balancer_s_gb or 0 for size in sizes if (s.key, size) in cs], **style)
-        b.plot(xs, [cs[(s.key, size)].mb_s or 0 for size in sizes if (s.key, size) in cs], **style)
+        if s.key != "floor":
+            b.plot(xs, [cs[(s.key, size)].mb_s or 0 for size in sizes if (s.key, size) in cs], **style)
     for ax in (a, b):
         ax.set_xscale("log")
         ax.set_xticks([size // MIB for size in sizes], [mib_label(size) for size in sizes])

@@ -377,6 +377,22 @@ def nginx_proxy_conf(*, listen: str, origin: str, prefix: str, workers: int, as_
 """
 
 
+def nginx_answer_conf(*, listen: str, prefix: str, workers: int, as_root: bool) -> str:
+    """nginx answering every request itself with an empty 204
+    (bench.handoff's L7 floor): what an L7 element spends on a connection
+    that it accepts, reads a request from, answers and closes, with no
+    origin behind it."""
+    return f"""\
+{_nginx_http_head(prefix, workers, as_root)}    server {{
+        listen {listen};
+        location / {{
+            return 204;
+        }}
+    }}
+}}
+"""
+
+
 def haproxy_http_cfg(*, listen: str, origin: str, threads: int) -> str:
     """HAProxy as an HTTP proxy (bench.handoff): one server, connections
     to it reused across clients, no cache."""

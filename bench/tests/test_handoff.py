@@ -53,6 +53,9 @@ def known_rows(handoff: ho.Row) -> list[ho.Row]:
         # 0.1 s/GB of the daemon and 0.1 s/GB of XDP run time.
         row("dsr", cpu=0.1 * gb, machine=1.2 * gb, total_s=0.010, bpf_ns=int(0.1 * gb * 1e9)),
         row("nginx", cpu=1.0 * gb, machine=2.0 * gb, total_s=0.015),
+        # Empty answers: its 10 connections stand for 10 MiB.
+        ho.Row("floor", MIB, 0, 10, ok=10, bytes=0, seconds=1.0, balancer_cpu_s=0.05 * gb, machine_cpu_s=0.5 * gb, totals_s=[0.001] * 10,
+               first_ms=[0.5] * 10),
     ]
 
 
@@ -64,16 +67,20 @@ def test_tables_give_the_targets_as_ratios():
     # 0.1 ÷ 2.0 = 0.05 (≤ 0.1); 0.1 ÷ (0.1 + 0.1) = 0.5 (≤ 1.2); 10 ms ÷ 12.5 ms = 0.8 (< 0.9).
     # On the machine above direct: 0.5 ÷ 2.0 and 0.5 ÷ 0.2 (beside, not judged).
     # The relay reference (20 ms a fetch) is 0.5× direct's rate; the handoff's 0.8 is 1.60× it.
-    assert targets == [["1 MiB", "TCPE", "0.050", "met", "0.50", "met", "0.80", "**not met**", "0.50", "1.60", "0.250", "2.50"]]
+    # The floor, 0.05 s/GB, is 0.25× dsr-rr's 0.2, and the handoff 2× it.
+    assert targets == [["1 MiB", "TCPE", "0.050", "met", "0.50", "met", "0.80", "**not met**", "0.50", "1.60", "0.25", "2.00", "0.250", "2.50"]]
     cpu = {r[1]: r for r in table_rows(md, "| response | system | complete |")}
     hr = cpu["inband proxy, handed off (TCPE client)"]
     assert hr[2:5] == ["10/10", "10/10", "0"]
     assert hr[8:12] == ["0.100", "0.05×", "0.50×", "0.500"]  # machine above direct: 1.5 − 1.0
     assert cpu["inband lb, dsr-rr (XDP)"][7:9] == ["0.1000", "0.200"]
     assert cpu["direct: client → origin"][8] == "–"
+    assert cpu["limit: nginx on the balancer answers each connection itself (204, no origin)"][2:9] == ["10/10", "–", "–", "0.010", "0.050", "–", "0.050"]
     tp = {r[1]: r for r in table_rows(md, "| response | system | fetches |")}
     assert tp["inband proxy, handed off (TCPE client)"][3:] == ["84", "84", "0.80×"]
+    assert not any(r[1].startswith("limit") for r in table_rows(md, "| response | system | fetches |"))
     lat = {r[0]: r for r in table_rows(md, "| system | fetches | p50 ms |")}
+    assert not any(k.startswith("limit") for k in lat)
     assert lat["inband proxy, handed off (TCPE client)"][1:3] == ["10", "4.00"]
 
 
@@ -146,7 +153,7 @@ def test_tiny_profile_end_to_end(tmp_path):
     for (system, size), c in cs.items():
         # Every fetch complete, timed, and the balancer's CPU counted.
         assert c.ok == c.requests > 0 and not c.errors, (system, size, c.errors)
-        assert len(c.totals_s) == len(c.first_ms) == c.requests and c.mb_s > 0, (system, size)
+        assert len(c.totals_s) == len(c.first_ms) == c.requests and (system == "floor" or c.mb_s > 0), (system, size)
         assert c.machine_cpu_s > 0, (system, size)
         if ho.BALANCER[system]:
             assert c.balancer_s_gb > 0, (system, size)
