@@ -116,6 +116,15 @@ pub fn entries<K: Pod, V: Pod>(map: &dyn MapCore) -> Result<Vec<(K, V)>> {
     Ok(out)
 }
 
+/// Every (index, value) of an array map, read `batch` entries a system
+/// call (BPF_MAP_LOOKUP_BATCH): a walk of a large array one lookup per
+/// entry pays a system call for each, and the balancer walks its 16,384
+/// backend slots every second.
+pub fn array_entries<V: Pod>(map: &dyn MapCore, batch: u32) -> Result<Vec<(u32, V)>> {
+    let entries = map.lookup_batch(batch, MapFlags::ANY, MapFlags::ANY).with_context(|| lookup_err(map))?;
+    Ok(entries.map(|(k, v)| (u32::from_ne_bytes(k[..4].try_into().expect("an array's 4-byte key")), V::from_bytes(&v))).collect())
+}
+
 pub fn count(map: &dyn MapCore) -> usize {
     map.keys().count()
 }

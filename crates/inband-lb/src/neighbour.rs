@@ -146,8 +146,7 @@ pub fn refresh(maps: &LbMaps, interface: &str) -> Result<usize> {
     let mut rtnl = Rtnl::new()?;
     let table = rtnl.neighbours(ifindex)?;
     let mut unresolved = 0;
-    for id in 0..MAX_BACKENDS {
-        let mut b: Backend = bpfmap::get(&maps.backends, &id)?.unwrap_or_default();
+    for (id, mut b) in bpfmap::array_entries::<Backend>(&maps.backends, MAX_BACKENDS)? {
         if b.addr == Addr::default() || backend_removed(&b) && b.mac != [0; 6] {
             continue;
         }

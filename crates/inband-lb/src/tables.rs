@@ -449,8 +449,7 @@ impl<'a> IdAllocator<'a> {
     fn new(maps: &'a LbMaps) -> Result<Self> {
         let mut free = Vec::new();
         let mut tombstones = HashMap::new();
-        for id in (0..MAX_BACKENDS).rev() {
-            let b: Backend = bpfmap::get(&maps.backends, &id)?.unwrap_or_default();
+        for (id, b) in bpfmap::array_entries::<Backend>(&maps.backends, MAX_BACKENDS)?.into_iter().rev() {
             if b == Backend::default() {
                 free.push(id);
             } else if backend_removed(&b) && b.addr != Addr::default() {
