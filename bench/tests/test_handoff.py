@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -68,14 +69,18 @@ def test_tables_give_the_targets_as_ratios():
     # On the machine above direct: 0.5 ÷ 2.0 and 0.5 ÷ 0.2 (beside, not judged).
     # The relay reference (20 ms a fetch) is 0.5× direct's rate; the handoff's 0.8 is 1.60× it.
     # The floor, 0.05 s/GB, is 0.25× dsr-rr's 0.2, and the handoff 2× it.
-    assert targets == [["1 MiB", "TCPE", "0.050", "met", "0.50", "met", "0.80", "**not met**", "0.50", "1.60", "0.25", "2.00", "0.250", "2.50"]]
+    assert targets == [["1 MiB", "TCPE", "0.050", "–", "met", "0.50", "met", "0.80", "**not met**", "0.50", "1.60", "0.25", "2.00", "0.250", "2.50"]]
+    # A second round at twice the handoff's CPU: the rounds alone give 0.050 and 0.100.
+    h2 = replace(h, round=1, balancer_cpu_s=0.2 * gb)
+    two = ho.markdown(known_rows(h) + [replace(r, round=1) for r in known_rows(h2)], {"counts": [[1, 10]], "rounds": 2}, [], [])
+    assert table_rows(two, "| response | handoff | ÷ proxied")[0][2:5] == ["0.075", "0.050–0.100", "met"]
     cpu = {r[1]: r for r in table_rows(md, "| response | system | complete |")}
     hr = cpu["inband proxy, handed off (TCPE client)"]
     assert hr[2:5] == ["10/10", "10/10", "0"]
     assert hr[8:12] == ["0.100", "0.05×", "0.50×", "0.500"]  # machine above direct: 1.5 − 1.0
     assert cpu["inband lb, dsr-rr (XDP)"][7:9] == ["0.1000", "0.200"]
     assert cpu["direct: client → origin"][8] == "–"
-    assert cpu["limit: nginx on the balancer answers each connection itself (204, no origin)"][2:9] == ["10/10", "–", "–", "0.010", "0.050", "–", "0.050"]
+    assert cpu["limit: nginx on the balancer answers each connection itself (204, no origin)"][2:12] == ["10/10", "–", "–", "0.010", "0.050", "–", "0.050", "0.03×", "0.25×", "–"]
     tp = {r[1]: r for r in table_rows(md, "| response | system | fetches |")}
     assert tp["inband proxy, handed off (TCPE client)"][3:] == ["84", "84", "0.80×"]
     assert not any(r[1].startswith("limit") for r in table_rows(md, "| response | system | fetches |"))
@@ -89,7 +94,7 @@ def test_a_handoff_row_that_fell_back_says_so_and_is_not_judged():
     h = row("handoff", cpu=0.1 * gb, machine=1.5 * gb, total_s=0.010, moved=8, handed_off=8, fallbacks={"fallback_no_ack": 2})
     md = ho.markdown(known_rows(h), {"counts": [[1, 10]], "rounds": 1}, [], [])
     targets = table_rows(md, "| response | handoff | ÷ proxied")[0]
-    assert targets[3] == targets[5] == targets[7] == "not judged: 2 of 10 did not move"
+    assert targets[4] == targets[6] == targets[8] == "not judged: 2 of 10 did not move"
     hr = {r[1]: r for r in table_rows(md, "| response | system | complete |")}["inband proxy, handed off (TCPE client)"]
     assert hr[3:5] == ["8/10", "fallback_no_ack 2"]
     # A request a proxy rule kept is said too.
@@ -111,7 +116,7 @@ def test_a_transparent_row_is_judged_beside_the_tcpe_one_and_counts_xdp():
     md = ho.markdown(known_rows(h) + [t], {"counts": [[1, 10]], "rounds": 1}, [], [])
     targets = {r[1]: r for r in table_rows(md, "| response | handoff | ÷ proxied")}
     # (0.02 + 0.08) ÷ 2.0 = 0.05; ÷ (0.1 + 0.1) = 0.5; 10 ms ÷ 10 ms = 1.0.
-    assert targets["transparent"][2:8] == ["0.050", "met", "0.50", "met", "1.00", "met"]
+    assert targets["transparent"][2:9] == ["0.050", "–", "met", "0.50", "met", "1.00", "met"]
     cpu = {r[1]: r for r in table_rows(md, "| response | system | complete |")}
     assert cpu["inband lb + proxy, moved at L4 (curl)"][3:5] == ["10/10", "0"]
     # The balancer's count disagreeing with the proxy's is shown, and decides.
@@ -183,7 +188,7 @@ def test_tiny_profile_end_to_end(tmp_path):
     # The relay reference's columns are filled at every size, for both variants.
     targets = table_rows(cp.stdout, "| response | handoff | ÷ proxied")
     assert [r[1] for r in targets] == ["TCPE", "transparent"] * len(sizes), cp.stdout
-    assert all(r[8] != "–" and r[9] != "–" for r in targets), cp.stdout
+    assert all(r[9] != "–" and r[10] != "–" for r in targets), cp.stdout
     assert (out / "handoff.png").exists()
     # Nothing it started is left running, and its cgroups are gone.
     assert str(out) not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
