@@ -162,16 +162,20 @@ pub fn keygen(path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Makes a program's `auth_keys` map hold exactly `keys`.
+/// Makes a program's `auth_keys` map hold exactly `keys`, in one batched
+/// update.
 pub fn write_keys(map: &dyn MapCore, keys: &[(u8, Key)]) -> Result<()> {
-    for id in 0..c::INBAND_AUTH_MAX_KEYS {
-        let entry = keys.iter().find(|(k, _)| u32::from(*k) == id).map_or_else(c::inband_auth_key::default, |(_, key)| {
-            let (k0, k1) = key.halves();
-            c::inband_auth_key { k0, k1, valid: 1, pad: 0 }
-        });
-        bpfmap::put(map, &id, &entry)?;
-    }
-    Ok(())
+    let ids: Vec<u32> = (0..c::INBAND_AUTH_MAX_KEYS).collect();
+    let entries: Vec<c::inband_auth_key> = ids
+        .iter()
+        .map(|&id| {
+            keys.iter().find(|(k, _)| u32::from(*k) == id).map_or_else(c::inband_auth_key::default, |(_, key)| {
+                let (k0, k1) = key.halves();
+                c::inband_auth_key { k0, k1, valid: 1, pad: 0 }
+            })
+        })
+        .collect();
+    bpfmap::put_batch(map, &ids, &entries)
 }
 
 /// The keys a program's `auth_keys` map holds, as the out-of-band poll
@@ -189,15 +193,29 @@ pub fn read_keys(mode: u8, map: &dyn MapCore) -> Result<crate::poll_wire::Keys> 
     let mut keys = Vec::new();
     for (id, value) in entries {
         let id = u32::from_ne_bytes(id[..4].try_into().expect("an array's 4-byte key"));
-        let k = c::inband_auth_key::from_bytes(&value);
-        if k.valid != 0 {
-            let mut key = [0u8; 16];
-            key[..8].copy_from_slice(&k.k0.to_le_bytes());
-            key[8..].copy_from_slice(&k.k1.to_le_bytes());
-            keys.push((id as u8, Key(key)));
-        }
+        keys.extend(valid_key(&c::inband_auth_key::from_bytes(&value)).map(|k| (id as u8, k)));
     }
     Ok(Some(keys))
+}
+
+/// Key `id` of a program's `auth_keys`, as `read_keys` would list it (none
+/// if that id holds no key): for a message that names its key, one
+/// lookup instead of the whole array.
+pub fn read_key_by_id(mode: u8, map: &dyn MapCore, id: u8) -> Result<crate::poll_wire::Keys> {
+    if u32::from(mode) == c::INBAND_AUTH_NONE {
+        return Ok(None);
+    }
+    let entry: Option<c::inband_auth_key> = bpfmap::get(map, &u32::from(id))?;
+    Ok(Some(entry.as_ref().and_then(valid_key).map(|k| (id, k)).into_iter().collect()))
+}
+
+fn valid_key(k: &c::inband_auth_key) -> Option<Key> {
+    (k.valid != 0).then(|| {
+        let mut key = [0u8; 16];
+        key[..8].copy_from_slice(&k.k0.to_le_bytes());
+        key[8..].copy_from_slice(&k.k1.to_le_bytes());
+        Key(key)
+    })
 }
 
 

@@ -194,6 +194,12 @@ pub fn encode_request(r: &MoveRequest, key: &Key) -> Vec<u8> {
     signed(b, key)
 }
 
+/// The id of the key the request in `buf` names, so that its receiver can
+/// fetch that key alone; None if `buf` is no request.
+pub fn request_key_id(buf: &[u8]) -> Option<u8> {
+    (buf.len() == REQUEST_LEN && buf[..4] == *b"IBM1").then(|| buf[4])
+}
+
 pub fn decode_request(buf: &[u8], keys: &[(u8, Key)]) -> Result<MoveRequest, MoveRefusal> {
     if buf.len() != REQUEST_LEN || buf[..4] != *b"IBM1" {
         return Err(MoveRefusal::NotOurs);
@@ -262,6 +268,10 @@ mod tests {
         // The client's address as the maps hold it: ::ffff:10.0.0.10.
         assert_eq!(&b[16..32], &[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 0, 0, 10]);
         assert_eq!(decode_request(&b, &keys), Ok(r));
+        // The key it names, found before any key is read; none for what is no request.
+        assert_eq!(request_key_id(&b), Some(3));
+        assert_eq!(request_key_id(&b[..99]), None);
+        assert_eq!(request_key_id(&encode_reply(&r, MoveOutcome::Moved, 1030, &keys).unwrap()), None);
         for i in 0..REQUEST_LEN {
             let mut t = b.clone();
             t[i] ^= 0x40;

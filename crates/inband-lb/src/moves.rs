@@ -218,12 +218,12 @@ fn uses(f: &Flow, nk: &NatKey) -> bool {
     nat_key_of(f).as_bytes() == nk.as_bytes()
 }
 
-/// The keys requests are checked and answers signed with: the data path's
-/// own (`auth_keys` as last written), so a reload's new `[auth]` applies
-/// to the next request.
-fn keys(maps: &LbMaps) -> Result<Vec<(u8, Key)>> {
+/// The key a request names (`id`), to check it and sign its answer: the
+/// data path's own (`auth_keys` as last written), so a reload's new
+/// `[auth]` applies to the next request.
+fn keys(maps: &LbMaps, id: u8) -> Result<Vec<(u8, Key)>> {
     let cfg: DataPathConfig = bpfmap::get(&maps.lb_config, &0u32)?.unwrap_or_default();
-    Ok(inband_core::auth::read_keys(cfg.auth_mode, &maps.auth_keys)?.unwrap_or_default())
+    Ok(inband_core::auth::read_key_by_id(cfg.auth_mode, &maps.auth_keys, id)?.unwrap_or_default())
 }
 
 /// The handler of the requests, with the senders' sequence numbers and the
@@ -245,7 +245,11 @@ impl<'p> Moves<'p> {
     /// daemon's config lock, so that no reload rewrites the VIP's tables
     /// between the checks and the move.
     pub fn handle(&mut self, maps: &LbMaps, src: SocketAddr, d: &[u8], stats: &mut ControlStats) -> Result<Option<Vec<u8>>> {
-        let keys = keys(maps)?;
+        // No request at all: the decoder refuses it without a key.
+        let keys = match flow_move::request_key_id(d) {
+            Some(id) => keys(maps, id)?,
+            None => Vec::new(),
+        };
         let req = match flow_move::decode_request(d, &keys) {
             Ok(r) => r,
             Err(MoveRefusal::NotOurs | MoveRefusal::Malformed) => {

@@ -4683,6 +4683,8 @@ fn a_moved_flow_goes_to_its_new_backend_from_a_port_free_there_and_only_its_owne
     // Dropped unanswered: a forged MAC, a truncated request, a sender
     // that is not the `from` it names.
     assert_eq!(ask(&a, &encode_request(&req(t0 + 1, &a, b.addr), &Key([0; 16]))), None);
+    // Under a key id the balancer does not hold (only the named key is read).
+    assert_eq!(ask(&a, &encode_request(&MoveRequest { key_id: KEY_ID + 1, ..req(t0 + 1, &a, b.addr) }, &KEY)), None);
     assert_eq!(ask(&a, &signed(&req(t0 + 1, &a, b.addr))[..99]), None);
     assert_eq!(ask(&other, &signed(&req(t0 + 1, &a, b.addr))), None);
     // Answered refusals. A number from before the balancer started (a
@@ -4742,8 +4744,8 @@ fn a_moved_flow_goes_to_its_new_backend_from_a_port_free_there_and_only_its_owne
     let s: ControlStats = get(&fx.lb.skel.maps.control_stats, &0u32).unwrap();
     assert_eq!(
         (s.moves, s.move_malformed, s.move_bad_mac, s.move_unknown_sender, s.move_replayed),
-        (4, 1, 1, 1, 4),
-        "moved (one a retry's answer), malformed, bad MAC, unknown sender, replayed"
+        (4, 1, 2, 1, 4),
+        "moved (one a retry's answer), malformed, bad MAC (a wrong key, a key id not held), unknown sender, replayed"
     );
     assert_eq!(
         (s.move_no_flow, s.move_not_owner, s.move_not_a_backend, s.move_port_in_use, s.move_refused),
