@@ -6,6 +6,7 @@
 //! RTM_GETNEIGH) its MAC. A next hop not known yet is resolved by sending
 //! it one datagram; the next pass picks the answer up.
 
+use std::collections::HashSet;
 use std::net::{IpAddr, UdpSocket};
 
 use anyhow::{bail, Context, Result};
@@ -16,8 +17,8 @@ use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
 use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
 use tracing::{debug, info};
 
-use super::maps::{backend_removed, Addr, Backend, MAX_BACKENDS};
-use super::tables::LbMaps;
+use super::maps::{backend_removed, Addr};
+use super::tables::{self, LbMaps};
 use inband_core::bpfmap;
 use inband_core::pod::ip_of;
 
@@ -146,8 +147,13 @@ pub fn refresh(maps: &LbMaps, interface: &str) -> Result<usize> {
     let mut rtnl = Rtnl::new()?;
     let table = rtnl.neighbours(ifindex)?;
     let mut unresolved = 0;
-    for (id, mut b) in bpfmap::array_entries::<Backend>(&maps.backends, MAX_BACKENDS)? {
-        if b.addr == Addr::default() || backend_removed(&b) && b.mac != [0; 6] {
+    // The backends the VIPs list, not all 16,384 slots: a pass runs every
+    // second, and ten times a second while a next hop is missing (a dead
+    // backend's host). A removed backend keeps the next hop it had for its
+    // flows, and one removed before it was ever resolved has none.
+    let mut seen = HashSet::new();
+    for (id, mut b) in tables::read(maps)?.into_iter().flat_map(|e| e.slots) {
+        if !seen.insert(id) || b.addr == Addr::default() || backend_removed(&b) {
             continue;
         }
         let dst = ip_of(&b.addr);
