@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from . import cache, cachestudy, cachetests, conformance, dataplane, ecmp, forwarding, frontdoor, handoff, health, mesh, paper, proxy, regimes, resilience, scaleout, scores, traceoverhead, upgrade, weights
+from . import cache, cachestudy, cachetests, conformance, dataplane, ecmp, forwarding, frontdoor, handoff, health, idle, mesh, paper, proxy, regimes, resilience, scaleout, scores, traceoverhead, upgrade, weights
 from .lib import results
 
 DOCS = results.REPO / "docs" / "benchmarks.md"
@@ -37,6 +37,8 @@ RENDER = {
     "handoff": handoff.render,
     "handoff-soak": handoff.render,
     "health": health.render,
+    "idle": idle.render,
+    "idle-before": idle.render,
     "keepalive": regimes.render,
     "keepalive-both": regimes.render,
     "mesh": mesh.render,
