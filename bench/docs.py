@@ -60,7 +60,7 @@ RENDER = {
     "weights": weights.render,
 }
 
-SECTION = re.compile(r"(<!-- results:([a-z][a-z-]*) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
+SECTION = re.compile(r"(<!-- results:([a-z][a-z0-9-]*) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
 
 
 def generated(study: str, base: Path = results.RESULTS) -> str:
