@@ -360,6 +360,7 @@ class Bench(TestbedRun):
             INBAND_BENCH_REQUESTS=str(d / "requests.csv"),
             INBAND_BENCH_WINDOW=str(d / "window.json"),
             INBAND_BENCH_TIMEOUT_S=f"{self.p.timeout_s:g}",
+            INBAND_BENCH_RUN_S=str(self.duration_s),
             **self.locust_env,
         )
         argv = [
@@ -367,14 +368,13 @@ class Bench(TestbedRun):
             "-f", str(REPO / "bench" / "locustfile.py"),
             "--headless", "--only-summary",
             "-u", str(users), "-r", str(spawn),
-            "-t", f"{self.duration_s}s",
             "--host", f"http://{self.tb.vip}:{VIP_PORT}",
             "--csv", str(d / "locust"), "--csv-full-history",
             "--loglevel", "WARNING",
         ]  # fmt: skip
-        (d / "locust-command.txt").write_text(shlex.join(argv) + "\n")
+        (d / "locust-command.txt").write_text(f"INBAND_BENCH_RUN_S={self.duration_s} {shlex.join(argv)}\n")
         p = self.procs.spawn("locust", self.tb.netns("c1"), argv, d / "locust.log", env=env, cwd=REPO)
-        # Locust stops itself after -t; the bound covers a hung shutdown.
+        # The locustfile stops Locust after the run; the bound covers a hung shutdown.
         try:
             p.wait(timeout=self.duration_s + 60)
         except subprocess.TimeoutExpired:
