@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from . import cache, cachestudy, cachetests, conformance, dataplane, ecmp, forwarding, frontdoor, handoff, health, idle, mesh, paper, proxy, regimes, resilience, scaleout, scores, traceoverhead, upgrade, weights
+from . import ab, cache, cachestudy, cachetests, conformance, dataplane, ecmp, forwarding, frontdoor, handoff, health, idle, mesh, paper, proxy, regimes, resilience, scaleout, scores, traceoverhead, upgrade, weights
 from .lib import results
 
 DOCS = results.REPO / "docs" / "benchmarks.md"
@@ -36,6 +36,7 @@ RENDER = {
     "frontdoor": frontdoor.render,
     "handoff": handoff.render,
     "handoff-soak": handoff.render,
+    "handoff-ab": ab.render,
     "handoff-ab1-6aab144": handoff.render,
     "handoff-ab1-713cd87": handoff.render,
     "handoff-ab2-713cd87": handoff.render,

@@ -936,6 +936,24 @@ def render(record: dict) -> str:
     return provenance(record) + "\n\n" + markdown(rows, record["profile"], record.get("quiet", []), record.get("failed", []), record.get("others", []))
 
 
+def ab_numbers(record: dict) -> dict[str, list[float]]:
+    """For bench.ab: per round, each moving row's balancer CPU per GB and its
+    ratio to the proxied row of the same round and size."""
+    rows = [revive(Row, r) for r in record["rows"]]
+    # One cell per round: the round's own numbers.
+    by = {(r.system, r.size, r.round): cells([r])[(r.system, r.size)] for r in rows}
+    out: dict[str, list[float]] = {}
+    for (system, size, rnd), c in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
+        if not mechanism(system) or fault(system) or c.balancer_s_gb is None:
+            continue
+        what = f"{BY_KEY[system].label}, {mib_label(size)}"
+        out.setdefault(f"{what}: balancer s/GB", []).append(c.balancer_s_gb)
+        proxied = by.get(("proxy", size, rnd))
+        if proxied is not None and proxied.balancer_s_gb:
+            out.setdefault(f"{what}: ÷ proxied", []).append(c.balancer_s_gb / proxied.balancer_s_gb)
+    return out
+
+
 def plot(rows: list[Row], path: Path) -> None:
     import matplotlib
 
