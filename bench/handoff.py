@@ -82,8 +82,8 @@ one after another. For every row, in rounds (medians and sums over them):
    balancer writes nothing on the old subflow), so it is the handoff's
    latency from the request (seen by the balancer a one-way veth delay
    after it was written) to the first byte on the new path: the
-   channel's exchange, the notification, the client's join, the
-   balancer's FIN and the origin's first byte. Timed by the client:
+   HANDOFF and, beside it, the notification, the client's join, the
+   server's dial of its origin and the origin's first byte. Timed by the client:
    `inband tcpe get --timing` (CLOCK_MONOTONIC) and curl's
    `time_starttransfer − time_pretransfer`.
 4. **The targets** as ratios: handoff ÷ proxied balancer CPU (≤ 0.1),
@@ -244,7 +244,7 @@ class Row:
     first_ms: list = field(default_factory=list)  # per fetch: request written → first byte
     moved: int = 0  # fetches whose connection the client says moved (transparent: the balancer's count of moves)
     handed_off: int = 0  # the proxy's count over the row (handed_off, or moved)
-    fallbacks: dict = field(default_factory=dict)  # the proxy's other handoff counts over the row (fallbacks, client_not_closed)
+    fallbacks: dict = field(default_factory=dict)  # the proxy's other handoff counts over the row (its fallbacks)
     kept: dict = field(default_factory=dict)  # the proxy's tcpe_kept_total over the row, by reason
     kills: int = 0  # the killed rows: times the takeover server was killed -9 during the row
     error: str = ""

@@ -166,8 +166,8 @@ def test_tiny_profile_end_to_end(tmp_path):
         h = cs[("handoff", size)]
         # Both ends count the same moves, and every fetch is either moved
         # or a counted fallback. The one fallback allowed is the
-        # documented busy-machine case (the takeover channel's exchange
-        # outlasted the delayed-ACK timer, `fallback_no_ack`): tests run
+        # documented busy-machine case (routing the request and sending
+        # the HANDOFF outlasted the delayed-ACK timer, `fallback_no_ack`): tests run
         # side by side on two cores. At least one fetch of each size moved,
         # and a size with a fallback is not judged.
         assert h.handed_off == h.moved >= 1, (size, h.handed_off, h.moved, h.fallbacks)

@@ -265,7 +265,7 @@ impl Metrics {
         let tcpe_kept = Family::<Labels, Counter>::default();
         registry.register(
             "tcpe_handoffs",
-            "First requests of TCPE-capable connections (and plain connections, as fallback_not_capable) by what the handoff did: handed_off, or the fallback_* reason it was proxied for; client_not_closed: handed off, the old subflow shut down. With [tcpe.transparent], plain connections by what the move did: moved, or the move_fallback_* reason; move_lost: switched at the balancer, the server not told",
+            "First requests of TCPE-capable connections (and plain connections, as fallback_not_capable) by what the handoff did: handed_off, or the fallback_* reason it was proxied for. With [tcpe.transparent], plain connections by what the move did: moved, or the move_fallback_* reason; move_lost: switched at the balancer, the server not told",
             tcpe_handoffs.clone(),
         );
         registry.register(

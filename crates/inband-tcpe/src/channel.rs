@@ -6,9 +6,13 @@
 //! ```text
 //! server   -> balancer  HELLO    nonce (16 random bytes)
 //! balancer -> server    HANDOFF  connection ID, key halves (masked), join deadline, request bytes
-//! server   -> balancer  REPLY    accepted, or why not
-//! server   -> balancer  VERDICT  joined, or expired (only after an accepted REPLY)
+//! server   -> balancer  REPLY    why it refuses: full, duplicate, no origin
+//!                   or  VERDICT  joined, or expired (it took the handoff and waited for the join)
 //! ```
+//!
+//! One answer to each HANDOFF: the balancer tells the client to join as it
+//! sends the HANDOFF, so an acceptance before the join would only wake it
+//! once more (docs/tcpe.md, "The walk of a handed-off connection").
 //!
 //! or, for the transparent handoff of a client without TCPE (docs/tcpe.md,
 //! "The transparent handoff"):
@@ -71,10 +75,9 @@ pub struct Handoff {
     pub request: Vec<u8>,
 }
 
-/// The server's answer to a HANDOFF.
+/// Why the server refuses a HANDOFF.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reply {
-    Accepted,
     /// Its table of pending handoffs is full.
     Full,
     /// It already waits for a join with this connection ID.
@@ -235,7 +238,6 @@ fn decode_handoff(b: Vec<u8>, key: &Key, nonce: &Nonce) -> Result<Handoff> {
 
 pub fn send_reply(w: &mut impl Write, key: &Key, nonce: &Nonce, r: Reply) -> Result<()> {
     let code = match r {
-        Reply::Accepted => 0,
         Reply::Full => 1,
         Reply::Duplicate => 2,
         Reply::NoOrigin => 3,
@@ -243,25 +245,30 @@ pub fn send_reply(w: &mut impl Write, key: &Key, nonce: &Nonce, r: Reply) -> Res
     send(w, key, nonce, T_REPLY, &[code])
 }
 
-pub fn recv_reply(r: &mut impl Read, key: &Key, nonce: &Nonce) -> Result<Reply> {
-    match recv(r, key, nonce, T_REPLY)?.as_slice() {
-        [0] => Ok(Reply::Accepted),
-        [1] => Ok(Reply::Full),
-        [2] => Ok(Reply::Duplicate),
-        [3] => Ok(Reply::NoOrigin),
-        b => bail!("takeover channel: a REPLY of {b:02x?}"),
-    }
-}
-
 pub fn send_verdict(w: &mut impl Write, key: &Key, nonce: &Nonce, v: Verdict) -> Result<()> {
     send(w, key, nonce, T_VERDICT, &[matches!(v, Verdict::Expired) as u8])
 }
 
-pub fn recv_verdict(r: &mut impl Read, key: &Key, nonce: &Nonce) -> Result<Verdict> {
-    match recv(r, key, nonce, T_VERDICT)?.as_slice() {
-        [0] => Ok(Verdict::Joined),
-        [1] => Ok(Verdict::Expired),
-        b => bail!("takeover channel: a VERDICT of {b:02x?}"),
+/// The server's one answer to a HANDOFF.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    Refused(Reply),
+    Verdict(Verdict),
+}
+
+pub fn recv_answer(r: &mut impl Read, key: &Key, nonce: &Nonce) -> Result<Answer> {
+    match recv_one_of(r, key, nonce, &[T_REPLY, T_VERDICT])? {
+        (T_REPLY, b) => match b.as_slice() {
+            [1] => Ok(Answer::Refused(Reply::Full)),
+            [2] => Ok(Answer::Refused(Reply::Duplicate)),
+            [3] => Ok(Answer::Refused(Reply::NoOrigin)),
+            b => bail!("takeover channel: a REPLY of {b:02x?}"),
+        },
+        (_, b) => match b.as_slice() {
+            [0] => Ok(Answer::Verdict(Verdict::Joined)),
+            [1] => Ok(Answer::Verdict(Verdict::Expired)),
+            b => bail!("takeover channel: a VERDICT of {b:02x?}"),
+        },
     }
 }
 
@@ -438,10 +445,26 @@ mod tests {
         let mut t = b.clone();
         t[10] ^= 1;
         assert!(recv_handoff(&mut t.as_slice(), &key, &nonce).unwrap_err().is::<MacError>());
-        // A VERDICT cannot stand in for the REPLY.
+        // Either answer, each under its own type: a VERDICT's body under
+        // a REPLY's type does not verify, and a REPLY of 0 (no refusal) is
+        // refused.
+        for a in [Answer::Verdict(Verdict::Joined), Answer::Verdict(Verdict::Expired), Answer::Refused(Reply::Full), Answer::Refused(Reply::NoOrigin)] {
+            let mut v = Vec::new();
+            match a {
+                Answer::Verdict(x) => send_verdict(&mut v, &key, &nonce, x).unwrap(),
+                Answer::Refused(x) => send_reply(&mut v, &key, &nonce, x).unwrap(),
+            }
+            assert_eq!(recv_answer(&mut v.as_slice(), &key, &nonce).unwrap(), a);
+        }
         let mut v = Vec::new();
         send_verdict(&mut v, &key, &nonce, Verdict::Joined).unwrap();
-        assert!(recv_reply(&mut v.as_slice(), &key, &nonce).is_err());
+        v[0] = T_REPLY;
+        assert!(recv_answer(&mut v.as_slice(), &key, &nonce).unwrap_err().is::<MacError>());
+        let mut z = Vec::new();
+        send(&mut z, &key, &nonce, T_REPLY, &[0]).unwrap();
+        assert!(recv_answer(&mut z.as_slice(), &key, &nonce).is_err());
+        // A HANDOFF is no answer.
+        assert!(recv_answer(&mut b.as_slice(), &key, &nonce).is_err());
         // A length past the bound is refused before anything is allocated.
         let mut big = vec![T_HANDOFF];
         big.extend_from_slice(&u32::MAX.to_be_bytes());
@@ -491,7 +514,7 @@ mod tests {
             assert!(recv_request(&mut t.as_slice(), &key, &nonce).is_err(), "byte {i} flipped was taken");
         }
         // A MOVE cannot stand in for a HANDOFF's answer, nor GO for READY.
-        assert!(recv_reply(&mut b.as_slice(), &key, &nonce).is_err());
+        assert!(recv_answer(&mut b.as_slice(), &key, &nonce).is_err());
         let mut go = Vec::new();
         send_go(&mut go, &key, &nonce, Some(1030)).unwrap();
         assert!(recv_ready(&mut go.as_slice(), &key, &nonce).is_err());

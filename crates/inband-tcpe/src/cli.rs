@@ -60,6 +60,11 @@ pub enum TcpeCommand {
         max_deadline_ms: u64,
         #[arg(long, default_value_t = 1000)]
         io_timeout_ms: u64,
+        /// How long a client's join that arrives before its HANDOFF has
+        /// been taken waits for it (the balancer tells the client to join
+        /// as it sends the HANDOFF; the server dials its origin first).
+        #[arg(long, default_value_t = 250)]
+        early_join_hold_ms: u64,
         /// A session without a byte either way for this long is closed.
         #[arg(long, default_value_t = 60_000)]
         idle_ms: u64,
@@ -121,7 +126,7 @@ pub fn run(cmd: TcpeCommand) -> Result<()> {
             }
             Ok(())
         }
-        TcpeCommand::Serve { control, join, origin, key, max_pending, max_sessions, max_deadline_ms, io_timeout_ms, idle_ms, agent_pins } => {
+        TcpeCommand::Serve { control, join, origin, key, max_pending, max_sessions, max_deadline_ms, io_timeout_ms, early_join_hold_ms, idle_ms, agent_pins } => {
             let cfg = takeover::Config {
                 control,
                 join,
@@ -131,6 +136,7 @@ pub fn run(cmd: TcpeCommand) -> Result<()> {
                 max_sessions,
                 max_deadline: Duration::from_millis(max_deadline_ms),
                 io_timeout: Duration::from_millis(io_timeout_ms),
+                early_join_hold: Duration::from_millis(early_join_hold_ms),
                 idle: Duration::from_millis(idle_ms),
                 agent: agent_pins,
             };

@@ -12,14 +12,13 @@
 //! promptly"). Without it no ACK is owed, the client never hears of the
 //! new path, and the handoff falls back when the join's deadline passes.
 //!
-//! It runs on the caller's event loop: each step that waits (the server's
-//! REPLY and VERDICT, the client's FIN) is a wait of the connection's task,
-//! not of a thread of its own (docs/decisions.md, "TCPE handoff (issue
-//! 29): the proxy's side").
+//! It runs on the caller's event loop: its one wait, for the server's
+//! answer, is a wait of the connection's task, not of a thread of its own
+//! (docs/decisions.md, "TCPE handoff (issue 29): the proxy's side").
 
 use std::future::poll_fn;
 use std::net::SocketAddr;
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 use std::task::Poll;
 use std::time::{Duration, Instant};
@@ -28,9 +27,10 @@ use anyhow::{Context, Result};
 use inband_core::wire::Key;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
+use tokio::time::error::Elapsed;
 use tokio::time::timeout;
 
-use crate::channel::{self, Handoff, Nonce, Reply, Verdict, FRAME_HEAD, NONCE_LEN};
+use crate::channel::{self, Answer, Handoff, Nonce, Verdict, FRAME_HEAD, NONCE_LEN};
 use crate::relay::Counters;
 use crate::sockops::{flush_ack, State, Tcpe};
 use crate::wire::{Path, Role};
@@ -44,8 +44,7 @@ pub const COUNTERS: &[(&str, &str)] = &[
     ("fallback_notify", "Kept: the notification could not be queued"),
     ("fallback_no_ack", "Kept: no ACK was owed to carry the notification (the request was acknowledged already)"),
     ("fallback_no_join", "Kept: the client did not join before the deadline"),
-    ("fallback_verdict_lost", "Kept: the server's verdict never came (the client, if it joined, stays on this subflow)"),
-    ("client_not_closed", "Handed off, but the client did not close its old subflow in time (shut down)"),
+    ("fallback_verdict_lost", "Kept: the server's answer never came in time (the client, if it joined, stays on this subflow)"),
 ];
 const HANDED_OFF: usize = 0;
 const NOT_CAPABLE: usize = 1;
@@ -56,7 +55,6 @@ const NOTIFY: usize = 5;
 const NO_ACK: usize = 6;
 const NO_JOIN: usize = 7;
 const VERDICT_LOST: usize = 8;
-const NOT_CLOSED: usize = 9;
 
 /// Where and how to hand a connection off.
 #[derive(Clone, Debug)]
@@ -69,7 +67,7 @@ pub struct Target {
     pub key: Key,
     /// How long the server waits for the join.
     pub deadline: Duration,
-    /// Each step's bound on the channel, and the wait for the client's FIN.
+    /// Each step's bound on the channel.
     pub io_timeout: Duration,
     /// Channels to this server kept for the next handoffs (shared by the
     /// target's clones).
@@ -78,9 +76,9 @@ pub struct Target {
 
 /// Takeover channels that carried a handoff to its end and wait for the
 /// next: the server's HELLO for it is already in their receive buffer, so
-/// a handoff on one takes one round trip (HANDOFF, REPLY) where a new
-/// channel takes three (connect, HELLO, HANDOFF), and the balancer's CPU
-/// for the connection's handshake and close. At most `KEPT` per server,
+/// a handoff on one sends its HANDOFF, and tells the client to join, at
+/// once, where a new channel first takes two round trips (connect, HELLO)
+/// and the balancer's CPU for the connection's handshake and close. At most `KEPT` per server,
 /// each for at most `KEPT_FOR` idle (the server waits `--idle-ms`, a
 /// minute by default, before it closes one). They are kept off any event
 /// loop: the next handoff may run on another worker's.
@@ -156,18 +154,13 @@ where
         Ok(x) => x,
         Err(_) => return fallback(c, CHANNEL),
     };
-    match read_frame(&mut ch, to.io_timeout).await.and_then(|f| channel::recv_reply(&mut f.as_slice(), &to.key, &nonce)) {
-        Ok(Reply::Accepted) => {}
-        Ok(_) => {
-            // The server is done with this handoff: its next HELLO follows.
-            to.channels.keep(ch);
-            return fallback(c, REFUSED);
-        }
-        Err(e) if e.is::<channel::MacError>() => return fallback(c, BAD_MAC),
-        Err(_) => return fallback(c, CHANNEL),
-    }
-    // From here on a fallback leaves the server's entry to expire unjoined:
-    // nobody was told its address.
+    // The client is told to join now, as the HANDOFF travels, not after
+    // the server has taken it: the server's acceptance would cost this
+    // task a wake-up and the client the server's dial of its origin. A
+    // join that comes first waits at the server for its HANDOFF; one for
+    // a handoff the server refuses is reset, and the client stays here.
+    // From here on a fallback before the answer leaves the server's entry
+    // to expire unjoined.
     let path = Path { addr: to.join, priority: 0, create: true };
     if tcpe.notify(client.as_fd(), &path).is_err() || flush_ack(client.as_fd()).is_err() {
         return fallback(c, NOTIFY);
@@ -175,7 +168,7 @@ where
     // The kernel sends the owed ACK within flush_ack, so the count of
     // pure ACKs that carried the notification says at once whether it left.
     // If none did (the request was acknowledged already: the delayed-ACK
-    // timer ran out during the channel's exchange, or the request came in
+    // timer ran out before the request was routed, or the request came in
     // several segments), waiting for the deadline would only delay the
     // fallback.
     let sent = |t: &Tcpe| t.state(client.as_fd()).ok().flatten().map(|x| x.written);
@@ -187,21 +180,28 @@ where
         }
     }
     // The server decides by the deadline; the wait adds its own bound.
-    let verdict = read_frame(&mut ch, to.deadline + to.io_timeout).await.and_then(|f| channel::recv_verdict(&mut f.as_slice(), &to.key, &nonce));
-    // Stop repeating the notification whatever the verdict: a client that
+    let answer = read_frame(&mut ch, to.deadline + to.io_timeout).await.and_then(|f| channel::recv_answer(&mut f.as_slice(), &to.key, &nonce));
+    // Stop repeating the notification whatever the answer: a client that
     // has not joined by now must not join later.
     let _ = tcpe.clear(client.as_fd());
-    if verdict.is_ok() {
+    if answer.is_ok() {
+        // The server is done with this handoff: its next HELLO follows.
         to.channels.keep(ch);
     }
-    match verdict {
-        Ok(Verdict::Joined) => {}
-        Ok(Verdict::Expired) => return fallback(c, NO_JOIN),
+    match answer {
+        Ok(Answer::Verdict(Verdict::Joined)) => {}
+        Ok(Answer::Verdict(Verdict::Expired)) => return fallback(c, NO_JOIN),
+        Ok(Answer::Refused(_)) => return fallback(c, REFUSED),
         Err(e) if e.is::<channel::MacError>() => return fallback(c, BAD_MAC),
-        Err(_) => return fallback(c, VERDICT_LOST),
+        Err(e) if e.is::<Elapsed>() => return fallback(c, VERDICT_LOST),
+        Err(_) => return fallback(c, CHANNEL),
     }
     c.bump(HANDED_OFF);
-    close_moved(client, to.io_timeout, c).await;
+    // FIN on the old subflow tells the client its stream goes on on the
+    // new one. The kernel finishes the close (the client's FIN, then
+    // TIME_WAIT) once the caller drops the socket; a byte the client sends
+    // here after its join gets a reset, as nothing would read it.
+    let _ = client.shutdown().await;
     Outcome::HandedOff
 }
 
@@ -257,23 +257,6 @@ pub(crate) async fn read_frame(ch: &mut TcpStream, limit: Duration) -> Result<Ve
         anyhow::Ok(frame)
     };
     timeout(limit, read).await.context("reading the takeover channel: timed out")?
-}
-
-/// The old subflow's end: FIN, which tells the client its stream goes on
-/// on the new subflow, then the client's FIN. A client that sends bytes
-/// here or does not close in time is shut down: its bytes would be lost.
-async fn close_moved<C>(client: &mut C, limit: Duration, c: &Counters)
-where
-    C: AsyncRead + AsyncWrite + AsFd + Unpin,
-{
-    let _ = client.shutdown().await;
-    let mut buf = [0u8; 512];
-    if matches!(timeout(limit, client.read(&mut buf)).await, Ok(Ok(0))) {
-        return;
-    }
-    c.bump(NOT_CLOSED);
-    // SAFETY: shutdown(2) on a descriptor `client` holds open.
-    unsafe { libc::shutdown(client.as_fd().as_raw_fd(), libc::SHUT_RDWR) };
 }
 
 #[cfg(test)]

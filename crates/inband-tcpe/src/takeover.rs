@@ -11,6 +11,11 @@
 //! origin connection), bounded by `max_pending`; an entry leaves it when
 //! its join is accepted or its deadline passes, whichever comes first,
 //! decided under one lock so that the balancer's verdict is always true.
+//! Beside it, the IDs of the last `REFUSED_KEPT` handoffs refused: the
+//! balancer tells the client to join as it sends the HANDOFF, so a join
+//! can come before its HANDOFF is decided (it waits up to
+//! `early_join_hold` for it), or for a handoff refused (it is reset at
+//! once).
 //! A session ends, and its threads and sockets with it, when either side
 //! closes or resets, or after `idle` without a byte. A takeover channel
 //! carries a balancer's handoffs one after another and ends at its
@@ -22,13 +27,13 @@
 //! connection here), tells its agent where the responses go, and relays
 //! the connection to the origin as it relays a joined session.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -68,6 +73,7 @@ pub const COUNTERS: &[(&str, &str)] = &[
     ("move_no_dsr", "Moves taken whose responses go back through the balancer: the agent's entry could not be written"),
     ("move_port_changed", "Moves rebuilt again from the source port the balancer gave them (their own was held toward this server)"),
     ("move_lost", "Moves lost after the balancer's switch: the connection could not be rebuilt from the new port, or not released"),
+    ("join_held", "Joins that came before their HANDOFF was taken, and waited for it"),
 ];
 const HANDOFFS_ACCEPTED: usize = 0;
 const HANDOFF_BAD_MAC: usize = 1;
@@ -95,6 +101,7 @@ const MOVE_CALLED_OFF: usize = 22;
 const MOVE_NO_DSR: usize = 23;
 const MOVE_PORT_CHANGED: usize = 24;
 const MOVE_LOST: usize = 25;
+const JOIN_HELD: usize = 26;
 
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -113,6 +120,11 @@ pub struct Config {
     /// How long a channel or a new subflow may take to send its message,
     /// and the origin to take a connection.
     pub io_timeout: Duration,
+    /// How long a join whose connection ID is not pending waits for its
+    /// HANDOFF to be taken: the client hears of the path as the HANDOFF
+    /// leaves the balancer, and the server dials its origin before it
+    /// takes one. A join for an ID refused meanwhile is reset at once.
+    pub early_join_hold: Duration,
     /// A session without a byte either way for this long is closed.
     pub idle: Duration,
     /// The pin directory of this host's agent (docs/agent.md): a moved
@@ -129,10 +141,32 @@ struct Pending {
     joined: mpsc::Sender<()>,
 }
 
+/// How many refused handoffs' IDs are remembered, for the joins their
+/// clients send anyway (a refusal's join otherwise waits out the hold).
+const REFUSED_KEPT: usize = 1024;
+
+#[derive(Default)]
+struct Table {
+    pending: HashMap<u32, Pending>,
+    refused: VecDeque<u32>,
+}
+
+impl Table {
+    fn refuse(&mut self, conn_id: u32) {
+        if self.refused.len() == REFUSED_KEPT {
+            self.refused.pop_front();
+        }
+        self.refused.push_back(conn_id);
+    }
+}
+
 struct Shared {
     cfg: Config,
     agent: Option<AgentFlows>,
-    pending: Mutex<HashMap<u32, Pending>>,
+    table: Mutex<Table>,
+    /// Signalled when a handoff is taken or refused, for the joins that
+    /// wait for theirs.
+    decided: Condvar,
     sessions: AtomicUsize,
     /// Connections of either listener whose first message is not read yet
     /// (each holds a thread): bounded by `max_pending + max_sessions`, as
@@ -226,7 +260,8 @@ impl Takeover {
         let shared = Arc::new(Shared {
             cfg,
             agent,
-            pending: Mutex::new(HashMap::new()),
+            table: Mutex::new(Table::default()),
+            decided: Condvar::new(),
             sessions: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
             channels: AtomicUsize::new(0),
@@ -245,7 +280,7 @@ impl Takeover {
 
     /// Handoffs waiting for their join.
     pub fn pending(&self) -> usize {
-        self.shared.pending.lock().unwrap().len()
+        self.shared.table.lock().unwrap().pending.len()
     }
 
     /// Sessions being relayed.
@@ -359,18 +394,18 @@ fn handoff_on_channel(w: Waiting, s: &mut TcpStream, first: bool) -> bool {
     let (tx, rx) = mpsc::channel();
     // Refused before the origin is dialled, and checked again after it
     // (dialling under the lock would stall every join behind a slow origin).
-    let refusal = |pending: &HashMap<u32, Pending>| {
-        if pending.contains_key(&h.conn_id) {
+    let refusal = |t: &Table| {
+        if t.pending.contains_key(&h.conn_id) {
             Some((HANDOFF_DUPLICATE, Reply::Duplicate))
-        } else if pending.len() >= cfg.max_pending {
+        } else if t.pending.len() >= cfg.max_pending {
             Some((HANDOFF_FULL, Reply::Full))
         } else {
             None
         }
     };
     // A statement of its own: the lock must not live through the match.
-    let refused = refusal(&sh.pending.lock().unwrap());
-    let reply = match refused {
+    let refused = refusal(&sh.table.lock().unwrap());
+    let taken = match refused {
         Some(r) => Err(r),
         None => match TcpStream::connect_timeout(&cfg.origin, cfg.io_timeout) {
             Err(e) => {
@@ -378,40 +413,34 @@ fn handoff_on_channel(w: Waiting, s: &mut TcpStream, first: bool) -> bool {
                 Err((HANDOFF_NO_ORIGIN, Reply::NoOrigin))
             }
             Ok(origin) => {
-                let mut pending = sh.pending.lock().unwrap();
-                match refusal(&pending) {
+                let mut t = sh.table.lock().unwrap();
+                match refusal(&t) {
                     Some(r) => Err(r),
                     None => {
-                        pending.insert(h.conn_id, Pending { keys: h.keys, request: h.request, origin, joined: tx });
+                        t.pending.insert(h.conn_id, Pending { keys: h.keys, request: h.request, origin, joined: tx });
                         Ok(())
                     }
                 }
             }
         },
     };
-    let reply = match reply {
-        Ok(()) => {
-            sh.counters.bump(HANDOFFS_ACCEPTED);
-            Reply::Accepted
-        }
-        Err((counter, r)) => {
-            sh.counters.bump(counter);
-            r
-        }
-    };
-    let sent = channel::send_reply(s, &cfg.key, &nonce, reply).is_ok();
-    if reply != Reply::Accepted {
-        return sent;
+    if let Err((counter, reply)) = taken {
+        sh.counters.bump(counter);
+        sh.table.lock().unwrap().refuse(h.conn_id);
+        sh.decided.notify_all();
+        return channel::send_reply(s, &cfg.key, &nonce, reply).is_ok();
     }
-    // Even when the reply was lost (the balancer then keeps the connection
-    // and never tells the client to join), the entry is waited out here,
-    // so that the deadline removes it.
+    sh.counters.bump(HANDOFFS_ACCEPTED);
+    sh.decided.notify_all();
+    // Even when the balancer is gone (it then keeps the connection, and a
+    // client that joins meanwhile gets its bytes there), the entry is
+    // waited out here, so that the deadline removes it.
     let verdict = match rx.recv_timeout(deadline) {
         Ok(()) => Verdict::Joined,
         Err(_) => {
             // The join may have taken the entry between the timeout and
             // this lock: then its message is on the way.
-            let gone = sh.pending.lock().unwrap().remove(&h.conn_id).is_some();
+            let gone = sh.table.lock().unwrap().pending.remove(&h.conn_id).is_some();
             if gone {
                 sh.counters.bump(HANDOFF_EXPIRED);
                 Verdict::Expired
@@ -422,7 +451,7 @@ fn handoff_on_channel(w: Waiting, s: &mut TcpStream, first: bool) -> bool {
             }
         }
     };
-    sent && channel::send_verdict(s, &cfg.key, &nonce, verdict).is_ok()
+    channel::send_verdict(s, &cfg.key, &nonce, verdict).is_ok()
 }
 
 /// One move on a channel, from its MOVE to the balancer's GO; whether the
@@ -561,34 +590,47 @@ fn join_session(w: Waiting, mut s: TcpStream) {
         sh.counters.bump(c);
         return reset(s);
     }
-    // From here max_sessions bounds it, or it ends now.
-    drop(w);
     let Ok((conn_id, mac)) = join::decode(Kind::Join, &b) else {
         sh.counters.bump(JOIN_MALFORMED);
         return reset(s);
     };
     let (Ok(client), Ok(local)) = (s.peer_addr(), s.local_addr()) else { return reset(s) };
     let p = {
-        let mut pending = sh.pending.lock().unwrap();
-        let Some(p) = pending.get(&conn_id) else {
-            drop(pending);
-            sh.counters.bump(JOIN_UNKNOWN);
-            return reset(s);
-        };
+        // A join ahead of its HANDOFF waits for it, holding its waiting
+        // slot: the slots bound the joins held.
+        let hold = Instant::now() + cfg.early_join_hold;
+        let mut t = sh.table.lock().unwrap();
+        let mut held = false;
+        while !t.pending.contains_key(&conn_id) {
+            let left = hold.saturating_duration_since(Instant::now());
+            if left.is_zero() || t.refused.contains(&conn_id) {
+                drop(t);
+                sh.counters.bump(JOIN_UNKNOWN);
+                return reset(s);
+            }
+            if !held {
+                held = true;
+                sh.counters.bump(JOIN_HELD);
+            }
+            t = sh.decided.wait_timeout(t, left).unwrap().0;
+        }
+        // From here max_sessions bounds it, or it ends now.
+        drop(w);
+        let p = &t.pending[&conn_id];
         // A bad MAC leaves the entry in place: a forger cannot spend the
         // real client's join, only be counted.
         if join::mac(Kind::Join, &p.keys, conn_id, client, local) != mac {
-            drop(pending);
+            drop(t);
             sh.counters.bump(JOIN_BAD_MAC);
             return reset(s);
         }
         if sh.sessions.load(Ordering::Relaxed) >= cfg.max_sessions {
-            drop(pending);
+            drop(t);
             sh.counters.bump(SESSIONS_FULL);
             return reset(s);
         }
         sh.sessions.fetch_add(1, Ordering::Relaxed);
-        pending.remove(&conn_id).unwrap()
+        t.pending.remove(&conn_id).unwrap()
     };
     let slot = SessionSlot(sh.clone());
     sh.counters.bump(JOIN_ACCEPTED);
