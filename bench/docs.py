@@ -37,6 +37,7 @@ RENDER = {
     "handoff": handoff.render,
     "handoff-soak": handoff.render,
     "handoff-ab": ab.render,
+    "handoff-ab-fold": ab.render,
     "handoff-ab1-6aab144": handoff.render,
     "handoff-ab1-713cd87": handoff.render,
     "handoff-ab2-713cd87": handoff.render,
