@@ -53,6 +53,18 @@ def test_openloop_result_among_other_lines():
         tools.parse_openloop('{"sent": 1}')
 
 
+def test_preflight_builds_the_default_binary_and_no_other(tmp_path, monkeypatch):
+    """The default binary is built with the dev profile before a run (a
+    `cargo test` leaves its unoptimised build there); a binary named on the
+    command line is run as it is."""
+    built = []
+    monkeypatch.setattr(preflight, "dev_build_problem", lambda: built.append(1) or "building it failed: x")
+    assert preflight.problems(inband=str(preflight.DEFAULT_INBAND), root=False)[0] == "building it failed: x"
+    other = tmp_path / "inband"
+    other.write_text("")
+    assert preflight.problems(inband=str(other), root=False) == [] and built == [1]
+
+
 def test_preflight_names_each_problem(tmp_path):
     found = preflight.problems(inband=str(tmp_path / "inband"), tools=("surely-not-a-tool-x",), testbed_name="Bad_Name", root=False)
     assert any("inband is missing" in p for p in found)
