@@ -425,7 +425,8 @@ impl std::fmt::Display for Changed {
 
 impl std::error::Error for Changed {}
 
-/// At most this many range requests continue one response.
+/// At most this many requests follow a response's cut: the request sent
+/// again, or range requests for the rest.
 pub const MAX_RESUMES: u32 = 3;
 
 /// What `fetch` did, and when (CLOCK_MONOTONIC ns: the clock every
@@ -438,7 +439,8 @@ pub struct FetchOutcome {
     pub bytes: u64,
     /// Connections of the fetch that went on on a joined subflow.
     pub moved: u32,
-    /// Range requests that continued the body.
+    /// Requests after a cut: the request sent again (the connection had
+    /// moved and no head came), or range requests for the rest of the body.
     pub resumed: u32,
     /// The first cut came after the connection had moved: the server it
     /// was handed to (or that server's origin) went away.
@@ -512,15 +514,35 @@ impl<W: Write> Write for Counted<'_, W> {
 /// continuation is taken only as the exact 206 asked for: a 200 means the
 /// object changed since (If-Range failed), and the fetch fails rather than
 /// join two versions. Chunked bodies and responses without a validator
-/// cannot be continued: the cut stays an error.
+/// cannot be continued: the cut stays an error. A server that dies before
+/// the response's head leaves nothing to continue: the GET is sent again,
+/// as a new connection (also within `MAX_RESUMES`).
 pub fn fetch(tcpe: &Arc<Tcpe>, addr: SocketAddr, authority: &str, path: &str, timeout: Duration, out: &mut impl Write) -> Result<FetchOutcome> {
     let mut done = FetchOutcome { connect_ns: monotonic_ns(), ..Default::default() };
-    let mut c = Client::connect(tcpe.clone(), addr, timeout)?;
-    request(&mut c, authority, path)?;
-    done.sent_ns = monotonic_ns();
-    let mut first = FirstByte { s: &mut c, at: None };
-    let mut r = Reader { s: &mut first, buf: Vec::new() };
-    let head = read_head(&mut r)?;
+    let (mut c, head, buf, at) = loop {
+        let mut c = Client::connect(tcpe.clone(), addr, timeout)?;
+        request(&mut c, authority, path)?;
+        if done.sent_ns == 0 {
+            done.sent_ns = monotonic_ns();
+        }
+        let mut first = FirstByte { s: &mut c, at: None };
+        let mut r = Reader { s: &mut first, buf: Vec::new() };
+        let head = read_head(&mut r);
+        let buf = std::mem::take(&mut r.buf);
+        let at = first.at;
+        match head {
+            Ok(head) => break (c, head, buf, at),
+            Err(e) if c.moved && done.resumed < MAX_RESUMES => {
+                tracing::debug!("tcpe fetch {path}: no head after the move ({e:#}); sending the request again");
+                done.moved += 1;
+                done.cut_after_move = true;
+                done.resumed += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    let mut first = FirstByte { s: &mut c, at };
+    let mut r = Reader { s: &mut first, buf };
     done.status = head.status;
     let mut out = Counted { out, n: 0, failed: false };
     let cut = read_body(&mut r, &head.framing, &mut out);
@@ -532,7 +554,7 @@ pub fn fetch(tcpe: &Arc<Tcpe>, addr: SocketAddr, authority: &str, path: &str, ti
         done
     };
     let Err(mut cut) = cut else { return Ok(finish(done, out.n)) };
-    done.cut_after_move = c.moved;
+    done.cut_after_move |= c.moved;
     let (200, Framing::Length(total), Some(validator), false) = (head.status, &head.framing, &head.validator, out.failed) else {
         return Err(cut.context("the body was cut short and cannot be continued (not a 200 with a Content-Length and a validator)"));
     };

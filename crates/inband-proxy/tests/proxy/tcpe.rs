@@ -93,7 +93,9 @@ async fn fetch<C: std::io::Read + std::io::Write + Send + 'static>(mut conn: C, 
 /// each URL of /dies (any query) and to /changes stops after a quarter of its 1 MiB (the
 /// connection closed, as when the server's process or host goes); after
 /// that /dies answers a range of itself under its unchanged ETag, while
-/// /changes has a new ETag every time. Anything else is a short 200. One
+/// /changes has a new ETag every time. The first request to each URL of
+/// /silent gets no answer at all (the connection closed before the head),
+/// the next the whole body. Anything else is a short 200. One
 /// request per connection (`Connection: close`); blocking threads, since
 /// the takeover server and the proxy both dial it.
 struct Dying {
@@ -157,6 +159,12 @@ impl Dying {
         let object = path.split('?').next().unwrap_or_default();
         let common = format!("ETag: {etag}\r\nAccept-Ranges: bytes\r\nCache-Control: no-store\r\nConnection: close\r\n");
         let reply = match (object, n) {
+            ("/silent", 1) => return,
+            ("/silent", _) => {
+                let mut r = format!("HTTP/1.1 200 OK\r\n{common}Content-Length: {}\r\n\r\n", body.len()).into_bytes();
+                r.extend_from_slice(&body);
+                r
+            }
             ("/dies" | "/changes", 1) => {
                 let mut r = format!("HTTP/1.1 200 OK\r\n{common}Content-Length: {}\r\n\r\n", body.len()).into_bytes();
                 r.extend_from_slice(&body[..body.len() / 4]);
@@ -386,6 +394,22 @@ async fn tcpe_clients_are_handed_off_and_everything_else_proxied() {
             break;
         }
         assert!(attempt < 2, "no cut after a move in 3 attempts:\n{}", metrics(&p).await);
+    }
+    // The server dies before the head: nothing to continue, the GET is
+    // sent again on a new connection. (Kept on the proxy, the same cut is
+    // the proxy's 502: another object is tried until it moved.)
+    for attempt in 0.. {
+        let path: &'static str = ["/silent?0", "/silent?1", "/silent?2"][attempt];
+        let (got, body) = fetch_via(path).await.unwrap();
+        let got = got.unwrap();
+        let asked = dying.heads().iter().filter(|h| h.starts_with(&format!("GET {path} "))).count();
+        if got.cut_after_move {
+            assert_eq!((got.status, got.resumed, body.len(), xxhash_rust::xxh3::xxh3_64(&body)), (200, 1, big.len(), hash), "{got:?}");
+            assert_eq!(asked, 2);
+            break;
+        }
+        assert_eq!((got.status, got.resumed, asked), (502, 0, 1), "{got:?}");
+        assert!(attempt < 2, "no move in 3 attempts:\n{}", metrics(&p).await);
     }
     let (got, body) = fetch_via("/changes").await.unwrap();
     let e = format!("{:#}", got.unwrap_err());
