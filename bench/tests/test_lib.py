@@ -59,10 +59,14 @@ def test_preflight_builds_the_default_binary_and_no_other(tmp_path, monkeypatch)
     command line is run as it is."""
     built = []
     monkeypatch.setattr(preflight, "dev_build_problem", lambda: built.append(1) or "building it failed: x")
+    monkeypatch.setenv("INBAND_BENCH_BUILD", "1")
     assert preflight.problems(inband=str(preflight.DEFAULT_INBAND), root=False)[0] == "building it failed: x"
     other = tmp_path / "inband"
     other.write_text("")
     assert preflight.problems(inband=str(other), root=False) == [] and built == [1]
+    # The test command's smoke runs take what cargo test built.
+    monkeypatch.setenv("INBAND_BENCH_BUILD", "0")
+    assert "building it failed: x" not in preflight.problems(inband=str(preflight.DEFAULT_INBAND), root=False) and built == [1]
 
 
 def test_preflight_names_each_problem(tmp_path):
