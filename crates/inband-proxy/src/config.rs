@@ -140,8 +140,8 @@ pub struct TcpeConfig {
     /// How long a server waits for the client's join.
     #[serde(default = "default_tcpe_deadline_ms")]
     pub deadline_ms: u64,
-    /// Each step on the takeover channel, and the wait for the client's
-    /// FIN once it has moved.
+    /// Each step on the takeover channel; the wait for the server's answer
+    /// is `deadline_ms` plus this.
     #[serde(default = "default_tcpe_io_timeout_ms")]
     pub io_timeout_ms: u64,
     /// The takeover server of each backend that has one.

@@ -229,7 +229,7 @@ impl Read for Client {
             }
             let Some(next) = self.next.take() else { return Ok(0) };
             // Dropping the old subflow sends the client's FIN, which the
-            // balancer waits for before it lets go.
+            // balancer's kernel takes: the balancer has let go already.
             self.cur = next;
             self.moved = true;
             self.counters.bump(MOVED);
