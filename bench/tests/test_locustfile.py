@@ -18,6 +18,22 @@ BODY = b"x" * 47104
 RUN_S = 2
 
 
+class Quiet(BaseHTTPRequestHandler):
+    """HTTP/1.1 without a log line per request."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *_a):
+        pass
+
+    def one_byte(self):
+        """200 with the body "x"."""
+        self.send_response(200)
+        self.send_header("Content-Length", "1")
+        self.end_headers()
+        self.wfile.write(b"x")
+
+
 def locust_run(users: int, seconds: float, port: int, env: dict, locustfile: Path = REPO / "bench" / "locustfile.py") -> subprocess.CompletedProcess:
     """The locustfile (or `locustfile`) headless against 127.0.0.1:`port`,
     `users` spawned at once, for `seconds` as the drivers set the length."""
@@ -99,17 +115,8 @@ def test_a_slow_start_up_does_not_shorten_the_run(tmp_path):
     being armed on a loop clock that stood still meanwhile; the run's own
     length (INBAND_BENCH_RUN_S) counts from the start."""
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def do_GET(self):  # noqa: N802 - http.server's naming
-            self.send_response(200)
-            self.send_header("Content-Length", "1")
-            self.end_headers()
-            self.wfile.write(b"x")
-
-        def log_message(self, *_a):
-            pass
+    class Handler(Quiet):
+        do_GET = Quiet.one_byte  # noqa: N815 - http.server's naming
 
     slow = tmp_path / "slow_start.py"
     slow.write_text(
@@ -251,19 +258,11 @@ def test_a_draw_seed_sends_the_same_requests_in_every_run(tmp_path):
     def draws(seed: str) -> list[str]:
         seen = []
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
+        class Handler(Quiet):
             def do_GET(self):  # noqa: N802 - http.server's naming
                 seen.append(self.headers.get("X-Service-Draw"))
                 time.sleep(0.01)
-                self.send_response(200)
-                self.send_header("Content-Length", "1")
-                self.end_headers()
-                self.wfile.write(b"x")
-
-            def log_message(self, *_a):
-                pass
+                self.one_byte()
 
         srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=srv.serve_forever, daemon=True).start()
