@@ -15,8 +15,27 @@
 
 #include "inband/lb/lifecycle.h"
 
-/* The map argument of bpf_for_each_map_elem callbacks (unused here). */
-struct bpf_map;
+/* The map argument of bpf_for_each_map_elem callbacks (unused here) and
+ * of the kfunc below. Defined, not only declared: libbpf checks the
+ * kfunc's prototype against the kernel's kind by kind, and to it a
+ * forward declaration is no struct. Nothing here reads a member. */
+struct bpf_map {
+	int unused;
+};
+
+/* The kernel's count of a hash map's elements (kept per CPU since 6.6). */
+extern __s64 bpf_map_sum_elem_count(const struct bpf_map *map) __ksym;
+
+/* A walk visits every bucket, filled or not: over the empty tables of an
+ * idle balancer the walks were most of the daemon's CPU (262,144 buckets
+ * of `flows` alone). A table the kernel counts empty is not walked; an
+ * element inserted meanwhile is walked by the next pass, as one inserted
+ * right after the walk would be. */
+#define SWEEP_WALK(map, fn, ctx)                                                  \
+	do {                                                                      \
+		if (bpf_map_sum_elem_count((const struct bpf_map *)&(map)) > 0) \
+			bpf_for_each_map_elem(&(map), fn, ctx, 0);                \
+	} while (0)
 
 struct sweep_ctx {
 	__u64 now;
@@ -215,10 +234,10 @@ int sweep(struct sweep_args *args)
 		return 1;
 	c.half = (st->passes + 1) & 1;
 	bpf_loop(INBAND_GAUGES, gauge_clear, &c.half, 0);
-	bpf_for_each_map_elem(&flows, sweep_flow, &c, 0);
-	bpf_for_each_map_elem(&half_open, sweep_half_open, &c, 0);
-	bpf_for_each_map_elem(&snat, sweep_snat, &c, 0);
-	bpf_for_each_map_elem(&half_open_ports, sweep_hold, &c, 0);
+	SWEEP_WALK(flows, sweep_flow, &c);
+	SWEEP_WALK(half_open, sweep_half_open, &c);
+	SWEEP_WALK(snat, sweep_snat, &c);
+	SWEEP_WALK(half_open_ports, sweep_hold, &c);
 	struct probes_walk w = { .c = &c };
 
 	/* Active VIPs hold at most INBAND_MAX_BACKENDS slots in all (config.rs). */
