@@ -251,22 +251,22 @@ pub fn send_verdict(w: &mut impl Write, key: &Key, nonce: &Nonce, v: Verdict) ->
 
 /// The server's one answer to a HANDOFF.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Answer {
+pub enum HandoffAnswer {
     Refused(Reply),
     Verdict(Verdict),
 }
 
-pub fn recv_answer(r: &mut impl Read, key: &Key, nonce: &Nonce) -> Result<Answer> {
+pub fn recv_answer(r: &mut impl Read, key: &Key, nonce: &Nonce) -> Result<HandoffAnswer> {
     match recv_one_of(r, key, nonce, &[T_REPLY, T_VERDICT])? {
         (T_REPLY, b) => match b.as_slice() {
-            [1] => Ok(Answer::Refused(Reply::Full)),
-            [2] => Ok(Answer::Refused(Reply::Duplicate)),
-            [3] => Ok(Answer::Refused(Reply::NoOrigin)),
+            [1] => Ok(HandoffAnswer::Refused(Reply::Full)),
+            [2] => Ok(HandoffAnswer::Refused(Reply::Duplicate)),
+            [3] => Ok(HandoffAnswer::Refused(Reply::NoOrigin)),
             b => bail!("takeover channel: a REPLY of {b:02x?}"),
         },
         (_, b) => match b.as_slice() {
-            [0] => Ok(Answer::Verdict(Verdict::Joined)),
-            [1] => Ok(Answer::Verdict(Verdict::Expired)),
+            [0] => Ok(HandoffAnswer::Verdict(Verdict::Joined)),
+            [1] => Ok(HandoffAnswer::Verdict(Verdict::Expired)),
             b => bail!("takeover channel: a VERDICT of {b:02x?}"),
         },
     }
@@ -448,11 +448,11 @@ mod tests {
         // Either answer, each under its own type: a VERDICT's body under
         // a REPLY's type does not verify, and a REPLY of 0 (no refusal) is
         // refused.
-        for a in [Answer::Verdict(Verdict::Joined), Answer::Verdict(Verdict::Expired), Answer::Refused(Reply::Full), Answer::Refused(Reply::NoOrigin)] {
+        for a in [HandoffAnswer::Verdict(Verdict::Joined), HandoffAnswer::Verdict(Verdict::Expired), HandoffAnswer::Refused(Reply::Full), HandoffAnswer::Refused(Reply::NoOrigin)] {
             let mut v = Vec::new();
             match a {
-                Answer::Verdict(x) => send_verdict(&mut v, &key, &nonce, x).unwrap(),
-                Answer::Refused(x) => send_reply(&mut v, &key, &nonce, x).unwrap(),
+                HandoffAnswer::Verdict(x) => send_verdict(&mut v, &key, &nonce, x).unwrap(),
+                HandoffAnswer::Refused(x) => send_reply(&mut v, &key, &nonce, x).unwrap(),
             }
             assert_eq!(recv_answer(&mut v.as_slice(), &key, &nonce).unwrap(), a);
         }

@@ -30,7 +30,7 @@ use tokio::net::TcpStream;
 use tokio::time::error::Elapsed;
 use tokio::time::timeout;
 
-use crate::channel::{self, Answer, Handoff, Nonce, Verdict, FRAME_HEAD, NONCE_LEN};
+use crate::channel::{self, HandoffAnswer, Handoff, Nonce, Verdict, FRAME_HEAD, NONCE_LEN};
 use crate::relay::Counters;
 use crate::sockops::{flush_ack, State, Tcpe};
 use crate::wire::{Path, Role};
@@ -189,9 +189,9 @@ where
         to.channels.keep(ch);
     }
     match answer {
-        Ok(Answer::Verdict(Verdict::Joined)) => {}
-        Ok(Answer::Verdict(Verdict::Expired)) => return fallback(c, NO_JOIN),
-        Ok(Answer::Refused(_)) => return fallback(c, REFUSED),
+        Ok(HandoffAnswer::Verdict(Verdict::Joined)) => {}
+        Ok(HandoffAnswer::Verdict(Verdict::Expired)) => return fallback(c, NO_JOIN),
+        Ok(HandoffAnswer::Refused(_)) => return fallback(c, REFUSED),
         Err(e) if e.is::<channel::MacError>() => return fallback(c, BAD_MAC),
         Err(e) if e.is::<Elapsed>() => return fallback(c, VERDICT_LOST),
         Err(_) => return fallback(c, CHANNEL),

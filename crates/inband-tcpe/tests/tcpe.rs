@@ -1026,7 +1026,7 @@ fn send_handoff(ch: &mut TcpStream, conn_id: u32, deadline_ms: u32) -> Vec<u8> {
     let mut frame = Vec::new();
     channel::send_handoff(&mut frame, &KEY, &nonce, &h).unwrap();
     ch.write_all(&frame).unwrap();
-    assert_eq!(channel::recv_answer(ch, &KEY, &nonce).unwrap(), channel::Answer::Verdict(channel::Verdict::Expired));
+    assert_eq!(channel::recv_answer(ch, &KEY, &nonce).unwrap(), channel::HandoffAnswer::Verdict(channel::Verdict::Expired));
     frame
 }
 
@@ -1123,7 +1123,7 @@ fn join_at(at: SocketAddrV4, conn_id: u32, keys: &Keys) -> bool {
 
 /// A HANDOFF for `conn_id` under `keys` on a new channel to `control`;
 /// the server's one answer.
-fn hand_over(control: SocketAddr, conn_id: u32, keys: Keys) -> channel::Answer {
+fn hand_over(control: SocketAddr, conn_id: u32, keys: Keys) -> channel::HandoffAnswer {
     let mut ch = TcpStream::connect(control).unwrap();
     ch.set_read_timeout(Some(WAIT)).unwrap();
     let nonce = channel::recv_hello(&mut ch).unwrap();
@@ -1156,7 +1156,7 @@ fn a_join_ahead_of_its_handoff_waits_for_it_and_one_for_a_refused_handoff_is_res
     // it waits, and is taken when the HANDOFF is.
     let early = std::thread::spawn(move || join_at(join_of(0), 7, &keys));
     assert!(wait_for("the join's wait", WAIT, || taking.counters().get("join_held") == 1));
-    assert_eq!(hand_over(loopback(CONTROL_PORT), 7, keys), channel::Answer::Verdict(channel::Verdict::Joined));
+    assert_eq!(hand_over(loopback(CONTROL_PORT), 7, keys), channel::HandoffAnswer::Verdict(channel::Verdict::Joined));
     assert!(early.join().unwrap(), "the early join was not answered");
     assert_eq!((taking.counters().get("join_accepted"), taking.counters().get("join_unknown")), (1, 0));
 
@@ -1165,7 +1165,7 @@ fn a_join_ahead_of_its_handoff_waits_for_it_and_one_for_a_refused_handoff_is_res
     let started = Instant::now();
     let waiting = std::thread::spawn(move || join_at(join_of(1), 8, &keys));
     assert!(wait_for("the join's wait", WAIT, || refusing.counters().get("join_held") == 1));
-    assert_eq!(hand_over(loopback(CONTROL_PORT + 1), 8, keys), channel::Answer::Refused(channel::Reply::NoOrigin));
+    assert_eq!(hand_over(loopback(CONTROL_PORT + 1), 8, keys), channel::HandoffAnswer::Refused(channel::Reply::NoOrigin));
     assert!(!waiting.join().unwrap(), "a join for a refused handoff was answered");
     assert!(!join_at(join_of(1), 8, &keys));
     assert!(started.elapsed() < hold / 2, "the joins waited out the hold: {:?}", started.elapsed());
