@@ -31,7 +31,7 @@ from .lib.results import REPO, Run, default_dir, provenance
 from .lib.results import write as write_results
 from .lib.stats import percentile
 
-STUDIES = ("handoff",)
+STUDIES = ("handoff", "proxy")
 
 
 def order(pairs: int) -> list[str]:

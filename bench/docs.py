@@ -39,6 +39,7 @@ RENDER = {
     "handoff-ab": ab.render,
     "handoff-ab-fold": ab.render,
     "handoff-ab-build": ab.render,
+    "proxy-ab-codegen": ab.render,
     "handoff-ab1-6aab144": handoff.render,
     "handoff-ab1-713cd87": handoff.render,
     "handoff-ab2-713cd87": handoff.render,

@@ -352,6 +352,28 @@ def hits_json(h: Hits) -> dict:
     return {**asdict(h), "rps": h.rps, "p50_ms": h.p50_ms, "p99_ms": h.p99_ms, "cpu_us_per_req": h.cpu_us_per_req}
 
 
+def ab_numbers(record: dict) -> dict[str, list[float]]:
+    """For bench.ab: per round, each inband store's hits a second ÷ nginx
+    `proxy_cache`'s in the same round (the rounds are interleaved), and
+    its CPU per hit ÷ nginx's, at each number of connections."""
+    hits = record["rows"]["hits"]
+    nginx = {h["conns"]: h["rounds"] for h in hits if h["key"] == "nginx"}
+    out: dict[str, list[float]] = {}
+    for h in hits:
+        if not h["key"].startswith("inband-"):
+            continue
+        for i, r in enumerate(h["rounds"]):
+            what = f"{h['label']}, {h['conns']} connections"
+            theirs = nginx.get(h["conns"], [])[i : i + 1]
+            if theirs and theirs[0]["requests"]:
+                rate = r["requests"] / r["duration_us"]
+                out.setdefault(f"{what}: hits ÷ nginx", []).append(rate / (theirs[0]["requests"] / theirs[0]["duration_us"]))
+            if theirs and r["requests"] and theirs[0]["cpu_s"]:
+                per_hit = r["cpu_s"] / r["requests"]
+                out.setdefault(f"{what}: CPU per hit ÷ nginx", []).append(per_hit / (theirs[0]["cpu_s"] / theirs[0]["requests"]))
+    return out
+
+
 TOOLS = {"nginx": ["nginx", "-v"], "varnish": ["varnishd", "-V"], "wrk": ["wrk", "-v"]}
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from bench import ab
 from bench import handoff as ho
+from bench import proxy
 from test_handoff import MIB, row
 
 
@@ -62,3 +63,18 @@ def test_the_numbers_pool_each_builds_rounds():
     assert "| 2 | 3 | 0.400 | 0.300–0.500 | 0.300, 0.500 |" in old
     new = lines[("inband proxy, handed off (TCPE client), 1 MiB: ÷ proxied", "new")]
     assert "| 2 | 3 | 0.100 | 0.050–0.200 | 0.050, 0.200 |" in new
+
+
+def test_the_proxy_numbers_pair_each_round_with_nginx_in_the_same_round():
+    def hits(key, label, conns, rounds):
+        return {"key": key, "label": label, "conns": conns,
+                "rounds": [{"requests": n, "duration_us": 1_000_000, "cpu_s": cpu} for n, cpu in rounds]}  # fmt: skip
+
+    record = {"rows": {"hits": [
+        hits("inband-lmdb", "inband LMDB", 8, [(1200, 0.6), (900, 0.9)]),
+        hits("nginx", "nginx proxy_cache", 8, [(1000, 0.5), (1000, 0.5)]),
+        hits("static", "limit", 8, [(2000, 0.4), (2000, 0.4)]),
+    ]}}  # fmt: skip
+    n = proxy.ab_numbers(record)
+    assert n == {"inband LMDB, 8 connections: hits ÷ nginx": [pytest.approx(1.2), pytest.approx(0.9)],
+                 "inband LMDB, 8 connections: CPU per hit ÷ nginx": [pytest.approx(1.0), pytest.approx(2.0)]}  # fmt: skip
