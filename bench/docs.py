@@ -38,6 +38,7 @@ RENDER = {
     "handoff-soak": handoff.render,
     "handoff-ab": ab.render,
     "handoff-ab-fold": ab.render,
+    "handoff-ab-splice": ab.render,
     "handoff-ab-build": ab.render,
     "proxy-ab-codegen": ab.render,
     "handoff-ab1-6aab144": handoff.render,

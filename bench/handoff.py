@@ -938,7 +938,8 @@ def render(record: dict) -> str:
 
 def ab_numbers(record: dict) -> dict[str, list[float]]:
     """For bench.ab: per round, each moving row's balancer CPU per GB and its
-    ratio to the proxied row of the same round and size."""
+    ratio to the proxied row of the same round and size, its server's CPU
+    per GB, and its median fetch's rate ÷ the direct row's."""
     rows = [revive(Row, r) for r in record["rows"]]
     # One cell per round: the round's own numbers.
     by = {(r.system, r.size, r.round): cells([r])[(r.system, r.size)] for r in rows}
@@ -951,6 +952,11 @@ def ab_numbers(record: dict) -> dict[str, list[float]]:
         proxied = by.get(("proxy", size, rnd))
         if proxied is not None and proxied.balancer_s_gb:
             out.setdefault(f"{what}: ÷ proxied", []).append(c.balancer_s_gb / proxied.balancer_s_gb)
+        if (server := c.per_gb(c.server_cpu_s)) is not None:
+            out.setdefault(f"{what}: server s/GB", []).append(server)
+        direct = by.get(("direct", size, rnd))
+        if direct is not None and direct.mb_s and c.mb_s is not None:
+            out.setdefault(f"{what}: throughput ÷ direct", []).append(c.mb_s / direct.mb_s)
     return out
 
 
