@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs and prepares everything inband needs on a fresh Debian 12 machine.
 # Idempotent: each step checks before it acts. Run as root.
+# --packages: only the system packages (scripts/test.sh, before it has
+# the tree it builds in).
 # --no-build: everything but building `inband` (scripts/test.sh: its test
 # build makes the binary too, with the features cargo unifies for the
 # tests; a plain build first compiled every crate of ours a second time,
@@ -14,6 +16,7 @@ APT_PACKAGES=(
   clang llvm libelf-dev zlib1g-dev pkg-config make gcc libbpf-dev linux-libc-dev bpftool
   iproute2 iputils-ping netcat-openbsd tcpdump ethtool curl util-linux procps  # procps: sysctl in test and bench namespaces
   jq  # scripts/rust-tests.sh reads cargo's list of test binaries
+  rsync  # scripts/test.sh brings its fixed build tree to the clone's content
   nftables haproxy wrk python3-venv linux-perf
   librocksdb-dev  # inband-cache links it instead of building RocksDB (.cargo/config.toml)
   nginx varnish  # peers of `inband proxy` in bench/proxy.py, run only with the benchmark's own configs
@@ -48,6 +51,7 @@ if [ -d /run/systemd/system ]; then
     systemctl disable -q --now "$s" 2>/dev/null || true
   done
 fi
+[ "${1:-}" != "--packages" ] || exit 0
 
 if ! command -v cargo >/dev/null; then
   [ -x "$HOME/.cargo/bin/cargo" ] && export PATH="$HOME/.cargo/bin:$PATH"
