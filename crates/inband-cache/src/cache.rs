@@ -28,6 +28,9 @@ pub trait Backend: Send + Sync + 'static {
     const KIND: BackendKind;
     /// Whether `get` and the chunks it hands out may wait on a disk.
     const READS_BLOCK: bool;
+    /// Whether `put` and `remove` may wait on a disk when nothing is
+    /// fsynced (with `Config::fsync` every backend's writes do).
+    const WRITES_BLOCK: bool;
     /// The record, whole or as a prefix and chunks (see [`Raw`]). An error
     /// the backend itself calls corruption (RocksDB's block checksums) is
     /// `Ok(Some(Raw::Corrupt))`, so it is counted like a CRC failure.
@@ -75,6 +78,7 @@ pub struct Inner<B> {
     index: RwLock<Index>,
     stripes: Vec<Mutex<()>>,
     capacity: u64,
+    fsync: bool,
     /// Logical clock for recency; starts above every restored `order` so
     /// entries used in this run rank newer than anything from before.
     tick: AtomicU64,
@@ -106,6 +110,7 @@ impl<B: Backend> Cache<B> {
             index: RwLock::new(index),
             stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
             capacity: config.capacity_bytes,
+            fsync: config.fsync,
             tick: AtomicU64::new(newest.max(now_ms()) + 1),
             corrupt: AtomicU64::new(unreadable.len() as u64),
             evictions: AtomicU64::new(0),
@@ -193,6 +198,10 @@ impl<B: Backend> Store for Cache<B> {
 
     fn reads_block(&self) -> bool {
         B::READS_BLOCK
+    }
+
+    fn writes_block(&self) -> bool {
+        B::WRITES_BLOCK || self.fsync
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Entry>> {

@@ -99,6 +99,7 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
 impl Backend for Files {
     const KIND: BackendKind = BackendKind::Files;
     const READS_BLOCK: bool = true;
+    const WRITES_BLOCK: bool = true;
 
     fn get(&self, id: u128) -> Result<Option<Raw>> {
         let Some(mut file) = not_found(File::open(self.path(id)))? else { return Ok(None) };

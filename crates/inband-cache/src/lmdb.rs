@@ -121,6 +121,9 @@ impl Drop for Lmdb {
 impl Backend for Lmdb {
     const KIND: BackendKind = BackendKind::Lmdb;
     const READS_BLOCK: bool = false;
+    // Under NO_SYNC (no `fsync`) a commit writes its pages into the page
+    // cache and returns; the kernel writes them back later.
+    const WRITES_BLOCK: bool = false;
 
     fn get(&self, id: u128) -> Result<Option<Raw>> {
         let txn = self.env.clone().static_read_txn()?;

@@ -19,6 +19,7 @@ pub(crate) struct Memory {
 impl Backend for Memory {
     const KIND: BackendKind = BackendKind::Memory;
     const READS_BLOCK: bool = false;
+    const WRITES_BLOCK: bool = false;
 
     fn get(&self, id: u128) -> Result<Option<Raw>> {
         Ok(self.map.get(&id).map(|r| Raw::Whole(r.clone())))

@@ -185,6 +185,8 @@ impl Rocks {
 impl Backend for Rocks {
     const KIND: BackendKind = BackendKind::Rocksdb;
     const READS_BLOCK: bool = true;
+    // Its writes stall while compaction falls behind.
+    const WRITES_BLOCK: bool = true;
 
     fn get(&self, id: u128) -> Result<Option<Raw>> {
         match self.db.get_pinned(data_key(id)) {
