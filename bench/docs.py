@@ -41,6 +41,7 @@ RENDER = {
     "handoff-ab-splice": ab.render,
     "handoff-ab-build": ab.render,
     "proxy-ab-codegen": ab.render,
+    "proxy-ab-inline": ab.render,
     "handoff-ab1-6aab144": handoff.render,
     "handoff-ab1-713cd87": handoff.render,
     "handoff-ab2-713cd87": handoff.render,

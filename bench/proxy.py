@@ -353,24 +353,26 @@ def hits_json(h: Hits) -> dict:
 
 
 def ab_numbers(record: dict) -> dict[str, list[float]]:
-    """For bench.ab: per round, each inband store's hits a second ÷ nginx
-    `proxy_cache`'s in the same round (the rounds are interleaved), and
-    its CPU per hit ÷ nginx's, at each number of connections."""
-    hits = record["rows"]["hits"]
-    nginx = {h["conns"]: h["rounds"] for h in hits if h["key"] == "nginx"}
+    """For bench.ab: per round, each inband store's hits and misses a
+    second ÷ nginx `proxy_cache`'s in the same round (the rounds are
+    interleaved), and its CPU per hit or miss ÷ nginx's, at each number of
+    connections."""
     out: dict[str, list[float]] = {}
-    for h in hits:
-        if not h["key"].startswith("inband-"):
-            continue
-        for i, r in enumerate(h["rounds"]):
-            what = f"{h['label']}, {h['conns']} connections"
-            theirs = nginx.get(h["conns"], [])[i : i + 1]
-            if theirs and theirs[0]["requests"]:
-                rate = r["requests"] / r["duration_us"]
-                out.setdefault(f"{what}: hits ÷ nginx", []).append(rate / (theirs[0]["requests"] / theirs[0]["duration_us"]))
-            if theirs and r["requests"] and theirs[0]["cpu_s"]:
-                per_hit = r["cpu_s"] / r["requests"]
-                out.setdefault(f"{what}: CPU per hit ÷ nginx", []).append(per_hit / (theirs[0]["cpu_s"] / theirs[0]["requests"]))
+    for case, one in (("hits", "hit"), ("misses", "miss")):
+        rows = record["rows"].get(case, [])
+        nginx = {h["conns"]: h["rounds"] for h in rows if h["key"] == "nginx"}
+        for h in rows:
+            if not h["key"].startswith("inband-"):
+                continue
+            for i, r in enumerate(h["rounds"]):
+                what = f"{h['label']}, {h['conns']} connections"
+                theirs = nginx.get(h["conns"], [])[i : i + 1]
+                if theirs and theirs[0]["requests"]:
+                    rate = r["requests"] / r["duration_us"]
+                    out.setdefault(f"{what}: {case} ÷ nginx", []).append(rate / (theirs[0]["requests"] / theirs[0]["duration_us"]))
+                if theirs and r["requests"] and theirs[0]["cpu_s"]:
+                    per = r["cpu_s"] / r["requests"]
+                    out.setdefault(f"{what}: CPU per {one} ÷ nginx", []).append(per / (theirs[0]["cpu_s"] / theirs[0]["requests"]))
     return out
 
 

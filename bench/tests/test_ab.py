@@ -78,7 +78,12 @@ def test_the_proxy_numbers_pair_each_round_with_nginx_in_the_same_round():
         hits("inband-lmdb", "inband LMDB", 8, [(1200, 0.6), (900, 0.9)]),
         hits("nginx", "nginx proxy_cache", 8, [(1000, 0.5), (1000, 0.5)]),
         hits("static", "limit", 8, [(2000, 0.4), (2000, 0.4)]),
+    ], "misses": [
+        hits("inband-memory", "inband memory", 8, [(500, 0.5), (400, 0.2)]),
+        hits("nginx", "nginx proxy_cache", 8, [(1000, 0.5), (800, 0.4)]),
     ]}}  # fmt: skip
     n = proxy.ab_numbers(record)
     assert n == {"inband LMDB, 8 connections: hits ÷ nginx": [pytest.approx(1.2), pytest.approx(0.9)],
-                 "inband LMDB, 8 connections: CPU per hit ÷ nginx": [pytest.approx(1.0), pytest.approx(2.0)]}  # fmt: skip
+                 "inband LMDB, 8 connections: CPU per hit ÷ nginx": [pytest.approx(1.0), pytest.approx(2.0)],
+                 "inband memory, 8 connections: misses ÷ nginx": [pytest.approx(0.5), pytest.approx(0.5)],
+                 "inband memory, 8 connections: CPU per miss ÷ nginx": [pytest.approx(2.0), pytest.approx(1.0)]}  # fmt: skip
