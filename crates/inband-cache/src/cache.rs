@@ -29,7 +29,7 @@ pub trait Backend: Send + Sync + 'static {
     /// Whether `get` and the chunks it hands out may wait on a disk.
     const READS_BLOCK: bool;
     /// Whether `put` and `remove` may wait on a disk when nothing is
-    /// fsynced (with `Config::fsync` every backend's writes do).
+    /// fsynced (with `Config::fsync` every durable backend's writes do).
     const WRITES_BLOCK: bool;
     /// The record, whole or as a prefix and chunks (see [`Raw`]). An error
     /// the backend itself calls corruption (RocksDB's block checksums) is
@@ -201,7 +201,7 @@ impl<B: Backend> Store for Cache<B> {
     }
 
     fn writes_block(&self) -> bool {
-        B::WRITES_BLOCK || self.fsync
+        B::WRITES_BLOCK || (self.fsync && B::KIND.durable())
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Entry>> {

@@ -193,9 +193,10 @@ pub trait Store: Send + Sync {
     /// (files, RocksDB), or only touch memory and mapped pages (LMDB,
     /// memory), so a caller may read on an event loop.
     fn reads_block(&self) -> bool;
-    /// Whether `put` and `delete` may wait on disk I/O: with `fsync`, and
-    /// for RocksDB and files always; LMDB's commits without fsync and the
-    /// memory store's writes only touch memory and the page cache.
+    /// Whether `put` and `delete` may wait on disk I/O: RocksDB's and the
+    /// files store's always, LMDB's with `fsync`; LMDB's commits without
+    /// fsync and the memory store's writes only touch memory and the page
+    /// cache.
     fn writes_block(&self) -> bool;
     /// The entry, or `None` on a miss. A corrupt record counts in
     /// [`Stats::corrupt`], is deleted and reads as a miss.

@@ -376,6 +376,23 @@ fn config_names_and_defaults() {
     assert!(open(&Config::new(BackendKind::Lmdb, None, 1 << 20)).is_err(), "durable backend needs a path");
 }
 
+/// Which stores a caller may read and write on an event loop: the proxy
+/// writes a miss on its worker only where `writes_block` is false.
+#[test]
+fn which_stores_may_wait_on_the_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    for kind in BackendKind::ALL {
+        for fsync in [false, true] {
+            let mut config = Config::new(kind, Some(dir.path().join(format!("{kind}-{fsync}"))), 16 << 20);
+            config.fsync = fsync;
+            let s = open(&config).unwrap();
+            let disk = matches!(kind, BackendKind::Rocksdb | BackendKind::Files);
+            assert_eq!(s.reads_block(), disk, "{kind} reads");
+            assert_eq!(s.writes_block(), disk || (fsync && kind.durable()), "{kind} writes, fsync {fsync}");
+        }
+    }
+}
+
 /// More threads than LMDB's default reader table, each reading once.
 #[test]
 fn lmdb_serves_many_reader_threads() {
