@@ -396,6 +396,19 @@ impl Mesh {
         std::fs::read_to_string(self.dir.path().join("daemon.log")).unwrap_or_default()
     }
 
+    /// Connections waiting in the anchor's accept queue (the listener's
+    /// Recv-Q), by `ss` in the namespace; the anchor is the default
+    /// 127.0.0.1:15001.
+    fn accept_queue(&self) -> usize {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.netns, "ss", "-Hltn", "sport = :15001"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let queue = text.split_whitespace().nth(1).and_then(|q| q.parse().ok());
+        queue.unwrap_or_else(|| panic!("no anchor listener in {}: {text}", self.netns))
+    }
+
     /// Runs argv in the cgroup and the namespace, bounded to 30 s.
     fn client(&self, argv: &[&str]) -> Output {
         let script = format!(
@@ -1333,11 +1346,21 @@ fn a_connection_whose_table_entry_was_evicted_is_still_served() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    // As the LRU does when mesh_conns is full: the entry goes mid-connection.
+    // As the LRU does when mesh_conns is full: the entry goes mid-connection,
+    // once the daemon has accepted the connection and kept its entry. The
+    // kernel carries the first request whether or not the daemon has
+    // accepted yet; on a loaded machine it may not have, and a connection
+    // the daemon accepts without an entry is closed.
     wait_until(
         "first request",
         5,
         || m.counter("request_kernel") == 1,
+        || m.log(),
+    );
+    wait_until(
+        "the daemon accepted the connection",
+        5,
+        || m.accept_queue() == 0,
         || m.log(),
     );
     let conns = m.pins().open("mesh_conns").unwrap();
