@@ -939,7 +939,8 @@ def render(record: dict) -> str:
 def ab_numbers(record: dict) -> dict[str, list[float]]:
     """For bench.ab: per round, each moving row's balancer CPU per GB and its
     ratio to the proxied row of the same round and size, its server's CPU
-    per GB, and its median fetch's rate ÷ the direct row's."""
+    per GB, its median fetch's rate ÷ the direct row's, and its median
+    first-byte latency."""
     rows = [revive(Row, r) for r in record["rows"]]
     # One cell per round: the round's own numbers.
     by = {(r.system, r.size, r.round): cells([r])[(r.system, r.size)] for r in rows}
@@ -957,6 +958,8 @@ def ab_numbers(record: dict) -> dict[str, list[float]]:
         direct = by.get(("direct", size, rnd))
         if direct is not None and direct.mb_s and c.mb_s is not None:
             out.setdefault(f"{what}: throughput ÷ direct", []).append(c.mb_s / direct.mb_s)
+        if c.first_ms:
+            out.setdefault(f"{what}: first byte p50 ms", []).append(percentile(c.first_ms, 50))
     return out
 
 

@@ -69,24 +69,27 @@ fn pump(src: &TcpStream, dst: &TcpStream) -> std::io::Result<()> {
 /// Copies bytes both ways between `a` and `b` until both have sent FIN, one
 /// resets, or neither sends for `idle`; a FIN is passed on as a FIN. On an
 /// error both sockets are shut down, so the other direction ends too.
+/// `b` to `a` (the origin's responses to the client) runs on the calling
+/// thread, so that the first response bytes do not wait for a thread to
+/// start.
 pub fn relay(a: TcpStream, b: TcpStream, idle: Duration) -> std::io::Result<End> {
     a.set_read_timeout(Some(idle))?;
     b.set_read_timeout(Some(idle))?;
     let (a2, b2) = (a.try_clone()?, b.try_clone()?);
-    let back = std::thread::spawn(move || {
-        let r = pump(&b2, &a2);
+    let forth = std::thread::spawn(move || {
+        let r = pump(&a2, &b2);
         if r.is_err() {
             let _ = a2.shutdown(Shutdown::Both);
             let _ = b2.shutdown(Shutdown::Both);
         }
         r
     });
-    let forth = pump(&a, &b);
-    if forth.is_err() {
+    let back = pump(&b, &a);
+    if back.is_err() {
         let _ = a.shutdown(Shutdown::Both);
         let _ = b.shutdown(Shutdown::Both);
     }
-    let back = back.join().unwrap_or_else(|_| Err(ErrorKind::Other.into()));
+    let forth = forth.join().unwrap_or_else(|_| Err(ErrorKind::Other.into()));
     let end = [forth, back].into_iter().filter_map(Result::err).fold(End::Closed, |end, e| match e.kind() {
         ErrorKind::ConnectionReset | ErrorKind::BrokenPipe | ErrorKind::ConnectionAborted => End::Reset,
         ErrorKind::WouldBlock | ErrorKind::TimedOut if end == End::Closed => End::Idle,

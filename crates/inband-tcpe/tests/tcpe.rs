@@ -1176,3 +1176,49 @@ fn a_join_ahead_of_its_handoff_waits_for_it_and_one_for_a_refused_handoff_is_res
     stop.store(true, Ordering::Relaxed);
     origin_thread.join().unwrap();
 }
+
+#[test]
+fn a_get_reaches_the_origin_with_its_handoff_and_other_methods_with_the_join() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let bed = Bed::up("eg");
+    bed.enter(&bed.server);
+    ip(&["addr", "add", &format!("{JOIN}/24"), "dev", "tcpe-s"]).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let origin = Arc::new(OriginStats::default());
+    let o = origin.clone();
+    let origin_thread = serve(TcpListener::bind(loopback(ORIGIN_PORT)).unwrap(), stop.clone(), move |s| origin_conn(s, &o));
+    let takeover = Takeover::start(takeover_config(0)).unwrap();
+    let keys = Keys { active: 0x3333, passive: 0x4444 };
+    let handoff = |conn_id: u32, request: &'static [u8]| {
+        std::thread::spawn(move || {
+            let mut ch = TcpStream::connect(loopback(CONTROL_PORT)).unwrap();
+            ch.set_read_timeout(Some(WAIT)).unwrap();
+            let nonce = channel::recv_hello(&mut ch).unwrap();
+            let h = channel::Handoff { conn_id, keys, deadline_ms: 1000, request: request.to_vec() };
+            let mut frame = Vec::new();
+            channel::send_handoff(&mut frame, &KEY, &nonce, &h).unwrap();
+            ch.write_all(&frame).unwrap();
+            channel::recv_answer(&mut ch, &KEY, &nonce).unwrap()
+        })
+    };
+
+    // A GET is with the origin while its handoff still waits for the join.
+    let get = handoff(1, b"GET /small HTTP/1.1\r\nHost: tcpe\r\n\r\n");
+    assert!(wait_for("the GET at the origin", WAIT, || origin.requests.load(Ordering::Relaxed) == 1));
+    assert_eq!(takeover.pending(), 1, "the GET reached the origin after its handoff ended");
+    assert!(join_at(SocketAddrV4::new(JOIN, JOIN_PORT), 1, &keys));
+    assert_eq!(get.join().unwrap(), channel::HandoffAnswer::Verdict(channel::Verdict::Joined));
+
+    // Any other method waits for the client: a handoff that expires is
+    // proxied by the balancer, and the origin must not have had it.
+    let delete = handoff(2, b"DELETE /small HTTP/1.1\r\nHost: tcpe\r\n\r\n");
+    assert!(wait_for("the DELETE's handoff taken", WAIT, || takeover.pending() == 1));
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(origin.requests.load(Ordering::Relaxed), 1, "the DELETE reached the origin before the join");
+    assert!(join_at(SocketAddrV4::new(JOIN, JOIN_PORT), 2, &keys));
+    assert!(wait_for("the DELETE at the origin", WAIT, || origin.requests.load(Ordering::Relaxed) == 2));
+    assert_eq!(delete.join().unwrap(), channel::HandoffAnswer::Verdict(channel::Verdict::Joined));
+    drop(takeover);
+    stop.store(true, Ordering::Relaxed);
+    origin_thread.join().unwrap();
+}
