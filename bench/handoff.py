@@ -1,7 +1,7 @@
 """TCPE connection handoff against proxying and L4 DSR (issue 29's
 targets), in one run on one namespace testbed:
 
-    python -m bench.handoff --out DIR [--profile quick|tiny] [--quick]
+    python -m bench.handoff --out DIR [--profile quick|tiny] [--quick] [--origin-think-ms MS]
 
 Testbed `handoff` (`inband testbed up --clients 1 --servers 2`): client
 c1, balancer lb, servers s1 and s2 on a bridge. On s1 the origin, nginx
@@ -213,6 +213,8 @@ PROFILES = {
     # The test's for the fault rows: fetches long enough (about 0.2 s
     # each here) that a kill every 0.3 s lands in the middle of some.
     "tiny-faults": Profile(counts=((100, 4),), rounds=1, kill_every_s=0.3),
+    # With --origin-think-ms: one size, the origin's answer MS late.
+    "think": Profile(counts=((1, 200),), rounds=3),
     # Issue 29's 10,000 handoffs without a broken connection: 5,000 for
     # each moving row, of 1 MiB (`--systems direct,handoff,
     # handoff-refused,transparent,transparent-refused`: with the takeover
@@ -363,6 +365,7 @@ class Bench(TestbedRun):
     def setup(self) -> None:
         run_dir = self.out / "run"
         run_dir.mkdir(parents=True, exist_ok=True)
+        (self.out / "configs").mkdir(parents=True, exist_ok=True)
         base = cgroup2_mount()
         for role in ("lb", "c1", "s1"):
             cg = base / f"inband-bench-handoff-{os.getpid()}-{role}"
@@ -384,6 +387,8 @@ class Bench(TestbedRun):
         self.stats_fd = enable_bpf_stats()
 
     def start_origin(self) -> None:
+        if self.args.origin_think_ms:
+            return self.start_thinking_origin()
         root = self.tmp / "root"
         root.mkdir()
         block = os.urandom(MIB)
@@ -394,13 +399,23 @@ class Bench(TestbedRun):
         prefix = self.tmp / "origin"
         prefix.mkdir()
         conf = self.out / "configs" / "origin.conf"
-        conf.parent.mkdir(parents=True, exist_ok=True)
         conf.write_text(peers.nginx_static_conf(listen=f"0.0.0.0:{ORIGIN_PORT}", root=str(root), prefix=str(prefix),
                                                 workers=os.cpu_count() or 1, as_root=os.geteuid() == 0))
         log = self.out / "logs" / "origin.log"
         argv = ["nginx", "-c", str(conf), "-p", str(prefix), "-e", str(prefix / "error.log"), "-g", "daemon off;"]
         proc = self.procs.spawn("origin", self.ns("s1"), in_cgroup(self.cgroups["s1"], argv), log)
         wait_until("the origin", lambda: alive(proc, "origin nginx", log) and self.listening("s1", ORIGIN_PORT), 20)
+
+    def start_thinking_origin(self) -> None:
+        """An origin that answers each request `--origin-think-ms` after it
+        came (a slot held, no CPU spent: an application's own time), with a
+        body of the profile's one size."""
+        ((mib, _),) = self.p.counts
+        argv = [str(self.inband), "serve", "--listen", f"0.0.0.0:{ORIGIN_PORT}", "--workers", "64", "--service-dist", "constant",
+                "--service-ms", str(self.args.origin_think_ms), "--body-bytes", str(mib * MIB), "--keep-alive"]
+        log = self.out / "logs" / "origin.log"
+        proc = self.procs.spawn("origin", self.ns("s1"), in_cgroup(self.cgroups["s1"], argv), log, env=dict(os.environ, INBAND_LOG="warn"))
+        wait_until("the origin", lambda: alive(proc, "origin inband serve", log) and self.listening("s1", ORIGIN_PORT), 20)
 
     def start_takeover(self) -> None:
         s1 = self.tb.addr("s1")
@@ -911,11 +926,12 @@ def targets_table(cs: dict, rows: list[Row] = ()) -> str:
                   "machine above direct: handoff ÷ proxied", "÷ dsr-rr"], table_rows)
 
 
-def markdown(rows: list[Row], profile: dict, quiet: list[str], failed: list[str], others: list[str] = ()) -> str:
+def markdown(rows: list[Row], profile: dict, quiet: list[str], failed: list[str], others: list[str] = (), think_ms: float = 0.0) -> str:
     cs = cells(rows)
     n = ", ".join(f"{mib} MiB × {k}" for mib, k in profile["counts"])
+    origin = f"; the origin (`inband serve`) answers each request {think_ms:g} ms after it came" if think_ms else ""
     parts = [
-        f"#### The targets (issue 29), {profile['rounds']} round(s) of {n} fetches per row", "", targets_table(cs, rows), "",
+        f"#### The targets (issue 29), {profile['rounds']} round(s) of {n} fetches per row{origin}", "", targets_table(cs, rows), "",
         "#### Balancer CPU per GB of response", "", cpu_table(cs), "",
         "#### Throughput: one connection at a time, connect → last byte", "", throughput_table(cs), "",
         "#### First-byte latency: request written → first response byte (handed off: on the new path)", "", latency_table(cs),
@@ -933,7 +949,8 @@ def markdown(rows: list[Row], profile: dict, quiet: list[str], failed: list[str]
 
 def render(record: dict) -> str:
     rows = [revive(Row, r) for r in record["rows"]]
-    return provenance(record) + "\n\n" + markdown(rows, record["profile"], record.get("quiet", []), record.get("failed", []), record.get("others", []))
+    return provenance(record) + "\n\n" + markdown(rows, record["profile"], record.get("quiet", []), record.get("failed", []), record.get("others", []),
+                                                 record.get("origin_think_ms", 0.0))
 
 
 def ab_numbers(record: dict) -> dict[str, list[float]]:
@@ -1008,6 +1025,8 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="handoff", help="testbed name (namespaces NAME-c1, NAME-lb, NAME-s1, NAME-sw)")
     preflight.add_wait_quiet(ap, "row")
     ap.add_argument("--inband", default=str(REPO / "target" / "debug" / "inband"))
+    ap.add_argument("--origin-think-ms", type=float, default=0.0,
+                    help="the origin is `inband serve`, answering each request this late (one response size: the profile `think`)")
     args = ap.parse_args(argv)
     wanted = preflight.chosen_systems(ap, args.systems, BY_KEY)
     systems = [s for s in SYSTEMS if s.key in wanted]
@@ -1017,6 +1036,10 @@ def main(argv=None) -> int:
         return refused
     name = "quick" if args.quick else args.profile
     p = profiles.choose(PROFILES, name, rounds=args.rounds)
+    if args.origin_think_ms and len(p.counts) != 1:
+        ap.error(f"--origin-think-ms serves one response size: the profile {name} has {len(p.counts)} (use --profile think)")
+    if args.origin_think_ms and "floor" in wanted:
+        ap.error("--origin-think-ms: the L7 floor's row stands for the static origin's connections; leave it out")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     this_run = Run("handoff", "bench.handoff", argv)
@@ -1052,7 +1075,8 @@ def main(argv=None) -> int:
                     bench.strip_options(False)
             bench.stop_balancer()
     record = this_run.record([asdict(r) for r in rows], profile=profiles.as_json(name, p), inband=Path(args.inband), tools=TOOLS,
-                             quiet=sorted(bench.quiet), others=sorted(bench.others), failed=outcome.failed)
+                             quiet=sorted(bench.quiet), others=sorted(bench.others), failed=outcome.failed,
+                             origin_think_ms=args.origin_think_ms)
     write_results(args.results, record, render(record))
     if rows:
         plot(rows, out / "handoff.png")

@@ -3,6 +3,7 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -13,6 +14,8 @@ use super::capacity::{Capacity, Draw, Model};
 
 const MAX_HEADER_BYTES: usize = 16 * 1024;
 const IO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the accept loop looks at its stop flag.
+const STOP_POLL: Duration = Duration::from_millis(50);
 
 pub struct Shared {
     model: Model,
@@ -65,7 +68,16 @@ impl Shared {
 }
 
 pub fn accept_loop(listener: TcpListener, state: Arc<Shared>, stop: Arc<AtomicBool>) {
+    let mut p = libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 };
     while !stop.load(Ordering::Relaxed) {
+        // poll(2) wakes at once for a connection, and every STOP_POLL to
+        // look at the stop flag: a connection never waits out a sleep
+        // (one of 5 ms here put up to 5 ms before every new connection's
+        // service on an idle server).
+        // SAFETY: poll on one pollfd.
+        if unsafe { libc::poll(&mut p, 1, STOP_POLL.as_millis() as libc::c_int) } <= 0 {
+            continue;
+        }
         match listener.accept() {
             Ok((stream, _)) => {
                 let state = Arc::clone(&state);
@@ -73,8 +85,8 @@ pub fn accept_loop(listener: TcpListener, state: Arc<Shared>, stop: Arc<AtomicBo
                     let _ = serve_connection(stream, &state);
                 });
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(5)),
-            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) => std::thread::sleep(STOP_POLL),
         }
     }
 }
