@@ -40,6 +40,8 @@ RENDER = {
     "handoff-ab-fold": ab.render,
     "handoff-ab-splice": ab.render,
     "handoff-ab-build": ab.render,
+    "handoff-ab-early-static": ab.render,
+    "handoff-ab-early-think": ab.render,
     "proxy-ab-codegen": ab.render,
     "proxy-ab-inline": ab.render,
     "handoff-ab1-6aab144": handoff.render,

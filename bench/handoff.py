@@ -1030,16 +1030,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     wanted = preflight.chosen_systems(ap, args.systems, BY_KEY)
     systems = [s for s in SYSTEMS if s.key in wanted]
-    refused = preflight.refuse(preflight.problems(inband=args.inband, tools=("curl", "nginx", "haproxy", "bpftool", "ss"), testbed_name=args.name,
-                                                  bpf_stats=True))
-    if refused:
-        return refused
     name = "quick" if args.quick else args.profile
     p = profiles.choose(PROFILES, name, rounds=args.rounds)
     if args.origin_think_ms and len(p.counts) != 1:
         ap.error(f"--origin-think-ms serves one response size: the profile {name} has {len(p.counts)} (use --profile think)")
     if args.origin_think_ms and "floor" in wanted:
         ap.error("--origin-think-ms: the L7 floor's row stands for the static origin's connections; leave it out")
+    refused = preflight.refuse(preflight.problems(inband=args.inband, tools=("curl", "nginx", "haproxy", "bpftool", "ss"), testbed_name=args.name,
+                                                  bpf_stats=True))
+    if refused:
+        return refused
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     this_run = Run("handoff", "bench.handoff", argv)

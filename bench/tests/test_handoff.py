@@ -142,6 +142,18 @@ def test_the_peers_configs():
     assert '[moves]\nlisten = ["10.1.0.2:7156"]' in lb and 'address = "10.1.0.21"\nport = 8080\nweight = 0' in lb
 
 
+def test_a_thinking_origin_serves_one_size_and_the_tables_say_how_late(tmp_path, capsys):
+    # Refused before anything is started: several sizes, or the floor's row.
+    for extra in ([], ["--profile", "think", "--systems", "direct,floor"]):
+        with pytest.raises(SystemExit) as e:
+            ho.main(["--out", str(tmp_path), "--origin-think-ms", "2", *extra])
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "serves one response size: the profile default has 3" in err and "leave it out" in err
+    md = ho.markdown(known_rows(row("handoff", cpu=0.1, machine=1.0, total_s=0.01)), {"counts": [[1, 10]], "rounds": 1}, [], [], think_ms=2.5)
+    assert "1 round(s) of 1 MiB × 10 fetches per row; the origin (`inband serve`) answers each request 2.5 ms after it came" in md
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not INBAND.exists() or not all(shutil.which(t) for t in ("nginx", "haproxy", "curl", "bpftool")),
                     reason="needs root, target/debug/inband, nginx, haproxy, curl and bpftool")
 def test_tiny_profile_end_to_end(tmp_path):

@@ -71,9 +71,9 @@ pub fn accept_loop(listener: TcpListener, state: Arc<Shared>, stop: Arc<AtomicBo
     let mut p = libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 };
     while !stop.load(Ordering::Relaxed) {
         // poll(2) wakes at once for a connection, and every STOP_POLL to
-        // look at the stop flag: a connection never waits out a sleep
-        // (one of 5 ms here put up to 5 ms before every new connection's
-        // service on an idle server).
+        // look at the stop flag: a sleep between accepts would add up to
+        // its length before every new connection's service, which the
+        // benchmarks would count as the server's latency.
         // SAFETY: poll on one pollfd.
         if unsafe { libc::poll(&mut p, 1, STOP_POLL.as_millis() as libc::c_int) } <= 0 {
             continue;
