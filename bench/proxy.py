@@ -76,6 +76,9 @@ SYSTEMS = [
     Cache("static", "limit: nginx static files", False),
 ]
 BY_KEY = {s.key: s for s in SYSTEMS}
+# The misses' limit: wrk's keep-alive connections straight to the origin,
+# no proxy. Every system's miss is bounded by what the origin answers.
+ORIGIN = Cache("origin", "limit: wrk straight to the origin", False)
 
 
 @dataclass(frozen=True)
@@ -308,17 +311,20 @@ def misses_table(rows: list[Hits]) -> str:
     """Pass-through: every request reaches the origin, so origin requests
     ÷ requests should be 1 for everyone."""
     ng = next((r for r in rows if r.key == "nginx" and r.rounds), None)
+    lim = next((r for r in rows if r.key == ORIGIN.key and r.rounds), None)
     out = []
     for r in rows:
         if not r.rounds:
-            out.append([r.label, "not measured"] + ["–"] * 7)
+            out.append([r.label, "not measured"] + ["–"] * 8)
             continue
         n = sum(x["requests"] for x in r.rounds)
+        # The limit runs no proxy: no CPU of its own to compare.
+        cpu = ["–", "–"] if r.key == ORIGIN.key else [f"{r.cpu_us_per_req:.1f}", _times(r.cpu_us_per_req, ng and ng.cpu_us_per_req)]
         out.append([
-            r.label, f"{r.rps:,.0f}", _times(r.rps, ng and ng.rps), f"{r.p50_ms:.2f}", f"{r.p99_ms:.2f}",
-            f"{r.cpu_us_per_req:.1f}", _times(r.cpu_us_per_req, ng and ng.cpu_us_per_req), f"{r.origin / n:.2f}" if n else "–", str(r.errors),
+            r.label, f"{r.rps:,.0f}", _times(r.rps, ng and ng.rps), _times(r.rps, lim and lim.rps), f"{r.p50_ms:.2f}", f"{r.p99_ms:.2f}",
+            *cpu, f"{r.origin / n:.2f}" if n else "–", str(r.errors),
         ])  # fmt: skip
-    headers = ["system", "req/s", "÷ nginx", "p50 ms", "p99 ms", "CPU µs/req", "CPU ÷ nginx", "origin requests ÷ requests", "errors"]
+    headers = ["system", "req/s", "÷ nginx", "÷ limit", "p50 ms", "p99 ms", "CPU µs/req", "CPU ÷ nginx", "origin requests ÷ requests", "errors"]
     return _table(headers, out)
 
 
@@ -413,7 +419,8 @@ def markdown(hits: list[Hits], misses: list[Hits], restarts: list[Restart], p: P
             f"\n## Misses: `no-store` paths, every request through to the origin, wrk 1 thread × {p.connections[0]} connections, "
             f"median of {p.rounds} × {p.miss_s} s\n",
             misses_table(misses),
-            "\nThe origin is `bench/lib/origin.py` (Python): it bounds every system's rate alike, so the CPU per request is the comparison.  \n",
+            "\nThe origin is `bench/lib/origin.py` (Python): it bounds every system's rate alike, so the CPU per request is the comparison; "
+            "the limit is what it answers with no proxy in front, in the same rounds.  \n",
         ]
     if restarts:
         parts += [
@@ -594,7 +601,8 @@ class Bench:
 
     def wrk(self, s: Cache, seconds: int, conns: int | None = None, passthrough: bool = False) -> dict:
         conns = conns or self.p.connections[0]
-        argv = ["wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "--timeout", "5s", "-s", str(self.lua), f"http://{HOST}:{self.ports[s.key]}/"]
+        port = self.origin_port if s.key == ORIGIN.key else self.ports[s.key]
+        argv = ["wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "--timeout", "5s", "-s", str(self.lua), f"http://{HOST}:{port}/"]
         env = dict(os.environ, BENCH_OBJECTS=str(self.p.objects), BENCH_ZIPF=str(self.p.zipf), BENCH_SEED="4", BENCH_PASS="1" if passthrough else "0")
         cp = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=seconds + 30)
         if cp.returncode != 0:
@@ -637,11 +645,12 @@ class Bench:
 
     def measure(self, s: Cache, h: Hits, passthrough: bool = False) -> None:
         self.settle()
-        sid = self.running[s.key].pid  # its own session: the leader's pid
+        # Its own session: the leader's pid. The limit has no process.
+        cpu = (lambda: 0.0) if s.key == ORIGIN.key else (lambda sid=self.running[s.key].pid: session_cpu_s(sid))
         before = self.note_others()
-        o0, c0 = self.origin_count(), session_cpu_s(sid)
+        o0, c0 = self.origin_count(), cpu()
         w = self.wrk(s, self.p.miss_s if passthrough else self.p.measure_s, h.conns, passthrough)
-        w["cpu_s"] = session_cpu_s(sid) - c0
+        w["cpu_s"] = cpu() - c0
         w["origin"] = self.origin_count() - o0
         w["others"] = sorted(before | self.note_others())
         h.rounds.append(w)
@@ -734,7 +743,7 @@ def main(argv=None) -> int:
     stop_signals_interrupt()
     bench = None
     hits = {(s.key, c): Hits(s.key, s.label, c) for c in profile.connections for s in systems}
-    misses = {s.key: Hits(s.key, s.label, profile.connections[0]) for s in systems}
+    misses = {s.key: Hits(s.key, s.label, profile.connections[0]) for s in [*systems, ORIGIN]}
     restarts: list[Restart] = []
     quiet = "not checked"
     leftover: list[int] = []
@@ -770,7 +779,7 @@ def main(argv=None) -> int:
                 for s in alive:
                     bench.log(f"hits, round {rnd + 1}/{profile.rounds}, {c} connections: {s.label}")
                     outcome.attempt(f"{s.label} hits ({c} connections)", lambda s=s, c=c: bench.measure(s, hits[(s.key, c)]))
-            for s in (s for s in alive if s.key != "static"):
+            for s in [*(s for s in alive if s.key != "static"), ORIGIN]:
                 bench.log(f"misses, round {rnd + 1}/{profile.rounds}: {s.label}")
                 outcome.attempt(f"{s.label} misses", lambda s=s: bench.measure(s, misses[s.key], passthrough=True))
         for s in (s for s in alive if s.key != "static"):
@@ -780,7 +789,7 @@ def main(argv=None) -> int:
         outcome.failed.append(f"still listening after teardown: ports {leftover}")
 
     hit_rows = [hits[(s.key, c)] for c in profile.connections for s in systems]
-    miss_rows = [misses[s.key] for s in systems if s.key != "static"]
+    miss_rows = [misses[s.key] for s in [*systems, ORIGIN] if s.key != "static"]
     rows = {"hits": [hits_json(h) for h in hit_rows], "misses": [hits_json(h) for h in miss_rows],
             "restart": [{**asdict(r), "hit_ratio": r.hit_ratio} for r in restarts]}
     record = this_run.record(rows, profile=profiles.as_json("quick" if args.quick else "default", profile), inband=Path(args.inband), tools=TOOLS,

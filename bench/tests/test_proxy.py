@@ -56,7 +56,7 @@ def test_varnish_vcl_compiles(tmp_path):
 
 def test_tables_ratios_from_known_numbers():
     def hits(key, requests, cpu_s, conns=8, origin=0):
-        h = px.Hits(key, px.BY_KEY[key].label, conns)
+        h = px.Hits(key, (px.ORIGIN if key == px.ORIGIN.key else px.BY_KEY[key]).label, conns)
         h.rounds = [{"requests": requests, "duration_us": 1_000_000, "p50_us": 100, "p99_us": 1000, "cpu_s": cpu_s, "origin": origin, "errors": 0, "status_errors": 0}]
         return h
 
@@ -67,9 +67,13 @@ def test_tables_ratios_from_known_numbers():
     assert t[("inband LMDB", "8")][2:6] == ["10,000", "0.50×", "0.25×", "0.20×"]
     assert t[("inband LMDB", "8")][9:12] == ["50.0", "2.00×", "2.00×"]
     assert t[("inband LMDB", "500")][2:6] == ["30,000", "1.50×", "–", "–"]
-    m = table(px.misses_table([hits("inband-lmdb", 1000, 0.05, origin=1000), hits("nginx", 500, 0.05, origin=500)]), "| system |")
-    assert m["inband LMDB"][1:3] == ["1,000", "2.00×"]
-    assert m["inband LMDB"][5:8] == ["50.0", "0.50×", "1.00"]
+    m = table(px.misses_table([hits("inband-lmdb", 1000, 0.05, origin=1000), hits("nginx", 500, 0.05, origin=500),
+                               hits("origin", 1250, 0.0, origin=1250)]), "| system |")
+    assert m["inband LMDB"][1:4] == ["1,000", "2.00×", "0.80×"]
+    assert m["inband LMDB"][6:9] == ["50.0", "0.50×", "1.00"]
+    # The limit: its rate against the others', and no CPU of its own.
+    assert m["limit: wrk straight to the origin"][1:4] == ["1,250", "2.50×", "1.00×"]
+    assert m["limit: wrk straight to the origin"][6:8] == ["–", "–"]
     r = px.Restart("varnish", "Varnish (malloc)", False, 0.5, 1000, 0, 250, 5.0)
     t = table(px.restart_table([r], 5, 500), "| system |")
     assert t["Varnish (malloc)"][4:7] == ["250", "75.0 %", "50.0 %"]
@@ -89,11 +93,11 @@ def test_quick_run_end_to_end(tmp_path):
     for row in hits:
         assert number(row[2]) > 0, row
         assert number(row[12]) == 0 and number(row[13]) == 0, row  # every cache filled, no errors
-    misses = table(md, "| system | req/s | ÷ nginx | p50 ms |")
-    assert list(misses) == [s.label for s in px.SYSTEMS if s.key != "static"]
+    misses = table(md, "| system | req/s | ÷ nginx | ÷ limit |")
+    assert list(misses) == [s.label for s in [*px.SYSTEMS, px.ORIGIN] if s.key != "static"]
     for label, row in misses.items():
-        assert number(row[1]) > 0 and number(row[8]) == 0, row
-        assert number(row[7]) >= 0.99, row  # every miss reached the origin
+        assert number(row[1]) > 0 and number(row[9]) == 0, row
+        assert number(row[8]) >= 0.99, row  # every miss reached the origin
 
     rs = table(md, "| system | cache kept on disk |")
     origin = {label: number(row[4]) for label, row in rs.items()}
