@@ -4,8 +4,9 @@
 
 `inband proxy` with each cache backend (LMDB, RocksDB, memory, files),
 nginx `proxy_cache` and Varnish (malloc storage), all in front of one
-origin (bench/origin.py: every path a fixed-size object, cacheable for an
-hour; it counts the requests that reach it) on 127.0.0.1.
+origin (nginx serving the objects as files, cacheable for an hour, and
+`no-store` for the misses' paths; its stub_status counts the requests
+that reach it) on 127.0.0.1.
 
 1. Hits: every cache is filled (each object once) and warmed, then wrk
    requests zipfian-distributed paths from each system in turn, for a few
@@ -31,7 +32,6 @@ from __future__ import annotations
 import argparse
 import csv
 import http.client
-import json
 import os
 import shutil
 import socket
@@ -58,6 +58,7 @@ from .lib.procs import Fatal, Procs, run, stop_signals_interrupt, wait_until
 
 HOST = "127.0.0.1"
 CAPACITY = 1 << 30  # every cache's size bound, far above the data set: nothing is evicted
+ORIGIN_MAX_AGE_S = 3600  # far beyond any run: a cached object never goes stale
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,23 @@ def http_get(port: int, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
         return r.status, r.read()
     finally:
         c.close()
+
+
+def write_objects(root: Path, objects: int, size: int) -> None:
+    """`root/obj/1` ... `root/obj/N`, each the bytes of its path."""
+    (root / "obj").mkdir(parents=True, exist_ok=True)
+    for k in range(1, objects + 1):
+        (root / "obj" / str(k)).write_bytes(body_for(f"/obj/{k}", size))
+
+
+def stub_status_requests(text: str) -> int:
+    """The request count in nginx's stub_status page (the third number
+    of the line under "server accepts handled requests")."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines[:-1]):
+        if line.strip() == "server accepts handled requests":
+            return int(lines[i + 1].split()[2])
+    raise RuntimeError(f"not a stub_status page: {text[:200]!r}")
 
 
 # ------------------------------------------------------------------ results
@@ -393,17 +411,26 @@ def render(record: dict) -> str:
     preamble = (
         "# L7 proxy cache: inband proxy vs nginx proxy_cache vs Varnish\n\n"
         f"{provenance(record)}  \n"
-        f"The CPUs are **shared by** wrk (1 thread), the system under test, the origin (Python, idle once the caches are filled), "
+        f"The CPUs are **shared by** wrk (1 thread), the system under test, the origin ({ORIGINS[record.get('origin', 'python')][0]}, idle once the caches are filled), "
         f"the driver and the other systems (started, idle); before measuring: {record['quiet']}; other work seen during the run: {others}.  \n"
         + "; ".join(f"{k}: {m[k]}" for k in ("inband", "nginx", "varnish", "wrk") if k in m) + "\n"
     )
     if record["failed"]:
         preamble += "\n**Failed:** " + "; ".join(record["failed"]) + "\n"
     p = Profile(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in record["profile"].items() if k != "name"})
-    return markdown([revive(Hits, h) for h in rows["hits"]], [revive(Hits, h) for h in rows["misses"]], [revive(Restart, r) for r in rows["restart"]], p, preamble)
+    return markdown([revive(Hits, h) for h in rows["hits"]], [revive(Hits, h) for h in rows["misses"]], [revive(Restart, r) for r in rows["restart"]], p, preamble,
+                    record.get("origin", "python"))
 
 
-def markdown(hits: list[Hits], misses: list[Hits], restarts: list[Restart], p: Profile, preamble: str) -> str:
+# What each origin a record names was, for its tables: (short, in the
+# misses' note). Records before the nginx origin name none: Python.
+ORIGINS = {
+    "python": ("Python", "The origin is `bench/lib/origin.py` (Python): it bounds every system's rate alike, so the CPU per request is the comparison"),
+    "nginx": ("nginx", "The origin is nginx serving the objects as files (`peers.nginx_origin_conf`) on the same two CPUs"),
+}
+
+
+def markdown(hits: list[Hits], misses: list[Hits], restarts: list[Restart], p: Profile, preamble: str, origin: str = "nginx") -> str:
     parts = [preamble]
     if hits:
         conns = ", ".join(str(c) for c in p.connections)
@@ -419,8 +446,7 @@ def markdown(hits: list[Hits], misses: list[Hits], restarts: list[Restart], p: P
             f"\n## Misses: `no-store` paths, every request through to the origin, wrk 1 thread × {p.connections[0]} connections, "
             f"median of {p.rounds} × {p.miss_s} s\n",
             misses_table(misses),
-            "\nThe origin is `bench/lib/origin.py` (Python): it bounds every system's rate alike, so the CPU per request is the comparison; "
-            "the limit is what it answers with no proxy in front, in the same rounds.  \n",
+            f"\n{ORIGINS[origin][1]}; the limit, where measured, is what it answers with no proxy in front, in the same rounds.  \n",
         ]
     if restarts:
         parts += [
@@ -500,6 +526,8 @@ class Bench:
         self.procs = Procs()
         self.tmp = Path(tempfile.mkdtemp(prefix="inband-bench-proxy-"))
         self.origin_port = free_port()
+        self.stats_lock = threading.Lock()  # the restart's sampler asks too
+        self.stats_asked = 0
         self.ports = {s.key: free_port() for s in SYSTEMS}
         self.running: dict[str, subprocess.Popen] = {}
         self.others: set[str] = set()
@@ -529,16 +557,29 @@ class Bench:
     # --- processes
 
     def start_origin(self) -> None:
-        argv = [sys.executable, "-m", "bench.lib.origin", "--listen", f"{HOST}:{self.origin_port}", "--object-bytes", str(self.p.object_bytes)]
+        state = self.tmp / "origin"
+        root = state / "root"
+        write_objects(root, self.p.objects, self.p.object_bytes)
+        (root / "pass-body").write_bytes(body_for("/pass/", self.p.object_bytes))
+        cfg = self.out / "configs" / "origin.conf"
+        cfg.parent.mkdir(parents=True, exist_ok=True)
+        cfg.write_text(peers.nginx_origin_conf(listen=f"{HOST}:{self.origin_port}", root=str(root), prefix=str(state), workers=os.cpu_count() or 1,
+                                               as_root=os.geteuid() == 0, max_age=ORIGIN_MAX_AGE_S))
+        argv = ["nginx", "-c", str(cfg), "-p", str(state), "-e", str(state / "error.log"), "-g", "daemon off;"]
         log = self.out / "logs" / "origin.log"
-        proc = self.procs.spawn("origin", None, argv, log, cwd=REPO)
+        proc = self.procs.spawn("origin", None, argv, log, cwd=self.tmp)
         wait_until("the origin", lambda: self._alive(proc, "origin", log) and self.origin_count() >= 0, 20)
 
     def origin_count(self) -> int:
-        status, body = http_get(self.origin_port, STATS_PATH)
-        if status != 200:
-            raise RuntimeError(f"origin stats: {status}")
-        return json.loads(body)["requests"]
+        """Requests the origin has answered, its own stats requests not
+        counted: stub_status counts every request, the one asking too."""
+        with self.stats_lock:
+            status, body = http_get(self.origin_port, STATS_PATH)
+            if status != 200:
+                raise RuntimeError(f"origin stats: {status}")
+            # Counted once answered: a connection refused reached no count.
+            self.stats_asked += 1
+            return stub_status_requests(body.decode()) - self.stats_asked
 
     def _alive(self, proc, what: str, log: Path) -> bool:
         if proc.poll() is not None:
@@ -565,9 +606,7 @@ class Bench:
             return ["nginx", "-c", str(cfg), "-p", str(state), "-e", str(state / "error.log"), "-g", "daemon off;"]
         if s.key == "static":
             root = state / "root"
-            (root / "obj").mkdir(parents=True, exist_ok=True)
-            for k in range(1, self.p.objects + 1):
-                (root / "obj" / str(k)).write_bytes(body_for(f"/obj/{k}", self.p.object_bytes))
+            write_objects(root, self.p.objects, self.p.object_bytes)
             cfg = cfg_dir / "nginx-static.conf"
             cfg.write_text(peers.nginx_static_conf(listen=listen, root=str(root), prefix=str(state), workers=os.cpu_count() or 1, as_root=os.geteuid() == 0))
             return ["nginx", "-c", str(cfg), "-p", str(state), "-e", str(state / "error.log"), "-g", "daemon off;"]
@@ -793,7 +832,7 @@ def main(argv=None) -> int:
     rows = {"hits": [hits_json(h) for h in hit_rows], "misses": [hits_json(h) for h in miss_rows],
             "restart": [{**asdict(r), "hit_ratio": r.hit_ratio} for r in restarts]}
     record = this_run.record(rows, profile=profiles.as_json("quick" if args.quick else "default", profile), inband=Path(args.inband), tools=TOOLS,
-                        quiet=quiet, others=sorted(bench.others) if bench else [], failed=outcome.failed)
+                        quiet=quiet, others=sorted(bench.others) if bench else [], failed=outcome.failed, origin="nginx")
     write_results(args.results, record, render(record))
     write_csv(hit_rows, restarts, out / "results.csv")
     write_timeline(restarts, out / "restart_timeline.csv")

@@ -357,6 +357,27 @@ def nginx_static_conf(*, listen: str, root: str, prefix: str, workers: int, as_r
 """
 
 
+def nginx_origin_conf(*, listen: str, root: str, prefix: str, workers: int, as_root: bool, max_age: int) -> str:
+    """The origin behind the caches (bench.proxy): `/obj/N` from files,
+    cacheable for `max_age` seconds (with nginx's own ETag and
+    Last-Modified); any `/pass/...` path the file `pass-body`, `no-store`;
+    `/__stats` its request count (stub_status), never stored. A native
+    origin, so that what a proxy adds to a miss shows in the rate, not
+    what a slow origin makes of the proxy's connections."""
+    return f"""\
+{_nginx_http_head(prefix, workers, as_root)}    open_file_cache max=10000 inactive=60s;
+    default_type application/octet-stream;
+    server {{
+        listen {listen};
+        root {root};
+        location /obj/ {{ add_header Cache-Control "public, max-age={int(max_age)}"; }}
+        location /pass/ {{ add_header Cache-Control "no-store" always; try_files /pass-body =500; }}
+        location = /__stats {{ add_header Cache-Control "no-store" always; stub_status; }}
+    }}
+}}
+"""
+
+
 def nginx_proxy_conf(*, listen: str, origin: str, prefix: str, workers: int, as_root: bool) -> str:
     """nginx as a plain reverse proxy for large responses (bench.handoff):
     no cache, keep-alive to the origin, and nothing buffered to disk

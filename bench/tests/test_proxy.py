@@ -119,3 +119,10 @@ def test_disturbed_rounds_are_named():
     assert px.disturbed_note([], "rounds") == ""
     note = px.disturbed_note([("a", []), ("nginx proxy_cache", ["bench.forwarding"])], "rounds")
     assert "1 of 2 rounds" in note and "nginx proxy_cache (bench.forwarding)" in note
+
+
+def test_the_origins_request_count_is_read_from_stub_status():
+    page = "Active connections: 3 \nserver accepts handled requests\n 12 12 4057 \nReading: 0 Writing: 1 Waiting: 2 \n"
+    assert px.stub_status_requests(page) == 4057
+    with pytest.raises(RuntimeError, match="not a stub_status page"):
+        px.stub_status_requests('{"requests": 4057}')
