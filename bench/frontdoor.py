@@ -3,7 +3,7 @@ HAProxy (issue 33's targets), in one run:
 
     python -m bench.frontdoor --out DIR [--quick]
 
-In front of the same origin (bench/lib/origin.py, 10 KiB objects that
+In front of one origin (bench/lib/origin.py, 10 KiB objects that
 say `max-age`): inband proxy (LMDB cache, its TLS listener), nginx
 (`proxy_cache`, `ssl`, `http2`) and HAProxy (its cache, `ssl`, ALPN
 h2), configured alike: one ECDSA P-256 certificate made for the run, TLS
