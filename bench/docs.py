@@ -44,6 +44,7 @@ RENDER = {
     "handoff-ab-early-think": ab.render,
     "proxy-ab-codegen": ab.render,
     "proxy-ab-inline": ab.render,
+    "proxy-python-origin": proxy.render,
     "handoff-ab1-6aab144": handoff.render,
     "handoff-ab1-713cd87": handoff.render,
     "handoff-ab2-713cd87": handoff.render,

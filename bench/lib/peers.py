@@ -345,13 +345,19 @@ def nginx_static_conf(*, listen: str, root: str, prefix: str, workers: int, as_r
     """nginx serving the objects as files, no proxy and no cache logic:
     the most a server can do for these requests on this machine, with the
     same load generator, so the caches can be read against it."""
+    return _nginx_files(listen=listen, root=root, prefix=prefix, workers=workers, as_root=as_root,
+                        locations='location = /__stats { return 200 "{}"; }')
+
+
+def _nginx_files(*, listen: str, root: str, prefix: str, workers: int, as_root: bool, locations: str) -> str:
+    """nginx serving files under `root`, `locations` inside its server."""
     return f"""\
 {_nginx_http_head(prefix, workers, as_root)}    open_file_cache max=10000 inactive=60s;
     default_type application/octet-stream;
     server {{
         listen {listen};
         root {root};
-        location = /__stats {{ return 200 "{{}}"; }}
+        {locations}
     }}
 }}
 """
@@ -364,18 +370,10 @@ def nginx_origin_conf(*, listen: str, root: str, prefix: str, workers: int, as_r
     `/__stats` its request count (stub_status), never stored. A native
     origin, so that what a proxy adds to a miss shows in the rate, not
     what a slow origin makes of the proxy's connections."""
-    return f"""\
-{_nginx_http_head(prefix, workers, as_root)}    open_file_cache max=10000 inactive=60s;
-    default_type application/octet-stream;
-    server {{
-        listen {listen};
-        root {root};
-        location /obj/ {{ add_header Cache-Control "public, max-age={int(max_age)}"; }}
+    return _nginx_files(listen=listen, root=root, prefix=prefix, workers=workers, as_root=as_root, locations=f"""\
+location /obj/ {{ add_header Cache-Control "public, max-age={int(max_age)}"; }}
         location /pass/ {{ add_header Cache-Control "no-store" always; try_files /pass-body =500; }}
-        location = /__stats {{ add_header Cache-Control "no-store" always; stub_status; }}
-    }}
-}}
-"""
+        location = /__stats {{ add_header Cache-Control "no-store" always; stub_status; }}""")
 
 
 def nginx_proxy_conf(*, listen: str, origin: str, prefix: str, workers: int, as_root: bool) -> str:

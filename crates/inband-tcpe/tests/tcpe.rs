@@ -695,23 +695,18 @@ fn takeover_config(n: u16) -> takeover::Config {
 
 /// Origin, takeover server and balancer, started in the server namespace.
 struct World {
-    origin: Arc<OriginStats>,
+    origin: Origin,
     takeover: Takeover,
     targets: Arc<Mutex<VecDeque<Target>>>,
     balancer: Arc<Counters>,
     stop: Arc<AtomicBool>,
-    threads: Vec<std::thread::JoinHandle<()>>,
+    balancer_thread: std::thread::JoinHandle<()>,
 }
 
 impl World {
     fn start(bed: &Bed, tcpe: &Arc<Tcpe>) -> World {
-        bed.enter(&bed.server);
-        ip(&["addr", "add", &format!("{JOIN}/24"), "dev", "tcpe-s"]).unwrap();
+        let origin = Origin::start(bed);
         let stop = Arc::new(AtomicBool::new(false));
-        let origin = Arc::new(OriginStats::default());
-        let o = origin.clone();
-        let mut threads =
-            vec![serve(TcpListener::bind(loopback(ORIGIN_PORT)).unwrap(), stop.clone(), move |s| origin_conn(s, &o))];
         let takeover = Takeover::start(takeover_config(0)).unwrap();
         let lfd = socket(libc::AF_INET, libc::SOCK_STREAM, 0);
         tcpe.answer(lfd.as_fd()).unwrap();
@@ -727,15 +722,14 @@ impl World {
         let targets = Arc::new(Mutex::new(VecDeque::new()));
         let balancer = Arc::new(handoff::counters());
         let (t, tg, b) = (tcpe.clone(), targets.clone(), balancer.clone());
-        threads.push(serve(TcpListener::from(lfd), stop.clone(), move |s| balancer_conn(s, &t, &tg, &b)));
-        World { origin, takeover, targets, balancer, stop, threads }
+        let balancer_thread = serve(TcpListener::from(lfd), stop.clone(), move |s| balancer_conn(s, &t, &tg, &b));
+        World { origin, takeover, targets, balancer, stop, balancer_thread }
     }
 
     fn stop(self) {
         self.stop.store(true, Ordering::Relaxed);
-        for t in self.threads {
-            t.join().unwrap();
-        }
+        self.balancer_thread.join().unwrap();
+        self.origin.stop();
     }
 }
 
@@ -809,7 +803,7 @@ fn handoff_moves_the_stream_and_refuses_forged_joins() {
     // The attempts that fell back leave the server's entries to expire,
     // and their origin connections to close.
     assert!(wait_for("the entries' expiry", WAIT, || world.takeover.pending() == 0));
-    let origin = &world.origin;
+    let origin = &world.origin.stats;
     let conns = origin.conns.load(Ordering::Relaxed);
     assert!(wait_for("the other origin connections' end", WAIT, || origin.closed.load(Ordering::Relaxed) == conns - 1));
 
@@ -1110,6 +1104,31 @@ fn a_takeover_channel_carries_handoffs_one_after_another() {
     world.stop();
 }
 
+/// The server namespace entered, the join address added, and an origin
+/// serving on loopback until `stop`.
+struct Origin {
+    stats: Arc<OriginStats>,
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Origin {
+    fn start(bed: &Bed) -> Origin {
+        bed.enter(&bed.server);
+        ip(&["addr", "add", &format!("{JOIN}/24"), "dev", "tcpe-s"]).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stats = Arc::new(OriginStats::default());
+        let o = stats.clone();
+        let thread = serve(TcpListener::bind(loopback(ORIGIN_PORT)).unwrap(), stop.clone(), move |s| origin_conn(s, &o));
+        Origin { stats, stop, thread }
+    }
+
+    fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().unwrap();
+    }
+}
+
 /// A join with a valid MAC for `conn_id` under `keys`, sent to `at`;
 /// whether JOIN-OK came back.
 fn join_at(at: SocketAddrV4, conn_id: u32, keys: &Keys) -> bool {
@@ -1121,13 +1140,15 @@ fn join_at(at: SocketAddrV4, conn_id: u32, keys: &Keys) -> bool {
     s.read_exact(&mut b).is_ok()
 }
 
-/// A HANDOFF for `conn_id` under `keys` on a new channel to `control`;
-/// the server's one answer.
-fn hand_over(control: SocketAddr, conn_id: u32, keys: Keys) -> channel::HandoffAnswer {
+const GET_SMALL: &[u8] = b"GET /small HTTP/1.1\r\nHost: tcpe\r\n\r\n";
+
+/// A HANDOFF of `request` for `conn_id` under `keys` on a new channel to
+/// `control`; the server's one answer.
+fn hand_over(control: SocketAddr, conn_id: u32, keys: Keys, request: &[u8]) -> channel::HandoffAnswer {
     let mut ch = TcpStream::connect(control).unwrap();
     ch.set_read_timeout(Some(WAIT)).unwrap();
     let nonce = channel::recv_hello(&mut ch).unwrap();
-    let h = channel::Handoff { conn_id, keys, deadline_ms: 1000, request: b"GET /small HTTP/1.1\r\nHost: tcpe\r\n\r\n".to_vec() };
+    let h = channel::Handoff { conn_id, keys, deadline_ms: 1000, request: request.to_vec() };
     let mut frame = Vec::new();
     channel::send_handoff(&mut frame, &KEY, &nonce, &h).unwrap();
     ch.write_all(&frame).unwrap();
@@ -1138,12 +1159,7 @@ fn hand_over(control: SocketAddr, conn_id: u32, keys: Keys) -> channel::HandoffA
 fn a_join_ahead_of_its_handoff_waits_for_it_and_one_for_a_refused_handoff_is_reset() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let bed = Bed::up("ej");
-    bed.enter(&bed.server);
-    ip(&["addr", "add", &format!("{JOIN}/24"), "dev", "tcpe-s"]).unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let origin = Arc::new(OriginStats::default());
-    let o = origin.clone();
-    let origin_thread = serve(TcpListener::bind(loopback(ORIGIN_PORT)).unwrap(), stop.clone(), move |s| origin_conn(s, &o));
+    let origin = Origin::start(&bed);
     // A hold far above anything the test waits: a join reset early was
     // reset for its refusal, not for the hold.
     let hold = Duration::from_secs(30);
@@ -1156,7 +1172,7 @@ fn a_join_ahead_of_its_handoff_waits_for_it_and_one_for_a_refused_handoff_is_res
     // it waits, and is taken when the HANDOFF is.
     let early = std::thread::spawn(move || join_at(join_of(0), 7, &keys));
     assert!(wait_for("the join's wait", WAIT, || taking.counters().get("join_held") == 1));
-    assert_eq!(hand_over(loopback(CONTROL_PORT), 7, keys), channel::HandoffAnswer::Verdict(channel::Verdict::Joined));
+    assert_eq!(hand_over(loopback(CONTROL_PORT), 7, keys, GET_SMALL), channel::HandoffAnswer::Verdict(channel::Verdict::Joined));
     assert!(early.join().unwrap(), "the early join was not answered");
     assert_eq!((taking.counters().get("join_accepted"), taking.counters().get("join_unknown")), (1, 0));
 
@@ -1165,7 +1181,7 @@ fn a_join_ahead_of_its_handoff_waits_for_it_and_one_for_a_refused_handoff_is_res
     let started = Instant::now();
     let waiting = std::thread::spawn(move || join_at(join_of(1), 8, &keys));
     assert!(wait_for("the join's wait", WAIT, || refusing.counters().get("join_held") == 1));
-    assert_eq!(hand_over(loopback(CONTROL_PORT + 1), 8, keys), channel::HandoffAnswer::Refused(channel::Reply::NoOrigin));
+    assert_eq!(hand_over(loopback(CONTROL_PORT + 1), 8, keys, GET_SMALL), channel::HandoffAnswer::Refused(channel::Reply::NoOrigin));
     assert!(!waiting.join().unwrap(), "a join for a refused handoff was answered");
     assert!(!join_at(join_of(1), 8, &keys));
     assert!(started.elapsed() < hold / 2, "the joins waited out the hold: {:?}", started.elapsed());
@@ -1173,38 +1189,21 @@ fn a_join_ahead_of_its_handoff_waits_for_it_and_one_for_a_refused_handoff_is_res
     // The one after the refusal was not held.
     assert_eq!([rc.get("handoff_no_origin"), rc.get("join_held"), rc.get("join_unknown"), rc.get("join_accepted")], [1, 1, 2, 0], "{:?}", rc.all());
     drop((taking, refusing));
-    stop.store(true, Ordering::Relaxed);
-    origin_thread.join().unwrap();
+    origin.stop();
 }
 
 #[test]
 fn a_get_reaches_the_origin_with_its_handoff_and_other_methods_with_the_join() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let bed = Bed::up("eg");
-    bed.enter(&bed.server);
-    ip(&["addr", "add", &format!("{JOIN}/24"), "dev", "tcpe-s"]).unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let origin = Arc::new(OriginStats::default());
-    let o = origin.clone();
-    let origin_thread = serve(TcpListener::bind(loopback(ORIGIN_PORT)).unwrap(), stop.clone(), move |s| origin_conn(s, &o));
+    let origin = Origin::start(&bed);
     let takeover = Takeover::start(takeover_config(0)).unwrap();
     let keys = Keys { active: 0x3333, passive: 0x4444 };
-    let handoff = |conn_id: u32, request: &'static [u8]| {
-        std::thread::spawn(move || {
-            let mut ch = TcpStream::connect(loopback(CONTROL_PORT)).unwrap();
-            ch.set_read_timeout(Some(WAIT)).unwrap();
-            let nonce = channel::recv_hello(&mut ch).unwrap();
-            let h = channel::Handoff { conn_id, keys, deadline_ms: 1000, request: request.to_vec() };
-            let mut frame = Vec::new();
-            channel::send_handoff(&mut frame, &KEY, &nonce, &h).unwrap();
-            ch.write_all(&frame).unwrap();
-            channel::recv_answer(&mut ch, &KEY, &nonce).unwrap()
-        })
-    };
+    let handoff = |conn_id: u32, request: &'static [u8]| std::thread::spawn(move || hand_over(loopback(CONTROL_PORT), conn_id, keys, request));
 
     // A GET is with the origin while its handoff still waits for the join.
-    let get = handoff(1, b"GET /small HTTP/1.1\r\nHost: tcpe\r\n\r\n");
-    assert!(wait_for("the GET at the origin", WAIT, || origin.requests.load(Ordering::Relaxed) == 1));
+    let get = handoff(1, GET_SMALL);
+    assert!(wait_for("the GET at the origin", WAIT, || origin.stats.requests.load(Ordering::Relaxed) == 1));
     assert_eq!(takeover.pending(), 1, "the GET reached the origin after its handoff ended");
     assert!(join_at(SocketAddrV4::new(JOIN, JOIN_PORT), 1, &keys));
     assert_eq!(get.join().unwrap(), channel::HandoffAnswer::Verdict(channel::Verdict::Joined));
@@ -1214,11 +1213,10 @@ fn a_get_reaches_the_origin_with_its_handoff_and_other_methods_with_the_join() {
     let delete = handoff(2, b"DELETE /small HTTP/1.1\r\nHost: tcpe\r\n\r\n");
     assert!(wait_for("the DELETE's handoff taken", WAIT, || takeover.pending() == 1));
     std::thread::sleep(Duration::from_millis(100));
-    assert_eq!(origin.requests.load(Ordering::Relaxed), 1, "the DELETE reached the origin before the join");
+    assert_eq!(origin.stats.requests.load(Ordering::Relaxed), 1, "the DELETE reached the origin before the join");
     assert!(join_at(SocketAddrV4::new(JOIN, JOIN_PORT), 2, &keys));
-    assert!(wait_for("the DELETE at the origin", WAIT, || origin.requests.load(Ordering::Relaxed) == 2));
+    assert!(wait_for("the DELETE at the origin", WAIT, || origin.stats.requests.load(Ordering::Relaxed) == 2));
     assert_eq!(delete.join().unwrap(), channel::HandoffAnswer::Verdict(channel::Verdict::Joined));
     drop(takeover);
-    stop.store(true, Ordering::Relaxed);
-    origin_thread.join().unwrap();
+    origin.stop();
 }
