@@ -385,9 +385,12 @@ async fn keep(
 ) -> Result<Response<ProxyBody>, Refusal> {
     shared.metrics.cache(outcome);
     let (head, body) = resp.into_parts();
-    let policy = CachePolicy::new_options(parts, &cache_control::library_response(&head), SystemTime::now(), options());
     let limit = route.max_object_bytes.unwrap_or_else(|| cache.max_object_bytes());
-    if !cache.worth_storing(&policy, &head, limit) {
+    let storable = !cache_control::forbids_storing(&parts.headers, &head.headers) && {
+        let policy = CachePolicy::new_options(parts, &cache_control::library_response(&head), SystemTime::now(), options());
+        cache.worth_storing(&policy, &head, limit)
+    };
+    if !storable {
         drop(leader);
         let mut resp = Response::from_parts(head, body.map_err(BoxError::from).boxed());
         outcome.mark(&mut resp);
