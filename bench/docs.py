@@ -42,6 +42,7 @@ RENDER = {
     "handoff-ab-build": ab.render,
     "handoff-ab-early-static": ab.render,
     "handoff-ab-early-think": ab.render,
+    "handoff-ab-spare": ab.render,
     "proxy-ab-codegen": ab.render,
     "proxy-ab-inline": ab.render,
     "proxy-python-origin": proxy.render,
