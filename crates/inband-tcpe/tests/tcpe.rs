@@ -695,7 +695,7 @@ fn takeover_config(n: u16) -> takeover::Config {
 
 /// Origin, takeover server and balancer, started in the server namespace.
 struct World {
-    origin: Origin,
+    origin: ServerSide,
     takeover: Takeover,
     targets: Arc<Mutex<VecDeque<Target>>>,
     balancer: Arc<Counters>,
@@ -705,7 +705,7 @@ struct World {
 
 impl World {
     fn start(bed: &Bed, tcpe: &Arc<Tcpe>) -> World {
-        let origin = Origin::start(bed);
+        let origin = ServerSide::start(bed);
         let stop = Arc::new(AtomicBool::new(false));
         let takeover = Takeover::start(takeover_config(0)).unwrap();
         let lfd = socket(libc::AF_INET, libc::SOCK_STREAM, 0);
@@ -1106,21 +1106,21 @@ fn a_takeover_channel_carries_handoffs_one_after_another() {
 
 /// The server namespace entered, the join address added, and an origin
 /// serving on loopback until `stop`.
-struct Origin {
+struct ServerSide {
     stats: Arc<OriginStats>,
     stop: Arc<AtomicBool>,
     thread: std::thread::JoinHandle<()>,
 }
 
-impl Origin {
-    fn start(bed: &Bed) -> Origin {
+impl ServerSide {
+    fn start(bed: &Bed) -> ServerSide {
         bed.enter(&bed.server);
         ip(&["addr", "add", &format!("{JOIN}/24"), "dev", "tcpe-s"]).unwrap();
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(OriginStats::default());
         let o = stats.clone();
         let thread = serve(TcpListener::bind(loopback(ORIGIN_PORT)).unwrap(), stop.clone(), move |s| origin_conn(s, &o));
-        Origin { stats, stop, thread }
+        ServerSide { stats, stop, thread }
     }
 
     fn stop(self) {
@@ -1159,7 +1159,7 @@ fn hand_over(control: SocketAddr, conn_id: u32, keys: Keys, request: &[u8]) -> c
 fn a_join_ahead_of_its_handoff_waits_for_it_and_one_for_a_refused_handoff_is_reset() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let bed = Bed::up("ej");
-    let origin = Origin::start(&bed);
+    let origin = ServerSide::start(&bed);
     // A hold far above anything the test waits: a join reset early was
     // reset for its refusal, not for the hold.
     let hold = Duration::from_secs(30);
@@ -1196,7 +1196,7 @@ fn a_join_ahead_of_its_handoff_waits_for_it_and_one_for_a_refused_handoff_is_res
 fn a_get_reaches_the_origin_with_its_handoff_and_other_methods_with_the_join() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let bed = Bed::up("eg");
-    let origin = Origin::start(&bed);
+    let origin = ServerSide::start(&bed);
     let takeover = Takeover::start(takeover_config(0)).unwrap();
     let keys = Keys { active: 0x3333, passive: 0x4444 };
     let handoff = |conn_id: u32, request: &'static [u8]| std::thread::spawn(move || hand_over(loopback(CONTROL_PORT), conn_id, keys, request));
