@@ -85,9 +85,12 @@ if [ -f bench/requirements.txt ]; then
   fi
 fi
 
-if [ ! -e target ]; then
-  mkdir -p "$cache" && ln -s "$cache" target
-fi
+[ -e target ] || [ -L target ] || ln -s "$cache" target
+# A target directory made before setup (cargo run by hand first) is the
+# build directory then, and carries the stamp below; a link whose
+# directory is gone gets it again.
+cache=$(readlink -m target)
+mkdir -p "$cache"
 # A clone's own crates are rebuilt in every clone (their sources are new to
 # cargo), under artifact names of that clone: when the build directory last
 # served another clone, drop the workspace's artifacts, so it holds the
