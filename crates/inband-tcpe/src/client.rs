@@ -78,6 +78,7 @@ fn connect_offered(tcpe: &Tcpe, addr: SocketAddr, timeout: Duration) -> Result<T
     // SO_SNDTIMEO bounds a blocking connect(2) too.
     let s = TcpStream::from(fd);
     s.set_write_timeout(Some(timeout))?;
+    s.set_read_timeout(Some(timeout))?;
     let (sa, len) = sockaddr(addr);
     // SAFETY: connect with a sockaddr_storage holding `len` valid bytes.
     check(unsafe { libc::connect(s.as_raw_fd(), (&sa as *const libc::sockaddr_storage).cast(), len) }, "connect")
@@ -119,13 +120,13 @@ fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
 /// Waits up to `wait` for `s` to be readable (data, FIN or an error), or
 /// for `paths` (a notification accepted, [`Tcpe::paths_fd`]); whether `s`
 /// is readable.
-fn readable(s: &TcpStream, paths: Option<BorrowedFd>, wait: Duration) -> io::Result<bool> {
+fn readable(s: &TcpStream, paths: BorrowedFd, wait: Duration) -> io::Result<bool> {
     let mut p = [
         libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-        libc::pollfd { fd: paths.map_or(-1, |f| f.as_raw_fd()), events: libc::POLLIN, revents: 0 },
+        libc::pollfd { fd: paths.as_raw_fd(), events: libc::POLLIN, revents: 0 },
     ];
     let ms = wait.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
-    // SAFETY: poll on two pollfds (a negative fd is ignored).
+    // SAFETY: poll on two pollfds.
     let n = unsafe { libc::poll(p.as_mut_ptr(), 2, ms) };
     if n < 0 {
         let e = io::Error::last_os_error();
@@ -209,18 +210,22 @@ impl Read for Client {
             if watching {
                 self.look_for_path();
             }
-            let left = self.timeout.checked_sub(start.elapsed()).ok_or(io::ErrorKind::TimedOut)?;
-            let period = if start.elapsed() < NOTE_SOON { NOTE_POLL_SOON } else { NOTE_POLL };
-            let watching = watching && self.next.is_none();
-            let wait = if watching { left.min(period) } else { left };
-            let paths = watching.then(|| self.tcpe.paths_fd());
-            if !readable(&self.cur, paths, wait)? {
-                if watching {
+            // While a notification may come, the wait is a poll on both;
+            // otherwise a plain read, bounded by the socket's receive
+            // timeout: a poll before every read of a large body was a
+            // second system call per read.
+            if watching && self.next.is_none() {
+                let left = self.timeout.checked_sub(start.elapsed()).ok_or(io::ErrorKind::TimedOut)?;
+                let period = if start.elapsed() < NOTE_SOON { NOTE_POLL_SOON } else { NOTE_POLL };
+                if !readable(&self.cur, self.tcpe.paths_fd(), left.min(period))? {
                     self.tcpe.drain_paths();
+                    continue;
                 }
-                continue;
             }
-            let n = self.cur.read(buf)?;
+            let n = match self.cur.read(buf) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Err(io::ErrorKind::TimedOut.into()),
+                r => r?,
+            };
             if n > 0 {
                 if self.next.take().is_some() {
                     self.counters.bump(JOIN_ABANDONED);
@@ -250,16 +255,25 @@ impl Write for Client {
 /// Buffered reading of an HTTP/1.1 response off a stream.
 struct Reader<'a, S: Read> {
     s: &'a mut S,
+    /// Read and not consumed yet: a head, a chunk's size line, the first
+    /// body bytes that came with them.
     buf: Vec<u8>,
 }
+
+/// The most a read asks for. A body with nothing buffered before it is
+/// read through one buffer of this size straight to its output (one copy,
+/// as curl does): 10 MiB bodies through a 64 KiB stack buffer appended
+/// to `buf` came at 0.77x curl's rate on the same connection.
+const READ: usize = 256 * 1024;
 
 impl<S: Read> Reader<'_, S> {
     /// Reads more; false at the stream's end.
     fn fill(&mut self) -> io::Result<bool> {
-        let mut b = [0u8; 64 * 1024];
-        let n = self.s.read(&mut b)?;
-        self.buf.extend_from_slice(&b[..n]);
-        Ok(n > 0)
+        let at = self.buf.len();
+        self.buf.resize(at + READ.min(MAX_HEAD), 0);
+        let n = self.s.read(&mut self.buf[at..]);
+        self.buf.truncate(at + *n.as_ref().unwrap_or(&0));
+        Ok(n? > 0)
     }
 
     fn need_more(&mut self, what: &str) -> Result<()> {
@@ -269,16 +283,22 @@ impl<S: Read> Reader<'_, S> {
         Ok(())
     }
 
-    /// Moves `n` body bytes to `out`.
+    /// Moves `n` body bytes to `out`: what is buffered, then the rest read
+    /// straight through one buffer, never past the `n` bytes.
     fn copy(&mut self, mut n: u64, out: &mut impl Write) -> Result<()> {
+        let k = (self.buf.len() as u64).min(n) as usize;
+        out.write_all(&self.buf[..k])?;
+        self.buf.drain(..k);
+        n -= k as u64;
+        let mut through = vec![0u8; (n as usize).min(READ)];
         while n > 0 {
-            if self.buf.is_empty() {
-                self.need_more("body")?;
+            let want = (n as usize).min(through.len());
+            let got = self.s.read(&mut through[..want])?;
+            if got == 0 {
+                bail!("the connection closed in the middle of the response's body");
             }
-            let k = (self.buf.len() as u64).min(n) as usize;
-            out.write_all(&self.buf[..k])?;
-            self.buf.drain(..k);
-            n -= k as u64;
+            out.write_all(&through[..got])?;
+            n -= got as u64;
         }
         Ok(())
     }
