@@ -39,7 +39,10 @@ VIP's port 80:
 - `inband lb` in `dsr-rr` (XDP; responses go from s1 to c1 directly);
 - nginx (`proxy_pass`, keep-alive to the origin, no buffering to disk)
   and HAProxy (`mode http`, `http-reuse always`) as proxies;
-- beside them *direct*: curl from c1 to the origin itself, and the
+- beside them *direct*: curl from c1 to the origin itself; *direct,
+  TCPE client*: `inband tcpe get` from c1 to the origin (no TCPE there:
+  it stays on plain TCP), the direct row of the handed-off row's own
+  client, which its throughput target is judged against; and the
   *relay reference*: curl from c1 to a user-space TCP relay on s1
   (HAProxy, `mode tcp`) in front of the same origin. A handed-off
   connection is served that way (the takeover server relays the joined
@@ -87,7 +90,9 @@ one after another. For every row, in rounds (medians and sums over them):
    `inband tcpe get --timing` (CLOCK_MONOTONIC) and curl's
    `time_starttransfer − time_pretransfer`.
 4. **The targets** as ratios: handoff ÷ proxied balancer CPU (≤ 0.1),
-   handoff ÷ dsr-rr (≤ 1.2), handoff throughput ÷ direct (≥ 0.9).
+   handoff ÷ dsr-rr (≤ 1.2), handoff throughput ÷ direct (≥ 0.9), each
+   against the direct row of its own client (the TCPE handoff against
+   `inband tcpe get`'s, the transparent one against curl's).
 
 Every handoff row is checked from both ends: the proxy's
 `inband_proxy_tcpe_handoffs_total{result="handed_off"}` must rise by the
@@ -148,6 +153,7 @@ TARGETS = {"vs_proxy": 0.1, "vs_dsr": 1.2, "vs_direct": 0.9}
 
 SYSTEMS = [
     System("direct", "direct: client → origin"),
+    System("direct-tcpe", "direct: TCPE client → origin"),
     System("relay", "reference: client → a TCP relay on s1 (HAProxy mode tcp) → origin"),
     System("handoff", "inband proxy, handed off (TCPE client)"),
     System("handoff-refused", "inband proxy, TCPE client, takeover server stopped"),
@@ -164,7 +170,7 @@ SYSTEMS = [
 ]
 BY_KEY = {s.key: s for s in SYSTEMS}
 # What each row's balancer is; the two inband proxy rows share one.
-BALANCER = {"direct": None, "relay": None, "handoff": "inband-proxy", "handoff-refused": "inband-proxy", "transparent": "inband-lb+proxy",
+BALANCER = {"direct": None, "direct-tcpe": None, "relay": None, "handoff": "inband-proxy", "handoff-refused": "inband-proxy", "transparent": "inband-lb+proxy",
             "transparent-refused": "inband-lb+proxy", "handoff-stripped": "inband-proxy", "handoff-killed": "inband-proxy",
             "transparent-killed": "inband-lb+proxy", "proxy": "inband-proxy", "dsr": "inband-lb", "floor": "nginx-answer", "nginx": "nginx", "haproxy": "haproxy"}
 # The rows whose connections move, each by its own mechanism.
@@ -192,6 +198,18 @@ def mechanism(system: str) -> str | None:
 
 def fault(system: str) -> str | None:
     return FAULTS[system][1] if system in FAULTS else None
+
+
+def tcpe_client(system: str) -> bool:
+    """Whether a row's client is `inband tcpe get` (else curl)."""
+    return mechanism(system) == "handoff" or system == "direct-tcpe"
+
+
+def same_client_direct(cs: dict, system: str, size: int):
+    """The direct row of `system`'s own client at `size`: a throughput is
+    judged against the client it was measured with. Records made before
+    the TCPE client had a direct row of its own have curl's only."""
+    return (cs.get(("direct-tcpe", size)) if tcpe_client(system) else None) or cs.get(("direct", size))
 MOVES_PORT = 7156
 
 
@@ -599,7 +617,7 @@ class Bench(TestbedRun):
         return 0
 
     def client_argv(self, system: str, url: str, n: int) -> list[str]:
-        if mechanism(system) == "handoff":
+        if tcpe_client(system):
             return [str(self.inband), "tcpe", "get", "--cgroup", str(self.cgroups["c1"]), "--timing", *([url] * n)]
         cfg = self.tmp / "curl.conf"
         cfg.write_text('silent\nheader = "Connection: close"\nmax-time = 120\n'
@@ -609,8 +627,8 @@ class Bench(TestbedRun):
     def measure(self, system: str, mib: int, n: int, rnd: int) -> Row:
         kind = BALANCER[system]
         size = mib * MIB
-        host = self.tb.addr("s1") if system in ("direct", "relay") else self.tb.vip
-        port = {"direct": ORIGIN_PORT, "relay": RELAY_PORT}.get(system, VIP_PORT)
+        host = self.tb.addr("s1") if system in ("direct", "direct-tcpe", "relay") else self.tb.vip
+        port = {"direct": ORIGIN_PORT, "direct-tcpe": ORIGIN_PORT, "relay": RELAY_PORT}.get(system, VIP_PORT)
         url = f"http://{host}:{port}/{mib}M"
         argv = ns_argv(self.ns("c1"), in_cgroup(self.cgroups["c1"], self.client_argv(system, url, n)))
         row = Row(system, size, rnd, n)
@@ -619,7 +637,7 @@ class Bench(TestbedRun):
         lb0, c0, s0 = (cgroup_usage_s(self.cgroups[r]) for r in ("lb", "c1", "s1"))
         bpf0 = self.bpf_ns(kind)
         busy0, t0 = cpu_busy_s(), time.monotonic()
-        tcpe = mechanism(system) == "handoff"
+        tcpe = tcpe_client(system)
         done = threading.Event()
         killer = threading.Thread(target=self.killing_takeover, args=(done, row)) if fault(system) == "killed" else None
         if killer:
@@ -898,7 +916,8 @@ def targets_table(cs: dict, rows: list[Row] = ()) -> str:
         floor = cs.get(("floor", size))
         vs_p = ratio(h.balancer_s_gb, p.balancer_s_gb) if p else None
         vs_d = ratio(h.balancer_s_gb, d.balancer_s_gb) if d else None
-        vs_direct = ratio(h.mb_s, direct.mb_s) if direct else None
+        own = same_client_direct(cs, system, size)
+        vs_direct = ratio(h.mb_s, own.mb_s) if own else None
         # What a standard relay on the server makes of the same path, and the handoff against it.
         limit = [fmt(ratio(relay.mb_s, direct.mb_s) if relay and direct else None, 2), fmt(ratio(h.mb_s, relay.mb_s) if relay else None, 2)]
         # The least any balancer that reads the request spends per connection, against dsr-rr's cost, and the handoff against it.
@@ -919,9 +938,10 @@ def targets_table(cs: dict, rows: list[Row] = ()) -> str:
         table_rows.append([mib_label(size), variant, fmt(vs_p, 3), spread, verdict(vs_p, TARGETS["vs_proxy"], True), fmt(vs_d, 2),
                            verdict(vs_d, TARGETS["vs_dsr"], True), fmt(vs_direct, 2), verdict(vs_direct, TARGETS["vs_direct"], False), *limit,
                            *machine])
+    own_client = any(system == "direct-tcpe" for system, _ in cs)
     return table(["response", "handoff", f"÷ proxied, balancer CPU (≤ {TARGETS['vs_proxy']})", "rounds alone", "",
                   f"÷ dsr-rr (≤ {TARGETS['vs_dsr']})", "",
-                  f"÷ direct, throughput (≥ {TARGETS['vs_direct']})", "", "HAProxy relay ÷ direct", "handoff ÷ HAProxy relay",
+                  f"÷ direct{' with its own client' if own_client else ''}, throughput (≥ {TARGETS['vs_direct']})", "", "HAProxy relay ÷ direct", "handoff ÷ HAProxy relay",
                   "L7 floor ÷ dsr-rr, balancer CPU", "handoff ÷ L7 floor",
                   "machine above direct: handoff ÷ proxied", "÷ dsr-rr"], table_rows)
 
@@ -972,7 +992,7 @@ def ab_numbers(record: dict) -> dict[str, list[float]]:
             out.setdefault(f"{what}: ÷ proxied", []).append(c.balancer_s_gb / proxied.balancer_s_gb)
         if (server := c.per_gb(c.server_cpu_s)) is not None:
             out.setdefault(f"{what}: server s/GB", []).append(server)
-        direct = by.get(("direct", size, rnd))
+        direct = same_client_direct({(s, z): x for (s, z, r), x in by.items() if r == rnd}, system, size)
         if direct is not None and direct.mb_s and c.mb_s is not None:
             out.setdefault(f"{what}: throughput ÷ direct", []).append(c.mb_s / direct.mb_s)
         if c.first_ms:

@@ -9,7 +9,7 @@ import json
 import os
 import shutil
 import subprocess
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -87,6 +87,26 @@ def test_tables_give_the_targets_as_ratios():
     lat = {r[0]: r for r in table_rows(md, "| system | fetches | p50 ms |")}
     assert not any(k.startswith("limit") for k in lat)
     assert lat["inband proxy, handed off (TCPE client)"][1:3] == ["10", "4.00"]
+
+
+def test_a_handoff_is_judged_against_the_direct_row_of_its_own_client():
+    gb = 10 * MIB / 1e9
+    h = row("handoff", cpu=0.1 * gb, machine=1.5 * gb, total_s=0.0125, moved=10, handed_off=10)
+    t = row("transparent", cpu=0.1 * gb, machine=1.5 * gb, total_s=0.0125, moved=10, handed_off=10)
+    # The TCPE client straight to the origin takes 11.25 ms a fetch, curl 10.
+    own = row("direct-tcpe", cpu=0.0, machine=1.0 * gb, total_s=0.01125)
+    md = ho.markdown(known_rows(h) + [t, own], {"counts": [[1, 10]], "rounds": 1}, [], [])
+    targets = {r[1]: r for r in table_rows(md, "| response | handoff | ÷ proxied")}
+    assert "÷ direct with its own client, throughput (≥ 0.9)" in md
+    # 11.25 ÷ 12.5 = 0.90 against its own client; curl's 10 ÷ 12.5 for the transparent row.
+    assert targets["TCPE"][7:9] == ["0.90", "met"]
+    assert targets["transparent"][7:9] == ["0.80", "**not met**"]
+    tp = {r[1]: r for r in table_rows(md, "| response | system | fetches |")}
+    assert tp["direct: TCPE client → origin"][5] == "0.89×"
+    ab = ho.ab_numbers({"rows": [asdict(r) for r in known_rows(h) + [own]]})
+    assert ab["inband proxy, handed off (TCPE client), 1 MiB: throughput ÷ direct"] == [pytest.approx(0.9)]
+    # A record without the TCPE client's direct row judges against curl's, under the old heading.
+    assert "÷ direct, throughput (≥ 0.9)" in ho.markdown(known_rows(h), {"counts": [[1, 10]], "rounds": 1}, [], [])
 
 
 def test_a_handoff_row_that_fell_back_says_so_and_is_not_judged():
