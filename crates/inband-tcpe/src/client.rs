@@ -670,6 +670,43 @@ mod tests {
         assert_eq!(f.at, Some(at), "the first byte's time stays");
     }
 
+    /// A stream that hands out at most `step` bytes a read, and counts
+    /// what it handed out.
+    struct Trickle<'a> {
+        data: &'a [u8],
+        step: usize,
+        taken: usize,
+    }
+
+    impl Read for Trickle<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            let k = buf.len().min(self.step).min(self.data.len() - self.taken);
+            buf[..k].copy_from_slice(&self.data[self.taken..self.taken + k]);
+            self.taken += k;
+            Ok(k)
+        }
+    }
+
+    #[test]
+    fn a_body_is_copied_whole_in_order_and_never_read_past() {
+        let data: Vec<u8> = (0..3 * READ as u32 + 77).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        let body = 2 * READ + 5;
+        // 10 bytes came with the head; the rest in reads of odd sizes.
+        let mut s = Trickle { data: &data[10..], step: 70_001, taken: 0 };
+        let mut r = Reader { s: &mut s, buf: data[..10].to_vec() };
+        let mut out = Vec::new();
+        r.copy(body as u64, &mut out).unwrap();
+        assert!(out == data[..body], "the body's bytes, in order");
+        assert!(r.buf.is_empty());
+        assert_eq!(s.taken + 10, body, "nothing read past the body");
+        // Cut short: an error, and what came is in `out`.
+        let mut s = Trickle { data: &data[..100], step: 30, taken: 0 };
+        let mut r = Reader { s: &mut s, buf: Vec::new() };
+        let mut out = Vec::new();
+        assert!(r.copy(1000, &mut out).unwrap_err().to_string().contains("closed in the middle of the response's body"));
+        assert_eq!(out, data[..100]);
+    }
+
     #[test]
     fn a_content_range_is_read_or_refused() {
         assert_eq!(content_range("bytes 262144-1048575/1048576"), Some((262_144, 1_048_575, 1_048_576)));
