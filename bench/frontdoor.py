@@ -58,6 +58,7 @@ from .lib.tools import parse_wrk
 from .proxy import HOST, WRK_LUA, free_port, wait_quiet
 
 CAPACITY = 1 << 30  # far above the data set: nothing is evicted
+TICKET_WAIT_S = 10.0  # bound on the wait for a TLS 1.3 ticket
 
 
 SYSTEMS = [
@@ -297,12 +298,18 @@ class Bench:
         return int(m.group(1)) / wall, marks[0] / max(1, sum(marks))
 
     def resumes(self, s: System) -> bool:
-        """Whether a TLS 1.3 session resumes from a ticket: the first
-        client stays a moment, since tickets come after the handshake."""
+        """Whether a TLS 1.3 session resumes from a ticket. Tickets come
+        after the handshake, and s_client writes -sess_out only when one
+        arrives: the first client stays until the file is there (on a busy
+        machine that can take longer than any fixed pause), or a bound
+        passes for a server that sends none."""
         sess = self.tmp / f"{s.key}.sess"
+        sess.unlink(missing_ok=True)
         base = ["openssl", "s_client", "-connect", f"{HOST}:{self.ports[s.key]}", "-servername", "bench.test", "-tls1_3"]
         first = subprocess.Popen(base + ["-sess_out", str(sess)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(0.5)
+        deadline = time.monotonic() + TICKET_WAIT_S
+        while not (sess.exists() and sess.stat().st_size > 0) and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
         first.communicate(b"", timeout=10)
         cp = subprocess.run(base + ["-sess_in", str(sess)], input="", capture_output=True, text=True, timeout=10)
         return "Reused, TLSv1.3" in cp.stdout

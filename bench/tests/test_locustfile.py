@@ -182,14 +182,23 @@ def test_regimes_loads_on_off_keep_alive_and_direct(tmp_path):
     assert (tmp_path / "window.json").exists(), cp.stderr[-2000:]
     t0, _t1 = report.read_window(tmp_path / "window.json")
 
-    def inside(ws, t):
-        return any(w[0] - 0.05 <= t - t0 <= w[1] + 0.1 for w in ws)
-
     # The regular users (3 of the 5) sent in both on windows and never
     # between them; the direct ones only inside theirs, only to their server.
-    assert conns["vip"] and all(inside(onoff, t) for _p, t, _c in conns["vip"]), [round(t - t0, 2) for _p, t, _c in conns["vip"]]
-    assert {any(w[0] <= t - t0 <= w[1] + 0.1 for _p, t, _c in conns["vip"]) for w in onoff} == {True}
-    assert conns["direct"] and all(inside(windows, t) for _p, t, _c in conns["direct"])
+    # Judged by each request's send time in the client's own log (with the
+    # requests still in flight at the stop): a server's time of receipt
+    # adds the scheduling of two processes, without bound on a loaded
+    # machine. The slack covers the few statements from the window check
+    # to Locust's start time.
+    def sent(log):
+        return [r.start - t0 for r in report.read_requests(tmp_path / log)]
+
+    def inside(ws, t):
+        return any(w[0] <= t <= w[1] + 0.05 for w in ws)
+
+    vip_sent = sent("requests.csv") + [t - t0 for t in json.loads((tmp_path / "window.json").read_text())["unfinished"]]
+    assert conns["vip"] and [round(t, 3) for t in vip_sent if not inside(onoff, t)] == []
+    assert {any(w[0] <= t <= w[1] for t in vip_sent) for w in onoff} == {True}
+    assert conns["direct"] and [round(t, 3) for t in sent("direct.csv") if not inside(windows, t)] == []
     # Keep-alive: many requests per connection, each connection ended by
     # the client's close; direct requests: one connection each.
     ports = {p for p, _t, _c in conns["vip"]}
