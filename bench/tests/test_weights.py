@@ -247,7 +247,12 @@ def test_tiny_profile_end_to_end(tmp_path):
         # Round-robin overloads the 1-worker server at any rate above 27% of
         # the total (its queue's overflow is answered 503): a looser bound.
         bound = 0.25 if r["row"] == "rr" else 0.1
-        assert o["ok"] > 0 and o["errors"] <= bound * o["sent"], (r["row"], o)
+        # A string, so that pytest prints it whole: the breakdown of the
+        # errors, the weights given and the controller's last decisions.
+        why = json.dumps({"row": r["row"], "openloop": o, "balancer_weights": r.get("balancer_weights"),
+                          "learn_s": r.get("learn_s"), "cpu_busy": r.get("cpu_busy"),
+                          "decisions": (r.get("status") or {}).get("decisions", [])[-8:]})
+        assert o["ok"] > 0 and o["errors"] <= bound * o["sent"], why
         assert o["mean_ms"] > 0 and o["p99_ms"] >= o["mean_ms"] * 0.5, (r["row"], o)
     learned = {}
     for key in ("weights", "weights+scores"):
