@@ -1664,8 +1664,10 @@ fn connect_from(local: impl Into<IpAddr>, to: SocketAddr) -> TcpStream {
     unsafe {
         let fd = libc::socket(family, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
         assert!(fd >= 0);
-        assert_eq!(libc::bind(fd, (&me as *const libc::sockaddr_storage).cast(), me_len), 0);
-        assert_eq!(libc::connect(fd, (&peer as *const libc::sockaddr_storage).cast(), peer_len), 0);
+        let rc = libc::bind(fd, (&me as *const libc::sockaddr_storage).cast(), me_len);
+        assert_eq!(rc, 0, "bind {local}: {}", std::io::Error::last_os_error());
+        let rc = libc::connect(fd, (&peer as *const libc::sockaddr_storage).cast(), peer_len);
+        assert_eq!(rc, 0, "connect {local} -> {to}: {}", std::io::Error::last_os_error());
         std::os::fd::FromRawFd::from_raw_fd(fd)
     }
 }
