@@ -49,25 +49,36 @@ pub(super) struct Window {
     pub(super) failed: bool,
 }
 
+/// The share of a window's slowest probes left out of its mean. One probe
+/// whose SYN was retransmitted after a second, among a hundred of 10 ms,
+/// adds 10 ms to the mean: enough to take a backend for one whose capacity
+/// changed, and to move its load onto a smaller one that it overloads
+/// (bench.weights, the `weights` row). A loaded backend slows most of its
+/// probes, not a few, and its mean still shows it.
+const SLOWEST_LEFT_OUT: f64 = 0.05;
+
 impl Observed {
     /// Probes sent in [from, to]; one still in flight counts with its age
     /// so far, so a slow backend's unfinished probes do not leave only its
-    /// fast ones in the mean.
+    /// fast ones in the mean. The mean leaves out the slowest
+    /// `SLOWEST_LEFT_OUT` of them (none in a window of fewer than 20).
     pub(super) fn window(&self, from: Instant, to: Instant) -> Option<Window> {
         let now = Instant::now();
         let samples = self.samples.lock().unwrap();
-        let (mut sum, mut count, mut failed) = (0.0, 0usize, false);
+        let mut failed = false;
+        let mut ms: Vec<f64> = Vec::new();
         for s in samples.iter().filter(|s| s.sent >= from && s.sent <= to) {
             match s.outcome {
-                Some(Ok(ms)) => sum += ms,
+                Some(Ok(v)) => ms.push(v),
                 Some(Err(_)) => failed = true,
-                None => sum += now.duration_since(s.sent).as_secs_f64() * 1e3,
-            }
-            if !matches!(s.outcome, Some(Err(_))) {
-                count += 1;
+                None => ms.push(now.duration_since(s.sent).as_secs_f64() * 1e3),
             }
         }
-        (count > 0 || failed).then(|| Window { mean_ms: if count > 0 { sum / count as f64 } else { f64::INFINITY }, count, failed })
+        let count = ms.len();
+        ms.sort_by(f64::total_cmp);
+        let kept = &ms[..count - (count as f64 * SLOWEST_LEFT_OUT) as usize];
+        let mean_ms = if kept.is_empty() { f64::INFINITY } else { kept.iter().sum::<f64>() / kept.len() as f64 };
+        (count > 0 || failed).then_some(Window { mean_ms, count, failed })
     }
 
     /// The last `PROBES_FAILED` finished probes all failed without an
@@ -239,6 +250,30 @@ mod tests {
         // Every handshake refused: failed in one window.
         assert!(h.after(&[Refused; 3]));
         assert!(h.after(&[Refused, Silent, Refused]), "still failed");
+    }
+
+    #[test]
+    fn a_few_stalled_probes_do_not_move_a_window_but_a_slow_backend_does() {
+        let obs = Observed::default();
+        let t0 = Instant::now() - Duration::from_secs(5);
+        let fill = |ms: &[(usize, f64)]| {
+            let mut s = obs.samples.lock().unwrap();
+            s.clear();
+            for &(n, v) in ms {
+                s.extend((0..n).map(|_| Sample { sent: t0, outcome: Some(Ok(v)) }));
+            }
+        };
+        fill(&[(97, 10.0), (3, 1000.0)]);
+        let w = obs.window(t0, Instant::now()).unwrap();
+        assert_eq!(w.count, 100);
+        assert!((w.mean_ms - 10.0).abs() < 1e-9, "three retransmitted SYNs left out: {w:?}");
+        fill(&[(40, 10.0), (60, 100.0)]);
+        let w = obs.window(t0, Instant::now()).unwrap();
+        assert!(w.mean_ms > 60.0, "most probes slow: {w:?}");
+        // A small window keeps every probe.
+        fill(&[(18, 10.0), (1, 1000.0)]);
+        let w = obs.window(t0, Instant::now()).unwrap();
+        assert!((w.mean_ms - (180.0 + 1000.0) / 19.0).abs() < 1e-9, "{w:?}");
     }
 
     #[test]
