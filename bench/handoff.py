@@ -386,7 +386,9 @@ class Bench(TestbedRun):
         (self.out / "configs").mkdir(parents=True, exist_ok=True)
         base = cgroup2_mount()
         for role in ("lb", "c1", "s1"):
-            cg = base / f"inband-bench-handoff-{os.getpid()}-{role}"
+            # Named after the testbed too, so that runs side by side can
+            # each tell their own.
+            cg = base / f"inband-bench-handoff-{self.tb.name}-{os.getpid()}-{role}"
             cg.mkdir()
             self.cgroups[role] = cg
         self.bring_up(2)
