@@ -37,6 +37,7 @@ mod tunnel;
 mod upgrade;
 mod upstream;
 mod uri_path;
+mod workers;
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -61,7 +62,9 @@ pub(crate) struct Shared {
     /// `max_connections` permits, shared by every worker.
     connection_slots: Arc<tokio::sync::Semaphore>,
     /// One per worker thread, by index.
-    worker_loads: Vec<Arc<server::WorkerLoad>>,
+    worker_loads: Vec<Arc<workers::WorkerLoad>>,
+    /// Which worker's socket the kernel gives new connections.
+    steering: workers::Steering,
     /// The TLS listener's certificates and settings.
     tls: Option<tls::Tls>,
     client_limits: Arc<client_limits::ClientLimits>,
@@ -131,16 +134,20 @@ impl Proxy {
         // refuses the start, as the listener's certificates do.
         let router = routes::Router::new(&cfg, &metrics).context("backend TLS")?;
         let tcpe = cfg.tcpe.as_ref().map(tcpe::Handoffs::start).transpose()?;
-        let listener = match &tcpe {
-            Some(t) => t.listen(cfg.listen).with_context(|| format!("listening on {} (answering TCPE)", cfg.listen))?,
-            None => TcpListener::bind(cfg.listen).await.with_context(|| format!("listening on {}", cfg.listen))?,
+        let workers = match cfg.raw.workers {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
         };
-        let addr = listener.local_addr()?;
-        let tls_listener = match cfg.tls_listen {
-            Some(t) => Some(TcpListener::bind(t).await.with_context(|| format!("listening on {t} (TLS)"))?),
-            None => None,
+        let listeners = match &tcpe {
+            Some(t) => t.listen(cfg.listen, workers).with_context(|| format!("listening on {} (answering TCPE)", cfg.listen))?,
+            None => workers::bind(cfg.listen, workers, |_| Ok(()), |_| Ok(())).with_context(|| format!("listening on {}", cfg.listen))?,
         };
-        let tls_addr = tls_listener.as_ref().map(|l| l.local_addr()).transpose()?;
+        let addr = listeners[0].local_addr()?;
+        let tls_listeners = match cfg.tls_listen {
+            Some(t) => workers::bind(t, workers, |_| Ok(()), |_| Ok(())).with_context(|| format!("listening on {t} (TLS)"))?,
+            None => Vec::new(),
+        };
+        let tls_addr = tls_listeners.first().map(|l| l.local_addr()).transpose()?;
         let metrics_listener = match cfg.metrics_listen {
             Some(m) => Some(TcpListener::bind(m).await.with_context(|| format!("listening on {m} (metrics)"))?),
             None => None,
@@ -150,13 +157,12 @@ impl Proxy {
             0 => (open_files_limit().saturating_sub(64) / 2).max(1) as usize,
             n => n,
         };
-        let workers = match cfg.raw.workers {
-            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-            n => n,
-        };
+        let worker_loads: Vec<Arc<workers::WorkerLoad>> = (0..workers).map(|_| Arc::default()).collect();
+        let steering = workers::Steering::new(&[&listeners, &tls_listeners], worker_loads.clone(), cfg.raw.pack_connections)?;
         let shared = Arc::new(Shared {
             connection_slots: Arc::new(tokio::sync::Semaphore::new(max_connections)),
-            worker_loads: (0..workers).map(|_| Arc::default()).collect(),
+            worker_loads,
+            steering,
             router,
             client_limits: Arc::new(client_limits::ClientLimits::new(
                 cfg.raw.client_limits.connections_for(max_connections),
@@ -193,18 +199,20 @@ impl Proxy {
             background.push(tokio::spawn(inband_http::serve(l, move |path| shared.metrics_reply(path))));
         }
         let (stop, stop_rx) = watch::channel(false);
-        let mut servers = Vec::new();
+        let mut rxs = Vec::new();
         let mut slots = Vec::new();
-        for i in 0..workers {
+        for load in &shared.worker_loads {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            let load = shared.worker_loads[i].clone();
-            servers.push(spawn_worker(i, shared.clone(), rx, load.clone(), stop_rx.clone())?);
-            slots.push(server::WorkerSlot { tx, load });
+            rxs.push(rx);
+            slots.push(server::WorkerSlot { tx, load: load.clone() });
         }
-        if let Some(l) = tls_listener {
-            background.push(tokio::spawn(server::accept(shared.clone(), l, true, slots.clone(), stop_rx.clone())));
+        let slots: Arc<[server::WorkerSlot]> = slots.into();
+        let mut tls_listeners = tls_listeners.into_iter();
+        let mut servers = Vec::new();
+        for (i, (rx, plain)) in rxs.into_iter().zip(listeners).enumerate() {
+            let own = Listening { plain, tls: tls_listeners.next(), workers: slots.clone() };
+            servers.push(spawn_worker(i, shared.clone(), rx, own, stop_rx.clone())?);
         }
-        background.push(tokio::spawn(server::accept(shared.clone(), listener, false, slots, stop_rx)));
         tracing::info!(%addr, tls = ?tls_addr, routes = shared.router.all().count(), workers, max_connections, open_files = open_files_limit(), "proxy listening");
         Ok(Proxy { addr, metrics_addr, tls_addr, stop, servers, shared, background })
     }
@@ -245,6 +253,7 @@ impl Proxy {
     /// `shutdown_timeout_ms`), then stops health checks and metrics.
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);
+        self.shared.steering.close();
         for done in self.servers {
             let _ = done.await;
         }
@@ -258,25 +267,45 @@ impl Proxy {
     }
 }
 
-/// A worker: an OS thread with its own single-threaded runtime serving
-/// the connections the acceptor gives it, like nginx's worker processes. A
-/// connection lives on its worker, so a request never hops between
-/// threads (no work stealing, no cross-thread wake-ups: a third of the CPU
-/// of a cache hit on tokio's multi-threaded runtime), and the worker has
-/// its own pool of backend connections for the same reason.
+/// A worker's own listening sockets, and where to send a connection it
+/// accepts for another worker.
+struct Listening {
+    plain: std::net::TcpListener,
+    tls: Option<std::net::TcpListener>,
+    workers: Arc<[server::WorkerSlot]>,
+}
+
+/// A worker: an OS thread with its own single-threaded runtime accepting
+/// on its own sockets and serving its connections, like nginx's worker
+/// processes. A connection lives on its worker, so a request never hops
+/// between threads (no work stealing, no cross-thread wake-ups: a third of
+/// the CPU of a cache hit on tokio's multi-threaded runtime), and the
+/// worker has its own pool of backend connections for the same reason.
 fn spawn_worker(
     i: usize,
     shared: Arc<Shared>,
     conns: tokio::sync::mpsc::UnboundedReceiver<server::Accepted>,
-    load: Arc<server::WorkerLoad>,
+    own: Listening,
     stop: watch::Receiver<bool>,
 ) -> Result<tokio::sync::oneshot::Receiver<()>> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    // Registered with the worker's runtime here, so that a socket that
+    // cannot be refuses the start instead of leaving a queue nobody reads.
+    let (plain, tls) = {
+        let _in = rt.enter();
+        let register = |l: std::net::TcpListener| l.set_nonblocking(true).and_then(|()| TcpListener::from_std(l));
+        (register(own.plain)?, own.tls.map(register).transpose()?)
+    };
     let (done, finished) = tokio::sync::oneshot::channel();
+    let load = shared.worker_loads[i].clone();
     std::thread::Builder::new().name(format!("proxy-worker-{i}")).spawn(move || {
         rt.block_on(async move {
             // Dropped with the runtime when serving ends.
-            tokio::spawn(server::measure_busy(load.clone()));
+            tokio::spawn(server::measure_busy(shared.clone(), load.clone()));
+            if let Some(l) = tls {
+                tokio::spawn(server::accept(shared.clone(), l, true, i, own.workers.clone(), stop.clone()));
+            }
+            tokio::spawn(server::accept(shared.clone(), plain, false, i, own.workers, stop.clone()));
             server::serve(shared, conns, load, stop).await
         });
         let _ = done.send(());

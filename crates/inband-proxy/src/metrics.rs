@@ -110,6 +110,9 @@ pub struct Metrics {
     worker_connections: Family<Labels, Gauge>,
     worker_busy: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     accept_errors: Counter,
+    /// Connections a worker accepted and handed to the one packing chose
+    /// (the kernel's steering was behind a burst, or could not be set).
+    connections_handed_over: Counter,
     /// Connections closed at once: their client had `[client_limits]
     /// connections` open already.
     client_connections_refused: Counter,
@@ -212,6 +215,7 @@ impl Metrics {
         registry.register("cache_store", "The cache store: entries, bytes, capacity_bytes, corrupt, evictions", cache_store.clone());
         let connections = Gauge::default();
         let accept_errors = Counter::default();
+        let connections_handed_over = Counter::default();
         let client_connections_refused = Counter::default();
         let clients_untracked = Counter::default();
         let connection_timeouts = Family::<Labels, Counter>::default();
@@ -227,6 +231,11 @@ impl Metrics {
         registry.register("worker_connections", "Client connections open on each worker thread", worker_connections.clone());
         registry.register("worker_busy_ratio", "Share of the last 100 ms each worker thread spent running tasks", worker_busy.clone());
         registry.register("accept_errors", "Failed accepts (out of file descriptors and the like), each followed by a backoff", accept_errors.clone());
+        registry.register(
+            "connections_handed_over",
+            "Client connections accepted by one worker and served by another that packing chose (steering was behind, e.g. in a burst)",
+            connections_handed_over.clone(),
+        );
         registry.register("client_connections_refused", "Connections closed at once because their client held [client_limits] connections already", client_connections_refused.clone());
         registry.register("clients_untracked", "New clients served without per-client limits because the client table was full", clients_untracked.clone());
         registry.register("connection_timeouts", "Client connections closed by a timeout: header, idle or send", connection_timeouts.clone());
@@ -312,6 +321,7 @@ impl Metrics {
             worker_connections,
             worker_busy,
             accept_errors,
+            connections_handed_over,
             client_connections_refused,
             clients_untracked,
             tls_handshake_errors,
@@ -356,6 +366,10 @@ impl Metrics {
 
     pub fn accept_error(&self) {
         self.accept_errors.inc();
+    }
+
+    pub fn connection_handed_over(&self) {
+        self.connections_handed_over.inc();
     }
 
     pub fn client_connection_refused(&self) {

@@ -2,9 +2,9 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use http::{header, HeaderValue, Request, Response, StatusCode};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -27,6 +27,7 @@ use crate::routes::Route;
 use crate::tcpe::{self, First};
 use crate::tunnel::{self, Offer};
 use crate::upgrade::Upgrade;
+use crate::workers::{WorkerLoad, BUSY_INTERVAL};
 use crate::{access, cache_control, cache_layer, forward, Shared};
 
 pub fn refusal_response(r: Refusal) -> Response<ProxyBody> {
@@ -55,9 +56,9 @@ pub fn refusal_response(r: Refusal) -> Response<ProxyBody> {
     resp
 }
 
-/// A connection handed from the acceptor to a worker.
+/// A connection accepted by a worker, for the worker that serves it.
 pub struct Accepted {
-    stream: std::net::TcpStream,
+    stream: Stream,
     peer: SocketAddr,
     permit: OwnedSemaphorePermit,
     client: ClientSlot,
@@ -65,77 +66,25 @@ pub struct Accepted {
     tls: bool,
 }
 
-/// A worker's load, kept by the worker, read by the acceptor and /metrics.
-#[derive(Default)]
-pub struct WorkerLoad {
-    /// Client connections it serves.
-    pub open: AtomicUsize,
-    /// Of those, from the TLS listener: each counts twice toward packing
-    /// ([`choose_worker`]).
-    pub tls: AtomicUsize,
-    /// Share of the last [`BUSY_INTERVAL`] it spent running tasks rather
-    /// than waiting for events, in thousandths.
-    pub busy_permille: AtomicU32,
+/// A registration with a runtime's reactor belongs to that runtime: a
+/// connection served where it was accepted keeps its own, one handed to
+/// another worker leaves it and registers there.
+enum Stream {
+    Here(TcpStream),
+    Moved(std::net::TcpStream),
 }
 
-impl WorkerLoad {
-    fn opened(&self, tls: bool) {
-        self.open.fetch_add(1, Ordering::Relaxed);
-        self.tls.fetch_add(usize::from(tls), Ordering::Relaxed);
-    }
-
-    fn closed(&self, tls: bool) {
-        self.open.fetch_sub(1, Ordering::Relaxed);
-        self.tls.fetch_sub(usize::from(tls), Ordering::Relaxed);
-    }
-
-    /// Its connections as packing counts them: a TLS one twice.
-    fn weight(&self) -> usize {
-        self.open.load(Ordering::Relaxed) + self.tls.load(Ordering::Relaxed)
-    }
-}
-
-/// Where the acceptors send a worker its connections.
+/// Where a worker's connections are sent, by itself or by the worker
+/// that accepted them.
 #[derive(Clone)]
 pub struct WorkerSlot {
     pub tx: mpsc::UnboundedSender<Accepted>,
     pub load: Arc<WorkerLoad>,
 }
 
-const BUSY_INTERVAL: Duration = Duration::from_millis(100);
-
-/// A worker that ran tasks for more than this share of the last interval
-/// takes no packed connections.
-const PACK_BUSY_PERMILLE: u32 = 500;
-
-/// The worker a new connection goes to: the first with fewer than `pack`
-/// connections more than the least loaded one that is less than half busy,
-/// else the one with the fewest open.
-///
-/// Why pack: a worker sleeps in epoll and is woken for every event it has
-/// no other work beside; a handful of connections spread one or two per
-/// thread make every request pay that, where one thread serving them all
-/// finds several ready at each wake-up. Measured on 2 CPUs with 8
-/// keep-alive clients: spread, 1.7 sleeps and 57 µs of CPU per proxied
-/// request; packed, 0.95 and 43 µs (nginx's workers end up the same way:
-/// all 8 of wrk's connections on one). `pack` bounds what one worker takes
-/// in a burst before the others get any, and the busy test keeps later
-/// connections off a worker that is already working.
-///
-/// The loads count a TLS connection twice: its handshake and the
-/// encryption of every byte make each of its requests dearer, and over
-/// HTTP/2 it carries many at once, so a burst of them packed on one
-/// worker saturates it before the busy test can see it (docs/decisions.md,
-/// "The proxy's hit path over HTTP/2").
-pub fn choose_worker(loads: &[(usize, u32)], pack: usize) -> usize {
-    let min_open = loads.iter().map(|&(open, _)| open).min().unwrap_or(0);
-    let packed = loads.iter().position(|&(open, busy)| open < min_open + pack && busy < PACK_BUSY_PERMILLE);
-    packed.unwrap_or_else(|| loads.iter().enumerate().min_by_key(|(_, &(open, _))| open).map_or(0, |(i, _)| i))
-}
-
 /// Keeps `load.busy_permille` at the share of each [`BUSY_INTERVAL`] this
 /// worker's runtime spent running tasks.
-pub async fn measure_busy(load: Arc<WorkerLoad>) {
+pub async fn measure_busy(shared: Arc<Shared>, load: Arc<WorkerLoad>) {
     let metrics = tokio::runtime::Handle::current().metrics();
     let mut last = metrics.worker_total_busy_duration(0);
     let mut tick = tokio::time::interval(BUSY_INTERVAL);
@@ -146,18 +95,18 @@ pub async fn measure_busy(load: Arc<WorkerLoad>) {
         let permille = (total.saturating_sub(last).as_micros() * 1000 / BUSY_INTERVAL.as_micros()).min(1000);
         load.busy_permille.store(permille as u32, Ordering::Relaxed);
         last = total;
+        shared.steering.update();
     }
 }
 
-/// Accepts until `stop` fires and hands each connection to a worker
-/// ([`choose_worker`]); `tls` marks the TLS listener's. Workers accepting on a shared socket themselves let
-/// whichever was awake take a whole burst of connections, however many,
-/// while the other idled; one acceptor choosing costs a cross-thread
-/// wake-up per connection, not per request.
-pub async fn accept(shared: Arc<Shared>, listener: TcpListener, tls: bool, workers: Vec<WorkerSlot>, mut stop: watch::Receiver<bool>) {
+/// Accepts on worker `me`'s own socket of one listening address until
+/// `stop` fires; `tls` marks the TLS listener's. The kernel steers each new
+/// connection to the worker packing chooses ([`crate::workers`]); one
+/// that arrives where packing no longer would put it (a burst queued
+/// before the steering moved) is handed to the worker it chooses now, as
+/// an acceptor thread would have done with every connection.
+pub async fn accept(shared: Arc<Shared>, listener: TcpListener, tls: bool, me: usize, workers: Arc<[WorkerSlot]>, mut stop: watch::Receiver<bool>) {
     let slots = shared.connection_slots.clone();
-    let pack = shared.cfg.raw.pack_connections;
-    let mut loads = Vec::with_capacity(workers.len());
     let mut backoff = inband_http::Backoff::default();
     loop {
         // At max_connections new clients wait in the listen backlog until
@@ -199,13 +148,22 @@ pub async fn accept(shared: Arc<Shared>, listener: TcpListener, tls: bool, worke
                 continue;
             }
         };
-        let Ok(stream) = stream.into_std() else { continue };
-        loads.clear();
-        loads.extend(workers.iter().map(|w| (w.load.weight(), w.load.busy_permille.load(Ordering::Relaxed))));
-        let w = &workers[choose_worker(&loads, pack)];
+        let to = shared.steering.choose();
+        let stream = if to == me {
+            Stream::Here(stream)
+        } else {
+            shared.metrics.connection_handed_over();
+            match stream.into_std() {
+                Ok(s) => Stream::Moved(s),
+                Err(_) => continue,
+            }
+        };
+        let w = &workers[to];
         w.load.opened(tls);
+        shared.steering.update();
         if w.tx.send(Accepted { stream, peer, permit, client, tls }).is_err() {
             w.load.closed(tls);
+            shared.steering.update();
         }
     }
 }
@@ -233,10 +191,15 @@ pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accep
             },
             _ = stop.wait_for(|s| *s) => break,
         };
-        let stream = match TcpStream::from_std(stream) {
+        let stream = match stream {
+            Stream::Here(s) => Ok(s),
+            Stream::Moved(s) => TcpStream::from_std(s),
+        };
+        let stream = match stream {
             Ok(s) => s,
             Err(e) => {
                 load.closed(tls);
+                shared.steering.update();
                 tracing::warn!(error = %e, "a worker could not register a connection");
                 continue;
             }
@@ -313,6 +276,7 @@ pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accep
             }
             s.metrics.connections.dec();
             load.closed(tls);
+            s.steering.update();
             drop(ends);
         });
     }
@@ -507,50 +471,4 @@ fn refuse(shared: &Shared, r: Refusal) -> Response<ProxyBody> {
 fn refuse_route(shared: &Shared, route: &Route, r: Refusal) -> Response<ProxyBody> {
     shared.metrics.route_refusal(&route.name, r);
     refuse(shared, r)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::choose_worker;
-
-    /// Connections one at a time, each staying open: how many each worker gets.
-    fn spread(n: usize, workers: usize, pack: usize, busy: &[u32]) -> Vec<usize> {
-        let mut loads: Vec<(usize, u32)> = (0..workers).map(|i| (0, busy.get(i).copied().unwrap_or(0))).collect();
-        for _ in 0..n {
-            let w = choose_worker(&loads, pack);
-            loads[w].0 += 1;
-        }
-        loads.iter().map(|&(open, _)| open).collect()
-    }
-
-    #[test]
-    fn a_few_connections_share_one_worker_and_many_spread_evenly() {
-        assert_eq!(spread(8, 2, 8, &[]), [8, 0]);
-        assert_eq!(spread(9, 2, 8, &[]), [8, 1]);
-        assert_eq!(spread(50, 2, 8, &[]), [29, 21]);
-        assert_eq!(spread(500, 2, 8, &[]), [254, 246]);
-        // Packs of 8 (and one more each once the last has its first).
-        assert_eq!(spread(64, 8, 8, &[]), [9, 9, 9, 9, 9, 9, 9, 1]);
-        let many = spread(800, 8, 8, &[]);
-        assert!(many.iter().max().unwrap() - many.iter().min().unwrap() <= 8, "{many:?}");
-    }
-
-    #[test]
-    fn pack_zero_always_takes_the_fewest_open() {
-        assert_eq!(spread(8, 2, 0, &[]), [4, 4]);
-        assert_eq!(spread(7, 3, 0, &[]), [3, 2, 2]);
-    }
-
-    #[test]
-    fn a_busy_worker_is_skipped_for_packing() {
-        // Worker 0 more than half busy: packing starts at worker 1.
-        assert_eq!(spread(8, 3, 8, &[900, 0, 0]), [0, 8, 0]);
-        // Every worker busy: the fewest open, as without packing.
-        assert_eq!(spread(9, 3, 8, &[900, 700, 600]), [3, 3, 3]);
-    }
-
-    #[test]
-    fn one_worker_gets_everything() {
-        assert_eq!(spread(20, 1, 8, &[1000]), [20]);
-    }
 }

@@ -32,7 +32,6 @@ use inband_tcpe::repair::Connected;
 use inband_tcpe::sockops::{hold_acks, State, Tcpe};
 use inband_tcpe::transparent::{self, Mover};
 use tokio::io::{AsyncRead, ReadBuf};
-use tokio::net::{TcpListener, TcpSocket};
 
 use crate::backend::Backend;
 use crate::config::TcpeSpec;
@@ -119,26 +118,28 @@ impl Handoffs {
         self.tcpe.counters()
     }
 
-    /// The plaintext listener, answering TCPE. Its ACKs are held after
-    /// listen() (which resets TCP_QUICKACK) so that connections inherit
-    /// it: a client's request often arrives before accept(), and an ACK
-    /// sent for it at once would leave none owed to carry the notification
-    /// (docs/decisions.md, "Getting the notification out").
-    pub fn listen(&self, addr: SocketAddr) -> Result<TcpListener> {
-        let s = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
-        s.set_reuseaddr(true)?;
-        self.tcpe.answer(s.as_fd())?;
-        s.bind(addr)?;
-        // tokio's TcpListener::bind uses the same backlog.
-        let l = s.listen(1024)?;
-        hold_acks(l.as_fd())?;
-        let bound = l.local_addr()?;
-        if !self.tcpe.answers(bound)? {
-            bail!(
-                "tcpe: the program does not answer for the listener on {bound}: the proxy is not in tcpe.cgroup (or its table of listeners is full: fallback_listeners_full)"
-            );
-        }
-        Ok(l)
+    /// The plaintext listener's sockets, one per worker
+    /// ([`crate::workers::bind`]), answering TCPE. Their ACKs are held
+    /// after listen() (which resets TCP_QUICKACK) so that connections
+    /// inherit it: a client's request often arrives before accept(), and an
+    /// ACK sent for it at once would leave none owed to carry the
+    /// notification (docs/decisions.md, "Getting the notification out").
+    pub fn listen(&self, addr: SocketAddr, workers: usize) -> Result<Vec<std::net::TcpListener>> {
+        crate::workers::bind(
+            addr,
+            workers,
+            |s| Ok(self.tcpe.answer(s.as_fd())?),
+            |l| {
+                hold_acks(l.as_fd())?;
+                let bound = l.local_addr()?;
+                if !self.tcpe.answers(bound)? {
+                    bail!(
+                        "tcpe: the program does not answer for the listener on {bound}: the proxy is not in tcpe.cgroup (or its table of listeners is full: fallback_listeners_full)"
+                    );
+                }
+                Ok(())
+            },
+        )
     }
 }
 
