@@ -43,6 +43,7 @@ RENDER = {
     "handoff-ab-early-static": ab.render,
     "handoff-ab-early-think": ab.render,
     "handoff-ab-spare": ab.render,
+    "handoff-ab-steer": ab.render,
     "proxy-ab-codegen": ab.render,
     "proxy-ab-inline": ab.render,
     "proxy-python-origin": proxy.render,
