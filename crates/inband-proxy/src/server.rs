@@ -109,12 +109,6 @@ pub async fn accept(shared: Arc<Shared>, listener: TcpListener, tls: bool, me: u
     let slots = shared.connection_slots.clone();
     let mut backoff = inband_http::Backoff::default();
     loop {
-        // At max_connections new clients wait in the listen backlog until
-        // a connection closes (the timeouts make sure one does).
-        let permit = tokio::select! {
-            p = slots.clone().acquire_owned() => p.expect("the semaphore is never closed"),
-            _ = stop.wait_for(|s| *s) => break,
-        };
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
             _ = stop.wait_for(|s| *s) => break,
@@ -147,6 +141,14 @@ pub async fn accept(shared: Arc<Shared>, listener: TcpListener, tls: bool, me: u
                 shared.metrics.client_connection_refused();
                 continue;
             }
+        };
+        // At max_connections a new client waits, accepted but not read,
+        // and the ones behind it in the listen backlog, until a connection
+        // closes (the timeouts make sure one does). Taken after accept, so
+        // that a worker whose socket gets no connections holds no slot.
+        let permit = tokio::select! {
+            p = slots.clone().acquire_owned() => p.expect("the semaphore is never closed"),
+            _ = stop.wait_for(|s| *s) => break,
         };
         let to = shared.steering.choose();
         let stream = if to == me {

@@ -1,8 +1,9 @@
 //! Which worker thread a client connection is served on (packing's
-//! choice, server::choose_worker, steered by the kernel to that worker's
+//! choice, workers::choose_worker in the proxy, steered by the kernel to that worker's
 //! own socket), seen where an operator sees it: the per-worker gauges and
 //! the hand-over count of /metrics.
 
+use std::time::Duration;
 
 use crate::common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -113,6 +114,31 @@ async fn a_second_proxy_on_the_same_address_is_refused() {
     }
     let m = metrics(&p).await;
     assert_eq!(sample(&m, W0) + sample(&m, W1), 4.0, "every client on the first proxy: {m}");
+    drop(clients);
+    p.shutdown().await;
+}
+
+/// `max_connections` counts connections being served, whichever worker's
+/// socket they arrive on: all 4 are served with two workers (an accept
+/// loop waiting on a socket the kernel steers nothing to holds no slot),
+/// the fifth waits until one of them leaves.
+#[tokio::test]
+async fn every_slot_of_max_connections_serves_a_client() {
+    let o = Origin::start(|_| ok("served")).await;
+    let p = start_proxy(&[o.addr], "workers = 2\nmax_connections = 4\n[client_limits]\nconnections = 0").await;
+    let within = |d: u64| Duration::from_millis(d);
+    let mut clients = Vec::new();
+    for i in 0..4 {
+        let c = tokio::time::timeout(within(3000), served_client(p.addr)).await;
+        clients.push(c.unwrap_or_else(|_| panic!("client {} of max_connections 4 not served", i + 1)));
+    }
+    let mut fifth = TcpStream::connect(p.addr).await.unwrap();
+    fifth.write_all(b"GET / HTTP/1.1\r\nHost: w.test\r\n\r\n").await.unwrap();
+    let mut buf = vec![0; 4096];
+    assert!(tokio::time::timeout(within(300), fifth.read(&mut buf)).await.is_err(), "a fifth client served beyond max_connections");
+    drop(clients.pop());
+    let n = tokio::time::timeout(within(3000), fifth.read(&mut buf)).await.expect("the fifth served once a slot freed").unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"), "{}", String::from_utf8_lossy(&buf[..n]));
     drop(clients);
     p.shutdown().await;
 }
