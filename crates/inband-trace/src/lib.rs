@@ -255,6 +255,14 @@ pub fn run(args: TraceArgs) -> Result<()> {
         let names: Vec<&str> = found.iter().map(|(f, _)| memory::name(*f)).collect();
         eprintln!("inband trace: memory pass on {} ({}) and page allocations", file.display(), names.join(", "));
     }
+    // Read again at each snapshot; first before the trace is announced as
+    // running, as a target that exits before the first snapshot has no
+    // mappings left to read, and one told to go on by whoever waited for
+    // the announcement may exit at once.
+    let mut symbols = symbolize::Symbolizer::default();
+    if args.memory {
+        symbols.refresh(pid);
+    }
     eprintln!(
         "inband trace: tracing pid {pid} ({exe_name}), {} phase marker(s) on {} function(s)",
         offsets.len(),
@@ -263,12 +271,6 @@ pub fn run(args: TraceArgs) -> Result<()> {
 
     let started = Instant::now();
     let mut last = report::Totals::default();
-    // Read again at each snapshot; first now, as a target that exits
-    // before the first snapshot has no mappings left to read.
-    let mut symbols = symbolize::Symbolizer::default();
-    if args.memory {
-        symbols.refresh(pid);
-    }
     let mut next = started + interval;
     loop {
         std::thread::sleep(Duration::from_millis(100));
