@@ -36,6 +36,7 @@ RENDER = {
     "frontdoor": frontdoor.render,
     "handoff": handoff.render,
     "handoff-soak": handoff.render,
+    "handoff-93b1ade": handoff.render,
     "handoff-ab": ab.render,
     "handoff-ab-fold": ab.render,
     "handoff-ab-splice": ab.render,
