@@ -119,9 +119,9 @@ pub fn bind(
     Ok(out)
 }
 
-enum Target {
+enum Steered {
     /// Before the first attach.
-    None,
+    NotYet,
     /// The worker the groups' program returns.
     Worker(usize),
     /// An attach failed: not tried again (the kernel spreads by hash, and
@@ -135,11 +135,11 @@ enum Target {
 pub struct Steering {
     loads: Vec<Arc<WorkerLoad>>,
     pack: usize,
-    now: Mutex<Now>,
+    now: Mutex<Attached>,
 }
 
-struct Now {
-    target: Target,
+struct Attached {
+    target: Steered,
     /// A copy of one socket of each group (a program attached to one is
     /// the group's); dropped by [`Steering::close`], as it keeps the
     /// address listening.
@@ -155,7 +155,7 @@ impl Steering {
             .filter_map(|g| g.first())
             .map(|l| l.try_clone().map(OwnedFd::from).context("keeping a listening socket for steering"))
             .collect::<Result<Vec<_>>>()?;
-        let s = Steering { loads, pack, now: Mutex::new(Now { target: Target::None, groups }) };
+        let s = Steering { loads, pack, now: Mutex::new(Attached { target: Steered::NotYet, groups }) };
         s.update();
         Ok(s)
     }
@@ -180,15 +180,15 @@ impl Steering {
         let mut now = self.now.lock().unwrap_or_else(|e| e.into_inner());
         let w = choose_worker(&self.snapshot(), self.pack);
         match now.target {
-            Target::Off => return,
-            Target::Worker(at) if at == w => return,
+            Steered::Off => return,
+            Steered::Worker(at) if at == w => return,
             _ => {}
         }
         now.target = match now.groups.iter().try_for_each(|fd| attach_return(fd, w as u32)) {
-            Ok(()) => Target::Worker(w),
+            Ok(()) => Steered::Worker(w),
             Err(e) => {
                 tracing::warn!(error = %e, "could not steer new connections to a worker: the kernel spreads them by hash, and workers hand them to the one packing chooses");
-                Target::Off
+                Steered::Off
             }
         };
     }
@@ -198,7 +198,7 @@ impl Steering {
     pub fn close(&self) {
         let mut now = self.now.lock().unwrap_or_else(|e| e.into_inner());
         now.groups.clear();
-        now.target = Target::Off;
+        now.target = Steered::Off;
     }
 }
 
