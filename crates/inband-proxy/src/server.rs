@@ -83,7 +83,8 @@ pub struct WorkerSlot {
 }
 
 /// Keeps `load.busy_permille` at the share of each [`BUSY_INTERVAL`] this
-/// worker's runtime spent running tasks.
+/// worker's runtime spent running tasks; packing skips a busy worker, so
+/// the steering follows.
 pub async fn measure_busy(shared: Arc<Shared>, load: Arc<WorkerLoad>) {
     let metrics = tokio::runtime::Handle::current().metrics();
     let mut last = metrics.worker_total_busy_duration(0);
@@ -170,9 +171,9 @@ pub async fn accept(shared: Arc<Shared>, listener: TcpListener, tls: bool, me: u
     }
 }
 
-/// A worker's loop: serves the connections the acceptor hands it until
-/// `stop` fires, then lets in-flight requests finish for up to the
-/// shutdown timeout.
+/// A worker's loop: serves the connections it accepted, and those other
+/// workers handed it, until `stop` fires, then lets in-flight requests
+/// finish for up to the shutdown timeout.
 pub async fn serve(shared: Arc<Shared>, mut conns: mpsc::UnboundedReceiver<Accepted>, load: Arc<WorkerLoad>, mut stop: watch::Receiver<bool>) {
     let graceful = GracefulShutdown::new();
     // HTTP/1.1, and HTTP/2 with prior knowledge (h2c) on the same port:
