@@ -187,9 +187,12 @@ def test_quick_profile_end_to_end(tmp_path):
             s = row["scenarios"][sc]
             # Load went through the whole run, and the faults did happen:
             # the victim served before and after, the balancer saw it go.
-            assert s["requests"] >= 40 and s["served_by_victim"] > 0, (key, sc, s)
+            # As a string: pytest cuts a tuple's repr before the values that
+            # say why.
+            why = json.dumps([key, sc, s])
+            assert s["requests"] >= 40 and s["served_by_victim"] > 0, why
             if sc != "flap":
-                assert s["marked_down_ms"] is not None and s["back_ms"] is not None, (key, sc, s)
+                assert s["marked_down_ms"] is not None and s["back_ms"] is not None, why
         if row["kind"] == "inband":
             for sc in ("app", "host"):
                 s = row["scenarios"][sc]
