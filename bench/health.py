@@ -137,8 +137,9 @@ def after_recovery_s(sc: str, after_s: float) -> float:
     lasts at least that long after one: a victim not back by then has
     missed the target, not the window. A silent host that answers again
     is marked up only up to 1.7 s later (the check in flight runs out its
-    timeout first, docs/configuration.md); a restarted application on a
-    busy machine can take as long (its start, then rise checks)."""
+    timeout first, docs/configuration.md); a restarted application only
+    once it listens and has passed its rise checks, later on a busy
+    machine. The flapping backend has no such target."""
     return max(after_s, TARGET_BACK_MS / 1000) if sc in TARGET_MS else after_s
 
 
@@ -636,7 +637,7 @@ def render(record: dict) -> str:
     committed one the same way)."""
     p = record["profile"]
     recovery_s = after_recovery_s("app", p["after_s"])
-    recovery_after = f" ({recovery_s:g} s after a recovery)" if recovery_s != p["after_s"] else ""
+    recovery_after = f" ({recovery_s:g} s after an application's or a host's recovery)" if recovery_s != p["after_s"] else ""
     preamble = (
         "## Health checks against HAProxy\n\n"
         f"{results.provenance(record)} Client, balancer and servers share the CPUs.  \n"
