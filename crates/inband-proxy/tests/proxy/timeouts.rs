@@ -99,7 +99,7 @@ async fn idle_clients_beyond_max_connections_do_not_stop_service() {
     assert_eq!((r.status, r.body.as_str()), (200, "served"));
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     // The request waited for an idle client's slot, but not necessarily
-    // for 40 of them: each worker accepts from its own SO_REUSEPORT
+    // behind all 60: each worker accepts from its own SO_REUSEPORT
     // socket, so its place in the line depends on the worker the kernel
     // gave it, not on when it connected.
     let m = metrics(&p).await;
