@@ -61,7 +61,7 @@ from .lib import preflight, profiles
 from .lib.load import closed_loop
 from .lib.results import REPO, Run, default_dir, provenance
 from .lib.results import write as write_results
-from .lib.testbed import Testbed, new_auth_key
+from .lib.testbed import Testbed, ipv6_usable, new_auth_key
 from .lib.procs import Procs, ns_argv, run, stop_signals_interrupt, wait_until
 
 SUBNET = 85
@@ -444,6 +444,7 @@ def revive(bed: Bed, form: str) -> None:
         addr = bed.addr("b1")
         run(bed.ns("b1"), ["ip", "link", "set", "eth0", "up"])
         run(bed.ns("b1"), ["ip", "-6", "addr", "replace", f"{addr}/64", "dev", "eth0", "nodad"])
+        ipv6_usable(bed.ns("b1"), addr)
         run(bed.ns("b1"), ["ip", "-6", "route", "replace", "default", "via", addr.rsplit(":", 1)[0] + ":1"])
     bed.start_lb(1)
     bed.route([1, 2, 3])

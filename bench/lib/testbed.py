@@ -5,6 +5,7 @@ a key of the run's own."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import shutil
 import sys
@@ -89,6 +90,19 @@ def alive(proc, what: str, log: Path) -> bool:
         return True
     tail = log.read_text(errors="replace").strip().splitlines()[-5:] if log.exists() else []
     raise ProcessDied(f"{what} exited with status {proc.returncode}: " + " / ".join(tail))
+
+
+def ipv6_usable(netns: str, addr: str) -> None:
+    """Returns once IPv6 `addr` in `netns` has its local route: `ip addr
+    add` lists the address at once, the kernel's DAD work item inserts
+    the route later, and until then connections to or from it fail
+    (`netns::wait_ipv6_usable` in the testkit says more)."""
+    want = ipaddress.ip_address(addr)
+
+    def routed():
+        out = run(netns, ["ip", "-j", "-6", "route", "show", "table", "local", "type", "local"]).stdout
+        return any(ipaddress.ip_address(r["dst"]) == want for r in json.loads(out or "[]") if "dst" in r)
+    wait_until(f"{addr}'s local route in {netns}", routed, timeout_s=10, interval_s=0.002)
 
 
 def http_get_json(netns: str, url: str, timeout_s: float = 3.0):

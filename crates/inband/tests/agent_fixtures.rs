@@ -1931,7 +1931,7 @@ fn ipv6_syn_over_a_time_wait_gets_a_newer_timestamp_behind_its_options_header() 
     let ns = TestNetns::enter("tw6");
     ns.ip(&["link", "set", "lo", "up"]);
     for a in [LB6, SERVER6] {
-        ns.ip(&["-6", "addr", "add", &format!("{a}/128"), "dev", "lo", "nodad"]);
+        ns.add_ipv6("lo", &format!("{a}/128"));
     }
     let skel = load();
     configure_seed(&skel);
@@ -2097,7 +2097,7 @@ fn ipv6_egress_answers_in_a_destination_options_header_within_the_mtu() {
 /// condition, as for IPv4).
 fn server_routes6(ns: &TestNetns) -> u32 {
     let ifindex = server_routes(ns, true);
-    ns.ip(&["-6", "addr", "add", "fd00:99::2/64", "dev", DEV, "nodad"]);
+    ns.add_ipv6(DEV, "fd00:99::2/64");
     ns.ip(&["-6", "neigh", "add", "fd00:99::1", "lladdr", "02:00:00:00:bb:01", "dev", DEV, "nud", "permanent"]);
     ns.ip(&["-6", "route", "add", "2001:db8:100::/64", "via", "fd00:99::1", "dev", DEV]);
     let sysctl = format!("net.ipv6.conf.{DEV}.forwarding=1");
@@ -2701,7 +2701,7 @@ fn a_fleet_syn_on_a_live_sockets_tuple_is_dropped() {
     let ns = TestNetns::enter("fleet");
     ns.ip(&["link", "set", "lo", "up"]);
     for a in [FLEET_TUPLE, SERVER6] {
-        ns.ip(&["-6", "addr", "add", &format!("{a}/128"), "dev", "lo", "nodad"]);
+        ns.add_ipv6("lo", &format!("{a}/128"));
     }
     let skel = load();
     configure(&skel);

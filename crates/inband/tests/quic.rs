@@ -132,6 +132,9 @@ fn add_client_address(c: &Cluster, v6: bool, n: u8) -> IpAddr {
         cmd.push("nodad");
     }
     run_ok(&c.tb, "c1", &cmd);
+    if v6 {
+        inband_testkit::testbed::netns::wait_ipv6_usable(&c.tb.netns("c1")).unwrap();
+    }
     ip
 }
 

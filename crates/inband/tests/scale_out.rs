@@ -282,6 +282,7 @@ impl Farm {
                 gw[7] = 1;
                 run_ok(&self.tb, "b1", &["ip", "link", "set", "eth0", "up"]);
                 run_ok(&self.tb, "b1", &["ip", "-6", "addr", "replace", &format!("{addr}/64"), "dev", "eth0", "nodad"]);
+                inband_testkit::testbed::netns::wait_ipv6_usable(&self.tb.netns("b1")).unwrap();
                 run_ok(&self.tb, "b1", &["ip", "-6", "route", "replace", "default", "via", &std::net::Ipv6Addr::from(gw).to_string()]);
             }
             Crash::InterfaceGone => panic!("b1's interface on the router is gone for good"),

@@ -14,9 +14,10 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::libbpf_sys;
 use libbpf_rs::{AsRawLibbpf, OpenObject, ProgramInput, ProgramMut};
 
-// Shared by the fixture crates; this one needs only part of it.
+// Shared by the fixture crates; this one needs only part of them.
 #[allow(dead_code)]
 mod frames;
+#[allow(dead_code)]
 mod own_netns;
 use own_netns::TestNetns;
 

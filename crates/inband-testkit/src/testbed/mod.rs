@@ -154,6 +154,7 @@ impl Testbed {
             };
             tb.router_config = Some(ecmp::router_config(&tb));
             ecmp::build(&tb).context("building the ECMP testbed")?;
+            tb.wait_ipv6_usable()?;
             if tb.spec.bgp {
                 bgp::start(&tb).context("starting BGP")?;
             }
@@ -192,7 +193,17 @@ impl Testbed {
         };
         // From here on a failure drops `tb`, which removes what was made.
         tb.build().context("building the testbed")?;
+        tb.wait_ipv6_usable()?;
         Ok(tb)
+    }
+
+    /// Returns once every node's IPv6 addresses can carry connections
+    /// (`netns::wait_ipv6_usable`).
+    fn wait_ipv6_usable(&self) -> Result<()> {
+        for n in &self.nodes {
+            netns::wait_ipv6_usable(&n.netns)?;
+        }
+        Ok(())
     }
 
     fn build(&self) -> Result<()> {
@@ -397,9 +408,10 @@ impl Drop for Testbed {
     }
 }
 
-/// An IPv6 address usable at once: without duplicate address detection,
-/// which would hold it "tentative" for a second or more (every address
-/// here is unique by construction).
+/// An IPv6 address without duplicate address detection, which would hold
+/// it "tentative" for a second or more (every address here is unique by
+/// construction). It carries connections once its local route is in
+/// (`netns::wait_ipv6_usable`, which `Testbed::up` runs for every node).
 fn add_ipv6(ns: &str, dev: &str, cidr: &str) -> Result<()> {
     command::ip(&["-n", ns, "-6", "addr", "add", cidr, "dev", dev, "nodad"]).map(|_| ())
 }

@@ -42,6 +42,14 @@ impl TestNetns {
         all.extend_from_slice(args);
         ip(&all);
     }
+
+    /// Adds IPv6 `cidr` to `dev` (up already) without duplicate address
+    /// detection and returns once connections can use it: its local route
+    /// comes from a kernel work item, after `ip` has returned.
+    pub fn add_ipv6(&self, dev: &str, cidr: &str) {
+        self.ip(&["-6", "addr", "add", cidr, "dev", dev, "nodad"]);
+        inband_testkit::testbed::netns::wait_ipv6_usable(&self.name).unwrap();
+    }
 }
 
 impl Drop for TestNetns {
