@@ -126,11 +126,14 @@ async fn a_get_waiting_on_a_backend_that_gets_busy_is_hedged_to_another() {
     let keys = Some(vec![(1, inband_core::auth::read_key(&key).unwrap())]);
     for margin in [4u32, 0] {
         // The second backend looks a little busier: every request goes to
-        // the first (two backends: every choice compares both).
+        // the first (two backends: every choice compares both). Its score
+        // stays fresh for a second without an answer: stale, it would
+        // rank by requests in flight alone, as none, after a stall of the
+        // test's thread (the default: 5 polls, 50 ms here).
         let scores = Arc::new(Mutex::new(HashMap::from([(o[0].addr.port(), 0), (o[1].addr.port(), 2)])));
         let agent = agent(keys.clone(), scores.clone(), Arc::new(AtomicU8::new(HONEST))).await;
         let extra = format!(
-            "policy = \"least-score\"\n[scores]\npoll_port = {}\ninterval_ms = 10\nbusy_margin = {margin}\n[auth]\nkeys = [{{ id = 1, file = \"{}\" }}]\n",
+            "policy = \"least-score\"\n[scores]\npoll_port = {}\ninterval_ms = 10\nstale_after = 100\nbusy_margin = {margin}\n[auth]\nkeys = [{{ id = 1, file = \"{}\" }}]\n",
             agent.port(),
             key.display()
         );
@@ -139,8 +142,13 @@ async fn a_get_waiting_on_a_backend_that_gets_busy_is_hedged_to_another() {
         let hits = (o[0].hits(), o[1].hits());
         let started = Instant::now();
         let (get, post, burst) = tokio::join!(get(p.addr, "/x"), send(p.addr, "POST", "/y", &[], b"once"), async {
-            // Both requests are on the first backend when its burst shows.
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            // The burst shows once both requests are on the first backend
+            // (a fixed wait lost the race on a starved machine: the POST,
+            // or the GET, then went to the other backend unhedged).
+            let deadline = Instant::now() + SLOW / 2;
+            while o[0].hits() - hits.0 < 2 && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
             scores.lock().unwrap().insert(o[0].addr.port(), 12);
         });
         let _ = burst;
