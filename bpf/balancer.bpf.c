@@ -438,8 +438,10 @@ __noinline int open_flow(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 	if (counted) {
 		struct inband_backend_score *s = bpf_map_lookup_elem(&scores, &id);
 
-		if (s)
+		if (s) {
 			__sync_fetch_and_add(&s->opened, 1);
+			s->picked_ns = bpf_ktime_get_ns();
+		}
 	}
 	p->first = 1;
 	return FWD_COPY;

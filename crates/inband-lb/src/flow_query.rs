@@ -90,6 +90,8 @@ struct Slot {
     eligible: bool,
     weight: u32,
     estimate: u64,
+    /// When it was last given a new connection: ties go to the earliest.
+    picked_ns: u64,
 }
 
 fn new_flow(maps: &LbMaps, v: &VipEntry, key: &FlowKey, route: &mut FlowRoute) -> Result<()> {
@@ -114,7 +116,7 @@ fn new_flow(maps: &LbMaps, v: &VipEntry, key: &FlowKey, route: &mut FlowRoute) -
             weight: b.weight,
             load_estimate: estimate,
         });
-        slots.push(Slot { id: *id, endpoint: tables::backend_endpoint(b), eligible, weight, estimate });
+        slots.push(Slot { id: *id, endpoint: tables::backend_endpoint(b), eligible, weight, estimate, picked_ns: s.picked_ns });
     }
     let eligible: Vec<&Slot> = slots.iter().filter(|s| s.eligible).collect();
     if eligible.is_empty() {
@@ -137,10 +139,10 @@ fn new_flow(maps: &LbMaps, v: &VipEntry, key: &FlowKey, route: &mut FlowRoute) -
             } else {
                 let best = lightest(&eligible);
                 let how = if p == Policy::LeastScore && !large {
-                    format!("least-score: the lightest of {} eligible backends by (estimate + 1) / weight; ties are broken at random", eligible.len())
+                    format!("least-score: the lightest of {} eligible backends by (estimate + 1) / weight; a tie goes to the one given a connection least recently", eligible.len())
                 } else {
                     format!(
-                        "{}: two eligible backends drawn at random{}, the lighter by (estimate + 1) / weight wins; the lightest of all is shown",
+                        "{}: two eligible backends drawn at random{}, the lighter by (estimate + 1) / weight wins (a tie: the one given a connection least recently); the lightest of all is shown",
                         if p == Policy::LeastScore { "least-score over a large VIP" } else { "power-of-two" },
                         if weighted && large { " in proportion to weight" } else { "" }
                     )
@@ -156,7 +158,7 @@ fn new_flow(maps: &LbMaps, v: &VipEntry, key: &FlowKey, route: &mut FlowRoute) -
                     if weighted { " in proportion to weight" } else { "" }
                 )
             } else {
-                format!("least-connections: the lightest of {} eligible backends by (connections opened here and not yet closed + 1) / weight; ties are broken at random", eligible.len())
+                format!("least-connections: the lightest of {} eligible backends by (connections opened here and not yet closed + 1) / weight; a tie goes to the one given a connection least recently", eligible.len())
             };
             (Some(best.endpoint), how)
         }
@@ -223,7 +225,7 @@ fn lightest<'a>(eligible: &[&'a Slot]) -> &'a Slot {
         .copied()
         .reduce(|best, s| {
             let ((a, wa), (b, wb)) = (key(s), key(best));
-            if a * wb < b * wa {
+            if (a * wb, s.picked_ns) < (b * wa, best.picked_ns) {
                 s
             } else {
                 best

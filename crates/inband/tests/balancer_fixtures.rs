@@ -431,11 +431,14 @@ impl Fixture {
     fn score(&self, b: &B) -> BackendScore {
         get(&self.lb.skel.maps.scores, &b.id).unwrap()
     }
+    /// A report: when the backend was last picked stays, as record_score
+    /// leaves it.
     fn set_score(&self, b: &B, score: u32, updated_ns: u64) {
-        put(&self.lb.skel.maps.scores, &b.id, &BackendScore { score, updated_ns, ..Default::default() });
+        self.set_score_full(b, score, 0, 0, updated_ns);
     }
     fn set_score_full(&self, b: &B, score: u32, opened: u32, closed: u32, updated_ns: u64) {
-        put(&self.lb.skel.maps.scores, &b.id, &BackendScore { score, opened, closed, updated_ns, ..Default::default() });
+        let picked_ns = get::<u32, BackendScore>(&self.lb.skel.maps.scores, &b.id).map_or(0, |s| s.picked_ns);
+        put(&self.lb.skel.maps.scores, &b.id, &BackendScore { score, opened, closed, updated_ns, picked_ns, ..Default::default() });
     }
 
     fn backend_stats(&self, b: &B) -> BackendStats {
@@ -1870,6 +1873,7 @@ fn reply_with_foreign_options_is_forwarded_with_them() {
 fn inband_options_from_outside_to_the_balancer_are_dropped() {
     let fx = Fixture::lb_with(Mode::DsrDynamic, Policy::LeastScore, 1);
     let (b, snat) = fx.connect(client(1));
+    let picked_ns = fx.score(&b).picked_ns;
     let stranger = B { addr: sa4(Ipv4Addr::new(10, 0, 1, 66), 8080), ..b };
     let score = InbandOption::auth_score(&KEY, KEY_ID, NONCE.to_ne_bytes(), conn(&b, snat), 0).encode();
     // A 125 for no connection: unknown host, or a backend naming a port that
@@ -1881,13 +1885,14 @@ fn inband_options_from_outside_to_the_balancer_are_dropped() {
     // 155/124 are ours to send, never to receive.
     fx.assert_dropped(&reply(&stranger, snat).ip_options(InbandOption::ScoreRequest.encode()).build(), "unexpected_option");
     fx.assert_dropped(&reply(&stranger, snat).ip_options(InbandOption::ClientTuple(client(1)).encode()).build(), "unexpected_option");
-    assert_eq!(fx.score(&b), BackendScore { opened: 1, ..Default::default() });
+    assert_eq!(fx.score(&b), BackendScore { opened: 1, picked_ns, ..Default::default() });
 }
 
 #[test]
 fn bad_options_from_a_backend_are_dropped() {
     let fx = Fixture::lb_with(Mode::DsrDynamic, Policy::LeastScore, 1);
     let (b, snat) = fx.connect(client(1));
+    let picked_ns = fx.score(&b).picked_ns;
     let with = |opts: Vec<u8>| reply(&b, snat).ip_options(opts).build();
 
     // Other inband options from a backend are no score.
@@ -1901,7 +1906,7 @@ fn bad_options_from_a_backend_are_dropped() {
     fx.assert_dropped(&with(vec![125, 0, 0, 0]), "malformed_option");
     fx.assert_dropped(&with(vec![125, 1, 0, 0]), "malformed_option");
     fx.assert_dropped(&with(vec![125, 12, 0, 0]), "malformed_option");
-    assert_eq!(fx.score(&b), BackendScore { opened: 1, ..Default::default() });
+    assert_eq!(fx.score(&b), BackendScore { opened: 1, picked_ns, ..Default::default() });
     assert_eq!(fx.backend_stats(&b).return_packets, 0);
 }
 
@@ -2073,19 +2078,51 @@ fn least_score_picks_the_lowest_estimate() {
 }
 
 #[test]
-fn least_score_breaks_ties_at_random() {
-    let fx = Fixture::lb_with(Mode::DsrDynamic, Policy::LeastScore, 2);
-    let now = ktime_ns();
-    let mut seen = [0u32; 2];
-    for n in 1..=40 {
-        fx.set_score(&backend(0), 5, now);
-        fx.set_score(&backend(1), 5, now);
-        let id = fx.pick(client(n));
-        seen[(id - backend(0).id) as usize] += 1;
+fn ties_go_to_the_backend_picked_least_recently() {
+    for policy in [Policy::LeastScore, Policy::PowerOfTwo] {
+        let name = policy.name();
+        let fx = Fixture::lb_with(Mode::DsrDynamic, policy, 3);
+        let now = ktime_ns();
+        // Never picked: a tie on both counts, drawn at random. Always the
+        // first (or last) slot would give 40/0/0 (a fair draw: 3 * 3^-40).
+        let mut first = [0u32; 3];
+        for n in 1..=40 {
+            for i in 0..3 {
+                put(&fx.lb.skel.maps.scores, &backend(i).id, &BackendScore { score: 5, updated_ns: now, ..Default::default() });
+            }
+            first[(fx.pick(client(n)) - backend(0).id) as usize] += 1;
+        }
+        assert!(first.iter().filter(|&&k| k > 0).count() >= 2, "{name}: first picks {first:?}");
+        // Equal reports before every connection: they take turns.
+        let mut order = Vec::new();
+        for n in 41..=52 {
+            for i in 0..3 {
+                fx.set_score(&backend(i), 5, now);
+            }
+            order.push(fx.pick(client(n)) - backend(0).id);
+        }
+        match policy {
+            // least-score ranks all three: a rotation, whatever the first.
+            Policy::LeastScore => {
+                for w in order.windows(4) {
+                    assert_eq!(w[0], w[3], "{name}: {order:?}");
+                }
+                let mut round = order[..3].to_vec();
+                round.sort();
+                assert_eq!(round, [0, 1, 2], "{name}: {order:?}");
+            }
+            // power-of-two compares two: never the one it just gave a
+            // connection to while the other of the pair waits.
+            _ => {
+                for w in order.windows(2) {
+                    assert_ne!(w[0], w[1], "{name}: {order:?}");
+                }
+            }
+        }
+        for i in 0..3 {
+            assert!(fx.score(&backend(i)).picked_ns > 0, "{name}: backend {i} was picked");
+        }
     }
-    // Always the first (or last) of equals would give 40/0; the chance of
-    // that from a fair coin is 2^-39.
-    assert!(seen[0] > 0 && seen[1] > 0, "{seen:?}");
 }
 
 /// The ranking over a sequence of reports, assignments and closes, in the
@@ -3384,14 +3421,12 @@ fn least_score_and_power_of_two_rank_by_load_per_weight() {
                 assert_eq!(pick_with(&fx, [3, 1], n + 10), 1, "{name}: weights {w:?}");
             }
         }
-        // (1+1)/1 = (3+1)/2: a tie, broken at random (all one way from a
-        // fair coin: 2^-39).
+        // (1+1)/1 = (3+1)/2: a tie, so they take turns.
         fx.set_weights(&[1, 2]);
-        let mut seen = [0u32; 2];
-        for n in 41..=80 {
-            seen[pick_with(&fx, [1, 3], n) as usize] += 1;
+        let turns: Vec<u32> = (41..=50).map(|n| pick_with(&fx, [1, 3], n)).collect();
+        for w in turns.windows(2) {
+            assert_ne!(w[0], w[1], "{name}: {turns:?}");
         }
-        assert!(seen[0] > 0 && seen[1] > 0, "{name}: {seen:?}");
     }
 }
 

@@ -146,7 +146,8 @@ struct inband_vip_eligible {
  * the balancer saw since (select.h): `opened` and `closed` are updated by
  * the data path with atomic adds; a report (125, or a poll) rewrites
  * score, opened, closed and updated_ns. The rest is the in-band probe's
- * state (score.h), which only the data path writes.
+ * state (score.h) and when the backend was last picked (select.h), which
+ * only the data path writes.
  */
 struct inband_backend_score {
 	__u32 score; /* last reported score */
@@ -157,6 +158,7 @@ struct inband_backend_score {
 	__u64 budget_ns; /* probe budget: the time until which its 124s are spent */
 	__u32 unanswered; /* 124s sent since the last 125 taken: the lb daemon's sign of lost options */
 	__u32 changes; /* 125s that moved the score beyond the tolerance (adaptive n shrank) */
+	__u64 picked_ns; /* bpf_ktime_get_ns() when it was last given a new connection (select.h: ties) */
 };
 
 struct inband_lb_config {
