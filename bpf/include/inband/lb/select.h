@@ -47,6 +47,7 @@
  * like 9/31 of 40 sequential connections between two idle backends).
  * Backends never picked, or picked in the same nanosecond, tie on and are
  * drawn at random.
+ *
  * Round-robin cannot rank; on a VIP whose weights differ it walks the VIP's
  * Maglev table in turn, which holds each backend in proportion to its
  * weight, interleaved (maglev.rs).
