@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .lib import peers, preflight, profiles
-from .lib.host import PinnedMap, cpu_busy_s, enable_bpf_stats, others_running, proc_cpu_s, xdp_prog_stats
+from .lib.host import PinnedMap, c_struct, cpu_busy_s, enable_bpf_stats, others_running, proc_cpu_s, xdp_prog_stats
 from .lib.report import times as _ratio
 from .lib.results import REPO, Run, default_dir, provenance, revive
 from .lib.results import write as write_results
@@ -54,9 +54,7 @@ VIP_PORT = 80
 SINK_PORT = 9000  # raw frames and TCP streams
 HTTP_PORT = 8080  # `inband serve` and the agent's service
 SIZES = {"1 KB": 1024, "46 KB": 47104, "1 MB": 1048576}
-# struct inband_backend_score (bpf/include/inband/lb/types.h): score,
-# opened, closed, interval, updated_ns, budget_ns, unanswered, changes.
-SCORE_VALUE = struct.Struct("IIIIQQII")
+SCORE_VALUE, ScoreEntry = c_struct(REPO / "bpf/include/inband/lb/types.h", "inband_backend_score")
 # The hairpin: a veth pair client <-> balancer of its own (see setup_hairpin).
 HAIRPIN_DEV = "gen0"
 HAIRPIN_LB = "10.79.0.2"
@@ -753,17 +751,16 @@ class Bench(TestbedRun):
                 for _ in range(AGE_SAMPLES):
                     time.sleep(random.uniform(0.02, 0.1) / AGE_SAMPLES)
                     now = time.monotonic_ns()
-                    updated = SCORE_VALUE.unpack(scores.lookup(struct.pack("I", backend_id), SCORE_VALUE.size))[4]
+                    updated = ScoreEntry(*SCORE_VALUE.unpack(scores.lookup(struct.pack("I", backend_id), SCORE_VALUE.size))).updated_ns
                     if updated:
                         res.ages_ms.append(max(0, now - updated) / 1e6)
                 t0 = self.set_score(conn, score)
                 deadline = time.monotonic() + limit_s
                 seen = None
                 while time.monotonic() < deadline:
-                    v = scores.lookup(struct.pack("I", backend_id), SCORE_VALUE.size)
-                    got, _opened, _closed, _interval, updated, *_probe = SCORE_VALUE.unpack(v)
-                    if got == score:
-                        seen = updated
+                    entry = ScoreEntry(*SCORE_VALUE.unpack(scores.lookup(struct.pack("I", backend_id), SCORE_VALUE.size)))
+                    if entry.score == score:
+                        seen = entry.updated_ns
                         break
                     time.sleep(0.0005)
                 if seen is None:
@@ -775,7 +772,7 @@ class Bench(TestbedRun):
             res.backend_pps = (self.backend_packets() - pkts0) / elapsed
             res.requests_per_s = (self.score_requests() - asked0) / elapsed
             if in_band:
-                res.last_n = SCORE_VALUE.unpack(scores.lookup(struct.pack("I", backend_id), SCORE_VALUE.size))[3]
+                res.last_n = ScoreEntry(*SCORE_VALUE.unpack(scores.lookup(struct.pack("I", backend_id), SCORE_VALUE.size))).interval
         finally:
             if conn is not None:
                 conn.close()

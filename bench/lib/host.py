@@ -10,7 +10,9 @@ import ctypes
 import json
 import os
 import platform
+import re
 import struct
+from collections import namedtuple
 from pathlib import Path
 
 from .procs import run
@@ -116,6 +118,33 @@ def enable_bpf_stats() -> int:
     returned fd is open (closed on exit however the driver ends, so the
     machine's setting is never left changed)."""
     return _bpf(_BPF_ENABLE_STATS, struct.pack("I", 0))
+
+
+_C_SCALARS = {"__u8": "B", "__u16": "H", "__u32": "I", "__u64": "Q"}
+
+
+def c_struct(header: Path, name: str):
+    """(struct.Struct, namedtuple) of `struct name` in a bpf/include header,
+    read from the header itself so the drivers never keep a second copy of a
+    map layout. Only scalar fields in natural alignment (what our map values
+    are); anything else is refused rather than guessed."""
+    body = re.search(r"struct %s \{(.*?)\n\};" % re.escape(name), header.read_text(), re.S)
+    if body is None:
+        raise RuntimeError(f"{header}: no struct {name}")
+    fmt, fields = "", []
+    for line in re.sub(r"/\*.*?\*/", "", body.group(1), flags=re.S).splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"(__u8|__u16|__u32|__u64) (\w+);", line)
+        if m is None:
+            raise RuntimeError(f"{header}: struct {name}: cannot read field {line!r}")
+        fmt += _C_SCALARS[m.group(1)]
+        fields.append(m.group(2))
+    layout = struct.Struct("@" + fmt)
+    if layout.size % 8 and "Q" in fmt:
+        raise RuntimeError(f"{header}: struct {name}: tail padding is not read here")
+    return layout, namedtuple(name, fields)
 
 
 class PinnedMap:

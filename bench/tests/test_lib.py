@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from bench.lib import preflight, profiles, results, stats, tools
-from bench.lib.host import others_running
+from bench.lib.host import c_struct, others_running
 from bench.lib import report as rp
 from bench.lib.locust import Overhead, Request, RunResult
 from bench.lib.peers import Backend
@@ -76,6 +76,21 @@ def test_preflight_names_each_problem(tmp_path):
     assert any("1-8 characters" in p for p in found)
     assert preflight.problems(tools=("sh",), testbed_name="ok1", root=False) == []
     assert preflight.problems(testbed_name="ninechars", root=False)
+
+
+def test_map_layouts_come_from_the_header(tmp_path):
+    layout, Entry = c_struct(results.REPO / "bpf/include/inband/lb/types.h", "inband_backend_score")
+    # What the freshness driver reads, by name, wherever the header puts it.
+    for name in ("score", "interval", "updated_ns"):
+        assert name in Entry._fields
+    entry = Entry(*layout.unpack(bytes(range(layout.size))))
+    assert entry.score == int.from_bytes(bytes(range(4)), "little")
+    odd = tmp_path / "odd.h"
+    odd.write_text("struct odd {\n\t__u32 a; /* x */\n\tstruct inband_addr b;\n};\n")
+    with pytest.raises(RuntimeError, match="cannot read field"):
+        c_struct(odd, "odd")
+    with pytest.raises(RuntimeError, match="no struct"):
+        c_struct(odd, "even")
 
 
 def test_others_running_sees_a_benchmark_but_not_itself():
