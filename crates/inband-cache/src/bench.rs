@@ -611,21 +611,67 @@ fn run_child(a: &CacheArgs, kind: BackendKind, path: &Path, mix: &Mix, threads: 
 
 /// Drops the page-cache pages of every file under `dir` (only these
 /// files: dropping all caches would disturb everything else running),
-/// written back first: the kernel drops only clean pages.
+/// written back first: the kernel drops only clean pages. The advice can
+/// leave a page that someone holds at that instant (the end of its
+/// writeback on another CPU, a reader): each file is advised again until
+/// mincore(2) finds none of its pages, or the error says which stayed.
 pub fn drop_cached_pages(dir: &Path) -> Result<()> {
     use std::os::fd::AsRawFd;
     for e in std::fs::read_dir(dir)? {
         let e = e?;
         if e.file_type()?.is_dir() {
             drop_cached_pages(&e.path())?;
-        } else {
-            let f = std::fs::File::open(e.path())?;
-            f.sync_data()?;
+            continue;
+        }
+        let f = std::fs::File::open(e.path())?;
+        f.sync_data()?;
+        let mut tries = 0;
+        loop {
             // SAFETY: an advice on an open descriptor.
             unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+            let resident = resident_pages(&f)?;
+            if resident == 0 {
+                break;
+            }
+            tries += 1;
+            if tries == 100 {
+                anyhow::bail!("{}: {resident} pages stayed in the page cache after {tries} drops", e.path().display());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
         }
     }
     Ok(())
+}
+
+/// Pages of `f` in the page cache: its mapping's mincore(2), which looks
+/// without reading (the mapping faults nothing in).
+fn resident_pages(f: &std::fs::File) -> Result<usize> {
+    use std::os::fd::AsRawFd;
+    let len = f.metadata()?.len() as usize;
+    if len == 0 {
+        return Ok(0);
+    }
+    // SAFETY: a shared read-only mapping of an open file, unmapped below;
+    // mincore writes one byte per page of it into `v`, which has that many.
+    unsafe {
+        let p = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, f.as_raw_fd(), 0);
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error().into());
+        }
+        let mut v = vec![0u8; len.div_ceil(page_size())];
+        let r = libc::mincore(p, len, v.as_mut_ptr());
+        let err = std::io::Error::last_os_error();
+        libc::munmap(p, len);
+        if r != 0 {
+            return Err(err.into());
+        }
+        Ok(v.iter().filter(|b| **b & 1 != 0).count())
+    }
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    unsafe { libc::sysconf(libc::_SC_PAGESIZE) as usize }
 }
 
 /// Bytes the store occupies on disk (allocated blocks, not file lengths).
