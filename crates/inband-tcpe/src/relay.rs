@@ -4,6 +4,7 @@
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -62,6 +63,19 @@ fn pump(src: &TcpStream, dst: &TcpStream) -> std::io::Result<()> {
             let _ = dst.shutdown(Shutdown::Write);
             return Ok(());
         }
+        // What was just read is acknowledged now, not at the delayed-ACK
+        // timer. Over loopback, segments of tens of KiB make one segment
+        // fall short of the "more than one segment" that earns an
+        // immediate ACK, and a read that empties the queue acknowledges
+        // only small (pushed) segments: an origin limited by the window
+        // (its response sent with the HANDOFF, queued before the join)
+        // waited for the ACK of its last segment. tcpdump on a server: a
+        // 47,616-byte segment acknowledged 42 ms after it came, nothing
+        // sent between; 37 of 600 handed-off 1 MiB responses took over
+        // 40 ms in the record of d0d0046. A reader slower than its
+        // loopback nginx (as the relay is, writing to the client) took
+        // a 1 MiB response 10% sooner with this.
+        let _ = crate::sockops::flush_ack(src.as_fd());
         (&*dst).write_all(&buf[..n])?;
     }
 }
