@@ -45,6 +45,7 @@ RENDER = {
     "handoff-ab-early-think": ab.render,
     "handoff-ab-spare": ab.render,
     "handoff-ab-steer": ab.render,
+    "handoff-ab-quickack": ab.render,
     "handoff-ab-join": ab.render,
     "proxy-ab-codegen": ab.render,
     "proxy-ab-inline": ab.render,

@@ -978,9 +978,11 @@ def render(record: dict) -> str:
 def ab_numbers(record: dict) -> dict[str, list[float]]:
     """For bench.ab: per round, each moving row's balancer CPU per GB and its
     ratio to the proxied row of the same round and size, its server's CPU
-    per GB, its median fetch's rate ÷ the direct row's, and its median
-    first-byte latency."""
+    per GB, its median fetch's rate ÷ the direct row's, its median
+    first-byte latency, and its slowest fetch (where a stall of tens of
+    milliseconds in a few fetches shows, which no median does)."""
     rows = [revive(Row, r) for r in record["rows"]]
+    slowest = {(r.system, r.size, r.round): max(r.totals_s) for r in rows if r.totals_s}
     # One cell per round: the round's own numbers.
     by = {(r.system, r.size, r.round): cells([r])[(r.system, r.size)] for r in rows}
     out: dict[str, list[float]] = {}
@@ -999,6 +1001,8 @@ def ab_numbers(record: dict) -> dict[str, list[float]]:
             out.setdefault(f"{what}: throughput ÷ direct", []).append(c.mb_s / direct.mb_s)
         if c.first_ms:
             out.setdefault(f"{what}: first byte p50 ms", []).append(percentile(c.first_ms, 50))
+        if (system, size, rnd) in slowest:
+            out.setdefault(f"{what}: slowest fetch ms", []).append(slowest[(system, size, rnd)] * 1e3)
     return out
 
 

@@ -56,7 +56,8 @@ def test_the_numbers_pool_each_builds_rounds():
                  "inband proxy, handed off (TCPE client), 1 MiB: ÷ proxied": [pytest.approx(0.1), pytest.approx(0.2)],
                  "inband proxy, handed off (TCPE client), 1 MiB: server s/GB": [pytest.approx(0.5), pytest.approx(0.5)],
                  "inband proxy, handed off (TCPE client), 1 MiB: throughput ÷ direct": [pytest.approx(0.5), pytest.approx(0.5)],
-                 "inband proxy, handed off (TCPE client), 1 MiB: first byte p50 ms": [pytest.approx(0.7), pytest.approx(0.7)]}  # fmt: skip
+                 "inband proxy, handed off (TCPE client), 1 MiB: first byte p50 ms": [pytest.approx(0.7), pytest.approx(0.7)],
+                 "inband proxy, handed off (TCPE client), 1 MiB: slowest fetch ms": [pytest.approx(20.0), pytest.approx(20.0)]}  # fmt: skip
     record = {"command": "python -m bench.ab", "commit": {"sha": "0" * 40, "dirty": False}, "started_utc": "2026-11-30T00:00:00Z", "wall_s": 1,
               "machine": {"cores": 2, "cpu": "x", "kernel": "k"}, "load_average": {"start": [0.0], "end": [0.0]},
               "ab_of": "handoff", "builds": {"old": "/a", "new": "/b"}, "runs": runs}  # fmt: skip
