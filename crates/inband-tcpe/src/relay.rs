@@ -69,12 +69,10 @@ fn pump(src: &TcpStream, dst: &TcpStream) -> std::io::Result<()> {
         // immediate ACK, and a read that empties the queue acknowledges
         // only small (pushed) segments: an origin limited by the window
         // (its response sent with the HANDOFF, queued before the join)
-        // waited for the ACK of its last segment. tcpdump on a server: a
-        // 47,616-byte segment acknowledged 42 ms after it came, nothing
-        // sent between; 37 of 600 handed-off 1 MiB responses took over
-        // 40 ms in the record of d0d0046. A reader slower than its
-        // loopback nginx (as the relay is, writing to the client) took
-        // a 1 MiB response 10% sooner with this.
+        // waited for the ACK of its last segment until the delayed-ACK
+        // timer fired (tcpdump on a server: nothing sent between): 37 of
+        // 600 handed-off 1 MiB responses took over 40 ms in the record of
+        // d0d0046, none of 2,400 with this (bench/results/handoff-ab-quickack).
         let _ = crate::sockops::flush_ack(src.as_fd());
         (&*dst).write_all(&buf[..n])?;
     }
