@@ -49,6 +49,8 @@ RENDER = {
     "handoff-ab-quickack": ab.render,
     "handoff-ab-quickack-sizes": ab.render,
     "handoff-ab-join": ab.render,
+    "handoff-ab-moveok": ab.render,
+    "handoff-ab-joinok-data": ab.render,
     "proxy-ab-codegen": ab.render,
     "proxy-ab-inline": ab.render,
     "proxy-python-origin": proxy.render,

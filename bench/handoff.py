@@ -599,6 +599,19 @@ class Bench(TestbedRun):
         self.quiet.add(wait_quiet(self.wait_budget_s, self.log, hold_s=2))
         self.wait_budget_s -= time.monotonic() - t0
 
+    def settled_metrics(self, m0: dict, n: int) -> dict:
+        """The proxy's metrics once each of the row's `n` connections has its
+        handoff outcome counted (for at most 2 s): a TCPE client goes on at
+        the server's JOIN-OK, so its last fetch can end before the proxy
+        hears the server's verdict and counts the handoff."""
+        deadline = time.monotonic() + 2.0
+        while True:
+            m1 = self.metrics() or {}
+            outcomes = sum(v - m0.get(k, 0.0) for k, v in m1.items() if k[0] == "handoffs")
+            if outcomes >= n or time.monotonic() >= deadline:
+                return m1
+            time.sleep(0.01)
+
     def moves(self) -> dict:
         """The balancer's move counters: "moved" and each refusal's."""
         status = self.lb_status()
@@ -670,7 +683,7 @@ class Bench(TestbedRun):
         if cp.returncode != 0 or row.ok != n:
             row.error = "; ".join(filter(None, [row.error, f"client exit {cp.returncode}, {row.ok} of {n} complete: {cp.stderr.strip()[-300:]}"]))
         if m0 is not None:
-            m1 = self.metrics() or {}
+            m1 = self.settled_metrics(m0, n) if mechanism(system) == "handoff" else self.metrics() or {}
             delta = {k: m1.get(k, 0.0) - v for k, v in m0.items()}
             done = "moved" if mechanism(system) == "transparent" else "handed_off"
             row.handed_off = int(delta.get(("handoffs", done), 0))

@@ -6,9 +6,9 @@
  * live in the inband-tcpe Rust library; a failure returns NULL or -1 with
  * errno set.
  *
- * Order of the stream: the bytes of the first subflow up to its FIN, then
- * those of the subflow the client joined. Send one request and read its
- * response before sending the next.
+ * Order of the stream: the bytes of the first subflow that came before
+ * the server's JOIN-OK, then those of the subflow the client joined. Send
+ * one request and read its response before sending the next.
  */
 #ifndef INBAND_TCPE_H
 #define INBAND_TCPE_H

@@ -4,13 +4,18 @@
 //! It opens the first subflow with TCPE offered. While it waits for bytes
 //! it looks at the socket's storage, which the sockops program fills with
 //! the notifications it verified; a create-path notification makes it open
-//! a subflow to that address and join it (`join`). The stream's order: all
-//! bytes of the current subflow up to its FIN, then the joined subflow's,
-//! whose first bytes follow the JOIN-OK. A FIN with no joined subflow is
-//! the stream's end. A byte that arrives on the current subflow after the
-//! join means the balancer kept the connection (its handoff fell back
-//! after the client joined): the joined subflow is closed and the stream
-//! stays where it is. Writes go to the current subflow, so the client
+//! a subflow to that address and join it (`join`). The stream's order: the
+//! bytes of the first subflow that came before the JOIN-OK, then the
+//! joined subflow's, whose first bytes follow the JOIN-OK. The server
+//! decides: a JOIN-OK means it took the connection, so the client reads
+//! the joined subflow at once and closes the first one, without waiting
+//! for the balancer's FIN there (that FIN waits for the balancer to hear
+//! the server's verdict: a wake-up of the balancer, then of the client, on
+//! every handoff's path). A byte already waiting on the first subflow at
+//! the JOIN-OK means the balancer kept the connection (its handoff fell
+//! back before the join): the joined subflow is closed and the stream
+//! stays where it is. A FIN with no joined subflow is the stream's end.
+//! Writes go to the current subflow, so the client
 //! sends one request and reads its response before it sends the next (the
 //! handoff moves a connection between requests). A connection moves once:
 //! a joined subflow has no TCPE of its own.
@@ -51,8 +56,6 @@ const NOTE_POLL: Duration = Duration::from_millis(5);
 pub struct Client {
     tcpe: Arc<Tcpe>,
     cur: TcpStream,
-    /// Joined, read after `cur`'s FIN.
-    next: Option<TcpStream>,
     /// `cur` is a joined subflow.
     moved: bool,
     /// The serial of the last notification acted on.
@@ -163,7 +166,7 @@ impl Client {
     /// bounds the connect, each join, and each read's wait for a byte.
     pub fn connect(tcpe: Arc<Tcpe>, addr: SocketAddr, timeout: Duration) -> Result<Client> {
         let cur = connect_offered(&tcpe, addr, timeout)?;
-        Ok(Client { tcpe, cur, next: None, moved: false, handled: None, timeout, counters: Counters::new(COUNTERS) })
+        Ok(Client { tcpe, cur, moved: false, handled: None, timeout, counters: Counters::new(COUNTERS) })
     }
 
     pub fn counters(&self) -> &Counters {
@@ -183,61 +186,79 @@ impl Client {
         self.tcpe.state(self.cur.as_fd()).ok().flatten().filter(|s| s.state == State::Capable)
     }
 
-    /// Acts on a create-path notification not acted on yet. A remove-path
-    /// needs no action: the balancer's FIN on the old subflow removes it.
-    fn look_for_path(&mut self) {
-        let Some(s) = self.capable() else { return };
-        let Some((path, serial)) = s.last else { return };
+    /// Acts on a create-path notification not acted on yet: joins, and
+    /// goes on on the joined subflow unless a byte waits on the first one
+    /// already. A remove-path needs no action: the client leaves the first
+    /// subflow as it moves.
+    fn look_for_path(&mut self) -> io::Result<()> {
+        let Some(s) = self.capable() else { return Ok(()) };
+        let Some((path, serial)) = s.last else { return Ok(()) };
         if self.handled == Some(serial) || !path.create {
-            return;
+            return Ok(());
         }
         self.handled = Some(serial);
-        match join(&s, path.addr, self.timeout) {
-            Ok(t) => self.next = Some(t),
+        let joined = match join(&s, path.addr, self.timeout) {
+            Ok(t) => t,
             Err((c, e)) => {
                 tracing::debug!("tcpe: joining {}: {e:#}", path.addr);
                 self.counters.bump(c);
+                return Ok(());
             }
+        };
+        if has_byte(&self.cur)? {
+            self.counters.bump(JOIN_ABANDONED);
+            return Ok(());
         }
+        // Closing the first subflow sends the client's FIN: nothing waits
+        // in it, and what the balancer may still send there (only a
+        // fallback after the server took the join: a verdict it did not
+        // hear in time) meets a reset instead of the stream.
+        self.cur = joined;
+        self.moved = true;
+        self.counters.bump(MOVED);
+        Ok(())
+    }
+}
+
+/// Whether a byte waits on `s` (not a FIN, not nothing), without waiting.
+fn has_byte(s: &TcpStream) -> io::Result<bool> {
+    let mut b = 0u8;
+    // SAFETY: recv of at most one byte into a live byte.
+    let n = unsafe { libc::recv(s.as_raw_fd(), (&mut b as *mut u8).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+    if n >= 0 {
+        return Ok(n > 0);
+    }
+    let e = io::Error::last_os_error();
+    match e.kind() {
+        io::ErrorKind::WouldBlock => Ok(false),
+        // A reset first subflow keeps nothing the stream could stay on.
+        io::ErrorKind::ConnectionReset => Ok(false),
+        _ => Err(e),
     }
 }
 
 impl Read for Client {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let start = Instant::now();
-        loop {
-            let watching = !self.moved && self.next.is_none();
-            if watching {
-                self.look_for_path();
+        // While a notification may come, the wait is a poll on the subflow
+        // and the program's wake-up; once moved, a plain read bounded by
+        // the socket's receive timeout: a poll before every read of a
+        // large body was a second system call per read.
+        while !self.moved {
+            self.look_for_path()?;
+            if self.moved {
+                break;
             }
-            // While a notification may come, the wait is a poll on both;
-            // otherwise a plain read, bounded by the socket's receive
-            // timeout: a poll before every read of a large body was a
-            // second system call per read.
-            if watching && self.next.is_none() {
-                let left = self.timeout.checked_sub(start.elapsed()).ok_or(io::ErrorKind::TimedOut)?;
-                let period = if start.elapsed() < NOTE_SOON { NOTE_POLL_SOON } else { NOTE_POLL };
-                if !readable(&self.cur, self.tcpe.paths_fd(), left.min(period))? {
-                    self.tcpe.drain_paths();
-                    continue;
-                }
+            let left = self.timeout.checked_sub(start.elapsed()).ok_or(io::ErrorKind::TimedOut)?;
+            let period = if start.elapsed() < NOTE_SOON { NOTE_POLL_SOON } else { NOTE_POLL };
+            if readable(&self.cur, self.tcpe.paths_fd(), left.min(period))? {
+                break;
             }
-            let n = match self.cur.read(buf) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Err(io::ErrorKind::TimedOut.into()),
-                r => r?,
-            };
-            if n > 0 {
-                if self.next.take().is_some() {
-                    self.counters.bump(JOIN_ABANDONED);
-                }
-                return Ok(n);
-            }
-            let Some(next) = self.next.take() else { return Ok(0) };
-            // Dropping the old subflow sends the client's FIN, which the
-            // balancer's kernel takes: the balancer has let go already.
-            self.cur = next;
-            self.moved = true;
-            self.counters.bump(MOVED);
+            self.tcpe.drain_paths();
+        }
+        match self.cur.read(buf) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Err(io::ErrorKind::TimedOut.into()),
+            r => r,
         }
     }
 }

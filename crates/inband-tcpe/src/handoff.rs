@@ -44,7 +44,7 @@ pub const COUNTERS: &[(&str, &str)] = &[
     ("fallback_notify", "Kept: the notification could not be queued"),
     ("fallback_no_ack", "Kept: no ACK was owed to carry the notification (the request was acknowledged already)"),
     ("fallback_no_join", "Kept: the client did not join before the deadline"),
-    ("fallback_verdict_lost", "Kept: the server's answer never came in time (the client, if it joined, stays on this subflow)"),
+    ("fallback_verdict_lost", "Kept: the server's answer never came in time (a client that joined reads the server's subflow, and this one is reset)"),
 ];
 const HANDED_OFF: usize = 0;
 const NOT_CAPABLE: usize = 1;
@@ -197,10 +197,11 @@ where
         Err(_) => return fallback(c, CHANNEL),
     }
     c.bump(HANDED_OFF);
-    // FIN on the old subflow tells the client its stream goes on on the
-    // new one. The kernel finishes the close (the client's FIN, then
-    // TIME_WAIT) once the caller drops the socket; a byte the client sends
-    // here after its join gets a reset, as nothing would read it.
+    // The client left this subflow at the server's JOIN-OK (its FIN may be
+    // here already): the stream does not wait for this side's FIN, which
+    // only ends the subflow. The kernel finishes the close once the caller
+    // drops the socket; a byte the client sends here after its join gets a
+    // reset, as nothing would read it.
     let _ = client.shutdown().await;
     Outcome::HandedOff
 }

@@ -797,7 +797,9 @@ fn handoff_moves_the_stream_and_refuses_forged_joins() {
     };
     eprintln!("handed off at attempt {attempt}");
     assert_eq!(c.current().peer_addr().unwrap(), SocketAddr::V4(SocketAddrV4::new(JOIN, JOIN_PORT)));
-    assert_eq!(world.balancer.get("handed_off"), 1, "{:?}", world.balancer.all());
+    // The client moved at the JOIN-OK; the balancer counts the handoff when
+    // the server's verdict reaches it, which the client does not wait for.
+    assert!(wait_for("the verdict", WAIT, || world.balancer.get("handed_off") == 1), "{:?}", world.balancer.all());
     assert_eq!(tc.get("join_accepted"), 1);
     assert_eq!(world.takeover.sessions(), 1);
     // The attempts that fell back leave the server's entries to expire,
@@ -864,7 +866,11 @@ fn handoff_moves_the_stream_and_refuses_forged_joins() {
         ffi::inband_tcpe_close(conn);
         ffi::inband_tcpe_detach(t);
     }
-    assert_eq!(world.balancer.get("handed_off") + world.balancer.get("fallback_no_ack"), attempt + 2);
+    assert!(
+        wait_for("the verdict", WAIT, || world.balancer.get("handed_off") + world.balancer.get("fallback_no_ack") == attempt + 2),
+        "{:?}",
+        world.balancer.all()
+    );
     // The origin's and the takeover server's listeners share the cgroup
     // without opting in: their connections are not TCPE's, nor counted.
     assert_eq!(tcpe.counter("fallback_no_syn").unwrap(), 0);
@@ -1029,12 +1035,16 @@ fn send_handoff(ch: &mut TcpStream, conn_id: u32, deadline_ms: u32) -> Vec<u8> {
 /// counted, as in the tests above); the attempts that fell back.
 fn fetch_moved(world: &World, tcpe: &Arc<Tcpe>, to: &Target) -> u64 {
     for attempt in 0..3 {
+        let handed_off = world.balancer.get("handed_off");
         world.targets.lock().unwrap().push_back(to.clone());
         let mut c = Client::connect(tcpe.clone(), balancer_addr(), WAIT).unwrap();
         let mut body = Vec::new();
         assert_eq!(client::get(&mut c, "tcpe", "/big", &mut body).unwrap(), 200);
         assert!(body == big_body(), "the body changed on its way");
         if c.counters().get("moved") == 1 {
+            // The balancer keeps the channel once the verdict has reached
+            // it, which can come after the client's last byte.
+            assert!(wait_for("the verdict", WAIT, || world.balancer.get("handed_off") == handed_off + 1), "{:?}", world.balancer.all());
             return attempt;
         }
     }
@@ -1219,4 +1229,126 @@ fn a_get_reaches_the_origin_with_its_handoff_and_other_methods_with_the_join() {
     assert_eq!(delete.join().unwrap(), channel::HandoffAnswer::Verdict(channel::Verdict::Joined));
     drop(takeover);
     origin.stop();
+}
+
+/// A relay of takeover channels (balancer ↔ server on `CONTROL_PORT`)
+/// that passes each server's HELLO at once and holds what follows it (the
+/// answer) until `open`, or drops it for good when `lose`: the verdict
+/// reaches the balancer late, or never.
+struct VerdictGate {
+    open: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl VerdictGate {
+    /// Listens on `port` in the calling thread's namespace.
+    fn start(port: u16, lose: bool) -> VerdictGate {
+        let (open, stop) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let (o, st) = (open.clone(), stop.clone());
+        let thread = serve(TcpListener::bind(loopback(port)).unwrap(), stop.clone(), move |balancer| {
+            let server = TcpStream::connect(loopback(CONTROL_PORT)).unwrap();
+            let (mut b_in, mut s_out) = (balancer.try_clone().unwrap(), server.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut b_in, &mut s_out);
+                let _ = s_out.shutdown(std::net::Shutdown::Write);
+            });
+            let (mut from, mut to) = (server, balancer);
+            let mut hello = [0u8; channel::NONCE_LEN];
+            if from.read_exact(&mut hello).is_err() || to.write_all(&hello).is_err() {
+                return;
+            }
+            let mut rest = Vec::new();
+            let mut b = [0u8; 4096];
+            from.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
+            while !st.load(Ordering::Relaxed) {
+                match from.read(&mut b) {
+                    Ok(0) => break,
+                    Ok(n) => rest.extend_from_slice(&b[..n]),
+                    Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+                    Err(_) => break,
+                }
+                if !lose && o.load(Ordering::Relaxed) && !rest.is_empty() {
+                    if to.write_all(&rest).is_err() {
+                        break;
+                    }
+                    rest.clear();
+                }
+            }
+        });
+        VerdictGate { open, stop, thread }
+    }
+
+    fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().unwrap();
+    }
+}
+
+/// The client goes on on the server's subflow at its JOIN-OK: it does not
+/// wait for the balancer to hear the verdict and send its FIN (a wake-up
+/// of each on every handoff's path). A verdict held back until the client
+/// has read the whole body still ends in a handoff; a verdict that never
+/// comes makes the balancer fall back and proxy into the subflow the
+/// client left, which resets it: the stream is the server's, whole, and
+/// the origin has answered both.
+#[test]
+fn the_client_moves_at_the_join_ok_whatever_becomes_of_the_verdict() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let bed = Bed::up("vg");
+    let tcpe = Arc::new(Tcpe::attach(&bed.cgroup).unwrap());
+    let world = World::start(&bed, &tcpe);
+    const GATE_PORT: u16 = 8196;
+    let late = VerdictGate::start(GATE_PORT, false);
+    let lost = VerdictGate::start(GATE_PORT + 1, true);
+    bed.enter(&bed.client);
+    let b = &world.balancer;
+    let big = big_body();
+    // A fetch through `to` until one moves (an attempt whose notification
+    // found no ACK to ride on falls back at once, counted; as above).
+    let moved_fetch = |to: Target| {
+        for attempt in 1..=3 {
+            let no_ack = b.get("fallback_no_ack");
+            world.targets.lock().unwrap().push_back(to.clone());
+            let mut c = Client::connect(tcpe.clone(), balancer_addr(), WAIT).unwrap();
+            let mut body = Vec::new();
+            assert_eq!(client::get(&mut c, "tcpe", "/big", &mut body).unwrap(), 200);
+            assert!(body == big, "the body changed on its way");
+            if c.counters().get("moved") == 1 {
+                return c;
+            }
+            assert_eq!(b.get("fallback_no_ack"), no_ack + 1, "{:?} {:?}", b.all(), c.counters().all());
+            assert!(attempt < 3, "no handoff in 3 attempts");
+        }
+        unreachable!()
+    };
+
+    // Late: the balancer waits up to its deadline and I/O bound (6 s).
+    let mut c = moved_fetch(Target { control: loopback(GATE_PORT), io_timeout: WAIT, ..target() });
+    assert_eq!((b.get("handed_off"), b.get("fallback_verdict_lost")), (0, 0), "the verdict came before the body was read: {:?}", b.all());
+    late.open.store(true, Ordering::Relaxed);
+    assert!(wait_for("the late verdict", WAIT, || b.get("handed_off") == 1), "{:?}", b.all());
+    let mut small = Vec::new();
+    assert_eq!(client::get(&mut c, "tcpe", "/small", &mut small).unwrap(), 200);
+    assert_eq!(small, CHUNKS.concat().as_bytes());
+    drop(c);
+
+    // Lost: the balancer gives up after 2 s and proxies the request again.
+    // The origin answers the server's GET and the balancer's (and both of
+    // any attempt that fell back for want of an ACK).
+    let (requests, no_ack) = (world.origin.stats.requests.load(Ordering::Relaxed), b.get("fallback_no_ack"));
+    let mut c = moved_fetch(Target { control: loopback(GATE_PORT + 1), ..target() });
+    assert!(wait_for("the fallback", WAIT, || b.get("fallback_verdict_lost") == 1), "{:?}", b.all());
+    let want = requests + 2 + 2 * (b.get("fallback_no_ack") - no_ack) as usize;
+    assert!(wait_for("the balancer's request", WAIT, || world.origin.stats.requests.load(Ordering::Relaxed) == want));
+    // The stream stays the server's: a keep-alive request after it.
+    let mut small = Vec::new();
+    assert_eq!(client::get(&mut c, "tcpe", "/small", &mut small).unwrap(), 200);
+    assert_eq!(small, CHUNKS.concat().as_bytes());
+    assert_eq!(c.counters().get("join_abandoned"), 0);
+    assert_eq!(b.get("handed_off"), 1, "{:?}", b.all());
+    drop(c);
+    late.stop();
+    lost.stop();
+    world.stop();
 }
