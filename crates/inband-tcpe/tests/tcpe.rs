@@ -13,7 +13,9 @@
 //! takeover server that relays them to an HTTP origin; the client library
 //! follows the move and the body arrives byte-exact, forged joins are
 //! refused and counted, every fallback keeps the body on the balancer's
-//! path, and a reset subflow frees the server's session.
+//! path, a reset subflow frees the server's session, the client moves at
+//! the server's JOIN-OK whether the balancer hears the verdict late or
+//! never, and stays where a byte waits on the first subflow.
 //!
 //! Namespaces and the cgroup are named after the test's pid and removed on
 //! every exit path (Drop). The tests share the process's cgroup, so they
@@ -1350,5 +1352,92 @@ fn the_client_moves_at_the_join_ok_whatever_becomes_of_the_verdict() {
     drop(c);
     late.stop();
     lost.stop();
+    world.stop();
+}
+
+/// A byte on the first subflow at the JOIN-OK keeps the stream there: a
+/// balancer that told the client to join and then answered the request
+/// itself (its handoff fell back before the join) is read whole, the
+/// joined subflow is closed, and nothing of the server's answer reaches
+/// the stream, although the server took the join.
+#[test]
+fn a_byte_on_the_first_subflow_at_the_join_ok_keeps_the_stream_there() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let bed = Bed::up("ab");
+    let tcpe = Arc::new(Tcpe::attach(&bed.cgroup).unwrap());
+    let world = World::start(&bed, &tcpe);
+    // The balancer, by hand: notification, its own answer, then the
+    // HANDOFF, so the server's JOIN-OK comes after the answer's bytes.
+    const KEEPER_PORT: u16 = 8195;
+    const ANSWER: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 15\r\n\r\nfrom the keeper";
+    let lfd = socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+    tcpe.answer(lfd.as_fd()).unwrap();
+    let sa = sockaddr(SocketAddrV4::new(SERVER, KEEPER_PORT));
+    // SAFETY: bind/listen on a socket this test owns.
+    unsafe {
+        check(libc::bind(lfd.as_raw_fd(), (&sa as *const libc::sockaddr_in).cast(), SIN_LEN), "bind");
+        check(libc::listen(lfd.as_raw_fd(), 8), "listen");
+    }
+    hold_acks(lfd.as_fd()).unwrap();
+    let listener = TcpListener::from(lfd);
+    let tc = world.takeover.counters();
+    std::thread::scope(|scope| {
+        // Per connection: whether the notification left on an ACK, and
+        // the server's answer to the HANDOFF that followed the keeper's
+        // answer. The answer goes once the client's join waits at the
+        // server (ahead of its HANDOFF), so that it is on the first
+        // subflow before the JOIN-OK and after the client heard of the
+        // path.
+        let keeper = scope.spawn(|| {
+            let mut out = Vec::new();
+            for _ in 0..3 {
+                let (mut s, _) = listener.accept().unwrap();
+                s.set_read_timeout(Some(WAIT)).unwrap();
+                let request = read_head(&mut s).unwrap();
+                let st = tcpe.state(s.as_fd()).unwrap().filter(|st| st.state == State::Capable).expect("a TCPE connection");
+                let held = tc.get("join_held");
+                tcpe.notify(s.as_fd(), &Path { addr: SocketAddr::V4(SocketAddrV4::new(JOIN, JOIN_PORT)), priority: 0, create: true }).unwrap();
+                flush_ack(s.as_fd()).unwrap();
+                let notified = tcpe.state(s.as_fd()).unwrap().unwrap().written != st.written;
+                if notified {
+                    assert!(wait_for("the join held at the server", WAIT, || tc.get("join_held") == held + 1), "{:?}", tc.all());
+                }
+                s.write_all(ANSWER).unwrap();
+                let verdict = notified.then(|| hand_over(loopback(CONTROL_PORT), st.conn_id, st.keys, &request));
+                let _ = tcpe.clear(s.as_fd());
+                out.push((notified, verdict, s));
+                if notified {
+                    break;
+                }
+            }
+            out
+        });
+        bed.enter(&bed.client);
+        let mut tries = 0;
+        let c = loop {
+            tries += 1;
+            let mut c = Client::connect(tcpe.clone(), SocketAddr::V4(SocketAddrV4::new(SERVER, KEEPER_PORT)), WAIT).unwrap();
+            let mut body = Vec::new();
+            assert_eq!(client::get(&mut c, "tcpe", "/big", &mut body).unwrap(), 200);
+            assert_eq!(body, b"from the keeper", "the stream took bytes of another subflow");
+            assert_eq!(c.counters().get("moved"), 0);
+            if c.counters().get("join_abandoned") == 1 {
+                break c;
+            }
+            // No ACK was left to carry the notification (a busy machine):
+            // the client never heard of the path. Another connection.
+            assert_eq!(c.counters().all().iter().map(|(_, v)| v).sum::<u64>(), 0, "{:?}", c.counters().all());
+            assert!(tries < 3, "no notification in 3 connections");
+        };
+        let out = keeper.join().unwrap();
+        assert_eq!(out.len(), tries);
+        let (notified, verdict, _s) = out.last().unwrap();
+        assert!(*notified);
+        // The server took the join; the client closed it.
+        assert_eq!(verdict.as_ref(), Some(&channel::HandoffAnswer::Verdict(channel::Verdict::Joined)));
+        assert_eq!(tc.get("join_accepted"), 1, "{:?}", tc.all());
+        assert!(wait_for("the session's end", WAIT, || world.takeover.sessions() == 0));
+        drop(c);
+    });
     world.stop();
 }
