@@ -36,6 +36,8 @@ RENDER = {
     "frontdoor": frontdoor.render,
     "handoff": handoff.render,
     "handoff-soak": handoff.render,
+    "handoff-soak-de1cc0b": handoff.render,
+    "handoff-de1cc0b": handoff.render,
     "handoff-93b1ade": handoff.render,
     "handoff-4901294": handoff.render,
     "handoff-ab": ab.render,
