@@ -15,7 +15,8 @@
 //! refused and counted, every fallback keeps the body on the balancer's
 //! path, a reset subflow frees the server's session, the client moves at
 //! the server's JOIN-OK whether the balancer hears the verdict late or
-//! never, and stays where a byte waits on the first subflow.
+//! never, stays where a byte waits on the first subflow, and handoffs side
+//! by side each move once and leave nothing behind.
 //!
 //! Namespaces and the cgroup are named after the test's pid and removed on
 //! every exit path (Drop). The tests share the process's cgroup, so they
@@ -1439,5 +1440,60 @@ fn a_byte_on_the_first_subflow_at_the_join_ok_keeps_the_stream_there() {
         assert!(wait_for("the session's end", WAIT, || world.takeover.sessions() == 0));
         drop(c);
     });
+    world.stop();
+}
+
+/// Handoffs side by side: eight clients of one process, five fetches each,
+/// through one target (its kept channels shared). Every body arrives
+/// whole; each connection either moved or, for want of an ACK to carry
+/// its notification, stayed and was counted; the server's table and
+/// sessions empty afterwards. One process's clients share its wake-up
+/// ring: a reader that takes another's wake-up leaves that one to its
+/// periodic look, a slower join, never a lost one.
+#[test]
+fn concurrent_handoffs_each_move_once_and_leave_nothing_behind() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let bed = Bed::up("cc");
+    let tcpe = Arc::new(Tcpe::attach(&bed.cgroup).unwrap());
+    let world = World::start(&bed, &tcpe);
+    bed.enter(&bed.client);
+    const CLIENTS: u64 = 8;
+    const FETCHES: u64 = 5;
+    let to = target();
+    for _ in 0..CLIENTS * FETCHES {
+        world.targets.lock().unwrap().push_back(to.clone());
+    }
+    let big = big_body();
+    let moved: u64 = std::thread::scope(|scope| {
+        let clients: Vec<_> = (0..CLIENTS)
+            .map(|_| {
+                // Spawned in the client namespace, as this thread is.
+                scope.spawn(|| {
+                    let mut moved = 0;
+                    for _ in 0..FETCHES {
+                        let mut c = Client::connect(tcpe.clone(), balancer_addr(), WAIT).unwrap();
+                        let mut body = Vec::new();
+                        assert_eq!(client::get(&mut c, "tcpe", "/big", &mut body).unwrap(), 200);
+                        assert!(body == big, "the body changed on its way");
+                        let all = c.counters().all();
+                        assert!(all.iter().all(|(n, v)| *v == 0 || *n == "moved"), "{all:?}");
+                        moved += c.counters().get("moved");
+                    }
+                    moved
+                })
+            })
+            .collect();
+        clients.into_iter().map(|t| t.join().unwrap()).sum()
+    });
+    let b = &world.balancer;
+    assert!(
+        wait_for("every verdict", WAIT, || b.get("handed_off") == moved && b.get("handed_off") + b.get("fallback_no_ack") == CLIENTS * FETCHES),
+        "moved {moved}: {:?}",
+        b.all()
+    );
+    assert!(moved > 0, "{:?}", b.all());
+    let tc = world.takeover.counters();
+    assert_eq!(tc.get("join_accepted"), moved, "{:?}", tc.all());
+    assert!(wait_for("the server's table and sessions emptied", WAIT, || world.takeover.pending() == 0 && world.takeover.sessions() == 0));
     world.stop();
 }
