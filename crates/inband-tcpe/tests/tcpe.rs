@@ -711,21 +711,10 @@ impl World {
         let origin = ServerSide::start(bed);
         let stop = Arc::new(AtomicBool::new(false));
         let takeover = Takeover::start(takeover_config(0)).unwrap();
-        let lfd = socket(libc::AF_INET, libc::SOCK_STREAM, 0);
-        tcpe.answer(lfd.as_fd()).unwrap();
-        let sa = sockaddr(SocketAddrV4::new(SERVER, BALANCER_PORT));
-        // SAFETY: bind/listen on a socket this test owns.
-        unsafe {
-            check(libc::bind(lfd.as_raw_fd(), (&sa as *const libc::sockaddr_in).cast(), SIN_LEN), "bind");
-            check(libc::listen(lfd.as_raw_fd(), 8), "listen");
-        }
-        // After listen(), which resets it: accepted connections inherit it,
-        // so the request that may come before accept() is not ACKed at once.
-        hold_acks(lfd.as_fd()).unwrap();
         let targets = Arc::new(Mutex::new(VecDeque::new()));
         let balancer = Arc::new(handoff::counters());
         let (t, tg, b) = (tcpe.clone(), targets.clone(), balancer.clone());
-        let balancer_thread = serve(TcpListener::from(lfd), stop.clone(), move |s| balancer_conn(s, &t, &tg, &b));
+        let balancer_thread = serve(balancer_listener(tcpe, BALANCER_PORT), stop.clone(), move |s| balancer_conn(s, &t, &tg, &b));
         World { origin, takeover, targets, balancer, stop, balancer_thread }
     }
 
@@ -734,6 +723,23 @@ impl World {
         self.balancer_thread.join().unwrap();
         self.origin.stop();
     }
+}
+
+/// A balancer's listener on `port` of the server's address, answering
+/// TCPE and holding its connections' ACKs.
+fn balancer_listener(tcpe: &Tcpe, port: u16) -> TcpListener {
+    let lfd = socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+    tcpe.answer(lfd.as_fd()).unwrap();
+    let sa = sockaddr(SocketAddrV4::new(SERVER, port));
+    // SAFETY: bind/listen on a socket this test owns.
+    unsafe {
+        check(libc::bind(lfd.as_raw_fd(), (&sa as *const libc::sockaddr_in).cast(), SIN_LEN), "bind");
+        check(libc::listen(lfd.as_raw_fd(), 8), "listen");
+    }
+    // After listen(), which resets it: accepted connections inherit it,
+    // so the request that may come before accept() is not ACKed at once.
+    hold_acks(lfd.as_fd()).unwrap();
+    TcpListener::from(lfd)
 }
 
 fn balancer_addr() -> SocketAddr {
@@ -1371,16 +1377,7 @@ fn a_byte_on_the_first_subflow_at_the_join_ok_keeps_the_stream_there() {
     // HANDOFF, so the server's JOIN-OK comes after the answer's bytes.
     const KEEPER_PORT: u16 = 8195;
     const ANSWER: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 15\r\n\r\nfrom the keeper";
-    let lfd = socket(libc::AF_INET, libc::SOCK_STREAM, 0);
-    tcpe.answer(lfd.as_fd()).unwrap();
-    let sa = sockaddr(SocketAddrV4::new(SERVER, KEEPER_PORT));
-    // SAFETY: bind/listen on a socket this test owns.
-    unsafe {
-        check(libc::bind(lfd.as_raw_fd(), (&sa as *const libc::sockaddr_in).cast(), SIN_LEN), "bind");
-        check(libc::listen(lfd.as_raw_fd(), 8), "listen");
-    }
-    hold_acks(lfd.as_fd()).unwrap();
-    let listener = TcpListener::from(lfd);
+    let listener = balancer_listener(&tcpe, KEEPER_PORT);
     let tc = world.takeover.counters();
     std::thread::scope(|scope| {
         // Per connection: whether the notification left on an ACK, and
