@@ -117,6 +117,9 @@ class Regime:
     onoff: bool = False  # the users send inside ON_S windows only
     keepalive: bool = False  # LLM-like serving over kept connections
     direct: float = 0.0  # a population this many × users straight to the servers
+    # ... or this many users straight to the servers (an open loop's
+    # arrivals are not users to scale from)
+    direct_n: int = 0
     score: str | None = None  # the agents' score source (their default: connections)
     # An open loop at this fraction of the servers' capacity (arrivals on a
     # schedule, not users waiting for answers); 0: Locust's closed loop.
@@ -166,6 +169,24 @@ REGIMES = (
             schedule="open",
         )
         for pct in (60, 80, 95)
+    ),
+    # Hidden load that is not zero-sum: in hidden-load the balanced users
+    # were a closed loop that kept every server busy, so a placement away
+    # from the hidden users' server only moved the queue, and the control
+    # won by taking their capacity. Here the balanced load is an open loop
+    # the two other servers can carry (40% of all three's capacity is 60%
+    # of two's), and the hidden users (3 per slot, no think time, like a
+    # batch job's fan-out) fill one server's queue whoever else comes:
+    # a request placed there waits behind them. No slowdowns: the hidden
+    # load is the only thing that makes a server slow.
+    Regime(
+        "open-hidden",
+        f"identical servers ({OPEN_WORKERS} slots each, nothing slowed), an open loop at 40% of their capacity, "
+        f"and {3 * OPEN_WORKERS} users straight to one server at a time (no think time), 2–4 s on, 2–4 s off",
+        slowdowns=False,
+        open_load=0.4,
+        workers=OPEN_WORKERS,
+        direct_n=3 * OPEN_WORKERS,
     ),
     # Several real balancers sharing the servers: each places a share of
     # the connections and sees only its own.
@@ -228,6 +249,8 @@ PROFILES = {
     "load": Profile("quick", 25, ("keep-alive-20", "keep-alive-28"), 1.0, reps=3),
     # open loops below and near saturation: 3 × 7 × 3 = 63 runs × 27.2 s ≈ 29 min.
     "open": Profile("quick", 25, ("open-60", "open-80", "open-95"), 1.0, reps=3),
+    # Hidden load beside an open loop: 7 × 3 = 21 runs × 27.2 s ≈ 10 min.
+    "hidden-open": Profile("quick", 25, ("open-hidden",), 1.0, reps=3),
     # Several real balancers: 2 × 6 × 3 = 36 runs × 27.2 s ≈ 17 min, and
     # two testbeds.
     "fleet": Profile("quick", 25, ("fleet-2", "fleet-3"), 1.0, reps=3),
@@ -272,6 +295,8 @@ def capacity(regime: Regime, pprofile: paperbed.Profile, duration_s: int, seed: 
 
 
 def direct_users(regime: Regime, profile: Profile) -> int:
+    if regime.direct_n:
+        return max(2, round(regime.direct_n * profile.users_scale))
     return max(2, round(users(regime, profile) * regime.direct)) if regime.direct else 0
 
 
@@ -315,7 +340,7 @@ def onoff_windows(regime: Regime, profile: Profile, seed: int) -> list:
 def direct_windows(regime: Regime, profile: Profile, seed: int) -> list:
     """[(start_s, end_s, server index)]: when the direct population sends,
     and to which server."""
-    if not regime.direct:
+    if not (regime.direct or regime.direct_n):
         return []
     rng = random.Random(f"{seed}-{regime.key}-direct")
     windows = alternating(rng, profile.duration_s, DIRECT_ON_S, DIRECT_OFF_S, profile.schedule_scale, False)

@@ -124,6 +124,23 @@ def test_open_loops_arrive_at_their_share_of_the_servers_capacity():
     assert len(regimes.TEN) == 10 and regimes.TEN[0] == "heavy-tail"
 
 
+def test_open_hidden_puts_three_users_a_slot_beside_an_open_loop_two_servers_can_carry():
+    from bench.lib import paperbed
+
+    quick = paperbed.PROFILES["quick"]
+    r, p = regimes.BY_KEY["open-hidden"], regimes.PROFILES["hidden-open"]
+    bench = type("B", (), {"args": type("A", (), {"seed": 1})()})()
+    regimes.configure(bench, r, p, quick)
+    # Nothing slowed: 3 × 8 slots of 0.25 s, 40% of it is 60% of two servers.
+    assert regimes.specs_for(r, 25, 1)[0].slowdowns == ()
+    assert float(bench.locust_env["INBAND_BENCH_OPEN_RATE"]) == pytest.approx(0.4 * 96.0)
+    assert bench.args.users == 1 and bench.extra_users == 3 * regimes.OPEN_WORKERS == 24
+    direct = regimes.direct_windows(r, p, 1)
+    assert len(direct) >= 3 and all(i in range(3) for _a, _b, i in direct)
+    heading = regimes.regime_heading(r, p, [], regimes.schedules([r], p, quick, 1)[r.key])
+    assert "24 direct users" in heading and "38 arrivals a second" in heading, heading
+
+
 def run(rps: float, p99: float, *, probes: int = 0, polls: int = 0, conns: int | None = None) -> RunResult:
     n = int(rps * 10)
     s = Summary(n, 0, p99 / 2, p99 / 2, rps, {p: p99 for p in locust.PERCENTILES}, p99)
