@@ -32,6 +32,7 @@ RENDER = {
     "ecmp": ecmp.render,
     "fleet": regimes.render,
     "fleet-load": regimes.render,
+    "hidden-open": regimes.render,
     "forwarding": forwarding.render,
     "frontdoor": frontdoor.render,
     "handoff": handoff.render,
