@@ -190,6 +190,25 @@ FAULTS = {
 DEFAULT_SYSTEMS = [s.key for s in SYSTEMS if s.key not in FAULTS]
 
 
+def run_clients(argvs: list, tcpe: bool, timeout: float) -> subprocess.CompletedProcess:
+    """Runs the clients side by side; one result: the worst exit status,
+    their outputs one after the other."""
+    procs = [subprocess.Popen(a, stdout=subprocess.DEVNULL if tcpe else subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, INBAND_LOG="warn")) for a in argvs]
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return subprocess.CompletedProcess([a for a in argvs], max(p.returncode for p in procs),
+                                       "".join(o or "" for o, _ in outs), "".join(e or "" for _, e in outs))
+
+
 def mechanism(system: str) -> str | None:
     """How a row's connections try to move ("handoff": TCPE, "transparent":
     at L4), or None for a row that does not try."""
@@ -631,10 +650,11 @@ class Bench(TestbedRun):
             return total
         return 0
 
-    def client_argv(self, system: str, url: str, n: int) -> list[str]:
+    def client_argv(self, system: str, url: str, n: int, i: int = 0) -> list[str]:
+        """Client `i`'s command for `n` fetches of `url`, one after another."""
         if tcpe_client(system):
             return [str(self.inband), "tcpe", "get", "--cgroup", str(self.cgroups["c1"]), "--timing", *([url] * n)]
-        cfg = self.tmp / "curl.conf"
+        cfg = self.tmp / f"curl-{i}.conf"
         cfg.write_text('silent\nheader = "Connection: close"\nmax-time = 120\n'
                        f'write-out = "{CURL_WRITE_OUT}"\n' + f'url = "{url}"\noutput = "/dev/null"\n' * n)
         return ["curl", "-K", str(cfg)]
@@ -645,7 +665,10 @@ class Bench(TestbedRun):
         host = self.tb.addr("s1") if system in ("direct", "direct-tcpe", "relay") else self.tb.vip
         port = {"direct": ORIGIN_PORT, "direct-tcpe": ORIGIN_PORT, "relay": RELAY_PORT}.get(system, VIP_PORT)
         url = f"http://{host}:{port}/{mib}M"
-        argv = ns_argv(self.ns("c1"), in_cgroup(self.cgroups["c1"], self.client_argv(system, url, n)))
+        # --clients side by side share the row's fetches, each one after another.
+        clients = max(1, min(self.args.clients, n))
+        shares = [n // clients + (i < n % clients) for i in range(clients)]
+        argvs = [ns_argv(self.ns("c1"), in_cgroup(self.cgroups["c1"], self.client_argv(system, url, k, i))) for i, k in enumerate(shares)]
         row = Row(system, size, rnd, n)
         m0 = self.metrics() if kind in ("inband-proxy", "inband-lb+proxy") else None
         moves0 = self.moves() if mechanism(system) == "transparent" else {}
@@ -658,8 +681,7 @@ class Bench(TestbedRun):
         if killer:
             killer.start()
         try:
-            cp = subprocess.run(argv, stdout=subprocess.DEVNULL if tcpe else subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                timeout=60 + n * (5 + mib / 20), env=dict(os.environ, INBAND_LOG="warn"))
+            cp = run_clients(argvs, tcpe, timeout=60 + n * (5 + mib / 20))
         finally:
             done.set()
             if killer:
@@ -961,14 +983,19 @@ def targets_table(cs: dict, rows: list[Row] = ()) -> str:
                   "machine above direct: handoff ÷ proxied", "÷ dsr-rr"], table_rows)
 
 
-def markdown(rows: list[Row], profile: dict, quiet: list[str], failed: list[str], others: list[str] = (), think_ms: float = 0.0) -> str:
+def side_by_side(clients: int) -> str:
+    return "one connection at a time" if clients <= 1 else f"{clients} clients side by side, each one connection at a time"
+
+
+def markdown(rows: list[Row], profile: dict, quiet: list[str], failed: list[str], others: list[str] = (), think_ms: float = 0.0,
+             clients: int = 1) -> str:
     cs = cells(rows)
     n = ", ".join(f"{mib} MiB × {k}" for mib, k in profile["counts"])
     origin = f"; the origin (`inband serve`) answers each request {think_ms:g} ms after it came" if think_ms else ""
     parts = [
         f"#### The targets (issue 29), {profile['rounds']} round(s) of {n} fetches per row{origin}", "", targets_table(cs, rows), "",
         "#### Balancer CPU per GB of response", "", cpu_table(cs), "",
-        "#### Throughput: one connection at a time, connect → last byte", "", throughput_table(cs), "",
+        f"#### Throughput: {side_by_side(clients)}, connect → last byte", "", throughput_table(cs), "",
         "#### First-byte latency: request written → first response byte (handed off: on the new path)", "", latency_table(cs),
     ]  # fmt: skip
     errors = [f"{BY_KEY[c.system].label}, {mib_label(c.size)}: {e}" for c in cs.values() for e in c.errors]
@@ -985,7 +1012,7 @@ def markdown(rows: list[Row], profile: dict, quiet: list[str], failed: list[str]
 def render(record: dict) -> str:
     rows = [revive(Row, r) for r in record["rows"]]
     return provenance(record) + "\n\n" + markdown(rows, record["profile"], record.get("quiet", []), record.get("failed", []), record.get("others", []),
-                                                 record.get("origin_think_ms", 0.0))
+                                                 record.get("origin_think_ms", 0.0), record.get("clients", 1))
 
 
 def ab_numbers(record: dict) -> dict[str, list[float]]:
@@ -1019,7 +1046,7 @@ def ab_numbers(record: dict) -> dict[str, list[float]]:
     return out
 
 
-def plot(rows: list[Row], path: Path) -> None:
+def plot(rows: list[Row], path: Path, clients: int = 1) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1044,7 +1071,7 @@ def plot(rows: list[Row], path: Path) -> None:
     a.set_ylabel("balancer CPU s per GB (processes + XDP)")
     a.set_title("Balancer CPU per GB of response")
     b.set_ylabel("MB/s, median fetch")
-    b.set_title("Throughput, one connection at a time")
+    b.set_title(f"Throughput, {side_by_side(clients)}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -1064,6 +1091,8 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="handoff", help="testbed name (namespaces NAME-c1, NAME-lb, NAME-s1, NAME-sw)")
     preflight.add_wait_quiet(ap, "row")
     ap.add_argument("--inband", default=str(REPO / "target" / "debug" / "inband"))
+    ap.add_argument("--clients", type=int, default=1,
+                    help="clients side by side sharing each row's fetches (default 1: one connection at a time)")
     ap.add_argument("--origin-think-ms", type=float, default=0.0,
                     help="the origin is `inband serve`, answering each request this late (one response size: the profile `think`)")
     args = ap.parse_args(argv)
@@ -1115,10 +1144,10 @@ def main(argv=None) -> int:
             bench.stop_balancer()
     record = this_run.record([asdict(r) for r in rows], profile=profiles.as_json(name, p), inband=Path(args.inband), tools=TOOLS,
                              quiet=sorted(bench.quiet), others=sorted(bench.others), failed=outcome.failed,
-                             origin_think_ms=args.origin_think_ms)
+                             origin_think_ms=args.origin_think_ms, clients=args.clients)
     write_results(args.results, record, render(record))
     if rows:
-        plot(rows, out / "handoff.png")
+        plot(rows, out / "handoff.png", args.clients)
     return outcome.exit_code()
 
 

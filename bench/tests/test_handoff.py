@@ -258,3 +258,13 @@ def test_fault_rows_fall_back_or_lose_only_what_the_fault_takes(tmp_path):
     assert "takeover server killed" in cp.stdout
     # Nothing it started is left running.
     assert str(out) not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+
+
+def test_clients_side_by_side_share_one_result():
+    cp = ho.run_clients([["sh", "-c", "echo a; echo e >&2"], ["sh", "-c", "echo b; exit 3"]], tcpe=False, timeout=10)
+    assert (cp.returncode, cp.stdout, cp.stderr) == (3, "a\nb\n", "e\n")
+    # A TCPE client's output is its stderr (--timing); stdout is dropped.
+    cp = ho.run_clients([["sh", "-c", "echo body; echo t1 >&2"], ["sh", "-c", "echo t2 >&2"]], tcpe=True, timeout=10)
+    assert (cp.returncode, cp.stdout, cp.stderr) == (0, "", "t1\nt2\n")
+    assert ho.side_by_side(1) == "one connection at a time"
+    assert ho.side_by_side(4) == "4 clients side by side, each one connection at a time"
