@@ -53,6 +53,7 @@ RENDER = {
     "handoff-ab-quickack-sizes": ab.render,
     "handoff-ab-join": ab.render,
     "handoff-ab-moveok": ab.render,
+    "handoff-ab-moveok-clients4": ab.render,
     "handoff-ab-joinok-data": ab.render,
     "proxy-ab-codegen": ab.render,
     "proxy-ab-inline": ab.render,
