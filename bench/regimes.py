@@ -25,6 +25,9 @@ connections opened and closed since the last score already is the load):
 - hidden-load: a second population (half as many users) goes straight to
   one server at a time, 2–4 s on, 2–4 s off, beside the regular load: the
   agents count it, the balancer never sees it.
+- open-hidden (profile `hidden-open`): the same, not zero-sum: an open
+  loop the two other servers can carry beside 3 zero-think users per slot
+  of the hidden users' server.
 
 Budget: dsr-dynamic runs first in each repetition; its score requests
 (options 124, counted by the balancer as `probes_sent`) per second of the
