@@ -27,10 +27,11 @@ Settings come from the environment (the driver sets them):
 
 bench.regimes' other loads, each off unless set:
 
-    INBAND_BENCH_ONOFF      JSON [[start_s, end_s], ...]: the users send only
-                            inside these windows (seconds since the test
-                            started); between them they wait, after the last
-                            they stop sending
+    INBAND_BENCH_ONOFF      JSON [[start_s, end_s], ...]: the users (or the
+                            open loop's arrivals) send only inside these
+                            windows (seconds since the test started);
+                            between them they wait, after the last they
+                            stop sending
     INBAND_BENCH_KEEPALIVE  mean requests per connection (each connection
                             draws 1 .. 2·mean−1 and asks for a close with its
                             last); 0 or unset: one request per connection
@@ -241,14 +242,19 @@ class OpenLoopUser(HttpUser):
 
     @task
     def arrivals(self):
-        period, due = 1.0 / OPEN_RATE, time.time()
+        period = 1.0 / OPEN_RATE
         rng = user_rng("open")
-        while True:
-            _open_requests.spawn(self.one, drawn(HEADERS, rng))
-            # On the schedule, not after the spawn: arrivals do not drift
-            # when the generator itself is slow.
-            due += period
-            gevent.sleep(max(0.0, due - time.time()))
+        windows = ONOFF if ONOFF is not None else [[0.0, float("inf")]]
+        while (w := wait_for_window(windows)) is not None:
+            # Each window's arrivals start at its start, on the schedule,
+            # not after the spawn: they do not drift when the generator
+            # itself is slow.
+            due = _window["t0"] + w[0]
+            while due < _window["t0"] + w[1]:
+                _open_requests.spawn(self.one, drawn(HEADERS, rng))
+                due += period
+                gevent.sleep(max(0.0, due - time.time()))
+        _idle()
 
     def one(self, headers: dict):
         me = id(gevent.getcurrent())

@@ -104,6 +104,9 @@ LLM_SERVICE_MS = 3000.0  # mean; with σ 1.5 the median is ≈ 1 s
 LLM_SIGMA = 1.5
 LLM_PER_CONNECTION = 8  # mean requests per connection
 LLM_THINK_MS = (0.0, 2000.0)  # a user's pause between its requests
+# burst-hot-spot: bursts' and pauses' lengths, and the service's spread.
+BURST_S = ((1.0, 2.0), (4.0, 8.0))
+BURST_SIGMA = 0.3
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,15 @@ class Regime:
     # schedule, not users waiting for answers); 0: Locust's closed loop.
     open_load: float = 0.0
     workers: int | None = None  # slots per server, if not the paper profile's
-    schedule: str | None = None  # whose slowdown schedule it shares (default: its own)
+    schedule: str | None = None  # whose slowdown, on/off and direct schedules it shares (default: its own)
+    onoff_s: tuple = (ON_S, OFF_S)  # on-off: the on and off lengths' ranges
+    # The direct population comes with the bursts: inside each on-window,
+    # to a server drawn per window, instead of on a schedule of its own.
+    hot_spot: bool = False
+    sigma: float | None = None  # the lognormal service's σ, if not the paper profile's
+    # dsr-dynamic with `query_when_stale`: a SYN that finds every score
+    # stale (after a pause) waits for a query of the servers.
+    query_stale: bool = False
 
 
 # How a regime's heading names its agents' score source.
@@ -190,6 +201,39 @@ REGIMES = (
         open_load=0.4,
         workers=OPEN_WORKERS,
         direct_n=3 * OPEN_WORKERS,
+    ),
+    # Where in-band reports must be fresher than polls of the same budget:
+    # the load comes in bursts (in-band reports come with them, polls are
+    # spread over the pauses), and each burst brings a hot spot the
+    # balancer cannot see, on a server drawn per burst (requests pinned by
+    # session affinity or sent straight to a server by another client of
+    # the same event: 3 zero-think users per slot there). A poll taken
+    # before the burst says nothing of it; only reports taken during it
+    # do. Service times vary little (σ 0.3), so that the p99 is the
+    # placements' and not the service's own tail. In burst-hot-spot the
+    # first connections of a burst go out on the scores of the last one,
+    # which are stale by then: the sweeper's exploration tickets send one
+    # to each server, the hot one included. In burst-hot-spot-asks
+    # dsr-dynamic asks the servers first (`query_when_stale`), and the
+    # query's polls count in the budget the equal poller is given.
+    *(
+        Regime(
+            key,
+            f"identical servers ({OPEN_WORKERS} slots each, lognormal σ {BURST_SIGMA:g}, nothing slowed), an open loop at 40% of their capacity "
+            f"in bursts of 1–2 s every 5–10 s, each burst with {3 * OPEN_WORKERS} users straight to one server drawn per burst (no think time)"
+            + ("; dsr-dynamic asks the servers before a SYN that finds every score stale" if asks else ""),
+            slowdowns=False,
+            onoff=True,
+            onoff_s=BURST_S,
+            open_load=0.4,
+            workers=OPEN_WORKERS,
+            direct_n=3 * OPEN_WORKERS,
+            hot_spot=True,
+            sigma=BURST_SIGMA,
+            schedule="burst-hot-spot",
+            query_stale=asks,
+        )
+        for key, asks in (("burst-hot-spot", False), ("burst-hot-spot-asks", True))
     ),
     # Several real balancers sharing the servers: each places a share of
     # the connections and sees only its own.
@@ -254,6 +298,13 @@ PROFILES = {
     "open": Profile("quick", 25, ("open-60", "open-80", "open-95"), 1.0, reps=3),
     # Hidden load beside an open loop: 7 × 3 = 21 runs × 27.2 s ≈ 10 min.
     "hidden-open": Profile("quick", 25, ("open-hidden",), 1.0, reps=3),
+    # Bursts with a hot spot: 40 s hold about six bursts (≈ 330 balanced
+    # requests). Every row with the query when stale, the equal poller
+    # and the control without: (7 + 3) × 3 = 30 runs × 42.2 s ≈ 21 min.
+    "bursts": Profile(
+        "quick", 40, ("burst-hot-spot", "burst-hot-spot-asks"), 1.0, reps=3,
+        only=(("burst-hot-spot", ("dsr-dynamic", "poll-equal", "dsr-leastconn")),),
+    ),
     # Several real balancers: 2 × 6 × 3 = 36 runs × 27.2 s ≈ 17 min, and
     # two testbeds.
     "fleet": Profile("quick", 25, ("fleet-2", "fleet-3"), 1.0, reps=3),
@@ -337,7 +388,7 @@ def onoff_windows(regime: Regime, profile: Profile, seed: int) -> list:
     always do."""
     if not regime.onoff:
         return []
-    return alternating(random.Random(f"{seed}-{regime.key}-onoff"), profile.duration_s, ON_S, OFF_S, profile.schedule_scale, True)
+    return alternating(random.Random(f"{seed}-{regime.schedule or regime.key}-onoff"), profile.duration_s, *regime.onoff_s, profile.schedule_scale, True)
 
 
 def direct_windows(regime: Regime, profile: Profile, seed: int) -> list:
@@ -345,8 +396,11 @@ def direct_windows(regime: Regime, profile: Profile, seed: int) -> list:
     and to which server."""
     if not (regime.direct or regime.direct_n):
         return []
-    rng = random.Random(f"{seed}-{regime.key}-direct")
-    windows = alternating(rng, profile.duration_s, DIRECT_ON_S, DIRECT_OFF_S, profile.schedule_scale, False)
+    rng = random.Random(f"{seed}-{regime.schedule or regime.key}-direct")
+    if regime.hot_spot:
+        windows = onoff_windows(regime, profile, seed)
+    else:
+        windows = alternating(rng, profile.duration_s, DIRECT_ON_S, DIRECT_OFF_S, profile.schedule_scale, False)
     return [(a, b, rng.randrange(regime.servers)) for a, b in windows]
 
 
@@ -417,6 +471,8 @@ def configure(bench: Bench, regime: Regime, profile: Profile, pprofile: paperbed
     if regime.open_load:
         bench.p = replace(pprofile, workers=regime.workers or pprofile.workers)
         env["INBAND_BENCH_OPEN_RATE"] = f"{regime.open_load * capacity(regime, pprofile, profile.duration_s, bench.args.seed):.3f}"
+    if regime.sigma:
+        bench.serve_extra = ("--service-sigma", f"{regime.sigma:g}")
     if regime.keepalive:
         bench.p = replace(pprofile, workers=LLM_SLOTS, service_ms=LLM_SERVICE_MS, service_dist="lognormal")
         bench.serve_extra = ("--keep-alive", "--service-sigma", f"{LLM_SIGMA:g}")
@@ -462,12 +518,12 @@ def run_rep(bench: Bench, regime: Regime, profile: Profile, out: Path, rep: int)
     n, hi = dynamic_interval(regime)
     dyn = run(
         "dsr-dynamic",
-        "dsr-dynamic (in-band)",
-        f"n = {n}..{hi} adaptive" if hi else f"n = {n}",
-        replace(paperbed.BY_KEY["dsr-dynamic"], probe_interval=n, probe_interval_max=hi),
+        "dsr-dynamic (in-band; asks after a pause)" if regime.query_stale else "dsr-dynamic (in-band)",
+        (f"n = {n}..{hi} adaptive" if hi else f"n = {n}") + (", query when stale" if regime.query_stale else ""),
+        replace(paperbed.BY_KEY["dsr-dynamic"], probe_interval=n, probe_interval_max=hi, query_when_stale=regime.query_stale),
     )
     w = dyn.result.window
-    eq_ms = equal_poll_ms(regime.servers, dyn.result.overhead.probes, w[1] - w[0], max(1, regime.fleet))
+    eq_ms = equal_poll_ms(regime.servers, dyn.requests_to_servers, w[1] - w[0], max(1, regime.fleet))
     polling = paperbed.BY_KEY["dsr-polling"]
     run("poll-equal", "dsr-polling, equal budget", f"{eq_ms} ms", replace(polling, poll_interval_ms=eq_ms))
     run("poll-best", "dsr-polling, best poller", f"{BEST_POLL_MS} ms", replace(polling, poll_interval_ms=BEST_POLL_MS))
@@ -581,10 +637,11 @@ def cells_by_config(rows: list[Row]) -> dict:
 
 
 def budget_match(dyn: Row, eq: Row) -> float:
-    """Poll requests per second of the equal poller ÷ score requests per
-    second of dsr-dynamic (in the same repetition): 1.0 is a matched budget."""
+    """Poll requests per second of the equal poller ÷ feedback requests per
+    second of dsr-dynamic (its 124s, and its queries' polls when it asks
+    after a pause; in the same repetition): 1.0 is a matched budget."""
     w = dyn.result.window
-    dyn_rate = dyn.result.overhead.probes / (w[1] - w[0])
+    dyn_rate = dyn.requests_to_servers / (w[1] - w[0])
     return (eq.result.overhead.polls / eq.lifetime_s) / dyn_rate if dyn_rate else float("nan")
 
 
@@ -709,6 +766,7 @@ def parse_args(argv):
     ap.add_argument("--profile", choices=sorted(PROFILES), default="quick")
     ap.add_argument("--regimes", help=f"comma-separated subset of: {', '.join(BY_KEY)} (default: the profile's)")
     ap.add_argument("--reps", type=int, help="override the profile's repetitions per cell")
+    ap.add_argument("--configs", help=f"comma-separated subset of the rows: {', '.join(CONFIG_KEYS)} (dsr-dynamic always runs: its probes set the equal budget)")
     ap.add_argument("--name", default="rg", help="testbed name (namespaces NAME-lb, NAME-c1, ...)")
     ap.add_argument("--inband", default=str(results.REPO / "target" / "debug" / "inband"))
     ap.add_argument("--seed", type=int, default=1, help="the slowdown, on/off and direct schedules, and the requests' service-time draws")
@@ -720,6 +778,10 @@ def parse_args(argv):
         ap.error(f"unknown regime(s) {', '.join(unknown)}; choose from {', '.join(BY_KEY)}")
     if args.reps is not None and args.reps < 1:
         ap.error("--reps must be at least 1")
+    configs = args.configs.split(",") if args.configs else []
+    if [c for c in configs if c not in CONFIG_KEYS]:
+        ap.error(f"unknown row(s) {', '.join(c for c in configs if c not in CONFIG_KEYS)}; choose from {', '.join(CONFIG_KEYS)}")
+    args.config_keys = tuple(configs)
     args.regime_keys = keys
     return args
 
@@ -752,6 +814,8 @@ def schedules(regimes: list[Regime], profile: Profile, pprofile: paperbed.Profil
 def main(argv=None) -> int:
     args = parse_args(argv)
     profile = profiles.choose(PROFILES, args.profile, reps=args.reps)
+    if args.config_keys:
+        profile = replace(profile, only=tuple((k, args.config_keys) for k in args.regime_keys))
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     pa = paper_args(args, profile, out)
@@ -816,7 +880,8 @@ def regime_heading(regime: Regime, profile: Profile, rows: list[Row], schedule: 
     extra = []
     if schedule.get("onoff"):
         f = on_fraction(schedule["onoff"], profile.duration_s)
-        extra.append(f"users on {f:.0%} of the run: while they send, dynamic's score requests come at {1 / f:.1f}× their matched average rate")
+        who = "arrivals" if schedule.get("open_rate") else "users"
+        extra.append(f"{who} on {f:.0%} of the run: while they send, dynamic's score requests come at {1 / f:.1f}× their matched average rate")
     if schedule.get("direct"):
         dyn = [r for r in rows if r.key == "dsr-dynamic"]
         mean = sum(r.direct_requests for r in dyn) / len(dyn) if dyn else 0
@@ -827,6 +892,8 @@ def regime_heading(regime: Regime, profile: Profile, rows: list[Row], schedule: 
     if regime.score:
         extra.insert(0, f"agents score {SCORE_WORDS[regime.score]}")
     load = f"{schedule['open_rate']:.0f} arrivals a second" if schedule.get("open_rate") else f"{users(regime, profile)} users"
+    if schedule.get("open_rate") and schedule.get("onoff"):
+        load += " while on"
     return f"## {regime.key}: {regime.what}, {load}{''.join('; ' + e for e in extra)}\n"
 
 

@@ -131,7 +131,7 @@ class FleetBench(Bench):
                     address=self.tb.addr(node), vip=self.tb.vip, vip_port=VIP_PORT, backends=self.backends, mode=c.mode,
                     control_socket=str(self.instance_sock(node)), auth_key=str(self.auth_key) if self.auth_key else None,
                     probe_interval=c.probe_interval or self.args.probe_interval, probe_interval_max=c.probe_interval_max,
-                    poll_interval_ms=c.poll_interval_ms or self.args.poll_interval_ms,
+                    poll_interval_ms=c.poll_interval_ms or self.args.poll_interval_ms, query_when_stale=c.query_when_stale,
                     scale_out=peers.ScaleOut(self.tb.addr6(node), sid, direct_sid, self.shadow_sid),
                     **({"policy": c.policy} if c.policy else {}),
                 )

@@ -104,6 +104,8 @@ class Configuration:
     # the adaptive n between the two.
     probe_interval: int | None = None
     probe_interval_max: int | None = None
+    # dsr-dynamic only: a SYN that finds every score stale waits for a query.
+    query_when_stale: bool = False
     # inband only: the VIP's policy (lb.toml's default, least-score, when None).
     policy: str | None = None
 
@@ -251,7 +253,7 @@ class Bench(TestbedRun):
             return self.start_lb(
                 cfg_dir, self.backends, mode=c.mode, probe_interval=c.probe_interval or self.args.probe_interval,
                 probe_interval_max=c.probe_interval_max, poll_interval_ms=c.poll_interval_ms or self.args.poll_interval_ms,
-                **({"policy": c.policy} if c.policy else {}),
+                query_when_stale=c.query_when_stale, **({"policy": c.policy} if c.policy else {}),
             )  # fmt: skip
         if c.kind == "haproxy":
             cfg = cfg_dir / "haproxy.cfg"

@@ -93,6 +93,7 @@ def lb_toml(
     probe_budget: int = 0,
     poll_interval_ms: int = 100,
     score_max_age_ms: int = 2000,
+    query_when_stale: bool = False,
     interface: str = "eth0",
     health: HealthChecks | None = None,
     scale_out: ScaleOut | None = None,
@@ -103,6 +104,8 @@ def lb_toml(
     paper's unauthenticated options. `probe_interval_max` and
     `probe_budget`: the adaptive n's upper bound and the 124s per second a
     backend may get (both omitted: the balancer's fixed n, no budget).
+    `query_when_stale`: dsr-dynamic asks before a SYN that finds every
+    score stale (after a pause).
     `health`: the VIP's checks written out (omitted: the defaults).
     `scale_out`: this instance's place behind an ECMP router.
     `moves_listen`: `[moves] listen` (flow moves taken there; none when
@@ -125,6 +128,7 @@ def lb_toml(
         *([f"probe_interval_max = {int(probe_interval_max)}"] if probe_interval_max is not None else []),
         *([f"probe_budget = {int(probe_budget)}"] if probe_budget else []),
         f"score_max_age_ms = {int(score_max_age_ms)}",
+        *(["query_when_stale = true"] if query_when_stale else []),
         f"poll_interval_ms = {int(poll_interval_ms)}",
         *(["", *health.toml_lines()] if health is not None else []),
     ]

@@ -263,6 +263,37 @@ def test_open_loop_arrivals_keep_their_rate_while_the_server_is_slow(tmp_path):
     assert abs(gaps[len(gaps) // 2] - 1 / rate) < 0.25 / rate, gaps[len(gaps) // 2]
 
 
+def test_open_loop_arrivals_come_only_inside_the_on_windows(tmp_path):
+    rate, windows = 40.0, [[0.3, 0.8], [1.4, 1.9]]
+
+    class Handler(Quiet):
+        def do_GET(self):  # noqa: N802 - http.server's naming
+            self.one_byte()
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        env = {
+            "INBAND_BENCH_REQUESTS": str(tmp_path / "requests.csv"),
+            "INBAND_BENCH_WINDOW": str(tmp_path / "window.json"),
+            "INBAND_BENCH_OPEN_RATE": str(rate),
+            "INBAND_BENCH_ONOFF": json.dumps(windows),
+            "PATH": "/usr/bin:/bin",
+        }
+        cp = locust_run(users=1, seconds=2.5, port=srv.server_port, env=env)
+    finally:
+        srv.shutdown()
+    assert (tmp_path / "window.json").exists(), cp.stderr[-2000:]
+    window = json.loads((tmp_path / "window.json").read_text())
+    starts = sorted([r.start - window["t0"] for r in report.read_requests(tmp_path / "requests.csv")] + [t - window["t0"] for t in window["unfinished"]])
+    # Each window gets its own rate × length arrivals (the first at its
+    # start), none between or after them (a scheduling slack of 20 ms).
+    per_window = [[t for t in starts if a - 0.02 <= t < b + 0.02] for a, b in windows]
+    assert [len(w) for w in per_window] == [round(rate * (b - a)) for a, b in windows], (per_window, starts)
+    assert len(starts) == sum(len(w) for w in per_window), starts
+    assert [round(w[0], 1) for w in per_window] == [a for a, _b in windows], per_window
+
+
 def test_a_draw_seed_sends_the_same_requests_in_every_run(tmp_path):
     def draws(seed: str) -> list[str]:
         seen = []

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from bench import regimes
-from bench.lib import fleetbed, locust
+from bench.lib import fleetbed, locust, peers
 from bench.lib.locust import Overhead, RunResult, Summary
 from driver_runs import run_tiny, table_rows
 
@@ -139,6 +139,37 @@ def test_open_hidden_puts_three_users_a_slot_beside_an_open_loop_two_servers_can
     assert len(direct) >= 3 and all(i in range(3) for _a, _b, i in direct)
     heading = regimes.regime_heading(r, p, [], regimes.schedules([r], p, quick, 1)[r.key])
     assert "24 direct users" in heading and "38 arrivals a second" in heading, heading
+
+
+def test_burst_hot_spot_brings_a_hidden_users_server_with_each_burst_of_arrivals():
+    from bench.lib import paperbed
+
+    quick = paperbed.PROFILES["quick"]
+    r, p = regimes.BY_KEY["burst-hot-spot"], regimes.PROFILES["bursts"]
+    bench = type("B", (), {"args": type("A", (), {"seed": 1})()})()
+    regimes.configure(bench, r, p, quick)
+    # The open loop's rate while it sends: 40% of 3 × 8 slots of 0.25 s.
+    assert float(bench.locust_env["INBAND_BENCH_OPEN_RATE"]) == pytest.approx(0.4 * 96.0)
+    bursts = json.loads(bench.locust_env["INBAND_BENCH_ONOFF"])
+    assert len(bursts) >= 4 and bursts[0][0] == 0.0
+    for (a, b), (c, _d) in zip(bursts, bursts[1:]):
+        assert 1.0 <= b - a <= 2.0 and 4.0 <= c - b <= 8.0, bursts
+    # The hidden users come with every burst, to a server drawn per burst.
+    direct = regimes.direct_windows(r, p, 1)
+    assert [[a, b] for a, b, _i in direct] == bursts
+    assert {i for _a, _b, i in direct} <= {0, 1, 2} and len({i for _a, _b, i in direct}) > 1
+    assert bench.extra_users == 24 and bench.serve_extra == ("--service-sigma", "0.3") and bench.p.workers == 8
+    heading = regimes.regime_heading(r, p, [], regimes.schedules([r], p, quick, 1)[r.key])
+    assert "38 arrivals a second while on" in heading and "arrivals on" in heading and "24 direct users" in heading, heading
+    # The variant where dsr-dynamic asks after a pause meets the same
+    # bursts and hot spots; only its dynamic row differs.
+    asks = regimes.BY_KEY["burst-hot-spot-asks"]
+    assert asks.query_stale and not r.query_stale
+    assert [list(w) for w in regimes.onoff_windows(asks, p, 1)] == bursts and regimes.direct_windows(asks, p, 1) == direct
+    assert "query_when_stale = true" in peers.lb_toml(address="10.0.0.2", vip="10.0.0.100", vip_port=80, backends=[], mode="dsr-dynamic",
+                                                      control_socket="/s", auth_key=None, query_when_stale=True)  # fmt: skip
+    assert "query_when_stale" not in peers.lb_toml(address="10.0.0.2", vip="10.0.0.100", vip_port=80, backends=[], mode="dsr-dynamic",
+                                                   control_socket="/s", auth_key=None)  # fmt: skip
 
 
 def run(rps: float, p99: float, *, probes: int = 0, polls: int = 0, conns: int | None = None) -> RunResult:

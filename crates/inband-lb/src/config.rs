@@ -199,6 +199,11 @@ pub struct VipConfig {
     /// is balanced on what came.
     #[serde(default = "default_query_timeout_ms")]
     pub query_timeout_ms: u64,
+    /// dsr-dynamic: a SYN that finds every active backend's score older
+    /// than score_max_age_ms (after a pause in the traffic) waits for a
+    /// query of the backends, as every SYN of dsr-query does.
+    #[serde(default)]
+    pub query_when_stale: bool,
     #[serde(default = "default_score_max_age_ms")]
     pub score_max_age_ms: u64,
     #[serde(default = "default_poll_interval_ms")]
@@ -624,6 +629,14 @@ impl VipConfig {
                 "vip {ep}: policy least-connections ranks by the balancer's own connection counts, in passthrough and dsr-rr; \
                  mode {} ranks by the servers' scores plus those counts: use least-score",
                 self.mode.name()
+            );
+        }
+        if self.query_when_stale && self.mode != Mode::DsrDynamic {
+            bail!(
+                "vip {ep}: query_when_stale is for mode dsr-dynamic, whose scores come with the traffic and go stale in its pauses; \
+                 mode {} {}",
+                self.mode.name(),
+                if self.mode == Mode::DsrQuery { "asks before every connection already" } else { "takes no in-band scores" }
             );
         }
         if self.mode == Mode::DsrPolling && self.poll_interval_ms == 0 {
@@ -1088,6 +1101,10 @@ port = 8080
         assert!(err(&GOOD.replace("[auth]\nmode = \"none\"\n", "")).contains("no auth key configured"));
         let table = GOOD.replace("address = \"10.77.0.2\"\n", "address = \"10.77.0.2\"\nflow_table_size = 10\n");
         assert!(err(&table).contains("flow_table_size = 10 is out of range"));
+        assert!(LbConfig::parse(&vip("query_when_stale = true")).unwrap().vips[0].query_when_stale);
+        let query = vip("query_when_stale = true").replace("dsr-dynamic", "dsr-query");
+        assert!(err(&query).contains("query_when_stale is for mode dsr-dynamic") && err(&query).contains("asks before every connection already"));
+        assert!(err(&vip("query_when_stale = true").replace("dsr-dynamic", "dsr-rr")).contains("mode dsr-rr takes no in-band scores"));
     }
 
     const DUAL: &str = r#"

@@ -28,6 +28,7 @@ pub const VIP_RESET_DOWN: u16 = c::INBAND_VIP_RESET_DOWN as u16;
 pub const VIP_REFUSE_EMPTY: u16 = c::INBAND_VIP_REFUSE_EMPTY as u16;
 pub const VIP_FLEET: u16 = c::INBAND_VIP_FLEET as u16;
 pub const VIP_ANNOUNCE: u16 = c::INBAND_VIP_ANNOUNCE as u16;
+pub const VIP_QUERY_STALE: u16 = c::INBAND_VIP_QUERY_STALE as u16;
 pub const HEALTH_UP: u8 = c::INBAND_HEALTH_UP as u8;
 pub const HEALTH_DOWN: u8 = c::INBAND_HEALTH_DOWN as u8;
 

@@ -18,7 +18,7 @@ use anyhow::{Context, Result};
 use tracing::warn;
 
 use super::config::LbConfig;
-use super::maps::{BackendScore, ControlStats, Mode, BACKEND_OPTIONS_LOST};
+use super::maps::{BackendScore, ControlStats, Mode, BACKEND_OPTIONS_LOST, EXPLORE};
 use super::tables::{self, LbMaps};
 use inband_core::poll_wire;
 use inband_core::bpfmap;
@@ -124,10 +124,17 @@ pub fn add_control_stats(maps: &LbMaps, d: &ControlStats) -> Result<()> {
 
 /// Writes a polled score: the report and its time, and a fresh start for
 /// the connections counted since; the in-band probe's state is left as the
-/// data path keeps it.
+/// data path keeps it, but for an exploration ticket the sweeper gave it
+/// while its report was stale (lb/sweep.h): with a fresh report, a ticket
+/// would send a connection to a backend the report may show busy (a
+/// dsr-dynamic VIP's query after a pause writes every score at once).
 pub fn record(maps: &LbMaps, id: u32, score: u32, now: u64) -> Result<()> {
     let old: BackendScore = bpfmap::get(&maps.scores, &id)?.unwrap_or_default();
-    bpfmap::put(&maps.scores, &id, &BackendScore { score, opened: 0, closed: 0, updated_ns: now, ..old })
+    bpfmap::put(&maps.scores, &id, &BackendScore { score, opened: 0, closed: 0, updated_ns: now, ..old })?;
+    if let Some(due) = bpfmap::get::<u32, u32>(&maps.probe_due, &id)?.filter(|d| d & EXPLORE != 0) {
+        bpfmap::put(&maps.probe_due, &id, &(due & !EXPLORE))?;
+    }
+    Ok(())
 }
 
 /// The keys polls are signed and checked with, and the signing key's id:

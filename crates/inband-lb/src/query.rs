@@ -17,6 +17,10 @@
 //!
 //! A backend that does not answer within the VIP's `query_timeout_ms` keeps
 //! its last score; the SYN goes ahead on what came (`query_timeouts`).
+//!
+//! A dsr-dynamic VIP with `query_when_stale` hands over only the SYNs that
+//! find every score of the VIP stale (after a pause): the same worker asks
+//! for them.
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -105,10 +109,10 @@ fn answer(
     Ok(())
 }
 
-/// The active backends of each dsr-query VIP among `ids`, by agent poll
-/// port, and the VIP's query timeout. A VIP no longer in dsr-query (the
-/// mode changed while its SYN was queued) gets no targets: its SYN goes on
-/// at once.
+/// The active backends of each querying VIP among `ids` (dsr-query, or
+/// dsr-dynamic with `query_when_stale`), by agent poll port, and the VIP's
+/// query timeout. A VIP that no longer queries (the mode changed while its
+/// SYN was queued) gets no targets: its SYN goes on at once.
 fn targets(maps: &LbMaps, cfg: &LbConfig, ids: &HashSet<u32>) -> Result<HashMap<u32, VipTargets>> {
     let mut out = HashMap::new();
     for e in tables::read(maps)? {
@@ -117,7 +121,7 @@ fn targets(maps: &LbMaps, cfg: &LbConfig, ids: &HashSet<u32>) -> Result<HashMap<
         }
         let Some(v) = cfg.vips.iter().find(|v| v.endpoint() == e.endpoint && v.protocol == e.protocol) else { continue };
         let mut t = VipTargets { targets: HashMap::new(), wait: Duration::from_millis(v.query_timeout_ms) };
-        if v.mode == Mode::DsrQuery {
+        if v.mode == Mode::DsrQuery || v.mode == Mode::DsrDynamic && v.query_when_stale {
             for (id, b) in &e.slots {
                 if b.flags & BACKEND_ACTIVE != 0 {
                     t.targets.entry((tables::backend_endpoint(b), v.poll_port)).or_default().push(*id);

@@ -156,6 +156,8 @@ pub struct VipSnapshot {
     /// Score requests a second per backend at most; 0 = no bound.
     pub probe_budget: u32,
     pub score_max_age_ms: u64,
+    /// dsr-dynamic: a SYN that finds every score stale waits for a query.
+    pub query_when_stale: bool,
     pub syn_timeout_ms: u64,
     pub idle_timeout_s: u64,
     pub closing_timeout_ms: u64,
@@ -324,6 +326,7 @@ pub fn take(interface: &str, maps: &LbMaps) -> Result<Snapshot> {
             probe_interval_max: v.vip.probe_interval_max,
             probe_budget: v.vip.probe_budget,
             score_max_age_ms: v.vip.score_max_age_ns / 1_000_000,
+            query_when_stale: v.vip.flags & VIP_QUERY_STALE != 0,
             syn_timeout_ms: v.vip.syn_timeout_ns / 1_000_000,
             idle_timeout_s: v.vip.idle_timeout_ns / 1_000_000_000,
             closing_timeout_ms: v.vip.closing_timeout_ns / 1_000_000,
@@ -452,7 +455,7 @@ pub fn render_table(s: &Snapshot) -> String {
         let drain = v.drain_left_s.map_or(String::new(), |d| format!(" ({d} s left)"));
         let _ = writeln!(
             o,
-            "\nVIP {}{}  {}{drain}  mode {}  policy {}{}  probe every {} pkts{}  score max age {} ms  timeouts syn {} ms / idle {} s / closing {} ms  down backends: flows {}, all down {}  flows {}  conns {}",
+            "\nVIP {}{}  {}{drain}  mode {}  policy {}{}  probe every {} pkts{}  score max age {} ms{}  timeouts syn {} ms / idle {} s / closing {} ms  down backends: flows {}, all down {}  flows {}  conns {}",
             v.vip,
             if v.quic { " (QUIC)" } else { "" },
             v.state,
@@ -466,6 +469,7 @@ pub fn render_table(s: &Snapshot) -> String {
             },
             if v.probe_budget > 0 { format!(", at most {}/s", v.probe_budget) } else { String::new() },
             v.score_max_age_ms,
+            if v.query_when_stale { ", queried when stale" } else { "" },
             v.syn_timeout_ms,
             v.idle_timeout_s,
             v.closing_timeout_ms,
@@ -795,6 +799,7 @@ mod tests {
                 probe_interval_max: 16,
                 probe_budget: 0,
                 score_max_age_ms: 1000,
+                query_when_stale: false,
                 syn_timeout_ms: 3000,
                 idle_timeout_s: 300,
                 closing_timeout_ms: 10_000,

@@ -219,6 +219,7 @@ pub fn apply(maps: &LbMaps, vips: &[VipConfig], drain_timeout_ms: u64, maglev_si
                 | if v.weighted() { VIP_WEIGHTED } else { 0 }
                 | if v.health.on_down == OnDown::Reset { VIP_RESET_DOWN } else { 0 }
                 | if v.health.all_down == AllDown::Refuse { VIP_REFUSE_EMPTY } else { 0 }
+                | if v.query_when_stale { VIP_QUERY_STALE } else { 0 }
                 | if fleet && v.fleet_tuples() { VIP_FLEET } else { 0 }
                 // A peer can recompute a Maglev backend; any other is announced.
                 | if fleet && v.fleet_tuples() && v.effective_policy() != Policy::Maglev { VIP_ANNOUNCE } else { 0 },

@@ -2190,6 +2190,28 @@ fn a_stale_backend_gets_one_exploratory_connection_per_sweep() {
     }
 }
 
+/// The ticket is for a stale report: a 125 that comes before the ticket is
+/// taken withdraws it, or the next connection would go to a backend the
+/// fresh report shows busy.
+#[test]
+fn a_fresh_report_withdraws_the_exploration_ticket() {
+    let fx = Fixture::lb_with(Mode::DsrDynamic, Policy::LeastScore, 2);
+    let c = client(4);
+    // The backend the connection went to reports busy, stale; the other idle, fresh.
+    let (busy, snat) = fx.connect(c);
+    let idle = if busy.id == backend(0).id { backend(1) } else { backend(0) };
+    fx.set_score(&busy, 1000, ktime_ns() - 3 * SEC - SEC / 2);
+    fx.set_score(&idle, 0, ktime_ns());
+    fx.lb.sweep(0).unwrap();
+    assert_eq!(get::<u32, u32>(&fx.lb.skel.maps.probe_due, &busy.id).map(|d| d & EXPLORE), Some(EXPLORE));
+    outstanding(&fx, c, NONCE);
+    let opt = InbandOption::auth_score(&KEY, KEY_ID, NONCE.to_ne_bytes(), conn(&busy, snat), 1000);
+    fx.tx(&reply(&busy, snat).ip_options(opt.encode()).build());
+    assert_eq!(fx.score(&busy).score, 1000);
+    assert_eq!(get::<u32, u32>(&fx.lb.skel.maps.probe_due, &busy.id).map(|d| d & EXPLORE), Some(0));
+    assert!(!(10..20).map(|n| fx.pick(client(n))).any(|id| id == busy.id), "no ticket left to take");
+}
+
 #[test]
 fn power_of_two_never_picks_the_worse_of_the_pair() {
     let fx = Fixture::lb_with(Mode::DsrDynamic, Policy::PowerOfTwo, 3);
@@ -3085,6 +3107,56 @@ fn dsr_query_holds_a_syn_for_the_daemon_and_balances_it_once_answered() {
     // Its retransmission follows the handshake without asking again.
     fx.tx(&syn_frame);
     assert_eq!(fx.drops()[drop_index("query_pending")], 1);
+}
+
+/// dsr-dynamic with `query_when_stale`: a SYN is held for a query only
+/// when every active backend's score is stale (or missing); one fresh
+/// score lets SYNs through at once, as does the flag being off.
+#[test]
+fn dsr_dynamic_holds_a_syn_for_a_query_only_when_every_score_is_stale() {
+    let fx = Fixture::lb_with(Mode::DsrDynamic, Policy::LeastScore, 3);
+    let max_age = 2 * SEC;
+    fx.update_vip(|v| {
+        v.score_max_age_ns = max_age;
+        v.flags |= VIP_QUERY_STALE;
+    });
+    fx.lb.sweep(0).unwrap();
+    let old = ktime_ns() - 3 * max_age;
+    // Never scored: nothing is known, the first SYN is asked about.
+    let c = client(1);
+    fx.assert_dropped(&syn(c).build(), "query_pending");
+    assert_eq!(fx.half_open(c), None);
+    // Every score older than the max age: held too.
+    for i in 0..3 {
+        fx.set_score(&backend(i), 0, old);
+    }
+    let c = client(2);
+    fx.assert_dropped(&syn(c).build(), "query_pending");
+    // The only fresh score is a down backend's: it takes no connection,
+    // so it says nothing of where this one can go.
+    fx.set_score(&backend(1), 3, ktime_ns() - max_age / 2);
+    fx.set_flags(&backend(1), BACKEND_ACTIVE | BACKEND_DOWN);
+    let c = client(3);
+    fx.assert_dropped(&syn(c).build(), "query_pending");
+    // Back up, its fresh score is enough: balanced at once.
+    fx.set_flags(&backend(1), BACKEND_ACTIVE);
+    let c = client(4);
+    fx.tx(&syn(c).build());
+    assert!(fx.half_open(c).is_some(), "one fresh score: balanced at once");
+    // Answered: the held SYN goes on, once.
+    fx.set_score(&backend(1), 3, old);
+    let c = client(5);
+    fx.assert_dropped(&syn(c).build(), "query_pending");
+    put(&fx.lb.skel.maps.query_done, &flow_key(c), &ktime_ns());
+    fx.tx(&syn(c).build());
+    assert!(fx.half_open(c).is_some());
+    assert_eq!((fx.event("query_answered"), fx.drops()[drop_index("query_pending")]), (1, 4));
+    // The flag off: stale or not, a dsr-dynamic SYN is balanced at once.
+    fx.update_vip(|v| v.flags &= !VIP_QUERY_STALE);
+    let c = client(6);
+    fx.tx(&syn(c).build());
+    assert!(fx.half_open(c).is_some());
+    assert_eq!(fx.drops()[drop_index("query_pending")], 4);
 }
 
 // ---------------------------------------------------------- IP-in-IP carrier

@@ -250,6 +250,41 @@ fn dsr_query_asks_the_backends_before_each_new_connection() {
     );
 }
 
+/// dsr-dynamic with `query_when_stale`: in-band scores come with the
+/// traffic, so after a pause none is current. The first connection after
+/// start and the first after a pause longer than the max age wait for a
+/// query and avoid the server held busy out of the balancer's sight; the
+/// connections in between go on the scores at once.
+#[test]
+fn dsr_dynamic_asks_before_the_first_connection_after_a_pause_only() {
+    let c = Cluster::with(Spec::new("qs", "dsr-dynamic").vip("query_when_stale = true\nscore_max_age_ms = 1000"));
+    let mut hog = c.hold_connections(1, 6);
+    let counts = |c: &Cluster| {
+        let st = c.status();
+        let n = |v: &Value| v.as_u64().unwrap_or(0);
+        [n(&st[0]["control"]["queries"]), n(&st[0]["drops"]["query_pending"]), n(&st[0]["events"]["query_answered"])]
+    };
+    let s1_conns = |c: &Cluster| c.backend(1)["stats"]["new_conns"].as_u64().unwrap();
+    let (conns0, all0) = (s1_conns(&c), sum(&c, "new_conns"));
+    let mut rounds = vec![];
+    for _ in 0..2 {
+        // Longer than the max age: whatever the set-up's requests left is stale.
+        std::thread::sleep(Duration::from_millis(1500));
+        let before = counts(&c);
+        for _ in 0..4 {
+            assert_eq!(get_vip(&c), (200, BODY));
+        }
+        rounds.push(counts(&c).iter().zip(before).map(|(a, b)| a - b).collect::<Vec<_>>());
+    }
+    let st = c.status();
+    let _ = hog.kill();
+    let _ = hog.wait();
+    assert_eq!(st[0]["vips"][0]["query_when_stale"], true, "inband status shows the setting");
+    assert_eq!(rounds, [[1, 1, 1], [1, 1, 1]], "per pause one query, one SYN held and answered (queries, held, answered): {}", st[0]["control"]);
+    assert_eq!(s1_conns(&c) - conns0, 0, "s1 held 6 connections: no new one, the first after each pause included");
+    assert_eq!(sum(&c, "new_conns") - all0, 8);
+}
+
 /// A path that drops packets with IP options (as many routers do) between
 /// the balancer and s1: the balancer notices that s1's score requests go
 /// unanswered while its traffic flows, stops sending it options, polls it

@@ -332,8 +332,9 @@ __noinline int handshake(struct xdp_md *ctx, const struct inband_lb_config *cfg,
 			refresh_hold(fk, copy, p->now);
 			return FWD_COPY;
 		}
-		if (vc->mode == INBAND_MODE_DSR_QUERY) {
-			int held = query_first(ctx, fk, vid, p);
+		if (vc->mode == INBAND_MODE_DSR_QUERY ||
+		    (vc->mode == INBAND_MODE_DSR_DYNAMIC && (vc->flags & INBAND_VIP_QUERY_STALE))) {
+			int held = query_first(ctx, fk, vid, vc, p);
 
 			if (held)
 				return held;

@@ -340,6 +340,13 @@ static __always_inline void record_score(struct inband_flow *f, __u16 score, __u
 		s->unanswered = 0;
 		s->updated_ns = now;
 	}
+	/* The sweeper gave the backend an exploration ticket for a stale
+	 * report; this one is fresh, and a ticket taken now would send a
+	 * connection to a backend the report may show busy. */
+	__u32 *due = bpf_map_lookup_elem(&probe_due, &bid);
+
+	if (due && (*due & INBAND_EXPLORE))
+		__sync_fetch_and_and(due, ~INBAND_EXPLORE);
 	f->flags &= ~(INBAND_FLOW_PROBE_OUTSTANDING | INBAND_FLOW_PROBE_OLD);
 }
 

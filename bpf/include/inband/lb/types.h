@@ -53,6 +53,12 @@ struct inband_vip_key {
  * INBAND_VIP_FLEET): each new connection's backend is put in choice_ring
  * for the lb daemon to announce to the peers (peer_choices.h). */
 #define INBAND_VIP_ANNOUNCE 128
+/* dsr-dynamic (lb.toml `query_when_stale`): a SYN that finds every active
+ * backend's score older than score_max_age (the VIP was idle, or has never
+ * been scored) is held for a query first, as dsr-query holds every SYN
+ * (query.h): in-band scores come with traffic, and after a pause the
+ * balancer knows nothing current to place the first connections by. */
+#define INBAND_VIP_QUERY_STALE 256
 
 struct inband_vip {
 	struct inband_addr addr;
