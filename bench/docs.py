@@ -33,6 +33,7 @@ RENDER = {
     "fleet": regimes.render,
     "fleet-load": regimes.render,
     "hidden-open": regimes.render,
+    "bursts": regimes.render,
     "forwarding": forwarding.render,
     "frontdoor": frontdoor.render,
     "handoff": handoff.render,

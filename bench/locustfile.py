@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import random
 import time
@@ -242,18 +243,19 @@ class OpenLoopUser(HttpUser):
 
     @task
     def arrivals(self):
-        period = 1.0 / OPEN_RATE
         rng = user_rng("open")
-        windows = ONOFF if ONOFF is not None else [[0.0, float("inf")]]
-        while (w := wait_for_window(windows)) is not None:
-            # Each window's arrivals start at its start, on the schedule,
-            # not after the spawn: they do not drift when the generator
-            # itself is slow.
-            due = _window["t0"] + w[0]
-            while due < _window["t0"] + w[1]:
+        for w in ONOFF if ONOFF is not None else [[0.0, math.inf]]:
+            if wait_for_window([w]) is None:
+                continue
+            # Arrival k at the window's start + k/RATE: on the schedule,
+            # not after the spawn, so arrivals do not drift when the
+            # generator itself is slow; counted up front, so that no sum
+            # of periods adds one at the window's end.
+            start = _window["t0"] + w[0]
+            count = itertools.count() if math.isinf(w[1]) else range(math.ceil((w[1] - w[0]) * OPEN_RATE - 1e-9))
+            for k in count:
+                gevent.sleep(max(0.0, start + k / OPEN_RATE - time.time()))
                 _open_requests.spawn(self.one, drawn(HEADERS, rng))
-                due += period
-                gevent.sleep(max(0.0, due - time.time()))
         _idle()
 
     def one(self, headers: dict):

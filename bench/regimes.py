@@ -28,10 +28,15 @@ connections opened and closed since the last score already is the load):
 - open-hidden (profile `hidden-open`): the same, not zero-sum: an open
   loop the two other servers can carry beside 3 zero-think users per slot
   of the hidden users' server.
+- burst-hot-spot, burst-hot-spot-asks (profile `bursts`): an open loop in
+  bursts, each burst with such users on one server drawn per burst; in
+  the second dsr-dynamic asks the servers after a pause
+  (`query_when_stale`), and its polls count in the equal budget.
 
 Budget: dsr-dynamic runs first in each repetition; its score requests
-(options 124, counted by the balancer as `probes_sent`) per second of the
-load window, pauses included, give the poll interval at which the poller
+(options 124, counted by the balancer as `probes_sent`, and the polls of
+its queries after a pause when it makes them) per second of the load
+window, pauses included, give the poll interval at which the poller
 sends as many requests to the servers (`control.polls_sent`, one packet per
 backend per round, counted over the balancer's life). Both counts are
 reported, so the match is measured, not assumed: in on-off, dynamic spends
@@ -916,7 +921,7 @@ def render(record: dict) -> str:
         f"best poller every {BEST_POLL_MS} ms; load generator, balancer and servers share the CPUs.  \n"
         "Cells are the mean over the repetitions (min–max). Ratios are dynamic ÷ the other, of the means: RPS > 1 and p99 < 1 favour dynamic; "
         "a ratio in parentheses is within the spread (the two ranges overlap) and counts for nothing. "
-        "Budget match: the equal poller's poll requests per second of its balancer's life ÷ dynamic's score requests per second of load, "
+        "Budget match: the equal poller's poll requests per second of its balancer's life ÷ dynamic's score requests (and its queries' polls, where it asks after a pause) per second of load, "
         "per repetition. The control is DSR least-connections with no feedback: what the balancer's own counting gives. "
         f"Verdict: a win needs ≥ {WIN_RPS}× RPS or ≤ {WIN_P99}× p99 against both the equal-budget poller and the control, beyond the spread.\n",
     ]

@@ -3151,6 +3151,15 @@ fn dsr_dynamic_holds_a_syn_for_a_query_only_when_every_score_is_stale() {
     fx.tx(&syn(c).build());
     assert!(fx.half_open(c).is_some());
     assert_eq!((fx.event("query_answered"), fx.drops()[drop_index("query_pending")]), (1, 4));
+    // No active backend: nobody to ask, the SYN is not held.
+    for i in 0..3 {
+        fx.set_flags(&backend(i), BACKEND_ACTIVE | BACKEND_DOWN);
+    }
+    fx.assert_dropped(&syn(client(7)).build(), "no_backend");
+    assert_eq!(fx.drops()[drop_index("query_pending")], 4, "held with every backend down");
+    for i in 0..3 {
+        fx.set_flags(&backend(i), BACKEND_ACTIVE);
+    }
     // The flag off: stale or not, a dsr-dynamic SYN is balanced at once.
     fx.update_vip(|v| v.flags &= !VIP_QUERY_STALE);
     let c = client(6);

@@ -30,6 +30,7 @@ struct stale_walk {
 	__u64 max_age_ns;
 	__u32 vid;
 	__u32 count;
+	__u32 active; /* active backends met */
 	__u32 fresh; /* an active backend's score is younger than max_age */
 };
 
@@ -50,6 +51,7 @@ static long stale_step(__u32 slot, void *data)
 
 	if (!be || !s || (be->flags & (INBAND_BACKEND_ACTIVE | INBAND_BACKEND_DOWN)) != INBAND_BACKEND_ACTIVE)
 		return 0;
+	w->active++;
 	/* Reports are stamped with the fine clock and `now` is the coarse
 	 * one, a tick behind at most: a report newer than `now` is fresh. */
 	if (s->updated_ns && (__s64)(w->now - s->updated_ns) < (__s64)w->max_age_ns) {
@@ -59,10 +61,11 @@ static long stale_step(__u32 slot, void *data)
 	return 0;
 }
 
-/* Whether every active backend of VIP `vid` has a stale score (or none).
- * Walked on SYNs of INBAND_VIP_QUERY_STALE VIPs only; a VIP larger than
- * INBAND_SCAN_MAX is not walked (a SYN there costs the same at any size)
- * and counts as fresh. */
+/* Whether VIP `vid` has active backends and every one of them has a stale
+ * score (or none). Walked on SYNs of INBAND_VIP_QUERY_STALE VIPs only; a
+ * VIP larger than INBAND_SCAN_MAX is not walked (a SYN there costs the
+ * same at any size) and counts as fresh, as does one with no active
+ * backend (there is nobody to ask: its SYNs do not go to the daemon). */
 static __always_inline int scores_stale(const struct inband_vip *vc, __u32 vid, __u64 now)
 {
 	struct stale_walk w = { .now = now, .max_age_ns = vc->score_max_age_ns, .vid = vid, .count = vc->backend_count };
@@ -70,7 +73,7 @@ static __always_inline int scores_stale(const struct inband_vip *vc, __u32 vid, 
 	if (w.count > INBAND_SCAN_MAX)
 		return 0;
 	bpf_loop(INBAND_SCAN_MAX, stale_step, &w, 0);
-	return !w.fresh;
+	return w.active && !w.fresh;
 }
 
 /*
