@@ -268,6 +268,9 @@ class Results:
     mesh_counters: dict = field(default_factory=dict)
     # µs per request by perf group, for direct, the mesh and HAProxy.
     profiles: dict = field(default_factory=dict)
+    # The same at the sweep's largest response, for every system run:
+    # where a large response's time goes, the mesh's paid per segment.
+    size_profiles: dict = field(default_factory=dict)
 
 
 class Bench:
@@ -414,7 +417,7 @@ class Bench:
                     res.breakdown = self.breakdown(urls)
                     res.mesh_counters["balance"] = mesh_counters()
                 if self.perf and r == 0 and system in ("direct", "mesh", "haproxy"):
-                    res.profiles[system] = self.profile(system, urls)
+                    res.profiles[system] = self.profile(system, urls, self.p.conns[len(self.p.conns) // 2], self.p.seconds)
                 self.stop()
         res.points = mean_points(res.rounds)
         direct = {p.conns: p for p in res.points if p.system == "direct"}
@@ -422,16 +425,16 @@ class Bench:
             if p.conns in direct:
                 p.added_us = p.cpu_us - direct[p.conns].cpu_us
 
-    def profile(self, system: str, urls: list[str]) -> dict[str, float]:
-        """µs per request by perf group, at the middle connection count."""
-        conns = self.p.conns[len(self.p.conns) // 2]
+    def profile(self, system: str, urls: list[str], conns: int, seconds: int) -> dict[str, float]:
+        """µs per request by perf group, `conns` connections on `urls` for
+        `seconds`."""
         data = self.work / f"perf-{system}.data"
         rec = subprocess.Popen(
-            ["perf", "record", "-a", "-F", "1999", "-o", str(data), "--", "sleep", str(self.p.seconds)],
+            ["perf", "record", "-a", "-F", "1999", "-o", str(data), "--", "sleep", str(seconds)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        pt = self.measure(system, urls, conns, self.p.seconds)
+        pt = self.measure(system, urls, conns, seconds)
         rec.wait(timeout=60)
         cp = subprocess.run(
             ["perf", "report", "-i", str(data), "--stdio", "-n", "--no-children", "-g", "none", "--sort", "sym"],
@@ -440,9 +443,10 @@ class Bench:
             timeout=120,
         )
         data.unlink(missing_ok=True)
-        requests = pt.rps * self.p.seconds
+        requests = pt.rps * seconds
         out = {g: ns / 1e3 / max(requests, 1) for g, ns in parse_perf_report(cp.stdout).items() if g != "idle"}
         out["conns"] = conns
+        out["rps"] = pt.rps
         return out
 
     def mesh_ready(self) -> None:
@@ -496,6 +500,9 @@ class Bench:
                     pt.direction, pt.size = direction, n
                     res.sizes.append(pt)
                     print(f"  size {SYSTEMS[system]:<24} {direction:<8} {n:>8} B {pt.rps:>9.0f} req/s  p99 {pt.p99_us} us", flush=True)
+            if self.perf:
+                n = max(self.p.sizes)
+                res.size_profiles[system] = {**self.profile(system, [f"http://{e}/size/{n}" for e in entries], conns, self.p.size_seconds), "size": n}
             if system == "mesh":
                 res.mesh_counters["sizes"] = mesh_counters()
             self.stop()
@@ -694,9 +701,21 @@ def report(res: Results) -> str:
             md.append(f"| {g} | " + " | ".join(f"{res.profiles[s].get(g, 0.0):.2f}" for s in systems) + " |")
         md.append(
             "| total | "
-            + " | ".join(f"{sum(v for k, v in res.profiles[s].items() if k != 'conns'):.2f}" for s in systems)
+            + " | ".join(f"{sum(v for k, v in res.profiles[s].items() if k not in ('conns', 'rps')):.2f}" for s in systems)
             + " |"
         )
+    if res.size_profiles:
+        systems = [s for s in SYSTEMS if s in res.size_profiles]
+        first = res.size_profiles[systems[0]]
+        groups = [g for g, _ in PERF_GROUPS if g != "idle"] + ["other kernel", "user space: load generator, backends, sidecar"]
+        md += ["", f"## Where a {size_label(first['size'])} response's time goes ({first['conns']} connections, perf, µs of CPU per response)", ""]
+        md.append("| part | " + " | ".join(SYSTEMS[s] for s in systems) + " |")
+        md.append("|---|" + "---|" * len(systems))
+        for g in groups:
+            md.append(f"| {g} | " + " | ".join(f"{res.size_profiles[s].get(g, 0.0):.1f}" for s in systems) + " |")
+        total = {s: sum(v for k, v in res.size_profiles[s].items() if k not in ("conns", "rps", "size")) for s in systems}
+        md.append("| total | " + " | ".join(f"{total[s]:.1f}" for s in systems) + " |")
+        md.append("| responses a second while profiled | " + " | ".join(f"{res.size_profiles[s]['rps']:,.0f}" for s in systems) + " |")
     for part, counters in res.mesh_counters.items():
         moved = {k: v for k, v in counters.items() if v and (k.startswith("fallback_") or k == "response_user")}
         md.append(

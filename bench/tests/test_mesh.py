@@ -64,6 +64,21 @@ def test_sizes_table_gives_the_mesh_against_direct_and_the_best_sidecar():
     assert rows[0][2:] == ["1,000", "900", "300", "450", "0.90×", "2.00×", "943.7", "200", "300"]
 
 
+def test_report_splits_a_large_responses_cpu_by_part():
+    res = mb.Results(profile="x")
+    sock, tcp = "sockmap redirection: psock queues, work items", "TCP/IP stack and veth"
+    res.size_profiles = {
+        "mesh": {sock: 120.0, tcp: 300.0, "conns": 32, "rps": 650.0, "size": 1 << 20},
+        "proxy": {tcp: 250.0, "conns": 32, "rps": 1300.0, "size": 1 << 20},
+    }
+    md = mb.report(res)
+    assert "Where a 1 MiB response's time goes (32 connections, perf, µs of CPU per response)" in md
+    rows = {r[0]: r[1:] for r in table_rows(md, "| part | inband mesh |")}
+    assert rows[sock] == ["120.0", "0.0"] and rows[tcp] == ["300.0", "250.0"]
+    assert rows["total"] == ["420.0", "250.0"], "conns, rps and size are not parts"
+    assert rows["responses a second while profiled"] == ["650", "1,300"]
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not INBAND.exists(), reason="needs root and target/debug/inband")
 def test_tiny_profile_end_to_end(tmp_path):
     cp = subprocess.run(
@@ -89,6 +104,10 @@ def test_tiny_profile_end_to_end(tmp_path):
     for r in sizes:
         assert all(c != "-" and "errors" not in c and float(c.replace(",", "")) > 0 for c in r[2:7]), r
     assert (tmp_path / "mesh.png").exists() and (tmp_path / "mesh-sizes.png").exists()
+    if shutil.which("perf"):
+        header = "| part | " + " | ".join(mb.SYSTEMS.values()) + " |"
+        parts = {r[0]: r[1:] for r in table_rows(md, header)}
+        assert len(parts["total"]) == len(mb.SYSTEMS) and "Where a 1 MiB response's time goes" in md
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "mb-" not in out
     assert not mb.CGROUP.exists()
