@@ -34,6 +34,8 @@ RENDER = {
     "fleet-load": regimes.render,
     "hidden-open": regimes.render,
     "bursts": regimes.render,
+    "bursts-seed2": regimes.render,
+    "mesh-sizes-profile": mesh.render,
     "forwarding": forwarding.render,
     "frontdoor": frontdoor.render,
     "handoff": handoff.render,

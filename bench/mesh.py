@@ -645,9 +645,11 @@ def render(record: dict) -> str:
 
 def report(res: Results) -> str:
     rounds = max((sum(1 for q in res.rounds if (q.system, q.conns) == (p.system, p.conns)) for p in res.points), default=0) or 1
-    md = [f"## Socket-layer L7 balancing: req/s, latency, CPU per request (profile {res.profile}, mean of {rounds} rounds)", ""]
-    md.append("| system | connections | req/s | ×direct | ×best sidecar | p50 µs | p99 µs | errors | host CPU µs/req | added over direct µs/req |")
-    md.append("|---|---|---|---|---|---|---|---|---|---|")
+    md = []
+    if res.points:
+        md = [f"## Socket-layer L7 balancing: req/s, latency, CPU per request (profile {res.profile}, mean of {rounds} rounds)", ""]
+        md.append("| system | connections | req/s | ×direct | ×best sidecar | p50 µs | p99 µs | errors | host CPU µs/req | added over direct µs/req |")
+        md.append("|---|---|---|---|---|---|---|---|---|---|")
     by = {(p.system, p.conns): p for p in res.points}
     conns = sorted({p.conns for p in res.points})
     for c in conns:
