@@ -33,6 +33,22 @@
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
 #define TCP_CLOSE 7
+#define SOL_SOCKET 1
+#define SO_RCVBUF 8
+
+/*
+ * The receive buffer a client socket is given (at least) when it enters
+ * the mesh. Responses are redirected into its psock's ingress queue,
+ * where TCP's receive autotuning does not grow the buffer: it stays at
+ * tcp_rmem's default (128 KiB), and a redirect that finds it full waits
+ * for the psock's work item to retry a jiffy later (skmsg.c,
+ * sk_psock_backlog), which bounded 1 MiB responses to a quarter of a
+ * sidecar's rate with the CPUs mostly idle (docs/benchmarks.md, "Where a
+ * large response's time goes"). 4 MiB is net.core.rmem_max's default, the
+ * most SO_RCVBUF may ask for unless the host raised it; the kernel caps a
+ * larger value there.
+ */
+#define MESH_CLIENT_RCVBUF (4 << 20)
 
 static __always_inline void count(__u32 counter)
 {
@@ -145,6 +161,12 @@ int mesh_sockops(struct bpf_sock_ops *skops)
 		}
 		bpf_sock_ops_cb_flags_set(skops, BPF_SOCK_OPS_STATE_CB_FLAG);
 		count(INBAND_MESH_CONN_TRACKED);
+		/* Only ever raised: an application that asked for more keeps it
+		 * (the kernel reports the doubled value it set). */
+		int rcvbuf = 0, want = MESH_CLIENT_RCVBUF;
+
+		if (!bpf_getsockopt(skops, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof(rcvbuf)) && rcvbuf < 2 * want)
+			bpf_setsockopt(skops, SOL_SOCKET, SO_RCVBUF, &want, sizeof(want));
 	} else if (skops->op == BPF_SOCK_OPS_STATE_CB && skops->args[1] == TCP_CLOSE) {
 		/* The sockhash forgets the socket by itself. */
 		struct inband_mesh_conn *conn = bpf_map_lookup_elem(&mesh_conns, &key);

@@ -545,6 +545,40 @@ fn requests_on_one_connection_are_balanced_per_request() {
         .all(|b| b.conns.load(Ordering::SeqCst) == 4));
 }
 
+/// Responses are redirected into the client socket's psock queue, where
+/// receive autotuning does not grow its buffer: the mesh raises it when the
+/// socket enters (never lowers it), or a large response waits a jiffy each
+/// time it finds the buffer full. A client that asked for a small buffer
+/// before connecting gets the mesh's; one that forced a larger one (33 is
+/// SO_RCVBUFFORCE, past rmem_max: the test runs as root) keeps it.
+#[test]
+fn a_client_socket_gets_the_receive_buffer_large_responses_need() {
+    let m = Mesh::start("rb", &["alpha"], 2, ONE);
+    let script = "import socket, sys\n\
+        cap = int(open('/proc/sys/net/core/rmem_max').read())\n\
+        for opt, asked in ((0, 0), (socket.SO_RCVBUF, 65536), (33, 4 * cap)):\n\
+        \x20   s = socket.socket()\n\
+        \x20   if asked: s.setsockopt(socket.SOL_SOCKET, opt, asked)\n\
+        \x20   before = s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)\n\
+        \x20   s.connect(('10.96.0.10', 80))\n\
+        \x20   print(cap, before, s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))\n\
+        \x20   s.close()\n";
+    let out = m.client(&["python3", "-c", script]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<Vec<u64>> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| l.split_whitespace().map(|n| n.parse().unwrap()).collect())
+        .collect();
+    assert_eq!(rows.len(), 3, "{rows:?}");
+    // The kernel doubles what SO_RCVBUF asks for, and caps the ask at rmem_max.
+    let mesh = 2 * (4u64 << 20).min(rows[0][0]);
+    assert_eq!(rows[0][2], mesh, "the default buffer raised: {rows:?}");
+    assert_eq!(rows[1][2], mesh, "a small buffer asked for raised: {rows:?}");
+    assert!(rows[1][1] < mesh && rows[2][1] > mesh, "the asks took effect before the connect: {rows:?}");
+    assert_eq!(rows[2][2], rows[2][1], "a larger buffer kept: {rows:?}");
+    assert_eq!(m.counter("connect_redirected"), 3);
+}
+
 #[test]
 fn routes_match_path_and_header_and_split_by_weight() {
     let services = "[[service]]\nname = \"web\"\naddress = \"10.96.0.10:80\"\n\
