@@ -36,6 +36,7 @@ RENDER = {
     "bursts": regimes.render,
     "bursts-seed2": regimes.render,
     "mesh-sizes-profile": mesh.render,
+    "mesh-sizes-rcvbuf": mesh.render,
     "forwarding": forwarding.render,
     "frontdoor": frontdoor.render,
     "handoff": handoff.render,

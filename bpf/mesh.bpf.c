@@ -39,12 +39,12 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 /*
  * The receive buffer a client socket is given (at least) when it enters
  * the mesh. Responses are redirected into its psock's ingress queue,
- * where TCP's receive autotuning does not grow the buffer: it stays at
- * tcp_rmem's default (128 KiB), and a redirect that finds it full waits
- * for the psock's work item to retry a jiffy later (skmsg.c,
- * sk_psock_backlog), which bounded 1 MiB responses to a quarter of a
- * sidecar's rate with the CPUs mostly idle (docs/benchmarks.md, "Where a
- * large response's time goes"). 4 MiB is net.core.rmem_max's default, the
+ * where receive autotuning did not grow the buffer past tcp_rmem's
+ * default (128 KiB), and a redirect that finds it full waits for the
+ * psock's work item to retry a jiffy later (skmsg.c, sk_psock_backlog):
+ * that bounded 1 MiB responses to a quarter of a sidecar's rate with the
+ * CPUs mostly idle (docs/benchmarks.md, "Where a large response's time
+ * goes"). 4 MiB is net.core.rmem_max's default, the
  * most SO_RCVBUF may ask for unless the host raised it; the kernel caps a
  * larger value there.
  */
