@@ -693,30 +693,13 @@ def report(res: Results) -> str:
         if d:
             md.append(f"| host CPU per request in this run: mesh / direct (the perf table below splits it) | {b['cpu_us']:.1f} / {d.cpu_us:.1f} |")
     if res.profiles:
-        systems = [s for s in ("direct", "mesh", "haproxy") if s in res.profiles]
         conns = next(iter(res.profiles.values()))["conns"]
-        groups = [g for g, _ in PERF_GROUPS if g != "idle"] + ["other kernel", "user space: load generator, backends, sidecar"]
-        md += ["", f"## Where every system's time goes ({conns} connections, perf, µs of CPU per request)", ""]
-        md.append("| part | " + " | ".join(SYSTEMS[s] for s in systems) + " |")
-        md.append("|---|" + "---|" * len(systems))
-        for g in groups:
-            md.append(f"| {g} | " + " | ".join(f"{res.profiles[s].get(g, 0.0):.2f}" for s in systems) + " |")
-        md.append(
-            "| total | "
-            + " | ".join(f"{sum(v for k, v in res.profiles[s].items() if k not in ('conns', 'rps')):.2f}" for s in systems)
-            + " |"
-        )
+        md += profile_table(f"Where every system's time goes ({conns} connections, perf, µs of CPU per request)", res.profiles, ("direct", "mesh", "haproxy"), 2)
     if res.size_profiles:
+        first = next(iter(res.size_profiles.values()))
+        heading = f"Where a {size_label(first['size'])} response's time goes ({first['conns']} connections, perf, µs of CPU per response)"
+        md += profile_table(heading, res.size_profiles, tuple(SYSTEMS), 1)
         systems = [s for s in SYSTEMS if s in res.size_profiles]
-        first = res.size_profiles[systems[0]]
-        groups = [g for g, _ in PERF_GROUPS if g != "idle"] + ["other kernel", "user space: load generator, backends, sidecar"]
-        md += ["", f"## Where a {size_label(first['size'])} response's time goes ({first['conns']} connections, perf, µs of CPU per response)", ""]
-        md.append("| part | " + " | ".join(SYSTEMS[s] for s in systems) + " |")
-        md.append("|---|" + "---|" * len(systems))
-        for g in groups:
-            md.append(f"| {g} | " + " | ".join(f"{res.size_profiles[s].get(g, 0.0):.1f}" for s in systems) + " |")
-        total = {s: sum(v for k, v in res.size_profiles[s].items() if k not in ("conns", "rps", "size")) for s in systems}
-        md.append("| total | " + " | ".join(f"{total[s]:.1f}" for s in systems) + " |")
         md.append("| responses a second while profiled | " + " | ".join(f"{res.size_profiles[s]['rps']:,.0f}" for s in systems) + " |")
     for part, counters in res.mesh_counters.items():
         moved = {k: v for k, v in counters.items() if v and (k.startswith("fallback_") or k == "response_user")}
@@ -726,6 +709,20 @@ def report(res: Results) -> str:
             + "."
         )
     return "\n".join(md) + "\n"
+
+
+def profile_table(heading: str, profiles: dict, order: tuple, digits: int) -> list[str]:
+    """A perf profile per system (µs by perf group, as `Bench.profile`
+    gives them), as a table with a column per system of `order` profiled,
+    and the total."""
+    systems = [s for s in order if s in profiles]
+    groups = [g for g, _ in PERF_GROUPS if g != "idle"] + ["other kernel", "user space: load generator, backends, sidecar"]
+    md = ["", f"## {heading}", "", "| part | " + " | ".join(SYSTEMS[s] for s in systems) + " |", "|---|" + "---|" * len(systems)]
+    for g in groups:
+        md.append(f"| {g} | " + " | ".join(f"{profiles[s].get(g, 0.0):.{digits}f}" for s in systems) + " |")
+    total = {s: sum(v for k, v in profiles[s].items() if k not in ("conns", "rps", "size")) for s in systems}
+    md.append("| total | " + " | ".join(f"{total[s]:.{digits}f}" for s in systems) + " |")
+    return md
 
 
 def size_label(n: int) -> str:

@@ -212,6 +212,27 @@ def test_regimes_loads_on_off_keep_alive_and_direct(tmp_path):
     assert len(report.read_requests(tmp_path / "requests.csv")) >= len(conns["vip"]) - 3
 
 
+def open_loop_run(tmp_path, handler, rate: float, seconds: float, env: dict) -> dict:
+    """The locustfile's open loop at `rate` for `seconds` against a server
+    of `handler` (with `env` besides), its requests logged in `tmp_path`;
+    returns the measurement window it wrote."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        env = {
+            "INBAND_BENCH_REQUESTS": str(tmp_path / "requests.csv"),
+            "INBAND_BENCH_WINDOW": str(tmp_path / "window.json"),
+            "INBAND_BENCH_OPEN_RATE": str(rate),
+            "PATH": "/usr/bin:/bin",
+            **env,
+        }
+        cp = locust_run(users=1, seconds=seconds, port=srv.server_port, env=env)
+    finally:
+        srv.shutdown()
+    assert (tmp_path / "window.json").exists(), cp.stderr[-2000:]
+    return json.loads((tmp_path / "window.json").read_text())
+
+
 def test_open_loop_arrivals_keep_their_rate_while_the_server_is_slow(tmp_path):
     rate, slow_s = 40.0, 0.5
     active, most = [0], [0]
@@ -235,20 +256,7 @@ def test_open_loop_arrivals_keep_their_rate_while_the_server_is_slow(tmp_path):
         def log_message(self, *_a):
             pass
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        env = {
-            "INBAND_BENCH_REQUESTS": str(tmp_path / "requests.csv"),
-            "INBAND_BENCH_WINDOW": str(tmp_path / "window.json"),
-            "INBAND_BENCH_OPEN_RATE": str(rate),
-            "PATH": "/usr/bin:/bin",
-        }
-        cp = locust_run(users=1, seconds=RUN_S, port=srv.server_port, env=env)
-    finally:
-        srv.shutdown()
-    assert (tmp_path / "window.json").exists(), cp.stderr[-2000:]
-    window = json.loads((tmp_path / "window.json").read_text())
+    window = open_loop_run(tmp_path, Handler, rate, RUN_S, {})
     t0, t1 = window["t0"], window["t1"]
     starts = sorted([r.start for r in report.read_requests(tmp_path / "requests.csv")] + window["unfinished"])
     # A closed loop of one user would have sent t/slow_s requests; the open
@@ -270,21 +278,7 @@ def test_open_loop_arrivals_come_only_inside_the_on_windows(tmp_path):
         def do_GET(self):  # noqa: N802 - http.server's naming
             self.one_byte()
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        env = {
-            "INBAND_BENCH_REQUESTS": str(tmp_path / "requests.csv"),
-            "INBAND_BENCH_WINDOW": str(tmp_path / "window.json"),
-            "INBAND_BENCH_OPEN_RATE": str(rate),
-            "INBAND_BENCH_ONOFF": json.dumps(windows),
-            "PATH": "/usr/bin:/bin",
-        }
-        cp = locust_run(users=1, seconds=2.5, port=srv.server_port, env=env)
-    finally:
-        srv.shutdown()
-    assert (tmp_path / "window.json").exists(), cp.stderr[-2000:]
-    window = json.loads((tmp_path / "window.json").read_text())
+    window = open_loop_run(tmp_path, Handler, rate, 2.5, {"INBAND_BENCH_ONOFF": json.dumps(windows)})
     starts = sorted([r.start - window["t0"] for r in report.read_requests(tmp_path / "requests.csv")] + [t - window["t0"] for t in window["unfinished"]])
     # Each window gets its own rate × length arrivals (the first at its
     # start), none between or after them (a scheduling slack of 20 ms).
